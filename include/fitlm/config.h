@@ -1,0 +1,66 @@
+// config.h: the training configuration. One table of options drives the JSON
+// config reader, the command-line parser and the --help text, so the three
+// cannot drift apart. JSON keys follow DeepSpeed's names where DeepSpeed has
+// the concept (train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+// gradient_clipping, optimizer.params.lr, ...); flags override the file.
+#ifndef FITLM_CONFIG_H
+#define FITLM_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "fitlm/model.h"
+
+#define FL_PATH_MAX 1024
+#define FL_NAME_MAX 32
+
+typedef struct {
+    // model
+    char model_preset[FL_NAME_MAX]; // demo | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
+    fl_gpt2_config model;           // fields left 0 come from the preset
+    char tokenizer[FL_NAME_MAX];    // byte
+    // data
+    char data[FL_PATH_MAX];     // training text
+    char val_data[FL_PATH_MAX]; // validation text
+    // batch
+    int micro_batch;      // train_micro_batch_size_per_gpu
+    int grad_accum;       // gradient_accumulation_steps
+    int train_batch_size; // DeepSpeed's micro * accum * ranks; 0 = derived
+    int seq_len;
+    int steps;
+    // optimizer
+    char optimizer[FL_NAME_MAX]; // adamw | sgd
+    float lr, beta1, beta2, eps, weight_decay, momentum;
+    float grad_clip; // gradient_clipping, 0 = off
+    // schedule
+    char scheduler[FL_NAME_MAX]; // constant | cosine | linear
+    int warmup_steps;
+    float min_lr_ratio;
+    // evaluation, output, run
+    int eval_interval, eval_iters;
+    char out_dir[FL_PATH_MAX];
+    int sample_tokens;
+    uint64_t seed;
+    int threads;
+    int mem_report;
+    uint8_t given[64]; // by option-table index: set by the file or a flag, not defaulted
+} fl_train_config;
+
+// Fills the defaults (the values --help prints).
+void fl_config_defaults(fl_train_config *cfg);
+// Reads a JSON config file over the current values. Unknown keys, wrong
+// types and out-of-range values are fatal errors naming the file and key.
+void fl_config_load_json(fl_train_config *cfg, const char *path);
+// Parses argv (after the subcommand) over the current values. "--config
+// FILE" is applied first wherever it appears, so flags always override it.
+void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv);
+// Cross-field checks and derived values (model preset, batch sizes).
+void fl_config_finish(fl_train_config *cfg);
+void fl_config_print_help(FILE *out);
+void fl_config_print(const fl_train_config *cfg, FILE *out);
+
+// Fills a GPT-2 shape from a preset name; dies on an unknown name.
+void fl_gpt2_preset(fl_gpt2_config *out, const char *name);
+
+#endif

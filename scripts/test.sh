@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Quick start 2: set up the machine, build, and run every test: the release
+# build, then the same suite built with AddressSanitizer and UBSan.
+#   scripts/test.sh            both builds
+#   scripts/test.sh release    the release build only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+builds=("${1:-release}")
+[[ $# -eq 0 ]] && builds=(release sanitize)
+for b in "${builds[@]}"; do
+    bash scripts/build.sh "$b"
+    dir=build; [[ $b == sanitize ]] && dir=build-san
+    echo "== tests: $b build =="
+    # halt_on_error: a sanitizer report fails the test instead of scrolling by.
+    ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+        ctest --test-dir "$dir" --output-on-failure -j 1
+done

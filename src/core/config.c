@@ -1,0 +1,441 @@
+// config.c: one option table drives the JSON reader, the flag parser and
+// --help. A JSON key is a dotted path into nested objects
+// ("optimizer.params.lr" is {"optimizer": {"params": {"lr": ...}}}).
+#include "fitlm/config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <omp.h>
+#include <cJSON.h>
+
+typedef enum { OPT_INT, OPT_U64, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_CHOICE, OPT_PAIR } opt_type;
+
+typedef struct {
+    const char *key;  // JSON path
+    const char *flag; // command-line flag
+    opt_type type;
+    size_t offset;  // into fl_train_config (second float of a pair follows the first)
+    size_t size;    // buffer size of strings
+    const char *def; // default, as text
+    double min, max; // for numbers
+    const char *choices; // "a|b|c" for OPT_CHOICE
+    const char *help;
+} option;
+
+#define OFF(field) offsetof(fl_train_config, field)
+#define STR(field) OFF(field), sizeof(((fl_train_config *)0)->field)
+#define NUM(field) OFF(field), 0
+
+static const option options[] = {
+    {"model.preset", "--model", OPT_CHOICE, STR(model_preset), "demo", 0, 0,
+     "demo|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl", "model shape preset"},
+    {"model.n_layer", "--n-layer", OPT_INT, NUM(model.n_layer), "0", 0, 1024, NULL,
+     "transformer blocks (0 = the preset's)"},
+    {"model.n_head", "--n-head", OPT_INT, NUM(model.n_head), "0", 0, 1024, NULL,
+     "attention heads (0 = the preset's)"},
+    {"model.n_embd", "--n-embd", OPT_INT, NUM(model.n_embd), "0", 0, 65536, NULL,
+     "channels (0 = the preset's)"},
+    {"model.max_seq_len", "--max-seq-len", OPT_INT, NUM(model.max_seq_len), "0", 0, 1048576, NULL,
+     "position embeddings (0 = the preset's)"},
+    {"model.vocab_size", "--vocab-size", OPT_INT, NUM(model.vocab_size), "0", 0, 1 << 30, NULL,
+     "vocabulary (0 = the tokenizer's; larger is allowed)"},
+    {"tokenizer", "--tokenizer", OPT_CHOICE, STR(tokenizer), "byte", 0, 0, "byte",
+     "tokenizer (byte: one token per byte, vocab 256)"},
+    {"data", "--data", OPT_STRING, STR(data), "data/brown_train.txt", 0, 0, NULL,
+     "training text (UTF-8)"},
+    {"val_data", "--val-data", OPT_STRING, STR(val_data), "data/brown_val.txt", 0, 0, NULL,
+     "validation text (UTF-8; empty = no validation)"},
+    {"train_micro_batch_size_per_gpu", "--batch", OPT_INT, NUM(micro_batch), "16", 1, 1 << 20,
+     NULL, "micro-batch size B (sequences per forward pass)"},
+    {"gradient_accumulation_steps", "--grad-accum", OPT_INT, NUM(grad_accum), "1", 1, 1 << 20,
+     NULL, "micro-batches accumulated per optimizer step"},
+    {"train_batch_size", "--train-batch-size", OPT_INT, NUM(train_batch_size), "0", 0, 1 << 30,
+     NULL, "sequences per optimizer step = batch x grad-accum (0 = derived)"},
+    {"seq_len", "--seq-len", OPT_INT, NUM(seq_len), "128", 1, 1048576, NULL,
+     "sequence length T"},
+    {"train_steps", "--steps", OPT_INT, NUM(steps), "1400", 0, 1 << 30, NULL,
+     "optimizer steps"},
+    {"optimizer.type", "--optimizer", OPT_CHOICE, STR(optimizer), "adamw", 0, 0, "adamw|sgd",
+     "optimizer"},
+    {"optimizer.params.lr", "--lr", OPT_FLOAT, NUM(lr), "0.003", 0, 1e3, NULL,
+     "peak learning rate"},
+    {"optimizer.params.betas", "--betas", OPT_PAIR, NUM(beta1), "0.9,0.95", 0, 0.999999, NULL,
+     "AdamW betas (beta1,beta2)"},
+    {"optimizer.params.eps", "--eps", OPT_FLOAT, NUM(eps), "1e-8", 0, 1, NULL, "AdamW epsilon"},
+    {"optimizer.params.weight_decay", "--weight-decay", OPT_FLOAT, NUM(weight_decay), "0.1", 0,
+     1e3, NULL, "weight decay (matrices and wte; not biases, LayerNorm, wpe)"},
+    {"optimizer.params.momentum", "--momentum", OPT_FLOAT, NUM(momentum), "0", 0, 0.999999, NULL,
+     "SGD momentum"},
+    {"gradient_clipping", "--grad-clip", OPT_FLOAT, NUM(grad_clip), "1.0", 0, 1e9, NULL,
+     "global gradient-norm clip (0 = off)"},
+    {"scheduler.type", "--scheduler", OPT_CHOICE, STR(scheduler), "cosine", 0, 0,
+     "constant|cosine|linear", "learning-rate decay after warmup"},
+    {"scheduler.params.warmup_num_steps", "--warmup", OPT_INT, NUM(warmup_steps), "100", 0,
+     1 << 30, NULL, "linear warmup steps"},
+    {"scheduler.params.min_lr_ratio", "--min-lr-ratio", OPT_FLOAT, NUM(min_lr_ratio), "0.1", 0,
+     1, NULL, "learning-rate floor at the last step, as a fraction of lr"},
+    {"eval_interval", "--eval-every", OPT_INT, NUM(eval_interval), "200", 0, 1 << 30, NULL,
+     "validation loss every N steps (0 = only at the end)"},
+    {"eval_iters", "--eval-iters", OPT_INT, NUM(eval_iters), "16", 1, 1 << 20, NULL,
+     "validation batches per evaluation"},
+    {"out_dir", "--out", OPT_STRING, STR(out_dir), "out", 0, 0, NULL,
+     "checkpoint directory, written at the end (empty = none)"},
+    {"sample_tokens", "--sample-tokens", OPT_INT, NUM(sample_tokens), "400", 0, 1 << 20, NULL,
+     "tokens of text sampled after training"},
+    {"seed", "--seed", OPT_U64, NUM(seed), "1337", 0, 0, NULL, "random seed"},
+    {"threads", "--threads", OPT_INT, NUM(threads), "0", 0, 4096, NULL,
+     "threads (0 = all cores)"},
+    {"mem_report", "--mem-report", OPT_BOOL, NUM(mem_report), "false", 0, 0, NULL,
+     "print memory per tag and peak RSS at the end"},
+};
+
+#define N_OPTIONS (sizeof options / sizeof options[0])
+_Static_assert(N_OPTIONS <= sizeof(((fl_train_config *)0)->given), "grow fl_train_config.given");
+
+static int given(const fl_train_config *cfg, const char *key) {
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        if (!strcmp(options[i].key, key)) return cfg->given[i];
+    FL_ASSERT(0);
+}
+
+// ----------------------------------------------------------------------------
+// setting one option from text (defaults, flags) or from JSON
+
+static int choice_index(const option *o, const char *value) {
+    const char *p = o->choices;
+    int i = 0;
+    size_t n = strlen(value);
+    while (*p) {
+        const char *end = strchr(p, '|');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len == n && strncasecmp(p, value, n) == 0) return i;
+        if (!end) break;
+        p = end + 1;
+        i++;
+    }
+    return -1;
+}
+
+static void check_range(const option *o, double v, const char *where) {
+    if (!(v >= o->min && v <= o->max))
+        fl_die("%s: %s = %g is out of range [%g, %g]", where, o->key, v, o->min, o->max);
+}
+
+static double parse_number(const option *o, const char *text, const char *where) {
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    while (isspace((unsigned char)*end)) end++;
+    if (end == text || *end || errno || !isfinite(v))
+        fl_die("%s: %s expects a number, got '%s'", where, o->key, text);
+    return v;
+}
+
+static void set_number(fl_train_config *cfg, const option *o, double v, const char *where) {
+    char *base = (char *)cfg + o->offset;
+    switch (o->type) {
+    case OPT_INT:
+        if (v != floor(v)) fl_die("%s: %s expects a whole number, got %g", where, o->key, v);
+        check_range(o, v, where);
+        *(int *)base = (int)v;
+        break;
+    case OPT_U64:
+        if (v != floor(v) || v < 0 || v >= 18446744073709551616.0)
+            fl_die("%s: %s expects a non-negative whole number, got %g", where, o->key, v);
+        *(uint64_t *)base = (uint64_t)v;
+        break;
+    case OPT_FLOAT:
+        check_range(o, v, where);
+        *(float *)base = (float)v;
+        break;
+    default:
+        FL_ASSERT(0);
+    }
+}
+
+static void set_string(fl_train_config *cfg, const option *o, const char *value,
+                       const char *where) {
+    char *dst = (char *)cfg + o->offset;
+    if (strlen(value) >= o->size)
+        fl_die("%s: %s is too long (%zu characters, at most %zu)", where, o->key, strlen(value),
+               o->size - 1);
+    if (o->type == OPT_CHOICE) {
+        if (choice_index(o, value) < 0)
+            fl_die("%s: %s must be one of %s, got '%s'", where, o->key, o->choices, value);
+        for (size_t i = 0; value[i]; i++) dst[i] = (char)tolower((unsigned char)value[i]);
+        dst[strlen(value)] = 0;
+        return;
+    }
+    strcpy(dst, value);
+}
+
+static void set_pair(fl_train_config *cfg, const option *o, double a, double b,
+                     const char *where) {
+    check_range(o, a, where);
+    check_range(o, b, where);
+    float *dst = (float *)((char *)cfg + o->offset);
+    dst[0] = (float)a;
+    dst[1] = (float)b;
+}
+
+static void set_bool_text(fl_train_config *cfg, const option *o, const char *value,
+                          const char *where) {
+    int *dst = (int *)((char *)cfg + o->offset);
+    if (!strcmp(value, "true") || !strcmp(value, "1"))
+        *dst = 1;
+    else if (!strcmp(value, "false") || !strcmp(value, "0"))
+        *dst = 0;
+    else
+        fl_die("%s: %s expects true or false, got '%s'", where, o->key, value);
+}
+
+static void set_from_text(fl_train_config *cfg, const option *o, const char *value,
+                          const char *where) {
+    switch (o->type) {
+    case OPT_STRING:
+    case OPT_CHOICE:
+        set_string(cfg, o, value, where);
+        break;
+    case OPT_BOOL:
+        set_bool_text(cfg, o, value, where);
+        break;
+    case OPT_PAIR: {
+        const char *comma = strchr(value, ',');
+        if (!comma) fl_die("%s: %s expects two numbers 'a,b', got '%s'", where, o->key, value);
+        char first[64];
+        size_t n = (size_t)(comma - value);
+        if (n >= sizeof first) fl_die("%s: %s: '%s' is too long", where, o->key, value);
+        memcpy(first, value, n);
+        first[n] = 0;
+        set_pair(cfg, o, parse_number(o, first, where), parse_number(o, comma + 1, where), where);
+        break;
+    }
+    default:
+        set_number(cfg, o, parse_number(o, value, where), where);
+    }
+}
+
+static void set_from_json(fl_train_config *cfg, const option *o, const cJSON *item,
+                          const char *where) {
+    switch (o->type) {
+    case OPT_STRING:
+    case OPT_CHOICE:
+        if (!cJSON_IsString(item)) fl_die("%s: %s must be a string", where, o->key);
+        set_string(cfg, o, item->valuestring, where);
+        break;
+    case OPT_BOOL:
+        if (!cJSON_IsBool(item)) fl_die("%s: %s must be true or false", where, o->key);
+        *(int *)((char *)cfg + o->offset) = cJSON_IsTrue(item);
+        break;
+    case OPT_PAIR:
+        if (!cJSON_IsArray(item) || cJSON_GetArraySize(item) != 2 ||
+            !cJSON_IsNumber(cJSON_GetArrayItem(item, 0)) ||
+            !cJSON_IsNumber(cJSON_GetArrayItem(item, 1)))
+            fl_die("%s: %s must be an array of two numbers", where, o->key);
+        set_pair(cfg, o, cJSON_GetArrayItem(item, 0)->valuedouble,
+                 cJSON_GetArrayItem(item, 1)->valuedouble, where);
+        break;
+    default:
+        if (!cJSON_IsNumber(item)) fl_die("%s: %s must be a number", where, o->key);
+        set_number(cfg, o, item->valuedouble, where);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// defaults, JSON, flags
+
+void fl_config_defaults(fl_train_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    for (size_t i = 0; i < N_OPTIONS; i++) set_from_text(cfg, &options[i], options[i].def, "defaults");
+}
+
+static int is_prefix_of_a_key(const char *path) {
+    size_t n = strlen(path);
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        if (!strncmp(options[i].key, path, n) && options[i].key[n] == '.') return 1;
+    return 0;
+}
+
+static void load_object(fl_train_config *cfg, const cJSON *obj, const char *prefix,
+                        const char *path) {
+    for (const cJSON *item = obj->child; item; item = item->next) {
+        char key[256];
+        int n = snprintf(key, sizeof key, "%s%s%s", prefix, *prefix ? "." : "", item->string);
+        if (n < 0 || (size_t)n >= sizeof key) fl_die("%s: key '%s' is too long", path, item->string);
+        const option *o = NULL;
+        for (size_t i = 0; i < N_OPTIONS; i++)
+            if (!strcmp(options[i].key, key)) o = &options[i];
+        if (o) {
+            set_from_json(cfg, o, item, path);
+            cfg->given[o - options] = 1;
+        } else if (is_prefix_of_a_key(key)) {
+            if (!cJSON_IsObject(item)) fl_die("%s: %s must be an object", path, key);
+            load_object(cfg, item, key, path);
+        } else {
+            fl_die("%s: unknown key '%s' (see 'fitlm train --help' for the keys this version "
+                   "supports)",
+                   path, key);
+        }
+    }
+}
+
+void fl_config_load_json(fl_train_config *cfg, const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) fl_die("cannot open config file %s: %s", path, strerror(errno));
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    if (size < 0 || size > (1 << 24)) fl_die("config file %s: unreadable or larger than 16 MiB", path);
+    char *text = fl_alloc(FL_MEM_OTHER, (size_t)size + 1);
+    if (fread(text, 1, (size_t)size, f) != (size_t)size) fl_die("cannot read config file %s", path);
+    fclose(f);
+    const char *err = NULL;
+    cJSON *root = cJSON_ParseWithOpts(text, &err, 1);
+    if (!root) {
+        long off = err ? (long)(err - text) : 0;
+        int line = 1;
+        for (long i = 0; i < off && i < size; i++) line += text[i] == '\n';
+        fl_die("config file %s: invalid JSON at line %d (byte %ld)", path, line, off);
+    }
+    if (!cJSON_IsObject(root)) fl_die("config file %s: the top level must be a JSON object", path);
+    load_object(cfg, root, "", path);
+    cJSON_Delete(root);
+    fl_free(text);
+}
+
+static const option *find_flag(const char *flag, size_t len) {
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        if (strlen(options[i].flag) == len && !strncmp(options[i].flag, flag, len))
+            return &options[i];
+    return NULL;
+}
+
+void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
+    // The config file first, wherever --config appears: flags override it.
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--config")) {
+            if (i + 1 >= argc) fl_die("--config needs a file name");
+            fl_config_load_json(cfg, argv[++i]);
+        } else if (!strncmp(argv[i], "--config=", 9)) {
+            fl_config_load_json(cfg, argv[i] + 9);
+        }
+    }
+    for (int i = 0; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--config")) {
+            i++;
+            continue;
+        }
+        if (!strncmp(arg, "--config=", 9)) continue;
+        if (strncmp(arg, "--", 2) != 0) fl_die("unexpected argument '%s' (options start with --)", arg);
+        const char *eq = strchr(arg, '=');
+        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+        const option *o = find_flag(arg, len);
+        if (!o) fl_die("unknown option '%.*s' (see --help)", (int)len, arg);
+        const char *value;
+        if (eq) {
+            value = eq + 1;
+        } else if (o->type == OPT_BOOL) {
+            value = "true";
+        } else {
+            if (i + 1 >= argc) fl_die("option %s needs a value", o->flag);
+            value = argv[++i];
+        }
+        char where[64];
+        snprintf(where, sizeof where, "option %s", o->flag);
+        set_from_text(cfg, o, value, where);
+        cfg->given[o - options] = 1;
+    }
+}
+
+// ----------------------------------------------------------------------------
+// presets and cross-field checks
+
+void fl_gpt2_preset(fl_gpt2_config *out, const char *name) {
+    static const struct {
+        const char *name;
+        int n_layer, n_head, n_embd, max_seq_len;
+    } presets[] = {
+        {"tiny", 2, 4, 64, 64},           {"demo", 4, 4, 192, 256},
+        {"gpt2", 12, 12, 768, 1024},      {"gpt2-medium", 24, 16, 1024, 1024},
+        {"gpt2-large", 36, 20, 1280, 1024}, {"gpt2-xl", 48, 25, 1600, 1024},
+    };
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
+        if (strcasecmp(presets[i].name, name)) continue;
+        out->n_layer = presets[i].n_layer;
+        out->n_head = presets[i].n_head;
+        out->n_embd = presets[i].n_embd;
+        out->max_seq_len = presets[i].max_seq_len;
+        return;
+    }
+    fl_die("unknown model preset '%s' (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl)", name);
+}
+
+void fl_config_finish(fl_train_config *cfg) {
+    fl_gpt2_config shape = {0};
+    fl_gpt2_preset(&shape, cfg->model_preset);
+    fl_gpt2_config *m = &cfg->model;
+    if (m->n_layer) shape.n_layer = m->n_layer;
+    if (m->n_head) shape.n_head = m->n_head;
+    if (m->n_embd) shape.n_embd = m->n_embd;
+    if (m->max_seq_len) shape.max_seq_len = m->max_seq_len;
+    int tokenizer_vocab = 256; // the byte tokenizer, the only one so far
+    if (m->vocab_size && m->vocab_size < tokenizer_vocab)
+        fl_die("model.vocab_size %d is smaller than the %s tokenizer's %d", m->vocab_size,
+               cfg->tokenizer, tokenizer_vocab);
+    shape.vocab_size = m->vocab_size ? m->vocab_size : tokenizer_vocab;
+    fl_gpt2_config_finish(&shape);
+    *m = shape;
+    if (cfg->seq_len > m->max_seq_len)
+        fl_die("seq_len %d exceeds model.max_seq_len %d", cfg->seq_len, m->max_seq_len);
+
+    // DeepSpeed: train_batch_size = micro * accum * ranks (one rank here).
+    if (cfg->train_batch_size) {
+        if (cfg->train_batch_size % cfg->micro_batch)
+            fl_die("train_batch_size %d is not a multiple of train_micro_batch_size_per_gpu %d",
+                   cfg->train_batch_size, cfg->micro_batch);
+        int accum = cfg->train_batch_size / cfg->micro_batch;
+        if (cfg->grad_accum != 1 && cfg->grad_accum != accum)
+            fl_die("train_batch_size %d != train_micro_batch_size_per_gpu %d x "
+                   "gradient_accumulation_steps %d",
+                   cfg->train_batch_size, cfg->micro_batch, cfg->grad_accum);
+        cfg->grad_accum = accum;
+    }
+    cfg->train_batch_size = cfg->micro_batch * cfg->grad_accum;
+
+    // An option that the chosen optimizer would ignore is an error, not a no-op.
+    int adamw = !strcmp(cfg->optimizer, "adamw");
+    if (adamw && given(cfg, "optimizer.params.momentum"))
+        fl_die("optimizer.params.momentum applies to sgd; adamw uses optimizer.params.betas");
+    if (!adamw && (given(cfg, "optimizer.params.betas") || given(cfg, "optimizer.params.eps")))
+        fl_die("optimizer.params.betas and eps apply to adamw, not %s", cfg->optimizer);
+    if (cfg->threads == 0) cfg->threads = omp_get_num_procs();
+}
+
+void fl_config_print_help(FILE *out) {
+    fprintf(out, "options (JSON key in brackets; flags override --config FILE):\n");
+    fprintf(out, "  %-22s %s\n", "--config FILE", "JSON config file (DeepSpeed-style keys)");
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        const option *o = &options[i];
+        fprintf(out, "  %-22s %s [%s] (default: %s)\n", o->flag, o->help, o->key,
+                *o->def ? o->def : "\"\"");
+    }
+}
+
+void fl_config_print(const fl_train_config *cfg, FILE *out) {
+    const fl_gpt2_config *m = &cfg->model;
+    fprintf(out,
+            "model %s: n_layer %d, n_head %d, n_embd %d, vocab %d (padded %d), max_seq_len %d\n",
+            cfg->model_preset, m->n_layer, m->n_head, m->n_embd, m->vocab_size,
+            m->padded_vocab_size, m->max_seq_len);
+    fprintf(out,
+            "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g (%s, warmup %d, floor %g) "
+            "wd %g clip %g | seed %llu, %d threads\n",
+            cfg->micro_batch, cfg->seq_len, cfg->grad_accum, cfg->steps, cfg->optimizer, cfg->lr,
+            cfg->scheduler, cfg->warmup_steps, cfg->min_lr_ratio, cfg->weight_decay,
+            cfg->grad_clip, (unsigned long long)cfg->seed, cfg->threads);
+}

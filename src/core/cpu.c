@@ -1,0 +1,69 @@
+// cpu.c: run-time CPU feature probe, threads and the clock. Fast kernels ask
+// fl_cpu() which instruction sets they may use; the build itself targets
+// baseline x86-64, so one binary runs everywhere.
+#include "fitlm/core.h"
+
+#include <stdlib.h>
+#include <time.h>
+#include <omp.h>
+#include <cblas.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+static void probe(fl_cpu_features *f) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    int osxsave = (c >> 27) & 1;
+    if (!osxsave) return;
+    uint64_t xcr0 = xgetbv0();
+    int ymm_ok = (xcr0 & 0x6) == 0x6, zmm_ok = (xcr0 & 0xe6) == 0xe6;
+    f->fma = ymm_ok && ((c >> 12) & 1);
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
+    f->avx2 = ymm_ok && ((b >> 5) & 1);
+    f->avx512f = zmm_ok && ((b >> 16) & 1);
+    f->avx512bw = zmm_ok && ((b >> 30) & 1);
+    f->avx512vl = zmm_ok && ((b >> 31) & 1);
+    int amx_bf16 = (d >> 22) & 1;
+    unsigned a1, b1, c1, d1;
+    if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) f->avx512_bf16 = zmm_ok && ((a1 >> 5) & 1);
+    f->amx_bf16 = amx_bf16 && ((xcr0 >> 17) & 3) == 3;
+}
+#else
+static void probe(fl_cpu_features *f) {
+    (void)f;
+}
+#endif
+
+const fl_cpu_features *fl_cpu(void) {
+    static fl_cpu_features features;
+    static int probed;
+    if (!probed) {
+        const char *off = getenv("FITLM_NO_SIMD");
+        if (!(off && off[0] == '1')) probe(&features);
+        probed = 1;
+    }
+    return &features;
+}
+
+void fl_set_threads(int n) {
+    if (n < 1) fl_die("threads must be >= 1 (got %d)", n);
+    omp_set_num_threads(n);
+    openblas_set_num_threads(n);
+}
+
+int fl_threads(void) {
+    return omp_get_max_threads();
+}
+
+double fl_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}

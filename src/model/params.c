@@ -1,0 +1,44 @@
+// params.c: the parameter table. Views are appended in the order the model
+// uses them, each at the end of the flat buffer, so a view's offset is the
+// sum of the sizes before it.
+#include "fitlm/model.h"
+
+#include <string.h>
+
+int fl_params_add(fl_param_table *table, const char *name, unsigned flags, int ndim,
+                  const size_t *shape) {
+    FL_ASSERT(ndim >= 1 && ndim <= FL_MAX_DIMS);
+    FL_ASSERT(strlen(name) < FL_PARAM_NAME_MAX);
+    if (table->count == table->capacity) {
+        int capacity = table->capacity ? 2 * table->capacity : 64;
+        fl_param_view *views = fl_alloc(FL_MEM_OTHER, (size_t)capacity * sizeof(fl_param_view));
+        if (table->count) memcpy(views, table->views, (size_t)table->count * sizeof(fl_param_view));
+        fl_free(table->views);
+        table->views = views;
+        table->capacity = capacity;
+    }
+    fl_param_view *v = &table->views[table->count];
+    memset(v, 0, sizeof *v);
+    strcpy(v->name, name);
+    v->ndim = ndim;
+    v->numel = 1;
+    for (int d = 0; d < ndim; d++) {
+        v->shape[d] = shape[d];
+        v->numel *= shape[d];
+    }
+    v->offset = table->numel;
+    v->flags = flags;
+    table->numel += v->numel;
+    return table->count++;
+}
+
+int fl_params_find(const fl_param_table *table, const char *name) {
+    for (int i = 0; i < table->count; i++)
+        if (strcmp(table->views[i].name, name) == 0) return i;
+    return -1;
+}
+
+void fl_params_free(fl_param_table *table) {
+    fl_free(table->views);
+    memset(table, 0, sizeof *table);
+}

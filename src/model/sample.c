@@ -1,0 +1,56 @@
+// sample.c: turning logits into tokens, and autoregressive generation.
+#include <math.h>
+#include <stdlib.h>
+
+#include "fitlm/model.h"
+
+typedef struct {
+    float logit;
+    int id;
+} scored;
+
+static int by_logit_desc(const void *a, const void *b) {
+    const scored *x = a, *y = b;
+    if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
+    return x->id - y->id; // ties broken by id: deterministic
+}
+
+int fl_sample_logits(const float *logits, int V, float temperature, int top_k, fl_rng *rng) {
+    FL_ASSERT(V > 0);
+    if (temperature <= 0.0f) {
+        int best = 0;
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[best]) best = i;
+        return best;
+    }
+    scored *s = fl_alloc(FL_MEM_WORKSPACE, (size_t)V * sizeof(scored));
+    for (int i = 0; i < V; i++) s[i] = (scored){logits[i], i};
+    qsort(s, (size_t)V, sizeof(scored), by_logit_desc);
+    int k = top_k > 0 && top_k < V ? top_k : V;
+    double total = 0.0;
+    for (int i = 0; i < k; i++) total += exp((s[i].logit - s[0].logit) / temperature);
+    double r = fl_rng_uniform(rng) * total, acc = 0.0;
+    int token = s[k - 1].id;
+    for (int i = 0; i < k; i++) {
+        acc += exp((s[i].logit - s[0].logit) / temperature);
+        if (r < acc) {
+            token = s[i].id;
+            break;
+        }
+    }
+    fl_free(s);
+    return token;
+}
+
+void fl_gpt2_generate(fl_gpt2 *model, int *tokens, int n_prompt, int n_new, float temperature,
+                      int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx), void *ctx) {
+    FL_ASSERT(n_prompt >= 1 && model->max_B >= 1);
+    int Vp = model->config.padded_vocab_size;
+    for (int n = n_prompt; n < n_prompt + n_new; n++) {
+        int T = n < model->max_T ? n : model->max_T; // the most recent context that fits
+        fl_gpt2_forward(model, tokens + n - T, NULL, 1, T);
+        const float *last = model->acts.logits + (size_t)(T - 1) * Vp;
+        tokens[n] = fl_sample_logits(last, model->config.vocab_size, temperature, top_k, rng);
+        if (on_token) on_token(tokens[n], ctx);
+    }
+}

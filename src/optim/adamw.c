@@ -1,0 +1,57 @@
+// adamw.c: AdamW with decoupled weight decay and bias correction, matching
+// torch.optim.AdamW (amsgrad off):
+//   p -= lr * wd * p
+//   m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g^2
+//   p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+#include "fitlm/optim.h"
+
+#include <math.h>
+
+void fl_adamw_init(fl_adamw *opt, size_t numel, float beta1, float beta2, float eps,
+                   float weight_decay) {
+    opt->beta1 = beta1;
+    opt->beta2 = beta2;
+    opt->eps = eps;
+    opt->weight_decay = weight_decay;
+    opt->numel = numel;
+    opt->t = 0;
+    opt->m = fl_alloc(FL_MEM_OPTIM, numel * sizeof(float));
+    opt->v = fl_alloc(FL_MEM_OPTIM, numel * sizeof(float));
+}
+
+void fl_adamw_free(fl_adamw *opt) {
+    fl_free(opt->m);
+    fl_free(opt->v);
+    opt->m = opt->v = NULL;
+}
+
+void fl_adamw_update(fl_adamw *opt, float *params, const float *grads, size_t offset, size_t n,
+                     int t, float lr, int decay) {
+    FL_ASSERT(t >= 1 && offset + n <= opt->numel);
+    float b1 = opt->beta1, b2 = opt->beta2, eps = opt->eps;
+    float bc1 = 1.0f - powf(b1, (float)t), bc2 = 1.0f - powf(b2, (float)t);
+    float keep = decay ? 1.0f - lr * opt->weight_decay : 1.0f;
+    float *p = params + offset, *m = opt->m + offset, *v = opt->v + offset;
+    const float *g = grads + offset;
+#pragma omp parallel for simd schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float gi = g[i];
+        float mi = b1 * m[i] + (1.0f - b1) * gi;
+        float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float mhat = mi / bc1, vhat = vi / bc2;
+        p[i] = p[i] * keep - lr * mhat / (sqrtf(vhat) + eps);
+    }
+}
+
+void fl_adamw_step(fl_adamw *opt, const fl_param_table *table, float *params, const float *grads,
+                   float lr) {
+    FL_ASSERT(table->numel == opt->numel);
+    opt->t++;
+    for (int i = 0; i < table->count; i++) {
+        const fl_param_view *v = &table->views[i];
+        fl_adamw_update(opt, params, grads, v->offset, v->numel, opt->t, lr,
+                        (v->flags & FL_PARAM_DECAY) != 0);
+    }
+}

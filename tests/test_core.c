@@ -1,0 +1,74 @@
+// test_core.c: the tagged allocator's accounting and the RNG.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "fitlm/core.h"
+#include "testlib.h"
+
+static void test_allocator_counts_exactly(void) {
+    size_t base_total = fl_mem_total_current();
+    size_t base_acts = fl_mem_current(FL_MEM_ACTS);
+    char *a = fl_alloc(FL_MEM_ACTS, 1000);
+    float *b = fl_alloc(FL_MEM_GRADS, 4096 * sizeof(float));
+    t_check(((uintptr_t)a & 63) == 0 && ((uintptr_t)b & 63) == 0, "blocks are 64-byte aligned");
+    int zero = 1;
+    for (int i = 0; i < 1000; i++) zero &= a[i] == 0;
+    t_check(zero, "blocks are zero-filled");
+    t_check(fl_mem_current(FL_MEM_ACTS) == base_acts + 1000, "acts counts 1000 bytes");
+    t_check(fl_mem_total_current() == base_total + 1000 + 4096 * sizeof(float),
+            "total is the sum of the tags");
+    size_t peak = fl_mem_total_peak();
+    fl_free(a);
+    t_check(fl_mem_current(FL_MEM_ACTS) == base_acts, "free uncounts the block");
+    t_check(fl_mem_peak(FL_MEM_ACTS) >= base_acts + 1000, "peak remembers the block");
+    t_check(fl_mem_total_peak() == peak, "total peak does not drop on free");
+    fl_free(b);
+    fl_free(NULL);
+    size_t sum = 0;
+    for (int t = 0; t < FL_MEM_NTAGS; t++) sum += fl_mem_current(t);
+    t_check(sum == fl_mem_total_current(), "per-tag counters add up to the total");
+    t_check(strcmp(fl_mem_tag_name(FL_MEM_OPTIM), "optim") == 0, "tag names");
+    t_check(fl_mem_peak_rss() > 0, "peak RSS is readable");
+}
+
+static void test_rng(void) {
+    fl_rng a, b;
+    fl_rng_seed(&a, 42);
+    fl_rng_seed(&b, 42);
+    int same = 1;
+    for (int i = 0; i < 1000; i++) same &= fl_rng_u64(&a) == fl_rng_u64(&b);
+    t_check(same, "same seed, same stream");
+    fl_rng_seed(&b, 43);
+    t_check(fl_rng_u64(&a) != fl_rng_u64(&b), "another seed, another stream");
+    double sum = 0, sq = 0;
+    int n = 200000, in_range = 1, counts[10] = {0};
+    for (int i = 0; i < n; i++) {
+        float u = fl_rng_uniform(&a);
+        in_range &= u >= 0.0f && u < 1.0f;
+        float z = fl_rng_normal(&a);
+        sum += z;
+        sq += (double)z * z;
+        counts[fl_rng_below(&a, 10)]++;
+    }
+    t_check(in_range, "uniform in [0,1)");
+    // mean of n normals has sd 1/sqrt(n) = 0.0022; 5 sd bounds
+    t_check(fabs(sum / n) < 0.012, "normal mean ~0 (%g)", sum / n);
+    t_check(fabs(sq / n - 1.0) < 0.02, "normal variance ~1 (%g)", sq / n);
+    int flat = 1;
+    for (int k = 0; k < 10; k++) flat &= fabs(counts[k] - n / 10.0) < 5 * sqrt(n * 0.09);
+    t_check(flat, "below(10) is uniform");
+}
+
+static void test_cpu_probe(void) {
+    const fl_cpu_features *f = fl_cpu();
+    t_check(!f->avx512f || f->avx2, "AVX-512 implies AVX2 (probe is consistent)");
+    t_check(!f->avx512_bf16 || f->avx512f, "AVX512_BF16 implies AVX-512F");
+}
+
+int main(void) {
+    test_allocator_counts_exactly();
+    test_rng();
+    test_cpu_probe();
+    return t_report();
+}

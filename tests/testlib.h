@@ -1,0 +1,31 @@
+// testlib.h: the few helpers every test program uses. A failed check prints
+// what was expected and what came, and makes the program exit non-zero.
+#ifndef FITLM_TESTLIB_H
+#define FITLM_TESTLIB_H
+
+#include <stddef.h>
+
+// Records one check; prints a line on failure (and on success when verbose).
+int t_check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// Compares got against want elementwise with |got-want| <= atol + rtol*|want|.
+// Prints the tensor's name, max abs diff and, on failure, the first bad index.
+int t_close(const char *name, const float *got, const float *want, size_t n, double atol,
+            double rtol);
+int t_close_d(const char *name, const double *got, const double *want, size_t n, double atol,
+              double rtol);
+
+// Runs fn(arg) in a child process and checks that it exits with status 1
+// and that its stderr contains `expect` (an fl_die error path).
+int t_dies(const char *name, void (*fn)(void *), void *arg, const char *expect);
+
+// Prints "<program>: N passed, N failed" and returns the exit status.
+int t_report(void);
+
+// Deterministic test data: uniform in [-scale, scale).
+void t_fill(float *x, size_t n, unsigned seed, float scale);
+
+// Path of a file in the source tree (FITLM_SOURCE_DIR, set by CTest).
+const char *t_source_path(const char *rel);
+
+#endif
