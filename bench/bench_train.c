@@ -137,13 +137,14 @@ int main(int argc, char **argv) {
            flops_per_token, a.peak, isa);
     fflush(stdout);
 
+    double t_init = fl_now();
     fl_gpt2 model;
     fl_gpt2_init(&model, &cfg, a.seed);
     fl_gpt2_alloc_acts(&model, a.B, a.T);
     fl_adamw opt;
     fl_adamw_init(&opt, model.table.numel, 0.9f, 0.95f, 1e-8f, 0.1f);
-    printf("%zu parameters (%.2f M, padded vocabulary included)\n", model.table.numel,
-           model.table.numel / 1e6);
+    printf("%zu parameters (%.2f M, padded vocabulary included); init %.2f s\n",
+           model.table.numel, model.table.numel / 1e6, fl_now() - t_init);
 
     // random tokens: one sequence of B*T+1, inputs and targets shifted by one
     size_t n = (size_t)a.B * a.T;

@@ -84,6 +84,12 @@ EPS = f32(1e-8)
 WEIGHT_DECAY = f32(0.1)
 MAX_GRAD_NORM = f32(1.0)
 LN_EPS = 1e-5
+# Weight scale: GPT-2's N(0, 0.02) scaled by sqrt(768 / C), so each unit of
+# this narrow model sees pre-activations of the size GPT-2 124M's do (~0.5).
+# With a plain 0.02 at C = 16 the attention would be almost uniform and GELU
+# almost linear, and e.g. a wrong GELU constant would pass the forward and
+# gradient checks (it was caught only by the 10-step trajectory).
+W_STD = 0.02 * math.sqrt(768 / C)
 
 
 def param_specs():
@@ -110,16 +116,17 @@ def param_specs():
 
 
 def init_params(gen):
-    """GPT-2 style init drawn in float32, returned as float64 leaf tensors.
-    Biases and LayerNorm parameters get small random values (not 0 and 1) so
-    that their gradients and their use in the forward are really tested."""
+    """GPT-2 style init (N(0, W_STD), residual projections N(0, W_STD/sqrt(2L)))
+    drawn in float32, returned as float64 leaf tensors. Biases and LayerNorm
+    parameters get small random values (not 0 and 1) so that their use in the
+    forward and their gradients are really tested."""
     params = {}
     for name, shape, kind, _ in param_specs():
         z = torch.randn(shape, generator=gen, dtype=torch.float32)
         if kind == "w":
-            x = z * 0.02
+            x = z * W_STD
         elif kind == "wproj":
-            x = z * (0.02 / math.sqrt(2 * L))
+            x = z * (W_STD / math.sqrt(2 * L))
         elif kind == "lnw":
             x = 1.0 + z * 0.1
         else:  # biases, LayerNorm biases

@@ -43,8 +43,8 @@
 
 #define FX_MAX_NDIM 8
 #define FX_MAX_NAME 127
-#define FX_F32 0
-#define FX_I32 1
+#define FX_F32      0
+#define FX_I32      1
 
 typedef struct {
     char name[FX_MAX_NAME + 1];
@@ -129,8 +129,7 @@ static int fx_parse(fixture *fx, const unsigned char *data, size_t size) {
             pos += 8;
             // Bounding every factor by the file size keeps the product from
             // overflowing before it is compared with the bytes left.
-            if (r->shape[d] > size ||
-                (r->shape[d] && r->numel > (size / 4) / r->shape[d]))
+            if (r->shape[d] > size || (r->shape[d] && r->numel > (size / 4) / r->shape[d]))
                 return fx_fail(fx, "record '%s' is larger than the file", r->name, pos - 8);
             r->numel *= (size_t)r->shape[d];
         }
@@ -224,8 +223,8 @@ static int fx_validate(fixture *fx, fx_config *c) {
     *c = (fx_config){ci[0], ci[1], ci[2], ci[3], ci[4], ci[5], ci[6], ci[7], 0, 0, 0, 0, 0, 0};
     free(ci);
     if (c->maxT <= 0 || c->V <= 0 || c->L <= 0 || c->L > 16 || c->NH <= 0 || c->C <= 0 ||
-        c->B <= 0 || c->T <= 0 || c->steps <= 0 || c->maxT > 4096 || c->V > 65536 ||
-        c->C > 4096 || c->B > 64 || c->steps > 10000 || c->C % c->NH != 0 || c->T > c->maxT)
+        c->B <= 0 || c->T <= 0 || c->steps <= 0 || c->maxT > 4096 || c->V > 65536 || c->C > 4096 ||
+        c->B > 64 || c->steps > 10000 || c->C % c->NH != 0 || c->T > c->maxT)
         return fx_fail(fx, "implausible config%s", "", r->offset);
     if (!(r = fx_expect(fx, "adamw", FX_F32, 1, &s6))) return 0;
     float *h = fx_copy(fx, r);
@@ -332,8 +331,11 @@ static double mean_loss(const fl_gpt2 *m) {
 }
 
 static fl_gpt2_config make_config(const fx_config *c) {
-    fl_gpt2_config cfg = {.max_seq_len = c->maxT, .vocab_size = c->V, .n_layer = c->L,
-                          .n_head = c->NH, .n_embd = c->C};
+    fl_gpt2_config cfg = {.max_seq_len = c->maxT,
+                          .vocab_size = c->V,
+                          .n_layer = c->L,
+                          .n_head = c->NH,
+                          .n_embd = c->C};
     fl_gpt2_config_finish(&cfg);
     return cfg;
 }
@@ -366,6 +368,7 @@ static void test_damaged_fixture(const unsigned char *data, size_t size, const f
     // Corrupt single header fields: each must be refused with a message.
     unsigned char *bad = malloc(size);
     const fx_record *r = &good->recs[good->n / 2];
+    FL_ASSERT(r->ndim >= 1);
     size_t name_at = r->offset - 8 * r->ndim - 8 - strlen(r->name) - 4;
     struct {
         const char *what;
@@ -382,7 +385,7 @@ static void test_damaged_fixture(const unsigned char *data, size_t size, const f
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         memcpy(bad, data, size);
         for (int b = 0; b < 4; b++) bad[cases[k].at + b] = (unsigned char)(cases[k].value >> 8 * b);
-        if (cases[k].at >= 12 && strcmp(cases[k].what, "shape") == 0)
+        if (strcmp(cases[k].what, "shape") == 0)
             for (int b = 4; b < 8; b++) bad[cases[k].at + b] = 0xff; // a 2^64-1 dimension
         int ok = fx_parse(&fx, bad, size) && fx_validate(&fx, &c);
         t_check(!ok && fx.err[0], "corrupt %s accepted", cases[k].what);
@@ -400,33 +403,34 @@ static void test_damaged_fixture(const unsigned char *data, size_t size, const f
 // rounding. The max |diff| observed on this fixture (x86-64 with AVX-512,
 // OpenBLAS; the same with 1-4 threads and with FITLM_NO_SIMD=1) is noted for
 // each; the same computation in PyTorch float32 differs from the float64
-// reference by similar amounts. Every tolerance keeps a margin of 5x or more
-// over those, yet sits far below what a real bug produces: a wrong sign, a
-// missing bias or a transposed weight moves logits by ~1e-2 and gradients
-// by their own magnitude (~1e-4..1e-1).
-#define LOGITS_ATOL 1e-6 // logits O(0.1); observed 6e-8
-#define LOGITS_RTOL 1e-5
-#define LOSS_ATOL 1e-5 // loss ~4.2, float32 ulp 4.8e-7; observed 0
-#define GRAD_ATOL 1e-6 // gradients O(1e-4..1e-1); observed 6e-8 (on a 0.17 bias grad)
-#define GRAD_RTOL 1e-4
-#define STEP_LOSS_ATOL 1e-5 // observed 0 over the 10 steps
-#define NORM_RTOL 1e-5      // norms ~1, summed in double by the engine; observed 2.4e-7
-// Final weights after 10 AdamW steps (each moves a weight by up to lr =
+// reference by similar amounts. Every tolerance keeps a margin of about 5x
+// or more over those, yet sits far below what a real bug produces: a wrong
+// sign, a missing bias, a transposed weight or a wrong GELU constant moves
+// logits by 1e-3..1e-1 and gradients by a good part of their own magnitude.
+#define LOGITS_ATOL    5e-6 // logits up to ~2; observed 5.4e-7 (PyTorch float32: 5.1e-7)
+#define LOGITS_RTOL    1e-5
+#define LOSS_ATOL      1e-5 // loss ~4.2, float32 ulp 4.8e-7; observed 0
+#define GRAD_ATOL      1e-6 // gradients O(1e-4..1e-1); observed 7.5e-8 (on a 0.17 bias grad)
+#define GRAD_RTOL      1e-4
+#define STEP_LOSS_ATOL 1e-5 // observed 2.4e-7 over the 10 steps
+#define NORM_RTOL      1e-5 // norms 1..1.8, summed in double by the engine; observed 3.6e-7
+// Final weights after 10 AdamW steps (each moves a weight by up to ~lr =
 // 1e-2): AdamW divides m by sqrt(v), so a weight with a small gradient turns
 // a small absolute gradient error into a larger relative step error, and
-// the errors compound along the trajectory. Observed 1.8e-6 (a c_attn
-// weight of layer 1; PyTorch float32 gives 1.35e-6 there).
-#define FINAL_ATOL 1e-5
+// the errors compound along the trajectory. Observed 3.9e-6 (a layer-1
+// mlp.c_fc weight; PyTorch float32 gives 3.1e-6 there).
+#define FINAL_ATOL 2e-5
 #define FINAL_RTOL 1e-4
-// The key bias has a zero gradient in exact arithmetic (adding a constant
-// to every score of a softmax row changes nothing): the reference's is
-// ~1e-21, the engine's float32 rounding residue ~1e-12. AdamW normalises
-// that residue into steps of ~lr * residue/eps, so the engine's key bias
-// drifts by a few 1e-5 over 10 steps while the reference's stays put
-// (observed 3.4e-5; PyTorch float32: 1.8e-5). This slice gets its own bound,
-// 1% of the largest possible movement lr*steps = 0.1; its gradient itself is
-// held to GRAD_ATOL above.
-#define KBIAS_FINAL_ATOL 1e-3
+// The key bias has a zero gradient in exact arithmetic (adding a constant to
+// every score of a softmax row changes nothing): the reference's is ~1e-21,
+// the engine's a float32 rounding residue. AdamW normalises that residue into
+// steps of ~lr * residue / (residue + eps), so the engine's key bias drifts
+// while the reference's stays put: observed 3.8e-3 over 10 steps
+// (PyTorch float32: 1.7e-3). How far it drifts depends on rounding alone,
+// so this slice is only held to half of the largest possible movement,
+// lr * steps: that still catches a key bias that follows a real (wrong)
+// gradient, and its gradient itself is held to GRAD_ATOL above.
+#define KBIAS_FINAL_ATOL(c) (0.5 * (c)->lr * (c)->steps)
 
 static int test_reference(fixture *fx, const fx_config *c) {
     fl_gpt2_config cfg = make_config(c);
@@ -449,12 +453,11 @@ static int test_reference(fixture *fx, const fx_config *c) {
         uint64_t rows = i == 0 ? (uint64_t)Vp : ps[i].shape[0];
         int same = strcmp(v->name, ps[i].name) == 0 && v->ndim == ps[i].ndim &&
                    v->shape[0] == rows && (ps[i].ndim == 1 || v->shape[1] == ps[i].shape[1]);
-        table_ok &= t_check(same, "table view %d is '%s' (ndim %d), want '%s'", i, v->name,
-                            v->ndim, ps[i].name);
-        t_check(!!(v->flags & FL_PARAM_DECAY) == ps[i].decay, "'%s': weight decay flag %s",
-                v->name, ps[i].decay ? "missing" : "set");
-        t_check(fl_params_find(&model.table, ps[i].name) == i, "fl_params_find('%s')",
-                ps[i].name);
+        table_ok &= t_check(same, "table view %d is '%s' (ndim %d), want '%s'", i, v->name, v->ndim,
+                            ps[i].name);
+        t_check(!!(v->flags & FL_PARAM_DECAY) == ps[i].decay, "'%s': weight decay flag %s", v->name,
+                ps[i].decay ? "missing" : "set");
+        t_check(fl_params_find(&model.table, ps[i].name) == i, "fl_params_find('%s')", ps[i].name);
     }
     if (!table_ok) {
         fl_gpt2_free(&model);
@@ -513,13 +516,14 @@ static int test_reference(fixture *fx, const fx_config *c) {
         norms[s] = fl_clip_grad_norm(model.grads, model.table.numel, c->max_grad_norm);
         fl_adamw_step(&opt, &model.table, model.params, model.grads, c->lr);
     }
-    float *want_losses = fx_floats(fx, "step_losses"), *want_norms = fx_floats(fx, "step_grad_norms");
+    float *want_losses = fx_floats(fx, "step_losses"),
+          *want_norms = fx_floats(fx, "step_grad_norms");
     for (int s = 0; s < c->steps; s++)
         printf("  step %2d: loss %.6f (ref %.6f), grad norm %.6f (ref %.6f)\n", s, losses[s],
                want_losses[s], norms[s], want_norms[s]);
     t_close("step_losses", losses, want_losses, c->steps, STEP_LOSS_ATOL, 0);
     t_close("step_grad_norms", norms, want_norms, c->steps, 0, NORM_RTOL);
-    compare_views(&model, fx, model.params, "final/", FINAL_ATOL, FINAL_RTOL, KBIAS_FINAL_ATOL);
+    compare_views(&model, fx, model.params, "final/", FINAL_ATOL, FINAL_RTOL, KBIAS_FINAL_ATOL(c));
 
     free(losses), free(norms), free(want_losses), free(want_norms);
     free(tokens), free(targets), free(want_logits), free(want_loss), free(got_logits);
@@ -532,16 +536,16 @@ static int test_reference(fixture *fx, const fx_config *c) {
 // finite differences in the engine: central differences of the float32 loss
 // against the analytic gradient, for one element of each of ~20 tensors.
 
-// Step and tolerance: with h = 1e-2 the truncation error h^2/6 * f''' is
-// ~1e-3 relative at worst (observed 2e-4 on a 0.17 gradient), and the
+// Step and tolerance: with h = 1e-2 the truncation error h^2/6 * f''' stays
+// below 1e-3 relative (observed at most 4.8e-5 on a 0.12 gradient), and the
 // rounding noise of the loss (a few 1e-7, the per-position float32 losses
-// being summed in double, divided by 2h) is ~1e-5 absolute. So
-// |fd - analytic| <= FD_ATOL + FD_RTOL * |analytic|; the worst observed
-// element uses 14% of its tolerance, while a wrong gradient (sign, missing
-// term, wrong index) misses by 100% of its value.
-#define FD_H 1e-2f
+// being summed in double, divided by 2h) is ~1e-5 absolute at worst
+// (observed <= 3.5e-6). So |fd - analytic| <= FD_ATOL + FD_RTOL * |analytic|:
+// the worst element uses 8% of its tolerance, while a wrong gradient (sign,
+// missing term, wrong index) misses by a large part of its value.
+#define FD_H    1e-2f
 #define FD_ATOL 2e-5
-#define FD_RTOL 1e-2
+#define FD_RTOL 5e-3
 
 static void test_finite_differences(fixture *fx, const fx_config *c) {
     fl_gpt2_config cfg = make_config(c);
@@ -550,7 +554,8 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
     fl_gpt2_init(&model, &cfg, 1);
     fl_gpt2_alloc_acts(&model, c->B, c->T);
     load_params(&model, fx, "param/");
-    int *tokens = fx_copy(fx, fx_find(fx, "tokens")), *targets = fx_copy(fx, fx_find(fx, "targets"));
+    int *tokens = fx_copy(fx, fx_find(fx, "tokens")),
+        *targets = fx_copy(fx, fx_find(fx, "targets"));
     fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
     fl_gpt2_zero_grad(&model);
     fl_gpt2_backward(&model, 1.0f);
@@ -562,14 +567,22 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
         const char *name;
         int random_too;
     } picks[] = {
-        {"wte.weight", 1},         {"wpe.weight", 1},
-        {"h.0.ln_1.weight", 0},    {"h.0.ln_1.bias", 0},
-        {"h.0.attn.c_attn.weight", 1}, {"h.0.attn.c_attn.bias", 0},
-        {"h.0.attn.c_proj.weight", 0}, {"h.0.attn.c_proj.bias", 0},
-        {"h.0.ln_2.weight", 0},    {"h.0.ln_2.bias", 0},
-        {"h.0.mlp.c_fc.weight", 0}, {"h.0.mlp.c_fc.bias", 0},
-        {"h.1.attn.c_attn.weight", 0}, {"h.1.mlp.c_proj.weight", 1},
-        {"h.1.mlp.c_proj.bias", 0}, {"ln_f.weight", 0},
+        {"wte.weight", 1},
+        {"wpe.weight", 1},
+        {"h.0.ln_1.weight", 0},
+        {"h.0.ln_1.bias", 0},
+        {"h.0.attn.c_attn.weight", 1},
+        {"h.0.attn.c_attn.bias", 0},
+        {"h.0.attn.c_proj.weight", 0},
+        {"h.0.attn.c_proj.bias", 0},
+        {"h.0.ln_2.weight", 0},
+        {"h.0.ln_2.bias", 0},
+        {"h.0.mlp.c_fc.weight", 0},
+        {"h.0.mlp.c_fc.bias", 0},
+        {"h.1.attn.c_attn.weight", 0},
+        {"h.1.mlp.c_proj.weight", 1},
+        {"h.1.mlp.c_proj.bias", 0},
+        {"ln_f.weight", 0},
         {"ln_f.bias", 0},
     };
     fl_rng rng;
@@ -584,24 +597,27 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
         size_t n = strcmp(v->name, "wte.weight") == 0 ? (size_t)c->V * c->C : v->numel;
         size_t idx[2] = {0, fl_rng_below(&rng, n)};
         for (size_t j = 1; j < n; j++)
-            if (fabsf(model.grads[v->offset + j]) > fabsf(model.grads[v->offset + idx[0]])) idx[0] = j;
+            if (fabsf(model.grads[v->offset + j]) > fabsf(model.grads[v->offset + idx[0]]))
+                idx[0] = j;
         for (int q = 0; q < 1 + picks[k].random_too; q++) {
             size_t at = v->offset + idx[q];
-            float saved = model.params[at];
-            model.params[at] = saved + FD_H;
+            // divide by the step really taken (saved +- h rounded to float)
+            float saved = model.params[at], plus = saved + FD_H, minus = saved - FD_H;
+            model.params[at] = plus;
             fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
             double lp = mean_loss(&model);
-            model.params[at] = saved - FD_H;
+            model.params[at] = minus;
             fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
             double lm = mean_loss(&model);
             model.params[at] = saved;
-            double fd = (lp - lm) / (2.0 * FD_H), an = model.grads[at];
+            double fd = (lp - lm) / ((double)plus - (double)minus), an = model.grads[at];
             double err = fabs(fd - an);
-            if (err / (FD_ATOL + FD_RTOL * fabs(an)) > worst) worst = err / (FD_ATOL + FD_RTOL * fabs(an));
+            if (err / (FD_ATOL + FD_RTOL * fabs(an)) > worst)
+                worst = err / (FD_ATOL + FD_RTOL * fabs(an));
             printf("  %-24s [%5zu] analytic % .6e  fd % .6e  |diff| %.1e\n", v->name, idx[q], an,
                    fd, err);
-            t_check(err <= FD_ATOL + FD_RTOL * fabs(an), "finite difference of %s[%zu]: %.6e vs %.6e",
-                    v->name, idx[q], fd, an);
+            t_check(err <= FD_ATOL + FD_RTOL * fabs(an),
+                    "finite difference of %s[%zu]: %.6e vs %.6e", v->name, idx[q], fd, an);
             checked++;
         }
     }
@@ -614,8 +630,8 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
 // overfitting: a fresh model memorises one batch
 
 #define OVERFIT_MAX_STEPS 300
-#define OVERFIT_LR 1e-2f
-#define OVERFIT_TARGET 0.1f
+#define OVERFIT_LR        1e-2f
+#define OVERFIT_TARGET    0.1f
 
 static void test_overfit(fixture *fx, const fx_config *c) {
     fl_gpt2_config cfg = make_config(c);
@@ -623,7 +639,8 @@ static void test_overfit(fixture *fx, const fx_config *c) {
     memset(&model, 0, sizeof model);
     fl_gpt2_init(&model, &cfg, 1);
     fl_gpt2_alloc_acts(&model, c->B, c->T);
-    int *tokens = fx_copy(fx, fx_find(fx, "tokens")), *targets = fx_copy(fx, fx_find(fx, "targets"));
+    int *tokens = fx_copy(fx, fx_find(fx, "tokens")),
+        *targets = fx_copy(fx, fx_find(fx, "targets"));
     fl_adamw opt;
     fl_adamw_init(&opt, model.table.numel, 0.9f, 0.95f, 1e-8f, 0.1f);
     float first = 0, loss = 0;
@@ -648,8 +665,10 @@ static void test_overfit(fixture *fx, const fx_config *c) {
 int main(void) {
     const char *path = t_source_path("tests/fixtures/gpt2_tiny.bin");
     FILE *f = fopen(path, "rb");
-    if (!t_check(f != NULL, "cannot open %s (regenerate it with /usr/bin/python3 "
-                            "scripts/make_reference.py)", path))
+    if (!t_check(f != NULL,
+                 "cannot open %s (regenerate it with /usr/bin/python3 "
+                 "scripts/make_reference.py)",
+                 path))
         return t_report();
     fseek(f, 0, SEEK_END);
     long size = ftell(f);
@@ -660,7 +679,8 @@ int main(void) {
     fixture fx = {0};
     fx_config c;
     if (!t_check(size > 0 && got == (size_t)size, "cannot read %s", path) ||
-        !t_check(fx_parse(&fx, data, got) && fx_validate(&fx, &c), "fixture %s: %s", path, fx.err)) {
+        !t_check(fx_parse(&fx, data, got) && fx_validate(&fx, &c), "fixture %s: %s", path,
+                 fx.err)) {
         free(data), free(fx.recs);
         return t_report();
     }

@@ -1,13 +1,15 @@
 // test_kernels.c: every kernel three ways.
 // 1. fast vs _ref on many shapes (odd C, T=1, N=1, odd head size, several
-//    attention row blocks), forward and backward;
+//    attention row blocks) and special values, forward and backward;
 // 2. float forward vs an independent double-precision forward written here,
 //    and both backwards vs central finite differences of that double forward
 //    (loss = sum(out * R), so dout = R), with gradient buffers prefilled so
-//    the += contract is checked at the same time;
+//    the += contract is checked at the same time (softmax_xent overwrites,
+//    also in place);
 // 3. the fast kernels run twice give bitwise identical results.
 // Outputs and workspaces start as NaN: a kernel that reads what it should
-// only write fails loudly.
+// only write fails loudly. Everything runs twice, in a forked child with the
+// portable paths (FITLM_NO_SIMD=1) and then with the CPU's SIMD paths.
 #include "fitlm/core.h"
 #include "fitlm/kernels.h"
 #include "testlib.h"
@@ -17,6 +19,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <cblas.h>
 
 // ----------------------------------------------------------------------------
 // tolerances
@@ -192,7 +197,8 @@ static void test_encoder(void) {
     size_t nout = (size_t)B * T * C, nwte = (size_t)Vp * C, nwpe = (size_t)maxT * C;
     int inp[] = {1, 3, 1, 1, 0, 3};
     float *wte = frand(nwte, 21, 1.0f), *wpe = frand(nwpe, 22, 1.0f), *R = frand(nout, 23, 1.0f);
-    enc_ctx ctx = {inp, dcopy(wte, nwte), dcopy(wpe, nwpe), dcopy(R, nout), malloc(nout * 8), B, T, C};
+    enc_ctx ctx = {inp, dcopy(wte, nwte), dcopy(wpe, nwpe), dcopy(R, nout), malloc(nout * 8), B, T,
+                   C};
     double *g_wte = numgrad(ctx.wte, nwte, enc_loss, &ctx);
     double *g_wpe = numgrad(ctx.wpe, nwpe, enc_loss, &ctx);
     encoder_fwd_d(ctx.out, inp, ctx.wte, ctx.wpe, B, T, C);
@@ -275,11 +281,15 @@ static void test_layernorm(void) {
 
     // N, C, input scale: the tiny scale gives a variance ~1e-5, where a
     // wrong eps shows
-    struct { int N, C; float scale; } gshapes[] = {{3, 7, 2.0f}, {2, 33, 2.0f}, {2, 16, 0.005f}};
+    struct {
+        int N, C;
+        float scale;
+    } gshapes[] = {{3, 7, 2.0f}, {2, 33, 2.0f}, {2, 16, 0.005f}};
     for (int s = 0; s < 3; s++) {
         int N = gshapes[s].N, C = gshapes[s].C;
+        float sc = gshapes[s].scale;
         size_t n = (size_t)N * C;
-        float *inp = frand(n, 41, gshapes[s].scale), *w = frand(C, 42, 1.0f), *b = frand(C, 43, 1.0f);
+        float *inp = frand(n, 41, sc), *w = frand(C, 42, 1.0f), *b = frand(C, 43, 1.0f);
         float *R = frand(n, 44, 1.0f);
         ln_ctx ctx = {dcopy(inp, n), dcopy(w, C), dcopy(b, C), dcopy(R, n), malloc(n * 8), N, C};
         double *g_inp = numgrad(ctx.inp, n, ln_loss, &ctx);
@@ -294,10 +304,10 @@ static void test_layernorm(void) {
             (fast ? layernorm_forward : layernorm_forward_ref)(out, mean, rstd, inp, w, b, N, C);
             (fast ? layernorm_backward : layernorm_backward_ref)(dinp, dw, db, R, inp, w, mean,
                                                                  rstd, N, C);
-            check_fwd(nm("ln %s C%d s%g out vs double", v, C, gshapes[s].scale), out, ctx.out, n);
-            check_grad(nm("ln %s C%d s%g dinp vs numeric", v, C, gshapes[s].scale), dinp, dinp0, g_inp, n);
-            check_grad(nm("ln %s C%d s%g dweight vs numeric", v, C, gshapes[s].scale), dw, dw0, g_w, C);
-            check_grad(nm("ln %s C%d s%g dbias vs numeric", v, C, gshapes[s].scale), db, db0, g_b, C);
+            check_fwd(nm("ln %s C%d s%g out vs double", v, C, sc), out, ctx.out, n);
+            check_grad(nm("ln %s C%d s%g dinp vs numeric", v, C, sc), dinp, dinp0, g_inp, n);
+            check_grad(nm("ln %s C%d s%g dweight vs numeric", v, C, sc), dw, dw0, g_w, C);
+            check_grad(nm("ln %s C%d s%g dbias vs numeric", v, C, sc), db, db0, g_b, C);
             free(out), free(mean), free(rstd), free(dinp0), free(dw0), free(db0);
             free(dinp), free(dw), free(db);
         }
@@ -347,7 +357,8 @@ static void test_matmul(void) {
             same_bits("mm out", out_f, out_f2, no);
             free(out_r), free(out_f), free(out_f2);
         }
-        float *dinp_r = frand(ni, 55, 1.0f), *dw_r = frand(nw, 56, 1.0f), *db_r = frand(OC, 57, 1.0f);
+        float *dinp_r = frand(ni, 55, 1.0f), *dw_r = frand(nw, 56, 1.0f),
+              *db_r = frand(OC, 57, 1.0f);
         float *dinp_f = fcopy(dinp_r, ni), *dw_f = fcopy(dw_r, nw), *db_f = fcopy(db_r, OC);
         float *dinp_f2 = fcopy(dinp_r, ni), *dw_f2 = fcopy(dw_r, nw), *db_f2 = fcopy(db_r, OC);
         matmul_backward_ref(dinp_r, dw_r, db_r, dout, inp, w, N, C, OC);
@@ -378,8 +389,8 @@ static void test_matmul(void) {
     size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
     float *inp = frand(ni, 61, 1.0f), *w = frand(nw, 62, 1.0f), *bias = frand(OC, 63, 1.0f);
     float *R = frand(no, 64, 1.0f);
-    mm_ctx ctx = {dcopy(inp, ni), dcopy(w, nw), dcopy(bias, OC), dcopy(R, no), malloc(no * 8),
-                  N, C, OC};
+    mm_ctx ctx = {
+        dcopy(inp, ni), dcopy(w, nw), dcopy(bias, OC), dcopy(R, no), malloc(no * 8), N, C, OC};
     double *g_inp = numgrad(ctx.inp, ni, mm_loss, &ctx);
     double *g_w = numgrad(ctx.w, nw, mm_loss, &ctx);
     double *g_b = numgrad(ctx.bias, OC, mm_loss, &ctx);
@@ -447,10 +458,10 @@ static float *att_workspace(int T, int HS) {
 static void test_attention(void) {
     printf("attention\n");
     // B T C NH: T=1; odd HS=5 with NH=3; HS=1; one full row block (64), one
-    // plus a row, several blocks with a ragged end
-    int shapes[][4] = {{1, 1, 3, 1},  {2, 5, 15, 3},  {1, 7, 6, 6},
-                       {1, 64, 8, 1}, {2, 65, 12, 2}, {2, 150, 48, 4}};
-    for (int s = 0; s < 6; s++) {
+    // plus a row, several blocks with a ragged end; the longest context
+    int shapes[][4] = {{1, 1, 3, 1},   {2, 5, 15, 3},   {1, 7, 6, 6},   {1, 64, 8, 1},
+                       {2, 65, 12, 2}, {2, 150, 48, 4}, {1, 1024, 8, 2}};
+    for (int s = 0; s < 7; s++) {
         int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], NH = shapes[s][3], HS = C / NH;
         size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
         float *qkv = frand(nqkv, 71, 2.0f), *dout = frand(no, 72, 1.0f), *ws = att_workspace(T, HS);
@@ -464,8 +475,9 @@ static void test_attention(void) {
         attention_backward_ref(dqkv_r, dout, qkv, out_r, lse_r, B, T, C, NH);
         attention_backward(dqkv_f, dout, qkv, out_f, lse_f, ws, B, T, C, NH);
         attention_backward(dqkv_f2, dout, qkv, out_f, lse_f, ws, B, T, C, NH);
-        // outputs are convex combinations of v (|.| <= 2), scores sum HS terms
-        // of size <= 4: tolerances scale with T and HS
+        // out mixes up to T values of v (|v| <= 2) with weights summing to 1,
+        // scores and lse sum HS terms of size <= 4: sum_tol(T + HS); each
+        // dqkv entry sums up to T terms of size <~ 4 (|q|, |k|, |v| <= 2): 4x
         t_close(nm("att B%d T%d C%d NH%d out", B, T, C, NH), out_f, out_r, no, sum_tol(T + HS),
                 REF_RTOL);
         t_close(nm("att B%d T%d C%d NH%d lse", B, T, C, NH), lse_f, lse_r, nl, sum_tol(T + HS),
@@ -528,7 +540,8 @@ static double gelu_loss(const void *p) {
 
 static void test_gelu(void) {
     printf("gelu\n");
-    // elementwise: fast and ref may differ by a rounding or two of tanh
+    // elementwise: the SIMD path's exp is ~1 ulp, but the reference's
+    // 1 + tanh(u) cancels for negative x, to ~|x| u / 2 absolute: 1e-6
     size_t sizes[] = {1, 7, 33, 100003};
     for (int s = 0; s < 4; s++) {
         size_t N = sizes[s];
@@ -548,6 +561,20 @@ static void test_gelu(void) {
         free(x), free(dout), free(out_r), free(out_f), free(out_f2), free(dx_r), free(dx_f);
         free(dx_f2);
     }
+
+    // tails, zeros and a denormal: both versions stay finite and agree
+    enum { NX = 20 };
+    float xs[NX] = {0.0f,  -0.0f, 1e-30f, -1e-30f, 1e-40f, 0.5f,   -0.5f,   3.0f, -3.0f, 5.0f,
+                    -5.0f, 9.5f,  -9.5f,  20.0f,   -20.0f, 100.0f, -100.0f, 1e4f, -1e4f, 3e12f};
+    float ones[NX], out_r[NX], out_f[NX], dx_r[NX] = {0}, dx_f[NX] = {0};
+    size_t nx = NX;
+    for (size_t i = 0; i < nx; i++) ones[i] = 1.0f;
+    gelu_forward_ref(out_r, xs, nx);
+    gelu_forward(out_f, xs, nx);
+    gelu_backward_ref(dx_r, xs, ones, nx);
+    gelu_backward(dx_f, xs, ones, nx);
+    t_close("gelu special out", out_f, out_r, nx, 1e-6, REF_RTOL);
+    t_close("gelu special dinp", dx_f, dx_r, nx, 1e-6, REF_RTOL);
 
     // |x| up to 5 reaches the saturated tails
     size_t N = 64;
@@ -669,10 +696,10 @@ static void test_softmax_xent(void) {
         softmax_xent_backward_ref(dx_r, logits, lse_r, targets, dl, N, V, Vp);
         softmax_xent_backward(dx_f, logits, lse_f, targets, dl, N, V, Vp);
         softmax_xent_backward(dx_f2, logits, lse_f, targets, dl, N, V, Vp);
-        // lse ~ 8 + log V; probabilities are O(1) with u-relative errors
+        // lse ~ 8 + log V; gradients are dloss * p with errors of a few u * p
         t_close(nm("xent N%d V%d losses", N, V), loss_f, loss_r, N, 1e-5, REF_RTOL);
         t_close(nm("xent N%d V%d lse", N, V), lse_f, lse_r, N, 1e-5, REF_RTOL);
-        t_close(nm("xent N%d V%d dlogits", N, V), dx_f, dx_r, n, 1e-6, REF_RTOL);
+        t_close(nm("xent N%d V%d dlogits", N, V), dx_f, dx_r, n, 1e-7, REF_RTOL);
         same_bits("xent losses", loss_f, loss_f2, N);
         same_bits("xent dlogits", dx_f, dx_f2, n);
         // in place: the logits buffer becomes its own gradient
@@ -693,10 +720,33 @@ static void test_softmax_xent(void) {
         free(lse_f), free(loss_f2), free(lse_f2), free(dx_r), free(dx_f), free(dx_f2), free(buf);
     }
 
+    {
+        // flat row, one dominant logit (p = 1 - tiny at the target), and a
+        // spread where most exps underflow to 0
+        enum { SN = 3, SV = 37, SVP = 48 };
+        float x[SN * SVP], loss_r[SN], lse_r[SN], loss_f[SN], lse_f[SN],
+            dl[SN] = {1.0f, -2.0f, 0.5f};
+        float dx_r[SN * SVP], dx_f[SN * SVP];
+        int tg[SN] = {5, 36, 0};
+        for (int j = 0; j < SVP; j++) {
+            x[j] = 0.0f;
+            x[SVP + j] = j == 36 ? 60.0f : -60.0f;
+            x[2 * SVP + j] = 160.0f * (j % 7) / 6.0f - 80.0f;
+        }
+        softmax_xent_forward_ref(loss_r, lse_r, x, tg, SN, SV, SVP);
+        softmax_xent_forward(loss_f, lse_f, x, tg, SN, SV, SVP);
+        softmax_xent_backward_ref(dx_r, x, lse_r, tg, dl, SN, SV, SVP);
+        softmax_xent_backward(dx_f, x, lse_f, tg, dl, SN, SV, SVP);
+        t_close("xent special losses", loss_f, loss_r, SN, 1e-5, REF_RTOL);
+        t_close("xent special lse", lse_f, lse_r, SN, 1e-5, REF_RTOL);
+        t_close("xent special dlogits", dx_f, dx_r, SN * SVP, 1e-7, REF_RTOL);
+    }
+
     int N = 4, V = 7, Vp = 9, targets[] = {2, -1, 0, 6};
     size_t n = (size_t)N * Vp;
     float *logits = frand(n, 131, 3.0f), *dl = frand(N, 132, 1.0f);
-    xent_ctx ctx = {dcopy(logits, n), dcopy(dl, N), malloc(N * 8), malloc(N * 8), targets, N, V, Vp};
+    xent_ctx ctx = {
+        dcopy(logits, n), dcopy(dl, N), malloc(N * 8), malloc(N * 8), targets, N, V, Vp};
     double *g = numgrad(ctx.logits, n, xent_loss, &ctx);
     xent_loss(&ctx);
     for (int fast = 0; fast < 2; fast++) {
@@ -715,8 +765,13 @@ static void test_softmax_xent(void) {
     free(ctx.lse);
 }
 
-int main(void) {
-    printf("threads %d, avx512f %d\n", fl_threads(), fl_cpu()->avx512f);
+static int run_all(const char *path) {
+    printf("%s paths: threads %d, avx512f %d\n", path, fl_threads(), fl_cpu()->avx512f);
+    // OpenBLAS must be the OpenMP build: the pthreads build, called inside
+    // our parallel regions (attention), oversubscribes and crawls
+    t_check(openblas_get_parallel() == 2,
+            "OpenBLAS is not the OpenMP build (openblas_get_parallel = %d): check the library path",
+            openblas_get_parallel());
     test_encoder();
     test_layernorm();
     test_matmul();
@@ -725,4 +780,22 @@ int main(void) {
     test_residual();
     test_softmax_xent();
     return t_report();
+}
+
+// fl_cpu() reads FITLM_NO_SIMD once per process, so the portable fallbacks
+// of the SIMD kernels are tested in a child forked first thing, before any
+// OpenMP thread exists; the parent then tests the CPU's own paths.
+int main(void) {
+    if (getenv("FITLM_NO_SIMD")) return run_all("portable (FITLM_NO_SIMD)");
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) return t_check(0, "fork failed"), t_report();
+    if (pid == 0) {
+        setenv("FITLM_NO_SIMD", "1", 1);
+        exit(run_all("portable"));
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    t_check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "portable-path run failed");
+    return run_all("native");
 }

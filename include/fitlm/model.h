@@ -114,6 +114,7 @@ typedef struct {
     // one (B,T,C) and two (B,T,4C) buffers reused layer after layer
     float *dres, *dbuf_c, *dbuf_4c_a, *dbuf_4c_b, *dlosses;
     float *att_workspace;
+    int att_workspace_threads; // the thread count att_workspace was sized for
     int *inputs, *targets; // (B,T) copies of the last batch
     // state of the last forward
     int B, T;

@@ -417,12 +417,16 @@ void fl_config_finish(fl_train_config *cfg) {
 }
 
 void fl_config_print_help(FILE *out) {
-    fprintf(out, "options (JSON key in brackets; flags override --config FILE):\n");
-    fprintf(out, "  %-22s %s\n", "--config FILE", "JSON config file (DeepSpeed-style keys)");
+    fprintf(out, "options (JSON config key in brackets; flags override the file):\n");
+    fprintf(out, "  %-28s %s\n", "--config FILE", "JSON config file with DeepSpeed-style keys");
     for (size_t i = 0; i < N_OPTIONS; i++) {
         const option *o = &options[i];
-        fprintf(out, "  %-22s %s [%s] (default: %s)\n", o->flag, o->help, o->key,
-                *o->def ? o->def : "\"\"");
+        static const char *metavar[] = {"N", "N", "X", "", "PATH", "NAME", "A,B"};
+        char usage[96];
+        snprintf(usage, sizeof usage, "%s %s", o->flag, metavar[o->type]);
+        fprintf(out, "  %-28s %s%s%s%s\n  %-28s [%s] default: %s\n", usage, o->help,
+                o->choices ? " (" : "", o->choices ? o->choices : "", o->choices ? ")" : "", "",
+                o->key, *o->def ? o->def : "\"\"");
     }
 }
 

@@ -56,6 +56,12 @@ void fl_set_threads(int n) {
     if (n < 1) fl_die("threads must be >= 1 (got %d)", n);
     omp_set_num_threads(n);
     openblas_set_num_threads(n);
+    // 2 = OpenMP. The pthreads build (Debian's default libopenblas.so.0)
+    // would spin its own threads against ours: ~20x slower attention.
+    static int warned;
+    if (openblas_get_parallel() != 2 && !warned++)
+        fl_warn("the loaded OpenBLAS is not its OpenMP build; fitlm will run slowly "
+                "(install libopenblas-openmp-dev and rebuild)");
 }
 
 int fl_threads(void) {

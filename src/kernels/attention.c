@@ -1,12 +1,14 @@
 // attention.c: causal multi-head self-attention, flash style.
 // Nothing of size (T,T) survives the forward: only lse (B,NH,T), the log of
 // each row's softmax denominator, from which the backward recomputes P.
-// The fast version walks each (b,h) head in blocks of ATT_BR query rows; a
-// block only sees keys 0..i1-1 (causality), so every GEMM skips the masked
-// upper triangle and the per-thread workspace is ATT_BR rows of T scores.
+// The fast version walks each (b,h) head in blocks of ATT_BR query rows; the
+// block of rows i0..n-1 only sees keys 0..n-1 (causality), so the GEMMs skip
+// the masked upper triangle and the per-thread workspace is ATT_BR rows of T
+// scores rather than a (T,T) matrix.
 // q, k, v and the gradients are read and written in place in qkv/dqkv with a
 // leading dimension of 3C: no gathering into contiguous buffers is needed.
 #include "fitlm/kernels.h"
+#include "fitlm/core.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -22,6 +24,7 @@ size_t attention_workspace_floats(int T, int HS) {
 
 void attention_forward(float *out, float *lse, const float *qkv, float *workspace, int B, int T,
                        int C, int NH) {
+    FL_ASSERT(NH > 0 && C % NH == 0);
     int HS = C / NH, C3 = 3 * C;
     float scale = 1.0f / sqrtf((float)HS);
     size_t ws_per_thread = attention_workspace_floats(T, HS);
@@ -61,6 +64,7 @@ void attention_forward(float *out, float *lse, const float *qkv, float *workspac
 
 void attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
                         const float *lse, float *workspace, int B, int T, int C, int NH) {
+    FL_ASSERT(NH > 0 && C % NH == 0);
     int HS = C / NH, C3 = 3 * C;
     float scale = 1.0f / sqrtf((float)HS);
     size_t ws_per_thread = attention_workspace_floats(T, HS);
@@ -78,8 +82,8 @@ void attention_backward(float *dqkv, const float *dout, const float *qkv, const 
             int nb = T - i0 < ATT_BR ? T - i0 : ATT_BR, n = i0 + nb;
             const float *q_blk = q + (size_t)i0 * C3, *dO_blk = dO + (size_t)i0 * C;
             // recompute P = exp(scale * Q K^T - lse), masked
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, scale, q_blk, C3, k,
-                        C3, 0.0f, P, n);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, scale, q_blk, C3, k, C3,
+                        0.0f, P, n);
             for (int r = 0; r < nb; r++) {
                 int i = i0 + r;
                 float *row = P + (size_t)r * n;
@@ -122,22 +126,22 @@ void attention_forward_ref(float *out, float *lse, const float *qkv, int B, int 
     float scale = 1.0f / sqrtf((float)HS);
     for (int b = 0; b < B; b++) {
         for (int h = 0; h < NH; h++) {
+            const float *head = qkv + (size_t)b * T * C3 + h * HS; // position 0's q; k +C, v +2C
             for (int t = 0; t < T; t++) {
-                const float *q = qkv + ((size_t)b * T + t) * C3 + h * HS;
-                const float *kv = qkv + (size_t)b * T * C3 + h * HS; // k of key 0; v at +C
+                const float *q = head + (size_t)t * C3;
                 float maxval = -INFINITY;
                 for (int t2 = 0; t2 <= t; t2++)
-                    maxval = fmaxf(maxval, scale * dot(q, kv + (size_t)t2 * C3 + C, HS));
+                    maxval = fmaxf(maxval, scale * dot(q, head + (size_t)t2 * C3 + C, HS));
                 float sum = 0.0f;
                 for (int t2 = 0; t2 <= t; t2++)
-                    sum += expf(scale * dot(q, kv + (size_t)t2 * C3 + C, HS) - maxval);
+                    sum += expf(scale * dot(q, head + (size_t)t2 * C3 + C, HS) - maxval);
                 float l = maxval + logf(sum);
                 lse[((size_t)b * NH + h) * T + t] = l;
                 float *o = out + ((size_t)b * T + t) * C + h * HS;
                 for (int e = 0; e < HS; e++) o[e] = 0.0f;
                 for (int t2 = 0; t2 <= t; t2++) {
-                    float p = expf(scale * dot(q, kv + (size_t)t2 * C3 + C, HS) - l);
-                    const float *v = kv + (size_t)t2 * C3 + 2 * C;
+                    const float *k = head + (size_t)t2 * C3 + C, *v = k + C;
+                    float p = expf(scale * dot(q, k, HS) - l);
                     for (int e = 0; e < HS; e++) o[e] += p * v[e];
                 }
             }
@@ -152,21 +156,21 @@ void attention_backward_ref(float *dqkv, const float *dout, const float *qkv, co
     float scale = 1.0f / sqrtf((float)HS);
     for (int b = 0; b < B; b++) {
         for (int h = 0; h < NH; h++) {
+            size_t head = (size_t)b * T * C3 + h * HS; // offset of position 0's q in (d)qkv
             for (int t = 0; t < T; t++) {
-                size_t qoff = ((size_t)b * T + t) * C3 + h * HS, koff0 = (size_t)b * T * C3 + h * HS;
-                const float *q = qkv + qoff, *dO = dout + ((size_t)b * T + t) * C + h * HS;
-                float *dq = dqkv + qoff;
+                const float *q = qkv + head + (size_t)t * C3;
+                const float *dO = dout + ((size_t)b * T + t) * C + h * HS;
+                float *dq = dqkv + head + (size_t)t * C3;
                 float l = lse[((size_t)b * NH + h) * T + t];
                 // P_j = softmax weight of key j, dP_j = dO . v_j, D = sum_j P_j dP_j
                 float D = 0.0f;
                 for (int t2 = 0; t2 <= t; t2++) {
-                    const float *k = qkv + koff0 + (size_t)t2 * C3 + C, *v = k + C;
+                    const float *k = qkv + head + (size_t)t2 * C3 + C, *v = k + C;
                     D += expf(scale * dot(q, k, HS) - l) * dot(dO, v, HS);
                 }
                 for (int t2 = 0; t2 <= t; t2++) {
-                    size_t koff = koff0 + (size_t)t2 * C3 + C;
-                    const float *k = qkv + koff, *v = k + C;
-                    float *dk = dqkv + koff, *dv = dk + C;
+                    const float *k = qkv + head + (size_t)t2 * C3 + C, *v = k + C;
+                    float *dk = dqkv + head + (size_t)t2 * C3 + C, *dv = dk + C;
                     float p = expf(scale * dot(q, k, HS) - l);
                     float ds = p * (dot(dO, v, HS) - D); // through the softmax
                     for (int e = 0; e < HS; e++) {

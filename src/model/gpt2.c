@@ -180,6 +180,7 @@ void fl_gpt2_alloc_acts(fl_gpt2 *model, int B, int T) {
     WS(dlosses, BT);
     WS(att_workspace, attention_workspace_floats(T, C / NH) * (size_t)fl_threads());
 #undef WS
+    model->att_workspace_threads = fl_threads();
     model->inputs = fl_alloc(FL_MEM_ACTS, BT * sizeof(int));
     model->targets = fl_alloc(FL_MEM_ACTS, BT * sizeof(int));
     model->max_B = B;
@@ -223,6 +224,10 @@ float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int
             fl_die("target id %d at position %zu is outside the vocabulary [0, %d)", targets[i],
                    i, V);
     }
+    // attention takes one workspace slice per thread
+    if (fl_threads() > model->att_workspace_threads)
+        fl_die("internal: %d threads, but activations were allocated for %d", fl_threads(),
+               model->att_workspace_threads);
     memcpy(model->inputs, tokens, BT * sizeof(int));
     model->B = B;
     model->T = T;

@@ -1,0 +1,231 @@
+#!/usr/bin/python3
+"""torch_gpt2.py: the PyTorch side of bench/train.sh.
+
+The same GPT-2 as fitlm's (fused qkv Linear, causal self-attention as masked
+softmax, GELU tanh, pre-LayerNorm blocks, LM head tied to wte), random
+weights and random tokens, fp32 on the CPU, and the same training step:
+zero_grad, forward, backward, clip_grad_norm_(1.0), AdamW step (lr 1e-4,
+betas 0.9/0.95, eps 1e-8, weight decay 0.1 on wte and the four matrices of
+each block, as fitlm). ms/step is the median of --steps timed steps after
+--warmup untimed ones.
+
+    OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 bench/torch_gpt2.py --B 8 --T 256 \
+        --steps 7 --warmup 2 --threads 2 --peak 200
+
+Run it with /usr/bin/python3 (Debian's python3-torch). OMP_WAIT_POLICY must
+be in the environment before torch loads; this script sets it to PASSIVE
+(PyTorch's fastest setting on this 2-core machine) when it is unset.
+
+The last line is machine-readable: "RESULT engine=pytorch key=value ...".
+"""
+import argparse
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before libgomp loads with torch
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, C, NH, maxT):
+        super().__init__()
+        self.NH = NH
+        self.c_attn = nn.Linear(C, 3 * C)
+        self.c_proj = nn.Linear(C, C)
+        self.has_sdpa = hasattr(F, "scaled_dot_product_attention")
+        if not self.has_sdpa:  # torch < 2.0: manual masked softmax
+            mask = torch.tril(torch.ones(maxT, maxT, dtype=torch.bool))
+            self.register_buffer("mask", mask.view(1, 1, maxT, maxT), persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        HS = C // self.NH
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.NH, HS).transpose(1, 2)  # (B, NH, T, HS)
+        k = k.view(B, T, self.NH, HS).transpose(1, 2)
+        v = v.view(B, T, self.NH, HS).transpose(1, 2)
+        if self.has_sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(HS))
+            att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, C):
+        super().__init__()
+        self.c_fc = nn.Linear(C, 4 * C)
+        self.c_proj = nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, C, NH, maxT):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(C)
+        self.attn = CausalSelfAttention(C, NH, maxT)
+        self.ln_2 = nn.LayerNorm(C)
+        self.mlp = MLP(C)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    def __init__(self, L, C, NH, V, maxT):
+        super().__init__()
+        self.wte = nn.Embedding(V, C)
+        self.wpe = nn.Embedding(maxT, C)
+        self.h = nn.ModuleList([Block(C, NH, maxT) for _ in range(L)])
+        self.ln_f = nn.LayerNorm(C)
+        self.lm_head = nn.Linear(C, V, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        # GPT-2 init, as fl_gpt2_init: N(0, 0.02), residual projections
+        # N(0, 0.02/sqrt(2L)), biases 0, LayerNorm 1/0
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * L))
+            elif name.endswith(".weight") and p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif name.startswith("ln") or ".ln_" in name:
+                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+            else:
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--B", type=int, default=4)
+    ap.add_argument("--T", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peak", type=float, default=0.0, help="fp32 peak GFLOP/s for MFU (peak_fma)")
+    ap.add_argument("--L", type=int, default=12)
+    ap.add_argument("--C", type=int, default=768)
+    ap.add_argument("--NH", type=int, default=12)
+    ap.add_argument("--V", type=int, default=50257)
+    ap.add_argument("--maxT", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
+    a = ap.parse_args()
+    if min(a.B, a.T, a.steps, a.threads) < 1 or a.warmup < 0 or a.T > a.maxT:
+        sys.exit("torch_gpt2: bad shape or step counts")
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    L, C, V, T = a.L, a.C, a.V, a.T
+    flops_per_token = 6 * (12 * L * C * C + V * C) + 12 * L * T * C
+    tokens_per_step = a.B * a.T
+
+    model = GPT2(a.L, a.C, a.NH, a.V, a.maxT)
+    decay_names = {"wte.weight"} | {
+        f"h.{i}.{m}.weight"
+        for i in range(a.L)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
+    params = dict(model.named_parameters())  # the tied lm_head.weight appears once, as wte
+    groups = [
+        {"params": [p for n, p in params.items() if n in decay_names], "weight_decay": 0.1},
+        {"params": [p for n, p in params.items() if n not in decay_names], "weight_decay": 0.0},
+    ]
+    opt_kw = {"foreach": True} if a.foreach else {}
+    opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **opt_kw)
+    nparams = sum(p.numel() for p in params.values())
+
+    gen = torch.Generator().manual_seed(a.seed)
+    tok = torch.randint(0, a.V, (a.B, a.T + 1), generator=gen)
+    inputs, targets = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+
+    print(
+        f"pytorch {torch.__version__} train bench: GPT-2 L={a.L} C={a.C} NH={a.NH} V={a.V} "
+        f"maxT={a.maxT} | B={a.B} T={a.T} | {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | "
+        f"{a.warmup} warm-up + {a.steps} timed steps | "
+        f"attention {'sdpa' if hasattr(F, 'scaled_dot_product_attention') else 'masked softmax'}"
+    )
+    print(
+        "step = zero_grad(set_to_none) + forward + backward + clip_grad_norm_(1.0) + "
+        f"AdamW(lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1{', foreach' if a.foreach else ''})"
+    )
+    print(f"FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C = {flops_per_token:.4g}; "
+          f"peak {a.peak:.1f} GFLOP/s (given)")
+    print(f"{nparams} parameters ({nparams / 1e6:.2f} M)", flush=True)
+
+    ms, ms_fwd, ms_bwd, ms_opt = [], [], [], []
+    first_loss = last_loss = float("nan")
+    total = a.warmup + a.steps
+    for s in range(total):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        t3 = time.perf_counter()
+        lv = loss.item()
+        if s == 0:
+            first_loss = lv
+        last_loss = lv
+        timed = s >= a.warmup
+        print(
+            f"step {s + 1:2d}/{total} {'' if timed else 'warm-up':7s} | loss {lv:.4f} | "
+            f"norm {norm.item():.3f} | {(t3 - t0) * 1e3:.1f} ms (fwd {(t1 - t0) * 1e3:.1f}, "
+            f"bwd {(t2 - t1) * 1e3:.1f}, clip+adamw {(t3 - t2) * 1e3:.1f})",
+            flush=True,
+        )
+        if timed:
+            ms.append((t3 - t0) * 1e3)
+            ms_fwd.append((t1 - t0) * 1e3)
+            ms_bwd.append((t2 - t1) * 1e3)
+            ms_opt.append((t3 - t2) * 1e3)
+
+    med, lo, hi = statistics.median(ms), min(ms), max(ms)
+    tok_s = tokens_per_step / (med / 1e3)
+    gflops = flops_per_token * tok_s / 1e9
+    mfu = gflops / a.peak if a.peak > 0 else float("nan")
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    mf, mb, mo = statistics.median(ms_fwd), statistics.median(ms_bwd), statistics.median(ms_opt)
+    print(
+        f"median {med:.1f} ms/step (min {lo:.1f}, max {hi:.1f}; fwd {mf:.1f}, bwd {mb:.1f}, "
+        f"clip+adamw {mo:.1f}) | {tok_s:.1f} tok/s | {gflops:.1f} GFLOP/s | "
+        f"MFU {100 * mfu:.1f}% of {a.peak:.1f} | peak RSS {rss_mib:.0f} MiB"
+    )
+    print(
+        f"RESULT engine=pytorch B={a.B} T={a.T} threads={a.threads} steps={a.steps} "
+        f"warmup={a.warmup} ms_median={med:.2f} ms_min={lo:.2f} ms_max={hi:.2f} "
+        f"ms_fwd={mf:.2f} ms_bwd={mb:.2f} ms_opt={mo:.2f} tok_s={tok_s:.2f} "
+        f"flops_per_token={flops_per_token} gflops={gflops:.2f} peak_gflops={a.peak:.1f} "
+        f"mfu={mfu:.4f} peak_rss_mib={rss_mib:.0f} loss_first={first_loss:.4f} "
+        f"loss_last={last_loss:.4f} torch={torch.__version__} "
+        f"omp_wait_policy={os.environ.get('OMP_WAIT_POLICY')}"
+    )
+
+
+if __name__ == "__main__":
+    main()
