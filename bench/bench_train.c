@@ -33,16 +33,25 @@ typedef struct {
 } bench_args;
 
 static void usage(FILE *out) {
-    fprintf(out,
-            "usage: bench_train [--B 4] [--T 64] [--steps 5] [--warmup 2] [--threads 2]\n"
-            "                   [--peak GFLOPS] [--L 12] [--C 768] [--NH 12] [--V 50257]\n"
-            "                   [--maxT 1024] [--seed 1337] [--mem-report 0|1]\n"
-            "  --peak: fp32 peak for MFU (from peak_fma); 0 or absent = measure it here\n");
+    fprintf(out, "usage: bench_train [--B 4] [--T 64] [--steps 5] [--warmup 2] [--threads 2]\n"
+                 "                   [--peak GFLOPS] [--L 12] [--C 768] [--NH 12] [--V 50257]\n"
+                 "                   [--maxT 1024] [--seed 1337] [--mem-report 0|1]\n"
+                 "  --peak: fp32 peak for MFU (from peak_fma); 0 or absent = measure it here\n");
 }
 
 static void parse(bench_args *a, int argc, char **argv) {
-    *a = (bench_args){.B = 4, .T = 64, .steps = 5, .warmup = 2, .threads = 2, .L = 12, .C = 768,
-                      .NH = 12, .V = 50257, .maxT = 1024, .peak = 0.0, .seed = 1337};
+    *a = (bench_args){.B = 4,
+                      .T = 64,
+                      .steps = 5,
+                      .warmup = 2,
+                      .threads = 2,
+                      .L = 12,
+                      .C = 768,
+                      .NH = 12,
+                      .V = 50257,
+                      .maxT = 1024,
+                      .peak = 0.0,
+                      .seed = 1337};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
@@ -57,19 +66,32 @@ static void parse(bench_args *a, int argc, char **argv) {
         char *end;
         double x = strtod(v, &end);
         if (end == v || *end) fl_die("option %s: '%s' is not a number", k, v);
-        if (!strcmp(k, "--B")) a->B = (int)x;
-        else if (!strcmp(k, "--T")) a->T = (int)x;
-        else if (!strcmp(k, "--steps")) a->steps = (int)x;
-        else if (!strcmp(k, "--warmup")) a->warmup = (int)x;
-        else if (!strcmp(k, "--threads")) a->threads = (int)x;
-        else if (!strcmp(k, "--L")) a->L = (int)x;
-        else if (!strcmp(k, "--C")) a->C = (int)x;
-        else if (!strcmp(k, "--NH")) a->NH = (int)x;
-        else if (!strcmp(k, "--V")) a->V = (int)x;
-        else if (!strcmp(k, "--maxT")) a->maxT = (int)x;
-        else if (!strcmp(k, "--peak")) a->peak = x;
-        else if (!strcmp(k, "--seed")) a->seed = (uint64_t)x;
-        else if (!strcmp(k, "--mem-report")) a->mem_report = (int)x;
+        if (!strcmp(k, "--B"))
+            a->B = (int)x;
+        else if (!strcmp(k, "--T"))
+            a->T = (int)x;
+        else if (!strcmp(k, "--steps"))
+            a->steps = (int)x;
+        else if (!strcmp(k, "--warmup"))
+            a->warmup = (int)x;
+        else if (!strcmp(k, "--threads"))
+            a->threads = (int)x;
+        else if (!strcmp(k, "--L"))
+            a->L = (int)x;
+        else if (!strcmp(k, "--C"))
+            a->C = (int)x;
+        else if (!strcmp(k, "--NH"))
+            a->NH = (int)x;
+        else if (!strcmp(k, "--V"))
+            a->V = (int)x;
+        else if (!strcmp(k, "--maxT"))
+            a->maxT = (int)x;
+        else if (!strcmp(k, "--peak"))
+            a->peak = x;
+        else if (!strcmp(k, "--seed"))
+            a->seed = (uint64_t)x;
+        else if (!strcmp(k, "--mem-report"))
+            a->mem_report = (int)x;
         else {
             usage(stderr);
             fl_die("unknown option %s", k);
@@ -112,8 +134,8 @@ int main(int argc, char **argv) {
     parse(&a, argc, argv);
     fl_set_threads(a.threads);
 
-    fl_gpt2_config cfg = {.max_seq_len = a.maxT, .vocab_size = a.V, .n_layer = a.L,
-                          .n_head = a.NH, .n_embd = a.C};
+    fl_gpt2_config cfg = {
+        .max_seq_len = a.maxT, .vocab_size = a.V, .n_layer = a.L, .n_head = a.NH, .n_embd = a.C};
     fl_gpt2_config_finish(&cfg);
 
     double L = a.L, C = a.C, V = a.V, T = a.T;
@@ -143,8 +165,8 @@ int main(int argc, char **argv) {
     fl_gpt2_alloc_acts(&model, a.B, a.T);
     fl_adamw opt;
     fl_adamw_init(&opt, model.table.numel, 0.9f, 0.95f, 1e-8f, 0.1f);
-    printf("%zu parameters (%.2f M, padded vocabulary included); init %.2f s\n",
-           model.table.numel, model.table.numel / 1e6, fl_now() - t_init);
+    printf("%zu parameters (%.2f M, padded vocabulary included); init %.2f s\n", model.table.numel,
+           model.table.numel / 1e6, fl_now() - t_init);
 
     // random tokens: one sequence of B*T+1, inputs and targets shifted by one
     size_t n = (size_t)a.B * a.T;
@@ -196,15 +218,15 @@ int main(int argc, char **argv) {
     if (a.mem_report) fl_mem_report(stdout);
     printf("median %.1f ms/step (min %.1f, max %.1f; fwd %.1f, bwd %.1f, clip+adamw %.1f) | "
            "%.1f tok/s | %.1f GFLOP/s | MFU %.1f%% of %.1f | peak RSS %.0f MiB (tagged %.0f)\n",
-           med, lo, hi, median(ms_fwd, a.steps), median(ms_bwd, a.steps),
-           median(ms_opt, a.steps), tok_s, gflops, 100.0 * mfu, a.peak, rss_mib, tagged_mib);
+           med, lo, hi, median(ms_fwd, a.steps), median(ms_bwd, a.steps), median(ms_opt, a.steps),
+           tok_s, gflops, 100.0 * mfu, a.peak, rss_mib, tagged_mib);
     printf("RESULT engine=fitlm B=%d T=%d threads=%d steps=%d warmup=%d ms_median=%.2f "
            "ms_min=%.2f ms_max=%.2f ms_fwd=%.2f ms_bwd=%.2f ms_opt=%.2f tok_s=%.2f "
            "flops_per_token=%.0f gflops=%.2f peak_gflops=%.1f mfu=%.4f peak_rss_mib=%.0f "
            "loss_first=%.4f loss_last=%.4f\n",
            a.B, a.T, a.threads, a.steps, a.warmup, med, lo, hi, median(ms_fwd, a.steps),
-           median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s, flops_per_token, gflops,
-           a.peak, mfu, rss_mib, first_loss, last_loss);
+           median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s, flops_per_token, gflops, a.peak,
+           mfu, rss_mib, first_loss, last_loss);
 
     free(ms);
     free(ms_fwd);

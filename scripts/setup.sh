@@ -39,7 +39,7 @@ CACHE=data/.cache
 PYTHON=/usr/bin/python3
 
 # --- 1. packages ------------------------------------------------------------
-PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev
+PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev clang-format cppcheck
       python3 ca-certificates)
 if [[ $WITH_TORCH == 1 ]]; then
     PKGS+=(python3-torch python3-numpy)

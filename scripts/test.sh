@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Quick start 2: set up the machine, build, and run every test: the release
-# build, then the same suite built with AddressSanitizer and UBSan.
+# Quick start 2: set up the machine, check style (clang-format, cppcheck),
+# build, and run every test: the release build, then the same suite built
+# with AddressSanitizer and UBSan.
 #   scripts/test.sh            both builds
 #   scripts/test.sh release    the release build only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/lint.sh
 builds=("${1:-release}")
 [[ $# -eq 0 ]] && builds=(release sanitize)
 for b in "${builds[@]}"; do

@@ -50,11 +50,21 @@ static void test_help_lists_every_option_with_default(void) {
             "fitlm --help lists the commands");
     int rc = fitlm("train --help");
     t_check(rc == 0, "train --help exits 0");
-    const char *expected[] = {"--config FILE", "--batch", "[train_micro_batch_size_per_gpu]",
-                              "--grad-accum", "[gradient_accumulation_steps]", "--lr",
-                              "default: 0.003", "--seq-len", "--steps", "--eval-every",
-                              "--seed", "--threads", "[optimizer.params.betas]",
-                              "[gradient_clipping]", "[scheduler.params.warmup_num_steps]"};
+    const char *expected[] = {"--config FILE",
+                              "--batch",
+                              "[train_micro_batch_size_per_gpu]",
+                              "--grad-accum",
+                              "[gradient_accumulation_steps]",
+                              "--lr",
+                              "default: 0.003",
+                              "--seq-len",
+                              "--steps",
+                              "--eval-every",
+                              "--seed",
+                              "--threads",
+                              "[optimizer.params.betas]",
+                              "[gradient_clipping]",
+                              "[scheduler.params.warmup_num_steps]"};
     for (size_t i = 0; i < sizeof expected / sizeof expected[0]; i++)
         t_check(strstr(output, expected[i]) != NULL, "train --help mentions %s", expected[i]);
     t_check(fitlm("sample --help") == 0 && strstr(output, "--temperature") &&

@@ -83,8 +83,8 @@ static void load_ckpt(void *ckpt_dir) {
 }
 
 static void test_checkpoint(void) {
-    fl_gpt2_config cfg = {.max_seq_len = 16, .vocab_size = 70, .n_layer = 2, .n_head = 2,
-                          .n_embd = 8};
+    fl_gpt2_config cfg = {
+        .max_seq_len = 16, .vocab_size = 70, .n_layer = 2, .n_head = 2, .n_embd = 8};
     fl_gpt2 a, b;
     fl_gpt2_init(&a, &cfg, 3);
     char ck[512], file[600];

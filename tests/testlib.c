@@ -36,10 +36,10 @@ int t_check(int ok, const char *fmt, ...) {
         }                                                                                          \
         if (d > max_diff || d != d) max_diff = d;                                                  \
     }                                                                                              \
-    printf("  %-32s n=%-8zu max|diff|=%.3e (atol %.1e, rtol %.1e)\n", name, n, max_diff, atol,   \
+    printf("  %-32s n=%-8zu max|diff|=%.3e (atol %.1e, rtol %.1e)\n", name, n, max_diff, atol,     \
            rtol);                                                                                  \
     if (bad != n)                                                                                  \
-        return t_check(0, "%s[%zu]: got %.9g want %.9g", name, bad, (double)got[bad],             \
+        return t_check(0, "%s[%zu]: got %.9g want %.9g", name, bad, (double)got[bad],              \
                        (double)want[bad]);                                                         \
     return t_check(1, "%s", name);
 
@@ -69,7 +69,8 @@ int t_dies(const char *name, void (*fn)(void *), void *arg, const char *expect) 
     char msg[4096];
     size_t n = 0;
     ssize_t r;
-    while (n < sizeof msg - 1 && (r = read(fds[0], msg + n, sizeof msg - 1 - n)) > 0) n += (size_t)r;
+    while (n < sizeof msg - 1 && (r = read(fds[0], msg + n, sizeof msg - 1 - n)) > 0)
+        n += (size_t)r;
     msg[n] = 0;
     close(fds[0]);
     int status = 0;

@@ -20,7 +20,8 @@ void fl_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 // Always-on assertion (also in release builds): names the source line.
 #define FL_ASSERT(cond)                                                                            \
     do {                                                                                           \
-        if (!(cond)) fl_die("internal: assertion '%s' failed at %s:%d", #cond, __FILE__, __LINE__); \
+        if (!(cond))                                                                               \
+            fl_die("internal: assertion '%s' failed at %s:%d", #cond, __FILE__, __LINE__);         \
     } while (0)
 
 // ----------------------------------------------------------------------------
@@ -64,9 +65,9 @@ typedef struct {
 
 void fl_rng_seed(fl_rng *rng, uint64_t seed);
 uint64_t fl_rng_u64(fl_rng *rng);
-float fl_rng_uniform(fl_rng *rng);               // [0, 1)
-float fl_rng_normal(fl_rng *rng);                // N(0, 1), Box-Muller
-uint64_t fl_rng_below(fl_rng *rng, uint64_t n);  // uniform in [0, n), n > 0
+float fl_rng_uniform(fl_rng *rng);              // [0, 1)
+float fl_rng_normal(fl_rng *rng);               // N(0, 1), Box-Muller
+uint64_t fl_rng_below(fl_rng *rng, uint64_t n); // uniform in [0, n), n > 0
 
 // ----------------------------------------------------------------------------
 // CPU features, threads and time

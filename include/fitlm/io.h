@@ -29,8 +29,8 @@ void fl_text_random_batch(const fl_text *text, fl_rng *rng, int *inputs, int *ta
                           int T);
 // Batch `index` of `count` evaluation batches: B*count windows spread evenly
 // over the whole text, the same every time.
-void fl_text_eval_batch(const fl_text *text, int index, int count, int *inputs, int *targets,
-                        int B, int T);
+void fl_text_eval_batch(const fl_text *text, int index, int count, int *inputs, int *targets, int B,
+                        int T);
 // Cross-entropy (nats/byte) of `eval` under the byte-unigram distribution of
 // `train` (add-one smoothed): the baseline a language model must beat.
 double fl_text_unigram_xent(const fl_text *train, const fl_text *eval);

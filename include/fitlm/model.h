@@ -17,7 +17,7 @@ enum {
     FL_PARAM_DECAY = 1 << 0, // AdamW applies weight decay (matrices, not biases/LN/wpe)
 };
 
-#define FL_MAX_DIMS 4
+#define FL_MAX_DIMS       4
 #define FL_PARAM_NAME_MAX 64
 
 typedef struct {
@@ -68,38 +68,38 @@ size_t fl_gpt2_num_params(const fl_gpt2_config *cfg);
 // Per-layer views into the flat buffers (params or grads): the same struct
 // serves both, so backward reads like forward.
 typedef struct {
-    float *ln1w, *ln1b;     // (C)
-    float *qkvw, *qkvb;     // (3C, C), (3C)
-    float *attprojw;        // (C, C)
-    float *attprojb;        // (C)
-    float *ln2w, *ln2b;     // (C)
-    float *fcw, *fcb;       // (4C, C), (4C)
-    float *fcprojw;         // (C, 4C)
-    float *fcprojb;         // (C)
+    float *ln1w, *ln1b; // (C)
+    float *qkvw, *qkvb; // (3C, C), (3C)
+    float *attprojw;    // (C, C)
+    float *attprojb;    // (C)
+    float *ln2w, *ln2b; // (C)
+    float *fcw, *fcb;   // (4C, C), (4C)
+    float *fcprojw;     // (C, 4C)
+    float *fcprojb;     // (C)
 } fl_gpt2_layer;
 
 typedef struct {
-    float *wte;          // (Vp, C), tied with the LM head; rows V..Vp-1 stay zero
-    float *wpe;          // (maxT, C)
-    fl_gpt2_layer *h;    // (L)
-    float *lnfw, *lnfb;  // (C)
+    float *wte;         // (Vp, C), tied with the LM head; rows V..Vp-1 stay zero
+    float *wpe;         // (maxT, C)
+    fl_gpt2_layer *h;   // (L)
+    float *lnfw, *lnfb; // (C)
 } fl_gpt2_weights;
 
 // Activations kept for the backward pass, for a batch of up to B x T.
 typedef struct {
-    float *encoded;                  // (B,T,C) embedding output = residual stream 0
+    float *encoded;                   // (B,T,C) embedding output = residual stream 0
     float *ln1, *ln1_mean, *ln1_rstd; // (L,B,T,C), (L,B,T), (L,B,T)
-    float *qkv;                      // (L,B,T,3C)
-    float *atty;                     // (L,B,T,C) attention output before projection
-    float *att_lse;                  // (L,B,NH,T) softmax log-sum-exp
-    float *residual2;                // (L,B,T,C) residual after attention
+    float *qkv;                       // (L,B,T,3C)
+    float *atty;                      // (L,B,T,C) attention output before projection
+    float *att_lse;                   // (L,B,NH,T) softmax log-sum-exp
+    float *residual2;                 // (L,B,T,C) residual after attention
     float *ln2, *ln2_mean, *ln2_rstd; // (L,B,T,C), (L,B,T), (L,B,T)
-    float *fch;                      // (L,B,T,4C) MLP pre-activation
-    float *fch_gelu;                 // (L,B,T,4C)
-    float *residual3;                // (L,B,T,C) residual after MLP = next layer's input
+    float *fch;                       // (L,B,T,4C) MLP pre-activation
+    float *fch_gelu;                  // (L,B,T,4C)
+    float *residual3;                 // (L,B,T,C) residual after MLP = next layer's input
     float *lnf, *lnf_mean, *lnf_rstd; // (B,T,C), (B,T), (B,T)
-    float *logits;                   // (B,T,Vp), overwritten by its own gradient in backward
-    float *losses, *xent_lse;        // (B,T)
+    float *logits;                    // (B,T,Vp), overwritten by its own gradient in backward
+    float *losses, *xent_lse;         // (B,T)
 } fl_gpt2_acts;
 
 typedef struct {
@@ -115,7 +115,7 @@ typedef struct {
     float *dres, *dbuf_c, *dbuf_4c_a, *dbuf_4c_b, *dlosses;
     float *att_workspace;
     int att_workspace_threads; // the thread count att_workspace was sized for
-    int *inputs, *targets; // (B,T) copies of the last batch
+    int *inputs, *targets;     // (B,T) copies of the last batch
     // state of the last forward
     int B, T;
     int n_targets; // number of positions with a loss (targets != -1)

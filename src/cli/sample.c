@@ -52,14 +52,22 @@ int cmd_sample(int argc, char **argv) {
         if (strncmp(flag, "--", 2) != 0) fl_die("unexpected argument '%s' (see --help)", flag);
         if (i + 1 >= argc) fl_die("option %s needs a value", flag);
         const char *v = argv[++i];
-        if (!strcmp(flag, "--checkpoint")) o.checkpoint = v;
-        else if (!strcmp(flag, "--prompt")) o.prompt = v;
-        else if (!strcmp(flag, "--tokens")) o.tokens = whole(flag, v, 0, 1 << 20);
-        else if (!strcmp(flag, "--temperature")) o.temperature = (float)number(flag, v, 0, 100);
-        else if (!strcmp(flag, "--top-k")) o.top_k = whole(flag, v, 0, 1 << 30);
-        else if (!strcmp(flag, "--seed")) o.seed = (unsigned long long)number(flag, v, 0, 1.8e19);
-        else if (!strcmp(flag, "--threads")) o.threads = whole(flag, v, 0, 4096);
-        else fl_die("unknown option '%s' (see --help)", flag);
+        if (!strcmp(flag, "--checkpoint"))
+            o.checkpoint = v;
+        else if (!strcmp(flag, "--prompt"))
+            o.prompt = v;
+        else if (!strcmp(flag, "--tokens"))
+            o.tokens = whole(flag, v, 0, 1 << 20);
+        else if (!strcmp(flag, "--temperature"))
+            o.temperature = (float)number(flag, v, 0, 100);
+        else if (!strcmp(flag, "--top-k"))
+            o.top_k = whole(flag, v, 0, 1 << 30);
+        else if (!strcmp(flag, "--seed"))
+            o.seed = (unsigned long long)number(flag, v, 0, 1.8e19);
+        else if (!strcmp(flag, "--threads"))
+            o.threads = whole(flag, v, 0, 4096);
+        else
+            fl_die("unknown option '%s' (see --help)", flag);
     }
     if (o.threads) fl_set_threads(o.threads);
     if (!*o.prompt) fl_die("--prompt must not be empty");

@@ -31,7 +31,8 @@ const char *fl_mem_tag_name(fl_mem_tag tag) {
 
 void *fl_alloc(fl_mem_tag tag, size_t bytes) {
     FL_ASSERT((unsigned)tag < FL_MEM_NTAGS);
-    if (bytes > SIZE_MAX - 2 * ALIGN) fl_die("allocation of %zu bytes (%s) is too large", bytes, fl_mem_tag_name(tag));
+    if (bytes > SIZE_MAX - 2 * ALIGN)
+        fl_die("allocation of %zu bytes (%s) is too large", bytes, fl_mem_tag_name(tag));
     void *raw = NULL;
     if (posix_memalign(&raw, ALIGN, ALIGN + bytes) != 0)
         fl_die("out of memory allocating %.1f MiB for %s (%.1f MiB already allocated)",
@@ -109,7 +110,8 @@ void fl_mem_report(FILE *out) {
     size_t rss = fl_mem_peak_rss(), tagged = fl_mem_total_peak();
     fprintf(out, "  %-20s %10.2f %10.2f\n", "total tagged", fl_mem_total_current() / 1048576.0,
             tagged / 1048576.0);
-    fprintf(out, "  process peak RSS     %10s %10.2f (untracked overhead %.2f MiB: code, libraries, "
-                 "BLAS buffers)\n",
+    fprintf(out,
+            "  process peak RSS     %10s %10.2f (untracked overhead %.2f MiB: code, libraries, "
+            "BLAS buffers)\n",
             "", rss / 1048576.0, ((double)rss - (double)tagged) / 1048576.0);
 }

@@ -18,10 +18,10 @@ typedef struct {
     const char *key;  // JSON path
     const char *flag; // command-line flag
     opt_type type;
-    size_t offset;  // into fl_train_config (second float of a pair follows the first)
-    size_t size;    // buffer size of strings
-    const char *def; // default, as text
-    double min, max; // for numbers
+    size_t offset;       // into fl_train_config (second float of a pair follows the first)
+    size_t size;         // buffer size of strings
+    const char *def;     // default, as text
+    double min, max;     // for numbers
     const char *choices; // "a|b|c" for OPT_CHOICE
     const char *help;
 } option;
@@ -49,16 +49,14 @@ static const option options[] = {
      "training text (UTF-8)"},
     {"val_data", "--val-data", OPT_STRING, STR(val_data), "data/brown_val.txt", 0, 0, NULL,
      "validation text (UTF-8; empty = no validation)"},
-    {"train_micro_batch_size_per_gpu", "--batch", OPT_INT, NUM(micro_batch), "16", 1, 1 << 20,
-     NULL, "micro-batch size B (sequences per forward pass)"},
-    {"gradient_accumulation_steps", "--grad-accum", OPT_INT, NUM(grad_accum), "1", 1, 1 << 20,
-     NULL, "micro-batches accumulated per optimizer step"},
+    {"train_micro_batch_size_per_gpu", "--batch", OPT_INT, NUM(micro_batch), "16", 1, 1 << 20, NULL,
+     "micro-batch size B (sequences per forward pass)"},
+    {"gradient_accumulation_steps", "--grad-accum", OPT_INT, NUM(grad_accum), "1", 1, 1 << 20, NULL,
+     "micro-batches accumulated per optimizer step"},
     {"train_batch_size", "--train-batch-size", OPT_INT, NUM(train_batch_size), "0", 0, 1 << 30,
      NULL, "sequences per optimizer step = batch x grad-accum (0 = derived)"},
-    {"seq_len", "--seq-len", OPT_INT, NUM(seq_len), "128", 1, 1048576, NULL,
-     "sequence length T"},
-    {"train_steps", "--steps", OPT_INT, NUM(steps), "1400", 0, 1 << 30, NULL,
-     "optimizer steps"},
+    {"seq_len", "--seq-len", OPT_INT, NUM(seq_len), "128", 1, 1048576, NULL, "sequence length T"},
+    {"train_steps", "--steps", OPT_INT, NUM(steps), "1400", 0, 1 << 30, NULL, "optimizer steps"},
     {"optimizer.type", "--optimizer", OPT_CHOICE, STR(optimizer), "adamw", 0, 0, "adamw|sgd",
      "optimizer"},
     {"optimizer.params.lr", "--lr", OPT_FLOAT, NUM(lr), "0.003", 0, 1e3, NULL,
@@ -66,18 +64,18 @@ static const option options[] = {
     {"optimizer.params.betas", "--betas", OPT_PAIR, NUM(beta1), "0.9,0.95", 0, 0.999999, NULL,
      "AdamW betas (beta1,beta2)"},
     {"optimizer.params.eps", "--eps", OPT_FLOAT, NUM(eps), "1e-8", 0, 1, NULL, "AdamW epsilon"},
-    {"optimizer.params.weight_decay", "--weight-decay", OPT_FLOAT, NUM(weight_decay), "0.1", 0,
-     1e3, NULL, "weight decay (matrices and wte; not biases, LayerNorm, wpe)"},
+    {"optimizer.params.weight_decay", "--weight-decay", OPT_FLOAT, NUM(weight_decay), "0.1", 0, 1e3,
+     NULL, "weight decay (matrices and wte; not biases, LayerNorm, wpe)"},
     {"optimizer.params.momentum", "--momentum", OPT_FLOAT, NUM(momentum), "0", 0, 0.999999, NULL,
      "SGD momentum"},
     {"gradient_clipping", "--grad-clip", OPT_FLOAT, NUM(grad_clip), "1.0", 0, 1e9, NULL,
      "global gradient-norm clip (0 = off)"},
     {"scheduler.type", "--scheduler", OPT_CHOICE, STR(scheduler), "cosine", 0, 0,
      "constant|cosine|linear", "learning-rate decay after warmup"},
-    {"scheduler.params.warmup_num_steps", "--warmup", OPT_INT, NUM(warmup_steps), "100", 0,
-     1 << 30, NULL, "linear warmup steps"},
-    {"scheduler.params.min_lr_ratio", "--min-lr-ratio", OPT_FLOAT, NUM(min_lr_ratio), "0.1", 0,
-     1, NULL, "learning-rate floor at the last step, as a fraction of lr"},
+    {"scheduler.params.warmup_num_steps", "--warmup", OPT_INT, NUM(warmup_steps), "100", 0, 1 << 30,
+     NULL, "linear warmup steps"},
+    {"scheduler.params.min_lr_ratio", "--min-lr-ratio", OPT_FLOAT, NUM(min_lr_ratio), "0.1", 0, 1,
+     NULL, "learning-rate floor at the last step, as a fraction of lr"},
     {"eval_interval", "--eval-every", OPT_INT, NUM(eval_interval), "200", 0, 1 << 30, NULL,
      "validation loss every N steps (0 = only at the end)"},
     {"eval_iters", "--eval-iters", OPT_INT, NUM(eval_iters), "16", 1, 1 << 20, NULL,
@@ -87,8 +85,7 @@ static const option options[] = {
     {"sample_tokens", "--sample-tokens", OPT_INT, NUM(sample_tokens), "400", 0, 1 << 20, NULL,
      "tokens of text sampled after training"},
     {"seed", "--seed", OPT_U64, NUM(seed), "1337", 0, 0, NULL, "random seed"},
-    {"threads", "--threads", OPT_INT, NUM(threads), "0", 0, 4096, NULL,
-     "threads (0 = all cores)"},
+    {"threads", "--threads", OPT_INT, NUM(threads), "0", 0, 4096, NULL, "threads (0 = all cores)"},
     {"mem_report", "--mem-report", OPT_BOOL, NUM(mem_report), "false", 0, 0, NULL,
      "print memory per tag and peak RSS at the end"},
 };
@@ -120,6 +117,11 @@ static int choice_index(const option *o, const char *value) {
     return -1;
 }
 
+// The field an option sets, inside the config struct.
+static void *field(fl_train_config *cfg, const option *o) {
+    return (char *)cfg + o->offset;
+}
+
 static void check_range(const option *o, double v, const char *where) {
     if (!(v >= o->min && v <= o->max))
         fl_die("%s: %s = %g is out of range [%g, %g]", where, o->key, v, o->min, o->max);
@@ -136,7 +138,7 @@ static double parse_number(const option *o, const char *text, const char *where)
 }
 
 static void set_number(fl_train_config *cfg, const option *o, double v, const char *where) {
-    char *base = (char *)cfg + o->offset;
+    void *base = field(cfg, o);
     switch (o->type) {
     case OPT_INT:
         if (v != floor(v)) fl_die("%s: %s expects a whole number, got %g", where, o->key, v);
@@ -159,7 +161,7 @@ static void set_number(fl_train_config *cfg, const option *o, double v, const ch
 
 static void set_string(fl_train_config *cfg, const option *o, const char *value,
                        const char *where) {
-    char *dst = (char *)cfg + o->offset;
+    char *dst = field(cfg, o);
     if (strlen(value) >= o->size)
         fl_die("%s: %s is too long (%zu characters, at most %zu)", where, o->key, strlen(value),
                o->size - 1);
@@ -173,18 +175,17 @@ static void set_string(fl_train_config *cfg, const option *o, const char *value,
     strcpy(dst, value);
 }
 
-static void set_pair(fl_train_config *cfg, const option *o, double a, double b,
-                     const char *where) {
+static void set_pair(fl_train_config *cfg, const option *o, double a, double b, const char *where) {
     check_range(o, a, where);
     check_range(o, b, where);
-    float *dst = (float *)((char *)cfg + o->offset);
+    float *dst = field(cfg, o);
     dst[0] = (float)a;
     dst[1] = (float)b;
 }
 
 static void set_bool_text(fl_train_config *cfg, const option *o, const char *value,
                           const char *where) {
-    int *dst = (int *)((char *)cfg + o->offset);
+    int *dst = field(cfg, o);
     if (!strcmp(value, "true") || !strcmp(value, "1"))
         *dst = 1;
     else if (!strcmp(value, "false") || !strcmp(value, "0"))
@@ -229,7 +230,7 @@ static void set_from_json(fl_train_config *cfg, const option *o, const cJSON *it
         break;
     case OPT_BOOL:
         if (!cJSON_IsBool(item)) fl_die("%s: %s must be true or false", where, o->key);
-        *(int *)((char *)cfg + o->offset) = cJSON_IsTrue(item);
+        *(int *)field(cfg, o) = cJSON_IsTrue(item);
         break;
     case OPT_PAIR:
         if (!cJSON_IsArray(item) || cJSON_GetArraySize(item) != 2 ||
@@ -250,7 +251,8 @@ static void set_from_json(fl_train_config *cfg, const option *o, const cJSON *it
 
 void fl_config_defaults(fl_train_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
-    for (size_t i = 0; i < N_OPTIONS; i++) set_from_text(cfg, &options[i], options[i].def, "defaults");
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        set_from_text(cfg, &options[i], options[i].def, "defaults");
 }
 
 static int is_prefix_of_a_key(const char *path) {
@@ -265,7 +267,8 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
     for (const cJSON *item = obj->child; item; item = item->next) {
         char key[256];
         int n = snprintf(key, sizeof key, "%s%s%s", prefix, *prefix ? "." : "", item->string);
-        if (n < 0 || (size_t)n >= sizeof key) fl_die("%s: key '%s' is too long", path, item->string);
+        if (n < 0 || (size_t)n >= sizeof key)
+            fl_die("%s: key '%s' is too long", path, item->string);
         const option *o = NULL;
         for (size_t i = 0; i < N_OPTIONS; i++)
             if (!strcmp(options[i].key, key)) o = &options[i];
@@ -289,7 +292,8 @@ void fl_config_load_json(fl_train_config *cfg, const char *path) {
     fseek(f, 0, SEEK_END);
     long size = ftell(f);
     fseek(f, 0, SEEK_SET);
-    if (size < 0 || size > (1 << 24)) fl_die("config file %s: unreadable or larger than 16 MiB", path);
+    if (size < 0 || size > (1 << 24))
+        fl_die("config file %s: unreadable or larger than 16 MiB", path);
     char *text = fl_alloc(FL_MEM_OTHER, (size_t)size + 1);
     if (fread(text, 1, (size_t)size, f) != (size_t)size) fl_die("cannot read config file %s", path);
     fclose(f);
@@ -331,7 +335,8 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
             continue;
         }
         if (!strncmp(arg, "--config=", 9)) continue;
-        if (strncmp(arg, "--", 2) != 0) fl_die("unexpected argument '%s' (options start with --)", arg);
+        if (strncmp(arg, "--", 2) != 0)
+            fl_die("unexpected argument '%s' (options start with --)", arg);
         const char *eq = strchr(arg, '=');
         size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
         const option *o = find_flag(arg, len);
@@ -360,9 +365,12 @@ void fl_gpt2_preset(fl_gpt2_config *out, const char *name) {
         const char *name;
         int n_layer, n_head, n_embd, max_seq_len;
     } presets[] = {
-        {"tiny", 2, 4, 64, 64},           {"demo", 4, 4, 192, 256},
-        {"gpt2", 12, 12, 768, 1024},      {"gpt2-medium", 24, 16, 1024, 1024},
-        {"gpt2-large", 36, 20, 1280, 1024}, {"gpt2-xl", 48, 25, 1600, 1024},
+        {"tiny", 2, 4, 64, 64},
+        {"demo", 4, 4, 192, 256},
+        {"gpt2", 12, 12, 768, 1024},
+        {"gpt2-medium", 24, 16, 1024, 1024},
+        {"gpt2-large", 36, 20, 1280, 1024},
+        {"gpt2-xl", 48, 25, 1600, 1024},
     };
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
         if (strcasecmp(presets[i].name, name)) continue;
@@ -440,6 +448,6 @@ void fl_config_print(const fl_train_config *cfg, FILE *out) {
             "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g (%s, warmup %d, floor %g) "
             "wd %g clip %g | seed %llu, %d threads\n",
             cfg->micro_batch, cfg->seq_len, cfg->grad_accum, cfg->steps, cfg->optimizer, cfg->lr,
-            cfg->scheduler, cfg->warmup_steps, cfg->min_lr_ratio, cfg->weight_decay,
-            cfg->grad_clip, (unsigned long long)cfg->seed, cfg->threads);
+            cfg->scheduler, cfg->warmup_steps, cfg->min_lr_ratio, cfg->weight_decay, cfg->grad_clip,
+            (unsigned long long)cfg->seed, cfg->threads);
 }

@@ -20,9 +20,9 @@
 #include <unistd.h>
 #include <cJSON.h>
 
-#define CKPT_MAGIC "FITLMCKP"
+#define CKPT_MAGIC   "FITLMCKP"
 #define CKPT_VERSION 1
-#define CKPT_PREFIX 24
+#define CKPT_PREFIX  24
 
 uint32_t fl_crc32(uint32_t crc, const void *data, size_t n) {
     static uint32_t table[256];
@@ -179,8 +179,8 @@ void fl_ckpt_load(const char *dir, fl_gpt2 *model, char *tokenizer, size_t token
     // Check the size before allocating: a corrupt shape must not allocate.
     size_t numel = fl_gpt2_num_params(&cfg);
     if ((uint64_t)numel * sizeof(float) != data_bytes)
-        fl_die("checkpoint %s: %llu data bytes do not match the model shape (%zu parameters)",
-               path, (unsigned long long)data_bytes, numel);
+        fl_die("checkpoint %s: %llu data bytes do not match the model shape (%zu parameters)", path,
+               (unsigned long long)data_bytes, numel);
     fl_gpt2_init(model, &cfg, 0);
     if (fread(model->params, 1, data_bytes, f) != data_bytes)
         fl_die("cannot read checkpoint %s", path);

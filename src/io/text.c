@@ -62,16 +62,16 @@ static void window(const fl_text *text, size_t start, int *inputs, int *targets,
 void fl_text_random_batch(const fl_text *text, fl_rng *rng, int *inputs, int *targets, int B,
                           int T) {
     if (text->n < (size_t)T + 1)
-        fl_die("the training text (%zu bytes) is shorter than one sequence of %d+1 tokens",
-               text->n, T);
+        fl_die("the training text (%zu bytes) is shorter than one sequence of %d+1 tokens", text->n,
+               T);
     size_t starts = text->n - (size_t)T; // valid start offsets
     for (int b = 0; b < B; b++)
         window(text, (size_t)fl_rng_below(rng, starts), inputs + (size_t)b * T,
                targets + (size_t)b * T, T);
 }
 
-void fl_text_eval_batch(const fl_text *text, int index, int count, int *inputs, int *targets,
-                        int B, int T) {
+void fl_text_eval_batch(const fl_text *text, int index, int count, int *inputs, int *targets, int B,
+                        int T) {
     if (text->n < (size_t)T + 1)
         fl_die("the validation text (%zu bytes) is shorter than one sequence of %d+1 tokens",
                text->n, T);

@@ -19,6 +19,7 @@ static float row_lse(const float *x, int V) {
     for (int j = 0; j < V; j++) maxval = fmaxf(maxval, x[j]);
     double sum = 0.0;
     for (int j = 0; j < V; j++) sum += expf(x[j] - maxval);
+    // cppcheck-suppress invalidFunctionArg ; V >= 1, so sum >= 1
     return maxval + (float)log(sum);
 }
 

@@ -93,10 +93,10 @@ static void bind_weights(fl_gpt2_weights *w, const fl_param_table *t, float *bas
     w->wpe = base + v[1].offset;
     for (int l = 0; l < L; l++) {
         const fl_param_view *lv = v + VIEWS_BEFORE_LAYERS + l * VIEWS_PER_LAYER;
-        float **slots[VIEWS_PER_LAYER] = {
-            &w->h[l].ln1w,     &w->h[l].ln1b, &w->h[l].qkvw, &w->h[l].qkvb,
-            &w->h[l].attprojw, &w->h[l].attprojb, &w->h[l].ln2w, &w->h[l].ln2b,
-            &w->h[l].fcw,      &w->h[l].fcb,  &w->h[l].fcprojw, &w->h[l].fcprojb};
+        float **slots[VIEWS_PER_LAYER] = {&w->h[l].ln1w, &w->h[l].ln1b,     &w->h[l].qkvw,
+                                          &w->h[l].qkvb, &w->h[l].attprojw, &w->h[l].attprojb,
+                                          &w->h[l].ln2w, &w->h[l].ln2b,     &w->h[l].fcw,
+                                          &w->h[l].fcb,  &w->h[l].fcprojw,  &w->h[l].fcprojb};
         for (int i = 0; i < VIEWS_PER_LAYER; i++) *slots[i] = base + lv[i].offset;
     }
     const fl_param_view *f = v + VIEWS_BEFORE_LAYERS + L * VIEWS_PER_LAYER;
@@ -143,7 +143,8 @@ void fl_gpt2_init(fl_gpt2 *model, const fl_gpt2_config *cfg, uint64_t seed) {
 
 void fl_gpt2_alloc_acts(fl_gpt2 *model, int B, int T) {
     const fl_gpt2_config *c = &model->config;
-    if (B <= 0 || T <= 0) fl_die("batch size and sequence length must be positive (B=%d, T=%d)", B, T);
+    if (B <= 0 || T <= 0)
+        fl_die("batch size and sequence length must be positive (B=%d, T=%d)", B, T);
     if (T > c->max_seq_len)
         fl_die("sequence length %d exceeds the model's max_seq_len %d", T, c->max_seq_len);
     FL_ASSERT(model->max_B == 0); // allocated once, up front
@@ -189,12 +190,20 @@ void fl_gpt2_alloc_acts(fl_gpt2 *model, int B, int T) {
 
 void fl_gpt2_free(fl_gpt2 *model) {
     fl_gpt2_acts *a = &model->acts;
-    float *bufs[] = {a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att_lse,
-                     a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
-                     a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->logits, a->losses,
-                     a->xent_lse, model->dres, model->dbuf_c, model->dbuf_4c_a,
-                     model->dbuf_4c_b, model->dlosses, model->att_workspace, model->params,
-                     model->grads};
+    float *bufs[] = {a->encoded,       a->ln1,
+                     a->ln1_mean,      a->ln1_rstd,
+                     a->qkv,           a->atty,
+                     a->att_lse,       a->residual2,
+                     a->ln2,           a->ln2_mean,
+                     a->ln2_rstd,      a->fch,
+                     a->fch_gelu,      a->residual3,
+                     a->lnf,           a->lnf_mean,
+                     a->lnf_rstd,      a->logits,
+                     a->losses,        a->xent_lse,
+                     model->dres,      model->dbuf_c,
+                     model->dbuf_4c_a, model->dbuf_4c_b,
+                     model->dlosses,   model->att_workspace,
+                     model->params,    model->grads};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) fl_free(bufs[i]);
     fl_free(model->inputs);
     fl_free(model->targets);
@@ -213,16 +222,15 @@ float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int
     if (B > model->max_B || T > model->max_T)
         fl_die("internal: batch %dx%d exceeds the allocated %dx%d", B, T, model->max_B,
                model->max_T);
-    int L = c->n_layer, C = c->n_embd, NH = c->n_head, V = c->vocab_size,
-        Vp = c->padded_vocab_size;
+    int L = c->n_layer, C = c->n_embd, NH = c->n_head, V = c->vocab_size, Vp = c->padded_vocab_size;
     size_t BT = (size_t)B * T, BTC = BT * C;
     for (size_t i = 0; i < BT; i++) {
         if (tokens[i] < 0 || tokens[i] >= V)
             fl_die("token id %d at position %zu is outside the vocabulary [0, %d)", tokens[i], i,
                    V);
         if (targets && (targets[i] < -1 || targets[i] >= V))
-            fl_die("target id %d at position %zu is outside the vocabulary [0, %d)", targets[i],
-                   i, V);
+            fl_die("target id %d at position %zu is outside the vocabulary [0, %d)", targets[i], i,
+                   V);
     }
     // attention takes one workspace slice per thread
     if (fl_threads() > model->att_workspace_threads)
@@ -341,8 +349,8 @@ void fl_gpt2_backward(fl_gpt2 *model, float loss_scale) {
                            T, C, NH);
         memset(dbuf, 0, BTC * sizeof(float));
         matmul_backward(dbuf, lg->qkvw, lg->qkvb, d4a, ln1, lw->qkvw, BT, C, 3 * C);
-        layernorm_backward(dres, lg->ln1w, lg->ln1b, dbuf, residual, lw->ln1w,
-                           a->ln1_mean + l * BT, a->ln1_rstd + l * BT, BT, C);
+        layernorm_backward(dres, lg->ln1w, lg->ln1b, dbuf, residual, lw->ln1w, a->ln1_mean + l * BT,
+                           a->ln1_rstd + l * BT, BT, C);
         grad_ready(model, VIEWS_BEFORE_LAYERS + l * VIEWS_PER_LAYER, VIEWS_PER_LAYER);
     }
     // wte is complete only now: it also received the LM head's gradient.

@@ -13,7 +13,7 @@ float fl_lr_at(const fl_schedule *s, int step) {
     int span = s->total_steps - s->warmup_steps;
     if (span <= 0 || step >= s->total_steps) return floor;
     float progress = (float)(step - s->warmup_steps) / (float)span;
-    float shape = s->kind == FL_SCHED_COSINE ? 0.5f * (1.0f + cosf((float)M_PI * progress))
-                                             : 1.0f - progress;
+    float shape =
+        s->kind == FL_SCHED_COSINE ? 0.5f * (1.0f + cosf((float)M_PI * progress)) : 1.0f - progress;
     return floor + (s->lr - floor) * shape;
 }
