@@ -143,6 +143,31 @@ static void test_config_then_flags(void) {
     t_check(strstr(output, "final val loss") != NULL, "a validation loss is reported");
 }
 
+// Keeps only what must repeat: each step's loss, lr and norm (not the timing).
+static void losses_of(const char *text, char *out, size_t size) {
+    size_t n = 0;
+    for (const char *p = strstr(text, "| loss "); p; p = strstr(p + 1, "| loss ")) {
+        const char *end = strstr(p, " ms");
+        while (end && end > p && *end != '|') end--; // drop the timing field
+        int len = end ? (int)(end - p) : 0;
+        n += (size_t)snprintf(out + n, size - n, "%.*s\n", len, p);
+        if (n >= size) break;
+    }
+}
+
+static void test_same_seed_same_losses(void) {
+    const char *run = "train --config run.json --steps 4 --eval-every 0 --sample-tokens 0 "
+                      "--threads 2 --seed 7";
+    static char first[8192], second[8192];
+    int rc1 = fitlm(run);
+    losses_of(output, first, sizeof first);
+    int rc2 = fitlm(run);
+    losses_of(output, second, sizeof second);
+    t_check(rc1 == 0 && rc2 == 0 && strlen(first) > 40, "two seeded runs succeed: %s", first);
+    t_check(strcmp(first, second) == 0, "same seed and threads, identical step logs:\n%s---\n%s",
+            first, second);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_help_lists_every_option_with_default();
@@ -150,6 +175,7 @@ int main(void) {
     test_bad_config_files();
     test_bad_data();
     test_config_then_flags();
+    test_same_seed_same_losses();
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;
