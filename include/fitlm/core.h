@@ -89,8 +89,10 @@ double fl_now(void); // monotonic seconds
 
 // Compiles a hot elementwise loop for AVX-512, AVX2 and baseline x86-64; the
 // dynamic loader picks the clone for the CPU at run time (GCC ifunc).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-#define FL_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) &&                             \
+    !defined(__SANITIZE_ADDRESS__)
+#define FL_TARGET_CLONES                                                                           \
+    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define FL_TARGET_CLONES
 #endif
