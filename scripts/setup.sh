@@ -40,7 +40,7 @@ PYTHON=/usr/bin/python3
 
 # --- 1. packages ------------------------------------------------------------
 PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev clang-format cppcheck
-      python3 ca-certificates)
+      python3 ca-certificates libdnnl-dev)
 if [[ $WITH_TORCH == 1 ]]; then
     PKGS+=(python3-torch python3-numpy)
 fi

@@ -87,14 +87,23 @@ static void test_bad_flags(void) {
     fails_with("train --batch 4 --train-batch-size 10", "not a multiple");
     fails_with("train --batch 4 --grad-accum 3 --train-batch-size 8", "train_batch_size 8");
     fails_with("sample --tokens -3", "--tokens");
+    fails_with("train --precision bf16 --hysteresis 3", "fp16.hysteresis applies to fp16");
+    fails_with("train --precision fp8", "must be one of fp32|bf16|fp16");
+    fails_with("train --mem-limit lots", "expected a size such as 8G");
     fails_with("sample --checkpoint nowhere", "cannot open checkpoint nowhere/model.ckpt");
 }
 
 static void test_bad_config_files(void) {
     write_text("unknown.json", "{\"optimizer\": {\"params\": {\"lr\": 0.1, \"foo\": 1}}}");
     fails_with("train --config unknown.json", "unknown.json: unknown key 'optimizer.params.foo'");
-    write_text("toplevel.json", "{\"fp16\": {\"enabled\": true}}");
-    fails_with("train --config toplevel.json", "unknown key 'fp16'");
+    write_text("toplevel.json", "{\"zero_optimization\": {\"stage\": 2}}");
+    fails_with("train --config toplevel.json", "unknown key 'zero_optimization'");
+    write_text("both.json", "{\"bf16\": {\"enabled\": true}, \"fp16\": {\"enabled\": true}}");
+    fails_with("train --config both.json", "cannot both be true");
+    write_text("contra.json", "{\"precision\": \"fp32\", \"fp16\": {\"enabled\": true}}");
+    fails_with("train --config contra.json", "precision 'fp32' contradicts fp16.enabled");
+    write_text("fp16key.json", "{\"fp16\": {\"enabled\": false, \"loss_scale_window\": 10}}");
+    fails_with("train --config fp16key.json", "fp16.loss_scale_window applies to fp16 training");
     write_text("type.json", "{\"train_micro_batch_size_per_gpu\": \"eight\"}");
     fails_with("train --config type.json", "train_micro_batch_size_per_gpu must be a number");
     write_text("range.json", "{\"gradient_accumulation_steps\": 0}");
@@ -141,6 +150,21 @@ static void test_config_then_flags(void) {
     t_check(strstr(output, "batch 2 x 16 tokens") != NULL, "the file sets the batch");
     t_check(strstr(output, "step     2/2") != NULL, "two steps are logged, one line each");
     t_check(strstr(output, "final val loss") != NULL, "a validation loss is reported");
+
+    rc = fitlm("train --config run.json --mem-limit 2.1M");
+    t_check(rc == 1 && strstr(output, "more than the limit of 2.10 MiB") &&
+                strstr(output, "Largest: optim") && strstr(output, "--batch 1"),
+            "a plan over --mem-limit stops before allocating, with advice: %.600s", output);
+    rc = fitlm("train --config run.json --fp16 --steps 3 --mem-report");
+    t_check(rc == 0 && strstr(output, "| scale 65536") && strstr(output, "| skipped 0") &&
+                strstr(output, "master") && strstr(output, "peak RSS"),
+            "fp16 runs log the loss scale and skipped steps; --mem-report reports: %.600s", output);
+    // The tagged allocations are all the engine's memory; what RSS adds on top
+    // is code, libraries and the BLAS/oneDNN runtimes: ~30 MiB measured here.
+    const char *over = strstr(output, "untracked overhead ");
+    double mib = over ? atof(over + strlen("untracked overhead ")) : -1.0;
+    printf("  peak RSS - tagged peak = %.2f MiB\n", mib);
+    t_check(mib >= 0.0 && mib < 64.0, "untracked memory is small (%.2f MiB < 64)", mib);
 }
 
 // Keeps only what must repeat: each step's loss, lr and norm (not the timing).

@@ -281,8 +281,8 @@ static void load_params(fl_gpt2 *m, fixture *fx, const char *prefix) {
         const fx_record *r = fx_find(fx, name);
         FL_ASSERT(r && r->numel <= v->numel);
         float *x = fx_copy(fx, r);
-        memset(m->params + v->offset, 0, v->numel * sizeof(float));
-        memcpy(m->params + v->offset, x, r->numel * sizeof(float));
+        memset((float *)m->params + v->offset, 0, v->numel * sizeof(float));
+        memcpy((float *)m->params + v->offset, x, r->numel * sizeof(float));
         free(x);
     }
 }
@@ -436,7 +436,7 @@ static int test_reference(fixture *fx, const fx_config *c) {
     fl_gpt2_config cfg = make_config(c);
     fl_gpt2 model;
     memset(&model, 0, sizeof model);
-    fl_gpt2_init(&model, &cfg, 1);
+    fl_gpt2_init(&model, &cfg, FL_F32, 1);
     fl_gpt2_alloc_acts(&model, c->B, c->T);
     const int B = c->B, T = c->T, V = c->V, Vp = cfg.padded_vocab_size;
     printf("config: L=%d C=%d NH=%d V=%d (Vp=%d) maxT=%d, batch %dx%d, %zu params\n", c->L, c->C,
@@ -479,9 +479,10 @@ static int test_reference(fixture *fx, const fx_config *c) {
     t_close("loss (mean of acts.losses)", &mean, want_loss, 1, LOSS_ATOL, 0);
     float *got_logits = malloc((size_t)B * T * V * sizeof(float));
     size_t pad_nonzero = 0;
+    const float *logits = model.acts.logits; // fp32 model
     for (int i = 0; i < B * T; i++) {
-        memcpy(got_logits + (size_t)i * V, model.acts.logits + (size_t)i * Vp, V * sizeof(float));
-        for (int j = V; j < Vp; j++) pad_nonzero += model.acts.logits[(size_t)i * Vp + j] != 0.0f;
+        memcpy(got_logits + (size_t)i * V, logits + (size_t)i * Vp, V * sizeof(float));
+        for (int j = V; j < Vp; j++) pad_nonzero += logits[(size_t)i * Vp + j] != 0.0f;
     }
     t_close("logits", got_logits, want_logits, (size_t)B * T * V, LOGITS_ATOL, LOGITS_RTOL);
     t_check(pad_nonzero == 0, "%zu nonzero logits in the padded vocab columns", pad_nonzero);
@@ -513,8 +514,8 @@ static int test_reference(fixture *fx, const fx_config *c) {
         fl_gpt2_zero_grad(&model);
         losses[s] = fl_gpt2_forward(&model, tokens, targets, B, T);
         fl_gpt2_backward(&model, 1.0f);
-        norms[s] = fl_clip_grad_norm(model.grads, model.table.numel, c->max_grad_norm);
-        fl_adamw_step(&opt, &model.table, model.params, model.grads, c->lr);
+        norms[s] = t_adamw_step_fp32(&opt, &model.table, model.params, model.grads, c->lr,
+                                     c->max_grad_norm);
     }
     float *want_losses = fx_floats(fx, "step_losses"),
           *want_norms = fx_floats(fx, "step_grad_norms");
@@ -551,7 +552,7 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
     fl_gpt2_config cfg = make_config(c);
     fl_gpt2 model;
     memset(&model, 0, sizeof model);
-    fl_gpt2_init(&model, &cfg, 1);
+    fl_gpt2_init(&model, &cfg, FL_F32, 1);
     fl_gpt2_alloc_acts(&model, c->B, c->T);
     load_params(&model, fx, "param/");
     int *tokens = fx_copy(fx, fx_find(fx, "tokens")),
@@ -597,20 +598,21 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
         size_t n = strcmp(v->name, "wte.weight") == 0 ? (size_t)c->V * c->C : v->numel;
         size_t idx[2] = {0, fl_rng_below(&rng, n)};
         for (size_t j = 1; j < n; j++)
-            if (fabsf(model.grads[v->offset + j]) > fabsf(model.grads[v->offset + idx[0]]))
+            if (fabsf(((float *)model.grads)[v->offset + j]) >
+                fabsf(((float *)model.grads)[v->offset + idx[0]]))
                 idx[0] = j;
         for (int q = 0; q < 1 + picks[k].random_too; q++) {
             size_t at = v->offset + idx[q];
             // divide by the step really taken (saved +- h rounded to float)
-            float saved = model.params[at], plus = saved + FD_H, minus = saved - FD_H;
-            model.params[at] = plus;
+            float saved = ((float *)model.params)[at], plus = saved + FD_H, minus = saved - FD_H;
+            ((float *)model.params)[at] = plus;
             fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
             double lp = mean_loss(&model);
-            model.params[at] = minus;
+            ((float *)model.params)[at] = minus;
             fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
             double lm = mean_loss(&model);
-            model.params[at] = saved;
-            double fd = (lp - lm) / ((double)plus - (double)minus), an = model.grads[at];
+            ((float *)model.params)[at] = saved;
+            double fd = (lp - lm) / ((double)plus - (double)minus), an = ((float *)model.grads)[at];
             double err = fabs(fd - an);
             if (err / (FD_ATOL + FD_RTOL * fabs(an)) > worst)
                 worst = err / (FD_ATOL + FD_RTOL * fabs(an));
@@ -637,7 +639,7 @@ static void test_overfit(fixture *fx, const fx_config *c) {
     fl_gpt2_config cfg = make_config(c);
     fl_gpt2 model;
     memset(&model, 0, sizeof model);
-    fl_gpt2_init(&model, &cfg, 1);
+    fl_gpt2_init(&model, &cfg, FL_F32, 1);
     fl_gpt2_alloc_acts(&model, c->B, c->T);
     int *tokens = fx_copy(fx, fx_find(fx, "tokens")),
         *targets = fx_copy(fx, fx_find(fx, "targets"));
@@ -651,8 +653,7 @@ static void test_overfit(fixture *fx, const fx_config *c) {
         if (s == 0) first = loss;
         if (loss < OVERFIT_TARGET || !isfinite(loss)) break;
         fl_gpt2_backward(&model, 1.0f);
-        fl_clip_grad_norm(model.grads, model.table.numel, 1.0f);
-        fl_adamw_step(&opt, &model.table, model.params, model.grads, OVERFIT_LR);
+        t_adamw_step_fp32(&opt, &model.table, model.params, model.grads, OVERFIT_LR, 1.0f);
     }
     printf("overfit: loss %.4f -> %.4f after %d steps\n", first, loss, s);
     t_check(loss < OVERFIT_TARGET, "overfitting one batch: loss %.4f after %d steps (want < %g)",

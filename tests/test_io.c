@@ -79,20 +79,20 @@ static void load_ckpt(void *ckpt_dir) {
     fl_gpt2 m;
     char tok[32];
     int step;
-    fl_ckpt_load(ckpt_dir, &m, tok, sizeof tok, &step);
+    fl_ckpt_load(ckpt_dir, &m, FL_F32, tok, sizeof tok, &step);
 }
 
 static void test_checkpoint(void) {
     fl_gpt2_config cfg = {
         .max_seq_len = 16, .vocab_size = 70, .n_layer = 2, .n_head = 2, .n_embd = 8};
     fl_gpt2 a, b;
-    fl_gpt2_init(&a, &cfg, 3);
+    fl_gpt2_init(&a, &cfg, FL_F32, 3);
     char ck[512], file[600];
     snprintf(ck, sizeof ck, "%s/ck", dir);
-    fl_ckpt_save(ck, &a, "byte", 42);
+    fl_ckpt_save(ck, &a, a.params, "byte", 42);
     char tok[32];
     int step = 0;
-    fl_ckpt_load(ck, &b, tok, sizeof tok, &step);
+    fl_ckpt_load(ck, &b, FL_F32, tok, sizeof tok, &step);
     t_check(step == 42 && !strcmp(tok, "byte"), "step and tokenizer round-trip");
     t_check(b.table.numel == a.table.numel && b.config.n_layer == 2 && b.config.n_embd == 8 &&
                 b.config.vocab_size == 70 && b.config.padded_vocab_size == 128,
@@ -135,8 +135,8 @@ static void test_checkpoint(void) {
 
     // A save over an existing checkpoint leaves no temporary file behind.
     write_bytes(file, good, n);
-    fl_gpt2_init(&a, &cfg, 4);
-    fl_ckpt_save(ck, &a, "byte", 43);
+    fl_gpt2_init(&a, &cfg, FL_F32, 4);
+    fl_ckpt_save(ck, &a, a.params, "byte", 43);
     fl_gpt2_free(&a);
     snprintf(file, sizeof file, "%s/model.ckpt.tmp", ck);
     t_check(access(file, F_OK) != 0, "no temporary file is left after a save");

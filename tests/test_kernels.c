@@ -6,7 +6,10 @@
 //    (loss = sum(out * R), so dout = R), with gradient buffers prefilled so
 //    the += contract is checked at the same time (softmax_xent overwrites,
 //    also in place);
-// 3. the fast kernels run twice give bitwise identical results.
+// 3. the fast kernels run twice give bitwise identical results;
+// 4. in bf16 and fp16 (see "bf16 and fp16" below) against the fp32 _ref, with
+//    tolerances from the dtype's unit roundoff, and exact checks that
+//    gradients are rounded once per call.
 // Outputs and workspaces start as NaN: a kernel that reads what it should
 // only write fails loudly. Everything runs twice, in a forked child with the
 // portable paths (FITLM_NO_SIMD=1) and then with the CPU's SIMD paths.
@@ -140,6 +143,66 @@ static int *tokens(size_t n, unsigned seed, int lo, int hi) {
 }
 
 // ----------------------------------------------------------------------------
+// the fast kernels in fp32, with their _ref twins' signatures
+
+static void encoder_forward_f32(float *out, const int *inp, const float *wte, const float *wpe,
+                                int B, int T, int C) {
+    encoder_forward(FL_F32, out, inp, wte, wpe, B, T, C);
+}
+static void encoder_backward_f32(float *dwte, float *dwpe, const float *dout, const int *inp, int B,
+                                 int T, int C) {
+    encoder_backward(FL_F32, dwte, dwpe, dout, inp, B, T, C);
+}
+static void layernorm_forward_f32(float *out, float *mean, float *rstd, const float *inp,
+                                  const float *weight, const float *bias, int N, int C) {
+    layernorm_forward(FL_F32, out, mean, rstd, inp, weight, bias, N, C);
+}
+static void layernorm_backward_f32(float *dinp, float *dweight, float *dbias, const float *dout,
+                                   const float *inp, const float *weight, const float *mean,
+                                   const float *rstd, int N, int C) {
+    layernorm_backward(FL_F32, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+}
+// fp32 needs no matmul workspace
+static void matmul_forward_f32(float *out, const float *inp, const float *weight, const float *bias,
+                               int N, int C, int OC) {
+    matmul_forward(FL_F32, out, inp, weight, bias, NULL, N, C, OC);
+}
+static void matmul_backward_f32(float *dinp, float *dweight, float *dbias, const float *dout,
+                                const float *inp, const float *weight, int N, int C, int OC) {
+    matmul_backward(FL_F32, dinp, dweight, dbias, dout, inp, weight, NULL, N, C, OC);
+}
+static void attention_forward_f32(float *out, float *lse, const float *qkv, float *workspace, int B,
+                                  int T, int C, int NH) {
+    attention_forward(FL_F32, out, lse, qkv, workspace, B, T, C, NH);
+}
+static void attention_backward_f32(float *dqkv, const float *dout, const float *qkv,
+                                   const float *out, const float *lse, float *workspace, int B,
+                                   int T, int C, int NH) {
+    attention_backward(FL_F32, dqkv, dout, qkv, out, lse, workspace, B, T, C, NH);
+}
+static void gelu_forward_f32(float *out, const float *inp, size_t N) {
+    gelu_forward(FL_F32, out, inp, N);
+}
+static void gelu_backward_f32(float *dinp, const float *inp, const float *dout, size_t N) {
+    gelu_backward(FL_F32, dinp, inp, dout, N);
+}
+static void residual_forward_f32(float *out, const float *a, const float *b, size_t N) {
+    residual_forward(FL_F32, out, a, b, N);
+}
+static void residual_backward_f32(float *da, float *db, const float *dout, size_t N) {
+    residual_backward(FL_F32, da, db, dout, N);
+}
+static void softmax_xent_forward_f32(float *losses, float *lse, const float *logits,
+                                     const int *targets, int N, int V, int Vp) {
+    softmax_xent_forward(FL_F32, losses, lse, logits, targets, N, V, Vp);
+}
+static void softmax_xent_backward_f32(float *dlogits, const float *logits, const float *lse,
+                                      const int *targets, const float *dlosses, int N, int V,
+                                      int Vp) {
+    softmax_xent_backward(FL_F32, dlogits, logits, lse, targets, dlosses, N, V, Vp);
+}
+
+// ----------------------------------------------------------------------------
 // encoder
 
 typedef struct {
@@ -177,11 +240,11 @@ static void test_encoder(void) {
         float *dwte_f = fcopy(dwte_r, (size_t)Vp * C), *dwpe_f = fcopy(dwpe_r, (size_t)maxT * C);
         float *dwte_f2 = fcopy(dwte_r, (size_t)Vp * C), *dwpe_f2 = fcopy(dwpe_r, (size_t)maxT * C);
         encoder_forward_ref(out_r, inp, wte, wpe, B, T, C);
-        encoder_forward(out_f, inp, wte, wpe, B, T, C);
-        encoder_forward(out_f2, inp, wte, wpe, B, T, C);
+        encoder_forward_f32(out_f, inp, wte, wpe, B, T, C);
+        encoder_forward_f32(out_f2, inp, wte, wpe, B, T, C);
         encoder_backward_ref(dwte_r, dwpe_r, dout, inp, B, T, C);
-        encoder_backward(dwte_f, dwpe_f, dout, inp, B, T, C);
-        encoder_backward(dwte_f2, dwpe_f2, dout, inp, B, T, C);
+        encoder_backward_f32(dwte_f, dwpe_f, dout, inp, B, T, C);
+        encoder_backward_f32(dwte_f2, dwpe_f2, dout, inp, B, T, C);
         t_close(nm("enc B%d T%d C%d out", B, T, C), out_f, out_r, nout, 0, 0);
         t_close(nm("enc B%d T%d C%d dwte", B, T, C), dwte_f, dwte_r, (size_t)Vp * C, 0, 0);
         t_close(nm("enc B%d T%d C%d dwpe", B, T, C), dwpe_f, dwpe_r, (size_t)maxT * C, 0, 0);
@@ -207,8 +270,8 @@ static void test_encoder(void) {
         float *out = fnan(nout);
         float *dwte0 = frand(nwte, 24, 1.0f), *dwpe0 = frand(nwpe, 25, 1.0f);
         float *dwte = fcopy(dwte0, nwte), *dwpe = fcopy(dwpe0, nwpe);
-        (fast ? encoder_forward : encoder_forward_ref)(out, inp, wte, wpe, B, T, C);
-        (fast ? encoder_backward : encoder_backward_ref)(dwte, dwpe, R, inp, B, T, C);
+        (fast ? encoder_forward_f32 : encoder_forward_ref)(out, inp, wte, wpe, B, T, C);
+        (fast ? encoder_backward_f32 : encoder_backward_ref)(dwte, dwpe, R, inp, B, T, C);
         check_fwd(nm("enc %s out vs double", v), out, ctx.out, nout);
         check_grad(nm("enc %s dwte vs numeric", v), dwte, dwte0, g_wte, nwte);
         check_grad(nm("enc %s dwpe vs numeric", v), dwpe, dwpe0, g_wpe, nwpe);
@@ -258,11 +321,11 @@ static void test_layernorm(void) {
         float *dinp_f = fcopy(dinp_r, n), *dw_f = fcopy(dw_r, C), *db_f = fcopy(db_r, C);
         float *dinp_f2 = fcopy(dinp_r, n), *dw_f2 = fcopy(dw_r, C), *db_f2 = fcopy(db_r, C);
         layernorm_forward_ref(out_r, mean_r, rstd_r, inp, w, b, N, C);
-        layernorm_forward(out_f, mean_f, rstd_f, inp, w, b, N, C);
-        layernorm_forward(out_f2, mean_f, rstd_f, inp, w, b, N, C);
+        layernorm_forward_f32(out_f, mean_f, rstd_f, inp, w, b, N, C);
+        layernorm_forward_f32(out_f2, mean_f, rstd_f, inp, w, b, N, C);
         layernorm_backward_ref(dinp_r, dw_r, db_r, dout, inp, w, mean_r, rstd_r, N, C);
-        layernorm_backward(dinp_f, dw_f, db_f, dout, inp, w, mean_f, rstd_f, N, C);
-        layernorm_backward(dinp_f2, dw_f2, db_f2, dout, inp, w, mean_f, rstd_f, N, C);
+        layernorm_backward_f32(dinp_f, dw_f, db_f, dout, inp, w, mean_f, rstd_f, N, C);
+        layernorm_backward_f32(dinp_f2, dw_f2, db_f2, dout, inp, w, mean_f, rstd_f, N, C);
         // rstd of a one-channel row is 1/sqrt(eps) ~ 316: relative tolerance
         t_close(nm("ln N%d C%d out", N, C), out_f, out_r, n, sum_tol(C), REF_RTOL);
         t_close(nm("ln N%d C%d mean", N, C), mean_f, mean_r, N, sum_tol(C), REF_RTOL);
@@ -301,9 +364,10 @@ static void test_layernorm(void) {
             float *out = fnan(n), *mean = fnan(N), *rstd = fnan(N);
             float *dinp0 = frand(n, 45, 1.0f), *dw0 = frand(C, 46, 1.0f), *db0 = frand(C, 47, 1.0f);
             float *dinp = fcopy(dinp0, n), *dw = fcopy(dw0, C), *db = fcopy(db0, C);
-            (fast ? layernorm_forward : layernorm_forward_ref)(out, mean, rstd, inp, w, b, N, C);
-            (fast ? layernorm_backward : layernorm_backward_ref)(dinp, dw, db, R, inp, w, mean,
-                                                                 rstd, N, C);
+            (fast ? layernorm_forward_f32 : layernorm_forward_ref)(out, mean, rstd, inp, w, b, N,
+                                                                   C);
+            (fast ? layernorm_backward_f32 : layernorm_backward_ref)(dinp, dw, db, R, inp, w, mean,
+                                                                     rstd, N, C);
             check_fwd(nm("ln %s C%d s%g out vs double", v, C, sc), out, ctx.out, n);
             check_grad(nm("ln %s C%d s%g dinp vs numeric", v, C, sc), dinp, dinp0, g_inp, n);
             check_grad(nm("ln %s C%d s%g dweight vs numeric", v, C, sc), dw, dw0, g_w, C);
@@ -350,8 +414,8 @@ static void test_matmul(void) {
             const float *bp = has_bias ? bias : NULL;
             float *out_r = fnan(no), *out_f = fnan(no), *out_f2 = fnan(no);
             matmul_forward_ref(out_r, inp, w, bp, N, C, OC);
-            matmul_forward(out_f, inp, w, bp, N, C, OC);
-            matmul_forward(out_f2, inp, w, bp, N, C, OC);
+            matmul_forward_f32(out_f, inp, w, bp, N, C, OC);
+            matmul_forward_f32(out_f2, inp, w, bp, N, C, OC);
             t_close(nm("mm N%d C%d OC%d bias%d out", N, C, OC, has_bias), out_f, out_r, no,
                     sum_tol(C), REF_RTOL);
             same_bits("mm out", out_f, out_f2, no);
@@ -362,8 +426,8 @@ static void test_matmul(void) {
         float *dinp_f = fcopy(dinp_r, ni), *dw_f = fcopy(dw_r, nw), *db_f = fcopy(db_r, OC);
         float *dinp_f2 = fcopy(dinp_r, ni), *dw_f2 = fcopy(dw_r, nw), *db_f2 = fcopy(db_r, OC);
         matmul_backward_ref(dinp_r, dw_r, db_r, dout, inp, w, N, C, OC);
-        matmul_backward(dinp_f, dw_f, db_f, dout, inp, w, N, C, OC);
-        matmul_backward(dinp_f2, dw_f2, db_f2, dout, inp, w, N, C, OC);
+        matmul_backward_f32(dinp_f, dw_f, db_f, dout, inp, w, N, C, OC);
+        matmul_backward_f32(dinp_f2, dw_f2, db_f2, dout, inp, w, N, C, OC);
         t_close(nm("mm N%d C%d OC%d dinp", N, C, OC), dinp_f, dinp_r, ni, sum_tol(OC), REF_RTOL);
         t_close(nm("mm N%d C%d OC%d dweight", N, C, OC), dw_f, dw_r, nw, sum_tol(N), REF_RTOL);
         t_close(nm("mm N%d C%d OC%d dbias", N, C, OC), db_f, db_r, OC, sum_tol(N), REF_RTOL);
@@ -375,7 +439,7 @@ static void test_matmul(void) {
             float *di = mask & 1 ? NULL : frand(ni, 55, 1.0f);
             float *dw = mask & 2 ? NULL : frand(nw, 56, 1.0f);
             float *db = mask & 4 ? NULL : frand(OC, 57, 1.0f);
-            matmul_backward(di, dw, db, dout, inp, w, N, C, OC);
+            matmul_backward_f32(di, dw, db, dout, inp, w, N, C, OC);
             int ok = (!di || !memcmp(di, dinp_f, ni * 4)) && (!dw || !memcmp(dw, dw_f, nw * 4)) &&
                      (!db || !memcmp(db, db_f, OC * 4));
             t_check(ok, "mm N%d C%d OC%d backward with NULL mask %d differs", N, C, OC, mask);
@@ -400,8 +464,8 @@ static void test_matmul(void) {
         float *out = fnan(no);
         float *dinp0 = frand(ni, 65, 1.0f), *dw0 = frand(nw, 66, 1.0f), *db0 = frand(OC, 67, 1.0f);
         float *dinp = fcopy(dinp0, ni), *dw = fcopy(dw0, nw), *db = fcopy(db0, OC);
-        (fast ? matmul_forward : matmul_forward_ref)(out, inp, w, bias, N, C, OC);
-        (fast ? matmul_backward : matmul_backward_ref)(dinp, dw, db, R, inp, w, N, C, OC);
+        (fast ? matmul_forward_f32 : matmul_forward_ref)(out, inp, w, bias, N, C, OC);
+        (fast ? matmul_backward_f32 : matmul_backward_ref)(dinp, dw, db, R, inp, w, N, C, OC);
         check_fwd(nm("mm %s out vs double", v), out, ctx.out, no);
         check_grad(nm("mm %s dinp vs numeric", v), dinp, dinp0, g_inp, ni);
         check_grad(nm("mm %s dweight vs numeric", v), dw, dw0, g_w, nw);
@@ -452,8 +516,8 @@ static double att_loss(const void *p) {
     return dot_d(c->out, c->R, (size_t)c->B * c->T * c->C);
 }
 
-static float *att_workspace(int T, int HS) {
-    return fnan(attention_workspace_floats(T, HS) * fl_threads());
+static float *att_workspace(fl_dtype dt, int T, int HS) {
+    return fnan(attention_workspace_floats(dt, T, HS) * fl_threads());
 }
 
 static void test_attention(void) {
@@ -465,17 +529,18 @@ static void test_attention(void) {
     for (int s = 0; s < 7; s++) {
         int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], NH = shapes[s][3], HS = C / NH;
         size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
-        float *qkv = frand(nqkv, 71, 2.0f), *dout = frand(no, 72, 1.0f), *ws = att_workspace(T, HS);
+        float *qkv = frand(nqkv, 71, 2.0f), *dout = frand(no, 72, 1.0f),
+              *ws = att_workspace(FL_F32, T, HS);
         float *out_r = fnan(no), *lse_r = fnan(nl), *out_f = fnan(no), *lse_f = fnan(nl);
         float *out_f2 = fnan(no), *lse_f2 = fnan(nl);
         float *dqkv_r = frand(nqkv, 73, 1.0f), *dqkv_f = fcopy(dqkv_r, nqkv);
         float *dqkv_f2 = fcopy(dqkv_r, nqkv);
         attention_forward_ref(out_r, lse_r, qkv, B, T, C, NH);
-        attention_forward(out_f, lse_f, qkv, ws, B, T, C, NH);
-        attention_forward(out_f2, lse_f2, qkv, ws, B, T, C, NH);
+        attention_forward_f32(out_f, lse_f, qkv, ws, B, T, C, NH);
+        attention_forward_f32(out_f2, lse_f2, qkv, ws, B, T, C, NH);
         attention_backward_ref(dqkv_r, dout, qkv, out_r, lse_r, B, T, C, NH);
-        attention_backward(dqkv_f, dout, qkv, out_f, lse_f, ws, B, T, C, NH);
-        attention_backward(dqkv_f2, dout, qkv, out_f, lse_f, ws, B, T, C, NH);
+        attention_backward_f32(dqkv_f, dout, qkv, out_f, lse_f, ws, B, T, C, NH);
+        attention_backward_f32(dqkv_f2, dout, qkv, out_f, lse_f, ws, B, T, C, NH);
         // out mixes up to T values of v (|v| <= 2) with weights summing to 1,
         // scores and lse sum HS terms of size <= 4: sum_tol(T + HS); each
         // dqkv entry sums up to T terms of size <~ 4 (|q|, |k|, |v| <= 2): 4x
@@ -504,11 +569,11 @@ static void test_attention(void) {
         attention_fwd_d(ctx.out, ctx.lse, ctx.qkv, B, T, C, NH);
         for (int fast = 0; fast < 2; fast++) {
             const char *v = fast ? "fast" : "ref";
-            float *out = fnan(no), *lse = fnan(nl), *ws = att_workspace(T, HS);
+            float *out = fnan(no), *lse = fnan(nl), *ws = att_workspace(FL_F32, T, HS);
             float *dqkv0 = frand(nqkv, 83, 1.0f), *dqkv = fcopy(dqkv0, nqkv);
             if (fast) {
-                attention_forward(out, lse, qkv, ws, B, T, C, NH);
-                attention_backward(dqkv, R, qkv, out, lse, ws, B, T, C, NH);
+                attention_forward_f32(out, lse, qkv, ws, B, T, C, NH);
+                attention_backward_f32(dqkv, R, qkv, out, lse, ws, B, T, C, NH);
             } else {
                 attention_forward_ref(out, lse, qkv, B, T, C, NH);
                 attention_backward_ref(dqkv, R, qkv, out, lse, B, T, C, NH);
@@ -550,11 +615,11 @@ static void test_gelu(void) {
         float *out_r = fnan(N), *out_f = fnan(N), *out_f2 = fnan(N);
         float *dx_r = frand(N, 93, 1.0f), *dx_f = fcopy(dx_r, N), *dx_f2 = fcopy(dx_r, N);
         gelu_forward_ref(out_r, x, N);
-        gelu_forward(out_f, x, N);
-        gelu_forward(out_f2, x, N);
+        gelu_forward_f32(out_f, x, N);
+        gelu_forward_f32(out_f2, x, N);
         gelu_backward_ref(dx_r, x, dout, N);
-        gelu_backward(dx_f, x, dout, N);
-        gelu_backward(dx_f2, x, dout, N);
+        gelu_backward_f32(dx_f, x, dout, N);
+        gelu_backward_f32(dx_f2, x, dout, N);
         t_close(nm("gelu N%zu out", N), out_f, out_r, N, 1e-6, REF_RTOL);
         t_close(nm("gelu N%zu dinp", N), dx_f, dx_r, N, 1e-6, REF_RTOL);
         same_bits("gelu out", out_f, out_f2, N);
@@ -571,9 +636,9 @@ static void test_gelu(void) {
     size_t nx = NX;
     for (size_t i = 0; i < nx; i++) ones[i] = 1.0f;
     gelu_forward_ref(out_r, xs, nx);
-    gelu_forward(out_f, xs, nx);
+    gelu_forward_f32(out_f, xs, nx);
     gelu_backward_ref(dx_r, xs, ones, nx);
-    gelu_backward(dx_f, xs, ones, nx);
+    gelu_backward_f32(dx_f, xs, ones, nx);
     t_close("gelu special out", out_f, out_r, nx, 1e-6, REF_RTOL);
     t_close("gelu special dinp", dx_f, dx_r, nx, 1e-6, REF_RTOL);
 
@@ -586,8 +651,8 @@ static void test_gelu(void) {
     for (int fast = 0; fast < 2; fast++) {
         const char *v = fast ? "fast" : "ref";
         float *out = fnan(N), *dx0 = frand(N, 96, 1.0f), *dx = fcopy(dx0, N);
-        (fast ? gelu_forward : gelu_forward_ref)(out, x, N);
-        (fast ? gelu_backward : gelu_backward_ref)(dx, x, R, N);
+        (fast ? gelu_forward_f32 : gelu_forward_ref)(out, x, N);
+        (fast ? gelu_backward_f32 : gelu_backward_ref)(dx, x, R, N);
         check_fwd(nm("gelu %s out vs double", v), out, ctx.out, N);
         check_grad(nm("gelu %s dinp vs numeric", v), dx, dx0, g, N);
         free(out), free(dx0), free(dx);
@@ -618,11 +683,11 @@ static void test_residual(void) {
         float *da_f = fcopy(da_r, N), *db_f = fcopy(db_r, N);
         float *da_f2 = fcopy(da_r, N), *db_f2 = fcopy(db_r, N);
         residual_forward_ref(out_r, a, b, N);
-        residual_forward(out_f, a, b, N);
-        residual_forward(out_f2, a, b, N);
+        residual_forward_f32(out_f, a, b, N);
+        residual_forward_f32(out_f2, a, b, N);
         residual_backward_ref(da_r, db_r, dout, N);
-        residual_backward(da_f, db_f, dout, N);
-        residual_backward(da_f2, db_f2, dout, N);
+        residual_backward_f32(da_f, db_f, dout, N);
+        residual_backward_f32(da_f2, db_f2, dout, N);
         t_close(nm("res N%zu out", N), out_f, out_r, N, 0, 0);
         t_close(nm("res N%zu da", N), da_f, da_r, N, 0, 0);
         t_close(nm("res N%zu db", N), db_f, db_r, N, 0, 0);
@@ -642,8 +707,8 @@ static void test_residual(void) {
         const char *v = fast ? "fast" : "ref";
         float *out = fnan(N), *da0 = frand(N, 114, 1.0f), *db0 = frand(N, 115, 1.0f);
         float *da = fcopy(da0, N), *db = fcopy(db0, N);
-        (fast ? residual_forward : residual_forward_ref)(out, a, b, N);
-        (fast ? residual_backward : residual_backward_ref)(da, db, R, N);
+        (fast ? residual_forward_f32 : residual_forward_ref)(out, a, b, N);
+        (fast ? residual_backward_f32 : residual_backward_ref)(da, db, R, N);
         check_fwd(nm("res %s out vs double", v), out, ctx.out, N);
         check_grad(nm("res %s da vs numeric", v), da, da0, g_a, N);
         check_grad(nm("res %s db vs numeric", v), db, db0, g_b, N);
@@ -693,11 +758,11 @@ static void test_softmax_xent(void) {
         float *loss_f2 = fnan(N), *lse_f2 = fnan(N);
         float *dx_r = fnan(n), *dx_f = fnan(n), *dx_f2 = fnan(n); // overwritten, never read
         softmax_xent_forward_ref(loss_r, lse_r, logits, targets, N, V, Vp);
-        softmax_xent_forward(loss_f, lse_f, logits, targets, N, V, Vp);
-        softmax_xent_forward(loss_f2, lse_f2, logits, targets, N, V, Vp);
+        softmax_xent_forward_f32(loss_f, lse_f, logits, targets, N, V, Vp);
+        softmax_xent_forward_f32(loss_f2, lse_f2, logits, targets, N, V, Vp);
         softmax_xent_backward_ref(dx_r, logits, lse_r, targets, dl, N, V, Vp);
-        softmax_xent_backward(dx_f, logits, lse_f, targets, dl, N, V, Vp);
-        softmax_xent_backward(dx_f2, logits, lse_f, targets, dl, N, V, Vp);
+        softmax_xent_backward_f32(dx_f, logits, lse_f, targets, dl, N, V, Vp);
+        softmax_xent_backward_f32(dx_f2, logits, lse_f, targets, dl, N, V, Vp);
         // lse ~ 8 + log V; gradients are dloss * p with errors of a few u * p
         t_close(nm("xent N%d V%d losses", N, V), loss_f, loss_r, N, 1e-5, REF_RTOL);
         t_close(nm("xent N%d V%d lse", N, V), lse_f, lse_r, N, 1e-5, REF_RTOL);
@@ -706,7 +771,7 @@ static void test_softmax_xent(void) {
         same_bits("xent dlogits", dx_f, dx_f2, n);
         // in place: the logits buffer becomes its own gradient
         float *buf = fcopy(logits, n);
-        softmax_xent_backward(buf, buf, lse_f, targets, dl, N, V, Vp);
+        softmax_xent_backward_f32(buf, buf, lse_f, targets, dl, N, V, Vp);
         same_bits("xent in-place fast", buf, dx_f, n);
         memcpy(buf, logits, n * sizeof *buf);
         softmax_xent_backward_ref(buf, buf, lse_r, targets, dl, N, V, Vp);
@@ -736,9 +801,9 @@ static void test_softmax_xent(void) {
             x[2 * SVP + j] = 160.0f * (j % 7) / 6.0f - 80.0f;
         }
         softmax_xent_forward_ref(loss_r, lse_r, x, tg, SN, SV, SVP);
-        softmax_xent_forward(loss_f, lse_f, x, tg, SN, SV, SVP);
+        softmax_xent_forward_f32(loss_f, lse_f, x, tg, SN, SV, SVP);
         softmax_xent_backward_ref(dx_r, x, lse_r, tg, dl, SN, SV, SVP);
-        softmax_xent_backward(dx_f, x, lse_f, tg, dl, SN, SV, SVP);
+        softmax_xent_backward_f32(dx_f, x, lse_f, tg, dl, SN, SV, SVP);
         t_close("xent special losses", loss_f, loss_r, SN, 1e-5, REF_RTOL);
         t_close("xent special lse", lse_f, lse_r, SN, 1e-5, REF_RTOL);
         t_close("xent special dlogits", dx_f, dx_r, SN * SVP, 1e-7, REF_RTOL);
@@ -754,10 +819,10 @@ static void test_softmax_xent(void) {
     for (int fast = 0; fast < 2; fast++) {
         const char *v = fast ? "fast" : "ref";
         float *losses = fnan(N), *lse = fnan(N), *dx = fnan(n), *zero = calloc(n, sizeof *zero);
-        (fast ? softmax_xent_forward : softmax_xent_forward_ref)(losses, lse, logits, targets, N, V,
-                                                                 Vp);
-        (fast ? softmax_xent_backward : softmax_xent_backward_ref)(dx, logits, lse, targets, dl, N,
-                                                                   V, Vp);
+        (fast ? softmax_xent_forward_f32 : softmax_xent_forward_ref)(losses, lse, logits, targets,
+                                                                     N, V, Vp);
+        (fast ? softmax_xent_backward_f32 : softmax_xent_backward_ref)(dx, logits, lse, targets, dl,
+                                                                       N, V, Vp);
         check_fwd(nm("xent %s losses vs double", v), losses, ctx.losses, N);
         check_fwd(nm("xent %s lse vs double", v), lse, ctx.lse, N);
         check_grad(nm("xent %s dlogits vs numeric", v), dx, zero, g, n); // overwrites
@@ -765,6 +830,463 @@ static void test_softmax_xent(void) {
     }
     free(logits), free(dl), free(g), free(ctx.logits), free(ctx.dl), free(ctx.losses);
     free(ctx.lse);
+}
+
+// ----------------------------------------------------------------------------
+// bf16 and fp16
+//
+// Each fast kernel runs in bf16 and in fp16 against its fp32 _ref. Random
+// inputs are rounded to the dtype first, so both sides see the same values;
+// the 16-bit outputs are converted back and compared. A kernel computes in
+// fp32 and rounds each output once to nearest even, so its result is an fp32
+// value x within the fp32 fast-vs-ref tolerance (atol32 + rtol32 |want|, as
+// above), rounded: |round(x) - x| <= u |x|, u the unit roundoff (bf16 has 8
+// significant bits, u = 2^-8 = 3.9e-3; fp16 11 bits, u = 2^-11 = 4.9e-4).
+// Hence |got - want| <= 2 atol32 + 2^-25 + (u + 2 rtol32) |want|: the 2s cover
+// the (1 + u) |x - want| the bound expands to, and 2^-25 is half the spacing
+// of fp16's subnormals (below 2^-14), where the relative bound does not hold.
+// Gradients are prefilled with rounded values, so that also checks the +=
+// contract, dst = round(prefill + contribution). Where the kernel's fp32
+// arithmetic is the _ref's own (encoder, residual, exact sums), the 16-bit
+// result must be round(want) bit for bit. Outputs and workspaces start as NaN.
+
+static const fl_dtype LOWP[2] = {FL_BF16, FL_F16};
+
+static double unit_roundoff(fl_dtype dt) {
+    return dt == FL_BF16 ? 0x1p-8 : 0x1p-11;
+}
+
+// x in dtype dt (a new buffer)
+static void *to_dt(fl_dtype dt, const float *x, size_t n) {
+    void *h = malloc((n ? n : 1) * fl_dtype_size(dt));
+    fl_convert(dt, h, FL_F32, x, n);
+    return h;
+}
+
+static float *to_f32(fl_dtype dt, const void *h, size_t n) {
+    float *x = malloc((n ? n : 1) * sizeof *x);
+    fl_convert(FL_F32, x, dt, h, n);
+    return x;
+}
+
+// random values exactly representable in dt
+static float *frand_dt(fl_dtype dt, size_t n, unsigned seed, float scale) {
+    float *x = frand(n, seed, scale);
+    void *h = to_dt(dt, x, n);
+    fl_convert(FL_F32, x, dt, h, n);
+    free(h);
+    return x;
+}
+
+static void *nan_dt(fl_dtype dt, size_t n) {
+    float *x = fnan(n);
+    void *h = to_dt(dt, x, n);
+    free(x);
+    return h;
+}
+
+static void *copy_dt(fl_dtype dt, const void *h, size_t n) {
+    void *c = malloc((n ? n : 1) * fl_dtype_size(dt));
+    memcpy(c, h, n * fl_dtype_size(dt));
+    return c;
+}
+
+static void check_lp(const char *name, fl_dtype dt, const void *got, const float *want, size_t n,
+                     double atol32, double rtol32) {
+    char full[160];
+    snprintf(full, sizeof full, "%s %s", fl_dtype_name(dt), name);
+    float *g = to_f32(dt, got, n);
+    t_close(full, g, want, n, 2 * atol32 + 0x1p-25, unit_roundoff(dt) + 2 * rtol32);
+    free(g);
+}
+
+// got must be want rounded to dt, bit for bit
+static void check_lp_exact(const char *name, fl_dtype dt, const void *got, const float *want,
+                           size_t n) {
+    void *w = to_dt(dt, want, n);
+    t_check(memcmp(got, w, n * fl_dtype_size(dt)) == 0, "%s %s: not the rounded fp32 result",
+            fl_dtype_name(dt), name);
+    free(w);
+}
+
+static void same_bytes(const char *name, fl_dtype dt, const void *a, const void *b, size_t n) {
+    t_check(memcmp(a, b, n * fl_dtype_size(dt)) == 0, "%s %s: two runs differ", fl_dtype_name(dt),
+            name);
+}
+
+static void test_encoder_lp(fl_dtype dt) {
+    // The kernel adds the same fp32 terms in the same order as _ref and
+    // rounds once: exact agreement with the rounded fp32 result.
+    int shapes[][4] = {{1, 1, 1, 2}, {2, 3, 7, 5}, {3, 17, 33, 11}, {4, 64, 96, 50}}; // B T C Vp
+    for (int s = 0; s < 4; s++) {
+        int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], Vp = shapes[s][3], maxT = T + 2;
+        size_t nout = (size_t)B * T * C, nwte = (size_t)Vp * C, nwpe = (size_t)maxT * C;
+        int *inp = tokens((size_t)B * T, 10 + s, 0, Vp - 2);
+        float *wte = frand_dt(dt, nwte, 1, 1.0f), *wpe = frand_dt(dt, nwpe, 2, 1.0f);
+        float *dout = frand_dt(dt, nout, 3, 1.0f), *out = fnan(nout);
+        float *dwte = frand_dt(dt, nwte, 4, 1.0f), *dwpe = frand_dt(dt, nwpe, 5, 1.0f);
+        void *wte_h = to_dt(dt, wte, nwte), *wpe_h = to_dt(dt, wpe, nwpe);
+        void *dout_h = to_dt(dt, dout, nout), *out_h = nan_dt(dt, nout), *out_h2 = nan_dt(dt, nout);
+        void *dwte_h = to_dt(dt, dwte, nwte), *dwpe_h = to_dt(dt, dwpe, nwpe);
+        void *dwte_h2 = copy_dt(dt, dwte_h, nwte), *dwpe_h2 = copy_dt(dt, dwpe_h, nwpe);
+        encoder_forward_ref(out, inp, wte, wpe, B, T, C);
+        encoder_forward(dt, out_h, inp, wte_h, wpe_h, B, T, C);
+        encoder_forward(dt, out_h2, inp, wte_h, wpe_h, B, T, C);
+        encoder_backward_ref(dwte, dwpe, dout, inp, B, T, C);
+        encoder_backward(dt, dwte_h, dwpe_h, dout_h, inp, B, T, C);
+        encoder_backward(dt, dwte_h2, dwpe_h2, dout_h, inp, B, T, C);
+        check_lp_exact(nm("enc B%d T%d C%d out", B, T, C), dt, out_h, out, nout);
+        check_lp_exact(nm("enc B%d T%d C%d dwte", B, T, C), dt, dwte_h, dwte, nwte);
+        check_lp_exact(nm("enc B%d T%d C%d dwpe", B, T, C), dt, dwpe_h, dwpe, nwpe);
+        same_bytes("enc out", dt, out_h, out_h2, nout);
+        same_bytes("enc dwte", dt, dwte_h, dwte_h2, nwte);
+        same_bytes("enc dwpe", dt, dwpe_h, dwpe_h2, nwpe);
+        free(inp), free(wte), free(wpe), free(dout), free(out), free(dwte), free(dwpe);
+        free(wte_h), free(wpe_h), free(dout_h), free(out_h), free(out_h2), free(dwte_h);
+        free(dwpe_h), free(dwte_h2), free(dwpe_h2);
+    }
+}
+
+static void test_layernorm_lp(fl_dtype dt) {
+    int shapes[][2] = {{1, 1}, {1, 7}, {5, 33}, {64, 768}}; // N C
+    for (int s = 0; s < 4; s++) {
+        int N = shapes[s][0], C = shapes[s][1];
+        size_t n = (size_t)N * C;
+        float *inp = frand_dt(dt, n, 31, 2.0f), *w = frand_dt(dt, C, 32, 1.0f);
+        float *b = frand_dt(dt, C, 33, 1.0f), *dout = frand_dt(dt, n, 34, 1.0f);
+        float *dinp = frand_dt(dt, n, 35, 1.0f), *dw = frand_dt(dt, C, 36, 1.0f);
+        float *db = frand_dt(dt, C, 37, 1.0f);
+        float *out = fnan(n), *mean_r = fnan(N), *rstd_r = fnan(N), *mean = fnan(N);
+        float *rstd = fnan(N);
+        void *inp_h = to_dt(dt, inp, n), *w_h = to_dt(dt, w, C), *b_h = to_dt(dt, b, C);
+        void *dout_h = to_dt(dt, dout, n), *out_h = nan_dt(dt, n), *out_h2 = nan_dt(dt, n);
+        void *dinp_h = to_dt(dt, dinp, n), *dw_h = to_dt(dt, dw, C), *db_h = to_dt(dt, db, C);
+        void *dinp_h2 = copy_dt(dt, dinp_h, n), *dw_h2 = copy_dt(dt, dw_h, C);
+        void *db_h2 = copy_dt(dt, db_h, C);
+        layernorm_forward_ref(out, mean_r, rstd_r, inp, w, b, N, C);
+        layernorm_forward(dt, out_h, mean, rstd, inp_h, w_h, b_h, N, C);
+        layernorm_forward(dt, out_h2, mean, rstd, inp_h, w_h, b_h, N, C);
+        layernorm_backward_ref(dinp, dw, db, dout, inp, w, mean_r, rstd_r, N, C);
+        layernorm_backward(dt, dinp_h, dw_h, db_h, dout_h, inp_h, w_h, mean, rstd, N, C);
+        layernorm_backward(dt, dinp_h2, dw_h2, db_h2, dout_h, inp_h, w_h, mean, rstd, N, C);
+        // mean and rstd stay fp32: the fp32 tolerances
+        check_lp(nm("ln N%d C%d out", N, C), dt, out_h, out, n, sum_tol(C), REF_RTOL);
+        t_close(nm("%s ln N%d C%d mean", fl_dtype_name(dt), N, C), mean, mean_r, N, sum_tol(C),
+                REF_RTOL);
+        t_close(nm("%s ln N%d C%d rstd", fl_dtype_name(dt), N, C), rstd, rstd_r, N, sum_tol(C),
+                REF_RTOL);
+        check_lp(nm("ln N%d C%d dinp", N, C), dt, dinp_h, dinp, n, sum_tol(C), REF_RTOL);
+        check_lp(nm("ln N%d C%d dweight", N, C), dt, dw_h, dw, C, sum_tol(N), REF_RTOL);
+        check_lp(nm("ln N%d C%d dbias", N, C), dt, db_h, db, C, sum_tol(N), REF_RTOL);
+        same_bytes("ln out", dt, out_h, out_h2, n);
+        same_bytes("ln dinp", dt, dinp_h, dinp_h2, n);
+        same_bytes("ln dweight", dt, dw_h, dw_h2, C);
+        same_bytes("ln dbias", dt, db_h, db_h2, C);
+        free(inp), free(w), free(b), free(dout), free(dinp), free(dw), free(db), free(out);
+        free(mean_r), free(rstd_r), free(mean), free(rstd), free(inp_h), free(w_h), free(b_h);
+        free(dout_h), free(out_h), free(out_h2), free(dinp_h), free(dw_h), free(db_h);
+        free(dinp_h2), free(dw_h2), free(db_h2);
+    }
+}
+
+static void *mm_workspace(fl_dtype dt, int N, int C, int OC) {
+    return fnan(matmul_workspace_bytes(dt, N, C, OC) / sizeof(float));
+}
+
+static void test_matmul_lp(fl_dtype dt) {
+    // OC 320 and 530 span two and three of the portable path's weight blocks
+    int shapes[][3] = {{1, 1, 1},     {1, 7, 3},       {5, 33, 17},
+                       {64, 96, 288}, {130, 192, 320}, {2, 33, 530}}; // N C OC
+    t_check(matmul_workspace_bytes(FL_F32, 130, 192, 320) == 0, "fp32 matmul needs no workspace");
+    for (int s = 0; s < 6; s++) {
+        int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
+        size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
+        float *inp = frand_dt(dt, ni, 51, 1.0f), *w = frand_dt(dt, nw, 52, 1.0f);
+        float *bias = frand_dt(dt, OC, 53, 1.0f), *dout = frand_dt(dt, no, 54, 1.0f);
+        void *inp_h = to_dt(dt, inp, ni), *w_h = to_dt(dt, w, nw), *bias_h = to_dt(dt, bias, OC);
+        void *dout_h = to_dt(dt, dout, no), *ws = mm_workspace(dt, N, C, OC);
+        for (int has_bias = 0; has_bias < 2; has_bias++) {
+            float *out = fnan(no);
+            void *out_h = nan_dt(dt, no), *out_h2 = nan_dt(dt, no);
+            matmul_forward_ref(out, inp, w, has_bias ? bias : NULL, N, C, OC);
+            matmul_forward(dt, out_h, inp_h, w_h, has_bias ? bias_h : NULL, ws, N, C, OC);
+            matmul_forward(dt, out_h2, inp_h, w_h, has_bias ? bias_h : NULL, ws, N, C, OC);
+            check_lp(nm("mm N%d C%d OC%d bias%d out", N, C, OC, has_bias), dt, out_h, out, no,
+                     sum_tol(C), REF_RTOL);
+            same_bytes("mm out", dt, out_h, out_h2, no);
+            free(out), free(out_h), free(out_h2);
+        }
+        float *dinp = frand_dt(dt, ni, 55, 1.0f), *dw = frand_dt(dt, nw, 56, 1.0f);
+        float *db = frand_dt(dt, OC, 57, 1.0f);
+        void *dinp_h = to_dt(dt, dinp, ni), *dw_h = to_dt(dt, dw, nw), *db_h = to_dt(dt, db, OC);
+        void *dinp_h2 = copy_dt(dt, dinp_h, ni), *dw_h2 = copy_dt(dt, dw_h, nw);
+        void *db_h2 = copy_dt(dt, db_h, OC);
+        matmul_backward_ref(dinp, dw, db, dout, inp, w, N, C, OC);
+        matmul_backward(dt, dinp_h, dw_h, db_h, dout_h, inp_h, w_h, ws, N, C, OC);
+        matmul_backward(dt, dinp_h2, dw_h2, db_h2, dout_h, inp_h, w_h, ws, N, C, OC);
+        check_lp(nm("mm N%d C%d OC%d dinp", N, C, OC), dt, dinp_h, dinp, ni, sum_tol(OC), REF_RTOL);
+        check_lp(nm("mm N%d C%d OC%d dweight", N, C, OC), dt, dw_h, dw, nw, sum_tol(N), REF_RTOL);
+        check_lp(nm("mm N%d C%d OC%d dbias", N, C, OC), dt, db_h, db, OC, sum_tol(N), REF_RTOL);
+        same_bytes("mm dinp", dt, dinp_h, dinp_h2, ni);
+        same_bytes("mm dweight", dt, dw_h, dw_h2, nw);
+        same_bytes("mm dbias", dt, db_h, db_h2, OC);
+        // each gradient may be skipped with NULL; the others come out the same
+        for (int mask = 0; mask < 7; mask++) {
+            float *di = mask & 1 ? NULL : frand(ni, 55, 1.0f);
+            float *dwm = mask & 2 ? NULL : frand(nw, 56, 1.0f);
+            float *dbm = mask & 4 ? NULL : frand(OC, 57, 1.0f);
+            void *di_h = di ? to_dt(dt, di, ni) : NULL, *dw_m = dwm ? to_dt(dt, dwm, nw) : NULL;
+            void *db_m = dbm ? to_dt(dt, dbm, OC) : NULL;
+            matmul_backward(dt, di_h, dw_m, db_m, dout_h, inp_h, w_h, ws, N, C, OC);
+            size_t sz = fl_dtype_size(dt);
+            int ok = (!di_h || !memcmp(di_h, dinp_h, ni * sz)) &&
+                     (!dw_m || !memcmp(dw_m, dw_h, nw * sz)) &&
+                     (!db_m || !memcmp(db_m, db_h, OC * sz));
+            t_check(ok, "%s mm N%d C%d OC%d backward with NULL mask %d differs", fl_dtype_name(dt),
+                    N, C, OC, mask);
+            free(di), free(dwm), free(dbm), free(di_h), free(dw_m), free(db_m);
+        }
+        free(inp), free(w), free(bias), free(dout), free(inp_h), free(w_h), free(bias_h);
+        free(dout_h), free(ws), free(dinp), free(dw), free(db), free(dinp_h), free(dw_h);
+        free(db_h), free(dinp_h2), free(dw_h2), free(db_h2);
+    }
+}
+
+static void test_attention_lp(fl_dtype dt) {
+    int shapes[][4] = {{1, 1, 3, 1}, {2, 5, 15, 3}, {1, 7, 6, 6}, {2, 65, 12, 2}, {2, 150, 48, 4}};
+    for (int s = 0; s < 5; s++) {
+        int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], NH = shapes[s][3], HS = C / NH;
+        size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+        float *qkv = frand_dt(dt, nqkv, 71, 2.0f), *dout = frand_dt(dt, no, 72, 1.0f);
+        float *dqkv = frand_dt(dt, nqkv, 73, 1.0f), *prefill = fcopy(dqkv, nqkv), *out = fnan(no);
+        float *lse_r = fnan(nl), *lse = fnan(nl), *lse2 = fnan(nl), *ws = att_workspace(dt, T, HS);
+        void *qkv_h = to_dt(dt, qkv, nqkv), *dout_h = to_dt(dt, dout, no);
+        void *out_h = nan_dt(dt, no), *out_h2 = nan_dt(dt, no);
+        void *dqkv_h = to_dt(dt, dqkv, nqkv), *dqkv_h2 = copy_dt(dt, dqkv_h, nqkv);
+        attention_forward_ref(out, lse_r, qkv, B, T, C, NH);
+        attention_forward(dt, out_h, lse, qkv_h, ws, B, T, C, NH);
+        attention_forward(dt, out_h2, lse2, qkv_h, ws, B, T, C, NH);
+        attention_backward_ref(dqkv, dout, qkv, out, lse_r, B, T, C, NH);
+        attention_backward(dt, dqkv_h, dout_h, qkv_h, out_h, lse, ws, B, T, C, NH);
+        attention_backward(dt, dqkv_h2, dout_h, qkv_h, out_h, lse, ws, B, T, C, NH);
+        double tol = sum_tol(T + HS);
+        check_lp(nm("att B%d T%d C%d NH%d out", B, T, C, NH), dt, out_h, out, no, tol, REF_RTOL);
+        t_close(nm("%s att B%d T%d C%d NH%d lse", fl_dtype_name(dt), B, T, C, NH), lse, lse_r, nl,
+                tol, REF_RTOL);
+        // The backward reads out as stored, rounded, in D_i = dO_i . o_i
+        // (_ref sums P dP instead), and dS_ij = P_ij (dP_ij - D_i) passes
+        // D's error of ~u |dO| |o| on to every gradient: ~u times the
+        // gradient's scale M (its largest contribution), not u times each
+        // element (observed <= 0.65 u M; the fp32 kernel fed the same rounded
+        // out agrees with this one to the fp32 tolerance).
+        double M = 0.0;
+        for (size_t i = 0; i < nqkv; i++) M = fmax(M, fabs(dqkv[i] - prefill[i]));
+        check_lp(nm("att B%d T%d C%d NH%d dqkv", B, T, C, NH), dt, dqkv_h, dqkv, nqkv,
+                 4 * tol + unit_roundoff(dt) * M, REF_RTOL);
+        same_bytes("att out", dt, out_h, out_h2, no);
+        same_bits("att lse", lse, lse2, nl);
+        same_bytes("att dqkv", dt, dqkv_h, dqkv_h2, nqkv);
+        free(qkv), free(dout), free(dqkv), free(prefill), free(out), free(lse_r), free(lse);
+        free(lse2), free(ws), free(qkv_h), free(dout_h), free(out_h), free(out_h2), free(dqkv_h);
+        free(dqkv_h2);
+    }
+}
+
+static void test_gelu_lp(fl_dtype dt) {
+    size_t sizes[] = {1, 7, 33, 100003};
+    for (int s = 0; s < 4; s++) {
+        size_t N = sizes[s];
+        float *x = frand_dt(dt, N, 91, 6.0f), *dout = frand_dt(dt, N, 92, 1.0f);
+        float *dx = frand_dt(dt, N, 93, 1.0f), *out = fnan(N);
+        void *x_h = to_dt(dt, x, N), *dout_h = to_dt(dt, dout, N), *out_h = nan_dt(dt, N);
+        void *out_h2 = nan_dt(dt, N), *dx_h = to_dt(dt, dx, N), *dx_h2 = copy_dt(dt, dx_h, N);
+        gelu_forward_ref(out, x, N);
+        gelu_forward(dt, out_h, x_h, N);
+        gelu_forward(dt, out_h2, x_h, N);
+        gelu_backward_ref(dx, x, dout, N);
+        gelu_backward(dt, dx_h, x_h, dout_h, N);
+        gelu_backward(dt, dx_h2, x_h, dout_h, N);
+        check_lp(nm("gelu N%zu out", N), dt, out_h, out, N, 1e-6, REF_RTOL);
+        check_lp(nm("gelu N%zu dinp", N), dt, dx_h, dx, N, 1e-6, REF_RTOL);
+        same_bytes("gelu out", dt, out_h, out_h2, N);
+        same_bytes("gelu dinp", dt, dx_h, dx_h2, N);
+        free(x), free(dout), free(dx), free(out), free(x_h), free(dout_h), free(out_h);
+        free(out_h2), free(dx_h), free(dx_h2);
+    }
+}
+
+static void test_residual_lp(fl_dtype dt) {
+    // one fp32 addition per element, as in _ref, then one rounding: exact
+    size_t sizes[] = {1, 7, 33, 100003};
+    for (int s = 0; s < 4; s++) {
+        size_t N = sizes[s];
+        float *a = frand_dt(dt, N, 101, 1.0f), *b = frand_dt(dt, N, 102, 1.0f);
+        float *dout = frand_dt(dt, N, 103, 1.0f), *da = frand_dt(dt, N, 104, 1.0f);
+        float *db = frand_dt(dt, N, 105, 1.0f), *out = fnan(N);
+        void *a_h = to_dt(dt, a, N), *b_h = to_dt(dt, b, N), *dout_h = to_dt(dt, dout, N);
+        void *da_h = to_dt(dt, da, N), *db_h = to_dt(dt, db, N), *out_h = nan_dt(dt, N);
+        residual_forward_ref(out, a, b, N);
+        residual_forward(dt, out_h, a_h, b_h, N);
+        residual_backward_ref(da, db, dout, N);
+        residual_backward(dt, da_h, db_h, dout_h, N);
+        check_lp_exact(nm("res N%zu out", N), dt, out_h, out, N);
+        check_lp_exact(nm("res N%zu da", N), dt, da_h, da, N);
+        check_lp_exact(nm("res N%zu db", N), dt, db_h, db, N);
+        // in place, as on the residual stream: out is a
+        residual_forward(dt, a_h, a_h, b_h, N);
+        same_bytes("res in place", dt, a_h, out_h, N);
+        free(a), free(b), free(dout), free(da), free(db), free(out), free(a_h), free(b_h);
+        free(dout_h), free(da_h), free(db_h), free(out_h);
+    }
+}
+
+static void test_softmax_xent_lp(fl_dtype dt) {
+    int shapes[][3] = {{1, 1, 1}, {1, 5, 8}, {7, 33, 48}, {3, 50257, 50304}};
+    for (int s = 0; s < 4; s++) {
+        int N = shapes[s][0], V = shapes[s][1], Vp = shapes[s][2];
+        size_t n = (size_t)N * Vp;
+        float *logits = frand_dt(dt, n, 121, 8.0f), *dl = frand(N, 122, 1.0f), *dx = fnan(n);
+        int *targets = tokens(N, 123 + s, -1, V - 1);
+        float *loss_r = fnan(N), *lse_r = fnan(N), *loss = fnan(N), *lse = fnan(N);
+        float *loss2 = fnan(N), *lse2 = fnan(N);
+        void *logits_h = to_dt(dt, logits, n), *dx_h = nan_dt(dt, n), *dx_h2 = nan_dt(dt, n);
+        softmax_xent_forward_ref(loss_r, lse_r, logits, targets, N, V, Vp);
+        softmax_xent_forward(dt, loss, lse, logits_h, targets, N, V, Vp);
+        softmax_xent_forward(dt, loss2, lse2, logits_h, targets, N, V, Vp);
+        softmax_xent_backward_ref(dx, logits, lse_r, targets, dl, N, V, Vp);
+        softmax_xent_backward(dt, dx_h, logits_h, lse, targets, dl, N, V, Vp);
+        softmax_xent_backward(dt, dx_h2, logits_h, lse, targets, dl, N, V, Vp);
+        // losses and lse stay fp32: the fp32 tolerances
+        t_close(nm("%s xent N%d V%d losses", fl_dtype_name(dt), N, V), loss, loss_r, N, 1e-5,
+                REF_RTOL);
+        t_close(nm("%s xent N%d V%d lse", fl_dtype_name(dt), N, V), lse, lse_r, N, 1e-5, REF_RTOL);
+        check_lp(nm("xent N%d V%d dlogits", N, V), dt, dx_h, dx, n, 1e-7, REF_RTOL);
+        same_bits("xent losses", loss, loss2, N);
+        same_bytes("xent dlogits", dt, dx_h, dx_h2, n);
+        // in place: the logits buffer becomes its own gradient
+        softmax_xent_backward(dt, logits_h, logits_h, lse, targets, dl, N, V, Vp);
+        same_bytes("xent in place", dt, logits_h, dx_h, n);
+        // ignored rows and the padding are exact zeros (all-zero bits)
+        int zeros_ok = 1;
+        const uint16_t *g = dx_h;
+        for (int i = 0; i < N; i++)
+            for (int j = targets[i] < 0 ? 0 : V; j < Vp; j++)
+                zeros_ok &= g[(size_t)i * Vp + j] == 0;
+        t_check(zeros_ok, "%s xent N%d V%d: padding and ignored rows must be 0", fl_dtype_name(dt),
+                N, V);
+        free(logits), free(dl), free(dx), free(targets), free(loss_r), free(lse_r), free(loss);
+        free(lse), free(loss2), free(lse2), free(logits_h), free(dx_h), free(dx_h2);
+    }
+}
+
+// Gradients summed over many rows are rounded once per call, not once per
+// row or block of rows: each single contribution below is at most half an
+// ulp of the prefilled gradient, 1.0, so rounding per row would lose them all,
+// while their sum is several ulps. All values are powers of two, the fp32
+// sums exact: the result must be exactly round(1 + sum).
+static float *fconst(size_t n, double value) {
+    float *x = malloc((n ? n : 1) * sizeof *x);
+    for (size_t i = 0; i < n; i++) x[i] = (float)value;
+    return x;
+}
+
+static void test_rounding_once(fl_dtype dt) {
+    double u = unit_roundoff(dt); // half an ulp of 1.0
+
+    // encoder: one token at all 64 positions, dout = u/2
+    {
+        int B = 4, T = 16, C = 5, Vp = 3, inp[64];
+        size_t nout = (size_t)B * T * C, nwte = (size_t)Vp * C, nwpe = (size_t)T * C;
+        for (int i = 0; i < B * T; i++) inp[i] = 1;
+        float *dout = fconst(nout, u / 2), *dwte = fconst(nwte, 1.0), *dwpe = fconst(nwpe, 1.0);
+        void *dout_h = to_dt(dt, dout, nout), *dwte_h = to_dt(dt, dwte, nwte);
+        void *dwpe_h = to_dt(dt, dwpe, nwpe);
+        encoder_backward_ref(dwte, dwpe, dout, inp, B, T, C);
+        encoder_backward(dt, dwte_h, dwpe_h, dout_h, inp, B, T, C);
+        check_lp_exact("once: enc dwte", dt, dwte_h, dwte, nwte);
+        check_lp_exact("once: enc dwpe", dt, dwpe_h, dwpe, nwpe);
+        free(dout), free(dwte), free(dwpe), free(dout_h), free(dwte_h), free(dwpe_h);
+    }
+
+    // layernorm dbias: 64 rows of dout = u/2
+    {
+        int N = 64, C = 7;
+        size_t n = (size_t)N * C;
+        float *inp = frand_dt(dt, n, 141, 2.0f), *w = frand_dt(dt, C, 142, 1.0f), *out = fnan(n);
+        float *mean = fnan(N), *rstd = fnan(N), *dout = fconst(n, u / 2), *dinp = fconst(n, 0.0);
+        float *dw = fconst(C, 1.0), *db = fconst(C, 1.0);
+        void *inp_h = to_dt(dt, inp, n), *w_h = to_dt(dt, w, C), *dout_h = to_dt(dt, dout, n);
+        void *dinp_h = to_dt(dt, dinp, n), *dw_h = to_dt(dt, dw, C), *db_h = to_dt(dt, db, C);
+        layernorm_forward_ref(out, mean, rstd, inp, w, w, N, C);
+        layernorm_backward_ref(dinp, dw, db, dout, inp, w, mean, rstd, N, C);
+        layernorm_backward(dt, dinp_h, dw_h, db_h, dout_h, inp_h, w_h, mean, rstd, N, C);
+        check_lp_exact("once: ln dbias", dt, db_h, db, C);
+        free(inp), free(w), free(out), free(mean), free(rstd), free(dout), free(dinp), free(dw);
+        free(db), free(inp_h), free(w_h), free(dout_h), free(dinp_h), free(dw_h), free(db_h);
+    }
+
+    // matmul: inp = 256, weight = 1, dout = u/512: dinp sums 1000 output
+    // channels (four weight blocks of u/2 each), dweight 64 rows of u/2;
+    // then dbias alone, over 64 rows of dout = u/2
+    {
+        int N = 64, C = 4, OC = 1000;
+        size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
+        float *inp = fconst(ni, 256.0), *w = fconst(nw, 1.0), *dout = fconst(no, u / 512);
+        float *dinp = fconst(ni, 1.0), *dw = fconst(nw, 1.0), *db = fconst(OC, 1.0);
+        void *inp_h = to_dt(dt, inp, ni), *w_h = to_dt(dt, w, nw), *dout_h = to_dt(dt, dout, no);
+        void *dinp_h = to_dt(dt, dinp, ni), *dw_h = to_dt(dt, dw, nw), *db_h = to_dt(dt, db, OC);
+        void *ws = mm_workspace(dt, N, C, OC);
+        matmul_backward_ref(dinp, dw, NULL, dout, inp, w, N, C, OC);
+        matmul_backward(dt, dinp_h, dw_h, NULL, dout_h, inp_h, w_h, ws, N, C, OC);
+        check_lp_exact("once: mm dinp", dt, dinp_h, dinp, ni);
+        check_lp_exact("once: mm dweight", dt, dw_h, dw, nw);
+        for (size_t i = 0; i < no; i++) dout[i] = (float)(u / 2);
+        fl_convert(dt, dout_h, FL_F32, dout, no);
+        matmul_backward_ref(NULL, NULL, db, dout, inp, w, N, C, OC);
+        matmul_backward(dt, NULL, NULL, db_h, dout_h, inp_h, w_h, ws, N, C, OC);
+        check_lp_exact("once: mm dbias", dt, db_h, db, OC);
+        free(inp), free(w), free(dout), free(dinp), free(dw), free(db), free(inp_h), free(w_h);
+        free(dout_h), free(dinp_h), free(dw_h), free(db_h), free(ws);
+    }
+
+    // attention dv over 4 row blocks: q = k = 0 make P uniform, P_ij =
+    // 1/(i+1), and dout = u, so dv_0 = 1 + u (H_64 + (H_128 - H_64) + ...):
+    // 4.7u from the first block, under half an ulp from each later one. Not
+    // exact (1/(i+1)), hence the tolerance check, which rounding per block
+    // would fail by 1.1u (about 2x the tolerance).
+    {
+        int B = 1, T = 200, C = 4, NH = 1;
+        size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+        float *qkv = frand_dt(dt, nqkv, 151, 1.0f), *dout = fconst(no, u);
+        float *dqkv = fconst(nqkv, 1.0), *out = fnan(no), *lse = fnan(nl), *lse_r = fnan(nl);
+        float *ws = att_workspace(dt, T, C / NH);
+        for (int t = 0; t < T; t++)
+            for (int c = 0; c < 2 * C; c++) qkv[(size_t)t * 3 * C + c] = 0.0f; // q, k
+        void *qkv_h = to_dt(dt, qkv, nqkv), *dout_h = to_dt(dt, dout, no);
+        void *dqkv_h = to_dt(dt, dqkv, nqkv), *out_h = nan_dt(dt, no);
+        attention_forward_ref(out, lse_r, qkv, B, T, C, NH);
+        attention_backward_ref(dqkv, dout, qkv, out, lse_r, B, T, C, NH);
+        attention_forward(dt, out_h, lse, qkv_h, ws, B, T, C, NH);
+        attention_backward(dt, dqkv_h, dout_h, qkv_h, out_h, lse, ws, B, T, C, NH);
+        check_lp("once: att dqkv", dt, dqkv_h, dqkv, nqkv, 1e-6, REF_RTOL);
+        free(qkv), free(dout), free(dqkv), free(out), free(lse), free(lse_r), free(ws);
+        free(qkv_h), free(dout_h), free(dqkv_h), free(out_h);
+    }
+}
+
+static void test_lowp(void) {
+    for (int d = 0; d < 2; d++) {
+        fl_dtype dt = LOWP[d];
+        printf("%s\n", fl_dtype_name(dt));
+        test_encoder_lp(dt);
+        test_layernorm_lp(dt);
+        test_matmul_lp(dt);
+        test_attention_lp(dt);
+        test_gelu_lp(dt);
+        test_residual_lp(dt);
+        test_softmax_xent_lp(dt);
+        test_rounding_once(dt);
+    }
 }
 
 static int run_all(const char *path) {
@@ -781,6 +1303,7 @@ static int run_all(const char *path) {
     test_gelu();
     test_residual();
     test_softmax_xent();
+    test_lowp();
     return t_report();
 }
 

@@ -2,6 +2,7 @@
 // double-precision versions of torch.optim's update rules.
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "fitlm/optim.h"
@@ -27,7 +28,8 @@ static void test_adamw_matches_torch_rule(void) {
     fl_adamw_init(&opt, n, (float)b1, (float)b2, (float)eps, (float)wd);
     for (int step = 1; step <= 5; step++) {
         t_fill(g, n, 100 + step, 0.5f);
-        fl_adamw_step(&opt, &t, p, g, (float)lr);
+        fl_update_args a = {.params = p, .grads = g, .grads_dtype = FL_F32, .grad_scale = 1.0f};
+        fl_adamw_step(&opt, &t, &a, (float)lr);
         for (size_t i = 0; i < n; i++) { // torch.optim.AdamW, amsgrad=False
             if (i < 15) pd[i] *= 1.0 - lr * wd;
             m[i] = b1 * m[i] + (1 - b1) * g[i];
@@ -58,7 +60,8 @@ static void test_sgd_momentum_matches_torch_rule(void) {
     fl_sgd_init(&opt, n, (float)mu, (float)wd);
     for (int step = 1; step <= 4; step++) {
         t_fill(g, n, 200 + step, 0.5f);
-        fl_sgd_step(&opt, &t, p, g, (float)lr);
+        fl_update_args a = {.params = p, .grads = g, .grads_dtype = FL_F32, .grad_scale = 1.0f};
+        fl_sgd_step(&opt, &t, &a, (float)lr);
         for (size_t i = 0; i < n; i++) { // torch.optim.SGD, dampening 0
             double d = g[i] + (i < 15 ? wd * pd[i] : 0.0);
             buf[i] = step == 1 ? d : mu * buf[i] + d;
@@ -77,37 +80,210 @@ static void test_sgd_momentum_matches_torch_rule(void) {
     t_fill(q, n, 3, 1.0f);
     t_fill(g, n, 4, 1.0f);
     for (size_t i = 0; i < n; i++) want_q[i] = q[i] - 0.5f * g[i];
-    fl_sgd_step(&plain, &t, q, g, 0.5f);
+    fl_update_args a = {.params = q, .grads = g, .grads_dtype = FL_F32, .grad_scale = 1.0f};
+    fl_sgd_step(&plain, &t, &a, 0.5f);
     t_close("plain sgd step", q, want_q, n, 0, 0);
     fl_sgd_free(&plain);
     fl_params_free(&t);
 }
 
-static void test_clipping(void) {
+static void test_norm_and_clipping(void) {
     enum { N = 100003 }; // several chunks, odd size
-    static float g[N], g1[N];
+    static float g[N];
+    static uint16_t h[N];
     t_fill(g, N, 5, 1.0f);
     double sq = 0;
     for (int i = 0; i < N; i++) sq += (double)g[i] * g[i];
     float norm_want = (float)sqrt(sq);
-    memcpy(g1, g, sizeof g);
     omp_set_num_threads(1);
-    float n1 = fl_grad_norm(g1, N);
+    float n1 = fl_grad_norm(FL_F32, g, N);
     omp_set_num_threads(2);
-    float n2 = fl_grad_norm(g, N);
+    float n2 = fl_grad_norm(FL_F32, g, N);
     t_check(n1 == n2, "grad norm is bitwise the same on 1 and 2 threads (%.9g vs %.9g)", n1, n2);
     t_check(fabsf(n2 - norm_want) <= 1e-6f * norm_want, "grad norm %.7g want %.7g", n2, norm_want);
+    fl_convert(FL_BF16, h, FL_F32, g, N);
+    float nb = fl_grad_norm(FL_BF16, h, N);
+    t_check(fabsf(nb - norm_want) <= 4e-3f * norm_want, "bf16 grad norm %.7g ~ %.7g", nb,
+            norm_want);
+    t_check(fl_clip_coef(0.5f, 1.0f) == 1.0f, "no clipping under max_norm");
+    t_check(fl_clip_coef(4.0f, 0.0f) == 1.0f, "max_norm 0 disables clipping");
+    t_check(fabsf(fl_clip_coef(4.0f, 1.0f) * 4.0f - 1.0f) < 1e-6f, "clipping scales to max_norm");
+}
 
-    float norm = fl_clip_grad_norm(g, N, 1.0f);
-    t_check(norm == n2, "clip returns the norm before clipping");
-    float after = fl_grad_norm(g, N);
-    t_check(fabsf(after - 1.0f) < 1e-5f, "clipped norm is max_norm (got %.7f)", after);
-    float before[4] = {0.3f, -0.4f, 0, 0}, small[4];
-    memcpy(small, before, sizeof small);
-    fl_clip_grad_norm(small, 4, 1.0f);
-    t_close("norm under max_norm is untouched", small, before, 4, 0, 0);
-    fl_clip_grad_norm(small, 4, 0.0f);
-    t_close("max_norm 0 disables clipping", small, before, 4, 0, 0);
+// DeepSpeed's DynamicLossScaler on crafted overflow sequences (defaults
+// window 1000, hysteresis 2; small windows here to keep the sequences short).
+static void test_loss_scaler(void) {
+    fl_loss_scaler s;
+    fl_loss_scaler_init(&s, 0.0f, 16, 1000, 2, 0, 1.0f);
+    t_check(s.scale == 65536.0f && s.dynamic, "dynamic scaling starts at 2^16");
+
+    fl_loss_scaler_init(&s, 0.0f, 4, 3, 2, 0, 1.0f); // 16, window 3, hysteresis 2
+    fl_loss_scaler_update(&s, 1);
+    t_check(s.scale == 16.0f && s.cur_hysteresis == 1, "first overflow only uses up hysteresis");
+    fl_loss_scaler_update(&s, 1);
+    t_check(s.scale == 8.0f, "second overflow halves the scale (%g)", s.scale);
+    fl_loss_scaler_update(&s, 0);
+    fl_loss_scaler_update(&s, 0);
+    t_check(s.scale == 8.0f, "no growth before a full window");
+    fl_loss_scaler_update(&s, 0);
+    t_check(s.scale == 16.0f && s.cur_hysteresis == 2,
+            "a window of clean steps doubles the scale and refills the hysteresis (%g, %d)",
+            s.scale, s.cur_hysteresis);
+    fl_loss_scaler_update(&s, 1); // uses hysteresis, no halving
+    fl_loss_scaler_update(&s, 0);
+    fl_loss_scaler_update(&s, 1); // hysteresis not refilled: halves now
+    t_check(s.scale == 8.0f, "without consecutive_hysteresis one clean step does not refill it");
+
+    fl_loss_scaler_init(&s, 0.0f, 4, 100, 2, 1, 1.0f);
+    fl_loss_scaler_update(&s, 1);
+    fl_loss_scaler_update(&s, 0);
+    fl_loss_scaler_update(&s, 1);
+    t_check(s.scale == 16.0f, "consecutive_hysteresis refills after every clean step");
+
+    fl_loss_scaler_init(&s, 0.0f, 2, 100, 1, 0, 1.0f); // 4, hysteresis 1
+    int st = fl_loss_scaler_update(&s, 1) | fl_loss_scaler_update(&s, 1);
+    t_check(s.scale == 1.0f && st == 0, "backs off to the minimum");
+    t_check(fl_loss_scaler_update(&s, 1) == -1, "an overflow at the minimum is reported as stuck");
+    fl_loss_scaler_init(&s, 0.0f, 1, 100, 1, 0, 1.5f);
+    fl_loss_scaler_update(&s, 1);
+    t_check(s.scale == 1.5f, "never below min_loss_scale (%g)", s.scale);
+
+    fl_loss_scaler_init(&s, 128.0f, 16, 2, 2, 0, 1.0f);
+    for (int i = 0; i < 5; i++) fl_loss_scaler_update(&s, i == 2);
+    t_check(s.scale == 128.0f && !s.dynamic, "a static scale never moves");
+}
+
+// A two-view model-like table with 16-bit weights, for the mixed-precision
+// optimizer.
+typedef struct {
+    fl_param_table table;
+    uint16_t params[22], grads[22];
+} lowp_model;
+
+static void lowp_init(lowp_model *m, fl_dtype dt) {
+    memset(m, 0, sizeof *m);
+    make_table(&m->table);
+    float p[22];
+    t_fill(p, 22, 9, 1.0f);
+    fl_convert(dt, m->params, FL_F32, p, 22);
+}
+
+static fl_optimizer_config adamw_config(int accum) {
+    fl_optimizer_config c = {.kind = FL_OPT_ADAMW,
+                             .beta1 = 0.9f,
+                             .beta2 = 0.95f,
+                             .eps = 1e-8f,
+                             .weight_decay = 0.1f,
+                             .max_grad_norm = 1.0f,
+                             .grad_accum = accum,
+                             .initial_scale_power = 16,
+                             .loss_scale_window = 1000,
+                             .hysteresis = 2,
+                             .min_loss_scale = 1.0f};
+    return c;
+}
+
+// Writes gradients g (already multiplied by the loss scale the optimizer
+// asked for) as a backward pass would.
+static void fake_backward(fl_optimizer *o, lowp_model *m, const float *g) {
+    float scaled[22];
+    for (int i = 0; i < 22; i++) scaled[i] = g[i] * fl_optimizer_loss_scale(o);
+    fl_accumulate_f32(o->dtype, m->grads, scaled, 22);
+}
+
+static void test_mixed_precision_step(void) {
+    lowp_model m;
+    lowp_init(&m, FL_BF16);
+    fl_optimizer o;
+    fl_optimizer_config cfg = adamw_config(2);
+    fl_optimizer_init(&o, &cfg, &m.table, FL_BF16, m.params, m.grads);
+    t_check(o.master && o.grad_accum, "bf16 with accumulation keeps fp32 master and grad sum");
+    float master0[22], g1[22], g2[22];
+    memcpy(master0, o.master, sizeof master0);
+    t_fill(g1, 22, 11, 0.1f);
+    t_fill(g2, 22, 12, 0.1f);
+    for (int micro = 0; micro < 2; micro++) {
+        fl_optimizer_zero_grad(&o);
+        fake_backward(&o, &m, micro ? g2 : g1);
+        fl_optimizer_micro_done(&o);
+    }
+    fl_step_result r = fl_optimizer_step(&o, 1e-2f);
+    // reference: fp32 AdamW on the fp32 sum of the two bf16-rounded half gradients
+    float sum[22], p[22];
+    for (int i = 0; i < 22; i++) {
+        float a = fl_bf16_to_f32(fl_f32_to_bf16(g1[i] * 0.5f));
+        float b = fl_bf16_to_f32(fl_f32_to_bf16(g2[i] * 0.5f));
+        sum[i] = a + b;
+    }
+    memcpy(p, master0, sizeof p);
+    fl_adamw ref;
+    fl_adamw_init(&ref, 22, 0.9f, 0.95f, 1e-8f, 0.1f);
+    float norm = t_adamw_step_fp32(&ref, &m.table, p, sum, 1e-2f, 1.0f);
+    t_check(r.grad_norm == norm && !r.skipped, "norm of the fp32 sum (%g vs %g)", r.grad_norm,
+            norm);
+    t_close("bf16 master after one step", o.master, p, 22, 0, 0);
+    int rounded = 1;
+    for (int i = 0; i < 22; i++) rounded &= m.params[i] == fl_f32_to_bf16(o.master[i]);
+    t_check(rounded, "bf16 weights are the master rounded to nearest even");
+    fl_adamw_free(&ref);
+    fl_optimizer_free(&o);
+}
+
+static void test_fp16_overflow_skips_the_step(void) {
+    lowp_model m;
+    lowp_init(&m, FL_F16);
+    fl_optimizer o;
+    fl_optimizer_config cfg = adamw_config(1);
+    fl_optimizer_init(&o, &cfg, &m.table, FL_F16, m.params, m.grads);
+    t_check(fl_optimizer_loss_scale(&o) == 65536.0f, "fp16 scales the loss by 2^16");
+    float g[22];
+    t_fill(g, 22, 13, 0.01f);
+    fl_optimizer_zero_grad(&o);
+    fake_backward(&o, &m, g);
+    fl_optimizer_micro_done(&o);
+    fl_step_result r = fl_optimizer_step(&o, 1e-3f);
+    t_check(!r.skipped && o.adamw.t == 1, "a clean step updates");
+    t_check(fabsf(r.grad_norm - fl_grad_norm(FL_F32, g, 22)) < 2e-3f * r.grad_norm,
+            "the reported norm is unscaled (%g)", r.grad_norm);
+
+    uint16_t params0[22];
+    float master0[22], m0[22], v0[22];
+    memcpy(params0, m.params, sizeof params0);
+    memcpy(master0, o.master, sizeof master0);
+    memcpy(m0, o.adamw.m, sizeof m0);
+    memcpy(v0, o.adamw.v, sizeof v0);
+    g[3] = 1e4f; // times 2^16 overflows fp16
+    fl_optimizer_zero_grad(&o);
+    fake_backward(&o, &m, g);
+    fl_optimizer_micro_done(&o);
+    r = fl_optimizer_step(&o, 1e-3f);
+    t_check(r.skipped, "an inf gradient skips the step");
+    t_check(!memcmp(params0, m.params, sizeof params0) && !memcmp(master0, o.master, sizeof m0) &&
+                !memcmp(m0, o.adamw.m, sizeof m0) && !memcmp(v0, o.adamw.v, sizeof v0) &&
+                o.adamw.t == 1,
+            "a skipped step leaves weights, master and optimizer state bitwise unchanged");
+    t_check(o.scaler.scale == 65536.0f && o.scaler.cur_hysteresis == 1,
+            "the first overflow uses up hysteresis");
+    fl_optimizer_free(&o);
+}
+
+static void stuck_scaler(void *arg) {
+    (void)arg;
+    lowp_model m;
+    lowp_init(&m, FL_F16);
+    fl_optimizer o;
+    fl_optimizer_config cfg = adamw_config(1);
+    cfg.initial_scale_power = 1;
+    cfg.hysteresis = 1;
+    fl_optimizer_init(&o, &cfg, &m.table, FL_F16, m.params, m.grads);
+    float g[22] = {0};
+    g[0] = INFINITY;
+    for (int i = 0; i < 10; i++) {
+        fl_optimizer_zero_grad(&o);
+        fake_backward(&o, &m, g);
+        fl_optimizer_micro_done(&o);
+        fl_optimizer_step(&o, 1e-3f);
+    }
 }
 
 static void test_schedules(void) {
@@ -128,9 +304,16 @@ static void test_schedules(void) {
 }
 
 int main(void) {
+    // first: a forked child cannot use OpenMP once the parent has (libgomp)
+    t_dies("fp16 scale stuck at the minimum", stuck_scaler, NULL,
+           "loss scale already at its minimum");
     test_adamw_matches_torch_rule();
     test_sgd_momentum_matches_torch_rule();
-    test_clipping();
+    test_norm_and_clipping();
+    test_loss_scaler();
+    test_mixed_precision_step();
+    test_fp16_overflow_skips_the_step();
+
     test_schedules();
     return t_report();
 }

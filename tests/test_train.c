@@ -27,7 +27,7 @@ static void random_batch(int *tokens, int *targets, int n, unsigned seed) {
 static void train(int steps, int threads, float *losses, float **weights) {
     omp_set_num_threads(threads);
     fl_gpt2 m;
-    fl_gpt2_init(&m, &tiny, 11);
+    fl_gpt2_init(&m, &tiny, FL_F32, 11);
     fl_gpt2_alloc_acts(&m, B, T);
     fl_adamw opt;
     fl_adamw_init(&opt, m.table.numel, 0.9f, 0.95f, 1e-8f, 0.1f);
@@ -37,8 +37,7 @@ static void train(int steps, int threads, float *losses, float **weights) {
         fl_gpt2_zero_grad(&m);
         losses[s] = fl_gpt2_forward(&m, tokens, targets, B, T);
         fl_gpt2_backward(&m, 1.0f);
-        fl_clip_grad_norm(m.grads, m.table.numel, 1.0f);
-        fl_adamw_step(&opt, &m.table, m.params, m.grads, 3e-3f);
+        t_adamw_step_fp32(&opt, &m.table, m.params, m.grads, 3e-3f, 1.0f);
     }
     *weights = malloc(m.table.numel * sizeof(float));
     memcpy(*weights, m.params, m.table.numel * sizeof(float));
@@ -66,7 +65,7 @@ static void test_deterministic(void) {
 
 static void test_accumulation_equals_big_batch(void) {
     fl_gpt2 m;
-    fl_gpt2_init(&m, &tiny, 5);
+    fl_gpt2_init(&m, &tiny, FL_F32, 5);
     fl_gpt2_alloc_acts(&m, B, T);
     int tokens[B * T], targets[B * T];
     random_batch(tokens, targets, B * T, 9);
@@ -99,12 +98,13 @@ static void record(void *ctx, int view) {
     const fl_param_view *v = &h->model->table.views[view];
     h->calls[view]++;
     h->order[h->n++] = view;
-    memcpy(h->snapshot + v->offset, h->model->grads + v->offset, v->numel * sizeof(float));
+    memcpy(h->snapshot + v->offset, (const float *)h->model->grads + v->offset,
+           v->numel * sizeof(float));
 }
 
 static void test_grad_hook(void) {
     fl_gpt2 m;
-    fl_gpt2_init(&m, &tiny, 5);
+    fl_gpt2_init(&m, &tiny, FL_F32, 5);
     fl_gpt2_alloc_acts(&m, B, T);
     hook_log h = {.model = &m};
     h.snapshot = calloc(m.table.numel, sizeof(float));
@@ -128,9 +128,9 @@ static void test_grad_hook(void) {
 
 static void test_ignored_targets_and_short_batches(void) {
     fl_gpt2 m, small;
-    fl_gpt2_init(&m, &tiny, 5);
+    fl_gpt2_init(&m, &tiny, FL_F32, 5);
     fl_gpt2_alloc_acts(&m, B, T);
-    fl_gpt2_init(&small, &tiny, 5);
+    fl_gpt2_init(&small, &tiny, FL_F32, 5);
     fl_gpt2_alloc_acts(&small, 1, 8);
     int tokens[B * T], targets[B * T], masked[B * T];
     random_batch(tokens, targets, B * T, 3);
@@ -147,7 +147,7 @@ static void test_ignored_targets_and_short_batches(void) {
             "the loss is the mean over the other positions");
     fl_gpt2_zero_grad(&m);
     fl_gpt2_backward(&m, 1.0f);
-    t_check(fl_grad_norm(m.grads, m.table.numel) > 0, "the gradient is not empty");
+    t_check(fl_grad_norm(FL_F32, m.grads, m.table.numel) > 0, "the gradient is not empty");
 
     // A batch smaller than the activations gives the same numbers as a
     // model allocated for exactly that batch (generation relies on it).

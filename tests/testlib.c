@@ -1,6 +1,8 @@
 // testlib.c: see testlib.h.
 #include "testlib.h"
 
+#include "fitlm/optim.h"
+
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -99,4 +101,16 @@ const char *t_source_path(const char *rel) {
     const char *dir = getenv("FITLM_SOURCE_DIR");
     snprintf(buf, sizeof buf, "%s/%s", dir ? dir : ".", rel);
     return buf;
+}
+
+float t_adamw_step_fp32(void *adamw, const void *table, float *params, const float *grads, float lr,
+                        float max_norm) {
+    const fl_param_table *t = table;
+    float norm = fl_grad_norm(FL_F32, grads, t->numel);
+    fl_update_args a = {.params = params,
+                        .grads = grads,
+                        .grads_dtype = FL_F32,
+                        .grad_scale = fl_clip_coef(norm, max_norm)};
+    fl_adamw_step(adamw, t, &a, lr);
+    return norm;
 }

@@ -16,7 +16,9 @@ int t_close_d(const char *name, const double *got, const double *want, size_t n,
               double rtol);
 
 // Runs fn(arg) in a child process and checks that it exits with status 1
-// and that its stderr contains `expect` (an fl_die error path).
+// and that its stderr contains `expect` (an fl_die error path). Call it
+// before the program's first OpenMP parallel region if fn uses OpenMP:
+// libgomp's thread pool does not survive fork().
 int t_dies(const char *name, void (*fn)(void *), void *arg, const char *expect);
 
 // Prints "<program>: N passed, N failed" and returns the exit status.
@@ -24,6 +26,11 @@ int t_report(void);
 
 // Deterministic test data: uniform in [-scale, scale).
 void t_fill(float *x, size_t n, unsigned seed, float scale);
+
+// One fp32 AdamW step with global-norm clipping (max_norm 0: none), the
+// way the engine's optimizer does it; returns the gradient norm.
+float t_adamw_step_fp32(void *adamw, const void *table, float *params, const float *grads, float lr,
+                        float max_norm);
 
 // Path of a file in the source tree (FITLM_SOURCE_DIR, set by CTest).
 const char *t_source_path(const char *rel);

@@ -11,6 +11,7 @@
 #include <stdio.h>
 
 #include "fitlm/model.h"
+#include "fitlm/optim.h"
 
 #define FL_PATH_MAX 1024
 #define FL_NAME_MAX 32
@@ -29,6 +30,13 @@ typedef struct {
     int train_batch_size; // DeepSpeed's micro * accum * ranks; 0 = derived
     int seq_len;
     int steps;
+    // precision: fp32 | bf16 | fp16 (DeepSpeed's bf16/fp16 blocks map here)
+    char precision[FL_NAME_MAX];
+    int bf16_enabled, fp16_enabled; // DeepSpeed's bf16.enabled / fp16.enabled
+    float loss_scale;               // fp16.loss_scale: 0 = dynamic
+    int initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis;
+    float min_loss_scale;
+    fl_dtype dtype; // derived by fl_config_finish
     // optimizer
     char optimizer[FL_NAME_MAX]; // adamw | sgd
     float lr, beta1, beta2, eps, weight_decay, momentum;
@@ -43,8 +51,9 @@ typedef struct {
     int sample_tokens;
     uint64_t seed;
     int threads;
-    int mem_report;
-    uint8_t given[64]; // by option-table index: set by the file or a flag, not defaulted
+    int mem_report, mem_report_every;
+    char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
+    uint8_t given[64];           // by option-table index: set by the file or a flag, not defaulted
 } fl_train_config;
 
 // Fills the defaults (the values --help prints).
@@ -59,6 +68,11 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv);
 void fl_config_finish(fl_train_config *cfg);
 void fl_config_print_help(FILE *out);
 void fl_config_print(const fl_train_config *cfg, FILE *out);
+
+// The optimizer settings of a finished config.
+fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg);
+// Parses a size such as "12G", "512M", "1048576" (bytes); dies naming `what`.
+size_t fl_parse_bytes(const char *text, const char *what);
 
 // Fills a GPT-2 shape from a preset name; dies on an unknown name.
 void fl_gpt2_preset(fl_gpt2_config *out, const char *name);

@@ -39,10 +39,13 @@ double fl_text_unigram_xent(const fl_text *train, const fl_text *eval);
 // checkpoints: DIR/model.ckpt holds the model shape, the tokenizer name, the
 // step and the fp32 weights, with a CRC-32 over everything.
 
-void fl_ckpt_save(const char *dir, const fl_gpt2 *model, const char *tokenizer, int step);
-// Initialises *model from the checkpoint (shape and weights).
-void fl_ckpt_load(const char *dir, fl_gpt2 *model, char *tokenizer, size_t tokenizer_size,
-                  int *step);
+// weights: the model's fp32 weights (the master copy under mixed precision),
+// table.numel floats.
+void fl_ckpt_save(const char *dir, const fl_gpt2 *model, const float *weights,
+                  const char *tokenizer, int step);
+// Initialises *model from the checkpoint (shape, and the weights rounded to dt).
+void fl_ckpt_load(const char *dir, fl_gpt2 *model, fl_dtype dt, char *tokenizer,
+                  size_t tokenizer_size, int *step);
 
 uint32_t fl_crc32(uint32_t crc, const void *data, size_t n);
 

@@ -14,19 +14,28 @@
 //   to float rounding.
 // - Multi-threaded with OpenMP; deterministic: the same inputs and thread
 //   count give bitwise identical outputs (no atomics, fixed reduction order).
+// - Precision: the first argument `dt` is the storage dtype (fp32, bf16 or
+//   fp16) of every activation, weight and weight-gradient pointer (void *);
+//   float * arguments (LayerNorm mean/rstd, log-sum-exps, losses) are always
+//   fp32. Every kernel computes in fp32: it loads rows into fp32, computes,
+//   and rounds once to nearest even on store (backward: dst = round(dst +
+//   sum), the sum formed in fp32). The _ref twins are fp32 only: the tests run
+//   a kernel in bf16/fp16 against its _ref on the same (rounded) inputs.
 #ifndef FITLM_KERNELS_H
 #define FITLM_KERNELS_H
 
 #include <stddef.h>
 
+#include "fitlm/dtype.h"
+
 // ----------------------------------------------------------------------------
 // embedding: out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]
 
-void encoder_forward(float *out, const int *inp, const float *wte, const float *wpe, int B, int T,
-                     int C);
+void encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte, const void *wpe,
+                     int B, int T, int C);
 // dwte (Vp,C) and dwpe (maxT,C) accumulate; dout (B,T,C)
-void encoder_backward(float *dwte, float *dwpe, const float *dout, const int *inp, int B, int T,
-                      int C);
+void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, const int *inp, int B,
+                      int T, int C);
 void encoder_forward_ref(float *out, const int *inp, const float *wte, const float *wpe, int B,
                          int T, int C);
 void encoder_backward_ref(float *dwte, float *dwpe, const float *dout, const int *inp, int B, int T,
@@ -36,10 +45,10 @@ void encoder_backward_ref(float *dwte, float *dwpe, const float *dout, const int
 // layernorm over the last dim C of N rows, eps = 1e-5 (GPT-2's).
 // mean and rstd (N) are saved for the backward pass.
 
-void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
-                       const float *bias, int N, int C);
-void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                        const float *inp, const float *weight, const float *mean, const float *rstd,
+void layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const void *inp,
+                       const void *weight, const void *bias, int N, int C);
+void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
+                        const void *inp, const void *weight, const float *mean, const float *rstd,
                         int N, int C);
 void layernorm_forward_ref(float *out, float *mean, float *rstd, const float *inp,
                            const float *weight, const float *bias, int N, int C);
@@ -49,14 +58,22 @@ void layernorm_backward_ref(float *dinp, float *dweight, float *dbias, const flo
 
 // ----------------------------------------------------------------------------
 // matmul with bias: out (N,OC) = inp (N,C) @ weight^T + bias, weight (OC,C)
-// as in PyTorch's nn.Linear; bias may be NULL. The fast path is an sgemm.
+// as in PyTorch's nn.Linear; bias may be NULL. fp32: OpenBLAS sgemm. bf16:
+// a bf16 GEMM with fp32 accumulation (oneDNN, AVX512_BF16/AMX) when the CPU
+// has one, else the portable path: operands converted to fp32 in blocks and
+// multiplied with sgemm. fp16: the portable path.
+//
+// workspace: matmul_workspace_bytes(dt, N, C, OC) bytes (0 for fp32, when
+// workspace may be NULL); it also reserves the GEMM library's scratchpad,
+// so every byte is counted by the tagged allocator.
 
-void matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N,
-                    int C, int OC);
+size_t matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC);
+void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight, const void *bias,
+                    void *workspace, int N, int C, int OC);
 // dinp (N,C), dweight (OC,C), dbias (OC) accumulate; any of them may be NULL
 // (e.g. the first layer's input needs no gradient).
-void matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
-                     const float *weight, int N, int C, int OC);
+void matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
+                     const void *inp, const void *weight, void *workspace, int N, int C, int OC);
 void matmul_forward_ref(float *out, const float *inp, const float *weight, const float *bias, int N,
                         int C, int OC);
 void matmul_backward_ref(float *dinp, float *dweight, float *dbias, const float *dout,
@@ -69,14 +86,15 @@ void matmul_backward_ref(float *dinp, float *dweight, float *dbias, const float 
 // qkv (B,T,3C): per position [q | k | v], each C = NH*HS wide, head h at
 // columns h*HS. out (B,T,C) = softmax(q k^T / sqrt(HS), causal) v, heads
 // concatenated. lse (B,NH,T) is saved for the backward pass.
-// workspace: attention_workspace_floats(T, HS) floats per thread, times
-// fl_threads() threads (the fast version parallelises over (b, h)).
+// workspace: attention_workspace_floats(dt, T, HS) floats per thread, times
+// fl_threads() threads (the fast version parallelises over (b, h)); bf16 and
+// fp16 need room for fp32 copies of a head's q, k, v (and their gradients).
 
-size_t attention_workspace_floats(int T, int HS);
-void attention_forward(float *out, float *lse, const float *qkv, float *workspace, int B, int T,
-                       int C, int NH);
+size_t attention_workspace_floats(fl_dtype dt, int T, int HS);
+void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace, int B,
+                       int T, int C, int NH);
 // dqkv (B,T,3C) accumulates; out and lse are the forward's results.
-void attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv, const void *out,
                         const float *lse, float *workspace, int B, int T, int C, int NH);
 void attention_forward_ref(float *out, float *lse, const float *qkv, int B, int T, int C, int NH);
 void attention_backward_ref(float *dqkv, const float *dout, const float *qkv, const float *out,
@@ -85,16 +103,16 @@ void attention_backward_ref(float *dqkv, const float *dout, const float *qkv, co
 // ----------------------------------------------------------------------------
 // GELU, tanh approximation (GPT-2's "gelu_new"), elementwise over N values
 
-void gelu_forward(float *out, const float *inp, size_t N);
-void gelu_backward(float *dinp, const float *inp, const float *dout, size_t N);
+void gelu_forward(fl_dtype dt, void *out, const void *inp, size_t N);
+void gelu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout, size_t N);
 void gelu_forward_ref(float *out, const float *inp, size_t N);
 void gelu_backward_ref(float *dinp, const float *inp, const float *dout, size_t N);
 
 // ----------------------------------------------------------------------------
 // residual add: out = a + b, elementwise over N values
 
-void residual_forward(float *out, const float *a, const float *b, size_t N);
-void residual_backward(float *da, float *db, const float *dout, size_t N);
+void residual_forward(fl_dtype dt, void *out, const void *a, const void *b, size_t N);
+void residual_backward(fl_dtype dt, void *da, void *db, const void *dout, size_t N);
 void residual_forward_ref(float *out, const float *a, const float *b, size_t N);
 void residual_backward_ref(float *da, float *db, const float *dout, size_t N);
 
@@ -109,9 +127,9 @@ void residual_backward_ref(float *da, float *db, const float *dout, size_t N);
 // gradient of the backward pass), and dlogits may alias logits, so the
 // (N,Vp) logits buffer is reused for its own gradient.
 
-void softmax_xent_forward(float *losses, float *lse, const float *logits, const int *targets, int N,
-                          int V, int Vp);
-void softmax_xent_backward(float *dlogits, const float *logits, const float *lse,
+void softmax_xent_forward(fl_dtype dt, float *losses, float *lse, const void *logits,
+                          const int *targets, int N, int V, int Vp);
+void softmax_xent_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
                            const int *targets, const float *dlosses, int N, int V, int Vp);
 void softmax_xent_forward_ref(float *losses, float *lse, const float *logits, const int *targets,
                               int N, int V, int Vp);

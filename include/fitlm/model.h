@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "fitlm/core.h"
+#include "fitlm/dtype.h"
 
 // ----------------------------------------------------------------------------
 // parameter table: rows {name, shape, offset}. ZeRO shards, checkpoints,
@@ -65,56 +66,65 @@ void fl_gpt2_config_finish(fl_gpt2_config *cfg);
 // Number of parameters (padded vocabulary included), without allocating.
 size_t fl_gpt2_num_params(const fl_gpt2_config *cfg);
 
-// Per-layer views into the flat buffers (params or grads): the same struct
-// serves both, so backward reads like forward.
+// Per-layer views into the flat buffers (params or grads, of the model's
+// dtype): the same struct serves both, so backward reads like forward.
 typedef struct {
-    float *ln1w, *ln1b; // (C)
-    float *qkvw, *qkvb; // (3C, C), (3C)
-    float *attprojw;    // (C, C)
-    float *attprojb;    // (C)
-    float *ln2w, *ln2b; // (C)
-    float *fcw, *fcb;   // (4C, C), (4C)
-    float *fcprojw;     // (C, 4C)
-    float *fcprojb;     // (C)
+    void *ln1w, *ln1b; // (C)
+    void *qkvw, *qkvb; // (3C, C), (3C)
+    void *attprojw;    // (C, C)
+    void *attprojb;    // (C)
+    void *ln2w, *ln2b; // (C)
+    void *fcw, *fcb;   // (4C, C), (4C)
+    void *fcprojw;     // (C, 4C)
+    void *fcprojb;     // (C)
 } fl_gpt2_layer;
 
 typedef struct {
-    float *wte;         // (Vp, C), tied with the LM head; rows V..Vp-1 stay zero
-    float *wpe;         // (maxT, C)
-    fl_gpt2_layer *h;   // (L)
-    float *lnfw, *lnfb; // (C)
+    void *wte;         // (Vp, C), tied with the LM head; rows V..Vp-1 stay zero
+    void *wpe;         // (maxT, C)
+    fl_gpt2_layer *h;  // (L)
+    void *lnfw, *lnfb; // (C)
 } fl_gpt2_weights;
 
-// Activations kept for the backward pass, for a batch of up to B x T.
+// Activations kept for the backward pass, for a batch of up to B x T. Tensors
+// are of the model's dtype; LayerNorm statistics, log-sum-exps and losses are
+// always fp32. The attention projection and the MLP output are written
+// straight into the residual stream, so they need no buffers of their own.
 typedef struct {
-    float *encoded;                   // (B,T,C) embedding output = residual stream 0
-    float *ln1, *ln1_mean, *ln1_rstd; // (L,B,T,C), (L,B,T), (L,B,T)
-    float *qkv;                       // (L,B,T,3C)
-    float *atty;                      // (L,B,T,C) attention output before projection
-    float *att_lse;                   // (L,B,NH,T) softmax log-sum-exp
-    float *residual2;                 // (L,B,T,C) residual after attention
-    float *ln2, *ln2_mean, *ln2_rstd; // (L,B,T,C), (L,B,T), (L,B,T)
-    float *fch;                       // (L,B,T,4C) MLP pre-activation
-    float *fch_gelu;                  // (L,B,T,4C)
-    float *residual3;                 // (L,B,T,C) residual after MLP = next layer's input
-    float *lnf, *lnf_mean, *lnf_rstd; // (B,T,C), (B,T), (B,T)
-    float *logits;                    // (B,T,Vp), overwritten by its own gradient in backward
-    float *losses, *xent_lse;         // (B,T)
+    void *encoded;              // (B,T,C) embedding output = residual stream 0
+    void *ln1;                  // (L,B,T,C)
+    float *ln1_mean, *ln1_rstd; // (L,B,T)
+    void *qkv;                  // (L,B,T,3C)
+    void *atty;                 // (L,B,T,C) attention output before projection
+    float *att_lse;             // (L,B,NH,T) softmax log-sum-exp
+    void *residual2;            // (L,B,T,C) residual after attention
+    void *ln2;                  // (L,B,T,C)
+    float *ln2_mean, *ln2_rstd; // (L,B,T)
+    void *fch;                  // (L,B,T,4C) MLP pre-activation
+    void *fch_gelu;             // (L,B,T,4C)
+    void *residual3;            // (L,B,T,C) residual after MLP = next layer's input
+    void *lnf;                  // (B,T,C)
+    float *lnf_mean, *lnf_rstd; // (B,T)
+    void *logits;               // (B,T,Vp), overwritten by its own gradient in backward
+    float *losses, *xent_lse;   // (B,T)
 } fl_gpt2_acts;
 
 typedef struct {
     fl_gpt2_config config;
+    fl_dtype dtype; // of weights, gradients and activations (compute is fp32)
     fl_param_table table;
-    float *params, *grads; // flat buffers of table.numel floats
-    fl_gpt2_weights w, g;  // views into params and grads
+    void *params, *grads; // flat buffers of table.numel values of dtype
+    fl_gpt2_weights w, g; // views into params and grads
     // activations and scratch, sized by fl_gpt2_alloc_acts
     int max_B, max_T;
     fl_gpt2_acts acts;
-    // backward scratch (workspace tag): the residual stream's gradient (B,T,C),
-    // one (B,T,C) and two (B,T,4C) buffers reused layer after layer
-    float *dres, *dbuf_c, *dbuf_4c_a, *dbuf_4c_b, *dlosses;
+    // backward scratch (workspace tag, dtype): the residual stream's gradient
+    // (B,T,C), one (B,T,C) and two (B,T,4C) buffers reused layer after layer
+    void *dres, *dbuf_c, *dbuf_4c_a, *dbuf_4c_b;
+    float *dlosses;
     float *att_workspace;
     int att_workspace_threads; // the thread count att_workspace was sized for
+    void *matmul_workspace;    // matmul_workspace_bytes for the largest GEMM
     int *inputs, *targets;     // (B,T) copies of the last batch
     // state of the last forward
     int B, T;
@@ -124,12 +134,19 @@ typedef struct {
     void *grad_hook_ctx;
 } fl_gpt2;
 
-// Builds the parameter table, allocates params and grads (tagged), and
-// initialises weights like GPT-2: N(0, 0.02), residual projections
-// N(0, 0.02/sqrt(2L)), biases 0, LayerNorm weights 1, padded vocab rows 0.
-void fl_gpt2_init(fl_gpt2 *model, const fl_gpt2_config *cfg, uint64_t seed);
-// Allocates activations for batches of up to B x T (T <= max_seq_len).
+// Builds the parameter table, allocates params and grads of dtype dt
+// (tagged), and initialises weights like GPT-2: N(0, 0.02), residual
+// projections N(0, 0.02/sqrt(2L)), biases 0, LayerNorm weights 1, padded
+// vocab rows 0 (drawn in fp32, then rounded to dt).
+void fl_gpt2_init(fl_gpt2 *model, const fl_gpt2_config *cfg, fl_dtype dt, uint64_t seed);
+// Allocates activations and scratch for batches of up to B x T (T <=
+// max_seq_len), for the current thread count.
 void fl_gpt2_alloc_acts(fl_gpt2 *model, int B, int T);
+// Bytes per tag that fl_gpt2_init + fl_gpt2_alloc_acts(B, T) allocate with
+// `threads` threads: computed by the same size list the allocation walks,
+// so the prediction is exact. B = 0 leaves out the activations.
+void fl_gpt2_memory(const fl_gpt2_config *cfg, fl_dtype dt, int B, int T, int threads,
+                    size_t bytes[FL_MEM_NTAGS]);
 void fl_gpt2_free(fl_gpt2 *model);
 
 // Forward pass over tokens (B,T). With targets (B,T) it computes the mean

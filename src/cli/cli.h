@@ -4,6 +4,7 @@
 
 int cmd_train(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
 
 // True when argv holds -h or --help.
 int wants_help(int argc, char **argv);

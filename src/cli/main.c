@@ -10,7 +10,8 @@ static void usage(FILE *out) {
                  "commands:\n"
                  "  train    train a GPT-2 model; with no options, the demo: a small model on the\n"
                  "           Brown corpus, then a checkpoint in out/ and a text sample\n"
-                 "  sample   generate text from a checkpoint\n\n"
+                 "  sample   generate text from a checkpoint\n"
+                 "  plan     the memory per tag a training run needs, printed before allocating\n\n"
                  "'fitlm <command> --help' lists the command's options and their defaults.\n");
 }
 
@@ -38,6 +39,7 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
+    if (!strcmp(cmd, "plan")) return cmd_plan(argc - 2, argv + 2);
     fprintf(stderr, "fitlm: error: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 1;

@@ -75,7 +75,7 @@ int cmd_sample(int argc, char **argv) {
     fl_gpt2 model;
     char tokenizer[32];
     int step;
-    fl_ckpt_load(o.checkpoint, &model, tokenizer, sizeof tokenizer, &step);
+    fl_ckpt_load(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer, &step);
     if (strcmp(tokenizer, "byte") != 0)
         fl_die("checkpoint %s uses tokenizer '%s', which this version cannot decode", o.checkpoint,
                tokenizer);

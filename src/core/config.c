@@ -57,6 +57,25 @@ static const option options[] = {
      NULL, "sequences per optimizer step = batch x grad-accum (0 = derived)"},
     {"seq_len", "--seq-len", OPT_INT, NUM(seq_len), "128", 1, 1048576, NULL, "sequence length T"},
     {"train_steps", "--steps", OPT_INT, NUM(steps), "1400", 0, 1 << 30, NULL, "optimizer steps"},
+    {"precision", "--precision", OPT_CHOICE, STR(precision), "fp32", 0, 0, "fp32|bf16|fp16",
+     "storage precision of weights, activations and gradients (fp32 master weights otherwise)"},
+    {"bf16.enabled", "--bf16", OPT_BOOL, NUM(bf16_enabled), "false", 0, 0, NULL,
+     "DeepSpeed's bf16 block: same as --precision bf16"},
+    {"fp16.enabled", "--fp16", OPT_BOOL, NUM(fp16_enabled), "false", 0, 0, NULL,
+     "DeepSpeed's fp16 block: same as --precision fp16"},
+    {"fp16.loss_scale", "--loss-scale", OPT_FLOAT, NUM(loss_scale), "0", 0, 1e30, NULL,
+     "fp16 loss scale: 0 = dynamic, else static"},
+    {"fp16.initial_scale_power", "--initial-scale-power", OPT_INT, NUM(initial_scale_power), "16",
+     0, 120, NULL, "fp16 dynamic scaling starts at 2^this"},
+    {"fp16.loss_scale_window", "--loss-scale-window", OPT_INT, NUM(loss_scale_window), "1000", 1,
+     1 << 30, NULL, "clean steps before the fp16 scale doubles"},
+    {"fp16.hysteresis", "--hysteresis", OPT_INT, NUM(hysteresis), "2", 1, 1 << 20, NULL,
+     "overflows tolerated before the fp16 scale halves"},
+    {"fp16.consecutive_hysteresis", "--consecutive-hysteresis", OPT_BOOL,
+     NUM(consecutive_hysteresis), "false", 0, 0, NULL,
+     "refill the hysteresis after every clean step"},
+    {"fp16.min_loss_scale", "--min-loss-scale", OPT_FLOAT, NUM(min_loss_scale), "1", 1e-30, 1e30,
+     NULL, "the fp16 scale never goes below this; an overflow there stops training"},
     {"optimizer.type", "--optimizer", OPT_CHOICE, STR(optimizer), "adamw", 0, 0, "adamw|sgd",
      "optimizer"},
     {"optimizer.params.lr", "--lr", OPT_FLOAT, NUM(lr), "0.003", 0, 1e3, NULL,
@@ -88,6 +107,11 @@ static const option options[] = {
     {"threads", "--threads", OPT_INT, NUM(threads), "0", 0, 4096, NULL, "threads (0 = all cores)"},
     {"mem_report", "--mem-report", OPT_BOOL, NUM(mem_report), "false", 0, 0, NULL,
      "print memory per tag and peak RSS at the end"},
+    {"mem_report_every", "--mem-report-every", OPT_INT, NUM(mem_report_every), "0", 0, 1 << 30,
+     NULL, "also print the memory report every N steps (0 = only at the end, with --mem-report)"},
+    {"mem_limit", "--mem-limit", OPT_STRING, STR(mem_limit), "", 0, 0, NULL,
+     "refuse to start if the planned memory exceeds this (bytes, or with K/M/G/T; \"\" = the "
+     "machine's available memory)"},
 };
 
 #define N_OPTIONS (sizeof options / sizeof options[0])
@@ -383,6 +407,27 @@ void fl_gpt2_preset(fl_gpt2_config *out, const char *name) {
     fl_die("unknown model preset '%s' (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl)", name);
 }
 
+// precision from --precision or DeepSpeed's blocks; fp16 options only with fp16
+static void finish_precision(fl_train_config *cfg) {
+    if (cfg->bf16_enabled && cfg->fp16_enabled)
+        fl_die("bf16.enabled and fp16.enabled cannot both be true");
+    const char *block = cfg->bf16_enabled ? "bf16" : cfg->fp16_enabled ? "fp16" : NULL;
+    if (block) {
+        if (given(cfg, "precision") && strcmp(cfg->precision, block))
+            fl_die("precision '%s' contradicts %s.enabled", cfg->precision, block);
+        strcpy(cfg->precision, block);
+    }
+    cfg->dtype = !strcmp(cfg->precision, "bf16")   ? FL_BF16
+                 : !strcmp(cfg->precision, "fp16") ? FL_F16
+                                                   : FL_F32;
+    static const char *fp16_keys[] = {
+        "fp16.loss_scale", "fp16.initial_scale_power",    "fp16.loss_scale_window",
+        "fp16.hysteresis", "fp16.consecutive_hysteresis", "fp16.min_loss_scale"};
+    for (size_t i = 0; i < sizeof fp16_keys / sizeof fp16_keys[0]; i++)
+        if (cfg->dtype != FL_F16 && given(cfg, fp16_keys[i]))
+            fl_die("%s applies to fp16 training; precision is %s", fp16_keys[i], cfg->precision);
+}
+
 void fl_config_finish(fl_train_config *cfg) {
     fl_gpt2_config shape = {0};
     fl_gpt2_preset(&shape, cfg->model_preset);
@@ -422,6 +467,53 @@ void fl_config_finish(fl_train_config *cfg) {
     if (!adamw && (given(cfg, "optimizer.params.betas") || given(cfg, "optimizer.params.eps")))
         fl_die("optimizer.params.betas and eps apply to adamw, not %s", cfg->optimizer);
     if (cfg->threads == 0) cfg->threads = omp_get_num_procs();
+    finish_precision(cfg);
+    if (*cfg->mem_limit) fl_parse_bytes(cfg->mem_limit, "mem_limit");
+}
+
+fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
+    fl_optimizer_config o = {
+        .kind = strcmp(cfg->optimizer, "adamw") ? FL_OPT_SGD : FL_OPT_ADAMW,
+        .beta1 = cfg->beta1,
+        .beta2 = cfg->beta2,
+        .eps = cfg->eps,
+        .weight_decay = cfg->weight_decay,
+        .momentum = cfg->momentum,
+        .max_grad_norm = cfg->grad_clip,
+        .grad_accum = cfg->grad_accum,
+        .loss_scale = cfg->loss_scale,
+        .initial_scale_power = cfg->initial_scale_power,
+        .loss_scale_window = cfg->loss_scale_window,
+        .hysteresis = cfg->hysteresis,
+        .consecutive_hysteresis = cfg->consecutive_hysteresis,
+        .min_loss_scale = cfg->min_loss_scale,
+    };
+    return o;
+}
+
+size_t fl_parse_bytes(const char *text, const char *what) {
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    double unit = 1;
+    switch (toupper((unsigned char)*end)) {
+    case 'K':
+        unit = 1024.0, end++;
+        break;
+    case 'M':
+        unit = 1048576.0, end++;
+        break;
+    case 'G':
+        unit = 1073741824.0, end++;
+        break;
+    case 'T':
+        unit = 1099511627776.0, end++;
+        break;
+    }
+    if (toupper((unsigned char)*end) == 'B' || toupper((unsigned char)*end) == 'I') end++;
+    if (end == text || *end || errno || !(v > 0) || v * unit > 1.8e19)
+        fl_die("%s: expected a size such as 8G, 512M or 1048576, got '%s'", what, text);
+    return (size_t)(v * unit);
 }
 
 void fl_config_print_help(FILE *out) {
@@ -446,8 +538,8 @@ void fl_config_print(const fl_train_config *cfg, FILE *out) {
             m->padded_vocab_size, m->max_seq_len);
     fprintf(out,
             "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g (%s, warmup %d, floor %g) "
-            "wd %g clip %g | seed %llu, %d threads\n",
+            "wd %g clip %g | %s | seed %llu, %d threads\n",
             cfg->micro_batch, cfg->seq_len, cfg->grad_accum, cfg->steps, cfg->optimizer, cfg->lr,
             cfg->scheduler, cfg->warmup_steps, cfg->min_lr_ratio, cfg->weight_decay, cfg->grad_clip,
-            (unsigned long long)cfg->seed, cfg->threads);
+            cfg->precision, (unsigned long long)cfg->seed, cfg->threads);
 }

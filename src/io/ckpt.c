@@ -69,7 +69,8 @@ static void ckpt_path(char *out, size_t size, const char *dir, const char *suffi
         fl_die("checkpoint directory name is too long: %s", dir);
 }
 
-void fl_ckpt_save(const char *dir, const fl_gpt2 *model, const char *tokenizer, int step) {
+void fl_ckpt_save(const char *dir, const fl_gpt2 *model, const float *weights,
+                  const char *tokenizer, int step) {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         fl_die("cannot create checkpoint directory %s: %s", dir, strerror(errno));
     char path[4096], tmp[4096];
@@ -102,7 +103,7 @@ void fl_ckpt_save(const char *dir, const fl_gpt2 *model, const char *tokenizer, 
     uint32_t crc = 0;
     write_all(fd, prefix, sizeof prefix, tmp, &crc);
     write_all(fd, header, strlen(header), tmp, &crc);
-    write_all(fd, model->params, data_bytes, tmp, &crc);
+    write_all(fd, weights, data_bytes, tmp, &crc);
     uint8_t trailer[4];
     put_u32(trailer, crc);
     uint32_t ignored = 0;
@@ -127,8 +128,8 @@ static int json_int(const cJSON *obj, const char *key, const char *path, int min
     return (int)item->valuedouble;
 }
 
-void fl_ckpt_load(const char *dir, fl_gpt2 *model, char *tokenizer, size_t tokenizer_size,
-                  int *step) {
+void fl_ckpt_load(const char *dir, fl_gpt2 *model, fl_dtype dt, char *tokenizer,
+                  size_t tokenizer_size, int *step) {
     char path[4096];
     ckpt_path(path, sizeof path, dir, "");
     FILE *f = fopen(path, "rb");
@@ -181,10 +182,12 @@ void fl_ckpt_load(const char *dir, fl_gpt2 *model, char *tokenizer, size_t token
     if ((uint64_t)numel * sizeof(float) != data_bytes)
         fl_die("checkpoint %s: %llu data bytes do not match the model shape (%zu parameters)", path,
                (unsigned long long)data_bytes, numel);
-    fl_gpt2_init(model, &cfg, 0);
-    if (fread(model->params, 1, data_bytes, f) != data_bytes)
-        fl_die("cannot read checkpoint %s", path);
-    crc = fl_crc32(crc, model->params, data_bytes);
+    fl_gpt2_init(model, &cfg, dt, 0);
+    float *weights = fl_alloc(FL_MEM_WORKSPACE, data_bytes);
+    if (fread(weights, 1, data_bytes, f) != data_bytes) fl_die("cannot read checkpoint %s", path);
+    crc = fl_crc32(crc, weights, data_bytes);
+    fl_convert(dt, model->params, FL_F32, weights, numel);
+    fl_free(weights);
     uint8_t trailer[4];
     if (fread(trailer, 1, 4, f) != 4) fl_die("cannot read checkpoint %s", path);
     fclose(f);

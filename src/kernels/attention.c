@@ -5,41 +5,71 @@
 // block of rows i0..n-1 only sees keys 0..n-1 (causality), so the GEMMs skip
 // the masked upper triangle and the per-thread workspace is ATT_BR rows of T
 // scores rather than a (T,T) matrix.
-// q, k, v and the gradients are read and written in place in qkv/dqkv with a
-// leading dimension of 3C: no gathering into contiguous buffers is needed.
+// fp32 q, k, v and their gradients are read and written in place in
+// qkv/dqkv with a leading dimension of 3C (out and dout: C). For bf16/fp16
+// each head is first gathered into contiguous fp32 copies (leading dimension
+// HS) in the workspace, the same algorithm runs on those, and the gradients,
+// accumulated there in fp32, are rounded back into dqkv once.
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
+#include "simd.h"
 #include <cblas.h>
 #include <math.h>
 #include <omp.h>
 
 #define ATT_BR 64 // query rows per block
 
-// scores block P (ATT_BR,T), dP block (ATT_BR,T), D (ATT_BR)
-size_t attention_workspace_floats(int T, int HS) {
-    (void)HS; // q, k, v are used in place, so only score blocks are needed
-    return (size_t)2 * ATT_BR * T + ATT_BR;
+// scores block P (ATT_BR,T), dP block (ATT_BR,T), D (ATT_BR); for 16-bit data
+// also fp32 copies (T,HS) of q, k, v, out, dout, dq, dk and dv
+size_t attention_workspace_floats(fl_dtype dt, int T, int HS) {
+    size_t copies = dt == FL_F32 ? 0 : (size_t)8 * T * HS;
+    return (size_t)2 * ATT_BR * T + ATT_BR + copies;
 }
 
-void attention_forward(float *out, float *lse, const float *qkv, float *workspace, int B, int T,
-                       int C, int NH) {
+// An fp32 view of one head: T rows of HS values at src, ld elements apart.
+// fp32: src itself (leading dimension ld); else its values converted into
+// the workspace's copy number `slot` (leading dimension HS).
+static float *head_f32(fl_dtype dt, const void *src, int ld, int T, int HS, float *copies,
+                       int slot) {
+    if (dt == FL_F32) return (float *)src;
+    float *copy = copies + (size_t)slot * T * HS;
+    for (int t = 0; t < T; t++)
+        fl_convert(FL_F32, copy + (size_t)t * HS, dt, fl_at_const(dt, src, (size_t)t * ld), HS);
+    return copy;
+}
+
+// Stores a head's fp32 copy (leading dimension HS) into dst; for fp32 the
+// view was dst itself, so there is nothing to do.
+static void head_flush(fl_dtype dt, void *dst, int ld, int T, int HS, const float *copy) {
+    for (int t = 0; dt != FL_F32 && t < T; t++)
+        fl_store_f32(dt, fl_at(dt, dst, (size_t)t * ld), copy + (size_t)t * HS, HS);
+}
+
+void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace, int B,
+                       int T, int C, int NH) {
     FL_ASSERT(NH > 0 && C % NH == 0);
     int HS = C / NH, C3 = 3 * C;
+    int ldq = dt == FL_F32 ? C3 : HS, ldo = dt == FL_F32 ? C : HS; // of the fp32 views
     float scale = 1.0f / sqrtf((float)HS);
-    size_t ws_per_thread = attention_workspace_floats(T, HS);
+    size_t ws_per_thread = attention_workspace_floats(dt, T, HS);
 #pragma omp parallel for
     for (int bh = 0; bh < B * NH; bh++) {
         int b = bh / NH, h = bh % NH;
         float *S = workspace + (size_t)omp_get_thread_num() * ws_per_thread;
-        const float *q = qkv + (size_t)b * T * C3 + h * HS, *k = q + C, *v = q + 2 * C;
-        float *o = out + (size_t)b * T * C + h * HS;
+        float *copies = S + (size_t)2 * ATT_BR * T + ATT_BR;
+        const void *qh = fl_at_const(dt, qkv, (size_t)b * T * C3 + h * HS);
+        const float *q = head_f32(dt, qh, C3, T, HS, copies, 0);
+        const float *k = head_f32(dt, fl_at_const(dt, qh, C), C3, T, HS, copies, 1);
+        const float *v = head_f32(dt, fl_at_const(dt, qh, 2 * C), C3, T, HS, copies, 2);
+        void *oh = fl_at(dt, out, (size_t)b * T * C + h * HS);
+        float *o = dt == FL_F32 ? (float *)oh : copies + 3 * (size_t)T * HS;
         float *lse_bh = lse + (size_t)bh * T;
         for (int i0 = 0; i0 < T; i0 += ATT_BR) {
             int nb = T - i0 < ATT_BR ? T - i0 : ATT_BR, n = i0 + nb; // rows i0..n-1, keys 0..n-1
             // S (nb,n) = scale * Q[i0:n] K[0:n]^T
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, scale,
-                        q + (size_t)i0 * C3, C3, k, C3, 0.0f, S, n);
+                        q + (size_t)i0 * ldq, ldq, k, ldq, 0.0f, S, n);
             for (int r = 0; r < nb; r++) {
                 int i = i0 + r;
                 float *row = S + (size_t)r * n;
@@ -55,63 +85,78 @@ void attention_forward(float *out, float *lse, const float *qkv, float *workspac
                 for (int j = i + 1; j < n; j++) row[j] = 0.0f; // causal mask
                 lse_bh[i] = maxval + logf(sum);
             }
-            // O[i0:n] (nb,HS) = P V[0:n], written straight into out
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, n, 1.0f, S, n, v, C3,
-                        0.0f, o + (size_t)i0 * C, C);
+            // O[i0:n] (nb,HS) = P V[0:n]
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, n, 1.0f, S, n, v, ldq,
+                        0.0f, o + (size_t)i0 * ldo, ldo);
         }
+        head_flush(dt, oh, C, T, HS, o);
     }
 }
 
-void attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv, const void *out,
                         const float *lse, float *workspace, int B, int T, int C, int NH) {
     FL_ASSERT(NH > 0 && C % NH == 0);
     int HS = C / NH, C3 = 3 * C;
+    int ldq = dt == FL_F32 ? C3 : HS, ldo = dt == FL_F32 ? C : HS; // of the fp32 views
     float scale = 1.0f / sqrtf((float)HS);
-    size_t ws_per_thread = attention_workspace_floats(T, HS);
+    size_t ws_per_thread = attention_workspace_floats(dt, T, HS);
     // each (b,h) owns its own columns of dqkv, so heads never race
 #pragma omp parallel for
     for (int bh = 0; bh < B * NH; bh++) {
         int b = bh / NH, h = bh % NH;
         float *P = workspace + (size_t)omp_get_thread_num() * ws_per_thread;
-        float *dP = P + (size_t)ATT_BR * T, *D = dP + (size_t)ATT_BR * T;
-        const float *q = qkv + (size_t)b * T * C3 + h * HS, *k = q + C, *v = q + 2 * C;
-        float *dq = dqkv + (size_t)b * T * C3 + h * HS, *dk = dq + C, *dv = dq + 2 * C;
-        const float *o = out + (size_t)b * T * C + h * HS, *dO = dout + (size_t)b * T * C + h * HS;
+        float *dP = P + (size_t)ATT_BR * T, *D = dP + (size_t)ATT_BR * T, *copies = D + ATT_BR;
+        const void *qh = fl_at_const(dt, qkv, (size_t)b * T * C3 + h * HS);
+        const void *oh = fl_at_const(dt, out, (size_t)b * T * C + h * HS);
+        const void *dOh = fl_at_const(dt, dout, (size_t)b * T * C + h * HS);
+        void *dqh = fl_at(dt, dqkv, (size_t)b * T * C3 + h * HS);
+        void *dkh = fl_at(dt, dqh, C), *dvh = fl_at(dt, dqh, 2 * C);
+        const float *q = head_f32(dt, qh, C3, T, HS, copies, 0);
+        const float *k = head_f32(dt, fl_at_const(dt, qh, C), C3, T, HS, copies, 1);
+        const float *v = head_f32(dt, fl_at_const(dt, qh, 2 * C), C3, T, HS, copies, 2);
+        const float *o = head_f32(dt, oh, C, T, HS, copies, 3);
+        const float *dO = head_f32(dt, dOh, C, T, HS, copies, 4);
+        float *dq = head_f32(dt, dqh, C3, T, HS, copies, 5);
+        float *dk = head_f32(dt, dkh, C3, T, HS, copies, 6);
+        float *dv = head_f32(dt, dvh, C3, T, HS, copies, 7);
         const float *lse_bh = lse + (size_t)bh * T;
         for (int i0 = 0; i0 < T; i0 += ATT_BR) {
             int nb = T - i0 < ATT_BR ? T - i0 : ATT_BR, n = i0 + nb;
-            const float *q_blk = q + (size_t)i0 * C3, *dO_blk = dO + (size_t)i0 * C;
+            const float *q_blk = q + (size_t)i0 * ldq, *dO_blk = dO + (size_t)i0 * ldo;
             // recompute P = exp(scale * Q K^T - lse), masked
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, scale, q_blk, C3, k, C3,
-                        0.0f, P, n);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, scale, q_blk, ldq, k,
+                        ldq, 0.0f, P, n);
             for (int r = 0; r < nb; r++) {
                 int i = i0 + r;
                 float *row = P + (size_t)r * n;
                 for (int j = 0; j <= i; j++) row[j] = expf(row[j] - lse_bh[i]);
                 for (int j = i + 1; j < n; j++) row[j] = 0.0f;
                 // D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
-                const float *o_i = o + (size_t)i * C, *dO_i = dO + (size_t)i * C;
+                const float *o_i = o + (size_t)i * ldo, *dO_i = dO + (size_t)i * ldo;
                 float d = 0.0f;
                 for (int e = 0; e < HS; e++) d += dO_i[e] * o_i[e];
                 D[r] = d;
             }
             // dV[0:n] += P^T dO[i0:n]
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, HS, nb, 1.0f, P, n, dO_blk, C,
-                        1.0f, dv, C3);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, HS, nb, 1.0f, P, n, dO_blk, ldo,
+                        1.0f, dv, ldq);
             // dP = dO V^T, then dS = P * (dP - D) in place
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, 1.0f, dO_blk, C, v, C3,
-                        0.0f, dP, n);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, 1.0f, dO_blk, ldo, v,
+                        ldq, 0.0f, dP, n);
             for (int r = 0; r < nb; r++) {
                 float *dS = dP + (size_t)r * n;
                 const float *p = P + (size_t)r * n;
                 for (int j = 0; j < n; j++) dS[j] = p[j] * (dS[j] - D[r]);
             }
             // dQ[i0:n] += scale * dS K[0:n] ; dK[0:n] += scale * dS^T Q[i0:n]
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, n, scale, dP, n, k, C3,
-                        1.0f, dq + (size_t)i0 * C3, C3);
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, HS, nb, scale, dP, n, q_blk, C3,
-                        1.0f, dk, C3);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, n, scale, dP, n, k, ldq,
+                        1.0f, dq + (size_t)i0 * ldq, ldq);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, HS, nb, scale, dP, n, q_blk,
+                        ldq, 1.0f, dk, ldq);
         }
+        head_flush(dt, dqh, C3, T, HS, dq);
+        head_flush(dt, dkh, C3, T, HS, dk);
+        head_flush(dt, dvh, C3, T, HS, dv);
     }
 }
 

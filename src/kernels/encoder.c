@@ -1,44 +1,93 @@
 // encoder.c: token + position embedding, out[b,t,:] = wte[inp[b,t],:] + wpe[t,:].
 #include "fitlm/kernels.h"
+#include "fitlm/core.h"
 
-// Channel block for the backward: each thread owns whole columns of dwte and
-// sums into them in (b,t) order, so repeated tokens never race and the
-// result does not even depend on the thread count.
-#define ENC_CBLOCK 64
+#include "simd.h"
 
-void encoder_forward(float *out, const int *inp, const float *wte, const float *wpe, int B, int T,
-                     int C) {
+// channels per fp32 block on the stack (16-bit data is converted in blocks)
+#define ENC_CBLOCK 1024
+// positions per block when looking for a token, see add_token_rows
+#define ENC_SCAN 256
+
+void encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte, const void *wpe,
+                     int B, int T, int C) {
     // out (B,T,C), inp (B,T), wte (Vp,C), wpe (maxT,C)
 #pragma omp parallel for collapse(2)
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
-            float *out_bt = out + ((size_t)b * T + t) * C;
-            const float *wte_ix = wte + (size_t)inp[b * T + t] * C;
-            const float *wpe_t = wpe + (size_t)t * C;
-            for (int i = 0; i < C; i++) out_bt[i] = wte_ix[i] + wpe_t[i];
+            size_t bt = (size_t)b * T + t;
+            for (int c0 = 0; c0 < C; c0 += ENC_CBLOCK) {
+                int nc = C - c0 < ENC_CBLOCK ? C - c0 : ENC_CBLOCK;
+                float e32[ENC_CBLOCK], p32[ENC_CBLOCK], out32[ENC_CBLOCK];
+                void *o = fl_at(dt, out, bt * C + c0);
+                float *y = fp32_out(dt, o, out32);
+                const float *e =
+                    fl_load_f32(dt, fl_at_const(dt, wte, (size_t)inp[bt] * C + c0), nc, e32);
+                const float *p = fl_load_f32(dt, fl_at_const(dt, wpe, (size_t)t * C + c0), nc, p32);
+                for (int i = 0; i < nc; i++) y[i] = e[i] + p[i];
+                fp32_flush(dt, o, y, nc);
+            }
         }
     }
 }
 
-void encoder_backward(float *dwte, float *dwpe, const float *dout, const int *inp, int B, int T,
-                      int C) {
-    int nblocks = (C + ENC_CBLOCK - 1) / ENC_CBLOCK;
-#pragma omp parallel for
-    for (int blk = 0; blk < nblocks; blk++) {
-        int c0 = blk * ENC_CBLOCK, c1 = c0 + ENC_CBLOCK < C ? c0 + ENC_CBLOCK : C;
-        for (int bt = 0; bt < B * T; bt++) {
-            const float *dout_bt = dout + (size_t)bt * C;
-            float *dwte_ix = dwte + (size_t)inp[bt] * C;
-            for (int i = c0; i < c1; i++) dwte_ix[i] += dout_bt[i];
+// whether tok is in inp[0, n): no early exit, so the loop vectorises
+FL_TARGET_CLONES static int occurs(const int *inp, int n, int tok) {
+    int found = 0;
+    for (int j = 0; j < n; j++) found |= inp[j] == tok;
+    return found;
+}
+
+// dst (nc) += channels c0.. of the rows of dout at positions first.. < N
+// holding token tok, summed in position order in fp32 and rounded once.
+// Positions are scanned in blocks of ENC_SCAN, most of which lack tok.
+static void add_token_rows(fl_dtype dt, void *dst, const void *dout, const int *inp, int tok,
+                           int first, int N, int C, int c0, int nc) {
+    float acc32[ENC_CBLOCK], d32[ENC_CBLOCK];
+    float *acc = fp32_rmw(dt, dst, nc, acc32);
+    for (int j0 = first; j0 < N; j0 += ENC_SCAN) {
+        int j1 = N - j0 < ENC_SCAN ? N : j0 + ENC_SCAN;
+        if (!occurs(inp + j0, j1 - j0, tok)) continue;
+        for (int j = j0; j < j1; j++) {
+            if (inp[j] != tok) continue;
+            const float *d = fl_load_f32(dt, fl_at_const(dt, dout, (size_t)j * C + c0), nc, d32);
+            for (int i = 0; i < nc; i++) acc[i] += d[i];
+        }
+    }
+    fp32_flush(dt, dst, acc, nc);
+}
+
+void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, const int *inp, int B,
+                      int T, int C) {
+    // Each token's row of dwte is owned by the first position holding that
+    // token, which sums all the token's rows in (b,t) order: no races, a
+    // result independent of the thread count, and one rounding per element.
+    int N = B * T;
+#pragma omp parallel for schedule(dynamic, 16)
+    for (int bt = 0; bt < N; bt++) {
+        int tok = inp[bt], seen = 0;
+        for (int j0 = 0; j0 < bt && !seen; j0 += ENC_SCAN)
+            seen = occurs(inp + j0, bt - j0 < ENC_SCAN ? bt - j0 : ENC_SCAN, tok);
+        for (int c0 = 0; !seen && c0 < C; c0 += ENC_CBLOCK) {
+            int nc = C - c0 < ENC_CBLOCK ? C - c0 : ENC_CBLOCK;
+            add_token_rows(dt, fl_at(dt, dwte, (size_t)tok * C + c0), dout, inp, tok, bt, N, C, c0,
+                           nc);
         }
     }
     // each t owns its row of dwpe; batches are summed in order
 #pragma omp parallel for
     for (int t = 0; t < T; t++) {
-        float *dwpe_t = dwpe + (size_t)t * C;
-        for (int b = 0; b < B; b++) {
-            const float *dout_bt = dout + ((size_t)b * T + t) * C;
-            for (int i = 0; i < C; i++) dwpe_t[i] += dout_bt[i];
+        for (int c0 = 0; c0 < C; c0 += ENC_CBLOCK) {
+            int nc = C - c0 < ENC_CBLOCK ? C - c0 : ENC_CBLOCK;
+            float acc32[ENC_CBLOCK], d32[ENC_CBLOCK];
+            void *dst = fl_at(dt, dwpe, (size_t)t * C + c0);
+            float *acc = fp32_rmw(dt, dst, nc, acc32);
+            for (int b = 0; b < B; b++) {
+                size_t off = ((size_t)b * T + t) * C + c0;
+                const float *d = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, d32);
+                for (int i = 0; i < nc; i++) acc[i] += d[i];
+            }
+            fp32_flush(dt, dst, acc, nc);
         }
     }
 }

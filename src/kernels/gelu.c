@@ -10,7 +10,7 @@
 
 #define GELU_SCALING_FACTOR 0.7978845608028654f // sqrt(2/pi)
 #define GELU_CUBIC          0.044715f
-#define GELU_CHUNK          4096 // values per parallel work item
+#define GELU_CHUNK          2048 // values per parallel work item and fp32 buffer
 
 typedef void (*gelu_fwd_fn)(float *out, const float *inp, size_t n);
 typedef void (*gelu_bwd_fn)(float *dinp, const float *inp, const float *dout, size_t n);
@@ -81,7 +81,8 @@ __attribute__((target("avx512f"))) static void gelu_backward_avx512(float *dinp,
 #endif
 
 // Elementwise, so chunking changes nothing in the result: deterministic.
-void gelu_forward(float *out, const float *inp, size_t N) {
+// 16-bit chunks pass through fp32 buffers on the stack; fp32 is used in place.
+void gelu_forward(fl_dtype dt, void *out, const void *inp, size_t N) {
     gelu_fwd_fn f = gelu_forward_ref;
 #if FL_HAVE_X86_SIMD
     if (fl_cpu()->avx512f) f = gelu_forward_avx512;
@@ -89,12 +90,15 @@ void gelu_forward(float *out, const float *inp, size_t N) {
     size_t nchunks = (N + GELU_CHUNK - 1) / GELU_CHUNK;
 #pragma omp parallel for
     for (size_t c = 0; c < nchunks; c++) {
-        size_t i0 = c * GELU_CHUNK;
-        f(out + i0, inp + i0, N - i0 < GELU_CHUNK ? N - i0 : GELU_CHUNK);
+        size_t i0 = c * GELU_CHUNK, n = N - i0 < GELU_CHUNK ? N - i0 : GELU_CHUNK;
+        float inp32[GELU_CHUNK], out32[GELU_CHUNK];
+        float *y = fp32_out(dt, fl_at(dt, out, i0), out32);
+        f(y, fl_load_f32(dt, fl_at_const(dt, inp, i0), n, inp32), n);
+        fp32_flush(dt, fl_at(dt, out, i0), y, n);
     }
 }
 
-void gelu_backward(float *dinp, const float *inp, const float *dout, size_t N) {
+void gelu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout, size_t N) {
     gelu_bwd_fn f = gelu_backward_ref;
 #if FL_HAVE_X86_SIMD
     if (fl_cpu()->avx512f) f = gelu_backward_avx512;
@@ -102,7 +106,11 @@ void gelu_backward(float *dinp, const float *inp, const float *dout, size_t N) {
     size_t nchunks = (N + GELU_CHUNK - 1) / GELU_CHUNK;
 #pragma omp parallel for
     for (size_t c = 0; c < nchunks; c++) {
-        size_t i0 = c * GELU_CHUNK;
-        f(dinp + i0, inp + i0, dout + i0, N - i0 < GELU_CHUNK ? N - i0 : GELU_CHUNK);
+        size_t i0 = c * GELU_CHUNK, n = N - i0 < GELU_CHUNK ? N - i0 : GELU_CHUNK;
+        float inp32[GELU_CHUNK], dout32[GELU_CHUNK], dinp32[GELU_CHUNK];
+        float *dx = fp32_rmw(dt, fl_at(dt, dinp, i0), n, dinp32);
+        f(dx, fl_load_f32(dt, fl_at_const(dt, inp, i0), n, inp32),
+          fl_load_f32(dt, fl_at_const(dt, dout, i0), n, dout32), n);
+        fp32_flush(dt, fl_at(dt, dinp, i0), dx, n);
     }
 }

@@ -1,6 +1,7 @@
 // layernorm.c: LayerNorm over the last dim C, biased variance, eps 1e-5.
 #include "fitlm/kernels.h"
 
+#include "simd.h"
 #include <math.h>
 
 #define LN_EPS 1e-5f
@@ -24,52 +25,79 @@ static void layernorm_row_fast(float *out, float *mean, float *rstd, const float
     *rstd = r;
 }
 
-void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
-                       const float *bias, int N, int C) {
+// 16-bit rows are converted into fp32 buffers of C floats on each thread's
+// stack (weight and bias once per thread); fp32 rows are used in place.
+void layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const void *inp,
+                       const void *weight, const void *bias, int N, int C) {
     // out, inp (N,C); mean, rstd (N); weight, bias (C)
-#pragma omp parallel for
-    for (int n = 0; n < N; n++)
-        layernorm_row_fast(out + (size_t)n * C, mean + n, rstd + n, inp + (size_t)n * C, weight,
-                           bias, C);
+#pragma omp parallel
+    {
+        float w32[C], b32[C], x32[C], y32[C];
+        const float *w = fl_load_f32(dt, weight, C, w32), *b = fl_load_f32(dt, bias, C, b32);
+#pragma omp for
+        for (int n = 0; n < N; n++) {
+            void *y = fl_at(dt, out, (size_t)n * C);
+            float *y_f = fp32_out(dt, y, y32);
+            layernorm_row_fast(y_f, mean + n, rstd + n,
+                               fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32), w, b,
+                               C);
+            fp32_flush(dt, y, y_f, C);
+        }
+    }
 }
 
-void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                        const float *inp, const float *weight, const float *mean, const float *rstd,
+void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
+                        const void *inp, const void *weight, const float *mean, const float *rstd,
                         int N, int C) {
     // dinp: rows are independent
-#pragma omp parallel for
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-        float *dx = dinp + (size_t)n * C;
-        float m = mean[n], r = rstd[n];
-        float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+#pragma omp parallel
+    {
+        float w32[C], x32[C], dy32[C], dx32[C];
+        const float *weight_f = fl_load_f32(dt, weight, C, w32);
+#pragma omp for
+        for (int n = 0; n < N; n++) {
+            const float *x = fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32);
+            const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, (size_t)n * C), C, dy32);
+            float *dx = fp32_rmw(dt, fl_at(dt, dinp, (size_t)n * C), C, dx32);
+            float m = mean[n], r = rstd[n];
+            float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
 #pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
-        for (int i = 0; i < C; i++) {
-            float dnorm = weight[i] * dy[i];
-            dnorm_mean += dnorm;
-            dnorm_norm_mean += dnorm * (x[i] - m) * r;
-        }
-        dnorm_mean /= C;
-        dnorm_norm_mean /= C;
-        for (int i = 0; i < C; i++) {
-            float norm = (x[i] - m) * r;
-            dx[i] += (weight[i] * dy[i] - dnorm_mean - norm * dnorm_norm_mean) * r;
+            for (int i = 0; i < C; i++) {
+                float dnorm = weight_f[i] * dy[i];
+                dnorm_mean += dnorm;
+                dnorm_norm_mean += dnorm * (x[i] - m) * r;
+            }
+            dnorm_mean /= C;
+            dnorm_norm_mean /= C;
+            for (int i = 0; i < C; i++) {
+                float norm = (x[i] - m) * r;
+                dx[i] += (weight_f[i] * dy[i] - dnorm_mean - norm * dnorm_norm_mean) * r;
+            }
+            fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
     }
     // dweight, dbias: each thread owns a block of channels and sums the rows
-    // in order, so there is no reduction across threads (deterministic)
+    // in order, so there is no reduction across threads (deterministic); the
+    // block's sums stay in fp32 until all rows are in
     int nblocks = (C + LN_CBLOCK - 1) / LN_CBLOCK;
 #pragma omp parallel for
     for (int blk = 0; blk < nblocks; blk++) {
-        int c0 = blk * LN_CBLOCK, c1 = c0 + LN_CBLOCK < C ? c0 + LN_CBLOCK : C;
+        int c0 = blk * LN_CBLOCK, nc = C - c0 < LN_CBLOCK ? C - c0 : LN_CBLOCK;
+        float dw32[LN_CBLOCK], db32[LN_CBLOCK], x32[LN_CBLOCK], dy32[LN_CBLOCK];
+        float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dw32);
+        float *db = fp32_rmw(dt, fl_at(dt, dbias, c0), nc, db32);
         for (int n = 0; n < N; n++) {
-            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+            size_t off = (size_t)n * C + c0;
+            const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
+            const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
             float m = mean[n], r = rstd[n];
-            for (int i = c0; i < c1; i++) {
-                dbias[i] += dy[i];
-                dweight[i] += (x[i] - m) * r * dy[i];
+            for (int i = 0; i < nc; i++) {
+                db[i] += dy[i];
+                dw[i] += (x[i] - m) * r * dy[i];
             }
         }
+        fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
+        fp32_flush(dt, fl_at(dt, dbias, c0), db, nc);
     }
 }
 

@@ -1,10 +1,36 @@
-// simd.h: private vector helpers shared by the kernels' AVX-512 paths.
-// Functions carry target attributes, so the file compiles in a baseline
-// x86-64 build; callers pick these paths only when fl_cpu() reports the ISA.
+// simd.h: private helpers shared by the kernels: fp32 views of data of any
+// storage dtype, and the AVX-512 paths' vector helpers. The latter carry
+// target attributes, so the file compiles in a baseline x86-64 build; callers
+// pick those paths only when fl_cpu() reports the ISA.
 #ifndef FITLM_KERNELS_SIMD_H
 #define FITLM_KERNELS_SIMD_H
 
 #include <stddef.h>
+
+#include "fitlm/dtype.h"
+
+// Kernels compute in fp32 on n values at a time. An output is computed in
+// fp32_out(...) and written with fp32_flush(...); a gradient that accumulates
+// is read with fp32_rmw(...), added to in fp32 and flushed, so it is rounded
+// once however many terms it received. For fp32 data all of them work on dst
+// itself (no copy, and fp32_flush does nothing); otherwise on scratch.
+static inline float *fp32_out(fl_dtype dt, void *dst, float *scratch) {
+    return dt == FL_F32 ? (float *)dst : scratch;
+}
+
+static inline float *fp32_rmw(fl_dtype dt, void *dst, size_t n, float *scratch) {
+    return (float *)fl_load_f32(dt, dst, n, scratch);
+}
+
+static inline void fp32_flush(fl_dtype dt, void *dst, const float *x, size_t n) {
+    if (dt != FL_F32) fl_store_f32(dt, dst, x, n);
+}
+
+// element i of src as fp32
+static inline float fp32_at(fl_dtype dt, const void *src, size_t i) {
+    float x;
+    return *fl_load_f32(dt, fl_at_const(dt, src, i), 1, &x);
+}
 
 #if defined(__x86_64__)
 #include <immintrin.h>

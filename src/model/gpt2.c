@@ -87,59 +87,141 @@ enum { VIEWS_BEFORE_LAYERS = 2, VIEWS_PER_LAYER = 12 };
 
 // Points the weights struct at a flat buffer (params or grads), following
 // the table order of build_table.
-static void bind_weights(fl_gpt2_weights *w, const fl_param_table *t, float *base, int L) {
+static void bind_weights(fl_gpt2_weights *w, const fl_param_table *t, fl_dtype dt, void *base,
+                         int L) {
     const fl_param_view *v = t->views;
-    w->wte = base + v[0].offset;
-    w->wpe = base + v[1].offset;
+    w->wte = fl_at(dt, base, v[0].offset);
+    w->wpe = fl_at(dt, base, v[1].offset);
     for (int l = 0; l < L; l++) {
         const fl_param_view *lv = v + VIEWS_BEFORE_LAYERS + l * VIEWS_PER_LAYER;
-        float **slots[VIEWS_PER_LAYER] = {&w->h[l].ln1w, &w->h[l].ln1b,     &w->h[l].qkvw,
-                                          &w->h[l].qkvb, &w->h[l].attprojw, &w->h[l].attprojb,
-                                          &w->h[l].ln2w, &w->h[l].ln2b,     &w->h[l].fcw,
-                                          &w->h[l].fcb,  &w->h[l].fcprojw,  &w->h[l].fcprojb};
-        for (int i = 0; i < VIEWS_PER_LAYER; i++) *slots[i] = base + lv[i].offset;
+        void **slots[VIEWS_PER_LAYER] = {&w->h[l].ln1w, &w->h[l].ln1b,     &w->h[l].qkvw,
+                                         &w->h[l].qkvb, &w->h[l].attprojw, &w->h[l].attprojb,
+                                         &w->h[l].ln2w, &w->h[l].ln2b,     &w->h[l].fcw,
+                                         &w->h[l].fcb,  &w->h[l].fcprojw,  &w->h[l].fcprojb};
+        for (int i = 0; i < VIEWS_PER_LAYER; i++) *slots[i] = fl_at(dt, base, lv[i].offset);
     }
     const fl_param_view *f = v + VIEWS_BEFORE_LAYERS + L * VIEWS_PER_LAYER;
-    w->lnfw = base + f[0].offset;
-    w->lnfb = base + f[1].offset;
+    w->lnfw = fl_at(dt, base, f[0].offset);
+    w->lnfb = fl_at(dt, base, f[1].offset);
 }
 
-void fl_gpt2_init(fl_gpt2 *model, const fl_gpt2_config *cfg, uint64_t seed) {
+void fl_gpt2_init(fl_gpt2 *model, const fl_gpt2_config *cfg, fl_dtype dt, uint64_t seed) {
     memset(model, 0, sizeof *model);
     model->config = *cfg;
+    model->dtype = dt;
     fl_gpt2_config_finish(&model->config);
     const fl_gpt2_config *c = &model->config;
     build_table(&model->table, c);
-    size_t bytes = model->table.numel * sizeof(float);
-    model->params = fl_alloc(FL_MEM_PARAMS, bytes);
-    model->grads = fl_alloc(FL_MEM_GRADS, bytes);
+    size_t n = model->table.numel;
+    model->params = fl_alloc(FL_MEM_PARAMS, n * fl_dtype_size(dt));
+    model->grads = fl_alloc(FL_MEM_GRADS, n * fl_dtype_size(dt));
     model->w.h = fl_alloc(FL_MEM_OTHER, c->n_layer * sizeof(fl_gpt2_layer));
     model->g.h = fl_alloc(FL_MEM_OTHER, c->n_layer * sizeof(fl_gpt2_layer));
-    bind_weights(&model->w, &model->table, model->params, c->n_layer);
-    bind_weights(&model->g, &model->table, model->grads, c->n_layer);
+    bind_weights(&model->w, &model->table, dt, model->params, c->n_layer);
+    bind_weights(&model->g, &model->table, dt, model->grads, c->n_layer);
 
     // GPT-2 initialisation: N(0, 0.02) for matrices and embeddings, with the
     // projections into the residual stream scaled by 1/sqrt(2L) since L
-    // blocks each add two of them to it.
+    // blocks each add two of them to it. Drawn in fp32, view by view, then
+    // rounded to the storage dtype: the same draws for every precision.
     fl_rng rng;
     fl_rng_seed(&rng, seed);
     float resid_std = 0.02f / sqrtf(2.0f * c->n_layer);
+    float block[4096];
     for (int i = 0; i < model->table.count; i++) {
         const fl_param_view *v = &model->table.views[i];
-        float *p = model->params + v->offset;
-        size_t n = v->numel;
-        if (strstr(v->name, "ln_") && strstr(v->name, ".weight")) {
-            for (size_t j = 0; j < n; j++) p[j] = 1.0f;
-        } else if (v->ndim == 2) {
-            float std = strstr(v->name, "c_proj.weight") ? resid_std : 0.02f;
-            if (i == 0) n = (size_t)c->vocab_size * c->n_embd; // padded rows stay 0
-            for (size_t j = 0; j < n; j++) p[j] = std * fl_rng_normal(&rng);
-        } // biases stay 0
+        int ones = strstr(v->name, "ln_") && strstr(v->name, ".weight");
+        float std = v->ndim == 1 ? 0.0f : strstr(v->name, "c_proj.weight") ? resid_std : 0.02f;
+        size_t drawn = i == 0 ? (size_t)c->vocab_size * c->n_embd : v->numel; // padded rows: 0
+        for (size_t j0 = 0; j0 < v->numel; j0 += 4096) {
+            size_t len = v->numel - j0 < 4096 ? v->numel - j0 : 4096;
+            for (size_t j = 0; j < len; j++)
+                block[j] = ones                           ? 1.0f
+                           : std > 0.0f && j0 + j < drawn ? std * fl_rng_normal(&rng)
+                                                          : 0.0f; // biases: 0
+            fl_store_f32(dt, fl_at(dt, model->params, v->offset + j0), block, len);
+        }
     }
 }
 
-// ----------------------------------------------------------------------------
-// activations
+// One allocation of the activation set: where its pointer goes, how many
+// elements of what size, under which tag. fl_gpt2_alloc_acts walks this list
+// to allocate and fl_gpt2_memory to predict, so the two cannot disagree.
+typedef struct {
+    void **slot; // NULL when only sizes are wanted
+    size_t count, elem;
+    fl_mem_tag tag;
+} act_spec;
+
+enum { MAX_SPECS = 40 };
+
+static int act_specs(fl_gpt2 *m, const fl_gpt2_config *c, fl_dtype dt, int B, int T, int threads,
+                     act_spec *out) {
+    size_t L = c->n_layer, C = c->n_embd, NH = c->n_head, Vp = c->padded_vocab_size;
+    size_t BT = (size_t)B * T, D = fl_dtype_size(dt), F = sizeof(float), I = sizeof(int);
+    fl_gpt2_acts *a = m ? &m->acts : NULL;
+    int n = 0;
+#define SPEC(field, cnt, size, tag)                                                                \
+    out[n++] = (act_spec){m ? (void **)&(field) : NULL, cnt, size, tag}
+    SPEC(a->encoded, BT * C, D, FL_MEM_ACTS);
+    SPEC(a->ln1, L * BT * C, D, FL_MEM_ACTS);
+    SPEC(a->ln1_mean, L * BT, F, FL_MEM_ACTS);
+    SPEC(a->ln1_rstd, L * BT, F, FL_MEM_ACTS);
+    SPEC(a->qkv, L * BT * 3 * C, D, FL_MEM_ACTS);
+    SPEC(a->atty, L * BT * C, D, FL_MEM_ACTS);
+    SPEC(a->att_lse, L * BT * NH, F, FL_MEM_ACTS);
+    SPEC(a->residual2, L * BT * C, D, FL_MEM_ACTS);
+    SPEC(a->ln2, L * BT * C, D, FL_MEM_ACTS);
+    SPEC(a->ln2_mean, L * BT, F, FL_MEM_ACTS);
+    SPEC(a->ln2_rstd, L * BT, F, FL_MEM_ACTS);
+    SPEC(a->fch, L * BT * 4 * C, D, FL_MEM_ACTS);
+    SPEC(a->fch_gelu, L * BT * 4 * C, D, FL_MEM_ACTS);
+    SPEC(a->residual3, L * BT * C, D, FL_MEM_ACTS);
+    SPEC(a->lnf, BT * C, D, FL_MEM_ACTS);
+    SPEC(a->lnf_mean, BT, F, FL_MEM_ACTS);
+    SPEC(a->lnf_rstd, BT, F, FL_MEM_ACTS);
+    SPEC(a->logits, BT * Vp, D, FL_MEM_ACTS);
+    SPEC(a->losses, BT, F, FL_MEM_ACTS);
+    SPEC(a->xent_lse, BT, F, FL_MEM_ACTS);
+    SPEC(m->inputs, BT, I, FL_MEM_ACTS);
+    SPEC(m->targets, BT, I, FL_MEM_ACTS);
+    SPEC(m->dres, BT * C, D, FL_MEM_WORKSPACE);
+    SPEC(m->dbuf_c, BT * C, D, FL_MEM_WORKSPACE);
+    SPEC(m->dbuf_4c_a, BT * 4 * C, D, FL_MEM_WORKSPACE);
+    SPEC(m->dbuf_4c_b, BT * 4 * C, D, FL_MEM_WORKSPACE);
+    SPEC(m->dlosses, BT, F, FL_MEM_WORKSPACE);
+    SPEC(m->att_workspace, attention_workspace_floats(dt, T, C / NH) * (size_t)threads, F,
+         FL_MEM_WORKSPACE);
+    // the largest GEMM workspace of the step: the four layer shapes and the LM head
+    size_t mm = 0;
+    int shapes[5][2] = {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}, {C, Vp}};
+    for (int i = 0; i < 5; i++) {
+        size_t b = matmul_workspace_bytes(dt, (int)BT, shapes[i][0], shapes[i][1]);
+        if (b > mm) mm = b;
+    }
+    SPEC(m->matmul_workspace, mm, 1, FL_MEM_WORKSPACE);
+#undef SPEC
+    FL_ASSERT(n <= MAX_SPECS);
+    return n;
+}
+
+void fl_gpt2_memory(const fl_gpt2_config *cfg, fl_dtype dt, int B, int T, int threads,
+                    size_t bytes[FL_MEM_NTAGS]) {
+    fl_gpt2_config c = *cfg;
+    fl_gpt2_config_finish(&c);
+    memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
+    size_t numel = fl_gpt2_num_params(&c);
+    bytes[FL_MEM_PARAMS] = numel * fl_dtype_size(dt);
+    bytes[FL_MEM_GRADS] = numel * fl_dtype_size(dt);
+    // the table's views (grown by doubling from 64) and the two layer arrays
+    size_t views = 64, count = 2 + 12 * (size_t)c.n_layer + 2;
+    while (views < count) views *= 2;
+    bytes[FL_MEM_OTHER] = views * sizeof(fl_param_view) + 2 * c.n_layer * sizeof(fl_gpt2_layer);
+    if (B == 0) return;
+    act_spec specs[MAX_SPECS];
+    int n = act_specs(NULL, &c, dt, B, T, threads, specs);
+    for (int i = 0; i < n; i++) bytes[specs[i].tag] += specs[i].count * specs[i].elem;
+}
 
 void fl_gpt2_alloc_acts(fl_gpt2 *model, int B, int T) {
     const fl_gpt2_config *c = &model->config;
@@ -148,65 +230,24 @@ void fl_gpt2_alloc_acts(fl_gpt2 *model, int B, int T) {
     if (T > c->max_seq_len)
         fl_die("sequence length %d exceeds the model's max_seq_len %d", T, c->max_seq_len);
     FL_ASSERT(model->max_B == 0); // allocated once, up front
-    size_t L = c->n_layer, C = c->n_embd, NH = c->n_head, Vp = c->padded_vocab_size;
-    size_t BT = (size_t)B * T;
-    fl_gpt2_acts *a = &model->acts;
-#define ACT(field, count) a->field = fl_alloc(FL_MEM_ACTS, (count) * sizeof(float))
-    ACT(encoded, BT * C);
-    ACT(ln1, L * BT * C);
-    ACT(ln1_mean, L * BT);
-    ACT(ln1_rstd, L * BT);
-    ACT(qkv, L * BT * 3 * C);
-    ACT(atty, L * BT * C);
-    ACT(att_lse, L * B * NH * T);
-    ACT(residual2, L * BT * C);
-    ACT(ln2, L * BT * C);
-    ACT(ln2_mean, L * BT);
-    ACT(ln2_rstd, L * BT);
-    ACT(fch, L * BT * 4 * C);
-    ACT(fch_gelu, L * BT * 4 * C);
-    ACT(residual3, L * BT * C);
-    ACT(lnf, BT * C);
-    ACT(lnf_mean, BT);
-    ACT(lnf_rstd, BT);
-    ACT(logits, BT * Vp);
-    ACT(losses, BT);
-    ACT(xent_lse, BT);
-#undef ACT
-#define WS(field, count) model->field = fl_alloc(FL_MEM_WORKSPACE, (count) * sizeof(float))
-    WS(dres, BT * C);
-    WS(dbuf_c, BT * C);
-    WS(dbuf_4c_a, BT * 4 * C);
-    WS(dbuf_4c_b, BT * 4 * C);
-    WS(dlosses, BT);
-    WS(att_workspace, attention_workspace_floats(T, C / NH) * (size_t)fl_threads());
-#undef WS
+    act_spec specs[MAX_SPECS];
+    int n = act_specs(model, c, model->dtype, B, T, fl_threads(), specs);
+    for (int i = 0; i < n; i++)
+        *specs[i].slot = fl_alloc(specs[i].tag, specs[i].count * specs[i].elem);
     model->att_workspace_threads = fl_threads();
-    model->inputs = fl_alloc(FL_MEM_ACTS, BT * sizeof(int));
-    model->targets = fl_alloc(FL_MEM_ACTS, BT * sizeof(int));
     model->max_B = B;
     model->max_T = T;
 }
 
 void fl_gpt2_free(fl_gpt2 *model) {
-    fl_gpt2_acts *a = &model->acts;
-    float *bufs[] = {a->encoded,       a->ln1,
-                     a->ln1_mean,      a->ln1_rstd,
-                     a->qkv,           a->atty,
-                     a->att_lse,       a->residual2,
-                     a->ln2,           a->ln2_mean,
-                     a->ln2_rstd,      a->fch,
-                     a->fch_gelu,      a->residual3,
-                     a->lnf,           a->lnf_mean,
-                     a->lnf_rstd,      a->logits,
-                     a->losses,        a->xent_lse,
-                     model->dres,      model->dbuf_c,
-                     model->dbuf_4c_a, model->dbuf_4c_b,
-                     model->dlosses,   model->att_workspace,
-                     model->params,    model->grads};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) fl_free(bufs[i]);
-    fl_free(model->inputs);
-    fl_free(model->targets);
+    if (model->max_B) {
+        act_spec specs[MAX_SPECS];
+        int n = act_specs(model, &model->config, model->dtype, model->max_B, model->max_T,
+                          model->att_workspace_threads, specs);
+        for (int i = 0; i < n; i++) fl_free(*specs[i].slot);
+    }
+    fl_free(model->params);
+    fl_free(model->grads);
     fl_free(model->w.h);
     fl_free(model->g.h);
     fl_params_free(&model->table);
@@ -223,6 +264,7 @@ float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int
         fl_die("internal: batch %dx%d exceeds the allocated %dx%d", B, T, model->max_B,
                model->max_T);
     int L = c->n_layer, C = c->n_embd, NH = c->n_head, V = c->vocab_size, Vp = c->padded_vocab_size;
+    fl_dtype dt = model->dtype;
     size_t BT = (size_t)B * T, BTC = BT * C;
     for (size_t i = 0; i < BT; i++) {
         if (tokens[i] < 0 || tokens[i] >= V)
@@ -241,38 +283,42 @@ float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int
     model->T = T;
 
     fl_gpt2_acts *a = &model->acts;
-    encoder_forward(a->encoded, tokens, model->w.wte, model->w.wpe, B, T, C);
+    void *mm_ws = model->matmul_workspace;
+    encoder_forward(dt, a->encoded, tokens, model->w.wte, model->w.wpe, B, T, C);
     for (int l = 0; l < L; l++) {
         const fl_gpt2_layer *w = &model->w.h[l];
-        float *residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BTC;
-        float *ln1 = a->ln1 + l * BTC, *qkv = a->qkv + l * 3 * BTC, *atty = a->atty + l * BTC;
-        float *residual2 = a->residual2 + l * BTC, *ln2 = a->ln2 + l * BTC;
-        float *fch = a->fch + l * 4 * BTC, *fch_gelu = a->fch_gelu + l * 4 * BTC;
-        float *residual3 = a->residual3 + l * BTC;
-        layernorm_forward(ln1, a->ln1_mean + l * BT, a->ln1_rstd + l * BT, residual, w->ln1w,
+        void *residual = l == 0 ? a->encoded : fl_at(dt, a->residual3, (l - 1) * BTC);
+        void *ln1 = fl_at(dt, a->ln1, l * BTC), *qkv = fl_at(dt, a->qkv, l * 3 * BTC);
+        void *atty = fl_at(dt, a->atty, l * BTC), *residual2 = fl_at(dt, a->residual2, l * BTC);
+        void *ln2 = fl_at(dt, a->ln2, l * BTC), *fch = fl_at(dt, a->fch, l * 4 * BTC);
+        void *fch_gelu = fl_at(dt, a->fch_gelu, l * 4 * BTC);
+        void *residual3 = fl_at(dt, a->residual3, l * BTC);
+        layernorm_forward(dt, ln1, a->ln1_mean + l * BT, a->ln1_rstd + l * BT, residual, w->ln1w,
                           w->ln1b, BT, C);
-        matmul_forward(qkv, ln1, w->qkvw, w->qkvb, BT, C, 3 * C);
-        attention_forward(atty, a->att_lse + l * BT * NH, qkv, model->att_workspace, B, T, C, NH);
+        matmul_forward(dt, qkv, ln1, w->qkvw, w->qkvb, mm_ws, BT, C, 3 * C);
+        attention_forward(dt, atty, a->att_lse + l * BT * NH, qkv, model->att_workspace, B, T, C,
+                          NH);
         // The projection is written straight into residual2 and the skip
         // connection added in place: its output is not needed by the backward.
-        matmul_forward(residual2, atty, w->attprojw, w->attprojb, BT, C, C);
-        residual_forward(residual2, residual, residual2, BTC);
-        layernorm_forward(ln2, a->ln2_mean + l * BT, a->ln2_rstd + l * BT, residual2, w->ln2w,
+        matmul_forward(dt, residual2, atty, w->attprojw, w->attprojb, mm_ws, BT, C, C);
+        residual_forward(dt, residual2, residual, residual2, BTC);
+        layernorm_forward(dt, ln2, a->ln2_mean + l * BT, a->ln2_rstd + l * BT, residual2, w->ln2w,
                           w->ln2b, BT, C);
-        matmul_forward(fch, ln2, w->fcw, w->fcb, BT, C, 4 * C);
-        gelu_forward(fch_gelu, fch, 4 * BTC);
-        matmul_forward(residual3, fch_gelu, w->fcprojw, w->fcprojb, BT, 4 * C, C);
-        residual_forward(residual3, residual2, residual3, BTC);
+        matmul_forward(dt, fch, ln2, w->fcw, w->fcb, mm_ws, BT, C, 4 * C);
+        gelu_forward(dt, fch_gelu, fch, 4 * BTC);
+        matmul_forward(dt, residual3, fch_gelu, w->fcprojw, w->fcprojb, mm_ws, BT, 4 * C, C);
+        residual_forward(dt, residual3, residual2, residual3, BTC);
     }
-    float *last = a->residual3 + (L - 1) * BTC;
-    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, last, model->w.lnfw, model->w.lnfb, BT, C);
-    matmul_forward(a->logits, a->lnf, model->w.wte, NULL, BT, C, Vp); // tied LM head
+    void *last = fl_at(dt, a->residual3, (L - 1) * BTC);
+    layernorm_forward(dt, a->lnf, a->lnf_mean, a->lnf_rstd, last, model->w.lnfw, model->w.lnfb, BT,
+                      C);
+    matmul_forward(dt, a->logits, a->lnf, model->w.wte, NULL, mm_ws, BT, C, Vp); // tied LM head
 
     model->loss = -1.0f;
     model->n_targets = 0;
     if (!targets) return model->loss;
     memcpy(model->targets, targets, BT * sizeof(int));
-    softmax_xent_forward(a->losses, a->xent_lse, a->logits, targets, BT, V, Vp);
+    softmax_xent_forward(dt, a->losses, a->xent_lse, a->logits, targets, BT, V, Vp);
     double sum = 0.0; // fixed order: deterministic
     for (size_t i = 0; i < BT; i++) {
         if (targets[i] == -1) continue;
@@ -287,7 +333,7 @@ float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int
 // backward
 
 void fl_gpt2_zero_grad(fl_gpt2 *model) {
-    memset(model->grads, 0, model->table.numel * sizeof(float));
+    memset(model->grads, 0, model->table.numel * fl_dtype_size(model->dtype));
 }
 
 static void grad_ready(fl_gpt2 *model, int first_view, int count) {
@@ -301,23 +347,25 @@ void fl_gpt2_backward(fl_gpt2 *model, float loss_scale) {
     if (model->loss < 0.0f) fl_die("internal: fl_gpt2_backward needs a forward with targets");
     int B = model->B, T = model->T, L = c->n_layer, C = c->n_embd, NH = c->n_head,
         V = c->vocab_size, Vp = c->padded_vocab_size;
-    size_t BT = (size_t)B * T, BTC = BT * C;
+    fl_dtype dt = model->dtype;
+    size_t BT = (size_t)B * T, BTC = BT * C, D = fl_dtype_size(dt);
     fl_gpt2_acts *a = &model->acts;
     fl_gpt2_weights *w = &model->w, *g = &model->g;
+    void *mm_ws = model->matmul_workspace;
 
     // d(mean loss)/d(loss_i) = 1/n over the positions that have a target
     float d = model->n_targets ? loss_scale / model->n_targets : 0.0f;
     for (size_t i = 0; i < BT; i++) model->dlosses[i] = d;
-    float *dlogits = a->logits; // overwritten in place by its own gradient
-    softmax_xent_backward(dlogits, a->logits, a->xent_lse, model->targets, model->dlosses, BT, V,
-                          Vp);
+    void *dlogits = a->logits; // overwritten in place by its own gradient
+    softmax_xent_backward(dt, dlogits, a->logits, a->xent_lse, model->targets, model->dlosses, BT,
+                          V, Vp);
 
-    float *dres = model->dres, *dbuf = model->dbuf_c;
-    memset(dbuf, 0, BTC * sizeof(float));
-    matmul_backward(dbuf, g->wte, NULL, dlogits, a->lnf, w->wte, BT, C, Vp);
-    memset(dres, 0, BTC * sizeof(float));
-    layernorm_backward(dres, g->lnfw, g->lnfb, dbuf, a->residual3 + (L - 1) * BTC, w->lnfw,
-                       a->lnf_mean, a->lnf_rstd, BT, C);
+    void *dres = model->dres, *dbuf = model->dbuf_c;
+    memset(dbuf, 0, BTC * D);
+    matmul_backward(dt, dbuf, g->wte, NULL, dlogits, a->lnf, w->wte, mm_ws, BT, C, Vp);
+    memset(dres, 0, BTC * D);
+    layernorm_backward(dt, dres, g->lnfw, g->lnfb, dbuf, fl_at(dt, a->residual3, (L - 1) * BTC),
+                       w->lnfw, a->lnf_mean, a->lnf_rstd, BT, C);
     grad_ready(model, VIEWS_BEFORE_LAYERS + L * VIEWS_PER_LAYER, 2);
 
     // dres holds the gradient of the residual stream, walking back through
@@ -325,35 +373,38 @@ void fl_gpt2_backward(fl_gpt2 *model, float loss_scale) {
     for (int l = L - 1; l >= 0; l--) {
         const fl_gpt2_layer *lw = &w->h[l];
         fl_gpt2_layer *lg = &g->h[l];
-        float *residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BTC;
-        float *ln1 = a->ln1 + l * BTC, *qkv = a->qkv + l * 3 * BTC, *atty = a->atty + l * BTC;
-        float *residual2 = a->residual2 + l * BTC, *ln2 = a->ln2 + l * BTC;
-        float *fch = a->fch + l * 4 * BTC, *fch_gelu = a->fch_gelu + l * 4 * BTC;
-        float *d4a = model->dbuf_4c_a, *d4b = model->dbuf_4c_b;
+        void *residual = l == 0 ? a->encoded : fl_at(dt, a->residual3, (l - 1) * BTC);
+        void *ln1 = fl_at(dt, a->ln1, l * BTC), *qkv = fl_at(dt, a->qkv, l * 3 * BTC);
+        void *atty = fl_at(dt, a->atty, l * BTC), *residual2 = fl_at(dt, a->residual2, l * BTC);
+        void *ln2 = fl_at(dt, a->ln2, l * BTC), *fch = fl_at(dt, a->fch, l * 4 * BTC);
+        void *fch_gelu = fl_at(dt, a->fch_gelu, l * 4 * BTC);
+        void *d4a = model->dbuf_4c_a, *d4b = model->dbuf_4c_b;
 
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-        memset(d4a, 0, 4 * BTC * sizeof(float));
-        matmul_backward(d4a, lg->fcprojw, lg->fcprojb, dres, fch_gelu, lw->fcprojw, BT, 4 * C, C);
-        memset(d4b, 0, 4 * BTC * sizeof(float));
-        gelu_backward(d4b, fch, d4a, 4 * BTC);
-        memset(dbuf, 0, BTC * sizeof(float));
-        matmul_backward(dbuf, lg->fcw, lg->fcb, d4b, ln2, lw->fcw, BT, C, 4 * C);
-        layernorm_backward(dres, lg->ln2w, lg->ln2b, dbuf, residual2, lw->ln2w,
+        memset(d4a, 0, 4 * BTC * D);
+        matmul_backward(dt, d4a, lg->fcprojw, lg->fcprojb, dres, fch_gelu, lw->fcprojw, mm_ws, BT,
+                        4 * C, C);
+        memset(d4b, 0, 4 * BTC * D);
+        gelu_backward(dt, d4b, fch, d4a, 4 * BTC);
+        memset(dbuf, 0, BTC * D);
+        matmul_backward(dt, dbuf, lg->fcw, lg->fcb, d4b, ln2, lw->fcw, mm_ws, BT, C, 4 * C);
+        layernorm_backward(dt, dres, lg->ln2w, lg->ln2b, dbuf, residual2, lw->ln2w,
                            a->ln2_mean + l * BT, a->ln2_rstd + l * BT, BT, C);
 
         // attention: residual2 = residual + attproj(attn(qkv(ln1(residual))))
-        memset(dbuf, 0, BTC * sizeof(float));
-        matmul_backward(dbuf, lg->attprojw, lg->attprojb, dres, atty, lw->attprojw, BT, C, C);
-        memset(d4a, 0, 3 * BTC * sizeof(float));
-        attention_backward(d4a, dbuf, qkv, atty, a->att_lse + l * BT * NH, model->att_workspace, B,
-                           T, C, NH);
-        memset(dbuf, 0, BTC * sizeof(float));
-        matmul_backward(dbuf, lg->qkvw, lg->qkvb, d4a, ln1, lw->qkvw, BT, C, 3 * C);
-        layernorm_backward(dres, lg->ln1w, lg->ln1b, dbuf, residual, lw->ln1w, a->ln1_mean + l * BT,
-                           a->ln1_rstd + l * BT, BT, C);
+        memset(dbuf, 0, BTC * D);
+        matmul_backward(dt, dbuf, lg->attprojw, lg->attprojb, dres, atty, lw->attprojw, mm_ws, BT,
+                        C, C);
+        memset(d4a, 0, 3 * BTC * D);
+        attention_backward(dt, d4a, dbuf, qkv, atty, a->att_lse + l * BT * NH, model->att_workspace,
+                           B, T, C, NH);
+        memset(dbuf, 0, BTC * D);
+        matmul_backward(dt, dbuf, lg->qkvw, lg->qkvb, d4a, ln1, lw->qkvw, mm_ws, BT, C, 3 * C);
+        layernorm_backward(dt, dres, lg->ln1w, lg->ln1b, dbuf, residual, lw->ln1w,
+                           a->ln1_mean + l * BT, a->ln1_rstd + l * BT, BT, C);
         grad_ready(model, VIEWS_BEFORE_LAYERS + l * VIEWS_PER_LAYER, VIEWS_PER_LAYER);
     }
     // wte is complete only now: it also received the LM head's gradient.
-    encoder_backward(g->wte, g->wpe, dres, model->inputs, B, T, C);
+    encoder_backward(dt, g->wte, g->wpe, dres, model->inputs, B, T, C);
     grad_ready(model, 0, VIEWS_BEFORE_LAYERS);
 }

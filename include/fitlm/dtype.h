@@ -1,0 +1,47 @@
+// dtype.h: storage dtypes and conversions. fp32 is the compute type of every
+// kernel; bf16 and fp16 are storage types, converted to fp32 on load and
+// rounded to nearest even on store.
+#ifndef FITLM_DTYPE_H
+#define FITLM_DTYPE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { FL_F32, FL_BF16, FL_F16 } fl_dtype;
+
+size_t fl_dtype_size(fl_dtype dt);
+const char *fl_dtype_name(fl_dtype dt); // "fp32", "bf16", "fp16"
+
+// Scalar conversions. f32 -> bf16/fp16 round to nearest even; NaN stays NaN
+// (quiet), out-of-range values become +-inf, fp16 subnormals are kept.
+uint16_t fl_f32_to_bf16(float x);
+float fl_bf16_to_f32(uint16_t h);
+uint16_t fl_f32_to_f16(float x);
+float fl_f16_to_f32(uint16_t h);
+
+// Converts n values between any two dtypes (identical bits when dst == src
+// type), single-threaded and vectorised where the CPU allows: kernels call it
+// per row inside their own parallel loops.
+void fl_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n);
+
+// Row access for kernels that compute in fp32 on any storage dtype:
+// fl_load_f32 returns src itself for fp32 data (no copy) and otherwise
+// converts into scratch (n floats) and returns scratch.
+const float *fl_load_f32(fl_dtype dt, const void *src, size_t n, float *scratch);
+// Stores n fp32 values into dst of dtype dt.
+void fl_store_f32(fl_dtype dt, void *dst, const float *src, size_t n);
+// Adds n fp32 values into dst of dtype dt (the += of backward kernels).
+void fl_accumulate_f32(fl_dtype dt, void *dst, const float *src, size_t n);
+
+// Pointer to element i of a buffer of dtype dt.
+static inline void *fl_at(fl_dtype dt, void *base, size_t i) {
+    return (char *)base + i * (dt == FL_F32 ? 4 : 2);
+}
+static inline const void *fl_at_const(fl_dtype dt, const void *base, size_t i) {
+    return (const char *)base + i * (dt == FL_F32 ? 4 : 2);
+}
+
+// True when any of the n values is inf or NaN (fp16 overflow detection).
+int fl_has_inf_or_nan(fl_dtype dt, const void *x, size_t n);
+
+#endif

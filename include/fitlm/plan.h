@@ -1,0 +1,91 @@
+// plan.h: memory planning. Before anything is allocated, predicts the bytes
+// per allocator tag (per rank) that a training run will need: exactly, from
+// the same size lists the model and optimizer allocate by, for what the
+// engine runs today; from the published formulas (ZeRO, LOMO, activation
+// checkpointing) for strategies it does not run yet, marked as such.
+#ifndef FITLM_PLAN_H
+#define FITLM_PLAN_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "fitlm/config.h"
+#include "fitlm/core.h"
+#include "fitlm/dtype.h"
+#include "fitlm/model.h"
+#include "fitlm/optim.h"
+
+typedef struct {
+    // The model: a GPT-2 shape (fl_gpt2_config_finish is applied to a copy),
+    // or, when num_params > 0, a raw parameter count (e.g. 7e9) planned by
+    // the model-state formulas alone (no activations: there is no shape).
+    fl_gpt2_config model;
+    size_t num_params;
+    size_t largest_tensor; // elements, for raw counts under LOMO/ZeRO (0 = unknown)
+    fl_dtype dtype;        // of weights, gradients and activations
+    fl_optimizer_config optim;
+    int B, T;          // micro-batch and sequence length (B = 0: no activations)
+    int threads;       // the attention workspace is one slice per thread
+    size_t data_bytes; // training + validation text, loaded whole (FL_MEM_OTHER)
+    int sample_tokens; // > 0: the run ends by sampling this many tokens
+    // strategies (the engine runs ranks 1, ZeRO stage 0, neither flag)
+    int ranks;      // data-parallel ranks (>= 1)
+    int zero_stage; // 0 (plain data parallel), 1, 2 or 3
+    int activation_checkpointing;
+    int lomo; // fused update in backward: no optimizer state, one tensor's gradient
+} fl_plan_request;
+
+typedef struct {
+    size_t bytes[FL_MEM_NTAGS]; // per rank
+    size_t total;               // sum over tags: a bound on the peak of the sum
+    size_t num_params;
+    size_t model_states; // params + grads + master + optim
+    int runnable;        // 1: the engine runs this, and the figures are its exact sizes
+    char note[256];      // "" or what the figures leave out / "not runnable yet: ..."
+} fl_plan;
+
+// A request with the engine's defaults: one rank, no ZeRO, no strategies.
+void fl_plan_request_init(fl_plan_request *r);
+// The request a `fitlm train` run with this finished config makes, with
+// data_bytes = the sizes of the training and validation texts.
+void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg, size_t data_bytes);
+
+// Per-tag bytes per rank. For runnable requests (one rank, ZeRO stage 0, no
+// checkpointing, no LOMO, a model shape) this is exactly what `fitlm train`
+// allocates at its peak per tag:
+//   fl_gpt2_memory(model, dtype, B, T, threads)           params, grads, acts, workspace, other
+//   + fl_optimizer_memory(optim, dtype, num_params)       master, optim, fp32 gradient sum
+//   + data_bytes                                          other (the texts, loaded whole)
+//   + 2 x B*T*sizeof(int)                                 other (the batch's inputs and targets)
+//   + sample_tokens > 0: vocab_size * (4 + 8)             workspace (logits row, sampler's sort)
+//                        (sample_tokens + 4) * sizeof(int) other (the sampled tokens)
+// Anything else is planned per rank from the model-state formulas (see
+// plan.c) with runnable = 0 and a note "not runnable yet: ...".
+void fl_plan_compute(const fl_plan_request *r, fl_plan *out);
+
+// A table per tag (bytes, MiB/GiB), the total, bytes per parameter and
+// whether the engine runs it.
+void fl_plan_print(const fl_plan *p, FILE *out);
+
+// Writes what would fit under `limit` bytes, computed by re-planning: the
+// largest micro-batch (halving) that fits, bf16 instead of fp32, and the
+// formula-only strategies (activation checkpointing, LOMO, ZeRO-2/3 over the
+// fewest ranks), the latter marked "(not runnable yet)". One line each.
+void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size);
+
+// If p->total > limit: fl_die with the limit, the total, the three largest
+// tags and the alternatives that would fit. Returns otherwise, and when
+// limit is 0 (unknown, as fl_plan_available_memory returns without
+// /proc/meminfo).
+void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit);
+
+// Memory this process may still use: MemAvailable from /proc/meminfo, capped
+// by a cgroup (v2 or v1) limit minus its usage when there is one. 0 when
+// unknown.
+size_t fl_plan_available_memory(void);
+
+// Parses a parameter count: "124439808", "7e9", "7B", "1.5b", "350M", "64K".
+// Dies naming `what` on bad input.
+size_t fl_plan_parse_count(const char *text, const char *what);
+
+#endif

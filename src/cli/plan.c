@@ -1,0 +1,155 @@
+// plan.c: `fitlm plan`: the memory a training run needs, per tag and per
+// rank, printed before anything is allocated. Takes every `fitlm train`
+// option (the same config parser) plus a few for strategies the engine does
+// not run yet, which are planned from their formulas.
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "cli.h"
+#include "fitlm/config.h"
+#include "fitlm/plan.h"
+
+static void help(void) {
+    printf("usage: fitlm plan [options]\n\n"
+           "Prints the memory per tag (per rank) that 'fitlm train' with the same options would\n"
+           "allocate, without allocating it: exact for what the engine runs, from the published\n"
+           "formulas (ZeRO, LOMO, activation checkpointing) for what it does not run yet, marked\n"
+           "as such. Then compares the total with --mem-limit (default: the available memory)\n"
+           "and, if it does not fit, lists what would.\n\n"
+           "plan-only options:\n"
+           "  %-28s %s\n  %-28s default: 1\n"
+           "  %-28s %s\n  %-28s default: 0\n"
+           "  %-28s %s\n  %-28s default: off\n"
+           "  %-28s %s\n  %-28s default: off\n"
+           "  %-28s %s\n  %-28s default: the model shape's count\n\n",
+           "--ranks N", "data-parallel ranks (memory is per rank)", "", "--zero-stage S",
+           "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters", "",
+           "--activation-checkpointing", "keep block inputs only; recompute blocks in backward", "",
+           "--lomo", "LOMO: update fused into backward, no optimizer state", "", "--params N",
+           "a raw parameter count (124439808, 7e9, 7B, 350M): model states only", "");
+    fl_config_print_help(stdout);
+}
+
+typedef struct {
+    int ranks, zero_stage, checkpointing, lomo;
+    size_t params;
+} plan_flags;
+
+static int parse_int(const char *flag, const char *text, int min, int max) {
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (end == text || *end || errno || v < min || v > max)
+        fl_die("option %s expects a whole number in [%d, %d], got '%s'", flag, min, max, text);
+    return (int)v;
+}
+
+// Takes the plan-only flags out of argv (in place); returns the new argc.
+static int take_plan_flags(int argc, char **argv, plan_flags *f) {
+    int kept = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *arg = argv[i];
+        const char *eq = strchr(arg, '=');
+        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+        static const char *const valued[] = {"--ranks", "--zero-stage", "--params"};
+        int which = -1;
+        for (int k = 0; k < 3; k++)
+            if (strlen(valued[k]) == len && !strncmp(arg, valued[k], len)) which = k;
+        if (which >= 0) {
+            const char *value = eq ? eq + 1 : NULL;
+            if (!value) {
+                if (i + 1 >= argc) fl_die("option %s needs a value", valued[which]);
+                value = argv[++i];
+            }
+            if (which == 0) f->ranks = parse_int("--ranks", value, 1, 1 << 20);
+            if (which == 1) f->zero_stage = parse_int("--zero-stage", value, 0, 3);
+            if (which == 2) f->params = fl_plan_parse_count(value, "option --params");
+        } else if (!strcmp(arg, "--activation-checkpointing")) {
+            f->checkpointing = 1;
+        } else if (!strcmp(arg, "--lomo")) {
+            f->lomo = 1;
+        } else {
+            argv[kept++] = argv[i];
+            if (!strcmp(arg, "--config") && i + 1 < argc) argv[kept++] = argv[++i];
+        }
+    }
+    return kept;
+}
+
+// Size of a data file, or 0 (with a note) when it cannot be read.
+static size_t data_size(const char *path, const char *what) {
+    if (!*path) return 0;
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        printf("note: %s %s: %s; counted as 0 bytes\n", what, path, strerror(errno));
+        return 0;
+    }
+    return (size_t)st.st_size;
+}
+
+int cmd_plan(int argc, char **argv) {
+    if (wants_help(argc, argv)) {
+        help();
+        return 0;
+    }
+    plan_flags f = {1, 0, 0, 0, 0};
+    char **args = fl_alloc(FL_MEM_OTHER, ((size_t)argc + 1) * sizeof(char *));
+    memcpy(args, argv, (size_t)argc * sizeof(char *));
+    int n = take_plan_flags(argc, args, &f);
+    fl_train_config cfg;
+    fl_config_defaults(&cfg);
+    fl_config_parse_args(&cfg, n, args);
+    fl_config_finish(&cfg);
+    fl_free(args);
+
+    size_t data = data_size(cfg.data, "training text");
+    data += data_size(cfg.val_data, "validation text");
+    fl_plan_request r;
+    fl_plan_request_from_config(&r, &cfg, data);
+    r.ranks = f.ranks;
+    r.zero_stage = f.zero_stage;
+    r.activation_checkpointing = f.checkpointing;
+    r.lomo = f.lomo;
+    r.num_params = f.params;
+
+    const fl_gpt2_config *m = &cfg.model;
+    if (f.params)
+        printf("model: %zu parameters (a raw count: model states only, no activations)\n",
+               f.params);
+    else
+        printf("model %s: n_layer %d, n_head %d, n_embd %d, vocab %d (padded %d), max_seq_len %d: "
+               "%zu parameters\n",
+               cfg.model_preset, m->n_layer, m->n_head, m->n_embd, m->vocab_size,
+               m->padded_vocab_size, m->max_seq_len, fl_gpt2_num_params(m));
+    printf("%s | %s", fl_dtype_name(cfg.dtype), cfg.optimizer);
+    if (r.optim.kind == FL_OPT_SGD) printf(" (momentum %g)", r.optim.momentum);
+    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s, ZeRO stage %d%s%s | %d "
+           "threads\n",
+           cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "",
+           f.zero_stage, f.checkpointing ? " | activation checkpointing" : "",
+           f.lomo ? " | LOMO" : "", cfg.threads);
+    printf("data: %zu bytes (training and validation texts)\n\n", data);
+
+    fl_plan p;
+    fl_plan_compute(&r, &p);
+    fl_plan_print(&p, stdout);
+
+    size_t limit =
+        *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "--mem-limit") : fl_plan_available_memory();
+    const char *source = *cfg.mem_limit ? "--mem-limit" : "available memory";
+    if (!limit) {
+        printf("\nmemory limit: unknown (no /proc/meminfo); give --mem-limit to check the fit\n");
+        return 0;
+    }
+    printf("\nmemory limit %.2f GiB (%s): %s\n", limit / 1073741824.0, source,
+           p.total <= limit ? "fits" : "does NOT fit");
+    if (p.total > limit) {
+        char alt[2048];
+        fl_plan_alternatives(&r, limit, alt, sizeof alt);
+        printf("what would fit:\n%s", alt);
+    }
+    return 0;
+}

@@ -1,0 +1,193 @@
+// dtype.c: bf16 and fp16 conversions, scalar and vectorised.
+#include "fitlm/dtype.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "fitlm/core.h"
+
+size_t fl_dtype_size(fl_dtype dt) {
+    return dt == FL_F32 ? 4 : 2;
+}
+
+const char *fl_dtype_name(fl_dtype dt) {
+    return dt == FL_F32 ? "fp32" : dt == FL_BF16 ? "bf16" : "fp16";
+}
+
+static uint32_t bits_of(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+static float float_of(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+uint16_t fl_f32_to_bf16(float x) {
+    uint32_t u = bits_of(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1); // round to nearest, ties to even
+    return (uint16_t)(u >> 16);
+}
+
+float fl_bf16_to_f32(uint16_t h) {
+    return float_of((uint32_t)h << 16);
+}
+
+uint16_t fl_f32_to_f16(float x) {
+    uint32_t u = bits_of(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  // NaN
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); // rounds to >= 65520: inf
+    if (a < 0x38800000u) {
+        // subnormal or zero in fp16: scale into the integer range and let the
+        // FPU round to nearest even (0.5 is 2^-25 relative to the unit 2^-24)
+        float f = float_of(a) * 16777216.0f; // * 2^24: units of 2^-24
+        return (uint16_t)(sign | (uint32_t)nearbyintf(f));
+    }
+    // normal: rebias the exponent (127 -> 15) and round 13 dropped bits
+    uint32_t r = a + 0xc8000fffu + ((a >> 13) & 1); // -(112 << 23) + 0xfff + lsb
+    return (uint16_t)(sign | (r >> 13));
+}
+
+float fl_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+    if (exp == 0) { // zero or subnormal: man * 2^-24, exact in fp32
+        float f = (float)man * (1.0f / 16777216.0f);
+        return float_of(bits_of(f) | sign);
+    }
+    if (exp == 31) return float_of(sign | 0x7f800000u | (man << 13)); // inf, NaN
+    return float_of(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// ----------------------------------------------------------------------------
+// vectorised conversions (AVX-512: vcvtneps2bf16 needs AVX512_BF16; fp16
+// uses the F16C-style vcvtps2ph/vcvtph2ps of AVX-512F)
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx512f"))) static void bf16_to_f32_avx512(float *dst, const uint16_t *src,
+                                                                  size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
+    }
+    for (; i < n; i++) dst[i] = fl_bf16_to_f32(src[i]);
+}
+
+__attribute__((target("avx512f,avx512bf16,avx512vl"))) static void
+f32_to_bf16_avx512(uint16_t *dst, const float *src, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)h);
+    }
+    for (; i < n; i++) dst[i] = fl_f32_to_bf16(src[i]);
+}
+
+__attribute__((target("avx512f"))) static void f16_to_f32_avx512(float *dst, const uint16_t *src,
+                                                                 size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+    for (; i < n; i++) dst[i] = fl_f16_to_f32(src[i]);
+}
+
+__attribute__((target("avx512f"))) static void f32_to_f16_avx512(uint16_t *dst, const float *src,
+                                                                 size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) dst[i] = fl_f32_to_f16(src[i]);
+}
+#endif
+
+static void to_f32(float *dst, fl_dtype src_dt, const void *src, size_t n) {
+    const uint16_t *h = src;
+#if defined(__x86_64__)
+    if (fl_cpu()->avx512f) {
+        if (src_dt == FL_BF16) return bf16_to_f32_avx512(dst, h, n);
+        return f16_to_f32_avx512(dst, h, n);
+    }
+#endif
+    if (src_dt == FL_BF16)
+        for (size_t i = 0; i < n; i++) dst[i] = fl_bf16_to_f32(h[i]);
+    else
+        for (size_t i = 0; i < n; i++) dst[i] = fl_f16_to_f32(h[i]);
+}
+
+static void from_f32(fl_dtype dst_dt, void *dst, const float *src, size_t n) {
+    uint16_t *h = dst;
+#if defined(__x86_64__)
+    if (dst_dt == FL_BF16 && fl_cpu()->avx512_bf16) return f32_to_bf16_avx512(h, src, n);
+    if (dst_dt == FL_F16 && fl_cpu()->avx512f) return f32_to_f16_avx512(h, src, n);
+#endif
+    if (dst_dt == FL_BF16)
+        for (size_t i = 0; i < n; i++) h[i] = fl_f32_to_bf16(src[i]);
+    else
+        for (size_t i = 0; i < n; i++) h[i] = fl_f32_to_f16(src[i]);
+}
+
+void fl_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n) {
+    if (dst_dt == src_dt) {
+        memmove(dst, src, n * fl_dtype_size(dst_dt));
+    } else if (src_dt == FL_F32) {
+        from_f32(dst_dt, dst, src, n);
+    } else if (dst_dt == FL_F32) {
+        to_f32(dst, src_dt, src, n);
+    } else { // bf16 <-> fp16 through fp32, in blocks
+        float tmp[256];
+        for (size_t i = 0; i < n; i += 256) {
+            size_t m = n - i < 256 ? n - i : 256;
+            to_f32(tmp, src_dt, (const uint16_t *)src + i, m);
+            from_f32(dst_dt, (uint16_t *)dst + i, tmp, m);
+        }
+    }
+}
+
+const float *fl_load_f32(fl_dtype dt, const void *src, size_t n, float *scratch) {
+    if (dt == FL_F32) return src;
+    to_f32(scratch, dt, src, n);
+    return scratch;
+}
+
+void fl_store_f32(fl_dtype dt, void *dst, const float *src, size_t n) {
+    fl_convert(dt, dst, FL_F32, src, n);
+}
+
+void fl_accumulate_f32(fl_dtype dt, void *dst, const float *src, size_t n) {
+    if (dt == FL_F32) {
+        float *d = dst;
+        for (size_t i = 0; i < n; i++) d[i] += src[i];
+        return;
+    }
+    float tmp[256];
+    for (size_t i = 0; i < n; i += 256) {
+        size_t m = n - i < 256 ? n - i : 256;
+        uint16_t *d = (uint16_t *)dst + i;
+        to_f32(tmp, dt, d, m);
+        for (size_t k = 0; k < m; k++) tmp[k] += src[i + k];
+        from_f32(dt, d, tmp, m);
+    }
+}
+
+int fl_has_inf_or_nan(fl_dtype dt, const void *x, size_t n) {
+    int bad = 0;
+    if (dt == FL_F32) {
+        const uint32_t *u = x;
+#pragma omp parallel for reduction(| : bad) schedule(static)
+        for (size_t i = 0; i < n; i++) bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
+    } else {
+        const uint16_t *h = x;
+        uint16_t mask = dt == FL_BF16 ? 0x7f80u : 0x7c00u;
+#pragma omp parallel for reduction(| : bad) schedule(static)
+        for (size_t i = 0; i < n; i++) bad |= (h[i] & mask) == mask;
+    }
+    return bad;
+}

@@ -1,0 +1,460 @@
+// plan.c: memory planning (see plan.h).
+//
+// What the engine runs is planned exactly: the model and the optimizer each
+// report the sizes they allocate (fl_gpt2_memory, fl_optimizer_memory), and
+// the few buffers a training run adds are listed here. What it does not run
+// yet is planned per rank from the published formulas, starting from the
+// same exact per-tag figures for one rank and moving bytes as the strategy
+// would:
+//
+//   ZeRO (Rajbhandari et al. 2020), Psi parameters over N ranks, with
+//   params/grads of the model's dtype and K = master + optimizer bytes per
+//   parameter (K = 12 for mixed-precision AdamW: fp32 master, m and v):
+//     stage 0 (DDP)  params + grads + master + optim, all whole     (2+2+K)Psi
+//     stage 1        master and optim sharded                       4Psi + K Psi/N
+//     stage 2        grads sharded too                              2Psi + (2+K)Psi/N
+//     stage 3        params sharded too                             (2+2+K)Psi/N
+//   A shard is ceil(bytes / N). The fp32 gradient sum of bf16/fp16 runs with
+//   accumulation counts as gradients. Communication buffers (assumed for the
+//   engine's design, counted under FL_MEM_COMM): stage 2 reduce-scatters each
+//   gradient as the backward pass completes it, so it needs the largest
+//   tensor's whole gradient; stage 3 gathers one unit at a time (a block or
+//   the largest tensor), so it needs that unit's whole weights and gradient
+//   (DeepSpeed's estimator: 4 x largest layer in fp16).
+//
+//   LOMO (Lv et al. 2023): the update is fused into the backward pass, so
+//   there is no optimizer state, no fp32 master copy (the 16-bit weights are
+//   updated in place, as in the paper), no gradient accumulation and only the
+//   largest tensor's gradient alive at a time.
+//
+//   Activation checkpointing: each block's input (B,T,C) is kept and the
+//   block is recomputed in the backward pass, so activations are those of a
+//   one-block model (embeddings, one block's full activations, the head)
+//   plus (L-1) stored block inputs.
+#include "fitlm/plan.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+void fl_plan_request_init(fl_plan_request *r) {
+    memset(r, 0, sizeof *r);
+    r->dtype = FL_F32;
+    r->optim.kind = FL_OPT_ADAMW;
+    r->optim.beta1 = 0.9f;
+    r->optim.beta2 = 0.95f;
+    r->optim.eps = 1e-8f;
+    r->optim.grad_accum = 1;
+    r->ranks = 1;
+}
+
+void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
+                                 size_t data_bytes) {
+    fl_plan_request_init(r);
+    r->model = cfg->model;
+    r->dtype = cfg->dtype;
+    r->optim = fl_config_optimizer(cfg);
+    r->B = cfg->micro_batch;
+    r->T = cfg->seq_len;
+    r->threads = cfg->threads;
+    r->data_bytes = data_bytes;
+    r->sample_tokens = cfg->sample_tokens;
+}
+
+// ----------------------------------------------------------------------------
+// computing a plan
+
+static size_t ceil_div(size_t a, size_t b) {
+    return a / b + (a % b != 0);
+}
+
+static void note_add(fl_plan *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note_add(fl_plan *p, const char *fmt, ...) {
+    size_t n = strlen(p->note);
+    if (n + 3 >= sizeof p->note) return;
+    if (n) {
+        strcpy(p->note + n, "; ");
+        n += 2;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->note + n, sizeof p->note - n, fmt, ap);
+    va_end(ap);
+}
+
+static void check_request(const fl_plan_request *r) {
+    if (r->ranks < 1) fl_die("plan: ranks must be >= 1 (got %d)", r->ranks);
+    if (r->zero_stage < 0 || r->zero_stage > 3)
+        fl_die("plan: ZeRO stage must be 0, 1, 2 or 3 (got %d)", r->zero_stage);
+    if (r->B < 0 || r->T < 0)
+        fl_die("plan: micro-batch and sequence length must not be negative (B=%d, T=%d)", r->B,
+               r->T);
+    if (r->optim.grad_accum < 1)
+        fl_die("plan: gradient accumulation steps must be >= 1 (got %d)", r->optim.grad_accum);
+}
+
+void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
+    check_request(r);
+    memset(out, 0, sizeof *out);
+    size_t *b = out->bytes;
+    const fl_dtype dt = r->dtype;
+    const size_t ds = fl_dtype_size(dt);
+    const int shaped = r->num_params == 0;
+    const size_t BT = (size_t)r->B * (size_t)r->T;
+    fl_gpt2_config c = r->model;
+    size_t numel, largest, unit; // parameters; largest tensor; largest ZeRO-3 gather unit
+    size_t opt[FL_MEM_NTAGS] = {0};
+    if (shaped) {
+        fl_gpt2_config_finish(&c);
+        if (r->T > c.max_seq_len)
+            fl_die("plan: sequence length %d exceeds the model's max_seq_len %d", r->T,
+                   c.max_seq_len);
+        numel = fl_gpt2_num_params(&c);
+        size_t C = c.n_embd, Vp = c.padded_vocab_size, maxT = c.max_seq_len;
+        largest = Vp * C; // wte; the MLP matrices (4C x C) and wpe are the other candidates
+        if (4 * C * C > largest) largest = 4 * C * C;
+        if (maxT * C > largest) largest = maxT * C;
+        unit = 12 * C * C + 13 * C; // one transformer block
+        if (largest > unit) unit = largest;
+        int threads = r->threads > 0 ? r->threads : fl_threads();
+        // B = 0 tells the model to leave out activations (and its inputs/targets)
+        fl_gpt2_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, b);
+    } else {
+        numel = r->num_params;
+        largest = unit = r->largest_tensor;
+        b[FL_MEM_PARAMS] = numel * ds;
+        b[FL_MEM_GRADS] = numel * ds;
+    }
+    fl_optimizer_memory(&r->optim, dt, numel, opt);
+    for (int t = 0; t < FL_MEM_NTAGS; t++) b[t] += opt[t];
+
+    // What `fitlm train` allocates besides the model and the optimizer: the
+    // training and validation texts (loaded whole), one micro-batch's inputs
+    // and targets, and at the end, with all of that still allocated, the
+    // sampled tokens and fl_gpt2_generate's buffers: an fp32 row of logits
+    // (V floats) and, inside it, the sampler's (logit, id) sort buffer (V x 8).
+    b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * sizeof(int);
+    if (shaped && r->sample_tokens > 0) {
+        b[FL_MEM_WORKSPACE] += (size_t)c.vocab_size * (sizeof(float) + 8);
+        b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
+    }
+
+    out->num_params = numel;
+    out->runnable =
+        shaped && r->ranks == 1 && r->zero_stage == 0 && !r->activation_checkpointing && !r->lomo;
+    if (!out->runnable) {
+        char what[160] = "";
+        size_t n = 0;
+#define WHAT(...)                                                                                  \
+    n += (size_t)snprintf(what + n, n < sizeof what ? sizeof what - n : 0, __VA_ARGS__)
+        if (!shaped) WHAT("%s", "a raw parameter count (model states by formula)");
+        static const char *const stages[] = {"data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
+        if (r->ranks > 1 || r->zero_stage > 0)
+            WHAT("%s%s over %d rank%s", n ? ", " : "", stages[r->zero_stage], r->ranks,
+                 r->ranks > 1 ? "s" : "");
+        if (r->activation_checkpointing) WHAT("%sactivation checkpointing", n ? ", " : "");
+        if (r->lomo) WHAT("%sLOMO", n ? ", " : "");
+#undef WHAT
+        note_add(out, "not runnable yet: %s", what);
+    }
+
+    if (r->activation_checkpointing && shaped && BT > 0) {
+        size_t one[FL_MEM_NTAGS];
+        fl_gpt2_config c1 = c;
+        c1.n_layer = 1;
+        fl_gpt2_memory(&c1, dt, r->B, r->T, r->threads > 0 ? r->threads : fl_threads(), one);
+        b[FL_MEM_ACTS] = one[FL_MEM_ACTS] + (size_t)(c.n_layer - 1) * BT * c.n_embd * ds;
+    }
+    if (r->lomo) {
+        b[FL_MEM_MASTER] = 0;
+        b[FL_MEM_OPTIM] = 0;
+        b[FL_MEM_GRADS] = largest * ds;
+        if (!largest)
+            note_add(out, "LOMO's one live gradient not counted (largest tensor unknown)");
+        if (r->optim.grad_accum > 1) note_add(out, "LOMO cannot accumulate gradients");
+    }
+    if (r->ranks > 1 || r->zero_stage > 0) {
+        size_t N = (size_t)r->ranks;
+        if (r->zero_stage >= 1) {
+            b[FL_MEM_MASTER] = ceil_div(b[FL_MEM_MASTER], N);
+            b[FL_MEM_OPTIM] = ceil_div(b[FL_MEM_OPTIM], N);
+        }
+        if (r->zero_stage >= 2) {
+            if (!r->lomo) b[FL_MEM_GRADS] = ceil_div(b[FL_MEM_GRADS], N);
+            if (r->zero_stage == 2) b[FL_MEM_COMM] += largest * ds; // one whole gradient
+        }
+        if (r->zero_stage == 3) {
+            b[FL_MEM_PARAMS] = ceil_div(b[FL_MEM_PARAMS], N);
+            b[FL_MEM_COMM] += 2 * unit * ds; // one gathered unit: weights and gradient
+        }
+        if (r->zero_stage >= 2 && !largest)
+            note_add(out, "communication buffers not counted (tensor sizes unknown)");
+    }
+    if (!shaped) note_add(out, "no activations (no model shape)");
+
+    for (int t = 0; t < FL_MEM_NTAGS; t++) out->total += b[t];
+    out->model_states = b[FL_MEM_PARAMS] + b[FL_MEM_GRADS] + b[FL_MEM_MASTER] + b[FL_MEM_OPTIM];
+}
+
+// ----------------------------------------------------------------------------
+// printing
+
+static const char *human(size_t bytes, char *buf, size_t size) {
+    double v = (double)bytes;
+    if (v >= 1024.0 * 1048576.0)
+        snprintf(buf, size, "%.2f GiB", v / (1024.0 * 1048576.0));
+    else if (v >= 1048576.0)
+        snprintf(buf, size, "%.2f MiB", v / 1048576.0);
+    else if (v >= 1024.0)
+        snprintf(buf, size, "%.2f KiB", v / 1024.0);
+    else
+        snprintf(buf, size, "%zu B", bytes);
+    return buf;
+}
+
+void fl_plan_print(const fl_plan *p, FILE *out) {
+    fprintf(out, "%-14s %16s %12s %10s\n", "tag (per rank)", "bytes", "MiB", "GiB");
+    for (int t = 0; t < FL_MEM_NTAGS; t++)
+        fprintf(out, "  %-12s %16zu %12.2f %10.3f\n", fl_mem_tag_name(t), p->bytes[t],
+                p->bytes[t] / 1048576.0, p->bytes[t] / 1073741824.0);
+    fprintf(out, "  %-12s %16zu %12.2f %10.3f  (%.2f GB)\n", "total", p->total,
+            p->total / 1048576.0, p->total / 1073741824.0, p->total / 1e9);
+    if (p->num_params) {
+        fprintf(out,
+                "model states (params+grads+master+optim): %zu bytes (%.2f GB) = %.2f bytes/param "
+                "over %zu parameters; total %.2f bytes/param\n",
+                p->model_states, p->model_states / 1e9, (double)p->model_states / p->num_params,
+                p->num_params, (double)p->total / p->num_params);
+    }
+    if (p->runnable)
+        fprintf(out, "runnable: yes (the engine's exact allocation sizes)%s%s\n",
+                *p->note ? "; " : "", p->note);
+    else
+        fprintf(out, "runnable: no (%s)\n", p->note);
+}
+
+// ----------------------------------------------------------------------------
+// what would fit
+
+static size_t plan_total(const fl_plan_request *r, int *runnable) {
+    fl_plan p;
+    fl_plan_compute(r, &p);
+    if (runnable) *runnable = p.runnable;
+    return p.total;
+}
+
+// Tries v at micro-batch B, then halving it, with gradient accumulation set
+// to keep the base's sequences per optimizer step (B x grad_accum x ranks;
+// LOMO cannot accumulate). Leaves v at the first fit and returns its total,
+// or returns 0 (v at B = 1) when nothing fits.
+static size_t fit_by_batch(const fl_plan_request *base, fl_plan_request *v, int B, size_t limit,
+                           int *runnable) {
+    const size_t seqs = (size_t)base->B * base->optim.grad_accum * base->ranks;
+    for (v->B = B;; v->B /= 2) {
+        size_t per_step = (size_t)v->B * v->ranks;
+        if (v->lomo)
+            v->optim.grad_accum = 1;
+        else if (per_step)
+            v->optim.grad_accum = per_step >= seqs ? 1 : (int)ceil_div(seqs, per_step);
+        size_t total = plan_total(v, runnable);
+        if (total <= limit) return total;
+        if (v->B <= 1) return 0;
+    }
+}
+
+typedef struct {
+    char *buf;
+    size_t size, n;
+    int lines;
+} sink;
+
+static void put(sink *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(sink *s, const char *fmt, ...) {
+    if (s->n >= s->size) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(s->buf + s->n, s->size - s->n, fmt, ap);
+    va_end(ap);
+    if (k > 0) s->n += (size_t)k;
+    if (s->n >= s->size) s->n = s->size - 1;
+}
+
+// One line for a variant that fits: "  <flags> [--batch b --grad-accum a]: X".
+static void put_fit(sink *s, const char *flags, const fl_plan_request *base,
+                    const fl_plan_request *v, size_t total, int runnable, const char *per) {
+    char h[32], batch[32] = "", accum[32] = "";
+    if (v->B != base->B) snprintf(batch, sizeof batch, "%s--batch %d", *flags ? " " : "", v->B);
+    if (v->optim.grad_accum != base->optim.grad_accum && !v->lomo)
+        snprintf(accum, sizeof accum, " --grad-accum %d", v->optim.grad_accum);
+    put(s, "  %s%s%s: %s%s%s\n", flags, batch, accum, human(total, h, sizeof h), per,
+        runnable ? "" : " (not runnable yet)");
+    s->lines++;
+}
+
+void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size) {
+    sink s = {buf, size, 0, 0};
+    if (size) buf[0] = 0;
+    const int shaped = r->num_params == 0;
+    const char *per = r->ranks > 1 ? " per rank" : "";
+    fl_plan_request v;
+    size_t total;
+    int runnable;
+    char h[32];
+
+    // a smaller micro-batch, the same sequences per step
+    if (shaped && r->B > 1) {
+        v = *r;
+        total = fit_by_batch(r, &v, r->B / 2, limit, &runnable);
+        if (total)
+            put_fit(&s, "", r, &v, total, runnable, per);
+        else
+            put(&s, "  (no micro-batch fits: --batch 1 needs %s%s)\n",
+                human(plan_total(&v, NULL), h, sizeof h), per);
+    }
+    // 16-bit weights, gradients and activations
+    if (shaped && r->dtype == FL_F32) {
+        v = *r;
+        v.dtype = FL_BF16;
+        if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
+            put_fit(&s, "--precision bf16", r, &v, total, runnable, per);
+    }
+    // formula-only strategies
+    if (shaped && !r->activation_checkpointing && r->B > 0) {
+        v = *r;
+        v.activation_checkpointing = 1;
+        if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
+            put_fit(&s, "--activation-checkpointing", r, &v, total, runnable, per);
+    }
+    if (!r->lomo) {
+        v = *r;
+        v.lomo = 1;
+        if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
+            put_fit(&s, "--lomo", r, &v, total, runnable, per);
+    }
+    for (int stage = 2; stage <= 3; stage++) {
+        if (r->zero_stage >= stage) continue;
+        for (int N = r->ranks > 1 ? r->ranks * 2 : 2; N <= 4096; N *= 2) {
+            v = *r;
+            v.ranks = N;
+            v.zero_stage = stage;
+            if ((total = fit_by_batch(r, &v, r->B, limit, &runnable))) {
+                char flags[64];
+                snprintf(flags, sizeof flags, "--ranks %d --zero-stage %d", N, stage);
+                put_fit(&s, flags, r, &v, total, runnable, " per rank");
+                break;
+            }
+        }
+    }
+    if (!s.lines)
+        put(&s, "  (none of: a smaller micro-batch, bf16, activation checkpointing, "
+                "LOMO, ZeRO-2/3 up to 4096 ranks)\n");
+}
+
+void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit) {
+    if (limit == 0 || p->total <= limit) return; // 0: the limit is unknown
+    int order[FL_MEM_NTAGS];
+    for (int t = 0; t < FL_MEM_NTAGS; t++) order[t] = t;
+    for (int i = 0; i < 3; i++) // the three largest tags, largest first
+        for (int j = i + 1; j < FL_MEM_NTAGS; j++)
+            if (p->bytes[order[j]] > p->bytes[order[i]]) {
+                int tmp = order[i];
+                order[i] = order[j];
+                order[j] = tmp;
+            }
+    char largest[160] = "", h[32];
+    size_t n = 0;
+    for (int i = 0; i < 3 && p->bytes[order[i]]; i++)
+        n += (size_t)snprintf(largest + n, sizeof largest - n, "%s%s %s", i ? ", " : "",
+                              fl_mem_tag_name(order[i]), human(p->bytes[order[i]], h, sizeof h));
+    char alt[2048];
+    fl_plan_alternatives(r, limit, alt, sizeof alt);
+    size_t len = strlen(alt);
+    if (len && alt[len - 1] == '\n') alt[len - 1] = 0;
+    char need[32], lim[32];
+    fl_die("this run needs %s%s of memory (planned before allocating), more than the limit of "
+           "%s (--mem-limit; default: the available memory).\n"
+           "Largest: %s.\n"
+           "What would fit ('fitlm plan' with the same options prints the whole plan):\n%s",
+           human(p->total, need, sizeof need), r->ranks > 1 ? " per rank" : "",
+           human(limit, lim, sizeof lim), largest, alt);
+}
+
+// ----------------------------------------------------------------------------
+// the machine
+
+static size_t read_size_file(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[64] = "";
+    size_t v = 0;
+    if (fgets(line, sizeof line, f) && isdigit((unsigned char)line[0]))
+        v = (size_t)strtoull(line, NULL, 10);
+    fclose(f);
+    return v; // 0 also for "max" (no limit)
+}
+
+size_t fl_plan_available_memory(void) {
+    size_t avail = 0;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        size_t kb;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %zu kB", &kb) == 1) {
+                avail = kb * 1024;
+                break;
+            }
+        fclose(f);
+    }
+    // a container's limit, when it is below what the machine has available
+    static const char *const limits[][2] = {
+        {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
+        {"/sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "/sys/fs/cgroup/memory/memory.usage_in_bytes"},
+    };
+    for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
+        size_t max = read_size_file(limits[i][0]), used = read_size_file(limits[i][1]);
+        if (!max || max >= ((size_t)1 << 60)) continue; // no limit
+        size_t left = max > used ? max - used : 0;
+        if (!avail || left < avail) avail = left;
+        break;
+    }
+    return avail;
+}
+
+size_t fl_plan_parse_count(const char *text, const char *what) {
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    double scale = 1.0;
+    switch (toupper((unsigned char)*end)) {
+    case 'K':
+        scale = 1e3;
+        end++;
+        break;
+    case 'M':
+        scale = 1e6;
+        end++;
+        break;
+    case 'B':
+    case 'G':
+        scale = 1e9;
+        end++;
+        break;
+    case 'T':
+        scale = 1e12;
+        end++;
+        break;
+    default:
+        break;
+    }
+    v *= scale;
+    if (end == text || *end || errno || !isfinite(v) || v < 1 || v > 1e18 || v != floor(v))
+        fl_die("%s expects a whole number of parameters such as 124439808, 7e9, 7B or 350M, "
+               "got '%s'",
+               what, text);
+    return (size_t)v;
+}

@@ -1,0 +1,407 @@
+// test_plan.c: memory planning. The formulas against the published figures
+// (ZeRO, LOMO), and the exact plan against what the engine really allocates:
+// each runnable configuration is built and trained for one step in a child
+// process (the allocator's counters are process-global), and the peak per
+// tag is compared with the prediction.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "fitlm/io.h"
+#include "fitlm/optim.h"
+#include "fitlm/plan.h"
+#include "testlib.h"
+
+static fl_optimizer_config adamw_config(int grad_accum) {
+    fl_optimizer_config o = {0};
+    o.kind = FL_OPT_ADAMW;
+    o.beta1 = 0.9f;
+    o.beta2 = 0.95f;
+    o.eps = 1e-8f;
+    o.weight_decay = 0.1f;
+    o.max_grad_norm = 1.0f;
+    o.grad_accum = grad_accum;
+    o.initial_scale_power = 16;
+    o.loss_scale_window = 1000;
+    o.hysteresis = 2;
+    o.min_loss_scale = 1.0f;
+    return o;
+}
+
+static fl_optimizer_config sgd_config(float momentum) {
+    fl_optimizer_config o = adamw_config(1);
+    o.kind = FL_OPT_SGD;
+    o.momentum = momentum;
+    o.weight_decay = 0.0f;
+    return o;
+}
+
+// A raw parameter count, formula-only.
+static fl_plan raw_plan(size_t numel, fl_dtype dt, fl_optimizer_config o, int ranks, int stage) {
+    fl_plan_request r;
+    fl_plan_request_init(&r);
+    r.num_params = numel;
+    r.dtype = dt;
+    r.optim = o;
+    r.ranks = ranks;
+    r.zero_stage = stage;
+    fl_plan p;
+    fl_plan_compute(&r, &p);
+    return p;
+}
+
+// ----------------------------------------------------------------------------
+// published figures
+
+// ZeRO paper, Figure 1 / section 5: Psi = 7.5B on 64 ranks, and the 7B figures
+// of the issue on 8 ranks; mixed-precision AdamW is 16 bytes/param (K = 12).
+static void test_zero_published_figures(void) {
+    const size_t psi = 7000000000u;
+    const struct {
+        int ranks, stage;
+        size_t want;
+    } cases[] = {
+        {1, 0, 112000000000u}, {8, 0, 112000000000u}, {8, 1, 38500000000u},
+        {8, 2, 26250000000u},  {8, 3, 14000000000u},
+    };
+    for (int dt = FL_BF16; dt <= FL_F16; dt++)
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            fl_plan p =
+                raw_plan(psi, (fl_dtype)dt, adamw_config(1), cases[i].ranks, cases[i].stage);
+            printf("  7B %s AdamW, %d rank(s), ZeRO-%d: model states %.4f GB (published %.4f)\n",
+                   fl_dtype_name((fl_dtype)dt), cases[i].ranks, cases[i].stage,
+                   p.model_states / 1e9, cases[i].want / 1e9);
+            t_check(p.model_states == cases[i].want,
+                    "7B %s ZeRO-%d over %d: model states %zu, want %zu",
+                    fl_dtype_name((fl_dtype)dt), cases[i].stage, cases[i].ranks, p.model_states,
+                    cases[i].want);
+            t_check(!p.runnable && strstr(p.note, "not runnable yet"),
+                    "a raw count is marked not runnable (note: %s)", p.note);
+        }
+    // Psi = 7.5B, N_d = 64: 120 GB -> 31.4 -> 16.6 -> 1.9 GB (ZeRO paper, Figure 1)
+    const double want75[4] = {120.0, 31.4, 16.6, 1.9};
+    for (int stage = 0; stage <= 3; stage++) {
+        fl_plan p = raw_plan(7500000000u, FL_BF16, adamw_config(1), 64, stage);
+        t_check(fabs(p.model_states / 1e9 - want75[stage]) < 0.05,
+                "7.5B over 64 ranks, ZeRO-%d: %.2f GB, published %.1f GB", stage,
+                p.model_states / 1e9, want75[stage]);
+    }
+}
+
+// LOMO paper, Table 1 (LLaMA-7B, 6,738,415,616 parameters, fp16 weights, in
+// GiB): AdamW params 12.55, grads 12.55, optimizer states (fp32 master, m, v)
+// 75.31; SGD 25.10 (the master copy); LOMO grads 0.24 (the 32000 x 4096
+// embedding) and no optimizer state.
+static void test_lomo_published_figures(void) {
+    const size_t psi = 6738415616u, embedding = 32000u * 4096u;
+    const double GiB = 1073741824.0;
+    fl_plan a = raw_plan(psi, FL_F16, adamw_config(1), 1, 0);
+    fl_plan s = raw_plan(psi, FL_F16, sgd_config(0.0f), 1, 0);
+    fl_plan_request r;
+    fl_plan_request_init(&r);
+    r.num_params = psi;
+    r.largest_tensor = embedding;
+    r.dtype = FL_F16;
+    r.optim = sgd_config(0.0f);
+    r.lomo = 1;
+    fl_plan l;
+    fl_plan_compute(&r, &l);
+    const struct {
+        const char *what;
+        double got, want;
+    } rows[] = {
+        {"AdamW params", a.bytes[FL_MEM_PARAMS] / GiB, 12.55},
+        {"AdamW grads", a.bytes[FL_MEM_GRADS] / GiB, 12.55},
+        {"AdamW optimizer states", (a.bytes[FL_MEM_MASTER] + a.bytes[FL_MEM_OPTIM]) / GiB, 75.31},
+        {"SGD optimizer states", (s.bytes[FL_MEM_MASTER] + s.bytes[FL_MEM_OPTIM]) / GiB, 25.10},
+        {"LOMO params", l.bytes[FL_MEM_PARAMS] / GiB, 12.55},
+        {"LOMO grads", l.bytes[FL_MEM_GRADS] / GiB, 0.24},
+        {"LOMO optimizer states", (l.bytes[FL_MEM_MASTER] + l.bytes[FL_MEM_OPTIM]) / GiB, 0.0},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        printf("  LOMO Table 1, %-24s %6.2f GiB (published %.2f)\n", rows[i].what, rows[i].got,
+               rows[i].want);
+        t_check(fabs(rows[i].got - rows[i].want) < 0.005, "LLaMA-7B %s: %.3f GiB, published %.2f",
+                rows[i].what, rows[i].got, rows[i].want);
+    }
+}
+
+// Model-state bytes per parameter with the engine's real sizes.
+static void test_bytes_per_param(void) {
+    const size_t n = 1000000;
+    const struct {
+        const char *what;
+        fl_dtype dt;
+        fl_optimizer_config o;
+        size_t want;
+    } cases[] = {
+        {"fp32 AdamW: 4 params + 4 grads + 8 m,v", FL_F32, adamw_config(1), 16},
+        {"fp32 AdamW, grad accum 4 (accumulates in place)", FL_F32, adamw_config(4), 16},
+        {"bf16 AdamW: 2 + 2 + 4 master + 8 m,v (ZeRO's K=12)", FL_BF16, adamw_config(1), 16},
+        {"bf16 AdamW, grad accum 2: + 4 fp32 gradient sum", FL_BF16, adamw_config(2), 20},
+        {"fp32 SGD momentum: 4 + 4 + 4", FL_F32, sgd_config(0.9f), 12},
+        {"bf16 SGD momentum: 2 + 2 + 4 master + 4", FL_BF16, sgd_config(0.9f), 12},
+        {"fp32 SGD without momentum: 4 + 4", FL_F32, sgd_config(0.0f), 8},
+        {"bf16 SGD without momentum: 2 + 2 + 4 master", FL_BF16, sgd_config(0.0f), 8},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fl_plan p = raw_plan(n, cases[i].dt, cases[i].o, 1, 0);
+        printf("  %-52s %5.2f bytes/param\n", cases[i].what, (double)p.model_states / n);
+        t_check(p.model_states == cases[i].want * n, "%s: %zu bytes/param, want %zu", cases[i].what,
+                p.model_states / n, cases[i].want);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// strategies on a real shape
+
+static fl_plan_request small_request(fl_dtype dt, fl_optimizer_config o, int B, int T) {
+    fl_plan_request r;
+    fl_plan_request_init(&r);
+    r.model = (fl_gpt2_config){
+        .max_seq_len = 64, .vocab_size = 256, .n_layer = 2, .n_head = 4, .n_embd = 64};
+    r.dtype = dt;
+    r.optim = o;
+    r.B = B;
+    r.T = T;
+    r.threads = 2;
+    return r;
+}
+
+static void test_strategies_on_a_shape(void) {
+    fl_plan_request r = small_request(FL_F32, adamw_config(1), 8, 64);
+    r.model = (fl_gpt2_config){
+        .max_seq_len = 1024, .vocab_size = 50257, .n_layer = 12, .n_head = 12, .n_embd = 768};
+    r.T = 1024;
+    fl_plan base, one, ckpt, lomo, z3;
+    fl_plan_compute(&r, &base);
+    r.model.n_layer = 1;
+    fl_plan_compute(&r, &one);
+    r.model.n_layer = 12;
+    t_check(base.runnable && base.num_params == 124475904,
+            "gpt2 124M (padded vocab 50304) fp32 is runnable, %zu params", base.num_params);
+    r.activation_checkpointing = 1;
+    fl_plan_compute(&r, &ckpt);
+    r.activation_checkpointing = 0;
+    r.lomo = 1;
+    fl_plan_compute(&r, &lomo);
+    r.lomo = 0;
+    r.ranks = 8;
+    r.zero_stage = 3;
+    fl_plan_compute(&r, &z3);
+    printf("  gpt2 124M fp32 B=8 T=1024: acts %.1f MiB, with checkpointing %.1f MiB\n",
+           base.bytes[FL_MEM_ACTS] / 1048576.0, ckpt.bytes[FL_MEM_ACTS] / 1048576.0);
+    t_check(!ckpt.runnable && strstr(ckpt.note, "not runnable yet: activation checkpointing"),
+            "checkpointing is not runnable yet (%s)", ckpt.note);
+    t_check(ckpt.bytes[FL_MEM_ACTS] == one.bytes[FL_MEM_ACTS] + (size_t)11 * 8 * 1024 * 768 * 4 &&
+                ckpt.bytes[FL_MEM_ACTS] * 2 < base.bytes[FL_MEM_ACTS],
+            "checkpointing: a one-block model's activations + 11 block inputs (%zu; without: %zu)",
+            ckpt.bytes[FL_MEM_ACTS], base.bytes[FL_MEM_ACTS]);
+    t_check(lomo.bytes[FL_MEM_GRADS] == (size_t)50304 * 768 * 4 && !lomo.bytes[FL_MEM_OPTIM] &&
+                !lomo.bytes[FL_MEM_MASTER],
+            "LOMO keeps one gradient, the embedding's (%zu bytes), and no optimizer state",
+            lomo.bytes[FL_MEM_GRADS]);
+    t_check(z3.bytes[FL_MEM_PARAMS] == (124475904u / 8) * 4 && z3.bytes[FL_MEM_COMM] > 0 &&
+                z3.bytes[FL_MEM_ACTS] == base.bytes[FL_MEM_ACTS],
+            "ZeRO-3 over 8 shards params (%zu) and gathers one unit (comm %zu)",
+            z3.bytes[FL_MEM_PARAMS], z3.bytes[FL_MEM_COMM]);
+}
+
+static void test_parse_count(void) {
+    const struct {
+        const char *text;
+        size_t want;
+    } cases[] = {{"124439808", 124439808u}, {"7e9", 7000000000u}, {"7B", 7000000000u},
+                 {"1.5b", 1500000000u},     {"350M", 350000000u}, {"64k", 64000u}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        t_check(fl_plan_parse_count(cases[i].text, "test") == cases[i].want, "parse '%s'",
+                cases[i].text);
+}
+
+// ----------------------------------------------------------------------------
+// prediction against measurement
+
+typedef struct {
+    const char *name;
+    fl_dtype dt;
+    fl_optimizer_config o;
+} run_case;
+
+static char scratch[] = "/tmp/fitlm_test_plan_XXXXXX";
+
+static void write_text(const char *path, size_t n) {
+    FILE *f = fopen(path, "wb");
+    for (size_t i = 0; i < n; i++) fputc("the quick brown fox jumps over a lazy dog\n"[i % 42], f);
+    fclose(f);
+}
+
+// In a fresh child: does what `fitlm train` does (texts, model, activations,
+// optimizer, batch buffers, grad_accum micro-batches and a step, then a
+// sample), then compares the peak per tag with the plan. Exits 0 when every
+// tag is within 3%.
+static int measure(const run_case *c) {
+    const int B = 4, T = 32, sample_tokens = 8;
+    for (int t = 0; t < FL_MEM_NTAGS; t++)
+        if (fl_mem_peak(t) != 0) {
+            printf("  %s: the allocator was used before the measurement\n", c->name);
+            return 1;
+        }
+    fl_plan_request r = small_request(c->dt, c->o, B, T);
+    r.threads = fl_threads();
+    r.sample_tokens = sample_tokens;
+
+    char train_path[128], val_path[128];
+    snprintf(train_path, sizeof train_path, "%s/train.txt", scratch);
+    snprintf(val_path, sizeof val_path, "%s/val.txt", scratch);
+    fl_text train, val;
+    fl_text_load(&train, train_path);
+    fl_text_load(&val, val_path);
+    r.data_bytes = train.n + val.n;
+    fl_gpt2 model;
+    fl_gpt2_init(&model, &r.model, c->dt, 1337);
+    fl_gpt2_alloc_acts(&model, B, T);
+    fl_optimizer opt;
+    fl_optimizer_init(&opt, &c->o, &model.table, c->dt, model.params, model.grads);
+    int *inputs = fl_alloc(FL_MEM_OTHER, (size_t)B * T * sizeof(int));
+    int *targets = fl_alloc(FL_MEM_OTHER, (size_t)B * T * sizeof(int));
+    fl_rng rng;
+    fl_rng_seed(&rng, 7);
+    for (int micro = 0; micro < c->o.grad_accum; micro++) {
+        fl_text_random_batch(&train, &rng, inputs, targets, B, T);
+        fl_optimizer_zero_grad(&opt);
+        fl_gpt2_forward(&model, inputs, targets, B, T);
+        fl_gpt2_backward(&model, fl_optimizer_loss_scale(&opt));
+        fl_optimizer_micro_done(&opt);
+    }
+    fl_optimizer_step(&opt, 1e-3f);
+    int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(sample_tokens + 4) * sizeof(int));
+    tokens[0] = 'T';
+    fl_gpt2_generate(&model, tokens, 1, sample_tokens, 0.8f, 40, &rng, NULL, NULL);
+
+    size_t measured[FL_MEM_NTAGS];
+    for (int t = 0; t < FL_MEM_NTAGS; t++) measured[t] = fl_mem_peak(t);
+    size_t total_peak = fl_mem_total_peak();
+    fl_plan p; // after measuring: planning builds a throwaway parameter table
+    fl_plan_compute(&r, &p);
+    int bad = 0;
+    printf("  %s (B=%d, T=%d, %d threads): %s\n", c->name, B, T, r.threads,
+           p.runnable ? "runnable" : "NOT runnable");
+    printf("    %-10s %12s %12s %8s\n", "tag", "predicted", "measured", "diff");
+    for (int t = 0; t < FL_MEM_NTAGS; t++) {
+        double pred = (double)p.bytes[t], meas = (double)measured[t];
+        double rel = pred == meas ? 0.0 : fabs(pred - meas) / fmax(pred, meas);
+        printf("    %-10s %12zu %12zu %7.3f%%\n", fl_mem_tag_name(t), p.bytes[t], measured[t],
+               100.0 * rel);
+        if (rel > 0.03) bad = 1;
+    }
+    size_t sum = 0;
+    for (int t = 0; t < FL_MEM_NTAGS; t++) sum += measured[t];
+    printf("    %-10s %12zu %12zu (peak of the sum %zu)\n", "total", p.total, sum, total_peak);
+    fflush(stdout);
+    return bad || !p.runnable;
+}
+
+static void test_prediction_matches_measurement(void) {
+    if (!mkdtemp(scratch)) {
+        t_check(0, "mkdtemp %s", scratch);
+        return;
+    }
+    char path[128];
+    snprintf(path, sizeof path, "%s/train.txt", scratch);
+    write_text(path, 20000);
+    snprintf(path, sizeof path, "%s/val.txt", scratch);
+    write_text(path, 3000);
+    const run_case cases[] = {
+        {"fp32 AdamW", FL_F32, adamw_config(1)},
+        {"bf16 AdamW, grad accum 2", FL_BF16, adamw_config(2)},
+        {"fp32 SGD momentum 0.9", FL_F32, sgd_config(0.9f)},
+        {"fp16 AdamW (dynamic loss scale)", FL_F16, adamw_config(1)},
+        {"bf16 SGD without momentum", FL_BF16, sgd_config(0.0f)},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fflush(stdout);
+        fflush(stderr);
+        pid_t pid = fork();
+        if (pid == 0) _exit(measure(&cases[i]));
+        int status = 0;
+        waitpid(pid, &status, 0);
+        t_check(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                "%s: predicted bytes per tag within 3%% of the measured peaks (status %d)",
+                cases[i].name, status);
+    }
+    snprintf(path, sizeof path, "%s/train.txt", scratch);
+    remove(path);
+    snprintf(path, sizeof path, "%s/val.txt", scratch);
+    remove(path);
+    rmdir(scratch);
+}
+
+// ----------------------------------------------------------------------------
+// refusing to start
+
+static fl_plan_request big_batch;
+static size_t fits_at_8;
+
+static void check_fits_dies(void *arg) {
+    (void)arg;
+    fl_plan p;
+    fl_plan_compute(&big_batch, &p);
+    fl_plan_check_fits(&big_batch, &p, fits_at_8);
+}
+
+static void test_check_fits(void) {
+    big_batch = small_request(FL_F32, adamw_config(1), 64, 64);
+    fl_plan_request at8 = big_batch;
+    at8.B = 8;
+    at8.optim.grad_accum = 8;
+    fl_plan p8, p64;
+    fl_plan_compute(&at8, &p8);
+    fl_plan_compute(&big_batch, &p64);
+    fits_at_8 = p8.total;
+    fl_plan_check_fits(&big_batch, &p64, p64.total); // fits exactly: returns
+    t_check(1, "a plan that fits passes");
+    t_dies("too big: names the largest tag", check_fits_dies, NULL, "Largest: acts");
+    t_dies("too big: a micro-batch that fits", check_fits_dies, NULL, "--batch 8 --grad-accum 8");
+    t_dies("too big: formula-only alternatives", check_fits_dies, NULL, "(not runnable yet)");
+    char alt[2048];
+    fl_plan_alternatives(&big_batch, fits_at_8, alt, sizeof alt);
+    printf("  alternatives under %zu bytes:\n%s", fits_at_8, alt);
+    t_check(strstr(alt, "--precision bf16") != NULL, "bf16 is offered");
+}
+
+// The command: a formula-only plan through the real binary.
+static void test_cli(void) {
+    const char *bin = getenv("FITLM_BINARY");
+    if (!bin) {
+        printf("  (FITLM_BINARY not set: command test skipped)\n");
+        return;
+    }
+    char cmd[1024], out[16384];
+    snprintf(cmd, sizeof cmd,
+             "%s plan --params 7B --precision bf16 --ranks 8 --zero-stage 3 --data '' "
+             "--val-data '' 2>&1",
+             bin);
+    FILE *f = popen(cmd, "r");
+    size_t n = f ? fread(out, 1, sizeof out - 1, f) : 0;
+    out[n] = 0;
+    int status = f ? pclose(f) : -1;
+    t_check(status == 0 && strstr(out, "14000000000 bytes (14.00 GB) = 2.00 bytes/param") &&
+                strstr(out, "not runnable yet"),
+            "fitlm plan --params 7B ... --zero-stage 3: %s", out);
+}
+
+int main(void) {
+    // First, while the allocator is untouched: the children measure from zero.
+    test_prediction_matches_measurement();
+    test_zero_published_figures();
+    test_lomo_published_figures();
+    test_bytes_per_param();
+    test_strategies_on_a_shape();
+    test_parse_count();
+    test_check_fits();
+    test_cli();
+    return t_report();
+}
