@@ -227,6 +227,7 @@ static void test_mixed_precision_step(void) {
     t_check(rounded, "bf16 weights are the master rounded to nearest even");
     fl_adamw_free(&ref);
     fl_optimizer_free(&o);
+    fl_params_free(&m.table);
 }
 
 static void test_fp16_overflow_skips_the_step(void) {
@@ -265,6 +266,7 @@ static void test_fp16_overflow_skips_the_step(void) {
     t_check(o.scaler.scale == 65536.0f && o.scaler.cur_hysteresis == 1,
             "the first overflow uses up hysteresis");
     fl_optimizer_free(&o);
+    fl_params_free(&m.table);
 }
 
 static void stuck_scaler(void *arg) {
