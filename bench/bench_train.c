@@ -1,20 +1,29 @@
 // bench_train.c: training throughput of fitlm on a GPT-2 shape (default:
 // GPT-2 124M, L=12 C=768 NH=12 V=50257 maxT=1024), random weights and random
-// tokens. A step is the full training step: zero_grad, forward, backward,
-// clip the gradient norm to 1.0, AdamW step.
+// tokens, in fp32, bf16 or fp16 (mixed precision: 16-bit weights,
+// activations and gradients, fp32 master weights and AdamW state). A step is
+// the full training step as `fitlm train` drives it, through fl_optimizer:
+// zero_grad, forward, backward, then the optimizer step (fp16 overflow check,
+// gradient norm, clip to 1.0 folded into AdamW, master update, rounding into
+// the 16-bit weights, loss-scale update).
 //
-//   bench_train --B 8 --T 256 --steps 7 --warmup 2 --threads 2 [--peak GFLOPS]
+//   bench_train --B 8 --T 256 --steps 7 --warmup 2 --threads 2 --precision bf16
+//               [--peak GFLOPS] [--peak-bf16 GFLOPS] [--peak-amx GFLOPS]
 //
 // Reports ms/step (median, min, max over --steps timed steps after --warmup
 // untimed ones), tokens/s, achieved GFLOP/s with
 //     FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C
 // (6 x the non-embedding weights plus the tied LM head, forward + backward,
 // plus the attention score/value products; the padded vocabulary, layernorm,
-// GELU, softmax and the optimizer are not counted), MFU against --peak (if
-// absent, bench_train measures the fp32 FMA peak itself with --threads
-// threads, as peak_fma does) and the process's peak RSS.
+// GELU, softmax and the optimizer are not counted), MFU and the process's
+// peak RSS. MFU is quoted against the fp32 FMA peak (--peak) for fp32 and
+// against the bf16 dot-product (vdpbf16ps) peak (--peak-bf16) for bf16 and
+// fp16 (the fp32 peak on a CPU without AVX512_BF16); the other peaks' MFUs
+// (and the AMX-BF16 peak's, --peak-amx) are printed too. A peak that is not
+// given (or 0) is measured here with --threads threads, as peak_fma does;
+// --peak-amx -1 skips the AMX one.
 //
-// The last line is machine-readable: "RESULT engine=fitlm key=value ...".
+// The last line is machine-readable: "RESULT engine=fitlm precision=... key=value ...".
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,16 +36,21 @@
 typedef struct {
     int B, T, steps, warmup, threads;
     int L, C, NH, V, maxT;
-    double peak; // GFLOP/s; 0 = measure
+    double peak, peak_bf16, peak_amx; // GFLOP/s; 0 = measure (peak_amx < 0: skip)
+    fl_dtype precision;
     uint64_t seed;
     int mem_report;
 } bench_args;
 
 static void usage(FILE *out) {
     fprintf(out, "usage: bench_train [--B 4] [--T 64] [--steps 5] [--warmup 2] [--threads 2]\n"
-                 "                   [--peak GFLOPS] [--L 12] [--C 768] [--NH 12] [--V 50257]\n"
-                 "                   [--maxT 1024] [--seed 1337] [--mem-report 0|1]\n"
-                 "  --peak: fp32 peak for MFU (from peak_fma); 0 or absent = measure it here\n");
+                 "                   [--precision fp32|bf16|fp16] [--peak GFLOPS]\n"
+                 "                   [--peak-bf16 GFLOPS] [--peak-amx GFLOPS] [--L 12] [--C 768]\n"
+                 "                   [--NH 12] [--V 50257] [--maxT 1024] [--seed 1337]\n"
+                 "                   [--mem-report 0|1]\n"
+                 "  --peak, --peak-bf16, --peak-amx: fp32 FMA, bf16 dot-product and AMX-BF16\n"
+                 "  peaks for MFU (from peak_fma); 0 or absent = measure here (--peak-amx -1:\n"
+                 "  skip). MFU is against --peak for fp32, --peak-bf16 for bf16 and fp16.\n");
 }
 
 static void parse(bench_args *a, int argc, char **argv) {
@@ -50,7 +64,7 @@ static void parse(bench_args *a, int argc, char **argv) {
                       .NH = 12,
                       .V = 50257,
                       .maxT = 1024,
-                      .peak = 0.0,
+                      .precision = FL_F32,
                       .seed = 1337};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
@@ -63,6 +77,17 @@ static void parse(bench_args *a, int argc, char **argv) {
             fl_die("option %s needs a value", k);
         }
         const char *v = argv[++i];
+        if (!strcmp(k, "--precision")) {
+            if (!strcmp(v, "fp32"))
+                a->precision = FL_F32;
+            else if (!strcmp(v, "bf16"))
+                a->precision = FL_BF16;
+            else if (!strcmp(v, "fp16"))
+                a->precision = FL_F16;
+            else
+                fl_die("--precision: '%s' is not fp32, bf16 or fp16", v);
+            continue;
+        }
         char *end;
         double x = strtod(v, &end);
         if (end == v || *end) fl_die("option %s: '%s' is not a number", k, v);
@@ -88,6 +113,10 @@ static void parse(bench_args *a, int argc, char **argv) {
             a->maxT = (int)x;
         else if (!strcmp(k, "--peak"))
             a->peak = x;
+        else if (!strcmp(k, "--peak-bf16"))
+            a->peak_bf16 = x;
+        else if (!strcmp(k, "--peak-amx"))
+            a->peak_amx = x;
         else if (!strcmp(k, "--seed"))
             a->seed = (uint64_t)x;
         else if (!strcmp(k, "--mem-report"))
@@ -129,10 +158,26 @@ static double vmax(const double *v, int n) {
     return m;
 }
 
+// A peak given on the command line, or measured here (0 when the CPU lacks
+// the loop); *how receives "given", the loop's name or "n/a".
+static double peak_of(double given, fma_peak_isa isa, int threads, const char **how) {
+    if (given > 0.0) {
+        *how = "given";
+        return given;
+    }
+    if (given < 0.0 || !fma_peak_has(isa)) {
+        *how = "n/a";
+        return 0.0;
+    }
+    *how = fma_peak_isa_name(isa);
+    return fma_peak_gflops(isa, threads, 0.3, 5, NULL, NULL);
+}
+
 int main(int argc, char **argv) {
     bench_args a;
     parse(&a, argc, argv);
     fl_set_threads(a.threads);
+    const char *prec = fl_dtype_name(a.precision);
 
     fl_gpt2_config cfg = {
         .max_seq_len = a.maxT, .vocab_size = a.V, .n_layer = a.L, .n_head = a.NH, .n_embd = a.C};
@@ -142,29 +187,52 @@ int main(int argc, char **argv) {
     double flops_per_token = 6.0 * (12.0 * L * C * C + V * C) + 12.0 * L * T * C;
     double tokens_per_step = (double)a.B * a.T;
 
-    const char *isa = "given";
-    if (!(a.peak > 0.0)) {
-        fma_peak_isa pisa = fma_peak_pick_isa();
-        isa = fma_peak_isa_name(pisa);
-        a.peak = fma_peak_gflops(pisa, a.threads, 0.3, 5, NULL, NULL);
-    }
+    // the peaks: fp32 FMA, bf16 dot product (vdpbf16ps), AMX-BF16 tiles
+    const char *how_fp32, *how_bf16, *how_amx;
+    double peak_fp32 = peak_of(a.peak, fma_peak_pick_isa(), a.threads, &how_fp32);
+    double peak_bf16 = peak_of(a.peak_bf16, FMA_PEAK_BF16_DP, a.threads, &how_bf16);
+    double peak_amx = peak_of(a.peak_amx, FMA_PEAK_AMX_BF16, a.threads, &how_amx);
+    // MFU's denominator: the peak of the precision's arithmetic (the fp32
+    // one on a CPU without AVX512_BF16)
+    int use_bf16_peak = a.precision != FL_F32 && peak_bf16 > 0.0;
+    double peak = use_bf16_peak ? peak_bf16 : peak_fp32;
+    const char *peak_kind = use_bf16_peak ? "bf16" : "fp32";
 
     printf("fitlm train bench: GPT-2 L=%d C=%d NH=%d V=%d (padded %d) maxT=%d | B=%d T=%d | "
-           "%d threads | %d warm-up + %d timed steps\n",
-           a.L, a.C, a.NH, a.V, cfg.padded_vocab_size, a.maxT, a.B, a.T, a.threads, a.warmup,
+           "%s | %d threads | %d warm-up + %d timed steps\n",
+           a.L, a.C, a.NH, a.V, cfg.padded_vocab_size, a.maxT, a.B, a.T, prec, a.threads, a.warmup,
            a.steps);
-    printf("step = zero_grad + forward + backward + clip_grad_norm(1.0) + AdamW(lr 1e-4, betas "
-           "0.9/0.95, eps 1e-8, wd 0.1)\n");
-    printf("FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C = %.4g; peak %.1f GFLOP/s (%s)\n",
-           flops_per_token, a.peak, isa);
+    printf("step = zero_grad + forward + backward + fl_optimizer step: clip_grad_norm(1.0) + "
+           "AdamW(lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1)%s\n",
+           a.precision == FL_F32   ? ""
+           : a.precision == FL_F16 ? " on fp32 master weights, dynamic loss scale"
+                                   : " on fp32 master weights");
+    printf("FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C = %.4g\n", flops_per_token);
+    printf("peaks (GFLOP/s, %d threads): fp32 FMA %.1f (%s), bf16 dot product %.1f (%s), AMX-BF16 "
+           "%.1f (%s); MFU against the %s peak\n",
+           a.threads, peak_fp32, how_fp32, peak_bf16, how_bf16, peak_amx, how_amx, peak_kind);
+    if (!(peak > 0.0)) fl_die("no peak to quote MFU against: pass one with --peak");
     fflush(stdout);
 
     double t_init = fl_now();
     fl_gpt2 model;
-    fl_gpt2_init(&model, &cfg, a.seed);
+    fl_gpt2_init(&model, &cfg, a.precision, a.seed);
     fl_gpt2_alloc_acts(&model, a.B, a.T);
-    fl_adamw opt;
-    fl_adamw_init(&opt, model.table.numel, 0.9f, 0.95f, 1e-8f, 0.1f);
+    // the DeepSpeed-style defaults of `fitlm train` for the loss scaler
+    fl_optimizer_config ocfg = {.kind = FL_OPT_ADAMW,
+                                .beta1 = 0.9f,
+                                .beta2 = 0.95f,
+                                .eps = 1e-8f,
+                                .weight_decay = 0.1f,
+                                .max_grad_norm = 1.0f,
+                                .grad_accum = 1,
+                                .loss_scale = 0.0f,
+                                .initial_scale_power = 16,
+                                .loss_scale_window = 1000,
+                                .hysteresis = 2,
+                                .min_loss_scale = 1.0f};
+    fl_optimizer opt;
+    fl_optimizer_init(&opt, &ocfg, &model.table, a.precision, model.params, model.grads);
     printf("%zu parameters (%.2f M, padded vocabulary included); init %.2f s\n", model.table.numel,
            model.table.numel / 1e6, fl_now() - t_init);
 
@@ -182,58 +250,76 @@ int main(int argc, char **argv) {
     double *ms_bwd = calloc((size_t)a.steps, sizeof(double));
     double *ms_opt = calloc((size_t)a.steps, sizeof(double));
     if (!ms || !ms_fwd || !ms_bwd || !ms_opt) fl_die("out of memory");
-    float first_loss = 0.0f, last_loss = 0.0f;
+    float first_loss = 0.0f, last_loss = 0.0f, loss_scale = 1.0f;
+    int skipped = 0, skipped_timed = 0;
     for (int s = 0; s < total; s++) {
         double t0 = fl_now();
-        fl_gpt2_zero_grad(&model);
+        fl_optimizer_zero_grad(&opt);
         float loss = fl_gpt2_forward(&model, inputs, targets, a.B, a.T);
         double t1 = fl_now();
-        fl_gpt2_backward(&model, 1.0f);
+        fl_gpt2_backward(&model, fl_optimizer_loss_scale(&opt));
         double t2 = fl_now();
-        float norm = fl_clip_grad_norm(model.grads, model.table.numel, 1.0f);
-        fl_adamw_step(&opt, &model.table, model.params, model.grads, 1e-4f);
+        fl_optimizer_micro_done(&opt);
+        fl_step_result r = fl_optimizer_step(&opt, 1e-4f);
         double t3 = fl_now();
         if (s == 0) first_loss = loss;
         last_loss = loss;
+        loss_scale = r.loss_scale;
+        skipped += r.skipped;
         int timed = s - a.warmup;
         printf("step %2d/%d %-7s | loss %.4f | norm %.3f | %.1f ms (fwd %.1f, bwd %.1f, "
-               "clip+adamw %.1f)\n",
-               s + 1, total, timed < 0 ? "warm-up" : "", loss, norm, (t3 - t0) * 1e3,
+               "clip+adamw %.1f)",
+               s + 1, total, timed < 0 ? "warm-up" : "", loss, r.grad_norm, (t3 - t0) * 1e3,
                (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3);
+        if (a.precision == FL_F16)
+            printf(" | scale %g%s", r.loss_scale, r.skipped ? " OVERFLOW, skipped" : "");
+        printf("\n");
         fflush(stdout);
         if (timed >= 0) {
             ms[timed] = (t3 - t0) * 1e3;
             ms_fwd[timed] = (t1 - t0) * 1e3;
             ms_bwd[timed] = (t2 - t1) * 1e3;
             ms_opt[timed] = (t3 - t2) * 1e3;
+            skipped_timed += r.skipped;
         }
     }
 
     double med = median(ms, a.steps), lo = vmin(ms, a.steps), hi = vmax(ms, a.steps);
     double tok_s = tokens_per_step / (med / 1e3);
     double gflops = flops_per_token * tok_s / 1e9;
-    double mfu = gflops / a.peak;
+    double mfu = gflops / peak;
+    double mfu_fp32 = peak_fp32 > 0.0 ? gflops / peak_fp32 : 0.0;
+    double mfu_bf16 = peak_bf16 > 0.0 ? gflops / peak_bf16 : 0.0;
+    double mfu_amx = peak_amx > 0.0 ? gflops / peak_amx : 0.0;
     double rss_mib = fl_mem_peak_rss() / 1048576.0;
     double tagged_mib = fl_mem_total_peak() / 1048576.0;
     if (a.mem_report) fl_mem_report(stdout);
     printf("median %.1f ms/step (min %.1f, max %.1f; fwd %.1f, bwd %.1f, clip+adamw %.1f) | "
-           "%.1f tok/s | %.1f GFLOP/s | MFU %.1f%% of %.1f | peak RSS %.0f MiB (tagged %.0f)\n",
+           "%.1f tok/s | %.1f GFLOP/s | MFU %.1f%% of the %s peak %.1f (fp32 %.1f%%, bf16 %.1f%%, "
+           "AMX %.1f%%) | peak RSS %.0f MiB (tagged %.0f)",
            med, lo, hi, median(ms_fwd, a.steps), median(ms_bwd, a.steps), median(ms_opt, a.steps),
-           tok_s, gflops, 100.0 * mfu, a.peak, rss_mib, tagged_mib);
-    printf("RESULT engine=fitlm B=%d T=%d threads=%d steps=%d warmup=%d ms_median=%.2f "
-           "ms_min=%.2f ms_max=%.2f ms_fwd=%.2f ms_bwd=%.2f ms_opt=%.2f tok_s=%.2f "
-           "flops_per_token=%.0f gflops=%.2f peak_gflops=%.1f mfu=%.4f peak_rss_mib=%.0f "
-           "loss_first=%.4f loss_last=%.4f\n",
-           a.B, a.T, a.threads, a.steps, a.warmup, med, lo, hi, median(ms_fwd, a.steps),
-           median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s, flops_per_token, gflops, a.peak,
-           mfu, rss_mib, first_loss, last_loss);
+           tok_s, gflops, 100.0 * mfu, peak_kind, peak, 100.0 * mfu_fp32, 100.0 * mfu_bf16,
+           100.0 * mfu_amx, rss_mib, tagged_mib);
+    if (a.precision == FL_F16)
+        printf(" | %d of %d steps skipped (%d timed)", skipped, total, skipped_timed);
+    printf("\n");
+    printf("RESULT engine=fitlm precision=%s B=%d T=%d threads=%d steps=%d warmup=%d "
+           "ms_median=%.2f ms_min=%.2f ms_max=%.2f ms_fwd=%.2f ms_bwd=%.2f ms_opt=%.2f "
+           "tok_s=%.2f flops_per_token=%.0f gflops=%.2f peak=%s peak_gflops=%.1f mfu=%.4f "
+           "peak_fp32_gflops=%.1f peak_bf16_gflops=%.1f peak_amx_gflops=%.1f mfu_fp32=%.4f "
+           "mfu_bf16=%.4f mfu_amx=%.4f peak_rss_mib=%.0f tagged_mib=%.0f loss_first=%.4f "
+           "loss_last=%.4f skipped=%d loss_scale=%g\n",
+           prec, a.B, a.T, a.threads, a.steps, a.warmup, med, lo, hi, median(ms_fwd, a.steps),
+           median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s, flops_per_token, gflops,
+           peak_kind, peak, mfu, peak_fp32, peak_bf16, peak_amx, mfu_fp32, mfu_bf16, mfu_amx,
+           rss_mib, tagged_mib, first_loss, last_loss, skipped, loss_scale);
 
     free(ms);
     free(ms_fwd);
     free(ms_bwd);
     free(ms_opt);
     fl_free(tokens);
-    fl_adamw_free(&opt);
+    fl_optimizer_free(&opt);
     fl_gpt2_free(&model);
     return 0;
 }

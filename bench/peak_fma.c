@@ -1,16 +1,24 @@
-// peak_fma.c: this machine's peak fp32 FMA rate with 1 and 2 (or --threads
-// N) threads, the denominator of every MFU figure in bench/.
+// peak_fma.c: this machine's peak multiply-add rates with 1 and 2 (or
+// --threads N) threads, the denominators of the MFU figures in bench/: fp32
+// FMA (fp32 training), the AVX512_BF16 dot product vdpbf16ps (bf16/fp16
+// training) and, where the CPU and kernel allow it, AMX-BF16 tiles.
 //
-//   peak_fma [--threads N] [--seconds S] [--reps R]
+//   peak_fma [--threads N] [--seconds S] [--reps R] [--bf16 0|1] [--amx 0|1]
 //
-// Each measurement runs FMA_PEAK_CHAINS independent register-resident FMA
-// chains per thread for ~S seconds (default 0.5); the figure is the median
-// of R (default 5) measurements. The ISA is picked at run time (AVX-512F,
-// else AVX2+FMA, else portable C; FITLM_NO_SIMD=1 forces portable).
+// Each measurement runs independent register-resident chains per thread
+// (fma_peak.h) for ~S seconds (default 0.5); the figure is the median of R
+// (default 5) measurements. The fp32 ISA is picked at run time (AVX-512F,
+// else AVX2+FMA, else portable C; FITLM_NO_SIMD=1 forces portable); the bf16
+// and AMX peaks are measured only when the CPU has them (--bf16 0 / --amx 0
+// skip them).
 //
-// Prints a human-readable line per thread count, then one machine-readable
-// line:  RESULT peak_fma isa=avx512 gflops_1t=... gflops_2t=... peak_gflops=...
-// where peak_gflops is the figure at the largest thread count measured.
+// Prints a human-readable line per peak and thread count, then one
+// machine-readable line:
+//   RESULT peak_fma isa=avx512 threads=2 gflops_1t=... gflops_2t=...
+//     peak_gflops=... bf16_isa=avx512bf16 bf16_gflops_1t=... bf16_gflops_2t=...
+//     bf16_peak_gflops=... amx_gflops_1t=... amx_gflops_2t=... amx_peak_gflops=...
+// where *peak_gflops is the figure at the largest thread count measured; the
+// bf16_ and amx_ fields are absent when that peak was not measured.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,12 +27,34 @@
 #include "fma_peak.h"
 
 static void usage(FILE *out) {
-    fprintf(out, "usage: peak_fma [--threads N] [--seconds S] [--reps R]\n"
-                 "  measures peak fp32 FMA GFLOP/s with 1..N threads (default N = 2)\n");
+    fprintf(out, "usage: peak_fma [--threads N] [--seconds S] [--reps R] [--bf16 0|1] [--amx 0|1]\n"
+                 "  measures peak fp32 FMA, bf16 dot-product (vdpbf16ps) and AMX-BF16 GFLOP/s\n"
+                 "  with 1..N threads (default N = 2)\n");
+}
+
+// Measures one loop with 1..max_threads threads; prints a line per thread
+// count and appends " <prefix>gflops_1t=... <prefix>peak_gflops=..." to res.
+static void measure(fma_peak_isa isa, const char *what, const char *prefix, int max_threads,
+                    double seconds, int reps, char *res, size_t res_size) {
+    printf("peak %s: %s, %.0f flops/iteration/thread, ~%.2f s x %d reps (median)\n", what,
+           fma_peak_isa_name(isa), fma_peak_flops_per_iter(isa), seconds, reps);
+    double glast = 0.0;
+    for (int t = 1; t <= max_threads; t++) {
+        double lo, hi;
+        double g = fma_peak_gflops(isa, t, seconds, reps, &lo, &hi);
+        printf("  %d thread%s: %8.1f GFLOP/s (min %.1f, max %.1f; %.1f per thread)\n", t,
+               t == 1 ? " " : "s", g, lo, hi, g / t);
+        fflush(stdout);
+        size_t n = strlen(res);
+        if (t <= 2) snprintf(res + n, res_size - n, " %sgflops_%dt=%.1f", prefix, t, g);
+        glast = g;
+    }
+    size_t n = strlen(res);
+    snprintf(res + n, res_size - n, " %speak_gflops=%.1f", prefix, glast);
 }
 
 int main(int argc, char **argv) {
-    int max_threads = 2, reps = 5;
+    int max_threads = 2, reps = 5, bf16 = 1, amx = 1;
     double seconds = 0.5;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -43,6 +73,10 @@ int main(int argc, char **argv) {
             seconds = atof(v);
         else if (!strcmp(a, "--reps"))
             reps = atoi(v);
+        else if (!strcmp(a, "--bf16"))
+            bf16 = atoi(v);
+        else if (!strcmp(a, "--amx"))
+            amx = atoi(v);
         else {
             usage(stderr);
             fl_die("unknown option %s", a);
@@ -51,24 +85,25 @@ int main(int argc, char **argv) {
     if (max_threads < 1 || reps < 1 || !(seconds > 0.0))
         fl_die("--threads and --reps must be >= 1 and --seconds > 0");
 
+    char res[512];
     fma_peak_isa isa = fma_peak_pick_isa();
-    printf("peak fp32 FMA: isa %s, %d chains x %.0f flops/iteration/thread, ~%.2f s x %d reps "
-           "(median)\n",
-           fma_peak_isa_name(isa), FMA_PEAK_CHAINS, fma_peak_flops_per_iter(isa), seconds, reps);
-    double g1 = 0.0, g2 = 0.0, glast = 0.0;
-    for (int t = 1; t <= max_threads; t++) {
-        double lo, hi;
-        double g = fma_peak_gflops(isa, t, seconds, reps, &lo, &hi);
-        printf("  %d thread%s: %8.1f GFLOP/s (min %.1f, max %.1f; %.1f per thread)\n", t,
-               t == 1 ? " " : "s", g, lo, hi, g / t);
-        fflush(stdout);
-        if (t == 1) g1 = g;
-        if (t == 2) g2 = g;
-        glast = g;
+    snprintf(res, sizeof(res), "RESULT peak_fma isa=%s threads=%d", fma_peak_isa_name(isa),
+             max_threads);
+    measure(isa, "fp32 FMA", "", max_threads, seconds, reps, res, sizeof(res));
+    if (bf16 && fma_peak_has(FMA_PEAK_BF16_DP)) {
+        size_t n = strlen(res);
+        snprintf(res + n, sizeof(res) - n, " bf16_isa=%s", fma_peak_isa_name(FMA_PEAK_BF16_DP));
+        measure(FMA_PEAK_BF16_DP, "bf16 dot product", "bf16_", max_threads, seconds, reps, res,
+                sizeof(res));
+    } else if (bf16) {
+        printf("peak bf16 dot product: no AVX512_BF16 on this CPU\n");
     }
-    printf("RESULT peak_fma isa=%s threads=%d gflops_1t=%.1f", fma_peak_isa_name(isa), max_threads,
-           g1);
-    if (max_threads >= 2) printf(" gflops_2t=%.1f", g2);
-    printf(" peak_gflops=%.1f\n", glast);
+    if (amx && fma_peak_has(FMA_PEAK_AMX_BF16))
+        measure(FMA_PEAK_AMX_BF16, "AMX-BF16 tiles", "amx_", max_threads, seconds, reps, res,
+                sizeof(res));
+    else if (amx)
+        printf("peak AMX-BF16: not available (CPU without AMX-BF16, or the kernel refused "
+               "the tile state)\n");
+    printf("%s\n", res);
     return 0;
 }

@@ -3,14 +3,24 @@
 
 The same GPT-2 as fitlm's (fused qkv Linear, causal self-attention as masked
 softmax, GELU tanh, pre-LayerNorm blocks, LM head tied to wte), random
-weights and random tokens, fp32 on the CPU, and the same training step:
+weights and random tokens on the CPU, and the same training step:
 zero_grad, forward, backward, clip_grad_norm_(1.0), AdamW step (lr 1e-4,
 betas 0.9/0.95, eps 1e-8, weight decay 0.1 on wte and the four matrices of
 each block, as fitlm). ms/step is the median of --steps timed steps after
 --warmup untimed ones.
 
+--precision fp32 (default) runs everything in fp32. --precision bf16 is
+PyTorch's CPU mixed precision: torch.autocast("cpu", dtype=torch.bfloat16)
+around forward + loss (autocast runs the Linear/matmul ops in bf16 and keeps
+LayerNorm, softmax and the loss in fp32), backward outside it, fp32
+parameters, gradients and AdamW state (no loss scaling: bf16 has fp32's
+range).
+
+MFU is against --peak (fp32 FMA) for fp32 and --peak-bf16 (vdpbf16ps) for
+bf16, as bench_train; both, and --peak-amx's, are in the RESULT line.
+
     OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 bench/torch_gpt2.py --B 8 --T 256 \
-        --steps 7 --warmup 2 --threads 2 --peak 200
+        --steps 7 --warmup 2 --threads 2 --precision bf16 --peak 410 --peak-bf16 213
 
 Run it with /usr/bin/python3 (Debian's python3-torch). OMP_WAIT_POLICY must
 be in the environment before torch loads; this script sets it to PASSIVE
@@ -123,7 +133,12 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: torch.autocast('cpu', dtype=torch.bfloat16) around forward+loss")
     ap.add_argument("--peak", type=float, default=0.0, help="fp32 peak GFLOP/s for MFU (peak_fma)")
+    ap.add_argument("--peak-bf16", type=float, default=0.0,
+                    help="bf16 dot-product peak GFLOP/s, the MFU denominator under bf16")
+    ap.add_argument("--peak-amx", type=float, default=0.0, help="AMX-BF16 peak GFLOP/s")
     ap.add_argument("--L", type=int, default=12)
     ap.add_argument("--C", type=int, default=768)
     ap.add_argument("--NH", type=int, default=12)
@@ -167,12 +182,18 @@ def main():
         f"{a.warmup} warm-up + {a.steps} timed steps | "
         f"attention {'sdpa' if hasattr(F, 'scaled_dot_product_attention') else 'masked softmax'}"
     )
+    bf16 = a.precision == "bf16"
+    peak_kind = "bf16" if bf16 else "fp32"
+    peak = a.peak_bf16 if bf16 else a.peak
     print(
-        "step = zero_grad(set_to_none) + forward + backward + clip_grad_norm_(1.0) + "
+        "step = zero_grad(set_to_none) + "
+        f"{'autocast(cpu, bf16)[forward + loss]' if bf16 else 'forward'} + backward + "
+        "clip_grad_norm_(1.0) + "
         f"AdamW(lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1{', foreach' if a.foreach else ''})"
     )
     print(f"FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C = {flops_per_token:.4g}; "
-          f"peak {a.peak:.1f} GFLOP/s (given)")
+          f"peaks (given, GFLOP/s): fp32 {a.peak:.1f}, bf16 {a.peak_bf16:.1f}, "
+          f"AMX {a.peak_amx:.1f}; MFU against the {peak_kind} peak")
     print(f"{nparams} parameters ({nparams / 1e6:.2f} M)", flush=True)
 
     ms, ms_fwd, ms_bwd, ms_opt = [], [], [], []
@@ -181,7 +202,11 @@ def main():
     for s in range(total):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(inputs, targets)
+        if bf16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(inputs, targets)
+        else:
+            loss = model(inputs, targets)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -208,20 +233,29 @@ def main():
     med, lo, hi = statistics.median(ms), min(ms), max(ms)
     tok_s = tokens_per_step / (med / 1e3)
     gflops = flops_per_token * tok_s / 1e9
-    mfu = gflops / a.peak if a.peak > 0 else float("nan")
+    def mfu_of(p):
+        return gflops / p if p > 0 else 0.0
+
+    mfu = mfu_of(peak)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
     mf, mb, mo = statistics.median(ms_fwd), statistics.median(ms_bwd), statistics.median(ms_opt)
     print(
         f"median {med:.1f} ms/step (min {lo:.1f}, max {hi:.1f}; fwd {mf:.1f}, bwd {mb:.1f}, "
         f"clip+adamw {mo:.1f}) | {tok_s:.1f} tok/s | {gflops:.1f} GFLOP/s | "
-        f"MFU {100 * mfu:.1f}% of {a.peak:.1f} | peak RSS {rss_mib:.0f} MiB"
+        f"MFU {100 * mfu:.1f}% of the {peak_kind} peak {peak:.1f} (fp32 "
+        f"{100 * mfu_of(a.peak):.1f}%, bf16 {100 * mfu_of(a.peak_bf16):.1f}%, AMX "
+        f"{100 * mfu_of(a.peak_amx):.1f}%) | peak RSS {rss_mib:.0f} MiB"
     )
     print(
-        f"RESULT engine=pytorch B={a.B} T={a.T} threads={a.threads} steps={a.steps} "
+        f"RESULT engine=pytorch precision={a.precision} B={a.B} T={a.T} threads={a.threads} "
+        f"steps={a.steps} "
         f"warmup={a.warmup} ms_median={med:.2f} ms_min={lo:.2f} ms_max={hi:.2f} "
         f"ms_fwd={mf:.2f} ms_bwd={mb:.2f} ms_opt={mo:.2f} tok_s={tok_s:.2f} "
-        f"flops_per_token={flops_per_token} gflops={gflops:.2f} peak_gflops={a.peak:.1f} "
-        f"mfu={mfu:.4f} peak_rss_mib={rss_mib:.0f} loss_first={first_loss:.4f} "
+        f"flops_per_token={flops_per_token} gflops={gflops:.2f} peak={peak_kind} "
+        f"peak_gflops={peak:.1f} mfu={mfu:.4f} peak_fp32_gflops={a.peak:.1f} "
+        f"peak_bf16_gflops={a.peak_bf16:.1f} peak_amx_gflops={a.peak_amx:.1f} "
+        f"mfu_fp32={mfu_of(a.peak):.4f} mfu_bf16={mfu_of(a.peak_bf16):.4f} "
+        f"mfu_amx={mfu_of(a.peak_amx):.4f} peak_rss_mib={rss_mib:.0f} loss_first={first_loss:.4f} "
         f"loss_last={last_loss:.4f} torch={torch.__version__} "
         f"omp_wait_policy={os.environ.get('OMP_WAIT_POLICY')}"
     )
