@@ -30,6 +30,7 @@
 
 #include "fitlm/core.h"
 #include "fitlm/model.h"
+#include "fitlm/config.h"
 #include "fitlm/optim.h"
 #include "fma_peak.h"
 
@@ -218,19 +219,11 @@ int main(int argc, char **argv) {
     fl_gpt2 model;
     fl_gpt2_init(&model, &cfg, a.precision, a.seed);
     fl_gpt2_alloc_acts(&model, a.B, a.T);
-    // the DeepSpeed-style defaults of `fitlm train` for the loss scaler
-    fl_optimizer_config ocfg = {.kind = FL_OPT_ADAMW,
-                                .beta1 = 0.9f,
-                                .beta2 = 0.95f,
-                                .eps = 1e-8f,
-                                .weight_decay = 0.1f,
-                                .max_grad_norm = 1.0f,
-                                .grad_accum = 1,
-                                .loss_scale = 0.0f,
-                                .initial_scale_power = 16,
-                                .loss_scale_window = 1000,
-                                .hysteresis = 2,
-                                .min_loss_scale = 1.0f};
+    // `fitlm train`'s defaults: AdamW betas 0.9/0.95, eps 1e-8, wd 0.1, clip
+    // 1.0, no accumulation, DeepSpeed's fp16 loss-scaler settings
+    fl_train_config defaults;
+    fl_config_defaults(&defaults);
+    fl_optimizer_config ocfg = fl_config_optimizer(&defaults);
     fl_optimizer opt;
     fl_optimizer_init(&opt, &ocfg, &model.table, a.precision, model.params, model.grads);
     printf("%zu parameters (%.2f M, padded vocabulary included); init %.2f s\n", model.table.numel,

@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fitlm/config.h"
 #include "fitlm/optim.h"
 #include "testlib.h"
 
@@ -168,27 +169,24 @@ static void lowp_init(lowp_model *m, fl_dtype dt) {
     fl_convert(dt, m->params, FL_F32, p, 22);
 }
 
+// `fitlm train`'s defaults: AdamW 0.9/0.95, eps 1e-8, wd 0.1, clip 1.0,
+// fp16 scaling from 2^16 with window 1000 and hysteresis 2
 static fl_optimizer_config adamw_config(int accum) {
-    fl_optimizer_config c = {.kind = FL_OPT_ADAMW,
-                             .beta1 = 0.9f,
-                             .beta2 = 0.95f,
-                             .eps = 1e-8f,
-                             .weight_decay = 0.1f,
-                             .max_grad_norm = 1.0f,
-                             .grad_accum = accum,
-                             .initial_scale_power = 16,
-                             .loss_scale_window = 1000,
-                             .hysteresis = 2,
-                             .min_loss_scale = 1.0f};
+    fl_train_config defaults;
+    fl_config_defaults(&defaults);
+    fl_optimizer_config c = fl_config_optimizer(&defaults);
+    c.grad_accum = accum;
     return c;
 }
 
-// Writes gradients g (already multiplied by the loss scale the optimizer
-// asked for) as a backward pass would.
-static void fake_backward(fl_optimizer *o, lowp_model *m, const float *g) {
+// One micro-batch whose backward pass yields the gradients g (multiplied by
+// the loss scale the optimizer asks for, as a real backward would be).
+static void fake_micro_batch(fl_optimizer *o, lowp_model *m, const float *g) {
+    fl_optimizer_zero_grad(o);
     float scaled[22];
     for (int i = 0; i < 22; i++) scaled[i] = g[i] * fl_optimizer_loss_scale(o);
     fl_accumulate_f32(o->dtype, m->grads, scaled, 22);
+    fl_optimizer_micro_done(o);
 }
 
 static void test_mixed_precision_step(void) {
@@ -203,9 +201,7 @@ static void test_mixed_precision_step(void) {
     t_fill(g1, 22, 11, 0.1f);
     t_fill(g2, 22, 12, 0.1f);
     for (int micro = 0; micro < 2; micro++) {
-        fl_optimizer_zero_grad(&o);
-        fake_backward(&o, &m, micro ? g2 : g1);
-        fl_optimizer_micro_done(&o);
+        fake_micro_batch(&o, &m, micro ? g2 : g1);
     }
     fl_step_result r = fl_optimizer_step(&o, 1e-2f);
     // reference: fp32 AdamW on the fp32 sum of the two bf16-rounded half gradients
@@ -239,9 +235,7 @@ static void test_fp16_overflow_skips_the_step(void) {
     t_check(fl_optimizer_loss_scale(&o) == 65536.0f, "fp16 scales the loss by 2^16");
     float g[22];
     t_fill(g, 22, 13, 0.01f);
-    fl_optimizer_zero_grad(&o);
-    fake_backward(&o, &m, g);
-    fl_optimizer_micro_done(&o);
+    fake_micro_batch(&o, &m, g);
     fl_step_result r = fl_optimizer_step(&o, 1e-3f);
     t_check(!r.skipped && o.adamw.t == 1, "a clean step updates");
     t_check(fabsf(r.grad_norm - fl_grad_norm(FL_F32, g, 22)) < 2e-3f * r.grad_norm,
@@ -254,9 +248,7 @@ static void test_fp16_overflow_skips_the_step(void) {
     memcpy(m0, o.adamw.m, sizeof m0);
     memcpy(v0, o.adamw.v, sizeof v0);
     g[3] = 1e4f; // times 2^16 overflows fp16
-    fl_optimizer_zero_grad(&o);
-    fake_backward(&o, &m, g);
-    fl_optimizer_micro_done(&o);
+    fake_micro_batch(&o, &m, g);
     r = fl_optimizer_step(&o, 1e-3f);
     t_check(r.skipped, "an inf gradient skips the step");
     t_check(!memcmp(params0, m.params, sizeof params0) && !memcmp(master0, o.master, sizeof m0) &&
@@ -281,9 +273,7 @@ static void stuck_scaler(void *arg) {
     float g[22] = {0};
     g[0] = INFINITY;
     for (int i = 0; i < 10; i++) {
-        fl_optimizer_zero_grad(&o);
-        fake_backward(&o, &m, g);
-        fl_optimizer_micro_done(&o);
+        fake_micro_batch(&o, &m, g);
         fl_optimizer_step(&o, 1e-3f);
     }
 }

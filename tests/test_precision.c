@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "fitlm/config.h"
 #include "fitlm/io.h"
 #include "fitlm/optim.h"
 #include "testlib.h"
@@ -26,17 +27,11 @@ static run_result train(fl_dtype dt, const fl_text *train_text, const fl_text *v
     fl_gpt2 m;
     fl_gpt2_init(&m, &shape, dt, 1);
     fl_gpt2_alloc_acts(&m, B, T);
-    fl_optimizer_config cfg = {.kind = FL_OPT_ADAMW,
-                               .beta1 = 0.9f,
-                               .beta2 = 0.95f,
-                               .eps = 1e-8f,
-                               .weight_decay = 0.1f,
-                               .max_grad_norm = 1.0f,
-                               .grad_accum = 2,
-                               .initial_scale_power = 16,
-                               .loss_scale_window = 50,
-                               .hysteresis = 2,
-                               .min_loss_scale = 1.0f};
+    fl_train_config defaults; // fitlm train's: AdamW 0.9/0.95, wd 0.1, clip 1, scale 2^16
+    fl_config_defaults(&defaults);
+    fl_optimizer_config cfg = fl_config_optimizer(&defaults);
+    cfg.grad_accum = 2;
+    cfg.loss_scale_window = 50;
     fl_optimizer o;
     fl_optimizer_init(&o, &cfg, &m.table, dt, m.params, m.grads);
     fl_schedule sched = {FL_SCHED_COSINE, 3e-3f, 20, STEPS, 0.1f};
