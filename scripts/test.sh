@@ -13,6 +13,7 @@ builds=("${1:-release}")
 for b in "${builds[@]}"; do
     bash scripts/build.sh "$b"
     dir=build; [[ $b == sanitize ]] && dir=build-san
+    FITLM=$dir/fitlm bash scripts/tokenize.sh # the data some tests train on
     echo "== tests: $b build =="
     # halt_on_error: a sanitizer report fails the test instead of scrolling by.
     ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \

@@ -1,12 +1,17 @@
 // test_cli.c: the fitlm command as a user meets it: --help, config files,
 // flags overriding them, and clear errors with a non-zero exit on bad input.
 // Runs the built binary (FITLM_BINARY, set by CTest) in a scratch directory.
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "fitlm/io.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_test_cli_XXXXXX";
@@ -90,7 +95,7 @@ static void test_bad_flags(void) {
     fails_with("train --precision bf16 --hysteresis 3", "fp16.hysteresis applies to fp16");
     fails_with("train --precision fp8", "must be one of fp32|bf16|fp16");
     fails_with("train --mem-limit lots", "expected a size such as 8G");
-    fails_with("sample --checkpoint nowhere", "cannot open checkpoint nowhere/model.ckpt");
+    fails_with("sample --checkpoint nowhere", "nowhere");
 }
 
 static void test_bad_config_files(void) {
@@ -120,30 +125,42 @@ static void test_bad_config_files(void) {
 }
 
 static void test_bad_data(void) {
-    fails_with("train --data none.txt", "cannot open data file none.txt");
+    fails_with("train --data none", "no train token shards at none");
+    fails_with("tokenize missing.txt -o x --tokenizer byte", "cannot open data file missing.txt");
+    fails_with("tokenize --tokenizer byte", "no input files");
     write_text("empty.txt", "");
-    fails_with("train --data empty.txt --val-data ''", "data file empty.txt is empty");
+    fails_with("tokenize empty.txt -o x --tokenizer byte", "data file empty.txt is empty");
     write_file("latin1.txt", "caf\xe9 au lait", 12);
-    fails_with("train --data latin1.txt --val-data ''",
+    fails_with("tokenize latin1.txt -o x --tokenizer byte",
                "latin1.txt is not valid UTF-8: bad byte 0xe9 at offset 3");
-    write_text("short.txt", "hi");
-    fails_with("train --data short.txt --val-data '' --seq-len 16 --steps 1 --out ''",
-               "shorter than one sequence");
+    write_text("short.txt", "hi\n\nthere\n");
+    t_check(fitlm("tokenize short.txt -o short --tokenizer byte --val-fraction 0") == 0,
+            "a short text tokenizes: %.300s", output);
+    fails_with("train --data short --tokenizer byte --seq-len 16 --steps 1 --out ''",
+               "too few for 1 rank");
+    fails_with("train --data short --seq-len 2 --steps 1 --out ''",
+               "was tokenized with 'byte', but the tokenizer is 'gpt2'");
+    write_text("notashard.bin", "this is not a shard, though long enough to have a header...");
+    fails_with("train --data notashard.bin --tokenizer byte", "notashard.bin is not a fitlm token shard");
 }
 
 static void test_config_then_flags(void) {
-    char text[4096];
+    char text[8192];
     size_t n = 0;
-    for (int i = 0; i < 60; i++)
-        n += (size_t)snprintf(text + n, sizeof text - n, "line %d of a small text.\n", i);
+    for (int i = 0; i < 120; i++) // documents of three lines, blank lines between
+        n += (size_t)snprintf(text + n, sizeof text - n, "%sline %d of a small text.\n",
+                              i % 3 == 0 && i ? "\n" : "", i);
     write_text("small.txt", text);
+    int rc = fitlm("tokenize small.txt -o small --tokenizer byte --val-fraction 0.2");
+    t_check(rc == 0 && strstr(output, "train: 32 documents") && strstr(output, "val: 8 documents"),
+            "tokenize splits 40 documents 32/8: %.400s", output);
     write_text("run.json", "{\"train_micro_batch_size_per_gpu\": 2, \"seq_len\": 16,"
                            " \"train_steps\": 2, \"optimizer\": {\"type\": \"AdamW\","
                            " \"params\": {\"lr\": 0.5, \"betas\": [0.8, 0.9]}},"
-                           " \"model\": {\"preset\": \"tiny\"}, \"data\": \"small.txt\","
-                           " \"val_data\": \"small.txt\", \"out_dir\": \"\","
+                           " \"model\": {\"preset\": \"tiny\"}, \"data\": \"small\","
+                           " \"tokenizer\": \"byte\", \"out_dir\": \"\","
                            " \"sample_tokens\": 5, \"eval_iters\": 2}");
-    int rc = fitlm("train --lr 0.25 --config run.json --threads 1");
+    rc = fitlm("train --lr 0.25 --config run.json --threads 1");
     t_check(rc == 0, "a run from a config file succeeds (status %d): %.300s", rc, output);
     t_check(strstr(output, "adamw lr 0.25") != NULL, "the flag overrides the file's lr: %.300s",
             output);
@@ -192,6 +209,135 @@ static void test_same_seed_same_losses(void) {
             first, second);
 }
 
+// Every tensor of the two directories' newest checkpoints, bit for bit.
+static int fl_ckpts_equal(const char *a, const char *b) {
+    fl_gpt2 ma, mb;
+    char tok[32];
+    fl_ckpt_load_model(a, &ma, FL_F32, tok, sizeof tok);
+    fl_ckpt_load_model(b, &mb, FL_F32, tok, sizeof tok);
+    size_t n = ma.table.numel;
+    int same = n == mb.table.numel && !memcmp(ma.params, mb.params, n * sizeof(float));
+    fl_ckpt *x = fl_ckpt_open(a), *y = fl_ckpt_open(b);
+    float *bx = malloc(n * sizeof(float)), *by = malloc(n * sizeof(float));
+    const char *state[] = {"adamw.m", "adamw.v"};
+    for (int i = 0; i < 2 && same; i++) {
+        fl_ckpt_read(x, state[i], FL_F32, bx, n);
+        fl_ckpt_read(y, state[i], FL_F32, by, n);
+        same &= !memcmp(bx, by, n * sizeof(float));
+    }
+    same &= fl_ckpt_step(x) == fl_ckpt_step(y);
+    free(bx);
+    free(by);
+    fl_ckpt_close(x);
+    fl_ckpt_close(y);
+    fl_gpt2_free(&ma);
+    fl_gpt2_free(&mb);
+    return same;
+}
+
+static void read_file(const char *name, char *out, size_t size) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "rb");
+    size_t n = f ? fread(out, 1, size - 1, f) : 0;
+    out[n] = 0;
+    if (f) fclose(f);
+}
+
+// Lines of a step log from step `from` on.
+static const char *log_from(const char *log, int from) {
+    char key[32];
+    snprintf(key, sizeof key, "step %d ", from);
+    const char *p = strstr(log, key);
+    return p ? p : "";
+}
+
+// N steps, save, resume, M more steps == N+M uninterrupted steps, bit for bit:
+// the logged losses and every tensor of the final checkpoint.
+static void test_resume_is_bitwise(void) {
+    const char *common = "train --config run.json --steps 6 --eval-every 0 --sample-tokens 0 "
+                         "--threads 2 --seed 11 --lr 0.01";
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s --out whole", common);
+    int rc1 = fitlm(cmd);
+    snprintf(cmd, sizeof cmd, "%s --out parts --save-every 3 --keep-checkpoints 0", common);
+    int rc2 = fitlm(cmd);
+    int rc3 = fitlm("train --resume parts/ckpt_00000003.fitlm --out resumed --threads 2");
+    t_check(rc1 == 0 && rc2 == 0 && rc3 == 0 && strstr(output, "resumed from step 3"),
+            "train, train with saves, resume (status %d %d %d): %.400s", rc1, rc2, rc3, output);
+    static char whole[8192], resumed[8192];
+    read_file("whole/log.txt", whole, sizeof whole);
+    read_file("resumed/log.txt", resumed, sizeof resumed);
+    t_check(*log_from(whole, 4) && !strcmp(log_from(whole, 4), resumed),
+            "steps 4-6 after a resume log the same losses, bit for bit:\n%s---\n%s",
+            log_from(whole, 4), resumed);
+    char a[600], b[600];
+    snprintf(a, sizeof a, "%s/whole", dir);
+    snprintf(b, sizeof b, "%s/resumed", dir);
+    t_check(fl_ckpts_equal(a, b), "the final weights and AdamW state are bit for bit the same");
+    fails_with("train --resume parts/ckpt_00000003.fitlm --out r2 --n-layer 3",
+               "model.n_layer 3 contradicts parts/ckpt_00000003.fitlm");
+    fails_with("train --resume parts/ckpt_00000003.fitlm --out r2 --precision bf16",
+               "was trained in fp32; this run is bf16");
+    fails_with("train --resume nothing-here", "cannot open checkpoint nothing-here");
+}
+
+// SIGKILL at random moments of a run that saves every step: the newest
+// complete checkpoint always loads, and the run resumes from it.
+static void test_kill_while_saving(void) {
+    const char *bin = getenv("FITLM_BINARY");
+    char out[600];
+    snprintf(out, sizeof out, "%s/killed", dir);
+    srand(12345);
+    int loads = 0, tmp_seen = 0, kills = 30, last_step = 0, monotonic = 1;
+    for (int i = 0; i < kills; i++) {
+        char latest[700];
+        snprintf(latest, sizeof latest, "%s/latest", out);
+        int resume = access(latest, F_OK) == 0;
+        pid_t pid = fork();
+        if (pid == 0) {
+            if (chdir(dir) != 0) _exit(2);
+            int null = open("/dev/null", O_WRONLY);
+            dup2(null, 1);
+            dup2(null, 2);
+            if (resume)
+                execl(bin, bin, "train", "--resume", "killed", "--threads", "1", (char *)NULL);
+            else
+                execl(bin, bin, "train", "--config", "run.json", "--steps", "1000000",
+                      "--save-every", "1", "--out", "killed", "--eval-every", "0",
+                      "--sample-tokens", "0", "--threads", "1", "--lr", "0.001", (char *)NULL);
+            _exit(3);
+        }
+        struct timespec ts = {0, (long)(50 + rand() % 400) * 1000000L};
+        nanosleep(&ts, NULL);
+        kill(pid, SIGKILL);
+        int status;
+        waitpid(pid, &status, 0);
+        DIR *d = opendir(out);
+        for (struct dirent *e; d && (e = readdir(d));)
+            tmp_seen += strstr(e->d_name, ".tmp") != NULL;
+        if (d) closedir(d);
+        if (access(latest, F_OK) != 0) continue;
+        fl_ckpt *ck = fl_ckpt_open(out); // dies (failing the test) if damaged
+        int step = fl_ckpt_step(ck);
+        fl_ckpt_close(ck);
+        char tok[32];
+        fl_gpt2 m;
+        fl_ckpt_load_model(out, &m, FL_F32, tok, sizeof tok); // reads and checks every CRC
+        fl_gpt2_free(&m);
+        monotonic &= step >= last_step;
+        last_step = step;
+        loads++;
+    }
+    printf("  %d kills: the latest checkpoint loaded %d times (last at step %d); a killed "
+           "writer's temporary file was found %d times\n",
+           kills, loads, last_step, tmp_seen);
+    t_check(loads >= kills - 3 && last_step > 10,
+            "the newest complete checkpoint loads after every kill (%d of %d)", loads, kills);
+    t_check(monotonic, "resumed runs continue from the newest checkpoint, never going back");
+    t_check(tmp_seen > 0, "some kills landed while a checkpoint was being written (%d)", tmp_seen);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_help_lists_every_option_with_default();
@@ -200,6 +346,8 @@ int main(void) {
     test_bad_data();
     test_config_then_flags();
     test_same_seed_same_losses();
+    test_resume_is_bitwise();
+    test_kill_while_saving();
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;

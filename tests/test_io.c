@@ -1,5 +1,8 @@
-// test_io.c: text data and checkpoints: round trips are exact, and damaged
-// or malformed files are refused with a message naming the file.
+// test_io.c: text files and checkpoints: round trips are exact, damaged or
+// malformed files are refused with a message naming the file, a parser fed
+// thousands of mutated checkpoints never crashes, and old checkpoints are
+// pruned only after the new one is in place.
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,23 +43,6 @@ static void test_text(void) {
     fl_text t;
     fl_text_load(&t, path);
     t_check(t.n == strlen(s) && memcmp(t.bytes, s, t.n) == 0, "text loads byte for byte");
-    int in[2 * 4], tg[2 * 4];
-    fl_rng rng;
-    fl_rng_seed(&rng, 7);
-    fl_text_random_batch(&t, &rng, in, tg, 2, 4);
-    int shifted = 1;
-    for (int b = 0; b < 2; b++)
-        for (int i = 0; i < 3; i++) shifted &= tg[b * 4 + i] == in[b * 4 + i + 1];
-    t_check(shifted, "targets are the inputs shifted by one");
-    int e1[2 * 4], e2[2 * 4], et[2 * 4];
-    fl_text_eval_batch(&t, 1, 3, e1, et, 2, 4);
-    fl_text_eval_batch(&t, 1, 3, e2, et, 2, 4);
-    t_check(memcmp(e1, e2, sizeof e1) == 0, "evaluation batches are fixed");
-    fl_text_eval_batch(&t, 2, 3, e1, et, 2, 4);
-    t_check(e1[4] == (unsigned char)s[t.n - 5] && et[7] == '\n',
-            "the last evaluation window ends at the end of the text");
-    double h = fl_text_unigram_xent(&t, &t);
-    t_check(h > 2.0 && h < 5.6, "unigram cross-entropy is plausible (%g nats)", h);
     fl_text_free(&t);
 
     const struct {
@@ -75,79 +61,147 @@ static void test_text(void) {
     }
 }
 
-static void load_ckpt(void *ckpt_dir) {
+static void load_ckpt(void *path) {
     fl_gpt2 m;
     char tok[32];
-    int step;
-    fl_ckpt_load(ckpt_dir, &m, FL_F32, tok, sizeof tok, &step);
+    fl_ckpt_load_model(path, &m, FL_F32, tok, sizeof tok);
+}
+
+static const fl_gpt2_config tiny = {
+    .max_seq_len = 16, .vocab_size = 70, .n_layer = 2, .n_head = 2, .n_embd = 8};
+
+static int count_files(const char *d, const char *prefix) {
+    DIR *dd = opendir(d);
+    int n = 0;
+    for (struct dirent *e; dd && (e = readdir(dd));) n += !strncmp(e->d_name, prefix, strlen(prefix));
+    if (dd) closedir(dd);
+    return n;
 }
 
 static void test_checkpoint(void) {
-    fl_gpt2_config cfg = {
-        .max_seq_len = 16, .vocab_size = 70, .n_layer = 2, .n_head = 2, .n_embd = 8};
     fl_gpt2 a, b;
-    fl_gpt2_init(&a, &cfg, FL_F32, 3);
+    fl_gpt2_init(&a, &tiny, FL_F32, 3);
     char ck[512], file[600];
     snprintf(ck, sizeof ck, "%s/ck", dir);
-    fl_ckpt_save(ck, &a, a.params, "byte", 42);
+    fl_train_ckpt_save(ck, 42, &a, NULL, NULL, "byte", NULL, 2);
     char tok[32];
-    int step = 0;
-    fl_ckpt_load(ck, &b, FL_F32, tok, sizeof tok, &step);
-    t_check(step == 42 && !strcmp(tok, "byte"), "step and tokenizer round-trip");
+    fl_ckpt_load_model(ck, &b, FL_F32, tok, sizeof tok);
+    t_check(!strcmp(tok, "byte"), "the tokenizer name round-trips");
     t_check(b.table.numel == a.table.numel && b.config.n_layer == 2 && b.config.n_embd == 8 &&
                 b.config.vocab_size == 70 && b.config.padded_vocab_size == 128,
             "the model shape round-trips");
     t_check(memcmp(a.params, b.params, a.table.numel * sizeof(float)) == 0,
             "weights round-trip bit for bit");
     fl_gpt2_free(&b);
-    fl_gpt2_free(&a);
+    fl_ckpt *c = fl_ckpt_open(ck);
+    t_check(fl_ckpt_step(c) == 42 && strstr(fl_ckpt_path(c), "ckpt_00000042.fitlm") &&
+                fl_ckpt_has(c, "weights") && !fl_ckpt_has(c, "adamw.m"),
+            "latest names step 42's file: %s", fl_ckpt_path(c));
+    fl_ckpt_close(c);
 
-    snprintf(file, sizeof file, "%s/model.ckpt", ck);
+    // bf16: the fp32 weights are rounded on load
+    fl_gpt2_init(&b, &tiny, FL_BF16, 0);
+    fl_gpt2 r;
+    fl_ckpt_load_model(ck, &r, FL_BF16, tok, sizeof tok);
+    uint16_t *want = malloc(a.table.numel * 2);
+    fl_convert(FL_BF16, want, FL_F32, a.params, a.table.numel);
+    t_check(memcmp(want, r.params, a.table.numel * 2) == 0, "a bf16 load rounds the fp32 weights");
+    free(want);
+    fl_gpt2_free(&r);
+    fl_gpt2_free(&b);
+
+    snprintf(file, sizeof file, "%s/ckpt_00000042.fitlm", ck);
     unsigned char *good;
     size_t n = read_bytes(file, &good);
     unsigned char *bad = malloc(n);
+    char err[256];
+    t_check(fl_ckpt_parse(good, n, err, sizeof err) == 0, "the parser accepts a good file");
     // every damaged copy is refused, never loaded and never a crash
-    memcpy(bad, good, n);
-    bad[n / 2] ^= 0x10;
-    write_bytes(file, bad, n);
-    t_dies("flipped data byte", load_ckpt, ck, "CRC-32 mismatch");
-    memcpy(bad, good, n);
-    bad[30] ^= 0x01; // inside the JSON header
-    write_bytes(file, bad, n);
-    t_dies("flipped header byte", load_ckpt, ck, "model.ckpt");
-    write_bytes(file, good, n - 7);
-    t_dies("truncated", load_ckpt, ck, "truncated or corrupt");
-    write_bytes(file, good, 10);
-    t_dies("truncated to 10 bytes", load_ckpt, ck, "is truncated");
-    memcpy(bad, good, n);
-    bad[0] = 'X';
-    write_bytes(file, bad, n);
-    t_dies("bad magic", load_ckpt, ck, "not a fitlm checkpoint");
-    memcpy(bad, good, n);
-    bad[8] = 9;
-    write_bytes(file, bad, n);
-    t_dies("future version", load_ckpt, ck, "format version 9");
-    memcpy(bad, good, n);
-    bad[16] ^= 0x04; // data length
-    write_bytes(file, bad, n);
-    t_dies("wrong data length", load_ckpt, ck, "truncated or corrupt");
-    t_dies("missing", load_ckpt, "/nonexistent", "cannot open checkpoint /nonexistent/model.ckpt");
+    const struct {
+        const char *name;
+        size_t offset;
+        unsigned char xor;
+        size_t len;
+        const char *expect;
+    } cases[] = {
+        {"flipped data byte", n - 100, 0x10, 0, "tensor 'weights' is corrupt (CRC-32 mismatch"},
+        {"flipped header byte", 40, 0x01, 0, "the header is corrupt (CRC-32 mismatch)"},
+        {"truncated", 0, 0, n - 7, "truncated or corrupt"},
+        {"truncated to 10 bytes", 0, 0, 10, "truncated: 10 bytes"},
+        {"bad magic", 0, 'X' ^ 'F', 0, "not a fitlm checkpoint"},
+        {"future version", 8, 2 ^ 9, 0, "format version 9"},
+        {"wrong data length", 16, 0x04, 0, "truncated or corrupt"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        memcpy(bad, good, n);
+        bad[cases[i].offset] ^= cases[i].xor;
+        write_bytes(file, bad, cases[i].len ? cases[i].len : n);
+        t_dies(cases[i].name, load_ckpt, ck, cases[i].expect);
+        t_check(fl_ckpt_parse(bad, cases[i].len ? cases[i].len : n, err, sizeof err) != 0 &&
+                    strstr(err, cases[i].expect) != NULL,
+                "the parser refuses it too: %s", err);
+    }
+    t_dies("missing", load_ckpt, "/nonexistent", "cannot open checkpoint /nonexistent");
+    snprintf(file, sizeof file, "%s/latest", ck);
+    write_bytes(file, "garbage\n", 8);
+    t_dies("latest names no checkpoint", load_ckpt, ck, "does not name a checkpoint file");
 
-    // A save over an existing checkpoint leaves no temporary file behind.
-    write_bytes(file, good, n);
-    fl_gpt2_init(&a, &cfg, FL_F32, 4);
-    fl_ckpt_save(ck, &a, a.params, "byte", 43);
-    fl_gpt2_free(&a);
-    snprintf(file, sizeof file, "%s/model.ckpt.tmp", ck);
-    t_check(access(file, F_OK) != 0, "no temporary file is left after a save");
+    // Mutations of a good file: the parser returns ok or an error, never
+    // crashes (the sanitizer build catches out-of-bounds reads).
+    int refused = 0;
+    for (int i = 0; i < 3000; i++) {
+        uint64_t seed = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1);
+        size_t len = n;
+        memcpy(bad, good, n);
+        int edits = 1 + (int)(seed % 4);
+        for (int e = 0; e < edits; e++) {
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            size_t span = i % 2 ? 200 : len; // often inside the header
+            size_t at = span ? (size_t)(seed >> 33) % span : 0;
+            switch ((seed >> 20) % 4) {
+            case 0: bad[at] ^= (unsigned char)(1u << ((seed >> 8) % 8)); break;
+            case 1: bad[at] = (unsigned char)"\0\xff" "9\"{}[],:"[(seed >> 12) % 10]; break;
+            case 2: len = at < len ? at : len; break;
+            default: bad[at] = (unsigned char)(seed >> 40);
+            }
+        }
+        refused += fl_ckpt_parse(bad, len, err, sizeof err) != 0;
+    }
+    t_check(refused > 2900, "3000 mutated checkpoints parse without a crash (%d refused)", refused);
     free(bad);
     free(good);
+    fl_gpt2_free(&a);
+}
+
+// keep: only the newest checkpoints stay, and leftovers of a killed writer go.
+static void test_pruning(void) {
+    fl_gpt2 a;
+    fl_gpt2_init(&a, &tiny, FL_F32, 3);
+    char ck[512], tmp[600];
+    snprintf(ck, sizeof ck, "%s/prune", dir);
+    for (int step = 1; step <= 5; step++) {
+        if (step == 3) { // as if a writer had been killed mid-file
+            snprintf(tmp, sizeof tmp, "%s/ckpt_00000099.fitlm.tmp", ck);
+            write_bytes(tmp, "partial", 7);
+        }
+        fl_train_ckpt_save(ck, step, &a, NULL, NULL, "byte", NULL, 2);
+    }
+    t_check(count_files(ck, "ckpt_") == 2, "keep 2: two checkpoint files remain");
+    snprintf(tmp, sizeof tmp, "%s/ckpt_00000004.fitlm", ck);
+    t_check(access(tmp, F_OK) == 0, "the previous checkpoint is kept");
+    fl_ckpt *c = fl_ckpt_open(ck);
+    t_check(fl_ckpt_step(c) == 5, "latest is the newest");
+    fl_ckpt_close(c);
+    fl_train_ckpt_save(ck, 6, &a, NULL, NULL, "byte", NULL, 0);
+    t_check(count_files(ck, "ckpt_") == 3, "keep 0 keeps every checkpoint");
+    fl_gpt2_free(&a);
 }
 
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_text();
     test_checkpoint();
+    test_pruning();
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) return 1;

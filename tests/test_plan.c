@@ -232,10 +232,11 @@ typedef struct {
 
 static char scratch[] = "/tmp/fitlm_test_plan_XXXXXX";
 
-static void write_text(const char *path, size_t n) {
-    FILE *f = fopen(path, "wb");
-    for (size_t i = 0; i < n; i++) fputc("the quick brown fox jumps over a lazy dog\n"[i % 42], f);
-    fclose(f);
+static void write_shard(const char *path, size_t n) {
+    int32_t *tokens = malloc(n * sizeof(int32_t));
+    for (size_t i = 0; i < n; i++) tokens[i] = "the quick brown fox jumps over a lazy dog\n"[i % 42];
+    fl_shard_write(path, "byte", 257, tokens, n, n);
+    free(tokens);
 }
 
 // In a fresh child: does what `fitlm train` does (texts, model, activations,
@@ -253,13 +254,10 @@ static int measure(const run_case *c) {
     r.threads = fl_threads();
     r.sample_tokens = sample_tokens;
 
-    char train_path[128], val_path[128];
-    snprintf(train_path, sizeof train_path, "%s/train.txt", scratch);
-    snprintf(val_path, sizeof val_path, "%s/val.txt", scratch);
-    fl_text train, val;
-    fl_text_load(&train, train_path);
-    fl_text_load(&val, val_path);
-    r.data_bytes = train.n + val.n;
+    fl_loader train, val;
+    fl_loader_open(&train, scratch, "train", T, 7, 1, 0, 1);
+    fl_loader_open(&val, scratch, "val", T, 0, 0, 0, 1);
+    r.data_bytes = fl_mem_current(FL_MEM_OTHER); // what the loaders keep: their shard tables
     fl_gpt2 model;
     fl_gpt2_init(&model, &r.model, c->dt, 1337);
     fl_gpt2_alloc_acts(&model, B, T);
@@ -270,7 +268,7 @@ static int measure(const run_case *c) {
     fl_rng rng;
     fl_rng_seed(&rng, 7);
     for (int micro = 0; micro < c->o.grad_accum; micro++) {
-        fl_text_random_batch(&train, &rng, inputs, targets, B, T);
+        fl_loader_next(&train, inputs, targets, B);
         fl_optimizer_zero_grad(&opt);
         fl_gpt2_forward(&model, inputs, targets, B, T);
         fl_gpt2_backward(&model, fl_optimizer_loss_scale(&opt));
@@ -310,10 +308,10 @@ static void test_prediction_matches_measurement(void) {
         return;
     }
     char path[128];
-    snprintf(path, sizeof path, "%s/train.txt", scratch);
-    write_text(path, 20000);
-    snprintf(path, sizeof path, "%s/val.txt", scratch);
-    write_text(path, 3000);
+    snprintf(path, sizeof path, "%s/train_000000.bin", scratch);
+    write_shard(path, 20000);
+    snprintf(path, sizeof path, "%s/val_000000.bin", scratch);
+    write_shard(path, 3000);
     const run_case cases[] = {
         {"fp32 AdamW", FL_F32, adamw_config(1)},
         {"bf16 AdamW, grad accum 2", FL_BF16, adamw_config(2)},
@@ -332,9 +330,9 @@ static void test_prediction_matches_measurement(void) {
                 "%s: predicted bytes per tag within 3%% of the measured peaks (status %d)",
                 cases[i].name, status);
     }
-    snprintf(path, sizeof path, "%s/train.txt", scratch);
+    snprintf(path, sizeof path, "%s/train_000000.bin", scratch);
     remove(path);
-    snprintf(path, sizeof path, "%s/val.txt", scratch);
+    snprintf(path, sizeof path, "%s/val_000000.bin", scratch);
     remove(path);
     rmdir(scratch);
 }

@@ -8,14 +8,14 @@
 #include <string.h>
 
 #include "fitlm/config.h"
-#include "fitlm/io.h"
+#include "fitlm/data.h"
 #include "fitlm/optim.h"
 #include "testlib.h"
 
 enum { B = 8, T = 64, STEPS = 250, EVAL_BATCHES = 8 };
 
 static const fl_gpt2_config shape = {
-    .max_seq_len = T, .vocab_size = 256, .n_layer = 2, .n_head = 4, .n_embd = 64};
+    .max_seq_len = T, .vocab_size = 257, .n_layer = 2, .n_head = 4, .n_embd = 64};
 
 typedef struct {
     float first_loss, val_loss;
@@ -23,7 +23,7 @@ typedef struct {
     int skipped;
 } run_result;
 
-static run_result train(fl_dtype dt, const fl_text *train_text, const fl_text *val_text) {
+static run_result train(fl_dtype dt, const char *data) {
     fl_gpt2 m;
     fl_gpt2_init(&m, &shape, dt, 1);
     fl_gpt2_alloc_acts(&m, B, T);
@@ -35,13 +35,14 @@ static run_result train(fl_dtype dt, const fl_text *train_text, const fl_text *v
     fl_optimizer o;
     fl_optimizer_init(&o, &cfg, &m.table, dt, m.params, m.grads);
     fl_schedule sched = {FL_SCHED_COSINE, 3e-3f, 20, STEPS, 0.1f};
-    fl_rng rng;
-    fl_rng_seed(&rng, 7);
+    fl_loader tr, va;
+    fl_loader_open(&tr, data, "train", T, 7, 1, 0, 1);
+    fl_loader_open(&va, data, "val", T, 0, 0, 0, 1);
     int in[B * T], tg[B * T];
     run_result r = {0};
     for (int s = 0; s < STEPS; s++) {
         for (int micro = 0; micro < cfg.grad_accum; micro++) {
-            fl_text_random_batch(train_text, &rng, in, tg, B, T);
+            fl_loader_next(&tr, in, tg, B);
             fl_optimizer_zero_grad(&o);
             float loss = fl_gpt2_forward(&m, in, tg, B, T);
             if (s == 0 && micro == 0) r.first_loss = loss;
@@ -52,25 +53,24 @@ static run_result train(fl_dtype dt, const fl_text *train_text, const fl_text *v
     }
     double sum = 0;
     for (int i = 0; i < EVAL_BATCHES; i++) {
-        fl_text_eval_batch(val_text, i, EVAL_BATCHES, in, tg, B, T);
+        fl_loader_eval_batch(&va, i, EVAL_BATCHES, in, tg, B);
         sum += fl_gpt2_forward(&m, in, tg, B, T);
     }
     r.val_loss = (float)(sum / EVAL_BATCHES);
     r.final_scale = o.scaler.scale;
     fl_optimizer_free(&o);
     fl_gpt2_free(&m);
+    fl_loader_close(&tr);
+    fl_loader_close(&va);
     return r;
 }
 
 int main(void) {
-    fl_text tr, va;
-    char train_path[4096];
-    snprintf(train_path, sizeof train_path, "%s", t_source_path("data/brown_train.txt"));
-    fl_text_load(&tr, train_path); // made by scripts/setup.sh, which the test script runs first
-    fl_text_load(&va, t_source_path("data/brown_val.txt"));
-
-    run_result f32 = train(FL_F32, &tr, &va), bf16 = train(FL_BF16, &tr, &va),
-               f16 = train(FL_F16, &tr, &va);
+    // byte-token shards of the Brown corpus, made by scripts/tokenize.sh,
+    // which the test script runs first
+    char data[4096];
+    snprintf(data, sizeof data, "%s", t_source_path("data/brown_byte"));
+    run_result f32 = train(FL_F32, data), bf16 = train(FL_BF16, data), f16 = train(FL_F16, data);
     printf("  fp32: loss %.4f -> val %.4f\n", f32.first_loss, f32.val_loss);
     printf("  bf16: loss %.4f -> val %.4f (%+.2f%%)\n", bf16.first_loss, bf16.val_loss,
            100.0 * (bf16.val_loss - f32.val_loss) / f32.val_loss);
@@ -91,7 +91,5 @@ int main(void) {
     // 2^16 with a 50-step window over 250 clean steps would reach 2^21; any
     // movement shows the scaler is live (an early overflow may halve it first)
     t_check(f16.final_scale != 65536.0f, "the fp16 loss scale moved (%g)", f16.final_scale);
-    fl_text_free(&tr);
-    fl_text_free(&va);
     return t_report();
 }

@@ -20,10 +20,12 @@ typedef struct {
     // model
     char model_preset[FL_NAME_MAX]; // demo | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
     fl_gpt2_config model;           // fields left 0 come from the preset
-    char tokenizer[FL_NAME_MAX];    // byte
-    // data
-    char data[FL_PATH_MAX];     // training text
-    char val_data[FL_PATH_MAX]; // validation text
+    char tokenizer[FL_NAME_MAX];      // gpt2 | byte
+    char tokenizer_path[FL_PATH_MAX]; // gpt2: encoder.json and vocab.bpe
+    char init_from[FL_PATH_MAX];      // pretrained weights, or ""
+    // data: token shards
+    char data[FL_PATH_MAX];
+    char val_data[FL_PATH_MAX];
     // batch
     int micro_batch;      // train_micro_batch_size_per_gpu
     int grad_accum;       // gradient_accumulation_steps
@@ -48,6 +50,8 @@ typedef struct {
     // evaluation, output, run
     int eval_interval, eval_iters;
     char out_dir[FL_PATH_MAX];
+    int save_every, keep_checkpoints;
+    char resume[FL_PATH_MAX];
     int sample_tokens;
     uint64_t seed;
     int threads;
@@ -64,6 +68,14 @@ void fl_config_load_json(fl_train_config *cfg, const char *path);
 // Parses argv (after the subcommand) over the current values. "--config
 // FILE" is applied first wherever it appears, so flags always override it.
 void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv);
+// Reads JSON config text (as fl_config_load_json; `where` names it in errors).
+void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, const char *where);
+// The options set by a file or a flag (not defaulted), as a JSON config that
+// fl_config_load_json_text reads back into the same run; fl_free the result.
+char *fl_config_to_json(const fl_train_config *cfg);
+// Takes the model shape of pretrained weights or a checkpoint (`source`);
+// a model.* option that contradicts it is an error.
+void fl_config_set_shape(fl_train_config *cfg, const fl_gpt2_config *shape, const char *source);
 // Cross-field checks and derived values (model preset, batch sizes).
 void fl_config_finish(fl_train_config *cfg);
 void fl_config_print_help(FILE *out);

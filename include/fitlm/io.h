@@ -1,7 +1,7 @@
-// io.h: reading data and writing/reading checkpoints. Every reader checks
-// what it reads and fails with a message naming the file and what is wrong;
-// every writer goes through a temporary file and a rename, so a crash never
-// leaves a half-written file where a good one was.
+// io.h: files. Every reader checks what it reads and fails with a message
+// naming the file and what is wrong; every writer goes through a temporary
+// file and a rename, so a crash never leaves a half-written file where a good
+// one was.
 #ifndef FITLM_IO_H
 #define FITLM_IO_H
 
@@ -9,10 +9,35 @@
 #include <stdint.h>
 
 #include "fitlm/core.h"
+#include "fitlm/data.h"
+#include "fitlm/dtype.h"
 #include "fitlm/model.h"
+#include "fitlm/optim.h"
+
+uint32_t fl_crc32(uint32_t crc, const void *data, size_t n);
 
 // ----------------------------------------------------------------------------
-// text data, tokenized by the byte tokenizer (token = byte value, vocab 256)
+// crash-safe writing: begin (PATH.tmp), write..., commit (fsync, rename over
+// PATH, fsync the directory). An error removes the temporary file and dies.
+
+#define FL_FILE_PATH_MAX 4096
+
+typedef struct {
+    int fd;
+    char path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX];
+    uint32_t crc; // CRC-32 of everything written so far
+    uint64_t bytes;
+} fl_file;
+
+void fl_file_begin(fl_file *f, const char *path);
+void fl_file_write(fl_file *f, const void *data, size_t n);
+void fl_file_commit(fl_file *f);
+void fl_fsync_dir_of(const char *path);
+// The whole file, NUL-terminated (tag other); dies naming `what` and the path.
+uint8_t *fl_file_read_all(const char *path, size_t max_bytes, size_t *size, const char *what);
+
+// ----------------------------------------------------------------------------
+// text: the input of `fitlm tokenize`
 
 typedef struct {
     uint8_t *bytes;
@@ -23,30 +48,93 @@ typedef struct {
 // the file and the byte offset.
 void fl_text_load(fl_text *text, const char *path);
 void fl_text_free(fl_text *text);
-// B windows of T+1 tokens at offsets drawn from rng: inputs (B,T), targets
-// (B,T) shifted by one.
-void fl_text_random_batch(const fl_text *text, fl_rng *rng, int *inputs, int *targets, int B,
-                          int T);
-// Batch `index` of `count` evaluation batches: B*count windows spread evenly
-// over the whole text, the same every time.
-void fl_text_eval_batch(const fl_text *text, int index, int count, int *inputs, int *targets, int B,
-                        int T);
-// Cross-entropy (nats/byte) of `eval` under the byte-unigram distribution of
-// `train` (add-one smoothed): the baseline a language model must beat.
-double fl_text_unigram_xent(const fl_text *train, const fl_text *eval);
 
 // ----------------------------------------------------------------------------
-// checkpoints: DIR/model.ckpt holds the model shape, the tokenizer name, the
-// step and the fp32 weights, with a CRC-32 over everything.
+// checkpoints. DIR/ckpt_<step>.fitlm holds a JSON header (the caller's
+// metadata plus a table of tensors) and the tensors, each with a CRC-32, and
+// a CRC-32 over the header; DIR/latest names the newest complete one. A new
+// checkpoint is written and made durable before `latest` moves to it, and
+// older ones are deleted only after that, so a crash at any moment leaves a
+// loadable checkpoint behind.
+//
+// File layout, little-endian:
+//   bytes 0-7    magic "FITLMCKP"
+//   bytes 8-11   uint32 format version (2)
+//   bytes 12-15  uint32 header length H
+//   bytes 16-23  uint64 data length D
+//   bytes 24-27  uint32 CRC-32 of bytes 0-23 and the header
+//   H bytes      JSON: {"meta": {...}, "tensors": [{"name", "dtype",
+//                "shape": [n], "offset", "crc32"}, ...]}
+//   D bytes      the tensors, back to back, offsets relative to here
 
-// weights: the model's fp32 weights (the master copy under mixed precision),
-// table.numel floats.
-void fl_ckpt_save(const char *dir, const fl_gpt2 *model, const float *weights,
-                  const char *tokenizer, int step);
-// Initialises *model from the checkpoint (shape, and the weights rounded to dt).
-void fl_ckpt_load(const char *dir, fl_gpt2 *model, fl_dtype dt, char *tokenizer,
-                  size_t tokenizer_size, int *step);
+typedef struct {
+    const char *name;
+    fl_dtype dtype;
+    const void *data;
+    size_t numel;
+} fl_ckpt_tensor;
 
-uint32_t fl_crc32(uint32_t crc, const void *data, size_t n);
+// meta_json: a JSON object (text) of the caller's state. keep > 0 deletes all
+// but the `keep` newest checkpoints once the new one is in place.
+void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ckpt_tensor *tensors,
+                   int n_tensors, int keep);
+
+typedef struct fl_ckpt fl_ckpt;
+
+// Opens DIR's newest checkpoint (through DIR/latest) or a checkpoint file,
+// and checks its header. Dies naming the file on any damage.
+fl_ckpt *fl_ckpt_open(const char *path);
+void fl_ckpt_close(fl_ckpt *ck);
+const char *fl_ckpt_path(const fl_ckpt *ck);
+int fl_ckpt_step(const fl_ckpt *ck);
+// The caller's metadata object as JSON text (valid while ck is open).
+const char *fl_ckpt_meta(const fl_ckpt *ck);
+int fl_ckpt_has(const fl_ckpt *ck, const char *name);
+// Reads tensor `name` (numel elements), converting to dt, and checks its
+// CRC-32. Dies when it is missing, of another size, or damaged.
+void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t numel);
+
+// The header parser on its own, for fuzzing: checks a whole checkpoint file
+// image (prefix, header JSON, tensor table against the data length). Returns
+// 0, or -1 with a message in err.
+int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen);
+
+// ----------------------------------------------------------------------------
+// training checkpoints: everything a bitwise-identical resume needs. Meta:
+// the step, the run's config, the model shape, precision and tokenizer, the
+// optimizer's step count and loss-scaler state, the loader's position and
+// RNG. Tensors: "weights" (fp32: the master copy under mixed precision) and
+// the optimizer state ("adamw.m", "adamw.v" or "sgd.momentum").
+
+void fl_train_ckpt_save(const char *dir, int step, const fl_gpt2 *model, const fl_optimizer *optim,
+                        const fl_loader_state *loader, const char *tokenizer,
+                        const char *config_json, int keep);
+// Initialises *model (shape from the checkpoint, weights rounded to dt) from
+// a checkpoint directory or file; tokenizer receives the tokenizer's name.
+void fl_ckpt_load_model(const char *path, fl_gpt2 *model, fl_dtype dt, char *tokenizer,
+                        size_t tokenizer_size);
+// The model shape an open checkpoint holds.
+void fl_ckpt_model_config(const fl_ckpt *ck, fl_gpt2_config *cfg);
+// The run's config (JSON text, caller frees with fl_free) of an open checkpoint.
+char *fl_train_ckpt_config(const fl_ckpt *ck);
+// Restores weights, optimizer state and loader position into a model and
+// optimizer initialised with the checkpoint's shape and settings; dies if
+// the shape, precision, optimizer or tokenizer differ.
+void fl_train_ckpt_restore(fl_ckpt *ck, fl_gpt2 *model, fl_optimizer *optim,
+                           fl_loader_state *loader, const char *tokenizer);
+
+// ----------------------------------------------------------------------------
+// pretrained weights: a Hugging Face GPT-2 directory (config.json and
+// model.safetensors or a sharded index), an llm.c model file (.bin, version
+// 3 or 5) or a fitlm checkpoint (directory or file), told apart by content.
+
+// True when path is a fitlm checkpoint (a directory with `latest`, or a
+// checkpoint file); the second, only for the directory.
+int fl_is_checkpoint(const char *path);
+int fl_is_checkpoint_dir(const char *path);
+// The model shape, without reading the weights (for planning).
+void fl_pretrained_config(const char *path, fl_gpt2_config *cfg);
+// Initialises *model from the weights, rounded to dt.
+void fl_pretrained_load(const char *path, fl_gpt2 *model, fl_dtype dt);
 
 #endif

@@ -26,7 +26,7 @@ typedef struct {
     fl_optimizer_config optim;
     int B, T;          // micro-batch and sequence length (B = 0: no activations)
     int threads;       // the attention workspace is one slice per thread
-    size_t data_bytes; // training + validation text, loaded whole (FL_MEM_OTHER)
+    size_t data_bytes; // what the data loaders and tokenizer keep (FL_MEM_OTHER), measured
     int sample_tokens; // > 0: the run ends by sampling this many tokens
     // strategies (the engine runs ranks 1, ZeRO stage 0, neither flag)
     int ranks;      // data-parallel ranks (>= 1)
@@ -47,7 +47,7 @@ typedef struct {
 // A request with the engine's defaults: one rank, no ZeRO, no strategies.
 void fl_plan_request_init(fl_plan_request *r);
 // The request a `fitlm train` run with this finished config makes, with
-// data_bytes = the sizes of the training and validation texts.
+// data_bytes = what its data loaders and tokenizer hold (measured after opening them).
 void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg, size_t data_bytes);
 
 // Per-tag bytes per rank. For runnable requests (one rank, ZeRO stage 0, no
@@ -55,7 +55,7 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
 // allocates at its peak per tag:
 //   fl_gpt2_memory(model, dtype, B, T, threads)           params, grads, acts, workspace, other
 //   + fl_optimizer_memory(optim, dtype, num_params)       master, optim, fp32 gradient sum
-//   + data_bytes                                          other (the texts, loaded whole)
+//   + data_bytes                                          other (loaders' tables, tokenizer)
 //   + 2 x B*T*sizeof(int)                                 other (the batch's inputs and targets)
 //   + sample_tokens > 0: vocab_size * (4 + 8)             workspace (logits row, sampler's sort)
 //                        (sample_tokens + 4) * sizeof(int) other (the sampled tokens)

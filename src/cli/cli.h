@@ -5,10 +5,12 @@
 int cmd_train(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+int cmd_export(int argc, char **argv);
 
 // True when argv holds -h or --help.
 int wants_help(int argc, char **argv);
-// Writes a token of the byte tokenizer to stdout as it is generated.
-void print_byte_token(int token, void *ctx);
+// Writes a generated token's bytes to stdout (ctx: the fl_tokenizer).
+void print_token(int token, void *tokenizer);
 
 #endif

@@ -4,14 +4,17 @@
 
 #include "cli.h"
 #include "fitlm/core.h"
+#include "fitlm/tokenizer.h"
 
 static void usage(FILE *out) {
     fprintf(out, "usage: fitlm <command> [options]\n\n"
                  "commands:\n"
                  "  train    train a GPT-2 model; with no options, the demo: a small model on the\n"
                  "           Brown corpus, then a checkpoint in out/ and a text sample\n"
-                 "  sample   generate text from a checkpoint\n"
-                 "  plan     the memory per tag a training run needs, printed before allocating\n\n"
+                 "  sample   generate text from a checkpoint or pretrained weights\n"
+                 "  plan     the memory per tag a training run needs, printed before allocating\n"
+                 "  tokenize text files to token shards (GPT-2 BPE or bytes) for training\n"
+                 "  export   a checkpoint to Hugging Face safetensors + config.json\n\n"
                  "'fitlm <command> --help' lists the command's options and their defaults.\n");
 }
 
@@ -21,9 +24,15 @@ int wants_help(int argc, char **argv) {
     return 0;
 }
 
-void print_byte_token(int token, void *ctx) {
-    (void)ctx;
-    putchar(token);
+void print_token(int token, void *tokenizer) {
+    const fl_tokenizer *tok = tokenizer;
+    if (token == fl_tokenizer_eot(tok)) {
+        fputs("\n<|endoftext|>\n", stdout);
+    } else {
+        size_t len;
+        const uint8_t *bytes = fl_tokenizer_token_bytes(tok, token, &len);
+        fwrite(bytes, 1, len, stdout);
+    }
     fflush(stdout);
 }
 
@@ -40,6 +49,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
     if (!strcmp(cmd, "plan")) return cmd_plan(argc - 2, argv + 2);
+    if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 2, argv + 2);
+    if (!strcmp(cmd, "export")) return cmd_export(argc - 2, argv + 2);
     fprintf(stderr, "fitlm: error: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 1;

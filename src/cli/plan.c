@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "fitlm/data.h"
 #include "fitlm/config.h"
 #include "fitlm/plan.h"
 
@@ -80,14 +81,29 @@ static int take_plan_flags(int argc, char **argv, plan_flags *f) {
 }
 
 // Size of a data file, or 0 (with a note) when it cannot be read.
-static size_t data_size(const char *path, const char *what) {
-    if (!*path) return 0;
+// What the data loaders keep (tag other: their shard tables; the tokens are
+// memory-mapped), measured by opening them; 0 with a note when there is no data.
+static size_t loader_bytes(const fl_train_config *cfg) {
     struct stat st;
-    if (stat(path, &st) != 0) {
-        printf("note: %s %s: %s; counted as 0 bytes\n", what, path, strerror(errno));
+    if (!*cfg->data || stat(cfg->data, &st) != 0) {
+        printf("note: no training data at '%s'; the data loader is counted as 0 bytes\n",
+               cfg->data);
         return 0;
     }
-    return (size_t)st.st_size;
+    size_t before = fl_mem_current(FL_MEM_OTHER);
+    fl_loader train, val;
+    fl_loader_open(&train, cfg->data, "train", cfg->seq_len, 0, 0, 0, 1);
+    char beside[FL_PATH_MAX + 16];
+    snprintf(beside, sizeof beside, "%s/val_000000.bin", cfg->data);
+    const char *val_pattern = !strcmp(cfg->val_data, "none") ? NULL
+                              : *cfg->val_data                ? cfg->val_data
+                              : stat(beside, &st) == 0        ? cfg->data
+                                                              : NULL;
+    if (val_pattern) fl_loader_open(&val, val_pattern, "val", cfg->seq_len, 0, 0, 0, 1);
+    size_t bytes = fl_mem_current(FL_MEM_OTHER) - before;
+    if (val_pattern) fl_loader_close(&val);
+    fl_loader_close(&train);
+    return bytes;
 }
 
 int cmd_plan(int argc, char **argv) {
@@ -105,8 +121,7 @@ int cmd_plan(int argc, char **argv) {
     fl_config_finish(&cfg);
     fl_free(args);
 
-    size_t data = data_size(cfg.data, "training text");
-    data += data_size(cfg.val_data, "validation text");
+    size_t data = loader_bytes(&cfg);
     fl_plan_request r;
     fl_plan_request_from_config(&r, &cfg, data);
     r.ranks = f.ranks;

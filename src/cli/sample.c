@@ -1,4 +1,5 @@
-// sample.c: `fitlm sample`: load a checkpoint and generate text.
+// sample.c: `fitlm sample`: generate text from a checkpoint or pretrained
+// weights (Hugging Face, llm.c).
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -7,9 +8,10 @@
 #include "cli.h"
 #include "fitlm/io.h"
 #include "fitlm/model.h"
+#include "fitlm/tokenizer.h"
 
 typedef struct {
-    const char *checkpoint, *prompt;
+    const char *checkpoint, *prompt, *tokenizer, *tokenizer_path;
     int tokens, top_k, threads;
     float temperature;
     unsigned long long seed;
@@ -17,8 +19,11 @@ typedef struct {
 
 static void help(void) {
     printf("usage: fitlm sample [options]\n\n"
-           "  --checkpoint DIR     directory holding model.ckpt (default: out)\n"
-           "  --prompt TEXT        text to continue (default: \"The \")\n"
+           "  --checkpoint PATH    a fitlm checkpoint (directory or file), a Hugging Face GPT-2\n"
+           "                       directory or an llm.c model file (default: out)\n"
+           "  --prompt TEXT        text to continue, after <|endoftext|> (default: none)\n"
+           "  --tokenizer NAME     gpt2 or byte (default: the checkpoint's; gpt2 for others)\n"
+           "  --tokenizer-path DIR encoder.json and vocab.bpe for gpt2 (default: data/gpt2)\n"
            "  --tokens N           tokens to generate (default: 400)\n"
            "  --temperature X      softmax temperature, 0 = greedy (default: 0.8)\n"
            "  --top-k K            sample among the K most likely tokens, 0 = all (default: 40)\n"
@@ -46,7 +51,7 @@ int cmd_sample(int argc, char **argv) {
         help();
         return 0;
     }
-    sample_options o = {"out", "The ", 400, 40, 0, 0.8f, 1337};
+    sample_options o = {"out", "", "", "data/gpt2", 400, 40, 0, 0.8f, 1337};
     for (int i = 0; i < argc; i++) {
         const char *flag = argv[i];
         if (strncmp(flag, "--", 2) != 0) fl_die("unexpected argument '%s' (see --help)", flag);
@@ -56,6 +61,10 @@ int cmd_sample(int argc, char **argv) {
             o.checkpoint = v;
         else if (!strcmp(flag, "--prompt"))
             o.prompt = v;
+        else if (!strcmp(flag, "--tokenizer"))
+            o.tokenizer = v;
+        else if (!strcmp(flag, "--tokenizer-path"))
+            o.tokenizer_path = v;
         else if (!strcmp(flag, "--tokens"))
             o.tokens = whole(flag, v, 0, 1 << 20);
         else if (!strcmp(flag, "--temperature"))
@@ -70,27 +79,37 @@ int cmd_sample(int argc, char **argv) {
             fl_die("unknown option '%s' (see --help)", flag);
     }
     if (o.threads) fl_set_threads(o.threads);
-    if (!*o.prompt) fl_die("--prompt must not be empty");
 
     fl_gpt2 model;
-    char tokenizer[32];
-    int step;
-    fl_ckpt_load(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer, &step);
-    if (strcmp(tokenizer, "byte") != 0)
-        fl_die("checkpoint %s uses tokenizer '%s', which this version cannot decode", o.checkpoint,
-               tokenizer);
+    char tokenizer[32] = "gpt2";
+    if (fl_is_checkpoint(o.checkpoint))
+        fl_ckpt_load_model(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer);
+    else
+        fl_pretrained_load(o.checkpoint, &model, FL_F32);
+    fl_tokenizer *tok = fl_tokenizer_load(*o.tokenizer ? o.tokenizer : tokenizer, o.tokenizer_path);
+    // every token the model can sample must decode
+    if (fl_tokenizer_vocab_size(tok) != model.config.vocab_size)
+        fl_die("the %s tokenizer's vocabulary (%d) is not the model's (%d): choose the tokenizer "
+               "the model was trained with (--tokenizer)",
+               fl_tokenizer_name(tok), fl_tokenizer_vocab_size(tok), model.config.vocab_size);
     fl_gpt2_alloc_acts(&model, 1, model.config.max_seq_len);
 
-    int n_prompt = (int)strlen(o.prompt);
+    fl_tokens prompt = {0};
+    int eot = fl_tokenizer_eot(tok);
+    fl_tokenizer_encode(tok, (const uint8_t *)o.prompt, strlen(o.prompt), &prompt);
+    int n_prompt = 1 + (int)prompt.n;
     int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(n_prompt + o.tokens) * sizeof(int));
-    for (int i = 0; i < n_prompt; i++) tokens[i] = (unsigned char)o.prompt[i];
+    tokens[0] = eot; // a sample starts like a fresh document
+    for (size_t i = 0; i < prompt.n; i++) tokens[1 + i] = prompt.ids[i];
+    fl_tokens_free(&prompt);
     fl_rng rng;
     fl_rng_seed(&rng, o.seed);
     fputs(o.prompt, stdout);
-    fl_gpt2_generate(&model, tokens, n_prompt, o.tokens, o.temperature, o.top_k, &rng,
-                     print_byte_token, NULL);
+    fl_gpt2_generate(&model, tokens, n_prompt, o.tokens, o.temperature, o.top_k, &rng, print_token,
+                     tok);
     putchar('\n');
     fl_free(tokens);
+    fl_tokenizer_free(tok);
     fl_gpt2_free(&model);
     return 0;
 }

@@ -1,5 +1,6 @@
 // train.c: `fitlm train`: the training loop. With no options it is the demo:
-// the default model on the Brown corpus, then a checkpoint and a sample.
+// the default model on the Brown corpus in GPT-2 tokens, then a checkpoint
+// and a sample.
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -7,33 +8,84 @@
 
 #include "cli.h"
 #include "fitlm/config.h"
+#include "fitlm/data.h"
 #include "fitlm/io.h"
 #include "fitlm/optim.h"
 #include "fitlm/plan.h"
+#include "fitlm/tokenizer.h"
 
-// Mean loss over cfg->eval_iters fixed batches spread over the validation text.
-static float evaluate(fl_gpt2 *model, const fl_text *val, const fl_train_config *cfg, int *inputs,
-                      int *targets) {
+// Mean loss over cfg->eval_iters fixed batches spread over the validation data.
+static float evaluate(fl_gpt2 *model, const fl_loader *val, const fl_train_config *cfg,
+                      int *inputs, int *targets) {
     double sum = 0.0;
     for (int i = 0; i < cfg->eval_iters; i++) {
-        fl_text_eval_batch(val, i, cfg->eval_iters, inputs, targets, cfg->micro_batch,
-                           cfg->seq_len);
+        fl_loader_eval_batch(val, i, cfg->eval_iters, inputs, targets, cfg->micro_batch);
         sum += fl_gpt2_forward(model, inputs, targets, cfg->micro_batch, cfg->seq_len);
     }
     return (float)(sum / cfg->eval_iters);
 }
 
-// 0 for a missing file: loading it reports the error
-static size_t file_size(const char *path) {
-    struct stat st;
-    return *path && stat(path, &st) == 0 ? (size_t)st.st_size : 0;
-}
-
 static void help(void) {
     printf("usage: fitlm train [options]\n\n"
-           "Trains GPT-2 on a UTF-8 text with the byte tokenizer. With no options: the demo\n"
-           "(the 'demo' model on the Brown corpus, prepared by scripts/setup.sh).\n\n");
+           "Trains GPT-2 on token shards (made by 'fitlm tokenize'). With no options: the demo\n"
+           "(the 'demo' model on the Brown corpus in GPT-2 tokens, made by scripts/demo.sh).\n\n");
     fl_config_print_help(stdout);
+}
+
+// The value of --resume, looked up before the config is read: the
+// checkpoint's config comes first, then the flags.
+static const char *resume_arg(int argc, char **argv) {
+    const char *path = NULL;
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--resume") && i + 1 < argc) path = argv[i + 1];
+        if (!strncmp(argv[i], "--resume=", 9)) path = argv[i] + 9;
+    }
+    return path && *path ? path : NULL;
+}
+
+// The validation shards: val_data, or the val_*.bin beside a directory of
+// training shards when there are any.
+static int open_val(fl_loader *val, const fl_train_config *cfg) {
+    const char *pattern = cfg->val_data;
+    char beside[FL_PATH_MAX + 16];
+    if (!strcmp(pattern, "none")) return 0;
+    if (!*pattern) {
+        struct stat st;
+        snprintf(beside, sizeof beside, "%s/val_000000.bin", cfg->data);
+        if (stat(beside, &st) != 0) return 0;
+        pattern = cfg->data;
+    }
+    fl_loader_open(val, pattern, "val", cfg->seq_len, 0, 0, 0, 1);
+    return 1;
+}
+
+// The per-step log, OUT/log.txt: exact values (%.9g round-trips a float), one
+// line per step. On resume the lines past the checkpoint's step are dropped.
+static FILE *open_log(const char *out_dir, int resume_step) {
+    if (!*out_dir) return NULL;
+    if (mkdir(out_dir, 0755) != 0 && access(out_dir, W_OK) != 0)
+        fl_die("cannot create output directory %s", out_dir);
+    char path[FL_PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/log.txt", out_dir);
+    if (resume_step >= 0 && access(path, F_OK) == 0) {
+        size_t n;
+        char *text = (char *)fl_file_read_all(path, (size_t)1 << 30, &n, "training log");
+        fl_file f;
+        fl_file_begin(&f, path);
+        for (char *line = text; line < text + n;) {
+            char *end = memchr(line, '\n', (size_t)(text + n - line));
+            size_t len = end ? (size_t)(end - line) + 1 : (size_t)(text + n - line);
+            int step;
+            if (sscanf(line, "step %d", &step) == 1 && step <= resume_step)
+                fl_file_write(&f, line, len);
+            line += len;
+        }
+        fl_file_commit(&f);
+        fl_free(text);
+    }
+    FILE *log = fopen(path, resume_step >= 0 ? "a" : "w");
+    if (!log) fl_die("cannot open %s for writing", path);
+    return log;
 }
 
 int cmd_train(int argc, char **argv) {
@@ -43,62 +95,115 @@ int cmd_train(int argc, char **argv) {
     }
     fl_train_config cfg;
     fl_config_defaults(&cfg);
+    const char *resume = resume_arg(argc, argv);
+    fl_ckpt *ck = NULL;
+    if (resume) {
+        ck = fl_ckpt_open(resume);
+        char *json = fl_train_ckpt_config(ck);
+        char where[FL_FILE_PATH_MAX + 32];
+        snprintf(where, sizeof where, "config in checkpoint %s", fl_ckpt_path(ck));
+        fl_config_load_json_text(&cfg, json, strlen(json), where);
+        fl_free(json);
+    }
     fl_config_parse_args(&cfg, argc, argv);
+    char *config_json = fl_config_to_json(&cfg); // the run as given, for its checkpoints
+    // A resumed or pretrained model brings its own shape.
+    const char *shape_from = resume ? resume : *cfg.init_from ? cfg.init_from : NULL;
+    if (shape_from) {
+        fl_gpt2_config shape;
+        fl_pretrained_config(shape_from, &shape);
+        fl_config_set_shape(&cfg, &shape, shape_from);
+    }
     fl_config_finish(&cfg);
     fl_set_threads(cfg.threads);
     int B = cfg.micro_batch, T = cfg.seq_len;
     fl_optimizer_config ocfg = fl_config_optimizer(&cfg);
 
-    // Plan before allocating anything: a run that cannot fit stops here with
-    // advice, rather than being killed by the kernel halfway through.
+    // Data first: the shards name their tokenizer and vocabulary. What the
+    // loaders and the tokenizer keep (tag other) is measured for the plan.
+    size_t other_before = fl_mem_current(FL_MEM_OTHER);
+    fl_loader train, val;
+    fl_loader_open(&train, cfg.data, "train", T, cfg.seed, 1, 0, 1);
+    if (strcmp(train.tokenizer, cfg.tokenizer))
+        fl_die("the training data %s was tokenized with '%s', but the tokenizer is '%s' (set "
+               "--tokenizer %s)",
+               cfg.data, train.tokenizer, cfg.tokenizer, train.tokenizer);
+    if ((int)train.vocab_size > cfg.model.vocab_size)
+        fl_die("the training data %s has a vocabulary of %u, larger than the model's %d", cfg.data,
+               train.vocab_size, cfg.model.vocab_size);
+    int has_val = open_val(&val, &cfg);
+    if (has_val && (strcmp(val.tokenizer, train.tokenizer) || val.vocab_size != train.vocab_size))
+        fl_die("the validation data (tokenizer %s) does not match the training data (tokenizer %s)",
+               val.tokenizer, train.tokenizer);
+    fl_tokenizer *tok =
+        cfg.sample_tokens > 0 ? fl_tokenizer_load(cfg.tokenizer, cfg.tokenizer_path) : NULL;
+    size_t data_bytes = fl_mem_current(FL_MEM_OTHER) - other_before;
+
+    // Plan before allocating the model: a run that cannot fit stops here
+    // with advice, rather than being killed by the kernel halfway through.
     fl_plan_request req;
-    fl_plan_request_from_config(&req, &cfg, file_size(cfg.data) + file_size(cfg.val_data));
+    fl_plan_request_from_config(&req, &cfg, data_bytes);
     fl_plan plan;
     fl_plan_compute(&req, &plan);
     size_t limit =
         *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "mem_limit") : fl_plan_available_memory();
     fl_plan_check_fits(&req, &plan, limit);
 
-    fl_text train, val = {0};
-    fl_text_load(&train, cfg.data);
-    if (*cfg.val_data) fl_text_load(&val, cfg.val_data);
     fl_gpt2 model;
-    fl_gpt2_init(&model, &cfg.model, cfg.dtype, cfg.seed);
+    if (*cfg.init_from && !resume)
+        fl_pretrained_load(cfg.init_from, &model, cfg.dtype);
+    else
+        fl_gpt2_init(&model, &cfg.model, cfg.dtype, cfg.seed);
     fl_gpt2_alloc_acts(&model, B, T);
     fl_optimizer optim;
     fl_optimizer_init(&optim, &ocfg, &model.table, cfg.dtype, model.params, model.grads);
+    int start = 0;
+    if (ck) {
+        fl_train_ckpt_restore(ck, &model, &optim, &train.state, train.tokenizer);
+        start = fl_ckpt_step(ck);
+        if (train.state.index > train.per_rank)
+            fl_die("checkpoint %s is at window %llu of an epoch of %llu: the training data has "
+                   "changed since it was saved",
+                   fl_ckpt_path(ck), (unsigned long long)train.state.index,
+                   (unsigned long long)train.per_rank);
+        fl_ckpt_close(ck);
+    }
     fl_schedule schedule = {!strcmp(cfg.scheduler, "cosine")   ? FL_SCHED_COSINE
                             : !strcmp(cfg.scheduler, "linear") ? FL_SCHED_LINEAR
                                                                : FL_SCHED_CONSTANT,
                             cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio};
     int *inputs = fl_alloc(FL_MEM_OTHER, (size_t)B * T * sizeof(int));
     int *targets = fl_alloc(FL_MEM_OTHER, (size_t)B * T * sizeof(int));
-    fl_rng data_rng;
-    fl_rng_seed(&data_rng, cfg.seed ^ 0x5eed0da7a5eed0dull); // a stream apart from the init's
 
     fl_config_print(&cfg, stdout);
-    printf("%zu parameters (%.2f M); planned memory %.1f MiB; train %s (%zu bytes)",
-           model.table.numel, model.table.numel / 1e6, plan.total / 1048576.0, cfg.data, train.n);
-    double baseline = 0.0;
-    if (val.n) {
-        baseline = fl_text_unigram_xent(&train, &val);
-        printf(", val %s (%zu bytes); byte-unigram baseline %.4f nats/byte", cfg.val_data, val.n,
-               baseline);
+    printf("%zu parameters (%.2f M); planned memory %.1f MiB; train %s: %llu tokens (%s)",
+           model.table.numel, model.table.numel / 1e6, plan.total / 1048576.0, cfg.data,
+           (unsigned long long)train.n_tokens, train.tokenizer);
+    double baseline = 0.0, bytes_per_token = 0.0;
+    if (has_val) {
+        baseline = fl_loader_unigram_xent(&train, &val);
+        bytes_per_token = (double)val.source_bytes / (double)val.n_tokens;
+        printf(", val %llu tokens; unigram baseline %.4f nats/token",
+               (unsigned long long)val.n_tokens, baseline);
     }
     printf("\n");
+    if (ck) printf("resumed from step %d\n", start);
+    FILE *log = open_log(cfg.out_dir, resume ? start : -1);
 
-    int tty = isatty(STDOUT_FILENO), skipped = 0;
+    int tty = isatty(STDOUT_FILENO), skipped = 0, saved_at = -1;
     float val_loss = -1.0f;
     double train_start = fl_now();
-    for (int step = 0; step < cfg.steps; step++) {
-        if (val.n && cfg.eval_interval && step % cfg.eval_interval == 0) {
+    for (int step = start; step < cfg.steps; step++) {
+        if (has_val && cfg.eval_interval && step % cfg.eval_interval == 0 &&
+            (step > start || !ck)) {
             val_loss = evaluate(&model, &val, &cfg, inputs, targets);
             printf("%sstep %5d | val loss %.4f\n", tty ? "\r\033[K" : "", step, val_loss);
+            if (log) fprintf(log, "step %d val %.9g\n", step, val_loss);
         }
         double t0 = fl_now();
         double loss = 0.0;
         for (int micro = 0; micro < cfg.grad_accum; micro++) {
-            fl_text_random_batch(&train, &data_rng, inputs, targets, B, T);
+            fl_loader_next(&train, inputs, targets, B);
             fl_optimizer_zero_grad(&optim);
             loss += fl_gpt2_forward(&model, inputs, targets, B, T);
             fl_gpt2_backward(&model, fl_optimizer_loss_scale(&optim));
@@ -116,44 +221,54 @@ int cmd_train(int argc, char **argv) {
             printf(" | scale %g%s | skipped %d", r.loss_scale, r.skipped ? " OVERFLOW" : "",
                    skipped);
         printf("%s", tty ? "" : "\n");
+        if (log)
+            fprintf(log, "step %d loss %.9g lr %.9g norm %.9g scale %.9g\n", step + 1,
+                    (float)loss, lr, r.grad_norm, r.loss_scale);
         if (cfg.mem_report_every && (step + 1) % cfg.mem_report_every == 0) {
             printf("%s", tty ? "\n" : "");
             fl_mem_report(stdout);
+        }
+        if (*cfg.out_dir && cfg.save_every && (step + 1) % cfg.save_every == 0) {
+            if (log) fflush(log);
+            fl_train_ckpt_save(cfg.out_dir, step + 1, &model, &optim, &train.state,
+                               train.tokenizer, config_json, cfg.keep_checkpoints);
+            saved_at = step + 1;
         }
         fflush(stdout);
     }
     if (tty) printf("\n");
     double seconds = fl_now() - train_start;
-    if (val.n) {
+    if (has_val) {
         val_loss = evaluate(&model, &val, &cfg, inputs, targets);
-        printf("final val loss %.4f nats/byte after %d steps (%.1f s); byte-unigram baseline "
-               "%.4f\n",
-               val_loss, cfg.steps, seconds, baseline);
+        printf("final val loss %.4f nats/token (%.4f nats/byte) after %d steps (%.1f s); unigram "
+               "baseline %.4f nats/token\n",
+               val_loss, val_loss / bytes_per_token, cfg.steps, seconds, baseline);
+        if (log) fprintf(log, "step %d val %.9g\n", cfg.steps, val_loss);
     }
-    if (*cfg.out_dir) {
-        float *weights = optim.master;
-        if (!weights) weights = model.params; // fp32: the model's own weights
-        fl_ckpt_save(cfg.out_dir, &model, weights, cfg.tokenizer, cfg.steps);
-        printf("checkpoint written to %s/model.ckpt\n", cfg.out_dir);
+    if (log) fclose(log);
+    if (*cfg.out_dir && saved_at != cfg.steps && cfg.steps > start) {
+        fl_train_ckpt_save(cfg.out_dir, cfg.steps, &model, &optim, &train.state, train.tokenizer,
+                           config_json, cfg.keep_checkpoints);
+        printf("checkpoint written to %s (step %d)\n", cfg.out_dir, cfg.steps);
     }
-    if (cfg.sample_tokens > 0) {
+    if (tok) {
         int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(cfg.sample_tokens + 4) * sizeof(int));
-        const char *prompt = "The ";
-        for (int i = 0; prompt[i]; i++) tokens[i] = (unsigned char)prompt[i];
+        tokens[0] = fl_tokenizer_eot(tok); // a sample starts like a fresh document
         fl_rng rng;
         fl_rng_seed(&rng, cfg.seed);
-        printf("--- sample (temperature 0.8, top-k 40) ---\n%s", prompt);
-        fl_gpt2_generate(&model, tokens, (int)strlen(prompt), cfg.sample_tokens, 0.8f, 40, &rng,
-                         print_byte_token, NULL);
+        printf("--- sample (temperature 0.8, top-k 40) ---\n");
+        fl_gpt2_generate(&model, tokens, 1, cfg.sample_tokens, 0.8f, 40, &rng, print_token, tok);
         printf("\n---\n");
         fl_free(tokens);
     }
     if (cfg.mem_report || cfg.mem_report_every) fl_mem_report(stdout);
     fl_free(inputs);
     fl_free(targets);
+    fl_free(config_json);
     fl_optimizer_free(&optim);
     fl_gpt2_free(&model);
-    fl_text_free(&train);
-    fl_text_free(&val);
+    if (tok) fl_tokenizer_free(tok);
+    if (has_val) fl_loader_close(&val);
+    fl_loader_close(&train);
     return 0;
 }

@@ -2,6 +2,7 @@
 // --help. A JSON key is a dotted path into nested objects
 // ("optimizer.params.lr" is {"optimizer": {"params": {"lr": ...}}}).
 #include "fitlm/config.h"
+#include "fitlm/io.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -43,12 +44,16 @@ static const option options[] = {
      "position embeddings (0 = the preset's)"},
     {"model.vocab_size", "--vocab-size", OPT_INT, NUM(model.vocab_size), "0", 0, 1 << 30, NULL,
      "vocabulary (0 = the tokenizer's; larger is allowed)"},
-    {"tokenizer", "--tokenizer", OPT_CHOICE, STR(tokenizer), "byte", 0, 0, "byte",
-     "tokenizer (byte: one token per byte, vocab 256)"},
-    {"data", "--data", OPT_STRING, STR(data), "data/brown_train.txt", 0, 0, NULL,
-     "training text (UTF-8)"},
-    {"val_data", "--val-data", OPT_STRING, STR(val_data), "data/brown_val.txt", 0, 0, NULL,
-     "validation text (UTF-8; empty = no validation)"},
+    {"tokenizer", "--tokenizer", OPT_CHOICE, STR(tokenizer), "gpt2", 0, 0, "gpt2|byte",
+     "tokenizer (gpt2: GPT-2's BPE, vocab 50257; byte: one token per byte + <|endoftext|>, "
+     "vocab 257); the data must have been tokenized with it"},
+    {"tokenizer_path", "--tokenizer-path", OPT_STRING, STR(tokenizer_path), "data/gpt2", 0, 0,
+     NULL, "directory with the gpt2 tokenizer's encoder.json and vocab.bpe"},
+    {"data", "--data", OPT_STRING, STR(data), "data/brown_gpt2", 0, 0, NULL,
+     "training token shards: a directory (its train_*.bin), a glob pattern or a file"},
+    {"val_data", "--val-data", OPT_STRING, STR(val_data), "", 0, 0, NULL,
+     "validation token shards (\"\" = the val_*.bin beside the training shards, if any; "
+     "\"none\" = no validation)"},
     {"train_micro_batch_size_per_gpu", "--batch", OPT_INT, NUM(micro_batch), "16", 1, 1 << 20, NULL,
      "micro-batch size B (sequences per forward pass)"},
     {"gradient_accumulation_steps", "--grad-accum", OPT_INT, NUM(grad_accum), "1", 1, 1 << 20, NULL,
@@ -100,7 +105,17 @@ static const option options[] = {
     {"eval_iters", "--eval-iters", OPT_INT, NUM(eval_iters), "16", 1, 1 << 20, NULL,
      "validation batches per evaluation"},
     {"out_dir", "--out", OPT_STRING, STR(out_dir), "out", 0, 0, NULL,
-     "checkpoint directory, written at the end (empty = none)"},
+     "checkpoint directory, written at the end and every save_every steps (empty = none)"},
+    {"save_every", "--save-every", OPT_INT, NUM(save_every), "0", 0, 1 << 30, NULL,
+     "also write a checkpoint every N steps (0 = only at the end)"},
+    {"keep_checkpoints", "--keep-checkpoints", OPT_INT, NUM(keep_checkpoints), "2", 0, 1 << 20,
+     NULL, "checkpoints kept in out_dir, newest first (0 = all)"},
+    {"resume", "--resume", OPT_STRING, STR(resume), "", 0, 0, NULL,
+     "continue the run saved in this checkpoint directory or file, bit for bit (its config "
+     "applies; flags given here override it)"},
+    {"init_from", "--init-from", OPT_STRING, STR(init_from), "", 0, 0, NULL,
+     "initial weights: a Hugging Face GPT-2 directory (config.json + safetensors), an llm.c "
+     ".bin model file or a fitlm checkpoint; the model shape comes from it"},
     {"sample_tokens", "--sample-tokens", OPT_INT, NUM(sample_tokens), "400", 0, 1 << 20, NULL,
      "tokens of text sampled after training"},
     {"seed", "--seed", OPT_U64, NUM(seed), "1337", 0, 0, NULL, "random seed"},
@@ -170,8 +185,9 @@ static void set_number(fl_train_config *cfg, const option *o, double v, const ch
         *(int *)base = (int)v;
         break;
     case OPT_U64:
-        if (v != floor(v) || v < 0 || v >= 18446744073709551616.0)
-            fl_die("%s: %s expects a non-negative whole number, got %g", where, o->key, v);
+        if (v != floor(v) || v < 0 || v >= 9007199254740992.0)
+            fl_die("%s: %s expects a whole number in [0, 2^53) (larger ones as a string), got %g",
+                   where, o->key, v);
         *(uint64_t *)base = (uint64_t)v;
         break;
     case OPT_FLOAT:
@@ -218,9 +234,23 @@ static void set_bool_text(fl_train_config *cfg, const option *o, const char *val
         fl_die("%s: %s expects true or false, got '%s'", where, o->key, value);
 }
 
+// 64-bit integers from text, exactly (a double holds only 53 bits)
+static void set_u64_text(fl_train_config *cfg, const option *o, const char *value,
+                         const char *where) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(value, &end, 10);
+    if (!isdigit((unsigned char)*value) || *end || errno)
+        fl_die("%s: %s expects a whole number in [0, 2^64), got '%s'", where, o->key, value);
+    *(uint64_t *)field(cfg, o) = v;
+}
+
 static void set_from_text(fl_train_config *cfg, const option *o, const char *value,
                           const char *where) {
     switch (o->type) {
+    case OPT_U64:
+        set_u64_text(cfg, o, value, where);
+        break;
     case OPT_STRING:
     case OPT_CHOICE:
         set_string(cfg, o, value, where);
@@ -265,6 +295,10 @@ static void set_from_json(fl_train_config *cfg, const option *o, const cJSON *it
                  cJSON_GetArrayItem(item, 1)->valuedouble, where);
         break;
     default:
+        if (o->type == OPT_U64 && cJSON_IsString(item)) {
+            set_u64_text(cfg, o, item->valuestring, where);
+            break;
+        }
         if (!cJSON_IsNumber(item)) fl_die("%s: %s must be a number", where, o->key);
         set_number(cfg, o, item->valuedouble, where);
     }
@@ -310,29 +344,88 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
     }
 }
 
-void fl_config_load_json(fl_train_config *cfg, const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) fl_die("cannot open config file %s: %s", path, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (size < 0 || size > (1 << 24))
-        fl_die("config file %s: unreadable or larger than 16 MiB", path);
-    char *text = fl_alloc(FL_MEM_OTHER, (size_t)size + 1);
-    if (fread(text, 1, (size_t)size, f) != (size_t)size) fl_die("cannot read config file %s", path);
-    fclose(f);
+void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, const char *where) {
     const char *err = NULL;
-    cJSON *root = cJSON_ParseWithOpts(text, &err, 1);
+    cJSON *root = cJSON_ParseWithLengthOpts(text, n, &err, 0);
     if (!root) {
         long off = err ? (long)(err - text) : 0;
         int line = 1;
-        for (long i = 0; i < off && i < size; i++) line += text[i] == '\n';
-        fl_die("config file %s: invalid JSON at line %d (byte %ld)", path, line, off);
+        for (long i = 0; i < off && i < (long)n; i++) line += text[i] == '\n';
+        fl_die("%s: invalid JSON at line %d (byte %ld)", where, line, off);
     }
-    if (!cJSON_IsObject(root)) fl_die("config file %s: the top level must be a JSON object", path);
-    load_object(cfg, root, "", path);
+    if (!cJSON_IsObject(root)) fl_die("%s: the top level must be a JSON object", where);
+    load_object(cfg, root, "", where);
     cJSON_Delete(root);
+}
+
+void fl_config_load_json(fl_train_config *cfg, const char *path) {
+    size_t n;
+    char *text = (char *)fl_file_read_all(path, 1 << 24, &n, "config file");
+    char where[FL_PATH_MAX + 16];
+    snprintf(where, sizeof where, "config file %s", path);
+    fl_config_load_json_text(cfg, text, n, where);
     fl_free(text);
+}
+
+// The object at dotted path `key` (creating it), for the last component.
+static cJSON *parent_of(cJSON *root, const char *key, const char **leaf) {
+    char part[128];
+    const char *p = key, *dot;
+    while ((dot = strchr(p, '.'))) {
+        size_t len = (size_t)(dot - p);
+        FL_ASSERT(len < sizeof part);
+        memcpy(part, p, len);
+        part[len] = 0;
+        cJSON *next = cJSON_GetObjectItemCaseSensitive(root, part);
+        root = next ? next : cJSON_AddObjectToObject(root, part);
+        p = dot + 1;
+    }
+    *leaf = p;
+    return root;
+}
+
+char *fl_config_to_json(const fl_train_config *cfg) {
+    cJSON *root = cJSON_CreateObject();
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        const option *o = &options[i];
+        // --resume describes this invocation, not the run
+        if (!cfg->given[i] || !strcmp(o->key, "resume")) continue;
+        const char *leaf;
+        cJSON *parent = parent_of(root, o->key, &leaf);
+        const void *v = (const char *)cfg + o->offset;
+        switch (o->type) {
+        case OPT_INT:
+            cJSON_AddNumberToObject(parent, leaf, *(const int *)v);
+            break;
+        case OPT_U64: { // as text: a JSON number (a double) holds only 53 bits
+            char text[24];
+            snprintf(text, sizeof text, "%llu", (unsigned long long)*(const uint64_t *)v);
+            cJSON_AddStringToObject(parent, leaf, text);
+            break;
+        }
+        case OPT_FLOAT:
+            cJSON_AddNumberToObject(parent, leaf, *(const float *)v);
+            break;
+        case OPT_BOOL:
+            cJSON_AddBoolToObject(parent, leaf, *(const int *)v);
+            break;
+        case OPT_PAIR: {
+            cJSON *arr = cJSON_AddArrayToObject(parent, leaf);
+            cJSON_AddItemToArray(arr, cJSON_CreateNumber(((const float *)v)[0]));
+            cJSON_AddItemToArray(arr, cJSON_CreateNumber(((const float *)v)[1]));
+            break;
+        }
+        default:
+            cJSON_AddStringToObject(parent, leaf, (const char *)v);
+        }
+    }
+    char *text = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    size_t n = strlen(text);
+    char *out = fl_alloc(FL_MEM_OTHER, n + 1);
+    memcpy(out, text, n + 1);
+    cJSON_free(text);
+    return out;
 }
 
 static const option *find_flag(const char *flag, size_t len) {
@@ -407,6 +500,25 @@ void fl_gpt2_preset(fl_gpt2_config *out, const char *name) {
     fl_die("unknown model preset '%s' (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl)", name);
 }
 
+void fl_config_set_shape(fl_train_config *cfg, const fl_gpt2_config *shape, const char *source) {
+    const struct {
+        const char *key;
+        int *field, value;
+    } dims[] = {
+        {"model.n_layer", &cfg->model.n_layer, shape->n_layer},
+        {"model.n_head", &cfg->model.n_head, shape->n_head},
+        {"model.n_embd", &cfg->model.n_embd, shape->n_embd},
+        {"model.max_seq_len", &cfg->model.max_seq_len, shape->max_seq_len},
+        {"model.vocab_size", &cfg->model.vocab_size, shape->vocab_size},
+    };
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
+        if (given(cfg, dims[i].key) && *dims[i].field != dims[i].value)
+            fl_die("%s %d contradicts %s, whose model has %d", dims[i].key, *dims[i].field,
+                   source, dims[i].value);
+        *dims[i].field = dims[i].value;
+    }
+}
+
 // precision from --precision or DeepSpeed's blocks; fp16 options only with fp16
 static void finish_precision(fl_train_config *cfg) {
     if (cfg->bf16_enabled && cfg->fp16_enabled)
@@ -436,7 +548,9 @@ void fl_config_finish(fl_train_config *cfg) {
     if (m->n_head) shape.n_head = m->n_head;
     if (m->n_embd) shape.n_embd = m->n_embd;
     if (m->max_seq_len) shape.max_seq_len = m->max_seq_len;
-    int tokenizer_vocab = 256; // the byte tokenizer, the only one so far
+    // the vocabularies of fitlm's tokenizers (src/io/tokenizer.c); the data's
+    // shards are checked against the tokenizer when training starts
+    int tokenizer_vocab = !strcmp(cfg->tokenizer, "byte") ? 257 : 50257;
     if (m->vocab_size && m->vocab_size < tokenizer_vocab)
         fl_die("model.vocab_size %d is smaller than the %s tokenizer's %d", m->vocab_size,
                cfg->tokenizer, tokenizer_vocab);

@@ -1,43 +1,25 @@
-// ckpt.c: model checkpoints.
-//
-// File DIR/model.ckpt, little-endian:
-//   bytes 0-7    magic "FITLMCKP"
-//   bytes 8-11   uint32 format version (1)
-//   bytes 12-15  uint32 header length H
-//   bytes 16-23  uint64 data length D
-//   H bytes      JSON header: {"model": {n_layer, n_head, n_embd, vocab_size,
-//                max_seq_len}, "tokenizer", "step", "dtype": "float32"}
-//   D bytes      the flat fp32 parameter buffer, in parameter-table order
-//   4 bytes      uint32 CRC-32 of everything before it
-// Written to model.ckpt.tmp, fsynced, then renamed over model.ckpt, so the
-// previous checkpoint stays intact until the new one is complete.
+// ckpt.c: checkpoint files (layout in io.h). What goes into a checkpoint is
+// the caller's business (src/io/train_state.c for training); this file makes
+// it durable, findable and verifiable.
 #include "fitlm/io.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <cJSON.h>
 
-#define CKPT_MAGIC   "FITLMCKP"
-#define CKPT_VERSION 1
-#define CKPT_PREFIX  24
-
-uint32_t fl_crc32(uint32_t crc, const void *data, size_t n) {
-    static uint32_t table[256];
-    if (!table[1]) {
-        for (uint32_t i = 0; i < 256; i++) {
-            uint32_t c = i;
-            for (int k = 0; k < 8; k++) c = c & 1 ? 0xedb88320u ^ (c >> 1) : c >> 1;
-            table[i] = c;
-        }
-    }
-    const uint8_t *p = data;
-    crc = ~crc;
-    for (size_t i = 0; i < n; i++) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
-    return ~crc;
-}
+#define CKPT_MAGIC       "FITLMCKP"
+#define CKPT_VERSION     2
+#define CKPT_PREFIX      28
+#define CKPT_MAX_HEADER  (64u << 20)
+#define CKPT_MAX_TENSORS 4096
+#define CKPT_NAME_MAX    64
 
 static void put_u32(uint8_t *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -52,146 +34,372 @@ static uint64_t get_u64(const uint8_t *p) {
     return get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
 }
 
-static void write_all(int fd, const void *data, size_t n, const char *path, uint32_t *crc) {
-    const char *p = data;
-    *crc = fl_crc32(*crc, data, n);
-    while (n) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) fl_die("writing checkpoint %s failed: %s", path, strerror(errno));
-        p += w;
-        n -= (size_t)w;
+static const char *dtype_name(fl_dtype dt) {
+    return dt == FL_F32 ? "F32" : dt == FL_BF16 ? "BF16" : "F16";
+}
+static int dtype_from_name(const char *s, fl_dtype *dt) {
+    if (!strcmp(s, "F32")) *dt = FL_F32;
+    else if (!strcmp(s, "BF16")) *dt = FL_BF16;
+    else if (!strcmp(s, "F16")) *dt = FL_F16;
+    else return -1;
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// writing
+
+static void ckpt_name(char *out, size_t size, int step) {
+    snprintf(out, size, "ckpt_%08d.fitlm", step);
+}
+
+static int is_ckpt_name(const char *name, int *step) {
+    int n = 0;
+    return sscanf(name, "ckpt_%8d.fitlm%n", step, &n) == 1 && n == (int)strlen(name) &&
+           strlen(name) == 19;
+}
+
+static int cmp_int(const void *a, const void *b) {
+    return (*(const int *)a > *(const int *)b) - (*(const int *)a < *(const int *)b);
+}
+
+// Deletes every checkpoint but the `keep` newest and any temporary file a
+// killed writer left behind. Runs only after `latest` points at the newest.
+static void prune(const char *dir, int keep, int newest) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    int steps[1024], n = 0;
+    struct dirent *e;
+    char path[FL_FILE_PATH_MAX];
+    while ((e = readdir(d))) {
+        int step;
+        size_t len = strlen(e->d_name);
+        if (!strncmp(e->d_name, "ckpt_", 5) && len > 4 && !strcmp(e->d_name + len - 4, ".tmp")) {
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            unlink(path);
+        } else if (is_ckpt_name(e->d_name, &step) && step != newest && n < 1024) {
+            steps[n++] = step;
+        }
+    }
+    closedir(d);
+    if (keep <= 0) return;
+    qsort(steps, (size_t)n, sizeof steps[0], cmp_int);
+    for (int i = 0; i < n - (keep - 1); i++) {
+        char name[32];
+        ckpt_name(name, sizeof name, steps[i]);
+        snprintf(path, sizeof path, "%s/%s", dir, name);
+        unlink(path);
     }
 }
 
-static void ckpt_path(char *out, size_t size, const char *dir, const char *suffix) {
-    if ((size_t)snprintf(out, size, "%s/model.ckpt%s", dir, suffix) >= size)
-        fl_die("checkpoint directory name is too long: %s", dir);
-}
-
-void fl_ckpt_save(const char *dir, const fl_gpt2 *model, const float *weights,
-                  const char *tokenizer, int step) {
+void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ckpt_tensor *tensors,
+                   int n_tensors, int keep) {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         fl_die("cannot create checkpoint directory %s: %s", dir, strerror(errno));
-    char path[4096], tmp[4096];
-    ckpt_path(path, sizeof path, dir, "");
-    ckpt_path(tmp, sizeof tmp, dir, ".tmp");
-
-    const fl_gpt2_config *c = &model->config;
-    cJSON *root = cJSON_CreateObject(), *m = cJSON_AddObjectToObject(root, "model");
-    cJSON_AddNumberToObject(m, "n_layer", c->n_layer);
-    cJSON_AddNumberToObject(m, "n_head", c->n_head);
-    cJSON_AddNumberToObject(m, "n_embd", c->n_embd);
-    cJSON_AddNumberToObject(m, "vocab_size", c->vocab_size);
-    cJSON_AddNumberToObject(m, "max_seq_len", c->max_seq_len);
-    cJSON_AddStringToObject(root, "tokenizer", tokenizer);
+    cJSON *meta = cJSON_Parse(meta_json);
+    FL_ASSERT(meta && cJSON_IsObject(meta));
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddItemToObject(root, "meta", meta);
     cJSON_AddNumberToObject(root, "step", step);
-    cJSON_AddStringToObject(root, "dtype", "float32");
+    cJSON *list = cJSON_AddArrayToObject(root, "tensors");
+    uint64_t offset = 0;
+    for (int i = 0; i < n_tensors; i++) {
+        const fl_ckpt_tensor *t = &tensors[i];
+        size_t bytes = t->numel * fl_dtype_size(t->dtype);
+        cJSON *item = cJSON_CreateObject();
+        cJSON_AddStringToObject(item, "name", t->name);
+        cJSON_AddStringToObject(item, "dtype", dtype_name(t->dtype));
+        cJSON *shape = cJSON_AddArrayToObject(item, "shape");
+        cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)t->numel));
+        cJSON_AddNumberToObject(item, "offset", (double)offset);
+        char crc[16];
+        snprintf(crc, sizeof crc, "%08x", fl_crc32(0, t->data, bytes));
+        cJSON_AddStringToObject(item, "crc32", crc);
+        cJSON_AddItemToArray(list, item);
+        offset += bytes;
+    }
     char *header = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
-    if (!header) fl_die("out of memory writing checkpoint %s", path);
+    FL_ASSERT(header);
 
-    size_t data_bytes = model->table.numel * sizeof(float);
     uint8_t prefix[CKPT_PREFIX];
     memcpy(prefix, CKPT_MAGIC, 8);
     put_u32(prefix + 8, CKPT_VERSION);
     put_u32(prefix + 12, (uint32_t)strlen(header));
-    put_u64(prefix + 16, data_bytes);
+    put_u64(prefix + 16, offset);
+    put_u32(prefix + 24, fl_crc32(fl_crc32(0, prefix, 24), header, strlen(header)));
 
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) fl_die("cannot create %s: %s", tmp, strerror(errno));
-    uint32_t crc = 0;
-    write_all(fd, prefix, sizeof prefix, tmp, &crc);
-    write_all(fd, header, strlen(header), tmp, &crc);
-    write_all(fd, weights, data_bytes, tmp, &crc);
-    uint8_t trailer[4];
-    put_u32(trailer, crc);
-    uint32_t ignored = 0;
-    write_all(fd, trailer, 4, tmp, &ignored);
+    char name[32], path[FL_FILE_PATH_MAX];
+    ckpt_name(name, sizeof name, step);
+    if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path)
+        fl_die("checkpoint directory name is too long: %s", dir);
+    fl_file f;
+    fl_file_begin(&f, path);
+    fl_file_write(&f, prefix, sizeof prefix);
+    fl_file_write(&f, header, strlen(header));
     cJSON_free(header);
-    if (fsync(fd) != 0 || close(fd) != 0)
-        fl_die("cannot flush checkpoint %s: %s", tmp, strerror(errno));
-    if (rename(tmp, path) != 0) fl_die("cannot rename %s to %s: %s", tmp, path, strerror(errno));
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY);
-    if (dfd >= 0) { // make the rename itself durable
-        fsync(dfd);
-        close(dfd);
-    }
+    for (int i = 0; i < n_tensors; i++)
+        fl_file_write(&f, tensors[i].data, tensors[i].numel * fl_dtype_size(tensors[i].dtype));
+    fl_file_commit(&f);
+
+    // Only now does `latest` move: it always names a complete checkpoint.
+    snprintf(path, sizeof path, "%s/latest", dir);
+    fl_file_begin(&f, path);
+    fl_file_write(&f, name, strlen(name));
+    fl_file_write(&f, "\n", 1);
+    fl_file_commit(&f);
+    prune(dir, keep, step);
 }
 
-static int json_int(const cJSON *obj, const char *key, const char *path, int min, int max) {
-    const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
-    if (!cJSON_IsNumber(item) || item->valuedouble != (int)item->valuedouble ||
-        item->valuedouble < min || item->valuedouble > max)
-        fl_die("checkpoint %s: header field '%s' is missing or not an integer in [%d, %d]", path,
-               key, min, max);
-    return (int)item->valuedouble;
+// ----------------------------------------------------------------------------
+// parsing: everything is checked before anything is trusted
+
+typedef struct {
+    char name[CKPT_NAME_MAX];
+    fl_dtype dtype;
+    uint64_t numel, offset, bytes;
+    uint32_t crc;
+} tensor_entry;
+
+typedef struct {
+    uint32_t header_len;
+    uint64_t data_len;
+    int step;
+    cJSON *root; // owns meta
+    char *meta_json;
+    tensor_entry *tensors;
+    int n_tensors;
+} parsed;
+
+static int fail(char *err, size_t errlen, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return -1;
 }
 
-void fl_ckpt_load(const char *dir, fl_gpt2 *model, fl_dtype dt, char *tokenizer,
-                  size_t tokenizer_size, int *step) {
-    char path[4096];
-    ckpt_path(path, sizeof path, dir, "");
-    FILE *f = fopen(path, "rb");
-    if (!f) fl_die("cannot open checkpoint %s: %s", path, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    long fsize = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t prefix[CKPT_PREFIX];
-    if (fsize < CKPT_PREFIX + 4 || fread(prefix, 1, CKPT_PREFIX, f) != CKPT_PREFIX)
-        fl_die("checkpoint %s is truncated (%ld bytes)", path, fsize);
-    if (memcmp(prefix, CKPT_MAGIC, 8) != 0)
-        fl_die("%s is not a fitlm checkpoint (bad magic)", path);
-    uint32_t version = get_u32(prefix + 8), hlen = get_u32(prefix + 12);
-    uint64_t data_bytes = get_u64(prefix + 16);
+static void parsed_free(parsed *p) {
+    cJSON_Delete(p->root);
+    cJSON_free(p->meta_json);
+    fl_free(p->tensors);
+    memset(p, 0, sizeof *p);
+}
+
+// The prefix (CKPT_PREFIX bytes) against the file size.
+static int parse_prefix(const uint8_t *prefix, uint64_t file_size, parsed *p, char *err,
+                        size_t errlen) {
+    if (file_size < CKPT_PREFIX)
+        return fail(err, errlen, "truncated: %llu bytes, shorter than the %d-byte prefix",
+                    (unsigned long long)file_size, CKPT_PREFIX);
+    if (memcmp(prefix, CKPT_MAGIC, 8) != 0) return fail(err, errlen, "not a fitlm checkpoint (bad magic)");
+    uint32_t version = get_u32(prefix + 8);
     if (version != CKPT_VERSION)
-        fl_die("checkpoint %s has format version %u; this fitlm reads version %d", path, version,
-               CKPT_VERSION);
-    if (hlen > (1u << 20) || data_bytes > (uint64_t)fsize ||
-        (uint64_t)CKPT_PREFIX + hlen + data_bytes + 4 != (uint64_t)fsize)
-        fl_die("checkpoint %s is truncated or corrupt: header says %u + %llu bytes, file has %ld",
-               path, hlen, (unsigned long long)data_bytes, fsize);
+        return fail(err, errlen, "format version %u; this fitlm reads version %d", version,
+                    CKPT_VERSION);
+    p->header_len = get_u32(prefix + 12);
+    p->data_len = get_u64(prefix + 16);
+    if (p->header_len == 0 || p->header_len > CKPT_MAX_HEADER)
+        return fail(err, errlen, "header length %u is out of range", p->header_len);
+    if (p->data_len > file_size || CKPT_PREFIX + (uint64_t)p->header_len + p->data_len != file_size)
+        return fail(err, errlen,
+                    "truncated or corrupt: the prefix says %u header + %llu data bytes, the file "
+                    "has %llu",
+                    p->header_len, (unsigned long long)p->data_len, (unsigned long long)file_size);
+    return 0;
+}
 
-    char *header = fl_alloc(FL_MEM_OTHER, hlen + 1);
-    if (fread(header, 1, hlen, f) != hlen) fl_die("cannot read checkpoint %s", path);
-    uint32_t crc = fl_crc32(fl_crc32(0, prefix, CKPT_PREFIX), header, hlen);
-    cJSON *root = cJSON_ParseWithLength(header, hlen);
-    if (!root) fl_die("checkpoint %s: the header is not valid JSON", path);
-    const cJSON *m = cJSON_GetObjectItemCaseSensitive(root, "model");
-    const cJSON *tok = cJSON_GetObjectItemCaseSensitive(root, "tokenizer");
-    const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(root, "dtype");
-    if (!cJSON_IsObject(m) || !cJSON_IsString(tok) || !cJSON_IsString(dtype))
-        fl_die("checkpoint %s: the header lacks model, tokenizer or dtype", path);
-    if (strcmp(dtype->valuestring, "float32") != 0)
-        fl_die("checkpoint %s: unsupported dtype '%s'", path, dtype->valuestring);
-    if (strlen(tok->valuestring) >= tokenizer_size)
-        fl_die("checkpoint %s: tokenizer name too long", path);
-    strcpy(tokenizer, tok->valuestring);
-    fl_gpt2_config cfg = {0};
-    cfg.n_layer = json_int(m, "n_layer", path, 1, 1024);
-    cfg.n_head = json_int(m, "n_head", path, 1, 1 << 16);
-    cfg.n_embd = json_int(m, "n_embd", path, 1, 1 << 16);
-    cfg.vocab_size = json_int(m, "vocab_size", path, 1, 1 << 30);
-    cfg.max_seq_len = json_int(m, "max_seq_len", path, 1, 1 << 20);
-    *step = json_int(root, "step", path, 0, 1 << 30);
-    cJSON_Delete(root);
-    fl_free(header);
+static int json_u64(const cJSON *item, uint64_t max, uint64_t *out) {
+    if (!cJSON_IsNumber(item) || !(item->valuedouble >= 0) || item->valuedouble > (double)max ||
+        item->valuedouble != (double)(uint64_t)item->valuedouble)
+        return -1;
+    *out = (uint64_t)item->valuedouble;
+    return 0;
+}
 
-    // Check the size before allocating: a corrupt shape must not allocate.
-    size_t numel = fl_gpt2_num_params(&cfg);
-    if ((uint64_t)numel * sizeof(float) != data_bytes)
-        fl_die("checkpoint %s: %llu data bytes do not match the model shape (%zu parameters)", path,
-               (unsigned long long)data_bytes, numel);
-    fl_gpt2_init(model, &cfg, dt, 0);
-    float *weights = fl_alloc(FL_MEM_WORKSPACE, data_bytes);
-    if (fread(weights, 1, data_bytes, f) != data_bytes) fl_die("cannot read checkpoint %s", path);
-    crc = fl_crc32(crc, weights, data_bytes);
-    fl_convert(dt, model->params, FL_F32, weights, numel);
-    fl_free(weights);
-    uint8_t trailer[4];
-    if (fread(trailer, 1, 4, f) != 4) fl_die("cannot read checkpoint %s", path);
+// The header JSON (after its CRC was checked) against data_len.
+static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errlen) {
+    p->root = cJSON_ParseWithLength((const char *)header, p->header_len);
+    if (!p->root || !cJSON_IsObject(p->root)) return fail(err, errlen, "the header is not a JSON object");
+    const cJSON *meta = cJSON_GetObjectItemCaseSensitive(p->root, "meta");
+    const cJSON *step = cJSON_GetObjectItemCaseSensitive(p->root, "step");
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(p->root, "tensors");
+    uint64_t s;
+    if (!cJSON_IsObject(meta) || !cJSON_IsArray(list) || json_u64(step, 1u << 30, &s) != 0)
+        return fail(err, errlen, "the header lacks meta, step or tensors");
+    p->step = (int)s;
+    p->meta_json = cJSON_PrintUnformatted(meta);
+    int n = cJSON_GetArraySize(list);
+    if (n > CKPT_MAX_TENSORS) return fail(err, errlen, "%d tensors is too many", n);
+    p->tensors = fl_alloc(FL_MEM_OTHER, (size_t)(n ? n : 1) * sizeof(tensor_entry));
+    uint64_t expect_offset = 0;
+    for (const cJSON *item = list->child; item; item = item->next) {
+        tensor_entry *t = &p->tensors[p->n_tensors];
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(item, "name");
+        const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(item, "dtype");
+        const cJSON *shape = cJSON_GetObjectItemCaseSensitive(item, "shape");
+        const cJSON *offset = cJSON_GetObjectItemCaseSensitive(item, "offset");
+        const cJSON *crc = cJSON_GetObjectItemCaseSensitive(item, "crc32");
+        if (!cJSON_IsString(name) || strlen(name->valuestring) >= CKPT_NAME_MAX ||
+            !cJSON_IsString(dtype) || dtype_from_name(dtype->valuestring, &t->dtype) != 0 ||
+            !cJSON_IsArray(shape) || cJSON_GetArraySize(shape) != 1 ||
+            json_u64(shape->child, 1ull << 50, &t->numel) != 0 ||
+            json_u64(offset, 1ull << 62, &t->offset) != 0 || !cJSON_IsString(crc) ||
+            strlen(crc->valuestring) != 8 ||
+            strspn(crc->valuestring, "0123456789abcdef") != 8)
+            return fail(err, errlen, "tensor entry %d is malformed", p->n_tensors);
+        strcpy(t->name, name->valuestring);
+        t->crc = (uint32_t)strtoul(crc->valuestring, NULL, 16);
+        t->bytes = t->numel * fl_dtype_size(t->dtype);
+        // back to back, in order: no gaps, no overlaps, nothing past the end
+        if (t->offset != expect_offset || t->bytes > p->data_len - t->offset)
+            return fail(err, errlen, "tensor '%s' spans bytes %llu..%llu, outside the data or "
+                        "not where the previous one ended",
+                        t->name, (unsigned long long)t->offset,
+                        (unsigned long long)(t->offset + t->bytes));
+        for (int k = 0; k < p->n_tensors; k++)
+            if (!strcmp(p->tensors[k].name, t->name))
+                return fail(err, errlen, "tensor '%s' appears twice", t->name);
+        expect_offset += t->bytes;
+        p->n_tensors++;
+    }
+    if (expect_offset != p->data_len)
+        return fail(err, errlen, "the tensors cover %llu of %llu data bytes",
+                    (unsigned long long)expect_offset, (unsigned long long)p->data_len);
+    return 0;
+}
+
+static int parse_image(const uint8_t *file, size_t size, parsed *p, char *err, size_t errlen) {
+    memset(p, 0, sizeof *p);
+    if (parse_prefix(file, size, p, err, errlen) != 0) return -1;
+    const uint8_t *header = file + CKPT_PREFIX;
+    if (fl_crc32(fl_crc32(0, file, 24), header, p->header_len) != get_u32(file + 24))
+        return fail(err, errlen, "the header is corrupt (CRC-32 mismatch)");
+    return parse_header(header, p, err, errlen);
+}
+
+int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen) {
+    parsed p;
+    int rc = parse_image(file, size, &p, err, errlen);
+    if (rc == 0) { // the tensors' own checksums, as fl_ckpt_read checks them
+        const uint8_t *data = file + CKPT_PREFIX + p.header_len;
+        for (int i = 0; i < p.n_tensors && rc == 0; i++)
+            if (fl_crc32(0, data + p.tensors[i].offset, p.tensors[i].bytes) != p.tensors[i].crc)
+                rc = fail(err, errlen, "tensor '%s' is corrupt (CRC-32 mismatch)",
+                          p.tensors[i].name);
+    }
+    parsed_free(&p);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// reading
+
+struct fl_ckpt {
+    char path[FL_FILE_PATH_MAX];
+    int fd;
+    parsed p;
+};
+
+// DIR -> DIR/<name in DIR/latest>; a file stays as it is.
+static void resolve(const char *path, char *out, size_t size) {
+    struct stat st;
+    if (stat(path, &st) != 0) fl_die("cannot open checkpoint %s: %s", path, strerror(errno));
+    if (!S_ISDIR(st.st_mode)) {
+        snprintf(out, size, "%s", path);
+        return;
+    }
+    char latest[FL_FILE_PATH_MAX];
+    snprintf(latest, sizeof latest, "%s/latest", path);
+    FILE *f = fopen(latest, "rb");
+    if (!f)
+        fl_die("%s holds no checkpoint: cannot open %s: %s", path, latest, strerror(errno));
+    char name[64] = {0};
+    size_t n = fread(name, 1, sizeof name - 1, f);
     fclose(f);
-    if (get_u32(trailer) != crc)
-        fl_die("checkpoint %s is corrupt: CRC-32 mismatch (stored %08x, computed %08x)", path,
-               get_u32(trailer), crc);
+    while (n && (name[n - 1] == '\n' || name[n - 1] == '\r')) name[--n] = 0;
+    int step;
+    if (!is_ckpt_name(name, &step))
+        fl_die("%s does not name a checkpoint file (it says '%s')", latest, name);
+    if ((size_t)snprintf(out, size, "%s/%s", path, name) >= size)
+        fl_die("checkpoint path too long: %s", path);
+}
+
+fl_ckpt *fl_ckpt_open(const char *path) {
+    fl_ckpt *ck = fl_alloc(FL_MEM_OTHER, sizeof *ck);
+    resolve(path, ck->path, sizeof ck->path);
+    ck->fd = open(ck->path, O_RDONLY | O_CLOEXEC);
+    if (ck->fd < 0) fl_die("cannot open checkpoint %s: %s", ck->path, strerror(errno));
+    struct stat st;
+    if (fstat(ck->fd, &st) != 0) fl_die("cannot stat checkpoint %s", ck->path);
+    uint8_t prefix[CKPT_PREFIX] = {0};
+    char err[256];
+    size_t got = (size_t)pread(ck->fd, prefix, CKPT_PREFIX, 0);
+    if (parse_prefix(prefix, got < CKPT_PREFIX ? got : (uint64_t)st.st_size, &ck->p, err,
+                     sizeof err) != 0)
+        fl_die("checkpoint %s: %s", ck->path, err);
+    uint8_t *image = fl_alloc(FL_MEM_OTHER, CKPT_PREFIX + (size_t)ck->p.header_len);
+    memcpy(image, prefix, CKPT_PREFIX);
+    if (pread(ck->fd, image + CKPT_PREFIX, ck->p.header_len, CKPT_PREFIX) !=
+        (ssize_t)ck->p.header_len)
+        fl_die("cannot read checkpoint %s", ck->path);
+    uint64_t data_len = ck->p.data_len;
+    if (fl_crc32(fl_crc32(0, image, 24), image + CKPT_PREFIX, ck->p.header_len) !=
+        get_u32(image + 24))
+        fl_die("checkpoint %s: the header is corrupt (CRC-32 mismatch)", ck->path);
+    if (parse_header(image + CKPT_PREFIX, &ck->p, err, sizeof err) != 0)
+        fl_die("checkpoint %s: %s", ck->path, err);
+    FL_ASSERT(ck->p.data_len == data_len);
+    fl_free(image);
+    return ck;
+}
+
+void fl_ckpt_close(fl_ckpt *ck) {
+    if (!ck) return;
+    close(ck->fd);
+    parsed_free(&ck->p);
+    fl_free(ck);
+}
+
+const char *fl_ckpt_path(const fl_ckpt *ck) { return ck->path; }
+int fl_ckpt_step(const fl_ckpt *ck) { return ck->p.step; }
+const char *fl_ckpt_meta(const fl_ckpt *ck) { return ck->p.meta_json; }
+
+static const tensor_entry *find(const fl_ckpt *ck, const char *name) {
+    for (int i = 0; i < ck->p.n_tensors; i++)
+        if (!strcmp(ck->p.tensors[i].name, name)) return &ck->p.tensors[i];
+    return NULL;
+}
+
+int fl_ckpt_has(const fl_ckpt *ck, const char *name) { return find(ck, name) != NULL; }
+
+void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t numel) {
+    const tensor_entry *t = find(ck, name);
+    if (!t) fl_die("checkpoint %s has no tensor '%s'", ck->path, name);
+    if (t->numel != numel)
+        fl_die("checkpoint %s: tensor '%s' has %llu elements, this model needs %zu", ck->path,
+               name, (unsigned long long)t->numel, numel);
+    // Read in blocks straight into dst (converting when the dtypes differ),
+    // so a large checkpoint needs no second copy in memory.
+    size_t esize = fl_dtype_size(t->dtype), block = 1 << 20;
+    uint8_t *buf = t->dtype == dt ? NULL : fl_alloc(FL_MEM_WORKSPACE, block * esize);
+    uint64_t base = CKPT_PREFIX + (uint64_t)ck->p.header_len + t->offset;
+    uint32_t crc = 0;
+    for (size_t i = 0; i < numel; i += block) {
+        size_t n = numel - i < block ? numel - i : block;
+        uint8_t *into = buf ? buf : (uint8_t *)dst + i * esize;
+        size_t want = n * esize, got = 0;
+        while (got < want) {
+            ssize_t r = pread(ck->fd, into + got, want - got, (off_t)(base + i * esize + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) fl_die("cannot read checkpoint %s: %s", ck->path, r ? strerror(errno) : "end of file");
+            got += (size_t)r;
+        }
+        crc = fl_crc32(crc, into, want);
+        if (buf) fl_convert(dt, fl_at(dt, dst, i), t->dtype, buf, n);
+    }
+    fl_free(buf);
+    if (crc != t->crc)
+        fl_die("checkpoint %s: tensor '%s' is corrupt (CRC-32 mismatch: stored %08x, computed "
+               "%08x)",
+               ck->path, name, t->crc, crc);
 }

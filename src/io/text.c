@@ -1,9 +1,7 @@
-// text.c: byte-level text data. The byte tokenizer needs no files: a token is
-// a byte, so decoding is exact for any input, including invalid UTF-8.
+// text.c: text files, the input of `fitlm tokenize`, checked to be UTF-8.
 #include "fitlm/io.h"
 
 #include <errno.h>
-#include <math.h>
 #include <string.h>
 
 // Returns the offset of the first invalid UTF-8 sequence, or n.
@@ -50,44 +48,4 @@ void fl_text_free(fl_text *text) {
     fl_free(text->bytes);
     text->bytes = NULL;
     text->n = 0;
-}
-
-static void window(const fl_text *text, size_t start, int *inputs, int *targets, int T) {
-    for (int t = 0; t < T; t++) {
-        inputs[t] = text->bytes[start + t];
-        targets[t] = text->bytes[start + t + 1];
-    }
-}
-
-void fl_text_random_batch(const fl_text *text, fl_rng *rng, int *inputs, int *targets, int B,
-                          int T) {
-    if (text->n < (size_t)T + 1)
-        fl_die("the training text (%zu bytes) is shorter than one sequence of %d+1 tokens", text->n,
-               T);
-    size_t starts = text->n - (size_t)T; // valid start offsets
-    for (int b = 0; b < B; b++)
-        window(text, (size_t)fl_rng_below(rng, starts), inputs + (size_t)b * T,
-               targets + (size_t)b * T, T);
-}
-
-void fl_text_eval_batch(const fl_text *text, int index, int count, int *inputs, int *targets, int B,
-                        int T) {
-    if (text->n < (size_t)T + 1)
-        fl_die("the validation text (%zu bytes) is shorter than one sequence of %d+1 tokens",
-               text->n, T);
-    size_t windows = (size_t)B * count, span = text->n - (size_t)T - 1;
-    for (int b = 0; b < B; b++) {
-        size_t w = (size_t)index * B + b;
-        size_t start = windows > 1 ? span * w / (windows - 1) : 0;
-        window(text, start, inputs + (size_t)b * T, targets + (size_t)b * T, T);
-    }
-}
-
-double fl_text_unigram_xent(const fl_text *train, const fl_text *eval) {
-    double counts[256];
-    for (int i = 0; i < 256; i++) counts[i] = 1.0;
-    for (size_t i = 0; i < train->n; i++) counts[train->bytes[i]] += 1.0;
-    double total = train->n + 256.0, nll = 0.0;
-    for (size_t i = 0; i < eval->n; i++) nll -= log(counts[eval->bytes[i]] / total);
-    return nll / (double)eval->n;
 }

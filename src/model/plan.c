@@ -132,7 +132,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     for (int t = 0; t < FL_MEM_NTAGS; t++) b[t] += opt[t];
 
     // What `fitlm train` allocates besides the model and the optimizer: the
-    // training and validation texts (loaded whole), one micro-batch's inputs
+    // data loaders' tables and the tokenizer (measured), one micro-batch's inputs
     // and targets, and at the end, with all of that still allocated, the
     // sampled tokens and fl_gpt2_generate's buffers: an fp32 row of logits
     // (V floats) and, inside it, the sampler's (logit, id) sort buffer (V x 8).

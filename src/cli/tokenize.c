@@ -1,0 +1,235 @@
+// tokenize.c: `fitlm tokenize`: text files to token shards. Documents are
+// separated by a blank line (or --doc-separator); each document's tokens are
+// preceded by <|endoftext|> (as GPT-2's training data and llm.c's shards
+// are); every k-th document goes to the validation split (k = 1/fraction), so
+// the split is the same on every run and spread over the whole input.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <errno.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "fitlm/data.h"
+#include "fitlm/io.h"
+#include "fitlm/tokenizer.h"
+
+typedef struct {
+    const char *out, *tokenizer, *tokenizer_path;
+    char separator[64];
+    double val_fraction;
+    uint64_t shard_tokens;
+    int threads;
+} tokenize_options;
+
+typedef struct {
+    const uint8_t *text;
+    size_t n;
+    int val;
+} document;
+
+// One split's output: tokens gathered until a shard is full.
+typedef struct {
+    const char *name, *dir, *tokenizer;
+    uint32_t vocab;
+    uint64_t shard_tokens;
+    int32_t *buf;
+    uint64_t n, source_bytes, total_tokens, total_bytes;
+    int shards;
+} split_writer;
+
+static void flush(split_writer *w) {
+    if (!w->n) return;
+    char path[FL_FILE_PATH_MAX];
+    snprintf(path, sizeof path, "%s/%s_%06d.bin", w->dir, w->name, w->shards++);
+    fl_shard_write(path, w->tokenizer, w->vocab, w->buf, w->n, w->source_bytes);
+    w->n = w->source_bytes = 0;
+}
+
+static void append(split_writer *w, const int32_t *ids, size_t n, size_t source_bytes) {
+    w->source_bytes += source_bytes; // counted in the shard where the document starts
+    w->total_bytes += source_bytes;
+    w->total_tokens += n;
+    while (n) {
+        size_t room = (size_t)(w->shard_tokens - w->n), take = n < room ? n : room;
+        memcpy(w->buf + w->n, ids, take * sizeof(int32_t));
+        w->n += take;
+        ids += take;
+        n -= take;
+        if (w->n == w->shard_tokens) flush(w);
+    }
+}
+
+// Shards of an earlier, longer run would otherwise join this data set.
+static void remove_stale_shards(const split_writer *w) {
+    for (int i = w->shards;; i++) {
+        char path[FL_FILE_PATH_MAX];
+        snprintf(path, sizeof path, "%s/%s_%06d.bin", w->dir, w->name, i);
+        if (unlink(path) != 0) break;
+    }
+}
+
+static void help(void) {
+    printf("usage: fitlm tokenize INPUT... -o DIR [options]\n\n"
+           "Tokenizes UTF-8 text files into token shards for `fitlm train --data DIR`:\n"
+           "DIR/train_000000.bin, ... and DIR/val_000000.bin, ...\n\n"
+           "  -o, --out DIR           output directory (created)\n"
+           "  --tokenizer NAME        gpt2 or byte (default: gpt2)\n"
+           "  --tokenizer-path DIR    the gpt2 tokenizer's encoder.json and vocab.bpe (default: "
+           "data/gpt2)\n"
+           "  --val-fraction F        share of documents for validation, in [0, 0.5] (default: "
+           "0.05)\n"
+           "  --doc-separator TEXT    text between documents, with \\n and \\t escapes (default: "
+           "\\n\\n, a blank line)\n"
+           "  --shard-tokens N        tokens per shard file (default: 100000000)\n"
+           "  --threads N             threads, 0 = all cores (default: 0)\n");
+}
+
+static double number(const char *flag, const char *text, double min, double max) {
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (end == text || *end || errno || !(v >= min && v <= max))
+        fl_die("option %s expects a number in [%g, %g], got '%s'", flag, min, max, text);
+    return v;
+}
+
+static void unescape(char *out, size_t size, const char *in) {
+    size_t n = 0;
+    for (; *in; in++) {
+        char c = *in;
+        if (c == '\\' && in[1]) {
+            in++;
+            c = *in == 'n' ? '\n' : *in == 't' ? '\t' : *in == 'r' ? '\r' : *in;
+        }
+        if (n + 1 >= size) fl_die("--doc-separator is too long");
+        out[n++] = c;
+    }
+    out[n] = 0;
+    if (!n) fl_die("--doc-separator must not be empty");
+}
+
+// Splits text into documents at the separator; empty documents are dropped.
+static size_t split_documents(const fl_text *t, const char *sep, document *docs, size_t cap) {
+    size_t n = 0, sep_len = strlen(sep), start = 0;
+    while (start < t->n) {
+        const uint8_t *hit = memmem(t->bytes + start, t->n - start, sep, sep_len);
+        size_t end = hit ? (size_t)(hit - t->bytes) : t->n;
+        if (end > start) {
+            if (docs && n < cap) docs[n] = (document){t->bytes + start, end - start, 0};
+            n++;
+        }
+        start = end + (hit ? sep_len : 0);
+    }
+    return n;
+}
+
+int cmd_tokenize(int argc, char **argv) {
+    if (wants_help(argc, argv)) {
+        help();
+        return 0;
+    }
+    tokenize_options o = {NULL, "gpt2", "data/gpt2", "\n\n", 0.05, 100000000, 0};
+    const char **inputs = fl_alloc(FL_MEM_OTHER, ((size_t)argc + 1) * sizeof *inputs);
+    int n_inputs = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "-", 1) != 0) {
+            inputs[n_inputs++] = a;
+            continue;
+        }
+        if (i + 1 >= argc) fl_die("option %s needs a value", a);
+        const char *v = argv[++i];
+        if (!strcmp(a, "-o") || !strcmp(a, "--out"))
+            o.out = v;
+        else if (!strcmp(a, "--tokenizer"))
+            o.tokenizer = v;
+        else if (!strcmp(a, "--tokenizer-path"))
+            o.tokenizer_path = v;
+        else if (!strcmp(a, "--val-fraction"))
+            o.val_fraction = number(a, v, 0, 0.5);
+        else if (!strcmp(a, "--doc-separator"))
+            unescape(o.separator, sizeof o.separator, v);
+        else if (!strcmp(a, "--shard-tokens"))
+            o.shard_tokens = (uint64_t)number(a, v, 1024, 1e12);
+        else if (!strcmp(a, "--threads"))
+            o.threads = (int)number(a, v, 0, 4096);
+        else
+            fl_die("unknown option '%s' (see --help)", a);
+    }
+    if (!n_inputs) fl_die("no input files (usage: fitlm tokenize INPUT... -o DIR)");
+    if (!o.out) fl_die("no output directory: give -o DIR");
+    if (o.threads) fl_set_threads(o.threads);
+    fl_tokenizer *tok = fl_tokenizer_load(o.tokenizer, o.tokenizer_path);
+    if (mkdir(o.out, 0755) != 0 && errno != EEXIST)
+        fl_die("cannot create output directory %s: %s", o.out, strerror(errno));
+
+    double t0 = fl_now();
+    fl_text *texts = fl_alloc(FL_MEM_OTHER, (size_t)n_inputs * sizeof(fl_text));
+    size_t n_docs = 0, in_bytes = 0;
+    for (int i = 0; i < n_inputs; i++) {
+        fl_text_load(&texts[i], inputs[i]);
+        n_docs += split_documents(&texts[i], o.separator, NULL, 0);
+        in_bytes += texts[i].n;
+    }
+    if (!n_docs) fl_die("the input holds no documents");
+    document *docs = fl_alloc(FL_MEM_OTHER, n_docs * sizeof(document));
+    for (int i = 0, d = 0; i < n_inputs; i++)
+        d += (int)split_documents(&texts[i], o.separator, docs + d, n_docs - (size_t)d);
+    size_t n_val = 0;
+    for (size_t d = 0; d < n_docs; d++) {
+        // document d is the first one past each multiple of 1/fraction
+        docs[d].val = floor((double)(d + 1) * o.val_fraction) > floor((double)d * o.val_fraction);
+        n_val += (size_t)docs[d].val;
+    }
+    if (o.val_fraction > 0 && n_val == 0)
+        fl_die("%zu documents are too few for a validation fraction of %g", n_docs,
+               o.val_fraction);
+
+    fl_tokens *encoded = fl_alloc(FL_MEM_OTHER, n_docs * sizeof(fl_tokens));
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t d = 0; d < n_docs; d++)
+        fl_tokenizer_encode(tok, docs[d].text, docs[d].n, &encoded[d]);
+
+    uint32_t vocab = (uint32_t)fl_tokenizer_vocab_size(tok);
+    int32_t eot = fl_tokenizer_eot(tok);
+    split_writer w[2] = {{"train", o.out, o.tokenizer, vocab, o.shard_tokens, NULL, 0, 0, 0, 0, 0},
+                         {"val", o.out, o.tokenizer, vocab, o.shard_tokens, NULL, 0, 0, 0, 0, 0}};
+    uint64_t split_tokens[2] = {0, 0}; // a shard buffer no larger than its split
+    for (size_t d = 0; d < n_docs; d++) split_tokens[docs[d].val] += 1 + encoded[d].n;
+    for (int s = 0; s < 2; s++) {
+        uint64_t n = split_tokens[s] < o.shard_tokens ? split_tokens[s] : o.shard_tokens;
+        w[s].buf = fl_alloc(FL_MEM_OTHER, (size_t)(n ? n : 1) * sizeof(int32_t));
+    }
+    for (size_t d = 0; d < n_docs; d++) {
+        split_writer *out = &w[docs[d].val];
+        append(out, &eot, 1, 0);
+        append(out, encoded[d].ids, encoded[d].n, docs[d].n);
+        fl_tokens_free(&encoded[d]);
+    }
+    for (int s = 0; s < 2; s++) {
+        flush(&w[s]);
+        remove_stale_shards(&w[s]);
+    }
+    double seconds = fl_now() - t0;
+    for (int s = 0; s < 2; s++)
+        if (w[s].shards)
+            printf("%s: %zu documents, %llu bytes -> %llu tokens (%.2f bytes/token) in %d "
+                   "shard(s) %s/%s_*.bin\n",
+                   w[s].name, s ? n_val : n_docs - n_val, (unsigned long long)w[s].total_bytes,
+                   (unsigned long long)w[s].total_tokens,
+                   (double)w[s].total_bytes / (double)w[s].total_tokens, w[s].shards, o.out,
+                   w[s].name);
+    printf("tokenizer %s (vocab %u); %zu input bytes in %.2f s (%.1f MB/s)\n", o.tokenizer, vocab,
+           in_bytes, seconds, (double)in_bytes / 1e6 / seconds);
+    for (int s = 0; s < 2; s++) fl_free(w[s].buf);
+    fl_free(encoded);
+    fl_free(docs);
+    for (int i = 0; i < n_inputs; i++) fl_text_free(&texts[i]);
+    fl_free(texts);
+    fl_free(inputs);
+    fl_tokenizer_free(tok);
+    return 0;
+}

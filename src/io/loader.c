@@ -1,0 +1,170 @@
+// loader.c: batches from token shards. An epoch's window order is a keyed
+// bijection on [0, windows) (a small Feistel network with cycle walking), so
+// shuffling costs no memory and the position is three integers and a key.
+#include <errno.h>
+#include <glob.h>
+#include <math.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "fitlm/data.h"
+
+static uint64_t mix64(uint64_t x) { // splitmix64's finaliser
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// A bijection on [0, n): four Feistel rounds on the smallest even-width
+// power of two >= n, re-applied until the value falls inside [0, n) (at
+// most 4x the domain, so a few rounds on average).
+static uint64_t permute(uint64_t x, uint64_t n, const uint64_t key[2]) {
+    int half = 1;
+    while (half < 32 && (1ull << (2 * half)) < n) half++;
+    uint64_t mask = (1ull << half) - 1;
+    do {
+        uint64_t left = x >> half, right = x & mask;
+        for (int r = 0; r < 4; r++) {
+            uint64_t f = mix64(right ^ key[r & 1] ^ ((uint64_t)r << 56)) & mask;
+            uint64_t next = left ^ f;
+            left = right;
+            right = next;
+        }
+        x = left << half | right;
+    } while (x >= n);
+    return x;
+}
+
+static void new_epoch_key(fl_loader_state *s) {
+    s->key[0] = fl_rng_u64(&s->rng);
+    s->key[1] = fl_rng_u64(&s->rng);
+}
+
+static void add_shard(fl_loader *l, const char *path, int capacity) {
+    FL_ASSERT(l->n_shards < capacity);
+    fl_shard *s = &l->shards[l->n_shards++];
+    fl_shard_open(s, path);
+    if (l->n_shards == 1) {
+        strcpy(l->tokenizer, s->tokenizer);
+        l->vocab_size = s->vocab_size;
+    } else if (strcmp(s->tokenizer, l->tokenizer) || s->vocab_size != l->vocab_size) {
+        fl_die("token shard %s (tokenizer %s, vocabulary %u) does not match %s (tokenizer %s, "
+               "vocabulary %u)",
+               path, s->tokenizer, s->vocab_size, l->shards[0].path, l->tokenizer, l->vocab_size);
+    }
+}
+
+void fl_loader_open(fl_loader *l, const char *pattern, const char *split, int T, uint64_t seed,
+                    int shuffle, int rank, int world) {
+    memset(l, 0, sizeof *l);
+    FL_ASSERT(T > 0 && world > 0 && rank >= 0 && rank < world);
+    l->T = T;
+    l->rank = rank;
+    l->world = world;
+    l->shuffle = shuffle;
+    char glob_pattern[1200];
+    struct stat st;
+    if (stat(pattern, &st) == 0 && S_ISDIR(st.st_mode))
+        snprintf(glob_pattern, sizeof glob_pattern, "%s/%s_*.bin", pattern, split);
+    else
+        snprintf(glob_pattern, sizeof glob_pattern, "%s", pattern);
+    glob_t g;
+    int rc = glob(glob_pattern, 0, NULL, &g);
+    if (rc != 0 || g.gl_pathc == 0) {
+        if (rc != GLOB_NOMATCH && rc != 0) fl_die("cannot list %s data %s", split, glob_pattern);
+        fl_die("no %s token shards at %s%s", split, glob_pattern,
+               stat(pattern, &st) != 0 && errno == ENOENT
+                   ? " (make them with 'fitlm tokenize'; the default data comes from "
+                     "scripts/demo.sh)"
+                   : "");
+    }
+    int n = (int)g.gl_pathc;
+    l->shards = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof(fl_shard));
+    l->first_window = fl_alloc(FL_MEM_OTHER, (size_t)(n + 1) * sizeof(uint64_t));
+    for (int i = 0; i < n; i++) add_shard(l, g.gl_pathv[i], n);
+    globfree(&g);
+    for (int i = 0; i < n; i++) {
+        const fl_shard *s = &l->shards[i];
+        uint64_t w = s->n_tokens > (uint64_t)T ? (s->n_tokens - 1) / (uint64_t)T : 0;
+        l->first_window[i + 1] = l->first_window[i] + w;
+        l->n_tokens += s->n_tokens;
+        l->source_bytes += s->source_bytes;
+    }
+    l->n_windows = l->first_window[n];
+    l->per_rank = l->n_windows / (uint64_t)world;
+    if (l->per_rank == 0)
+        fl_die("the %s data %s (%llu tokens) holds %llu windows of %d+1 tokens: too few for %d "
+               "rank(s)",
+               split, pattern, (unsigned long long)l->n_tokens, (unsigned long long)l->n_windows,
+               T, world);
+    fl_rng_seed(&l->state.rng, seed);
+    new_epoch_key(&l->state);
+}
+
+void fl_loader_close(fl_loader *l) {
+    for (int i = 0; i < l->n_shards; i++) fl_shard_close(&l->shards[i]);
+    fl_free(l->shards);
+    fl_free(l->first_window);
+    memset(l, 0, sizeof *l);
+}
+
+// Window w (global numbering) into inputs/targets (T each).
+static void read_window(const fl_loader *l, uint64_t w, int *inputs, int *targets) {
+    int lo = 0, hi = l->n_shards - 1; // the shard whose windows include w
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (l->first_window[mid] <= w)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const fl_shard *s = &l->shards[lo];
+    uint64_t start = (w - l->first_window[lo]) * (uint64_t)l->T;
+    for (int t = 0; t < l->T; t++) {
+        inputs[t] = (int)fl_shard_token(s, start + t);
+        targets[t] = (int)fl_shard_token(s, start + t + 1);
+    }
+}
+
+void fl_loader_next(fl_loader *l, int *inputs, int *targets, int B) {
+    fl_loader_state *s = &l->state;
+    for (int b = 0; b < B; b++) {
+        if (s->index == l->per_rank) {
+            s->epoch++;
+            s->index = 0;
+            new_epoch_key(s);
+        }
+        uint64_t g = (uint64_t)l->rank + (uint64_t)l->world * s->index++;
+        uint64_t w = l->shuffle ? permute(g, l->n_windows, s->key) : g;
+        read_window(l, w, inputs + (size_t)b * l->T, targets + (size_t)b * l->T);
+    }
+}
+
+void fl_loader_eval_batch(const fl_loader *l, int index, int count, int *inputs, int *targets,
+                          int B) {
+    uint64_t total = (uint64_t)B * (uint64_t)count;
+    for (int b = 0; b < B; b++) {
+        uint64_t k = (uint64_t)index * (uint64_t)B + (uint64_t)b;
+        uint64_t w = (uint64_t)((double)k * (double)l->n_windows / (double)total);
+        read_window(l, w < l->n_windows ? w : l->n_windows - 1, inputs + (size_t)b * l->T,
+                    targets + (size_t)b * l->T);
+    }
+}
+
+double fl_loader_unigram_xent(const fl_loader *train, const fl_loader *eval) {
+    FL_ASSERT(train->vocab_size == eval->vocab_size);
+    size_t V = train->vocab_size;
+    double *counts = fl_alloc(FL_MEM_OTHER, V * sizeof(double));
+    for (size_t v = 0; v < V; v++) counts[v] = 1.0;
+    for (int i = 0; i < train->n_shards; i++)
+        for (uint64_t k = 0; k < train->shards[i].n_tokens; k++)
+            counts[fl_shard_token(&train->shards[i], k)] += 1.0;
+    double total = (double)train->n_tokens + (double)V, nll = 0.0;
+    for (int i = 0; i < eval->n_shards; i++)
+        for (uint64_t k = 0; k < eval->shards[i].n_tokens; k++)
+            nll -= log(counts[fl_shard_token(&eval->shards[i], k)] / total);
+    fl_free(counts);
+    return nll / (double)eval->n_tokens;
+}
