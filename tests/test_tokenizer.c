@@ -257,6 +257,34 @@ static void test_random(const fl_tokenizer *tok) {
     t_check(bad == 0, "%d random byte strings decode back (%d differ)", strings, bad);
 }
 
+// Random words, more distinct ones than the per-call cache holds (it grows,
+// then starts afresh): encoding the whole text at once gives the same ids as
+// encoding it line by line, each line with a cold cache.
+static void test_cache_limit(const fl_tokenizer *tok) {
+    enum { WORDS = 300000 };
+    uint8_t *text = malloc((size_t)WORDS * 8);
+    size_t n = 0;
+    fl_rng rng;
+    fl_rng_seed(&rng, 99);
+    for (int w = 0; w < WORDS; w++) {
+        for (int k = 3 + (int)fl_rng_below(&rng, 4); k > 0; k--)
+            text[n++] = (uint8_t)('a' + fl_rng_below(&rng, 26));
+        text[n++] = w % 10 == 9 ? '\n' : ' ';
+    }
+    fl_tokens whole = {0}, lines = {0};
+    fl_tokenizer_encode(tok, text, n, &whole);
+    for (size_t i = 0, j; i < n; i = j) {
+        for (j = i; text[j] != '\n'; j++) continue;
+        fl_tokenizer_encode(tok, text + i, ++j - i, &lines);
+    }
+    t_check(whole.n == lines.n && !memcmp(whole.ids, lines.ids, whole.n * sizeof *whole.ids) &&
+                decodes_to(tok, &whole, text, n),
+            "%d random words: the same ids at once and line by line", WORDS);
+    fl_tokens_free(&whole);
+    fl_tokens_free(&lines);
+    free(text);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     snprintf(gpt2_dir, sizeof gpt2_dir, "%s", t_source_path("data/gpt2"));
@@ -271,6 +299,7 @@ int main(void) {
     t_check(len == 13 && !memcmp(b, "<|endoftext|>", 13), "gpt2: eot's bytes");
     test_fixture(tok);
     test_random(tok);
+    test_cache_limit(tok);
     test_corpus(tok);
     fl_tokenizer_free(tok);
     char cmd[256];

@@ -1,6 +1,9 @@
 // tokenizer.h: text to token ids and back. Two tokenizers: "byte" (a token
 // is a byte) and "gpt2" (OpenAI's GPT-2 byte-level BPE, identical to its
 // encoder.py). Decoding is concatenating token bytes, exact for any input.
+// Any bytes can be encoded: a byte of invalid UTF-8 is a character of its
+// own that is neither letter, number nor space (what encoder.py's regex sees
+// when the bytes are decoded with Python's 'surrogateescape').
 #ifndef FITLM_TOKENIZER_H
 #define FITLM_TOKENIZER_H
 
