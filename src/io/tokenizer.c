@@ -1,0 +1,274 @@
+// tokenizer.c: loading the tokenizers. "gpt2" reads OpenAI's encoder.json
+// (token -> id) and vocab.bpe (the merges, in rank order). Both write tokens
+// in GPT-2's byte alphabet, one printable code point per byte
+// (bytes_to_unicode in encoder.py); the tables here hold the raw bytes.
+#include "bpe.h"
+
+#include <errno.h>
+#include <cJSON.h>
+
+#include "fitlm/core.h"
+
+enum { ALPHABET = 256 + 68 }; // the alphabet's code points are all below this
+
+static int printable(int b) {
+    return (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
+}
+
+// byte_of[cp]: the byte GPT-2 writes as code point cp, or -1.
+static void byte_decoder(int16_t byte_of[ALPHABET]) {
+    for (int cp = 0; cp < ALPHABET; cp++) byte_of[cp] = -1;
+    int k = 0;
+    for (int b = 0; b < 256; b++) byte_of[printable(b) ? b : 256 + k++] = (int16_t)b;
+}
+
+// Maps a token written in the byte alphabet (UTF-8) back to its bytes; out
+// has room for n. Returns the length, or -1 for a character outside it.
+static long unmap(const int16_t *byte_of, const char *str, size_t n, uint8_t *out) {
+    const uint8_t *s = (const uint8_t *)str;
+    long len = 0;
+    for (size_t i = 0; i < n; i++) {
+        int cp = s[i];
+        if (cp >= 0xc2 && cp <= 0xdf && i + 1 < n && (s[i + 1] & 0xc0) == 0x80)
+            cp = (cp & 0x1f) << 6 | (s[++i] & 0x3f);
+        else if (cp >= 0x80)
+            return -1;
+        if (cp >= ALPHABET || byte_of[cp] < 0) return -1;
+        out[len++] = (uint8_t)byte_of[cp];
+    }
+    return len;
+}
+
+static char *read_file(const char *path, size_t *size) {
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        fl_die("cannot open tokenizer file %s: %s%s", path, strerror(errno),
+               errno == ENOENT ? " (scripts/setup.sh fetches the GPT-2 files)" : "");
+    if (fseek(f, 0, SEEK_END) != 0) fl_die("tokenizer file %s: cannot seek", path);
+    long n = ftell(f);
+    if (n <= 0) fl_die("tokenizer file %s is empty or unreadable", path);
+    fseek(f, 0, SEEK_SET);
+    char *text = fl_alloc(FL_MEM_OTHER, (size_t)n + 1); // zero-filled: NUL-terminated
+    if (fread(text, 1, (size_t)n, f) != (size_t)n) fl_die("cannot read tokenizer file %s", path);
+    fclose(f);
+    *size = (size_t)n;
+    return text;
+}
+
+static int table_bits(size_t entries) { // a power of two at most half full
+    int bits = 4;
+    while (((size_t)1 << bits) < 2 * entries) bits++;
+    return bits;
+}
+
+// Token bytes -> id, needed only while the merges are read.
+typedef struct {
+    int32_t *ids; // id + 1, 0 when empty
+    uint64_t mask;
+    int shift;
+} str_table;
+
+static int32_t *str_slot(const fl_tokenizer *tok, const str_table *t, const uint8_t *s, size_t n) {
+    for (uint64_t i = bpe_hash(s, n) >> t->shift;; i = (i + 1) & t->mask) {
+        int32_t id = t->ids[i] - 1;
+        if (id < 0) return &t->ids[i];
+        if (tok->offs[id + 1] - tok->offs[id] == n && !memcmp(tok->bytes + tok->offs[id], s, n))
+            return &t->ids[i];
+    }
+}
+
+static int32_t str_find(const fl_tokenizer *tok, const str_table *t, const void *s, size_t n) {
+    return *str_slot(tok, t, s, n) - 1;
+}
+
+static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byte_of,
+                         str_table *st) {
+    size_t size;
+    char *text = read_file(path, &size);
+    cJSON *root = cJSON_ParseWithLength(text, size);
+    if (!root) {
+        const char *at = cJSON_GetErrorPtr();
+        fl_die("tokenizer file %s is not valid JSON (near byte %ld)", path,
+               at ? (long)(at - text) : -1L);
+    }
+    if (!cJSON_IsObject(root) || !root->child)
+        fl_die("tokenizer file %s: expected a JSON object {\"token\": id, ...}", path);
+    int count = cJSON_GetArraySize(root);
+    uint32_t *len = fl_alloc(FL_MEM_OTHER, (size_t)count * sizeof *len); // length + 1; 0: unseen
+    uint8_t *buf = fl_alloc(FL_MEM_OTHER, size);
+    size_t total = 0;
+    for (const cJSON *it = root->child; it; it = it->next) {
+        double v = it->valuedouble;
+        if (!cJSON_IsNumber(it) || !(v >= 0 && v < count) || v != (int)v)
+            fl_die("tokenizer file %s: key \"%.60s\": the id must be an integer in 0..%d", path,
+                   it->string, count - 1);
+        long n = unmap(byte_of, it->string, strlen(it->string), buf);
+        if (n <= 0)
+            fl_die("tokenizer file %s: key \"%.60s\" is not a token in GPT-2's byte alphabet", path,
+                   it->string);
+        if (len[(int)v]) fl_die("tokenizer file %s: id %d is used twice", path, (int)v);
+        len[(int)v] = (uint32_t)n + 1;
+        total += (size_t)n;
+    }
+    // ids 0..count-1 each used once: the vocabulary is dense
+    tok->vocab = count;
+    tok->offs = fl_alloc(FL_MEM_OTHER, ((size_t)count + 1) * sizeof *tok->offs);
+    tok->bytes = fl_alloc(FL_MEM_OTHER, total);
+    for (int id = 0; id < count; id++) tok->offs[id + 1] = tok->offs[id] + len[id] - 1;
+    for (const cJSON *it = root->child; it; it = it->next)
+        unmap(byte_of, it->string, strlen(it->string),
+              tok->bytes + tok->offs[(int)it->valuedouble]);
+
+    int bits = table_bits((size_t)count);
+    st->ids = fl_alloc(FL_MEM_OTHER, ((size_t)1 << bits) * sizeof *st->ids);
+    st->mask = ((uint64_t)1 << bits) - 1;
+    st->shift = 64 - bits;
+    for (int id = 0; id < count; id++) {
+        const uint8_t *s = tok->bytes + tok->offs[id];
+        int32_t *slot = str_slot(tok, st, s, len[id] - 1);
+        if (*slot)
+            fl_die("tokenizer file %s: ids %d and %d are the same token", path, *slot - 1, id);
+        *slot = id + 1;
+    }
+    for (int b = 0; b < 256; b++) {
+        uint8_t byte = (uint8_t)b;
+        tok->byte_id[b] = str_find(tok, st, &byte, 1);
+        if (tok->byte_id[b] < 0) fl_die("tokenizer file %s has no token for byte 0x%02x", path, b);
+    }
+    tok->eot = str_find(tok, st, "<|endoftext|>", 13);
+    if (tok->eot < 0) fl_die("tokenizer file %s has no <|endoftext|> token", path);
+    cJSON_Delete(root);
+    fl_free(buf);
+    fl_free(len);
+    fl_free(text);
+}
+
+// Whether every merge ranks below all merges that use the token it makes.
+static int merges_ordered(const fl_tokenizer *tok) {
+    int32_t *made = fl_alloc(FL_MEM_OTHER, (size_t)tok->vocab * sizeof *made); // last rank + 1
+    for (uint64_t i = 0; i <= tok->merge_mask; i++)
+        if (tok->merges[i].key && made[tok->merges[i].id] <= tok->merges[i].rank)
+            made[tok->merges[i].id] = tok->merges[i].rank + 1;
+    int ordered = 1;
+    for (uint64_t i = 0; i <= tok->merge_mask; i++) {
+        const fl_bpe_merge *m = &tok->merges[i];
+        int32_t left = (int32_t)(m->key >> 32) - 1, right = (int32_t)(uint32_t)m->key;
+        if (m->key && (made[left] > m->rank || made[right] > m->rank)) ordered = 0;
+    }
+    fl_free(made);
+    return ordered;
+}
+
+// vocab.bpe: a "#version" line, then one merge "A B" per line, by rank.
+static void load_merges(fl_tokenizer *tok, const char *path, const int16_t *byte_of,
+                        const str_table *st) {
+    size_t size;
+    char *text = read_file(path, &size);
+    if (strncmp(text, "#version", 8) != 0)
+        fl_die("tokenizer file %s line 1: expected the \"#version\" header", path);
+    size_t lines = 0;
+    for (size_t i = 0; i < size; i++) lines += text[i] == '\n';
+    int bits = table_bits(lines);
+    tok->merges = fl_alloc(FL_MEM_OTHER, ((size_t)1 << bits) * sizeof *tok->merges);
+    tok->merge_mask = ((uint64_t)1 << bits) - 1;
+    tok->merge_shift = 64 - bits;
+    uint8_t *buf = fl_alloc(FL_MEM_OTHER, size);
+    const char *p = strchr(text, '\n'), *end = text + size;
+    int line = 1, rank = 0;
+    for (p = p ? p + 1 : end; p < end; p++) {
+        line++;
+        const char *eol = memchr(p, '\n', (size_t)(end - p));
+        if (!eol) eol = end; // a last line without its newline still counts
+        const char *sp = memchr(p, ' ', (size_t)(eol - p));
+        if (!sp || sp == p || sp + 1 == eol || memchr(sp + 1, ' ', (size_t)(eol - sp - 1)))
+            fl_die("tokenizer file %s line %d: expected two tokens separated by one space", path,
+                   line);
+        long a = unmap(byte_of, p, (size_t)(sp - p), buf);
+        long b = a < 0 ? -1 : unmap(byte_of, sp + 1, (size_t)(eol - sp - 1), buf + a);
+        if (b < 0)
+            fl_die("tokenizer file %s line %d: a character outside GPT-2's byte alphabet", path,
+                   line);
+        int32_t left = str_find(tok, st, buf, (size_t)a);
+        int32_t right = str_find(tok, st, buf + a, (size_t)b);
+        int32_t merged = str_find(tok, st, buf, (size_t)(a + b));
+        if (left < 0 || right < 0 || merged < 0)
+            fl_die("tokenizer file %s line %d: the merge \"%.*s\" uses or makes a token that is "
+                   "not in encoder.json",
+                   path, line, (int)(eol - p), p);
+        // a pair listed twice keeps its last rank, as encoder.py's dict does
+        fl_bpe_merge *m = bpe_merge_slot(tok, bpe_pair_key(left, right));
+        *m = (fl_bpe_merge){bpe_pair_key(left, right), rank++, merged};
+        p = eol;
+    }
+    fl_free(buf);
+    fl_free(text);
+    tok->ordered = merges_ordered(tok);
+}
+
+static void load_gpt2(fl_tokenizer *tok, const char *dir) {
+    char path[4096];
+    int16_t byte_of[ALPHABET];
+    byte_decoder(byte_of);
+    str_table st;
+    if ((size_t)snprintf(path, sizeof path, "%s/encoder.json", dir) >= sizeof path)
+        fl_die("tokenizer directory name is too long: %s", dir);
+    load_encoder(tok, path, byte_of, &st);
+    snprintf(path, sizeof path, "%s/vocab.bpe", dir);
+    load_merges(tok, path, byte_of, &st);
+    fl_free(st.ids);
+}
+
+static void load_byte(fl_tokenizer *tok) {
+    tok->vocab = 257;
+    tok->eot = 256;
+    tok->offs = fl_alloc(FL_MEM_OTHER, 258 * sizeof *tok->offs);
+    tok->bytes = fl_alloc(FL_MEM_OTHER, 256 + 13);
+    for (int b = 0; b < 256; b++) {
+        tok->bytes[b] = (uint8_t)b;
+        tok->offs[b] = (uint32_t)b;
+        tok->byte_id[b] = b;
+    }
+    memcpy(tok->bytes + 256, "<|endoftext|>", 13);
+    tok->offs[256] = 256;
+    tok->offs[257] = 256 + 13;
+}
+
+fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir) {
+    if (strcmp(name, "byte") != 0 && strcmp(name, "gpt2") != 0)
+        fl_die("unknown tokenizer \"%s\" (known: byte, gpt2)", name);
+    fl_tokenizer *tok = fl_alloc(FL_MEM_OTHER, sizeof *tok);
+    snprintf(tok->name, sizeof tok->name, "%s", name);
+    if (!strcmp(name, "byte"))
+        load_byte(tok);
+    else
+        load_gpt2(tok, dir ? dir : "data/gpt2");
+    return tok;
+}
+
+void fl_tokenizer_free(fl_tokenizer *tok) {
+    if (!tok) return;
+    fl_free(tok->bytes);
+    fl_free(tok->offs);
+    fl_free(tok->merges);
+    fl_free(tok);
+}
+
+const char *fl_tokenizer_name(const fl_tokenizer *tok) {
+    return tok->name;
+}
+
+int fl_tokenizer_vocab_size(const fl_tokenizer *tok) {
+    return tok->vocab;
+}
+
+int fl_tokenizer_eot(const fl_tokenizer *tok) {
+    return tok->eot;
+}
+
+const uint8_t *fl_tokenizer_token_bytes(const fl_tokenizer *tok, int id, size_t *len) {
+    if (id < 0 || id >= tok->vocab)
+        fl_die("token id %d is out of range for the %s tokenizer (vocabulary %d)", id, tok->name,
+               tok->vocab);
+    *len = tok->offs[id + 1] - tok->offs[id];
+    return tok->bytes + tok->offs[id];
+}
