@@ -202,7 +202,6 @@ static void test_corpus(const fl_tokenizer *tok) {
     fl_tokens_free(&v);
     fl_tokens_free(&t);
     free(train);
-    free(val);
 }
 
 // Random byte strings: uniform bytes, and mixes of the pre-tokenizer's
