@@ -49,4 +49,20 @@ void fl_ckpt_load(const char *dir, fl_gpt2 *model, fl_dtype dt, char *tokenizer,
 
 uint32_t fl_crc32(uint32_t crc, const void *data, size_t n);
 
+// ----------------------------------------------------------------------------
+// files: crash-safe writes (PATH.tmp, fsync, rename over PATH, fsync the
+// directory) and whole-file reads. All die with a message naming the file.
+
+typedef struct {
+    int fd;
+    char path[4096], tmp[4104];
+} fl_file_writer;
+
+void fl_file_create(fl_file_writer *w, const char *path); // opens PATH.tmp
+void fl_file_write(fl_file_writer *w, const void *data, size_t n);
+void fl_file_commit(fl_file_writer *w); // fsync, rename over PATH, fsync the directory
+void fl_file_write_all(const char *path, const void *data, size_t n);
+// The whole file, NUL-terminated (fl_free it); refuses files over max_bytes.
+char *fl_file_read(const char *path, size_t max_bytes, size_t *n);
+
 #endif
