@@ -58,6 +58,7 @@ The output is deterministic: running the script twice gives a byte-identical
 file.
 """
 
+import json
 import math
 import os
 import struct
@@ -195,6 +196,81 @@ class Writer:
         self.buf += struct.pack(fmt % len(vals), *vals)
 
 
+# ---------------------------------------------------------------------------
+# the same initial weights in the model-file formats fitlm imports, written
+# here byte by byte (no safetensors or transformers package needed)
+
+LLMC_VP = 80  # llm.c's padded vocab, deliberately not fitlm's (128)
+
+
+def f32_bytes(t):
+    vals = t.detach().to(torch.float32).contiguous().reshape(-1).tolist()
+    return struct.pack("<%df" % len(vals), *vals)
+
+
+def bf16_bytes(t):
+    """Round to nearest even, as llm.c's exporter (and fitlm) do."""
+    bits = t.detach().to(torch.bfloat16).contiguous().view(torch.int16).reshape(-1).tolist()
+    return struct.pack("<%dh" % len(bits), *bits)
+
+
+def write_hf(out_dir, params):
+    """config.json and model.safetensors as transformers' save_pretrained
+    writes GPT2LMHeadModel: "transformer." names, Conv1D weights (in, out),
+    the attention-mask buffers, no lm_head (tied). F32, so the reference
+    logits apply unchanged."""
+    tensors = []
+    for name, _, _, _ in param_specs():
+        t = params[name]
+        if name.startswith("h.") and t.dim() == 2:
+            t = t.t()  # Conv1D layout
+        tensors.append(("transformer." + name, t))
+    for l in range(L):
+        mask = torch.ones(MAX_T, MAX_T).tril().view(1, 1, MAX_T, MAX_T)
+        tensors.append(("transformer.h.%d.attn.bias" % l, mask))
+    header, data = {"__metadata__": {"format": "pt"}}, bytearray()
+    for name, t in tensors:
+        b = f32_bytes(t)
+        header[name] = {"dtype": "F32", "shape": list(t.shape),
+                        "data_offsets": [len(data), len(data) + len(b)]}
+        data += b
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + data)
+    config = {
+        "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": 0.1, "bos_token_id": None, "embd_pdrop": 0.1, "eos_token_id": None,
+        "initializer_range": 0.02, "layer_norm_epsilon": LN_EPS, "model_type": "gpt2",
+        "n_embd": C, "n_head": NH, "n_inner": None, "n_layer": L, "n_positions": MAX_T,
+        "resid_pdrop": 0.1, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "vocab_size": V,
+    }
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    print("wrote %s (%d bytes of weights)" % (out_dir, len(data)))
+
+
+def write_llmc(path, params, version):
+    """llm.c's model file: 256 int32 header, then each parameter kind
+    stacked over the layers, wte padded to LLMC_VP rows with zeros."""
+    header = [20240326, version, MAX_T, V, L, NH, C, LLMC_VP] + [0] * 248
+    wte = torch.cat([params["wte.weight"], torch.zeros(LLMC_VP - V, C, dtype=torch.float64)])
+    kinds = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+             "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+             "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
+    ts = [wte, params["wpe.weight"]]
+    ts += [params["h.%d.%s" % (l, k)] for k in kinds for l in range(L)]
+    ts += [params["ln_f.weight"], params["ln_f.bias"]]
+    pack = f32_bytes if version == 3 else bf16_bytes
+    data = struct.pack("<256i", *header) + b"".join(pack(t) for t in ts)
+    with open(path, "wb") as f:
+        f.write(data)
+    print("wrote %s (%d bytes)" % (path, len(data)))
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(root, "tests/fixtures/gpt2_tiny.bin")
@@ -246,6 +322,10 @@ def main():
     with open(out, "wb") as f:
         f.write(w.buf)
     print("wrote %s (%d bytes)" % (out, len(w.buf)))
+    fixtures = os.path.dirname(os.path.abspath(out))
+    write_hf(os.path.join(fixtures, "gpt2_tiny_hf"), params)
+    write_llmc(os.path.join(fixtures, "gpt2_tiny_llmc_v3.bin"), params, 3)
+    write_llmc(os.path.join(fixtures, "gpt2_tiny_llmc_v5.bin"), params, 5)
     print("loss %.6f; step losses %s" % (loss.item(), " ".join("%.4f" % x for x in step_losses)))
     print("grad norms %s" % " ".join("%.4f" % x for x in step_norms))
 

@@ -12,7 +12,7 @@ TEXT=data/brown.txt
 fresh() {
     local f=$1/val_000000.bin
     [[ -f $f ]] || return 1
-    for src in "$TEXT" src/io/tokenizer.c src/io/bpe.c src/io/shard.c src/cli/tokenize.c; do
+    for src in "$TEXT" src/io/tokenizer.c src/io/encode.c src/io/bpe.c src/io/shard.c src/cli/tokenize.c; do
         [[ $f -nt $src ]] || return 1
     done
 }

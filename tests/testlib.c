@@ -96,6 +96,75 @@ void t_fill(float *x, size_t n, unsigned seed, float scale) {
     }
 }
 
+static unsigned long long splitmix(unsigned long long *s) {
+    unsigned long long z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void put_le(unsigned char *out, size_t len, size_t at, size_t k, unsigned long long v) {
+    for (size_t i = 0; i < k && at + k <= len; i++) out[at + i] = (unsigned char)(v >> (8 * i));
+}
+
+size_t t_mutate(const unsigned char *in, size_t n, unsigned long long seed, unsigned char *out,
+                size_t cap) {
+    static const unsigned char bytes[] = {0x00, 0xff, '9', '"', '{', '}',  '[', ']',
+                                          ',',  ':',  '-', '.', 'e', '\\', 0x80};
+    const unsigned long long wide[] = {
+        0, 1, 7, 8, n - 8, n - 7, n, n + 1, 100000001ull, 1ull << 31, 1ull << 63, ~0ull};
+    const size_t n_wide = sizeof wide / sizeof wide[0];
+    unsigned long long s = seed;
+    size_t len = n < cap ? n : cap;
+    memcpy(out, in, len);
+    int edits = 1 + (int)(splitmix(&s) % 4);
+    for (int e = 0; e < edits; e++) {
+        size_t at = len ? (size_t)(splitmix(&s) % len) : 0, k;
+        switch (splitmix(&s) % 9) {
+        case 0: // bit flip
+            if (len) out[at] ^= (unsigned char)(1u << (splitmix(&s) % 8));
+            break;
+        case 1: // an interesting byte
+            if (len) out[at] = bytes[splitmix(&s) % sizeof bytes];
+            break;
+        case 2: // truncation
+            len = at;
+            break;
+        case 3: // insertion of 1-8 bytes
+            k = 1 + (size_t)(splitmix(&s) % 8);
+            if (len + k > cap) break;
+            memmove(out + at + k, out + at, len - at);
+            for (size_t i = 0; i < k; i++) out[at + i] = bytes[splitmix(&s) % sizeof bytes];
+            len += k;
+            break;
+        case 4: // deletion of up to 16 bytes
+            k = (size_t)(splitmix(&s) % 17);
+            if (k > len - at) k = len - at;
+            memmove(out + at, out + at + k, len - at - k);
+            len -= k;
+            break;
+        case 5: // a range copied over another place
+            k = (size_t)(splitmix(&s) % 64);
+            if (len && k <= len) {
+                size_t from = (size_t)(splitmix(&s) % (len - k + 1)),
+                       to = (size_t)(splitmix(&s) % (len - k + 1));
+                memmove(out + to, out + from, k);
+            }
+            break;
+        case 6: // the 8-byte length prefix
+            put_le(out, len, 0, 8, wide[splitmix(&s) % n_wide]);
+            break;
+        case 7: // a 32- or 64-bit field, 4-aligned
+            k = splitmix(&s) % 2 ? 8 : 4;
+            put_le(out, len, at & ~(size_t)3, k, wide[splitmix(&s) % n_wide]);
+            break;
+        default: // a random byte
+            if (len) out[at] = (unsigned char)splitmix(&s);
+        }
+    }
+    return len;
+}
+
 const char *t_source_path(const char *rel) {
     static char buf[4096];
     const char *dir = getenv("FITLM_SOURCE_DIR");

@@ -32,6 +32,14 @@ void t_fill(float *x, size_t n, unsigned seed, float scale);
 float t_adamw_step_fp32(void *adamw, const void *table, float *params, const float *grads, float lr,
                         float max_norm);
 
+// A deterministic random mutation of in[0, n) for parser robustness tests:
+// 1-4 edits drawn from seed (bit flips, bytes set to 0x00/0xff/'9'/'"'/...,
+// truncation, insertion, deletion, a duplicated range, the 8-byte length
+// prefix or a 32-bit field set to extreme values). Writes at most cap bytes
+// to out and returns the new length.
+size_t t_mutate(const unsigned char *in, size_t n, unsigned long long seed, unsigned char *out,
+                size_t cap);
+
 // Path of a file in the source tree (FITLM_SOURCE_DIR, set by CTest).
 const char *t_source_path(const char *rel);
 

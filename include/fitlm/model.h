@@ -65,6 +65,9 @@ void fl_gpt2_config_finish(fl_gpt2_config *cfg);
 
 // Number of parameters (padded vocabulary included), without allocating.
 size_t fl_gpt2_num_params(const fl_gpt2_config *cfg);
+// The parameter table of that shape, without allocating the parameters:
+// model-file readers check names and shapes against it before allocating.
+void fl_gpt2_table(fl_param_table *t, const fl_gpt2_config *cfg);
 
 // Per-layer views into the flat buffers (params or grads, of the model's
 // dtype): the same struct serves both, so backward reads like forward.

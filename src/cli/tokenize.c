@@ -3,6 +3,7 @@
 // preceded by <|endoftext|> (as GPT-2's training data and llm.c's shards
 // are); every k-th document goes to the validation split (k = 1/fraction), so
 // the split is the same on every run and spread over the whole input.
+#define _GNU_SOURCE // memmem
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -93,6 +93,13 @@ void fl_file_commit(fl_file *f) {
     fl_fsync_dir_of(f->path);
 }
 
+void fl_file_write_all(const char *path, const void *data, size_t n) {
+    fl_file f;
+    fl_file_begin(&f, path);
+    fl_file_write(&f, data, n);
+    fl_file_commit(&f);
+}
+
 uint8_t *fl_file_read_all(const char *path, size_t max_bytes, size_t *size, const char *what) {
     FILE *fp = fopen(path, "rb");
     if (!fp) fl_die("cannot open %s %s: %s", what, path, strerror(errno));

@@ -73,11 +73,16 @@ static void build_table(fl_param_table *t, const fl_gpt2_config *cfg) {
     add_view(t, 0, C, 0, "ln_f.bias", 0);
 }
 
-size_t fl_gpt2_num_params(const fl_gpt2_config *cfg) {
+void fl_gpt2_table(fl_param_table *t, const fl_gpt2_config *cfg) {
     fl_gpt2_config c = *cfg;
     fl_gpt2_config_finish(&c);
-    fl_param_table t = {0};
-    build_table(&t, &c);
+    memset(t, 0, sizeof *t);
+    build_table(t, &c);
+}
+
+size_t fl_gpt2_num_params(const fl_gpt2_config *cfg) {
+    fl_param_table t;
+    fl_gpt2_table(&t, cfg);
     size_t n = t.numel;
     fl_params_free(&t);
     return n;

@@ -1,0 +1,134 @@
+// safetensors.h: the Hugging Face safetensors format, the HF GPT-2 layout
+// on top of it (config.json, sharded checkpoints) and llm.c's model files.
+//
+// Every parser exists in a non-dying form (returns 0 on success, -1 with a
+// message in err) so fuzz targets can run it in-process; the functions that
+// take a path die with a message naming the file, like the rest of io.h.
+#ifndef FITLM_SAFETENSORS_H
+#define FITLM_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitlm/dtype.h"
+#include "fitlm/model.h"
+
+// ----------------------------------------------------------------------------
+// safetensors: 8-byte little-endian header length N, N bytes of JSON
+// {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+// {str: str}}, then the tensors' little-endian bytes (offsets are relative
+// to the end of the header). F32, F16 and BF16 tensors are supported.
+
+#define FL_ST_MAX_DIMS   8
+#define FL_ST_MAX_HEADER 100000000 // the reference implementation's limit
+
+typedef struct {
+    const char *name;
+    fl_dtype dtype;
+    int ndim;
+    uint64_t shape[FL_ST_MAX_DIMS];
+    size_t numel;
+    size_t begin, end; // byte range in the data section
+} fl_st_tensor;
+
+typedef struct {
+    fl_st_tensor *tensors; // in header order
+    int count;
+    char *names;         // storage of the tensors' names
+    const uint8_t *data; // the data section (inside the parsed buffer)
+    size_t data_size;
+    void *map; // the file mapping, when opened from a path
+    size_t map_size;
+} fl_safetensors;
+
+// Parses and validates buf[0, n): header length within the buffer, a JSON
+// object, known dtypes, shapes whose byte size matches data_offsets, ranges
+// that tile the data section exactly (no overlap, no hole), unique names.
+// out->data points into buf. Free with fl_safetensors_free also on error.
+int fl_safetensors_parse(const uint8_t *buf, size_t n, fl_safetensors *out, char *err,
+                         size_t errlen);
+// Maps the file read-only and parses it; dies naming the file on error.
+void fl_safetensors_open(fl_safetensors *st, const char *path);
+const fl_st_tensor *fl_safetensors_find(const fl_safetensors *st, const char *name);
+void fl_safetensors_free(fl_safetensors *st);
+
+// Writes n tensors (name, dtype, ndim, shape; begin/end are ignored) to
+// path crash-safely, in the given order, with __metadata__ {"format":
+// "pt"}. fill(ctx, i, dst) writes tensor i's bytes to dst. The header is
+// padded with spaces so the data section starts 8-byte aligned.
+typedef void (*fl_st_fill)(void *ctx, int i, void *dst);
+void fl_safetensors_write(const char *path, const fl_st_tensor *tensors, int n, fl_st_fill fill,
+                          void *ctx);
+
+// ----------------------------------------------------------------------------
+// Hugging Face GPT-2: a directory with config.json and model.safetensors, or
+// model-0000i-of-0000N.safetensors shards listed in
+// model.safetensors.index.json, as transformers' save_pretrained writes it.
+
+#define FL_HF_MAX_JSON_BYTES (64u << 20) // config.json and the index
+
+// Reads a GPT2Config config.json into *out (padded_vocab_size filled in).
+// Refuses what fitlm's GPT-2 does not implement: another model_type or
+// activation, layer_norm_epsilon other than 1e-5, n_inner other than 4C,
+// untied embeddings, unscaled or layer-scaled attention, cross-attention.
+int fl_hf_config_parse(const char *json, size_t n, fl_gpt2_config *out, char *err, size_t errlen);
+
+typedef struct {
+    const char *name; // tensor name
+    int file;         // index into files
+} fl_hf_index_entry;
+
+typedef struct {
+    char **files; // distinct shard file names, in order of first use
+    int n_files;
+    fl_hf_index_entry *entries;
+    int n_entries;
+} fl_hf_index;
+
+// Reads model.safetensors.index.json: {"metadata": {...}, "weight_map":
+// {tensor: file}}. Shard names must be plain file names ending in
+// .safetensors (no directories). Free with fl_hf_index_free also on error.
+int fl_hf_index_parse(const char *json, size_t n, fl_hf_index *out, char *err, size_t errlen);
+void fl_hf_index_free(fl_hf_index *idx);
+
+// Writes dir/config.json and dir/model.safetensors, or, when the tensors
+// take more than max_shard_bytes (0: no limit), shards of at most that size
+// (a larger tensor gets a shard of its own) and the index. Names carry the
+// "transformer." prefix, Conv1D weights are stored (in, out), wte has the
+// unpadded vocab rows and the tied lm_head is not stored. weights_fp32 is
+// the model's table.numel fp32 values; out_dtype is the stored dtype.
+void fl_hf_export(const char *dir, const fl_gpt2 *model, const float *weights_fp32,
+                  fl_dtype out_dtype, size_t max_shard_bytes);
+// Initialises *model from a directory written by fl_hf_export or
+// save_pretrained, or from a .safetensors file with config.json beside it.
+// Names with or without "transformer."; F32, F16 or BF16 tensors, rounded to
+// dt; attn.bias/attn.masked_bias buffers are skipped, a stored lm_head must
+// equal wte; every parameter must be there once with its shape.
+void fl_hf_load(const char *path, fl_gpt2 *model, fl_dtype dt);
+
+// ----------------------------------------------------------------------------
+// llm.c model files (gpt2_124M.bin): 256 int32 header {20240326, version
+// (3: fp32, 5: bf16), maxT, V, L, NH, C, Vp}, then the parameters in
+// llm.c's order, each layer-stacked: wte (Vp,C), wpe (maxT,C), ln1w, ln1b,
+// qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb,
+// lnfw, lnfb.
+
+#define FL_LLMC_MAGIC        20240326
+#define FL_LLMC_HEADER_BYTES 1024
+
+typedef struct {
+    int version;    // 3 or 5
+    fl_dtype dtype; // FL_F32 or FL_BF16
+    int max_T, V, L, NH, C, Vp;
+    size_t num_params; // stored values (with llm.c's padded vocab)
+} fl_llmc_header;
+
+// Validates the header in buf[0, n) (n >= FL_LLMC_HEADER_BYTES) against the
+// size of the whole file.
+int fl_llmc_header_parse(const uint8_t *buf, size_t n, uint64_t file_size, fl_llmc_header *out,
+                         char *err, size_t errlen);
+// Initialises *model from an llm.c model file: V rows of wte are kept, the
+// padded rows of our table are zero.
+void fl_llmc_load(const char *path, fl_gpt2 *model, fl_dtype dt);
+
+#endif

@@ -1,0 +1,450 @@
+// hf_gpt2.c: GPT-2 in the Hugging Face layout: export to and load from
+// safetensors plus config.json, the way transformers' GPT2LMHeadModel
+// save_pretrained / from_pretrained see it.
+//
+// HF's GPT-2 keeps its matrices in Conv1D layout (in, out), the transpose of
+// our nn.Linear (out, in); wte has the real vocab rows only; lm_head is tied
+// to wte and not stored.
+#include "fitlm/safetensors.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <cJSON.h>
+
+#include "fitlm/io.h"
+
+#define HF_PREFIX    "transformer."
+#define HF_NAME_MAX  (FL_PARAM_NAME_MAX + 16)
+#define HF_CHUNK     65536 // elements converted at a time
+#define HF_SINGLE    "model.safetensors"
+#define HF_INDEX     "model.safetensors.index.json"
+#define HF_SHARD_FMT "model-%05d-of-%05d.safetensors"
+#define HF_PATH_MAX  4096
+
+// Our matrices inside the blocks are HF Conv1D weights: stored transposed.
+static int is_conv1d(const fl_param_view *v) {
+    return v->ndim == 2 && strncmp(v->name, "h.", 2) == 0;
+}
+
+// The HF shape of a view: wte without the padded rows, Conv1D transposed.
+static void hf_shape(const fl_param_view *v, const fl_gpt2_config *c, uint64_t *shape) {
+    shape[0] = v->shape[0];
+    if (v->ndim == 2) shape[1] = v->shape[1];
+    if (strcmp(v->name, "wte.weight") == 0) shape[0] = (uint64_t)c->vocab_size;
+    if (is_conv1d(v)) shape[0] = v->shape[1], shape[1] = v->shape[0];
+}
+
+static void join(char *out, const char *dir, const char *name) {
+    if ((size_t)snprintf(out, HF_PATH_MAX, "%s/%s", dir, name) >= HF_PATH_MAX)
+        fl_die("path too long: %s/%s", dir, name);
+}
+
+// ----------------------------------------------------------------------------
+// export
+
+typedef struct {
+    const fl_gpt2 *model;
+    const float *weights;
+    int first; // table view of the shard's first tensor
+    fl_dtype dt;
+    float *row;
+} export_ctx;
+
+static void export_fill(void *p, int i, void *dst) {
+    const export_ctx *x = p;
+    const fl_param_view *v = &x->model->table.views[x->first + i];
+    const float *src = x->weights + v->offset;
+    if (!is_conv1d(v)) { // as stored (wte: its first V rows)
+        uint64_t shape[2];
+        hf_shape(v, &x->model->config, shape);
+        fl_convert(x->dt, dst, FL_F32, src, v->ndim == 2 ? shape[0] * shape[1] : shape[0]);
+        return;
+    }
+    size_t out = v->shape[0], in = v->shape[1];
+    for (size_t j = 0; j < in; j++) {
+        for (size_t o = 0; o < out; o++) x->row[o] = src[o * in + j];
+        fl_store_f32(x->dt, fl_at(x->dt, dst, j * out), x->row, out);
+    }
+}
+
+static const char *torch_dtype(fl_dtype dt) {
+    return dt == FL_F32 ? "float32" : dt == FL_BF16 ? "bfloat16" : "float16";
+}
+
+// GPT2Config's fields, keys sorted as transformers writes them.
+static void write_config(const char *dir, const fl_gpt2_config *c, fl_dtype dt) {
+    cJSON *r = cJSON_CreateObject();
+    cJSON_AddStringToObject(r, "activation_function", "gelu_new");
+    cJSON_AddItemToObject(r, "architectures", cJSON_CreateArray());
+    cJSON_AddItemToArray(cJSON_GetObjectItem(r, "architectures"),
+                         cJSON_CreateString("GPT2LMHeadModel"));
+    cJSON_AddNumberToObject(r, "attn_pdrop", 0.1);
+    // GPT-2's <|endoftext|>; other vocabularies have no such token
+    int gpt2_vocab = c->vocab_size == 50257;
+    if (gpt2_vocab)
+        cJSON_AddNumberToObject(r, "bos_token_id", 50256);
+    else
+        cJSON_AddNullToObject(r, "bos_token_id");
+    cJSON_AddNumberToObject(r, "embd_pdrop", 0.1);
+    if (gpt2_vocab)
+        cJSON_AddNumberToObject(r, "eos_token_id", 50256);
+    else
+        cJSON_AddNullToObject(r, "eos_token_id");
+    cJSON_AddNumberToObject(r, "initializer_range", 0.02);
+    cJSON_AddNumberToObject(r, "layer_norm_epsilon", 1e-5);
+    cJSON_AddStringToObject(r, "model_type", "gpt2");
+    cJSON_AddNumberToObject(r, "n_ctx", c->max_seq_len);
+    cJSON_AddNumberToObject(r, "n_embd", c->n_embd);
+    cJSON_AddNumberToObject(r, "n_head", c->n_head);
+    cJSON_AddNullToObject(r, "n_inner");
+    cJSON_AddNumberToObject(r, "n_layer", c->n_layer);
+    cJSON_AddNumberToObject(r, "n_positions", c->max_seq_len);
+    cJSON_AddFalseToObject(r, "reorder_and_upcast_attn");
+    cJSON_AddNumberToObject(r, "resid_pdrop", 0.1);
+    cJSON_AddFalseToObject(r, "scale_attn_by_inverse_layer_idx");
+    cJSON_AddTrueToObject(r, "scale_attn_weights");
+    cJSON_AddNullToObject(r, "summary_activation");
+    cJSON_AddNumberToObject(r, "summary_first_dropout", 0.1);
+    cJSON_AddTrueToObject(r, "summary_proj_to_labels");
+    cJSON_AddStringToObject(r, "summary_type", "cls_index");
+    cJSON_AddTrueToObject(r, "summary_use_proj");
+    cJSON_AddTrueToObject(r, "tie_word_embeddings");
+    cJSON_AddStringToObject(r, "torch_dtype", torch_dtype(dt));
+    cJSON_AddTrueToObject(r, "use_cache");
+    cJSON_AddNumberToObject(r, "vocab_size", c->vocab_size);
+    char *json = cJSON_Print(r), path[HF_PATH_MAX];
+    cJSON_Delete(r);
+    if (!json) fl_die("out of memory writing %s/config.json", dir);
+    join(path, dir, "config.json");
+    fl_file_write_all(path, json, strlen(json));
+    cJSON_free(json);
+}
+
+static int by_string(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static void write_index(const char *dir, char (*names)[HF_NAME_MAX], const int *shard_of, int n,
+                        int n_shards, size_t total) {
+    const char **order = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof *order);
+    for (int i = 0; i < n; i++) order[i] = names[i];
+    qsort(order, (size_t)n, sizeof *order, by_string);
+    cJSON *r = cJSON_CreateObject();
+    cJSON_AddNumberToObject(cJSON_AddObjectToObject(r, "metadata"), "total_size", (double)total);
+    cJSON *map = cJSON_AddObjectToObject(r, "weight_map");
+    for (int k = 0; k < n; k++) {
+        int i = (int)((const char(*)[HF_NAME_MAX])order[k] - names);
+        char file[64];
+        snprintf(file, sizeof file, HF_SHARD_FMT, shard_of[i] + 1, n_shards);
+        cJSON_AddStringToObject(map, names[i], file);
+    }
+    fl_free(order);
+    char *json = cJSON_Print(r), path[HF_PATH_MAX];
+    cJSON_Delete(r);
+    if (!json) fl_die("out of memory writing %s/%s", dir, HF_INDEX);
+    join(path, dir, HF_INDEX);
+    fl_file_write_all(path, json, strlen(json));
+    cJSON_free(json);
+}
+
+// Removes what an earlier export of another layout left in dir (a single
+// file, an index, shards of another count), so a loader cannot pick it up.
+static void remove_stale(const char *dir, int n_shards) {
+    char path[HF_PATH_MAX];
+    if (n_shards > 1)
+        join(path, dir, HF_SINGLE);
+    else
+        join(path, dir, HF_INDEX);
+    if (unlink(path) != 0 && errno != ENOENT) fl_die("cannot remove %s: %s", path, strerror(errno));
+    DIR *d = opendir(dir);
+    if (!d) fl_die("cannot list %s: %s", dir, strerror(errno));
+    const struct dirent *e;
+    while ((e = readdir(d))) {
+        int i, of, end = 0;
+        if (sscanf(e->d_name, "model-%5d-of-%5d.safetensors%n", &i, &of, &end) == 2 &&
+            e->d_name[end] == 0 && (n_shards == 1 || of != n_shards)) {
+            join(path, dir, e->d_name);
+            if (unlink(path) != 0) fl_die("cannot remove %s: %s", path, strerror(errno));
+        }
+    }
+    closedir(d);
+}
+
+void fl_hf_export(const char *dir, const fl_gpt2 *model, const float *weights_fp32,
+                  fl_dtype out_dtype, size_t max_shard_bytes) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        fl_die("cannot create directory %s: %s", dir, strerror(errno));
+    const fl_param_table *t = &model->table;
+    int n = t->count;
+    fl_st_tensor *tensors = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof *tensors);
+    char(*names)[HF_NAME_MAX] = fl_alloc(FL_MEM_OTHER, (size_t)n * HF_NAME_MAX);
+    int *shard_of = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof *shard_of);
+    // Shards as transformers cuts them: tensors in order, a new shard when
+    // the next tensor would overflow the current (non-empty) one.
+    size_t total = 0, in_shard = 0, widest = 1;
+    int n_shards = 1;
+    for (int i = 0; i < n; i++) {
+        const fl_param_view *v = &t->views[i];
+        fl_st_tensor *s = &tensors[i];
+        snprintf(names[i], HF_NAME_MAX, HF_PREFIX "%s", v->name);
+        s->name = names[i];
+        s->dtype = out_dtype;
+        s->ndim = v->ndim;
+        hf_shape(v, &model->config, s->shape);
+        s->numel = v->ndim == 2 ? s->shape[0] * s->shape[1] : s->shape[0];
+        size_t bytes = s->numel * fl_dtype_size(out_dtype);
+        if (max_shard_bytes && in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+            n_shards++;
+            in_shard = 0;
+        }
+        in_shard += bytes;
+        total += bytes;
+        shard_of[i] = n_shards - 1;
+        if (v->shape[0] > widest) widest = v->shape[0];
+    }
+    export_ctx ctx = {model, weights_fp32, 0, out_dtype,
+                      fl_alloc(FL_MEM_WORKSPACE, widest * sizeof(float))};
+    char path[HF_PATH_MAX];
+    for (int s = 0, first = 0; s < n_shards; s++) {
+        int last = first;
+        while (last < n && shard_of[last] == s) last++;
+        char file[64];
+        if (n_shards == 1)
+            snprintf(file, sizeof file, HF_SINGLE);
+        else
+            snprintf(file, sizeof file, HF_SHARD_FMT, s + 1, n_shards);
+        join(path, dir, file);
+        ctx.first = first;
+        fl_safetensors_write(path, tensors + first, last - first, export_fill, &ctx);
+        first = last;
+    }
+    if (n_shards > 1) write_index(dir, names, shard_of, n, n_shards, total);
+    write_config(dir, &model->config, out_dtype);
+    remove_stale(dir, n_shards);
+    fl_free(ctx.row);
+    fl_free(tensors), fl_free(names), fl_free(shard_of);
+}
+
+// ----------------------------------------------------------------------------
+// load
+
+typedef struct {
+    fl_safetensors *shards;
+    int n_shards;
+    char where[HF_PATH_MAX]; // the directory or file, for messages
+} hf_files;
+
+// Opens the shards of dir's index and checks the index against them: every
+// entry is in the shard it names, and the shards hold nothing else.
+static void open_index(hf_files *f, const char *dir) {
+    char path[HF_PATH_MAX], err[512];
+    join(path, dir, HF_INDEX);
+    size_t n;
+    char *json = (char *)fl_file_read_all(path, FL_HF_MAX_JSON_BYTES, &n, "JSON file");
+    fl_hf_index idx;
+    if (fl_hf_index_parse(json, n, &idx, err, sizeof err) != 0) fl_die("%s: %s", path, err);
+    fl_free(json);
+    f->n_shards = idx.n_files;
+    f->shards = fl_alloc(FL_MEM_OTHER, (size_t)idx.n_files * sizeof *f->shards);
+    int stored = 0;
+    for (int i = 0; i < idx.n_files; i++) {
+        char shard[HF_PATH_MAX];
+        join(shard, dir, idx.files[i]);
+        fl_safetensors_open(&f->shards[i], shard);
+        stored += f->shards[i].count;
+    }
+    for (int e = 0; e < idx.n_entries; e++)
+        if (!fl_safetensors_find(&f->shards[idx.entries[e].file], idx.entries[e].name))
+            fl_die("%s: tensor '%s' is not in %s, where the weight_map puts it", path,
+                   idx.entries[e].name, idx.files[idx.entries[e].file]);
+    if (stored != idx.n_entries)
+        fl_die("%s: the shards hold %d tensors, the weight_map lists %d", path, stored,
+               idx.n_entries);
+    fl_hf_index_free(&idx);
+}
+
+// Reads elements [first, first + n) of tensor t as fp32 (the data may sit
+// at any alignment in the mapping, so it is copied before conversion).
+static void read_f32(const fl_safetensors *st, const fl_st_tensor *t, size_t first, size_t n,
+                     float *out, void *chunk) {
+    size_t es = fl_dtype_size(t->dtype);
+    for (size_t i = 0; i < n; i += HF_CHUNK) {
+        size_t len = n - i < HF_CHUNK ? n - i : HF_CHUNK;
+        memcpy(chunk, st->data + t->begin + (first + i) * es, len * es);
+        fl_convert(FL_F32, out + i, t->dtype, chunk, len);
+    }
+}
+
+static int is_buffer(const char *name) { // attention masks, not parameters
+    size_t len = strlen(name);
+    return strncmp(name, "h.", 2) == 0 &&
+           ((len > 10 && strcmp(name + len - 10, ".attn.bias") == 0) ||
+            (len > 17 && strcmp(name + len - 17, ".attn.masked_bias") == 0));
+}
+
+static void shape_str(char *out, size_t size, int ndim, const uint64_t *shape) {
+    size_t at = (size_t)snprintf(out, size, "[");
+    for (int d = 0; d < ndim && at < size; d++)
+        at += (size_t)snprintf(out + at, size - at, "%s%llu", d ? ", " : "",
+                               (unsigned long long)shape[d]);
+    if (at < size) snprintf(out + at, size - at, "]");
+}
+
+typedef struct {
+    const fl_safetensors *st;
+    const fl_st_tensor *t;
+} hf_ref;
+
+// Matches every stored tensor to a parameter view (refs[view]) and finds
+// lm_head; dies on unknown, repeated, missing or misshapen tensors.
+static void match_tensors(const hf_files *f, const fl_param_table *table, const fl_gpt2_config *cfg,
+                          hf_ref *refs, hf_ref *lm_head) {
+    for (int s = 0; s < f->n_shards; s++)
+        for (int i = 0; i < f->shards[s].count; i++) {
+            const fl_st_tensor *t = &f->shards[s].tensors[i];
+            const char *name = t->name;
+            if (strncmp(name, HF_PREFIX, strlen(HF_PREFIX)) == 0) name += strlen(HF_PREFIX);
+            if (is_buffer(name)) continue;
+            if (strcmp(t->name, "lm_head.weight") == 0) {
+                *lm_head = (hf_ref){&f->shards[s], t};
+                continue;
+            }
+            int v = fl_params_find(table, name);
+            if (v < 0) fl_die("%s: unknown tensor '%s'", f->where, t->name);
+            if (refs[v].t)
+                fl_die("%s: tensor '%s' is stored twice (as '%s' and '%s')", f->where, name,
+                       refs[v].t->name, t->name);
+            uint64_t want[2];
+            hf_shape(&table->views[v], cfg, want);
+            int ok = t->ndim == table->views[v].ndim;
+            for (int d = 0; ok && d < t->ndim; d++) ok = t->shape[d] == want[d];
+            if (!ok) {
+                char got_s[160], want_s[64];
+                shape_str(got_s, sizeof got_s, t->ndim, t->shape);
+                shape_str(want_s, sizeof want_s, table->views[v].ndim, want);
+                fl_die("%s: tensor '%s' has shape %s, config.json implies %s", f->where, t->name,
+                       got_s, want_s);
+            }
+            refs[v] = (hf_ref){&f->shards[s], t};
+        }
+    for (int v = 0; v < table->count; v++)
+        if (!refs[v].t)
+            fl_die("%s: tensor '" HF_PREFIX "%s' is missing", f->where, table->views[v].name);
+}
+
+// The tied head, if stored, must be wte itself: fitlm has no separate head.
+static void check_lm_head(const hf_files *f, const hf_ref *head, const hf_ref *wte, size_t V,
+                          size_t C, float *a, float *b, void *chunk) {
+    if (head->t->ndim != 2 || head->t->shape[0] != V || head->t->shape[1] != C)
+        fl_die("%s: lm_head.weight does not have wte's shape", f->where);
+    for (size_t i = 0; i < V * C; i += HF_CHUNK) {
+        size_t len = V * C - i < HF_CHUNK ? V * C - i : HF_CHUNK;
+        read_f32(head->st, head->t, i, len, a, chunk);
+        read_f32(wte->st, wte->t, i, len, b, chunk);
+        if (memcmp(a, b, len * sizeof(float)) != 0)
+            fl_die("%s: lm_head.weight differs from wte.weight: untied LM heads are not "
+                   "supported",
+                   f->where);
+    }
+}
+
+static void copy_tensors(fl_gpt2 *model, const hf_ref *refs) {
+    const fl_param_table *table = &model->table;
+    fl_dtype dt = model->dtype;
+    size_t largest = 0, widest = 0;
+    for (int v = 0; v < table->count; v++)
+        if (is_conv1d(&table->views[v])) {
+            if (table->views[v].numel > largest) largest = table->views[v].numel;
+            if (table->views[v].shape[1] > widest) widest = table->views[v].shape[1];
+        }
+    float *whole = fl_alloc(FL_MEM_WORKSPACE, largest * sizeof(float));
+    float *buf = fl_alloc(FL_MEM_WORKSPACE, (HF_CHUNK > widest ? HF_CHUNK : widest) * 4);
+    void *chunk = fl_alloc(FL_MEM_WORKSPACE, HF_CHUNK * sizeof(float));
+    for (int v = 0; v < table->count; v++) {
+        const fl_param_view *pv = &table->views[v];
+        const fl_st_tensor *t = refs[v].t;
+        void *dst = fl_at(dt, model->params, pv->offset);
+        if (!is_conv1d(pv)) { // wte: rows past V stay zero
+            for (size_t i = 0; i < t->numel; i += HF_CHUNK) {
+                size_t len = t->numel - i < HF_CHUNK ? t->numel - i : HF_CHUNK;
+                read_f32(refs[v].st, t, i, len, buf, chunk);
+                fl_store_f32(dt, fl_at(dt, dst, i), buf, len);
+            }
+            continue;
+        }
+        size_t out = pv->shape[0], in = pv->shape[1];
+        read_f32(refs[v].st, t, 0, t->numel, whole, chunk);
+        for (size_t o = 0; o < out; o++) {
+            for (size_t j = 0; j < in; j++) buf[j] = whole[j * out + o];
+            fl_store_f32(dt, fl_at(dt, dst, o * in), buf, in);
+        }
+    }
+    fl_free(whole), fl_free(buf), fl_free(chunk);
+}
+
+void fl_hf_load(const char *path, fl_gpt2 *model, fl_dtype dt) {
+    hf_files f = {0};
+    char dir[HF_PATH_MAX], file[HF_PATH_MAX], err[512];
+    struct stat s;
+    if (stat(path, &s) != 0) fl_die("cannot open %s: %s", path, strerror(errno));
+    snprintf(f.where, sizeof f.where, "%s", path);
+    if (S_ISDIR(s.st_mode)) {
+        snprintf(dir, sizeof dir, "%s", path);
+        join(file, dir, HF_SINGLE);
+        if (access(file, F_OK) != 0) {
+            join(file, dir, HF_INDEX);
+            if (access(file, F_OK) != 0)
+                fl_die("%s holds neither %s nor %s", path, HF_SINGLE, HF_INDEX);
+            file[0] = 0;
+        }
+    } else {
+        snprintf(file, sizeof file, "%s", path);
+        snprintf(dir, sizeof dir, "%s", path);
+        char *slash = strrchr(dir, '/');
+        if (slash)
+            *slash = 0;
+        else
+            strcpy(dir, ".");
+    }
+
+    char config_path[HF_PATH_MAX];
+    join(config_path, dir, "config.json");
+    size_t n;
+    char *json = (char *)fl_file_read_all(config_path, FL_HF_MAX_JSON_BYTES, &n, "config file");
+    fl_gpt2_config cfg;
+    if (fl_hf_config_parse(json, n, &cfg, err, sizeof err) != 0) fl_die("%s: %s", config_path, err);
+    fl_free(json);
+
+    if (file[0]) {
+        f.n_shards = 1;
+        f.shards = fl_alloc(FL_MEM_OTHER, sizeof *f.shards);
+        fl_safetensors_open(&f.shards[0], file);
+    } else {
+        open_index(&f, dir);
+    }
+
+    // Names and shapes are checked before the parameters are allocated.
+    fl_param_table table;
+    fl_gpt2_table(&table, &cfg);
+    hf_ref *refs = fl_alloc(FL_MEM_OTHER, (size_t)table.count * sizeof *refs), head = {0};
+    match_tensors(&f, &table, &cfg, refs, &head);
+    fl_params_free(&table);
+    if (head.t) {
+        float *a = fl_alloc(FL_MEM_WORKSPACE, 2 * HF_CHUNK * sizeof(float));
+        void *chunk = fl_alloc(FL_MEM_WORKSPACE, HF_CHUNK * sizeof(float));
+        check_lm_head(&f, &head, &refs[0], (size_t)cfg.vocab_size, (size_t)cfg.n_embd, a,
+                      a + HF_CHUNK, chunk);
+        fl_free(a), fl_free(chunk);
+    }
+
+    fl_gpt2_init(model, &cfg, dt, 0);
+    copy_tensors(model, refs);
+    fl_free(refs);
+    for (int i = 0; i < f.n_shards; i++) fl_safetensors_free(&f.shards[i]);
+    fl_free(f.shards);
+}
