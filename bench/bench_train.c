@@ -1,11 +1,11 @@
 // bench_train.c: training throughput of fitlm on a GPT-2 shape (default:
-// GPT-2 124M, L=12 C=768 NH=12 V=50257 maxT=1024), random weights and random
-// tokens, in fp32, bf16 or fp16 (mixed precision: 16-bit weights,
-// activations and gradients, fp32 master weights and AdamW state). A step is
-// the full training step as `fitlm train` drives it, through fl_optimizer:
-// zero_grad, forward, backward, then the optimizer step (fp16 overflow check,
-// gradient norm, clip to 1.0 folded into AdamW, master update, rounding into
-// the 16-bit weights, loss-scale update).
+// GPT-2 124M, L=12 C=768 NH=12 V=50257 maxT=1024), random weights and one
+// batch of GPT-2 tokens of the Brown corpus (the first B windows of
+// data/brown_gpt2/train_000000.bin, as torch_gpt2.py reads them), in fp32, bf16 or fp16 (mixed
+// precision: 16-bit weights, activations and gradients, fp32 master weights and AdamW state). A
+// step is the full training step as `fitlm train` drives it, through fl_optimizer: zero_grad,
+// forward, backward, then the optimizer step (fp16 overflow check, gradient norm, clip to 1.0
+// folded into AdamW, master update, rounding into the 16-bit weights, loss-scale update).
 //
 //   bench_train --B 8 --T 256 --steps 7 --warmup 2 --threads 2 --precision bf16
 //               [--peak GFLOPS] [--peak-bf16 GFLOPS] [--peak-amx GFLOPS]
@@ -31,6 +31,7 @@
 #include "fitlm/core.h"
 #include "fitlm/model.h"
 #include "fitlm/config.h"
+#include "fitlm/data.h"
 #include "fitlm/optim.h"
 #include "fma_peak.h"
 
@@ -41,6 +42,7 @@ typedef struct {
     fl_dtype precision;
     uint64_t seed;
     int mem_report;
+    const char *data; // token shards; the batch is their first B windows
 } bench_args;
 
 static void usage(FILE *out) {
@@ -48,7 +50,7 @@ static void usage(FILE *out) {
                  "                   [--precision fp32|bf16|fp16] [--peak GFLOPS]\n"
                  "                   [--peak-bf16 GFLOPS] [--peak-amx GFLOPS] [--L 12] [--C 768]\n"
                  "                   [--NH 12] [--V 50257] [--maxT 1024] [--seed 1337]\n"
-                 "                   [--mem-report 0|1]\n"
+                 "                   [--mem-report 0|1] [--data data/brown_gpt2]\n"
                  "  --peak, --peak-bf16, --peak-amx: fp32 FMA, bf16 dot-product and AMX-BF16\n"
                  "  peaks for MFU (from peak_fma); 0 or absent = measure here (--peak-amx -1:\n"
                  "  skip). MFU is against --peak for fp32, --peak-bf16 for bf16 and fp16.\n");
@@ -66,7 +68,8 @@ static void parse(bench_args *a, int argc, char **argv) {
                       .V = 50257,
                       .maxT = 1024,
                       .precision = FL_F32,
-                      .seed = 1337};
+                      .seed = 1337,
+                      .data = "data/brown_gpt2"};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
@@ -87,6 +90,10 @@ static void parse(bench_args *a, int argc, char **argv) {
                 a->precision = FL_F16;
             else
                 fl_die("--precision: '%s' is not fp32, bf16 or fp16", v);
+            continue;
+        }
+        if (!strcmp(k, "--data")) {
+            a->data = v;
             continue;
         }
         char *end;
@@ -229,13 +236,16 @@ int main(int argc, char **argv) {
     printf("%zu parameters (%.2f M, padded vocabulary included); init %.2f s\n", model.table.numel,
            model.table.numel / 1e6, fl_now() - t_init);
 
-    // random tokens: one sequence of B*T+1, inputs and targets shifted by one
+    // the first B windows of the data, in order: the batch torch_gpt2.py reads
     size_t n = (size_t)a.B * a.T;
-    int *tokens = fl_alloc(FL_MEM_OTHER, (n + 1) * sizeof(int));
-    fl_rng rng;
-    fl_rng_seed(&rng, a.seed ^ 0xb3ac4ull);
-    for (size_t i = 0; i <= n; i++) tokens[i] = (int)fl_rng_below(&rng, (uint64_t)a.V);
-    const int *inputs = tokens, *targets = tokens + 1;
+    int *inputs = fl_alloc(FL_MEM_OTHER, n * sizeof(int));
+    int *targets = fl_alloc(FL_MEM_OTHER, n * sizeof(int));
+    fl_loader data;
+    fl_loader_open(&data, a.data, "train", a.T, 0, 0, 0, 1);
+    if ((int)data.vocab_size > a.V)
+        fl_die("%s has a vocabulary of %u, more than --V %d", a.data, data.vocab_size, a.V);
+    fl_loader_next(&data, inputs, targets, a.B);
+    fl_loader_close(&data);
 
     int total = a.warmup + a.steps;
     double *ms = calloc((size_t)a.steps, sizeof(double));
@@ -311,7 +321,8 @@ int main(int argc, char **argv) {
     free(ms_fwd);
     free(ms_bwd);
     free(ms_opt);
-    fl_free(tokens);
+    fl_free(inputs);
+    fl_free(targets);
     fl_optimizer_free(&opt);
     fl_gpt2_free(&model);
     return 0;

@@ -3,7 +3,8 @@
 
 The same GPT-2 as fitlm's (fused qkv Linear, causal self-attention as masked
 softmax, GELU tanh, pre-LayerNorm blocks, LM head tied to wte), random
-weights and random tokens on the CPU, and the same training step:
+weights and the batch bench_train uses (the first B windows of T+1 GPT-2
+tokens of fitlm's Brown shards) on the CPU, and the same training step:
 zero_grad, forward, backward, clip_grad_norm_(1.0), AdamW step (lr 1e-4,
 betas 0.9/0.95, eps 1e-8, weight decay 0.1 on wte and the four matrices of
 each block, as fitlm). ms/step is the median of --steps timed steps after
@@ -41,6 +42,23 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before libgomp loads with
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+
+def first_windows(data, B, T):
+    """The first B windows of T+1 tokens of DIR/train_000000.bin (a fitlm shard:
+    64-byte header, then little-endian tokens of the width at bytes 16-19),
+    windows starting every T tokens, as fitlm's loader cuts them."""
+    path = os.path.join(data, "train_000000.bin") if os.path.isdir(data) else data
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if head[:8] != b"FITLMTOK":
+            sys.exit(f"torch_gpt2: {path} is not a fitlm token shard")
+        width = int.from_bytes(head[16:20], "little")
+        raw = f.read((B * T + 1) * width)
+    if len(raw) < (B * T + 1) * width:
+        sys.exit(f"torch_gpt2: {path} holds fewer than {B * T + 1} tokens")
+    ids = [int.from_bytes(raw[i:i + width], "little") for i in range(0, len(raw), width)]
+    return torch.tensor([ids[b * T:b * T + T + 1] for b in range(B)], dtype=torch.long)
 
 
 class CausalSelfAttention(nn.Module):
@@ -146,6 +164,8 @@ def main():
     ap.add_argument("--maxT", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
+    ap.add_argument("--data", default="data/brown_gpt2",
+                    help="fitlm token shards; the batch is their first B windows")
     a = ap.parse_args()
     if min(a.B, a.T, a.steps, a.threads) < 1 or a.warmup < 0 or a.T > a.maxT:
         sys.exit("torch_gpt2: bad shape or step counts")
@@ -171,8 +191,7 @@ def main():
     opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **opt_kw)
     nparams = sum(p.numel() for p in params.values())
 
-    gen = torch.Generator().manual_seed(a.seed)
-    tok = torch.randint(0, a.V, (a.B, a.T + 1), generator=gen)
+    tok = first_windows(a.data, a.B, a.T)
     inputs, targets = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
 
     print(

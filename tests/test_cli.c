@@ -140,8 +140,10 @@ static void test_bad_data(void) {
                "too few for 1 rank");
     fails_with("train --data short --seq-len 2 --steps 1 --out ''",
                "was tokenized with 'byte', but the tokenizer is 'gpt2'");
-    write_text("notashard.bin", "this is not a shard, though long enough to have a header...");
-    fails_with("train --data notashard.bin --tokenizer byte", "notashard.bin is not a fitlm token shard");
+    write_text("notashard.bin",
+               "this is not a token shard, though it is long enough to have a header of 64 bytes");
+    fails_with("train --data notashard.bin --tokenizer byte",
+               "notashard.bin is not a fitlm token shard");
 }
 
 static void test_config_then_flags(void) {
@@ -282,6 +284,43 @@ static void test_resume_is_bitwise(void) {
     fails_with("train --resume nothing-here", "cannot open checkpoint nothing-here");
 }
 
+// A checkpoint exported to Hugging Face layout comes back bit for bit, and
+// sample and --init-from take it (and llm.c files) like a checkpoint.
+static void test_export_and_pretrained(void) {
+    int rc = fitlm("export whole -o hf");
+    t_check(rc == 0 && strstr(output, "exported"), "export to safetensors: %.300s", output);
+    char ck[600], hf[600];
+    snprintf(ck, sizeof ck, "%s/whole", dir);
+    snprintf(hf, sizeof hf, "%s/hf", dir);
+    fl_gpt2 a, b;
+    char tok[32];
+    fl_ckpt_load_model(ck, &a, FL_F32, tok, sizeof tok);
+    fl_pretrained_load(hf, &b, FL_F32);
+    t_check(a.table.numel == b.table.numel &&
+                !memcmp(a.params, b.params, a.table.numel * sizeof(float)),
+            "checkpoint -> safetensors -> model is bit-exact");
+    fl_gpt2_free(&a);
+    fl_gpt2_free(&b);
+    rc = fitlm("sample --checkpoint hf --tokenizer byte --tokens 8 --prompt 'line '");
+    t_check(rc == 0 && strstr(output, "line "), "sample from the exported directory: %.200s",
+            output);
+    rc = fitlm("sample --checkpoint whole --tokens 8");
+    t_check(rc == 0, "sample from a checkpoint (its own tokenizer): %.200s", output);
+    rc =
+        fitlm("train --init-from hf --data small --tokenizer byte --steps 2 --batch 2 --seq-len 16 "
+              "--out '' --sample-tokens 0");
+    t_check(rc == 0 && strstr(output, "n_layer 2, n_head 4, n_embd 64, vocab 257"),
+            "train --init-from a Hugging Face directory takes its shape: %.400s", output);
+    fails_with("train --init-from hf --data small --tokenizer byte --n-embd 32",
+               "model.n_embd 32 contradicts hf, whose model has 64");
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "sample --checkpoint hf --tokens 3 --tokenizer-path %s",
+             t_source_path("data/gpt2"));
+    fails_with(cmd, "tokenizer's vocabulary (50257) is not the model's (257)");
+    fails_with("export whole --format onnx", "--format onnx is not supported");
+    fails_with("export nowhere", "nowhere is not a fitlm checkpoint");
+}
+
 // SIGKILL at random moments of a run that saves every step: the newest
 // complete checkpoint always loads, and the run resumes from it.
 static void test_kill_while_saving(void) {
@@ -347,6 +386,7 @@ int main(void) {
     test_config_then_flags();
     test_same_seed_same_losses();
     test_resume_is_bitwise();
+    test_export_and_pretrained();
     test_kill_while_saving();
     char cmd[256];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);

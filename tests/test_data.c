@@ -42,7 +42,8 @@ static void test_crc(void) {
     t_check(fl_crc32(0, "123456789", 9) == 0xcbf43926u, "CRC-32 check value (zlib's)");
     unsigned char buf[1000];
     for (int i = 0; i < 1000; i++) buf[i] = (unsigned char)(i * 31 + 7);
-    uint32_t whole = fl_crc32(0, buf, 1000), parts = fl_crc32(fl_crc32(0, buf, 333), buf + 333, 667);
+    uint32_t whole = fl_crc32(0, buf, 1000),
+             parts = fl_crc32(fl_crc32(0, buf, 333), buf + 333, 667);
     t_check(whole == parts, "CRC-32 continues across calls at any split");
 }
 
@@ -76,7 +77,7 @@ static void test_shards(void) {
     const struct {
         const char *name;
         size_t offset;
-        unsigned char xor;
+        unsigned char xor ;
         size_t len;
         const char *expect;
     } cases[] = {
@@ -88,11 +89,12 @@ static void test_shards(void) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         memcpy(bad, good, n);
-        bad[cases[i].offset] ^= cases[i].xor;
+        bad[cases[i].offset] ^= cases[i].xor ;
         write_bytes(p, bad, cases[i].len ? cases[i].len : n);
         t_dies(cases[i].name, open_shard, p, cases[i].expect);
     }
-    t_dies("missing", open_shard, "/nonexistent/x.bin", "cannot open token shard /nonexistent/x.bin");
+    t_dies("missing", open_shard, "/nonexistent/x.bin",
+           "cannot open token shard /nonexistent/x.bin");
 
     // A token past the vocabulary, with every checksum valid: named by offset.
     fl_shard_write(p, "gpt2", 50257, tokens, N, 1);
@@ -150,8 +152,8 @@ static void test_loader(void) {
             int shard = in[b * T] / 1000, start = in[b * T] % 1000;
             consistent &= start % T == 0;
             for (int t = 0; t < T; t++)
-                consistent &= in[b * T + t] == shard * 1000 + start + t &&
-                              tg[b * T + t] == in[b * T + t] + 1;
+                consistent &=
+                    in[b * T + t] == shard * 1000 + start + t && tg[b * T + t] == in[b * T + t] + 1;
             seen[shard][start / T] += 1;
         }
     }
@@ -220,7 +222,8 @@ static void test_loader(void) {
     t_check(h > 4.0 && h < 9.0, "unigram cross-entropy is plausible (%g nats)", h);
     fl_loader_close(&a);
 
-    t_dies("no shards", open_loader, "/nonexistent/dir", "no train token shards at /nonexistent/dir");
+    t_dies("no shards", open_loader, "/nonexistent/dir",
+           "no train token shards at /nonexistent/dir");
     int32_t other[20] = {0};
     char p[600];
     path_of(p, sizeof p, "short.bin");

@@ -232,11 +232,19 @@ typedef struct {
 
 static char scratch[] = "/tmp/fitlm_test_plan_XXXXXX";
 
+// In a child, so that this process's allocator stays untouched for the
+// measurements.
 static void write_shard(const char *path, size_t n) {
-    int32_t *tokens = malloc(n * sizeof(int32_t));
-    for (size_t i = 0; i < n; i++) tokens[i] = "the quick brown fox jumps over a lazy dog\n"[i % 42];
-    fl_shard_write(path, "byte", 257, tokens, n, n);
-    free(tokens);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int32_t *tokens = malloc(n * sizeof(int32_t));
+        for (size_t i = 0; i < n; i++)
+            tokens[i] = "the quick brown fox jumps over a lazy dog\n"[i % 42];
+        fl_shard_write(path, "byte", 257, tokens, n, n);
+        free(tokens);
+        _exit(0);
+    }
+    waitpid(pid, NULL, 0);
 }
 
 // In a fresh child: does what `fitlm train` does (texts, model, activations,

@@ -179,8 +179,8 @@ static void test_corpus(const fl_tokenizer *tok) {
     double t0 = fl_now();
     fl_tokenizer_encode(tok, train, n_train, &t);
     double secs = fl_now() - t0;
-    printf("  brown.txt: %zu bytes -> %zu tokens (%.2f bytes/token), %.1f MB/s\n", n_train,
-           t.n, (double)n_train / t.n, n_train / secs / 1e6);
+    printf("  brown.txt: %zu bytes -> %zu tokens (%.2f bytes/token), %.1f MB/s\n", n_train, t.n,
+           (double)n_train / t.n, n_train / secs / 1e6);
     t_check(decodes_to(tok, &t, train, n_train), "brown.txt decodes back byte for byte");
     fl_tokenizer_encode(tok, val, n_val, &v);
     t_check(decodes_to(tok, &v, val, n_val), "its last tenth decodes back byte for byte");

@@ -18,8 +18,8 @@
 
 typedef struct {
     // model
-    char model_preset[FL_NAME_MAX]; // demo | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
-    fl_gpt2_config model;           // fields left 0 come from the preset
+    char model_preset[FL_NAME_MAX];   // demo | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
+    fl_gpt2_config model;             // fields left 0 come from the preset
     char tokenizer[FL_NAME_MAX];      // gpt2 | byte
     char tokenizer_path[FL_PATH_MAX]; // gpt2: encoder.json and vocab.bpe
     char init_from[FL_PATH_MAX];      // pretrained weights, or ""

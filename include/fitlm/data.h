@@ -58,10 +58,10 @@ static inline uint32_t fl_shard_token(const fl_shard *s, uint64_t i) {
 // a few integers, saved in checkpoints.
 
 typedef struct {
-    uint64_t epoch;   // epochs completed
-    uint64_t index;   // windows of this rank taken in the current epoch
-    uint64_t key[2];  // the current epoch's order
-    fl_rng rng;       // draws each new epoch's key
+    uint64_t epoch;  // epochs completed
+    uint64_t index;  // windows of this rank taken in the current epoch
+    uint64_t key[2]; // the current epoch's order
+    fl_rng rng;      // draws each new epoch's key
 } fl_loader_state;
 
 typedef struct {

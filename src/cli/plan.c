@@ -96,9 +96,9 @@ static size_t loader_bytes(const fl_train_config *cfg) {
     char beside[FL_PATH_MAX + 16];
     snprintf(beside, sizeof beside, "%s/val_000000.bin", cfg->data);
     const char *val_pattern = !strcmp(cfg->val_data, "none") ? NULL
-                              : *cfg->val_data                ? cfg->val_data
-                              : stat(beside, &st) == 0        ? cfg->data
-                                                              : NULL;
+                              : *cfg->val_data               ? cfg->val_data
+                              : stat(beside, &st) == 0       ? cfg->data
+                                                             : NULL;
     if (val_pattern) fl_loader_open(&val, val_pattern, "val", cfg->seq_len, 0, 0, 0, 1);
     size_t bytes = fl_mem_current(FL_MEM_OTHER) - before;
     if (val_pattern) fl_loader_close(&val);

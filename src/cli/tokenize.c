@@ -186,8 +186,7 @@ int cmd_tokenize(int argc, char **argv) {
         n_val += (size_t)docs[d].val;
     }
     if (o.val_fraction > 0 && n_val == 0)
-        fl_die("%zu documents are too few for a validation fraction of %g", n_docs,
-               o.val_fraction);
+        fl_die("%zu documents are too few for a validation fraction of %g", n_docs, o.val_fraction);
 
     fl_tokens *encoded = fl_alloc(FL_MEM_OTHER, n_docs * sizeof(fl_tokens));
 #pragma omp parallel for schedule(dynamic, 1)

@@ -15,8 +15,8 @@
 #include "fitlm/tokenizer.h"
 
 // Mean loss over cfg->eval_iters fixed batches spread over the validation data.
-static float evaluate(fl_gpt2 *model, const fl_loader *val, const fl_train_config *cfg,
-                      int *inputs, int *targets) {
+static float evaluate(fl_gpt2 *model, const fl_loader *val, const fl_train_config *cfg, int *inputs,
+                      int *targets) {
     double sum = 0.0;
     for (int i = 0; i < cfg->eval_iters; i++) {
         fl_loader_eval_batch(val, i, cfg->eval_iters, inputs, targets, cfg->micro_batch);
@@ -222,16 +222,16 @@ int cmd_train(int argc, char **argv) {
                    skipped);
         printf("%s", tty ? "" : "\n");
         if (log)
-            fprintf(log, "step %d loss %.9g lr %.9g norm %.9g scale %.9g\n", step + 1,
-                    (float)loss, lr, r.grad_norm, r.loss_scale);
+            fprintf(log, "step %d loss %.9g lr %.9g norm %.9g scale %.9g\n", step + 1, (float)loss,
+                    lr, r.grad_norm, r.loss_scale);
         if (cfg.mem_report_every && (step + 1) % cfg.mem_report_every == 0) {
             printf("%s", tty ? "\n" : "");
             fl_mem_report(stdout);
         }
         if (*cfg.out_dir && cfg.save_every && (step + 1) % cfg.save_every == 0) {
             if (log) fflush(log);
-            fl_train_ckpt_save(cfg.out_dir, step + 1, &model, &optim, &train.state,
-                               train.tokenizer, config_json, cfg.keep_checkpoints);
+            fl_train_ckpt_save(cfg.out_dir, step + 1, &model, &optim, &train.state, train.tokenizer,
+                               config_json, cfg.keep_checkpoints);
             saved_at = step + 1;
         }
         fflush(stdout);

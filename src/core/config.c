@@ -47,8 +47,8 @@ static const option options[] = {
     {"tokenizer", "--tokenizer", OPT_CHOICE, STR(tokenizer), "gpt2", 0, 0, "gpt2|byte",
      "tokenizer (gpt2: GPT-2's BPE, vocab 50257; byte: one token per byte + <|endoftext|>, "
      "vocab 257); the data must have been tokenized with it"},
-    {"tokenizer_path", "--tokenizer-path", OPT_STRING, STR(tokenizer_path), "data/gpt2", 0, 0,
-     NULL, "directory with the gpt2 tokenizer's encoder.json and vocab.bpe"},
+    {"tokenizer_path", "--tokenizer-path", OPT_STRING, STR(tokenizer_path), "data/gpt2", 0, 0, NULL,
+     "directory with the gpt2 tokenizer's encoder.json and vocab.bpe"},
     {"data", "--data", OPT_STRING, STR(data), "data/brown_gpt2", 0, 0, NULL,
      "training token shards: a directory (its train_*.bin), a glob pattern or a file"},
     {"val_data", "--val-data", OPT_STRING, STR(val_data), "", 0, 0, NULL,
@@ -513,8 +513,8 @@ void fl_config_set_shape(fl_train_config *cfg, const fl_gpt2_config *shape, cons
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
         if (given(cfg, dims[i].key) && *dims[i].field != dims[i].value)
-            fl_die("%s %d contradicts %s, whose model has %d", dims[i].key, *dims[i].field,
-                   source, dims[i].value);
+            fl_die("%s %d contradicts %s, whose model has %d", dims[i].key, *dims[i].field, source,
+                   dims[i].value);
         *dims[i].field = dims[i].value;
     }
 }

@@ -38,10 +38,14 @@ static const char *dtype_name(fl_dtype dt) {
     return dt == FL_F32 ? "F32" : dt == FL_BF16 ? "BF16" : "F16";
 }
 static int dtype_from_name(const char *s, fl_dtype *dt) {
-    if (!strcmp(s, "F32")) *dt = FL_F32;
-    else if (!strcmp(s, "BF16")) *dt = FL_BF16;
-    else if (!strcmp(s, "F16")) *dt = FL_F16;
-    else return -1;
+    if (!strcmp(s, "F32"))
+        *dt = FL_F32;
+    else if (!strcmp(s, "BF16"))
+        *dt = FL_BF16;
+    else if (!strcmp(s, "F16"))
+        *dt = FL_F16;
+    else
+        return -1;
     return 0;
 }
 
@@ -191,7 +195,8 @@ static int parse_prefix(const uint8_t *prefix, uint64_t file_size, parsed *p, ch
     if (file_size < CKPT_PREFIX)
         return fail(err, errlen, "truncated: %llu bytes, shorter than the %d-byte prefix",
                     (unsigned long long)file_size, CKPT_PREFIX);
-    if (memcmp(prefix, CKPT_MAGIC, 8) != 0) return fail(err, errlen, "not a fitlm checkpoint (bad magic)");
+    if (memcmp(prefix, CKPT_MAGIC, 8) != 0)
+        return fail(err, errlen, "not a fitlm checkpoint (bad magic)");
     uint32_t version = get_u32(prefix + 8);
     if (version != CKPT_VERSION)
         return fail(err, errlen, "format version %u; this fitlm reads version %d", version,
@@ -219,7 +224,8 @@ static int json_u64(const cJSON *item, uint64_t max, uint64_t *out) {
 // The header JSON (after its CRC was checked) against data_len.
 static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errlen) {
     p->root = cJSON_ParseWithLength((const char *)header, p->header_len);
-    if (!p->root || !cJSON_IsObject(p->root)) return fail(err, errlen, "the header is not a JSON object");
+    if (!p->root || !cJSON_IsObject(p->root))
+        return fail(err, errlen, "the header is not a JSON object");
     const cJSON *meta = cJSON_GetObjectItemCaseSensitive(p->root, "meta");
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(p->root, "step");
     const cJSON *list = cJSON_GetObjectItemCaseSensitive(p->root, "tensors");
@@ -244,15 +250,15 @@ static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errl
             !cJSON_IsArray(shape) || cJSON_GetArraySize(shape) != 1 ||
             json_u64(shape->child, 1ull << 50, &t->numel) != 0 ||
             json_u64(offset, 1ull << 62, &t->offset) != 0 || !cJSON_IsString(crc) ||
-            strlen(crc->valuestring) != 8 ||
-            strspn(crc->valuestring, "0123456789abcdef") != 8)
+            strlen(crc->valuestring) != 8 || strspn(crc->valuestring, "0123456789abcdef") != 8)
             return fail(err, errlen, "tensor entry %d is malformed", p->n_tensors);
         strcpy(t->name, name->valuestring);
         t->crc = (uint32_t)strtoul(crc->valuestring, NULL, 16);
         t->bytes = t->numel * fl_dtype_size(t->dtype);
         // back to back, in order: no gaps, no overlaps, nothing past the end
         if (t->offset != expect_offset || t->bytes > p->data_len - t->offset)
-            return fail(err, errlen, "tensor '%s' spans bytes %llu..%llu, outside the data or "
+            return fail(err, errlen,
+                        "tensor '%s' spans bytes %llu..%llu, outside the data or "
                         "not where the previous one ended",
                         t->name, (unsigned long long)t->offset,
                         (unsigned long long)(t->offset + t->bytes));
@@ -311,8 +317,7 @@ static void resolve(const char *path, char *out, size_t size) {
     char latest[FL_FILE_PATH_MAX];
     snprintf(latest, sizeof latest, "%s/latest", path);
     FILE *f = fopen(latest, "rb");
-    if (!f)
-        fl_die("%s holds no checkpoint: cannot open %s: %s", path, latest, strerror(errno));
+    if (!f) fl_die("%s holds no checkpoint: cannot open %s: %s", path, latest, strerror(errno));
     char name[64] = {0};
     size_t n = fread(name, 1, sizeof name - 1, f);
     fclose(f);
@@ -360,9 +365,15 @@ void fl_ckpt_close(fl_ckpt *ck) {
     fl_free(ck);
 }
 
-const char *fl_ckpt_path(const fl_ckpt *ck) { return ck->path; }
-int fl_ckpt_step(const fl_ckpt *ck) { return ck->p.step; }
-const char *fl_ckpt_meta(const fl_ckpt *ck) { return ck->p.meta_json; }
+const char *fl_ckpt_path(const fl_ckpt *ck) {
+    return ck->path;
+}
+int fl_ckpt_step(const fl_ckpt *ck) {
+    return ck->p.step;
+}
+const char *fl_ckpt_meta(const fl_ckpt *ck) {
+    return ck->p.meta_json;
+}
 
 static const tensor_entry *find(const fl_ckpt *ck, const char *name) {
     for (int i = 0; i < ck->p.n_tensors; i++)
@@ -370,14 +381,16 @@ static const tensor_entry *find(const fl_ckpt *ck, const char *name) {
     return NULL;
 }
 
-int fl_ckpt_has(const fl_ckpt *ck, const char *name) { return find(ck, name) != NULL; }
+int fl_ckpt_has(const fl_ckpt *ck, const char *name) {
+    return find(ck, name) != NULL;
+}
 
 void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t numel) {
     const tensor_entry *t = find(ck, name);
     if (!t) fl_die("checkpoint %s has no tensor '%s'", ck->path, name);
     if (t->numel != numel)
-        fl_die("checkpoint %s: tensor '%s' has %llu elements, this model needs %zu", ck->path,
-               name, (unsigned long long)t->numel, numel);
+        fl_die("checkpoint %s: tensor '%s' has %llu elements, this model needs %zu", ck->path, name,
+               (unsigned long long)t->numel, numel);
     // Read in blocks straight into dst (converting when the dtypes differ),
     // so a large checkpoint needs no second copy in memory.
     size_t esize = fl_dtype_size(t->dtype), block = 1 << 20;
@@ -391,7 +404,9 @@ void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t 
         while (got < want) {
             ssize_t r = pread(ck->fd, into + got, want - got, (off_t)(base + i * esize + got));
             if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) fl_die("cannot read checkpoint %s: %s", ck->path, r ? strerror(errno) : "end of file");
+            if (r <= 0)
+                fl_die("cannot read checkpoint %s: %s", ck->path,
+                       r ? strerror(errno) : "end of file");
             got += (size_t)r;
         }
         crc = fl_crc32(crc, into, want);

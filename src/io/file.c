@@ -33,13 +33,13 @@ uint32_t fl_crc32(uint32_t crc, const void *data, size_t n) {
     const uint8_t *p = data;
     crc = ~crc;
     for (; n >= 8; n -= 8, p += 8) {
-        uint32_t lo = crc ^ (p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                             (uint32_t)p[3] << 24);
+        uint32_t lo =
+            crc ^ (p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
         uint32_t hi = p[4] | (uint32_t)p[5] << 8 | (uint32_t)p[6] << 16 | (uint32_t)p[7] << 24;
         crc = crc_table[7][lo & 0xff] ^ crc_table[6][(lo >> 8) & 0xff] ^
-              crc_table[5][(lo >> 16) & 0xff] ^ crc_table[4][lo >> 24] ^
-              crc_table[3][hi & 0xff] ^ crc_table[2][(hi >> 8) & 0xff] ^
-              crc_table[1][(hi >> 16) & 0xff] ^ crc_table[0][hi >> 24];
+              crc_table[5][(lo >> 16) & 0xff] ^ crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xff] ^
+              crc_table[2][(hi >> 8) & 0xff] ^ crc_table[1][(hi >> 16) & 0xff] ^
+              crc_table[0][hi >> 24];
     }
     while (n--) crc = crc_table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
     return ~crc;

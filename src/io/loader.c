@@ -97,8 +97,8 @@ void fl_loader_open(fl_loader *l, const char *pattern, const char *split, int T,
     if (l->per_rank == 0)
         fl_die("the %s data %s (%llu tokens) holds %llu windows of %d+1 tokens: too few for %d "
                "rank(s)",
-               split, pattern, (unsigned long long)l->n_tokens, (unsigned long long)l->n_windows,
-               T, world);
+               split, pattern, (unsigned long long)l->n_tokens, (unsigned long long)l->n_windows, T,
+               world);
     fl_rng_seed(&l->state.rng, seed);
     new_epoch_key(&l->state);
 }

@@ -39,7 +39,8 @@ typedef enum { SRC_CKPT, SRC_HF, SRC_LLMC } source_kind;
 
 static source_kind kind_of(const char *path) {
     struct stat st;
-    if (stat(path, &st) != 0) fl_die("cannot open pretrained weights %s: %s", path, strerror(errno));
+    if (stat(path, &st) != 0)
+        fl_die("cannot open pretrained weights %s: %s", path, strerror(errno));
     if (fl_is_checkpoint(path)) return SRC_CKPT;
     if (S_ISDIR(st.st_mode)) return SRC_HF;
     size_t len = strlen(path);
@@ -57,8 +58,7 @@ static void hf_config(const char *path, fl_gpt2_config *cfg) {
     size_t n;
     char *text = (char *)fl_file_read_all(json_path, FL_HF_MAX_JSON_BYTES, &n, "config file");
     char err[256];
-    if (fl_hf_config_parse(text, n, cfg, err, sizeof err) != 0)
-        fl_die("%s: %s", json_path, err);
+    if (fl_hf_config_parse(text, n, cfg, err, sizeof err) != 0) fl_die("%s: %s", json_path, err);
     fl_free(text);
 }
 

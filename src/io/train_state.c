@@ -52,7 +52,9 @@ static const char *string(const cJSON *obj, const char *key, const char *path) {
     return item->valuestring;
 }
 
-static const char *optim_kind_name(fl_optim_kind k) { return k == FL_OPT_ADAMW ? "adamw" : "sgd"; }
+static const char *optim_kind_name(fl_optim_kind k) {
+    return k == FL_OPT_ADAMW ? "adamw" : "sgd";
+}
 
 void fl_train_ckpt_save(const char *dir, int step, const fl_gpt2 *model, const fl_optimizer *optim,
                         const fl_loader_state *loader, const char *tokenizer,
