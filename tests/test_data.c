@@ -166,6 +166,7 @@ static void test_loader(void) {
         }
     t_check(once, "two epochs visit every window exactly twice");
     t_check(l.state.epoch == 1 && l.state.index == 20, "the position counts epochs and windows");
+    fl_loader_close(&l);
 
     // Order differs between epochs and seeds; no shuffle keeps file order.
     fl_loader a, b;

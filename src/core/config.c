@@ -61,7 +61,7 @@ static const option options[] = {
     {"train_batch_size", "--train-batch-size", OPT_INT, NUM(train_batch_size), "0", 0, 1 << 30,
      NULL, "sequences per optimizer step = batch x grad-accum (0 = derived)"},
     {"seq_len", "--seq-len", OPT_INT, NUM(seq_len), "128", 1, 1048576, NULL, "sequence length T"},
-    {"train_steps", "--steps", OPT_INT, NUM(steps), "1400", 0, 1 << 30, NULL, "optimizer steps"},
+    {"train_steps", "--steps", OPT_INT, NUM(steps), "400", 0, 1 << 30, NULL, "optimizer steps"},
     {"precision", "--precision", OPT_CHOICE, STR(precision), "fp32", 0, 0, "fp32|bf16|fp16",
      "storage precision of weights, activations and gradients (fp32 master weights otherwise)"},
     {"bf16.enabled", "--bf16", OPT_BOOL, NUM(bf16_enabled), "false", 0, 0, NULL,
@@ -100,7 +100,7 @@ static const option options[] = {
      NULL, "linear warmup steps"},
     {"scheduler.params.min_lr_ratio", "--min-lr-ratio", OPT_FLOAT, NUM(min_lr_ratio), "0.1", 0, 1,
      NULL, "learning-rate floor at the last step, as a fraction of lr"},
-    {"eval_interval", "--eval-every", OPT_INT, NUM(eval_interval), "200", 0, 1 << 30, NULL,
+    {"eval_interval", "--eval-every", OPT_INT, NUM(eval_interval), "100", 0, 1 << 30, NULL,
      "validation loss every N steps (0 = only at the end)"},
     {"eval_iters", "--eval-iters", OPT_INT, NUM(eval_iters), "16", 1, 1 << 20, NULL,
      "validation batches per evaluation"},
@@ -483,7 +483,7 @@ void fl_gpt2_preset(fl_gpt2_config *out, const char *name) {
         int n_layer, n_head, n_embd, max_seq_len;
     } presets[] = {
         {"tiny", 2, 4, 64, 64},
-        {"demo", 4, 4, 192, 256},
+        {"demo", 4, 4, 128, 256},
         {"gpt2", 12, 12, 768, 1024},
         {"gpt2-medium", 24, 16, 1024, 1024},
         {"gpt2-large", 36, 20, 1280, 1024},
