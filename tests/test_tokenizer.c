@@ -17,24 +17,6 @@
 static char dir[] = "/tmp/fitlm_test_tokenizer_XXXXXX";
 static char gpt2_dir[4096];
 
-static size_t read_file(const char *path, uint8_t **out) {
-    FILE *f = fopen(path, "rb");
-    if (!f) fl_die("test: cannot open %s (run scripts/setup.sh)", path);
-    fseek(f, 0, SEEK_END);
-    size_t n = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    *out = malloc(n + 1);
-    if (fread(*out, 1, n, f) != n) n = 0;
-    fclose(f);
-    return n;
-}
-
-static void write_file(const char *path, const char *text) {
-    FILE *f = fopen(path, "wb");
-    fputs(text, f);
-    fclose(f);
-}
-
 // Decodes ids and compares with the input; returns 1 when they match.
 static int decodes_to(const fl_tokenizer *tok, const fl_tokens *t, const uint8_t *text, size_t n) {
     size_t at = 0;
@@ -68,38 +50,39 @@ static void test_errors(void) {
     t_dies("unknown tokenizer", load_named, "gpt3", "unknown tokenizer \"gpt3\"");
     t_dies("missing encoder.json", load_gpt2_from, "/nonexistent",
            "cannot open tokenizer file /nonexistent/encoder.json");
-    write_file(enc, "{\"a\": 0, \"b\": 1");
+    t_write_text(enc, "{\"a\": 0, \"b\": 1");
     t_dies("truncated encoder.json", load_gpt2_from, dir, "encoder.json is not valid JSON");
-    write_file(enc, "[1, 2]");
+    t_write_text(enc, "[1, 2]");
     t_dies("encoder.json not an object", load_gpt2_from, dir, "expected a JSON object");
-    write_file(enc, "{\"a\": 0, \"b\": \"one\"}");
+    t_write_text(enc, "{\"a\": 0, \"b\": \"one\"}");
     t_dies("string id", load_gpt2_from, dir, "key \"b\": the id must be an integer in 0..1");
-    write_file(enc, "{\"a\": 0, \"b\": 2}");
+    t_write_text(enc, "{\"a\": 0, \"b\": 2}");
     t_dies("id out of range", load_gpt2_from, dir, "key \"b\": the id must be an integer");
-    write_file(enc, "{\"a\": 0, \"b\": 0}");
+    t_write_text(enc, "{\"a\": 0, \"b\": 0}");
     t_dies("id used twice", load_gpt2_from, dir, "id 0 is used twice");
-    write_file(enc, "{\"a\": 0, \"b c\": 1}"); // a space is written as U+0120
+    t_write_text(enc, "{\"a\": 0, \"b c\": 1}"); // a space is written as U+0120
     t_dies("outside the byte alphabet", load_gpt2_from, dir, "key \"b c\" is not a token");
-    write_file(enc, "{\"a\": 0, \"b\": 1}");
+    t_write_text(enc, "{\"a\": 0, \"b\": 1}");
     t_dies("no byte tokens", load_gpt2_from, dir, "has no token for byte 0x00");
 
     // the real encoder.json with a damaged vocab.bpe
     uint8_t *json;
     snprintf(real, sizeof real, "%s/encoder.json", gpt2_dir);
-    size_t n = read_file(real, &json);
+    size_t n;
+    json = t_read_file(real, &n);
     json[n] = 0;
-    write_file(enc, (char *)json);
+    t_write_text(enc, (char *)json);
     free(json);
     t_dies("missing vocab.bpe", load_gpt2_from, dir, "vocab.bpe: No such file");
-    write_file(vocab, "\xc4\xa0 t\n");
+    t_write_text(vocab, "\xc4\xa0 t\n");
     t_dies("no header", load_gpt2_from, dir, "vocab.bpe line 1: expected the \"#version\"");
-    write_file(vocab, "#version: 0.2\n\xc4\xa0 t\nheh\n");
+    t_write_text(vocab, "#version: 0.2\n\xc4\xa0 t\nheh\n");
     t_dies("one token", load_gpt2_from, dir, "vocab.bpe line 3: expected two tokens");
-    write_file(vocab, "#version: 0.2\n\xc4\xa0  t\n");
+    t_write_text(vocab, "#version: 0.2\n\xc4\xa0  t\n");
     t_dies("two spaces", load_gpt2_from, dir, "vocab.bpe line 2: expected two tokens");
-    write_file(vocab, "#version: 0.2\r\n\xc4\xa0 t\r\n");
+    t_write_text(vocab, "#version: 0.2\r\n\xc4\xa0 t\r\n");
     t_dies("CRLF", load_gpt2_from, dir, "vocab.bpe line 2: a character outside");
-    write_file(vocab, "#version: 0.2\nqqqqqqqq zzzzzzzzz\n");
+    t_write_text(vocab, "#version: 0.2\nqqqqqqqq zzzzzzzzz\n");
     t_dies("unknown token", load_gpt2_from, dir, "line 2: the merge \"qqqqqqqq zzzzzzzzz\"");
 
     fl_tokenizer *tok = fl_tokenizer_load("byte", NULL);
@@ -133,7 +116,8 @@ static int hex_value(char c) {
 
 static void test_fixture(const fl_tokenizer *tok) {
     uint8_t *json;
-    size_t n = read_file(t_source_path("tests/fixtures/gpt2_tokens.json"), &json);
+    size_t n;
+    json = t_read_file(t_source_path("tests/fixtures/gpt2_tokens.json"), &n);
     cJSON *root = cJSON_ParseWithLength((char *)json, n);
     if (!t_check(cJSON_IsArray(root) && cJSON_GetArraySize(root) > 200, "the fixture parses"))
         return;
@@ -172,7 +156,8 @@ static void test_fixture(const fl_tokenizer *tok) {
 // Round trip and thread agreement over the Brown texts.
 static void test_corpus(const fl_tokenizer *tok) {
     uint8_t *train;
-    size_t n_train = read_file(t_source_path("data/brown.txt"), &train);
+    size_t n_train;
+    train = t_read_file(t_source_path("data/brown.txt"), &n_train);
     size_t n_val = n_train / 10; // the last tenth, encoded again on its own
     uint8_t *val = train + n_train - n_val;
     fl_tokens t = {0}, v = {0};

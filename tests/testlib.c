@@ -183,3 +183,28 @@ float t_adamw_step_fp32(void *adamw, const void *table, float *params, const flo
     fl_adamw_step(adamw, t, &a, lr);
     return norm;
 }
+
+unsigned char *t_read_file(const char *path, size_t *n) {
+    *n = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *b = malloc(size > 0 ? (size_t)size + 1 : 1);
+    if (size > 0 && fread(b, 1, (size_t)size, f) == (size_t)size) *n = (size_t)size;
+    b[*n] = 0;
+    fclose(f);
+    return b;
+}
+
+void t_write_file(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return;
+    fwrite(data, 1, n, f);
+    fclose(f);
+}
+
+void t_write_text(const char *path, const char *text) {
+    t_write_file(path, text, strlen(text));
+}

@@ -40,6 +40,12 @@ float t_adamw_step_fp32(void *adamw, const void *table, float *params, const flo
 size_t t_mutate(const unsigned char *in, size_t n, unsigned long long seed, unsigned char *out,
                 size_t cap);
 
+// The whole file, NUL-terminated (free() it); NULL with *n = 0 when it
+// cannot be read.
+unsigned char *t_read_file(const char *path, size_t *n);
+void t_write_file(const char *path, const void *data, size_t n);
+void t_write_text(const char *path, const char *text);
+
 // Path of a file in the source tree (FITLM_SOURCE_DIR, set by CTest).
 const char *t_source_path(const char *rel);
 

@@ -16,6 +16,9 @@
 // the engine never continues past an error it cannot recover from.
 void fl_die(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
 void fl_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+// For parsers that report instead of dying (so fuzzers can run them): writes
+// the message into err and returns -1.
+int fl_errorf(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 // Always-on assertion (also in release builds): names the source line.
 #define FL_ASSERT(cond)                                                                            \

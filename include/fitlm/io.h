@@ -16,6 +16,20 @@
 
 uint32_t fl_crc32(uint32_t crc, const void *data, size_t n);
 
+// little-endian fields of file headers
+static inline void fl_put_u32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void fl_put_u64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t fl_get_u32(const uint8_t *p) {
+    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline uint64_t fl_get_u64(const uint8_t *p) {
+    return fl_get_u32(p) | (uint64_t)fl_get_u32(p + 4) << 32;
+}
+
 // ----------------------------------------------------------------------------
 // crash-safe writing: begin (PATH.tmp), write..., commit (fsync, rename over
 // PATH, fsync the directory). An error removes the temporary file and dies.

@@ -8,6 +8,8 @@ int cmd_plan(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 
+// The value of a numeric option, checked against [min, max]; dies naming flag.
+double cli_number(const char *flag, const char *text, double min, double max);
 // True when argv holds -h or --help.
 int wants_help(int argc, char **argv);
 // Writes a generated token's bytes to stdout (ctx: the fl_tokenizer).

@@ -1,5 +1,7 @@
 // main.c: the fitlm command: dispatches to the subcommands.
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -16,6 +18,15 @@ static void usage(FILE *out) {
                  "  tokenize text files to token shards (GPT-2 BPE or bytes) for training\n"
                  "  export   a checkpoint to Hugging Face safetensors + config.json\n\n"
                  "'fitlm <command> --help' lists the command's options and their defaults.\n");
+}
+
+double cli_number(const char *flag, const char *text, double min, double max) {
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (end == text || *end || errno || !(v >= min && v <= max))
+        fl_die("option %s expects a number in [%g, %g], got '%s'", flag, min, max, text);
+    return v;
 }
 
 int wants_help(int argc, char **argv) {

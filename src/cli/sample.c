@@ -31,17 +31,8 @@ static void help(void) {
            "  --threads N          threads, 0 = all cores (default: 0)\n");
 }
 
-static double number(const char *flag, const char *text, double min, double max) {
-    char *end;
-    errno = 0;
-    double v = strtod(text, &end);
-    if (end == text || *end || errno || !(v >= min && v <= max))
-        fl_die("option %s expects a number in [%g, %g], got '%s'", flag, min, max, text);
-    return v;
-}
-
 static int whole(const char *flag, const char *text, double min, double max) {
-    double v = number(flag, text, min, max);
+    double v = cli_number(flag, text, min, max);
     if (v != floor(v)) fl_die("option %s expects a whole number, got '%s'", flag, text);
     return (int)v;
 }
@@ -68,11 +59,11 @@ int cmd_sample(int argc, char **argv) {
         else if (!strcmp(flag, "--tokens"))
             o.tokens = whole(flag, v, 0, 1 << 20);
         else if (!strcmp(flag, "--temperature"))
-            o.temperature = (float)number(flag, v, 0, 100);
+            o.temperature = (float)cli_number(flag, v, 0, 100);
         else if (!strcmp(flag, "--top-k"))
             o.top_k = whole(flag, v, 0, 1 << 30);
         else if (!strcmp(flag, "--seed"))
-            o.seed = (unsigned long long)number(flag, v, 0, 1.8e19);
+            o.seed = (unsigned long long)cli_number(flag, v, 0, 1.8e19);
         else if (!strcmp(flag, "--threads"))
             o.threads = whole(flag, v, 0, 4096);
         else

@@ -88,15 +88,6 @@ static void help(void) {
            "  --threads N             threads, 0 = all cores (default: 0)\n");
 }
 
-static double number(const char *flag, const char *text, double min, double max) {
-    char *end;
-    errno = 0;
-    double v = strtod(text, &end);
-    if (end == text || *end || errno || !(v >= min && v <= max))
-        fl_die("option %s expects a number in [%g, %g], got '%s'", flag, min, max, text);
-    return v;
-}
-
 static void unescape(char *out, size_t size, const char *in) {
     size_t n = 0;
     for (; *in; in++) {
@@ -150,13 +141,13 @@ int cmd_tokenize(int argc, char **argv) {
         else if (!strcmp(a, "--tokenizer-path"))
             o.tokenizer_path = v;
         else if (!strcmp(a, "--val-fraction"))
-            o.val_fraction = number(a, v, 0, 0.5);
+            o.val_fraction = cli_number(a, v, 0, 0.5);
         else if (!strcmp(a, "--doc-separator"))
             unescape(o.separator, sizeof o.separator, v);
         else if (!strcmp(a, "--shard-tokens"))
-            o.shard_tokens = (uint64_t)number(a, v, 1024, 1e12);
+            o.shard_tokens = (uint64_t)cli_number(a, v, 1024, 1e12);
         else if (!strcmp(a, "--threads"))
-            o.threads = (int)number(a, v, 0, 4096);
+            o.threads = (int)cli_number(a, v, 0, 4096);
         else
             fl_die("unknown option '%s' (see --help)", a);
     }

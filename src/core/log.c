@@ -25,3 +25,11 @@ void fl_warn(const char *fmt, ...) {
     fprintf(stderr, "\n");
     va_end(ap);
 }
+
+int fl_errorf(char *err, size_t errlen, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return -1;
+}

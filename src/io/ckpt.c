@@ -6,7 +6,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,19 +19,6 @@
 #define CKPT_MAX_HEADER  (64u << 20)
 #define CKPT_MAX_TENSORS 4096
 #define CKPT_NAME_MAX    64
-
-static void put_u32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get_u32(const uint8_t *p) {
-    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get_u64(const uint8_t *p) {
-    return get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
-}
 
 static const char *dtype_name(fl_dtype dt) {
     return dt == FL_F32 ? "F32" : dt == FL_BF16 ? "BF16" : "F16";
@@ -127,10 +113,10 @@ void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ck
 
     uint8_t prefix[CKPT_PREFIX];
     memcpy(prefix, CKPT_MAGIC, 8);
-    put_u32(prefix + 8, CKPT_VERSION);
-    put_u32(prefix + 12, (uint32_t)strlen(header));
-    put_u64(prefix + 16, offset);
-    put_u32(prefix + 24, fl_crc32(fl_crc32(0, prefix, 24), header, strlen(header)));
+    fl_put_u32(prefix + 8, CKPT_VERSION);
+    fl_put_u32(prefix + 12, (uint32_t)strlen(header));
+    fl_put_u64(prefix + 16, offset);
+    fl_put_u32(prefix + 24, fl_crc32(fl_crc32(0, prefix, 24), header, strlen(header)));
 
     char name[32], path[FL_FILE_PATH_MAX];
     ckpt_name(name, sizeof name, step);
@@ -174,14 +160,6 @@ typedef struct {
     int n_tensors;
 } parsed;
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return -1;
-}
-
 static void parsed_free(parsed *p) {
     cJSON_Delete(p->root);
     cJSON_free(p->meta_json);
@@ -193,23 +171,24 @@ static void parsed_free(parsed *p) {
 static int parse_prefix(const uint8_t *prefix, uint64_t file_size, parsed *p, char *err,
                         size_t errlen) {
     if (file_size < CKPT_PREFIX)
-        return fail(err, errlen, "truncated: %llu bytes, shorter than the %d-byte prefix",
-                    (unsigned long long)file_size, CKPT_PREFIX);
+        return fl_errorf(err, errlen, "truncated: %llu bytes, shorter than the %d-byte prefix",
+                         (unsigned long long)file_size, CKPT_PREFIX);
     if (memcmp(prefix, CKPT_MAGIC, 8) != 0)
-        return fail(err, errlen, "not a fitlm checkpoint (bad magic)");
-    uint32_t version = get_u32(prefix + 8);
+        return fl_errorf(err, errlen, "not a fitlm checkpoint (bad magic)");
+    uint32_t version = fl_get_u32(prefix + 8);
     if (version != CKPT_VERSION)
-        return fail(err, errlen, "format version %u; this fitlm reads version %d", version,
-                    CKPT_VERSION);
-    p->header_len = get_u32(prefix + 12);
-    p->data_len = get_u64(prefix + 16);
+        return fl_errorf(err, errlen, "format version %u; this fitlm reads version %d", version,
+                         CKPT_VERSION);
+    p->header_len = fl_get_u32(prefix + 12);
+    p->data_len = fl_get_u64(prefix + 16);
     if (p->header_len == 0 || p->header_len > CKPT_MAX_HEADER)
-        return fail(err, errlen, "header length %u is out of range", p->header_len);
+        return fl_errorf(err, errlen, "header length %u is out of range", p->header_len);
     if (p->data_len > file_size || CKPT_PREFIX + (uint64_t)p->header_len + p->data_len != file_size)
-        return fail(err, errlen,
-                    "truncated or corrupt: the prefix says %u header + %llu data bytes, the file "
-                    "has %llu",
-                    p->header_len, (unsigned long long)p->data_len, (unsigned long long)file_size);
+        return fl_errorf(
+            err, errlen,
+            "truncated or corrupt: the prefix says %u header + %llu data bytes, the file "
+            "has %llu",
+            p->header_len, (unsigned long long)p->data_len, (unsigned long long)file_size);
     return 0;
 }
 
@@ -225,17 +204,17 @@ static int json_u64(const cJSON *item, uint64_t max, uint64_t *out) {
 static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errlen) {
     p->root = cJSON_ParseWithLength((const char *)header, p->header_len);
     if (!p->root || !cJSON_IsObject(p->root))
-        return fail(err, errlen, "the header is not a JSON object");
+        return fl_errorf(err, errlen, "the header is not a JSON object");
     const cJSON *meta = cJSON_GetObjectItemCaseSensitive(p->root, "meta");
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(p->root, "step");
     const cJSON *list = cJSON_GetObjectItemCaseSensitive(p->root, "tensors");
     uint64_t s;
     if (!cJSON_IsObject(meta) || !cJSON_IsArray(list) || json_u64(step, 1u << 30, &s) != 0)
-        return fail(err, errlen, "the header lacks meta, step or tensors");
+        return fl_errorf(err, errlen, "the header lacks meta, step or tensors");
     p->step = (int)s;
     p->meta_json = cJSON_PrintUnformatted(meta);
     int n = cJSON_GetArraySize(list);
-    if (n > CKPT_MAX_TENSORS) return fail(err, errlen, "%d tensors is too many", n);
+    if (n > CKPT_MAX_TENSORS) return fl_errorf(err, errlen, "%d tensors is too many", n);
     p->tensors = fl_alloc(FL_MEM_OTHER, (size_t)(n ? n : 1) * sizeof(tensor_entry));
     uint64_t expect_offset = 0;
     for (const cJSON *item = list->child; item; item = item->next) {
@@ -251,26 +230,26 @@ static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errl
             json_u64(shape->child, 1ull << 50, &t->numel) != 0 ||
             json_u64(offset, 1ull << 62, &t->offset) != 0 || !cJSON_IsString(crc) ||
             strlen(crc->valuestring) != 8 || strspn(crc->valuestring, "0123456789abcdef") != 8)
-            return fail(err, errlen, "tensor entry %d is malformed", p->n_tensors);
+            return fl_errorf(err, errlen, "tensor entry %d is malformed", p->n_tensors);
         strcpy(t->name, name->valuestring);
         t->crc = (uint32_t)strtoul(crc->valuestring, NULL, 16);
         t->bytes = t->numel * fl_dtype_size(t->dtype);
         // back to back, in order: no gaps, no overlaps, nothing past the end
         if (t->offset != expect_offset || t->bytes > p->data_len - t->offset)
-            return fail(err, errlen,
-                        "tensor '%s' spans bytes %llu..%llu, outside the data or "
-                        "not where the previous one ended",
-                        t->name, (unsigned long long)t->offset,
-                        (unsigned long long)(t->offset + t->bytes));
+            return fl_errorf(err, errlen,
+                             "tensor '%s' spans bytes %llu..%llu, outside the data or "
+                             "not where the previous one ended",
+                             t->name, (unsigned long long)t->offset,
+                             (unsigned long long)(t->offset + t->bytes));
         for (int k = 0; k < p->n_tensors; k++)
             if (!strcmp(p->tensors[k].name, t->name))
-                return fail(err, errlen, "tensor '%s' appears twice", t->name);
+                return fl_errorf(err, errlen, "tensor '%s' appears twice", t->name);
         expect_offset += t->bytes;
         p->n_tensors++;
     }
     if (expect_offset != p->data_len)
-        return fail(err, errlen, "the tensors cover %llu of %llu data bytes",
-                    (unsigned long long)expect_offset, (unsigned long long)p->data_len);
+        return fl_errorf(err, errlen, "the tensors cover %llu of %llu data bytes",
+                         (unsigned long long)expect_offset, (unsigned long long)p->data_len);
     return 0;
 }
 
@@ -278,8 +257,8 @@ static int parse_image(const uint8_t *file, size_t size, parsed *p, char *err, s
     memset(p, 0, sizeof *p);
     if (parse_prefix(file, size, p, err, errlen) != 0) return -1;
     const uint8_t *header = file + CKPT_PREFIX;
-    if (fl_crc32(fl_crc32(0, file, 24), header, p->header_len) != get_u32(file + 24))
-        return fail(err, errlen, "the header is corrupt (CRC-32 mismatch)");
+    if (fl_crc32(fl_crc32(0, file, 24), header, p->header_len) != fl_get_u32(file + 24))
+        return fl_errorf(err, errlen, "the header is corrupt (CRC-32 mismatch)");
     return parse_header(header, p, err, errlen);
 }
 
@@ -290,8 +269,8 @@ int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen) {
         const uint8_t *data = file + CKPT_PREFIX + p.header_len;
         for (int i = 0; i < p.n_tensors && rc == 0; i++)
             if (fl_crc32(0, data + p.tensors[i].offset, p.tensors[i].bytes) != p.tensors[i].crc)
-                rc = fail(err, errlen, "tensor '%s' is corrupt (CRC-32 mismatch)",
-                          p.tensors[i].name);
+                rc = fl_errorf(err, errlen, "tensor '%s' is corrupt (CRC-32 mismatch)",
+                               p.tensors[i].name);
     }
     parsed_free(&p);
     return rc;
@@ -349,7 +328,7 @@ fl_ckpt *fl_ckpt_open(const char *path) {
         fl_die("cannot read checkpoint %s", ck->path);
     uint64_t data_len = ck->p.data_len;
     if (fl_crc32(fl_crc32(0, image, 24), image + CKPT_PREFIX, ck->p.header_len) !=
-        get_u32(image + 24))
+        fl_get_u32(image + 24))
         fl_die("checkpoint %s: the header is corrupt (CRC-32 mismatch)", ck->path);
     if (parse_header(image + CKPT_PREFIX, &ck->p, err, sizeof err) != 0)
         fl_die("checkpoint %s: %s", ck->path, err);

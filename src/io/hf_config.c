@@ -5,18 +5,9 @@
 // GPT-2 computes.
 #include "fitlm/safetensors.h"
 
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <cJSON.h>
-
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return -1;
-}
 
 // root[key] as an integer in [min, max], or def when absent.
 static int get_int(const cJSON *root, const char *key, int def, int min, int max, int *out,
@@ -28,7 +19,7 @@ static int get_int(const cJSON *root, const char *key, int def, int min, int max
     }
     double d = item->valuedouble;
     if (!cJSON_IsNumber(item) || !(d >= min && d <= max) || d != (double)(int)d)
-        return fail(err, errlen, "%s must be an integer in [%d, %d]", key, min, max);
+        return fl_errorf(err, errlen, "%s must be an integer in [%d, %d]", key, min, max);
     *out = (int)d;
     return 0;
 }
@@ -38,18 +29,19 @@ static int want_bool(const cJSON *root, const char *key, int want, const char *w
                      size_t errlen) {
     const cJSON *item = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!item) return 0;
-    if (!cJSON_IsBool(item)) return fail(err, errlen, "%s must be true or false", key);
+    if (!cJSON_IsBool(item)) return fl_errorf(err, errlen, "%s must be true or false", key);
     if (cJSON_IsTrue(item) != want)
-        return fail(err, errlen, "%s %s is not supported: %s", key, want ? "false" : "true", why);
+        return fl_errorf(err, errlen, "%s %s is not supported: %s", key, want ? "false" : "true",
+                         why);
     return 0;
 }
 
 static int check_config(const cJSON *root, fl_gpt2_config *out, char *err, size_t errlen) {
-    if (!cJSON_IsObject(root)) return fail(err, errlen, "not a JSON object");
+    if (!cJSON_IsObject(root)) return fl_errorf(err, errlen, "not a JSON object");
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(root, "model_type");
     if (type && (!cJSON_IsString(type) || strcmp(type->valuestring, "gpt2") != 0))
-        return fail(err, errlen, "model_type is %.40s, not \"gpt2\"",
-                    cJSON_IsString(type) ? type->valuestring : "not a string");
+        return fl_errorf(err, errlen, "model_type is %.40s, not \"gpt2\"",
+                         cJSON_IsString(type) ? type->valuestring : "not a string");
     fl_gpt2_config c = {0};
     if (get_int(root, "vocab_size", 50257, 1, 1 << 30, &c.vocab_size, err, errlen) ||
         get_int(root, "n_positions", 1024, 1, 1 << 20, &c.max_seq_len, err, errlen) ||
@@ -58,22 +50,23 @@ static int check_config(const cJSON *root, fl_gpt2_config *out, char *err, size_
         get_int(root, "n_head", 12, 1, 1 << 16, &c.n_head, err, errlen))
         return -1;
     if (c.n_embd % c.n_head != 0)
-        return fail(err, errlen, "n_embd (%d) is not divisible by n_head (%d)", c.n_embd, c.n_head);
+        return fl_errorf(err, errlen, "n_embd (%d) is not divisible by n_head (%d)", c.n_embd,
+                         c.n_head);
     const cJSON *inner = cJSON_GetObjectItemCaseSensitive(root, "n_inner");
     if (inner && !cJSON_IsNull(inner) &&
         !(cJSON_IsNumber(inner) && inner->valuedouble == 4.0 * c.n_embd))
-        return fail(err, errlen, "n_inner must be null or 4 * n_embd (%d): fitlm's MLP is 4C",
-                    4 * c.n_embd);
+        return fl_errorf(err, errlen, "n_inner must be null or 4 * n_embd (%d): fitlm's MLP is 4C",
+                         4 * c.n_embd);
     const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "activation_function");
     if (act && !(cJSON_IsString(act) && (strcmp(act->valuestring, "gelu_new") == 0 ||
                                          strcmp(act->valuestring, "gelu_pytorch_tanh") == 0)))
-        return fail(err, errlen,
-                    "activation_function %.40s is not supported (fitlm's GPT-2 uses the tanh "
-                    "GELU: gelu_new or gelu_pytorch_tanh)",
-                    cJSON_IsString(act) ? act->valuestring : "(not a string)");
+        return fl_errorf(err, errlen,
+                         "activation_function %.40s is not supported (fitlm's GPT-2 uses the tanh "
+                         "GELU: gelu_new or gelu_pytorch_tanh)",
+                         cJSON_IsString(act) ? act->valuestring : "(not a string)");
     const cJSON *eps = cJSON_GetObjectItemCaseSensitive(root, "layer_norm_epsilon");
     if (eps && !(cJSON_IsNumber(eps) && eps->valuedouble == 1e-5))
-        return fail(err, errlen, "layer_norm_epsilon must be 1e-5, the only value fitlm uses");
+        return fl_errorf(err, errlen, "layer_norm_epsilon must be 1e-5, the only value fitlm uses");
     if (want_bool(root, "tie_word_embeddings", 1, "fitlm's LM head is tied to wte", err, errlen) ||
         want_bool(root, "scale_attn_weights", 1, "fitlm scales scores by 1/sqrt(head size)", err,
                   errlen) ||
@@ -88,7 +81,7 @@ static int check_config(const cJSON *root, fl_gpt2_config *out, char *err, size_
 
 int fl_hf_config_parse(const char *json, size_t n, fl_gpt2_config *out, char *err, size_t errlen) {
     cJSON *root = cJSON_ParseWithLength(json, n);
-    if (!root) return fail(err, errlen, "not valid JSON");
+    if (!root) return fl_errorf(err, errlen, "not valid JSON");
     int rc = check_config(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;
@@ -110,29 +103,30 @@ static int entry_by_name(const void *a, const void *b) {
 }
 
 static int check_index(const cJSON *root, fl_hf_index *out, char *err, size_t errlen) {
-    if (!cJSON_IsObject(root)) return fail(err, errlen, "not a JSON object");
+    if (!cJSON_IsObject(root)) return fl_errorf(err, errlen, "not a JSON object");
     const cJSON *meta = cJSON_GetObjectItemCaseSensitive(root, "metadata");
-    if (meta && !cJSON_IsObject(meta)) return fail(err, errlen, "metadata is not an object");
+    if (meta && !cJSON_IsObject(meta)) return fl_errorf(err, errlen, "metadata is not an object");
     const cJSON *total = meta ? cJSON_GetObjectItemCaseSensitive(meta, "total_size") : NULL;
     if (total && !(cJSON_IsNumber(total) && total->valuedouble >= 0))
-        return fail(err, errlen, "metadata.total_size is not a non-negative number");
+        return fl_errorf(err, errlen, "metadata.total_size is not a non-negative number");
     const cJSON *map = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
-    if (!cJSON_IsObject(map)) return fail(err, errlen, "weight_map is missing or not an object");
+    if (!cJSON_IsObject(map))
+        return fl_errorf(err, errlen, "weight_map is missing or not an object");
     int n = cJSON_GetArraySize(map);
     out->entries = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof *out->entries);
     out->files = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof *out->files);
     const cJSON *item;
     cJSON_ArrayForEach(item, map) {
         if (!cJSON_IsString(item))
-            return fail(err, errlen, "weight_map['%s'] is not a string", item->string);
+            return fl_errorf(err, errlen, "weight_map['%s'] is not a string", item->string);
         if (!shard_name_ok(item->valuestring))
-            return fail(err, errlen,
-                        "weight_map['%s']: '%.80s' is not a plain .safetensors file name",
-                        item->string, item->valuestring);
+            return fl_errorf(err, errlen,
+                             "weight_map['%s']: '%.80s' is not a plain .safetensors file name",
+                             item->string, item->valuestring);
         int f = 0;
         while (f < out->n_files && strcmp(out->files[f], item->valuestring) != 0) f++;
         if (f == out->n_files) {
-            if (f == MAX_SHARDS) return fail(err, errlen, "more than %d shards", MAX_SHARDS);
+            if (f == MAX_SHARDS) return fl_errorf(err, errlen, "more than %d shards", MAX_SHARDS);
             size_t len = strlen(item->valuestring) + 1;
             out->files[out->n_files] = fl_alloc(FL_MEM_OTHER, len);
             memcpy(out->files[out->n_files++], item->valuestring, len);
@@ -148,7 +142,7 @@ static int check_index(const cJSON *root, fl_hf_index *out, char *err, size_t er
     int rc = 0;
     for (int i = 1; i < n && !rc; i++)
         if (strcmp(sorted[i - 1].name, sorted[i].name) == 0)
-            rc = fail(err, errlen, "weight_map lists '%s' twice", sorted[i].name);
+            rc = fl_errorf(err, errlen, "weight_map lists '%s' twice", sorted[i].name);
     fl_free(sorted);
     return rc;
 }
@@ -156,7 +150,7 @@ static int check_index(const cJSON *root, fl_hf_index *out, char *err, size_t er
 int fl_hf_index_parse(const char *json, size_t n, fl_hf_index *out, char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
     cJSON *root = cJSON_ParseWithLength(json, n);
-    if (!root) return fail(err, errlen, "not valid JSON");
+    if (!root) return fl_errorf(err, errlen, "not valid JSON");
     int rc = check_index(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;

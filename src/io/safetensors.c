@@ -8,7 +8,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -17,14 +16,6 @@
 #include <cJSON.h>
 
 #include "fitlm/io.h"
-
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return -1;
-}
 
 static const struct {
     const char *name;
@@ -50,49 +41,52 @@ static int json_uint(const cJSON *item, uint64_t *out) {
 static int parse_tensor(const cJSON *item, fl_st_tensor *t, size_t data_size, char *err,
                         size_t errlen) {
     const char *name = item->string;
-    if (!cJSON_IsObject(item)) return fail(err, errlen, "entry '%s' is not an object", name);
+    if (!cJSON_IsObject(item)) return fl_errorf(err, errlen, "entry '%s' is not an object", name);
     const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(item, "dtype");
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(item, "shape");
     const cJSON *offsets = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");
     if (!cJSON_IsString(dtype) || !cJSON_IsArray(shape) || !cJSON_IsArray(offsets))
-        return fail(err, errlen, "tensor '%s' lacks dtype, shape or data_offsets", name);
+        return fl_errorf(err, errlen, "tensor '%s' lacks dtype, shape or data_offsets", name);
     size_t k = 0, nk = sizeof st_dtypes / sizeof st_dtypes[0];
     while (k < nk && strcmp(st_dtypes[k].name, dtype->valuestring) != 0) k++;
     if (k == nk)
-        return fail(err, errlen, "tensor '%s' has dtype '%.32s'; only F32, F16 and BF16 are read",
-                    name, dtype->valuestring);
+        return fl_errorf(err, errlen,
+                         "tensor '%s' has dtype '%.32s'; only F32, F16 and BF16 are read", name,
+                         dtype->valuestring);
     t->dtype = st_dtypes[k].dt;
     int ndim = cJSON_GetArraySize(shape);
     if (ndim > FL_ST_MAX_DIMS)
-        return fail(err, errlen, "tensor '%s' has %d dimensions (at most %d)", name, ndim,
-                    FL_ST_MAX_DIMS);
+        return fl_errorf(err, errlen, "tensor '%s' has %d dimensions (at most %d)", name, ndim,
+                         FL_ST_MAX_DIMS);
     t->ndim = 0;
     t->numel = 1;
     const cJSON *d;
     cJSON_ArrayForEach(d, shape) {
         uint64_t v;
         if (!json_uint(d, &v))
-            return fail(err, errlen, "tensor '%s': shape entries must be non-negative integers",
-                        name);
+            return fl_errorf(err, errlen,
+                             "tensor '%s': shape entries must be non-negative integers", name);
         if (v && t->numel > SIZE_MAX / v)
-            return fail(err, errlen, "tensor '%s': the shape's element count overflows", name);
+            return fl_errorf(err, errlen, "tensor '%s': the shape's element count overflows", name);
         t->shape[t->ndim++] = v;
         t->numel *= (size_t)v;
     }
     uint64_t begin, end;
     if (cJSON_GetArraySize(offsets) != 2 || !json_uint(offsets->child, &begin) ||
         !json_uint(offsets->child->next, &end) || begin > end)
-        return fail(err, errlen, "tensor '%s': data_offsets must be two integers begin <= end",
-                    name);
+        return fl_errorf(err, errlen, "tensor '%s': data_offsets must be two integers begin <= end",
+                         name);
     if (end > data_size)
-        return fail(err, errlen,
-                    "tensor '%s': data_offsets [%llu, %llu] run past the data section (%zu bytes)",
-                    name, (unsigned long long)begin, (unsigned long long)end, data_size);
+        return fl_errorf(
+            err, errlen,
+            "tensor '%s': data_offsets [%llu, %llu] run past the data section (%zu bytes)", name,
+            (unsigned long long)begin, (unsigned long long)end, data_size);
     size_t esize = fl_dtype_size(t->dtype);
     if (t->numel > SIZE_MAX / esize || t->numel * esize != end - begin)
-        return fail(err, errlen,
-                    "tensor '%s': %llu bytes in data_offsets, but its shape and dtype take %zu",
-                    name, (unsigned long long)(end - begin), t->numel * esize);
+        return fl_errorf(
+            err, errlen,
+            "tensor '%s': %llu bytes in data_offsets, but its shape and dtype take %zu", name,
+            (unsigned long long)(end - begin), t->numel * esize);
     t->begin = (size_t)begin;
     t->end = (size_t)end;
     return 0;
@@ -111,44 +105,48 @@ static int by_range(const void *a, const void *b) {
 // Unique names, and ranges that tile [0, data_size) exactly.
 static int check_layout(const fl_safetensors *st, char *err, size_t errlen) {
     if (st->count == 0)
-        return st->data_size ? fail(err, errlen, "%zu data bytes but no tensors", st->data_size)
-                             : 0;
+        return st->data_size
+                   ? fl_errorf(err, errlen, "%zu data bytes but no tensors", st->data_size)
+                   : 0;
     const fl_st_tensor **order = fl_alloc(FL_MEM_OTHER, (size_t)st->count * sizeof *order);
     for (int i = 0; i < st->count; i++) order[i] = &st->tensors[i];
     int rc = 0;
     qsort(order, (size_t)st->count, sizeof *order, by_name);
     for (int i = 1; i < st->count && !rc; i++)
         if (strcmp(order[i - 1]->name, order[i]->name) == 0)
-            rc = fail(err, errlen, "tensor '%s' appears twice", order[i]->name);
+            rc = fl_errorf(err, errlen, "tensor '%s' appears twice", order[i]->name);
     qsort(order, (size_t)st->count, sizeof *order, by_range);
     size_t expected = 0;
     for (int i = 0; i < st->count && !rc; i++) {
         if (order[i]->begin < expected)
-            rc = fail(err, errlen, "tensors '%s' and '%s' overlap", order[i - 1]->name,
-                      order[i]->name);
+            rc = fl_errorf(err, errlen, "tensors '%s' and '%s' overlap", order[i - 1]->name,
+                           order[i]->name);
         else if (order[i]->begin > expected)
-            rc = fail(err, errlen, "%zu unused bytes before tensor '%s'",
-                      order[i]->begin - expected, order[i]->name);
+            rc = fl_errorf(err, errlen, "%zu unused bytes before tensor '%s'",
+                           order[i]->begin - expected, order[i]->name);
         expected = order[i]->end;
     }
     if (!rc && expected != st->data_size)
-        rc = fail(err, errlen, "%zu unused bytes after the last tensor", st->data_size - expected);
+        rc = fl_errorf(err, errlen, "%zu unused bytes after the last tensor",
+                       st->data_size - expected);
     fl_free(order);
     return rc;
 }
 
 static int parse_header(const cJSON *root, fl_safetensors *out, char *err, size_t errlen) {
-    if (!cJSON_IsObject(root)) return fail(err, errlen, "the header is not a JSON object");
+    if (!cJSON_IsObject(root)) return fl_errorf(err, errlen, "the header is not a JSON object");
     int count = 0;
     size_t name_bytes = 0;
     const cJSON *item;
     cJSON_ArrayForEach(item, root) {
         if (strcmp(item->string, "__metadata__") == 0) {
-            if (!cJSON_IsObject(item)) return fail(err, errlen, "__metadata__ is not an object");
+            if (!cJSON_IsObject(item))
+                return fl_errorf(err, errlen, "__metadata__ is not an object");
             const cJSON *kv;
             cJSON_ArrayForEach(kv, item) {
                 if (!cJSON_IsString(kv))
-                    return fail(err, errlen, "__metadata__ value '%s' is not a string", kv->string);
+                    return fl_errorf(err, errlen, "__metadata__ value '%s' is not a string",
+                                     kv->string);
             }
             continue;
         }
@@ -174,31 +172,32 @@ static int parse_header(const cJSON *root, fl_safetensors *out, char *err, size_
 int fl_safetensors_parse(const uint8_t *buf, size_t n, fl_safetensors *out, char *err,
                          size_t errlen) {
     memset(out, 0, sizeof *out);
-    if (n < 8) return fail(err, errlen, "%zu bytes: too short for the header length", n);
+    if (n < 8) return fl_errorf(err, errlen, "%zu bytes: too short for the header length", n);
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++) hlen |= (uint64_t)buf[i] << (8 * i);
     if (hlen > FL_ST_MAX_HEADER)
-        return fail(err, errlen, "header length %llu exceeds the limit of %d bytes",
-                    (unsigned long long)hlen, FL_ST_MAX_HEADER);
+        return fl_errorf(err, errlen, "header length %llu exceeds the limit of %d bytes",
+                         (unsigned long long)hlen, FL_ST_MAX_HEADER);
     if (hlen > n - 8)
-        return fail(err, errlen, "header length %llu runs past the end of the file (%zu bytes)",
-                    (unsigned long long)hlen, n);
+        return fl_errorf(err, errlen,
+                         "header length %llu runs past the end of the file (%zu bytes)",
+                         (unsigned long long)hlen, n);
     const char *header = (const char *)buf + 8;
     if (hlen < 2 || header[0] != '{')
-        return fail(err, errlen, "the header does not start with '{' (header length %llu)",
-                    (unsigned long long)hlen);
+        return fl_errorf(err, errlen, "the header does not start with '{' (header length %llu)",
+                         (unsigned long long)hlen);
     out->data = buf + 8 + hlen;
     out->data_size = n - 8 - (size_t)hlen;
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(header, (size_t)hlen, &end, 0);
     if (!root)
-        return fail(err, errlen, "the header is not valid JSON (error at byte %td of %llu)",
-                    end ? end - header : 0, (unsigned long long)hlen);
+        return fl_errorf(err, errlen, "the header is not valid JSON (error at byte %td of %llu)",
+                         end ? end - header : 0, (unsigned long long)hlen);
     for (const char *p = end; p < header + hlen; p++)
         if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
             cJSON_Delete(root);
-            return fail(err, errlen, "bytes after the header's JSON object (at byte %td)",
-                        p - header);
+            return fl_errorf(err, errlen, "bytes after the header's JSON object (at byte %td)",
+                             p - header);
         }
     int rc = parse_header(root, out, err, errlen);
     cJSON_Delete(root);

@@ -13,19 +13,6 @@
 #define SHARD_MAGIC   "FITLMTOK"
 #define SHARD_VERSION 1
 
-static void put_u32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get_u32(const uint8_t *p) {
-    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get_u64(const uint8_t *p) {
-    return get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
-}
-
 void fl_shard_write(const char *path, const char *tokenizer, uint32_t vocab_size,
                     const int32_t *tokens, uint64_t n_tokens, uint64_t source_bytes) {
     FL_ASSERT(strlen(tokenizer) <= FL_SHARD_NAME_SIZE);
@@ -40,14 +27,14 @@ void fl_shard_write(const char *path, const char *tokenizer, uint32_t vocab_size
         if (pass == 1) {
             uint8_t h[FL_SHARD_HEADER] = {0};
             memcpy(h, SHARD_MAGIC, 8);
-            put_u32(h + 8, SHARD_VERSION);
-            put_u32(h + 12, vocab_size);
-            put_u32(h + 16, width);
-            put_u32(h + 20, data_crc);
-            put_u64(h + 24, n_tokens);
-            put_u64(h + 32, source_bytes);
+            fl_put_u32(h + 8, SHARD_VERSION);
+            fl_put_u32(h + 12, vocab_size);
+            fl_put_u32(h + 16, width);
+            fl_put_u32(h + 20, data_crc);
+            fl_put_u64(h + 24, n_tokens);
+            fl_put_u64(h + 32, source_bytes);
             memcpy(h + 40, tokenizer, strlen(tokenizer));
-            put_u32(h + 60, fl_crc32(0, h, 60));
+            fl_put_u32(h + 60, fl_crc32(0, h, 60));
             fl_file_begin(&f, path);
             fl_file_write(&f, h, sizeof h);
         }
@@ -60,7 +47,7 @@ void fl_shard_write(const char *path, const char *tokenizer, uint32_t vocab_size
                     block[2 * k] = (uint8_t)t;
                     block[2 * k + 1] = (uint8_t)(t >> 8);
                 } else {
-                    put_u32(block + 4 * k, t);
+                    fl_put_u32(block + 4 * k, t);
                 }
             }
             if (pass == 0)
@@ -93,18 +80,18 @@ void fl_shard_open(fl_shard *s, const char *path) {
         fl_die("%s is not a fitlm token shard (bad magic at byte offset 0; make shards with "
                "'fitlm tokenize')",
                path);
-    if (get_u32(h + 60) != fl_crc32(0, h, 60))
+    if (fl_get_u32(h + 60) != fl_crc32(0, h, 60))
         fl_die("token shard %s: the header (bytes 0-59) is corrupt (CRC-32 mismatch at byte "
                "offset 60)",
                path);
-    uint32_t version = get_u32(h + 8);
+    uint32_t version = fl_get_u32(h + 8);
     if (version != SHARD_VERSION)
         fl_die("token shard %s has format version %u (byte offset 8); this fitlm reads version %d",
                path, version, SHARD_VERSION);
-    s->vocab_size = get_u32(h + 12);
-    s->width = get_u32(h + 16);
-    s->n_tokens = get_u64(h + 24);
-    s->source_bytes = get_u64(h + 32);
+    s->vocab_size = fl_get_u32(h + 12);
+    s->width = fl_get_u32(h + 16);
+    s->n_tokens = fl_get_u64(h + 24);
+    s->source_bytes = fl_get_u64(h + 32);
     memcpy(s->tokenizer, h + 40, FL_SHARD_NAME_SIZE);
     if (s->vocab_size == 0 || (s->width != 2 && s->width != 4) ||
         (s->width == 2 && s->vocab_size > 65536))
@@ -116,7 +103,7 @@ void fl_shard_open(fl_shard *s, const char *path) {
                "the file holds %zu bytes after the header",
                path, (unsigned long long)s->n_tokens, s->width, s->map_size - FL_SHARD_HEADER);
     s->tokens = h + FL_SHARD_HEADER;
-    if (fl_crc32(0, s->tokens, s->n_tokens * s->width) != get_u32(h + 20))
+    if (fl_crc32(0, s->tokens, s->n_tokens * s->width) != fl_get_u32(h + 20))
         fl_die("token shard %s: the token data (byte offset %d on) is corrupt (CRC-32 mismatch)",
                path, FL_SHARD_HEADER);
     for (uint64_t i = 0; i < s->n_tokens; i++)

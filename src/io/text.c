@@ -25,19 +25,8 @@ static size_t utf8_invalid_at(const uint8_t *s, size_t n) {
 }
 
 void fl_text_load(fl_text *text, const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        fl_die("cannot open data file %s: %s%s", path, strerror(errno),
-               errno == ENOENT ? " (the default data is made by scripts/setup.sh)" : "");
-    if (fseek(f, 0, SEEK_END) != 0) fl_die("data file %s: cannot seek", path);
-    long size = ftell(f);
-    if (size < 0) fl_die("data file %s: cannot tell its size", path);
-    if (size == 0) fl_die("data file %s is empty", path);
-    fseek(f, 0, SEEK_SET);
-    text->n = (size_t)size;
-    text->bytes = fl_alloc(FL_MEM_OTHER, text->n);
-    if (fread(text->bytes, 1, text->n, f) != text->n) fl_die("cannot read data file %s", path);
-    fclose(f);
+    text->bytes = fl_file_read_all(path, SIZE_MAX / 2, &text->n, "data file");
+    if (text->n == 0) fl_die("data file %s is empty", path);
     size_t bad = utf8_invalid_at(text->bytes, text->n);
     if (bad != text->n)
         fl_die("data file %s is not valid UTF-8: bad byte 0x%02x at offset %zu", path,

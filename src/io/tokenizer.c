@@ -5,9 +5,11 @@
 #include "bpe.h"
 
 #include <errno.h>
+#include <unistd.h>
 #include <cJSON.h>
 
 #include "fitlm/core.h"
+#include "fitlm/io.h"
 
 enum { ALPHABET = 256 + 68 }; // the alphabet's code points are all below this
 
@@ -40,18 +42,11 @@ static long unmap(const int16_t *byte_of, const char *str, size_t n, uint8_t *ou
 }
 
 static char *read_file(const char *path, size_t *size) {
-    FILE *f = fopen(path, "rb");
-    if (!f)
+    if (access(path, R_OK) != 0)
         fl_die("cannot open tokenizer file %s: %s%s", path, strerror(errno),
                errno == ENOENT ? " (scripts/setup.sh fetches the GPT-2 files)" : "");
-    if (fseek(f, 0, SEEK_END) != 0) fl_die("tokenizer file %s: cannot seek", path);
-    long n = ftell(f);
-    if (n <= 0) fl_die("tokenizer file %s is empty or unreadable", path);
-    fseek(f, 0, SEEK_SET);
-    char *text = fl_alloc(FL_MEM_OTHER, (size_t)n + 1); // zero-filled: NUL-terminated
-    if (fread(text, 1, (size_t)n, f) != (size_t)n) fl_die("cannot read tokenizer file %s", path);
-    fclose(f);
-    *size = (size_t)n;
+    char *text = (char *)fl_file_read_all(path, (size_t)1 << 30, size, "tokenizer file");
+    if (*size == 0) fl_die("tokenizer file %s is empty", path);
     return text;
 }
 
