@@ -171,6 +171,13 @@ static void test_pruning(void) {
     fl_ckpt_close(c);
     fl_train_ckpt_save(ck, 6, &a, NULL, NULL, "byte", NULL, 0);
     t_check(count_files(ck, "ckpt_") == 3, "keep 0 keeps every checkpoint");
+    // a new run in the same directory: the older run's files go first, even
+    // with larger step numbers
+    fl_train_ckpt_save(ck, 1, &a, NULL, NULL, "byte", NULL, 2);
+    fl_train_ckpt_save(ck, 2, &a, NULL, NULL, "byte", NULL, 2);
+    snprintf(tmp, sizeof tmp, "%s/ckpt_00000001.fitlm", ck);
+    t_check(count_files(ck, "ckpt_") == 2 && access(tmp, F_OK) == 0,
+            "a new run's checkpoints replace an older run's");
     fl_gpt2_free(&a);
 }
 

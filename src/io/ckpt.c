@@ -48,37 +48,47 @@ static int is_ckpt_name(const char *name, int *step) {
            strlen(name) == 19;
 }
 
-static int cmp_int(const void *a, const void *b) {
-    return (*(const int *)a > *(const int *)b) - (*(const int *)a < *(const int *)b);
+typedef struct {
+    char name[32];
+    struct timespec mtime;
+} ckpt_file;
+
+static int older_first(const void *a, const void *b) {
+    const struct timespec *x = &((const ckpt_file *)a)->mtime, *y = &((const ckpt_file *)b)->mtime;
+    if (x->tv_sec != y->tv_sec) return x->tv_sec < y->tv_sec ? -1 : 1;
+    return (x->tv_nsec > y->tv_nsec) - (x->tv_nsec < y->tv_nsec);
 }
 
-// Deletes every checkpoint but the `keep` newest and any temporary file a
-// killed writer left behind. Runs only after `latest` points at the newest.
+// Deletes every checkpoint but the `keep` most recently written (so those of
+// an earlier run in the same directory go first, whatever their step) and
+// any temporary file a killed writer left behind. Runs only after `latest`
+// points at the newest.
 static void prune(const char *dir, int keep, int newest) {
     DIR *d = opendir(dir);
     if (!d) return;
-    int steps[1024], n = 0;
+    ckpt_file files[1024];
+    int n = 0;
     struct dirent *e;
     char path[FL_FILE_PATH_MAX];
     while ((e = readdir(d))) {
         int step;
         size_t len = strlen(e->d_name);
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        struct stat st;
         if (!strncmp(e->d_name, "ckpt_", 5) && len > 4 && !strcmp(e->d_name + len - 4, ".tmp")) {
-            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
             unlink(path);
-        } else if (is_ckpt_name(e->d_name, &step) && step != newest && n < 1024) {
-            steps[n++] = step;
+        } else if (is_ckpt_name(e->d_name, &step) && step != newest && n < 1024 &&
+                   stat(path, &st) == 0) {
+            snprintf(files[n].name, sizeof files[n].name, "%s", e->d_name);
+            files[n++].mtime = st.st_mtim;
         }
     }
     closedir(d);
     if (keep <= 0) return;
-    qsort(steps, (size_t)n, sizeof steps[0], cmp_int);
-    for (int i = 0; i < n - (keep - 1); i++) {
-        char name[32];
-        ckpt_name(name, sizeof name, steps[i]);
-        snprintf(path, sizeof path, "%s/%s", dir, name);
-        unlink(path);
-    }
+    qsort(files, (size_t)n, sizeof files[0], older_first);
+    for (int i = 0; i < n - (keep - 1); i++)
+        if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, files[i].name) < sizeof path)
+            unlink(path);
 }
 
 void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ckpt_tensor *tensors,
