@@ -16,12 +16,13 @@
 // (6 x the non-embedding weights plus the tied LM head, forward + backward,
 // plus the attention score/value products; the padded vocabulary, layernorm,
 // GELU, softmax and the optimizer are not counted), MFU and the process's
-// peak RSS. MFU is quoted against the fp32 FMA peak (--peak) for fp32 and
-// against the bf16 dot-product (vdpbf16ps) peak (--peak-bf16) for bf16 and
-// fp16 (the fp32 peak on a CPU without AVX512_BF16); the other peaks' MFUs
-// (and the AMX-BF16 peak's, --peak-amx) are printed too. A peak that is not
-// given (or 0) is measured here with --threads threads, as peak_fma does;
-// --peak-amx -1 skips the AMX one.
+// peak RSS, and the per-op profile of the timed steps (fitlm/profile.h, as
+// `fitlm train --profile` prints it). MFU is quoted against the fp32 FMA
+// peak (--peak) for fp32 and against the bf16 dot-product (vdpbf16ps) peak
+// (--peak-bf16) for bf16 and fp16 (the fp32 peak on a CPU without
+// AVX512_BF16); the other peaks' MFUs (and the AMX-BF16 peak's, --peak-amx)
+// are printed too. A peak that is not given (or 0) is measured here with
+// --threads threads, as peak_fma does; --peak-amx -1 skips the AMX one.
 //
 // The last line is machine-readable: "RESULT engine=fitlm precision=... key=value ...".
 #include <stdio.h>
@@ -33,6 +34,7 @@
 #include "fitlm/config.h"
 #include "fitlm/data.h"
 #include "fitlm/optim.h"
+#include "fitlm/profile.h"
 #include "fma_peak.h"
 
 typedef struct {
@@ -256,15 +258,19 @@ int main(int argc, char **argv) {
     float first_loss = 0.0f, last_loss = 0.0f, loss_scale = 1.0f;
     int skipped = 0, skipped_timed = 0;
     for (int s = 0; s < total; s++) {
+        fl_profile_enable(s >= a.warmup);
         double t0 = fl_now();
-        fl_optimizer_zero_grad(&opt);
+        FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(&opt));
         float loss = fl_gpt2_forward(&model, inputs, targets, a.B, a.T);
         double t1 = fl_now();
         fl_gpt2_backward(&model, fl_optimizer_loss_scale(&opt));
         double t2 = fl_now();
-        fl_optimizer_micro_done(&opt);
-        fl_step_result r = fl_optimizer_step(&opt, 1e-4f);
+        fl_step_result r;
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(&opt));
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, r = fl_optimizer_step(&opt, 1e-4f));
         double t3 = fl_now();
+        if (fl_profile_on) fl_profile_step(t3 - t0);
+        fl_profile_enable(0);
         if (s == 0) first_loss = loss;
         last_loss = loss;
         loss_scale = r.loss_scale;
@@ -297,6 +303,7 @@ int main(int argc, char **argv) {
     double rss_mib = fl_mem_peak_rss() / 1048576.0;
     double tagged_mib = fl_mem_total_peak() / 1048576.0;
     if (a.mem_report) fl_mem_report(stdout);
+    fl_profile_print(stdout);
     printf("median %.1f ms/step (min %.1f, max %.1f; fwd %.1f, bwd %.1f, clip+adamw %.1f) | "
            "%.1f tok/s | %.1f GFLOP/s | MFU %.1f%% of the %s peak %.1f (fp32 %.1f%%, bf16 %.1f%%, "
            "AMX %.1f%%) | peak RSS %.0f MiB (tagged %.0f)",

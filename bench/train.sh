@@ -165,6 +165,7 @@ runs_for_shape() {
 }
 
 declare -a ROWS NOTES RAW
+PROFILES=""
 declare -A LINE=()
 START=$SECONDS
 for shape in $SHAPES; do
@@ -194,6 +195,13 @@ for shape in $SHAPES; do
             line="RESULT engine=$eng precision=$prec B=$B T=$T failed=1"
         else
             grep '^median' "$LOG/$name.log"
+        fi
+        # bench_train's per-op table: its header line, a blank line (markdown), the table
+        if [[ $eng == fitlm ]] && grep -q '^per-op profile' "$LOG/$name.log"; then
+            PROFILES+="### fitlm $prec, B=$B, T=$T"$'\n\n'
+            PROFILES+=$(awk '/^per-op profile/ { print; print ""; on = 1; next }
+                             on && /^\|/ { print } on && !/^\|/ { on = 0 }' "$LOG/$name.log")
+            PROFILES+=$'\n\n'
         fi
         LINE[$shape:$run]=$line
         RAW+=("$line")
@@ -276,6 +284,13 @@ TOTAL=$SECONDS
     echo
     for n in "${NOTES[@]}"; do echo "- $n"; done
     echo
+    if [[ -n $PROFILES ]]; then
+        echo "## Per-op profile of the fitlm runs"
+        echo
+        echo "Per timed step, by op (bench_train's table, as \`fitlm train --profile\` prints it; columns in bench/README.md)."
+        echo
+        printf '%s' "$PROFILES"
+    fi
     if [[ -n $MEMORY ]]; then
         echo "## Bytes per parameter by precision and optimizer"
         echo

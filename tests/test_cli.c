@@ -69,7 +69,8 @@ static void test_help_lists_every_option_with_default(void) {
                               "--threads",
                               "[optimizer.params.betas]",
                               "[gradient_clipping]",
-                              "[scheduler.params.warmup_num_steps]"};
+                              "[scheduler.params.warmup_num_steps]",
+                              "--profile"};
     for (size_t i = 0; i < sizeof expected / sizeof expected[0]; i++)
         t_check(strstr(output, expected[i]) != NULL, "train --help mentions %s", expected[i]);
     t_check(fitlm("sample --help") == 0 && strstr(output, "--temperature") &&
@@ -184,6 +185,18 @@ static void test_config_then_flags(void) {
     double mib = over ? atof(over + strlen("untracked overhead ")) : -1.0;
     printf("  peak RSS - tagged peak = %.2f MiB\n", mib);
     t_check(mib >= 0.0 && mib < 64.0, "untracked memory is small (%.2f MiB < 64)", mib);
+    rc = fitlm("train --config run.json --steps 3 --profile");
+    const char *rows[] = {"per-op profile: 2 steps",
+                          "| matmul lm head ",
+                          "| attention ",
+                          "| layernorm ",
+                          "| optimizer ",
+                          "| data loader ",
+                          "| other ",
+                          "| total "};
+    int all = rc == 0;
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) all &= strstr(output, rows[i]) != 0;
+    t_check(all, "--profile prints the per-op table of the steps after the first: %.600s", output);
 }
 
 // Keeps only what must repeat: each step's loss, lr and norm (not the timing).

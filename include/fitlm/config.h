@@ -56,6 +56,7 @@ typedef struct {
     uint64_t seed;
     int threads;
     int mem_report, mem_report_every;
+    int profile;                 // per-op profile table after training
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
     uint8_t given[64];           // by option-table index: set by the file or a flag, not defaulted
 } fl_train_config;

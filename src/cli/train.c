@@ -12,6 +12,7 @@
 #include "fitlm/io.h"
 #include "fitlm/optim.h"
 #include "fitlm/plan.h"
+#include "fitlm/profile.h"
 #include "fitlm/tokenizer.h"
 
 // Mean loss over cfg->eval_iters fixed batches spread over the validation data.
@@ -193,6 +194,7 @@ int cmd_train(int argc, char **argv) {
     int tty = isatty(STDOUT_FILENO), skipped = 0, saved_at = -1;
     float val_loss = -1.0f;
     double train_start = fl_now();
+    fl_profile_reset();
     for (int step = start; step < cfg.steps; step++) {
         if (has_val && cfg.eval_interval && step % cfg.eval_interval == 0 &&
             (step > start || !ck)) {
@@ -200,20 +202,26 @@ int cmd_train(int argc, char **argv) {
             printf("%sstep %5d | val loss %.4f\n", tty ? "\r\033[K" : "", step, val_loss);
             if (log) fprintf(log, "step %d val %.9g\n", step, val_loss);
         }
+        // Only the training step is profiled (not evaluation, logging or
+        // checkpoints), and not the first one: warm-up (page faults, kernel setup).
+        fl_profile_enable(cfg.profile && step > start);
         double t0 = fl_now();
         double loss = 0.0;
         for (int micro = 0; micro < cfg.grad_accum; micro++) {
-            fl_loader_next(&train, inputs, targets, B);
-            fl_optimizer_zero_grad(&optim);
+            FL_PROFILE(FL_OP_LOADER, FL_STEP, 0.0, fl_loader_next(&train, inputs, targets, B));
+            FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(&optim));
             loss += fl_gpt2_forward(&model, inputs, targets, B, T);
             fl_gpt2_backward(&model, fl_optimizer_loss_scale(&optim));
-            fl_optimizer_micro_done(&optim);
+            FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(&optim));
         }
         loss /= cfg.grad_accum;
         float lr = fl_lr_at(&schedule, step);
-        fl_step_result r = fl_optimizer_step(&optim, lr);
+        fl_step_result r;
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, r = fl_optimizer_step(&optim, lr));
         skipped += r.skipped;
         double ms = (fl_now() - t0) * 1e3;
+        if (fl_profile_on) fl_profile_step(ms / 1e3);
+        fl_profile_enable(0);
         double tok_s = (double)B * T * cfg.grad_accum / (ms / 1e3);
         printf("%sstep %5d/%d | loss %.4f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s",
                tty ? "\r\033[K" : "", step + 1, cfg.steps, loss, lr, r.grad_norm, ms, tok_s);
@@ -238,6 +246,7 @@ int cmd_train(int argc, char **argv) {
     }
     if (tty) printf("\n");
     double seconds = fl_now() - train_start;
+    if (cfg.profile) fl_profile_print(stdout);
     if (has_val) {
         val_loss = evaluate(&model, &val, &cfg, inputs, targets);
         printf("final val loss %.4f nats/token (%.4f nats/byte) after %d steps (%.1f s); unigram "

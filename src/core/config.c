@@ -124,6 +124,10 @@ static const option options[] = {
      "print memory per tag and peak RSS at the end"},
     {"mem_report_every", "--mem-report-every", OPT_INT, NUM(mem_report_every), "0", 0, 1 << 30,
      NULL, "also print the memory report every N steps (0 = only at the end, with --mem-report)"},
+    {"profile", "--profile", OPT_BOOL, NUM(profile), "false", 0, 0, NULL,
+     "print a per-op profile after training: forward, backward and total ms per step, share of "
+     "the step and GEMM GFLOP/s for each kernel, the data loader and the optimizer (the first "
+     "step is not counted)"},
     {"mem_limit", "--mem-limit", OPT_STRING, STR(mem_limit), "", 0, 0, NULL,
      "refuse to start if the planned memory exceeds this (bytes, or with K/M/G/T; \"\" = the "
      "machine's available memory)"},

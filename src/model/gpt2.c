@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "fitlm/kernels.h"
+#include "fitlm/profile.h"
 
 // ----------------------------------------------------------------------------
 // configuration and parameter table
@@ -262,6 +263,18 @@ void fl_gpt2_free(fl_gpt2 *model) {
 // ----------------------------------------------------------------------------
 // forward
 
+// FLOPs of one (N x C) @ (C x OC) GEMM: the profile's GFLOP/s; a matmul's
+// backward is two of them (input and weight gradients).
+static double gemm_flops(size_t N, int C, int OC) {
+    return 2.0 * (double)N * C * OC;
+}
+
+// Kernel calls timed into the profile's op slots (fitlm/profile.h).
+#define FWD(op, ...)              FL_PROFILE(op, FL_FWD, 0.0, __VA_ARGS__)
+#define BWD(op, ...)              FL_PROFILE(op, FL_BWD, 0.0, __VA_ARGS__)
+#define MM_FWD(op, N, C, OC, ...) FL_PROFILE(op, FL_FWD, gemm_flops(N, C, OC), __VA_ARGS__)
+#define MM_BWD(op, N, C, OC, ...) FL_PROFILE(op, FL_BWD, 2.0 * gemm_flops(N, C, OC), __VA_ARGS__)
+
 float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int B, int T) {
     const fl_gpt2_config *c = &model->config;
     if (model->max_B == 0) fl_die("internal: fl_gpt2_forward before fl_gpt2_alloc_acts");
@@ -289,7 +302,8 @@ float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int
 
     fl_gpt2_acts *a = &model->acts;
     void *mm_ws = model->matmul_workspace;
-    encoder_forward(dt, a->encoded, tokens, model->w.wte, model->w.wpe, B, T, C);
+    FWD(FL_OP_ENCODER,
+        encoder_forward(dt, a->encoded, tokens, model->w.wte, model->w.wpe, B, T, C));
     for (int l = 0; l < L; l++) {
         const fl_gpt2_layer *w = &model->w.h[l];
         void *residual = l == 0 ? a->encoded : fl_at(dt, a->residual3, (l - 1) * BTC);
@@ -298,32 +312,39 @@ float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int
         void *ln2 = fl_at(dt, a->ln2, l * BTC), *fch = fl_at(dt, a->fch, l * 4 * BTC);
         void *fch_gelu = fl_at(dt, a->fch_gelu, l * 4 * BTC);
         void *residual3 = fl_at(dt, a->residual3, l * BTC);
-        layernorm_forward(dt, ln1, a->ln1_mean + l * BT, a->ln1_rstd + l * BT, residual, w->ln1w,
-                          w->ln1b, BT, C);
-        matmul_forward(dt, qkv, ln1, w->qkvw, w->qkvb, mm_ws, BT, C, 3 * C);
-        attention_forward(dt, atty, a->att_lse + l * BT * NH, qkv, model->att_workspace, B, T, C,
-                          NH);
+        FWD(FL_OP_LAYERNORM, layernorm_forward(dt, ln1, a->ln1_mean + l * BT, a->ln1_rstd + l * BT,
+                                               residual, w->ln1w, w->ln1b, BT, C));
+        MM_FWD(FL_OP_MM_QKV, BT, C, 3 * C,
+               matmul_forward(dt, qkv, ln1, w->qkvw, w->qkvb, mm_ws, BT, C, 3 * C));
+        FWD(FL_OP_ATTENTION, attention_forward(dt, atty, a->att_lse + l * BT * NH, qkv,
+                                               model->att_workspace, B, T, C, NH));
         // The projection is written straight into residual2 and the skip
         // connection added in place: its output is not needed by the backward.
-        matmul_forward(dt, residual2, atty, w->attprojw, w->attprojb, mm_ws, BT, C, C);
-        residual_forward(dt, residual2, residual, residual2, BTC);
-        layernorm_forward(dt, ln2, a->ln2_mean + l * BT, a->ln2_rstd + l * BT, residual2, w->ln2w,
-                          w->ln2b, BT, C);
-        matmul_forward(dt, fch, ln2, w->fcw, w->fcb, mm_ws, BT, C, 4 * C);
-        gelu_forward(dt, fch_gelu, fch, 4 * BTC);
-        matmul_forward(dt, residual3, fch_gelu, w->fcprojw, w->fcprojb, mm_ws, BT, 4 * C, C);
-        residual_forward(dt, residual3, residual2, residual3, BTC);
+        MM_FWD(FL_OP_MM_ATTPROJ, BT, C, C,
+               matmul_forward(dt, residual2, atty, w->attprojw, w->attprojb, mm_ws, BT, C, C));
+        FWD(FL_OP_RESIDUAL, residual_forward(dt, residual2, residual, residual2, BTC));
+        FWD(FL_OP_LAYERNORM, layernorm_forward(dt, ln2, a->ln2_mean + l * BT, a->ln2_rstd + l * BT,
+                                               residual2, w->ln2w, w->ln2b, BT, C));
+        MM_FWD(FL_OP_MM_FC, BT, C, 4 * C,
+               matmul_forward(dt, fch, ln2, w->fcw, w->fcb, mm_ws, BT, C, 4 * C));
+        FWD(FL_OP_GELU, gelu_forward(dt, fch_gelu, fch, 4 * BTC));
+        MM_FWD(
+            FL_OP_MM_FCPROJ, BT, 4 * C, C,
+            matmul_forward(dt, residual3, fch_gelu, w->fcprojw, w->fcprojb, mm_ws, BT, 4 * C, C));
+        FWD(FL_OP_RESIDUAL, residual_forward(dt, residual3, residual2, residual3, BTC));
     }
     void *last = fl_at(dt, a->residual3, (L - 1) * BTC);
-    layernorm_forward(dt, a->lnf, a->lnf_mean, a->lnf_rstd, last, model->w.lnfw, model->w.lnfb, BT,
-                      C);
-    matmul_forward(dt, a->logits, a->lnf, model->w.wte, NULL, mm_ws, BT, C, Vp); // tied LM head
+    FWD(FL_OP_LAYERNORM, layernorm_forward(dt, a->lnf, a->lnf_mean, a->lnf_rstd, last,
+                                           model->w.lnfw, model->w.lnfb, BT, C));
+    MM_FWD(FL_OP_MM_LMHEAD, BT, C, Vp, // tied LM head
+           matmul_forward(dt, a->logits, a->lnf, model->w.wte, NULL, mm_ws, BT, C, Vp));
 
     model->loss = -1.0f;
     model->n_targets = 0;
     if (!targets) return model->loss;
     memcpy(model->targets, targets, BT * sizeof(int));
-    softmax_xent_forward(dt, a->losses, a->xent_lse, a->logits, targets, BT, V, Vp);
+    FWD(FL_OP_XENT,
+        softmax_xent_forward(dt, a->losses, a->xent_lse, a->logits, targets, BT, V, Vp));
     double sum = 0.0; // fixed order: deterministic
     for (size_t i = 0; i < BT; i++) {
         if (targets[i] == -1) continue;
@@ -362,15 +383,17 @@ void fl_gpt2_backward(fl_gpt2 *model, float loss_scale) {
     float d = model->n_targets ? loss_scale / model->n_targets : 0.0f;
     for (size_t i = 0; i < BT; i++) model->dlosses[i] = d;
     void *dlogits = a->logits; // overwritten in place by its own gradient
-    softmax_xent_backward(dt, dlogits, a->logits, a->xent_lse, model->targets, model->dlosses, BT,
-                          V, Vp);
+    BWD(FL_OP_XENT, softmax_xent_backward(dt, dlogits, a->logits, a->xent_lse, model->targets,
+                                          model->dlosses, BT, V, Vp));
 
     void *dres = model->dres, *dbuf = model->dbuf_c;
     memset(dbuf, 0, BTC * D);
-    matmul_backward(dt, dbuf, g->wte, NULL, dlogits, a->lnf, w->wte, mm_ws, BT, C, Vp);
+    MM_BWD(FL_OP_MM_LMHEAD, BT, C, Vp,
+           matmul_backward(dt, dbuf, g->wte, NULL, dlogits, a->lnf, w->wte, mm_ws, BT, C, Vp));
     memset(dres, 0, BTC * D);
-    layernorm_backward(dt, dres, g->lnfw, g->lnfb, dbuf, fl_at(dt, a->residual3, (L - 1) * BTC),
-                       w->lnfw, a->lnf_mean, a->lnf_rstd, BT, C);
+    BWD(FL_OP_LAYERNORM,
+        layernorm_backward(dt, dres, g->lnfw, g->lnfb, dbuf, fl_at(dt, a->residual3, (L - 1) * BTC),
+                           w->lnfw, a->lnf_mean, a->lnf_rstd, BT, C));
     grad_ready(model, VIEWS_BEFORE_LAYERS + L * VIEWS_PER_LAYER, 2);
 
     // dres holds the gradient of the residual stream, walking back through
@@ -387,29 +410,36 @@ void fl_gpt2_backward(fl_gpt2 *model, float loss_scale) {
 
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
         memset(d4a, 0, 4 * BTC * D);
-        matmul_backward(dt, d4a, lg->fcprojw, lg->fcprojb, dres, fch_gelu, lw->fcprojw, mm_ws, BT,
-                        4 * C, C);
+        MM_BWD(FL_OP_MM_FCPROJ, BT, 4 * C, C,
+               matmul_backward(dt, d4a, lg->fcprojw, lg->fcprojb, dres, fch_gelu, lw->fcprojw,
+                               mm_ws, BT, 4 * C, C));
         memset(d4b, 0, 4 * BTC * D);
-        gelu_backward(dt, d4b, fch, d4a, 4 * BTC);
+        BWD(FL_OP_GELU, gelu_backward(dt, d4b, fch, d4a, 4 * BTC));
         memset(dbuf, 0, BTC * D);
-        matmul_backward(dt, dbuf, lg->fcw, lg->fcb, d4b, ln2, lw->fcw, mm_ws, BT, C, 4 * C);
-        layernorm_backward(dt, dres, lg->ln2w, lg->ln2b, dbuf, residual2, lw->ln2w,
-                           a->ln2_mean + l * BT, a->ln2_rstd + l * BT, BT, C);
+        MM_BWD(FL_OP_MM_FC, BT, C, 4 * C,
+               matmul_backward(dt, dbuf, lg->fcw, lg->fcb, d4b, ln2, lw->fcw, mm_ws, BT, C, 4 * C));
+        BWD(FL_OP_LAYERNORM,
+            layernorm_backward(dt, dres, lg->ln2w, lg->ln2b, dbuf, residual2, lw->ln2w,
+                               a->ln2_mean + l * BT, a->ln2_rstd + l * BT, BT, C));
 
         // attention: residual2 = residual + attproj(attn(qkv(ln1(residual))))
         memset(dbuf, 0, BTC * D);
-        matmul_backward(dt, dbuf, lg->attprojw, lg->attprojb, dres, atty, lw->attprojw, mm_ws, BT,
-                        C, C);
+        MM_BWD(FL_OP_MM_ATTPROJ, BT, C, C,
+               matmul_backward(dt, dbuf, lg->attprojw, lg->attprojb, dres, atty, lw->attprojw,
+                               mm_ws, BT, C, C));
         memset(d4a, 0, 3 * BTC * D);
-        attention_backward(dt, d4a, dbuf, qkv, atty, a->att_lse + l * BT * NH, model->att_workspace,
-                           B, T, C, NH);
+        BWD(FL_OP_ATTENTION, attention_backward(dt, d4a, dbuf, qkv, atty, a->att_lse + l * BT * NH,
+                                                model->att_workspace, B, T, C, NH));
         memset(dbuf, 0, BTC * D);
-        matmul_backward(dt, dbuf, lg->qkvw, lg->qkvb, d4a, ln1, lw->qkvw, mm_ws, BT, C, 3 * C);
-        layernorm_backward(dt, dres, lg->ln1w, lg->ln1b, dbuf, residual, lw->ln1w,
-                           a->ln1_mean + l * BT, a->ln1_rstd + l * BT, BT, C);
+        MM_BWD(
+            FL_OP_MM_QKV, BT, C, 3 * C,
+            matmul_backward(dt, dbuf, lg->qkvw, lg->qkvb, d4a, ln1, lw->qkvw, mm_ws, BT, C, 3 * C));
+        BWD(FL_OP_LAYERNORM,
+            layernorm_backward(dt, dres, lg->ln1w, lg->ln1b, dbuf, residual, lw->ln1w,
+                               a->ln1_mean + l * BT, a->ln1_rstd + l * BT, BT, C));
         grad_ready(model, VIEWS_BEFORE_LAYERS + l * VIEWS_PER_LAYER, VIEWS_PER_LAYER);
     }
     // wte is complete only now: it also received the LM head's gradient.
-    encoder_backward(dt, g->wte, g->wpe, dres, model->inputs, B, T, C);
+    BWD(FL_OP_ENCODER, encoder_backward(dt, g->wte, g->wpe, dres, model->inputs, B, T, C));
     grad_ready(model, 0, VIEWS_BEFORE_LAYERS);
 }

@@ -1,0 +1,86 @@
+// profile.h: where the time of a training step goes, op by op. The thread
+// that orchestrates the step times each kernel call around it (the calls are
+// sequential at that level; each runs its own OpenMP region), accumulating
+// seconds, calls and GEMM FLOPs per op slot and pass. Disabled, a timed call
+// costs one branch on a global flag. Not thread-safe: call from one thread.
+#ifndef FITLM_PROFILE_H
+#define FITLM_PROFILE_H
+
+#include <stdio.h>
+
+#include "fitlm/core.h"
+
+typedef enum {
+    FL_OP_ENCODER,
+    FL_OP_LAYERNORM, // ln_1, ln_2 and ln_f
+    FL_OP_MM_QKV,    // attention: the fused QKV GEMM
+    FL_OP_MM_ATTPROJ,
+    FL_OP_MM_FC, // MLP
+    FL_OP_MM_FCPROJ,
+    FL_OP_MM_LMHEAD,
+    FL_OP_ATTENTION,
+    FL_OP_GELU,
+    FL_OP_RESIDUAL, // forward only: its backward passes the gradient through
+    FL_OP_XENT,     // softmax + cross-entropy
+    FL_OP_ZERO_GRAD,
+    FL_OP_OPTIMIZER, // micro-batch accumulation, norm, clip, update
+    FL_OP_LOADER,
+    FL_OP_COUNT
+} fl_op;
+
+typedef enum {
+    FL_FWD,
+    FL_BWD,
+    FL_STEP, // outside the model's passes: data, gradients' zeroing, optimizer
+    FL_NPASSES
+} fl_pass;
+
+typedef struct {
+    double seconds[FL_NPASSES];
+    double flops[FL_NPASSES]; // GEMMs only
+    long long calls[FL_NPASSES];
+} fl_op_stats;
+
+extern int fl_profile_on; // read by FL_PROFILE; set it with fl_profile_enable
+
+void fl_profile_enable(int on);
+void fl_profile_reset(void); // clears the slots and the step count
+void fl_profile_add(fl_op op, fl_pass pass, double seconds, double flops);
+// Counts one profiled step of `seconds` (the whole step, so that what the
+// slots do not cover shows as "other").
+void fl_profile_step(double seconds);
+int fl_profile_steps(void);
+const fl_op_stats *fl_profile_stats(fl_op op);
+const char *fl_op_name(fl_op op);
+
+// Runs the statement(s), timed into slot `op` of `pass` when profiling is on;
+// `flops` is evaluated only then.
+#define FL_PROFILE(op, pass, flops, ...)                                                           \
+    do {                                                                                           \
+        if (!fl_profile_on) {                                                                      \
+            __VA_ARGS__;                                                                           \
+        } else {                                                                                   \
+            double fl_profile_t0_ = fl_now();                                                      \
+            __VA_ARGS__;                                                                           \
+            fl_profile_add(op, pass, fl_now() - fl_profile_t0_, flops);                            \
+        }                                                                                          \
+    } while (0)
+
+// One row of the table, per profiled step.
+typedef struct {
+    const char *name;
+    double calls;                    // all passes
+    double fwd_ms, bwd_ms, total_ms; // total = forward + backward + outside them
+    double share;                    // percent of the step time
+    double fwd_gflops, bwd_gflops;   // achieved, GEMM slots only (else 0)
+} fl_profile_row;
+
+#define FL_PROFILE_ROWS (FL_OP_COUNT + 1) // the slots and "other"
+
+// Fills rows[FL_PROFILE_ROWS]: the slots that were called and "other" (step
+// time minus the slots), by total time, largest first; returns the count.
+int fl_profile_rows(fl_profile_row *rows);
+// The rows as a markdown table with a total row (nothing profiled: one line).
+void fl_profile_print(FILE *out);
+
+#endif

@@ -1,0 +1,156 @@
+// test_profile.c: the per-op profiler on a few steps of a tiny model: every
+// kernel lands in its slot once per call, the table adds up to the step, a
+// disabled profiler records nothing, and profiling does not change training.
+#define _GNU_SOURCE // open_memstream
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitlm/config.h"
+#include "fitlm/optim.h"
+#include "fitlm/profile.h"
+#include "testlib.h"
+
+static const fl_gpt2_config tiny = {
+    .max_seq_len = 16, .vocab_size = 50, .n_layer = 2, .n_head = 4, .n_embd = 32};
+enum { B = 2, T = 16, STEPS = 3, L = 2 };
+
+// STEPS training steps the way `fitlm train` drives them (through
+// fl_optimizer), profiled when `profile`; returns the weights (caller frees).
+static float *train(int profile, float *losses) {
+    fl_gpt2 m;
+    fl_gpt2_init(&m, &tiny, FL_F32, 7);
+    fl_gpt2_alloc_acts(&m, B, T);
+    fl_train_config defaults;
+    fl_config_defaults(&defaults);
+    fl_optimizer_config ocfg = fl_config_optimizer(&defaults);
+    fl_optimizer opt;
+    fl_optimizer_init(&opt, &ocfg, &m.table, FL_F32, m.params, m.grads);
+    int tokens[B * T], targets[B * T];
+    fl_rng rng;
+    fl_rng_seed(&rng, 3);
+    fl_profile_reset();
+    for (int s = 0; s < STEPS; s++) {
+        fl_profile_enable(profile);
+        double t0 = fl_now();
+        FL_PROFILE(
+            FL_OP_LOADER, FL_STEP, 0.0, for (int i = 0; i < B * T; i++) {
+                tokens[i] = (int)fl_rng_below(&rng, 50);
+                targets[i] = (int)fl_rng_below(&rng, 50);
+            });
+        FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(&opt));
+        losses[s] = fl_gpt2_forward(&m, tokens, targets, B, T);
+        fl_gpt2_backward(&m, fl_optimizer_loss_scale(&opt));
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(&opt));
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_step(&opt, 1e-3f));
+        if (fl_profile_on) fl_profile_step(fl_now() - t0);
+        fl_profile_enable(0);
+    }
+    float *w = malloc(m.table.numel * sizeof(float));
+    memcpy(w, m.params, m.table.numel * sizeof(float));
+    fl_optimizer_free(&opt);
+    fl_gpt2_free(&m);
+    return w;
+}
+
+static long long calls(fl_op op, fl_pass pass) {
+    return fl_profile_stats(op)->calls[pass];
+}
+
+static void test_disabled_records_nothing(void) {
+    float losses[STEPS];
+    free(train(0, losses));
+    long long any = 0;
+    for (int op = 0; op < FL_OP_COUNT; op++)
+        for (int p = 0; p < FL_NPASSES; p++) any += calls((fl_op)op, (fl_pass)p);
+    fl_profile_row rows[FL_PROFILE_ROWS];
+    t_check(any == 0 && fl_profile_steps() == 0 && fl_profile_rows(rows) == 0,
+            "profiling off: no calls (%lld), no steps, no rows", any);
+}
+
+static void test_slots_and_shares(void) {
+    float losses[STEPS];
+    free(train(1, losses));
+    t_check(fl_profile_steps() == STEPS, "every step counted (%d)", fl_profile_steps());
+    // calls per step of each model op: {op, forward, backward}
+    const int want[][3] = {{FL_OP_ENCODER, 1, 1},   {FL_OP_LAYERNORM, 2 * L + 1, 2 * L + 1},
+                           {FL_OP_MM_QKV, L, L},    {FL_OP_MM_ATTPROJ, L, L},
+                           {FL_OP_MM_FC, L, L},     {FL_OP_MM_FCPROJ, L, L},
+                           {FL_OP_MM_LMHEAD, 1, 1}, {FL_OP_ATTENTION, L, L},
+                           {FL_OP_GELU, L, L},      {FL_OP_RESIDUAL, 2 * L, 0},
+                           {FL_OP_XENT, 1, 1}};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        fl_op op = (fl_op)want[i][0];
+        const fl_op_stats *s = fl_profile_stats(op);
+        t_check(calls(op, FL_FWD) == STEPS * want[i][1] && calls(op, FL_BWD) == STEPS * want[i][2],
+                "%s: %lld forward and %lld backward calls, want %d and %d per step", fl_op_name(op),
+                calls(op, FL_FWD), calls(op, FL_BWD), want[i][1], want[i][2]);
+        t_check(s->seconds[FL_FWD] > 0.0 && (want[i][2] == 0 || s->seconds[FL_BWD] > 0.0),
+                "%s: time recorded", fl_op_name(op));
+        int gemm = op >= FL_OP_MM_QKV && op <= FL_OP_MM_LMHEAD;
+        t_check(gemm == (s->flops[FL_FWD] > 0.0 && s->flops[FL_BWD] == 2 * s->flops[FL_FWD]),
+                "%s: FLOPs for GEMMs only, backward = 2 GEMMs", fl_op_name(op));
+    }
+    t_check(calls(FL_OP_LOADER, FL_STEP) == STEPS && calls(FL_OP_ZERO_GRAD, FL_STEP) == STEPS &&
+                calls(FL_OP_OPTIMIZER, FL_STEP) == 2 * STEPS,
+            "data, zero grad and optimizer slots filled");
+    // QKV forward: 2 * (B*T) * C * 3C per layer
+    double qkv = 2.0 * B * T * 32 * 96 * L * STEPS;
+    t_check(fl_profile_stats(FL_OP_MM_QKV)->flops[FL_FWD] == qkv, "QKV FLOPs are 2*N*C*OC");
+
+    fl_profile_row rows[FL_PROFILE_ROWS];
+    int n = fl_profile_rows(rows);
+    double share = 0.0;
+    int sorted = 1, other = 0;
+    for (int i = 0; i < n; i++) {
+        share += rows[i].share;
+        if (i) sorted &= rows[i].total_ms <= rows[i - 1].total_ms;
+        if (!strcmp(rows[i].name, "other")) other = rows[i].total_ms >= 0.0;
+    }
+    t_check(n == FL_OP_COUNT + 1 && sorted && other,
+            "all slots and a non-negative 'other' row, "
+            "largest first (%d rows)",
+            n);
+    t_check(share > 99.999 && share < 100.001, "shares sum to 100%% (%.6f)", share);
+
+    // the printed table: its shares, rounded to 0.1%, add up too
+    char *text = NULL;
+    size_t len = 0;
+    FILE *out = open_memstream(&text, &len);
+    fl_profile_print(out);
+    fclose(out);
+    double printed = 0.0;
+    int lines = 0;
+    for (char *line = strstr(text, "\n| "); line; line = strstr(line + 1, "\n| ")) {
+        char *eol = strchr(line + 1, '\n'), *pct = strchr(line + 1, '%'), *bar = pct;
+        // the header row has no '%'
+        if (!pct || (eol && pct > eol) || !strncmp(line, "\n| total ", 9)) continue;
+        while (*bar != '|') bar--;
+        printed += atof(bar + 1);
+        lines++;
+    }
+    printf("%s", text);
+    t_check(lines == n && printed > 100.0 - 0.05 * n && printed < 100.0 + 0.05 * n,
+            "printed shares of %d rows sum to %.1f%%", lines, printed);
+    t_check(strstr(text, "| matmul lm head ") && strstr(text, "| total ") &&
+                strstr(text, "| other "),
+            "the table names its rows");
+    free(text);
+}
+
+static void test_profiling_changes_nothing(void) {
+    float on[STEPS], off[STEPS];
+    float *w_on = train(1, on), *w_off = train(0, off);
+    t_check(memcmp(on, off, sizeof on) == 0 &&
+                memcmp(w_on, w_off, fl_gpt2_num_params(&tiny) * sizeof(float)) == 0,
+            "losses and weights are bitwise identical with and without profiling");
+    free(w_on);
+    free(w_off);
+}
+
+int main(void) {
+    test_disabled_records_nothing();
+    test_slots_and_shares();
+    test_profiling_changes_nothing();
+    return t_report();
+}
