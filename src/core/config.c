@@ -388,12 +388,21 @@ static cJSON *parent_of(cJSON *root, const char *key, const char **leaf) {
     return root;
 }
 
+// Options about this invocation rather than the run: a resumed run does not
+// inherit them from its checkpoint.
+static int run_only(const option *o) {
+    static const char *keys[] = {"resume", "profile", "mem_report", "mem_report_every",
+                                 "mem_limit"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (!strcmp(o->key, keys[i])) return 1;
+    return 0;
+}
+
 char *fl_config_to_json(const fl_train_config *cfg) {
     cJSON *root = cJSON_CreateObject();
     for (size_t i = 0; i < N_OPTIONS; i++) {
         const option *o = &options[i];
-        // --resume describes this invocation, not the run
-        if (!cfg->given[i] || !strcmp(o->key, "resume")) continue;
+        if (!cfg->given[i] || run_only(o)) continue;
         const char *leaf;
         cJSON *parent = parent_of(root, o->key, &leaf);
         const void *v = (const char *)cfg + o->offset;
