@@ -270,7 +270,7 @@ TOTAL=$SECONDS
     echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "- CPU: $CPU, $(nproc) CPUs (${ISA_NOTE% }), $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo)"
     echo "- command: \`$COMMAND\` (threads $THREADS; timed steps fitlm: $STEPS, PyTorch: $TORCH_STEPS; warm-up steps $WARMUP, PyTorch bf16 $TORCH_BF16_WARMUP); whole run ${TOTAL} s"
-    echo "- fitlm: GPT-2 124M (L=12, C=768, NH=12, V=50257 padded to 50304, maxT=1024), random weights and tokens, OMP_WAIT_POLICY ${OMP_WAIT_POLICY:-unset (libgomp default)}; fp32: OpenBLAS sgemm; bf16: mixed precision (bf16 weights, activations, gradients; fp32 master weights and AdamW state), GEMMs through oneDNN (AMX on this CPU)"
+    echo "- fitlm: GPT-2 124M (L=12, C=768, NH=12, V=50257 padded to 50304, maxT=1024), random weights, one batch of GPT-2 tokens of the Brown corpus (the first B windows of data/brown_gpt2), OMP_WAIT_POLICY ${OMP_WAIT_POLICY:-unset (libgomp default)}; fp32: OpenBLAS sgemm; bf16: mixed precision (bf16 weights, activations, gradients; fp32 master weights and AdamW state), GEMMs through oneDNN (AMX on this CPU)"
     echo "- PyTorch: $TORCH_VERSION ($PY), OMP_WAIT_POLICY=PASSIVE, AdamW default (foreach off), attention as masked softmax; fp32, or bf16 = \`torch.autocast('cpu', dtype=torch.bfloat16)\` around forward + loss (fp32 parameters, gradients and AdamW state)"
     echo "- step: zero_grad + forward + backward + clip_grad_norm 1.0 + AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1 on matrices)"
     echo "- FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C (GFLOP/s = FLOPs/token x tok/s)"
