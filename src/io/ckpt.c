@@ -66,7 +66,7 @@ static int older_first(const void *a, const void *b) {
 static void prune(const char *dir, int keep, int newest) {
     DIR *d = opendir(dir);
     if (!d) return;
-    ckpt_file files[1024];
+    ckpt_file files[1024] = {{"", {0, 0}}};
     int n = 0;
     struct dirent *e;
     char path[FL_FILE_PATH_MAX];
