@@ -27,6 +27,8 @@ typedef struct {
     int B, T;          // micro-batch and sequence length (B = 0: no activations)
     int threads;       // the attention workspace is one slice per thread
     size_t data_bytes; // what the data loaders and tokenizer keep (FL_MEM_OTHER), measured
+    size_t data_peak;  // the peak of FL_MEM_OTHER while opening them (a tokenizer's files
+                       // are read whole): the tag's peak is at least this
     int sample_tokens; // > 0: the run ends by sampling this many tokens
     // strategies (the engine runs ranks 1, ZeRO stage 0, neither flag)
     int ranks;      // data-parallel ranks (>= 1)
@@ -56,6 +58,7 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
 //   fl_gpt2_memory(model, dtype, B, T, threads)           params, grads, acts, workspace, other
 //   + fl_optimizer_memory(optim, dtype, num_params)       master, optim, fp32 gradient sum
 //   + data_bytes                                          other (loaders' tables, tokenizer)
+//   (other: at least data_peak, its peak while the data and tokenizer were opened)
 //   + 2 x B*T*sizeof(int)                                 other (the batch's inputs and targets)
 //   + sample_tokens > 0: vocab_size * (4 + 8)             workspace (logits row, sampler's sort)
 //                        (sample_tokens + 4) * sizeof(int) other (the sampled tokens)

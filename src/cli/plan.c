@@ -12,6 +12,7 @@
 #include "fitlm/data.h"
 #include "fitlm/config.h"
 #include "fitlm/plan.h"
+#include "fitlm/tokenizer.h"
 
 static void help(void) {
     printf("usage: fitlm plan [options]\n\n"
@@ -81,13 +82,15 @@ static int take_plan_flags(int argc, char **argv, plan_flags *f) {
 }
 
 // Size of a data file, or 0 (with a note) when it cannot be read.
-// What the data loaders keep (tag other: their shard tables; the tokens are
-// memory-mapped), measured by opening them; 0 with a note when there is no data.
-static size_t loader_bytes(const fl_train_config *cfg) {
+// What the data loaders and the tokenizer keep (tag other: the shard tables,
+// the tokenizer's tables; the tokens are memory-mapped), measured by opening
+// them as `fitlm train` does; 0 with a note when there is no data.
+static size_t loader_bytes(const fl_train_config *cfg, size_t *peak) {
     struct stat st;
     if (!*cfg->data || stat(cfg->data, &st) != 0) {
         printf("note: no training data at '%s'; the data loader is counted as 0 bytes\n",
                cfg->data);
+        *peak = 0;
         return 0;
     }
     size_t before = fl_mem_current(FL_MEM_OTHER);
@@ -100,7 +103,12 @@ static size_t loader_bytes(const fl_train_config *cfg) {
                               : stat(beside, &st) == 0       ? cfg->data
                                                              : NULL;
     if (val_pattern) fl_loader_open(&val, val_pattern, "val", cfg->seq_len, 0, 0, 0, 1);
+    // a run that samples at the end loads its tokenizer with the data
+    fl_tokenizer *tok =
+        cfg->sample_tokens > 0 ? fl_tokenizer_load(cfg->tokenizer, cfg->tokenizer_path) : NULL;
     size_t bytes = fl_mem_current(FL_MEM_OTHER) - before;
+    *peak = fl_mem_peak(FL_MEM_OTHER) - before;
+    if (tok) fl_tokenizer_free(tok);
     if (val_pattern) fl_loader_close(&val);
     fl_loader_close(&train);
     return bytes;
@@ -121,9 +129,10 @@ int cmd_plan(int argc, char **argv) {
     fl_config_finish(&cfg);
     fl_free(args);
 
-    size_t data = loader_bytes(&cfg);
+    size_t data_peak, data = loader_bytes(&cfg, &data_peak);
     fl_plan_request r;
     fl_plan_request_from_config(&r, &cfg, data);
+    r.data_peak = data_peak;
     r.ranks = f.ranks;
     r.zero_stage = f.zero_stage;
     r.activation_checkpointing = f.checkpointing;
@@ -146,7 +155,7 @@ int cmd_plan(int argc, char **argv) {
            cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "",
            f.zero_stage, f.checkpointing ? " | activation checkpointing" : "",
            f.lomo ? " | LOMO" : "", cfg.threads);
-    printf("data: %zu bytes (training and validation texts)\n\n", data);
+    printf("data: %zu bytes (data loaders and tokenizer; tokens are memory-mapped)\n\n", data);
 
     fl_plan p;
     fl_plan_compute(&r, &p);

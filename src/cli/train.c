@@ -122,7 +122,6 @@ int cmd_train(int argc, char **argv) {
 
     // Data first: the shards name their tokenizer and vocabulary. What the
     // loaders and the tokenizer keep (tag other) is measured for the plan.
-    size_t other_before = fl_mem_current(FL_MEM_OTHER);
     fl_loader train, val;
     fl_loader_open(&train, cfg.data, "train", T, cfg.seed, 1, 0, 1);
     if (strcmp(train.tokenizer, cfg.tokenizer))
@@ -138,12 +137,14 @@ int cmd_train(int argc, char **argv) {
                val.tokenizer, train.tokenizer);
     fl_tokenizer *tok =
         cfg.sample_tokens > 0 ? fl_tokenizer_load(cfg.tokenizer, cfg.tokenizer_path) : NULL;
-    size_t data_bytes = fl_mem_current(FL_MEM_OTHER) - other_before;
+    // tag other so far: the config's text, the loaders' tables, the tokenizer
+    size_t data_bytes = fl_mem_current(FL_MEM_OTHER), data_peak = fl_mem_peak(FL_MEM_OTHER);
 
     // Plan before allocating the model: a run that cannot fit stops here
     // with advice, rather than being killed by the kernel halfway through.
     fl_plan_request req;
     fl_plan_request_from_config(&req, &cfg, data_bytes);
+    req.data_peak = data_peak;
     fl_plan plan;
     fl_plan_compute(&req, &plan);
     size_t limit =

@@ -137,6 +137,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     // sampled tokens and fl_gpt2_generate's buffers: an fp32 row of logits
     // (V floats) and, inside it, the sampler's (logit, id) sort buffer (V x 8).
     b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * sizeof(int);
+    if (b[FL_MEM_OTHER] < r->data_peak) b[FL_MEM_OTHER] = r->data_peak;
     if (shaped && r->sample_tokens > 0) {
         b[FL_MEM_WORKSPACE] += (size_t)c.vocab_size * (sizeof(float) + 8);
         b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
