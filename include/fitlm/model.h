@@ -39,6 +39,9 @@ typedef struct {
 // Appends a view at the end of the buffer and returns its index.
 int fl_params_add(fl_param_table *table, const char *name, unsigned flags, int ndim,
                   const size_t *shape);
+// An empty table with room for exactly `capacity` views (no regrowth, so
+// its memory is one allocation the planner can predict).
+void fl_params_reserve(fl_param_table *table, int capacity);
 int fl_params_find(const fl_param_table *table, const char *name); // -1 when absent
 void fl_params_free(fl_param_table *table);
 

@@ -135,6 +135,8 @@ int cmd_train(int argc, char **argv) {
     if (has_val && (strcmp(val.tokenizer, train.tokenizer) || val.vocab_size != train.vocab_size))
         fl_die("the validation data (tokenizer %s) does not match the training data (tokenizer %s)",
                val.tokenizer, train.tokenizer);
+    // before the model exists, so its scratch never adds to a memory peak
+    double baseline = has_val ? fl_loader_unigram_xent(&train, &val) : 0.0;
     fl_tokenizer *tok =
         cfg.sample_tokens > 0 ? fl_tokenizer_load(cfg.tokenizer, cfg.tokenizer_path) : NULL;
     // tag other so far: the config's text, the loaders' tables, the tokenizer
@@ -181,9 +183,8 @@ int cmd_train(int argc, char **argv) {
     printf("%zu parameters (%.2f M); planned memory %.1f MiB; train %s: %llu tokens (%s)",
            model.table.numel, model.table.numel / 1e6, plan.total / 1048576.0, cfg.data,
            (unsigned long long)train.n_tokens, train.tokenizer);
-    double baseline = 0.0, bytes_per_token = 0.0;
+    double bytes_per_token = 0.0;
     if (has_val) {
-        baseline = fl_loader_unigram_xent(&train, &val);
         bytes_per_token = (double)val.source_bytes / (double)val.n_tokens;
         printf(", val %llu tokens; unigram baseline %.4f nats/token",
                (unsigned long long)val.n_tokens, baseline);

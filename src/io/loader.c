@@ -156,7 +156,8 @@ void fl_loader_eval_batch(const fl_loader *l, int index, int count, int *inputs,
 double fl_loader_unigram_xent(const fl_loader *train, const fl_loader *eval) {
     FL_ASSERT(train->vocab_size == eval->vocab_size);
     size_t V = train->vocab_size;
-    double *counts = fl_alloc(FL_MEM_OTHER, V * sizeof(double));
+    // scratch of this one computation: workspace, which training's peak covers
+    double *counts = fl_alloc(FL_MEM_WORKSPACE, V * sizeof(double));
     for (size_t v = 0; v < V; v++) counts[v] = 1.0;
     for (int i = 0; i < train->n_shards; i++)
         for (uint64_t k = 0; k < train->shards[i].n_tokens; k++)

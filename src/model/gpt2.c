@@ -41,6 +41,8 @@ void fl_gpt2_config_finish(fl_gpt2_config *cfg) {
     cfg->padded_vocab_size = (cfg->vocab_size + 127) / 128 * 128;
 }
 
+enum { VIEWS_BEFORE_LAYERS = 2, VIEWS_PER_LAYER = 12 };
+
 static int add_view(fl_param_table *t, unsigned flags, size_t d0, size_t d1, const char *fmt,
                     int layer) {
     char name[FL_PARAM_NAME_MAX];
@@ -54,6 +56,7 @@ static int add_view(fl_param_table *t, unsigned flags, size_t d0, size_t d1, con
 // layer by layer) and hooks fire in a predictable reverse order.
 static void build_table(fl_param_table *t, const fl_gpt2_config *cfg) {
     size_t C = cfg->n_embd, Vp = cfg->padded_vocab_size, maxT = cfg->max_seq_len;
+    fl_params_reserve(t, VIEWS_BEFORE_LAYERS + VIEWS_PER_LAYER * cfg->n_layer + 2);
     add_view(t, FL_PARAM_DECAY, Vp, C, "wte.weight", 0);
     add_view(t, 0, maxT, C, "wpe.weight", 0);
     for (int l = 0; l < cfg->n_layer; l++) {
@@ -81,15 +84,15 @@ void fl_gpt2_table(fl_param_table *t, const fl_gpt2_config *cfg) {
     build_table(t, &c);
 }
 
+// The sum of build_table's view sizes, without allocating (planning must not
+// move the memory peaks it predicts); fl_gpt2_init checks the two agree.
 size_t fl_gpt2_num_params(const fl_gpt2_config *cfg) {
-    fl_param_table t;
-    fl_gpt2_table(&t, cfg);
-    size_t n = t.numel;
-    fl_params_free(&t);
-    return n;
+    fl_gpt2_config c = *cfg;
+    fl_gpt2_config_finish(&c);
+    size_t C = c.n_embd, L = c.n_layer;
+    return (size_t)c.padded_vocab_size * C + (size_t)c.max_seq_len * C + L * (12 * C * C + 13 * C) +
+           2 * C;
 }
-
-enum { VIEWS_BEFORE_LAYERS = 2, VIEWS_PER_LAYER = 12 };
 
 // Points the weights struct at a flat buffer (params or grads), following
 // the table order of build_table.
@@ -119,6 +122,7 @@ void fl_gpt2_init(fl_gpt2 *model, const fl_gpt2_config *cfg, fl_dtype dt, uint64
     const fl_gpt2_config *c = &model->config;
     build_table(&model->table, c);
     size_t n = model->table.numel;
+    FL_ASSERT(n == fl_gpt2_num_params(c));
     model->params = fl_alloc(FL_MEM_PARAMS, n * fl_dtype_size(dt));
     model->grads = fl_alloc(FL_MEM_GRADS, n * fl_dtype_size(dt));
     model->w.h = fl_alloc(FL_MEM_OTHER, c->n_layer * sizeof(fl_gpt2_layer));
@@ -219,9 +223,8 @@ void fl_gpt2_memory(const fl_gpt2_config *cfg, fl_dtype dt, int B, int T, int th
     size_t numel = fl_gpt2_num_params(&c);
     bytes[FL_MEM_PARAMS] = numel * fl_dtype_size(dt);
     bytes[FL_MEM_GRADS] = numel * fl_dtype_size(dt);
-    // the table's views (grown by doubling from 64) and the two layer arrays
-    size_t views = 64, count = 2 + 12 * (size_t)c.n_layer + 2;
-    while (views < count) views *= 2;
+    // the table's views (reserved exactly) and the two layer arrays
+    size_t views = VIEWS_BEFORE_LAYERS + VIEWS_PER_LAYER * (size_t)c.n_layer + 2;
     bytes[FL_MEM_OTHER] = views * sizeof(fl_param_view) + 2 * c.n_layer * sizeof(fl_gpt2_layer);
     if (B == 0) return;
     act_spec specs[MAX_SPECS];

@@ -32,6 +32,12 @@ int fl_params_add(fl_param_table *table, const char *name, unsigned flags, int n
     return table->count++;
 }
 
+void fl_params_reserve(fl_param_table *table, int capacity) {
+    FL_ASSERT(table->count == 0 && table->views == NULL);
+    table->views = fl_alloc(FL_MEM_OTHER, (size_t)capacity * sizeof(fl_param_view));
+    table->capacity = capacity;
+}
+
 int fl_params_find(const fl_param_table *table, const char *name) {
     for (int i = 0; i < table->count; i++)
         if (strcmp(table->views[i].name, name) == 0) return i;
