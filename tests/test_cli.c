@@ -295,6 +295,8 @@ static void test_resume_is_bitwise(void) {
     fails_with("train --resume parts/ckpt_00000003.fitlm --out r2 --precision bf16",
                "was trained in fp32; this run is bf16");
     fails_with("train --resume nothing-here", "cannot open checkpoint nothing-here");
+    write_text("resume.json", "{\"resume\": \"parts\"}");
+    fails_with("train --config resume.json", "resume is a command-line option");
 }
 
 // A checkpoint exported to Hugging Face layout comes back bit for bit, and

@@ -107,6 +107,9 @@ int cmd_train(int argc, char **argv) {
         fl_free(json);
     }
     fl_config_parse_args(&cfg, argc, argv);
+    // the checkpoint's config must be read before any other: a flag only
+    if (*cfg.resume && !resume)
+        fl_die("resume is a command-line option (--resume DIR), not a config-file key");
     char *config_json = fl_config_to_json(&cfg); // the run as given, for its checkpoints
     // A resumed or pretrained model brings its own shape.
     const char *shape_from = resume ? resume : *cfg.init_from ? cfg.init_from : NULL;
