@@ -403,8 +403,6 @@ int main(void) {
     test_resume_is_bitwise();
     test_export_and_pretrained();
     test_kill_while_saving();
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0) return 1;
+    if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

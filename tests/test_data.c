@@ -224,8 +224,6 @@ int main(void) {
     test_crc();
     test_shards();
     test_loader();
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0) return 1;
+    if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

@@ -613,8 +613,6 @@ int main(void) {
     if (have_ref) test_reference(&fx, &c);
 
     free(data), free(fx.recs);
-    char cmd[PATH_MAX_LEN];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0) return 1;
+    if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

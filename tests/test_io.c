@@ -186,8 +186,6 @@ int main(void) {
     test_text();
     test_checkpoint();
     test_pruning();
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0) return 1;
+    if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

@@ -287,8 +287,6 @@ int main(void) {
     test_cache_limit(tok);
     test_corpus(tok);
     fl_tokenizer_free(tok);
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0) return 1;
+    if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

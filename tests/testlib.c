@@ -208,3 +208,9 @@ void t_write_file(const char *path, const void *data, size_t n) {
 void t_write_text(const char *path, const char *text) {
     t_write_file(path, text, strlen(text));
 }
+
+int t_remove_dir(const char *dir) {
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    return system(cmd);
+}

@@ -45,6 +45,8 @@ size_t t_mutate(const unsigned char *in, size_t n, unsigned long long seed, unsi
 unsigned char *t_read_file(const char *path, size_t *n);
 void t_write_file(const char *path, const void *data, size_t n);
 void t_write_text(const char *path, const char *text);
+// Removes a scratch directory and everything in it; 0 on success.
+int t_remove_dir(const char *dir);
 
 // Path of a file in the source tree (FITLM_SOURCE_DIR, set by CTest).
 const char *t_source_path(const char *rel);

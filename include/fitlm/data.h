@@ -82,6 +82,10 @@ typedef struct {
 // `split` is "train" or "val" (used for a directory and in messages).
 void fl_loader_open(fl_loader *l, const char *pattern, const char *split, int T, uint64_t seed,
                     int shuffle, int rank, int world);
+// The validation loader of a run (in order, no shuffle): val_data, or when it
+// is "" the val_*.bin beside a directory of training shards, if there are
+// any; "none" means no validation. Returns 1 when one was opened.
+int fl_loader_open_val(fl_loader *val, const char *data, const char *val_data, int T);
 void fl_loader_close(fl_loader *l);
 // The next B windows of this rank: inputs and targets (B, T).
 void fl_loader_next(fl_loader *l, int *inputs, int *targets, int B);

@@ -96,20 +96,14 @@ static size_t loader_bytes(const fl_train_config *cfg, size_t *peak) {
     size_t before = fl_mem_current(FL_MEM_OTHER);
     fl_loader train, val;
     fl_loader_open(&train, cfg->data, "train", cfg->seq_len, 0, 0, 0, 1);
-    char beside[FL_PATH_MAX + 16];
-    snprintf(beside, sizeof beside, "%s/val_000000.bin", cfg->data);
-    const char *val_pattern = !strcmp(cfg->val_data, "none") ? NULL
-                              : *cfg->val_data               ? cfg->val_data
-                              : stat(beside, &st) == 0       ? cfg->data
-                                                             : NULL;
-    if (val_pattern) fl_loader_open(&val, val_pattern, "val", cfg->seq_len, 0, 0, 0, 1);
+    int has_val = fl_loader_open_val(&val, cfg->data, cfg->val_data, cfg->seq_len);
     // a run that samples at the end loads its tokenizer with the data
     fl_tokenizer *tok =
         cfg->sample_tokens > 0 ? fl_tokenizer_load(cfg->tokenizer, cfg->tokenizer_path) : NULL;
     size_t bytes = fl_mem_current(FL_MEM_OTHER) - before;
     *peak = fl_mem_peak(FL_MEM_OTHER) - before;
     if (tok) fl_tokenizer_free(tok);
-    if (val_pattern) fl_loader_close(&val);
+    if (has_val) fl_loader_close(&val);
     fl_loader_close(&train);
     return bytes;
 }

@@ -44,22 +44,6 @@ static const char *resume_arg(int argc, char **argv) {
     return path && *path ? path : NULL;
 }
 
-// The validation shards: val_data, or the val_*.bin beside a directory of
-// training shards when there are any.
-static int open_val(fl_loader *val, const fl_train_config *cfg) {
-    const char *pattern = cfg->val_data;
-    char beside[FL_PATH_MAX + 16];
-    if (!strcmp(pattern, "none")) return 0;
-    if (!*pattern) {
-        struct stat st;
-        snprintf(beside, sizeof beside, "%s/val_000000.bin", cfg->data);
-        if (stat(beside, &st) != 0) return 0;
-        pattern = cfg->data;
-    }
-    fl_loader_open(val, pattern, "val", cfg->seq_len, 0, 0, 0, 1);
-    return 1;
-}
-
 // The per-step log, OUT/log.txt: exact values (%.9g round-trips a float), one
 // line per step. On resume the lines past the checkpoint's step are dropped.
 static FILE *open_log(const char *out_dir, int resume_step) {
@@ -115,7 +99,10 @@ int cmd_train(int argc, char **argv) {
     const char *shape_from = resume ? resume : *cfg.init_from ? cfg.init_from : NULL;
     if (shape_from) {
         fl_gpt2_config shape;
-        fl_pretrained_config(shape_from, &shape);
+        if (ck)
+            fl_ckpt_model_config(ck, &shape);
+        else
+            fl_pretrained_config(shape_from, &shape);
         fl_config_set_shape(&cfg, &shape, shape_from);
     }
     fl_config_finish(&cfg);
@@ -134,7 +121,7 @@ int cmd_train(int argc, char **argv) {
     if ((int)train.vocab_size > cfg.model.vocab_size)
         fl_die("the training data %s has a vocabulary of %u, larger than the model's %d", cfg.data,
                train.vocab_size, cfg.model.vocab_size);
-    int has_val = open_val(&val, &cfg);
+    int has_val = fl_loader_open_val(&val, cfg.data, cfg.val_data, T);
     if (has_val && (strcmp(val.tokenizer, train.tokenizer) || val.vocab_size != train.vocab_size))
         fl_die("the validation data (tokenizer %s) does not match the training data (tokenizer %s)",
                val.tokenizer, train.tokenizer);

@@ -103,6 +103,19 @@ void fl_loader_open(fl_loader *l, const char *pattern, const char *split, int T,
     new_epoch_key(&l->state);
 }
 
+int fl_loader_open_val(fl_loader *val, const char *data, const char *val_data, int T) {
+    if (!strcmp(val_data, "none")) return 0;
+    if (!*val_data) {
+        char beside[1200];
+        struct stat st;
+        snprintf(beside, sizeof beside, "%s/val_000000.bin", data);
+        if (stat(beside, &st) != 0) return 0;
+        val_data = data;
+    }
+    fl_loader_open(val, val_data, "val", T, 0, 0, 0, 1);
+    return 1;
+}
+
 void fl_loader_close(fl_loader *l) {
     for (int i = 0; i < l->n_shards; i++) fl_shard_close(&l->shards[i]);
     fl_free(l->shards);
