@@ -97,11 +97,30 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < (size_t)N * 3 * C; i++) qkv[i] *= 0.3f; // realistic score spread
     void *qkv_ = as_dt(dt, qkv, (size_t)N * 3 * C), *dqkv_ = as_dt(dt, dqkv, (size_t)N * 3 * C);
     float *ws = fl_alloc(FL_MEM_WORKSPACE,
-                         attention_workspace_floats(dt, T, HS) * fl_threads() * sizeof(float));
-    row("attention", TIME(attention_forward(dt, y_, lse, qkv_, ws, B, T, C, NH)),
-        TIME(attention_backward(dt, dqkv_, dy_, qkv_, y_, lse, ws, B, T, C, NH)),
-        TIME(attention_forward_ref(y, lse, qkv, B, T, C, NH)),
-        TIME(attention_backward_ref(dqkv, dy, qkv, y, lse, B, T, C, NH)));
+                         attention_workspace_floats(dt, T, HS, 1) * fl_threads() * sizeof(float));
+    row("attention", TIME(attention_forward(dt, y_, lse, qkv_, ws, B, T, NH, NH, HS)),
+        TIME(attention_backward(dt, dqkv_, dy_, qkv_, y_, lse, ws, B, T, NH, NH, HS)),
+        TIME(attention_forward_ref(y, lse, qkv, B, T, NH, NH, HS)),
+        TIME(attention_backward_ref(dqkv, dy, qkv, y, lse, B, T, NH, NH, HS)));
+
+    // LLaMA's kernels at the same shapes: RoPE on the q and k heads of the
+    // qkv buffer (NKV = NH), SwiGLU with an intermediate size of 2C (its
+    // input, (N,4C), is the fc output)
+    float *rs = buf(N), *cs = buf((size_t)T * HS);
+    rope_table(cs, T, HS, 10000.0f);
+    row("rmsnorm", TIME(rmsnorm_forward(dt, y_, rs, x_, w_, N, C, 1e-5f)),
+        TIME(rmsnorm_backward(dt, dx_, dw_, dy_, x_, w_, rs, N, C)),
+        TIME(rmsnorm_forward_ref(y, rs, x, w, N, C, 1e-5f)),
+        TIME(rmsnorm_backward_ref(dx, dw, dy, x, w, rs, N, C)));
+    row("rope", TIME(rope_forward(dt, qkv_, cs, B, T, NH, NH, HS)),
+        TIME(rope_backward(dt, dqkv_, cs, B, T, NH, NH, HS)),
+        TIME(rope_forward_ref(qkv, cs, B, T, NH, NH, HS)),
+        TIME(rope_backward_ref(dqkv, cs, B, T, NH, NH, HS)));
+    float *sw = buf((size_t)N * 2 * C);
+    void *sw_ = as_dt(dt, sw, (size_t)N * 2 * C);
+    row("swiglu (2C)", TIME(swiglu_forward(dt, sw_, h_, N, 2 * C)),
+        TIME(swiglu_backward(dt, dh_, h_, sw_, N, 2 * C)),
+        TIME(swiglu_forward_ref(sw, h, N, 2 * C)), TIME(swiglu_backward_ref(dh, h, sw, N, 2 * C)));
 
     float *g = buf(n4);
     void *g_ = as_dt(dt, g, n4);

@@ -189,9 +189,9 @@ int main(int argc, char **argv) {
     fl_set_threads(a.threads);
     const char *prec = fl_dtype_name(a.precision);
 
-    fl_gpt2_config cfg = {
+    fl_model_config cfg = {
         .max_seq_len = a.maxT, .vocab_size = a.V, .n_layer = a.L, .n_head = a.NH, .n_embd = a.C};
-    fl_gpt2_config_finish(&cfg);
+    fl_model_config_finish(&cfg);
 
     double L = a.L, C = a.C, V = a.V, T = a.T;
     double flops_per_token = 6.0 * (12.0 * L * C * C + V * C) + 12.0 * L * T * C;
@@ -225,9 +225,9 @@ int main(int argc, char **argv) {
     fflush(stdout);
 
     double t_init = fl_now();
-    fl_gpt2 model;
-    fl_gpt2_init(&model, &cfg, a.precision, a.seed);
-    fl_gpt2_alloc_acts(&model, a.B, a.T);
+    fl_model model;
+    fl_model_init(&model, &cfg, a.precision, a.seed);
+    fl_model_alloc_acts(&model, a.B, a.T, FL_RECOMPUTE_NONE);
     // `fitlm train`'s defaults: AdamW betas 0.9/0.95, eps 1e-8, wd 0.1, clip
     // 1.0, no accumulation, DeepSpeed's fp16 loss-scaler settings
     fl_train_config defaults;
@@ -261,9 +261,9 @@ int main(int argc, char **argv) {
         fl_profile_enable(s >= a.warmup);
         double t0 = fl_now();
         FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(&opt));
-        float loss = fl_gpt2_forward(&model, inputs, targets, a.B, a.T);
+        float loss = fl_model_forward(&model, inputs, targets, a.B, a.T);
         double t1 = fl_now();
-        fl_gpt2_backward(&model, fl_optimizer_loss_scale(&opt));
+        fl_model_backward(&model, fl_optimizer_scale(&opt) / model.n_targets);
         double t2 = fl_now();
         fl_step_result r;
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(&opt));
@@ -331,6 +331,6 @@ int main(int argc, char **argv) {
     fl_free(inputs);
     fl_free(targets);
     fl_optimizer_free(&opt);
-    fl_gpt2_free(&model);
+    fl_model_free(&model);
     return 0;
 }

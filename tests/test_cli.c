@@ -226,7 +226,7 @@ static void test_same_seed_same_losses(void) {
 
 // Every tensor of the two directories' newest checkpoints, bit for bit.
 static int fl_ckpts_equal(const char *a, const char *b) {
-    fl_gpt2 ma, mb;
+    fl_model ma, mb;
     char tok[32];
     fl_ckpt_load_model(a, &ma, FL_F32, tok, sizeof tok);
     fl_ckpt_load_model(b, &mb, FL_F32, tok, sizeof tok);
@@ -234,10 +234,15 @@ static int fl_ckpts_equal(const char *a, const char *b) {
     int same = n == mb.table.numel && !memcmp(ma.params, mb.params, n * sizeof(float));
     fl_ckpt *x = fl_ckpt_open(a), *y = fl_ckpt_open(b);
     float *bx = malloc(n * sizeof(float)), *by = malloc(n * sizeof(float));
-    const char *state[] = {"adamw.m", "adamw.v"};
+    const char *state[] = {"m", "v"};
     for (int i = 0; i < 2 && same; i++) {
-        fl_ckpt_read(x, state[i], FL_F32, bx, n);
-        fl_ckpt_read(y, state[i], FL_F32, by, n);
+        for (int r = 0; r < ma.table.count; r++) { // AdamW's m and v, row by row
+            const fl_param_view *v = &ma.table.views[r];
+            char name[128];
+            snprintf(name, sizeof name, "optim/%s/%s", state[i], v->name);
+            fl_ckpt_read(x, name, FL_F32, bx + v->offset, v->numel);
+            fl_ckpt_read(y, name, FL_F32, by + v->offset, v->numel);
+        }
         same &= !memcmp(bx, by, n * sizeof(float));
     }
     same &= fl_ckpt_step(x) == fl_ckpt_step(y);
@@ -245,8 +250,8 @@ static int fl_ckpts_equal(const char *a, const char *b) {
     free(by);
     fl_ckpt_close(x);
     fl_ckpt_close(y);
-    fl_gpt2_free(&ma);
-    fl_gpt2_free(&mb);
+    fl_model_free(&ma);
+    fl_model_free(&mb);
     return same;
 }
 
@@ -307,15 +312,15 @@ static void test_export_and_pretrained(void) {
     char ck[600], hf[600];
     snprintf(ck, sizeof ck, "%s/whole", dir);
     snprintf(hf, sizeof hf, "%s/hf", dir);
-    fl_gpt2 a, b;
+    fl_model a, b;
     char tok[32];
     fl_ckpt_load_model(ck, &a, FL_F32, tok, sizeof tok);
     fl_pretrained_load(hf, &b, FL_F32);
     t_check(a.table.numel == b.table.numel &&
                 !memcmp(a.params, b.params, a.table.numel * sizeof(float)),
             "checkpoint -> safetensors -> model is bit-exact");
-    fl_gpt2_free(&a);
-    fl_gpt2_free(&b);
+    fl_model_free(&a);
+    fl_model_free(&b);
     rc = fitlm("sample --checkpoint hf --tokenizer byte --tokens 8 --prompt 'line '");
     t_check(rc == 0 && strstr(output, "line "), "sample from the exported directory: %.200s",
             output);
@@ -324,7 +329,7 @@ static void test_export_and_pretrained(void) {
     rc =
         fitlm("train --init-from hf --data small --tokenizer byte --steps 2 --batch 2 --seq-len 16 "
               "--out '' --sample-tokens 0");
-    t_check(rc == 0 && strstr(output, "n_layer 2, n_head 4, n_embd 64, vocab 257"),
+    t_check(rc == 0 && strstr(output, "n_layer 2, n_head 4 (kv 4), n_embd 64, mlp 256, vocab 257"),
             "train --init-from a Hugging Face directory takes its shape: %.400s", output);
     fails_with("train --init-from hf --data small --tokenizer byte --n-embd 32",
                "model.n_embd 32 contradicts hf, whose model has 64");
@@ -376,9 +381,9 @@ static void test_kill_while_saving(void) {
         int step = fl_ckpt_step(ck);
         fl_ckpt_close(ck);
         char tok[32];
-        fl_gpt2 m;
+        fl_model m;
         fl_ckpt_load_model(out, &m, FL_F32, tok, sizeof tok); // reads and checks every CRC
-        fl_gpt2_free(&m);
+        fl_model_free(&m);
         monotonic &= step >= last_step;
         last_step = step;
         loads++;

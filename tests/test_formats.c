@@ -51,12 +51,12 @@ static int same_floats(const float *a, const float *b, size_t n) {
 }
 
 static void load_hf(void *path) {
-    fl_gpt2 m;
+    fl_model m;
     fl_hf_load(path, &m, FL_F32);
 }
 
 static void load_llmc(void *path) {
-    fl_gpt2 m;
+    fl_model m;
     fl_llmc_load(path, &m, FL_F32);
 }
 
@@ -65,10 +65,10 @@ static void load_llmc(void *path) {
 
 static void test_roundtrip(void) {
     // V = 100 pads to 128 rows; C = 32 so transposes are not square
-    fl_gpt2_config cfg = {
+    fl_model_config cfg = {
         .max_seq_len = 16, .vocab_size = 100, .n_layer = 2, .n_head = 4, .n_embd = 32};
-    fl_gpt2 m;
-    fl_gpt2_init(&m, &cfg, FL_F32, 5);
+    fl_model m;
+    fl_model_init(&m, &cfg, FL_F32, 5);
     size_t n = m.table.numel;
     const float *w = m.params;
     float *want = malloc(n * sizeof(float));
@@ -94,14 +94,14 @@ static void test_roundtrip(void) {
             memcpy(want, w, n * sizeof(float));
         else
             fl_convert(FL_F32, want, cases[k].dt, stored, n);
-        fl_gpt2 got;
+        fl_model got;
         fl_hf_load(path, &got, FL_F32);
         t_check(got.config.vocab_size == 100 && got.config.padded_vocab_size == 128 &&
                     got.config.n_embd == 32 && got.config.n_layer == 2,
                 "%s: config.json gives the shape back", cases[k].name);
         t_check(got.table.numel == n && same_floats(got.params, want, n),
                 "%s: export -> import is exact", cases[k].name);
-        fl_gpt2_free(&got);
+        fl_model_free(&got);
         snprintf(file, sizeof file, "%s/model-%05d-of-%05d.safetensors", path, 1, cases[k].shards);
         if (cases[k].shards > 1) {
             snprintf(file, sizeof file, "%s/model-%05d-of-%05d.safetensors", path, cases[k].shards,
@@ -117,7 +117,7 @@ static void test_roundtrip(void) {
             fl_hf_load(path, &got, cases[k].dt);
             t_check(memcmp(got.params, stored, n * 2) == 0, "%s: import into %s is exact",
                     cases[k].name, fl_dtype_name(cases[k].dt));
-            fl_gpt2_free(&got);
+            fl_model_free(&got);
         }
     }
 
@@ -136,19 +136,19 @@ static void test_roundtrip(void) {
     snprintf(file, sizeof file, "%s/model.safetensors.index.json", path);
     stale |= access(file, F_OK) == 0;
     t_check(!stale, "re-export unsharded removes the old shards and index");
-    fl_gpt2 got;
+    fl_model got;
     fl_hf_load(path, &got, FL_F32);
     t_check(same_floats(got.params, w, n), "re-exported directory loads exactly");
-    fl_gpt2_free(&got);
+    fl_model_free(&got);
     free(want), free(stored);
-    fl_gpt2_free(&m);
+    fl_model_free(&m);
 }
 
 // ----------------------------------------------------------------------------
 // the reference weights in each format
 
 static void test_reference(fixture *fx, const fx_config *c) {
-    fl_gpt2 hf, one, v3, v5;
+    fl_model hf, one, v3, v5;
     fl_hf_load(t_source_path(HF_FIXTURE), &hf, FL_F32);
     size_t n = hf.table.numel;
     int exact = 1;
@@ -185,18 +185,17 @@ static void test_reference(fixture *fx, const fx_config *c) {
     float *want = fx_floats(fx, "logits");
     size_t BT = (size_t)c->B * c->T, V = (size_t)c->V, Vp = hf.config.padded_vocab_size;
     float *logits = malloc(BT * V * sizeof(float));
-    fl_gpt2 *models[2] = {&hf, &v3};
+    fl_model *models[2] = {&hf, &v3};
     const char *names[2] = {"logits (HF safetensors)", "logits (llm.c v3)"};
     for (int k = 0; k < 2; k++) {
-        fl_gpt2_alloc_acts(models[k], c->B, c->T);
-        fl_gpt2_forward(models[k], tokens, NULL, c->B, c->T);
+        fl_model_alloc_acts(models[k], c->B, c->T, FL_RECOMPUTE_NONE);
+        fl_model_forward(models[k], tokens, NULL, c->B, c->T);
         for (size_t i = 0; i < BT; i++)
-            memcpy(logits + i * V, (const float *)models[k]->acts.logits + i * Vp,
-                   V * sizeof(float));
+            memcpy(logits + i * V, (const float *)models[k]->logits + i * Vp, V * sizeof(float));
         t_close(names[k], logits, want, BT * V, LOGITS_ATOL, LOGITS_RTOL);
     }
     free(tokens), free(want), free(logits);
-    fl_gpt2_free(&hf), fl_gpt2_free(&one), fl_gpt2_free(&v3), fl_gpt2_free(&v5);
+    fl_model_free(&hf), fl_model_free(&one), fl_model_free(&v3), fl_model_free(&v5);
 }
 
 // ----------------------------------------------------------------------------
@@ -352,10 +351,10 @@ static void test_bad_models(void) {
         if (cases[k].expect) {
             t_dies(cases[k].name, load_hf, d, cases[k].expect);
         } else {
-            fl_gpt2 m;
+            fl_model m;
             fl_hf_load(d, &m, FL_F32);
             t_check(m.table.numel > 0, "%s: loads", cases[k].name);
-            fl_gpt2_free(&m);
+            fl_model_free(&m);
         }
     }
 }
@@ -407,10 +406,10 @@ static void test_bad_configs(void) {
     model_dir(d, "config_tanh", json);
     snprintf(path, sizeof path, "%s/model.safetensors", d);
     t_write_file(path, st, n);
-    fl_gpt2 m;
+    fl_model m;
     fl_hf_load(d, &m, FL_F32);
     t_check(m.config.n_embd == 16, "gelu_pytorch_tanh is accepted");
-    fl_gpt2_free(&m);
+    fl_model_free(&m);
     model_dir(d, "config_bad_json", "{\"n_embd\": 16,");
     snprintf(path, sizeof path, "%s/model.safetensors", d);
     t_write_file(path, st, n);
@@ -477,10 +476,10 @@ static void test_bad_index(void) {
     edit_index("index_bad_json", NULL, "{", "[");
     t_dies("index not JSON", load_hf, in_dir(d, "index_bad_json"), "not valid JSON");
     edit_index("index_ok", NULL, "{", "{");
-    fl_gpt2 m;
+    fl_model m;
     fl_hf_load(in_dir(d, "index_ok"), &m, FL_F32);
     t_check(m.config.vocab_size == 100, "the copied sharded export loads");
-    fl_gpt2_free(&m);
+    fl_model_free(&m);
 }
 
 static void test_bad_llmc(void) {
@@ -531,7 +530,7 @@ static int parse_st(const unsigned char *b, size_t n, char *err, size_t errlen) 
 }
 
 static int parse_config(const unsigned char *b, size_t n, char *err, size_t errlen) {
-    fl_gpt2_config c;
+    fl_model_config c;
     int rc = fl_hf_config_parse((const char *)b, n, &c, err, errlen);
     if (rc == 0 && (c.n_embd % c.n_head || c.padded_vocab_size < c.vocab_size)) rc = -2;
     return rc;

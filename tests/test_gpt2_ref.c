@@ -23,7 +23,7 @@
 
 // Loads `prefix`<name> records into the parameter buffer; wte's rows V..Vp-1
 // become zero.
-static void load_params(fl_gpt2 *m, fixture *fx, const char *prefix) {
+static void load_params(fl_model *m, fixture *fx, const char *prefix) {
     for (int i = 0; i < m->table.count; i++) {
         const fl_param_view *v = &m->table.views[i];
         char name[FX_MAX_NAME + 1];
@@ -41,7 +41,7 @@ static void load_params(fl_gpt2 *m, fixture *fx, const char *prefix) {
 // wte's padded rows must be exactly zero. With k_bias_atol > 0 the key third
 // of each attn.c_attn.bias is compared on its own with that tolerance (see
 // KBIAS_FINAL_ATOL).
-static void compare_views(fl_gpt2 *m, fixture *fx, const float *buf, const char *prefix,
+static void compare_views(fl_model *m, fixture *fx, const float *buf, const char *prefix,
                           double atol, double rtol, double k_bias_atol) {
     const size_t C = (size_t)m->config.n_embd;
     for (int i = 0; i < m->table.count; i++) {
@@ -74,9 +74,9 @@ static void compare_views(fl_gpt2 *m, fixture *fx, const float *buf, const char 
 
 // The mean loss of the last forward, summed in double from the per-position
 // losses (less rounding noise than the float mean for finite differences).
-static double mean_loss(const fl_gpt2 *m) {
+static double mean_loss(const fl_model *m) {
     double s = 0;
-    for (int i = 0; i < m->B * m->T; i++) s += m->acts.losses[i];
+    for (int i = 0; i < m->B * m->T; i++) s += m->losses[i];
     return s / (m->B * m->T);
 }
 
@@ -172,11 +172,11 @@ static void test_damaged_fixture(const unsigned char *data, size_t size, const f
 #define KBIAS_FINAL_ATOL(c) (0.5 * (c)->lr * (c)->steps)
 
 static int test_reference(fixture *fx, const fx_config *c) {
-    fl_gpt2_config cfg = fx_make_config(c);
-    fl_gpt2 model;
+    fl_model_config cfg = fx_make_config(c);
+    fl_model model;
     memset(&model, 0, sizeof model);
-    fl_gpt2_init(&model, &cfg, FL_F32, 1);
-    fl_gpt2_alloc_acts(&model, c->B, c->T);
+    fl_model_init(&model, &cfg, FL_F32, 1);
+    fl_model_alloc_acts(&model, c->B, c->T, FL_RECOMPUTE_NONE);
     const int B = c->B, T = c->T, V = c->V, Vp = cfg.padded_vocab_size;
     printf("config: L=%d C=%d NH=%d V=%d (Vp=%d) maxT=%d, batch %dx%d, %zu params\n", c->L, c->C,
            c->NH, V, Vp, c->maxT, B, T, model.table.numel);
@@ -199,7 +199,7 @@ static int test_reference(fixture *fx, const fx_config *c) {
         t_check(fl_params_find(&model.table, ps[i].name) == i, "fl_params_find('%s')", ps[i].name);
     }
     if (!table_ok) {
-        fl_gpt2_free(&model);
+        fl_model_free(&model);
         return 0;
     }
 
@@ -210,7 +210,7 @@ static int test_reference(fixture *fx, const fx_config *c) {
     // forward
     printf("forward:\n");
     load_params(&model, fx, "param/");
-    float loss = fl_gpt2_forward(&model, tokens, targets, B, T);
+    float loss = fl_model_forward(&model, tokens, targets, B, T);
     t_check(model.n_targets == B * T, "n_targets %d, want %d", model.n_targets, B * T);
     t_close("loss (returned)", &loss, want_loss, 1, LOSS_ATOL, 0);
     t_close("loss (model->loss)", &model.loss, want_loss, 1, LOSS_ATOL, 0);
@@ -218,7 +218,7 @@ static int test_reference(fixture *fx, const fx_config *c) {
     t_close("loss (mean of acts.losses)", &mean, want_loss, 1, LOSS_ATOL, 0);
     float *got_logits = malloc((size_t)B * T * V * sizeof(float));
     size_t pad_nonzero = 0;
-    const float *logits = model.acts.logits; // fp32 model
+    const float *logits = model.logits; // fp32 model
     for (int i = 0; i < B * T; i++) {
         memcpy(got_logits + (size_t)i * V, logits + (size_t)i * Vp, V * sizeof(float));
         for (int j = V; j < Vp; j++) pad_nonzero += logits[(size_t)i * Vp + j] != 0.0f;
@@ -228,17 +228,17 @@ static int test_reference(fixture *fx, const fx_config *c) {
 
     // backward
     printf("backward:\n");
-    fl_gpt2_zero_grad(&model);
-    fl_gpt2_backward(&model, 1.0f);
+    fl_model_zero_grad(&model);
+    fl_model_backward(&model, 1.0f / model.n_targets);
     compare_views(&model, fx, model.grads, "grad/", GRAD_ATOL, GRAD_RTOL, 0);
 
     // Gradients accumulate with loss_scale: two half-scaled passes give the
     // same gradients (the gradient accumulation path).
     printf("backward, accumulated over two passes with loss_scale 0.5:\n");
-    fl_gpt2_zero_grad(&model);
+    fl_model_zero_grad(&model);
     for (int k = 0; k < 2; k++) {
-        fl_gpt2_forward(&model, tokens, targets, B, T);
-        fl_gpt2_backward(&model, 0.5f);
+        fl_model_forward(&model, tokens, targets, B, T);
+        fl_model_backward(&model, 0.5f / model.n_targets);
     }
     compare_views(&model, fx, model.grads, "grad/", GRAD_ATOL, GRAD_RTOL, 0);
 
@@ -250,9 +250,9 @@ static int test_reference(fixture *fx, const fx_config *c) {
     fl_adamw_init(&opt, model.table.numel, c->beta1, c->beta2, c->eps, c->weight_decay);
     float *losses = malloc(c->steps * sizeof(float)), *norms = malloc(c->steps * sizeof(float));
     for (int s = 0; s < c->steps; s++) {
-        fl_gpt2_zero_grad(&model);
-        losses[s] = fl_gpt2_forward(&model, tokens, targets, B, T);
-        fl_gpt2_backward(&model, 1.0f);
+        fl_model_zero_grad(&model);
+        losses[s] = fl_model_forward(&model, tokens, targets, B, T);
+        fl_model_backward(&model, 1.0f / model.n_targets);
         norms[s] = t_adamw_step_fp32(&opt, &model.table, model.params, model.grads, c->lr,
                                      c->max_grad_norm);
     }
@@ -268,7 +268,7 @@ static int test_reference(fixture *fx, const fx_config *c) {
     free(losses), free(norms), free(want_losses), free(want_norms);
     free(tokens), free(targets), free(want_logits), free(want_loss), free(got_logits);
     fl_adamw_free(&opt);
-    fl_gpt2_free(&model);
+    fl_model_free(&model);
     return 1;
 }
 
@@ -288,17 +288,17 @@ static int test_reference(fixture *fx, const fx_config *c) {
 #define FD_RTOL 5e-3
 
 static void test_finite_differences(fixture *fx, const fx_config *c) {
-    fl_gpt2_config cfg = fx_make_config(c);
-    fl_gpt2 model;
+    fl_model_config cfg = fx_make_config(c);
+    fl_model model;
     memset(&model, 0, sizeof model);
-    fl_gpt2_init(&model, &cfg, FL_F32, 1);
-    fl_gpt2_alloc_acts(&model, c->B, c->T);
+    fl_model_init(&model, &cfg, FL_F32, 1);
+    fl_model_alloc_acts(&model, c->B, c->T, FL_RECOMPUTE_NONE);
     load_params(&model, fx, "param/");
     int *tokens = fx_copy(fx, fx_find(fx, "tokens")),
         *targets = fx_copy(fx, fx_find(fx, "targets"));
-    fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
-    fl_gpt2_zero_grad(&model);
-    fl_gpt2_backward(&model, 1.0f);
+    fl_model_forward(&model, tokens, targets, c->B, c->T);
+    fl_model_zero_grad(&model);
+    fl_model_backward(&model, 1.0f / model.n_targets);
 
     // For each tensor: the element with the largest |gradient| (a strong
     // signal), and for some also a pseudo-random element (a typical one,
@@ -345,10 +345,10 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
             // divide by the step really taken (saved +- h rounded to float)
             float saved = ((float *)model.params)[at], plus = saved + FD_H, minus = saved - FD_H;
             ((float *)model.params)[at] = plus;
-            fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
+            fl_model_forward(&model, tokens, targets, c->B, c->T);
             double lp = mean_loss(&model);
             ((float *)model.params)[at] = minus;
-            fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
+            fl_model_forward(&model, tokens, targets, c->B, c->T);
             double lm = mean_loss(&model);
             ((float *)model.params)[at] = saved;
             double fd = (lp - lm) / ((double)plus - (double)minus), an = ((float *)model.grads)[at];
@@ -364,7 +364,7 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
     }
     printf("  %d elements checked; worst |diff| is %.2f of its tolerance\n", checked, worst);
     free(tokens), free(targets);
-    fl_gpt2_free(&model);
+    fl_model_free(&model);
 }
 
 // ----------------------------------------------------------------------------
@@ -375,11 +375,11 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
 #define OVERFIT_TARGET    0.1f
 
 static void test_overfit(fixture *fx, const fx_config *c) {
-    fl_gpt2_config cfg = fx_make_config(c);
-    fl_gpt2 model;
+    fl_model_config cfg = fx_make_config(c);
+    fl_model model;
     memset(&model, 0, sizeof model);
-    fl_gpt2_init(&model, &cfg, FL_F32, 1);
-    fl_gpt2_alloc_acts(&model, c->B, c->T);
+    fl_model_init(&model, &cfg, FL_F32, 1);
+    fl_model_alloc_acts(&model, c->B, c->T, FL_RECOMPUTE_NONE);
     int *tokens = fx_copy(fx, fx_find(fx, "tokens")),
         *targets = fx_copy(fx, fx_find(fx, "targets"));
     fl_adamw opt;
@@ -387,11 +387,11 @@ static void test_overfit(fixture *fx, const fx_config *c) {
     float first = 0, loss = 0;
     int s;
     for (s = 0; s < OVERFIT_MAX_STEPS; s++) {
-        fl_gpt2_zero_grad(&model);
-        loss = fl_gpt2_forward(&model, tokens, targets, c->B, c->T);
+        fl_model_zero_grad(&model);
+        loss = fl_model_forward(&model, tokens, targets, c->B, c->T);
         if (s == 0) first = loss;
         if (loss < OVERFIT_TARGET || !isfinite(loss)) break;
-        fl_gpt2_backward(&model, 1.0f);
+        fl_model_backward(&model, 1.0f / model.n_targets);
         t_adamw_step_fp32(&opt, &model.table, model.params, model.grads, OVERFIT_LR, 1.0f);
     }
     printf("overfit: loss %.4f -> %.4f after %d steps\n", first, loss, s);
@@ -399,7 +399,7 @@ static void test_overfit(fixture *fx, const fx_config *c) {
             loss, s, OVERFIT_TARGET);
     free(tokens), free(targets);
     fl_adamw_free(&opt);
-    fl_gpt2_free(&model);
+    fl_model_free(&model);
 }
 
 int main(void) {

@@ -45,12 +45,12 @@ static void test_text(void) {
 }
 
 static void load_ckpt(void *path) {
-    fl_gpt2 m;
+    fl_model m;
     char tok[32];
     fl_ckpt_load_model(path, &m, FL_F32, tok, sizeof tok);
 }
 
-static const fl_gpt2_config tiny = {
+static const fl_model_config tiny = {
     .max_seq_len = 16, .vocab_size = 70, .n_layer = 2, .n_head = 2, .n_embd = 8};
 
 static int count_files(const char *d, const char *prefix) {
@@ -63,8 +63,8 @@ static int count_files(const char *d, const char *prefix) {
 }
 
 static void test_checkpoint(void) {
-    fl_gpt2 a, b;
-    fl_gpt2_init(&a, &tiny, FL_F32, 3);
+    fl_model a, b;
+    fl_model_init(&a, &tiny, FL_F32, 3);
     char ck[512], file[600];
     snprintf(ck, sizeof ck, "%s/ck", dir);
     fl_train_ckpt_save(ck, 42, &a, NULL, NULL, "byte", NULL, 2);
@@ -76,23 +76,25 @@ static void test_checkpoint(void) {
             "the model shape round-trips");
     t_check(memcmp(a.params, b.params, a.table.numel * sizeof(float)) == 0,
             "weights round-trip bit for bit");
-    fl_gpt2_free(&b);
+    fl_model_free(&b);
     fl_ckpt *c = fl_ckpt_open(ck);
     t_check(fl_ckpt_step(c) == 42 && strstr(fl_ckpt_path(c), "ckpt_00000042.fitlm") &&
-                fl_ckpt_has(c, "weights") && !fl_ckpt_has(c, "adamw.m"),
-            "latest names step 42's file: %s", fl_ckpt_path(c));
+                fl_ckpt_has(c, "model/wte.weight") && fl_ckpt_has(c, "model/h.1.mlp.c_proj.bias") &&
+                !fl_ckpt_has(c, "optim/m/wte.weight") && !fl_ckpt_has(c, "weights"),
+            "latest names step 42's file, one tensor per row, no optimizer state: %s",
+            fl_ckpt_path(c));
     fl_ckpt_close(c);
 
     // bf16: the fp32 weights are rounded on load
-    fl_gpt2_init(&b, &tiny, FL_BF16, 0);
-    fl_gpt2 r;
+    fl_model_init(&b, &tiny, FL_BF16, 0);
+    fl_model r;
     fl_ckpt_load_model(ck, &r, FL_BF16, tok, sizeof tok);
     uint16_t *want = malloc(a.table.numel * 2);
     fl_convert(FL_BF16, want, FL_F32, a.params, a.table.numel);
     t_check(memcmp(want, r.params, a.table.numel * 2) == 0, "a bf16 load rounds the fp32 weights");
     free(want);
-    fl_gpt2_free(&r);
-    fl_gpt2_free(&b);
+    fl_model_free(&r);
+    fl_model_free(&b);
 
     snprintf(file, sizeof file, "%s/ckpt_00000042.fitlm", ck);
     size_t n;
@@ -108,7 +110,7 @@ static void test_checkpoint(void) {
         size_t len;
         const char *expect;
     } cases[] = {
-        {"flipped data byte", n - 100, 0x10, 0, "tensor 'weights' is corrupt (CRC-32 mismatch"},
+        {"flipped data byte", n - 100, 0x10, 0, "is corrupt (CRC-32 mismatch"},
         {"flipped header byte", 40, 0x01, 0, "the header is corrupt (CRC-32 mismatch)"},
         {"truncated", 0, 0, n - 7, "truncated or corrupt"},
         {"truncated to 10 bytes", 0, 0, 10, "truncated: 10 bytes"},
@@ -147,13 +149,31 @@ static void test_checkpoint(void) {
     t_check(refused > 2500, "3000 mutated checkpoints parse without a crash (%d refused)", refused);
     free(bad);
     free(good);
-    fl_gpt2_free(&a);
+    fl_model_free(&a);
 }
 
 // keep: only the newest checkpoints stay, and leftovers of a killed writer go.
+// A checkpoint written before the by-name layout (one "weights" tensor for the
+// whole flat buffer, no model.arch) loads as the GPT-2 it holds.
+static void test_legacy_checkpoint(void) {
+    fl_model m;
+    char tok[32];
+    fl_ckpt_load_model(t_source_path("tests/fixtures/ckpt_tiny.fitlm"), &m, FL_F32, tok,
+                       sizeof tok);
+    fl_ckpt *c = fl_ckpt_open(t_source_path("tests/fixtures/ckpt_tiny.fitlm"));
+    float *w = malloc(m.table.numel * sizeof(float));
+    fl_ckpt_read(c, "weights", FL_F32, w, m.table.numel);
+    t_check(m.config.arch == FL_ARCH_GPT2 && m.config.n_layer == 1 && m.config.n_embd == 8 &&
+                !strcmp(tok, "byte") && !memcmp(w, m.params, m.table.numel * sizeof(float)),
+            "a pre-LLaMA checkpoint loads: GPT-2, its weights in table order");
+    free(w);
+    fl_ckpt_close(c);
+    fl_model_free(&m);
+}
+
 static void test_pruning(void) {
-    fl_gpt2 a;
-    fl_gpt2_init(&a, &tiny, FL_F32, 3);
+    fl_model a;
+    fl_model_init(&a, &tiny, FL_F32, 3);
     char ck[512], tmp[600];
     snprintf(ck, sizeof ck, "%s/prune", dir);
     for (int step = 1; step <= 5; step++) {
@@ -178,7 +198,7 @@ static void test_pruning(void) {
     snprintf(tmp, sizeof tmp, "%s/ckpt_00000001.fitlm", ck);
     t_check(count_files(ck, "ckpt_") == 2 && access(tmp, F_OK) == 0,
             "a new run's checkpoints replace an older run's");
-    fl_gpt2_free(&a);
+    fl_model_free(&a);
 }
 
 int main(void) {
@@ -186,6 +206,7 @@ int main(void) {
     test_text();
     test_checkpoint();
     test_pruning();
+    test_legacy_checkpoint();
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

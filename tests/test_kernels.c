@@ -5,7 +5,7 @@
 //    and both backwards vs central finite differences of that double forward
 //    (loss = sum(out * R), so dout = R), with gradient buffers prefilled so
 //    the += contract is checked at the same time (softmax_xent overwrites,
-//    also in place);
+//    also in place; rope works in place);
 // 3. the fast kernels run twice give bitwise identical results;
 // 4. in bf16 and fp16 (see "bf16 and fp16" below) against the fp32 _ref, with
 //    tolerances from the dtype's unit roundoff, and exact checks that
@@ -172,13 +172,35 @@ static void matmul_backward_f32(float *dinp, float *dweight, float *dbias, const
     matmul_backward(FL_F32, dinp, dweight, dbias, dout, inp, weight, NULL, N, C, OC);
 }
 static void attention_forward_f32(float *out, float *lse, const float *qkv, float *workspace, int B,
-                                  int T, int C, int NH) {
-    attention_forward(FL_F32, out, lse, qkv, workspace, B, T, C, NH);
+                                  int T, int NH, int NKV, int HS) {
+    attention_forward(FL_F32, out, lse, qkv, workspace, B, T, NH, NKV, HS);
 }
 static void attention_backward_f32(float *dqkv, const float *dout, const float *qkv,
                                    const float *out, const float *lse, float *workspace, int B,
-                                   int T, int C, int NH) {
-    attention_backward(FL_F32, dqkv, dout, qkv, out, lse, workspace, B, T, C, NH);
+                                   int T, int NH, int NKV, int HS) {
+    attention_backward(FL_F32, dqkv, dout, qkv, out, lse, workspace, B, T, NH, NKV, HS);
+}
+static void rmsnorm_forward_f32(float *out, float *rstd, const float *inp, const float *weight,
+                                int N, int C, float eps) {
+    rmsnorm_forward(FL_F32, out, rstd, inp, weight, N, C, eps);
+}
+static void rmsnorm_backward_f32(float *dinp, float *dweight, const float *dout, const float *inp,
+                                 const float *weight, const float *rstd, int N, int C) {
+    rmsnorm_backward(FL_F32, dinp, dweight, dout, inp, weight, rstd, N, C);
+}
+static void rope_forward_f32(float *qkv, const float *cos_sin, int B, int T, int NH, int NKV,
+                             int HS) {
+    rope_forward(FL_F32, qkv, cos_sin, B, T, NH, NKV, HS);
+}
+static void rope_backward_f32(float *dqkv, const float *cos_sin, int B, int T, int NH, int NKV,
+                              int HS) {
+    rope_backward(FL_F32, dqkv, cos_sin, B, T, NH, NKV, HS);
+}
+static void swiglu_forward_f32(float *out, const float *inp, int N, int IC) {
+    swiglu_forward(FL_F32, out, inp, N, IC);
+}
+static void swiglu_backward_f32(float *dinp, const float *inp, const float *dout, int N, int IC) {
+    swiglu_backward(FL_F32, dinp, inp, dout, N, IC);
 }
 static void gelu_forward_f32(float *out, const float *inp, size_t N) {
     gelu_forward(FL_F32, out, inp, N);
@@ -481,20 +503,26 @@ static void test_matmul(void) {
 
 typedef struct {
     double *qkv, *R, *out, *lse;
-    int B, T, C, NH;
+    int B, T, NH, NKV, HS;
 } att_ctx;
 
-static void attention_fwd_d(double *out, double *lse, const double *qkv, int B, int T, int C,
-                            int NH) {
-    int HS = C / NH;
+// qkv row width of a shape: NH query heads, NKV key and NKV value heads
+static int qkv_width(int NH, int NKV, int HS) {
+    return (NH + 2 * NKV) * HS;
+}
+
+static void attention_fwd_d(double *out, double *lse, const double *qkv, int B, int T, int NH,
+                            int NKV, int HS) {
+    int W = qkv_width(NH, NKV, HS), C = NH * HS, group = NH / NKV;
     double scale = 1.0 / sqrt(HS), *s = malloc(T * sizeof *s);
     for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++)
+        for (int h = 0; h < NH; h++) {
+            size_t koff = (size_t)C + (size_t)(h / group) * HS, voff = koff + (size_t)NKV * HS;
             for (int t = 0; t < T; t++) {
-                const double *q = qkv + ((size_t)b * T + t) * 3 * C + h * HS;
+                const double *q = qkv + ((size_t)b * T + t) * W + h * HS;
                 double m = -INFINITY, sum = 0.0;
                 for (int j = 0; j <= t; j++) {
-                    s[j] = scale * dot_d(q, qkv + ((size_t)b * T + j) * 3 * C + C + h * HS, HS);
+                    s[j] = scale * dot_d(q, qkv + ((size_t)b * T + j) * W + koff, HS);
                     m = fmax(m, s[j]);
                 }
                 for (int j = 0; j <= t; j++) sum += exp(s[j] - m);
@@ -503,84 +531,102 @@ static void attention_fwd_d(double *out, double *lse, const double *qkv, int B, 
                 double *o = out + ((size_t)b * T + t) * C + h * HS;
                 for (int e = 0; e < HS; e++) o[e] = 0.0;
                 for (int j = 0; j <= t; j++) {
-                    const double *v = qkv + ((size_t)b * T + j) * 3 * C + 2 * C + h * HS;
+                    const double *v = qkv + ((size_t)b * T + j) * W + voff;
                     for (int e = 0; e < HS; e++) o[e] += exp(s[j] - m) / sum * v[e];
                 }
             }
+        }
     free(s);
 }
 
 static double att_loss(const void *p) {
     const att_ctx *c = p;
-    attention_fwd_d(c->out, c->lse, c->qkv, c->B, c->T, c->C, c->NH);
-    return dot_d(c->out, c->R, (size_t)c->B * c->T * c->C);
+    attention_fwd_d(c->out, c->lse, c->qkv, c->B, c->T, c->NH, c->NKV, c->HS);
+    return dot_d(c->out, c->R, (size_t)c->B * c->T * c->NH * c->HS);
 }
 
-static float *att_workspace(fl_dtype dt, int T, int HS) {
-    return fnan(attention_workspace_floats(dt, T, HS) * fl_threads());
+static float *att_workspace(fl_dtype dt, int T, int HS, int group) {
+    return fnan(attention_workspace_floats(dt, T, HS, group) * fl_threads());
 }
+
+// B T NH NKV HS of the attention tests: multi-head (NKV = NH) and grouped
+// query (NKV < NH, down to one kv head); see test_attention
+static const int ATT_SHAPES[][5] = {{1, 1, 1, 1, 3},    {2, 5, 3, 3, 5},   {1, 7, 6, 6, 1},
+                                    {1, 64, 1, 1, 8},   {2, 65, 2, 2, 6},  {2, 150, 4, 4, 12},
+                                    {1, 1024, 2, 2, 4}, {2, 7, 4, 2, 8},   {1, 7, 4, 1, 8},
+                                    {2, 65, 6, 2, 5},   {2, 150, 8, 2, 6}, {1, 9, 3, 1, 3}};
+enum { N_ATT_SHAPES = sizeof ATT_SHAPES / sizeof ATT_SHAPES[0] };
 
 static void test_attention(void) {
     printf("attention\n");
-    // B T C NH: T=1; odd HS=5 with NH=3; HS=1; one full row block (64), one
-    // plus a row, several blocks with a ragged end; the longest context
-    int shapes[][4] = {{1, 1, 3, 1},   {2, 5, 15, 3},   {1, 7, 6, 6},   {1, 64, 8, 1},
-                       {2, 65, 12, 2}, {2, 150, 48, 4}, {1, 1024, 8, 2}};
-    for (int s = 0; s < 7; s++) {
-        int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], NH = shapes[s][3], HS = C / NH;
-        size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    // MHA: T=1; odd HS=5 with NH=3; HS=1; one full row block (64), one plus
+    // a row, several blocks with a ragged end; the longest context. GQA:
+    // groups of 2, 4 (NKV=1), 3 with odd HS, 4 over several row blocks, 3
+    // with NKV=1 and odd HS.
+    for (int s = 0; s < N_ATT_SHAPES; s++) {
+        int B = ATT_SHAPES[s][0], T = ATT_SHAPES[s][1], NH = ATT_SHAPES[s][2];
+        int NKV = ATT_SHAPES[s][3], HS = ATT_SHAPES[s][4];
+        size_t nqkv = (size_t)B * T * qkv_width(NH, NKV, HS), no = (size_t)B * T * NH * HS;
+        size_t nl = (size_t)B * NH * T;
         float *qkv = frand(nqkv, 71, 2.0f), *dout = frand(no, 72, 1.0f),
-              *ws = att_workspace(FL_F32, T, HS);
+              *ws = att_workspace(FL_F32, T, HS, NH / NKV);
         float *out_r = fnan(no), *lse_r = fnan(nl), *out_f = fnan(no), *lse_f = fnan(nl);
         float *out_f2 = fnan(no), *lse_f2 = fnan(nl);
         float *dqkv_r = frand(nqkv, 73, 1.0f), *dqkv_f = fcopy(dqkv_r, nqkv);
         float *dqkv_f2 = fcopy(dqkv_r, nqkv);
-        attention_forward_ref(out_r, lse_r, qkv, B, T, C, NH);
-        attention_forward_f32(out_f, lse_f, qkv, ws, B, T, C, NH);
-        attention_forward_f32(out_f2, lse_f2, qkv, ws, B, T, C, NH);
-        attention_backward_ref(dqkv_r, dout, qkv, out_r, lse_r, B, T, C, NH);
-        attention_backward_f32(dqkv_f, dout, qkv, out_f, lse_f, ws, B, T, C, NH);
-        attention_backward_f32(dqkv_f2, dout, qkv, out_f, lse_f, ws, B, T, C, NH);
+        attention_forward_ref(out_r, lse_r, qkv, B, T, NH, NKV, HS);
+        attention_forward_f32(out_f, lse_f, qkv, ws, B, T, NH, NKV, HS);
+        attention_forward_f32(out_f2, lse_f2, qkv, ws, B, T, NH, NKV, HS);
+        attention_backward_ref(dqkv_r, dout, qkv, out_r, lse_r, B, T, NH, NKV, HS);
+        attention_backward_f32(dqkv_f, dout, qkv, out_f, lse_f, ws, B, T, NH, NKV, HS);
+        attention_backward_f32(dqkv_f2, dout, qkv, out_f, lse_f, ws, B, T, NH, NKV, HS);
         // out mixes up to T values of v (|v| <= 2) with weights summing to 1,
         // scores and lse sum HS terms of size <= 4: sum_tol(T + HS); each
-        // dqkv entry sums up to T terms of size <~ 4 (|q|, |k|, |v| <= 2): 4x
-        t_close(nm("att B%d T%d C%d NH%d out", B, T, C, NH), out_f, out_r, no, sum_tol(T + HS),
-                REF_RTOL);
-        t_close(nm("att B%d T%d C%d NH%d lse", B, T, C, NH), lse_f, lse_r, nl, sum_tol(T + HS),
-                REF_RTOL);
-        t_close(nm("att B%d T%d C%d NH%d dqkv", B, T, C, NH), dqkv_f, dqkv_r, nqkv,
-                4 * sum_tol(T + HS), REF_RTOL);
+        // dqkv entry sums up to T terms of size <~ 4 (|q|, |k|, |v| <= 2): 4x;
+        // a kv head's dk and dv sum group * T terms, over its query heads
+        int group = NH / NKV;
+        t_close(nm("att B%d T%d NH%d NKV%d HS%d out", B, T, NH, NKV, HS), out_f, out_r, no,
+                sum_tol(T + HS), REF_RTOL);
+        t_close(nm("att B%d T%d NH%d NKV%d HS%d lse", B, T, NH, NKV, HS), lse_f, lse_r, nl,
+                sum_tol(T + HS), REF_RTOL);
+        t_close(nm("att B%d T%d NH%d NKV%d HS%d dqkv", B, T, NH, NKV, HS), dqkv_f, dqkv_r, nqkv,
+                4 * sum_tol(group * T + HS), REF_RTOL);
         same_bits("att out", out_f, out_f2, no);
         same_bits("att lse", lse_f, lse_f2, nl);
-        same_bits("att dqkv", dqkv_f, dqkv_f2, nqkv);
+        same_bits(nm("att NH%d NKV%d dqkv", NH, NKV), dqkv_f, dqkv_f2, nqkv);
         free(qkv), free(dout), free(ws), free(out_r), free(lse_r), free(out_f), free(lse_f);
         free(out_f2), free(lse_f2), free(dqkv_r), free(dqkv_f), free(dqkv_f2);
     }
 
-    // gradient check: odd head size with three heads, and two row blocks
-    int gshapes[][4] = {{2, 5, 15, 3}, {1, 67, 6, 2}};
-    for (int s = 0; s < 2; s++) {
-        int B = gshapes[s][0], T = gshapes[s][1], C = gshapes[s][2], NH = gshapes[s][3];
-        int HS = C / NH;
-        size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    // gradient check: odd head size with three heads, two row blocks; GQA
+    // groups of 2 and 4 (NKV=1), 3 with odd HS, and 2 over two row blocks
+    int gshapes[][5] = {{2, 5, 3, 3, 5}, {1, 67, 2, 2, 3}, {2, 7, 4, 2, 8},
+                        {1, 7, 4, 1, 8}, {1, 5, 6, 2, 3},  {1, 67, 4, 2, 2}};
+    for (int s = 0; s < 6; s++) {
+        int B = gshapes[s][0], T = gshapes[s][1], NH = gshapes[s][2], NKV = gshapes[s][3];
+        int HS = gshapes[s][4];
+        size_t nqkv = (size_t)B * T * qkv_width(NH, NKV, HS), no = (size_t)B * T * NH * HS;
+        size_t nl = (size_t)B * NH * T;
         float *qkv = frand(nqkv, 81, 1.5f), *R = frand(no, 82, 1.0f);
-        att_ctx ctx = {dcopy(qkv, nqkv), dcopy(R, no), malloc(no * 8), malloc(nl * 8), B, T, C, NH};
+        att_ctx ctx = {
+            dcopy(qkv, nqkv), dcopy(R, no), malloc(no * 8), malloc(nl * 8), B, T, NH, NKV, HS};
         double *g = numgrad(ctx.qkv, nqkv, att_loss, &ctx);
-        attention_fwd_d(ctx.out, ctx.lse, ctx.qkv, B, T, C, NH);
+        attention_fwd_d(ctx.out, ctx.lse, ctx.qkv, B, T, NH, NKV, HS);
         for (int fast = 0; fast < 2; fast++) {
             const char *v = fast ? "fast" : "ref";
-            float *out = fnan(no), *lse = fnan(nl), *ws = att_workspace(FL_F32, T, HS);
+            float *out = fnan(no), *lse = fnan(nl), *ws = att_workspace(FL_F32, T, HS, NH / NKV);
             float *dqkv0 = frand(nqkv, 83, 1.0f), *dqkv = fcopy(dqkv0, nqkv);
             if (fast) {
-                attention_forward_f32(out, lse, qkv, ws, B, T, C, NH);
-                attention_backward_f32(dqkv, R, qkv, out, lse, ws, B, T, C, NH);
+                attention_forward_f32(out, lse, qkv, ws, B, T, NH, NKV, HS);
+                attention_backward_f32(dqkv, R, qkv, out, lse, ws, B, T, NH, NKV, HS);
             } else {
-                attention_forward_ref(out, lse, qkv, B, T, C, NH);
-                attention_backward_ref(dqkv, R, qkv, out, lse, B, T, C, NH);
+                attention_forward_ref(out, lse, qkv, B, T, NH, NKV, HS);
+                attention_backward_ref(dqkv, R, qkv, out, lse, B, T, NH, NKV, HS);
             }
-            check_fwd(nm("att %s T%d out vs double", v, T), out, ctx.out, no);
-            check_fwd(nm("att %s T%d lse vs double", v, T), lse, ctx.lse, nl);
-            check_grad(nm("att %s T%d dqkv vs numeric", v, T), dqkv, dqkv0, g, nqkv);
+            check_fwd(nm("att %s T%d NH%d NKV%d out vs double", v, T, NH, NKV), out, ctx.out, no);
+            check_fwd(nm("att %s T%d NH%d NKV%d lse vs double", v, T, NH, NKV), lse, ctx.lse, nl);
+            check_grad(nm("att %s T%d NH%d NKV%d dqkv vs numeric", v, T, NH, NKV), dqkv, dqkv0, g,
+                       nqkv);
             free(out), free(lse), free(ws), free(dqkv0), free(dqkv);
         }
         free(qkv), free(R), free(g), free(ctx.qkv), free(ctx.R), free(ctx.out), free(ctx.lse);
@@ -833,6 +879,354 @@ static void test_softmax_xent(void) {
 }
 
 // ----------------------------------------------------------------------------
+// rmsnorm
+
+typedef struct {
+    double *inp, *w, *R, *out;
+    int N, C;
+    double eps;
+} rms_ctx;
+
+static void rmsnorm_fwd_d(double *out, const double *inp, const double *w, int N, int C,
+                          double eps) {
+    for (int n = 0; n < N; n++) {
+        const double *x = inp + (size_t)n * C;
+        double ms = 0.0;
+        for (int i = 0; i < C; i++) ms += x[i] * x[i] / C;
+        double r = 1.0 / sqrt(ms + eps);
+        for (int i = 0; i < C; i++) out[(size_t)n * C + i] = x[i] * r * w[i];
+    }
+}
+
+static double rms_loss(const void *p) {
+    const rms_ctx *c = p;
+    rmsnorm_fwd_d(c->out, c->inp, c->w, c->N, c->C, c->eps);
+    return dot_d(c->out, c->R, (size_t)c->N * c->C);
+}
+
+static void test_rmsnorm(void) {
+    printf("rmsnorm\n");
+    // N C: one channel, odd C, two channel blocks with a ragged end, GPT-2's C
+    int shapes[][2] = {{1, 1}, {1, 7}, {5, 33}, {3, 16}, {7, 130}, {64, 768}};
+    for (int s = 0; s < 6; s++) {
+        int N = shapes[s][0], C = shapes[s][1];
+        size_t n = (size_t)N * C;
+        float eps = 1e-5f;
+        float *inp = frand(n, 161, 2.0f), *w = frand(C, 162, 1.0f), *dout = frand(n, 163, 1.0f);
+        float *out_r = fnan(n), *rstd_r = fnan(N), *out_f = fnan(n), *rstd_f = fnan(N);
+        float *out_f2 = fnan(n), *rstd_f2 = fnan(N);
+        float *dinp_r = frand(n, 164, 1.0f), *dw_r = frand(C, 165, 1.0f);
+        float *dinp_f = fcopy(dinp_r, n), *dw_f = fcopy(dw_r, C);
+        float *dinp_f2 = fcopy(dinp_r, n), *dw_f2 = fcopy(dw_r, C);
+        rmsnorm_forward_ref(out_r, rstd_r, inp, w, N, C, eps);
+        rmsnorm_forward_f32(out_f, rstd_f, inp, w, N, C, eps);
+        rmsnorm_forward_f32(out_f2, rstd_f2, inp, w, N, C, eps);
+        rmsnorm_backward_ref(dinp_r, dw_r, dout, inp, w, rstd_r, N, C);
+        rmsnorm_backward_f32(dinp_f, dw_f, dout, inp, w, rstd_f, N, C);
+        rmsnorm_backward_f32(dinp_f2, dw_f2, dout, inp, w, rstd_f, N, C);
+        // as layernorm: C-term sums per row, N-term sums for the weight
+        t_close(nm("rms N%d C%d out", N, C), out_f, out_r, n, sum_tol(C), REF_RTOL);
+        t_close(nm("rms N%d C%d rstd", N, C), rstd_f, rstd_r, N, sum_tol(C), REF_RTOL);
+        t_close(nm("rms N%d C%d dinp", N, C), dinp_f, dinp_r, n, sum_tol(C), REF_RTOL);
+        t_close(nm("rms N%d C%d dweight", N, C), dw_f, dw_r, C, sum_tol(N), REF_RTOL);
+        same_bits("rms out", out_f, out_f2, n);
+        same_bits("rms rstd", rstd_f, rstd_f2, N);
+        same_bits("rms dinp", dinp_f, dinp_f2, n);
+        same_bits("rms dweight", dw_f, dw_f2, C);
+        free(inp), free(w), free(dout), free(out_r), free(rstd_r), free(out_f), free(rstd_f);
+        free(out_f2), free(rstd_f2), free(dinp_r), free(dw_r), free(dinp_f), free(dw_f);
+        free(dinp_f2), free(dw_f2);
+    }
+
+    // N, C, input scale, eps: the tiny scale gives mean(x^2) ~ 1e-5, where
+    // a wrong or missing eps shows; LLaMA uses eps 1e-5 and 1e-6
+    struct {
+        int N, C;
+        float scale, eps;
+    } gshapes[] = {{3, 7, 2.0f, 1e-5f}, {2, 33, 2.0f, 1e-6f}, {2, 16, 0.005f, 1e-5f}};
+    for (int s = 0; s < 3; s++) {
+        int N = gshapes[s].N, C = gshapes[s].C;
+        float sc = gshapes[s].scale, eps = gshapes[s].eps;
+        size_t n = (size_t)N * C;
+        float *inp = frand(n, 171, sc), *w = frand(C, 172, 1.0f), *R = frand(n, 173, 1.0f);
+        rms_ctx ctx = {dcopy(inp, n), dcopy(w, C), dcopy(R, n), malloc(n * 8), N, C, eps};
+        double *g_inp = numgrad(ctx.inp, n, rms_loss, &ctx);
+        double *g_w = numgrad(ctx.w, C, rms_loss, &ctx);
+        rmsnorm_fwd_d(ctx.out, ctx.inp, ctx.w, N, C, eps);
+        for (int fast = 0; fast < 2; fast++) {
+            const char *v = fast ? "fast" : "ref";
+            float *out = fnan(n), *rstd = fnan(N);
+            float *dinp0 = frand(n, 174, 1.0f), *dw0 = frand(C, 175, 1.0f);
+            float *dinp = fcopy(dinp0, n), *dw = fcopy(dw0, C);
+            (fast ? rmsnorm_forward_f32 : rmsnorm_forward_ref)(out, rstd, inp, w, N, C, eps);
+            (fast ? rmsnorm_backward_f32 : rmsnorm_backward_ref)(dinp, dw, R, inp, w, rstd, N, C);
+            check_fwd(nm("rms %s C%d s%g out vs double", v, C, sc), out, ctx.out, n);
+            check_grad(nm("rms %s C%d s%g dinp vs numeric", v, C, sc), dinp, dinp0, g_inp, n);
+            check_grad(nm("rms %s C%d s%g dweight vs numeric", v, C, sc), dw, dw0, g_w, C);
+            free(out), free(rstd), free(dinp0), free(dw0), free(dinp), free(dw);
+        }
+        free(inp), free(w), free(R), free(g_inp), free(g_w), free(ctx.inp), free(ctx.w);
+        free(ctx.R), free(ctx.out);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// rope
+
+// B T NH NKV HS: HS=2, one position; GQA; NKV=1; MHA with odd head count;
+// LLaMA's head size
+static const int ROPE_SHAPES[][5] = {
+    {1, 1, 1, 1, 2}, {2, 7, 4, 2, 8}, {1, 7, 4, 1, 8}, {3, 13, 3, 3, 6}, {2, 33, 8, 2, 128}};
+enum { N_ROPE_SHAPES = sizeof ROPE_SHAPES / sizeof ROPE_SHAPES[0] };
+
+typedef struct {
+    double *qkv, *R, *out;
+    const float *cs;
+    int B, T, NH, NKV, HS;
+} rope_ctx;
+
+// the rotation in double, with the table's (float) cos and sin
+static void rope_fwd_d(double *out, const double *qkv, const float *cs, int B, int T, int NH,
+                       int NKV, int HS) {
+    int W = qkv_width(NH, NKV, HS), h = HS / 2;
+    size_t n = (size_t)B * T * W;
+    memcpy(out, qkv, n * sizeof *out);
+    for (int bt = 0; bt < B * T; bt++)
+        for (int hd = 0; hd < NH + NKV; hd++) {
+            const double *x = qkv + (size_t)bt * W + (size_t)hd * HS;
+            double *y = out + (size_t)bt * W + (size_t)hd * HS;
+            for (int i = 0; i < h; i++) {
+                double c = cs[((size_t)(bt % T) * h + i) * 2],
+                       s = cs[((size_t)(bt % T) * h + i) * 2 + 1];
+                y[i] = x[i] * c - x[i + h] * s;
+                y[i + h] = x[i + h] * c + x[i] * s;
+            }
+        }
+}
+
+static double rope_loss(const void *p) {
+    const rope_ctx *c = p;
+    rope_fwd_d(c->out, c->qkv, c->cs, c->B, c->T, c->NH, c->NKV, c->HS);
+    return dot_d(c->out, c->R, (size_t)c->B * c->T * qkv_width(c->NH, c->NKV, c->HS));
+}
+
+static float *rope_table_new(int T, int HS, float theta) {
+    float *cs = fnan((size_t)T * HS);
+    rope_table(cs, T, HS, theta);
+    return cs;
+}
+
+static void rope_odd_hs(void *arg) {
+    (void)arg;
+    float cs[6];
+    rope_table(cs, 1, 3, 10000.0f);
+}
+
+static void test_rope(void) {
+    printf("rope\n");
+    // The table: t = 0 is exactly {1, 0}; column 0 (inv_freq = 1) is cos t
+    // and sin t correctly rounded; every entry is within float rounding of
+    // the angle's (t * inv_freq rounded to float: |t| 2^-24 relative) of the
+    // exact cos and sin of t theta^(-2i/HS)
+    for (int th = 0; th < 2; th++) {
+        int T = 300, HS = 128, h = HS / 2;
+        double theta = th ? 500000.0 : 10000.0; // LLaMA 2, LLaMA 3
+        float *cs = rope_table_new(T, HS, (float)theta);
+        int t0_ok = 1, col0_ok = 1;
+        for (int i = 0; i < h; i++) t0_ok &= cs[2 * i] == 1.0f && cs[2 * i + 1] == 0.0f;
+        for (int t = 0; t < T; t++)
+            col0_ok &=
+                cs[(size_t)t * HS] == (float)cos(t) && cs[(size_t)t * HS + 1] == (float)sin(t);
+        t_check(t0_ok, "rope table theta %g: t = 0 must be cos 1, sin 0", theta);
+        t_check(col0_ok, "rope table theta %g: column 0 must be cos t, sin t", theta);
+        double *want = malloc((size_t)T * HS * sizeof *want), *got = dcopy(cs, (size_t)T * HS);
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < h; i++) {
+                double a = t * pow(theta, -2.0 * i / HS);
+                want[((size_t)t * h + i) * 2] = cos(a);
+                want[((size_t)t * h + i) * 2 + 1] = sin(a);
+            }
+        // the float32 angle t * inv_freq is off by <= t (3 u inv_freq +
+        // u e ln(theta) inv_freq) (the product, the division and pow
+        // rounded, and the exponent e = 2i/HS rounded), which is at most
+        // t (3 + 1/e_Euler) u = 6e-5 at t < 300; plus the final rounding
+        t_close_d(nm("rope table theta %g vs exact", theta), got, want, (size_t)T * HS, 1e-4, 0);
+        free(cs), free(want), free(got);
+    }
+    // a known value: HF's LlamaRotaryEmbedding (float32) for HS=8, theta
+    // 10000, t=3, i=1: inv_freq = 0.1, angle 0.3 (float), cos 0.95533649
+    {
+        float *cs = rope_table_new(4, 8, 10000.0f);
+        float want[2] = {(float)cos((double)(3.0f * (1.0f / (float)pow(10000.0, 0.25)))),
+                         (float)sin((double)(3.0f * (1.0f / (float)pow(10000.0, 0.25))))};
+        t_close("rope table HS8 t3 i1", cs + (3 * 4 + 1) * 2, want, 2, 0, 0);
+        t_check(fabs(cs[(3 * 4 + 1) * 2] - 0.95533649) < 1e-7, "rope cos(0.3) = %.9g",
+                cs[(3 * 4 + 1) * 2]);
+        free(cs);
+    }
+    t_dies("rope odd head size", rope_odd_hs, NULL, "assertion");
+
+    for (int s = 0; s < N_ROPE_SHAPES; s++) {
+        int B = ROPE_SHAPES[s][0], T = ROPE_SHAPES[s][1], NH = ROPE_SHAPES[s][2];
+        int NKV = ROPE_SHAPES[s][3], HS = ROPE_SHAPES[s][4], W = qkv_width(NH, NKV, HS);
+        size_t n = (size_t)B * T * W;
+        float *cs = rope_table_new(T, HS, 10000.0f);
+        float *x = frand(n, 181, 2.0f), *y_r = fcopy(x, n), *y_f = fcopy(x, n), *y_f2 = fcopy(x, n);
+        rope_forward_ref(y_r, cs, B, T, NH, NKV, HS);
+        rope_forward_f32(y_f, cs, B, T, NH, NKV, HS);
+        rope_forward_f32(y_f2, cs, B, T, NH, NKV, HS);
+        // each output is a*b - c*d with |values| <= 2: a few ulps of 4
+        t_close(nm("rope B%d T%d NH%d NKV%d HS%d fwd", B, T, NH, NKV, HS), y_f, y_r, n, 1e-6,
+                REF_RTOL);
+        same_bits("rope fwd", y_f, y_f2, n);
+        // v untouched (bit for bit); q and k changed where t > 0
+        int v_ok = 1, moved = 0;
+        for (int bt = 0; bt < B * T; bt++)
+            for (int j = 0; j < W; j++) {
+                size_t k = (size_t)bt * W + j;
+                if (j >= (NH + NKV) * HS)
+                    v_ok &= !memcmp(&y_f[k], &x[k], sizeof *x);
+                else
+                    moved += y_f[k] != x[k];
+            }
+        t_check(v_ok, "rope NH%d NKV%d HS%d: v heads must be untouched", NH, NKV, HS);
+        t_check(T == 1 || moved > 0, "rope NH%d NKV%d HS%d: q, k must be rotated", NH, NKV, HS);
+        // the backward of the forward is the identity (the rotation is
+        // orthogonal): back to x within a few ulps of |x| <= 2
+        float *g_r = fcopy(y_r, n), *g_f = fcopy(y_f, n), *g_f2 = fcopy(y_f, n);
+        rope_backward_ref(g_r, cs, B, T, NH, NKV, HS);
+        rope_backward_f32(g_f, cs, B, T, NH, NKV, HS);
+        rope_backward_f32(g_f2, cs, B, T, NH, NKV, HS);
+        t_close(nm("rope B%d T%d NH%d NKV%d HS%d bwd", B, T, NH, NKV, HS), g_f, g_r, n, 1e-6,
+                REF_RTOL);
+        same_bits("rope bwd", g_f, g_f2, n);
+        t_close(nm("rope B%d T%d NH%d NKV%d HS%d bwd(fwd(x)) = x", B, T, NH, NKV, HS), g_f, x, n,
+                2e-6, 0);
+        t_close(nm("rope ref B%d T%d NH%d NKV%d HS%d bwd(fwd(x)) = x", B, T, NH, NKV, HS), g_r, x,
+                n, 2e-6, 0);
+        free(cs), free(x), free(y_r), free(y_f), free(y_f2), free(g_r), free(g_f), free(g_f2);
+    }
+
+    // gradient check: the loss sum(rope(qkv) * R); rope_backward turns dout
+    // = R, in place, into the gradient (it overwrites: no prefill)
+    int gshapes[][5] = {{2, 7, 4, 2, 8}, {1, 7, 4, 1, 8}, {1, 5, 3, 3, 6}};
+    for (int s = 0; s < 3; s++) {
+        int B = gshapes[s][0], T = gshapes[s][1], NH = gshapes[s][2], NKV = gshapes[s][3];
+        int HS = gshapes[s][4], W = qkv_width(NH, NKV, HS);
+        size_t n = (size_t)B * T * W;
+        float *cs = rope_table_new(T, HS, 10000.0f);
+        float *x = frand(n, 191, 2.0f), *R = frand(n, 192, 1.0f);
+        rope_ctx ctx = {dcopy(x, n), dcopy(R, n), malloc(n * 8), cs, B, T, NH, NKV, HS};
+        double *g = numgrad(ctx.qkv, n, rope_loss, &ctx);
+        rope_fwd_d(ctx.out, ctx.qkv, cs, B, T, NH, NKV, HS);
+        float *zero = calloc(n, sizeof *zero);
+        for (int fast = 0; fast < 2; fast++) {
+            const char *v = fast ? "fast" : "ref";
+            float *y = fcopy(x, n), *d = fcopy(R, n);
+            (fast ? rope_forward_f32 : rope_forward_ref)(y, cs, B, T, NH, NKV, HS);
+            (fast ? rope_backward_f32 : rope_backward_ref)(d, cs, B, T, NH, NKV, HS);
+            check_fwd(nm("rope %s NH%d NKV%d out vs double", v, NH, NKV), y, ctx.out, n);
+            check_grad(nm("rope %s NH%d NKV%d dqkv vs numeric", v, NH, NKV), d, zero, g, n);
+            free(y), free(d);
+        }
+        free(cs), free(x), free(R), free(g), free(zero), free(ctx.qkv), free(ctx.R), free(ctx.out);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// swiglu
+
+typedef struct {
+    double *inp, *R, *out;
+    int N, IC;
+} swiglu_ctx;
+
+static void swiglu_fwd_d(double *out, const double *inp, int N, int IC) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < IC; i++) {
+            double g = inp[(size_t)n * 2 * IC + i], u = inp[(size_t)n * 2 * IC + IC + i];
+            out[(size_t)n * IC + i] = g / (1.0 + exp(-g)) * u;
+        }
+}
+
+static double swiglu_loss(const void *p) {
+    const swiglu_ctx *c = p;
+    swiglu_fwd_d(c->out, c->inp, c->N, c->IC);
+    return dot_d(c->out, c->R, (size_t)c->N * c->IC);
+}
+
+static void test_swiglu(void) {
+    printf("swiglu\n");
+    // N IC: single value, odd IC, a row over two chunks of 1024 columns, many rows
+    int shapes[][2] = {{1, 1}, {1, 7}, {5, 33}, {3, 1030}, {64, 300}};
+    for (int s = 0; s < 5; s++) {
+        int N = shapes[s][0], IC = shapes[s][1];
+        size_t ni = (size_t)N * 2 * IC, no = (size_t)N * IC;
+        float *inp = frand(ni, 201, 6.0f), *dout = frand(no, 202, 1.0f);
+        float *out_r = fnan(no), *out_f = fnan(no), *out_f2 = fnan(no);
+        float *dx_r = frand(ni, 203, 1.0f), *dx_f = fcopy(dx_r, ni), *dx_f2 = fcopy(dx_r, ni);
+        swiglu_forward_ref(out_r, inp, N, IC);
+        swiglu_forward_f32(out_f, inp, N, IC);
+        swiglu_forward_f32(out_f2, inp, N, IC);
+        swiglu_backward_ref(dx_r, inp, dout, N, IC);
+        swiglu_backward_f32(dx_f, inp, dout, N, IC);
+        swiglu_backward_f32(dx_f2, inp, dout, N, IC);
+        // elementwise, a few roundings of values <= 36: 1e-6 + 1e-5 relative
+        t_close(nm("swiglu N%d IC%d out", N, IC), out_f, out_r, no, 1e-6, REF_RTOL);
+        t_close(nm("swiglu N%d IC%d dinp", N, IC), dx_f, dx_r, ni, 1e-6, REF_RTOL);
+        same_bits("swiglu out", out_f, out_f2, no);
+        same_bits("swiglu dinp", dx_f, dx_f2, ni);
+        free(inp), free(dout), free(out_r), free(out_f), free(out_f2), free(dx_r), free(dx_f);
+        free(dx_f2);
+    }
+
+    // gates in the tails, zeros and a denormal (up = 1, dout = 1): finite,
+    // both versions agree, and silu's limits hold: silu(x) -> x for large x,
+    // -> -0 or a tiny negative value for very negative x
+    enum { NX = 20 };
+    float gs[NX] = {0.0f,  -0.0f, 1e-30f, -1e-30f, 1e-40f, 0.5f,   -0.5f,   3.0f, -3.0f, 5.0f,
+                    -5.0f, 9.5f,  -9.5f,  20.0f,   -20.0f, 100.0f, -100.0f, 1e4f, -1e4f, 3e12f};
+    float in[2 * NX], ones[NX], out_r[NX], out_f[NX], dx_r[2 * NX] = {0}, dx_f[2 * NX] = {0};
+    for (int i = 0; i < NX; i++) in[i] = gs[i], in[NX + i] = 1.0f, ones[i] = 1.0f;
+    swiglu_forward_ref(out_r, in, 1, NX);
+    swiglu_forward_f32(out_f, in, 1, NX);
+    swiglu_backward_ref(dx_r, in, ones, 1, NX);
+    swiglu_backward_f32(dx_f, in, ones, 1, NX);
+    t_close("swiglu special out", out_f, out_r, NX, 1e-6, REF_RTOL);
+    t_close("swiglu special dinp", dx_f, dx_r, 2 * NX, 1e-6, REF_RTOL);
+    int lim_ok = 1;
+    for (int i = 0; i < NX; i++) {
+        double g = gs[i], want = g > 0 ? g / (1.0 + exp(-g)) : g * exp(g) / (1.0 + exp(g));
+        double dwant = g > 50    ? 1.0
+                       : g < -50 ? 0.0
+                                 : 1.0 / (1.0 + exp(-g)) * (1.0 + g / (1.0 + exp(g)));
+        lim_ok &= isfinite(out_f[i]) && isfinite(dx_f[i]) && isfinite(dx_f[NX + i]);
+        lim_ok &= fabs(out_f[i] - want) <= 1e-6 * fabs(want) + 1e-37;
+        lim_ok &=
+            fabs(dx_f[i] - dwant) <= 1e-6 && fabs(dx_f[NX + i] - want) <= 1e-6 * fabs(want) + 1e-37;
+    }
+    t_check(lim_ok, "swiglu special values: silu and its derivative in the tails");
+
+    // |gate| up to 5 reaches into the tails
+    int N = 3, IC = 7;
+    size_t ni = (size_t)N * 2 * IC, no = (size_t)N * IC;
+    float *inp = frand(ni, 211, 5.0f), *R = frand(no, 212, 1.0f);
+    swiglu_ctx ctx = {dcopy(inp, ni), dcopy(R, no), malloc(no * 8), N, IC};
+    double *g = numgrad(ctx.inp, ni, swiglu_loss, &ctx);
+    swiglu_loss(&ctx);
+    for (int fast = 0; fast < 2; fast++) {
+        const char *v = fast ? "fast" : "ref";
+        float *out = fnan(no), *dx0 = frand(ni, 213, 1.0f), *dx = fcopy(dx0, ni);
+        (fast ? swiglu_forward_f32 : swiglu_forward_ref)(out, inp, N, IC);
+        (fast ? swiglu_backward_f32 : swiglu_backward_ref)(dx, inp, R, N, IC);
+        check_fwd(nm("swiglu %s out vs double", v), out, ctx.out, no);
+        check_grad(nm("swiglu %s dinp vs numeric", v), dx, dx0, g, ni);
+        free(out), free(dx0), free(dx);
+    }
+    free(inp), free(R), free(g), free(ctx.inp), free(ctx.R), free(ctx.out);
+}
+
+// ----------------------------------------------------------------------------
 // bf16 and fp16
 //
 // Each fast kernel runs in bf16 and in fp16 against its fp32 _ref. Random
@@ -1053,39 +1447,45 @@ static void test_matmul_lp(fl_dtype dt) {
 }
 
 static void test_attention_lp(fl_dtype dt) {
-    int shapes[][4] = {{1, 1, 3, 1}, {2, 5, 15, 3}, {1, 7, 6, 6}, {2, 65, 12, 2}, {2, 150, 48, 4}};
-    for (int s = 0; s < 5; s++) {
-        int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], NH = shapes[s][3], HS = C / NH;
-        size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    // the shapes of test_attention but the longest ones
+    for (int s = 0; s < N_ATT_SHAPES; s++) {
+        int B = ATT_SHAPES[s][0], T = ATT_SHAPES[s][1], NH = ATT_SHAPES[s][2];
+        int NKV = ATT_SHAPES[s][3], HS = ATT_SHAPES[s][4], group = NH / NKV;
+        if (T > 200) continue;
+        size_t nqkv = (size_t)B * T * qkv_width(NH, NKV, HS), no = (size_t)B * T * NH * HS;
+        size_t nl = (size_t)B * NH * T;
         float *qkv = frand_dt(dt, nqkv, 71, 2.0f), *dout = frand_dt(dt, no, 72, 1.0f);
         float *dqkv = frand_dt(dt, nqkv, 73, 1.0f), *prefill = fcopy(dqkv, nqkv), *out = fnan(no);
-        float *lse_r = fnan(nl), *lse = fnan(nl), *lse2 = fnan(nl), *ws = att_workspace(dt, T, HS);
+        float *lse_r = fnan(nl), *lse = fnan(nl), *lse2 = fnan(nl);
+        float *ws = att_workspace(dt, T, HS, group);
         void *qkv_h = to_dt(dt, qkv, nqkv), *dout_h = to_dt(dt, dout, no);
         void *out_h = nan_dt(dt, no), *out_h2 = nan_dt(dt, no);
         void *dqkv_h = to_dt(dt, dqkv, nqkv), *dqkv_h2 = copy_dt(dt, dqkv_h, nqkv);
-        attention_forward_ref(out, lse_r, qkv, B, T, C, NH);
-        attention_forward(dt, out_h, lse, qkv_h, ws, B, T, C, NH);
-        attention_forward(dt, out_h2, lse2, qkv_h, ws, B, T, C, NH);
-        attention_backward_ref(dqkv, dout, qkv, out, lse_r, B, T, C, NH);
-        attention_backward(dt, dqkv_h, dout_h, qkv_h, out_h, lse, ws, B, T, C, NH);
-        attention_backward(dt, dqkv_h2, dout_h, qkv_h, out_h, lse, ws, B, T, C, NH);
+        attention_forward_ref(out, lse_r, qkv, B, T, NH, NKV, HS);
+        attention_forward(dt, out_h, lse, qkv_h, ws, B, T, NH, NKV, HS);
+        attention_forward(dt, out_h2, lse2, qkv_h, ws, B, T, NH, NKV, HS);
+        attention_backward_ref(dqkv, dout, qkv, out, lse_r, B, T, NH, NKV, HS);
+        attention_backward(dt, dqkv_h, dout_h, qkv_h, out_h, lse, ws, B, T, NH, NKV, HS);
+        attention_backward(dt, dqkv_h2, dout_h, qkv_h, out_h, lse, ws, B, T, NH, NKV, HS);
         double tol = sum_tol(T + HS);
-        check_lp(nm("att B%d T%d C%d NH%d out", B, T, C, NH), dt, out_h, out, no, tol, REF_RTOL);
-        t_close(nm("%s att B%d T%d C%d NH%d lse", fl_dtype_name(dt), B, T, C, NH), lse, lse_r, nl,
-                tol, REF_RTOL);
+        check_lp(nm("att B%d T%d NH%d NKV%d HS%d out", B, T, NH, NKV, HS), dt, out_h, out, no, tol,
+                 REF_RTOL);
+        t_close(nm("%s att B%d T%d NH%d NKV%d HS%d lse", fl_dtype_name(dt), B, T, NH, NKV, HS), lse,
+                lse_r, nl, tol, REF_RTOL);
         // The backward reads out as stored, rounded, in D_i = dO_i . o_i
         // (_ref sums P dP instead), and dS_ij = P_ij (dP_ij - D_i) passes
         // D's error of ~u |dO| |o| on to every gradient: ~u times the
         // gradient's scale M (its largest contribution), not u times each
         // element (observed <= 0.65 u M; the fp32 kernel fed the same rounded
-        // out agrees with this one to the fp32 tolerance).
+        // out agrees with this one to the fp32 tolerance). A kv head's dk
+        // and dv gather that from each of the group's query heads.
         double M = 0.0;
         for (size_t i = 0; i < nqkv; i++) M = fmax(M, fabs(dqkv[i] - prefill[i]));
-        check_lp(nm("att B%d T%d C%d NH%d dqkv", B, T, C, NH), dt, dqkv_h, dqkv, nqkv,
-                 4 * tol + unit_roundoff(dt) * M, REF_RTOL);
+        check_lp(nm("att B%d T%d NH%d NKV%d HS%d dqkv", B, T, NH, NKV, HS), dt, dqkv_h, dqkv, nqkv,
+                 4 * sum_tol(group * T + HS) + group * unit_roundoff(dt) * M, REF_RTOL);
         same_bytes("att out", dt, out_h, out_h2, no);
         same_bits("att lse", lse, lse2, nl);
-        same_bytes("att dqkv", dt, dqkv_h, dqkv_h2, nqkv);
+        same_bytes(nm("att NH%d NKV%d dqkv", NH, NKV), dt, dqkv_h, dqkv_h2, nqkv);
         free(qkv), free(dout), free(dqkv), free(prefill), free(out), free(lse_r), free(lse);
         free(lse2), free(ws), free(qkv_h), free(dout_h), free(out_h), free(out_h2), free(dqkv_h);
         free(dqkv_h2);
@@ -1254,23 +1654,129 @@ static void test_rounding_once(fl_dtype dt) {
     // 4.7u from the first block, under half an ulp from each later one. Not
     // exact (1/(i+1)), hence the tolerance check, which rounding per block
     // would fail by 1.1u (about 2x the tolerance).
-    {
-        int B = 1, T = 200, C = 4, NH = 1;
-        size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
-        float *qkv = frand_dt(dt, nqkv, 151, 1.0f), *dout = fconst(no, u);
+    // Then GQA, 4 query heads on one kv head, one row block, dout = u/4:
+    // each head adds u/4 H_8 = 0.68u to dv_0, under half an ulp, 2.7u in
+    // all; rounding per query head would fail by 2.7u.
+    int cases[2][6] = {{1, 200, 1, 1, 4, 1}, {1, 8, 4, 1, 4, 4}}; // B T NH NKV HS, dout = u/x
+    for (int c = 0; c < 2; c++) {
+        int B = cases[c][0], T = cases[c][1], NH = cases[c][2], NKV = cases[c][3];
+        int HS = cases[c][4], W = qkv_width(NH, NKV, HS);
+        size_t nqkv = (size_t)B * T * W, no = (size_t)B * T * NH * HS, nl = (size_t)B * NH * T;
+        float *qkv = frand_dt(dt, nqkv, 151, 1.0f), *dout = fconst(no, u / cases[c][5]);
         float *dqkv = fconst(nqkv, 1.0), *out = fnan(no), *lse = fnan(nl), *lse_r = fnan(nl);
-        float *ws = att_workspace(dt, T, C / NH);
+        float *ws = att_workspace(dt, T, HS, NH / NKV);
         for (int t = 0; t < T; t++)
-            for (int c = 0; c < 2 * C; c++) qkv[(size_t)t * 3 * C + c] = 0.0f; // q, k
+            for (int j = 0; j < (NH + NKV) * HS; j++) qkv[(size_t)t * W + j] = 0.0f; // q, k
         void *qkv_h = to_dt(dt, qkv, nqkv), *dout_h = to_dt(dt, dout, no);
         void *dqkv_h = to_dt(dt, dqkv, nqkv), *out_h = nan_dt(dt, no);
-        attention_forward_ref(out, lse_r, qkv, B, T, C, NH);
-        attention_backward_ref(dqkv, dout, qkv, out, lse_r, B, T, C, NH);
-        attention_forward(dt, out_h, lse, qkv_h, ws, B, T, C, NH);
-        attention_backward(dt, dqkv_h, dout_h, qkv_h, out_h, lse, ws, B, T, C, NH);
-        check_lp("once: att dqkv", dt, dqkv_h, dqkv, nqkv, 1e-6, REF_RTOL);
+        attention_forward_ref(out, lse_r, qkv, B, T, NH, NKV, HS);
+        attention_backward_ref(dqkv, dout, qkv, out, lse_r, B, T, NH, NKV, HS);
+        attention_forward(dt, out_h, lse, qkv_h, ws, B, T, NH, NKV, HS);
+        attention_backward(dt, dqkv_h, dout_h, qkv_h, out_h, lse, ws, B, T, NH, NKV, HS);
+        check_lp(nm("once: att NH%d NKV%d dqkv", NH, NKV), dt, dqkv_h, dqkv, nqkv, 1e-6, REF_RTOL);
         free(qkv), free(dout), free(dqkv), free(out), free(lse), free(lse_r), free(ws);
         free(qkv_h), free(dout_h), free(dqkv_h), free(out_h);
+    }
+}
+
+static void test_rmsnorm_lp(fl_dtype dt) {
+    int shapes[][2] = {{1, 1}, {1, 7}, {5, 33}, {7, 130}, {64, 768}}; // N C
+    for (int s = 0; s < 5; s++) {
+        int N = shapes[s][0], C = shapes[s][1];
+        size_t n = (size_t)N * C;
+        float *inp = frand_dt(dt, n, 161, 2.0f), *w = frand_dt(dt, C, 162, 1.0f);
+        float *dout = frand_dt(dt, n, 163, 1.0f), *dinp = frand_dt(dt, n, 164, 1.0f);
+        float *dw = frand_dt(dt, C, 165, 1.0f), *out = fnan(n), *rstd_r = fnan(N);
+        float *rstd = fnan(N), *rstd2 = fnan(N);
+        void *inp_h = to_dt(dt, inp, n), *w_h = to_dt(dt, w, C), *dout_h = to_dt(dt, dout, n);
+        void *out_h = nan_dt(dt, n), *out_h2 = nan_dt(dt, n);
+        void *dinp_h = to_dt(dt, dinp, n), *dw_h = to_dt(dt, dw, C);
+        void *dinp_h2 = copy_dt(dt, dinp_h, n), *dw_h2 = copy_dt(dt, dw_h, C);
+        rmsnorm_forward_ref(out, rstd_r, inp, w, N, C, 1e-5f);
+        rmsnorm_forward(dt, out_h, rstd, inp_h, w_h, N, C, 1e-5f);
+        rmsnorm_forward(dt, out_h2, rstd2, inp_h, w_h, N, C, 1e-5f);
+        rmsnorm_backward_ref(dinp, dw, dout, inp, w, rstd_r, N, C);
+        rmsnorm_backward(dt, dinp_h, dw_h, dout_h, inp_h, w_h, rstd, N, C);
+        rmsnorm_backward(dt, dinp_h2, dw_h2, dout_h, inp_h, w_h, rstd, N, C);
+        check_lp(nm("rms N%d C%d out", N, C), dt, out_h, out, n, sum_tol(C), REF_RTOL);
+        t_close(nm("%s rms N%d C%d rstd", fl_dtype_name(dt), N, C), rstd, rstd_r, N, sum_tol(C),
+                REF_RTOL); // fp32
+        check_lp(nm("rms N%d C%d dinp", N, C), dt, dinp_h, dinp, n, sum_tol(C), REF_RTOL);
+        check_lp(nm("rms N%d C%d dweight", N, C), dt, dw_h, dw, C, sum_tol(N), REF_RTOL);
+        same_bytes("rms out", dt, out_h, out_h2, n);
+        same_bits("rms rstd", rstd, rstd2, N);
+        same_bytes("rms dinp", dt, dinp_h, dinp_h2, n);
+        same_bytes("rms dweight", dt, dw_h, dw_h2, C);
+        free(inp), free(w), free(dout), free(dinp), free(dw), free(out), free(rstd_r), free(rstd);
+        free(rstd2), free(inp_h), free(w_h), free(dout_h), free(out_h), free(out_h2);
+        free(dinp_h), free(dw_h), free(dinp_h2), free(dw_h2);
+    }
+    // dweight is rounded once per call: 64 rows of x = 1, w = 1, dout = u/2
+    // (rstd ~ 1 - eps/2, so each term is ~u/2, under half an ulp of 1)
+    int N = 64, C = 7;
+    size_t n = (size_t)N * C;
+    double u = unit_roundoff(dt);
+    float *inp = fconst(n, 1.0), *w = fconst(C, 1.0), *dout = fconst(n, u / 2);
+    float *out = fnan(n), *rstd = fnan(N), *dinp = fconst(n, 0.0), *dw = fconst(C, 1.0);
+    void *inp_h = to_dt(dt, inp, n), *w_h = to_dt(dt, w, C), *dout_h = to_dt(dt, dout, n);
+    void *dinp_h = to_dt(dt, dinp, n), *dw_h = to_dt(dt, dw, C);
+    rmsnorm_forward_ref(out, rstd, inp, w, N, C, 1e-5f);
+    rmsnorm_backward_ref(dinp, dw, dout, inp, w, rstd, N, C);
+    rmsnorm_backward(dt, dinp_h, dw_h, dout_h, inp_h, w_h, rstd, N, C);
+    check_lp("once: rms dweight", dt, dw_h, dw, C, 1e-6, REF_RTOL);
+    free(inp), free(w), free(dout), free(out), free(rstd), free(dinp), free(dw), free(inp_h);
+    free(w_h), free(dout_h), free(dinp_h), free(dw_h);
+}
+
+static void test_rope_lp(fl_dtype dt) {
+    for (int s = 0; s < N_ROPE_SHAPES; s++) {
+        int B = ROPE_SHAPES[s][0], T = ROPE_SHAPES[s][1], NH = ROPE_SHAPES[s][2];
+        int NKV = ROPE_SHAPES[s][3], HS = ROPE_SHAPES[s][4];
+        size_t n = (size_t)B * T * qkv_width(NH, NKV, HS);
+        float *cs = rope_table_new(T, HS, 10000.0f);
+        float *x = frand_dt(dt, n, 181, 2.0f), *y = fcopy(x, n);
+        void *x_h = to_dt(dt, x, n), *y_h = copy_dt(dt, x_h, n), *y_h2 = copy_dt(dt, x_h, n);
+        rope_forward_ref(y, cs, B, T, NH, NKV, HS);
+        rope_forward(dt, y_h, cs, B, T, NH, NKV, HS);
+        rope_forward(dt, y_h2, cs, B, T, NH, NKV, HS);
+        check_lp(nm("rope B%d T%d NH%d NKV%d HS%d fwd", B, T, NH, NKV, HS), dt, y_h, y, n, 1e-6,
+                 REF_RTOL);
+        same_bytes("rope fwd", dt, y_h, y_h2, n);
+        // the backward on the same (16-bit) gradient
+        float *g = to_f32(dt, y_h, n);
+        rope_backward_ref(g, cs, B, T, NH, NKV, HS);
+        rope_backward(dt, y_h, cs, B, T, NH, NKV, HS);
+        check_lp(nm("rope B%d T%d NH%d NKV%d HS%d bwd", B, T, NH, NKV, HS), dt, y_h, g, n, 1e-6,
+                 REF_RTOL);
+        // each pass rounds once: back to x within 2 u |x| + fp32 rounding
+        float *back = to_f32(dt, y_h, n);
+        t_close(nm("%s rope bwd(fwd(x)) = x", fl_dtype_name(dt)), back, x, n,
+                2 * 2 * unit_roundoff(dt) * 2.0, 0);
+        free(cs), free(x), free(y), free(x_h), free(y_h), free(y_h2), free(g), free(back);
+    }
+}
+
+static void test_swiglu_lp(fl_dtype dt) {
+    int shapes[][2] = {{1, 1}, {1, 7}, {5, 33}, {3, 1030}, {64, 300}}; // N IC
+    for (int s = 0; s < 5; s++) {
+        int N = shapes[s][0], IC = shapes[s][1];
+        size_t ni = (size_t)N * 2 * IC, no = (size_t)N * IC;
+        float *inp = frand_dt(dt, ni, 201, 6.0f), *dout = frand_dt(dt, no, 202, 1.0f);
+        float *dx = frand_dt(dt, ni, 203, 1.0f), *out = fnan(no);
+        void *inp_h = to_dt(dt, inp, ni), *dout_h = to_dt(dt, dout, no), *out_h = nan_dt(dt, no);
+        void *out_h2 = nan_dt(dt, no), *dx_h = to_dt(dt, dx, ni), *dx_h2 = copy_dt(dt, dx_h, ni);
+        swiglu_forward_ref(out, inp, N, IC);
+        swiglu_forward(dt, out_h, inp_h, N, IC);
+        swiglu_forward(dt, out_h2, inp_h, N, IC);
+        swiglu_backward_ref(dx, inp, dout, N, IC);
+        swiglu_backward(dt, dx_h, inp_h, dout_h, N, IC);
+        swiglu_backward(dt, dx_h2, inp_h, dout_h, N, IC);
+        check_lp(nm("swiglu N%d IC%d out", N, IC), dt, out_h, out, no, 1e-6, REF_RTOL);
+        check_lp(nm("swiglu N%d IC%d dinp", N, IC), dt, dx_h, dx, ni, 1e-6, REF_RTOL);
+        same_bytes("swiglu out", dt, out_h, out_h2, no);
+        same_bytes("swiglu dinp", dt, dx_h, dx_h2, ni);
+        free(inp), free(dout), free(dx), free(out), free(inp_h), free(dout_h), free(out_h);
+        free(out_h2), free(dx_h), free(dx_h2);
     }
 }
 
@@ -1286,6 +1792,9 @@ static void test_lowp(void) {
         test_residual_lp(dt);
         test_softmax_xent_lp(dt);
         test_rounding_once(dt);
+        test_rmsnorm_lp(dt);
+        test_rope_lp(dt);
+        test_swiglu_lp(dt);
     }
 }
 
@@ -1303,6 +1812,9 @@ static int run_all(const char *path) {
     test_gelu();
     test_residual();
     test_softmax_xent();
+    test_rmsnorm();
+    test_rope();
+    test_swiglu();
     test_lowp();
     return t_report();
 }

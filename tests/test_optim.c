@@ -3,6 +3,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fitlm/config.h"
@@ -14,6 +15,22 @@ static void make_table(fl_param_table *t) {
     size_t w[2] = {3, 5}, b[1] = {7};
     fl_params_add(t, "w", FL_PARAM_DECAY, 2, w);
     fl_params_add(t, "b", 0, 1, b);
+}
+
+// One step of a rule over the whole table, one update per row in table
+// order (what fl_optimizer_step does); p and g are the flat fp32 buffers.
+static void rule_step(fl_optim_rule *r, const fl_param_table *t, float *p, const float *g,
+                      float gscale, float lr) {
+    fl_optim_begin_step(r, lr);
+    for (int k = 0; k < t->count; k++) {
+        const fl_param_view *v = &t->views[k];
+        fl_update_args a = {.params = p + v->offset,
+                            .grads = g + v->offset,
+                            .grads_dtype = FL_F32,
+                            .grad_scale = gscale};
+        fl_optim_update(r, v, v->offset, v->numel, &a);
+    }
+    fl_optim_end_step(r);
 }
 
 static void test_adamw_matches_torch_rule(void) {
@@ -29,8 +46,7 @@ static void test_adamw_matches_torch_rule(void) {
     fl_adamw_init(&opt, n, (float)b1, (float)b2, (float)eps, (float)wd);
     for (int step = 1; step <= 5; step++) {
         t_fill(g, n, 100 + step, 0.5f);
-        fl_update_args a = {.params = p, .grads = g, .grads_dtype = FL_F32, .grad_scale = 1.0f};
-        fl_adamw_step(&opt, &t, &a, (float)lr);
+        rule_step(&opt.rule, &t, p, g, 1.0f, (float)lr);
         for (size_t i = 0; i < n; i++) { // torch.optim.AdamW, amsgrad=False
             if (i < 15) pd[i] *= 1.0 - lr * wd;
             m[i] = b1 * m[i] + (1 - b1) * g[i];
@@ -61,8 +77,7 @@ static void test_sgd_momentum_matches_torch_rule(void) {
     fl_sgd_init(&opt, n, (float)mu, (float)wd);
     for (int step = 1; step <= 4; step++) {
         t_fill(g, n, 200 + step, 0.5f);
-        fl_update_args a = {.params = p, .grads = g, .grads_dtype = FL_F32, .grad_scale = 1.0f};
-        fl_sgd_step(&opt, &t, &a, (float)lr);
+        rule_step(&opt.rule, &t, p, g, 1.0f, (float)lr);
         for (size_t i = 0; i < n; i++) { // torch.optim.SGD, dampening 0
             double d = g[i] + (i < 15 ? wd * pd[i] : 0.0);
             buf[i] = step == 1 ? d : mu * buf[i] + d;
@@ -81,8 +96,7 @@ static void test_sgd_momentum_matches_torch_rule(void) {
     t_fill(q, n, 3, 1.0f);
     t_fill(g, n, 4, 1.0f);
     for (size_t i = 0; i < n; i++) want_q[i] = q[i] - 0.5f * g[i];
-    fl_update_args a = {.params = q, .grads = g, .grads_dtype = FL_F32, .grad_scale = 1.0f};
-    fl_sgd_step(&plain, &t, &a, 0.5f);
+    rule_step(&plain.rule, &t, q, g, 1.0f, 0.5f);
     t_close("plain sgd step", q, want_q, n, 0, 0);
     fl_sgd_free(&plain);
     fl_params_free(&t);
@@ -278,6 +292,348 @@ static void stuck_scaler(void *arg) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// the rule interface by range
+
+// A model-sized table: rows of several update blocks (4096 elements), decayed
+// and not, with sizes that are no multiple of a block.
+static void make_big_table(fl_param_table *t) {
+    size_t wte[2] = {70, 100}, ln[1] = {100}, fc[2] = {100, 90}, b[1] = {90};
+    fl_params_add(t, "wte", FL_PARAM_DECAY, 2, wte);
+    fl_params_add(t, "ln", 0, 1, ln);
+    fl_params_add(t, "fc", FL_PARAM_DECAY, 2, fc);
+    fl_params_add(t, "b", 0, 1, b);
+}
+
+// A rule of either kind over [begin, end).
+typedef union {
+    fl_optim_rule rule;
+    fl_adamw adamw;
+    fl_sgd sgd;
+} any_rule;
+
+static fl_optim_rule *rule_init(any_rule *u, fl_optim_kind kind, size_t begin, size_t end) {
+    if (kind == FL_OPT_ADAMW) {
+        fl_adamw_init_range(&u->adamw, begin, end, 0.9f, 0.95f, 1e-8f, 0.1f);
+        return &u->adamw.rule;
+    }
+    fl_sgd_init_range(&u->sgd, begin, end, 0.9f, 0.01f);
+    return &u->sgd.rule;
+}
+
+// Bitwise equality of two rules' state over their common range.
+static int same_state(fl_optim_rule *a, fl_optim_rule *b) {
+    if (*fl_optim_step_count(a) != *fl_optim_step_count(b) ||
+        fl_optim_state_count(a) != fl_optim_state_count(b))
+        return 0;
+    size_t n = a->state_end - a->state_begin;
+    for (int k = 0; k < fl_optim_state_count(a); k++)
+        if (memcmp(fl_optim_state_ptr(a, k, a->state_begin),
+                   fl_optim_state_ptr(b, k, b->state_begin), n * sizeof(float)))
+            return 0;
+    return 1;
+}
+
+// One update of [offset, offset+count) of row v, on flat fp32 buffers.
+static void update_range(fl_optim_rule *r, const fl_param_view *v, size_t offset, size_t count,
+                         float *p, const float *g, float gscale) {
+    fl_update_args a = {
+        .params = p + offset, .grads = g + offset, .grads_dtype = FL_F32, .grad_scale = gscale};
+    fl_optim_update(r, v, offset, count, &a);
+}
+
+// Updating rows in reverse order, or each row as two ranges (the second
+// first, split inside an update block), gives the table-order step bitwise.
+static void test_ranges_match_whole_step(void) {
+    fl_param_table t = {0};
+    make_big_table(&t);
+    size_t n = t.numel;
+    float *p[3], *g = malloc(n * sizeof(float));
+    for (int kind = FL_OPT_ADAMW; kind <= FL_OPT_SGD; kind++) {
+        any_rule u[3];
+        fl_optim_rule *r[3];
+        for (int c = 0; c < 3; c++) {
+            p[c] = malloc(n * sizeof(float));
+            t_fill(p[c], n, 21, 1.0f);
+            r[c] = rule_init(&u[c], (fl_optim_kind)kind, 0, n);
+        }
+        for (int step = 1; step <= 3; step++) {
+            t_fill(g, n, 300 + step, 0.5f);
+            float lr = 1e-2f * step, gscale = 0.75f;
+            rule_step(r[0], &t, p[0], g, gscale, lr);
+            fl_optim_begin_step(r[1], lr);
+            for (int k = t.count - 1; k >= 0; k--)
+                update_range(r[1], &t.views[k], t.views[k].offset, t.views[k].numel, p[1], g,
+                             gscale);
+            fl_optim_end_step(r[1]);
+            fl_optim_begin_step(r[2], lr);
+            for (int k = 0; k < t.count; k++) {
+                const fl_param_view *v = &t.views[k];
+                size_t cut = v->numel * 2 / 5 + 1;
+                update_range(r[2], v, v->offset + cut, v->numel - cut, p[2], g, gscale);
+                update_range(r[2], v, v->offset, cut, p[2], g, gscale);
+            }
+            fl_optim_end_step(r[2]);
+        }
+        const char *name = kind == FL_OPT_ADAMW ? "adamw" : "sgd";
+        t_check(!memcmp(p[0], p[1], n * sizeof(float)) && same_state(r[0], r[1]),
+                "%s: rows in reverse order give the table-order step bitwise", name);
+        t_check(!memcmp(p[0], p[2], n * sizeof(float)) && same_state(r[0], r[2]),
+                "%s: rows split into two ranges give the table-order step bitwise", name);
+        for (int c = 0; c < 3; c++) {
+            fl_optim_free(r[c]);
+            free(p[c]);
+        }
+    }
+    free(g);
+    fl_params_free(&t);
+}
+
+// A model with a table and heap buffers of any dtype.
+typedef struct {
+    fl_param_table table;
+    fl_dtype dt;
+    void *params, *grads;
+} big_model;
+
+static void big_init(big_model *m, fl_dtype dt, unsigned seed) {
+    memset(m, 0, sizeof *m);
+    make_big_table(&m->table);
+    size_t n = m->table.numel;
+    m->dt = dt;
+    m->params = malloc(n * fl_dtype_size(dt));
+    m->grads = malloc(n * fl_dtype_size(dt));
+    float *p = malloc(n * sizeof(float));
+    t_fill(p, n, seed, 1.0f);
+    fl_convert(dt, m->params, FL_F32, p, n);
+    free(p);
+}
+
+static void big_free(big_model *m) {
+    free(m->params);
+    free(m->grads);
+    fl_params_free(&m->table);
+}
+
+// The micro-batches of one step, with gradients drawn from `seed` (times
+// the loss scale the optimizer asks for, as a real backward would be).
+static void big_micro_batches(fl_optimizer *o, big_model *m, unsigned seed) {
+    size_t n = m->table.numel;
+    float *g = malloc(n * sizeof(float));
+    for (int micro = 0; micro < o->cfg.grad_accum; micro++) {
+        fl_optimizer_zero_grad(o);
+        t_fill(g, n, seed + 17 * micro, 0.05f);
+        for (size_t i = 0; i < n; i++) g[i] *= fl_optimizer_loss_scale(o);
+        fl_accumulate_f32(m->dt, m->grads, g, n);
+        fl_optimizer_micro_done(o);
+    }
+    free(g);
+}
+
+// The pieces (begin_step, update_rows per row from per-row scratch
+// gradients in reverse order, end_step) give fl_optimizer_step bitwise.
+static void test_optimizer_pieces(void) {
+    big_model a, b;
+    big_init(&a, FL_BF16, 31);
+    big_init(&b, FL_BF16, 31);
+    size_t n = a.table.numel;
+    fl_optimizer oa, ob;
+    fl_optimizer_config cfg = adamw_config(2);
+    cfg.max_grad_norm = 0.5f; // clips
+    fl_optimizer_init(&oa, &cfg, &a.table, FL_BF16, a.params, a.grads);
+    fl_optimizer_init(&ob, &cfg, &b.table, FL_BF16, b.params, b.grads);
+    float *scratch = malloc(n * sizeof(float));
+    int clipped = 1;
+    for (int step = 0; step < 3; step++) {
+        big_micro_batches(&oa, &a, 40 + step);
+        big_micro_batches(&ob, &b, 40 + step);
+        fl_step_result r = fl_optimizer_step(&oa, 1e-2f);
+        float unscale = 1.0f / fl_optimizer_scale(&ob);
+        float norm = fl_grad_norm(FL_F32, ob.grad_accum, n) * unscale;
+        float coef = fl_clip_coef(norm, cfg.max_grad_norm);
+        clipped &= coef < 1.0f && norm == r.grad_norm;
+        fl_optimizer_begin_step(&ob, 1e-2f);
+        for (int k = b.table.count - 1; k >= 0; k--) {
+            const fl_param_view *v = &b.table.views[k];
+            memcpy(scratch, ob.grad_accum + v->offset, v->numel * sizeof(float));
+            fl_optimizer_update_rows(&ob, k, 1, scratch, FL_F32, unscale * coef);
+        }
+        fl_optimizer_end_step(&ob);
+    }
+    t_check(clipped, "the pieces see the step's norm, and it clips");
+    t_check(!memcmp(a.params, b.params, n * sizeof(uint16_t)) &&
+                !memcmp(oa.master, ob.master, n * sizeof(float)) && same_state(oa.rule, ob.rule) &&
+                ob.micro == 0,
+            "begin_step + update_rows (reverse order, scratch gradients) + end_step give "
+            "fl_optimizer_step bitwise");
+    free(scratch);
+    fl_optimizer_free(&oa);
+    fl_optimizer_free(&ob);
+    big_free(&a);
+    big_free(&b);
+}
+
+// Two optimizers over [0, k) and [k, n), k inside a row and an update block,
+// give the whole-table optimizer's weights, master and state exactly
+// (ZeRO-1's equivalence at the optimizer level).
+static void check_shards(fl_dtype dt, fl_optim_kind kind, int accum) {
+    big_model w, s[2];
+    big_init(&w, dt, 51);
+    for (int h = 0; h < 2; h++) big_init(&s[h], dt, 51);
+    size_t n = w.table.numel, k = w.table.views[2].offset + 4321, ds = fl_dtype_size(dt);
+    size_t lo[2] = {0, k}, hi[2] = {k, n};
+    fl_optimizer_config cfg = adamw_config(accum);
+    cfg.kind = kind;
+    cfg.momentum = 0.9f;
+    fl_optimizer ow, os[2];
+    fl_optimizer_init(&ow, &cfg, &w.table, dt, w.params, w.grads);
+    for (int h = 0; h < 2; h++)
+        fl_optimizer_init_range(&os[h], &cfg, &s[h].table, dt, s[h].params, s[h].grads, lo[h],
+                                hi[h]);
+    int same_norm = 1;
+    for (int step = 0; step < 3; step++) {
+        big_micro_batches(&ow, &w, 60 + step);
+        fl_step_result rw = fl_optimizer_step(&ow, 1e-2f);
+        for (int h = 0; h < 2; h++) {
+            big_micro_batches(&os[h], &s[h], 60 + step);
+            same_norm &= fl_optimizer_step(&os[h], 1e-2f).grad_norm == rw.grad_norm;
+        }
+    }
+    int params = 1, master = 1, state = 1;
+    for (int h = 0; h < 2; h++) {
+        fl_optim_rule *rw = ow.rule, *rs = os[h].rule;
+        size_t len = hi[h] - lo[h];
+        params &= !memcmp(fl_at(dt, w.params, lo[h]), fl_at(dt, s[h].params, lo[h]), len * ds);
+        if (dt != FL_F32) master &= !memcmp(ow.master + lo[h], os[h].master, len * sizeof(float));
+        state &= rs->state_begin == lo[h] && rs->state_end == hi[h] &&
+                 *fl_optim_step_count(rs) == *fl_optim_step_count(rw) &&
+                 fl_optim_state_count(rs) == fl_optim_state_count(rw);
+        for (int j = 0; j < fl_optim_state_count(rw); j++)
+            state &= !memcmp(fl_optim_state_ptr(rw, j, lo[h]), fl_optim_state_ptr(rs, j, lo[h]),
+                             len * sizeof(float));
+    }
+    const char *what = kind == FL_OPT_ADAMW ? "adamw" : "sgd+momentum";
+    t_check(same_norm, "%s %s: each shard sees the global norm", fl_dtype_name(dt), what);
+    t_check(params && master && state,
+            "%s %s: shards [0,k) + [k,n) give the whole table's weights%s and state bitwise",
+            fl_dtype_name(dt), what, dt != FL_F32 ? ", master" : "");
+    fl_optimizer_free(&ow);
+    for (int h = 0; h < 2; h++) {
+        fl_optimizer_free(&os[h]);
+        big_free(&s[h]);
+    }
+    big_free(&w);
+}
+
+static void test_shards_match_whole(void) {
+    check_shards(FL_BF16, FL_OPT_ADAMW, 2);
+    check_shards(FL_F16, FL_OPT_ADAMW, 1);
+    check_shards(FL_F32, FL_OPT_SGD, 1);
+
+    // a shard allocates master and state for its range only
+    big_model m;
+    big_init(&m, FL_BF16, 1);
+    fl_optimizer_config cfg = adamw_config(1);
+    size_t master0 = fl_mem_current(FL_MEM_MASTER), optim0 = fl_mem_current(FL_MEM_OPTIM);
+    fl_optimizer o;
+    fl_optimizer_init_range(&o, &cfg, &m.table, FL_BF16, m.params, m.grads, 1000, 3000);
+    t_check(fl_mem_current(FL_MEM_MASTER) - master0 == 2000 * sizeof(float) &&
+                fl_mem_current(FL_MEM_OPTIM) - optim0 == 2 * 2000 * sizeof(float),
+            "a shard's master and AdamW state cover its 2000 elements");
+    fl_optimizer_free(&o);
+    big_free(&m);
+}
+
+// Frozen rows keep their weights and their state stays zero, whatever
+// their gradient; the other rows train.
+static void test_frozen_rows(void) {
+    for (int kind = FL_OPT_ADAMW; kind <= FL_OPT_SGD; kind++) {
+        big_model m;
+        big_init(&m, FL_F32, 71);
+        fl_param_view *fz = &m.table.views[2];
+        fz->flags |= FL_PARAM_FROZEN;
+        size_t n = m.table.numel;
+        float *p0 = malloc(n * sizeof(float));
+        memcpy(p0, m.params, n * sizeof(float));
+        fl_optimizer_config cfg = adamw_config(1);
+        cfg.kind = (fl_optim_kind)kind;
+        cfg.momentum = 0.9f;
+        fl_optimizer o;
+        fl_optimizer_init(&o, &cfg, &m.table, FL_F32, m.params, m.grads);
+        for (int step = 0; step < 2; step++) {
+            big_micro_batches(&o, &m, 80 + step);
+            fl_optimizer_step(&o, 1e-2f);
+        }
+        const float *p = m.params;
+        int kept = !memcmp(p + fz->offset, p0 + fz->offset, fz->numel * sizeof(float));
+        int zero = 1;
+        for (int j = 0; j < fl_optim_state_count(o.rule); j++) {
+            const float *st = fl_optim_state_ptr(o.rule, j, fz->offset);
+            for (size_t i = 0; i < fz->numel; i++) zero &= st[i] == 0.0f;
+        }
+        int trained = 1;
+        for (int k = 0; k < m.table.count; k++) {
+            const fl_param_view *v = &m.table.views[k];
+            if (k != 2)
+                trained &= !!memcmp(p + v->offset, p0 + v->offset, v->numel * sizeof(float));
+        }
+        const char *what = kind == FL_OPT_ADAMW ? "adamw" : "sgd+momentum";
+        t_check(kept && zero && trained,
+                "%s: a frozen row keeps its weights and zero state; the others train", what);
+        fl_optimizer_free(&o);
+        free(p0);
+        big_free(&m);
+    }
+}
+
+// The state listing: names, and pointers that cover the state exactly.
+static void test_state_listing(void) {
+    fl_adamw a;
+    size_t mem0 = fl_mem_current(FL_MEM_OPTIM);
+    fl_adamw_init_range(&a, 5, 17, 0.9f, 0.95f, 1e-8f, 0.1f);
+    fl_optim_rule *r = &a.rule;
+    t_check(fl_optim_state_count(r) == 2 && !strcmp(fl_optim_state_name(r, 0), "m") &&
+                !strcmp(fl_optim_state_name(r, 1), "v"),
+            "adamw lists its state as m, v");
+    t_check(fl_mem_current(FL_MEM_OPTIM) - mem0 == 2 * 12 * sizeof(float),
+            "adamw's listed state is all its FL_MEM_OPTIM memory");
+    for (int k = 0; k < 2; k++)
+        for (size_t i = 5; i < 17; i++) *fl_optim_state_ptr(r, k, i) = 100.0f * k + i;
+    int ok = 1;
+    for (size_t i = 5; i < 17; i++) ok &= a.m[i - 5] == i && a.v[i - 5] == 100.0f + i;
+    t_check(ok, "fl_optim_state_ptr addresses the state by flat-buffer element");
+    fl_optim_free(r);
+
+    fl_sgd s;
+    mem0 = fl_mem_current(FL_MEM_OPTIM);
+    fl_sgd_init_range(&s, 3, 10, 0.9f, 0.0f);
+    t_check(fl_optim_state_count(&s.rule) == 1 &&
+                !strcmp(fl_optim_state_name(&s.rule, 0), "momentum") &&
+                fl_mem_current(FL_MEM_OPTIM) - mem0 == 7 * sizeof(float),
+            "sgd with momentum lists its buffer as momentum");
+    *fl_optim_state_ptr(&s.rule, 0, 9) = 42.0f;
+    t_check(s.buf[6] == 42.0f, "sgd's state pointer is its momentum buffer");
+    fl_optim_free(&s.rule);
+    fl_sgd_init(&s, 10, 0.0f, 0.0f);
+    t_check(fl_optim_state_count(&s.rule) == 0, "plain sgd lists no state");
+    fl_optim_free(&s.rule);
+}
+
+static void test_scale(void) {
+    lowp_model m;
+    lowp_init(&m, FL_F16);
+    fl_optimizer o;
+    fl_optimizer_config cfg = adamw_config(4);
+    fl_optimizer_init(&o, &cfg, &m.table, FL_F16, m.params, m.grads);
+    t_check(fl_optimizer_scale(&o) == 65536.0f && fl_optimizer_loss_scale(&o) == 16384.0f,
+            "fp16: the scale is 2^16, the loss factor scale / accumulation");
+    fl_optimizer_free(&o);
+    fl_optimizer_init(&o, &cfg, &m.table, FL_BF16, m.params, m.grads);
+    t_check(fl_optimizer_scale(&o) == 1.0f, "bf16: no loss scale");
+    fl_optimizer_free(&o);
+    fl_params_free(&m.table);
+}
+
 static void test_schedules(void) {
     fl_schedule s = {FL_SCHED_COSINE, 1.0f, 10, 110, 0.1f};
     t_check(fabsf(fl_lr_at(&s, 0) - 0.1f) < 1e-7f, "warmup step 0 = lr/warmup");
@@ -305,6 +661,12 @@ int main(void) {
     test_loss_scaler();
     test_mixed_precision_step();
     test_fp16_overflow_skips_the_step();
+    test_ranges_match_whole_step();
+    test_optimizer_pieces();
+    test_shards_match_whole();
+    test_frozen_rows();
+    test_state_listing();
+    test_scale();
 
     test_schedules();
     return t_report();

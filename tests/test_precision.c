@@ -10,11 +10,12 @@
 #include "fitlm/config.h"
 #include "fitlm/data.h"
 #include "fitlm/optim.h"
+#include "fitlm/train.h"
 #include "testlib.h"
 
 enum { B = 8, T = 64, STEPS = 250, EVAL_BATCHES = 8 };
 
-static const fl_gpt2_config shape = {
+static const fl_model_config shape = {
     .max_seq_len = T, .vocab_size = 257, .n_layer = 2, .n_head = 4, .n_embd = 64};
 
 typedef struct {
@@ -24,9 +25,9 @@ typedef struct {
 } run_result;
 
 static run_result train(fl_dtype dt, const char *data) {
-    fl_gpt2 m;
-    fl_gpt2_init(&m, &shape, dt, 1);
-    fl_gpt2_alloc_acts(&m, B, T);
+    fl_model m;
+    fl_model_init(&m, &shape, dt, 1);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
     fl_train_config defaults; // fitlm train's: AdamW 0.9/0.95, wd 0.1, clip 1, scale 2^16
     fl_config_defaults(&defaults);
     fl_optimizer_config cfg = fl_config_optimizer(&defaults);
@@ -38,28 +39,25 @@ static run_result train(fl_dtype dt, const char *data) {
     fl_loader tr, va;
     fl_loader_open(&tr, data, "train", T, 7, 1, 0, 1);
     fl_loader_open(&va, data, "val", T, 0, 0, 0, 1);
-    int in[B * T], tg[B * T];
+    int in[2 * B * T], tg[2 * B * T];
     run_result r = {0};
     for (int s = 0; s < STEPS; s++) {
-        for (int micro = 0; micro < cfg.grad_accum; micro++) {
-            fl_loader_next(&tr, in, tg, B);
-            fl_optimizer_zero_grad(&o);
-            float loss = fl_gpt2_forward(&m, in, tg, B, T);
-            if (s == 0 && micro == 0) r.first_loss = loss;
-            fl_gpt2_backward(&m, fl_optimizer_loss_scale(&o));
-            fl_optimizer_micro_done(&o);
-        }
-        r.skipped += fl_optimizer_step(&o, fl_lr_at(&sched, s)).skipped;
+        for (int micro = 0; micro < cfg.grad_accum; micro++)
+            fl_loader_next(&tr, in + micro * B * T, tg + micro * B * T, B);
+        fl_train_result step =
+            fl_train_step(&m, &o, in, tg, cfg.grad_accum, B, T, fl_lr_at(&sched, s));
+        if (s == 0) r.first_loss = step.loss;
+        r.skipped += step.skipped;
     }
     double sum = 0;
     for (int i = 0; i < EVAL_BATCHES; i++) {
         fl_loader_eval_batch(&va, i, EVAL_BATCHES, in, tg, B);
-        sum += fl_gpt2_forward(&m, in, tg, B, T);
+        sum += fl_model_forward(&m, in, tg, B, T);
     }
     r.val_loss = (float)(sum / EVAL_BATCHES);
     r.final_scale = o.scaler.scale;
     fl_optimizer_free(&o);
-    fl_gpt2_free(&m);
+    fl_model_free(&m);
     fl_loader_close(&tr);
     fl_loader_close(&va);
     return r;

@@ -6,10 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitlm/model.h"
 #include "fitlm/optim.h"
+#include "fitlm/train.h"
 #include "testlib.h"
 
-static const fl_gpt2_config tiny = {
+static const fl_model_config tiny = {
     .max_seq_len = 16, .vocab_size = 50, .n_layer = 2, .n_head = 4, .n_embd = 32};
 enum { B = 4, T = 16 };
 
@@ -26,23 +28,23 @@ static void random_batch(int *tokens, int *targets, int n, unsigned seed) {
 // leaves the final weights in *weights (caller frees).
 static void train(int steps, int threads, float *losses, float **weights) {
     omp_set_num_threads(threads);
-    fl_gpt2 m;
-    fl_gpt2_init(&m, &tiny, FL_F32, 11);
-    fl_gpt2_alloc_acts(&m, B, T);
+    fl_model m;
+    fl_model_init(&m, &tiny, FL_F32, 11);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
     fl_adamw opt;
     fl_adamw_init(&opt, m.table.numel, 0.9f, 0.95f, 1e-8f, 0.1f);
     int tokens[B * T], targets[B * T];
     for (int s = 0; s < steps; s++) {
         random_batch(tokens, targets, B * T, 100 + s % 2); // two batches, so it can learn
-        fl_gpt2_zero_grad(&m);
-        losses[s] = fl_gpt2_forward(&m, tokens, targets, B, T);
-        fl_gpt2_backward(&m, 1.0f);
+        fl_model_zero_grad(&m);
+        losses[s] = fl_model_forward(&m, tokens, targets, B, T);
+        fl_model_backward(&m, 1.0f / m.n_targets);
         t_adamw_step_fp32(&opt, &m.table, m.params, m.grads, 3e-3f, 1.0f);
     }
     *weights = malloc(m.table.numel * sizeof(float));
     memcpy(*weights, m.params, m.table.numel * sizeof(float));
     fl_adamw_free(&opt);
-    fl_gpt2_free(&m);
+    fl_model_free(&m);
     omp_set_num_threads(2);
 }
 
@@ -50,7 +52,7 @@ static void test_deterministic(void) {
     float l1[6], l2[6], *w1, *w2;
     train(6, 2, l1, &w1);
     train(6, 2, l2, &w2);
-    size_t n = fl_gpt2_num_params(&tiny);
+    size_t n = fl_model_num_params(&tiny);
     t_check(memcmp(l1, l2, sizeof l1) == 0, "same seed and threads: bitwise identical losses");
     t_check(memcmp(w1, w2, n * sizeof(float)) == 0, "... and bitwise identical weights");
     t_check(l1[5] < l1[0], "the loss falls (%.4f -> %.4f)", l1[0], l1[5]);
@@ -63,106 +65,186 @@ static void test_deterministic(void) {
     free(w3);
 }
 
+// Two micro-batches holding different numbers of target tokens (some are
+// masked) accumulate to the gradient of the one big batch: token weighting.
 static void test_accumulation_equals_big_batch(void) {
-    fl_gpt2 m;
-    fl_gpt2_init(&m, &tiny, FL_F32, 5);
-    fl_gpt2_alloc_acts(&m, B, T);
+    fl_model m;
+    fl_model_init(&m, &tiny, FL_F32, 5);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
     int tokens[B * T], targets[B * T];
     random_batch(tokens, targets, B * T, 9);
+    for (int i = 0; i < B * T / 2; i++)
+        if (i % 3 == 0) targets[i] = -1; // the first half holds fewer targets
     size_t n = m.table.numel;
-    fl_gpt2_zero_grad(&m);
-    float big = fl_gpt2_forward(&m, tokens, targets, B, T);
-    fl_gpt2_backward(&m, 1.0f);
+    fl_model_zero_grad(&m);
+    float big = fl_model_forward(&m, tokens, targets, B, T);
+    int total = m.n_targets;
+    fl_model_backward(&m, 1.0f / total);
     float *want = malloc(n * sizeof(float));
     memcpy(want, m.grads, n * sizeof(float));
-    fl_gpt2_zero_grad(&m);
-    float half1 = fl_gpt2_forward(&m, tokens, targets, B / 2, T);
-    fl_gpt2_backward(&m, 0.5f);
-    float half2 = fl_gpt2_forward(&m, tokens + B / 2 * T, targets + B / 2 * T, B / 2, T);
-    fl_gpt2_backward(&m, 0.5f);
-    t_check(fabsf((half1 + half2) / 2 - big) < 1e-5f, "mean of micro-batch losses = batch loss");
+    fl_model_zero_grad(&m);
+    float half1 = fl_model_forward(&m, tokens, targets, B / 2, T);
+    int n1 = m.n_targets;
+    fl_model_backward(&m, 1.0f / total);
+    float half2 = fl_model_forward(&m, tokens + B / 2 * T, targets + B / 2 * T, B / 2, T);
+    int n2 = m.n_targets;
+    fl_model_backward(&m, 1.0f / total);
+    t_check(n1 < n2 && n1 + n2 == total, "the halves hold %d and %d targets", n1, n2);
+    t_check(fabsf((half1 * n1 + half2 * n2) / total - big) < 1e-5f,
+            "token-weighted mean of micro-batch losses = batch loss");
+    t_check(fabsf((half1 + half2) / 2 - big) > 1e-4f,
+            "... which the mean of the micro-batch means is not (%g vs %g)", (half1 + half2) / 2,
+            big);
     // same sums in another grouping: float rounding only
     t_close("accumulated grads vs big batch", m.grads, want, n, 1e-7, 1e-4);
     free(want);
-    fl_gpt2_free(&m);
+    fl_model_free(&m);
+}
+
+// fl_train_step with 2 micro-batches of B/2 equals 1 of B (SGD, so the
+// weights show the gradient directly), masked targets included.
+static void test_train_step_accumulation(void) {
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 4);
+    for (int i = 0; i < B * T / 2; i++)
+        if (i % 2) targets[i] = -1;
+    float *w[2];
+    float loss[2];
+    for (int k = 0; k < 2; k++) {
+        fl_model m;
+        fl_model_init(&m, &tiny, FL_F32, 5);
+        int micro = k + 1;
+        fl_model_alloc_acts(&m, B / micro, T, FL_RECOMPUTE_NONE);
+        fl_optimizer_config oc = {.kind = FL_OPT_SGD, .grad_accum = micro};
+        fl_optimizer o;
+        fl_optimizer_init(&o, &oc, &m.table, FL_F32, m.params, m.grads);
+        fl_train_result r = fl_train_step(&m, &o, tokens, targets, micro, B / micro, T, 0.5f);
+        loss[k] = r.loss;
+        t_check(r.n_targets == B * T - B * T / 4, "%d micro-batch(es): %ld targets", micro,
+                r.n_targets);
+        w[k] = malloc(m.table.numel * sizeof(float));
+        memcpy(w[k], m.params, m.table.numel * sizeof(float));
+        fl_optimizer_free(&o);
+        fl_model_free(&m);
+    }
+    t_close("loss of 2 accumulated micro-batches vs 1 batch", &loss[1], &loss[0], 1, 1e-6, 1e-6);
+    t_close("weights after the step", w[1], w[0], fl_model_num_params(&tiny), 1e-7, 1e-4);
+    free(w[0]);
+    free(w[1]);
 }
 
 typedef struct {
-    fl_gpt2 *model;
-    int calls[64], order[64], n;
-    float *snapshot; // each view's gradient as the hook saw it
+    fl_model *model;
+    int pre[2][8], npre[2]; // units in the order pre_unit saw them, per pass
+    int first[8], count[8], n;
+    float *snapshot; // each unit's gradient as grad_ready saw it
+    void *scratch;   // non-NULL: every block's gradients live here
 } hook_log;
 
-static void record(void *ctx, int view) {
+static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
     hook_log *h = ctx;
-    const fl_param_view *v = &h->model->table.views[view];
-    h->calls[view]++;
-    h->order[h->n++] = view;
-    memcpy(h->snapshot + v->offset, (const float *)h->model->grads + v->offset,
-           v->numel * sizeof(float));
+    h->pre[pass][h->npre[pass]++] = unit;
+    // a block's gradients are bound to scratch before its backward
+    if (h->scratch && pass == FL_PASS_BWD && unit >= 0 && unit < m->config.n_layer) {
+        int first, count;
+        fl_model_unit_rows(m, unit, &first, &count);
+        const fl_param_view *v = &m->table.views[first];
+        size_t n = m->table.views[first + count - 1].offset +
+                   m->table.views[first + count - 1].numel - v->offset;
+        memset(h->scratch, 0, n * sizeof(float));
+        fl_model_bind_grads(m, unit, h->scratch);
+    }
 }
 
-static void test_grad_hook(void) {
-    fl_gpt2 m;
-    fl_gpt2_init(&m, &tiny, FL_F32, 5);
-    fl_gpt2_alloc_acts(&m, B, T);
-    hook_log h = {.model = &m};
-    h.snapshot = calloc(m.table.numel, sizeof(float));
-    m.grad_hook = record;
-    m.grad_hook_ctx = &h;
+static void on_grad_ready(void *ctx, fl_model *m, int first, int count) {
+    hook_log *h = ctx;
+    h->first[h->n] = first;
+    h->count[h->n++] = count;
+    const fl_param_view *a = &m->table.views[first], *z = &m->table.views[first + count - 1];
+    size_t n = z->offset + z->numel - a->offset;
+    // where the unit's gradients are now: the model's buffer or the scratch
+    memcpy(h->snapshot + a->offset, m->gp[first], n * sizeof(float));
+}
+
+static void test_hooks(void) {
     int tokens[B * T], targets[B * T];
     random_batch(tokens, targets, B * T, 9);
-    fl_gpt2_zero_grad(&m);
-    fl_gpt2_forward(&m, tokens, targets, B, T);
-    fl_gpt2_backward(&m, 1.0f);
-    int once = h.n == m.table.count;
-    for (int i = 0; i < m.table.count; i++) once &= h.calls[i] == 1;
-    t_check(once, "the hook fires once per parameter (%d calls, %d views)", h.n, m.table.count);
-    t_check(h.order[0] == m.table.count - 1 && h.order[h.n - 1] == 0,
-            "hooks run from the last parameter back to wte");
-    t_check(memcmp(h.snapshot, m.grads, m.table.numel * sizeof(float)) == 0,
-            "every gradient was complete when its hook fired");
-    free(h.snapshot);
-    fl_gpt2_free(&m);
+    float *grads = NULL;
+    for (int use_scratch = 0; use_scratch < 2; use_scratch++) {
+        fl_model m;
+        fl_model_init(&m, &tiny, FL_F32, 5);
+        fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
+        hook_log h = {.model = &m};
+        h.snapshot = calloc(m.table.numel, sizeof(float));
+        if (use_scratch) h.scratch = calloc(m.table.numel, sizeof(float));
+        m.hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, &h};
+        fl_model_zero_grad(&m);
+        fl_model_forward(&m, tokens, targets, B, T);
+        fl_model_backward(&m, 1.0f / m.n_targets);
+        int L = tiny.n_layer, in_order = h.npre[0] == L + 2 && h.npre[1] == L + 2 && h.n == L + 2;
+        for (int u = -1; u <= L; u++) {
+            in_order &= h.pre[FL_PASS_FWD][u + 1] == u && h.pre[FL_PASS_BWD][L - u] == u;
+            int first, count;
+            fl_model_unit_rows(&m, u, &first, &count);
+            in_order &= h.first[L - u] == first && h.count[L - u] == count;
+        }
+        t_check(in_order,
+                "%s: pre_unit runs embedding, blocks, head forward and back; grad_ready "
+                "once per unit, head first",
+                use_scratch ? "grads in scratch" : "grads in place");
+        if (!use_scratch) {
+            t_check(memcmp(h.snapshot, m.grads, m.table.numel * sizeof(float)) == 0,
+                    "every gradient was complete when its unit's grad_ready fired");
+            grads = h.snapshot;
+        } else {
+            t_check(memcmp(h.snapshot, grads, m.table.numel * sizeof(float)) == 0,
+                    "block gradients bound to scratch equal the in-place ones bitwise");
+            free(h.snapshot);
+            free(h.scratch);
+        }
+        fl_model_free(&m);
+    }
+    free(grads);
 }
 
 static void test_ignored_targets_and_short_batches(void) {
-    fl_gpt2 m, small;
-    fl_gpt2_init(&m, &tiny, FL_F32, 5);
-    fl_gpt2_alloc_acts(&m, B, T);
-    fl_gpt2_init(&small, &tiny, FL_F32, 5);
-    fl_gpt2_alloc_acts(&small, 1, 8);
+    fl_model m, small;
+    fl_model_init(&m, &tiny, FL_F32, 5);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
+    fl_model_init(&small, &tiny, FL_F32, 5);
+    fl_model_alloc_acts(&small, 1, 8, FL_RECOMPUTE_NONE);
     int tokens[B * T], targets[B * T], masked[B * T];
     random_batch(tokens, targets, B * T, 3);
-    float full = fl_gpt2_forward(&m, tokens, targets, B, T);
+    float full = fl_model_forward(&m, tokens, targets, B, T);
     double sum = 0;
     for (int i = 0; i < B * T; i++) {
         masked[i] = i % 3 ? targets[i] : -1;
-        if (i % 3) sum += m.acts.losses[i];
+        if (i % 3) sum += m.losses[i];
     }
-    float partial = fl_gpt2_forward(&m, tokens, masked, B, T);
+    float partial = fl_model_forward(&m, tokens, masked, B, T);
     int kept = m.n_targets;
     t_check(kept == B * T - (B * T + 2) / 3, "ignored positions are not counted (%d)", kept);
     t_check(fabsf(partial - (float)(sum / kept)) < 1e-5f && partial != full,
             "the loss is the mean over the other positions");
-    fl_gpt2_zero_grad(&m);
-    fl_gpt2_backward(&m, 1.0f);
+    fl_model_zero_grad(&m);
+    fl_model_backward(&m, 1.0f / m.n_targets);
     t_check(fl_grad_norm(FL_F32, m.grads, m.table.numel) > 0, "the gradient is not empty");
 
     // A batch smaller than the activations gives the same numbers as a
     // model allocated for exactly that batch (generation relies on it).
-    float a = fl_gpt2_forward(&m, tokens, targets, 1, 8);
-    float b = fl_gpt2_forward(&small, tokens, targets, 1, 8);
+    float a = fl_model_forward(&m, tokens, targets, 1, 8);
+    float b = fl_model_forward(&small, tokens, targets, 1, 8);
     t_check(a == b, "1x8 batch on 4x16 activations: same loss (%g vs %g)", a, b);
-    fl_gpt2_free(&m);
-    fl_gpt2_free(&small);
+    fl_model_free(&m);
+    fl_model_free(&small);
 }
 
 int main(void) {
     omp_set_num_threads(2);
     test_deterministic();
     test_accumulation_equals_big_batch();
-    test_grad_hook();
+    test_train_step_accumulation();
+    test_hooks();
     test_ignored_targets_and_short_batches();
     return t_report();
 }

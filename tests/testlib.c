@@ -175,12 +175,18 @@ const char *t_source_path(const char *rel) {
 float t_adamw_step_fp32(void *adamw, const void *table, float *params, const float *grads, float lr,
                         float max_norm) {
     const fl_param_table *t = table;
-    float norm = fl_grad_norm(FL_F32, grads, t->numel);
-    fl_update_args a = {.params = params,
-                        .grads = grads,
-                        .grads_dtype = FL_F32,
-                        .grad_scale = fl_clip_coef(norm, max_norm)};
-    fl_adamw_step(adamw, t, &a, lr);
+    fl_optim_rule *rule = &((fl_adamw *)adamw)->rule;
+    float norm = fl_grad_norm(FL_F32, grads, t->numel), coef = fl_clip_coef(norm, max_norm);
+    fl_optim_begin_step(rule, lr);
+    for (int i = 0; i < t->count; i++) {
+        const fl_param_view *v = &t->views[i];
+        fl_update_args a = {.params = params + v->offset,
+                            .grads = grads + v->offset,
+                            .grads_dtype = FL_F32,
+                            .grad_scale = coef};
+        fl_optim_update(rule, v, v->offset, v->numel, &a);
+    }
+    fl_optim_end_step(rule);
     return norm;
 }
 

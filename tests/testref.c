@@ -199,13 +199,13 @@ float *fx_floats(fixture *fx, const char *name) {
     return fx_copy(fx, r);
 }
 
-fl_gpt2_config fx_make_config(const fx_config *c) {
-    fl_gpt2_config cfg = {.max_seq_len = c->maxT,
-                          .vocab_size = c->V,
-                          .n_layer = c->L,
-                          .n_head = c->NH,
-                          .n_embd = c->C};
-    fl_gpt2_config_finish(&cfg);
+fl_model_config fx_make_config(const fx_config *c) {
+    fl_model_config cfg = {.max_seq_len = c->maxT,
+                           .vocab_size = c->V,
+                           .n_layer = c->L,
+                           .n_head = c->NH,
+                           .n_embd = c->C};
+    fl_model_config_finish(&cfg);
     return cfg;
 }
 

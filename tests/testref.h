@@ -91,7 +91,7 @@ void *fx_copy(const fixture *fx, const fx_record *r); // malloc'd copy of the da
 float *fx_floats(fixture *fx, const char *name);      // a validated float32 record
 // The parameter names, fixture shapes and decay flags in table order.
 int fx_expected_params(const fx_config *c, fx_param *out);
-fl_gpt2_config fx_make_config(const fx_config *c);
+fl_model_config fx_make_config(const fx_config *c);
 // Reads and validates the fixture at path (*data: the file, malloc'd,
 // which fx points into); 0 after a failed t_check.
 int fx_load(const char *path, fixture *fx, fx_config *c, unsigned char **data);

@@ -18,8 +18,10 @@
 
 typedef struct {
     // model
-    char model_preset[FL_NAME_MAX];   // demo | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
-    fl_gpt2_config model;             // fields left 0 come from the preset
+    char model_preset[FL_NAME_MAX];   // demo | tiny | gpt2... | llama-tiny | llama-7b | ...
+    char model_arch[FL_NAME_MAX];     // gpt2 | llama | "" (the preset's)
+    fl_model_config model;            // fields left 0 come from the preset
+    int tie_embeddings;               // model.tie_word_embeddings (LLaMA)
     char tokenizer[FL_NAME_MAX];      // gpt2 | byte
     char tokenizer_path[FL_PATH_MAX]; // gpt2: encoder.json and vocab.bpe
     char init_from[FL_PATH_MAX];      // pretrained weights, or ""
@@ -27,6 +29,10 @@ typedef struct {
     char data[FL_PATH_MAX];
     char val_data[FL_PATH_MAX];
     // batch
+    // activation checkpointing: the policy and DeepSpeed's activation_checkpointing keys
+    char recompute_policy[FL_NAME_MAX]; // none | selective | block
+    fl_recompute recompute;             // derived by fl_config_finish
+    int ac_partition, ac_cpu, ac_contiguous, ac_number, ac_sync, ac_profile;
     int micro_batch;      // train_micro_batch_size_per_gpu
     int grad_accum;       // gradient_accumulation_steps
     int train_batch_size; // DeepSpeed's micro * accum * ranks; 0 = derived
@@ -58,7 +64,7 @@ typedef struct {
     int mem_report, mem_report_every;
     int profile;                 // per-op profile table after training
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
-    uint8_t given[64];           // by option-table index: set by the file or a flag, not defaulted
+    uint8_t given[96];           // by option-table index: set by the file or a flag, not defaulted
 } fl_train_config;
 
 // Fills the defaults (the values --help prints).
@@ -76,7 +82,7 @@ void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, 
 char *fl_config_to_json(const fl_train_config *cfg);
 // Takes the model shape of pretrained weights or a checkpoint (`source`);
 // a model.* option that contradicts it is an error.
-void fl_config_set_shape(fl_train_config *cfg, const fl_gpt2_config *shape, const char *source);
+void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source);
 // Cross-field checks and derived values (model preset, batch sizes).
 void fl_config_finish(fl_train_config *cfg);
 void fl_config_print_help(FILE *out);
@@ -87,7 +93,8 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg);
 // Parses a size such as "12G", "512M", "1048576" (bytes); dies naming `what`.
 size_t fl_parse_bytes(const char *text, const char *what);
 
-// Fills a GPT-2 shape from a preset name; dies on an unknown name.
-void fl_gpt2_preset(fl_gpt2_config *out, const char *name);
+// Fills a model shape (and its architecture) from a preset name; dies on an
+// unknown name.
+void fl_model_preset(fl_model_config *out, const char *name);
 
 #endif

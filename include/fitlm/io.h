@@ -122,21 +122,21 @@ int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen);
 // RNG. Tensors: "weights" (fp32: the master copy under mixed precision) and
 // the optimizer state ("adamw.m", "adamw.v" or "sgd.momentum").
 
-void fl_train_ckpt_save(const char *dir, int step, const fl_gpt2 *model, const fl_optimizer *optim,
+void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
                         const fl_loader_state *loader, const char *tokenizer,
                         const char *config_json, int keep);
 // Initialises *model (shape from the checkpoint, weights rounded to dt) from
 // a checkpoint directory or file; tokenizer receives the tokenizer's name.
-void fl_ckpt_load_model(const char *path, fl_gpt2 *model, fl_dtype dt, char *tokenizer,
+void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,
                         size_t tokenizer_size);
 // The model shape an open checkpoint holds.
-void fl_ckpt_model_config(const fl_ckpt *ck, fl_gpt2_config *cfg);
+void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg);
 // The run's config (JSON text, caller frees with fl_free) of an open checkpoint.
 char *fl_train_ckpt_config(const fl_ckpt *ck);
 // Restores weights, optimizer state and loader position into a model and
 // optimizer initialised with the checkpoint's shape and settings; dies if
 // the shape, precision, optimizer or tokenizer differ.
-void fl_train_ckpt_restore(fl_ckpt *ck, fl_gpt2 *model, fl_optimizer *optim,
+void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim,
                            fl_loader_state *loader, const char *tokenizer);
 
 // ----------------------------------------------------------------------------
@@ -149,8 +149,8 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_gpt2 *model, fl_optimizer *optim,
 int fl_is_checkpoint(const char *path);
 int fl_is_checkpoint_dir(const char *path);
 // The model shape, without reading the weights (for planning).
-void fl_pretrained_config(const char *path, fl_gpt2_config *cfg);
+void fl_pretrained_config(const char *path, fl_model_config *cfg);
 // Initialises *model from the weights, rounded to dt.
-void fl_pretrained_load(const char *path, fl_gpt2 *model, fl_dtype dt);
+void fl_pretrained_load(const char *path, fl_model *model, fl_dtype dt);
 
 #endif

@@ -3,11 +3,15 @@
 // Contract shared by every kernel:
 // - Pointers come destination first; shapes are given by the trailing ints.
 //   Shape letters: B batch, T time, C channels, NH heads, HS head size,
-//   V vocabulary, Vp padded vocabulary, N = B*T rows, OC output channels.
+//   V vocabulary, Vp padded vocabulary, N = B*T rows, OC output channels,
+//   NKV key/value heads, IC the MLP's intermediate size (not I: <complex.h>,
+//   which cblas.h includes, defines I as a macro).
 // - Kernels own no memory; workspace they need is passed in.
 // - Backward functions ACCUMULATE (+=) into every gradient they write, so a
 //   gradient that receives contributions from several places (a residual
 //   stream, a tied embedding) is simply summed; callers zero grads first.
+//   Exceptions, marked where declared: softmax_xent_backward overwrites, and
+//   rope_forward/rope_backward work in place.
 // - Forward functions overwrite their outputs.
 // - Each fast kernel has a plain, single-threaded twin with the suffix _ref:
 //   the test oracle and the portable fallback. Fast and _ref versions agree
@@ -16,11 +20,12 @@
 //   count give bitwise identical outputs (no atomics, fixed reduction order).
 // - Precision: the first argument `dt` is the storage dtype (fp32, bf16 or
 //   fp16) of every activation, weight and weight-gradient pointer (void *);
-//   float * arguments (LayerNorm mean/rstd, log-sum-exps, losses) are always
-//   fp32. Every kernel computes in fp32: it loads rows into fp32, computes,
-//   and rounds once to nearest even on store (backward: dst = round(dst +
-//   sum), the sum formed in fp32). The _ref twins are fp32 only: the tests run
-//   a kernel in bf16/fp16 against its _ref on the same (rounded) inputs.
+//   float * arguments (norm statistics, log-sum-exps, losses, the RoPE table)
+//   are always fp32. Every kernel computes in fp32: it loads rows into fp32,
+//   computes, and rounds once to nearest even on store (backward: dst =
+//   round(dst + sum), the sum formed in fp32). The _ref twins are fp32 only:
+//   the tests run a kernel in bf16/fp16 against its _ref on the same
+//   (rounded) inputs.
 #ifndef FITLM_KERNELS_H
 #define FITLM_KERNELS_H
 
@@ -29,7 +34,8 @@
 #include "fitlm/dtype.h"
 
 // ----------------------------------------------------------------------------
-// embedding: out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]
+// embedding: out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]; wpe (and dwpe) may be
+// NULL: no position embedding (LLaMA)
 
 void encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte, const void *wpe,
                      int B, int T, int C);
@@ -82,23 +88,89 @@ void matmul_backward_ref(float *dinp, float *dweight, float *dbias, const float 
 // ----------------------------------------------------------------------------
 // causal multi-head self-attention, flash style: no (T,T) matrix is kept
 // between forward and backward, only the row log-sum-exp of the scores.
+// Grouped-query attention (GQA): NH query heads share NKV key/value heads
+// (NKV divides NH; query head h uses kv head h / (NH/NKV)); NKV == NH is
+// ordinary multi-head attention (GPT-2), NKV == 1 multi-query attention.
 //
-// qkv (B,T,3C): per position [q | k | v], each C = NH*HS wide, head h at
-// columns h*HS. out (B,T,C) = softmax(q k^T / sqrt(HS), causal) v, heads
+// qkv (B,T,(NH+2*NKV)*HS): per position [q | k | v], the NH query heads of
+// HS values (head h at columns h*HS), then the NKV key heads, then the NKV
+// value heads. out (B,T,NH*HS) = softmax(q k^T / sqrt(HS), causal) v, heads
 // concatenated. lse (B,NH,T) is saved for the backward pass.
-// workspace: attention_workspace_floats(dt, T, HS) floats per thread, times
-// fl_threads() threads (the fast version parallelises over (b, h)); bf16 and
-// fp16 need room for fp32 copies of a head's q, k, v (and their gradients).
+// workspace: attention_workspace_floats(dt, T, HS, NH/NKV) floats per thread,
+// times fl_threads() threads (the forward parallelises over (b, query head),
+// the backward over (b, kv head): B*NKV work items); bf16 and fp16 need room
+// for fp32 copies of a head's q, k, v (and their gradients). The size does
+// not depend on the group today; pass NH/NKV all the same.
 
-size_t attention_workspace_floats(fl_dtype dt, int T, int HS);
+size_t attention_workspace_floats(fl_dtype dt, int T, int HS, int group);
 void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace, int B,
-                       int T, int C, int NH);
-// dqkv (B,T,3C) accumulates; out and lse are the forward's results.
+                       int T, int NH, int NKV, int HS);
+// dqkv (B,T,(NH+2*NKV)*HS) accumulates; out and lse are the forward's
+// results. The query heads of a group add into their kv head's dk and dv in
+// a fixed order (deterministic).
 void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv, const void *out,
-                        const float *lse, float *workspace, int B, int T, int C, int NH);
-void attention_forward_ref(float *out, float *lse, const float *qkv, int B, int T, int C, int NH);
+                        const float *lse, float *workspace, int B, int T, int NH, int NKV, int HS);
+void attention_forward_ref(float *out, float *lse, const float *qkv, int B, int T, int NH, int NKV,
+                           int HS);
 void attention_backward_ref(float *dqkv, const float *dout, const float *qkv, const float *out,
-                            const float *lse, int B, int T, int C, int NH);
+                            const float *lse, int B, int T, int NH, int NKV, int HS);
+
+// ----------------------------------------------------------------------------
+// RMSNorm over the last dim C of N rows, as Hugging Face's LlamaRMSNorm:
+// y = x * rsqrt(mean(x^2) + eps) * weight, all in fp32 (HF rounds x * rsqrt
+// to the activation dtype before the weight; here the product is rounded
+// once). rstd (N) = rsqrt(mean(x^2) + eps) is saved for the backward pass.
+
+void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const void *weight,
+                     int N, int C, float eps);
+// dinp (N,C) and dweight (C) accumulate; dweight sums the rows in a fixed
+// order per block of channels (deterministic)
+void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, const void *inp,
+                      const void *weight, const float *rstd, int N, int C);
+void rmsnorm_forward_ref(float *out, float *rstd, const float *inp, const float *weight, int N,
+                         int C, float eps);
+void rmsnorm_backward_ref(float *dinp, float *dweight, const float *dout, const float *inp,
+                          const float *weight, const float *rstd, int N, int C);
+
+// ----------------------------------------------------------------------------
+// rotary position embedding (RoPE), Hugging Face's rotate-half convention,
+// on the q and k heads of a fused qkv buffer laid out as for attention:
+// (B,T,(NH+2*NKV)*HS), the NH query heads and NKV key heads rotated, the
+// value heads untouched. HS must be even; with h = HS/2, for i < h, at
+// position t (0..T-1 within each sequence):
+//   out[i]   = x[i]   cos[t,i] - x[i+h] sin[t,i]
+//   out[i+h] = x[i+h] cos[t,i] + x[i]   sin[t,i]
+// angle[t,i] = t * inv_freq[i], inv_freq[i] = 1 / theta^(2i/HS), computed in
+// float32 exactly as HF's LlamaRotaryEmbedding does (cos and sin of the
+// float32 angle, correctly rounded). HF rounds the table to the activation
+// dtype; here it stays fp32 and each output is rounded once.
+//
+// rope_table fills cos_sin (T, HS/2, 2) = {cos, sin}; the model keeps it
+// (built for the longest T; forward and backward read its first T rows).
+// rope_forward and rope_backward work IN PLACE (an exception to the
+// accumulate rule, like softmax_xent_backward's overwrite): the forward
+// rotates q and k; the backward replaces the q and k parts of dqkv, the
+// gradient with respect to the rotated values, by the gradient with respect
+// to the unrotated ones (the transpose rotation); the v part is untouched.
+
+void rope_table(float *cos_sin, int T, int HS, float theta);
+void rope_forward(fl_dtype dt, void *qkv, const float *cos_sin, int B, int T, int NH, int NKV,
+                  int HS);
+void rope_backward(fl_dtype dt, void *dqkv, const float *cos_sin, int B, int T, int NH, int NKV,
+                   int HS);
+void rope_forward_ref(float *qkv, const float *cos_sin, int B, int T, int NH, int NKV, int HS);
+void rope_backward_ref(float *dqkv, const float *cos_sin, int B, int T, int NH, int NKV, int HS);
+
+// ----------------------------------------------------------------------------
+// SwiGLU, LLaMA's MLP gate: inp (N,2*IC), each row [gate (IC) | up (IC)] (the
+// gate_proj and up_proj outputs of one fused GEMM); out (N,IC) =
+// silu(gate) * up, silu(x) = x * sigmoid(x).
+
+void swiglu_forward(fl_dtype dt, void *out, const void *inp, int N, int IC);
+// dinp (N,2*IC) accumulates, both halves
+void swiglu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout, int N, int IC);
+void swiglu_forward_ref(float *out, const float *inp, int N, int IC);
+void swiglu_backward_ref(float *dinp, const float *inp, const float *dout, int N, int IC);
 
 // ----------------------------------------------------------------------------
 // GELU, tanh approximation (GPT-2's "gelu_new"), elementwise over N values

@@ -1,6 +1,19 @@
-// model.h: architectures. A model is a parameter table (named views into one
-// flat buffer), a matching gradient buffer, activations sized for a maximum
-// (B, T), and forward/backward orchestration over the kernels.
+// model.h: the model driver. An architecture (GPT-2, LLaMA) supplies its
+// parameter table, its activation slots and its embedding, block and head
+// passes; the driver owns allocation (from the slot lists, so the planner is
+// exact), input checks, the loss, the backward loop, recomputation
+// (activation checkpointing), the hooks and generation.
+//
+// The seams later strategies plug into:
+// - hooks.pre_unit(unit, pass) before a unit runs (ZeRO-3 gathers the unit's
+//   weights and rebinds them with fl_model_bind_params);
+// - hooks.grad_ready(first_row, n_rows) when a unit's gradients are complete
+//   (LOMO updates, ZeRO-2 reduce-scatters);
+// - fl_model_bind_grads(unit, buffer): a unit's gradients may live in scratch;
+// - the linear unit (fl_linear_*): LoRA, NF4 dequantisation and tensor-parallel
+//   collectives wrap it.
+// A unit is the embedding (FL_UNIT_EMBED), a block 0..L-1, or the head
+// (FL_UNIT_HEAD(L)); its parameter rows are contiguous in the flat buffer.
 #ifndef FITLM_MODEL_H
 #define FITLM_MODEL_H
 
@@ -9,161 +22,151 @@
 
 #include "fitlm/core.h"
 #include "fitlm/dtype.h"
+#include "fitlm/params.h"
 
-// ----------------------------------------------------------------------------
-// parameter table: rows {name, shape, offset}. ZeRO shards, checkpoints,
-// safetensors export, weight decay and memory reports are loops over rows.
-
-enum {
-    FL_PARAM_DECAY = 1 << 0, // AdamW applies weight decay (matrices, not biases/LN/wpe)
-};
-
-#define FL_MAX_DIMS       4
-#define FL_PARAM_NAME_MAX 64
+typedef enum { FL_ARCH_GPT2, FL_ARCH_LLAMA } fl_arch_kind;
 
 typedef struct {
-    char name[FL_PARAM_NAME_MAX]; // Hugging Face GPT-2 names, without "transformer."
-    int ndim;
-    size_t shape[FL_MAX_DIMS];
-    size_t offset; // in elements, into the flat buffer
-    size_t numel;
-    unsigned flags;
-} fl_param_view;
-
-typedef struct {
-    fl_param_view *views;
-    int count, capacity;
-    size_t numel; // total elements of the flat buffer
-} fl_param_table;
-
-// Appends a view at the end of the buffer and returns its index.
-int fl_params_add(fl_param_table *table, const char *name, unsigned flags, int ndim,
-                  const size_t *shape);
-// An empty table with room for exactly `capacity` views (no regrowth, so
-// its memory is one allocation the planner can predict).
-void fl_params_reserve(fl_param_table *table, int capacity);
-int fl_params_find(const fl_param_table *table, const char *name); // -1 when absent
-void fl_params_free(fl_param_table *table);
-
-// Called after each parameter's gradient is complete for this backward pass
-// (in reverse order of the forward use). LOMO's fused update and ZeRO's
-// gradient reduction plug in here.
-typedef void (*fl_grad_hook)(void *ctx, int view_index);
-
-// ----------------------------------------------------------------------------
-// GPT-2
-
-typedef struct {
-    int max_seq_len;       // maximum sequence length (position embeddings), 1024 for GPT-2
-    int vocab_size;        // 50257 for GPT-2, 256 for the byte tokenizer
+    fl_arch_kind arch;
+    int max_seq_len;       // position embeddings (GPT-2) / max_position_embeddings (LLaMA)
+    int vocab_size;        // 50257 for GPT-2, 257 for the byte tokenizer
     int padded_vocab_size; // vocab rounded up to a multiple of 128 for GEMM speed
     int n_layer;
     int n_head;
+    int n_kv_head; // LLaMA's num_key_value_heads (GQA); GPT-2: n_head
     int n_embd;
-} fl_gpt2_config;
+    int intermediate_size; // MLP width: GPT-2 4C; LLaMA's intermediate_size
+    float norm_eps;        // GPT-2 LayerNorm 1e-5; LLaMA rms_norm_eps
+    float rope_theta;      // LLaMA
+    int tie_embeddings;    // LM head = token embedding (GPT-2 always; LLaMA's tie_word_embeddings)
+} fl_model_config;
 
-// Rounds vocab up to a multiple of 128 and checks the shape (n_embd % n_head
-// == 0, all positive). Dies with a message naming the bad field.
-void fl_gpt2_config_finish(fl_gpt2_config *cfg);
+// Fills the architecture's defaults for fields left 0 (n_kv_head,
+// intermediate_size, norm_eps, rope_theta), rounds the vocabulary up to a
+// multiple of 128 and checks the shape. Dies with a message naming the field.
+void fl_model_config_finish(fl_model_config *cfg);
+const char *fl_arch_name(fl_arch_kind arch);
+int fl_arch_parse(const char *name, fl_arch_kind *out); // 0 on success, -1 unknown
 
 // Number of parameters (padded vocabulary included), without allocating.
-size_t fl_gpt2_num_params(const fl_gpt2_config *cfg);
+size_t fl_model_num_params(const fl_model_config *cfg);
+// The largest row's elements and one block's, without allocating (the
+// planner's ZeRO communication buffers).
+void fl_model_sizes(const fl_model_config *cfg, size_t *largest_row, size_t *block);
 // The parameter table of that shape, without allocating the parameters:
 // model-file readers check names and shapes against it before allocating.
-void fl_gpt2_table(fl_param_table *t, const fl_gpt2_config *cfg);
+void fl_model_table(fl_param_table *t, const fl_model_config *cfg);
 
-// Per-layer views into the flat buffers (params or grads, of the model's
-// dtype): the same struct serves both, so backward reads like forward.
-typedef struct {
-    void *ln1w, *ln1b; // (C)
-    void *qkvw, *qkvb; // (3C, C), (3C)
-    void *attprojw;    // (C, C)
-    void *attprojb;    // (C)
-    void *ln2w, *ln2b; // (C)
-    void *fcw, *fcb;   // (4C, C), (4C)
-    void *fcprojw;     // (C, 4C)
-    void *fcprojb;     // (C)
-} fl_gpt2_layer;
+// Activation checkpointing (recomputation in the backward pass).
+typedef enum {
+    FL_RECOMPUTE_NONE,      // keep every block's activations
+    FL_RECOMPUTE_SELECTIVE, // keep the GEMM and attention outputs; recompute norms and
+                            // GELU/SwiGLU (cheap, large) from them in the backward pass
+    FL_RECOMPUTE_BLOCK,     // keep each block's input; re-run the block in the backward pass
+} fl_recompute;
+const char *fl_recompute_name(fl_recompute r);
+int fl_recompute_parse(const char *name, fl_recompute *out); // 0 on success, -1 unknown
 
-typedef struct {
-    void *wte;         // (Vp, C), tied with the LM head; rows V..Vp-1 stay zero
-    void *wpe;         // (maxT, C)
-    fl_gpt2_layer *h;  // (L)
-    void *lnfw, *lnfb; // (C)
-} fl_gpt2_weights;
+enum { FL_PASS_FWD, FL_PASS_BWD };
 
-// Activations kept for the backward pass, for a batch of up to B x T. Tensors
-// are of the model's dtype; LayerNorm statistics, log-sum-exps and losses are
-// always fp32. The attention projection and the MLP output are written
-// straight into the residual stream, so they need no buffers of their own.
-typedef struct {
-    void *encoded;              // (B,T,C) embedding output = residual stream 0
-    void *ln1;                  // (L,B,T,C)
-    float *ln1_mean, *ln1_rstd; // (L,B,T)
-    void *qkv;                  // (L,B,T,3C)
-    void *atty;                 // (L,B,T,C) attention output before projection
-    float *att_lse;             // (L,B,NH,T) softmax log-sum-exp
-    void *residual2;            // (L,B,T,C) residual after attention
-    void *ln2;                  // (L,B,T,C)
-    float *ln2_mean, *ln2_rstd; // (L,B,T)
-    void *fch;                  // (L,B,T,4C) MLP pre-activation
-    void *fch_gelu;             // (L,B,T,4C)
-    void *residual3;            // (L,B,T,C) residual after MLP = next layer's input
-    void *lnf;                  // (B,T,C)
-    float *lnf_mean, *lnf_rstd; // (B,T)
-    void *logits;               // (B,T,Vp), overwritten by its own gradient in backward
-    float *losses, *xent_lse;   // (B,T)
-} fl_gpt2_acts;
+typedef struct fl_model fl_model;
 
 typedef struct {
-    fl_gpt2_config config;
+    // before a unit's forward or backward (incl. its recomputation) runs
+    void (*pre_unit)(void *ctx, fl_model *m, int unit, int pass);
+    // a unit's gradients (rows [first_row, first_row + n_rows)) are complete
+    void (*grad_ready)(void *ctx, fl_model *m, int first_row, int n_rows);
+    void *ctx;
+} fl_model_hooks;
+
+typedef struct fl_arch fl_arch;
+
+enum { FL_MAX_SLOTS = 16 };
+
+struct fl_model {
+    fl_model_config config;
+    const fl_arch *arch;
     fl_dtype dtype; // of weights, gradients and activations (compute is fp32)
     fl_param_table table;
     void *params, *grads; // flat buffers of table.numel values of dtype
-    fl_gpt2_weights w, g; // views into params and grads
-    // activations and scratch, sized by fl_gpt2_alloc_acts
+    // where each row's weights and gradient are now: into params/grads unless
+    // a unit was rebound (fl_model_bind_params / fl_model_bind_grads)
+    void **wp, **gp;
+    int *unit_row; // (L+3): unit u's rows are [unit_row[u+1], unit_row[u+2]); u = -1..L
+    fl_model_hooks hooks;
+    // activations and scratch, sized by fl_model_alloc_acts
     int max_B, max_T;
-    fl_gpt2_acts acts;
-    // backward scratch (workspace tag, dtype): the residual stream's gradient
-    // (B,T,C), one (B,T,C) and two (B,T,4C) buffers reused layer after layer
-    void *dres, *dbuf_c, *dbuf_4c_a, *dbuf_4c_b;
-    float *dlosses;
+    fl_recompute recompute;
+    void *resid; // (L+1, B,T,C) the residual stream: embedding, each block's output
+    void *block_act[FL_MAX_SLOTS]; // per slot: L copies, or 1 when recomputed
+    void *block_work[FL_MAX_SLOTS];
+    void *head_act[FL_MAX_SLOTS];
+    void *logits;             // (B,T,Vp), overwritten by its own gradient in backward
+    float *losses, *xent_lse; // (B,T)
+    void *dres;               // (B,T,C) the residual stream's gradient
+    float *dlosses;           // (B,T)
     float *att_workspace;
     int att_workspace_threads; // the thread count att_workspace was sized for
-    void *matmul_workspace;    // matmul_workspace_bytes for the largest GEMM
+    void *matmul_workspace;    // for the largest GEMM of the step
+    float *rope_table;         // LLaMA: (maxT, HS/2, 2) cos/sin
     int *inputs, *targets;     // (B,T) copies of the last batch
     // state of the last forward
     int B, T;
-    int n_targets; // number of positions with a loss (targets != -1)
+    int n_targets; // positions with a loss (targets != -1)
     float loss;    // mean loss of the last forward (-1 when no targets were given)
-    fl_grad_hook grad_hook;
-    void *grad_hook_ctx;
-} fl_gpt2;
+};
 
 // Builds the parameter table, allocates params and grads of dtype dt
-// (tagged), and initialises weights like GPT-2: N(0, 0.02), residual
-// projections N(0, 0.02/sqrt(2L)), biases 0, LayerNorm weights 1, padded
-// vocab rows 0 (drawn in fp32, then rounded to dt).
-void fl_gpt2_init(fl_gpt2 *model, const fl_gpt2_config *cfg, fl_dtype dt, uint64_t seed);
+// (tagged), and initialises the weights from the rows' init rules (drawn in
+// fp32 from `seed`, then rounded to dt).
+void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed);
 // Allocates activations and scratch for batches of up to B x T (T <=
-// max_seq_len), for the current thread count.
-void fl_gpt2_alloc_acts(fl_gpt2 *model, int B, int T);
-// Bytes per tag that fl_gpt2_init + fl_gpt2_alloc_acts(B, T) allocate with
-// `threads` threads: computed by the same size list the allocation walks,
+// max_seq_len) under a recomputation policy, for the current thread count.
+void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute);
+// Bytes per tag that fl_model_init + fl_model_alloc_acts(B, T, recompute)
+// allocate with `threads` threads: the same slot lists the allocation walks,
 // so the prediction is exact. B = 0 leaves out the activations.
-void fl_gpt2_memory(const fl_gpt2_config *cfg, fl_dtype dt, int B, int T, int threads,
-                    size_t bytes[FL_MEM_NTAGS]);
-void fl_gpt2_free(fl_gpt2 *model);
+void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
+                     fl_recompute recompute, size_t bytes[FL_MEM_NTAGS]);
+void fl_model_free(fl_model *m);
+
+// Rows of a unit: [*first, *first + *count).
+void fl_model_unit_rows(const fl_model *m, int unit, int *first, int *count);
+// Points a unit's gradients (or weights) at `buffer`, which holds the unit's
+// rows contiguously in table order; NULL points them back into model->grads
+// (model->params).
+void fl_model_bind_grads(fl_model *m, int unit, void *buffer);
+void fl_model_bind_params(fl_model *m, int unit, void *buffer);
 
 // Forward pass over tokens (B,T). With targets (B,T) it computes the mean
 // cross-entropy over positions whose target is not -1 and keeps what the
-// backward needs; targets may be NULL for inference (model->loss = -1).
-// Logits are in model->acts.logits (B,T,Vp).
-float fl_gpt2_forward(fl_gpt2 *model, const int *tokens, const int *targets, int B, int T);
-void fl_gpt2_zero_grad(fl_gpt2 *model);
-// Backward of the last forward: accumulates d(loss_scale * loss)/dparams into
-// model->grads (loss_scale = 1/grad_accum_steps under accumulation).
-void fl_gpt2_backward(fl_gpt2 *model, float loss_scale);
+// backward needs; targets may be NULL for inference (m->loss = -1). Logits
+// are in m->logits (B,T,Vp). Token or target ids out of range are fatal.
+float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B, int T);
+void fl_model_zero_grad(fl_model *m);
+// Backward of the last forward: accumulates d(dloss * sum of the losses)
+// /dparams into the gradients, i.e. dloss is the weight of each target
+// token's loss (1/n_targets for the mean; scale/total for token-weighted
+// accumulation under loss scaling).
+void fl_model_backward(fl_model *m, float dloss);
+
+// ----------------------------------------------------------------------------
+// the linear unit: out (N,OC) = inp (N,C) @ W^T + b with W (OC,C) one row of
+// the table, or several consecutive rows run as one GEMM (q/k/v, gate/up).
+// It owns the GEMM, the bias, the profile slot and the workspace size.
+
+typedef struct {
+    int w, b;    // weight and bias rows relative to the unit's first row (b = -1: no bias)
+    int in, out; // C, OC
+    int op;      // profile slot (fl_op)
+} fl_linear;
+
+size_t fl_linear_workspace_bytes(fl_dtype dt, const fl_linear *lin, int N);
+void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
+                       int N);
+// dinp (N,C) accumulates (NULL: not needed); the weight and bias gradients accumulate.
+void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
+                        const void *inp, int N);
 
 // ----------------------------------------------------------------------------
 // sampling
@@ -174,9 +177,8 @@ int fl_sample_logits(const float *logits, int V, float temperature, int top_k, f
 
 // Appends n_new sampled tokens to tokens[0..n_prompt) (capacity n_prompt +
 // n_new), running the model on the last max_T tokens each time; calls
-// on_token (if not NULL) with each new token as it is made. The context is
-// the last model->max_T tokens (the activations' T).
-void fl_gpt2_generate(fl_gpt2 *model, int *tokens, int n_prompt, int n_new, float temperature,
-                      int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx), void *ctx);
+// on_token (if not NULL) with each new token as it is made.
+void fl_model_generate(fl_model *m, int *tokens, int n_prompt, int n_new, float temperature,
+                       int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx), void *ctx);
 
 #endif

@@ -16,10 +16,10 @@
 #include "fitlm/optim.h"
 
 typedef struct {
-    // The model: a GPT-2 shape (fl_gpt2_config_finish is applied to a copy),
+    // The model: a GPT-2 shape (fl_model_config_finish is applied to a copy),
     // or, when num_params > 0, a raw parameter count (e.g. 7e9) planned by
     // the model-state formulas alone (no activations: there is no shape).
-    fl_gpt2_config model;
+    fl_model_config model;
     size_t num_params;
     size_t largest_tensor; // elements, for raw counts under LOMO/ZeRO (0 = unknown)
     fl_dtype dtype;        // of weights, gradients and activations
@@ -30,11 +30,11 @@ typedef struct {
     size_t data_peak;  // the peak of FL_MEM_OTHER while opening them (a tokenizer's files
                        // are read whole): the tag's peak is at least this
     int sample_tokens; // > 0: the run ends by sampling this many tokens
-    // strategies (the engine runs ranks 1, ZeRO stage 0, neither flag)
-    int ranks;      // data-parallel ranks (>= 1)
-    int zero_stage; // 0 (plain data parallel), 1, 2 or 3
-    int activation_checkpointing;
-    int lomo; // fused update in backward: no optimizer state, one tensor's gradient
+    // strategies (the engine runs ranks 1, ZeRO stage 0, no LOMO)
+    int ranks;              // data-parallel ranks (>= 1)
+    int zero_stage;         // 0 (plain data parallel), 1, 2 or 3
+    fl_recompute recompute; // activation checkpointing policy (planned exactly)
+    int lomo;               // fused update in backward: no optimizer state, one tensor's gradient
 } fl_plan_request;
 
 typedef struct {
@@ -55,7 +55,7 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
 // Per-tag bytes per rank. For runnable requests (one rank, ZeRO stage 0, no
 // checkpointing, no LOMO, a model shape) this is exactly what `fitlm train`
 // allocates at its peak per tag:
-//   fl_gpt2_memory(model, dtype, B, T, threads)           params, grads, acts, workspace, other
+//   fl_model_memory(model, dtype, B, T, threads)           params, grads, acts, workspace, other
 //   + fl_optimizer_memory(optim, dtype, num_params)       master, optim, fp32 gradient sum
 //   + data_bytes                                          other (loaders' tables, tokenizer)
 //   (other: at least data_peak, its peak while the data and tokenizer were opened)

@@ -13,13 +13,16 @@
 typedef enum {
     FL_OP_ENCODER,
     FL_OP_LAYERNORM, // ln_1, ln_2 and ln_f
+    FL_OP_RMSNORM,   // LLaMA's norms
     FL_OP_MM_QKV,    // attention: the fused QKV GEMM
     FL_OP_MM_ATTPROJ,
     FL_OP_MM_FC, // MLP
     FL_OP_MM_FCPROJ,
     FL_OP_MM_LMHEAD,
+    FL_OP_ROPE, // rotary position embedding of q and k
     FL_OP_ATTENTION,
     FL_OP_GELU,
+    FL_OP_SWIGLU,   // LLaMA's MLP gate
     FL_OP_RESIDUAL, // forward only: its backward passes the gradient through
     FL_OP_XENT,     // softmax + cross-entropy
     FL_OP_ZERO_GRAD,

@@ -71,7 +71,7 @@ void fl_safetensors_write(const char *path, const fl_st_tensor *tensors, int n, 
 // Refuses what fitlm's GPT-2 does not implement: another model_type or
 // activation, layer_norm_epsilon other than 1e-5, n_inner other than 4C,
 // untied embeddings, unscaled or layer-scaled attention, cross-attention.
-int fl_hf_config_parse(const char *json, size_t n, fl_gpt2_config *out, char *err, size_t errlen);
+int fl_hf_config_parse(const char *json, size_t n, fl_model_config *out, char *err, size_t errlen);
 
 typedef struct {
     const char *name; // tensor name
@@ -97,14 +97,14 @@ void fl_hf_index_free(fl_hf_index *idx);
 // "transformer." prefix, Conv1D weights are stored (in, out), wte has the
 // unpadded vocab rows and the tied lm_head is not stored. weights_fp32 is
 // the model's table.numel fp32 values; out_dtype is the stored dtype.
-void fl_hf_export(const char *dir, const fl_gpt2 *model, const float *weights_fp32,
+void fl_hf_export(const char *dir, const fl_model *model, const float *weights_fp32,
                   fl_dtype out_dtype, size_t max_shard_bytes);
 // Initialises *model from a directory written by fl_hf_export or
 // save_pretrained, or from a .safetensors file with config.json beside it.
 // Names with or without "transformer."; F32, F16 or BF16 tensors, rounded to
 // dt; attn.bias/attn.masked_bias buffers are skipped, a stored lm_head must
 // equal wte; every parameter must be there once with its shape.
-void fl_hf_load(const char *path, fl_gpt2 *model, fl_dtype dt);
+void fl_hf_load(const char *path, fl_model *model, fl_dtype dt);
 
 // ----------------------------------------------------------------------------
 // llm.c model files (gpt2_124M.bin): 256 int32 header {20240326, version
@@ -129,6 +129,6 @@ int fl_llmc_header_parse(const uint8_t *buf, size_t n, uint64_t file_size, fl_ll
                          char *err, size_t errlen);
 // Initialises *model from an llm.c model file: V rows of wte are kept, the
 // padded rows of our table are zero.
-void fl_llmc_load(const char *path, fl_gpt2 *model, fl_dtype dt);
+void fl_llmc_load(const char *path, fl_model *model, fl_dtype dt);
 
 #endif

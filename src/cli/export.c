@@ -58,7 +58,7 @@ int cmd_export(int argc, char **argv) {
     if ((int)dt < 0) fl_die("--dtype must be fp32, bf16 or fp16, got '%s'", dtype);
     if (!fl_is_checkpoint(ckpt)) fl_die("%s is not a fitlm checkpoint", ckpt);
 
-    fl_gpt2 model;
+    fl_model model;
     char tokenizer[32];
     fl_ckpt_load_model(ckpt, &model, FL_F32, tokenizer, sizeof tokenizer);
     char dir[FL_FILE_PATH_MAX];
@@ -77,6 +77,6 @@ int cmd_export(int argc, char **argv) {
     fl_hf_export(dir, &model, model.params, dt, max_shard);
     printf("exported %zu parameters (%s, %s tensors, tokenizer %s) to %s\n", model.table.numel,
            ckpt, fl_dtype_name(dt), tokenizer, dir);
-    fl_gpt2_free(&model);
+    fl_model_free(&model);
     return 0;
 }

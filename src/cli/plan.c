@@ -18,25 +18,23 @@ static void help(void) {
     printf("usage: fitlm plan [options]\n\n"
            "Prints the memory per tag (per rank) that 'fitlm train' with the same options would\n"
            "allocate, without allocating it: exact for what the engine runs, from the published\n"
-           "formulas (ZeRO, LOMO, activation checkpointing) for what it does not run yet, marked\n"
+           "formulas (ZeRO, LOMO) for what it does not run yet, marked\n"
            "as such. Then compares the total with --mem-limit (default: the available memory)\n"
            "and, if it does not fit, lists what would.\n\n"
            "plan-only options:\n"
            "  %-28s %s\n  %-28s default: 1\n"
            "  %-28s %s\n  %-28s default: 0\n"
            "  %-28s %s\n  %-28s default: off\n"
-           "  %-28s %s\n  %-28s default: off\n"
            "  %-28s %s\n  %-28s default: the model shape's count\n\n",
            "--ranks N", "data-parallel ranks (memory is per rank)", "", "--zero-stage S",
-           "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters", "",
-           "--activation-checkpointing", "keep block inputs only; recompute blocks in backward", "",
-           "--lomo", "LOMO: update fused into backward, no optimizer state", "", "--params N",
+           "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters", "", "--lomo",
+           "LOMO: update fused into backward, no optimizer state", "", "--params N",
            "a raw parameter count (124439808, 7e9, 7B, 350M): model states only", "");
     fl_config_print_help(stdout);
 }
 
 typedef struct {
-    int ranks, zero_stage, checkpointing, lomo;
+    int ranks, zero_stage, lomo;
     size_t params;
 } plan_flags;
 
@@ -69,8 +67,6 @@ static int take_plan_flags(int argc, char **argv, plan_flags *f) {
             if (which == 0) f->ranks = parse_int("--ranks", value, 1, 1 << 20);
             if (which == 1) f->zero_stage = parse_int("--zero-stage", value, 0, 3);
             if (which == 2) f->params = fl_plan_parse_count(value, "option --params");
-        } else if (!strcmp(arg, "--activation-checkpointing")) {
-            f->checkpointing = 1;
         } else if (!strcmp(arg, "--lomo")) {
             f->lomo = 1;
         } else {
@@ -113,7 +109,7 @@ int cmd_plan(int argc, char **argv) {
         help();
         return 0;
     }
-    plan_flags f = {1, 0, 0, 0, 0};
+    plan_flags f = {1, 0, 0, 0};
     char **args = fl_alloc(FL_MEM_OTHER, ((size_t)argc + 1) * sizeof(char *));
     memcpy(args, argv, (size_t)argc * sizeof(char *));
     int n = take_plan_flags(argc, args, &f);
@@ -129,11 +125,10 @@ int cmd_plan(int argc, char **argv) {
     r.data_peak = data_peak;
     r.ranks = f.ranks;
     r.zero_stage = f.zero_stage;
-    r.activation_checkpointing = f.checkpointing;
     r.lomo = f.lomo;
     r.num_params = f.params;
 
-    const fl_gpt2_config *m = &cfg.model;
+    const fl_model_config *m = &cfg.model;
     if (f.params)
         printf("model: %zu parameters (a raw count: model states only, no activations)\n",
                f.params);
@@ -141,14 +136,14 @@ int cmd_plan(int argc, char **argv) {
         printf("model %s: n_layer %d, n_head %d, n_embd %d, vocab %d (padded %d), max_seq_len %d: "
                "%zu parameters\n",
                cfg.model_preset, m->n_layer, m->n_head, m->n_embd, m->vocab_size,
-               m->padded_vocab_size, m->max_seq_len, fl_gpt2_num_params(m));
+               m->padded_vocab_size, m->max_seq_len, fl_model_num_params(m));
     printf("%s | %s", fl_dtype_name(cfg.dtype), cfg.optimizer);
     if (r.optim.kind == FL_OPT_SGD) printf(" (momentum %g)", r.optim.momentum);
-    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s, ZeRO stage %d%s%s | %d "
+    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s, ZeRO stage %d%s%s%s | %d "
            "threads\n",
            cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "",
-           f.zero_stage, f.checkpointing ? " | activation checkpointing" : "",
-           f.lomo ? " | LOMO" : "", cfg.threads);
+           f.zero_stage, cfg.recompute ? " | activation checkpointing " : "",
+           cfg.recompute ? cfg.recompute_policy : "", f.lomo ? " | LOMO" : "", cfg.threads);
     printf("data: %zu bytes (data loaders and tokenizer; tokens are memory-mapped)\n\n", data);
 
     fl_plan p;

@@ -71,7 +71,7 @@ int cmd_sample(int argc, char **argv) {
     }
     if (o.threads) fl_set_threads(o.threads);
 
-    fl_gpt2 model;
+    fl_model model;
     char tokenizer[32] = "gpt2";
     if (fl_is_checkpoint(o.checkpoint))
         fl_ckpt_load_model(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer);
@@ -83,7 +83,7 @@ int cmd_sample(int argc, char **argv) {
         fl_die("the %s tokenizer's vocabulary (%d) is not the model's (%d): choose the tokenizer "
                "the model was trained with (--tokenizer)",
                fl_tokenizer_name(tok), fl_tokenizer_vocab_size(tok), model.config.vocab_size);
-    fl_gpt2_alloc_acts(&model, 1, model.config.max_seq_len);
+    fl_model_alloc_acts(&model, 1, model.config.max_seq_len, FL_RECOMPUTE_NONE);
 
     fl_tokens prompt = {0};
     int eot = fl_tokenizer_eot(tok);
@@ -96,11 +96,11 @@ int cmd_sample(int argc, char **argv) {
     fl_rng rng;
     fl_rng_seed(&rng, o.seed);
     fputs(o.prompt, stdout);
-    fl_gpt2_generate(&model, tokens, n_prompt, o.tokens, o.temperature, o.top_k, &rng, print_token,
-                     tok);
+    fl_model_generate(&model, tokens, n_prompt, o.tokens, o.temperature, o.top_k, &rng, print_token,
+                      tok);
     putchar('\n');
     fl_free(tokens);
     fl_tokenizer_free(tok);
-    fl_gpt2_free(&model);
+    fl_model_free(&model);
     return 0;
 }

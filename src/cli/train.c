@@ -14,21 +14,23 @@
 #include "fitlm/plan.h"
 #include "fitlm/profile.h"
 #include "fitlm/tokenizer.h"
+#include "fitlm/train.h"
 
 // Mean loss over cfg->eval_iters fixed batches spread over the validation data.
-static float evaluate(fl_gpt2 *model, const fl_loader *val, const fl_train_config *cfg, int *inputs,
-                      int *targets) {
+static float evaluate(fl_model *model, const fl_loader *val, const fl_train_config *cfg,
+                      int *inputs, int *targets) {
     double sum = 0.0;
     for (int i = 0; i < cfg->eval_iters; i++) {
         fl_loader_eval_batch(val, i, cfg->eval_iters, inputs, targets, cfg->micro_batch);
-        sum += fl_gpt2_forward(model, inputs, targets, cfg->micro_batch, cfg->seq_len);
+        sum += fl_model_forward(model, inputs, targets, cfg->micro_batch, cfg->seq_len);
     }
     return (float)(sum / cfg->eval_iters);
 }
 
 static void help(void) {
     printf("usage: fitlm train [options]\n\n"
-           "Trains GPT-2 on token shards (made by 'fitlm tokenize'). With no options: the demo\n"
+           "Trains a GPT-2 or LLaMA model on token shards (made by 'fitlm tokenize'). With no "
+           "options: the demo\n"
            "(the 'demo' model on the Brown corpus in GPT-2 tokens, made by scripts/demo.sh).\n\n");
     fl_config_print_help(stdout);
 }
@@ -98,7 +100,7 @@ int cmd_train(int argc, char **argv) {
     // A resumed or pretrained model brings its own shape.
     const char *shape_from = resume ? resume : *cfg.init_from ? cfg.init_from : NULL;
     if (shape_from) {
-        fl_gpt2_config shape;
+        fl_model_config shape;
         if (ck)
             fl_ckpt_model_config(ck, &shape);
         else
@@ -143,12 +145,12 @@ int cmd_train(int argc, char **argv) {
         *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "mem_limit") : fl_plan_available_memory();
     fl_plan_check_fits(&req, &plan, limit);
 
-    fl_gpt2 model;
+    fl_model model;
     if (*cfg.init_from && !resume)
         fl_pretrained_load(cfg.init_from, &model, cfg.dtype);
     else
-        fl_gpt2_init(&model, &cfg.model, cfg.dtype, cfg.seed);
-    fl_gpt2_alloc_acts(&model, B, T);
+        fl_model_init(&model, &cfg.model, cfg.dtype, cfg.seed);
+    fl_model_alloc_acts(&model, B, T, cfg.recompute);
     fl_optimizer optim;
     fl_optimizer_init(&optim, &ocfg, &model.table, cfg.dtype, model.params, model.grads);
     int start = 0;
@@ -166,8 +168,11 @@ int cmd_train(int argc, char **argv) {
                             : !strcmp(cfg.scheduler, "linear") ? FL_SCHED_LINEAR
                                                                : FL_SCHED_CONSTANT,
                             cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio};
-    int *inputs = fl_alloc(FL_MEM_OTHER, (size_t)B * T * sizeof(int));
-    int *targets = fl_alloc(FL_MEM_OTHER, (size_t)B * T * sizeof(int));
+    // a step's micro-batches, loaded before it: the step weights every target
+    // token of the accumulated batch alike
+    size_t micro_tokens = (size_t)B * T;
+    int *inputs = fl_alloc(FL_MEM_OTHER, micro_tokens * cfg.grad_accum * sizeof(int));
+    int *targets = fl_alloc(FL_MEM_OTHER, micro_tokens * cfg.grad_accum * sizeof(int));
 
     fl_config_print(&cfg, stdout);
     printf("%zu parameters (%.2f M); planned memory %.1f MiB; train %s: %llu tokens (%s)",
@@ -198,18 +203,14 @@ int cmd_train(int argc, char **argv) {
         // checkpoints), and not the first one: warm-up (page faults, kernel setup).
         fl_profile_enable(cfg.profile && step > start);
         double t0 = fl_now();
-        double loss = 0.0;
-        for (int micro = 0; micro < cfg.grad_accum; micro++) {
-            FL_PROFILE(FL_OP_LOADER, FL_STEP, 0.0, fl_loader_next(&train, inputs, targets, B));
-            FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(&optim));
-            loss += fl_gpt2_forward(&model, inputs, targets, B, T);
-            fl_gpt2_backward(&model, fl_optimizer_loss_scale(&optim));
-            FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(&optim));
-        }
-        loss /= cfg.grad_accum;
+        for (int micro = 0; micro < cfg.grad_accum; micro++)
+            FL_PROFILE(FL_OP_LOADER, FL_STEP, 0.0,
+                       fl_loader_next(&train, inputs + micro * micro_tokens,
+                                      targets + micro * micro_tokens, B));
         float lr = fl_lr_at(&schedule, step);
-        fl_step_result r;
-        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, r = fl_optimizer_step(&optim, lr));
+        fl_train_result r =
+            fl_train_step(&model, &optim, inputs, targets, cfg.grad_accum, B, T, lr);
+        float loss = r.loss;
         skipped += r.skipped;
         double ms = (fl_now() - t0) * 1e3;
         if (fl_profile_on) fl_profile_step(ms / 1e3);
@@ -258,7 +259,7 @@ int cmd_train(int argc, char **argv) {
         fl_rng rng;
         fl_rng_seed(&rng, cfg.seed);
         printf("--- sample (temperature 0.8, top-k 40) ---\n");
-        fl_gpt2_generate(&model, tokens, 1, cfg.sample_tokens, 0.8f, 40, &rng, print_token, tok);
+        fl_model_generate(&model, tokens, 1, cfg.sample_tokens, 0.8f, 40, &rng, print_token, tok);
         printf("\n---\n");
         fl_free(tokens);
     }
@@ -267,7 +268,7 @@ int cmd_train(int argc, char **argv) {
     fl_free(targets);
     fl_free(config_json);
     fl_optimizer_free(&optim);
-    fl_gpt2_free(&model);
+    fl_model_free(&model);
     if (tok) fl_tokenizer_free(tok);
     if (has_val) fl_loader_close(&val);
     fl_loader_close(&train);

@@ -33,7 +33,11 @@ typedef struct {
 
 static const option options[] = {
     {"model.preset", "--model", OPT_CHOICE, STR(model_preset), "demo", 0, 0,
-     "demo|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl", "model shape preset"},
+     "demo|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl|llama-tiny|llama-7b|tinyllama-1.1b|"
+     "smollm-135m",
+     "model shape preset (demo and tiny take --arch; the others name theirs)"},
+    {"model.arch", "--arch", OPT_STRING, STR(model_arch), "", 0, 0, NULL,
+     "architecture: gpt2 or llama (\"\" = the preset's; demo and tiny are gpt2 unless given)"},
     {"model.n_layer", "--n-layer", OPT_INT, NUM(model.n_layer), "0", 0, 1024, NULL,
      "transformer blocks (0 = the preset's)"},
     {"model.n_head", "--n-head", OPT_INT, NUM(model.n_head), "0", 0, 1024, NULL,
@@ -42,6 +46,35 @@ static const option options[] = {
      "channels (0 = the preset's)"},
     {"model.max_seq_len", "--max-seq-len", OPT_INT, NUM(model.max_seq_len), "0", 0, 1048576, NULL,
      "position embeddings (0 = the preset's)"},
+    {"model.n_kv_head", "--n-kv-head", OPT_INT, NUM(model.n_kv_head), "0", 0, 1024, NULL,
+     "key/value heads, grouped-query attention (LLaMA; 0 = the preset's or n_head)"},
+    {"model.intermediate_size", "--intermediate-size", OPT_INT, NUM(model.intermediate_size), "0",
+     0, 1 << 20, NULL, "MLP width (LLaMA; 0 = the preset's or 4 x n_embd)"},
+    {"model.rms_norm_eps", "--rms-norm-eps", OPT_FLOAT, NUM(model.norm_eps), "0", 0, 1, NULL,
+     "RMSNorm epsilon (LLaMA; 0 = the preset's or 1e-5)"},
+    {"model.rope_theta", "--rope-theta", OPT_FLOAT, NUM(model.rope_theta), "0", 0, 1e12, NULL,
+     "rotary embedding base (LLaMA; 0 = the preset's or 10000)"},
+    {"model.tie_word_embeddings", "--tie-word-embeddings", OPT_BOOL, NUM(tie_embeddings), "false",
+     0, 0, NULL, "LM head shares the token embedding (LLaMA; GPT-2 always does)"},
+    {"activation_checkpointing.policy", "--activation-checkpointing", OPT_CHOICE,
+     STR(recompute_policy), "none", 0, 0, "none|selective|block",
+     "recompute in backward: selective = norms and GELU/SwiGLU; block = whole blocks from their "
+     "inputs"},
+    {"activation_checkpointing.partition_activations", "--partition-activations", OPT_BOOL,
+     NUM(ac_partition), "false", 0, 0, NULL,
+     "DeepSpeed: split checkpoints across tensor-parallel ranks (needs tensor parallelism)"},
+    {"activation_checkpointing.cpu_checkpointing", "--cpu-checkpointing", OPT_BOOL, NUM(ac_cpu),
+     "false", 0, 0, NULL, "DeepSpeed: offload partitioned checkpoints (needs partitioning)"},
+    {"activation_checkpointing.contiguous_memory_optimization", "--contiguous-checkpoints",
+     OPT_BOOL, NUM(ac_contiguous), "false", 0, 0, NULL,
+     "DeepSpeed: copy partitioned checkpoints into one buffer (needs partitioning)"},
+    {"activation_checkpointing.number_checkpoints", "--number-checkpoints", OPT_INT, NUM(ac_number),
+     "0", 0, 1 << 20, NULL, "DeepSpeed: buffer size for contiguous_memory_optimization (needs it)"},
+    {"activation_checkpointing.synchronize_checkpoint_boundary", "--sync-checkpoints", OPT_BOOL,
+     NUM(ac_sync), "false", 0, 0, NULL,
+     "DeepSpeed: a device synchronise per checkpoint (GPU only)"},
+    {"activation_checkpointing.profile", "--checkpoint-profile", OPT_BOOL, NUM(ac_profile), "false",
+     0, 0, NULL, "DeepSpeed: time each checkpoint (use --profile: per-op forward/backward times)"},
     {"model.vocab_size", "--vocab-size", OPT_INT, NUM(model.vocab_size), "0", 0, 1 << 30, NULL,
      "vocabulary (0 = the tokenizer's; larger is allowed)"},
     {"tokenizer", "--tokenizer", OPT_CHOICE, STR(tokenizer), "gpt2", 0, 0, "gpt2|byte",
@@ -136,10 +169,14 @@ static const option options[] = {
 #define N_OPTIONS (sizeof options / sizeof options[0])
 _Static_assert(N_OPTIONS <= sizeof(((fl_train_config *)0)->given), "grow fl_train_config.given");
 
-static int given(const fl_train_config *cfg, const char *key) {
+static size_t option_index(const char *key) {
     for (size_t i = 0; i < N_OPTIONS; i++)
-        if (!strcmp(options[i].key, key)) return cfg->given[i];
+        if (!strcmp(options[i].key, key)) return i;
     FL_ASSERT(0);
+}
+
+static int given(const fl_train_config *cfg, const char *key) {
+    return cfg->given[option_index(key)];
 }
 
 // ----------------------------------------------------------------------------
@@ -490,30 +527,52 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
 // ----------------------------------------------------------------------------
 // presets and cross-field checks
 
-void fl_gpt2_preset(fl_gpt2_config *out, const char *name) {
-    static const struct {
-        const char *name;
-        int n_layer, n_head, n_embd, max_seq_len;
-    } presets[] = {
-        {"tiny", 2, 4, 64, 64},
-        {"demo", 4, 4, 128, 256},
-        {"gpt2", 12, 12, 768, 1024},
-        {"gpt2-medium", 24, 16, 1024, 1024},
-        {"gpt2-large", 36, 20, 1280, 1024},
-        {"gpt2-xl", 48, 25, 1600, 1024},
-    };
+// The shapes of real models, for planning and benchmarks, and small ones
+// for tests and the demo. vocab 0: the tokenizer's.
+static const struct {
+    const char *name;
+    fl_model_config c;
+} presets[] = {
+    {"tiny", {.n_layer = 2, .n_head = 4, .n_embd = 64, .max_seq_len = 64}},
+    {"demo", {.n_layer = 4, .n_head = 4, .n_embd = 128, .max_seq_len = 256}},
+    {"gpt2", {.n_layer = 12, .n_head = 12, .n_embd = 768, .max_seq_len = 1024}},
+    {"gpt2-medium", {.n_layer = 24, .n_head = 16, .n_embd = 1024, .max_seq_len = 1024}},
+    {"gpt2-large", {.n_layer = 36, .n_head = 20, .n_embd = 1280, .max_seq_len = 1024}},
+    {"gpt2-xl", {.n_layer = 48, .n_head = 25, .n_embd = 1600, .max_seq_len = 1024}},
+    {"llama-tiny",
+     {FL_ARCH_LLAMA, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 64, .max_seq_len = 64,
+      .intermediate_size = 176}},
+    // LLaMA 7B (Touvron et al. 2023)
+    {"llama-7b",
+     {FL_ARCH_LLAMA, .n_layer = 32, .n_head = 32, .n_kv_head = 32, .n_embd = 4096,
+      .max_seq_len = 2048, .intermediate_size = 11008, .vocab_size = 32000, .norm_eps = 1e-6f}},
+    // TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T
+    {"tinyllama-1.1b",
+     {FL_ARCH_LLAMA, .n_layer = 22, .n_head = 32, .n_kv_head = 4, .n_embd = 2048,
+      .max_seq_len = 2048, .intermediate_size = 5632, .vocab_size = 32000}},
+    // HuggingFaceTB/SmolLM-135M
+    {"smollm-135m",
+     {FL_ARCH_LLAMA, .n_layer = 30, .n_head = 9, .n_kv_head = 3, .n_embd = 576, .max_seq_len = 2048,
+      .intermediate_size = 1536, .vocab_size = 49152, .tie_embeddings = 1}},
+};
+
+void fl_model_preset(fl_model_config *out, const char *name) {
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
         if (strcasecmp(presets[i].name, name)) continue;
-        out->n_layer = presets[i].n_layer;
-        out->n_head = presets[i].n_head;
-        out->n_embd = presets[i].n_embd;
-        out->max_seq_len = presets[i].max_seq_len;
+        *out = presets[i].c;
         return;
     }
-    fl_die("unknown model preset '%s' (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl)", name);
+    fl_die("unknown model preset '%s' (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
+           "llama-tiny, llama-7b, tinyllama-1.1b, smollm-135m)",
+           name);
 }
 
-void fl_config_set_shape(fl_train_config *cfg, const fl_gpt2_config *shape, const char *source) {
+// demo and tiny are shapes for either architecture
+static int preset_takes_arch(const char *name) {
+    return !strcasecmp(name, "tiny") || !strcasecmp(name, "demo");
+}
+
+void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source) {
     const struct {
         const char *key;
         int *field, value;
@@ -523,6 +582,9 @@ void fl_config_set_shape(fl_train_config *cfg, const fl_gpt2_config *shape, cons
         {"model.n_embd", &cfg->model.n_embd, shape->n_embd},
         {"model.max_seq_len", &cfg->model.max_seq_len, shape->max_seq_len},
         {"model.vocab_size", &cfg->model.vocab_size, shape->vocab_size},
+        {"model.n_kv_head", &cfg->model.n_kv_head, shape->n_kv_head},
+        {"model.intermediate_size", &cfg->model.intermediate_size, shape->intermediate_size},
+        {"model.tie_word_embeddings", &cfg->tie_embeddings, shape->tie_embeddings},
     };
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
         if (given(cfg, dims[i].key) && *dims[i].field != dims[i].value)
@@ -530,6 +592,27 @@ void fl_config_set_shape(fl_train_config *cfg, const fl_gpt2_config *shape, cons
                    dims[i].value);
         *dims[i].field = dims[i].value;
     }
+    const struct {
+        const char *key;
+        float *field, value;
+    } reals[] = {
+        {"model.rms_norm_eps", &cfg->model.norm_eps, shape->norm_eps},
+        {"model.rope_theta", &cfg->model.rope_theta, shape->rope_theta},
+    };
+    for (size_t i = 0; i < sizeof reals / sizeof reals[0]; i++) {
+        if (given(cfg, reals[i].key) && *reals[i].field != reals[i].value)
+            fl_die("%s %g contradicts %s, whose model has %g", reals[i].key, *reals[i].field,
+                   source, reals[i].value);
+        *reals[i].field = reals[i].value;
+    }
+    const char *arch = fl_arch_name(shape->arch);
+    if (given(cfg, "model.arch") && strcmp(cfg->model_arch, arch))
+        fl_die("model.arch %s contradicts %s, a %s model", cfg->model_arch, source, arch);
+    strcpy(cfg->model_arch, arch);
+    // the source's shape, whatever the preset: a given preset only names defaults
+    strcpy(cfg->model_preset, preset_takes_arch(cfg->model_preset) ? cfg->model_preset : "demo");
+    // GPT-2 is always tied; the flag exists for LLaMA
+    cfg->given[option_index("model.tie_word_embeddings")] = shape->arch == FL_ARCH_LLAMA;
 }
 
 // precision from --precision or DeepSpeed's blocks; fp16 options only with fp16
@@ -553,22 +636,64 @@ static void finish_precision(fl_train_config *cfg) {
             fl_die("%s applies to fp16 training; precision is %s", fp16_keys[i], cfg->precision);
 }
 
+// DeepSpeed's activation_checkpointing keys: each is honoured with its
+// meaning or refused, never ignored.
+static void finish_checkpointing(fl_train_config *cfg) {
+    FL_ASSERT(fl_recompute_parse(cfg->recompute_policy, &cfg->recompute) == 0);
+    const char *needs_tp = "partitions checkpoints across tensor-parallel ranks, and fitlm has no "
+                           "tensor parallelism yet";
+    if (cfg->ac_partition) fl_die("activation_checkpointing.partition_activations %s", needs_tp);
+    if (cfg->ac_cpu)
+        fl_die("activation_checkpointing.cpu_checkpointing offloads partitioned checkpoints "
+               "(DeepSpeed: needs partition_activations); fitlm's activations are in host memory "
+               "already");
+    if (cfg->ac_contiguous || given(cfg, "activation_checkpointing.number_checkpoints"))
+        fl_die("activation_checkpointing.contiguous_memory_optimization and number_checkpoints "
+               "apply to partitioned checkpoints (DeepSpeed: need partition_activations); "
+               "fitlm's checkpoints are one contiguous buffer already");
+    if (cfg->ac_sync)
+        fl_die("activation_checkpointing.synchronize_checkpoint_boundary synchronises a GPU "
+               "stream; fitlm's kernels are synchronous");
+    if (cfg->ac_profile)
+        fl_die("activation_checkpointing.profile: use --profile (the per-op forward and backward "
+               "times, recomputation included)");
+}
+
 void fl_config_finish(fl_train_config *cfg) {
-    fl_gpt2_config shape = {0};
-    fl_gpt2_preset(&shape, cfg->model_preset);
-    fl_gpt2_config *m = &cfg->model;
+    fl_model_config shape = {0};
+    fl_model_preset(&shape, cfg->model_preset);
+    fl_model_config *m = &cfg->model;
+    if (*cfg->model_arch) {
+        fl_arch_kind arch;
+        if (fl_arch_parse(cfg->model_arch, &arch))
+            fl_die("model.arch must be gpt2 or llama, got '%s'", cfg->model_arch);
+        if (arch != shape.arch && !preset_takes_arch(cfg->model_preset))
+            fl_die("model.arch %s contradicts model.preset %s, a %s model", cfg->model_arch,
+                   cfg->model_preset, fl_arch_name(shape.arch));
+        shape.arch = arch;
+    }
     if (m->n_layer) shape.n_layer = m->n_layer;
     if (m->n_head) shape.n_head = m->n_head;
+    if (m->n_kv_head) shape.n_kv_head = m->n_kv_head;
     if (m->n_embd) shape.n_embd = m->n_embd;
     if (m->max_seq_len) shape.max_seq_len = m->max_seq_len;
+    if (m->intermediate_size) shape.intermediate_size = m->intermediate_size;
+    if (m->norm_eps != 0.0f) shape.norm_eps = m->norm_eps;
+    if (m->rope_theta != 0.0f) shape.rope_theta = m->rope_theta;
+    if (given(cfg, "model.tie_word_embeddings")) {
+        if (shape.arch == FL_ARCH_GPT2 && !cfg->tie_embeddings)
+            fl_die("model.tie_word_embeddings: GPT-2's LM head is always tied to wte");
+        shape.tie_embeddings = cfg->tie_embeddings;
+    }
     // the vocabularies of fitlm's tokenizers (src/io/tokenizer.c); the data's
-    // shards are checked against the tokenizer when training starts
+    // shards are checked against the model when training starts
     int tokenizer_vocab = !strcmp(cfg->tokenizer, "byte") ? 257 : 50257;
     if (m->vocab_size && m->vocab_size < tokenizer_vocab)
         fl_die("model.vocab_size %d is smaller than the %s tokenizer's %d", m->vocab_size,
                cfg->tokenizer, tokenizer_vocab);
-    shape.vocab_size = m->vocab_size ? m->vocab_size : tokenizer_vocab;
-    fl_gpt2_config_finish(&shape);
+    if (m->vocab_size || !shape.vocab_size)
+        shape.vocab_size = m->vocab_size ? m->vocab_size : tokenizer_vocab;
+    fl_model_config_finish(&shape);
     *m = shape;
     if (cfg->seq_len > m->max_seq_len)
         fl_die("seq_len %d exceeds model.max_seq_len %d", cfg->seq_len, m->max_seq_len);
@@ -594,6 +719,7 @@ void fl_config_finish(fl_train_config *cfg) {
     if (!adamw && (given(cfg, "optimizer.params.betas") || given(cfg, "optimizer.params.eps")))
         fl_die("optimizer.params.betas and eps apply to adamw, not %s", cfg->optimizer);
     if (cfg->threads == 0) cfg->threads = omp_get_num_procs();
+    finish_checkpointing(cfg);
     finish_precision(cfg);
     if (*cfg->mem_limit) fl_parse_bytes(cfg->mem_limit, "mem_limit");
 }
@@ -658,11 +784,13 @@ void fl_config_print_help(FILE *out) {
 }
 
 void fl_config_print(const fl_train_config *cfg, FILE *out) {
-    const fl_gpt2_config *m = &cfg->model;
+    const fl_model_config *m = &cfg->model;
     fprintf(out,
-            "model %s: n_layer %d, n_head %d, n_embd %d, vocab %d (padded %d), max_seq_len %d\n",
-            cfg->model_preset, m->n_layer, m->n_head, m->n_embd, m->vocab_size,
-            m->padded_vocab_size, m->max_seq_len);
+            "model %s (%s): n_layer %d, n_head %d (kv %d), n_embd %d, mlp %d, vocab %d (padded "
+            "%d), max_seq_len %d, activation checkpointing %s\n",
+            cfg->model_preset, fl_arch_name(m->arch), m->n_layer, m->n_head, m->n_kv_head,
+            m->n_embd, m->intermediate_size, m->vocab_size, m->padded_vocab_size, m->max_seq_len,
+            cfg->recompute_policy);
     fprintf(out,
             "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g (%s, warmup %d, floor %g) "
             "wd %g clip %g | %s | seed %llu, %d threads\n",

@@ -36,13 +36,13 @@ static int want_bool(const cJSON *root, const char *key, int want, const char *w
     return 0;
 }
 
-static int check_config(const cJSON *root, fl_gpt2_config *out, char *err, size_t errlen) {
+static int check_config(const cJSON *root, fl_model_config *out, char *err, size_t errlen) {
     if (!cJSON_IsObject(root)) return fl_errorf(err, errlen, "not a JSON object");
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(root, "model_type");
     if (type && (!cJSON_IsString(type) || strcmp(type->valuestring, "gpt2") != 0))
         return fl_errorf(err, errlen, "model_type is %.40s, not \"gpt2\"",
                          cJSON_IsString(type) ? type->valuestring : "not a string");
-    fl_gpt2_config c = {0};
+    fl_model_config c = {0};
     if (get_int(root, "vocab_size", 50257, 1, 1 << 30, &c.vocab_size, err, errlen) ||
         get_int(root, "n_positions", 1024, 1, 1 << 20, &c.max_seq_len, err, errlen) ||
         get_int(root, "n_embd", 768, 1, 1 << 16, &c.n_embd, err, errlen) ||
@@ -74,12 +74,12 @@ static int check_config(const cJSON *root, fl_gpt2_config *out, char *err, size_
                   errlen) ||
         want_bool(root, "add_cross_attention", 0, "fitlm's GPT-2 is decoder-only", err, errlen))
         return -1;
-    c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128; // as fl_gpt2_config_finish
+    c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128; // as fl_model_config_finish
     *out = c;
     return 0;
 }
 
-int fl_hf_config_parse(const char *json, size_t n, fl_gpt2_config *out, char *err, size_t errlen) {
+int fl_hf_config_parse(const char *json, size_t n, fl_model_config *out, char *err, size_t errlen) {
     cJSON *root = cJSON_ParseWithLength(json, n);
     if (!root) return fl_errorf(err, errlen, "not valid JSON");
     int rc = check_config(root, out, err, errlen);

@@ -32,7 +32,7 @@ static int is_conv1d(const fl_param_view *v) {
 }
 
 // The HF shape of a view: wte without the padded rows, Conv1D transposed.
-static void hf_shape(const fl_param_view *v, const fl_gpt2_config *c, uint64_t *shape) {
+static void hf_shape(const fl_param_view *v, const fl_model_config *c, uint64_t *shape) {
     shape[0] = v->shape[0];
     if (v->ndim == 2) shape[1] = v->shape[1];
     if (strcmp(v->name, "wte.weight") == 0) shape[0] = (uint64_t)c->vocab_size;
@@ -48,7 +48,7 @@ static void join(char *out, const char *dir, const char *name) {
 // export
 
 typedef struct {
-    const fl_gpt2 *model;
+    const fl_model *model;
     const float *weights;
     int first; // table view of the shard's first tensor
     fl_dtype dt;
@@ -77,7 +77,7 @@ static const char *torch_dtype(fl_dtype dt) {
 }
 
 // GPT2Config's fields, keys sorted as transformers writes them.
-static void write_config(const char *dir, const fl_gpt2_config *c, fl_dtype dt) {
+static void write_config(const char *dir, const fl_model_config *c, fl_dtype dt) {
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "activation_function", "gelu_new");
     cJSON_AddItemToObject(r, "architectures", cJSON_CreateArray());
@@ -175,7 +175,7 @@ static void remove_stale(const char *dir, int n_shards) {
     closedir(d);
 }
 
-void fl_hf_export(const char *dir, const fl_gpt2 *model, const float *weights_fp32,
+void fl_hf_export(const char *dir, const fl_model *model, const float *weights_fp32,
                   fl_dtype out_dtype, size_t max_shard_bytes) {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         fl_die("cannot create directory %s: %s", dir, strerror(errno));
@@ -302,8 +302,8 @@ typedef struct {
 
 // Matches every stored tensor to a parameter view (refs[view]) and finds
 // lm_head; dies on unknown, repeated, missing or misshapen tensors.
-static void match_tensors(const hf_files *f, const fl_param_table *table, const fl_gpt2_config *cfg,
-                          hf_ref *refs, hf_ref *lm_head) {
+static void match_tensors(const hf_files *f, const fl_param_table *table,
+                          const fl_model_config *cfg, hf_ref *refs, hf_ref *lm_head) {
     for (int s = 0; s < f->n_shards; s++)
         for (int i = 0; i < f->shards[s].count; i++) {
             const fl_st_tensor *t = &f->shards[s].tensors[i];
@@ -353,7 +353,7 @@ static void check_lm_head(const hf_files *f, const hf_ref *head, const hf_ref *w
     }
 }
 
-static void copy_tensors(fl_gpt2 *model, const hf_ref *refs) {
+static void copy_tensors(fl_model *model, const hf_ref *refs) {
     const fl_param_table *table = &model->table;
     fl_dtype dt = model->dtype;
     size_t largest = 0, widest = 0;
@@ -387,7 +387,7 @@ static void copy_tensors(fl_gpt2 *model, const hf_ref *refs) {
     fl_free(whole), fl_free(buf), fl_free(chunk);
 }
 
-void fl_hf_load(const char *path, fl_gpt2 *model, fl_dtype dt) {
+void fl_hf_load(const char *path, fl_model *model, fl_dtype dt) {
     hf_files f = {0};
     char dir[HF_PATH_MAX], file[HF_PATH_MAX], err[512];
     struct stat s;
@@ -416,7 +416,7 @@ void fl_hf_load(const char *path, fl_gpt2 *model, fl_dtype dt) {
     join(config_path, dir, "config.json");
     size_t n;
     char *json = (char *)fl_file_read_all(config_path, FL_HF_MAX_JSON_BYTES, &n, "config file");
-    fl_gpt2_config cfg;
+    fl_model_config cfg;
     if (fl_hf_config_parse(json, n, &cfg, err, sizeof err) != 0) fl_die("%s: %s", config_path, err);
     fl_free(json);
 
@@ -430,7 +430,7 @@ void fl_hf_load(const char *path, fl_gpt2 *model, fl_dtype dt) {
 
     // Names and shapes are checked before the parameters are allocated.
     fl_param_table table;
-    fl_gpt2_table(&table, &cfg);
+    fl_model_table(&table, &cfg);
     hf_ref *refs = fl_alloc(FL_MEM_OTHER, (size_t)table.count * sizeof *refs), head = {0};
     match_tensors(&f, &table, &cfg, refs, &head);
     fl_params_free(&table);
@@ -442,7 +442,7 @@ void fl_hf_load(const char *path, fl_gpt2 *model, fl_dtype dt) {
         fl_free(a), fl_free(chunk);
     }
 
-    fl_gpt2_init(model, &cfg, dt, 0);
+    fl_model_init(model, &cfg, dt, 0);
     copy_tensors(model, refs);
     fl_free(refs);
     for (int i = 0; i < f.n_shards; i++) fl_safetensors_free(&f.shards[i]);

@@ -26,7 +26,7 @@ static void read_values(FILE *f, const char *path, fl_dtype src_dt, fl_dtype dt,
     }
 }
 
-void fl_llmc_load(const char *path, fl_gpt2 *model, fl_dtype dt) {
+void fl_llmc_load(const char *path, fl_model *model, fl_dtype dt) {
     FILE *f = fopen(path, "rb");
     if (!f) fl_die("cannot open %s: %s", path, strerror(errno));
     struct stat st;
@@ -38,9 +38,9 @@ void fl_llmc_load(const char *path, fl_gpt2 *model, fl_dtype dt) {
     char err[512];
     if (fl_llmc_header_parse(buf, got, (uint64_t)st.st_size, &h, err, sizeof err) != 0)
         fl_die("llm.c model file %s: %s", path, err);
-    fl_gpt2_config cfg = {
+    fl_model_config cfg = {
         .max_seq_len = h.max_T, .vocab_size = h.V, .n_layer = h.L, .n_head = h.NH, .n_embd = h.C};
-    fl_gpt2_init(model, &cfg, dt, 0);
+    fl_model_init(model, &cfg, dt, 0);
 
     const fl_param_view *v = model->table.views;
     void *chunk = fl_alloc(FL_MEM_WORKSPACE, LLMC_CHUNK * sizeof(float));

@@ -49,7 +49,7 @@ static source_kind kind_of(const char *path) {
 }
 
 // config.json of a Hugging Face directory, or beside a .safetensors file.
-static void hf_config(const char *path, fl_gpt2_config *cfg) {
+static void hf_config(const char *path, fl_model_config *cfg) {
     char json_path[FL_FILE_PATH_MAX], copy[FL_FILE_PATH_MAX];
     struct stat st;
     snprintf(copy, sizeof copy, "%s", path);
@@ -62,7 +62,7 @@ static void hf_config(const char *path, fl_gpt2_config *cfg) {
     fl_free(text);
 }
 
-void fl_pretrained_config(const char *path, fl_gpt2_config *cfg) {
+void fl_pretrained_config(const char *path, fl_model_config *cfg) {
     switch (kind_of(path)) {
     case SRC_CKPT: {
         fl_ckpt *ck = fl_ckpt_open(path);
@@ -95,7 +95,7 @@ void fl_pretrained_config(const char *path, fl_gpt2_config *cfg) {
     }
 }
 
-void fl_pretrained_load(const char *path, fl_gpt2 *model, fl_dtype dt) {
+void fl_pretrained_load(const char *path, fl_model *model, fl_dtype dt) {
     switch (kind_of(path)) {
     case SRC_CKPT: {
         char tokenizer[64];

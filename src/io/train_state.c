@@ -56,17 +56,35 @@ static const char *optim_kind_name(fl_optim_kind k) {
     return k == FL_OPT_ADAMW ? "adamw" : "sgd";
 }
 
-void fl_train_ckpt_save(const char *dir, int step, const fl_gpt2 *model, const fl_optimizer *optim,
+// Tensor names: one per table row, "model/<row>" for the fp32 weights and
+// "optim/<state>/<row>" for each state tensor of the optimizer's rule (e.g.
+// optim/m/h.0.attn.c_attn.weight), so a range of the flat buffer is a set of
+// rows and a sharded checkpoint can be resharded by reading ranges.
+static void tensor_name(char *out, size_t size, const char *state, const char *row) {
+    int n = state ? snprintf(out, size, "optim/%s/%s", state, row)
+                  : snprintf(out, size, "model/%s", row);
+    FL_ASSERT(n > 0 && (size_t)n < size);
+}
+
+enum { NAME_MAX_ = 96 };
+
+void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
                         const fl_loader_state *loader, const char *tokenizer,
                         const char *config_json, int keep) {
-    const fl_gpt2_config *c = &model->config;
+    const fl_model_config *c = &model->config;
     cJSON *meta = cJSON_CreateObject();
     cJSON *m = cJSON_AddObjectToObject(meta, "model");
+    cJSON_AddStringToObject(m, "arch", fl_arch_name(c->arch));
     cJSON_AddNumberToObject(m, "n_layer", c->n_layer);
     cJSON_AddNumberToObject(m, "n_head", c->n_head);
+    cJSON_AddNumberToObject(m, "n_kv_head", c->n_kv_head);
     cJSON_AddNumberToObject(m, "n_embd", c->n_embd);
+    cJSON_AddNumberToObject(m, "intermediate_size", c->intermediate_size);
     cJSON_AddNumberToObject(m, "vocab_size", c->vocab_size);
     cJSON_AddNumberToObject(m, "max_seq_len", c->max_seq_len);
+    cJSON_AddNumberToObject(m, "norm_eps", c->norm_eps);
+    cJSON_AddNumberToObject(m, "rope_theta", c->rope_theta);
+    cJSON_AddBoolToObject(m, "tie_embeddings", c->tie_embeddings);
     cJSON_AddStringToObject(meta, "precision", fl_dtype_name(model->dtype));
     cJSON_AddStringToObject(meta, "tokenizer", tokenizer);
     if (config_json) {
@@ -74,15 +92,15 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_gpt2 *model, const f
         FL_ASSERT(cfg);
         cJSON_AddItemToObject(meta, "config", cfg);
     }
-    fl_ckpt_tensor tensors[3];
-    int n = 0;
+    const fl_param_table *t = &model->table;
+    fl_optim_rule *rule = optim ? optim->rule : NULL;
+    int nstate = rule ? fl_optim_state_count(rule) : 0;
     const float *weights = model->params;
     if (optim) {
         if (optim->master) weights = optim->master;
         cJSON *o = cJSON_AddObjectToObject(meta, "optimizer");
         cJSON_AddStringToObject(o, "type", optim_kind_name(optim->cfg.kind));
-        cJSON_AddNumberToObject(o, "t",
-                                optim->cfg.kind == FL_OPT_ADAMW ? optim->adamw.t : optim->sgd.t);
+        cJSON_AddNumberToObject(o, "t", *fl_optim_step_count(rule));
         const fl_loss_scaler *s = &optim->scaler;
         cJSON *ls = cJSON_AddObjectToObject(meta, "loss_scaler");
         cJSON_AddNumberToObject(ls, "scale", s->scale);
@@ -92,12 +110,19 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_gpt2 *model, const f
     } else {
         FL_ASSERT(model->dtype == FL_F32);
     }
-    tensors[n++] = (fl_ckpt_tensor){"weights", FL_F32, weights, model->table.numel};
-    if (optim && optim->cfg.kind == FL_OPT_ADAMW) {
-        tensors[n++] = (fl_ckpt_tensor){"adamw.m", FL_F32, optim->adamw.m, optim->adamw.numel};
-        tensors[n++] = (fl_ckpt_tensor){"adamw.v", FL_F32, optim->adamw.v, optim->adamw.numel};
-    } else if (optim && optim->sgd.buf) {
-        tensors[n++] = (fl_ckpt_tensor){"sgd.momentum", FL_F32, optim->sgd.buf, optim->sgd.numel};
+    size_t n = (size_t)t->count * (1 + nstate);
+    fl_ckpt_tensor *tensors = fl_alloc(FL_MEM_OTHER, n * sizeof *tensors);
+    char(*names)[NAME_MAX_] = fl_alloc(FL_MEM_OTHER, n * NAME_MAX_);
+    size_t k = 0;
+    for (int st = -1; st < nstate; st++) {
+        for (int r = 0; r < t->count; r++, k++) {
+            const fl_param_view *v = &t->views[r];
+            tensor_name(names[k], NAME_MAX_, st < 0 ? NULL : fl_optim_state_name(rule, st),
+                        v->name);
+            const float *data =
+                st < 0 ? weights + v->offset : fl_optim_state_ptr(rule, st, v->offset);
+            tensors[k] = (fl_ckpt_tensor){names[k], FL_F32, data, v->numel};
+        }
     }
     if (loader) {
         cJSON *l = cJSON_AddObjectToObject(meta, "loader");
@@ -108,8 +133,26 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_gpt2 *model, const f
     }
     char *text = cJSON_PrintUnformatted(meta);
     cJSON_Delete(meta);
-    fl_ckpt_write(dir, step, text, tensors, n, keep);
+    fl_ckpt_write(dir, step, text, tensors, (int)n, keep);
     cJSON_free(text);
+    fl_free(tensors);
+    fl_free(names);
+}
+
+// Reads the flat buffer `dst` (fp32 or dt) of a state ("" for the weights)
+// row by row. Checkpoints written before the by-name layout hold the whole
+// buffer as one tensor (`legacy`, in the same table order): read as such.
+static void read_rows(fl_ckpt *ck, const fl_param_table *t, const char *state, const char *legacy,
+                      fl_dtype dt, void *dst) {
+    if (legacy && fl_ckpt_has(ck, legacy)) {
+        fl_ckpt_read(ck, legacy, dt, dst, t->numel);
+        return;
+    }
+    for (int r = 0; r < t->count; r++) {
+        char name[NAME_MAX_];
+        tensor_name(name, sizeof name, *state ? state : NULL, t->views[r].name);
+        fl_ckpt_read(ck, name, dt, fl_at(dt, dst, t->views[r].offset), t->views[r].numel);
+    }
 }
 
 static cJSON *parse_meta(const fl_ckpt *ck) {
@@ -118,7 +161,7 @@ static cJSON *parse_meta(const fl_ckpt *ck) {
     return meta;
 }
 
-static void read_shape(const cJSON *meta, const char *path, fl_gpt2_config *cfg) {
+static void read_shape(const cJSON *meta, const char *path, fl_model_config *cfg) {
     const cJSON *m = object(meta, "model", path);
     memset(cfg, 0, sizeof *cfg);
     cfg->n_layer = (int)number(m, "n_layer", path, 1, 1024);
@@ -129,29 +172,39 @@ static void read_shape(const cJSON *meta, const char *path, fl_gpt2_config *cfg)
     if (cfg->n_embd % cfg->n_head)
         fl_die("checkpoint %s: n_embd %d is not a multiple of n_head %d", path, cfg->n_embd,
                cfg->n_head);
+    // checkpoints from before LLaMA hold GPT-2 and no more keys
+    if (!cJSON_GetObjectItemCaseSensitive(m, "arch")) return;
+    if (fl_arch_parse(string(m, "arch", path), &cfg->arch))
+        fl_die("checkpoint %s: unknown model.arch '%s'", path, string(m, "arch", path));
+    cfg->n_kv_head = (int)number(m, "n_kv_head", path, 1, 1 << 16);
+    cfg->intermediate_size = (int)number(m, "intermediate_size", path, 1, 1 << 20);
+    cfg->norm_eps = (float)number(m, "norm_eps", path, 1e-30, 1);
+    if (cfg->arch == FL_ARCH_LLAMA) cfg->rope_theta = (float)number(m, "rope_theta", path, 1, 1e12);
+    const cJSON *tie = cJSON_GetObjectItemCaseSensitive(m, "tie_embeddings");
+    if (!cJSON_IsBool(tie)) fl_die("checkpoint %s: 'tie_embeddings' is missing", path);
+    cfg->tie_embeddings = cJSON_IsTrue(tie);
 }
 
-void fl_ckpt_model_config(const fl_ckpt *ck, fl_gpt2_config *cfg) {
+void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg) {
     cJSON *meta = parse_meta(ck);
     read_shape(meta, fl_ckpt_path(ck), cfg);
     cJSON_Delete(meta);
+    fl_model_config_finish(cfg);
 }
 
-void fl_ckpt_load_model(const char *path, fl_gpt2 *model, fl_dtype dt, char *tokenizer,
+void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,
                         size_t tokenizer_size) {
     fl_ckpt *ck = fl_ckpt_open(path);
     cJSON *meta = parse_meta(ck);
-    fl_gpt2_config cfg;
+    fl_model_config cfg;
     read_shape(meta, fl_ckpt_path(ck), &cfg);
     const char *tok = string(meta, "tokenizer", fl_ckpt_path(ck));
     if (strlen(tok) >= tokenizer_size)
         fl_die("checkpoint %s: tokenizer name too long", fl_ckpt_path(ck));
     strcpy(tokenizer, tok);
     cJSON_Delete(meta);
-    // the shape is checked against the tensor before the model is allocated
-    if (!fl_ckpt_has(ck, "weights")) fl_die("checkpoint %s has no weights", fl_ckpt_path(ck));
-    fl_gpt2_init(model, &cfg, dt, 0);
-    fl_ckpt_read(ck, "weights", dt, model->params, model->table.numel);
+    fl_model_init(model, &cfg, dt, 0);
+    read_rows(ck, &model->table, "", "weights", dt, model->params);
     fl_ckpt_close(ck);
 }
 
@@ -167,19 +220,19 @@ char *fl_train_ckpt_config(const fl_ckpt *ck) {
     return out;
 }
 
-void fl_train_ckpt_restore(fl_ckpt *ck, fl_gpt2 *model, fl_optimizer *optim,
+void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim,
                            fl_loader_state *loader, const char *tokenizer) {
     const char *path = fl_ckpt_path(ck);
     cJSON *meta = parse_meta(ck);
-    fl_gpt2_config shape;
+    fl_model_config shape;
     read_shape(meta, path, &shape);
-    const fl_gpt2_config *c = &model->config;
-    if (shape.n_layer != c->n_layer || shape.n_head != c->n_head || shape.n_embd != c->n_embd ||
-        shape.vocab_size != c->vocab_size || shape.max_seq_len != c->max_seq_len)
-        fl_die("checkpoint %s holds a model of n_layer %d, n_head %d, n_embd %d, vocab %d, "
-               "max_seq_len %d; this run's model differs",
-               path, shape.n_layer, shape.n_head, shape.n_embd, shape.vocab_size,
-               shape.max_seq_len);
+    fl_model_config_finish(&shape);
+    const fl_model_config *c = &model->config;
+    if (memcmp(&shape, c, sizeof shape))
+        fl_die("checkpoint %s holds a %s model of n_layer %d, n_head %d (kv %d), n_embd %d, mlp "
+               "%d, vocab %d, max_seq_len %d; this run's model differs",
+               path, fl_arch_name(shape.arch), shape.n_layer, shape.n_head, shape.n_kv_head,
+               shape.n_embd, shape.intermediate_size, shape.vocab_size, shape.max_seq_len);
     const char *precision = string(meta, "precision", path);
     if (strcmp(precision, fl_dtype_name(model->dtype)))
         fl_die("checkpoint %s was trained in %s; this run is %s (a resume must keep the "
@@ -198,19 +251,21 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_gpt2 *model, fl_optimizer *optim,
 
     size_t n = model->table.numel;
     float *weights = optim->master ? optim->master : model->params;
-    fl_ckpt_read(ck, "weights", FL_F32, weights, n);
+    read_rows(ck, &model->table, "", "weights", FL_F32, weights);
     if (optim->master) fl_convert(model->dtype, model->params, FL_F32, optim->master, n);
-    if (optim->cfg.kind == FL_OPT_ADAMW) {
-        fl_ckpt_read(ck, "adamw.m", FL_F32, optim->adamw.m, n);
-        fl_ckpt_read(ck, "adamw.v", FL_F32, optim->adamw.v, n);
-        optim->adamw.t = t;
-    } else {
-        if (optim->sgd.buf)
-            fl_ckpt_read(ck, "sgd.momentum", FL_F32, optim->sgd.buf, n);
-        else if (fl_ckpt_has(ck, "sgd.momentum"))
-            fl_die("checkpoint %s holds SGD momentum; this run has momentum 0", path);
-        optim->sgd.t = t;
-    }
+    // the rule's state tensors, and those of the layout before by-name tensors
+    static const char *const legacy[2][2] = {{"adamw.m", "adamw.v"}, {"sgd.momentum", NULL}};
+    fl_optim_rule *rule = optim->rule;
+    int nstate = fl_optim_state_count(rule);
+    for (int k = 0; k < nstate; k++)
+        read_rows(ck, &model->table, fl_optim_state_name(rule, k), legacy[optim->cfg.kind][k],
+                  FL_F32, fl_optim_state_ptr(rule, k, 0));
+    char first[NAME_MAX_];
+    tensor_name(first, sizeof first, "momentum", model->table.views[0].name);
+    if (optim->cfg.kind == FL_OPT_SGD && !nstate &&
+        (fl_ckpt_has(ck, first) || fl_ckpt_has(ck, "sgd.momentum")))
+        fl_die("checkpoint %s holds SGD momentum; this run has momentum 0", path);
+    *fl_optim_step_count(rule) = t;
     const cJSON *ls = object(meta, "loss_scaler", path);
     fl_loss_scaler *s = &optim->scaler;
     s->scale = (float)number(ls, "scale", path, 0, 1e38);

@@ -1,4 +1,5 @@
-// encoder.c: token + position embedding, out[b,t,:] = wte[inp[b,t],:] + wpe[t,:].
+// encoder.c: token + position embedding, out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]
+// (wpe NULL: the token embedding alone, as LLaMA's embed_tokens).
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
@@ -23,8 +24,13 @@ void encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte, co
                 float *y = fp32_out(dt, o, out32);
                 const float *e =
                     fl_load_f32(dt, fl_at_const(dt, wte, (size_t)inp[bt] * C + c0), nc, e32);
-                const float *p = fl_load_f32(dt, fl_at_const(dt, wpe, (size_t)t * C + c0), nc, p32);
-                for (int i = 0; i < nc; i++) y[i] = e[i] + p[i];
+                if (wpe) {
+                    const float *p =
+                        fl_load_f32(dt, fl_at_const(dt, wpe, (size_t)t * C + c0), nc, p32);
+                    for (int i = 0; i < nc; i++) y[i] = e[i] + p[i];
+                } else {
+                    for (int i = 0; i < nc; i++) y[i] = e[i];
+                }
                 fp32_flush(dt, o, y, nc);
             }
         }
@@ -74,7 +80,8 @@ void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, con
                            nc);
         }
     }
-    // each t owns its row of dwpe; batches are summed in order
+    if (!dwpe) return;
+        // each t owns its row of dwpe; batches are summed in order
 #pragma omp parallel for
     for (int t = 0; t < T; t++) {
         for (int c0 = 0; c0 < C; c0 += ENC_CBLOCK) {
@@ -98,8 +105,8 @@ void encoder_forward_ref(float *out, const int *inp, const float *wte, const flo
         for (int t = 0; t < T; t++) {
             float *out_bt = out + ((size_t)b * T + t) * C;
             const float *wte_ix = wte + (size_t)inp[b * T + t] * C;
-            const float *wpe_t = wpe + (size_t)t * C;
-            for (int i = 0; i < C; i++) out_bt[i] = wte_ix[i] + wpe_t[i];
+            for (int i = 0; i < C; i++)
+                out_bt[i] = wte_ix[i] + (wpe ? wpe[(size_t)t * C + i] : 0.0f);
         }
     }
 }
@@ -110,10 +117,9 @@ void encoder_backward_ref(float *dwte, float *dwpe, const float *dout, const int
         for (int t = 0; t < T; t++) {
             const float *dout_bt = dout + ((size_t)b * T + t) * C;
             float *dwte_ix = dwte + (size_t)inp[b * T + t] * C;
-            float *dwpe_t = dwpe + (size_t)t * C;
             for (int i = 0; i < C; i++) {
                 dwte_ix[i] += dout_bt[i];
-                dwpe_t[i] += dout_bt[i];
+                if (dwpe) dwpe[(size_t)t * C + i] += dout_bt[i];
             }
         }
     }

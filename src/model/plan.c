@@ -1,7 +1,7 @@
 // plan.c: memory planning (see plan.h).
 //
 // What the engine runs is planned exactly: the model and the optimizer each
-// report the sizes they allocate (fl_gpt2_memory, fl_optimizer_memory), and
+// report the sizes they allocate (fl_model_memory, fl_optimizer_memory), and
 // the few buffers a training run adds are listed here. What it does not run
 // yet is planned per rank from the published formulas, starting from the
 // same exact per-tag figures for one rank and moving bytes as the strategy
@@ -27,10 +27,8 @@
 //   updated in place, as in the paper), no gradient accumulation and only the
 //   largest tensor's gradient alive at a time.
 //
-//   Activation checkpointing: each block's input (B,T,C) is kept and the
-//   block is recomputed in the backward pass, so activations are those of a
-//   one-block model (embeddings, one block's full activations, the head)
-//   plus (L-1) stored block inputs.
+//   Activation checkpointing is run by the engine, so it is planned exactly:
+//   the model's slot lists say which activations each policy keeps.
 #include "fitlm/plan.h"
 
 #include <ctype.h>
@@ -60,6 +58,7 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     r->B = cfg->micro_batch;
     r->T = cfg->seq_len;
     r->threads = cfg->threads;
+    r->recompute = cfg->recompute;
     r->data_bytes = data_bytes;
     r->sample_tokens = cfg->sample_tokens;
 }
@@ -104,24 +103,20 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     const size_t ds = fl_dtype_size(dt);
     const int shaped = r->num_params == 0;
     const size_t BT = (size_t)r->B * (size_t)r->T;
-    fl_gpt2_config c = r->model;
+    fl_model_config c = r->model;
     size_t numel, largest, unit; // parameters; largest tensor; largest ZeRO-3 gather unit
     size_t opt[FL_MEM_NTAGS] = {0};
     if (shaped) {
-        fl_gpt2_config_finish(&c);
+        fl_model_config_finish(&c);
         if (r->T > c.max_seq_len)
             fl_die("plan: sequence length %d exceeds the model's max_seq_len %d", r->T,
                    c.max_seq_len);
-        numel = fl_gpt2_num_params(&c);
-        size_t C = c.n_embd, Vp = c.padded_vocab_size, maxT = c.max_seq_len;
-        largest = Vp * C; // wte; the MLP matrices (4C x C) and wpe are the other candidates
-        if (4 * C * C > largest) largest = 4 * C * C;
-        if (maxT * C > largest) largest = maxT * C;
-        unit = 12 * C * C + 13 * C; // one transformer block
+        numel = fl_model_num_params(&c);
+        fl_model_sizes(&c, &largest, &unit); // the largest row; one block
         if (largest > unit) unit = largest;
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
-        fl_gpt2_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, b);
+        fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute, b);
     } else {
         numel = r->num_params;
         largest = unit = r->largest_tensor;
@@ -132,11 +127,11 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     for (int t = 0; t < FL_MEM_NTAGS; t++) b[t] += opt[t];
 
     // What `fitlm train` allocates besides the model and the optimizer: the
-    // data loaders' tables and the tokenizer (measured), one micro-batch's inputs
-    // and targets, and at the end, with all of that still allocated, the
-    // sampled tokens and fl_gpt2_generate's buffers: an fp32 row of logits
+    // data loaders' tables and the tokenizer (measured), the inputs and targets
+    // of a step's micro-batches, and at the end, with all of that still allocated, the
+    // sampled tokens and fl_model_generate's buffers: an fp32 row of logits
     // (V floats) and, inside it, the sampler's (logit, id) sort buffer (V x 8).
-    b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * sizeof(int);
+    b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * (size_t)r->optim.grad_accum * sizeof(int);
     if (b[FL_MEM_OTHER] < r->data_peak) b[FL_MEM_OTHER] = r->data_peak;
     if (shaped && r->sample_tokens > 0) {
         b[FL_MEM_WORKSPACE] += (size_t)c.vocab_size * (sizeof(float) + 8);
@@ -144,8 +139,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     }
 
     out->num_params = numel;
-    out->runnable =
-        shaped && r->ranks == 1 && r->zero_stage == 0 && !r->activation_checkpointing && !r->lomo;
+    out->runnable = shaped && r->ranks == 1 && r->zero_stage == 0 && !r->lomo;
     if (!out->runnable) {
         char what[160] = "";
         size_t n = 0;
@@ -156,19 +150,11 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         if (r->ranks > 1 || r->zero_stage > 0)
             WHAT("%s%s over %d rank%s", n ? ", " : "", stages[r->zero_stage], r->ranks,
                  r->ranks > 1 ? "s" : "");
-        if (r->activation_checkpointing) WHAT("%sactivation checkpointing", n ? ", " : "");
         if (r->lomo) WHAT("%sLOMO", n ? ", " : "");
 #undef WHAT
         note_add(out, "not runnable yet: %s", what);
     }
 
-    if (r->activation_checkpointing && shaped && BT > 0) {
-        size_t one[FL_MEM_NTAGS];
-        fl_gpt2_config c1 = c;
-        c1.n_layer = 1;
-        fl_gpt2_memory(&c1, dt, r->B, r->T, r->threads > 0 ? r->threads : fl_threads(), one);
-        b[FL_MEM_ACTS] = one[FL_MEM_ACTS] + (size_t)(c.n_layer - 1) * BT * c.n_embd * ds;
-    }
     if (r->lomo) {
         b[FL_MEM_MASTER] = 0;
         b[FL_MEM_OPTIM] = 0;
@@ -322,13 +308,14 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
         if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
             put_fit(&s, "--precision bf16", r, &v, total, runnable, per);
     }
-    // formula-only strategies
-    if (shaped && !r->activation_checkpointing && r->B > 0) {
+    // recompute blocks in the backward pass
+    if (shaped && r->recompute != FL_RECOMPUTE_BLOCK && r->B > 0) {
         v = *r;
-        v.activation_checkpointing = 1;
+        v.recompute = FL_RECOMPUTE_BLOCK;
         if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
-            put_fit(&s, "--activation-checkpointing", r, &v, total, runnable, per);
+            put_fit(&s, "--activation-checkpointing block", r, &v, total, runnable, per);
     }
+    // formula-only strategies
     if (!r->lomo) {
         v = *r;
         v.lomo = 1;

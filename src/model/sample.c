@@ -42,16 +42,16 @@ int fl_sample_logits(const float *logits, int V, float temperature, int top_k, f
     return token;
 }
 
-void fl_gpt2_generate(fl_gpt2 *model, int *tokens, int n_prompt, int n_new, float temperature,
-                      int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx), void *ctx) {
+void fl_model_generate(fl_model *model, int *tokens, int n_prompt, int n_new, float temperature,
+                       int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx), void *ctx) {
     FL_ASSERT(n_prompt >= 1 && model->max_B >= 1);
     int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
     fl_dtype dt = model->dtype;
     float *row = fl_alloc(FL_MEM_WORKSPACE, (size_t)V * sizeof(float));
     for (int n = n_prompt; n < n_prompt + n_new; n++) {
         int T = n < model->max_T ? n : model->max_T; // the most recent context that fits
-        fl_gpt2_forward(model, tokens + n - T, NULL, 1, T);
-        const void *last = fl_at(dt, model->acts.logits, (size_t)(T - 1) * Vp);
+        fl_model_forward(model, tokens + n - T, NULL, 1, T);
+        const void *last = fl_at(dt, model->logits, (size_t)(T - 1) * Vp);
         tokens[n] = fl_sample_logits(fl_load_f32(dt, last, V, row), V, temperature, top_k, rng);
         if (on_token) on_token(tokens[n], ctx);
     }

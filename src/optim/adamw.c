@@ -9,24 +9,6 @@
 
 #include "update.h"
 
-void fl_adamw_init(fl_adamw *opt, size_t numel, float beta1, float beta2, float eps,
-                   float weight_decay) {
-    opt->beta1 = beta1;
-    opt->beta2 = beta2;
-    opt->eps = eps;
-    opt->weight_decay = weight_decay;
-    opt->numel = numel;
-    opt->t = 0;
-    opt->m = fl_alloc(FL_MEM_OPTIM, numel * sizeof(float));
-    opt->v = fl_alloc(FL_MEM_OPTIM, numel * sizeof(float));
-}
-
-void fl_adamw_free(fl_adamw *opt) {
-    fl_free(opt->m);
-    fl_free(opt->v);
-    opt->m = opt->v = NULL;
-}
-
 // The elementwise update on fp32 gradients, compiled for AVX-512, AVX2 and
 // baseline x86-64; the loader picks the clone for the CPU at run time. Same
 // arithmetic in every clone: one rounding per operation, no fast-math.
@@ -47,31 +29,76 @@ static void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n,
 }
 
 typedef struct {
-    fl_adamw *opt;
-    float bc1, bc2, lr, keep;
-} adamw_step_ctx;
+    const fl_adamw *opt;
+    float *m, *v; // at the range's first element
+    float keep;
+} adamw_range_ctx;
 
-static void adamw_block(void *ctx, float *p, const float *g, size_t offset, size_t n,
-                        float gscale) {
-    adamw_step_ctx *c = ctx;
-    fl_adamw *o = c->opt;
-    adamw_kernel(p, g, o->m + offset, o->v + offset, n, gscale, o->beta1, o->beta2, o->eps, c->bc1,
-                 c->bc2, c->lr, c->keep);
+static void adamw_block(void *ctx, float *p, const float *g, size_t i, size_t n, float gscale) {
+    const adamw_range_ctx *c = ctx;
+    const fl_adamw *o = c->opt;
+    adamw_kernel(p, g, c->m + i, c->v + i, n, gscale, o->beta1, o->beta2, o->eps, o->bc1, o->bc2,
+                 o->lr, c->keep);
 }
 
-void fl_adamw_update(fl_adamw *opt, const fl_update_args *a, size_t offset, size_t n, int t,
-                     float lr, int decay) {
-    FL_ASSERT(t >= 1 && offset + n <= opt->numel);
-    adamw_step_ctx c = {opt, 1.0f - powf(opt->beta1, (float)t), 1.0f - powf(opt->beta2, (float)t),
-                        lr, decay ? 1.0f - lr * opt->weight_decay : 1.0f};
-    fl_update_range(a, offset, n, adamw_block, &c);
+static void adamw_begin_step(fl_optim_rule *r, float lr) {
+    fl_adamw *o = (fl_adamw *)r;
+    o->t++;
+    o->lr = lr;
+    o->bc1 = 1.0f - powf(o->beta1, (float)o->t);
+    o->bc2 = 1.0f - powf(o->beta2, (float)o->t);
+    o->keep = 1.0f - lr * o->weight_decay;
 }
 
-void fl_adamw_step(fl_adamw *opt, const fl_param_table *table, const fl_update_args *a, float lr) {
-    FL_ASSERT(table->numel == opt->numel);
-    opt->t++;
-    for (int i = 0; i < table->count; i++) {
-        const fl_param_view *v = &table->views[i];
-        fl_adamw_update(opt, a, v->offset, v->numel, opt->t, lr, (v->flags & FL_PARAM_DECAY) != 0);
-    }
+static void adamw_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
+                         const fl_update_args *a) {
+    const fl_adamw *o = (const fl_adamw *)r;
+    size_t s = offset - r->state_begin;
+    adamw_range_ctx c = {o, o->m + s, o->v + s, (row->flags & FL_PARAM_DECAY) ? o->keep : 1.0f};
+    fl_update_range(a, count, adamw_block, &c);
+}
+
+static float *adamw_state_ptr(fl_optim_rule *r, int k, size_t offset) {
+    fl_adamw *o = (fl_adamw *)r;
+    return (k == 0 ? o->m : o->v) + (offset - r->state_begin);
+}
+
+static int *adamw_step_count(fl_optim_rule *r) {
+    return &((fl_adamw *)r)->t;
+}
+
+static void adamw_free(fl_optim_rule *r) {
+    fl_adamw_free((fl_adamw *)r);
+}
+
+static const char *const adamw_state_names[] = {"m", "v"};
+static const fl_optim_ops adamw_ops = {.state_names = adamw_state_names,
+                                       .begin_step = adamw_begin_step,
+                                       .update = adamw_update,
+                                       .state_ptr = adamw_state_ptr,
+                                       .step_count = adamw_step_count,
+                                       .free = adamw_free};
+
+void fl_adamw_init_range(fl_adamw *opt, size_t begin, size_t end, float beta1, float beta2,
+                         float eps, float weight_decay) {
+    FL_ASSERT(begin <= end);
+    *opt = (fl_adamw){.rule = {&adamw_ops, begin, end, 2},
+                      .beta1 = beta1,
+                      .beta2 = beta2,
+                      .eps = eps,
+                      .weight_decay = weight_decay,
+                      .numel = end - begin};
+    opt->m = fl_alloc(FL_MEM_OPTIM, (end - begin) * sizeof(float));
+    opt->v = fl_alloc(FL_MEM_OPTIM, (end - begin) * sizeof(float));
+}
+
+void fl_adamw_init(fl_adamw *opt, size_t numel, float beta1, float beta2, float eps,
+                   float weight_decay) {
+    fl_adamw_init_range(opt, 0, numel, beta1, beta2, eps, weight_decay);
+}
+
+void fl_adamw_free(fl_adamw *opt) {
+    fl_free(opt->m);
+    fl_free(opt->v);
+    opt->m = opt->v = NULL;
 }

@@ -3,7 +3,9 @@
 // weights (mixed precision, as DeepSpeed's bf16/fp16 optimizers and
 // Megatron's main params); gradients of several micro-batches are summed in
 // fp32; under fp16 the loss is scaled up before the backward pass and an
-// overflowing step is skipped without touching any weight or state.
+// overflowing step is skipped without touching any weight or state. The
+// update itself is the rule's (fl_optim_rule), one range per table row, over
+// the whole table or over one shard of it.
 #include <string.h>
 
 #include "fitlm/optim.h"
@@ -23,25 +25,31 @@ void fl_optimizer_memory(const fl_optimizer_config *cfg, fl_dtype dt, size_t num
         bytes[FL_MEM_OPTIM] = numel * sizeof(float);
 }
 
-void fl_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg, const fl_param_table *table,
-                       fl_dtype dt, void *params, void *grads) {
+void fl_optimizer_init_range(fl_optimizer *o, const fl_optimizer_config *cfg,
+                             const fl_param_table *table, fl_dtype dt, void *params, void *grads,
+                             size_t begin, size_t end) {
     memset(o, 0, sizeof *o);
     FL_ASSERT(cfg->grad_accum >= 1);
+    FL_ASSERT(begin <= end && end <= table->numel);
     o->cfg = *cfg;
     o->table = table;
     o->dtype = dt;
     o->params = params;
     o->grads = grads;
-    size_t n = table->numel;
     if (dt != FL_F32) {
-        o->master = fl_alloc(FL_MEM_MASTER, n * sizeof(float));
-        fl_convert(FL_F32, o->master, dt, params, n);
+        o->master = fl_alloc(FL_MEM_MASTER, (end - begin) * sizeof(float));
+        fl_convert(FL_F32, o->master, dt, fl_at(dt, params, begin), end - begin);
     }
-    if (needs_accum_buffer(cfg, dt)) o->grad_accum = fl_alloc(FL_MEM_GRADS, n * sizeof(float));
-    if (cfg->kind == FL_OPT_ADAMW)
-        fl_adamw_init(&o->adamw, n, cfg->beta1, cfg->beta2, cfg->eps, cfg->weight_decay);
-    else
-        fl_sgd_init(&o->sgd, n, cfg->momentum, cfg->weight_decay);
+    if (needs_accum_buffer(cfg, dt))
+        o->grad_accum = fl_alloc(FL_MEM_GRADS, table->numel * sizeof(float));
+    if (cfg->kind == FL_OPT_ADAMW) {
+        fl_adamw_init_range(&o->adamw, begin, end, cfg->beta1, cfg->beta2, cfg->eps,
+                            cfg->weight_decay);
+        o->rule = &o->adamw.rule;
+    } else {
+        fl_sgd_init_range(&o->sgd, begin, end, cfg->momentum, cfg->weight_decay);
+        o->rule = &o->sgd.rule;
+    }
     if (dt == FL_F16)
         fl_loss_scaler_init(&o->scaler, cfg->loss_scale, cfg->initial_scale_power,
                             cfg->loss_scale_window, cfg->hysteresis, cfg->consecutive_hysteresis,
@@ -50,13 +58,15 @@ void fl_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg, const fl
         fl_loss_scaler_init(&o->scaler, 1.0f, 0, 1, 1, 0, 1.0f); // static 1: no scaling
 }
 
+void fl_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg, const fl_param_table *table,
+                       fl_dtype dt, void *params, void *grads) {
+    fl_optimizer_init_range(o, cfg, table, dt, params, grads, 0, table->numel);
+}
+
 void fl_optimizer_free(fl_optimizer *o) {
     fl_free(o->master);
     fl_free(o->grad_accum);
-    if (o->cfg.kind == FL_OPT_ADAMW)
-        fl_adamw_free(&o->adamw);
-    else
-        fl_sgd_free(&o->sgd);
+    if (o->rule) fl_optim_free(o->rule);
     memset(o, 0, sizeof *o);
 }
 
@@ -85,21 +95,52 @@ void fl_optimizer_micro_done(fl_optimizer *o) {
     }
 }
 
+float fl_optimizer_scale(const fl_optimizer *o) {
+    return o->scaler.scale;
+}
+
+void fl_optimizer_begin_step(fl_optimizer *o, float lr) {
+    fl_optim_begin_step(o->rule, lr);
+}
+
+void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                              fl_dtype grads_dtype, float grad_scale) {
+    FL_ASSERT(first_row >= 0 && n_rows >= 0 && first_row + n_rows <= o->table->count);
+    const fl_optim_rule *r = o->rule;
+    size_t base = n_rows ? o->table->views[first_row].offset : 0; // where `grads` starts
+    for (int k = first_row; k < first_row + n_rows; k++) {
+        const fl_param_view *v = &o->table->views[k];
+        size_t lo = v->offset > r->state_begin ? v->offset : r->state_begin;
+        size_t hi = v->offset + v->numel < r->state_end ? v->offset + v->numel : r->state_end;
+        if (lo >= hi) continue; // outside this optimizer's range
+        fl_update_args a = {
+            .params = o->master ? o->master + (lo - r->state_begin) : (float *)o->params + lo,
+            .params_lowp = o->master ? fl_at(o->dtype, o->params, lo) : NULL,
+            .lowp_dtype = o->dtype,
+            .grads = fl_at_const(grads_dtype, grads, lo - base),
+            .grads_dtype = grads_dtype,
+            .grad_scale = grad_scale,
+        };
+        fl_optim_update(o->rule, v, lo, hi - lo, &a);
+    }
+}
+
+void fl_optimizer_end_step(fl_optimizer *o) {
+    fl_optim_end_step(o->rule);
+    fl_loss_scaler_update(&o->scaler, 0);
+    o->micro = 0;
+}
+
 fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
-    o->micro = 0;
     size_t n = o->table->numel;
-    fl_update_args a = {
-        .params = o->master ? o->master : o->params,
-        .params_lowp = o->master ? o->params : NULL,
-        .lowp_dtype = o->dtype,
-        .grads = o->grad_accum ? (const void *)o->grad_accum : o->grads,
-        .grads_dtype = o->grad_accum ? FL_F32 : o->dtype,
-    };
+    const void *grads = o->grad_accum ? (const void *)o->grad_accum : o->grads;
+    fl_dtype grads_dtype = o->grad_accum ? FL_F32 : o->dtype;
     fl_step_result r = {0.0f, 0, o->scaler.scale};
-    if (o->dtype == FL_F16 && fl_has_inf_or_nan(a.grads_dtype, a.grads, n)) {
+    if (o->dtype == FL_F16 && fl_has_inf_or_nan(grads_dtype, grads, n)) {
         // skip the step: no weight, master or optimizer-state byte changes
         r.skipped = 1;
+        o->micro = 0;
         if (fl_loss_scaler_update(&o->scaler, 1) != 0)
             fl_die("fp16 gradients overflow with the loss scale already at its minimum (%g): "
                    "training cannot continue. Lower the learning rate, raise "
@@ -108,12 +149,10 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
         return r;
     }
     float unscale = 1.0f / o->scaler.scale;
-    r.grad_norm = fl_grad_norm(a.grads_dtype, a.grads, n) * unscale;
-    a.grad_scale = unscale * fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
-    if (o->cfg.kind == FL_OPT_ADAMW)
-        fl_adamw_step(&o->adamw, o->table, &a, lr);
-    else
-        fl_sgd_step(&o->sgd, o->table, &a, lr);
-    fl_loss_scaler_update(&o->scaler, 0);
+    r.grad_norm = fl_grad_norm(grads_dtype, grads, n) * unscale;
+    fl_optimizer_begin_step(o, lr);
+    fl_optimizer_update_rows(o, 0, o->table->count, grads, grads_dtype,
+                             unscale * fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm));
+    fl_optimizer_end_step(o);
     return r;
 }

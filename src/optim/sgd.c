@@ -1,48 +1,79 @@
 // sgd.c: SGD with optional momentum, as torch.optim.SGD (dampening 0, no
-// Nesterov): g += wd*p (coupled decay, on FL_PARAM_DECAY views only);
+// Nesterov): g += wd*p (coupled decay, on FL_PARAM_DECAY rows only);
 // buf = g at the first step, else momentum*buf + g; p -= lr*buf.
 #include "fitlm/optim.h"
 
 #include "update.h"
 
+typedef struct {
+    float lr, wd, mu;
+    float *buf; // at the range's first element, or NULL
+    int first;
+} sgd_range_ctx;
+
+static void sgd_block(void *ctx, float *p, const float *g, size_t i, size_t n, float gscale) {
+    const sgd_range_ctx *c = ctx;
+    float mu = c->mu, *buf = c->buf ? c->buf + i : NULL;
+    for (size_t k = 0; k < n; k++) {
+        float d = g[k] * gscale + c->wd * p[k];
+        if (buf) {
+            d = c->first ? d : mu * buf[k] + d;
+            buf[k] = d;
+        }
+        p[k] -= c->lr * d;
+    }
+}
+
+static void sgd_begin_step(fl_optim_rule *r, float lr) {
+    fl_sgd *o = (fl_sgd *)r;
+    o->t++;
+    o->lr = lr;
+}
+
+static void sgd_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
+                       const fl_update_args *a) {
+    const fl_sgd *o = (const fl_sgd *)r;
+    sgd_range_ctx c = {o->lr, (row->flags & FL_PARAM_DECAY) ? o->weight_decay : 0.0f, o->momentum,
+                       o->buf ? o->buf + (offset - r->state_begin) : NULL, o->t == 1};
+    fl_update_range(a, count, sgd_block, &c);
+}
+
+static float *sgd_state_ptr(fl_optim_rule *r, int k, size_t offset) {
+    (void)k; // only the momentum buffer
+    return ((fl_sgd *)r)->buf + (offset - r->state_begin);
+}
+
+static int *sgd_step_count(fl_optim_rule *r) {
+    return &((fl_sgd *)r)->t;
+}
+
+static void sgd_free(fl_optim_rule *r) {
+    fl_sgd_free((fl_sgd *)r);
+}
+
+static const char *const sgd_state_names[] = {"momentum"};
+static const fl_optim_ops sgd_ops = {.state_names = sgd_state_names,
+                                     .begin_step = sgd_begin_step,
+                                     .update = sgd_update,
+                                     .state_ptr = sgd_state_ptr,
+                                     .step_count = sgd_step_count,
+                                     .free = sgd_free};
+
+void fl_sgd_init_range(fl_sgd *opt, size_t begin, size_t end, float momentum, float weight_decay) {
+    FL_ASSERT(begin <= end);
+    int has_buf = momentum > 0.0f;
+    *opt = (fl_sgd){.rule = {&sgd_ops, begin, end, has_buf},
+                    .momentum = momentum,
+                    .weight_decay = weight_decay,
+                    .numel = end - begin};
+    if (has_buf) opt->buf = fl_alloc(FL_MEM_OPTIM, (end - begin) * sizeof(float));
+}
+
 void fl_sgd_init(fl_sgd *opt, size_t numel, float momentum, float weight_decay) {
-    opt->momentum = momentum;
-    opt->weight_decay = weight_decay;
-    opt->numel = numel;
-    opt->t = 0;
-    opt->buf = momentum > 0.0f ? fl_alloc(FL_MEM_OPTIM, numel * sizeof(float)) : NULL;
+    fl_sgd_init_range(opt, 0, numel, momentum, weight_decay);
 }
 
 void fl_sgd_free(fl_sgd *opt) {
     fl_free(opt->buf);
     opt->buf = NULL;
-}
-
-typedef struct {
-    fl_sgd *opt;
-    float lr, wd;
-} sgd_step_ctx;
-
-static void sgd_block(void *ctx, float *p, const float *g, size_t offset, size_t n, float gscale) {
-    sgd_step_ctx *c = ctx;
-    float mu = c->opt->momentum, *buf = c->opt->buf ? c->opt->buf + offset : NULL;
-    int first = c->opt->t == 1;
-    for (size_t i = 0; i < n; i++) {
-        float d = g[i] * gscale + c->wd * p[i];
-        if (buf) {
-            d = first ? d : mu * buf[i] + d;
-            buf[i] = d;
-        }
-        p[i] -= c->lr * d;
-    }
-}
-
-void fl_sgd_step(fl_sgd *opt, const fl_param_table *table, const fl_update_args *a, float lr) {
-    FL_ASSERT(table->numel == opt->numel);
-    opt->t++;
-    for (int k = 0; k < table->count; k++) {
-        const fl_param_view *v = &table->views[k];
-        sgd_step_ctx c = {opt, lr, (v->flags & FL_PARAM_DECAY) ? opt->weight_decay : 0.0f};
-        fl_update_range(a, v->offset, v->numel, sgd_block, &c);
-    }
 }

@@ -3,12 +3,51 @@
 
 #define UPDATE_BLOCK 4096 // elements per work item; fits the fp32 gradient copy on the stack
 
-void fl_update_range(const fl_update_args *a, size_t offset, size_t n, fl_update_block_fn fn,
-                     void *ctx) {
+void fl_optim_begin_step(fl_optim_rule *r, float lr) {
+    r->ops->begin_step(r, lr);
+}
+
+void fl_optim_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
+                     const fl_update_args *a) {
+    FL_ASSERT(*fl_optim_step_count(r) >= 1); // inside a step
+    FL_ASSERT(offset >= row->offset && offset + count <= row->offset + row->numel);
+    FL_ASSERT(offset >= r->state_begin && offset + count <= r->state_end);
+    if (row->flags & FL_PARAM_FROZEN) return;
+    r->ops->update(r, row, offset, count, a);
+}
+
+void fl_optim_end_step(fl_optim_rule *r) {
+    if (r->ops->end_step) r->ops->end_step(r);
+}
+
+void fl_optim_free(fl_optim_rule *r) {
+    r->ops->free(r);
+}
+
+int fl_optim_state_count(const fl_optim_rule *r) {
+    return r->nstate;
+}
+
+const char *fl_optim_state_name(const fl_optim_rule *r, int k) {
+    FL_ASSERT(k >= 0 && k < r->nstate);
+    return r->ops->state_names[k];
+}
+
+float *fl_optim_state_ptr(fl_optim_rule *r, int k, size_t offset) {
+    FL_ASSERT(k >= 0 && k < r->nstate);
+    FL_ASSERT(offset >= r->state_begin && offset < r->state_end);
+    return r->ops->state_ptr(r, k, offset);
+}
+
+int *fl_optim_step_count(fl_optim_rule *r) {
+    return r->ops->step_count(r);
+}
+
+void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn, void *ctx) {
     size_t nblocks = (n + UPDATE_BLOCK - 1) / UPDATE_BLOCK;
 #pragma omp parallel for schedule(static)
     for (size_t b = 0; b < nblocks; b++) {
-        size_t i = offset + b * UPDATE_BLOCK, len = n - b * UPDATE_BLOCK;
+        size_t i = b * UPDATE_BLOCK, len = n - i;
         if (len > UPDATE_BLOCK) len = UPDATE_BLOCK;
         float scratch[UPDATE_BLOCK];
         const float *g =

@@ -7,7 +7,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char err[512] = {0};
-    fl_gpt2_config cfg;
+    fl_model_config cfg;
     if (fl_hf_config_parse((const char *)data, size, &cfg, err, sizeof err) == 0) {
         if (cfg.n_embd % cfg.n_head != 0 || cfg.padded_vocab_size < cfg.vocab_size)
             __builtin_trap();

@@ -1,7 +1,7 @@
 // params.c: the parameter table. Views are appended in the order the model
 // uses them, each at the end of the flat buffer, so a view's offset is the
 // sum of the sizes before it.
-#include "fitlm/model.h"
+#include "fitlm/params.h"
 
 #include <string.h>
 
@@ -28,6 +28,9 @@ int fl_params_add(fl_param_table *table, const char *name, unsigned flags, int n
     }
     v->offset = table->numel;
     v->flags = flags;
+    v->init = FL_INIT_NORMAL;
+    v->std = 0.02f;
+    v->unit = FL_UNIT_EMBED;
     table->numel += v->numel;
     return table->count++;
 }
@@ -47,4 +50,24 @@ int fl_params_find(const fl_param_table *table, const char *name) {
 void fl_params_free(fl_param_table *table) {
     fl_free(table->views);
     memset(table, 0, sizeof *table);
+}
+
+void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint64_t seed) {
+    fl_rng rng;
+    fl_rng_seed(&rng, seed);
+    float block[4096];
+    for (int i = 0; i < table->count; i++) {
+        const fl_param_view *v = &table->views[i];
+        size_t row = v->numel / v->shape[0];
+        size_t drawn = v->live_rows ? v->live_rows * row : v->numel;
+        for (size_t j0 = 0; j0 < v->numel; j0 += 4096) {
+            size_t len = v->numel - j0 < 4096 ? v->numel - j0 : 4096;
+            for (size_t j = 0; j < len; j++)
+                block[j] = v->init == FL_INIT_ONES ? 1.0f
+                           : v->init == FL_INIT_NORMAL && j0 + j < drawn
+                               ? v->std * fl_rng_normal(&rng)
+                               : 0.0f;
+            fl_store_f32(dt, fl_at(dt, params, v->offset + j0), block, len);
+        }
+    }
 }

@@ -1,0 +1,69 @@
+// params.h: the parameter table. All parameters of a model live in one flat
+// buffer per dtype; the table names its views (name, shape, offset). ZeRO
+// shards, checkpoints, safetensors export, weight decay, initialisation and
+// memory reports are loops over rows or ranges of the buffer.
+#ifndef FITLM_PARAMS_H
+#define FITLM_PARAMS_H
+
+#include <stddef.h>
+
+#include "fitlm/core.h"
+#include "fitlm/dtype.h"
+
+enum {
+    FL_PARAM_DECAY = 1 << 0,  // AdamW/SGD apply weight decay (matrices, embeddings)
+    FL_PARAM_FROZEN = 1 << 1, // no gradient, no update (adapters train, the base stays)
+};
+
+// How a row is initialised: drawn in fp32 from the model's seeded RNG in
+// table order, then rounded to the storage dtype.
+typedef enum {
+    FL_INIT_NORMAL, // N(0, std)
+    FL_INIT_ZEROS,
+    FL_INIT_ONES,
+} fl_init_rule;
+
+// The unit a row belongs to: the embedding, a block (0..L-1) or the head.
+// A unit's rows are contiguous, so a unit is one range of the flat buffer.
+enum { FL_UNIT_EMBED = -1 };
+#define FL_UNIT_HEAD(n_layer) (n_layer)
+
+#define FL_MAX_DIMS       4
+#define FL_PARAM_NAME_MAX 64
+
+typedef struct {
+    char name[FL_PARAM_NAME_MAX]; // the architecture's Hugging Face names, without the
+                                  // "transformer."/"model." prefix
+    int ndim;
+    size_t shape[FL_MAX_DIMS];
+    size_t offset; // in elements, into the flat buffer
+    size_t numel;
+    unsigned flags;
+    fl_init_rule init;
+    float std;        // FL_INIT_NORMAL
+    int unit;         // FL_UNIT_EMBED, a block index, or FL_UNIT_HEAD(L)
+    size_t live_rows; // > 0: only the first live_rows of dim 0 are initialised (the
+                      // rest, e.g. vocabulary padding, stay zero); 0: all
+} fl_param_view;
+
+typedef struct {
+    fl_param_view *views;
+    int count, capacity;
+    size_t numel; // total elements of the flat buffer
+} fl_param_table;
+
+// Appends a view at the end of the buffer and returns its index (init
+// N(0, 0.02), unit FL_UNIT_EMBED until set).
+int fl_params_add(fl_param_table *table, const char *name, unsigned flags, int ndim,
+                  const size_t *shape);
+// An empty table with room for exactly `capacity` views (no regrowth, so
+// its memory is one allocation the planner can predict).
+void fl_params_reserve(fl_param_table *table, int capacity);
+int fl_params_find(const fl_param_table *table, const char *name); // -1 when absent
+void fl_params_free(fl_param_table *table);
+
+// Initialises the flat buffer `params` (dtype dt) row by row from the rows'
+// init rules, drawing from one RNG seeded with `seed` in table order.
+void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint64_t seed);
+
+#endif

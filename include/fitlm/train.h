@@ -1,0 +1,27 @@
+// train.h: one training step, as a library call: forward and backward over
+// the micro-batches of an accumulated batch, loss scaling, clipping and the
+// optimizer update. The CLI, the benchmarks and the tests all step through it.
+#ifndef FITLM_TRAIN_H
+#define FITLM_TRAIN_H
+
+#include "fitlm/model.h"
+#include "fitlm/optim.h"
+
+typedef struct {
+    float loss;      // mean loss over every target token of the accumulated batch
+    long n_targets;  // target tokens (targets != -1) in the accumulated batch
+    float grad_norm; // of the unscaled gradient, before clipping
+    int skipped;     // fp16 overflow: nothing was updated
+    float loss_scale;
+} fl_train_result;
+
+// One optimizer step over `micro` micro-batches of B x T tokens: inputs and
+// targets are (micro, B, T). Gradients are token-weighted: each target
+// token's loss has weight 1 / (targets in the whole accumulated batch), so k
+// micro-batches give the gradient of one batch of k*B sequences even when
+// they hold different numbers of targets (DeepSpeed/HF's mean of per-micro-
+// batch means does not). micro must equal the optimizer's grad_accum.
+fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
+                              int micro, int B, int T, float lr);
+
+#endif

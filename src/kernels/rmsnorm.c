@@ -1,0 +1,117 @@
+// rmsnorm.c: RMSNorm over the last dim C, as Hugging Face's LlamaRMSNorm:
+// y = x * rsqrt(mean(x^2) + eps) * weight, in fp32.
+// Backward, with r = rstd and n_i = x_i r (the normalised input):
+//   dx_i += r (w_i dy_i - n_i mean_j(w_j dy_j n_j)),  dw_i += sum_rows dy_i n_i.
+#include "fitlm/kernels.h"
+
+#include "simd.h"
+#include <math.h>
+
+// channel block for the weight gradient, see rmsnorm_backward
+#define RMS_CBLOCK 64
+
+// One row: the fast version lets the compiler reassociate the sum of
+// squares (omp simd), the reference keeps plain sequential order.
+static void rmsnorm_row_fast(float *out, float *rstd, const float *x, const float *weight, int C,
+                             float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < C; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / C + eps);
+    for (int i = 0; i < C; i++) out[i] = x[i] * r * weight[i];
+    *rstd = r;
+}
+
+// 16-bit rows are converted into fp32 buffers of C floats on each thread's
+// stack (the weight once per thread); fp32 rows are used in place.
+void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const void *weight,
+                     int N, int C, float eps) {
+    // out, inp (N,C); rstd (N); weight (C)
+#pragma omp parallel
+    {
+        float w32[C], x32[C], y32[C];
+        const float *w = fl_load_f32(dt, weight, C, w32);
+#pragma omp for
+        for (int n = 0; n < N; n++) {
+            void *y = fl_at(dt, out, (size_t)n * C);
+            float *y_f = fp32_out(dt, y, y32);
+            rmsnorm_row_fast(y_f, rstd + n,
+                             fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32), w, C,
+                             eps);
+            fp32_flush(dt, y, y_f, C);
+        }
+    }
+}
+
+void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, const void *inp,
+                      const void *weight, const float *rstd, int N, int C) {
+    // dinp: rows are independent
+#pragma omp parallel
+    {
+        float w32[C], x32[C], dy32[C], dx32[C];
+        const float *weight_f = fl_load_f32(dt, weight, C, w32);
+#pragma omp for
+        for (int n = 0; n < N; n++) {
+            const float *x = fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32);
+            const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, (size_t)n * C), C, dy32);
+            float *dx = fp32_rmw(dt, fl_at(dt, dinp, (size_t)n * C), C, dx32);
+            float r = rstd[n];
+            float dnorm_norm_mean = 0.0f;
+#pragma omp simd reduction(+ : dnorm_norm_mean)
+            for (int i = 0; i < C; i++) dnorm_norm_mean += weight_f[i] * dy[i] * (x[i] * r);
+            dnorm_norm_mean /= C;
+            for (int i = 0; i < C; i++)
+                dx[i] += (weight_f[i] * dy[i] - x[i] * r * dnorm_norm_mean) * r;
+            fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
+        }
+    }
+    // dweight: each thread owns a block of channels and sums the rows in
+    // order, so there is no reduction across threads (deterministic); the
+    // block's sums stay in fp32 until all rows are in
+    int nblocks = (C + RMS_CBLOCK - 1) / RMS_CBLOCK;
+#pragma omp parallel for
+    for (int blk = 0; blk < nblocks; blk++) {
+        int c0 = blk * RMS_CBLOCK, nc = C - c0 < RMS_CBLOCK ? C - c0 : RMS_CBLOCK;
+        float dw32[RMS_CBLOCK], x32[RMS_CBLOCK], dy32[RMS_CBLOCK];
+        float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dw32);
+        for (int n = 0; n < N; n++) {
+            size_t off = (size_t)n * C + c0;
+            const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
+            const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
+            float r = rstd[n];
+            for (int i = 0; i < nc; i++) dw[i] += x[i] * r * dy[i];
+        }
+        fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
+    }
+}
+
+void rmsnorm_forward_ref(float *out, float *rstd, const float *inp, const float *weight, int N,
+                         int C, float eps) {
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float *y = out + (size_t)n * C;
+        float ss = 0.0f;
+        for (int i = 0; i < C; i++) ss += x[i] * x[i];
+        float r = 1.0f / sqrtf(ss / C + eps);
+        for (int i = 0; i < C; i++) y[i] = x[i] * r * weight[i];
+        rstd[n] = r;
+    }
+}
+
+void rmsnorm_backward_ref(float *dinp, float *dweight, const float *dout, const float *inp,
+                          const float *weight, const float *rstd, int N, int C) {
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+        float *dx = dinp + (size_t)n * C;
+        float r = rstd[n];
+        // the mean that couples the row's gradients
+        float dnorm_norm_mean = 0.0f;
+        for (int i = 0; i < C; i++) dnorm_norm_mean += weight[i] * dy[i] * (x[i] * r);
+        dnorm_norm_mean /= C;
+        for (int i = 0; i < C; i++) {
+            float norm = x[i] * r;
+            dweight[i] += norm * dy[i];
+            dx[i] += (weight[i] * dy[i] - norm * dnorm_norm_mean) * r;
+        }
+    }
+}

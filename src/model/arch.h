@@ -1,0 +1,75 @@
+// arch.h: what an architecture supplies to the model driver (private to
+// src/model). An architecture is its parameter table, the activation slots of
+// a block and of the head, and the embedding, block and head passes written
+// with the kernels and the linear unit; model.c does everything else.
+#ifndef FITLM_MODEL_ARCH_H
+#define FITLM_MODEL_ARCH_H
+
+#include "fitlm/kernels.h"
+#include "fitlm/model.h"
+#include "fitlm/profile.h"
+
+// One activation or workspace buffer of a block or the head, per position.
+typedef struct {
+    size_t per_token; // elements per (b, t)
+    int f32;          // always fp32 (norm statistics, log-sum-exps), else the model's dtype
+    int cheap;        // FL_RECOMPUTE_SELECTIVE drops it (one copy shared by all blocks) and the
+                      // block's forward recomputes it with cheap_only set
+} fl_slot;
+
+// What a block's passes see: its index, the batch, its input and output on
+// the residual stream, and its slots (for this block under the policy).
+typedef struct {
+    fl_model *m;
+    int l, B, T;
+    const void *in; // (B,T,C)
+    void *out;      // (B,T,C)
+    void **act;     // the block's activation slots
+    void **work;    // workspace slots, shared by every block and the head
+} fl_block;
+
+struct fl_arch {
+    // defaults for fields left 0, then checks; dies naming the field
+    void (*finish)(fl_model_config *c);
+    size_t (*num_params)(const fl_model_config *c);
+    void (*sizes)(const fl_model_config *c, size_t *largest_row, size_t *block);
+    int (*table_rows)(const fl_model_config *c); // exact, for fl_params_reserve
+    void (*build_table)(fl_param_table *t, const fl_model_config *c);
+    // slot lists (return the count, <= FL_MAX_SLOTS)
+    int (*block_slots)(const fl_model_config *c, fl_slot *out);
+    int (*head_slots)(const fl_model_config *c, fl_slot *out);
+    int (*work_slots)(const fl_model_config *c, fl_slot *out);
+    // every GEMM shape of a step (the driver sizes the GEMM workspace for the largest)
+    int (*linears)(const fl_model_config *c, fl_linear *out);
+    // attention's scratch per thread, and tables computed once per allocation
+    size_t (*thread_floats)(const fl_model_config *c, fl_dtype dt, int T);
+    size_t (*rope_floats)(const fl_model_config *c, int T); // 0: none
+    void (*embed_forward)(fl_model *m, void *out, const int *tokens, int B, int T);
+    void (*embed_backward)(fl_model *m, const void *dout, const int *tokens, int B, int T);
+    // cheap_only: recompute only the cheap slots from the kept ones
+    void (*block_forward)(const fl_block *b, int cheap_only);
+    // dres: d(block output) in, d(block input) out
+    void (*block_backward)(const fl_block *b, void *dres);
+    void (*head_forward)(const fl_block *h, void *logits);
+    void (*head_backward)(const fl_block *h, void *dres, const void *dlogits);
+};
+
+extern const fl_arch fl_arch_gpt2, fl_arch_llama;
+
+// A row's weights / gradient for unit u: row k of the unit.
+static inline void *fl_unit_w(const fl_model *m, int u, int k) {
+    return m->wp[m->unit_row[u + 1] + k];
+}
+static inline void *fl_unit_g(const fl_model *m, int u, int k) {
+    return m->gp[m->unit_row[u + 1] + k];
+}
+
+// Kernel calls timed into the profile's op slots (fitlm/profile.h).
+#define FL_FWD_OP(op, ...) FL_PROFILE(op, FL_FWD, 0.0, __VA_ARGS__)
+#define FL_BWD_OP(op, ...) FL_PROFILE(op, FL_BWD, 0.0, __VA_ARGS__)
+
+// Adds a row named fmt % l with its init rule and unit.
+int fl_arch_add_row(fl_param_table *t, int unit, unsigned flags, fl_init_rule init, float std,
+                    size_t d0, size_t d1, const char *fmt, int l);
+
+#endif

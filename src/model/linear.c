@@ -1,0 +1,35 @@
+// linear.c: the linear unit (see model.h). Every GEMM of a model goes
+// through here, so LoRA, NF4 dequantisation and tensor-parallel collectives
+// have one place to wrap; a frozen weight gets no gradient.
+#include "fitlm/model.h"
+
+#include "arch.h"
+
+// FLOPs of one (N x C) @ (C x OC) GEMM: the profile's GFLOP/s; the backward
+// is two of them (input and weight gradients).
+static double gemm_flops(int N, int C, int OC) {
+    return 2.0 * (double)N * C * OC;
+}
+
+size_t fl_linear_workspace_bytes(fl_dtype dt, const fl_linear *lin, int N) {
+    return matmul_workspace_bytes(dt, N, lin->in, lin->out);
+}
+
+void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
+                       int N) {
+    const void *w = fl_unit_w(m, unit, lin->w);
+    const void *b = lin->b >= 0 ? fl_unit_w(m, unit, lin->b) : NULL;
+    FL_PROFILE(lin->op, FL_FWD, gemm_flops(N, lin->in, lin->out),
+               matmul_forward(m->dtype, out, inp, w, b, m->matmul_workspace, N, lin->in, lin->out));
+}
+
+void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
+                        const void *inp, int N) {
+    int row = m->unit_row[unit + 1] + lin->w;
+    int frozen = (m->table.views[row].flags & FL_PARAM_FROZEN) != 0;
+    void *dw = frozen ? NULL : fl_unit_g(m, unit, lin->w);
+    void *db = lin->b >= 0 && !frozen ? fl_unit_g(m, unit, lin->b) : NULL;
+    FL_PROFILE(lin->op, FL_BWD, 2.0 * gemm_flops(N, lin->in, lin->out),
+               matmul_backward(m->dtype, dinp, dw, db, dout, inp, fl_unit_w(m, unit, lin->w),
+                               m->matmul_workspace, N, lin->in, lin->out));
+}

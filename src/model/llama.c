@@ -1,0 +1,262 @@
+// llama.c: LLaMA as Hugging Face's LlamaForCausalLM defines it
+// (transformers/models/llama/modeling_llama.py): a token embedding, pre-RMSNorm
+// blocks of causal attention with grouped-query heads and rotary position
+// embeddings (rotate-half convention) and a SwiGLU MLP, a final RMSNorm and
+// an LM head (untied unless tie_word_embeddings). No biases anywhere.
+//
+// q_proj, k_proj and v_proj are consecutive rows of the table, and so are
+// gate_proj and up_proj: each group runs as one GEMM over the stacked
+// weights, writing [q | k | v] and [gate | up] side by side per position.
+#include <string.h>
+
+#include "arch.h"
+
+// rows of a block, in table order
+enum { LN1, WQ, WK, WV, WO, LN2, WGATE, WUP, WDOWN, NROWS };
+// activation slots of a block; (S) = dropped and recomputed under "selective"
+enum {
+    A_LN1,    // (C) (S)
+    A_RSTD1,  // (1) fp32 (S)
+    A_QKV,    // (QKV) after the rotary embedding
+    A_ATTY,   // (C) attention output before o_proj
+    A_LSE,    // (NH) fp32
+    A_RES2,   // (C) residual after attention
+    A_LN2,    // (C) (S)
+    A_RSTD2,  // (1) fp32 (S)
+    A_GATEUP, // (2I)
+    A_ACT,    // (I) silu(gate) * up (S)
+    NSLOTS
+};
+enum { H_NORM, H_RSTD, NHEAD };        // head slots
+enum { W_C, W_QKV, W_2I, W_I, NWORK }; // backward scratch
+
+static size_t qkv_width(const fl_model_config *c) {
+    return (size_t)(c->n_head + 2 * c->n_kv_head) * (c->n_embd / c->n_head);
+}
+
+static void finish(fl_model_config *c) {
+    if (c->n_kv_head == 0) c->n_kv_head = c->n_head;
+    if (c->intermediate_size == 0) c->intermediate_size = 4 * c->n_embd;
+    if (c->norm_eps == 0.0f) c->norm_eps = 1e-5f;
+    if (c->rope_theta == 0.0f) c->rope_theta = 10000.0f;
+    if (!(c->norm_eps > 0.0f && c->norm_eps < 1.0f))
+        fl_die("model.norm_eps must be in (0, 1) (got %g)", c->norm_eps);
+    if (!(c->rope_theta > 1.0f)) fl_die("model.rope_theta must be > 1 (got %g)", c->rope_theta);
+    if ((c->n_embd / c->n_head) % 2)
+        fl_die("model: the head size n_embd / n_head (%d) must be even for rotary embeddings",
+               c->n_embd / c->n_head);
+}
+
+static void sizes(const fl_model_config *c, size_t *largest_row, size_t *block) {
+    size_t C = c->n_embd, I = c->intermediate_size;
+    size_t kv = (size_t)c->n_kv_head * (C / c->n_head);
+    *largest_row = (size_t)c->padded_vocab_size * C;
+    if (I * C > *largest_row) *largest_row = I * C;
+    *block = 2 * C + 2 * C * C + 2 * kv * C + 3 * I * C;
+}
+
+static size_t num_params(const fl_model_config *c) {
+    size_t C = c->n_embd, L = c->n_layer, Vp = c->padded_vocab_size;
+    size_t largest, block;
+    sizes(c, &largest, &block);
+    return Vp * C + L * block + C + (c->tie_embeddings ? 0 : Vp * C);
+}
+
+static int table_rows(const fl_model_config *c) {
+    return 1 + NROWS * c->n_layer + 1 + !c->tie_embeddings;
+}
+
+// Initialisation as Hugging Face's LlamaPreTrainedModel: N(0, 0.02) for
+// every matrix and embedding, RMSNorm weights 1.
+static void build_table(fl_param_table *t, const fl_model_config *c) {
+    size_t C = c->n_embd, I = c->intermediate_size, kv = (size_t)c->n_kv_head * (C / c->n_head);
+    const unsigned D = FL_PARAM_DECAY;
+    const float std = 0.02f;
+    int L = c->n_layer;
+    int e = fl_arch_add_row(t, FL_UNIT_EMBED, D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
+                            "embed_tokens.weight", 0);
+    t->views[e].live_rows = c->vocab_size;
+    for (int l = 0; l < L; l++) {
+        fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "layers.%d.input_layernorm.weight", l);
+        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, C, C, "layers.%d.self_attn.q_proj.weight", l);
+        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, kv, C, "layers.%d.self_attn.k_proj.weight",
+                        l);
+        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, kv, C, "layers.%d.self_attn.v_proj.weight",
+                        l);
+        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, C, C, "layers.%d.self_attn.o_proj.weight", l);
+        fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "layers.%d.post_attention_layernorm.weight",
+                        l);
+        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, I, C, "layers.%d.mlp.gate_proj.weight", l);
+        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, I, C, "layers.%d.mlp.up_proj.weight", l);
+        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, C, I, "layers.%d.mlp.down_proj.weight", l);
+    }
+    fl_arch_add_row(t, FL_UNIT_HEAD(L), 0, FL_INIT_ONES, 0, C, 0, "norm.weight", 0);
+    if (!c->tie_embeddings) {
+        int h = fl_arch_add_row(t, FL_UNIT_HEAD(L), D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
+                                "lm_head.weight", 0);
+        t->views[h].live_rows = c->vocab_size;
+    }
+}
+
+static int block_slots(const fl_model_config *c, fl_slot *s) {
+    size_t C = c->n_embd, I = c->intermediate_size;
+    s[A_LN1] = s[A_LN2] = (fl_slot){C, 0, 1};
+    s[A_RSTD1] = s[A_RSTD2] = (fl_slot){1, 1, 1};
+    s[A_QKV] = (fl_slot){qkv_width(c), 0, 0};
+    s[A_ATTY] = s[A_RES2] = (fl_slot){C, 0, 0};
+    s[A_LSE] = (fl_slot){(size_t)c->n_head, 1, 0};
+    s[A_GATEUP] = (fl_slot){2 * I, 0, 0};
+    s[A_ACT] = (fl_slot){I, 0, 1};
+    return NSLOTS;
+}
+
+static int head_slots(const fl_model_config *c, fl_slot *s) {
+    s[H_NORM] = (fl_slot){(size_t)c->n_embd, 0, 0};
+    s[H_RSTD] = (fl_slot){1, 1, 0};
+    return NHEAD;
+}
+
+static int work_slots(const fl_model_config *c, fl_slot *s) {
+    size_t I = c->intermediate_size;
+    s[W_C] = (fl_slot){(size_t)c->n_embd, 0, 0};
+    s[W_QKV] = (fl_slot){qkv_width(c), 0, 0};
+    s[W_2I] = (fl_slot){2 * I, 0, 0};
+    s[W_I] = (fl_slot){I, 0, 0};
+    return NWORK;
+}
+
+enum { L_QKV, L_O, L_GATEUP, L_DOWN, L_HEAD, NLIN };
+static void linear_set(const fl_model_config *c, fl_linear *out) {
+    int C = c->n_embd, I = c->intermediate_size;
+    out[L_QKV] = (fl_linear){WQ, -1, C, (int)qkv_width(c), FL_OP_MM_QKV};
+    out[L_O] = (fl_linear){WO, -1, C, C, FL_OP_MM_ATTPROJ};
+    out[L_GATEUP] = (fl_linear){WGATE, -1, C, 2 * I, FL_OP_MM_FC};
+    out[L_DOWN] = (fl_linear){WDOWN, -1, I, C, FL_OP_MM_FCPROJ};
+    // tied: row 0 of the embedding unit; untied: row 1 of the head unit
+    out[L_HEAD] =
+        (fl_linear){c->tie_embeddings ? 0 : 1, -1, C, c->padded_vocab_size, FL_OP_MM_LMHEAD};
+}
+
+static int linears(const fl_model_config *c, fl_linear *out) {
+    linear_set(c, out);
+    return NLIN;
+}
+
+static int head_unit(const fl_model_config *c) {
+    return c->tie_embeddings ? FL_UNIT_EMBED : FL_UNIT_HEAD(c->n_layer);
+}
+
+static size_t thread_floats(const fl_model_config *c, fl_dtype dt, int T) {
+    return attention_workspace_floats(dt, T, c->n_embd / c->n_head, c->n_head / c->n_kv_head);
+}
+
+static size_t rope_floats(const fl_model_config *c, int T) {
+    return (size_t)T * (c->n_embd / c->n_head);
+}
+
+static void embed_forward(fl_model *m, void *out, const int *tokens, int B, int T) {
+    FL_FWD_OP(FL_OP_ENCODER, encoder_forward(m->dtype, out, tokens, fl_unit_w(m, FL_UNIT_EMBED, 0),
+                                             NULL, B, T, m->config.n_embd));
+}
+
+static void embed_backward(fl_model *m, const void *dout, const int *tokens, int B, int T) {
+    FL_BWD_OP(FL_OP_ENCODER, encoder_backward(m->dtype, fl_unit_g(m, FL_UNIT_EMBED, 0), NULL, dout,
+                                              tokens, B, T, m->config.n_embd));
+}
+
+static void block_forward(const fl_block *b, int cheap_only) {
+    fl_model *m = b->m;
+    const fl_model_config *c = &m->config;
+    fl_dtype dt = m->dtype;
+    int l = b->l, C = c->n_embd, NH = c->n_head, KV = c->n_kv_head, I = c->intermediate_size;
+    int BT = b->B * b->T;
+    float eps = c->norm_eps;
+    void **a = b->act;
+    fl_linear lin[NLIN];
+    linear_set(c, lin);
+    FL_FWD_OP(FL_OP_RMSNORM,
+              rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in, fl_unit_w(m, l, LN1), BT, C, eps));
+    if (!cheap_only) {
+        fl_linear_forward(m, l, &lin[L_QKV], a[A_QKV], a[A_LN1], BT);
+        FL_FWD_OP(FL_OP_ROPE,
+                  rope_forward(dt, a[A_QKV], m->rope_table, b->B, b->T, NH, KV, C / NH));
+        FL_FWD_OP(FL_OP_ATTENTION, attention_forward(dt, a[A_ATTY], a[A_LSE], a[A_QKV],
+                                                     m->att_workspace, b->B, b->T, NH, KV, C / NH));
+        fl_linear_forward(m, l, &lin[L_O], a[A_RES2], a[A_ATTY], BT);
+        FL_FWD_OP(FL_OP_RESIDUAL,
+                  residual_forward(dt, a[A_RES2], b->in, a[A_RES2], (size_t)BT * C));
+    }
+    FL_FWD_OP(FL_OP_RMSNORM, rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2],
+                                             fl_unit_w(m, l, LN2), BT, C, eps));
+    if (!cheap_only) fl_linear_forward(m, l, &lin[L_GATEUP], a[A_GATEUP], a[A_LN2], BT);
+    FL_FWD_OP(FL_OP_SWIGLU, swiglu_forward(dt, a[A_ACT], a[A_GATEUP], BT, I));
+    if (!cheap_only) {
+        fl_linear_forward(m, l, &lin[L_DOWN], b->out, a[A_ACT], BT);
+        FL_FWD_OP(FL_OP_RESIDUAL, residual_forward(dt, b->out, a[A_RES2], b->out, (size_t)BT * C));
+    }
+}
+
+static void block_backward(const fl_block *b, void *dres) {
+    fl_model *m = b->m;
+    const fl_model_config *c = &m->config;
+    fl_dtype dt = m->dtype;
+    int l = b->l, C = c->n_embd, NH = c->n_head, KV = c->n_kv_head, I = c->intermediate_size;
+    int BT = b->B * b->T;
+    size_t D = fl_dtype_size(dt);
+    void **a = b->act, **w = b->work;
+    fl_linear lin[NLIN];
+    linear_set(c, lin);
+    // MLP: out = res2 + down(silu(gate(ln2)) * up(ln2)), ln2 = rmsnorm(res2)
+    memset(w[W_I], 0, (size_t)BT * I * D);
+    fl_linear_backward(m, l, &lin[L_DOWN], w[W_I], dres, a[A_ACT], BT);
+    memset(w[W_2I], 0, (size_t)BT * 2 * I * D);
+    FL_BWD_OP(FL_OP_SWIGLU, swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
+    memset(w[W_C], 0, (size_t)BT * C * D);
+    fl_linear_backward(m, l, &lin[L_GATEUP], w[W_C], w[W_2I], a[A_LN2], BT);
+    FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN2), w[W_C], a[A_RES2],
+                                              fl_unit_w(m, l, LN2), a[A_RSTD2], BT, C));
+    // attention: res2 = in + o(attn(rope(qkv(ln1)))), ln1 = rmsnorm(in)
+    memset(w[W_C], 0, (size_t)BT * C * D);
+    fl_linear_backward(m, l, &lin[L_O], w[W_C], dres, a[A_ATTY], BT);
+    memset(w[W_QKV], 0, (size_t)BT * qkv_width(c) * D);
+    FL_BWD_OP(FL_OP_ATTENTION,
+              attention_backward(dt, w[W_QKV], w[W_C], a[A_QKV], a[A_ATTY], a[A_LSE],
+                                 m->att_workspace, b->B, b->T, NH, KV, C / NH));
+    FL_BWD_OP(FL_OP_ROPE, rope_backward(dt, w[W_QKV], m->rope_table, b->B, b->T, NH, KV, C / NH));
+    memset(w[W_C], 0, (size_t)BT * C * D);
+    fl_linear_backward(m, l, &lin[L_QKV], w[W_C], w[W_QKV], a[A_LN1], BT);
+    FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN1), w[W_C], b->in,
+                                              fl_unit_w(m, l, LN1), a[A_RSTD1], BT, C));
+}
+
+static void head_forward(const fl_block *h, void *logits) {
+    fl_model *m = h->m;
+    const fl_model_config *c = &m->config;
+    int BT = h->B * h->T, U = FL_UNIT_HEAD(c->n_layer);
+    void **a = h->act;
+    fl_linear lin[NLIN];
+    linear_set(c, lin);
+    FL_FWD_OP(FL_OP_RMSNORM, rmsnorm_forward(m->dtype, a[H_NORM], a[H_RSTD], h->in,
+                                             fl_unit_w(m, U, 0), BT, c->n_embd, c->norm_eps));
+    fl_linear_forward(m, head_unit(c), &lin[L_HEAD], logits, a[H_NORM], BT);
+}
+
+static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
+    fl_model *m = h->m;
+    const fl_model_config *c = &m->config;
+    int BT = h->B * h->T, C = c->n_embd, U = FL_UNIT_HEAD(c->n_layer);
+    size_t BTC = (size_t)BT * C, D = fl_dtype_size(m->dtype);
+    void **a = h->act, *dnorm = h->work[W_C];
+    fl_linear lin[NLIN];
+    linear_set(c, lin);
+    memset(dnorm, 0, BTC * D);
+    fl_linear_backward(m, head_unit(c), &lin[L_HEAD], dnorm, dlogits, a[H_NORM], BT);
+    memset(dres, 0, BTC * D);
+    FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), dnorm, h->in,
+                                              fl_unit_w(m, U, 0), a[H_RSTD], BT, C));
+}
+
+const fl_arch fl_arch_llama = {
+    finish,         num_params,    sizes,          table_rows,    build_table,  block_slots,
+    head_slots,     work_slots,    linears,        thread_floats, rope_floats,  embed_forward,
+    embed_backward, block_forward, block_backward, head_forward,  head_backward};

@@ -1,0 +1,419 @@
+// model.c: the model driver (see model.h). It allocates a model from its
+// architecture's table and slot lists, runs the embedding, the blocks and the
+// head forward, the loss, and the backward loop in reverse with the hooks,
+// recomputing what the activation-checkpointing policy dropped.
+#include "fitlm/model.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "arch.h"
+
+// ----------------------------------------------------------------------------
+// configuration
+
+static const struct {
+    const char *name;
+    const fl_arch *arch;
+} ARCHS[] = {{"gpt2", &fl_arch_gpt2}, {"llama", &fl_arch_llama}};
+
+const char *fl_arch_name(fl_arch_kind arch) {
+    return ARCHS[arch].name;
+}
+
+int fl_arch_parse(const char *name, fl_arch_kind *out) {
+    for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++)
+        if (!strcmp(name, ARCHS[i].name)) {
+            *out = (fl_arch_kind)i;
+            return 0;
+        }
+    return -1;
+}
+
+static const fl_arch *arch_of(const fl_model_config *c) {
+    FL_ASSERT((unsigned)c->arch < sizeof ARCHS / sizeof ARCHS[0]);
+    return ARCHS[c->arch].arch;
+}
+
+static const char *const RECOMPUTE_NAMES[] = {"none", "selective", "block"};
+
+const char *fl_recompute_name(fl_recompute r) {
+    return RECOMPUTE_NAMES[r];
+}
+
+int fl_recompute_parse(const char *name, fl_recompute *out) {
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(name, RECOMPUTE_NAMES[i])) {
+            *out = (fl_recompute)i;
+            return 0;
+        }
+    return -1;
+}
+
+void fl_model_config_finish(fl_model_config *cfg) {
+    const struct {
+        const char *name;
+        int value;
+    } fields[] = {{"n_layer", cfg->n_layer},
+                  {"n_head", cfg->n_head},
+                  {"n_embd", cfg->n_embd},
+                  {"vocab_size", cfg->vocab_size},
+                  {"max_seq_len", cfg->max_seq_len}};
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        if (fields[i].value <= 0)
+            fl_die("model.%s must be positive (got %d)", fields[i].name, fields[i].value);
+    if (cfg->n_embd % cfg->n_head != 0)
+        fl_die("model.n_embd (%d) must be divisible by model.n_head (%d)", cfg->n_embd,
+               cfg->n_head);
+    if (cfg->vocab_size > (1 << 30) || cfg->n_embd > (1 << 16) || cfg->max_seq_len > (1 << 20) ||
+        cfg->n_layer > 1024)
+        fl_die("model shape out of range (vocab_size %d, n_embd %d, max_seq_len %d, n_layer %d)",
+               cfg->vocab_size, cfg->n_embd, cfg->max_seq_len, cfg->n_layer);
+    arch_of(cfg)->finish(cfg);
+    if (cfg->n_kv_head <= 0 || cfg->n_head % cfg->n_kv_head != 0)
+        fl_die("model.n_kv_head (%d) must be positive and divide model.n_head (%d)", cfg->n_kv_head,
+               cfg->n_head);
+    if (cfg->intermediate_size <= 0 || cfg->intermediate_size > (1 << 20))
+        fl_die("model.intermediate_size must be in [1, %d] (got %d)", 1 << 20,
+               cfg->intermediate_size);
+    // A multiple of 128 keeps the LM-head GEMM on full SIMD tiles.
+    cfg->padded_vocab_size = (cfg->vocab_size + 127) / 128 * 128;
+}
+
+size_t fl_model_num_params(const fl_model_config *cfg) {
+    fl_model_config c = *cfg;
+    fl_model_config_finish(&c);
+    return arch_of(&c)->num_params(&c);
+}
+
+void fl_model_sizes(const fl_model_config *cfg, size_t *largest_row, size_t *block) {
+    fl_model_config c = *cfg;
+    fl_model_config_finish(&c);
+    arch_of(&c)->sizes(&c, largest_row, block);
+}
+
+void fl_model_table(fl_param_table *t, const fl_model_config *cfg) {
+    fl_model_config c = *cfg;
+    fl_model_config_finish(&c);
+    memset(t, 0, sizeof *t);
+    fl_params_reserve(t, arch_of(&c)->table_rows(&c));
+    arch_of(&c)->build_table(t, &c);
+}
+
+int fl_arch_add_row(fl_param_table *t, int unit, unsigned flags, fl_init_rule init, float std,
+                    size_t d0, size_t d1, const char *fmt, int l) {
+    char name[FL_PARAM_NAME_MAX];
+    snprintf(name, sizeof name, fmt, l);
+    size_t shape[2] = {d0, d1};
+    int r = fl_params_add(t, name, flags, d1 ? 2 : 1, shape);
+    t->views[r].init = init;
+    t->views[r].std = std;
+    t->views[r].unit = unit;
+    return r;
+}
+
+// ----------------------------------------------------------------------------
+// allocation
+
+// Bookkeeping beside the table: the row pointer arrays and the unit index.
+static size_t bookkeeping_bytes(int rows, int L) {
+    return 2 * (size_t)rows * sizeof(void *) + (size_t)(L + 3) * sizeof(int);
+}
+
+void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed) {
+    memset(m, 0, sizeof *m);
+    m->config = *cfg;
+    m->dtype = dt;
+    fl_model_config_finish(&m->config);
+    const fl_model_config *c = &m->config;
+    m->arch = arch_of(c);
+    fl_model_table(&m->table, c);
+    size_t n = m->table.numel;
+    FL_ASSERT(n == m->arch->num_params(c) && m->table.count == m->arch->table_rows(c));
+    m->params = fl_alloc(FL_MEM_PARAMS, n * fl_dtype_size(dt));
+    m->grads = fl_alloc(FL_MEM_GRADS, n * fl_dtype_size(dt));
+    int rows = m->table.count, L = c->n_layer;
+    m->wp = fl_alloc(FL_MEM_OTHER, (size_t)rows * sizeof(void *));
+    m->gp = fl_alloc(FL_MEM_OTHER, (size_t)rows * sizeof(void *));
+    m->unit_row = fl_alloc(FL_MEM_OTHER, (size_t)(L + 3) * sizeof(int));
+    // rows come unit by unit: embedding, blocks, head
+    int u = FL_UNIT_EMBED;
+    m->unit_row[0] = 0;
+    for (int r = 0; r < rows; r++) {
+        int ru = m->table.views[r].unit;
+        FL_ASSERT(ru >= u && ru <= L);
+        while (u < ru) m->unit_row[++u + 1] = r;
+    }
+    while (u <= L) m->unit_row[++u + 1] = rows;
+    for (int unit = FL_UNIT_EMBED; unit <= L; unit++) {
+        fl_model_bind_params(m, unit, NULL);
+        fl_model_bind_grads(m, unit, NULL);
+    }
+    fl_params_init(&m->table, dt, m->params, seed);
+}
+
+void fl_model_unit_rows(const fl_model *m, int unit, int *first, int *count) {
+    FL_ASSERT(unit >= FL_UNIT_EMBED && unit <= m->config.n_layer);
+    *first = m->unit_row[unit + 1];
+    *count = m->unit_row[unit + 2] - *first;
+}
+
+static void bind(const fl_model *m, void **ptrs, void *whole, int unit, void *buffer) {
+    int first, count;
+    fl_model_unit_rows(m, unit, &first, &count);
+    const fl_param_view *v = m->table.views;
+    for (int r = first; r < first + count; r++)
+        ptrs[r] = buffer ? fl_at(m->dtype, buffer, v[r].offset - v[first].offset)
+                         : fl_at(m->dtype, whole, v[r].offset);
+}
+
+void fl_model_bind_grads(fl_model *m, int unit, void *buffer) {
+    bind(m, m->gp, m->grads, unit, buffer);
+}
+
+void fl_model_bind_params(fl_model *m, int unit, void *buffer) {
+    bind(m, m->wp, m->params, unit, buffer);
+}
+
+// One allocation of the activation set: where its pointer goes, how many
+// elements of what size, under which tag. fl_model_alloc_acts walks this
+// list to allocate and fl_model_memory to predict, so the two cannot disagree.
+typedef struct {
+    void **slot; // NULL when only sizes are wanted
+    size_t count, elem;
+    fl_mem_tag tag;
+} act_spec;
+
+enum { MAX_SPECS = 3 * FL_MAX_SLOTS + 16 };
+
+static int copies_of(const fl_slot *s, fl_recompute r, int L) {
+    if (r == FL_RECOMPUTE_BLOCK || (r == FL_RECOMPUTE_SELECTIVE && s->cheap)) return 1;
+    return L;
+}
+
+static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, int T, int threads,
+                     fl_recompute r, act_spec *out) {
+    const fl_arch *arch = arch_of(c);
+    size_t L = c->n_layer, C = c->n_embd, Vp = c->padded_vocab_size;
+    size_t BT = (size_t)B * T, D = fl_dtype_size(dt), F = sizeof(float), I = sizeof(int);
+    int n = 0;
+#define SPEC(field, cnt, size, tag)                                                                \
+    out[n++] = (act_spec){m ? (void **)&(field) : NULL, cnt, size, tag}
+    fl_slot slots[FL_MAX_SLOTS];
+    SPEC(m->resid, (L + 1) * BT * C, D, FL_MEM_ACTS);
+    int ns = arch->block_slots(c, slots);
+    for (int i = 0; i < ns; i++)
+        SPEC(m->block_act[i], copies_of(&slots[i], r, (int)L) * BT * slots[i].per_token,
+             slots[i].f32 ? F : D, FL_MEM_ACTS);
+    ns = arch->head_slots(c, slots);
+    for (int i = 0; i < ns; i++)
+        SPEC(m->head_act[i], BT * slots[i].per_token, slots[i].f32 ? F : D, FL_MEM_ACTS);
+    SPEC(m->logits, BT * Vp, D, FL_MEM_ACTS);
+    SPEC(m->losses, BT, F, FL_MEM_ACTS);
+    SPEC(m->xent_lse, BT, F, FL_MEM_ACTS);
+    SPEC(m->inputs, BT, I, FL_MEM_ACTS);
+    SPEC(m->targets, BT, I, FL_MEM_ACTS);
+    size_t rope = arch->rope_floats(c, T);
+    if (rope) SPEC(m->rope_table, rope, F, FL_MEM_ACTS);
+    SPEC(m->dres, BT * C, D, FL_MEM_WORKSPACE);
+    ns = arch->work_slots(c, slots);
+    for (int i = 0; i < ns; i++)
+        SPEC(m->block_work[i], BT * slots[i].per_token, slots[i].f32 ? F : D, FL_MEM_WORKSPACE);
+    SPEC(m->dlosses, BT, F, FL_MEM_WORKSPACE);
+    SPEC(m->att_workspace, arch->thread_floats(c, dt, T) * (size_t)threads, F, FL_MEM_WORKSPACE);
+    // the largest GEMM workspace of the step
+    fl_linear lins[FL_MAX_SLOTS];
+    int nl = arch->linears(c, lins);
+    size_t mm = 0;
+    for (int i = 0; i < nl; i++) {
+        size_t b = fl_linear_workspace_bytes(dt, &lins[i], (int)BT);
+        if (b > mm) mm = b;
+    }
+    SPEC(m->matmul_workspace, mm, 1, FL_MEM_WORKSPACE);
+#undef SPEC
+    FL_ASSERT(n <= MAX_SPECS);
+    return n;
+}
+
+void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
+                     fl_recompute recompute, size_t bytes[FL_MEM_NTAGS]) {
+    fl_model_config c = *cfg;
+    fl_model_config_finish(&c);
+    const fl_arch *arch = arch_of(&c);
+    memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
+    size_t numel = arch->num_params(&c);
+    bytes[FL_MEM_PARAMS] = numel * fl_dtype_size(dt);
+    bytes[FL_MEM_GRADS] = numel * fl_dtype_size(dt);
+    int rows = arch->table_rows(&c);
+    bytes[FL_MEM_OTHER] = rows * sizeof(fl_param_view) + bookkeeping_bytes(rows, c.n_layer);
+    if (B == 0) return;
+    act_spec specs[MAX_SPECS];
+    int n = act_specs(NULL, &c, dt, B, T, threads, recompute, specs);
+    for (int i = 0; i < n; i++) bytes[specs[i].tag] += specs[i].count * specs[i].elem;
+}
+
+void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute) {
+    const fl_model_config *c = &m->config;
+    if (B <= 0 || T <= 0)
+        fl_die("batch size and sequence length must be positive (B=%d, T=%d)", B, T);
+    if (T > c->max_seq_len)
+        fl_die("sequence length %d exceeds the model's max_seq_len %d", T, c->max_seq_len);
+    FL_ASSERT(m->max_B == 0); // allocated once, up front
+    act_spec specs[MAX_SPECS];
+    int n = act_specs(m, c, m->dtype, B, T, fl_threads(), recompute, specs);
+    for (int i = 0; i < n; i++)
+        *specs[i].slot = fl_alloc(specs[i].tag, specs[i].count * specs[i].elem);
+    m->att_workspace_threads = fl_threads();
+    m->max_B = B;
+    m->max_T = T;
+    m->recompute = recompute;
+    if (m->rope_table) rope_table(m->rope_table, T, c->n_embd / c->n_head, c->rope_theta);
+}
+
+void fl_model_free(fl_model *m) {
+    if (m->max_B) {
+        act_spec specs[MAX_SPECS];
+        int n = act_specs(m, &m->config, m->dtype, m->max_B, m->max_T, m->att_workspace_threads,
+                          m->recompute, specs);
+        for (int i = 0; i < n; i++) fl_free(*specs[i].slot);
+    }
+    fl_free(m->params);
+    fl_free(m->grads);
+    fl_free(m->wp);
+    fl_free(m->gp);
+    fl_free(m->unit_row);
+    fl_params_free(&m->table);
+    memset(m, 0, sizeof *m);
+}
+
+// ----------------------------------------------------------------------------
+// passes
+
+static void pre_unit(fl_model *m, int unit, int pass) {
+    if (m->hooks.pre_unit) m->hooks.pre_unit(m->hooks.ctx, m, unit, pass);
+}
+
+static void grad_ready(fl_model *m, int unit) {
+    if (!m->hooks.grad_ready) return;
+    int first, count;
+    fl_model_unit_rows(m, unit, &first, &count);
+    if (count) m->hooks.grad_ready(m->hooks.ctx, m, first, count);
+}
+
+// Block l's view of the activations: its copy of each slot, or the one
+// shared copy of a slot the policy recomputes.
+static fl_block block_at(fl_model *m, int l, void **act) {
+    const fl_model_config *c = &m->config;
+    size_t BT = (size_t)m->B * m->T, C = c->n_embd;
+    fl_slot slots[FL_MAX_SLOTS];
+    int ns = m->arch->block_slots(c, slots);
+    for (int i = 0; i < ns; i++) {
+        size_t copy = copies_of(&slots[i], m->recompute, c->n_layer) == 1 ? 0 : (size_t)l;
+        fl_dtype dt = slots[i].f32 ? FL_F32 : m->dtype;
+        act[i] = fl_at(dt, m->block_act[i], copy * BT * slots[i].per_token);
+    }
+    return (fl_block){m,
+                      l,
+                      m->B,
+                      m->T,
+                      fl_at(m->dtype, m->resid, (size_t)l * BT * C),
+                      fl_at(m->dtype, m->resid, (size_t)(l + 1) * BT * C),
+                      act,
+                      m->block_work};
+}
+
+// The head reads the last block's output.
+static fl_block head_at(fl_model *m) {
+    size_t BT = (size_t)m->B * m->T, L = m->config.n_layer;
+    return (fl_block){
+        m,    (int)L,      m->B,         m->T, fl_at(m->dtype, m->resid, L * BT * m->config.n_embd),
+        NULL, m->head_act, m->block_work};
+}
+
+float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B, int T) {
+    const fl_model_config *c = &m->config;
+    if (m->max_B == 0) fl_die("internal: fl_model_forward before fl_model_alloc_acts");
+    if (B > m->max_B || T > m->max_T)
+        fl_die("internal: batch %dx%d exceeds the allocated %dx%d", B, T, m->max_B, m->max_T);
+    int L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
+    size_t BT = (size_t)B * T;
+    for (size_t i = 0; i < BT; i++) {
+        if (tokens[i] < 0 || tokens[i] >= V)
+            fl_die("token id %d at position %zu is outside the vocabulary [0, %d)", tokens[i], i,
+                   V);
+        if (targets && (targets[i] < -1 || targets[i] >= V))
+            fl_die("target id %d at position %zu is outside the vocabulary [0, %d)", targets[i], i,
+                   V);
+    }
+    // attention takes one workspace slice per thread
+    if (fl_threads() > m->att_workspace_threads)
+        fl_die("internal: %d threads, but activations were allocated for %d", fl_threads(),
+               m->att_workspace_threads);
+    memcpy(m->inputs, tokens, BT * sizeof(int));
+    m->B = B;
+    m->T = T;
+
+    pre_unit(m, FL_UNIT_EMBED, FL_PASS_FWD);
+    m->arch->embed_forward(m, m->resid, tokens, B, T);
+    void *act[FL_MAX_SLOTS];
+    for (int l = 0; l < L; l++) {
+        pre_unit(m, l, FL_PASS_FWD);
+        fl_block b = block_at(m, l, act);
+        m->arch->block_forward(&b, 0);
+    }
+    pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_FWD);
+    fl_block head = head_at(m);
+    m->arch->head_forward(&head, m->logits);
+
+    m->loss = -1.0f;
+    m->n_targets = 0;
+    if (!targets) return m->loss;
+    memcpy(m->targets, targets, BT * sizeof(int));
+    FL_FWD_OP(FL_OP_XENT, softmax_xent_forward(m->dtype, m->losses, m->xent_lse, m->logits, targets,
+                                               BT, V, Vp));
+    double sum = 0.0; // fixed order: deterministic
+    for (size_t i = 0; i < BT; i++) {
+        if (targets[i] == -1) continue;
+        sum += m->losses[i];
+        m->n_targets++;
+    }
+    m->loss = m->n_targets ? (float)(sum / m->n_targets) : 0.0f;
+    return m->loss;
+}
+
+void fl_model_zero_grad(fl_model *m) {
+    memset(m->grads, 0, m->table.numel * fl_dtype_size(m->dtype));
+}
+
+void fl_model_backward(fl_model *m, float dloss) {
+    const fl_model_config *c = &m->config;
+    if (m->loss < 0.0f) fl_die("internal: fl_model_backward needs a forward with targets");
+    int B = m->B, T = m->T, L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
+    size_t BT = (size_t)B * T;
+
+    for (size_t i = 0; i < BT; i++) m->dlosses[i] = dloss;
+    void *dlogits = m->logits; // overwritten in place by its own gradient
+    FL_BWD_OP(FL_OP_XENT, softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
+                                                m->targets, m->dlosses, BT, V, Vp));
+    pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_BWD);
+    fl_block head = head_at(m);
+    m->arch->head_backward(&head, m->dres, dlogits);
+    grad_ready(m, FL_UNIT_HEAD(L));
+
+    // dres holds the gradient of the residual stream, walking back through
+    // the blocks.
+    void *act[FL_MAX_SLOTS];
+    for (int l = L - 1; l >= 0; l--) {
+        pre_unit(m, l, FL_PASS_BWD);
+        fl_block b = block_at(m, l, act);
+        // recomputation is deterministic: the same values as the forward's
+        if (m->recompute != FL_RECOMPUTE_NONE)
+            m->arch->block_forward(&b, m->recompute == FL_RECOMPUTE_SELECTIVE);
+        m->arch->block_backward(&b, m->dres);
+        grad_ready(m, l);
+    }
+    // the token embedding is complete only now when the LM head is tied to it
+    pre_unit(m, FL_UNIT_EMBED, FL_PASS_BWD);
+    m->arch->embed_backward(m, m->dres, m->inputs, B, T);
+    grad_ready(m, FL_UNIT_EMBED);
+}

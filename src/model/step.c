@@ -1,0 +1,25 @@
+// step.c: fl_train_step (see train.h).
+#include "fitlm/profile.h"
+#include "fitlm/train.h"
+
+fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
+                              int micro, int B, int T, float lr) {
+    FL_ASSERT(micro == o->cfg.grad_accum);
+    size_t BT = (size_t)B * T;
+    long total = 0;
+    for (size_t i = 0; i < (size_t)micro * BT; i++) total += targets[i] != -1;
+    // d(scaled mean loss)/d(loss_i): the same weight for every target token
+    float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
+    double loss_sum = 0.0;
+    for (int k = 0; k < micro; k++) {
+        FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(o));
+        fl_model_forward(m, inputs + k * BT, targets + k * BT, B, T);
+        loss_sum += (double)m->loss * m->n_targets;
+        fl_model_backward(m, dloss);
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(o));
+    }
+    fl_step_result s;
+    FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, s = fl_optimizer_step(o, lr));
+    return (fl_train_result){total ? (float)(loss_sum / total) : 0.0f, total, s.grad_norm,
+                             s.skipped, s.loss_scale};
+}
