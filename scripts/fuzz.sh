@@ -24,6 +24,7 @@ seed() { # target files...: a fresh seed directory
 }
 seed fuzz_safetensors $fx/gpt2_tiny_hf/model.safetensors
 seed fuzz_hf_config $fx/gpt2_tiny_hf/config.json
+cp $fx/llama_tiny_hf/config.json build-fuzz/seeds/fuzz_hf_config/llama_config.json
 printf '{"metadata": {"total_size": 128}, "weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors", "transformer.wpe.weight": "model-00002-of-00002.safetensors"}}' \
     >build-fuzz/seeds/fuzz_hf_config/index.json
 seed fuzz_llmc_header $fx/gpt2_tiny_llmc_v3.bin $fx/gpt2_tiny_llmc_v5.bin

@@ -2,6 +2,7 @@
 // flags overriding them, and clear errors with a non-zero exit on bad input.
 // Runs the built binary (FITLM_BINARY, set by CTest) in a scratch directory.
 #include <dirent.h>
+#include <math.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -97,6 +98,17 @@ static void test_bad_flags(void) {
     fails_with("train --precision fp8", "must be one of fp32|bf16|fp16");
     fails_with("train --mem-limit lots", "expected a size such as 8G");
     fails_with("sample --checkpoint nowhere", "nowhere");
+    // architectures and presets
+    fails_with("train --arch mamba", "model.arch must be gpt2 or llama, got 'mamba'");
+    fails_with("train --model gpt2 --arch llama", "model.arch llama contradicts model.preset gpt2");
+    fails_with("train --model llama-tiny --n-kv-head 3",
+               "must be positive and divide model.n_head");
+    fails_with("train --n-kv-head 2", "GPT-2 has no grouped-query attention");
+    fails_with("train --rope-theta 500000", "GPT-2 has no rotary embeddings");
+    write_text("untied.json", "{\"model\": {\"tie_word_embeddings\": false}}");
+    fails_with("train --config untied.json", "GPT-2's LM head is always tied");
+    fails_with("train --arch llama --n-embd 96 --n-head 32", "head size");
+    fails_with("train --activation-checkpointing all", "must be one of none|selective|block");
 }
 
 static void test_bad_config_files(void) {
@@ -123,6 +135,36 @@ static void test_bad_config_files(void) {
     write_text("nested.json", "{\"optimizer\": 3}");
     fails_with("train --config nested.json", "optimizer must be an object");
     fails_with("train --config missing.json", "cannot open config file missing.json");
+    // DeepSpeed's activation_checkpointing keys: honoured or refused, never ignored
+    const struct {
+        const char *json, *says;
+    } ac[] = {
+        {"{\"activation_checkpointing\": {\"partition_activations\": true}}",
+         "partition_activations partitions checkpoints across tensor-parallel ranks"},
+        {"{\"activation_checkpointing\": {\"cpu_checkpointing\": true}}",
+         "cpu_checkpointing offloads partitioned checkpoints"},
+        {"{\"activation_checkpointing\": {\"contiguous_memory_optimization\": true}}",
+         "contiguous_memory_optimization and number_checkpoints apply to partitioned"},
+        {"{\"activation_checkpointing\": {\"number_checkpoints\": 4}}",
+         "contiguous_memory_optimization and number_checkpoints apply to partitioned"},
+        {"{\"activation_checkpointing\": {\"synchronize_checkpoint_boundary\": true}}",
+         "synchronize_checkpoint_boundary synchronises a GPU stream"},
+        {"{\"activation_checkpointing\": {\"profile\": true}}", "use --profile"},
+        {"{\"activation_checkpointing\": {\"policy\": \"layers\"}}",
+         "must be one of none|selective|block"},
+    };
+    for (size_t i = 0; i < sizeof ac / sizeof ac[0]; i++) {
+        write_text("ac.json", ac[i].json);
+        fails_with("train --config ac.json", ac[i].says);
+    }
+    // the DeepSpeed keys at their defaults are accepted with a policy
+    write_text("ac.json", "{\"activation_checkpointing\": {\"policy\": \"block\", "
+                          "\"partition_activations\": false, \"cpu_checkpointing\": false, "
+                          "\"contiguous_memory_optimization\": false, "
+                          "\"synchronize_checkpoint_boundary\": false, \"profile\": false}}");
+    int rc = fitlm("plan --config ac.json --model tiny --tokenizer byte --batch 2 --seq-len 16");
+    t_check(rc == 0 && strstr(output, "activation checkpointing block"),
+            "DeepSpeed's activation_checkpointing block with a policy: %.300s", output);
 }
 
 static void test_bad_data(void) {
@@ -274,38 +316,54 @@ static const char *log_from(const char *log, int from) {
 
 // N steps, save, resume, M more steps == N+M uninterrupted steps, bit for bit:
 // the logged losses and every tensor of the final checkpoint.
-static void test_resume_is_bitwise(void) {
-    const char *common = "train --config run.json --steps 6 --eval-every 0 --sample-tokens 0 "
-                         "--threads 2 --seed 11 --lr 0.01";
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "%s --out whole", common);
+// N steps, save, resume, M steps = N+M steps, bit for bit; `name` prefixes
+// the run directories, `extra` selects the model and strategies.
+static void resume_is_bitwise(const char *name, const char *extra) {
+    char common[512], cmd[1024];
+    snprintf(common, sizeof common,
+             "train --config run.json --steps 6 --eval-every 0 --sample-tokens 0 --threads 2 "
+             "--seed 11 --lr 0.01 %s",
+             extra);
+    snprintf(cmd, sizeof cmd, "%s --out %swhole", common, name);
     int rc1 = fitlm(cmd);
-    snprintf(cmd, sizeof cmd, "%s --out parts --save-every 3 --keep-checkpoints 0", common);
+    snprintf(cmd, sizeof cmd, "%s --out %sparts --save-every 3 --keep-checkpoints 0", common, name);
     int rc2 = fitlm(cmd);
-    int rc3 = fitlm("train --resume parts/ckpt_00000003.fitlm --out resumed --threads 2");
+    snprintf(cmd, sizeof cmd,
+             "train --resume %sparts/ckpt_00000003.fitlm --out %sresumed --threads 2", name, name);
+    int rc3 = fitlm(cmd);
     t_check(rc1 == 0 && rc2 == 0 && rc3 == 0 && strstr(output, "resumed from step 3"),
-            "train, train with saves, resume (status %d %d %d): %.400s", rc1, rc2, rc3, output);
+            "%s: train, train with saves, resume (status %d %d %d): %.400s", extra, rc1, rc2, rc3,
+            output);
     static char whole[8192], resumed[8192];
-    read_file("whole/log.txt", whole, sizeof whole);
-    read_file("resumed/log.txt", resumed, sizeof resumed);
+    snprintf(cmd, sizeof cmd, "%swhole/log.txt", name);
+    read_file(cmd, whole, sizeof whole);
+    snprintf(cmd, sizeof cmd, "%sresumed/log.txt", name);
+    read_file(cmd, resumed, sizeof resumed);
     t_check(*log_from(whole, 4) && !strcmp(log_from(whole, 4), resumed),
-            "steps 4-6 after a resume log the same losses, bit for bit:\n%s---\n%s",
+            "%s: steps 4-6 after a resume log the same losses, bit for bit:\n%s---\n%s", extra,
             log_from(whole, 4), resumed);
     char a[600], b[600];
-    snprintf(a, sizeof a, "%s/whole", dir);
-    snprintf(b, sizeof b, "%s/resumed", dir);
-    t_check(fl_ckpts_equal(a, b), "the final weights and AdamW state are bit for bit the same");
+    snprintf(a, sizeof a, "%s/%swhole", dir, name);
+    snprintf(b, sizeof b, "%s/%sresumed", dir, name);
+    t_check(fl_ckpts_equal(a, b), "%s: the final weights and AdamW state are bit for bit the same",
+            extra);
+}
+
+static void test_resume_is_bitwise(void) {
+    resume_is_bitwise("", "");
+    resume_is_bitwise("llama_",
+                      "--model llama-tiny --grad-accum 2 --activation-checkpointing block");
     fails_with("train --resume parts/ckpt_00000003.fitlm --out r2 --n-layer 3",
                "model.n_layer 3 contradicts parts/ckpt_00000003.fitlm");
     fails_with("train --resume parts/ckpt_00000003.fitlm --out r2 --precision bf16",
                "was trained in fp32; this run is bf16");
+    fails_with("train --resume llama_parts/ckpt_00000003.fitlm --out r2 --arch gpt2",
+               "model.arch gpt2 contradicts llama_parts/ckpt_00000003.fitlm, a llama model");
     fails_with("train --resume nothing-here", "cannot open checkpoint nothing-here");
     write_text("resume.json", "{\"resume\": \"parts\"}");
     fails_with("train --config resume.json", "resume is a command-line option");
 }
 
-// A checkpoint exported to Hugging Face layout comes back bit for bit, and
-// sample and --init-from take it (and llm.c files) like a checkpoint.
 static void test_export_and_pretrained(void) {
     int rc = fitlm("export whole -o hf");
     t_check(rc == 0 && strstr(output, "exported"), "export to safetensors: %.300s", output);
@@ -343,6 +401,89 @@ static void test_export_and_pretrained(void) {
 
 // SIGKILL at random moments of a run that saves every step: the newest
 // complete checkpoint always loads, and the run resumes from it.
+// This CPU as tests/fixtures/prerefactor/cpu.txt names CPUs: the model name
+// and the features whose kernels change float results.
+static void cpu_class(char *out, size_t size) {
+    char line[8192], model[256] = "", flags[8192] = "";
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    while (f && fgets(line, sizeof line, f) && !(*model && *flags)) {
+        if (!*model && sscanf(line, "model name : %255[^\n]", model) == 1) continue;
+        if (!strncmp(line, "flags", 5)) snprintf(flags, sizeof flags, "%s ", strchr(line, ':'));
+    }
+    if (f) fclose(f);
+    size_t n = (size_t)snprintf(out, size, "%s", model);
+    const char *features[] = {"avx512f", "avx512_bf16", "amx_bf16"};
+    for (int i = 0; i < 3; i++) {
+        char word[32];
+        snprintf(word, sizeof word, " %s ", features[i]);
+        if (strstr(flags, word) && n < size)
+            n += (size_t)snprintf(out + n, size - n, " %s", features[i]);
+    }
+}
+
+// GPT-2 runs recorded before the model driver replaced the GPT-2-only code
+// (tests/fixtures/prerefactor/README.md): every logged loss, lr, gradient
+// norm and validation loss must come out the same. Bitwise on the CPU class
+// they were recorded on; elsewhere the kernels differ, so to a tolerance.
+static void test_matches_prerefactor_recording(void) {
+    char here[512], recorded[512] = "";
+    cpu_class(here, sizeof here);
+    size_t n;
+    char *cpu = (char *)t_read_file(t_source_path("tests/fixtures/prerefactor/cpu.txt"), &n);
+    sscanf(cpu, "%511[^\n]", recorded);
+    free(cpu);
+    int same_cpu = !strcmp(here, recorded);
+    const char *precisions[] = {"fp32", "bf16", "fp16"};
+    for (int p = 0; p < 3; p++) {
+        char args[1024], want_path[256], got_path[512];
+        snprintf(args, sizeof args,
+                 "train --model tiny --tokenizer byte --data %s --batch 4 --seq-len 32 --steps 8 "
+                 "--warmup 2 --threads 2 --eval-every 4 --eval-iters 2 --sample-tokens 0 "
+                 "--precision %s --out pre_%s",
+                 t_source_path("data/brown_byte"), precisions[p], precisions[p]);
+        int rc = fitlm(args);
+        snprintf(want_path, sizeof want_path, "tests/fixtures/prerefactor/gpt2_tiny_%s.log",
+                 precisions[p]);
+        snprintf(got_path, sizeof got_path, "%s/pre_%s/log.txt", dir, precisions[p]);
+        size_t nw, ng;
+        char *want = (char *)t_read_file(t_source_path(want_path), &nw);
+        char *got = rc == 0 ? (char *)t_read_file(got_path, &ng) : NULL;
+        if (same_cpu) {
+            t_check(got && ng == nw && !memcmp(got, want, nw),
+                    "%s: the log is bitwise the pre-refactor recording (%s)", precisions[p], here);
+        } else {
+            // the same lines, each number within tol relative
+            double tol = p == 0 ? 1e-4 : 3e-3, worst = 0;
+            int lines = 0, ok = got != NULL;
+            for (char *a = want, *b = got; ok && a < want + nw; lines++) {
+                char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
+                ok = ea && eb && strncmp(a, b, 8) == 0;
+                for (char *x = a, *y = b; ok && x < ea;) {
+                    char *xe, *ye;
+                    double u = strtod(x, &xe), v = strtod(y, &ye);
+                    if (xe == x) { // a word: skip it in both
+                        x += strcspn(x, " \n") + (x[strcspn(x, " \n")] == ' ');
+                        y += strcspn(y, " \n") + (y[strcspn(y, " \n")] == ' ');
+                        continue;
+                    }
+                    double rel = fabs(u - v) / (fabs(u) > 1e-30 ? fabs(u) : 1);
+                    if (rel > worst) worst = rel;
+                    x = xe + (*xe == ' ');
+                    y = ye + (*ye == ' ');
+                }
+                a = ea + 1;
+                b = eb + 1;
+            }
+            t_check(ok && worst <= tol,
+                    "%s: recorded on '%s', this CPU is '%s': not bitwise comparable; %d lines "
+                    "within %g relative (worst %.2g)",
+                    precisions[p], recorded, here, lines, tol, worst);
+        }
+        free(want);
+        free(got);
+    }
+}
+
 static void test_kill_while_saving(void) {
     const char *bin = getenv("FITLM_BINARY");
     char out[600];
@@ -407,6 +548,7 @@ int main(void) {
     test_same_seed_same_losses();
     test_resume_is_bitwise();
     test_export_and_pretrained();
+    test_matches_prerefactor_recording();
     test_kill_while_saving();
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();

@@ -20,6 +20,9 @@
 static char dir[] = "/tmp/fitlm_test_formats_XXXXXX";
 
 #define HF_FIXTURE   "tests/fixtures/gpt2_tiny_hf"
+#define LLAMA_HF     "tests/fixtures/llama_tiny_hf"
+#define LLAMA_REF    "tests/fixtures/llama_tiny.bin"
+#define LLAMA_TIED   "tests/fixtures/llama_tiny_tied.bin"
 #define LLMC_V3      "tests/fixtures/gpt2_tiny_llmc_v3.bin"
 #define LLMC_V5      "tests/fixtures/gpt2_tiny_llmc_v5.bin"
 #define PATH_MAX_LEN 1024
@@ -63,31 +66,34 @@ static void load_llmc(void *path) {
 // ----------------------------------------------------------------------------
 // export -> import round trips
 
-static void test_roundtrip(void) {
-    // V = 100 pads to 128 rows; C = 32 so transposes are not square
-    fl_model_config cfg = {
-        .max_seq_len = 16, .vocab_size = 100, .n_layer = 2, .n_head = 4, .n_embd = 32};
-    fl_model m;
-    fl_model_init(&m, &cfg, FL_F32, 5);
-    size_t n = m.table.numel;
-    const float *w = m.params;
+typedef struct {
+    const char *name;
+    fl_dtype dt;
+    size_t shard_bytes;
+    int shards;
+} rt_case;
+
+static int same_config(const fl_model_config *a, const fl_model_config *b) {
+    return a->arch == b->arch && a->max_seq_len == b->max_seq_len &&
+           a->vocab_size == b->vocab_size && a->padded_vocab_size == b->padded_vocab_size &&
+           a->n_layer == b->n_layer && a->n_head == b->n_head && a->n_kv_head == b->n_kv_head &&
+           a->n_embd == b->n_embd && a->intermediate_size == b->intermediate_size &&
+           a->norm_eps == b->norm_eps && a->rope_theta == b->rope_theta &&
+           a->tie_embeddings == b->tie_embeddings;
+}
+
+// Exports m in each case's dtype and shard size to dir/<prefix><case> and
+// loads it back: the same config, the weights rounded once to the dtype.
+static void roundtrip(const fl_model *m, const char *prefix, const rt_case *cases, int n_cases) {
+    size_t n = m->table.numel;
+    const float *w = m->params;
     float *want = malloc(n * sizeof(float));
     void *stored = malloc(n * sizeof(float)); // the weights in the exported dtype
-    const struct {
-        const char *name;
-        fl_dtype dt;
-        size_t shard_bytes;
-        int shards;
-    } cases[] = {
-        {"fp32", FL_F32, 0, 1},
-        {"fp32_sharded", FL_F32, 40000, 4}, // cut before the tensor that would overflow
-        {"bf16", FL_BF16, 0, 1},
-        {"fp16_sharded", FL_F16, 10000, 7},
-    };
-    char path[PATH_MAX_LEN], file[PATH_MAX_LEN + 64];
-    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        in_dir(path, cases[k].name);
-        fl_hf_export(path, &m, w, cases[k].dt, cases[k].shard_bytes);
+    char path[PATH_MAX_LEN], file[PATH_MAX_LEN + 64], name[64];
+    for (int k = 0; k < n_cases; k++) {
+        snprintf(name, sizeof name, "%s%s", prefix, cases[k].name);
+        in_dir(path, name);
+        fl_hf_export(path, m, w, cases[k].dt, cases[k].shard_bytes);
         // the exported values are the weights rounded once to the dtype
         fl_convert(cases[k].dt, stored, FL_F32, w, n);
         if (cases[k].dt == FL_F32)
@@ -96,30 +102,43 @@ static void test_roundtrip(void) {
             fl_convert(FL_F32, want, cases[k].dt, stored, n);
         fl_model got;
         fl_hf_load(path, &got, FL_F32);
-        t_check(got.config.vocab_size == 100 && got.config.padded_vocab_size == 128 &&
-                    got.config.n_embd == 32 && got.config.n_layer == 2,
-                "%s: config.json gives the shape back", cases[k].name);
+        t_check(same_config(&got.config, &m->config), "%s: config.json gives the shape back", name);
         t_check(got.table.numel == n && same_floats(got.params, want, n),
-                "%s: export -> import is exact", cases[k].name);
+                "%s: export -> import is exact", name);
         fl_model_free(&got);
-        snprintf(file, sizeof file, "%s/model-%05d-of-%05d.safetensors", path, 1, cases[k].shards);
-        if (cases[k].shards > 1) {
-            snprintf(file, sizeof file, "%s/model-%05d-of-%05d.safetensors", path, cases[k].shards,
-                     cases[k].shards);
-            t_check(access(file, F_OK) == 0, "%s: %d shards written", cases[k].name,
-                    cases[k].shards);
-            snprintf(file, sizeof file, "%s/model-%05d-of-%05d.safetensors", path,
-                     cases[k].shards + 1, cases[k].shards + 1);
-            t_check(access(file, F_OK) != 0, "%s: no more than %d shards", cases[k].name,
-                    cases[k].shards);
-        }
+        snprintf(file, sizeof file, "%s/model-%05d-of-%05d.safetensors", path, cases[k].shards,
+                 cases[k].shards);
+        if (cases[k].shards > 1)
+            t_check(access(file, F_OK) == 0, "%s: %d shards written", name, cases[k].shards);
+        snprintf(file, sizeof file, "%s/model-%05d-of-%05d.safetensors", path, cases[k].shards + 1,
+                 cases[k].shards + 1);
+        t_check(access(file, F_OK) != 0, "%s: no more than %d shards", name, cases[k].shards);
         if (cases[k].dt != FL_F32) { // loaded straight into the dtype: the same bits
             fl_hf_load(path, &got, cases[k].dt);
-            t_check(memcmp(got.params, stored, n * 2) == 0, "%s: import into %s is exact",
-                    cases[k].name, fl_dtype_name(cases[k].dt));
+            t_check(memcmp(got.params, stored, n * 2) == 0, "%s: import into %s is exact", name,
+                    fl_dtype_name(cases[k].dt));
             fl_model_free(&got);
         }
     }
+    free(want), free(stored);
+}
+
+static void test_roundtrip(void) {
+    // V = 100 pads to 128 rows; C = 32 so transposes are not square
+    fl_model_config cfg = {
+        .max_seq_len = 16, .vocab_size = 100, .n_layer = 2, .n_head = 4, .n_embd = 32};
+    fl_model m;
+    fl_model_init(&m, &cfg, FL_F32, 5);
+    size_t n = m.table.numel;
+    const float *w = m.params;
+    const rt_case cases[] = {
+        {"fp32", FL_F32, 0, 1},
+        {"fp32_sharded", FL_F32, 40000, 4}, // cut before the tensor that would overflow
+        {"bf16", FL_BF16, 0, 1},
+        {"fp16_sharded", FL_F16, 10000, 7},
+    };
+    roundtrip(&m, "", cases, sizeof cases / sizeof cases[0]);
+    char path[PATH_MAX_LEN], file[PATH_MAX_LEN + 64];
 
     // The safetensors data section starts 8-byte aligned.
     size_t size;
@@ -140,30 +159,157 @@ static void test_roundtrip(void) {
     fl_hf_load(path, &got, FL_F32);
     t_check(same_floats(got.params, w, n), "re-exported directory loads exactly");
     fl_model_free(&got);
-    free(want), free(stored);
     fl_model_free(&m);
+}
+
+// A LLaMA shape whose matrices are all non-square (k/v_proj (16, 32), the
+// MLP (48, 32) and (32, 48)), with non-default eps and theta.
+static fl_model_config llama_config(int tie) {
+    return (fl_model_config){.arch = FL_ARCH_LLAMA,
+                             .max_seq_len = 16,
+                             .vocab_size = 100,
+                             .n_layer = 2,
+                             .n_head = 4,
+                             .n_kv_head = 2,
+                             .n_embd = 32,
+                             .intermediate_size = 48,
+                             .norm_eps = 1e-6f,
+                             .rope_theta = 500000.0f,
+                             .tie_embeddings = tie};
+}
+
+// The stored tensor `name` has this shape (ndim 0: is not stored).
+static void check_stored(const fl_safetensors *st, const char *what, const char *name, int ndim,
+                         uint64_t d0, uint64_t d1) {
+    const fl_st_tensor *t = fl_safetensors_find(st, name);
+    if (ndim == 0) {
+        t_check(!t, "%s: '%s' is not stored", what, name);
+        return;
+    }
+    t_check(t && t->ndim == ndim && t->shape[0] == d0 && (ndim == 1 || t->shape[1] == d1),
+            "%s: '%s' is stored with shape [%llu, %llu]", what, name, (unsigned long long)d0,
+            (unsigned long long)d1);
+}
+
+static void test_llama_roundtrip(void) {
+    // sizes (fp32): embed_tokens and lm_head 12800 bytes, a block 30976;
+    // fp16 halves them
+    const rt_case untied[] = {
+        {"fp32", FL_F32, 0, 1},
+        {"fp32_sharded", FL_F32, 40000, 3}, // lm_head overflows the second shard
+        {"bf16", FL_BF16, 0, 1},
+        {"fp16_sharded", FL_F16, 10000, 5},
+    };
+    const rt_case tied[] = {
+        {"fp32", FL_F32, 0, 1},
+        {"fp32_sharded", FL_F32, 40000, 2},
+        {"fp16", FL_F16, 0, 1},
+        {"bf16_sharded", FL_BF16, 10000, 4},
+    };
+    char path[PATH_MAX_LEN];
+    for (int tie = 0; tie <= 1; tie++) {
+        fl_model_config cfg = llama_config(tie);
+        fl_model m;
+        fl_model_init(&m, &cfg, FL_F32, 7);
+        const char *prefix = tie ? "llama_tied_" : "llama_";
+        if (tie)
+            roundtrip(&m, prefix, tied, sizeof tied / sizeof tied[0]);
+        else
+            roundtrip(&m, prefix, untied, sizeof untied / sizeof untied[0]);
+
+        // Hugging Face's names and nn.Linear shapes (not transposed), the
+        // live vocab rows, lm_head without the prefix and only when untied
+        char what[64];
+        snprintf(what, sizeof what, "%sfp32", prefix);
+        snprintf(path, sizeof path, "%s/%s/model.safetensors", dir, what);
+        fl_safetensors st;
+        fl_safetensors_open(&st, path);
+        t_check(st.count == m.table.count, "%s: %d tensors stored, one per parameter", what,
+                st.count);
+        check_stored(&st, what, "model.embed_tokens.weight", 2, 100, 32);
+        check_stored(&st, what, "model.layers.0.input_layernorm.weight", 1, 32, 0);
+        check_stored(&st, what, "model.layers.0.self_attn.q_proj.weight", 2, 32, 32);
+        check_stored(&st, what, "model.layers.1.self_attn.k_proj.weight", 2, 16, 32);
+        check_stored(&st, what, "model.layers.1.self_attn.v_proj.weight", 2, 16, 32);
+        check_stored(&st, what, "model.layers.1.mlp.gate_proj.weight", 2, 48, 32);
+        check_stored(&st, what, "model.layers.1.mlp.down_proj.weight", 2, 32, 48);
+        check_stored(&st, what, "model.norm.weight", 1, 32, 0);
+        check_stored(&st, what, "lm_head.weight", tie ? 0 : 2, 100, 32);
+        check_stored(&st, what, "model.lm_head.weight", 0, 0, 0);
+        // k_proj's bytes are the table row's as they are
+        int k = fl_params_find(&m.table, "layers.1.self_attn.k_proj.weight");
+        const fl_st_tensor *t = fl_safetensors_find(&st, "model.layers.1.self_attn.k_proj.weight");
+        t_check(k >= 0 && t &&
+                    memcmp(st.data + t->begin, (const float *)m.params + m.table.views[k].offset,
+                           16 * 32 * sizeof(float)) == 0,
+                "%s: k_proj is stored (out, in), as nn.Linear", what);
+        fl_safetensors_free(&st);
+
+        snprintf(path, sizeof path, "%s/%s/config.json", dir, what);
+        size_t len;
+        char *json = (char *)t_read_file(path, &len);
+        const char *keys[] = {"\"LlamaForCausalLM\"",
+                              "\"model_type\":\t\"llama\"",
+                              "\"num_key_value_heads\":\t2",
+                              "\"intermediate_size\":\t48",
+                              "\"rms_norm_eps\":\t1e-06",
+                              "\"rope_theta\":\t500000",
+                              "\"hidden_act\":\t\"silu\"",
+                              "\"torch_dtype\":\t\"float32\"",
+                              tie ? "\"tie_word_embeddings\":\ttrue"
+                                  : "\"tie_word_embeddings\":\tfalse"};
+        for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+            t_check(json && strstr(json, keys[i]), "%s: config.json has %s", what, keys[i]);
+        free(json);
+        fl_model_free(&m);
+    }
 }
 
 // ----------------------------------------------------------------------------
 // the reference weights in each format
 
-static void test_reference(fixture *fx, const fx_config *c) {
-    fl_model hf, one, v3, v5;
-    fl_hf_load(t_source_path(HF_FIXTURE), &hf, FL_F32);
-    size_t n = hf.table.numel;
+// Every weight of m is the fixture's param/<name>, bit for bit (records
+// with the live vocab rows; the padded rows are zero).
+static int weights_are(const fl_model *m, const fixture *fx) {
     int exact = 1;
-    for (int i = 0; i < hf.table.count; i++) {
-        const fl_param_view *v = &hf.table.views[i];
+    for (int i = 0; i < m->table.count; i++) {
+        const fl_param_view *v = &m->table.views[i];
         char name[FX_MAX_NAME + 1];
         snprintf(name, sizeof name, "param/%s", v->name);
         const fx_record *r = fx_find(fx, name);
+        if (!t_check(r && r->dtype == FX_F32 && r->numel <= v->numel, "record '%s'", name))
+            return 0;
         float *x = fx_copy(fx, r);
-        const float *got = (const float *)hf.params + v->offset;
+        const float *got = (const float *)m->params + v->offset;
         exact &= same_floats(got, x, r->numel);
         for (size_t j = r->numel; j < v->numel; j++) exact &= got[j] == 0.0f; // padded rows
         free(x);
     }
-    t_check(exact, "HF safetensors fixture: every weight is the reference's, bit for bit");
+    return exact;
+}
+
+// The forward of m (fp32) on the fixture's tokens gives its logits.
+static void check_logits(const char *what, fl_model *m, const fixture *fx, int B, int T) {
+    const fx_record *tr = fx_find(fx, "tokens"), *lr = fx_find(fx, "logits");
+    size_t BT = (size_t)B * T, V = (size_t)m->config.vocab_size, Vp = m->config.padded_vocab_size;
+    if (!t_check(tr && tr->numel == BT && lr && lr->numel == BT * V, "%s: tokens and logits", what))
+        return;
+    int *tokens = fx_copy(fx, tr);
+    float *want = fx_copy(fx, lr), *logits = malloc(BT * V * sizeof(float));
+    fl_model_alloc_acts(m, B, T, FL_RECOMPUTE_NONE);
+    fl_model_forward(m, tokens, NULL, B, T);
+    for (size_t i = 0; i < BT; i++)
+        memcpy(logits + i * V, (const float *)m->logits + i * Vp, V * sizeof(float));
+    t_close(what, logits, want, BT * V, LOGITS_ATOL, LOGITS_RTOL);
+    free(tokens), free(want), free(logits);
+}
+
+static void test_reference(fixture *fx, const fx_config *c) {
+    fl_model hf, one, v3, v5;
+    fl_hf_load(t_source_path(HF_FIXTURE), &hf, FL_F32);
+    size_t n = hf.table.numel;
+    t_check(weights_are(&hf, fx),
+            "HF safetensors fixture: every weight is the reference's, bit for bit");
 
     fl_hf_load(t_source_path(HF_FIXTURE "/model.safetensors"), &one, FL_F32);
     t_check(one.table.numel == n && same_floats(one.params, hf.params, n),
@@ -181,20 +327,8 @@ static void test_reference(fixture *fx, const fx_config *c) {
     free(bf), free(bits);
 
     // the forward pass of the loaded models gives the reference logits
-    int *tokens = fx_copy(fx, fx_find(fx, "tokens"));
-    float *want = fx_floats(fx, "logits");
-    size_t BT = (size_t)c->B * c->T, V = (size_t)c->V, Vp = hf.config.padded_vocab_size;
-    float *logits = malloc(BT * V * sizeof(float));
-    fl_model *models[2] = {&hf, &v3};
-    const char *names[2] = {"logits (HF safetensors)", "logits (llm.c v3)"};
-    for (int k = 0; k < 2; k++) {
-        fl_model_alloc_acts(models[k], c->B, c->T, FL_RECOMPUTE_NONE);
-        fl_model_forward(models[k], tokens, NULL, c->B, c->T);
-        for (size_t i = 0; i < BT; i++)
-            memcpy(logits + i * V, (const float *)models[k]->logits + i * Vp, V * sizeof(float));
-        t_close(names[k], logits, want, BT * V, LOGITS_ATOL, LOGITS_RTOL);
-    }
-    free(tokens), free(want), free(logits);
+    check_logits("logits (HF safetensors)", &hf, fx, c->B, c->T);
+    check_logits("logits (llm.c v3)", &v3, fx, c->B, c->T);
     fl_model_free(&hf), fl_model_free(&one), fl_model_free(&v3), fl_model_free(&v5);
 }
 
@@ -277,12 +411,20 @@ static void test_bad_safetensors(void) {
     t_dies("missing file", load_hf, "/nonexistent/model", "cannot open /nonexistent/model");
 }
 
-// Copies of the reference safetensors with one edit, to test the GPT-2
-// layer above the format.
+// Copies of a reference safetensors file with edits, to test the layer
+// above the format.
+typedef struct {
+    const char *drop;           // a tensor left out
+    const char *from, *to;      // a tensor renamed
+    const char *transpose;      // a 2-D tensor with its shape transposed
+    const char *copy, *copy_as; // a copy of tensor `copy` added as copy_as
+    int flip;                   // a bit of the last tensor's data flipped
+} st_edit;
+
 typedef struct {
     const fl_safetensors *src;
     const fl_st_tensor *from[64]; // source tensor of each output tensor
-    int flip;                     // flip a bit of the last tensor's data
+    int flip;
 } rewrite_ctx;
 
 static void rewrite_fill(void *p, int i, void *dst) {
@@ -292,71 +434,89 @@ static void rewrite_fill(void *p, int i, void *dst) {
     if (x->flip && x->from[i + 1] == NULL) ((unsigned char *)dst)[0] ^= 1;
 }
 
-// drop: a tensor left out; rename: from -> to; reshape: wte's shape
-// transposed; lm_head: 1 adds a copy of wte as lm_head.weight, 2 a copy
-// with one bit changed.
-static void rewrite(const char *out, const char *drop, const char *from, const char *to,
-                    int reshape, int lm_head) {
+static void rewrite(const char *src_path, const char *out, const st_edit *e) {
     fl_safetensors src;
-    fl_safetensors_open(&src, t_source_path(HF_FIXTURE "/model.safetensors"));
+    fl_safetensors_open(&src, src_path);
     fl_st_tensor ts[64];
-    rewrite_ctx x = {.src = &src, .flip = lm_head == 2};
+    rewrite_ctx x = {.src = &src, .flip = e->flip};
     int n = 0;
     for (int i = 0; i < src.count && n < 62; i++) {
         const fl_st_tensor *t = &src.tensors[i];
-        if (drop && strcmp(t->name, drop) == 0) continue;
+        if (e->drop && strcmp(t->name, e->drop) == 0) continue;
         ts[n] = *t;
-        if (from && strcmp(t->name, from) == 0) ts[n].name = to;
-        if (reshape && strcmp(t->name, "transformer.wte.weight") == 0)
+        if (e->from && strcmp(t->name, e->from) == 0) ts[n].name = e->to;
+        if (e->transpose && strcmp(t->name, e->transpose) == 0)
             ts[n].shape[0] = t->shape[1], ts[n].shape[1] = t->shape[0];
         x.from[n++] = t;
     }
-    if (lm_head) {
-        const fl_st_tensor *wte = fl_safetensors_find(&src, "transformer.wte.weight");
-        ts[n] = *wte;
-        ts[n].name = "lm_head.weight";
-        x.from[n++] = wte;
+    if (e->copy) {
+        const fl_st_tensor *c = fl_safetensors_find(&src, e->copy);
+        t_check(c != NULL, "rewrite: '%s' is in %s", e->copy, src_path);
+        ts[n] = *c;
+        ts[n].name = e->copy_as;
+        x.from[n++] = c;
     }
     x.from[n] = NULL;
     fl_safetensors_write(out, ts, n, rewrite_fill, &x);
     fl_safetensors_free(&src);
 }
 
-static void test_bad_models(void) {
-    const struct {
-        const char *name, *drop, *from, *to;
-        int reshape, lm_head;
-        const char *expect; // NULL: loads
-    } cases[] = {
-        {"missing tensor", "transformer.ln_f.bias", NULL, NULL, 0, 0,
-         "tensor 'transformer.ln_f.bias' is missing"},
-        {"unknown tensor", NULL, "transformer.h.1.attn.bias", "transformer.h.1.attn.rotary", 0, 0,
-         "unknown tensor 'transformer.h.1.attn.rotary'"},
-        {"tensor stored twice", NULL, "transformer.h.0.attn.bias", "wte.weight", 0, 0,
-         "stored twice"},
-        {"wrong shape", NULL, NULL, NULL, 1, 0,
-         "'transformer.wte.weight' has shape [16, 64], config.json implies [64, 16]"},
-        {"untied lm_head", NULL, NULL, NULL, 0, 2, "untied LM heads are not supported"},
-        {"tied lm_head stored", NULL, NULL, NULL, 0, 1, NULL},
-        {"names without prefix", NULL, "transformer.wte.weight", "wte.weight", 0, 0, NULL},
-    };
+typedef struct {
+    const char *name;
+    st_edit edit;
+    const char *expect; // NULL: loads
+} model_case;
+
+// Each case: dir/<prefix>_<k> holding `config` (NULL: the GPT-2 fixture's)
+// and the edited copy of src; it dies with `expect` or loads (and then,
+// when `same` is given, to the weights of the model `same`).
+static void run_model_cases(const char *prefix, const char *config, const char *src,
+                            const model_case *cases, int n_cases, const fl_model *same) {
     char d[PATH_MAX_LEN], path[PATH_MAX_LEN + 32];
-    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        char name[32];
-        snprintf(name, sizeof name, "bad_model_%zu", k);
-        model_dir(d, name, NULL);
+    for (int k = 0; k < n_cases; k++) {
+        char name[64];
+        snprintf(name, sizeof name, "%s_%d", prefix, k);
+        model_dir(d, name, config);
         snprintf(path, sizeof path, "%s/model.safetensors", d);
-        rewrite(path, cases[k].drop, cases[k].from, cases[k].to, cases[k].reshape,
-                cases[k].lm_head);
+        rewrite(t_source_path(src), path, &cases[k].edit);
         if (cases[k].expect) {
             t_dies(cases[k].name, load_hf, d, cases[k].expect);
-        } else {
-            fl_model m;
-            fl_hf_load(d, &m, FL_F32);
-            t_check(m.table.numel > 0, "%s: loads", cases[k].name);
-            fl_model_free(&m);
+            continue;
         }
+        fl_model m;
+        fl_hf_load(d, &m, FL_F32);
+        t_check(m.table.numel > 0 &&
+                    (!same || (m.table.numel == same->table.numel &&
+                               same_floats(m.params, same->params, m.table.numel))),
+                "%s: loads%s", cases[k].name, same ? " the same weights" : "");
+        fl_model_free(&m);
     }
+}
+
+static void test_bad_models(void) {
+    const model_case cases[] = {
+        {"missing tensor",
+         {.drop = "transformer.ln_f.bias"},
+         "tensor 'transformer.ln_f.bias' is missing"},
+        {"unknown tensor",
+         {.from = "transformer.h.1.attn.bias", .to = "transformer.h.1.attn.rotary"},
+         "unknown tensor 'transformer.h.1.attn.rotary'"},
+        {"tensor stored twice",
+         {.from = "transformer.h.0.attn.bias", .to = "wte.weight"},
+         "stored twice"},
+        {"wrong shape",
+         {.transpose = "transformer.wte.weight"},
+         "'transformer.wte.weight' has shape [16, 64], config.json implies [64, 16]"},
+        {"untied lm_head",
+         {.copy = "transformer.wte.weight", .copy_as = "lm_head.weight", .flip = 1},
+         "untied LM heads are not supported"},
+        {"tied lm_head stored",
+         {.copy = "transformer.wte.weight", .copy_as = "lm_head.weight"},
+         NULL},
+        {"names without prefix", {.from = "transformer.wte.weight", .to = "wte.weight"}, NULL},
+    };
+    run_model_cases("bad_model", NULL, HF_FIXTURE "/model.safetensors", cases,
+                    sizeof cases / sizeof cases[0], NULL);
 }
 
 static void test_bad_configs(void) {
@@ -372,8 +532,8 @@ static void test_bad_configs(void) {
          "activation_function relu is not supported"},
         {"other layer_norm_epsilon", "\"gelu_new\"", "1e-6", "\"gpt2\"", "16", "true", "64", "",
          "layer_norm_epsilon must be 1e-5"},
-        {"other model_type", "\"gelu_new\"", "1e-5", "\"llama\"", "16", "true", "64", "",
-         "model_type is llama"},
+        {"other model_type", "\"gelu_new\"", "1e-5", "\"mistral\"", "16", "true", "64", "",
+         "model_type is mistral, not \"gpt2\" or \"llama\""},
         {"untied embeddings", "\"gelu_new\"", "1e-5", "\"gpt2\"", "16", "false", "64", "",
          "tie_word_embeddings false is not supported"},
         {"n_embd not divisible", "\"gelu_new\"", "1e-5", "\"gpt2\"", "18", "true", "64", "",
@@ -417,6 +577,285 @@ static void test_bad_configs(void) {
     free(st);
     model_dir(d, "no_weights", NULL);
     t_dies("no weights", load_hf, d, "holds neither model.safetensors");
+}
+
+// ----------------------------------------------------------------------------
+// LLaMA: the reference written by scripts/make_llama_reference.py (records
+// "config" int32 [maxT, V, L, NH, NKV, C, I, B, T, steps, tie], "config_f"
+// float32 [rms_norm_eps, rope_theta], "tokens", "param/<name>", "logits")
+// and its HF directory; malformed configs and files.
+
+typedef struct {
+    fixture fx;
+    unsigned char *data;
+    fl_model_config cfg;
+    int B, T;
+} llama_ref;
+
+static int llama_ref_load(const char *rel, llama_ref *r) {
+    memset(r, 0, sizeof *r);
+    size_t n;
+    r->data = t_read_file(t_source_path(rel), &n);
+    if (!t_check(r->data && n > 0 && fx_parse(&r->fx, r->data, n),
+                 "%s (regenerate it with /usr/bin/python3 scripts/make_llama_reference.py): %s",
+                 rel, r->fx.err))
+        return 0;
+    uint64_t s11 = 11, s2 = 2;
+    const fx_record *ci = fx_expect(&r->fx, "config", FX_I32, 1, &s11);
+    const fx_record *cf = fx_expect(&r->fx, "config_f", FX_F32, 1, &s2);
+    if (!t_check(ci && cf, "%s: %s", rel, r->fx.err)) return 0;
+    int32_t *i = fx_copy(&r->fx, ci);
+    float *f = fx_copy(&r->fx, cf);
+    r->cfg = (fl_model_config){.arch = FL_ARCH_LLAMA,
+                               .max_seq_len = i[0],
+                               .vocab_size = i[1],
+                               .n_layer = i[2],
+                               .n_head = i[3],
+                               .n_kv_head = i[4],
+                               .n_embd = i[5],
+                               .intermediate_size = i[6],
+                               .norm_eps = f[0],
+                               .rope_theta = f[1],
+                               .tie_embeddings = i[10]};
+    r->B = i[7], r->T = i[8];
+    free(i), free(f);
+    const fl_model_config *c = &r->cfg;
+    return t_check(c->max_seq_len > 0 && c->max_seq_len <= 4096 && c->vocab_size > 0 &&
+                       c->vocab_size <= 65536 && c->n_layer > 0 && c->n_layer <= 16 &&
+                       c->n_head > 0 && c->n_kv_head > 0 && c->n_head % c->n_kv_head == 0 &&
+                       c->n_embd > 0 && c->n_embd <= 4096 && c->n_embd % c->n_head == 0 &&
+                       (c->n_embd / c->n_head) % 2 == 0 && c->intermediate_size > 0 &&
+                       c->intermediate_size <= 16384 && c->norm_eps > 0 && c->norm_eps < 1 &&
+                       c->rope_theta > 1 && r->B > 0 && r->B <= 64 && r->T > 0 &&
+                       r->T <= c->max_seq_len,
+                   "%s: plausible config", rel);
+}
+
+static void llama_ref_free(llama_ref *r) {
+    free(r->data), free(r->fx.recs);
+}
+
+// The HF fixture loads to the reference's weights and logits; a tied model
+// built from llama_tiny_tied.bin's weights exports, re-imports bit for bit
+// and gives that reference's logits.
+static void test_llama_reference(void) {
+    llama_ref ref, tied;
+    if (llama_ref_load(LLAMA_REF, &ref)) {
+        fl_model hf, one;
+        fl_hf_load(t_source_path(LLAMA_HF), &hf, FL_F32);
+        fl_model_config want = ref.cfg;
+        fl_model_config_finish(&want);
+        t_check(same_config(&hf.config, &want),
+                "LLaMA HF fixture: config.json gives the reference's shape");
+        t_check(weights_are(&hf, &ref.fx),
+                "LLaMA HF fixture: every weight is the reference's, bit for bit");
+        fl_hf_load(t_source_path(LLAMA_HF "/model.safetensors"), &one, FL_F32);
+        t_check(one.table.numel == hf.table.numel &&
+                    same_floats(one.params, hf.params, hf.table.numel),
+                "LLaMA: a .safetensors path with config.json beside it loads the same");
+        check_logits("LLaMA logits (HF safetensors)", &hf, &ref.fx, ref.B, ref.T);
+        fl_model_free(&hf), fl_model_free(&one);
+    }
+    if (llama_ref_load(LLAMA_TIED, &tied) && t_check(tied.cfg.tie_embeddings, "tied fixture")) {
+        fl_model m, got;
+        fl_model_init(&m, &tied.cfg, FL_F32, 1);
+        for (int i = 0; i < m.table.count; i++) { // the reference's weights
+            const fl_param_view *v = &m.table.views[i];
+            char name[FX_MAX_NAME + 1];
+            snprintf(name, sizeof name, "param/%s", v->name);
+            const fx_record *r = fx_find(&tied.fx, name);
+            if (!t_check(r && r->numel <= v->numel, "tied fixture: record '%s'", name)) break;
+            float *x = fx_copy(&tied.fx, r);
+            memcpy((float *)m.params + v->offset, x, r->numel * sizeof(float));
+            free(x);
+        }
+        char path[PATH_MAX_LEN];
+        fl_hf_export(in_dir(path, "llama_tied_ref"), &m, m.params, FL_F32, 0);
+        fl_hf_load(path, &got, FL_F32);
+        t_check(same_config(&got.config, &m.config) && weights_are(&got, &tied.fx),
+                "tied LLaMA reference: export -> import gives its weights, bit for bit");
+        check_logits("tied LLaMA logits (exported, re-imported)", &got, &tied.fx, tied.B, tied.T);
+        fl_model_free(&m), fl_model_free(&got);
+    }
+    llama_ref_free(&ref), llama_ref_free(&tied);
+}
+
+// The LLaMA fixture's config.json with the first `find` replaced by `repl`
+// (malloc'd).
+static char *llama_config_with(const char *find, const char *repl) {
+    size_t n;
+    char *text = (char *)t_read_file(t_source_path(LLAMA_HF "/config.json"), &n);
+    char *at = text ? strstr(text, find) : NULL;
+    t_check(at != NULL, "'%s' is in the LLaMA fixture's config.json", find);
+    char *out = malloc(n + strlen(repl) + 1);
+    if (at)
+        sprintf(out, "%.*s%s%s", (int)(at - text), text, repl, at + strlen(find));
+    else
+        strcpy(out, text ? text : "");
+    free(text);
+    return out;
+}
+
+static void test_llama_configs(void) {
+    const struct {
+        const char *name, *find, *repl, *expect;
+    } bad[] = {
+        {"rope_scaling set", "\"rope_scaling\": null",
+         "\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}",
+         "rope_scaling is not supported"},
+        {"llama3 rope_scaling", "\"rope_scaling\": null",
+         "\"rope_scaling\": {\"rope_type\": \"llama3\"}", "rope_scaling is not supported"},
+        {"attention_bias", "\"attention_bias\": false", "\"attention_bias\": true",
+         "attention_bias true is not supported"},
+        {"mlp_bias", "\"mlp_bias\": false", "\"mlp_bias\": true", "mlp_bias true is not supported"},
+        {"kv heads not dividing", "\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3",
+         "num_key_value_heads (3) does not divide num_attention_heads (4)"},
+        {"kv heads zero", "\"num_key_value_heads\": 2", "\"num_key_value_heads\": 0",
+         "num_key_value_heads must be an integer in [1, 65536]"},
+        {"gelu", "\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"",
+         "hidden_act gelu is not supported"},
+        {"head_dim", "\"head_dim\": 4", "\"head_dim\": 8",
+         "head_dim must be null or hidden_size / num_attention_heads (4)"},
+        {"pretraining_tp", "\"pretraining_tp\": 1", "\"pretraining_tp\": 2",
+         "pretraining_tp 2 is not supported"},
+        {"rms_norm_eps 0", "\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": 0",
+         "rms_norm_eps must be a number in (0, 1)"},
+        {"rope_theta 1", "\"rope_theta\": 10000.0", "\"rope_theta\": 1",
+         "rope_theta must be a number in (1, "},
+        {"odd head size", "\"hidden_size\": 16", "\"hidden_size\": 12",
+         "hidden_size / num_attention_heads (3) is odd"},
+        {"hidden_size not divisible", "\"hidden_size\": 16", "\"hidden_size\": 18",
+         "hidden_size (18) is not divisible by num_attention_heads (4)"},
+        {"attention_dropout", "\"attention_dropout\": 0.0", "\"attention_dropout\": 0.1",
+         "attention_dropout must be 0"},
+        {"tie not a bool", "\"tie_word_embeddings\": false", "\"tie_word_embeddings\": 1",
+         "tie_word_embeddings must be true or false"},
+        {"architectures disagree", "\"LlamaForCausalLM\"", "\"GPT2LMHeadModel\"",
+         "architectures names a GPT-2 model, model_type is llama"},
+    };
+    char err[512];
+    fl_model_config c;
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        char *json = llama_config_with(bad[k].find, bad[k].repl);
+        err[0] = 0;
+        int rc = fl_hf_config_parse(json, strlen(json), &c, err, sizeof err);
+        t_check(rc == -1 && strstr(err, bad[k].expect), "LLaMA config, %s: refused with '%s' (%s)",
+                bad[k].name, bad[k].expect, err);
+        free(json);
+    }
+
+    const struct {
+        const char *name, *find, *repl;
+        int n_kv_head;
+    } good[] = {
+        {"the fixture", "{", "{", 2},
+        {"no model_type (architectures)", "\"model_type\": \"llama\",", "", 2},
+        {"no num_key_value_heads", "\"num_key_value_heads\": 2,", "", 4},
+        {"num_key_value_heads null", "\"num_key_value_heads\": 2", "\"num_key_value_heads\": null",
+         4},
+        {"rope_scaling default", "\"rope_scaling\": null",
+         "\"rope_scaling\": {\"rope_type\": \"default\"}", 2},
+        {"no head_dim", "\"head_dim\": 4,", "", 2},
+    };
+    for (size_t k = 0; k < sizeof good / sizeof good[0]; k++) {
+        char *json = llama_config_with(good[k].find, good[k].repl);
+        err[0] = 0;
+        int rc = fl_hf_config_parse(json, strlen(json), &c, err, sizeof err);
+        t_check(rc == 0 && c.arch == FL_ARCH_LLAMA && c.n_kv_head == good[k].n_kv_head &&
+                    c.n_head == 4 && c.n_embd == 16 && c.n_layer == 2 &&
+                    c.intermediate_size == 24 && c.vocab_size == 64 && c.padded_vocab_size == 128 &&
+                    c.max_seq_len == 16 && c.norm_eps == 1e-5f && c.rope_theta == 10000.0f &&
+                    c.tie_embeddings == 0,
+                "LLaMA config, %s: accepted with its values (%s)", good[k].name, err);
+        free(json);
+    }
+    // LlamaConfig's defaults for what is absent
+    const char *bare = "{\"model_type\": \"llama\"}";
+    t_check(fl_hf_config_parse(bare, strlen(bare), &c, err, sizeof err) == 0 &&
+                c.arch == FL_ARCH_LLAMA && c.n_embd == 4096 && c.intermediate_size == 11008 &&
+                c.n_layer == 32 && c.n_head == 32 && c.n_kv_head == 32 && c.vocab_size == 32000 &&
+                c.max_seq_len == 2048 && c.norm_eps == 1e-6f && c.rope_theta == 10000.0f &&
+                !c.tie_embeddings,
+            "LLaMA config: LlamaConfig's defaults");
+
+    // through the loader: the file and the key named
+    char d[PATH_MAX_LEN], path[PATH_MAX_LEN + 32];
+    char *json = llama_config_with("\"rope_scaling\": null",
+                                   "\"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 4}");
+    model_dir(d, "llama_rope_scaling", json);
+    free(json);
+    snprintf(path, sizeof path, "%s/model.safetensors", d);
+    rewrite(t_source_path(LLAMA_HF "/model.safetensors"), path, &(st_edit){0});
+    t_dies("LLaMA rope_scaling through the loader", load_hf, d,
+           "config.json: rope_scaling is not supported");
+}
+
+static void test_llama_bad_models(void) {
+    fl_model ref;
+    fl_hf_load(t_source_path(LLAMA_HF), &ref, FL_F32);
+    char *untied = llama_config_with("{", "{");
+    const model_case cases[] = {
+        {"q_proj bias",
+         {.copy = "model.layers.0.input_layernorm.weight",
+          .copy_as = "model.layers.0.self_attn.q_proj.bias"},
+         "tensor 'model.layers.0.self_attn.q_proj.bias' is a bias"},
+        {"down_proj bias",
+         {.copy = "model.norm.weight", .copy_as = "model.layers.1.mlp.down_proj.bias"},
+         "tensor 'model.layers.1.mlp.down_proj.bias' is a bias"},
+        {"missing lm_head", {.drop = "lm_head.weight"}, "tensor 'lm_head.weight' is missing"},
+        {"missing up_proj",
+         {.drop = "model.layers.1.mlp.up_proj.weight"},
+         "tensor 'model.layers.1.mlp.up_proj.weight' is missing"},
+        {"k_proj transposed",
+         {.transpose = "model.layers.0.self_attn.k_proj.weight"},
+         "'model.layers.0.self_attn.k_proj.weight' has shape [16, 8], config.json implies [8, 16]"},
+        {"unknown tensor",
+         {.from = "model.norm.weight", .to = "model.final_norm.weight"},
+         "unknown tensor 'model.final_norm.weight'"},
+        {"stored twice", {.copy = "model.norm.weight", .copy_as = "norm.weight"}, "stored twice"},
+        {"rotary buffer skipped",
+         {.copy = "model.norm.weight", .copy_as = "model.layers.1.self_attn.rotary_emb.inv_freq"},
+         NULL},
+        {"names without prefix",
+         {.from = "model.embed_tokens.weight", .to = "embed_tokens.weight"},
+         NULL},
+        {"lm_head with prefix", {.from = "lm_head.weight", .to = "model.lm_head.weight"}, NULL},
+    };
+    run_model_cases("llama_model", untied, LLAMA_HF "/model.safetensors", cases,
+                    sizeof cases / sizeof cases[0], &ref);
+    free(untied);
+
+    // tie_word_embeddings true: a stored lm_head must be embed_tokens
+    char *tied =
+        llama_config_with("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": true");
+    const model_case tied_cases[] = {
+        {"tied, lm_head differs", {0}, "lm_head.weight differs from embed_tokens.weight"},
+        {"tied, no lm_head", {.drop = "lm_head.weight"}, NULL},
+        {"tied, lm_head = embed_tokens",
+         {.drop = "lm_head.weight",
+          .copy = "model.embed_tokens.weight",
+          .copy_as = "lm_head.weight"},
+         NULL},
+        {"tied, lm_head one bit off",
+         {.drop = "lm_head.weight",
+          .copy = "model.embed_tokens.weight",
+          .copy_as = "lm_head.weight",
+          .flip = 1},
+         "lm_head.weight differs from embed_tokens.weight"},
+    };
+    run_model_cases("llama_tied_model", tied, LLAMA_HF "/model.safetensors", tied_cases,
+                    sizeof tied_cases / sizeof tied_cases[0], NULL);
+    free(tied);
+    // the tied model's weights: the fixture's without lm_head
+    char d[PATH_MAX_LEN];
+    fl_model m;
+    fl_hf_load(in_dir(d, "llama_tied_model_2"), &m, FL_F32);
+    t_check(m.config.tie_embeddings && m.table.numel < ref.table.numel &&
+                same_floats(m.params, ref.params, m.table.numel - (size_t)m.config.n_embd) &&
+                fl_params_find(&m.table, "lm_head.weight") < 0,
+            "tied LLaMA: embed_tokens and the blocks are the fixture's, no lm_head row");
+    fl_model_free(&m);
+    fl_model_free(&ref);
 }
 
 // A copy of the exported sharded index with `find` replaced by `repl` on
@@ -532,7 +971,12 @@ static int parse_st(const unsigned char *b, size_t n, char *err, size_t errlen) 
 static int parse_config(const unsigned char *b, size_t n, char *err, size_t errlen) {
     fl_model_config c;
     int rc = fl_hf_config_parse((const char *)b, n, &c, err, errlen);
+    // what the parser promises fl_model_config_finish
     if (rc == 0 && (c.n_embd % c.n_head || c.padded_vocab_size < c.vocab_size)) rc = -2;
+    if (rc == 0 && c.arch == FL_ARCH_LLAMA &&
+        (c.n_kv_head < 1 || c.n_head % c.n_kv_head || (c.n_embd / c.n_head) % 2 ||
+         c.intermediate_size < 1 || !(c.norm_eps > 0 && c.norm_eps < 1) || !(c.rope_theta > 1)))
+        rc = -2;
     return rc;
 }
 
@@ -590,6 +1034,8 @@ static void test_mutations(void) {
     in_dir(index, "fp16_sharded/model.safetensors.index.json");
     mutate("safetensors", t_source_path(HF_FIXTURE "/model.safetensors"), 3000, 1000000, parse_st);
     mutate("config.json", t_source_path(HF_FIXTURE "/config.json"), 2000, 2000000, parse_config);
+    mutate("LLaMA config.json", t_source_path(LLAMA_HF "/config.json"), 2000, 5000000,
+           parse_config);
     mutate("index.json", index, 2000, 3000000, parse_index);
     mutate("llm.c header", t_source_path(LLMC_V3), 2000, 4000000, parse_llmc);
 }
@@ -608,8 +1054,12 @@ int main(void) {
     test_bad_configs();
     test_bad_index();
     test_bad_llmc();
+    test_llama_roundtrip();
+    test_llama_configs();
+    test_llama_bad_models();
     test_mutations();
     if (have_ref) test_reference(&fx, &c);
+    test_llama_reference();
 
     free(data), free(fx.recs);
     if (t_remove_dir(dir) != 0) return 1;

@@ -1,11 +1,13 @@
 // test_gpt2_ref.c: the whole GPT-2 model against a PyTorch reference, plus a
-// finite-difference gradient check and an overfitting run in the engine itself.
+// finite-difference gradient check, activation checkpointing (bitwise the
+// same gradients) and an overfitting run in the engine itself.
 //
 // The reference is tests/fixtures/gpt2_tiny.bin, written by
 // scripts/make_reference.py (run it with /usr/bin/python3, which has torch);
 // this test needs no Python. The script computes in float64 from float32
 // initial weights, so the fixture holds the exact values rounded to float32.
-// Its format and reader are in testref.h.
+// Its format, reader and the checks shared with test_llama_ref are in
+// testref.h.
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,123 +19,6 @@
 #include "fitlm/optim.h"
 #include "testlib.h"
 #include "testref.h"
-
-// ----------------------------------------------------------------------------
-// helpers over the model
-
-// Loads `prefix`<name> records into the parameter buffer; wte's rows V..Vp-1
-// become zero.
-static void load_params(fl_model *m, fixture *fx, const char *prefix) {
-    for (int i = 0; i < m->table.count; i++) {
-        const fl_param_view *v = &m->table.views[i];
-        char name[FX_MAX_NAME + 1];
-        snprintf(name, sizeof name, "%s%s", prefix, v->name);
-        const fx_record *r = fx_find(fx, name);
-        FL_ASSERT(r && r->numel <= v->numel);
-        float *x = fx_copy(fx, r);
-        memset((float *)m->params + v->offset, 0, v->numel * sizeof(float));
-        memcpy((float *)m->params + v->offset, x, r->numel * sizeof(float));
-        free(x);
-    }
-}
-
-// Compares a buffer (params or grads) view by view against `prefix`<name>.
-// wte's padded rows must be exactly zero. With k_bias_atol > 0 the key third
-// of each attn.c_attn.bias is compared on its own with that tolerance (see
-// KBIAS_FINAL_ATOL).
-static void compare_views(fl_model *m, fixture *fx, const float *buf, const char *prefix,
-                          double atol, double rtol, double k_bias_atol) {
-    const size_t C = (size_t)m->config.n_embd;
-    for (int i = 0; i < m->table.count; i++) {
-        const fl_param_view *v = &m->table.views[i];
-        char name[FX_MAX_NAME + 1];
-        snprintf(name, sizeof name, "%s%s", prefix, v->name);
-        const fx_record *r = fx_find(fx, name);
-        float *want = fx_copy(fx, r);
-        const float *got = buf + v->offset;
-        size_t len = strlen(v->name);
-        if (k_bias_atol > 0 && len >= 16 && strcmp(v->name + len - 16, "attn.c_attn.bias") == 0) {
-            char part[FX_MAX_NAME + 16];
-            snprintf(part, sizeof part, "%s[q]", name);
-            t_close(part, got, want, C, atol, rtol);
-            snprintf(part, sizeof part, "%s[k]", name);
-            t_close(part, got + C, want + C, C, k_bias_atol, 0);
-            snprintf(part, sizeof part, "%s[v]", name);
-            t_close(part, got + 2 * C, want + 2 * C, C, atol, rtol);
-        } else {
-            t_close(name, got, want, r->numel, atol, rtol);
-        }
-        free(want);
-        if (r->numel < v->numel) { // wte: rows V..Vp-1
-            size_t nonzero = 0;
-            for (size_t j = r->numel; j < v->numel; j++) nonzero += buf[v->offset + j] != 0.0f;
-            t_check(nonzero == 0, "%s: %zu nonzero values in the padded vocab rows", name, nonzero);
-        }
-    }
-}
-
-// The mean loss of the last forward, summed in double from the per-position
-// losses (less rounding noise than the float mean for finite differences).
-static double mean_loss(const fl_model *m) {
-    double s = 0;
-    for (int i = 0; i < m->B * m->T; i++) s += m->losses[i];
-    return s / (m->B * m->T);
-}
-
-// ----------------------------------------------------------------------------
-// the parser itself: damaged copies of the fixture must be refused cleanly
-
-static void test_damaged_fixture(const unsigned char *data, size_t size, const fixture *good) {
-    fixture fx = {0};
-    fx_config c;
-    // Cut the file inside every record header, and in each record's data:
-    // every cut must fail in fx_parse or, at a record boundary, fx_validate.
-    size_t cuts = 0, accepted = 0;
-    for (int i = 0; i <= good->n; i++) {
-        size_t start = i == 0 ? 0 : good->recs[i - 1].offset + good->recs[i - 1].numel * 4;
-        size_t end = i < good->n ? good->recs[i].offset + 1 : start;
-        for (size_t len = start; len <= end && len < size; len++) {
-            cuts++;
-            if (fx_parse(&fx, data, len) && fx_validate(&fx, &c)) accepted++;
-        }
-        if (i < good->n && good->recs[i].numel > 1) {
-            size_t mid = good->recs[i].offset + good->recs[i].numel * 2 + 1;
-            cuts++;
-            if (fx_parse(&fx, data, mid) && fx_validate(&fx, &c)) accepted++;
-        }
-    }
-    t_check(accepted == 0, "%zu of %zu truncated copies of the fixture were accepted", accepted,
-            cuts);
-
-    // Corrupt single header fields: each must be refused with a message.
-    unsigned char *bad = malloc(size);
-    const fx_record *r = &good->recs[good->n / 2];
-    FL_ASSERT(r->ndim >= 1);
-    size_t name_at = r->offset - 8 * r->ndim - 8 - strlen(r->name) - 4;
-    struct {
-        const char *what;
-        size_t at;
-        uint32_t value;
-    } cases[] = {
-        {"magic", 0, 0x4d4c5446},
-        {"version", 8, 2},
-        {"name length", name_at, 0x7fffffff},
-        {"dtype", r->offset - 8 * r->ndim - 8, 7},
-        {"ndim", r->offset - 8 * r->ndim - 4, 1000},
-        {"shape", r->offset - 8 * r->ndim, 0xffffffff},
-    };
-    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        memcpy(bad, data, size);
-        for (int b = 0; b < 4; b++) bad[cases[k].at + b] = (unsigned char)(cases[k].value >> 8 * b);
-        if (strcmp(cases[k].what, "shape") == 0)
-            for (int b = 4; b < 8; b++) bad[cases[k].at + b] = 0xff; // a 2^64-1 dimension
-        int ok = fx_parse(&fx, bad, size) && fx_validate(&fx, &c);
-        t_check(!ok && fx.err[0], "corrupt %s accepted", cases[k].what);
-        if (!ok) printf("  corrupt %-11s -> %s\n", cases[k].what, fx.err);
-    }
-    free(bad);
-    free(fx.recs);
-}
 
 // ----------------------------------------------------------------------------
 // forward, backward and training against the reference
@@ -172,65 +57,28 @@ static void test_damaged_fixture(const unsigned char *data, size_t size, const f
 #define KBIAS_FINAL_ATOL(c) (0.5 * (c)->lr * (c)->steps)
 
 static int test_reference(fixture *fx, const fx_config *c) {
-    fl_model_config cfg = fx_make_config(c);
     fl_model model;
-    memset(&model, 0, sizeof model);
-    fl_model_init(&model, &cfg, FL_F32, 1);
-    fl_model_alloc_acts(&model, c->B, c->T, FL_RECOMPUTE_NONE);
-    const int B = c->B, T = c->T, V = c->V, Vp = cfg.padded_vocab_size;
+    fx_model_init(&model, c, FL_RECOMPUTE_NONE);
+    const int B = c->B, T = c->T;
     printf("config: L=%d C=%d NH=%d V=%d (Vp=%d) maxT=%d, batch %dx%d, %zu params\n", c->L, c->C,
-           c->NH, V, Vp, c->maxT, B, T, model.table.numel);
+           c->NH, c->V, model.config.padded_vocab_size, c->maxT, B, T, model.table.numel);
 
     // The engine's parameter table must be exactly the fixture's: same names
     // in the same order, same shapes (wte padded to Vp rows), same decay.
-    fx_param ps[FX_MAX_PARAMS];
-    int np = fx_expected_params(c, ps);
-    int table_ok = t_check(model.table.count == np, "parameter table has %d views, want %d",
-                           model.table.count, np);
-    for (int i = 0; table_ok && i < np; i++) {
-        const fl_param_view *v = &model.table.views[i];
-        uint64_t rows = i == 0 ? (uint64_t)Vp : ps[i].shape[0];
-        int same = strcmp(v->name, ps[i].name) == 0 && v->ndim == ps[i].ndim &&
-                   v->shape[0] == rows && (ps[i].ndim == 1 || v->shape[1] == ps[i].shape[1]);
-        table_ok &= t_check(same, "table view %d is '%s' (ndim %d), want '%s'", i, v->name, v->ndim,
-                            ps[i].name);
-        t_check(!!(v->flags & FL_PARAM_DECAY) == ps[i].decay, "'%s': weight decay flag %s", v->name,
-                ps[i].decay ? "missing" : "set");
-        t_check(fl_params_find(&model.table, ps[i].name) == i, "fl_params_find('%s')", ps[i].name);
-    }
-    if (!table_ok) {
+    if (!fx_check_table(&model, c)) {
         fl_model_free(&model);
         return 0;
     }
+    int *tokens = fx_ints(fx, "tokens"), *targets = fx_ints(fx, "targets");
 
-    const fx_record *rt = fx_find(fx, "tokens"), *rg = fx_find(fx, "targets");
-    int *tokens = fx_copy(fx, rt), *targets = fx_copy(fx, rg);
-    float *want_logits = fx_floats(fx, "logits"), *want_loss = fx_floats(fx, "loss");
-
-    // forward
     printf("forward:\n");
-    load_params(&model, fx, "param/");
-    float loss = fl_model_forward(&model, tokens, targets, B, T);
-    t_check(model.n_targets == B * T, "n_targets %d, want %d", model.n_targets, B * T);
-    t_close("loss (returned)", &loss, want_loss, 1, LOSS_ATOL, 0);
-    t_close("loss (model->loss)", &model.loss, want_loss, 1, LOSS_ATOL, 0);
-    float mean = (float)mean_loss(&model);
-    t_close("loss (mean of acts.losses)", &mean, want_loss, 1, LOSS_ATOL, 0);
-    float *got_logits = malloc((size_t)B * T * V * sizeof(float));
-    size_t pad_nonzero = 0;
-    const float *logits = model.logits; // fp32 model
-    for (int i = 0; i < B * T; i++) {
-        memcpy(got_logits + (size_t)i * V, logits + (size_t)i * Vp, V * sizeof(float));
-        for (int j = V; j < Vp; j++) pad_nonzero += logits[(size_t)i * Vp + j] != 0.0f;
-    }
-    t_close("logits", got_logits, want_logits, (size_t)B * T * V, LOGITS_ATOL, LOGITS_RTOL);
-    t_check(pad_nonzero == 0, "%zu nonzero logits in the padded vocab columns", pad_nonzero);
+    fx_check_forward(&model, fx, c, LOSS_ATOL);
 
     // backward
     printf("backward:\n");
     fl_model_zero_grad(&model);
     fl_model_backward(&model, 1.0f / model.n_targets);
-    compare_views(&model, fx, model.grads, "grad/", GRAD_ATOL, GRAD_RTOL, 0);
+    fx_compare_views(&model, fx, model.grads, "grad/", GRAD_ATOL, GRAD_RTOL, 0);
 
     // Gradients accumulate with loss_scale: two half-scaled passes give the
     // same gradients (the gradient accumulation path).
@@ -240,12 +88,12 @@ static int test_reference(fixture *fx, const fx_config *c) {
         fl_model_forward(&model, tokens, targets, B, T);
         fl_model_backward(&model, 0.5f / model.n_targets);
     }
-    compare_views(&model, fx, model.grads, "grad/", GRAD_ATOL, GRAD_RTOL, 0);
+    fx_compare_views(&model, fx, model.grads, "grad/", GRAD_ATOL, GRAD_RTOL, 0);
 
     // training: c->steps AdamW steps on the same batch from the initial weights
     printf("training, %d AdamW steps (lr %g, betas %g %g, eps %g, wd %g, clip %g):\n", c->steps,
            c->lr, c->beta1, c->beta2, c->eps, c->weight_decay, c->max_grad_norm);
-    load_params(&model, fx, "param/");
+    fx_load_params(&model, fx, "param/");
     fl_adamw opt;
     fl_adamw_init(&opt, model.table.numel, c->beta1, c->beta2, c->eps, c->weight_decay);
     float *losses = malloc(c->steps * sizeof(float)), *norms = malloc(c->steps * sizeof(float));
@@ -256,17 +104,11 @@ static int test_reference(fixture *fx, const fx_config *c) {
         norms[s] = t_adamw_step_fp32(&opt, &model.table, model.params, model.grads, c->lr,
                                      c->max_grad_norm);
     }
-    float *want_losses = fx_floats(fx, "step_losses"),
-          *want_norms = fx_floats(fx, "step_grad_norms");
-    for (int s = 0; s < c->steps; s++)
-        printf("  step %2d: loss %.6f (ref %.6f), grad norm %.6f (ref %.6f)\n", s, losses[s],
-               want_losses[s], norms[s], want_norms[s]);
-    t_close("step_losses", losses, want_losses, c->steps, STEP_LOSS_ATOL, 0);
-    t_close("step_grad_norms", norms, want_norms, c->steps, 0, NORM_RTOL);
-    compare_views(&model, fx, model.params, "final/", FINAL_ATOL, FINAL_RTOL, KBIAS_FINAL_ATOL(c));
+    fx_check_steps(fx, c, losses, norms, STEP_LOSS_ATOL, NORM_RTOL);
+    fx_compare_views(&model, fx, model.params, "final/", FINAL_ATOL, FINAL_RTOL,
+                     KBIAS_FINAL_ATOL(c));
 
-    free(losses), free(norms), free(want_losses), free(want_norms);
-    free(tokens), free(targets), free(want_logits), free(want_loss), free(got_logits);
+    free(losses), free(norms), free(tokens), free(targets);
     fl_adamw_free(&opt);
     fl_model_free(&model);
     return 1;
@@ -288,14 +130,10 @@ static int test_reference(fixture *fx, const fx_config *c) {
 #define FD_RTOL 5e-3
 
 static void test_finite_differences(fixture *fx, const fx_config *c) {
-    fl_model_config cfg = fx_make_config(c);
     fl_model model;
-    memset(&model, 0, sizeof model);
-    fl_model_init(&model, &cfg, FL_F32, 1);
-    fl_model_alloc_acts(&model, c->B, c->T, FL_RECOMPUTE_NONE);
-    load_params(&model, fx, "param/");
-    int *tokens = fx_copy(fx, fx_find(fx, "tokens")),
-        *targets = fx_copy(fx, fx_find(fx, "targets"));
+    fx_model_init(&model, c, FL_RECOMPUTE_NONE);
+    fx_load_params(&model, fx, "param/");
+    int *tokens = fx_ints(fx, "tokens"), *targets = fx_ints(fx, "targets");
     fl_model_forward(&model, tokens, targets, c->B, c->T);
     fl_model_zero_grad(&model);
     fl_model_backward(&model, 1.0f / model.n_targets);
@@ -346,10 +184,10 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
             float saved = ((float *)model.params)[at], plus = saved + FD_H, minus = saved - FD_H;
             ((float *)model.params)[at] = plus;
             fl_model_forward(&model, tokens, targets, c->B, c->T);
-            double lp = mean_loss(&model);
+            double lp = fx_mean_loss(&model);
             ((float *)model.params)[at] = minus;
             fl_model_forward(&model, tokens, targets, c->B, c->T);
-            double lm = mean_loss(&model);
+            double lm = fx_mean_loss(&model);
             ((float *)model.params)[at] = saved;
             double fd = (lp - lm) / ((double)plus - (double)minus), an = ((float *)model.grads)[at];
             double err = fabs(fd - an);
@@ -375,13 +213,9 @@ static void test_finite_differences(fixture *fx, const fx_config *c) {
 #define OVERFIT_TARGET    0.1f
 
 static void test_overfit(fixture *fx, const fx_config *c) {
-    fl_model_config cfg = fx_make_config(c);
     fl_model model;
-    memset(&model, 0, sizeof model);
-    fl_model_init(&model, &cfg, FL_F32, 1);
-    fl_model_alloc_acts(&model, c->B, c->T, FL_RECOMPUTE_NONE);
-    int *tokens = fx_copy(fx, fx_find(fx, "tokens")),
-        *targets = fx_copy(fx, fx_find(fx, "targets"));
+    fx_model_init(&model, c, FL_RECOMPUTE_NONE);
+    int *tokens = fx_ints(fx, "tokens"), *targets = fx_ints(fx, "targets");
     fl_adamw opt;
     fl_adamw_init(&opt, model.table.numel, 0.9f, 0.95f, 1e-8f, 0.1f);
     float first = 0, loss = 0;
@@ -410,10 +244,12 @@ int main(void) {
         free(data), free(fx.recs);
         return t_report();
     }
-    test_damaged_fixture(data, fx.size, &fx);
+    fx_test_damaged(data, fx.size, &fx);
     // the other tests load the fixture's weights by name: only with a
     // matching parameter table
     if (test_reference(&fx, &c)) {
+        printf("activation checkpointing:\n");
+        fx_check_recompute(&fx, &c);
         test_finite_differences(&fx, &c);
         test_overfit(&fx, &c);
     }

@@ -140,9 +140,10 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim,
                            fl_loader_state *loader, const char *tokenizer);
 
 // ----------------------------------------------------------------------------
-// pretrained weights: a Hugging Face GPT-2 directory (config.json and
-// model.safetensors or a sharded index), an llm.c model file (.bin, version
-// 3 or 5) or a fitlm checkpoint (directory or file), told apart by content.
+// pretrained weights: a Hugging Face GPT-2 or LLaMA directory (config.json
+// and model.safetensors or a sharded index), an llm.c model file (GPT-2;
+// .bin, version 3 or 5) or a fitlm checkpoint (directory or file), told
+// apart by content.
 
 // True when path is a fitlm checkpoint (a directory with `latest`, or a
 // checkpoint file); the second, only for the directory.

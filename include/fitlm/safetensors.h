@@ -1,5 +1,6 @@
-// safetensors.h: the Hugging Face safetensors format, the HF GPT-2 layout
-// on top of it (config.json, sharded checkpoints) and llm.c's model files.
+// safetensors.h: the Hugging Face safetensors format, the HF GPT-2 and LLaMA
+// layouts on top of it (config.json, sharded checkpoints) and llm.c's model
+// files (GPT-2 only).
 //
 // Every parser exists in a non-dying form (returns 0 on success, -1 with a
 // message in err) so fuzz targets can run it in-process; the functions that
@@ -61,16 +62,30 @@ void fl_safetensors_write(const char *path, const fl_st_tensor *tensors, int n, 
                           void *ctx);
 
 // ----------------------------------------------------------------------------
-// Hugging Face GPT-2: a directory with config.json and model.safetensors, or
+// Hugging Face GPT-2 (GPT2LMHeadModel) and LLaMA (LlamaForCausalLM): a
+// directory with config.json and model.safetensors, or
 // model-0000i-of-0000N.safetensors shards listed in
 // model.safetensors.index.json, as transformers' save_pretrained writes it.
 
 #define FL_HF_MAX_JSON_BYTES (64u << 20) // config.json and the index
 
-// Reads a GPT2Config config.json into *out (padded_vocab_size filled in).
-// Refuses what fitlm's GPT-2 does not implement: another model_type or
-// activation, layer_norm_epsilon other than 1e-5, n_inner other than 4C,
-// untied embeddings, unscaled or layer-scaled attention, cross-attention.
+// Reads a config.json into *out (arch, padded_vocab_size filled in; absent
+// fields take transformers' defaults). model_type "gpt2" or "llama" decides
+// the architecture; without it architectures[] (GPT2LMHeadModel,
+// LlamaForCausalLM), without both GPT-2. Refuses, naming the key, what fitlm
+// does not implement:
+// - GPT2Config: another activation, layer_norm_epsilon other than 1e-5,
+//   n_inner other than 4C, untied embeddings, unscaled or layer-scaled
+//   attention, cross-attention;
+// - LlamaConfig (n_kv_head from num_key_value_heads, default
+//   num_attention_heads; norm_eps from rms_norm_eps, default 1e-6;
+//   rope_theta default 10000; tie_word_embeddings default false):
+//   rope_scaling other than null (or {"rope_type": "default"}),
+//   attention_bias or mlp_bias true, hidden_act other than silu, head_dim
+//   other than hidden_size / num_attention_heads, pretraining_tp > 1,
+//   attention_dropout other than 0, num_key_value_heads not dividing
+//   num_attention_heads, an odd head size.
+// Another model_type is an error.
 int fl_hf_config_parse(const char *json, size_t n, fl_model_config *out, char *err, size_t errlen);
 
 typedef struct {
@@ -91,23 +106,28 @@ typedef struct {
 int fl_hf_index_parse(const char *json, size_t n, fl_hf_index *out, char *err, size_t errlen);
 void fl_hf_index_free(fl_hf_index *idx);
 
-// Writes dir/config.json and dir/model.safetensors, or, when the tensors
-// take more than max_shard_bytes (0: no limit), shards of at most that size
-// (a larger tensor gets a shard of its own) and the index. Names carry the
-// "transformer." prefix, Conv1D weights are stored (in, out), wte has the
-// unpadded vocab rows and the tied lm_head is not stored. weights_fp32 is
-// the model's table.numel fp32 values; out_dtype is the stored dtype.
+// Writes dir/config.json (GPT2Config or LlamaConfig, by model->config.arch)
+// and dir/model.safetensors, or, when the tensors take more than
+// max_shard_bytes (0: no limit), shards of at most that size (a larger
+// tensor gets a shard of its own) and the index. Names carry the
+// "transformer." (GPT-2) or "model." (LLaMA) prefix, except lm_head.weight;
+// GPT-2's Conv1D weights are stored (in, out), LLaMA's nn.Linear weights
+// (out, in) as they are; the vocabulary rows (wte, embed_tokens, lm_head)
+// are stored unpadded and a tied lm_head is not stored. weights_fp32 is the
+// model's table.numel fp32 values; out_dtype is the stored dtype.
 void fl_hf_export(const char *dir, const fl_model *model, const float *weights_fp32,
                   fl_dtype out_dtype, size_t max_shard_bytes);
 // Initialises *model from a directory written by fl_hf_export or
 // save_pretrained, or from a .safetensors file with config.json beside it.
-// Names with or without "transformer."; F32, F16 or BF16 tensors, rounded to
-// dt; attn.bias/attn.masked_bias buffers are skipped, a stored lm_head must
-// equal wte; every parameter must be there once with its shape.
+// Names with or without "transformer." / "model."; F32, F16 or BF16
+// tensors, rounded to dt; buffers are skipped (GPT-2's attn.bias and
+// attn.masked_bias, LLaMA's rotary_emb.inv_freq); a LLaMA bias tensor is an
+// error naming it; a stored lm_head the model ties must equal the embedding;
+// every parameter must be there once with its shape.
 void fl_hf_load(const char *path, fl_model *model, fl_dtype dt);
 
 // ----------------------------------------------------------------------------
-// llm.c model files (gpt2_124M.bin): 256 int32 header {20240326, version
+// llm.c model files (gpt2_124M.bin; GPT-2 only): 256 int32 header {20240326, version
 // (3: fp32, 5: bf16), maxT, V, L, NH, C, Vp}, then the parameters in
 // llm.c's order, each layer-stacked: wte (Vp,C), wpe (maxT,C), ln1w, ln1b,
 // qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb,

@@ -1,6 +1,7 @@
-// export.c: `fitlm export`: a checkpoint's weights as a Hugging Face GPT-2
+// export.c: `fitlm export`: a checkpoint's weights as a Hugging Face
 // directory (model.safetensors or shards with an index, and config.json), the
-// layout transformers' GPT2LMHeadModel.from_pretrained loads.
+// layout transformers' GPT2LMHeadModel or LlamaForCausalLM.from_pretrained
+// loads, by the checkpoint's architecture.
 #include <stdio.h>
 #include <string.h>
 
@@ -12,8 +13,9 @@
 static void help(void) {
     printf("usage: fitlm export CHECKPOINT [options]\n\n"
            "Writes the weights of a fitlm checkpoint (a directory: its newest; or a file) in\n"
-           "Hugging Face GPT-2 layout: model.safetensors (or model-0000k-of-0000n.safetensors\n"
-           "and model.safetensors.index.json) and config.json.\n\n"
+           "the Hugging Face layout of its architecture (GPT2LMHeadModel or LlamaForCausalLM):\n"
+           "model.safetensors (or model-0000k-of-0000n.safetensors and\n"
+           "model.safetensors.index.json) and config.json.\n\n"
            "  --format NAME          safetensors (the only format so far; default)\n"
            "  -o, --out DIR          output directory (default: the checkpoint's directory)\n"
            "  --dtype NAME           fp32, bf16 or fp16 tensors (default: fp32)\n"
@@ -75,8 +77,8 @@ int cmd_export(int argc, char **argv) {
         }
     }
     fl_hf_export(dir, &model, model.params, dt, max_shard);
-    printf("exported %zu parameters (%s, %s tensors, tokenizer %s) to %s\n", model.table.numel,
-           ckpt, fl_dtype_name(dt), tokenizer, dir);
+    printf("exported %zu parameters (%s, %s, %s tensors, tokenizer %s) to %s\n", model.table.numel,
+           ckpt, fl_arch_name(model.config.arch), fl_dtype_name(dt), tokenizer, dir);
     fl_model_free(&model);
     return 0;
 }

@@ -1,5 +1,5 @@
 // sample.c: `fitlm sample`: generate text from a checkpoint or pretrained
-// weights (Hugging Face, llm.c).
+// weights (Hugging Face GPT-2 or LLaMA, llm.c).
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -20,7 +20,7 @@ typedef struct {
 static void help(void) {
     printf("usage: fitlm sample [options]\n\n"
            "  --checkpoint PATH    a fitlm checkpoint (directory or file), a Hugging Face GPT-2\n"
-           "                       directory or an llm.c model file (default: out)\n"
+           "                       or LLaMA directory or an llm.c model file (default: out)\n"
            "  --prompt TEXT        text to continue, after <|endoftext|> (default: none)\n"
            "  --tokenizer NAME     gpt2 or byte (default: the checkpoint's; gpt2 for others)\n"
            "  --tokenizer-path DIR encoder.json and vocab.bpe for gpt2 (default: data/gpt2)\n"

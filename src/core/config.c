@@ -147,7 +147,8 @@ static const option options[] = {
      "continue the run saved in this checkpoint directory or file, bit for bit (its config "
      "applies; flags given here override it)"},
     {"init_from", "--init-from", OPT_STRING, STR(init_from), "", 0, 0, NULL,
-     "initial weights: a Hugging Face GPT-2 directory (config.json + safetensors), an llm.c "
+     "initial weights: a Hugging Face GPT-2 or LLaMA directory (config.json + safetensors), an "
+     "llm.c "
      ".bin model file or a fitlm checkpoint; the model shape comes from it"},
     {"sample_tokens", "--sample-tokens", OPT_INT, NUM(sample_tokens), "400", 0, 1 << 20, NULL,
      "tokens of text sampled after training"},

@@ -1,8 +1,8 @@
-// hf_config.c: parsing Hugging Face GPT-2 config.json and
-// model.safetensors.index.json, without touching a model (the fuzz targets
-// link this file alone). Missing GPT2Config fields take transformers'
+// hf_config.c: parsing Hugging Face config.json (GPT2Config, LlamaConfig)
+// and model.safetensors.index.json, without touching a model (the fuzz
+// targets link this file alone). Missing fields take transformers'
 // defaults, as from_pretrained does; present ones must be what fitlm's
-// GPT-2 computes.
+// GPT-2 or LLaMA computes.
 #include "fitlm/safetensors.h"
 
 #include <stdlib.h>
@@ -36,13 +36,8 @@ static int want_bool(const cJSON *root, const char *key, int want, const char *w
     return 0;
 }
 
-static int check_config(const cJSON *root, fl_model_config *out, char *err, size_t errlen) {
-    if (!cJSON_IsObject(root)) return fl_errorf(err, errlen, "not a JSON object");
-    const cJSON *type = cJSON_GetObjectItemCaseSensitive(root, "model_type");
-    if (type && (!cJSON_IsString(type) || strcmp(type->valuestring, "gpt2") != 0))
-        return fl_errorf(err, errlen, "model_type is %.40s, not \"gpt2\"",
-                         cJSON_IsString(type) ? type->valuestring : "not a string");
-    fl_model_config c = {0};
+static int check_gpt2(const cJSON *root, fl_model_config *out, char *err, size_t errlen) {
+    fl_model_config c = {.arch = FL_ARCH_GPT2};
     if (get_int(root, "vocab_size", 50257, 1, 1 << 30, &c.vocab_size, err, errlen) ||
         get_int(root, "n_positions", 1024, 1, 1 << 20, &c.max_seq_len, err, errlen) ||
         get_int(root, "n_embd", 768, 1, 1 << 16, &c.n_embd, err, errlen) ||
@@ -74,6 +69,134 @@ static int check_config(const cJSON *root, fl_model_config *out, char *err, size
                   errlen) ||
         want_bool(root, "add_cross_attention", 0, "fitlm's GPT-2 is decoder-only", err, errlen))
         return -1;
+    *out = c;
+    return 0;
+}
+
+// root[key] as a float in (min, max) (checked before and after rounding to
+// float), or def when absent.
+static int get_float(const cJSON *root, const char *key, float def, float min, float max,
+                     float *out, char *err, size_t errlen) {
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(root, key);
+    double d = cJSON_IsNumber(item) ? item->valuedouble : def;
+    if ((item && !cJSON_IsNumber(item)) || !(d > min && d < max) || !((float)d > min))
+        return fl_errorf(err, errlen, "%s must be a number in (%g, %g)", key, min, max);
+    *out = (float)d;
+    return 0;
+}
+
+// rope_scaling: null, or the "default" rope type (plain rotary embeddings).
+static int plain_rope(const cJSON *scaling) {
+    if (!scaling || cJSON_IsNull(scaling)) return 1;
+    if (!cJSON_IsObject(scaling) || cJSON_GetArraySize(scaling) != 1) return 0;
+    const cJSON *type = scaling->child;
+    return (strcmp(type->string, "rope_type") == 0 || strcmp(type->string, "type") == 0) &&
+           cJSON_IsString(type) && strcmp(type->valuestring, "default") == 0;
+}
+
+// LlamaConfig (transformers' configuration_llama.py); absent fields take
+// its defaults: num_key_value_heads = num_attention_heads, head_dim =
+// hidden_size / num_attention_heads, untied embeddings, rms_norm_eps 1e-6.
+static int check_llama(const cJSON *root, fl_model_config *out, char *err, size_t errlen) {
+    fl_model_config c = {.arch = FL_ARCH_LLAMA};
+    int tp;
+    if (get_int(root, "vocab_size", 32000, 1, 1 << 30, &c.vocab_size, err, errlen) ||
+        get_int(root, "max_position_embeddings", 2048, 1, 1 << 20, &c.max_seq_len, err, errlen) ||
+        get_int(root, "hidden_size", 4096, 1, 1 << 16, &c.n_embd, err, errlen) ||
+        get_int(root, "intermediate_size", 11008, 1, 1 << 20, &c.intermediate_size, err, errlen) ||
+        get_int(root, "num_hidden_layers", 32, 1, 1024, &c.n_layer, err, errlen) ||
+        get_int(root, "num_attention_heads", 32, 1, 1 << 16, &c.n_head, err, errlen) ||
+        get_int(root, "pretraining_tp", 1, 1, 1 << 16, &tp, err, errlen) ||
+        get_float(root, "rms_norm_eps", 1e-6f, 0.0f, 1.0f, &c.norm_eps, err, errlen) ||
+        get_float(root, "rope_theta", 10000.0f, 1.0f, 1e30f, &c.rope_theta, err, errlen))
+        return -1;
+    const cJSON *kv = cJSON_GetObjectItemCaseSensitive(root, "num_key_value_heads");
+    if (cJSON_IsNull(kv))
+        c.n_kv_head = c.n_head;
+    else if (get_int(root, "num_key_value_heads", c.n_head, 1, 1 << 16, &c.n_kv_head, err, errlen))
+        return -1;
+    if (c.n_embd % c.n_head != 0)
+        return fl_errorf(err, errlen,
+                         "hidden_size (%d) is not divisible by num_attention_heads (%d)", c.n_embd,
+                         c.n_head);
+    if (c.n_head % c.n_kv_head != 0)
+        return fl_errorf(err, errlen,
+                         "num_key_value_heads (%d) does not divide num_attention_heads (%d)",
+                         c.n_kv_head, c.n_head);
+    int hs = c.n_embd / c.n_head;
+    if (hs % 2)
+        return fl_errorf(err, errlen,
+                         "hidden_size / num_attention_heads (%d) is odd: rotary embeddings need an "
+                         "even head size",
+                         hs);
+    const cJSON *head_dim = cJSON_GetObjectItemCaseSensitive(root, "head_dim");
+    if (head_dim && !cJSON_IsNull(head_dim) &&
+        !(cJSON_IsNumber(head_dim) && head_dim->valuedouble == hs))
+        return fl_errorf(err, errlen,
+                         "head_dim must be null or hidden_size / num_attention_heads (%d): fitlm's "
+                         "heads split hidden_size",
+                         hs);
+    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
+    if (act && !(cJSON_IsString(act) &&
+                 (strcmp(act->valuestring, "silu") == 0 || strcmp(act->valuestring, "swish") == 0)))
+        return fl_errorf(err, errlen,
+                         "hidden_act %.40s is not supported (fitlm's LLaMA MLP is SwiGLU: silu)",
+                         cJSON_IsString(act) ? act->valuestring : "(not a string)");
+    if (!plain_rope(cJSON_GetObjectItemCaseSensitive(root, "rope_scaling")))
+        return fl_errorf(err, errlen,
+                         "rope_scaling is not supported: fitlm's LLaMA has plain rotary embeddings "
+                         "(rope_scaling must be null)");
+    if (tp != 1)
+        return fl_errorf(err, errlen, "pretraining_tp %d is not supported (must be 1)", tp);
+    const cJSON *drop = cJSON_GetObjectItemCaseSensitive(root, "attention_dropout");
+    if (drop && !(cJSON_IsNumber(drop) && drop->valuedouble == 0.0))
+        return fl_errorf(err, errlen, "attention_dropout must be 0: fitlm has no dropout");
+    if (want_bool(root, "attention_bias", 0, "fitlm's LLaMA attention has no biases", err,
+                  errlen) ||
+        want_bool(root, "mlp_bias", 0, "fitlm's LLaMA MLP has no biases", err, errlen))
+        return -1;
+    const cJSON *tie = cJSON_GetObjectItemCaseSensitive(root, "tie_word_embeddings");
+    if (tie && !cJSON_IsBool(tie))
+        return fl_errorf(err, errlen, "tie_word_embeddings must be true or false");
+    c.tie_embeddings = cJSON_IsTrue(tie);
+    *out = c;
+    return 0;
+}
+
+// The architecture architectures[] names: 0 GPT-2, 1 LLaMA, -1 none known.
+static int named_arch(const cJSON *root) {
+    const cJSON *item, *list = cJSON_GetObjectItemCaseSensitive(root, "architectures");
+    if (!cJSON_IsArray(list)) return -1;
+    cJSON_ArrayForEach(item, list) {
+        if (!cJSON_IsString(item)) continue;
+        if (strcmp(item->valuestring, "GPT2LMHeadModel") == 0 ||
+            strcmp(item->valuestring, "GPT2Model") == 0)
+            return FL_ARCH_GPT2;
+        if (strcmp(item->valuestring, "LlamaForCausalLM") == 0 ||
+            strcmp(item->valuestring, "LlamaModel") == 0)
+            return FL_ARCH_LLAMA;
+    }
+    return -1;
+}
+
+// model_type decides; without it architectures[], and without both GPT-2.
+static int check_config(const cJSON *root, fl_model_config *out, char *err, size_t errlen) {
+    if (!cJSON_IsObject(root)) return fl_errorf(err, errlen, "not a JSON object");
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(root, "model_type");
+    int named = named_arch(root), arch = named < 0 ? FL_ARCH_GPT2 : named;
+    if (type) {
+        int gpt2 = cJSON_IsString(type) && strcmp(type->valuestring, "gpt2") == 0;
+        int llama = cJSON_IsString(type) && strcmp(type->valuestring, "llama") == 0;
+        if (!gpt2 && !llama)
+            return fl_errorf(err, errlen, "model_type is %.40s, not \"gpt2\" or \"llama\"",
+                             cJSON_IsString(type) ? type->valuestring : "not a string");
+        arch = llama ? FL_ARCH_LLAMA : FL_ARCH_GPT2;
+        if (named >= 0 && named != arch)
+            return fl_errorf(err, errlen, "architectures names a %s model, model_type is %s",
+                             named == FL_ARCH_LLAMA ? "LLaMA" : "GPT-2", type->valuestring);
+    }
+    fl_model_config c = {0};
+    if ((arch == FL_ARCH_LLAMA ? check_llama : check_gpt2)(root, &c, err, errlen) != 0) return -1;
     c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128; // as fl_model_config_finish
     *out = c;
     return 0;

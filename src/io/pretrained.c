@@ -1,6 +1,7 @@
 // pretrained.c: weights from elsewhere, told apart by what the path holds: a
-// fitlm checkpoint (`latest` or the FITLMCKP magic), a Hugging Face directory
-// or .safetensors file (config.json), or an llm.c model file (its magic).
+// fitlm checkpoint (`latest` or the FITLMCKP magic), a Hugging Face GPT-2 or
+// LLaMA directory or .safetensors file (config.json says which), or an llm.c
+// model file (its magic; always GPT-2).
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
@@ -85,6 +86,7 @@ void fl_pretrained_config(const char *path, fl_model_config *cfg) {
                    "file: %s",
                    path, err);
         memset(cfg, 0, sizeof *cfg);
+        cfg->arch = FL_ARCH_GPT2;
         cfg->max_seq_len = h.max_T;
         cfg->vocab_size = h.V;
         cfg->n_layer = h.L;

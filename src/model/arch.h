@@ -68,6 +68,24 @@ static inline void *fl_unit_g(const fl_model *m, int u, int k) {
 #define FL_FWD_OP(op, ...) FL_PROFILE(op, FL_FWD, 0.0, __VA_ARGS__)
 #define FL_BWD_OP(op, ...) FL_PROFILE(op, FL_BWD, 0.0, __VA_ARGS__)
 
+// The attention half of a pre-norm block (block.c): out = in +
+// o(attention(rope(qkv(normed)))), RoPE when the model has a rope table.
+typedef struct {
+    void *normed; // (B,T,C) the block's first norm's output: the input here
+    void *qkv;    // (B,T,(NH+2KV)HS) after RoPE
+    void *atty;   // (B,T,C) attention output before the projection
+    float *lse;   // (B,NH,T)
+} fl_attention_acts;
+void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_linear *o_lin,
+                          const fl_attention_acts *a, void *out);
+// dres: d(out); dnormed (B,T,C) receives d(normed) (overwritten); dqkv is
+// scratch of the QKV width.
+void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl_linear *o_lin,
+                           const fl_attention_acts *a, const void *dres, void *dnormed, void *dqkv);
+// out = skip + lin(inp), the projection written into out and added in place.
+void fl_residual_linear_forward(const fl_block *b, const fl_linear *lin, void *out, const void *inp,
+                                const void *skip);
+
 // Adds a row named fmt % l with its init rule and unit.
 int fl_arch_add_row(fl_param_table *t, int unit, unsigned flags, fl_init_rule init, float std,
                     size_t d0, size_t d1, const char *fmt, int l);

@@ -163,31 +163,20 @@ static void block_forward(const fl_block *b, int cheap_only) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
-    int l = b->l, C = c->n_embd, NH = c->n_head, BT = b->B * b->T;
+    int l = b->l, C = c->n_embd, BT = b->B * b->T;
     void **a = b->act;
     fl_linear lin[NLIN];
     linear_set(c, lin);
 #define W(k) fl_unit_w(m, l, k)
     FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(dt, a[A_LN1], a[A_LN1_MEAN], a[A_LN1_RSTD], b->in,
                                                  W(LN1W), W(LN1B), BT, C));
-    if (!cheap_only) {
-        fl_linear_forward(m, l, &lin[L_QKV], a[A_QKV], a[A_LN1], BT);
-        FL_FWD_OP(FL_OP_ATTENTION, attention_forward(dt, a[A_ATTY], a[A_LSE], a[A_QKV],
-                                                     m->att_workspace, b->B, b->T, NH, NH, C / NH));
-        // The projection is written straight into residual2 and the skip
-        // connection added in place: its output is not needed by the backward.
-        fl_linear_forward(m, l, &lin[L_ATTPROJ], a[A_RES2], a[A_ATTY], BT);
-        FL_FWD_OP(FL_OP_RESIDUAL,
-                  residual_forward(dt, a[A_RES2], b->in, a[A_RES2], (size_t)BT * C));
-    }
+    fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
+    if (!cheap_only) fl_attention_forward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, a[A_RES2]);
     FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD],
                                                  a[A_RES2], W(LN2W), W(LN2B), BT, C));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_FC], a[A_FCH], a[A_LN2], BT);
     FL_FWD_OP(FL_OP_GELU, gelu_forward(dt, a[A_GELU], a[A_FCH], 4 * (size_t)BT * C));
-    if (!cheap_only) {
-        fl_linear_forward(m, l, &lin[L_FCPROJ], b->out, a[A_GELU], BT);
-        FL_FWD_OP(FL_OP_RESIDUAL, residual_forward(dt, b->out, a[A_RES2], b->out, (size_t)BT * C));
-    }
+    if (!cheap_only) fl_residual_linear_forward(b, &lin[L_FCPROJ], b->out, a[A_GELU], a[A_RES2]);
 #undef W
 }
 
@@ -195,7 +184,7 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
-    int l = b->l, C = c->n_embd, NH = c->n_head, BT = b->B * b->T;
+    int l = b->l, C = c->n_embd, BT = b->B * b->T;
     size_t BTC = (size_t)BT * C, D = fl_dtype_size(dt);
     void **a = b->act, *dbuf = b->work[W_C], *d4a = b->work[W_4A], *d4b = b->work[W_4B];
     fl_linear lin[NLIN];
@@ -212,13 +201,8 @@ static void block_backward(const fl_block *b, void *dres) {
     FL_BWD_OP(FL_OP_LAYERNORM, layernorm_backward(dt, dres, G(LN2W), G(LN2B), dbuf, a[A_RES2],
                                                   W(LN2W), a[A_LN2_MEAN], a[A_LN2_RSTD], BT, C));
     // attention: residual2 = in + attproj(attn(qkv(ln1(in))))
-    memset(dbuf, 0, BTC * D);
-    fl_linear_backward(m, l, &lin[L_ATTPROJ], dbuf, dres, a[A_ATTY], BT);
-    memset(d4a, 0, 3 * BTC * D);
-    FL_BWD_OP(FL_OP_ATTENTION, attention_backward(dt, d4a, dbuf, a[A_QKV], a[A_ATTY], a[A_LSE],
-                                                  m->att_workspace, b->B, b->T, NH, NH, C / NH));
-    memset(dbuf, 0, BTC * D);
-    fl_linear_backward(m, l, &lin[L_QKV], dbuf, d4a, a[A_LN1], BT);
+    fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
+    fl_attention_backward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, dres, dbuf, d4a);
     FL_BWD_OP(FL_OP_LAYERNORM, layernorm_backward(dt, dres, G(LN1W), G(LN1B), dbuf, b->in, W(LN1W),
                                                   a[A_LN1_MEAN], a[A_LN1_RSTD], BT, C));
 #undef W

@@ -168,7 +168,7 @@ static void block_forward(const fl_block *b, int cheap_only) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
-    int l = b->l, C = c->n_embd, NH = c->n_head, KV = c->n_kv_head, I = c->intermediate_size;
+    int l = b->l, C = c->n_embd, I = c->intermediate_size;
     int BT = b->B * b->T;
     float eps = c->norm_eps;
     void **a = b->act;
@@ -176,31 +176,20 @@ static void block_forward(const fl_block *b, int cheap_only) {
     linear_set(c, lin);
     FL_FWD_OP(FL_OP_RMSNORM,
               rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in, fl_unit_w(m, l, LN1), BT, C, eps));
-    if (!cheap_only) {
-        fl_linear_forward(m, l, &lin[L_QKV], a[A_QKV], a[A_LN1], BT);
-        FL_FWD_OP(FL_OP_ROPE,
-                  rope_forward(dt, a[A_QKV], m->rope_table, b->B, b->T, NH, KV, C / NH));
-        FL_FWD_OP(FL_OP_ATTENTION, attention_forward(dt, a[A_ATTY], a[A_LSE], a[A_QKV],
-                                                     m->att_workspace, b->B, b->T, NH, KV, C / NH));
-        fl_linear_forward(m, l, &lin[L_O], a[A_RES2], a[A_ATTY], BT);
-        FL_FWD_OP(FL_OP_RESIDUAL,
-                  residual_forward(dt, a[A_RES2], b->in, a[A_RES2], (size_t)BT * C));
-    }
+    fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
+    if (!cheap_only) fl_attention_forward(b, &lin[L_QKV], &lin[L_O], &att, a[A_RES2]);
     FL_FWD_OP(FL_OP_RMSNORM, rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2],
                                              fl_unit_w(m, l, LN2), BT, C, eps));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_GATEUP], a[A_GATEUP], a[A_LN2], BT);
     FL_FWD_OP(FL_OP_SWIGLU, swiglu_forward(dt, a[A_ACT], a[A_GATEUP], BT, I));
-    if (!cheap_only) {
-        fl_linear_forward(m, l, &lin[L_DOWN], b->out, a[A_ACT], BT);
-        FL_FWD_OP(FL_OP_RESIDUAL, residual_forward(dt, b->out, a[A_RES2], b->out, (size_t)BT * C));
-    }
+    if (!cheap_only) fl_residual_linear_forward(b, &lin[L_DOWN], b->out, a[A_ACT], a[A_RES2]);
 }
 
 static void block_backward(const fl_block *b, void *dres) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
-    int l = b->l, C = c->n_embd, NH = c->n_head, KV = c->n_kv_head, I = c->intermediate_size;
+    int l = b->l, C = c->n_embd, I = c->intermediate_size;
     int BT = b->B * b->T;
     size_t D = fl_dtype_size(dt);
     void **a = b->act, **w = b->work;
@@ -216,15 +205,8 @@ static void block_backward(const fl_block *b, void *dres) {
     FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN2), w[W_C], a[A_RES2],
                                               fl_unit_w(m, l, LN2), a[A_RSTD2], BT, C));
     // attention: res2 = in + o(attn(rope(qkv(ln1)))), ln1 = rmsnorm(in)
-    memset(w[W_C], 0, (size_t)BT * C * D);
-    fl_linear_backward(m, l, &lin[L_O], w[W_C], dres, a[A_ATTY], BT);
-    memset(w[W_QKV], 0, (size_t)BT * qkv_width(c) * D);
-    FL_BWD_OP(FL_OP_ATTENTION,
-              attention_backward(dt, w[W_QKV], w[W_C], a[A_QKV], a[A_ATTY], a[A_LSE],
-                                 m->att_workspace, b->B, b->T, NH, KV, C / NH));
-    FL_BWD_OP(FL_OP_ROPE, rope_backward(dt, w[W_QKV], m->rope_table, b->B, b->T, NH, KV, C / NH));
-    memset(w[W_C], 0, (size_t)BT * C * D);
-    fl_linear_backward(m, l, &lin[L_QKV], w[W_C], w[W_QKV], a[A_LN1], BT);
+    fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
+    fl_attention_backward(b, &lin[L_QKV], &lin[L_O], &att, dres, w[W_C], w[W_QKV]);
     FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN1), w[W_C], b->in,
                                               fl_unit_w(m, l, LN1), a[A_RSTD1], BT, C));
 }

@@ -1,6 +1,6 @@
 // fuzz_hf_config.c: libFuzzer target for the Hugging Face JSON parsers:
-// config.json and model.safetensors.index.json (the same input goes to
-// both; neither needs a NUL terminator).
+// config.json (GPT-2 or LLaMA) and model.safetensors.index.json (the same
+// input goes to both; neither needs a NUL terminator).
 #include "fitlm/safetensors.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -10,6 +10,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fl_model_config cfg;
     if (fl_hf_config_parse((const char *)data, size, &cfg, err, sizeof err) == 0) {
         if (cfg.n_embd % cfg.n_head != 0 || cfg.padded_vocab_size < cfg.vocab_size)
+            __builtin_trap();
+        // a LLaMA config fl_model_config_finish accepts
+        if (cfg.arch == FL_ARCH_LLAMA &&
+            (cfg.n_kv_head < 1 || cfg.n_head % cfg.n_kv_head != 0 ||
+             (cfg.n_embd / cfg.n_head) % 2 != 0 || cfg.intermediate_size < 1 ||
+             !(cfg.norm_eps > 0.0f && cfg.norm_eps < 1.0f) || !(cfg.rope_theta > 1.0f)))
             __builtin_trap();
     } else if (!err[0]) {
         __builtin_trap();

@@ -1,10 +1,14 @@
-// hf_gpt2.c: GPT-2 in the Hugging Face layout: export to and load from
-// safetensors plus config.json, the way transformers' GPT2LMHeadModel
-// save_pretrained / from_pretrained see it.
+// hf_model.c: GPT-2 and LLaMA in the Hugging Face layout: export to and load
+// from safetensors plus config.json, the way transformers' GPT2LMHeadModel
+// and LlamaForCausalLM save_pretrained / from_pretrained see them.
 //
-// HF's GPT-2 keeps its matrices in Conv1D layout (in, out), the transpose of
-// our nn.Linear (out, in); wte has the real vocab rows only; lm_head is tied
-// to wte and not stored.
+// The table's names are HF's without the model prefix; what differs per
+// architecture is in hf_layout: the prefix ("transformer." / "model."; the
+// head "lm_head.weight" has none), GPT-2's Conv1D matrices stored (in, out),
+// the transpose of our nn.Linear (out, in) (LLaMA's are stored as they are),
+// the buffers that are skipped, and whether biases exist. Rows with padded
+// vocabulary (live_rows) are stored with their live rows only; a tied
+// lm_head is not stored.
 #include "fitlm/safetensors.h"
 
 #include <dirent.h>
@@ -18,7 +22,7 @@
 
 #include "fitlm/io.h"
 
-#define HF_PREFIX    "transformer."
+#define HF_HEAD      "lm_head."
 #define HF_NAME_MAX  (FL_PARAM_NAME_MAX + 16)
 #define HF_CHUNK     65536 // elements converted at a time
 #define HF_SINGLE    "model.safetensors"
@@ -26,17 +30,54 @@
 #define HF_SHARD_FMT "model-%05d-of-%05d.safetensors"
 #define HF_PATH_MAX  4096
 
-// Our matrices inside the blocks are HF Conv1D weights: stored transposed.
-static int is_conv1d(const fl_param_view *v) {
-    return v->ndim == 2 && strncmp(v->name, "h.", 2) == 0;
+typedef struct {
+    const char *prefix;     // of every stored name but the head's
+    const char *block;      // the blocks' rows start with it
+    int conv1d;             // the blocks' matrices are stored (in, out)
+    const char *buffers[2]; // suffixes of stored non-parameters (after a '.'), skipped
+    const char *embed;      // the embedding a stored tied lm_head must equal
+    const char *untied;     // why a stored tied lm_head must equal it
+    int biases;             // 0: a stored ".bias" is refused by name
+} hf_layout;
+
+static const hf_layout gpt2_layout = {
+    .prefix = "transformer.",
+    .block = "h.",
+    .conv1d = 1,
+    .buffers = {"attn.bias", "attn.masked_bias"}, // the causal masks
+    .embed = "wte.weight",
+    .untied = "untied LM heads are not supported",
+    .biases = 1,
+};
+static const hf_layout llama_layout = {
+    .prefix = "model.",
+    .block = "layers.",
+    .conv1d = 0,
+    .buffers = {"rotary_emb.inv_freq", NULL}, // older transformers saved it
+    .embed = "embed_tokens.weight",
+    .untied = "config.json ties them (tie_word_embeddings)",
+    .biases = 0,
+};
+
+static const hf_layout *layout_of(const fl_model_config *c) {
+    return c->arch == FL_ARCH_LLAMA ? &llama_layout : &gpt2_layout;
 }
 
-// The HF shape of a view: wte without the padded rows, Conv1D transposed.
-static void hf_shape(const fl_param_view *v, const fl_model_config *c, uint64_t *shape) {
-    shape[0] = v->shape[0];
+static int is_transposed(const hf_layout *lay, const fl_param_view *v) {
+    return lay->conv1d && v->ndim == 2 && strncmp(v->name, lay->block, strlen(lay->block)) == 0;
+}
+
+// The HF shape of a view: the live vocab rows only, Conv1D transposed.
+static void hf_shape(const hf_layout *lay, const fl_param_view *v, uint64_t *shape) {
+    shape[0] = v->live_rows ? v->live_rows : v->shape[0];
     if (v->ndim == 2) shape[1] = v->shape[1];
-    if (strcmp(v->name, "wte.weight") == 0) shape[0] = (uint64_t)c->vocab_size;
-    if (is_conv1d(v)) shape[0] = v->shape[1], shape[1] = v->shape[0];
+    if (is_transposed(lay, v)) shape[0] = v->shape[1], shape[1] = v->shape[0];
+}
+
+// The stored name of a table row.
+static void hf_name(const hf_layout *lay, const char *name, char *out) {
+    int head = strncmp(name, HF_HEAD, strlen(HF_HEAD)) == 0;
+    snprintf(out, HF_NAME_MAX, "%s%s", head ? "" : lay->prefix, name);
 }
 
 static void join(char *out, const char *dir, const char *name) {
@@ -58,10 +99,11 @@ typedef struct {
 static void export_fill(void *p, int i, void *dst) {
     const export_ctx *x = p;
     const fl_param_view *v = &x->model->table.views[x->first + i];
+    const hf_layout *lay = layout_of(&x->model->config);
     const float *src = x->weights + v->offset;
-    if (!is_conv1d(v)) { // as stored (wte: its first V rows)
+    if (!is_transposed(lay, v)) { // as stored (vocab rows: the first V)
         uint64_t shape[2];
-        hf_shape(v, &x->model->config, shape);
+        hf_shape(lay, v, shape);
         fl_convert(x->dt, dst, FL_F32, src, v->ndim == 2 ? shape[0] * shape[1] : shape[0]);
         return;
     }
@@ -76,25 +118,48 @@ static const char *torch_dtype(fl_dtype dt) {
     return dt == FL_F32 ? "float32" : dt == FL_BF16 ? "bfloat16" : "float16";
 }
 
+// Writes r as dir/name and frees it.
+static void write_json(const char *dir, const char *name, cJSON *r) {
+    char *json = cJSON_Print(r), path[HF_PATH_MAX];
+    cJSON_Delete(r);
+    if (!json) fl_die("out of memory writing %s/%s", dir, name);
+    join(path, dir, name);
+    fl_file_write_all(path, json, strlen(json));
+    cJSON_free(json);
+}
+
+static void add_architecture(cJSON *r, const char *name) {
+    cJSON *list = cJSON_AddArrayToObject(r, "architectures");
+    cJSON_AddItemToArray(list, cJSON_CreateString(name));
+}
+
+// bos/eos: GPT-2's <|endoftext|>; other vocabularies have no such token
+static void add_token_id(cJSON *r, const char *key, const fl_model_config *c) {
+    if (c->vocab_size == 50257)
+        cJSON_AddNumberToObject(r, key, 50256);
+    else
+        cJSON_AddNullToObject(r, key);
+}
+
+// The shortest decimal that reads back as f (1e-05, not 9.99999974737875e-06).
+static double shortest(float f) {
+    char text[32];
+    for (int digits = 1; digits < 10; digits++) {
+        snprintf(text, sizeof text, "%.*g", digits, (double)f);
+        if (strtof(text, NULL) == f) break;
+    }
+    return strtod(text, NULL);
+}
+
 // GPT2Config's fields, keys sorted as transformers writes them.
-static void write_config(const char *dir, const fl_model_config *c, fl_dtype dt) {
+static cJSON *gpt2_config(const fl_model_config *c) {
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "activation_function", "gelu_new");
-    cJSON_AddItemToObject(r, "architectures", cJSON_CreateArray());
-    cJSON_AddItemToArray(cJSON_GetObjectItem(r, "architectures"),
-                         cJSON_CreateString("GPT2LMHeadModel"));
+    add_architecture(r, "GPT2LMHeadModel");
     cJSON_AddNumberToObject(r, "attn_pdrop", 0.1);
-    // GPT-2's <|endoftext|>; other vocabularies have no such token
-    int gpt2_vocab = c->vocab_size == 50257;
-    if (gpt2_vocab)
-        cJSON_AddNumberToObject(r, "bos_token_id", 50256);
-    else
-        cJSON_AddNullToObject(r, "bos_token_id");
+    add_token_id(r, "bos_token_id", c);
     cJSON_AddNumberToObject(r, "embd_pdrop", 0.1);
-    if (gpt2_vocab)
-        cJSON_AddNumberToObject(r, "eos_token_id", 50256);
-    else
-        cJSON_AddNullToObject(r, "eos_token_id");
+    add_token_id(r, "eos_token_id", c);
     cJSON_AddNumberToObject(r, "initializer_range", 0.02);
     cJSON_AddNumberToObject(r, "layer_norm_epsilon", 1e-5);
     cJSON_AddStringToObject(r, "model_type", "gpt2");
@@ -114,15 +179,42 @@ static void write_config(const char *dir, const fl_model_config *c, fl_dtype dt)
     cJSON_AddStringToObject(r, "summary_type", "cls_index");
     cJSON_AddTrueToObject(r, "summary_use_proj");
     cJSON_AddTrueToObject(r, "tie_word_embeddings");
+    return r;
+}
+
+// LlamaConfig's fields, keys sorted as transformers writes them.
+static cJSON *llama_config(const fl_model_config *c) {
+    cJSON *r = cJSON_CreateObject();
+    add_architecture(r, "LlamaForCausalLM");
+    cJSON_AddFalseToObject(r, "attention_bias");
+    cJSON_AddNumberToObject(r, "attention_dropout", 0.0);
+    add_token_id(r, "bos_token_id", c);
+    add_token_id(r, "eos_token_id", c);
+    cJSON_AddNumberToObject(r, "head_dim", c->n_embd / c->n_head);
+    cJSON_AddStringToObject(r, "hidden_act", "silu");
+    cJSON_AddNumberToObject(r, "hidden_size", c->n_embd);
+    cJSON_AddNumberToObject(r, "initializer_range", 0.02);
+    cJSON_AddNumberToObject(r, "intermediate_size", c->intermediate_size);
+    cJSON_AddNumberToObject(r, "max_position_embeddings", c->max_seq_len);
+    cJSON_AddFalseToObject(r, "mlp_bias");
+    cJSON_AddStringToObject(r, "model_type", "llama");
+    cJSON_AddNumberToObject(r, "num_attention_heads", c->n_head);
+    cJSON_AddNumberToObject(r, "num_hidden_layers", c->n_layer);
+    cJSON_AddNumberToObject(r, "num_key_value_heads", c->n_kv_head);
+    cJSON_AddNumberToObject(r, "pretraining_tp", 1);
+    cJSON_AddNumberToObject(r, "rms_norm_eps", shortest(c->norm_eps));
+    cJSON_AddNullToObject(r, "rope_scaling");
+    cJSON_AddNumberToObject(r, "rope_theta", shortest(c->rope_theta));
+    cJSON_AddBoolToObject(r, "tie_word_embeddings", c->tie_embeddings);
+    return r;
+}
+
+static void write_config(const char *dir, const fl_model_config *c, fl_dtype dt) {
+    cJSON *r = c->arch == FL_ARCH_LLAMA ? llama_config(c) : gpt2_config(c);
     cJSON_AddStringToObject(r, "torch_dtype", torch_dtype(dt));
     cJSON_AddTrueToObject(r, "use_cache");
     cJSON_AddNumberToObject(r, "vocab_size", c->vocab_size);
-    char *json = cJSON_Print(r), path[HF_PATH_MAX];
-    cJSON_Delete(r);
-    if (!json) fl_die("out of memory writing %s/config.json", dir);
-    join(path, dir, "config.json");
-    fl_file_write_all(path, json, strlen(json));
-    cJSON_free(json);
+    write_json(dir, "config.json", r);
 }
 
 static int by_string(const void *a, const void *b) {
@@ -144,12 +236,7 @@ static void write_index(const char *dir, char (*names)[HF_NAME_MAX], const int *
         cJSON_AddStringToObject(map, names[i], file);
     }
     fl_free(order);
-    char *json = cJSON_Print(r), path[HF_PATH_MAX];
-    cJSON_Delete(r);
-    if (!json) fl_die("out of memory writing %s/%s", dir, HF_INDEX);
-    join(path, dir, HF_INDEX);
-    fl_file_write_all(path, json, strlen(json));
-    cJSON_free(json);
+    write_json(dir, HF_INDEX, r);
 }
 
 // Removes what an earlier export of another layout left in dir (a single
@@ -180,6 +267,7 @@ void fl_hf_export(const char *dir, const fl_model *model, const float *weights_f
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         fl_die("cannot create directory %s: %s", dir, strerror(errno));
     const fl_param_table *t = &model->table;
+    const hf_layout *lay = layout_of(&model->config);
     int n = t->count;
     fl_st_tensor *tensors = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof *tensors);
     char(*names)[HF_NAME_MAX] = fl_alloc(FL_MEM_OTHER, (size_t)n * HF_NAME_MAX);
@@ -191,11 +279,11 @@ void fl_hf_export(const char *dir, const fl_model *model, const float *weights_f
     for (int i = 0; i < n; i++) {
         const fl_param_view *v = &t->views[i];
         fl_st_tensor *s = &tensors[i];
-        snprintf(names[i], HF_NAME_MAX, HF_PREFIX "%s", v->name);
+        hf_name(lay, v->name, names[i]);
         s->name = names[i];
         s->dtype = out_dtype;
         s->ndim = v->ndim;
-        hf_shape(v, &model->config, s->shape);
+        hf_shape(lay, v, s->shape);
         s->numel = v->ndim == 2 ? s->shape[0] * s->shape[1] : s->shape[0];
         size_t bytes = s->numel * fl_dtype_size(out_dtype);
         if (max_shard_bytes && in_shard > 0 && in_shard + bytes > max_shard_bytes) {
@@ -280,11 +368,17 @@ static void read_f32(const fl_safetensors *st, const fl_st_tensor *t, size_t fir
     }
 }
 
-static int is_buffer(const char *name) { // attention masks, not parameters
+// A stored non-parameter (GPT-2's attention masks, LLaMA's rotary inv_freq):
+// the name is one of the layout's suffixes or ends with '.' and one.
+static int is_buffer(const hf_layout *lay, const char *name) {
     size_t len = strlen(name);
-    return strncmp(name, "h.", 2) == 0 &&
-           ((len > 10 && strcmp(name + len - 10, ".attn.bias") == 0) ||
-            (len > 17 && strcmp(name + len - 17, ".attn.masked_bias") == 0));
+    for (int i = 0; i < 2 && lay->buffers[i]; i++) {
+        size_t n = strlen(lay->buffers[i]);
+        if (len >= n && strcmp(name + len - n, lay->buffers[i]) == 0 &&
+            (len == n || name[len - n - 1] == '.'))
+            return 1;
+    }
+    return 0;
 }
 
 static void shape_str(char *out, size_t size, int ndim, const uint64_t *shape) {
@@ -300,27 +394,37 @@ typedef struct {
     const fl_st_tensor *t;
 } hf_ref;
 
-// Matches every stored tensor to a parameter view (refs[view]) and finds
-// lm_head; dies on unknown, repeated, missing or misshapen tensors.
-static void match_tensors(const hf_files *f, const fl_param_table *table,
-                          const fl_model_config *cfg, hf_ref *refs, hf_ref *lm_head) {
+// Matches every stored tensor to a parameter view (refs[view]) and finds a
+// stored lm_head the table does not have (tied); dies on unknown, repeated,
+// missing or misshapen tensors.
+static void match_tensors(const hf_files *f, const hf_layout *lay, const fl_param_table *table,
+                          hf_ref *refs, hf_ref *lm_head) {
+    size_t plen = strlen(lay->prefix);
     for (int s = 0; s < f->n_shards; s++)
         for (int i = 0; i < f->shards[s].count; i++) {
             const fl_st_tensor *t = &f->shards[s].tensors[i];
             const char *name = t->name;
-            if (strncmp(name, HF_PREFIX, strlen(HF_PREFIX)) == 0) name += strlen(HF_PREFIX);
-            if (is_buffer(name)) continue;
-            if (strcmp(t->name, "lm_head.weight") == 0) {
+            if (strncmp(name, lay->prefix, plen) == 0) name += plen;
+            if (is_buffer(lay, name)) continue;
+            size_t len = strlen(name);
+            if (!lay->biases && len > 5 && strcmp(name + len - 5, ".bias") == 0)
+                fl_die("%s: tensor '%s' is a bias: fitlm's LLaMA has none (attention_bias and "
+                       "mlp_bias must be false)",
+                       f->where, t->name);
+            int v = fl_params_find(table, name);
+            if (v < 0 && strcmp(name, HF_HEAD "weight") == 0) {
+                if (lm_head->t)
+                    fl_die("%s: tensor '%s' is stored twice (as '%s' and '%s')", f->where, name,
+                           lm_head->t->name, t->name);
                 *lm_head = (hf_ref){&f->shards[s], t};
                 continue;
             }
-            int v = fl_params_find(table, name);
             if (v < 0) fl_die("%s: unknown tensor '%s'", f->where, t->name);
             if (refs[v].t)
                 fl_die("%s: tensor '%s' is stored twice (as '%s' and '%s')", f->where, name,
                        refs[v].t->name, t->name);
             uint64_t want[2];
-            hf_shape(&table->views[v], cfg, want);
+            hf_shape(lay, &table->views[v], want);
             int ok = t->ndim == table->views[v].ndim;
             for (int d = 0; ok && d < t->ndim; d++) ok = t->shape[d] == want[d];
             if (!ok) {
@@ -333,32 +437,37 @@ static void match_tensors(const hf_files *f, const fl_param_table *table,
             refs[v] = (hf_ref){&f->shards[s], t};
         }
     for (int v = 0; v < table->count; v++)
-        if (!refs[v].t)
-            fl_die("%s: tensor '" HF_PREFIX "%s' is missing", f->where, table->views[v].name);
+        if (!refs[v].t) {
+            char name[HF_NAME_MAX];
+            hf_name(lay, table->views[v].name, name);
+            fl_die("%s: tensor '%s' is missing", f->where, name);
+        }
 }
 
-// The tied head, if stored, must be wte itself: fitlm has no separate head.
-static void check_lm_head(const hf_files *f, const hf_ref *head, const hf_ref *wte, size_t V,
-                          size_t C, float *a, float *b, void *chunk) {
+// A stored head the table does not have must be the embedding itself.
+static void check_lm_head(const hf_files *f, const hf_layout *lay, const hf_ref *head,
+                          const hf_ref *embed, size_t V, size_t C) {
     if (head->t->ndim != 2 || head->t->shape[0] != V || head->t->shape[1] != C)
-        fl_die("%s: lm_head.weight does not have wte's shape", f->where);
+        fl_die("%s: lm_head.weight does not have %s's shape", f->where, lay->embed);
+    float *a = fl_alloc(FL_MEM_WORKSPACE, 2 * HF_CHUNK * sizeof(float)), *b = a + HF_CHUNK;
+    void *chunk = fl_alloc(FL_MEM_WORKSPACE, HF_CHUNK * sizeof(float));
     for (size_t i = 0; i < V * C; i += HF_CHUNK) {
         size_t len = V * C - i < HF_CHUNK ? V * C - i : HF_CHUNK;
         read_f32(head->st, head->t, i, len, a, chunk);
-        read_f32(wte->st, wte->t, i, len, b, chunk);
+        read_f32(embed->st, embed->t, i, len, b, chunk);
         if (memcmp(a, b, len * sizeof(float)) != 0)
-            fl_die("%s: lm_head.weight differs from wte.weight: untied LM heads are not "
-                   "supported",
-                   f->where);
+            fl_die("%s: lm_head.weight differs from %s: %s", f->where, lay->embed, lay->untied);
     }
+    fl_free(a), fl_free(chunk);
 }
 
 static void copy_tensors(fl_model *model, const hf_ref *refs) {
     const fl_param_table *table = &model->table;
+    const hf_layout *lay = layout_of(&model->config);
     fl_dtype dt = model->dtype;
     size_t largest = 0, widest = 0;
     for (int v = 0; v < table->count; v++)
-        if (is_conv1d(&table->views[v])) {
+        if (is_transposed(lay, &table->views[v])) {
             if (table->views[v].numel > largest) largest = table->views[v].numel;
             if (table->views[v].shape[1] > widest) widest = table->views[v].shape[1];
         }
@@ -369,7 +478,7 @@ static void copy_tensors(fl_model *model, const hf_ref *refs) {
         const fl_param_view *pv = &table->views[v];
         const fl_st_tensor *t = refs[v].t;
         void *dst = fl_at(dt, model->params, pv->offset);
-        if (!is_conv1d(pv)) { // wte: rows past V stay zero
+        if (!is_transposed(lay, pv)) { // padded vocab rows past V stay zero
             for (size_t i = 0; i < t->numel; i += HF_CHUNK) {
                 size_t len = t->numel - i < HF_CHUNK ? t->numel - i : HF_CHUNK;
                 read_f32(refs[v].st, t, i, len, buf, chunk);
@@ -431,16 +540,14 @@ void fl_hf_load(const char *path, fl_model *model, fl_dtype dt) {
     // Names and shapes are checked before the parameters are allocated.
     fl_param_table table;
     fl_model_table(&table, &cfg);
+    const hf_layout *lay = layout_of(&cfg);
     hf_ref *refs = fl_alloc(FL_MEM_OTHER, (size_t)table.count * sizeof *refs), head = {0};
-    match_tensors(&f, &table, &cfg, refs, &head);
+    match_tensors(&f, lay, &table, refs, &head);
+    int embed = fl_params_find(&table, lay->embed);
+    FL_ASSERT(embed >= 0);
     fl_params_free(&table);
-    if (head.t) {
-        float *a = fl_alloc(FL_MEM_WORKSPACE, 2 * HF_CHUNK * sizeof(float));
-        void *chunk = fl_alloc(FL_MEM_WORKSPACE, HF_CHUNK * sizeof(float));
-        check_lm_head(&f, &head, &refs[0], (size_t)cfg.vocab_size, (size_t)cfg.n_embd, a,
-                      a + HF_CHUNK, chunk);
-        fl_free(a), fl_free(chunk);
-    }
+    if (head.t)
+        check_lm_head(&f, lay, &head, &refs[embed], (size_t)cfg.vocab_size, (size_t)cfg.n_embd);
 
     fl_model_init(model, &cfg, dt, 0);
     copy_tensors(model, refs);

@@ -1,0 +1,53 @@
+// block.c: the attention half of a pre-norm transformer block, shared by
+// the architectures: after the block's first norm, a fused QKV projection,
+// rotary embeddings when the model has them, causal attention (grouped-query
+// when n_kv_head < n_head), and the output projection added to the residual
+// stream. What differs between GPT-2 and LLaMA (the norms, biases, the MLP)
+// stays in their files.
+#include <string.h>
+
+#include "arch.h"
+
+void fl_residual_linear_forward(const fl_block *b, const fl_linear *lin, void *out, const void *inp,
+                                const void *skip) {
+    fl_model *m = b->m;
+    int BT = b->B * b->T;
+    // The projection is written straight into `out` and the skip connection
+    // added in place: its output alone is not needed by the backward.
+    fl_linear_forward(m, b->l, lin, out, inp, BT);
+    FL_FWD_OP(FL_OP_RESIDUAL,
+              residual_forward(m->dtype, out, skip, out, (size_t)BT * m->config.n_embd));
+}
+
+void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_linear *o_lin,
+                          const fl_attention_acts *a, void *out) {
+    fl_model *m = b->m;
+    const fl_model_config *c = &m->config;
+    int NH = c->n_head, KV = c->n_kv_head, HS = c->n_embd / NH;
+    fl_linear_forward(m, b->l, qkv_lin, a->qkv, a->normed, b->B * b->T);
+    if (m->rope_table)
+        FL_FWD_OP(FL_OP_ROPE,
+                  rope_forward(m->dtype, a->qkv, m->rope_table, b->B, b->T, NH, KV, HS));
+    FL_FWD_OP(FL_OP_ATTENTION, attention_forward(m->dtype, a->atty, a->lse, a->qkv,
+                                                 m->att_workspace, b->B, b->T, NH, KV, HS));
+    fl_residual_linear_forward(b, o_lin, out, a->atty, b->in);
+}
+
+void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl_linear *o_lin,
+                           const fl_attention_acts *a, const void *dres, void *dnormed,
+                           void *dqkv) {
+    fl_model *m = b->m;
+    const fl_model_config *c = &m->config;
+    int NH = c->n_head, KV = c->n_kv_head, HS = c->n_embd / NH, BT = b->B * b->T;
+    size_t D = fl_dtype_size(m->dtype), BTC = (size_t)BT * c->n_embd;
+    // dnormed first holds d(attention output), then d(the norm's output)
+    memset(dnormed, 0, BTC * D);
+    fl_linear_backward(m, b->l, o_lin, dnormed, dres, a->atty, BT);
+    memset(dqkv, 0, (size_t)BT * qkv_lin->out * D);
+    FL_BWD_OP(FL_OP_ATTENTION, attention_backward(m->dtype, dqkv, dnormed, a->qkv, a->atty, a->lse,
+                                                  m->att_workspace, b->B, b->T, NH, KV, HS));
+    if (m->rope_table)
+        FL_BWD_OP(FL_OP_ROPE, rope_backward(m->dtype, dqkv, m->rope_table, b->B, b->T, NH, KV, HS));
+    memset(dnormed, 0, BTC * D);
+    fl_linear_backward(m, b->l, qkv_lin, dnormed, dqkv, a->normed, BT);
+}
