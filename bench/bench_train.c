@@ -32,6 +32,7 @@
 #include "fitlm/core.h"
 #include "fitlm/model.h"
 #include "fitlm/config.h"
+#include "fitlm/train.h"
 #include "fitlm/data.h"
 #include "fitlm/optim.h"
 #include "fitlm/profile.h"

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "fitlm/config.h"
+#include "fitlm/train.h"
 #include "fitlm/optim.h"
 #include "testlib.h"
 

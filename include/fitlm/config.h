@@ -10,8 +10,9 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "fitlm/model.h"
-#include "fitlm/optim.h"
+#include "fitlm/core.h"
+#include "fitlm/dtype.h"
+#include "fitlm/shape.h"
 
 #define FL_PATH_MAX 1024
 #define FL_NAME_MAX 32
@@ -80,21 +81,17 @@ void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, 
 // The options set by a file or a flag (not defaulted), as a JSON config that
 // fl_config_load_json_text reads back into the same run; fl_free the result.
 char *fl_config_to_json(const fl_train_config *cfg);
-// Takes the model shape of pretrained weights or a checkpoint (`source`);
-// a model.* option that contradicts it is an error.
-void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source);
-// Cross-field checks and derived values (model preset, batch sizes).
-void fl_config_finish(fl_train_config *cfg);
+// The checks of a config that need no model (batch sizes, options the
+// optimizer would ignore, threads, checkpointing keys, precision): the part
+// of fl_config_finish (fitlm/train.h) that core does.
+void fl_config_check(fl_train_config *cfg);
+// Whether an option (by JSON key) was set by a file or a flag; set it.
+int fl_config_given(const fl_train_config *cfg, const char *key);
+void fl_config_set_given(fl_train_config *cfg, const char *key, int on);
 void fl_config_print_help(FILE *out);
 void fl_config_print(const fl_train_config *cfg, FILE *out);
 
-// The optimizer settings of a finished config.
-fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg);
 // Parses a size such as "12G", "512M", "1048576" (bytes); dies naming `what`.
 size_t fl_parse_bytes(const char *text, const char *what);
-
-// Fills a model shape (and its architecture) from a preset name; dies on an
-// unknown name.
-void fl_model_preset(fl_model_config *out, const char *name);
 
 #endif

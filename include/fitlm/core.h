@@ -56,6 +56,13 @@ size_t fl_mem_total_current(void);
 size_t fl_mem_total_peak(void); // peak of the sum, not the sum of peaks
 size_t fl_mem_peak_rss(void);   // the process's peak resident set (VmHWM)
 void fl_mem_report(FILE *out);
+// Memory this process may still use: MemAvailable from /proc/meminfo, capped
+// by a cgroup (v2 or v1) limit minus its usage when there is one. 0 when
+// unknown.
+size_t fl_mem_available(void);
+// Reads a whole file (at most max_bytes; `what` names it in errors) into a
+// tagged buffer with room for a terminating NUL; dies naming the file.
+uint8_t *fl_file_read_all(const char *path, size_t max_bytes, size_t *size, const char *what);
 
 // ----------------------------------------------------------------------------
 // random numbers: a small, fast, fully reproducible generator (xoshiro256**

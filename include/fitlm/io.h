@@ -49,8 +49,7 @@ void fl_file_commit(fl_file *f);
 void fl_fsync_dir_of(const char *path);
 // begin + write + commit of one buffer
 void fl_file_write_all(const char *path, const void *data, size_t n);
-// The whole file, NUL-terminated (tag other); dies naming `what` and the path.
-uint8_t *fl_file_read_all(const char *path, size_t max_bytes, size_t *size, const char *what);
+// (fl_file_read_all, the whole-file reader, is core's: fitlm/core.h)
 
 // ----------------------------------------------------------------------------
 // text: the input of `fitlm tokenize`

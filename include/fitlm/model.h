@@ -23,30 +23,18 @@
 #include "fitlm/core.h"
 #include "fitlm/dtype.h"
 #include "fitlm/params.h"
-
-typedef enum { FL_ARCH_GPT2, FL_ARCH_LLAMA } fl_arch_kind;
-
-typedef struct {
-    fl_arch_kind arch;
-    int max_seq_len;       // position embeddings (GPT-2) / max_position_embeddings (LLaMA)
-    int vocab_size;        // 50257 for GPT-2, 257 for the byte tokenizer
-    int padded_vocab_size; // vocab rounded up to a multiple of 128 for GEMM speed
-    int n_layer;
-    int n_head;
-    int n_kv_head; // LLaMA's num_key_value_heads (GQA); GPT-2: n_head
-    int n_embd;
-    int intermediate_size; // MLP width: GPT-2 4C; LLaMA's intermediate_size
-    float norm_eps;        // GPT-2 LayerNorm 1e-5; LLaMA rms_norm_eps
-    float rope_theta;      // LLaMA
-    int tie_embeddings;    // LM head = token embedding (GPT-2 always; LLaMA's tie_word_embeddings)
-} fl_model_config;
+#include "fitlm/shape.h"
 
 // Fills the architecture's defaults for fields left 0 (n_kv_head,
 // intermediate_size, norm_eps, rope_theta), rounds the vocabulary up to a
 // multiple of 128 and checks the shape. Dies with a message naming the field.
 void fl_model_config_finish(fl_model_config *cfg);
-const char *fl_arch_name(fl_arch_kind arch);
-int fl_arch_parse(const char *name, fl_arch_kind *out); // 0 on success, -1 unknown
+
+// Fills a model shape (and its architecture) from a preset name
+// (src/model/presets.c); dies on an unknown name.
+void fl_model_preset(fl_model_config *out, const char *name);
+// Whether the preset's shape is for either architecture (tiny, demo).
+int fl_model_preset_takes_arch(const char *name);
 
 // Number of parameters (padded vocabulary included), without allocating.
 size_t fl_model_num_params(const fl_model_config *cfg);
@@ -56,16 +44,6 @@ void fl_model_sizes(const fl_model_config *cfg, size_t *largest_row, size_t *blo
 // The parameter table of that shape, without allocating the parameters:
 // model-file readers check names and shapes against it before allocating.
 void fl_model_table(fl_param_table *t, const fl_model_config *cfg);
-
-// Activation checkpointing (recomputation in the backward pass).
-typedef enum {
-    FL_RECOMPUTE_NONE,      // keep every block's activations
-    FL_RECOMPUTE_SELECTIVE, // keep the GEMM and attention outputs; recompute norms and
-                            // GELU/SwiGLU (cheap, large) from them in the backward pass
-    FL_RECOMPUTE_BLOCK,     // keep each block's input; re-run the block in the backward pass
-} fl_recompute;
-const char *fl_recompute_name(fl_recompute r);
-int fl_recompute_parse(const char *name, fl_recompute *out); // 0 on success, -1 unknown
 
 enum { FL_PASS_FWD, FL_PASS_BWD };
 

@@ -78,14 +78,9 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
 
 // If p->total > limit: fl_die with the limit, the total, the three largest
 // tags and the alternatives that would fit. Returns otherwise, and when
-// limit is 0 (unknown, as fl_plan_available_memory returns without
+// limit is 0 (unknown, as fl_mem_available returns without
 // /proc/meminfo).
 void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit);
-
-// Memory this process may still use: MemAvailable from /proc/meminfo, capped
-// by a cgroup (v2 or v1) limit minus its usage when there is one. 0 when
-// unknown.
-size_t fl_plan_available_memory(void);
 
 // Parses a parameter count: "124439808", "7e9", "7B", "1.5b", "350M", "64K".
 // Dies naming `what` on bad input.

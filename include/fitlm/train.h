@@ -4,6 +4,7 @@
 #ifndef FITLM_TRAIN_H
 #define FITLM_TRAIN_H
 
+#include "fitlm/config.h"
 #include "fitlm/model.h"
 #include "fitlm/optim.h"
 
@@ -23,5 +24,16 @@ typedef struct {
 // batch means does not). micro must equal the optimizer's grad_accum.
 fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int micro, int B, int T, float lr);
+
+// A run's config made whole (src/model/run.c): the model shape from its
+// preset and the model.* options (the preset names the architecture unless
+// it is tiny or demo), the vocabulary from the tokenizer, then
+// fl_config_check. Dies naming the option on a contradiction.
+void fl_config_finish(fl_train_config *cfg);
+// Takes the model shape of pretrained weights or a checkpoint (`source`);
+// a model.* option that contradicts it is an error.
+void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source);
+// The optimizer settings of a finished config.
+fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg);
 
 #endif

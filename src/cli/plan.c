@@ -11,6 +11,7 @@
 #include "cli.h"
 #include "fitlm/data.h"
 #include "fitlm/config.h"
+#include "fitlm/train.h"
 #include "fitlm/plan.h"
 #include "fitlm/tokenizer.h"
 
@@ -151,7 +152,7 @@ int cmd_plan(int argc, char **argv) {
     fl_plan_print(&p, stdout);
 
     size_t limit =
-        *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "--mem-limit") : fl_plan_available_memory();
+        *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "--mem-limit") : fl_mem_available();
     const char *source = *cfg.mem_limit ? "--mem-limit" : "available memory";
     if (!limit) {
         printf("\nmemory limit: unknown (no /proc/meminfo); give --mem-limit to check the fit\n");

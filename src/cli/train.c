@@ -141,8 +141,7 @@ int cmd_train(int argc, char **argv) {
     req.data_peak = data_peak;
     fl_plan plan;
     fl_plan_compute(&req, &plan);
-    size_t limit =
-        *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "mem_limit") : fl_plan_available_memory();
+    size_t limit = *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "mem_limit") : fl_mem_available();
     fl_plan_check_fits(&req, &plan, limit);
 
     fl_model model;

@@ -2,7 +2,6 @@
 // --help. A JSON key is a dotted path into nested objects
 // ("optimizer.params.lr" is {"optimizer": {"params": {"lr": ...}}}).
 #include "fitlm/config.h"
-#include "fitlm/io.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -176,8 +175,12 @@ static size_t option_index(const char *key) {
     FL_ASSERT(0);
 }
 
-static int given(const fl_train_config *cfg, const char *key) {
+int fl_config_given(const fl_train_config *cfg, const char *key) {
     return cfg->given[option_index(key)];
+}
+
+void fl_config_set_given(fl_train_config *cfg, const char *key, int on) {
+    cfg->given[option_index(key)] = (uint8_t)on;
 }
 
 // ----------------------------------------------------------------------------
@@ -528,101 +531,13 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
 // ----------------------------------------------------------------------------
 // presets and cross-field checks
 
-// The shapes of real models, for planning and benchmarks, and small ones
-// for tests and the demo. vocab 0: the tokenizer's.
-static const struct {
-    const char *name;
-    fl_model_config c;
-} presets[] = {
-    {"tiny", {.n_layer = 2, .n_head = 4, .n_embd = 64, .max_seq_len = 64}},
-    {"demo", {.n_layer = 4, .n_head = 4, .n_embd = 128, .max_seq_len = 256}},
-    {"gpt2", {.n_layer = 12, .n_head = 12, .n_embd = 768, .max_seq_len = 1024}},
-    {"gpt2-medium", {.n_layer = 24, .n_head = 16, .n_embd = 1024, .max_seq_len = 1024}},
-    {"gpt2-large", {.n_layer = 36, .n_head = 20, .n_embd = 1280, .max_seq_len = 1024}},
-    {"gpt2-xl", {.n_layer = 48, .n_head = 25, .n_embd = 1600, .max_seq_len = 1024}},
-    {"llama-tiny",
-     {FL_ARCH_LLAMA, .n_layer = 2, .n_head = 4, .n_kv_head = 2, .n_embd = 64, .max_seq_len = 64,
-      .intermediate_size = 176}},
-    // LLaMA 7B (Touvron et al. 2023)
-    {"llama-7b",
-     {FL_ARCH_LLAMA, .n_layer = 32, .n_head = 32, .n_kv_head = 32, .n_embd = 4096,
-      .max_seq_len = 2048, .intermediate_size = 11008, .vocab_size = 32000, .norm_eps = 1e-6f}},
-    // TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T
-    {"tinyllama-1.1b",
-     {FL_ARCH_LLAMA, .n_layer = 22, .n_head = 32, .n_kv_head = 4, .n_embd = 2048,
-      .max_seq_len = 2048, .intermediate_size = 5632, .vocab_size = 32000}},
-    // HuggingFaceTB/SmolLM-135M
-    {"smollm-135m",
-     {FL_ARCH_LLAMA, .n_layer = 30, .n_head = 9, .n_kv_head = 3, .n_embd = 576, .max_seq_len = 2048,
-      .intermediate_size = 1536, .vocab_size = 49152, .tie_embeddings = 1}},
-};
-
-void fl_model_preset(fl_model_config *out, const char *name) {
-    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
-        if (strcasecmp(presets[i].name, name)) continue;
-        *out = presets[i].c;
-        return;
-    }
-    fl_die("unknown model preset '%s' (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
-           "llama-tiny, llama-7b, tinyllama-1.1b, smollm-135m)",
-           name);
-}
-
-// demo and tiny are shapes for either architecture
-static int preset_takes_arch(const char *name) {
-    return !strcasecmp(name, "tiny") || !strcasecmp(name, "demo");
-}
-
-void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source) {
-    const struct {
-        const char *key;
-        int *field, value;
-    } dims[] = {
-        {"model.n_layer", &cfg->model.n_layer, shape->n_layer},
-        {"model.n_head", &cfg->model.n_head, shape->n_head},
-        {"model.n_embd", &cfg->model.n_embd, shape->n_embd},
-        {"model.max_seq_len", &cfg->model.max_seq_len, shape->max_seq_len},
-        {"model.vocab_size", &cfg->model.vocab_size, shape->vocab_size},
-        {"model.n_kv_head", &cfg->model.n_kv_head, shape->n_kv_head},
-        {"model.intermediate_size", &cfg->model.intermediate_size, shape->intermediate_size},
-        {"model.tie_word_embeddings", &cfg->tie_embeddings, shape->tie_embeddings},
-    };
-    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
-        if (given(cfg, dims[i].key) && *dims[i].field != dims[i].value)
-            fl_die("%s %d contradicts %s, whose model has %d", dims[i].key, *dims[i].field, source,
-                   dims[i].value);
-        *dims[i].field = dims[i].value;
-    }
-    const struct {
-        const char *key;
-        float *field, value;
-    } reals[] = {
-        {"model.rms_norm_eps", &cfg->model.norm_eps, shape->norm_eps},
-        {"model.rope_theta", &cfg->model.rope_theta, shape->rope_theta},
-    };
-    for (size_t i = 0; i < sizeof reals / sizeof reals[0]; i++) {
-        if (given(cfg, reals[i].key) && *reals[i].field != reals[i].value)
-            fl_die("%s %g contradicts %s, whose model has %g", reals[i].key, *reals[i].field,
-                   source, reals[i].value);
-        *reals[i].field = reals[i].value;
-    }
-    const char *arch = fl_arch_name(shape->arch);
-    if (given(cfg, "model.arch") && strcmp(cfg->model_arch, arch))
-        fl_die("model.arch %s contradicts %s, a %s model", cfg->model_arch, source, arch);
-    strcpy(cfg->model_arch, arch);
-    // the source's shape, whatever the preset: a given preset only names defaults
-    strcpy(cfg->model_preset, preset_takes_arch(cfg->model_preset) ? cfg->model_preset : "demo");
-    // GPT-2 is always tied; the flag exists for LLaMA
-    cfg->given[option_index("model.tie_word_embeddings")] = shape->arch == FL_ARCH_LLAMA;
-}
-
 // precision from --precision or DeepSpeed's blocks; fp16 options only with fp16
 static void finish_precision(fl_train_config *cfg) {
     if (cfg->bf16_enabled && cfg->fp16_enabled)
         fl_die("bf16.enabled and fp16.enabled cannot both be true");
     const char *block = cfg->bf16_enabled ? "bf16" : cfg->fp16_enabled ? "fp16" : NULL;
     if (block) {
-        if (given(cfg, "precision") && strcmp(cfg->precision, block))
+        if (fl_config_given(cfg, "precision") && strcmp(cfg->precision, block))
             fl_die("precision '%s' contradicts %s.enabled", cfg->precision, block);
         strcpy(cfg->precision, block);
     }
@@ -633,7 +548,7 @@ static void finish_precision(fl_train_config *cfg) {
         "fp16.loss_scale", "fp16.initial_scale_power",    "fp16.loss_scale_window",
         "fp16.hysteresis", "fp16.consecutive_hysteresis", "fp16.min_loss_scale"};
     for (size_t i = 0; i < sizeof fp16_keys / sizeof fp16_keys[0]; i++)
-        if (cfg->dtype != FL_F16 && given(cfg, fp16_keys[i]))
+        if (cfg->dtype != FL_F16 && fl_config_given(cfg, fp16_keys[i]))
             fl_die("%s applies to fp16 training; precision is %s", fp16_keys[i], cfg->precision);
 }
 
@@ -648,7 +563,7 @@ static void finish_checkpointing(fl_train_config *cfg) {
         fl_die("activation_checkpointing.cpu_checkpointing offloads partitioned checkpoints "
                "(DeepSpeed: needs partition_activations); fitlm's activations are in host memory "
                "already");
-    if (cfg->ac_contiguous || given(cfg, "activation_checkpointing.number_checkpoints"))
+    if (cfg->ac_contiguous || fl_config_given(cfg, "activation_checkpointing.number_checkpoints"))
         fl_die("activation_checkpointing.contiguous_memory_optimization and number_checkpoints "
                "apply to partitioned checkpoints (DeepSpeed: need partition_activations); "
                "fitlm's checkpoints are one contiguous buffer already");
@@ -660,45 +575,9 @@ static void finish_checkpointing(fl_train_config *cfg) {
                "times, recomputation included)");
 }
 
-void fl_config_finish(fl_train_config *cfg) {
-    fl_model_config shape = {0};
-    fl_model_preset(&shape, cfg->model_preset);
-    fl_model_config *m = &cfg->model;
-    if (*cfg->model_arch) {
-        fl_arch_kind arch;
-        if (fl_arch_parse(cfg->model_arch, &arch))
-            fl_die("model.arch must be gpt2 or llama, got '%s'", cfg->model_arch);
-        if (arch != shape.arch && !preset_takes_arch(cfg->model_preset))
-            fl_die("model.arch %s contradicts model.preset %s, a %s model", cfg->model_arch,
-                   cfg->model_preset, fl_arch_name(shape.arch));
-        shape.arch = arch;
-    }
-    if (m->n_layer) shape.n_layer = m->n_layer;
-    if (m->n_head) shape.n_head = m->n_head;
-    if (m->n_kv_head) shape.n_kv_head = m->n_kv_head;
-    if (m->n_embd) shape.n_embd = m->n_embd;
-    if (m->max_seq_len) shape.max_seq_len = m->max_seq_len;
-    if (m->intermediate_size) shape.intermediate_size = m->intermediate_size;
-    if (m->norm_eps != 0.0f) shape.norm_eps = m->norm_eps;
-    if (m->rope_theta != 0.0f) shape.rope_theta = m->rope_theta;
-    if (given(cfg, "model.tie_word_embeddings")) {
-        if (shape.arch == FL_ARCH_GPT2 && !cfg->tie_embeddings)
-            fl_die("model.tie_word_embeddings: GPT-2's LM head is always tied to wte");
-        shape.tie_embeddings = cfg->tie_embeddings;
-    }
-    // the vocabularies of fitlm's tokenizers (src/io/tokenizer.c); the data's
-    // shards are checked against the model when training starts
-    int tokenizer_vocab = !strcmp(cfg->tokenizer, "byte") ? 257 : 50257;
-    if (m->vocab_size && m->vocab_size < tokenizer_vocab)
-        fl_die("model.vocab_size %d is smaller than the %s tokenizer's %d", m->vocab_size,
-               cfg->tokenizer, tokenizer_vocab);
-    if (m->vocab_size || !shape.vocab_size)
-        shape.vocab_size = m->vocab_size ? m->vocab_size : tokenizer_vocab;
-    fl_model_config_finish(&shape);
-    *m = shape;
-    if (cfg->seq_len > m->max_seq_len)
-        fl_die("seq_len %d exceeds model.max_seq_len %d", cfg->seq_len, m->max_seq_len);
-
+// The checks of fl_config_finish that need no model: batch sizes, options
+// the optimizer would ignore, threads, checkpointing keys, precision.
+void fl_config_check(fl_train_config *cfg) {
     // DeepSpeed: train_batch_size = micro * accum * ranks (one rank here).
     if (cfg->train_batch_size) {
         if (cfg->train_batch_size % cfg->micro_batch)
@@ -715,34 +594,15 @@ void fl_config_finish(fl_train_config *cfg) {
 
     // An option that the chosen optimizer would ignore is an error, not a no-op.
     int adamw = !strcmp(cfg->optimizer, "adamw");
-    if (adamw && given(cfg, "optimizer.params.momentum"))
+    if (adamw && fl_config_given(cfg, "optimizer.params.momentum"))
         fl_die("optimizer.params.momentum applies to sgd; adamw uses optimizer.params.betas");
-    if (!adamw && (given(cfg, "optimizer.params.betas") || given(cfg, "optimizer.params.eps")))
+    if (!adamw && (fl_config_given(cfg, "optimizer.params.betas") ||
+                   fl_config_given(cfg, "optimizer.params.eps")))
         fl_die("optimizer.params.betas and eps apply to adamw, not %s", cfg->optimizer);
     if (cfg->threads == 0) cfg->threads = omp_get_num_procs();
     finish_checkpointing(cfg);
     finish_precision(cfg);
     if (*cfg->mem_limit) fl_parse_bytes(cfg->mem_limit, "mem_limit");
-}
-
-fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
-    fl_optimizer_config o = {
-        .kind = strcmp(cfg->optimizer, "adamw") ? FL_OPT_SGD : FL_OPT_ADAMW,
-        .beta1 = cfg->beta1,
-        .beta2 = cfg->beta2,
-        .eps = cfg->eps,
-        .weight_decay = cfg->weight_decay,
-        .momentum = cfg->momentum,
-        .max_grad_norm = cfg->grad_clip,
-        .grad_accum = cfg->grad_accum,
-        .loss_scale = cfg->loss_scale,
-        .initial_scale_power = cfg->initial_scale_power,
-        .loss_scale_window = cfg->loss_scale_window,
-        .hysteresis = cfg->hysteresis,
-        .consecutive_hysteresis = cfg->consecutive_hysteresis,
-        .min_loss_scale = cfg->min_loss_scale,
-    };
-    return o;
 }
 
 size_t fl_parse_bytes(const char *text, const char *what) {

@@ -99,20 +99,3 @@ void fl_file_write_all(const char *path, const void *data, size_t n) {
     fl_file_write(&f, data, n);
     fl_file_commit(&f);
 }
-
-uint8_t *fl_file_read_all(const char *path, size_t max_bytes, size_t *size, const char *what) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp) fl_die("cannot open %s %s: %s", what, path, strerror(errno));
-    if (fseek(fp, 0, SEEK_END) != 0) fl_die("%s %s: cannot seek", what, path);
-    long n = ftell(fp);
-    if (n < 0) fl_die("%s %s: cannot tell its size", what, path);
-    if ((size_t)n > max_bytes)
-        fl_die("%s %s is %ld bytes, more than the %zu this reader accepts", what, path, n,
-               max_bytes);
-    fseek(fp, 0, SEEK_SET);
-    uint8_t *buf = fl_alloc(FL_MEM_OTHER, (size_t)n + 1); // +1: room for a terminating NUL
-    if (fread(buf, 1, (size_t)n, fp) != (size_t)n) fl_die("cannot read %s %s", what, path);
-    fclose(fp);
-    *size = (size_t)n;
-    return buf;
-}

@@ -12,42 +12,12 @@
 // ----------------------------------------------------------------------------
 // configuration
 
-static const struct {
-    const char *name;
-    const fl_arch *arch;
-} ARCHS[] = {{"gpt2", &fl_arch_gpt2}, {"llama", &fl_arch_llama}};
-
-const char *fl_arch_name(fl_arch_kind arch) {
-    return ARCHS[arch].name;
-}
-
-int fl_arch_parse(const char *name, fl_arch_kind *out) {
-    for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++)
-        if (!strcmp(name, ARCHS[i].name)) {
-            *out = (fl_arch_kind)i;
-            return 0;
-        }
-    return -1;
-}
+// indexed by fl_arch_kind
+static const fl_arch *const ARCHS[] = {&fl_arch_gpt2, &fl_arch_llama};
 
 static const fl_arch *arch_of(const fl_model_config *c) {
     FL_ASSERT((unsigned)c->arch < sizeof ARCHS / sizeof ARCHS[0]);
-    return ARCHS[c->arch].arch;
-}
-
-static const char *const RECOMPUTE_NAMES[] = {"none", "selective", "block"};
-
-const char *fl_recompute_name(fl_recompute r) {
-    return RECOMPUTE_NAMES[r];
-}
-
-int fl_recompute_parse(const char *name, fl_recompute *out) {
-    for (int i = 0; i < 3; i++)
-        if (!strcmp(name, RECOMPUTE_NAMES[i])) {
-            *out = (fl_recompute)i;
-            return 0;
-        }
-    return -1;
+    return ARCHS[c->arch];
 }
 
 void fl_model_config_finish(fl_model_config *cfg) {

@@ -30,6 +30,7 @@
 //   Activation checkpointing is run by the engine, so it is planned exactly:
 //   the model's slot lists say which activations each policy keeps.
 #include "fitlm/plan.h"
+#include "fitlm/train.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -368,49 +369,6 @@ void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit
            "What would fit ('fitlm plan' with the same options prints the whole plan):\n%s",
            human(p->total, need, sizeof need), r->ranks > 1 ? " per rank" : "",
            human(limit, lim, sizeof lim), largest, alt);
-}
-
-// ----------------------------------------------------------------------------
-// the machine
-
-static size_t read_size_file(const char *path) {
-    FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    char line[64] = "";
-    size_t v = 0;
-    if (fgets(line, sizeof line, f) && isdigit((unsigned char)line[0]))
-        v = (size_t)strtoull(line, NULL, 10);
-    fclose(f);
-    return v; // 0 also for "max" (no limit)
-}
-
-size_t fl_plan_available_memory(void) {
-    size_t avail = 0;
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (f) {
-        char line[256];
-        size_t kb;
-        while (fgets(line, sizeof line, f))
-            if (sscanf(line, "MemAvailable: %zu kB", &kb) == 1) {
-                avail = kb * 1024;
-                break;
-            }
-        fclose(f);
-    }
-    // a container's limit, when it is below what the machine has available
-    static const char *const limits[][2] = {
-        {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
-        {"/sys/fs/cgroup/memory/memory.limit_in_bytes",
-         "/sys/fs/cgroup/memory/memory.usage_in_bytes"},
-    };
-    for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
-        size_t max = read_size_file(limits[i][0]), used = read_size_file(limits[i][1]);
-        if (!max || max >= ((size_t)1 << 60)) continue; // no limit
-        size_t left = max > used ? max - used : 0;
-        if (!avail || left < avail) avail = left;
-        break;
-    }
-    return avail;
 }
 
 size_t fl_plan_parse_count(const char *text, const char *what) {

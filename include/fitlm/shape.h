@@ -1,0 +1,36 @@
+// shape.h: a model's architecture and dimensions, and the activation
+// checkpointing policy: plain types that the config (core) reads and the
+// model driver (model.h) runs, with their names.
+#ifndef FITLM_SHAPE_H
+#define FITLM_SHAPE_H
+
+typedef enum { FL_ARCH_GPT2, FL_ARCH_LLAMA } fl_arch_kind;
+
+typedef struct {
+    fl_arch_kind arch;
+    int max_seq_len;       // position embeddings (GPT-2) / max_position_embeddings (LLaMA)
+    int vocab_size;        // 50257 for GPT-2, 257 for the byte tokenizer
+    int padded_vocab_size; // vocab rounded up to a multiple of 128 for GEMM speed
+    int n_layer;
+    int n_head;
+    int n_kv_head; // LLaMA's num_key_value_heads (GQA); GPT-2: n_head
+    int n_embd;
+    int intermediate_size; // MLP width: GPT-2 4C; LLaMA's intermediate_size
+    float norm_eps;        // GPT-2 LayerNorm 1e-5; LLaMA rms_norm_eps
+    float rope_theta;      // LLaMA
+    int tie_embeddings;    // LM head = token embedding (GPT-2 always; LLaMA's tie_word_embeddings)
+} fl_model_config;
+const char *fl_arch_name(fl_arch_kind arch);
+int fl_arch_parse(const char *name, fl_arch_kind *out); // 0 on success, -1 unknown
+
+// Activation checkpointing (recomputation in the backward pass).
+typedef enum {
+    FL_RECOMPUTE_NONE,      // keep every block's activations
+    FL_RECOMPUTE_SELECTIVE, // keep the GEMM and attention outputs; recompute norms and
+                            // GELU/SwiGLU (cheap, large) from them in the backward pass
+    FL_RECOMPUTE_BLOCK,     // keep each block's input; re-run the block in the backward pass
+} fl_recompute;
+const char *fl_recompute_name(fl_recompute r);
+int fl_recompute_parse(const char *name, fl_recompute *out); // 0 on success, -1 unknown
+
+#endif

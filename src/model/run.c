@@ -1,0 +1,111 @@
+// run.c: a run's config made whole for the model and the optimizer: the
+// model shape from its preset, the options and pretrained weights, then the
+// config's own checks; and the optimizer's settings.
+#include <string.h>
+
+#include "fitlm/train.h"
+
+void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source) {
+    const struct {
+        const char *key;
+        int *field, value;
+    } dims[] = {
+        {"model.n_layer", &cfg->model.n_layer, shape->n_layer},
+        {"model.n_head", &cfg->model.n_head, shape->n_head},
+        {"model.n_embd", &cfg->model.n_embd, shape->n_embd},
+        {"model.max_seq_len", &cfg->model.max_seq_len, shape->max_seq_len},
+        {"model.vocab_size", &cfg->model.vocab_size, shape->vocab_size},
+        {"model.n_kv_head", &cfg->model.n_kv_head, shape->n_kv_head},
+        {"model.intermediate_size", &cfg->model.intermediate_size, shape->intermediate_size},
+        {"model.tie_word_embeddings", &cfg->tie_embeddings, shape->tie_embeddings},
+    };
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
+        if (fl_config_given(cfg, dims[i].key) && *dims[i].field != dims[i].value)
+            fl_die("%s %d contradicts %s, whose model has %d", dims[i].key, *dims[i].field, source,
+                   dims[i].value);
+        *dims[i].field = dims[i].value;
+    }
+    const struct {
+        const char *key;
+        float *field, value;
+    } reals[] = {
+        {"model.rms_norm_eps", &cfg->model.norm_eps, shape->norm_eps},
+        {"model.rope_theta", &cfg->model.rope_theta, shape->rope_theta},
+    };
+    for (size_t i = 0; i < sizeof reals / sizeof reals[0]; i++) {
+        if (fl_config_given(cfg, reals[i].key) && *reals[i].field != reals[i].value)
+            fl_die("%s %g contradicts %s, whose model has %g", reals[i].key, *reals[i].field,
+                   source, reals[i].value);
+        *reals[i].field = reals[i].value;
+    }
+    const char *arch = fl_arch_name(shape->arch);
+    if (fl_config_given(cfg, "model.arch") && strcmp(cfg->model_arch, arch))
+        fl_die("model.arch %s contradicts %s, a %s model", cfg->model_arch, source, arch);
+    strcpy(cfg->model_arch, arch);
+    // the source's shape, whatever the preset: a given preset only names defaults
+    if (!fl_model_preset_takes_arch(cfg->model_preset)) strcpy(cfg->model_preset, "demo");
+    // GPT-2 is always tied; the flag exists for LLaMA
+    fl_config_set_given(cfg, "model.tie_word_embeddings", shape->arch == FL_ARCH_LLAMA);
+}
+
+void fl_config_finish(fl_train_config *cfg) {
+    fl_model_config shape = {0};
+    fl_model_preset(&shape, cfg->model_preset);
+    fl_model_config *m = &cfg->model;
+    if (*cfg->model_arch) {
+        fl_arch_kind arch;
+        if (fl_arch_parse(cfg->model_arch, &arch))
+            fl_die("model.arch must be gpt2 or llama, got '%s'", cfg->model_arch);
+        if (arch != shape.arch && !fl_model_preset_takes_arch(cfg->model_preset))
+            fl_die("model.arch %s contradicts model.preset %s, a %s model", cfg->model_arch,
+                   cfg->model_preset, fl_arch_name(shape.arch));
+        shape.arch = arch;
+    }
+    if (m->n_layer) shape.n_layer = m->n_layer;
+    if (m->n_head) shape.n_head = m->n_head;
+    if (m->n_kv_head) shape.n_kv_head = m->n_kv_head;
+    if (m->n_embd) shape.n_embd = m->n_embd;
+    if (m->max_seq_len) shape.max_seq_len = m->max_seq_len;
+    if (m->intermediate_size) shape.intermediate_size = m->intermediate_size;
+    if (m->norm_eps != 0.0f) shape.norm_eps = m->norm_eps;
+    if (m->rope_theta != 0.0f) shape.rope_theta = m->rope_theta;
+    if (fl_config_given(cfg, "model.tie_word_embeddings")) {
+        if (shape.arch == FL_ARCH_GPT2 && !cfg->tie_embeddings)
+            fl_die("model.tie_word_embeddings: GPT-2's LM head is always tied to wte");
+        shape.tie_embeddings = cfg->tie_embeddings;
+    }
+    // the vocabularies of fitlm's tokenizers (src/io/tokenizer.c); the data's
+    // shards are checked against the model when training starts
+    int tokenizer_vocab = !strcmp(cfg->tokenizer, "byte") ? 257 : 50257;
+    if (m->vocab_size && m->vocab_size < tokenizer_vocab)
+        fl_die("model.vocab_size %d is smaller than the %s tokenizer's %d", m->vocab_size,
+               cfg->tokenizer, tokenizer_vocab);
+    if (m->vocab_size || !shape.vocab_size)
+        shape.vocab_size = m->vocab_size ? m->vocab_size : tokenizer_vocab;
+    fl_model_config_finish(&shape);
+    *m = shape;
+    if (cfg->seq_len > m->max_seq_len)
+        fl_die("seq_len %d exceeds model.max_seq_len %d", cfg->seq_len, m->max_seq_len);
+    strcpy(cfg->model_arch, fl_arch_name(m->arch));
+    fl_config_check(cfg);
+}
+
+fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
+    fl_optimizer_config o = {
+        .kind = strcmp(cfg->optimizer, "adamw") ? FL_OPT_SGD : FL_OPT_ADAMW,
+        .beta1 = cfg->beta1,
+        .beta2 = cfg->beta2,
+        .eps = cfg->eps,
+        .weight_decay = cfg->weight_decay,
+        .momentum = cfg->momentum,
+        .max_grad_norm = cfg->grad_clip,
+        .grad_accum = cfg->grad_accum,
+        .loss_scale = cfg->loss_scale,
+        .initial_scale_power = cfg->initial_scale_power,
+        .loss_scale_window = cfg->loss_scale_window,
+        .hysteresis = cfg->hysteresis,
+        .consecutive_hysteresis = cfg->consecutive_hysteresis,
+        .min_loss_scale = cfg->min_loss_scale,
+    };
+    return o;
+}
