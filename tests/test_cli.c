@@ -395,6 +395,25 @@ static void test_export_and_pretrained(void) {
     snprintf(cmd, sizeof cmd, "sample --checkpoint hf --tokens 3 --tokenizer-path %s",
              t_source_path("data/gpt2"));
     fails_with(cmd, "tokenizer's vocabulary (50257) is not the model's (257)");
+    // LLaMA, from the resume test's run: export, load, sample, continue from it
+    rc = fitlm("export llama_whole -o llama_hf --dtype bf16");
+    t_check(rc == 0 && strstr(output, "exported"), "export a LLaMA checkpoint: %.300s", output);
+    snprintf(ck, sizeof ck, "%s/llama_whole", dir);
+    snprintf(hf, sizeof hf, "%s/llama_hf", dir);
+    fl_ckpt_load_model(ck, &a, FL_BF16, tok, sizeof tok);
+    fl_pretrained_load(hf, &b, FL_BF16);
+    t_check(a.config.arch == FL_ARCH_LLAMA && b.config.arch == FL_ARCH_LLAMA &&
+                a.table.numel == b.table.numel &&
+                !memcmp(a.params, b.params, a.table.numel * sizeof(uint16_t)),
+            "LLaMA checkpoint -> bf16 safetensors -> model: the rounded weights");
+    fl_model_free(&a);
+    fl_model_free(&b);
+    rc = fitlm("sample --checkpoint llama_hf --tokenizer byte --tokens 8 --prompt 'the '");
+    t_check(rc == 0 && strstr(output, "the "), "sample from the LLaMA directory: %.200s", output);
+    rc = fitlm("train --init-from llama_hf --data small --tokenizer byte --steps 2 --batch 2 "
+               "--seq-len 16 --out '' --sample-tokens 0 --precision bf16");
+    t_check(rc == 0 && strstr(output, "(llama): n_layer 2, n_head 4 (kv 2), n_embd 64, mlp 176"),
+            "train --init-from a LLaMA directory takes its shape: %.400s", output);
     fails_with("export whole --format onnx", "--format onnx is not supported");
     fails_with("export nowhere", "nowhere is not a fitlm checkpoint");
 }

@@ -62,6 +62,11 @@ static int count_files(const char *d, const char *prefix) {
     return n;
 }
 
+static void read_past_row(void *c) {
+    float x[8];
+    fl_ckpt_read_range(c, "model/h.1.mlp.c_fc.weight", FL_F32, x, 4 * 8 * 8 - 4, 8);
+}
+
 static void test_checkpoint(void) {
     fl_model a, b;
     fl_model_init(&a, &tiny, FL_F32, 3);
@@ -78,6 +83,19 @@ static void test_checkpoint(void) {
             "weights round-trip bit for bit");
     fl_model_free(&b);
     fl_ckpt *c = fl_ckpt_open(ck);
+    // a range of a row, as a shard reads it: bf16 too
+    int row = fl_params_find(&a.table, "h.1.mlp.c_fc.weight");
+    const fl_param_view *v = &a.table.views[row];
+    float part[100];
+    uint16_t part16[100], want16[100];
+    fl_ckpt_read_range(c, "model/h.1.mlp.c_fc.weight", FL_F32, part, 37, 100);
+    fl_ckpt_read_range(c, "model/h.1.mlp.c_fc.weight", FL_BF16, part16, 37, 100);
+    fl_convert(FL_BF16, want16, FL_F32, (const float *)a.params + v->offset + 37, 100);
+    t_check(!memcmp(part, (const float *)a.params + v->offset + 37, sizeof part) &&
+                !memcmp(part16, want16, sizeof part16),
+            "a range of a row reads back (fp32 and rounded to bf16)");
+    t_dies("range past the row", read_past_row, c,
+           "are outside tensor 'model/h.1.mlp.c_fc.weight'");
     t_check(fl_ckpt_step(c) == 42 && strstr(fl_ckpt_path(c), "ckpt_00000042.fitlm") &&
                 fl_ckpt_has(c, "model/wte.weight") && fl_ckpt_has(c, "model/h.1.mlp.c_proj.bias") &&
                 !fl_ckpt_has(c, "optim/m/wte.weight") && !fl_ckpt_has(c, "weights"),

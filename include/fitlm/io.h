@@ -108,6 +108,10 @@ int fl_ckpt_has(const fl_ckpt *ck, const char *name);
 // Reads tensor `name` (numel elements), converting to dt, and checks its
 // CRC-32. Dies when it is missing, of another size, or damaged.
 void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t numel);
+// Elements [first, first + count) of tensor `name` into dst (converted to
+// dt): a shard's part of a row. The whole tensor's CRC-32 is still checked.
+void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
+                        size_t count);
 
 // The header parser on its own, for fuzzing: checks a whole checkpoint file
 // image (prefix, header JSON, tensor table against the data length). Returns
