@@ -442,8 +442,8 @@ static void cpu_class(char *out, size_t size) {
 
 // GPT-2 runs recorded before the model driver replaced the GPT-2-only code
 // (tests/fixtures/prerefactor/README.md): every logged loss, lr, gradient
-// norm and validation loss must come out the same. Bitwise on the CPU class
-// they were recorded on; elsewhere the kernels differ, so to a tolerance.
+// norm and validation loss must come out the same. Bitwise in the release
+// build on the CPU class they were recorded on; elsewhere to a tolerance.
 static void test_matches_prerefactor_recording(void) {
     char here[512], recorded[512] = "";
     cpu_class(here, sizeof here);
@@ -451,7 +451,14 @@ static void test_matches_prerefactor_recording(void) {
     char *cpu = (char *)t_read_file(t_source_path("tests/fixtures/prerefactor/cpu.txt"), &n);
     sscanf(cpu, "%511[^\n]", recorded);
     free(cpu);
+    // bitwise only for the release build on the CPU class recorded: another
+    // CPU runs other kernels, and the sanitizer build is compiled otherwise
+#ifdef __SANITIZE_ADDRESS__
+    int same_cpu = 0;
+    snprintf(here + strlen(here), sizeof here - strlen(here), " (sanitizer build)");
+#else
     int same_cpu = !strcmp(here, recorded);
+#endif
     const char *precisions[] = {"fp32", "bf16", "fp16"};
     for (int p = 0; p < 3; p++) {
         char args[1024], want_path[256], got_path[512];
