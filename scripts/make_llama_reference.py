@@ -119,13 +119,12 @@ import sys
 
 import torch
 
+# the fixture writer and float helpers are the GPT-2 reference's
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_reference import Writer, f32, f32_bytes  # noqa: E402
+
 # ---------------------------------------------------------------------------
 # configuration
-
-
-def f32(x):
-    """x rounded to float32, as a Python float."""
-    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 class Cfg:
@@ -339,28 +338,6 @@ def check_tied_fold(cfg, params, tokens, targets):
 # the fixture
 
 
-class Writer:
-    def __init__(self):
-        self.buf = bytearray(b"FITLMREF" + struct.pack("<I", 1))
-        self.names = []
-
-    def record(self, name, t):
-        t = t.detach().contiguous()
-        if t.dtype in (torch.float64, torch.float32):
-            t, dtype, fmt = t.to(torch.float32), 0, "<%df"
-        elif t.dtype in (torch.int64, torch.int32):
-            t, dtype, fmt = t.to(torch.int32), 1, "<%di"
-        else:
-            raise TypeError(t.dtype)
-        nb = name.encode("ascii")
-        self.buf += struct.pack("<I", len(nb)) + nb
-        self.buf += struct.pack("<II", dtype, t.dim())
-        self.buf += b"".join(struct.pack("<Q", s) for s in t.shape)
-        vals = t.reshape(-1).tolist()
-        self.buf += struct.pack(fmt % len(vals), *vals)
-        self.names.append((name, tuple(t.shape)))
-
-
 def build(cfg, seed, out):
     """Writes the fixture `out`; returns (initial params, loss, step losses)."""
     specs = param_specs(cfg)
@@ -434,11 +411,6 @@ def build(cfg, seed, out):
 # ---------------------------------------------------------------------------
 # the untied model's initial weights as a Hugging Face model directory,
 # written byte by byte (no safetensors or transformers package needed)
-
-
-def f32_bytes(t):
-    vals = t.detach().to(torch.float32).contiguous().reshape(-1).tolist()
-    return struct.pack("<%df" % len(vals), *vals)
 
 
 def write_hf(cfg, out_dir, params):

@@ -179,6 +179,7 @@ def forward(p, tokens, targets):
 class Writer:
     def __init__(self):
         self.buf = bytearray(b"FITLMREF" + struct.pack("<I", 1))
+        self.names = []  # (name, shape) of each record, in order
 
     def record(self, name, t):
         t = t.detach().contiguous()
@@ -194,6 +195,7 @@ class Writer:
         self.buf += b"".join(struct.pack("<Q", s) for s in t.shape)
         vals = t.reshape(-1).tolist()
         self.buf += struct.pack(fmt % len(vals), *vals)
+        self.names.append((name, tuple(t.shape)))
 
 
 # ---------------------------------------------------------------------------
