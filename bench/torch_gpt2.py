@@ -122,7 +122,7 @@ class GPT2(nn.Module):
         self.ln_f = nn.LayerNorm(C)
         self.lm_head = nn.Linear(C, V, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
-        # GPT-2 init, as fl_gpt2_init: N(0, 0.02), residual projections
+        # GPT-2 init, as fitlm's GPT-2 table (src/model/gpt2.c): N(0, 0.02), residual projections
         # N(0, 0.02/sqrt(2L)), biases 0, LayerNorm 1/0
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):

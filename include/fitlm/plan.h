@@ -16,7 +16,7 @@
 #include "fitlm/optim.h"
 
 typedef struct {
-    // The model: a GPT-2 shape (fl_model_config_finish is applied to a copy),
+    // The model: a model shape (GPT-2 or LLaMA) (fl_model_config_finish is applied to a copy),
     // or, when num_params > 0, a raw parameter count (e.g. 7e9) planned by
     // the model-state formulas alone (no activations: there is no shape).
     fl_model_config model;
@@ -53,13 +53,13 @@ void fl_plan_request_init(fl_plan_request *r);
 void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg, size_t data_bytes);
 
 // Per-tag bytes per rank. For runnable requests (one rank, ZeRO stage 0, no
-// checkpointing, no LOMO, a model shape) this is exactly what `fitlm train`
-// allocates at its peak per tag:
-//   fl_model_memory(model, dtype, B, T, threads)           params, grads, acts, workspace, other
+// LOMO, a model shape; any recomputation policy) this is exactly what
+// `fitlm train` allocates at its peak per tag:
+//   fl_model_memory(model, dtype, B, T, threads, recompute) params, grads, acts, workspace, other
 //   + fl_optimizer_memory(optim, dtype, num_params)       master, optim, fp32 gradient sum
 //   + data_bytes                                          other (loaders' tables, tokenizer)
 //   (other: at least data_peak, its peak while the data and tokenizer were opened)
-//   + 2 x B*T*sizeof(int)                                 other (the batch's inputs and targets)
+//   + 2 x grad_accum x B*T*sizeof(int)                    other (a step's inputs and targets)
 //   + sample_tokens > 0: vocab_size * (4 + 8)             workspace (logits row, sampler's sort)
 //                        (sample_tokens + 4) * sizeof(int) other (the sampled tokens)
 // Anything else is planned per rank from the model-state formulas (see
