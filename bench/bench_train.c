@@ -228,7 +228,7 @@ int main(int argc, char **argv) {
     double t_init = fl_now();
     fl_model model;
     fl_model_init(&model, &cfg, a.precision, a.seed);
-    fl_model_alloc_acts(&model, a.B, a.T, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(&model, a.B, a.T, FL_RECOMPUTE_NONE, 0);
     // `fitlm train`'s defaults: AdamW betas 0.9/0.95, eps 1e-8, wd 0.1, clip
     // 1.0, no accumulation, DeepSpeed's fp16 loss-scaler settings
     fl_train_config defaults;

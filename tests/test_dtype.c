@@ -93,9 +93,109 @@ static void test_bulk_matches_scalar(void) {
     t_check(fl_has_inf_or_nan(FL_F16, h, N - 1), "7e4 overflows fp16");
 }
 
+// ----------------------------------------------------------------------------
+// stochastic rounding
+
+static float decode(fl_dtype dt, uint16_t h) {
+    return dt == FL_BF16 ? fl_bf16_to_f32(h) : fl_f16_to_f32(h);
+}
+
+// Many stochastic roundings of x (one per element index): each is one of
+// the two 16-bit neighbours of x, and their mean is x within 6 standard
+// deviations of the mean of M coin flips (spacing * 0.5 / sqrt(M)).
+static void check_sr_value(fl_dtype dt, float x) {
+    enum { M = 20000 };
+    static float src[M];
+    static uint16_t h[M];
+    for (int i = 0; i < M; i++) src[i] = x;
+    fl_store_f32_stochastic(dt, h, src, M, 0x1234abcdull, 777);
+    uint16_t near = dt == FL_BF16 ? fl_f32_to_bf16(x) : fl_f32_to_f16(x);
+    // the other neighbour: one step of the magnitude towards x
+    uint16_t other = fabsf(decode(dt, near)) > fabsf(x) ? near - 1 : near + 1;
+    if (decode(dt, near) == x) other = near;
+    float spacing = fabsf(decode(dt, other) - decode(dt, near));
+    double sum = 0.0;
+    int neighbours = 1;
+    for (int i = 0; i < M; i++) {
+        neighbours &= h[i] == near || h[i] == other;
+        sum += decode(dt, h[i]);
+    }
+    double mean = sum / M, tol = 6.0 * 0.5 * spacing / sqrt((double)M);
+    t_check(neighbours, "%s SR of %.9g: always one of its two neighbours", fl_dtype_name(dt), x);
+    t_check(fabs(mean - x) <= tol, "%s SR of %.9g: mean %.9g within %.3g (unbiased)",
+            fl_dtype_name(dt), x, mean, tol);
+}
+
+static void test_stochastic_rounding(void) {
+    fl_dtype types[2] = {FL_BF16, FL_F16};
+    for (int k = 0; k < 2; k++) {
+        fl_dtype dt = types[k];
+        // inexact values: normal, negative, near a power of two, fp16 subnormals
+        float xs[] = {1.0f + 1.0f / 3000,
+                      -2.7182818f,
+                      0.1f,
+                      1.0f - 1e-4f,
+                      123.456f,
+                      -3.1e-5f,
+                      ldexpf(5.3f, -24),
+                      -ldexpf(0.25f, -24),
+                      ldexpf(1023.7f, -24)};
+        for (size_t i = 0; i < sizeof xs / sizeof xs[0]; i++) check_sr_value(dt, xs[i]);
+
+        // values exact in the dtype are stored unchanged; NaN and inf kept
+        enum { N = 4096 };
+        static float src[N], back[N];
+        static uint16_t h[N], h2[N];
+        int exact = 1;
+        for (uint32_t c = 0; c < 65536; c += 16) {
+            float x = decode(dt, (uint16_t)c);
+            if (isnan(x)) continue;
+            for (int i = 0; i < 16; i++) src[i] = x;
+            fl_store_f32_stochastic(dt, h, src, 16, c * 31u, c);
+            for (int i = 0; i < 16; i++) exact &= h[i] == (uint16_t)c;
+        }
+        t_check(exact, "%s SR: every exact value (inf, 0, -0, subnormals included) is kept",
+                fl_dtype_name(dt));
+        src[0] = NAN, src[1] = -NAN, src[2] = INFINITY, src[3] = -INFINITY;
+        fl_store_f32_stochastic(dt, h, src, 4, 99, 0);
+        fl_convert(FL_F32, back, dt, h, 4);
+        t_check(isnan(back[0]) && isnan(back[1]) && back[2] == INFINITY && back[3] == -INFINITY,
+                "%s SR: NaN stays NaN, inf stays inf", fl_dtype_name(dt));
+
+        // deterministic for a seed, independent of how the buffer is split
+        t_fill(src, N, 11, 3.0f);
+        fl_store_f32_stochastic(dt, h, src, N, 42, 1000);
+        fl_store_f32_stochastic(dt, h2, src, 1234, 42, 1000);
+        fl_store_f32_stochastic(dt, h2 + 1234, src + 1234, N - 1234, 42, 1000 + 1234);
+        t_check(!memcmp(h, h2, sizeof h), "%s SR: the same bits for any split of the buffer",
+                fl_dtype_name(dt));
+        fl_store_f32_stochastic(dt, h2, src, N, 43, 1000);
+        int differ = 0;
+        for (int i = 0; i < N; i++) differ += h[i] != h2[i];
+        t_check(differ > N / 10, "%s SR: another seed rounds differently (%d of %d)",
+                fl_dtype_name(dt), differ, N);
+    }
+    float one[3] = {1.5f, -2.0f, 1e-30f}, out[3];
+    fl_store_f32_stochastic(FL_F32, out, one, 3, 1, 0);
+    t_check(!memcmp(one, out, sizeof one), "fp32 SR is a copy");
+    // 65504 < x < 65536 in fp16 rounds between the largest finite value and inf
+    float big = 65520.0f;
+    uint16_t hb[64];
+    float bigs[64];
+    for (int i = 0; i < 64; i++) bigs[i] = big;
+    fl_store_f32_stochastic(FL_F16, hb, bigs, 64, 5, 0);
+    int ok = 1, infs = 0;
+    for (int i = 0; i < 64; i++) {
+        ok &= hb[i] == 0x7bff || hb[i] == 0x7c00;
+        infs += hb[i] == 0x7c00;
+    }
+    t_check(ok && infs > 10 && infs < 54, "fp16 SR of 65520: 65504 or inf (%d of 64 inf)", infs);
+}
+
 int main(void) {
     test_bf16();
     test_f16();
     test_bulk_matches_scalar();
+    test_stochastic_rounding();
     return t_report();
 }

@@ -296,7 +296,7 @@ static void check_logits(const char *what, fl_model *m, const fixture *fx, int B
         return;
     int *tokens = fx_copy(fx, tr);
     float *want = fx_copy(fx, lr), *logits = malloc(BT * V * sizeof(float));
-    fl_model_alloc_acts(m, B, T, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(m, B, T, FL_RECOMPUTE_NONE, 0);
     fl_model_forward(m, tokens, NULL, B, T);
     for (size_t i = 0; i < BT; i++)
         memcpy(logits + i * V, (const float *)m->logits + i * Vp, V * sizeof(float));

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -652,6 +653,407 @@ static void test_schedules(void) {
     t_check(fl_lr_at(&nowarm, 0) == 0.5f, "no warmup: lr from step 0");
 }
 
+// ----------------------------------------------------------------------------
+// LOMO
+
+// One LOMO update of the whole table on fp32 weights, with a clip coefficient.
+static void lomo_step(fl_optim_rule *r, const fl_param_table *t, float *p, const float *g,
+                      float gscale, float coef, float lr) {
+    fl_optim_begin_step(r, lr);
+    for (int k = 0; k < t->count; k++) {
+        const fl_param_view *v = &t->views[k];
+        fl_update_args a = {.params = p + v->offset,
+                            .grads = g + v->offset,
+                            .grads_dtype = FL_F32,
+                            .grad_scale = gscale,
+                            .clip_coef = coef};
+        fl_optim_update(r, v, v->offset, v->numel, &a);
+    }
+    fl_optim_end_step(r);
+}
+
+static void test_lomo_rule(void) {
+    fl_param_table t = {0};
+    make_table(&t);
+    size_t n = t.numel;
+    float p[22], g[22], want[22];
+    t_fill(p, n, 12, 1.0f);
+    memcpy(want, p, sizeof p);
+    size_t mem0 = fl_mem_current(FL_MEM_OPTIM);
+    fl_lomo lomo;
+    float lr = 0.05f, wd = 0.1f, clip = 0.3f, gscale = 0.75f, coef = 0.5f;
+    fl_lomo_init_range(&lomo, 0, n, wd, clip);
+    t_check(fl_optim_state_count(&lomo.rule) == 0 && fl_mem_current(FL_MEM_OPTIM) == mem0,
+            "lomo keeps no state");
+    for (int step = 1; step <= 3; step++) {
+        t_fill(g, n, 400 + step, 1.0f);
+        lomo_step(&lomo.rule, &t, p, g, gscale, coef, lr);
+        float keep = 1.0f - lr * wd;
+        for (size_t i = 0; i < n; i++) { // clamp the unscaled g, then the coefficient
+            float d = g[i] * gscale;
+            d = d < -clip ? -clip : d > clip ? clip : d;
+            d *= coef;
+            want[i] = want[i] * (i < 15 ? keep : 1.0f) - lr * d;
+        }
+    }
+    t_check(!memcmp(p, want, sizeof p),
+            "lomo: p*(1 - lr*wd) - lr*clamp(g*scale)*coef, decay on decayed rows, bitwise");
+    t_check(lomo.t == 3, "lomo counts its steps");
+    fl_optim_free(&lomo.rule);
+
+    // without decay and clipping, LOMO on fp32 weights is plain SGD bitwise
+    float q[22];
+    t_fill(p, n, 13, 1.0f);
+    memcpy(q, p, sizeof p);
+    fl_sgd sgd;
+    fl_lomo_init_range(&lomo, 0, n, 0.0f, 0.0f);
+    fl_sgd_init(&sgd, n, 0.0f, 0.0f);
+    for (int step = 1; step <= 3; step++) {
+        t_fill(g, n, 500 + step, 2.0f);
+        lomo_step(&lomo.rule, &t, p, g, gscale, 0.0f, 0.1f * step);
+        rule_step(&sgd.rule, &t, q, g, gscale, 0.1f * step);
+    }
+    t_check(!memcmp(p, q, sizeof p), "lomo with wd 0 equals sgd (momentum 0, wd 0) bitwise");
+    fl_optim_free(&lomo.rule);
+    fl_optim_free(&sgd.rule);
+    fl_params_free(&t);
+}
+
+// ----------------------------------------------------------------------------
+// AdaLomo against the PyTorch reference (scripts/make_adalomo_reference.py)
+
+typedef struct {
+    unsigned char *data;
+    size_t size;
+} ref_file;
+
+static size_t count_outside(const float *got, const float *want, size_t n, double atol,
+                            double rtol) {
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += !(fabs((double)got[i] - want[i]) <= atol + rtol * fabs(want[i]));
+    return bad;
+}
+
+// Copies the float32 record `name` of n elements into dst; 0 when absent.
+static int ref_floats(const ref_file *f, const char *name, float *dst, size_t n) {
+    size_t at = 12;
+    while (at + 12 <= f->size) {
+        uint32_t len, dtype, ndim;
+        memcpy(&len, f->data + at, 4);
+        const char *nm = (const char *)f->data + at + 4;
+        at += 4 + len;
+        memcpy(&dtype, f->data + at, 4);
+        memcpy(&ndim, f->data + at + 4, 4);
+        at += 8;
+        size_t numel = 1;
+        for (uint32_t d = 0; d < ndim; d++) {
+            uint64_t s;
+            memcpy(&s, f->data + at + 8 * d, 8);
+            numel *= s;
+        }
+        at += 8 * ndim;
+        if (len == strlen(name) && !memcmp(nm, name, len)) {
+            if (dtype != 0 || numel != n || at + 4 * n > f->size) return 0;
+            memcpy(dst, f->data + at, 4 * n);
+            return 1;
+        }
+        at += 4 * numel;
+    }
+    return 0;
+}
+
+// Record "<what>/<step>/<tensor>" (step > 0) or "<what>" into dst.
+static void ref_get(const ref_file *f, const char *what, int step, const char *tensor, float *dst,
+                    size_t n) {
+    char name[64];
+    if (step > 0)
+        snprintf(name, sizeof name, "%s/%d/%s", what, step, tensor);
+    else
+        snprintf(name, sizeof name, "%s", what);
+    if (!ref_floats(f, name, dst, n)) {
+        t_check(0, "adalomo fixture: record %s of %zu floats", name, n);
+        exit(1);
+    }
+}
+
+// The fixture's tensors as a table: w (7x5, decayed) then b (6).
+static void adalomo_table(fl_param_table *t) {
+    size_t w[2] = {7, 5}, b[1] = {6};
+    fl_params_add(t, "w", FL_PARAM_DECAY, 2, w);
+    fl_params_add(t, "b", 0, 1, b);
+}
+
+static void adalomo_rule_step(fl_optim_rule *r, const fl_param_table *t, float *p, const float *g,
+                              float lr) {
+    rule_step(r, t, p, g, 1.0f, lr);
+}
+
+static void test_adalomo_matches_reference(void) {
+    size_t size;
+    unsigned char *data = t_read_file(t_source_path("tests/fixtures/adalomo_ref.bin"), &size);
+    t_check(data && size > 12 && !memcmp(data, "FITLMREF", 8), "adalomo fixture is there");
+    if (!data) return;
+    ref_file f = {data, size};
+    float h[6];
+    ref_get(&f, "hyper", 0, NULL, h, 6);
+    float lr = h[0];
+    fl_param_table t = {0};
+    adalomo_table(&t);
+    enum { N = 41 };
+    float p[N], g[N];
+    ref_get(&f, "param/w", 0, NULL, p, 35);
+    ref_get(&f, "param/b", 0, NULL, p + 35, 6);
+    size_t mem0 = fl_mem_current(FL_MEM_OPTIM);
+    fl_adalomo o, o2;
+    fl_adalomo_init_range(&o, &t, 0, N, h[1], h[2], h[3], h[4], h[5], 0.0f);
+    fl_optim_rule *r = &o.rule;
+    const fl_param_view *w = &t.views[0], *b = &t.views[1];
+    t_check(fl_mem_current(FL_MEM_OPTIM) - mem0 == (7 + 5 + 6) * sizeof(float) &&
+                fl_adalomo_state_numel(&t, 0, N) == 18,
+            "adalomo: state is R + K for the matrix and n for the vector (%zu bytes)",
+            fl_mem_current(FL_MEM_OPTIM) - mem0);
+    t_check(fl_optim_state_count(r) == 3 && !strcmp(fl_optim_state_name(r, 0), "exp_avg_sq_row") &&
+                !strcmp(fl_optim_state_name(r, 1), "exp_avg_sq_col") &&
+                !strcmp(fl_optim_state_name(r, 2), "exp_avg_sq"),
+            "adalomo names its state exp_avg_sq_row, exp_avg_sq_col, exp_avg_sq");
+    t_check(fl_optim_state_numel(r, 0, w) == 7 && fl_optim_state_numel(r, 1, w) == 5 &&
+                fl_optim_state_numel(r, 2, w) == 0 && fl_optim_state_numel(r, 0, b) == 0 &&
+                fl_optim_state_numel(r, 1, b) == 0 && fl_optim_state_numel(r, 2, b) == 6,
+            "adalomo: per-row state sizes (7, 5, 0) for w and (0, 0, 6) for b");
+    fl_optimizer_config cfg = {.kind = FL_OPT_ADALOMO, .grad_accum = 1};
+    size_t bytes[FL_MEM_NTAGS];
+    fl_optimizer_memory_table(&cfg, FL_BF16, &t, 0, N, bytes);
+    t_check(bytes[FL_MEM_OPTIM] == 18 * sizeof(float) && bytes[FL_MEM_MASTER] == 0 &&
+                bytes[FL_MEM_GRADS] == 0,
+            "fl_optimizer_memory_table: adalomo's exact state, no master");
+    cfg.kind = FL_OPT_LOMO;
+    cfg.grad_accum = 2;
+    fl_optimizer_memory(&cfg, FL_BF16, N, bytes);
+    t_check(bytes[FL_MEM_OPTIM] == 0 && bytes[FL_MEM_MASTER] == 0 &&
+                bytes[FL_MEM_GRADS] == N * sizeof(float),
+            "lomo: no state, no master; an fp32 gradient sum only with accumulation");
+
+    float saved_p[N], saved_state[18];
+    int saved_t = 0;
+    // float32 against float64: after 5 steps the weights (|p| <~ 2.5, steps
+    // ~1e-2) agree to a few float32 ulps; the state (relative) likewise
+    const double atol = 2e-6, rtol = 2e-6;
+    int all = 1;
+    for (int step = 1; step <= 5; step++) {
+        ref_get(&f, "grad", step, "w", g, 35);
+        ref_get(&f, "grad", step, "b", g + 35, 6);
+        adalomo_rule_step(r, &t, p, g, lr);
+        float want[N];
+        ref_get(&f, "after", step, "w", want, 35);
+        ref_get(&f, "after", step, "b", want + 35, 6);
+        all &= count_outside(p, want, N, atol, rtol) == 0;
+        if (step == 5) t_close("adalomo weights after step 5", p, want, N, atol, rtol);
+        if (step == 3) { // a checkpoint of the state through the listing
+            memcpy(saved_p, p, sizeof p);
+            size_t at = 0;
+            for (int k = 0; k < 3; k++)
+                for (int v = 0; v < 2; v++) {
+                    size_t m = fl_optim_state_numel(r, k, &t.views[v]);
+                    memcpy(saved_state + at, fl_optim_state_ptr(r, k, t.views[v].offset),
+                           m * sizeof(float));
+                    at += m;
+                }
+            saved_t = *fl_optim_step_count(r);
+        }
+    }
+    t_check(all,
+            "adalomo: weights after each of 5 steps match the float64 reference within "
+            "atol %g + rtol %g",
+            atol, rtol);
+    float want_row[7], want_col[5], want_sq[6];
+    ref_get(&f, "state", 5, "exp_avg_sq_row", want_row, 7);
+    ref_get(&f, "state", 5, "exp_avg_sq_col", want_col, 5);
+    ref_get(&f, "state", 5, "exp_avg_sq", want_sq, 6);
+    t_close("adalomo exp_avg_sq_row after 5 steps", fl_optim_state_ptr(r, 0, 0), want_row, 7, 0,
+            1e-5);
+    t_close("adalomo exp_avg_sq_col after 5 steps", fl_optim_state_ptr(r, 1, 0), want_col, 5, 0,
+            1e-5);
+    t_close("adalomo exp_avg_sq after 5 steps", fl_optim_state_ptr(r, 2, 35), want_sq, 6, 0, 1e-5);
+
+    // restore the step-3 state into a new rule and continue: bitwise the same
+    fl_adalomo_init_range(&o2, &t, 0, N, h[1], h[2], h[3], h[4], h[5], 0.0f);
+    size_t at = 0;
+    for (int k = 0; k < 3; k++)
+        for (int v = 0; v < 2; v++) {
+            size_t m = fl_optim_state_numel(&o2.rule, k, &t.views[v]);
+            memcpy(fl_optim_state_ptr(&o2.rule, k, t.views[v].offset), saved_state + at,
+                   m * sizeof(float));
+            at += m;
+        }
+    *fl_optim_step_count(&o2.rule) = saved_t;
+    for (int step = 4; step <= 5; step++) {
+        ref_get(&f, "grad", step, "w", g, 35);
+        ref_get(&f, "grad", step, "b", g + 35, 6);
+        adalomo_rule_step(&o2.rule, &t, saved_p, g, lr);
+    }
+    t_check(!memcmp(saved_p, p, sizeof p) && !memcmp(o.state, o2.state, 18 * sizeof(float)),
+            "adalomo: state saved and restored through fl_optim_state_ptr continues bitwise");
+    fl_optim_free(r);
+    fl_optim_free(&o2.rule);
+    fl_params_free(&t);
+    free(data);
+}
+
+// ----------------------------------------------------------------------------
+// the fused kinds on 16-bit weights without master
+
+// A table whose matrix spans several sum chunks (> 16384 elements) and update
+// blocks, and a long vector.
+static void make_fused_table(fl_param_table *t) {
+    size_t m[2] = {300, 70}, v[1] = {9000}, w[2] = {40, 33};
+    fl_params_add(t, "m", FL_PARAM_DECAY, 2, m);
+    fl_params_add(t, "v", 0, 1, v);
+    fl_params_add(t, "w", FL_PARAM_DECAY, 2, w);
+}
+
+typedef struct {
+    fl_param_table table;
+    fl_dtype dt;
+    void *params;
+    fl_optimizer o;
+} fused_run;
+
+// steps with gradients 1 (+ noise when `noisy`), lr 1e-5, from weights in [1, 1.9]
+static void fused_start(fused_run *f, fl_optim_kind kind, fl_dtype dt, int sr, uint64_t seed) {
+    memset(f, 0, sizeof *f);
+    make_fused_table(&f->table);
+    size_t n = f->table.numel;
+    f->dt = dt;
+    f->params = malloc(n * fl_dtype_size(dt));
+    float *p = malloc(n * sizeof(float));
+    t_fill(p, n, 91, 0.45f);
+    for (size_t i = 0; i < n; i++) p[i] += 1.45f;
+    fl_convert(dt, f->params, FL_F32, p, n);
+    free(p);
+    fl_optimizer_config cfg = {.kind = kind,
+                               .eps = 1e-30f,
+                               .weight_decay = 0.0f,
+                               .grad_accum = 1,
+                               .stochastic_rounding = sr,
+                               .seed = seed,
+                               .eps2 = 1e-3f,
+                               .clip_threshold = 1.0f,
+                               .decay_rate = -0.8f};
+    fl_optimizer_init(&f->o, &cfg, &f->table, dt, f->params, NULL);
+}
+
+static void fused_steps(fused_run *f, int steps, float lr, fl_dtype gdt) {
+    size_t n = f->table.numel;
+    float *g = malloc(n * sizeof(float));
+    void *g16 = malloc(n * sizeof(float));
+    for (int s = 0; s < steps; s++) {
+        t_fill(g, n, 600 + *fl_optim_step_count(f->o.rule), 0.25f);
+        for (size_t i = 0; i < n; i++) g[i] += 1.0f;
+        fl_convert(gdt, g16, FL_F32, g, n);
+        fl_optimizer_begin_step(&f->o, lr);
+        for (int k = f->table.count - 1; k >= 0; k--) // per row, reverse order, as backward
+            fl_optimizer_update_rows(&f->o, k, 1, fl_at(gdt, g16, f->table.views[k].offset), gdt,
+                                     1.0f);
+        fl_optimizer_end_step(&f->o);
+    }
+    free(g);
+    free(g16);
+}
+
+static void fused_free(fused_run *f) {
+    fl_optimizer_free(&f->o);
+    free(f->params);
+    fl_params_free(&f->table);
+}
+
+// The mean change of the weights from `before` (fp32 values)
+static double mean_change(const fused_run *f, const float *before) {
+    size_t n = f->table.numel;
+    float *now = malloc(n * sizeof(float));
+    fl_convert(FL_F32, now, f->dt, f->params, n);
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++) s += (double)now[i] - before[i];
+    free(now);
+    return s / (double)n;
+}
+
+static void check_fused_kind(fl_optim_kind kind) {
+    const char *name = kind == FL_OPT_LOMO ? "lomo" : "adalomo";
+    enum { STEPS = 20 };
+    float lr = 1e-5f;
+    fused_run ref, rne, sr1, sr2, sr3;
+    size_t master0 = fl_mem_current(FL_MEM_MASTER);
+    fused_start(&ref, kind, FL_F32, 0, 0);
+    fused_start(&rne, kind, FL_BF16, 0, 0);
+    fused_start(&sr1, kind, FL_BF16, 1, 7);
+    fused_start(&sr2, kind, FL_BF16, 1, 7);
+    fused_start(&sr3, kind, FL_BF16, 1, 8);
+    t_check(fl_mem_current(FL_MEM_MASTER) == master0 && !sr1.o.master,
+            "%s on bf16: no master weights", name);
+    size_t n = ref.table.numel;
+    float *before = malloc(n * sizeof(float));
+    uint16_t *rne0 = malloc(n * sizeof(uint16_t));
+    fl_convert(FL_F32, before, FL_BF16, sr1.params, n);
+    memcpy(rne0, rne.params, n * sizeof(uint16_t));
+    memcpy(ref.params, before, n * sizeof(float)); // the same start in fp32
+    omp_set_num_threads(1);
+    fused_steps(&ref, STEPS, lr, FL_F32);
+    fused_steps(&rne, STEPS, lr, FL_F32);
+    fused_steps(&sr1, STEPS, lr, FL_F32);
+    fused_steps(&sr3, STEPS, lr, FL_F32);
+    omp_set_num_threads(2);
+    fused_steps(&sr2, STEPS, lr, FL_F32);
+    double want = mean_change(&ref, before), got = mean_change(&sr1, before);
+    t_check(!memcmp(rne.params, rne0, n * sizeof(uint16_t)),
+            "%s bf16, lr 1e-5, weights ~1: round to nearest leaves every weight unchanged", name);
+    // the mean over n = 23320 weights of 20 stochastic roundings, each off by
+    // up to a bf16 spacing (2^-7) with probability ~2e-3: 20% is > 4 sigma
+    t_check(got < 0.0 && fabs(got - want) <= 0.2 * fabs(want),
+            "%s bf16: stochastic rounding moves the weights, mean change %.4g ~ fp32's %.4g", name,
+            got, want);
+    t_check(!memcmp(sr1.params, sr2.params, n * sizeof(uint16_t)),
+            "%s bf16 SR: the same seed gives the same weights on 1 and 2 threads", name);
+    t_check(memcmp(sr1.params, sr3.params, n * sizeof(uint16_t)) != 0,
+            "%s bf16 SR: another seed gives other weights", name);
+    if (kind == FL_OPT_ADALOMO)
+        t_check(
+            !memcmp(sr1.o.adalomo.state, sr2.o.adalomo.state, sr1.o.adalomo.numel * sizeof(float)),
+            "adalomo state is the same on 1 and 2 threads");
+
+    // resume: a new optimizer with the weights, state and t of step 10
+    // continues as the uninterrupted run (the SR seed follows t); bf16 grads
+    fused_run a, b;
+    fused_start(&a, kind, FL_BF16, 1, 99);
+    fused_start(&b, kind, FL_BF16, 1, 99);
+    fused_steps(&a, 6, 1e-3f, FL_BF16);
+    fused_steps(&b, 3, 1e-3f, FL_BF16);
+    fl_optimizer c;
+    fl_optimizer_init(&c, &b.o.cfg, &b.table, FL_BF16, b.params, NULL);
+    if (kind == FL_OPT_ADALOMO)
+        memcpy(c.adalomo.state, b.o.adalomo.state, b.o.adalomo.numel * sizeof(float));
+    *fl_optim_step_count(c.rule) = *fl_optim_step_count(b.o.rule);
+    fl_optimizer_free(&b.o);
+    b.o = c;
+    fused_steps(&b, 3, 1e-3f, FL_BF16);
+    t_check(!memcmp(a.params, b.params, n * sizeof(uint16_t)),
+            "%s bf16 SR: a restart from the weights, state and t continues bitwise", name);
+    fused_free(&a);
+    fused_free(&b);
+    free(before);
+    free(rne0);
+    fused_free(&ref);
+    fused_free(&rne);
+    fused_free(&sr1);
+    fused_free(&sr2);
+    fused_free(&sr3);
+}
+
+static void test_fused_lowp(void) {
+    check_fused_kind(FL_OPT_LOMO);
+    check_fused_kind(FL_OPT_ADALOMO);
+}
+
 int main(void) {
     // first: a forked child cannot use OpenMP once the parent has (libgomp)
     t_dies("fp16 scale stuck at the minimum", stuck_scaler, NULL,
@@ -668,6 +1070,9 @@ int main(void) {
     test_frozen_rows();
     test_state_listing();
     test_scale();
+    test_lomo_rule();
+    test_adalomo_matches_reference();
+    test_fused_lowp();
 
     test_schedules();
     return t_report();

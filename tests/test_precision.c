@@ -27,7 +27,7 @@ typedef struct {
 static run_result train(const fl_model_config *shape, fl_dtype dt, const char *data) {
     fl_model m;
     fl_model_init(&m, shape, dt, 1);
-    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 0);
     fl_train_config defaults; // fitlm train's: AdamW 0.9/0.95, wd 0.1, clip 1, scale 2^16
     fl_config_defaults(&defaults);
     fl_optimizer_config cfg = fl_config_optimizer(&defaults);

@@ -21,7 +21,7 @@ enum { B = 2, T = 16, STEPS = 3, L = 2 };
 static float *train(int profile, float *losses) {
     fl_model m;
     fl_model_init(&m, &tiny, FL_F32, 7);
-    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 0);
     fl_train_config defaults;
     fl_config_defaults(&defaults);
     fl_optimizer_config ocfg = fl_config_optimizer(&defaults);

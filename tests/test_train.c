@@ -1,6 +1,6 @@
 // test_train.c: the training step as a whole: determinism, gradient
-// accumulation equals the big batch, the gradient-ready hook, ignored
-// targets, and batches smaller than the allocated activations.
+// accumulation equals the big batch, the hooks, ignored targets, batches
+// smaller than the allocated activations, and LOMO fused into the backward.
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -30,7 +30,7 @@ static void train(int steps, int threads, float *losses, float **weights) {
     omp_set_num_threads(threads);
     fl_model m;
     fl_model_init(&m, &tiny, FL_F32, 11);
-    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 0);
     fl_adamw opt;
     fl_adamw_init(&opt, m.table.numel, 0.9f, 0.95f, 1e-8f, 0.1f);
     int tokens[B * T], targets[B * T];
@@ -70,7 +70,7 @@ static void test_deterministic(void) {
 static void test_accumulation_equals_big_batch(void) {
     fl_model m;
     fl_model_init(&m, &tiny, FL_F32, 5);
-    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 0);
     int tokens[B * T], targets[B * T];
     random_batch(tokens, targets, B * T, 9);
     for (int i = 0; i < B * T / 2; i++)
@@ -114,7 +114,7 @@ static void test_train_step_accumulation(void) {
         fl_model m;
         fl_model_init(&m, &tiny, FL_F32, 5);
         int micro = k + 1;
-        fl_model_alloc_acts(&m, B / micro, T, FL_RECOMPUTE_NONE);
+        fl_model_alloc_acts(&m, B / micro, T, FL_RECOMPUTE_NONE, 0);
         fl_optimizer_config oc = {.kind = FL_OPT_SGD, .grad_accum = micro};
         fl_optimizer o;
         fl_optimizer_init(&o, &oc, &m.table, FL_F32, m.params, m.grads);
@@ -173,7 +173,7 @@ static void test_hooks(void) {
     for (int use_scratch = 0; use_scratch < 2; use_scratch++) {
         fl_model m;
         fl_model_init(&m, &tiny, FL_F32, 5);
-        fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
+        fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 0);
         hook_log h = {.model = &m};
         h.snapshot = calloc(m.table.numel, sizeof(float));
         if (use_scratch) h.scratch = calloc(m.table.numel, sizeof(float));
@@ -210,9 +210,9 @@ static void test_hooks(void) {
 static void test_ignored_targets_and_short_batches(void) {
     fl_model m, small;
     fl_model_init(&m, &tiny, FL_F32, 5);
-    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 0);
     fl_model_init(&small, &tiny, FL_F32, 5);
-    fl_model_alloc_acts(&small, 1, 8, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(&small, 1, 8, FL_RECOMPUTE_NONE, 0);
     int tokens[B * T], targets[B * T], masked[B * T];
     random_batch(tokens, targets, B * T, 3);
     float full = fl_model_forward(&m, tokens, targets, B, T);
@@ -239,6 +239,141 @@ static void test_ignored_targets_and_short_batches(void) {
     fl_model_free(&small);
 }
 
+// ----------------------------------------------------------------------------
+// LOMO: the update fused into the backward pass
+
+static const fl_model_config tiny_llama = {.arch = FL_ARCH_LLAMA,
+                                           .max_seq_len = 16,
+                                           .vocab_size = 50,
+                                           .n_layer = 2,
+                                           .n_head = 4,
+                                           .n_kv_head = 2,
+                                           .n_embd = 32,
+                                           .intermediate_size = 48};
+
+// The oracle's global norm: each row's sum of squares in double, rows
+// added in table order (what the fused step computes unit by unit).
+static float row_norm(const fl_model *m) {
+    double total = 0.0;
+    for (int r = 0; r < m->table.count; r++) {
+        const float *g = (const float *)m->grads + m->table.views[r].offset;
+        size_t n = m->table.views[r].numel;
+        double s = 0.0;
+        for (size_t i = 0; i < n; i += 4096) {
+            double b = 0.0;
+            for (size_t k = i; k < n && k < i + 4096; k++) b += (double)g[k] * g[k];
+            s += b;
+        }
+        total += s;
+    }
+    return (float)sqrt(total);
+}
+
+// One fused LOMO step (one unit's gradients at a time, two passes for the
+// clipping norm) against the same update applied after a whole backward.
+static void lomo_matches_unfused(const char *name, const fl_model_config *cfg, float clip) {
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 21);
+    fl_optimizer_config oc = {.kind = FL_OPT_LOMO,
+                              .grad_accum = 1,
+                              .weight_decay = 0.1f,
+                              .max_grad_norm = clip,
+                              .clip_value = 0.05f};
+    fl_model fused, whole;
+    fl_model_init(&fused, cfg, FL_F32, 5);
+    fl_model_init(&whole, cfg, FL_F32, 5);
+    size_t grads0 = fl_mem_current(FL_MEM_GRADS);
+    fl_model_alloc_acts(&fused, B, T, FL_RECOMPUTE_NONE, 1);
+    size_t fused_grads = fl_mem_current(FL_MEM_GRADS) - grads0;
+    fl_model_alloc_acts(&whole, B, T, FL_RECOMPUTE_NONE, 0);
+    fl_optimizer of, ow;
+    fl_optimizer_init(&of, &oc, &fused.table, FL_F32, fused.params, NULL);
+    fl_optimizer_init(&ow, &oc, &whole.table, FL_F32, whole.params, whole.grads);
+    size_t full = fused.table.numel * sizeof(float);
+    t_check(fused.grads == NULL && fused_grads < full,
+            "%s: no whole-model gradient buffer (%zu bytes of gradients for %zu)", name,
+            fused_grads, full);
+    fl_train_result r = fl_train_step(&fused, &of, tokens, targets, 1, B, T, 0.05f);
+
+    fl_model_zero_grad(&whole);
+    fl_model_forward(&whole, tokens, targets, B, T);
+    fl_model_backward(&whole, 1.0f / whole.n_targets);
+    float norm = row_norm(&whole);
+    fl_optimizer_begin_step(&ow, 0.05f);
+    fl_optimizer_update_rows_clip(&ow, 0, whole.table.count, whole.grads, FL_F32, 1.0f,
+                                  fl_clip_coef(norm, clip));
+    fl_optimizer_end_step(&ow);
+    t_check(r.grad_norm == norm && (clip == 0.0f || norm > clip),
+            "%s: the fused step's norm is the whole gradient's (%g vs %g)%s", name, r.grad_norm,
+            norm, clip > 0 ? ", clipping" : "");
+    t_check(!memcmp(fused.params, whole.params, full),
+            "%s: fused LOMO = the update after a whole backward, bitwise", name);
+    fl_optimizer_free(&of);
+    fl_optimizer_free(&ow);
+    fl_model_free(&fused);
+    fl_model_free(&whole);
+}
+
+// Without weight decay and clipping, LOMO's step is plain SGD's.
+static void lomo_is_sgd(const char *name, const fl_model_config *cfg) {
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 22);
+    fl_model a, b;
+    fl_model_init(&a, cfg, FL_F32, 6);
+    fl_model_init(&b, cfg, FL_F32, 6);
+    fl_model_alloc_acts(&a, B, T, FL_RECOMPUTE_BLOCK, 1); // composes with checkpointing
+    fl_model_alloc_acts(&b, B, T, FL_RECOMPUTE_NONE, 0);
+    fl_optimizer_config lomo = {.kind = FL_OPT_LOMO, .grad_accum = 1};
+    fl_optimizer_config sgd = {.kind = FL_OPT_SGD, .grad_accum = 1};
+    fl_optimizer oa, ob;
+    fl_optimizer_init(&oa, &lomo, &a.table, FL_F32, a.params, NULL);
+    fl_optimizer_init(&ob, &sgd, &b.table, FL_F32, b.params, b.grads);
+    fl_train_result ra = fl_train_step(&a, &oa, tokens, targets, 1, B, T, 0.1f);
+    fl_train_result rb = fl_train_step(&b, &ob, tokens, targets, 1, B, T, 0.1f);
+    t_check(ra.loss == rb.loss && !memcmp(a.params, b.params, a.table.numel * sizeof(float)),
+            "%s: a LOMO step (block recomputation) = an SGD step, bitwise", name);
+    fl_optimizer_free(&oa);
+    fl_optimizer_free(&ob);
+    fl_model_free(&a);
+    fl_model_free(&b);
+}
+
+// fp16: an overflow is found in the norm pass, before any weight changes.
+static void test_lomo_fp16_overflow(void) {
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 23);
+    fl_model m;
+    fl_model_init(&m, &tiny_llama, FL_F16, 7);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 1);
+    // a static scale of 2^30 overflows fp16 gradients
+    fl_optimizer_config oc = {.kind = FL_OPT_LOMO,
+                              .grad_accum = 1,
+                              .loss_scale = 1073741824.0f,
+                              .min_loss_scale = 1.0f,
+                              .loss_scale_window = 1000,
+                              .hysteresis = 1,
+                              .stochastic_rounding = 1};
+    fl_optimizer o;
+    fl_optimizer_init(&o, &oc, &m.table, FL_F16, m.params, NULL);
+    size_t bytes = m.table.numel * 2;
+    void *before = malloc(bytes);
+    memcpy(before, m.params, bytes);
+    fl_train_result r = fl_train_step(&m, &o, tokens, targets, 1, B, T, 0.1f);
+    t_check(r.skipped && !memcmp(before, m.params, bytes),
+            "fp16 LOMO: an overflowing step is skipped with every weight bitwise unchanged");
+    free(before);
+    fl_optimizer_free(&o);
+    fl_model_free(&m);
+}
+
+static void test_lomo(void) {
+    lomo_matches_unfused("GPT-2", &tiny, 0.5f);
+    lomo_matches_unfused("LLaMA", &tiny_llama, 0.5f);
+    lomo_is_sgd("GPT-2", &tiny);
+    lomo_is_sgd("LLaMA", &tiny_llama);
+    test_lomo_fp16_overflow();
+}
+
 int main(void) {
     omp_set_num_threads(2);
     test_deterministic();
@@ -246,5 +381,6 @@ int main(void) {
     test_train_step_accumulation();
     test_hooks();
     test_ignored_targets_and_short_batches();
+    test_lomo();
     return t_report();
 }

@@ -382,7 +382,7 @@ void fx_model_init(fl_model *m, const fx_config *c, fl_recompute policy) {
     fl_model_config cfg = fx_make_config(c);
     memset(m, 0, sizeof *m);
     fl_model_init(m, &cfg, FL_F32, 1);
-    fl_model_alloc_acts(m, c->B, c->T, policy);
+    fl_model_alloc_acts(m, c->B, c->T, policy, 0);
 }
 
 void fx_load_params(fl_model *m, fixture *fx, const char *prefix) {

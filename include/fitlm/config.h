@@ -47,9 +47,12 @@ typedef struct {
     float min_loss_scale;
     fl_dtype dtype; // derived by fl_config_finish
     // optimizer
-    char optimizer[FL_NAME_MAX]; // adamw | sgd
+    char optimizer[FL_NAME_MAX]; // adamw | sgd | lomo | adalomo
     float lr, beta1, beta2, eps, weight_decay, momentum;
-    float grad_clip; // gradient_clipping, 0 = off
+    float eps2, clip_threshold, decay_rate; // AdaLomo
+    float clip_value;                       // LOMO's clip_grad_value
+    int stochastic_rounding;                // LOMO/AdaLomo on 16-bit weights
+    float grad_clip;                        // gradient_clipping, 0 = off
     // schedule
     char scheduler[FL_NAME_MAX]; // constant | cosine | linear
     int warmup_steps;

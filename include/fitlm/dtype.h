@@ -30,6 +30,20 @@ void fl_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, si
 const float *fl_load_f32(fl_dtype dt, const void *src, size_t n, float *scratch);
 // Stores n fp32 values into dst of dtype dt.
 void fl_store_f32(fl_dtype dt, void *dst, const float *src, size_t n);
+// Stores n fp32 values into dst of dtype bf16 or fp16 by stochastic rounding:
+// each value becomes one of its two neighbouring 16-bit values (the one
+// below or above in magnitude), the farther one with probability
+// proportional to the distance to the nearer, so the rounding is unbiased on
+// average. Values exact in the dtype are stored unchanged; NaN stays NaN
+// (quiet), inf stays inf, fp16 subnormals are included and magnitudes past
+// the largest finite value round between it and inf. Element k draws its
+// random bits from splitmix64's output at position (first_index + k) of the
+// stream seeded with `seed`: the result depends only on (seed, element
+// index), never on how a buffer is split into calls or threads. fp32: a copy.
+void fl_store_f32_stochastic(fl_dtype dt, void *dst, const float *src, size_t n, uint64_t seed,
+                             uint64_t first_index);
+// The 64 random bits element `index` of stream `seed` uses (splitmix64).
+uint64_t fl_sr_bits(uint64_t seed, uint64_t index);
 // Adds n fp32 values into dst of dtype dt (the += of backward kernels).
 void fl_accumulate_f32(fl_dtype dt, void *dst, const float *src, size_t n);
 

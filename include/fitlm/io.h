@@ -105,6 +105,8 @@ int fl_ckpt_step(const fl_ckpt *ck);
 // The caller's metadata object as JSON text (valid while ck is open).
 const char *fl_ckpt_meta(const fl_ckpt *ck);
 int fl_ckpt_has(const fl_ckpt *ck, const char *name);
+// Elements of tensor `name`; 0 when it is absent.
+size_t fl_ckpt_numel(const fl_ckpt *ck, const char *name);
 // Reads tensor `name` (numel elements), converting to dt, and checks its
 // CRC-32. Dies when it is missing, of another size, or damaged.
 void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t numel);

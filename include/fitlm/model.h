@@ -66,7 +66,13 @@ struct fl_model {
     const fl_arch *arch;
     fl_dtype dtype; // of weights, gradients and activations (compute is fp32)
     fl_param_table table;
-    void *params, *grads; // flat buffers of table.numel values of dtype
+    void *params, *grads; // flat buffers of table.numel values of dtype (grads: NULL when
+                          // gradients live per unit, below)
+    // unit gradients (fl_model_alloc_acts): no whole-model buffer; a unit's
+    // gradients are bound to unit_grads while it runs backward, the
+    // embedding's to embed_grads (the tied LM head adds to it before the
+    // embedding's own backward, so it needs a buffer of its own); NULL else
+    void *unit_grads, *embed_grads;
     // where each row's weights and gradient are now: into params/grads unless
     // a unit was rebound (fl_model_bind_params / fl_model_bind_grads)
     void **wp, **gp;
@@ -94,18 +100,25 @@ struct fl_model {
     float loss;    // mean loss of the last forward (-1 when no targets were given)
 };
 
-// Builds the parameter table, allocates params and grads of dtype dt
-// (tagged), and initialises the weights from the rows' init rules (drawn in
-// fp32 from `seed`, then rounded to dt).
+// Builds the parameter table, allocates the parameters of dtype dt (tagged;
+// the gradients come with fl_model_alloc_acts) and initialises the weights
+// from the rows' init rules (drawn in fp32 from `seed`, rounded to dt).
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed);
-// Allocates activations and scratch for batches of up to B x T (T <=
-// max_seq_len) under a recomputation policy, for the current thread count.
-void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute);
-// Bytes per tag that fl_model_init + fl_model_alloc_acts(B, T, recompute)
-// allocate with `threads` threads: the same slot lists the allocation walks,
-// so the prediction is exact. B = 0 leaves out the activations.
+// Allocates what training (or, without using the gradients, inference)
+// needs for batches of up to B x T (T <= max_seq_len), for the current
+// thread count: the gradients, and the activations and scratch of a
+// recomputation policy. unit_grads: no whole-model gradient buffer, the
+// gradients of one unit at a time (for optimizers fused into the backward
+// pass, LOMO and AdaLomo): fl_model_backward binds each unit's gradients to
+// that buffer, zeroed, before the unit runs, and they are valid until its
+// grad_ready hook returns; fl_model_zero_grad then does nothing.
+void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int unit_grads);
+// Bytes per tag that fl_model_init + fl_model_alloc_acts(B, T, recompute,
+// unit_grads) allocate with `threads` threads: the same slot lists the
+// allocation walks, so the prediction is exact. B = 0 leaves out the
+// activations (the gradients are counted).
 void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
-                     fl_recompute recompute, size_t bytes[FL_MEM_NTAGS]);
+                     fl_recompute recompute, int unit_grads, size_t bytes[FL_MEM_NTAGS]);
 void fl_model_free(fl_model *m);
 
 // Rows of a unit: [*first, *first + *count).

@@ -5,8 +5,9 @@
 // so the same code serves a whole model, one block (LOMO-style fused updates
 // after each gradient is ready) or one rank's shard (ZeRO). fl_optimizer
 // puts them together into a training step: fp32 master weights under
-// bf16/fp16, gradient accumulation in fp32, loss scaling, overflow skipping
-// and global-norm clipping folded into the update.
+// bf16/fp16 (none for the fused LOMO and AdaLomo, which update the 16-bit
+// weights by stochastic rounding), gradient accumulation in fp32, loss
+// scaling, overflow skipping and global-norm clipping folded into the update.
 #ifndef FITLM_OPTIM_H
 #define FITLM_OPTIM_H
 
@@ -32,13 +33,29 @@
 // coefficient folded together) as they are read; the fp32 weights are updated
 // in place and, under mixed precision, rounded into the 16-bit copy the model
 // computes with.
+//
+// Without a master copy (LOMO, AdaLomo: params NULL, params_lowp set) the
+// 16-bit weights themselves are updated: each block is loaded to fp32,
+// updated and stored back, rounded to nearest even or, with `stochastic`,
+// by stochastic rounding (fl_store_f32_stochastic) whose random bits for
+// element e of the flat buffer come from (sr_seed, e): first_index is the
+// flat-buffer index of the range's first element, so the result is the same
+// for any thread count and any split of a row into ranges.
 typedef struct {
-    float *params;     // fp32 weights (the master copy under mixed precision)
-    void *params_lowp; // NULL, or the model's 16-bit weights to refresh
+    float *params;     // fp32 weights (the master copy under mixed precision), or NULL
+    void *params_lowp; // NULL, or the model's 16-bit weights: refreshed from params, or
+                       // (params NULL) updated in place
     fl_dtype lowp_dtype;
     const void *grads;
     fl_dtype grads_dtype;
     float grad_scale;
+    // LOMO/AdaLomo only: the factor applied after clipping by value (the
+    // global-norm clip coefficient; 0 reads as 1). AdamW and SGD ignore it:
+    // for them grad_scale already holds the clip coefficient.
+    float clip_coef;
+    int stochastic;       // params NULL: stochastic rounding instead of nearest even
+    uint64_t sr_seed;     // the step's stochastic-rounding seed
+    uint64_t first_index; // flat-buffer index of the range's first element
 } fl_update_args;
 
 typedef struct fl_optim_ops fl_optim_ops; // a rule's functions (src/optim/update.h)
@@ -47,7 +64,8 @@ typedef struct fl_optim_ops fl_optim_ops; // a rule's functions (src/optim/updat
 typedef struct fl_optim_rule {
     const fl_optim_ops *ops;
     size_t state_begin, state_end; // flat-buffer elements the state covers
-    int nstate; // elementwise state tensors, (state_end - state_begin) floats each
+    int nstate; // state tensors: elementwise ones, (state_end - state_begin) floats each,
+                // or per-row ones (AdaLomo) of fl_optim_state_numel floats per row
 } fl_optim_rule;
 
 void fl_optim_begin_step(fl_optim_rule *r, float lr);
@@ -61,9 +79,15 @@ void fl_optim_free(fl_optim_rule *r);
 // fl_optim_state_ptr(r, k, offset) points at its value for flat-buffer
 // element `offset` (state_begin <= offset < state_end). The scalar state is
 // the step count t (steps begun), read and set through fl_optim_step_count.
+// Per row, tensor k holds fl_optim_state_numel(r, k, row) floats from
+// fl_optim_state_ptr(r, k, row->offset): row->numel for the elementwise
+// rules (AdamW, SGD); AdaLomo's state is per row (row and column statistics
+// of a matrix), and only a row's first element may be asked for (0 floats
+// where a tensor does not apply to the row).
 int fl_optim_state_count(const fl_optim_rule *r);
 const char *fl_optim_state_name(const fl_optim_rule *r, int k);
 float *fl_optim_state_ptr(fl_optim_rule *r, int k, size_t offset);
+size_t fl_optim_state_numel(const fl_optim_rule *r, int k, const fl_param_view *row);
 int *fl_optim_step_count(fl_optim_rule *r);
 
 // ----------------------------------------------------------------------------
@@ -107,6 +131,62 @@ void fl_sgd_init_range(fl_sgd *opt, size_t begin, size_t end, float momentum, fl
 void fl_sgd_free(fl_sgd *opt);
 
 // ----------------------------------------------------------------------------
+// LOMO (Lv et al., lomo_optim/lomo.py): SGD without momentum, fused into the
+// backward pass, no state. Per element: g = grad * grad_scale; g clamped to
+// +-clip_value when clip_value > 0 (clip_grad_value); g *= clip_coef (the
+// global-norm coefficient, fl_update_args.clip_coef); p = p * (1 - lr*wd) -
+// lr*g, the decoupled decay on FL_PARAM_DECAY rows only. On fp32 weights
+// with wd 0 and no clipping this is fl_sgd (momentum 0, wd 0) bitwise.
+
+typedef struct {
+    fl_optim_rule rule; // first: &opt->rule is the rule
+    float weight_decay, clip_value;
+    int t;          // steps begun
+    float lr, keep; // this step's: lr and 1 - lr*wd
+} fl_lomo;
+
+void fl_lomo_init_range(fl_lomo *opt, size_t begin, size_t end, float weight_decay,
+                        float clip_value);
+void fl_lomo_free(fl_lomo *opt);
+
+// ----------------------------------------------------------------------------
+// AdaLomo (Lv et al., lomo_optim/adalomo.py): per row (tensor) at step t,
+// with g processed as LOMO's (clamp, clip_coef):
+//   beta2t = 1 - t^decay_rate;  u = g^2 + eps1
+//   matrices (R x K: K the last dimension, R the product of the others):
+//     row (R) = beta2t*row + (1-beta2t)*mean over columns of u
+//     col (K) = beta2t*col + (1-beta2t)*mean over rows of u
+//     u = g * rsqrt(row / mean(row)) * rsqrt(col)   (Adafactor's factored v)
+//   vectors: v = beta2t*v + (1-beta2t)*u;  u = g * rsqrt(v)
+//   u /= max(1, RMS(u) / clip_threshold)
+//   lr_t = lr * max(eps2, RMS(p))       (p before the update)
+//   p = p * (1 - lr_t*wd) - lr_t*u      (decay on FL_PARAM_DECAY rows only)
+// The means and RMS are summed in double in a fixed order (bitwise the same
+// for any thread count). An update must cover a whole row. State, O(R + K)
+// per matrix and O(numel) per vector: "exp_avg_sq_row", "exp_avg_sq_col"
+// (0 floats for vectors) and "exp_avg_sq" (0 floats for matrices), in one
+// FL_MEM_OPTIM buffer laid out row by row in table order.
+
+typedef struct {
+    fl_optim_rule rule;          // first: &opt->rule is the rule
+    const fl_param_table *table; // must outlive the rule
+    int first_row, end_row;      // the rows [first_row, end_row) make up [begin, end)
+    float eps1, eps2, clip_threshold, decay_rate, weight_decay, clip_value;
+    float *state;     // FL_MEM_OPTIM, numel floats
+    size_t numel;     // fl_adalomo_state_numel(table, begin, end)
+    int t;            // steps begun
+    float lr, beta2t; // this step's
+} fl_adalomo;
+
+// Floats of AdaLomo state for the rows in [begin, end) (whole rows only).
+size_t fl_adalomo_state_numel(const fl_param_table *t, size_t begin, size_t end);
+// [begin, end) must be made of whole rows of t. clip_value: as LOMO's (0: off).
+void fl_adalomo_init_range(fl_adalomo *opt, const fl_param_table *t, size_t begin, size_t end,
+                           float eps1, float eps2, float clip_threshold, float decay_rate,
+                           float weight_decay, float clip_value);
+void fl_adalomo_free(fl_adalomo *opt);
+
+// ----------------------------------------------------------------------------
 // gradient norm and clipping, as torch.nn.utils.clip_grad_norm_: the L2 norm
 // is summed in double over fixed chunks in a fixed order (the same for any
 // thread count); the clip coefficient is max_norm / (norm + 1e-6) when
@@ -145,18 +225,34 @@ int fl_loss_scaler_update(fl_loss_scaler *s, int overflow);
 // ----------------------------------------------------------------------------
 // the optimizer of a training step
 
-typedef enum { FL_OPT_ADAMW, FL_OPT_SGD } fl_optim_kind;
+// LOMO and AdaLomo are the fused kinds: no fp32 master weights (the update
+// runs on the model's weights, 16-bit ones by stochastic rounding or nearest
+// even), meant to be called row by row from the backward pass.
+typedef enum { FL_OPT_ADAMW, FL_OPT_SGD, FL_OPT_LOMO, FL_OPT_ADALOMO } fl_optim_kind;
 
 typedef struct {
     fl_optim_kind kind;
-    float beta1, beta2, eps, weight_decay, momentum;
-    float max_grad_norm; // 0 = no clipping
-    int grad_accum;      // micro-batches per step
+    float beta1, beta2, eps, weight_decay, momentum; // eps: AdamW's, and AdaLomo's eps1 (1e-30)
+    float max_grad_norm;                             // 0 = no clipping
+    int grad_accum;                                  // micro-batches per step
     // fp16 loss scaling (ignored for fp32/bf16)
     float loss_scale; // 0 = dynamic
     int initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis;
     float min_loss_scale;
+    // LOMO / AdaLomo
+    float clip_value; // clip_grad_value: clamp the unscaled gradient to +-clip_value; 0 = off
+    int stochastic_rounding; // 16-bit weights: 1 stochastic rounding (the intended default), 0
+                             // round to nearest even
+    uint64_t seed;        // stochastic rounding: step t uses fl_sr_bits(seed, t) (the run's seed)
+    float eps2;           // AdaLomo: floor of RMS(p) in the step size (1e-3)
+    float clip_threshold; // AdaLomo: update RMS clip (1.0)
+    float decay_rate;     // AdaLomo: beta2t = 1 - t^decay_rate (-0.8)
 } fl_optimizer_config;
+
+// LOMO or AdaLomo
+static inline int fl_optim_kind_fused(fl_optim_kind k) {
+    return k == FL_OPT_LOMO || k == FL_OPT_ADALOMO;
+}
 
 // The optimizer updates the elements [begin, end) of the model's flat buffer
 // (fl_optimizer_init: all of them; fl_optimizer_init_range: one shard, as a
@@ -168,14 +264,17 @@ typedef struct {
     fl_dtype dtype;    // the model's weight and gradient dtype
     void *params;      // the model's weights (dtype)
     void *grads;       // the model's gradients (dtype)
-    float *master;     // fp32 weights (FL_MEM_MASTER) under bf16/fp16, else NULL; element i of
-                       // the flat buffer at master[i - rule->state_begin]
+    float *master;     // fp32 weights (FL_MEM_MASTER) under bf16/fp16 (not for the fused
+                       // kinds), else NULL; element i of the flat buffer at
+                       // master[i - rule->state_begin]
     float *grad_accum; // fp32 gradient sum (FL_MEM_GRADS) for bf16/fp16 with accumulation
     union {            // the rule of cfg.kind
         fl_adamw adamw;
         fl_sgd sgd;
+        fl_lomo lomo;
+        fl_adalomo adalomo;
     };
-    fl_optim_rule *rule;   // &adamw.rule or &sgd.rule
+    fl_optim_rule *rule;   // &adamw.rule, &sgd.rule, &lomo.rule or &adalomo.rule
     fl_loss_scaler scaler; // fp16; scale 1 otherwise
     int micro;             // micro-batches seen in this step
 } fl_optimizer;
@@ -188,8 +287,15 @@ typedef struct {
 
 // Bytes the optimizer allocates per tag (master, optim, grads) for numel
 // parameters of dtype dt: the same sizes fl_optimizer_init allocates.
+// AdaLomo's state depends on the rows' shapes: without a table this reports
+// an upper bound (numel floats); fl_optimizer_memory_table is exact for
+// every kind (the rows in [begin, end) of the table; the gradient sum, when
+// there is one, covers the whole table).
 void fl_optimizer_memory(const fl_optimizer_config *cfg, fl_dtype dt, size_t numel,
                          size_t bytes[FL_MEM_NTAGS]);
+void fl_optimizer_memory_table(const fl_optimizer_config *cfg, fl_dtype dt,
+                               const fl_param_table *table, size_t begin, size_t end,
+                               size_t bytes[FL_MEM_NTAGS]);
 // Takes the model's table and buffers; under bf16/fp16 the master weights
 // start as the fp32 values of the 16-bit weights.
 void fl_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg, const fl_param_table *table,
@@ -222,9 +328,20 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr);
 // gradient of the first row's first element on, multiplied by grad_scale
 // (1 / scale, times the clip coefficient) as it is read. end_step, after the
 // step's last update and micro_done, records a clean step in the loss scaler.
+//
+// The fused kinds (LOMO, AdaLomo) work the same way on the model's weights
+// (no master): 16-bit weights are stored back by stochastic rounding when
+// cfg.stochastic_rounding (seeded by (cfg.seed, t), so a resume is bitwise),
+// else by nearest even. AdaLomo needs whole rows in update_rows (a shard's
+// range must be whole rows). update_rows_clip passes the clip coefficient
+// apart from the unscaling, for LOMO/AdaLomo's order (clamp to +-clip_value
+// the unscaled gradient, then multiply by clip_coef); for AdamW/SGD it is
+// update_rows with grad_scale * clip_coef.
 void fl_optimizer_begin_step(fl_optimizer *o, float lr);
 void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const void *grads,
                               fl_dtype grads_dtype, float grad_scale);
+void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                                   fl_dtype grads_dtype, float grad_scale, float clip_coef);
 void fl_optimizer_end_step(fl_optimizer *o);
 
 // ----------------------------------------------------------------------------

@@ -25,6 +25,16 @@ typedef struct {
 fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int micro, int B, int T, float lr);
 
+// The step of an optimizer fused into the backward pass (LOMO, AdaLomo) on a
+// model made by fl_model_init_unit_grads, one micro-batch (src/model/fused.c):
+// each unit is updated as soon as its gradients are complete. With gradient
+// clipping (max_grad_norm > 0) or fp16, a first forward and backward gather
+// the global norm and look for overflow without changing a weight, then a
+// second forward and backward update. fl_train_step calls it for those
+// optimizers; the result's grad_norm is that of the unscaled gradient.
+fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
+                              int B, int T, float lr);
+
 // A run's config made whole (src/model/run.c): the model shape from its
 // preset and the model.* options (the preset names the architecture unless
 // it is tiny or demo), the vocabulary from the tokenizer, then
@@ -35,5 +45,11 @@ void fl_config_finish(fl_train_config *cfg);
 void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source);
 // The optimizer settings of a finished config.
 fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg);
+// Whether a run with these settings keeps one unit's gradients at a time
+// (fl_model_alloc_acts' unit_grads): a fused optimizer (LOMO, AdaLomo)
+// without accumulation; with accumulation it needs the whole gradient.
+static inline int fl_optimizer_unit_grads(const fl_optimizer_config *o) {
+    return fl_optim_kind_fused(o->kind) && o->grad_accum == 1;
+}
 
 #endif

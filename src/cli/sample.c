@@ -83,7 +83,7 @@ int cmd_sample(int argc, char **argv) {
         fl_die("the %s tokenizer's vocabulary (%d) is not the model's (%d): choose the tokenizer "
                "the model was trained with (--tokenizer)",
                fl_tokenizer_name(tok), fl_tokenizer_vocab_size(tok), model.config.vocab_size);
-    fl_model_alloc_acts(&model, 1, model.config.max_seq_len, FL_RECOMPUTE_NONE);
+    fl_model_alloc_acts(&model, 1, model.config.max_seq_len, FL_RECOMPUTE_NONE, 1); // no backward
 
     fl_tokens prompt = {0};
     int eot = fl_tokenizer_eot(tok);

@@ -149,7 +149,7 @@ int cmd_train(int argc, char **argv) {
         fl_pretrained_load(cfg.init_from, &model, cfg.dtype);
     else
         fl_model_init(&model, &cfg.model, cfg.dtype, cfg.seed);
-    fl_model_alloc_acts(&model, B, T, cfg.recompute);
+    fl_model_alloc_acts(&model, B, T, cfg.recompute, fl_optimizer_unit_grads(&ocfg));
     fl_optimizer optim;
     fl_optimizer_init(&optim, &ocfg, &model.table, cfg.dtype, model.params, model.grads);
     int start = 0;

@@ -113,13 +113,28 @@ static const option options[] = {
      "refill the hysteresis after every clean step"},
     {"fp16.min_loss_scale", "--min-loss-scale", OPT_FLOAT, NUM(min_loss_scale), "1", 1e-30, 1e30,
      NULL, "the fp16 scale never goes below this; an overflow there stops training"},
-    {"optimizer.type", "--optimizer", OPT_CHOICE, STR(optimizer), "adamw", 0, 0, "adamw|sgd",
-     "optimizer"},
+    {"optimizer.type", "--optimizer", OPT_CHOICE, STR(optimizer), "adamw", 0, 0,
+     "adamw|sgd|lomo|adalomo",
+     "optimizer (lomo, adalomo: fused into the backward pass, no whole-model gradient, no fp32 "
+     "master copy)"},
     {"optimizer.params.lr", "--lr", OPT_FLOAT, NUM(lr), "0.003", 0, 1e3, NULL,
      "peak learning rate"},
     {"optimizer.params.betas", "--betas", OPT_PAIR, NUM(beta1), "0.9,0.95", 0, 0.999999, NULL,
      "AdamW betas (beta1,beta2)"},
-    {"optimizer.params.eps", "--eps", OPT_FLOAT, NUM(eps), "1e-8", 0, 1, NULL, "AdamW epsilon"},
+    {"optimizer.params.eps", "--eps", OPT_FLOAT, NUM(eps), "1e-8", 0, 1, NULL,
+     "AdamW epsilon; AdaLomo's eps[0], added to g^2 (its default 1e-30 when not given)"},
+    {"optimizer.params.eps2", "--eps2", OPT_FLOAT, NUM(eps2), "1e-3", 0, 1, NULL,
+     "AdaLomo's eps[1]: floor of RMS(parameter) in its learning-rate scale"},
+    {"optimizer.params.clip_threshold", "--clip-threshold", OPT_FLOAT, NUM(clip_threshold), "1.0",
+     1e-6, 1e6, NULL, "AdaLomo: the RMS of an update is normalised down to this"},
+    {"optimizer.params.decay_rate", "--decay-rate", OPT_FLOAT, NUM(decay_rate), "-0.8", -1, -1e-3,
+     NULL, "AdaLomo: second-moment decay 1 - t^decay_rate"},
+    {"optimizer.params.clip_grad_value", "--clip-grad-value", OPT_FLOAT, NUM(clip_value), "0", 0,
+     1e9, NULL, "LOMO: clamp each gradient element to +-this (0 = off)"},
+    {"optimizer.params.stochastic_rounding", "--stochastic-rounding", OPT_BOOL,
+     NUM(stochastic_rounding), "true", 0, 0, NULL,
+     "LOMO/AdaLomo on bf16/fp16 weights: round updates stochastically (false: to nearest; "
+     "updates below half an ulp then vanish)"},
     {"optimizer.params.weight_decay", "--weight-decay", OPT_FLOAT, NUM(weight_decay), "0.1", 0, 1e3,
      NULL, "weight decay (matrices and wte; not biases, LayerNorm, wpe)"},
     {"optimizer.params.momentum", "--momentum", OPT_FLOAT, NUM(momentum), "0", 0, 0.999999, NULL,
@@ -593,15 +608,33 @@ void fl_config_check(fl_train_config *cfg) {
     cfg->train_batch_size = cfg->micro_batch * cfg->grad_accum;
 
     // An option that the chosen optimizer would ignore is an error, not a no-op.
-    int adamw = !strcmp(cfg->optimizer, "adamw");
-    if (adamw && fl_config_given(cfg, "optimizer.params.momentum"))
-        fl_die("optimizer.params.momentum applies to sgd; adamw uses optimizer.params.betas");
-    if (!adamw && (fl_config_given(cfg, "optimizer.params.betas") ||
-                   fl_config_given(cfg, "optimizer.params.eps")))
-        fl_die("optimizer.params.betas and eps apply to adamw, not %s", cfg->optimizer);
+    const char *opt = cfg->optimizer;
+    const struct {
+        const char *key, *for_whom;
+    } only[] = {{"optimizer.params.momentum", "sgd"},
+                {"optimizer.params.betas", "adamw"},
+                {"optimizer.params.eps", "adamw adalomo"},
+                {"optimizer.params.eps2", "adalomo"},
+                {"optimizer.params.clip_threshold", "adalomo"},
+                {"optimizer.params.decay_rate", "adalomo"},
+                {"optimizer.params.clip_grad_value", "lomo"},
+                {"optimizer.params.stochastic_rounding", "lomo adalomo"}};
+    for (size_t i = 0; i < sizeof only / sizeof only[0]; i++) {
+        char words[32];
+        snprintf(words, sizeof words, " %s ", only[i].for_whom);
+        char me[40];
+        snprintf(me, sizeof me, " %s ", opt);
+        if (fl_config_given(cfg, only[i].key) && !strstr(words, me))
+            fl_die("%s applies to %s, not %s", only[i].key, only[i].for_whom, opt);
+    }
+    if (!strcmp(opt, "adalomo") && !fl_config_given(cfg, "optimizer.params.eps"))
+        cfg->eps = 1e-30f; // AdaLomo's own default
     if (cfg->threads == 0) cfg->threads = omp_get_num_procs();
     finish_checkpointing(cfg);
     finish_precision(cfg);
+    if (cfg->dtype == FL_F32 && fl_config_given(cfg, "optimizer.params.stochastic_rounding"))
+        fl_die("optimizer.params.stochastic_rounding applies to bf16 and fp16 weights; precision "
+               "is fp32");
     if (*cfg->mem_limit) fl_parse_bytes(cfg->mem_limit, "mem_limit");
 }
 

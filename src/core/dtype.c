@@ -161,6 +161,59 @@ void fl_store_f32(fl_dtype dt, void *dst, const float *src, size_t n) {
     fl_convert(dt, dst, FL_F32, src, n);
 }
 
+// ----------------------------------------------------------------------------
+// stochastic rounding
+
+uint64_t fl_sr_bits(uint64_t seed, uint64_t index) {
+    uint64_t z = seed + (index + 1) * 0x9e3779b97f4a7c15ull; // splitmix64, output `index`
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// bf16: adding 16 random bits below the kept ones carries into them with
+// probability (dropped bits) / 2^16, then truncation. inf (dropped bits 0)
+// stays inf; the largest finite values may carry into inf.
+static uint16_t bf16_stochastic(float x, uint64_t bits) {
+    uint32_t u = bits_of(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); // quiet NaN
+    if ((u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(u >> 16);         // inf
+    return (uint16_t)((u + (uint32_t)(bits & 0xffffu)) >> 16);
+}
+
+// fp16: the magnitude truncated to fp16 and the next fp16 value up; up with
+// probability (|x| - below) / (above - below).
+static uint16_t f16_stochastic(float x, uint64_t bits) {
+    uint32_t u = bits_of(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  // NaN
+    if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u); // >= 65536 (and inf): inf
+    if (a < 0x38800000u) {
+        // subnormal or zero in fp16: units of 2^-24 (exact), the fraction
+        // above the lower neighbour against 32 random bits
+        float f = float_of(a) * 16777216.0f, lo = floorf(f);
+        double frac = (double)(f - lo); // exact: f < 2^10
+        uint32_t h = (uint32_t)lo + ((double)(uint32_t)bits < frac * 4294967296.0);
+        return (uint16_t)(sign | h);
+    }
+    // normal: rebias the exponent (127 -> 15), add 13 random bits under the
+    // 13 dropped ones and truncate (65504 < |x| < 65536 may carry into inf)
+    uint32_t r = a - (112u << 23) + (uint32_t)(bits & 0x1fffu);
+    return (uint16_t)(sign | (r >> 13));
+}
+
+void fl_store_f32_stochastic(fl_dtype dt, void *dst, const float *src, size_t n, uint64_t seed,
+                             uint64_t first_index) {
+    uint16_t *h = dst;
+    if (dt == FL_F32)
+        memmove(dst, src, n * sizeof(float));
+    else if (dt == FL_BF16)
+        for (size_t i = 0; i < n; i++)
+            h[i] = bf16_stochastic(src[i], fl_sr_bits(seed, first_index + i));
+    else
+        for (size_t i = 0; i < n; i++)
+            h[i] = f16_stochastic(src[i], fl_sr_bits(seed, first_index + i));
+}
+
 void fl_accumulate_f32(fl_dtype dt, void *dst, const float *src, size_t n) {
     if (dt == FL_F32) {
         float *d = dst;

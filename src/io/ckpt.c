@@ -374,6 +374,11 @@ int fl_ckpt_has(const fl_ckpt *ck, const char *name) {
     return find(ck, name) != NULL;
 }
 
+size_t fl_ckpt_numel(const fl_ckpt *ck, const char *name) {
+    const tensor_entry *t = find(ck, name);
+    return t ? (size_t)t->numel : 0;
+}
+
 void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t numel) {
     const tensor_entry *t = find(ck, name);
     if (!t) fl_die("checkpoint %s has no tensor '%s'", ck->path, name);
@@ -390,27 +395,30 @@ void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, s
     if (first > t->numel || count > t->numel - first)
         fl_die("checkpoint %s: elements [%zu, %zu) are outside tensor '%s' of %llu", ck->path,
                first, first + count, name, (unsigned long long)t->numel);
-    // The whole tensor is read in blocks (its CRC-32 covers all of it), and
-    // the range lands straight in dst, converted when the dtypes differ, so
-    // a large checkpoint needs no second copy in memory.
-    size_t esize = fl_dtype_size(t->dtype), block = 1 << 20, numel = t->numel;
-    uint8_t *buf = fl_alloc(FL_MEM_WORKSPACE, block * esize);
+    // The whole tensor is read in blocks (its CRC-32 covers all of it). A
+    // whole tensor of dt is read straight into dst; otherwise blocks pass
+    // through a buffer and the range lands in dst, converted.
+    size_t esize = fl_dtype_size(t->dtype), numel = t->numel;
+    size_t block = numel < ((size_t)1 << 20) ? numel : (size_t)1 << 20;
+    int direct = t->dtype == dt && first == 0 && count == numel;
+    uint8_t *buf = direct || !numel ? NULL : fl_alloc(FL_MEM_WORKSPACE, block * esize);
     uint64_t base = CKPT_PREFIX + (uint64_t)ck->p.header_len + t->offset;
     uint32_t crc = 0;
     for (size_t i = 0; i < numel; i += block) {
         size_t n = numel - i < block ? numel - i : block;
+        uint8_t *into = direct ? (uint8_t *)dst + i * esize : buf;
         size_t want = n * esize, got = 0;
         while (got < want) {
-            ssize_t r = pread(ck->fd, buf + got, want - got, (off_t)(base + i * esize + got));
+            ssize_t r = pread(ck->fd, into + got, want - got, (off_t)(base + i * esize + got));
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0)
                 fl_die("cannot read checkpoint %s: %s", ck->path,
                        r ? strerror(errno) : "end of file");
             got += (size_t)r;
         }
-        crc = fl_crc32(crc, buf, want);
+        crc = fl_crc32(crc, into, want);
         size_t lo = first > i ? first : i, hi = first + count < i + n ? first + count : i + n;
-        if (lo < hi)
+        if (!direct && lo < hi)
             fl_convert(dt, fl_at(dt, dst, lo - first), t->dtype, buf + (lo - i) * esize, hi - lo);
     }
     fl_free(buf);

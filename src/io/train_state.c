@@ -2,6 +2,8 @@
 // it. The weights are saved in fp32 (the master copy under mixed precision);
 // the 16-bit weights are rounded from them again on resume, which gives back
 // exactly the values the run was using, since every step ends that way.
+// The fused optimizers (LOMO, AdaLomo) keep no master: their 16-bit weights
+// are saved as they are.
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,13 +55,17 @@ static const char *string(const cJSON *obj, const char *key, const char *path) {
 }
 
 static const char *optim_kind_name(fl_optim_kind k) {
-    return k == FL_OPT_ADAMW ? "adamw" : "sgd";
+    static const char *const names[] = {"adamw", "sgd", "lomo", "adalomo"};
+    return names[k];
 }
 
 // Tensor names: one per table row, "model/<row>" for the fp32 weights and
 // "optim/<state>/<row>" for each state tensor of the optimizer's rule (e.g.
 // optim/m/h.0.attn.c_attn.weight), so a range of the flat buffer is a set of
-// rows and a sharded checkpoint can be resharded by reading ranges.
+// rows and a sharded checkpoint can be resharded by reading ranges. A state
+// tensor holds fl_optim_state_numel floats for its row (the row's numel for
+// elementwise rules; AdaLomo's row/column statistics), none is written where
+// that is 0.
 static void tensor_name(char *out, size_t size, const char *state, const char *row) {
     int n = state ? snprintf(out, size, "optim/%s/%s", state, row)
                   : snprintf(out, size, "model/%s", row);
@@ -95,9 +101,10 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const 
     const fl_param_table *t = &model->table;
     fl_optim_rule *rule = optim ? optim->rule : NULL;
     int nstate = rule ? fl_optim_state_count(rule) : 0;
-    const float *weights = model->params;
+    const void *weights = model->params;
+    fl_dtype wdt = model->dtype; // fp32, or 16-bit weights without a master (LOMO, AdaLomo)
     if (optim) {
-        if (optim->master) weights = optim->master;
+        if (optim->master) weights = optim->master, wdt = FL_F32;
         cJSON *o = cJSON_AddObjectToObject(meta, "optimizer");
         cJSON_AddStringToObject(o, "type", optim_kind_name(optim->cfg.kind));
         cJSON_AddNumberToObject(o, "t", *fl_optim_step_count(rule));
@@ -115,15 +122,22 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const 
     char(*names)[NAME_MAX_] = fl_alloc(FL_MEM_OTHER, n * NAME_MAX_);
     size_t k = 0;
     for (int st = -1; st < nstate; st++) {
-        for (int r = 0; r < t->count; r++, k++) {
+        for (int r = 0; r < t->count; r++) {
             const fl_param_view *v = &t->views[r];
+            size_t numel = st < 0 ? v->numel : fl_optim_state_numel(rule, st, v);
+            if (st >= 0 && numel == 0) continue;
             tensor_name(names[k], NAME_MAX_, st < 0 ? NULL : fl_optim_state_name(rule, st),
                         v->name);
-            const float *data =
-                st < 0 ? weights + v->offset : fl_optim_state_ptr(rule, st, v->offset);
-            tensors[k] = (fl_ckpt_tensor){names[k], FL_F32, data, v->numel};
+            if (st < 0)
+                tensors[k] =
+                    (fl_ckpt_tensor){names[k], wdt, fl_at_const(wdt, weights, v->offset), numel};
+            else
+                tensors[k] = (fl_ckpt_tensor){names[k], FL_F32,
+                                              fl_optim_state_ptr(rule, st, v->offset), numel};
+            k++;
         }
     }
+    n = k;
     if (loader) {
         cJSON *l = cJSON_AddObjectToObject(meta, "loader");
         add_u64(l, "epoch", loader->epoch);
@@ -250,16 +264,31 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim,
     int t = (int)number(o, "t", path, 0, 1 << 30);
 
     size_t n = model->table.numel;
-    float *weights = optim->master ? optim->master : model->params;
-    read_rows(ck, &model->table, "", "weights", FL_F32, weights);
-    if (optim->master) fl_convert(model->dtype, model->params, FL_F32, optim->master, n);
+    if (optim->master) {
+        read_rows(ck, &model->table, "", "weights", FL_F32, optim->master);
+        fl_convert(model->dtype, model->params, FL_F32, optim->master, n);
+    } else { // fp32, or 16-bit weights without a master
+        read_rows(ck, &model->table, "", "weights", model->dtype, model->params);
+    }
     // the rule's state tensors, and those of the layout before by-name tensors
     static const char *const legacy[2][2] = {{"adamw.m", "adamw.v"}, {"sgd.momentum", NULL}};
     fl_optim_rule *rule = optim->rule;
     int nstate = fl_optim_state_count(rule);
-    for (int k = 0; k < nstate; k++)
-        read_rows(ck, &model->table, fl_optim_state_name(rule, k), legacy[optim->cfg.kind][k],
-                  FL_F32, fl_optim_state_ptr(rule, k, 0));
+    for (int k = 0; k < nstate; k++) {
+        const char *old = optim->cfg.kind <= FL_OPT_SGD ? legacy[optim->cfg.kind][k] : NULL;
+        if (old && fl_ckpt_has(ck, old)) {
+            fl_ckpt_read(ck, old, FL_F32, fl_optim_state_ptr(rule, k, 0), n);
+            continue;
+        }
+        for (int r = 0; r < model->table.count; r++) { // per row: its own size
+            const fl_param_view *v = &model->table.views[r];
+            size_t numel = fl_optim_state_numel(rule, k, v);
+            if (numel == 0) continue;
+            char name[NAME_MAX_];
+            tensor_name(name, sizeof name, fl_optim_state_name(rule, k), v->name);
+            fl_ckpt_read(ck, name, FL_F32, fl_optim_state_ptr(rule, k, v->offset), numel);
+        }
+    }
     char first[NAME_MAX_];
     tensor_name(first, sizeof first, "momentum", model->table.views[0].name);
     if (optim->cfg.kind == FL_OPT_SGD && !nstate &&

@@ -90,6 +90,18 @@ static size_t bookkeeping_bytes(int rows, int L) {
     return 2 * (size_t)rows * sizeof(void *) + (size_t)(L + 3) * sizeof(int);
 }
 
+// Elements of the per-unit gradient buffers: the largest unit's, and the
+// embedding's own when the LM head is tied to it (0 otherwise).
+static void unit_grad_sizes(const fl_param_table *t, const fl_model_config *c, size_t *unit,
+                            size_t *embed) {
+    size_t per[1026] = {0}; // by unit + 1: embedding, blocks, head (n_layer <= 1024)
+    for (int r = 0; r < t->count; r++) per[t->views[r].unit + 1] += t->views[r].numel;
+    *unit = 0;
+    *embed = c->tie_embeddings ? per[0] : 0;
+    for (int u = c->tie_embeddings ? 1 : 0; u <= c->n_layer + 1; u++)
+        if (per[u] > *unit) *unit = per[u];
+}
+
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed) {
     memset(m, 0, sizeof *m);
     m->config = *cfg;
@@ -101,7 +113,6 @@ void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_
     size_t n = m->table.numel;
     FL_ASSERT(n == m->arch->num_params(c) && m->table.count == m->arch->table_rows(c));
     m->params = fl_alloc(FL_MEM_PARAMS, n * fl_dtype_size(dt));
-    m->grads = fl_alloc(FL_MEM_GRADS, n * fl_dtype_size(dt));
     int rows = m->table.count, L = c->n_layer;
     m->wp = fl_alloc(FL_MEM_OTHER, (size_t)rows * sizeof(void *));
     m->gp = fl_alloc(FL_MEM_OTHER, (size_t)rows * sizeof(void *));
@@ -122,6 +133,21 @@ void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_
     fl_params_init(&m->table, dt, m->params, seed);
 }
 
+// The gradients: one buffer for the model, or one unit's at a time.
+static void alloc_grads(fl_model *m, int unit_grads) {
+    size_t D = fl_dtype_size(m->dtype);
+    if (unit_grads) {
+        size_t unit, embed;
+        unit_grad_sizes(&m->table, &m->config, &unit, &embed);
+        m->unit_grads = fl_alloc(FL_MEM_GRADS, unit * D);
+        if (embed) m->embed_grads = fl_alloc(FL_MEM_GRADS, embed * D);
+        return;
+    }
+    m->grads = fl_alloc(FL_MEM_GRADS, m->table.numel * D);
+    for (int unit = FL_UNIT_EMBED; unit <= m->config.n_layer; unit++)
+        fl_model_bind_grads(m, unit, NULL);
+}
+
 void fl_model_unit_rows(const fl_model *m, int unit, int *first, int *count) {
     FL_ASSERT(unit >= FL_UNIT_EMBED && unit <= m->config.n_layer);
     *first = m->unit_row[unit + 1];
@@ -133,8 +159,9 @@ static void bind(const fl_model *m, void **ptrs, void *whole, int unit, void *bu
     fl_model_unit_rows(m, unit, &first, &count);
     const fl_param_view *v = m->table.views;
     for (int r = first; r < first + count; r++)
-        ptrs[r] = buffer ? fl_at(m->dtype, buffer, v[r].offset - v[first].offset)
-                         : fl_at(m->dtype, whole, v[r].offset);
+        ptrs[r] = buffer  ? fl_at(m->dtype, buffer, v[r].offset - v[first].offset)
+                  : whole ? fl_at(m->dtype, whole, v[r].offset)
+                          : NULL; // gradients per unit: bound when the unit runs
 }
 
 void fl_model_bind_grads(fl_model *m, int unit, void *buffer) {
@@ -206,7 +233,7 @@ static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, 
 }
 
 void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
-                     fl_recompute recompute, size_t bytes[FL_MEM_NTAGS]) {
+                     fl_recompute recompute, int unit_grads, size_t bytes[FL_MEM_NTAGS]) {
     fl_model_config c = *cfg;
     fl_model_config_finish(&c);
     const fl_arch *arch = arch_of(&c);
@@ -214,6 +241,14 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
     size_t numel = arch->num_params(&c);
     bytes[FL_MEM_PARAMS] = numel * fl_dtype_size(dt);
     bytes[FL_MEM_GRADS] = numel * fl_dtype_size(dt);
+    if (unit_grads) { // the table, built only to size the units' buffers
+        fl_param_table t;
+        fl_model_table(&t, &c);
+        size_t unit, embed;
+        unit_grad_sizes(&t, &c, &unit, &embed);
+        fl_params_free(&t);
+        bytes[FL_MEM_GRADS] = (unit + embed) * fl_dtype_size(dt);
+    }
     int rows = arch->table_rows(&c);
     bytes[FL_MEM_OTHER] = rows * sizeof(fl_param_view) + bookkeeping_bytes(rows, c.n_layer);
     if (B == 0) return;
@@ -222,13 +257,14 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
     for (int i = 0; i < n; i++) bytes[specs[i].tag] += specs[i].count * specs[i].elem;
 }
 
-void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute) {
+void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int unit_grads) {
     const fl_model_config *c = &m->config;
     if (B <= 0 || T <= 0)
         fl_die("batch size and sequence length must be positive (B=%d, T=%d)", B, T);
     if (T > c->max_seq_len)
         fl_die("sequence length %d exceeds the model's max_seq_len %d", T, c->max_seq_len);
     FL_ASSERT(m->max_B == 0); // allocated once, up front
+    alloc_grads(m, unit_grads);
     act_spec specs[MAX_SPECS];
     int n = act_specs(m, c, m->dtype, B, T, fl_threads(), recompute, specs);
     for (int i = 0; i < n; i++)
@@ -249,6 +285,8 @@ void fl_model_free(fl_model *m) {
     }
     fl_free(m->params);
     fl_free(m->grads);
+    fl_free(m->unit_grads);
+    fl_free(m->embed_grads);
     fl_free(m->wp);
     fl_free(m->gp);
     fl_free(m->unit_row);
@@ -259,7 +297,24 @@ void fl_model_free(fl_model *m) {
 // ----------------------------------------------------------------------------
 // passes
 
+// Per-unit gradients: the unit's rows into its buffer, zeroed.
+static void bind_unit_grads(fl_model *m, int unit, void *buffer) {
+    int first, count;
+    fl_model_unit_rows(m, unit, &first, &count);
+    if (!count) return;
+    const fl_param_view *a = &m->table.views[first], *z = &m->table.views[first + count - 1];
+    memset(buffer, 0, (z->offset + z->numel - a->offset) * fl_dtype_size(m->dtype));
+    fl_model_bind_grads(m, unit, buffer);
+}
+
 static void pre_unit(fl_model *m, int unit, int pass) {
+    if (m->unit_grads && pass == FL_PASS_BWD) {
+        int L = m->config.n_layer;
+        // the tied LM head writes into the embedding's gradient first
+        if (unit == FL_UNIT_HEAD(L) && m->embed_grads)
+            bind_unit_grads(m, FL_UNIT_EMBED, m->embed_grads);
+        if (unit != FL_UNIT_EMBED || !m->embed_grads) bind_unit_grads(m, unit, m->unit_grads);
+    }
     if (m->hooks.pre_unit) m->hooks.pre_unit(m->hooks.ctx, m, unit, pass);
 }
 
@@ -352,7 +407,7 @@ float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B
 }
 
 void fl_model_zero_grad(fl_model *m) {
-    memset(m->grads, 0, m->table.numel * fl_dtype_size(m->dtype));
+    if (m->grads) memset(m->grads, 0, m->table.numel * fl_dtype_size(m->dtype));
 }
 
 void fl_model_backward(fl_model *m, float dloss) {

@@ -117,14 +117,25 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         if (largest > unit) unit = largest;
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
-        fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute, b);
+        fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
+                        fl_optimizer_unit_grads(&r->optim), b);
     } else {
         numel = r->num_params;
         largest = unit = r->largest_tensor;
         b[FL_MEM_PARAMS] = numel * ds;
         b[FL_MEM_GRADS] = numel * ds;
     }
-    fl_optimizer_memory(&r->optim, dt, numel, opt);
+    size_t fused_rows = 0; // a fused step's sums of squares, one per row
+    if (shaped && fl_optim_kind_fused(r->optim.kind)) {
+        // AdaLomo's state is per row; a fused step keeps a sum of squares per row
+        fl_param_table t;
+        fl_model_table(&t, &c);
+        fl_optimizer_memory_table(&r->optim, dt, &t, 0, t.numel, opt);
+        if (fl_optimizer_unit_grads(&r->optim)) fused_rows = (size_t)t.count;
+        fl_params_free(&t);
+    } else {
+        fl_optimizer_memory(&r->optim, dt, numel, opt);
+    }
     for (int t = 0; t < FL_MEM_NTAGS; t++) b[t] += opt[t];
 
     // What `fitlm train` allocates besides the model and the optimizer: the
@@ -134,8 +145,12 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     // (V floats) and, inside it, the sampler's (logit, id) sort buffer (V x 8).
     b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * (size_t)r->optim.grad_accum * sizeof(int);
     if (b[FL_MEM_OTHER] < r->data_peak) b[FL_MEM_OTHER] = r->data_peak;
+    // transient workspace, one at a time: the fused step's row sums, the sampler's
+    size_t sampler =
+        shaped && r->sample_tokens > 0 ? (size_t)c.vocab_size * (sizeof(float) + 8) : 0;
+    b[FL_MEM_WORKSPACE] +=
+        sampler > fused_rows * sizeof(double) ? sampler : fused_rows * sizeof(double);
     if (shaped && r->sample_tokens > 0) {
-        b[FL_MEM_WORKSPACE] += (size_t)c.vocab_size * (sizeof(float) + 8);
         b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
     }
 

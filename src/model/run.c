@@ -91,8 +91,11 @@ void fl_config_finish(fl_train_config *cfg) {
 }
 
 fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
+    static const char *const kinds[] = {"adamw", "sgd", "lomo", "adalomo"}; // by fl_optim_kind
+    int kind = 0;
+    while (strcmp(cfg->optimizer, kinds[kind])) kind++; // a checked choice
     fl_optimizer_config o = {
-        .kind = strcmp(cfg->optimizer, "adamw") ? FL_OPT_SGD : FL_OPT_ADAMW,
+        .kind = (fl_optim_kind)kind,
         .beta1 = cfg->beta1,
         .beta2 = cfg->beta2,
         .eps = cfg->eps,
@@ -106,6 +109,12 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
         .hysteresis = cfg->hysteresis,
         .consecutive_hysteresis = cfg->consecutive_hysteresis,
         .min_loss_scale = cfg->min_loss_scale,
+        .clip_value = cfg->clip_value,
+        .stochastic_rounding = cfg->stochastic_rounding,
+        .seed = cfg->seed,
+        .eps2 = cfg->eps2,
+        .clip_threshold = cfg->clip_threshold,
+        .decay_rate = cfg->decay_rate,
     };
     return o;
 }

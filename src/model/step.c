@@ -5,6 +5,10 @@
 fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int micro, int B, int T, float lr) {
     FL_ASSERT(micro == o->cfg.grad_accum);
+    if (m->unit_grads) { // an optimizer fused into the backward pass, one micro-batch
+        FL_ASSERT(micro == 1);
+        return fl_fused_step(m, o, inputs, targets, B, T, lr);
+    }
     size_t BT = (size_t)B * T;
     long total = 0;
     for (size_t i = 0; i < (size_t)micro * BT; i++) total += targets[i] != -1;

@@ -5,7 +5,9 @@
 // fp32; under fp16 the loss is scaled up before the backward pass and an
 // overflowing step is skipped without touching any weight or state. The
 // update itself is the rule's (fl_optim_rule), one range per table row, over
-// the whole table or over one shard of it.
+// the whole table or over one shard of it. The fused kinds (LOMO, AdaLomo)
+// keep no master: their update runs on the model's weights, 16-bit ones
+// stored back by stochastic rounding seeded from (cfg.seed, t).
 #include <string.h>
 
 #include "fitlm/optim.h"
@@ -14,15 +16,30 @@ static int needs_accum_buffer(const fl_optimizer_config *cfg, fl_dtype dt) {
     return dt != FL_F32 && cfg->grad_accum > 1; // fp32 accumulates in the model's grads
 }
 
+static int has_master(const fl_optimizer_config *cfg, fl_dtype dt) {
+    return dt != FL_F32 && !fl_optim_kind_fused(cfg->kind);
+}
+
 void fl_optimizer_memory(const fl_optimizer_config *cfg, fl_dtype dt, size_t numel,
                          size_t bytes[FL_MEM_NTAGS]) {
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
-    if (dt != FL_F32) bytes[FL_MEM_MASTER] = numel * sizeof(float);
+    if (has_master(cfg, dt)) bytes[FL_MEM_MASTER] = numel * sizeof(float);
     if (needs_accum_buffer(cfg, dt)) bytes[FL_MEM_GRADS] = numel * sizeof(float);
     if (cfg->kind == FL_OPT_ADAMW)
         bytes[FL_MEM_OPTIM] = 2 * numel * sizeof(float);
-    else if (cfg->momentum > 0.0f)
+    else if (cfg->kind == FL_OPT_SGD && cfg->momentum > 0.0f)
         bytes[FL_MEM_OPTIM] = numel * sizeof(float);
+    else if (cfg->kind == FL_OPT_ADALOMO) // an upper bound: see fl_optimizer_memory_table
+        bytes[FL_MEM_OPTIM] = numel * sizeof(float);
+}
+
+void fl_optimizer_memory_table(const fl_optimizer_config *cfg, fl_dtype dt,
+                               const fl_param_table *table, size_t begin, size_t end,
+                               size_t bytes[FL_MEM_NTAGS]) {
+    fl_optimizer_memory(cfg, dt, end - begin, bytes);
+    if (needs_accum_buffer(cfg, dt)) bytes[FL_MEM_GRADS] = table->numel * sizeof(float);
+    if (cfg->kind == FL_OPT_ADALOMO)
+        bytes[FL_MEM_OPTIM] = fl_adalomo_state_numel(table, begin, end) * sizeof(float);
 }
 
 void fl_optimizer_init_range(fl_optimizer *o, const fl_optimizer_config *cfg,
@@ -36,7 +53,7 @@ void fl_optimizer_init_range(fl_optimizer *o, const fl_optimizer_config *cfg,
     o->dtype = dt;
     o->params = params;
     o->grads = grads;
-    if (dt != FL_F32) {
+    if (has_master(cfg, dt)) {
         o->master = fl_alloc(FL_MEM_MASTER, (end - begin) * sizeof(float));
         fl_convert(FL_F32, o->master, dt, fl_at(dt, params, begin), end - begin);
     }
@@ -46,9 +63,18 @@ void fl_optimizer_init_range(fl_optimizer *o, const fl_optimizer_config *cfg,
         fl_adamw_init_range(&o->adamw, begin, end, cfg->beta1, cfg->beta2, cfg->eps,
                             cfg->weight_decay);
         o->rule = &o->adamw.rule;
-    } else {
+    } else if (cfg->kind == FL_OPT_SGD) {
         fl_sgd_init_range(&o->sgd, begin, end, cfg->momentum, cfg->weight_decay);
         o->rule = &o->sgd.rule;
+    } else if (cfg->kind == FL_OPT_LOMO) {
+        fl_lomo_init_range(&o->lomo, begin, end, cfg->weight_decay, cfg->clip_value);
+        o->rule = &o->lomo.rule;
+    } else {
+        FL_ASSERT(cfg->kind == FL_OPT_ADALOMO);
+        fl_adalomo_init_range(&o->adalomo, table, begin, end, cfg->eps, cfg->eps2,
+                              cfg->clip_threshold, cfg->decay_rate, cfg->weight_decay,
+                              cfg->clip_value);
+        o->rule = &o->adalomo.rule;
     }
     if (dt == FL_F16)
         fl_loss_scaler_init(&o->scaler, cfg->loss_scale, cfg->initial_scale_power,
@@ -79,7 +105,8 @@ void fl_optimizer_zero_grad(fl_optimizer *o) {
     if (o->micro == 0 && o->grad_accum) memset(o->grad_accum, 0, n * sizeof(float));
     // fp32 sums micro-batches in the model's own gradients; 16-bit gradients
     // are per micro-batch and summed into the fp32 buffer
-    if (o->micro == 0 || o->grad_accum) memset(o->grads, 0, n * fl_dtype_size(o->dtype));
+    if (o->grads && (o->micro == 0 || o->grad_accum))
+        memset(o->grads, 0, n * fl_dtype_size(o->dtype));
 }
 
 void fl_optimizer_micro_done(fl_optimizer *o) {
@@ -105,21 +132,37 @@ void fl_optimizer_begin_step(fl_optimizer *o, float lr) {
 
 void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const void *grads,
                               fl_dtype grads_dtype, float grad_scale) {
+    fl_optimizer_update_rows_clip(o, first_row, n_rows, grads, grads_dtype, grad_scale, 1.0f);
+}
+
+void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                                   fl_dtype grads_dtype, float grad_scale, float clip_coef) {
     FL_ASSERT(first_row >= 0 && n_rows >= 0 && first_row + n_rows <= o->table->count);
-    const fl_optim_rule *r = o->rule;
+    fl_optim_rule *r = o->rule;
+    int fused = fl_optim_kind_fused(o->cfg.kind);
+    if (!fused) grad_scale *= clip_coef; // folded, as the whole-step path does
+    // the step's stochastic-rounding seed (t counts steps begun)
+    uint64_t sr_seed = fl_sr_bits(o->cfg.seed, (uint64_t)*fl_optim_step_count(r));
     size_t base = n_rows ? o->table->views[first_row].offset : 0; // where `grads` starts
     for (int k = first_row; k < first_row + n_rows; k++) {
         const fl_param_view *v = &o->table->views[k];
         size_t lo = v->offset > r->state_begin ? v->offset : r->state_begin;
         size_t hi = v->offset + v->numel < r->state_end ? v->offset + v->numel : r->state_end;
         if (lo >= hi) continue; // outside this optimizer's range
+        float *params = o->master            ? o->master + (lo - r->state_begin)
+                        : o->dtype == FL_F32 ? (float *)o->params + lo
+                                             : NULL; // fused: the 16-bit weights themselves
         fl_update_args a = {
-            .params = o->master ? o->master + (lo - r->state_begin) : (float *)o->params + lo,
-            .params_lowp = o->master ? fl_at(o->dtype, o->params, lo) : NULL,
+            .params = params,
+            .params_lowp = o->dtype != FL_F32 ? fl_at(o->dtype, o->params, lo) : NULL,
             .lowp_dtype = o->dtype,
             .grads = fl_at_const(grads_dtype, grads, lo - base),
             .grads_dtype = grads_dtype,
             .grad_scale = grad_scale,
+            .clip_coef = fused ? clip_coef : 1.0f,
+            .stochastic = o->cfg.stochastic_rounding,
+            .sr_seed = sr_seed,
+            .first_index = lo,
         };
         fl_optim_update(o->rule, v, lo, hi - lo, &a);
     }
@@ -151,8 +194,11 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
     float unscale = 1.0f / o->scaler.scale;
     r.grad_norm = fl_grad_norm(grads_dtype, grads, n) * unscale;
     fl_optimizer_begin_step(o, lr);
-    fl_optimizer_update_rows(o, 0, o->table->count, grads, grads_dtype,
-                             unscale * fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm));
+    float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
+    if (fl_optim_kind_fused(o->cfg.kind)) // LOMO's order: clamp the unscaled g, then coef
+        fl_optimizer_update_rows_clip(o, 0, o->table->count, grads, grads_dtype, unscale, coef);
+    else
+        fl_optimizer_update_rows(o, 0, o->table->count, grads, grads_dtype, unscale * coef);
     fl_optimizer_end_step(o);
     return r;
 }

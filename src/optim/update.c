@@ -1,7 +1,7 @@
 // update.c: see update.h.
 #include "update.h"
 
-#define UPDATE_BLOCK 4096 // elements per work item; fits the fp32 gradient copy on the stack
+#define UPDATE_BLOCK FL_UPDATE_BLOCK
 
 void fl_optim_begin_step(fl_optim_rule *r, float lr) {
     r->ops->begin_step(r, lr);
@@ -39,8 +39,29 @@ float *fl_optim_state_ptr(fl_optim_rule *r, int k, size_t offset) {
     return r->ops->state_ptr(r, k, offset);
 }
 
+size_t fl_optim_state_numel(const fl_optim_rule *r, int k, const fl_param_view *row) {
+    FL_ASSERT(k >= 0 && k < r->nstate);
+    return r->ops->state_numel ? r->ops->state_numel(r, k, row) : row->numel;
+}
+
 int *fl_optim_step_count(fl_optim_rule *r) {
     return r->ops->step_count(r);
+}
+
+float *fl_update_load_params(const fl_update_args *a, size_t i, size_t n, float *scratch) {
+    if (a->params) return a->params + i;
+    FL_ASSERT(a->params_lowp);
+    fl_convert(FL_F32, scratch, a->lowp_dtype, fl_at(a->lowp_dtype, a->params_lowp, i), n);
+    return scratch;
+}
+
+void fl_update_store_params(const fl_update_args *a, size_t i, size_t n, const float *p) {
+    if (!a->params_lowp) return;
+    void *dst = fl_at(a->lowp_dtype, a->params_lowp, i);
+    if (!a->params && a->stochastic)
+        fl_store_f32_stochastic(a->lowp_dtype, dst, p, n, a->sr_seed, a->first_index + i);
+    else
+        fl_store_f32(a->lowp_dtype, dst, p, n);
 }
 
 void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn, void *ctx) {
@@ -49,12 +70,11 @@ void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn, v
     for (size_t b = 0; b < nblocks; b++) {
         size_t i = b * UPDATE_BLOCK, len = n - i;
         if (len > UPDATE_BLOCK) len = UPDATE_BLOCK;
-        float scratch[UPDATE_BLOCK];
+        float scratch[UPDATE_BLOCK], pbuf[UPDATE_BLOCK];
         const float *g =
             fl_load_f32(a->grads_dtype, fl_at_const(a->grads_dtype, a->grads, i), len, scratch);
-        fn(ctx, a->params + i, g, i, len, a->grad_scale);
-        if (a->params_lowp)
-            fl_store_f32(a->lowp_dtype, fl_at(a->lowp_dtype, a->params_lowp, i), a->params + i,
-                         len);
+        float *p = fl_update_load_params(a, i, len, pbuf);
+        fn(ctx, p, g, i, len, a->grad_scale);
+        fl_update_store_params(a, i, len, p);
     }
 }

@@ -17,6 +17,8 @@ struct fl_optim_ops {
                    const fl_update_args *a);
     void (*end_step)(fl_optim_rule *r); // NULL: nothing to do
     float *(*state_ptr)(fl_optim_rule *r, int k, size_t offset);
+    // floats of state tensor k for row; NULL: elementwise (row->numel)
+    size_t (*state_numel)(const fl_optim_rule *r, int k, const fl_param_view *row);
     int *(*step_count)(fl_optim_rule *r);
     void (*free)(fl_optim_rule *r);
 };
@@ -27,5 +29,16 @@ typedef void (*fl_update_block_fn)(void *ctx, float *p, const float *g, size_t i
 
 // The n elements a points at.
 void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn, void *ctx);
+
+// For rules that walk a range themselves (AdaLomo): the fp32 weights of the
+// range's elements [i, i+n) (a->params + i, or without a master the 16-bit
+// weights converted into scratch), and, once updated in place, their store
+// back (the 16-bit copy refreshed by nearest even, or without a master the
+// 16-bit weights by nearest even or stochastic rounding).
+float *fl_update_load_params(const fl_update_args *a, size_t i, size_t n, float *scratch);
+void fl_update_store_params(const fl_update_args *a, size_t i, size_t n, const float *p);
+
+// Elements per work item of fl_update_range (its fp32 copies live on the stack).
+#define FL_UPDATE_BLOCK 4096
 
 #endif
