@@ -3,6 +3,7 @@
 // smaller than the allocated activations, and LOMO fused into the backward.
 #include <math.h>
 #include <omp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -366,12 +367,73 @@ static void test_lomo_fp16_overflow(void) {
     fl_model_free(&m);
 }
 
+// bf16 weights without a master copy: an update of lr 1e-5 is far below half
+// an ulp of weights near 0.02-1, so rounding to nearest loses it and the
+// loss never moves; stochastic rounding keeps it on average.
+static void test_lomo_stochastic_rounding(void) {
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 24);
+    float first[2], last[2];
+    for (int sr = 0; sr < 2; sr++) {
+        fl_model m;
+        fl_model_init(&m, &tiny_llama, FL_BF16, 8);
+        fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 1);
+        fl_optimizer_config oc = {
+            .kind = FL_OPT_LOMO, .grad_accum = 1, .stochastic_rounding = sr, .seed = 99};
+        fl_optimizer o;
+        fl_optimizer_init(&o, &oc, &m.table, FL_BF16, m.params, NULL);
+        for (int s = 0; s < 20; s++) {
+            float loss = fl_train_step(&m, &o, tokens, targets, 1, B, T, 1e-5f).loss;
+            if (s == 0) first[sr] = loss;
+            last[sr] = loss;
+        }
+        fl_optimizer_free(&o);
+        fl_model_free(&m);
+    }
+    float moved_rne = first[0] - last[0], moved_sr = first[1] - last[1];
+    printf("  bf16 LOMO, lr 1e-5, 20 steps: the loss falls by %.3g rounding to nearest, by %.3g "
+           "stochastically\n",
+           moved_rne, moved_sr);
+    t_check(moved_sr > 0 && moved_sr > 10 * fabsf(moved_rne),
+            "bf16 LOMO at lr 1e-5: the loss moves with stochastic rounding (%.3g), hardly without "
+            "(%.3g: only weights near 0 have ulps that small)",
+            moved_sr, moved_rne);
+}
+
+// LOMO with accumulation keeps the whole gradient: 2 micro-batches of B/2
+// give the step of one batch of B.
+static void test_lomo_accumulation(void) {
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 25);
+    float *w[2];
+    for (int k = 0; k < 2; k++) {
+        int micro = k + 1;
+        fl_model m;
+        fl_model_init(&m, &tiny_llama, FL_F32, 9);
+        fl_optimizer_config oc = {.kind = FL_OPT_LOMO, .grad_accum = micro, .max_grad_norm = 1.0f};
+        fl_model_alloc_acts(&m, B / micro, T, FL_RECOMPUTE_NONE, fl_optimizer_unit_grads(&oc));
+        fl_optimizer o;
+        fl_optimizer_init(&o, &oc, &m.table, FL_F32, m.params, m.grads);
+        fl_train_step(&m, &o, tokens, targets, micro, B / micro, T, 0.05f);
+        w[k] = malloc(m.table.numel * sizeof(float));
+        memcpy(w[k], m.params, m.table.numel * sizeof(float));
+        fl_optimizer_free(&o);
+        fl_model_free(&m);
+    }
+    t_close("LOMO, 2 accumulated micro-batches vs 1 fused batch", w[1], w[0],
+            fl_model_num_params(&tiny_llama), 1e-7, 1e-4);
+    free(w[0]);
+    free(w[1]);
+}
+
 static void test_lomo(void) {
     lomo_matches_unfused("GPT-2", &tiny, 0.5f);
     lomo_matches_unfused("LLaMA", &tiny_llama, 0.5f);
     lomo_is_sgd("GPT-2", &tiny);
     lomo_is_sgd("LLaMA", &tiny_llama);
     test_lomo_fp16_overflow();
+    test_lomo_stochastic_rounding();
+    test_lomo_accumulation();
 }
 
 int main(void) {
