@@ -373,7 +373,7 @@ static void test_lomo_fp16_overflow(void) {
 static void test_lomo_stochastic_rounding(void) {
     int tokens[B * T], targets[B * T];
     random_batch(tokens, targets, B * T, 24);
-    float first[2], last[2];
+    float first[2] = {0}, last[2] = {0};
     for (int sr = 0; sr < 2; sr++) {
         fl_model m;
         fl_model_init(&m, &tiny_llama, FL_BF16, 8);
