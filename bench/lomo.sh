@@ -22,7 +22,7 @@
 #   bench/lomo.sh                  # ~25 minutes on 2 cores
 #   LOMO_OUT=file bench/lomo.sh    # also writes the tables there
 #
-# Knobs: BUILD [build], THREADS [2], STEPS [3], STEPS_7B [4], NO_7B=1 (skip
+# Knobs: BUILD [build], THREADS [2], STEPS [3], STEPS_7B [4], MODEL_A [tinyllama-1.1b], NO_7B=1 (skip
 # (c)), LOG [a fresh /tmp dir], NO_BUILD=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,35 +31,29 @@ BUILD=${BUILD:-build}
 THREADS=${THREADS:-2}
 STEPS=${STEPS:-3}
 STEPS_7B=${STEPS_7B:-4}
+MODEL_A=${MODEL_A:-tinyllama-1.1b}
 LOG=${LOG:-$(mktemp -d "${TMPDIR:-/tmp}/fitlm-lomo.XXXXXX")}
 mkdir -p "$LOG"
 
-if [[ ${NO_BUILD:-0} != 1 ]]; then
-    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >/dev/null
-    cmake --build "$BUILD" -j "$(nproc)" --target fitlm >"$LOG/build.log" 2>&1 ||
-        { cat "$LOG/build.log"; exit 1; }
-fi
-FITLM=$BUILD/fitlm
+source bench/lib.sh
+bench_build
 [[ -f data/brown_byte/train_000000.bin ]] || FITLM=$FITLM bash scripts/tokenize.sh >/dev/null
 
-cpu=$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)
-isa=$(grep -o -w -E 'avx512_bf16|amx_bf16|avx512f|avx2|fma' /proc/cpuinfo | sort -u | tr '\n' ' ')
 COMMON=(--precision bf16 --batch 1 --seq-len 256 --activation-checkpointing block --tokenizer byte
     --data data/brown_byte --val-data none --eval-every 0 --sample-tokens 0 --out ''
     --threads "$THREADS" --warmup 0)
 
-# tag_peak TAG LOG: the peak column (MiB) of TAG in a memory report, in GiB
-tag_peak() {
-    awk -v t="$1" '$0 ~ /^memory by tag/ { on = 1 } on && $1 == t { v = $3 } END { printf "%.2f", v / 1024 }' "$2"
-}
-# plan_gib TAG PLAN: the bytes of TAG in `fitlm plan`'s table, in GiB
-plan_gib() {
-    awk -v t="$1" '$1 == t { printf "%.2f", $2 / 1073741824; exit }' "$2"
+# gib TAG LOG|PLAN: TAG's peak in a memory report, or its bytes in a plan, in GiB
+gib() {
+    if [[ $2 == *.plan ]]; then
+        awk -v b="$(plan_bytes "$1" "$2")" 'BEGIN { printf "%.2f", b / 1073741824 }'
+    else
+        awk -v m="$(tag_peak "$1" "$2")" 'BEGIN { printf "%.2f", m / 1024 }'
+    fi
 }
 # median_tok LOG: the median tokens/s of the steps after the first
 median_tok() {
-    grep -o '[0-9]* tok/s' "$1" | awk 'NR > 1 { print $1 }' | sort -g |
-        awk '{ v[NR] = $1 } END { if (!NR) { print "-"; exit } print NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+    grep -o '[0-9]* tok/s' "$1" | awk 'NR > 1 { print $1 }' | median_min_max | awk '{ print $1 }'
 }
 opt_flags() {
     case $1 in
@@ -70,20 +64,19 @@ opt_flags() {
     esac
 }
 
-echo "CPU: $cpu; ISA: $isa; $THREADS threads"
+echo "$(bench_cpu); $THREADS threads"
 echo
-echo "(a) measured: TinyLlama-1.1B shape, bf16, B=1, T=256, block checkpointing, $STEPS steps"
+echo "(a) measured: $MODEL_A, bf16, B=1, T=256, block checkpointing, $STEPS steps"
 echo
 echo "| optimizer | params GiB | grads GiB | optimizer states GiB (master + state) | activations GiB | total GiB (tags) | peak RSS GiB | tokens/s (median) |"
 echo "|---|---|---|---|---|---|---|---|"
 for o in adamw sgd lomo adalomo; do
     read -r -a of <<<"$(opt_flags $o)"
     log=$LOG/tiny_$o.log
-    /usr/bin/time -v "$FITLM" train --model tinyllama-1.1b "${COMMON[@]}" --steps "$STEPS" "${of[@]}" \
+    /usr/bin/time -v "$FITLM" train --model "$MODEL_A" "${COMMON[@]}" --steps "$STEPS" "${of[@]}" \
         --mem-report >"$log" 2>"$LOG/tiny_$o.time" || { echo "| $o | failed (see $log) |"; continue; }
-    p=$(tag_peak params "$log"); g=$(tag_peak grads "$log"); m=$(tag_peak master "$log")
-    s=$(tag_peak optim "$log"); a=$(tag_peak acts "$log")
-    total=$(awk '$0 ~ /^memory by tag/ { on = 1 } on && $1 == "total" { v = $4 } END { printf "%.2f", v / 1024 }' "$log")
+    p=$(gib params "$log"); g=$(gib grads "$log"); m=$(gib master "$log")
+    s=$(gib optim "$log"); a=$(gib acts "$log"); total=$(gib total "$log")
     rss=$(awk '/Maximum resident set size/ { printf "%.2f", $NF / 1048576 }' "$LOG/tiny_$o.time")
     echo "| $o | $p | $g | $(awk -v a="$m" -v b="$s" 'BEGIN { printf "%.2f", a + b }') | $a | $total | $rss | $(median_tok "$log") |"
 done
@@ -98,8 +91,8 @@ for o in adamw sgd lomo adalomo; do
     read -r -a of <<<"$(opt_flags $o)"
     plan=$LOG/7b_$o.plan
     "$FITLM" plan --model llama-7b "${COMMON[@]}" "${of[@]}" --mem-limit 1T >"$plan" 2>&1
-    ms=$(awk -v a="$(plan_gib master "$plan")" -v b="$(plan_gib optim "$plan")" 'BEGIN { printf "%.2f", a + b }')
-    echo "| $o | $(plan_gib params "$plan") | $(plan_gib grads "$plan") | $ms | $(plan_gib acts "$plan") | $(plan_gib total "$plan") | ${PAPER[$o]} |"
+    ms=$(awk -v a="$(gib master "$plan")" -v b="$(gib optim "$plan")" 'BEGIN { printf "%.2f", a + b }')
+    echo "| $o | $(gib params "$plan") | $(gib grads "$plan") | $ms | $(gib acts "$plan") | $(gib total "$plan") | ${PAPER[$o]} |"
 done
 
 [[ ${NO_7B:-0} == 1 ]] && exit 0
@@ -108,11 +101,11 @@ echo "(c) showcase: LOMO on llama-7b, bf16, B=1, T=256, block checkpointing, $ST
 echo
 flags=(--model llama-7b "${COMMON[@]}" --steps "$STEPS_7B" --optimizer lomo --lr 0.01 --grad-clip 0)
 "$FITLM" plan "${flags[@]}" >"$LOG/7b_show.plan" 2>&1
-planned=$(awk '$1 == "total" { print $2; exit }' "$LOG/7b_show.plan")
+planned=$(plan_bytes total "$LOG/7b_show.plan")
 echo "command: fitlm train ${flags[*]} --mem-report"
 /usr/bin/time -v "$FITLM" train "${flags[@]}" --mem-report >"$LOG/7b_show.log" 2>"$LOG/7b_show.time"
 grep -E '^step' "$LOG/7b_show.log" | sed 's/^/    /'
-tagged=$(awk '$0 ~ /^memory by tag/ { on = 1 } on && $1 == "total" { v = $4 } END { printf "%.0f", v * 1048576 }' "$LOG/7b_show.log")
+tagged=$(awk -v m="$(tag_peak total "$LOG/7b_show.log")" 'BEGIN { printf "%.0f", m * 1048576 }')
 rss=$(awk '/Maximum resident set size/ { printf "%.2f", $NF / 1048576 }' "$LOG/7b_show.time")
 echo
 echo "planned total $(awk -v b="$planned" 'BEGIN { printf "%.2f", b / 1073741824 }') GiB; measured tagged peak $(awk -v b="$tagged" 'BEGIN { printf "%.2f", b / 1073741824 }') GiB ($(awk -v a="$tagged" -v b="$planned" 'BEGIN { printf "%+.2f%%", 100 * (a - b) / b }') against the plan); peak RSS $rss GiB"

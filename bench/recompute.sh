@@ -32,29 +32,12 @@ MODELS=${MODELS:-"gpt2 smollm-135m"}
 LOG=${LOG:-$(mktemp -d "${TMPDIR:-/tmp}/fitlm-recompute.XXXXXX")}
 mkdir -p "$LOG"
 
-if [[ ${NO_BUILD:-0} != 1 ]]; then
-    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >/dev/null
-    cmake --build "$BUILD" -j "$(nproc)" --target fitlm >"$LOG/build.log" 2>&1 ||
-        { cat "$LOG/build.log"; exit 1; }
-fi
-FITLM=$BUILD/fitlm
+source bench/lib.sh
+bench_build
 
-cpu=$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)
-isa=$(grep -o -w -E 'avx512_bf16|amx_bf16|avx512f|avx2|fma' /proc/cpuinfo | sort -u | tr '\n' ' ')
-
-# tag_peak TAG LOG: the peak column (MiB) of TAG's line in a memory report
-tag_peak() {
-    awk -v t="$1" '$0 ~ /^memory by tag/ { on = 1 } on && $1 == t { v = $3 } END { print v + 0 }' "$2"
-}
-# plan_bytes TAG PLAN: the bytes column of TAG in `fitlm plan`'s table
-plan_bytes() {
-    awk -v t="$1" '$1 == t { print $2; exit }' "$2"
-}
 # step_ms LOG: "median min max" of the per-step times after the first
 step_ms() {
-    grep -o '| [0-9.]* ms |' "$1" | awk 'NR > 1 { print $2 }' | sort -g |
-        awk '{ v[NR] = $1 } END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2;
-               printf "%.0f %.0f %.0f\n", m, v[1], v[NR] }'
+    grep -o '| [0-9.]* ms |' "$1" | awk 'NR > 1 { printf "%.0f\n", $2 }' | median_min_max
 }
 
 ROWS=()
@@ -72,7 +55,7 @@ for model in $MODELS; do
             /usr/bin/time -v "$FITLM" train "${flags[@]}" --mem-report >"$LOG/$name.log" 2>"$LOG/$name.time" ||
                 { tail -5 "$LOG/$name.log" >&2; ROWS+=("| $model | $T | $policy | failed | | | | |"); continue; }
             "$FITLM" plan "${flags[@]}" >"$LOG/$name.plan" 2>&1
-            acts=$(tag_peak acts "$LOG/$name.log")
+            acts=$(awk -v m="$(tag_peak acts "$LOG/$name.log")" 'BEGIN { printf "%.2f", m }')
             planned=$(plan_bytes acts "$LOG/$name.plan")
             rss=$(awk '/Maximum resident set size/ { printf "%.0f", $NF / 1024 }' "$LOG/$name.time")
             read -r med lo hi <<<"$(step_ms "$LOG/$name.log")"
@@ -84,7 +67,7 @@ for model in $MODELS; do
 done
 
 {
-    echo "CPU: $cpu; ISA: $isa; $THREADS threads; $PRECISION; B=8; median of $((STEPS - 1)) steps after the first"
+    echo "$(bench_cpu); $THREADS threads; $PRECISION; B=8; median of $((STEPS - 1)) steps after the first"
     echo
     echo "| model | T | policy | acts MiB (measured) | acts MiB (fitlm plan) | peak RSS MiB | ms/step median (min–max) | step time vs none |"
     echo "|---|---|---|---|---|---|---|---|"

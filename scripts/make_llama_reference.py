@@ -57,17 +57,7 @@ with `labels`). Some targets are -1 (position 7 of row 0 and the last three
 positions of row 1) and the loss is the mean cross-entropy over the others
 (ignore_index=-1), which is what the engine's token-weighted loss must give.
 
-Fixture format: identical to make_reference.py's (all little-endian):
-
-    8 bytes   magic "FITLMREF"
-    uint32    version = 1
-    then records until end of file, each:
-      uint32  name_len
-      bytes   name (name_len bytes, no NUL)
-      uint32  dtype (0 = float32, 1 = int32)
-      uint32  ndim
-      uint64  shape[ndim]
-      bytes   data: prod(shape) elements of 4 bytes, row-major
+Fixture format: make_reference.py's (its docstring), written by its Writer.
 
 Records (in this order; the last one is final/<last param>, i.e.
 final/lm_head.weight untied, final/norm.weight tied, so truncation shows):

@@ -20,19 +20,27 @@ static void make_table(fl_param_table *t) {
 }
 
 // One step of a rule over the whole table, one update per row in table
-// order (what fl_optimizer_step does); p and g are the flat fp32 buffers.
-static void rule_step(fl_optim_rule *r, const fl_param_table *t, float *p, const float *g,
-                      float gscale, float lr) {
+// order (what fl_optimizer_step does); p and g are the flat fp32 buffers;
+// coef is the clip coefficient LOMO and AdaLomo apply after clamping.
+static void rule_step_clip(fl_optim_rule *r, const fl_param_table *t, float *p, const float *g,
+                           float gscale, float coef, float lr) {
     fl_optim_begin_step(r, lr);
     for (int k = 0; k < t->count; k++) {
         const fl_param_view *v = &t->views[k];
         fl_update_args a = {.params = p + v->offset,
                             .grads = g + v->offset,
                             .grads_dtype = FL_F32,
-                            .grad_scale = gscale};
+                            .grad_scale = gscale,
+                            .clip_coef = coef};
         fl_optim_update(r, v, v->offset, v->numel, &a);
     }
     fl_optim_end_step(r);
+}
+
+// coef 0 reads as 1 (and only LOMO and AdaLomo read it)
+static void rule_step(fl_optim_rule *r, const fl_param_table *t, float *p, const float *g,
+                      float gscale, float lr) {
+    rule_step_clip(r, t, p, g, gscale, 0.0f, lr);
 }
 
 static void test_adamw_matches_torch_rule(void) {
@@ -657,20 +665,6 @@ static void test_schedules(void) {
 // LOMO
 
 // One LOMO update of the whole table on fp32 weights, with a clip coefficient.
-static void lomo_step(fl_optim_rule *r, const fl_param_table *t, float *p, const float *g,
-                      float gscale, float coef, float lr) {
-    fl_optim_begin_step(r, lr);
-    for (int k = 0; k < t->count; k++) {
-        const fl_param_view *v = &t->views[k];
-        fl_update_args a = {.params = p + v->offset,
-                            .grads = g + v->offset,
-                            .grads_dtype = FL_F32,
-                            .grad_scale = gscale,
-                            .clip_coef = coef};
-        fl_optim_update(r, v, v->offset, v->numel, &a);
-    }
-    fl_optim_end_step(r);
-}
 
 static void test_lomo_rule(void) {
     fl_param_table t = {0};
@@ -687,7 +681,7 @@ static void test_lomo_rule(void) {
             "lomo keeps no state");
     for (int step = 1; step <= 3; step++) {
         t_fill(g, n, 400 + step, 1.0f);
-        lomo_step(&lomo.rule, &t, p, g, gscale, coef, lr);
+        rule_step_clip(&lomo.rule, &t, p, g, gscale, coef, lr);
         float keep = 1.0f - lr * wd;
         for (size_t i = 0; i < n; i++) { // clamp the unscaled g, then the coefficient
             float d = g[i] * gscale;
@@ -710,7 +704,7 @@ static void test_lomo_rule(void) {
     fl_sgd_init(&sgd, n, 0.0f, 0.0f);
     for (int step = 1; step <= 3; step++) {
         t_fill(g, n, 500 + step, 2.0f);
-        lomo_step(&lomo.rule, &t, p, g, gscale, 0.0f, 0.1f * step);
+        rule_step_clip(&lomo.rule, &t, p, g, gscale, 0.0f, 0.1f * step);
         rule_step(&sgd.rule, &t, q, g, gscale, 0.1f * step);
     }
     t_check(!memcmp(p, q, sizeof p), "lomo with wd 0 equals sgd (momentum 0, wd 0) bitwise");
