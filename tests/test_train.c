@@ -272,7 +272,8 @@ static float row_norm(const fl_model *m) {
 
 // One fused LOMO step (one unit's gradients at a time, two passes for the
 // clipping norm) against the same update applied after a whole backward.
-static void lomo_matches_unfused(const char *name, const fl_model_config *cfg, float clip) {
+static void lomo_matches_unfused(const char *name, const fl_model_config *cfg, float clip,
+                                 fl_recompute policy) {
     int tokens[B * T], targets[B * T];
     random_batch(tokens, targets, B * T, 21);
     fl_optimizer_config oc = {.kind = FL_OPT_LOMO,
@@ -284,7 +285,7 @@ static void lomo_matches_unfused(const char *name, const fl_model_config *cfg, f
     fl_model_init(&fused, cfg, FL_F32, 5);
     fl_model_init(&whole, cfg, FL_F32, 5);
     size_t grads0 = fl_mem_current(FL_MEM_GRADS);
-    fl_model_alloc_acts(&fused, B, T, FL_RECOMPUTE_NONE, 1);
+    fl_model_alloc_acts(&fused, B, T, policy, 1);
     size_t fused_grads = fl_mem_current(FL_MEM_GRADS) - grads0;
     fl_model_alloc_acts(&whole, B, T, FL_RECOMPUTE_NONE, 0);
     fl_optimizer of, ow;
@@ -362,6 +363,23 @@ static void test_lomo_fp16_overflow(void) {
     fl_train_result r = fl_train_step(&m, &o, tokens, targets, 1, B, T, 0.1f);
     t_check(r.skipped && !memcmp(before, m.params, bytes),
             "fp16 LOMO: an overflowing step is skipped with every weight bitwise unchanged");
+    // dynamic scaling grows after loss_scale_window clean steps (DeepSpeed's
+    // semantics; LOMO's reference implementation never grows it)
+    fl_optimizer_config dyn = oc;
+    dyn.loss_scale = 0.0f;
+    dyn.initial_scale_power = 4;
+    dyn.loss_scale_window = 2;
+    fl_optimizer od;
+    fl_optimizer_init(&od, &dyn, &m.table, FL_F16, m.params, NULL);
+    float scales[3];
+    for (int i = 0; i < 3; i++) {
+        fl_train_step(&m, &od, tokens, targets, 1, B, T, 1e-3f);
+        scales[i] = od.scaler.scale;
+    }
+    t_check(scales[0] == 16.0f && scales[1] == 32.0f && scales[2] == 32.0f,
+            "fp16 LOMO: the scale doubles after 2 clean steps (%g %g %g)", scales[0], scales[1],
+            scales[2]);
+    fl_optimizer_free(&od);
     free(before);
     fl_optimizer_free(&o);
     fl_model_free(&m);
@@ -427,8 +445,12 @@ static void test_lomo_accumulation(void) {
 }
 
 static void test_lomo(void) {
-    lomo_matches_unfused("GPT-2", &tiny, 0.5f);
-    lomo_matches_unfused("LLaMA", &tiny_llama, 0.5f);
+    // the second pass re-runs only the head: the activations the first
+    // backward left (and what a policy recomputes) serve the second
+    lomo_matches_unfused("GPT-2", &tiny, 0.5f, FL_RECOMPUTE_NONE);
+    lomo_matches_unfused("GPT-2 selective", &tiny, 0.5f, FL_RECOMPUTE_SELECTIVE);
+    lomo_matches_unfused("LLaMA", &tiny_llama, 0.5f, FL_RECOMPUTE_NONE);
+    lomo_matches_unfused("LLaMA block", &tiny_llama, 0.5f, FL_RECOMPUTE_BLOCK);
     lomo_is_sgd("GPT-2", &tiny);
     lomo_is_sgd("LLaMA", &tiny_llama);
     test_lomo_fp16_overflow();

@@ -134,6 +134,11 @@ void fl_model_bind_params(fl_model *m, int unit, void *buffer);
 // backward needs; targets may be NULL for inference (m->loss = -1). Logits
 // are in m->logits (B,T,Vp). Token or target ids out of range are fatal.
 float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B, int T);
+// After a backward, the forward again for a second backward: the backward
+// overwrote only the logits (with their own gradient), so the head alone is
+// re-run from the kept residual stream (what a policy recomputes, the
+// backward recomputes itself); the loss is the same, bitwise.
+float fl_model_forward_head(fl_model *m);
 void fl_model_zero_grad(fl_model *m);
 // Backward of the last forward: accumulates d(dloss * sum of the losses)
 // /dparams into the gradients, i.e. dloss is the weight of each target

@@ -7,9 +7,11 @@
 // Clipping by the global norm, and fp16's overflow check, need the whole
 // gradient before the first update. Then, as in the paper, a first backward
 // only gathers each row's sum of squares (and finds infs and NaNs) without
-// touching a weight; the forward is run again (its logits were overwritten
-// by their own gradient) and a second backward updates. An fp16 overflow is
-// found in the first pass, so a skipped step leaves every weight unchanged.
+// touching a weight, and a second backward updates. Between them only the
+// head is run again: the first backward overwrote the logits with their own
+// gradient and nothing else, so the kept activations serve the second one
+// (the paper's trainer re-runs the whole forward). An fp16 overflow is found
+// in the first pass, so a skipped step leaves every weight unchanged.
 #include <math.h>
 #include <string.h>
 
@@ -59,10 +61,12 @@ static double sum_rows(const double *row_sq, int rows) {
     return s;
 }
 
+// A forward (the whole model, or, for the second pass, only the head: the
+// first backward overwrote nothing else) and a backward with the hook.
 static float backward_pass(fl_model *m, fused_pass *p, const int *inputs, const int *targets, int B,
-                           int T, float dloss) {
+                           int T, float dloss, int head_only) {
     m->hooks = (fl_model_hooks){NULL, on_grad_ready, p};
-    float loss = fl_model_forward(m, inputs, targets, B, T);
+    float loss = head_only ? fl_model_forward_head(m) : fl_model_forward(m, inputs, targets, B, T);
     fl_model_backward(m, dloss);
     m->hooks = (fl_model_hooks){0};
     return loss;
@@ -81,7 +85,7 @@ fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, c
     int two_pass = o->cfg.max_grad_norm > 0.0f || m->dtype == FL_F16;
     fused_pass p = {o, 0, two_pass, row_sq, 0, unscale, 1.0f};
     if (two_pass) {
-        r.loss = backward_pass(m, &p, inputs, targets, B, T, dloss);
+        r.loss = backward_pass(m, &p, inputs, targets, B, T, dloss, 0);
         double sq = sum_rows(row_sq, m->table.count);
         if (p.overflow) {
             r.skipped = 1;
@@ -98,7 +102,7 @@ fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, c
     }
     p.update = 1;
     fl_optimizer_begin_step(o, lr);
-    float loss = backward_pass(m, &p, inputs, targets, B, T, dloss);
+    float loss = backward_pass(m, &p, inputs, targets, B, T, dloss, two_pass);
     fl_optimizer_end_step(o);
     if (!two_pass) {
         r.loss = loss;

@@ -355,12 +355,14 @@ static fl_block head_at(fl_model *m) {
         NULL, m->head_act, m->block_work};
 }
 
+static float loss(fl_model *m);
+
 float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B, int T) {
     const fl_model_config *c = &m->config;
     if (m->max_B == 0) fl_die("internal: fl_model_forward before fl_model_alloc_acts");
     if (B > m->max_B || T > m->max_T)
         fl_die("internal: batch %dx%d exceeds the allocated %dx%d", B, T, m->max_B, m->max_T);
-    int L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
+    int L = c->n_layer, V = c->vocab_size;
     size_t BT = (size_t)B * T;
     for (size_t i = 0; i < BT; i++) {
         if (tokens[i] < 0 || tokens[i] >= V)
@@ -394,9 +396,18 @@ float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B
     m->n_targets = 0;
     if (!targets) return m->loss;
     memcpy(m->targets, targets, BT * sizeof(int));
+    return loss(m);
+}
+
+// The mean loss of the logits against m->targets, kept for the backward.
+static float loss(fl_model *m) {
+    const fl_model_config *c = &m->config;
+    size_t BT = (size_t)m->B * m->T;
+    const int *targets = m->targets;
     FL_FWD_OP(FL_OP_XENT, softmax_xent_forward(m->dtype, m->losses, m->xent_lse, m->logits, targets,
-                                               BT, V, Vp));
+                                               BT, c->vocab_size, c->padded_vocab_size));
     double sum = 0.0; // fixed order: deterministic
+    m->n_targets = 0;
     for (size_t i = 0; i < BT; i++) {
         if (targets[i] == -1) continue;
         sum += m->losses[i];
@@ -404,6 +415,14 @@ float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B
     }
     m->loss = m->n_targets ? (float)(sum / m->n_targets) : 0.0f;
     return m->loss;
+}
+
+float fl_model_forward_head(fl_model *m) {
+    if (m->loss < 0.0f) fl_die("internal: fl_model_forward_head needs a forward with targets");
+    pre_unit(m, FL_UNIT_HEAD(m->config.n_layer), FL_PASS_FWD);
+    fl_block head = head_at(m);
+    m->arch->head_forward(&head, m->logits);
+    return loss(m);
 }
 
 void fl_model_zero_grad(fl_model *m) {
