@@ -140,7 +140,7 @@ static const option options[] = {
     {"optimizer.params.momentum", "--momentum", OPT_FLOAT, NUM(momentum), "0", 0, 0.999999, NULL,
      "SGD momentum"},
     {"gradient_clipping", "--grad-clip", OPT_FLOAT, NUM(grad_clip), "1.0", 0, 1e9, NULL,
-     "global gradient-norm clip (0 = off)"},
+     "global gradient-norm clip (0 = off; AdaLomo: 0 unless given)"},
     {"scheduler.type", "--scheduler", OPT_CHOICE, STR(scheduler), "cosine", 0, 0,
      "constant|cosine|linear", "learning-rate decay after warmup"},
     {"scheduler.params.warmup_num_steps", "--warmup", OPT_INT, NUM(warmup_steps), "100", 0, 1 << 30,
@@ -629,6 +629,10 @@ void fl_config_check(fl_train_config *cfg) {
     }
     if (!strcmp(opt, "adalomo") && !fl_config_given(cfg, "optimizer.params.eps"))
         cfg->eps = 1e-30f; // AdaLomo's own default
+    // AdaLomo normalises each update itself (clip_threshold) and needs no
+    // global-norm pass: as its reference, no global clipping unless asked
+    if (!strcmp(opt, "adalomo") && !fl_config_given(cfg, "gradient_clipping"))
+        cfg->grad_clip = 0.0f;
     if (cfg->threads == 0) cfg->threads = omp_get_num_procs();
     finish_checkpointing(cfg);
     finish_precision(cfg);
