@@ -252,21 +252,13 @@ static const fl_model_config tiny_llama = {.arch = FL_ARCH_LLAMA,
                                            .n_embd = 32,
                                            .intermediate_size = 48};
 
-// The oracle's global norm: each row's sum of squares in double, rows
-// added in table order (what the fused step computes unit by unit).
+// The global norm of the whole gradient, gathered row by row in table
+// order, as the fused step gathers it unit by unit.
 static float row_norm(const fl_model *m) {
     double total = 0.0;
-    for (int r = 0; r < m->table.count; r++) {
-        const float *g = (const float *)m->grads + m->table.views[r].offset;
-        size_t n = m->table.views[r].numel;
-        double s = 0.0;
-        for (size_t i = 0; i < n; i += 4096) {
-            double b = 0.0;
-            for (size_t k = i; k < n && k < i + 4096; k++) b += (double)g[k] * g[k];
-            s += b;
-        }
-        total += s;
-    }
+    for (int r = 0; r < m->table.count; r++)
+        total += fl_grad_sumsq(FL_F32, (const float *)m->grads + m->table.views[r].offset,
+                               m->table.views[r].numel);
     return (float)sqrt(total);
 }
 

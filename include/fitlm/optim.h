@@ -193,6 +193,9 @@ void fl_adalomo_free(fl_adalomo *opt);
 // max_norm > 0 and norm > max_norm, else 1.
 
 float fl_grad_norm(fl_dtype dt, const void *grads, size_t n);
+// The sum of squares fl_grad_norm takes the root of (in double; inf or NaN
+// when a value is), for norms gathered piece by piece.
+double fl_grad_sumsq(fl_dtype dt, const void *grads, size_t n);
 float fl_clip_coef(float norm, float max_norm);
 
 // ----------------------------------------------------------------------------

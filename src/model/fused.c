@@ -28,26 +28,13 @@ typedef struct {
     float clip_coef; // the global-norm clip coefficient (after clip_grad_value's clamp)
 } fused_pass;
 
-// Sum of squares of n gradient values in double, in a fixed order.
-static double sum_squares(fl_dtype dt, const void *g, size_t n, int *overflow) {
-    double s = 0.0;
-    float scratch[4096];
-    for (size_t i = 0; i < n; i += 4096) {
-        size_t len = n - i < 4096 ? n - i : 4096;
-        const float *x = fl_load_f32(dt, fl_at_const(dt, g, i), len, scratch);
-        double b = 0.0;
-        for (size_t k = 0; k < len; k++) b += (double)x[k] * x[k];
-        s += b;
-    }
-    if (!isfinite(s)) *overflow = 1;
-    return s;
-}
-
 static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     fused_pass *p = ctx;
     if (!p->update || !p->two_pass) // the norm, to clip by or to report
-        for (int r = first; r < first + n; r++)
-            p->row_sq[r] = sum_squares(m->dtype, m->gp[r], m->table.views[r].numel, &p->overflow);
+        for (int r = first; r < first + n; r++) {
+            p->row_sq[r] = fl_grad_sumsq(m->dtype, m->gp[r], m->table.views[r].numel);
+            if (!isfinite(p->row_sq[r])) p->overflow = 1;
+        }
     if (p->update)
         FL_PROFILE(FL_OP_OPTIMIZER, FL_BWD, 0.0,
                    fl_optimizer_update_rows_clip(p->o, first, n, m->gp[first], m->dtype, p->unscale,

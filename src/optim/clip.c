@@ -18,7 +18,7 @@ static double sum_squares(const float *x, size_t n) {
     return s;
 }
 
-float fl_grad_norm(fl_dtype dt, const void *grads, size_t n) {
+double fl_grad_sumsq(fl_dtype dt, const void *grads, size_t n) {
     double partial[MAX_CHUNKS];
     size_t chunk = n / MAX_CHUNKS + 1;
     if (chunk < 16384) chunk = 16384;
@@ -37,7 +37,11 @@ float fl_grad_norm(fl_dtype dt, const void *grads, size_t n) {
     }
     double total = 0.0;
     for (size_t c = 0; c < nchunks; c++) total += partial[c];
-    return (float)sqrt(total);
+    return total;
+}
+
+float fl_grad_norm(fl_dtype dt, const void *grads, size_t n) {
+    return (float)sqrt(fl_grad_sumsq(dt, grads, n));
 }
 
 float fl_clip_coef(float norm, float max_norm) {
