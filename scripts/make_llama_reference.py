@@ -235,9 +235,17 @@ def repeat_kv(x, n_rep):
     return x[:, :, None, :, :].expand(Bn, nkv, n_rep, Tn, hs).reshape(Bn, nkv * n_rep, Tn, hs)
 
 
-def forward(cfg, p, tokens, targets):
-    """Returns (logits, loss) in the parameters' dtype."""
+def forward(cfg, p, tokens, targets, lora=None):
+    """Returns (logits, loss) in the parameters' dtype. lora: None, or
+    lora(module, x, y) returning the output y of the linear layer `module`
+    (e.g. "layers.0.self_attn.q_proj") on input x with the layer's adapter
+    applied (make_lora_reference.py)."""
     Bn, Tn = tokens.shape
+
+    def lin(x, module):
+        y = linear(x, p[module + ".weight"])
+        return y if lora is None else lora(module, x, y)
+
     HS, NH, NKV = cfg.HS, cfg.NH, cfg.NKV
     dtype = p["embed_tokens.weight"].dtype
     cos, sin = rope_cos_sin(cfg, Tn)
@@ -247,9 +255,9 @@ def forward(cfg, p, tokens, targets):
     for l in range(cfg.L):
         q = "layers.%d." % l
         h = rmsnorm(x, p[q + "input_layernorm.weight"])
-        qq = linear(h, p[q + "self_attn.q_proj.weight"]).view(Bn, Tn, NH, HS).transpose(1, 2)
-        kk = linear(h, p[q + "self_attn.k_proj.weight"]).view(Bn, Tn, NKV, HS).transpose(1, 2)
-        vv = linear(h, p[q + "self_attn.v_proj.weight"]).view(Bn, Tn, NKV, HS).transpose(1, 2)
+        qq = lin(h, q + "self_attn.q_proj").view(Bn, Tn, NH, HS).transpose(1, 2)
+        kk = lin(h, q + "self_attn.k_proj").view(Bn, Tn, NKV, HS).transpose(1, 2)
+        vv = lin(h, q + "self_attn.v_proj").view(Bn, Tn, NKV, HS).transpose(1, 2)
         qq = qq * cos + rotate_half(qq) * sin
         kk = kk * cos + rotate_half(kk) * sin
         kk = repeat_kv(kk, NH // NKV)
@@ -257,11 +265,11 @@ def forward(cfg, p, tokens, targets):
         att = (qq @ kk.transpose(-2, -1)) / math.sqrt(HS)
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (att @ vv).transpose(1, 2).reshape(Bn, Tn, NH * HS)
-        x = x + linear(y, p[q + "self_attn.o_proj.weight"])
+        x = x + lin(y, q + "self_attn.o_proj")
         h = rmsnorm(x, p[q + "post_attention_layernorm.weight"])
-        gate = torch.nn.functional.silu(linear(h, p[q + "mlp.gate_proj.weight"]))
-        h = gate * linear(h, p[q + "mlp.up_proj.weight"])
-        x = x + linear(h, p[q + "mlp.down_proj.weight"])
+        gate = torch.nn.functional.silu(lin(h, q + "mlp.gate_proj"))
+        h = gate * lin(h, q + "mlp.up_proj")
+        x = x + lin(h, q + "mlp.down_proj")
     x = rmsnorm(x, p["norm.weight"])
     head = p["embed_tokens.weight"] if cfg.TIE else p["lm_head.weight"]
     logits = linear(x, head)

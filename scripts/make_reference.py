@@ -150,15 +150,23 @@ def linear(x, w, b):
     return x @ w.t() + b  # nn.Linear layout: w is (out, in)
 
 
-def forward(p, tokens, targets):
+def forward(p, tokens, targets, lora=None):
+    """lora: None, or lora(module, x, y) returning the output y of the linear
+    layer `module` (e.g. "h.0.attn.c_attn") on input x with the layer's
+    adapter applied (make_lora_reference.py)."""
     Bn, Tn = tokens.shape
     hs = C // NH
+
+    def lin(x, module):
+        y = linear(x, p[module + ".weight"], p[module + ".bias"])
+        return y if lora is None else lora(module, x, y)
+
     x = p["wte.weight"][tokens] + p["wpe.weight"][:Tn]
     mask = torch.ones(Tn, Tn, dtype=torch.bool).tril()
     for l in range(L):
         q = "h.%d." % l
         h = layernorm(x, p[q + "ln_1.weight"], p[q + "ln_1.bias"])
-        qkv = linear(h, p[q + "attn.c_attn.weight"], p[q + "attn.c_attn.bias"])
+        qkv = lin(h, q + "attn.c_attn")
         qq, kk, vv = qkv.split(C, dim=-1)
         qq = qq.view(Bn, Tn, NH, hs).transpose(1, 2)  # (B, NH, T, hs)
         kk = kk.view(Bn, Tn, NH, hs).transpose(1, 2)
@@ -166,13 +174,15 @@ def forward(p, tokens, targets):
         att = (qq @ kk.transpose(-2, -1)) / math.sqrt(hs)
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (att @ vv).transpose(1, 2).reshape(Bn, Tn, C)
-        x = x + linear(y, p[q + "attn.c_proj.weight"], p[q + "attn.c_proj.bias"])
+        x = x + lin(y, q + "attn.c_proj")
         h = layernorm(x, p[q + "ln_2.weight"], p[q + "ln_2.bias"])
-        h = gelu_tanh(linear(h, p[q + "mlp.c_fc.weight"], p[q + "mlp.c_fc.bias"]))
-        x = x + linear(h, p[q + "mlp.c_proj.weight"], p[q + "mlp.c_proj.bias"])
+        h = gelu_tanh(lin(h, q + "mlp.c_fc"))
+        x = x + lin(h, q + "mlp.c_proj")
     x = layernorm(x, p["ln_f.weight"], p["ln_f.bias"])
     logits = x @ p["wte.weight"].t()  # tied LM head, no bias
-    loss = torch.nn.functional.cross_entropy(logits.view(-1, V), targets.view(-1))
+    # a target -1 has no loss (this fixture has none; make_lora_reference.py's has)
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, V), targets.view(-1),
+                                             ignore_index=-1)
     return logits, loss
 
 

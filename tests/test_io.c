@@ -72,7 +72,7 @@ static void test_checkpoint(void) {
     fl_model_init(&a, &tiny, FL_F32, 3);
     char ck[512], file[600];
     snprintf(ck, sizeof ck, "%s/ck", dir);
-    fl_train_ckpt_save(ck, 42, &a, NULL, NULL, "byte", NULL, 2);
+    fl_train_ckpt_save(ck, 42, &a, NULL, NULL, NULL, "byte", NULL, 2);
     char tok[32];
     fl_ckpt_load_model(ck, &b, FL_F32, tok, sizeof tok);
     t_check(!strcmp(tok, "byte"), "the tokenizer name round-trips");
@@ -199,7 +199,7 @@ static void test_pruning(void) {
             snprintf(tmp, sizeof tmp, "%s/ckpt_00000099.fitlm.tmp", ck);
             t_write_file(tmp, "partial", 7);
         }
-        fl_train_ckpt_save(ck, step, &a, NULL, NULL, "byte", NULL, 2);
+        fl_train_ckpt_save(ck, step, &a, NULL, NULL, NULL, "byte", NULL, 2);
     }
     t_check(count_files(ck, "ckpt_") == 2, "keep 2: two checkpoint files remain");
     snprintf(tmp, sizeof tmp, "%s/ckpt_00000004.fitlm", ck);
@@ -207,12 +207,12 @@ static void test_pruning(void) {
     fl_ckpt *c = fl_ckpt_open(ck);
     t_check(fl_ckpt_step(c) == 5, "latest is the newest");
     fl_ckpt_close(c);
-    fl_train_ckpt_save(ck, 6, &a, NULL, NULL, "byte", NULL, 0);
+    fl_train_ckpt_save(ck, 6, &a, NULL, NULL, NULL, "byte", NULL, 0);
     t_check(count_files(ck, "ckpt_") == 3, "keep 0 keeps every checkpoint");
     // a new run in the same directory: the older run's files go first, even
     // with larger step numbers
-    fl_train_ckpt_save(ck, 1, &a, NULL, NULL, "byte", NULL, 2);
-    fl_train_ckpt_save(ck, 2, &a, NULL, NULL, "byte", NULL, 2);
+    fl_train_ckpt_save(ck, 1, &a, NULL, NULL, NULL, "byte", NULL, 2);
+    fl_train_ckpt_save(ck, 2, &a, NULL, NULL, NULL, "byte", NULL, 2);
     snprintf(tmp, sizeof tmp, "%s/ckpt_00000001.fitlm", ck);
     t_check(count_files(ck, "ckpt_") == 2 && access(tmp, F_OK) == 0,
             "a new run's checkpoints replace an older run's");

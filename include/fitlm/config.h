@@ -12,6 +12,7 @@
 
 #include "fitlm/core.h"
 #include "fitlm/dtype.h"
+#include "fitlm/lora.h"
 #include "fitlm/shape.h"
 
 #define FL_PATH_MAX 1024
@@ -53,6 +54,17 @@ typedef struct {
     float clip_value;                       // LOMO's clip_grad_value
     int stochastic_rounding;                // LOMO/AdaLomo on 16-bit weights
     float grad_clip;                        // gradient_clipping, 0 = off
+    // LoRA (PEFT's LoraConfig names) and NF4 base weights (bitsandbytes'
+    // BitsAndBytesConfig names)
+    int lora_enabled;
+    fl_lora_config lora;                   // init and train_base derived by fl_config_check
+    char lora_init[FL_NAME_MAX];           // true | gaussian
+    char lora_bias[FL_NAME_MAX];           // none
+    char lora_base_optimizer[FL_NAME_MAX]; // none | lomo | adalomo (LoRA + LOMO)
+    float lora_base_lr;                    // 0 = lr
+    char adapter[FL_PATH_MAX];             // a PEFT adapter directory to start from
+    char quant_type[FL_NAME_MAX];          // none | nf4 | fp4
+    fl_quant_config quant;                 // enabled derived by fl_config_check
     // schedule
     char scheduler[FL_NAME_MAX]; // constant | cosine | linear
     int warmup_steps;
@@ -68,7 +80,7 @@ typedef struct {
     int mem_report, mem_report_every;
     int profile;                 // per-op profile table after training
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
-    uint8_t given[96];           // by option-table index: set by the file or a flag, not defaulted
+    uint8_t given[128];          // by option-table index: set by the file or a flag, not defaulted
 } fl_train_config;
 
 // Fills the defaults (the values --help prints).

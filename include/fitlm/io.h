@@ -127,9 +127,11 @@ int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen);
 // RNG. Tensors: "weights" (fp32: the master copy under mixed precision) and
 // the optimizer state ("adamw.m", "adamw.v" or "sgd.momentum").
 
+// Under LoRA, optim is the adapters' and base the base's under LoRA + LOMO
+// (else NULL): see train_state.c for the tensors.
 void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
-                        const fl_loader_state *loader, const char *tokenizer,
-                        const char *config_json, int keep);
+                        const fl_optimizer *base, const fl_loader_state *loader,
+                        const char *tokenizer, const char *config_json, int keep);
 // Initialises *model (shape from the checkpoint, weights rounded to dt) from
 // a checkpoint directory or file; tokenizer receives the tokenizer's name.
 void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,
@@ -141,7 +143,7 @@ char *fl_train_ckpt_config(const fl_ckpt *ck);
 // Restores weights, optimizer state and loader position into a model and
 // optimizer initialised with the checkpoint's shape and settings; dies if
 // the shape, precision, optimizer or tokenizer differ.
-void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim,
+void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl_optimizer *base,
                            fl_loader_state *loader, const char *tokenizer);
 
 // ----------------------------------------------------------------------------
@@ -158,5 +160,9 @@ int fl_is_checkpoint_dir(const char *path);
 void fl_pretrained_config(const char *path, fl_model_config *cfg);
 // Initialises *model from the weights, rounded to dt.
 void fl_pretrained_load(const char *path, fl_model *model, fl_dtype dt);
+// The same with the base's linear layers stored in NF4 (q enabled: a
+// Hugging Face directory only).
+void fl_pretrained_load_quant(const char *path, fl_model *model, fl_dtype dt,
+                              const fl_quant_config *q);
 
 #endif

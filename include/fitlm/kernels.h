@@ -30,12 +30,14 @@
 #define FITLM_KERNELS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "fitlm/dtype.h"
 
 // ----------------------------------------------------------------------------
 // embedding: out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]; wpe (and dwpe) may be
-// NULL: no position embedding (LLaMA)
+// NULL: no position embedding (LLaMA). A NULL weight gradient (dwte, dwpe;
+// the norms' dweight, dbias) is a frozen weight: not computed.
 
 void encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte, const void *wpe,
                      int B, int T, int C);
@@ -123,7 +125,7 @@ void attention_backward_ref(float *dqkv, const float *dout, const float *qkv, co
 
 void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const void *weight,
                      int N, int C, float eps);
-// dinp (N,C) and dweight (C) accumulate; dweight sums the rows in a fixed
+// dinp (N,C) and dweight (C; NULL: frozen) accumulate; dweight sums the rows in a fixed
 // order per block of channels (deterministic)
 void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, const void *inp,
                       const void *weight, const float *rstd, int N, int C);
@@ -207,5 +209,66 @@ void softmax_xent_forward_ref(float *losses, float *lse, const float *logits, co
                               int N, int V, int Vp);
 void softmax_xent_backward_ref(float *dlogits, const float *logits, const float *lse,
                                const int *targets, const float *dlosses, int N, int V, int Vp);
+
+// ----------------------------------------------------------------------------
+// LoRA's pieces around its two GEMMs (the linear unit, src/model/lora.c):
+// columns [0, cols) of a wider row-major matrix (row stride ld) and dropout.
+//
+// lora_add_columns: out[n, 0:cols] += scale * x[n, :] (x is (N, cols)),
+// rounded once; lora_gather_columns: x[n, :] = scale * src[n, 0:cols].
+// dropout_apply: out = inp * mask / (1 - p), element i dropped when the top
+// 24 bits of fl_sr_bits(key, i), as a fraction of 2^24, fall below p: the
+// same key gives the same mask, so the backward applies it to the gradient
+// (out may alias inp).
+
+void lora_add_columns(fl_dtype dt, void *out, int ld, const void *x, float scale, int N, int cols);
+void lora_gather_columns(fl_dtype dt, void *x, const void *src, int ld, float scale, int N,
+                         int cols);
+void dropout_apply(fl_dtype dt, void *out, const void *inp, size_t n, float p, uint64_t key);
+void lora_add_columns_ref(float *out, int ld, const float *x, float scale, int N, int cols);
+void dropout_apply_ref(float *out, const float *inp, size_t n, float p, uint64_t key);
+
+// ----------------------------------------------------------------------------
+// NF4 (bitsandbytes' 4-bit NormalFloat, QLoRA) and its double quantisation
+// (src/kernels/nf4.c; scripts/make_nf4_reference.py is its numpy twin).
+//
+// nf4_quantize: w (n fp32) in blocks of `block` values; absmax[b] = max |w|
+// of block b; code = the number of NF4 midpoints strictly below
+// w * (1 / absmax) computed in fp32 (a value exactly on a midpoint takes the
+// lower code). The midpoints are bitsandbytes' fp32 thresholds (dQuantizeNF4
+// in csrc/kernels.cu). An all-zero block has absmax 0 and codes 7, the 0.0
+// entry. Two codes per byte, the FIRST element in the HIGH nibble, an odd
+// tail padded with code 7. codes: (n + 1) / 2 bytes; absmax: ceil(n / block)
+// floats.
+// nf4_dequantize: out[i] = codebook[code_i] * absmax[i / block], in fp32,
+// rounded once to dt (by fl_store_f32). Fast paths (AVX2, AVX-512) are chosen
+// at run time and match the _ref twin bitwise, on any thread count.
+//
+// dq8_quantize (double quantisation, bitsandbytes' compress_statistics): the
+// n absmax values minus their mean (*offset = mean, summed in double, then
+// fp32; the subtraction in fp32) are quantised in blocks of `block`
+// (FL_DQ_BLOCK) with bitsandbytes' signed 8-bit dynamic map (dq8_map, 256
+// sorted values in [-1, 1]: 0 and 1 are in it, -1 is not): nested[b] = max |x|
+// of block b, code = index of the nearest map value of x * (1 / nested[b])
+// in fp32 (ties to the even index; an all-zero block has nested 0 and the
+// code of 0.0). dq8_dequantize: absmax[i] = map[q[i]] * nested[i / block]
+// + offset, each operation rounded to fp32.
+
+extern const float nf4_codebook[16];
+extern const float dq8_map[256];
+void nf4_quantize(uint8_t *codes, float *absmax, const float *w, size_t n, int block);
+void nf4_dequantize(fl_dtype dt, void *out, const uint8_t *codes, const float *absmax, size_t n,
+                    int block);
+void nf4_dequantize_ref(float *out, const uint8_t *codes, const float *absmax, size_t n, int block);
+void dq8_quantize(uint8_t *q, float *nested, float *offset, const float *absmax, size_t n,
+                  int block);
+void dq8_dequantize(float *absmax, const uint8_t *q, const float *nested, float offset, size_t n,
+                    int block);
+
+// For the tests and benchmarks: nf4_dequantize through one code path. Dies
+// if the CPU lacks it (check fl_cpu()->avx2 / ->avx512f first).
+enum { NF4_ISA_PORTABLE, NF4_ISA_AVX2, NF4_ISA_AVX512 };
+void nf4_dequantize_isa(int isa, fl_dtype dt, void *out, const uint8_t *codes, const float *absmax,
+                        size_t n, int block);
 
 #endif

@@ -22,6 +22,7 @@
 
 #include "fitlm/core.h"
 #include "fitlm/dtype.h"
+#include "fitlm/lora.h"
 #include "fitlm/params.h"
 #include "fitlm/shape.h"
 
@@ -59,6 +60,34 @@ typedef struct {
 
 typedef struct fl_arch fl_arch;
 
+// LoRA adapters on a model (fl_model_add_lora; see lora.h).
+typedef struct {
+    fl_lora_config cfg; // cfg.r == 0: no adapters
+    float scaling;      // fl_lora_scaling
+    fl_param_table table;
+    void *params, *grads; // flat buffers of table.numel values of the model's dtype
+                          // (FL_MEM_PARAMS; grads FL_MEM_GRADS, from fl_model_alloc_acts)
+    int *a_row;           // per base row: its lora_A row in table (lora_B follows), or -1
+    // workspace of the largest adapted GEMM (fl_model_alloc_acts): A's output
+    // and its gradient (N, r), the update's columns (N, out), and with
+    // dropout the dropped-out input (N, in)
+    void *h, *dh, *dy, *xd;
+    uint64_t dropout_seed; // a mask is drawn from (seed, step, row, element)
+    uint64_t dropout_step; // advanced by each training forward
+} fl_lora_set;
+
+// Base rows stored in NF4 (fl_model_init_quant; see lora.h).
+typedef struct {
+    fl_quant_config cfg; // cfg.enabled == 0: none
+    uint8_t *store;      // FL_MEM_PARAMS: each quantised row's codes and statistics
+    size_t *row_at;      // per base row: byte offset of its storage in store; SIZE_MAX: dense
+    void *dequant;       // workspace: the largest GEMM's weights dequantised to the model's dtype
+    float *absmax;       // workspace: one row's absmax, double quantisation undone
+    // the quantisation error of the rows stored so far (fl_model_quant_error)
+    double err_sum, err_max, w_sumsq;
+    size_t err_n;
+} fl_quant_set;
+
 enum { FL_MAX_SLOTS = 16 };
 
 struct fl_model {
@@ -78,6 +107,8 @@ struct fl_model {
     void **wp, **gp;
     int *unit_row; // (L+3): unit u's rows are [unit_row[u+1], unit_row[u+2]); u = -1..L
     fl_model_hooks hooks;
+    fl_lora_set lora;   // adapters (lora.cfg.r == 0: none)
+    fl_quant_set quant; // NF4 base rows (quant.cfg.enabled == 0: none)
     // activations and scratch, sized by fl_model_alloc_acts
     int max_B, max_T;
     fl_recompute recompute;
@@ -117,9 +148,38 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
 // unit_grads) allocate with `threads` threads: the same slot lists the
 // allocation walks, so the prediction is exact. B = 0 leaves out the
 // activations (the gradients are counted).
+// lora, quant: the adapters and NF4 storage (NULL or disabled: none).
 void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
-                     fl_recompute recompute, int unit_grads, size_t bytes[FL_MEM_NTAGS]);
+                     fl_recompute recompute, int unit_grads, const fl_lora_config *lora,
+                     const fl_quant_config *quant, size_t bytes[FL_MEM_NTAGS]);
 void fl_model_free(fl_model *m);
+
+// fl_model_init with the base's linear layers (fl_quant_row) stored in NF4
+// (q->enabled; otherwise it is fl_model_init): each row is initialised in
+// fp32 and quantised, so the dense model never exists.
+void fl_model_init_quant(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
+                         const fl_quant_config *q);
+// Elements [first, first + n) of a base row from fp32 values (the table's
+// layout): rounded to the model's dtype, or quantised when the row is
+// stored in NF4. The loaders write every row through it. An NF4 row comes
+// in order, in pieces whose first is a multiple of 4096 (any block size
+// divides it); its statistics are complete with its last element.
+void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n);
+// A base row as fp32 (dequantised when stored in NF4).
+void fl_model_row_f32(const fl_model *m, int row, float *out);
+// The NF4 rows' quantisation error so far, as stored (each value against its
+// 4-bit code times its block's fp32 absmax; double quantisation of the
+// absmax adds its own): mean and max absolute error, and the weights' RMS.
+// Zeros without NF4 rows.
+void fl_model_quant_error(const fl_model *m, double *mean_abs, double *max_abs, double *rms);
+// Adds LoRA adapters (lora.h) to a model whose base weights are in place,
+// before fl_model_alloc_acts: builds their table, allocates them, draws A
+// from `seed` (B = 0) and freezes the base (FL_PARAM_FROZEN on every base
+// row) unless cfg->train_base.
+void fl_model_add_lora(fl_model *m, const fl_lora_config *cfg, uint64_t seed);
+// The base weights as fp32 (table.numel values) with each adapter merged in:
+// W + scaling * B @ A, computed in fp32 (what `fitlm export --merge` writes).
+void fl_model_merged_f32(const fl_model *m, float *out);
 
 // Rows of a unit: [*first, *first + *count).
 void fl_model_unit_rows(const fl_model *m, int unit, int *first, int *count);

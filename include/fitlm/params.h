@@ -13,6 +13,7 @@
 enum {
     FL_PARAM_DECAY = 1 << 0,  // AdamW/SGD apply weight decay (matrices, embeddings)
     FL_PARAM_FROZEN = 1 << 1, // no gradient, no update (adapters train, the base stays)
+    FL_PARAM_LINEAR = 1 << 2, // the weight of a block's linear layer: LoRA's targets, NF4's rows
 };
 
 // How a row is initialised: drawn in fp32 from the model's seeded RNG in
@@ -21,6 +22,7 @@ typedef enum {
     FL_INIT_NORMAL, // N(0, std)
     FL_INIT_ZEROS,
     FL_INIT_ONES,
+    FL_INIT_UNIFORM, // U(-std, std): std is the bound
 } fl_init_rule;
 
 // The unit a row belongs to: the embedding, a block (0..L-1) or the head.
@@ -40,7 +42,7 @@ typedef struct {
     size_t numel;
     unsigned flags;
     fl_init_rule init;
-    float std;        // FL_INIT_NORMAL
+    float std;        // FL_INIT_NORMAL; FL_INIT_UNIFORM's bound
     int unit;         // FL_UNIT_EMBED, a block index, or FL_UNIT_HEAD(L)
     size_t live_rows; // > 0: only the first live_rows of dim 0 are initialised (the
                       // rest, e.g. vocabulary padding, stay zero); 0: all
@@ -65,5 +67,12 @@ void fl_params_free(fl_param_table *table);
 // Initialises the flat buffer `params` (dtype dt) row by row from the rows'
 // init rules, drawing from one RNG seeded with `seed` in table order.
 void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint64_t seed);
+// The same values handed to sink(ctx, row, first, values, n) in pieces of
+// at most FL_PARAMS_INIT_CHUNK, in table order (for storage that is not a
+// flat buffer of one dtype, e.g. NF4 rows).
+#define FL_PARAMS_INIT_CHUNK 4096
+typedef void (*fl_params_sink)(void *ctx, int row, size_t first, const float *values, size_t n);
+void fl_params_init_each(const fl_param_table *table, uint64_t seed, fl_params_sink sink,
+                         void *ctx);
 
 #endif

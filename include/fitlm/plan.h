@@ -35,6 +35,11 @@ typedef struct {
     int zero_stage;         // 0 (plain data parallel), 1, 2 or 3
     fl_recompute recompute; // activation checkpointing policy (planned exactly)
     int lomo;               // fused update in backward: no optimizer state, one tensor's gradient
+    // LoRA (lora.r > 0; optim is then the adapters' optimizer, base_optim the
+    // base's under lora.train_base) and NF4 base weights, planned exactly
+    fl_lora_config lora;
+    fl_optimizer_config base_optim;
+    fl_quant_config quant;
 } fl_plan_request;
 
 typedef struct {

@@ -19,7 +19,9 @@ typedef enum {
     FL_OP_MM_FC, // MLP
     FL_OP_MM_FCPROJ,
     FL_OP_MM_LMHEAD,
-    FL_OP_ROPE, // rotary position embedding of q and k
+    FL_OP_LORA,    // the adapters' GEMMs and dropout
+    FL_OP_DEQUANT, // NF4 weights dequantised for a GEMM
+    FL_OP_ROPE,    // rotary position embedding of q and k
     FL_OP_ATTENTION,
     FL_OP_GELU,
     FL_OP_SWIGLU,   // LLaMA's MLP gate

@@ -125,6 +125,9 @@ void fl_hf_export(const char *dir, const fl_model *model, const float *weights_f
 // error naming it; a stored lm_head the model ties must equal the embedding;
 // every parameter must be there once with its shape.
 void fl_hf_load(const char *path, fl_model *model, fl_dtype dt);
+// The same with the linear layers stored in NF4 as they are read (q NULL
+// or not enabled: fl_hf_load).
+void fl_hf_load_quant(const char *path, fl_model *model, fl_dtype dt, const fl_quant_config *q);
 
 // ----------------------------------------------------------------------------
 // llm.c model files (gpt2_124M.bin; GPT-2 only): 256 int32 header {20240326, version
@@ -150,5 +153,39 @@ int fl_llmc_header_parse(const uint8_t *buf, size_t n, uint64_t file_size, fl_ll
 // Initialises *model from an llm.c model file: V rows of wte are kept, the
 // padded rows of our table are zero.
 void fl_llmc_load(const char *path, fl_model *model, fl_dtype dt);
+
+// ----------------------------------------------------------------------------
+// PEFT LoRA adapters, as peft's save_pretrained writes them: DIR/
+// adapter_config.json (LoraConfig.to_dict with sorted keys: peft_type
+// "LORA", r, lora_alpha, lora_dropout, target_modules, bias "none",
+// use_rslora, init_lora_weights, fan_in_fan_out (true for GPT-2's Conv1D),
+// task_type "CAUSAL_LM", base_model_name_or_path, rank_pattern {},
+// alpha_pattern {}, ...) and DIR/adapter_model.safetensors (names
+// fl_lora_peft_name: "base_model.model.<module>.lora_A.weight" (r, in) and
+// ".lora_B.weight" (out, r), in the model's dtype).
+
+// Reads adapter_config.json text into *out (fl_lora_config_defaults for
+// absent keys; target_modules null: "", the architecture's default).
+// Refuses, naming the key: a peft_type other than LORA, a task_type other
+// than CAUSAL_LM, bias other than "none", use_dora / lora_bias true,
+// non-empty rank_pattern, alpha_pattern, modules_to_save,
+// layers_to_transform, exclude_modules, layer_replication,
+// init_lora_weights other than true or "gaussian", target_modules missing,
+// empty, too long or a string other than "all-linear" (PEFT's strings are
+// regular expressions), values out of range.
+int fl_peft_config_parse(const char *json, size_t n, fl_lora_config *out, char *err, size_t errlen);
+// The same from DIR/adapter_config.json; dies naming the file.
+void fl_peft_read_config(const char *dir, fl_lora_config *out);
+// Writes the adapters of m (fl_model_add_lora) to DIR (created if missing),
+// each file crash-safely; base_model names the base (base_model_name_or_path;
+// NULL: null). target_modules "" is written as the module names it
+// resolved to, as PEFT writes them.
+void fl_peft_save(const char *dir, const fl_model *m, const char *base_model);
+// Loads DIR's adapter weights into m, whose adapters were made from DIR's
+// config (r, lora_alpha and use_rslora are checked against it): every
+// adapter tensor present once with its shape, no tensor m does not have
+// (each is an error naming the file and the tensor); F32, BF16 or F16,
+// rounded to the model's dtype.
+void fl_peft_load(const char *dir, fl_model *m);
 
 #endif

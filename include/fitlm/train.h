@@ -34,6 +34,14 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
 // optimizers; the result's grad_norm is that of the unscaled gradient.
 fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int B, int T, float lr);
+// LoRA + LOMO (lora.train_base): one micro-batch, the base updated in the
+// backward by `base` (LOMO or AdaLomo, at base_lr) as fl_fused_step does, the
+// adapters' gradients gathered in the same backward and stepped by
+// `adapters` (at lr) after it. bf16 or fp32. The result's grad_norm is the
+// base's.
+fl_train_result fl_lora_lomo_step(fl_model *m, fl_optimizer *adapters, fl_optimizer *base,
+                                  const int *inputs, const int *targets, int B, int T, float lr,
+                                  float base_lr);
 
 // A run's config made whole (src/model/run.c): the model shape from its
 // preset and the model.* options (the preset names the architecture unless
@@ -43,8 +51,15 @@ void fl_config_finish(fl_train_config *cfg);
 // Takes the model shape of pretrained weights or a checkpoint (`source`);
 // a model.* option that contradicts it is an error.
 void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source);
-// The optimizer settings of a finished config.
+// Takes the LoRA config of a PEFT adapter (`source`): a lora.* option that
+// contradicts it is an error; the base's training (lora.base_optimizer)
+// stays the run's.
+void fl_config_set_lora(fl_train_config *cfg, const fl_lora_config *adapter, const char *source);
+// The optimizer settings of a finished config (under LoRA: the adapters').
 fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg);
+// LoRA + LOMO (lora.base_optimizer): the base's fused optimizer, with the
+// run's clipping, loss scaling and LOMO/AdaLomo options, no weight decay.
+fl_optimizer_config fl_config_base_optimizer(const fl_train_config *cfg);
 // Whether a run with these settings keeps one unit's gradients at a time
 // (fl_model_alloc_acts' unit_grads): a fused optimizer (LOMO, AdaLomo)
 // without accumulation; with accumulation it needs the whole gradient.

@@ -1,9 +1,12 @@
 // export.c: `fitlm export`: a checkpoint's weights as a Hugging Face
 // directory (model.safetensors or shards with an index, and config.json), the
 // layout transformers' GPT2LMHeadModel or LlamaForCausalLM.from_pretrained
-// loads, by the checkpoint's architecture.
+// loads, by the checkpoint's architecture. With --merge, a base (checkpoint
+// or pretrained weights) with a PEFT LoRA adapter merged into it, W +
+// scaling * B @ A computed in fp32, as PEFT's merge_and_unload gives it.
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "fitlm/config.h"
@@ -11,16 +14,42 @@
 #include "fitlm/safetensors.h"
 
 static void help(void) {
-    printf("usage: fitlm export CHECKPOINT [options]\n\n"
+    printf("usage: fitlm export CHECKPOINT [options]\n"
+           "       fitlm export BASE --adapter DIR --merge [options]\n\n"
            "Writes the weights of a fitlm checkpoint (a directory: its newest; or a file) in\n"
            "the Hugging Face layout of its architecture (GPT2LMHeadModel or LlamaForCausalLM):\n"
            "model.safetensors (or model-0000k-of-0000n.safetensors and\n"
            "model.safetensors.index.json) and config.json.\n\n"
+           "With --merge, BASE is a fitlm checkpoint, a Hugging Face GPT-2 or LLaMA directory\n"
+           "or an llm.c model file, and DIR a PEFT LoRA adapter (adapter_config.json and\n"
+           "adapter_model.safetensors, as `fitlm train` or peft's save_pretrained write it):\n"
+           "the written model is BASE with W + scaling * B @ A merged into each adapted\n"
+           "layer, computed in fp32 and rounded once to --dtype (never re-quantised).\n\n"
            "  --format NAME          safetensors (the only format so far; default)\n"
-           "  -o, --out DIR          output directory (default: the checkpoint's directory)\n"
+           "  -o, --out DIR          output directory (default: the checkpoint's directory;\n"
+           "                         required with --merge onto a base that is not one)\n"
            "  --dtype NAME           fp32, bf16 or fp16 tensors (default: fp32)\n"
            "  --max-shard-size SIZE  split into shards above this size, e.g. 5G (default: 5G,\n"
-           "                         as transformers' save_pretrained)\n");
+           "                         as transformers' save_pretrained)\n"
+           "  --adapter DIR          the PEFT LoRA adapter to merge (with --merge)\n"
+           "  --merge                merge --adapter into the base's weights\n");
+}
+
+// The directory a path names, or holds it (a file's directory).
+static void dir_of(char *out, size_t size, const char *path) {
+    struct stat st;
+    snprintf(out, size, "%s", path);
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return;
+    char *slash = strrchr(out, '/');
+    if (slash)
+        *slash = 0;
+    else
+        snprintf(out, size, ".");
+}
+
+static int same_file(const char *a, const char *b) {
+    struct stat x, y;
+    return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
 }
 
 int cmd_export(int argc, char **argv) {
@@ -29,12 +58,18 @@ int cmd_export(int argc, char **argv) {
         return 0;
     }
     const char *ckpt = NULL, *out = NULL, *format = "safetensors", *dtype = "fp32";
+    const char *adapter = NULL;
+    int merge = 0;
     size_t max_shard = (size_t)5 << 30;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (a[0] != '-') {
             if (ckpt) fl_die("export takes one checkpoint, got '%s' and '%s'", ckpt, a);
             ckpt = a;
+            continue;
+        }
+        if (!strcmp(a, "--merge")) {
+            merge = 1;
             continue;
         }
         if (i + 1 >= argc) fl_die("option %s needs a value", a);
@@ -47,6 +82,8 @@ int cmd_export(int argc, char **argv) {
             dtype = v;
         else if (!strcmp(a, "--max-shard-size"))
             max_shard = fl_parse_bytes(v, "--max-shard-size");
+        else if (!strcmp(a, "--adapter"))
+            adapter = v;
         else
             fl_die("unknown option '%s' (see --help)", a);
     }
@@ -58,27 +95,55 @@ int cmd_export(int argc, char **argv) {
                   : !strcmp(dtype, "fp16") ? FL_F16
                                            : (fl_dtype)-1;
     if ((int)dt < 0) fl_die("--dtype must be fp32, bf16 or fp16, got '%s'", dtype);
-    if (!fl_is_checkpoint(ckpt)) fl_die("%s is not a fitlm checkpoint", ckpt);
+    if (adapter && !merge)
+        fl_die("--adapter needs --merge: export writes a whole model; the adapter files are "
+               "already PEFT's format");
+    if (merge && !adapter) fl_die("--merge needs --adapter DIR: the PEFT adapter to merge");
+    int is_ckpt = fl_is_checkpoint(ckpt);
+    if (!merge && !is_ckpt) fl_die("%s is not a fitlm checkpoint", ckpt);
 
-    fl_model model;
-    char tokenizer[32];
-    fl_ckpt_load_model(ckpt, &model, FL_F32, tokenizer, sizeof tokenizer);
-    char dir[FL_FILE_PATH_MAX];
+    char dir[FL_FILE_PATH_MAX], base_dir[FL_FILE_PATH_MAX];
+    dir_of(base_dir, sizeof base_dir, ckpt);
     if (out) {
         snprintf(dir, sizeof dir, "%s", out);
     } else { // beside the checkpoint: a directory itself, or a file's directory
-        snprintf(dir, sizeof dir, "%s", ckpt);
-        char *slash = strrchr(dir, '/');
-        if (!fl_is_checkpoint_dir(ckpt)) {
-            if (slash)
-                *slash = 0;
-            else
-                strcpy(dir, ".");
-        }
+        if (!is_ckpt)
+            fl_die("--merge onto %s needs -o DIR: the default, the base's directory, would "
+                   "overwrite the base",
+                   ckpt);
+        snprintf(dir, sizeof dir, "%s", base_dir);
     }
-    fl_hf_export(dir, &model, model.params, dt, max_shard);
-    printf("exported %zu parameters (%s, %s, %s tensors, tokenizer %s) to %s\n", model.table.numel,
-           ckpt, fl_arch_name(model.config.arch), fl_dtype_name(dt), tokenizer, dir);
+    if (merge && !is_ckpt && same_file(dir, base_dir))
+        fl_die("-o %s is the base's directory: the merged model would overwrite the base", dir);
+
+    fl_model model;
+    char tokenizer[32] = "";
+    if (is_ckpt)
+        fl_ckpt_load_model(ckpt, &model, FL_F32, tokenizer, sizeof tokenizer);
+    else
+        fl_pretrained_load(ckpt, &model, FL_F32);
+    if (!merge) {
+        fl_hf_export(dir, &model, model.params, dt, max_shard);
+        printf("exported %zu parameters (%s, %s, %s tensors, tokenizer %s) to %s\n",
+               model.table.numel, ckpt, fl_arch_name(model.config.arch), fl_dtype_name(dt),
+               tokenizer, dir);
+        fl_model_free(&model);
+        return 0;
+    }
+    // The base is loaded in fp32 so the merge sees its exact values and the
+    // result is rounded once, to the dtype asked for.
+    fl_lora_config lc;
+    fl_peft_read_config(adapter, &lc);
+    fl_model_add_lora(&model, &lc, 0);
+    fl_peft_load(adapter, &model);
+    float *merged = fl_alloc(FL_MEM_WORKSPACE, model.table.numel * sizeof(float));
+    fl_model_merged_f32(&model, merged);
+    fl_hf_export(dir, &model, merged, dt, max_shard);
+    printf("merged adapter %s (r %d, %zu adapter parameters) into %s (%s): exported %zu "
+           "parameters as %s tensors to %s\n",
+           adapter, lc.r, model.lora.table.numel, ckpt, fl_arch_name(model.config.arch),
+           model.table.numel, fl_dtype_name(dt), dir);
+    fl_free(merged);
     fl_model_free(&model);
     return 0;
 }

@@ -1,5 +1,6 @@
 // sample.c: `fitlm sample`: generate text from a checkpoint or pretrained
-// weights (Hugging Face GPT-2 or LLaMA, llm.c).
+// weights (Hugging Face GPT-2 or LLaMA, llm.c), optionally with a PEFT LoRA
+// adapter applied on top (unmerged: the linear units add its update).
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -8,10 +9,11 @@
 #include "cli.h"
 #include "fitlm/io.h"
 #include "fitlm/model.h"
+#include "fitlm/safetensors.h"
 #include "fitlm/tokenizer.h"
 
 typedef struct {
-    const char *checkpoint, *prompt, *tokenizer, *tokenizer_path;
+    const char *checkpoint, *adapter, *prompt, *tokenizer, *tokenizer_path;
     int tokens, top_k, threads;
     float temperature;
     unsigned long long seed;
@@ -21,6 +23,8 @@ static void help(void) {
     printf("usage: fitlm sample [options]\n\n"
            "  --checkpoint PATH    a fitlm checkpoint (directory or file), a Hugging Face GPT-2\n"
            "                       or LLaMA directory or an llm.c model file (default: out)\n"
+           "  --adapter DIR        a PEFT LoRA adapter for that base (adapter_config.json and\n"
+           "                       adapter_model.safetensors) to sample with (default: none)\n"
            "  --prompt TEXT        text to continue, after <|endoftext|> (default: none)\n"
            "  --tokenizer NAME     gpt2 or byte (default: the checkpoint's; gpt2 for others)\n"
            "  --tokenizer-path DIR encoder.json and vocab.bpe for gpt2 (default: data/gpt2)\n"
@@ -42,7 +46,7 @@ int cmd_sample(int argc, char **argv) {
         help();
         return 0;
     }
-    sample_options o = {"out", "", "", "data/gpt2", 400, 40, 0, 0.8f, 1337};
+    sample_options o = {"out", NULL, "", "", "data/gpt2", 400, 40, 0, 0.8f, 1337};
     for (int i = 0; i < argc; i++) {
         const char *flag = argv[i];
         if (strncmp(flag, "--", 2) != 0) fl_die("unexpected argument '%s' (see --help)", flag);
@@ -50,6 +54,8 @@ int cmd_sample(int argc, char **argv) {
         const char *v = argv[++i];
         if (!strcmp(flag, "--checkpoint"))
             o.checkpoint = v;
+        else if (!strcmp(flag, "--adapter"))
+            o.adapter = v;
         else if (!strcmp(flag, "--prompt"))
             o.prompt = v;
         else if (!strcmp(flag, "--tokenizer"))
@@ -77,6 +83,12 @@ int cmd_sample(int argc, char **argv) {
         fl_ckpt_load_model(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer);
     else
         fl_pretrained_load(o.checkpoint, &model, FL_F32);
+    if (o.adapter) { // before the activations: their workspace covers the adapters'
+        fl_lora_config lc;
+        fl_peft_read_config(o.adapter, &lc);
+        fl_model_add_lora(&model, &lc, 0);
+        fl_peft_load(o.adapter, &model);
+    }
     fl_tokenizer *tok = fl_tokenizer_load(*o.tokenizer ? o.tokenizer : tokenizer, o.tokenizer_path);
     // every token the model can sample must decode
     if (fl_tokenizer_vocab_size(tok) != model.config.vocab_size)

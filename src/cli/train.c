@@ -13,6 +13,7 @@
 #include "fitlm/optim.h"
 #include "fitlm/plan.h"
 #include "fitlm/profile.h"
+#include "fitlm/safetensors.h"
 #include "fitlm/tokenizer.h"
 #include "fitlm/train.h"
 
@@ -108,9 +109,19 @@ int cmd_train(int argc, char **argv) {
         fl_config_set_shape(&cfg, &shape, shape_from);
     }
     fl_config_finish(&cfg);
+    if (*cfg.adapter) { // the adapter's LoRA config, which the lora.* options must not contradict
+        fl_lora_config adapter;
+        fl_peft_read_config(cfg.adapter, &adapter);
+        fl_config_set_lora(&cfg, &adapter, cfg.adapter);
+    }
     fl_set_threads(cfg.threads);
     int B = cfg.micro_batch, T = cfg.seq_len;
     fl_optimizer_config ocfg = fl_config_optimizer(&cfg);
+    int lora = cfg.lora_enabled, train_base = lora && cfg.lora.train_base;
+    fl_optimizer_config bcfg = train_base ? fl_config_base_optimizer(&cfg) : ocfg;
+    if (train_base && cfg.dtype == FL_F16)
+        fl_die("lora.base_optimizer with fp16 is not supported (two loss scalers would have to "
+               "agree): use --precision bf16");
 
     // Data first: the shards name their tokenizer and vocabulary. What the
     // loaders and the tokenizer keep (tag other) is measured for the plan.
@@ -144,17 +155,37 @@ int cmd_train(int argc, char **argv) {
     size_t limit = *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "mem_limit") : fl_mem_available();
     fl_plan_check_fits(&req, &plan, limit);
 
+    // The model: pretrained weights (a resume has its own, unless they are
+    // a LoRA run's frozen base, which the checkpoint does not hold), NF4 rows
+    // quantised as they load, then the adapters.
     fl_model model;
-    if (*cfg.init_from && !resume)
-        fl_pretrained_load(cfg.init_from, &model, cfg.dtype);
+    const fl_quant_config *quant = cfg.quant.enabled ? &cfg.quant : NULL;
+    if (*cfg.init_from && (!resume || (lora && !train_base)))
+        fl_pretrained_load_quant(cfg.init_from, &model, cfg.dtype, quant);
     else
-        fl_model_init(&model, &cfg.model, cfg.dtype, cfg.seed);
-    fl_model_alloc_acts(&model, B, T, cfg.recompute, fl_optimizer_unit_grads(&ocfg));
-    fl_optimizer optim;
-    fl_optimizer_init(&optim, &ocfg, &model.table, cfg.dtype, model.params, model.grads);
+        fl_model_init_quant(&model, &cfg.model, cfg.dtype, cfg.seed, quant);
+    if (lora) {
+        fl_model_add_lora(&model, &cfg.lora, cfg.seed);
+        if (*cfg.adapter) fl_peft_load(cfg.adapter, &model);
+    }
+    fl_model_alloc_acts(&model, B, T, cfg.recompute,
+                        lora ? train_base && fl_optimizer_unit_grads(&bcfg)
+                             : fl_optimizer_unit_grads(&ocfg));
+    // what the optimizer trains: the adapters under LoRA (the base too, by
+    // its own fused optimizer, under LoRA + LOMO), else the model
+    fl_optimizer optim, base_optim;
+    if (lora)
+        fl_optimizer_init(&optim, &ocfg, &model.lora.table, cfg.dtype, model.lora.params,
+                          model.lora.grads);
+    else
+        fl_optimizer_init(&optim, &ocfg, &model.table, cfg.dtype, model.params, model.grads);
+    if (train_base)
+        fl_optimizer_init(&base_optim, &bcfg, &model.table, cfg.dtype, model.params, model.grads);
+    fl_optimizer *base = train_base ? &base_optim : NULL;
+    float base_lr = cfg.lora_base_lr > 0.0f ? cfg.lora_base_lr : cfg.lr;
     int start = 0;
     if (ck) {
-        fl_train_ckpt_restore(ck, &model, &optim, &train.state, train.tokenizer);
+        fl_train_ckpt_restore(ck, &model, &optim, base, &train.state, train.tokenizer);
         start = fl_ckpt_step(ck);
         if (train.state.index > train.per_rank)
             fl_die("checkpoint %s is at window %llu of an epoch of %llu: the training data has "
@@ -174,9 +205,13 @@ int cmd_train(int argc, char **argv) {
     int *targets = fl_alloc(FL_MEM_OTHER, micro_tokens * cfg.grad_accum * sizeof(int));
 
     fl_config_print(&cfg, stdout);
-    printf("%zu parameters (%.2f M); planned memory %.1f MiB; train %s: %llu tokens (%s)",
-           model.table.numel, model.table.numel / 1e6, plan.total / 1048576.0, cfg.data,
-           (unsigned long long)train.n_tokens, train.tokenizer);
+    printf("%zu parameters (%.2f M)", model.table.numel, model.table.numel / 1e6);
+    if (lora)
+        printf(" + %zu in LoRA adapters (%.3f%%)%s", model.lora.table.numel,
+               100.0 * model.lora.table.numel / model.table.numel,
+               train_base ? ", base trained too" : ", base frozen");
+    printf("; planned memory %.1f MiB; train %s: %llu tokens (%s)", plan.total / 1048576.0,
+           cfg.data, (unsigned long long)train.n_tokens, train.tokenizer);
     double bytes_per_token = 0.0;
     if (has_val) {
         bytes_per_token = (double)val.source_bytes / (double)val.n_tokens;
@@ -184,6 +219,14 @@ int cmd_train(int argc, char **argv) {
                (unsigned long long)val.n_tokens, baseline);
     }
     printf("\n");
+    if (quant) {
+        double mean, most, rms;
+        fl_model_quant_error(&model, &mean, &most, &rms);
+        printf("NF4 base (block %d%s): quantisation error mean %.3g, max %.3g (%.2f%% and "
+               "%.1f%% of the weights' RMS %.3g)\n",
+               cfg.quant.blocksize, cfg.quant.double_quant ? ", double quantisation" : "", mean,
+               most, 100.0 * mean / rms, 100.0 * most / rms, rms);
+    }
     if (ck) printf("resumed from step %d\n", start);
     FILE *log = open_log(cfg.out_dir, resume ? start : -1);
 
@@ -208,7 +251,9 @@ int cmd_train(int argc, char **argv) {
                                       targets + micro * micro_tokens, B));
         float lr = fl_lr_at(&schedule, step);
         fl_train_result r =
-            fl_train_step(&model, &optim, inputs, targets, cfg.grad_accum, B, T, lr);
+            train_base ? fl_lora_lomo_step(&model, &optim, base, inputs, targets, B, T, lr,
+                                           lr * (base_lr / cfg.lr))
+                       : fl_train_step(&model, &optim, inputs, targets, cfg.grad_accum, B, T, lr);
         float loss = r.loss;
         skipped += r.skipped;
         double ms = (fl_now() - t0) * 1e3;
@@ -230,8 +275,8 @@ int cmd_train(int argc, char **argv) {
         }
         if (*cfg.out_dir && cfg.save_every && (step + 1) % cfg.save_every == 0) {
             if (log) fflush(log);
-            fl_train_ckpt_save(cfg.out_dir, step + 1, &model, &optim, &train.state, train.tokenizer,
-                               config_json, cfg.keep_checkpoints);
+            fl_train_ckpt_save(cfg.out_dir, step + 1, &model, &optim, base, &train.state,
+                               train.tokenizer, config_json, cfg.keep_checkpoints);
             saved_at = step + 1;
         }
         fflush(stdout);
@@ -248,9 +293,15 @@ int cmd_train(int argc, char **argv) {
     }
     if (log) fclose(log);
     if (*cfg.out_dir && saved_at != cfg.steps && cfg.steps > start) {
-        fl_train_ckpt_save(cfg.out_dir, cfg.steps, &model, &optim, &train.state, train.tokenizer,
-                           config_json, cfg.keep_checkpoints);
+        fl_train_ckpt_save(cfg.out_dir, cfg.steps, &model, &optim, base, &train.state,
+                           train.tokenizer, config_json, cfg.keep_checkpoints);
         printf("checkpoint written to %s (step %d)\n", cfg.out_dir, cfg.steps);
+    }
+    if (*cfg.out_dir && lora) { // the adapters as PEFT saves them
+        char dir[FL_PATH_MAX + 16];
+        snprintf(dir, sizeof dir, "%s/adapter", cfg.out_dir);
+        fl_peft_save(dir, &model, *cfg.init_from ? cfg.init_from : cfg.model_preset);
+        printf("LoRA adapter written to %s (PEFT format)\n", dir);
     }
     if (tok) {
         int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(cfg.sample_tokens + 4) * sizeof(int));
@@ -267,6 +318,7 @@ int cmd_train(int argc, char **argv) {
     fl_free(targets);
     fl_free(config_json);
     fl_optimizer_free(&optim);
+    if (base) fl_optimizer_free(base);
     fl_model_free(&model);
     if (tok) fl_tokenizer_free(tok);
     if (has_val) fl_loader_close(&val);

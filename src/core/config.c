@@ -141,6 +141,43 @@ static const option options[] = {
      "SGD momentum"},
     {"gradient_clipping", "--grad-clip", OPT_FLOAT, NUM(grad_clip), "1.0", 0, 1e9, NULL,
      "global gradient-norm clip (0 = off; AdaLomo: 0 unless given)"},
+    {"lora.enabled", "--lora", OPT_BOOL, NUM(lora_enabled), "false", 0, 0, NULL,
+     "train LoRA adapters (PEFT's) on the frozen base instead of the whole model; saved as "
+     "out/adapter (adapter_config.json + adapter_model.safetensors)"},
+    {"lora.r", "--lora-r", OPT_INT, NUM(lora.r), "8", 1, 65536, NULL, "LoRA rank"},
+    {"lora.lora_alpha", "--lora-alpha", OPT_FLOAT, NUM(lora.alpha), "8", 1e-6, 1e6, NULL,
+     "LoRA scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)"},
+    {"lora.lora_dropout", "--lora-dropout", OPT_FLOAT, NUM(lora.dropout), "0", 0, 0.999, NULL,
+     "dropout on the adapters' input while training"},
+    {"lora.target_modules", "--lora-target-modules", OPT_STRING, STR(lora.target_modules), "", 0, 0,
+     NULL,
+     "modules to adapt, comma-separated (LLaMA: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+     "down_proj; GPT-2: c_attn,attn.c_proj,c_fc,mlp.c_proj), or all-linear (every linear layer "
+     "but the LM head); \"\" = the architecture's default (q_proj,v_proj; c_attn)"},
+    {"lora.use_rslora", "--use-rslora", OPT_BOOL, NUM(lora.use_rslora), "false", 0, 0, NULL,
+     "rank-stabilised LoRA: scaling lora_alpha / sqrt(r)"},
+    {"lora.init_lora_weights", "--init-lora-weights", OPT_CHOICE, STR(lora_init), "true", 0, 0,
+     "true|gaussian", "A Kaiming-uniform (true) or N(0, 1/r) (gaussian); B = 0 either way"},
+    {"lora.bias", "--lora-bias", OPT_CHOICE, STR(lora_bias), "none", 0, 0, "none",
+     "biases stay frozen (PEFT's all and lora_only are not supported)"},
+    {"lora.base_optimizer", "--lora-base-optimizer", OPT_CHOICE, STR(lora_base_optimizer), "none",
+     0, 0, "none|lomo|adalomo",
+     "LoRA + LOMO: the base weights are trained too, by this fused optimizer in the same "
+     "backward (the adapters keep optimizer.type); none = a frozen base"},
+    {"lora.base_lr", "--lora-base-lr", OPT_FLOAT, NUM(lora_base_lr), "0", 0, 1e3, NULL,
+     "the base's learning rate under lora.base_optimizer, on the same schedule (0 = lr)"},
+    {"adapter", "--adapter", OPT_STRING, STR(adapter), "", 0, 0, NULL,
+     "a PEFT LoRA adapter directory to continue training (adapter_config.json + "
+     "adapter_model.safetensors); its config sets the lora.* options"},
+    {"quantization_config.bnb_4bit_quant_type", "--quantize", OPT_CHOICE, STR(quant_type), "none",
+     0, 0, "none|nf4|fp4",
+     "QLoRA: store the base's linear layers in 4 bits as bitsandbytes' NF4 (needs --lora; fp4 is "
+     "not supported)"},
+    {"quantization_config.bnb_4bit_use_double_quant", "--double-quant", OPT_BOOL,
+     NUM(quant.double_quant), "false", 0, 0, NULL,
+     "NF4: quantise the per-block absmax values too (8 bits, blocks of 256)"},
+    {"quantization_config.blocksize", "--nf4-blocksize", OPT_INT, NUM(quant.blocksize), "64", 32,
+     4096, NULL, "NF4 block size (a power of two)"},
     {"scheduler.type", "--scheduler", OPT_CHOICE, STR(scheduler), "cosine", 0, 0,
      "constant|cosine|linear", "learning-rate decay after warmup"},
     {"scheduler.params.warmup_num_steps", "--warmup", OPT_INT, NUM(warmup_steps), "100", 0, 1 << 30,
@@ -590,6 +627,43 @@ static void finish_checkpointing(fl_train_config *cfg) {
                "times, recomputation included)");
 }
 
+// LoRA and NF4: options that would do nothing are errors, PEFT's choices
+// fitlm lacks are refused.
+static void finish_lora(fl_train_config *cfg) {
+    static const char *const lora_keys[] = {
+        "lora.r",          "lora.lora_alpha",        "lora.lora_dropout",   "lora.target_modules",
+        "lora.use_rslora", "lora.init_lora_weights", "lora.base_optimizer", "lora.base_lr"};
+    if (*cfg->adapter) cfg->lora_enabled = 1; // an adapter brings its LoRA config
+    for (size_t i = 0; i < sizeof lora_keys / sizeof lora_keys[0]; i++)
+        if (!cfg->lora_enabled && fl_config_given(cfg, lora_keys[i]))
+            fl_die("%s applies to LoRA training; set lora.enabled (--lora)", lora_keys[i]);
+    cfg->lora.init =
+        !strcmp(cfg->lora_init, "gaussian") ? FL_LORA_INIT_GAUSSIAN : FL_LORA_INIT_DEFAULT;
+    cfg->lora.train_base = strcmp(cfg->lora_base_optimizer, "none") != 0;
+    if (fl_config_given(cfg, "lora.base_lr") && !cfg->lora.train_base)
+        fl_die("lora.base_lr applies to a trained base; set lora.base_optimizer (lomo or adalomo)");
+    if (cfg->lora.train_base && cfg->grad_accum > 1)
+        fl_die("lora.base_optimizer %s updates the base inside the backward pass and cannot "
+               "accumulate gradients (gradient_accumulation_steps is %d)",
+               cfg->lora_base_optimizer, cfg->grad_accum);
+    if (!strcmp(cfg->quant_type, "fp4"))
+        fl_die("quantization_config.bnb_4bit_quant_type fp4 is not supported: use nf4");
+    cfg->quant.enabled = !strcmp(cfg->quant_type, "nf4");
+    if (!cfg->quant.enabled &&
+        (fl_config_given(cfg, "quantization_config.bnb_4bit_use_double_quant") ||
+         fl_config_given(cfg, "quantization_config.blocksize")))
+        fl_die("quantization_config.bnb_4bit_use_double_quant and blocksize apply to NF4 weights; "
+               "set quantization_config.bnb_4bit_quant_type nf4 (--quantize nf4)");
+    int b = cfg->quant.blocksize;
+    if (b & (b - 1)) fl_die("quantization_config.blocksize must be a power of two (got %d)", b);
+    if (cfg->quant.enabled && !cfg->lora_enabled)
+        fl_die("NF4 base weights are frozen: QLoRA trains LoRA adapters on them (add --lora)");
+    if (cfg->quant.enabled && cfg->lora.train_base)
+        fl_die("lora.base_optimizer %s would update the base, but NF4 weights cannot be "
+               "trained (drop --quantize or lora.base_optimizer)",
+               cfg->lora_base_optimizer);
+}
+
 // The checks of fl_config_finish that need no model: batch sizes, options
 // the optimizer would ignore, threads, checkpointing keys, precision.
 void fl_config_check(fl_train_config *cfg) {
@@ -607,8 +681,14 @@ void fl_config_check(fl_train_config *cfg) {
     }
     cfg->train_batch_size = cfg->micro_batch * cfg->grad_accum;
 
-    // An option that the chosen optimizer would ignore is an error, not a no-op.
-    const char *opt = cfg->optimizer;
+    finish_lora(cfg);
+    // An option that the chosen optimizers would ignore is an error, not a
+    // no-op (under LoRA + LOMO, the base's optimizer takes LOMO's options).
+    char opt[2 * FL_NAME_MAX + 16];
+    if (cfg->lora.train_base)
+        snprintf(opt, sizeof opt, "%s (base: %s)", cfg->optimizer, cfg->lora_base_optimizer);
+    else
+        snprintf(opt, sizeof opt, "%s", cfg->optimizer);
     const struct {
         const char *key, *for_whom;
     } only[] = {{"optimizer.params.momentum", "sgd"},
@@ -620,18 +700,18 @@ void fl_config_check(fl_train_config *cfg) {
                 {"optimizer.params.clip_grad_value", "lomo"},
                 {"optimizer.params.stochastic_rounding", "lomo adalomo"}};
     for (size_t i = 0; i < sizeof only / sizeof only[0]; i++) {
-        char words[32];
+        char words[32], me[2][FL_NAME_MAX + 2];
         snprintf(words, sizeof words, " %s ", only[i].for_whom);
-        char me[40];
-        snprintf(me, sizeof me, " %s ", opt);
-        if (fl_config_given(cfg, only[i].key) && !strstr(words, me))
+        snprintf(me[0], sizeof me[0], " %s ", cfg->optimizer);
+        snprintf(me[1], sizeof me[1], " %s ", cfg->lora_base_optimizer);
+        if (fl_config_given(cfg, only[i].key) && !strstr(words, me[0]) && !strstr(words, me[1]))
             fl_die("%s applies to %s, not %s", only[i].key, only[i].for_whom, opt);
     }
-    if (!strcmp(opt, "adalomo") && !fl_config_given(cfg, "optimizer.params.eps"))
+    if (!strcmp(cfg->optimizer, "adalomo") && !fl_config_given(cfg, "optimizer.params.eps"))
         cfg->eps = 1e-30f; // AdaLomo's own default
     // AdaLomo normalises each update itself (clip_threshold) and needs no
     // global-norm pass: as its reference, no global clipping unless asked
-    if (!strcmp(opt, "adalomo") && !fl_config_given(cfg, "gradient_clipping"))
+    if (!strcmp(cfg->optimizer, "adalomo") && !fl_config_given(cfg, "gradient_clipping"))
         cfg->grad_clip = 0.0f;
     if (cfg->threads == 0) cfg->threads = omp_get_num_procs();
     finish_checkpointing(cfg);

@@ -52,22 +52,42 @@ void fl_params_free(fl_param_table *table) {
     memset(table, 0, sizeof *table);
 }
 
-void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint64_t seed) {
+void fl_params_init_each(const fl_param_table *table, uint64_t seed, fl_params_sink sink,
+                         void *ctx) {
     fl_rng rng;
     fl_rng_seed(&rng, seed);
-    float block[4096];
+    float block[FL_PARAMS_INIT_CHUNK];
     for (int i = 0; i < table->count; i++) {
         const fl_param_view *v = &table->views[i];
         size_t row = v->numel / v->shape[0];
         size_t drawn = v->live_rows ? v->live_rows * row : v->numel;
-        for (size_t j0 = 0; j0 < v->numel; j0 += 4096) {
-            size_t len = v->numel - j0 < 4096 ? v->numel - j0 : 4096;
+        for (size_t j0 = 0; j0 < v->numel; j0 += FL_PARAMS_INIT_CHUNK) {
+            size_t len =
+                v->numel - j0 < FL_PARAMS_INIT_CHUNK ? v->numel - j0 : FL_PARAMS_INIT_CHUNK;
             for (size_t j = 0; j < len; j++)
-                block[j] = v->init == FL_INIT_ONES ? 1.0f
-                           : v->init == FL_INIT_NORMAL && j0 + j < drawn
-                               ? v->std * fl_rng_normal(&rng)
+                block[j] = v->init == FL_INIT_ONES     ? 1.0f
+                           : j0 + j >= drawn           ? 0.0f
+                           : v->init == FL_INIT_NORMAL ? v->std * fl_rng_normal(&rng)
+                           : v->init == FL_INIT_UNIFORM
+                               ? v->std * (2.0f * fl_rng_uniform(&rng) - 1.0f)
                                : 0.0f;
-            fl_store_f32(dt, fl_at(dt, params, v->offset + j0), block, len);
+            sink(ctx, i, j0, block, len);
         }
     }
+}
+
+typedef struct {
+    const fl_param_table *table;
+    fl_dtype dt;
+    void *params;
+} flat_sink;
+
+static void store_flat(void *ctx, int row, size_t first, const float *values, size_t n) {
+    const flat_sink *f = ctx;
+    fl_store_f32(f->dt, fl_at(f->dt, f->params, f->table->views[row].offset + first), values, n);
+}
+
+void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint64_t seed) {
+    flat_sink f = {table, dt, params};
+    fl_params_init_each(table, seed, store_flat, &f);
 }

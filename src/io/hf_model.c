@@ -461,42 +461,47 @@ static void check_lm_head(const hf_files *f, const hf_layout *lay, const hf_ref 
     fl_free(a), fl_free(chunk);
 }
 
+// Each row goes through fl_model_store_row (in pieces of HF_CHUNK, a
+// multiple of 4096), so NF4 rows are quantised as they arrive.
 static void copy_tensors(fl_model *model, const hf_ref *refs) {
     const fl_param_table *table = &model->table;
     const hf_layout *lay = layout_of(&model->config);
-    fl_dtype dt = model->dtype;
-    size_t largest = 0, widest = 0;
+    size_t largest = 0;
     for (int v = 0; v < table->count; v++)
-        if (is_transposed(lay, &table->views[v])) {
-            if (table->views[v].numel > largest) largest = table->views[v].numel;
-            if (table->views[v].shape[1] > widest) widest = table->views[v].shape[1];
-        }
-    float *whole = fl_alloc(FL_MEM_WORKSPACE, largest * sizeof(float));
-    float *buf = fl_alloc(FL_MEM_WORKSPACE, (HF_CHUNK > widest ? HF_CHUNK : widest) * 4);
+        if (is_transposed(lay, &table->views[v]) && table->views[v].numel > largest)
+            largest = table->views[v].numel;
+    // a Conv1D matrix is read whole and transposed into the table's layout
+    float *whole = fl_alloc(FL_MEM_WORKSPACE, 2 * largest * sizeof(float)), *rows = whole + largest;
+    float *buf = fl_alloc(FL_MEM_WORKSPACE, HF_CHUNK * sizeof(float));
     void *chunk = fl_alloc(FL_MEM_WORKSPACE, HF_CHUNK * sizeof(float));
+    _Static_assert(HF_CHUNK % FL_PARAMS_INIT_CHUNK == 0, "NF4 rows are stored in such pieces");
     for (int v = 0; v < table->count; v++) {
         const fl_param_view *pv = &table->views[v];
         const fl_st_tensor *t = refs[v].t;
-        void *dst = fl_at(dt, model->params, pv->offset);
         if (!is_transposed(lay, pv)) { // padded vocab rows past V stay zero
             for (size_t i = 0; i < t->numel; i += HF_CHUNK) {
                 size_t len = t->numel - i < HF_CHUNK ? t->numel - i : HF_CHUNK;
                 read_f32(refs[v].st, t, i, len, buf, chunk);
-                fl_store_f32(dt, fl_at(dt, dst, i), buf, len);
+                fl_model_store_row(model, v, i, buf, len);
             }
             continue;
         }
         size_t out = pv->shape[0], in = pv->shape[1];
         read_f32(refs[v].st, t, 0, t->numel, whole, chunk);
-        for (size_t o = 0; o < out; o++) {
-            for (size_t j = 0; j < in; j++) buf[j] = whole[j * out + o];
-            fl_store_f32(dt, fl_at(dt, dst, o * in), buf, in);
-        }
+        for (size_t o = 0; o < out; o++)
+            for (size_t j = 0; j < in; j++) rows[o * in + j] = whole[j * out + o];
+        for (size_t i = 0; i < t->numel; i += HF_CHUNK)
+            fl_model_store_row(model, v, i, rows + i,
+                               t->numel - i < HF_CHUNK ? t->numel - i : HF_CHUNK);
     }
     fl_free(whole), fl_free(buf), fl_free(chunk);
 }
 
 void fl_hf_load(const char *path, fl_model *model, fl_dtype dt) {
+    fl_hf_load_quant(path, model, dt, NULL);
+}
+
+void fl_hf_load_quant(const char *path, fl_model *model, fl_dtype dt, const fl_quant_config *q) {
     hf_files f = {0};
     char dir[HF_PATH_MAX], file[HF_PATH_MAX], err[512];
     struct stat s;
@@ -549,7 +554,7 @@ void fl_hf_load(const char *path, fl_model *model, fl_dtype dt) {
     if (head.t)
         check_lm_head(&f, lay, &head, &refs[embed], (size_t)cfg.vocab_size, (size_t)cfg.n_embd);
 
-    fl_model_init(model, &cfg, dt, 0);
+    fl_model_init_quant(model, &cfg, dt, 0, q);
     copy_tensors(model, refs);
     fl_free(refs);
     for (int i = 0; i < f.n_shards; i++) fl_safetensors_free(&f.shards[i]);

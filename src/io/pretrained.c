@@ -98,7 +98,21 @@ void fl_pretrained_config(const char *path, fl_model_config *cfg) {
 }
 
 void fl_pretrained_load(const char *path, fl_model *model, fl_dtype dt) {
-    switch (kind_of(path)) {
+    fl_pretrained_load_quant(path, model, dt, NULL);
+}
+
+void fl_pretrained_load_quant(const char *path, fl_model *model, fl_dtype dt,
+                              const fl_quant_config *q) {
+    source_kind kind = kind_of(path);
+    if (q && q->enabled) {
+        if (kind != SRC_HF)
+            fl_die("%s: NF4 quantisation (--quantize nf4) loads a Hugging Face model directory "
+                   "(config.json + safetensors), not %s",
+                   path, kind == SRC_CKPT ? "a fitlm checkpoint" : "an llm.c model file");
+        fl_hf_load_quant(path, model, dt, q);
+        return;
+    }
+    switch (kind) {
     case SRC_CKPT: {
         char tokenizer[64];
         fl_ckpt_load_model(path, model, dt, tokenizer, sizeof tokenizer);

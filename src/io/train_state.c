@@ -66,17 +66,51 @@ static const char *optim_kind_name(fl_optim_kind k) {
 // tensor holds fl_optim_state_numel floats for its row (the row's numel for
 // elementwise rules; AdaLomo's row/column statistics), none is written where
 // that is 0.
-static void tensor_name(char *out, size_t size, const char *state, const char *row) {
-    int n = state ? snprintf(out, size, "optim/%s/%s", state, row)
-                  : snprintf(out, size, "model/%s", row);
+//
+// Under LoRA the trained set is the adapters: "lora/<row>" and their
+// optimizer's "optim/<state>/<row>"; a frozen base is not saved (it is the
+// run's init_from, or its seed's), and a base trained by LOMO (LoRA + LOMO)
+// is saved as "model/<row>" with "base_optim/<state>/<row>".
+static void tensor_name(char *out, size_t size, const char *prefix, const char *state,
+                        const char *row) {
+    int n = state ? snprintf(out, size, "%s/%s/%s", prefix, state, row)
+                  : snprintf(out, size, "%s/%s", prefix, row);
     FL_ASSERT(n > 0 && (size_t)n < size);
 }
 
-enum { NAME_MAX_ = 96 };
+enum { NAME_MAX_ = 112 };
+
+// One parameter set of a checkpoint: its rows' weights (the optimizer's
+// fp32 master, else the model's own values) and its optimizer's state.
+typedef struct {
+    const char *weights, *state; // tensor name prefixes
+    const fl_param_table *t;
+    void *values; // the model's values (dtype)
+    fl_optimizer *optim;
+} param_set;
+
+// The sets of a model trained by optim (and, under LoRA + LOMO, base).
+static int param_sets(const fl_model *m, const fl_optimizer *optim, const fl_optimizer *base,
+                      param_set *out) {
+    if (!m->lora.cfg.r) {
+        out[0] = (param_set){"model", "optim", &m->table, m->params, (fl_optimizer *)optim};
+        return 1;
+    }
+    out[0] = (param_set){"lora", "optim", &m->lora.table, m->lora.params, (fl_optimizer *)optim};
+    if (!base) return 1;
+    out[1] = (param_set){"model", "base_optim", &m->table, m->params, (fl_optimizer *)base};
+    return 2;
+}
+
+static void add_optim_meta(cJSON *meta, const char *key, const fl_optimizer *o) {
+    cJSON *j = cJSON_AddObjectToObject(meta, key);
+    cJSON_AddStringToObject(j, "type", optim_kind_name(o->cfg.kind));
+    cJSON_AddNumberToObject(j, "t", *fl_optim_step_count(o->rule));
+}
 
 void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
-                        const fl_loader_state *loader, const char *tokenizer,
-                        const char *config_json, int keep) {
+                        const fl_optimizer *base, const fl_loader_state *loader,
+                        const char *tokenizer, const char *config_json, int keep) {
     const fl_model_config *c = &model->config;
     cJSON *meta = cJSON_CreateObject();
     cJSON *m = cJSON_AddObjectToObject(meta, "model");
@@ -98,16 +132,16 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const 
         FL_ASSERT(cfg);
         cJSON_AddItemToObject(meta, "config", cfg);
     }
-    const fl_param_table *t = &model->table;
-    fl_optim_rule *rule = optim ? optim->rule : NULL;
-    int nstate = rule ? fl_optim_state_count(rule) : 0;
-    const void *weights = model->params;
-    fl_dtype wdt = model->dtype; // fp32, or 16-bit weights without a master (LOMO, AdaLomo)
+    if (model->lora.cfg.r) {
+        const fl_lora_config *lc = &model->lora.cfg;
+        cJSON *l = cJSON_AddObjectToObject(meta, "lora");
+        cJSON_AddNumberToObject(l, "r", lc->r);
+        cJSON_AddNumberToObject(l, "lora_alpha", lc->alpha);
+        cJSON_AddBoolToObject(l, "train_base", lc->train_base);
+    }
     if (optim) {
-        if (optim->master) weights = optim->master, wdt = FL_F32;
-        cJSON *o = cJSON_AddObjectToObject(meta, "optimizer");
-        cJSON_AddStringToObject(o, "type", optim_kind_name(optim->cfg.kind));
-        cJSON_AddNumberToObject(o, "t", *fl_optim_step_count(rule));
+        add_optim_meta(meta, "optimizer", optim);
+        if (base) add_optim_meta(meta, "base_optimizer", base);
         const fl_loss_scaler *s = &optim->scaler;
         cJSON *ls = cJSON_AddObjectToObject(meta, "loss_scaler");
         cJSON_AddNumberToObject(ls, "scale", s->scale);
@@ -117,24 +151,39 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const 
     } else {
         FL_ASSERT(model->dtype == FL_F32);
     }
-    size_t n = (size_t)t->count * (1 + nstate);
+    param_set sets[2];
+    int nsets = param_sets(model, optim, base, sets);
+    size_t n = 0;
+    for (int i = 0; i < nsets; i++)
+        n += (size_t)sets[i].t->count *
+             (1 + (sets[i].optim ? fl_optim_state_count(sets[i].optim->rule) : 0));
     fl_ckpt_tensor *tensors = fl_alloc(FL_MEM_OTHER, n * sizeof *tensors);
     char(*names)[NAME_MAX_] = fl_alloc(FL_MEM_OTHER, n * NAME_MAX_);
     size_t k = 0;
-    for (int st = -1; st < nstate; st++) {
-        for (int r = 0; r < t->count; r++) {
-            const fl_param_view *v = &t->views[r];
-            size_t numel = st < 0 ? v->numel : fl_optim_state_numel(rule, st, v);
-            if (st >= 0 && numel == 0) continue;
-            tensor_name(names[k], NAME_MAX_, st < 0 ? NULL : fl_optim_state_name(rule, st),
-                        v->name);
-            if (st < 0)
-                tensors[k] =
-                    (fl_ckpt_tensor){names[k], wdt, fl_at_const(wdt, weights, v->offset), numel};
-            else
-                tensors[k] = (fl_ckpt_tensor){names[k], FL_F32,
-                                              fl_optim_state_ptr(rule, st, v->offset), numel};
-            k++;
+    for (int i = 0; i < nsets; i++) {
+        const param_set *s = &sets[i];
+        const fl_param_table *t = s->t;
+        fl_optim_rule *rule = s->optim ? s->optim->rule : NULL;
+        int nstate = rule ? fl_optim_state_count(rule) : 0;
+        // fp32, or 16-bit weights without a master (LOMO, AdaLomo)
+        const void *weights = s->optim && s->optim->master ? s->optim->master : s->values;
+        fl_dtype wdt = s->optim && s->optim->master ? FL_F32 : model->dtype;
+        FL_ASSERT(s->optim || model->dtype == FL_F32);
+        for (int st = -1; st < nstate; st++) {
+            for (int r = 0; r < t->count; r++) {
+                const fl_param_view *v = &t->views[r];
+                size_t numel = st < 0 ? v->numel : fl_optim_state_numel(rule, st, v);
+                if (st >= 0 && numel == 0) continue;
+                tensor_name(names[k], NAME_MAX_, st < 0 ? s->weights : s->state,
+                            st < 0 ? NULL : fl_optim_state_name(rule, st), v->name);
+                if (st < 0)
+                    tensors[k] = (fl_ckpt_tensor){names[k], wdt,
+                                                  fl_at_const(wdt, weights, v->offset), numel};
+                else
+                    tensors[k] = (fl_ckpt_tensor){names[k], FL_F32,
+                                                  fl_optim_state_ptr(rule, st, v->offset), numel};
+                k++;
+            }
         }
     }
     n = k;
@@ -153,10 +202,10 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const 
     fl_free(names);
 }
 
-// Reads the flat buffer `dst` (fp32 or dt) of a state ("" for the weights)
-// row by row. Checkpoints written before the by-name layout hold the whole
-// buffer as one tensor (`legacy`, in the same table order): read as such.
-static void read_rows(fl_ckpt *ck, const fl_param_table *t, const char *state, const char *legacy,
+// Reads the flat buffer `dst` (fp32 or dt) of a set's weights row by row.
+// Checkpoints written before the by-name layout hold the whole buffer as
+// one tensor (`legacy`, in the same table order): read as such.
+static void read_rows(fl_ckpt *ck, const fl_param_table *t, const char *prefix, const char *legacy,
                       fl_dtype dt, void *dst) {
     if (legacy && fl_ckpt_has(ck, legacy)) {
         fl_ckpt_read(ck, legacy, dt, dst, t->numel);
@@ -164,7 +213,7 @@ static void read_rows(fl_ckpt *ck, const fl_param_table *t, const char *state, c
     }
     for (int r = 0; r < t->count; r++) {
         char name[NAME_MAX_];
-        tensor_name(name, sizeof name, *state ? state : NULL, t->views[r].name);
+        tensor_name(name, sizeof name, prefix, NULL, t->views[r].name);
         fl_ckpt_read(ck, name, dt, fl_at(dt, dst, t->views[r].offset), t->views[r].numel);
     }
 }
@@ -216,9 +265,19 @@ void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *to
     if (strlen(tok) >= tokenizer_size)
         fl_die("checkpoint %s: tokenizer name too long", fl_ckpt_path(ck));
     strcpy(tokenizer, tok);
+    int adapters = cJSON_GetObjectItemCaseSensitive(meta, "lora") != NULL;
     cJSON_Delete(meta);
+    char first[NAME_MAX_];
+    fl_param_table t;
+    fl_model_table(&t, &cfg);
+    tensor_name(first, sizeof first, "model", NULL, t.views[0].name);
+    fl_params_free(&t);
+    if (adapters && !fl_ckpt_has(ck, first))
+        fl_die("checkpoint %s holds LoRA adapters, not a whole model: load its base (the run's "
+               "init_from) with the adapters in PEFT's format, e.g. --adapter OUT/adapter",
+               fl_ckpt_path(ck));
     fl_model_init(model, &cfg, dt, 0);
-    read_rows(ck, &model->table, "", "weights", dt, model->params);
+    read_rows(ck, &model->table, "model", "weights", dt, model->params);
     fl_ckpt_close(ck);
 }
 
@@ -234,7 +293,56 @@ char *fl_train_ckpt_config(const fl_ckpt *ck) {
     return out;
 }
 
-void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim,
+// The optimizer's kind and step count, checked against meta[key].
+static void restore_optim_meta(const cJSON *meta, const char *key, const char *path,
+                               fl_optimizer *o) {
+    const cJSON *j = object(meta, key, path);
+    const char *kind = string(j, "type", path);
+    if (strcmp(kind, optim_kind_name(o->cfg.kind)))
+        fl_die("checkpoint %s holds %s state; this run uses %s", path, kind,
+               optim_kind_name(o->cfg.kind));
+    *fl_optim_step_count(o->rule) = (int)number(j, "t", path, 0, 1 << 30);
+}
+
+// A set's weights and its optimizer's state tensors (and those of the layout
+// before by-name tensors).
+static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) {
+    const fl_param_table *t = s->t;
+    fl_optimizer *optim = s->optim;
+    size_t n = t->numel;
+    const char *legacy_weights = strcmp(s->weights, "model") ? NULL : "weights";
+    if (optim->master) {
+        read_rows(ck, t, s->weights, legacy_weights, FL_F32, optim->master);
+        fl_convert(model->dtype, s->values, FL_F32, optim->master, n);
+    } else { // fp32, or 16-bit weights without a master
+        read_rows(ck, t, s->weights, legacy_weights, model->dtype, s->values);
+    }
+    static const char *const legacy[2][2] = {{"adamw.m", "adamw.v"}, {"sgd.momentum", NULL}};
+    fl_optim_rule *rule = optim->rule;
+    int nstate = fl_optim_state_count(rule);
+    for (int k = 0; k < nstate; k++) {
+        const char *old = optim->cfg.kind <= FL_OPT_SGD ? legacy[optim->cfg.kind][k] : NULL;
+        if (old && legacy_weights && fl_ckpt_has(ck, old)) {
+            fl_ckpt_read(ck, old, FL_F32, fl_optim_state_ptr(rule, k, 0), n);
+            continue;
+        }
+        for (int r = 0; r < t->count; r++) { // per row: its own size
+            const fl_param_view *v = &t->views[r];
+            size_t numel = fl_optim_state_numel(rule, k, v);
+            if (numel == 0) continue;
+            char name[NAME_MAX_];
+            tensor_name(name, sizeof name, s->state, fl_optim_state_name(rule, k), v->name);
+            fl_ckpt_read(ck, name, FL_F32, fl_optim_state_ptr(rule, k, v->offset), numel);
+        }
+    }
+    char first[NAME_MAX_];
+    tensor_name(first, sizeof first, s->state, "momentum", t->views[0].name);
+    if (optim->cfg.kind == FL_OPT_SGD && !nstate &&
+        (fl_ckpt_has(ck, first) || (legacy_weights && fl_ckpt_has(ck, "sgd.momentum"))))
+        fl_die("checkpoint %s holds SGD momentum; this run has momentum 0", fl_ckpt_path(ck));
+}
+
+void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl_optimizer *base,
                            fl_loader_state *loader, const char *tokenizer) {
     const char *path = fl_ckpt_path(ck);
     cJSON *meta = parse_meta(ck);
@@ -256,45 +364,18 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim,
     if (strcmp(tok, tokenizer))
         fl_die("checkpoint %s was trained with the %s tokenizer; this run's data uses %s", path,
                tok, tokenizer);
-    const cJSON *o = object(meta, "optimizer", path);
-    const char *kind = string(o, "type", path);
-    if (strcmp(kind, optim_kind_name(optim->cfg.kind)))
-        fl_die("checkpoint %s holds %s state; this run uses %s", path, kind,
-               optim_kind_name(optim->cfg.kind));
-    int t = (int)number(o, "t", path, 0, 1 << 30);
-
-    size_t n = model->table.numel;
-    if (optim->master) {
-        read_rows(ck, &model->table, "", "weights", FL_F32, optim->master);
-        fl_convert(model->dtype, model->params, FL_F32, optim->master, n);
-    } else { // fp32, or 16-bit weights without a master
-        read_rows(ck, &model->table, "", "weights", model->dtype, model->params);
-    }
-    // the rule's state tensors, and those of the layout before by-name tensors
-    static const char *const legacy[2][2] = {{"adamw.m", "adamw.v"}, {"sgd.momentum", NULL}};
-    fl_optim_rule *rule = optim->rule;
-    int nstate = fl_optim_state_count(rule);
-    for (int k = 0; k < nstate; k++) {
-        const char *old = optim->cfg.kind <= FL_OPT_SGD ? legacy[optim->cfg.kind][k] : NULL;
-        if (old && fl_ckpt_has(ck, old)) {
-            fl_ckpt_read(ck, old, FL_F32, fl_optim_state_ptr(rule, k, 0), n);
-            continue;
-        }
-        for (int r = 0; r < model->table.count; r++) { // per row: its own size
-            const fl_param_view *v = &model->table.views[r];
-            size_t numel = fl_optim_state_numel(rule, k, v);
-            if (numel == 0) continue;
-            char name[NAME_MAX_];
-            tensor_name(name, sizeof name, fl_optim_state_name(rule, k), v->name);
-            fl_ckpt_read(ck, name, FL_F32, fl_optim_state_ptr(rule, k, v->offset), numel);
-        }
-    }
-    char first[NAME_MAX_];
-    tensor_name(first, sizeof first, "momentum", model->table.views[0].name);
-    if (optim->cfg.kind == FL_OPT_SGD && !nstate &&
-        (fl_ckpt_has(ck, first) || fl_ckpt_has(ck, "sgd.momentum")))
-        fl_die("checkpoint %s holds SGD momentum; this run has momentum 0", path);
-    *fl_optim_step_count(rule) = t;
+    const cJSON *lora = cJSON_GetObjectItemCaseSensitive(meta, "lora");
+    if (!lora != !model->lora.cfg.r)
+        fl_die("checkpoint %s %s LoRA adapters; this run %s", path, lora ? "holds" : "has no",
+               model->lora.cfg.r ? "trains adapters" : "trains the whole model");
+    if (lora && (int)number(lora, "r", path, 1, 1 << 16) != model->lora.cfg.r)
+        fl_die("checkpoint %s holds adapters of rank %d; this run's lora.r is %d", path,
+               (int)number(lora, "r", path, 1, 1 << 16), model->lora.cfg.r);
+    restore_optim_meta(meta, "optimizer", path, optim);
+    if (base) restore_optim_meta(meta, "base_optimizer", path, base);
+    param_set sets[2];
+    int nsets = param_sets(model, optim, base, sets);
+    for (int i = 0; i < nsets; i++) restore_set(ck, model, &sets[i]);
     const cJSON *ls = object(meta, "loss_scaler", path);
     fl_loss_scaler *s = &optim->scaler;
     s->scale = (float)number(ls, "scale", path, 0, 1e38);

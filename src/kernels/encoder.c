@@ -70,7 +70,7 @@ void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, con
     // result independent of the thread count, and one rounding per element.
     int N = B * T;
 #pragma omp parallel for schedule(dynamic, 16)
-    for (int bt = 0; bt < N; bt++) {
+    for (int bt = 0; bt < (dwte ? N : 0); bt++) {
         int tok = inp[bt], seen = 0;
         for (int j0 = 0; j0 < bt && !seen; j0 += ENC_SCAN)
             seen = occurs(inp + j0, bt - j0 < ENC_SCAN ? bt - j0 : ENC_SCAN, tok);

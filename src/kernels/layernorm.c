@@ -76,6 +76,7 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
             fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
     }
+    if (!dweight) return; // a frozen weight and bias
     // dweight, dbias: each thread owns a block of channels and sums the rows
     // in order, so there is no reduction across threads (deterministic); the
     // block's sums stay in fp32 until all rows are in

@@ -65,6 +65,7 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
             fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
     }
+    if (!dweight) return; // a frozen weight
     // dweight: each thread owns a block of channels and sums the rows in
     // order, so there is no reduction across threads (deterministic); the
     // block's sums stay in fp32 until all rows are in

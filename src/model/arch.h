@@ -86,6 +86,31 @@ void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl
 void fl_residual_linear_forward(const fl_block *b, const fl_linear *lin, void *out, const void *inp,
                                 const void *skip);
 
+// LoRA inside the linear unit (lora.c): the adapters of a linear's rows
+// add their update to out / their gradients and dinp's share.
+void fl_lora_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
+                     int N);
+void fl_lora_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
+                      const void *inp, int N);
+// Elements of the adapters' workspace for N rows: h and dh (N, r) each, dy
+// (N, widest adapted output), xd (N, widest adapted input; 0 without dropout).
+void fl_lora_workspace(const fl_param_table *t, int r, float dropout, size_t N, size_t *h,
+                       size_t *dy, size_t *xd);
+
+// NF4 base rows (quant.c). The weights of a linear's rows for its GEMM, in
+// the model's dtype: the rows themselves, or dequantised into quant.dequant
+// (timed in the profile's phase FL_FWD or FL_BWD).
+const void *fl_quant_weights(fl_model *m, int unit, const fl_linear *lin, int phase);
+// Dies unless the block size is a power of two in [32, 4096].
+void fl_quant_check(const fl_quant_config *q);
+// Elements of the dense rows, bytes of the NF4 rows' storage, and floats of
+// the largest row's absmax (the quantiser's and dequantiser's workspace).
+void fl_quant_sizes(const fl_param_table *t, const fl_quant_config *q, size_t *dense, size_t *store,
+                    size_t *absmax);
+// Allocates m->params for the dense rows (packed in table order), the NF4
+// storage and the row index (quant.row_at).
+void fl_quant_alloc(fl_model *m, const fl_quant_config *q);
+
 // Adds a row named fmt % l with its init rule and unit.
 int fl_arch_add_row(fl_param_table *t, int unit, unsigned flags, fl_init_rule init, float std,
                     size_t d0, size_t d1, const char *fmt, int l);

@@ -12,6 +12,11 @@
 // gradient and nothing else, so the kept activations serve the second one
 // (the paper's trainer re-runs the whole forward). An fp16 overflow is found
 // in the first pass, so a skipped step leaves every weight unchanged.
+//
+// LoRA + LOMO (the LOMO authors' LOMOLoRATrainer): the base is updated as
+// above while the backward also accumulates the adapters' gradients, which
+// an ordinary optimizer (AdamW) then steps with its own learning rate and
+// clipping. The global norm LOMO clips by is the base's, as there.
 #include <math.h>
 #include <string.h>
 
@@ -49,9 +54,11 @@ static double sum_rows(const double *row_sq, int rows) {
 }
 
 // A forward (the whole model, or, for the second pass, only the head: the
-// first backward overwrote nothing else) and a backward with the hook.
+// first backward overwrote nothing else) and a backward with the hook; the
+// adapters' gradients, if any, start from zero.
 static float backward_pass(fl_model *m, fused_pass *p, const int *inputs, const int *targets, int B,
                            int T, float dloss, int head_only) {
+    if (m->lora.grads) fl_model_zero_grad(m);
     m->hooks = (fl_model_hooks){NULL, on_grad_ready, p};
     float loss = head_only ? fl_model_forward_head(m) : fl_model_forward(m, inputs, targets, B, T);
     fl_model_backward(m, dloss);
@@ -59,9 +66,12 @@ static float backward_pass(fl_model *m, fused_pass *p, const int *inputs, const 
     return loss;
 }
 
-fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
-                              int B, int T, float lr) {
+static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *adapters,
+                                  const int *inputs, const int *targets, int B, int T, float lr,
+                                  float adapter_lr) {
     FL_ASSERT(m->unit_grads && !m->grads);
+    // dropout masks: one per step, the same in both passes
+    m->lora.dropout_step = (uint64_t)*fl_optim_step_count(o->rule) + 1;
     size_t BT = (size_t)B * T;
     long total = 0;
     for (size_t i = 0; i < BT; i++) total += targets[i] != -1;
@@ -82,6 +92,7 @@ fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, c
                        "fp16.min_loss_scale, or train in bf16 (--precision bf16)",
                        o->scaler.min_scale);
             fl_free(row_sq);
+            m->lora.dropout_step = 0;
             return r;
         }
         r.grad_norm = (float)sqrt(sq) * unscale;
@@ -96,5 +107,22 @@ fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, c
         r.grad_norm = (float)sqrt(sum_rows(row_sq, m->table.count)) * unscale;
     }
     fl_free(row_sq);
+    if (adapters) {
+        fl_optimizer_micro_done(adapters);
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_step(adapters, adapter_lr));
+    }
+    m->lora.dropout_step = 0;
     return r;
+}
+
+fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
+                              int B, int T, float lr) {
+    return fused_step(m, o, NULL, inputs, targets, B, T, lr, 0.0f);
+}
+
+fl_train_result fl_lora_lomo_step(fl_model *m, fl_optimizer *adapters, fl_optimizer *base,
+                                  const int *inputs, const int *targets, int B, int T, float lr,
+                                  float base_lr) {
+    FL_ASSERT(m->lora.cfg.train_base && m->dtype != FL_F16);
+    return fused_step(m, base, adapters, inputs, targets, B, T, base_lr, lr);
 }

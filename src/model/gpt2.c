@@ -70,7 +70,7 @@ static int table_rows(const fl_model_config *c) {
 static void build_table(fl_param_table *t, const fl_model_config *c) {
     size_t C = c->n_embd;
     float std = 0.02f, resid = 0.02f / sqrtf(2.0f * c->n_layer);
-    const unsigned D = FL_PARAM_DECAY;
+    const unsigned D = FL_PARAM_DECAY, LIN = FL_PARAM_DECAY | FL_PARAM_LINEAR;
     int wte = fl_arch_add_row(t, FL_UNIT_EMBED, D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
                               "wte.weight", 0);
     t->views[wte].live_rows = c->vocab_size; // the padding rows stay zero
@@ -78,15 +78,15 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
     for (int l = 0; l < c->n_layer; l++) {
         fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "h.%d.ln_1.weight", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_1.bias", l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, 3 * C, C, "h.%d.attn.c_attn.weight", l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 3 * C, C, "h.%d.attn.c_attn.weight", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, 3 * C, 0, "h.%d.attn.c_attn.bias", l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, resid, C, C, "h.%d.attn.c_proj.weight", l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, resid, C, C, "h.%d.attn.c_proj.weight", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.attn.c_proj.bias", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "h.%d.ln_2.weight", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_2.bias", l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, 4 * C, C, "h.%d.mlp.c_fc.weight", l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 4 * C, C, "h.%d.mlp.c_fc.weight", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, 4 * C, 0, "h.%d.mlp.c_fc.bias", l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, resid, C, 4 * C, "h.%d.mlp.c_proj.weight", l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, resid, C, 4 * C, "h.%d.mlp.c_proj.weight", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.mlp.c_proj.bias", l);
     }
     int L = c->n_layer;

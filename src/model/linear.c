@@ -17,10 +17,11 @@ size_t fl_linear_workspace_bytes(fl_dtype dt, const fl_linear *lin, int N) {
 
 void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
                        int N) {
-    const void *w = fl_unit_w(m, unit, lin->w);
+    const void *w = fl_quant_weights(m, unit, lin, FL_FWD);
     const void *b = lin->b >= 0 ? fl_unit_w(m, unit, lin->b) : NULL;
     FL_PROFILE(lin->op, FL_FWD, gemm_flops(N, lin->in, lin->out),
                matmul_forward(m->dtype, out, inp, w, b, m->matmul_workspace, N, lin->in, lin->out));
+    if (m->lora.cfg.r) fl_lora_forward(m, unit, lin, out, inp, N);
 }
 
 void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
@@ -29,7 +30,11 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
     int frozen = (m->table.views[row].flags & FL_PARAM_FROZEN) != 0;
     void *dw = frozen ? NULL : fl_unit_g(m, unit, lin->w);
     void *db = lin->b >= 0 && !frozen ? fl_unit_g(m, unit, lin->b) : NULL;
-    FL_PROFILE(lin->op, FL_BWD, 2.0 * gemm_flops(N, lin->in, lin->out),
-               matmul_backward(m->dtype, dinp, dw, db, dout, inp, fl_unit_w(m, unit, lin->w),
-                               m->matmul_workspace, N, lin->in, lin->out));
+    const void *w = fl_quant_weights(m, unit, lin, FL_BWD);
+    // a frozen weight's GEMM only passes the gradient on: half the work
+    double flops = (dw ? 2.0 : 1.0) * gemm_flops(N, lin->in, lin->out);
+    FL_PROFILE(lin->op, FL_BWD, flops,
+               matmul_backward(m->dtype, dinp, dw, db, dout, inp, w, m->matmul_workspace, N,
+                               lin->in, lin->out));
+    if (m->lora.cfg.r) fl_lora_backward(m, unit, lin, dinp, dout, inp, N);
 }

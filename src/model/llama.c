@@ -70,7 +70,7 @@ static int table_rows(const fl_model_config *c) {
 // every matrix and embedding, RMSNorm weights 1.
 static void build_table(fl_param_table *t, const fl_model_config *c) {
     size_t C = c->n_embd, I = c->intermediate_size, kv = (size_t)c->n_kv_head * (C / c->n_head);
-    const unsigned D = FL_PARAM_DECAY;
+    const unsigned D = FL_PARAM_DECAY, LIN = FL_PARAM_DECAY | FL_PARAM_LINEAR;
     const float std = 0.02f;
     int L = c->n_layer;
     int e = fl_arch_add_row(t, FL_UNIT_EMBED, D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
@@ -78,17 +78,19 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
     t->views[e].live_rows = c->vocab_size;
     for (int l = 0; l < L; l++) {
         fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "layers.%d.input_layernorm.weight", l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, C, C, "layers.%d.self_attn.q_proj.weight", l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, kv, C, "layers.%d.self_attn.k_proj.weight",
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, C, C, "layers.%d.self_attn.q_proj.weight",
                         l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, kv, C, "layers.%d.self_attn.v_proj.weight",
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, kv, C, "layers.%d.self_attn.k_proj.weight",
                         l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, C, C, "layers.%d.self_attn.o_proj.weight", l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, kv, C, "layers.%d.self_attn.v_proj.weight",
+                        l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, C, C, "layers.%d.self_attn.o_proj.weight",
+                        l);
         fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "layers.%d.post_attention_layernorm.weight",
                         l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, I, C, "layers.%d.mlp.gate_proj.weight", l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, I, C, "layers.%d.mlp.up_proj.weight", l);
-        fl_arch_add_row(t, l, D, FL_INIT_NORMAL, std, C, I, "layers.%d.mlp.down_proj.weight", l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, I, C, "layers.%d.mlp.gate_proj.weight", l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, I, C, "layers.%d.mlp.up_proj.weight", l);
+        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, C, I, "layers.%d.mlp.down_proj.weight", l);
     }
     fl_arch_add_row(t, FL_UNIT_HEAD(L), 0, FL_INIT_ONES, 0, C, 0, "norm.weight", 0);
     if (!c->tie_embeddings) {

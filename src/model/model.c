@@ -102,7 +102,27 @@ static void unit_grad_sizes(const fl_param_table *t, const fl_model_config *c, s
         if (per[u] > *unit) *unit = per[u];
 }
 
+// Elements of the largest GEMM over NF4 rows: every linear but the LM head.
+static size_t dequant_numel(const fl_model_config *c) {
+    fl_linear lins[FL_MAX_SLOTS];
+    int n = arch_of(c)->linears(c, lins);
+    size_t most = 0;
+    for (int i = 0; i < n; i++)
+        if (lins[i].op != FL_OP_MM_LMHEAD && (size_t)lins[i].in * lins[i].out > most)
+            most = (size_t)lins[i].in * lins[i].out;
+    return most;
+}
+
+static void store_sink(void *ctx, int row, size_t first, const float *values, size_t n) {
+    fl_model_store_row(ctx, row, first, values, n);
+}
+
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed) {
+    fl_model_init_quant(m, cfg, dt, seed, NULL);
+}
+
+void fl_model_init_quant(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
+                         const fl_quant_config *q) {
     memset(m, 0, sizeof *m);
     m->config = *cfg;
     m->dtype = dt;
@@ -112,7 +132,14 @@ void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_
     fl_model_table(&m->table, c);
     size_t n = m->table.numel;
     FL_ASSERT(n == m->arch->num_params(c) && m->table.count == m->arch->table_rows(c));
-    m->params = fl_alloc(FL_MEM_PARAMS, n * fl_dtype_size(dt));
+    int quant = q && q->enabled;
+    if (quant) {
+        fl_quant_check(q);
+        fl_quant_alloc(m, q);
+        m->quant.dequant = fl_alloc(FL_MEM_WORKSPACE, dequant_numel(c) * fl_dtype_size(dt));
+    } else {
+        m->params = fl_alloc(FL_MEM_PARAMS, n * fl_dtype_size(dt));
+    }
     int rows = m->table.count, L = c->n_layer;
     m->wp = fl_alloc(FL_MEM_OTHER, (size_t)rows * sizeof(void *));
     m->gp = fl_alloc(FL_MEM_OTHER, (size_t)rows * sizeof(void *));
@@ -130,12 +157,22 @@ void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_
         fl_model_bind_params(m, unit, NULL);
         fl_model_bind_grads(m, unit, NULL);
     }
-    fl_params_init(&m->table, dt, m->params, seed);
+    if (quant) // row by row into NF4: the dense model never exists
+        fl_params_init_each(&m->table, seed, store_sink, m);
+    else
+        fl_params_init(&m->table, dt, m->params, seed);
+}
+
+// LoRA without training the base: no base gradient at all.
+static int base_frozen(const fl_model *m) {
+    return m->lora.cfg.r && !m->lora.cfg.train_base;
 }
 
 // The gradients: one buffer for the model, or one unit's at a time.
 static void alloc_grads(fl_model *m, int unit_grads) {
     size_t D = fl_dtype_size(m->dtype);
+    if (m->lora.cfg.r) m->lora.grads = fl_alloc(FL_MEM_GRADS, m->lora.table.numel * D);
+    if (base_frozen(m)) return; // the row pointers stay NULL: no gradient
     if (unit_grads) {
         size_t unit, embed;
         unit_grad_sizes(&m->table, &m->config, &unit, &embed);
@@ -169,7 +206,17 @@ void fl_model_bind_grads(fl_model *m, int unit, void *buffer) {
 }
 
 void fl_model_bind_params(fl_model *m, int unit, void *buffer) {
-    bind(m, m->wp, m->params, unit, buffer);
+    if (buffer || !m->quant.cfg.enabled) {
+        bind(m, m->wp, m->params, unit, buffer);
+        return;
+    }
+    // dense rows are packed in m->params; an NF4 row has no dense weights
+    int first, count;
+    fl_model_unit_rows(m, unit, &first, &count);
+    for (int r = first; r < first + count; r++)
+        m->wp[r] = fl_quant_row(&m->table.views[r])
+                       ? NULL
+                       : fl_at(m->dtype, m->params, m->quant.row_at[r]);
 }
 
 // One allocation of the activation set: where its pointer goes, how many
@@ -189,7 +236,8 @@ static int copies_of(const fl_slot *s, fl_recompute r, int L) {
 }
 
 static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, int T, int threads,
-                     fl_recompute r, act_spec *out) {
+                     fl_recompute r, const fl_lora_config *lc, const fl_param_table *lt,
+                     act_spec *out) {
     const fl_arch *arch = arch_of(c);
     size_t L = c->n_layer, C = c->n_embd, Vp = c->padded_vocab_size;
     size_t BT = (size_t)B * T, D = fl_dtype_size(dt), F = sizeof(float), I = sizeof(int);
@@ -226,6 +274,21 @@ static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, 
         size_t b = fl_linear_workspace_bytes(dt, &lins[i], (int)BT);
         if (b > mm) mm = b;
     }
+    if (lt) { // the adapters: their GEMMs and scratch
+        size_t h, dy, xd;
+        fl_lora_workspace(lt, lc->r, lc->dropout, BT, &h, &dy, &xd);
+        SPEC(m->lora.h, h, D, FL_MEM_WORKSPACE);
+        SPEC(m->lora.dh, h, D, FL_MEM_WORKSPACE);
+        SPEC(m->lora.dy, dy, D, FL_MEM_WORKSPACE);
+        if (xd) SPEC(m->lora.xd, xd, D, FL_MEM_WORKSPACE);
+        for (int a = 0; a < lt->count; a += 2) {
+            int in = (int)lt->views[a].shape[1], out = (int)lt->views[a + 1].shape[0];
+            size_t b1 = matmul_workspace_bytes(dt, (int)BT, in, lc->r);
+            size_t b2 = matmul_workspace_bytes(dt, (int)BT, lc->r, out);
+            if (b1 > mm) mm = b1;
+            if (b2 > mm) mm = b2;
+        }
+    }
     SPEC(m->matmul_workspace, mm, 1, FL_MEM_WORKSPACE);
 #undef SPEC
     FL_ASSERT(n <= MAX_SPECS);
@@ -233,28 +296,46 @@ static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, 
 }
 
 void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
-                     fl_recompute recompute, int unit_grads, size_t bytes[FL_MEM_NTAGS]) {
+                     fl_recompute recompute, int unit_grads, const fl_lora_config *lora,
+                     const fl_quant_config *quant, size_t bytes[FL_MEM_NTAGS]) {
     fl_model_config c = *cfg;
     fl_model_config_finish(&c);
     const fl_arch *arch = arch_of(&c);
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
-    size_t numel = arch->num_params(&c);
-    bytes[FL_MEM_PARAMS] = numel * fl_dtype_size(dt);
-    bytes[FL_MEM_GRADS] = numel * fl_dtype_size(dt);
-    if (unit_grads) { // the table, built only to size the units' buffers
-        fl_param_table t;
-        fl_model_table(&t, &c);
+    size_t numel = arch->num_params(&c), D = fl_dtype_size(dt);
+    int rows = arch->table_rows(&c);
+    // the tables, built only to size what depends on their rows
+    fl_param_table t, lt = {0};
+    fl_model_table(&t, &c);
+    if (lora && lora->r) fl_lora_table(&lt, &t, &c, lora, NULL);
+    bytes[FL_MEM_PARAMS] = numel * D;
+    bytes[FL_MEM_GRADS] = numel * D;
+    bytes[FL_MEM_OTHER] = rows * sizeof(fl_param_view) + bookkeeping_bytes(rows, c.n_layer);
+    if (quant && quant->enabled) {
+        size_t dense, store, absmax;
+        fl_quant_sizes(&t, quant, &dense, &store, &absmax);
+        bytes[FL_MEM_PARAMS] = dense * D + store;
+        bytes[FL_MEM_OTHER] += rows * sizeof(size_t);
+        bytes[FL_MEM_WORKSPACE] += absmax * sizeof(float) + dequant_numel(&c) * D;
+    }
+    if (unit_grads) {
         size_t unit, embed;
         unit_grad_sizes(&t, &c, &unit, &embed);
-        fl_params_free(&t);
-        bytes[FL_MEM_GRADS] = (unit + embed) * fl_dtype_size(dt);
+        bytes[FL_MEM_GRADS] = (unit + embed) * D;
     }
-    int rows = arch->table_rows(&c);
-    bytes[FL_MEM_OTHER] = rows * sizeof(fl_param_view) + bookkeeping_bytes(rows, c.n_layer);
-    if (B == 0) return;
-    act_spec specs[MAX_SPECS];
-    int n = act_specs(NULL, &c, dt, B, T, threads, recompute, specs);
-    for (int i = 0; i < n; i++) bytes[specs[i].tag] += specs[i].count * specs[i].elem;
+    if (lt.count) {
+        bytes[FL_MEM_PARAMS] += lt.numel * D;
+        bytes[FL_MEM_OTHER] += lt.count * sizeof(fl_param_view) + rows * sizeof(int);
+        bytes[FL_MEM_GRADS] = (lora->train_base ? bytes[FL_MEM_GRADS] : 0) + lt.numel * D;
+    }
+    if (B > 0) {
+        act_spec specs[MAX_SPECS];
+        int n =
+            act_specs(NULL, &c, dt, B, T, threads, recompute, lora, lt.count ? &lt : NULL, specs);
+        for (int i = 0; i < n; i++) bytes[specs[i].tag] += specs[i].count * specs[i].elem;
+    }
+    fl_params_free(&lt);
+    fl_params_free(&t);
 }
 
 void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int unit_grads) {
@@ -266,7 +347,8 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
     FL_ASSERT(m->max_B == 0); // allocated once, up front
     alloc_grads(m, unit_grads);
     act_spec specs[MAX_SPECS];
-    int n = act_specs(m, c, m->dtype, B, T, fl_threads(), recompute, specs);
+    int n = act_specs(m, c, m->dtype, B, T, fl_threads(), recompute, &m->lora.cfg,
+                      m->lora.cfg.r ? &m->lora.table : NULL, specs);
     for (int i = 0; i < n; i++)
         *specs[i].slot = fl_alloc(specs[i].tag, specs[i].count * specs[i].elem);
     m->att_workspace_threads = fl_threads();
@@ -280,9 +362,17 @@ void fl_model_free(fl_model *m) {
     if (m->max_B) {
         act_spec specs[MAX_SPECS];
         int n = act_specs(m, &m->config, m->dtype, m->max_B, m->max_T, m->att_workspace_threads,
-                          m->recompute, specs);
+                          m->recompute, &m->lora.cfg, m->lora.cfg.r ? &m->lora.table : NULL, specs);
         for (int i = 0; i < n; i++) fl_free(*specs[i].slot);
     }
+    fl_free(m->lora.params);
+    fl_free(m->lora.grads);
+    fl_free(m->lora.a_row);
+    fl_params_free(&m->lora.table);
+    fl_free(m->quant.store);
+    fl_free(m->quant.row_at);
+    fl_free(m->quant.dequant);
+    fl_free(m->quant.absmax);
     fl_free(m->params);
     fl_free(m->grads);
     fl_free(m->unit_grads);
@@ -426,7 +516,9 @@ float fl_model_forward_head(fl_model *m) {
 }
 
 void fl_model_zero_grad(fl_model *m) {
-    if (m->grads) memset(m->grads, 0, m->table.numel * fl_dtype_size(m->dtype));
+    size_t D = fl_dtype_size(m->dtype);
+    if (m->grads) memset(m->grads, 0, m->table.numel * D);
+    if (m->lora.grads) memset(m->lora.grads, 0, m->lora.table.numel * D);
 }
 
 void fl_model_backward(fl_model *m, float dloss) {

@@ -62,6 +62,9 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     r->recompute = cfg->recompute;
     r->data_bytes = data_bytes;
     r->sample_tokens = cfg->sample_tokens;
+    if (cfg->lora_enabled) r->lora = cfg->lora;
+    if (cfg->lora_enabled && cfg->lora.train_base) r->base_optim = fl_config_base_optimizer(cfg);
+    r->quant = cfg->quant;
 }
 
 // ----------------------------------------------------------------------------
@@ -83,6 +86,16 @@ static void note_add(fl_plan *p, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(p->note + n, sizeof p->note - n, fmt, ap);
     va_end(ap);
+}
+
+static const fl_lora_config *lora_of(const fl_plan_request *r) {
+    return r->lora.r ? &r->lora : NULL;
+}
+
+// whether the model keeps one unit's gradients at a time (fused optimizers)
+static int unit_grads_of(const fl_plan_request *r) {
+    if (lora_of(r)) return r->lora.train_base && fl_optimizer_unit_grads(&r->base_optim);
+    return fl_optimizer_unit_grads(&r->optim);
 }
 
 static void check_request(const fl_plan_request *r) {
@@ -117,8 +130,8 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         if (largest > unit) unit = largest;
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
-        fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
-                        fl_optimizer_unit_grads(&r->optim), b);
+        fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute, unit_grads_of(r),
+                        lora_of(r), &r->quant, b);
     } else {
         numel = r->num_params;
         largest = unit = r->largest_tensor;
@@ -126,7 +139,22 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         b[FL_MEM_GRADS] = numel * ds;
     }
     size_t fused_rows = 0; // a fused step's sums of squares, one per row
-    if (shaped && fl_optim_kind_fused(r->optim.kind)) {
+    if (shaped && lora_of(r)) {
+        // the adapters' optimizer over their table; under LoRA + LOMO the
+        // base's fused one over the base's
+        fl_param_table t, lt;
+        fl_model_table(&t, &c);
+        fl_lora_table(&lt, &t, &c, &r->lora, NULL);
+        fl_optimizer_memory_table(&r->optim, dt, &lt, 0, lt.numel, opt);
+        if (r->lora.train_base) {
+            size_t base[FL_MEM_NTAGS] = {0};
+            fl_optimizer_memory_table(&r->base_optim, dt, &t, 0, t.numel, base);
+            for (int k = 0; k < FL_MEM_NTAGS; k++) opt[k] += base[k];
+            if (unit_grads_of(r)) fused_rows = (size_t)t.count;
+        }
+        fl_params_free(&lt);
+        fl_params_free(&t);
+    } else if (shaped && fl_optim_kind_fused(r->optim.kind)) {
         // AdaLomo's state is per row; a fused step keeps a sum of squares per row
         fl_param_table t;
         fl_model_table(&t, &c);

@@ -90,12 +90,48 @@ void fl_config_finish(fl_train_config *cfg) {
     fl_config_check(cfg);
 }
 
-fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
+void fl_config_set_lora(fl_train_config *cfg, const fl_lora_config *adapter, const char *source) {
+    const fl_lora_config *l = &cfg->lora;
+    const struct {
+        const char *key;
+        int differs;
+    } keys[] = {
+        {"lora.r", l->r != adapter->r},
+        {"lora.lora_alpha", l->alpha != adapter->alpha},
+        {"lora.lora_dropout", l->dropout != adapter->dropout},
+        {"lora.target_modules", strcmp(l->target_modules, adapter->target_modules) != 0},
+        {"lora.use_rslora", l->use_rslora != adapter->use_rslora},
+        {"lora.init_lora_weights", l->init != adapter->init},
+    };
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (fl_config_given(cfg, keys[i].key) && keys[i].differs)
+            fl_die("%s contradicts the adapter %s (its adapter_config.json)", keys[i].key, source);
+    int train_base = l->train_base;
+    cfg->lora = *adapter;
+    cfg->lora.train_base = train_base;
+}
+
+static fl_optim_kind kind_of(const char *name) {
     static const char *const kinds[] = {"adamw", "sgd", "lomo", "adalomo"}; // by fl_optim_kind
     int kind = 0;
-    while (strcmp(cfg->optimizer, kinds[kind])) kind++; // a checked choice
+    while (strcmp(name, kinds[kind])) kind++; // a checked choice
+    return (fl_optim_kind)kind;
+}
+
+fl_optimizer_config fl_config_base_optimizer(const fl_train_config *cfg) {
+    FL_ASSERT(cfg->lora.train_base);
+    fl_optimizer_config o = fl_config_optimizer(cfg);
+    o.kind = kind_of(cfg->lora_base_optimizer);
+    // LOMO's defaults (lomo_optim): no weight decay; AdaLomo's own eps
+    o.weight_decay = 0.0f;
+    if (o.kind == FL_OPT_ADALOMO) o.eps = 1e-30f;
+    return o;
+}
+
+fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
+    fl_optim_kind kind = kind_of(cfg->optimizer);
     fl_optimizer_config o = {
-        .kind = (fl_optim_kind)kind,
+        .kind = kind,
         .beta1 = cfg->beta1,
         .beta2 = cfg->beta2,
         .eps = cfg->eps,

@@ -15,13 +15,16 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
     // d(scaled mean loss)/d(loss_i): the same weight for every target token
     float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
     double loss_sum = 0.0;
+    uint64_t t = (uint64_t)*fl_optim_step_count(o->rule); // steps done: the dropout masks' key
     for (int k = 0; k < micro; k++) {
         FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(o));
+        m->lora.dropout_step = t * (uint64_t)micro + (uint64_t)k + 1;
         fl_model_forward(m, inputs + k * BT, targets + k * BT, B, T);
         loss_sum += (double)m->loss * m->n_targets;
         fl_model_backward(m, dloss);
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(o));
     }
+    m->lora.dropout_step = 0; // evaluation and sampling run without dropout
     fl_step_result s;
     FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, s = fl_optimizer_step(o, lr));
     return (fl_train_result){total ? (float)(loss_sum / total) : 0.0f, total, s.grad_norm,

@@ -1,0 +1,199 @@
+// quant.c: base rows stored in NF4 (lora.h), as bitsandbytes' Linear4bit
+// holds them: the linear layers of the blocks, 4-bit codes with a
+// blockwise absmax (optionally itself quantised to 8 bits: double
+// quantisation); embeddings, norms and the LM head stay in the model's
+// dtype. A row is quantised as it is stored (from a loader or the
+// initialiser, piece by piece) and dequantised into workspace, one GEMM's
+// weights at a time, whenever the linear unit needs it.
+#include <math.h>
+#include <string.h>
+
+#include "arch.h"
+
+int fl_quant_row(const fl_param_view *v) {
+    return (v->flags & FL_PARAM_LINEAR) != 0;
+}
+
+// Where one row's pieces sit in its storage: codes ((n + 1) / 2 bytes), then
+// the absmax as fp32, or as 8-bit codes, the nested fp32 absmax and the
+// offset. Rows start 64-byte aligned.
+typedef struct {
+    size_t nblocks, absmax, q, nested, offset, total;
+} row_layout;
+
+static size_t align(size_t n, size_t a) {
+    return (n + a - 1) / a * a;
+}
+
+static row_layout layout_of(const fl_quant_config *q, size_t numel) {
+    row_layout l = {0};
+    l.nblocks = (numel + (size_t)q->blocksize - 1) / (size_t)q->blocksize;
+    size_t at = align((numel + 1) / 2, 4);
+    if (!q->double_quant) {
+        l.absmax = at;
+        at += l.nblocks * sizeof(float);
+    } else {
+        l.q = at;
+        l.nested = align(at + l.nblocks, 4);
+        l.offset = l.nested + (l.nblocks + FL_DQ_BLOCK - 1) / FL_DQ_BLOCK * sizeof(float);
+        at = l.offset + sizeof(float);
+    }
+    l.total = align(at, 64);
+    return l;
+}
+
+size_t fl_quant_row_bytes(const fl_quant_config *q, size_t numel) {
+    return layout_of(q, numel).total;
+}
+
+void fl_quant_check(const fl_quant_config *q) {
+    int b = q->blocksize;
+    if (b < 32 || b > 4096 || (b & (b - 1)))
+        fl_die("quantization: the NF4 block size must be a power of two in [32, 4096] (got %d)", b);
+}
+
+void fl_quant_sizes(const fl_param_table *t, const fl_quant_config *q, size_t *dense, size_t *store,
+                    size_t *absmax) {
+    *dense = *store = *absmax = 0;
+    for (int r = 0; r < t->count; r++) {
+        const fl_param_view *v = &t->views[r];
+        if (!fl_quant_row(v)) {
+            *dense += v->numel;
+            continue;
+        }
+        row_layout l = layout_of(q, v->numel);
+        *store += l.total;
+        if (l.nblocks > *absmax) *absmax = l.nblocks;
+    }
+}
+
+void fl_quant_alloc(fl_model *m, const fl_quant_config *q) {
+    fl_quant_set *s = &m->quant;
+    s->cfg = *q;
+    size_t dense, store, absmax;
+    fl_quant_sizes(&m->table, q, &dense, &store, &absmax);
+    m->params = fl_alloc(FL_MEM_PARAMS, dense * fl_dtype_size(m->dtype));
+    s->store = fl_alloc(FL_MEM_PARAMS, store);
+    s->absmax = fl_alloc(FL_MEM_WORKSPACE, absmax * sizeof(float));
+    s->row_at = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(size_t));
+    size_t at_dense = 0, at_store = 0;
+    for (int r = 0; r < m->table.count; r++) {
+        const fl_param_view *v = &m->table.views[r];
+        if (fl_quant_row(v)) {
+            s->row_at[r] = at_store;
+            at_store += layout_of(q, v->numel).total;
+        } else {
+            s->row_at[r] = at_dense;
+            at_dense += v->numel;
+        }
+    }
+}
+
+// fp32 statistics inside a row's bytes (4-byte aligned by the layout)
+static float *floats_at(const uint8_t *p, size_t offset) {
+    return (float *)(void *)(uintptr_t)(p + offset);
+}
+
+// a row's storage and layout
+static uint8_t *row_store(const fl_model *m, int row, row_layout *l) {
+    *l = layout_of(&m->quant.cfg, m->table.views[row].numel);
+    return m->quant.store + m->quant.row_at[row];
+}
+
+// The row's absmax, its double quantisation undone into quant.absmax.
+static const float *row_absmax(const fl_model *m, int row) {
+    row_layout l;
+    const uint8_t *p = row_store(m, row, &l);
+    if (!m->quant.cfg.double_quant) return floats_at(p, l.absmax);
+    float offset;
+    memcpy(&offset, p + l.offset, sizeof offset);
+    dq8_dequantize(m->quant.absmax, p + l.q, floats_at(p, l.nested), offset, l.nblocks,
+                   FL_DQ_BLOCK);
+    return m->quant.absmax;
+}
+
+static int is_nf4(const fl_model *m, int row) {
+    return m->quant.cfg.enabled && fl_quant_row(&m->table.views[row]);
+}
+
+// a dense row's values (NULL for an NF4 row)
+static void *dense_row(const fl_model *m, int row) {
+    size_t at = m->quant.cfg.enabled ? m->quant.row_at[row] : m->table.views[row].offset;
+    return fl_at(m->dtype, m->params, at);
+}
+
+// What the codes of w[0, n) lose, into the running error sums.
+static void add_error(fl_quant_set *s, const uint8_t *codes, const float *absmax, const float *w,
+                      size_t n, int block) {
+    double sum = 0.0, sq = 0.0, most = s->err_max;
+    for (size_t i = 0; i < n; i++) {
+        int q = (codes[i / 2] >> (i % 2 ? 0 : 4)) & 15; // the first element is the high nibble
+        double e = fabs((double)(nf4_codebook[q] * absmax[i / (size_t)block]) - w[i]);
+        sum += e;
+        sq += (double)w[i] * w[i];
+        if (e > most) most = e;
+    }
+    s->err_sum += sum;
+    s->w_sumsq += sq;
+    s->err_max = most;
+    s->err_n += n;
+}
+
+void fl_model_quant_error(const fl_model *m, double *mean_abs, double *max_abs, double *rms) {
+    const fl_quant_set *s = &m->quant;
+    size_t n = s->err_n ? s->err_n : 1;
+    *mean_abs = s->err_sum / n;
+    *max_abs = s->err_max;
+    *rms = sqrt(s->w_sumsq / n);
+}
+
+void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n) {
+    const fl_param_view *v = &m->table.views[row];
+    FL_ASSERT(first + n <= v->numel);
+    if (!is_nf4(m, row)) {
+        fl_store_f32(m->dtype, fl_at(m->dtype, dense_row(m, row), first), w, n);
+        return;
+    }
+    const fl_quant_config *q = &m->quant.cfg;
+    FL_ASSERT(first % FL_PARAMS_INIT_CHUNK == 0);
+    row_layout l;
+    uint8_t *p = row_store(m, row, &l);
+    float *absmax = q->double_quant ? m->quant.absmax : floats_at(p, l.absmax);
+    nf4_quantize(p + first / 2, absmax + first / (size_t)q->blocksize, w, n, q->blocksize);
+    add_error(&m->quant, p + first / 2, absmax + first / (size_t)q->blocksize, w, n, q->blocksize);
+    if (q->double_quant && first + n == v->numel) {
+        float offset;
+        dq8_quantize(p + l.q, floats_at(p, l.nested), &offset, absmax, l.nblocks, FL_DQ_BLOCK);
+        memcpy(p + l.offset, &offset, sizeof offset);
+    }
+}
+
+void fl_model_row_f32(const fl_model *m, int row, float *out) {
+    const fl_param_view *v = &m->table.views[row];
+    if (!is_nf4(m, row)) {
+        fl_convert(FL_F32, out, m->dtype, dense_row(m, row), v->numel);
+        return;
+    }
+    row_layout l;
+    const uint8_t *p = row_store(m, row, &l);
+    nf4_dequantize(FL_F32, out, p, row_absmax(m, row), v->numel, m->quant.cfg.blocksize);
+}
+
+static void dequantize_rows(fl_model *m, int first, int out_rows) {
+    const fl_param_view *v = m->table.views;
+    size_t at = 0;
+    for (int r = first, col = 0; col < out_rows; col += (int)v[r].shape[0], r++) {
+        row_layout l;
+        const uint8_t *p = row_store(m, r, &l);
+        nf4_dequantize(m->dtype, fl_at(m->dtype, m->quant.dequant, at), p, row_absmax(m, r),
+                       v[r].numel, m->quant.cfg.blocksize);
+        at += v[r].numel;
+    }
+}
+
+const void *fl_quant_weights(fl_model *m, int unit, const fl_linear *lin, int phase) {
+    int first = m->unit_row[unit + 1] + lin->w;
+    if (!is_nf4(m, first)) return fl_unit_w(m, unit, lin->w);
+    FL_PROFILE(FL_OP_DEQUANT, phase, 0.0, dequantize_rows(m, first, lin->out));
+    return m->quant.dequant;
+}
