@@ -3,9 +3,15 @@
 
 Usage:
     scripts/prepare_brown.py [INPUT_DIR] [OUTPUT_DIR]
+    scripts/prepare_brown.py --genres LETTERS --out FILE [INPUT_DIR]
 
 INPUT_DIR  defaults to data/.cache/package  (the unpacked npm tarball)
 OUTPUT_DIR defaults to data                 (writes brown.txt)
+
+--genres LETTERS  write only the documents of these genres (letters of
+                  a b c d e f g h j k l m n p r, e.g. abcdefghj for the
+                  non-fiction, klmnpr for the fiction) to --out FILE, in the
+                  same format as brown.txt (scripts/lora_demo.sh uses it).
 
 Input format: one file per document (ca01 .. cr09: "c", a genre letter a-r,
 a two-digit number). Paragraphs are separated by blank lines; each line of a
@@ -247,7 +253,37 @@ def write_atomic(path, lines):
         raise
 
 
+GENRES = "abcdefghjklmnpr"
+
+
+def take_option(argv, flag):
+    """Remove `flag VALUE` from argv and return VALUE (None when absent)."""
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    if i + 1 >= len(argv):
+        raise ValueError("%s needs a value" % flag)
+    value = argv[i + 1]
+    del argv[i:i + 2]
+    return value
+
+
 def main(argv):
+    argv = list(argv)
+    try:
+        genres = take_option(argv, "--genres")
+        out_file = take_option(argv, "--out")
+    except ValueError as e:
+        print("prepare_brown: %s" % e, file=sys.stderr)
+        return 2
+    if genres is not None and (not genres or out_file is None or len(argv) > 2
+                               or any(g not in GENRES for g in genres)):
+        print("prepare_brown: --genres takes letters of %s and needs --out FILE"
+              % GENRES, file=sys.stderr)
+        return 2
+    if out_file is not None and genres is None:
+        print("prepare_brown: --out goes with --genres", file=sys.stderr)
+        return 2
     if len(argv) > 3 or any(a in ("-h", "--help") for a in argv[1:]):
         print(__doc__)
         return 0 if len(argv) <= 3 else 2
@@ -260,6 +296,8 @@ def main(argv):
         print("prepare_brown: expected 500 documents in %s, found %d"
               % (in_dir, len(names)), file=sys.stderr)
         return 1
+    if genres is not None:
+        names = [n for n in names if DOC_RE.match(n).group(1) in genres]
 
     lines = []
     for name in names:
@@ -268,8 +306,12 @@ def main(argv):
                 lines.append("")  # a blank line between documents
             lines.extend(convert_document(f.read()))
 
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "brown.txt")
+    if out_file is not None:
+        path = out_file
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    else:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "brown.txt")
     write_atomic(path, lines)
     print("prepare_brown: %s: %d bytes, %d lines, %d documents"
           % (path, os.path.getsize(path), len(lines), len(names)))

@@ -8,11 +8,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "fitlm/io.h"
+#include "fitlm/safetensors.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_test_cli_XXXXXX";
@@ -313,6 +315,30 @@ static void read_file(const char *name, char *out, size_t size) {
     if (f) fclose(f);
 }
 
+// The newest checkpoints of two run directories hold the same tensors, bit
+// for bit: their tensor tables (names, dtypes, sizes, offsets, CRC-32s) and
+// data, the header from "tensors" to the end of the file. Whatever the sets
+// (the model, LoRA adapters, a LoRA + LOMO base, every optimizer's state).
+static int ckpt_tensors_equal(const char *a, const char *b) {
+    unsigned char *file[2];
+    const char *from[2];
+    size_t n[2];
+    const char *dirs[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        fl_ckpt *ck = fl_ckpt_open(dirs[i]); // dies (failing the test) if damaged
+        file[i] = t_read_file(fl_ckpt_path(ck), &n[i]);
+        fl_ckpt_close(ck);
+        from[i] = file[i] ? strstr((const char *)file[i] + 28, "\"tensors\":[") : NULL;
+    }
+    int same =
+        from[0] && from[1] &&
+        n[0] - (size_t)(from[0] - (char *)file[0]) == n[1] - (size_t)(from[1] - (char *)file[1]) &&
+        !memcmp(from[0], from[1], n[0] - (size_t)(from[0] - (char *)file[0]));
+    free(file[0]);
+    free(file[1]);
+    return same;
+}
+
 // Lines of a step log from step `from` on.
 static const char *log_from(const char *log, int from) {
     char key[32];
@@ -352,8 +378,10 @@ static void resume_is_bitwise(const char *name, const char *extra) {
     char a[600], b[600];
     snprintf(a, sizeof a, "%s/%swhole", dir, name);
     snprintf(b, sizeof b, "%s/%sresumed", dir, name);
-    t_check(fl_ckpts_equal(a, b), "%s: the final weights and AdamW state are bit for bit the same",
-            extra);
+    // a LoRA checkpoint holds no whole model for fl_ckpts_equal to load
+    int lora = strstr(extra, "--lora") != NULL;
+    t_check(ckpt_tensors_equal(a, b) && (lora || fl_ckpts_equal(a, b)),
+            "%s: the final weights and optimizer state are bit for bit the same", extra);
 }
 
 static void test_resume_is_bitwise(void) {
@@ -430,6 +458,140 @@ static void test_export_and_pretrained(void) {
             "train --init-from a LLaMA directory takes its shape: %.400s", output);
     fails_with("export whole --format onnx", "--format onnx is not supported");
     fails_with("export nowhere", "nowhere is not a fitlm checkpoint");
+}
+
+// ----------------------------------------------------------------------------
+// LoRA, QLoRA and LoRA + LOMO (the data and configs of the tests above)
+
+// A LLaMA base as a Hugging Face directory, for QLoRA (NF4 rows are
+// quantised as they load from safetensors) and --init-from.
+static void make_lora_base(void) {
+    int rc = fitlm("train --model llama-tiny --data small --tokenizer byte --batch 2 --seq-len 16 "
+                   "--steps 1 --eval-every 0 --sample-tokens 0 --threads 2 --out lora_base");
+    int rc2 = fitlm("export lora_base -o lora_base_hf");
+    t_check(rc == 0 && rc2 == 0, "a LLaMA base for the LoRA tests (status %d %d): %.300s", rc, rc2,
+            output);
+}
+
+static void test_lora_resume_is_bitwise(void) {
+    // a frozen base from the seed: the checkpoint holds the adapters and AdamW's state
+    resume_is_bitwise("lora_", "--model llama-tiny --lora --lora-dropout 0.1 --precision bf16");
+    // the base trained by LOMO in the same backward: saved too, with its own optimizer
+    resume_is_bitwise("loralomo_", "--model llama-tiny --lora --lora-base-optimizer lomo "
+                                   "--lora-base-lr 0.001 --precision bf16");
+    // NF4 base from init_from, quantised again on resume: the same codes
+    resume_is_bitwise("qlora_", "--init-from lora_base_hf --lora --lora-target-modules all-linear "
+                                "--quantize nf4 --double-quant --precision bf16");
+    // the resumed QLoRA run reports its quantisation error (blocks of 64):
+    // mean |w - dequant(w)| > 0 and, for 4 bits, well below the weights' RMS
+    const char *nf4 = strstr(output, "NF4 base (block 64");
+    const char *err = nf4 ? strstr(nf4, "error mean ") : NULL;
+    double mean = -1, most = -1, pct = -1;
+    int got = err ? sscanf(err, "error mean %lf, max %lf (%lf%%", &mean, &most, &pct) : 0;
+    t_check(got == 3 && mean > 0 && most >= mean && pct > 0 && pct < 10,
+            "QLoRA prints its NF4 error: mean %g > 0, %g%% of the RMS (< 10%%): %.300s", mean, pct,
+            nf4 ? nf4 : output);
+    fails_with("train --resume lora_parts/ckpt_00000003.fitlm --out r2 --lora-r 16",
+               "holds adapters of rank 8; this run's lora.r is 16");
+    fails_with("train --resume parts/ckpt_00000003.fitlm --out r2 --lora",
+               "has no LoRA adapters; this run trains adapters");
+}
+
+// out/adapter is PEFT's pair of files, and --adapter continues from it: its
+// first validation loss is the writer's last, bit for bit (same base, data,
+// batch and eval_iters; fp32, so the saved adapters are the trained values).
+static void test_lora_adapter(void) {
+    const char *run = "train --init-from lora_base_hf --data small --tokenizer byte --batch 2 "
+                      "--seq-len 16 --eval-iters 2 --sample-tokens 0 --threads 2";
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s --steps 4 --eval-every 0 --lr 0.01 --lora --lora-r 4 --out ad",
+             run);
+    int rc = fitlm(cmd);
+    t_check(rc == 0 && strstr(output, "LoRA adapter written to ad/adapter (PEFT format)"),
+            "a LoRA run writes its adapter (status %d): %.400s", rc, output);
+    static char text[8192], log[8192];
+    // read back as PEFT's config (the layout of the JSON text is the writer's)
+    read_file("ad/adapter/adapter_config.json", text, sizeof text);
+    char path[600];
+    snprintf(path, sizeof path, "%s/ad/adapter", dir);
+    fl_lora_config lc;
+    fl_peft_read_config(path, &lc); // dies (failing the test) on a config PEFT would not write
+    t_check(lc.r == 4 && lc.alpha == 8 && !strcmp(lc.target_modules, "q_proj,v_proj") &&
+                strstr(text, "lora_base_hf"),
+            "adapter_config.json: r 4, lora_alpha 8, the default targets, the base: %.600s", text);
+    size_t n_weights;
+    snprintf(path, sizeof path, "%s/ad/adapter/adapter_model.safetensors", dir);
+    unsigned char *weights = t_read_file(path, &n_weights);
+    t_check(weights && n_weights > 1792 * 4 &&
+                strstr((char *)weights + 8,
+                       "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"),
+            "adapter_model.safetensors holds the adapters under PEFT's names (%zu bytes)",
+            n_weights);
+    read_file("ad/log.txt", log, sizeof log);
+    const char *last = strstr(log, "step 4 val ");
+    snprintf(cmd, sizeof cmd, "%s --adapter ad/adapter --steps 0 --out ad2", run);
+    rc = fitlm(cmd);
+    read_file("ad2/log.txt", text, sizeof text);
+    t_check(rc == 0 && last && !strcmp(text + strlen("step 0"), last + strlen("step 4")),
+            "--adapter starts from the adapter: first val loss %s= the writer's last %s", text,
+            last ? last : "(none)");
+    // and writes it back unchanged: the same bytes
+    size_t n_again;
+    snprintf(path, sizeof path, "%s/ad2/adapter/adapter_model.safetensors", dir);
+    unsigned char *again = t_read_file(path, &n_again);
+    t_check(weights && again && n_again == n_weights && !memcmp(again, weights, n_weights),
+            "an adapter loaded and saved again is byte for byte the same");
+    free(weights);
+    free(again);
+    // the adapter changes the model: fresh adapters (B = 0) give the base's loss
+    snprintf(cmd, sizeof cmd, "%s --lora --lora-r 4 --steps 0 --out ad3", run);
+    rc = fitlm(cmd);
+    read_file("ad3/log.txt", log, sizeof log);
+    t_check(rc == 0 && strncmp(log, "step 0 val ", 11) == 0 && strcmp(log, text) != 0,
+            "without the adapter the loss differs: %s vs %s", log, text);
+    // an adapter of rank 8 (PEFT's minimal config) against --lora-r 16
+    char r8[600];
+    snprintf(r8, sizeof r8, "%s/r8", dir);
+    t_check(mkdir(r8, 0755) == 0, "mkdir %s", r8);
+    write_text("r8/adapter_config.json",
+               "{\"peft_type\": \"LORA\", \"task_type\": \"CAUSAL_LM\", \"r\": 8, "
+               "\"lora_alpha\": 16, \"target_modules\": [\"q_proj\", \"v_proj\"]}");
+    snprintf(cmd, sizeof cmd, "%s --adapter r8 --lora-r 16 --steps 1 --out ''", run);
+    fails_with(cmd, "lora.r contradicts the adapter r8 (its adapter_config.json)");
+}
+
+// Options that would do nothing, or that the engine cannot honour, are
+// errors naming the option, before anything trains.
+static void test_lora_errors(void) {
+    const char *data = "--data small --tokenizer byte --batch 2 --seq-len 16 --steps 1 --out '' "
+                       "--sample-tokens 0 --threads 1";
+    const struct {
+        const char *args, *says;
+    } cases[] = {
+        {"--quantize nf4", "QLoRA trains LoRA adapters on them (add --lora)"},
+        {"--lora-r 4", "lora.r applies to LoRA training; set lora.enabled (--lora)"},
+        {"--lora --quantize fp4", "bnb_4bit_quant_type fp4 is not supported: use nf4"},
+        {"--lora --lora-bias all", "lora.bias all is not supported: biases stay frozen"},
+        {"--model tiny --lora --lora-target-modules q_proj",
+         "'q_proj' matches no module of this GPT-2 model (its linear layers: c_attn"},
+        {"--model llama-tiny --lora --lora-target-modules input_layernorm",
+         "'input_layernorm' matches model.layers.0.input_layernorm, which is not a linear layer"},
+        {"--init-from lora_base --lora --quantize nf4",
+         "lora_base: NF4 quantisation (--quantize nf4) loads a Hugging Face model directory"},
+        {"--model llama-tiny --lora --lora-base-optimizer lomo --grad-accum 2",
+         "cannot accumulate gradients (gradient_accumulation_steps is 2)"},
+        {"--model llama-tiny --lora --lora-base-optimizer lomo --precision fp16",
+         "lora.base_optimizer with fp16 is not supported"},
+        {"--init-from lora_base_hf --lora --lora-base-optimizer lomo --quantize nf4",
+         "NF4 weights cannot be trained"},
+        {"--model llama-tiny --lora --lora-base-lr 0.1",
+         "lora.base_lr applies to a trained base; set lora.base_optimizer"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char cmd[1024];
+        snprintf(cmd, sizeof cmd, "train %s %s", data, cases[i].args);
+        fails_with(cmd, cases[i].says);
+    }
 }
 
 // SIGKILL at random moments of a run that saves every step: the newest
@@ -588,6 +750,10 @@ int main(void) {
     test_same_seed_same_losses();
     test_resume_is_bitwise();
     test_export_and_pretrained();
+    make_lora_base();
+    test_lora_resume_is_bitwise();
+    test_lora_adapter();
+    test_lora_errors();
     test_matches_prerefactor_recording();
     test_kill_while_saving();
     if (t_remove_dir(dir) != 0) return 1;

@@ -14,6 +14,7 @@
 #include "fitlm/optim.h"
 #include "fitlm/train.h"
 #include "fitlm/plan.h"
+#include "fitlm/safetensors.h"
 #include "testlib.h"
 
 static fl_optimizer_config adamw_config(int grad_accum);
@@ -241,12 +242,31 @@ static void test_parse_count(void) {
 typedef struct {
     const char *name;
     fl_dtype dt;
-    fl_optimizer_config o;
+    fl_optimizer_config o; // under LoRA: the adapters'
     fl_arch_kind arch;
     fl_recompute recompute;
 } run_case;
 
+// LoRA on a run_case; base.kind LOMO or AdaLomo: the base is trained too
+// (LoRA + LOMO); nf4: QLoRA on a Hugging Face base (block 64, double quant).
+typedef struct {
+    int r;
+    const char *targets;
+    float dropout;
+    fl_optimizer_config base;
+    int nf4;
+} lora_case;
+
 static char scratch[] = "/tmp/fitlm_test_plan_XXXXXX";
+static char hf_base[160]; // QLoRA's base: NF4 rows are quantised as they load
+
+// The base optimizer of a LoRA + LOMO run, as fl_config_base_optimizer makes
+// it: the run's settings, the fused kind, no weight decay.
+static fl_optimizer_config base_config(fl_optim_kind kind) {
+    fl_optimizer_config o = fused_config(kind, 1);
+    o.weight_decay = 0.0f;
+    return o;
+}
 
 // In a child, so that this process's allocator stays untouched for the
 // measurements.
@@ -263,11 +283,27 @@ static void write_shard(const char *path, size_t n) {
     waitpid(pid, NULL, 0);
 }
 
+// The LLaMA shape the measured runs use, written as a Hugging Face
+// directory (in a child, as above).
+static void write_hf_base(const char *path) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        fl_plan_request r = small_request(FL_F32, adamw_config(1), 1, 1);
+        r.model.arch = FL_ARCH_LLAMA;
+        fl_model m;
+        fl_model_init(&m, &r.model, FL_F32, 7);
+        fl_hf_export(path, &m, m.params, FL_F32, 0);
+        fl_model_free(&m);
+        _exit(0);
+    }
+    waitpid(pid, NULL, 0);
+}
+
 // In a fresh child: does what `fitlm train` does (texts, model, activations,
 // optimizer, batch buffers, grad_accum micro-batches and a step, then a
 // sample), then compares the peak per tag with the plan. Exits 0 when every
 // tag is within 3%.
-static int measure(const run_case *c) {
+static int measure(const run_case *c, const lora_case *l) {
     const int B = 4, T = 32, sample_tokens = 8;
     for (int t = 0; t < FL_MEM_NTAGS; t++)
         if (fl_mem_peak(t) != 0) {
@@ -279,16 +315,42 @@ static int measure(const run_case *c) {
     r.sample_tokens = sample_tokens;
     r.model.arch = c->arch;
     r.recompute = c->recompute;
+    // as `fitlm train` sets a LoRA run up (src/cli/train.c)
+    int lora = l != NULL, train_base = lora && fl_optim_kind_fused(l->base.kind);
+    if (lora) {
+        fl_lora_config_defaults(&r.lora);
+        r.lora.r = l->r;
+        r.lora.dropout = l->dropout;
+        snprintf(r.lora.target_modules, sizeof r.lora.target_modules, "%s", l->targets);
+        r.lora.train_base = train_base;
+        if (train_base) r.base_optim = l->base;
+    }
+    if (lora && l->nf4) {
+        r.quant = (fl_quant_config){.enabled = 1, .blocksize = 64, .double_quant = 1};
+        fl_pretrained_config(hf_base, &r.model);
+    }
 
     fl_loader train, val;
     fl_loader_open(&train, scratch, "train", T, 7, 1, 0, 1);
     fl_loader_open(&val, scratch, "val", T, 0, 0, 0, 1);
     r.data_bytes = fl_mem_current(FL_MEM_OTHER); // what the loaders keep: their shard tables
     fl_model model;
-    fl_model_init(&model, &r.model, c->dt, 1337);
-    fl_model_alloc_acts(&model, B, T, c->recompute, fl_optimizer_unit_grads(&c->o));
-    fl_optimizer opt;
-    fl_optimizer_init(&opt, &c->o, &model.table, c->dt, model.params, model.grads);
+    if (lora && l->nf4)
+        fl_pretrained_load_quant(hf_base, &model, c->dt, &r.quant);
+    else
+        fl_model_init(&model, &r.model, c->dt, 1337);
+    if (lora) fl_model_add_lora(&model, &r.lora, 1337);
+    fl_model_alloc_acts(&model, B, T, c->recompute,
+                        lora ? train_base && fl_optimizer_unit_grads(&l->base)
+                             : fl_optimizer_unit_grads(&c->o));
+    fl_optimizer opt, base;
+    if (lora)
+        fl_optimizer_init(&opt, &c->o, &model.lora.table, c->dt, model.lora.params,
+                          model.lora.grads);
+    else
+        fl_optimizer_init(&opt, &c->o, &model.table, c->dt, model.params, model.grads);
+    if (train_base)
+        fl_optimizer_init(&base, &l->base, &model.table, c->dt, model.params, model.grads);
     size_t step_tokens = (size_t)c->o.grad_accum * B * T;
     int *inputs = fl_alloc(FL_MEM_OTHER, step_tokens * sizeof(int));
     int *targets = fl_alloc(FL_MEM_OTHER, step_tokens * sizeof(int));
@@ -296,7 +358,10 @@ static int measure(const run_case *c) {
     fl_rng_seed(&rng, 7);
     for (int micro = 0; micro < c->o.grad_accum; micro++)
         fl_loader_next(&train, inputs + micro * B * T, targets + micro * B * T, B);
-    fl_train_step(&model, &opt, inputs, targets, c->o.grad_accum, B, T, 1e-3f);
+    if (train_base)
+        fl_lora_lomo_step(&model, &opt, &base, inputs, targets, B, T, 1e-3f, 1e-3f);
+    else
+        fl_train_step(&model, &opt, inputs, targets, c->o.grad_accum, B, T, 1e-3f);
     int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(sample_tokens + 4) * sizeof(int));
     tokens[0] = 'T';
     fl_model_generate(&model, tokens, 1, sample_tokens, 0.8f, 40, &rng, NULL, NULL);
@@ -338,6 +403,8 @@ static void test_prediction_matches_measurement(void) {
     write_shard(path, 20000);
     snprintf(path, sizeof path, "%s/val_000000.bin", scratch);
     write_shard(path, 3000);
+    snprintf(hf_base, sizeof hf_base, "%s/hf", scratch);
+    write_hf_base(hf_base);
     const run_case cases[] = {
         {"fp32 AdamW", FL_F32, adamw_config(1), FL_ARCH_GPT2, FL_RECOMPUTE_NONE},
         {"bf16 AdamW, grad accum 2", FL_BF16, adamw_config(2), FL_ARCH_GPT2, FL_RECOMPUTE_NONE},
@@ -362,21 +429,47 @@ static void test_prediction_matches_measurement(void) {
         {"LLaMA bf16 LOMO, grad accum 2 (whole gradient)", FL_BF16, fused_config(FL_OPT_LOMO, 2),
          FL_ARCH_LLAMA, FL_RECOMPUTE_NONE},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    // LoRA: the adapters' table, gradients and optimizer; a frozen base has none
+    const struct {
+        run_case run;
+        lora_case lora;
+    } lora_cases[] = {
+        {{"LLaMA fp32 LoRA r=4 q_proj,v_proj", FL_F32, adamw_config(1), FL_ARCH_LLAMA,
+          FL_RECOMPUTE_NONE},
+         {.r = 4, .targets = "q_proj,v_proj"}},
+        {{"LLaMA bf16 LoRA all-linear r=8, dropout 0.1, selective recompute", FL_BF16,
+          adamw_config(1), FL_ARCH_LLAMA, FL_RECOMPUTE_SELECTIVE},
+         {.r = 8, .targets = "all-linear", .dropout = 0.1f}},
+        {{"GPT-2 fp32 LoRA c_attn, grad accum 2", FL_F32, adamw_config(2), FL_ARCH_GPT2,
+          FL_RECOMPUTE_NONE},
+         {.r = 8, .targets = "c_attn"}},
+        {{"LLaMA bf16 QLoRA (NF4, double quant) all-linear", FL_BF16, adamw_config(1),
+          FL_ARCH_LLAMA, FL_RECOMPUTE_NONE},
+         {.r = 8, .targets = "all-linear", .nf4 = 1}},
+        {{"LLaMA bf16 LoRA + LOMO", FL_BF16, adamw_config(1), FL_ARCH_LLAMA, FL_RECOMPUTE_NONE},
+         {.r = 8, .targets = "q_proj,v_proj", .base = base_config(FL_OPT_LOMO)}},
+        {{"LLaMA bf16 LoRA + AdaLomo", FL_BF16, adamw_config(1), FL_ARCH_LLAMA, FL_RECOMPUTE_NONE},
+         {.r = 8, .targets = "q_proj,v_proj", .base = base_config(FL_OPT_ADALOMO)}},
+    };
+    size_t n_plain = sizeof cases / sizeof cases[0];
+    for (size_t i = 0; i < n_plain + sizeof lora_cases / sizeof lora_cases[0]; i++) {
+        const run_case *c = i < n_plain ? &cases[i] : &lora_cases[i - n_plain].run;
+        const lora_case *l = i < n_plain ? NULL : &lora_cases[i - n_plain].lora;
         fflush(stdout);
         fflush(stderr);
         pid_t pid = fork();
-        if (pid == 0) _exit(measure(&cases[i]));
+        if (pid == 0) _exit(measure(c, l));
         int status = 0;
         waitpid(pid, &status, 0);
         t_check(WIFEXITED(status) && WEXITSTATUS(status) == 0,
-                "%s: predicted bytes per tag within 3%% of the measured peaks (status %d)",
-                cases[i].name, status);
+                "%s: predicted bytes per tag within 3%% of the measured peaks (status %d)", c->name,
+                status);
     }
     snprintf(path, sizeof path, "%s/train_000000.bin", scratch);
     remove(path);
     snprintf(path, sizeof path, "%s/val_000000.bin", scratch);
     remove(path);
+    t_remove_dir(hf_base);
     rmdir(scratch);
 }
 

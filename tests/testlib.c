@@ -220,3 +220,38 @@ int t_remove_dir(const char *dir) {
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     return system(cmd);
 }
+
+void t_mutations(const char *what, const char *path, int count, unsigned long long seed,
+                 int (*parse)(const unsigned char *, size_t, char *, size_t)) {
+    size_t n;
+    unsigned char *good = t_read_file(path, &n);
+    char err[512];
+    if (!t_check(good && n > 0 && parse(good, n, err, sizeof err) == 0, "%s: %s parses: %s", what,
+                 path, err)) {
+        free(good);
+        return;
+    }
+    size_t cap = n + 64;
+    unsigned char *scratch = malloc(cap);
+    int ok = 0, refused = 0, bad = 0;
+    for (int i = 0; i < count; i++) {
+        size_t len = t_mutate(good, n, seed + (unsigned long long)i, scratch, cap);
+        // an exact-size copy, so that ASan sees any read past the end
+        unsigned char *b = malloc(len ? len : 1);
+        memcpy(b, scratch, len);
+        err[0] = 0;
+        int rc = parse(b, len, err, sizeof err);
+        if (rc == 0)
+            ok++;
+        else if (rc == -1 && err[0])
+            refused++;
+        else if (bad++ == 0)
+            t_check(0, "%s: mutation %d: rc %d, message '%s'", what, i, rc, err);
+        free(b);
+    }
+    printf("  %-22s %d mutations: %d accepted, %d refused with a message\n", what, count, ok,
+           refused);
+    t_check(bad == 0 && refused > count / 2, "%s: %d mutations, %d broken results", what, count,
+            bad);
+    free(scratch), free(good);
+}

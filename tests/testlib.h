@@ -40,6 +40,13 @@ float t_adamw_step_fp32(void *adamw, const void *table, float *params, const flo
 size_t t_mutate(const unsigned char *in, size_t n, unsigned long long seed, unsigned char *out,
                 size_t cap);
 
+// Runs `parse` (0: ok; -1 with a message in err: refused; anything else:
+// broken) on `count` seeded mutations (t_mutate) of the file at path, each
+// in an exact-size copy so that ASan sees any overread; checks that none is
+// broken and that more than half are refused, and prints the counts.
+void t_mutations(const char *what, const char *path, int count, unsigned long long seed,
+                 int (*parse)(const unsigned char *b, size_t n, char *err, size_t errlen));
+
 // The whole file, NUL-terminated (free() it); NULL with *n = 0 when it
 // cannot be read.
 unsigned char *t_read_file(const char *path, size_t *n);

@@ -82,5 +82,9 @@ int fl_quant_row(const fl_param_view *v);
 // Bytes of one row's NF4 storage: codes, absmax (fp32, or 8-bit codes plus
 // the nested fp32 absmax and the offset with double quantisation).
 size_t fl_quant_row_bytes(const fl_quant_config *q, size_t numel);
+// Bytes per parameter of a table's NF4 rows (their storage over their
+// count); *quantised receives the count (may be NULL).
+double fl_quant_bytes_per_param(const fl_param_table *t, const fl_quant_config *q,
+                                size_t *quantised);
 
 #endif

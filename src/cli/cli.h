@@ -2,6 +2,8 @@
 #ifndef FITLM_CLI_H
 #define FITLM_CLI_H
 
+#include "fitlm/lora.h"
+
 int cmd_train(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
@@ -12,6 +14,10 @@ int cmd_export(int argc, char **argv);
 double cli_number(const char *flag, const char *text, double min, double max);
 // True when argv holds -h or --help.
 int wants_help(int argc, char **argv);
+// The NF4 options of a base loaded for sampling or merging, the way the
+// adapter was trained on it: --quantize nf4, --double-quant (no value),
+// --nf4-blocksize N. Returns the argv entries consumed (0: not one of them).
+int cli_quant_option(int argc, char **argv, int i, fl_quant_config *q);
 // Writes a generated token's bytes to stdout (ctx: the fl_tokenizer).
 void print_token(int token, void *tokenizer);
 

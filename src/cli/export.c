@@ -32,7 +32,13 @@ static void help(void) {
            "  --max-shard-size SIZE  split into shards above this size, e.g. 5G (default: 5G,\n"
            "                         as transformers' save_pretrained)\n"
            "  --adapter DIR          the PEFT LoRA adapter to merge (with --merge)\n"
-           "  --merge                merge --adapter into the base's weights\n");
+           "  --merge                merge --adapter into the base's weights\n"
+           "  --quantize nf4         with --merge: the base's linear layers as NF4, dequantised:\n"
+           "                         the weights a QLoRA adapter was trained on (a Hugging\n"
+           "                         Face base directory); the merge is written in --dtype,\n"
+           "                         never re-quantised\n"
+           "  --double-quant         with --quantize: double-quantised absmax, as in training\n"
+           "  --nf4-blocksize N      with --quantize: the NF4 block size (default: 64)\n");
 }
 
 // The directory a path names, or holds it (a file's directory).
@@ -60,6 +66,7 @@ int cmd_export(int argc, char **argv) {
     const char *ckpt = NULL, *out = NULL, *format = "safetensors", *dtype = "fp32";
     const char *adapter = NULL;
     int merge = 0;
+    fl_quant_config quant = {0, 64, 0};
     size_t max_shard = (size_t)5 << 30;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
@@ -70,6 +77,11 @@ int cmd_export(int argc, char **argv) {
         }
         if (!strcmp(a, "--merge")) {
             merge = 1;
+            continue;
+        }
+        int used = cli_quant_option(argc, argv, i, &quant);
+        if (used) {
+            i += used - 1;
             continue;
         }
         if (i + 1 >= argc) fl_die("option %s needs a value", a);
@@ -99,6 +111,11 @@ int cmd_export(int argc, char **argv) {
         fl_die("--adapter needs --merge: export writes a whole model; the adapter files are "
                "already PEFT's format");
     if (merge && !adapter) fl_die("--merge needs --adapter DIR: the PEFT adapter to merge");
+    if (!quant.enabled && (quant.double_quant || quant.blocksize != 64))
+        fl_die("--double-quant and --nf4-blocksize apply with --quantize nf4");
+    if (quant.enabled && !merge)
+        fl_die("--quantize nf4 applies to --merge (the base a QLoRA adapter was trained on); "
+               "a plain export never writes 4-bit weights");
     int is_ckpt = fl_is_checkpoint(ckpt);
     if (!merge && !is_ckpt) fl_die("%s is not a fitlm checkpoint", ckpt);
 
@@ -120,8 +137,8 @@ int cmd_export(int argc, char **argv) {
     char tokenizer[32] = "";
     if (is_ckpt)
         fl_ckpt_load_model(ckpt, &model, FL_F32, tokenizer, sizeof tokenizer);
-    else
-        fl_pretrained_load(ckpt, &model, FL_F32);
+    else // NF4 rows are dequantised by the merge: the weights the adapter was trained on
+        fl_pretrained_load_quant(ckpt, &model, FL_F32, &quant);
     if (!merge) {
         fl_hf_export(dir, &model, model.params, dt, max_shard);
         printf("exported %zu parameters (%s, %s, %s tensors, tokenizer %s) to %s\n",
@@ -139,10 +156,10 @@ int cmd_export(int argc, char **argv) {
     float *merged = fl_alloc(FL_MEM_WORKSPACE, model.table.numel * sizeof(float));
     fl_model_merged_f32(&model, merged);
     fl_hf_export(dir, &model, merged, dt, max_shard);
-    printf("merged adapter %s (r %d, %zu adapter parameters) into %s (%s): exported %zu "
+    printf("merged adapter %s (r %d, %zu adapter parameters) into %s (%s%s): exported %zu "
            "parameters as %s tensors to %s\n",
            adapter, lc.r, model.lora.table.numel, ckpt, fl_arch_name(model.config.arch),
-           model.table.numel, fl_dtype_name(dt), dir);
+           quant.enabled ? ", NF4 dequantised" : "", model.table.numel, fl_dtype_name(dt), dir);
     fl_free(merged);
     fl_model_free(&model);
     return 0;

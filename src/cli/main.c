@@ -66,3 +66,22 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 1;
 }
+
+int cli_quant_option(int argc, char **argv, int i, fl_quant_config *q) {
+    const char *a = argv[i];
+    if (!strcmp(a, "--double-quant")) {
+        q->double_quant = 1;
+        return 1;
+    }
+    if (strcmp(a, "--quantize") && strcmp(a, "--nf4-blocksize")) return 0;
+    if (i + 1 >= argc) fl_die("option %s needs a value", a);
+    const char *v = argv[i + 1];
+    if (!strcmp(a, "--nf4-blocksize")) {
+        q->blocksize = (int)cli_number(a, v, 32, 4096);
+    } else if (!strcmp(v, "nf4")) {
+        q->enabled = 1;
+    } else {
+        fl_die("--quantize %s is not supported: nf4 is the one 4-bit format", v);
+    }
+    return 2;
+}

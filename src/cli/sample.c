@@ -25,6 +25,10 @@ static void help(void) {
            "                       or LLaMA directory or an llm.c model file (default: out)\n"
            "  --adapter DIR        a PEFT LoRA adapter for that base (adapter_config.json and\n"
            "                       adapter_model.safetensors) to sample with (default: none)\n"
+           "  --quantize nf4       the base's linear layers in NF4, as a QLoRA adapter was\n"
+           "                       trained on them (a Hugging Face base directory)\n"
+           "  --double-quant       with --quantize: double-quantised absmax, as in training\n"
+           "  --nf4-blocksize N    with --quantize: the NF4 block size (default: 64)\n"
            "  --prompt TEXT        text to continue, after <|endoftext|> (default: none)\n"
            "  --tokenizer NAME     gpt2 or byte (default: the checkpoint's; gpt2 for others)\n"
            "  --tokenizer-path DIR encoder.json and vocab.bpe for gpt2 (default: data/gpt2)\n"
@@ -47,8 +51,14 @@ int cmd_sample(int argc, char **argv) {
         return 0;
     }
     sample_options o = {"out", NULL, "", "", "data/gpt2", 400, 40, 0, 0.8f, 1337};
+    fl_quant_config quant = {0, 64, 0};
     for (int i = 0; i < argc; i++) {
         const char *flag = argv[i];
+        int used = cli_quant_option(argc, argv, i, &quant);
+        if (used) {
+            i += used - 1;
+            continue;
+        }
         if (strncmp(flag, "--", 2) != 0) fl_die("unexpected argument '%s' (see --help)", flag);
         if (i + 1 >= argc) fl_die("option %s needs a value", flag);
         const char *v = argv[++i];
@@ -76,13 +86,15 @@ int cmd_sample(int argc, char **argv) {
             fl_die("unknown option '%s' (see --help)", flag);
     }
     if (o.threads) fl_set_threads(o.threads);
+    if (!quant.enabled && (quant.double_quant || quant.blocksize != 64))
+        fl_die("--double-quant and --nf4-blocksize apply with --quantize nf4");
 
     fl_model model;
     char tokenizer[32] = "gpt2";
-    if (fl_is_checkpoint(o.checkpoint))
+    if (fl_is_checkpoint(o.checkpoint) && !quant.enabled)
         fl_ckpt_load_model(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer);
     else
-        fl_pretrained_load(o.checkpoint, &model, FL_F32);
+        fl_pretrained_load_quant(o.checkpoint, &model, FL_F32, &quant);
     if (o.adapter) { // before the activations: their workspace covers the adapters'
         fl_lora_config lc;
         fl_peft_read_config(o.adapter, &lc);

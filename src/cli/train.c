@@ -222,10 +222,12 @@ int cmd_train(int argc, char **argv) {
     if (quant) {
         double mean, most, rms;
         fl_model_quant_error(&model, &mean, &most, &rms);
-        printf("NF4 base (block %d%s): quantisation error mean %.3g, max %.3g (%.2f%% and "
-               "%.1f%% of the weights' RMS %.3g)\n",
-               cfg.quant.blocksize, cfg.quant.double_quant ? ", double quantisation" : "", mean,
-               most, 100.0 * mean / rms, 100.0 * most / rms, rms);
+        size_t nq;
+        double per = fl_quant_bytes_per_param(&model.table, &cfg.quant, &nq);
+        printf("NF4 base (block %d%s): %zu parameters at %.4f bytes each; quantisation error "
+               "mean %.3g, max %.3g (%.2f%% and %.1f%% of the weights' RMS %.3g)\n",
+               cfg.quant.blocksize, cfg.quant.double_quant ? ", double quantisation" : "", nq, per,
+               mean, most, 100.0 * mean / rms, 100.0 * most / rms, rms);
     }
     if (ck) printf("resumed from step %d\n", start);
     FILE *log = open_log(cfg.out_dir, resume ? start : -1);

@@ -158,8 +158,8 @@ static const option options[] = {
      "rank-stabilised LoRA: scaling lora_alpha / sqrt(r)"},
     {"lora.init_lora_weights", "--init-lora-weights", OPT_CHOICE, STR(lora_init), "true", 0, 0,
      "true|gaussian", "A Kaiming-uniform (true) or N(0, 1/r) (gaussian); B = 0 either way"},
-    {"lora.bias", "--lora-bias", OPT_CHOICE, STR(lora_bias), "none", 0, 0, "none",
-     "biases stay frozen (PEFT's all and lora_only are not supported)"},
+    {"lora.bias", "--lora-bias", OPT_STRING, STR(lora_bias), "none", 0, 0, NULL,
+     "none: biases stay frozen (PEFT's all and lora_only are not supported)"},
     {"lora.base_optimizer", "--lora-base-optimizer", OPT_CHOICE, STR(lora_base_optimizer), "none",
      0, 0, "none|lomo|adalomo",
      "LoRA + LOMO: the base weights are trained too, by this fused optimizer in the same "
@@ -637,6 +637,10 @@ static void finish_lora(fl_train_config *cfg) {
     for (size_t i = 0; i < sizeof lora_keys / sizeof lora_keys[0]; i++)
         if (!cfg->lora_enabled && fl_config_given(cfg, lora_keys[i]))
             fl_die("%s applies to LoRA training; set lora.enabled (--lora)", lora_keys[i]);
+    if (strcmp(cfg->lora_bias, "none"))
+        fl_die("lora.bias %s is not supported: biases stay frozen (lora.bias none); PEFT's all "
+               "and lora_only would train them",
+               cfg->lora_bias);
     cfg->lora.init =
         !strcmp(cfg->lora_init, "gaussian") ? FL_LORA_INIT_GAUSSIAN : FL_LORA_INIT_DEFAULT;
     cfg->lora.train_base = strcmp(cfg->lora_base_optimizer, "none") != 0;

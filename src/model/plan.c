@@ -225,6 +225,21 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
             note_add(out, "communication buffers not counted (tensor sizes unknown)");
     }
     if (!shaped) note_add(out, "no activations (no model shape)");
+    if (shaped && (lora_of(r) || r->quant.enabled)) {
+        fl_param_table t, lt = {0};
+        fl_model_table(&t, &c);
+        if (lora_of(r)) {
+            fl_lora_table(&lt, &t, &c, &r->lora, NULL);
+            note_add(out, "LoRA: %zu adapter parameters (%.3f%%)%s", lt.numel,
+                     100.0 * lt.numel / numel,
+                     r->lora.train_base ? ", base trained by a fused optimizer" : ", base frozen");
+        }
+        size_t nq;
+        double per = r->quant.enabled ? fl_quant_bytes_per_param(&t, &r->quant, &nq) : 0.0;
+        if (r->quant.enabled) note_add(out, "NF4: %zu parameters at %.4f bytes each", nq, per);
+        fl_params_free(&lt);
+        fl_params_free(&t);
+    }
 
     for (int t = 0; t < FL_MEM_NTAGS; t++) out->total += b[t];
     out->model_states = b[FL_MEM_PARAMS] + b[FL_MEM_GRADS] + b[FL_MEM_MASTER] + b[FL_MEM_OPTIM];

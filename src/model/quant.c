@@ -46,6 +46,18 @@ size_t fl_quant_row_bytes(const fl_quant_config *q, size_t numel) {
     return layout_of(q, numel).total;
 }
 
+double fl_quant_bytes_per_param(const fl_param_table *t, const fl_quant_config *q,
+                                size_t *quantised) {
+    size_t bytes = 0, n = 0;
+    for (int r = 0; r < t->count; r++)
+        if (fl_quant_row(&t->views[r])) {
+            bytes += fl_quant_row_bytes(q, t->views[r].numel);
+            n += t->views[r].numel;
+        }
+    if (quantised) *quantised = n;
+    return n ? (double)bytes / (double)n : 0.0;
+}
+
 void fl_quant_check(const fl_quant_config *q) {
     int b = q->blocksize;
     if (b < 32 || b > 4096 || (b & (b - 1)))
