@@ -336,16 +336,6 @@ static void test_reference(fixture *fx, const fx_config *c) {
 // ----------------------------------------------------------------------------
 // malformed files
 
-// A safetensors file with this header and `data` zero bytes of data.
-static void write_st(const char *path, const char *header, size_t data) {
-    size_t h = strlen(header);
-    unsigned char *b = calloc(1, 8 + h + data);
-    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)h >> (8 * i));
-    memcpy(b + 8, header, h);
-    t_write_file(path, b, 8 + h + data);
-    free(b);
-}
-
 #define T16(name, begin, end)                                                                      \
     "\"" name "\":{\"dtype\":\"F32\",\"shape\":[16],\"data_offsets\":[" #begin "," #end "]}"
 
@@ -382,7 +372,7 @@ static void test_bad_safetensors(void) {
         snprintf(name, sizeof name, "bad_st_%zu", k);
         model_dir(d, name, NULL);
         snprintf(path, sizeof path, "%s/model.safetensors", d);
-        write_st(path, cases[k].header, cases[k].data);
+        t_write_st(path, cases[k].header, cases[k].data);
         t_dies(cases[k].name, load_hf, d, cases[k].expect);
     }
 
@@ -412,59 +402,9 @@ static void test_bad_safetensors(void) {
     t_dies("missing file", load_hf, "/nonexistent/model", "cannot open /nonexistent/model");
 }
 
-// Copies of a reference safetensors file with edits, to test the layer
-// above the format.
-typedef struct {
-    const char *drop;           // a tensor left out
-    const char *from, *to;      // a tensor renamed
-    const char *transpose;      // a 2-D tensor with its shape transposed
-    const char *copy, *copy_as; // a copy of tensor `copy` added as copy_as
-    int flip;                   // a bit of the last tensor's data flipped
-} st_edit;
-
-typedef struct {
-    const fl_safetensors *src;
-    const fl_st_tensor *from[64]; // source tensor of each output tensor
-    int flip;
-} rewrite_ctx;
-
-static void rewrite_fill(void *p, int i, void *dst) {
-    const rewrite_ctx *x = p;
-    const fl_st_tensor *t = x->from[i];
-    memcpy(dst, x->src->data + t->begin, t->end - t->begin);
-    if (x->flip && x->from[i + 1] == NULL) ((unsigned char *)dst)[0] ^= 1;
-}
-
-static void rewrite(const char *src_path, const char *out, const st_edit *e) {
-    fl_safetensors src;
-    fl_safetensors_open(&src, src_path);
-    fl_st_tensor ts[64];
-    rewrite_ctx x = {.src = &src, .flip = e->flip};
-    int n = 0;
-    for (int i = 0; i < src.count && n < 62; i++) {
-        const fl_st_tensor *t = &src.tensors[i];
-        if (e->drop && strcmp(t->name, e->drop) == 0) continue;
-        ts[n] = *t;
-        if (e->from && strcmp(t->name, e->from) == 0) ts[n].name = e->to;
-        if (e->transpose && strcmp(t->name, e->transpose) == 0)
-            ts[n].shape[0] = t->shape[1], ts[n].shape[1] = t->shape[0];
-        x.from[n++] = t;
-    }
-    if (e->copy) {
-        const fl_st_tensor *c = fl_safetensors_find(&src, e->copy);
-        t_check(c != NULL, "rewrite: '%s' is in %s", e->copy, src_path);
-        ts[n] = *c;
-        ts[n].name = e->copy_as;
-        x.from[n++] = c;
-    }
-    x.from[n] = NULL;
-    fl_safetensors_write(out, ts, n, rewrite_fill, &x);
-    fl_safetensors_free(&src);
-}
-
 typedef struct {
     const char *name;
-    st_edit edit;
+    t_st_edit edit;
     const char *expect; // NULL: loads
 } model_case;
 
@@ -479,7 +419,7 @@ static void run_model_cases(const char *prefix, const char *config, const char *
         snprintf(name, sizeof name, "%s_%d", prefix, k);
         model_dir(d, name, config);
         snprintf(path, sizeof path, "%s/model.safetensors", d);
-        rewrite(t_source_path(src), path, &cases[k].edit);
+        t_st_rewrite(t_source_path(src), path, &cases[k].edit);
         if (cases[k].expect) {
             t_dies(cases[k].name, load_hf, d, cases[k].expect);
             continue;
@@ -786,7 +726,7 @@ static void test_llama_configs(void) {
     model_dir(d, "llama_rope_scaling", json);
     free(json);
     snprintf(path, sizeof path, "%s/model.safetensors", d);
-    rewrite(t_source_path(LLAMA_HF "/model.safetensors"), path, &(st_edit){0});
+    t_st_rewrite(t_source_path(LLAMA_HF "/model.safetensors"), path, &(t_st_edit){0});
     t_dies("LLaMA rope_scaling through the loader", load_hf, d,
            "config.json: rope_scaling is not supported");
 }

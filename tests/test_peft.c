@@ -62,66 +62,6 @@ static void check_stored(const fl_safetensors *st, const char *what, const char 
             (unsigned long long)d1);
 }
 
-// A safetensors file with this header and `data` zero bytes of data.
-static void write_st(const char *path, const char *header, size_t data) {
-    size_t h = strlen(header);
-    unsigned char *b = calloc(1, 8 + h + data);
-    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)h >> (8 * i));
-    memcpy(b + 8, header, h);
-    t_write_file(path, b, 8 + h + data);
-    free(b);
-}
-
-// Copies of a reference safetensors file with edits, to test the layer
-// above the format.
-typedef struct {
-    const char *drop;           // a tensor left out
-    const char *from, *to;      // a tensor renamed
-    const char *transpose;      // a 2-D tensor with its shape transposed
-    const char *copy, *copy_as; // a copy of tensor `copy` added as copy_as
-    int flip;                   // a bit of the last tensor's data flipped
-} st_edit;
-
-typedef struct {
-    const fl_safetensors *src;
-    const fl_st_tensor *from[64]; // source tensor of each output tensor
-    int flip;
-} rewrite_ctx;
-
-static void rewrite_fill(void *p, int i, void *dst) {
-    const rewrite_ctx *x = p;
-    const fl_st_tensor *t = x->from[i];
-    memcpy(dst, x->src->data + t->begin, t->end - t->begin);
-    if (x->flip && x->from[i + 1] == NULL) ((unsigned char *)dst)[0] ^= 1;
-}
-
-static void rewrite(const char *src_path, const char *out, const st_edit *e) {
-    fl_safetensors src;
-    fl_safetensors_open(&src, src_path);
-    fl_st_tensor ts[64];
-    rewrite_ctx x = {.src = &src, .flip = e->flip};
-    int n = 0;
-    for (int i = 0; i < src.count && n < 62; i++) {
-        const fl_st_tensor *t = &src.tensors[i];
-        if (e->drop && strcmp(t->name, e->drop) == 0) continue;
-        ts[n] = *t;
-        if (e->from && strcmp(t->name, e->from) == 0) ts[n].name = e->to;
-        if (e->transpose && strcmp(t->name, e->transpose) == 0)
-            ts[n].shape[0] = t->shape[1], ts[n].shape[1] = t->shape[0];
-        x.from[n++] = t;
-    }
-    if (e->copy) {
-        const fl_st_tensor *c = fl_safetensors_find(&src, e->copy);
-        t_check(c != NULL, "rewrite: '%s' is in %s", e->copy, src_path);
-        ts[n] = *c;
-        ts[n].name = e->copy_as;
-        x.from[n++] = c;
-    }
-    x.from[n] = NULL;
-    fl_safetensors_write(out, ts, n, rewrite_fill, &x);
-    fl_safetensors_free(&src);
-}
-
 // ----------------------------------------------------------------------------
 // PEFT LoRA adapters: adapter_config.json and adapter_model.safetensors as
 // peft's save_pretrained writes them; save -> load is bitwise; a merged
@@ -508,7 +448,7 @@ static void test_peft_configs(void) {
 }
 
 // A copy of peft_llama_qv_fp32 as dir/<name> with the weights edited.
-static const char *peft_copy(char *d, const char *name, const st_edit *e) {
+static const char *peft_copy(char *d, const char *name, const t_st_edit *e) {
     char src[PATH_MAX_LEN + 64], dst[PATH_MAX_LEN + 64];
     in_dir(d, name);
     mkdir(d, 0755);
@@ -520,7 +460,7 @@ static const char *peft_copy(char *d, const char *name, const st_edit *e) {
     free(json);
     snprintf(src, sizeof src, "%s/peft_llama_qv_fp32/adapter_model.safetensors", dir);
     snprintf(dst, sizeof dst, "%s/adapter_model.safetensors", d);
-    if (e) rewrite(src, dst, e);
+    if (e) t_st_rewrite(src, dst, e);
     return d;
 }
 
@@ -531,7 +471,7 @@ static void test_peft_bad_files(void) {
     char d[PATH_MAX_LEN], path[PATH_MAX_LEN + 64];
     const struct {
         const char *name;
-        st_edit edit;
+        t_st_edit edit;
         const char *expect;
     } cases[] = {
         {"missing tensor",
@@ -560,7 +500,7 @@ static void test_peft_bad_files(void) {
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", d);
     const char *f64 = "{\"" QV(0, "q_proj", "A") "\":{\"dtype\":\"F64\",\"shape\":[4,32],"
                                                  "\"data_offsets\":[0,1024]}}";
-    write_st(path, f64, 1024);
+    t_write_st(path, f64, 1024);
     t_dies("F64 adapter", load_peft_into_qv, d,
            "peft_f64/adapter_model.safetensors: tensor '" QV(0, "q_proj", "A") "' has dtype 'F64'");
     size_t n;
@@ -581,7 +521,7 @@ static void test_peft_bad_files(void) {
            "peft_no_weights/adapter_model.safetensors: No such file");
 
     // the model's adapters must be the config's (r, alpha decide the meaning)
-    peft_copy(d, "peft_alpha", &(st_edit){0});
+    peft_copy(d, "peft_alpha", &(t_st_edit){0});
     snprintf(path, sizeof path, "%s/adapter_config.json", d);
     char *json = (char *)t_read_file(path, &n);
     char *at = strstr(json, "\"lora_alpha\":\t16");

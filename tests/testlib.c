@@ -2,6 +2,7 @@
 #include "testlib.h"
 
 #include "fitlm/optim.h"
+#include "fitlm/safetensors.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -254,4 +255,53 @@ void t_mutations(const char *what, const char *path, int count, unsigned long lo
     t_check(bad == 0 && refused > count / 2, "%s: %d mutations, %d broken results", what, count,
             bad);
     free(scratch), free(good);
+}
+
+void t_write_st(const char *path, const char *header, size_t data) {
+    size_t h = strlen(header);
+    unsigned char *b = calloc(1, 8 + h + data);
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)h >> (8 * i));
+    memcpy(b + 8, header, h);
+    t_write_file(path, b, 8 + h + data);
+    free(b);
+}
+
+typedef struct {
+    const fl_safetensors *src;
+    const fl_st_tensor *from[64]; // source tensor of each output tensor
+    int flip;
+} rewrite_ctx;
+
+static void rewrite_fill(void *p, int i, void *dst) {
+    const rewrite_ctx *x = p;
+    const fl_st_tensor *t = x->from[i];
+    memcpy(dst, x->src->data + t->begin, t->end - t->begin);
+    if (x->flip && x->from[i + 1] == NULL) ((unsigned char *)dst)[0] ^= 1;
+}
+
+void t_st_rewrite(const char *src_path, const char *out, const t_st_edit *e) {
+    fl_safetensors src;
+    fl_safetensors_open(&src, src_path);
+    fl_st_tensor ts[64];
+    rewrite_ctx x = {.src = &src, .flip = e->flip};
+    int n = 0;
+    for (int i = 0; i < src.count && n < 62; i++) {
+        const fl_st_tensor *t = &src.tensors[i];
+        if (e->drop && strcmp(t->name, e->drop) == 0) continue;
+        ts[n] = *t;
+        if (e->from && strcmp(t->name, e->from) == 0) ts[n].name = e->to;
+        if (e->transpose && strcmp(t->name, e->transpose) == 0)
+            ts[n].shape[0] = t->shape[1], ts[n].shape[1] = t->shape[0];
+        x.from[n++] = t;
+    }
+    if (e->copy) {
+        const fl_st_tensor *c = fl_safetensors_find(&src, e->copy);
+        t_check(c != NULL, "rewrite: '%s' is in %s", e->copy, src_path);
+        ts[n] = *c;
+        ts[n].name = e->copy_as;
+        x.from[n++] = c;
+    }
+    x.from[n] = NULL;
+    fl_safetensors_write(out, ts, n, rewrite_fill, &x);
+    fl_safetensors_free(&src);
 }

@@ -58,4 +58,17 @@ int t_remove_dir(const char *dir);
 // Path of a file in the source tree (FITLM_SOURCE_DIR, set by CTest).
 const char *t_source_path(const char *rel);
 
+// Safetensors test files. t_write_st: a file with this header and `data`
+// zero bytes of data. t_st_rewrite: a copy of a safetensors file with edits,
+// to test the layers above the format.
+typedef struct {
+    const char *drop;           // a tensor left out
+    const char *from, *to;      // a tensor renamed
+    const char *transpose;      // a 2-D tensor with its shape transposed
+    const char *copy, *copy_as; // a copy of tensor `copy` added as copy_as
+    int flip;                   // a bit of the last tensor's data flipped
+} t_st_edit;
+void t_write_st(const char *path, const char *header, size_t data);
+void t_st_rewrite(const char *src_path, const char *out, const t_st_edit *e);
+
 #endif

@@ -69,6 +69,10 @@ void fl_safetensors_write(const char *path, const fl_st_tensor *tensors, int n, 
 
 #define FL_HF_MAX_JSON_BYTES (64u << 20) // config.json and the index
 
+// The shortest decimal that reads back as f, for JSON written as Python
+// writes it (1e-05, not 9.99999974737875e-06).
+double fl_json_float(float f);
+
 // Reads a config.json into *out (arch, padded_vocab_size filled in; absent
 // fields take transformers' defaults). model_type "gpt2" or "llama" decides
 // the architecture; without it architectures[] (GPT2LMHeadModel,

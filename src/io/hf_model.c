@@ -141,8 +141,7 @@ static void add_token_id(cJSON *r, const char *key, const fl_model_config *c) {
         cJSON_AddNullToObject(r, key);
 }
 
-// The shortest decimal that reads back as f (1e-05, not 9.99999974737875e-06).
-static double shortest(float f) {
+double fl_json_float(float f) {
     char text[32];
     for (int digits = 1; digits < 10; digits++) {
         snprintf(text, sizeof text, "%.*g", digits, (double)f);
@@ -202,9 +201,9 @@ static cJSON *llama_config(const fl_model_config *c) {
     cJSON_AddNumberToObject(r, "num_hidden_layers", c->n_layer);
     cJSON_AddNumberToObject(r, "num_key_value_heads", c->n_kv_head);
     cJSON_AddNumberToObject(r, "pretraining_tp", 1);
-    cJSON_AddNumberToObject(r, "rms_norm_eps", shortest(c->norm_eps));
+    cJSON_AddNumberToObject(r, "rms_norm_eps", fl_json_float(c->norm_eps));
     cJSON_AddNullToObject(r, "rope_scaling");
-    cJSON_AddNumberToObject(r, "rope_theta", shortest(c->rope_theta));
+    cJSON_AddNumberToObject(r, "rope_theta", fl_json_float(c->rope_theta));
     cJSON_AddBoolToObject(r, "tie_word_embeddings", c->tie_embeddings);
     return r;
 }

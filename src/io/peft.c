@@ -214,16 +214,6 @@ void fl_peft_read_config(const char *dir, fl_lora_config *out) {
 // ----------------------------------------------------------------------------
 // save
 
-// The shortest decimal that reads back as f (0.05, not 0.05000000074505806).
-static double shortest(float f) {
-    char text[32];
-    for (int digits = 1; digits < 10; digits++) {
-        snprintf(text, sizeof text, "%.*g", digits, (double)f);
-        if (strtof(text, NULL) == f) break;
-    }
-    return strtod(text, NULL);
-}
-
 // target_modules as PEFT writes it: the entries, "all-linear", and for the
 // architecture's default the module names it resolved to (the last part of
 // each adapted module's name, once each), as PEFT stores the resolved set.
@@ -281,8 +271,8 @@ static cJSON *peft_config(const fl_model *m, const char *base_model) {
     cJSON_AddNullToObject(r, "layers_pattern");
     cJSON_AddNullToObject(r, "layers_to_transform");
     cJSON_AddObjectToObject(r, "loftq_config");
-    cJSON_AddNumberToObject(r, "lora_alpha", shortest(c->alpha));
-    cJSON_AddNumberToObject(r, "lora_dropout", shortest(c->dropout));
+    cJSON_AddNumberToObject(r, "lora_alpha", fl_json_float(c->alpha));
+    cJSON_AddNumberToObject(r, "lora_dropout", fl_json_float(c->dropout));
     cJSON_AddNullToObject(r, "megatron_config");
     cJSON_AddStringToObject(r, "megatron_core", "megatron.core");
     cJSON_AddNullToObject(r, "modules_to_save");
