@@ -179,19 +179,6 @@ static fl_model_config llama_config(int tie) {
                              .tie_embeddings = tie};
 }
 
-// The stored tensor `name` has this shape (ndim 0: is not stored).
-static void check_stored(const fl_safetensors *st, const char *what, const char *name, int ndim,
-                         uint64_t d0, uint64_t d1) {
-    const fl_st_tensor *t = fl_safetensors_find(st, name);
-    if (ndim == 0) {
-        t_check(!t, "%s: '%s' is not stored", what, name);
-        return;
-    }
-    t_check(t && t->ndim == ndim && t->shape[0] == d0 && (ndim == 1 || t->shape[1] == d1),
-            "%s: '%s' is stored with shape [%llu, %llu]", what, name, (unsigned long long)d0,
-            (unsigned long long)d1);
-}
-
 static void test_llama_roundtrip(void) {
     // sizes (fp32): embed_tokens and lm_head 12800 bytes, a block 30976;
     // fp16 halves them
@@ -227,16 +214,16 @@ static void test_llama_roundtrip(void) {
         fl_safetensors_open(&st, path);
         t_check(st.count == m.table.count, "%s: %d tensors stored, one per parameter", what,
                 st.count);
-        check_stored(&st, what, "model.embed_tokens.weight", 2, 100, 32);
-        check_stored(&st, what, "model.layers.0.input_layernorm.weight", 1, 32, 0);
-        check_stored(&st, what, "model.layers.0.self_attn.q_proj.weight", 2, 32, 32);
-        check_stored(&st, what, "model.layers.1.self_attn.k_proj.weight", 2, 16, 32);
-        check_stored(&st, what, "model.layers.1.self_attn.v_proj.weight", 2, 16, 32);
-        check_stored(&st, what, "model.layers.1.mlp.gate_proj.weight", 2, 48, 32);
-        check_stored(&st, what, "model.layers.1.mlp.down_proj.weight", 2, 32, 48);
-        check_stored(&st, what, "model.norm.weight", 1, 32, 0);
-        check_stored(&st, what, "lm_head.weight", tie ? 0 : 2, 100, 32);
-        check_stored(&st, what, "model.lm_head.weight", 0, 0, 0);
+        t_st_stored(&st, what, "model.embed_tokens.weight", 2, 100, 32);
+        t_st_stored(&st, what, "model.layers.0.input_layernorm.weight", 1, 32, 0);
+        t_st_stored(&st, what, "model.layers.0.self_attn.q_proj.weight", 2, 32, 32);
+        t_st_stored(&st, what, "model.layers.1.self_attn.k_proj.weight", 2, 16, 32);
+        t_st_stored(&st, what, "model.layers.1.self_attn.v_proj.weight", 2, 16, 32);
+        t_st_stored(&st, what, "model.layers.1.mlp.gate_proj.weight", 2, 48, 32);
+        t_st_stored(&st, what, "model.layers.1.mlp.down_proj.weight", 2, 32, 48);
+        t_st_stored(&st, what, "model.norm.weight", 1, 32, 0);
+        t_st_stored(&st, what, "lm_head.weight", tie ? 0 : 2, 100, 32);
+        t_st_stored(&st, what, "model.lm_head.weight", 0, 0, 0);
         // k_proj's bytes are the table row's as they are
         int k = fl_params_find(&m.table, "layers.1.self_attn.k_proj.weight");
         const fl_st_tensor *t = fl_safetensors_find(&st, "model.layers.1.self_attn.k_proj.weight");

@@ -49,19 +49,6 @@ static fl_model_config llama_config(int tie) {
                              .tie_embeddings = tie};
 }
 
-// The stored tensor `name` has this shape (ndim 0: is not stored).
-static void check_stored(const fl_safetensors *st, const char *what, const char *name, int ndim,
-                         uint64_t d0, uint64_t d1) {
-    const fl_st_tensor *t = fl_safetensors_find(st, name);
-    if (ndim == 0) {
-        t_check(!t, "%s: '%s' is not stored", what, name);
-        return;
-    }
-    t_check(t && t->ndim == ndim && t->shape[0] == d0 && (ndim == 1 || t->shape[1] == d1),
-            "%s: '%s' is stored with shape [%llu, %llu]", what, name, (unsigned long long)d0,
-            (unsigned long long)d1);
-}
-
 // ----------------------------------------------------------------------------
 // PEFT LoRA adapters: adapter_config.json and adapter_model.safetensors as
 // peft's save_pretrained writes them; save -> load is bitwise; a merged
@@ -278,8 +265,8 @@ static void test_peft_roundtrip(void) {
         t_check(st.count == m.lora.table.count && same_dt, "%s: %d tensors of %s", c->name,
                 st.count, fl_dtype_name(c->dt));
         for (int i = 0; i < 4 && c->stored[i].name; i++)
-            check_stored(&st, c->name, c->stored[i].name, c->stored[i].ndim, c->stored[i].d0,
-                         c->stored[i].d1);
+            t_st_stored(&st, c->name, c->stored[i].name, c->stored[i].ndim, c->stored[i].d0,
+                        c->stored[i].d1);
         fl_safetensors_free(&st);
 
         // a fresh base with the adapters the files describe: the same bits

@@ -305,3 +305,15 @@ void t_st_rewrite(const char *src_path, const char *out, const t_st_edit *e) {
     fl_safetensors_write(out, ts, n, rewrite_fill, &x);
     fl_safetensors_free(&src);
 }
+
+void t_st_stored(const fl_safetensors *st, const char *what, const char *name, int ndim,
+                 uint64_t d0, uint64_t d1) {
+    const fl_st_tensor *t = fl_safetensors_find(st, name);
+    if (ndim == 0) {
+        t_check(!t, "%s: '%s' is not stored", what, name);
+        return;
+    }
+    t_check(t && t->ndim == ndim && t->shape[0] == d0 && (ndim == 1 || t->shape[1] == d1),
+            "%s: '%s' is stored with shape [%llu, %llu]", what, name, (unsigned long long)d0,
+            (unsigned long long)d1);
+}

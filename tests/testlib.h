@@ -4,6 +4,9 @@
 #define FITLM_TESTLIB_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+#include "fitlm/safetensors.h"
 
 // Records one check; prints a line on failure (and on success when verbose).
 int t_check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -70,5 +73,8 @@ typedef struct {
 } t_st_edit;
 void t_write_st(const char *path, const char *header, size_t data);
 void t_st_rewrite(const char *src_path, const char *out, const t_st_edit *e);
+// Checks that the stored tensor `name` has this shape (ndim 0: is not stored).
+void t_st_stored(const fl_safetensors *st, const char *what, const char *name, int ndim,
+                 uint64_t d0, uint64_t d1);
 
 #endif

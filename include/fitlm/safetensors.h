@@ -72,6 +72,8 @@ void fl_safetensors_write(const char *path, const fl_st_tensor *tensors, int n, 
 // The shortest decimal that reads back as f, for JSON written as Python
 // writes it (1e-05, not 9.99999974737875e-06).
 double fl_json_float(float f);
+// "[d0, d1, ...]": a shape in error messages.
+void fl_shape_str(char *out, size_t size, int ndim, const uint64_t *shape);
 
 // Reads a config.json into *out (arch, padded_vocab_size filled in; absent
 // fields take transformers' defaults). model_type "gpt2" or "llama" decides

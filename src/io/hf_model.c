@@ -380,7 +380,7 @@ static int is_buffer(const hf_layout *lay, const char *name) {
     return 0;
 }
 
-static void shape_str(char *out, size_t size, int ndim, const uint64_t *shape) {
+void fl_shape_str(char *out, size_t size, int ndim, const uint64_t *shape) {
     size_t at = (size_t)snprintf(out, size, "[");
     for (int d = 0; d < ndim && at < size; d++)
         at += (size_t)snprintf(out + at, size - at, "%s%llu", d ? ", " : "",
@@ -428,8 +428,8 @@ static void match_tensors(const hf_files *f, const hf_layout *lay, const fl_para
             for (int d = 0; ok && d < t->ndim; d++) ok = t->shape[d] == want[d];
             if (!ok) {
                 char got_s[160], want_s[64];
-                shape_str(got_s, sizeof got_s, t->ndim, t->shape);
-                shape_str(want_s, sizeof want_s, table->views[v].ndim, want);
+                fl_shape_str(got_s, sizeof got_s, t->ndim, t->shape);
+                fl_shape_str(want_s, sizeof want_s, table->views[v].ndim, want);
                 fl_die("%s: tensor '%s' has shape %s, config.json implies %s", f->where, t->name,
                        got_s, want_s);
             }

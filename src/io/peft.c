@@ -329,14 +329,6 @@ void fl_peft_save(const char *dir, const fl_model *m, const char *base_model) {
 // ----------------------------------------------------------------------------
 // load
 
-static void shape_str(char *out, size_t size, int ndim, const uint64_t *shape) {
-    size_t at = (size_t)snprintf(out, size, "[");
-    for (int d = 0; d < ndim && at < size; d++)
-        at += (size_t)snprintf(out + at, size - at, "%s%llu", d ? ", " : "",
-                               (unsigned long long)shape[d]);
-    if (at < size) snprintf(out + at, size - at, "]");
-}
-
 // The adapters m was built with must be the ones DIR describes: r and the
 // scaling decide what the weights mean (the shapes check r again).
 static void check_same_config(const char *dir, const fl_lora_config *have) {
@@ -383,8 +375,8 @@ void fl_peft_load(const char *dir, fl_model *m) {
         if (!ok) {
             char got[160], want[64];
             uint64_t shape[2] = {v->shape[0], v->shape[1]};
-            shape_str(got, sizeof got, t->ndim, t->shape);
-            shape_str(want, sizeof want, 2, shape);
+            fl_shape_str(got, sizeof got, t->ndim, t->shape);
+            fl_shape_str(want, sizeof want, 2, shape);
             fl_die("%s: tensor '%s' has shape %s, the model (r %d) needs %s: is the adapter "
                    "for another base model?",
                    path, name, got, m->lora.cfg.r, want);
