@@ -18,14 +18,17 @@
 #      Columns: per-tag peaks (GiB) from the memory report, the tagged total
 #      and `fitlm plan`'s total for the same flags, peak RSS (/usr/bin/time
 #      -v), median tokens/s of the steps after the first, trainable
-#      parameters. Every tag's measured peak is then checked against the plan.
+#      parameters, and the 1-minute load average after the run (the machine
+#      may be shared; this run counts for about THREADS of it, so a value well
+#      above THREADS means other processes took cores and the speed suffered).
+#      Every tag's measured peak is then checked against the plan.
 #  (b) planned (`fitlm plan`, exact for what the engine runs): the llama-7b
 #      preset under the same five configs, and the QLoRA config on a 65B
 #      LLaMA shape (80 layers, 8192 channels, 64 heads, MLP 22016) at T=512,
 #      beside the QLoRA paper's claim (65B fine-tuned on one 48 GB GPU), with
 #      the bytes per parameter of the base weights.
 #
-#   bash bench/lora.sh                    # ~10 minutes on 2 cores
+#   bash bench/lora.sh                    # ~7 minutes on 2 cores
 #   LORA_OUT=file bash bench/lora.sh     # also writes the tables there
 #
 # Knobs: BUILD [build], THREADS [2], STEPS [4], MODEL [tinyllama-1.1b],
@@ -112,8 +115,8 @@ echo "$(bench_cpu); $THREADS threads; load average at start: $(cut -d' ' -f1-3 /
 echo
 echo "(a) measured: $MODEL, bf16, B=1, T=256, block checkpointing, random weights, $STEPS steps"
 echo
-echo "| config | params GiB | grads GiB | optimizer state GiB (master + optim) | activations GiB | workspace GiB | total GiB (tags) | plan total GiB | peak RSS GiB | tokens/s (median) | trainable parameters |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| config | params GiB | grads GiB | optimizer state GiB (master + optim) | activations GiB | workspace GiB | total GiB (tags) | plan total GiB | peak RSS GiB | tokens/s (median) | trainable parameters | load after |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 MISMATCH=()
 for c in "${CONFIGS[@]}"; do
     read -r -a cf <<<"$(config_flags "$c")"
@@ -130,7 +133,7 @@ for c in "${CONFIGS[@]}"; do
     rss=$(awk '/Maximum resident set size/ { printf "%.2f", $NF / 1048576 }' "$LOG/a_$c.time")
     nb=$(n_base "$log")
     na=$(n_adapters "$log" "${cf[*]}")
-    echo "| $c | $(mgib params "$log") | $(mgib grads "$log") | $ms | $(mgib acts "$log") | $(mgib workspace "$log") | $(mgib total "$log") | $(pgib total "$plan") | $rss | $(median_tok "$log") | $(commas "$(trainable "$c" "$nb" "$na")") |"
+    echo "| $c | $(mgib params "$log") | $(mgib grads "$log") | $ms | $(mgib acts "$log") | $(mgib workspace "$log") | $(mgib total "$log") | $(pgib total "$plan") | $rss | $(median_tok "$log") | $(commas "$(trainable "$c" "$nb" "$na")") | $(cut -d' ' -f1 /proc/loadavg) |"
     plan_check "$c" "$log" "$plan"
 done
 echo
