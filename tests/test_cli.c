@@ -141,6 +141,27 @@ static void test_bad_config_files(void) {
     write_text("nested.json", "{\"optimizer\": 3}");
     fails_with("train --config nested.json", "optimizer must be an object");
     fails_with("train --config missing.json", "cannot open config file missing.json");
+    // what cJSON alone would let through: a second value, repeated keys, NULs
+    write_text("trailing.json", "{\"seq_len\": 8} x");
+    fails_with("train --config trailing.json",
+               "trailing.json: unexpected text after the top-level JSON value at line 1 (byte 15)");
+    write_text("dup.json", "{\"seq_len\": 8, \"seq_len\": 9}");
+    fails_with("train --config dup.json", "dup.json: duplicate key 'seq_len'");
+    write_text("dup2.json", "{\"optimizer\": {\"params\": {\"lr\": 1, \"lr\": 2}}}");
+    fails_with("train --config dup2.json", "dup2.json: duplicate key 'optimizer.params.lr'");
+    static const char nul[] = "{\"tokenizer\": \"by\0te\"}";
+    write_file("nul.json", nul, sizeof nul - 1);
+    fails_with("train --config nul.json", "nul.json: a NUL byte at line 1 (byte 17)");
+    write_text("nul2.json", "{\"tokenizer\": \"by\\u0000te\"}");
+    fails_with("train --config nul2.json", "nul2.json: \\u0000 (a NUL character) at line 1");
+    // a directory or a FIFO is refused at once (a FIFO's open must not block)
+    char p[600];
+    snprintf(p, sizeof p, "%s/confdir", dir);
+    mkdir(p, 0755);
+    fails_with("train --config confdir", "config file confdir is a directory");
+    snprintf(p, sizeof p, "%s/conffifo", dir);
+    t_check(mkfifo(p, 0644) == 0, "mkfifo %s", p);
+    fails_with("train --config conffifo", "config file conffifo is not a regular file");
     // DeepSpeed's activation_checkpointing keys: honoured or refused, never ignored
     const struct {
         const char *json, *says;
@@ -193,6 +214,21 @@ static void test_bad_data(void) {
                "this is not a token shard, though it is long enough to have a header of 64 bytes");
     fails_with("train --data notashard.bin --tokenizer byte",
                "notashard.bin is not a fitlm token shard");
+}
+
+// tokenize's inputs must be files: a directory or a FIFO fails at once,
+// before the output directory is made
+static void test_tokenize_input_is_a_file(void) {
+    char p[600];
+    snprintf(p, sizeof p, "%s/textdir", dir);
+    mkdir(p, 0755);
+    fails_with("tokenize textdir -o tokdir --tokenizer byte", "data file textdir is a directory");
+    snprintf(p, sizeof p, "%s/textfifo", dir);
+    t_check(mkfifo(p, 0644) == 0, "mkfifo %s", p);
+    fails_with("tokenize textfifo -o tokdir --tokenizer byte",
+               "data file textfifo is not a regular file");
+    snprintf(p, sizeof p, "%s/tokdir", dir);
+    t_check(access(p, F_OK) != 0, "no output directory was made for a bad input");
 }
 
 static void test_config_then_flags(void) {
@@ -707,7 +743,8 @@ static void test_kill_while_saving(void) {
             else
                 execl(bin, bin, "train", "--config", "run.json", "--steps", "1000000",
                       "--save-every", "1", "--out", "killed", "--eval-every", "0",
-                      "--sample-tokens", "0", "--threads", "1", "--lr", "0.001", (char *)NULL);
+                      "--sample-tokens", "0", "--threads", "1", "--lr", "0.001", "--overwrite",
+                      (char *)NULL);
             _exit(3);
         }
         struct timespec ts = {0, (long)(50 + rand() % 400) * 1000000L};
@@ -740,12 +777,739 @@ static void test_kill_while_saving(void) {
     t_check(tmp_seen > 0, "some kills landed while a checkpoint was being written (%d)", tmp_seen);
 }
 
+// ----------------------------------------------------------------------------
+// Whole-set replacement and non-finite weights (issue 15): an export or a
+// shard set written over an earlier one is swapped in whole, so a kill at
+// any moment leaves the old set or the new one, never a mix; sample and
+// export refuse NaN and Inf, naming the tensor.
+
+// A GPT-2 "demo" shape (byte vocabulary) from seed, saved as checkpoint
+// dir/name; poison >= 0: element 3 of that row set to `value` first.
+static void save_demo_ckpt(const char *name, uint64_t seed, int poison, float value) {
+    fl_model_config cfg;
+    fl_model_preset(&cfg, "demo");
+    cfg.vocab_size = 257;
+    fl_model_config_finish(&cfg);
+    fl_model m;
+    fl_model_init(&m, &cfg, FL_F32, seed);
+    if (poison >= 0) ((float *)m.params)[m.table.views[poison].offset + 3] = value;
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    fl_train_ckpt_save(path, 1, &m, NULL, NULL, NULL, "byte", NULL, 0);
+    fl_model_free(&m);
+}
+
+// Names, sizes and CRC-32s of a directory's files, sorted: equal digests are
+// equal file sets.
+static void dir_digest(const char *name, char *out, size_t size) {
+    char path[700], names[256][256];
+    int n = 0;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    DIR *d = opendir(path);
+    for (struct dirent *e; d && (e = readdir(d)) && n < 256;)
+        if (e->d_name[0] != '.') snprintf(names[n++], sizeof names[0], "%s", e->d_name);
+    if (d) closedir(d);
+    qsort(names, (size_t)n, sizeof names[0], (int (*)(const void *, const void *))strcmp);
+    size_t at = (size_t)snprintf(out, size, "%s", d ? "" : "(missing)");
+    for (int i = 0; i < n && at < size; i++) {
+        snprintf(path, sizeof path, "%s/%s/%s", dir, name, names[i]);
+        size_t len;
+        unsigned char *b = t_read_file(path, &len);
+        at += (size_t)snprintf(out + at, size - at, "%s:%zu:%08x ", names[i], len,
+                               (unsigned)fl_crc32(0, b, len));
+        free(b);
+    }
+}
+
+// Siblings dir/name.tmp.* and dir/name.old.* (a writer's leftovers).
+static int leftovers(const char *name) {
+    char prefix[200];
+    int n = 0, len = snprintf(prefix, sizeof prefix, "%s.", name);
+    DIR *d = opendir(dir);
+    for (struct dirent *e; d && (e = readdir(d));)
+        n += !strncmp(e->d_name, prefix, (size_t)len) &&
+             (!strncmp(e->d_name + len, "tmp.", 4) || !strncmp(e->d_name + len, "old.", 4));
+    if (d) closedir(d);
+    return n;
+}
+
+// Entries of dir/name, or -1 when it does not exist.
+static int count_entries(const char *name) {
+    char path[700];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    DIR *d = opendir(path);
+    if (!d) return -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+// Starts `fitlm args...` in the scratch directory, silent, and SIGKILLs it
+// once its temporary directory out.tmp.<pid> holds `files` entries, or has
+// gone again (swapped in): a kill point by progress, not by time, so a slow
+// or loaded machine moves it nowhere. files < 0: waits for the writer.
+static void run_and_kill(const char **args, const char *out, int files) {
+    const char *bin = getenv("FITLM_BINARY");
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (chdir(dir) != 0) _exit(2);
+        int null = open("/dev/null", O_WRONLY);
+        dup2(null, 1);
+        dup2(null, 2);
+        execv(bin, (char *const *)args);
+        _exit(3);
+    }
+    char tmp[200];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", out, (long)pid);
+    int status, seen = 0;
+    while (files >= 0 && waitpid(pid, &status, WNOHANG) == 0) {
+        int n = count_entries(tmp);
+        seen |= n >= 0;
+        if (seen && (n < 0 || n >= files)) {
+            kill(pid, SIGKILL);
+            break;
+        }
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+    waitpid(pid, &status, 0);
+}
+
+// Runs two writers of one directory, `a` and `b` (whose complete sets have
+// na and nb files), alternately, `kills` times, each killed at a point of
+// its progress: after a random 0..n files of the new set, or after the swap;
+// after every kill, `check` must find one complete set. Returns how many
+// kills left a writer's temporaries behind (it was in the middle).
+static int kill_writers(const char *out, const char **a, int na, const char **b, int nb, int kills,
+                        void (*check)(int kill)) {
+    int mid = 0;
+    srand(4242);
+    for (int k = 0; k < kills; k++) {
+        int n = k % 2 ? nb : na;
+        // 2 in 7 after the swap (odd: both writers), else within the writing;
+        // the second half by two renames, as where the kernel cannot exchange
+        if (k == kills / 2) setenv("FITLM_TEST_NO_EXCHANGE", "1", 1);
+        run_and_kill(k % 2 ? b : a, out, k % 7 >= 5 ? n + 1 : rand() % (n + 1));
+        mid += leftovers(out) > 0;
+        check(k);
+    }
+    unsetenv("FITLM_TEST_NO_EXCHANGE");
+    return mid;
+}
+
+static fl_model at_old_model, at_new_model;
+static char at_old[16384], at_new[16384];
+static int at_saw_old, at_saw_new, at_restored;
+
+// The export directory is exactly one of the two reference exports and
+// loads as that model (a DIR missing beside DIR.old.<pid>, a kill between
+// the two renames where the kernel cannot exchange, is restored first).
+static void check_export(int kill) {
+    char path[600], got[16384];
+    snprintf(path, sizeof path, "%s/at_hf", dir);
+    if (access(path, F_OK) != 0 && leftovers("at_hf")) {
+        fl_dir_recover(path);
+        at_restored++;
+    }
+    dir_digest("at_hf", got, sizeof got);
+    int is_old = !strcmp(got, at_old), is_new = !strcmp(got, at_new);
+    at_saw_old += is_old;
+    at_saw_new += is_new;
+    if (!t_check(is_old || is_new, "after kill %d the export is the old or the new one: %s", kill,
+                 got))
+        return;
+    fl_model m;
+    fl_hf_load(path, &m, FL_F32);
+    const fl_model *want = is_old ? &at_old_model : &at_new_model;
+    t_check(m.table.numel == want->table.numel &&
+                !memcmp(m.params, want->params, m.table.numel * sizeof(float)),
+            "after kill %d the export loads as the %s weights", kill, is_old ? "old" : "new");
+    fl_model_free(&m);
+}
+
+static void test_kill_while_exporting(void) {
+    save_demo_ckpt("at_a", 1, -1, 0);
+    save_demo_ckpt("at_b", 2, -1, 0);
+    // old: one file; new: seven shards and an index, another layout to mix
+    int rc = fitlm("export at_a -o at_ref_a") |
+             fitlm("export at_b -o at_ref_b --max-shard-size 600K") | fitlm("export at_a -o at_hf");
+    t_check(rc == 0, "reference exports: %.300s", output);
+    dir_digest("at_ref_a", at_old, sizeof at_old);
+    dir_digest("at_ref_b", at_new, sizeof at_new);
+    t_check(strstr(at_new, "model-00002-of-") && strstr(at_old, "model.safetensors:"),
+            "the two exports differ in layout: %s | %s", at_old, at_new);
+    char path[600];
+    snprintf(path, sizeof path, "%s/at_ref_a", dir);
+    fl_hf_load(path, &at_old_model, FL_F32);
+    snprintf(path, sizeof path, "%s/at_ref_b", dir);
+    fl_hf_load(path, &at_new_model, FL_F32);
+    // a file of the user's beside the export stays through every swap
+    write_text("at_hf/README.md", "mine\n");
+    const char *a[] = {"fitlm", "export", "at_a", "-o", "at_hf", NULL};
+    const char *b[] = {"fitlm", "export", "at_b", "-o", "at_hf", "--max-shard-size", "600K", NULL};
+    // the references hold no README.md: compare with it added
+    write_text("at_ref_a/README.md", "mine\n");
+    write_text("at_ref_b/README.md", "mine\n");
+    dir_digest("at_ref_a", at_old, sizeof at_old);
+    dir_digest("at_ref_b", at_new, sizeof at_new);
+    int kills = 28, mid = kill_writers("at_hf", a, count_entries("at_ref_a"), b,
+                                       count_entries("at_ref_b"), kills, check_export);
+    printf("  %d kills while exporting: the old export %d times, the new %d, %d killed in the "
+           "middle (temporaries left), %d restored\n",
+           kills, at_saw_old, at_saw_new, mid, at_restored);
+    t_check(mid > 0 && at_saw_old > 0 && at_saw_new > 0,
+            "kills landed mid-export (%d) and both outcomes occurred (%d old, %d new)", mid,
+            at_saw_old, at_saw_new);
+    // the next clean run removes the killed ones' temporaries
+    rc = fitlm("export at_b -o at_hf --max-shard-size 600K");
+    char got[16384];
+    dir_digest("at_hf", got, sizeof got);
+    t_check(rc == 0 && !strcmp(got, at_new) && leftovers("at_hf") == 0,
+            "a clean export after the kills: the new set, no temporaries left (%d): %s",
+            leftovers("at_hf"), got);
+    // a kill between the two renames (no exchange): DIR missing, DIR.old.<pid>
+    // the complete old export, DIR.tmp.<pid> the new one; the next run
+    // restores the old one before it writes
+    pid_t dead = fork();
+    if (dead == 0) _exit(0);
+    waitpid(dead, NULL, 0);
+    char from[700], to[700];
+    snprintf(from, sizeof from, "%s/at_hf", dir);
+    snprintf(to, sizeof to, "%s/at_hf.old.%ld", dir, (long)dead);
+    t_check(rename(from, to) == 0, "rename %s aside", from);
+    snprintf(to, sizeof to, "%s/at_hf.tmp.%ld", dir, (long)dead);
+    mkdir(to, 0755);
+    strcat(to, "/config.json");
+    t_write_text(to, "{\"partial\": true}");
+    rc = fitlm("export at_a -o at_hf");
+    dir_digest("at_hf", got, sizeof got);
+    t_check(rc == 0 && strstr(output, "restored at_hf from ./at_hf.old.") && !strcmp(got, at_old) &&
+                leftovers("at_hf") == 0,
+            "a half-swapped export is restored, then replaced; no leftovers: %.300s | %s", output,
+            got);
+    fl_model_free(&at_old_model);
+    fl_model_free(&at_new_model);
+}
+
+static char tok_old[16384], tok_new[16384];
+static uint64_t tok_old_n, tok_new_n;
+static int tok_saw_old, tok_saw_new;
+
+static uint64_t train_tokens(const char *name) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    fl_loader l;
+    fl_loader_open(&l, path, "train", 16, 1, 0, 0, 1); // dies on a damaged shard
+    uint64_t n = l.n_tokens;
+    fl_loader_close(&l);
+    return n;
+}
+
+// The shard directory is exactly the old or the new set, and the loader
+// opens it with that set's token count.
+static void check_shards(int kill) {
+    char got[16384];
+    dir_digest("at_tok", got, sizeof got);
+    int is_old = !strcmp(got, tok_old), is_new = !strcmp(got, tok_new);
+    tok_saw_old += is_old;
+    tok_saw_new += is_new;
+    if (!t_check(is_old || is_new, "after kill %d the shards are the old or the new set: %s", kill,
+                 got))
+        return;
+    uint64_t n = train_tokens("at_tok");
+    t_check(n == (is_old ? tok_old_n : tok_new_n), "after kill %d the loader reads %llu tokens",
+            kill, (unsigned long long)n);
+}
+
+static void test_kill_while_tokenizing(void) {
+    // two texts of other words and lengths: 23 and 45 shards of 1024 tokens
+    static char text[60000];
+    const char *words[2][4] = {{"alpha", "beta", "gamma", "delta"},
+                               {"red", "green", "blue", "violet"}};
+    for (int t = 0; t < 2; t++) {
+        size_t n = 0;
+        unsigned r = 7u + (unsigned)t;
+        for (int doc = 0; doc < 40; doc++) {
+            for (int w = 0; w < (t ? 180 : 90); w++) {
+                r = r * 1103515245u + 12345u;
+                n += (size_t)snprintf(text + n, sizeof text - n, "%s ", words[t][(r >> 16) % 4]);
+            }
+            n += (size_t)snprintf(text + n, sizeof text - n, "\n\n");
+        }
+        write_text(t ? "at_new.txt" : "at_old.txt", text);
+    }
+    int rc = fitlm("tokenize at_old.txt -o at_tok_old --tokenizer byte --shard-tokens 1024") |
+             fitlm("tokenize at_new.txt -o at_tok_new --tokenizer byte --shard-tokens 1024") |
+             fitlm("tokenize at_old.txt -o at_tok --tokenizer byte --shard-tokens 1024");
+    t_check(rc == 0, "reference shard sets: %.300s", output);
+    dir_digest("at_tok_old", tok_old, sizeof tok_old);
+    dir_digest("at_tok_new", tok_new, sizeof tok_new);
+    tok_old_n = train_tokens("at_tok_old");
+    tok_new_n = train_tokens("at_tok_new");
+    t_check(tok_old_n != tok_new_n && strcmp(tok_old, tok_new), "the two sets differ (%llu, %llu)",
+            (unsigned long long)tok_old_n, (unsigned long long)tok_new_n);
+    const char *a[] = {"fitlm",  "tokenize",    "at_old.txt", "-o",
+                       "at_tok", "--tokenizer", "byte",       "--shard-tokens",
+                       "1024",   "--threads",   "1",          NULL};
+    const char *b[] = {"fitlm",  "tokenize",    "at_new.txt", "-o",
+                       "at_tok", "--tokenizer", "byte",       "--shard-tokens",
+                       "1024",   "--threads",   "1",          NULL};
+    int kills = 28, mid = kill_writers("at_tok", a, count_entries("at_tok_old"), b,
+                                       count_entries("at_tok_new"), kills, check_shards);
+    printf("  %d kills while tokenizing: the old set %d times, the new %d, %d killed in the "
+           "middle\n",
+           kills, tok_saw_old, tok_saw_new, mid);
+    t_check(mid > 0 && tok_saw_old > 0 && tok_saw_new > 0,
+            "kills landed mid-write (%d) and both outcomes occurred (%d old, %d new)", mid,
+            tok_saw_old, tok_saw_new);
+    // fewer shards over more: the set is replaced, no stale shard survives
+    rc = fitlm("tokenize at_old.txt -o at_tok --tokenizer byte --shard-tokens 1024");
+    char got[16384];
+    dir_digest("at_tok", got, sizeof got);
+    t_check(rc == 0 && !strcmp(got, tok_old) && leftovers("at_tok") == 0,
+            "a clean tokenize after the kills: the old set alone, no temporaries: %s", got);
+    // in place (a directory with a subdirectory): stale shards go whatever
+    // their numbering
+    char p[600];
+    snprintf(p, sizeof p, "%s/at_tok/sub", dir);
+    mkdir(p, 0755);
+    write_text("at_tok/train_000999.bin", "stale");
+    rc = fitlm("tokenize at_old.txt -o at_tok --tokenizer byte --shard-tokens 1024");
+    snprintf(p, sizeof p, "%s/at_tok/train_000999.bin", dir);
+    t_check(rc == 0 && access(p, F_OK) != 0 && train_tokens("at_tok") == tok_old_n,
+            "written in place, a stale shard numbered past a gap is removed: %.200s", output);
+}
+
+static void test_refuses_nonfinite_weights(void) {
+    fl_model_config cfg;
+    fl_model_preset(&cfg, "demo");
+    cfg.vocab_size = 257;
+    fl_model_config_finish(&cfg);
+    fl_param_table t;
+    fl_model_table(&t, &cfg);
+    char row[FL_PARAM_NAME_MAX], msg[200];
+    snprintf(row, sizeof row, "%s", t.views[5].name);
+    fl_params_free(&t);
+    save_demo_ckpt("at_nan", 3, 5, NAN);
+    snprintf(msg, sizeof msg, "tensor '%s' holds NaN at element 3", row);
+    fails_with("sample --checkpoint at_nan --tokens 4", msg);
+    fails_with("export at_nan -o at_nan_hf", msg);
+    char p[600];
+    snprintf(p, sizeof p, "%s/at_nan_hf", dir);
+    t_check(access(p, F_OK) != 0 && leftovers("at_nan_hf") == 0, "a refused export writes nothing");
+    // a Hugging Face directory with an Inf; an adapter with a NaN
+    fl_model m;
+    fl_model_init(&m, &cfg, FL_F32, 4);
+    snprintf(p, sizeof p, "%s/at_good_hf", dir);
+    fl_hf_export(p, &m, m.params, FL_F32, 0);
+    fl_lora_config lc;
+    fl_lora_config_defaults(&lc);
+    lc.r = 4;
+    fl_model_add_lora(&m, &lc, 5);
+    ((float *)m.lora.params)[m.lora.table.views[1].offset + 2] = NAN;
+    snprintf(p, sizeof p, "%s/at_nan_adapter", dir);
+    fl_peft_save(p, &m, NULL);
+    snprintf(msg, sizeof msg, "at_nan_adapter: LoRA adapter tensor '%s' holds NaN at element 2",
+             m.lora.table.views[1].name);
+    fl_model_free(&m);
+    fails_with("sample --checkpoint at_good_hf --adapter at_nan_adapter --tokenizer byte", msg);
+    fails_with("export at_good_hf --merge --adapter at_nan_adapter -o at_nan_merged", msg);
+    fl_model_init(&m, &cfg, FL_F32, 4);
+    ((float *)m.params)[m.table.views[0].offset] = -INFINITY;
+    snprintf(p, sizeof p, "%s/at_inf_hf", dir);
+    fl_hf_export(p, &m, m.params, FL_F32, 0);
+    snprintf(msg, sizeof msg, "tensor '%s' holds Inf at element 0", m.table.views[0].name);
+    fl_model_free(&m);
+    fails_with("sample --checkpoint at_inf_hf --tokenizer byte", msg);
+    t_check(fitlm("sample --checkpoint at_good_hf --tokenizer byte --tokens 4") == 0,
+            "finite weights still sample: %.200s", output);
+}
+
+// --seed takes train's 64-bit syntax, exactly: 2^53 and 2^53 + 1 are two
+// seeds (through a double they were one).
+static void test_sample_seed_is_64_bit(void) {
+    const char *run = "sample --checkpoint at_a --tokens 48 --temperature 1 --top-k 0 --seed";
+    static char first[sizeof output];
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "%s 9007199254740992", run);
+    int rc = fitlm(cmd);
+    memcpy(first, output, sizeof first);
+    snprintf(cmd, sizeof cmd, "%s 9007199254740993", run);
+    int rc2 = fitlm(cmd);
+    t_check(rc == 0 && rc2 == 0 && strcmp(first, output),
+            "seeds 2^53 and 2^53 + 1 give different samples: %.100s | %.100s", first, output);
+    snprintf(cmd, sizeof cmd, "%s 18446744073709551615", run);
+    t_check(fitlm(cmd) == 0, "--seed 2^64 - 1 is accepted: %.200s", output);
+    fails_with("sample --checkpoint at_a --seed 18446744073709551616", "whole number in [0, 2^64)");
+    fails_with("sample --checkpoint at_a --seed -1", "whole number in [0, 2^64)");
+    fails_with("sample --checkpoint at_a --seed 1e3", "whole number in [0, 2^64)");
+}
+
+// ----------------------------------------------------------------------------
+// runs that never lose work: the output directory is the run's own (a resume
+// continues where its checkpoint is; a new run does not start over another;
+// one process at a time), an interrupt saves, divergence never overwrites a
+// good checkpoint, and a resume says what it changes.
+
+static char run_data[4200];
+
+// `fitlm` with printf-style arguments.
+static char fitlmf_cmd[8192];
+#define fitlmf(...) (snprintf(fitlmf_cmd, sizeof fitlmf_cmd, __VA_ARGS__), fitlm(fitlmf_cmd))
+
+// A tiny GPT-2 on the byte-tokenized Brown corpus, ~1 ms a step; one thread,
+// so that a loaded machine does not slow it down by spinning OpenMP threads.
+static const char *small_run(void) {
+    if (!*run_data)
+        snprintf(run_data, sizeof run_data,
+                 "train --model tiny --tokenizer byte --data %s --batch 2 --seq-len 16 "
+                 "--eval-every 0 --sample-tokens 0 --threads 1",
+                 t_source_path("data/brown_byte"));
+    return run_data;
+}
+
+// The step of SUB's newest checkpoint, after reading every tensor (CRC-32
+// checked: a damaged file fails the test); -1 when SUB has no `latest`.
+static int latest_step(const char *sub) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s/latest", dir, sub);
+    if (access(path, F_OK) != 0) return -1;
+    snprintf(path, sizeof path, "%s/%s", dir, sub);
+    fl_ckpt *ck = fl_ckpt_open(path);
+    int step = fl_ckpt_step(ck);
+    fl_ckpt_close(ck);
+    fl_model m;
+    char tok[32];
+    fl_ckpt_load_model(path, &m, FL_F32, tok, sizeof tok);
+    fl_model_free(&m);
+    return step;
+}
+
+static int exists(const char *name) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    return access(path, F_OK) == 0;
+}
+
+// Files of SUB whose name holds ".tmp".
+static int count_tmp(const char *sub) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", dir, sub);
+    DIR *d = opendir(path);
+    int n = 0;
+    for (struct dirent *e; d && (e = readdir(d));) n += strstr(e->d_name, ".tmp") != NULL;
+    if (d) closedir(d);
+    return n;
+}
+
+// Starts `fitlm ARGS` (split at spaces) in the scratch directory, its output
+// into the file `out`.
+static pid_t spawn_fitlm(const char *out, const char *args) {
+    static char copy[8192];
+    snprintf(copy, sizeof copy, "%s", args);
+    char *argv[128];
+    const char *bin = getenv("FITLM_BINARY");
+    int argc = 0;
+    argv[argc++] = (char *)(bin ? bin : "fitlm");
+    for (char *tok = strtok(copy, " "); tok && argc < 127; tok = strtok(NULL, " "))
+        argv[argc++] = tok;
+    argv[argc] = NULL;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (chdir(dir) != 0) _exit(2);
+        int fd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        execv(argv[0], argv);
+        _exit(3);
+    }
+    return pid;
+}
+
+// Waits until SUB/log.txt has `lines` step lines (the run is mid-training);
+// 0 after 20 s or when the child has exited.
+static int wait_for_steps(const char *sub, int lines, pid_t pid) {
+    char name[256];
+    static char log[1 << 16];
+    snprintf(name, sizeof name, "%s/log.txt", sub);
+    for (int i = 0; i < 4000; i++) {
+        read_file(name, log, sizeof log);
+        int n = 0;
+        for (const char *p = strstr(log, " loss "); p; p = strstr(p + 1, " loss ")) n++;
+        if (n >= lines) return 1;
+        if (waitpid(pid, NULL, WNOHANG) == pid) return 0;
+        struct timespec ts = {0, 5000000L};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
+// The child's exit status (128 + signal when killed); kills it after 30 s.
+static int exit_status(pid_t pid) {
+    int status = 0;
+    for (int i = 0; i < 3000 && waitpid(pid, &status, WNOHANG) != pid; i++) {
+        struct timespec ts = {0, 10000000L};
+        nanosleep(&ts, NULL);
+        if (i == 2999) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+        }
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// The number after `key` in text, or -1.
+static int number_after(const char *text, const char *key) {
+    const char *p = strstr(text, key);
+    return p ? atoi(p + strlen(key)) : -1;
+}
+
+static void test_resume_continues_in_its_directory(void) {
+    int rc = fitlmf("%s --steps 4 --save-every 2 --keep-checkpoints 0 --out orig", small_run());
+    t_check(rc == 0 && latest_step("orig") == 4, "a run to copy (status %d): %.300s", rc, output);
+    static char before[8192], after[8192];
+    read_file("orig/log.txt", before, sizeof before);
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "cp -a %s/orig %s/copy", dir, dir);
+    t_check(system(cmd) == 0, "copy the run directory");
+    // the copy's checkpoints record out_dir "orig": the resume must not go there
+    rc = fitlm("train --resume copy --steps 6");
+    read_file("orig/log.txt", after, sizeof after);
+    t_check(rc == 0 && strstr(output, "continuing in copy") && latest_step("copy") == 6,
+            "resuming a copy continues in the copy (status %d): %.400s", rc, output);
+    t_check(latest_step("orig") == 4 && !exists("orig/ckpt_00000006.fitlm") &&
+                exists("orig/ckpt_00000002.fitlm") && !strcmp(before, after),
+            "the original run is untouched: its latest, its checkpoints, its log");
+    // --out given now wins
+    rc = fitlm("train --resume orig --steps 6 --out elsewhere");
+    t_check(rc == 0 && latest_step("elsewhere") == 6 && latest_step("orig") == 4,
+            "--resume DIR --out OTHER continues in OTHER (status %d): %.300s", rc, output);
+    // a checkpoint file: its directory; the log keeps the lines up to its step
+    rc = fitlm("train --resume copy/ckpt_00000002.fitlm --steps 3");
+    static char log[8192];
+    read_file("copy/log.txt", log, sizeof log);
+    t_check(rc == 0 && strstr(output, "continuing in copy") && latest_step("copy") == 3,
+            "--resume FILE continues in the file's directory (status %d): %.300s", rc, output);
+    t_check(!strncmp(log, "step 1 loss ", 12) && strstr(log, "\nstep 2 loss ") &&
+                strstr(log, "\nstep 3 loss ") && !strstr(log, "step 4 ") &&
+                !strncmp(before, log, (size_t)(log_from(before, 3) - before)),
+            "the log keeps every line up to the checkpoint's step, nothing after it:\n%s", log);
+}
+
+static void test_new_run_refuses_a_used_directory(void) {
+    int rc = fitlmf("%s --steps 2 --out orig", small_run());
+    t_check(rc == 1 && strstr(output, "orig already holds a run") &&
+                strstr(output, "--resume orig") && strstr(output, "--overwrite"),
+            "a new run into a run's directory is refused, saying how to resume or start over "
+            "(status %d): %.400s",
+            rc, output);
+    char path[600];
+    snprintf(path, sizeof path, "%s/logonly", dir);
+    mkdir(path, 0755);
+    write_text("logonly/log.txt", "step 1 loss 5\n");
+    rc = fitlmf("%s --steps 2 --out logonly", small_run());
+    t_check(rc == 1 && strstr(output, "logonly already holds a run"),
+            "a directory with only a log is a run too (status %d): %.300s", rc, output);
+    // --overwrite: orig holds ckpt 2 and 4 of the old run; this run saves 1, 2
+    // (replacing the old 2) and 3, and prunes only its own
+    rc = fitlmf("%s --steps 3 --save-every 1 --keep-checkpoints 1 --out orig --overwrite",
+                small_run());
+    t_check(rc == 0 && latest_step("orig") == 3 && !exists("orig/ckpt_00000001.fitlm") &&
+                !exists("orig/ckpt_00000002.fitlm"),
+            "--overwrite starts over; keep 1 prunes this run's older checkpoints (status %d): "
+            "%.300s",
+            rc, output);
+    snprintf(path, sizeof path, "%s/orig/ckpt_00000004.fitlm", dir);
+    int kept = access(path, F_OK) == 0;
+    char old_run[64] = "", new_run[64] = "";
+    if (kept) {
+        fl_ckpt *ck = fl_ckpt_open(path);
+        snprintf(old_run, sizeof old_run, "%s", fl_ckpt_run(ck));
+        fl_ckpt_close(ck);
+        snprintf(path, sizeof path, "%s/orig", dir);
+        ck = fl_ckpt_open(path);
+        snprintf(new_run, sizeof new_run, "%s", fl_ckpt_run(ck));
+        fl_ckpt_close(ck);
+    }
+    t_check(kept && *old_run && *new_run && strcmp(old_run, new_run),
+            "the old run's checkpoint 4 is never deleted by the new run (runs %s and %s)", old_run,
+            new_run);
+}
+
+static void test_one_run_per_directory_and_sigterm(void) {
+    char args[8192];
+    snprintf(args, sizeof args, "%s --steps 1000000 --save-every 50 --out locked", small_run());
+    pid_t pid = spawn_fitlm("locked.out", args);
+    int running = wait_for_steps("locked", 3, pid);
+    int rc = fitlmf("%s --steps 2 --out locked --overwrite", small_run());
+    char says[128];
+    snprintf(says, sizeof says, "locked is in use by another fitlm run (process %d)", (int)pid);
+    t_check(running && rc == 1 && strstr(output, says),
+            "a second run into a directory fails at once naming the first's pid (status %d): "
+            "%.300s",
+            rc, output);
+    kill(pid, SIGTERM);
+    int status = exit_status(pid);
+    static char text[1 << 16];
+    read_file("locked.out", text, sizeof text);
+    int step = number_after(text, "interrupted by SIGTERM after step ");
+    t_check(status == 143 && step > 0 && strstr(text, "checkpoint written to locked"),
+            "SIGTERM: the step finishes, a checkpoint is saved, status 143 (status %d): %.200s",
+            status, strstr(text, "interrupted") ? strstr(text, "interrupted") : "");
+    t_check(latest_step("locked") == step && count_tmp("locked") == 0,
+            "the interrupt's checkpoint is latest (step %d) and no temporary file is left", step);
+    rc = fitlmf("train --resume locked --steps %d", step + 2);
+    char resumed[64];
+    snprintf(resumed, sizeof resumed, "resumed from step %d", step);
+    t_check(rc == 0 && strstr(output, resumed) && latest_step("locked") == step + 2,
+            "the run continues from the interrupt's checkpoint (status %d): %.300s", rc, output);
+}
+
+static void test_sigint_saves_and_a_second_exits(void) {
+    char args[8192];
+    snprintf(args, sizeof args, "%s --steps 1000000 --out intr", small_run());
+    pid_t pid = spawn_fitlm("intr.out", args);
+    int running = wait_for_steps("intr", 5, pid);
+    kill(pid, SIGINT);
+    int status = exit_status(pid);
+    static char text[1 << 16];
+    read_file("intr.out", text, sizeof text);
+    int step = number_after(text, "interrupted by SIGINT after step ");
+    t_check(running && status == 130 && step >= 5 &&
+                strstr(text, "checkpoint written to intr (continue with fitlm train --resume "
+                             "intr)"),
+            "SIGINT: a checkpoint, a message saying where, status 130 (status %d): %.200s", status,
+            strstr(text, "interrupted") ? strstr(text, "interrupted") : "");
+    t_check(latest_step("intr") == step && count_tmp("intr") == 0,
+            "the checkpoint at step %d is latest; no temporary file survives", step);
+    int rc = fitlmf("train --resume intr --steps %d", step + 1);
+    t_check(rc == 0 && latest_step("intr") == step + 1, "resume after SIGINT (status %d): %.300s",
+            rc, output);
+    // a second SIGINT exits at once, mid-step or mid-save: the checkpoint
+    // before stays, and the next run cleans a killed write's leftovers
+    int all = 1, tmp_left = 0;
+    for (int i = 0; i < 3; i++) {
+        char sub[32];
+        snprintf(sub, sizeof sub, "intr2_%d", i);
+        snprintf(args, sizeof args,
+                 "%s --steps 1000000 --save-every 1 --keep-checkpoints 2 --out %s", small_run(),
+                 sub);
+        pid = spawn_fitlm("intr2.out", args);
+        running = wait_for_steps(sub, 5 + 5 * i, pid);
+        kill(pid, SIGINT);
+        struct timespec ts = {0, 200000L * i};
+        nanosleep(&ts, NULL);
+        kill(pid, SIGINT);
+        status = exit_status(pid);
+        step = latest_step(sub);
+        tmp_left += count_tmp(sub);
+        char leftover[64]; // as a write killed by a second signal leaves it
+        snprintf(leftover, sizeof leftover, "%s/ckpt_00000099.fitlm.tmp.99999", sub);
+        write_text(leftover, "partial");
+        rc = fitlmf("train --resume %s --steps %d", sub, step + 1);
+        all &= running && status == 130 && step >= 1 && rc == 0 && count_tmp(sub) == 0;
+    }
+    printf("  a second SIGINT left a killed write's temporary file %d times (of 3)\n", tmp_left);
+    t_check(all, "a second SIGINT exits with 130, the latest checkpoint loads and resumes, and "
+                 "the next run deletes leftovers");
+}
+
+static void test_log_write_error_stops_the_run(void) {
+    if (access("/dev/full", W_OK) != 0) return; // not on this system
+    char path[600];
+    snprintf(path, sizeof path, "%s/full", dir);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/full/log.txt", dir);
+    t_check(symlink("/dev/full", path) == 0, "log.txt -> /dev/full");
+    int rc = fitlmf("%s --steps 2 --out full --overwrite", small_run());
+    t_check(rc == 1 && strstr(output, "writing the training log full/log.txt failed: No space"),
+            "a log write on a full disk is an error naming the file (status %d): %.300s", rc,
+            output);
+}
+
+static void test_divergence_stops_without_a_bad_checkpoint(void) {
+    // SGD at lr 1000 without clipping: a non-finite loss within a few steps
+    const char *sgd = "--optimizer sgd --grad-clip 0 --lr 1000 --weight-decay 0 --warmup 0 "
+                      "--steps 60 --save-every 1 --keep-checkpoints 0";
+    int rc = fitlmf("%s %s --out div", small_run(), sgd);
+    int k = number_after(output, "training diverged at step ");
+    char name[64];
+    snprintf(name, sizeof name, "div/ckpt_%08d.fitlm", k);
+    t_check(rc == 1 && k > 1 && strstr(output, "the step was not applied") &&
+                latest_step("div") == k - 1 && !exists(name),
+            "divergence at step %d stops the run; the last good checkpoint stays latest (status "
+            "%d): %.300s",
+            k, rc, strstr(output, "fitlm: error") ? strstr(output, "fitlm: error") : output);
+    // --skip-nonfinite 2: two steps skipped without an update, then it stops
+    rc = fitlmf("%s %s --skip-nonfinite 2 --out div2", small_run(), sgd);
+    int skips = 0;
+    for (const char *p = strstr(output, " skipped: loss "); p; p = strstr(p + 1, " skipped: loss "))
+        skips++;
+    int k2 = number_after(output, "training diverged at step ");
+    t_check(rc == 1 && skips == 2 && k2 > 3 && strstr(output, "budget is spent"),
+            "--skip-nonfinite 2 skips two steps, then stops (status %d, %d skips): %.300s", rc,
+            skips, strstr(output, "fitlm: error") ? strstr(output, "fitlm: error") : output);
+    // the checkpoints around the skipped steps hold the same weights
+    char a[600], b[600];
+    snprintf(a, sizeof a, "%s/div2/ckpt_%08d.fitlm", dir, k2 - 3);
+    snprintf(b, sizeof b, "%s/div2/ckpt_%08d.fitlm", dir, k2 - 1);
+    int same = 0;
+    if (k2 > 3 && access(a, F_OK) == 0 && access(b, F_OK) == 0) {
+        fl_model ma, mb;
+        char tok[32];
+        fl_ckpt_load_model(a, &ma, FL_F32, tok, sizeof tok);
+        fl_ckpt_load_model(b, &mb, FL_F32, tok, sizeof tok);
+        same = !memcmp(ma.params, mb.params, ma.table.numel * sizeof(float));
+        fl_model_free(&ma);
+        fl_model_free(&mb);
+    }
+    t_check(same, "a skipped step applies no update: steps %d and %d have the same weights", k2 - 3,
+            k2 - 1);
+    // LOMO without clipping updates in the backward: already applied, so it stops
+    rc = fitlmf("%s --optimizer lomo --lr 1000 --grad-clip 0 --warmup 0 --steps 60 --out '' "
+                "--skip-nonfinite 5",
+                small_run());
+    t_check(rc == 1 && strstr(output, "the update was already applied"),
+            "single-pass LOMO: a non-finite norm after the update stops at once (status %d): "
+            "%.300s",
+            rc, output);
+    // fp16 overflow steps, skipped by the loss scaler, are normal
+    rc = fitlmf("%s --fp16 --initial-scale-power 30 --hysteresis 1 --lr 0.001 --steps 20 --out ''",
+                small_run());
+    t_check(rc == 0 && strstr(output, "OVERFLOW") && !strstr(output, "diverged"),
+            "fp16 overflow steps are not divergence (status %d): %.300s", rc, output);
+    fails_with("train --eps 0", "optimizer.params.eps 0: adamw divides");
+}
+
+static void test_resume_checks(void) {
+    int rc = fitlmf("%s --steps 4 --out rc", small_run());
+    t_check(rc == 0 && latest_step("rc") == 4, "a run to resume (status %d)", rc);
+    fails_with("train --resume rc --steps 3", "train_steps 3 is not above the checkpoint's step 4");
+    fails_with("train --resume rc --steps 4", "train_steps 4 is not above the checkpoint's step 4");
+    fails_with("train --resume rc --steps 6 --init-from rc", "--init-from and --resume together");
+    rc = fitlm("train --resume rc --steps 5 --threads 2 --batch 4 --seed 9");
+    t_check(rc == 0 && strstr(output, "threads 2 differs from the checkpoint's 1") &&
+                strstr(output, "batch 4 (was 2)") && strstr(output, "seed 9 (was 1337)"),
+            "a resume prints what it changes: threads, batch, seed (status %d): %.600s", rc,
+            output);
+    t_check(strstr(output, "model from rc (gpt2): n_layer 2") != NULL,
+            "the header names the checkpoint the shape comes from: %.200s", output);
+    rc = fitlm("export rc -o rc_hf");
+    int rc2 = fitlmf("%s --init-from rc_hf --steps 1 --out ''", small_run());
+    t_check(rc == 0 && rc2 == 0 && strstr(output, "model from rc_hf (gpt2): n_layer 2"),
+            "--init-from a Hugging Face directory: the header names it (status %d %d): %.200s", rc,
+            rc2, output);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_help_lists_every_option_with_default();
     test_bad_flags();
     test_bad_config_files();
     test_bad_data();
+    test_tokenize_input_is_a_file();
     test_config_then_flags();
     test_same_seed_same_losses();
     test_resume_is_bitwise();
@@ -756,6 +1520,17 @@ int main(void) {
     test_lora_errors();
     test_matches_prerefactor_recording();
     test_kill_while_saving();
+    test_resume_continues_in_its_directory();
+    test_new_run_refuses_a_used_directory();
+    test_one_run_per_directory_and_sigterm();
+    test_sigint_saves_and_a_second_exits();
+    test_log_write_error_stops_the_run();
+    test_divergence_stops_without_a_bad_checkpoint();
+    test_resume_checks();
+    test_kill_while_exporting();
+    test_kill_while_tokenizing();
+    test_refuses_nonfinite_weights();
+    test_sample_seed_is_64_bit();
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

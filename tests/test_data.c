@@ -95,6 +95,27 @@ static void test_shards(void) {
     free(bad);
 }
 
+// A vocabulary field past 2^30 (here with a valid header CRC) is refused
+// before any int holds it.
+static void test_shard_vocab_range(void) {
+    int32_t tokens[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    char p[512];
+    path_of(p, sizeof p, "vocab.bin");
+    fl_shard_write(p, "big", 70000, tokens, 8, 8);
+    size_t n;
+    unsigned char *good = t_read_file(p, &n);
+    const uint32_t vocab[] = {0xffffffffu, 0x80000000u, (1u << 30) + 1};
+    for (size_t i = 0; i < sizeof vocab / sizeof vocab[0]; i++) {
+        fl_put_u32(good + 12, vocab[i]);
+        fl_put_u32(good + 60, fl_crc32(0, good, 60));
+        t_write_file(p, good, n);
+        char expect[128];
+        snprintf(expect, sizeof expect, "vocab.bin: vocabulary size %u (byte offset 12)", vocab[i]);
+        t_dies(expect, open_shard, p, expect);
+    }
+    free(good);
+}
+
 // Shards d/train_00000k.bin of the given lengths; token i of shard k is
 // k*1000 + i, so a window tells where it came from.
 static void make_dataset(const char *name, const int *lengths, int n) {
@@ -223,6 +244,7 @@ int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_crc();
     test_shards();
+    test_shard_vocab_range();
     test_loader();
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();

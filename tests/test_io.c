@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "fitlm/io.h"
@@ -170,6 +171,93 @@ static void test_checkpoint(void) {
     fl_model_free(&a);
 }
 
+// A header whose model shape disagrees with its tensors is refused naming the
+// tensor, before any parameter is allocated (checked at exit of the child
+// t_dies runs: FL_MEM_PARAMS has not grown).
+static size_t params_before;
+static void say_params(void) {
+    fprintf(stderr, fl_mem_current(FL_MEM_PARAMS) > params_before ? " [params grew]"
+                                                                  : " [params not allocated]");
+}
+static void load_ckpt_counting(void *path) {
+    params_before = fl_mem_current(FL_MEM_PARAMS);
+    atexit(say_params);
+    load_ckpt(path);
+}
+static void ckpt_model_config(void *path) { // the resume path: shape, then allocation
+    fl_ckpt *c = fl_ckpt_open(path);
+    fl_model_config cfg;
+    fl_ckpt_model_config(c, &cfg);
+    fl_ckpt_close(c);
+}
+
+static void test_checkpoint_shape_checked(void) {
+    fl_model a;
+    fl_model_init(&a, &tiny, FL_F32, 3);
+    const fl_param_table *t = &a.table;
+    fl_ckpt_tensor *tensors = calloc((size_t)t->count + 1, sizeof *tensors);
+    char(*names)[80] = calloc((size_t)t->count + 1, 80);
+    for (int r = 0; r < t->count; r++) {
+        snprintf(names[r], 80, "model/%s", t->views[r].name);
+        tensors[r] = (fl_ckpt_tensor){
+            names[r], FL_F32, (const float *)a.params + t->views[r].offset, t->views[r].numel};
+    }
+    char ck[512];
+    snprintf(ck, sizeof ck, "%s/shape", dir);
+    const struct {
+        const char *name, *model, *lora, *expect;
+    } cases[] = {
+        {"n_embd 16 for 8", "\"n_layer\": 2, \"n_embd\": 16", NULL,
+         "tensor 'model/wte.weight' holds 1024 elements, not the 2048 of the model its header"},
+        {"n_layer 1 for 2", "\"n_layer\": 1, \"n_embd\": 8", NULL,
+         "tensor 'model/h.1.ln_1.weight' is not a parameter of"},
+        {"n_layer 3 for 2", "\"n_layer\": 3, \"n_embd\": 8", NULL,
+         "tensor 'model/h.2.ln_1.weight' is missing for"},
+        {"LoRA rank 4 for 2", "\"n_layer\": 2, \"n_embd\": 8", "4",
+         "tensor 'lora/h.0.attn.c_attn.lora_A.weight' holds 16 elements, not the 32"},
+        {"adapter without meta.lora", "\"n_layer\": 2, \"n_embd\": 8", NULL,
+         "tensor 'lora/h.0.attn.c_attn.lora_A.weight' is an adapter, with no meta.lora"},
+    };
+    float adapter[16] = {0};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char meta[512];
+        snprintf(meta, sizeof meta,
+                 "{\"model\": {%s, \"n_head\": 2, \"vocab_size\": 70, \"max_seq_len\": 16}, "
+                 "\"tokenizer\": \"byte\"%s%s%s}",
+                 cases[i].model, cases[i].lora ? ", \"lora\": {\"r\": " : "",
+                 cases[i].lora ? cases[i].lora : "", cases[i].lora ? "}" : "");
+        int n = t->count;
+        if (i >= 3) { // adapters (r = 2) of a base saved elsewhere
+            tensors[0] =
+                (fl_ckpt_tensor){"lora/h.0.attn.c_attn.lora_A.weight", FL_F32, adapter, 16};
+            n = 1;
+        }
+        fl_ckpt_write(ck, (int)i + 1, meta, tensors, n, 1);
+        char expect[256];
+        snprintf(expect, sizeof expect, "ckpt_%08d.fitlm: %s", (int)i + 1, cases[i].expect);
+        t_dies(cases[i].name, ckpt_model_config, ck, expect);
+        if (i < 3) { // loading a model: the same, before fl_model_init
+            t_dies(cases[i].name, load_ckpt_counting, ck, cases[i].expect);
+            t_dies(cases[i].name, load_ckpt_counting, ck, "disagree\n [params not allocated]");
+        }
+    }
+    free(names);
+    free(tensors);
+    fl_model_free(&a);
+}
+
+// A directory or a FIFO where a file is expected: a clear error, never a
+// read error or a blocked open.
+static void test_not_regular_files(void) {
+    char fifo[512];
+    snprintf(fifo, sizeof fifo, "%s/fifo", dir);
+    t_check(mkfifo(fifo, 0644) == 0, "mkfifo %s", fifo);
+    t_dies("text: a directory", load_text, dir, "is a directory");
+    t_dies("text: a FIFO", load_text, fifo, "fifo is not a regular file");
+    t_dies("checkpoint: a FIFO", load_ckpt, fifo, "fifo is not a regular file");
+    unlink(fifo);
+}
+
 // keep: only the newest checkpoints stay, and leftovers of a killed writer go.
 // A checkpoint written before the by-name layout (one "weights" tensor for the
 // whole flat buffer, no model.arch) loads as the GPT-2 it holds.
@@ -222,7 +310,9 @@ static void test_pruning(void) {
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_text();
+    test_not_regular_files();
     test_checkpoint();
+    test_checkpoint_shape_checked();
     test_pruning();
     test_legacy_checkpoint();
     if (t_remove_dir(dir) != 0) return 1;

@@ -73,6 +73,8 @@ typedef struct {
     int eval_interval, eval_iters;
     char out_dir[FL_PATH_MAX];
     int save_every, keep_checkpoints;
+    int overwrite;      // a new run may start in an out_dir holding another
+    int skip_nonfinite; // non-finite steps skipped before training stops
     char resume[FL_PATH_MAX];
     int sample_tokens;
     uint64_t seed;

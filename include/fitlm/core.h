@@ -62,7 +62,15 @@ void fl_mem_report(FILE *out);
 size_t fl_mem_available(void);
 // Reads a whole file (at most max_bytes; `what` names it in errors) into a
 // tagged buffer with room for a terminating NUL; dies naming the file.
+// A directory or a FIFO/device is refused ("<what> <path> is a directory",
+// "... is not a regular file") without blocking.
 uint8_t *fl_file_read_all(const char *path, size_t max_bytes, size_t *size, const char *what);
+// Dies unless path is a regular file: "cannot open <what> <path>: <reason>",
+// "<what> <path> is a directory" or "... is not a regular file".
+void fl_require_regular_file(const char *path, const char *what);
+// Opens a regular file for reading (O_RDONLY | O_CLOEXEC), with the errors
+// of fl_require_regular_file; a FIFO never blocks the open.
+int fl_open_regular(const char *path, const char *what);
 
 // ----------------------------------------------------------------------------
 // random numbers: a small, fast, fully reproducible generator (xoshiro256**

@@ -31,7 +31,7 @@ static inline uint64_t fl_get_u64(const uint8_t *p) {
 }
 
 // ----------------------------------------------------------------------------
-// crash-safe writing: begin (PATH.tmp), write..., commit (fsync, rename over
+// crash-safe writing: begin (PATH.tmp.<pid>), write..., commit (fsync, rename over
 // PATH, fsync the directory). An error removes the temporary file and dies.
 
 #define FL_FILE_PATH_MAX 4096
@@ -50,6 +50,36 @@ void fl_fsync_dir_of(const char *path);
 // begin + write + commit of one buffer
 void fl_file_write_all(const char *path, const void *data, size_t n);
 // (fl_file_read_all, the whole-file reader, is core's: fitlm/core.h)
+
+// ----------------------------------------------------------------------------
+// crash-safe directories: a set of files (an export, a shard set, an
+// adapter) replaced as a whole. The new set is written into DIR.tmp.<pid>
+// beside DIR; commit swaps it in (an atomic exchange where the kernel has
+// one, else DIR is renamed to DIR.old.<pid> and the new one into place) and
+// removes the old set. A kill at any moment leaves the old set or the new
+// one. The next begin on DIR removes what dead writers left (DIR.tmp.<pid>,
+// DIR.old.<pid> of pids no longer running); a DIR.old.<pid> with DIR missing
+// (a kill between the two renames) is renamed back to DIR: the last complete
+// set is never lost.
+//
+// DIR's other regular files (not in_set) are carried over by hard links. A
+// DIR that cannot be swapped whole (a symlink, ".", one that holds
+// subdirectories, or checkpoints, which a run may be writing into it) is
+// written in place, one file at a time as before: t->whole is 0 then.
+
+typedef struct {
+    char dir[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX], old[FL_FILE_PATH_MAX];
+    int whole; // 1: writing into tmp, swapped by commit; 0: into dir itself
+} fl_dir_txn;
+
+// Creates the directory to write the new set into and returns it (t->tmp,
+// or dir itself when it is written in place). in_set(name): the file
+// belongs to the set (NULL: every file does, nothing is carried over).
+const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const char *name));
+// Makes the new set durable and swaps it in (nothing to do in place).
+void fl_dir_commit(fl_dir_txn *t);
+// Removes what killed writers of dir left beside it (see above).
+void fl_dir_recover(const char *dir);
 
 // ----------------------------------------------------------------------------
 // text: the input of `fitlm tokenize`
@@ -93,6 +123,15 @@ typedef struct {
 // but the `keep` newest checkpoints once the new one is in place.
 void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ckpt_tensor *tensors,
                    int n_tensors, int keep);
+// The same, recording `run` (an id of the training run, kept across resumes)
+// in the header: pruning then deletes only checkpoints of that run, never
+// another run's left in the same directory (fl_ckpt_write prunes any).
+void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
+                       const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run);
+// Deletes the temporary files killed writers left in DIR (checkpoints,
+// `latest`, log.txt). Only safe while no other process writes there: the
+// training command holds DIR/.lock.
+void fl_ckpt_clean_tmp(const char *dir);
 
 typedef struct fl_ckpt fl_ckpt;
 
@@ -104,9 +143,14 @@ const char *fl_ckpt_path(const fl_ckpt *ck);
 int fl_ckpt_step(const fl_ckpt *ck);
 // The caller's metadata object as JSON text (valid while ck is open).
 const char *fl_ckpt_meta(const fl_ckpt *ck);
+// The id of the run that wrote it ("" for checkpoints without one).
+const char *fl_ckpt_run(const fl_ckpt *ck);
 int fl_ckpt_has(const fl_ckpt *ck, const char *name);
 // Elements of tensor `name`; 0 when it is absent.
 size_t fl_ckpt_numel(const fl_ckpt *ck, const char *name);
+// The tensors, in file order: names of i in [0, fl_ckpt_tensor_count).
+int fl_ckpt_tensor_count(const fl_ckpt *ck);
+const char *fl_ckpt_tensor_name(const fl_ckpt *ck, int i);
 // Reads tensor `name` (numel elements), converting to dt, and checks its
 // CRC-32. Dies when it is missing, of another size, or damaged.
 void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t numel);
@@ -132,12 +176,27 @@ int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen);
 void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
                         const fl_optimizer *base, const fl_loader_state *loader,
                         const char *tokenizer, const char *config_json, int keep);
+// The same as run `run` (fl_ckpt_write_run: pruning spares other runs').
+// The meta also records the thread count in force (omp_get_max_threads).
+void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
+                            const fl_optimizer *optim, const fl_optimizer *base,
+                            const fl_loader_state *loader, const char *tokenizer,
+                            const char *config_json, int keep, const char *run);
+// The thread count the checkpoint's run computed with (0: not recorded).
+int fl_train_ckpt_threads(const fl_ckpt *ck);
 // Initialises *model (shape from the checkpoint, weights rounded to dt) from
 // a checkpoint directory or file; tokenizer receives the tokenizer's name.
 void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,
                         size_t tokenizer_size);
-// The model shape an open checkpoint holds.
+// The model shape an open checkpoint holds, checked against its tensors
+// (fl_ckpt_check_shape), so a caller may allocate by it.
 void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg);
+// Checks the header's model shape (meta.model, meta.lora.r) against the
+// tensors before anything is allocated: every "model/<row>" (or the legacy
+// "weights") and "lora/<row>" is a row of that shape with its element
+// count, and a whole model has all its rows. Dies naming the file and the
+// tensor.
+void fl_ckpt_check_shape(const fl_ckpt *ck);
 // The run's config (JSON text, caller frees with fl_free) of an open checkpoint.
 char *fl_train_ckpt_config(const fl_ckpt *ck);
 // Restores weights, optimizer state and loader position into a model and
@@ -164,5 +223,9 @@ void fl_pretrained_load(const char *path, fl_model *model, fl_dtype dt);
 // Hugging Face directory only).
 void fl_pretrained_load_quant(const char *path, fl_model *model, fl_dtype dt,
                               const fl_quant_config *q);
+// Dies naming the tensor (source: the weights' path; adapter: the LoRA
+// adapter's, or NULL) when a weight or adapter value is NaN or Inf: what a
+// diverged run leaves, which sample and export refuse rather than pass on.
+void fl_model_check_finite(const fl_model *m, const char *source, const char *adapter);
 
 #endif

@@ -284,7 +284,8 @@ typedef struct {
 
 typedef struct {
     float grad_norm; // of the unscaled gradient, before clipping
-    int skipped;     // fp16 overflow: nothing was updated
+    int skipped;     // nothing was updated: an fp16 overflow (grad_norm 0), or a
+                     // non-finite gradient in another precision (grad_norm inf/NaN)
     float loss_scale;
 } fl_step_result;
 
@@ -321,7 +322,9 @@ void fl_optimizer_zero_grad(fl_optimizer *o);
 void fl_optimizer_micro_done(fl_optimizer *o);
 // After the last micro-batch: overflow check, norm, clipping, then
 // begin_step, update_rows over the whole table, end_step. Dies with a clear
-// message when the fp16 loss scale is stuck at its minimum.
+// message when the fp16 loss scale is stuck at its minimum. A non-finite
+// gradient norm in any precision skips the step (skipped = 1), changing
+// no weight or state.
 fl_step_result fl_optimizer_step(fl_optimizer *o, float lr);
 
 // The pieces of fl_optimizer_step, for a driver that updates block by block

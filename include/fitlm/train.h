@@ -12,7 +12,8 @@ typedef struct {
     float loss;      // mean loss over every target token of the accumulated batch
     long n_targets;  // target tokens (targets != -1) in the accumulated batch
     float grad_norm; // of the unscaled gradient, before clipping
-    int skipped;     // fp16 overflow: nothing was updated
+    int skipped;     // nothing was updated: an fp16 overflow, or (another precision)
+                     // a non-finite gradient found before the update
     float loss_scale;
 } fl_train_result;
 

@@ -25,6 +25,13 @@ static void help(void) {
            "adapter_model.safetensors, as `fitlm train` or peft's save_pretrained write it):\n"
            "the written model is BASE with W + scaling * B @ A merged into each adapted\n"
            "layer, computed in fp32 and rounded once to --dtype (never re-quantised).\n\n"
+           "An earlier export in the output directory is replaced as a whole: the new one\n"
+           "is written to DIR.tmp.<pid> beside it and swapped in, so a failure or a kill\n"
+           "leaves the old export or the new one, never a mix of the two (the directory's\n"
+           "other files stay; the next export removes a killed one's leftovers). A directory\n"
+           "holding checkpoints, as the default one does, is updated in place, one file at\n"
+           "a time: give -o DIR for an all-or-nothing replacement. Weights holding NaN or\n"
+           "Inf are refused, naming the tensor.\n\n"
            "  --format NAME          safetensors (the only format so far; default)\n"
            "  -o, --out DIR          output directory (default: the checkpoint's directory;\n"
            "                         required with --merge onto a base that is not one)\n"
@@ -140,6 +147,7 @@ int cmd_export(int argc, char **argv) {
     else // NF4 rows are dequantised by the merge: the weights the adapter was trained on
         fl_pretrained_load_quant(ckpt, &model, FL_F32, &quant);
     if (!merge) {
+        fl_model_check_finite(&model, ckpt, NULL);
         fl_hf_export(dir, &model, model.params, dt, max_shard);
         printf("exported %zu parameters (%s, %s, %s tensors, tokenizer %s) to %s\n",
                model.table.numel, ckpt, fl_arch_name(model.config.arch), fl_dtype_name(dt),
@@ -153,6 +161,7 @@ int cmd_export(int argc, char **argv) {
     fl_peft_read_config(adapter, &lc);
     fl_model_add_lora(&model, &lc, 0);
     fl_peft_load(adapter, &model);
+    fl_model_check_finite(&model, ckpt, adapter);
     float *merged = fl_alloc(FL_MEM_WORKSPACE, model.table.numel * sizeof(float));
     fl_model_merged_f32(&model, merged);
     fl_hf_export(dir, &model, merged, dt, max_shard);

@@ -1,6 +1,7 @@
 // sample.c: `fitlm sample`: generate text from a checkpoint or pretrained
 // weights (Hugging Face GPT-2 or LLaMA, llm.c), optionally with a PEFT LoRA
 // adapter applied on top (unmerged: the linear units add its update).
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@ static void help(void) {
            "  --tokens N           tokens to generate (default: 400)\n"
            "  --temperature X      softmax temperature, 0 = greedy (default: 0.8)\n"
            "  --top-k K            sample among the K most likely tokens, 0 = all (default: 40)\n"
-           "  --seed N             random seed (default: 1337)\n"
+           "  --seed N             random seed, 0 to 2^64-1 (default: 1337)\n"
            "  --threads N          threads, 0 = all cores (default: 0)\n");
 }
 
@@ -43,6 +44,18 @@ static int whole(const char *flag, const char *text, double min, double max) {
     double v = cli_number(flag, text, min, max);
     if (v != floor(v)) fl_die("option %s expects a whole number, got '%s'", flag, text);
     return (int)v;
+}
+
+// The syntax of train's --seed (config.c, OPT_U64): decimal digits, the
+// whole 64-bit range, exactly (no detour through a double, which rounds
+// above 2^53 and would make two seeds one).
+static unsigned long long seed_of(const char *flag, const char *text) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 10);
+    if (!isdigit((unsigned char)*text) || *end || errno)
+        fl_die("option %s expects a whole number in [0, 2^64), got '%s'", flag, text);
+    return v;
 }
 
 int cmd_sample(int argc, char **argv) {
@@ -79,7 +92,7 @@ int cmd_sample(int argc, char **argv) {
         else if (!strcmp(flag, "--top-k"))
             o.top_k = whole(flag, v, 0, 1 << 30);
         else if (!strcmp(flag, "--seed"))
-            o.seed = (unsigned long long)cli_number(flag, v, 0, 1.8e19);
+            o.seed = seed_of(flag, v);
         else if (!strcmp(flag, "--threads"))
             o.threads = whole(flag, v, 0, 4096);
         else
@@ -101,6 +114,7 @@ int cmd_sample(int argc, char **argv) {
         fl_model_add_lora(&model, &lc, 0);
         fl_peft_load(o.adapter, &model);
     }
+    fl_model_check_finite(&model, o.checkpoint, o.adapter);
     fl_tokenizer *tok = fl_tokenizer_load(*o.tokenizer ? o.tokenizer : tokenizer, o.tokenizer_path);
     // every token the model can sample must decode
     if (fl_tokenizer_vocab_size(tok) != model.config.vocab_size)

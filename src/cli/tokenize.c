@@ -4,6 +4,8 @@
 // are); every k-th document goes to the validation split (k = 1/fraction), so
 // the split is the same on every run and spread over the whole input.
 #define _GNU_SOURCE // memmem
+#include <ctype.h>
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,20 +65,44 @@ static void append(split_writer *w, const int32_t *ids, size_t n, size_t source_
     }
 }
 
-// Shards of an earlier, longer run would otherwise join this data set.
+// "<split>_<digits>.bin": a shard of the split; its number in *index.
+static int is_shard_of(const char *name, const char *split, long *index) {
+    size_t n = strlen(split);
+    if (strncmp(name, split, n) || name[n] != '_' || !isdigit((unsigned char)name[n + 1])) return 0;
+    char *end;
+    *index = strtol(name + n + 1, &end, 10);
+    return !strcmp(end, ".bin");
+}
+
+// A shard set's files and their temporaries: what a new set replaces (the
+// rest of the directory stays).
+static int in_shard_set(const char *name) {
+    return !strncmp(name, "train_", 6) || !strncmp(name, "val_", 4);
+}
+
+// Written in place (a directory that cannot be swapped whole), shards of an
+// earlier, longer run, whatever their numbering, would join this data set.
 static void remove_stale_shards(const split_writer *w) {
-    for (int i = w->shards;; i++) {
-        char path[FL_FILE_PATH_MAX];
-        snprintf(path, sizeof path, "%s/%s_%06d.bin", w->dir, w->name, i);
-        if (unlink(path) != 0) break;
-    }
+    DIR *d = opendir(w->dir);
+    if (!d) fl_die("cannot list %s: %s", w->dir, strerror(errno));
+    const struct dirent *e;
+    long index;
+    char path[2 * FL_FILE_PATH_MAX];
+    while ((e = readdir(d)))
+        if (is_shard_of(e->d_name, w->name, &index) && index >= w->shards) {
+            snprintf(path, sizeof path, "%s/%s", w->dir, e->d_name);
+            if (unlink(path) != 0 && errno != ENOENT)
+                fl_die("cannot remove %s: %s", path, strerror(errno));
+        }
+    closedir(d);
 }
 
 static void help(void) {
     printf("usage: fitlm tokenize INPUT... -o DIR [options]\n\n"
            "Tokenizes UTF-8 text files into token shards for `fitlm train --data DIR`:\n"
            "DIR/train_000000.bin, ... and DIR/val_000000.bin, ...\n\n"
-           "  -o, --out DIR           output directory (created)\n"
+           "  -o, --out DIR           output directory (created); an earlier shard set in it\n"
+           "                          is replaced as a whole (written beside it, swapped in)\n"
            "  --tokenizer NAME        gpt2 or byte (default: gpt2)\n"
            "  --tokenizer-path DIR    the gpt2 tokenizer's encoder.json and vocab.bpe (default: "
            "data/gpt2)\n"
@@ -153,10 +179,14 @@ int cmd_tokenize(int argc, char **argv) {
     }
     if (!n_inputs) fl_die("no input files (usage: fitlm tokenize INPUT... -o DIR)");
     if (!o.out) fl_die("no output directory: give -o DIR");
+    // before anything is created: a directory or a FIFO is not text
+    for (int i = 0; i < n_inputs; i++) fl_require_regular_file(inputs[i], "data file");
     if (o.threads) fl_set_threads(o.threads);
     fl_tokenizer *tok = fl_tokenizer_load(o.tokenizer, o.tokenizer_path);
-    if (mkdir(o.out, 0755) != 0 && errno != EEXIST)
-        fl_die("cannot create output directory %s: %s", o.out, strerror(errno));
+    // the new set is written beside o.out and swapped in whole: training
+    // never sees old and new shards mixed, whenever this run dies
+    fl_dir_txn txn;
+    const char *where = fl_dir_begin(&txn, o.out, in_shard_set);
 
     double t0 = fl_now();
     fl_text *texts = fl_alloc(FL_MEM_OTHER, (size_t)n_inputs * sizeof(fl_text));
@@ -186,8 +216,8 @@ int cmd_tokenize(int argc, char **argv) {
 
     uint32_t vocab = (uint32_t)fl_tokenizer_vocab_size(tok);
     int32_t eot = fl_tokenizer_eot(tok);
-    split_writer w[2] = {{"train", o.out, o.tokenizer, vocab, o.shard_tokens, NULL, 0, 0, 0, 0, 0},
-                         {"val", o.out, o.tokenizer, vocab, o.shard_tokens, NULL, 0, 0, 0, 0, 0}};
+    split_writer w[2] = {{"train", where, o.tokenizer, vocab, o.shard_tokens, NULL, 0, 0, 0, 0, 0},
+                         {"val", where, o.tokenizer, vocab, o.shard_tokens, NULL, 0, 0, 0, 0, 0}};
     uint64_t split_tokens[2] = {0, 0}; // a shard buffer no larger than its split
     for (size_t d = 0; d < n_docs; d++) split_tokens[docs[d].val] += 1 + encoded[d].n;
     for (int s = 0; s < 2; s++) {
@@ -204,6 +234,7 @@ int cmd_tokenize(int argc, char **argv) {
         flush(&w[s]);
         remove_stale_shards(&w[s]);
     }
+    fl_dir_commit(&txn);
     double seconds = fl_now() - t0;
     for (int s = 0; s < 2; s++)
         if (w[s].shards)

@@ -1,9 +1,19 @@
 // train.c: `fitlm train`: the training loop. With no options it is the demo:
 // the default model on the Brown corpus in GPT-2 tokens, then a checkpoint
 // and a sample.
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -47,14 +57,38 @@ static const char *resume_arg(int argc, char **argv) {
     return path && *path ? path : NULL;
 }
 
+// Whether `flag` (e.g. "--out") is on the command line, as "--out X" or "--out=X".
+static int flag_given(int argc, char **argv, const char *flag) {
+    size_t n = strlen(flag);
+    for (int i = 0; i < argc; i++)
+        if (!strncmp(argv[i], flag, n) && (argv[i][n] == 0 || argv[i][n] == '=')) return 1;
+    return 0;
+}
+
 // The per-step log, OUT/log.txt: exact values (%.9g round-trips a float), one
-// line per step. On resume the lines past the checkpoint's step are dropped.
-static FILE *open_log(const char *out_dir, int resume_step) {
-    if (!*out_dir) return NULL;
-    if (mkdir(out_dir, 0755) != 0 && access(out_dir, W_OK) != 0)
-        fl_die("cannot create output directory %s", out_dir);
+// line per step, flushed as it is written (a line a crash loses is a step the
+// next resume repeats). On resume the lines past the checkpoint's step are
+// dropped. A write that fails (a full disk) stops the run, naming the file.
+typedef struct {
+    FILE *f;
     char path[FL_PATH_MAX + 16];
-    snprintf(path, sizeof path, "%s/log.txt", out_dir);
+} run_log;
+
+static void log_line(run_log *log, const char *fmt, ...) {
+    if (!log->f) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int rc = vfprintf(log->f, fmt, ap);
+    va_end(ap);
+    if (rc < 0 || fflush(log->f) != 0)
+        fl_die("writing the training log %s failed: %s", log->path, strerror(errno));
+}
+
+static void open_log(run_log *log, const char *out_dir, int resume_step) {
+    memset(log, 0, sizeof *log);
+    if (!*out_dir) return;
+    snprintf(log->path, sizeof log->path, "%s/log.txt", out_dir);
+    const char *path = log->path;
     if (resume_step >= 0 && access(path, F_OK) == 0) {
         size_t n;
         char *text = (char *)fl_file_read_all(path, (size_t)1 << 30, &n, "training log");
@@ -64,16 +98,150 @@ static FILE *open_log(const char *out_dir, int resume_step) {
             char *end = memchr(line, '\n', (size_t)(text + n - line));
             size_t len = end ? (size_t)(end - line) + 1 : (size_t)(text + n - line);
             int step;
-            if (sscanf(line, "step %d", &step) == 1 && step <= resume_step)
+            // a complete line up to the checkpoint's step (a torn last line is dropped)
+            if (end && sscanf(line, "step %d", &step) == 1 && step <= resume_step)
                 fl_file_write(&f, line, len);
             line += len;
         }
         fl_file_commit(&f);
         fl_free(text);
     }
-    FILE *log = fopen(path, resume_step >= 0 ? "a" : "w");
-    if (!log) fl_die("cannot open %s for writing", path);
-    return log;
+    log->f = fopen(path, resume_step >= 0 ? "a" : "w");
+    if (!log->f) fl_die("cannot open %s for writing: %s", path, strerror(errno));
+}
+
+static void close_log(run_log *log) {
+    if (log->f && fclose(log->f) != 0)
+        fl_die("writing the training log %s failed: %s", log->path, strerror(errno));
+    log->f = NULL;
+}
+
+// ----------------------------------------------------------------------------
+// the output directory: one run at a time, never another run's files
+
+// Takes DIR/.lock (flock, held until the process exits: the kernel releases
+// it however the process ends) and writes the pid into it. A second run into
+// DIR fails at once naming the first's pid.
+static void lock_dir(const char *dir) {
+    char path[FL_PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/.lock", dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) fl_die("cannot create the lock file %s: %s", path, strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        char pid[32] = "";
+        ssize_t n = pread(fd, pid, sizeof pid - 1, 0);
+        pid[n > 0 ? n : 0] = 0;
+        pid[strcspn(pid, "\n")] = 0;
+        fl_die("%s is in use by another fitlm run (process %s): one run per directory; wait for "
+               "it to finish, stop it, or choose another --out",
+               dir, *pid ? pid : "unknown");
+    }
+    char pid[32];
+    int n = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)n, 0) != n)
+        fl_die("cannot write the lock file %s: %s", path, strerror(errno));
+    // fd stays open: the lock lives as long as the process
+}
+
+// Whether DIR holds a run: `latest`, a checkpoint file or a log.
+static int holds_run(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int found = 0;
+    for (struct dirent *e; !found && (e = readdir(d));) {
+        int step, n = 0;
+        found =
+            !strcmp(e->d_name, "latest") || !strcmp(e->d_name, "log.txt") ||
+            (sscanf(e->d_name, "ckpt_%d.fitlm%n", &step, &n) == 1 && n == (int)strlen(e->d_name));
+    }
+    closedir(d);
+    return found;
+}
+
+static int same_dir(const char *a, const char *b) {
+    struct stat x, y;
+    return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+
+// Makes out_dir ready for this run: created, locked, a killed writer's
+// temporary files deleted, and refused when it holds another run that this
+// one does not continue (resume_dir: the directory of the resumed checkpoint).
+static void prepare_out_dir(const char *out_dir, const char *resume_dir, int overwrite) {
+    if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
+        fl_die("cannot create output directory %s: %s", out_dir, strerror(errno));
+    if (access(out_dir, W_OK) != 0)
+        fl_die("cannot write into output directory %s: %s", out_dir, strerror(errno));
+    lock_dir(out_dir);
+    fl_ckpt_clean_tmp(out_dir); // ours now: a leftover is a dead writer's
+    if (resume_dir && same_dir(resume_dir, out_dir)) return;
+    if (!overwrite && holds_run(out_dir))
+        fl_die("%s already holds a run (checkpoints, latest or log.txt): continue it with "
+               "--resume %s, or start over in it with --overwrite (its checkpoints are not deleted "
+               "first, only replaced where this run saves the same step), or choose another --out",
+               out_dir, out_dir);
+}
+
+// A new id for a run: its checkpoints carry it, and pruning deletes no
+// checkpoint of another id. Time and pid: unique among the runs of a directory.
+static void new_run_id(char *out, size_t size) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t x =
+        ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 40);
+    snprintf(out, size, "%016llx", (unsigned long long)x);
+}
+
+// ----------------------------------------------------------------------------
+// interrupts: SIGINT or SIGTERM asks the loop to stop after the current step
+// and save; a second signal exits at once (the checkpoint writer's temporary
+// file + rename leaves the previous checkpoint as it was).
+
+static volatile sig_atomic_t stop_signal = 0;
+
+static void on_signal(int sig) {
+    if (stop_signal) _exit(128 + sig);
+    stop_signal = sig;
+}
+
+static void catch_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+// The config header, with the shape's true origin (a checkpoint or a
+// pretrained directory) in place of a preset name.
+static void print_config(const fl_train_config *cfg, const char *shape_from) {
+    char *text = NULL;
+    size_t n = 0;
+    FILE *m = open_memstream(&text, &n);
+    if (!m) fl_die("out of memory");
+    fl_config_print(cfg, m);
+    fclose(m);
+    const char *arch = strstr(text, " (");
+    if (shape_from && !strncmp(text, "model ", 6) && arch)
+        printf("model from %s%s", shape_from, arch);
+    else
+        fputs(text, stdout);
+    free(text);
+}
+
+// Whether the trained weights are all finite: checked before a checkpoint
+// is written, so a diverged model never replaces a good one.
+static int weights_finite(const fl_optimizer *optim, const fl_optimizer *base) {
+    const fl_optimizer *sets[2] = {optim, base};
+    for (int i = 0; i < 2; i++) {
+        const fl_optimizer *o = sets[i];
+        if (!o) continue;
+        if (o->master ? fl_has_inf_or_nan(FL_F32, o->master, o->table->numel)
+                      : fl_has_inf_or_nan(o->dtype, o->params, o->table->numel))
+            return 0;
+    }
+    return 1;
 }
 
 int cmd_train(int argc, char **argv) {
@@ -85,6 +253,8 @@ int cmd_train(int argc, char **argv) {
     fl_config_defaults(&cfg);
     const char *resume = resume_arg(argc, argv);
     fl_ckpt *ck = NULL;
+    fl_train_config saved = cfg; // the checkpoint's run, for what a resume changes
+    char resume_dir[FL_PATH_MAX] = "", run_id[64] = "";
     if (resume) {
         ck = fl_ckpt_open(resume);
         char *json = fl_train_ckpt_config(ck);
@@ -92,11 +262,32 @@ int cmd_train(int argc, char **argv) {
         snprintf(where, sizeof where, "config in checkpoint %s", fl_ckpt_path(ck));
         fl_config_load_json_text(&cfg, json, strlen(json), where);
         fl_free(json);
+        saved = cfg;
+        // the directory the checkpoint is in: DIR itself, or a file's directory
+        char copy[FL_FILE_PATH_MAX];
+        snprintf(copy, sizeof copy, "%s", fl_ckpt_path(ck));
+        snprintf(resume_dir, sizeof resume_dir, "%s", dirname(copy));
+        snprintf(run_id, sizeof run_id, "%s", fl_ckpt_run(ck));
     }
     fl_config_parse_args(&cfg, argc, argv);
     // the checkpoint's config must be read before any other: a flag only
     if (*cfg.resume && !resume)
         fl_die("resume is a command-line option (--resume DIR), not a config-file key");
+    if (resume && (flag_given(argc, argv, "--init-from") || strcmp(cfg.init_from, saved.init_from)))
+        fl_die("--init-from and --resume together: a resumed run takes its weights from the "
+               "checkpoint %s (drop --init-from)",
+               fl_ckpt_path(ck));
+    // A resume continues where its checkpoint is (or in --out, given now),
+    // never in the out_dir recorded in the checkpoint's config: a copy of a
+    // run must not write into, prune or truncate the original's.
+    if (resume && !flag_given(argc, argv, "--out")) {
+        if (strlen(resume_dir) >= sizeof cfg.out_dir)
+            fl_die("checkpoint directory name is too long: %s", resume_dir);
+        strcpy(cfg.out_dir, resume_dir);
+    }
+    if (!*run_id) new_run_id(run_id, sizeof run_id); // a new run, or a checkpoint without one
+    // about this invocation, not the run: not inherited by a resume
+    fl_config_set_given(&cfg, "overwrite", 0);
     char *config_json = fl_config_to_json(&cfg); // the run as given, for its checkpoints
     // A resumed or pretrained model brings its own shape.
     const char *shape_from = resume ? resume : *cfg.init_from ? cfg.init_from : NULL;
@@ -109,6 +300,12 @@ int cmd_train(int argc, char **argv) {
         fl_config_set_shape(&cfg, &shape, shape_from);
     }
     fl_config_finish(&cfg);
+    int start = ck ? fl_ckpt_step(ck) : 0;
+    if (ck && cfg.steps <= start)
+        fl_die("train_steps %d is not above the checkpoint's step %d (%s): nothing to train; give "
+               "--steps above %d",
+               cfg.steps, start, fl_ckpt_path(ck), start);
+    if (*cfg.out_dir) prepare_out_dir(cfg.out_dir, ck ? resume_dir : NULL, cfg.overwrite);
     if (*cfg.adapter) { // the adapter's LoRA config, which the lora.* options must not contradict
         fl_lora_config adapter;
         fl_peft_read_config(cfg.adapter, &adapter);
@@ -183,10 +380,10 @@ int cmd_train(int argc, char **argv) {
         fl_optimizer_init(&base_optim, &bcfg, &model.table, cfg.dtype, model.params, model.grads);
     fl_optimizer *base = train_base ? &base_optim : NULL;
     float base_lr = cfg.lora_base_lr > 0.0f ? cfg.lora_base_lr : cfg.lr;
-    int start = 0;
+    int ck_threads = 0;
     if (ck) {
         fl_train_ckpt_restore(ck, &model, &optim, base, &train.state, train.tokenizer);
-        start = fl_ckpt_step(ck);
+        ck_threads = fl_train_ckpt_threads(ck);
         if (train.state.index > train.per_rank)
             fl_die("checkpoint %s is at window %llu of an epoch of %llu: the training data has "
                    "changed since it was saved",
@@ -204,7 +401,7 @@ int cmd_train(int argc, char **argv) {
     int *inputs = fl_alloc(FL_MEM_OTHER, micro_tokens * cfg.grad_accum * sizeof(int));
     int *targets = fl_alloc(FL_MEM_OTHER, micro_tokens * cfg.grad_accum * sizeof(int));
 
-    fl_config_print(&cfg, stdout);
+    print_config(&cfg, shape_from);
     printf("%zu parameters (%.2f M)", model.table.numel, model.table.numel / 1e6);
     if (lora)
         printf(" + %zu in LoRA adapters (%.3f%%)%s", model.lora.table.numel,
@@ -229,10 +426,40 @@ int cmd_train(int argc, char **argv) {
                cfg.quant.blocksize, cfg.quant.double_quant ? ", double quantisation" : "", nq, per,
                mean, most, 100.0 * mean / rms, 100.0 * most / rms, rms);
     }
-    if (ck) printf("resumed from step %d\n", start);
-    FILE *log = open_log(cfg.out_dir, resume ? start : -1);
+    if (resume) {
+        printf("resumed from step %d; continuing in %s\n", start,
+               *cfg.out_dir ? cfg.out_dir : "(no output directory)");
+        // what a resume changes is allowed, and said: the continuation is
+        // then not the uninterrupted run's
+        char changed[512] = "";
+        size_t k = 0;
+        const struct {
+            const char *what;
+            long long was, now;
+        } diff[] = {{"batch", saved.micro_batch, cfg.micro_batch},
+                    {"seq_len", saved.seq_len, cfg.seq_len},
+                    {"grad_accum", saved.grad_accum, cfg.grad_accum},
+                    {"seed", (long long)saved.seed, (long long)cfg.seed}};
+        for (size_t i = 0; i < sizeof diff / sizeof diff[0]; i++)
+            if (diff[i].was != diff[i].now && k < sizeof changed)
+                k += (size_t)snprintf(changed + k, sizeof changed - k, "%s%s %lld (was %lld)",
+                                      k ? ", " : "", diff[i].what, diff[i].now, diff[i].was);
+        if (k)
+            printf("notice: resuming with %s: the continuation differs from the uninterrupted "
+                   "run\n",
+                   changed);
+        // fitlm's own reductions sum in a fixed order whatever the thread
+        // count, but the GEMM libraries (BLAS, oneDNN) may block by thread
+        if (ck_threads && ck_threads != cfg.threads)
+            printf("notice: threads %d differs from the checkpoint's %d: the continuation may "
+                   "not be bit-identical (the GEMM libraries may split sums by thread)\n",
+                   cfg.threads, ck_threads);
+    }
+    run_log log;
+    open_log(&log, cfg.out_dir, resume ? start : -1);
 
-    int tty = isatty(STDOUT_FILENO), skipped = 0, saved_at = -1;
+    int tty = isatty(STDOUT_FILENO), skipped = 0, saved_at = -1, nonfinite = 0;
+    catch_signals();
     float val_loss = -1.0f;
     double train_start = fl_now();
     fl_profile_reset();
@@ -241,7 +468,7 @@ int cmd_train(int argc, char **argv) {
             (step > start || !ck)) {
             val_loss = evaluate(&model, &val, &cfg, inputs, targets);
             printf("%sstep %5d | val loss %.4f\n", tty ? "\r\033[K" : "", step, val_loss);
-            if (log) fprintf(log, "step %d val %.9g\n", step, val_loss);
+            log_line(&log, "step %d val %.9g\n", step, val_loss);
         }
         // Only the training step is profiled (not evaluation, logging or
         // checkpoints), and not the first one: warm-up (page faults, kernel setup).
@@ -268,20 +495,76 @@ int cmd_train(int argc, char **argv) {
             printf(" | scale %g%s | skipped %d", r.loss_scale, r.skipped ? " OVERFLOW" : "",
                    skipped);
         printf("%s", tty ? "" : "\n");
-        if (log)
-            fprintf(log, "step %d loss %.9g lr %.9g norm %.9g scale %.9g\n", step + 1, (float)loss,
-                    lr, r.grad_norm, r.loss_scale);
+        log_line(&log, "step %d loss %.9g lr %.9g norm %.9g scale %.9g\n", step + 1, (float)loss,
+                 lr, r.grad_norm, r.loss_scale);
+        // Divergence: a non-finite loss or norm that is not an fp16 overflow
+        // the scaler skipped. Skipped steps changed nothing (fl_optimizer_step,
+        // or LOMO's first pass); a single-pass LOMO step has already updated.
+        int overflow = r.skipped && cfg.dtype == FL_F16;
+        if (!overflow && (r.skipped || !isfinite(loss) || !isfinite(r.grad_norm))) {
+            if (tty) printf("\n");
+            char norm[32]; // a fused first pass that skipped reports no norm
+            if (r.skipped && isfinite(r.grad_norm))
+                snprintf(norm, sizeof norm, "inf or NaN");
+            else
+                snprintf(norm, sizeof norm, "%g", r.grad_norm);
+            if (!r.skipped)
+                fl_die("training diverged at step %d: loss %g, gradient norm %s, and the update "
+                       "was already applied (LOMO/AdaLomo without clipping check the norm only "
+                       "after updating: set --grad-clip for a first pass that can skip). No "
+                       "checkpoint is written for it%s%s%s",
+                       step + 1, loss, norm, *cfg.out_dir ? ": " : "", cfg.out_dir,
+                       *cfg.out_dir ? "/latest, if any, stays the last good one" : "");
+            if (++nonfinite > cfg.skip_nonfinite)
+                fl_die("training diverged at step %d: loss %g, gradient norm %s (not finite; the "
+                       "step was not applied%s). No checkpoint is written for it%s%s%s. Lower "
+                       "the learning rate, or let --skip-nonfinite N skip up to N such steps",
+                       step + 1, loss, norm,
+                       cfg.skip_nonfinite ? ", and --skip-nonfinite's budget is spent" : "",
+                       *cfg.out_dir ? ": " : "", cfg.out_dir,
+                       *cfg.out_dir ? "/latest, if any, stays the last good one" : "");
+            printf("%sstep %d skipped: loss %g, gradient norm %s: not finite (%d of "
+                   "--skip-nonfinite %d)\n",
+                   tty ? "\n" : "", step + 1, loss, norm, nonfinite, cfg.skip_nonfinite);
+        }
         if (cfg.mem_report_every && (step + 1) % cfg.mem_report_every == 0) {
             printf("%s", tty ? "\n" : "");
             fl_mem_report(stdout);
         }
-        if (*cfg.out_dir && cfg.save_every && (step + 1) % cfg.save_every == 0) {
-            if (log) fflush(log);
-            fl_train_ckpt_save(cfg.out_dir, step + 1, &model, &optim, base, &train.state,
-                               train.tokenizer, config_json, cfg.keep_checkpoints);
+        int save = cfg.save_every && (step + 1) % cfg.save_every == 0;
+        if (*cfg.out_dir && (save || stop_signal) && saved_at != step + 1) {
+            if (!weights_finite(&optim, base))
+                fl_die("the weights are not finite after step %d: not writing a checkpoint over "
+                       "the good ones in %s (training diverged; lower the learning rate)",
+                       step + 1, cfg.out_dir);
+            fl_train_ckpt_save_run(cfg.out_dir, step + 1, &model, &optim, base, &train.state,
+                                   train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
             saved_at = step + 1;
         }
         fflush(stdout);
+        if (stop_signal) { // after the step and its checkpoint: nothing is lost
+            int sig = stop_signal;
+            if (tty) printf("\n");
+            if (*cfg.out_dir)
+                printf("interrupted by %s after step %d: checkpoint written to %s (continue with "
+                       "fitlm train --resume %s)\n",
+                       sig == SIGINT ? "SIGINT" : "SIGTERM", step + 1, cfg.out_dir, cfg.out_dir);
+            else
+                printf("interrupted by %s after step %d: no checkpoint (out_dir is empty)\n",
+                       sig == SIGINT ? "SIGINT" : "SIGTERM", step + 1);
+            fflush(stdout);
+            close_log(&log);
+            fl_free(inputs);
+            fl_free(targets);
+            fl_free(config_json);
+            fl_optimizer_free(&optim);
+            if (base) fl_optimizer_free(base);
+            fl_model_free(&model);
+            if (tok) fl_tokenizer_free(tok);
+            if (has_val) fl_loader_close(&val);
+            fl_loader_close(&train);
+            return 128 + sig;
+        }
     }
     if (tty) printf("\n");
     double seconds = fl_now() - train_start;
@@ -291,12 +574,16 @@ int cmd_train(int argc, char **argv) {
         printf("final val loss %.4f nats/token (%.4f nats/byte) after %d steps (%.1f s); unigram "
                "baseline %.4f nats/token\n",
                val_loss, val_loss / bytes_per_token, cfg.steps, seconds, baseline);
-        if (log) fprintf(log, "step %d val %.9g\n", cfg.steps, val_loss);
+        log_line(&log, "step %d val %.9g\n", cfg.steps, val_loss);
     }
-    if (log) fclose(log);
+    close_log(&log);
     if (*cfg.out_dir && saved_at != cfg.steps && cfg.steps > start) {
-        fl_train_ckpt_save(cfg.out_dir, cfg.steps, &model, &optim, base, &train.state,
-                           train.tokenizer, config_json, cfg.keep_checkpoints);
+        if (!weights_finite(&optim, base))
+            fl_die("the weights are not finite after step %d: not writing a checkpoint over the "
+                   "good ones in %s (training diverged; lower the learning rate)",
+                   cfg.steps, cfg.out_dir);
+        fl_train_ckpt_save_run(cfg.out_dir, cfg.steps, &model, &optim, base, &train.state,
+                               train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
         printf("checkpoint written to %s (step %d)\n", cfg.out_dir, cfg.steps);
     }
     if (*cfg.out_dir && lora) { // the adapters as PEFT saves them
@@ -305,7 +592,7 @@ int cmd_train(int argc, char **argv) {
         fl_peft_save(dir, &model, *cfg.init_from ? cfg.init_from : cfg.model_preset);
         printf("LoRA adapter written to %s (PEFT format)\n", dir);
     }
-    if (tok) {
+    if (tok && !stop_signal) { // a signal during the last step or evaluation: no sample
         int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(cfg.sample_tokens + 4) * sizeof(int));
         tokens[0] = fl_tokenizer_eot(tok); // a sample starts like a fresh document
         fl_rng rng;
@@ -325,5 +612,5 @@ int cmd_train(int argc, char **argv) {
     if (tok) fl_tokenizer_free(tok);
     if (has_val) fl_loader_close(&val);
     fl_loader_close(&train);
-    return 0;
+    return stop_signal ? 128 + stop_signal : 0;
 }

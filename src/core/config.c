@@ -193,7 +193,15 @@ static const option options[] = {
     {"save_every", "--save-every", OPT_INT, NUM(save_every), "0", 0, 1 << 30, NULL,
      "also write a checkpoint every N steps (0 = only at the end)"},
     {"keep_checkpoints", "--keep-checkpoints", OPT_INT, NUM(keep_checkpoints), "2", 0, 1 << 20,
-     NULL, "checkpoints kept in out_dir, newest first (0 = all)"},
+     NULL,
+     "checkpoints of this run kept in out_dir, newest first (0 = all); another run's are never "
+     "deleted"},
+    {"overwrite", "--overwrite", OPT_BOOL, NUM(overwrite), "false", 0, 0, NULL,
+     "start a new run in an out_dir that holds one (else refused: --resume it); the old run's "
+     "checkpoints are not deleted, only replaced where this run writes the same step"},
+    {"skip_nonfinite", "--skip-nonfinite", OPT_INT, NUM(skip_nonfinite), "0", 0, 1 << 30, NULL,
+     "steps with a non-finite loss or gradient norm to skip (no update) before training stops "
+     "as diverged (fp16 overflow steps are not counted)"},
     {"resume", "--resume", OPT_STRING, STR(resume), "", 0, 0, NULL,
      "continue the run saved in this checkpoint directory or file, bit for bit (its config "
      "applies; flags given here override it)"},
@@ -441,16 +449,82 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
     }
 }
 
-void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, const char *where) {
-    const char *err = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(text, n, &err, 0);
-    if (!root) {
-        long off = err ? (long)(err - text) : 0;
-        int line = 1;
-        for (long i = 0; i < off && i < (long)n; i++) line += text[i] == '\n';
-        fl_die("%s: invalid JSON at line %d (byte %ld)", where, line, off);
+static int line_of(const char *text, size_t off) {
+    int line = 1;
+    for (size_t i = 0; i < off; i++) line += text[i] == '\n';
+    return line;
+}
+
+// A NUL (a raw byte, or \u0000 in a string) would end a C string early:
+// "a\u0000b" would read as "a".
+static void check_no_nul(const char *text, size_t n, const char *where) {
+    const char *z = memchr(text, 0, n);
+    if (z)
+        fl_die("%s: a NUL byte at line %d (byte %zu) is not allowed", where,
+               line_of(text, (size_t)(z - text)), (size_t)(z - text));
+    int in_string = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (in_string && text[i] == '\\' && i + 1 < n) {
+            if (text[i + 1] == 'u' && i + 6 <= n && !memcmp(text + i + 2, "0000", 4))
+                fl_die("%s: \\u0000 (a NUL character) at line %d (byte %zu) is not allowed", where,
+                       line_of(text, i), i);
+            i++; // the escaped character cannot end the string
+        } else if (text[i] == '"') {
+            in_string = !in_string;
+        }
     }
+}
+
+static int by_name(const void *a, const void *b) {
+    return strcmp((*(const cJSON *const *)a)->string, (*(const cJSON *const *)b)->string);
+}
+
+// cJSON keeps every duplicate and lookups see the first: a key given twice
+// (at any depth) is refused rather than half-honoured.
+static void check_duplicates(const cJSON *item, const char *path, const char *where) {
+    int n = cJSON_GetArraySize(item);
+    if (cJSON_IsObject(item) && n > 1) {
+        const cJSON **sorted = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof *sorted);
+        int k = 0;
+        for (const cJSON *c = item->child; c; c = c->next) sorted[k++] = c;
+        qsort(sorted, (size_t)n, sizeof *sorted, by_name);
+        for (int i = 1; i < n; i++)
+            if (!strcmp(sorted[i - 1]->string, sorted[i]->string))
+                fl_die("%s: duplicate key '%s%s%s'", where, path, *path ? "." : "",
+                       sorted[i]->string);
+        fl_free(sorted);
+    }
+    int i = 0;
+    for (const cJSON *c = item->child; c; c = c->next, i++) {
+        if (!cJSON_IsObject(c) && !cJSON_IsArray(c)) continue;
+        char sub[256]; // for messages only: a longer path is cut short
+        if (cJSON_IsObject(item))
+            snprintf(sub, sizeof sub, "%s%s%s", path, *path ? "." : "", c->string);
+        else
+            snprintf(sub, sizeof sub, "%s[%d]", path, i);
+        check_duplicates(c, sub, where);
+    }
+}
+
+void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, const char *where) {
+    check_no_nul(text, n, where);
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
+    if (!root) {
+        size_t off = end && end >= text && (size_t)(end - text) <= n ? (size_t)(end - text) : 0;
+        fl_die("%s: invalid JSON at line %d (byte %zu)", where, line_of(text, off), off);
+    }
+    // cJSON stops after the first value: anything but white space after it
+    // is a second value or a stray edit
+    size_t off = (size_t)(end - text);
+    while (off < n &&
+           (text[off] == ' ' || text[off] == '\t' || text[off] == '\n' || text[off] == '\r'))
+        off++;
+    if (off < n)
+        fl_die("%s: unexpected text after the top-level JSON value at line %d (byte %zu)", where,
+               line_of(text, off), off);
     if (!cJSON_IsObject(root)) fl_die("%s: the top level must be a JSON object", where);
+    check_duplicates(root, "", where);
     load_object(cfg, root, "", where);
     cJSON_Delete(root);
 }
@@ -724,6 +798,12 @@ void fl_config_check(fl_train_config *cfg) {
         fl_die("optimizer.params.stochastic_rounding applies to bf16 and fp16 weights; precision "
                "is fp32");
     if (*cfg->mem_limit) fl_parse_bytes(cfg->mem_limit, "mem_limit");
+    // settings that can only give NaN: refused before anything trains
+    if (cfg->eps == 0.0f &&
+        (!strcmp(cfg->optimizer, "adamw") || !strcmp(cfg->optimizer, "adalomo")))
+        fl_die("optimizer.params.eps 0: %s divides by a root of its second moment, which eps "
+               "keeps above 0; a parameter whose gradient is 0 would get 0/0 = NaN (use e.g. %s)",
+               cfg->optimizer, !strcmp(cfg->optimizer, "adamw") ? "1e-8" : "1e-30");
 }
 
 size_t fl_parse_bytes(const char *text, const char *what) {

@@ -59,26 +59,57 @@ static int older_first(const void *a, const void *b) {
     return (x->tv_nsec > y->tv_nsec) - (x->tv_nsec < y->tv_nsec);
 }
 
-// Deletes every checkpoint but the `keep` most recently written (so those of
-// an earlier run in the same directory go first, whatever their step) and
-// any temporary file a killed writer left behind. Runs only after `latest`
-// points at the newest.
-static void prune(const char *dir, int keep, int newest) {
+// A killed writer's temporary file: NAME.tmp or NAME.tmp.<pid>, of a
+// checkpoint, of `latest` or of the log.
+static int is_tmp_name(const char *name) {
+    const char *t = strstr(name, ".tmp");
+    if (!t || (t[4] && t[4] != '.')) return 0;
+    return !strncmp(name, "ckpt_", 5) || !strncmp(name, "latest.", 7) ||
+           !strncmp(name, "log.txt.", 8);
+}
+
+void fl_ckpt_clean_tmp(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    char path[FL_FILE_PATH_MAX];
+    for (struct dirent *e; (e = readdir(d));)
+        if (is_tmp_name(e->d_name) &&
+            (size_t)snprintf(path, sizeof path, "%s/%s", dir, e->d_name) < sizeof path)
+            unlink(path);
+    closedir(d);
+}
+
+struct parsed_;
+static int parse_header(const uint8_t *header, struct parsed_ *p, char *err, size_t errlen);
+static int parse_prefix(const uint8_t *prefix, uint64_t file_size, struct parsed_ *p, char *err,
+                        size_t errlen);
+static void parsed_free(struct parsed_ *p);
+
+// The run id in a checkpoint file's header ("" when it has none); -1 when
+// the file cannot be read or parsed: such a file is never pruned.
+static int run_of(const char *path, char *out, size_t size);
+
+// Deletes every checkpoint but the `keep` most recently written, and any
+// temporary file a killed writer left behind. With a run id, only the
+// checkpoints of that run are candidates: a run never deletes another's.
+// Without one, all are (so those of an earlier run go first, whatever
+// their step). Runs only after `latest` points at the newest.
+static void prune(const char *dir, int keep, int newest, const char *run) {
     DIR *d = opendir(dir);
     if (!d) return;
     ckpt_file files[1024] = {{"", {0, 0}}};
     int n = 0;
     struct dirent *e;
-    char path[FL_FILE_PATH_MAX];
+    char path[FL_FILE_PATH_MAX], id[64];
     while ((e = readdir(d))) {
         int step;
-        size_t len = strlen(e->d_name);
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         struct stat st;
-        if (!strncmp(e->d_name, "ckpt_", 5) && len > 4 && !strcmp(e->d_name + len - 4, ".tmp")) {
+        if (is_tmp_name(e->d_name)) {
             unlink(path);
         } else if (is_ckpt_name(e->d_name, &step) && step != newest && n < 1024 &&
-                   stat(path, &st) == 0) {
+                   stat(path, &st) == 0 && keep > 0 &&
+                   (!run || (run_of(path, id, sizeof id) == 0 && !strcmp(id, run)))) {
             snprintf(files[n].name, sizeof files[n].name, "%s", e->d_name);
             files[n++].mtime = st.st_mtim;
         }
@@ -93,6 +124,11 @@ static void prune(const char *dir, int keep, int newest) {
 
 void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ckpt_tensor *tensors,
                    int n_tensors, int keep) {
+    fl_ckpt_write_run(dir, step, meta_json, tensors, n_tensors, keep, NULL);
+}
+
+void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
+                       const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run) {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         fl_die("cannot create checkpoint directory %s: %s", dir, strerror(errno));
     cJSON *meta = cJSON_Parse(meta_json);
@@ -100,6 +136,7 @@ void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ck
     cJSON *root = cJSON_CreateObject();
     cJSON_AddItemToObject(root, "meta", meta);
     cJSON_AddNumberToObject(root, "step", step);
+    if (run) cJSON_AddStringToObject(root, "run", run);
     cJSON *list = cJSON_AddArrayToObject(root, "tensors");
     uint64_t offset = 0;
     for (int i = 0; i < n_tensors; i++) {
@@ -147,7 +184,7 @@ void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ck
     fl_file_write(&f, name, strlen(name));
     fl_file_write(&f, "\n", 1);
     fl_file_commit(&f);
-    prune(dir, keep, step);
+    prune(dir, keep, step, run);
 }
 
 // ----------------------------------------------------------------------------
@@ -160,11 +197,12 @@ typedef struct {
     uint32_t crc;
 } tensor_entry;
 
-typedef struct {
+typedef struct parsed_ {
     uint32_t header_len;
     uint64_t data_len;
     int step;
-    cJSON *root; // owns meta
+    char run[64]; // the writing run's id, "" when absent
+    cJSON *root;  // owns meta
     char *meta_json;
     tensor_entry *tensors;
     int n_tensors;
@@ -222,6 +260,9 @@ static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errl
     if (!cJSON_IsObject(meta) || !cJSON_IsArray(list) || json_u64(step, 1u << 30, &s) != 0)
         return fl_errorf(err, errlen, "the header lacks meta, step or tensors");
     p->step = (int)s;
+    const cJSON *run = cJSON_GetObjectItemCaseSensitive(p->root, "run");
+    if (cJSON_IsString(run) && strlen(run->valuestring) < sizeof p->run)
+        strcpy(p->run, run->valuestring);
     p->meta_json = cJSON_PrintUnformatted(meta);
     int n = cJSON_GetArraySize(list);
     if (n > CKPT_MAX_TENSORS) return fl_errorf(err, errlen, "%d tensors is too many", n);
@@ -272,6 +313,31 @@ static int parse_image(const uint8_t *file, size_t size, parsed *p, char *err, s
     return parse_header(header, p, err, errlen);
 }
 
+static int run_of(const char *path, char *out, size_t size) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    parsed p;
+    memset(&p, 0, sizeof p);
+    struct stat st;
+    uint8_t prefix[CKPT_PREFIX];
+    char err[256];
+    int rc = -1;
+    if (fstat(fd, &st) == 0 && pread(fd, prefix, CKPT_PREFIX, 0) == CKPT_PREFIX &&
+        parse_prefix(prefix, (uint64_t)st.st_size, &p, err, sizeof err) == 0) {
+        uint8_t *header = fl_alloc(FL_MEM_OTHER, p.header_len);
+        if (pread(fd, header, p.header_len, CKPT_PREFIX) == (ssize_t)p.header_len &&
+            fl_crc32(fl_crc32(0, prefix, 24), header, p.header_len) == fl_get_u32(prefix + 24) &&
+            parse_header(header, &p, err, sizeof err) == 0) {
+            snprintf(out, size, "%s", p.run);
+            rc = 0;
+        }
+        fl_free(header);
+    }
+    parsed_free(&p);
+    close(fd);
+    return rc;
+}
+
 int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen) {
     parsed p;
     int rc = parse_image(file, size, &p, err, errlen);
@@ -305,6 +371,9 @@ static void resolve(const char *path, char *out, size_t size) {
     }
     char latest[FL_FILE_PATH_MAX];
     snprintf(latest, sizeof latest, "%s/latest", path);
+    struct stat lst; // a FIFO would block fopen
+    if (stat(latest, &lst) == 0 && !S_ISREG(lst.st_mode))
+        fl_die("%s holds no checkpoint: %s is not a regular file", path, latest);
     FILE *f = fopen(latest, "rb");
     if (!f) fl_die("%s holds no checkpoint: cannot open %s: %s", path, latest, strerror(errno));
     char name[64] = {0};
@@ -321,13 +390,14 @@ static void resolve(const char *path, char *out, size_t size) {
 fl_ckpt *fl_ckpt_open(const char *path) {
     fl_ckpt *ck = fl_alloc(FL_MEM_OTHER, sizeof *ck);
     resolve(path, ck->path, sizeof ck->path);
-    ck->fd = open(ck->path, O_RDONLY | O_CLOEXEC);
-    if (ck->fd < 0) fl_die("cannot open checkpoint %s: %s", ck->path, strerror(errno));
+    ck->fd = fl_open_regular(ck->path, "checkpoint"); // a FIFO or device: refused, never read
     struct stat st;
     if (fstat(ck->fd, &st) != 0) fl_die("cannot stat checkpoint %s", ck->path);
     uint8_t prefix[CKPT_PREFIX] = {0};
     char err[256];
-    size_t got = (size_t)pread(ck->fd, prefix, CKPT_PREFIX, 0);
+    ssize_t r = pread(ck->fd, prefix, CKPT_PREFIX, 0);
+    if (r < 0) fl_die("cannot read checkpoint %s: %s", ck->path, strerror(errno));
+    size_t got = (size_t)r;
     if (parse_prefix(prefix, got < CKPT_PREFIX ? got : (uint64_t)st.st_size, &ck->p, err,
                      sizeof err) != 0)
         fl_die("checkpoint %s: %s", ck->path, err);
@@ -363,6 +433,9 @@ int fl_ckpt_step(const fl_ckpt *ck) {
 const char *fl_ckpt_meta(const fl_ckpt *ck) {
     return ck->p.meta_json;
 }
+const char *fl_ckpt_run(const fl_ckpt *ck) {
+    return ck->p.run;
+}
 
 static const tensor_entry *find(const fl_ckpt *ck, const char *name) {
     for (int i = 0; i < ck->p.n_tensors; i++)
@@ -372,6 +445,15 @@ static const tensor_entry *find(const fl_ckpt *ck, const char *name) {
 
 int fl_ckpt_has(const fl_ckpt *ck, const char *name) {
     return find(ck, name) != NULL;
+}
+
+int fl_ckpt_tensor_count(const fl_ckpt *ck) {
+    return ck->p.n_tensors;
+}
+
+const char *fl_ckpt_tensor_name(const fl_ckpt *ck, int i) {
+    FL_ASSERT(i >= 0 && i < ck->p.n_tensors);
+    return ck->p.tensors[i].name;
 }
 
 size_t fl_ckpt_numel(const fl_ckpt *ck, const char *name) {

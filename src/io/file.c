@@ -1,7 +1,10 @@
 // file.c: crash-safe writing. A file is written under a temporary name in its
 // own directory, fsynced, renamed over the final name and the directory
 // fsynced: a reader sees the old file or the complete new one, never a torn
-// mix, whenever the process or the machine dies.
+// mix, whenever the process or the machine dies. The temporary name carries
+// the writer's pid (PATH.tmp.<pid>), so two processes writing the same file
+// never write into one temporary; a killed writer's leftover is deleted by
+// the next run into its directory (fl_ckpt_clean_tmp) or by pruning.
 #include "fitlm/io.h"
 
 #include <errno.h>
@@ -48,7 +51,8 @@ uint32_t fl_crc32(uint32_t crc, const void *data, size_t n) {
 void fl_file_begin(fl_file *f, const char *path) {
     memset(f, 0, sizeof *f);
     if ((size_t)snprintf(f->path, sizeof f->path, "%s", path) >= sizeof f->path ||
-        (size_t)snprintf(f->tmp, sizeof f->tmp, "%s.tmp", path) >= sizeof f->tmp)
+        (size_t)snprintf(f->tmp, sizeof f->tmp, "%s.tmp.%ld", path, (long)getpid()) >=
+            sizeof f->tmp)
         fl_die("file name is too long: %s", path);
     f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (f->fd < 0) fl_die("cannot create %s: %s", f->tmp, strerror(errno));
@@ -98,4 +102,199 @@ void fl_file_write_all(const char *path, const void *data, size_t n) {
     fl_file_begin(&f, path);
     fl_file_write(&f, data, n);
     fl_file_commit(&f);
+}
+
+// ----------------------------------------------------------------------------
+// crash-safe directories (io.h): a set of files written beside DIR and
+// swapped in whole. Kept apart from the file functions above.
+
+#include <dirent.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+
+#ifndef RENAME_EXCHANGE
+#define RENAME_EXCHANGE (1 << 1) // linux/fs.h
+#endif
+
+// Removes path and, when it is a directory, everything in it (not
+// following symlinks); a missing path is no error.
+static void remove_tree(const char *path) {
+    struct stat st;
+    if (lstat(path, &st) != 0) return;
+    if (S_ISDIR(st.st_mode)) {
+        DIR *d = opendir(path);
+        if (!d) fl_die("cannot list %s: %s", path, strerror(errno));
+        const struct dirent *e;
+        char sub[2 * FL_FILE_PATH_MAX];
+        while ((e = readdir(d))) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
+            remove_tree(sub);
+        }
+        closedir(d);
+    }
+    if ((S_ISDIR(st.st_mode) ? rmdir(path) : unlink(path)) != 0 && errno != ENOENT)
+        fl_die("cannot remove %s: %s", path, strerror(errno));
+}
+
+// Splits "a/b/c/" into parent "a/b" and name "c"; 0 when there is no name
+// that a sibling could be made for ("", ".", "..", "/").
+static int split_path(const char *dir, char *parent, char *name) {
+    char copy[FL_FILE_PATH_MAX];
+    if ((size_t)snprintf(copy, sizeof copy, "%s", dir) >= sizeof copy)
+        fl_die("directory name is too long: %s", dir);
+    size_t n = strlen(copy);
+    while (n > 1 && copy[n - 1] == '/') copy[--n] = 0;
+    char *slash = strrchr(copy, '/');
+    const char *base = slash ? slash + 1 : copy;
+    if (!*base || !strcmp(base, ".") || !strcmp(base, "..")) return 0;
+    strcpy(name, base);
+    if (!slash)
+        strcpy(parent, ".");
+    else if (slash == copy)
+        strcpy(parent, "/");
+    else
+        *slash = 0, strcpy(parent, copy);
+    return 1;
+}
+
+// name is "<base>.<kind>.<pid>"; returns the pid, or 0.
+static long leftover_pid(const char *name, const char *base, const char *kind) {
+    size_t nb = strlen(base), nk = strlen(kind);
+    if (strncmp(name, base, nb) || name[nb] != '.' || strncmp(name + nb + 1, kind, nk) ||
+        name[nb + 1 + nk] != '.')
+        return 0;
+    const char *digits = name + nb + nk + 2;
+    char *end;
+    long pid = strtol(digits, &end, 10);
+    return *digits >= '0' && *digits <= '9' && !*end && pid > 0 ? pid : 0;
+}
+
+static int running(long pid) {
+    return pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno == EPERM;
+}
+
+void fl_dir_recover(const char *dir) {
+    char parent[FL_FILE_PATH_MAX], base[FL_FILE_PATH_MAX], path[2 * FL_FILE_PATH_MAX];
+    if (!split_path(dir, parent, base)) return;
+    // the old set first: with DIR missing it is the only complete one
+    for (int pass = 0; pass < 2; pass++) {
+        DIR *d = opendir(parent);
+        if (!d) return;
+        const struct dirent *e;
+        while ((e = readdir(d))) {
+            long pid = leftover_pid(e->d_name, base, pass ? "tmp" : "old");
+            if (!pid || running(pid)) continue;
+            snprintf(path, sizeof path, "%s/%s", parent, e->d_name);
+            struct stat st;
+            if (!pass && lstat(dir, &st) != 0 && errno == ENOENT) {
+                if (rename(path, dir) != 0)
+                    fl_die("cannot restore %s from %s: %s", dir, path, strerror(errno));
+                fl_fsync_dir_of(path);
+                fl_warn("restored %s from %s (a writer was killed while swapping it)", dir, path);
+                continue;
+            }
+            remove_tree(path);
+        }
+        closedir(d);
+    }
+}
+
+// Whether DIR may be replaced whole: see io.h.
+static int swappable(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) fl_die("cannot list %s: %s", dir, strerror(errno));
+    int ok = 1;
+    const struct dirent *e;
+    char path[2 * FL_FILE_PATH_MAX];
+    while (ok && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        struct stat st;
+        ok = lstat(path, &st) == 0 && S_ISREG(st.st_mode) && strcmp(e->d_name, "latest") &&
+             strncmp(e->d_name, "ckpt_", 5);
+    }
+    closedir(d);
+    return ok;
+}
+
+const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const char *name)) {
+    memset(t, 0, sizeof *t);
+    char parent[FL_FILE_PATH_MAX], base[FL_FILE_PATH_MAX];
+    if ((size_t)snprintf(t->dir, sizeof t->dir, "%s", dir) >= sizeof t->dir)
+        fl_die("directory name is too long: %s", dir);
+    fl_dir_recover(dir);
+    struct stat st;
+    int exists = lstat(dir, &st) == 0;
+    if (exists && !S_ISDIR(st.st_mode) && !S_ISLNK(st.st_mode))
+        fl_die("%s exists and is not a directory", dir);
+    t->whole =
+        split_path(dir, parent, base) && (!exists || (S_ISDIR(st.st_mode) && swappable(dir)));
+    if (!t->whole) { // in place
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+            fl_die("cannot create directory %s: %s", dir, strerror(errno));
+        return t->dir;
+    }
+    if ((size_t)snprintf(t->tmp, sizeof t->tmp, "%s/%s.tmp.%ld", parent, base, (long)getpid()) >=
+            sizeof t->tmp ||
+        (size_t)snprintf(t->old, sizeof t->old, "%s/%s.old.%ld", parent, base, (long)getpid()) >=
+            sizeof t->old)
+        fl_die("directory name is too long: %s", dir);
+    remove_tree(t->tmp); // our own, from an earlier set in this process
+    if (mkdir(t->tmp, exists ? st.st_mode & 07777 : 0755) != 0)
+        fl_die("cannot create directory %s: %s", t->tmp, strerror(errno));
+    if (!exists) return t->tmp;
+    // the files that are not the set's stay (a tokenizer beside an export)
+    DIR *d = opendir(dir);
+    if (!d) fl_die("cannot list %s: %s", dir, strerror(errno));
+    const struct dirent *e;
+    char from[2 * FL_FILE_PATH_MAX], to[2 * FL_FILE_PATH_MAX];
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !in_set || in_set(e->d_name))
+            continue;
+        snprintf(from, sizeof from, "%s/%s", dir, e->d_name);
+        snprintf(to, sizeof to, "%s/%s", t->tmp, e->d_name);
+        if (link(from, to) != 0)
+            fl_die("cannot keep %s in the new %s (hard link to %s): %s", from, dir, to,
+                   strerror(errno));
+    }
+    closedir(d);
+    return t->tmp;
+}
+
+void fl_dir_commit(fl_dir_txn *t) {
+    if (!t->whole) return;
+    // the new files' data and names are durable before the swap
+    int dfd = open(t->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || fsync(dfd) != 0) fl_die("cannot flush %s: %s", t->tmp, strerror(errno));
+    close(dfd);
+    struct stat st;
+    if (lstat(t->dir, &st) != 0) { // nothing to replace
+        if (rename(t->tmp, t->dir) != 0)
+            fl_die("cannot rename %s to %s: %s", t->tmp, t->dir, strerror(errno));
+        fl_fsync_dir_of(t->dir);
+        return;
+    }
+    int swapped = 0;
+#ifdef SYS_renameat2
+    // one step: DIR is never missing; tmp then holds the old set (the
+    // variable lets the tests kill writers on the two-step path too)
+    if (!getenv("FITLM_TEST_NO_EXCHANGE"))
+        swapped = syscall(SYS_renameat2, AT_FDCWD, t->tmp, AT_FDCWD, t->dir, RENAME_EXCHANGE) == 0;
+#endif
+    if (swapped) {
+        fl_fsync_dir_of(t->dir);
+        remove_tree(t->tmp);
+        return;
+    }
+    // two steps: a kill between them leaves DIR.old.<pid>, which the next
+    // fl_dir_recover renames back
+    if (rename(t->dir, t->old) != 0)
+        fl_die("cannot move %s aside to %s: %s", t->dir, t->old, strerror(errno));
+    if (rename(t->tmp, t->dir) != 0)
+        fl_die("cannot rename %s to %s: %s", t->tmp, t->dir, strerror(errno));
+    fl_fsync_dir_of(t->dir);
+    remove_tree(t->old);
 }

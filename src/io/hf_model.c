@@ -13,6 +13,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,10 +262,55 @@ static void remove_stale(const char *dir, int n_shards) {
     closedir(d);
 }
 
-void fl_hf_export(const char *dir, const fl_model *model, const float *weights_fp32,
+// The first NaN or Inf of n values, or -1.
+static long first_nonfinite(const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return (long)i;
+    return -1;
+}
+
+static void refuse_nonfinite(const char *source, const char *what, const char *row, const float *x,
+                             size_t n) {
+    long i = first_nonfinite(x, n);
+    if (i >= 0)
+        fl_die("%s: %s tensor '%s' holds %s at element %ld: refusing weights that are not "
+               "finite (a diverged run?)",
+               source, what, row, isnan(x[i]) ? "NaN" : "Inf", i);
+}
+
+void fl_model_check_finite(const fl_model *m, const char *source, const char *adapter) {
+    size_t widest = 1;
+    for (int r = 0; r < m->table.count; r++)
+        if (m->table.views[r].numel > widest) widest = m->table.views[r].numel;
+    for (int r = 0; r < m->lora.table.count; r++)
+        if (m->lora.table.views[r].numel > widest) widest = m->lora.table.views[r].numel;
+    float *row = fl_alloc(FL_MEM_WORKSPACE, widest * sizeof(float));
+    for (int r = 0; r < m->table.count; r++) {
+        fl_model_row_f32(m, r, row); // NF4 rows dequantised
+        refuse_nonfinite(source, "weight", m->table.views[r].name, row, m->table.views[r].numel);
+    }
+    for (int r = 0; r < m->lora.table.count; r++) {
+        const fl_param_view *v = &m->lora.table.views[r];
+        fl_convert(FL_F32, row, m->dtype, fl_at_const(m->dtype, m->lora.params, v->offset),
+                   v->numel);
+        refuse_nonfinite(adapter ? adapter : source, "LoRA adapter", v->name, row, v->numel);
+    }
+    fl_free(row);
+}
+
+// The files an export writes (and their temporaries): the rest of an
+// export directory is the user's and stays.
+static int is_export_file(const char *name) {
+    return !strncmp(name, "config.json", 11) || !strncmp(name, HF_SINGLE, strlen(HF_SINGLE)) ||
+           !strncmp(name, "model-", 6);
+}
+
+void fl_hf_export(const char *out_dir, const fl_model *model, const float *weights_fp32,
                   fl_dtype out_dtype, size_t max_shard_bytes) {
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-        fl_die("cannot create directory %s: %s", dir, strerror(errno));
+    // written beside out_dir and swapped in whole, so a kill never leaves a
+    // mix of two exports' shards and configs (in place beside checkpoints)
+    fl_dir_txn txn;
+    const char *dir = fl_dir_begin(&txn, out_dir, is_export_file);
     const fl_param_table *t = &model->table;
     const hf_layout *lay = layout_of(&model->config);
     int n = t->count;
@@ -313,6 +359,7 @@ void fl_hf_export(const char *dir, const fl_model *model, const float *weights_f
     if (n_shards > 1) write_index(dir, names, shard_of, n, n_shards, total);
     write_config(dir, &model->config, out_dtype);
     remove_stale(dir, n_shards);
+    fl_dir_commit(&txn);
     fl_free(ctx.row);
     fl_free(tensors), fl_free(names), fl_free(shard_of);
 }

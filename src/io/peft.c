@@ -294,10 +294,18 @@ static void save_fill(void *ctx, int i, void *dst) {
            v->numel * fl_dtype_size(m->dtype));
 }
 
-void fl_peft_save(const char *dir, const fl_model *m, const char *base_model) {
+// The adapter's two files and their temporaries (PEFT's README.md and
+// anything else in the directory stay).
+static int is_adapter_file(const char *name) {
+    return !strncmp(name, PEFT_WEIGHTS, strlen(PEFT_WEIGHTS)) ||
+           !strncmp(name, PEFT_CONFIG, strlen(PEFT_CONFIG));
+}
+
+void fl_peft_save(const char *out_dir, const fl_model *m, const char *base_model) {
     FL_ASSERT(m->lora.cfg.r > 0);
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-        fl_die("cannot create directory %s: %s", dir, strerror(errno));
+    // the pair is written beside out_dir and swapped in whole (io.h)
+    fl_dir_txn txn;
+    const char *dir = fl_dir_begin(&txn, out_dir, is_adapter_file);
     const fl_param_table *lt = &m->lora.table;
     fl_st_tensor *tensors = fl_alloc(FL_MEM_OTHER, (size_t)lt->count * sizeof *tensors);
     char(*names)[PEFT_NAME_MAX] = fl_alloc(FL_MEM_OTHER, (size_t)lt->count * PEFT_NAME_MAX);
@@ -311,8 +319,9 @@ void fl_peft_save(const char *dir, const fl_model *m, const char *base_model) {
                                     .numel = v->numel};
     }
     // Each file is replaced whole (temporary file and rename); the weights
-    // go first, so a crash between the two leaves a config that no longer
-    // matches only when r or the targets changed, which fl_peft_load refuses.
+    // go first, so where the directory is written in place a crash between
+    // the two leaves a config that no longer matches only when r or the
+    // targets changed, which fl_peft_load refuses.
     char path[FL_FILE_PATH_MAX];
     join(path, dir, PEFT_WEIGHTS);
     fl_safetensors_write(path, tensors, lt->count, save_fill, (void *)m);
@@ -323,6 +332,7 @@ void fl_peft_save(const char *dir, const fl_model *m, const char *base_model) {
     join(path, dir, PEFT_CONFIG);
     fl_file_write_all(path, json, strlen(json));
     cJSON_free(json);
+    fl_dir_commit(&txn);
     fl_free(tensors), fl_free(names);
 }
 

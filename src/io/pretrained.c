@@ -19,13 +19,15 @@ int fl_is_checkpoint_dir(const char *path) {
     return stat(path, &st) == 0 && S_ISDIR(st.st_mode) && access(latest, F_OK) == 0;
 }
 
-// The first n bytes of a file (fewer when it is shorter); -1 if unreadable.
+// The first n bytes of a file (fewer when it is shorter); -1 if unreadable
+// or not a regular file (O_NONBLOCK: opening a FIFO must not hang).
 static ssize_t head(const char *path, uint8_t *buf, size_t n, uint64_t *size) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return -1;
     struct stat st;
-    ssize_t got = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) ? pread(fd, buf, n, 0) : -1;
-    if (size) *size = (uint64_t)st.st_size;
+    int regular = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    ssize_t got = regular ? pread(fd, buf, n, 0) : -1;
+    if (size) *size = regular ? (uint64_t)st.st_size : 0;
     close(fd);
     return got;
 }

@@ -64,8 +64,7 @@ void fl_shard_open(fl_shard *s, const char *path) {
     memset(s, 0, sizeof *s);
     if (strlen(path) >= sizeof s->path) fl_die("shard path is too long: %s", path);
     strcpy(s->path, path);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fl_die("cannot open token shard %s: %s", path, strerror(errno));
+    int fd = fl_open_regular(path, "token shard");
     struct stat st;
     if (fstat(fd, &st) != 0) fl_die("cannot stat token shard %s", path);
     if (st.st_size < FL_SHARD_HEADER)
@@ -93,6 +92,10 @@ void fl_shard_open(fl_shard *s, const char *path) {
     s->n_tokens = fl_get_u64(h + 24);
     s->source_bytes = fl_get_u64(h + 32);
     memcpy(s->tokenizer, h + 40, FL_SHARD_NAME_SIZE);
+    // readers keep vocabularies in an int: a larger one must not wrap
+    if (s->vocab_size > (1u << 30))
+        fl_die("token shard %s: vocabulary size %u (byte offset 12) is more than 2^30", path,
+               s->vocab_size);
     if (s->vocab_size == 0 || (s->width != 2 && s->width != 4) ||
         (s->width == 2 && s->vocab_size > 65536))
         fl_die("token shard %s: bad vocabulary size %u or token width %u (byte offset 12)", path,

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #include <cJSON.h>
 
 #include "fitlm/io.h"
@@ -111,6 +112,14 @@ static void add_optim_meta(cJSON *meta, const char *key, const fl_optimizer *o) 
 void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
                         const fl_optimizer *base, const fl_loader_state *loader,
                         const char *tokenizer, const char *config_json, int keep) {
+    fl_train_ckpt_save_run(dir, step, model, optim, base, loader, tokenizer, config_json, keep,
+                           NULL);
+}
+
+void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
+                            const fl_optimizer *optim, const fl_optimizer *base,
+                            const fl_loader_state *loader, const char *tokenizer,
+                            const char *config_json, int keep, const char *run) {
     const fl_model_config *c = &model->config;
     cJSON *meta = cJSON_CreateObject();
     cJSON *m = cJSON_AddObjectToObject(meta, "model");
@@ -127,6 +136,8 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const 
     cJSON_AddBoolToObject(m, "tie_embeddings", c->tie_embeddings);
     cJSON_AddStringToObject(meta, "precision", fl_dtype_name(model->dtype));
     cJSON_AddStringToObject(meta, "tokenizer", tokenizer);
+    // reductions split by thread: a resume with another count is not bitwise
+    cJSON_AddNumberToObject(meta, "threads", omp_get_max_threads());
     if (config_json) {
         cJSON *cfg = cJSON_Parse(config_json);
         FL_ASSERT(cfg);
@@ -196,7 +207,7 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const 
     }
     char *text = cJSON_PrintUnformatted(meta);
     cJSON_Delete(meta);
-    fl_ckpt_write(dir, step, text, tensors, (int)n, keep);
+    fl_ckpt_write_run(dir, step, text, tensors, (int)n, keep, run);
     cJSON_free(text);
     fl_free(tensors);
     fl_free(names);
@@ -248,11 +259,83 @@ static void read_shape(const cJSON *meta, const char *path, fl_model_config *cfg
     cfg->tie_embeddings = cJSON_IsTrue(tie);
 }
 
+// Elements of adapter row `row` ("<module>.lora_A.weight" (r, in) or
+// ".lora_B.weight" (out, r)) of rank r on base table t; 0 when no 2-D base
+// row "<module>.weight" exists.
+static size_t lora_numel(const fl_param_table *t, const char *row, int r) {
+    static const char *const suffix[2] = {".lora_A.weight", ".lora_B.weight"};
+    size_t len = strlen(row);
+    for (int ab = 0; ab < 2; ab++) {
+        size_t sl = strlen(suffix[ab]);
+        if (len <= sl || strcmp(row + len - sl, suffix[ab])) continue;
+        char base[NAME_MAX_];
+        snprintf(base, sizeof base, "%.*s.weight", (int)(len - sl), row);
+        int b = fl_params_find(t, base);
+        if (b < 0 || t->views[b].ndim != 2) return 0;
+        return (size_t)r * t->views[b].shape[ab ? 0 : 1];
+    }
+    return 0;
+}
+
+static void shape_mismatch(const char *path, const fl_model_config *c, const char *tensor,
+                           const char *what) {
+    fl_die("checkpoint %s: tensor '%s' %s the model its header describes (%s, n_layer %d, n_head "
+           "%d, n_embd %d, vocab %d, max_seq_len %d): the header and the tensors disagree",
+           path, tensor, what, fl_arch_name(c->arch), c->n_layer, c->n_head, c->n_embd,
+           c->vocab_size, c->max_seq_len);
+}
+
+void fl_ckpt_check_shape(const fl_ckpt *ck) {
+    const char *path = fl_ckpt_path(ck);
+    cJSON *meta = parse_meta(ck);
+    fl_model_config cfg;
+    read_shape(meta, path, &cfg);
+    const cJSON *lora = cJSON_GetObjectItemCaseSensitive(meta, "lora");
+    int r = lora ? (int)number(lora, "r", path, 1, 1 << 16) : 0;
+    cJSON_Delete(meta);
+    fl_param_table t; // the views only: no parameters are allocated
+    fl_model_table(&t, &cfg);
+    int n_model = 0;
+    char msg[96];
+    for (int i = 0; i < fl_ckpt_tensor_count(ck); i++) {
+        const char *name = fl_ckpt_tensor_name(ck, i);
+        size_t want;
+        if (!strncmp(name, "model/", 6)) {
+            int row = fl_params_find(&t, name + 6);
+            if (row < 0) shape_mismatch(path, &cfg, name, "is not a parameter of");
+            want = t.views[row].numel;
+            n_model++;
+        } else if (!strncmp(name, "lora/", 5)) {
+            if (!r) shape_mismatch(path, &cfg, name, "is an adapter, with no meta.lora, of");
+            want = lora_numel(&t, name + 5, r);
+            if (!want) shape_mismatch(path, &cfg, name, "adapts no linear layer of");
+        } else if (!strcmp(name, "weights")) { // the layout before by-name tensors
+            want = t.numel;
+        } else {
+            continue; // optimizer state: its sizes are the rule's, checked on restore
+        }
+        size_t got = fl_ckpt_numel(ck, name);
+        if (got != want) {
+            snprintf(msg, sizeof msg, "holds %zu elements, not the %zu of", got, want);
+            shape_mismatch(path, &cfg, name, msg);
+        }
+    }
+    // a whole model (always, but for LoRA adapters on a base saved elsewhere)
+    if (n_model || (!r && !fl_ckpt_has(ck, "weights")))
+        for (int row = 0; row < t.count; row++) {
+            char name[NAME_MAX_];
+            tensor_name(name, sizeof name, "model", NULL, t.views[row].name);
+            if (!fl_ckpt_has(ck, name)) shape_mismatch(path, &cfg, name, "is missing for");
+        }
+    fl_params_free(&t);
+}
+
 void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg) {
     cJSON *meta = parse_meta(ck);
     read_shape(meta, fl_ckpt_path(ck), cfg);
     cJSON_Delete(meta);
     fl_model_config_finish(cfg);
+    fl_ckpt_check_shape(ck); // callers allocate by this shape
 }
 
 void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,
@@ -276,6 +359,7 @@ void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *to
         fl_die("checkpoint %s holds LoRA adapters, not a whole model: load its base (the run's "
                "init_from) with the adapters in PEFT's format, e.g. --adapter OUT/adapter",
                fl_ckpt_path(ck));
+    fl_ckpt_check_shape(ck); // before allocating by the header's shape
     fl_model_init(model, &cfg, dt, 0);
     read_rows(ck, &model->table, "model", "weights", dt, model->params);
     fl_ckpt_close(ck);
@@ -291,6 +375,16 @@ char *fl_train_ckpt_config(const fl_ckpt *ck) {
     cJSON_free(text);
     cJSON_Delete(meta);
     return out;
+}
+
+int fl_train_ckpt_threads(const fl_ckpt *ck) {
+    cJSON *meta = parse_meta(ck);
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(meta, "threads");
+    int n = cJSON_IsNumber(t) && t->valuedouble >= 1 && t->valuedouble <= 1 << 20
+                ? (int)t->valuedouble
+                : 0;
+    cJSON_Delete(meta);
+    return n;
 }
 
 // The optimizer's kind and step count, checked against meta[key].

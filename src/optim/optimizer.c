@@ -8,6 +8,7 @@
 // the whole table or over one shard of it. The fused kinds (LOMO, AdaLomo)
 // keep no master: their update runs on the model's weights, 16-bit ones
 // stored back by stochastic rounding seeded from (cfg.seed, t).
+#include <math.h>
 #include <string.h>
 
 #include "fitlm/optim.h"
@@ -193,6 +194,14 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
     }
     float unscale = 1.0f / o->scaler.scale;
     r.grad_norm = fl_grad_norm(grads_dtype, grads, n) * unscale;
+    if (!isfinite(r.grad_norm)) {
+        // an inf or NaN gradient outside fp16's scaling: skipped like an
+        // overflow, nothing changes; the caller sees the norm and decides
+        // whether training has diverged
+        r.skipped = 1;
+        o->micro = 0;
+        return r;
+    }
     fl_optimizer_begin_step(o, lr);
     float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
     if (fl_optim_kind_fused(o->cfg.kind)) // LOMO's order: clamp the unscaled g, then coef
