@@ -458,7 +458,7 @@ int cmd_train(int argc, char **argv) {
     run_log log;
     open_log(&log, cfg.out_dir, resume ? start : -1);
 
-    int tty = isatty(STDOUT_FILENO), skipped = 0, saved_at = -1, nonfinite = 0;
+    int tty = isatty(STDOUT_FILENO), skipped = 0, saved_at = -1, nonfinite = 0, interrupted = 0;
     catch_signals();
     float val_loss = -1.0f;
     double train_start = fl_now();
@@ -553,23 +553,14 @@ int cmd_train(int argc, char **argv) {
                 printf("interrupted by %s after step %d: no checkpoint (out_dir is empty)\n",
                        sig == SIGINT ? "SIGINT" : "SIGTERM", step + 1);
             fflush(stdout);
-            close_log(&log);
-            fl_free(inputs);
-            fl_free(targets);
-            fl_free(config_json);
-            fl_optimizer_free(&optim);
-            if (base) fl_optimizer_free(base);
-            fl_model_free(&model);
-            if (tok) fl_tokenizer_free(tok);
-            if (has_val) fl_loader_close(&val);
-            fl_loader_close(&train);
-            return 128 + sig;
+            interrupted = 1;
+            break;
         }
     }
-    if (tty) printf("\n");
+    if (tty && !interrupted) printf("\n");
     double seconds = fl_now() - train_start;
-    if (cfg.profile) fl_profile_print(stdout);
-    if (has_val) {
+    if (cfg.profile && !interrupted) fl_profile_print(stdout);
+    if (has_val && !interrupted) {
         val_loss = evaluate(&model, &val, &cfg, inputs, targets);
         printf("final val loss %.4f nats/token (%.4f nats/byte) after %d steps (%.1f s); unigram "
                "baseline %.4f nats/token\n",
@@ -577,7 +568,7 @@ int cmd_train(int argc, char **argv) {
         log_line(&log, "step %d val %.9g\n", cfg.steps, val_loss);
     }
     close_log(&log);
-    if (*cfg.out_dir && saved_at != cfg.steps && cfg.steps > start) {
+    if (*cfg.out_dir && saved_at != cfg.steps && cfg.steps > start && !interrupted) {
         if (!weights_finite(&optim, base))
             fl_die("the weights are not finite after step %d: not writing a checkpoint over the "
                    "good ones in %s (training diverged; lower the learning rate)",
@@ -592,7 +583,7 @@ int cmd_train(int argc, char **argv) {
         fl_peft_save(dir, &model, *cfg.init_from ? cfg.init_from : cfg.model_preset);
         printf("LoRA adapter written to %s (PEFT format)\n", dir);
     }
-    if (tok && !stop_signal) { // a signal during the last step or evaluation: no sample
+    if (tok && !stop_signal) { // interrupted, or a signal during the evaluation: no sample
         int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(cfg.sample_tokens + 4) * sizeof(int));
         tokens[0] = fl_tokenizer_eot(tok); // a sample starts like a fresh document
         fl_rng rng;
@@ -602,7 +593,7 @@ int cmd_train(int argc, char **argv) {
         printf("\n---\n");
         fl_free(tokens);
     }
-    if (cfg.mem_report || cfg.mem_report_every) fl_mem_report(stdout);
+    if ((cfg.mem_report || cfg.mem_report_every) && !interrupted) fl_mem_report(stdout);
     fl_free(inputs);
     fl_free(targets);
     fl_free(config_json);
