@@ -108,6 +108,9 @@ void fl_config_set_given(fl_train_config *cfg, const char *key, int on);
 void fl_config_print_help(FILE *out);
 void fl_config_print(const fl_train_config *cfg, FILE *out);
 
+// Parses a whole decimal number in [0, 2^64) exactly, as the seed options
+// take it (no detour through a double); 0 on success, -1 otherwise.
+int fl_parse_u64(const char *text, uint64_t *out);
 // Parses a size such as "12G", "512M", "1048576" (bytes); dies naming `what`.
 size_t fl_parse_bytes(const char *text, const char *what);
 

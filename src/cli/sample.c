@@ -1,13 +1,12 @@
 // sample.c: `fitlm sample`: generate text from a checkpoint or pretrained
 // weights (Hugging Face GPT-2 or LLaMA, llm.c), optionally with a PEFT LoRA
 // adapter applied on top (unmerged: the linear units add its update).
-#include <ctype.h>
-#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
+#include "fitlm/config.h"
 #include "fitlm/io.h"
 #include "fitlm/model.h"
 #include "fitlm/safetensors.h"
@@ -46,14 +45,10 @@ static int whole(const char *flag, const char *text, double min, double max) {
     return (int)v;
 }
 
-// The syntax of train's --seed (config.c, OPT_U64): decimal digits, the
-// whole 64-bit range, exactly (no detour through a double, which rounds
-// above 2^53 and would make two seeds one).
+// The syntax of train's --seed: the whole 64-bit range, exactly.
 static unsigned long long seed_of(const char *flag, const char *text) {
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(text, &end, 10);
-    if (!isdigit((unsigned char)*text) || *end || errno)
+    uint64_t v;
+    if (fl_parse_u64(text, &v))
         fl_die("option %s expects a whole number in [0, 2^64), got '%s'", flag, text);
     return v;
 }

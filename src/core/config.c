@@ -340,14 +340,19 @@ static void set_bool_text(fl_train_config *cfg, const option *o, const char *val
 }
 
 // 64-bit integers from text, exactly (a double holds only 53 bits)
-static void set_u64_text(fl_train_config *cfg, const option *o, const char *value,
-                         const char *where) {
+int fl_parse_u64(const char *text, uint64_t *out) {
     char *end;
     errno = 0;
-    unsigned long long v = strtoull(value, &end, 10);
-    if (!isdigit((unsigned char)*value) || *end || errno)
+    unsigned long long v = strtoull(text, &end, 10);
+    if (!isdigit((unsigned char)*text) || *end || errno) return -1;
+    *out = v;
+    return 0;
+}
+
+static void set_u64_text(fl_train_config *cfg, const option *o, const char *value,
+                         const char *where) {
+    if (fl_parse_u64(value, (uint64_t *)field(cfg, o)))
         fl_die("%s: %s expects a whole number in [0, 2^64), got '%s'", where, o->key, value);
-    *(uint64_t *)field(cfg, o) = v;
 }
 
 static void set_from_text(fl_train_config *cfg, const option *o, const char *value,
