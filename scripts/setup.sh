@@ -5,7 +5,7 @@
 #
 # 1. Installs the build and runtime packages that are missing (apt-get):
 #      build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev
-#      libutf8proc-dev python3 ca-certificates, and Node.js' npm (for
+#      libutf8proc-dev libcairo2-dev python3 ca-certificates, and Node.js' npm (for
 #      `npm pack`).
 #    --with-torch also installs python3-torch python3-numpy python3-regex
 #    (reference-fixture generators, PyTorch benchmark).
@@ -49,7 +49,7 @@ PYTHON=/usr/bin/python3
 
 # --- 1. packages ------------------------------------------------------------
 PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev clang-format cppcheck
-      python3 ca-certificates libdnnl-dev libutf8proc-dev)
+      python3 ca-certificates libdnnl-dev libutf8proc-dev libcairo2-dev)
 if [[ $WITH_TORCH == 1 ]]; then
     PKGS+=(python3-torch python3-numpy python3-regex)
 fi

@@ -22,7 +22,12 @@ fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir);
 void fl_tokenizer_free(fl_tokenizer *tok);
 const char *fl_tokenizer_name(const fl_tokenizer *tok);
 int fl_tokenizer_vocab_size(const fl_tokenizer *tok);
+// The end of a document: GPT-2's <|endoftext|>, LLaMA's </s>.
 int fl_tokenizer_eot(const fl_tokenizer *tok);
+// The id the tokenizer's post-processor puts before every sequence (LLaMA's
+// <s>), or -1 when it puts none (byte, gpt2). A document in a token stream
+// starts with it when there is one, else with fl_tokenizer_eot.
+int fl_tokenizer_bos(const fl_tokenizer *tok);
 
 // A growable array of token ids; {0} is an empty one.
 typedef struct {

@@ -17,7 +17,7 @@ typedef struct {
 
 struct fl_tokenizer {
     char name[8];
-    int vocab, eot;
+    int vocab, eot, bos; // bos -1: none
     uint8_t *bytes;       // token i is bytes[offs[i] .. offs[i+1])
     uint32_t *offs;       // vocab + 1 offsets
     int32_t byte_id[256]; // the token of each single byte

@@ -233,6 +233,7 @@ fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir) {
         fl_die("unknown tokenizer \"%s\" (known: byte, gpt2)", name);
     fl_tokenizer *tok = fl_alloc(FL_MEM_OTHER, sizeof *tok);
     snprintf(tok->name, sizeof tok->name, "%s", name);
+    tok->bos = -1;
     if (!strcmp(name, "byte"))
         load_byte(tok);
     else
@@ -258,6 +259,10 @@ int fl_tokenizer_vocab_size(const fl_tokenizer *tok) {
 
 int fl_tokenizer_eot(const fl_tokenizer *tok) {
     return tok->eot;
+}
+
+int fl_tokenizer_bos(const fl_tokenizer *tok) {
+    return tok->bos;
 }
 
 const uint8_t *fl_tokenizer_token_bytes(const fl_tokenizer *tok, int id, size_t *len) {
