@@ -89,6 +89,8 @@ int fl_loader_open_val(fl_loader *val, const char *data, const char *val_data, i
 void fl_loader_close(fl_loader *l);
 // The next B windows of this rank: inputs and targets (B, T).
 void fl_loader_next(fl_loader *l, int *inputs, int *targets, int B);
+// Window w (global numbering, 0 <= w < n_windows) into inputs/targets (T each).
+void fl_loader_window(const fl_loader *l, uint64_t w, int *inputs, int *targets);
 // Batch `index` of `count` evaluation batches: B*count windows spread evenly
 // over all windows, in order, the same every time (the loader's position is
 // untouched).

@@ -123,8 +123,7 @@ void fl_loader_close(fl_loader *l) {
     memset(l, 0, sizeof *l);
 }
 
-// Window w (global numbering) into inputs/targets (T each).
-static void read_window(const fl_loader *l, uint64_t w, int *inputs, int *targets) {
+void fl_loader_window(const fl_loader *l, uint64_t w, int *inputs, int *targets) {
     int lo = 0, hi = l->n_shards - 1; // the shard whose windows include w
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
@@ -151,7 +150,7 @@ void fl_loader_next(fl_loader *l, int *inputs, int *targets, int B) {
         }
         uint64_t g = (uint64_t)l->rank + (uint64_t)l->world * s->index++;
         uint64_t w = l->shuffle ? permute(g, l->n_windows, s->key) : g;
-        read_window(l, w, inputs + (size_t)b * l->T, targets + (size_t)b * l->T);
+        fl_loader_window(l, w, inputs + (size_t)b * l->T, targets + (size_t)b * l->T);
     }
 }
 
@@ -161,7 +160,7 @@ void fl_loader_eval_batch(const fl_loader *l, int index, int count, int *inputs,
     for (int b = 0; b < B; b++) {
         uint64_t k = (uint64_t)index * (uint64_t)B + (uint64_t)b;
         uint64_t w = (uint64_t)((double)k * (double)l->n_windows / (double)total);
-        read_window(l, w < l->n_windows ? w : l->n_windows - 1, inputs + (size_t)b * l->T,
+        fl_loader_window(l, w < l->n_windows ? w : l->n_windows - 1, inputs + (size_t)b * l->T,
                     targets + (size_t)b * l->T);
     }
 }
