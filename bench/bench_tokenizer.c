@@ -1,8 +1,10 @@
-// bench_tokenizer.c: GPT-2 tokenizer encoding speed.
-// usage: bench_tokenizer [TEXT [GPT2_DIR]] (default data/brown.txt,
-// data/gpt2). Encodes the whole text RUNS times with one thread, then RUNS
-// times with two, the text split into two chunks at a newline, one per thread
-// (each call has its own cache, so every run starts cold). Prints MB/s,
+// bench_tokenizer.c: encoding speed of the gpt2 tokenizer and of the hf
+// tokenizers of LLaMA-1/2 (SentencePiece-style BPE) and LLaMA-3 (byte-level
+// BPE). usage: bench_tokenizer [TEXT [DATA_DIR]] (default data/brown.txt,
+// data: its gpt2/, llama/ and llama3/). Encodes the whole text RUNS times
+// with one thread, then RUNS times with two, the text split into two chunks
+// at a newline, one per thread (each call has its own cache, so every run
+// starts cold). Prints the CPU, then per tokenizer and thread count MB/s,
 // median (min-max), the tokens and the bytes per token.
 #include "fitlm/core.h"
 #include "fitlm/tokenizer.h"
@@ -43,9 +45,25 @@ static double encode(const fl_tokenizer *tok, const uint8_t *text, size_t n, int
     return secs;
 }
 
+static void cpu_model(char *out, size_t cap) {
+    char line[512];
+    snprintf(out, cap, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        char *colon = strchr(line, ':');
+        if (!strncmp(line, "model name", 10) && colon) {
+            snprintf(out, cap, "%s", colon + 2);
+            out[strcspn(out, "\n")] = 0;
+            break;
+        }
+    }
+    fclose(f);
+}
+
 int main(int argc, char **argv) {
     const char *path = argc > 1 ? argv[1] : "data/brown.txt";
-    const char *dir = argc > 2 ? argv[2] : "data/gpt2";
+    const char *data = argc > 2 ? argv[2] : "data";
     FILE *f = fopen(path, "rb");
     if (!f) fl_die("cannot open %s (scripts/setup.sh makes the Brown texts)", path);
     fseek(f, 0, SEEK_END);
@@ -56,21 +74,31 @@ int main(int argc, char **argv) {
     if (fread(text, 1, n, f) != n) fl_die("cannot read %s", path);
     fclose(f);
 
-    double t0 = fl_now();
-    fl_tokenizer *tok = fl_tokenizer_load("gpt2", dir);
-    printf("gpt2 tokenizer loaded in %.0f ms; encoding %s (%zu bytes), median of %d runs\n",
-           1e3 * (fl_now() - t0), path, n, RUNS);
-    printf("%-8s %-26s %10s %12s\n", "threads", "MB/s median (min-max)", "tokens", "bytes/token");
-    for (int threads = 1; threads <= MAX_THREADS; threads++) {
-        double mbs[RUNS];
-        size_t tokens = 0;
-        for (int r = 0; r < RUNS; r++) mbs[r] = n / 1e6 / encode(tok, text, n, threads, &tokens);
-        qsort(mbs, RUNS, sizeof *mbs, cmp_double);
-        char cell[64];
-        snprintf(cell, sizeof cell, "%.1f (%.1f-%.1f)", mbs[RUNS / 2], mbs[0], mbs[RUNS - 1]);
-        printf("%-8d %-26s %10zu %12.2f\n", threads, cell, tokens, (double)n / tokens);
+    char cpu[256];
+    cpu_model(cpu, sizeof cpu);
+    printf("CPU: %s; encoding %s (%zu bytes), median of %d runs\n\n", cpu, path, n, RUNS);
+    printf("| tokenizer | threads | MB/s median (min-max) | tokens | bytes/token | load ms |\n");
+    printf("|---|---|---|---|---|---|\n");
+    static const char *const tokenizers[][3] = {
+        {"gpt2", "gpt2", "gpt2"}, {"llama (hf)", "hf", "llama"}, {"llama3 (hf)", "hf", "llama3"}};
+    for (int k = 0; k < 3; k++) {
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%s/%s", data, tokenizers[k][2]);
+        double t0 = fl_now();
+        fl_tokenizer *tok = fl_tokenizer_load(tokenizers[k][1], dir);
+        double load_ms = 1e3 * (fl_now() - t0);
+        for (int threads = 1; threads <= MAX_THREADS; threads++) {
+            double mbs[RUNS];
+            size_t tokens = 0;
+            for (int r = 0; r < RUNS; r++)
+                mbs[r] = n / 1e6 / encode(tok, text, n, threads, &tokens);
+            qsort(mbs, RUNS, sizeof *mbs, cmp_double);
+            printf("| %s | %d | %.1f (%.1f-%.1f) | %zu | %.2f | %.0f |\n", tokenizers[k][0],
+                   threads, mbs[RUNS / 2], mbs[0], mbs[RUNS - 1], tokens, (double)n / tokens,
+                   load_ms);
+        }
+        fl_tokenizer_free(tok);
     }
-    fl_tokenizer_free(tok);
     fl_free(text);
     return 0;
 }

@@ -2,7 +2,12 @@
 // encoder.py (tests/fixtures/gpt2_tokens.json, written by
 // scripts/make_tokenizer_fixture.py), decoding gives back any input byte for
 // byte, threads encoding at once agree, and bad files are refused by name.
-// Needs data/gpt2 and the Brown texts (scripts/setup.sh).
+// The hf tokenizer gives the ids of llama-tokenizer-js and
+// llama3-tokenizer-js (tests/fixtures/hf_tokenizer_*.json), the same ids as
+// gpt2 from a tokenizer.json made of GPT-2's files, round trips, and refuses
+// every part it does not support by name (small tokenizer.json files made
+// here). Needs data/gpt2, data/llama, data/llama3 and the Brown texts
+// (scripts/setup.sh).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,16 +22,47 @@
 static char dir[] = "/tmp/fitlm_test_tokenizer_XXXXXX";
 static char gpt2_dir[4096];
 
-// Decodes ids and compares with the input; returns 1 when they match.
-static int decodes_to(const fl_tokenizer *tok, const fl_tokens *t, const uint8_t *text, size_t n) {
-    size_t at = 0;
-    for (size_t i = 0; i < t->n; i++) {
-        size_t len;
-        const uint8_t *b = fl_tokenizer_token_bytes(tok, t->ids[i], &len);
-        if (at + len > n || memcmp(text + at, b, len) != 0) return 0;
-        at += len;
+// The text with each maximal invalid UTF-8 subpart replaced by U+FFFD, as
+// Python's bytes.decode('utf-8', 'replace') does (malloc'd, length in *m).
+static uint8_t *replace_invalid(const uint8_t *s, size_t n, size_t *m) {
+    uint8_t *out = malloc(3 * n + 1);
+    *m = 0;
+    for (size_t i = 0; i < n;) {
+        uint8_t c = s[i];
+        size_t len = c < 0x80                 ? 1
+                     : c >= 0xc2 && c <= 0xdf ? 2
+                     : c >= 0xe0 && c <= 0xef ? 3
+                     : c >= 0xf0 && c <= 0xf4 ? 4
+                                              : 0;
+        size_t k = 1;
+        for (; k < len && i + k < n; k++) {
+            uint8_t lo = k > 1 ? 0x80 : c == 0xe0 ? 0xa0 : c == 0xf0 ? 0x90 : 0x80;
+            uint8_t hi = k > 1 ? 0xbf : c == 0xed ? 0x9f : c == 0xf4 ? 0x8f : 0xbf;
+            if (s[i + k] < lo || s[i + k] > hi) break;
+        }
+        if (len && k == len) {
+            memcpy(out + *m, s + i, len);
+            *m += len;
+        } else {
+            memcpy(out + *m, "\xef\xbf\xbd", 3);
+            *m += 3;
+        }
+        i += len && k == len ? len : k;
     }
-    return at == n;
+    return out;
+}
+
+// Decodes ids and compares with the input (hf: with invalid UTF-8
+// replaced); returns 1 when they match.
+static int decodes_to(const fl_tokenizer *tok, const fl_tokens *t, const uint8_t *text, size_t n) {
+    size_t len, want_len = n;
+    uint8_t *got = fl_tokenizer_decode(tok, t->ids, t->n, &len);
+    uint8_t *want =
+        strcmp(fl_tokenizer_name(tok), "hf") ? NULL : replace_invalid(text, n, &want_len);
+    int same = len == want_len && !memcmp(got, want ? want : text, len);
+    fl_free(got);
+    free(want);
+    return same;
 }
 
 // ----------------------------------------------------------------------------
@@ -270,11 +306,384 @@ static void test_cache_limit(const fl_tokenizer *tok) {
     free(text);
 }
 
+// ----------------------------------------------------------------------------
+// hf: small tokenizer.json files
+
+static char hf_file[4200];
+
+// A SentencePiece-style tokenizer.json in LLaMA's layout, as a cJSON tree
+// the tests edit: "ab" is one token, "c" has neither a token nor bytes.
+static cJSON *spm_json(void) {
+    return cJSON_Parse(
+        "{\"added_tokens\": [{\"id\": 0, \"content\": \"<unk>\", \"special\": true},"
+        " {\"id\": 1, \"content\": \"<s>\", \"special\": true},"
+        " {\"id\": 2, \"content\": \"</s>\", \"special\": true}],"
+        " \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": ["
+        "  {\"type\": \"Prepend\", \"prepend\": \"\u2581\"},"
+        "  {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"\u2581\"}]},"
+        " \"pre_tokenizer\": null,"
+        " \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": ["
+        "  {\"SpecialToken\": {\"id\": \"<s>\", \"type_id\": 0}},"
+        "  {\"Sequence\": {\"id\": \"A\", \"type_id\": 0}}],"
+        "  \"special_tokens\": {\"<s>\": {\"id\": \"<s>\", \"ids\": [1], \"tokens\": [\"<s>\"]}}},"
+        " \"decoder\": {\"type\": \"Sequence\", \"decoders\": ["
+        "  {\"type\": \"Replace\", \"pattern\": {\"String\": \"\u2581\"}, \"content\": \" \"},"
+        "  {\"type\": \"ByteFallback\"}, {\"type\": \"Fuse\"},"
+        "  {\"type\": \"Strip\", \"content\": \" \", \"start\": 1, \"stop\": 0}]},"
+        " \"model\": {\"type\": \"BPE\", \"dropout\": null, \"unk_token\": \"<unk>\","
+        "  \"continuing_subword_prefix\": null, \"end_of_word_suffix\": null,"
+        "  \"fuse_unk\": true, \"byte_fallback\": true,"
+        "  \"vocab\": {\"<unk>\": 0, \"<s>\": 1, \"</s>\": 2, \"<0x0A>\": 3, \"<0xC3>\": 4,"
+        "   \"<0xA9>\": 5, \"\u2581\": 6, \"a\": 7, \"b\": 8, \"\u2581a\": 9, \"ab\": 10,"
+        "   \"\u2581ab\": 11},"
+        "  \"merges\": [\"\u2581 a\", [\"a\", \"b\"], \"\u2581a b\"]}}");
+}
+
+// A byte-level tokenizer.json: GPT-2's 256 byte tokens, "ab" and " a".
+static cJSON *byte_level_json(void) {
+    cJSON *root = cJSON_Parse(
+        "{\"added_tokens\": [{\"id\": 258, \"content\": \"<|endoftext|>\", \"special\": true}],"
+        " \"normalizer\": null,"
+        " \"pre_tokenizer\": {\"type\": \"ByteLevel\", \"add_prefix_space\": false,"
+        "  \"trim_offsets\": true, \"use_regex\": true},"
+        " \"post_processor\": {\"type\": \"ByteLevel\", \"trim_offsets\": false},"
+        " \"decoder\": {\"type\": \"ByteLevel\"},"
+        " \"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": [\"a b\", \"\u0120 a\"]}}");
+    cJSON *vocab = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "model"), "vocab");
+    int k = 0;
+    for (int b = 0; b < 256; b++) {
+        int printable = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
+        int cp = printable ? b : 256 + k++;
+        char key[4] = {(char)cp, 0};
+        if (cp >= 0x80) {
+            key[0] = (char)(0xc0 | cp >> 6);
+            key[1] = (char)(0x80 | (cp & 0x3f));
+            key[2] = 0;
+        }
+        cJSON_AddNumberToObject(vocab, key, b);
+    }
+    cJSON_AddNumberToObject(vocab, "ab", 256);
+    cJSON_AddNumberToObject(vocab, "\u0120a", 257);
+    return root;
+}
+
+static void write_json(const cJSON *root) {
+    char *text = cJSON_PrintUnformatted(root);
+    t_write_text(hf_file, text);
+    free(text);
+}
+
+// Replaces the value at a dotted path ("model.vocab") with JSON text.
+static void set_json(cJSON *root, const char *path, const char *json) {
+    char key[128];
+    snprintf(key, sizeof key, "%s", path);
+    cJSON *obj = root;
+    char *dot;
+    const char *name = key;
+    while ((dot = strchr(name, '.'))) {
+        *dot = 0;
+        obj = cJSON_GetObjectItem(obj, name);
+        name = dot + 1;
+    }
+    cJSON *value = cJSON_Parse(json);
+    if (!value) {
+        printf("bad test JSON: %s\n", json);
+        exit(1);
+    }
+    if (cJSON_GetObjectItem(obj, name))
+        cJSON_ReplaceItemInObject(obj, name, value);
+    else
+        cJSON_AddItemToObject(obj, name, value);
+}
+
+static void load_hf(void *path) {
+    fl_tokenizer_load("hf", path);
+}
+
+// One edit of a small file, which must be refused with `expect`.
+static void refused(int spm, const char *path, const char *json, const char *expect) {
+    cJSON *root = spm ? spm_json() : byte_level_json();
+    if (path) set_json(root, path, json);
+    write_json(root);
+    cJSON_Delete(root);
+    char name[200];
+    snprintf(name, sizeof name, "hf %s %s", path ? path : "", expect);
+    t_dies(name, load_hf, dir, expect);
+}
+
+static void test_hf_errors(void) {
+    t_dies("hf without a path", load_hf, NULL, "the hf tokenizer needs a path");
+    t_dies("hf missing file", load_hf, "/nonexistent", "cannot open tokenizer file /nonexistent");
+    t_write_text(hf_file, "{\"model\": ");
+    t_dies("hf truncated JSON", load_hf, dir, "tokenizer.json is not valid JSON");
+    refused(1, "model.type", "\"Unigram\"", "model: type \"Unigram\" is not supported");
+    refused(1, "model.dropout", "0.1", "model.dropout is set");
+    refused(1, "model.continuing_subword_prefix", "\"##\"", "continuing_subword_prefix is set");
+    refused(1, "model.vocab", "{}", "model.vocab must be a non-empty object");
+    refused(1, "model.merges", "null", "model.merges must be an array");
+    refused(1, "model.merges", "[\"a\"]", "model.merges[0]: expected \"a b\"");
+    refused(1, "model.merges", "[\"a q\"]", "model.merges[0]: \"a\" + \"q\" uses or makes");
+    refused(1, "model.merges", "[\"<0x0A> a\"]", "merging <0xNN> byte tokens");
+    refused(1, "model.vocab.b", "13", "not contiguous: id 8 is missing");
+    refused(1, "model.vocab.b", "7", "model.vocab: id 7 is used twice");
+    refused(1, "model.vocab.b", "\"8\"", "key \"b\": the id must be an integer in 0..14");
+    refused(1, "added_tokens", "[{\"id\": 7, \"content\": \"zz\"}]", "id 7 is already the token");
+    refused(1, "added_tokens", "[{\"id\": 2, \"content\": \"</s>\", \"lstrip\": true}]",
+            "added_tokens[0].lstrip true is not supported");
+    refused(1, "model.unk_token", "\"<nope>\"", "model.unk_token \"<nope>\" is not a token");
+    refused(1, "normalizer", "{\"type\": \"Lowercase\"}",
+            "normalizer: type \"Lowercase\" is not supported");
+    refused(1, "normalizer", "{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"NFKC\"}]}",
+            "normalizer.normalizers[0]: type \"NFKC\" is not supported");
+    refused(1, "normalizer",
+            "{\"type\": \"Replace\", \"pattern\": {\"Regex\": \" +\"}, \"content\": \"\u2581\"}",
+            "normalizer.pattern: only {\"String\": \" \"}");
+    refused(1, "normalizer", "{\"type\": \"Prepend\", \"prepend\": \"_\"}",
+            "normalizer.prepend \"_\" is not supported");
+    refused(1, "normalizer", "null", "a BPE model over characters needs either");
+    refused(1, "normalizer", "{\"typo\": 1}", "normalizer.type must be a string");
+    refused(1, "pre_tokenizer", "{\"type\": \"Whitespace\"}",
+            "pre_tokenizer: type \"Whitespace\" is not supported");
+    refused(1, "pre_tokenizer",
+            "{\"type\": \"Split\", \"pattern\": {\"Regex\": \"\\\\w+\"}, \"behavior\": "
+            "\"Isolated\", \"invert\": false}",
+            "the regex \"\\w+\" is not supported");
+    refused(1, "pre_tokenizer",
+            "{\"type\": \"Metaspace\", \"replacement\": \"\u2581\", \"prepend_scheme\": "
+            "\"first\"}",
+            "pre_tokenizer.split must be false");
+    refused(1, "post_processor", "{\"type\": \"BertProcessing\"}",
+            "post_processor: type \"BertProcessing\" is not supported");
+    refused(1, "post_processor",
+            "{\"type\": \"TemplateProcessing\", \"single\": [{\"Sequence\": {\"id\": \"A\"}}, "
+            "{\"SpecialToken\": {\"id\": \"</s>\"}}]}",
+            "only \"$A\" and \"<special> $A\" are supported");
+    refused(1, "decoder", "{\"type\": \"WordPiece\"}", "decoder: type \"WordPiece\" is not");
+    refused(1, "added_tokens", "[{\"id\": 2, \"content\": \"</x>\"}]", "id 2 is already");
+    refused(0, "pre_tokenizer",
+            "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
+            "{\"Regex\": \"'s|'t|'re|'ve|'m|'ll|'d| ?\\\\p{L}+| ?\\\\p{N}+| "
+            "?[^\\\\s\\\\p{L}\\\\p{N}]+|\\\\s+(?!\\\\S)|\\\\s+\"}, \"behavior\": \"Removed\"}, "
+            "{\"type\": \"ByteLevel\", \"use_regex\": false}]}",
+            "pre_tokenizer.pretokenizers[0].behavior \"Removed\" is not supported");
+    refused(0, "pre_tokenizer", "{\"type\": \"ByteLevel\", \"add_prefix_space\": true}",
+            "add_prefix_space true is not supported");
+    refused(0, "normalizer", "{\"type\": \"Prepend\", \"prepend\": \"\u2581\"}",
+            "a ByteLevel pre-tokenizer with a Prepend");
+    refused(0, "model.vocab.\u0120a", "3", "model.vocab: id 3 is used twice");
+    refused(0, "model.vocab.a b", "259", "key \"a b\" is not a token in GPT-2's byte alphabet");
+    refused(0, "added_tokens", "[{\"id\": 258, \"content\": \"<|x|>\"}]", "no end-of-text token");
+    cJSON *root = byte_level_json();
+    cJSON_DeleteItemFromObject(cJSON_GetObjectItem(root, "model"), "vocab");
+    set_json(root, "model.vocab", "{\"a\": 0, \"b\": 1}");
+    set_json(root, "model.merges", "[]");
+    set_json(root, "added_tokens", "[{\"id\": 2, \"content\": \"<|endoftext|>\"}]");
+    write_json(root);
+    cJSON_Delete(root);
+    t_dies("hf byte-level without byte tokens", load_hf, dir, "has no token for byte 0x00");
+    // an eos_token beside the file that is not a token
+    char cfg[4200];
+    snprintf(cfg, sizeof cfg, "%s/tokenizer_config.json", dir);
+    t_write_text(cfg, "{\"eos_token\": \"<nope>\"}");
+    refused(1, NULL, NULL, "eos_token \"<nope>\" is not a token");
+    remove(cfg);
+}
+
+// Encodes text and compares with the ids wanted; prints them when not.
+static int encodes_to(const fl_tokenizer *tok, const char *text, const int32_t *want, size_t n) {
+    fl_tokens t = {0};
+    fl_tokenizer_encode(tok, (const uint8_t *)text, strlen(text), &t);
+    int same = t.n == n && !memcmp(t.ids, want, n * sizeof *want);
+    if (!same) {
+        printf("  \"%s\":", text);
+        for (size_t i = 0; i < t.n; i++) printf(" %d", t.ids[i]);
+        printf("\n");
+    }
+    fl_tokens_free(&t);
+    return same;
+}
+
+#define ENCODES(tok, text, ...)                                                                    \
+    encodes_to(tok, text, (const int32_t[]){__VA_ARGS__},                                          \
+               sizeof((const int32_t[]){__VA_ARGS__}) / sizeof(int32_t))
+
+static fl_tokenizer *load_json(cJSON *root) {
+    write_json(root);
+    cJSON_Delete(root);
+    return fl_tokenizer_load("hf", hf_file);
+}
+
+// The small files' tokens, worked out by hand from their merges.
+static void test_hf_small(void) {
+    fl_tokenizer *tok = load_json(spm_json());
+    t_check(fl_tokenizer_vocab_size(tok) == 12 && fl_tokenizer_bos(tok) == 1 &&
+                fl_tokenizer_eot(tok) == 2 && !strcmp(fl_tokenizer_name(tok), "hf"),
+            "hf spm: vocabulary 12, <s> = 1 from the post-processor, </s> = 2");
+    t_check(ENCODES(tok, "ab ab\n\xc3\xa9", 11, 11, 3, 4, 5),
+            "hf spm: \"▁\" prepended, merges by rank, byte fallback");
+    t_check(ENCODES(tok, " a", 6, 9), "hf spm: a leading space is a second \"▁\"");
+    t_check(ENCODES(tok,
+                    "a\xe2\x96\x81"
+                    "b",
+                    9, 6, 8),
+            "hf spm: \"▁\" in the text is a space");
+    t_check(ENCODES(tok, "cc a", 6, 0, 9), "hf spm: unknown characters fuse into one <unk>");
+    t_check(ENCODES(tok, "a</s>b<s>", 9, 2, 6, 8, 1),
+            "hf spm: added tokens are cut out first, each text normalised alone");
+    fl_tokens empty = {0};
+    fl_tokenizer_encode(tok, (const uint8_t *)"", 0, &empty);
+    t_check(empty.n == 0, "hf spm: no tokens for an empty text (and no \"▁\")");
+    fl_tokens_free(&empty);
+    size_t len;
+    uint8_t *text = fl_tokenizer_decode(tok, (const int32_t[]){1, 11, 6, 11, 3, 2}, 6, &len);
+    t_check(len == 7 && !memcmp(text, "ab  ab\n", 7),
+            "hf spm: decode drops special tokens and the leading space");
+    fl_free(text);
+    fl_tokenizer_free(tok);
+
+    cJSON *root = spm_json();
+    set_json(root, "model.byte_fallback", "false");
+    set_json(root, "model.fuse_unk", "false");
+    tok = load_json(root);
+    t_check(ENCODES(tok, "cc\xc3\xa9", 6, 0, 0, 0), "hf spm: without byte fallback, <unk> each");
+    fl_tokenizer_free(tok);
+
+    root = spm_json();
+    set_json(root, "normalizer",
+             "{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"NFC\"},"
+             "{\"type\": \"Prepend\", \"prepend\": \"\u2581\"},"
+             "{\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": "
+             "\"\u2581\"}]}");
+    tok = load_json(root);
+    t_check(ENCODES(tok, "e\xcc\x81", 6, 4, 5), "hf spm: NFC composes e + U+0301 into U+00E9");
+    fl_tokenizer_free(tok);
+
+    const char *meta = "{\"type\": \"Metaspace\", \"replacement\": \"\u2581\", "
+                       "\"prepend_scheme\": \"%s\", \"split\": false}";
+    char json[200];
+    static const char *const schemes[] = {"first", "always", "never"};
+    for (int k = 0; k < 3; k++) {
+        root = spm_json();
+        set_json(root, "normalizer", "null");
+        snprintf(json, sizeof json, meta, schemes[k]);
+        set_json(root, "pre_tokenizer", json);
+        tok = load_json(root);
+        int ok = ENCODES(tok, " ab", 11);
+        ok &= k == 0   ? ENCODES(tok, "ab</s>ab", 11, 2, 10)
+              : k == 1 ? ENCODES(tok, "ab</s>ab", 11, 2, 11)
+                       : ENCODES(tok, "ab</s>ab", 10, 2, 10);
+        t_check(ok, "hf spm: Metaspace prepend_scheme %s", schemes[k]);
+        fl_tokenizer_free(tok);
+    }
+
+    tok = load_json(byte_level_json());
+    t_check(fl_tokenizer_vocab_size(tok) == 259 && fl_tokenizer_bos(tok) == -1 &&
+                fl_tokenizer_eot(tok) == 258,
+            "hf byte-level: vocabulary 259, no post-processor token, <|endoftext|> = 258");
+    t_check(ENCODES(tok, "ab a<|endoftext|>a", 256, 257, 258, 'a'),
+            "hf byte-level: GPT-2's pattern, merges, an added token");
+    fl_tokenizer_free(tok);
+    root = byte_level_json();
+    set_json(root, "model.ignore_merges", "true");
+    set_json(root, "model.vocab.aab", "259");
+    set_json(root, "added_tokens",
+             "[{\"id\": 258, \"content\": \"<|endoftext|>\"},"
+             "{\"id\": 260, \"content\": \"<|endoftext|>x\"}]");
+    tok = load_json(root);
+    t_check(ENCODES(tok, "aab <|endoftext|>x<|endoftext|>", 259, ' ', 260, 258),
+            "hf byte-level: ignore_merges takes a whole piece; the longest added token wins");
+    fl_tokenizer_free(tok);
+}
+
+// ----------------------------------------------------------------------------
+// hf: the real files
+
+// The fixture's cases: [bos] + our ids = the reference's, and decoding gives
+// back the text (invalid UTF-8 replaced).
+static void test_hf_fixture(const fl_tokenizer *tok, const char *fixture) {
+    size_t n;
+    uint8_t *json = t_read_file(t_source_path(fixture), &n);
+    cJSON *root = json ? cJSON_ParseWithLength((char *)json, n) : NULL;
+    const cJSON *cases = cJSON_GetObjectItem(root, "cases");
+    if (!t_check(cJSON_GetArraySize(cases) > 20, "%s parses", fixture)) return;
+    int bad_ids = 0, bad_text = 0, count = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, cases) {
+        const char *hex = cJSON_GetObjectItem(e, "hex")->valuestring;
+        const cJSON *want = cJSON_GetObjectItem(e, "ids");
+        size_t len = strlen(hex) / 2;
+        uint8_t *text = malloc(len + 1);
+        for (size_t i = 0; i < len; i++)
+            text[i] = (uint8_t)(hex_value(hex[2 * i]) << 4 | hex_value(hex[2 * i + 1]));
+        fl_tokens t = {0};
+        fl_tokenizer_encode(tok, text, len, &t);
+        int bos = fl_tokenizer_bos(tok) >= 0; // the reference's encode puts it first
+        int same = (int)t.n + bos == cJSON_GetArraySize(want) &&
+                   (!bos || cJSON_GetArrayItem(want, 0)->valueint == fl_tokenizer_bos(tok));
+        for (size_t i = 0; same && i < t.n; i++)
+            same = t.ids[i] == cJSON_GetArrayItem(want, (int)i + bos)->valueint;
+        if (!same && bad_ids++ < 5) {
+            printf("  %s: mismatch for \"%s\": got", fixture,
+                   cJSON_GetObjectItem(e, "name")->valuestring);
+            for (size_t i = 0; i < t.n && i < 40; i++) printf(" %d", t.ids[i]);
+            printf("\n");
+        }
+        bad_text += !decodes_to(tok, &t, text, len);
+        count++;
+        fl_tokens_free(&t);
+        free(text);
+    }
+    t_check(bad_ids == 0, "%s: %d strings encode to the reference's ids (%d differ)", fixture,
+            count, bad_ids);
+    t_check(bad_text == 0, "%s: %d strings decode to their text (%d differ)", fixture, count,
+            bad_text);
+    cJSON_Delete(root);
+    free(json);
+}
+
+// GPT-2's encoder.json and vocab.bpe as a byte-level tokenizer.json: the
+// same tokenizer through the same code, so the same ids on the corpus.
+static void test_hf_gpt2(const fl_tokenizer *gpt2) {
+    char path[4200];
+    size_t n;
+    snprintf(path, sizeof path, "%s/encoder.json", gpt2_dir);
+    uint8_t *enc = t_read_file(path, &n);
+    cJSON *root = byte_level_json();
+    cJSON *model = cJSON_GetObjectItem(root, "model");
+    cJSON_ReplaceItemInObject(model, "vocab", cJSON_ParseWithLength((char *)enc, n));
+    set_json(root, "added_tokens", "[{\"id\": 50256, \"content\": \"<|endoftext|>\"}]");
+    snprintf(path, sizeof path, "%s/vocab.bpe", gpt2_dir);
+    uint8_t *bpe = t_read_file(path, &n);
+    cJSON *merges = cJSON_CreateArray();
+    for (char *line = strchr((char *)bpe, '\n') + 1, *eol; *line; line = eol + 1) {
+        eol = strchr(line, '\n');
+        *eol = 0;
+        cJSON_AddItemToArray(merges, cJSON_CreateString(line));
+    }
+    cJSON_ReplaceItemInObject(model, "merges", merges);
+    fl_tokenizer *tok = load_json(root);
+    free(enc);
+    free(bpe);
+    uint8_t *text = t_read_file(t_source_path("data/brown.txt"), &n);
+    fl_tokens a = {0}, b = {0};
+    fl_tokenizer_encode(gpt2, text, n, &a);
+    fl_tokenizer_encode(tok, text, n, &b);
+    t_check(a.n == b.n && !memcmp(a.ids, b.ids, a.n * sizeof *a.ids),
+            "GPT-2 as a tokenizer.json: the gpt2 tokenizer's ids on brown.txt");
+    fl_tokens_free(&a);
+    fl_tokens_free(&b);
+    free(text);
+    fl_tokenizer_free(tok);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     snprintf(gpt2_dir, sizeof gpt2_dir, "%s", t_source_path("data/gpt2"));
+    snprintf(hf_file, sizeof hf_file, "%s/tokenizer.json", dir);
     test_errors();
+    test_hf_errors();
     test_byte();
+    test_hf_small();
     fl_tokenizer *tok = fl_tokenizer_load("gpt2", gpt2_dir);
     t_check(!strcmp(fl_tokenizer_name(tok), "gpt2") && fl_tokenizer_vocab_size(tok) == 50257 &&
                 fl_tokenizer_eot(tok) == 50256,
@@ -286,7 +695,21 @@ int main(void) {
     test_random(tok);
     test_cache_limit(tok);
     test_corpus(tok);
+    test_hf_gpt2(tok);
     fl_tokenizer_free(tok);
+    static const char *const families[][2] = {
+        {"data/llama", "tests/fixtures/hf_tokenizer_llama.json"},
+        {"data/llama3/tokenizer.json", "tests/fixtures/hf_tokenizer_llama3.json"}};
+    for (int k = 0; k < 2; k++) {
+        tok = fl_tokenizer_load("hf", t_source_path(families[k][0]));
+        printf("%s: vocabulary %d, bos %d, eot %d\n", families[k][0], fl_tokenizer_vocab_size(tok),
+               fl_tokenizer_bos(tok), fl_tokenizer_eot(tok));
+        test_hf_fixture(tok, families[k][1]);
+        test_random(tok);
+        if (k == 1) test_cache_limit(tok); // (SentencePiece: each call adds its own "▁")
+        test_corpus(tok);
+        fl_tokenizer_free(tok);
+    }
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

@@ -199,6 +199,12 @@ void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg);
 void fl_ckpt_check_shape(const fl_ckpt *ck);
 // The run's config (JSON text, caller frees with fl_free) of an open checkpoint.
 char *fl_train_ckpt_config(const fl_ckpt *ck);
+// The tokenizer a model source comes with: a checkpoint's (the name in its
+// meta, the files its run's config named); a Hugging Face directory holding
+// a tokenizer.json: "hf" and that directory; else GPT-2's ("gpt2",
+// "data/gpt2"). Returns 0 only in the last case, where it is a guess.
+int fl_source_tokenizer(const char *source, char *name, size_t name_size, char *path,
+                        size_t path_size);
 // Restores weights, optimizer state and loader position into a model and
 // optimizer initialised with the checkpoint's shape and settings; dies if
 // the shape, precision, optimizer or tokenizer differ.

@@ -1,9 +1,16 @@
-// tokenizer.h: text to token ids and back. Two tokenizers: "byte" (a token
-// is a byte) and "gpt2" (OpenAI's GPT-2 byte-level BPE, identical to its
-// encoder.py). Decoding is concatenating token bytes, exact for any input.
-// Any bytes can be encoded: a byte of invalid UTF-8 is a character of its
-// own that is neither letter, number nor space (what encoder.py's regex sees
-// when the bytes are decoded with Python's 'surrogateescape').
+// tokenizer.h: text to token ids and back. Three tokenizers: "byte" (a token
+// is a byte), "gpt2" (OpenAI's GPT-2 byte-level BPE, identical to its
+// encoder.py) and "hf" (a Hugging Face tokenizer.json: GPT-2's or LLaMA-3's
+// byte-level BPE, or LLaMA-1/2's SentencePiece-style BPE with byte fallback;
+// the ids of llama3-tokenizer-js and llama-tokenizer-js).
+// Any bytes can be encoded. gpt2: a byte of invalid UTF-8 is a character of
+// its own that is neither letter, number nor space (what encoder.py's regex
+// sees when the bytes are decoded with Python's 'surrogateescape'), and
+// decoding (concatenating token bytes) gives back any input exactly. hf: the
+// text is first made valid UTF-8, each maximal invalid subpart replaced by
+// U+FFFD (as Python's bytes.decode('utf-8', 'replace') and JavaScript's
+// TextDecoder do), so the ids are those a Python or JavaScript user gets, and
+// decoding gives back the replaced text.
 #ifndef FITLM_TOKENIZER_H
 #define FITLM_TOKENIZER_H
 
@@ -16,13 +23,23 @@ typedef struct fl_tokenizer fl_tokenizer;
 // name "gpt2": OpenAI's GPT-2 BPE from dir/encoder.json and dir/vocab.bpe
 // (dir NULL: data/gpt2, fetched by scripts/setup.sh); vocab 50257,
 // <|endoftext|> = 50256.
+// name "hf": dir is a tokenizer.json or a directory holding one. Its ids
+// are 0..V-1 over model.vocab and added_tokens. The end of text is the
+// eos_token of a tokenizer_config.json beside it, else the added token
+// </s>, <|end_of_text|> or <|endoftext|>. Only the parts these families use
+// are read (see hf_tokenizer.c); any other type is refused by name.
 // Unknown name or bad/missing files: fl_die naming the file (and line/key)
 // and what is wrong.
 fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir);
 void fl_tokenizer_free(fl_tokenizer *tok);
 const char *fl_tokenizer_name(const fl_tokenizer *tok);
 int fl_tokenizer_vocab_size(const fl_tokenizer *tok);
-// The end of a document: GPT-2's <|endoftext|>, LLaMA's </s>.
+// The vocabulary a model for tokenizer `name` needs, without keeping the
+// tokenizer: 257 (byte), 50257 (gpt2), or the ids of the hf file at `path`
+// (loaded to count them). Dies as fl_tokenizer_load does.
+int fl_tokenizer_vocab_of(const char *name, const char *path);
+// The end of a document: GPT-2's <|endoftext|>, LLaMA's </s>, LLaMA-3's
+// <|end_of_text|>.
 int fl_tokenizer_eot(const fl_tokenizer *tok);
 // The id the tokenizer's post-processor puts before every sequence (LLaMA's
 // <s>), or -1 when it puts none (byte, gpt2). A document in a token stream
@@ -37,13 +54,28 @@ typedef struct {
 
 // Appends the tokens of text[0..n) to *out (growing it). Safe to call from
 // several threads at once on the same tokenizer: the tokenizer is read-only
-// and each call has its own cache. "<|endoftext|>" in the text is encoded as
-// plain text (as encoder.py does); callers insert fl_tokenizer_eot.
+// and each call has its own cache. Never adds the post-processor's tokens:
+// callers insert fl_tokenizer_bos and fl_tokenizer_eot (a reference's
+// encode(text) is fl_tokenizer_bos, if any, then these ids). gpt2:
+// "<|endoftext|>" in the text is plain text (as encoder.py has it); hf: an
+// added token's text anywhere in the input is that token, never split (the
+// longest one where several start at the same place), as Hugging Face's
+// encode does.
 void fl_tokenizer_encode(const fl_tokenizer *tok, const uint8_t *text, size_t n, fl_tokens *out);
 void fl_tokens_free(fl_tokens *t);
 
 // The bytes of one token (a pointer into the tokenizer's table, valid while
-// tok lives). Dies on an id out of range.
+// tok lives). Dies on an id out of range. SentencePiece tokens have "▁" as
+// the space it stands for and <0xNN> as byte NN; added tokens their text.
 const uint8_t *fl_tokenizer_token_bytes(const fl_tokenizer *tok, int id, size_t *len);
+
+// The text of ids[0..n) (*len bytes; fl_free it), as Hugging Face's
+// decode(ids, skip_special_tokens=True): the token bytes concatenated,
+// special added tokens left out, and, for a tokenizer whose decoder strips
+// it (LLaMA-1/2's Strip, Metaspace), the space the encoding put first
+// dropped. decode(encode(text)) is the text for any valid UTF-8 text
+// without added tokens' texts (SentencePiece: nor "▁", which reads as a
+// space). Dies on an id out of range.
+uint8_t *fl_tokenizer_decode(const fl_tokenizer *tok, const int32_t *ids, size_t n, size_t *len);
 
 #endif

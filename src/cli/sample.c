@@ -29,9 +29,13 @@ static void help(void) {
            "                       trained on them (a Hugging Face base directory)\n"
            "  --double-quant       with --quantize: double-quantised absmax, as in training\n"
            "  --nf4-blocksize N    with --quantize: the NF4 block size (default: 64)\n"
-           "  --prompt TEXT        text to continue, after <|endoftext|> (default: none)\n"
-           "  --tokenizer NAME     gpt2 or byte (default: the checkpoint's; gpt2 for others)\n"
-           "  --tokenizer-path DIR encoder.json and vocab.bpe for gpt2 (default: data/gpt2)\n"
+           "  --prompt TEXT        text to continue, after the tokenizer's BOS (LLaMA's <s>)\n"
+           "                       or else <|endoftext|> (default: none)\n"
+           "  --tokenizer NAME     gpt2, byte or hf (default: the checkpoint's; hf for a Hugging\n"
+           "                       Face directory with a tokenizer.json; gpt2 for others)\n"
+           "  --tokenizer-path DIR gpt2: encoder.json and vocab.bpe; hf: a tokenizer.json or its\n"
+           "                       directory (default: hf: the checkpoint directory's\n"
+           "                       tokenizer.json; gpt2: data/gpt2)\n"
            "  --tokens N           tokens to generate (default: 400)\n"
            "  --temperature X      softmax temperature, 0 = greedy (default: 0.8)\n"
            "  --top-k K            sample among the K most likely tokens, 0 = all (default: 40)\n"
@@ -58,7 +62,7 @@ int cmd_sample(int argc, char **argv) {
         help();
         return 0;
     }
-    sample_options o = {"out", NULL, "", "", "data/gpt2", 400, 40, 0, 0.8f, 1337};
+    sample_options o = {"out", NULL, "", "", NULL, 400, 40, 0, 0.8f, 1337};
     fl_quant_config quant = {0, 64, 0};
     for (int i = 0; i < argc; i++) {
         const char *flag = argv[i];
@@ -98,7 +102,11 @@ int cmd_sample(int argc, char **argv) {
         fl_die("--double-quant and --nf4-blocksize apply with --quantize nf4");
 
     fl_model model;
-    char tokenizer[32] = "gpt2";
+    // the tokenizer the weights come with (a Hugging Face directory's
+    // tokenizer.json, a checkpoint's run's), unless the flags name another
+    char tokenizer[32], tokenizer_path[FL_PATH_MAX];
+    fl_source_tokenizer(o.checkpoint, tokenizer, sizeof tokenizer, tokenizer_path,
+                        sizeof tokenizer_path);
     if (fl_is_checkpoint(o.checkpoint) && !quant.enabled)
         fl_ckpt_load_model(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer);
     else
@@ -110,7 +118,11 @@ int cmd_sample(int argc, char **argv) {
         fl_peft_load(o.adapter, &model);
     }
     fl_model_check_finite(&model, o.checkpoint, o.adapter);
-    fl_tokenizer *tok = fl_tokenizer_load(*o.tokenizer ? o.tokenizer : tokenizer, o.tokenizer_path);
+    const char *name = *o.tokenizer ? o.tokenizer : tokenizer;
+    // (another tokenizer named without --tokenizer-path: its default files)
+    if (!o.tokenizer_path && !(*o.tokenizer && strcmp(o.tokenizer, tokenizer)))
+        o.tokenizer_path = tokenizer_path;
+    fl_tokenizer *tok = fl_tokenizer_load(name, o.tokenizer_path);
     // every token the model can sample must decode
     if (fl_tokenizer_vocab_size(tok) != model.config.vocab_size)
         fl_die("the %s tokenizer's vocabulary (%d) is not the model's (%d): choose the tokenizer "
@@ -119,11 +131,12 @@ int cmd_sample(int argc, char **argv) {
     fl_model_alloc_acts(&model, 1, model.config.max_seq_len, FL_RECOMPUTE_NONE, 1); // no backward
 
     fl_tokens prompt = {0};
-    int eot = fl_tokenizer_eot(tok);
+    // a sample starts like a fresh document: BOS if the tokenizer has one
+    int start = fl_tokenizer_bos(tok) >= 0 ? fl_tokenizer_bos(tok) : fl_tokenizer_eot(tok);
     fl_tokenizer_encode(tok, (const uint8_t *)o.prompt, strlen(o.prompt), &prompt);
     int n_prompt = 1 + (int)prompt.n;
     int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(n_prompt + o.tokens) * sizeof(int));
-    tokens[0] = eot; // a sample starts like a fresh document
+    tokens[0] = start;
     for (size_t i = 0; i < prompt.n; i++) tokens[1 + i] = prompt.ids[i];
     fl_tokens_free(&prompt);
     fl_rng rng;

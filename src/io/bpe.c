@@ -1,9 +1,13 @@
-// bpe.c: merging one piece's bytes into tokens, as encoder.py's bpe() does:
-// take the lowest-ranked pair present, merge it at each of its occurrences
-// left to right, repeat until no pair has a rank. Short pieces run exactly
-// that; long ones (a run of thousands of letters is one piece) use a heap of
+// bpe.c: merging one piece into tokens, as encoder.py's bpe() does: take
+// the lowest-ranked pair present, merge it at each of its occurrences left
+// to right, repeat until no pair has a rank. Short pieces run exactly that;
+// long ones (a run of thousands of letters is one piece) use a heap of
 // (rank, position), which merges in the same order when the merges are
 // ordered (see fl_tokenizer.ordered) and takes O(n log n), not O(n^2).
+// Hugging Face's order (tokenizer.json) is the heap's at any length: the
+// leftmost lowest-ranked pair, one occurrence at a time, which differs from
+// encoder.py's when a merge makes a pair of lower rank than its own (merges
+// not ordered, as LLaMA's are not); short pieces run that one at a time.
 #include "bpe.h"
 
 #include "fitlm/core.h"
@@ -30,7 +34,8 @@ static size_t merge_short(const fl_tokenizer *tok, int32_t *sym, int32_t *rank, 
         size_t i = best, j = best;
         int prev_merged = 0;
         while (i < m) {
-            int merge = i + 1 < m && sym[i] == a && sym[i + 1] == b;
+            // Hugging Face merges one occurrence (the leftmost) at a time
+            int merge = i + 1 < m && sym[i] == a && sym[i + 1] == b && (!tok->hf || i == best);
             sym[j] = merge ? merged : sym[i];
             if (j > 0)
                 rank[j - 1] =
@@ -100,12 +105,32 @@ static size_t merge_long(const fl_tokenizer *tok, int32_t *sym, uint32_t *next, 
     return m;
 }
 
+// The symbols the merging starts from: a character each, or, for one the
+// vocabulary lacks, its <0xNN> byte tokens (all of them or none), else unk.
+static size_t char_symbols(const fl_tokenizer *tok, const uint8_t *p, size_t len, int32_t *sym) {
+    size_t m = 0;
+    for (size_t i = 0, n; i < len; i += n) {
+        n = p[i] < 0xc0 ? 1 : p[i] < 0xe0 ? 2 : p[i] < 0xf0 ? 3 : 4; // the input is valid UTF-8
+        int32_t id = n == 1 ? tok->ascii_id[p[i]] : fl_tok_find(tok, p + i, n);
+        int bytes = id < 0 && tok->byte_fallback;
+        for (size_t k = 0; bytes && k < n; k++) bytes = tok->byte_id[p[i + k]] >= 0;
+        if (id >= 0) {
+            sym[m++] = id;
+        } else if (bytes) {
+            for (size_t k = 0; k < n; k++) sym[m++] = tok->byte_id[p[i + k]];
+        } else if (tok->unk >= 0 && !(tok->fuse_unk && m && sym[m - 1] == tok->unk)) {
+            sym[m++] = tok->unk; // (no unk: the character is dropped, as Hugging Face does)
+        }
+    }
+    return m;
+}
+
 const int32_t *fl_bpe(const fl_tokenizer *tok, const uint8_t *p, size_t len, fl_bpe_scratch *s,
                       size_t *n_out) {
     if (len >= UINT32_MAX / 4)
-        fl_die("the text has a piece of %zu bytes without a break (the GPT-2 tokenizer's limit "
+        fl_die("the text has a piece of %zu bytes without a break (the %s tokenizer's limit "
                "is 1 GiB)",
-               len);
+               len, tok->name);
     // the heap holds at most len - 1 initial pairs plus 2 per merge
     size_t need = len * (3 * sizeof(uint64_t) + 3 * sizeof(int32_t));
     if (need > s->cap) {
@@ -115,8 +140,12 @@ const int32_t *fl_bpe(const fl_tokenizer *tok, const uint8_t *p, size_t len, fl_
     }
     uint64_t *heap = (uint64_t *)s->buf;
     int32_t *sym = (int32_t *)(heap + 3 * len), *other = sym + len;
-    for (size_t i = 0; i < len; i++) sym[i] = tok->byte_id[p[i]];
-    if (len <= SHORT_PIECE || !tok->ordered)
+    if (tok->start == FL_BPE_CHARS) {
+        len = char_symbols(tok, p, len, sym);
+    } else {
+        for (size_t i = 0; i < len; i++) sym[i] = tok->byte_id[p[i]];
+    }
+    if (len <= SHORT_PIECE || !(tok->ordered || tok->hf))
         *n_out = merge_short(tok, sym, other, len);
     else
         *n_out =

@@ -1,7 +1,8 @@
-// tokenizer.c: loading the tokenizers. "gpt2" reads OpenAI's encoder.json
-// (token -> id) and vocab.bpe (the merges, in rank order). Both write tokens
-// in GPT-2's byte alphabet, one printable code point per byte
-// (bytes_to_unicode in encoder.py); the tables here hold the raw bytes.
+// tokenizer.c: loading the tokenizers (hf: hf_tokenizer.c), their public
+// accessors and decoding. "gpt2" reads OpenAI's encoder.json (token -> id)
+// and vocab.bpe (the merges, in rank order). Both write tokens in GPT-2's
+// byte alphabet, one printable code point per byte (bytes_to_unicode in
+// encoder.py); the tables here hold the raw bytes.
 #include "bpe.h"
 
 #include <errno.h>
@@ -11,22 +12,17 @@
 #include "fitlm/core.h"
 #include "fitlm/io.h"
 
-enum { ALPHABET = 256 + 68 }; // the alphabet's code points are all below this
-
 static int printable(int b) {
     return (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
 }
 
-// byte_of[cp]: the byte GPT-2 writes as code point cp, or -1.
-static void byte_decoder(int16_t byte_of[ALPHABET]) {
-    for (int cp = 0; cp < ALPHABET; cp++) byte_of[cp] = -1;
+void fl_tok_byte_decoder(int16_t byte_of[FL_ALPHABET]) {
+    for (int cp = 0; cp < FL_ALPHABET; cp++) byte_of[cp] = -1;
     int k = 0;
     for (int b = 0; b < 256; b++) byte_of[printable(b) ? b : 256 + k++] = (int16_t)b;
 }
 
-// Maps a token written in the byte alphabet (UTF-8) back to its bytes; out
-// has room for n. Returns the length, or -1 for a character outside it.
-static long unmap(const int16_t *byte_of, const char *str, size_t n, uint8_t *out) {
+long fl_tok_unmap(const int16_t *byte_of, const char *str, size_t n, uint8_t *out) {
     const uint8_t *s = (const uint8_t *)str;
     long len = 0;
     for (size_t i = 0; i < n; i++) {
@@ -35,16 +31,16 @@ static long unmap(const int16_t *byte_of, const char *str, size_t n, uint8_t *ou
             cp = (cp & 0x1f) << 6 | (s[++i] & 0x3f);
         else if (cp >= 0x80)
             return -1;
-        if (cp >= ALPHABET || byte_of[cp] < 0) return -1;
+        if (cp >= FL_ALPHABET || byte_of[cp] < 0) return -1;
         out[len++] = (uint8_t)byte_of[cp];
     }
     return len;
 }
 
-static char *read_file(const char *path, size_t *size) {
+char *fl_tok_read_file(const char *path, size_t *size) {
     if (access(path, R_OK) != 0)
         fl_die("cannot open tokenizer file %s: %s%s", path, strerror(errno),
-               errno == ENOENT ? " (scripts/setup.sh fetches the GPT-2 files)" : "");
+               errno == ENOENT ? " (scripts/setup.sh fetches the tokenizer files)" : "");
     char *text = (char *)fl_file_read_all(path, (size_t)1 << 30, size, "tokenizer file");
     if (*size == 0) fl_die("tokenizer file %s is empty", path);
     return text;
@@ -56,14 +52,8 @@ static int table_bits(size_t entries) { // a power of two at most half full
     return bits;
 }
 
-// Token bytes -> id, needed only while the merges are read.
-typedef struct {
-    int32_t *ids; // id + 1, 0 when empty
-    uint64_t mask;
-    int shift;
-} str_table;
-
-static int32_t *str_slot(const fl_tokenizer *tok, const str_table *t, const uint8_t *s, size_t n) {
+static int32_t *find_slot(const fl_tokenizer *tok, const uint8_t *s, size_t n) {
+    const fl_vocab_index *t = &tok->find;
     for (uint64_t i = bpe_hash(s, n) >> t->shift;; i = (i + 1) & t->mask) {
         int32_t id = t->ids[i] - 1;
         if (id < 0) return &t->ids[i];
@@ -72,14 +62,35 @@ static int32_t *str_slot(const fl_tokenizer *tok, const str_table *t, const uint
     }
 }
 
-static int32_t str_find(const fl_tokenizer *tok, const str_table *t, const void *s, size_t n) {
-    return *str_slot(tok, t, s, n) - 1;
+int32_t fl_tok_find(const fl_tokenizer *tok, const void *s, size_t n) {
+    return *find_slot(tok, s, n) - 1;
 }
 
-static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byte_of,
-                         str_table *st) {
+int fl_tok_index(fl_tokenizer *tok, int count, const uint8_t *use) {
+    int bits = table_bits((size_t)count);
+    tok->find.ids = fl_alloc(FL_MEM_OTHER, ((size_t)1 << bits) * sizeof *tok->find.ids);
+    tok->find.mask = ((uint64_t)1 << bits) - 1;
+    tok->find.shift = 64 - bits;
+    for (int id = 0; id < count; id++) {
+        if (use && !use[id]) continue;
+        int32_t *slot =
+            find_slot(tok, tok->bytes + tok->offs[id], tok->offs[id + 1] - tok->offs[id]);
+        if (*slot) return id;
+        *slot = id + 1;
+    }
+    return -1;
+}
+
+void fl_tok_merges_alloc(fl_tokenizer *tok, size_t merges) {
+    int bits = table_bits(merges);
+    tok->merges = fl_alloc(FL_MEM_OTHER, ((size_t)1 << bits) * sizeof *tok->merges);
+    tok->merge_mask = ((uint64_t)1 << bits) - 1;
+    tok->merge_shift = 64 - bits;
+}
+
+static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byte_of) {
     size_t size;
-    char *text = read_file(path, &size);
+    char *text = fl_tok_read_file(path, &size);
     cJSON *root = cJSON_ParseWithLength(text, size);
     if (!root) {
         const char *at = cJSON_GetErrorPtr();
@@ -97,7 +108,7 @@ static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byt
         if (!cJSON_IsNumber(it) || !(v >= 0 && v < count) || v != (int)v)
             fl_die("tokenizer file %s: key \"%.60s\": the id must be an integer in 0..%d", path,
                    it->string, count - 1);
-        long n = unmap(byte_of, it->string, strlen(it->string), buf);
+        long n = fl_tok_unmap(byte_of, it->string, strlen(it->string), buf);
         if (n <= 0)
             fl_die("tokenizer file %s: key \"%.60s\" is not a token in GPT-2's byte alphabet", path,
                    it->string);
@@ -111,26 +122,19 @@ static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byt
     tok->bytes = fl_alloc(FL_MEM_OTHER, total);
     for (int id = 0; id < count; id++) tok->offs[id + 1] = tok->offs[id] + len[id] - 1;
     for (const cJSON *it = root->child; it; it = it->next)
-        unmap(byte_of, it->string, strlen(it->string),
-              tok->bytes + tok->offs[(int)it->valuedouble]);
+        fl_tok_unmap(byte_of, it->string, strlen(it->string),
+                     tok->bytes + tok->offs[(int)it->valuedouble]);
 
-    int bits = table_bits((size_t)count);
-    st->ids = fl_alloc(FL_MEM_OTHER, ((size_t)1 << bits) * sizeof *st->ids);
-    st->mask = ((uint64_t)1 << bits) - 1;
-    st->shift = 64 - bits;
-    for (int id = 0; id < count; id++) {
-        const uint8_t *s = tok->bytes + tok->offs[id];
-        int32_t *slot = str_slot(tok, st, s, len[id] - 1);
-        if (*slot)
-            fl_die("tokenizer file %s: ids %d and %d are the same token", path, *slot - 1, id);
-        *slot = id + 1;
-    }
+    int twice = fl_tok_index(tok, count, NULL);
+    if (twice >= 0)
+        fl_die("tokenizer file %s: ids %d and %d are the same token", path,
+               fl_tok_find(tok, tok->bytes + tok->offs[twice], len[twice] - 1), twice);
     for (int b = 0; b < 256; b++) {
         uint8_t byte = (uint8_t)b;
-        tok->byte_id[b] = str_find(tok, st, &byte, 1);
+        tok->byte_id[b] = fl_tok_find(tok, &byte, 1);
         if (tok->byte_id[b] < 0) fl_die("tokenizer file %s has no token for byte 0x%02x", path, b);
     }
-    tok->eot = str_find(tok, st, "<|endoftext|>", 13);
+    tok->eot = fl_tok_find(tok, "<|endoftext|>", 13);
     if (tok->eot < 0) fl_die("tokenizer file %s has no <|endoftext|> token", path);
     cJSON_Delete(root);
     fl_free(buf);
@@ -138,8 +142,7 @@ static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byt
     fl_free(text);
 }
 
-// Whether every merge ranks below all merges that use the token it makes.
-static int merges_ordered(const fl_tokenizer *tok) {
+int fl_tok_merges_ordered(const fl_tokenizer *tok) {
     int32_t *made = fl_alloc(FL_MEM_OTHER, (size_t)tok->vocab * sizeof *made); // last rank + 1
     for (uint64_t i = 0; i <= tok->merge_mask; i++)
         if (tok->merges[i].key && made[tok->merges[i].id] <= tok->merges[i].rank)
@@ -155,18 +158,14 @@ static int merges_ordered(const fl_tokenizer *tok) {
 }
 
 // vocab.bpe: a "#version" line, then one merge "A B" per line, by rank.
-static void load_merges(fl_tokenizer *tok, const char *path, const int16_t *byte_of,
-                        const str_table *st) {
+static void load_merges(fl_tokenizer *tok, const char *path, const int16_t *byte_of) {
     size_t size;
-    char *text = read_file(path, &size);
+    char *text = fl_tok_read_file(path, &size);
     if (strncmp(text, "#version", 8) != 0)
         fl_die("tokenizer file %s line 1: expected the \"#version\" header", path);
     size_t lines = 0;
     for (size_t i = 0; i < size; i++) lines += text[i] == '\n';
-    int bits = table_bits(lines);
-    tok->merges = fl_alloc(FL_MEM_OTHER, ((size_t)1 << bits) * sizeof *tok->merges);
-    tok->merge_mask = ((uint64_t)1 << bits) - 1;
-    tok->merge_shift = 64 - bits;
+    fl_tok_merges_alloc(tok, lines);
     uint8_t *buf = fl_alloc(FL_MEM_OTHER, size);
     const char *p = strchr(text, '\n'), *end = text + size;
     int line = 1, rank = 0;
@@ -178,14 +177,14 @@ static void load_merges(fl_tokenizer *tok, const char *path, const int16_t *byte
         if (!sp || sp == p || sp + 1 == eol || memchr(sp + 1, ' ', (size_t)(eol - sp - 1)))
             fl_die("tokenizer file %s line %d: expected two tokens separated by one space", path,
                    line);
-        long a = unmap(byte_of, p, (size_t)(sp - p), buf);
-        long b = a < 0 ? -1 : unmap(byte_of, sp + 1, (size_t)(eol - sp - 1), buf + a);
+        long a = fl_tok_unmap(byte_of, p, (size_t)(sp - p), buf);
+        long b = a < 0 ? -1 : fl_tok_unmap(byte_of, sp + 1, (size_t)(eol - sp - 1), buf + a);
         if (b < 0)
             fl_die("tokenizer file %s line %d: a character outside GPT-2's byte alphabet", path,
                    line);
-        int32_t left = str_find(tok, st, buf, (size_t)a);
-        int32_t right = str_find(tok, st, buf + a, (size_t)b);
-        int32_t merged = str_find(tok, st, buf, (size_t)(a + b));
+        int32_t left = fl_tok_find(tok, buf, (size_t)a);
+        int32_t right = fl_tok_find(tok, buf + a, (size_t)b);
+        int32_t merged = fl_tok_find(tok, buf, (size_t)(a + b));
         if (left < 0 || right < 0 || merged < 0)
             fl_die("tokenizer file %s line %d: the merge \"%.*s\" uses or makes a token that is "
                    "not in encoder.json",
@@ -197,20 +196,18 @@ static void load_merges(fl_tokenizer *tok, const char *path, const int16_t *byte
     }
     fl_free(buf);
     fl_free(text);
-    tok->ordered = merges_ordered(tok);
+    tok->ordered = fl_tok_merges_ordered(tok);
 }
 
 static void load_gpt2(fl_tokenizer *tok, const char *dir) {
     char path[4096];
-    int16_t byte_of[ALPHABET];
-    byte_decoder(byte_of);
-    str_table st;
+    int16_t byte_of[FL_ALPHABET];
+    fl_tok_byte_decoder(byte_of);
     if ((size_t)snprintf(path, sizeof path, "%s/encoder.json", dir) >= sizeof path)
         fl_die("tokenizer directory name is too long: %s", dir);
-    load_encoder(tok, path, byte_of, &st);
+    load_encoder(tok, path, byte_of);
     snprintf(path, sizeof path, "%s/vocab.bpe", dir);
-    load_merges(tok, path, byte_of, &st);
-    fl_free(st.ids);
+    load_merges(tok, path, byte_of);
 }
 
 static void load_byte(fl_tokenizer *tok) {
@@ -229,15 +226,23 @@ static void load_byte(fl_tokenizer *tok) {
 }
 
 fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir) {
-    if (strcmp(name, "byte") != 0 && strcmp(name, "gpt2") != 0)
-        fl_die("unknown tokenizer \"%s\" (known: byte, gpt2)", name);
+    if (strcmp(name, "byte") != 0 && strcmp(name, "gpt2") != 0 && strcmp(name, "hf") != 0)
+        fl_die("unknown tokenizer \"%s\" (known: byte, gpt2, hf)", name);
     fl_tokenizer *tok = fl_alloc(FL_MEM_OTHER, sizeof *tok);
     snprintf(tok->name, sizeof tok->name, "%s", name);
     tok->bos = -1;
+    tok->unk = -1;
+    tok->start = FL_BPE_BYTES;
+    tok->pattern = FL_PRE_GPT2;
     if (!strcmp(name, "byte"))
         load_byte(tok);
-    else
+    else if (!strcmp(name, "gpt2"))
         load_gpt2(tok, dir ? dir : "data/gpt2");
+    else if (!dir || !*dir)
+        fl_die("the hf tokenizer needs a path: a tokenizer.json or a directory holding one "
+               "(--tokenizer-path)");
+    else
+        fl_hf_tokenizer_load(tok, dir);
     return tok;
 }
 
@@ -246,6 +251,9 @@ void fl_tokenizer_free(fl_tokenizer *tok) {
     fl_free(tok->bytes);
     fl_free(tok->offs);
     fl_free(tok->merges);
+    fl_free(tok->find.ids);
+    fl_free(tok->added);
+    fl_free(tok->special);
     fl_free(tok);
 }
 
@@ -255,6 +263,15 @@ const char *fl_tokenizer_name(const fl_tokenizer *tok) {
 
 int fl_tokenizer_vocab_size(const fl_tokenizer *tok) {
     return tok->vocab;
+}
+
+int fl_tokenizer_vocab_of(const char *name, const char *path) {
+    if (!strcmp(name, "byte")) return 257;
+    if (!strcmp(name, "gpt2")) return 50257;
+    fl_tokenizer *tok = fl_tokenizer_load(name, path); // hf: the file decides
+    int vocab = tok->vocab;
+    fl_tokenizer_free(tok);
+    return vocab;
 }
 
 int fl_tokenizer_eot(const fl_tokenizer *tok) {
@@ -271,4 +288,25 @@ const uint8_t *fl_tokenizer_token_bytes(const fl_tokenizer *tok, int id, size_t 
                tok->vocab);
     *len = tok->offs[id + 1] - tok->offs[id];
     return tok->bytes + tok->offs[id];
+}
+
+uint8_t *fl_tokenizer_decode(const fl_tokenizer *tok, const int32_t *ids, size_t n, size_t *len) {
+    size_t total = 0, at = 0, b;
+    for (size_t i = 0; i < n; i++) {
+        fl_tokenizer_token_bytes(tok, ids[i], &b);
+        total += b;
+    }
+    uint8_t *out = fl_alloc(FL_MEM_OTHER, total + 1);
+    int strip = tok->strip_space;
+    for (size_t i = 0; i < n; i++) {
+        if (tok->special && tok->special[ids[i]]) continue;
+        const uint8_t *p = fl_tokenizer_token_bytes(tok, ids[i], &b);
+        // the Strip decoder: the space the encoding put first goes
+        if (strip && b && p[0] == ' ') p++, b--;
+        strip = 0;
+        memcpy(out + at, p, b);
+        at += b;
+    }
+    *len = at;
+    return out;
 }

@@ -8,9 +8,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <omp.h>
 #include <cJSON.h>
 
+#include "fitlm/config.h"
 #include "fitlm/io.h"
 
 static void add_u64(cJSON *obj, const char *key, uint64_t v) {
@@ -336,6 +338,34 @@ void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg) {
     cJSON_Delete(meta);
     fl_model_config_finish(cfg);
     fl_ckpt_check_shape(ck); // callers allocate by this shape
+}
+
+int fl_source_tokenizer(const char *source, char *name, size_t name_size, char *path,
+                        size_t path_size) {
+    if (fl_is_checkpoint(source)) {
+        fl_ckpt *ck = fl_ckpt_open(source);
+        cJSON *meta = parse_meta(ck);
+        snprintf(name, name_size, "%s", string(meta, "tokenizer", fl_ckpt_path(ck)));
+        // a model saved outside a training run has no run config: the defaults
+        int has_config = cJSON_GetObjectItemCaseSensitive(meta, "config") != NULL;
+        cJSON_Delete(meta);
+        fl_train_config cfg;
+        fl_config_defaults(&cfg);
+        if (has_config) {
+            char *json = fl_train_ckpt_config(ck);
+            fl_config_load_json_text(&cfg, json, strlen(json), fl_ckpt_path(ck));
+            fl_free(json);
+        }
+        snprintf(path, path_size, "%s", cfg.tokenizer_path);
+        fl_ckpt_close(ck);
+        return 1;
+    }
+    char json[FL_FILE_PATH_MAX + 32];
+    snprintf(json, sizeof json, "%s/tokenizer.json", source);
+    int hf = access(json, R_OK) == 0;
+    snprintf(name, name_size, "%s", hf ? "hf" : "gpt2");
+    snprintf(path, path_size, "%s", hf ? source : "data/gpt2");
+    return hf;
 }
 
 void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,

@@ -3,6 +3,7 @@
 // config's own checks; and the optimizer's settings.
 #include <string.h>
 
+#include "fitlm/tokenizer.h"
 #include "fitlm/train.h"
 
 void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source) {
@@ -74,9 +75,9 @@ void fl_config_finish(fl_train_config *cfg) {
             fl_die("model.tie_word_embeddings: GPT-2's LM head is always tied to wte");
         shape.tie_embeddings = cfg->tie_embeddings;
     }
-    // the vocabularies of fitlm's tokenizers (src/io/tokenizer.c); the data's
-    // shards are checked against the model when training starts
-    int tokenizer_vocab = !strcmp(cfg->tokenizer, "byte") ? 257 : 50257;
+    // the tokenizer's vocabulary; the data's shards are checked against the
+    // model when training starts
+    int tokenizer_vocab = fl_tokenizer_vocab_of(cfg->tokenizer, cfg->tokenizer_path);
     if (m->vocab_size && m->vocab_size < tokenizer_vocab)
         fl_die("model.vocab_size %d is smaller than the %s tokenizer's %d", m->vocab_size,
                cfg->tokenizer, tokenizer_vocab);
