@@ -1,13 +1,19 @@
 // test_data.c: token shards and the loader: shards round-trip in both token
 // widths, damaged shards are refused naming the file and byte offset, every
 // epoch visits each window once, ranks get disjoint windows, and a saved
-// loader position continues exactly where it stopped.
+// loader position continues exactly where it stopped. Instruction data: the
+// chat templates render exactly the expected text with only the answers as
+// targets, bad records are refused with a reason, packing keeps examples
+// whole (truncating or splitting long ones), masked shards round-trip and
+// are checked, and the loader turns masked targets into -1.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fitlm/data.h"
 #include "fitlm/io.h"
+#include "fitlm/tokenizer.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_test_data_XXXXXX";
@@ -240,12 +246,325 @@ static void test_loader(void) {
     t_dies("mixed tokenizers", open_loader, d, "does not match");
 }
 
+// ----------------------------------------------------------------------------
+// instruction examples (byte tokenizer: a token is a byte, <eot> = 256)
+
+static fl_tokenizer *byte_tok;
+
+// The example's text with <eot> spelled "|", and its targets' text alone.
+static void render_of(const char *json, fl_chat_template tpl, char *all, char *targets) {
+    fl_example_format f = {"prompt", "response", "messages", tpl};
+    fl_example ex = {0};
+    char err[256] = "";
+    int rc = fl_example_parse(byte_tok, &f, json, strlen(json), &ex, err, sizeof err);
+    size_t a = 0, t = 0;
+    for (size_t i = 0; rc == 0 && i < ex.tokens.n; i++) {
+        char c = ex.tokens.ids[i] == 256 ? '|' : (char)ex.tokens.ids[i];
+        all[a++] = c;
+        if (ex.mask[i]) targets[t++] = c;
+    }
+    all[a] = targets[t] = 0;
+    if (rc) snprintf(all, 256, "error: %.200s", err);
+    fl_example_free(&ex);
+}
+
+static void test_templates(void) {
+    char all[1024], tg[1024];
+    const struct {
+        fl_chat_template tpl;
+        const char *json, *all, *targets;
+    } cases[] = {
+        {FL_TEMPLATE_DEFAULT, "{\"prompt\": \"Hi\", \"response\": \"Yo\"}",
+         "### User:\nHi\n\n### Assistant:\nYo|", "Yo|"},
+        {FL_TEMPLATE_DEFAULT, "{\"instruction\": \"Add\", \"input\": \"1 2\", \"output\": \"3\"}",
+         "### User:\nAdd\n\n1 2\n\n### Assistant:\n3|", "3|"},
+        {FL_TEMPLATE_DEFAULT,
+         "{\"system\": \"S\", \"instruction\": \"Add\", \"input\": \"\", \"output\": \"3\"}",
+         "### System:\nS\n\n### User:\nAdd\n\n### Assistant:\n3|", "3|"},
+        {FL_TEMPLATE_CHATML,
+         "{\"messages\": [{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", "
+         "\"content\": \"U\"}, {\"role\": \"assistant\", \"content\": \"A\"}]}",
+         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+         "<|im_start|>assistant\nA<|im_end|>|",
+         "A<|im_end|>|"},
+        {FL_TEMPLATE_LLAMA3,
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"U\"}, {\"role\": \"assistant\", "
+         "\"content\": \"A\"}, {\"role\": \"user\", \"content\": \"V\"}, {\"role\": "
+         "\"assistant\", \"content\": \"B\"}]}",
+         "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
+         "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
+         "<|start_header_id|>user<|end_header_id|>\n\nV<|eot_id|>"
+         "<|start_header_id|>assistant<|end_header_id|>\n\nB<|eot_id|>|",
+         "A<|eot_id|>B<|eot_id|>|"},
+        {FL_TEMPLATE_LLAMA2,
+         "{\"messages\": [{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", "
+         "\"content\": \"U\"}, {\"role\": \"assistant\", \"content\": \"A\"}, {\"role\": "
+         "\"user\", \"content\": \"V\"}, {\"role\": \"assistant\", \"content\": \"B\"}]}",
+         "[INST] <<SYS>>\nS\n<</SYS>>\n\nU [/INST]A|[INST] V [/INST]B|", "A|B|"},
+        {FL_TEMPLATE_DEFAULT, "{\"prompt\": \"\\u00e9\", \"response\": \"x\"}  ",
+         "### User:\n\xc3\xa9\n\n### Assistant:\nx|", "x|"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        render_of(cases[i].json, cases[i].tpl, all, tg);
+        t_check(!strcmp(all, cases[i].all) && !strcmp(tg, cases[i].targets),
+                "template %d case %zu renders\n  %s\nwith targets '%s'; got\n  %s\nwith '%s'",
+                cases[i].tpl, i, cases[i].all, cases[i].targets, all, tg);
+    }
+    t_check(fl_chat_template_parse("chatml") == FL_TEMPLATE_CHATML &&
+                fl_chat_template_parse("llama3") == FL_TEMPLATE_LLAMA3 &&
+                fl_chat_template_parse("vicuna") == -1,
+            "templates are found by name");
+
+    // configurable field names
+    fl_example_format f = {"q", "a", "turns", FL_TEMPLATE_DEFAULT};
+    fl_example ex = {0};
+    char err[256];
+    const char *json = "{\"q\": \"1\", \"a\": \"2\"}";
+    t_check(fl_example_parse(byte_tok, &f, json, strlen(json), &ex, err, sizeof err) == 0 &&
+                ex.tokens.n == strlen("### User:\n1\n\n### Assistant:\n2") + 1,
+            "--prompt-field and --response-field name the fields");
+    fl_example_free(&ex);
+
+    const struct {
+        const char *json, *why;
+    } bad[] = {
+        {"{\"prompt\": \"a\", \"response\": ", "invalid JSON at column"},
+        {"{\"prompt\": \"a\", \"response\": \"b\"} x", "text after the JSON value at column 34"},
+        {"[1, 2]", "not a JSON object"},
+        {"{\"prompt\": \"a\"}", "missing field \"response\""},
+        {"{\"prompt\": 1, \"response\": \"b\"}", "field \"prompt\" is not a string"},
+        {"{\"prompt\": \"a\", \"response\": \"\"}", "empty response"},
+        {"{\"text\": \"a\"}", "no \"messages\" list, \"prompt\"/\"response\" or"},
+        {"{\"messages\": {}}", "field \"messages\" is not a list"},
+        {"{\"messages\": [{\"role\": \"bot\", \"content\": \"a\"}]}",
+         "messages[0].role \"bot\" is not"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": [1]}]}",
+         "messages[0].content is missing or not a string"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}]}",
+         "does not end with an assistant message"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"system\", "
+         "\"content\": \"s\"}, {\"role\": \"assistant\", \"content\": \"b\"}]}",
+         "messages[1]: a system message must come first"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", "
+         "\"content\": \"\"}]}",
+         "messages[1]: empty assistant message"},
+        {"{\"instruction\": \"a\", \"input\": 3, \"output\": \"b\"}", "field \"input\" is not"},
+    };
+    fl_example_format d = {"prompt", "response", "messages", FL_TEMPLATE_DEFAULT};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        err[0] = 0;
+        int rc =
+            fl_example_parse(byte_tok, &d, bad[i].json, strlen(bad[i].json), &ex, err, sizeof err);
+        t_check(rc == -1 && strstr(err, bad[i].why), "%s is refused: \"%s\" (got %d: \"%s\")",
+                bad[i].json, bad[i].why, rc, err);
+    }
+    fl_example_free(&ex);
+}
+
+// An example of n tokens 1000*id + i whose targets are the tokens from `from` on.
+static fl_example make_example(int id, size_t n, size_t from) {
+    fl_example ex = {0};
+    ex.tokens.ids = malloc(n * sizeof(int32_t));
+    ex.mask = malloc(n);
+    ex.tokens.n = n;
+    for (size_t i = 0; i < n; i++) {
+        ex.tokens.ids[i] = (int32_t)(1000 * id + (int)i);
+        ex.mask[i] = i >= from;
+    }
+    ex.response_bytes = n - from;
+    return ex;
+}
+
+static void add_example(fl_packer *p, int id, size_t n, size_t from) {
+    fl_example ex = make_example(id, n, from);
+    fl_packer_add(p, &ex);
+    free(ex.tokens.ids);
+    free(ex.mask);
+}
+
+static void test_packing(void) {
+    enum { T = 8, W = T + 1 };
+    fl_packer p;
+    fl_packer_init(&p, T, FL_SEQ_TRUNCATE, 1, 7);
+    add_example(&p, 1, 6, 2);   // window 0: 6 of 9
+    add_example(&p, 2, 5, 1);   // too big for window 0's 3: window 1
+    add_example(&p, 3, 3, 1);   // window 0 fits it exactly (best fit before window 1's 4)
+    add_example(&p, 4, 4, 3);   // window 1's 4
+    add_example(&p, 5, 12, 4);  // truncated to 9: window 2
+    add_example(&p, 6, 12, 10); // its targets are past the cut: dropped
+    t_check(p.n_windows == 3 && p.n_examples == 6 && p.n_truncated == 2 && p.n_dropped == 1,
+            "best fit: 3 windows, 2 truncated, 1 dropped (got %zu, %llu, %llu)", p.n_windows,
+            (unsigned long long)p.n_truncated, (unsigned long long)p.n_dropped);
+    t_check(p.tokens[0] == 1000 && p.tokens[6] == 3000 && p.tokens[W] == 2000 &&
+                p.tokens[W + 5] == 4000 && p.tokens[2 * W + 8] == 5008,
+            "examples stay whole and in their windows");
+    t_check(p.mask[6] == 0 && p.mask[7] == 1 && p.mask[W + 5] == 0 && p.mask[W + 8] == 1 &&
+                p.mask[W + 4] == 1,
+            "a piece's first token is never a target");
+    int first_never = 1;
+    for (size_t w = 0; w < p.n_windows; w++) first_never &= p.mask[w * W] == 0;
+    t_check(first_never && p.examples[0] == 2 && p.examples[1] == 2 && p.examples[2] == 1,
+            "windows count the examples that start in them");
+    fl_packer_free(&p);
+
+    // split: windows overlapping by one token keep every target
+    fl_packer_init(&p, T, FL_SEQ_SPLIT, 1, 7);
+    add_example(&p, 1, 20, 1); // 19 targets: windows [0,9) [8,17) [16,20)
+    size_t targets = 0;
+    for (size_t i = 0; i < p.n_windows * W; i++) targets += p.mask[i];
+    t_check(p.n_windows == 3 && p.n_split == 1 && targets == 19 && p.n_targets == 19 &&
+                p.tokens[W] == 1008 && p.tokens[2 * W] == 1016 && p.tokens[2 * W + 3] == 1019 &&
+                p.tokens[2 * W + 4] == 7,
+            "split: 3 windows overlapping by one token, all 19 targets, padded");
+    fl_packer_free(&p);
+
+    // unpacked: one example per window
+    fl_packer_init(&p, T, FL_SEQ_TRUNCATE, 0, 7);
+    add_example(&p, 1, 3, 1);
+    add_example(&p, 2, 3, 1);
+    t_check(p.n_windows == 2 && p.tokens[3] == 7 && p.tokens[W] == 2000,
+            "--no-packing: one example per window");
+    fl_packer_free(&p);
+}
+
+static void open_loader_t(void *pattern) {
+    fl_loader l;
+    fl_loader_open(&l, pattern, "train", 8, 1, 1, 0, 1);
+}
+
+// A masked data set: windows of T+1 = 9 from a packer.
+static void make_masked(const char *path, uint32_t T, const fl_packer *p) {
+    fl_shard_layout layout = {T, FL_SEQ_TRUNCATE, 1, p->n_examples};
+    fl_shard_write_masked(path, "byte", 50000, p->tokens, p->mask, p->n_windows * (T + 1), 99,
+                          &layout);
+}
+
+static void test_masked_shards(void) {
+    enum { T = 8, W = T + 1 };
+    fl_packer p;
+    fl_packer_init(&p, T, FL_SEQ_TRUNCATE, 1, 7);
+    for (int i = 0; i < 10; i++) add_example(&p, i + 1, 4 + (size_t)i % 5, 2);
+    char d[512], path[600];
+    path_of(d, sizeof d, "masked");
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "mkdir -p %s", d);
+    t_check(system(cmd) == 0, "mkdir");
+    snprintf(path, sizeof path, "%s/train_000000.bin", d);
+    make_masked(path, T, &p);
+
+    fl_shard s;
+    fl_shard_open(&s, path);
+    int same = s.version == 2 && s.n_tokens == p.n_windows * W && s.layout.seq_len == T &&
+               s.layout.policy == FL_SEQ_TRUNCATE && s.layout.packed == 1 &&
+               s.layout.n_examples == 10 && s.n_targets == p.n_targets && s.source_bytes == 99;
+    for (size_t i = 0; i < s.n_tokens; i++)
+        same &= fl_shard_token(&s, i) == (uint32_t)p.tokens[i] &&
+                fl_shard_is_target(&s, i) == (p.mask[i] != 0);
+    t_check(same, "a masked shard round-trips tokens, mask and layout");
+    fl_shard_close(&s);
+
+    fl_loader l;
+    fl_loader_open(&l, d, "train", T, 1, 0, 0, 1);
+    t_check(l.stride == W && l.n_windows == p.n_windows && l.n_targets == p.n_targets,
+            "the loader takes windows of T+1 back to back (%llu windows)",
+            (unsigned long long)l.n_windows);
+    int in[W * 8], tg[W * 8], ok = 1;
+    size_t n = p.n_windows < 8 ? p.n_windows : 8, targets = 0;
+    fl_loader_next(&l, in, tg, (int)n);
+    for (size_t w = 0; w < n; w++)
+        for (int t = 0; t < T; t++) {
+            size_t i = w * W + (size_t)t;
+            ok &= in[w * T + (size_t)t] == p.tokens[i];
+            ok &= tg[w * T + (size_t)t] == (p.mask[i + 1] ? p.tokens[i + 1] : -1);
+            targets += tg[w * T + (size_t)t] != -1;
+        }
+    t_check(ok && targets > 0, "targets outside the mask are -1, the rest the next token");
+    double h = fl_loader_unigram_xent(&l, &l);
+    t_check(h > 0 && isfinite(h), "the unigram baseline counts targets only (%g)", h);
+    fl_loader_close(&l);
+
+    char q[600];
+    snprintf(q, sizeof q, "%s/train_000001.bin", d);
+    int32_t other[20] = {0};
+    fl_shard_write(q, "byte", 50000, other, 20, 20);
+    t_dies("mixed versions", open_loader_t, d, "cannot be mixed in one data set");
+    if (remove(q) != 0) t_check(0, "remove %s", q);
+
+    // a run with another T: the windows would cut examples anywhere
+    fl_packer_free(&p);
+    fl_packer_init(&p, 16, FL_SEQ_SPLIT, 0, 7);
+    add_example(&p, 1, 10, 2);
+    path_of(q, sizeof q, "t16.bin");
+    make_masked(q, 16, &p);
+    t_dies("shard T is not the run's", open_loader_t, q,
+           "was laid out for sequence length 16 (fitlm tokenize --seq-len), but this run's is 8");
+    fl_packer_free(&p);
+
+    // damage: named by offset; every checksum valid where a field is wrong
+    size_t len;
+    unsigned char *good = t_read_file(path, &len), *bad = malloc(len);
+    path_of(q, sizeof q, "badmask.bin");
+    const struct {
+        const char *name;
+        size_t offset;
+        unsigned char xor ;
+        size_t len;
+        const char *expect;
+    } cases[] = {
+        {"layout flip", 70, 0x01, 0, "the header (bytes 64-123) is corrupt"},
+        {"mask flip", len - 1, 0x01, 0, "the token data (byte offset 128 on) is corrupt"},
+        {"mask truncated", 0, 0, len - 1, "is truncated or too long"},
+        {"v2 shorter than its header", 0, 0, 100, "shorter than its 128-byte header"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        memcpy(bad, good, len);
+        bad[cases[i].offset] ^= cases[i].xor ;
+        t_write_file(q, bad, cases[i].len ? cases[i].len : len);
+        t_dies(cases[i].name, open_shard, q, cases[i].expect);
+    }
+    // fields with valid checksums: a target count that is not the mask's, a
+    // set bit at a window start, a policy that does not exist
+    const struct {
+        const char *name;
+        size_t offset;
+        uint32_t value;
+        const char *expect;
+    } fields[] = {
+        {"target count", 84, 1, "the mask holds"},
+        {"policy", 68, 9, "unknown sequence policy 9 (byte offset 68)"},
+        {"seq_len", 64, 15, "are not whole windows of 16"},
+        {"window start", 0, 0, "starts a window but its mask bit is set"},
+    };
+    size_t mask0 = 128 + (len - 128) / 17 * 16; // 2-byte tokens: mask after 16/17 of the body
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        memcpy(bad, good, len);
+        if (fields[i].offset) {
+            fl_put_u32(bad + fields[i].offset, fields[i].value);
+        } else {
+            bad[mask0] |= 1; // token 0's bit
+            fl_put_u64(bad + 84, fl_get_u64(bad + 84) + 1);
+            fl_put_u32(bad + 20, fl_crc32(0, bad + 128, len - 128));
+            fl_put_u32(bad + 60, fl_crc32(0, bad, 60));
+        }
+        fl_put_u32(bad + 124, fl_crc32(0, bad + 64, 60));
+        t_write_file(q, bad, len);
+        t_dies(fields[i].name, open_shard, q, fields[i].expect);
+    }
+    free(good);
+    free(bad);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_crc();
     test_shards();
     test_shard_vocab_range();
     test_loader();
+    byte_tok = fl_tokenizer_load("byte", NULL);
+    test_templates();
+    test_packing();
+    test_masked_shards();
+    fl_tokenizer_free(byte_tok);
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

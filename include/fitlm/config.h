@@ -80,6 +80,8 @@ typedef struct {
     uint64_t seed;
     int threads;
     int mem_report, mem_report_every;
+    int metrics_memory_every;    // memory per tag in metrics.jsonl every N steps
+    float peak_tflops;           // MFU's denominator; 0 = measured at the start
     int profile;                 // per-op profile table after training
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
     uint8_t given[128];          // by option-table index: set by the file or a flag, not defaulted

@@ -9,6 +9,8 @@ int cmd_sample(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_export(int argc, char **argv);
+int cmd_plot(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
 
 // The value of a numeric option, checked against [min, max]; dies naming flag.
 double cli_number(const char *flag, const char *text, double min, double max);

@@ -16,7 +16,9 @@ static void usage(FILE *out) {
                  "  sample   generate text from a checkpoint or pretrained weights\n"
                  "  plan     the memory per tag a training run needs, printed before allocating\n"
                  "  tokenize text files to token shards (GPT-2 BPE or bytes) for training\n"
-                 "  export   a checkpoint to Hugging Face safetensors + config.json\n\n"
+                 "  export   a checkpoint to Hugging Face safetensors + config.json\n"
+                 "  eval     a model's loss, perplexity and bits per byte over whole data\n"
+                 "  plot     PNG and SVG figures of runs' metrics (loss, lr, memory), overlaid\n\n"
                  "'fitlm <command> --help' lists the command's options and their defaults.\n");
 }
 
@@ -37,13 +39,12 @@ int wants_help(int argc, char **argv) {
 
 void print_token(int token, void *tokenizer) {
     const fl_tokenizer *tok = tokenizer;
-    if (token == fl_tokenizer_eot(tok)) {
-        fputs("\n<|endoftext|>\n", stdout);
-    } else {
-        size_t len;
-        const uint8_t *bytes = fl_tokenizer_token_bytes(tok, token, &len);
-        fwrite(bytes, 1, len, stdout);
-    }
+    size_t len;
+    const uint8_t *bytes = fl_tokenizer_token_bytes(tok, token, &len);
+    int eot = token == fl_tokenizer_eot(tok); // a document ends: its name on a line of its own
+    if (eot) putchar('\n');
+    fwrite(bytes, 1, len, stdout);
+    if (eot) putchar('\n');
     fflush(stdout);
 }
 
@@ -62,6 +63,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "plan")) return cmd_plan(argc - 2, argv + 2);
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 2, argv + 2);
     if (!strcmp(cmd, "export")) return cmd_export(argc - 2, argv + 2);
+    if (!strcmp(cmd, "plot")) return cmd_plot(argc - 2, argv + 2);
+    if (!strcmp(cmd, "eval")) return cmd_eval(argc - 2, argv + 2);
     fprintf(stderr, "fitlm: error: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 1;

@@ -1,8 +1,10 @@
-// tokenize.c: `fitlm tokenize`: text files to token shards. Documents are
-// separated by a blank line (or --doc-separator); each document's tokens are
-// preceded by <|endoftext|> (as GPT-2's training data and llm.c's shards
-// are); every k-th document goes to the validation split (k = 1/fraction), so
-// the split is the same on every run and spread over the whole input.
+// tokenize.c: `fitlm tokenize`: text files to token shards (JSON Lines of
+// instruction examples: tokenize_jsonl.c). Documents are separated by a
+// blank line (or --doc-separator); each document's tokens are preceded by
+// the tokenizer's BOS when it has one, else by <|endoftext|> (as GPT-2's
+// training data and llm.c's shards are); every k-th document goes to the
+// validation split (k = 1/fraction), so the split is the same on every run
+// and spread over the whole input.
 #define _GNU_SOURCE // memmem
 #include <ctype.h>
 #include <dirent.h>
@@ -18,14 +20,7 @@
 #include "fitlm/data.h"
 #include "fitlm/io.h"
 #include "fitlm/tokenizer.h"
-
-typedef struct {
-    const char *out, *tokenizer, *tokenizer_path;
-    char separator[64];
-    double val_fraction;
-    uint64_t shard_tokens;
-    int threads;
-} tokenize_options;
+#include "tokenize.h"
 
 typedef struct {
     const uint8_t *text;
@@ -74,44 +69,67 @@ static int is_shard_of(const char *name, const char *split, long *index) {
     return !strcmp(end, ".bin");
 }
 
-// A shard set's files and their temporaries: what a new set replaces (the
-// rest of the directory stays).
-static int in_shard_set(const char *name) {
+int tokenize_in_shard_set(const char *name) {
     return !strncmp(name, "train_", 6) || !strncmp(name, "val_", 4);
 }
 
-// Written in place (a directory that cannot be swapped whole), shards of an
-// earlier, longer run, whatever their numbering, would join this data set.
-static void remove_stale_shards(const split_writer *w) {
-    DIR *d = opendir(w->dir);
-    if (!d) fl_die("cannot list %s: %s", w->dir, strerror(errno));
+void tokenize_remove_stale(const char *dir, const char *split, int kept) {
+    DIR *d = opendir(dir);
+    if (!d) fl_die("cannot list %s: %s", dir, strerror(errno));
     const struct dirent *e;
     long index;
     char path[2 * FL_FILE_PATH_MAX];
     while ((e = readdir(d)))
-        if (is_shard_of(e->d_name, w->name, &index) && index >= w->shards) {
-            snprintf(path, sizeof path, "%s/%s", w->dir, e->d_name);
+        if (is_shard_of(e->d_name, split, &index) && index >= kept) {
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
             if (unlink(path) != 0 && errno != ENOENT)
                 fl_die("cannot remove %s: %s", path, strerror(errno));
         }
     closedir(d);
 }
 
+int tokenize_is_val(size_t d, double fraction) {
+    return floor((double)(d + 1) * fraction) > floor((double)d * fraction);
+}
+
 static void help(void) {
     printf("usage: fitlm tokenize INPUT... -o DIR [options]\n\n"
-           "Tokenizes UTF-8 text files into token shards for `fitlm train --data DIR`:\n"
-           "DIR/train_000000.bin, ... and DIR/val_000000.bin, ...\n\n"
+           "Tokenizes UTF-8 text files (or JSON Lines of instruction examples) into token shards\n"
+           "for `fitlm train --data DIR`: DIR/train_000000.bin, ... and DIR/val_000000.bin, ...\n\n"
            "  -o, --out DIR           output directory (created); an earlier shard set in it\n"
            "                          is replaced as a whole (written beside it, swapped in)\n"
-           "  --tokenizer NAME        gpt2 or byte (default: gpt2)\n"
-           "  --tokenizer-path DIR    the gpt2 tokenizer's encoder.json and vocab.bpe (default: "
-           "data/gpt2)\n"
-           "  --val-fraction F        share of documents for validation, in [0, 0.5] (default: "
-           "0.05)\n"
-           "  --doc-separator TEXT    text between documents, with \\n and \\t escapes (default: "
-           "\\n\\n, a blank line)\n"
+           "  --format NAME           text: documents; jsonl: one example per line, trained on\n"
+           "                          its answers only (default: text)\n"
+           "  --tokenizer NAME        gpt2, byte or hf (default: gpt2)\n"
+           "  --tokenizer-path PATH   gpt2: the directory of encoder.json and vocab.bpe; hf: a\n"
+           "                          tokenizer.json or its directory (default: data/gpt2)\n"
+           "  --val-fraction F        share of documents (examples) for validation, in [0, 0.5]\n"
+           "                          (default: 0.05)\n"
            "  --shard-tokens N        tokens per shard file (default: 100000000)\n"
-           "  --threads N             threads, 0 = all cores (default: 0)\n");
+           "  --threads N             threads, 0 = all cores (default: 0)\n\n"
+           "--format text:\n"
+           "  --doc-separator TEXT    text between documents, with \\n and \\t escapes (default: "
+           "\\n\\n, a blank line)\n\n"
+           "--format jsonl: {\"messages\": [{\"role\": \"system|user|assistant\", \"content\": "
+           "...}, ...]},\n"
+           "{\"prompt\": ..., \"response\": ...} or {\"instruction\", \"input\", \"output\"} "
+           "(optional \"system\"):\n"
+           "  --template NAME         default (### User: / ### Assistant:), chatml, llama3 or "
+           "llama2\n"
+           "                          (default: default)\n"
+           "  --prompt-field NAME     the prompt's field (default: prompt)\n"
+           "  --response-field NAME   the answer's field (default: response)\n"
+           "  --messages-field NAME   the chat's list of messages (default: messages)\n"
+           "  --seq-len T             windows of T+1 tokens; train with the same --seq-len "
+           "(default: 128)\n"
+           "  --overflow POLICY       examples longer than T+1 tokens: truncate (keep the start)\n"
+           "                          or split (into windows overlapping by one token) (default: "
+           "truncate)\n"
+           "  --no-packing            one example per window (default: examples packed whole "
+           "into\n"
+           "                          windows; later ones see earlier ones in the same window)\n"
+           "  --skip-bad-lines        skip lines that are not valid examples, and count them\n"
+           "                          (default: such a line is an error naming FILE:LINE)\n");
 }
 
 static void unescape(char *out, size_t size, const char *in) {
@@ -144,70 +162,34 @@ static size_t split_documents(const fl_text *t, const char *sep, document *docs,
     return n;
 }
 
-int cmd_tokenize(int argc, char **argv) {
-    if (wants_help(argc, argv)) {
-        help();
-        return 0;
-    }
-    tokenize_options o = {NULL, "gpt2", "data/gpt2", "\n\n", 0.05, 100000000, 0};
-    const char **inputs = fl_alloc(FL_MEM_OTHER, ((size_t)argc + 1) * sizeof *inputs);
-    int n_inputs = 0;
-    for (int i = 0; i < argc; i++) {
-        const char *a = argv[i];
-        if (strncmp(a, "-", 1) != 0) {
-            inputs[n_inputs++] = a;
-            continue;
-        }
-        if (i + 1 >= argc) fl_die("option %s needs a value", a);
-        const char *v = argv[++i];
-        if (!strcmp(a, "-o") || !strcmp(a, "--out"))
-            o.out = v;
-        else if (!strcmp(a, "--tokenizer"))
-            o.tokenizer = v;
-        else if (!strcmp(a, "--tokenizer-path"))
-            o.tokenizer_path = v;
-        else if (!strcmp(a, "--val-fraction"))
-            o.val_fraction = cli_number(a, v, 0, 0.5);
-        else if (!strcmp(a, "--doc-separator"))
-            unescape(o.separator, sizeof o.separator, v);
-        else if (!strcmp(a, "--shard-tokens"))
-            o.shard_tokens = (uint64_t)cli_number(a, v, 1024, 1e12);
-        else if (!strcmp(a, "--threads"))
-            o.threads = (int)cli_number(a, v, 0, 4096);
-        else
-            fl_die("unknown option '%s' (see --help)", a);
-    }
-    if (!n_inputs) fl_die("no input files (usage: fitlm tokenize INPUT... -o DIR)");
-    if (!o.out) fl_die("no output directory: give -o DIR");
-    // before anything is created: a directory or a FIFO is not text
-    for (int i = 0; i < n_inputs; i++) fl_require_regular_file(inputs[i], "data file");
-    if (o.threads) fl_set_threads(o.threads);
-    fl_tokenizer *tok = fl_tokenizer_load(o.tokenizer, o.tokenizer_path);
-    // the new set is written beside o.out and swapped in whole: training
+// Documents into version 1 shards: one stream per split.
+static void tokenize_text(const tokenize_options *o, const char **inputs, int n_inputs,
+                          const fl_tokenizer *tok) {
+    // the new set is written beside o->out and swapped in whole: training
     // never sees old and new shards mixed, whenever this run dies
     fl_dir_txn txn;
-    const char *where = fl_dir_begin(&txn, o.out, in_shard_set);
+    const char *where = fl_dir_begin(&txn, o->out, tokenize_in_shard_set);
 
     double t0 = fl_now();
     fl_text *texts = fl_alloc(FL_MEM_OTHER, (size_t)n_inputs * sizeof(fl_text));
     size_t n_docs = 0, in_bytes = 0;
     for (int i = 0; i < n_inputs; i++) {
         fl_text_load(&texts[i], inputs[i]);
-        n_docs += split_documents(&texts[i], o.separator, NULL, 0);
+        n_docs += split_documents(&texts[i], o->separator, NULL, 0);
         in_bytes += texts[i].n;
     }
     if (!n_docs) fl_die("the input holds no documents");
     document *docs = fl_alloc(FL_MEM_OTHER, n_docs * sizeof(document));
     for (int i = 0, d = 0; i < n_inputs; i++)
-        d += (int)split_documents(&texts[i], o.separator, docs + d, n_docs - (size_t)d);
+        d += (int)split_documents(&texts[i], o->separator, docs + d, n_docs - (size_t)d);
     size_t n_val = 0;
     for (size_t d = 0; d < n_docs; d++) {
-        // document d is the first one past each multiple of 1/fraction
-        docs[d].val = floor((double)(d + 1) * o.val_fraction) > floor((double)d * o.val_fraction);
+        docs[d].val = tokenize_is_val(d, o->val_fraction);
         n_val += (size_t)docs[d].val;
     }
-    if (o.val_fraction > 0 && n_val == 0)
-        fl_die("%zu documents are too few for a validation fraction of %g", n_docs, o.val_fraction);
+    if (o->val_fraction > 0 && n_val == 0)
+        fl_die("%zu documents are too few for a validation fraction of %g", n_docs,
+               o->val_fraction);
 
     fl_tokens *encoded = fl_alloc(FL_MEM_OTHER, n_docs * sizeof(fl_tokens));
 #pragma omp parallel for schedule(dynamic, 1)
@@ -215,24 +197,25 @@ int cmd_tokenize(int argc, char **argv) {
         fl_tokenizer_encode(tok, docs[d].text, docs[d].n, &encoded[d]);
 
     uint32_t vocab = (uint32_t)fl_tokenizer_vocab_size(tok);
-    int32_t eot = fl_tokenizer_eot(tok);
-    split_writer w[2] = {{"train", where, o.tokenizer, vocab, o.shard_tokens, NULL, 0, 0, 0, 0, 0},
-                         {"val", where, o.tokenizer, vocab, o.shard_tokens, NULL, 0, 0, 0, 0, 0}};
+    int32_t start = fl_tokenizer_bos(tok) >= 0 ? fl_tokenizer_bos(tok) : fl_tokenizer_eot(tok);
+    split_writer w[2] = {
+        {"train", where, o->tokenizer, vocab, o->shard_tokens, NULL, 0, 0, 0, 0, 0},
+        {"val", where, o->tokenizer, vocab, o->shard_tokens, NULL, 0, 0, 0, 0, 0}};
     uint64_t split_tokens[2] = {0, 0}; // a shard buffer no larger than its split
     for (size_t d = 0; d < n_docs; d++) split_tokens[docs[d].val] += 1 + encoded[d].n;
     for (int s = 0; s < 2; s++) {
-        uint64_t n = split_tokens[s] < o.shard_tokens ? split_tokens[s] : o.shard_tokens;
+        uint64_t n = split_tokens[s] < o->shard_tokens ? split_tokens[s] : o->shard_tokens;
         w[s].buf = fl_alloc(FL_MEM_OTHER, (size_t)(n ? n : 1) * sizeof(int32_t));
     }
     for (size_t d = 0; d < n_docs; d++) {
         split_writer *out = &w[docs[d].val];
-        append(out, &eot, 1, 0);
+        append(out, &start, 1, 0);
         append(out, encoded[d].ids, encoded[d].n, docs[d].n);
         fl_tokens_free(&encoded[d]);
     }
     for (int s = 0; s < 2; s++) {
         flush(&w[s]);
-        remove_stale_shards(&w[s]);
+        tokenize_remove_stale(w[s].dir, w[s].name, w[s].shards);
     }
     fl_dir_commit(&txn);
     double seconds = fl_now() - t0;
@@ -242,15 +225,113 @@ int cmd_tokenize(int argc, char **argv) {
                    "shard(s) %s/%s_*.bin\n",
                    w[s].name, s ? n_val : n_docs - n_val, (unsigned long long)w[s].total_bytes,
                    (unsigned long long)w[s].total_tokens,
-                   (double)w[s].total_bytes / (double)w[s].total_tokens, w[s].shards, o.out,
+                   (double)w[s].total_bytes / (double)w[s].total_tokens, w[s].shards, o->out,
                    w[s].name);
-    printf("tokenizer %s (vocab %u); %zu input bytes in %.2f s (%.1f MB/s)\n", o.tokenizer, vocab,
+    printf("tokenizer %s (vocab %u); %zu input bytes in %.2f s (%.1f MB/s)\n", o->tokenizer, vocab,
            in_bytes, seconds, (double)in_bytes / 1e6 / seconds);
     for (int s = 0; s < 2; s++) fl_free(w[s].buf);
     fl_free(encoded);
     fl_free(docs);
     for (int i = 0; i < n_inputs; i++) fl_text_free(&texts[i]);
     fl_free(texts);
+}
+
+int cmd_tokenize(int argc, char **argv) {
+    if (wants_help(argc, argv)) {
+        help();
+        return 0;
+    }
+    tokenize_options o = {.tokenizer = "gpt2",
+                          .tokenizer_path = "data/gpt2",
+                          .separator = "\n\n",
+                          .val_fraction = 0.05,
+                          .shard_tokens = 100000000,
+                          .example = {"prompt", "response", "messages", FL_TEMPLATE_DEFAULT},
+                          .template_name = "default",
+                          .seq_len = 128,
+                          .packed = 1,
+                          .policy = FL_SEQ_TRUNCATE};
+    const char **inputs = fl_alloc(FL_MEM_OTHER, ((size_t)argc + 1) * sizeof *inputs);
+    int n_inputs = 0;
+    const char *text_only = NULL, *jsonl_only = NULL; // a flag of one format, given
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "-", 1) != 0) {
+            inputs[n_inputs++] = a;
+            continue;
+        }
+        if (!strcmp(a, "--no-packing") || !strcmp(a, "--skip-bad-lines")) { // no value
+            if (!strcmp(a, "--no-packing"))
+                o.packed = 0;
+            else
+                o.skip_bad_lines = 1;
+            jsonl_only = a;
+            continue;
+        }
+        if (i + 1 >= argc) fl_die("option %s needs a value", a);
+        const char *v = argv[++i];
+        if (!strcmp(a, "-o") || !strcmp(a, "--out")) {
+            o.out = v;
+        } else if (!strcmp(a, "--format")) {
+            if (strcmp(v, "text") && strcmp(v, "jsonl"))
+                fl_die("--format %s: expected text or jsonl", v);
+            o.jsonl = !strcmp(v, "jsonl");
+        } else if (!strcmp(a, "--tokenizer")) {
+            o.tokenizer = v;
+        } else if (!strcmp(a, "--tokenizer-path")) {
+            o.tokenizer_path = v;
+        } else if (!strcmp(a, "--val-fraction")) {
+            o.val_fraction = cli_number(a, v, 0, 0.5);
+        } else if (!strcmp(a, "--doc-separator")) {
+            unescape(o.separator, sizeof o.separator, v);
+            text_only = a;
+        } else if (!strcmp(a, "--shard-tokens")) {
+            o.shard_tokens = (uint64_t)cli_number(a, v, 1024, 1e12);
+        } else if (!strcmp(a, "--threads")) {
+            o.threads = (int)cli_number(a, v, 0, 4096);
+        } else if (!strcmp(a, "--template")) {
+            int t = fl_chat_template_parse(v);
+            if (t < 0) fl_die("--template %s: expected default, chatml, llama3 or llama2", v);
+            o.example.chat_template = (fl_chat_template)t;
+            o.template_name = v;
+            jsonl_only = a;
+        } else if (!strcmp(a, "--prompt-field") || !strcmp(a, "--response-field") ||
+                   !strcmp(a, "--messages-field")) {
+            if (!*v) fl_die("%s must not be empty", a);
+            if (!strcmp(a, "--prompt-field"))
+                o.example.prompt_field = v;
+            else if (!strcmp(a, "--response-field"))
+                o.example.response_field = v;
+            else
+                o.example.messages_field = v;
+            jsonl_only = a;
+        } else if (!strcmp(a, "--seq-len")) {
+            o.seq_len = (int)cli_number(a, v, 1, 1 << 20);
+            jsonl_only = a;
+        } else if (!strcmp(a, "--overflow")) {
+            if (strcmp(v, "truncate") && strcmp(v, "split"))
+                fl_die("--overflow %s: expected truncate or split", v);
+            o.policy = !strcmp(v, "split") ? FL_SEQ_SPLIT : FL_SEQ_TRUNCATE;
+            jsonl_only = a;
+        } else {
+            fl_die("unknown option '%s' (see --help)", a);
+        }
+    }
+    if (o.jsonl && text_only) fl_die("%s is an option of --format text, not jsonl", text_only);
+    if (!o.jsonl && jsonl_only)
+        fl_die("%s is an option of --format jsonl (the input is text unless --format jsonl is "
+               "given)",
+               jsonl_only);
+    if (!n_inputs) fl_die("no input files (usage: fitlm tokenize INPUT... -o DIR)");
+    if (!o.out) fl_die("no output directory: give -o DIR");
+    // before anything is created: a directory or a FIFO is not text
+    for (int i = 0; i < n_inputs; i++) fl_require_regular_file(inputs[i], "data file");
+    if (o.threads) fl_set_threads(o.threads);
+    fl_tokenizer *tok = fl_tokenizer_load(o.tokenizer, o.tokenizer_path);
+    if (o.jsonl)
+        tokenize_jsonl(&o, inputs, n_inputs, tok);
+    else
+        tokenize_text(&o, inputs, n_inputs, tok);
     fl_free(inputs);
     fl_tokenizer_free(tok);
     return 0;

@@ -7,7 +7,6 @@
 #include <libgen.h>
 #include <math.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,21 +19,34 @@
 #include "fitlm/config.h"
 #include "fitlm/data.h"
 #include "fitlm/io.h"
+#include "fitlm/metrics.h"
 #include "fitlm/optim.h"
 #include "fitlm/plan.h"
 #include "fitlm/profile.h"
 #include "fitlm/safetensors.h"
 #include "fitlm/tokenizer.h"
 #include "fitlm/train.h"
+#include "fitlm/mfu.h"
 
 // Mean loss over cfg->eval_iters fixed batches spread over the validation data.
 static float evaluate(fl_model *model, const fl_loader *val, const fl_train_config *cfg,
                       int *inputs, int *targets) {
-    double sum = 0.0;
+    // Masked examples (version 2 shards): each batch's mean weighted by its
+    // targets, whose count varies. A stream's batches all hold B*T targets:
+    // the plain mean of means (the logs' values since the first release).
+    int masked = val->shards[0].version == 2;
+    double sum = 0.0, targets_seen = 0.0;
     for (int i = 0; i < cfg->eval_iters; i++) {
         fl_loader_eval_batch(val, i, cfg->eval_iters, inputs, targets, cfg->micro_batch);
-        sum += fl_model_forward(model, inputs, targets, cfg->micro_batch, cfg->seq_len);
+        float loss = fl_model_forward(model, inputs, targets, cfg->micro_batch, cfg->seq_len);
+        if (!masked) {
+            sum += loss;
+        } else if (model->n_targets) {
+            sum += (double)loss * model->n_targets;
+            targets_seen += model->n_targets;
+        }
     }
+    if (masked) return targets_seen ? (float)(sum / targets_seen) : 0.0f;
     return (float)(sum / cfg->eval_iters);
 }
 
@@ -65,55 +77,74 @@ static int flag_given(int argc, char **argv, const char *flag) {
     return 0;
 }
 
-// The per-step log, OUT/log.txt: exact values (%.9g round-trips a float), one
-// line per step, flushed as it is written (a line a crash loses is a step the
-// next resume repeats). On resume the lines past the checkpoint's step are
-// dropped. A write that fails (a full disk) stops the run, naming the file.
+// The run's records in OUT (fitlm/metrics.h): log.txt, exact values (%.9g
+// round-trips a float) as plain text, and metrics.jsonl, the same and more
+// (tokens, throughput, MFU, memory) as JSON for `fitlm plot`.
 typedef struct {
-    FILE *f;
-    char path[FL_PATH_MAX + 16];
+    fl_line_log text, json;
+    double tokens; // trained on so far
+    double flops_per_token, peak_flops;
 } run_log;
 
-static void log_line(run_log *log, const char *fmt, ...) {
-    if (!log->f) return;
-    va_list ap;
-    va_start(ap, fmt);
-    int rc = vfprintf(log->f, fmt, ap);
-    va_end(ap);
-    if (rc < 0 || fflush(log->f) != 0)
-        fl_die("writing the training log %s failed: %s", log->path, strerror(errno));
+// Tokens trained on by the kept records of a resumed metrics.jsonl (its last
+// step's), or `fallback` when it has none.
+static double tokens_so_far(const char *path, double fallback) {
+    if (access(path, F_OK) != 0) return fallback;
+    fl_metrics m;
+    fl_metrics_read(path, &m);
+    double tokens = m.n_steps && isfinite(m.steps[m.n_steps - 1].tokens)
+                        ? m.steps[m.n_steps - 1].tokens
+                        : fallback;
+    fl_metrics_free(&m);
+    return tokens;
 }
 
-static void open_log(run_log *log, const char *out_dir, int resume_step) {
+static void open_log(run_log *log, const char *out_dir, int resume_step, double tokens_per_step) {
     memset(log, 0, sizeof *log);
-    if (!*out_dir) return;
-    snprintf(log->path, sizeof log->path, "%s/log.txt", out_dir);
-    const char *path = log->path;
-    if (resume_step >= 0 && access(path, F_OK) == 0) {
-        size_t n;
-        char *text = (char *)fl_file_read_all(path, (size_t)1 << 30, &n, "training log");
-        fl_file f;
-        fl_file_begin(&f, path);
-        for (char *line = text; line < text + n;) {
-            char *end = memchr(line, '\n', (size_t)(text + n - line));
-            size_t len = end ? (size_t)(end - line) + 1 : (size_t)(text + n - line);
-            int step;
-            // a complete line up to the checkpoint's step (a torn last line is dropped)
-            if (end && sscanf(line, "step %d", &step) == 1 && step <= resume_step)
-                fl_file_write(&f, line, len);
-            line += len;
-        }
-        fl_file_commit(&f);
-        fl_free(text);
-    }
-    log->f = fopen(path, resume_step >= 0 ? "a" : "w");
-    if (!log->f) fl_die("cannot open %s for writing: %s", path, strerror(errno));
+    char path[FL_PATH_MAX + 32] = "";
+    if (*out_dir) snprintf(path, sizeof path, "%s/log.txt", out_dir);
+    fl_line_log_open(&log->text, path, "training log", resume_step, fl_text_line_step);
+    if (*out_dir) snprintf(path, sizeof path, "%s/metrics.jsonl", out_dir);
+    fl_line_log_open(&log->json, path, "metrics log", resume_step, fl_metrics_line_step);
+    int start = resume_step > 0 ? resume_step : 0;
+    log->tokens = start * tokens_per_step;
+    if (*path && resume_step > 0) log->tokens = tokens_so_far(path, log->tokens);
+}
+
+static void log_eval(run_log *log, int step, float val_loss) {
+    fl_line_log_printf(&log->text, "step %d val %.9g\n", step, val_loss);
+    fl_metrics_eval e = {step, log->tokens, val_loss};
+    fl_metrics_write_eval(&log->json, &e);
 }
 
 static void close_log(run_log *log) {
-    if (log->f && fclose(log->f) != 0)
-        fl_die("writing the training log %s failed: %s", log->path, strerror(errno));
-    log->f = NULL;
+    fl_line_log_close(&log->text);
+    fl_line_log_close(&log->json);
+}
+
+// The terminal's progress line: a bar, the step, loss, throughput and the
+// time left at the median of the last steps' times (a median: an evaluation
+// or checkpoint step does not throw it).
+#define RECENT 16
+static void progress_line(int step, int steps, float loss, double tok_s, const double *recent_ms,
+                          int n_recent) {
+    double sorted[RECENT];
+    int n = n_recent < RECENT ? n_recent : RECENT;
+    memcpy(sorted, recent_ms, sizeof(double) * (size_t)n);
+    for (int i = 1; i < n; i++) // insertion sort: at most RECENT values
+        for (int j = i; j > 0 && sorted[j] < sorted[j - 1]; j--) {
+            double t = sorted[j];
+            sorted[j] = sorted[j - 1];
+            sorted[j - 1] = t;
+        }
+    long eta = lround((steps - step) * sorted[n / 2] / 1e3);
+    char bar[21];
+    int filled = (int)((long)20 * step / steps);
+    for (int i = 0; i < 20; i++) bar[i] = i < filled ? '#' : '.';
+    bar[20] = 0;
+    printf("\r\033[K[%s] %3d%% step %d/%d | loss %.4f | %.0f tok/s | ETA %ld:%02ld:%02ld", bar,
+           (int)(100L * step / steps), step, steps, loss, tok_s, eta / 3600, eta / 60 % 60,
+           eta % 60);
 }
 
 // ----------------------------------------------------------------------------
@@ -152,6 +183,7 @@ static int holds_run(const char *dir) {
         int step, n = 0;
         found =
             !strcmp(e->d_name, "latest") || !strcmp(e->d_name, "log.txt") ||
+            !strcmp(e->d_name, "metrics.jsonl") ||
             (sscanf(e->d_name, "ckpt_%d.fitlm%n", &step, &n) == 1 && n == (int)strlen(e->d_name));
     }
     closedir(d);
@@ -175,9 +207,10 @@ static void prepare_out_dir(const char *out_dir, const char *resume_dir, int ove
     fl_ckpt_clean_tmp(out_dir); // ours now: a leftover is a dead writer's
     if (resume_dir && same_dir(resume_dir, out_dir)) return;
     if (!overwrite && holds_run(out_dir))
-        fl_die("%s already holds a run (checkpoints, latest or log.txt): continue it with "
-               "--resume %s, or start over in it with --overwrite (its checkpoints are not deleted "
-               "first, only replaced where this run saves the same step), or choose another --out",
+        fl_die("%s already holds a run (checkpoints, latest, log.txt or metrics.jsonl): continue "
+               "it with --resume %s, or start over in it with --overwrite (its checkpoints are not "
+               "deleted first, only replaced where this run saves the same step), or choose "
+               "another --out",
                out_dir, out_dir);
 }
 
@@ -411,7 +444,8 @@ int cmd_train(int argc, char **argv) {
            cfg.data, (unsigned long long)train.n_tokens, train.tokenizer);
     double bytes_per_token = 0.0;
     if (has_val) {
-        bytes_per_token = (double)val.source_bytes / (double)val.n_tokens;
+        // masked examples record the bytes of their targets (the answers)
+        bytes_per_token = (double)val.source_bytes / (double)val.n_targets;
         printf(", val %llu tokens; unigram baseline %.4f nats/token",
                (unsigned long long)val.n_tokens, baseline);
     }
@@ -456,19 +490,36 @@ int cmd_train(int argc, char **argv) {
                    cfg.threads, ck_threads);
     }
     run_log log;
-    open_log(&log, cfg.out_dir, resume ? start : -1);
+    double tokens_per_step = (double)micro_tokens * cfg.grad_accum;
+    open_log(&log, cfg.out_dir, resume ? start : -1, tokens_per_step);
+    // MFU's numerator and denominator, recorded with the run (the peak is
+    // measured only when there is a metrics log to write it in)
+    log.flops_per_token = fl_mfu_flops_per_token(&model, T, lora && !train_base);
+    if (*cfg.out_dir) {
+        char how[128] = "given (--peak-tflops)";
+        log.peak_flops = cfg.peak_tflops > 0
+                             ? cfg.peak_tflops * 1e12
+                             : fl_mfu_peak(cfg.dtype, fl_threads(), how, sizeof how);
+        fl_metrics_run run = {.step = start,
+                              .params = (double)model.table.numel,
+                              .flops_per_token = log.flops_per_token,
+                              .tokens_per_step = tokens_per_step,
+                              .peak_flops = log.peak_flops,
+                              .peak = how};
+        fl_metrics_write_run(&log.json, &run);
+    }
+    double recent_ms[RECENT];
 
     int tty = isatty(STDOUT_FILENO), skipped = 0, saved_at = -1, nonfinite = 0, interrupted = 0;
     catch_signals();
-    float val_loss = -1.0f;
     double train_start = fl_now();
     fl_profile_reset();
     for (int step = start; step < cfg.steps; step++) {
         if (has_val && cfg.eval_interval && step % cfg.eval_interval == 0 &&
             (step > start || !ck)) {
-            val_loss = evaluate(&model, &val, &cfg, inputs, targets);
+            float val_loss = evaluate(&model, &val, &cfg, inputs, targets);
             printf("%sstep %5d | val loss %.4f\n", tty ? "\r\033[K" : "", step, val_loss);
-            log_line(&log, "step %d val %.9g\n", step, val_loss);
+            log_eval(&log, step, val_loss);
         }
         // Only the training step is profiled (not evaluation, logging or
         // checkpoints), and not the first one: warm-up (page faults, kernel setup).
@@ -488,15 +539,36 @@ int cmd_train(int argc, char **argv) {
         double ms = (fl_now() - t0) * 1e3;
         if (fl_profile_on) fl_profile_step(ms / 1e3);
         fl_profile_enable(0);
-        double tok_s = (double)B * T * cfg.grad_accum / (ms / 1e3);
-        printf("%sstep %5d/%d | loss %.4f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s",
-               tty ? "\r\033[K" : "", step + 1, cfg.steps, loss, lr, r.grad_norm, ms, tok_s);
-        if (cfg.dtype == FL_F16)
-            printf(" | scale %g%s | skipped %d", r.loss_scale, r.skipped ? " OVERFLOW" : "",
-                   skipped);
-        printf("%s", tty ? "" : "\n");
-        log_line(&log, "step %d loss %.9g lr %.9g norm %.9g scale %.9g\n", step + 1, (float)loss,
-                 lr, r.grad_norm, r.loss_scale);
+        double tok_s = tokens_per_step / (ms / 1e3);
+        recent_ms[(step - start) % RECENT] = ms;
+        if (tty) { // rewritten in place
+            progress_line(step + 1, cfg.steps, loss, tok_s, recent_ms, step - start + 1);
+            if (cfg.dtype == FL_F16 && skipped) printf(" | skipped %d", skipped);
+        } else { // one plain line per step: what scripts and tests read
+            printf("step %5d/%d | loss %.4f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s", step + 1,
+                   cfg.steps, loss, lr, r.grad_norm, ms, tok_s);
+            if (cfg.dtype == FL_F16)
+                printf(" | scale %g%s | skipped %d", r.loss_scale, r.skipped ? " OVERFLOW" : "",
+                       skipped);
+            printf("\n");
+        }
+        fl_line_log_printf(&log.text, "step %d loss %.9g lr %.9g norm %.9g scale %.9g\n", step + 1,
+                           (float)loss, lr, r.grad_norm, r.loss_scale);
+        log.tokens += tokens_per_step;
+        double flops = log.flops_per_token * tok_s;
+        fl_metrics_step m = {.step = step + 1,
+                             .tokens = log.tokens,
+                             .loss = loss,
+                             .lr = lr,
+                             .grad_norm = r.grad_norm,
+                             .loss_scale = r.loss_scale,
+                             .skipped = r.skipped,
+                             .tokens_per_s = tok_s,
+                             .ms = ms,
+                             .mfu = log.peak_flops > 0.0 ? flops / log.peak_flops : NAN};
+        int memory = step == start || (step + 1) % cfg.metrics_memory_every == 0 ||
+                     (cfg.mem_report_every && (step + 1) % cfg.mem_report_every == 0);
+        fl_metrics_write_step(&log.json, &m, memory);
         // Divergence: a non-finite loss or norm that is not an fp16 overflow
         // the scaler skipped. Skipped steps changed nothing (fl_optimizer_step,
         // or LOMO's first pass); a single-pass LOMO step has already updated.
@@ -561,11 +633,11 @@ int cmd_train(int argc, char **argv) {
     double seconds = fl_now() - train_start;
     if (cfg.profile && !interrupted) fl_profile_print(stdout);
     if (has_val && !interrupted) {
-        val_loss = evaluate(&model, &val, &cfg, inputs, targets);
+        float val_loss = evaluate(&model, &val, &cfg, inputs, targets);
         printf("final val loss %.4f nats/token (%.4f nats/byte) after %d steps (%.1f s); unigram "
                "baseline %.4f nats/token\n",
                val_loss, val_loss / bytes_per_token, cfg.steps, seconds, baseline);
-        log_line(&log, "step %d val %.9g\n", cfg.steps, val_loss);
+        log_eval(&log, cfg.steps, val_loss);
     }
     close_log(&log);
     if (*cfg.out_dir && saved_at != cfg.steps && cfg.steps > start && !interrupted) {
@@ -585,7 +657,8 @@ int cmd_train(int argc, char **argv) {
     }
     if (tok && !stop_signal) { // interrupted, or a signal during the evaluation: no sample
         int *tokens = fl_alloc(FL_MEM_OTHER, (size_t)(cfg.sample_tokens + 4) * sizeof(int));
-        tokens[0] = fl_tokenizer_eot(tok); // a sample starts like a fresh document
+        // a sample starts like a fresh document
+        tokens[0] = fl_tokenizer_bos(tok) >= 0 ? fl_tokenizer_bos(tok) : fl_tokenizer_eot(tok);
         fl_rng rng;
         fl_rng_seed(&rng, cfg.seed);
         printf("--- sample (temperature 0.8, top-k 40) ---\n");

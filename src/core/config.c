@@ -76,11 +76,13 @@ static const option options[] = {
      0, 0, NULL, "DeepSpeed: time each checkpoint (use --profile: per-op forward/backward times)"},
     {"model.vocab_size", "--vocab-size", OPT_INT, NUM(model.vocab_size), "0", 0, 1 << 30, NULL,
      "vocabulary (0 = the tokenizer's; larger is allowed)"},
-    {"tokenizer", "--tokenizer", OPT_CHOICE, STR(tokenizer), "gpt2", 0, 0, "gpt2|byte",
+    {"tokenizer", "--tokenizer", OPT_CHOICE, STR(tokenizer), "gpt2", 0, 0, "gpt2|byte|hf",
      "tokenizer (gpt2: GPT-2's BPE, vocab 50257; byte: one token per byte + <|endoftext|>, "
-     "vocab 257); the data must have been tokenized with it"},
+     "vocab 257; hf: a Hugging Face tokenizer.json, LLaMA-1/2/3 or GPT-2 style); the data must "
+     "have been tokenized with it"},
     {"tokenizer_path", "--tokenizer-path", OPT_STRING, STR(tokenizer_path), "data/gpt2", 0, 0, NULL,
-     "directory with the gpt2 tokenizer's encoder.json and vocab.bpe"},
+     "gpt2: the directory with encoder.json and vocab.bpe; hf: a tokenizer.json or the directory "
+     "holding it"},
     {"data", "--data", OPT_STRING, STR(data), "data/brown_gpt2", 0, 0, NULL,
      "training token shards: a directory (its train_*.bin), a glob pattern or a file"},
     {"val_data", "--val-data", OPT_STRING, STR(val_data), "", 0, 0, NULL,
@@ -217,6 +219,11 @@ static const option options[] = {
      "print memory per tag and peak RSS at the end"},
     {"mem_report_every", "--mem-report-every", OPT_INT, NUM(mem_report_every), "0", 0, 1 << 30,
      NULL, "also print the memory report every N steps (0 = only at the end, with --mem-report)"},
+    {"metrics_memory_every", "--metrics-memory-every", OPT_INT, NUM(metrics_memory_every), "10", 1,
+     1 << 30, NULL, "memory per tag and RSS in OUT/metrics.jsonl at the first step and every N"},
+    {"peak_tflops", "--peak-tflops", OPT_FLOAT, NUM(peak_tflops), "0", 0, 1e6, NULL,
+     "peak TFLOP/s behind metrics.jsonl's MFU (0 = measured for ~0.1 s at the start, which a busy "
+     "machine lowers)"},
     {"profile", "--profile", OPT_BOOL, NUM(profile), "false", 0, 0, NULL,
      "print a per-op profile after training: forward, backward and total ms per step, share of "
      "the step and GEMM GFLOP/s for each kernel, the data loader and the optimizer (the first "
@@ -563,8 +570,9 @@ static cJSON *parent_of(cJSON *root, const char *key, const char **leaf) {
 // Options about this invocation rather than the run: a resumed run does not
 // inherit them from its checkpoint.
 static int run_only(const option *o) {
-    static const char *keys[] = {"resume", "profile", "mem_report", "mem_report_every",
-                                 "mem_limit"};
+    static const char *keys[] = {"resume",           "profile",   "mem_report",
+                                 "mem_report_every", "mem_limit", "metrics_memory_every",
+                                 "peak_tflops"};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!strcmp(o->key, keys[i])) return 1;
     return 0;

@@ -42,28 +42,7 @@ static void new_epoch_key(fl_loader_state *s) {
     s->key[1] = fl_rng_u64(&s->rng);
 }
 
-static void add_shard(fl_loader *l, const char *path, int capacity) {
-    FL_ASSERT(l->n_shards < capacity);
-    fl_shard *s = &l->shards[l->n_shards++];
-    fl_shard_open(s, path);
-    if (l->n_shards == 1) {
-        strcpy(l->tokenizer, s->tokenizer);
-        l->vocab_size = s->vocab_size;
-    } else if (strcmp(s->tokenizer, l->tokenizer) || s->vocab_size != l->vocab_size) {
-        fl_die("token shard %s (tokenizer %s, vocabulary %u) does not match %s (tokenizer %s, "
-               "vocabulary %u)",
-               path, s->tokenizer, s->vocab_size, l->shards[0].path, l->tokenizer, l->vocab_size);
-    }
-}
-
-void fl_loader_open(fl_loader *l, const char *pattern, const char *split, int T, uint64_t seed,
-                    int shuffle, int rank, int world) {
-    memset(l, 0, sizeof *l);
-    FL_ASSERT(T > 0 && world > 0 && rank >= 0 && rank < world);
-    l->T = T;
-    l->rank = rank;
-    l->world = world;
-    l->shuffle = shuffle;
+fl_shard *fl_shards_open(const char *pattern, const char *split, int *count) {
     char glob_pattern[1200];
     struct stat st;
     if (stat(pattern, &st) == 0 && S_ISDIR(st.st_mode))
@@ -81,15 +60,60 @@ void fl_loader_open(fl_loader *l, const char *pattern, const char *split, int T,
                    : "");
     }
     int n = (int)g.gl_pathc;
-    l->shards = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof(fl_shard));
-    l->first_window = fl_alloc(FL_MEM_OTHER, (size_t)(n + 1) * sizeof(uint64_t));
-    for (int i = 0; i < n; i++) add_shard(l, g.gl_pathv[i], n);
+    fl_shard *shards = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof(fl_shard));
+    for (int i = 0; i < n; i++) {
+        fl_shard *s = &shards[i];
+        const fl_shard *first = &shards[0];
+        fl_shard_open(s, g.gl_pathv[i]);
+        if (strcmp(s->tokenizer, first->tokenizer) || s->vocab_size != first->vocab_size)
+            fl_die("token shard %s (tokenizer %s, vocabulary %u) does not match %s (tokenizer %s, "
+                   "vocabulary %u)",
+                   s->path, s->tokenizer, s->vocab_size, first->path, first->tokenizer,
+                   first->vocab_size);
+        // a stream and windows of examples cannot share one window numbering
+        if (s->version != first->version)
+            fl_die("token shard %s (format version %u) does not match %s (version %u): text and "
+                   "examples (tokenize --format jsonl) cannot be mixed in one data set",
+                   s->path, s->version, first->path, first->version);
+        if (s->version == 2 && s->layout.seq_len != first->layout.seq_len)
+            fl_die("token shard %s was laid out for sequence length %u, %s for %u: one data set "
+                   "has one layout",
+                   s->path, s->layout.seq_len, first->path, first->layout.seq_len);
+    }
     globfree(&g);
+    *count = n;
+    return shards;
+}
+
+void fl_loader_open(fl_loader *l, const char *pattern, const char *split, int T, uint64_t seed,
+                    int shuffle, int rank, int world) {
+    memset(l, 0, sizeof *l);
+    FL_ASSERT(T > 0 && world > 0 && rank >= 0 && rank < world);
+    l->T = T;
+    l->rank = rank;
+    l->world = world;
+    l->shuffle = shuffle;
+    int n;
+    l->shards = fl_shards_open(pattern, split, &n);
+    l->n_shards = n;
+    strcpy(l->tokenizer, l->shards[0].tokenizer);
+    l->vocab_size = l->shards[0].vocab_size;
+    // Examples were laid out in windows of T+1 when tokenized: another T
+    // would cut them anywhere and lose their start.
+    if (l->shards[0].version == 2 && l->shards[0].layout.seq_len != (uint32_t)T)
+        fl_die("token shard %s was laid out for sequence length %u (fitlm tokenize --seq-len), "
+               "but this run's is %d: train with --seq-len %u or tokenize again with --seq-len %d",
+               l->shards[0].path, l->shards[0].layout.seq_len, T, l->shards[0].layout.seq_len, T);
+    l->first_window = fl_alloc(FL_MEM_OTHER, (size_t)(n + 1) * sizeof(uint64_t));
+    l->stride = l->shards[0].version == 2 ? (uint64_t)T + 1 : (uint64_t)T;
     for (int i = 0; i < n; i++) {
         const fl_shard *s = &l->shards[i];
-        uint64_t w = s->n_tokens > (uint64_t)T ? (s->n_tokens - 1) / (uint64_t)T : 0;
+        uint64_t w = s->version == 2             ? s->n_tokens / l->stride
+                     : s->n_tokens > (uint64_t)T ? (s->n_tokens - 1) / l->stride
+                                                 : 0;
         l->first_window[i + 1] = l->first_window[i] + w;
         l->n_tokens += s->n_tokens;
+        l->n_targets += s->n_targets;
         l->source_bytes += s->source_bytes;
     }
     l->n_windows = l->first_window[n];
@@ -133,10 +157,11 @@ void fl_loader_window(const fl_loader *l, uint64_t w, int *inputs, int *targets)
             hi = mid - 1;
     }
     const fl_shard *s = &l->shards[lo];
-    uint64_t start = (w - l->first_window[lo]) * (uint64_t)l->T;
+    uint64_t start = (w - l->first_window[lo]) * l->stride;
     for (int t = 0; t < l->T; t++) {
-        inputs[t] = (int)fl_shard_token(s, start + t);
-        targets[t] = (int)fl_shard_token(s, start + t + 1);
+        uint64_t i = start + (uint64_t)t;
+        inputs[t] = (int)fl_shard_token(s, i);
+        targets[t] = fl_shard_is_target(s, i + 1) ? (int)fl_shard_token(s, i + 1) : -1;
     }
 }
 
@@ -161,7 +186,7 @@ void fl_loader_eval_batch(const fl_loader *l, int index, int count, int *inputs,
         uint64_t k = (uint64_t)index * (uint64_t)B + (uint64_t)b;
         uint64_t w = (uint64_t)((double)k * (double)l->n_windows / (double)total);
         fl_loader_window(l, w < l->n_windows ? w : l->n_windows - 1, inputs + (size_t)b * l->T,
-                    targets + (size_t)b * l->T);
+                         targets + (size_t)b * l->T);
     }
 }
 
@@ -171,13 +196,18 @@ double fl_loader_unigram_xent(const fl_loader *train, const fl_loader *eval) {
     // scratch of this one computation: workspace, which training's peak covers
     double *counts = fl_alloc(FL_MEM_WORKSPACE, V * sizeof(double));
     for (size_t v = 0; v < V; v++) counts[v] = 1.0;
-    for (int i = 0; i < train->n_shards; i++)
-        for (uint64_t k = 0; k < train->shards[i].n_tokens; k++)
-            counts[fl_shard_token(&train->shards[i], k)] += 1.0;
-    double total = (double)train->n_tokens + (double)V, nll = 0.0;
-    for (int i = 0; i < eval->n_shards; i++)
-        for (uint64_t k = 0; k < eval->shards[i].n_tokens; k++)
-            nll -= log(counts[fl_shard_token(&eval->shards[i], k)] / total);
+    for (int i = 0; i < train->n_shards; i++) {
+        const fl_shard *s = &train->shards[i];
+        for (uint64_t k = 0; k < s->n_tokens; k++)
+            if (fl_shard_is_target(s, k)) counts[fl_shard_token(s, k)] += 1.0;
+    }
+    // only targets count: the loss a model reports is over them alone
+    double total = (double)train->n_targets + (double)V, nll = 0.0;
+    for (int i = 0; i < eval->n_shards; i++) {
+        const fl_shard *s = &eval->shards[i];
+        for (uint64_t k = 0; k < s->n_tokens; k++)
+            if (fl_shard_is_target(s, k)) nll -= log(counts[fl_shard_token(s, k)] / total);
+    }
     fl_free(counts);
-    return nll / (double)eval->n_tokens;
+    return eval->n_targets ? nll / (double)eval->n_targets : 0.0;
 }

@@ -1,0 +1,286 @@
+// chat.c: instruction examples (data.h): a JSON Lines record to messages, the
+// messages to text segments by a chat template, the segments to tokens and a
+// loss mask. Only the assistant's words and the markers that end them are
+// targets: the model learns to answer and to stop, not to write prompts.
+#include <cjson/cJSON.h>
+#include <string.h>
+
+#include "fitlm/data.h"
+
+static const char *const template_names[] = {"default", "chatml", "llama3", "llama2"};
+
+int fl_chat_template_parse(const char *name) {
+    for (int i = 0; i < (int)(sizeof template_names / sizeof *template_names); i++)
+        if (!strcmp(name, template_names[i])) return i;
+    return -1;
+}
+
+// ----------------------------------------------------------------------------
+// records to messages
+
+enum { SYSTEM, USER, ASSISTANT };
+
+typedef struct {
+    int role;
+    const char *text; // a cJSON string, or the Alpaca prompt below
+} message;
+
+typedef struct {
+    message *m; // room for the record's messages, or three
+    int n;
+    char *joined; // Alpaca: instruction + "\n\n" + input
+} conversation;
+
+static const char *string_field(const cJSON *obj, const char *key, int required, char *err,
+                                size_t errlen, int *bad) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!v && !required) return NULL;
+    *bad = !v                   ? fl_errorf(err, errlen, "missing field \"%s\"", key)
+           : !cJSON_IsString(v) ? fl_errorf(err, errlen, "field \"%s\" is not a string", key)
+                                : 0;
+    return *bad ? NULL : v->valuestring;
+}
+
+static int from_messages(const cJSON *list, const char *field, conversation *c, char *err,
+                         size_t errlen) {
+    if (!cJSON_IsArray(list)) return fl_errorf(err, errlen, "field \"%s\" is not a list", field);
+    static const char *const roles[] = {"system", "user", "assistant"};
+    int i = 0;
+    c->m = fl_alloc(FL_MEM_OTHER, ((size_t)cJSON_GetArraySize(list) + 1) * sizeof *c->m);
+    for (const cJSON *it = list->child; it; it = it->next, i++) {
+        if (!cJSON_IsObject(it)) return fl_errorf(err, errlen, "%s[%d] is not an object", field, i);
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(it, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(it, "content");
+        if (!cJSON_IsString(role))
+            return fl_errorf(err, errlen, "%s[%d].role is missing or not a string", field, i);
+        if (!cJSON_IsString(content))
+            return fl_errorf(err, errlen, "%s[%d].content is missing or not a string", field, i);
+        int r = -1;
+        for (int k = 0; k < 3; k++)
+            if (!strcmp(role->valuestring, roles[k])) r = k;
+        if (r < 0)
+            return fl_errorf(err, errlen,
+                             "%s[%d].role \"%.40s\" is not \"system\", \"user\" or \"assistant\"",
+                             field, i, role->valuestring);
+        if (r == SYSTEM && i > 0)
+            return fl_errorf(err, errlen, "%s[%d]: a system message must come first", field, i);
+        if (r == ASSISTANT && !*content->valuestring)
+            return fl_errorf(err, errlen, "%s[%d]: empty assistant message", field, i);
+        c->m[c->n++] = (message){r, content->valuestring};
+    }
+    if (!c->n || c->m[c->n - 1].role != ASSISTANT)
+        return fl_errorf(err, errlen, "%s does not end with an assistant message", field);
+    return 0;
+}
+
+// prompt/response or Alpaca: [system], user, assistant.
+static int from_fields(const cJSON *obj, const fl_example_format *f, conversation *c, char *err,
+                       size_t errlen) {
+    int bad = 0;
+    const char *system = string_field(obj, "system", 0, err, errlen, &bad), *prompt, *response;
+    if (bad) return -1;
+    int alpaca = !cJSON_GetObjectItemCaseSensitive(obj, f->prompt_field) &&
+                 !cJSON_GetObjectItemCaseSensitive(obj, f->response_field) &&
+                 cJSON_GetObjectItemCaseSensitive(obj, "instruction");
+    if (alpaca) {
+        const char *instruction = string_field(obj, "instruction", 1, err, errlen, &bad);
+        const char *input = bad ? NULL : string_field(obj, "input", 0, err, errlen, &bad);
+        response = bad ? NULL : string_field(obj, "output", 1, err, errlen, &bad);
+        if (bad) return -1;
+        size_t a = strlen(instruction), b = input ? strlen(input) : 0;
+        c->joined = fl_alloc(FL_MEM_OTHER, a + b + 3);
+        memcpy(c->joined, instruction, a);
+        if (b) { // Alpaca's own prompt puts the input in a paragraph of its own
+            memcpy(c->joined + a, "\n\n", 2);
+            memcpy(c->joined + a + 2, input, b);
+        }
+        prompt = c->joined;
+    } else {
+        if (!cJSON_GetObjectItemCaseSensitive(obj, f->prompt_field) &&
+            !cJSON_GetObjectItemCaseSensitive(obj, f->response_field))
+            return fl_errorf(err, errlen,
+                             "no \"%s\" list, \"%s\"/\"%s\" or \"instruction\"/\"output\" fields",
+                             f->messages_field, f->prompt_field, f->response_field);
+        prompt = string_field(obj, f->prompt_field, 1, err, errlen, &bad);
+        response = bad ? NULL : string_field(obj, f->response_field, 1, err, errlen, &bad);
+        if (bad) return -1;
+    }
+    if (!*response) return fl_errorf(err, errlen, "empty response");
+    c->m = fl_alloc(FL_MEM_OTHER, 3 * sizeof *c->m);
+    if (system) c->m[c->n++] = (message){SYSTEM, system};
+    c->m[c->n++] = (message){USER, prompt};
+    c->m[c->n++] = (message){ASSISTANT, response};
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// messages to tokens. Text is gathered into a run while the target flag
+// stays the same, then encoded as one string: the template's markers and the
+// content around them tokenize as they would in one piece of text.
+
+typedef struct {
+    const fl_tokenizer *tok;
+    fl_example *ex;
+    char *run;
+    size_t n, cap;
+    int target;
+    fl_tokens scratch;
+} renderer;
+
+// Grows an array to hold `need` elements (doubling), keeping its first `used`.
+static void *reserve(void *p, size_t *cap, size_t used, size_t need, size_t elem) {
+    if (need <= *cap) return p;
+    size_t cap2 = *cap ? *cap : 256;
+    while (cap2 < need) cap2 *= 2;
+    void *q = fl_alloc(FL_MEM_OTHER, cap2 * elem);
+    if (used) memcpy(q, p, used * elem);
+    fl_free(p);
+    *cap = cap2;
+    return q;
+}
+
+static void push(fl_example *ex, const int32_t *ids, size_t n, int target) {
+    fl_tokens *t = &ex->tokens;
+    ex->mask = reserve(ex->mask, &ex->mask_cap, t->n, t->n + n, 1);
+    t->ids = reserve(t->ids, &t->cap, t->n, t->n + n, sizeof *t->ids);
+    memset(ex->mask + t->n, target, n);
+    memcpy(t->ids + t->n, ids, n * sizeof *ids);
+    t->n += n;
+}
+
+static void flush_run(renderer *r) {
+    if (!r->n) return;
+    r->scratch.n = 0;
+    fl_tokenizer_encode(r->tok, (const uint8_t *)r->run, r->n, &r->scratch);
+    push(r->ex, r->scratch.ids, r->scratch.n, r->target);
+    if (r->target) r->ex->response_bytes += r->n;
+    r->n = 0;
+}
+
+static void text(renderer *r, int target, const char *s) {
+    size_t n = strlen(s);
+    if (r->n && target != r->target) flush_run(r);
+    r->target = target;
+    r->run = reserve(r->run, &r->cap, r->n, r->n + n, 1);
+    memcpy(r->run + r->n, s, n);
+    r->n += n;
+}
+
+static void special(renderer *r, int target, int32_t id) {
+    flush_run(r);
+    if (id >= 0) push(r->ex, &id, 1, target);
+}
+
+// The end of the text: <eot>, unless the template's end-of-turn marker
+// already is that token (LLaMA 3 instruct's <|eot_id|>, Qwen's <|im_end|>).
+static void end_of_text(renderer *r) {
+    flush_run(r);
+    int32_t eot = fl_tokenizer_eot(r->tok);
+    const fl_tokens *t = &r->ex->tokens;
+    if (!t->n || t->ids[t->n - 1] != eot) special(r, 1, eot);
+}
+
+static void render(renderer *r, fl_chat_template tpl, const conversation *c) {
+    static const char *const role[] = {"system", "user", "assistant"};
+    int32_t bos = fl_tokenizer_bos(r->tok), eot = fl_tokenizer_eot(r->tok);
+    special(r, 0, bos);
+    for (int i = 0; i < c->n; i++) {
+        const message *m = &c->m[i];
+        int answer = m->role == ASSISTANT;
+        switch (tpl) {
+        case FL_TEMPLATE_DEFAULT:
+            if (m->role == SYSTEM) {
+                text(r, 0, "### System:\n");
+                text(r, 0, m->text);
+                text(r, 0, "\n\n");
+            } else if (m->role == USER) {
+                text(r, 0, "### User:\n");
+                text(r, 0, m->text);
+                text(r, 0, "\n\n### Assistant:\n");
+            } else {
+                text(r, 1, m->text);
+                special(r, 1, eot);
+            }
+            break;
+        case FL_TEMPLATE_CHATML:
+            if (i) text(r, 0, "\n");
+            text(r, 0, "<|im_start|>");
+            text(r, 0, role[m->role]);
+            text(r, 0, "\n");
+            text(r, answer, m->text);
+            text(r, answer, "<|im_end|>");
+            break;
+        case FL_TEMPLATE_LLAMA3:
+            text(r, 0, "<|start_header_id|>");
+            text(r, 0, role[m->role]);
+            text(r, 0, "<|end_header_id|>\n\n");
+            text(r, answer, m->text);
+            text(r, answer, "<|eot_id|>");
+            break;
+        case FL_TEMPLATE_LLAMA2: // Meta's chat_completion: the system prompt joins the first turn
+            if (m->role == SYSTEM) {
+                text(r, 0, "[INST] <<SYS>>\n");
+                text(r, 0, m->text);
+                text(r, 0, "\n<</SYS>>\n\n");
+            } else if (m->role == USER) {
+                if (!(i == 1 && c->m[0].role == SYSTEM)) {
+                    if (i) special(r, 0, bos);
+                    text(r, 0, "[INST] ");
+                }
+                text(r, 0, m->text);
+                text(r, 0, " [/INST]");
+            } else {
+                // no space before the answer: LLaMA-2's SentencePiece normaliser
+                // puts its "▁" before every segment, the "[/INST] answer" of
+                // Meta's chat_completion (LLaMA-Factory relies on the same)
+                text(r, 1, m->text);
+                special(r, 1, eot);
+            }
+            break;
+        }
+    }
+    end_of_text(r);
+}
+
+// ----------------------------------------------------------------------------
+
+int fl_example_parse(const fl_tokenizer *tok, const fl_example_format *f, const char *json,
+                     size_t n, fl_example *ex, char *err, size_t errlen) {
+    ex->tokens.n = 0;
+    ex->response_bytes = 0;
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(json, n, &end, 0);
+    if (!root) {
+        size_t at = end && end >= json && end <= json + n ? (size_t)(end - json) : 0;
+        return fl_errorf(err, errlen, "invalid JSON at column %zu", at + 1);
+    }
+    while (end < json + n && *end && strchr(" \t\r", *end)) end++;
+    int rc = 0;
+    conversation conv = {0}, *c = &conv;
+    if (end != json + n)
+        rc = fl_errorf(err, errlen, "text after the JSON value at column %zu",
+                       (size_t)(end - json) + 1);
+    else if (!cJSON_IsObject(root))
+        rc = fl_errorf(err, errlen, "not a JSON object");
+    else if (cJSON_GetObjectItemCaseSensitive(root, f->messages_field))
+        rc = from_messages(cJSON_GetObjectItemCaseSensitive(root, f->messages_field),
+                           f->messages_field, c, err, errlen);
+    else
+        rc = from_fields(root, f, c, err, errlen);
+    if (rc == 0) {
+        renderer r = {.tok = tok, .ex = ex};
+        render(&r, f->chat_template, c);
+        fl_free(r.run);
+        fl_tokens_free(&r.scratch);
+    }
+    fl_free(c->m);
+    fl_free(c->joined);
+    cJSON_Delete(root);
+    return rc;
+}
+
+void fl_example_free(fl_example *ex) {
+    fl_tokens_free(&ex->tokens);
+    fl_free(ex->mask);
+    memset(ex, 0, sizeof *ex);
+}
