@@ -10,7 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <cjson/cJSON.h>
 
 #include "fitlm/data.h"
@@ -25,22 +24,11 @@ static char ckpt_path[1024];          // ... and its full path
 
 // Runs `fitlm ARGS` in dir; stdout (and stderr unless quiet) captured.
 static int run(const char *args, int quiet) {
-    const char *bin = getenv("FITLM_BINARY");
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "cd %s && %s %s %s", dir, bin ? bin : "fitlm", args,
-             quiet ? "2>/dev/null" : "2>&1");
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t n = fread(output, 1, sizeof output - 1, p);
-    output[n] = 0;
-    int status = pclose(p);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return t_fitlm(dir, args, !quiet, output, sizeof output);
 }
 
 static void fails_with(const char *args, const char *what) {
-    int rc = run(args, 0);
-    t_check(rc == 1 && strstr(output, "fitlm: error:") && strstr(output, what),
-            "'fitlm %s' fails saying \"%s\"; got status %d and: %.400s", args, what, rc, output);
+    t_fitlm_fails(dir, args, what, output, sizeof output);
 }
 
 // `fitlm eval ARGS --json`, parsed (NULL, checked, when it fails).

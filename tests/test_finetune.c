@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "fitlm/data.h"
@@ -24,22 +23,11 @@ static char output[65536];
 
 // Runs `fitlm ARGS` in dir with stdout and stderr captured; the exit status.
 static int fitlm(const char *args) {
-    const char *bin = getenv("FITLM_BINARY");
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "cd %s && %s %s 2>&1", dir, bin ? bin : "fitlm", args);
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t n = fread(output, 1, sizeof output - 1, p);
-    output[n] = 0;
-    int status = pclose(p);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return t_fitlm(dir, args, 1, output, sizeof output);
 }
 
 static void fails_with(const char *args, const char *what) {
-    int rc = fitlm(args);
-    t_check(rc == 1 && strstr(output, "fitlm: error:") && strstr(output, what),
-            "'fitlm %s' should fail saying \"%s\"; got status %d and: %.400s", args, what, rc,
-            output);
+    t_fitlm_fails(dir, args, what, output, sizeof output);
 }
 
 static void write_in_dir(const char *name, const char *text) {

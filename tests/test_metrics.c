@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "fitlm/metrics.h"
@@ -20,15 +19,7 @@ static char output[65536];
 
 // Runs `fitlm ARGS` in dir with stdout and stderr captured; the exit status.
 static int fitlm(const char *args) {
-    const char *bin = getenv("FITLM_BINARY");
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "cd %s && %s %s 2>&1", dir, bin ? bin : "fitlm", args);
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t n = fread(output, 1, sizeof output - 1, p);
-    output[n] = 0;
-    int status = pclose(p);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return t_fitlm(dir, args, 1, output, sizeof output);
 }
 
 static const char *in_dir(const char *name) {

@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 #include <cjson/cJSON.h>
 
@@ -544,21 +543,11 @@ static char cli_output[16384];
 
 // Runs `fitlm ARGS` in dir with stdout and stderr captured; the exit status.
 static int fitlm(const char *args) {
-    const char *bin = getenv("FITLM_BINARY");
-    char cmd[4096];
-    snprintf(cmd, sizeof cmd, "cd %s && %s %s 2>&1", dir, bin ? bin : "fitlm", args);
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t n = fread(cli_output, 1, sizeof cli_output - 1, p);
-    cli_output[n] = 0;
-    int status = pclose(p);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return t_fitlm(dir, args, 1, cli_output, sizeof cli_output);
 }
 
 static void fails_with(const char *args, const char *what) {
-    int rc = fitlm(args);
-    t_check(rc == 1 && strstr(cli_output, what), "'fitlm %s' fails saying \"%s\"; got %d: %.300s",
-            args, what, rc, cli_output);
+    t_fitlm_fails(dir, args, what, cli_output, sizeof cli_output);
 }
 
 // An HF base (vocab 257: the byte tokenizer's) as dir/<base> and adapters

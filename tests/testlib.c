@@ -173,6 +173,31 @@ const char *t_source_path(const char *rel) {
     return buf;
 }
 
+int t_fitlm(const char *dir, const char *args, int with_stderr, char *out, size_t size) {
+    const char *bin = getenv("FITLM_BINARY");
+    size_t n = strlen(dir) + strlen(args) + (bin ? strlen(bin) : 5) + 32;
+    char *cmd = malloc(n);
+    snprintf(cmd, n, "cd %s && %s %s %s", dir, bin ? bin : "fitlm", args,
+             with_stderr ? "2>&1" : "2>/dev/null");
+    FILE *p = popen(cmd, "r");
+    free(cmd);
+    if (!p) return -1;
+    size_t got = fread(out, 1, size - 1, p);
+    out[got] = 0;
+    char sink[4096]; // the rest is read, so the command never blocks on a full pipe
+    while (fread(sink, 1, sizeof sink, p) > 0) {
+    }
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+int t_fitlm_fails(const char *dir, const char *args, const char *what, char *out, size_t size) {
+    int rc = t_fitlm(dir, args, 1, out, size);
+    return t_check(rc == 1 && strstr(out, "fitlm: error:") && strstr(out, what),
+                   "'fitlm %s' should fail saying \"%s\"; got status %d and: %.400s", args, what,
+                   rc, out);
+}
+
 float t_adamw_step_fp32(void *adamw, const void *table, float *params, const float *grads, float lr,
                         float max_norm) {
     const fl_param_table *t = table;

@@ -61,6 +61,15 @@ int t_remove_dir(const char *dir);
 // Path of a file in the source tree (FITLM_SOURCE_DIR, set by CTest).
 const char *t_source_path(const char *rel);
 
+// Runs `fitlm ARGS` (the binary FITLM_BINARY, set by CTest; else fitlm on
+// the PATH) in directory dir, its stdout and (with_stderr) stderr captured
+// into out (size bytes, NUL-terminated, the rest dropped); stderr is
+// discarded otherwise. Returns the exit status, -1 when it did not exit.
+int t_fitlm(const char *dir, const char *args, int with_stderr, char *out, size_t size);
+// Checks that `fitlm ARGS` exits with status 1 saying "fitlm: error:" and
+// `what`; out receives its output.
+int t_fitlm_fails(const char *dir, const char *args, const char *what, char *out, size_t size);
+
 // Safetensors test files. t_write_st: a file with this header and `data`
 // zero bytes of data. t_st_rewrite: a copy of a safetensors file with edits,
 // to test the layers above the format.
