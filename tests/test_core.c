@@ -1,6 +1,7 @@
 // test_core.c: the tagged allocator's accounting and the RNG.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fitlm/core.h"
@@ -66,7 +67,30 @@ static void test_cpu_probe(void) {
     t_check(!f->avx512_bf16 || f->avx512f, "AVX512_BF16 implies AVX-512F");
 }
 
+// fl_cpu() reads the environment once per process: each case runs in a
+// child (t_dies forks) of a parent that has not called it yet.
+static void probe_with_isa(void *isa) {
+    setenv("FITLM_ISA", isa, 1);
+    unsetenv("FITLM_NO_SIMD");
+    const fl_cpu_features *f = fl_cpu();
+    fl_isa got = fl_cpu_isa();
+    // a cap is a ceiling: exit 1 (what t_dies expects) with the outcome
+    fl_die("FITLM_ISA=%s gives %s%s", (const char *)isa, fl_isa_name(got),
+           f->avx512_bf16 || f->amx_bf16 ? " with bf16" : "");
+}
+
+static void test_isa_cap(void) {
+    t_dies("FITLM_ISA=sse", probe_with_isa, "sse", "FITLM_ISA must be portable, avx2 or avx512");
+    t_dies("FITLM_ISA=portable", probe_with_isa, "portable", "gives portable\n");
+    // avx2 where the CPU has it (asked of the compiler's own probe), else
+    // portable; never AVX-512 or its bf16
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    t_dies("FITLM_ISA=avx2", probe_with_isa, "avx2",
+           avx2 ? "FITLM_ISA=avx2 gives avx2\n" : "FITLM_ISA=avx2 gives portable\n");
+}
+
 int main(void) {
+    test_isa_cap(); // first: before anything calls fl_cpu()
     test_allocator_counts_exactly();
     test_rng();
     test_cpu_probe();

@@ -12,7 +12,8 @@
 //    gradients are rounded once per call.
 // Outputs and workspaces start as NaN: a kernel that reads what it should
 // only write fails loudly. Everything runs twice, in a forked child with the
-// portable paths (FITLM_NO_SIMD=1) and then with the CPU's SIMD paths.
+// portable paths (FITLM_ISA=portable), with AVX2 where the CPU has more,
+// and then with the CPU's own paths.
 #include "fitlm/core.h"
 #include "fitlm/kernels.h"
 #include "testlib.h"
@@ -1799,7 +1800,10 @@ static void test_lowp(void) {
 }
 
 static int run_all(const char *path) {
-    printf("%s paths: threads %d, avx512f %d\n", path, fl_threads(), fl_cpu()->avx512f);
+    printf("%s paths: threads %d, vector ISA %s\n", path, fl_threads(), fl_isa_name(fl_cpu_isa()));
+    if (!strcmp(path, "portable") || !strcmp(path, "avx2"))
+        t_check(!strcmp(fl_isa_name(fl_cpu_isa()), path), "FITLM_ISA=%s caps the kernels at %s",
+                path, fl_isa_name(fl_cpu_isa()));
     // OpenBLAS must be the OpenMP build: the pthreads build, called inside
     // our parallel regions (attention), oversubscribes and crawls
     t_check(openblas_get_parallel() == 2,
@@ -1819,20 +1823,28 @@ static int run_all(const char *path) {
     return t_report();
 }
 
-// fl_cpu() reads FITLM_NO_SIMD once per process, so the portable fallbacks
-// of the SIMD kernels are tested in a child forked first thing, before any
-// OpenMP thread exists; the parent then tests the CPU's own paths.
+// fl_cpu() reads FITLM_ISA once per process, so each narrower ISA's paths
+// are tested in a child forked first thing, before any OpenMP thread exists
+// (portable, then AVX2 where the CPU has it); the parent then tests the
+// CPU's own paths. FITLM_ISA or FITLM_NO_SIMD set from outside: that one only.
 int main(void) {
     if (getenv("FITLM_NO_SIMD")) return run_all("portable (FITLM_NO_SIMD)");
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid < 0) return t_check(0, "fork failed"), t_report();
-    if (pid == 0) {
-        setenv("FITLM_NO_SIMD", "1", 1);
-        exit(run_all("portable"));
+    if (getenv("FITLM_ISA")) return run_all(getenv("FITLM_ISA"));
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    const char *caps[] = {"portable", "avx2"};
+    for (int k = 0; k < (avx2 && avx512 ? 2 : 1); k++) { // the widest is the parent's
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid < 0) return t_check(0, "fork failed"), t_report();
+        if (pid == 0) {
+            setenv("FITLM_ISA", caps[k], 1);
+            exit(run_all(caps[k]));
+        }
+        int status = 0;
+        waitpid(pid, &status, 0);
+        t_check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s-path run failed", caps[k]);
     }
-    int status = 0;
-    waitpid(pid, &status, 0);
-    t_check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "portable-path run failed");
     return run_all("native");
 }

@@ -94,9 +94,17 @@ typedef struct {
     int avx2, fma, avx512f, avx512bw, avx512vl, avx512_bf16, amx_bf16;
 } fl_cpu_features;
 
-// Probed once with CPUID/XGETBV; FITLM_NO_SIMD=1 in the environment turns
-// every feature off, so the portable fallbacks can be run on any machine.
+// Probed once with CPUID/XGETBV, capped by the environment so that one
+// machine can run every path it has: FITLM_ISA=avx2 turns AVX-512 and what
+// builds on it (avx512_bf16, AMX) off, FITLM_ISA=portable (or
+// FITLM_NO_SIMD=1) every feature; another FITLM_ISA value is an error.
 const fl_cpu_features *fl_cpu(void);
+
+// The kernels' vector paths: AVX-512 (F, BW, VL), AVX2 + FMA, or plain C.
+typedef enum { FL_ISA_PORTABLE, FL_ISA_AVX2, FL_ISA_AVX512 } fl_isa;
+// The widest of them fl_cpu() allows.
+fl_isa fl_cpu_isa(void);
+const char *fl_isa_name(fl_isa isa); // "portable", "avx2", "avx512"
 
 // One thread pool for the whole engine: OpenMP's. OpenBLAS is linked in its
 // OpenMP flavour so it shares that pool instead of spinning its own threads.

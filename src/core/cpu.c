@@ -4,6 +4,7 @@
 #include "fitlm/core.h"
 
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <omp.h>
 #include <cblas.h>
@@ -41,15 +42,41 @@ static void probe(fl_cpu_features *f) {
 }
 #endif
 
+// The widest ISA FITLM_ISA allows (FITLM_NO_SIMD=1: portable), so that one
+// machine runs every path its CPU has; the CPU's own when unset.
+static fl_isa isa_cap(void) {
+    const char *off = getenv("FITLM_NO_SIMD"), *cap = getenv("FITLM_ISA");
+    if (off && off[0] == '1') return FL_ISA_PORTABLE;
+    if (!cap || !*cap) return FL_ISA_AVX512;
+    for (int isa = FL_ISA_PORTABLE; isa <= FL_ISA_AVX512; isa++)
+        if (!strcmp(cap, fl_isa_name((fl_isa)isa))) return (fl_isa)isa;
+    fl_die("FITLM_ISA must be portable, avx2 or avx512, got '%s'", cap);
+}
+
 const fl_cpu_features *fl_cpu(void) {
     static fl_cpu_features features;
     static int probed;
     if (!probed) {
-        const char *off = getenv("FITLM_NO_SIMD");
-        if (!(off && off[0] == '1')) probe(&features);
+        fl_isa cap = isa_cap();
+        if (cap > FL_ISA_PORTABLE) probe(&features);
+        if (cap < FL_ISA_AVX512) // AVX-512 and what builds on it
+            features.avx512f = features.avx512bw = features.avx512vl = features.avx512_bf16 =
+                features.amx_bf16 = 0;
         probed = 1;
     }
     return &features;
+}
+
+fl_isa fl_cpu_isa(void) {
+    const fl_cpu_features *f = fl_cpu();
+    if (f->avx512f && f->avx512bw && f->avx512vl) return FL_ISA_AVX512;
+    if (f->avx2 && f->fma) return FL_ISA_AVX2;
+    return FL_ISA_PORTABLE;
+}
+
+const char *fl_isa_name(fl_isa isa) {
+    static const char *names[] = {"portable", "avx2", "avx512"};
+    return names[isa];
 }
 
 void fl_set_threads(int n) {

@@ -1,5 +1,5 @@
 // simd.h: private helpers shared by the kernels: fp32 views of data of any
-// storage dtype, and the AVX-512 paths' vector helpers. The latter carry
+// storage dtype, and the AVX-512 and AVX2 paths' vector helpers. The latter carry
 // target attributes, so the file compiles in a baseline x86-64 build; callers
 // pick those paths only when fl_cpu() reports the ISA.
 #ifndef FITLM_KERNELS_SIMD_H
@@ -55,6 +55,39 @@ __attribute__((target("avx512f"))) static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_maskz_scalef_ps(keep, p, k); // p * 2^k
+}
+
+// exp512's algorithm on 8 lanes with AVX2 + FMA (no scalef or masked
+// moves: 2^k is built in the exponent bits), for CPUs without AVX-512.
+// Same constants and operation order, so each lane equals exp512's.
+__attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
+    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-80.0f), _CMP_NLT_UQ);
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-80.0f), x));
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    // p * 2^k in two steps (k up to 128 would overflow one exponent field);
+    // k >= -116 here, so neither factor is subnormal
+    __m256i ki = _mm256_cvtps_epi32(k), half = _mm256_srai_epi32(ki, 1);
+    __m256 a =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(ki, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_and_ps(keep, _mm256_mul_ps(_mm256_mul_ps(p, a), b));
+}
+
+// lanes [0, n) of an 8-lane block, for maskload/maskstore
+__attribute__((target("avx2"))) static inline __m256i tail_mask8(size_t n) {
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n >= 8 ? 8 : (int)n), lane);
 }
 
 // lanes [0, n) of a 16-lane block: the ragged end of a row
