@@ -221,6 +221,19 @@ static void test_hf_tokenizer_run(void) {
     t_check(rc == 0, "sample finds the tokenizer's files through the checkpoint: %.600s", output);
     rc = fitlm("eval --checkpoint run --data hfdata --json");
     t_check(rc == 0 && strstr(output, "\"tokenizer\":\"hf\""), "eval of the run: %.600s", output);
+    // exported with its tokenizer, the directory is a whole model: training
+    // from it needs no tokenizer flags
+    rc = fitlm("export run -o hfexport");
+    char copied[2048];
+    snprintf(copied, sizeof copied, "%s/hfexport/tokenizer_config.json", dir);
+    t_check(rc == 0 && access(copied, R_OK) == 0,
+            "export copies tokenizer.json and "
+            "tokenizer_config.json beside the weights: %.600s",
+            output);
+    rc = fitlm("train --init-from hfexport --data hfdata --seq-len 32 --batch 2 --steps 1 "
+               "--eval-every 0 --eval-iters 1 --sample-tokens 4 --out ''");
+    t_check(rc == 0 && strstr(output, "vocab 32000"),
+            "train --init-from an exported directory takes its tokenizer.json: %.600s", output);
 }
 
 int main(void) {

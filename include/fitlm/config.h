@@ -24,8 +24,8 @@ typedef struct {
     char model_arch[FL_NAME_MAX];     // gpt2 | llama | "" (the preset's)
     fl_model_config model;            // fields left 0 come from the preset
     int tie_embeddings;               // model.tie_word_embeddings (LLaMA)
-    char tokenizer[FL_NAME_MAX];      // gpt2 | byte
-    char tokenizer_path[FL_PATH_MAX]; // gpt2: encoder.json and vocab.bpe
+    char tokenizer[FL_NAME_MAX];      // gpt2 | byte | hf
+    char tokenizer_path[FL_PATH_MAX]; // gpt2: encoder.json and vocab.bpe; hf: tokenizer.json
     char init_from[FL_PATH_MAX];      // pretrained weights, or ""
     // data: token shards
     char data[FL_PATH_MAX];

@@ -32,6 +32,10 @@ typedef struct fl_tokenizer fl_tokenizer;
 // and what is wrong.
 fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir);
 void fl_tokenizer_free(fl_tokenizer *tok);
+// Copies an hf tokenizer's files (path: its tokenizer.json or directory)
+// into out_dir: tokenizer.json, and tokenizer_config.json when it is beside
+// it; each written whole (temporary file, rename). Dies naming the file.
+void fl_hf_tokenizer_copy(const char *path, const char *out_dir);
 const char *fl_tokenizer_name(const fl_tokenizer *tok);
 int fl_tokenizer_vocab_size(const fl_tokenizer *tok);
 // The vocabulary a model for tokenizer `name` needs, without keeping the

@@ -11,6 +11,7 @@
 #include "cli.h"
 #include "fitlm/config.h"
 #include "fitlm/io.h"
+#include "fitlm/tokenizer.h"
 #include "fitlm/safetensors.h"
 
 static void help(void) {
@@ -146,9 +147,14 @@ int cmd_export(int argc, char **argv) {
         fl_ckpt_load_model(ckpt, &model, FL_F32, tokenizer, sizeof tokenizer);
     else // NF4 rows are dequantised by the merge: the weights the adapter was trained on
         fl_pretrained_load_quant(ckpt, &model, FL_F32, &quant);
+    // a Hugging Face tokenizer goes with the weights, so the directory loads whole
+    char tok_name[32], tok_path[FL_PATH_MAX];
+    int hf_tok = fl_source_tokenizer(ckpt, tok_name, sizeof tok_name, tok_path, sizeof tok_path) &&
+                 !strcmp(tok_name, "hf");
     if (!merge) {
         fl_model_check_finite(&model, ckpt, NULL);
         fl_hf_export(dir, &model, model.params, dt, max_shard);
+        if (hf_tok) fl_hf_tokenizer_copy(tok_path, dir);
         printf("exported %zu parameters (%s, %s, %s tensors, tokenizer %s) to %s\n",
                model.table.numel, ckpt, fl_arch_name(model.config.arch), fl_dtype_name(dt),
                tokenizer, dir);
@@ -165,6 +171,7 @@ int cmd_export(int argc, char **argv) {
     float *merged = fl_alloc(FL_MEM_WORKSPACE, model.table.numel * sizeof(float));
     fl_model_merged_f32(&model, merged);
     fl_hf_export(dir, &model, merged, dt, max_shard);
+    if (hf_tok) fl_hf_tokenizer_copy(tok_path, dir);
     printf("merged adapter %s (r %d, %zu adapter parameters) into %s (%s%s): exported %zu "
            "parameters as %s tensors to %s\n",
            adapter, lc.r, model.lora.table.numel, ckpt, fl_arch_name(model.config.arch),

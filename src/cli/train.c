@@ -321,6 +321,15 @@ int cmd_train(int argc, char **argv) {
     if (!*run_id) new_run_id(run_id, sizeof run_id); // a new run, or a checkpoint without one
     // about this invocation, not the run: not inherited by a resume
     fl_config_set_given(&cfg, "overwrite", 0);
+    // Pretrained weights bring their tokenizer (a Hugging Face directory's
+    // tokenizer.json, a checkpoint's run's) unless the run names one.
+    if (!resume && *cfg.init_from && !fl_config_given(&cfg, "tokenizer")) {
+        char name[sizeof cfg.tokenizer], path[sizeof cfg.tokenizer_path];
+        if (fl_source_tokenizer(cfg.init_from, name, sizeof name, path, sizeof path)) {
+            strcpy(cfg.tokenizer, name);
+            if (!fl_config_given(&cfg, "tokenizer_path")) strcpy(cfg.tokenizer_path, path);
+        }
+    }
     char *config_json = fl_config_to_json(&cfg); // the run as given, for its checkpoints
     // A resumed or pretrained model brings its own shape.
     const char *shape_from = resume ? resume : *cfg.init_from ? cfg.init_from : NULL;

@@ -13,9 +13,11 @@
 
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <cJSON.h>
 
 #include "fitlm/core.h"
+#include "fitlm/io.h"
 
 static const char LLAMA3_REGEX[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
@@ -546,13 +548,43 @@ static void set_mode(fl_tokenizer *tok, const hf_loader *L, const cJSON *model) 
     tok->prepend = L->prepend ? FL_PREPEND_ALWAYS : L->meta >= 0 ? L->meta : FL_PREPEND_NONE;
 }
 
-void fl_hf_tokenizer_load(fl_tokenizer *tok, const char *path) {
-    char file[4200];
+// The tokenizer.json that path names: the file, or the one in a directory.
+static void json_file(char *file, size_t size, const char *path) {
     struct stat st;
     int is_dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
-    if ((size_t)snprintf(file, sizeof file, is_dir ? "%s/tokenizer.json" : "%s", path) >=
-        sizeof file)
+    if ((size_t)snprintf(file, size, is_dir ? "%s/tokenizer.json" : "%s", path) >= size)
         fl_die("tokenizer path is too long: %s", path);
+}
+
+void fl_hf_tokenizer_copy(const char *path, const char *out_dir) {
+    char file[4200], dir[4200], out[4200];
+    json_file(file, sizeof file, path);
+    snprintf(dir, sizeof dir, "%s", file);
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        *slash = 0;
+    else
+        strcpy(dir, ".");
+    static const char *const names[] = {"tokenizer.json", "tokenizer_config.json"};
+    for (int k = 0; k < 2; k++) {
+        char from[4300];
+        snprintf(from, sizeof from, "%s/%s", dir, names[k]);
+        if (k == 0)
+            snprintf(from, sizeof from, "%s", file);
+        else if (access(from, R_OK) != 0)
+            continue; // optional: it names BOS and EOS
+        size_t size;
+        uint8_t *data = fl_file_read_all(from, (size_t)1 << 30, &size, "tokenizer file");
+        if ((size_t)snprintf(out, sizeof out, "%s/%s", out_dir, names[k]) >= sizeof out)
+            fl_die("output directory name is too long: %s", out_dir);
+        fl_file_write_all(out, data, size);
+        fl_free(data);
+    }
+}
+
+void fl_hf_tokenizer_load(fl_tokenizer *tok, const char *path) {
+    char file[4200];
+    json_file(file, sizeof file, path);
     size_t size;
     char *text = fl_tok_read_file(file, &size);
     cJSON *root = cJSON_ParseWithLength(text, size);
