@@ -621,7 +621,7 @@ static void test_lora_errors(void) {
 
 // SIGKILL at random moments of a run that saves every step: the newest
 // complete checkpoint always loads, and the run resumes from it.
-// This CPU as tests/fixtures/prerefactor/cpu.txt names CPUs: the model name
+// This CPU as tests/fixtures/recorded_logs/cpu.txt names CPUs: the model name
 // and the features whose kernels change float results.
 static void cpu_class(char *out, size_t size) {
     char line[8192], model[256] = "", flags[8192] = "";
@@ -641,15 +641,14 @@ static void cpu_class(char *out, size_t size) {
     }
 }
 
-// GPT-2 runs recorded before the model driver replaced the GPT-2-only code
-// (tests/fixtures/prerefactor/README.md): every logged loss, lr, gradient
-// norm and validation loss must come out the same. Bitwise in the release
+// Recorded GPT-2 runs (tests/fixtures/recorded_logs/README.md): every logged
+// loss, lr, gradient norm and validation loss must come out the same. Bitwise in the release
 // build on the CPU class they were recorded on; elsewhere to a tolerance.
-static void test_matches_prerefactor_recording(void) {
+static void test_matches_recorded_logs(void) {
     char here[512], recorded[512] = "";
     cpu_class(here, sizeof here);
     size_t n;
-    char *cpu = (char *)t_read_file(t_source_path("tests/fixtures/prerefactor/cpu.txt"), &n);
+    char *cpu = (char *)t_read_file(t_source_path("tests/fixtures/recorded_logs/cpu.txt"), &n);
     sscanf(cpu, "%511[^\n]", recorded);
     free(cpu);
     // bitwise only for the release build on the CPU class recorded: another
@@ -669,7 +668,7 @@ static void test_matches_prerefactor_recording(void) {
                  "--precision %s --out pre_%s",
                  t_source_path("data/brown_byte"), precisions[p], precisions[p]);
         int rc = fitlm(args);
-        snprintf(want_path, sizeof want_path, "tests/fixtures/prerefactor/gpt2_tiny_%s.log",
+        snprintf(want_path, sizeof want_path, "tests/fixtures/recorded_logs/gpt2_tiny_%s.log",
                  precisions[p]);
         snprintf(got_path, sizeof got_path, "%s/pre_%s/log.txt", dir, precisions[p]);
         size_t nw, ng;
@@ -677,7 +676,7 @@ static void test_matches_prerefactor_recording(void) {
         char *got = rc == 0 ? (char *)t_read_file(got_path, &ng) : NULL;
         if (same_cpu) {
             t_check(got && ng == nw && !memcmp(got, want, nw),
-                    "%s: the log is bitwise the pre-refactor recording (%s)", precisions[p], here);
+                    "%s: the log is bitwise the recorded one (%s)", precisions[p], here);
         } else {
             // the same lines, each number within tol relative
             double tol = p == 0 ? 1e-4 : 3e-3, worst = 0;
@@ -1507,7 +1506,7 @@ int main(void) {
     test_lora_resume_is_bitwise();
     test_lora_adapter();
     test_lora_errors();
-    test_matches_prerefactor_recording();
+    test_matches_recorded_logs();
     test_kill_while_saving();
     test_resume_continues_in_its_directory();
     test_new_run_refuses_a_used_directory();

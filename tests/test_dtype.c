@@ -1,9 +1,11 @@
 // test_dtype.c: bf16 and fp16 conversions: round to nearest even, specials,
 // fp16 subnormals, and the vectorised paths against the scalar ones.
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitlm/core.h"
 #include "fitlm/dtype.h"
 #include "testlib.h"
 
@@ -39,6 +41,11 @@ static void test_f16(void) {
     t_check(fl_f32_to_f16(ldexpf(1023.5f, -24)) == 0x0400, "rounds up into the normals");
     t_check(fl_f32_to_f16(-0.0f) == 0x8000, "-0");
     t_check(isnan(fl_f16_to_f32(fl_f32_to_f16(NAN))), "NaN");
+    // NaN as F16C: quieted, the top 10 payload bits kept
+    t_check(fl_f32_to_f16(f(0x7fe00000u)) == 0x7f00 && fl_f32_to_f16(f(0xff800001u)) == 0xfe00,
+            "f32 NaN -> quiet fp16 NaN with its payload");
+    float q = fl_f16_to_f32(0xfc01);
+    t_check(memcmp(&q, &(uint32_t){0xffc02000u}, 4) == 0, "fp16 sNaN -> quiet f32 NaN");
     t_check(fl_f16_to_f32(0xfc00) == -INFINITY, "-inf");
     // every fp16 value round-trips exactly
     int all = 1;
@@ -50,7 +57,7 @@ static void test_f16(void) {
     t_check(all, "all 63k finite fp16 values round-trip");
 }
 
-// The vector paths (AVX-512) must agree bit for bit with the scalar ones.
+// The dispatched vector path must agree bit for bit with the scalar ones.
 static void test_bulk_matches_scalar(void) {
     enum { N = 1000 };
     float x[N], back[N];
@@ -94,11 +101,114 @@ static void test_bulk_matches_scalar(void) {
 }
 
 // ----------------------------------------------------------------------------
-// stochastic rounding
+// every vector path against the scalar conversions, bit for bit
 
 static float decode(fl_dtype dt, uint16_t h) {
     return dt == FL_BF16 ? fl_bf16_to_f32(h) : fl_f16_to_f32(h);
 }
+
+static uint16_t to_16(fl_dtype dt, float x) {
+    return dt == FL_BF16 ? fl_f32_to_bf16(x) : fl_f32_to_f16(x);
+}
+
+static int cpu_has(int isa) {
+    return isa == FL_ISA_PORTABLE || (isa == FL_ISA_AVX2 && fl_cpu()->avx2) ||
+           (isa == FL_ISA_AVX512 && fl_cpu()->avx512f);
+}
+
+// All 65536 bf16 and fp16 values (NaNs, subnormals, +-inf, +-0) to fp32.
+static void test_isa_from_16(int isa, fl_dtype dt) {
+    enum { N = 65536 };
+    static uint16_t h[N];
+    static float got[N];
+    for (uint32_t i = 0; i < N; i++) h[i] = (uint16_t)i;
+    fl_convert_isa(isa, FL_F32, got, dt, h, N);
+    int same = 1;
+    for (uint32_t i = 0; i < N; i++) {
+        float want = decode(dt, h[i]);
+        same &= memcmp(&want, &got[i], 4) == 0;
+    }
+    t_check(same, "%s: all 65536 %s -> fp32 equal scalar", fl_isa_name((fl_isa)isa),
+            fl_dtype_name(dt));
+}
+
+// fp32 -> 16 bits for both signs and every exponent: all 8192 values of the
+// 13 bits fp16 drops under 10 patterns of the 10 bits above them (which
+// include bf16's ties, its round-to-even bit 16, and carries out of an
+// all-ones mantissa: into the next exponent, and into inf from the largest
+// values), so both dtypes meet their ties, subnormals, NaNs (payloads
+// included) and the round-up-into-inf cases. 42M values per path.
+static void test_isa_from_f32(int isa) {
+    enum { LO = 8192, NHI = 10, N = LO * NHI };
+    static const uint32_t his[NHI] = {0, 1, 4, 5, 8, 0xc, 0x3f7, 0x3fb, 0x3ff, 0x2a5};
+    static float x[N];
+    static uint16_t got[N];
+    int same[2] = {1, 1};
+    for (uint32_t se = 0; se < 512; se++) {
+        for (int k = 0; k < NHI; k++)
+            for (uint32_t lo = 0; lo < LO; lo++) x[k * LO + lo] = f(se << 23 | his[k] << 13 | lo);
+        for (int d = 0; d < 2; d++) {
+            fl_dtype dt = d ? FL_F16 : FL_BF16;
+            fl_convert_isa(isa, dt, got, FL_F32, x, N);
+            for (int i = 0; i < N; i++) same[d] &= got[i] == to_16(dt, x[i]);
+        }
+    }
+    for (int d = 0; d < 2; d++)
+        t_check(same[d], "%s: fp32 -> %s equals scalar on 42M patterns", fl_isa_name((fl_isa)isa),
+                fl_dtype_name(d ? FL_F16 : FL_BF16));
+    // the subnormal fp32 inputs vcvtneps2bf16 would flush to zero
+    float sub[16];
+    for (int i = 0; i < 16; i++) sub[i] = f(i % 2 ? 0x00018000u : 0x007fffffu);
+    fl_convert_isa(isa, FL_BF16, got, FL_F32, sub, 16);
+    t_check(got[0] == 0x0080 && got[15] == 0x0002, "%s: fp32 subnormals round, not flush to 0",
+            fl_isa_name((fl_isa)isa));
+}
+
+// Every length 0..40 at offsets 0..3 (vector body plus scalar tail), all
+// four directions and bf16 <-> fp16, against fl_convert_isa's portable path.
+static void test_isa_tails(int isa) {
+    enum { M = 48 };
+    float x[M], y[M], want_y[M];
+    uint16_t h[M], want_h[M], g[M], want_g[M];
+    t_fill(x, M, 7, 70000.0f); // past fp16's range too
+    x[5] = NAN, x[17] = -INFINITY, x[30] = 1e-6f;
+    int same = 1;
+    for (size_t off = 0; off < 4; off++)
+        for (size_t n = 0; n + off <= 40; n++)
+            for (int d = 0; d < 2; d++) {
+                fl_dtype dt = d ? FL_F16 : FL_BF16, other = d ? FL_BF16 : FL_F16;
+                memset(h, 0xab, sizeof h), memset(want_h, 0xab, sizeof want_h);
+                fl_convert_isa(isa, dt, h + off, FL_F32, x + off, n);
+                fl_convert_isa(FL_ISA_PORTABLE, dt, want_h + off, FL_F32, x + off, n);
+                same &= !memcmp(h, want_h, sizeof h);
+                memset(y, 0xab, sizeof y), memset(want_y, 0xab, sizeof want_y);
+                fl_convert_isa(isa, FL_F32, y + off, dt, h + off, n);
+                fl_convert_isa(FL_ISA_PORTABLE, FL_F32, want_y + off, dt, h + off, n);
+                same &= !memcmp(y, want_y, sizeof y);
+                memset(g, 0xab, sizeof g), memset(want_g, 0xab, sizeof want_g);
+                fl_convert_isa(isa, other, g + off, dt, h + off, n);
+                fl_convert_isa(FL_ISA_PORTABLE, other, want_g + off, dt, h + off, n);
+                same &= !memcmp(g, want_g, sizeof g);
+            }
+    t_check(same, "%s: lengths 0..40 at offsets 0..3 equal scalar, nothing written past n",
+            fl_isa_name((fl_isa)isa));
+}
+
+static void test_isa_paths(void) {
+    for (int isa = FL_ISA_PORTABLE; isa <= FL_ISA_AVX512; isa++) {
+        if (!cpu_has(isa)) {
+            printf("%s: not on this CPU, skipped\n", fl_isa_name((fl_isa)isa));
+            continue;
+        }
+        test_isa_from_16(isa, FL_BF16);
+        test_isa_from_16(isa, FL_F16);
+        test_isa_from_f32(isa);
+        test_isa_tails(isa);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// stochastic rounding
 
 // Many stochastic roundings of x (one per element index): each is one of
 // the two 16-bit neighbours of x, and their mean is x within 6 standard
@@ -196,6 +306,7 @@ int main(void) {
     test_bf16();
     test_f16();
     test_bulk_matches_scalar();
+    test_isa_paths();
     test_stochastic_rounding();
     return t_report();
 }

@@ -17,12 +17,15 @@
 #include "fitlm/core.h"
 #include "fitlm/kernels.h"
 #include "testlib.h"
+#include "../src/kernels/simd.h" // exp512 and exp256, for their lane-for-lane test
 
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <cblas.h>
@@ -634,8 +637,208 @@ static void test_attention(void) {
     }
 }
 
+// The softmax loops of every ISA the CPU has, on the same inputs: each runs
+// in a child forked before any OpenMP thread exists (fl_cpu() reads
+// FITLM_ISA once per process) and leaves out, lse and dqkv in shared memory.
+// BLAS computes the same scores in every child, so the paths differ only in
+// the loops: AVX2 and AVX-512 sum the same 16 lanes in the same order with
+// exp256 == exp512, hence the same bits; the scalar loops use expf (exp512 is
+// within ~1 ulp of it) and sum in another order. A row's sum of n positive
+// terms then differs by ~sqrt(n) u in relative terms (independent roundings;
+// n u is the adversarial worst case), and so do its P, lse, out (weights of
+// |v| <= 2) and the gradients that sum such P. Allow 4 sqrt(T) u (~1 ulp
+// per 16 keys, 10x what is seen), scaled by what is summed: max|v| = 2 for
+// out, 1 for lse plus the rounding of max + log(sum), and for dqkv the 4 of
+// test_attention's bound (over the group's heads for dk, dv).
+static void test_attention_isas(int avx2, int avx512) {
+    printf("attention paths\n");
+    const char *caps[] = {"portable", "avx2", "avx512"};
+    int have[] = {1, avx2, avx512}, shapes[][5] = {{2, 150, 8, 2, 6}, {1, 300, 4, 4, 29}};
+    for (int s = 0; s < 2; s++) {
+        int B = shapes[s][0], T = shapes[s][1], NH = shapes[s][2], NKV = shapes[s][3];
+        int HS = shapes[s][4];
+        size_t nqkv = (size_t)B * T * qkv_width(NH, NKV, HS), no = (size_t)B * T * NH * HS;
+        size_t nl = (size_t)B * NH * T, nres = no + nl + nqkv;
+        float *qkv = frand(nqkv, 91, 2.0f), *dout = frand(no, 92, 1.0f),
+              *dqkv0 = frand(nqkv, 93, 1.0f);
+        float *out_r = fnan(no), *lse_r = fnan(nl);
+        // the backwards all start from the same out and lse
+        attention_forward_ref(out_r, lse_r, qkv, B, T, NH, NKV, HS);
+        float *res = mmap(NULL, 3 * nres * sizeof *res, PROT_READ | PROT_WRITE,
+                          MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        t_check(res != MAP_FAILED, "mmap failed");
+        if (res == MAP_FAILED) return;
+        for (int k = 0; k < 3; k++) {
+            if (!have[k]) continue;
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid == 0) {
+                setenv("FITLM_ISA", caps[k], 1);
+                float *out = res + k * nres, *lse = out + no, *dqkv = lse + nl;
+                float *ws = att_workspace(FL_F32, T, HS, NH / NKV);
+                memcpy(dqkv, dqkv0, nqkv * sizeof *dqkv);
+                attention_forward_f32(out, lse, qkv, ws, B, T, NH, NKV, HS);
+                attention_backward_f32(dqkv, dout, qkv, out_r, lse_r, ws, B, T, NH, NKV, HS);
+                _exit(0);
+            }
+            int status = 0;
+            if (pid > 0) waitpid(pid, &status, 0);
+            t_check(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                    "attention %s-path child failed", caps[k]);
+        }
+        double tol = 4 * sqrt(T) * 0x1p-24;
+        const float *out_s = res, *lse_s = out_s + no, *dqkv_s = lse_s + nl;
+        for (int k = 1; k < 3; k++) {
+            if (!have[k]) continue;
+            const float *out = res + k * nres, *lse = out + no, *dqkv = lse + nl;
+            t_close(nm("att %s T%d NH%d NKV%d HS%d out vs scalar", caps[k], T, NH, NKV, HS), out,
+                    out_s, no, 2 * tol, 0.0);
+            t_close(nm("att %s T%d NH%d NKV%d HS%d lse vs scalar", caps[k], T, NH, NKV, HS), lse,
+                    lse_s, nl, tol, 0x1p-23);
+            t_close(nm("att %s T%d NH%d NKV%d HS%d dqkv vs scalar", caps[k], T, NH, NKV, HS), dqkv,
+                    dqkv_s, nqkv, 4 * (NH / NKV) * tol, 0.0);
+        }
+        if (have[1] && have[2])
+            same_bits(nm("att T%d NH%d NKV%d HS%d avx2 vs avx512", T, NH, NKV, HS), res + nres,
+                      res + 2 * nres, nres);
+        munmap(res, 3 * nres * sizeof *res);
+        free(qkv), free(dout), free(dqkv0), free(out_r), free(lse_r);
+    }
+}
+
 // ----------------------------------------------------------------------------
 // gelu and residual
+
+// The SIMD paths of gelu and softmax_xent (AVX-512 and AVX2) are designed to
+// give the same bits. exp512 and exp256 are checked against each other lane
+// for lane; both, and the kernels' SIMD outputs, against exp_model and the
+// models below, scalar copies of the same operations (fmaf is the FMA
+// instructions' single rounding), so AVX2 and AVX-512 agree bit for bit even
+// though each run of this program sees only one of them.
+
+// exp512 and exp256 for finite and infinite x (NaN: see test_exp_lanes)
+static float exp_model(float x) {
+    int keep = !(x < -80.0f); // results below e^-80 are flushed to 0
+    x = x < -80.0f ? -80.0f : x > 89.0f ? 89.0f : x;
+    float k = nearbyintf(x * 1.44269504f);
+    float r = fmaf(-k, 0.693359375f, x);
+    r = fmaf(-k, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r + 1.0f);
+    return keep ? ldexpf(p, (int)k) : 0.0f;
+}
+
+#if FL_HAVE_X86_SIMD
+__attribute__((target("avx512f"))) static void exp512_all(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, exp512(_mm512_loadu_ps(x + i)));
+}
+
+__attribute__((target("avx2,fma"))) static void exp256_all(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, exp256(_mm256_loadu_ps(x + i)));
+}
+#endif
+
+// A dense sweep of [-100, 100], steps of single ulps around the flush point
+// -80 and the overflow point 88.72, a strided walk over all 2^32 bit
+// patterns (every exponent, subnormals, NaN payloads), and the specials.
+static void test_exp_lanes(void) {
+    enum { DENSE = 2000001, ULPS = 4096, STRIDE = 4099 };
+    size_t cap = DENSE + 4 * ULPS + (0x100000000ull / STRIDE + 1) + 16, n = 0;
+    cap = (cap + 15) / 16 * 16; // whole 16-lane blocks, zero-padded
+    float *x = calloc(cap, sizeof *x), *want = malloc(cap * sizeof *want);
+    for (int i = 0; i < DENSE; i++) x[n++] = -100.0f + 200.0f * (float)i / (DENSE - 1);
+    float edges[2] = {-80.0f, 88.72283935546875f}; // 88.722839: the largest finite expf
+    for (int e = 0; e < 2; e++) {
+        float up = edges[e], down = edges[e];
+        for (int i = 0; i < ULPS; i++) {
+            x[n++] = up = nextafterf(up, INFINITY);
+            x[n++] = down = nextafterf(down, -INFINITY);
+        }
+    }
+    for (uint64_t b = 0; b < 0x100000000ull; b += STRIDE) {
+        uint32_t u = (uint32_t)b;
+        memcpy(&x[n++], &u, sizeof u);
+    }
+    float specials[] = {
+        0.0f,  -0.0f,      INFINITY, -INFINITY, NAN,     -NAN,    -80.0f, 88.72283935546875f,
+        89.0f, -87.33654f, 1e-45f,   -1e-45f,   FLT_MAX, -FLT_MAX};
+    for (size_t i = 0; i < sizeof specials / sizeof *specials; i++) x[n++] = specials[i];
+    for (size_t i = 0; i < cap; i++) want[i] = isnan(x[i]) ? NAN : exp_model(x[i]);
+#if FL_HAVE_X86_SIMD
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int avx512 = __builtin_cpu_supports("avx512f");
+    float *y512 = malloc(cap * sizeof *y512), *y256 = malloc(cap * sizeof *y256);
+    if (avx512) exp512_all(y512, x, cap);
+    if (avx2) exp256_all(y256, x, cap);
+    for (int v = 0; v < 2; v++) {
+        const float *y = v ? y256 : y512;
+        if (!(v ? avx2 : avx512)) continue;
+        size_t diff = 0, first = 0;
+        int nan_ok = 1;
+        for (size_t i = 0; i < cap; i++) {
+            if (isnan(x[i])) {
+                nan_ok &= isnan(y[i]) != 0;
+                continue;
+            }
+            if (memcmp(&y[i], &want[i], sizeof(float)) != 0 && !diff++) first = i;
+        }
+        t_check(diff == 0, "%s vs exp_model: %zu of %zu differ, first x = %a: %a vs %a",
+                v ? "exp256" : "exp512", diff, cap, x[first], y[first], want[first]);
+        t_check(nan_ok, "%s: NaN in, NaN out", v ? "exp256" : "exp512");
+    }
+    if (avx2 && avx512)
+        t_check(memcmp(y512, y256, cap * sizeof *y512) == 0,
+                "exp256 vs exp512: %zu values (NaNs too) differ in some bit", cap);
+    free(y512), free(y256);
+#endif
+    free(x), free(want);
+}
+
+// the kernels' SIMD GELU: s = 1 / (1 + exp(-2|u|)) (or its complement), as in gelu.c
+#define GELU_S 0.7978845608028654f // sqrt(2/pi)
+#define GELU_K 0.044715f
+
+static void gelu_sigmoid_model(float x, float *s, float *s1s) {
+    float u = (x * GELU_S) * fmaf(x * x, GELU_K, 1.0f);
+    float a = exp_model(-2.0f * fabsf(u));
+    float r = 1.0f / (1.0f + a), ar = a * r;
+    *s = u < 0.0f ? ar : r;
+    *s1s = ar * r;
+}
+
+static void gelu_forward_model(float *out, const float *inp, size_t N) {
+    for (size_t i = 0; i < N; i++) {
+        float s, s1s;
+        gelu_sigmoid_model(inp[i], &s, &s1s);
+        out[i] = inp[i] * s;
+    }
+}
+
+static void gelu_backward_model(float *dinp, const float *inp, const float *dout, size_t N) {
+    for (size_t i = 0; i < N; i++) {
+        float x = inp[i], s, s1s;
+        gelu_sigmoid_model(x, &s, &s1s);
+        float du2 = fmaf(x * x, 6.0f * GELU_K * GELU_S, 2.0f * GELU_S);
+        dinp[i] = fmaf(fmaf(x * s1s, du2, s), dout[i], dinp[i]);
+    }
+}
+
+// the fast kernels use SIMD (and should match the models) unless capped to portable
+static int simd_paths(void) {
+    return fl_cpu()->avx512f || (fl_cpu()->avx2 && fl_cpu()->fma);
+}
+
+static void same_as_model(const char *name, const float *got, const float *model, size_t n) {
+    size_t i = 0;
+    while (i < n && memcmp(&got[i], &model[i], sizeof *got) == 0) i++;
+    t_check(i == n, "%s (%s path) differs from its SIMD model at %zu: %a vs %a", name,
+            fl_isa_name(fl_cpu_isa()), i, i < n ? got[i] : 0.0f, i < n ? model[i] : 0.0f);
+}
 
 typedef struct {
     double *x, *R, *out;
@@ -653,6 +856,7 @@ static double gelu_loss(const void *p) {
 
 static void test_gelu(void) {
     printf("gelu\n");
+    test_exp_lanes(); // GELU's and softmax_xent's SIMD paths rest on it
     // elementwise: the SIMD path's exp is ~1 ulp, but the reference's
     // 1 + tanh(u) cancels for negative x, to ~|x| u / 2 absolute: 1e-6
     size_t sizes[] = {1, 7, 33, 100003};
@@ -671,6 +875,14 @@ static void test_gelu(void) {
         t_close(nm("gelu N%zu dinp", N), dx_f, dx_r, N, 1e-6, REF_RTOL);
         same_bits("gelu out", out_f, out_f2, N);
         same_bits("gelu dinp", dx_f, dx_f2, N);
+        if (simd_paths()) {
+            float *out_m = fnan(N), *dx_m = frand(N, 93, 1.0f);
+            gelu_forward_model(out_m, x, N);
+            gelu_backward_model(dx_m, x, dout, N);
+            same_as_model(nm("gelu N%zu out", N), out_f, out_m, N);
+            same_as_model(nm("gelu N%zu dinp", N), dx_f, dx_m, N);
+            free(out_m), free(dx_m);
+        }
         free(x), free(dout), free(out_r), free(out_f), free(out_f2), free(dx_r), free(dx_f);
         free(dx_f2);
     }
@@ -688,6 +900,13 @@ static void test_gelu(void) {
     gelu_backward_f32(dx_f, xs, ones, nx);
     t_close("gelu special out", out_f, out_r, nx, 1e-6, REF_RTOL);
     t_close("gelu special dinp", dx_f, dx_r, nx, 1e-6, REF_RTOL);
+    if (simd_paths()) {
+        float out_m[NX], dx_m[NX] = {0};
+        gelu_forward_model(out_m, xs, nx);
+        gelu_backward_model(dx_m, xs, ones, nx);
+        same_as_model("gelu special out", out_f, out_m, nx);
+        same_as_model("gelu special dinp", dx_f, dx_m, nx);
+    }
 
     // |x| up to 5 reaches the saturated tails
     size_t N = 64;
@@ -793,6 +1012,54 @@ static double xent_loss(const void *p) {
     return dot_d(c->losses, c->dl, c->N);
 }
 
+// The kernels' SIMD softmax_xent on fp32 rows: the exps summed in double per
+// lane of 16, and the lanes added as _mm512_reduce_add_pd(lo + hi) does
+// (8 -> 4 -> 2 -> 1 by halves). The order of the double additions hardly
+// ever shows in the float lse (a sequential sum passes too); the exps and
+// the elementwise gradient are what these checks pin down.
+static void xent_forward_model(float *losses, float *lse, const float *logits, const int *targets,
+                               int N, int V, int Vp) {
+    for (int i = 0; i < N; i++) {
+        const float *x = logits + (size_t)i * Vp;
+        float m = -INFINITY;
+        for (int j = 0; j < V; j++) m = fmaxf(m, x[j]);
+        double acc[16] = {0}, v[8], t[4];
+        for (int j = 0; j < V; j++) acc[j % 16] += exp_model(x[j] - m);
+        for (int q = 0; q < 8; q++) v[q] = acc[q] + acc[q + 8];
+        for (int q = 0; q < 4; q++) t[q] = v[q + 4] + v[q];
+        lse[i] = m + (float)log((t[2] + t[0]) + (t[3] + t[1]));
+        losses[i] = targets[i] < 0 ? 0.0f : lse[i] - x[targets[i]];
+    }
+}
+
+static void xent_backward_model(float *dlogits, const float *logits, const float *lse,
+                                const int *targets, const float *dlosses, int N, int V, int Vp) {
+    for (int i = 0; i < N; i++) {
+        const float *x = logits + (size_t)i * Vp;
+        float *dx = dlogits + (size_t)i * Vp;
+        int target = targets[i];
+        for (int j = 0; j < Vp; j++)
+            dx[j] = target < 0 || j >= V ? 0.0f : dlosses[i] * exp_model(x[j] - lse[i]);
+        if (target >= 0) dx[target] = dlosses[i] * (expf(x[target] - lse[i]) - 1.0f);
+    }
+}
+
+// fast kernels vs the SIMD models, bit for bit (dlogits from the kernel's lse)
+static void xent_vs_model(const char *name, const float *losses, const float *lse,
+                          const float *dlogits, const float *logits, const int *targets,
+                          const float *dl, int N, int V, int Vp) {
+    size_t n = (size_t)N * Vp;
+    char base[96]; // name may be nm()'s buffer, which the calls below reuse
+    snprintf(base, sizeof base, "%s", name);
+    float *loss_m = fnan(N), *lse_m = fnan(N), *dx_m = fnan(n);
+    xent_forward_model(loss_m, lse_m, logits, targets, N, V, Vp);
+    xent_backward_model(dx_m, logits, lse, targets, dl, N, V, Vp);
+    same_as_model(nm("%s losses", base), losses, loss_m, N);
+    same_as_model(nm("%s lse", base), lse, lse_m, N);
+    same_as_model(nm("%s dlogits", base), dlogits, dx_m, n);
+    free(loss_m), free(lse_m), free(dx_m);
+}
+
 static void test_softmax_xent(void) {
     printf("softmax_xent\n");
     int shapes[][3] = {{1, 1, 1}, {1, 5, 8}, {7, 33, 48}, {64, 1000, 1024}, {3, 50257, 50304}};
@@ -816,6 +1083,9 @@ static void test_softmax_xent(void) {
         t_close(nm("xent N%d V%d dlogits", N, V), dx_f, dx_r, n, 1e-7, REF_RTOL);
         same_bits("xent losses", loss_f, loss_f2, N);
         same_bits("xent dlogits", dx_f, dx_f2, n);
+        if (simd_paths())
+            xent_vs_model(nm("xent N%d V%d", N, V), loss_f, lse_f, dx_f, logits, targets, dl, N, V,
+                          Vp);
         // in place: the logits buffer becomes its own gradient
         float *buf = fcopy(logits, n);
         softmax_xent_backward_f32(buf, buf, lse_f, targets, dl, N, V, Vp);
@@ -854,6 +1124,8 @@ static void test_softmax_xent(void) {
         t_close("xent special losses", loss_f, loss_r, SN, 1e-5, REF_RTOL);
         t_close("xent special lse", lse_f, lse_r, SN, 1e-5, REF_RTOL);
         t_close("xent special dlogits", dx_f, dx_r, SN * SVP, 1e-7, REF_RTOL);
+        if (simd_paths())
+            xent_vs_model("xent special", loss_f, lse_f, dx_f, x, tg, dl, SN, SV, SVP);
     }
 
     int N = 4, V = 7, Vp = 9, targets[] = {2, -1, 0, 6};
@@ -1833,6 +2105,7 @@ int main(void) {
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                  __builtin_cpu_supports("avx512vl");
+    test_attention_isas(avx2, avx2 && avx512);
     const char *caps[] = {"portable", "avx2"};
     for (int k = 0; k < (avx2 && avx512 ? 2 : 1); k++) { // the widest is the parent's
         fflush(stdout);

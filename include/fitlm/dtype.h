@@ -12,8 +12,10 @@ typedef enum { FL_F32, FL_BF16, FL_F16 } fl_dtype;
 size_t fl_dtype_size(fl_dtype dt);
 const char *fl_dtype_name(fl_dtype dt); // "fp32", "bf16", "fp16"
 
-// Scalar conversions. f32 -> bf16/fp16 round to nearest even; NaN stays NaN
-// (quiet), out-of-range values become +-inf, fp16 subnormals are kept.
+// Scalar conversions. f32 -> bf16/fp16 round to nearest even; NaN stays NaN,
+// quieted with the top payload bits kept (as vcvtneps2bf16 and F16C do),
+// out-of-range values become +-inf, fp16 subnormals are kept. fp16 -> f32
+// quiets NaN too (F16C's vcvtph2ps); bf16 -> f32 is a shift, exact.
 uint16_t fl_f32_to_bf16(float x);
 float fl_bf16_to_f32(uint16_t h);
 uint16_t fl_f32_to_f16(float x);
@@ -23,6 +25,10 @@ float fl_f16_to_f32(uint16_t h);
 // type), single-threaded and vectorised where the CPU allows: kernels call it
 // per row inside their own parallel loops.
 void fl_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n);
+// For the tests and benchmarks: fl_convert through one code path (isa: an
+// fl_isa of core.h, all paths give the same bits). Dies if fl_cpu() lacks it.
+void fl_convert_isa(int isa, fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
+                    size_t n);
 
 // Row access for kernels that compute in fp32 on any storage dtype:
 // fl_load_f32 returns src itself for fp32 data (no copy) and otherwise

@@ -39,7 +39,7 @@ float fl_bf16_to_f32(uint16_t h) {
 
 uint16_t fl_f32_to_f16(float x) {
     uint32_t u = bits_of(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  // NaN
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); // quiet NaN
     if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); // rounds to >= 65520: inf
     if (a < 0x38800000u) {
         // subnormal or zero in fp16: scale into the integer range and let the
@@ -58,16 +58,74 @@ float fl_f16_to_f32(uint16_t h) {
         float f = (float)man * (1.0f / 16777216.0f);
         return float_of(bits_of(f) | sign);
     }
-    if (exp == 31) return float_of(sign | 0x7f800000u | (man << 13)); // inf, NaN
+    if (exp == 31)
+        return float_of(sign | 0x7f800000u | (man ? 0x400000u | man << 13 : 0)); // inf, quiet NaN
     return float_of(sign | ((exp + 112) << 23) | (man << 13));
 }
 
 // ----------------------------------------------------------------------------
-// vectorised conversions (AVX-512: vcvtneps2bf16 needs AVX512_BF16; fp16
-// uses the F16C-style vcvtps2ph/vcvtph2ps of AVX-512F)
+// vectorised conversions, bit for bit the scalar ones above. bf16 is integer
+// arithmetic (the scalar rounding on 8 or 16 lanes): vcvtneps2bf16 is faster
+// from L1 but flushes fp32 subnormals to zero. fp16 uses vcvtps2ph and
+// vcvtph2ps (F16C, and their AVX-512F forms), which round to nearest even,
+// keep fp16 subnormals and quiet NaNs as the scalar code does. Tails (n mod
+// 8 or 16) take the scalar functions.
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+__attribute__((target("avx2"))) static void bf16_to_f32_avx2(float *dst, const uint16_t *src,
+                                                             size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    for (; i < n; i++) dst[i] = fl_bf16_to_f32(src[i]);
+}
+
+// 8 fp32 -> 8 bf16 in the low halves of the 32-bit lanes (fl_f32_to_bf16)
+__attribute__((target("avx2"))) static __m256i bf16_round_avx2(__m256 x) {
+    __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
+    __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000)); // signed: abs >= 0
+    __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), quiet, nan);
+}
+
+__attribute__((target("avx2"))) static void f32_to_bf16_avx2(uint16_t *dst, const float *src,
+                                                             size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i a = bf16_round_avx2(_mm256_loadu_ps(src + i));
+        __m256i b = bf16_round_avx2(_mm256_loadu_ps(src + i + 8));
+        // packus works per 128-bit half: a0-3 b0-3 a4-7 b4-7, reordered
+        __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+        _mm256_storeu_si256((__m256i *)(dst + i), h);
+    }
+    for (; i < n; i++) dst[i] = fl_f32_to_bf16(src[i]);
+}
+
+// F16C ships with every AVX2 CPU (Intel Haswell, AMD Zen and later), so the
+// AVX2 path uses it without a probe of its own.
+__attribute__((target("avx2,f16c"))) static void f16_to_f32_avx2(float *dst, const uint16_t *src,
+                                                                 size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) dst[i] = fl_f16_to_f32(src[i]);
+}
+
+__attribute__((target("avx2,f16c"))) static void f32_to_f16_avx2(uint16_t *dst, const float *src,
+                                                                 size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) dst[i] = fl_f32_to_f16(src[i]);
+}
 
 __attribute__((target("avx512f"))) static void bf16_to_f32_avx512(float *dst, const uint16_t *src,
                                                                   size_t n) {
@@ -80,12 +138,18 @@ __attribute__((target("avx512f"))) static void bf16_to_f32_avx512(float *dst, co
     for (; i < n; i++) dst[i] = fl_bf16_to_f32(src[i]);
 }
 
-__attribute__((target("avx512f,avx512bf16,avx512vl"))) static void
-f32_to_bf16_avx512(uint16_t *dst, const float *src, size_t n) {
+__attribute__((target("avx512f"))) static void f32_to_bf16_avx512(uint16_t *dst, const float *src,
+                                                                  size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
-        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)h);
+        __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i)), hi = _mm512_srli_epi32(u, 16);
+        __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+        __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
+        __m512i quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+        __m512i h = _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(r, 16), quiet);
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(h));
     }
     for (; i < n; i++) dst[i] = fl_f32_to_bf16(src[i]);
 }
@@ -108,52 +172,73 @@ __attribute__((target("avx512f"))) static void f32_to_f16_avx512(uint16_t *dst, 
 }
 #endif
 
-static void to_f32(float *dst, fl_dtype src_dt, const void *src, size_t n) {
+// The widest path fl_cpu() (capped by FITLM_ISA) allows.
+static int best_isa(void) {
+    const fl_cpu_features *cpu = fl_cpu();
+    return cpu->avx512f ? FL_ISA_AVX512 : cpu->avx2 ? FL_ISA_AVX2 : FL_ISA_PORTABLE;
+}
+
+static void to_f32(int isa, float *dst, fl_dtype src_dt, const void *src, size_t n) {
     const uint16_t *h = src;
 #if defined(__x86_64__)
-    if (fl_cpu()->avx512f) {
-        if (src_dt == FL_BF16) return bf16_to_f32_avx512(dst, h, n);
-        return f16_to_f32_avx512(dst, h, n);
-    }
+    if (isa == FL_ISA_AVX512)
+        return src_dt == FL_BF16 ? bf16_to_f32_avx512(dst, h, n) : f16_to_f32_avx512(dst, h, n);
+    if (isa == FL_ISA_AVX2)
+        return src_dt == FL_BF16 ? bf16_to_f32_avx2(dst, h, n) : f16_to_f32_avx2(dst, h, n);
 #endif
+    (void)isa;
     if (src_dt == FL_BF16)
         for (size_t i = 0; i < n; i++) dst[i] = fl_bf16_to_f32(h[i]);
     else
         for (size_t i = 0; i < n; i++) dst[i] = fl_f16_to_f32(h[i]);
 }
 
-static void from_f32(fl_dtype dst_dt, void *dst, const float *src, size_t n) {
+static void from_f32(int isa, fl_dtype dst_dt, void *dst, const float *src, size_t n) {
     uint16_t *h = dst;
 #if defined(__x86_64__)
-    if (dst_dt == FL_BF16 && fl_cpu()->avx512_bf16) return f32_to_bf16_avx512(h, src, n);
-    if (dst_dt == FL_F16 && fl_cpu()->avx512f) return f32_to_f16_avx512(h, src, n);
+    if (isa == FL_ISA_AVX512)
+        return dst_dt == FL_BF16 ? f32_to_bf16_avx512(h, src, n) : f32_to_f16_avx512(h, src, n);
+    if (isa == FL_ISA_AVX2)
+        return dst_dt == FL_BF16 ? f32_to_bf16_avx2(h, src, n) : f32_to_f16_avx2(h, src, n);
 #endif
+    (void)isa;
     if (dst_dt == FL_BF16)
         for (size_t i = 0; i < n; i++) h[i] = fl_f32_to_bf16(src[i]);
     else
         for (size_t i = 0; i < n; i++) h[i] = fl_f32_to_f16(src[i]);
 }
 
-void fl_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n) {
+static void convert(int isa, fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
+                    size_t n) {
     if (dst_dt == src_dt) {
         memmove(dst, src, n * fl_dtype_size(dst_dt));
     } else if (src_dt == FL_F32) {
-        from_f32(dst_dt, dst, src, n);
+        from_f32(isa, dst_dt, dst, src, n);
     } else if (dst_dt == FL_F32) {
-        to_f32(dst, src_dt, src, n);
+        to_f32(isa, dst, src_dt, src, n);
     } else { // bf16 <-> fp16 through fp32, in blocks
         float tmp[256];
         for (size_t i = 0; i < n; i += 256) {
             size_t m = n - i < 256 ? n - i : 256;
-            to_f32(tmp, src_dt, (const uint16_t *)src + i, m);
-            from_f32(dst_dt, (uint16_t *)dst + i, tmp, m);
+            to_f32(isa, tmp, src_dt, (const uint16_t *)src + i, m);
+            from_f32(isa, dst_dt, (uint16_t *)dst + i, tmp, m);
         }
     }
 }
 
+void fl_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n) {
+    convert(best_isa(), dst_dt, dst, src_dt, src, n);
+}
+
+void fl_convert_isa(int isa, fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
+                    size_t n) {
+    if (isa > best_isa()) fl_die("fl_convert: this CPU has no %s", fl_isa_name((fl_isa)isa));
+    convert(isa, dst_dt, dst, src_dt, src, n);
+}
+
 const float *fl_load_f32(fl_dtype dt, const void *src, size_t n, float *scratch) {
     if (dt == FL_F32) return src;
-    to_f32(scratch, dt, src, n);
+    to_f32(best_isa(), scratch, dt, src, n);
     return scratch;
 }
 
@@ -185,7 +270,7 @@ static uint16_t bf16_stochastic(float x, uint64_t bits) {
 // probability (|x| - below) / (above - below).
 static uint16_t f16_stochastic(float x, uint64_t bits) {
     uint32_t u = bits_of(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  // NaN
+    if (a > 0x7f800000u) return fl_f32_to_f16(x);            // NaN: as rounded to nearest
     if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u); // >= 65536 (and inf): inf
     if (a < 0x38800000u) {
         // subnormal or zero in fp16: units of 2^-24 (exact), the fraction
@@ -221,12 +306,13 @@ void fl_accumulate_f32(fl_dtype dt, void *dst, const float *src, size_t n) {
         return;
     }
     float tmp[256];
+    int isa = best_isa();
     for (size_t i = 0; i < n; i += 256) {
         size_t m = n - i < 256 ? n - i : 256;
         uint16_t *d = (uint16_t *)dst + i;
-        to_f32(tmp, dt, d, m);
+        to_f32(isa, tmp, dt, d, m);
         for (size_t k = 0; k < m; k++) tmp[k] += src[i + k];
-        from_f32(dt, d, tmp, m);
+        from_f32(isa, dt, d, tmp, m);
     }
 }
 

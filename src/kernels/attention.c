@@ -58,9 +58,199 @@ static void check_heads(int NH, int NKV, int HS) {
     FL_ASSERT(NH > 0 && NKV > 0 && NH % NKV == 0 && HS > 0);
 }
 
+// ----------------------------------------------------------------------------
+// the per-row softmax loops, scalar, AVX2 + FMA or AVX-512; the GEMMs are
+// BLAS's in every case. The vector paths sum in 16 lanes (AVX2 as two 8-lane
+// halves) and reduce them in one fixed order, so AVX2 and AVX-512 give the
+// same bits; against the scalar loops they differ by exp's ~1 ulp and the
+// order of the sums.
+
+typedef struct {
+    // row[0:cnt) = softmax(row[0:cnt)), row[cnt:n) = 0; returns the lse
+    float (*softmax)(float *row, int cnt, int n);
+    // row[0:cnt) = exp(row[0:cnt) - lse), row[cnt:n) = 0
+    void (*probs)(float *row, int cnt, int n, float lse);
+    float (*dot)(const float *a, const float *b, int n);
+    // dS = p * (dS - D): the softmax backward
+    void (*dsoftmax)(float *dS, const float *p, float D, int n);
+} att_ops;
+
+static float softmax_scalar(float *row, int cnt, int n) {
+    float maxval = -INFINITY;
+    for (int j = 0; j < cnt; j++) maxval = fmaxf(maxval, row[j]);
+    float sum = 0.0f;
+    for (int j = 0; j < cnt; j++) {
+        row[j] = expf(row[j] - maxval);
+        sum += row[j];
+    }
+    float inv = 1.0f / sum;
+    for (int j = 0; j < cnt; j++) row[j] *= inv;
+    for (int j = cnt; j < n; j++) row[j] = 0.0f; // causal mask
+    return maxval + logf(sum);
+}
+
+static void probs_scalar(float *row, int cnt, int n, float lse) {
+    for (int j = 0; j < cnt; j++) row[j] = expf(row[j] - lse);
+    for (int j = cnt; j < n; j++) row[j] = 0.0f;
+}
+
+static float dot(const float *a, const float *b, int n) {
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void dsoftmax_scalar(float *dS, const float *p, float D, int n) {
+    for (int j = 0; j < n; j++) dS[j] = p[j] * (dS[j] - D);
+}
+
+static const att_ops scalar_ops = {softmax_scalar, probs_scalar, dot, dsoftmax_scalar};
+
+#if FL_HAVE_X86_SIMD
+// lanes 0..15 summed as ((0..7 + 8..15) halves folded 4, 2, 1): both vector
+// paths end here with the same 16 partial sums
+__attribute__((target("avx2"))) static float hsum16(__m256 lo, __m256 hi) {
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+__attribute__((target("avx512f"))) static float hsum512(__m512 v) {
+    return hsum16(_mm512_castps512_ps256(v),
+                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+__attribute__((target("avx512f"))) static float softmax_avx512(float *row, int cnt, int n) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < cnt; j += 16)
+        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(cnt - j), row + j));
+    float maxval = _mm512_reduce_max_ps(vmax);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int j = 0; j < cnt; j += 16) {
+        __mmask16 m = tail_mask(cnt - j);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(maxval)));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(row + j, m, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    float sum = hsum512(vsum);
+    __m512 inv = _mm512_set1_ps(1.0f / sum);
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 keep = j < cnt ? tail_mask(cnt - j) : 0; // the rest is masked out
+        __m512 p = _mm512_maskz_mul_ps(keep, _mm512_maskz_loadu_ps(keep, row + j), inv);
+        _mm512_mask_storeu_ps(row + j, tail_mask(n - j), p);
+    }
+    return maxval + logf(sum);
+}
+
+__attribute__((target("avx512f"))) static void probs_avx512(float *row, int cnt, int n, float lse) {
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 keep = j < cnt ? tail_mask(cnt - j) : 0;
+        __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, row + j), _mm512_set1_ps(lse));
+        _mm512_mask_storeu_ps(row + j, tail_mask(n - j), _mm512_maskz_mov_ps(keep, exp512(d)));
+    }
+}
+
+__attribute__((target("avx512f"))) static float dot_avx512(const float *a, const float *b, int n) {
+    __m512 s = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 m = tail_mask(n - j);
+        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + j), _mm512_maskz_loadu_ps(m, b + j), s);
+    }
+    return hsum512(s);
+}
+
+__attribute__((target("avx512f"))) static void dsoftmax_avx512(float *dS, const float *p, float D,
+                                                               int n) {
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 m = tail_mask(n - j);
+        __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dS + j), _mm512_set1_ps(D));
+        _mm512_mask_storeu_ps(dS + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + j), d));
+    }
+}
+
+static const att_ops avx512_ops = {softmax_avx512, probs_avx512, dot_avx512, dsoftmax_avx512};
+
+// AVX2 walks the same 16-value blocks as two 8-lane halves; lanes [0, n) of
+// the half that starts h values into a block of n (n <= 0: none)
+__attribute__((target("avx2"))) static __m256i half_mask(int n, int h) {
+    return tail_mask8(n > h ? (size_t)(n - h) : 0);
+}
+
+__attribute__((target("avx2,fma"))) static float softmax_avx2(float *row, int cnt, int n) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < cnt; j += 8) {
+        __m256 m = _mm256_castsi256_ps(half_mask(cnt - j, 0)); // lanes past cnt keep vmax
+        vmax = _mm256_max_ps(
+            vmax, _mm256_blendv_ps(vmax, _mm256_maskload_ps(row + j, _mm256_castps_si256(m)), m));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float maxval = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, vm = _mm256_set1_ps(maxval);
+    for (int j = 0; j < cnt; j += 16)
+        for (int h = 0; h < 16; h += 8) {
+            __m256i m = half_mask(cnt - j, h);
+            __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(row + j + h, m), vm));
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(m));
+            _mm256_maskstore_ps(row + j + h, m, e);
+            sum[h / 8] = _mm256_add_ps(sum[h / 8], e);
+        }
+    float s = hsum16(sum[0], sum[1]);
+    __m256 inv = _mm256_set1_ps(1.0f / s);
+    for (int j = 0; j < n; j += 8) {
+        __m256 p = _mm256_mul_ps(_mm256_maskload_ps(row + j, half_mask(cnt - j, 0)), inv);
+        _mm256_maskstore_ps(row + j, half_mask(n - j, 0), p);
+    }
+    return maxval + logf(s);
+}
+
+__attribute__((target("avx2,fma"))) static void probs_avx2(float *row, int cnt, int n, float lse) {
+    for (int j = 0; j < n; j += 8) {
+        __m256i keep = half_mask(cnt - j, 0);
+        __m256 d = _mm256_sub_ps(_mm256_maskload_ps(row + j, keep), _mm256_set1_ps(lse));
+        __m256 p = _mm256_and_ps(exp256(d), _mm256_castsi256_ps(keep));
+        _mm256_maskstore_ps(row + j, half_mask(n - j, 0), p);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int n) {
+    __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int j = 0; j < n; j += 16)
+        for (int h = 0; h < 16; h += 8) {
+            __m256i m = half_mask(n - j, h);
+            s[h / 8] = _mm256_fmadd_ps(_mm256_maskload_ps(a + j + h, m),
+                                       _mm256_maskload_ps(b + j + h, m), s[h / 8]);
+        }
+    return hsum16(s[0], s[1]);
+}
+
+__attribute__((target("avx2,fma"))) static void dsoftmax_avx2(float *dS, const float *p, float D,
+                                                              int n) {
+    for (int j = 0; j < n; j += 8) {
+        __m256i m = half_mask(n - j, 0);
+        __m256 d = _mm256_sub_ps(_mm256_maskload_ps(dS + j, m), _mm256_set1_ps(D));
+        _mm256_maskstore_ps(dS + j, m, _mm256_mul_ps(_mm256_maskload_ps(p + j, m), d));
+    }
+}
+
+static const att_ops avx2_ops = {softmax_avx2, probs_avx2, dot_avx2, dsoftmax_avx2};
+#endif
+
+static const att_ops *fast_ops(void) {
+#if FL_HAVE_X86_SIMD
+    const fl_cpu_features *cpu = fl_cpu();
+    if (cpu->avx512f) return &avx512_ops;
+    if (cpu->avx2 && cpu->fma) return &avx2_ops;
+#endif
+    return &scalar_ops;
+}
+
 void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace, int B,
                        int T, int NH, int NKV, int HS) {
     check_heads(NH, NKV, HS);
+    const att_ops *ops = fast_ops();
     int group = NH / NKV, C = NH * HS, W = (NH + 2 * NKV) * HS;   // out and qkv row widths
     int ldq = dt == FL_F32 ? W : HS, ldo = dt == FL_F32 ? C : HS; // of the fp32 views
     float scale = 1.0f / sqrtf((float)HS);
@@ -84,21 +274,9 @@ void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, floa
             // S (nb,n) = scale * Q[i0:n] K[0:n]^T
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, scale,
                         q + (size_t)i0 * ldq, ldq, k, ldq, 0.0f, S, n);
-            for (int r = 0; r < nb; r++) {
-                int i = i0 + r;
-                float *row = S + (size_t)r * n;
-                float maxval = -INFINITY;
-                for (int j = 0; j <= i; j++) maxval = fmaxf(maxval, row[j]);
-                float sum = 0.0f;
-                for (int j = 0; j <= i; j++) {
-                    row[j] = expf(row[j] - maxval);
-                    sum += row[j];
-                }
-                float inv = 1.0f / sum;
-                for (int j = 0; j <= i; j++) row[j] *= inv;
-                for (int j = i + 1; j < n; j++) row[j] = 0.0f; // causal mask
-                lse_bh[i] = maxval + logf(sum);
-            }
+            // row i sees keys 0..i
+            for (int r = 0; r < nb; r++)
+                lse_bh[i0 + r] = ops->softmax(S + (size_t)r * n, i0 + r + 1, n);
             // O[i0:n] (nb,HS) = P V[0:n]
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, n, 1.0f, S, n, v, ldq,
                         0.0f, o + (size_t)i0 * ldo, ldo);
@@ -110,6 +288,7 @@ void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, floa
 void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv, const void *out,
                         const float *lse, float *workspace, int B, int T, int NH, int NKV, int HS) {
     check_heads(NH, NKV, HS);
+    const att_ops *ops = fast_ops();
     int group = NH / NKV, C = NH * HS, W = (NH + 2 * NKV) * HS;   // out and qkv row widths
     int ldq = dt == FL_F32 ? W : HS, ldo = dt == FL_F32 ? C : HS; // of the fp32 views
     float scale = 1.0f / sqrtf((float)HS);
@@ -149,14 +328,9 @@ void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
                             k, ldq, 0.0f, P, n);
                 for (int r = 0; r < nb; r++) {
                     int i = i0 + r;
-                    float *row = P + (size_t)r * n;
-                    for (int j = 0; j <= i; j++) row[j] = expf(row[j] - lse_bh[i]);
-                    for (int j = i + 1; j < n; j++) row[j] = 0.0f;
+                    ops->probs(P + (size_t)r * n, i + 1, n, lse_bh[i]);
                     // D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
-                    const float *o_i = o + (size_t)i * ldo, *dO_i = dO + (size_t)i * ldo;
-                    float d = 0.0f;
-                    for (int e = 0; e < HS; e++) d += dO_i[e] * o_i[e];
-                    D[r] = d;
+                    D[r] = ops->dot(dO + (size_t)i * ldo, o + (size_t)i * ldo, HS);
                 }
                 // dV[0:n] += P^T dO[i0:n]
                 cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, HS, nb, 1.0f, P, n, dO_blk,
@@ -164,11 +338,8 @@ void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
                 // dP = dO V^T, then dS = P * (dP - D) in place
                 cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, 1.0f, dO_blk, ldo,
                             v, ldq, 0.0f, dP, n);
-                for (int r = 0; r < nb; r++) {
-                    float *dS = dP + (size_t)r * n;
-                    const float *p = P + (size_t)r * n;
-                    for (int j = 0; j < n; j++) dS[j] = p[j] * (dS[j] - D[r]);
-                }
+                for (int r = 0; r < nb; r++)
+                    ops->dsoftmax(dP + (size_t)r * n, P + (size_t)r * n, D[r], n);
                 // dQ[i0:n] += scale * dS K[0:n] ; dK[0:n] += scale * dS^T Q[i0:n]
                 cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, n, scale, dP, n, k,
                             ldq, 1.0f, dq + (size_t)i0 * ldq, ldq);
@@ -180,12 +351,6 @@ void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
         head_flush(dt, dkh, W, T, HS, dk);
         head_flush(dt, dvh, W, T, HS, dv);
     }
-}
-
-static float dot(const float *a, const float *b, int n) {
-    float s = 0.0f;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
 }
 
 void attention_forward_ref(float *out, float *lse, const float *qkv, int B, int T, int NH, int NKV,

@@ -1,8 +1,8 @@
 // softmax_xent.c: fused softmax + cross-entropy over the first V of Vp logits.
 // Fusing means the (N,Vp) probabilities never exist: the forward keeps only
 // each row's log-sum-exp, and the backward turns logits into their gradient
-// in place. Rows are independent; the AVX-512 path only changes the per-row
-// loops.
+// in place. Rows are independent; the AVX-512 and AVX2 paths only change the
+// per-row loops.
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
@@ -14,7 +14,7 @@
 // stack; fp32 rows are used whole and in place.
 #define XENT_BLOCK 2048
 
-// The per-row loops, scalar or AVX-512. The lse is max + log(sum_exp) with
+// The per-row loops, scalar, AVX-512 or AVX2. The lse is max + log(sum_exp) with
 // the sum in double (V is ~50k terms, too many for a float accumulator to
 // stay exact to 1e-7).
 typedef struct {
@@ -75,11 +75,77 @@ __attribute__((target("avx512f"))) static void row_probs_avx512(float *dx, const
 }
 
 static const row_ops avx512_ops = {row_max_avx512, row_sum_exp_avx512, row_probs_avx512};
+
+// The AVX2 + FMA twins. exp256 equals exp512 lane for lane, and the sum
+// keeps the AVX-512 path's 16 lanes and its order of double additions, so
+// both paths give the same bits (the max is exact in any order).
+
+__attribute__((target("avx2,fma"))) static float row_max_avx2(const float *x, int n) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + j));
+    if (j < n) {
+        __m256i m = tail_mask8((size_t)(n - j));
+        __m256 t = _mm256_maskload_ps(x + j, m);
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(vmax, t, _mm256_castsi256_ps(m)));
+    }
+    __m128 v = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
+}
+
+// adds lanes 0-3 and 4-7 of 8 float exps to two double accumulators
+__attribute__((target("avx2,fma"))) static inline void add_pd8(__m256d *a, __m256d *b, __m256 e) {
+    *a = _mm256_add_pd(*a, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    *b = _mm256_add_pd(*b, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+}
+
+// acc[q] holds lanes 4q..4q+3 of the AVX-512 path's 16; its lo is acc[0..1],
+// its hi acc[2..3], and _mm512_reduce_add_pd(lo + hi) halves 8 -> 4 -> 2 -> 1
+// (GCC's order, redone here)
+__attribute__((target("avx2,fma"))) static double row_sum_exp_avx2(const float *x, int n,
+                                                                   float maxval) {
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                      _mm256_setzero_pd()};
+    __m256 vmaxval = _mm256_set1_ps(maxval);
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        add_pd8(&acc[0], &acc[1], exp256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vmaxval)));
+        add_pd8(&acc[2], &acc[3], exp256(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), vmaxval)));
+    }
+    // the ragged end: lanes past n add +0.0 (or nothing), as the AVX-512
+    // path's masked lanes do, which leaves each sum as it is
+    for (int h = 0; h < 2 && j + 8 * h < n; h++) {
+        __m256i m = tail_mask8((size_t)(n - j - 8 * h));
+        __m256 d = _mm256_sub_ps(_mm256_maskload_ps(x + j + 8 * h, m), vmaxval);
+        add_pd8(&acc[2 * h], &acc[2 * h + 1], _mm256_and_ps(_mm256_castsi256_ps(m), exp256(d)));
+    }
+    __m256d s = _mm256_add_pd(_mm256_add_pd(acc[1], acc[3]), _mm256_add_pd(acc[0], acc[2]));
+    __m128d t = _mm_add_pd(_mm256_extractf128_pd(s, 1), _mm256_castpd256_pd128(s));
+    return _mm_cvtsd_f64(_mm_add_sd(t, _mm_unpackhi_pd(t, t)));
+}
+
+__attribute__((target("avx2,fma"))) static void row_probs_avx2(float *dx, const float *x, float lse,
+                                                               float dloss, int n) {
+    __m256 vlse = _mm256_set1_ps(lse), vdloss = _mm256_set1_ps(dloss);
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(
+            dx + j, _mm256_mul_ps(vdloss, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vlse))));
+    if (j < n) {
+        __m256i m = tail_mask8((size_t)(n - j));
+        __m256 d = _mm256_sub_ps(_mm256_maskload_ps(x + j, m), vlse);
+        _mm256_maskstore_ps(dx + j, m, _mm256_mul_ps(vdloss, exp256(d)));
+    }
+}
+
+static const row_ops avx2_ops = {row_max_avx2, row_sum_exp_avx2, row_probs_avx2};
 #endif
 
 static const row_ops *fast_ops(void) {
 #if FL_HAVE_X86_SIMD
     if (fl_cpu()->avx512f) return &avx512_ops;
+    if (fl_cpu()->avx2 && fl_cpu()->fma) return &avx2_ops;
 #endif
     return &scalar_ops;
 }
