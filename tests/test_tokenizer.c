@@ -150,6 +150,16 @@ static int hex_value(char c) {
     return c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10;
 }
 
+// A fixture case's input: its "hex" bytes (malloc'd, length in *len).
+static uint8_t *case_text(const cJSON *e, size_t *len) {
+    const char *hex = cJSON_GetObjectItem(e, "hex")->valuestring;
+    *len = strlen(hex) / 2;
+    uint8_t *text = malloc(*len + 1);
+    for (size_t i = 0; i < *len; i++)
+        text[i] = (uint8_t)(hex_value(hex[2 * i]) << 4 | hex_value(hex[2 * i + 1]));
+    return text;
+}
+
 static void test_fixture(const fl_tokenizer *tok) {
     uint8_t *json;
     size_t n;
@@ -160,19 +170,16 @@ static void test_fixture(const fl_tokenizer *tok) {
     int bad_ids = 0, bad_bytes = 0, count = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, root) {
-        const char *hex = cJSON_GetObjectItem(e, "hex")->valuestring;
         const cJSON *want = cJSON_GetObjectItem(e, "ids");
-        size_t len = strlen(hex) / 2;
-        uint8_t *text = malloc(len + 1);
-        for (size_t i = 0; i < len; i++)
-            text[i] = (uint8_t)(hex_value(hex[2 * i]) << 4 | hex_value(hex[2 * i + 1]));
+        size_t len;
+        uint8_t *text = case_text(e, &len);
         fl_tokens t = {0};
         fl_tokenizer_encode(tok, text, len, &t);
         int same = (int)t.n == cJSON_GetArraySize(want);
         for (size_t i = 0; same && i < t.n; i++)
             same = t.ids[i] == cJSON_GetArrayItem(want, (int)i)->valueint;
         if (!same && bad_ids++ < 5) {
-            printf("  mismatch for hex %s: got", hex);
+            printf("  mismatch for hex %s: got", cJSON_GetObjectItem(e, "hex")->valuestring);
             for (size_t i = 0; i < t.n; i++) printf(" %d", t.ids[i]);
             printf("\n");
         }
@@ -609,12 +616,9 @@ static void test_hf_fixture(const fl_tokenizer *tok, const char *fixture) {
     int bad_ids = 0, bad_text = 0, count = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, cases) {
-        const char *hex = cJSON_GetObjectItem(e, "hex")->valuestring;
         const cJSON *want = cJSON_GetObjectItem(e, "ids");
-        size_t len = strlen(hex) / 2;
-        uint8_t *text = malloc(len + 1);
-        for (size_t i = 0; i < len; i++)
-            text[i] = (uint8_t)(hex_value(hex[2 * i]) << 4 | hex_value(hex[2 * i + 1]));
+        size_t len;
+        uint8_t *text = case_text(e, &len);
         fl_tokens t = {0};
         fl_tokenizer_encode(tok, text, len, &t);
         int bos = fl_tokenizer_bos(tok) >= 0; // the reference's encode puts it first
