@@ -9,17 +9,19 @@
 #include "fitlm/tokenizer.h"
 
 static void usage(FILE *out) {
-    fprintf(out, "usage: fitlm <command> [options]\n\n"
-                 "commands:\n"
-                 "  train    train a GPT-2 model; with no options, the demo: a small model on the\n"
-                 "           Brown corpus, then a checkpoint in out/ and a text sample\n"
-                 "  sample   generate text from a checkpoint or pretrained weights\n"
-                 "  plan     the memory per tag a training run needs, printed before allocating\n"
-                 "  tokenize text files to token shards (GPT-2 BPE or bytes) for training\n"
-                 "  export   a checkpoint to Hugging Face safetensors + config.json\n"
-                 "  eval     a model's loss, perplexity and bits per byte over whole data\n"
-                 "  plot     PNG and SVG figures of runs' metrics (loss, lr, memory), overlaid\n\n"
-                 "'fitlm <command> --help' lists the command's options and their defaults.\n");
+    fprintf(
+        out,
+        "usage: fitlm <command> [options]\n\n"
+        "commands:\n"
+        "  train    train a GPT-2 or LLaMA model; with no options, the demo: a small model on the\n"
+        "           Brown corpus, then a checkpoint in out/ and a text sample\n"
+        "  sample   generate text from a checkpoint or pretrained weights\n"
+        "  plan     the memory per tag a training run needs, printed before allocating\n"
+        "  tokenize text or JSON Lines instruction data to token shards for training\n"
+        "  export   a checkpoint to Hugging Face safetensors + config.json (+ tokenizer.json)\n"
+        "  eval     a model's loss, perplexity and bits per byte over whole data\n"
+        "  plot     PNG and SVG figures of runs' metrics (loss, lr, memory), overlaid\n\n"
+        "'fitlm <command> --help' lists the command's options and their defaults.\n");
 }
 
 double cli_number(const char *flag, const char *text, double min, double max) {
