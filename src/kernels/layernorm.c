@@ -1,5 +1,6 @@
 // layernorm.c: LayerNorm over the last dim C, biased variance, eps 1e-5.
 #include "fitlm/kernels.h"
+#include "fitlm/core.h"
 
 #include "simd.h"
 #include <math.h>
@@ -8,10 +9,10 @@
 // channel block for the weight/bias gradients, see layernorm_backward
 #define LN_CBLOCK 64
 
-// One row: the fast version lets the compiler reassociate the sums
-// (omp simd), the reference keeps plain sequential order.
-static void layernorm_row_fast(float *out, float *mean, float *rstd, const float *x,
-                               const float *weight, const float *bias, int C) {
+// One row's mean and rstd. `omp simd` lets the compiler reassociate the sums
+// (the reference keeps plain sequential order); they stay in the baseline
+// build, as a wider vector would sum in another order.
+static void layernorm_stats(float *mean, float *rstd, const float *x, int C) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
     for (int i = 0; i < C; i++) s += x[i];
@@ -19,17 +20,54 @@ static void layernorm_row_fast(float *out, float *mean, float *rstd, const float
     float v = 0.0f;
 #pragma omp simd reduction(+ : v)
     for (int i = 0; i < C; i++) v += (x[i] - m) * (x[i] - m);
-    float r = 1.0f / sqrtf(v / C + LN_EPS);
-    for (int i = 0; i < C; i++) out[i] = (x[i] - m) * r * weight[i] + bias[i];
     *mean = m;
-    *rstd = r;
+    *rstd = 1.0f / sqrtf(v / C + LN_EPS);
 }
+
+// The elementwise loops, one copy per ISA (simd.h): same bits on each.
+static inline __attribute__((always_inline)) void ln_norm_body(float *out, const float *x,
+                                                               const float *weight,
+                                                               const float *bias, float m, float r,
+                                                               int C) {
+    for (int i = 0; i < C; i++) out[i] = (x[i] - m) * r * weight[i] + bias[i];
+}
+FL_ISA_COPIES(ln_norm,
+              (float *out, const float *x, const float *weight, const float *bias, float m, float r,
+               int C),
+              (out, x, weight, bias, m, r, C))
+
+static inline __attribute__((always_inline)) void ln_dx_body(float *dx, const float *x,
+                                                             const float *dy, const float *weight,
+                                                             float m, float r, float dnorm_mean,
+                                                             float dnorm_norm_mean, int C) {
+    for (int i = 0; i < C; i++) {
+        float norm = (x[i] - m) * r;
+        dx[i] += (weight[i] * dy[i] - dnorm_mean - norm * dnorm_norm_mean) * r;
+    }
+}
+FL_ISA_COPIES(ln_dx,
+              (float *dx, const float *x, const float *dy, const float *weight, float m, float r,
+               float dnorm_mean, float dnorm_norm_mean, int C),
+              (dx, x, dy, weight, m, r, dnorm_mean, dnorm_norm_mean, C))
+
+// one row's terms of the weight and bias gradients
+static inline __attribute__((always_inline)) void
+ln_dwdb_body(float *dw, float *db, const float *x, const float *dy, float m, float r, int nc) {
+    for (int i = 0; i < nc; i++) {
+        db[i] += dy[i];
+        dw[i] += (x[i] - m) * r * dy[i];
+    }
+}
+FL_ISA_COPIES(ln_dwdb,
+              (float *dw, float *db, const float *x, const float *dy, float m, float r, int nc),
+              (dw, db, x, dy, m, r, nc))
 
 // 16-bit rows are converted into fp32 buffers of C floats on each thread's
 // stack (weight and bias once per thread); fp32 rows are used in place.
 void layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const void *inp,
                        const void *weight, const void *bias, int N, int C) {
     // out, inp (N,C); mean, rstd (N); weight, bias (C)
+    __typeof__(ln_norm_portable) *ln_norm = ln_norm_for(fl_cpu_isa());
 #pragma omp parallel
     {
         float w32[C], b32[C], x32[C], y32[C];
@@ -38,9 +76,9 @@ void layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const v
         for (int n = 0; n < N; n++) {
             void *y = fl_at(dt, out, (size_t)n * C);
             float *y_f = fp32_out(dt, y, y32);
-            layernorm_row_fast(y_f, mean + n, rstd + n,
-                               fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32), w, b,
-                               C);
+            const float *x = fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32);
+            layernorm_stats(mean + n, rstd + n, x, C);
+            ln_norm(y_f, x, w, b, mean[n], rstd[n], C);
             fp32_flush(dt, y, y_f, C);
         }
     }
@@ -49,6 +87,9 @@ void layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const v
 void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                         const void *inp, const void *weight, const float *mean, const float *rstd,
                         int N, int C) {
+    fl_isa isa = fl_cpu_isa();
+    __typeof__(ln_dx_portable) *ln_dx = ln_dx_for(isa);
+    __typeof__(ln_dwdb_portable) *ln_dwdb = ln_dwdb_for(isa);
     // dinp: rows are independent
 #pragma omp parallel
     {
@@ -69,10 +110,7 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
             }
             dnorm_mean /= C;
             dnorm_norm_mean /= C;
-            for (int i = 0; i < C; i++) {
-                float norm = (x[i] - m) * r;
-                dx[i] += (weight_f[i] * dy[i] - dnorm_mean - norm * dnorm_norm_mean) * r;
-            }
+            ln_dx(dx, x, dy, weight_f, m, r, dnorm_mean, dnorm_norm_mean, C);
             fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
     }
@@ -91,11 +129,7 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
             size_t off = (size_t)n * C + c0;
             const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
             const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
-            float m = mean[n], r = rstd[n];
-            for (int i = 0; i < nc; i++) {
-                db[i] += dy[i];
-                dw[i] += (x[i] - m) * r * dy[i];
-            }
+            ln_dwdb(dw, db, x, dy, mean[n], rstd[n], nc);
         }
         fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
         fp32_flush(dt, fl_at(dt, dbias, c0), db, nc);

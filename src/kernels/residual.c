@@ -1,5 +1,6 @@
 // residual.c: the residual stream's add, out = a + b.
 #include "fitlm/kernels.h"
+#include "fitlm/core.h"
 
 #include "simd.h"
 
@@ -10,12 +11,15 @@
 // No `omp simd` here: callers may alias out with a, or da with db, and the
 // compiler's own vectoriser keeps exact sequential semantics with a run-time
 // overlap check.
-static void add(float *out, const float *a, const float *b, size_t n) {
+static inline __attribute__((always_inline)) void add_body(float *out, const float *a,
+                                                           const float *b, size_t n) {
     for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
+FL_ISA_COPIES(add, (float *out, const float *a, const float *b, size_t n), (out, a, b, n))
 
 void residual_forward(fl_dtype dt, void *out, const void *a, const void *b, size_t N) {
     size_t nblocks = (N + RES_BLOCK - 1) / RES_BLOCK;
+    __typeof__(add_portable) *add = add_for(fl_cpu_isa());
 #pragma omp parallel for
     for (size_t blk = 0; blk < nblocks; blk++) {
         size_t i0 = blk * RES_BLOCK, n = N - i0 < RES_BLOCK ? N - i0 : RES_BLOCK;
@@ -30,13 +34,19 @@ void residual_forward(fl_dtype dt, void *out, const void *a, const void *b, size
 // the sum's gradient flows unchanged into both branches
 void residual_backward(fl_dtype dt, void *da, void *db, const void *dout, size_t N) {
     size_t nblocks = (N + RES_BLOCK - 1) / RES_BLOCK;
+    __typeof__(add_portable) *add = add_for(fl_cpu_isa());
 #pragma omp parallel for
     for (size_t blk = 0; blk < nblocks; blk++) {
         size_t i0 = blk * RES_BLOCK, n = N - i0 < RES_BLOCK ? N - i0 : RES_BLOCK;
-        float dout32[RES_BLOCK];
+        float dout32[RES_BLOCK], g32[RES_BLOCK];
         const float *d = fl_load_f32(dt, fl_at_const(dt, dout, i0), n, dout32);
-        fl_accumulate_f32(dt, fl_at(dt, da, i0), d, n);
-        fl_accumulate_f32(dt, fl_at(dt, db, i0), d, n);
+        // one branch after the other, so da may be db
+        void *grads[2] = {fl_at(dt, da, i0), fl_at(dt, db, i0)};
+        for (int k = 0; k < 2; k++) {
+            float *g = fp32_rmw(dt, grads[k], n, g32);
+            add(g, g, d, n);
+            fp32_flush(dt, grads[k], g, n);
+        }
     }
 }
 

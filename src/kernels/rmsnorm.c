@@ -3,6 +3,7 @@
 // Backward, with r = rstd and n_i = x_i r (the normalised input):
 //   dx_i += r (w_i dy_i - n_i mean_j(w_j dy_j n_j)),  dw_i += sum_rows dy_i n_i.
 #include "fitlm/kernels.h"
+#include "fitlm/core.h"
 
 #include "simd.h"
 #include <math.h>
@@ -10,23 +11,49 @@
 // channel block for the weight gradient, see rmsnorm_backward
 #define RMS_CBLOCK 64
 
-// One row: the fast version lets the compiler reassociate the sum of
-// squares (omp simd), the reference keeps plain sequential order.
-static void rmsnorm_row_fast(float *out, float *rstd, const float *x, const float *weight, int C,
-                             float eps) {
+// One row's rstd. `omp simd` lets the compiler reassociate the sum of squares
+// (the reference keeps plain sequential order); it stays in the baseline
+// build, as a wider vector would sum in another order.
+static float rmsnorm_rstd(const float *x, int C, float eps) {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int i = 0; i < C; i++) ss += x[i] * x[i];
-    float r = 1.0f / sqrtf(ss / C + eps);
-    for (int i = 0; i < C; i++) out[i] = x[i] * r * weight[i];
-    *rstd = r;
+    return 1.0f / sqrtf(ss / C + eps);
 }
+
+// The elementwise loops, one copy per ISA (simd.h): same bits on each.
+static inline __attribute__((always_inline)) void
+rms_norm_body(float *out, const float *x, const float *weight, float r, int C) {
+    for (int i = 0; i < C; i++) out[i] = x[i] * r * weight[i];
+}
+FL_ISA_COPIES(rms_norm, (float *out, const float *x, const float *weight, float r, int C),
+              (out, x, weight, r, C))
+
+static inline __attribute__((always_inline)) void rms_dx_body(float *dx, const float *x,
+                                                              const float *dy, const float *weight,
+                                                              float r, float dnorm_norm_mean,
+                                                              int C) {
+    for (int i = 0; i < C; i++) dx[i] += (weight[i] * dy[i] - x[i] * r * dnorm_norm_mean) * r;
+}
+FL_ISA_COPIES(rms_dx,
+              (float *dx, const float *x, const float *dy, const float *weight, float r,
+               float dnorm_norm_mean, int C),
+              (dx, x, dy, weight, r, dnorm_norm_mean, C))
+
+// one row's terms of the weight gradient
+static inline __attribute__((always_inline)) void rms_dw_body(float *dw, const float *x,
+                                                              const float *dy, float r, int nc) {
+    for (int i = 0; i < nc; i++) dw[i] += x[i] * r * dy[i];
+}
+FL_ISA_COPIES(rms_dw, (float *dw, const float *x, const float *dy, float r, int nc),
+              (dw, x, dy, r, nc))
 
 // 16-bit rows are converted into fp32 buffers of C floats on each thread's
 // stack (the weight once per thread); fp32 rows are used in place.
 void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const void *weight,
                      int N, int C, float eps) {
     // out, inp (N,C); rstd (N); weight (C)
+    __typeof__(rms_norm_portable) *rms_norm = rms_norm_for(fl_cpu_isa());
 #pragma omp parallel
     {
         float w32[C], x32[C], y32[C];
@@ -35,9 +62,9 @@ void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const
         for (int n = 0; n < N; n++) {
             void *y = fl_at(dt, out, (size_t)n * C);
             float *y_f = fp32_out(dt, y, y32);
-            rmsnorm_row_fast(y_f, rstd + n,
-                             fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32), w, C,
-                             eps);
+            const float *x = fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32);
+            rstd[n] = rmsnorm_rstd(x, C, eps);
+            rms_norm(y_f, x, w, rstd[n], C);
             fp32_flush(dt, y, y_f, C);
         }
     }
@@ -45,6 +72,9 @@ void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const
 
 void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, const void *inp,
                       const void *weight, const float *rstd, int N, int C) {
+    fl_isa isa = fl_cpu_isa();
+    __typeof__(rms_dx_portable) *rms_dx = rms_dx_for(isa);
+    __typeof__(rms_dw_portable) *rms_dw = rms_dw_for(isa);
     // dinp: rows are independent
 #pragma omp parallel
     {
@@ -60,8 +90,7 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
 #pragma omp simd reduction(+ : dnorm_norm_mean)
             for (int i = 0; i < C; i++) dnorm_norm_mean += weight_f[i] * dy[i] * (x[i] * r);
             dnorm_norm_mean /= C;
-            for (int i = 0; i < C; i++)
-                dx[i] += (weight_f[i] * dy[i] - x[i] * r * dnorm_norm_mean) * r;
+            rms_dx(dx, x, dy, weight_f, r, dnorm_norm_mean, C);
             fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
     }
@@ -79,8 +108,7 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
             size_t off = (size_t)n * C + c0;
             const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
             const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
-            float r = rstd[n];
-            for (int i = 0; i < nc; i++) dw[i] += x[i] * r * dy[i];
+            rms_dw(dw, x, dy, rstd[n], nc);
         }
         fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
     }

@@ -16,13 +16,15 @@
 
 // Rotates one head of HS = 2h fp32 values in place by the angles whose
 // {cos, sin} pairs are cs[0..2h); sign +1 forward, -1 for the transpose.
-static inline void rope_head(float *x, const float *cs, int h, float sign) {
+static inline __attribute__((always_inline)) void rope_head_body(float *x, const float *cs, int h,
+                                                                 float sign) {
     for (int i = 0; i < h; i++) {
         float c = cs[2 * i], s = sign * cs[2 * i + 1], x0 = x[i], x1 = x[i + h];
         x[i] = x0 * c - x1 * s;
         x[i + h] = x1 * c + x0 * s;
     }
 }
+FL_ISA_COPIES(rope_head, (float *x, const float *cs, int h, float sign), (x, cs, h, sign))
 
 static void check_shape(int NH, int NKV, int HS) {
     FL_ASSERT(NH > 0 && NKV > 0 && HS > 0 && HS % 2 == 0);
@@ -50,6 +52,7 @@ static void rope_apply(fl_dtype dt, void *qkv, const float *cos_sin, int B, int 
                        int HS, float sign) {
     check_shape(NH, NKV, HS);
     int W = (NH + 2 * NKV) * HS, nrot = NH + NKV, h = HS / 2;
+    __typeof__(rope_head_portable) *rope_head = rope_head_for(fl_cpu_isa());
 #pragma omp parallel
     {
         float x32[HS];
