@@ -14,6 +14,8 @@ int cmd_eval(int argc, char **argv);
 
 // The value of a numeric option, checked against [min, max]; dies naming flag.
 double cli_number(const char *flag, const char *text, double min, double max);
+// The same, for a whole number.
+int cli_whole(const char *flag, const char *text, int min, int max);
 // True when argv holds -h or --help.
 int wants_help(int argc, char **argv);
 // The NF4 options of a base loaded for sampling or merging, the way the

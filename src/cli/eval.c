@@ -67,12 +67,6 @@ static void help(void) {
            "A progress bar goes to stderr when it is a terminal; otherwise one line at the end.\n");
 }
 
-static int whole(const char *flag, const char *text, double min, double max) {
-    double v = cli_number(flag, text, min, max);
-    if (v != floor(v)) fl_die("option %s expects a whole number, got '%s'", flag, text);
-    return (int)v;
-}
-
 static void parse_args(int argc, char **argv, eval_options *o, fl_quant_config *quant) {
     for (int i = 0; i < argc; i++) {
         const char *flag = argv[i];
@@ -101,9 +95,9 @@ static void parse_args(int argc, char **argv, eval_options *o, fl_quant_config *
         else if (!strcmp(flag, "--text"))
             o->text = v;
         else if (!strcmp(flag, "--seq-len"))
-            o->seq_len = whole(flag, v, 1, 1 << 20);
+            o->seq_len = cli_whole(flag, v, 1, 1 << 20);
         else if (!strcmp(flag, "--batch"))
-            o->batch = whole(flag, v, 1, 1 << 16);
+            o->batch = cli_whole(flag, v, 1, 1 << 16);
         else if (!strcmp(flag, "--precision"))
             o->precision = v;
         else if (!strcmp(flag, "--tokenizer"))
@@ -111,7 +105,7 @@ static void parse_args(int argc, char **argv, eval_options *o, fl_quant_config *
         else if (!strcmp(flag, "--tokenizer-path"))
             o->tokenizer_path = v;
         else if (!strcmp(flag, "--threads"))
-            o->threads = whole(flag, v, 0, 4096);
+            o->threads = cli_whole(flag, v, 0, 4096);
         else
             fl_die("unknown option '%s' (see --help)", flag);
     }

@@ -1,5 +1,6 @@
 // main.c: the fitlm command: dispatches to the subcommands.
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +32,12 @@ double cli_number(const char *flag, const char *text, double min, double max) {
     if (end == text || *end || errno || !(v >= min && v <= max))
         fl_die("option %s expects a number in [%g, %g], got '%s'", flag, min, max, text);
     return v;
+}
+
+int cli_whole(const char *flag, const char *text, int min, int max) {
+    double v = cli_number(flag, text, min, max);
+    if (v != floor(v)) fl_die("option %s expects a whole number, got '%s'", flag, text);
+    return (int)v;
 }
 
 int wants_help(int argc, char **argv) {
@@ -82,7 +89,7 @@ int cli_quant_option(int argc, char **argv, int i, fl_quant_config *q) {
     if (i + 1 >= argc) fl_die("option %s needs a value", a);
     const char *v = argv[i + 1];
     if (!strcmp(a, "--nf4-blocksize")) {
-        q->blocksize = (int)cli_number(a, v, 32, 4096);
+        q->blocksize = cli_whole(a, v, 32, 4096);
     } else if (!strcmp(v, "nf4")) {
         q->enabled = 1;
     } else {

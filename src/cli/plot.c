@@ -363,9 +363,9 @@ int cmd_plot(int argc, char **argv) {
         if (!strcmp(a, "-o"))
             out_dir = argv[++i];
         else if (!strcmp(a, "--width"))
-            W = (int)cli_number(a, argv[++i], 200, 10000);
+            W = cli_whole(a, argv[++i], 200, 10000);
         else if (!strcmp(a, "--height"))
-            H = (int)cli_number(a, argv[++i], 150, 10000);
+            H = cli_whole(a, argv[++i], 150, 10000);
         else if (a[0] == '-' && a[1])
             fl_die("unknown option %s for 'fitlm plot' (see fitlm plot --help)", a);
         else

@@ -1,7 +1,6 @@
 // sample.c: `fitlm sample`: generate text from a checkpoint or pretrained
 // weights (Hugging Face GPT-2 or LLaMA, llm.c), optionally with a PEFT LoRA
 // adapter applied on top (unmerged: the linear units add its update).
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,12 +42,6 @@ static void help(void) {
            "  --threads N          threads, 0 = all cores (default: 0)\n");
 }
 
-static int whole(const char *flag, const char *text, double min, double max) {
-    double v = cli_number(flag, text, min, max);
-    if (v != floor(v)) fl_die("option %s expects a whole number, got '%s'", flag, text);
-    return (int)v;
-}
-
 // The syntax of train's --seed: the whole 64-bit range, exactly.
 static unsigned long long seed_of(const char *flag, const char *text) {
     uint64_t v;
@@ -85,15 +78,15 @@ int cmd_sample(int argc, char **argv) {
         else if (!strcmp(flag, "--tokenizer-path"))
             o.tokenizer_path = v;
         else if (!strcmp(flag, "--tokens"))
-            o.tokens = whole(flag, v, 0, 1 << 20);
+            o.tokens = cli_whole(flag, v, 0, 1 << 20);
         else if (!strcmp(flag, "--temperature"))
             o.temperature = (float)cli_number(flag, v, 0, 100);
         else if (!strcmp(flag, "--top-k"))
-            o.top_k = whole(flag, v, 0, 1 << 30);
+            o.top_k = cli_whole(flag, v, 0, 1 << 30);
         else if (!strcmp(flag, "--seed"))
             o.seed = seed_of(flag, v);
         else if (!strcmp(flag, "--threads"))
-            o.threads = whole(flag, v, 0, 4096);
+            o.threads = cli_whole(flag, v, 0, 4096);
         else
             fl_die("unknown option '%s' (see --help)", flag);
     }

@@ -31,23 +31,16 @@
 // Mean loss over cfg->eval_iters fixed batches spread over the validation data.
 static float evaluate(fl_model *model, const fl_loader *val, const fl_train_config *cfg,
                       int *inputs, int *targets) {
-    // Masked examples (version 2 shards): each batch's mean weighted by its
-    // targets, whose count varies. A stream's batches all hold B*T targets:
-    // the plain mean of means (the logs' values since the first release).
-    int masked = val->shards[0].version == 2;
+    // each batch's mean weighted by its targets, whose count varies with a
+    // loss mask: the mean over every target evaluated
     double sum = 0.0, targets_seen = 0.0;
     for (int i = 0; i < cfg->eval_iters; i++) {
         fl_loader_eval_batch(val, i, cfg->eval_iters, inputs, targets, cfg->micro_batch);
         float loss = fl_model_forward(model, inputs, targets, cfg->micro_batch, cfg->seq_len);
-        if (!masked) {
-            sum += loss;
-        } else if (model->n_targets) {
-            sum += (double)loss * model->n_targets;
-            targets_seen += model->n_targets;
-        }
+        sum += (double)loss * model->n_targets;
+        targets_seen += model->n_targets;
     }
-    if (masked) return targets_seen ? (float)(sum / targets_seen) : 0.0f;
-    return (float)(sum / cfg->eval_iters);
+    return targets_seen ? (float)(sum / targets_seen) : 0.0f;
 }
 
 static void help(void) {
