@@ -18,6 +18,23 @@
 #define FL_PATH_MAX 1024
 #define FL_NAME_MAX 32
 
+// DeepSpeed's zero_optimization block (sizes in elements, as DeepSpeed's).
+// What each key means here is in src/dist/zero.c; fl_config_check refuses
+// the keys fitlm cannot honour, naming them.
+typedef struct {
+    int stage;                           // 0 (data parallel, DDP), 1, 2, 3
+    float reduce_bucket_size;            // gradient reduction bucket (5e8)
+    float allgather_bucket_size;         // stage 1/2 parameter all-gather bucket (5e8)
+    int overlap_comm;                    // reduce during the backward pass (true)
+    int contiguous_gradients;            // stage 2/3: the owned gradient in one buffer (true)
+    int reduce_scatter;                  // reduce-scatter rather than all-reduce (true)
+    float prefetch_bucket_size;          // stage3_prefetch_bucket_size (5e7)
+    float max_live_parameters;           // stage3_max_live_parameters (1e9)
+    float max_reuse_distance;            // stage3_max_reuse_distance (1e9)
+    float param_persistence_threshold;   // stage3_param_persistence_threshold (1e5)
+    float comm_timeout;                  // seconds a collective may wait (--comm-timeout)
+} fl_zero_config;
+
 typedef struct {
     // model
     char model_preset[FL_NAME_MAX];   // demo | tiny | gpt2... | llama-tiny | llama-7b | ...
@@ -38,6 +55,7 @@ typedef struct {
     int micro_batch;      // train_micro_batch_size_per_gpu
     int grad_accum;       // gradient_accumulation_steps
     int train_batch_size; // DeepSpeed's micro * accum * ranks; 0 = derived
+    fl_zero_config zero;  // zero_optimization; ranks come from mpirun
     int seq_len;
     int steps;
     // precision: fp32 | bf16 | fp16 (DeepSpeed's bf16/fp16 blocks map here)

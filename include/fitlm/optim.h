@@ -250,12 +250,25 @@ typedef struct {
     float eps2;           // AdaLomo: floor of RMS(p) in the step size (1e-3)
     float clip_threshold; // AdaLomo: update RMS clip (1.0)
     float decay_rate;     // AdaLomo: beta2t = 1 - t^decay_rate (-0.8)
+    int sharded_grads;    // ZeRO-2/3 sum the micro-batches' gradients themselves (in their
+                          // shard): no whole fp32 sum here
 } fl_optimizer_config;
 
 // LOMO or AdaLomo
 static inline int fl_optim_kind_fused(fl_optim_kind k) {
     return k == FL_OPT_LOMO || k == FL_OPT_ADALOMO;
 }
+
+// Data parallelism (dist.h) joins the step here; NULL for one process.
+typedef struct {
+    void *ctx;
+    // The reduced gradient once every micro-batch is done: fp32 values of
+    // the elements [state_begin, state_end) (waits for reductions in flight).
+    const float *(*grads)(void *ctx);
+    void (*sum)(void *ctx, double *v, int n); // over ranks, in place
+    void (*max)(void *ctx, double *v, int n);
+    void (*updated)(void *ctx); // after the update: share the new weights
+} fl_optim_sync;
 
 // The optimizer updates the elements [begin, end) of the model's flat buffer
 // (fl_optimizer_init: all of them; fl_optimizer_init_range: one shard, as a
@@ -280,6 +293,8 @@ typedef struct {
     fl_optim_rule *rule;   // &adamw.rule, &sgd.rule, &lomo.rule or &adalomo.rule
     fl_loss_scaler scaler; // fp16; scale 1 otherwise
     int micro;             // micro-batches seen in this step
+    size_t params_first;   // flat-buffer element of params[0] (ZeRO-3 keeps one shard)
+    const fl_optim_sync *sync; // data parallelism, or NULL
 } fl_optimizer;
 
 typedef struct {

@@ -16,8 +16,10 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "fitlm/comm.h"
 #include "fitlm/config.h"
 #include "fitlm/data.h"
+#include "fitlm/dist.h"
 #include "fitlm/io.h"
 #include "fitlm/metrics.h"
 #include "fitlm/optim.h"
@@ -258,16 +260,45 @@ static void print_config(const fl_train_config *cfg, const char *shape_from) {
 
 // Whether the trained weights are all finite: checked before a checkpoint
 // is written, so a diverged model never replaces a good one.
+// Whether every rank's weights (the range its optimizer updates) are finite.
 static int weights_finite(const fl_optimizer *optim, const fl_optimizer *base) {
     const fl_optimizer *sets[2] = {optim, base};
+    double bad = 0.0;
     for (int i = 0; i < 2; i++) {
         const fl_optimizer *o = sets[i];
         if (!o) continue;
-        if (o->master ? fl_has_inf_or_nan(FL_F32, o->master, o->table->numel)
-                      : fl_has_inf_or_nan(o->dtype, o->params, o->table->numel))
-            return 0;
+        size_t first = o->rule->state_begin, n = o->rule->state_end - first;
+        if (o->master ? fl_has_inf_or_nan(FL_F32, o->master, n)
+                      : fl_has_inf_or_nan(o->dtype,
+                                          fl_at_const(o->dtype, o->params, first - o->params_first),
+                                          n))
+            bad = 1.0;
     }
-    return 1;
+    fl_comm_max(&bad, 1);
+    return bad == 0.0;
+}
+
+// Ranks beyond the first print nothing on stdout (their errors still reach
+// stderr, naming the rank); a memory report is every rank's, in rank order.
+static void rank_memory_report(void) {
+    int world = fl_comm_size();
+    for (int r = 0; r < world; r++) {
+        if (r == fl_comm_rank()) {
+            FILE *out = r == 0 ? stdout : stderr;
+            if (world > 1) fprintf(out, "memory of rank %d:\n", r);
+            fl_mem_report(out);
+            fflush(out);
+        }
+        fl_comm_barrier();
+    }
+}
+
+// A signal reaches the ranks at slightly different moments: they stop
+// after the same step when any of them has one.
+static int any_rank(int flag) {
+    double v = flag;
+    fl_comm_max(&v, 1);
+    return v != 0.0;
 }
 
 int cmd_train(int argc, char **argv) {
@@ -275,6 +306,11 @@ int cmd_train(int argc, char **argv) {
         help();
         return 0;
     }
+    // under mpirun: one rank of several (a plain run starts no MPI)
+    fl_comm_init(NULL, NULL);
+    int rank = fl_comm_rank(), world = fl_comm_size();
+    if (rank > 0 && !freopen("/dev/null", "w", stdout))
+        fl_die("cannot silence rank %d's output: %s", rank, strerror(errno));
     fl_train_config cfg;
     fl_config_defaults(&cfg);
     const char *resume = resume_arg(argc, argv);
@@ -335,12 +371,18 @@ int cmd_train(int argc, char **argv) {
         fl_config_set_shape(&cfg, &shape, shape_from);
     }
     fl_config_finish(&cfg);
+    fl_comm_set_timeout(cfg.zero.comm_timeout);
+    int dist = fl_dist_wanted(&cfg.zero);
+    if (dist && *cfg.out_dir) // TEMPORARY until sharded checkpoints land
+        fl_die("checkpoints of data-parallel runs are not written yet: give --out ''");
     int start = ck ? fl_ckpt_step(ck) : 0;
     if (ck && cfg.steps <= start)
         fl_die("train_steps %d is not above the checkpoint's step %d (%s): nothing to train; give "
                "--steps above %d",
                cfg.steps, start, fl_ckpt_path(ck), start);
-    if (*cfg.out_dir) prepare_out_dir(cfg.out_dir, ck ? resume_dir : NULL, cfg.overwrite);
+    // rank 0 owns the output directory; the others find it ready
+    if (*cfg.out_dir && rank == 0) prepare_out_dir(cfg.out_dir, ck ? resume_dir : NULL, cfg.overwrite);
+    fl_comm_barrier();
     if (*cfg.adapter) { // the adapter's LoRA config, which the lora.* options must not contradict
         fl_lora_config adapter;
         fl_peft_read_config(cfg.adapter, &adapter);
@@ -358,7 +400,7 @@ int cmd_train(int argc, char **argv) {
     // Data first: the shards name their tokenizer and vocabulary. What the
     // loaders and the tokenizer keep (tag other) is measured for the plan.
     fl_loader train, val;
-    fl_loader_open(&train, cfg.data, "train", T, cfg.seed, 1, 0, 1);
+    fl_loader_open(&train, cfg.data, "train", T, cfg.seed, 1, rank, world);
     if (strcmp(train.tokenizer, cfg.tokenizer))
         fl_die("the training data %s was tokenized with '%s', but the tokenizer is '%s' (set "
                "--tokenizer %s)",
@@ -382,9 +424,13 @@ int cmd_train(int argc, char **argv) {
     fl_plan_request req;
     fl_plan_request_from_config(&req, &cfg, data_bytes);
     req.data_peak = data_peak;
+    req.ranks = world;
     fl_plan plan;
     fl_plan_compute(&req, &plan);
     size_t limit = *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "mem_limit") : fl_mem_available();
+    // the ranks on this machine share its memory
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (!*cfg.mem_limit && local && atoi(local) > 1) limit /= (size_t)atoi(local);
     fl_plan_check_fits(&req, &plan, limit);
 
     // The model: pretrained weights (a resume has its own, unless they are
@@ -401,16 +447,24 @@ int cmd_train(int argc, char **argv) {
         if (*cfg.adapter) fl_peft_load(cfg.adapter, &model);
     }
     fl_model_alloc_acts(&model, B, T, cfg.recompute,
-                        lora ? train_base && fl_optimizer_unit_grads(&bcfg)
-                             : fl_optimizer_unit_grads(&ocfg));
+                        dist   ? fl_dist_unit_grads(&cfg.zero)
+                        : lora ? train_base && fl_optimizer_unit_grads(&bcfg)
+                               : fl_optimizer_unit_grads(&ocfg));
     // what the optimizer trains: the adapters under LoRA (the base too, by
     // its own fused optimizer, under LoRA + LOMO), else the model
     fl_optimizer optim, base_optim;
+    // under ZeRO, over this rank's shard
+    size_t own_begin = 0, own_end = model.table.numel;
+    if (dist) {
+        fl_dist_range(&cfg.zero, model.table.numel, &own_begin, &own_end);
+        ocfg.sharded_grads = fl_dist_unit_grads(&cfg.zero);
+    }
     if (lora)
         fl_optimizer_init(&optim, &ocfg, &model.lora.table, cfg.dtype, model.lora.params,
                           model.lora.grads);
     else
-        fl_optimizer_init(&optim, &ocfg, &model.table, cfg.dtype, model.params, model.grads);
+        fl_optimizer_init_range(&optim, &ocfg, &model.table, cfg.dtype, model.params, model.grads,
+                                own_begin, own_end);
     if (train_base)
         fl_optimizer_init(&base_optim, &bcfg, &model.table, cfg.dtype, model.params, model.grads);
     fl_optimizer *base = train_base ? &base_optim : NULL;
@@ -426,6 +480,7 @@ int cmd_train(int argc, char **argv) {
                    (unsigned long long)train.per_rank);
         fl_ckpt_close(ck);
     }
+    fl_dist *strategy = dist ? fl_dist_attach(&model, &optim, &cfg.zero) : NULL;
     fl_schedule schedule = {!strcmp(cfg.scheduler, "cosine")   ? FL_SCHED_COSINE
                             : !strcmp(cfg.scheduler, "linear") ? FL_SCHED_LINEAR
                                                                : FL_SCHED_CONSTANT,
@@ -442,7 +497,12 @@ int cmd_train(int argc, char **argv) {
         printf(" + %zu in LoRA adapters (%.3f%%)%s", model.lora.table.numel,
                100.0 * model.lora.table.numel / model.table.numel,
                train_base ? ", base trained too" : ", base frozen");
-    printf("; planned memory %.1f MiB; train %s: %llu tokens (%s)", plan.total / 1048576.0,
+    if (dist)
+        printf("; %d rank%s, %s", world, world > 1 ? "s" : "",
+               cfg.zero.stage ? (const char *[]){"", "ZeRO-1", "ZeRO-2", "ZeRO-3"}[cfg.zero.stage]
+                              : "data parallel");
+    printf("; planned memory %.1f MiB%s; train %s: %llu tokens (%s)", plan.total / 1048576.0,
+           world > 1 ? " per rank" : "",
            cfg.data, (unsigned long long)train.n_tokens, train.tokenizer);
     double bytes_per_token = 0.0;
     if (has_val) {
@@ -492,12 +552,13 @@ int cmd_train(int argc, char **argv) {
                    cfg.threads, ck_threads);
     }
     run_log log;
-    double tokens_per_step = (double)micro_tokens * cfg.grad_accum;
-    open_log(&log, cfg.out_dir, resume ? start : -1, tokens_per_step);
+    double tokens_per_step = (double)micro_tokens * cfg.grad_accum * world; // every rank's
+    const char *log_dir = rank == 0 ? cfg.out_dir : ""; // rank 0 writes the shared files
+    open_log(&log, log_dir, resume ? start : -1, tokens_per_step);
     // MFU's numerator and denominator, recorded with the run (the peak is
     // measured only when there is a metrics log to write it in)
     log.flops_per_token = fl_mfu_flops_per_token(&model, T, lora && !train_base);
-    if (*cfg.out_dir) {
+    if (*log_dir) {
         char how[128] = "given (--peak-tflops)";
         log.peak_flops = cfg.peak_tflops > 0
                              ? cfg.peak_tflops * 1e12
@@ -515,6 +576,8 @@ int cmd_train(int argc, char **argv) {
     int tty = isatty(STDOUT_FILENO), skipped = 0, saved_at = -1, nonfinite = 0, interrupted = 0;
     catch_signals();
     double train_start = fl_now();
+    fl_comm_stats comm = {0}; // the training steps' traffic (not evaluation's)
+    double step_seconds = 0.0;
     fl_profile_reset();
     for (int step = start; step < cfg.steps; step++) {
         if (has_val && cfg.eval_interval && step % cfg.eval_interval == 0 &&
@@ -532,6 +595,7 @@ int cmd_train(int argc, char **argv) {
                        fl_loader_next(&train, inputs + micro * micro_tokens,
                                       targets + micro * micro_tokens, B));
         float lr = fl_lr_at(&schedule, step);
+        fl_comm_stats c0 = fl_comm_get_stats();
         fl_train_result r =
             train_base ? fl_lora_lomo_step(&model, &optim, base, inputs, targets, B, T, lr,
                                            lr * (base_lr / cfg.lr))
@@ -539,6 +603,12 @@ int cmd_train(int argc, char **argv) {
         float loss = r.loss;
         skipped += r.skipped;
         double ms = (fl_now() - t0) * 1e3;
+        fl_comm_stats c1 = fl_comm_get_stats();
+        comm.elements += c1.elements - c0.elements;
+        comm.bytes += c1.bytes - c0.bytes;
+        comm.wait_seconds += c1.wait_seconds - c0.wait_seconds;
+        comm.collectives += c1.collectives - c0.collectives;
+        step_seconds += ms / 1e3;
         if (fl_profile_on) fl_profile_step(ms / 1e3);
         fl_profile_enable(0);
         double tok_s = tokens_per_step / (ms / 1e3);
@@ -603,8 +673,9 @@ int cmd_train(int argc, char **argv) {
         }
         if (cfg.mem_report_every && (step + 1) % cfg.mem_report_every == 0) {
             printf("%s", tty ? "\n" : "");
-            fl_mem_report(stdout);
+            rank_memory_report();
         }
+        if (world > 1 && any_rank(stop_signal) && !stop_signal) stop_signal = SIGTERM;
         int save = cfg.save_every && (step + 1) % cfg.save_every == 0;
         if (*cfg.out_dir && (save || stop_signal) && saved_at != step + 1) {
             if (!weights_finite(&optim, base))
@@ -634,6 +705,13 @@ int cmd_train(int argc, char **argv) {
     if (tty && !interrupted) printf("\n");
     double seconds = fl_now() - train_start;
     if (cfg.profile && !interrupted) fl_profile_print(stdout);
+    int steps_run = cfg.steps - start;
+    if (world > 1 && steps_run > 0)
+        printf("communication per step and rank: %.4g elements (%.3f x the %zu parameters), "
+               "%.4g MB, %.1f collectives; %.1f%% of the step time waiting on them\n",
+               comm.elements / steps_run, comm.elements / steps_run / (double)model.table.numel,
+               model.table.numel, comm.bytes / steps_run / 1e6,
+               (double)comm.collectives / steps_run, 100.0 * comm.wait_seconds / step_seconds);
     if (has_val && !interrupted) {
         float val_loss = evaluate(&model, &val, &cfg, inputs, targets);
         printf("final val loss %.4f nats/token (%.4f nats/byte) after %d steps (%.1f s); unigram "
@@ -668,15 +746,17 @@ int cmd_train(int argc, char **argv) {
         printf("\n---\n");
         fl_free(tokens);
     }
-    if ((cfg.mem_report || cfg.mem_report_every) && !interrupted) fl_mem_report(stdout);
+    if ((cfg.mem_report || cfg.mem_report_every) && !interrupted) rank_memory_report();
     fl_free(inputs);
     fl_free(targets);
     fl_free(config_json);
+    fl_dist_free(strategy);
     fl_optimizer_free(&optim);
     if (base) fl_optimizer_free(base);
     fl_model_free(&model);
     if (tok) fl_tokenizer_free(tok);
     if (has_val) fl_loader_close(&val);
     fl_loader_close(&train);
+    fl_comm_finalize();
     return stop_signal ? 128 + stop_signal : 0;
 }

@@ -5,14 +5,33 @@
 #include <stdarg.h>
 #include <stdlib.h>
 
+// Set by the communicator (src/dist/comm.c) when several ranks run: messages
+// name the rank, and a fatal error ends every rank at once.
+static int log_rank = -1;
+static void (*die_hook)(int code);
+
+void fl_log_set_rank(int rank, void (*on_die)(int code)) {
+    log_rank = rank;
+    die_hook = on_die;
+}
+
+static void prefix(const char *kind) {
+    if (log_rank >= 0)
+        fprintf(stderr, "fitlm: rank %d: %s: ", log_rank, kind);
+    else
+        fprintf(stderr, "fitlm: %s: ", kind);
+}
+
 void fl_die(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fflush(stdout);
-    fprintf(stderr, "fitlm: error: ");
+    prefix("error");
     vfprintf(stderr, fmt, ap);
     fprintf(stderr, "\n");
     va_end(ap);
+    fflush(stderr);
+    if (die_hook) die_hook(EXIT_FAILURE);
     exit(EXIT_FAILURE);
 }
 
@@ -20,7 +39,7 @@ void fl_warn(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fflush(stdout);
-    fprintf(stderr, "fitlm: warning: ");
+    prefix("warning");
     vfprintf(stderr, fmt, ap);
     fprintf(stderr, "\n");
     va_end(ap);

@@ -30,6 +30,7 @@ static const char *const names[FL_OP_COUNT] = {
     [FL_OP_ZERO_GRAD] = "zero grad",
     [FL_OP_OPTIMIZER] = "optimizer",
     [FL_OP_LOADER] = "data loader",
+    [FL_OP_COMM] = "communication",
 };
 
 void fl_profile_enable(int on) {

@@ -5,13 +5,16 @@
 fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int micro, int B, int T, float lr) {
     FL_ASSERT(micro == o->cfg.grad_accum);
-    if (m->unit_grads) { // an optimizer fused into the backward pass, one micro-batch
+    if (m->unit_grads && fl_optim_kind_fused(o->cfg.kind)) { // fused into the backward pass
         FL_ASSERT(micro == 1);
         return fl_fused_step(m, o, inputs, targets, B, T, lr);
     }
     size_t BT = (size_t)B * T;
-    long total = 0;
-    for (size_t i = 0; i < (size_t)micro * BT; i++) total += targets[i] != -1;
+    const fl_optim_sync *sync = o->sync; // data parallelism: the batch is every rank's
+    double count = 0.0;
+    for (size_t i = 0; i < (size_t)micro * BT; i++) count += targets[i] != -1;
+    if (sync) sync->sum(sync->ctx, &count, 1);
+    long total = (long)count;
     // d(scaled mean loss)/d(loss_i): the same weight for every target token
     float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
     double loss_sum = 0.0;
@@ -25,6 +28,7 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(o));
     }
     m->lora.dropout_step = 0; // evaluation and sampling run without dropout
+    if (sync) sync->sum(sync->ctx, &loss_sum, 1);
     fl_step_result s;
     FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, s = fl_optimizer_step(o, lr));
     return (fl_train_result){total ? (float)(loss_sum / total) : 0.0f, total, s.grad_norm,

@@ -14,7 +14,8 @@
 #include "fitlm/optim.h"
 
 static int needs_accum_buffer(const fl_optimizer_config *cfg, fl_dtype dt) {
-    return dt != FL_F32 && cfg->grad_accum > 1; // fp32 accumulates in the model's grads
+    // fp32 accumulates in the model's grads
+    return dt != FL_F32 && cfg->grad_accum > 1 && !cfg->sharded_grads;
 }
 
 static int has_master(const fl_optimizer_config *cfg, fl_dtype dt) {
@@ -136,28 +137,31 @@ void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const 
     fl_optimizer_update_rows_clip(o, first_row, n_rows, grads, grads_dtype, grad_scale, 1.0f);
 }
 
-void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,
-                                   fl_dtype grads_dtype, float grad_scale, float clip_coef) {
+// update_rows_clip with `grads` holding the gradient of flat element
+// grads_first on.
+static void update_rows_at(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                           size_t grads_first, fl_dtype grads_dtype, float grad_scale,
+                           float clip_coef) {
     FL_ASSERT(first_row >= 0 && n_rows >= 0 && first_row + n_rows <= o->table->count);
     fl_optim_rule *r = o->rule;
     int fused = fl_optim_kind_fused(o->cfg.kind);
     if (!fused) grad_scale *= clip_coef; // folded, as the whole-step path does
     // the step's stochastic-rounding seed (t counts steps begun)
     uint64_t sr_seed = fl_sr_bits(o->cfg.seed, (uint64_t)*fl_optim_step_count(r));
-    size_t base = n_rows ? o->table->views[first_row].offset : 0; // where `grads` starts
     for (int k = first_row; k < first_row + n_rows; k++) {
         const fl_param_view *v = &o->table->views[k];
         size_t lo = v->offset > r->state_begin ? v->offset : r->state_begin;
         size_t hi = v->offset + v->numel < r->state_end ? v->offset + v->numel : r->state_end;
         if (lo >= hi) continue; // outside this optimizer's range
+        size_t at = lo - o->params_first; // in o->params
         float *params = o->master            ? o->master + (lo - r->state_begin)
-                        : o->dtype == FL_F32 ? (float *)o->params + lo
+                        : o->dtype == FL_F32 ? (float *)o->params + at
                                              : NULL; // fused: the 16-bit weights themselves
         fl_update_args a = {
             .params = params,
-            .params_lowp = o->dtype != FL_F32 ? fl_at(o->dtype, o->params, lo) : NULL,
+            .params_lowp = o->dtype != FL_F32 ? fl_at(o->dtype, o->params, at) : NULL,
             .lowp_dtype = o->dtype,
-            .grads = fl_at_const(grads_dtype, grads, lo - base),
+            .grads = fl_at_const(grads_dtype, grads, lo - grads_first),
             .grads_dtype = grads_dtype,
             .grad_scale = grad_scale,
             .clip_coef = fused ? clip_coef : 1.0f,
@@ -169,6 +173,12 @@ void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, c
     }
 }
 
+void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                                   fl_dtype grads_dtype, float grad_scale, float clip_coef) {
+    size_t base = n_rows ? o->table->views[first_row].offset : 0; // where `grads` starts
+    update_rows_at(o, first_row, n_rows, grads, base, grads_dtype, grad_scale, clip_coef);
+}
+
 void fl_optimizer_end_step(fl_optimizer *o) {
     fl_optim_end_step(o->rule);
     fl_loss_scaler_update(&o->scaler, 0);
@@ -177,11 +187,22 @@ void fl_optimizer_end_step(fl_optimizer *o) {
 
 fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
-    size_t n = o->table->numel;
+    const fl_optim_sync *sync = o->sync;
+    // the gradient the update reads: the whole local one, or under data
+    // parallelism the reduced one over this rank's range
+    size_t n = o->table->numel, first = 0;
     const void *grads = o->grad_accum ? (const void *)o->grad_accum : o->grads;
     fl_dtype grads_dtype = o->grad_accum ? FL_F32 : o->dtype;
+    if (sync) {
+        grads = sync->grads(sync->ctx);
+        grads_dtype = FL_F32;
+        first = o->rule->state_begin;
+        n = o->rule->state_end - first;
+    }
     fl_step_result r = {0.0f, 0, o->scaler.scale};
-    if (o->dtype == FL_F16 && fl_has_inf_or_nan(grads_dtype, grads, n)) {
+    double overflow = o->dtype == FL_F16 && fl_has_inf_or_nan(grads_dtype, grads, n);
+    if (sync && o->dtype == FL_F16) sync->max(sync->ctx, &overflow, 1); // all ranks skip
+    if (overflow) {
         // skip the step: no weight, master or optimizer-state byte changes
         r.skipped = 1;
         o->micro = 0;
@@ -193,7 +214,9 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
         return r;
     }
     float unscale = 1.0f / o->scaler.scale;
-    r.grad_norm = fl_grad_norm(grads_dtype, grads, n) * unscale;
+    double sumsq = fl_grad_sumsq(grads_dtype, grads, n);
+    if (sync) sync->sum(sync->ctx, &sumsq, 1);
+    r.grad_norm = (float)sqrt(sumsq) * unscale;
     if (!isfinite(r.grad_norm)) {
         // an inf or NaN gradient outside fp16's scaling: skipped like an
         // overflow, nothing changes; the caller sees the norm and decides
@@ -205,9 +228,10 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
     fl_optimizer_begin_step(o, lr);
     float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
     if (fl_optim_kind_fused(o->cfg.kind)) // LOMO's order: clamp the unscaled g, then coef
-        fl_optimizer_update_rows_clip(o, 0, o->table->count, grads, grads_dtype, unscale, coef);
+        update_rows_at(o, 0, o->table->count, grads, first, grads_dtype, unscale, coef);
     else
-        fl_optimizer_update_rows(o, 0, o->table->count, grads, grads_dtype, unscale * coef);
+        update_rows_at(o, 0, o->table->count, grads, first, grads_dtype, unscale * coef, 1.0f);
     fl_optimizer_end_step(o);
+    if (sync) sync->updated(sync->ctx);
     return r;
 }

@@ -1,0 +1,75 @@
+// dist.h: data parallelism over the communicator (comm.h): DDP (ZeRO stage
+// 0) and ZeRO stages 1, 2 and 3 (Rajbhandari et al. 2020, DeepSpeed's
+// semantics and key names). Every rank holds the same model and reads its
+// own data windows; a strategy plugs into the model's hooks (pre_unit,
+// grad_ready, unit gradient binding) and into the optimizer's step
+// (fl_optim_sync), and nothing else changes: fl_train_step runs it.
+//
+// The flat parameter buffer (numel elements) is split into contiguous
+// shards, rank r owning [r*S, min((r+1)*S, numel)) with S = ceil(numel/N);
+// a shard is where that rank's fp32 master weights, optimizer state and
+// reduced gradient live (stage >= 1), and, under stage 3, the only part of
+// the 16-bit weights it keeps between uses. Under DDP every rank owns the
+// whole buffer.
+//
+//   stage 0  gradients all-reduced in buckets during the last micro-batch's
+//            backward; every rank runs the whole optimizer
+//   stage 1  the last micro-batch's gradients reduce-scattered in buckets to
+//            their owners; each rank updates its shard; the new 16-bit
+//            weights all-gathered
+//   stage 2  as 1, but no whole gradient: each unit's gradient is computed in
+//            scratch and reduce-scattered (every micro-batch) into the
+//            owners' fp32 sums
+//   stage 3  as 2, and the 16-bit weights are sharded too: a unit's weights
+//            are all-gathered before its forward and again before its
+//            backward (the next unit prefetched), then released
+//
+// Gradients are reduced in fp32 whatever the model's dtype.
+#ifndef FITLM_DIST_H
+#define FITLM_DIST_H
+
+#include "fitlm/config.h"
+#include "fitlm/model.h"
+#include "fitlm/optim.h"
+
+// The shard of `rank` among `world` ranks over numel elements.
+void fl_zero_shard(size_t numel, int world, int rank, size_t *begin, size_t *end);
+
+typedef struct fl_dist fl_dist;
+
+// Whether a run needs a strategy: more than one rank, or a ZeRO stage.
+int fl_dist_wanted(const fl_zero_config *cfg);
+// Whether a model for this stage keeps one unit's gradients at a time
+// (fl_model_alloc_acts' unit_grads): stages 2 and 3.
+int fl_dist_unit_grads(const fl_zero_config *cfg);
+
+// Attaches the strategy of cfg->stage over the world (fl_comm_size ranks)
+// to a model (fl_model_alloc_acts done, with unit_grads as
+// fl_dist_unit_grads says) and its optimizer (fl_optimizer_init_range over
+// this rank's shard, fl_dist_range; the whole buffer under DDP). Every rank
+// must hold the same weights (the same seed or file). Stage 3 then keeps
+// only this rank's shard of the weights. Dies naming the key on a config it
+// cannot honour.
+fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg);
+void fl_dist_free(fl_dist *d);
+// The range of the flat buffer this rank's optimizer covers.
+void fl_dist_range(const fl_zero_config *cfg, size_t numel, size_t *begin, size_t *end);
+
+// Bytes per tag that fl_dist_attach allocates on `rank` for a model of
+// table t (n_layer blocks, dtype dt) whose optimizer has a whole fp32
+// gradient sum (accum_buffer: 16-bit weights with accumulation, stages 0/1)
+// or not. Stage 3 then frees the whole weights: *params_freed bytes, which
+// count in the peak but not after.
+void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_layer, fl_dtype dt,
+                    int accum_buffer, int world, int rank, size_t bytes[FL_MEM_NTAGS],
+                    size_t *params_freed);
+
+// Stage 3: the weights of this rank's shard ([begin, end) of the flat
+// buffer, fl_dist_range) and whole rows for checkpoints and exports:
+// fl_dist_gather_row fills `out` (row numel values of the model's dtype)
+// on every rank (a collective: every rank calls it for the same row).
+// Other stages: the model's own buffer.
+void *fl_dist_params_shard(fl_dist *d);
+void fl_dist_gather_row(fl_dist *d, int row, void *out);
+
+#endif

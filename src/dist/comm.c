@@ -1,0 +1,238 @@
+// comm.c: the communicator (comm.h) on MPI. The only file that includes
+// mpi.h. One world (a duplicate of MPI_COMM_WORLD); requests live in a small
+// table; every wait polls with a deadline so a dead or hung rank ends the job
+// (MPI_Abort) instead of hanging it. Started only under mpirun: a plain run
+// is one rank and never calls MPI.
+#include "fitlm/comm.h"
+
+#include <limits.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <mpi.h>
+
+#include "fitlm/core.h"
+
+enum { MAX_REQS = 64 };
+
+typedef struct {
+    MPI_Request req;
+    int busy;
+    const char *what;
+    int *counts, *displs; // kept until completion, as MPI requires
+} slot;
+
+static struct {
+    int started, mpi, rank, size;
+    MPI_Comm comm;
+    MPI_Datatype bf16; // two bytes, for 16-bit gathers
+    double timeout;
+    slot reqs[MAX_REQS];
+    fl_comm_stats stats;
+} w = {.size = 1, .timeout = 600.0};
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void on_die(int code) {
+    MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+// Launched by mpirun (Open MPI, or a PMI-speaking launcher)?
+static int launched(void) {
+    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
+}
+
+void fl_comm_init(int *argc, char ***argv) {
+    if (w.started) return;
+    w.started = 1;
+    if (!launched()) return;
+    int provided;
+    MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+    w.mpi = 1;
+    MPI_Comm_dup(MPI_COMM_WORLD, &w.comm);
+    MPI_Comm_rank(w.comm, &w.rank);
+    MPI_Comm_size(w.comm, &w.size);
+    MPI_Type_contiguous(2, MPI_BYTE, &w.bf16);
+    MPI_Type_commit(&w.bf16);
+    if (w.size > 1) fl_log_set_rank(w.rank, on_die);
+}
+
+void fl_comm_finalize(void) {
+    if (!w.mpi) return;
+    MPI_Barrier(w.comm);
+    MPI_Type_free(&w.bf16);
+    MPI_Comm_free(&w.comm);
+    MPI_Finalize();
+    w.mpi = 0;
+    fl_log_set_rank(-1, NULL);
+}
+
+int fl_comm_rank(void) {
+    return w.rank;
+}
+
+int fl_comm_size(void) {
+    return w.size;
+}
+
+int fl_comm_built_with_mpi(void) {
+    return 1;
+}
+
+void fl_comm_set_timeout(double seconds) {
+    w.timeout = seconds;
+}
+
+void fl_comm_abort(int code) {
+    fflush(stdout);
+    fflush(stderr);
+    if (w.mpi) MPI_Abort(MPI_COMM_WORLD, code);
+    exit(code);
+}
+
+static int count_of(size_t n, const char *what) {
+    if (n > INT_MAX)
+        fl_die("%s of %zu elements is more than one MPI call takes (%d)", what, n, INT_MAX);
+    return (int)n;
+}
+
+static fl_comm_req new_req(const char *what, double elements, size_t elsize) {
+    for (int i = 0; i < MAX_REQS; i++)
+        if (!w.reqs[i].busy) {
+            w.reqs[i] = (slot){.req = MPI_REQUEST_NULL, .busy = 1, .what = what};
+            w.stats.elements += elements;
+            w.stats.bytes += elements * (double)elsize;
+            w.stats.collectives++;
+            return i;
+        }
+    fl_die("internal: more than %d collectives in flight", MAX_REQS);
+}
+
+static void release(fl_comm_req r) {
+    free(w.reqs[r].counts);
+    free(w.reqs[r].displs);
+    w.reqs[r].counts = w.reqs[r].displs = NULL;
+    w.reqs[r].busy = 0;
+}
+
+int fl_comm_test(fl_comm_req r) {
+    FL_ASSERT(r >= 0 && r < MAX_REQS && w.reqs[r].busy);
+    int done = 1;
+    if (w.reqs[r].req != MPI_REQUEST_NULL) MPI_Test(&w.reqs[r].req, &done, MPI_STATUS_IGNORE);
+    return done;
+}
+
+void fl_comm_wait(fl_comm_req r) {
+    double t0 = now();
+    long polls = 0;
+    while (!fl_comm_test(r)) {
+        // yield first (a short collective finishes in microseconds), then
+        // sleep a little: ranks oversubscribed on few cores need the CPU
+        if (++polls < 1000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+        if ((polls & 255) == 0 && now() - t0 > w.timeout) {
+            fprintf(stderr,
+                    "fitlm: rank %d: error: %s did not complete within %g s (--comm-timeout): "
+                    "another rank is dead or hung; ending the job\n",
+                    w.rank, w.reqs[r].what, w.timeout);
+            fl_comm_abort(1);
+        }
+    }
+    w.stats.wait_seconds += now() - t0;
+    release(r);
+}
+
+static void reduce(double *v, int n, MPI_Op op, const char *what) {
+    if (w.size == 1) return;
+    fl_comm_req r = new_req(what, 2.0 * n * (w.size - 1) / w.size, sizeof(double));
+    MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, op, w.comm, &w.reqs[r].req);
+    fl_comm_wait(r);
+}
+
+void fl_comm_sum(double *v, int n) {
+    reduce(v, n, MPI_SUM, "an all-reduce (sum) of scalars");
+}
+
+void fl_comm_max(double *v, int n) {
+    reduce(v, n, MPI_MAX, "an all-reduce (max) of scalars");
+}
+
+void fl_comm_barrier(void) {
+    if (w.size == 1) return;
+    fl_comm_req r = new_req("a barrier", 0.0, 1);
+    MPI_Ibarrier(w.comm, &w.reqs[r].req);
+    fl_comm_wait(r);
+}
+
+void fl_comm_bcast(void *buf, size_t bytes, int root) {
+    if (w.size == 1) return;
+    fl_comm_req r = new_req("a broadcast", (double)bytes, 1);
+    MPI_Ibcast(buf, count_of(bytes, "a broadcast"), MPI_BYTE, root, w.comm, &w.reqs[r].req);
+    fl_comm_wait(r);
+}
+
+fl_comm_req fl_comm_iallreduce(float *buf, size_t n) {
+    const char *what = "a gradient all-reduce";
+    fl_comm_req r = new_req(what, 2.0 * (double)n * (w.size - 1) / w.size, sizeof(float));
+    if (w.size > 1)
+        MPI_Iallreduce(MPI_IN_PLACE, buf, count_of(n, what), MPI_FLOAT, MPI_SUM, w.comm,
+                       &w.reqs[r].req);
+    return r;
+}
+
+static int *int_copy(const size_t *v, const char *what) {
+    int *out = malloc((size_t)w.size * sizeof(int));
+    if (!out) fl_die("out of memory");
+    for (int i = 0; i < w.size; i++) out[i] = count_of(v[i], what);
+    return out;
+}
+
+fl_comm_req fl_comm_ireduce_scatter(const float *send, float *recv, const size_t *counts) {
+    const char *what = "a gradient reduce-scatter";
+    size_t total = 0;
+    for (int i = 0; i < w.size; i++) total += counts[i];
+    fl_comm_req r = new_req(what, (double)total * (w.size - 1) / w.size, sizeof(float));
+    if (w.size == 1) {
+        if (counts[0] && recv != send) memmove(recv, send, counts[0] * sizeof(float));
+        return r;
+    }
+    slot *s = &w.reqs[r];
+    s->counts = int_copy(counts, what);
+    static float dummy;
+    MPI_Ireduce_scatter(send, counts[w.rank] ? recv : &dummy, s->counts, MPI_FLOAT, MPI_SUM, w.comm,
+                        &s->req);
+    return r;
+}
+
+fl_comm_req fl_comm_iallgather(fl_dtype dt, const void *send, void *recv, const size_t *counts,
+                               const size_t *displs) {
+    const char *what = "a parameter all-gather";
+    size_t total = 0, D = fl_dtype_size(dt);
+    for (int i = 0; i < w.size; i++) total += counts[i];
+    fl_comm_req r = new_req(what, (double)total * (w.size - 1) / w.size, D);
+    char *at = (char *)recv + displs[w.rank] * D;
+    if (w.size == 1) {
+        if (counts[0] && at != send) memmove(at, send, counts[0] * D);
+        return r;
+    }
+    slot *s = &w.reqs[r];
+    s->counts = int_copy(counts, what);
+    s->displs = int_copy(displs, what);
+    MPI_Datatype type = D == 4 ? MPI_FLOAT : w.bf16;
+    MPI_Iallgatherv(at == send ? MPI_IN_PLACE : send, s->counts[w.rank], type, recv, s->counts,
+                    s->displs, type, w.comm, &s->req);
+    return r;
+}
+
+fl_comm_stats fl_comm_get_stats(void) {
+    return w.stats;
+}

@@ -1,0 +1,89 @@
+// comm_single.c: the communicator (comm.h) of a build without MPI: one rank.
+// Collectives are copies; the traffic counters stay at zero.
+#include "fitlm/comm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitlm/core.h"
+
+void fl_comm_init(int *argc, char ***argv) {
+    (void)argc;
+    (void)argv;
+    if (getenv("OMPI_COMM_WORLD_SIZE") && atoi(getenv("OMPI_COMM_WORLD_SIZE")) > 1)
+        fl_die("this fitlm was built without MPI (libopenmpi-dev was missing when it was "
+               "configured): it cannot run several ranks; run scripts/setup.sh and rebuild");
+}
+
+void fl_comm_finalize(void) {}
+
+int fl_comm_rank(void) {
+    return 0;
+}
+
+int fl_comm_size(void) {
+    return 1;
+}
+
+int fl_comm_built_with_mpi(void) {
+    return 0;
+}
+
+void fl_comm_set_timeout(double seconds) {
+    (void)seconds;
+}
+
+void fl_comm_abort(int code) {
+    fflush(stdout);
+    exit(code);
+}
+
+void fl_comm_sum(double *v, int n) {
+    (void)v;
+    (void)n;
+}
+
+void fl_comm_max(double *v, int n) {
+    (void)v;
+    (void)n;
+}
+
+void fl_comm_barrier(void) {}
+
+void fl_comm_bcast(void *buf, size_t bytes, int root) {
+    (void)buf;
+    (void)bytes;
+    (void)root;
+}
+
+fl_comm_req fl_comm_iallreduce(float *buf, size_t n) {
+    (void)buf;
+    (void)n;
+    return 0;
+}
+
+fl_comm_req fl_comm_ireduce_scatter(const float *send, float *recv, const size_t *counts) {
+    if (counts[0] && recv != send) memmove(recv, send, counts[0] * sizeof(float));
+    return 0;
+}
+
+fl_comm_req fl_comm_iallgather(fl_dtype dt, const void *send, void *recv, const size_t *counts,
+                               const size_t *displs) {
+    size_t D = fl_dtype_size(dt);
+    char *at = (char *)recv + displs[0] * D;
+    if (counts[0] && at != send) memmove(at, send, counts[0] * D);
+    return 0;
+}
+
+void fl_comm_wait(fl_comm_req req) {
+    (void)req;
+}
+
+int fl_comm_test(fl_comm_req req) {
+    (void)req;
+    return 1;
+}
+
+fl_comm_stats fl_comm_get_stats(void) {
+    return (fl_comm_stats){0};
+}
