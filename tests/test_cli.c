@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fitlm/config.h"
 #include "fitlm/io.h"
 #include "fitlm/safetensors.h"
 #include "testlib.h"
@@ -109,8 +110,8 @@ static void test_bad_flags(void) {
 static void test_bad_config_files(void) {
     write_text("unknown.json", "{\"optimizer\": {\"params\": {\"lr\": 0.1, \"foo\": 1}}}");
     fails_with("train --config unknown.json", "unknown.json: unknown key 'optimizer.params.foo'");
-    write_text("toplevel.json", "{\"zero_optimization\": {\"stage\": 2}}");
-    fails_with("train --config toplevel.json", "unknown key 'zero_optimization'");
+    write_text("zerokey.json", "{\"zero_optimization\": {\"stage\": 2, \"frobnicate\": 1}}");
+    fails_with("train --config zerokey.json", "unknown key 'zero_optimization.frobnicate'");
     write_text("both.json", "{\"bf16\": {\"enabled\": true}, \"fp16\": {\"enabled\": true}}");
     fails_with("train --config both.json", "cannot both be true");
     write_text("contra.json", "{\"precision\": \"fp32\", \"fp16\": {\"enabled\": true}}");
@@ -270,6 +271,173 @@ static void test_config_then_flags(void) {
     int all = rc == 0;
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) all &= strstr(output, rows[i]) != 0;
     t_check(all, "--profile prints the per-op table of the steps after the first: %.600s", output);
+}
+
+// DeepSpeed's zero_optimization keys: each honoured or refused naming the
+// key, the value and why; none ignored. One representative per class.
+static void test_zero_optimization_keys(void) {
+    const struct {
+        const char *json, *says;
+    } refused[] = {
+        {"{\"zero_optimization\": {\"stage\": 2, \"contiguous_gradients\": false}}",
+         "zero_optimization.contiguous_gradients false: fitlm always keeps a rank's gradient "
+         "shard in one contiguous buffer"},
+        {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"nvme\", "
+         "\"nvme_path\": \"/local_nvme\"}}}",
+         "zero_optimization.offload_optimizer.device nvme: NVMe offload is not supported yet"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"nvme\"}}}",
+         "zero_optimization.offload_param.device nvme: NVMe offload is not supported yet"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", "
+         "\"buffer_size\": 1e8}}}",
+         "zero_optimization.offload_param.buffer_size applies to NVMe offload (device nvme)"},
+        {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"gpu\"}}}",
+         "offload_optimizer.device must be one of none|cpu|nvme, got 'gpu'"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"pin_memory\": true}}}",
+         "offload_optimizer.pin_memory applies to an offload (device cpu)"},
+        {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"cpu\", "
+         "\"ratio\": 0.5}}}",
+         "offload_optimizer.ratio 0.5: a partial offload needs ZeRO stage 3"},
+        {"{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"cpu\"}}}",
+         "offload_optimizer applies to ZeRO stages 1-3; zero_optimization.stage is 0"},
+        {"{\"zero_optimization\": {\"stage\": 2, \"offload_param\": {\"device\": \"cpu\"}}}",
+         "offload_param applies to ZeRO stage 3; zero_optimization.stage is 2"},
+        {"{\"zero_optimization\": {\"stage\": 2, \"cpu_offload\": true, \"offload_optimizer\": "
+         "{\"device\": \"cpu\"}}}",
+         "cpu_offload is the deprecated form of zero_optimization.offload_optimizer.device"},
+        {"{\"zero_optimization\": {\"stage\": 2, \"stage3_prefetch_bucket_size\": 1e7}}",
+         "stage3_prefetch_bucket_size applies to ZeRO stage 3; zero_optimization.stage is 2"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"allgather_partitions\": false}}",
+         "allgather_partitions false: DeepSpeed then broadcasts"},
+        {"{\"zero_optimization\": {\"stage\": 3, "
+         "\"stage3_gather_16bit_weights_on_model_save\": false}}",
+         "stage3_gather_16bit_weights_on_model_save false: fitlm's checkpoints and fitlm export "
+         "always hold the whole weights"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"load_from_fp32_weights\": false}}",
+         "load_from_fp32_weights false: a resume restores the fp32 master weights"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"elastic_checkpoint\": true}}",
+         "elastic_checkpoint true: loading a checkpoint saved by another number of ranks"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"zero_quantized_weights\": true}}",
+         "zero_quantized_weights true: ZeRO++ quantised communication is not supported"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"zero_hpz_partition_size\": 8}}",
+         "zero_hpz_partition_size 8: ZeRO++ hierarchical partitioning"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"zeropp_loco_param\": {\"err_beta\": 0.8}}}",
+         "zeropp_loco_param: LoCo-ZeRO++"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"mics_shard_size\": 2}}",
+         "mics_shard_size 2: MiCS (sharding within groups of ranks) is not supported"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"memory_efficient_linear\": false}}",
+         "memory_efficient_linear false: fitlm's stage 3 gathers a block's weights again"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"legacy_stage1\": true}}", "legacy_stage1 true"},
+        {"{\"aio\": {\"queue_depth\": 32}}",
+         "aio.queue_depth 32: the aio block tunes NVMe offload's I/O"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        write_text("zero.json", refused[i].json);
+        fails_with("train --config zero.json --out ''", refused[i].says);
+    }
+    // what the data-parallel engine cannot run, named before anything loads
+    fails_with("train --zero-stage 2 --lora", "lora.enabled (LoRA) with zero_optimization.stage 2");
+    fails_with("train --zero-stage 3 --lora --quantize nf4",
+               "quantization_config.bnb_4bit_quant_type nf4 with zero_optimization.stage 3");
+    // DeepSpeed-only keys have no flags
+    fails_with("train --allgather-partitions", "unknown option '--allgather-partitions'");
+
+    // every key at a value fitlm honours: the run gets past the config to
+    // its data (none here)
+    write_text(
+        "zero_ok.json",
+        "{\"zero_optimization\": {\"stage\": 3, \"allgather_partitions\": true, "
+        "\"allgather_bucket_size\": 5e8, \"overlap_comm\": true, \"reduce_scatter\": true, "
+        "\"reduce_bucket_size\": 5e8, \"contiguous_gradients\": true, "
+        "\"use_multi_rank_bucket_allreduce\": true, \"grad_hooks\": true, "
+        "\"load_from_fp32_weights\": true, \"elastic_checkpoint\": false, "
+        "\"sub_group_size\": 1e12, "
+        "\"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true, \"ratio\": 0.3}, "
+        "\"offload_param\": {\"device\": \"cpu\", \"pin_memory\": true}, "
+        "\"stage3_max_live_parameters\": 1e9, \"stage3_max_reuse_distance\": 1e9, "
+        "\"stage3_prefetch_bucket_size\": 5e7, "
+        "\"stage3_param_persistence_threshold\": 1e5, "
+        "\"stage3_model_persistence_threshold\": 1e12, "
+        "\"stage3_module_granularity_threshold\": 100, "
+        "\"stage3_use_all_reduce_for_fetch_params\": false, "
+        "\"stage3_gather_16bit_weights_on_model_save\": true, "
+        "\"stage3_gather_fp16_weights_on_model_save\": true, "
+        "\"ignore_unused_parameters\": false, \"legacy_stage1\": false, "
+        "\"round_robin_gradients\": true, \"zero_hpz_partition_size\": 1, "
+        "\"zero_quantized_weights\": false, \"zero_quantized_nontrainable_weights\": false, "
+        "\"zero_quantized_gradients\": false, \"mics_shard_size\": -1, "
+        "\"mics_hierarchical_params_gather\": false, \"memory_efficient_linear\": true, "
+        "\"pipeline_loading_checkpoint\": false, \"override_module_apply\": true}, "
+        "\"zero_allow_untested_optimizer\": true, "
+        "\"aio\": {\"block_size\": 1048576, \"queue_depth\": 8, \"thread_count\": 1, "
+        "\"single_submit\": false, \"overlap_events\": true, \"use_gds\": false}}");
+    fails_with("train --config zero_ok.json --out '' --data none", "no train token shards at none");
+    write_text("zero_old.json", "{\"zero_optimization\": {\"stage\": 2, \"cpu_offload\": true, "
+                                "\"cpu_offload_use_pin_memory\": true}}");
+    fails_with("train --config zero_old.json --out '' --data none",
+               "no train token shards at none");
+
+    // what the accepted keys set (in-process: fl_config_check, one rank)
+    const struct {
+        const char *json;
+        int micro, accum, total, overlap;
+        const char *offload;
+    } set[] = {
+        // DeepSpeed's batch rule: any two set the third; the total alone, no accumulation
+        {"{\"train_batch_size\": 32}", 32, 1, 32, 0, "none"},
+        {"{\"train_batch_size\": 32, \"train_micro_batch_size_per_gpu\": 4}", 4, 8, 32, 0, "none"},
+        {"{\"train_batch_size\": 32, \"gradient_accumulation_steps\": 4}", 8, 4, 32, 0, "none"},
+        {"{\"train_micro_batch_size_per_gpu\": 4, \"gradient_accumulation_steps\": 2}", 4, 2, 8, 0,
+         "none"},
+        {"{\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 4, "
+         "\"gradient_accumulation_steps\": 2}",
+         4, 2, 8, 0, "none"},
+        {"{\"train_micro_batch_size_per_gpu\": 4}", 4, 1, 4, 0, "none"},
+        // overlap_comm: DeepSpeed's default is true under stage 3 only
+        {"{\"zero_optimization\": {\"stage\": 3}}", 16, 1, 16, 1, "none"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"overlap_comm\": true}}", 16, 1, 16, 1, "none"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"overlap_comm\": false}}", 16, 1, 16, 0, "none"},
+        // the deprecated cpu_offload is offload_optimizer.device cpu
+        {"{\"zero_optimization\": {\"stage\": 1, \"cpu_offload\": true}}", 16, 1, 16, 0, "cpu"},
+    };
+    for (size_t i = 0; i < sizeof set / sizeof set[0]; i++) {
+        fl_train_config cfg;
+        fl_config_defaults(&cfg);
+        fl_config_load_json_text(&cfg, set[i].json, strlen(set[i].json), "test");
+        cfg.threads = 1;
+        fl_config_check(&cfg);
+        t_check(cfg.micro_batch == set[i].micro && cfg.grad_accum == set[i].accum &&
+                    cfg.train_batch_size == set[i].total &&
+                    cfg.zero.overlap_comm == set[i].overlap &&
+                    !strcmp(cfg.zero_extra.offload_optimizer, set[i].offload),
+                "%s: micro %d accum %d total %d overlap %d offload %s", set[i].json,
+                cfg.micro_batch, cfg.grad_accum, cfg.train_batch_size, cfg.zero.overlap_comm,
+                cfg.zero_extra.offload_optimizer);
+    }
+    fl_train_config cfg;
+    fl_config_defaults(&cfg);
+    const char *cap = "{\"zero_optimization\": {\"stage\": 3, "
+                      "\"stage3_model_persistence_threshold\": 4096}}";
+    fl_config_load_json_text(&cfg, cap, strlen(cap), "test");
+    fl_config_check(&cfg);
+    t_check(cfg.zero.model_persistence_threshold == 4096.0f,
+            "stage3_model_persistence_threshold reaches fl_zero_config (%g)",
+            cfg.zero.model_persistence_threshold);
+    fails_with("train --train-batch-size 12 --grad-accum 5",
+               "train_batch_size 12 is not a multiple of gradient_accumulation_steps 5 x 1 rank");
+}
+
+// DeepSpeed's ZeRO tutorial's ZeRO-3 config (docs/_tutorials/zero.md,
+// "Offloading to CPU and NVMe with ZeRO-Infinity"), as published, runs on
+// one rank with a small model given by flags.
+static void test_deepspeed_zero3_example(void) {
+    char args[1024];
+    snprintf(args, sizeof args,
+             "train --config %s --model tiny --tokenizer byte --data small --batch 2 "
+             "--seq-len 16 --steps 2 --out '' --sample-tokens 0 --eval-iters 1 --threads 1",
+             t_source_path("tests/fixtures/deepspeed_zero3.json"));
+    int rc = fitlm(args);
+    t_check(rc == 0 && strstr(output, "1 rank, ZeRO-3") && strstr(output, "step     2/2"),
+            "DeepSpeed's ZeRO-3 example config runs on one rank (status %d): %.600s", rc, output);
 }
 
 // Keeps only what must repeat: each step's loss, lr and norm (not the timing).
@@ -1499,6 +1667,8 @@ int main(void) {
     test_bad_data();
     test_tokenize_input_is_a_file();
     test_config_then_flags();
+    test_zero_optimization_keys();
+    test_deepspeed_zero3_example();
     test_same_seed_same_losses();
     test_resume_is_bitwise();
     test_export_and_pretrained();

@@ -20,8 +20,9 @@
 // Starts the world: MPI when launched by mpirun (and built with it), else
 // one rank. Idempotent. argc/argv may be NULL.
 void fl_comm_init(int *argc, char ***argv);
-// Ends it (MPI_Finalize after a barrier); safe when not started.
-void fl_comm_finalize(void);
+// Ends the process's part in the world: without MPI it returns rc; with
+// MPI it finalizes (after a barrier) and exits with rc (see comm.c why).
+int fl_comm_finalize(int rc);
 int fl_comm_rank(void);
 int fl_comm_size(void);
 // Whether this build has MPI (a build without it runs one rank only).

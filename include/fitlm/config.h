@@ -22,18 +22,65 @@
 // What each key means here is in src/dist/zero.c; fl_config_check refuses
 // the keys fitlm cannot honour, naming them.
 typedef struct {
-    int stage;                           // 0 (data parallel, DDP), 1, 2, 3
-    float reduce_bucket_size;            // gradient reduction bucket (5e8)
-    float allgather_bucket_size;         // stage 1/2 parameter all-gather bucket (5e8)
-    int overlap_comm;                    // reduce during the backward pass (true)
-    int contiguous_gradients;            // stage 2/3: the owned gradient in one buffer (true)
-    int reduce_scatter;                  // reduce-scatter rather than all-reduce (true)
-    float prefetch_bucket_size;          // stage3_prefetch_bucket_size (5e7)
-    float max_live_parameters;           // stage3_max_live_parameters (1e9)
-    float max_reuse_distance;            // stage3_max_reuse_distance (1e9)
-    float param_persistence_threshold;   // stage3_param_persistence_threshold (1e5)
-    float comm_timeout;                  // seconds a collective may wait (--comm-timeout)
+    int stage;                         // 0 (data parallel, DDP), 1, 2, 3
+    float reduce_bucket_size;          // gradient reduction bucket (5e8)
+    float allgather_bucket_size;       // stage 1/2 parameter all-gather bucket (5e8)
+    int overlap_comm;                  // reduce during the backward pass (true)
+    int contiguous_gradients;          // stage 2/3: the owned gradient in one buffer (true)
+    int reduce_scatter;                // reduce-scatter rather than all-reduce (true)
+    float prefetch_bucket_size;        // stage3_prefetch_bucket_size (5e7)
+    float max_live_parameters;         // stage3_max_live_parameters (1e9)
+    float max_reuse_distance;          // stage3_max_reuse_distance (1e9)
+    float param_persistence_threshold; // stage3_param_persistence_threshold (1e5)
+    // stage3_model_persistence_threshold (DeepSpeed: sys.maxsize): at most this
+    // many elements in all persistent units together
+    float model_persistence_threshold;
+    float comm_timeout; // seconds a collective may wait (--comm-timeout)
+    // derived from the optimizer (fl_config_finish), not keys:
+    int fused_units; // LOMO/AdaLomo without accumulation: each unit reduced and updated in
+                     // the backward pass, no gradient buffer
+    int whole_rows;  // AdaLomo: shards end at row boundaries (its statistics are per tensor)
 } fl_zero_config;
+
+// The rest of DeepSpeed's zero_optimization block, and its aio block: keys
+// the engine needs no code for. fl_config_check accepts each where fitlm
+// already behaves as DeepSpeed means (state in RAM is "offloaded to cpu")
+// and refuses it, naming it, where it does not; nothing reads them after.
+typedef struct {
+    int allgather_partitions;            // true: all-gather (false: broadcasts)
+    int use_multi_rank_bucket_allreduce; // true
+    int grad_hooks;                      // stage 1 reduces from backward hooks (true)
+    int load_from_fp32_weights;          // a resume takes the fp32 master weights (true)
+    int elastic_checkpoint;              // load another world size's checkpoint (false)
+    float sub_group_size;                // optimizer step tile (1e9)
+    char offload_optimizer[FL_NAME_MAX]; // offload_optimizer.device: none | cpu | nvme
+    char offload_param[FL_NAME_MAX];     // offload_param.device: none | cpu | nvme
+    char opt_nvme_path[FL_PATH_MAX], param_nvme_path[FL_PATH_MAX];
+    int opt_buffer_count, param_buffer_count;
+    int opt_pin_memory, param_pin_memory;
+    int opt_pipeline_read, opt_pipeline_write, opt_fast_init;
+    float opt_ratio;                           // share of the optimizer offloaded (1)
+    float param_buffer_size, param_max_in_cpu; // NVMe buffers
+    int cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory; // deprecated forms
+    int gather_16bit_on_save,
+        gather_fp16_on_save;             // stage3_gather_{16bit,fp16}_weights_on_model_save
+    float module_granularity_threshold;  // stage3_module_granularity_threshold (0)
+    int use_all_reduce_for_fetch_params; // stage3_use_all_reduce_for_fetch_params
+    int ignore_unused_parameters;        // true
+    int legacy_stage1, round_robin_gradients;
+    int hpz_partition_size; // zero_hpz_partition_size (1: off)
+    int quantized_weights, quantized_nontrainable_weights, quantized_gradients;
+    float loco_err_beta; // zeropp_loco_param.err_beta
+    int loco_reset_t;    // zeropp_loco_param.reset_T
+    int mics_shard_size; // -1: off
+    int mics_hierarchical_params_gather;
+    int memory_efficient_linear; // true
+    int pipeline_loading_checkpoint, override_module_apply;
+    int allow_untested_optimizer; // top level: zero_allow_untested_optimizer
+    // top-level aio block (NVMe offload's asynchronous I/O)
+    int aio_block_size, aio_queue_depth, aio_thread_count;
+    int aio_single_submit, aio_overlap_events, aio_use_gds, aio_intra_op;
+} fl_zero_extra;
 
 typedef struct {
     // model
@@ -52,10 +99,11 @@ typedef struct {
     char recompute_policy[FL_NAME_MAX]; // none | selective | block
     fl_recompute recompute;             // derived by fl_config_finish
     int ac_partition, ac_cpu, ac_contiguous, ac_number, ac_sync, ac_profile;
-    int micro_batch;      // train_micro_batch_size_per_gpu
-    int grad_accum;       // gradient_accumulation_steps
-    int train_batch_size; // DeepSpeed's micro * accum * ranks; 0 = derived
-    fl_zero_config zero;  // zero_optimization; ranks come from mpirun
+    int micro_batch;          // train_micro_batch_size_per_gpu
+    int grad_accum;           // gradient_accumulation_steps
+    int train_batch_size;     // DeepSpeed's micro * accum * ranks; 0 = derived
+    fl_zero_config zero;      // zero_optimization; ranks come from mpirun
+    fl_zero_extra zero_extra; // its keys that need no engine code (and aio)
     int seq_len;
     int steps;
     // precision: fp32 | bf16 | fp16 (DeepSpeed's bf16/fp16 blocks map here)
@@ -102,7 +150,7 @@ typedef struct {
     float peak_tflops;           // MFU's denominator; 0 = measured at the start
     int profile;                 // per-op profile table after training
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
-    uint8_t given[128];          // by option-table index: set by the file or a flag, not defaulted
+    uint8_t given[192];          // by option-table index: set by the file or a flag, not defaulted
 } fl_train_config;
 
 // Fills the defaults (the values --help prints).

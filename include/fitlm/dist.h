@@ -34,13 +34,19 @@
 
 // The shard of `rank` among `world` ranks over numel elements.
 void fl_zero_shard(size_t numel, int world, int rank, size_t *begin, size_t *end);
+// The range `rank` owns under cfg: everything under DDP (stage 0); else its
+// shard, which with cfg->whole_rows ends at row boundaries (the first row
+// starting at or after each even split point).
+void fl_dist_shard(const fl_zero_config *cfg, const fl_param_table *t, int world, int rank,
+                   size_t *begin, size_t *end);
 
 typedef struct fl_dist fl_dist;
 
 // Whether a run needs a strategy: more than one rank, or a ZeRO stage.
 int fl_dist_wanted(const fl_zero_config *cfg);
 // Whether a model for this stage keeps one unit's gradients at a time
-// (fl_model_alloc_acts' unit_grads): stages 2 and 3.
+// (fl_model_alloc_acts' unit_grads): stages 2 and 3, and a fused optimizer
+// (cfg->fused_units) at any stage.
 int fl_dist_unit_grads(const fl_zero_config *cfg);
 
 // Attaches the strategy of cfg->stage over the world (fl_comm_size ranks)
@@ -52,8 +58,9 @@ int fl_dist_unit_grads(const fl_zero_config *cfg);
 // cannot honour.
 fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg);
 void fl_dist_free(fl_dist *d);
-// The range of the flat buffer this rank's optimizer covers.
-void fl_dist_range(const fl_zero_config *cfg, size_t numel, size_t *begin, size_t *end);
+// The range of the flat buffer this rank's optimizer covers (fl_dist_shard
+// of this rank).
+void fl_dist_range(const fl_zero_config *cfg, const fl_param_table *t, size_t *begin, size_t *end);
 
 // Bytes per tag that fl_dist_attach allocates on `rank` for a model of
 // table t (n_layer blocks, dtype dt) whose optimizer has a whole fp32

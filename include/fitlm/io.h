@@ -111,6 +111,18 @@ void fl_text_free(fl_text *text);
 //   H bytes      JSON: {"meta": {...}, "tensors": [{"name", "dtype",
 //                "shape": [n], "offset", "crc32"}, ...]}
 //   D bytes      the tensors, back to back, offsets relative to here
+//
+// Sharded checkpoints (fl_ckpt_write_dist): DIR/ckpt_<step>.fitlm is then a
+// manifest, a file of this layout with no tensors whose header adds
+// "sharding": {"world": W, "shards": [{"file", "bytes", "header_crc32"},
+// ...]}, and rank r's file DIR/ckpt_<step>.<tag>.rank<r>-of-<W>.fitlm (the
+// tag is new at every save) adds "shard": {"of": manifest, "rank", "world"}
+// and holds pieces: its table entries add "first" and "total" (elements
+// [first, first + shape[0]) of a tensor of total elements). A reader checks
+// that each shard file is the one its manifest recorded (size, header
+// CRC-32, step, run, rank) and that the pieces cover every tensor exactly
+// once, and then sees whole tensors: fl_ckpt_read and fl_ckpt_read_range
+// gather the pieces, whatever the number of ranks reading.
 
 typedef struct {
     const char *name;
@@ -118,6 +130,15 @@ typedef struct {
     const void *data;
     size_t numel;
 } fl_ckpt_tensor;
+
+// A piece of a tensor (in a shard file): elements [first, first + numel)
+// of a tensor of total elements; total 0: the whole tensor.
+typedef struct {
+    const char *name;
+    fl_dtype dtype;
+    const void *data;
+    size_t numel, first, total;
+} fl_ckpt_piece;
 
 // meta_json: a JSON object (text) of the caller's state. keep > 0 deletes all
 // but the `keep` newest checkpoints once the new one is in place.
@@ -128,6 +149,22 @@ void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ck
 // another run's left in the same directory (fl_ckpt_write prunes any).
 void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
                        const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run);
+// The collective save of a run over ranks (every rank calls it, at the same
+// step). sharded 0: rank 0 writes `tensors` as one checkpoint file (DDP:
+// every rank holds everything), the others pass nothing. sharded 1: every
+// rank writes its pieces (fl_ckpt_piece) with its own meta
+// (shard_meta_json) to its shard file, then rank 0 the manifest with
+// meta_json. Every file is written under a temporary name and made durable;
+// the ranks agree (fl_comm_max) that all succeeded before any file takes its
+// final name, and again before `latest` moves. An I/O error on any rank
+// (FITLM_CKPT_FAULT=<rank>[:<step>] injects a full disk, for tests) stops
+// every rank with an error naming the rank and the file, `latest` still
+// naming the previous checkpoint. Rank 0 then prunes as fl_ckpt_write_run,
+// a manifest with its shard files, and the shard files of `run` that no
+// manifest lists (a failed or killed save's).
+void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
+                        const char *shard_meta_json, const fl_ckpt_piece *tensors, int n_tensors,
+                        int sharded, int keep, const char *run);
 // Deletes the temporary files killed writers left in DIR (checkpoints,
 // `latest`, log.txt). Only safe while no other process writes there: the
 // training command holds DIR/.lock.
@@ -135,8 +172,9 @@ void fl_ckpt_clean_tmp(const char *dir);
 
 typedef struct fl_ckpt fl_ckpt;
 
-// Opens DIR's newest checkpoint (through DIR/latest) or a checkpoint file,
-// and checks its header. Dies naming the file on any damage.
+// Opens DIR's newest checkpoint (through DIR/latest) or a checkpoint file
+// (or manifest, with its shard files), and checks its header(s). Dies naming
+// the file on any damage, a missing shard or one of another save.
 fl_ckpt *fl_ckpt_open(const char *path);
 void fl_ckpt_close(fl_ckpt *ck);
 const char *fl_ckpt_path(const fl_ckpt *ck);
@@ -145,6 +183,8 @@ int fl_ckpt_step(const fl_ckpt *ck);
 const char *fl_ckpt_meta(const fl_ckpt *ck);
 // The id of the run that wrote it ("" for checkpoints without one).
 const char *fl_ckpt_run(const fl_ckpt *ck);
+// The number of shard files of a sharded checkpoint (0: a single file).
+int fl_ckpt_shards(const fl_ckpt *ck);
 int fl_ckpt_has(const fl_ckpt *ck, const char *name);
 // Elements of tensor `name`; 0 when it is absent.
 size_t fl_ckpt_numel(const fl_ckpt *ck, const char *name);
@@ -182,6 +222,18 @@ void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
                             const fl_optimizer *optim, const fl_optimizer *base,
                             const fl_loader_state *loader, const char *tokenizer,
                             const char *config_json, int keep, const char *run);
+// The collective save of a data-parallel run (dist.h; every rank calls it):
+// each rank's shard of the flat buffer [state_begin, state_end) of its
+// optimizer (fp32 weights: the master, else the weights, optim->params at
+// params_first; the optimizer state) as pieces of the rows ("model/<row>",
+// "optim/<state>/<row>"), with the replicated meta in the manifest
+// (fl_ckpt_write_dist). When every rank holds the whole buffer (DDP), rank 0
+// writes a single file as fl_train_ckpt_save_run. The loader's position is
+// saved with the world size, so a run can resume on any number of ranks.
+void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
+                             const fl_optimizer *optim, const fl_loader_state *loader,
+                             const char *tokenizer, const char *config_json, int keep,
+                             const char *run);
 // The thread count the checkpoint's run computed with (0: not recorded).
 int fl_train_ckpt_threads(const fl_ckpt *ck);
 // Initialises *model (shape from the checkpoint, weights rounded to dt) from
@@ -207,7 +259,12 @@ int fl_source_tokenizer(const char *source, char *name, size_t name_size, char *
                         size_t path_size);
 // Restores weights, optimizer state and loader position into a model and
 // optimizer initialised with the checkpoint's shape and settings; dies if
-// the shape, precision, optimizer or tokenizer differ.
+// the shape, precision, optimizer or tokenizer differ. From a single file or
+// a sharded checkpoint of any world size: the model's weights whole (every
+// rank; before fl_dist_attach), the master and optimizer state over the
+// optimizer's range [state_begin, state_end). The loader's position is the
+// windows the whole world consumed in the epoch, split over this run's
+// ranks (fl_comm_size; dies when they cannot split it evenly).
 void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl_optimizer *base,
                            fl_loader_state *loader, const char *tokenizer);
 

@@ -268,6 +268,13 @@ typedef struct {
     void (*sum)(void *ctx, double *v, int n); // over ranks, in place
     void (*max)(void *ctx, double *v, int n);
     void (*updated)(void *ctx); // after the update: share the new weights
+    int replicated;             // every rank holds the whole range (DDP): norms need no sum
+    // Fused kinds (LOMO, AdaLomo): the gradient of rows [first_row,
+    // first_row + n_rows) (grads: of the model's dtype, from the first row's
+    // first element) summed over ranks; returns the fp32 values of the part
+    // [*lo, *hi) of those rows this rank updates (possibly empty).
+    const float *(*reduce_rows)(void *ctx, int first_row, int n_rows, const void *grads, size_t *lo,
+                                size_t *hi);
 } fl_optim_sync;
 
 // The optimizer updates the elements [begin, end) of the model's flat buffer
@@ -290,10 +297,10 @@ typedef struct {
         fl_lomo lomo;
         fl_adalomo adalomo;
     };
-    fl_optim_rule *rule;   // &adamw.rule, &sgd.rule, &lomo.rule or &adalomo.rule
-    fl_loss_scaler scaler; // fp16; scale 1 otherwise
-    int micro;             // micro-batches seen in this step
-    size_t params_first;   // flat-buffer element of params[0] (ZeRO-3 keeps one shard)
+    fl_optim_rule *rule;       // &adamw.rule, &sgd.rule, &lomo.rule or &adalomo.rule
+    fl_loss_scaler scaler;     // fp16; scale 1 otherwise
+    int micro;                 // micro-batches seen in this step
+    size_t params_first;       // flat-buffer element of params[0] (ZeRO-3 keeps one shard)
     const fl_optim_sync *sync; // data parallelism, or NULL
 } fl_optimizer;
 
@@ -363,6 +370,11 @@ void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const 
                               fl_dtype grads_dtype, float grad_scale);
 void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,
                                    fl_dtype grads_dtype, float grad_scale, float clip_coef);
+// update_rows_clip with `grads` holding the gradient of flat element
+// grads_first on (a reduced shard's part of the rows).
+void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                               size_t grads_first, fl_dtype grads_dtype, float grad_scale,
+                               float clip_coef);
 void fl_optimizer_end_step(fl_optimizer *o);
 
 // ----------------------------------------------------------------------------

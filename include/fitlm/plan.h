@@ -1,8 +1,10 @@
 // plan.h: memory planning. Before anything is allocated, predicts the bytes
 // per allocator tag (per rank) that a training run will need: exactly, from
-// the same size lists the model and optimizer allocate by, for what the
-// engine runs today; from the published formulas (ZeRO, LOMO, activation
-// checkpointing) for strategies it does not run yet, marked as such.
+// the same size lists the model, the optimizer and the data-parallel
+// strategy (DDP, ZeRO 1-3) allocate by, for what the engine runs; from the
+// published formulas (ZeRO, LOMO) for what it does not run (a raw parameter
+// count, LoRA/NF4/LOMO/AdaLomo together with several ranks or a ZeRO
+// stage), marked as such.
 #ifndef FITLM_PLAN_H
 #define FITLM_PLAN_H
 
@@ -30,11 +32,13 @@ typedef struct {
     size_t data_peak;  // the peak of FL_MEM_OTHER while opening them (a tokenizer's files
                        // are read whole): the tag's peak is at least this
     int sample_tokens; // > 0: the run ends by sampling this many tokens
-    // strategies (the engine runs ranks 1, ZeRO stage 0, no LOMO)
+    // strategies
     int ranks;              // data-parallel ranks (>= 1)
     int zero_stage;         // 0 (plain data parallel), 1, 2 or 3
+    int rank;               // whose shard is planned: 0, the largest (fl_zero_shard)
+    fl_zero_config zero;    // the other zero_optimization keys (buckets, stage 3's); .stage unused
     fl_recompute recompute; // activation checkpointing policy (planned exactly)
-    int lomo;               // fused update in backward: no optimizer state, one tensor's gradient
+    int lomo;               // formula-only LOMO (--lomo): no optimizer state, one tensor's gradient
     // LoRA (lora.r > 0; optim is then the adapters' optimizer, base_optim the
     // base's under lora.train_base) and NF4 base weights, planned exactly
     fl_lora_config lora;
@@ -43,25 +47,41 @@ typedef struct {
 } fl_plan_request;
 
 typedef struct {
-    size_t bytes[FL_MEM_NTAGS]; // per rank
-    size_t total;               // sum over tags: a bound on the peak of the sum
+    size_t bytes[FL_MEM_NTAGS]; // per rank: each tag's peak
+    // of each tag's peak, what set-up frees again (ZeRO-3: the whole 16-bit
+    // weights every rank initialises before keeping its shard): bytes - freed
+    // is what the tag holds from the first step on
+    size_t freed[FL_MEM_NTAGS];
+    size_t total; // sum over tags: a bound on the peak of the sum
     size_t num_params;
     size_t model_states; // params + grads + master + optim
-    int runnable;        // 1: the engine runs this, and the figures are its exact sizes
-    char note[256];      // "" or what the figures leave out / "not runnable yet: ..."
+    // several ranks or a ZeRO stage planned exactly: the model states of the
+    // ZeRO paper's formula for comparison (0: not computed)
+    size_t formula_model_states;
+    int runnable;   // 1: the engine runs this, and the figures are its exact sizes
+    char note[320]; // "" or what the figures leave out / "not runnable yet: ..."
 } fl_plan;
 
-// A request with the engine's defaults: one rank, no ZeRO, no strategies.
+// A request with the engine's defaults: one rank, no ZeRO (zero_optimization's
+// defaults), no strategies.
 void fl_plan_request_init(fl_plan_request *r);
 // The request a `fitlm train` run with this finished config makes, with
 // data_bytes = what its data loaders and tokenizer hold (measured after opening them).
 void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg, size_t data_bytes);
 
-// Per-tag bytes per rank. For runnable requests (one rank, ZeRO stage 0, no
-// LOMO, a model shape; any recomputation policy) this is exactly what
-// `fitlm train` allocates at its peak per tag:
-//   fl_model_memory(model, dtype, B, T, threads, recompute) params, grads, acts, workspace, other
-//   + fl_optimizer_memory(optim, dtype, num_params)       master, optim, fp32 gradient sum
+// Per-tag bytes per rank. For runnable requests (a model shape, no --lomo;
+// several ranks or a ZeRO stage only without LoRA, NF4 or a fused optimizer,
+// which fl_dist_attach refuses) this is exactly what `fitlm train` (under
+// mpirun -np ranks) allocates at its peak per tag on rank `rank`:
+//   fl_model_memory(model, dtype, B, T, threads, recompute, unit_grads)
+//                                                         params, grads, acts, workspace, other
+//     (unit_grads: ZeRO-2/3, or a fused optimizer)
+//   + fl_optimizer_memory_table(optim, dtype, table, [begin, end))
+//                                                         master, optim, fp32 gradient sum
+//     ([begin, end): the whole table, or under ZeRO-1/2/3 the rank's shard)
+//   + fl_dist_memory(zero, table, ...)                    grads, comm, params (ZeRO-3)
+//     (reduced fp32 gradient, buckets, ZeRO-3's shard, resident units and
+//     gather ring; ZeRO-3 frees the whole weights after: freed[params])
 //   + data_bytes                                          other (loaders' tables, tokenizer)
 //   (other: at least data_peak, its peak while the data and tokenizer were opened)
 //   + 2 x grad_accum x B*T*sizeof(int)                    other (a step's inputs and targets)
@@ -75,10 +95,11 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out);
 // whether the engine runs it.
 void fl_plan_print(const fl_plan *p, FILE *out);
 
-// Writes what would fit under `limit` bytes, computed by re-planning: the
-// largest micro-batch (halving) that fits, bf16 instead of fp32, and the
-// formula-only strategies (activation checkpointing, LOMO, ZeRO-2/3 over the
-// fewest ranks), the latter marked "(not runnable yet)". One line each.
+// Writes what would fit under `limit` bytes (per rank), computed by
+// re-planning: the largest micro-batch (halving) that fits, bf16 instead of
+// fp32, activation checkpointing, formula-only LOMO, and ZeRO-2/3 over the
+// fewest ranks (each rank with `limit` bytes: one per machine); what the
+// engine does not run is marked "(not runnable yet)". One line each.
 void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size);
 
 // If p->total > limit: fl_die with the limit, the total, the three largest

@@ -1,7 +1,8 @@
 // export.c: `fitlm export`: a checkpoint's weights as a Hugging Face
 // directory (model.safetensors or shards with an index, and config.json), the
 // layout transformers' GPT2LMHeadModel or LlamaForCausalLM.from_pretrained
-// loads, by the checkpoint's architecture. With --merge, a base (checkpoint
+// loads, by the checkpoint's architecture (a sharded checkpoint's rows are
+// gathered from its shard files by fl_ckpt_read). With --merge, a base (checkpoint
 // or pretrained weights) with a PEFT LoRA adapter merged into it, W +
 // scaling * B @ A computed in fp32, as PEFT's merge_and_unload gives it.
 #include <stdio.h>
@@ -19,8 +20,11 @@ static void help(void) {
            "       fitlm export BASE --adapter DIR --merge [options]\n\n"
            "Writes the weights of a fitlm checkpoint (a directory: its newest; or a file) in\n"
            "the Hugging Face layout of its architecture (GPT2LMHeadModel or LlamaForCausalLM):\n"
+
            "model.safetensors (or model-0000k-of-0000n.safetensors and\n"
-           "model.safetensors.index.json) and config.json.\n\n"
+           "model.safetensors.index.json) and config.json. A sharded checkpoint (of mpirun\n"
+           "-np N fitlm train --zero-stage 1-3: a manifest and a file per rank) is gathered\n"
+           "row by row from its shard files.\n\n"
            "With --merge, BASE is a fitlm checkpoint, a Hugging Face GPT-2 or LLaMA directory\n"
            "or an llm.c model file, and DIR a PEFT LoRA adapter (adapter_config.json and\n"
            "adapter_model.safetensors, as `fitlm train` or peft's save_pretrained write it):\n"

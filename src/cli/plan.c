@@ -1,7 +1,9 @@
 // plan.c: `fitlm plan`: the memory a training run needs, per tag and per
 // rank, printed before anything is allocated. Takes every `fitlm train`
-// option (the same config parser) plus a few for strategies the engine does
-// not run yet, which are planned from their formulas.
+// option (the same config parser, --zero-stage and the other
+// zero_optimization keys included) plus --ranks (what mpirun -np would
+// start), --rank, and a few for what the engine does not run, planned from
+// their formulas.
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,24 +20,25 @@
 static void help(void) {
     printf("usage: fitlm plan [options]\n\n"
            "Prints the memory per tag (per rank) that 'fitlm train' with the same options would\n"
-           "allocate, without allocating it: exact for what the engine runs, from the published\n"
-           "formulas (ZeRO, LOMO) for what it does not run yet, marked\n"
-           "as such. Then compares the total with --mem-limit (default: the available memory)\n"
-           "and, if it does not fit, lists what would.\n\n"
+           "allocate (under 'mpirun -np N' with --ranks N), without allocating it: exact for what\n"
+           "the engine runs (DDP and ZeRO 1-3 with --zero-stage included), from the published\n"
+           "formulas (ZeRO, LOMO) for what it does not run yet, marked as such. Then compares\n"
+           "the total with --mem-limit (per rank; default: the available memory shared by the\n"
+           "ranks, as 'fitlm train' does) and, if it does not fit, lists what would.\n\n"
            "plan-only options:\n"
            "  %-28s %s\n  %-28s default: 1\n"
            "  %-28s %s\n  %-28s default: 0\n"
            "  %-28s %s\n  %-28s default: off\n"
            "  %-28s %s\n  %-28s default: the model shape's count\n\n",
-           "--ranks N", "data-parallel ranks (memory is per rank)", "", "--zero-stage S",
-           "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters", "", "--lomo",
-           "LOMO: update fused into backward, no optimizer state", "", "--params N",
-           "a raw parameter count (124439808, 7e9, 7B, 350M): model states only", "");
+           "--ranks N", "data-parallel ranks, as mpirun -np N starts (memory is per rank)", "",
+           "--rank R", "the rank planned (ZeRO shards differ by a few elements; 0: the largest)",
+           "", "--lomo", "LOMO by its formula: update fused into backward, no optimizer state", "",
+           "--params N", "a raw parameter count (124439808, 7e9, 7B, 350M): model states only", "");
     fl_config_print_help(stdout);
 }
 
 typedef struct {
-    int ranks, zero_stage, lomo;
+    int ranks, rank, lomo;
     size_t params;
 } plan_flags;
 
@@ -55,7 +58,7 @@ static int take_plan_flags(int argc, char **argv, plan_flags *f) {
         const char *arg = argv[i];
         const char *eq = strchr(arg, '=');
         size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
-        static const char *const valued[] = {"--ranks", "--zero-stage", "--params"};
+        static const char *const valued[] = {"--ranks", "--rank", "--params"};
         int which = -1;
         for (int k = 0; k < 3; k++)
             if (strlen(valued[k]) == len && !strncmp(arg, valued[k], len)) which = k;
@@ -66,7 +69,7 @@ static int take_plan_flags(int argc, char **argv, plan_flags *f) {
                 value = argv[++i];
             }
             if (which == 0) f->ranks = parse_int("--ranks", value, 1, 1 << 20);
-            if (which == 1) f->zero_stage = parse_int("--zero-stage", value, 0, 3);
+            if (which == 1) f->rank = parse_int("--rank", value, 0, (1 << 20) - 1);
             if (which == 2) f->params = fl_plan_parse_count(value, "option --params");
         } else if (!strcmp(arg, "--lomo")) {
             f->lomo = 1;
@@ -117,15 +120,26 @@ int cmd_plan(int argc, char **argv) {
     fl_train_config cfg;
     fl_config_defaults(&cfg);
     fl_config_parse_args(&cfg, n, args);
+    // `fitlm train` holds the run's config text (tag other) from here on
+    size_t other_before = fl_mem_current(FL_MEM_OTHER);
+    char *config_json = fl_config_to_json(&cfg);
+    size_t json_bytes = fl_mem_current(FL_MEM_OTHER) - other_before;
     fl_config_finish(&cfg);
     fl_free(args);
+    // as `fitlm train` does before planning: oneDNN sizes a bf16 GEMM's
+    // scratchpad (tag workspace) by the threads it will run on
+    fl_set_threads(cfg.threads);
 
     size_t data_peak, data = loader_bytes(&cfg, &data_peak);
+    data += json_bytes;
+    data_peak += json_bytes;
+    fl_free(config_json);
     fl_plan_request r;
     fl_plan_request_from_config(&r, &cfg, data);
     r.data_peak = data_peak;
     r.ranks = f.ranks;
-    r.zero_stage = f.zero_stage;
+    if (f.rank >= f.ranks) fl_die("option --rank %d: must be below --ranks %d", f.rank, f.ranks);
+    r.rank = f.rank;
     r.lomo = f.lomo;
     r.num_params = f.params;
 
@@ -143,23 +157,33 @@ int cmd_plan(int argc, char **argv) {
     printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s, ZeRO stage %d%s%s%s | %d "
            "threads\n",
            cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "",
-           f.zero_stage, cfg.recompute ? " | activation checkpointing " : "",
+           cfg.zero.stage, cfg.recompute ? " | activation checkpointing " : "",
            cfg.recompute ? cfg.recompute_policy : "", f.lomo ? " | LOMO" : "", cfg.threads);
-    printf("data: %zu bytes (data loaders and tokenizer; tokens are memory-mapped)\n\n", data);
+    printf("data: %zu bytes (data loaders, tokenizer and the config's text; tokens are "
+           "memory-mapped)\n\n",
+           data);
 
     fl_plan p;
     fl_plan_compute(&r, &p);
     fl_plan_print(&p, stdout);
 
+    // as `fitlm train` checks: the available memory shared by the ranks
+    // (mpirun -np N on this machine), or --mem-limit per rank
     size_t limit =
         *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "--mem-limit") : fl_mem_available();
-    const char *source = *cfg.mem_limit ? "--mem-limit" : "available memory";
     if (!limit) {
         printf("\nmemory limit: unknown (no /proc/meminfo); give --mem-limit to check the fit\n");
         return 0;
     }
-    printf("\nmemory limit %.2f GiB (%s): %s\n", limit / 1073741824.0, source,
-           p.total <= limit ? "fits" : "does NOT fit");
+    char source[96] = "--mem-limit";
+    if (!*cfg.mem_limit && f.ranks > 1) {
+        limit /= (size_t)f.ranks;
+        snprintf(source, sizeof source, "available memory / %d ranks on this machine", f.ranks);
+    } else if (!*cfg.mem_limit) {
+        snprintf(source, sizeof source, "available memory");
+    }
+    printf("\nmemory limit %.2f GiB%s (%s): %s\n", limit / 1073741824.0,
+           f.ranks > 1 ? " per rank" : "", source, p.total <= limit ? "fits" : "does NOT fit");
     if (p.total > limit) {
         char alt[2048];
         fl_plan_alternatives(&r, limit, alt, sizeof alt);

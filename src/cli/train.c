@@ -373,8 +373,6 @@ int cmd_train(int argc, char **argv) {
     fl_config_finish(&cfg);
     fl_comm_set_timeout(cfg.zero.comm_timeout);
     int dist = fl_dist_wanted(&cfg.zero);
-    if (dist && *cfg.out_dir) // TEMPORARY until sharded checkpoints land
-        fl_die("checkpoints of data-parallel runs are not written yet: give --out ''");
     int start = ck ? fl_ckpt_step(ck) : 0;
     if (ck && cfg.steps <= start)
         fl_die("train_steps %d is not above the checkpoint's step %d (%s): nothing to train; give "
@@ -456,8 +454,8 @@ int cmd_train(int argc, char **argv) {
     // under ZeRO, over this rank's shard
     size_t own_begin = 0, own_end = model.table.numel;
     if (dist) {
-        fl_dist_range(&cfg.zero, model.table.numel, &own_begin, &own_end);
-        ocfg.sharded_grads = fl_dist_unit_grads(&cfg.zero);
+        fl_dist_range(&cfg.zero, &model.table, &own_begin, &own_end);
+        ocfg.sharded_grads = cfg.zero.stage >= 2;
     }
     if (lora)
         fl_optimizer_init(&optim, &ocfg, &model.lora.table, cfg.dtype, model.lora.params,
@@ -471,6 +469,9 @@ int cmd_train(int argc, char **argv) {
     float base_lr = cfg.lora_base_lr > 0.0f ? cfg.lora_base_lr : cfg.lr;
     int ck_threads = 0;
     if (ck) {
+        // a single file or a sharded checkpoint of any world size: the whole
+        // weights, and the master and state of this rank's range (dist: its
+        // shard); the loader's position split over this world's ranks
         fl_train_ckpt_restore(ck, &model, &optim, base, &train.state, train.tokenizer);
         ck_threads = fl_train_ckpt_threads(ck);
         if (train.state.index > train.per_rank)
@@ -682,8 +683,12 @@ int cmd_train(int argc, char **argv) {
                 fl_die("the weights are not finite after step %d: not writing a checkpoint over "
                        "the good ones in %s (training diverged; lower the learning rate)",
                        step + 1, cfg.out_dir);
-            fl_train_ckpt_save_run(cfg.out_dir, step + 1, &model, &optim, base, &train.state,
-                                   train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
+            if (dist) // every rank its shard (DDP: rank 0 all), agreed before anything is visible
+                fl_train_ckpt_save_dist(cfg.out_dir, step + 1, &model, &optim, &train.state,
+                                        train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
+            else
+                fl_train_ckpt_save_run(cfg.out_dir, step + 1, &model, &optim, base, &train.state,
+                                       train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
             saved_at = step + 1;
         }
         fflush(stdout);
@@ -725,8 +730,12 @@ int cmd_train(int argc, char **argv) {
             fl_die("the weights are not finite after step %d: not writing a checkpoint over the "
                    "good ones in %s (training diverged; lower the learning rate)",
                    cfg.steps, cfg.out_dir);
-        fl_train_ckpt_save_run(cfg.out_dir, cfg.steps, &model, &optim, base, &train.state,
-                               train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
+        if (dist)
+            fl_train_ckpt_save_dist(cfg.out_dir, cfg.steps, &model, &optim, &train.state,
+                                    train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
+        else
+            fl_train_ckpt_save_run(cfg.out_dir, cfg.steps, &model, &optim, base, &train.state,
+                                   train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
         printf("checkpoint written to %s (step %d)\n", cfg.out_dir, cfg.steps);
     }
     if (*cfg.out_dir && lora) { // the adapters as PEFT saves them
@@ -757,6 +766,5 @@ int cmd_train(int argc, char **argv) {
     if (tok) fl_tokenizer_free(tok);
     if (has_val) fl_loader_close(&val);
     fl_loader_close(&train);
-    fl_comm_finalize();
-    return stop_signal ? 128 + stop_signal : 0;
+    return fl_comm_finalize(stop_signal ? 128 + stop_signal : 0);
 }

@@ -103,10 +103,11 @@ size_t fl_mem_peak_rss(void) {
 }
 
 void fl_mem_report(FILE *out) {
-    fprintf(out, "memory by tag (MiB):   %10s %10s\n", "current", "peak");
+    // the peak in bytes too, last: what a plan is checked against exactly
+    fprintf(out, "memory by tag (MiB):   %10s %10s %14s\n", "current", "peak", "peak bytes");
     for (int t = 0; t < FL_MEM_NTAGS; t++)
-        fprintf(out, "  %-20s %10.2f %10.2f\n", tag_names[t], fl_mem_current(t) / 1048576.0,
-                fl_mem_peak(t) / 1048576.0);
+        fprintf(out, "  %-20s %10.2f %10.2f %14zu\n", tag_names[t], fl_mem_current(t) / 1048576.0,
+                fl_mem_peak(t) / 1048576.0, fl_mem_peak(t));
     size_t rss = fl_mem_peak_rss(), tagged = fl_mem_total_peak();
     fprintf(out, "  %-20s %10.2f %10.2f\n", "total tagged", fl_mem_total_current() / 1048576.0,
             tagged / 1048576.0);

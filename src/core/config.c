@@ -12,6 +12,8 @@
 #include <omp.h>
 #include <cJSON.h>
 
+#include "fitlm/comm.h"
+
 typedef enum { OPT_INT, OPT_U64, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_CHOICE, OPT_PAIR } opt_type;
 
 typedef struct {
@@ -103,8 +105,10 @@ static const option options[] = {
     {"zero_optimization.allgather_bucket_size", "--allgather-bucket-size", OPT_FLOAT,
      NUM(zero.allgather_bucket_size), "5e8", 1, 1e12, NULL,
      "elements per all-gather of updated weights (stages 1 and 2)"},
-    {"zero_optimization.overlap_comm", "--overlap-comm", OPT_BOOL, NUM(zero.overlap_comm), "true",
-     0, 0, NULL, "reduce gradients while the backward pass goes on"},
+    {"zero_optimization.overlap_comm", "--overlap-comm", OPT_BOOL, NUM(zero.overlap_comm), "false",
+     0, 0, NULL,
+     "reduce gradients while the backward pass goes on (not given: true under stage 3, else "
+     "false, as DeepSpeed)"},
     {"zero_optimization.contiguous_gradients", "--contiguous-gradients", OPT_BOOL,
      NUM(zero.contiguous_gradients), "true", 0, 0, NULL,
      "stages 2/3: a rank's gradient shard in one buffer (fitlm always does: false is refused)"},
@@ -123,6 +127,127 @@ static const option options[] = {
     {"zero_optimization.stage3_param_persistence_threshold", "--param-persistence-threshold",
      OPT_FLOAT, NUM(zero.param_persistence_threshold), "1e5", 0, 1e15, NULL,
      "stage 3: units smaller than this stay gathered for the whole step"},
+    {"zero_optimization.stage3_model_persistence_threshold", NULL, OPT_FLOAT,
+     NUM(zero.model_persistence_threshold), "9.223372e18", 0, 1e19, NULL,
+     "stage 3: at most this many elements in all persistent units together"},
+    {"zero_optimization.allgather_partitions", NULL, OPT_BOOL, NUM(zero_extra.allgather_partitions),
+     "true", 0, 0, NULL,
+     "stages 1/2: updated weights all-gathered (false, broadcasts, is refused)"},
+    {"zero_optimization.use_multi_rank_bucket_allreduce", NULL, OPT_BOOL,
+     NUM(zero_extra.use_multi_rank_bucket_allreduce), "true", 0, 0, NULL,
+     "reduce_scatter false: whole buckets all-reduced (false is refused)"},
+    {"zero_optimization.grad_hooks", NULL, OPT_BOOL, NUM(zero_extra.grad_hooks), "true", 0, 0, NULL,
+     "stage 1: reduce from the backward pass (false is refused: use overlap_comm false)"},
+    {"zero_optimization.load_from_fp32_weights", NULL, OPT_BOOL,
+     NUM(zero_extra.load_from_fp32_weights), "true", 0, 0, NULL,
+     "a resume restores the fp32 master weights (false is refused)"},
+    {"zero_optimization.elastic_checkpoint", NULL, OPT_BOOL, NUM(zero_extra.elastic_checkpoint),
+     "false", 0, 0, NULL, "load a checkpoint of another world size (true is refused)"},
+    {"zero_optimization.sub_group_size", NULL, OPT_FLOAT, NUM(zero_extra.sub_group_size), "1e9", 0,
+     1e15, NULL, "optimizer step tile: fitlm steps one parameter row at a time, any value"},
+    {"zero_optimization.offload_optimizer.device", NULL, OPT_CHOICE,
+     STR(zero_extra.offload_optimizer), "none", 0, 0, "none|cpu|nvme",
+     "optimizer state: cpu = in RAM, where it is (nvme is refused)"},
+    {"zero_optimization.offload_optimizer.nvme_path", NULL, OPT_STRING,
+     STR(zero_extra.opt_nvme_path), "", 0, 0, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_optimizer.buffer_count", NULL, OPT_INT,
+     NUM(zero_extra.opt_buffer_count), "4", 0, 1 << 20, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_optimizer.pin_memory", NULL, OPT_BOOL,
+     NUM(zero_extra.opt_pin_memory), "false", 0, 0, NULL,
+     "offloaded state in page-locked memory: no device copies here, either value"},
+    {"zero_optimization.offload_optimizer.pipeline_read", NULL, OPT_BOOL,
+     NUM(zero_extra.opt_pipeline_read), "false", 0, 0, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_optimizer.pipeline_write", NULL, OPT_BOOL,
+     NUM(zero_extra.opt_pipeline_write), "false", 0, 0, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_optimizer.fast_init", NULL, OPT_BOOL, NUM(zero_extra.opt_fast_init),
+     "false", 0, 0, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_optimizer.ratio", NULL, OPT_FLOAT, NUM(zero_extra.opt_ratio), "1",
+     0, 1, NULL, "share of the optimizer state offloaded (below 1: stage 3 only)"},
+    {"zero_optimization.offload_param.device", NULL, OPT_CHOICE, STR(zero_extra.offload_param),
+     "none", 0, 0, "none|cpu|nvme",
+     "stage 3 weights: cpu = in RAM, where they are (nvme is refused)"},
+    {"zero_optimization.offload_param.nvme_path", NULL, OPT_STRING, STR(zero_extra.param_nvme_path),
+     "", 0, 0, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_param.buffer_count", NULL, OPT_INT,
+     NUM(zero_extra.param_buffer_count), "5", 0, 1 << 20, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_param.buffer_size", NULL, OPT_FLOAT,
+     NUM(zero_extra.param_buffer_size), "1e8", 0, 1e15, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_param.max_in_cpu", NULL, OPT_FLOAT,
+     NUM(zero_extra.param_max_in_cpu), "1e9", 0, 1e15, NULL, "NVMe offload (refused)"},
+    {"zero_optimization.offload_param.pin_memory", NULL, OPT_BOOL, NUM(zero_extra.param_pin_memory),
+     "false", 0, 0, NULL,
+     "offloaded weights in page-locked memory: no device copies here, either value"},
+    {"zero_optimization.cpu_offload", NULL, OPT_BOOL, NUM(zero_extra.cpu_offload), "false", 0, 0,
+     NULL, "deprecated: offload_optimizer.device cpu"},
+    {"zero_optimization.cpu_offload_param", NULL, OPT_BOOL, NUM(zero_extra.cpu_offload_param),
+     "false", 0, 0, NULL, "deprecated: offload_param.device cpu"},
+    {"zero_optimization.cpu_offload_use_pin_memory", NULL, OPT_BOOL,
+     NUM(zero_extra.cpu_offload_use_pin_memory), "false", 0, 0, NULL,
+     "deprecated: pin_memory of the offload blocks"},
+    {"zero_optimization.stage3_gather_16bit_weights_on_model_save", NULL, OPT_BOOL,
+     NUM(zero_extra.gather_16bit_on_save), "false", 0, 0, NULL,
+     "true: what fitlm does (checkpoints and exports hold whole weights); false given is refused"},
+    {"zero_optimization.stage3_gather_fp16_weights_on_model_save", NULL, OPT_BOOL,
+     NUM(zero_extra.gather_fp16_on_save), "false", 0, 0, NULL,
+     "deprecated name of stage3_gather_16bit_weights_on_model_save"},
+    {"zero_optimization.stage3_module_granularity_threshold", NULL, OPT_FLOAT,
+     NUM(zero_extra.module_granularity_threshold), "0", 0, 1e15, NULL,
+     "stage 3: fitlm gathers whole blocks already, any value"},
+    {"zero_optimization.stage3_use_all_reduce_for_fetch_params", NULL, OPT_BOOL,
+     NUM(zero_extra.use_all_reduce_for_fetch_params), "false", 0, 0, NULL,
+     "stage 3: fetch weights by all-reduce (true is refused)"},
+    {"zero_optimization.ignore_unused_parameters", NULL, OPT_BOOL,
+     NUM(zero_extra.ignore_unused_parameters), "true", 0, 0, NULL,
+     "every parameter gets a gradient here: either value"},
+    {"zero_optimization.legacy_stage1", NULL, OPT_BOOL, NUM(zero_extra.legacy_stage1), "false", 0,
+     0, NULL, "DeepSpeed's old stage 1 (true is refused)"},
+    {"zero_optimization.round_robin_gradients", NULL, OPT_BOOL,
+     NUM(zero_extra.round_robin_gradients), "false", 0, 0, NULL,
+     "offload's gradient copies to CPU: none here, either value"},
+    {"zero_optimization.zero_hpz_partition_size", NULL, OPT_INT, NUM(zero_extra.hpz_partition_size),
+     "1", 0, 1 << 20, NULL, "ZeRO++ secondary weight partition (above 1 is refused)"},
+    {"zero_optimization.zero_quantized_weights", NULL, OPT_BOOL, NUM(zero_extra.quantized_weights),
+     "false", 0, 0, NULL, "ZeRO++ quantised weight gathers (true is refused)"},
+    {"zero_optimization.zero_quantized_nontrainable_weights", NULL, OPT_BOOL,
+     NUM(zero_extra.quantized_nontrainable_weights), "false", 0, 0, NULL,
+     "ZeRO++ quantised frozen weights (true is refused)"},
+    {"zero_optimization.zero_quantized_gradients", NULL, OPT_BOOL,
+     NUM(zero_extra.quantized_gradients), "false", 0, 0, NULL,
+     "ZeRO++ quantised gradient reduction (true is refused)"},
+    {"zero_optimization.zeropp_loco_param.err_beta", NULL, OPT_FLOAT, NUM(zero_extra.loco_err_beta),
+     "0.8", 0, 1, NULL, "LoCo-ZeRO++ (refused)"},
+    {"zero_optimization.zeropp_loco_param.reset_T", NULL, OPT_INT, NUM(zero_extra.loco_reset_t),
+     "1024", 0, 1 << 30, NULL, "LoCo-ZeRO++ (refused)"},
+    {"zero_optimization.mics_shard_size", NULL, OPT_INT, NUM(zero_extra.mics_shard_size), "-1", -1,
+     1 << 20, NULL, "MiCS shard groups (-1: off; others are refused)"},
+    {"zero_optimization.mics_hierarchical_params_gather", NULL, OPT_BOOL,
+     NUM(zero_extra.mics_hierarchical_params_gather), "false", 0, 0, NULL,
+     "MiCS (true is refused)"},
+    {"zero_optimization.memory_efficient_linear", NULL, OPT_BOOL,
+     NUM(zero_extra.memory_efficient_linear), "true", 0, 0, NULL,
+     "stage 3: weights gathered again for the backward pass (false is refused)"},
+    {"zero_optimization.pipeline_loading_checkpoint", NULL, OPT_BOOL,
+     NUM(zero_extra.pipeline_loading_checkpoint), "false", 0, 0, NULL,
+     "pipeline parallelism (true is refused)"},
+    {"zero_optimization.override_module_apply", NULL, OPT_BOOL,
+     NUM(zero_extra.override_module_apply), "true", 0, 0, NULL,
+     "a PyTorch module hook (false is refused)"},
+    {"zero_allow_untested_optimizer", NULL, OPT_BOOL, NUM(zero_extra.allow_untested_optimizer),
+     "false", 0, 0, NULL, "every optimizer fitlm runs under ZeRO is supported: either value"},
+    {"aio.block_size", NULL, OPT_INT, NUM(zero_extra.aio_block_size), "1048576", 0, 1 << 30, NULL,
+     "NVMe offload I/O (other than the default is refused)"},
+    {"aio.queue_depth", NULL, OPT_INT, NUM(zero_extra.aio_queue_depth), "8", 0, 1 << 20, NULL,
+     "NVMe offload I/O (other than the default is refused)"},
+    {"aio.thread_count", NULL, OPT_INT, NUM(zero_extra.aio_thread_count), "1", 0, 1 << 20, NULL,
+     "NVMe offload I/O (other than the default is refused)"},
+    {"aio.single_submit", NULL, OPT_BOOL, NUM(zero_extra.aio_single_submit), "false", 0, 0, NULL,
+     "NVMe offload I/O (true is refused)"},
+    {"aio.overlap_events", NULL, OPT_BOOL, NUM(zero_extra.aio_overlap_events), "true", 0, 0, NULL,
+     "NVMe offload I/O (false is refused)"},
+    {"aio.intra_op_parallelism", NULL, OPT_INT, NUM(zero_extra.aio_intra_op), "1", 0, 1 << 20, NULL,
+     "NVMe offload I/O (other than the default is refused)"},
+    {"aio.use_gds", NULL, OPT_BOOL, NUM(zero_extra.aio_use_gds), "false", 0, 0, NULL,
+     "GPUDirect Storage (true is refused)"},
     {"comm_timeout", "--comm-timeout", OPT_FLOAT, NUM(zero.comm_timeout), "600", 1, 1e7, NULL,
      "seconds a collective may wait before the job is ended (a dead or hung rank)"},
     {"seq_len", "--seq-len", OPT_INT, NUM(seq_len), "128", 1, 1048576, NULL, "sequence length T"},
@@ -654,7 +779,8 @@ char *fl_config_to_json(const fl_train_config *cfg) {
 
 static const option *find_flag(const char *flag, size_t len) {
     for (size_t i = 0; i < N_OPTIONS; i++)
-        if (strlen(options[i].flag) == len && !strncmp(options[i].flag, flag, len))
+        if (options[i].flag && strlen(options[i].flag) == len &&
+            !strncmp(options[i].flag, flag, len))
             return &options[i];
     return NULL;
 }
@@ -786,23 +912,267 @@ static void finish_lora(fl_train_config *cfg) {
                cfg->lora_base_optimizer);
 }
 
-// The checks of fl_config_finish that need no model: batch sizes, options
-// the optimizer would ignore, threads, checkpointing keys, precision.
-void fl_config_check(fl_train_config *cfg) {
-    // DeepSpeed: train_batch_size = micro * accum * ranks (one rank here).
-    if (cfg->train_batch_size) {
-        if (cfg->train_batch_size % cfg->micro_batch)
-            fl_die("train_batch_size %d is not a multiple of train_micro_batch_size_per_gpu %d",
-                   cfg->train_batch_size, cfg->micro_batch);
-        int accum = cfg->train_batch_size / cfg->micro_batch;
-        if (cfg->grad_accum != 1 && cfg->grad_accum != accum)
-            fl_die("train_batch_size %d != train_micro_batch_size_per_gpu %d x "
-                   "gradient_accumulation_steps %d",
-                   cfg->train_batch_size, cfg->micro_batch, cfg->grad_accum);
+// DeepSpeed's batch rule (runtime/config.py, _set_batch_related_parameters):
+// train_batch_size = micro x accum x ranks, and any two of the three set the
+// third; train_batch_size alone means no accumulation. Run after MPI has
+// started: the ranks are fl_comm_size's.
+static void finish_batch(fl_train_config *cfg) {
+    int world = fl_comm_size(), t = cfg->train_batch_size; // t 0: not given
+    int has_micro = fl_config_given(cfg, "train_micro_batch_size_per_gpu");
+    int has_accum = fl_config_given(cfg, "gradient_accumulation_steps");
+    const char *ranks = world == 1 ? "rank" : "ranks";
+    if (t && !has_micro) {
+        int accum = has_accum ? cfg->grad_accum : 1;
+        if (t % ((long long)accum * world))
+            fl_die("train_batch_size %d is not a multiple of gradient_accumulation_steps %d x %d "
+                   "%s: it cannot set train_micro_batch_size_per_gpu",
+                   t, accum, world, ranks);
         cfg->grad_accum = accum;
+        cfg->micro_batch = (int)(t / ((long long)accum * world));
+    } else if (t && !has_accum) {
+        if (t % ((long long)cfg->micro_batch * world))
+            fl_die("train_batch_size %d is not a multiple of train_micro_batch_size_per_gpu %d x "
+                   "%d %s: it cannot set gradient_accumulation_steps",
+                   t, cfg->micro_batch, world, ranks);
+        cfg->grad_accum = (int)(t / ((long long)cfg->micro_batch * world));
     }
-    cfg->train_batch_size = cfg->micro_batch * cfg->grad_accum;
+    long long total = (long long)cfg->micro_batch * cfg->grad_accum * world;
+    if (t && total != t)
+        fl_die("train_batch_size %d != train_micro_batch_size_per_gpu %d x "
+               "gradient_accumulation_steps %d x %d %s",
+               t, cfg->micro_batch, cfg->grad_accum, world, ranks);
+    if (total > 1 << 30)
+        fl_die("train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x %d %s is "
+               "more than 2^30 sequences per step",
+               cfg->micro_batch, cfg->grad_accum, world, ranks);
+    cfg->train_batch_size = (int)total;
+}
 
+// ----------------------------------------------------------------------------
+// DeepSpeed's zero_optimization (and aio) keys: each honoured with
+// DeepSpeed's meaning or refused naming it, never ignored. fitlm's device is
+// the CPU, so "offloaded to cpu" is where everything already is.
+
+#define ZERO "zero_optimization."
+
+static int given(const fl_train_config *cfg, const char *key) {
+    return fl_config_given(cfg, key);
+}
+
+// A setting fitlm cannot honour: the key (under zero_optimization), the
+// value given and why.
+static void refuse(int bad, const char *key, const char *value, const char *why) {
+    if (bad) fl_die(ZERO "%s %s: %s", key, value, why);
+}
+
+// cpu_offload and cpu_offload_param are DeepSpeed's old spellings of an
+// offload block's device cpu: the same here, but not both at once.
+static void deprecated_offload(fl_train_config *cfg, const char *old, int on, const char *block,
+                               char *device) {
+    char oldkey[96], devkey[96];
+    snprintf(oldkey, sizeof oldkey, ZERO "%s", old);
+    snprintf(devkey, sizeof devkey, ZERO "%s.device", block);
+    if (!given(cfg, oldkey)) return;
+    if (given(cfg, devkey))
+        fl_die("%s is the deprecated form of %s (device cpu): give one of them, not both", oldkey,
+               devkey);
+    if (on) strcpy(device, "cpu");
+}
+
+// One offload block: device none or cpu (the state is in RAM, where fitlm
+// keeps it anyway); NVMe is refused, and so are its keys.
+static void check_offload(const fl_train_config *cfg, const char *block, const char *device,
+                          const char *const *nvme_keys, size_t n_nvme) {
+    char key[128];
+    const char *what = !strcmp(block, "offload_param") ? "weights" : "optimizer state";
+    if (!strcmp(device, "nvme"))
+        fl_die(ZERO "%s.device nvme: NVMe offload is not supported yet; use cpu (fitlm keeps the "
+                    "%s in RAM already) or none",
+               block, what);
+    for (size_t i = 0; i < n_nvme; i++) {
+        snprintf(key, sizeof key, ZERO "%s.%s", block, nvme_keys[i]);
+        if (given(cfg, key))
+            fl_die("%s applies to NVMe offload (device nvme), which is not supported yet; the "
+                   "device is %s",
+                   key, device);
+    }
+    snprintf(key, sizeof key, ZERO "%s.pin_memory", block);
+    if (given(cfg, key) && !strcmp(device, "none"))
+        fl_die("%s applies to an offload (device cpu); %s.device is none", key, block);
+}
+
+static void finish_offload(fl_train_config *cfg) {
+    fl_zero_extra *x = &cfg->zero_extra;
+    int stage = cfg->zero.stage;
+    deprecated_offload(cfg, "cpu_offload", x->cpu_offload, "offload_optimizer",
+                       x->offload_optimizer);
+    deprecated_offload(cfg, "cpu_offload_param", x->cpu_offload_param, "offload_param",
+                       x->offload_param);
+    static const char *const opt_nvme[] = {"nvme_path", "buffer_count", "pipeline_read",
+                                           "pipeline_write", "fast_init"};
+    static const char *const param_nvme[] = {"nvme_path", "buffer_count", "buffer_size",
+                                             "max_in_cpu"};
+    check_offload(cfg, "offload_optimizer", x->offload_optimizer, opt_nvme,
+                  sizeof opt_nvme / sizeof opt_nvme[0]);
+    check_offload(cfg, "offload_param", x->offload_param, param_nvme,
+                  sizeof param_nvme / sizeof param_nvme[0]);
+    int opt_on = strcmp(x->offload_optimizer, "none") != 0;
+    int param_on = strcmp(x->offload_param, "none") != 0;
+    // DeepSpeed's scopes: optimizer offload with ZeRO, parameter offload and
+    // a partial optimizer offload with stage 3
+    if (opt_on && stage == 0)
+        fl_die(ZERO "offload_optimizer applies to ZeRO stages 1-3; zero_optimization.stage is 0");
+    if (param_on && stage != 3)
+        fl_die(ZERO "offload_param applies to ZeRO stage 3; zero_optimization.stage is %d", stage);
+    if (given(cfg, ZERO "offload_optimizer.ratio") && !opt_on)
+        fl_die(ZERO "offload_optimizer.ratio applies to an offload (device cpu); "
+                    "offload_optimizer.device is none");
+    if (x->opt_ratio < 1.0f && stage != 3)
+        fl_die(ZERO "offload_optimizer.ratio %g: a partial offload needs ZeRO stage 3 (as "
+                    "DeepSpeed); zero_optimization.stage is %d",
+               x->opt_ratio, stage);
+    if (x->cpu_offload_use_pin_memory && !opt_on && !param_on)
+        fl_die(ZERO "cpu_offload_use_pin_memory applies to an offload (device cpu); neither "
+                    "offload_optimizer nor offload_param has one");
+}
+
+// Keys named stage3_* do nothing below stage 3: an error, as an fp16 key
+// without fp16 is (saving gathered weights is the exception: DeepSpeed's
+// save_16bit_model reads it at stage 2 too).
+static void check_stage3_keys(const fl_train_config *cfg) {
+    static const char *const keys[] = {ZERO "stage3_prefetch_bucket_size",
+                                       ZERO "stage3_max_live_parameters",
+                                       ZERO "stage3_max_reuse_distance",
+                                       ZERO "stage3_param_persistence_threshold",
+                                       ZERO "stage3_model_persistence_threshold",
+                                       ZERO "stage3_module_granularity_threshold",
+                                       ZERO "stage3_use_all_reduce_for_fetch_params"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (cfg->zero.stage != 3 && given(cfg, keys[i]))
+            fl_die("%s applies to ZeRO stage 3; zero_optimization.stage is %d", keys[i],
+                   cfg->zero.stage);
+}
+
+// DeepSpeed's choices between ways of doing what fitlm does one way, and
+// its features fitlm lacks: the default is accepted, the rest refused.
+static void check_zero_choices(const fl_train_config *cfg) {
+    const fl_zero_extra *x = &cfg->zero_extra;
+    refuse(!cfg->zero.contiguous_gradients, "contiguous_gradients", "false",
+           "fitlm always keeps a rank's gradient shard in one contiguous buffer (drop the key or "
+           "set it true)");
+    refuse(!x->allgather_partitions, "allgather_partitions", "false",
+           "DeepSpeed then broadcasts each rank's updated weights; fitlm all-gathers them (drop "
+           "the key or set it true)");
+    refuse(!x->use_multi_rank_bucket_allreduce, "use_multi_rank_bucket_allreduce", "false",
+           "DeepSpeed then reduces each rank's part of a bucket to it separately; fitlm "
+           "reduce-scatters buckets, or all-reduces them whole with reduce_scatter false");
+    refuse(!x->grad_hooks, "grad_hooks", "false",
+           "reducing after the backward pass is overlap_comm false in fitlm");
+    refuse(!x->load_from_fp32_weights, "load_from_fp32_weights", "false",
+           "a resume restores the fp32 master weights from the checkpoint, bit for bit; fitlm "
+           "does not rebuild them from the 16-bit weights");
+    refuse(x->elastic_checkpoint, "elastic_checkpoint", "true",
+           "loading a checkpoint saved by another number of ranks is not supported (DeepSpeed no "
+           "longer supports it either)");
+    if (given(cfg, ZERO "stage3_gather_16bit_weights_on_model_save") &&
+        given(cfg, ZERO "stage3_gather_fp16_weights_on_model_save") &&
+        x->gather_16bit_on_save != x->gather_fp16_on_save)
+        fl_die(ZERO "stage3_gather_fp16_weights_on_model_save (the deprecated name) contradicts "
+                    "stage3_gather_16bit_weights_on_model_save");
+    const char *why_gather = "fitlm's checkpoints and fitlm export always hold the whole weights "
+                             "(gathered under stage 3); drop the key or set it true";
+    refuse(given(cfg, ZERO "stage3_gather_16bit_weights_on_model_save") && !x->gather_16bit_on_save,
+           "stage3_gather_16bit_weights_on_model_save", "false", why_gather);
+    refuse(given(cfg, ZERO "stage3_gather_fp16_weights_on_model_save") && !x->gather_fp16_on_save,
+           "stage3_gather_fp16_weights_on_model_save", "false", why_gather);
+    refuse(x->use_all_reduce_for_fetch_params, "stage3_use_all_reduce_for_fetch_params", "true",
+           "fitlm fetches stage 3 weights by all-gather");
+    refuse(x->legacy_stage1, "legacy_stage1", "true",
+           "DeepSpeed's old stage 1 implementation has no counterpart; stage 1 is fitlm's");
+    if (x->hpz_partition_size > 1)
+        fl_die(ZERO "zero_hpz_partition_size %d: ZeRO++ hierarchical partitioning (a secondary "
+                    "copy of the weights within a node) is not supported; use 1",
+               x->hpz_partition_size);
+    const char *why_q = "ZeRO++ quantised communication is not supported: fitlm gathers weights "
+                        "in the model's dtype and reduces gradients in fp32";
+    refuse(x->quantized_weights, "zero_quantized_weights", "true", why_q);
+    refuse(x->quantized_nontrainable_weights, "zero_quantized_nontrainable_weights", "true", why_q);
+    refuse(x->quantized_gradients, "zero_quantized_gradients", "true", why_q);
+    if (given(cfg, ZERO "zeropp_loco_param.err_beta") ||
+        given(cfg, ZERO "zeropp_loco_param.reset_T"))
+        fl_die(ZERO "zeropp_loco_param: LoCo-ZeRO++ corrects zero_quantized_gradients, which is "
+                    "not supported");
+    if (x->mics_shard_size != -1)
+        fl_die(ZERO "mics_shard_size %d: MiCS (sharding within groups of ranks) is not "
+                    "supported; stage 3 shards over every rank (use -1)",
+               x->mics_shard_size);
+    refuse(x->mics_hierarchical_params_gather, "mics_hierarchical_params_gather", "true",
+           "MiCS is not supported");
+    refuse(!x->memory_efficient_linear, "memory_efficient_linear", "false",
+           "fitlm's stage 3 gathers a block's weights again for its backward pass rather than "
+           "keep them from the forward (stage3_max_reuse_distance sets what is kept)");
+    refuse(x->pipeline_loading_checkpoint, "pipeline_loading_checkpoint", "true",
+           "pipeline parallelism is not supported");
+    refuse(!x->override_module_apply, "override_module_apply", "false",
+           "it switches off a hook on PyTorch's nn.Module.apply, which has no counterpart here");
+}
+
+// aio tunes NVMe offload's asynchronous I/O: its defaults are accepted (an
+// empty block), anything else refused while NVMe offload is.
+static void check_aio(const fl_train_config *cfg) {
+    const fl_zero_extra *x = &cfg->zero_extra;
+    const struct {
+        const char *key;
+        int value, def;
+    } keys[] = {{"aio.block_size", x->aio_block_size, 1048576},
+                {"aio.queue_depth", x->aio_queue_depth, 8},
+                {"aio.thread_count", x->aio_thread_count, 1},
+                {"aio.intra_op_parallelism", x->aio_intra_op, 1},
+                {"aio.single_submit", x->aio_single_submit, 0},
+                {"aio.overlap_events", x->aio_overlap_events, 1},
+                {"aio.use_gds", x->aio_use_gds, 0}};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (keys[i].value != keys[i].def)
+            fl_die("%s %d: the aio block tunes NVMe offload's I/O, and NVMe offload is not "
+                   "supported yet (DeepSpeed's default %d is accepted)",
+                   keys[i].key, keys[i].value, keys[i].def);
+}
+
+// What the data-parallel engine (src/dist) cannot run yet, said before
+// anything loads, naming the keys (LOMO and AdaLomo it runs: fused_units).
+static void check_parallel(const fl_train_config *cfg) {
+    int world = fl_comm_size(), stage = cfg->zero.stage;
+    if (stage == 0 && world == 1) return;
+    char with[96];
+    if (stage)
+        snprintf(with, sizeof with, "zero_optimization.stage %d%s", stage,
+                 world > 1 ? "" : " (one rank)");
+    else
+        snprintf(with, sizeof with, "%d ranks (data parallelism)", world);
+    if (cfg->quant.enabled)
+        fl_die("quantization_config.bnb_4bit_quant_type nf4 with %s is not supported yet: train "
+               "QLoRA on one rank without ZeRO",
+               with);
+    if (cfg->lora_enabled)
+        fl_die("lora.enabled (LoRA%s) with %s is not supported yet: train adapters on one rank "
+               "without ZeRO",
+               *cfg->adapter ? ", from --adapter" : "", with);
+}
+
+static void finish_zero(fl_train_config *cfg) {
+    // DeepSpeed's default depends on the stage (zero/config.py)
+    if (!given(cfg, ZERO "overlap_comm")) cfg->zero.overlap_comm = cfg->zero.stage == 3;
+    check_zero_choices(cfg);
+    check_stage3_keys(cfg);
+    finish_offload(cfg);
+    check_aio(cfg);
+    check_parallel(cfg);
+}
+
+// The checks of fl_config_finish that need no model: batch sizes, options
+// the optimizer would ignore, threads, checkpointing keys, precision, ZeRO.
+void fl_config_check(fl_train_config *cfg) {
+    finish_batch(cfg);
     finish_lora(cfg);
     // An option that the chosen optimizers would ignore is an error, not a
     // no-op (under LoRA + LOMO, the base's optimizer takes LOMO's options).
@@ -848,6 +1218,7 @@ void fl_config_check(fl_train_config *cfg) {
         fl_die("optimizer.params.eps 0: %s divides by a root of its second moment, which eps "
                "keeps above 0; a parameter whose gradient is 0 would get 0/0 = NaN (use e.g. %s)",
                cfg->optimizer, !strcmp(cfg->optimizer, "adamw") ? "1e-8" : "1e-30");
+    finish_zero(cfg);
 }
 
 size_t fl_parse_bytes(const char *text, const char *what) {
@@ -882,7 +1253,10 @@ void fl_config_print_help(FILE *out) {
         const option *o = &options[i];
         static const char *metavar[] = {"N", "N", "X", "", "PATH", "NAME", "A,B"};
         char usage[96];
-        snprintf(usage, sizeof usage, "%s %s", o->flag, metavar[o->type]);
+        if (o->flag)
+            snprintf(usage, sizeof usage, "%s %s", o->flag, metavar[o->type]);
+        else // DeepSpeed's keys that a flag would only clutter
+            snprintf(usage, sizeof usage, "(config file only)");
         fprintf(out, "  %-28s %s%s%s%s\n  %-28s [%s] default: %s\n", usage, o->help,
                 o->choices ? " (" : "", o->choices ? o->choices : "", o->choices ? ")" : "", "",
                 o->key, *o->def ? o->def : "\"\"");

@@ -3,13 +3,22 @@
 // table; every wait polls with a deadline so a dead or hung rank ends the job
 // (MPI_Abort) instead of hanging it. Started only under mpirun: a plain run
 // is one rank and never calls MPI.
+//
+// A wait that lasts also watches the other ranks on this machine (their
+// processes in /proc): one that has ended ends the job at once, with a
+// message naming it, rather than when mpirun gets round to it (about 2 s,
+// silently under `mpirun -q`). Ranks on other machines are mpirun's to
+// watch; a hung rank anywhere is caught by the deadline.
 #include "fitlm/comm.h"
 
+#include <fcntl.h>
 #include <limits.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 #include <mpi.h>
 
 #include "fitlm/core.h"
@@ -23,8 +32,17 @@ typedef struct {
     int *counts, *displs; // kept until completion, as MPI requires
 } slot;
 
+// A process, as /proc sees it: its pid and start time (in clock ticks since
+// boot) tell it apart from a later process that reuses the pid.
+typedef struct {
+    int rank, pid;
+    unsigned long long start, pidns; // pidns: this machine's pid namespace
+} peer;
+
 static struct {
     int started, mpi, rank, size;
+    peer *peers; // the other ranks whose processes this one can see
+    int n_peers;
     MPI_Comm comm;
     MPI_Datatype bf16; // two bytes, for 16-bit gathers
     double timeout;
@@ -40,6 +58,81 @@ static double now(void) {
 
 static void on_die(int code) {
     MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+// State letter and start time of process pid from /proc/PID/stat; 0 when it
+// is gone (no entry, or unreadable).
+static char proc_state(int pid, unsigned long long *start) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    // "pid (comm) S ppid ...": comm may hold anything, so parse after the
+    // last ')'; the start time is field 22, 19 after the state
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ' || !p[2]) return 0;
+    char state = p[2];
+    p += 3;
+    for (int field = 0; field < 18 && p; field++) p = strchr(p + 1, ' ');
+    *start = p ? strtoull(p + 1, NULL, 10) : 0;
+    return state;
+}
+
+static unsigned long long pid_namespace(void) {
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (unsigned long long)st.st_ino : 0;
+}
+
+// Learns the processes of the other ranks on this machine (those sharing
+// memory with it and its pid namespace). A machine without /proc watches
+// none and relies on mpirun and the deadline.
+static void find_peers(void) {
+    MPI_Comm node;
+    MPI_Comm_split_type(w.comm, MPI_COMM_TYPE_SHARED, w.rank, MPI_INFO_NULL, &node);
+    int n;
+    MPI_Comm_size(node, &n);
+    peer me = {.rank = w.rank, .pid = (int)getpid(), .pidns = pid_namespace()};
+    if (!proc_state(me.pid, &me.start)) me.pidns = 0;
+    peer *all = calloc((size_t)n, sizeof *all);
+    if (!all) fl_die("out of memory");
+    MPI_Allgather(&me, (int)sizeof me, MPI_BYTE, all, (int)sizeof me, MPI_BYTE, node);
+    MPI_Comm_free(&node);
+    // a peer this process cannot see now, while all are alive (/proc
+    // mounted with hidepid, say), is not watched: it would look dead
+    w.n_peers = 0;
+    for (int i = 0; i < n; i++) {
+        unsigned long long start = 0;
+        if (me.pidns && all[i].pidns == me.pidns && all[i].rank != w.rank &&
+            proc_state(all[i].pid, &start) && start == all[i].start)
+            all[w.n_peers++] = all[i];
+    }
+    w.peers = all;
+}
+
+// A peer that has ended: no /proc entry, a zombie, or another process now.
+static const peer *dead_peer(void) {
+    for (int i = 0; i < w.n_peers; i++) {
+        unsigned long long start = 0;
+        char s = proc_state(w.peers[i].pid, &start);
+        if (!s || s == 'Z' || s == 'X' || start != w.peers[i].start) return &w.peers[i];
+    }
+    return NULL;
+}
+
+// Appends to a timeout message the peers that are stopped (SIGSTOP, ^Z, a
+// debugger): the likely reason, when it is one of them.
+static void print_stopped_peers(void) {
+    for (int i = 0; i < w.n_peers; i++) {
+        unsigned long long start;
+        char s = proc_state(w.peers[i].pid, &start);
+        if (s == 'T' || s == 't')
+            fprintf(stderr, "fitlm: rank %d: rank %d (process %d) is stopped (%s)\n", w.rank,
+                    w.peers[i].rank, w.peers[i].pid, s == 'T' ? "by a signal" : "by a debugger");
+    }
 }
 
 // Launched by mpirun (Open MPI, or a PMI-speaking launcher)?
@@ -59,17 +152,28 @@ void fl_comm_init(int *argc, char ***argv) {
     MPI_Comm_size(w.comm, &w.size);
     MPI_Type_contiguous(2, MPI_BYTE, &w.bf16);
     MPI_Type_commit(&w.bf16);
-    if (w.size > 1) fl_log_set_rank(w.rank, on_die);
+    if (w.size > 1) {
+        fl_log_set_rank(w.rank, on_die);
+        find_peers();
+    }
 }
 
-void fl_comm_finalize(void) {
-    if (!w.mpi) return;
-    MPI_Barrier(w.comm);
+// Open MPI and the components it loads keep allocations past MPI_Finalize,
+// some made by threads of their own (theirs, not fitlm's). A process that
+// started MPI therefore ends with _exit, skipping the exit handlers (and so
+// LeakSanitizer's check, which every test without MPI still runs over the
+// same code).
+int fl_comm_finalize(int rc) {
+    if (!w.mpi) return rc;
+    fl_comm_barrier(); // with the deadline: a rank may have died at the very end
+    free(w.peers);
+    w.peers = NULL;
+    w.n_peers = 0;
     MPI_Type_free(&w.bf16);
     MPI_Comm_free(&w.comm);
     MPI_Finalize();
-    w.mpi = 0;
-    fl_log_set_rank(-1, NULL);
+    fflush(NULL);
+    _exit(rc);
 }
 
 int fl_comm_rank(void) {
@@ -128,7 +232,7 @@ int fl_comm_test(fl_comm_req r) {
 }
 
 void fl_comm_wait(fl_comm_req r) {
-    double t0 = now();
+    double t0 = now(), checked = t0;
     long polls = 0;
     while (!fl_comm_test(r)) {
         // yield first (a short collective finishes in microseconds), then
@@ -139,12 +243,32 @@ void fl_comm_wait(fl_comm_req r) {
             struct timespec ts = {0, 50000};
             nanosleep(&ts, NULL);
         }
-        if ((polls & 255) == 0 && now() - t0 > w.timeout) {
+        if ((polls & 255) != 0) continue;
+        double t = now();
+        if (t - t0 > w.timeout) {
             fprintf(stderr,
                     "fitlm: rank %d: error: %s did not complete within %g s (--comm-timeout): "
                     "another rank is dead or hung; ending the job\n",
                     w.rank, w.reqs[r].what, w.timeout);
+            print_stopped_peers();
             fl_comm_abort(1);
+        }
+        // a wait of over 0.1 s: are the ranks it waits for still there?
+        if (t - checked > 0.1) {
+            checked = t;
+            const peer *dead = dead_peer();
+            if (dead) {
+                fprintf(stderr,
+                        "fitlm: rank %d: error: rank %d (process %d) has ended (killed or exited) "
+                        "while this rank waited in %s; ending the job\n",
+                        w.rank, dead->rank, dead->pid, w.reqs[r].what);
+                // leaving is enough: mpirun ends a job when a rank exits
+                // before MPI_Finalize, and has likely seen the peer end
+                // already; MPI_Abort would wait for its kill sequence (2 s)
+                fflush(stdout);
+                fflush(stderr);
+                _exit(1);
+            }
         }
     }
     w.stats.wait_seconds += now() - t0;

@@ -26,6 +26,15 @@
 //                          for the whole step (gathered once per step, not
 //                          twice), as does the embedding, which the tied LM
 //                          head reads at both ends of both passes.
+//   stage3_model_persistence_threshold  at most this many elements in all
+//                          such small units together.
+//
+// LOMO and AdaLomo (optimizers fused into the backward pass) reduce each
+// unit's gradient as it is ready (sync_reduce_rows) and update the part they
+// own at once: reduce-scattered under ZeRO (half the bytes of the reference's
+// all-reduce), all-reduced under DDP. AdaLomo's statistics are per tensor,
+// so its shards end at row boundaries (cfg.whole_rows) and need no reduction
+// of their own.
 #include "fitlm/dist.h"
 
 #include <string.h>
@@ -63,12 +72,16 @@ struct fl_dist {
     int bucket_busy[2], cur;
     size_t open_lo, open_hi;
     int micro_first; // stages 2/3: gred holds nothing of this step yet
+    // fused optimizers (cfg.fused_units): one unit's gradient at a time, sent
+    // from fsend, this rank's part received in frecv
+    size_t unit_cap;
+    float *fsend, *frecv;
     inflight fly[MAX_INFLIGHT];
     int n_fly;
     fl_optim_sync sync;
     // stage 3
     void *pshard;
-    int L, n_units;     // units -1..L stored at index u + 1
+    int L, n_units;      // units -1..L stored at index u + 1
     size_t *u_lo, *u_hi; // each unit's range of the flat buffer
     int *resident;       // kept for the whole step, in its own buffer
     void **own_buf;      // a resident unit's buffer
@@ -93,16 +106,32 @@ int fl_dist_wanted(const fl_zero_config *cfg) {
 }
 
 int fl_dist_unit_grads(const fl_zero_config *cfg) {
-    return cfg->stage >= 2;
+    return cfg->stage >= 2 || cfg->fused_units;
 }
 
-void fl_dist_range(const fl_zero_config *cfg, size_t numel, size_t *begin, size_t *end) {
+// the first row boundary at or after element x
+static size_t row_boundary(const fl_param_table *t, size_t x) {
+    for (int r = 0; r < t->count; r++)
+        if (t->views[r].offset >= x) return t->views[r].offset;
+    return t->numel;
+}
+
+void fl_dist_shard(const fl_zero_config *cfg, const fl_param_table *t, int world, int rank,
+                   size_t *begin, size_t *end) {
     if (cfg->stage == 0) {
         *begin = 0;
-        *end = numel;
-    } else {
-        fl_zero_shard(numel, fl_comm_size(), fl_comm_rank(), begin, end);
+        *end = t->numel;
+        return;
     }
+    fl_zero_shard(t->numel, world, rank, begin, end);
+    if (cfg->whole_rows) {
+        *begin = row_boundary(t, *begin);
+        *end = row_boundary(t, *end);
+    }
+}
+
+void fl_dist_range(const fl_zero_config *cfg, const fl_param_table *t, size_t *begin, size_t *end) {
+    fl_dist_shard(cfg, t, fl_comm_size(), fl_comm_rank(), begin, end);
 }
 
 static size_t min_sz(size_t a, size_t b) {
@@ -291,6 +320,37 @@ static void sync_max(void *ctx, double *v, int n) {
     fl_comm_max(v, n);
 }
 
+// LOMO and AdaLomo: one unit's gradient summed over ranks, now; this rank
+// updates its part of it in the backward pass.
+static const float *sync_reduce_rows(void *ctx, int first, int n, const void *grads, size_t *lo,
+                                     size_t *hi) {
+    fl_dist *d = ctx;
+    const fl_param_view *v = d->m->table.views;
+    size_t a = v[first].offset, b = v[first + n - 1].offset + v[first + n - 1].numel;
+    const float *out = d->fsend;
+    FL_PROFILE(FL_OP_COMM, FL_BWD, 0.0, {
+        stage_values(d->fsend, NULL, d->dt, grads, b - a);
+        *lo = a;
+        *hi = b;
+        if (d->stage == 0) {
+            fl_comm_wait(fl_comm_iallreduce(d->fsend, b - a));
+        } else {
+            size_t x = max_sz(a, d->begin), y = min_sz(b, d->end);
+            *lo = x;
+            *hi = y > x ? y : x;
+            if (d->cfg.reduce_scatter) {
+                split(d, a, b);
+                fl_comm_wait(fl_comm_ireduce_scatter(d->fsend, d->frecv, d->counts));
+                out = d->frecv;
+            } else {
+                fl_comm_wait(fl_comm_iallreduce(d->fsend, b - a));
+                out = d->fsend + (x - a);
+            }
+        }
+    });
+    return out;
+}
+
 // ----------------------------------------------------------------------------
 // stage 3: gathering units
 
@@ -393,8 +453,8 @@ static void sync_updated(void *ctx) {
                 size_t b = min_sz(d->numel, a + cap);
                 split(d, a, b);
                 void *at = fl_at(d->dt, d->m->params, a);
-                fl_comm_req r = fl_comm_iallgather(
-                    d->dt, fl_at(d->dt, at, d->displs[d->rank]), at, d->counts, d->displs);
+                fl_comm_req r = fl_comm_iallgather(d->dt, fl_at(d->dt, at, d->displs[d->rank]), at,
+                                                   d->counts, d->displs);
                 push(d, (inflight){r, NULL, NULL, 0, -1});
             }
             wait_all(d);
@@ -413,12 +473,24 @@ static void check_supported(const fl_model *m, const fl_optimizer *o, const fl_z
         fl_die("LoRA with %s is not supported yet: train adapters on one rank", what);
     if (m->quant.cfg.enabled)
         fl_die("NF4 base weights (--quantize) with %s are not supported yet", what);
-    if (fl_optim_kind_fused(o->cfg.kind))
-        fl_die("optimizer %s with %s is not supported yet: use adamw or sgd",
-               o->cfg.kind == FL_OPT_LOMO ? "lomo" : "adalomo", what);
-    if ((m->unit_grads != NULL) != (cfg->stage >= 2))
+    if ((m->unit_grads != NULL) != fl_dist_unit_grads(cfg))
         fl_die("internal: a ZeRO-%d model %s unit gradients", cfg->stage,
-               cfg->stage >= 2 ? "needs" : "must not have");
+               fl_dist_unit_grads(cfg) ? "needs" : "must not have");
+    if (cfg->fused_units != (fl_optim_kind_fused(o->cfg.kind) && o->cfg.grad_accum == 1))
+        fl_die("internal: zero_optimization's fused_units does not match the optimizer");
+    if (o->cfg.kind == FL_OPT_ADALOMO && cfg->stage > 0 && !cfg->whole_rows)
+        fl_die("internal: AdaLomo's shards must hold whole rows");
+}
+
+// The elements of the largest unit (the embedding, a block or the head).
+static size_t largest_unit(const fl_param_table *t) {
+    size_t best = 0, run = 0;
+    for (int r = 0; r < t->count; r++) {
+        run = r && t->views[r].unit == t->views[r - 1].unit ? run + t->views[r].numel
+                                                            : t->views[r].numel;
+        best = run > best ? run : best;
+    }
+    return best;
 }
 
 // Stage 3's buffers for a table: unit ui's range (ui = unit + 1), whether
@@ -446,9 +518,13 @@ static void stage3_layout(layout3 *y, const fl_param_table *t, int L, const fl_z
         y->lo[ui] = v->offset;
     }
     y->resident_total = y->ring_size = 0;
+    double persistent = 0.0; // stage3_model_persistence_threshold caps these together
     for (int ui = 0; ui < y->n_units; ui++) {
         size_t n = y->hi[ui] - y->lo[ui];
-        y->resident[ui] = ui == 0 || (double)n < c->param_persistence_threshold;
+        int small = ui > 0 && (double)n < c->param_persistence_threshold &&
+                    persistent + (double)n <= c->model_persistence_threshold;
+        if (small) persistent += (double)n;
+        y->resident[ui] = ui == 0 || small;
         if (y->resident[ui])
             y->resident_total += n;
         else if (n > y->ring_size)
@@ -517,18 +593,27 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
                     size_t *params_freed) {
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
     *params_freed = 0;
-    size_t numel = t->numel, D = fl_dtype_size(dt), begin = 0, end = numel;
-    if (cfg->stage > 0) fl_zero_shard(numel, world, rank, &begin, &end);
-    if (!(cfg->stage == 0 && dt == FL_F32 && !accum_buffer))
-        bytes[FL_MEM_GRADS] += (end - begin) * sizeof(float);
+    // the strategy and its per-rank tables (lo, hi, counts, displs)
+    bytes[FL_MEM_OTHER] += sizeof(fl_dist) + 4 * (size_t)world * sizeof(size_t);
+    size_t numel = t->numel, D = fl_dtype_size(dt), begin, end;
+    fl_dist_shard(cfg, t, world, rank, &begin, &end);
     double bucket = cfg->reduce_bucket_size < 1 ? 1 : cfg->reduce_bucket_size;
     size_t cap = (size_t)bucket < numel ? (size_t)bucket : numel;
-    if (cfg->stage > 0) bytes[FL_MEM_COMM] += 2 * cap * sizeof(float);
+    if (cfg->fused_units) {
+        bytes[FL_MEM_COMM] += (cfg->stage > 0 ? 2 : 1) * largest_unit(t) * sizeof(float);
+    } else {
+        if (!(cfg->stage == 0 && dt == FL_F32 && !accum_buffer))
+            bytes[FL_MEM_GRADS] += (end - begin) * sizeof(float);
+        if (cfg->stage > 0) bytes[FL_MEM_COMM] += 2 * cap * sizeof(float);
+    }
     if (cfg->stage == 3) {
         layout3 y;
         stage3_layout(&y, t, n_layer, cfg);
         bytes[FL_MEM_PARAMS] += y.resident_total * D + (end - begin) * D;
         bytes[FL_MEM_COMM] += (size_t)y.n_ring * y.ring_size * D;
+        // per unit: its range, residency, validity and own buffer
+        bytes[FL_MEM_OTHER] +=
+            (size_t)y.n_units * (2 * sizeof(size_t) + 2 * sizeof(int) + sizeof(void *));
         *params_freed = numel * D;
         layout3_free(&y);
     }
@@ -547,7 +632,7 @@ fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg)
     d->dt = m->dtype;
     d->D = fl_dtype_size(m->dtype);
     d->numel = m->table.numel;
-    fl_dist_range(cfg, d->numel, &d->begin, &d->end);
+    fl_dist_range(cfg, &m->table, &d->begin, &d->end);
     if (o->rule->state_begin != d->begin || o->rule->state_end != d->end)
         fl_die("internal: the optimizer covers [%zu, %zu), not this rank's [%zu, %zu)",
                o->rule->state_begin, o->rule->state_end, d->begin, d->end);
@@ -557,13 +642,12 @@ fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg)
     d->counts = fl_alloc(FL_MEM_OTHER, W * sizeof(size_t));
     d->displs = fl_alloc(FL_MEM_OTHER, W * sizeof(size_t));
     for (int r = 0; r < d->world; r++)
-        if (d->stage == 0) {
-            d->lo[r] = 0;
-            d->hi[r] = d->numel;
-        } else {
-            fl_zero_shard(d->numel, d->world, r, &d->lo[r], &d->hi[r]);
-        }
-    if (d->stage == 0 && d->dt == FL_F32 && !o->grad_accum) {
+        fl_dist_shard(cfg, &m->table, d->world, r, &d->lo[r], &d->hi[r]);
+    if (cfg->fused_units) { // one unit at a time: no reduced gradient, no buckets
+        d->unit_cap = largest_unit(&m->table);
+        d->fsend = fl_alloc(FL_MEM_COMM, d->unit_cap * sizeof(float));
+        if (d->stage > 0) d->frecv = fl_alloc(FL_MEM_COMM, d->unit_cap * sizeof(float));
+    } else if (d->stage == 0 && d->dt == FL_F32 && !o->grad_accum) {
         d->gred = m->grads; // reduced in place
     } else {
         d->gred = fl_alloc(FL_MEM_GRADS, (d->end - d->begin) * sizeof(float));
@@ -571,11 +655,12 @@ fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg)
     }
     double bucket = cfg->reduce_bucket_size < 1 ? 1 : cfg->reduce_bucket_size;
     d->cap = (size_t)bucket < d->numel ? (size_t)bucket : d->numel;
-    if (d->stage > 0)
+    if (d->stage > 0 && !cfg->fused_units)
         for (int i = 0; i < 2; i++) d->bucket[i] = fl_alloc(FL_MEM_COMM, d->cap * sizeof(float));
     d->micro_first = 1;
     if (d->stage == 3) setup_stage3(d);
-    d->sync = (fl_optim_sync){d, sync_grads, sync_sum, sync_max, sync_updated};
+    d->sync = (fl_optim_sync){
+        d, sync_grads, sync_sum, sync_max, sync_updated, d->stage == 0, sync_reduce_rows};
     o->sync = &d->sync;
     m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, d};
     return d;
@@ -585,6 +670,8 @@ void fl_dist_free(fl_dist *d) {
     if (!d) return;
     wait_all(d);
     if (d->gred_owned) fl_free(d->gred);
+    fl_free(d->fsend);
+    fl_free(d->frecv);
     for (int i = 0; i < 2; i++) fl_free(d->bucket[i]);
     if (d->stage == 3) {
         clear_ring(d);

@@ -3,7 +3,9 @@
 // the 16-bit weights are rounded from them again on resume, which gives back
 // exactly the values the run was using, since every step ends that way.
 // The fused optimizers (LOMO, AdaLomo) keep no master: their 16-bit weights
-// are saved as they are.
+// are saved as they are. A data-parallel run saves each rank's shard of the
+// flat buffer as pieces of the same named rows (fl_train_ckpt_save_dist), so
+// a restore reads whatever range it owns from any number of shard files.
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +14,7 @@
 #include <omp.h>
 #include <cJSON.h>
 
+#include "fitlm/comm.h"
 #include "fitlm/config.h"
 #include "fitlm/io.h"
 
@@ -118,10 +121,12 @@ void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const 
                            NULL);
 }
 
-void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
-                            const fl_optimizer *optim, const fl_optimizer *base,
-                            const fl_loader_state *loader, const char *tokenizer,
-                            const char *config_json, int keep, const char *run) {
+// The replicated part of a training checkpoint (the meta): the shape,
+// precision, tokenizer, config, optimizer step count and loss scaler, and
+// the loader's position with the world size it was taken in.
+static char *train_meta(const fl_model *model, const fl_optimizer *optim, const fl_optimizer *base,
+                        const fl_loader_state *loader, const char *tokenizer,
+                        const char *config_json) {
     const fl_model_config *c = &model->config;
     cJSON *meta = cJSON_CreateObject();
     cJSON *m = cJSON_AddObjectToObject(meta, "model");
@@ -164,71 +169,174 @@ void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
     } else {
         FL_ASSERT(model->dtype == FL_F32);
     }
-    param_set sets[2];
-    int nsets = param_sets(model, optim, base, sets);
-    size_t n = 0;
-    for (int i = 0; i < nsets; i++)
-        n += (size_t)sets[i].t->count *
-             (1 + (sets[i].optim ? fl_optim_state_count(sets[i].optim->rule) : 0));
-    fl_ckpt_tensor *tensors = fl_alloc(FL_MEM_OTHER, n * sizeof *tensors);
-    char(*names)[NAME_MAX_] = fl_alloc(FL_MEM_OTHER, n * NAME_MAX_);
-    size_t k = 0;
-    for (int i = 0; i < nsets; i++) {
-        const param_set *s = &sets[i];
-        const fl_param_table *t = s->t;
-        fl_optim_rule *rule = s->optim ? s->optim->rule : NULL;
-        int nstate = rule ? fl_optim_state_count(rule) : 0;
-        // fp32, or 16-bit weights without a master (LOMO, AdaLomo)
-        const void *weights = s->optim && s->optim->master ? s->optim->master : s->values;
-        fl_dtype wdt = s->optim && s->optim->master ? FL_F32 : model->dtype;
-        FL_ASSERT(s->optim || model->dtype == FL_F32);
-        for (int st = -1; st < nstate; st++) {
-            for (int r = 0; r < t->count; r++) {
-                const fl_param_view *v = &t->views[r];
-                size_t numel = st < 0 ? v->numel : fl_optim_state_numel(rule, st, v);
-                if (st >= 0 && numel == 0) continue;
-                tensor_name(names[k], NAME_MAX_, st < 0 ? s->weights : s->state,
-                            st < 0 ? NULL : fl_optim_state_name(rule, st), v->name);
-                if (st < 0)
-                    tensors[k] = (fl_ckpt_tensor){names[k], wdt,
-                                                  fl_at_const(wdt, weights, v->offset), numel};
-                else
-                    tensors[k] = (fl_ckpt_tensor){names[k], FL_F32,
-                                                  fl_optim_state_ptr(rule, st, v->offset), numel};
-                k++;
-            }
-        }
-    }
-    n = k;
     if (loader) {
         cJSON *l = cJSON_AddObjectToObject(meta, "loader");
         add_u64(l, "epoch", loader->epoch);
         add_u64(l, "index", loader->index);
         add_u64_array(l, "key", loader->key, 2);
         add_u64_array(l, "rng", loader->rng.s, 4);
+        // every rank took `index` windows of the epoch's order: the world
+        // consumed index * world, which another world size splits anew
+        cJSON_AddNumberToObject(l, "world", fl_comm_size());
     }
     char *text = cJSON_PrintUnformatted(meta);
     cJSON_Delete(meta);
-    fl_ckpt_write_run(dir, step, text, tensors, (int)n, keep, run);
-    cJSON_free(text);
-    fl_free(tensors);
-    fl_free(names);
+    return text;
 }
 
-// Reads the flat buffer `dst` (fp32 or dt) of a set's weights row by row.
-// Checkpoints written before the by-name layout hold the whole buffer as
-// one tensor (`legacy`, in the same table order): read as such.
-static void read_rows(fl_ckpt *ck, const fl_param_table *t, const char *prefix, const char *legacy,
-                      fl_dtype dt, void *dst) {
+// A set's tensors, as a checkpoint file lists them.
+typedef struct {
+    fl_ckpt_piece *t;
+    char (*names)[NAME_MAX_];
+    size_t n, cap;
+} tensor_list;
+
+static void list_init(tensor_list *l, size_t cap) {
+    l->t = fl_alloc(FL_MEM_OTHER, (cap ? cap : 1) * sizeof *l->t);
+    l->names = fl_alloc(FL_MEM_OTHER, (cap ? cap : 1) * NAME_MAX_);
+    l->n = 0;
+    l->cap = cap;
+}
+
+static void list_free(tensor_list *l) {
+    fl_free(l->t);
+    fl_free(l->names);
+}
+
+// The fp32 weights of flat element i of a set (the master under mixed
+// precision), else the model's weights (the optimizer's params, which under
+// ZeRO-3 start at params_first).
+static const void *weights_at(const param_set *s, fl_dtype dt, size_t i) {
+    const fl_optimizer *o = s->optim;
+    if (o && o->master) return o->master + (i - o->rule->state_begin);
+    if (o) return fl_at_const(dt, o->params, i - o->params_first);
+    return fl_at_const(dt, s->values, i);
+}
+
+// The tensors of a set over the flat range [b, e): "<weights>/<row>", then
+// each state's "<state>/<name>/<row>". pieces 0: whole rows (the range is
+// the whole buffer); 1: each row's part inside the range, with its first
+// element and the row's size (a shard file).
+static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, int pieces,
+                    tensor_list *out) {
+    const fl_param_table *t = s->t;
+    fl_optim_rule *rule = s->optim ? s->optim->rule : NULL;
+    int nstate = rule ? fl_optim_state_count(rule) : 0;
+    // fp32, or 16-bit weights without a master (LOMO, AdaLomo)
+    fl_dtype wdt = s->optim && s->optim->master ? FL_F32 : model_dt;
+    FL_ASSERT(s->optim || model_dt == FL_F32);
+    for (int st = -1; st < nstate; st++) {
+        for (int r = 0; r < t->count; r++) {
+            const fl_param_view *v = &t->views[r];
+            size_t lo = v->offset > b ? v->offset : b;
+            size_t hi = v->offset + v->numel < e ? v->offset + v->numel : e;
+            size_t total = st < 0 ? v->numel : fl_optim_state_numel(rule, st, v);
+            if (lo >= hi || total == 0) continue;
+            size_t first = lo - v->offset, count = hi - lo;
+            const void *data;
+            if (st < 0) {
+                data = weights_at(s, wdt, lo);
+            } else if (total != v->numel) { // per-row state (AdaLomo): whole rows only
+                FL_ASSERT(first == 0 && count == v->numel);
+                data = fl_optim_state_ptr(rule, st, v->offset);
+                count = total;
+            } else {
+                data = fl_optim_state_ptr(rule, st, lo);
+            }
+            FL_ASSERT(out->n < out->cap);
+            char *name = out->names[out->n];
+            tensor_name(name, NAME_MAX_, st < 0 ? s->weights : s->state,
+                        st < 0 ? NULL : fl_optim_state_name(rule, st), v->name);
+            out->t[out->n++] = (fl_ckpt_piece){name,  st < 0 ? wdt : FL_F32, data,
+                                               count, pieces ? first : 0,    pieces ? total : 0};
+        }
+    }
+}
+
+// Upper bound of the tensors of the sets.
+static size_t count_tensors(const param_set *sets, int nsets) {
+    size_t n = 0;
+    for (int i = 0; i < nsets; i++)
+        n += (size_t)sets[i].t->count *
+             (1 + (sets[i].optim ? fl_optim_state_count(sets[i].optim->rule) : 0));
+    return n;
+}
+
+void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
+                            const fl_optimizer *optim, const fl_optimizer *base,
+                            const fl_loader_state *loader, const char *tokenizer,
+                            const char *config_json, int keep, const char *run) {
+    char *text = train_meta(model, optim, base, loader, tokenizer, config_json);
+    param_set sets[2];
+    int nsets = param_sets(model, optim, base, sets);
+    tensor_list l;
+    list_init(&l, count_tensors(sets, nsets));
+    for (int i = 0; i < nsets; i++) collect(&sets[i], model->dtype, 0, sets[i].t->numel, 0, &l);
+    fl_ckpt_tensor *whole = fl_alloc(FL_MEM_OTHER, (l.n ? l.n : 1) * sizeof *whole);
+    for (size_t i = 0; i < l.n; i++)
+        whole[i] = (fl_ckpt_tensor){l.t[i].name, l.t[i].dtype, l.t[i].data, l.t[i].numel};
+    fl_ckpt_write_run(dir, step, text, whole, (int)l.n, keep, run);
+    fl_free(whole);
+    cJSON_free(text);
+    list_free(&l);
+}
+
+void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
+                             const fl_optimizer *optim, const fl_loader_state *loader,
+                             const char *tokenizer, const char *config_json, int keep,
+                             const char *run) {
+    FL_ASSERT(optim && !model->lora.cfg.r); // dist.h trains whole models only
+    size_t b = optim->rule->state_begin, e = optim->rule->state_end, numel = model->table.numel;
+    double partial = b != 0 || e != numel; // ZeRO: a shard per rank
+    fl_comm_max(&partial, 1);
+    char *text = train_meta(model, optim, NULL, loader, tokenizer, config_json);
+    param_set sets[2];
+    param_sets(model, optim, NULL, sets);
+    tensor_list l;
+    list_init(&l, count_tensors(sets, 1));
+    char shard_meta[128] = "{}";
+    if (partial) {
+        collect(&sets[0], model->dtype, b, e, 1, &l);
+        snprintf(shard_meta, sizeof shard_meta, "{\"range\":{\"begin\":%zu,\"end\":%zu}}", b, e);
+    } else if (fl_comm_rank() == 0) { // DDP: rank 0 writes today's single file
+        collect(&sets[0], model->dtype, 0, numel, 0, &l);
+    }
+    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, partial != 0.0, keep, run);
+    cJSON_free(text);
+    list_free(&l);
+}
+
+// Reads the elements [b, e) of a set's weights into dst (fp32 or dt; dst[0]
+// is element b) row by row: each row's part inside the range. Checkpoints
+// written before the by-name layout hold the whole buffer as one tensor
+// (`legacy`, in the same table order): read as such.
+static void read_rows_range(fl_ckpt *ck, const fl_param_table *t, const char *prefix,
+                            const char *legacy, fl_dtype dt, void *dst, size_t b, size_t e) {
+    if (b >= e) return;
     if (legacy && fl_ckpt_has(ck, legacy)) {
-        fl_ckpt_read(ck, legacy, dt, dst, t->numel);
+        if (fl_ckpt_numel(ck, legacy) != t->numel)
+            fl_die("checkpoint %s: tensor '%s' has %zu elements, this model needs %zu",
+                   fl_ckpt_path(ck), legacy, fl_ckpt_numel(ck, legacy), t->numel);
+        fl_ckpt_read_range(ck, legacy, dt, dst, b, e - b);
         return;
     }
     for (int r = 0; r < t->count; r++) {
+        const fl_param_view *v = &t->views[r];
+        size_t lo = v->offset > b ? v->offset : b;
+        size_t hi = v->offset + v->numel < e ? v->offset + v->numel : e;
+        if (lo >= hi) continue;
         char name[NAME_MAX_];
-        tensor_name(name, sizeof name, prefix, NULL, t->views[r].name);
-        fl_ckpt_read(ck, name, dt, fl_at(dt, dst, t->views[r].offset), t->views[r].numel);
+        tensor_name(name, sizeof name, prefix, NULL, v->name);
+        if (fl_ckpt_numel(ck, name) != v->numel) // the whole row's size, not just the part
+            fl_ckpt_read(ck, name, dt, fl_at(dt, dst, lo - b), v->numel);
+        fl_ckpt_read_range(ck, name, dt, fl_at(dt, dst, lo - b), lo - v->offset, hi - lo);
     }
+}
+
+// The whole buffer of a set's weights.
+static void read_rows(fl_ckpt *ck, const fl_param_table *t, const char *prefix, const char *legacy,
+                      fl_dtype dt, void *dst) {
+    read_rows_range(ck, t, prefix, legacy, dt, dst, 0, t->numel);
 }
 
 static cJSON *parse_meta(const fl_ckpt *ck) {
@@ -429,34 +537,53 @@ static void restore_optim_meta(const cJSON *meta, const char *key, const char *p
 }
 
 // A set's weights and its optimizer's state tensors (and those of the layout
-// before by-name tensors).
+// before by-name tensors). The optimizer covers [b, e) of the flat buffer
+// (a rank's shard under ZeRO, else all of it): its master and state are read
+// there, the model's own weights whole (every rank computes with all of
+// them until fl_dist_attach shards them).
 static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) {
     const fl_param_table *t = s->t;
     fl_optimizer *optim = s->optim;
     size_t n = t->numel;
+    fl_optim_rule *rule = optim->rule;
+    size_t b = rule->state_begin, e = rule->state_end;
     const char *legacy_weights = strcmp(s->weights, "model") ? NULL : "weights";
     if (optim->master) {
-        read_rows(ck, t, s->weights, legacy_weights, FL_F32, optim->master);
-        fl_convert(model->dtype, s->values, FL_F32, optim->master, n);
+        read_rows_range(ck, t, s->weights, legacy_weights, FL_F32, optim->master, b, e);
+        if (b == 0 && e == n) // the 16-bit weights, rounded from the fp32 ones as every step ends
+            fl_convert(model->dtype, s->values, FL_F32, optim->master, n);
+        else
+            read_rows(ck, t, s->weights, legacy_weights, model->dtype, s->values);
     } else { // fp32, or 16-bit weights without a master
         read_rows(ck, t, s->weights, legacy_weights, model->dtype, s->values);
     }
     static const char *const legacy[2][2] = {{"adamw.m", "adamw.v"}, {"sgd.momentum", NULL}};
-    fl_optim_rule *rule = optim->rule;
     int nstate = fl_optim_state_count(rule);
-    for (int k = 0; k < nstate; k++) {
+    for (int k = 0; k < nstate && b < e; k++) {
         const char *old = optim->cfg.kind <= FL_OPT_SGD ? legacy[optim->cfg.kind][k] : NULL;
         if (old && legacy_weights && fl_ckpt_has(ck, old)) {
-            fl_ckpt_read(ck, old, FL_F32, fl_optim_state_ptr(rule, k, 0), n);
+            if (fl_ckpt_numel(ck, old) != n)
+                fl_die("checkpoint %s: tensor '%s' has %zu elements, this model needs %zu",
+                       fl_ckpt_path(ck), old, fl_ckpt_numel(ck, old), n);
+            fl_ckpt_read_range(ck, old, FL_F32, fl_optim_state_ptr(rule, k, b), b, e - b);
             continue;
         }
-        for (int r = 0; r < t->count; r++) { // per row: its own size
+        for (int r = 0; r < t->count; r++) { // per row: its own size, the part in [b, e)
             const fl_param_view *v = &t->views[r];
             size_t numel = fl_optim_state_numel(rule, k, v);
-            if (numel == 0) continue;
+            size_t lo = v->offset > b ? v->offset : b;
+            size_t hi = v->offset + v->numel < e ? v->offset + v->numel : e;
+            if (numel == 0 || lo >= hi) continue;
             char name[NAME_MAX_];
             tensor_name(name, sizeof name, s->state, fl_optim_state_name(rule, k), v->name);
-            fl_ckpt_read(ck, name, FL_F32, fl_optim_state_ptr(rule, k, v->offset), numel);
+            if (fl_ckpt_numel(ck, name) != numel ||
+                numel != v->numel) { // whole: checked, or per row
+                FL_ASSERT(numel == v->numel || (lo == v->offset && hi == v->offset + v->numel));
+                fl_ckpt_read(ck, name, FL_F32, fl_optim_state_ptr(rule, k, v->offset), numel);
+                continue;
+            }
+            fl_ckpt_read_range(ck, name, FL_F32, fl_optim_state_ptr(rule, k, lo), lo - v->offset,
+                               hi - lo);
         }
     }
     char first[NAME_MAX_];
@@ -510,6 +637,18 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl
     const cJSON *l = object(meta, "loader", path);
     loader->epoch = hex_u64(cJSON_GetObjectItemCaseSensitive(l, "epoch"), path, "loader.epoch");
     loader->index = hex_u64(cJSON_GetObjectItemCaseSensitive(l, "index"), path, "loader.index");
+    // The windows the saving world took this epoch, split over this one's
+    // ranks: each rank takes every world-th window of the same order.
+    uint64_t saved_world = cJSON_GetObjectItemCaseSensitive(l, "world")
+                               ? (uint64_t)number(l, "world", path, 1, 1 << 20)
+                               : 1; // checkpoints from before data parallelism
+    uint64_t world = (uint64_t)fl_comm_size(), taken = loader->index * saved_world;
+    if (taken % world)
+        fl_die("checkpoint %s was saved by %llu rank(s) after %llu windows of the epoch, which "
+               "%llu ranks cannot split evenly: resume on a number of ranks that divides %llu",
+               path, (unsigned long long)saved_world, (unsigned long long)taken,
+               (unsigned long long)world, (unsigned long long)taken);
+    loader->index = taken / world;
     const cJSON *key = cJSON_GetObjectItemCaseSensitive(l, "key");
     const cJSON *rng = cJSON_GetObjectItemCaseSensitive(l, "rng");
     if (cJSON_GetArraySize(key) != 2 || cJSON_GetArraySize(rng) != 4)

@@ -25,25 +25,62 @@
 
 typedef struct {
     fl_optimizer *o;
-    int update;      // 0: gather the norm; 1: update
-    int two_pass;    // the norm was gathered by a first pass
-    double *row_sq;  // (rows) sums of squares of each row's gradient
-    int overflow;    // an inf or NaN was seen
-    float unscale;   // 1 / loss scale
-    float clip_coef; // the global-norm clip coefficient (after clip_grad_value's clamp)
+    int update;           // 0: gather the norm; 1: update
+    int two_pass;         // the norm was gathered by a first pass
+    double *row_sq;       // (rows) sums of squares of each row's gradient
+    int overflow;         // an inf or NaN was seen
+    float unscale;        // 1 / loss scale
+    float clip_coef;      // the global-norm clip coefficient (after clip_grad_value's clamp)
+    fl_model_hooks outer; // a data-parallel strategy's (ZeRO-3 gathers weights before a unit)
 } fused_pass;
+
+static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
+    fused_pass *p = ctx;
+    if (p->outer.pre_unit) p->outer.pre_unit(p->outer.ctx, m, unit, pass);
+}
 
 static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     fused_pass *p = ctx;
+    const fl_optim_sync *sync = p->o->sync;
+    // the unit's gradient: its scratch, or under data parallelism its sum
+    // over ranks, of the part [lo, hi) this rank updates
+    const fl_param_view *v = m->table.views;
+    const void *g = m->gp[first];
+    fl_dtype dt = m->dtype;
+    size_t lo = v[first].offset, hi = v[first + n - 1].offset + v[first + n - 1].numel;
+    if (sync) {
+        g = sync->reduce_rows(sync->ctx, first, n, g, &lo, &hi);
+        dt = FL_F32;
+    }
     if (!p->update || !p->two_pass) // the norm, to clip by or to report
         for (int r = first; r < first + n; r++) {
-            p->row_sq[r] = fl_grad_sumsq(m->dtype, m->gp[r], m->table.views[r].numel);
+            size_t a = v[r].offset > lo ? v[r].offset : lo;
+            size_t b = v[r].offset + v[r].numel < hi ? v[r].offset + v[r].numel : hi;
+            p->row_sq[r] = b > a ? fl_grad_sumsq(dt, fl_at_const(dt, g, a - lo), b - a) : 0.0;
             if (!isfinite(p->row_sq[r])) p->overflow = 1;
         }
     if (p->update)
         FL_PROFILE(FL_OP_OPTIMIZER, FL_BWD, 0.0,
-                   fl_optimizer_update_rows_clip(p->o, first, n, m->gp[first], m->dtype, p->unscale,
-                                                 p->clip_coef));
+                   fl_optimizer_update_range(p->o, first, n, g, lo, dt, p->unscale, p->clip_coef));
+}
+
+// The mean loss over every rank's target tokens (total of them).
+static float batch_loss(const fl_optimizer *o, const fl_model *m, long total) {
+    if (!o->sync) return m->loss;
+    double sum = (double)m->loss * m->n_targets;
+    o->sync->sum(o->sync->ctx, &sum, 1);
+    return total ? (float)(sum / total) : 0.0f;
+}
+
+// Under data parallelism: the rows' sums of squares and the overflow flag
+// over every rank's part.
+static void gather_norm(const fl_optimizer *o, fused_pass *p, int rows) {
+    const fl_optim_sync *sync = o->sync;
+    if (!sync) return;
+    if (!sync->replicated) sync->sum(sync->ctx, p->row_sq, rows);
+    double overflow = p->overflow;
+    sync->max(sync->ctx, &overflow, 1);
+    p->overflow = overflow != 0.0;
 }
 
 // in table order: the same for any unit order or thread count
@@ -59,10 +96,11 @@ static double sum_rows(const double *row_sq, int rows) {
 static float backward_pass(fl_model *m, fused_pass *p, const int *inputs, const int *targets, int B,
                            int T, float dloss, int head_only) {
     if (m->lora.grads) fl_model_zero_grad(m);
-    m->hooks = (fl_model_hooks){NULL, on_grad_ready, p};
+    p->outer = m->hooks;
+    m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, p};
     float loss = head_only ? fl_model_forward_head(m) : fl_model_forward(m, inputs, targets, B, T);
     fl_model_backward(m, dloss);
-    m->hooks = (fl_model_hooks){0};
+    m->hooks = p->outer;
     return loss;
 }
 
@@ -73,16 +111,21 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
     // dropout masks: one per step, the same in both passes
     m->lora.dropout_step = (uint64_t)*fl_optim_step_count(o->rule) + 1;
     size_t BT = (size_t)B * T;
-    long total = 0;
-    for (size_t i = 0; i < BT; i++) total += targets[i] != -1;
+    const fl_optim_sync *sync = o->sync; // data parallelism: the batch is every rank's
+    double count = 0.0;
+    for (size_t i = 0; i < BT; i++) count += targets[i] != -1;
+    if (sync) sync->sum(sync->ctx, &count, 1);
+    long total = (long)count;
     float scale = fl_optimizer_scale(o), unscale = 1.0f / scale;
     float dloss = total ? scale / (float)total : 0.0f;
     fl_train_result r = {0.0f, total, 0.0f, 0, scale};
     double *row_sq = fl_alloc(FL_MEM_WORKSPACE, (size_t)m->table.count * sizeof(double));
     int two_pass = o->cfg.max_grad_norm > 0.0f || m->dtype == FL_F16;
-    fused_pass p = {o, 0, two_pass, row_sq, 0, unscale, 1.0f};
+    fused_pass p = {o, 0, two_pass, row_sq, 0, unscale, 1.0f, {0}};
     if (two_pass) {
-        r.loss = backward_pass(m, &p, inputs, targets, B, T, dloss, 0);
+        backward_pass(m, &p, inputs, targets, B, T, dloss, 0);
+        r.loss = batch_loss(o, m, total);
+        gather_norm(o, &p, m->table.count);
         double sq = sum_rows(row_sq, m->table.count);
         if (p.overflow) {
             r.skipped = 1;
@@ -102,8 +145,10 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
     fl_optimizer_begin_step(o, lr);
     float loss = backward_pass(m, &p, inputs, targets, B, T, dloss, two_pass);
     fl_optimizer_end_step(o);
+    if (sync) sync->updated(sync->ctx); // ZeRO-1/2: every rank's new weights
     if (!two_pass) {
-        r.loss = loss;
+        r.loss = sync ? batch_loss(o, m, total) : loss;
+        gather_norm(o, &p, m->table.count);
         r.grad_norm = (float)sqrt(sum_rows(row_sq, m->table.count)) * unscale;
     }
     fl_free(row_sq);

@@ -1,11 +1,26 @@
 // plan.c: memory planning (see plan.h).
 //
-// What the engine runs is planned exactly: the model and the optimizer each
-// report the sizes they allocate (fl_model_memory, fl_optimizer_memory), and
-// the few buffers a training run adds are listed here. What it does not run
-// yet is planned per rank from the published formulas, starting from the
-// same exact per-tag figures for one rank and moving bytes as the strategy
-// would:
+// What the engine runs is planned exactly: the model, the optimizer and the
+// data-parallel strategy each report the sizes they allocate
+// (fl_model_memory, fl_optimizer_memory_table, fl_dist_memory), and the few
+// buffers a training run adds are listed here. DDP and ZeRO 1-3 are planned
+// for one rank (`rank`, by default rank 0, whose shard is the largest):
+//
+//   the model, whole on every rank; ZeRO-2/3 keep one unit's gradients at a
+//   time (unit_grads) instead of a whole gradient buffer
+//   the optimizer over the rank's range: the whole buffer (DDP) or its shard
+//   (ZeRO), without a whole fp32 gradient sum under ZeRO-2/3 (sharded_grads)
+//   fl_dist_memory: the reduced fp32 gradient of the range, two reduction
+//   buckets, and under ZeRO-3 the shard of the 16-bit weights, the units kept
+//   gathered and the gather ring. ZeRO-3 then frees the whole 16-bit weights
+//   every rank initialised: they count in the peak of tag params (what
+//   decides whether a run fits), and are reported as freed after set-up.
+//
+// What the engine does not run (a raw parameter count; LoRA, NF4 or a fused
+// optimizer with several ranks or a ZeRO stage, which fl_dist_attach
+// refuses; the formula-only --lomo) is planned per rank from the published
+// formulas, starting from the exact per-tag figures for one rank and moving
+// bytes as the strategy would:
 //
 //   ZeRO (Rajbhandari et al. 2020), Psi parameters over N ranks, with
 //   params/grads of the model's dtype and K = master + optimizer bytes per
@@ -15,21 +30,24 @@
 //     stage 2        grads sharded too                              2Psi + (2+K)Psi/N
 //     stage 3        params sharded too                             (2+2+K)Psi/N
 //   A shard is ceil(bytes / N). The fp32 gradient sum of bf16/fp16 runs with
-//   accumulation counts as gradients. Communication buffers (assumed for the
-//   engine's design, counted under FL_MEM_COMM): stage 2 reduce-scatters each
-//   gradient as the backward pass completes it, so it needs the largest
-//   tensor's whole gradient; stage 3 gathers one unit at a time (a block or
-//   the largest tensor), so it needs that unit's whole weights and gradient
-//   (DeepSpeed's estimator: 4 x largest layer in fp16).
+//   accumulation counts as gradients. Communication buffers (counted under
+//   FL_MEM_COMM): stage 2 reduce-scatters each gradient as the backward pass
+//   completes it, so it needs the largest tensor's whole gradient; stage 3
+//   gathers one unit at a time (a block or the largest tensor), so it needs
+//   that unit's whole weights and gradient (DeepSpeed's estimator: 4 x largest
+//   layer in fp16). For a run the engine does plan exactly, the formula's
+//   model states are printed beside the exact ones for comparison.
 //
 //   LOMO (Lv et al. 2023): the update is fused into the backward pass, so
 //   there is no optimizer state, no fp32 master copy (the 16-bit weights are
 //   updated in place, as in the paper), no gradient accumulation and only the
-//   largest tensor's gradient alive at a time.
+//   largest tensor's gradient alive at a time. (`--optimizer lomo` is run by
+//   the engine and planned exactly; `fitlm plan --lomo` is this formula.)
 //
 //   Activation checkpointing is run by the engine, so it is planned exactly:
 //   the model's slot lists say which activations each policy keeps.
 #include "fitlm/plan.h"
+#include "fitlm/dist.h"
 #include "fitlm/train.h"
 
 #include <ctype.h>
@@ -48,6 +66,9 @@ void fl_plan_request_init(fl_plan_request *r) {
     r->optim.eps = 1e-8f;
     r->optim.grad_accum = 1;
     r->ranks = 1;
+    fl_train_config defaults; // zero_optimization's defaults, from the config's own table
+    fl_config_defaults(&defaults);
+    r->zero = defaults.zero;
 }
 
 void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
@@ -65,6 +86,8 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     if (cfg->lora_enabled) r->lora = cfg->lora;
     if (cfg->lora_enabled && cfg->lora.train_base) r->base_optim = fl_config_base_optimizer(cfg);
     r->quant = cfg->quant;
+    r->zero = cfg->zero;
+    r->zero_stage = cfg->zero.stage;
 }
 
 // ----------------------------------------------------------------------------
@@ -102,11 +125,98 @@ static void check_request(const fl_plan_request *r) {
     if (r->ranks < 1) fl_die("plan: ranks must be >= 1 (got %d)", r->ranks);
     if (r->zero_stage < 0 || r->zero_stage > 3)
         fl_die("plan: ZeRO stage must be 0, 1, 2 or 3 (got %d)", r->zero_stage);
+    if (r->rank < 0 || r->rank >= r->ranks)
+        fl_die("plan: rank must be in [0, %d) (got %d)", r->ranks, r->rank);
     if (r->B < 0 || r->T < 0)
         fl_die("plan: micro-batch and sequence length must not be negative (B=%d, T=%d)", r->B,
                r->T);
     if (r->optim.grad_accum < 1)
         fl_die("plan: gradient accumulation steps must be >= 1 (got %d)", r->optim.grad_accum);
+}
+
+// Whether the run is data-parallel: several ranks, or a ZeRO stage (even on
+// one rank), as fl_dist_wanted decides.
+static int dist_of(const fl_plan_request *r) {
+    return r->ranks > 1 || r->zero_stage > 0;
+}
+
+// What fl_dist_attach refuses to run over several ranks or under a ZeRO
+// stage (its check_supported), or NULL; then the figures are formulas.
+static const char *dist_refused(const fl_plan_request *r) {
+    if (lora_of(r)) return "LoRA";
+    if (r->quant.enabled) return "NF4 base weights";
+    if (r->lomo) return "LOMO";
+    return NULL;
+}
+
+static fl_zero_config zero_of(const fl_plan_request *r) {
+    fl_zero_config z = r->zero;
+    z.stage = r->zero_stage;
+    // derived from the optimizer, as fl_config_finish does
+    z.fused_units = fl_optimizer_unit_grads(&r->optim);
+    z.whole_rows = r->optim.kind == FL_OPT_ADALOMO;
+    return z;
+}
+
+// A data-parallel run the engine runs, planned exactly: the optimizer over
+// this rank's range (opt) and what fl_dist_attach allocates (dist, of which
+// ZeRO-3 frees *params_freed bytes of the model's weights after set-up).
+static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
+                            size_t opt[FL_MEM_NTAGS], size_t dist[FL_MEM_NTAGS],
+                            size_t *params_freed, size_t *fused_rows) {
+    fl_zero_config z = zero_of(r);
+    fl_param_table t;
+    fl_model_table(&t, c);
+    // fl_dist_range's: the whole buffer under DDP, the rank's shard under ZeRO
+    size_t begin, end;
+    fl_dist_shard(&z, &t, r->ranks, r->rank, &begin, &end);
+    fl_optimizer_config o = r->optim;
+    o.sharded_grads = z.stage >= 2;                   // as `fitlm train` sets it
+    if (z.fused_units) *fused_rows = (size_t)t.count; // a fused step's row sums
+    fl_optimizer_memory_table(&o, r->dtype, &t, begin, end, opt);
+    // the optimizer's whole fp32 gradient sum (16-bit weights, accumulation)
+    int accum_buffer = opt[FL_MEM_GRADS] != 0;
+    fl_dist_memory(&z, &t, c->n_layer, r->dtype, accum_buffer, r->ranks, r->rank, dist,
+                   params_freed);
+    fl_params_free(&t);
+}
+
+// ZeRO's published formulas (see the top of this file), applied to the
+// per-rank bytes b of the one-rank plan.
+static void zero_by_formula(const fl_plan_request *r, size_t *b, size_t largest, size_t unit,
+                            fl_plan *out) {
+    size_t N = (size_t)r->ranks, ds = fl_dtype_size(r->dtype);
+    if (r->zero_stage >= 1) {
+        b[FL_MEM_MASTER] = ceil_div(b[FL_MEM_MASTER], N);
+        b[FL_MEM_OPTIM] = ceil_div(b[FL_MEM_OPTIM], N);
+    }
+    if (r->zero_stage >= 2) {
+        if (!r->lomo) b[FL_MEM_GRADS] = ceil_div(b[FL_MEM_GRADS], N);
+        if (r->zero_stage == 2) b[FL_MEM_COMM] += largest * ds; // one whole gradient
+    }
+    if (r->zero_stage == 3) {
+        b[FL_MEM_PARAMS] = ceil_div(b[FL_MEM_PARAMS], N);
+        b[FL_MEM_COMM] += 2 * unit * ds; // one gathered unit: weights and gradient
+    }
+    if (r->zero_stage >= 2 && !largest)
+        note_add(out, "communication buffers not counted (tensor sizes unknown)");
+}
+
+static size_t model_states_of(const size_t *b) {
+    return b[FL_MEM_PARAMS] + b[FL_MEM_GRADS] + b[FL_MEM_MASTER] + b[FL_MEM_OPTIM];
+}
+
+// The ZeRO paper's model states for an exactly planned data-parallel run:
+// its formula applied to the same run's one-rank plan.
+static size_t formula_model_states(const fl_plan_request *r, size_t largest, size_t unit) {
+    fl_plan_request one = *r;
+    one.ranks = 1;
+    one.rank = 0;
+    one.zero_stage = 0;
+    fl_plan p;
+    fl_plan_compute(&one, &p);
+    zero_by_formula(r, p.bytes, largest, unit, &p);
+    return model_states_of(p.bytes);
 }
 
 void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
@@ -116,10 +226,14 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     const fl_dtype dt = r->dtype;
     const size_t ds = fl_dtype_size(dt);
     const int shaped = r->num_params == 0;
+    const int dist = dist_of(r);
+    const char *refused = dist ? dist_refused(r) : NULL;
+    const int dist_exact = dist && shaped && !refused;
+    const fl_zero_config zero = zero_of(r);
     const size_t BT = (size_t)r->B * (size_t)r->T;
     fl_model_config c = r->model;
     size_t numel, largest, unit; // parameters; largest tensor; largest ZeRO-3 gather unit
-    size_t opt[FL_MEM_NTAGS] = {0};
+    size_t opt[FL_MEM_NTAGS] = {0}, dist_bytes[FL_MEM_NTAGS] = {0};
     if (shaped) {
         fl_model_config_finish(&c);
         if (r->T > c.max_seq_len)
@@ -130,8 +244,9 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         if (largest > unit) unit = largest;
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
-        fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute, unit_grads_of(r),
-                        lora_of(r), &r->quant, b);
+        fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
+                        dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
+                        &r->quant, b);
     } else {
         numel = r->num_params;
         largest = unit = r->largest_tensor;
@@ -139,7 +254,9 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         b[FL_MEM_GRADS] = numel * ds;
     }
     size_t fused_rows = 0; // a fused step's sums of squares, one per row
-    if (shaped && lora_of(r)) {
+    if (dist_exact) {
+        plan_dist_exact(r, &c, opt, dist_bytes, &out->freed[FL_MEM_PARAMS], &fused_rows);
+    } else if (shaped && lora_of(r)) {
         // the adapters' optimizer over their table; under LoRA + LOMO the
         // base's fused one over the base's
         fl_param_table t, lt;
@@ -164,7 +281,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     } else {
         fl_optimizer_memory(&r->optim, dt, numel, opt);
     }
-    for (int t = 0; t < FL_MEM_NTAGS; t++) b[t] += opt[t];
+    for (int t = 0; t < FL_MEM_NTAGS; t++) b[t] += opt[t] + dist_bytes[t];
 
     // What `fitlm train` allocates besides the model and the optimizer: the
     // data loaders' tables and the tokenizer (measured), the inputs and targets
@@ -183,20 +300,25 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     }
 
     out->num_params = numel;
-    out->runnable = shaped && r->ranks == 1 && r->zero_stage == 0 && !r->lomo;
+    out->runnable = shaped && !r->lomo && (!dist || dist_exact);
+    static const char *const stages[] = {"data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
     if (!out->runnable) {
-        char what[160] = "";
+        char what[200] = "";
         size_t n = 0;
 #define WHAT(...)                                                                                  \
     n += (size_t)snprintf(what + n, n < sizeof what ? sizeof what - n : 0, __VA_ARGS__)
         if (!shaped) WHAT("%s", "a raw parameter count (model states by formula)");
-        static const char *const stages[] = {"data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
-        if (r->ranks > 1 || r->zero_stage > 0)
-            WHAT("%s%s over %d rank%s", n ? ", " : "", stages[r->zero_stage], r->ranks,
-                 r->ranks > 1 ? "s" : "");
-        if (r->lomo) WHAT("%sLOMO", n ? ", " : "");
+        if (dist)
+            WHAT("%s%s%s%s over %d rank%s", n ? ", " : "", refused ? refused : "",
+                 refused ? " with " : "", stages[r->zero_stage], r->ranks, r->ranks > 1 ? "s" : "");
+        else if (r->lomo)
+            WHAT("%sLOMO", n ? ", " : "");
+        if (dist && refused) WHAT("%s", " (fl_dist_attach refuses it; ZeRO formulas)");
 #undef WHAT
         note_add(out, "not runnable yet: %s", what);
+    } else if (dist) {
+        note_add(out, "%s, rank %d of %d%s", stages[r->zero_stage], r->rank, r->ranks,
+                 r->zero_stage > 0 && r->rank == 0 ? " (the largest shard)" : "");
     }
 
     if (r->lomo) {
@@ -207,23 +329,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
             note_add(out, "LOMO's one live gradient not counted (largest tensor unknown)");
         if (r->optim.grad_accum > 1) note_add(out, "LOMO cannot accumulate gradients");
     }
-    if (r->ranks > 1 || r->zero_stage > 0) {
-        size_t N = (size_t)r->ranks;
-        if (r->zero_stage >= 1) {
-            b[FL_MEM_MASTER] = ceil_div(b[FL_MEM_MASTER], N);
-            b[FL_MEM_OPTIM] = ceil_div(b[FL_MEM_OPTIM], N);
-        }
-        if (r->zero_stage >= 2) {
-            if (!r->lomo) b[FL_MEM_GRADS] = ceil_div(b[FL_MEM_GRADS], N);
-            if (r->zero_stage == 2) b[FL_MEM_COMM] += largest * ds; // one whole gradient
-        }
-        if (r->zero_stage == 3) {
-            b[FL_MEM_PARAMS] = ceil_div(b[FL_MEM_PARAMS], N);
-            b[FL_MEM_COMM] += 2 * unit * ds; // one gathered unit: weights and gradient
-        }
-        if (r->zero_stage >= 2 && !largest)
-            note_add(out, "communication buffers not counted (tensor sizes unknown)");
-    }
+    if (dist && !dist_exact) zero_by_formula(r, b, largest, unit, out);
     if (!shaped) note_add(out, "no activations (no model shape)");
     if (shaped && (lora_of(r) || r->quant.enabled)) {
         fl_param_table t, lt = {0};
@@ -242,7 +348,8 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     }
 
     for (int t = 0; t < FL_MEM_NTAGS; t++) out->total += b[t];
-    out->model_states = b[FL_MEM_PARAMS] + b[FL_MEM_GRADS] + b[FL_MEM_MASTER] + b[FL_MEM_OPTIM];
+    out->model_states = model_states_of(b);
+    if (dist_exact) out->formula_model_states = formula_model_states(r, largest, unit);
 }
 
 // ----------------------------------------------------------------------------
@@ -275,6 +382,19 @@ void fl_plan_print(const fl_plan *p, FILE *out) {
                 p->model_states, p->model_states / 1e9, (double)p->model_states / p->num_params,
                 p->num_params, (double)p->total / p->num_params);
     }
+    for (int t = 0; t < FL_MEM_NTAGS; t++)
+        if (p->freed[t])
+            fprintf(out,
+                    "%s: the peak holds the whole weights (%zu bytes) every rank "
+                    "initialises before keeping its shard; from the first step on: %zu bytes\n",
+                    fl_mem_tag_name(t), p->freed[t], p->bytes[t] - p->freed[t]);
+    if (p->formula_model_states)
+        fprintf(out,
+                "ZeRO paper's formula (Rajbhandari et al. 2020) for the same run: model states "
+                "%zu bytes (%.2f bytes/param), the engine's %+.1f%% from it\n",
+                p->formula_model_states, (double)p->formula_model_states / p->num_params,
+                100.0 * ((double)p->model_states - (double)p->formula_model_states) /
+                    (double)p->formula_model_states);
     if (p->runnable)
         fprintf(out, "runnable: yes (the engine's exact allocation sizes)%s%s\n",
                 *p->note ? "; " : "", p->note);
@@ -340,6 +460,31 @@ static void put_fit(sink *s, const char *flags, const fl_plan_request *base,
     s->lines++;
 }
 
+// Whether ZeRO-3's gathered weights fit in stage3_max_live_parameters, which
+// the engine (and fl_dist_memory) refuses otherwise: the embedding and the
+// units under the persistence threshold stay gathered, plus the largest
+// other unit in the ring (zero.c's stage3_layout).
+static int stage3_live_ok(const fl_plan_request *r) {
+    fl_model_config c = r->model;
+    fl_model_config_finish(&c);
+    fl_param_table t;
+    fl_model_table(&t, &c);
+    int n_units = c.n_layer + 2;
+    size_t *per = fl_alloc(FL_MEM_OTHER, (size_t)n_units * sizeof(size_t));
+    for (int k = 0; k < t.count; k++) per[t.views[k].unit + 1] += t.views[k].numel;
+    double resident = 0.0, ring = 0.0;
+    for (int u = 0; u < n_units; u++) {
+        double n = (double)per[u];
+        if (u == 0 || n < r->zero.param_persistence_threshold)
+            resident += n;
+        else if (n > ring)
+            ring = n;
+    }
+    fl_free(per);
+    fl_params_free(&t);
+    return !ring || resident + ring <= r->zero.max_live_parameters;
+}
+
 void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size) {
     sink s = {buf, size, 0, 0};
     if (size) buf[0] = 0;
@@ -381,23 +526,29 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
         if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
             put_fit(&s, "--lomo", r, &v, total, runnable, per);
     }
-    for (int stage = 2; stage <= 3; stage++) {
-        if (r->zero_stage >= stage) continue;
-        for (int N = r->ranks > 1 ? r->ranks * 2 : 2; N <= 4096; N *= 2) {
+    // ZeRO: for each stage above the request's, the fewest ranks (each with
+    // `limit` bytes: one per machine, as the ranks of one machine share its
+    // memory) that fit; a higher stage only when it needs fewer ranks
+    int fewest = 0;
+    for (int stage = r->zero_stage + 1; stage <= 3; stage++) {
+        if (stage == 3 && shaped && !stage3_live_ok(r)) continue;
+        for (int N = r->ranks > 1 ? r->ranks : 2; N <= 4096 && (!fewest || N < fewest); N *= 2) {
             v = *r;
             v.ranks = N;
+            v.rank = 0;
             v.zero_stage = stage;
             if ((total = fit_by_batch(r, &v, r->B, limit, &runnable))) {
                 char flags[64];
                 snprintf(flags, sizeof flags, "--ranks %d --zero-stage %d", N, stage);
-                put_fit(&s, flags, r, &v, total, runnable, " per rank");
+                put_fit(&s, flags, r, &v, total, runnable, " per rank, one rank per machine");
+                fewest = N;
                 break;
             }
         }
     }
     if (!s.lines)
         put(&s, "  (none of: a smaller micro-batch, bf16, activation checkpointing, "
-                "LOMO, ZeRO-2/3 up to 4096 ranks)\n");
+                "LOMO, ZeRO-1/2/3 up to 4096 ranks)\n");
 }
 
 void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit) {

@@ -89,6 +89,10 @@ void fl_config_finish(fl_train_config *cfg) {
         fl_die("seq_len %d exceeds model.max_seq_len %d", cfg->seq_len, m->max_seq_len);
     strcpy(cfg->model_arch, fl_arch_name(m->arch));
     fl_config_check(cfg);
+    // what data parallelism needs to know of the optimizer
+    fl_optimizer_config o = fl_config_optimizer(cfg);
+    cfg->zero.fused_units = fl_optimizer_unit_grads(&o);
+    cfg->zero.whole_rows = o.kind == FL_OPT_ADALOMO;
 }
 
 void fl_config_set_lora(fl_train_config *cfg, const fl_lora_config *adapter, const char *source) {

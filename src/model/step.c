@@ -5,8 +5,9 @@
 fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int micro, int B, int T, float lr) {
     FL_ASSERT(micro == o->cfg.grad_accum);
-    if (m->unit_grads && fl_optim_kind_fused(o->cfg.kind)) { // fused into the backward pass
-        FL_ASSERT(micro == 1);
+    // an optimizer fused into the backward pass, one micro-batch (with
+    // accumulation, ZeRO-2/3's unit gradients go through the loop below)
+    if (m->unit_grads && fl_optim_kind_fused(o->cfg.kind) && micro == 1) {
         return fl_fused_step(m, o, inputs, targets, B, T, lr);
     }
     size_t BT = (size_t)B * T;

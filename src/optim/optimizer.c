@@ -137,11 +137,9 @@ void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const 
     fl_optimizer_update_rows_clip(o, first_row, n_rows, grads, grads_dtype, grad_scale, 1.0f);
 }
 
-// update_rows_clip with `grads` holding the gradient of flat element
-// grads_first on.
-static void update_rows_at(fl_optimizer *o, int first_row, int n_rows, const void *grads,
-                           size_t grads_first, fl_dtype grads_dtype, float grad_scale,
-                           float clip_coef) {
+void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                               size_t grads_first, fl_dtype grads_dtype, float grad_scale,
+                               float clip_coef) {
     FL_ASSERT(first_row >= 0 && n_rows >= 0 && first_row + n_rows <= o->table->count);
     fl_optim_rule *r = o->rule;
     int fused = fl_optim_kind_fused(o->cfg.kind);
@@ -152,7 +150,7 @@ static void update_rows_at(fl_optimizer *o, int first_row, int n_rows, const voi
         const fl_param_view *v = &o->table->views[k];
         size_t lo = v->offset > r->state_begin ? v->offset : r->state_begin;
         size_t hi = v->offset + v->numel < r->state_end ? v->offset + v->numel : r->state_end;
-        if (lo >= hi) continue; // outside this optimizer's range
+        if (lo >= hi) continue;           // outside this optimizer's range
         size_t at = lo - o->params_first; // in o->params
         float *params = o->master            ? o->master + (lo - r->state_begin)
                         : o->dtype == FL_F32 ? (float *)o->params + at
@@ -176,7 +174,8 @@ static void update_rows_at(fl_optimizer *o, int first_row, int n_rows, const voi
 void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,
                                    fl_dtype grads_dtype, float grad_scale, float clip_coef) {
     size_t base = n_rows ? o->table->views[first_row].offset : 0; // where `grads` starts
-    update_rows_at(o, first_row, n_rows, grads, base, grads_dtype, grad_scale, clip_coef);
+    fl_optimizer_update_range(o, first_row, n_rows, grads, base, grads_dtype, grad_scale,
+                              clip_coef);
 }
 
 void fl_optimizer_end_step(fl_optimizer *o) {
@@ -215,7 +214,7 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
     }
     float unscale = 1.0f / o->scaler.scale;
     double sumsq = fl_grad_sumsq(grads_dtype, grads, n);
-    if (sync) sync->sum(sync->ctx, &sumsq, 1);
+    if (sync && !sync->replicated) sync->sum(sync->ctx, &sumsq, 1);
     r.grad_norm = (float)sqrt(sumsq) * unscale;
     if (!isfinite(r.grad_norm)) {
         // an inf or NaN gradient outside fp16's scaling: skipped like an
@@ -228,9 +227,10 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
     fl_optimizer_begin_step(o, lr);
     float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
     if (fl_optim_kind_fused(o->cfg.kind)) // LOMO's order: clamp the unscaled g, then coef
-        update_rows_at(o, 0, o->table->count, grads, first, grads_dtype, unscale, coef);
+        fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, unscale, coef);
     else
-        update_rows_at(o, 0, o->table->count, grads, first, grads_dtype, unscale * coef, 1.0f);
+        fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, unscale * coef,
+                                  1.0f);
     fl_optimizer_end_step(o);
     if (sync) sync->updated(sync->ctx);
     return r;

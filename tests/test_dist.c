@@ -1,0 +1,448 @@
+// test_dist: data parallelism (DDP and ZeRO stages 1-3) gives the run of one
+// process with the same global batch. CTest starts it under mpirun with 2
+// and 4 ranks (and once over TCP), and once alone (one rank: the shards are
+// the whole buffer). Every rank also runs the one-process reference itself,
+// so each rank checks its own result without any exchange but the strategy's.
+//
+// Tolerances: fp32 losses within 1e-6 relative and final weights within
+// 1e-6 relative (norm of the difference over the norm); the strategy sums
+// each gradient over ranks in another order than one GEMM does, which is the
+// only difference. bf16 and fp16: 16-bit gradients are rounded per rank
+// before the fp32 sum instead of once, and weights are compared after their
+// rounding to 16 bits: losses within 2e-3 relative, weights within 1e-2.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitlm/comm.h"
+#include "fitlm/config.h"
+#include "fitlm/dist.h"
+#include "fitlm/train.h"
+#include "testlib.h"
+
+enum { B = 2, T = 16, STEPS = 20, V = 97 };
+#define LR 2e-3f
+
+typedef struct {
+    const char *name;
+    fl_arch_kind arch;
+    fl_dtype dt;
+    int stage, accum;
+    fl_recompute recompute;
+    // zero_optimization overrides (0: defaults)
+    float bucket, prefetch, live, persistence;
+    int no_overlap, no_reduce_scatter, no_reuse, tied;
+    fl_optim_kind kind; // AdamW unless set
+    float clip;         // gradient clipping (default 1.0; -1: none)
+} dist_case;
+
+// learning rates at which 20 steps lower the loss: AdamW's, plain SGD's
+// (LOMO) and AdaLomo's (a multiple of each tensor's RMS)
+static float lr_of(const dist_case *c) {
+    if (c->kind == FL_OPT_LOMO) return c->clip < 0 ? 0.2f : 0.5f;
+    return c->kind == FL_OPT_ADALOMO ? 0.05f : LR;
+}
+
+static fl_model_config shape(const dist_case *c) {
+    fl_model_config mc = {.arch = c->arch,
+                          .max_seq_len = T,
+                          .vocab_size = V,
+                          .n_layer = 3,
+                          .n_head = 4,
+                          .n_embd = 32,
+                          .tie_embeddings = c->arch == FL_ARCH_GPT2 || c->tied};
+    if (c->arch == FL_ARCH_LLAMA) {
+        mc.n_kv_head = 2;
+        mc.intermediate_size = 48;
+    }
+    fl_model_config_finish(&mc);
+    return mc;
+}
+
+static fl_zero_config zero_of(const dist_case *c) {
+    fl_zero_config z = {.stage = c->stage,
+                        .reduce_bucket_size = c->bucket ? c->bucket : 5e8f,
+                        .allgather_bucket_size = c->bucket ? c->bucket : 5e8f,
+                        .overlap_comm = !c->no_overlap,
+                        .contiguous_gradients = 1,
+                        .reduce_scatter = !c->no_reduce_scatter,
+                        .prefetch_bucket_size = c->prefetch ? c->prefetch : 5e7f,
+                        .max_live_parameters = c->live ? c->live : 1e9f,
+                        .max_reuse_distance = c->no_reuse ? 0.0f : 1e9f,
+                        .param_persistence_threshold = c->persistence ? c->persistence : 1e5f,
+                        .model_persistence_threshold = 1e18f,
+                        .comm_timeout = 60,
+                        .fused_units = fl_optim_kind_fused(c->kind) && c->accum == 1,
+                        .whole_rows = c->kind == FL_OPT_ADALOMO};
+    return z;
+}
+
+// The global batch of a step: micro-batch k holds world*B sequences, rank r
+// takes the r-th B of them.
+static void batch(int step, int accum, int world, int *inputs, int *targets) {
+    size_t n = (size_t)accum * world * B * T;
+    uint64_t s = 0x9E3779B97F4A7C15ull * (uint64_t)(step + 1);
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        inputs[i] = (int)(s % V);
+        // a learnable rule, and a few masked targets, so that ranks hold
+        // different numbers of target tokens
+        targets[i] = (s >> 20) % 11 == 0 ? -1 : (inputs[i] * 7 + 3) % V;
+    }
+}
+
+typedef struct {
+    float loss[STEPS];
+    float *weights; // whole, fp32, table order
+} run_result;
+
+// Trains STEPS steps: with a strategy over the world (dist), or alone on the
+// whole global batch.
+static void train(const dist_case *c, int dist, run_result *out) {
+    int world = fl_comm_size(), rank = fl_comm_rank();
+    fl_model_config mc = shape(c);
+    fl_zero_config z = zero_of(c);
+    int parts = dist ? world : 1, Bm = dist ? B : B * world; // sequences per forward here
+    fl_model m;
+    fl_model_init(&m, &mc, c->dt, 42);
+    fl_optimizer_config probe = {.kind = c->kind, .grad_accum = c->accum};
+    fl_model_alloc_acts(&m, Bm, T, c->recompute,
+                        dist ? fl_dist_unit_grads(&z) : fl_optimizer_unit_grads(&probe));
+    fl_train_config defaults;
+    fl_config_defaults(&defaults);
+    if (c->kind == FL_OPT_LOMO) strcpy(defaults.optimizer, "lomo");
+    if (c->kind == FL_OPT_ADALOMO) strcpy(defaults.optimizer, "adalomo");
+    fl_optimizer_config oc = fl_config_optimizer(&defaults);
+    oc.grad_accum = c->accum;
+    if (c->clip) oc.max_grad_norm = c->clip < 0 ? 0.0f : c->clip;
+    oc.sharded_grads = dist && c->stage >= 2;
+    size_t begin = 0, end = m.table.numel;
+    if (dist) fl_dist_range(&z, &m.table, &begin, &end);
+    fl_optimizer o;
+    fl_optimizer_init_range(&o, &oc, &m.table, c->dt, m.params, m.grads, begin, end);
+    fl_dist *d = dist ? fl_dist_attach(&m, &o, &z) : NULL;
+
+    size_t global = (size_t)c->accum * world * B * T, mine = (size_t)c->accum * Bm * T;
+    int *gi = malloc(global * sizeof(int)), *gt = malloc(global * sizeof(int));
+    int *in = malloc(mine * sizeof(int)), *tg = malloc(mine * sizeof(int));
+    for (int step = 0; step < STEPS; step++) {
+        batch(step, c->accum, world, gi, gt);
+        // this process's micro-batches: rank r's slice of each global one
+        for (int k = 0; k < c->accum; k++) {
+            size_t from = ((size_t)k * world + (dist ? rank : 0)) * B * T;
+            size_t len = (size_t)Bm * T;
+            memcpy(in + k * len, gi + from, len * sizeof(int));
+            memcpy(tg + k * len, gt + from, len * sizeof(int));
+        }
+        (void)parts;
+        fl_train_result r = fl_train_step(&m, &o, in, tg, c->accum, Bm, T, lr_of(c));
+        out->loss[step] = r.loss;
+    }
+    // the final weights, whole (stage 3 gathers them row by row)
+    out->weights = malloc(m.table.numel * sizeof(float));
+    void *row = malloc(m.table.numel * fl_dtype_size(c->dt));
+    for (int r = 0; r < m.table.count; r++) {
+        const fl_param_view *v = &m.table.views[r];
+        if (d)
+            fl_dist_gather_row(d, r, row);
+        else
+            memcpy(row, fl_at(c->dt, m.params, v->offset), v->numel * fl_dtype_size(c->dt));
+        fl_convert(FL_F32, out->weights + v->offset, c->dt, row, v->numel);
+    }
+    free(row);
+    free(gi);
+    free(gt);
+    free(in);
+    free(tg);
+    fl_dist_free(d);
+    fl_optimizer_free(&o);
+    fl_model_free(&m);
+}
+
+static double rel_diff(const float *a, const float *b, size_t n) {
+    double d = 0.0, s = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        s += (double)b[i] * b[i];
+    }
+    return sqrt(d / s);
+}
+
+static void check_case(const dist_case *c) {
+    run_result got, want;
+    train(c, 1, &got);
+    train(c, 0, &want);
+    double loss_tol = c->dt == FL_F32 ? 1e-6 : 2e-3, w_tol = c->dt == FL_F32 ? 1e-6 : 1e-2;
+    double worst = 0.0;
+    for (int s = 0; s < STEPS; s++) {
+        double r = fabs((double)got.loss[s] - want.loss[s]) / fabs((double)want.loss[s]);
+        if (r > worst) worst = r;
+    }
+    fl_model_config mc = shape(c);
+    size_t n = fl_model_num_params(&mc);
+    // GPT-2's key bias has an exact gradient of zero (softmax does not see a
+    // shift of every score), so AdamW turns its rounding noise into steps of
+    // up to lr: it is compared apart, within lr per step
+    double key_bias = 0.0;
+    if (c->arch == FL_ARCH_GPT2) {
+        fl_param_table t;
+        fl_model_table(&t, &mc);
+        size_t C = (size_t)mc.n_embd;
+        for (int r = 0; r < t.count; r++)
+            if (strstr(t.views[r].name, "c_attn.bias"))
+                for (size_t i = t.views[r].offset + C; i < t.views[r].offset + 2 * C; i++) {
+                    double e = fabs((double)got.weights[i] - want.weights[i]);
+                    key_bias = e > key_bias ? e : key_bias;
+                    got.weights[i] = want.weights[i];
+                }
+        fl_params_free(&t);
+    }
+    double wd = rel_diff(got.weights, want.weights, n);
+    int world = fl_comm_size(), rank = fl_comm_rank();
+    t_check(worst <= loss_tol,
+            "rank %d/%d %s: losses within %g relative of one process (worst %.3g)", rank, world,
+            c->name, loss_tol, worst);
+    t_check(wd <= w_tol, "rank %d/%d %s: final weights within %g relative (%.3g)", rank, world,
+            c->name, w_tol, wd);
+    t_check(key_bias <= lr_of(c) * STEPS, "rank %d/%d %s: the key bias within lr x steps (%.3g)",
+            rank, world, c->name, key_bias);
+    t_check(got.loss[STEPS - 1] < got.loss[0] - 0.05f,
+            "rank %d/%d %s: the loss falls (%.4f -> %.4f)", rank, world, c->name, got.loss[0],
+            got.loss[STEPS - 1]);
+    free(got.weights);
+    free(want.weights);
+}
+
+int main(int argc, char **argv) {
+    fl_comm_init(&argc, &argv);
+    fl_set_threads(1); // ranks share the cores
+    const fl_arch_kind G = FL_ARCH_GPT2, L = FL_ARCH_LLAMA;
+    const fl_recompute none = FL_RECOMPUTE_NONE, blk = FL_RECOMPUTE_BLOCK;
+    const dist_case cases[] = {
+        {.name = "gpt2 fp32 DDP",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 0,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 fp32 ZeRO-1",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 1,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 fp32 ZeRO-2",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 2,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 fp32 ZeRO-3",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 3,
+         .accum = 2,
+         .recompute = none},
+        {.name = "llama fp32 DDP",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 0,
+         .accum = 2,
+         .recompute = none},
+        {.name = "llama fp32 ZeRO-1",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 1,
+         .accum = 2,
+         .recompute = none},
+        {.name = "llama fp32 ZeRO-2",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 2,
+         .accum = 2,
+         .recompute = none},
+        {.name = "llama fp32 ZeRO-3",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 3,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 bf16 DDP",
+         .arch = G,
+         .dt = FL_BF16,
+         .stage = 0,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 bf16 ZeRO-1",
+         .arch = G,
+         .dt = FL_BF16,
+         .stage = 1,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 bf16 ZeRO-2",
+         .arch = G,
+         .dt = FL_BF16,
+         .stage = 2,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 bf16 ZeRO-3",
+         .arch = G,
+         .dt = FL_BF16,
+         .stage = 3,
+         .accum = 2,
+         .recompute = none},
+        {.name = "llama bf16 DDP",
+         .arch = L,
+         .dt = FL_BF16,
+         .stage = 0,
+         .accum = 1,
+         .recompute = none},
+        {.name = "llama bf16 ZeRO-1",
+         .arch = L,
+         .dt = FL_BF16,
+         .stage = 1,
+         .accum = 2,
+         .recompute = none},
+        {.name = "llama bf16 ZeRO-2",
+         .arch = L,
+         .dt = FL_BF16,
+         .stage = 2,
+         .accum = 2,
+         .recompute = none},
+        {.name = "llama bf16 ZeRO-3",
+         .arch = L,
+         .dt = FL_BF16,
+         .stage = 3,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 fp16 ZeRO-2",
+         .arch = G,
+         .dt = FL_F16,
+         .stage = 2,
+         .accum = 2,
+         .recompute = none},
+        {.name = "gpt2 fp32 ZeRO-3 + checkpointing",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 3,
+         .accum = 2,
+         .recompute = blk},
+        {.name = "llama bf16 ZeRO-3 + checkpointing",
+         .arch = L,
+         .dt = FL_BF16,
+         .stage = 3,
+         .accum = 2,
+         .recompute = blk},
+        // the keys' other settings: small buckets split units, no overlap,
+        // all-reduce instead of reduce-scatter, no prefetch, no reuse,
+        // no persistent units, a tied LLaMA head
+        {.name = "gpt2 fp32 DDP small buckets",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 0,
+         .accum = 2,
+         .recompute = none,
+         .bucket = 1000},
+        {.name = "gpt2 bf16 ZeRO-1 small buckets, no overlap",
+         .arch = G,
+         .dt = FL_BF16,
+         .stage = 1,
+         .accum = 2,
+         .recompute = none,
+         .bucket = 777,
+         .no_overlap = 1},
+        {.name = "llama fp32 ZeRO-2 all-reduce, small buckets",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 2,
+         .accum = 2,
+         .recompute = none,
+         .bucket = 900,
+         .no_reduce_scatter = 1},
+        {.name = "llama fp32 ZeRO-2 no overlap",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 2,
+         .accum = 1,
+         .recompute = none,
+         .no_overlap = 1},
+        {.name = "llama fp32 ZeRO-3 no prefetch, no reuse, nothing persistent",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 3,
+         .accum = 2,
+         .recompute = none,
+         .prefetch = 1,
+         .persistence = 1,
+         .no_reuse = 1},
+        // LOMO and AdaLomo, fused into the backward pass (one micro-batch),
+        // with and without clipping's first pass, and through the
+        // accumulation path
+        {.name = "gpt2 fp32 DDP lomo",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 0,
+         .accum = 1,
+         .recompute = none,
+         .kind = FL_OPT_LOMO},
+        {.name = "llama fp32 ZeRO-3 lomo",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 3,
+         .accum = 1,
+         .recompute = none,
+         .kind = FL_OPT_LOMO},
+        {.name = "gpt2 fp32 ZeRO-2 lomo, no clipping",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 2,
+         .accum = 1,
+         .recompute = none,
+         .kind = FL_OPT_LOMO,
+         .clip = -1},
+        {.name = "gpt2 bf16 ZeRO-3 lomo",
+         .arch = G,
+         .dt = FL_BF16,
+         .stage = 3,
+         .accum = 1,
+         .recompute = none,
+         .kind = FL_OPT_LOMO},
+        {.name = "llama fp32 ZeRO-3 adalomo",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 3,
+         .accum = 1,
+         .recompute = none,
+         .kind = FL_OPT_ADALOMO},
+        {.name = "gpt2 fp32 ZeRO-1 adalomo, no clipping",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 1,
+         .accum = 1,
+         .recompute = none,
+         .kind = FL_OPT_ADALOMO,
+         .clip = -1},
+        {.name = "llama fp32 ZeRO-2 lomo with accumulation",
+         .arch = L,
+         .dt = FL_F32,
+         .stage = 2,
+         .accum = 2,
+         .recompute = none,
+         .kind = FL_OPT_LOMO},
+        {.name = "llama bf16 ZeRO-3 tied head, deep prefetch",
+         .arch = L,
+         .dt = FL_BF16,
+         .stage = 3,
+         .accum = 2,
+         .recompute = none,
+         .prefetch = 1e9f,
+         .tied = 1},
+    };
+    // --quick (the TCP run): the four stages once
+    int quick = argc > 1 && !strcmp(argv[1], "--quick");
+    for (size_t i = 0; i < (quick ? 4 : sizeof cases / sizeof cases[0]); i++) check_case(&cases[i]);
+    return fl_comm_finalize(t_report());
+}

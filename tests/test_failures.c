@@ -1,0 +1,433 @@
+// test_failures.c: a data-parallel run (mpirun -np 2 fitlm train) whose rank
+// is killed, hangs or fails ends at once, non-zero, with a message naming
+// the rank; and two ranks over TCP train exactly as over shared memory.
+//
+// Each case starts mpirun in the background with its output on pipes, finds
+// a rank's process (a child of mpirun whose environment says its rank),
+// waits for training to run, does the damage and times the job's end from
+// that moment. Every job has a deadline after which the test ends it
+// itself, so the test never hangs.
+#include <ctype.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "testlib.h"
+
+// Seconds any one job may take before the test ends it (ASan included).
+#define JOB_DEADLINE 90.0
+
+// One training run, with the words that make it quick and endless: it is
+// ended by the test, or by --steps when given again later on the line.
+#define TRAIN                                                                                      \
+    "train --model tiny --data data/brown_byte --tokenizer byte --seq-len 32 --threads 1 "         \
+    "--sample-tokens 0 --val-data none --out '' --steps 100000"
+
+typedef struct {
+    pid_t pid; // mpirun
+    int out, err;
+    char *text[2]; // stdout, stderr so far (NUL-terminated)
+    size_t len[2], cap[2];
+    int status, done;
+    double started, ended;
+} job;
+
+static job *running; // for the alarm's last resort
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// Starts `mpirun.openmpi --bind-to none MPIRUN_ARGS` through the shell
+// in the source tree (the data paths are relative), with `env` (NAME=VALUE
+// strings, NULL-terminated, may be NULL) added.
+static void job_start(job *j, const char *mpirun_args, const char *const *env) {
+    *j = (job){.pid = -1, .out = -1, .err = -1};
+    for (int k = 0; k < 2; k++) {
+        j->cap[k] = 1 << 16;
+        j->text[k] = calloc(1, j->cap[k]);
+    }
+    int po[2], pe[2];
+    if (pipe(po) || pipe(pe)) {
+        j->done = 1, j->status = 127 << 8; // as if it had exited with 127
+        return;
+    }
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "exec mpirun.openmpi --bind-to none %s", mpirun_args);
+    fflush(stdout);
+    fflush(stderr);
+    j->started = now();
+    j->pid = fork();
+    if (j->pid == 0) {
+        dup2(po[1], 1);
+        dup2(pe[1], 2);
+        close(po[0]), close(po[1]), close(pe[0]), close(pe[1]);
+        for (int i = 0; env && env[i]; i++) putenv((char *)env[i]);
+        if (chdir(t_source_path("")) != 0) _exit(126);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    close(po[1]), close(pe[1]);
+    j->out = po[0], j->err = pe[0];
+    if (j->pid < 0) {
+        close(j->out), close(j->err);
+        j->out = j->err = -1;
+        j->done = 1, j->status = 127 << 8;
+    }
+    running = j;
+}
+
+// Appends what fd has to text k. stdout, rank 0's progress, is endless: past
+// 1 MiB only its second half is kept.
+static int job_read(job *j, int k) {
+    int fd = k ? j->err : j->out;
+    if (j->len[k] + 4096 + 1 > j->cap[k]) {
+        if (j->cap[k] < (1u << 20)) {
+            j->cap[k] *= 2;
+            j->text[k] = realloc(j->text[k], j->cap[k]);
+        } else {
+            size_t half = j->len[k] / 2;
+            memmove(j->text[k], j->text[k] + half, j->len[k] - half);
+            j->len[k] -= half;
+        }
+    }
+    ssize_t n = read(fd, j->text[k] + j->len[k], 4096);
+    if (n > 0) j->len[k] += (size_t)n;
+    j->text[k][j->len[k]] = 0;
+    return (int)n;
+}
+
+// Reads output for up to `seconds`, or until stdout holds `until` (when not
+// NULL) or the job has ended with its output closed. Returns whether the
+// job has ended.
+static int job_pump(job *j, double seconds, const char *until) {
+    double end = now() + seconds;
+    while (!j->done || j->out >= 0 || j->err >= 0) {
+        if (until && strstr(j->text[0], until)) break;
+        double left = end - now();
+        if (left <= 0) break;
+        struct pollfd p[2] = {{.fd = j->out, .events = POLLIN}, {.fd = j->err, .events = POLLIN}};
+        poll(p, 2, left < 0.02 ? 1 : 20);
+        for (int k = 0; k < 2; k++)
+            if (p[k].fd >= 0 && (p[k].revents & (POLLIN | POLLHUP)) && job_read(j, k) <= 0) {
+                close(p[k].fd);
+                *(k ? &j->err : &j->out) = -1;
+            }
+        if (!j->done && waitpid(j->pid, &j->status, WNOHANG) == j->pid) {
+            j->done = 1;
+            j->ended = now();
+        }
+    }
+    return j->done;
+}
+
+// mpirun's exit status the way a shell reports it (128 + a signal).
+static int job_rc(const job *j) {
+    if (!j->done) return -1;
+    return WIFEXITED(j->status) ? WEXITSTATUS(j->status) : 128 + WTERMSIG(j->status);
+}
+
+// A /proc file, read to its end (its size reads as 0), NUL-terminated
+// (free() it); NULL when it cannot be opened.
+static char *read_proc(const char *path, size_t *n) {
+    int fd = open(path, O_RDONLY);
+    *n = 0;
+    if (fd < 0) return NULL;
+    size_t cap = 4096;
+    char *b = malloc(cap);
+    ssize_t r;
+    while (b && (r = read(fd, b + *n, cap - 1 - *n)) > 0) {
+        *n += (size_t)r;
+        if (*n + 1 < cap) continue;
+        char *more = realloc(b, cap *= 2);
+        if (!more) free(b);
+        b = more;
+    }
+    close(fd);
+    if (b) b[*n] = 0;
+    return b;
+}
+
+// The process of rank `rank`: a child of mpirun whose environment holds
+// OMPI_COMM_WORLD_RANK=rank. 0 when there is none (yet).
+static pid_t rank_pid(pid_t mpirun, int rank) {
+    DIR *d = opendir("/proc");
+    if (!d) return 0;
+    char want[64];
+    int wlen = snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", rank);
+    pid_t found = 0;
+    struct dirent *e;
+    while (!found && (e = readdir(d))) {
+        if (!isdigit((unsigned char)e->d_name[0])) continue;
+        char path[300];
+        snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+        size_t n;
+        char *stat = read_proc(path, &n);
+        char *paren = stat ? strrchr(stat, ')') : NULL;
+        int ppid = 0;
+        if (paren) sscanf(paren + 1, " %*c %d", &ppid);
+        free(stat);
+        if (ppid != mpirun) continue;
+        snprintf(path, sizeof path, "/proc/%s/environ", e->d_name);
+        char *env = read_proc(path, &n);
+        if (!env) continue;
+        for (size_t i = 0; i < n; i += strlen(env + i) + 1)
+            if (strncmp(env + i, want, (size_t)wlen) == 0 && env[i + (size_t)wlen] == 0)
+                found = (pid_t)atoi(e->d_name);
+        free(env);
+    }
+    closedir(d);
+    return found;
+}
+
+// Whether process pid is gone: no entry, a zombie waiting for its parent,
+// or another program by now (its pid reused), which is never to be killed.
+static int process_gone(pid_t pid) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    size_t n;
+    char *stat = read_proc(path, &n);
+    char *paren = stat ? strrchr(stat, ')') : NULL;
+    int gone = !paren || paren[2] == 'Z' || paren[2] == 'X' || !strstr(stat, " (fitlm) ");
+    free(stat);
+    return gone;
+}
+
+// Ends a job that outlived its deadline: mpirun ends its ranks on SIGTERM;
+// a rank still there after that (stopped, say) is killed by its pid.
+static void job_end(job *j, pid_t rank0, pid_t rank1) {
+    if (j->pid > 0 && !j->done) {
+        kill(j->pid, SIGTERM);
+        if (!job_pump(j, 10.0, NULL)) {
+            kill(j->pid, SIGKILL);
+            job_pump(j, 5.0, NULL);
+        }
+    }
+    pid_t ranks[2] = {rank0, rank1};
+    for (int i = 0; i < 2; i++)
+        if (ranks[i] > 0 && !process_gone(ranks[i])) {
+            kill(ranks[i], SIGKILL);
+            kill(ranks[i], SIGCONT);
+        }
+}
+
+static void job_free(job *j) {
+    if (j->out >= 0) close(j->out);
+    if (j->err >= 0) close(j->err);
+    free(j->text[0]), free(j->text[1]);
+    running = NULL;
+}
+
+// The alarm's last resort, should a case's own deadline fail: end mpirun.
+static void on_alarm(int sig) {
+    (void)sig;
+    if (running && running->pid > 0) kill(running->pid, SIGKILL);
+    static const char msg[] = "FAIL: test_failures ran out of time\n";
+    if (write(2, msg, sizeof msg - 1) < 0) _exit(2);
+    _exit(1);
+}
+
+// Starts a 2-rank run (mpirun -q unless loud) with `extra` train flags,
+// waits for step 3 and returns the pid of rank `rank` (0 on failure,
+// checked).
+static pid_t start_training(job *j, const char *what, const char *extra, int loud, int rank) {
+    char args[4096];
+    snprintf(args, sizeof args, "%s-np 2 %s %s %s", loud ? "" : "-q ", getenv("FITLM_BINARY"),
+             TRAIN, extra);
+    job_start(j, args, NULL);
+    job_pump(j, JOB_DEADLINE, "step 3/100000");
+    pid_t pid = j->done ? 0 : rank_pid(j->pid, rank);
+    t_check(pid > 0 && strstr(j->text[0], "step 3/100000"),
+            "%s: training runs, rank %d is process %d (mpirun status %d): %.300s", what, rank,
+            (int)pid, job_rc(j), j->text[1]);
+    return pid;
+}
+
+// Prints what the job said on stderr, indented: what a user would see.
+static void show_stderr(const job *j) {
+    for (const char *p = j->text[1]; *p;) {
+        size_t n = strcspn(p, "\n");
+        printf("    | %.*s\n", (int)n, p);
+        p += n + (p[n] == '\n');
+    }
+}
+
+// Both ranks' processes are gone once mpirun has ended (none is orphaned).
+static void check_no_rank_left(const char *what, pid_t r0, pid_t r1) {
+    double end = now() + 2.0;
+    while (now() < end && !((r0 <= 0 || process_gone(r0)) && (r1 <= 0 || process_gone(r1))))
+        usleep(20000);
+    t_check((r0 <= 0 || process_gone(r0)) && (r1 <= 0 || process_gone(r1)),
+            "%s: no rank process outlives mpirun", what);
+}
+
+// kill -9 of one rank mid-training: the job ends within 5 s, non-zero, and
+// the rank that waited for it says which rank ended. Under mpirun -q that
+// is the only message naming it; without -q, mpirun names it too.
+static void test_kill(int rank, const char *extra, int loud) {
+    char what[128];
+    snprintf(what, sizeof what, "kill -9 of rank %d (%s%s)", rank, extra,
+             loud ? ", mpirun without -q" : "");
+    job j;
+    pid_t victim = start_training(&j, what, extra, loud, rank);
+    pid_t other = j.done ? 0 : rank_pid(j.pid, 1 - rank);
+    double t_kill = now();
+    if (victim > 0) kill(victim, SIGKILL);
+    int ended = victim > 0 && job_pump(&j, JOB_DEADLINE, NULL);
+    double took = (ended ? j.ended : now()) - t_kill;
+    printf("  %-50s ended %.2f s after the kill, status %d\n", what, took, job_rc(&j));
+    show_stderr(&j);
+    t_check(ended && took < 5.0 && job_rc(&j) == 128 + SIGKILL,
+            "%s: the job ends within 5 s of the kill, status 137 (%.2f s, status %d)", what, took,
+            job_rc(&j));
+    char says[160];
+    snprintf(says, sizeof says, "fitlm: rank %d: error: rank %d (process %d) has ended", 1 - rank,
+             rank, (int)victim);
+    t_check(strstr(j.text[1], says) != NULL, "%s: stderr says \"%s\"; got: %.600s", what, says,
+            j.text[1]);
+    if (loud) {
+        snprintf(says, sizeof says, "noticed that process rank %d with PID", rank);
+        t_check(strstr(j.text[1], says) && strstr(j.text[1], "exited on signal 9"),
+                "%s: mpirun says \"%s ... exited on signal 9\"; got: %.600s", what, says,
+                j.text[1]);
+    } else {
+        t_check(!strstr(j.text[1], "noticed that process"),
+                "%s: mpirun -q prints no notice of its own (our message is the one naming the "
+                "rank): %.600s",
+                what, j.text[1]);
+    }
+    job_end(&j, victim, other);
+    check_no_rank_left(what, victim, other);
+    job_free(&j);
+}
+
+// SIGSTOP of one rank (a hang): the other rank's collective times out after
+// --comm-timeout 3 s and ends the job, naming itself, the operation and the
+// stopped rank; the job is over soon after the timeout.
+static void test_hang(void) {
+    const char *what = "SIGSTOP of rank 1 (--comm-timeout 3)";
+    const double timeout = 3.0;
+    job j;
+    pid_t victim = start_training(&j, what, "--comm-timeout 3", 0, 1);
+    pid_t other = j.done ? 0 : rank_pid(j.pid, 0);
+    double t_stop = now();
+    if (victim > 0) kill(victim, SIGSTOP);
+    int ended = victim > 0 && job_pump(&j, JOB_DEADLINE, NULL);
+    double took = (ended ? j.ended : now()) - t_stop;
+    printf("  %-50s ended %.2f s after the stop, status %d\n", what, took, job_rc(&j));
+    show_stderr(&j);
+    // the deadline counts from the start of the wait, at most a step after
+    // the stop; after it, MPI_Abort takes well under a second
+    t_check(ended && took > timeout - 0.1 && took < timeout + 4.0 && job_rc(&j) != 0,
+            "%s: the job ends a little after the timeout, non-zero (%.2f s, status %d)", what, took,
+            job_rc(&j));
+    char stopped[96];
+    snprintf(stopped, sizeof stopped, "fitlm: rank 0: rank 1 (process %d) is stopped", (int)victim);
+    t_check(strstr(j.text[1], "fitlm: rank 0: error: ") &&
+                strstr(j.text[1], "did not complete within 3 s (--comm-timeout)") &&
+                strstr(j.text[1], stopped),
+            "%s: rank 0 names itself, the operation, the timeout and the stopped rank; got: %.600s",
+            what, j.text[1]);
+    job_end(&j, other, victim);
+    check_no_rank_left(what, other, victim);
+    job_free(&j);
+}
+
+// One rank fails with an error: the data directory is missing on its
+// machine. The ranks run the same command line, but rank 1 in a working
+// directory without data/ (mpirun -wdir per application context), as when
+// one machine of several lacks the data. Its message names it, and the job
+// ends at once, though rank 0 is already waiting for it.
+static void test_error_on_one_rank(void) {
+    const char *what = "rank 1 cannot find its data";
+    char empty[] = "/tmp/fitlm_failures_XXXXXX";
+    if (!t_check(mkdtemp(empty) != NULL, "%s: a scratch directory", what)) return;
+    const char *bin = getenv("FITLM_BINARY");
+    char args[8192];
+    snprintf(args, sizeof args, "-q -np 1 -wdir %s %s %s : -np 1 -wdir %s %s %s", t_source_path(""),
+             bin, TRAIN, empty, bin, TRAIN);
+    job j;
+    job_start(&j, args, NULL);
+    const char *says = "fitlm: rank 1: error: no train token shards at data/brown_byte";
+    // timed from rank 1's message: the time to start up is not the point
+    double t_said = 0;
+    while (!j.done && now() - j.started < JOB_DEADLINE) {
+        job_pump(&j, 0.02, NULL);
+        if (!t_said && strstr(j.text[1], says)) t_said = now();
+    }
+    job_pump(&j, 5.0, NULL); // the rest of the output
+    if (!t_said && strstr(j.text[1], says)) t_said = j.ended;
+    double took = j.done && t_said ? j.ended - t_said : -1;
+    printf("  %-50s ended %.2f s after its message, status %d\n", what, took, job_rc(&j));
+    show_stderr(&j);
+    t_check(j.done && t_said && took < 5.0 && job_rc(&j) == 1,
+            "%s: the job ends with status 1 within 5 s of the message (%.2f s, status %d)", what,
+            took, job_rc(&j));
+    t_check(t_said && !strstr(j.text[1], "did not complete within"),
+            "%s: stderr has rank 1's message, and no timeout; got: %.600s", what, j.text[1]);
+    job_end(&j, 0, 0);
+    job_free(&j);
+    rmdir(empty);
+}
+
+// The losses printed by rank 0 ("step N/M | loss X"), joined by spaces.
+static void losses_of(const char *out, char *into, size_t size) {
+    size_t n = 0;
+    into[0] = 0;
+    for (const char *p = strstr(out, "| loss "); p && n + 32 < size; p = strstr(p + 1, "| loss "))
+        n += (size_t)snprintf(into + n, size - n, "%.*s ", (int)strcspn(p + 7, " |\r\n"), p + 7);
+}
+
+// Two ranks over TCP (loopback only) train exactly as over shared memory:
+// the same losses, step by step.
+static void test_tcp_equals_shared_memory(void) {
+    static const char *const tcp[] = {"OMPI_MCA_btl=self,tcp", "OMPI_MCA_btl_tcp_if_include=lo",
+                                      "OMPI_MCA_oob_tcp_if_include=lo", NULL};
+    static const char *const shm[] = {"OMPI_MCA_btl=self,vader", NULL};
+    const char *const *env[2] = {shm, tcp};
+    char losses[2][4096];
+    int rc[2];
+    for (int k = 0; k < 2; k++) {
+        char args[4096];
+        snprintf(args, sizeof args, "-q -np 2 %s %s --steps 12 --warmup 2", getenv("FITLM_BINARY"),
+                 TRAIN);
+        job j;
+        job_start(&j, args, env[k]);
+        if (!job_pump(&j, JOB_DEADLINE, NULL)) job_end(&j, 0, 0);
+        rc[k] = job_rc(&j);
+        losses_of(j.text[0], losses[k], sizeof losses[k]);
+        if (rc[k] != 0) fprintf(stderr, "%s", j.text[1]);
+        job_free(&j);
+    }
+    printf("  2 ranks, shared memory: losses %s\n  2 ranks, TCP:           losses %s\n", losses[0],
+           losses[1]);
+    int steps = 0;
+    for (const char *p = losses[1]; (p = strchr(p, ' ')); p++) steps++;
+    t_check(rc[0] == 0 && rc[1] == 0 && steps == 12 && strcmp(losses[0], losses[1]) == 0,
+            "DDP over TCP: status %d, 12 losses equal to shared memory's (status %d, %d losses)",
+            rc[1], rc[0], steps);
+}
+
+int main(void) {
+    signal(SIGALRM, on_alarm);
+    alarm(300); // CTest would end it at 600 s, leaving mpirun behind
+    if (!getenv("FITLM_BINARY")) {
+        fprintf(stderr, "test_failures: FITLM_BINARY is not set (run it through ctest)\n");
+        return 1;
+    }
+    test_tcp_equals_shared_memory();
+    test_kill(1, "--zero-stage 0", 0);
+    test_kill(0, "--zero-stage 3", 1);
+    test_hang();
+    test_error_on_one_rank();
+    return t_report();
+}

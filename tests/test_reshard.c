@@ -1,0 +1,506 @@
+// test_reshard: sharded checkpoints of data-parallel runs (mpirun -np N
+// fitlm train --zero-stage S) resume on any number of ranks, under any
+// stage, and in one plain process, with the losses of the uninterrupted run;
+// a single-file checkpoint resumes sharded; `fitlm export` gathers the
+// shards; a failed save (injected full disk on one rank) stops every rank
+// and leaves the previous checkpoint; a rank killed mid-run leaves the last
+// complete checkpoint loadable; damaged or mismatched manifests and shards
+// are clear errors; pruning spares another run's files.
+//
+// Tolerance: a run on another number of ranks sums each gradient in another
+// order, so fp32 losses agree within 1e-5 (relative), and weights within
+// 1.3e-3: AdamW moves a weight by about lr per step whatever its gradient's
+// size, so an element whose gradient is ~0 may go either way (twice the sum
+// of the 6 steps' lr, 6.3e-4); a misplaced piece would be off by the
+// weights' own size (0.02). The same ranks and stage resume bit for bit.
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fitlm/io.h"
+#include "fitlm/safetensors.h"
+#include "testlib.h"
+
+#define TINY                                                                                       \
+    "train --model tiny --data data/brown_byte --tokenizer byte --seq-len 32 --threads 1 "         \
+    "--sample-tokens 0 --val-data none"
+#define SIX TINY " --steps 6 --save-every 3"
+
+static char work[256];        // scratch directory
+static char out[1 << 16];     // the last command's output
+static double mpirun_seconds; // spent in commands
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static const char *binary(void) {
+    const char *b = getenv("FITLM_BINARY");
+    return b ? b : "fitlm";
+}
+
+// Runs a shell command in the source tree (the data paths are relative),
+// stdout and stderr into `out`. Returns its exit status (-1: no exit).
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...) {
+    char cmd[4096], full[4400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    snprintf(full, sizeof full, "cd %s && { %s ; } 2>&1", t_source_path(""), cmd);
+    double t0 = now();
+    FILE *p = popen(full, "r");
+    if (!p) return -1;
+    size_t got = fread(out, 1, sizeof out - 1, p);
+    out[got] = 0;
+    char sink[4096];
+    while (fread(sink, 1, sizeof sink, p) > 0) {
+    }
+    int status = pclose(p);
+    mpirun_seconds += now() - t0;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// `fitlm ARGS` on np ranks (np 0: a plain process, no mpirun).
+static int fitlm(int np, const char *args) {
+    if (np == 0) return sh("%s %s", binary(), args);
+    return sh("mpirun.openmpi -q --bind-to none -np %d %s %s", np, binary(), args);
+}
+
+static int fitlm_ok(int np, const char *args) {
+    int rc = fitlm(np, args);
+    t_check(rc == 0, "np %d: fitlm %s: status %d: %.1500s", np, args, rc, out);
+    return rc == 0;
+}
+
+// Fails with status 1 saying `what` (and `also`, when given).
+static void fitlm_fails(int np, const char *args, const char *what, const char *also) {
+    int rc = fitlm(np, args);
+    t_check(rc == 1 && strstr(out, "error:") && strstr(out, what) && (!also || strstr(out, also)),
+            "np %d: fitlm %s should fail saying \"%s\"%s%s; status %d: %.1200s", np, args, what,
+            also ? " and " : "", also ? also : "", rc, out);
+}
+
+// The losses of steps 1..max in DIR/log.txt (NAN where absent), as text
+// (%.9g, exact) and as numbers.
+typedef struct {
+    char text[16][32];
+    double v[16];
+} losses;
+
+static void read_losses(const char *dir, losses *l) {
+    for (int i = 0; i < 16; i++) l->text[i][0] = 0, l->v[i] = NAN;
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s/log.txt", work, dir);
+    size_t n;
+    char *text = (char *)t_read_file(path, &n);
+    for (char *line = text; line && *line;) {
+        int step;
+        char loss[32];
+        if (sscanf(line, "step %d loss %31s", &step, loss) == 2 && step >= 1 && step < 16) {
+            snprintf(l->text[step], sizeof l->text[step], "%s", loss);
+            l->v[step] = atof(loss);
+        }
+        char *nl = strchr(line, '\n');
+        line = nl ? nl + 1 : NULL;
+    }
+    free(text);
+}
+
+// Steps [from, to] of run `got` against `want`: bitwise (exact) or within
+// the relative tolerance.
+static void same_losses(const char *what, const char *got_dir, const char *want_dir, int from,
+                        int to, int exact, double rtol) {
+    losses got, want;
+    read_losses(got_dir, &got);
+    read_losses(want_dir, &want);
+    double worst = 0.0;
+    int ok = 1;
+    for (int s = from; s <= to; s++) {
+        double d = fabs(got.v[s] - want.v[s]) / fabs(want.v[s]);
+        if (!(d <= worst)) worst = d;
+        if (exact ? strcmp(got.text[s], want.text[s]) != 0 || !*got.text[s] : !(d <= rtol)) ok = 0;
+    }
+    t_check(ok, "%s: steps %d-%d: losses %s those of %s (worst relative difference %.3g)", what,
+            from, to, exact ? "bitwise equal to" : "within tolerance of", want_dir, worst);
+    if (!ok)
+        for (int s = from; s <= to; s++)
+            printf("    step %d: %s vs %s\n", s, got.text[s], want.text[s]);
+}
+
+static int count_files(const char *dir, const char *part) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", work, dir);
+    DIR *d = opendir(path);
+    if (!d) return -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) n += strstr(e->d_name, part) != NULL;
+    closedir(d);
+    return n;
+}
+
+// The name of a file in DIR whose name holds both parts ("" when none).
+static void find_file(const char *dir, const char *a, const char *b, char *name, size_t size) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", work, dir);
+    DIR *d = opendir(path);
+    *name = 0;
+    for (struct dirent *e; d && (e = readdir(d));)
+        if (strstr(e->d_name, a) && strstr(e->d_name, b) && strlen(e->d_name) < size)
+            memcpy(name, e->d_name, strlen(e->d_name) + 1);
+    if (d) closedir(d);
+}
+
+static void latest_is(const char *dir, const char *want) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s/latest", work, dir);
+    size_t n;
+    char *text = (char *)t_read_file(path, &n);
+    t_check(text && !strncmp(text, want, strlen(want)), "%s/latest names %s (it says %s)", dir,
+            want, text ? text : "nothing");
+    free(text);
+}
+
+// Max |a - b| of the weights ("model/<row>") of two checkpoints.
+static double weights_diff(const char *a_path, const char *b_path) {
+    fl_ckpt *a = fl_ckpt_open(a_path), *b = fl_ckpt_open(b_path);
+    double diff = 0.0;
+    for (int i = 0; i < fl_ckpt_tensor_count(b); i++) {
+        const char *name = fl_ckpt_tensor_name(b, i);
+        if (strncmp(name, "model/", 6)) continue;
+        size_t n = fl_ckpt_numel(b, name);
+        float *x = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
+        fl_ckpt_read(a, name, FL_F32, x, n);
+        fl_ckpt_read(b, name, FL_F32, y, n);
+        for (size_t k = 0; k < n; k++) diff = fmax(diff, fabs((double)x[k] - y[k]));
+        free(x);
+        free(y);
+    }
+    fl_ckpt_close(a);
+    fl_ckpt_close(b);
+    return diff;
+}
+
+// ----------------------------------------------------------------------------
+
+// One process, single-file checkpoints (the reference), and 4 ranks of
+// ZeRO-2, sharded: the same losses; the files are what they should be.
+static void test_layouts(void) {
+    char args[1024];
+    snprintf(args, sizeof args, SIX " --batch 8 --out %s/d1", work);
+    fitlm_ok(0, args);
+    snprintf(args, sizeof args, SIX " --batch 2 --zero-stage 2 --out %s/d4", work);
+    fitlm_ok(4, args);
+    t_check(count_files("d1", ".rank") == 0 && count_files("d1", ".fitlm") == 2,
+            "one process writes single files (%d shard files)", count_files("d1", ".rank"));
+    t_check(count_files("d4", "-of-4.fitlm") == 8 && count_files("d4", ".fitlm") == 10,
+            "4 ranks of ZeRO-2 write a manifest and 4 shard files per checkpoint (%d shard "
+            "files)",
+            count_files("d4", "-of-4.fitlm"));
+    latest_is("d4", "ckpt_00000006.fitlm");
+    same_losses("4 ranks x batch 2 (ZeRO-2) vs 1 x 8", "d4", "d1", 1, 6, 0, 1e-5);
+    char a[512], b[512];
+    snprintf(a, sizeof a, "%s/d4", work);
+    snprintf(b, sizeof b, "%s/d1", work);
+    double d = weights_diff(a, b);
+    t_check(d <= 1.3e-3, "the sharded checkpoint's gathered weights equal one process's (%.3g)", d);
+}
+
+// Resumes of the step-3 checkpoints on other worlds and stages.
+static void test_resume(void) {
+    static const struct {
+        int np, batch, stage;
+        const char *from, *dir;
+        int exact;
+    } cases[] = {
+        {4, 2, 2, "d4", "same4", 1}, // the same world and stage: bit for bit
+        {2, 4, 3, "d4", "r2z3", 0},  // 4 -> 2 ranks, ZeRO-2 -> ZeRO-3
+        {0, 8, 0, "d4", "r1", 0},    // 4 ranks -> one plain process
+        {2, 4, 0, "d4", "r2ddp", 0}, // 4 -> 2 ranks of DDP (which writes single files)
+        {4, 2, 1, "d1", "r4z1", 0},  // a single file -> 4 ranks of ZeRO-1
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char args[1024], what[128];
+        snprintf(args, sizeof args,
+                 TINY " --resume %s/%s/ckpt_00000003.fitlm --batch %d --zero-stage %d --out %s/%s",
+                 work, cases[i].from, cases[i].batch, cases[i].stage, work, cases[i].dir);
+        snprintf(what, sizeof what, "%s (%d ranks, stage %d) from %s", cases[i].dir, cases[i].np,
+                 cases[i].stage, cases[i].from);
+        if (fitlm_ok(cases[i].np, args))
+            same_losses(what, cases[i].dir, cases[i].from, 4, 6, cases[i].exact, 1e-5);
+    }
+    char a[512], b[512];
+    snprintf(a, sizeof a, "%s/same4", work);
+    snprintf(b, sizeof b, "%s/d4", work);
+    t_check(weights_diff(a, b) == 0.0, "the same ranks resumed end with the same weights, bitwise");
+    t_check(count_files("r2ddp", ".rank") == 0 && count_files("r2ddp", ".fitlm") == 1,
+            "DDP over 2 ranks writes a single file (rank 0)");
+    t_check(count_files("r2z3", "-of-2.fitlm") == 2, "ZeRO-3 over 2 ranks writes 2 shard files");
+    // back from 2 ranks to 4, in bf16 (the fp32 master is what is sharded)
+    char args[1024];
+    snprintf(args, sizeof args, SIX " --precision bf16 --batch 4 --zero-stage 1 --out %s/b2", work);
+    fitlm_ok(2, args);
+    snprintf(args, sizeof args,
+             TINY " --resume %s/b2/ckpt_00000003.fitlm --batch 2 --zero-stage 3 --out %s/b4", work,
+             work);
+    if (fitlm_ok(4, args))
+        same_losses("bf16, 2 ranks (ZeRO-1) -> 4 (ZeRO-3)", "b4", "b2", 4, 6, 0, 2e-3);
+    // a position of 24 windows cannot be split over 5 ranks
+    snprintf(args, sizeof args, TINY " --resume %s/d4/ckpt_00000003.fitlm --out %s/r5", work, work);
+    fitlm_fails(5, args, "cannot split evenly", "ckpt_00000003.fitlm");
+}
+
+// `fitlm export` of a sharded checkpoint: the gathered fp32 weights, the
+// same as the checkpoint's (bitwise) and as one process's (within tolerance).
+static void test_export(void) {
+    char args[1024];
+    snprintf(args, sizeof args, "export %s/d4 -o %s/hf4", work, work);
+    if (!fitlm_ok(0, args)) return;
+    char path[512];
+    snprintf(path, sizeof path, "%s/hf4/model.safetensors", work);
+    fl_safetensors st;
+    fl_safetensors_open(&st, path);
+    snprintf(path, sizeof path, "%s/d4", work);
+    fl_ckpt *ck = fl_ckpt_open(path);
+    int same = 1, n = 0;
+    const char *rows[] = {"wte.weight", "h.1.mlp.c_proj.bias", "ln_f.weight"};
+    for (int i = 0; i < 3; i++) {
+        char name[128], hf[128];
+        snprintf(name, sizeof name, "model/%s", rows[i]);
+        snprintf(hf, sizeof hf, "transformer.%s", rows[i]);
+        const fl_st_tensor *t = fl_safetensors_find(&st, hf);
+        size_t numel = fl_ckpt_numel(ck, name);
+        if (!t || !numel || t->dtype != FL_F32 || t->numel > numel) {
+            same = 0;
+            continue;
+        }
+        float *want = malloc(numel * sizeof(float));
+        fl_ckpt_read(ck, name, FL_F32, want, numel);
+        // wte's rows past the vocabulary (padding) are not exported
+        same &= !memcmp(st.data + t->begin, want, t->numel * sizeof(float));
+        n++;
+        free(want);
+    }
+    t_check(same && n == 3, "the export of a sharded checkpoint holds its weights (%d tensors)", n);
+    fl_ckpt_close(ck);
+    fl_safetensors_free(&st);
+}
+
+// A copy of d4 to damage.
+static void copy_of(const char *name) {
+    sh("rm -rf %s/%s && cp -r %s/d4 %s/%s && rm -f %s/%s/.lock", work, name, work, work, name, work,
+       name);
+}
+
+// Damaged or mismatched files: a clear error naming the file, status 1.
+static void test_damage(void) {
+    char args[1024], shard[128], path[512], other[128];
+    // a bad manifest: a flipped byte in its header
+    copy_of("bad1");
+    snprintf(path, sizeof path, "%s/bad1/ckpt_00000006.fitlm", work);
+    size_t n;
+    unsigned char *m = t_read_file(path, &n);
+    if (m && n > 40) {
+        m[40] ^= 0x20;
+        t_write_file(path, m, n);
+    }
+    free(m);
+    snprintf(args, sizeof args, TINY " --resume %s/bad1 --steps 9", work);
+    fitlm_fails(0, args, "ckpt_00000006.fitlm", "corrupt");
+    snprintf(args, sizeof args, "export %s/bad1 -o %s/hfbad", work, work);
+    fitlm_fails(0, args, "ckpt_00000006.fitlm", "corrupt");
+    // a missing shard file, on 2 ranks
+    copy_of("bad2");
+    find_file("bad2", "ckpt_00000006.", "rank2-of-4", shard, sizeof shard);
+    sh("rm -f %s/bad2/%s", work, shard);
+    snprintf(args, sizeof args, TINY " --resume %s/bad2 --steps 9", work);
+    fitlm_fails(2, args, shard, "missing");
+    // a shard of another step under this step's name
+    copy_of("bad3");
+    find_file("bad3", "ckpt_00000006.", "rank1-of-4", shard, sizeof shard);
+    find_file("bad3", "ckpt_00000003.", "rank1-of-4", other, sizeof other);
+    sh("cp %s/bad3/%s %s/bad3/%s", work, other, work, shard);
+    snprintf(args, sizeof args, TINY " --resume %s/bad3 --steps 9", work);
+    fitlm_fails(0, args, shard, "step 3");
+    // a shard of another run (r4z1: 4 ranks, step 6, d1's run)
+    copy_of("bad4");
+    find_file("bad4", "ckpt_00000006.", "rank3-of-4", shard, sizeof shard);
+    find_file("r4z1", "ckpt_00000006.", "rank3-of-4", other, sizeof other);
+    sh("cp %s/r4z1/%s %s/bad4/%s", work, other, work, shard);
+    snprintf(args, sizeof args, "export %s/bad4 -o %s/hfbad", work, work);
+    fitlm_fails(0, args, shard, "of run");
+    // a flipped bit in a shard's data: the tensor's CRC-32
+    copy_of("bad5");
+    find_file("bad5", "ckpt_00000006.", "rank0-of-4", shard, sizeof shard);
+    snprintf(path, sizeof path, "%s/bad5/%s", work, shard);
+    m = t_read_file(path, &n);
+    size_t data = m && n > 28 ? 28 + (size_t)fl_get_u32(m + 12) : n; // past prefix and header
+    if (data + 100 < n) { // the first tensor: weights, which export reads
+        m[data + 10] ^= 1;
+        t_write_file(path, m, n);
+    }
+    free(m);
+    snprintf(args, sizeof args, "export %s/bad5 -o %s/hfbad", work, work);
+    fitlm_fails(0, args, shard, "corrupt");
+    // one shard file on its own is not a checkpoint
+    snprintf(args, sizeof args, "export %s/bad5/%s -o %s/hfbad", work, shard, work);
+    fitlm_fails(0, args, "rank 0's shard", "ckpt_00000006.fitlm");
+}
+
+// A full disk on rank 1 at the step-4 save: every rank stops, naming rank
+// 1 and its file; `latest` still names step 2; nothing of step 4 is left;
+// the run resumes from there.
+static void test_failed_save(void) {
+    char args[1024];
+    snprintf(args, sizeof args,
+             "mpirun.openmpi -q --bind-to none -np 2 -x FITLM_CKPT_FAULT=1:4 %s " TINY
+             " --steps 6 --save-every 2 --batch 4 --zero-stage 1 --out %s/f",
+             binary(), work);
+    int rc = sh("%s", args);
+    t_check(rc != 0 && strstr(out, "rank 1 could not write") && strstr(out, "rank1-of-2.fitlm") &&
+                strstr(out, "No space left on device"),
+            "a full disk on rank 1 stops the run naming the rank and file (status %d): %.1200s", rc,
+            out);
+    latest_is("f", "ckpt_00000002.fitlm");
+    t_check(count_files("f", "ckpt_00000004") == 0 && count_files("f", ".tmp") == 0,
+            "the failed save left no file of step 4 and no temporary file (%d, %d)",
+            count_files("f", "ckpt_00000004"), count_files("f", ".tmp"));
+    snprintf(args, sizeof args, TINY " --resume %s/f --batch 4 --zero-stage 1", work);
+    if (fitlm_ok(2, args)) latest_is("f", "ckpt_00000006.fitlm");
+}
+
+// The pid of rank `rank` of the job started by mpirun `parent`, 0 if none.
+static pid_t rank_pid(pid_t parent, int rank) {
+    DIR *d = opendir("/proc");
+    char want[64], path[300], buf[1 << 15];
+    int wlen = snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", rank);
+    pid_t found = 0;
+    for (struct dirent *e; d && !found && (e = readdir(d));) {
+        if (!isdigit((unsigned char)e->d_name[0])) continue;
+        snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+        int fd = open(path, O_RDONLY), ppid = 0;
+        ssize_t n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
+        if (fd >= 0) close(fd);
+        buf[n > 0 ? n : 0] = 0;
+        char *paren = strrchr(buf, ')');
+        if (!paren || sscanf(paren + 1, " %*c %d", &ppid) != 1 || ppid != parent) continue;
+        snprintf(path, sizeof path, "/proc/%s/environ", e->d_name);
+        fd = open(path, O_RDONLY);
+        n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
+        if (fd >= 0) close(fd);
+        for (ssize_t i = 0; i < n; i += (ssize_t)strlen(buf + i) + 1)
+            if (!strncmp(buf + i, want, (size_t)wlen) && buf[i + wlen] == 0)
+                found = (pid_t)atoi(e->d_name);
+    }
+    if (d) closedir(d);
+    return found;
+}
+
+// The step `latest` names in DIR, or -1.
+static int latest_step(const char *dir) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s/latest", work, dir);
+    size_t n;
+    char *text = (char *)t_read_file(path, &n);
+    int step = -1;
+    if (!text || sscanf(text, "ckpt_%d.fitlm", &step) != 1) step = -1;
+    free(text);
+    return step;
+}
+
+// A rank killed (SIGKILL) while the run saves at every step: the last
+// complete checkpoint loads and the run resumes from it; the resumed run's
+// pruning then removes what the killed save left.
+static void test_kill(int victim) {
+    char dir[16], cmd[2048];
+    snprintf(dir, sizeof dir, "k%d", victim);
+    snprintf(cmd, sizeof cmd,
+             "exec mpirun.openmpi -q --bind-to none -np 2 %s " TINY
+             " --steps 100000 --save-every 1 --batch 4 --zero-stage 2 --out %s/%s >%s/%s.log 2>&1",
+             binary(), work, dir, work, dir);
+    fflush(stdout);
+    double t0 = now();
+    pid_t job = fork();
+    if (job == 0) {
+        if (chdir(t_source_path("")) != 0) _exit(126);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    // wait for a few checkpoints, then kill the rank in the middle of one
+    pid_t pid = 0;
+    while (now() - t0 < 60 && (latest_step(dir) < 3 || !(pid = rank_pid(job, victim))))
+        usleep(20000);
+    int killed = pid > 0 && kill(pid, SIGKILL) == 0;
+    int status = 0;
+    for (double t1 = now(); waitpid(job, &status, WNOHANG) == 0;) {
+        if (now() - t1 > 30) kill(job, SIGKILL); // never hangs the test
+        usleep(20000);
+    }
+    mpirun_seconds += now() - t0;
+    t_check(killed && !(WIFEXITED(status) && WEXITSTATUS(status) == 0),
+            "rank %d of a run saving at every step killed after step %d (mpirun status %d)", victim,
+            latest_step(dir), status);
+    int step = latest_step(dir);
+    char args[1024];
+    snprintf(args, sizeof args, TINY " --resume %s/%s --steps %d --batch 4 --zero-stage 2", work,
+             dir, step + 2);
+    if (fitlm_ok(2, args)) {
+        t_check(strstr(out, "resumed from step") != NULL, "resumed from the last checkpoint");
+        // every shard file left belongs to a manifest: 2 per kept checkpoint
+        int manifests = count_files(dir, ".fitlm") - count_files(dir, ".rank");
+        t_check(count_files(dir, ".rank") == 2 * manifests && count_files(dir, ".tmp") == 0,
+                "after the resume: %d shard files for %d checkpoints, %d temporary files",
+                count_files(dir, ".rank"), manifests, count_files(dir, ".tmp"));
+    }
+}
+
+// A run started over another in the same directory (--overwrite) prunes its
+// own checkpoints only: the other's step-6 checkpoint stays whole.
+static void test_prune(void) {
+    char args[1024];
+    snprintf(args, sizeof args, SIX " --batch 4 --zero-stage 3 --out %s/p", work);
+    fitlm_ok(2, args);
+    snprintf(args, sizeof args,
+             TINY " --steps 4 --save-every 1 --batch 4 --zero-stage 1 --seed 7 --overwrite --out "
+                  "%s/p",
+             work);
+    fitlm_ok(2, args);
+    latest_is("p", "ckpt_00000004.fitlm");
+    t_check(count_files("p", "ckpt_00000001") == 0 && count_files("p", "ckpt_00000002") == 0,
+            "the new run pruned its own old checkpoints");
+    snprintf(args, sizeof args, "export %s/p/ckpt_00000006.fitlm -o %s/hfp", work, work);
+    fitlm_ok(0, args); // the other run's checkpoint, shards included, is intact
+}
+
+int main(void) {
+    snprintf(work, sizeof work, "/tmp/fitlm_test_reshard_%d", (int)getpid());
+    t_remove_dir(work);
+    mkdir(work, 0755);
+    double t0 = now();
+    test_layouts();
+    test_resume();
+    test_export();
+    test_damage();
+    test_failed_save();
+    test_kill(1);
+    test_kill(0);
+    test_prune();
+    printf("test_reshard: %.1f s (%.1f s in fitlm and mpirun)\n", now() - t0, mpirun_seconds);
+    int rc = t_report();
+    if (rc == 0) t_remove_dir(work); // kept for a look when something failed
+    return rc;
+}
