@@ -383,17 +383,19 @@ static void test_zero_optimization_keys(void) {
         const char *offload;
     } set[] = {
         // DeepSpeed's batch rule: any two set the third; the total alone, no accumulation
-        {"{\"train_batch_size\": 32}", 32, 1, 32, 0, "none"},
-        {"{\"train_batch_size\": 32, \"train_micro_batch_size_per_gpu\": 4}", 4, 8, 32, 0, "none"},
-        {"{\"train_batch_size\": 32, \"gradient_accumulation_steps\": 4}", 8, 4, 32, 0, "none"},
-        {"{\"train_micro_batch_size_per_gpu\": 4, \"gradient_accumulation_steps\": 2}", 4, 2, 8, 0,
+        {"{\"train_batch_size\": 32}", 32, 1, 32, 1, "none"},
+        {"{\"train_batch_size\": 32, \"train_micro_batch_size_per_gpu\": 4}", 4, 8, 32, 1, "none"},
+        {"{\"train_batch_size\": 32, \"gradient_accumulation_steps\": 4}", 8, 4, 32, 1, "none"},
+        {"{\"train_micro_batch_size_per_gpu\": 4, \"gradient_accumulation_steps\": 2}", 4, 2, 8, 1,
          "none"},
         {"{\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 4, "
          "\"gradient_accumulation_steps\": 2}",
-         4, 2, 8, 0, "none"},
-        {"{\"train_micro_batch_size_per_gpu\": 4}", 4, 1, 4, 0, "none"},
-        // overlap_comm: DeepSpeed's default is true under stage 3 only
+         4, 2, 8, 1, "none"},
+        {"{\"train_micro_batch_size_per_gpu\": 4}", 4, 1, 4, 1, "none"},
+        // overlap_comm: DeepSpeed's default is false under stages 1 and 2; true under
+        // stage 3, and under DDP (stage 0, above), as PyTorch's DDP
         {"{\"zero_optimization\": {\"stage\": 3}}", 16, 1, 16, 1, "none"},
+        {"{\"zero_optimization\": {\"stage\": 2}}", 16, 1, 16, 0, "none"},
         {"{\"zero_optimization\": {\"stage\": 1, \"overlap_comm\": true}}", 16, 1, 16, 1, "none"},
         {"{\"zero_optimization\": {\"stage\": 3, \"overlap_comm\": false}}", 16, 1, 16, 0, "none"},
         // the deprecated cpu_offload is offload_optimizer.device cpu

@@ -236,6 +236,8 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
                              const char *run);
 // The thread count the checkpoint's run computed with (0: not recorded).
 int fl_train_ckpt_threads(const fl_ckpt *ck);
+// The number of ranks that saved it (1: one process, or an older checkpoint).
+int fl_train_ckpt_world(const fl_ckpt *ck);
 // Initialises *model (shape from the checkpoint, weights rounded to dt) from
 // a checkpoint directory or file; tokenizer receives the tokenizer's name.
 void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,

@@ -269,9 +269,8 @@ static int weights_finite(const fl_optimizer *optim, const fl_optimizer *base) {
         if (!o) continue;
         size_t first = o->rule->state_begin, n = o->rule->state_end - first;
         if (o->master ? fl_has_inf_or_nan(FL_F32, o->master, n)
-                      : fl_has_inf_or_nan(o->dtype,
-                                          fl_at_const(o->dtype, o->params, first - o->params_first),
-                                          n))
+                      : fl_has_inf_or_nan(
+                            o->dtype, fl_at_const(o->dtype, o->params, first - o->params_first), n))
             bad = 1.0;
     }
     fl_comm_max(&bad, 1);
@@ -379,7 +378,8 @@ int cmd_train(int argc, char **argv) {
                "--steps above %d",
                cfg.steps, start, fl_ckpt_path(ck), start);
     // rank 0 owns the output directory; the others find it ready
-    if (*cfg.out_dir && rank == 0) prepare_out_dir(cfg.out_dir, ck ? resume_dir : NULL, cfg.overwrite);
+    if (*cfg.out_dir && rank == 0)
+        prepare_out_dir(cfg.out_dir, ck ? resume_dir : NULL, cfg.overwrite);
     fl_comm_barrier();
     if (*cfg.adapter) { // the adapter's LoRA config, which the lora.* options must not contradict
         fl_lora_config adapter;
@@ -467,13 +467,14 @@ int cmd_train(int argc, char **argv) {
         fl_optimizer_init(&base_optim, &bcfg, &model.table, cfg.dtype, model.params, model.grads);
     fl_optimizer *base = train_base ? &base_optim : NULL;
     float base_lr = cfg.lora_base_lr > 0.0f ? cfg.lora_base_lr : cfg.lr;
-    int ck_threads = 0;
+    int ck_threads = 0, ck_world = 1;
     if (ck) {
         // a single file or a sharded checkpoint of any world size: the whole
         // weights, and the master and state of this rank's range (dist: its
         // shard); the loader's position split over this world's ranks
         fl_train_ckpt_restore(ck, &model, &optim, base, &train.state, train.tokenizer);
         ck_threads = fl_train_ckpt_threads(ck);
+        ck_world = fl_train_ckpt_world(ck);
         if (train.state.index > train.per_rank)
             fl_die("checkpoint %s is at window %llu of an epoch of %llu: the training data has "
                    "changed since it was saved",
@@ -503,8 +504,8 @@ int cmd_train(int argc, char **argv) {
                cfg.zero.stage ? (const char *[]){"", "ZeRO-1", "ZeRO-2", "ZeRO-3"}[cfg.zero.stage]
                               : "data parallel");
     printf("; planned memory %.1f MiB%s; train %s: %llu tokens (%s)", plan.total / 1048576.0,
-           world > 1 ? " per rank" : "",
-           cfg.data, (unsigned long long)train.n_tokens, train.tokenizer);
+           world > 1 ? " per rank" : "", cfg.data, (unsigned long long)train.n_tokens,
+           train.tokenizer);
     double bytes_per_token = 0.0;
     if (has_val) {
         // masked examples record the bytes of their targets (the answers)
@@ -533,7 +534,8 @@ int cmd_train(int argc, char **argv) {
         const struct {
             const char *what;
             long long was, now;
-        } diff[] = {{"batch", saved.micro_batch, cfg.micro_batch},
+        } diff[] = {{ck_world == world ? "batch" : "batch x ranks",
+                     (long long)saved.micro_batch * ck_world, (long long)cfg.micro_batch * world},
                     {"seq_len", saved.seq_len, cfg.seq_len},
                     {"grad_accum", saved.grad_accum, cfg.grad_accum},
                     {"seed", (long long)saved.seed, (long long)cfg.seed}};
@@ -545,6 +547,10 @@ int cmd_train(int argc, char **argv) {
             printf("notice: resuming with %s: the continuation differs from the uninterrupted "
                    "run\n",
                    changed);
+        if (ck_world != world)
+            printf("notice: resuming on %d rank%s (saved by %d): the same steps, summed in "
+                   "another order\n",
+                   world, world > 1 ? "s" : "", ck_world);
         // fitlm's own reductions sum in a fixed order whatever the thread
         // count, but the GEMM libraries (BLAS, oneDNN) may block by thread
         if (ck_threads && ck_threads != cfg.threads)

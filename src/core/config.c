@@ -107,8 +107,8 @@ static const option options[] = {
      "elements per all-gather of updated weights (stages 1 and 2)"},
     {"zero_optimization.overlap_comm", "--overlap-comm", OPT_BOOL, NUM(zero.overlap_comm), "false",
      0, 0, NULL,
-     "reduce gradients while the backward pass goes on (not given: true under stage 3, else "
-     "false, as DeepSpeed)"},
+     "reduce gradients while the backward pass goes on (not given: false under stages 1 and 2, "
+     "as DeepSpeed; true under stage 3, as DeepSpeed, and under DDP, as PyTorch's DDP)"},
     {"zero_optimization.contiguous_gradients", "--contiguous-gradients", OPT_BOOL,
      NUM(zero.contiguous_gradients), "true", 0, 0, NULL,
      "stages 2/3: a rank's gradient shard in one buffer (fitlm always does: false is refused)"},
@@ -1160,8 +1160,10 @@ static void check_parallel(const fl_train_config *cfg) {
 }
 
 static void finish_zero(fl_train_config *cfg) {
-    // DeepSpeed's default depends on the stage (zero/config.py)
-    if (!given(cfg, ZERO "overlap_comm")) cfg->zero.overlap_comm = cfg->zero.stage == 3;
+    // DeepSpeed's default depends on the stage (zero/config.py); stage 0 is
+    // not ZeRO there, and DDP overlaps its all-reduce with the backward pass
+    if (!given(cfg, ZERO "overlap_comm"))
+        cfg->zero.overlap_comm = cfg->zero.stage == 3 || cfg->zero.stage == 0;
     check_zero_choices(cfg);
     check_stage3_keys(cfg);
     finish_offload(cfg);

@@ -1018,7 +1018,7 @@ fl_ckpt *fl_ckpt_open(const char *path) {
     memset(ck, 0, sizeof *ck);
     char file[FL_FILE_PATH_MAX];
     resolve(path, file, sizeof file);
-    ckpt_part self;
+    ckpt_part self = {0};
     open_part(&self, file, "checkpoint");
     snprintf(ck->path, sizeof ck->path, "%s", self.path);
     ck->fd = self.fd;

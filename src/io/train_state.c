@@ -515,6 +515,17 @@ char *fl_train_ckpt_config(const fl_ckpt *ck) {
     return out;
 }
 
+int fl_train_ckpt_world(const fl_ckpt *ck) {
+    cJSON *meta = parse_meta(ck);
+    const cJSON *l = cJSON_GetObjectItemCaseSensitive(meta, "loader");
+    const cJSON *w = cJSON_GetObjectItemCaseSensitive(l, "world");
+    int n = cJSON_IsNumber(w) && w->valuedouble >= 1 && w->valuedouble <= 1 << 20
+                ? (int)w->valuedouble
+                : 1; // checkpoints from before data parallelism
+    cJSON_Delete(meta);
+    return n;
+}
+
 int fl_train_ckpt_threads(const fl_ckpt *ck) {
     cJSON *meta = parse_meta(ck);
     const cJSON *t = cJSON_GetObjectItemCaseSensitive(meta, "threads");
