@@ -416,7 +416,9 @@ static void name_add(name_list *l, const char *name) {
         fl_free(l->names);
         l->names = grown;
     }
-    snprintf(l->names[l->n++], SHARD_NAME_MAX, "%s", name);
+    size_t len = strlen(name); // shard names are checked short by the caller's parse
+    FL_ASSERT(len < SHARD_NAME_MAX);
+    memcpy(l->names[l->n++], name, len + 1);
 }
 
 static int by_name(const void *a, const void *b) {
