@@ -259,6 +259,37 @@ static void test_resume(void) {
              work);
     if (fitlm_ok(4, args))
         same_losses("bf16, 2 ranks (ZeRO-1) -> 4 (ZeRO-3)", "b4", "b2", 4, 6, 0, 2e-3);
+    // saved by 4 ranks of ZeRO-3 (each rank's 16-bit shard) and by 4 of
+    // ZeRO-1, resumed on one process and on 2 ranks of another stage
+    snprintf(args, sizeof args, SIX " --batch 2 --zero-stage 3 --out %s/z3", work);
+    if (fitlm_ok(4, args))
+        same_losses("4 ranks x batch 2 (ZeRO-3) vs 1 x 8", "z3", "d1", 1, 6, 0, 1e-5);
+    static const struct {
+        int np, batch, stage;
+        const char *from, *step, *dir, *want;
+        int last;
+    } more[] = {
+        {0, 8, 0, "z3", "3", "z3r1", "d1", 6},    // 4 ranks of ZeRO-3 -> one process
+        {2, 4, 1, "z3", "3", "z3r2z1", "d1", 6},  // -> 2 ranks of ZeRO-1
+        {0, 8, 0, "r4z1", "6", "z1r1", "d1x", 8}, // 4 ranks of ZeRO-1 (step 6) -> one process
+    };
+    // the reference for steps 7-8: one process continuing its own step 6
+    snprintf(args, sizeof args, TINY " --resume %s/d1/ckpt_00000006.fitlm --steps 8 --out %s/d1x",
+             work, work);
+    fitlm_ok(0, args);
+    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
+        char what[128];
+        snprintf(args, sizeof args,
+                 TINY " --resume %s/%s/ckpt_0000000%s.fitlm --batch %d --zero-stage %d --steps %d "
+                      "--out %s/%s",
+                 work, more[i].from, more[i].step, more[i].batch, more[i].stage, more[i].last, work,
+                 more[i].dir);
+        snprintf(what, sizeof what, "%s (%d ranks, stage %d) from %s", more[i].dir, more[i].np,
+                 more[i].stage, more[i].from);
+        if (fitlm_ok(more[i].np, args))
+            same_losses(what, more[i].dir, more[i].want, atoi(more[i].step) + 1, more[i].last, 0,
+                        1e-5);
+    }
     // a position of 24 windows cannot be split over 5 ranks
     snprintf(args, sizeof args, TINY " --resume %s/d4/ckpt_00000003.fitlm --out %s/r5", work, work);
     fitlm_fails(5, args, "cannot split evenly", "ckpt_00000003.fitlm");
