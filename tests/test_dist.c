@@ -107,7 +107,18 @@ static void train(const dist_case *c, int dist, run_result *out) {
     fl_zero_config z = zero_of(c);
     int parts = dist ? world : 1, Bm = dist ? B : B * world; // sequences per forward here
     fl_model m;
-    fl_model_init(&m, &mc, c->dt, 42);
+    size_t begin = 0, end = fl_model_num_params(&mc);
+    if (dist) {
+        fl_param_table t;
+        fl_model_table(&t, &mc);
+        fl_dist_range(&z, &t, &begin, &end);
+        fl_params_free(&t);
+    }
+    // ZeRO-3 over several ranks, as `fitlm train` does it: only the shard
+    if (dist && c->stage == 3 && world > 1)
+        fl_model_init_shard(&m, &mc, c->dt, 42, begin, end);
+    else
+        fl_model_init(&m, &mc, c->dt, 42);
     fl_optimizer_config probe = {.kind = c->kind, .grad_accum = c->accum};
     fl_model_alloc_acts(&m, Bm, T, c->recompute,
                         dist ? fl_dist_unit_grads(&z) : fl_optimizer_unit_grads(&probe));
@@ -119,10 +130,8 @@ static void train(const dist_case *c, int dist, run_result *out) {
     oc.grad_accum = c->accum;
     if (c->clip) oc.max_grad_norm = c->clip < 0 ? 0.0f : c->clip;
     oc.sharded_grads = dist && c->stage >= 2;
-    size_t begin = 0, end = m.table.numel;
-    if (dist) fl_dist_range(&z, &m.table, &begin, &end);
     fl_optimizer o;
-    fl_optimizer_init_range(&o, &oc, &m.table, c->dt, m.params, m.grads, begin, end);
+    fl_optimizer_init_at(&o, &oc, &m.table, c->dt, m.params, m.params_begin, m.grads, begin, end);
     fl_dist *d = dist ? fl_dist_attach(&m, &o, &z) : NULL;
 
     size_t global = (size_t)c->accum * world * B * T, mine = (size_t)c->accum * Bm * T;

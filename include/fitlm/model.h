@@ -97,6 +97,9 @@ struct fl_model {
     fl_param_table table;
     void *params, *grads; // flat buffers of table.numel values of dtype (grads: NULL when
                           // gradients live per unit, below)
+    // the flat elements params holds: all, or (fl_model_init_shard) one ZeRO-3
+    // rank's shard, whose rows' weights are bound when their unit is gathered
+    size_t params_begin, params_end;
     // unit gradients (fl_model_alloc_acts): no whole-model buffer; a unit's
     // gradients are bound to unit_grads while it runs backward, the
     // embedding's to embed_grads (the tied LM head adds to it before the
@@ -135,6 +138,17 @@ struct fl_model {
 // the gradients come with fl_model_alloc_acts) and initialises the weights
 // from the rows' init rules (drawn in fp32 from `seed`, rounded to dt).
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed);
+// fl_model_init keeping only the flat elements [begin, end) of the weights
+// (a ZeRO-3 rank's shard): the same values there, the whole model never
+// allocated. No row's weights are bound (m->wp NULL) until a strategy binds
+// its unit's gathered weights (fl_model_bind_params); fl_model_store_row
+// stores the part of a row inside the shard.
+void fl_model_init_shard(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
+                         size_t begin, size_t end);
+// Whether m->params holds a shard only (fl_model_init_shard).
+static inline int fl_model_sharded(const fl_model *m) {
+    return m->params_end && (m->params_begin > 0 || m->params_end < m->table.numel);
+}
 // Allocates what training (or, without using the gradients, inference)
 // needs for batches of up to B x T (T <= max_seq_len), for the current
 // thread count: the gradients, and the activations and scratch of a

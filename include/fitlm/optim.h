@@ -332,6 +332,11 @@ void fl_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg, const fl
 void fl_optimizer_init_range(fl_optimizer *o, const fl_optimizer_config *cfg,
                              const fl_param_table *table, fl_dtype dt, void *params, void *grads,
                              size_t begin, size_t end);
+// fl_optimizer_init_range over weights that hold the flat elements from
+// params_first on (a ZeRO-3 shard, fl_model_init_shard).
+void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
+                          const fl_param_table *table, fl_dtype dt, void *params,
+                          size_t params_first, void *grads, size_t begin, size_t end);
 void fl_optimizer_free(fl_optimizer *o);
 // The factor the backward pass multiplies the loss by: scale / grad_accum.
 float fl_optimizer_loss_scale(const fl_optimizer *o);

@@ -33,12 +33,15 @@ typedef struct {
                        // are read whole): the tag's peak is at least this
     int sample_tokens; // > 0: the run ends by sampling this many tokens
     // strategies
-    int ranks;              // data-parallel ranks (>= 1)
-    int zero_stage;         // 0 (plain data parallel), 1, 2 or 3
-    int rank;               // whose shard is planned: 0, the largest (fl_zero_shard)
-    fl_zero_config zero;    // the other zero_optimization keys (buckets, stage 3's); .stage unused
-    fl_recompute recompute; // activation checkpointing policy (planned exactly)
-    int lomo;               // formula-only LOMO (--lomo): no optimizer state, one tensor's gradient
+    int ranks;               // data-parallel ranks (>= 1)
+    int zero_stage;          // 0 (plain data parallel), 1, 2 or 3
+    int rank;                // whose shard is planned: 0, the largest (fl_zero_shard)
+    fl_zero_config zero;     // the other zero_optimization keys (buckets, stage 3's); .stage unused
+    int whole_weights_first; // ZeRO-3: pretrained weights load whole on every rank before it
+                             // keeps its shard (a random start or a resume allocates the shard
+                             // only)
+    fl_recompute recompute;  // activation checkpointing policy (planned exactly)
+    int lomo; // formula-only LOMO (--lomo): no optimizer state, one tensor's gradient
     // LoRA (lora.r > 0; optim is then the adapters' optimizer, base_optim the
     // base's under lora.train_base) and NF4 base weights, planned exactly
     fl_lora_config lora;

@@ -422,6 +422,8 @@ int cmd_train(int argc, char **argv) {
     fl_plan_request req;
     fl_plan_request_from_config(&req, &cfg, data_bytes);
     req.data_peak = data_peak;
+    // pretrained weights load whole (a resume takes its own)
+    req.whole_weights_first = *cfg.init_from && (!resume || (lora && !train_base));
     req.ranks = world;
     fl_plan plan;
     fl_plan_compute(&req, &plan);
@@ -436,10 +438,21 @@ int cmd_train(int argc, char **argv) {
     // quantised as they load, then the adapters.
     fl_model model;
     const fl_quant_config *quant = cfg.quant.enabled ? &cfg.quant : NULL;
-    if (*cfg.init_from && (!resume || (lora && !train_base)))
+    // ZeRO-3 over several ranks: a rank's shard only (a resume reads its
+    // range); pretrained weights load whole, then the rank keeps its shard
+    int pretrained = *cfg.init_from && (!resume || (lora && !train_base));
+    if (pretrained) {
         fl_pretrained_load_quant(cfg.init_from, &model, cfg.dtype, quant);
-    else
+    } else if (dist && cfg.zero.stage == 3 && world > 1) {
+        fl_param_table t;
+        fl_model_table(&t, &cfg.model);
+        size_t b, e;
+        fl_dist_range(&cfg.zero, &t, &b, &e);
+        fl_params_free(&t);
+        fl_model_init_shard(&model, &cfg.model, cfg.dtype, cfg.seed, b, e);
+    } else {
         fl_model_init_quant(&model, &cfg.model, cfg.dtype, cfg.seed, quant);
+    }
     if (lora) {
         fl_model_add_lora(&model, &cfg.lora, cfg.seed);
         if (*cfg.adapter) fl_peft_load(cfg.adapter, &model);
@@ -461,8 +474,8 @@ int cmd_train(int argc, char **argv) {
         fl_optimizer_init(&optim, &ocfg, &model.lora.table, cfg.dtype, model.lora.params,
                           model.lora.grads);
     else
-        fl_optimizer_init_range(&optim, &ocfg, &model.table, cfg.dtype, model.params, model.grads,
-                                own_begin, own_end);
+        fl_optimizer_init_at(&optim, &ocfg, &model.table, cfg.dtype, model.params,
+                             model.params_begin, model.grads, own_begin, own_end);
     if (train_base)
         fl_optimizer_init(&base_optim, &bcfg, &model.table, cfg.dtype, model.params, model.grads);
     fl_optimizer *base = train_base ? &base_optim : NULL;

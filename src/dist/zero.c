@@ -61,8 +61,8 @@ struct fl_dist {
     size_t D, numel, begin, end;
     size_t *lo, *hi; // every rank's shard
     size_t *counts, *displs;
-    // the reduced fp32 gradient of [begin, end); under DDP with fp32 weights
-    // it is the model's own gradient buffer, reduced in place
+    // the reduced fp32 gradient of [begin, end); under DDP and ZeRO-1 with
+    // fp32 weights, that range of the model's own gradient buffer
     float *gred;
     int gred_owned;
     // gradient buckets: the open one holds [open_lo, open_hi), staged at the
@@ -578,10 +578,18 @@ static void setup_stage3(fl_dist *d) {
         d->ring_unit[i] = -2;
         d->ring_req[i] = -1;
     }
-    // keep only this rank's shard of the weights
-    d->pshard = fl_alloc(FL_MEM_PARAMS, (d->end - d->begin) * d->D);
-    memcpy(d->pshard, fl_at(d->dt, m->params, d->begin), (d->end - d->begin) * d->D);
-    fl_free(m->params);
+    // keep only this rank's shard of the weights: the model's own, when it
+    // was initialised as that shard (fl_model_init_shard)
+    if (fl_model_sharded(m)) {
+        if (m->params_begin != d->begin || m->params_end != d->end)
+            fl_die("internal: the model holds [%zu, %zu), not this rank's shard [%zu, %zu)",
+                   m->params_begin, m->params_end, d->begin, d->end);
+        d->pshard = m->params;
+    } else {
+        d->pshard = fl_alloc(FL_MEM_PARAMS, (d->end - d->begin) * d->D);
+        memcpy(d->pshard, fl_at(d->dt, m->params, d->begin), (d->end - d->begin) * d->D);
+        fl_free(m->params);
+    }
     m->params = NULL;
     for (int r = 0; r < m->table.count; r++) m->wp[r] = NULL; // bound when gathered
     d->o->params = d->pshard;
@@ -602,7 +610,7 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
     if (cfg->fused_units) {
         bytes[FL_MEM_COMM] += (cfg->stage > 0 ? 2 : 1) * largest_unit(t) * sizeof(float);
     } else {
-        if (!(cfg->stage == 0 && dt == FL_F32 && !accum_buffer))
+        if (!(cfg->stage <= 1 && dt == FL_F32 && !accum_buffer))
             bytes[FL_MEM_GRADS] += (end - begin) * sizeof(float);
         if (cfg->stage > 0) bytes[FL_MEM_COMM] += 2 * cap * sizeof(float);
     }
@@ -647,8 +655,10 @@ fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg)
         d->unit_cap = largest_unit(&m->table);
         d->fsend = fl_alloc(FL_MEM_COMM, d->unit_cap * sizeof(float));
         if (d->stage > 0) d->frecv = fl_alloc(FL_MEM_COMM, d->unit_cap * sizeof(float));
-    } else if (d->stage == 0 && d->dt == FL_F32 && !o->grad_accum) {
-        d->gred = m->grads; // reduced in place
+    } else if (d->stage <= 1 && d->dt == FL_F32 && !o->grad_accum) {
+        // fp32: reduced into the model's own gradient buffer (DDP: in place;
+        // ZeRO-1: the shard's range, whose values are in the buckets by then)
+        d->gred = (float *)m->grads + d->begin;
     } else {
         d->gred = fl_alloc(FL_MEM_GRADS, (d->end - d->begin) * sizeof(float));
         d->gred_owned = 1;

@@ -559,14 +559,20 @@ static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) 
     fl_optim_rule *rule = optim->rule;
     size_t b = rule->state_begin, e = rule->state_end;
     const char *legacy_weights = strcmp(s->weights, "model") ? NULL : "weights";
+    // the weights the model holds: all, or a ZeRO-3 rank's shard
+    size_t pb = 0, pe = n;
+    if (s->values == model->params && fl_model_sharded(model)) {
+        pb = model->params_begin;
+        pe = model->params_end;
+    }
     if (optim->master) {
         read_rows_range(ck, t, s->weights, legacy_weights, FL_F32, optim->master, b, e);
-        if (b == 0 && e == n) // the 16-bit weights, rounded from the fp32 ones as every step ends
-            fl_convert(model->dtype, s->values, FL_F32, optim->master, n);
+        if (b == pb && e == pe) // the 16-bit weights, rounded from the fp32 ones as steps end
+            fl_convert(model->dtype, s->values, FL_F32, optim->master, e - b);
         else
-            read_rows(ck, t, s->weights, legacy_weights, model->dtype, s->values);
+            read_rows_range(ck, t, s->weights, legacy_weights, model->dtype, s->values, pb, pe);
     } else { // fp32, or 16-bit weights without a master
-        read_rows(ck, t, s->weights, legacy_weights, model->dtype, s->values);
+        read_rows_range(ck, t, s->weights, legacy_weights, model->dtype, s->values, pb, pe);
     }
     static const char *const legacy[2][2] = {{"adamw.m", "adamw.v"}, {"sgd.momentum", NULL}};
     int nstate = fl_optim_state_count(rule);

@@ -121,8 +121,9 @@ void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_
     fl_model_init_quant(m, cfg, dt, seed, NULL);
 }
 
-void fl_model_init_quant(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
-                         const fl_quant_config *q) {
+// The weights of elements [begin, end) (SIZE_MAX: all), dense or NF4 (q).
+static void init_model(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
+                       const fl_quant_config *q, size_t begin, size_t end) {
     memset(m, 0, sizeof *m);
     m->config = *cfg;
     m->dtype = dt;
@@ -133,12 +134,17 @@ void fl_model_init_quant(fl_model *m, const fl_model_config *cfg, fl_dtype dt, u
     size_t n = m->table.numel;
     FL_ASSERT(n == m->arch->num_params(c) && m->table.count == m->arch->table_rows(c));
     int quant = q && q->enabled;
+    m->params_begin = begin == SIZE_MAX ? 0 : begin;
+    m->params_end = begin == SIZE_MAX ? n : end;
+    FL_ASSERT(m->params_begin <= m->params_end && m->params_end <= n);
+    int shard = m->params_begin > 0 || m->params_end < n;
+    FL_ASSERT(!(shard && quant));
     if (quant) {
         fl_quant_check(q);
         fl_quant_alloc(m, q);
         m->quant.dequant = fl_alloc(FL_MEM_WORKSPACE, dequant_numel(c) * fl_dtype_size(dt));
     } else {
-        m->params = fl_alloc(FL_MEM_PARAMS, n * fl_dtype_size(dt));
+        m->params = fl_alloc(FL_MEM_PARAMS, (m->params_end - m->params_begin) * fl_dtype_size(dt));
     }
     int rows = m->table.count, L = c->n_layer;
     m->wp = fl_alloc(FL_MEM_OTHER, (size_t)rows * sizeof(void *));
@@ -157,10 +163,20 @@ void fl_model_init_quant(fl_model *m, const fl_model_config *cfg, fl_dtype dt, u
         fl_model_bind_params(m, unit, NULL);
         fl_model_bind_grads(m, unit, NULL);
     }
-    if (quant) // row by row into NF4: the dense model never exists
+    if (quant || shard) // row by row (into NF4, or the shard): the dense model never exists
         fl_params_init_each(&m->table, seed, store_sink, m);
     else
         fl_params_init(&m->table, dt, m->params, seed);
+}
+
+void fl_model_init_quant(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
+                         const fl_quant_config *q) {
+    init_model(m, cfg, dt, seed, q, SIZE_MAX, SIZE_MAX);
+}
+
+void fl_model_init_shard(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
+                         size_t begin, size_t end) {
+    init_model(m, cfg, dt, seed, NULL, begin, end);
 }
 
 // LoRA without training the base: no base gradient at all.
@@ -206,8 +222,9 @@ void fl_model_bind_grads(fl_model *m, int unit, void *buffer) {
 }
 
 void fl_model_bind_params(fl_model *m, int unit, void *buffer) {
+    // a shard holds no whole rows: nothing to point back at
     if (buffer || !m->quant.cfg.enabled) {
-        bind(m, m->wp, m->params, unit, buffer);
+        bind(m, m->wp, fl_model_sharded(m) ? NULL : m->params, unit, buffer);
         return;
     }
     // dense rows are packed in m->params; an NF4 row has no dense weights

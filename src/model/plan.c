@@ -12,9 +12,10 @@
 //   (ZeRO), without a whole fp32 gradient sum under ZeRO-2/3 (sharded_grads)
 //   fl_dist_memory: the reduced fp32 gradient of the range, two reduction
 //   buckets, and under ZeRO-3 the shard of the 16-bit weights, the units kept
-//   gathered and the gather ring. ZeRO-3 then frees the whole 16-bit weights
-//   every rank initialised: they count in the peak of tag params (what
-//   decides whether a run fits), and are reported as freed after set-up.
+//   gathered and the gather ring. Over several ranks, ZeRO-3 initialises (or
+//   resumes) only the shard; pretrained weights load whole on every rank, and
+//   are freed once it keeps its shard: they count in the peak of tag params
+//   (what decides whether a run fits), and are reported as freed after set-up.
 //
 // What the engine does not run (a raw parameter count; LoRA, NF4 or a fused
 // optimizer with several ranks or a ZeRO stage, which fl_dist_attach
@@ -88,6 +89,7 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     r->quant = cfg->quant;
     r->zero = cfg->zero;
     r->zero_stage = cfg->zero.stage;
+    r->whole_weights_first = *cfg->init_from != 0;
 }
 
 // ----------------------------------------------------------------------------
@@ -256,6 +258,11 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     size_t fused_rows = 0; // a fused step's sums of squares, one per row
     if (dist_exact) {
         plan_dist_exact(r, &c, opt, dist_bytes, &out->freed[FL_MEM_PARAMS], &fused_rows);
+        if (r->zero_stage == 3 && r->ranks > 1 && !r->whole_weights_first) {
+            // the model is the shard from the start: the whole never exists
+            b[FL_MEM_PARAMS] -= out->freed[FL_MEM_PARAMS];
+            out->freed[FL_MEM_PARAMS] = 0;
+        }
     } else if (shaped && lora_of(r)) {
         // the adapters' optimizer over their table; under LoRA + LOMO the
         // base's fused one over the base's

@@ -162,6 +162,15 @@ void fl_model_quant_error(const fl_model *m, double *mean_abs, double *max_abs, 
 void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n) {
     const fl_param_view *v = &m->table.views[row];
     FL_ASSERT(first + n <= v->numel);
+    if (!is_nf4(m, row) && fl_model_sharded(m)) {
+        // a shard (fl_model_init_shard): the part of the piece inside it
+        size_t a = v->offset + first, lo = a > m->params_begin ? a : m->params_begin;
+        size_t hi = a + n < m->params_end ? a + n : m->params_end;
+        if (lo < hi)
+            fl_store_f32(m->dtype, fl_at(m->dtype, m->params, lo - m->params_begin), w + (lo - a),
+                         hi - lo);
+        return;
+    }
     if (!is_nf4(m, row)) {
         fl_store_f32(m->dtype, fl_at(m->dtype, dense_row(m, row), first), w, n);
         return;
@@ -183,6 +192,7 @@ void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size
 void fl_model_row_f32(const fl_model *m, int row, float *out) {
     const fl_param_view *v = &m->table.views[row];
     if (!is_nf4(m, row)) {
+        if (fl_model_sharded(m)) fl_die("internal: a row of a model sharded for ZeRO-3 read whole");
         fl_convert(FL_F32, out, m->dtype, dense_row(m, row), v->numel);
         return;
     }

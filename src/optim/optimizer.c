@@ -47,17 +47,24 @@ void fl_optimizer_memory_table(const fl_optimizer_config *cfg, fl_dtype dt,
 void fl_optimizer_init_range(fl_optimizer *o, const fl_optimizer_config *cfg,
                              const fl_param_table *table, fl_dtype dt, void *params, void *grads,
                              size_t begin, size_t end) {
+    fl_optimizer_init_at(o, cfg, table, dt, params, 0, grads, begin, end);
+}
+
+void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
+                          const fl_param_table *table, fl_dtype dt, void *params,
+                          size_t params_first, void *grads, size_t begin, size_t end) {
     memset(o, 0, sizeof *o);
     FL_ASSERT(cfg->grad_accum >= 1);
-    FL_ASSERT(begin <= end && end <= table->numel);
+    FL_ASSERT(begin <= end && end <= table->numel && params_first <= begin);
     o->cfg = *cfg;
     o->table = table;
     o->dtype = dt;
     o->params = params;
+    o->params_first = params_first;
     o->grads = grads;
     if (has_master(cfg, dt)) {
         o->master = fl_alloc(FL_MEM_MASTER, (end - begin) * sizeof(float));
-        fl_convert(FL_F32, o->master, dt, fl_at(dt, params, begin), end - begin);
+        fl_convert(FL_F32, o->master, dt, fl_at(dt, params, begin - params_first), end - begin);
     }
     if (needs_accum_buffer(cfg, dt))
         o->grad_accum = fl_alloc(FL_MEM_GRADS, table->numel * sizeof(float));
