@@ -517,12 +517,50 @@ static void test_prune(void) {
     fitlm_ok(0, args); // the other run's checkpoint, shards included, is intact
 }
 
+// The validation lines ("step N val LOSS") of a run's log.txt.
+static void val_lines(const char *dir, char *out, size_t size) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s/log.txt", work, dir);
+    size_t n, k = 0;
+    char *text = (char *)t_read_file(path, &n);
+    out[0] = 0;
+    for (char *line = text; line && *line && k < size;) {
+        char *nl = strchr(line, '\n');
+        size_t len = nl ? (size_t)(nl - line) + 1 : strlen(line);
+        if (strstr(line, " val ") && strstr(line, " val ") < line + len)
+            k += (size_t)snprintf(out + k, size - k, "%.*s", (int)len, line);
+        line = nl ? nl + 1 : NULL;
+    }
+    free(text);
+}
+
+// Validation under data parallelism: the ranks share the evaluation batches
+// of the whole step's batch, the windows one process with the global batch
+// evaluates: the same losses (to print precision), 3 batches over 2 and 4 ranks.
+static void test_eval(void) {
+    char args[1024], one[512], two[512], four[512];
+    const char *eval = " --steps 4 --eval-every 2 --eval-iters 3 --val-data data/brown_byte";
+    snprintf(args, sizeof args, TINY "%s --batch 8 --out %s/e1", eval, work);
+    fitlm_ok(0, args);
+    snprintf(args, sizeof args, TINY "%s --batch 4 --zero-stage 3 --out %s/e2", eval, work);
+    fitlm_ok(2, args);
+    snprintf(args, sizeof args, TINY "%s --batch 2 --out %s/e4", eval, work);
+    fitlm_ok(4, args);
+    val_lines("e1", one, sizeof one);
+    val_lines("e2", two, sizeof two);
+    val_lines("e4", four, sizeof four);
+    t_check(*one && !strcmp(one, two) && !strcmp(one, four),
+            "validation on 2 (ZeRO-3) and 4 ranks (DDP) = one process:\n%s---\n%s---\n%s", one, two,
+            four);
+}
+
 int main(void) {
     snprintf(work, sizeof work, "/tmp/fitlm_test_reshard_%d", (int)getpid());
     t_remove_dir(work);
     mkdir(work, 0755);
     double t0 = now();
     test_layouts();
+    test_eval();
     test_resume();
     test_export();
     test_damage();

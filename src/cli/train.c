@@ -30,19 +30,25 @@
 #include "fitlm/train.h"
 #include "fitlm/mfu.h"
 
-// Mean loss over cfg->eval_iters fixed batches spread over the validation data.
+// Mean loss over cfg->eval_iters fixed batches of the whole step's batch
+// (micro-batch x ranks sequences) spread over the validation data: under
+// data parallelism rank r evaluates every N-th micro-batch of them, the same
+// windows one process with the global batch would, and the sums are added.
 static float evaluate(fl_model *model, const fl_loader *val, const fl_train_config *cfg,
                       int *inputs, int *targets) {
     // each batch's mean weighted by its targets, whose count varies with a
     // loss mask: the mean over every target evaluated
-    double sum = 0.0, targets_seen = 0.0;
-    for (int i = 0; i < cfg->eval_iters; i++) {
-        fl_loader_eval_batch(val, i, cfg->eval_iters, inputs, targets, cfg->micro_batch);
+    int rank = fl_comm_rank(), world = fl_comm_size();
+    double sums[2] = {0.0, 0.0}; // loss x targets, targets
+    for (int k = 0; k < cfg->eval_iters; k++) {
+        fl_loader_eval_batch(val, k * world + rank, cfg->eval_iters * world, inputs, targets,
+                             cfg->micro_batch);
         float loss = fl_model_forward(model, inputs, targets, cfg->micro_batch, cfg->seq_len);
-        sum += (double)loss * model->n_targets;
-        targets_seen += model->n_targets;
+        sums[0] += (double)loss * model->n_targets;
+        sums[1] += model->n_targets;
     }
-    return targets_seen ? (float)(sum / targets_seen) : 0.0f;
+    fl_comm_sum(sums, 2);
+    return sums[1] ? (float)(sums[0] / sums[1]) : 0.0f;
 }
 
 static void help(void) {
