@@ -662,8 +662,27 @@ static void check_dist_case(const char *bin, const dist_case *c) {
     }
 }
 
+// DeepSpeed's batch rule over the planned ranks: train_batch_size 32 with
+// micro-batch 4 over 2 ranks is 4 accumulation steps (one rank: 8).
+static void test_batch_rule_over_ranks(const char *bin) {
+    static char out[16384], err[4096];
+    char cmd[1024];
+    for (int ranks = 1; ranks <= 2; ranks++) {
+        snprintf(cmd, sizeof cmd,
+                 "%s plan --model tiny --seq-len 32 --data %s --tokenizer byte --ranks %d "
+                 "--zero-stage 1 --train-batch-size 32 --batch 4",
+                 bin, t_source_path("data/brown_byte"), ranks);
+        int rc = t_mpirun_plan(cmd, out, err, sizeof out);
+        char want[64];
+        snprintf(want, sizeof want, "grad accum %d | %d rank", 8 / ranks, ranks);
+        t_check(rc == 0 && strstr(out, want), "plan --ranks %d: train_batch_size 32 = 4 x %d x %d",
+                ranks, 8 / ranks, ranks);
+    }
+}
+
 static void test_data_parallel_measured(void) {
     const char *bin = getenv("FITLM_BINARY");
+    if (bin) test_batch_rule_over_ranks(bin);
     if (!bin || system("command -v mpirun.openmpi >/dev/null 2>&1") != 0) {
         printf("  (FITLM_BINARY not set or no mpirun.openmpi: data-parallel test skipped)\n");
         return;

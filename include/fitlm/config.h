@@ -99,10 +99,12 @@ typedef struct {
     char recompute_policy[FL_NAME_MAX]; // none | selective | block
     fl_recompute recompute;             // derived by fl_config_finish
     int ac_partition, ac_cpu, ac_contiguous, ac_number, ac_sync, ac_profile;
-    int micro_batch;          // train_micro_batch_size_per_gpu
-    int grad_accum;           // gradient_accumulation_steps
-    int train_batch_size;     // DeepSpeed's micro * accum * ranks; 0 = derived
-    fl_zero_config zero;      // zero_optimization; ranks come from mpirun
+    int micro_batch;      // train_micro_batch_size_per_gpu
+    int grad_accum;       // gradient_accumulation_steps
+    int train_batch_size; // DeepSpeed's micro * accum * ranks; 0 = derived
+    fl_zero_config zero;  // zero_optimization; ranks come from mpirun
+    int ranks; // the ranks train_batch_size is split over: 0 = this job's (fl_comm_size);
+               // `fitlm plan --ranks N` sets N
     fl_zero_extra zero_extra; // its keys that need no engine code (and aio)
     int seq_len;
     int steps;

@@ -124,6 +124,7 @@ int cmd_plan(int argc, char **argv) {
     size_t other_before = fl_mem_current(FL_MEM_OTHER);
     char *config_json = fl_config_to_json(&cfg);
     size_t json_bytes = fl_mem_current(FL_MEM_OTHER) - other_before;
+    cfg.ranks = f.ranks; // DeepSpeed's batch rule, for them
     fl_config_finish(&cfg);
     fl_free(args);
     // as `fitlm train` does before planning: oneDNN sizes a bf16 GEMM's

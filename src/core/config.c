@@ -915,9 +915,13 @@ static void finish_lora(fl_train_config *cfg) {
 // DeepSpeed's batch rule (runtime/config.py, _set_batch_related_parameters):
 // train_batch_size = micro x accum x ranks, and any two of the three set the
 // third; train_batch_size alone means no accumulation. Run after MPI has
-// started: the ranks are fl_comm_size's.
+// started: the ranks are fl_comm_size's (or cfg->ranks, a plan's).
+static int world_of(const fl_train_config *cfg) {
+    return cfg->ranks > 0 ? cfg->ranks : fl_comm_size();
+}
+
 static void finish_batch(fl_train_config *cfg) {
-    int world = fl_comm_size(), t = cfg->train_batch_size; // t 0: not given
+    int world = world_of(cfg), t = cfg->train_batch_size; // t 0: not given
     int has_micro = fl_config_given(cfg, "train_micro_batch_size_per_gpu");
     int has_accum = fl_config_given(cfg, "gradient_accumulation_steps");
     const char *ranks = world == 1 ? "rank" : "ranks";
