@@ -72,9 +72,9 @@ static fl_zero_config zero_of(const dist_case *c) {
                         .max_reuse_distance = c->no_reuse ? 0.0f : 1e9f,
                         .param_persistence_threshold = c->persistence ? c->persistence : 1e5f,
                         .model_persistence_threshold = 1e18f,
-                        .comm_timeout = 60,
-                        .fused_units = fl_optim_kind_fused(c->kind) && c->accum == 1,
-                        .whole_rows = c->kind == FL_OPT_ADALOMO};
+                        .comm_timeout = 60};
+    fl_optimizer_config o = {.kind = c->kind, .grad_accum = c->accum};
+    fl_dist_derive(&z, &o);
     return z;
 }
 

@@ -42,6 +42,10 @@ void fl_dist_shard(const fl_zero_config *cfg, const fl_param_table *t, int world
 
 typedef struct fl_dist fl_dist;
 
+// Fills what the strategy takes from the optimizer (cfg->fused_units,
+// cfg->whole_rows); fl_config_finish and the planner call it.
+void fl_dist_derive(fl_zero_config *cfg, const fl_optimizer_config *o);
+
 // Whether a run needs a strategy: more than one rank, or a ZeRO stage.
 int fl_dist_wanted(const fl_zero_config *cfg);
 // Whether a model for this stage keeps one unit's gradients at a time

@@ -17,6 +17,10 @@ typedef struct {
     float loss_scale;
 } fl_train_result;
 
+// The target tokens (targets != -1) of targets[0, n), summed over every rank
+// under data parallelism (o->sync): the count each token's loss is weighed by.
+long fl_batch_targets(const fl_optimizer *o, const int *targets, size_t n);
+
 // One optimizer step over `micro` micro-batches of B x T tokens: inputs and
 // targets are (micro, B, T). Gradients are token-weighted: each target
 // token's loss has weight 1 / (targets in the whole accumulated batch), so k

@@ -447,15 +447,18 @@ int cmd_train(int argc, char **argv) {
     // ZeRO-3 over several ranks: a rank's shard only (a resume reads its
     // range); pretrained weights load whole, then the rank keeps its shard
     int pretrained = *cfg.init_from && (!resume || (lora && !train_base));
+    // the range of the flat buffer this rank's optimizer covers (ZeRO: its shard)
+    size_t own_begin = 0, own_end = fl_model_num_params(&cfg.model);
+    if (dist) {
+        fl_param_table t;
+        fl_model_table(&t, &cfg.model);
+        fl_dist_range(&cfg.zero, &t, &own_begin, &own_end);
+        fl_params_free(&t);
+    }
     if (pretrained) {
         fl_pretrained_load_quant(cfg.init_from, &model, cfg.dtype, quant);
     } else if (dist && cfg.zero.stage == 3 && world > 1) {
-        fl_param_table t;
-        fl_model_table(&t, &cfg.model);
-        size_t b, e;
-        fl_dist_range(&cfg.zero, &t, &b, &e);
-        fl_params_free(&t);
-        fl_model_init_shard(&model, &cfg.model, cfg.dtype, cfg.seed, b, e);
+        fl_model_init_shard(&model, &cfg.model, cfg.dtype, cfg.seed, own_begin, own_end);
     } else {
         fl_model_init_quant(&model, &cfg.model, cfg.dtype, cfg.seed, quant);
     }
@@ -470,12 +473,7 @@ int cmd_train(int argc, char **argv) {
     // what the optimizer trains: the adapters under LoRA (the base too, by
     // its own fused optimizer, under LoRA + LOMO), else the model
     fl_optimizer optim, base_optim;
-    // under ZeRO, over this rank's shard
-    size_t own_begin = 0, own_end = model.table.numel;
-    if (dist) {
-        fl_dist_range(&cfg.zero, &model.table, &own_begin, &own_end);
-        ocfg.sharded_grads = cfg.zero.stage >= 2;
-    }
+    ocfg.sharded_grads = dist && cfg.zero.stage >= 2; // ZeRO-2/3 sum their own shards
     if (lora)
         fl_optimizer_init(&optim, &ocfg, &model.lora.table, cfg.dtype, model.lora.params,
                           model.lora.grads);

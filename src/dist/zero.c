@@ -41,6 +41,7 @@
 
 #include "fitlm/comm.h"
 #include "fitlm/profile.h"
+#include "fitlm/train.h"
 
 enum { MAX_INFLIGHT = 32, MAX_RING = 64 };
 
@@ -103,6 +104,11 @@ void fl_zero_shard(size_t numel, int world, int rank, size_t *begin, size_t *end
 
 int fl_dist_wanted(const fl_zero_config *cfg) {
     return cfg->stage > 0 || fl_comm_size() > 1;
+}
+
+void fl_dist_derive(fl_zero_config *cfg, const fl_optimizer_config *o) {
+    cfg->fused_units = fl_optimizer_unit_grads(o);
+    cfg->whole_rows = o->kind == FL_OPT_ADALOMO;
 }
 
 int fl_dist_unit_grads(const fl_zero_config *cfg) {
@@ -168,12 +174,10 @@ static void wait_all(fl_dist *d) {
 static void progress(fl_dist *d) {
     int k = 0;
     for (int i = 0; i < d->n_fly; i++) {
-        if (d->fly[i].keep_n == 0 && fl_comm_test(d->fly[i].req)) {
-            fl_comm_wait(d->fly[i].req); // completed: releases it
-            if (d->fly[i].bucket >= 0) d->bucket_busy[d->fly[i].bucket] = 0;
-            continue;
-        }
-        d->fly[k++] = d->fly[i];
+        if (fl_comm_test(d->fly[i].req))
+            land(d, &d->fly[i]); // completed: no wait
+        else
+            d->fly[k++] = d->fly[i];
     }
     d->n_fly = k;
 }

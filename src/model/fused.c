@@ -112,10 +112,7 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
     m->lora.dropout_step = (uint64_t)*fl_optim_step_count(o->rule) + 1;
     size_t BT = (size_t)B * T;
     const fl_optim_sync *sync = o->sync; // data parallelism: the batch is every rank's
-    double count = 0.0;
-    for (size_t i = 0; i < BT; i++) count += targets[i] != -1;
-    if (sync) sync->sum(sync->ctx, &count, 1);
-    long total = (long)count;
+    long total = fl_batch_targets(o, targets, BT);
     float scale = fl_optimizer_scale(o), unscale = 1.0f / scale;
     float dloss = total ? scale / (float)total : 0.0f;
     fl_train_result r = {0.0f, total, 0.0f, 0, scale};

@@ -154,9 +154,7 @@ static const char *dist_refused(const fl_plan_request *r) {
 static fl_zero_config zero_of(const fl_plan_request *r) {
     fl_zero_config z = r->zero;
     z.stage = r->zero_stage;
-    // derived from the optimizer, as fl_config_finish does
-    z.fused_units = fl_optimizer_unit_grads(&r->optim);
-    z.whole_rows = r->optim.kind == FL_OPT_ADALOMO;
+    fl_dist_derive(&z, &r->optim); // as fl_config_finish does
     return z;
 }
 

@@ -3,6 +3,7 @@
 // config's own checks; and the optimizer's settings.
 #include <string.h>
 
+#include "fitlm/dist.h"
 #include "fitlm/tokenizer.h"
 #include "fitlm/train.h"
 
@@ -91,8 +92,7 @@ void fl_config_finish(fl_train_config *cfg) {
     fl_config_check(cfg);
     // what data parallelism needs to know of the optimizer
     fl_optimizer_config o = fl_config_optimizer(cfg);
-    cfg->zero.fused_units = fl_optimizer_unit_grads(&o);
-    cfg->zero.whole_rows = o.kind == FL_OPT_ADALOMO;
+    fl_dist_derive(&cfg->zero, &o);
 }
 
 void fl_config_set_lora(fl_train_config *cfg, const fl_lora_config *adapter, const char *source) {

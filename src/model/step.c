@@ -2,6 +2,13 @@
 #include "fitlm/profile.h"
 #include "fitlm/train.h"
 
+long fl_batch_targets(const fl_optimizer *o, const int *targets, size_t n) {
+    double count = 0.0;
+    for (size_t i = 0; i < n; i++) count += targets[i] != -1;
+    if (o->sync) o->sync->sum(o->sync->ctx, &count, 1);
+    return (long)count;
+}
+
 fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int micro, int B, int T, float lr) {
     FL_ASSERT(micro == o->cfg.grad_accum);
@@ -12,10 +19,7 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
     }
     size_t BT = (size_t)B * T;
     const fl_optim_sync *sync = o->sync; // data parallelism: the batch is every rank's
-    double count = 0.0;
-    for (size_t i = 0; i < (size_t)micro * BT; i++) count += targets[i] != -1;
-    if (sync) sync->sum(sync->ctx, &count, 1);
-    long total = (long)count;
+    long total = fl_batch_targets(o, targets, (size_t)micro * BT);
     // d(scaled mean loss)/d(loss_i): the same weight for every target token
     float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
     double loss_sum = 0.0;
