@@ -5,8 +5,8 @@
 #
 # 1. Installs the build and runtime packages that are missing (apt-get):
 #      build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev
-#      libutf8proc-dev libcairo2-dev libopenmpi-dev openmpi-bin (Open MPI: data
-#      parallelism and ZeRO) python3 ca-certificates, and Node.js' npm (for
+#      libutf8proc-dev libcairo2-dev libopenmpi-dev liburing-dev openmpi-bin (Open MPI: data
+#      parallelism and ZeRO) liburing-dev (io_uring: NVMe offload) python3 ca-certificates, and Node.js' npm (for
 #      `npm pack`).
 #    --with-torch also installs python3-torch python3-numpy python3-regex
 #    (reference-fixture generators, PyTorch benchmark).
@@ -60,7 +60,7 @@ PYTHON=/usr/bin/python3
 
 # --- 1. packages ------------------------------------------------------------
 PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev clang-format cppcheck
-      python3 ca-certificates libdnnl-dev libutf8proc-dev libcairo2-dev libopenmpi-dev
+      python3 ca-certificates libdnnl-dev libutf8proc-dev libcairo2-dev libopenmpi-dev liburing-dev
       openmpi-bin)
 if [[ $WITH_TORCH == 1 ]]; then
     PKGS+=(python3-torch python3-numpy python3-regex)

@@ -282,18 +282,35 @@ static void test_zero_optimization_keys(void) {
         {"{\"zero_optimization\": {\"stage\": 2, \"contiguous_gradients\": false}}",
          "zero_optimization.contiguous_gradients false: fitlm always keeps a rank's gradient "
          "shard in one contiguous buffer"},
-        {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"nvme\", "
-         "\"nvme_path\": \"/local_nvme\"}}}",
-         "zero_optimization.offload_optimizer.device nvme: NVMe offload is not supported yet"},
+        {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"nvme\"}}}",
+         "offload_optimizer.device nvme needs offload_optimizer.nvme_path"},
+        {"{\"optimizer\": {\"type\": \"lomo\"}, \"zero_optimization\": {\"stage\": 1, "
+         "\"offload_optimizer\": "
+         "{\"device\": \"nvme\", \"nvme_path\": \"/tmp\"}}}",
+         "offload_optimizer.device nvme with optimizer lomo: LOMO keeps no optimizer state"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": \"nvme\", "
+         "\"nvme_path\": \"/tmp\", \"ratio\": 0.5}}}",
+         "offload_optimizer.ratio 0.5: a partial offload is DeepSpeed's CPU-offload feature"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": \"cpu\", "
+         "\"pipeline_read\": true}}}",
+         "offload_optimizer.pipeline_read applies to NVMe offload (device nvme); "
+         "offload_optimizer.device is cpu"},
         {"{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"nvme\"}}}",
-         "zero_optimization.offload_param.device nvme: NVMe offload is not supported yet"},
+         "zero_optimization.offload_param.device nvme: NVMe offload of the weights is not "
+         "supported yet"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": \"nvme\", "
+         "\"nvme_path\": \"/tmp\"}}, \"aio\": {\"intra_op_parallelism\": 2}}",
+         "aio.intra_op_parallelism 2"},
+        {"{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": \"nvme\", "
+         "\"nvme_path\": \"/tmp\"}}, \"aio\": {\"use_gds\": true}}",
+         "aio.use_gds true: GPUDirect Storage"},
         {"{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", "
          "\"buffer_size\": 1e8}}}",
          "zero_optimization.offload_param.buffer_size applies to NVMe offload (device nvme)"},
         {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"gpu\"}}}",
          "offload_optimizer.device must be one of none|cpu|nvme, got 'gpu'"},
         {"{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"pin_memory\": true}}}",
-         "offload_optimizer.pin_memory applies to an offload (device cpu)"},
+         "offload_optimizer.pin_memory applies to an offload (device cpu or nvme)"},
         {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"cpu\", "
          "\"ratio\": 0.5}}}",
          "offload_optimizer.ratio 0.5: a partial offload needs ZeRO stage 3"},
@@ -328,7 +345,8 @@ static void test_zero_optimization_keys(void) {
          "memory_efficient_linear false: fitlm's stage 3 gathers a block's weights again"},
         {"{\"zero_optimization\": {\"stage\": 1, \"legacy_stage1\": true}}", "legacy_stage1 true"},
         {"{\"aio\": {\"queue_depth\": 32}}",
-         "aio.queue_depth 32: the aio block tunes NVMe offload's I/O"},
+         "aio.queue_depth 32 tunes NVMe offload's I/O; zero_optimization.offload_optimizer.device "
+         "is none, not nvme"},
     };
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
         write_text("zero.json", refused[i].json);

@@ -1428,6 +1428,33 @@ static double swiglu_loss(const void *p) {
     return dot_d(c->out, c->R, (size_t)c->N * c->IC);
 }
 
+// the kernels' SIMD SwiGLU, as in swiglu.c: e = exp(-|x|), r = 1 / (1 + e)
+static void swiglu_sigmoid_model(float x, float *s, float *s1) {
+    float e = exp_model(-1.0f * fabsf(x)), r = 1.0f / (1.0f + e), er = e * r;
+    *s = x < 0.0f ? er : r;
+    *s1 = x < 0.0f ? r : er;
+}
+
+static void swiglu_forward_model(float *out, const float *inp, int N, int IC) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < IC; i++) {
+            float x = inp[(size_t)n * 2 * IC + i], up = inp[(size_t)n * 2 * IC + IC + i], s, s1;
+            swiglu_sigmoid_model(x, &s, &s1);
+            out[(size_t)n * IC + i] = x * s * up;
+        }
+}
+
+static void swiglu_backward_model(float *dinp, const float *inp, const float *dout, int N, int IC) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < IC; i++) {
+            size_t g = (size_t)n * 2 * IC + i, u = g + IC;
+            float x = inp[g], dy = dout[(size_t)n * IC + i], s, s1;
+            swiglu_sigmoid_model(x, &s, &s1);
+            dinp[g] = fmaf(dy * inp[u], s * fmaf(x, s1, 1.0f), dinp[g]);
+            dinp[u] = fmaf(dy, x * s, dinp[u]);
+        }
+}
+
 static void test_swiglu(void) {
     printf("swiglu\n");
     // N IC: single value, odd IC, a row over two chunks of 1024 columns, many rows
@@ -1449,6 +1476,14 @@ static void test_swiglu(void) {
         t_close(nm("swiglu N%d IC%d dinp", N, IC), dx_f, dx_r, ni, 1e-6, REF_RTOL);
         same_bits("swiglu out", out_f, out_f2, no);
         same_bits("swiglu dinp", dx_f, dx_f2, ni);
+        if (simd_paths()) { // AVX2 and AVX-512: both bitwise their model
+            float *out_m = fnan(no), *dx_m = frand(ni, 203, 1.0f);
+            swiglu_forward_model(out_m, inp, N, IC);
+            swiglu_backward_model(dx_m, inp, dout, N, IC);
+            same_as_model(nm("swiglu N%d IC%d out", N, IC), out_f, out_m, no);
+            same_as_model(nm("swiglu N%d IC%d dinp", N, IC), dx_f, dx_m, ni);
+            free(out_m), free(dx_m);
+        }
         free(inp), free(dout), free(out_r), free(out_f), free(out_f2), free(dx_r), free(dx_f);
         free(dx_f2);
     }
@@ -1467,6 +1502,13 @@ static void test_swiglu(void) {
     swiglu_backward_f32(dx_f, in, ones, 1, NX);
     t_close("swiglu special out", out_f, out_r, NX, 1e-6, REF_RTOL);
     t_close("swiglu special dinp", dx_f, dx_r, 2 * NX, 1e-6, REF_RTOL);
+    if (simd_paths()) {
+        float out_m[NX], dx_m[2 * NX] = {0};
+        swiglu_forward_model(out_m, in, 1, NX);
+        swiglu_backward_model(dx_m, in, ones, 1, NX);
+        same_as_model("swiglu special out", out_f, out_m, NX);
+        same_as_model("swiglu special dinp", dx_f, dx_m, 2 * NX);
+    }
     int lim_ok = 1;
     for (int i = 0; i < NX; i++) {
         double g = gs[i], want = g > 0 ? g / (1.0 + exp(-g)) : g * exp(g) / (1.0 + exp(g));

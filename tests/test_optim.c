@@ -1,11 +1,17 @@
 // test_optim.c: optimizers, clipping and schedules against hand-written
-// double-precision versions of torch.optim's update rules.
+// double-precision versions of torch.optim's update rules. Everything runs in
+// a forked child with the portable paths (FITLM_ISA=portable), with AVX2
+// where the CPU has more, then with the CPU's own paths; and the elementwise
+// updates and sums of squares of all paths are compared bit for bit.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "fitlm/config.h"
 #include "fitlm/train.h"
@@ -1048,7 +1054,111 @@ static void test_fused_lowp(void) {
     check_fused_kind(FL_OPT_ADALOMO);
 }
 
-int main(void) {
+// ----------------------------------------------------------------------------
+// the ISA paths
+
+#define PATH_OUTS 7 // weights of 4 rules, AdamW's m and v, SGD's momentum
+#define PATH_SUMS 6
+#define SUMSQ_N   100003 // several chunks, a ragged end
+
+// What every path must compute bitwise alike: three steps of each rule with
+// an elementwise kernel (AdamW, SGD with and without momentum, LOMO) over
+// make_big_table's rows (several update blocks, ends no multiple of a vector),
+// into out (PATH_OUTS arrays of the table's size), and sums of squares of
+// ragged lengths in fp32 and bf16 into sums.
+static void path_results(float *out, double *sums) {
+    fl_param_table t = {0};
+    make_big_table(&t);
+    size_t n = t.numel;
+    float *g = malloc(n * sizeof *g), *p[4];
+    for (int k = 0; k < 4; k++) t_fill(p[k] = out + k * n, n, 30 + k, 1.0f);
+    fl_adamw adamw;
+    fl_sgd sgd, plain;
+    fl_lomo lomo;
+    fl_adamw_init(&adamw, n, 0.9f, 0.95f, 1e-8f, 0.1f);
+    fl_sgd_init(&sgd, n, 0.9f, 0.01f);
+    fl_sgd_init(&plain, n, 0.0f, 0.01f);
+    fl_lomo_init_range(&lomo, 0, n, 0.1f, 0.3f);
+    for (int step = 1; step <= 3; step++) {
+        t_fill(g, n, 40 + step, 0.5f);
+        rule_step(&adamw.rule, &t, p[0], g, 0.75f, 1e-2f);
+        rule_step(&sgd.rule, &t, p[1], g, 0.75f, 0.05f);
+        rule_step(&plain.rule, &t, p[2], g, 0.75f, 0.05f);
+        rule_step_clip(&lomo.rule, &t, p[3], g, 0.75f, 0.5f, 0.05f);
+    }
+    float *state[3] = {fl_optim_state_ptr(&adamw.rule, 0, 0), fl_optim_state_ptr(&adamw.rule, 1, 0),
+                       fl_optim_state_ptr(&sgd.rule, 0, 0)};
+    for (int k = 0; k < 3; k++) memcpy(out + (4 + k) * n, state[k], n * sizeof(float));
+    fl_optim_free(&adamw.rule), fl_optim_free(&sgd.rule), fl_optim_free(&plain.rule);
+    fl_optim_free(&lomo.rule);
+    fl_params_free(&t);
+
+    float *x = malloc(SUMSQ_N * sizeof *x);
+    uint16_t *h = malloc(SUMSQ_N * sizeof *h);
+    t_fill(x, SUMSQ_N, 50, 1.0f);
+    size_t lens[PATH_SUMS - 1] = {1, 15, 16, 17, SUMSQ_N};
+    for (int k = 0; k < PATH_SUMS - 1; k++) sums[k] = fl_grad_sumsq(FL_F32, x, lens[k]);
+    fl_convert(FL_BF16, h, FL_F32, x, SUMSQ_N);
+    sums[PATH_SUMS - 1] = fl_grad_sumsq(FL_BF16, h, SUMSQ_N);
+    free(g), free(x), free(h);
+}
+
+// path_results on every ISA the CPU has, each in a child forked before any
+// OpenMP thread exists (fl_cpu() reads FITLM_ISA once per process), which
+// leaves its results in shared memory: AVX2 and AVX-512 must give the
+// portable path's bits.
+static void test_isa_paths_bitwise(int avx2, int avx512) {
+    printf("isa paths\n");
+    const char *caps[] = {"portable", "avx2", "avx512"};
+    int have[] = {1, avx2, avx512};
+    fl_param_table t = {0};
+    make_big_table(&t);
+    size_t n = t.numel, nout = PATH_OUTS * n;
+    fl_params_free(&t);
+    float *outs = mmap(NULL, 3 * nout * sizeof *outs, PROT_READ | PROT_WRITE,
+                       MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    double *sums = mmap(NULL, 3 * PATH_SUMS * sizeof *sums, PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    t_check(outs != MAP_FAILED && sums != MAP_FAILED, "mmap failed");
+    if (outs == MAP_FAILED || sums == MAP_FAILED) return;
+    for (int k = 0; k < 3; k++) {
+        if (!have[k]) continue;
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) {
+            setenv("FITLM_ISA", caps[k], 1);
+            path_results(outs + k * nout, sums + k * PATH_SUMS);
+            _exit(strcmp(fl_isa_name(fl_cpu_isa()), caps[k]) != 0); // the cap held
+        }
+        int status = 0;
+        if (pid > 0) waitpid(pid, &status, 0);
+        t_check(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                "%s-path child failed or ran another path", caps[k]);
+    }
+    const char *out_names[PATH_OUTS] = {
+        "adamw weights", "sgd+momentum weights", "sgd weights", "lomo weights", "adamw m",
+        "adamw v",       "sgd momentum"};
+    const char *sum_names[PATH_SUMS] = {"fp32 n=1",  "fp32 n=15",     "fp32 n=16",
+                                        "fp32 n=17", "fp32 n=100003", "bf16 n=100003"};
+    for (int k = 1; k < 3; k++) {
+        if (!have[k]) continue;
+        for (int j = 0; j < PATH_OUTS; j++)
+            t_check(!memcmp(outs + k * nout + j * n, outs + j * n, n * sizeof *outs),
+                    "%s: the %s path gives the portable path's bits", out_names[j], caps[k]);
+        for (int j = 0; j < PATH_SUMS; j++)
+            t_check(!memcmp(sums + k * PATH_SUMS + j, sums + j, sizeof *sums),
+                    "sum of squares %s: the %s path gives the portable path's bits", sum_names[j],
+                    caps[k]);
+    }
+    munmap(outs, 3 * nout * sizeof *outs);
+    munmap(sums, 3 * PATH_SUMS * sizeof *sums);
+}
+
+static int run_all(const char *path) {
+    printf("%s paths: vector ISA %s\n", path, fl_isa_name(fl_cpu_isa()));
+    if (!strcmp(path, "portable") || !strcmp(path, "avx2"))
+        t_check(!strcmp(fl_isa_name(fl_cpu_isa()), path), "FITLM_ISA=%s caps the paths at %s", path,
+                fl_isa_name(fl_cpu_isa()));
     // first: a forked child cannot use OpenMP once the parent has (libgomp)
     t_dies("fp16 scale stuck at the minimum", stuck_scaler, NULL,
            "loss scale already at its minimum");
@@ -1070,4 +1180,30 @@ int main(void) {
 
     test_schedules();
     return t_report();
+}
+
+// As test_kernels: each narrower ISA's run in a child forked first thing
+// (portable, then AVX2 where the CPU has AVX-512), the CPU's own paths in the
+// parent. FITLM_ISA or FITLM_NO_SIMD set from outside: that one only.
+int main(void) {
+    if (getenv("FITLM_NO_SIMD")) return run_all("portable (FITLM_NO_SIMD)");
+    if (getenv("FITLM_ISA")) return run_all(getenv("FITLM_ISA"));
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    test_isa_paths_bitwise(avx2, avx2 && avx512);
+    const char *caps[] = {"portable", "avx2"};
+    for (int k = 0; k < (avx2 && avx512 ? 2 : 1); k++) { // the widest is the parent's
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid < 0) return t_check(0, "fork failed"), t_report();
+        if (pid == 0) {
+            setenv("FITLM_ISA", caps[k], 1);
+            exit(run_all(caps[k]));
+        }
+        int status = 0;
+        waitpid(pid, &status, 0);
+        t_check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s-path run failed", caps[k]);
+    }
+    return run_all("native");
 }

@@ -116,14 +116,53 @@ int fl_threads(void);
 
 double fl_now(void); // monotonic seconds
 
-// Compiles a hot elementwise loop for AVX-512, AVX2 and baseline x86-64; the
-// dynamic loader picks the clone for the CPU at run time (GCC ifunc).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) &&                             \
-    !defined(__SANITIZE_ADDRESS__)
-#define FL_TARGET_CLONES                                                                           \
-    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// AVX2 and AVX-512 copies of a plain-C loop, picked at run time by
+// fl_cpu_isa() (so FITLM_ISA caps them too). GCC vectorises each copy for its
+// ISA; contraction into FMA stays off (baseline x86-64 has none), so
+// elementwise loops give the same bits on every path; an FMA the arithmetic
+// needs is written as fmaf. A reduction must write out its order: under
+// `omp simd` the lane count sets the order of the sum.
+#if defined(__x86_64__)
+#define FL_AVX2_FN __attribute__((target("avx2,fma"), optimize("fp-contract=off")))
+#define FL_AVX512_FN                                                                               \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"), optimize("fp-contract=off")))
 #else
-#define FL_TARGET_CLONES
+#define FL_AVX2_FN
+#define FL_AVX512_FN
 #endif
+
+// Defines name_portable, name_avx2 and name_avx512, each returning `type`
+// from the always_inline name_body, and name_for(isa) to pick one.
+#define FL_ISA_COPIES_OF(type, name, params, args)                                                 \
+    static type name##_portable params {                                                           \
+        return name##_body args;                                                                   \
+    }                                                                                              \
+    FL_AVX2_FN static type name##_avx2 params {                                                    \
+        return name##_body args;                                                                   \
+    }                                                                                              \
+    FL_AVX512_FN static type name##_avx512 params {                                                \
+        return name##_body args;                                                                   \
+    }                                                                                              \
+    FL_ISA_PICK(name)
+
+// The same for a body that returns nothing.
+#define FL_ISA_COPIES(name, params, args)                                                          \
+    static void name##_portable params {                                                           \
+        name##_body args;                                                                          \
+    }                                                                                              \
+    FL_AVX2_FN static void name##_avx2 params {                                                    \
+        name##_body args;                                                                          \
+    }                                                                                              \
+    FL_AVX512_FN static void name##_avx512 params {                                                \
+        name##_body args;                                                                          \
+    }                                                                                              \
+    FL_ISA_PICK(name)
+
+#define FL_ISA_PICK(name)                                                                          \
+    static __typeof__(name##_portable) *name##_for(fl_isa isa) {                                   \
+        return isa == FL_ISA_AVX512 ? name##_avx512                                                \
+               : isa == FL_ISA_AVX2 ? name##_avx2                                                  \
+                                    : name##_portable;                                             \
+    }
 
 #endif

@@ -64,6 +64,9 @@ typedef struct fl_optim_ops fl_optim_ops; // a rule's functions (src/optim/updat
 typedef struct fl_optim_rule {
     const fl_optim_ops *ops;
     size_t state_begin, state_end; // flat-buffer elements the state covers
+    // the flat element the state's memory starts at: state_begin, or the
+    // first element of the chunk paged in (fl_optim_pager)
+    size_t window_begin;
     int nstate; // state tensors: elementwise ones, (state_end - state_begin) floats each,
                 // or per-row ones (AdaLomo) of fl_optim_state_numel floats per row
 } fl_optim_rule;
@@ -252,6 +255,8 @@ typedef struct {
     float decay_rate;     // AdaLomo: beta2t = 1 - t^decay_rate (-0.8)
     int sharded_grads;    // ZeRO-2/3 sum the micro-batches' gradients themselves (in their
                           // shard): no whole fp32 sum here
+    int paged; // the master weights and the rule's state live outside RAM (NVMe offload):
+               // not allocated here; a pager (fl_optim_pager) is attached before the first step
 } fl_optimizer_config;
 
 // LOMO or AdaLomo
@@ -277,6 +282,24 @@ typedef struct {
                                 size_t *hi);
 } fl_optim_sync;
 
+// Optimizer state paged from storage (NVMe offload, offload.h): the fp32
+// master weights (when there are some) and the rule's elementwise state of
+// [state_begin, state_end) are brought into RAM a chunk at a time. A step
+// walks the chunks in order: acquire makes chunk c resident and fills
+// tensors[k] with the RAM address of its first element (k = 0 the master
+// when there is one, then each state tensor), release hands it back to be
+// written. map puts every chunk's tensors in memory at once, writable
+// (checkpoints read and restore through it), and unmap writes them back.
+enum { FL_OPTIM_MAX_TENSORS = 4 };
+typedef struct {
+    void *ctx;
+    int n_chunks;
+    void (*acquire)(void *ctx, int c, size_t *lo, size_t *hi, float **tensors);
+    void (*release)(void *ctx, int c);
+    void (*map)(void *ctx, float **tensors);
+    void (*unmap)(void *ctx);
+} fl_optim_pager;
+
 // The optimizer updates the elements [begin, end) of the model's flat buffer
 // (fl_optimizer_init: all of them; fl_optimizer_init_range: one shard, as a
 // ZeRO rank does): its master weights and rule state cover that range, while
@@ -297,11 +320,13 @@ typedef struct {
         fl_lomo lomo;
         fl_adalomo adalomo;
     };
-    fl_optim_rule *rule;       // &adamw.rule, &sgd.rule, &lomo.rule or &adalomo.rule
-    fl_loss_scaler scaler;     // fp16; scale 1 otherwise
-    int micro;                 // micro-batches seen in this step
-    size_t params_first;       // flat-buffer element of params[0] (ZeRO-3 keeps one shard)
-    const fl_optim_sync *sync; // data parallelism, or NULL
+    fl_optim_rule *rule;         // &adamw.rule, &sgd.rule, &lomo.rule or &adalomo.rule
+    fl_loss_scaler scaler;       // fp16; scale 1 otherwise
+    int micro;                   // micro-batches seen in this step
+    size_t params_first;         // flat-buffer element of params[0] (ZeRO-3 keeps one shard)
+    const fl_optim_sync *sync;   // data parallelism, or NULL
+    const fl_optim_pager *pager; // cfg.paged: where the master and state are, else NULL
+    int mapped;                  // the pager's map is in place (fl_optimizer_map)
 } fl_optimizer;
 
 typedef struct {
@@ -338,6 +363,15 @@ void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
                           const fl_param_table *table, fl_dtype dt, void *params,
                           size_t params_first, void *grads, size_t begin, size_t end);
 void fl_optimizer_free(fl_optimizer *o);
+// Tensors of a paged optimizer's state per element: the master (when there
+// is one) and the rule's elementwise state.
+int fl_optimizer_paged_tensors(const fl_optimizer_config *cfg, fl_dtype dt);
+// A paged optimizer's state in memory for a while (a checkpoint's save or
+// restore, a finiteness check): o->master and the rule's state pointers
+// cover the whole range until fl_optimizer_unmap, which writes changes back.
+// Both do nothing when the optimizer is not paged.
+void fl_optimizer_map(fl_optimizer *o);
+void fl_optimizer_unmap(fl_optimizer *o);
 // The factor the backward pass multiplies the loss by: scale / grad_accum.
 float fl_optimizer_loss_scale(const fl_optimizer *o);
 // The current loss scale alone (1 for fp32/bf16), for a driver that

@@ -15,6 +15,7 @@
 #include "fitlm/core.h"
 #include "fitlm/dtype.h"
 #include "fitlm/model.h"
+#include "fitlm/offload.h"
 #include "fitlm/optim.h"
 
 typedef struct {
@@ -47,6 +48,9 @@ typedef struct {
     fl_lora_config lora;
     fl_optimizer_config base_optim;
     fl_quant_config quant;
+    // NVMe offload of the optimizer (optim.paged): its buffers in RAM, its
+    // files on disk
+    fl_offload_config offload;
 } fl_plan_request;
 
 typedef struct {
@@ -61,6 +65,11 @@ typedef struct {
     // several ranks or a ZeRO stage planned exactly: the model states of the
     // ZeRO paper's formula for comparison (0: not computed)
     size_t formula_model_states;
+    size_t disk; // per rank: bytes of NVMe offload files under disk_dir (0: none)
+    char disk_dir[FL_PATH_MAX];
+    // NVMe offload: what the master and optimizer state would take in RAM
+    // instead (per tag), for "what would fit without offload"
+    size_t unpaged[FL_MEM_NTAGS];
     int runnable;   // 1: the engine runs this, and the figures are its exact sizes
     char note[320]; // "" or what the figures leave out / "not runnable yet: ..."
 } fl_plan;
@@ -85,6 +94,8 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
 //   + fl_dist_memory(zero, table, ...)                    grads, comm, params (ZeRO-3)
 //     (reduced fp32 gradient, buckets, ZeRO-3's shard, resident units and
 //     gather ring; ZeRO-3 frees the whole weights after: freed[params])
+//   + optim.paged: fl_offload_memory(offload, [begin, end)) offload (chunk buffers), other
+//     (and the files: disk)
 //   + data_bytes                                          other (loaders' tables, tokenizer)
 //   (other: at least data_peak, its peak while the data and tokenizer were opened)
 //   + 2 x grad_accum x B*T*sizeof(int)                    other (a step's inputs and targets)
@@ -108,7 +119,8 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
 // If p->total > limit: fl_die with the limit, the total, the three largest
 // tags and the alternatives that would fit. Returns otherwise, and when
 // limit is 0 (unknown, as fl_mem_available returns without
-// /proc/meminfo).
+// /proc/meminfo). With NVMe offload, also dies unless its directory has
+// p->disk bytes free.
 void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit);
 
 // Parses a parameter count: "124439808", "7e9", "7B", "1.5b", "350M", "64K".

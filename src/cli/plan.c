@@ -14,6 +14,7 @@
 #include "fitlm/data.h"
 #include "fitlm/config.h"
 #include "fitlm/train.h"
+#include "fitlm/offload.h"
 #include "fitlm/plan.h"
 #include "fitlm/tokenizer.h"
 
@@ -167,6 +168,9 @@ int cmd_plan(int argc, char **argv) {
     fl_plan p;
     fl_plan_compute(&r, &p);
     fl_plan_print(&p, stdout);
+    // as `fitlm train` refuses it: NVMe offload's directory must hold its files
+    if (p.disk)
+        fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", p.disk_dir, p.disk);
 
     // as `fitlm train` checks: the available memory shared by the ranks
     // (mpirun -np N on this machine), or --mem-limit per rank
@@ -185,6 +189,14 @@ int cmd_plan(int argc, char **argv) {
     }
     printf("\nmemory limit %.2f GiB%s (%s): %s\n", limit / 1073741824.0,
            f.ranks > 1 ? " per rank" : "", source, p.total <= limit ? "fits" : "does NOT fit");
+    if (p.disk) {
+        size_t without =
+            p.total - p.bytes[FL_MEM_OFFLOAD] + p.unpaged[FL_MEM_MASTER] + p.unpaged[FL_MEM_OPTIM];
+        printf("NVMe offload: %.2f GB on disk under %s: fits; without offload %.2f GiB of RAM: "
+               "%s\n",
+               p.disk / 1e9, p.disk_dir, without / 1073741824.0,
+               without <= limit ? "fits" : "does NOT fit");
+    }
     if (p.total > limit) {
         char alt[2048];
         fl_plan_alternatives(&r, limit, alt, sizeof alt);

@@ -22,6 +22,7 @@
 #include "fitlm/dist.h"
 #include "fitlm/io.h"
 #include "fitlm/metrics.h"
+#include "fitlm/offload.h"
 #include "fitlm/optim.h"
 #include "fitlm/plan.h"
 #include "fitlm/profile.h"
@@ -283,6 +284,42 @@ static int weights_finite(const fl_optimizer *optim, const fl_optimizer *base) {
     return bad == 0.0;
 }
 
+// NVMe offload's traffic per training step, and how much of it the step
+// waited for (the rest was hidden behind the update and the next chunks').
+static void print_offload(const fl_offload *f, const fl_offload_stats *from, int steps,
+                          double step_seconds) {
+    fl_offload_stats s;
+    fl_offload_stats_get(f, &s);
+    double rd = (double)(s.bytes_read - from->bytes_read) / steps,
+           wr = (double)(s.bytes_written - from->bytes_written) / steps,
+           wait = (s.wait_s - from->wait_s) / steps, busy = (s.busy_s - from->busy_s) / steps;
+    printf("NVMe offload per step (%s%s): read %.3f GB, written %.3f GB, I/O %.2f s (%.2f GB/s); "
+           "the step waited %.2f s of its %.2f s for it (%.0f%% of the I/O time hidden)\n",
+           fl_offload_path(f), fl_offload_direct(f) ? ", O_DIRECT" : "", rd / 1e9, wr / 1e9, busy,
+           busy > 0 ? (rd + wr) / busy / 1e9 : 0.0, wait, step_seconds / steps,
+           busy > 0 ? 100.0 * (1.0 - (wait < busy ? wait : busy) / busy) : 100.0);
+}
+
+// A checkpoint after `step` (a paged optimizer's state read through its
+// mapping), unless the weights have diverged: a good checkpoint is never
+// replaced by a bad one.
+static void save_checkpoint(const fl_train_config *cfg, int step, int dist, fl_model *model,
+                            fl_optimizer *optim, const fl_optimizer *base, const fl_loader *train,
+                            const char *config_json, const char *run_id) {
+    fl_optimizer_map(optim);
+    if (!weights_finite(optim, base))
+        fl_die("the weights are not finite after step %d: not writing a checkpoint over the good "
+               "ones in %s (training diverged; lower the learning rate)",
+               step, cfg->out_dir);
+    if (dist) // every rank its shard (DDP: rank 0 all), agreed before anything is visible
+        fl_train_ckpt_save_dist(cfg->out_dir, step, model, optim, &train->state, train->tokenizer,
+                                config_json, cfg->keep_checkpoints, run_id);
+    else
+        fl_train_ckpt_save_run(cfg->out_dir, step, model, optim, base, &train->state,
+                               train->tokenizer, config_json, cfg->keep_checkpoints, run_id);
+    fl_optimizer_unmap(optim);
+}
+
 // Ranks beyond the first print nothing on stdout (their errors still reach
 // stderr, naming the rank); a memory report is every rank's, in rank order.
 static void rank_memory_report(void) {
@@ -483,13 +520,26 @@ int cmd_train(int argc, char **argv) {
     if (train_base)
         fl_optimizer_init(&base_optim, &bcfg, &model.table, cfg.dtype, model.params, model.grads);
     fl_optimizer *base = train_base ? &base_optim : NULL;
+    // NVMe offload: the master and the optimizer state move to a file,
+    // filled from the weights now (a resume then overwrites it)
+    fl_offload *offload = NULL;
+    if (ocfg.paged) {
+        fl_offload_config oc = fl_offload_config_of(&cfg);
+        size_t ob[FL_MEM_NTAGS], disk;
+        fl_offload_memory(&oc, own_end - own_begin, fl_optimizer_paged_tensors(&ocfg, cfg.dtype),
+                          ob, &disk);
+        fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", oc.dir, disk);
+        offload = fl_offload_optimizer(&optim, &oc);
+    }
     float base_lr = cfg.lora_base_lr > 0.0f ? cfg.lora_base_lr : cfg.lr;
     int ck_threads = 0, ck_world = 1;
     if (ck) {
         // a single file or a sharded checkpoint of any world size: the whole
         // weights, and the master and state of this rank's range (dist: its
         // shard); the loader's position split over this world's ranks
+        fl_optimizer_map(&optim);
         fl_train_ckpt_restore(ck, &model, &optim, base, &train.state, train.tokenizer);
+        fl_optimizer_unmap(&optim);
         ck_threads = fl_train_ckpt_threads(ck);
         ck_world = fl_train_ckpt_world(ck);
         if (train.state.index > train.per_rank)
@@ -601,6 +651,8 @@ int cmd_train(int argc, char **argv) {
     catch_signals();
     double train_start = fl_now();
     fl_comm_stats comm = {0}; // the training steps' traffic (not evaluation's)
+    fl_offload_stats io0 = {0};
+    if (offload) fl_offload_stats_get(offload, &io0);
     double step_seconds = 0.0;
     fl_profile_reset();
     for (int step = start; step < cfg.steps; step++) {
@@ -702,16 +754,8 @@ int cmd_train(int argc, char **argv) {
         if (world > 1 && any_rank(stop_signal) && !stop_signal) stop_signal = SIGTERM;
         int save = cfg.save_every && (step + 1) % cfg.save_every == 0;
         if (*cfg.out_dir && (save || stop_signal) && saved_at != step + 1) {
-            if (!weights_finite(&optim, base))
-                fl_die("the weights are not finite after step %d: not writing a checkpoint over "
-                       "the good ones in %s (training diverged; lower the learning rate)",
-                       step + 1, cfg.out_dir);
-            if (dist) // every rank its shard (DDP: rank 0 all), agreed before anything is visible
-                fl_train_ckpt_save_dist(cfg.out_dir, step + 1, &model, &optim, &train.state,
-                                        train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
-            else
-                fl_train_ckpt_save_run(cfg.out_dir, step + 1, &model, &optim, base, &train.state,
-                                       train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
+            save_checkpoint(&cfg, step + 1, dist, &model, &optim, base, &train, config_json,
+                            run_id);
             saved_at = step + 1;
         }
         fflush(stdout);
@@ -740,6 +784,7 @@ int cmd_train(int argc, char **argv) {
                comm.elements / steps_run, comm.elements / steps_run / (double)model.table.numel,
                model.table.numel, comm.bytes / steps_run / 1e6,
                (double)comm.collectives / steps_run, 100.0 * comm.wait_seconds / step_seconds);
+    if (offload && steps_run > 0) print_offload(offload, &io0, steps_run, step_seconds);
     if (has_val && !interrupted) {
         float val_loss = evaluate(&model, &val, &cfg, inputs, targets);
         printf("final val loss %.4f nats/token (%.4f nats/byte) after %d steps (%.1f s); unigram "
@@ -749,16 +794,7 @@ int cmd_train(int argc, char **argv) {
     }
     close_log(&log);
     if (*cfg.out_dir && saved_at != cfg.steps && cfg.steps > start && !interrupted) {
-        if (!weights_finite(&optim, base))
-            fl_die("the weights are not finite after step %d: not writing a checkpoint over the "
-                   "good ones in %s (training diverged; lower the learning rate)",
-                   cfg.steps, cfg.out_dir);
-        if (dist)
-            fl_train_ckpt_save_dist(cfg.out_dir, cfg.steps, &model, &optim, &train.state,
-                                    train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
-        else
-            fl_train_ckpt_save_run(cfg.out_dir, cfg.steps, &model, &optim, base, &train.state,
-                                   train.tokenizer, config_json, cfg.keep_checkpoints, run_id);
+        save_checkpoint(&cfg, cfg.steps, dist, &model, &optim, base, &train, config_json, run_id);
         printf("checkpoint written to %s (step %d)\n", cfg.out_dir, cfg.steps);
     }
     if (*cfg.out_dir && lora) { // the adapters as PEFT saves them
@@ -783,6 +819,7 @@ int cmd_train(int argc, char **argv) {
     fl_free(targets);
     fl_free(config_json);
     fl_dist_free(strategy);
+    fl_offload_free(offload);
     fl_optimizer_free(&optim);
     if (base) fl_optimizer_free(base);
     fl_model_free(&model);

@@ -144,23 +144,27 @@ static const option options[] = {
     {"zero_optimization.elastic_checkpoint", NULL, OPT_BOOL, NUM(zero_extra.elastic_checkpoint),
      "false", 0, 0, NULL, "load a checkpoint of another world size (true is refused)"},
     {"zero_optimization.sub_group_size", NULL, OPT_FLOAT, NUM(zero_extra.sub_group_size), "1e9", 0,
-     1e15, NULL, "optimizer step tile: fitlm steps one parameter row at a time, any value"},
+     1e15, NULL, "optimizer step tile: elements per NVMe offload chunk (in RAM: any value)"},
     {"zero_optimization.offload_optimizer.device", NULL, OPT_CHOICE,
      STR(zero_extra.offload_optimizer), "none", 0, 0, "none|cpu|nvme",
-     "optimizer state: cpu = in RAM, where it is (nvme is refused)"},
+     "optimizer state: cpu = in RAM, where it is; nvme = in files under nvme_path"},
     {"zero_optimization.offload_optimizer.nvme_path", NULL, OPT_STRING,
-     STR(zero_extra.opt_nvme_path), "", 0, 0, NULL, "NVMe offload (refused)"},
+     STR(zero_extra.opt_nvme_path), "", 0, 0, NULL, "NVMe offload: the directory of its files"},
     {"zero_optimization.offload_optimizer.buffer_count", NULL, OPT_INT,
-     NUM(zero_extra.opt_buffer_count), "4", 0, 1 << 20, NULL, "NVMe offload (refused)"},
+     NUM(zero_extra.opt_buffer_count), "4", 1, 1 << 20, NULL,
+     "NVMe offload: chunk buffers in RAM (sub_group_size elements of each tensor)"},
     {"zero_optimization.offload_optimizer.pin_memory", NULL, OPT_BOOL,
      NUM(zero_extra.opt_pin_memory), "false", 0, 0, NULL,
      "offloaded state in page-locked memory: no device copies here, either value"},
     {"zero_optimization.offload_optimizer.pipeline_read", NULL, OPT_BOOL,
-     NUM(zero_extra.opt_pipeline_read), "false", 0, 0, NULL, "NVMe offload (refused)"},
+     NUM(zero_extra.opt_pipeline_read), "false", 0, 0, NULL,
+     "NVMe offload: read the next chunks while one is updated"},
     {"zero_optimization.offload_optimizer.pipeline_write", NULL, OPT_BOOL,
-     NUM(zero_extra.opt_pipeline_write), "false", 0, 0, NULL, "NVMe offload (refused)"},
+     NUM(zero_extra.opt_pipeline_write), "false", 0, 0, NULL,
+     "NVMe offload: write a chunk back while the next is updated"},
     {"zero_optimization.offload_optimizer.fast_init", NULL, OPT_BOOL, NUM(zero_extra.opt_fast_init),
-     "false", 0, 0, NULL, "NVMe offload (refused)"},
+     "false", 0, 0, NULL,
+     "NVMe offload: the files are written once at start either way (either value)"},
     {"zero_optimization.offload_optimizer.ratio", NULL, OPT_FLOAT, NUM(zero_extra.opt_ratio), "1",
      0, 1, NULL, "share of the optimizer state offloaded (below 1: stage 3 only)"},
     {"zero_optimization.offload_param.device", NULL, OPT_CHOICE, STR(zero_extra.offload_param),
@@ -234,18 +238,18 @@ static const option options[] = {
      "a PyTorch module hook (false is refused)"},
     {"zero_allow_untested_optimizer", NULL, OPT_BOOL, NUM(zero_extra.allow_untested_optimizer),
      "false", 0, 0, NULL, "every optimizer fitlm runs under ZeRO is supported: either value"},
-    {"aio.block_size", NULL, OPT_INT, NUM(zero_extra.aio_block_size), "1048576", 0, 1 << 30, NULL,
-     "NVMe offload I/O (other than the default is refused)"},
-    {"aio.queue_depth", NULL, OPT_INT, NUM(zero_extra.aio_queue_depth), "8", 0, 1 << 20, NULL,
-     "NVMe offload I/O (other than the default is refused)"},
-    {"aio.thread_count", NULL, OPT_INT, NUM(zero_extra.aio_thread_count), "1", 0, 1 << 20, NULL,
-     "NVMe offload I/O (other than the default is refused)"},
+    {"aio.block_size", NULL, OPT_INT, NUM(zero_extra.aio_block_size), "1048576", 1, 1 << 30, NULL,
+     "NVMe offload: bytes per I/O request"},
+    {"aio.queue_depth", NULL, OPT_INT, NUM(zero_extra.aio_queue_depth), "8", 1, 4096, NULL,
+     "NVMe offload: I/O requests in flight per I/O thread"},
+    {"aio.thread_count", NULL, OPT_INT, NUM(zero_extra.aio_thread_count), "1", 1, 64, NULL,
+     "NVMe offload: I/O threads, each with its own io_uring"},
     {"aio.single_submit", NULL, OPT_BOOL, NUM(zero_extra.aio_single_submit), "false", 0, 0, NULL,
-     "NVMe offload I/O (true is refused)"},
+     "NVMe offload: submit each request on its own (false: a batch at once)"},
     {"aio.overlap_events", NULL, OPT_BOOL, NUM(zero_extra.aio_overlap_events), "true", 0, 0, NULL,
-     "NVMe offload I/O (false is refused)"},
+     "NVMe offload: keep queue_depth requests in flight (false: batch after batch)"},
     {"aio.intra_op_parallelism", NULL, OPT_INT, NUM(zero_extra.aio_intra_op), "1", 0, 1 << 20, NULL,
-     "NVMe offload I/O (other than the default is refused)"},
+     "NVMe offload: threads per request (other than 1 is refused)"},
     {"aio.use_gds", NULL, OPT_BOOL, NUM(zero_extra.aio_use_gds), "false", 0, 0, NULL,
      "GPUDirect Storage (true is refused)"},
     {"comm_timeout", "--comm-timeout", OPT_FLOAT, NUM(zero.comm_timeout), "600", 1, 1e7, NULL,
@@ -983,26 +987,44 @@ static void deprecated_offload(fl_train_config *cfg, const char *old, int on, co
     if (on) strcpy(device, "cpu");
 }
 
-// One offload block: device none or cpu (the state is in RAM, where fitlm
-// keeps it anyway); NVMe is refused, and so are its keys.
+// One offload block: device none, cpu (the state is in RAM, where fitlm
+// keeps it anyway) or nvme (offload_optimizer only, for now); the keys of a
+// device that is not chosen are refused.
 static void check_offload(const fl_train_config *cfg, const char *block, const char *device,
                           const char *const *nvme_keys, size_t n_nvme) {
     char key[128];
-    const char *what = !strcmp(block, "offload_param") ? "weights" : "optimizer state";
-    if (!strcmp(device, "nvme"))
-        fl_die(ZERO "%s.device nvme: NVMe offload is not supported yet; use cpu (fitlm keeps the "
-                    "%s in RAM already) or none",
-               block, what);
-    for (size_t i = 0; i < n_nvme; i++) {
+    int is_param = !strcmp(block, "offload_param");
+    if (!strcmp(device, "nvme") && is_param)
+        fl_die(ZERO "offload_param.device nvme: NVMe offload of the weights is not supported yet; "
+                    "use offload_optimizer.device nvme (the fp32 master and optimizer state, 12 "
+                    "of the 16 bytes per parameter of mixed-precision AdamW), or cpu");
+    for (size_t i = 0; i < n_nvme && strcmp(device, "nvme"); i++) {
         snprintf(key, sizeof key, ZERO "%s.%s", block, nvme_keys[i]);
         if (given(cfg, key))
-            fl_die("%s applies to NVMe offload (device nvme), which is not supported yet; the "
-                   "device is %s",
-                   key, device);
+            fl_die("%s applies to NVMe offload (device nvme); %s.device is %s", key, block, device);
     }
     snprintf(key, sizeof key, ZERO "%s.pin_memory", block);
     if (given(cfg, key) && !strcmp(device, "none"))
-        fl_die("%s applies to an offload (device cpu); %s.device is none", key, block);
+        fl_die("%s applies to an offload (device cpu or nvme); %s.device is none", key, block);
+}
+
+// NVMe offload of the optimizer: what it pages and where.
+static void check_nvme_optimizer(const fl_train_config *cfg) {
+    const fl_zero_extra *x = &cfg->zero_extra;
+    if (!*x->opt_nvme_path)
+        fl_die(ZERO "offload_optimizer.device nvme needs offload_optimizer.nvme_path (a directory "
+                    "on the disk the state is to live on)");
+    if (!strcmp(cfg->optimizer, "lomo") || !strcmp(cfg->optimizer, "adalomo"))
+        fl_die(ZERO "offload_optimizer.device nvme with optimizer %s: %s", cfg->optimizer,
+               !strcmp(cfg->optimizer, "lomo")
+                   ? "LOMO keeps no optimizer state and no master weights: there is nothing to "
+                     "offload"
+                   : "AdaLomo's factored state is a few floats per row and it keeps no master "
+                     "weights: there is nothing worth offloading (use device none)");
+    if (x->opt_ratio < 1.0f)
+        fl_die(ZERO "offload_optimizer.ratio %g: a partial offload is DeepSpeed's CPU-offload "
+                    "feature; with device nvme the whole state is offloaded (use 1)",
+               x->opt_ratio);
 }
 
 static void finish_offload(fl_train_config *cfg) {
@@ -1029,8 +1051,9 @@ static void finish_offload(fl_train_config *cfg) {
     if (param_on && stage != 3)
         fl_die(ZERO "offload_param applies to ZeRO stage 3; zero_optimization.stage is %d", stage);
     if (given(cfg, ZERO "offload_optimizer.ratio") && !opt_on)
-        fl_die(ZERO "offload_optimizer.ratio applies to an offload (device cpu); "
+        fl_die(ZERO "offload_optimizer.ratio applies to an offload (device cpu or nvme); "
                     "offload_optimizer.device is none");
+    if (!strcmp(x->offload_optimizer, "nvme")) check_nvme_optimizer(cfg);
     if (x->opt_ratio < 1.0f && stage != 3)
         fl_die(ZERO "offload_optimizer.ratio %g: a partial offload needs ZeRO stage 3 (as "
                     "DeepSpeed); zero_optimization.stage is %d",
@@ -1121,25 +1144,33 @@ static void check_zero_choices(const fl_train_config *cfg) {
            "it switches off a hook on PyTorch's nn.Module.apply, which has no counterpart here");
 }
 
-// aio tunes NVMe offload's asynchronous I/O: its defaults are accepted (an
-// empty block), anything else refused while NVMe offload is.
+// aio tunes NVMe offload's asynchronous I/O: honoured with it (offload.h),
+// an error without it; intra-op parallelism and GPUDirect have no
+// counterpart here.
 static void check_aio(const fl_train_config *cfg) {
     const fl_zero_extra *x = &cfg->zero_extra;
+    if (x->aio_intra_op != 1)
+        fl_die("aio.intra_op_parallelism %d: fitlm splits a transfer into block_size requests "
+               "spread over thread_count threads instead (use 1)",
+               x->aio_intra_op);
+    if (x->aio_use_gds)
+        fl_die("aio.use_gds true: GPUDirect Storage moves data between NVMe and a GPU; fitlm "
+               "has no GPU (use false)");
+    // DeepSpeed's defaults are what an aio block copied from elsewhere holds
     const struct {
         const char *key;
         int value, def;
     } keys[] = {{"aio.block_size", x->aio_block_size, 1048576},
                 {"aio.queue_depth", x->aio_queue_depth, 8},
                 {"aio.thread_count", x->aio_thread_count, 1},
-                {"aio.intra_op_parallelism", x->aio_intra_op, 1},
                 {"aio.single_submit", x->aio_single_submit, 0},
-                {"aio.overlap_events", x->aio_overlap_events, 1},
-                {"aio.use_gds", x->aio_use_gds, 0}};
-    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+                {"aio.overlap_events", x->aio_overlap_events, 1}};
+    int nvme = !strcmp(x->offload_optimizer, "nvme");
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0] && !nvme; i++)
         if (keys[i].value != keys[i].def)
-            fl_die("%s %d: the aio block tunes NVMe offload's I/O, and NVMe offload is not "
-                   "supported yet (DeepSpeed's default %d is accepted)",
-                   keys[i].key, keys[i].value, keys[i].def);
+            fl_die("%s %d tunes NVMe offload's I/O; zero_optimization.offload_optimizer.device "
+                   "is %s, not nvme (DeepSpeed's default %d is accepted)",
+                   keys[i].key, keys[i].value, x->offload_optimizer, keys[i].def);
 }
 
 // What the data-parallel engine (src/dist) cannot run yet, said before

@@ -208,7 +208,7 @@ static void list_free(tensor_list *l) {
 // ZeRO-3 start at params_first).
 static const void *weights_at(const param_set *s, fl_dtype dt, size_t i) {
     const fl_optimizer *o = s->optim;
-    if (o && o->master) return o->master + (i - o->rule->state_begin);
+    if (o && o->master) return o->master + (i - o->rule->window_begin);
     if (o) return fl_at_const(dt, o->params, i - o->params_first);
     return fl_at_const(dt, s->values, i);
 }

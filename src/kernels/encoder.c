@@ -37,18 +37,21 @@ void encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte, co
     }
 }
 
-// whether tok is in inp[0, n): no early exit, so the loop vectorises
-FL_TARGET_CLONES static int occurs(const int *inp, int n, int tok) {
+// whether tok is in inp[0, n): no early exit, so the loop vectorises (one
+// copy per ISA, FL_ISA_COPIES)
+static inline __attribute__((always_inline)) int occurs_body(const int *inp, int n, int tok) {
     int found = 0;
     for (int j = 0; j < n; j++) found |= inp[j] == tok;
     return found;
 }
+FL_ISA_COPIES_OF(int, occurs, (const int *inp, int n, int tok), (inp, n, tok))
+typedef __typeof__(occurs_portable) occurs_fn;
 
 // dst (nc) += channels c0.. of the rows of dout at positions first.. < N
 // holding token tok, summed in position order in fp32 and rounded once.
 // Positions are scanned in blocks of ENC_SCAN, most of which lack tok.
-static void add_token_rows(fl_dtype dt, void *dst, const void *dout, const int *inp, int tok,
-                           int first, int N, int C, int c0, int nc) {
+static void add_token_rows(occurs_fn *occurs, fl_dtype dt, void *dst, const void *dout,
+                           const int *inp, int tok, int first, int N, int C, int c0, int nc) {
     float acc32[ENC_CBLOCK], d32[ENC_CBLOCK];
     float *acc = fp32_rmw(dt, dst, nc, acc32);
     for (int j0 = first; j0 < N; j0 += ENC_SCAN) {
@@ -69,6 +72,7 @@ void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, con
     // token, which sums all the token's rows in (b,t) order: no races, a
     // result independent of the thread count, and one rounding per element.
     int N = B * T;
+    occurs_fn *occurs = occurs_for(fl_cpu_isa());
 #pragma omp parallel for schedule(dynamic, 16)
     for (int bt = 0; bt < (dwte ? N : 0); bt++) {
         int tok = inp[bt], seen = 0;
@@ -76,8 +80,8 @@ void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, con
             seen = occurs(inp + j0, bt - j0 < ENC_SCAN ? bt - j0 : ENC_SCAN, tok);
         for (int c0 = 0; !seen && c0 < C; c0 += ENC_CBLOCK) {
             int nc = C - c0 < ENC_CBLOCK ? C - c0 : ENC_CBLOCK;
-            add_token_rows(dt, fl_at(dt, dwte, (size_t)tok * C + c0), dout, inp, tok, bt, N, C, c0,
-                           nc);
+            add_token_rows(occurs, dt, fl_at(dt, dwte, (size_t)tok * C + c0), dout, inp, tok, bt, N,
+                           C, c0, nc);
         }
     }
     if (!dwpe) return;

@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 
+#include "fitlm/core.h" // FL_ISA_COPIES
 #include "fitlm/dtype.h"
 
 // Kernels compute in fp32 on n values at a time. An output is computed in
@@ -98,36 +99,5 @@ static inline __mmask16 tail_mask(size_t n) {
 #else
 #define FL_HAVE_X86_SIMD 0
 #endif
-
-// AVX2 and AVX-512 copies of a plain-C loop. GCC vectorises each copy for its
-// ISA; contraction into FMA stays off, so elementwise loops give the same bits
-// on every path. Reductions must stay out of them: under `omp simd` the lane
-// count sets the order of the sum.
-#if FL_HAVE_X86_SIMD
-#define FL_AVX2_FN __attribute__((target("avx2,fma"), optimize("fp-contract=off")))
-#define FL_AVX512_FN                                                                               \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"), optimize("fp-contract=off")))
-#else
-#define FL_AVX2_FN
-#define FL_AVX512_FN
-#endif
-
-// Defines name_portable, name_avx2 and name_avx512 around the always_inline
-// name_body, and name_for(isa) (an fl_isa, from fitlm/core.h) to pick one.
-#define FL_ISA_COPIES(name, params, args)                                                          \
-    static void name##_portable params {                                                           \
-        name##_body args;                                                                          \
-    }                                                                                              \
-    FL_AVX2_FN static void name##_avx2 params {                                                    \
-        name##_body args;                                                                          \
-    }                                                                                              \
-    FL_AVX512_FN static void name##_avx512 params {                                                \
-        name##_body args;                                                                          \
-    }                                                                                              \
-    static __typeof__(name##_portable) *name##_for(fl_isa isa) {                                   \
-        return isa == FL_ISA_AVX512 ? name##_avx512                                                \
-               : isa == FL_ISA_AVX2 ? name##_avx2                                                  \
-                                    : name##_portable;                                             \
-    }
 
 #endif

@@ -90,6 +90,7 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     r->zero = cfg->zero;
     r->zero_stage = cfg->zero.stage;
     r->whole_weights_first = *cfg->init_from != 0;
+    r->offload = fl_offload_config_of(cfg);
 }
 
 // ----------------------------------------------------------------------------
@@ -163,7 +164,8 @@ static fl_zero_config zero_of(const fl_plan_request *r) {
 // ZeRO-3 frees *params_freed bytes of the model's weights after set-up).
 static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
                             size_t opt[FL_MEM_NTAGS], size_t dist[FL_MEM_NTAGS],
-                            size_t *params_freed, size_t *fused_rows) {
+                            size_t *params_freed, size_t *fused_rows, size_t *disk,
+                            size_t unpaged[FL_MEM_NTAGS]) {
     fl_zero_config z = zero_of(r);
     fl_param_table t;
     fl_model_table(&t, c);
@@ -174,6 +176,14 @@ static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
     o.sharded_grads = z.stage >= 2;                   // as `fitlm train` sets it
     if (z.fused_units) *fused_rows = (size_t)t.count; // a fused step's row sums
     fl_optimizer_memory_table(&o, r->dtype, &t, begin, end, opt);
+    if (o.paged) { // NVMe offload: chunk buffers in RAM, the rest on disk
+        size_t pb[FL_MEM_NTAGS];
+        fl_offload_memory(&r->offload, end - begin, fl_optimizer_paged_tensors(&o, r->dtype), pb,
+                          disk);
+        for (int k = 0; k < FL_MEM_NTAGS; k++) opt[k] += pb[k];
+        o.paged = 0;
+        fl_optimizer_memory_table(&o, r->dtype, &t, begin, end, unpaged);
+    }
     // the optimizer's whole fp32 gradient sum (16-bit weights, accumulation)
     int accum_buffer = opt[FL_MEM_GRADS] != 0;
     fl_dist_memory(&z, &t, c->n_layer, r->dtype, accum_buffer, r->ranks, r->rank, dist,
@@ -255,7 +265,8 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     }
     size_t fused_rows = 0; // a fused step's sums of squares, one per row
     if (dist_exact) {
-        plan_dist_exact(r, &c, opt, dist_bytes, &out->freed[FL_MEM_PARAMS], &fused_rows);
+        plan_dist_exact(r, &c, opt, dist_bytes, &out->freed[FL_MEM_PARAMS], &fused_rows, &out->disk,
+                        out->unpaged);
         if (r->zero_stage == 3 && r->ranks > 1 && !r->whole_weights_first) {
             // the model is the shard from the start: the whole never exists
             b[FL_MEM_PARAMS] -= out->freed[FL_MEM_PARAMS];
@@ -304,6 +315,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
     }
 
+    if (out->disk) snprintf(out->disk_dir, sizeof out->disk_dir, "%s", r->offload.dir);
     out->num_params = numel;
     out->runnable = shaped && !r->lomo && (!dist || dist_exact);
     static const char *const stages[] = {"data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
@@ -400,6 +412,14 @@ void fl_plan_print(const fl_plan *p, FILE *out) {
                 p->formula_model_states, (double)p->formula_model_states / p->num_params,
                 100.0 * ((double)p->model_states - (double)p->formula_model_states) /
                     (double)p->formula_model_states);
+    if (p->disk) {
+        size_t moved = p->unpaged[FL_MEM_MASTER] + p->unpaged[FL_MEM_OPTIM];
+        fprintf(out,
+                "NVMe offload: %zu bytes (%.2f GB) of master weights and optimizer state on disk "
+                "under %s; without offload they would add %.2f GiB of RAM (total %.2f GiB)\n",
+                p->disk, p->disk / 1e9, p->disk_dir, moved / 1073741824.0,
+                (p->total - p->bytes[FL_MEM_OFFLOAD] + moved) / 1073741824.0);
+    }
     if (p->runnable)
         fprintf(out, "runnable: yes (the engine's exact allocation sizes)%s%s\n",
                 *p->note ? "; " : "", p->note);
@@ -557,6 +577,9 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
 }
 
 void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit) {
+    if (p->disk)
+        fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", p->disk_dir,
+                              p->disk);
     if (limit == 0 || p->total <= limit) return; // 0: the limit is unknown
     int order[FL_MEM_NTAGS];
     for (int t = 0; t < FL_MEM_NTAGS; t++) order[t] = t;

@@ -127,6 +127,7 @@ fl_optimizer_config fl_config_base_optimizer(const fl_train_config *cfg) {
     FL_ASSERT(cfg->lora.train_base);
     fl_optimizer_config o = fl_config_optimizer(cfg);
     o.kind = kind_of(cfg->lora_base_optimizer);
+    o.paged = 0;
     // LOMO's defaults (lomo_optim): no weight decay; AdaLomo's own eps
     o.weight_decay = 0.0f;
     if (o.kind == FL_OPT_ADALOMO) o.eps = 1e-30f;
@@ -156,6 +157,7 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
         .eps2 = cfg->eps2,
         .clip_threshold = cfg->clip_threshold,
         .decay_rate = cfg->decay_rate,
+        .paged = !strcmp(cfg->zero_extra.offload_optimizer, "nvme"),
     };
     return o;
 }

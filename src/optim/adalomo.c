@@ -271,7 +271,7 @@ void fl_adalomo_init_range(fl_adalomo *opt, const fl_param_table *t, size_t begi
         }
     }
     if (first > last) first = last;
-    *opt = (fl_adalomo){.rule = {&adalomo_ops, begin, end, 3},
+    *opt = (fl_adalomo){.rule = {&adalomo_ops, begin, end, begin, 3},
                         .table = t,
                         .first_row = first,
                         .end_row = last,

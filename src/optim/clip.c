@@ -8,15 +8,23 @@
 
 #define MAX_CHUNKS 4096
 
-// Sum of squares of one fp32 chunk in double. The simd reduction lets the
-// compiler keep one partial sum per lane: a fixed order for a given clone.
-FL_TARGET_CLONES
-static double sum_squares(const float *x, size_t n) {
+// Sum of squares of one fp32 block in double, one copy per ISA
+// (FL_ISA_COPIES), in an order written out so that every path gives the same
+// bits: 16 lanes, lane l summing x[16j + l] in order, the ragged end added to
+// lane 0, then the lanes summed in order (the order GCC's AVX-512 `omp simd`
+// code used). A float's square is exact in double, so FMA or not is the same.
+#define SUMSQ_LANES 16
+static inline __attribute__((always_inline)) double sum_squares_body(const float *x, size_t n) {
+    double lane[SUMSQ_LANES] = {0};
+    size_t whole = n / SUMSQ_LANES * SUMSQ_LANES;
+    for (size_t i = 0; i < whole; i += SUMSQ_LANES)
+        for (int l = 0; l < SUMSQ_LANES; l++) lane[l] += (double)x[i + l] * x[i + l];
+    for (size_t i = whole; i < n; i++) lane[0] += (double)x[i] * x[i];
     double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (size_t i = 0; i < n; i++) s += (double)x[i] * x[i];
+    for (int l = 0; l < SUMSQ_LANES; l++) s += lane[l];
     return s;
 }
+FL_ISA_COPIES_OF(double, sum_squares, (const float *x, size_t n), (x, n))
 
 double fl_grad_sumsq(fl_dtype dt, const void *grads, size_t n) {
     double partial[MAX_CHUNKS];
@@ -24,6 +32,7 @@ double fl_grad_sumsq(fl_dtype dt, const void *grads, size_t n) {
     if (chunk < 16384) chunk = 16384;
     chunk = (chunk + 4095) / 4096 * 4096; // whole conversion blocks
     size_t nchunks = (n + chunk - 1) / chunk;
+    __typeof__(sum_squares_portable) *sum_squares = sum_squares_for(fl_cpu_isa());
 #pragma omp parallel for schedule(static)
     for (size_t c = 0; c < nchunks; c++) {
         size_t end = (c + 1) * chunk < n ? (c + 1) * chunk : n;

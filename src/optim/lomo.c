@@ -11,18 +11,29 @@ typedef struct {
     float lr, keep, clip, coef;
 } lomo_range_ctx;
 
-// Not cloned for wider ISAs: with the same (baseline) code generation as
-// sgd_block, LOMO without decay and clipping is plain SGD bitwise.
-static void lomo_block(void *ctx, float *p, const float *g, size_t i, size_t n, float gscale) {
-    (void)i;
-    const lomo_range_ctx *c = ctx;
-    float lr = c->lr, keep = c->keep, clip = c->clip, coef = c->coef;
+// One copy per ISA (FL_ISA_COPIES), as sgd_kernel: no contraction on any
+// path, so LOMO without decay and clipping is plain SGD bitwise on each.
+static inline __attribute__((always_inline)) void lomo_kernel_body(float *p, const float *g,
+                                                                   size_t n, float gscale, float lr,
+                                                                   float keep, float clip,
+                                                                   float coef) {
+#pragma omp simd
     for (size_t k = 0; k < n; k++) {
         float d = g[k] * gscale;
         if (clip > 0.0f) d = d < -clip ? -clip : d > clip ? clip : d; // NaN stays NaN
         d *= coef;
         p[k] = p[k] * keep - lr * d;
     }
+}
+FL_ISA_COPIES(lomo_kernel,
+              (float *p, const float *g, size_t n, float gscale, float lr, float keep, float clip,
+               float coef),
+              (p, g, n, gscale, lr, keep, clip, coef))
+
+static void lomo_block(void *ctx, float *p, const float *g, size_t i, size_t n, float gscale) {
+    (void)i;
+    const lomo_range_ctx *c = ctx;
+    lomo_kernel_for(fl_cpu_isa())(p, g, n, gscale, c->lr, c->keep, c->clip, c->coef);
 }
 
 static void lomo_begin_step(fl_optim_rule *r, float lr) {
@@ -64,8 +75,9 @@ static const fl_optim_ops lomo_ops = {.state_names = NULL,
 void fl_lomo_init_range(fl_lomo *opt, size_t begin, size_t end, float weight_decay,
                         float clip_value) {
     FL_ASSERT(begin <= end);
-    *opt = (fl_lomo){
-        .rule = {&lomo_ops, begin, end, 0}, .weight_decay = weight_decay, .clip_value = clip_value};
+    *opt = (fl_lomo){.rule = {&lomo_ops, begin, end, begin, 0},
+                     .weight_decay = weight_decay,
+                     .clip_value = clip_value};
 }
 
 void fl_lomo_free(fl_lomo *opt) {

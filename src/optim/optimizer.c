@@ -13,6 +13,8 @@
 
 #include "fitlm/optim.h"
 
+#include "update.h"
+
 static int needs_accum_buffer(const fl_optimizer_config *cfg, fl_dtype dt) {
     // fp32 accumulates in the model's grads
     return dt != FL_F32 && cfg->grad_accum > 1 && !cfg->sharded_grads;
@@ -25,8 +27,9 @@ static int has_master(const fl_optimizer_config *cfg, fl_dtype dt) {
 void fl_optimizer_memory(const fl_optimizer_config *cfg, fl_dtype dt, size_t numel,
                          size_t bytes[FL_MEM_NTAGS]) {
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
-    if (has_master(cfg, dt)) bytes[FL_MEM_MASTER] = numel * sizeof(float);
     if (needs_accum_buffer(cfg, dt)) bytes[FL_MEM_GRADS] = numel * sizeof(float);
+    if (cfg->paged) return; // the master and state are the pager's
+    if (has_master(cfg, dt)) bytes[FL_MEM_MASTER] = numel * sizeof(float);
     if (cfg->kind == FL_OPT_ADAMW)
         bytes[FL_MEM_OPTIM] = 2 * numel * sizeof(float);
     else if (cfg->kind == FL_OPT_SGD && cfg->momentum > 0.0f)
@@ -40,8 +43,15 @@ void fl_optimizer_memory_table(const fl_optimizer_config *cfg, fl_dtype dt,
                                size_t bytes[FL_MEM_NTAGS]) {
     fl_optimizer_memory(cfg, dt, end - begin, bytes);
     if (needs_accum_buffer(cfg, dt)) bytes[FL_MEM_GRADS] = table->numel * sizeof(float);
-    if (cfg->kind == FL_OPT_ADALOMO)
+    if (cfg->kind == FL_OPT_ADALOMO && !cfg->paged)
         bytes[FL_MEM_OPTIM] = fl_adalomo_state_numel(table, begin, end) * sizeof(float);
+}
+
+int fl_optimizer_paged_tensors(const fl_optimizer_config *cfg, fl_dtype dt) {
+    int n = has_master(cfg, dt);
+    if (cfg->kind == FL_OPT_ADAMW) n += 2;
+    if (cfg->kind == FL_OPT_SGD && cfg->momentum > 0.0f) n += 1;
+    return n;
 }
 
 void fl_optimizer_init_range(fl_optimizer *o, const fl_optimizer_config *cfg,
@@ -62,18 +72,20 @@ void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
     o->params = params;
     o->params_first = params_first;
     o->grads = grads;
-    if (has_master(cfg, dt)) {
+    // a paged optimizer's pager holds the master and the state
+    FL_ASSERT(!cfg->paged || cfg->kind == FL_OPT_ADAMW || cfg->kind == FL_OPT_SGD);
+    if (has_master(cfg, dt) && !cfg->paged) {
         o->master = fl_alloc(FL_MEM_MASTER, (end - begin) * sizeof(float));
         fl_convert(FL_F32, o->master, dt, fl_at(dt, params, begin - params_first), end - begin);
     }
     if (needs_accum_buffer(cfg, dt))
         o->grad_accum = fl_alloc(FL_MEM_GRADS, table->numel * sizeof(float));
     if (cfg->kind == FL_OPT_ADAMW) {
-        fl_adamw_init_range(&o->adamw, begin, end, cfg->beta1, cfg->beta2, cfg->eps,
-                            cfg->weight_decay);
+        fl_adamw_setup(&o->adamw, begin, end, cfg->beta1, cfg->beta2, cfg->eps, cfg->weight_decay,
+                       !cfg->paged);
         o->rule = &o->adamw.rule;
     } else if (cfg->kind == FL_OPT_SGD) {
-        fl_sgd_init_range(&o->sgd, begin, end, cfg->momentum, cfg->weight_decay);
+        fl_sgd_setup(&o->sgd, begin, end, cfg->momentum, cfg->weight_decay, !cfg->paged);
         o->rule = &o->sgd.rule;
     } else if (cfg->kind == FL_OPT_LOMO) {
         fl_lomo_init_range(&o->lomo, begin, end, cfg->weight_decay, cfg->clip_value);
@@ -99,6 +111,7 @@ void fl_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg, const fl
 }
 
 void fl_optimizer_free(fl_optimizer *o) {
+    FL_ASSERT(!o->mapped);
     fl_free(o->master);
     fl_free(o->grad_accum);
     if (o->rule) fl_optim_free(o->rule);
@@ -144,10 +157,20 @@ void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const 
     fl_optimizer_update_rows_clip(o, first_row, n_rows, grads, grads_dtype, grad_scale, 1.0f);
 }
 
-void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const void *grads,
-                               size_t grads_first, fl_dtype grads_dtype, float grad_scale,
-                               float clip_coef) {
-    FL_ASSERT(first_row >= 0 && n_rows >= 0 && first_row + n_rows <= o->table->count);
+// Points the master and the rule's state at memory holding flat element
+// `begin` on (tensors as the pager orders them), or at nothing (NULL).
+static void bind_window(fl_optimizer *o, size_t begin, float *const *tensors) {
+    float *t[FL_OPTIM_MAX_TENSORS] = {0};
+    int n = fl_optimizer_paged_tensors(&o->cfg, o->dtype), m = has_master(&o->cfg, o->dtype);
+    for (int k = 0; tensors && k < n; k++) t[k] = tensors[k];
+    o->master = m ? t[0] : NULL;
+    fl_optim_set_window(o->rule, tensors ? begin : o->rule->state_begin, t + m);
+}
+
+// The update of the rows' elements inside [lo, hi).
+static void update_span(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                        size_t grads_first, fl_dtype grads_dtype, float grad_scale, float clip_coef,
+                        size_t span_lo, size_t span_hi) {
     fl_optim_rule *r = o->rule;
     int fused = fl_optim_kind_fused(o->cfg.kind);
     if (!fused) grad_scale *= clip_coef; // folded, as the whole-step path does
@@ -155,11 +178,11 @@ void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const
     uint64_t sr_seed = fl_sr_bits(o->cfg.seed, (uint64_t)*fl_optim_step_count(r));
     for (int k = first_row; k < first_row + n_rows; k++) {
         const fl_param_view *v = &o->table->views[k];
-        size_t lo = v->offset > r->state_begin ? v->offset : r->state_begin;
-        size_t hi = v->offset + v->numel < r->state_end ? v->offset + v->numel : r->state_end;
+        size_t lo = v->offset > span_lo ? v->offset : span_lo;
+        size_t hi = v->offset + v->numel < span_hi ? v->offset + v->numel : span_hi;
         if (lo >= hi) continue;           // outside this optimizer's range
         size_t at = lo - o->params_first; // in o->params
-        float *params = o->master            ? o->master + (lo - r->state_begin)
+        float *params = o->master            ? o->master + (lo - r->window_begin)
                         : o->dtype == FL_F32 ? (float *)o->params + at
                                              : NULL; // fused: the 16-bit weights themselves
         fl_update_args a = {
@@ -176,6 +199,51 @@ void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const
         };
         fl_optim_update(o->rule, v, lo, hi - lo, &a);
     }
+}
+
+void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const void *grads,
+                               size_t grads_first, fl_dtype grads_dtype, float grad_scale,
+                               float clip_coef) {
+    FL_ASSERT(first_row >= 0 && n_rows >= 0 && first_row + n_rows <= o->table->count);
+    const fl_optim_rule *r = o->rule;
+    if (!o->cfg.paged || o->mapped) {
+        update_span(o, first_row, n_rows, grads, grads_first, grads_dtype, grad_scale, clip_coef,
+                    r->state_begin, r->state_end);
+        return;
+    }
+    FL_ASSERT(o->pager);
+    if (!n_rows) return;
+    // the chunks holding the rows, one at a time
+    const fl_param_view *first = &o->table->views[first_row],
+                        *last = &o->table->views[first_row + n_rows - 1];
+    size_t a = first->offset, b = last->offset + last->numel;
+    const fl_optim_pager *p = o->pager;
+    for (int c = 0; c < p->n_chunks; c++) {
+        size_t lo, hi;
+        float *t[FL_OPTIM_MAX_TENSORS];
+        p->acquire(p->ctx, c, &lo, &hi, t);
+        bind_window(o, lo, t);
+        if (lo < b && hi > a)
+            update_span(o, first_row, n_rows, grads, grads_first, grads_dtype, grad_scale,
+                        clip_coef, lo, hi);
+        bind_window(o, 0, NULL);
+        p->release(p->ctx, c);
+    }
+}
+
+void fl_optimizer_map(fl_optimizer *o) {
+    if (!o->cfg.paged || o->mapped) return;
+    float *t[FL_OPTIM_MAX_TENSORS];
+    o->pager->map(o->pager->ctx, t);
+    bind_window(o, o->rule->state_begin, t);
+    o->mapped = 1;
+}
+
+void fl_optimizer_unmap(fl_optimizer *o) {
+    if (!o->mapped) return;
+    bind_window(o, 0, NULL);
+    o->pager->unmap(o->pager->ctx);
+    o->mapped = 0;
 }
 
 void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,

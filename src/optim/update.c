@@ -36,7 +36,14 @@ const char *fl_optim_state_name(const fl_optim_rule *r, int k) {
 float *fl_optim_state_ptr(fl_optim_rule *r, int k, size_t offset) {
     FL_ASSERT(k >= 0 && k < r->nstate);
     FL_ASSERT(offset >= r->state_begin && offset < r->state_end);
+    if (r->ops->state_slot) return *r->ops->state_slot(r, k) + (offset - r->window_begin);
     return r->ops->state_ptr(r, k, offset);
+}
+
+void fl_optim_set_window(fl_optim_rule *r, size_t begin, float *const *state) {
+    FL_ASSERT(r->ops->state_slot && begin >= r->state_begin);
+    r->window_begin = begin;
+    for (int k = 0; k < r->nstate; k++) *r->ops->state_slot(r, k) = state[k];
 }
 
 size_t fl_optim_state_numel(const fl_optim_rule *r, int k, const fl_param_view *row) {

@@ -16,6 +16,9 @@ struct fl_optim_ops {
     void (*update)(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
                    const fl_update_args *a);
     void (*end_step)(fl_optim_rule *r); // NULL: nothing to do
+    // elementwise rules: where tensor k's pointer (to element window_begin) is kept
+    float **(*state_slot)(fl_optim_rule *r, int k);
+    // the other rules (per-row state): tensor k's value for element offset
     float *(*state_ptr)(fl_optim_rule *r, int k, size_t offset);
     // floats of state tensor k for row; NULL: elementwise (row->numel)
     size_t (*state_numel)(const fl_optim_rule *r, int k, const fl_param_view *row);
@@ -37,6 +40,16 @@ void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn, v
 // 16-bit weights by nearest even or stochastic rounding).
 float *fl_update_load_params(const fl_update_args *a, size_t i, size_t n, float *scratch);
 void fl_update_store_params(const fl_update_args *a, size_t i, size_t n, const float *p);
+
+// An elementwise rule's state in memory from flat element `begin` on:
+// tensor k at state[k] (a paged chunk, or the whole range).
+void fl_optim_set_window(fl_optim_rule *r, size_t begin, float *const *state);
+
+// The rules' set-up without their state allocated (alloc 0: a pager brings it).
+void fl_adamw_setup(fl_adamw *opt, size_t begin, size_t end, float beta1, float beta2, float eps,
+                    float weight_decay, int alloc);
+void fl_sgd_setup(fl_sgd *opt, size_t begin, size_t end, float momentum, float weight_decay,
+                  int alloc);
 
 // Elements per work item of fl_update_range (its fp32 copies live on the stack).
 #define FL_UPDATE_BLOCK 4096

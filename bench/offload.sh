@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# bench/offload.sh: NVMe offload of the optimizer, measured. The showcase:
+# GPT-2 XL (1.56B parameters) trained with mixed-precision (bf16) AdamW on
+# one machine whose RAM cannot hold its model states (16 bytes/param, 25 GB):
+# ZeRO-2 on one process with the fp32 master weights and AdamW's m and v
+# (12 bytes/param, 18.7 GB) in a file under NVME. Then the order of the
+# strategies on a model that fits: ZeRO-2, ZeRO-2 + NVMe offload and ZeRO-3
+# over 2 ranks. The tables of the last run, with their analysis, are in
+# bench/offload.md.
+#
+#   NO_BUILD=1 bash bench/offload.sh
+#
+# Steps:
+#   1. the disk's sequential bandwidth under NVME: dd of DISK_MB MiB with
+#      O_DIRECT (the way the offload's I/O bypasses the page cache), written
+#      then read back, 1 MiB blocks;
+#   2. `fitlm plan` of the run with and without the offload (RAM per tag,
+#      disk, what fits in the available memory);
+#   3. the run itself: MODEL at BATCH x SEQ, STEPS steps, bf16 AdamW, ZeRO-2,
+#      offload_optimizer {device nvme, buffer_count BUFFERS, pipeline_read
+#      and pipeline_write true}, sub_group_size CHUNK; each step's loss and
+#      time, the offload's bytes read and written per step, the bandwidth its
+#      I/O achieved, the seconds the step stood waiting for it and the share
+#      of the I/O time hidden behind computation; the tagged peak per tag
+#      (--mem-report) against the plan, and the process's peak RSS;
+#   4. with ORDER=1 (default), ORDER_MODEL (gpt2) bf16 over 2 ranks, ZeRO-2,
+#      ZeRO-2 + NVMe offload and ZeRO-3, ORDER_STEPS steps each: the median
+#      step time of the steps after the first.
+# Environment: BUILD (build), NVME (/work/nvme-bench: created, emptied after),
+# MODEL (gpt2-xl), BATCH (1), SEQ (128), STEPS (5), CHUNK (5e7), BUFFERS (4),
+# DISK_MB (4096), ORDER (1), ORDER_MODEL (gpt2), ORDER_STEPS (5), LOG (a new
+# temporary directory).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD=${BUILD:-build}
+NVME=${NVME:-/work/nvme-bench}
+MODEL=${MODEL:-gpt2-xl}
+BATCH=${BATCH:-1}
+SEQ=${SEQ:-128}
+STEPS=${STEPS:-5}
+CHUNK=${CHUNK:-5e7}
+BUFFERS=${BUFFERS:-4}
+DISK_MB=${DISK_MB:-4096}
+ORDER=${ORDER:-1}
+ORDER_MODEL=${ORDER_MODEL:-gpt2}
+ORDER_STEPS=${ORDER_STEPS:-5}
+LOG=${LOG:-$(mktemp -d "${TMPDIR:-/tmp}/fitlm-offload.XXXXXX")}
+mkdir -p "$LOG" "$NVME"
+echo "== logs in $LOG, offload files in $NVME" >&2
+
+source bench/lib.sh
+bench_build
+
+echo "# NVMe offload benchmark ($(date -u +%Y-%m-%d))"
+echo
+bench_cpu
+echo "Disk under $NVME: $(df -h "$NVME" | awk 'NR == 2 { print $1 ", " $2 " (" $4 " free)" }'); RAM: $(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
+echo
+
+# --- 1. the disk ------------------------------------------------------------
+dd_rate() { # the GB/s of dd's summary line
+    awk '/copied/ { for (i = 1; i <= NF; i++) if ($i ~ /^s,?$/) s = $(i - 1); gsub(",", "", s) }
+         END { printf "%.2f", s > 0 ? mb * 1048576 / s / 1e9 : 0 }' mb="$DISK_MB" "$1"
+}
+dd if=/dev/zero of="$NVME/bandwidth.bin" bs=1M count="$DISK_MB" oflag=direct conv=fsync 2>"$LOG/dd_write.txt"
+dd if="$NVME/bandwidth.bin" of=/dev/null bs=1M iflag=direct 2>"$LOG/dd_read.txt"
+rm -f "$NVME/bandwidth.bin"
+DISK_W=$(dd_rate "$LOG/dd_write.txt")
+DISK_R=$(dd_rate "$LOG/dd_read.txt")
+echo "Sequential bandwidth (dd, O_DIRECT, 1 MiB blocks, $DISK_MB MiB): write $DISK_W GB/s, read $DISK_R GB/s"
+echo
+
+# --- 2. the plans -------------------------------------------------------------
+cat >"$LOG/offload.json" <<EOF
+{"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "sub_group_size": $CHUNK,
+  "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME", "buffer_count": $BUFFERS,
+                        "pipeline_read": true, "pipeline_write": true}}}
+EOF
+cat >"$LOG/ram.json" <<EOF
+{"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7}}
+EOF
+RUN=(--model "$MODEL" --precision bf16 --batch "$BATCH" --seq-len "$SEQ" --threads 2)
+"$FITLM" plan "${RUN[@]}" --config "$LOG/offload.json" >"$LOG/plan.txt"
+"$FITLM" plan "${RUN[@]}" --config "$LOG/ram.json" >"$LOG/plan_ram.txt"
+echo "## Plan: $MODEL, bf16 AdamW, ZeRO-2, one process, micro-batch $BATCH x $SEQ"
+echo
+echo '```'
+sed -n '/^tag (per rank)/,$p' "$LOG/plan.txt"
+echo '```'
+echo
+echo "Without the offload: $(grep -E '^memory limit' "$LOG/plan_ram.txt") (total $(awk '$1 == "total" { printf "%.2f GiB", $4; exit }' "$LOG/plan_ram.txt"))"
+echo
+
+# --- 3. the run ---------------------------------------------------------------
+/usr/bin/time -o "$LOG/train.time" -f '%e %M' "$FITLM" train "${RUN[@]}" --config "$LOG/offload.json" \
+    --steps "$STEPS" --warmup 0 --eval-every 0 --val-data none --sample-tokens 0 --out '' \
+    --mem-report >"$LOG/train.out" 2>"$LOG/train.err" || { cat "$LOG/train.err"; exit 1; }
+echo "## Training $STEPS steps with the optimizer on disk"
+echo
+echo "| step | loss | step time (s) |"
+echo "|---:|---:|---:|"
+grep -E '^step +[0-9]+/' "$LOG/train.out" | awk -F'|' '{ split($1, s, " "); split(s[2], n, "/");
+    gsub(/[^0-9.]/, "", $2); gsub(/ ms/, "", $5); printf "| %d | %s | %.1f |\n", n[1], $2, $5 / 1000 }'
+echo
+IO=$(grep '^NVMe offload per step' "$LOG/train.out")
+echo "$IO"
+echo
+read -r WALL RSS_KB <"$LOG/train.time"
+STEP_MED=$(grep -o '| [0-9.]* ms |' "$LOG/train.out" | awk 'NR > 1 { print $2 / 1000 }' | median_min_max)
+echo "Median step time after the first: $(echo "$STEP_MED" | awk '{ printf "%.1f s (min %.1f, max %.1f)", $1, $2, $3 }');" \
+    "whole run $WALL s; peak RSS $(awk -v k="$RSS_KB" 'BEGIN { printf "%.2f GiB", k / 1048576 }')"
+echo
+echo "| tag | planned (bytes) | measured peak (bytes) |"
+echo "|---|---:|---:|"
+for t in params grads master optim acts workspace comm offload other; do
+    planned=$(plan_bytes "$t" "$LOG/plan.txt")
+    measured=$(awk -v t="$t" '$0 ~ /^memory by tag/ { on = 1 } on && $1 == t { v = $4 } END { print v + 0 }' "$LOG/train.out")
+    echo "| $t | $planned | $measured |"
+done
+echo
+GB_RW=$(echo "$IO" | sed -E 's/.*read ([0-9.]+) GB, written ([0-9.]+) GB.*/\1 \2/')
+RATE=$(echo "$IO" | sed -E 's/.* \(([0-9.]+) GB\/s\).*/\1/')
+echo "I/O achieved $RATE GB/s while busy, against the disk's $DISK_R GB/s read and $DISK_W GB/s write (dd)."
+echo
+
+# --- 4. the order of the strategies --------------------------------------------
+if [[ $ORDER == 1 ]]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader OMPI_MCA_mpi_yield_when_idle=1
+    export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-1800}
+    echo "## $ORDER_MODEL bf16 AdamW over 2 ranks (one thread each), batch 2 x 128 per rank"
+    echo
+    echo "| strategy | median step (ms) | min-max | tagged peak per rank (MiB) |"
+    echo "|---|---:|---:|---:|"
+    order_run() { # name config
+        mpirun.openmpi -q --bind-to none -np 2 "$FITLM" train --model "$ORDER_MODEL" --precision bf16 \
+            --batch 2 --seq-len 128 --threads 1 --steps "$ORDER_STEPS" --warmup 0 --eval-every 0 \
+            --val-data none --sample-tokens 0 --out '' --mem-report --config "$2" >"$LOG/order_$1.out" 2>&1 ||
+            { tail -5 "$LOG/order_$1.out"; exit 1; }
+        local s
+        s=$(grep -o '| [0-9.]* ms |' "$LOG/order_$1.out" | awk 'NR > 1 { print $2 }' | median_min_max)
+        echo "| $1 | $(echo "$s" | awk '{ printf "%.0f | %.0f-%.0f", $1, $2, $3 }') | $(tag_peak total "$LOG/order_$1.out") |"
+    }
+    echo '{"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6}}' >"$LOG/z2.json"
+    cat >"$LOG/z2_nvme.json" <<EOF
+{"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6,
+  "sub_group_size": 1e7, "offload_optimizer": {"device": "nvme", "nvme_path": "$NVME",
+  "buffer_count": $BUFFERS, "pipeline_read": true, "pipeline_write": true}}}
+EOF
+    echo '{"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e6, "stage3_prefetch_bucket_size": 7.1e6}}' >"$LOG/z3.json"
+    order_run "ZeRO-2" "$LOG/z2.json"
+    order_run "ZeRO-2 + NVMe offload" "$LOG/z2_nvme.json"
+    order_run "ZeRO-3" "$LOG/z3.json"
+    echo
+fi
+rm -rf "${NVME:?}"/fitlm-* 2>/dev/null || true

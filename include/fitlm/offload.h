@@ -1,0 +1,69 @@
+// offload.h: NVMe offload of the optimizer (DeepSpeed's
+// zero_optimization.offload_optimizer with device nvme, and its aio block).
+// The fp32 master weights and the optimizer state of a rank's range live in
+// one scratch file under nvme_path; a step brings them into RAM one chunk
+// (sub_group_size elements) at a time through buffer_count buffers, with
+// asynchronous I/O (io_uring, O_DIRECT where the filesystem allows):
+// pipeline_read reads the next chunks while one is updated, pipeline_write
+// writes a chunk back while the next ones are. The file is unlinked as soon
+// as it is open, so it disappears when the run ends, however it ends; it is
+// scratch, never a checkpoint (checkpoints hold the whole state, read
+// through a mapping of the file).
+#ifndef FITLM_OFFLOAD_H
+#define FITLM_OFFLOAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitlm/config.h"
+#include "fitlm/optim.h"
+
+typedef struct {
+    char dir[FL_PATH_MAX]; // nvme_path: an existing, writable directory
+    int buffer_count;      // chunk buffers in RAM (>= 1)
+    int pipeline_read;     // read ahead into free buffers while a chunk is updated
+    int pipeline_write;    // a chunk's write-back runs on while the next is updated
+    double chunk;          // elements per chunk (sub_group_size), rounded up to 4 KiB pages
+    int block_size;        // bytes per I/O request (aio.block_size)
+    int queue_depth;       // requests in flight per I/O thread (aio.queue_depth)
+    int thread_count;      // I/O threads, each with its own ring (aio.thread_count)
+    int single_submit;     // each request submitted on its own, else a batch at once
+    int overlap_events;    // false: a batch completes before the next is submitted
+} fl_offload_config;
+
+// The offload settings of a training config's offload_optimizer and aio blocks.
+fl_offload_config fl_offload_config_of(const fl_train_config *cfg);
+
+// Elements per chunk for a range of numel elements.
+size_t fl_offload_chunk(const fl_offload_config *cfg, size_t numel);
+// What paging ntensors tensors of numel floats costs: RAM per tag (the
+// buffers, FL_MEM_OFFLOAD; the bookkeeping, FL_MEM_OTHER) and bytes on disk.
+void fl_offload_memory(const fl_offload_config *cfg, size_t numel, int ntensors,
+                       size_t bytes[FL_MEM_NTAGS], size_t *disk);
+// Dies naming `key` and the path unless dir is a directory this process
+// can create files in, with at least `disk` bytes free.
+void fl_offload_check_path(const char *key, const char *dir, size_t disk);
+
+typedef struct fl_offload fl_offload;
+
+// Pages optimizer o (initialised with cfg.paged) from a new file under
+// cfg->dir: the master starts as the fp32 values of o's weights and the
+// state as zeros (a resume then restores both through fl_optimizer_map).
+// The disk space is reserved at once: a full disk is an error here, not in
+// the middle of a step. An I/O error or a short read later is fatal, naming
+// the file, the operation and the offset.
+fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg);
+void fl_offload_free(fl_offload *f);
+
+typedef struct {
+    uint64_t bytes_read, bytes_written;
+    double wait_s; // the step stood waiting for I/O (what was not hidden)
+    double busy_s; // requests were in flight (summed over the I/O threads)
+} fl_offload_stats;
+
+void fl_offload_stats_get(const fl_offload *f, fl_offload_stats *s);
+// The file's name (already unlinked) and whether it is opened with O_DIRECT.
+const char *fl_offload_path(const fl_offload *f);
+int fl_offload_direct(const fl_offload *f);
+
+#endif

@@ -1,0 +1,399 @@
+// test_offload: NVMe offload of the optimizer (offload.h). A run whose
+// master weights and optimizer state live in a file, paged through a few
+// buffers with asynchronous I/O, gives bitwise the losses, weights, master
+// and state of the same run with everything in RAM: under ZeRO-1/2/3, in
+// fp32, bf16 and fp16, with AdamW and SGD, and under every I/O setting
+// (one buffer or several, reads ahead and writes behind or not, chunks of
+// one page or the whole range, one request at a time or a batch, several
+// I/O threads). CTest runs it alone and under mpirun with 2 ranks. Alone it
+// also checks the errors: a missing, unusable or full nvme_path, a file cut
+// short under a run; and through `fitlm train`, that a resume from a
+// checkpoint of an offloaded run is bitwise the uninterrupted run, with or
+// without offload.
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fitlm/comm.h"
+#include "fitlm/config.h"
+#include "fitlm/dist.h"
+#include "fitlm/offload.h"
+#include "fitlm/train.h"
+#include "testlib.h"
+
+enum { B = 2, T = 16, STEPS = 6, V = 97 };
+
+static char nvme_dir[] = "/tmp/fitlm-offload-XXXXXX";
+
+typedef struct {
+    const char *name;
+    fl_dtype dt;
+    int stage, accum;
+    fl_optim_kind kind; // AdamW, or SGD with momentum
+    int buffers, read_ahead, write_behind, threads, single_submit, batches, queue_depth;
+    double chunk;
+} offload_case;
+
+static fl_offload_config io_of(const offload_case *c) {
+    fl_offload_config io = {.buffer_count = c->buffers,
+                            .pipeline_read = c->read_ahead,
+                            .pipeline_write = c->write_behind,
+                            .chunk = c->chunk,
+                            .block_size = 4096,
+                            .queue_depth = c->queue_depth ? c->queue_depth : 8,
+                            .thread_count = c->threads ? c->threads : 1,
+                            .single_submit = c->single_submit,
+                            .overlap_events = !c->batches};
+    snprintf(io.dir, sizeof io.dir, "%s", nvme_dir);
+    return io;
+}
+
+static fl_model_config shape(void) {
+    fl_model_config mc = {.arch = FL_ARCH_GPT2,
+                          .max_seq_len = T,
+                          .vocab_size = V,
+                          .n_layer = 2,
+                          .n_head = 4,
+                          .n_embd = 32,
+                          .tie_embeddings = 1};
+    fl_model_config_finish(&mc);
+    return mc;
+}
+
+// This rank's micro-batches of a step: a learnable rule with a few masked targets.
+static void batch(int step, int n, int *inputs, int *targets) {
+    uint64_t s = 0x9E3779B97F4A7C15ull * (uint64_t)(step + 1) + (uint64_t)fl_comm_rank();
+    for (int i = 0; i < n; i++) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        inputs[i] = (int)(s % V);
+        targets[i] = (s >> 20) % 11 == 0 ? -1 : (inputs[i] * 7 + 3) % V;
+    }
+}
+
+typedef struct {
+    float loss[STEPS], norm[STEPS];
+    float *weights; // whole, fp32
+    float *state;   // this rank's master and state tensors, one after another
+    size_t state_n;
+} run_result;
+
+static void train(const offload_case *c, int paged, run_result *out) {
+    fl_model_config mc = shape();
+    fl_zero_config z = {.stage = c->stage,
+                        .reduce_bucket_size = 5e8f,
+                        .allgather_bucket_size = 5e8f,
+                        .overlap_comm = 1,
+                        .contiguous_gradients = 1,
+                        .reduce_scatter = 1,
+                        .prefetch_bucket_size = 5e7f,
+                        .max_live_parameters = 1e9f,
+                        .max_reuse_distance = 1e9f,
+                        .param_persistence_threshold = 1e5f,
+                        .model_persistence_threshold = 1e18f,
+                        .comm_timeout = 60};
+    fl_train_config defaults;
+    fl_config_defaults(&defaults);
+    if (c->kind == FL_OPT_SGD) {
+        strcpy(defaults.optimizer, "sgd");
+        defaults.momentum = 0.9f;
+    }
+    fl_optimizer_config oc = fl_config_optimizer(&defaults);
+    oc.grad_accum = c->accum;
+    oc.sharded_grads = c->stage >= 2;
+    oc.paged = paged;
+    fl_dist_derive(&z, &oc);
+    fl_model m;
+    size_t begin, end;
+    fl_param_table t;
+    fl_model_table(&t, &mc);
+    fl_dist_range(&z, &t, &begin, &end);
+    fl_params_free(&t);
+    if (c->stage == 3 && fl_comm_size() > 1)
+        fl_model_init_shard(&m, &mc, c->dt, 42, begin, end);
+    else
+        fl_model_init(&m, &mc, c->dt, 42);
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, fl_dist_unit_grads(&z));
+    fl_optimizer o;
+    fl_optimizer_init_at(&o, &oc, &m.table, c->dt, m.params, m.params_begin, m.grads, begin, end);
+    fl_offload_config io = io_of(c);
+    fl_offload *f = paged ? fl_offload_optimizer(&o, &io) : NULL;
+    fl_dist *d = fl_dist_attach(&m, &o, &z);
+    size_t n = (size_t)c->accum * B * T;
+    int *in = malloc(n * sizeof(int)), *tg = malloc(n * sizeof(int));
+    float lr = c->kind == FL_OPT_SGD ? 0.05f : 2e-3f;
+    for (int step = 0; step < STEPS; step++) {
+        batch(step, (int)n, in, tg);
+        fl_train_result r = fl_train_step(&m, &o, in, tg, c->accum, B, T, lr);
+        out->loss[step] = r.loss;
+        out->norm[step] = r.grad_norm;
+    }
+    out->weights = malloc(m.table.numel * sizeof(float));
+    void *row = malloc(m.table.numel * fl_dtype_size(c->dt));
+    for (int r = 0; r < m.table.count; r++) {
+        const fl_param_view *v = &m.table.views[r];
+        fl_dist_gather_row(d, r, row);
+        fl_convert(FL_F32, out->weights + v->offset, c->dt, row, v->numel);
+    }
+    free(row);
+    // the master and the state, through the mapping when paged
+    fl_optimizer_map(&o);
+    int k0 = o.master ? -1 : 0, nstate = fl_optim_state_count(o.rule);
+    size_t span = end - begin;
+    out->state_n = (size_t)(nstate - k0) * span;
+    out->state = malloc((out->state_n ? out->state_n : 1) * sizeof(float));
+    for (int k = k0; k < nstate && span; k++)
+        memcpy(out->state + (size_t)(k - k0) * span,
+               k < 0 ? o.master : fl_optim_state_ptr(o.rule, k, begin), span * sizeof(float));
+    fl_optimizer_unmap(&o);
+    free(in);
+    free(tg);
+    fl_dist_free(d);
+    fl_offload_free(f);
+    fl_optimizer_free(&o);
+    fl_model_free(&m);
+}
+
+static void check_case(const offload_case *c) {
+    run_result got, want;
+    train(c, 1, &got);
+    train(c, 0, &want);
+    int rank = fl_comm_rank(), world = fl_comm_size();
+    fl_model_config mc = shape();
+    size_t numel = fl_model_num_params(&mc);
+    t_check(!memcmp(got.loss, want.loss, sizeof got.loss) &&
+                !memcmp(got.norm, want.norm, sizeof got.norm),
+            "rank %d/%d %s: losses and norms bitwise those without offload (%.6f vs %.6f)", rank,
+            world, c->name, got.loss[STEPS - 1], want.loss[STEPS - 1]);
+    t_check(!memcmp(got.weights, want.weights, numel * sizeof(float)),
+            "rank %d/%d %s: final weights bitwise", rank, world, c->name);
+    t_check(got.state_n == want.state_n &&
+                !memcmp(got.state, want.state, got.state_n * sizeof(float)),
+            "rank %d/%d %s: master and optimizer state bitwise (%zu floats)", rank, world, c->name,
+            got.state_n);
+    t_check(got.loss[STEPS - 1] < got.loss[0], "rank %d/%d %s: the loss falls (%.4f -> %.4f)", rank,
+            world, c->name, got.loss[0], got.loss[STEPS - 1]);
+    free(got.weights);
+    free(want.weights);
+    free(got.state);
+    free(want.state);
+}
+
+// ----------------------------------------------------------------------------
+// errors (one process)
+
+static void check_path(void *arg) {
+    const char *dir = arg;
+    fl_offload_check_path("nvme_path", dir, 4096);
+}
+
+static void check_huge(void *arg) {
+    fl_offload_check_path("nvme_path", arg, (size_t)1 << 62);
+}
+
+// An offloaded optimizer over a small model: its file, and the model and
+// optimizer it pages.
+typedef struct {
+    fl_model m;
+    fl_optimizer o;
+    fl_offload *f;
+} small_run;
+
+static void small_open(small_run *s, int buffers) {
+    fl_model_config mc = shape();
+    fl_model_init(&s->m, &mc, FL_BF16, 7);
+    fl_model_alloc_acts(&s->m, B, T, FL_RECOMPUTE_NONE, 0);
+    fl_train_config defaults;
+    fl_config_defaults(&defaults);
+    fl_optimizer_config oc = fl_config_optimizer(&defaults);
+    oc.paged = 1;
+    fl_optimizer_init(&s->o, &oc, &s->m.table, FL_BF16, s->m.params, s->m.grads);
+    offload_case c = {.buffers = buffers, .chunk = 4096};
+    fl_offload_config io = io_of(&c);
+    s->f = fl_offload_optimizer(&s->o, &io);
+}
+
+static void full_disk(void *arg) {
+    (void)arg;
+    // a file size limit: the space reserved at start is refused, as on a full disk
+    struct rlimit lim = {16384, 16384};
+    signal(SIGXFSZ, SIG_IGN);
+    setrlimit(RLIMIT_FSIZE, &lim);
+    small_run s;
+    small_open(&s, 2);
+}
+
+// The offload file's descriptor, found by its (unlinked) name.
+static int open_fd_of(const char *path) {
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    int fd = -1;
+    while (d && (e = readdir(d))) {
+        char link[300], target[PATH_MAX + 16];
+        snprintf(link, sizeof link, "/proc/self/fd/%s", e->d_name);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n <= 0) continue;
+        target[n] = 0;
+        if (!strncmp(target, path, strlen(path))) fd = atoi(e->d_name);
+    }
+    if (d) closedir(d);
+    return fd;
+}
+
+static void short_read(void *arg) {
+    (void)arg;
+    small_run s;
+    small_open(&s, 1);
+    int fd = open_fd_of(fl_offload_path(s.f));
+    if (fd < 0 || ftruncate(fd, 0) != 0) exit(3); // the test itself failed
+    int in[B * T], tg[B * T];
+    batch(0, B * T, in, tg);
+    fl_train_step(&s.m, &s.o, in, tg, 1, B, T, 1e-3f);
+}
+
+static void check_errors(void) {
+    char file[64];
+    snprintf(file, sizeof file, "%s/plain-file", nvme_dir);
+    t_write_text(file, "x");
+    t_dies("missing nvme_path", check_path, "/nonexistent/fitlm-nvme", "No such file or directory");
+    t_dies("nvme_path a file", check_path, file, "is not a directory");
+    t_dies("nvme_path where nothing can be created", check_path, "/proc",
+           "cannot create files there");
+    t_dies("nvme_path without room", check_huge, nvme_dir, "only");
+    t_dies("a full disk at start", full_disk, NULL, "cannot reserve");
+    t_dies("a file cut short under the run", short_read, NULL, "a short transfer");
+    remove(file);
+}
+
+// ----------------------------------------------------------------------------
+// resume, through `fitlm train`
+
+#define RUN                                                                                        \
+    "train --model tiny --data data/brown_byte --tokenizer byte --seq-len 32 --threads 1 "         \
+    "--batch 2 --precision bf16 --sample-tokens 0 --eval-every 0 --zero-stage 2"
+
+// The "step N loss ... norm ..." lines of DIR/log.txt for steps > from.
+static void log_steps(const char *dir, int from, char *out, size_t size) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/log.txt", dir);
+    size_t n = 0;
+    unsigned char *text = t_read_file(path, &n);
+    out[0] = 0;
+    size_t used = 0;
+    for (char *line = text ? strtok((char *)text, "\n") : NULL; line; line = strtok(NULL, "\n")) {
+        int step;
+        if (sscanf(line, "step %d loss", &step) == 1 && step > from &&
+            used + strlen(line) + 2 < size)
+            used += (size_t)snprintf(out + used, size - used, "%s\n", line);
+    }
+    free(text);
+}
+
+static void check_resume(void) {
+    char work[256], cfg[300], args[2048], out[16384];
+    snprintf(work, sizeof work, "%s/runs", nvme_dir);
+    if (mkdir(work, 0700) != 0) t_check(0, "mkdir %s", work);
+    snprintf(cfg, sizeof cfg, "%s/offload.json", work);
+    char json[512];
+    snprintf(json, sizeof json,
+             "{\"zero_optimization\": {\"stage\": 2, \"sub_group_size\": 100000, "
+             "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\", "
+             "\"buffer_count\": 3, \"pipeline_read\": true, \"pipeline_write\": true}}}",
+             nvme_dir);
+    t_write_text(cfg, json);
+    const char *src = t_source_path(".");
+    snprintf(args, sizeof args, RUN " --steps 6 --save-every 3 --config %s --out %s/off", cfg,
+             work);
+    int rc = t_fitlm(src, args, 1, out, sizeof out);
+    t_check(rc == 0 && strstr(out, "NVMe offload per step"),
+            "an offloaded run trains and reports its I/O (status %d)", rc);
+    snprintf(args, sizeof args, RUN " --steps 6 --out %s/ram", work);
+    rc = t_fitlm(src, args, 1, out, sizeof out);
+    t_check(rc == 0, "the same run in RAM (status %d)", rc);
+    snprintf(args, sizeof args,
+             RUN " --steps 6 --config %s --resume %s/off/ckpt_00000003.fitlm --out %s/off_r", cfg,
+             work, work);
+    rc = t_fitlm(src, args, 1, out, sizeof out);
+    t_check(rc == 0, "an offloaded run resumes offloaded (status %d)", rc);
+    snprintf(args, sizeof args, RUN " --steps 6 --resume %s/off/ckpt_00000003.fitlm --out %s/ram_r",
+             work, work);
+    rc = t_fitlm(src, args, 1, out, sizeof out);
+    t_check(rc == 0, "an offloaded run's checkpoint resumes in RAM (status %d)", rc);
+    static char ram[4096], off[4096], off_r[4096], ram_r[4096];
+    char dir[300];
+    snprintf(dir, sizeof dir, "%s/ram", work);
+    log_steps(dir, 3, ram, sizeof ram);
+    snprintf(dir, sizeof dir, "%s/off", work);
+    log_steps(dir, 0, off, sizeof off);
+    snprintf(dir, sizeof dir, "%s/off_r", work);
+    log_steps(dir, 3, off_r, sizeof off_r);
+    snprintf(dir, sizeof dir, "%s/ram_r", work);
+    log_steps(dir, 3, ram_r, sizeof ram_r);
+    char ram_all[4096];
+    snprintf(dir, sizeof dir, "%s/ram", work);
+    log_steps(dir, 0, ram_all, sizeof ram_all);
+    t_check(*ram && !strcmp(off, ram_all), "offloaded and in-RAM runs log the same 6 steps");
+    t_check(!strcmp(off_r, ram), "the offloaded resume continues bitwise:\n%s---\n%s", off_r, ram);
+    t_check(!strcmp(ram_r, ram), "the in-RAM resume of its checkpoint continues bitwise");
+    // the final checkpoints' weights and state: the same file but for the config text
+    snprintf(args, sizeof args, "export %s/off_r --out %s/off_r.safetensors", work, work);
+    int e1 = t_fitlm(src, args, 1, out, sizeof out);
+    snprintf(args, sizeof args, "export %s/ram --out %s/ram.safetensors", work, work);
+    int e2 = t_fitlm(src, args, 1, out, sizeof out);
+    char a[300], b[300];
+    snprintf(a, sizeof a, "%s/off_r.safetensors/model.safetensors", work);
+    snprintf(b, sizeof b, "%s/ram.safetensors/model.safetensors", work);
+    size_t na = 0, nb = 0;
+    unsigned char *fa = t_read_file(a, &na), *fb = t_read_file(b, &nb);
+    t_check(e1 == 0 && e2 == 0 && fa && fb && na == nb && !memcmp(fa, fb, na),
+            "the resumed offloaded run's final weights equal the uninterrupted run's, bitwise");
+    free(fa);
+    free(fb);
+    // the plan refuses a directory it cannot use before anything is allocated
+    snprintf(json, sizeof json,
+             "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": "
+             "\"nvme\", \"nvme_path\": \"/proc\"}}}");
+    t_write_text(cfg, json);
+    snprintf(args, sizeof args, RUN " --steps 6 --config %s --out ''", cfg);
+    t_fitlm_fails(src, args, "nvme_path /proc: cannot create files there", out, sizeof out);
+    snprintf(args, sizeof args, "plan --model gpt2-xl --precision bf16 --config %s", cfg);
+    t_fitlm_fails(src, args, "nvme_path /proc: cannot create files there", out, sizeof out);
+}
+
+int main(int argc, char **argv) {
+    fl_comm_init(&argc, &argv);
+    fl_set_threads(1);
+    int world = fl_comm_size();
+    if (!mkdtemp(nvme_dir)) return t_check(0, "mkdtemp"), fl_comm_finalize(t_report());
+    const offload_case cases[] = {
+        {"fp32 ZeRO-1, 4 buffers, read ahead and write behind, 3 KiB chunks", FL_F32, 1, 1,
+         FL_OPT_ADAMW, 4, 1, 1, 1, 0, 0, 0, 3000},
+        {"bf16 ZeRO-2, accumulation, 4 buffers pipelined", FL_BF16, 2, 2, FL_OPT_ADAMW, 4, 1, 1, 1,
+         0, 0, 0, 3000},
+        {"fp16 ZeRO-3, 2 buffers, read ahead, 2 threads, single submit, batches of 1", FL_F16, 3, 1,
+         FL_OPT_ADAMW, 2, 1, 0, 2, 1, 1, 1, 5000},
+        {"bf16 ZeRO-3, one buffer, one chunk, nothing overlapped", FL_BF16, 3, 1, FL_OPT_ADAMW, 1,
+         0, 0, 1, 0, 0, 0, 1e9},
+        {"fp32 SGD momentum ZeRO-1, 3 buffers, write behind, one-page chunks", FL_F32, 1, 1,
+         FL_OPT_SGD, 3, 0, 1, 1, 0, 0, 0, 1024},
+        {"bf16 ZeRO-1, accumulation, 3 buffers, one-page chunks", FL_BF16, 1, 2, FL_OPT_ADAMW, 3, 1,
+         1, 1, 0, 0, 4, 1024},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
+    if (world == 1) {
+        check_errors();
+        check_resume();
+    }
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", nvme_dir);
+    if (system(cmd) != 0) t_check(0, "removing %s", nvme_dir);
+    return fl_comm_finalize(t_report());
+}
