@@ -11,12 +11,15 @@
 #   NO_BUILD=1 bash bench/offload.sh
 #
 # Steps:
-#   1. the disk's sequential bandwidth under NVME: dd of DISK_MB MiB with
-#      O_DIRECT (the way the offload's I/O bypasses the page cache), written
-#      then read back, 1 MiB blocks;
+#   1. the disk's sequential bandwidth under NVME: bench/bench_disk writes
+#      DISK_MB MiB, reads them back, then reads and writes at once, with the
+#      offload's own way of doing I/O (O_DIRECT, io_uring, 1 MiB requests,
+#      8 in flight: aio's defaults), and dd (one request at a time) for
+#      comparison;
 #   2. `fitlm plan` of the run with and without the offload (RAM per tag,
 #      disk, what fits in the available memory);
-#   3. the run itself: MODEL at BATCH x SEQ, STEPS steps, bf16 AdamW, ZeRO-2,
+#   3. the run itself: MODEL at BATCH x SEQ, STEPS steps, bf16 AdamW (lr LR,
+#      WARMUP warm-up steps), ZeRO-2,
 #      offload_optimizer {device nvme, buffer_count BUFFERS, pipeline_read
 #      and pipeline_write true}, sub_group_size CHUNK; each step's loss and
 #      time, the offload's bytes read and written per step, the bandwidth its
@@ -27,7 +30,8 @@
 #      ZeRO-2 + NVMe offload and ZeRO-3, ORDER_STEPS steps each: the median
 #      step time of the steps after the first.
 # Environment: BUILD (build), NVME (/work/nvme-bench: created, emptied after),
-# MODEL (gpt2-xl), BATCH (1), SEQ (128), STEPS (5), CHUNK (5e7), BUFFERS (4),
+# MODEL (gpt2-xl), BATCH (1), SEQ (128), STEPS (6), LR (2e-4), WARMUP (2),
+# CHUNK (5e7), BUFFERS (4),
 # DISK_MB (4096), ORDER (1), ORDER_MODEL (gpt2), ORDER_STEPS (5), LOG (a new
 # temporary directory).
 set -euo pipefail
@@ -38,7 +42,9 @@ NVME=${NVME:-/work/nvme-bench}
 MODEL=${MODEL:-gpt2-xl}
 BATCH=${BATCH:-1}
 SEQ=${SEQ:-128}
-STEPS=${STEPS:-5}
+STEPS=${STEPS:-6}
+LR=${LR:-2e-4}
+WARMUP=${WARMUP:-2}
 CHUNK=${CHUNK:-5e7}
 BUFFERS=${BUFFERS:-4}
 DISK_MB=${DISK_MB:-4096}
@@ -59,16 +65,12 @@ echo "Disk under $NVME: $(df -h "$NVME" | awk 'NR == 2 { print $1 ", " $2 " (" $
 echo
 
 # --- 1. the disk ------------------------------------------------------------
-dd_rate() { # the GB/s of dd's summary line
-    awk '/copied/ { for (i = 1; i <= NF; i++) if ($i ~ /^s,?$/) s = $(i - 1); gsub(",", "", s) }
-         END { printf "%.2f", s > 0 ? mb * 1048576 / s / 1e9 : 0 }' mb="$DISK_MB" "$1"
-}
+"$BUILD/bench_disk" "$NVME" "$DISK_MB" 1024 8 >"$LOG/disk.txt" || { cat "$LOG/disk.txt"; exit 1; }
 dd if=/dev/zero of="$NVME/bandwidth.bin" bs=1M count="$DISK_MB" oflag=direct conv=fsync 2>"$LOG/dd_write.txt"
 dd if="$NVME/bandwidth.bin" of=/dev/null bs=1M iflag=direct 2>"$LOG/dd_read.txt"
 rm -f "$NVME/bandwidth.bin"
-DISK_W=$(dd_rate "$LOG/dd_write.txt")
-DISK_R=$(dd_rate "$LOG/dd_read.txt")
-echo "Sequential bandwidth (dd, O_DIRECT, 1 MiB blocks, $DISK_MB MiB): write $DISK_W GB/s, read $DISK_R GB/s"
+echo "Sequential bandwidth: $(sed 's/^disk [^:]*: //' "$LOG/disk.txt")"
+echo "dd, 1 MiB blocks one at a time: write $(tail -1 "$LOG/dd_write.txt" | sed 's/.*, //'), read $(tail -1 "$LOG/dd_read.txt" | sed 's/.*, //')"
 echo
 
 # --- 2. the plans -------------------------------------------------------------
@@ -80,7 +82,8 @@ EOF
 cat >"$LOG/ram.json" <<EOF
 {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7}}
 EOF
-RUN=(--model "$MODEL" --precision bf16 --batch "$BATCH" --seq-len "$SEQ" --threads 2)
+RUN=(--model "$MODEL" --precision bf16 --batch "$BATCH" --seq-len "$SEQ" --threads 2 --val-data none
+     --sample-tokens 0)
 "$FITLM" plan "${RUN[@]}" --config "$LOG/offload.json" >"$LOG/plan.txt"
 "$FITLM" plan "${RUN[@]}" --config "$LOG/ram.json" >"$LOG/plan_ram.txt"
 echo "## Plan: $MODEL, bf16 AdamW, ZeRO-2, one process, micro-batch $BATCH x $SEQ"
@@ -94,8 +97,7 @@ echo
 
 # --- 3. the run ---------------------------------------------------------------
 /usr/bin/time -o "$LOG/train.time" -f '%e %M' "$FITLM" train "${RUN[@]}" --config "$LOG/offload.json" \
-    --steps "$STEPS" --warmup 0 --eval-every 0 --val-data none --sample-tokens 0 --out '' \
-    --mem-report >"$LOG/train.out" 2>"$LOG/train.err" || { cat "$LOG/train.err"; exit 1; }
+    --steps "$STEPS" --lr "$LR" --warmup "$WARMUP" --eval-every 0 --out '' --mem-report >"$LOG/train.out" 2>"$LOG/train.err" || { cat "$LOG/train.err"; exit 1; }
 echo "## Training $STEPS steps with the optimizer on disk"
 echo
 echo "| step | loss | step time (s) |"
@@ -115,13 +117,9 @@ echo "| tag | planned (bytes) | measured peak (bytes) |"
 echo "|---|---:|---:|"
 for t in params grads master optim acts workspace comm offload other; do
     planned=$(plan_bytes "$t" "$LOG/plan.txt")
-    measured=$(awk -v t="$t" '$0 ~ /^memory by tag/ { on = 1 } on && $1 == t { v = $4 } END { print v + 0 }' "$LOG/train.out")
+    measured=$(awk -v t="$t" '$0 ~ /^memory by tag/ { on = 1 } on && $1 == t { v = $4 } END { printf "%.0f", v }' "$LOG/train.out")
     echo "| $t | $planned | $measured |"
 done
-echo
-GB_RW=$(echo "$IO" | sed -E 's/.*read ([0-9.]+) GB, written ([0-9.]+) GB.*/\1 \2/')
-RATE=$(echo "$IO" | sed -E 's/.* \(([0-9.]+) GB\/s\).*/\1/')
-echo "I/O achieved $RATE GB/s while busy, against the disk's $DISK_R GB/s read and $DISK_W GB/s write (dd)."
 echo
 
 # --- 4. the order of the strategies --------------------------------------------

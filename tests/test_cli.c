@@ -296,8 +296,16 @@ static void test_zero_optimization_keys(void) {
          "offload_optimizer.pipeline_read applies to NVMe offload (device nvme); "
          "offload_optimizer.device is cpu"},
         {"{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"nvme\"}}}",
-         "zero_optimization.offload_param.device nvme: NVMe offload of the weights is not "
-         "supported yet"},
+         "zero_optimization.offload_param.device nvme needs offload_optimizer.device nvme"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": \"nvme\", "
+         "\"nvme_path\": \"/tmp\"}, \"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+         "\"/var/tmp\"}}}",
+         "offload_param.nvme_path /var/tmp differs from offload_optimizer.nvme_path /tmp"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": \"nvme\", "
+         "\"nvme_path\": \"/tmp\"}, \"offload_param\": {\"device\": \"nvme\", \"buffer_size\": "
+         "1e9}}}",
+         "offload_param.buffer_size 1e+09: the weights gathered from the file live in stage 3's "
+         "buffers"},
         {"{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": \"nvme\", "
          "\"nvme_path\": \"/tmp\"}}, \"aio\": {\"intra_op_parallelism\": 2}}",
          "aio.intra_op_parallelism 2"},

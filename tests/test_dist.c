@@ -132,7 +132,7 @@ static void train(const dist_case *c, int dist, run_result *out) {
     oc.sharded_grads = dist && c->stage >= 2;
     fl_optimizer o;
     fl_optimizer_init_at(&o, &oc, &m.table, c->dt, m.params, m.params_begin, m.grads, begin, end);
-    fl_dist *d = dist ? fl_dist_attach(&m, &o, &z) : NULL;
+    fl_dist *d = dist ? fl_dist_attach(&m, &o, &z, NULL) : NULL;
 
     size_t global = (size_t)c->accum * world * B * T, mine = (size_t)c->accum * Bm * T;
     int *gi = malloc(global * sizeof(int)), *gt = malloc(global * sizeof(int));

@@ -39,6 +39,7 @@ typedef struct {
     fl_optim_kind kind; // AdamW, or SGD with momentum
     int buffers, read_ahead, write_behind, threads, single_submit, batches, queue_depth;
     double chunk;
+    int weights; // ZeRO-3's weights offloaded too (offload_param)
 } offload_case;
 
 static fl_offload_config io_of(const offload_case *c) {
@@ -111,6 +112,7 @@ static void train(const offload_case *c, int paged, run_result *out) {
     oc.sharded_grads = c->stage >= 2;
     oc.paged = paged;
     fl_dist_derive(&z, &oc);
+    z.offload_params = paged && c->weights;
     fl_model m;
     size_t begin, end;
     fl_param_table t;
@@ -125,8 +127,8 @@ static void train(const offload_case *c, int paged, run_result *out) {
     fl_optimizer o;
     fl_optimizer_init_at(&o, &oc, &m.table, c->dt, m.params, m.params_begin, m.grads, begin, end);
     fl_offload_config io = io_of(c);
-    fl_offload *f = paged ? fl_offload_optimizer(&o, &io) : NULL;
-    fl_dist *d = fl_dist_attach(&m, &o, &z);
+    fl_offload *f = paged ? fl_offload_optimizer(&o, &io, z.offload_params) : NULL;
+    fl_dist *d = fl_dist_attach(&m, &o, &z, f);
     size_t n = (size_t)c->accum * B * T;
     int *in = malloc(n * sizeof(int)), *tg = malloc(n * sizeof(int));
     float lr = c->kind == FL_OPT_SGD ? 0.05f : 2e-3f;
@@ -218,7 +220,7 @@ static void small_open(small_run *s, int buffers) {
     fl_optimizer_init(&s->o, &oc, &s->m.table, FL_BF16, s->m.params, s->m.grads);
     offload_case c = {.buffers = buffers, .chunk = 4096};
     fl_offload_config io = io_of(&c);
-    s->f = fl_offload_optimizer(&s->o, &io);
+    s->f = fl_offload_optimizer(&s->o, &io, 0);
 }
 
 static void full_disk(void *arg) {
@@ -231,29 +233,29 @@ static void full_disk(void *arg) {
     small_open(&s, 2);
 }
 
-// The offload file's descriptor, found by its (unlinked) name.
-static int open_fd_of(const char *path) {
+// Cuts the offload file to nothing through a descriptor of this process
+// (found by its unlinked name; the read-only one cannot). Whether it could.
+static int truncate_open_file(const char *path) {
     DIR *d = opendir("/proc/self/fd");
     struct dirent *e;
-    int fd = -1;
+    int done = 0;
     while (d && (e = readdir(d))) {
         char link[300], target[PATH_MAX + 16];
         snprintf(link, sizeof link, "/proc/self/fd/%s", e->d_name);
         ssize_t n = readlink(link, target, sizeof target - 1);
         if (n <= 0) continue;
         target[n] = 0;
-        if (!strncmp(target, path, strlen(path))) fd = atoi(e->d_name);
+        if (!strncmp(target, path, strlen(path)) && ftruncate(atoi(e->d_name), 0) == 0) done = 1;
     }
     if (d) closedir(d);
-    return fd;
+    return done;
 }
 
 static void short_read(void *arg) {
     (void)arg;
     small_run s;
     small_open(&s, 1);
-    int fd = open_fd_of(fl_offload_path(s.f));
-    if (fd < 0 || ftruncate(fd, 0) != 0) exit(3); // the test itself failed
+    if (!truncate_open_file(fl_offload_path(s.f))) exit(3); // the test itself failed
     int in[B * T], tg[B * T];
     batch(0, B * T, in, tg);
     fl_train_step(&s.m, &s.o, in, tg, 1, B, T, 1e-3f);
@@ -375,17 +377,23 @@ int main(int argc, char **argv) {
     if (!mkdtemp(nvme_dir)) return t_check(0, "mkdtemp"), fl_comm_finalize(t_report());
     const offload_case cases[] = {
         {"fp32 ZeRO-1, 4 buffers, read ahead and write behind, 3 KiB chunks", FL_F32, 1, 1,
-         FL_OPT_ADAMW, 4, 1, 1, 1, 0, 0, 0, 3000},
+         FL_OPT_ADAMW, 4, 1, 1, 1, 0, 0, 0, 3000, 0},
         {"bf16 ZeRO-2, accumulation, 4 buffers pipelined", FL_BF16, 2, 2, FL_OPT_ADAMW, 4, 1, 1, 1,
-         0, 0, 0, 3000},
+         0, 0, 0, 3000, 0},
         {"fp16 ZeRO-3, 2 buffers, read ahead, 2 threads, single submit, batches of 1", FL_F16, 3, 1,
-         FL_OPT_ADAMW, 2, 1, 0, 2, 1, 1, 1, 5000},
+         FL_OPT_ADAMW, 2, 1, 0, 2, 1, 1, 1, 5000, 0},
         {"bf16 ZeRO-3, one buffer, one chunk, nothing overlapped", FL_BF16, 3, 1, FL_OPT_ADAMW, 1,
-         0, 0, 1, 0, 0, 0, 1e9},
+         0, 0, 1, 0, 0, 0, 1e9, 0},
         {"fp32 SGD momentum ZeRO-1, 3 buffers, write behind, one-page chunks", FL_F32, 1, 1,
-         FL_OPT_SGD, 3, 0, 1, 1, 0, 0, 0, 1024},
+         FL_OPT_SGD, 3, 0, 1, 1, 0, 0, 0, 1024, 0},
         {"bf16 ZeRO-1, accumulation, 3 buffers, one-page chunks", FL_BF16, 1, 2, FL_OPT_ADAMW, 3, 1,
-         1, 1, 0, 0, 4, 1024},
+         1, 1, 0, 0, 4, 1024, 0},
+        {"bf16 ZeRO-3 with the weights offloaded too, 4 buffers pipelined", FL_BF16, 3, 1,
+         FL_OPT_ADAMW, 4, 1, 1, 1, 0, 0, 0, 3000, 1},
+        {"fp32 ZeRO-3 with the weights offloaded too, 2 buffers, one-page chunks", FL_F32, 3, 1,
+         FL_OPT_ADAMW, 2, 1, 0, 1, 0, 0, 0, 2048, 1},
+        {"fp16 ZeRO-3 with the weights offloaded too, accumulation, one buffer", FL_F16, 3, 2,
+         FL_OPT_ADAMW, 1, 0, 0, 1, 0, 0, 0, 1e9, 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
     if (world == 1) {

@@ -37,9 +37,11 @@ typedef struct {
     float model_persistence_threshold;
     float comm_timeout; // seconds a collective may wait (--comm-timeout)
     // derived from the optimizer (fl_config_finish), not keys:
-    int fused_units; // LOMO/AdaLomo without accumulation: each unit reduced and updated in
-                     // the backward pass, no gradient buffer
-    int whole_rows;  // AdaLomo: shards end at row boundaries (its statistics are per tensor)
+    int fused_units;    // LOMO/AdaLomo without accumulation: each unit reduced and updated in
+                        // the backward pass, no gradient buffer
+    int whole_rows;     // AdaLomo: shards end at row boundaries (its statistics are per tensor)
+    int offload_params; // offload_param.device nvme: stage 3's weight shard lives in the NVMe
+                        // offload file (fl_dist_attach's store), not in RAM
 } fl_zero_config;
 
 // The rest of DeepSpeed's zero_optimization block, and its aio block: keys

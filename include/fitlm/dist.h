@@ -30,6 +30,7 @@
 
 #include "fitlm/config.h"
 #include "fitlm/model.h"
+#include "fitlm/offload.h"
 #include "fitlm/optim.h"
 
 // The shard of `rank` among `world` ranks over numel elements.
@@ -59,8 +60,9 @@ int fl_dist_unit_grads(const fl_zero_config *cfg);
 // this rank's shard, fl_dist_range; the whole buffer under DDP). Every rank
 // must hold the same weights (the same seed or file). Stage 3 then keeps
 // only this rank's shard of the weights. Dies naming the key on a config it
-// cannot honour.
-fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg);
+// cannot honour. cfg->offload_params (stage 3): the shard goes to `store`,
+// the optimizer's NVMe offload with paged weights (offload.h), instead.
+fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg, fl_offload *store);
 void fl_dist_free(fl_dist *d);
 // The range of the flat buffer this rank's optimizer covers (fl_dist_shard
 // of this rank).

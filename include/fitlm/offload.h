@@ -1,7 +1,8 @@
-// offload.h: NVMe offload of the optimizer (DeepSpeed's
-// zero_optimization.offload_optimizer with device nvme, and its aio block).
-// The fp32 master weights and the optimizer state of a rank's range live in
-// one scratch file under nvme_path; a step brings them into RAM one chunk
+// offload.h: NVMe offload (DeepSpeed's zero_optimization.offload_optimizer
+// and, under ZeRO-3, offload_param with device nvme, and its aio block).
+// The fp32 master weights and the optimizer state of a rank's range (and
+// with offload_param its shard of the model's weights) live in one scratch
+// file under nvme_path; a step brings them into RAM one chunk
 // (sub_group_size elements) at a time through buffer_count buffers, with
 // asynchronous I/O (io_uring, O_DIRECT where the filesystem allows):
 // pipeline_read reads the next chunks while one is updated, pipeline_write
@@ -36,9 +37,10 @@ fl_offload_config fl_offload_config_of(const fl_train_config *cfg);
 
 // Elements per chunk for a range of numel elements.
 size_t fl_offload_chunk(const fl_offload_config *cfg, size_t numel);
-// What paging ntensors tensors of numel floats costs: RAM per tag (the
+// What paging ntensors tensors of numel floats (and the weights, of
+// weight_size bytes per element; 0: not paged) costs: RAM per tag (the
 // buffers, FL_MEM_OFFLOAD; the bookkeeping, FL_MEM_OTHER) and bytes on disk.
-void fl_offload_memory(const fl_offload_config *cfg, size_t numel, int ntensors,
+void fl_offload_memory(const fl_offload_config *cfg, size_t numel, int ntensors, size_t weight_size,
                        size_t bytes[FL_MEM_NTAGS], size_t *disk);
 // Dies naming `key` and the path unless dir is a directory this process
 // can create files in, with at least `disk` bytes free.
@@ -49,16 +51,28 @@ typedef struct fl_offload fl_offload;
 // Pages optimizer o (initialised with cfg.paged) from a new file under
 // cfg->dir: the master starts as the fp32 values of o's weights and the
 // state as zeros (a resume then restores both through fl_optimizer_map).
+// weights: the model's weights of o's range are paged too (offload_param):
+// the step updates them chunk by chunk in the file, ZeRO-3 reads a unit's
+// part with fl_offload_read_weights, and o->params is NULL between steps.
 // The disk space is reserved at once: a full disk is an error here, not in
 // the middle of a step. An I/O error or a short read later is fatal, naming
 // the file, the operation and the offset.
-fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg);
+fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg, int weights);
 void fl_offload_free(fl_offload *f);
+
+// Paged weights: the whole range's weights from src (its first element
+// at o's state_begin), as ZeRO-3 hands them over once set up; and the n
+// weights from flat element `first` on into dst (after the last step's
+// write-backs), synchronously, through the page cache, which is told to
+// drop them again.
+void fl_offload_write_weights(fl_offload *f, const void *src);
+void fl_offload_read_weights(fl_offload *f, size_t first, size_t n, void *dst);
 
 typedef struct {
     uint64_t bytes_read, bytes_written;
-    double wait_s; // the step stood waiting for I/O (what was not hidden)
-    double busy_s; // requests were in flight (summed over the I/O threads)
+    double wait_s;    // the step stood waiting for I/O (what was not hidden)
+    double busy_s;    // requests were in flight (summed over the I/O threads)
+    double weights_s; // reading paged weights for ZeRO-3's gathers (not overlapped)
 } fl_offload_stats;
 
 void fl_offload_stats_get(const fl_offload *f, fl_offload_stats *s);

@@ -290,13 +290,17 @@ typedef struct {
 // when there is one, then each state tensor), release hands it back to be
 // written. map puts every chunk's tensors in memory at once, writable
 // (checkpoints read and restore through it), and unmap writes them back.
+// With `weights`, the model's weights of the range are paged too: *weights
+// is the chunk's (the mapping's) first weight, and o->params points there
+// only while a chunk is acquired or the state mapped.
 enum { FL_OPTIM_MAX_TENSORS = 4 };
 typedef struct {
     void *ctx;
     int n_chunks;
-    void (*acquire)(void *ctx, int c, size_t *lo, size_t *hi, float **tensors);
+    int weights;
+    void (*acquire)(void *ctx, int c, size_t *lo, size_t *hi, float **tensors, void **weights);
     void (*release)(void *ctx, int c);
-    void (*map)(void *ctx, float **tensors);
+    void (*map)(void *ctx, float **tensors, void **weights);
     void (*unmap)(void *ctx);
 } fl_optim_pager;
 

@@ -67,8 +67,9 @@ typedef struct {
     size_t formula_model_states;
     size_t disk; // per rank: bytes of NVMe offload files under disk_dir (0: none)
     char disk_dir[FL_PATH_MAX];
-    // NVMe offload: what the master and optimizer state would take in RAM
-    // instead (per tag), for "what would fit without offload"
+    // NVMe offload: what the master, the optimizer state and (offload_param)
+    // the weights' shard would take in RAM instead (per tag), for "what would
+    // fit without offload"
     size_t unpaged[FL_MEM_NTAGS];
     int runnable;   // 1: the engine runs this, and the figures are its exact sizes
     char note[320]; // "" or what the figures leave out / "not runnable yet: ..."
@@ -104,6 +105,9 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
 // Anything else is planned per rank from the model-state formulas (see
 // plan.c) with runnable = 0 and a note "not runnable yet: ...".
 void fl_plan_compute(const fl_plan_request *r, fl_plan *out);
+
+// NVMe offload: the bytes of RAM the offloaded tensors would take without it.
+size_t fl_plan_offloaded(const fl_plan *p);
 
 // A table per tag (bytes, MiB/GiB), the total, bytes per parameter and
 // whether the engine runs it.

@@ -190,8 +190,7 @@ int cmd_plan(int argc, char **argv) {
     printf("\nmemory limit %.2f GiB%s (%s): %s\n", limit / 1073741824.0,
            f.ranks > 1 ? " per rank" : "", source, p.total <= limit ? "fits" : "does NOT fit");
     if (p.disk) {
-        size_t without =
-            p.total - p.bytes[FL_MEM_OFFLOAD] + p.unpaged[FL_MEM_MASTER] + p.unpaged[FL_MEM_OPTIM];
+        size_t without = p.total - p.bytes[FL_MEM_OFFLOAD] + fl_plan_offloaded(&p);
         printf("NVMe offload: %.2f GB on disk under %s: fits; without offload %.2f GiB of RAM: "
                "%s\n",
                p.disk / 1e9, p.disk_dir, without / 1073741824.0,

@@ -526,10 +526,11 @@ int cmd_train(int argc, char **argv) {
     if (ocfg.paged) {
         fl_offload_config oc = fl_offload_config_of(&cfg);
         size_t ob[FL_MEM_NTAGS], disk;
+        size_t weights = cfg.zero.offload_params ? fl_dtype_size(cfg.dtype) : 0;
         fl_offload_memory(&oc, own_end - own_begin, fl_optimizer_paged_tensors(&ocfg, cfg.dtype),
-                          ob, &disk);
+                          weights, ob, &disk);
         fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", oc.dir, disk);
-        offload = fl_offload_optimizer(&optim, &oc);
+        offload = fl_offload_optimizer(&optim, &oc, cfg.zero.offload_params);
     }
     float base_lr = cfg.lora_base_lr > 0.0f ? cfg.lora_base_lr : cfg.lr;
     int ck_threads = 0, ck_world = 1;
@@ -549,7 +550,7 @@ int cmd_train(int argc, char **argv) {
                    (unsigned long long)train.per_rank);
         fl_ckpt_close(ck);
     }
-    fl_dist *strategy = dist ? fl_dist_attach(&model, &optim, &cfg.zero) : NULL;
+    fl_dist *strategy = dist ? fl_dist_attach(&model, &optim, &cfg.zero, offload) : NULL;
     fl_schedule schedule = {!strcmp(cfg.scheduler, "cosine")   ? FL_SCHED_COSINE
                             : !strcmp(cfg.scheduler, "linear") ? FL_SCHED_LINEAR
                                                                : FL_SCHED_CONSTANT,

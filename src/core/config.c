@@ -169,15 +169,18 @@ static const option options[] = {
      0, 1, NULL, "share of the optimizer state offloaded (below 1: stage 3 only)"},
     {"zero_optimization.offload_param.device", NULL, OPT_CHOICE, STR(zero_extra.offload_param),
      "none", 0, 0, "none|cpu|nvme",
-     "stage 3 weights: cpu = in RAM, where they are (nvme is refused)"},
+     "stage 3 weights: cpu = in RAM, where they are; nvme = in offload_optimizer's file"},
     {"zero_optimization.offload_param.nvme_path", NULL, OPT_STRING, STR(zero_extra.param_nvme_path),
-     "", 0, 0, NULL, "NVMe offload (refused)"},
+     "", 0, 0, NULL, "NVMe offload of the weights: offload_optimizer.nvme_path's (or empty)"},
     {"zero_optimization.offload_param.buffer_count", NULL, OPT_INT,
-     NUM(zero_extra.param_buffer_count), "5", 0, 1 << 20, NULL, "NVMe offload (refused)"},
+     NUM(zero_extra.param_buffer_count), "5", 0, 1 << 20, NULL,
+     "NVMe weight buffers: stage 3's ring instead (the default only)"},
     {"zero_optimization.offload_param.buffer_size", NULL, OPT_FLOAT,
-     NUM(zero_extra.param_buffer_size), "1e8", 0, 1e15, NULL, "NVMe offload (refused)"},
+     NUM(zero_extra.param_buffer_size), "1e8", 0, 1e15, NULL,
+     "NVMe weight buffers: stage 3's ring instead (the default only)"},
     {"zero_optimization.offload_param.max_in_cpu", NULL, OPT_FLOAT,
-     NUM(zero_extra.param_max_in_cpu), "1e9", 0, 1e15, NULL, "NVMe offload (refused)"},
+     NUM(zero_extra.param_max_in_cpu), "1e9", 0, 1e15, NULL,
+     "weights kept in RAM under NVMe offload: stage 3's ring instead (the default only)"},
     {"zero_optimization.offload_param.pin_memory", NULL, OPT_BOOL, NUM(zero_extra.param_pin_memory),
      "false", 0, 0, NULL,
      "offloaded weights in page-locked memory: no device copies here, either value"},
@@ -993,11 +996,6 @@ static void deprecated_offload(fl_train_config *cfg, const char *old, int on, co
 static void check_offload(const fl_train_config *cfg, const char *block, const char *device,
                           const char *const *nvme_keys, size_t n_nvme) {
     char key[128];
-    int is_param = !strcmp(block, "offload_param");
-    if (!strcmp(device, "nvme") && is_param)
-        fl_die(ZERO "offload_param.device nvme: NVMe offload of the weights is not supported yet; "
-                    "use offload_optimizer.device nvme (the fp32 master and optimizer state, 12 "
-                    "of the 16 bytes per parameter of mixed-precision AdamW), or cpu");
     for (size_t i = 0; i < n_nvme && strcmp(device, "nvme"); i++) {
         snprintf(key, sizeof key, ZERO "%s.%s", block, nvme_keys[i]);
         if (given(cfg, key))
@@ -1006,6 +1004,36 @@ static void check_offload(const fl_train_config *cfg, const char *block, const c
     snprintf(key, sizeof key, ZERO "%s.pin_memory", block);
     if (given(cfg, key) && !strcmp(device, "none"))
         fl_die("%s applies to an offload (device cpu or nvme); %s.device is none", key, block);
+}
+
+// NVMe offload of ZeRO-3's weights: they go in the optimizer's file, which
+// the step updates chunk by chunk, so the optimizer is offloaded too; the
+// gathered weights live in stage 3's own buffers.
+static void check_nvme_params(fl_train_config *cfg) {
+    const fl_zero_extra *x = &cfg->zero_extra;
+    if (strcmp(x->offload_optimizer, "nvme"))
+        fl_die(ZERO "offload_param.device nvme needs offload_optimizer.device nvme: fitlm keeps "
+                    "the weights in the optimizer's NVMe file, where each step's update writes "
+                    "them (offload_optimizer.device is %s)",
+               x->offload_optimizer);
+    if (*x->param_nvme_path && strcmp(x->param_nvme_path, x->opt_nvme_path))
+        fl_die(ZERO "offload_param.nvme_path %s differs from offload_optimizer.nvme_path %s: "
+                    "fitlm keeps the weights in the optimizer's file (give the same directory, "
+                    "or leave offload_param.nvme_path out)",
+               x->param_nvme_path, x->opt_nvme_path);
+    const struct {
+        const char *key;
+        double value, def;
+    } keys[] = {{"buffer_count", x->param_buffer_count, 5},
+                {"buffer_size", x->param_buffer_size, 1e8},
+                {"max_in_cpu", x->param_max_in_cpu, 1e9}};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (keys[i].value != keys[i].def)
+            fl_die(ZERO "offload_param.%s %g: the weights gathered from the file live in stage "
+                        "3's buffers, sized by stage3_prefetch_bucket_size and "
+                        "stage3_max_live_parameters (DeepSpeed's default %g is accepted)",
+                   keys[i].key, keys[i].value, keys[i].def);
+    cfg->zero.offload_params = 1;
 }
 
 // NVMe offload of the optimizer: what it pages and where.
@@ -1054,6 +1082,8 @@ static void finish_offload(fl_train_config *cfg) {
         fl_die(ZERO "offload_optimizer.ratio applies to an offload (device cpu or nvme); "
                     "offload_optimizer.device is none");
     if (!strcmp(x->offload_optimizer, "nvme")) check_nvme_optimizer(cfg);
+    cfg->zero.offload_params = 0;
+    if (!strcmp(x->offload_param, "nvme") && stage == 3) check_nvme_params(cfg);
     if (x->opt_ratio < 1.0f && stage != 3)
         fl_die(ZERO "offload_optimizer.ratio %g: a partial offload needs ZeRO stage 3 (as "
                     "DeepSpeed); zero_optimization.stage is %d",

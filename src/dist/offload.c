@@ -1,7 +1,8 @@
-// offload.c: the optimizer's master weights and state paged from a scratch
-// file (offload.h). The file holds each tensor (master, then the rule's
-// state tensors) in a region of its own, padded to whole 4 KiB pages;
-// chunk c is the same element range of every tensor. Buffers cache chunks:
+// offload.c: the optimizer's master weights and state (and under
+// offload_param the weights) paged from a scratch file (offload.h). The
+// file holds each tensor (master, the rule's state tensors, the weights) in
+// a region of its own, padded to whole 4 KiB pages; chunk c is the same
+// element range of every tensor. Buffers cache chunks:
 // acquiring a chunk already in a buffer costs no read. I/O runs on
 // thread_count threads, each owning an io_uring ring: the step's thread
 // queues requests (block_size bytes each) and waits only for the chunk it
@@ -22,7 +23,8 @@
 
 #include "fitlm/comm.h"
 
-enum { PAGE = 4096, PAGE_FLOATS = PAGE / 4, MAX_THREADS = 64 };
+// chunks and tensors start on whole pages, 2-byte weights' too
+enum { PAGE = 4096, GRANULE = PAGE / 2, MAX_THREADS = 64, MAX_TENSORS = FL_OPTIM_MAX_TENSORS + 1 };
 
 typedef struct request {
     struct request *next;
@@ -34,8 +36,21 @@ typedef struct request {
 typedef struct {
     int chunk;      // held (valid once its read landed), or -1
     int pending;    // requests queued or in flight
+    int writing;    // they are a write-back
     uint64_t stamp; // last use, for eviction
 } buffer;
+
+// Where the tensors are: the fp32 ones (master, state), then with paged
+// weights the model's weights (of their dtype); in the file, each in a
+// region of `padded` elements; in a buffer, each in `chunk` elements.
+typedef struct {
+    int n, weights;           // tensors; whether the last is the weights
+    size_t size[MAX_TENSORS]; // bytes per element
+    size_t chunk, padded;     // elements
+    size_t file_at[MAX_TENSORS], buf_at[MAX_TENSORS];
+    size_t file_bytes, stride; // the file; one buffer
+    size_t requests;           // one chunk's transfer, in block_size requests
+} layout;
 
 typedef struct {
     struct io_uring ring;
@@ -50,10 +65,12 @@ struct fl_offload {
     fl_optim_pager pager;
     char path[FL_PATH_MAX + 64];
     int fd, direct;
-    size_t begin, numel, padded, chunk; // elements: the range, per tensor in the file, per chunk
-    int ntensors, n_chunks;
-    char *raw;      // FL_MEM_OFFLOAD: the buffers, page-aligned inside
-    float *buffers; // buffer_count x ntensors x chunk floats
+    int fd_buffered;     // the same file without O_DIRECT: reads of any range of the weights
+    size_t begin, numel; // the range of the flat buffer
+    layout y;
+    int n_chunks;
+    char *raw;     // FL_MEM_OFFLOAD: the buffers, page-aligned inside
+    char *buffers; // buffer_count x y.stride bytes
     buffer *buf;
     int active; // the buffer acquired, or -1
     uint64_t clock;
@@ -62,8 +79,7 @@ struct fl_offload {
     pthread_mutex_t lock;
     pthread_cond_t work, done;
     request *head, *tail;
-    request *reqs; // per buffer, requests_per_buffer of them
-    size_t per_buffer;
+    request *reqs; // per buffer, y.requests of them
     int stop;
     int error; // errno of the first failed request (EIO for a short one)
     char error_what[160];
@@ -98,35 +114,44 @@ fl_offload_config fl_offload_config_of(const fl_train_config *cfg) {
 }
 
 size_t fl_offload_chunk(const fl_offload_config *cfg, size_t numel) {
-    double want = cfg->chunk < PAGE_FLOATS ? PAGE_FLOATS : cfg->chunk;
+    double want = cfg->chunk < GRANULE ? GRANULE : cfg->chunk;
     size_t c = want >= (double)numel ? numel : (size_t)want;
-    c = round_up(c ? c : 1, PAGE_FLOATS);
-    return c;
-}
-
-static size_t buffers_bytes(const fl_offload_config *cfg, size_t chunk, int ntensors) {
-    return (size_t)cfg->buffer_count * (size_t)ntensors * chunk * sizeof(float) + PAGE;
+    return round_up(c ? c : 1, GRANULE);
 }
 
 static size_t block_bytes(const fl_offload_config *cfg) {
     return round_up((size_t)cfg->block_size, PAGE);
 }
 
-// The requests one chunk's transfer takes.
-static size_t requests_per_buffer(const fl_offload_config *cfg, size_t chunk, int ntensors) {
+static void layout_of(const fl_offload_config *cfg, size_t numel, int nf32, size_t weight_size,
+                      layout *y) {
+    memset(y, 0, sizeof *y);
+    y->weights = weight_size > 0;
+    y->n = nf32 + y->weights;
+    FL_ASSERT(y->n >= 1 && y->n <= MAX_TENSORS);
+    y->chunk = fl_offload_chunk(cfg, numel ? numel : 1);
+    y->padded = round_up(numel ? numel : 1, GRANULE);
     size_t block = block_bytes(cfg);
-    return (size_t)ntensors * ((chunk * sizeof(float) + block - 1) / block);
+    for (int k = 0; k < y->n; k++) {
+        y->size[k] = k < nf32 ? sizeof(float) : weight_size;
+        y->file_at[k] = y->file_bytes;
+        y->buf_at[k] = y->stride;
+        y->file_bytes += y->padded * y->size[k];
+        y->stride += y->chunk * y->size[k];
+        y->requests += (y->chunk * y->size[k] + block - 1) / block;
+    }
 }
 
-void fl_offload_memory(const fl_offload_config *cfg, size_t numel, int ntensors,
+void fl_offload_memory(const fl_offload_config *cfg, size_t numel, int ntensors, size_t weight_size,
                        size_t bytes[FL_MEM_NTAGS], size_t *disk) {
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
-    size_t chunk = fl_offload_chunk(cfg, numel);
-    bytes[FL_MEM_OFFLOAD] = buffers_bytes(cfg, chunk, ntensors);
+    layout y;
+    layout_of(cfg, numel, ntensors, weight_size, &y);
+    size_t nbuf = (size_t)cfg->buffer_count;
+    bytes[FL_MEM_OFFLOAD] = nbuf * y.stride + PAGE;
     bytes[FL_MEM_OTHER] =
-        sizeof(fl_offload) + (size_t)cfg->buffer_count * sizeof(buffer) +
-        (size_t)cfg->buffer_count * requests_per_buffer(cfg, chunk, ntensors) * sizeof(request);
-    *disk = (size_t)ntensors * round_up(numel, PAGE_FLOATS) * sizeof(float);
+        sizeof(fl_offload) + nbuf * (sizeof(buffer) + y.requests * sizeof(request));
+    *disk = y.file_bytes;
 }
 
 void fl_offload_check_path(const char *key, const char *dir, size_t disk) {
@@ -233,17 +258,21 @@ static void *io_main(void *arg) {
 }
 
 // Queues the transfer of chunk c between the file and buffer b, tensor by
-// tensor, in block_size requests.
-static void start_io(fl_offload *f, int b, int c, int write) {
-    size_t lo = (size_t)c * f->chunk, n = f->numel - lo < f->chunk ? f->numel - lo : f->chunk;
-    size_t bytes = round_up(n, PAGE_FLOATS) * sizeof(float), block = block_bytes(&f->cfg);
-    request *next = f->reqs + (size_t)b * f->per_buffer;
+// tensor (only tensor `only` when >= 0), in block_size requests.
+static void start_io(fl_offload *f, int b, int c, int write, int only) {
+    const layout *y = &f->y;
+    size_t lo = (size_t)c * y->chunk, n = f->numel - lo < y->chunk ? f->numel - lo : y->chunk;
+    size_t block = block_bytes(&f->cfg);
+    request *next = f->reqs + (size_t)b * y->requests;
     pthread_mutex_lock(&f->lock);
     FL_ASSERT(f->buf[b].pending == 0);
     f->buf[b].chunk = c;
-    for (int k = 0; k < f->ntensors; k++) {
-        char *addr = (char *)(f->buffers + ((size_t)b * f->ntensors + k) * f->chunk);
-        size_t at = ((size_t)k * f->padded + lo) * sizeof(float);
+    f->buf[b].writing = write;
+    for (int k = 0; k < y->n; k++) {
+        if (only >= 0 && k != only) continue;
+        size_t bytes = round_up(n, GRANULE) * y->size[k];
+        char *addr = f->buffers + (size_t)b * y->stride + y->buf_at[k];
+        size_t at = y->file_at[k] + lo * y->size[k];
         for (size_t s = 0; s < bytes; s += block) {
             request *r = next++;
             *r = (request){NULL, write, b, at + s, bytes - s < block ? bytes - s : block, addr + s};
@@ -259,23 +288,25 @@ static void start_io(fl_offload *f, int b, int c, int write) {
     pthread_mutex_unlock(&f->lock);
 }
 
-// Waits for buffer b's transfers (every buffer's with b = -1).
+// Waits for buffer b's transfers (every buffer's with b = -1, every
+// write-back with b = -2).
 static void wait_buffer(fl_offload *f, int b) {
     double t0 = now_s();
     pthread_mutex_lock(&f->lock);
     for (;;) {
         int busy = 0;
         for (int i = 0; i < f->cfg.buffer_count; i++)
-            if ((b < 0 || i == b) && f->buf[i].pending) busy = 1;
+            if ((b == -1 || i == b || (b == -2 && f->buf[i].writing)) && f->buf[i].pending)
+                busy = 1;
         if (!busy || f->error) break;
         pthread_cond_wait(&f->done, &f->lock);
     }
     int err = f->error;
+    f->stats.wait_s += now_s() - t0;
     pthread_mutex_unlock(&f->lock);
     if (err)
         fl_die("NVMe offload file %s: %s failed: %s", f->path, f->error_what,
                err == EIO ? "I/O error or end of file (was the file truncated?)" : strerror(err));
-    f->stats.wait_s += now_s() - t0;
 }
 
 static int idle(fl_offload *f, int b) {
@@ -283,6 +314,10 @@ static int idle(fl_offload *f, int b) {
     int p = f->buf[b].pending;
     pthread_mutex_unlock(&f->lock);
     return p == 0;
+}
+
+static void forget_buffers(fl_offload *f) {
+    for (int b = 0; b < f->cfg.buffer_count; b++) f->buf[b] = (buffer){-1, 0, 0, 0};
 }
 
 // ----------------------------------------------------------------------------
@@ -305,19 +340,23 @@ static int victim(fl_offload *f, int only_idle) {
     return best;
 }
 
-static void tensors_of(fl_offload *f, int b, float **t) {
-    for (int k = 0; k < f->ntensors; k++)
-        t[k] = f->buffers + ((size_t)b * f->ntensors + k) * f->chunk;
+// Buffer b's fp32 tensors, and its weights (NULL when they are not paged).
+static void tensors_of(fl_offload *f, int b, float **t, void **weights) {
+    const layout *y = &f->y;
+    char *base = f->buffers + (size_t)b * y->stride;
+    for (int k = 0; k < y->n - y->weights; k++) t[k] = (float *)(void *)(base + y->buf_at[k]);
+    *weights = y->weights ? base + y->buf_at[y->n - 1] : NULL;
 }
 
-static void pager_acquire(void *ctx, int c, size_t *lo, size_t *hi, float **tensors) {
+static void pager_acquire(void *ctx, int c, size_t *lo, size_t *hi, float **tensors,
+                          void **weights) {
     fl_offload *f = ctx;
     FL_ASSERT(f->active < 0 && c >= 0 && c < f->n_chunks);
     int b = holding(f, c);
     if (b < 0) {
         b = victim(f, 0);
         wait_buffer(f, b); // its write-back
-        start_io(f, b, c, 0);
+        start_io(f, b, c, 0, -1);
     }
     wait_buffer(f, b);
     f->active = b;
@@ -332,12 +371,12 @@ static void pager_acquire(void *ctx, int c, size_t *lo, size_t *hi, float **tens
         int v = victim(f, 1);
         if (v < 0 || f->buf[v].stamp == f->clock) break;
         f->buf[v].stamp = f->clock;
-        start_io(f, v, n, 0);
+        start_io(f, v, n, 0, -1);
     }
-    *lo = f->begin + (size_t)c * f->chunk;
-    *hi = f->begin +
-          (f->numel - (size_t)c * f->chunk < f->chunk ? f->numel : (size_t)(c + 1) * f->chunk);
-    tensors_of(f, b, tensors);
+    size_t chunk = f->y.chunk, first = (size_t)c * chunk;
+    *lo = f->begin + first;
+    *hi = f->begin + (f->numel - first < chunk ? f->numel : first + chunk);
+    tensors_of(f, b, tensors, weights);
 }
 
 static void pager_release(void *ctx, int c) {
@@ -345,15 +384,15 @@ static void pager_release(void *ctx, int c) {
     int b = f->active;
     FL_ASSERT(b >= 0 && f->buf[b].chunk == c);
     f->active = -1;
-    start_io(f, b, c, 1);
+    start_io(f, b, c, 1, -1);
     if (!f->cfg.pipeline_write) wait_buffer(f, b);
 }
 
-static void pager_map(void *ctx, float **tensors) {
+static void pager_map(void *ctx, float **tensors, void **weights) {
     fl_offload *f = ctx;
     FL_ASSERT(!f->map && f->active < 0);
     wait_buffer(f, -1);
-    size_t bytes = (size_t)f->ntensors * f->padded * sizeof(float);
+    size_t bytes = f->y.file_bytes;
     f->map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd, 0);
     if (f->map == MAP_FAILED) {
         f->map = NULL;
@@ -361,19 +400,20 @@ static void pager_map(void *ctx, float **tensors) {
                strerror(errno));
     }
     madvise(f->map, bytes, MADV_SEQUENTIAL);
-    for (int k = 0; k < f->ntensors; k++) tensors[k] = (float *)f->map + (size_t)k * f->padded;
+    for (int k = 0; k < f->y.n - f->y.weights; k++)
+        tensors[k] = (float *)(void *)((char *)f->map + f->y.file_at[k]);
+    *weights = f->y.weights ? (char *)f->map + f->y.file_at[f->y.n - 1] : NULL;
 }
 
 static void pager_unmap(void *ctx) {
     fl_offload *f = ctx;
-    size_t bytes = (size_t)f->ntensors * f->padded * sizeof(float);
+    size_t bytes = f->y.file_bytes;
     if (msync(f->map, bytes, MS_SYNC) != 0)
         fl_die("NVMe offload file %s: writing back the mapped state failed: %s", f->path,
                strerror(errno));
     munmap(f->map, bytes);
     f->map = NULL;
-    // what the mapping wrote is newer than what the buffers hold
-    for (int b = 0; b < f->cfg.buffer_count; b++) f->buf[b] = (buffer){-1, 0, 0};
+    forget_buffers(f); // what the mapping wrote is newer than what they hold
 }
 
 // ----------------------------------------------------------------------------
@@ -391,34 +431,89 @@ static void open_file(fl_offload *f) {
     if (f->fd < 0)
         fl_die("zero_optimization.offload_optimizer.nvme_path: cannot create %s: %s", f->path,
                strerror(errno));
+    // reads of any range of the weights go through the page cache
+    char self[64];
+    snprintf(self, sizeof self, "/proc/self/fd/%d", f->fd);
+    f->fd_buffered = open(self, O_RDONLY);
+    if (f->fd_buffered < 0) fl_die("NVMe offload: cannot reopen %s: %s", f->path, strerror(errno));
     unlink(f->path); // scratch: gone with the process, however it ends
-    size_t bytes = (size_t)f->ntensors * f->padded * sizeof(float);
+    size_t bytes = f->y.file_bytes;
     int rc = posix_fallocate(f->fd, 0, (off_t)bytes);
     if (rc != 0)
         fl_die("zero_optimization.offload_optimizer.nvme_path: cannot reserve %.2f GB for %s: %s",
                bytes / 1e9, f->path, strerror(rc));
 }
 
-// The file's first contents: the master from the weights, the state zeros.
-static void fill_file(fl_offload *f, int has_master) {
-    fl_optimizer *o = f->o;
+// Writes each chunk of the file (only tensor `only` when >= 0) from what
+// fill(ctx, chunk first element, count, tensors, weights) puts in a zeroed buffer.
+static void write_chunks(fl_offload *f, int only,
+                         void (*fill)(fl_offload *f, size_t first, size_t n, float **t, void *w,
+                                      const void *arg),
+                         const void *arg) {
+    wait_buffer(f, -1);
+    forget_buffers(f);
+    size_t chunk = f->y.chunk;
     for (int c = 0; c < f->n_chunks; c++) {
         int b = c % f->cfg.buffer_count;
         wait_buffer(f, b);
         float *t[FL_OPTIM_MAX_TENSORS];
-        tensors_of(f, b, t);
-        size_t lo = (size_t)c * f->chunk, n = f->numel - lo < f->chunk ? f->numel - lo : f->chunk;
-        for (int k = 0; k < f->ntensors; k++) memset(t[k], 0, f->chunk * sizeof(float));
-        if (has_master)
-            fl_convert(FL_F32, t[0], o->dtype,
-                       fl_at(o->dtype, o->params, f->begin + lo - o->params_first), n);
-        start_io(f, b, c, 1);
+        void *w;
+        tensors_of(f, b, t, &w);
+        memset(f->buffers + (size_t)b * f->y.stride, 0, f->y.stride);
+        size_t first = (size_t)c * chunk, n = f->numel - first < chunk ? f->numel - first : chunk;
+        fill(f, first, n, t, w, arg);
+        start_io(f, b, c, 1, only);
     }
     wait_buffer(f, -1);
-    for (int b = 0; b < f->cfg.buffer_count; b++) f->buf[b] = (buffer){-1, 0, 0};
+    forget_buffers(f); // a partial write leaves no buffer a whole chunk
 }
 
-fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg) {
+// The file's first contents: the master (and paged weights) from the
+// optimizer's weights, the state zeros.
+static void fill_start(fl_offload *f, size_t first, size_t n, float **t, void *w, const void *arg) {
+    (void)arg;
+    const fl_optimizer *o = f->o;
+    const void *src = fl_at_const(o->dtype, o->params, f->begin + first - o->params_first);
+    if (o->dtype != FL_F32) fl_convert(FL_F32, t[0], o->dtype, src, n); // the master
+    if (w) memcpy(w, src, n * fl_dtype_size(o->dtype));
+}
+
+static void fill_weights(fl_offload *f, size_t first, size_t n, float **t, void *w,
+                         const void *arg) {
+    (void)t;
+    size_t D = f->y.size[f->y.n - 1];
+    memcpy(w, (const char *)arg + first * D, n * D);
+}
+
+void fl_offload_write_weights(fl_offload *f, const void *src) {
+    FL_ASSERT(f->y.weights && f->active < 0 && !f->map);
+    write_chunks(f, f->y.n - 1, fill_weights, src);
+}
+
+void fl_offload_read_weights(fl_offload *f, size_t first, size_t n, void *dst) {
+    FL_ASSERT(f->y.weights && first >= f->begin && first + n <= f->begin + f->numel);
+    wait_buffer(f, -2); // the last step's new weights are on disk
+    double t0 = now_s();
+    size_t D = f->y.size[f->y.n - 1], bytes = n * D, done = 0;
+    off_t at = (off_t)(f->y.file_at[f->y.n - 1] + (first - f->begin) * D);
+    while (done < bytes) {
+        ssize_t got = pread(f->fd_buffered, (char *)dst + done, bytes - done, at + (off_t)done);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0)
+            fl_die("NVMe offload file %s: read of %zu bytes of weights at offset %lld %s", f->path,
+                   bytes, (long long)at,
+                   got < 0 ? strerror(errno) : "ended early (was the file truncated?)");
+        done += (size_t)got;
+    }
+    // the page cache need not keep what RAM is meant not to hold
+    posix_fadvise(f->fd_buffered, at, (off_t)bytes, POSIX_FADV_DONTNEED);
+    pthread_mutex_lock(&f->lock);
+    f->stats.bytes_read += bytes;
+    f->stats.weights_s += now_s() - t0;
+    pthread_mutex_unlock(&f->lock);
+}
+
+fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg, int weights) {
     FL_ASSERT(o->cfg.paged && !o->pager);
     FL_ASSERT(cfg->buffer_count >= 1 && cfg->queue_depth >= 1 && cfg->block_size >= 1);
     FL_ASSERT(cfg->thread_count >= 1 && cfg->thread_count <= MAX_THREADS);
@@ -428,18 +523,16 @@ fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg) 
     f->o = o;
     f->begin = o->rule->state_begin;
     f->numel = o->rule->state_end - f->begin;
-    f->ntensors = fl_optimizer_paged_tensors(&o->cfg, o->dtype);
-    FL_ASSERT(f->ntensors >= 1 && f->ntensors <= FL_OPTIM_MAX_TENSORS);
-    f->padded = round_up(f->numel ? f->numel : 1, PAGE_FLOATS);
-    f->chunk = fl_offload_chunk(cfg, f->numel ? f->numel : 1);
-    f->n_chunks = f->numel ? (int)((f->numel + f->chunk - 1) / f->chunk) : 0;
+    layout_of(cfg, f->numel, fl_optimizer_paged_tensors(&o->cfg, o->dtype),
+              weights ? fl_dtype_size(o->dtype) : 0, &f->y);
+    f->n_chunks = f->numel ? (int)((f->numel + f->y.chunk - 1) / f->y.chunk) : 0;
     f->active = -1;
-    f->raw = fl_alloc(FL_MEM_OFFLOAD, buffers_bytes(cfg, f->chunk, f->ntensors));
-    f->buffers = (float *)(f->raw + (PAGE - (uintptr_t)f->raw % PAGE) % PAGE);
-    f->buf = fl_alloc(FL_MEM_OTHER, (size_t)cfg->buffer_count * sizeof(buffer));
-    f->per_buffer = requests_per_buffer(cfg, f->chunk, f->ntensors);
-    f->reqs = fl_alloc(FL_MEM_OTHER, (size_t)cfg->buffer_count * f->per_buffer * sizeof(request));
-    for (int b = 0; b < cfg->buffer_count; b++) f->buf[b] = (buffer){-1, 0, 0};
+    size_t nbuf = (size_t)cfg->buffer_count;
+    f->raw = fl_alloc(FL_MEM_OFFLOAD, nbuf * f->y.stride + PAGE);
+    f->buffers = f->raw + (PAGE - (uintptr_t)f->raw % PAGE) % PAGE;
+    f->buf = fl_alloc(FL_MEM_OTHER, nbuf * sizeof(buffer));
+    f->reqs = fl_alloc(FL_MEM_OTHER, nbuf * f->y.requests * sizeof(request));
+    forget_buffers(f);
     pthread_mutex_init(&f->lock, NULL);
     pthread_cond_init(&f->work, NULL);
     pthread_cond_init(&f->done, NULL);
@@ -456,10 +549,10 @@ fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg) 
             fl_die("NVMe offload: cannot start an I/O thread");
     }
     pthread_mutex_unlock(&f->lock);
-    fill_file(f, o->dtype != FL_F32); // mixed precision: a master first
+    write_chunks(f, -1, fill_start, NULL);
     memset(&f->stats, 0, sizeof f->stats);
-    f->pager =
-        (fl_optim_pager){f, f->n_chunks, pager_acquire, pager_release, pager_map, pager_unmap};
+    f->pager = (fl_optim_pager){f,         f->n_chunks, weights, pager_acquire, pager_release,
+                                pager_map, pager_unmap};
     o->pager = &f->pager;
     return f;
 }
@@ -476,6 +569,7 @@ void fl_offload_free(fl_offload *f) {
         io_uring_queue_exit(&f->threads[i].ring);
     }
     close(f->fd);
+    close(f->fd_buffered);
     fl_free(f->reqs);
     if (f->o->pager == &f->pager) f->o->pager = NULL;
     pthread_mutex_destroy(&f->lock);

@@ -81,7 +81,8 @@ struct fl_dist {
     int n_fly;
     fl_optim_sync sync;
     // stage 3
-    void *pshard;
+    void *pshard;        // this rank's weights, or NULL when they are in pstore
+    fl_offload *pstore;  // offload_params: the NVMe offload file holding them
     int L, n_units;      // units -1..L stored at index u + 1
     size_t *u_lo, *u_hi; // each unit's range of the flat buffer
     int *resident;       // kept for the whole step, in its own buffer
@@ -358,11 +359,20 @@ static const float *sync_reduce_rows(void *ctx, int first, int n, const void *gr
 // ----------------------------------------------------------------------------
 // stage 3: gathering units
 
+// This rank's part of [a, b) (split() done) as the send buffer of a gather
+// into buf: in the shard, or read from the offload file into its place in buf.
+static const void *own_part(fl_dist *d, size_t a, void *buf) {
+    size_t n = d->counts[d->rank], x = max_sz(a, d->begin);
+    if (!n) return buf;
+    if (!d->pstore) return fl_at(d->dt, d->pshard, x - d->begin);
+    void *at = fl_at(d->dt, buf, d->displs[d->rank]);
+    FL_PROFILE(FL_OP_OFFLOAD, FL_STEP, 0.0, fl_offload_read_weights(d->pstore, x, n, at));
+    return at;
+}
+
 static fl_comm_req start_gather(fl_dist *d, int ui, void *buf) {
-    size_t a = d->u_lo[ui], b = d->u_hi[ui];
-    split(d, a, b);
-    size_t x = max_sz(a, d->begin);
-    const void *send = d->counts[d->rank] ? fl_at(d->dt, d->pshard, x - d->begin) : buf;
+    split(d, d->u_lo[ui], d->u_hi[ui]);
+    const void *send = own_part(d, d->u_lo[ui], buf);
     return fl_comm_iallgather(d->dt, send, buf, d->counts, d->displs);
 }
 
@@ -583,8 +593,13 @@ static void setup_stage3(fl_dist *d) {
         d->ring_req[i] = -1;
     }
     // keep only this rank's shard of the weights: the model's own, when it
-    // was initialised as that shard (fl_model_init_shard)
-    if (fl_model_sharded(m)) {
+    // was initialised as that shard (fl_model_init_shard); or none in RAM,
+    // handed to the offload file
+    if (d->pstore) {
+        const void *shard = fl_at(d->dt, m->params, d->begin - m->params_begin);
+        fl_offload_write_weights(d->pstore, shard);
+        fl_free(m->params);
+    } else if (fl_model_sharded(m)) {
         if (m->params_begin != d->begin || m->params_end != d->end)
             fl_die("internal: the model holds [%zu, %zu), not this rank's shard [%zu, %zu)",
                    m->params_begin, m->params_end, d->begin, d->end);
@@ -596,7 +611,7 @@ static void setup_stage3(fl_dist *d) {
     }
     m->params = NULL;
     for (int r = 0; r < m->table.count; r++) m->wp[r] = NULL; // bound when gathered
-    d->o->params = d->pshard;
+    d->o->params = d->pshard; // paged: the pager binds a chunk's at a time
     d->o->params_first = d->begin;
 }
 
@@ -621,7 +636,7 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
     if (cfg->stage == 3) {
         layout3 y;
         stage3_layout(&y, t, n_layer, cfg);
-        bytes[FL_MEM_PARAMS] += y.resident_total * D + (end - begin) * D;
+        bytes[FL_MEM_PARAMS] += y.resident_total * D + (cfg->offload_params ? 0 : end - begin) * D;
         bytes[FL_MEM_COMM] += (size_t)y.n_ring * y.ring_size * D;
         // per unit: its range, residency, validity and own buffer
         bytes[FL_MEM_OTHER] +=
@@ -631,8 +646,11 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
     }
 }
 
-fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg) {
+fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg,
+                        fl_offload *store) {
     check_supported(m, o, cfg);
+    if (cfg->offload_params && (cfg->stage != 3 || !store || !o->pager || !o->pager->weights))
+        fl_die("internal: offload_params needs stage 3 and an NVMe offload with paged weights");
     fl_dist *d = fl_alloc(FL_MEM_OTHER, sizeof *d);
     memset(d, 0, sizeof *d);
     d->cfg = *cfg;
@@ -672,6 +690,7 @@ fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg)
     if (d->stage > 0 && !cfg->fused_units)
         for (int i = 0; i < 2; i++) d->bucket[i] = fl_alloc(FL_MEM_COMM, d->cap * sizeof(float));
     d->micro_first = 1;
+    d->pstore = cfg->offload_params ? store : NULL;
     if (d->stage == 3) setup_stage3(d);
     d->sync = (fl_optim_sync){
         d, sync_grads, sync_sum, sync_max, sync_updated, d->stage == 0, sync_reduce_rows};
@@ -719,7 +738,5 @@ void fl_dist_gather_row(fl_dist *d, int row, void *out) {
     }
     size_t a = v->offset, b = a + v->numel;
     split(d, a, b);
-    size_t x = max_sz(a, d->begin);
-    const void *send = d->counts[d->rank] ? fl_at(d->dt, d->pshard, x - d->begin) : out;
-    fl_comm_wait(fl_comm_iallgather(d->dt, send, out, d->counts, d->displs));
+    fl_comm_wait(fl_comm_iallgather(d->dt, own_part(d, a, out), out, d->counts, d->displs));
 }

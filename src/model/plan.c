@@ -178,11 +178,12 @@ static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
     fl_optimizer_memory_table(&o, r->dtype, &t, begin, end, opt);
     if (o.paged) { // NVMe offload: chunk buffers in RAM, the rest on disk
         size_t pb[FL_MEM_NTAGS];
-        fl_offload_memory(&r->offload, end - begin, fl_optimizer_paged_tensors(&o, r->dtype), pb,
-                          disk);
+        fl_offload_memory(&r->offload, end - begin, fl_optimizer_paged_tensors(&o, r->dtype),
+                          z.offload_params ? fl_dtype_size(r->dtype) : 0, pb, disk);
         for (int k = 0; k < FL_MEM_NTAGS; k++) opt[k] += pb[k];
         o.paged = 0;
         fl_optimizer_memory_table(&o, r->dtype, &t, begin, end, unpaged);
+        if (z.offload_params) unpaged[FL_MEM_PARAMS] = (end - begin) * fl_dtype_size(r->dtype);
     }
     // the optimizer's whole fp32 gradient sum (16-bit weights, accumulation)
     int accum_buffer = opt[FL_MEM_GRADS] != 0;
@@ -385,6 +386,10 @@ static const char *human(size_t bytes, char *buf, size_t size) {
     return buf;
 }
 
+size_t fl_plan_offloaded(const fl_plan *p) {
+    return p->unpaged[FL_MEM_MASTER] + p->unpaged[FL_MEM_OPTIM] + p->unpaged[FL_MEM_PARAMS];
+}
+
 void fl_plan_print(const fl_plan *p, FILE *out) {
     fprintf(out, "%-14s %16s %12s %10s\n", "tag (per rank)", "bytes", "MiB", "GiB");
     for (int t = 0; t < FL_MEM_NTAGS; t++)
@@ -413,11 +418,12 @@ void fl_plan_print(const fl_plan *p, FILE *out) {
                 100.0 * ((double)p->model_states - (double)p->formula_model_states) /
                     (double)p->formula_model_states);
     if (p->disk) {
-        size_t moved = p->unpaged[FL_MEM_MASTER] + p->unpaged[FL_MEM_OPTIM];
+        size_t moved = fl_plan_offloaded(p);
         fprintf(out,
-                "NVMe offload: %zu bytes (%.2f GB) of master weights and optimizer state on disk "
-                "under %s; without offload they would add %.2f GiB of RAM (total %.2f GiB)\n",
-                p->disk, p->disk / 1e9, p->disk_dir, moved / 1073741824.0,
+                "NVMe offload: %zu bytes (%.2f GB) of master weights and optimizer state%s on "
+                "disk under %s; without offload they would add %.2f GiB of RAM (total %.2f GiB)\n",
+                p->disk, p->disk / 1e9, p->unpaged[FL_MEM_PARAMS] ? " and weights" : "",
+                p->disk_dir, moved / 1073741824.0,
                 (p->total - p->bytes[FL_MEM_OFFLOAD] + moved) / 1073741824.0);
     }
     if (p->runnable)

@@ -157,14 +157,19 @@ void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const 
     fl_optimizer_update_rows_clip(o, first_row, n_rows, grads, grads_dtype, grad_scale, 1.0f);
 }
 
-// Points the master and the rule's state at memory holding flat element
-// `begin` on (tensors as the pager orders them), or at nothing (NULL).
-static void bind_window(fl_optimizer *o, size_t begin, float *const *tensors) {
+// Points the master and the rule's state (and paged weights) at memory
+// holding flat element `begin` on (tensors as the pager orders them), or at
+// nothing (tensors NULL).
+static void bind_window(fl_optimizer *o, size_t begin, float *const *tensors, void *weights) {
     float *t[FL_OPTIM_MAX_TENSORS] = {0};
     int n = fl_optimizer_paged_tensors(&o->cfg, o->dtype), m = has_master(&o->cfg, o->dtype);
     for (int k = 0; tensors && k < n; k++) t[k] = tensors[k];
     o->master = m ? t[0] : NULL;
     fl_optim_set_window(o->rule, tensors ? begin : o->rule->state_begin, t + m);
+    if (o->pager->weights) {
+        o->params = weights;
+        o->params_first = tensors ? begin : o->rule->state_begin;
+    }
 }
 
 // The update of the rows' elements inside [lo, hi).
@@ -221,12 +226,13 @@ void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const
     for (int c = 0; c < p->n_chunks; c++) {
         size_t lo, hi;
         float *t[FL_OPTIM_MAX_TENSORS];
-        p->acquire(p->ctx, c, &lo, &hi, t);
-        bind_window(o, lo, t);
+        void *w;
+        p->acquire(p->ctx, c, &lo, &hi, t, &w);
+        bind_window(o, lo, t, w);
         if (lo < b && hi > a)
             update_span(o, first_row, n_rows, grads, grads_first, grads_dtype, grad_scale,
                         clip_coef, lo, hi);
-        bind_window(o, 0, NULL);
+        bind_window(o, 0, NULL, NULL);
         p->release(p->ctx, c);
     }
 }
@@ -234,14 +240,15 @@ void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const
 void fl_optimizer_map(fl_optimizer *o) {
     if (!o->cfg.paged || o->mapped) return;
     float *t[FL_OPTIM_MAX_TENSORS];
-    o->pager->map(o->pager->ctx, t);
-    bind_window(o, o->rule->state_begin, t);
+    void *w;
+    o->pager->map(o->pager->ctx, t, &w);
+    bind_window(o, o->rule->state_begin, t, w);
     o->mapped = 1;
 }
 
 void fl_optimizer_unmap(fl_optimizer *o) {
     if (!o->mapped) return;
-    bind_window(o, 0, NULL);
+    bind_window(o, 0, NULL, NULL);
     o->pager->unmap(o->pager->ctx);
     o->mapped = 0;
 }
