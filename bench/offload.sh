@@ -18,7 +18,9 @@
 #      comparison;
 #   2. `fitlm plan` of the run with and without the offload (RAM per tag,
 #      disk, what fits in the available memory);
-#   3. the run itself: MODEL at BATCH x SEQ, STEPS steps, bf16 AdamW (lr LR,
+#   3. the run itself, and again with optimizer_in_backward (no whole
+#      gradient; clipping's two backward passes): MODEL at BATCH x SEQ, STEPS
+#      steps, bf16 AdamW (lr LR,
 #      WARMUP warm-up steps), ZeRO-2,
 #      offload_optimizer {device nvme, buffer_count BUFFERS, pipeline_read
 #      and pipeline_write true}, sub_group_size CHUNK; each step's loss and
@@ -95,32 +97,49 @@ echo
 echo "Without the offload: $(grep -E '^memory limit' "$LOG/plan_ram.txt") (total $(awk '$1 == "total" { printf "%.2f GiB", $4; exit }' "$LOG/plan_ram.txt"))"
 echo
 
-# --- 3. the run ---------------------------------------------------------------
-/usr/bin/time -o "$LOG/train.time" -f '%e %M' "$FITLM" train "${RUN[@]}" --config "$LOG/offload.json" \
-    --steps "$STEPS" --lr "$LR" --warmup "$WARMUP" --eval-every 0 --out '' --mem-report >"$LOG/train.out" 2>"$LOG/train.err" || { cat "$LOG/train.err"; exit 1; }
-echo "## Training $STEPS steps with the optimizer on disk"
+# --- 3. the runs ---------------------------------------------------------------
+# xl_run NAME CONFIG: trains, then prints its losses, I/O, time, RSS and tags
+# against the plan of the same config
+xl_run() {
+    local name=$1 config=$2 wall rss_kb steps
+    "$FITLM" plan "${RUN[@]}" --config "$config" >"$LOG/plan_$name.txt"
+    /usr/bin/time -o "$LOG/$name.time" -f '%e %M' "$FITLM" train "${RUN[@]}" --config "$config" \
+        --steps "$STEPS" --lr "$LR" --warmup "$WARMUP" --eval-every 0 --out '' --mem-report \
+        >"$LOG/$name.out" 2>"$LOG/$name.err" || { cat "$LOG/$name.err"; exit 1; }
+    echo "| step | loss | step time (s) |"
+    echo "|---:|---:|---:|"
+    grep -E '^step +[0-9]+/' "$LOG/$name.out" | awk -F'|' '{ split($1, s, " "); split(s[2], n, "/");
+        gsub(/[^0-9.]/, "", $2); gsub(/ ms/, "", $5); printf "| %d | %s | %.1f |\n", n[1], $2, $5 / 1000 }'
+    echo
+    grep '^NVMe offload per step' "$LOG/$name.out"
+    echo
+    read -r wall rss_kb <"$LOG/$name.time"
+    steps=$(grep -o '| [0-9.]* ms |' "$LOG/$name.out" | awk 'NR > 1 { print $2 / 1000 }' | median_min_max)
+    echo "Median step time after the first: $(echo "$steps" | awk '{ printf "%.1f s (min %.1f, max %.1f)", $1, $2, $3 }');" \
+        "whole run $wall s; peak RSS $(awk -v k="$rss_kb" 'BEGIN { printf "%.2f GiB", k / 1048576 }')"
+    echo
+    echo "| tag | planned (bytes) | measured peak (bytes) |"
+    echo "|---|---:|---:|"
+    local t planned measured
+    for t in params grads master optim acts workspace comm offload other total; do
+        planned=$(plan_bytes "$t" "$LOG/plan_$name.txt")
+        if [[ $t == total ]]; then
+            measured=$(awk '$0 ~ /^memory by tag/ { on = 1 } on && $1 == "total" { v = $4 } END { printf "%.0f", v * 1048576 }' "$LOG/$name.out")
+            t="total (measured: its MiB)"
+        else
+            measured=$(awk -v t="$t" '$0 ~ /^memory by tag/ { on = 1 } on && $1 == t { v = $4 } END { printf "%.0f", v }' "$LOG/$name.out")
+        fi
+        echo "| $t | $planned | $measured |"
+    done
+    echo
+}
+echo "## Training $STEPS steps with the optimizer on disk (ZeRO-2)"
 echo
-echo "| step | loss | step time (s) |"
-echo "|---:|---:|---:|"
-grep -E '^step +[0-9]+/' "$LOG/train.out" | awk -F'|' '{ split($1, s, " "); split(s[2], n, "/");
-    gsub(/[^0-9.]/, "", $2); gsub(/ ms/, "", $5); printf "| %d | %s | %.1f |\n", n[1], $2, $5 / 1000 }'
+xl_run offload "$LOG/offload.json"
+sed 's/^{/{"optimizer_in_backward": true, /' "$LOG/offload.json" >"$LOG/offload_ib.json"
+echo "## The same with optimizer_in_backward: each block updated from the backward pass"
 echo
-IO=$(grep '^NVMe offload per step' "$LOG/train.out")
-echo "$IO"
-echo
-read -r WALL RSS_KB <"$LOG/train.time"
-STEP_MED=$(grep -o '| [0-9.]* ms |' "$LOG/train.out" | awk 'NR > 1 { print $2 / 1000 }' | median_min_max)
-echo "Median step time after the first: $(echo "$STEP_MED" | awk '{ printf "%.1f s (min %.1f, max %.1f)", $1, $2, $3 }');" \
-    "whole run $WALL s; peak RSS $(awk -v k="$RSS_KB" 'BEGIN { printf "%.2f GiB", k / 1048576 }')"
-echo
-echo "| tag | planned (bytes) | measured peak (bytes) |"
-echo "|---|---:|---:|"
-for t in params grads master optim acts workspace comm offload other; do
-    planned=$(plan_bytes "$t" "$LOG/plan.txt")
-    measured=$(awk -v t="$t" '$0 ~ /^memory by tag/ { on = 1 } on && $1 == t { v = $4 } END { printf "%.0f", v }' "$LOG/train.out")
-    echo "| $t | $planned | $measured |"
-done
-echo
+xl_run in_backward "$LOG/offload_ib.json"
 
 # --- 4. the order of the strategies --------------------------------------------
 if [[ $ORDER == 1 ]]; then

@@ -9,7 +9,10 @@
 // also checks the errors: a missing, unusable or full nvme_path, a file cut
 // short under a run; and through `fitlm train`, that a resume from a
 // checkpoint of an offloaded run is bitwise the uninterrupted run, with or
-// without offload.
+// without offload. optimizer_in_backward (AdamW updated unit by unit from
+// the backward pass) is checked the same way, offloaded against in RAM, and
+// in RAM against the usual step: bitwise without clipping; with clipping
+// (its two passes sum the norm row by row) within 1e-6 relative.
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <limits.h>
@@ -39,7 +42,8 @@ typedef struct {
     fl_optim_kind kind; // AdamW, or SGD with momentum
     int buffers, read_ahead, write_behind, threads, single_submit, batches, queue_depth;
     double chunk;
-    int weights; // ZeRO-3's weights offloaded too (offload_param)
+    int weights;     // ZeRO-3's weights offloaded too (offload_param)
+    int in_backward; // optimizer_in_backward (1), and that against the usual step (2)
 } offload_case;
 
 static fl_offload_config io_of(const offload_case *c) {
@@ -87,7 +91,7 @@ typedef struct {
     size_t state_n;
 } run_result;
 
-static void train(const offload_case *c, int paged, run_result *out) {
+static void train(const offload_case *c, int paged, int in_backward, run_result *out) {
     fl_model_config mc = shape();
     fl_zero_config z = {.stage = c->stage,
                         .reduce_bucket_size = 5e8f,
@@ -111,6 +115,8 @@ static void train(const offload_case *c, int paged, run_result *out) {
     oc.grad_accum = c->accum;
     oc.sharded_grads = c->stage >= 2;
     oc.paged = paged;
+    oc.in_backward = in_backward;
+    if (c->in_backward == 2) oc.max_grad_norm = 0.0f; // no clipping: bitwise
     fl_dist_derive(&z, &oc);
     z.offload_params = paged && c->weights;
     fl_model m;
@@ -123,12 +129,13 @@ static void train(const offload_case *c, int paged, run_result *out) {
         fl_model_init_shard(&m, &mc, c->dt, 42, begin, end);
     else
         fl_model_init(&m, &mc, c->dt, 42);
-    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, fl_dist_unit_grads(&z));
+    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE,
+                        c->stage ? fl_dist_unit_grads(&z) : fl_optimizer_unit_grads(&oc));
     fl_optimizer o;
     fl_optimizer_init_at(&o, &oc, &m.table, c->dt, m.params, m.params_begin, m.grads, begin, end);
     fl_offload_config io = io_of(c);
     fl_offload *f = paged ? fl_offload_optimizer(&o, &io, z.offload_params) : NULL;
-    fl_dist *d = fl_dist_attach(&m, &o, &z, f);
+    fl_dist *d = c->stage ? fl_dist_attach(&m, &o, &z, f) : NULL;
     size_t n = (size_t)c->accum * B * T;
     int *in = malloc(n * sizeof(int)), *tg = malloc(n * sizeof(int));
     float lr = c->kind == FL_OPT_SGD ? 0.05f : 2e-3f;
@@ -142,7 +149,10 @@ static void train(const offload_case *c, int paged, run_result *out) {
     void *row = malloc(m.table.numel * fl_dtype_size(c->dt));
     for (int r = 0; r < m.table.count; r++) {
         const fl_param_view *v = &m.table.views[r];
-        fl_dist_gather_row(d, r, row);
+        if (d)
+            fl_dist_gather_row(d, r, row);
+        else
+            memcpy(row, fl_at(c->dt, m.params, v->offset), v->numel * fl_dtype_size(c->dt));
         fl_convert(FL_F32, out->weights + v->offset, c->dt, row, v->numel);
     }
     free(row);
@@ -166,15 +176,17 @@ static void train(const offload_case *c, int paged, run_result *out) {
 
 static void check_case(const offload_case *c) {
     run_result got, want;
-    train(c, 1, &got);
-    train(c, 0, &want);
+    // offloaded against in RAM; or (in_backward 2) in RAM, in the backward
+    // pass against the usual step
+    train(c, c->in_backward != 2, c->in_backward != 0, &got);
+    train(c, 0, c->in_backward == 1, &want);
     int rank = fl_comm_rank(), world = fl_comm_size();
     fl_model_config mc = shape();
     size_t numel = fl_model_num_params(&mc);
     t_check(!memcmp(got.loss, want.loss, sizeof got.loss) &&
                 !memcmp(got.norm, want.norm, sizeof got.norm),
-            "rank %d/%d %s: losses and norms bitwise those without offload (%.6f vs %.6f)", rank,
-            world, c->name, got.loss[STEPS - 1], want.loss[STEPS - 1]);
+            "rank %d/%d %s: losses and norms bitwise (%.6f vs %.6f)", rank, world, c->name,
+            got.loss[STEPS - 1], want.loss[STEPS - 1]);
     t_check(!memcmp(got.weights, want.weights, numel * sizeof(float)),
             "rank %d/%d %s: final weights bitwise", rank, world, c->name);
     t_check(got.state_n == want.state_n &&
@@ -377,23 +389,57 @@ int main(int argc, char **argv) {
     if (!mkdtemp(nvme_dir)) return t_check(0, "mkdtemp"), fl_comm_finalize(t_report());
     const offload_case cases[] = {
         {"fp32 ZeRO-1, 4 buffers, read ahead and write behind, 3 KiB chunks", FL_F32, 1, 1,
-         FL_OPT_ADAMW, 4, 1, 1, 1, 0, 0, 0, 3000, 0},
+         FL_OPT_ADAMW, 4, 1, 1, 1, 0, 0, 0, 3000, 0, 0},
         {"bf16 ZeRO-2, accumulation, 4 buffers pipelined", FL_BF16, 2, 2, FL_OPT_ADAMW, 4, 1, 1, 1,
-         0, 0, 0, 3000, 0},
+         0, 0, 0, 3000, 0, 0},
         {"fp16 ZeRO-3, 2 buffers, read ahead, 2 threads, single submit, batches of 1", FL_F16, 3, 1,
-         FL_OPT_ADAMW, 2, 1, 0, 2, 1, 1, 1, 5000, 0},
+         FL_OPT_ADAMW, 2, 1, 0, 2, 1, 1, 1, 5000, 0, 0},
         {"bf16 ZeRO-3, one buffer, one chunk, nothing overlapped", FL_BF16, 3, 1, FL_OPT_ADAMW, 1,
-         0, 0, 1, 0, 0, 0, 1e9, 0},
+         0, 0, 1, 0, 0, 0, 1e9, 0, 0},
         {"fp32 SGD momentum ZeRO-1, 3 buffers, write behind, one-page chunks", FL_F32, 1, 1,
-         FL_OPT_SGD, 3, 0, 1, 1, 0, 0, 0, 1024, 0},
+         FL_OPT_SGD, 3, 0, 1, 1, 0, 0, 0, 1024, 0, 0},
         {"bf16 ZeRO-1, accumulation, 3 buffers, one-page chunks", FL_BF16, 1, 2, FL_OPT_ADAMW, 3, 1,
-         1, 1, 0, 0, 4, 1024, 0},
+         1, 1, 0, 0, 4, 1024, 0, 0},
         {"bf16 ZeRO-3 with the weights offloaded too, 4 buffers pipelined", FL_BF16, 3, 1,
-         FL_OPT_ADAMW, 4, 1, 1, 1, 0, 0, 0, 3000, 1},
+         FL_OPT_ADAMW, 4, 1, 1, 1, 0, 0, 0, 3000, 1, 0},
         {"fp32 ZeRO-3 with the weights offloaded too, 2 buffers, one-page chunks", FL_F32, 3, 1,
-         FL_OPT_ADAMW, 2, 1, 0, 1, 0, 0, 0, 2048, 1},
+         FL_OPT_ADAMW, 2, 1, 0, 1, 0, 0, 0, 2048, 1, 0},
         {"fp16 ZeRO-3 with the weights offloaded too, accumulation, one buffer", FL_F16, 3, 2,
-         FL_OPT_ADAMW, 1, 0, 0, 1, 0, 0, 0, 1e9, 1},
+         FL_OPT_ADAMW, 1, 0, 0, 1, 0, 0, 0, 1e9, 1, 0},
+        {.name = "in the backward pass, bf16 ZeRO-1, pipelined",
+         .dt = FL_BF16,
+         .stage = 1,
+         .accum = 1,
+         .buffers = 4,
+         .read_ahead = 1,
+         .write_behind = 1,
+         .chunk = 3000,
+         .in_backward = 1},
+        {.name = "in the backward pass, fp16 ZeRO-3 with the weights offloaded too",
+         .dt = FL_F16,
+         .stage = 3,
+         .accum = 1,
+         .buffers = 3,
+         .read_ahead = 1,
+         .write_behind = 1,
+         .chunk = 2048,
+         .weights = 1,
+         .in_backward = 1},
+        {.name = "in the backward pass against the usual step, fp32 ZeRO-1",
+         .dt = FL_F32,
+         .stage = 1,
+         .accum = 1,
+         .in_backward = 2},
+        {.name = "in the backward pass against the usual step, bf16 ZeRO-2",
+         .dt = FL_BF16,
+         .stage = 2,
+         .accum = 1,
+         .in_backward = 2},
+        {.name = "in the backward pass against the usual step, fp16 ZeRO-1",
+         .dt = FL_F16,
+         .stage = 1,
+         .accum = 1,
+         .in_backward = 2},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
     if (world == 1) {

@@ -123,6 +123,7 @@ typedef struct {
     float eps2, clip_threshold, decay_rate; // AdaLomo
     float clip_value;                       // LOMO's clip_grad_value
     int stochastic_rounding;                // LOMO/AdaLomo on 16-bit weights
+    int optimizer_in_backward;              // AdamW/SGD updated unit by unit from the backward pass
     float grad_clip;                        // gradient_clipping, 0 = off
     // LoRA (PEFT's LoraConfig names) and NF4 base weights (bitsandbytes'
     // BitsAndBytesConfig names)

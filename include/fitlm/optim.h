@@ -255,6 +255,8 @@ typedef struct {
     float decay_rate;     // AdaLomo: beta2t = 1 - t^decay_rate (-0.8)
     int sharded_grads;    // ZeRO-2/3 sum the micro-batches' gradients themselves (in their
                           // shard): no whole fp32 sum here
+    int in_backward;      // AdamW/SGD updated unit by unit from the backward pass, as LOMO is
+                          // (optimizer_in_backward): no whole gradient buffer
     int paged; // the master weights and the rule's state live outside RAM (NVMe offload):
                // not allocated here; a pager (fl_optim_pager) is attached before the first step
 } fl_optimizer_config;
@@ -262,6 +264,12 @@ typedef struct {
 // LOMO or AdaLomo
 static inline int fl_optim_kind_fused(fl_optim_kind k) {
     return k == FL_OPT_LOMO || k == FL_OPT_ADALOMO;
+}
+
+// Whether the update runs from the backward pass, unit by unit: LOMO and
+// AdaLomo always, AdamW and SGD with in_backward.
+static inline int fl_optim_in_backward(const fl_optimizer_config *c) {
+    return fl_optim_kind_fused(c->kind) || c->in_backward;
 }
 
 // Data parallelism (dist.h) joins the step here; NULL for one process.
@@ -302,6 +310,7 @@ typedef struct {
     void (*release)(void *ctx, int c);
     void (*map)(void *ctx, float **tensors, void **weights);
     void (*unmap)(void *ctx);
+    size_t chunk; // elements per chunk: chunk c starts at state_begin + c * chunk
 } fl_optim_pager;
 
 // The optimizer updates the elements [begin, end) of the model's flat buffer

@@ -66,10 +66,11 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg);
 // run's clipping, loss scaling and LOMO/AdaLomo options, no weight decay.
 fl_optimizer_config fl_config_base_optimizer(const fl_train_config *cfg);
 // Whether a run with these settings keeps one unit's gradients at a time
-// (fl_model_alloc_acts' unit_grads): a fused optimizer (LOMO, AdaLomo)
-// without accumulation; with accumulation it needs the whole gradient.
+// (fl_model_alloc_acts' unit_grads): an optimizer updating from the backward
+// pass (LOMO, AdaLomo, optimizer_in_backward) without accumulation; with
+// accumulation it needs the whole gradient.
 static inline int fl_optimizer_unit_grads(const fl_optimizer_config *o) {
-    return fl_optim_kind_fused(o->kind) && o->grad_accum == 1;
+    return fl_optim_in_backward(o) && o->grad_accum == 1;
 }
 
 #endif

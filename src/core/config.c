@@ -278,6 +278,10 @@ static const option options[] = {
      "refill the hysteresis after every clean step"},
     {"fp16.min_loss_scale", "--min-loss-scale", OPT_FLOAT, NUM(min_loss_scale), "1", 1e-30, 1e30,
      NULL, "the fp16 scale never goes below this; an overflow there stops training"},
+    {"optimizer_in_backward", "--optimizer-in-backward", OPT_BOOL, NUM(optimizer_in_backward),
+     "false", 0, 0, NULL,
+     "AdamW/SGD: update each block from the backward pass (no whole gradient; LOMO and AdaLomo "
+     "always do)"},
     {"optimizer.type", "--optimizer", OPT_CHOICE, STR(optimizer), "adamw", 0, 0,
      "adamw|sgd|lomo|adalomo",
      "optimizer (lomo, adalomo: fused into the backward pass, no whole-model gradient, no fp32 "
@@ -1236,6 +1240,22 @@ static void finish_zero(fl_train_config *cfg) {
     check_parallel(cfg);
 }
 
+// optimizer_in_backward: the update of each unit as its gradient is ready
+// (LOMO's scheme, clipping and fp16's overflow check by its two passes),
+// so there is one micro-batch per step and no adapters to step after.
+static void check_in_backward(const fl_train_config *cfg) {
+    if (!cfg->optimizer_in_backward) return;
+    if (cfg->grad_accum > 1)
+        fl_die("optimizer_in_backward: each block is updated as soon as its gradient is ready, "
+               "so a step has one micro-batch; gradient_accumulation_steps is %d (use 1, and a "
+               "larger train_micro_batch_size_per_gpu)",
+               cfg->grad_accum);
+    if (cfg->lora_enabled)
+        fl_die("optimizer_in_backward with LoRA is not supported: the adapters are small, their "
+               "optimizer steps after the backward pass (lora.base_optimizer updates the base in "
+               "it)");
+}
+
 // The checks of fl_config_finish that need no model: batch sizes, options
 // the optimizer would ignore, threads, checkpointing keys, precision, ZeRO.
 void fl_config_check(fl_train_config *cfg) {
@@ -1279,6 +1299,7 @@ void fl_config_check(fl_train_config *cfg) {
         fl_die("optimizer.params.stochastic_rounding applies to bf16 and fp16 weights; precision "
                "is fp32");
     if (*cfg->mem_limit) fl_parse_bytes(cfg->mem_limit, "mem_limit");
+    check_in_backward(cfg);
     // settings that can only give NaN: refused before anything trains
     if (cfg->eps == 0.0f &&
         (!strcmp(cfg->optimizer, "adamw") || !strcmp(cfg->optimizer, "adalomo")))

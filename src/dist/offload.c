@@ -361,12 +361,13 @@ static void pager_acquire(void *ctx, int c, size_t *lo, size_t *hi, float **tens
     wait_buffer(f, b);
     f->active = b;
     f->buf[b].stamp = ++f->clock;
-    // read ahead into buffers with nothing in flight, keeping one for the
-    // write-back of this chunk; past the last chunk, the next step's first
-    // ones, read while the forward and backward passes run
+    // read ahead (chunks go from the last to the first) into buffers with
+    // nothing in flight, keeping one for the write-back of this chunk; past
+    // the first chunk, the next step's last ones, read while the forward
+    // pass runs
     int ahead = f->cfg.buffer_count - 1 - (f->cfg.pipeline_write ? 1 : 0);
     for (int i = 1; f->cfg.pipeline_read && i <= ahead && i < f->n_chunks; i++) {
-        int n = (c + i) % f->n_chunks;
+        int n = (c - i + f->n_chunks) % f->n_chunks;
         if (holding(f, n) >= 0) continue;
         int v = victim(f, 1);
         if (v < 0 || f->buf[v].stamp == f->clock) break;
@@ -551,8 +552,8 @@ fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg, 
     pthread_mutex_unlock(&f->lock);
     write_chunks(f, -1, fill_start, NULL);
     memset(&f->stats, 0, sizeof f->stats);
-    f->pager = (fl_optim_pager){f,         f->n_chunks, weights, pager_acquire, pager_release,
-                                pager_map, pager_unmap};
+    f->pager = (fl_optim_pager){f,         f->n_chunks, weights,   pager_acquire, pager_release,
+                                pager_map, pager_unmap, f->y.chunk};
     o->pager = &f->pager;
     return f;
 }

@@ -490,7 +490,7 @@ static void check_supported(const fl_model *m, const fl_optimizer *o, const fl_z
     if ((m->unit_grads != NULL) != fl_dist_unit_grads(cfg))
         fl_die("internal: a ZeRO-%d model %s unit gradients", cfg->stage,
                fl_dist_unit_grads(cfg) ? "needs" : "must not have");
-    if (cfg->fused_units != (fl_optim_kind_fused(o->cfg.kind) && o->cfg.grad_accum == 1))
+    if (cfg->fused_units != fl_optimizer_unit_grads(&o->cfg))
         fl_die("internal: zero_optimization's fused_units does not match the optimizer");
     if (o->cfg.kind == FL_OPT_ADALOMO && cfg->stage > 0 && !cfg->whole_rows)
         fl_die("internal: AdaLomo's shards must hold whole rows");

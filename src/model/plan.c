@@ -288,7 +288,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         }
         fl_params_free(&lt);
         fl_params_free(&t);
-    } else if (shaped && fl_optim_kind_fused(r->optim.kind)) {
+    } else if (shaped && fl_optim_in_backward(&r->optim)) {
         // AdaLomo's state is per row; a fused step keeps a sum of squares per row
         fl_param_table t;
         fl_model_table(&t, &c);

@@ -128,6 +128,7 @@ fl_optimizer_config fl_config_base_optimizer(const fl_train_config *cfg) {
     fl_optimizer_config o = fl_config_optimizer(cfg);
     o.kind = kind_of(cfg->lora_base_optimizer);
     o.paged = 0;
+    o.in_backward = 0;
     // LOMO's defaults (lomo_optim): no weight decay; AdaLomo's own eps
     o.weight_decay = 0.0f;
     if (o.kind == FL_OPT_ADALOMO) o.eps = 1e-30f;
@@ -158,6 +159,7 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
         .clip_threshold = cfg->clip_threshold,
         .decay_rate = cfg->decay_rate,
         .paged = !strcmp(cfg->zero_extra.offload_optimizer, "nvme"),
+        .in_backward = cfg->optimizer_in_backward,
     };
     return o;
 }

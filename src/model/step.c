@@ -14,7 +14,7 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
     FL_ASSERT(micro == o->cfg.grad_accum);
     // an optimizer fused into the backward pass, one micro-batch (with
     // accumulation, ZeRO-2/3's unit gradients go through the loop below)
-    if (m->unit_grads && fl_optim_kind_fused(o->cfg.kind) && micro == 1) {
+    if (m->unit_grads && fl_optim_in_backward(&o->cfg) && micro == 1) {
         return fl_fused_step(m, o, inputs, targets, B, T, lr);
     }
     size_t BT = (size_t)B * T;

@@ -218,12 +218,18 @@ void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const
     }
     FL_ASSERT(o->pager);
     if (!n_rows) return;
-    // the chunks holding the rows, one at a time
+    // the chunks holding the rows' part of the range, one at a time, from
+    // the last: the order in which the backward pass completes units
     const fl_param_view *first = &o->table->views[first_row],
                         *last = &o->table->views[first_row + n_rows - 1];
-    size_t a = first->offset, b = last->offset + last->numel;
+    size_t a = first->offset > r->state_begin ? first->offset : r->state_begin;
+    size_t b =
+        last->offset + last->numel < r->state_end ? last->offset + last->numel : r->state_end;
+    if (a >= b) return;
     const fl_optim_pager *p = o->pager;
-    for (int c = 0; c < p->n_chunks; c++) {
+    int c_first = (int)((a - r->state_begin) / p->chunk),
+        c_last = (int)((b - 1 - r->state_begin) / p->chunk);
+    for (int c = c_last; c >= c_first; c--) {
         size_t lo, hi;
         float *t[FL_OPTIM_MAX_TENSORS];
         void *w;
