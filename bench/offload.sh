@@ -34,8 +34,8 @@
 # Environment: BUILD (build), NVME (/work/nvme-bench: created, emptied after),
 # MODEL (gpt2-xl), BATCH (1), SEQ (128), STEPS (6), LR (2e-4), WARMUP (2),
 # CHUNK (5e7), BUFFERS (4),
-# DISK_MB (4096), ORDER (1), ORDER_MODEL (gpt2), ORDER_STEPS (5), LOG (a new
-# temporary directory).
+# DISK_MB (4096), XL (1: the runs of 3), ORDER (1), ORDER_MODEL (gpt2),
+# ORDER_STEPS (5), LOG (a new temporary directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,6 +51,7 @@ CHUNK=${CHUNK:-5e7}
 BUFFERS=${BUFFERS:-4}
 DISK_MB=${DISK_MB:-4096}
 ORDER=${ORDER:-1}
+XL=${XL:-1}
 ORDER_MODEL=${ORDER_MODEL:-gpt2}
 ORDER_STEPS=${ORDER_STEPS:-5}
 LOG=${LOG:-$(mktemp -d "${TMPDIR:-/tmp}/fitlm-offload.XXXXXX")}
@@ -133,13 +134,15 @@ xl_run() {
     done
     echo
 }
-echo "## Training $STEPS steps with the optimizer on disk (ZeRO-2)"
-echo
-xl_run offload "$LOG/offload.json"
-sed 's/^{/{"optimizer_in_backward": true, /' "$LOG/offload.json" >"$LOG/offload_ib.json"
-echo "## The same with optimizer_in_backward: each block updated from the backward pass"
-echo
-xl_run in_backward "$LOG/offload_ib.json"
+if [[ $XL == 1 ]]; then
+    echo "## Training $STEPS steps with the optimizer on disk (ZeRO-2)"
+    echo
+    xl_run offload "$LOG/offload.json"
+    sed 's/^{/{"optimizer_in_backward": true, /' "$LOG/offload.json" >"$LOG/offload_ib.json"
+    echo "## The same with optimizer_in_backward: each block updated from the backward pass"
+    echo
+    xl_run in_backward "$LOG/offload_ib.json"
+fi
 
 # --- 4. the order of the strategies --------------------------------------------
 if [[ $ORDER == 1 ]]; then
@@ -150,14 +153,20 @@ if [[ $ORDER == 1 ]]; then
     echo
     echo "| strategy | median step (ms) | min-max | tagged peak per rank (MiB) |"
     echo "|---|---:|---:|---:|"
+    # each rank's output to a file of its own (not a terminal: one plain line per step)
+    cat >"$LOG/rank.sh" <<'EOF'
+out=$1; shift
+exec "$@" >"$out.r${OMPI_COMM_WORLD_RANK:-0}" 2>&1
+EOF
     order_run() { # name config
-        mpirun.openmpi -q --bind-to none -np 2 "$FITLM" train --model "$ORDER_MODEL" --precision bf16 \
-            --batch 2 --seq-len 128 --threads 1 --steps "$ORDER_STEPS" --warmup 0 --eval-every 0 \
-            --val-data none --sample-tokens 0 --out '' --mem-report --config "$2" >"$LOG/order_$1.out" 2>&1 ||
-            { tail -5 "$LOG/order_$1.out"; exit 1; }
+        mpirun.openmpi -q --bind-to none -np 2 bash "$LOG/rank.sh" "$LOG/order_$1.out" "$FITLM" \
+            train --model "$ORDER_MODEL" --precision bf16 --batch 2 --seq-len 128 --threads 1 \
+            --steps "$ORDER_STEPS" --warmup 0 --eval-every 0 --val-data none --sample-tokens 0 \
+            --out '' --mem-report --config "$2" ||
+            { tail -5 "$LOG/order_$1.out.r0"; exit 1; }
         local s
-        s=$(grep -o '| [0-9.]* ms |' "$LOG/order_$1.out" | awk 'NR > 1 { print $2 }' | median_min_max)
-        echo "| $1 | $(echo "$s" | awk '{ printf "%.0f | %.0f-%.0f", $1, $2, $3 }') | $(tag_peak total "$LOG/order_$1.out") |"
+        s=$(grep -o '| [0-9.]* ms |' "$LOG/order_$1.out.r0" | awk 'NR > 1 { print $2 }' | median_min_max)
+        echo "| $1 | $(echo "$s" | awk '{ printf "%.0f | %.0f-%.0f", $1, $2, $3 }') | $(tag_peak total "$LOG/order_$1.out.r0") |"
     }
     echo '{"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6}}' >"$LOG/z2.json"
     cat >"$LOG/z2_nvme.json" <<EOF

@@ -312,6 +312,9 @@ static void test_zero_optimization_keys(void) {
         {"{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": \"nvme\", "
          "\"nvme_path\": \"/tmp\"}}, \"aio\": {\"use_gds\": true}}",
          "aio.use_gds true: GPUDirect Storage"},
+        {"{\"optimizer_in_backward\": true, \"gradient_accumulation_steps\": 2}",
+         "optimizer_in_backward: each block is updated as soon as its gradient is ready, so a "
+         "step has one micro-batch; gradient_accumulation_steps is 2"},
         {"{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", "
          "\"buffer_size\": 1e8}}}",
          "zero_optimization.offload_param.buffer_size applies to NVMe offload (device nvme)"},

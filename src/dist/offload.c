@@ -37,6 +37,7 @@ typedef struct {
     int chunk;      // held (valid once its read landed), or -1
     int pending;    // requests queued or in flight
     int writing;    // they are a write-back
+    int dirty;      // updated since its last write-back
     uint64_t stamp; // last use, for eviction
 } buffer;
 
@@ -317,7 +318,19 @@ static int idle(fl_offload *f, int b) {
 }
 
 static void forget_buffers(fl_offload *f) {
-    for (int b = 0; b < f->cfg.buffer_count; b++) f->buf[b] = (buffer){-1, 0, 0, 0};
+    for (int b = 0; b < f->cfg.buffer_count; b++) f->buf[b] = (buffer){-1, 0, 0, 0, 0};
+}
+
+// Starts the write-back of every updated chunk but `keep` (-1: all), and
+// without pipeline_write waits for it. Written lazily, a chunk the backward
+// pass updates for two units in a row (it straddles them) goes to disk once.
+static void flush(fl_offload *f, int keep) {
+    for (int b = 0; b < f->cfg.buffer_count; b++) {
+        if (!f->buf[b].dirty || f->buf[b].chunk == keep) continue;
+        f->buf[b].dirty = 0;
+        start_io(f, b, f->buf[b].chunk, 1, -1);
+        if (!f->cfg.pipeline_write) wait_buffer(f, b);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -352,6 +365,7 @@ static void pager_acquire(void *ctx, int c, size_t *lo, size_t *hi, float **tens
                           void **weights) {
     fl_offload *f = ctx;
     FL_ASSERT(f->active < 0 && c >= 0 && c < f->n_chunks);
+    flush(f, c);
     int b = holding(f, c);
     if (b < 0) {
         b = victim(f, 0);
@@ -385,13 +399,13 @@ static void pager_release(void *ctx, int c) {
     int b = f->active;
     FL_ASSERT(b >= 0 && f->buf[b].chunk == c);
     f->active = -1;
-    start_io(f, b, c, 1, -1);
-    if (!f->cfg.pipeline_write) wait_buffer(f, b);
+    f->buf[b].dirty = 1; // written when another chunk is acquired, or before a read of the file
 }
 
 static void pager_map(void *ctx, float **tensors, void **weights) {
     fl_offload *f = ctx;
     FL_ASSERT(!f->map && f->active < 0);
+    flush(f, -1);
     wait_buffer(f, -1);
     size_t bytes = f->y.file_bytes;
     f->map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd, 0);
@@ -451,6 +465,7 @@ static void write_chunks(fl_offload *f, int only,
                          void (*fill)(fl_offload *f, size_t first, size_t n, float **t, void *w,
                                       const void *arg),
                          const void *arg) {
+    flush(f, -1);
     wait_buffer(f, -1);
     forget_buffers(f);
     size_t chunk = f->y.chunk;
@@ -493,6 +508,7 @@ void fl_offload_write_weights(fl_offload *f, const void *src) {
 
 void fl_offload_read_weights(fl_offload *f, size_t first, size_t n, void *dst) {
     FL_ASSERT(f->y.weights && first >= f->begin && first + n <= f->begin + f->numel);
+    flush(f, -1);
     wait_buffer(f, -2); // the last step's new weights are on disk
     double t0 = now_s();
     size_t D = f->y.size[f->y.n - 1], bytes = n * D, done = 0;
@@ -560,7 +576,7 @@ fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg, 
 
 void fl_offload_free(fl_offload *f) {
     if (!f) return;
-    wait_buffer(f, -1);
+    wait_buffer(f, -1); // scratch: what is not written need not be
     pthread_mutex_lock(&f->lock);
     f->stop = 1;
     pthread_cond_broadcast(&f->work);

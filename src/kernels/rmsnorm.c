@@ -21,7 +21,7 @@ static float rmsnorm_rstd(const float *x, int C, float eps) {
     return 1.0f / sqrtf(ss / C + eps);
 }
 
-// The elementwise loops, one copy per ISA (simd.h): same bits on each.
+// The elementwise loops, one copy per ISA (FL_ISA_COPIES, core.h): same bits on each.
 static inline __attribute__((always_inline)) void
 rms_norm_body(float *out, const float *x, const float *weight, float r, int C) {
     for (int i = 0; i < C; i++) out[i] = x[i] * r * weight[i];
