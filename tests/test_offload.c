@@ -290,9 +290,10 @@ static void check_errors(void) {
 // ----------------------------------------------------------------------------
 // resume, through `fitlm train`
 
-#define RUN                                                                                        \
+#define RUN_ANY_STAGE                                                                              \
     "train --model tiny --data data/brown_byte --tokenizer byte --seq-len 32 --threads 1 "         \
-    "--batch 2 --precision bf16 --sample-tokens 0 --eval-every 0 --zero-stage 2"
+    "--batch 2 --precision bf16 --sample-tokens 0 --eval-every 0"
+#define RUN RUN_ANY_STAGE " --zero-stage 2"
 
 // The "step N loss ... norm ..." lines of DIR/log.txt for steps > from.
 static void log_steps(const char *dir, int from, char *out, size_t size) {
@@ -371,6 +372,37 @@ static void check_resume(void) {
             "the resumed offloaded run's final weights equal the uninterrupted run's, bitwise");
     free(fa);
     free(fb);
+    // ZeRO-3 with the weights in the file too: its resume continues bitwise
+    snprintf(json, sizeof json,
+             "{\"zero_optimization\": {\"stage\": 3, \"sub_group_size\": 100000, "
+             "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\", "
+             "\"pipeline_read\": true}, \"offload_param\": {\"device\": \"nvme\"}}}",
+             nvme_dir);
+    t_write_text(cfg, json);
+    snprintf(args, sizeof args,
+             RUN_ANY_STAGE " --steps 6 --save-every 3 --config %s --out %s/z3off", cfg, work);
+    rc = t_fitlm(src, args, 1, out, sizeof out);
+    t_check(rc == 0, "ZeRO-3 with offloaded weights trains (status %d)", rc);
+    snprintf(args, sizeof args, RUN_ANY_STAGE " --steps 6 --zero-stage 3 --out %s/z3ram", work);
+    rc = t_fitlm(src, args, 1, out, sizeof out);
+    snprintf(args, sizeof args,
+             RUN_ANY_STAGE " --steps 6 --config %s --resume %s/z3off/ckpt_00000003.fitlm --out "
+                           "%s/z3off_r",
+             cfg, work, work);
+    int rc2 = t_fitlm(src, args, 1, out, sizeof out);
+    static char z3ram[4096], z3off[4096], z3off_r[4096];
+    snprintf(dir, sizeof dir, "%s/z3ram", work);
+    log_steps(dir, 0, z3ram, sizeof z3ram);
+    snprintf(dir, sizeof dir, "%s/z3off", work);
+    log_steps(dir, 0, z3off, sizeof z3off);
+    snprintf(dir, sizeof dir, "%s/z3off_r", work);
+    log_steps(dir, 3, z3off_r, sizeof z3off_r);
+    snprintf(dir, sizeof dir, "%s/z3ram", work);
+    log_steps(dir, 3, ram, sizeof ram);
+    t_check(rc == 0 && rc2 == 0 && *z3ram && !strcmp(z3off, z3ram) && !strcmp(z3off_r, ram),
+            "ZeRO-3 with offloaded weights logs the in-RAM run's 6 steps, and its resume "
+            "continues bitwise (status %d, %d)",
+            rc, rc2);
     // the plan refuses a directory it cannot use before anything is allocated
     snprintf(json, sizeof json,
              "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": "
