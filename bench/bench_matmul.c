@@ -1,16 +1,18 @@
-// bench_matmul.c: GFLOP/s of a linear layer's three GEMMs (forward, dinp,
-// dweight) at the GPT-2 124M shapes: bf16 through oneDNN
-// (src/kernels/matmul_dnnl.c) against fp32 through OpenBLAS sgemm, the way
-// src/kernels/matmul.c calls it (forward: bias prefill, then sgemm with
-// beta=1). Median of REPS runs after one warm-up; gradients accumulate
-// across runs, which does not matter here.
+// bench_matmul.c: milliseconds of a linear layer's three GEMMs (forward with
+// bias, dinp, dweight) at the GPT-2 124M shapes through matmul_forward and
+// matmul_backward (src/kernels/matmul.c) in fp32, bf16 and fp16, and the
+// 16-bit times relative to fp32's. Whichever path the CPU (capped by
+// FITLM_ISA) takes runs: OpenBLAS sgemm for fp32, oneDNN for bf16 with
+// AVX512_BF16 or AMX, else the conversion to fp32 around sgemm. Median of
+// REPS runs after one warm-up; gradients accumulate across runs, which does
+// not matter here.
 // usage: bench_matmul [N [threads]] (default N = B*T = 2048, 2 threads).
 // ONEDNN_VERBOSE=1 in the environment shows the oneDNN implementation picked.
 #include "fitlm/core.h"
+#include "fitlm/kernels.h"
 
 #include "../src/kernels/matmul_dnnl.h"
 
-#include <cblas.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,54 +38,45 @@ static int cmp_double(const void *a, const void *b) {
         t_[REPS / 2];                                                                              \
     })
 
-// n values uniform in [-1, 1): fp32, or bf16 when half is set
-static void *buf(size_t n, int half, uint64_t seed) {
-    void *x = fl_alloc(FL_MEM_OTHER, n * (half ? 2 : 4));
+// n values uniform in [-1, 1) stored in dtype dt
+static void *buf(fl_dtype dt, size_t n, uint64_t seed) {
+    float *f = fl_alloc(FL_MEM_OTHER, n * sizeof(float));
     fl_rng rng;
     fl_rng_seed(&rng, seed);
-    for (size_t i = 0; i < n; i++) {
-        float v = 2.0f * fl_rng_uniform(&rng) - 1.0f;
-        if (half)
-            ((uint16_t *)x)[i] = fl_f32_to_bf16(v);
-        else
-            ((float *)x)[i] = v;
-    }
+    for (size_t i = 0; i < n; i++) f[i] = 2.0f * fl_rng_uniform(&rng) - 1.0f;
+    void *x = fl_alloc(FL_MEM_OTHER, n * fl_dtype_size(dt));
+    fl_store_f32(dt, x, f, n);
+    fl_free(f);
     return x;
 }
 
-// fp32 forward as in src/kernels/matmul.c: bias prefill, then sgemm adds
-static void sgemm_forward(float *out, const float *inp, const float *weight, const float *bias,
-                          int N, int C, int OC) {
-#pragma omp parallel for
-    for (int n = 0; n < N; n++)
-        for (int o = 0; o < OC; o++) out[(size_t)n * OC + o] = bias[o];
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C, 1.0f,
-                out, OC);
-}
+enum { GEMM_FWD, GEMM_DINP, GEMM_DWEIGHT, NGEMMS };
 
-// one line of the table; ws (the oneDNN workspace) is printed when > 0
-static void row(const char *layer, const char *op, int M, int K, int Nn, double t_bf16,
-                double t_f32, size_t ws) {
-    double gflop = 2.0 * M * K * Nn * 1e-9;
-    printf("%-20s %-8s %5d x %5d x %5d %9.2f %8.1f %9.2f %8.1f %7.2fx", layer, op, M, K, Nn,
-           1e3 * t_bf16, gflop / t_bf16, 1e3 * t_f32, gflop / t_f32, t_f32 / t_bf16);
-    if (ws) printf(" %8.2f", ws / 1048576.0);
-    printf("\n");
+// median seconds of each GEMM of one layer in dtype dt; *ws_bytes: its workspace
+static void time_layer(fl_dtype dt, int N, int C, int OC, uint64_t seed, double t[NGEMMS],
+                       size_t *ws_bytes) {
+    size_t nx = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC;
+    void *x = buf(dt, nx, seed + 1), *w = buf(dt, nw, seed + 2), *b = buf(dt, OC, seed + 3);
+    void *dy = buf(dt, ny, seed + 4), *y = buf(dt, ny, seed + 5), *dx = buf(dt, nx, seed + 6);
+    void *dw = buf(dt, nw, seed + 7);
+    *ws_bytes = matmul_workspace_bytes(dt, N, C, OC);
+    void *ws = *ws_bytes ? fl_alloc(FL_MEM_WORKSPACE, *ws_bytes) : NULL;
+    t[GEMM_FWD] = TIME(matmul_forward(dt, y, x, w, b, ws, N, C, OC));
+    t[GEMM_DINP] = TIME(matmul_backward(dt, dx, NULL, NULL, dy, x, w, ws, N, C, OC));
+    t[GEMM_DWEIGHT] = TIME(matmul_backward(dt, NULL, dw, NULL, dy, x, w, ws, N, C, OC));
+    fl_free(x), fl_free(w), fl_free(b), fl_free(dy), fl_free(y), fl_free(dx), fl_free(dw);
+    if (ws) fl_free(ws);
 }
 
 int main(int argc, char **argv) {
     int N = argc > 1 ? atoi(argv[1]) : 2048, threads = argc > 2 ? atoi(argv[2]) : 2;
     if (N < 1) fl_die("usage: bench_matmul [N [threads]]");
     fl_set_threads(threads);
-    printf("N=%d, %d threads, avx512_bf16 %d, amx_bf16 %d; median of %d after a warm-up\n", N,
-           fl_threads(), fl_cpu()->avx512_bf16, fl_cpu()->amx_bf16, REPS);
-    if (!dnnl_matmul_supported(FL_BF16)) {
-        printf("oneDNN bf16 matmul is not supported on this CPU: nothing to compare\n");
-        return 0;
-    }
-    printf("%-20s %-8s %21s %9s %8s %9s %8s %8s %8s\n", "layer", "GEMM", "M x K x N", "bf16 ms",
-           "GFLOP/s", "fp32 ms", "GFLOP/s", "speedup", "ws MiB");
-    printf("%-20s %-8s %21s %18s %18s\n", "", "", "", "(oneDNN)", "(OpenBLAS)");
+    printf("N=%d, %d threads, ISA %s, oneDNN bf16 %s; median of %d after a warm-up\n", N,
+           fl_threads(), fl_isa_name(fl_cpu_isa()), dnnl_matmul_supported(FL_BF16) ? "yes" : "no",
+           REPS);
+    printf("%-20s %-8s %21s %9s %8s %9s %6s %9s %6s %9s %9s\n", "layer", "GEMM", "M x K x N",
+           "fp32 ms", "GFLOP/s", "bf16 ms", "x fp32", "fp16 ms", "x fp32", "bf16 ws", "fp16 ws");
 
     const struct {
         const char *name;
@@ -93,39 +86,32 @@ int main(int argc, char **argv) {
                   {"mlp fc", 768, 3072},
                   {"mlp proj", 3072, 768},
                   {"lm head", 768, 50304}};
+    static const char *const gemm_names[NGEMMS] = {"forward", "dinp", "dweight"};
+    double total[3] = {0};
     for (size_t l = 0; l < sizeof layers / sizeof layers[0]; l++) {
         int C = layers[l].C, OC = layers[l].OC;
-        size_t nx = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC;
-        uint64_t s = 100 * l;
-        uint16_t *x = buf(nx, 1, s + 1), *w = buf(nw, 1, s + 2), *b = buf(OC, 1, s + 3);
-        uint16_t *dy = buf(ny, 1, s + 4), *y = buf(ny, 1, s + 5), *dx = buf(nx, 1, s + 6);
-        uint16_t *dw = buf(nw, 1, s + 7);
-        size_t ws_bytes = dnnl_matmul_workspace_bytes(FL_BF16, N, C, OC);
-        void *ws = fl_alloc(FL_MEM_WORKSPACE, ws_bytes);
-        double h_fwd = TIME(dnnl_matmul_forward(FL_BF16, y, x, w, b, ws, N, C, OC));
-        double h_dx = TIME(dnnl_matmul_backward(FL_BF16, dx, NULL, NULL, dy, x, w, ws, N, C, OC));
-        double h_dw = TIME(dnnl_matmul_backward(FL_BF16, NULL, dw, NULL, dy, x, w, ws, N, C, OC));
-        fl_free(x), fl_free(w), fl_free(b), fl_free(dy), fl_free(y), fl_free(dx), fl_free(dw);
-        fl_free(ws);
-
-        float *xf = buf(nx, 0, s + 1), *wf = buf(nw, 0, s + 2), *bf = buf(OC, 0, s + 3);
-        float *dyf = buf(ny, 0, s + 4), *yf = buf(ny, 0, s + 5), *dxf = buf(nx, 0, s + 6);
-        float *dwf = buf(nw, 0, s + 7);
-        double f_fwd = TIME(sgemm_forward(yf, xf, wf, bf, N, C, OC));
-        double f_dx = TIME(cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f,
-                                       dyf, OC, wf, C, 1.0f, dxf, C));
-        double f_dw = TIME(cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dyf,
-                                       OC, xf, C, 1.0f, dwf, C));
-        fl_free(xf), fl_free(wf), fl_free(bf), fl_free(dyf), fl_free(yf), fl_free(dxf);
-        fl_free(dwf);
-
-        char name[32];
-        snprintf(name, sizeof name, "%s %d->%d", layers[l].name, C, OC);
-        row(name, "forward", N, C, OC, h_fwd, f_fwd, ws_bytes);
-        row("", "dinp", N, OC, C, h_dx, f_dx, 0);
-        row("", "dweight", OC, N, C, h_dw, f_dw, 0);
+        const fl_dtype dts[3] = {FL_F32, FL_BF16, FL_F16};
+        double t[3][NGEMMS];
+        size_t ws[3];
+        for (int d = 0; d < 3; d++) time_layer(dts[d], N, C, OC, 100 * l, t[d], &ws[d]);
+        // (M, K, N) of each GEMM as a product (M x K) @ (K x N)
+        const int shape[NGEMMS][3] = {{N, C, OC}, {N, OC, C}, {OC, N, C}};
+        for (int g = 0; g < NGEMMS; g++) {
+            char name[32] = "";
+            if (g == 0) snprintf(name, sizeof name, "%s %d->%d", layers[l].name, C, OC);
+            double gflop = 2.0 * shape[g][0] * shape[g][1] * shape[g][2] * 1e-9;
+            printf("%-20s %-8s %5d x %5d x %5d %9.2f %8.1f %9.2f %6.2f %9.2f %6.2f", name,
+                   gemm_names[g], shape[g][0], shape[g][1], shape[g][2], 1e3 * t[0][g],
+                   gflop / t[0][g], 1e3 * t[1][g], t[1][g] / t[0][g], 1e3 * t[2][g],
+                   t[2][g] / t[0][g]);
+            if (g == 0) printf(" %7.1f M %7.1f M", ws[1] / 1048576.0, ws[2] / 1048576.0);
+            printf("\n");
+            for (int d = 0; d < 3; d++) total[d] += t[d][g];
+        }
         fflush(stdout);
     }
+    printf("%-20s %-8s %21s %9.2f %8s %9.2f %6.2f %9.2f %6.2f\n", "all", "", "", 1e3 * total[0], "",
+           1e3 * total[1], total[1] / total[0], 1e3 * total[2], total[2] / total[0]);
     dnnl_matmul_release();
     return 0;
 }

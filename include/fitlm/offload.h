@@ -63,16 +63,21 @@ void fl_offload_free(fl_offload *f);
 // Paged weights: the whole range's weights from src (its first element
 // at o's state_begin), as ZeRO-3 hands them over once set up; and the n
 // weights from flat element `first` on into dst (after the last step's
-// write-backs), synchronously, through the page cache, which is told to
-// drop them again.
+// write-backs), through the page cache, which is told to drop them again.
 void fl_offload_write_weights(fl_offload *f, const void *src);
 void fl_offload_read_weights(fl_offload *f, size_t first, size_t n, void *dst);
+// The same read started on the offload's reader thread: a ticket to test
+// (fl_offload_read_done) and wait for (fl_offload_wait_read, which dies
+// naming the file on an I/O error or a short file), at most 80 at once.
+int fl_offload_read_weights_async(fl_offload *f, size_t first, size_t n, void *dst);
+int fl_offload_read_done(fl_offload *f, int ticket);
+void fl_offload_wait_read(fl_offload *f, int ticket);
 
 typedef struct {
     uint64_t bytes_read, bytes_written;
     double wait_s;    // the step stood waiting for I/O (what was not hidden)
     double busy_s;    // requests were in flight (summed over the I/O threads)
-    double weights_s; // reading paged weights for ZeRO-3's gathers (not overlapped)
+    double weights_s; // waiting for reads of paged weights (ZeRO-3's gathers)
 } fl_offload_stats;
 
 void fl_offload_stats_get(const fl_offload *f, fl_offload_stats *s);

@@ -31,7 +31,6 @@ static const char *const names[FL_OP_COUNT] = {
     [FL_OP_OPTIMIZER] = "optimizer",
     [FL_OP_LOADER] = "data loader",
     [FL_OP_COMM] = "communication",
-    [FL_OP_OFFLOAD] = "nvme offload",
 };
 
 void fl_profile_enable(int on) {

@@ -24,7 +24,23 @@
 #include "fitlm/comm.h"
 
 // chunks and tensors start on whole pages, 2-byte weights' too
-enum { PAGE = 4096, GRANULE = PAGE / 2, MAX_THREADS = 64, MAX_TENSORS = FL_OPTIM_MAX_TENSORS + 1 };
+enum {
+    PAGE = 4096,
+    GRANULE = PAGE / 2,
+    MAX_THREADS = 64,
+    MAX_TENSORS = FL_OPTIM_MAX_TENSORS + 1,
+    MAX_READS = 80, // weight reads in flight: stage 3's ring (64) and a few more
+};
+
+// A read of paged weights for ZeRO-3's gathers, done by the reader thread.
+typedef enum { READ_FREE, READ_QUEUED, READ_DONE } read_state;
+typedef struct {
+    read_state state;
+    uint64_t order; // queued reads run in the order they were asked for
+    size_t first, n;
+    void *dst;
+    int err; // errno, or -1: the file ended early
+} weight_read;
 
 typedef struct request {
     struct request *next;
@@ -86,6 +102,11 @@ struct fl_offload {
     char error_what[160];
     io_thread threads[MAX_THREADS];
     int n_threads;
+    // paged weights: reads through the page cache on a thread of their own
+    pthread_t reader;
+    pthread_cond_t reads_queued;
+    weight_read reads[MAX_READS];
+    uint64_t reads_asked;
     fl_offload_stats stats;
 };
 
@@ -325,6 +346,15 @@ static void forget_buffers(fl_offload *f) {
 // without pipeline_write waits for it. Written lazily, a chunk the backward
 // pass updates for two units in a row (it straddles them) goes to disk once.
 static void flush(fl_offload *f, int keep) {
+    int dirty = 0;
+    for (int b = 0; b < f->cfg.buffer_count; b++)
+        dirty |= f->buf[b].dirty && f->buf[b].chunk != keep;
+    if (!dirty) return;
+    // no read of the weights may be under way while a write-back changes them
+    pthread_mutex_lock(&f->lock);
+    for (int i = 0; i < MAX_READS; i++)
+        while (f->reads[i].state == READ_QUEUED) pthread_cond_wait(&f->done, &f->lock);
+    pthread_mutex_unlock(&f->lock);
     for (int b = 0; b < f->cfg.buffer_count; b++) {
         if (!f->buf[b].dirty || f->buf[b].chunk == keep) continue;
         f->buf[b].dirty = 0;
@@ -506,28 +536,88 @@ void fl_offload_write_weights(fl_offload *f, const void *src) {
     write_chunks(f, f->y.n - 1, fill_weights, src);
 }
 
-void fl_offload_read_weights(fl_offload *f, size_t first, size_t n, void *dst) {
+// The reader thread: queued weight reads, oldest first, each read whole
+// (pread loops over short transfers) and then dropped from the page cache.
+static void *reader_main(void *arg) {
+    fl_offload *f = arg;
+    size_t D = f->y.size[f->y.n - 1];
+    pthread_mutex_lock(&f->lock);
+    for (;;) {
+        weight_read *r = NULL;
+        for (int i = 0; i < MAX_READS; i++)
+            if (f->reads[i].state == READ_QUEUED && (!r || f->reads[i].order < r->order))
+                r = &f->reads[i];
+        if (!r) {
+            if (f->stop) break;
+            pthread_cond_wait(&f->reads_queued, &f->lock);
+            continue;
+        }
+        weight_read job = *r;
+        pthread_mutex_unlock(&f->lock);
+        size_t bytes = job.n * D, done = 0;
+        off_t at = (off_t)(f->y.file_at[f->y.n - 1] + (job.first - f->begin) * D);
+        int err = 0;
+        while (done < bytes && !err) {
+            ssize_t got =
+                pread(f->fd_buffered, (char *)job.dst + done, bytes - done, at + (off_t)done);
+            if (got < 0 && errno == EINTR) continue;
+            if (got <= 0)
+                err = got < 0 ? errno : -1;
+            else
+                done += (size_t)got;
+        }
+        // the page cache need not keep what RAM is meant not to hold
+        posix_fadvise(f->fd_buffered, at, (off_t)bytes, POSIX_FADV_DONTNEED);
+        pthread_mutex_lock(&f->lock);
+        r->err = err;
+        r->state = READ_DONE;
+        f->stats.bytes_read += done;
+        pthread_cond_broadcast(&f->done);
+    }
+    pthread_mutex_unlock(&f->lock);
+    return NULL;
+}
+
+int fl_offload_read_weights_async(fl_offload *f, size_t first, size_t n, void *dst) {
     FL_ASSERT(f->y.weights && first >= f->begin && first + n <= f->begin + f->numel);
     flush(f, -1);
     wait_buffer(f, -2); // the last step's new weights are on disk
-    double t0 = now_s();
-    size_t D = f->y.size[f->y.n - 1], bytes = n * D, done = 0;
-    off_t at = (off_t)(f->y.file_at[f->y.n - 1] + (first - f->begin) * D);
-    while (done < bytes) {
-        ssize_t got = pread(f->fd_buffered, (char *)dst + done, bytes - done, at + (off_t)done);
-        if (got < 0 && errno == EINTR) continue;
-        if (got <= 0)
-            fl_die("NVMe offload file %s: read of %zu bytes of weights at offset %lld %s", f->path,
-                   bytes, (long long)at,
-                   got < 0 ? strerror(errno) : "ended early (was the file truncated?)");
-        done += (size_t)got;
-    }
-    // the page cache need not keep what RAM is meant not to hold
-    posix_fadvise(f->fd_buffered, at, (off_t)bytes, POSIX_FADV_DONTNEED);
     pthread_mutex_lock(&f->lock);
-    f->stats.bytes_read += bytes;
+    int t = 0;
+    while (t < MAX_READS && f->reads[t].state != READ_FREE) t++;
+    FL_ASSERT(t < MAX_READS);
+    f->reads[t] = (weight_read){READ_QUEUED, f->reads_asked++, first, n, dst, 0};
+    pthread_cond_broadcast(&f->reads_queued);
+    pthread_mutex_unlock(&f->lock);
+    return t;
+}
+
+int fl_offload_read_done(fl_offload *f, int ticket) {
+    pthread_mutex_lock(&f->lock);
+    int done = f->reads[ticket].state == READ_DONE;
+    pthread_mutex_unlock(&f->lock);
+    return done;
+}
+
+void fl_offload_wait_read(fl_offload *f, int ticket) {
+    weight_read *r = &f->reads[ticket];
+    double t0 = now_s();
+    pthread_mutex_lock(&f->lock);
+    FL_ASSERT(r->state != READ_FREE);
+    while (r->state != READ_DONE) pthread_cond_wait(&f->done, &f->lock);
+    int err = r->err;
+    size_t D = f->y.size[f->y.n - 1], bytes = r->n * D;
+    size_t at = f->y.file_at[f->y.n - 1] + (r->first - f->begin) * D;
+    r->state = READ_FREE;
     f->stats.weights_s += now_s() - t0;
     pthread_mutex_unlock(&f->lock);
+    if (err)
+        fl_die("NVMe offload file %s: read of %zu bytes of weights at offset %zu %s", f->path,
+               bytes, at, err > 0 ? strerror(err) : "ended early (was the file truncated?)");
+}
+
+void fl_offload_read_weights(fl_offload *f, size_t first, size_t n, void *dst) {
+    fl_offload_wait_read(f, fl_offload_read_weights_async(f, first, n, dst));
 }
 
 fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg, int weights) {
@@ -553,6 +643,7 @@ fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg, 
     pthread_mutex_init(&f->lock, NULL);
     pthread_cond_init(&f->work, NULL);
     pthread_cond_init(&f->done, NULL);
+    pthread_cond_init(&f->reads_queued, NULL);
     open_file(f);
     f->n_threads = cfg->thread_count;
     pthread_mutex_lock(&f->lock); // the threads find themselves once all are started
@@ -565,6 +656,8 @@ fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg, 
         if (pthread_create(&f->threads[i].thread, NULL, io_main, f) != 0)
             fl_die("NVMe offload: cannot start an I/O thread");
     }
+    if (weights && pthread_create(&f->reader, NULL, reader_main, f) != 0)
+        fl_die("NVMe offload: cannot start the weights' reader thread");
     pthread_mutex_unlock(&f->lock);
     write_chunks(f, -1, fill_start, NULL);
     memset(&f->stats, 0, sizeof f->stats);
@@ -580,7 +673,9 @@ void fl_offload_free(fl_offload *f) {
     pthread_mutex_lock(&f->lock);
     f->stop = 1;
     pthread_cond_broadcast(&f->work);
+    pthread_cond_broadcast(&f->reads_queued);
     pthread_mutex_unlock(&f->lock);
+    if (f->y.weights) pthread_join(f->reader, NULL);
     for (int i = 0; i < f->n_threads; i++) {
         pthread_join(f->threads[i].thread, NULL);
         io_uring_queue_exit(&f->threads[i].ring);
@@ -592,6 +687,7 @@ void fl_offload_free(fl_offload *f) {
     pthread_mutex_destroy(&f->lock);
     pthread_cond_destroy(&f->work);
     pthread_cond_destroy(&f->done);
+    pthread_cond_destroy(&f->reads_queued);
     fl_free(f->buf);
     fl_free(f->raw);
     fl_free(f);

@@ -93,6 +93,8 @@ struct fl_dist {
     void *ring[MAX_RING];
     int ring_unit[MAX_RING]; // unit index held (valid), or -2
     int ring_req[MAX_RING];  // gather in flight, or -1
+    int ring_read[MAX_RING]; // offload_params: this rank's part being read from disk (a
+                             // ticket; the gather starts once it is in), or -1
     int last_pass;
 };
 
@@ -366,7 +368,7 @@ static const void *own_part(fl_dist *d, size_t a, void *buf) {
     if (!n) return buf;
     if (!d->pstore) return fl_at(d->dt, d->pshard, x - d->begin);
     void *at = fl_at(d->dt, buf, d->displs[d->rank]);
-    FL_PROFILE(FL_OP_OFFLOAD, FL_STEP, 0.0, fl_offload_read_weights(d->pstore, x, n, at));
+    fl_offload_read_weights(d->pstore, x, n, at); // counted in the caller's communication time
     return at;
 }
 
@@ -383,8 +385,33 @@ static int ring_of(const fl_dist *d, int ui) {
     return -1;
 }
 
+// Ring buffer b's gather, once its part read from disk is in (offload_params).
+static void ring_gather_read(fl_dist *d, int b) {
+    fl_offload_wait_read(d->pstore, d->ring_read[b]);
+    d->ring_read[b] = -1;
+    int ui = d->ring_unit[b];
+    split(d, d->u_lo[ui], d->u_hi[ui]);
+    void *mine = fl_at(d->dt, d->ring[b], d->displs[d->rank]); // gathered in place
+    d->ring_req[b] = fl_comm_iallgather(d->dt, mine, d->ring[b], d->counts, d->displs);
+}
+
+// Ring buffer b's unit complete: read, gathered.
+static void ring_wait(fl_dist *d, int b) {
+    if (d->ring_read[b] >= 0) ring_gather_read(d, b);
+    if (d->ring_req[b] >= 0) fl_comm_wait(d->ring_req[b]);
+    d->ring_req[b] = -1;
+}
+
+// Starts the gathers whose parts have come in from disk, without waiting.
+static void ring_progress(fl_dist *d) {
+    for (int b = 0; d->pstore && b < d->n_ring; b++)
+        if (d->ring_read[b] >= 0 && fl_offload_read_done(d->pstore, d->ring_read[b]))
+            ring_gather_read(d, b);
+}
+
 // Starts gathering ring unit ui unless it is there or on its way; `pinned`
-// (n_pinned unit indices) must not be evicted.
+// (n_pinned unit indices) must not be evicted. With offload_params this
+// rank's part is first read from disk on the offload's reader thread.
 static int ring_fetch(fl_dist *d, int ui, const int *pinned, int n_pinned) {
     int b = ring_of(d, ui);
     if (b >= 0) return b;
@@ -394,9 +421,17 @@ static int ring_fetch(fl_dist *d, int ui, const int *pinned, int n_pinned) {
         if (!keep) b = i;
     }
     FL_ASSERT(b >= 0);
-    if (d->ring_req[b] >= 0) fl_comm_wait(d->ring_req[b]);
+    ring_wait(d, b);
     d->ring_unit[b] = ui;
-    d->ring_req[b] = start_gather(d, ui, d->ring[b]);
+    split(d, d->u_lo[ui], d->u_hi[ui]);
+    size_t n = d->counts[d->rank];
+    if (d->pstore && n) {
+        void *mine = fl_at(d->dt, d->ring[b], d->displs[d->rank]);
+        d->ring_read[b] =
+            fl_offload_read_weights_async(d->pstore, max_sz(d->u_lo[ui], d->begin), n, mine);
+    } else {
+        d->ring_req[b] = start_gather(d, ui, d->ring[b]);
+    }
     return b;
 }
 
@@ -412,8 +447,7 @@ static int next_unit(const fl_dist *d, int ui, int pass) {
 // every ring copy dropped (its gather landed first)
 static void clear_ring(fl_dist *d) {
     for (int i = 0; i < d->n_ring; i++) {
-        if (d->ring_req[i] >= 0) fl_comm_wait(d->ring_req[i]);
-        d->ring_req[i] = -1;
+        ring_wait(d, i);
         d->ring_unit[i] = -2;
     }
 }
@@ -444,12 +478,10 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
                 for (int w = v, i = 0; i < d->depth && (w = next_unit(d, w, pass)) >= 0; i++)
                     pinned[np++] = w;
                 int b = ring_fetch(d, v, pinned, np);
-                if (d->ring_req[b] >= 0) {
-                    fl_comm_wait(d->ring_req[b]);
-                    d->ring_req[b] = -1;
-                }
+                ring_wait(d, b);
                 buf = d->ring[b];
                 for (int i = 1; i < np; i++) ring_fetch(d, pinned[i], pinned, np); // prefetch
+                ring_progress(d);
             }
             fl_model_bind_params(m, v - 1, buf);
         }
@@ -591,6 +623,7 @@ static void setup_stage3(fl_dist *d) {
         d->ring[i] = fl_alloc(FL_MEM_COMM, d->ring_size * d->D);
         d->ring_unit[i] = -2;
         d->ring_req[i] = -1;
+        d->ring_read[i] = -1;
     }
     // keep only this rank's shard of the weights: the model's own, when it
     // was initialised as that shard (fl_model_init_shard); or none in RAM,
