@@ -269,9 +269,11 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         plan_dist_exact(r, &c, opt, dist_bytes, &out->freed[FL_MEM_PARAMS], &fused_rows, &out->disk,
                         out->unpaged);
         if (r->zero_stage == 3 && r->ranks > 1 && !r->whole_weights_first) {
-            // the model is the shard from the start: the whole never exists
+            // the model is the shard from the start: the whole never exists;
+            // with offload_params the shard itself lives until the file takes it
             b[FL_MEM_PARAMS] -= out->freed[FL_MEM_PARAMS];
-            out->freed[FL_MEM_PARAMS] = 0;
+            out->freed[FL_MEM_PARAMS] = zero.offload_params ? out->unpaged[FL_MEM_PARAMS] : 0;
+            b[FL_MEM_PARAMS] += out->freed[FL_MEM_PARAMS];
         }
     } else if (shaped && lora_of(r)) {
         // the adapters' optimizer over their table; under LoRA + LOMO the
@@ -407,8 +409,9 @@ void fl_plan_print(const fl_plan *p, FILE *out) {
     for (int t = 0; t < FL_MEM_NTAGS; t++)
         if (p->freed[t])
             fprintf(out,
-                    "%s: the peak holds the whole weights (%zu bytes) every rank "
-                    "initialises before keeping its shard; from the first step on: %zu bytes\n",
+                    "%s: the peak holds weights (%zu bytes) that set-up frees (the whole "
+                    "weights a rank initialises before keeping its shard, or a shard handed to "
+                    "the NVMe offload file); from the first step on: %zu bytes\n",
                     fl_mem_tag_name(t), p->freed[t], p->bytes[t] - p->freed[t]);
     if (p->formula_model_states)
         fprintf(out,
