@@ -1703,11 +1703,12 @@ static void *mm_workspace(fl_dtype dt, int N, int C, int OC) {
 }
 
 static void test_matmul_lp(fl_dtype dt) {
-    // OC 320 and 530 span two and three of the portable path's weight blocks
-    int shapes[][3] = {{1, 1, 1},     {1, 7, 3},       {5, 33, 17},
-                       {64, 96, 288}, {130, 192, 320}, {2, 33, 530}}; // N C OC
+    // on the portable path OC 320 and 530 span two and three of the input
+    // gradient's 256-channel steps, OC 4500 three 2048-channel weight panels
+    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},    {5, 33, 17},  {64, 96, 288},
+                       {130, 192, 320}, {2, 33, 530}, {3, 20, 4500}}; // N C OC
     t_check(matmul_workspace_bytes(FL_F32, 130, 192, 320) == 0, "fp32 matmul needs no workspace");
-    for (int s = 0; s < 6; s++) {
+    for (int s = 0; s < 7; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand_dt(dt, ni, 51, 1.0f), *w = frand_dt(dt, nw, 52, 1.0f);

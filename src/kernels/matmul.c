@@ -2,8 +2,8 @@
 // nn.Linear. fp32 hands everything to OpenBLAS's sgemm; transposes are
 // expressed through the sgemm flags, never materialised.
 // bf16/fp16 take the portable path: inp is converted to fp32 once, weight and
-// out (or dout) in blocks of MM_WBLOCK output channels, and each block is
-// multiplied with sgemm. Gradients are accumulated in fp32 across all blocks
+// out (or dout) in panels of MM_PANEL output channels, and each panel is
+// multiplied with sgemm. Gradients are accumulated in fp32 across all panels
 // and rounded once per element per call.
 // A native bf16 GEMM plugs in at the top of matmul_forward/matmul_backward
 // (and matmul_workspace_bytes), before the portable path.
@@ -16,8 +16,16 @@
 
 // output-channel block for the bias gradient (see add_column_sums)
 #define MM_OCBLOCK 64
-// output channels per block of weight on the portable path
-#define MM_WBLOCK 256
+// Output channels per panel of weight on the portable path. sgemm packs the
+// other operand (inp, N x C) again for every call, so narrow panels spend
+// that much more time re-reading it: at 256 a GPT-2 layer ran 10-35% slower
+// than fp32 at N = 2048, at 2048 within a few percent. The panel (weight and
+// out or dout in fp32) is transient workspace, ~8 MiB at N = 256.
+#define MM_PANEL 2048
+// The input gradient sums dout @ weight over output channels in steps of
+// MM_KSTEP (sgemm with beta = 1 on the fp32 accumulator): a fixed order,
+// independent of MM_PANEL, so the rounding does not change with it.
+#define MM_KSTEP 256
 
 // dst (ncols) += column sums of src (N rows, leading dimension ld): each
 // thread owns a block of columns and sums the rows in order (deterministic,
@@ -37,11 +45,11 @@ static void add_column_sums(float *dst, const float *src, int N, int ncols, int 
 // ----------------------------------------------------------------------------
 // portable path for 16-bit data
 
-// Workspace in floats: inp in fp32 (N,C), the dinp accumulator (N,C), a block
+// Workspace in floats: inp in fp32 (N,C), the dinp accumulator (N,C), a panel
 // of weight or dweight (ob,C), of out or dout (N,ob), and of bias or dbias
-// (ob), with ob = min(OC, MM_WBLOCK).
+// (ob), with ob = min(OC, MM_PANEL).
 static size_t portable_workspace_floats(int N, int C, int OC) {
-    size_t ob = OC < MM_WBLOCK ? (size_t)OC : MM_WBLOCK;
+    size_t ob = OC < MM_PANEL ? (size_t)OC : MM_PANEL;
     return 2 * (size_t)N * C + ob * C + (size_t)N * ob + ob;
 }
 
@@ -61,12 +69,12 @@ static void store_block(fl_dtype dt, void *dst, const float *src, int rows, int 
 static void portable_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
                              const void *bias, float *ws, int N, int C, int OC) {
     // the backward's layout; the dinp accumulator stays unused
-    int ob_max = OC < MM_WBLOCK ? OC : MM_WBLOCK;
+    int ob_max = OC < MM_PANEL ? OC : MM_PANEL;
     float *inp32 = ws, *w32 = inp32 + 2 * (size_t)N * C, *out32 = w32 + (size_t)ob_max * C;
     float *bias32 = out32 + (size_t)N * ob_max;
     load_block(dt, inp32, inp, N, C, C);
-    for (int o0 = 0; o0 < OC; o0 += MM_WBLOCK) {
-        int ob = OC - o0 < MM_WBLOCK ? OC - o0 : MM_WBLOCK;
+    for (int o0 = 0; o0 < OC; o0 += MM_PANEL) {
+        int ob = OC - o0 < MM_PANEL ? OC - o0 : MM_PANEL;
         load_block(dt, w32, fl_at_const(dt, weight, (size_t)o0 * C), ob, C, C);
         // with a bias, prefill out with it and let sgemm add the product
         if (bias) {
@@ -84,19 +92,22 @@ static void portable_forward(fl_dtype dt, void *out, const void *inp, const void
 static void portable_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                               const void *inp, const void *weight, float *ws, int N, int C,
                               int OC) {
-    int ob_max = OC < MM_WBLOCK ? OC : MM_WBLOCK;
+    int ob_max = OC < MM_PANEL ? OC : MM_PANEL;
     float *inp32 = ws, *dinp32 = inp32 + (size_t)N * C, *w32 = dinp32 + (size_t)N * C;
     float *dout32 = w32 + (size_t)ob_max * C, *dbias32 = dout32 + (size_t)N * ob_max;
     if (dweight) load_block(dt, inp32, inp, N, C, C);
     if (dinp) load_block(dt, dinp32, dinp, N, C, C); // accumulates on top of dinp
-    for (int o0 = 0; o0 < OC; o0 += MM_WBLOCK) {
-        int ob = OC - o0 < MM_WBLOCK ? OC - o0 : MM_WBLOCK;
+    for (int o0 = 0; o0 < OC; o0 += MM_PANEL) {
+        int ob = OC - o0 < MM_PANEL ? OC - o0 : MM_PANEL;
         load_block(dt, dout32, fl_at_const(dt, dout, o0), N, ob, OC);
-        // dinp (N,C) += dout[:, o0:o0+ob] @ weight[o0:o0+ob, :]
+        // dinp (N,C) += dout[:, o0:o0+ob] @ weight[o0:o0+ob, :], in steps of MM_KSTEP
         if (dinp) {
             load_block(dt, w32, fl_at_const(dt, weight, (size_t)o0 * C), ob, C, C);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, ob, 1.0f, dout32, ob, w32,
-                        C, 1.0f, dinp32, C);
+            for (int k0 = 0; k0 < ob; k0 += MM_KSTEP) {
+                int kb = ob - k0 < MM_KSTEP ? ob - k0 : MM_KSTEP;
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, kb, 1.0f, dout32 + k0,
+                            ob, w32 + (size_t)k0 * C, C, 1.0f, dinp32, C);
+            }
         }
         // dweight[o0:o0+ob, :] += dout[:, o0:o0+ob]^T @ inp, in w32's place
         if (dweight) {
