@@ -151,17 +151,7 @@ static void train(const dist_case *c, int dist, run_result *out) {
         out->loss[step] = r.loss;
     }
     // the final weights, whole (stage 3 gathers them row by row)
-    out->weights = malloc(m.table.numel * sizeof(float));
-    void *row = malloc(m.table.numel * fl_dtype_size(c->dt));
-    for (int r = 0; r < m.table.count; r++) {
-        const fl_param_view *v = &m.table.views[r];
-        if (d)
-            fl_dist_gather_row(d, r, row);
-        else
-            memcpy(row, fl_at(c->dt, m.params, v->offset), v->numel * fl_dtype_size(c->dt));
-        fl_convert(FL_F32, out->weights + v->offset, c->dt, row, v->numel);
-    }
-    free(row);
+    out->weights = t_weights_f32(&m, d);
     free(gi);
     free(gt);
     free(in);

@@ -2138,29 +2138,6 @@ static int run_all(const char *path) {
     return t_report();
 }
 
-// fl_cpu() reads FITLM_ISA once per process, so each narrower ISA's paths
-// are tested in a child forked first thing, before any OpenMP thread exists
-// (portable, then AVX2 where the CPU has it); the parent then tests the
-// CPU's own paths. FITLM_ISA or FITLM_NO_SIMD set from outside: that one only.
 int main(void) {
-    if (getenv("FITLM_NO_SIMD")) return run_all("portable (FITLM_NO_SIMD)");
-    if (getenv("FITLM_ISA")) return run_all(getenv("FITLM_ISA"));
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl");
-    test_attention_isas(avx2, avx2 && avx512);
-    const char *caps[] = {"portable", "avx2"};
-    for (int k = 0; k < (avx2 && avx512 ? 2 : 1); k++) { // the widest is the parent's
-        fflush(stdout);
-        pid_t pid = fork();
-        if (pid < 0) return t_check(0, "fork failed"), t_report();
-        if (pid == 0) {
-            setenv("FITLM_ISA", caps[k], 1);
-            exit(run_all(caps[k]));
-        }
-        int status = 0;
-        waitpid(pid, &status, 0);
-        t_check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s-path run failed", caps[k]);
-    }
-    return run_all("native");
+    return t_main_under_isa_caps(run_all, test_attention_isas);
 }

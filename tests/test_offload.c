@@ -93,20 +93,10 @@ typedef struct {
 
 static void train(const offload_case *c, int paged, int in_backward, run_result *out) {
     fl_model_config mc = shape();
-    fl_zero_config z = {.stage = c->stage,
-                        .reduce_bucket_size = 5e8f,
-                        .allgather_bucket_size = 5e8f,
-                        .overlap_comm = 1,
-                        .contiguous_gradients = 1,
-                        .reduce_scatter = 1,
-                        .prefetch_bucket_size = 5e7f,
-                        .max_live_parameters = 1e9f,
-                        .max_reuse_distance = 1e9f,
-                        .param_persistence_threshold = 1e5f,
-                        .model_persistence_threshold = 1e18f,
-                        .comm_timeout = 60};
-    fl_train_config defaults;
+    fl_train_config defaults; // zero_optimization's defaults, and the optimizer's
     fl_config_defaults(&defaults);
+    fl_zero_config z = defaults.zero;
+    z.stage = c->stage;
     if (c->kind == FL_OPT_SGD) {
         strcpy(defaults.optimizer, "sgd");
         defaults.momentum = 0.9f;
@@ -145,17 +135,7 @@ static void train(const offload_case *c, int paged, int in_backward, run_result 
         out->loss[step] = r.loss;
         out->norm[step] = r.grad_norm;
     }
-    out->weights = malloc(m.table.numel * sizeof(float));
-    void *row = malloc(m.table.numel * fl_dtype_size(c->dt));
-    for (int r = 0; r < m.table.count; r++) {
-        const fl_param_view *v = &m.table.views[r];
-        if (d)
-            fl_dist_gather_row(d, r, row);
-        else
-            memcpy(row, fl_at(c->dt, m.params, v->offset), v->numel * fl_dtype_size(c->dt));
-        fl_convert(FL_F32, out->weights + v->offset, c->dt, row, v->numel);
-    }
-    free(row);
+    out->weights = t_weights_f32(&m, d);
     // the master and the state, through the mapping when paged
     fl_optimizer_map(&o);
     int k0 = o.master ? -1 : 0, nstate = fl_optim_state_count(o.rule);

@@ -56,6 +56,45 @@ int t_close_d(const char *name, const double *got, const double *want, size_t n,
     T_CLOSE_BODY
 }
 
+float *t_weights_f32(fl_model *m, fl_dist *d) {
+    size_t D = fl_dtype_size(m->dtype);
+    float *out = malloc(m->table.numel * sizeof(float));
+    void *row = malloc(m->table.numel * D);
+    for (int r = 0; r < m->table.count; r++) {
+        const fl_param_view *v = &m->table.views[r];
+        if (d)
+            fl_dist_gather_row(d, r, row);
+        else
+            memcpy(row, fl_at(m->dtype, m->params, v->offset), v->numel * D);
+        fl_convert(FL_F32, out + v->offset, m->dtype, row, v->numel);
+    }
+    free(row);
+    return out;
+}
+
+int t_main_under_isa_caps(int (*run_all)(const char *isa), void (*across)(int avx2, int avx512)) {
+    if (getenv("FITLM_NO_SIMD")) return run_all("portable (FITLM_NO_SIMD)");
+    if (getenv("FITLM_ISA")) return run_all(getenv("FITLM_ISA"));
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    if (across) across(avx2, avx2 && avx512);
+    const char *caps[] = {"portable", "avx2"};
+    for (int k = 0; k < (avx2 && avx512 ? 2 : 1); k++) { // the widest is the parent's
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid < 0) return t_check(0, "fork failed"), t_report();
+        if (pid == 0) {
+            setenv("FITLM_ISA", caps[k], 1);
+            exit(run_all(caps[k]));
+        }
+        int status = 0;
+        waitpid(pid, &status, 0);
+        t_check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s-path run failed", caps[k]);
+    }
+    return run_all("native");
+}
+
 int t_dies(const char *name, void (*fn)(void *), void *arg, const char *expect) {
     int fds[2];
     if (pipe(fds) != 0) return t_check(0, "%s: pipe failed", name);

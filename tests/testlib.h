@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fitlm/dist.h"
 #include "fitlm/safetensors.h"
 
 // Records one check; prints a line on failure (and on success when verbose).
@@ -23,6 +24,19 @@ int t_close_d(const char *name, const double *got, const double *want, size_t n,
 // before the program's first OpenMP parallel region if fn uses OpenMP:
 // libgomp's thread pool does not survive fork().
 int t_dies(const char *name, void (*fn)(void *), void *arg, const char *expect);
+
+// A model's whole weights as fp32 (malloc'd, table order): under a
+// data-parallel strategy d (a collective: every rank calls it) gathered row
+// by row, which ZeRO-3 needs; else the model's own buffer.
+float *t_weights_f32(fl_model *m, fl_dist *d);
+
+// A test program's main under every ISA cap the CPU allows. fl_cpu() reads
+// FITLM_ISA once per process, so each narrower cap's run_all(name) is in a
+// child forked first thing, before any OpenMP thread exists (portable, then
+// AVX2 where the CPU has AVX-512); the parent runs the CPU's own paths. First
+// across(avx2, avx512) compares the paths in one process (NULL: none).
+// FITLM_ISA or FITLM_NO_SIMD set from outside: that run only.
+int t_main_under_isa_caps(int (*run_all)(const char *isa), void (*across)(int avx2, int avx512));
 
 // Prints "<program>: N passed, N failed" and returns the exit status.
 int t_report(void);

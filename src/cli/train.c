@@ -294,10 +294,13 @@ static void print_offload(const fl_offload *f, const fl_offload_stats *from, int
            wr = (double)(s.bytes_written - from->bytes_written) / steps,
            wait = (s.wait_s - from->wait_s) / steps, busy = (s.busy_s - from->busy_s) / steps;
     printf("NVMe offload per step (%s%s): read %.3f GB, written %.3f GB, I/O %.2f s (%.2f GB/s); "
-           "the step waited %.2f s of its %.2f s for it (%.0f%% of the I/O time hidden)\n",
+           "the step waited %.2f s of its %.2f s for it (%.0f%% of the I/O time hidden)",
            fl_offload_path(f), fl_offload_direct(f) ? ", O_DIRECT" : "", rd / 1e9, wr / 1e9, busy,
            busy > 0 ? (rd + wr) / busy / 1e9 : 0.0, wait, step_seconds / steps,
            busy > 0 ? 100.0 * (1.0 - (wait < busy ? wait : busy) / busy) : 100.0);
+    double weights = (s.weights_s - from->weights_s) / steps;
+    if (weights > 0) printf("; ZeRO-3's reads of offloaded weights waited %.2f s", weights);
+    printf("\n");
 }
 
 // A checkpoint after `step` (a paged optimizer's state read through its
@@ -523,13 +526,8 @@ int cmd_train(int argc, char **argv) {
     // NVMe offload: the master and the optimizer state move to a file,
     // filled from the weights now (a resume then overwrites it)
     fl_offload *offload = NULL;
-    if (ocfg.paged) {
+    if (ocfg.paged) { // its directory and room were checked with the plan
         fl_offload_config oc = fl_offload_config_of(&cfg);
-        size_t ob[FL_MEM_NTAGS], disk;
-        size_t weights = cfg.zero.offload_params ? fl_dtype_size(cfg.dtype) : 0;
-        fl_offload_memory(&oc, own_end - own_begin, fl_optimizer_paged_tensors(&ocfg, cfg.dtype),
-                          weights, ob, &disk);
-        fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", oc.dir, disk);
         offload = fl_offload_optimizer(&optim, &oc, cfg.zero.offload_params);
     }
     float base_lr = cfg.lora_base_lr > 0.0f ? cfg.lora_base_lr : cfg.lr;
