@@ -44,6 +44,7 @@ static void *as_dt(fl_dtype dt, float *x, size_t n) {
 }
 
 int main(int argc, char **argv) {
+    fl_runtime_env(argv);
     int B = argc > 2 ? atoi(argv[1]) : 4, T = argc > 2 ? atoi(argv[2]) : 256, N = B * T;
     fl_dtype dt = FL_F32;
     if (argc > 3)

@@ -76,6 +76,7 @@ static double run_gemm(int g, fl_dtype dt, const operands *o, int N, int C, int 
 }
 
 int main(int argc, char **argv) {
+    fl_runtime_env(argv);
     int N = argc > 1 ? atoi(argv[1]) : 2048, threads = argc > 2 ? atoi(argv[2]) : 2;
     if (N < 1) fl_die("usage: bench_matmul [N [threads]]");
     fl_set_threads(threads);

@@ -1,33 +1,52 @@
-// bench_train.c: training throughput of fitlm on a GPT-2 shape (default:
-// GPT-2 124M, L=12 C=768 NH=12 V=50257 maxT=1024), random weights and one
-// batch of GPT-2 tokens of the Brown corpus (the first B windows of
-// data/brown_gpt2/train_000000.bin, as torch_gpt2.py reads them), in fp32, bf16 or fp16 (mixed
-// precision: 16-bit weights, activations and gradients, fp32 master weights and AdamW state). A
-// step is the full training step as `fitlm train` drives it, through fl_optimizer: zero_grad,
-// forward, backward, then the optimizer step (fp16 overflow check, gradient norm, clip to 1.0
-// folded into AdamW, master update, rounding into the 16-bit weights, loss-scale update).
+// bench_train.c: training throughput of fitlm on a GPT-2 or LLaMA shape
+// (default: GPT-2 124M, L=12 C=768 NH=12 V=50257 maxT=1024), random weights
+// and one batch of GPT-2 tokens of the Brown corpus (the first B windows of
+// data/brown_gpt2/train_000000.bin, as torch_gpt2.py reads them; a LLaMA
+// shape reads the same GPT-2 tokens, with --V 50257, so that both engines
+// train on the same batch), in fp32, bf16 or fp16 (mixed precision: 16-bit
+// weights, activations and gradients, fp32 master weights and AdamW state).
+// A step is the full training step as `fitlm train` drives it, through
+// fl_optimizer: zero_grad, forward, backward, then the optimizer step (fp16
+// overflow check, gradient norm, clip to 1.0 folded into AdamW, master
+// update, rounding into the 16-bit weights, loss-scale update).
 //
 //   bench_train --B 8 --T 256 --steps 7 --warmup 2 --threads 2 --precision bf16
-//               [--peak GFLOPS] [--peak-bf16 GFLOPS] [--peak-amx GFLOPS]
+//               [--arch gpt2|llama] [--kv-heads N] [--I N] [--tie 0|1]
+//               [--peak GFLOPS] [--peak-bf16 GFLOPS] [--peak-amx GFLOPS] [--gemm-bound 0|1]
 //
 // Reports ms/step (median, min, max over --steps timed steps after --warmup
-// untimed ones), tokens/s, achieved GFLOP/s with
-//     FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C
-// (6 x the non-embedding weights plus the tied LM head, forward + backward,
-// plus the attention score/value products; the padded vocabulary, layernorm,
-// GELU, softmax and the optimizer are not counted), MFU and the process's
-// peak RSS, and the per-op profile of the timed steps (fitlm/profile.h, as
-// `fitlm train --profile` prints it). MFU is quoted against the fp32 FMA
-// peak (--peak) for fp32 and against the bf16 dot-product (vdpbf16ps) peak
-// (--peak-bf16) for bf16 and fp16 (the fp32 peak on a CPU without
-// AVX512_BF16); the other peaks' MFUs (and the AMX-BF16 peak's, --peak-amx)
-// are printed too. A peak that is not given (or 0) is measured here with
-// --threads threads, as peak_fma does; --peak-amx -1 skips the AMX one.
+// untimed ones), tokens/s, achieved GFLOP/s with the architecture's
+//     GPT-2: FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C
+//     LLaMA: FLOPs/token = 6*(L*(2*C^2 + 2*C*KV + 3*C*I) + V*C) + 12*L*T*C
+// (6 x the weights of the block matmuls plus the LM head, forward +
+// backward, plus the attention score/value products; KV = kv_heads * C/NH
+// (k and v), I = the SwiGLU hidden size (gate, up, down); the padded
+// vocabulary, norms, activations, softmax and the optimizer are not
+// counted), MFU and the process's peak RSS, and the per-op profile of the
+// timed steps (fitlm/profile.h, as `fitlm train --profile` prints it). MFU
+// is quoted against the fp32 FMA peak (--peak) for fp32 and against the
+// bf16 dot-product (vdpbf16ps) peak (--peak-bf16) for bf16 and fp16 (the
+// fp32 peak on a CPU without AVX512_BF16); the other peaks' MFUs (and the
+// AMX-BF16 peak's, --peak-amx) are printed too. A peak that is not given (or
+// 0) is measured here with --threads threads, as peak_fma does; --peak-amx
+// -1 skips the AMX one.
+//
+// --gemm-bound 1 (the default for fp32): after the timed steps, every GEMM
+// of the step's linear units (the model driver's list: forward, input
+// gradient, weight gradient, N = B*T rows) is timed alone, per distinct
+// shape, through OpenBLAS cblas_sgemm called whole, oneDNN dnnl_sgemm and
+// fitlm's matmul_forward/matmul_backward (best of 5 after a warm-up). The
+// GEMM-bound time of the step is the sum over its GEMMs of the faster
+// library's time. Attention's score/value products run inside the
+// flash-style attention kernel, not as linear GEMMs: they are left out.
 //
 // The last line is machine-readable: "RESULT engine=fitlm precision=... key=value ...".
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <cblas.h>
+#include <oneapi/dnnl/dnnl.h>
 
 #include "fitlm/core.h"
 #include "fitlm/model.h"
@@ -37,10 +56,17 @@
 #include "fitlm/optim.h"
 #include "fitlm/profile.h"
 #include "fma_peak.h"
+// the driver's list of linear units (arch->linears), private to src/model:
+// the GEMM-bound section times exactly the GEMMs the step runs
+#include "../src/model/arch.h"
+#include "../src/kernels/matmul_dnnl.h"
 
 typedef struct {
     int B, T, steps, warmup, threads;
     int L, C, NH, V, maxT;
+    fl_arch_kind arch;
+    int kv_heads, hidden, tie;        // LLaMA only; 0 = fitlm's default (NH, 4C), LM head untied
+    int gemm_bound;                   // -1 = on for fp32 runs
     double peak, peak_bf16, peak_amx; // GFLOP/s; 0 = measure (peak_amx < 0: skip)
     fl_dtype precision;
     uint64_t seed;
@@ -54,6 +80,11 @@ static void usage(FILE *out) {
                  "                   [--peak-bf16 GFLOPS] [--peak-amx GFLOPS] [--L 12] [--C 768]\n"
                  "                   [--NH 12] [--V 50257] [--maxT 1024] [--seed 1337]\n"
                  "                   [--mem-report 0|1] [--data data/brown_gpt2]\n"
+                 "                   [--arch gpt2|llama] [--kv-heads NH] [--I 4C] [--tie 0]\n"
+                 "                   [--gemm-bound 0|1]\n"
+                 "  --kv-heads, --I (SwiGLU hidden size), --tie (LM head = embedding): LLaMA\n"
+                 "  only, 0 = fitlm's defaults. --gemm-bound: time the step's GEMMs alone through\n"
+                 "  OpenBLAS, oneDNN and fitlm (default: on for fp32).\n"
                  "  --peak, --peak-bf16, --peak-amx: fp32 FMA, bf16 dot-product and AMX-BF16\n"
                  "  peaks for MFU (from peak_fma); 0 or absent = measure here (--peak-amx -1:\n"
                  "  skip). MFU is against --peak for fp32, --peak-bf16 for bf16 and fp16.\n");
@@ -71,6 +102,7 @@ static void parse(bench_args *a, int argc, char **argv) {
                       .V = 50257,
                       .maxT = 1024,
                       .precision = FL_F32,
+                      .gemm_bound = -1,
                       .seed = 1337,
                       .data = "data/brown_gpt2"};
     for (int i = 1; i < argc; i++) {
@@ -93,6 +125,10 @@ static void parse(bench_args *a, int argc, char **argv) {
                 a->precision = FL_F16;
             else
                 fl_die("--precision: '%s' is not fp32, bf16 or fp16", v);
+            continue;
+        }
+        if (!strcmp(k, "--arch")) {
+            if (fl_arch_parse(v, &a->arch)) fl_die("--arch: '%s' is not gpt2 or llama", v);
             continue;
         }
         if (!strcmp(k, "--data")) {
@@ -132,6 +168,14 @@ static void parse(bench_args *a, int argc, char **argv) {
             a->seed = (uint64_t)x;
         else if (!strcmp(k, "--mem-report"))
             a->mem_report = (int)x;
+        else if (!strcmp(k, "--kv-heads"))
+            a->kv_heads = (int)x;
+        else if (!strcmp(k, "--I"))
+            a->hidden = (int)x;
+        else if (!strcmp(k, "--tie"))
+            a->tie = (int)x;
+        else if (!strcmp(k, "--gemm-bound"))
+            a->gemm_bound = (int)x;
         else {
             usage(stderr);
             fl_die("unknown option %s", k);
@@ -140,6 +184,9 @@ static void parse(bench_args *a, int argc, char **argv) {
     if (a->B < 1 || a->T < 1 || a->steps < 1 || a->warmup < 0 || a->threads < 1)
         fl_die("--B, --T, --steps, --threads must be >= 1 and --warmup >= 0");
     if (a->T > a->maxT) fl_die("--T %d exceeds --maxT %d", a->T, a->maxT);
+    if (a->arch != FL_ARCH_LLAMA && (a->kv_heads || a->hidden || a->tie))
+        fl_die("--kv-heads, --I and --tie are LLaMA's (--arch llama)");
+    if (a->gemm_bound < 0) a->gemm_bound = a->precision == FL_F32;
 }
 
 static int cmp_double(const void *x, const void *y) {
@@ -184,18 +231,163 @@ static double peak_of(double given, fma_peak_isa isa, int threads, const char **
     return fma_peak_gflops(isa, threads, 0.3, 5, NULL, NULL);
 }
 
+// ----------------------------------------------------------------------------
+// the GEMM-bound time of the step
+
+enum { G_FWD, G_DINP, G_DW, NGEMM };       // forward, input gradient, weight gradient
+enum { E_BLAS, E_DNNL, E_FITLM, NENGINE }; // OpenBLAS, oneDNN, fitlm's matmul
+static const char *gemm_name[NGEMM] = {"fwd", "dinp", "dweight"};
+
+// One distinct (C, OC) shape of the step's linear units, with N = B*T rows.
+typedef struct {
+    char ops[64]; // the profile names of the linears of this shape
+    int C, OC, calls;
+    double ms[NGEMM][NENGINE]; // one call, best of 5
+} gemm_shape;
+
+static float *rand_floats(size_t n, uint64_t seed) {
+    float *x = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+    if (!x) fl_die("out of memory");
+    fl_rng rng;
+    fl_rng_seed(&rng, seed);
+    for (size_t i = 0; i < n; i++) x[i] = 0.02f * fl_rng_normal(&rng);
+    return x;
+}
+
+// One GEMM of the shape through one engine, with the transposes and betas
+// src/kernels/matmul.c uses (row-major; dinp and dweight accumulate).
+static void gemm_run(int g, int e, int N, int C, int OC, float *inp, float *w, float *out,
+                     float *dout, float *dinp, float *dw) {
+    if (e == E_FITLM) {
+        if (g == G_FWD) matmul_forward(FL_F32, out, inp, w, NULL, NULL, N, C, OC);
+        if (g == G_DINP) matmul_backward(FL_F32, dinp, NULL, NULL, dout, inp, w, NULL, N, C, OC);
+        if (g == G_DW) matmul_backward(FL_F32, NULL, dw, NULL, dout, inp, w, NULL, N, C, OC);
+        return;
+    }
+    dnnl_status_t st = dnnl_success;
+    if (g == G_FWD) { // out (N,OC) = inp (N,C) @ w (OC,C)^T
+        if (e == E_BLAS)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, w, C, 0.0f,
+                        out, OC);
+        else
+            st = dnnl_sgemm('N', 'T', N, OC, C, 1.0f, inp, C, w, C, 0.0f, out, OC);
+    } else if (g == G_DINP) { // dinp (N,C) += dout (N,OC) @ w (OC,C)
+        if (e == E_BLAS)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, w, C,
+                        1.0f, dinp, C);
+        else
+            st = dnnl_sgemm('N', 'N', N, C, OC, 1.0f, dout, OC, w, C, 1.0f, dinp, C);
+    } else { // dw (OC,C) += dout (N,OC)^T @ inp (N,C)
+        if (e == E_BLAS)
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C,
+                        1.0f, dw, C);
+        else
+            st = dnnl_sgemm('T', 'N', OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dw, C);
+    }
+    if (st != dnnl_success) fl_die("dnnl_sgemm failed (status %d)", (int)st);
+}
+
+static void gemm_time(gemm_shape *s, int N, uint64_t seed) {
+    size_t nc = (size_t)N * s->C, no = (size_t)N * s->OC, wc = (size_t)s->OC * s->C;
+    float *inp = rand_floats(nc, seed), *w = rand_floats(wc, seed + 1);
+    float *dout = rand_floats(no, seed + 2), *out = rand_floats(no, seed + 3);
+    float *dinp = rand_floats(nc, seed + 4), *dw = rand_floats(wc, seed + 5);
+    for (int g = 0; g < NGEMM; g++)
+        for (int e = 0; e < NENGINE; e++) {
+            gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw); // warm-up
+            double best = 1e30;
+            for (int r = 0; r < 5; r++) {
+                double t0 = fl_now();
+                gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw);
+                double t = fl_now() - t0;
+                best = t < best ? t : best;
+            }
+            s->ms[g][e] = best * 1e3;
+        }
+    free(inp), free(w), free(dout), free(out), free(dinp), free(dw);
+}
+
+typedef struct {
+    double flops, bound_ms, fitlm_ms, profiled_flops;
+} gemm_bound;
+
+// Times the step's GEMMs and prints the table; the FLOPs per step the
+// profile recorded (its GEMM slots) check the enumeration.
+static gemm_bound gemm_bound_of(const fl_model *m, int B, int T, int steps) {
+    const fl_model_config *c = &m->config;
+    fl_linear lins[FL_MAX_SLOTS];
+    int nl = m->arch->linears(c, lins), ns = 0, N = B * T;
+    gemm_shape shapes[FL_MAX_SLOTS];
+    for (int i = 0; i < nl; i++) {
+        // the LM head runs once per step, every other linear once per block
+        int calls = lins[i].op == FL_OP_MM_LMHEAD ? 1 : c->n_layer, k = 0;
+        while (k < ns && !(shapes[k].C == lins[i].in && shapes[k].OC == lins[i].out)) k++;
+        if (k == ns) shapes[ns++] = (gemm_shape){.C = lins[i].in, .OC = lins[i].out};
+        size_t len = strlen(shapes[k].ops);
+        snprintf(shapes[k].ops + len, sizeof shapes[k].ops - len, "%s%s", len ? "+" : "",
+                 fl_op_name((fl_op)lins[i].op));
+        shapes[k].calls += calls;
+    }
+    gemm_bound r = {0};
+    for (int op = FL_OP_MM_QKV; op <= FL_OP_MM_LMHEAD; op++) {
+        const fl_op_stats *st = fl_profile_stats((fl_op)op);
+        r.profiled_flops += (st->flops[FL_FWD] + st->flops[FL_BWD]) / steps;
+    }
+    printf("\nGEMM-bound time of the step (fp32, N = B*T = %d, %d threads; each GEMM alone, best "
+           "of 5 after a warm-up; attention's score/value products are inside the attention "
+           "kernel, not counted):\n\n",
+           N, fl_threads());
+    printf("| linear | N | C | OC | calls/step | GEMM | OpenBLAS GFLOP/s | oneDNN GFLOP/s | fitlm "
+           "GFLOP/s | best ms/step | fitlm ms/step |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int k = 0; k < ns; k++) {
+        gemm_shape *s = &shapes[k];
+        gemm_time(s, N, 1000 + (uint64_t)k * 16);
+        double f = 2.0 * N * s->C * s->OC; // one GEMM's FLOPs
+        for (int g = 0; g < NGEMM; g++) {
+            double *t = s->ms[g];
+            double best = t[E_BLAS] < t[E_DNNL] ? t[E_BLAS] : t[E_DNNL];
+            r.flops += f * s->calls;
+            r.bound_ms += best * s->calls;
+            r.fitlm_ms += t[E_FITLM] * s->calls;
+            printf("| %s | %d | %d | %d | %d | %s | %.1f | %.1f | %.1f | %.2f | %.2f |\n", s->ops,
+                   N, s->C, s->OC, s->calls, gemm_name[g], f / t[E_BLAS] / 1e6, f / t[E_DNNL] / 1e6,
+                   f / t[E_FITLM] / 1e6, best * s->calls, t[E_FITLM] * s->calls);
+        }
+    }
+    printf("\nGEMM FLOPs/step %.4g (the profile counted %.4g), GEMM-bound %.2f ms (%.1f GFLOP/s), "
+           "fitlm's matmul alone %.2f ms\n",
+           r.flops, r.profiled_flops, r.bound_ms, r.flops / r.bound_ms / 1e6, r.fitlm_ms);
+    return r;
+}
+
 int main(int argc, char **argv) {
+    fl_runtime_env(argv);
     bench_args a;
     parse(&a, argc, argv);
     fl_set_threads(a.threads);
     const char *prec = fl_dtype_name(a.precision);
 
-    fl_model_config cfg = {
-        .max_seq_len = a.maxT, .vocab_size = a.V, .n_layer = a.L, .n_head = a.NH, .n_embd = a.C};
+    // as `fitlm train` builds a model: the shape, then the architecture's
+    // defaults (LLaMA: n_kv_head = n_head, intermediate_size = 4C, RMSNorm
+    // eps 1e-5, RoPE theta 1e4) and the padded vocabulary
+    fl_model_config cfg = {.arch = a.arch,
+                           .max_seq_len = a.maxT,
+                           .vocab_size = a.V,
+                           .n_layer = a.L,
+                           .n_head = a.NH,
+                           .n_kv_head = a.kv_heads,
+                           .n_embd = a.C,
+                           .intermediate_size = a.hidden,
+                           .tie_embeddings = a.tie};
     fl_model_config_finish(&cfg);
+    int llama = cfg.arch == FL_ARCH_LLAMA;
 
-    double L = a.L, C = a.C, V = a.V, T = a.T;
-    double flops_per_token = 6.0 * (12.0 * L * C * C + V * C) + 12.0 * L * T * C;
+    double L = a.L, C = a.C, V = a.V, T = a.T, H = cfg.intermediate_size;
+    double KV = (double)cfg.n_kv_head * (a.C / a.NH); // k's (and v's) width
+    double flops_per_token =
+        llama ? 6.0 * (L * (2.0 * C * C + 2.0 * C * KV + 3.0 * C * H) + V * C) + 12.0 * L * T * C
+              : 6.0 * (12.0 * L * C * C + V * C) + 12.0 * L * T * C;
     double tokens_per_step = (double)a.B * a.T;
 
     // the peaks: fp32 FMA, bf16 dot product (vdpbf16ps), AMX-BF16 tiles
@@ -209,16 +401,29 @@ int main(int argc, char **argv) {
     double peak = use_bf16_peak ? peak_bf16 : peak_fp32;
     const char *peak_kind = use_bf16_peak ? "bf16" : "fp32";
 
-    printf("fitlm train bench: GPT-2 L=%d C=%d NH=%d V=%d (padded %d) maxT=%d | B=%d T=%d | "
-           "%s | %d threads | %d warm-up + %d timed steps\n",
-           a.L, a.C, a.NH, a.V, cfg.padded_vocab_size, a.maxT, a.B, a.T, prec, a.threads, a.warmup,
-           a.steps);
+    if (llama)
+        printf("fitlm train bench: LLaMA L=%d C=%d NH=%d KV heads=%d SwiGLU I=%d V=%d (padded %d, "
+               "GPT-2's vocabulary) maxT=%d LM head %s, RMSNorm eps %g, RoPE theta %g | B=%d T=%d "
+               "| %s | %d threads | %d warm-up + %d timed steps\n",
+               a.L, a.C, a.NH, cfg.n_kv_head, cfg.intermediate_size, a.V, cfg.padded_vocab_size,
+               a.maxT, cfg.tie_embeddings ? "tied" : "untied", cfg.norm_eps, cfg.rope_theta, a.B,
+               a.T, prec, a.threads, a.warmup, a.steps);
+    else
+        printf("fitlm train bench: GPT-2 L=%d C=%d NH=%d V=%d (padded %d) maxT=%d | B=%d T=%d | "
+               "%s | %d threads | %d warm-up + %d timed steps\n",
+               a.L, a.C, a.NH, a.V, cfg.padded_vocab_size, a.maxT, a.B, a.T, prec, a.threads,
+               a.warmup, a.steps);
     printf("step = zero_grad + forward + backward + fl_optimizer step: clip_grad_norm(1.0) + "
            "AdamW(lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1)%s\n",
            a.precision == FL_F32   ? ""
            : a.precision == FL_F16 ? " on fp32 master weights, dynamic loss scale"
                                    : " on fp32 master weights");
-    printf("FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C = %.4g\n", flops_per_token);
+    if (llama)
+        printf("FLOPs/token = 6*(L*(2*C^2 + 2*C*KV + 3*C*I) + V*C) + 12*L*T*C with KV = %g, "
+               "I = %g: %.4g\n",
+               KV, H, flops_per_token);
+    else
+        printf("FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C = %.4g\n", flops_per_token);
     printf("peaks (GFLOP/s, %d threads): fp32 FMA %.1f (%s), bf16 dot product %.1f (%s), AMX-BF16 "
            "%.1f (%s); MFU against the %s peak\n",
            a.threads, peak_fp32, how_fp32, peak_bf16, how_bf16, peak_amx, how_amx, peak_kind);
@@ -305,6 +510,9 @@ int main(int argc, char **argv) {
     double tagged_mib = fl_mem_total_peak() / 1048576.0;
     if (a.mem_report) fl_mem_report(stdout);
     fl_profile_print(stdout);
+    // after RSS was read: the section's buffers are not the step's
+    gemm_bound gb = {0};
+    if (a.gemm_bound) gb = gemm_bound_of(&model, a.B, a.T, a.steps);
     printf("median %.1f ms/step (min %.1f, max %.1f; fwd %.1f, bwd %.1f, clip+adamw %.1f) | "
            "%.1f tok/s | %.1f GFLOP/s | MFU %.1f%% of the %s peak %.1f (fp32 %.1f%%, bf16 %.1f%%, "
            "AMX %.1f%%) | peak RSS %.0f MiB (tagged %.0f)",
@@ -313,17 +521,31 @@ int main(int argc, char **argv) {
            100.0 * mfu_amx, rss_mib, tagged_mib);
     if (a.precision == FL_F16)
         printf(" | %d of %d steps skipped (%d timed)", skipped, total, skipped_timed);
+    if (a.gemm_bound)
+        printf(" | %.2fx the GEMM-bound time %.2f ms", med / gb.bound_ms, gb.bound_ms);
     printf("\n");
-    printf("RESULT engine=fitlm precision=%s B=%d T=%d threads=%d steps=%d warmup=%d "
+    printf("RESULT engine=fitlm arch=%s precision=%s B=%d T=%d threads=%d steps=%d warmup=%d "
            "ms_median=%.2f ms_min=%.2f ms_max=%.2f ms_fwd=%.2f ms_bwd=%.2f ms_opt=%.2f "
            "tok_s=%.2f flops_per_token=%.0f gflops=%.2f peak=%s peak_gflops=%.1f mfu=%.4f "
            "peak_fp32_gflops=%.1f peak_bf16_gflops=%.1f peak_amx_gflops=%.1f mfu_fp32=%.4f "
            "mfu_bf16=%.4f mfu_amx=%.4f peak_rss_mib=%.0f tagged_mib=%.0f loss_first=%.4f "
-           "loss_last=%.4f skipped=%d loss_scale=%g\n",
-           prec, a.B, a.T, a.threads, a.steps, a.warmup, med, lo, hi, median(ms_fwd, a.steps),
-           median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s, flops_per_token, gflops,
-           peak_kind, peak, mfu, peak_fp32, peak_bf16, peak_amx, mfu_fp32, mfu_bf16, mfu_amx,
-           rss_mib, tagged_mib, first_loss, last_loss, skipped, loss_scale);
+           "loss_last=%.4f skipped=%d loss_scale=%g gemm=%s isa=%s",
+           fl_arch_name(cfg.arch), prec, a.B, a.T, a.threads, a.steps, a.warmup, med, lo, hi,
+           median(ms_fwd, a.steps), median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s,
+           flops_per_token, gflops, peak_kind, peak, mfu, peak_fp32, peak_bf16, peak_amx, mfu_fp32,
+           mfu_bf16, mfu_amx, rss_mib, tagged_mib, first_loss, last_loss, skipped, loss_scale,
+           a.precision == FL_F32                ? "sgemm"
+           : dnnl_matmul_supported(a.precision) ? "onednn"
+                                                : "sgemm-converted",
+           fl_isa_name(fl_cpu_isa()));
+    if (llama)
+        printf(" L=%d C=%d NH=%d kv_heads=%d I=%d V=%d tie=%d", a.L, a.C, a.NH, cfg.n_kv_head,
+               cfg.intermediate_size, a.V, cfg.tie_embeddings);
+    if (a.gemm_bound)
+        printf(" gemm_flops_step=%.0f gemm_bound_ms=%.3f gemm_fitlm_ms=%.3f sgemm_best_gflops=%.2f "
+               "step_vs_gemm_bound=%.4f",
+               gb.flops, gb.bound_ms, gb.fitlm_ms, gb.flops / gb.bound_ms / 1e6, med / gb.bound_ms);
+    printf("\n");
 
     free(ms);
     free(ms_fwd);

@@ -17,6 +17,15 @@ LayerNorm, softmax and the loss in fp32), backward outside it, fp32
 parameters, gradients and AdamW state (no loss scaling: bf16 has fp32's
 range).
 
+--arch llama (with --kv-heads, --I, --tie) is fitlm's LLaMA instead
+(src/model/llama.c, Hugging Face's LlamaForCausalLM): no biases, RMSNorm
+(eps 1e-5, fitlm's default), rotary embeddings (theta 1e4, rotate-half),
+grouped-query attention, a SwiGLU MLP of hidden size --I (fitlm's default
+4C), an LM head untied unless --tie 1 (fitlm's default), N(0, 0.02) for every
+matrix and embedding; AdamW's weight decay on the embedding, the LM head and
+every block matrix, none on the norms (fitlm's FL_PARAM_DECAY rows). The
+vocabulary is GPT-2's (--V 50257), so both engines read the same batch.
+
 MFU is against --peak (fp32 FMA) for fp32 and --peak-bf16 (vdpbf16ps) for
 bf16, as bench_train; both, and --peak-amx's, are in the RESULT line.
 
@@ -144,6 +153,121 @@ class GPT2(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+# LLaMA, after scripts/make_llama_reference.py's functional definition
+# (rope_cos_sin, rotate_half, rmsnorm, repeat_kv, forward), as modules.
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, C, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(C))
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def repeat_kv(x, n_rep):
+    """(B, NKV, T, HS) -> (B, NKV*n_rep, T, HS); head h = kv head h // n_rep."""
+    if n_rep == 1:
+        return x
+    B, nkv, T, hs = x.shape
+    return x[:, :, None, :, :].expand(B, nkv, n_rep, T, hs).reshape(B, nkv * n_rep, T, hs)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, C, NH, NKV, maxT):
+        super().__init__()
+        self.NH, self.NKV, self.HS = NH, NKV, C // NH
+        self.q_proj = nn.Linear(C, NH * self.HS, bias=False)
+        self.k_proj = nn.Linear(C, NKV * self.HS, bias=False)
+        self.v_proj = nn.Linear(C, NKV * self.HS, bias=False)
+        self.o_proj = nn.Linear(NH * self.HS, C, bias=False)
+        self.has_sdpa = hasattr(F, "scaled_dot_product_attention")
+        if not self.has_sdpa:
+            mask = torch.tril(torch.ones(maxT, maxT, dtype=torch.bool))
+            self.register_buffer("mask", mask.view(1, 1, maxT, maxT), persistent=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        NH, NKV, HS = self.NH, self.NKV, self.HS
+        q = self.q_proj(x).view(B, T, NH, HS).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, NKV, HS).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, NKV, HS).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = repeat_kv(k, NH // NKV), repeat_kv(v, NH // NKV)
+        if self.has_sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(HS))
+            att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, NH * HS))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, C, I):
+        super().__init__()
+        self.gate_proj = nn.Linear(C, I, bias=False)
+        self.up_proj = nn.Linear(C, I, bias=False)
+        self.down_proj = nn.Linear(I, C, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, C, NH, NKV, I, maxT, eps):
+        super().__init__()
+        self.input_layernorm = RMSNorm(C, eps)
+        self.self_attn = LlamaAttention(C, NH, NKV, maxT)
+        self.post_attention_layernorm = RMSNorm(C, eps)
+        self.mlp = LlamaMLP(C, I)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, L, C, NH, NKV, I, V, maxT, tie, eps=1e-5, theta=10000.0):
+        super().__init__()
+        self.HS, self.theta = C // NH, theta
+        self.embed_tokens = nn.Embedding(V, C)
+        self.layers = nn.ModuleList([LlamaBlock(C, NH, NKV, I, maxT, eps) for _ in range(L)])
+        self.norm = RMSNorm(C, eps)
+        self.lm_head = nn.Linear(C, V, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed_tokens.weight
+        # fitlm's LLaMA table (src/model/llama.c): N(0, 0.02) for every matrix and the
+        # embedding, RMSNorm weights 1
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        # LlamaRotaryEmbedding (default rope type), in fp32: (T, HS) each
+        HS = self.HS
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, HS, 2, dtype=torch.int64).float() / HS))
+        freqs = torch.arange(T, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        x = self.embed_tokens(idx)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--B", type=int, default=4)
@@ -162,6 +286,13 @@ def main():
     ap.add_argument("--NH", type=int, default=12)
     ap.add_argument("--V", type=int, default=50257)
     ap.add_argument("--maxT", type=int, default=1024)
+    ap.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
+    ap.add_argument("--kv-heads", type=int, default=0,
+                    help="LLaMA: key/value heads (GQA); 0 = --NH, fitlm's default")
+    ap.add_argument("--I", type=int, default=0,
+                    help="LLaMA: SwiGLU hidden size; 0 = 4*C, fitlm's default")
+    ap.add_argument("--tie", type=int, choices=(0, 1), default=0,
+                    help="LLaMA: LM head tied to the embedding (fitlm's default: 0)")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
     ap.add_argument("--data", default="data/brown_gpt2",
@@ -169,20 +300,39 @@ def main():
     a = ap.parse_args()
     if min(a.B, a.T, a.steps, a.threads) < 1 or a.warmup < 0 or a.T > a.maxT:
         sys.exit("torch_gpt2: bad shape or step counts")
+    llama = a.arch == "llama"
+    if not llama and (a.kv_heads or a.I or a.tie):
+        sys.exit("torch_gpt2: --kv-heads, --I and --tie are LLaMA's (--arch llama)")
+    NKV = a.kv_heads or a.NH
+    I = a.I or 4 * a.C
+    if llama and (a.NH % NKV or (a.C // a.NH) % 2):
+        sys.exit("torch_gpt2: --kv-heads must divide --NH, and C/NH must be even (RoPE)")
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     L, C, V, T = a.L, a.C, a.V, a.T
-    flops_per_token = 6 * (12 * L * C * C + V * C) + 12 * L * T * C
+    KV = NKV * (C // a.NH)  # k's (and v's) width
+    if llama:
+        flops_formula = (f"6*(L*(2*C^2 + 2*C*KV + 3*C*I) + V*C) + 12*L*T*C with KV = {KV}, "
+                         f"I = {I}")
+        flops_per_token = 6 * (L * (2 * C * C + 2 * C * KV + 3 * C * I) + V * C) + 12 * L * T * C
+    else:
+        flops_formula = "6*(12*L*C^2 + V*C) + 12*L*T*C"
+        flops_per_token = 6 * (12 * L * C * C + V * C) + 12 * L * T * C
     tokens_per_step = a.B * a.T
 
-    model = GPT2(a.L, a.C, a.NH, a.V, a.maxT)
-    decay_names = {"wte.weight"} | {
-        f"h.{i}.{m}.weight"
-        for i in range(a.L)
-        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-    }
-    params = dict(model.named_parameters())  # the tied lm_head.weight appears once, as wte
+    if llama:
+        model = Llama(a.L, a.C, a.NH, NKV, I, a.V, a.maxT, a.tie)
+        # fitlm's FL_PARAM_DECAY rows: every matrix and the embedding, not the norms
+        decay_names = {n for n, p in model.named_parameters() if p.dim() == 2}
+    else:
+        model = GPT2(a.L, a.C, a.NH, a.V, a.maxT)
+        decay_names = {"wte.weight"} | {
+            f"h.{i}.{m}.weight"
+            for i in range(a.L)
+            for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+        }
+    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
     groups = [
         {"params": [p for n, p in params.items() if n in decay_names], "weight_decay": 0.1},
         {"params": [p for n, p in params.items() if n not in decay_names], "weight_decay": 0.0},
@@ -194,8 +344,11 @@ def main():
     tok = first_windows(a.data, a.B, a.T)
     inputs, targets = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
 
+    shape = (f"LLaMA L={a.L} C={a.C} NH={a.NH} KV heads={NKV} SwiGLU I={I} V={a.V} (GPT-2's "
+             f"vocabulary) LM head {'tied' if a.tie else 'untied'}, RMSNorm eps 1e-05, RoPE theta "
+             f"10000" if llama else f"GPT-2 L={a.L} C={a.C} NH={a.NH} V={a.V}")
     print(
-        f"pytorch {torch.__version__} train bench: GPT-2 L={a.L} C={a.C} NH={a.NH} V={a.V} "
+        f"pytorch {torch.__version__} train bench: {shape} "
         f"maxT={a.maxT} | B={a.B} T={a.T} | {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | "
         f"{a.warmup} warm-up + {a.steps} timed steps | "
@@ -210,7 +363,7 @@ def main():
         "clip_grad_norm_(1.0) + "
         f"AdamW(lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1{', foreach' if a.foreach else ''})"
     )
-    print(f"FLOPs/token = 6*(12*L*C^2 + V*C) + 12*L*T*C = {flops_per_token:.4g}; "
+    print(f"FLOPs/token = {flops_formula}: {flops_per_token:.4g}; "
           f"peaks (given, GFLOP/s): fp32 {a.peak:.1f}, bf16 {a.peak_bf16:.1f}, "
           f"AMX {a.peak_amx:.1f}; MFU against the {peak_kind} peak")
     print(f"{nparams} parameters ({nparams / 1e6:.2f} M)", flush=True)
@@ -266,7 +419,7 @@ def main():
         f"{100 * mfu_of(a.peak_amx):.1f}%) | peak RSS {rss_mib:.0f} MiB"
     )
     print(
-        f"RESULT engine=pytorch precision={a.precision} B={a.B} T={a.T} threads={a.threads} "
+        f"RESULT engine=pytorch arch={a.arch} precision={a.precision} B={a.B} T={a.T} threads={a.threads} "
         f"steps={a.steps} "
         f"warmup={a.warmup} ms_median={med:.2f} ms_min={lo:.2f} ms_max={hi:.2f} "
         f"ms_fwd={mf:.2f} ms_bwd={mb:.2f} ms_opt={mo:.2f} tok_s={tok_s:.2f} "
@@ -277,6 +430,7 @@ def main():
         f"mfu_amx={mfu_of(a.peak_amx):.4f} peak_rss_mib={rss_mib:.0f} loss_first={first_loss:.4f} "
         f"loss_last={last_loss:.4f} torch={torch.__version__} "
         f"omp_wait_policy={os.environ.get('OMP_WAIT_POLICY')}"
+        + (f" L={a.L} C={a.C} NH={a.NH} kv_heads={NKV} I={I} V={a.V} tie={a.tie}" if llama else "")
     )
 
 

@@ -114,6 +114,17 @@ const char *fl_isa_name(fl_isa isa); // "portable", "avx2", "avx512"
 void fl_set_threads(int n);
 int fl_threads(void);
 
+// The runtime libraries read their settings from the environment when they
+// load, before main. A program calls this first thing in main: where the
+// user set neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT it asks for passive
+// waits (idle threads sleep instead of spinning, which costs nothing
+// measurable alone and keeps a busy machine from slowing the step twice
+// over), and under FITLM_ISA=avx2 or portable, with OPENBLAS_CORETYPE
+// unset, OpenBLAS's AVX2 (Haswell) kernels; then the program starts over
+// with that environment (execv of /proc/self/exe, argv unchanged). When
+// nothing is to change, or the exec fails, it returns and the run goes on.
+void fl_runtime_env(char **argv);
+
 double fl_now(void); // monotonic seconds
 
 // AVX2 and AVX-512 copies of a plain-C loop, picked at run time by

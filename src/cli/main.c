@@ -58,6 +58,7 @@ void print_token(int token, void *tokenizer) {
 }
 
 int main(int argc, char **argv) {
+    fl_runtime_env(argv);
     if (argc < 2) {
         usage(stderr);
         return 1;

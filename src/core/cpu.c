@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <omp.h>
 #include <cblas.h>
 
@@ -89,6 +90,19 @@ void fl_set_threads(int n) {
     if (openblas_get_parallel() != 2 && !warned++)
         fl_warn("the loaded OpenBLAS is not its OpenMP build; fitlm will run slowly "
                 "(install libopenblas-openmp-dev and rebuild)");
+}
+
+void fl_runtime_env(char **argv) {
+    int change = 0;
+    if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT")) {
+        setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+        change = 1;
+    }
+    if (isa_cap() < FL_ISA_AVX512 && !getenv("OPENBLAS_CORETYPE")) {
+        setenv("OPENBLAS_CORETYPE", "Haswell", 1);
+        change = 1;
+    }
+    if (change) execv("/proc/self/exe", argv);
 }
 
 int fl_threads(void) {

@@ -1,12 +1,18 @@
 // matmul.c: out (N,OC) = inp (N,C) @ weight^T + bias, weight (OC,C) as in
-// nn.Linear. fp32 hands everything to OpenBLAS's sgemm; transposes are
-// expressed through the sgemm flags, never materialised.
-// bf16/fp16 take the portable path: inp is converted to fp32 once, weight and
-// out (or dout) in panels of MM_PANEL output channels, and each panel is
-// multiplied with sgemm. Gradients are accumulated in fp32 across all panels
-// and rounded once per element per call.
+// nn.Linear, with OpenBLAS's sgemm; transposes are expressed through the
+// sgemm flags, never materialised.
+// Each GEMM is one parallel region whose output tiles are handed out to the
+// threads as they free up, each tile one single-threaded sgemm. A thread that shares
+// its core with another process then takes fewer tiles instead of holding
+// the others back; and the tiles depend on the shape only, so the result
+// does not depend on the thread count.
+// bf16/fp16 without a native GEMM take the same tiles on fp32 copies: inp is
+// converted once, weight and out (or dout) in panels of MM_PANEL output
+// channels, each tile's output rounded back as soon as it is done.
+// Gradients are accumulated in fp32 across all panels and rounded once per
+// element per call.
 // A native bf16 GEMM plugs in at the top of matmul_forward/matmul_backward
-// (and matmul_workspace_bytes), before the portable path.
+// (and matmul_workspace_bytes), before these paths.
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
@@ -14,117 +20,249 @@
 
 #include "matmul_dnnl.h"
 
-// output-channel block for the bias gradient (see add_column_sums)
+// output-channel block for the bias gradient (see column_sums)
 #define MM_OCBLOCK 64
-// Output channels per panel of weight on the portable path. sgemm packs the
-// other operand (inp, N x C) again for every call, so narrow panels spend
-// that much more time re-reading it: at 256 a GPT-2 layer ran 10-35% slower
-// than fp32 at N = 2048, at 2048 within a few percent. The panel (weight and
-// out or dout in fp32) is transient workspace, ~8 MiB at N = 256.
+// Output channels per panel of weight on the 16-bit path: the panel's fp32
+// copies (weight and dweight (MM_PANEL, C), out or dout (N, MM_PANEL)) are
+// transient workspace.
 #define MM_PANEL 2048
-// The input gradient sums dout @ weight over output channels in steps of
-// MM_KSTEP (sgemm with beta = 1 on the fp32 accumulator): a fixed order,
-// independent of MM_PANEL, so the rounding does not change with it.
+// The 16-bit input gradient sums dout @ weight over output channels in
+// steps of MM_KSTEP (sgemm with beta = 1 on the fp32 accumulator): a fixed
+// order, independent of MM_PANEL and of the tiles.
 #define MM_KSTEP 256
 
-// dst (ncols) += column sums of src (N rows, leading dimension ld): each
-// thread owns a block of columns and sums the rows in order (deterministic,
-// no atomics)
-static void add_column_sums(float *dst, const float *src, int N, int ncols, int ld) {
-    int nblocks = (ncols + MM_OCBLOCK - 1) / MM_OCBLOCK;
-#pragma omp parallel for
-    for (int blk = 0; blk < nblocks; blk++) {
-        int o0 = blk * MM_OCBLOCK, o1 = o0 + MM_OCBLOCK < ncols ? o0 + MM_OCBLOCK : ncols;
-        for (int n = 0; n < N; n++) {
-            const float *src_n = src + (size_t)n * ld;
-            for (int o = o0; o < o1; o++) dst[o] += src_n[o];
+// One tile's row-major sgemm, OpenBLAS's: inside a parallel region it runs
+// on the calling thread, and an output row's bits do not depend on how many
+// rows the call has, so evaluation gives the same bits at any batch size.
+// (oneDNN's sgemm was a few percent faster on some gradient tiles with
+// AVX-512, but corrupted the heap now and then when called from several
+// threads at once; bench_train still times it whole beside OpenBLAS's.)
+static void sgemm(int trans_a, int trans_b, int M, int N, int K, const float *A, int lda,
+                  const float *B, int ldb, float beta, float *C, int ldc) {
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                trans_b ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+}
+
+static int min_int(int a, int b) {
+    return a < b ? a : b;
+}
+static int ceil_div(int a, int b) {
+    return (a + b - 1) / b;
+}
+
+// Tile sizes, measured on GPT-2 shapes (bench/bench_matmul): a few tiles per
+// thread for balance, each large enough that sgemm's packing stays a small
+// part of it. With a short inner dimension (the demo's C = 128) wider tiles.
+static int fwd_tile_rows(int N) {
+    return min_int(N, 1024);
+}
+static int fwd_tile_cols(int C) {
+    return C <= 256 ? 512 : 192;
+}
+static int dinp_tile_rows(int N) {
+    return min_int(N, 256);
+}
+static int dinp_tile_cols(int C) {
+    return min_int(C, C <= 1024 ? 192 : 384);
+}
+#define MM_DW_ROWS 192
+
+// dst (ncols) += column sums of src rows [0, N) over columns [o0, o1) (leading
+// dimension ld), rows in order: deterministic, no atomics
+static void column_sums(float *dst, const float *src, int N, int o0, int o1, int ld) {
+    for (int n = 0; n < N; n++) {
+        const float *src_n = src + (size_t)n * ld;
+        for (int o = o0; o < o1; o++) dst[o] += src_n[o];
+    }
+}
+
+// dst (rows,cols) contiguous fp32 = src (rows,cols) of dtype dt, row stride
+// ld; called inside a parallel region, rows shared among its threads
+static void load_rows(fl_dtype dt, float *dst, const void *src, int rows, int cols, int ld) {
+#pragma omp for
+    for (int r = 0; r < rows; r++)
+        fl_convert(FL_F32, dst + (size_t)r * cols, dt, fl_at_const(dt, src, (size_t)r * ld), cols);
+}
+
+static void store_rows(fl_dtype dt, void *dst, const float *src, int rows, int cols, int ld) {
+#pragma omp for
+    for (int r = 0; r < rows; r++)
+        fl_store_f32(dt, fl_at(dt, dst, (size_t)r * ld), src + (size_t)r * cols, cols);
+}
+
+// one thread's tile: dst (rows,cols) of dtype dt with row stride ld = src
+// (rows,cols) with row stride lds
+static void store_tile(fl_dtype dt, void *dst, const float *src, int rows, int cols, int ld,
+                       int lds) {
+    for (int r = 0; r < rows; r++)
+        fl_store_f32(dt, fl_at(dt, dst, (size_t)r * ld), src + (size_t)r * lds, cols);
+}
+
+// ----------------------------------------------------------------------------
+// forward
+
+// out32 (N, ob) row stride ldo = inp32 (N,C) @ w32 (ob,C)^T + bias32, tiled;
+// a 16-bit out (dt != FL_F32) gets each tile rounded into it at column o0.
+// With w16 (the panel's 16-bit weight rows; only when the tiles span all N
+// rows, so that each weight row belongs to one tile) each tile first
+// converts its own rows into w32, which sgemm then reads from cache.
+// Called inside a parallel region.
+static void forward_tiles(fl_dtype dt, void *out, int OC, int o0, float *out32, int ldo,
+                          const float *inp32, float *w32, const void *w16, const float *bias32,
+                          int N, int C, int ob) {
+    int rb = fwd_tile_rows(N), cb = fwd_tile_cols(C);
+    int nr = ceil_div(N, rb), nc = ceil_div(ob, cb);
+    FL_ASSERT(!w16 || nr == 1);
+#pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < nr * nc; t++) {
+        int n0 = (t / nc) * rb, c0 = (t % nc) * cb;
+        int rows = min_int(rb, N - n0), cols = min_int(cb, ob - c0);
+        float *o = out32 + (size_t)n0 * ldo + c0;
+        if (w16)
+            fl_convert(FL_F32, w32 + (size_t)c0 * C, dt, fl_at_const(dt, w16, (size_t)c0 * C),
+                       (size_t)cols * C);
+        // with a bias, prefill the tile with it and let sgemm add the product
+        if (bias32)
+            for (int n = 0; n < rows; n++)
+                for (int j = 0; j < cols; j++) o[(size_t)n * ldo + j] = bias32[c0 + j];
+        sgemm(0, 1, rows, cols, C, inp32 + (size_t)n0 * C, C, w32 + (size_t)c0 * C, C,
+              bias32 ? 1.0f : 0.0f, o, ldo);
+        if (dt != FL_F32)
+            store_tile(dt, fl_at(dt, out, (size_t)n0 * OC + o0 + c0), o, rows, cols, OC, ldo);
+    }
+}
+
+// Workspace in floats on the 16-bit path: inp and the dinp accumulator in
+// fp32 (N,C), panels of weight and of dweight (ob,C), of out or dout (N,ob),
+// and of bias or dbias (ob), with ob = min(OC, MM_PANEL).
+static size_t portable_workspace_floats(int N, int C, int OC) {
+    size_t ob = OC < MM_PANEL ? (size_t)OC : MM_PANEL;
+    return 2 * (size_t)N * C + 2 * ob * C + (size_t)N * ob + ob;
+}
+
+typedef struct {
+    float *inp32, *dinp32, *w32, *dw32, *dout32, *bias32;
+} mm_workspace;
+
+static mm_workspace workspace_split(float *ws, int N, int C, int OC) {
+    size_t ob = OC < MM_PANEL ? (size_t)OC : MM_PANEL;
+    mm_workspace w;
+    w.inp32 = ws;
+    w.dinp32 = w.inp32 + (size_t)N * C;
+    w.w32 = w.dinp32 + (size_t)N * C;
+    w.dw32 = w.w32 + ob * C;
+    w.dout32 = w.dw32 + ob * C;
+    w.bias32 = w.dout32 + (size_t)N * ob;
+    return w;
+}
+
+static void portable_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
+                             const void *bias, float *ws, int N, int C, int OC) {
+    mm_workspace w = workspace_split(ws, N, C, OC);
+#pragma omp parallel
+    {
+        load_rows(dt, w.inp32, inp, N, C, C);
+        // one block of rows: each tile converts its own weight rows
+        int fused = fwd_tile_rows(N) >= N;
+        for (int o0 = 0; o0 < OC; o0 += MM_PANEL) {
+            int ob = min_int(MM_PANEL, OC - o0);
+            const void *w16 = fl_at_const(dt, weight, (size_t)o0 * C);
+            if (!fused) load_rows(dt, w.w32, w16, ob, C, C);
+#pragma omp single
+            if (bias) fl_convert(FL_F32, w.bias32, dt, fl_at_const(dt, bias, o0), ob);
+            forward_tiles(dt, out, OC, o0, w.dout32, ob, w.inp32, w.w32, fused ? w16 : NULL,
+                          bias ? w.bias32 : NULL, N, C, ob);
         }
     }
 }
 
 // ----------------------------------------------------------------------------
-// portable path for 16-bit data
+// backward
 
-// Workspace in floats: inp in fp32 (N,C), the dinp accumulator (N,C), a panel
-// of weight or dweight (ob,C), of out or dout (N,ob), and of bias or dbias
-// (ob), with ob = min(OC, MM_PANEL).
-static size_t portable_workspace_floats(int N, int C, int OC) {
-    size_t ob = OC < MM_PANEL ? (size_t)OC : MM_PANEL;
-    return 2 * (size_t)N * C + ob * C + (size_t)N * ob + ob;
-}
+// The tiles of one backward panel (output channels [o0, o0+ob)), in one
+// dynamic loop: dweight rows in blocks of MM_DW_ROWS, dinp in (rows x cols)
+// tiles, dbias in blocks of MM_OCBLOCK. dout32 is the panel's dout (N,ob)
+// with row stride ldd, w32 its weight rows, dw32 its dweight rows (row
+// stride C); on the 16-bit path (dt != FL_F32) each dweight tile converts its
+// rows from dweight into dw32 and rounds them back as soon as it is done, and
+// dinp is summed in MM_KSTEP steps.
+// Called inside a parallel region.
+typedef struct {
+    fl_dtype dt;
+    int N, C, OC, o0, ob;
+    const float *dout32, *w32, *inp32;
+    int ldd;
+    float *dinp32, *dw32, *dbias32;
+    void *dweight;
+} bwd_panel;
 
-// dst (rows,cols) contiguous fp32 = src (rows,cols) of dtype dt, row stride ld
-static void load_block(fl_dtype dt, float *dst, const void *src, int rows, int cols, int ld) {
-#pragma omp parallel for
-    for (int r = 0; r < rows; r++)
-        fl_convert(FL_F32, dst + (size_t)r * cols, dt, fl_at_const(dt, src, (size_t)r * ld), cols);
-}
-
-static void store_block(fl_dtype dt, void *dst, const float *src, int rows, int cols, int ld) {
-#pragma omp parallel for
-    for (int r = 0; r < rows; r++)
-        fl_store_f32(dt, fl_at(dt, dst, (size_t)r * ld), src + (size_t)r * cols, cols);
-}
-
-static void portable_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
-                             const void *bias, float *ws, int N, int C, int OC) {
-    // the backward's layout; the dinp accumulator stays unused
-    int ob_max = OC < MM_PANEL ? OC : MM_PANEL;
-    float *inp32 = ws, *w32 = inp32 + 2 * (size_t)N * C, *out32 = w32 + (size_t)ob_max * C;
-    float *bias32 = out32 + (size_t)N * ob_max;
-    load_block(dt, inp32, inp, N, C, C);
-    for (int o0 = 0; o0 < OC; o0 += MM_PANEL) {
-        int ob = OC - o0 < MM_PANEL ? OC - o0 : MM_PANEL;
-        load_block(dt, w32, fl_at_const(dt, weight, (size_t)o0 * C), ob, C, C);
-        // with a bias, prefill out with it and let sgemm add the product
-        if (bias) {
-            fl_convert(FL_F32, bias32, dt, fl_at_const(dt, bias, o0), ob);
-#pragma omp parallel for
-            for (int n = 0; n < N; n++)
-                for (int o = 0; o < ob; o++) out32[(size_t)n * ob + o] = bias32[o];
+static void backward_tiles(const bwd_panel *p) {
+    int N = p->N, C = p->C, ob = p->ob;
+    int n_dw = p->dw32 ? ceil_div(ob, MM_DW_ROWS) : 0;
+    int rb = dinp_tile_rows(N), cb = dinp_tile_cols(C);
+    int nc = ceil_div(C, cb), n_dinp = p->dinp32 ? ceil_div(N, rb) * nc : 0;
+    int n_db = p->dbias32 ? ceil_div(ob, MM_OCBLOCK) : 0;
+    int kstep = p->dt == FL_F32 ? ob : MM_KSTEP;
+#pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < n_dw + n_dinp + n_db; t++) {
+        if (t < n_dw) {
+            // dweight rows += dout[:, rows]^T @ inp
+            int r0 = t * MM_DW_ROWS, rows = min_int(MM_DW_ROWS, ob - r0);
+            float *dw = p->dw32 + (size_t)r0 * C;
+            void *dw16 =
+                p->dt != FL_F32 ? fl_at(p->dt, p->dweight, (size_t)(p->o0 + r0) * C) : NULL;
+            if (dw16) fl_convert(FL_F32, dw, p->dt, dw16, (size_t)rows * C);
+            sgemm(1, 0, rows, C, N, p->dout32 + r0, p->ldd, p->inp32, C, 1.0f, dw, C);
+            if (dw16) fl_store_f32(p->dt, dw16, dw, (size_t)rows * C);
+        } else if (t < n_dw + n_dinp) {
+            // dinp tile += dout (rows, ob) @ weight (ob, cols), in fixed K steps
+            int i = t - n_dw, n0 = (i / nc) * rb, c0 = (i % nc) * cb;
+            int rows = min_int(rb, N - n0), cols = min_int(cb, C - c0);
+            for (int k0 = 0; k0 < ob; k0 += kstep)
+                sgemm(0, 0, rows, cols, min_int(kstep, ob - k0),
+                      p->dout32 + (size_t)n0 * p->ldd + k0, p->ldd, p->w32 + (size_t)k0 * C + c0, C,
+                      1.0f, p->dinp32 + (size_t)n0 * C + c0, C);
+        } else {
+            int o = (t - n_dw - n_dinp) * MM_OCBLOCK;
+            column_sums(p->dbias32, p->dout32, N, o, min_int(o + MM_OCBLOCK, ob), p->ldd);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, ob, C, 1.0f, inp32, C, w32, C,
-                    bias ? 1.0f : 0.0f, out32, ob);
-        store_block(dt, fl_at(dt, out, o0), out32, N, ob, OC);
     }
 }
 
 static void portable_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                               const void *inp, const void *weight, float *ws, int N, int C,
                               int OC) {
-    int ob_max = OC < MM_PANEL ? OC : MM_PANEL;
-    float *inp32 = ws, *dinp32 = inp32 + (size_t)N * C, *w32 = dinp32 + (size_t)N * C;
-    float *dout32 = w32 + (size_t)ob_max * C, *dbias32 = dout32 + (size_t)N * ob_max;
-    if (dweight) load_block(dt, inp32, inp, N, C, C);
-    if (dinp) load_block(dt, dinp32, dinp, N, C, C); // accumulates on top of dinp
-    for (int o0 = 0; o0 < OC; o0 += MM_PANEL) {
-        int ob = OC - o0 < MM_PANEL ? OC - o0 : MM_PANEL;
-        load_block(dt, dout32, fl_at_const(dt, dout, o0), N, ob, OC);
-        // dinp (N,C) += dout[:, o0:o0+ob] @ weight[o0:o0+ob, :], in steps of MM_KSTEP
-        if (dinp) {
-            load_block(dt, w32, fl_at_const(dt, weight, (size_t)o0 * C), ob, C, C);
-            for (int k0 = 0; k0 < ob; k0 += MM_KSTEP) {
-                int kb = ob - k0 < MM_KSTEP ? ob - k0 : MM_KSTEP;
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, kb, 1.0f, dout32 + k0,
-                            ob, w32 + (size_t)k0 * C, C, 1.0f, dinp32, C);
-            }
+    mm_workspace w = workspace_split(ws, N, C, OC);
+#pragma omp parallel
+    {
+        if (dweight) load_rows(dt, w.inp32, inp, N, C, C);
+        if (dinp) load_rows(dt, w.dinp32, dinp, N, C, C); // accumulates on top of dinp
+        for (int o0 = 0; o0 < OC; o0 += MM_PANEL) {
+            int ob = min_int(MM_PANEL, OC - o0);
+            load_rows(dt, w.dout32, fl_at_const(dt, dout, o0), N, ob, OC);
+            if (dinp) load_rows(dt, w.w32, fl_at_const(dt, weight, (size_t)o0 * C), ob, C, C);
+#pragma omp single
+            if (dbias) fl_convert(FL_F32, w.bias32, dt, fl_at(dt, dbias, o0), ob);
+            bwd_panel p = {.dt = dt,
+                           .N = N,
+                           .C = C,
+                           .OC = OC,
+                           .o0 = o0,
+                           .ob = ob,
+                           .dout32 = w.dout32,
+                           .ldd = ob,
+                           .w32 = w.w32,
+                           .inp32 = w.inp32,
+                           .dinp32 = dinp ? w.dinp32 : NULL,
+                           .dw32 = dweight ? w.dw32 : NULL,
+                           .dbias32 = dbias ? w.bias32 : NULL,
+                           .dweight = dweight};
+            backward_tiles(&p);
+#pragma omp single
+            if (dbias) fl_store_f32(dt, fl_at(dt, dbias, o0), w.bias32, ob);
         }
-        // dweight[o0:o0+ob, :] += dout[:, o0:o0+ob]^T @ inp, in w32's place
-        if (dweight) {
-            void *dw = fl_at(dt, dweight, (size_t)o0 * C);
-            load_block(dt, w32, dw, ob, C, C);
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, ob, C, N, 1.0f, dout32, ob, inp32,
-                        C, 1.0f, w32, C);
-            store_block(dt, dw, w32, ob, C, C);
-        }
-        if (dbias) {
-            void *db = fl_at(dt, dbias, o0);
-            fl_convert(FL_F32, dbias32, dt, db, ob);
-            add_column_sums(dbias32, dout32, N, ob, ob);
-            fl_store_f32(dt, db, dbias32, ob);
-        }
+        if (dinp) store_rows(dt, dinp, w.dinp32, N, C, C);
     }
-    if (dinp) store_block(dt, dinp, dinp32, N, C, C);
 }
 
 // ----------------------------------------------------------------------------
@@ -146,16 +284,8 @@ void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
         portable_forward(dt, out, inp, weight, bias, workspace, N, C, OC);
         return;
     }
-    // with a bias, prefill out with it and let sgemm add the product (beta=1)
-    float *out32 = out;
-    const float *bias32 = bias;
-    if (bias) {
-#pragma omp parallel for
-        for (int n = 0; n < N; n++)
-            for (int o = 0; o < OC; o++) out32[(size_t)n * OC + o] = bias32[o];
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C,
-                bias ? 1.0f : 0.0f, out32, OC);
+#pragma omp parallel
+    forward_tiles(FL_F32, out, OC, 0, out, OC, inp, (float *)weight, NULL, bias, N, C, OC);
 }
 
 void matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
@@ -169,16 +299,22 @@ void matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const 
         portable_backward(dt, dinp, dweight, dbias, dout, inp, weight, workspace, N, C, OC);
         return;
     }
-    // dinp (N,C) += dout (N,OC) @ weight (OC,C)
-    if (dinp)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C,
-                    1.0f, dinp, C);
-    // dweight (OC,C) += dout^T (OC,N) @ inp (N,C)
-    if (dweight)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f,
-                    dweight, C);
-    // dbias (OC) += column sums of dout
-    if (dbias) add_column_sums(dbias, dout, N, OC, OC);
+    // fp32: the whole of dout is one panel, summed over all OC in one sgemm per tile
+    bwd_panel p = {.dt = FL_F32,
+                   .N = N,
+                   .C = C,
+                   .OC = OC,
+                   .o0 = 0,
+                   .ob = OC,
+                   .dout32 = dout,
+                   .ldd = OC,
+                   .w32 = weight,
+                   .inp32 = inp,
+                   .dinp32 = dinp,
+                   .dw32 = dweight,
+                   .dbias32 = dbias};
+#pragma omp parallel
+    backward_tiles(&p);
 }
 
 void matmul_forward_ref(float *out, const float *inp, const float *weight, const float *bias, int N,
