@@ -53,19 +53,31 @@ static int ceil_div(int a, int b) {
 // Tile sizes, measured on GPT-2 shapes (bench/bench_matmul): a few tiles per
 // thread for balance, each large enough that sgemm's packing stays a small
 // part of it. With a short inner dimension (the demo's C = 128) wider tiles.
-static int fwd_tile_rows(int N) {
-    return min_int(N, 1024);
+// tile length along a dimension of n: about `base`, in an even number of
+// tiles when there are few (3 tiles on 2 threads would leave one idle a
+// third of the time), a multiple of 16
+static int tile_len(int n, int base) {
+    int count = (n + base / 2) / base;
+    if (count < 1) count = 1;
+    if (count > 1 && count < 8 && count % 2) count++;
+    int len = (ceil_div(n, count) + 15) / 16 * 16;
+    return min_int(n, len);
 }
-static int fwd_tile_cols(int C) {
-    return C <= 256 ? 512 : 192;
+static int fwd_tile_rows(int N) {
+    return min_int(N, 2048);
+}
+static int fwd_tile_cols(int C, int OC) {
+    return tile_len(OC, C <= 256 ? 512 : 192);
 }
 static int dinp_tile_rows(int N) {
-    return min_int(N, 256);
+    return tile_len(N, N >= 1024 ? 512 : 256);
 }
 static int dinp_tile_cols(int C) {
-    return min_int(C, C <= 1024 ? 192 : 384);
+    return tile_len(C, C <= 1024 ? 192 : 384);
 }
-#define MM_DW_ROWS 192
+static int dw_tile_rows(int OC) {
+    return tile_len(OC, 192);
+}
 
 // dst (ncols) += column sums of src rows [0, N) over columns [o0, o1) (leading
 // dimension ld), rows in order: deterministic, no atomics
@@ -110,7 +122,7 @@ static void store_tile(fl_dtype dt, void *dst, const float *src, int rows, int c
 static void forward_tiles(fl_dtype dt, void *out, int OC, int o0, float *out32, int ldo,
                           const float *inp32, float *w32, const void *w16, const float *bias32,
                           int N, int C, int ob) {
-    int rb = fwd_tile_rows(N), cb = fwd_tile_cols(C);
+    int rb = fwd_tile_rows(N), cb = fwd_tile_cols(C, ob);
     int nr = ceil_div(N, rb), nc = ceil_div(ob, cb);
     FL_ASSERT(!w16 || nr == 1);
 #pragma omp for schedule(dynamic, 1)
@@ -180,7 +192,7 @@ static void portable_forward(fl_dtype dt, void *out, const void *inp, const void
 // backward
 
 // The tiles of one backward panel (output channels [o0, o0+ob)), in one
-// dynamic loop: dweight rows in blocks of MM_DW_ROWS, dinp in (rows x cols)
+// dynamic loop: dweight rows in blocks, dinp in (rows x cols)
 // tiles, dbias in blocks of MM_OCBLOCK. dout32 is the panel's dout (N,ob)
 // with row stride ldd, w32 its weight rows, dw32 its dweight rows (row
 // stride C); on the 16-bit path (dt != FL_F32) each dweight tile converts its
@@ -198,7 +210,7 @@ typedef struct {
 
 static void backward_tiles(const bwd_panel *p) {
     int N = p->N, C = p->C, ob = p->ob;
-    int n_dw = p->dw32 ? ceil_div(ob, MM_DW_ROWS) : 0;
+    int dwb = dw_tile_rows(ob), n_dw = p->dw32 ? ceil_div(ob, dwb) : 0;
     int rb = dinp_tile_rows(N), cb = dinp_tile_cols(C);
     int nc = ceil_div(C, cb), n_dinp = p->dinp32 ? ceil_div(N, rb) * nc : 0;
     int n_db = p->dbias32 ? ceil_div(ob, MM_OCBLOCK) : 0;
@@ -207,7 +219,7 @@ static void backward_tiles(const bwd_panel *p) {
     for (int t = 0; t < n_dw + n_dinp + n_db; t++) {
         if (t < n_dw) {
             // dweight rows += dout[:, rows]^T @ inp
-            int r0 = t * MM_DW_ROWS, rows = min_int(MM_DW_ROWS, ob - r0);
+            int r0 = t * dwb, rows = min_int(dwb, ob - r0);
             float *dw = p->dw32 + (size_t)r0 * C;
             void *dw16 =
                 p->dt != FL_F32 ? fl_at(p->dt, p->dweight, (size_t)(p->o0 + r0) * C) : NULL;
