@@ -64,13 +64,13 @@ static int tile_len(int n, int base) {
     return min_int(n, len);
 }
 static int fwd_tile_rows(int N) {
-    return min_int(N, 2048);
+    return min_int(N, 1024);
 }
 static int fwd_tile_cols(int C, int OC) {
     return tile_len(OC, C <= 256 ? 512 : 192);
 }
 static int dinp_tile_rows(int N) {
-    return tile_len(N, N >= 1024 ? 512 : 256);
+    return tile_len(N, 256);
 }
 static int dinp_tile_cols(int C) {
     return tile_len(C, C <= 1024 ? 192 : 384);
