@@ -50,12 +50,12 @@ static int ceil_div(int a, int b) {
     return (a + b - 1) / b;
 }
 
-// Tile sizes, measured on GPT-2 shapes (bench/bench_matmul): a few tiles per
-// thread for balance, each large enough that sgemm's packing stays a small
-// part of it. With a short inner dimension (the demo's C = 128) wider tiles.
-// tile length along a dimension of n: about `base`, in an even number of
-// tiles when there are few (3 tiles on 2 threads would leave one idle a
-// third of the time), a multiple of 16
+// Tile sizes, measured on GPT-2 and LLaMA shapes (bench_train's GEMM table):
+// a few tiles per thread for balance, each large enough that sgemm's packing
+// stays a small part of it; wider forward tiles with a short inner dimension
+// (the demo's C = 128). tile_len: a length about `base` along a dimension of
+// n, a multiple of 16, in an even number of tiles when there are few (3
+// tiles on 2 threads would leave one idle a third of the time).
 static int tile_len(int n, int base) {
     int count = (n + base / 2) / base;
     if (count < 1) count = 1;
@@ -201,7 +201,7 @@ static void portable_forward(fl_dtype dt, void *out, const void *inp, const void
 // Called inside a parallel region.
 typedef struct {
     fl_dtype dt;
-    int N, C, OC, o0, ob;
+    int N, C, o0, ob;
     const float *dout32, *w32, *inp32;
     int ldd;
     float *dinp32, *dw32, *dbias32;
@@ -258,7 +258,6 @@ static void portable_backward(fl_dtype dt, void *dinp, void *dweight, void *dbia
             bwd_panel p = {.dt = dt,
                            .N = N,
                            .C = C,
-                           .OC = OC,
                            .o0 = o0,
                            .ob = ob,
                            .dout32 = w.dout32,
@@ -315,7 +314,6 @@ void matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const 
     bwd_panel p = {.dt = FL_F32,
                    .N = N,
                    .C = C,
-                   .OC = OC,
                    .o0 = 0,
                    .ob = OC,
                    .dout32 = dout,
