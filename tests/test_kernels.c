@@ -17,6 +17,7 @@
 #include "fitlm/core.h"
 #include "fitlm/kernels.h"
 #include "testlib.h"
+#include "../src/kernels/gemm.h" // the packed GEMM under matmul's 16-bit path
 #include "../src/kernels/simd.h" // exp512 and exp256, for their lane-for-lane test
 
 #include <float.h>
@@ -166,14 +167,22 @@ static void layernorm_backward_f32(float *dinp, float *dweight, float *dbias, co
                                    const float *rstd, int N, int C) {
     layernorm_backward(FL_F32, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
 }
-// fp32 needs no matmul workspace
+// fp32 needs no matmul workspace on the portable path (NULL), some with AVX2
+static void *mm_workspace_f32(int N, int C, int OC) {
+    size_t bytes = matmul_workspace_bytes(FL_F32, N, C, OC);
+    return bytes ? malloc(bytes) : NULL;
+}
 static void matmul_forward_f32(float *out, const float *inp, const float *weight, const float *bias,
                                int N, int C, int OC) {
-    matmul_forward(FL_F32, out, inp, weight, bias, NULL, N, C, OC);
+    void *ws = mm_workspace_f32(N, C, OC);
+    matmul_forward(FL_F32, out, inp, weight, bias, ws, N, C, OC);
+    free(ws);
 }
 static void matmul_backward_f32(float *dinp, float *dweight, float *dbias, const float *dout,
                                 const float *inp, const float *weight, int N, int C, int OC) {
-    matmul_backward(FL_F32, dinp, dweight, dbias, dout, inp, weight, NULL, N, C, OC);
+    void *ws = mm_workspace_f32(N, C, OC);
+    matmul_backward(FL_F32, dinp, dweight, dbias, dout, inp, weight, ws, N, C, OC);
+    free(ws);
 }
 static void attention_forward_f32(float *out, float *lse, const float *qkv, float *workspace, int B,
                                   int T, int NH, int NKV, int HS) {
@@ -1705,10 +1714,14 @@ static void *mm_workspace(fl_dtype dt, int N, int C, int OC) {
 static void test_matmul_lp(fl_dtype dt) {
     // on the portable path OC 320 and 530 span two and three of the input
     // gradient's 256-channel steps, OC 4500 three 2048-channel weight panels
-    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},    {5, 33, 17},  {64, 96, 288},
-                       {130, 192, 320}, {2, 33, 530}, {3, 20, 4500}}; // N C OC
-    t_check(matmul_workspace_bytes(FL_F32, 130, 192, 320) == 0, "fp32 matmul needs no workspace");
-    for (int s = 0; s < 7; s++) {
+    // (with AVX2, three chunks of the input gradient); N 1100 two forward row
+    // blocks
+    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},    {5, 33, 17},   {64, 96, 288},
+                       {130, 192, 320}, {2, 33, 530}, {3, 20, 4500}, {1100, 20, 40}}; // N C OC
+    if (fl_cpu_isa() == FL_ISA_PORTABLE)
+        t_check(matmul_workspace_bytes(FL_F32, 130, 192, 320) == 0,
+                "fp32 matmul on the portable path needs no workspace");
+    for (int s = 0; s < 8; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand_dt(dt, ni, 51, 1.0f), *w = frand_dt(dt, nw, 52, 1.0f);
@@ -1760,6 +1773,95 @@ static void test_matmul_lp(fl_dtype dt) {
         free(dout_h), free(ws), free(dinp), free(dw), free(db), free(dinp_h), free(dw_h);
         free(db_h), free(dinp_h2), free(dw_h2), free(db_h2);
     }
+}
+
+// gemm.c, the GEMM of the 16-bit path with AVX2 or AVX-512 (the portable
+// path is OpenBLAS's sgemm, covered by test_matmul under that cap). Against
+// a double reference with the fp32 bound of a K-term sum, (K + 2) u
+// sum |a b| + u |c|; a 16-bit operand gives the bits of its fp32 copy
+// (conversion is exact); sub-tiles give the whole call's bits (matmul's
+// tiles rely on it); AVX2 and AVX-512 give the same bits (FMAs in k order).
+static gemm_mat gm(fl_dtype dt, const void *p, int ld, int trans) {
+    return (gemm_mat){.dt = dt, .p = p, .ld = ld, .trans = trans};
+}
+
+// x packed ahead whole (as gemm_pack's callers do, range by range)
+static float *packed(gemm_mat x, int as_b, int count, int K) {
+    float *dst = fnan(gemm_packed_floats(count, K));
+    for (int i = 0; i < count; i += GEMM_PACK_QUANTUM)
+        for (int k0 = 0; k0 < K; k0 += GEMM_DEPTH_BLOCK)
+            gemm_pack(dst, x, as_b, count, K, i,
+                      count - i < GEMM_PACK_QUANTUM ? count - i : GEMM_PACK_QUANTUM, k0);
+    return dst;
+}
+
+static void gemm_case(int M, int N, int K, int ta, int tb, fl_dtype dt, int beta, unsigned seed) {
+    int lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 1, ldc = N + 2;
+    size_t na = (size_t)(ta ? K : M) * lda, nb = (size_t)(tb ? N : K) * ldb, nc = (size_t)M * ldc;
+    float *a = frand_dt(dt, na, seed, 1.0f), *b = frand_dt(dt, nb, seed + 1, 1.0f);
+    float *c0 = frand(nc, seed + 2, 1.0f), *c = fcopy(c0, nc), *c32 = fcopy(c0, nc);
+    void *a_h = to_dt(dt, a, na), *b_h = to_dt(dt, b, nb);
+    float *pack = fnan(gemm_pack_floats(M, N, K));
+    gemm_tile(M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta, c, ldc, pack);
+    const char *name =
+        nm("gemm %s M%d N%d K%d ta%d tb%d beta%d", fl_dtype_name(dt), M, N, K, ta, tb, beta);
+    int bad = 0;
+    for (int i = 0; i < M && !bad; i++)
+        for (int j = 0; j < N && !bad; j++) {
+            double sum = beta ? c0[(size_t)i * ldc + j] : 0.0, mag = 0.0;
+            for (int k = 0; k < K; k++) {
+                double x = ta ? a[(size_t)k * lda + i] : a[(size_t)i * lda + k];
+                double y = tb ? b[(size_t)j * ldb + k] : b[(size_t)k * ldb + j];
+                sum += x * y, mag += fabs(x * y);
+            }
+            double tol = (K + 2) * 0x1p-24 * mag + 0x1p-24 * fabs(sum);
+            bad = fabs(c[(size_t)i * ldc + j] - sum) > tol;
+            t_check(!bad, "%s: c[%d][%d] = %.9g, want %.9g +- %.3g", name, i, j,
+                    c[(size_t)i * ldc + j], sum, tol);
+        }
+    // the fp32 copy of the operands in four sub-tiles, then the operands
+    // packed ahead in four sub-tiles split on the packing quantum
+    float *pa = packed(gm(dt, a_h, lda, ta), 0, M, K), *pb = packed(gm(dt, b_h, ldb, tb), 1, N, K);
+    for (int pass = 0; pass < 2; pass++) {
+        int m1 = pass ? (M > GEMM_PACK_QUANTUM ? GEMM_PACK_QUANTUM : 0) : M / 3, n1 = N / 2;
+        if (pass) n1 = N > GEMM_PACK_QUANTUM ? GEMM_PACK_QUANTUM : 0;
+        memcpy(c32, c0, nc * sizeof *c32);
+        for (int q = 0; q < 4; q++) {
+            int i0 = q & 1 ? m1 : 0, j0 = q & 2 ? n1 : 0;
+            int rows = q & 1 ? M - m1 : m1, cols = q & 2 ? N - n1 : n1;
+            if (!rows || !cols) continue;
+            gemm_mat ma = gm(FL_F32, a + (ta ? (size_t)i0 : (size_t)i0 * lda), lda, ta);
+            gemm_mat mb = gm(FL_F32, b + (tb ? (size_t)j0 * ldb : (size_t)j0), ldb, tb);
+            if (pass)
+                ma = (gemm_mat){.packed = pa, .count = M, .first = i0},
+                mb = (gemm_mat){.packed = pb, .count = N, .first = j0};
+            gemm_tile(rows, cols, K, ma, mb, (float)beta, c32 + (size_t)i0 * ldc + j0, ldc, pack);
+        }
+        t_check(!memcmp(c, c32, nc * sizeof *c), "%s: differs %s", name,
+                pass ? "with operands packed ahead" : "from its fp32 copy in sub-tiles");
+    }
+    if (fl_cpu_isa() == FL_ISA_AVX512) {
+        memcpy(c32, c0, nc * sizeof *c32);
+        gemm_tile_isa(FL_ISA_AVX2, M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta,
+                      c32, ldc, pack);
+        t_check(!memcmp(c, c32, nc * sizeof *c), "%s: AVX2 and AVX-512 differ", name);
+    }
+    free(a), free(b), free(c0), free(c), free(c32), free(a_h), free(b_h), free(pack);
+    free(pa), free(pb);
+}
+
+static void test_gemm(void) {
+    if (fl_cpu_isa() < FL_ISA_AVX2) return;
+    // edges of the 12 x 32 and 6 x 16 micro-tiles, of the 256-wide k and n
+    // blocks and of the 192-row a block
+    int shapes[][3] = {{1, 1, 1}, {13, 33, 7}, {7, 17, 0}, {50, 40, 300}, {200, 300, 513}};
+    fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
+    unsigned seed = 300;
+    for (int s = 0; s < 5; s++)
+        for (int d = 0; d < 3; d++)
+            for (int t = 0; t < 4; t++)
+                gemm_case(shapes[s][0], shapes[s][1], shapes[s][2], t & 1, t >> 1, dts[d],
+                          (s + t) % 2, seed += 3);
 }
 
 static void test_attention_lp(fl_dtype dt) {
@@ -2134,6 +2236,7 @@ static int run_all(const char *path) {
     test_rmsnorm();
     test_rope();
     test_swiglu();
+    test_gemm();
     test_lowp();
     return t_report();
 }

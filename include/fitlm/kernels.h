@@ -66,14 +66,15 @@ void layernorm_backward_ref(float *dinp, float *dweight, float *dbias, const flo
 
 // ----------------------------------------------------------------------------
 // matmul with bias: out (N,OC) = inp (N,C) @ weight^T + bias, weight (OC,C)
-// as in PyTorch's nn.Linear; bias may be NULL. fp32: OpenBLAS sgemm. bf16:
-// a bf16 GEMM with fp32 accumulation (oneDNN, AVX512_BF16/AMX) when the CPU
-// has one, else the portable path: operands converted to fp32 in blocks and
-// multiplied with sgemm. fp16: the portable path.
+// as in PyTorch's nn.Linear; bias may be NULL. bf16 where the CPU has
+// AVX512_BF16 or AMX: oneDNN's bf16 GEMM (fp32 accumulation). Otherwise,
+// with AVX2 or AVX-512: fitlm's GEMM (src/kernels/gemm.c) for fp32, bf16
+// and fp16, converting 16-bit operands to fp32 as it packs them. Without
+// AVX2: OpenBLAS's sgemm, on fp32 copies of 16-bit operands.
 //
-// workspace: matmul_workspace_bytes(dt, N, C, OC) bytes (0 for fp32, when
-// workspace may be NULL); it also reserves the GEMM library's scratchpad,
-// so every byte is counted by the tagged allocator.
+// workspace: matmul_workspace_bytes(dt, N, C, OC) bytes (0 for fp32 without
+// AVX2, when workspace may be NULL); it also reserves the GEMM library's
+// scratchpad, so every byte is counted by the tagged allocator.
 
 size_t matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC);
 void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight, const void *bias,

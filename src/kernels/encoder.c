@@ -13,7 +13,7 @@
 void encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte, const void *wpe,
                      int B, int T, int C) {
     // out (B,T,C), inp (B,T), wte (Vp,C), wpe (maxT,C)
-#pragma omp parallel for collapse(2)
+#pragma omp parallel for collapse(2) if ((size_t)B * T * C >= FL_PAR_MIN_VALUES)
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
             size_t bt = (size_t)b * T + t;
@@ -73,7 +73,7 @@ void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, con
     // result independent of the thread count, and one rounding per element.
     int N = B * T;
     occurs_fn *occurs = occurs_for(fl_cpu_isa());
-#pragma omp parallel for schedule(dynamic, 16)
+#pragma omp parallel for schedule(dynamic, 16) if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     for (int bt = 0; bt < (dwte ? N : 0); bt++) {
         int tok = inp[bt], seen = 0;
         for (int j0 = 0; j0 < bt && !seen; j0 += ENC_SCAN)
@@ -86,7 +86,7 @@ void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, con
     }
     if (!dwpe) return;
         // each t owns its row of dwpe; batches are summed in order
-#pragma omp parallel for
+#pragma omp parallel for if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     for (int t = 0; t < T; t++) {
         for (int c0 = 0; c0 < C; c0 += ENC_CBLOCK) {
             int nc = C - c0 < ENC_CBLOCK ? C - c0 : ENC_CBLOCK;

@@ -152,7 +152,7 @@ void gelu_forward(fl_dtype dt, void *out, const void *inp, size_t N) {
         f = gelu_forward_avx2;
 #endif
     size_t nchunks = (N + GELU_CHUNK - 1) / GELU_CHUNK;
-#pragma omp parallel for
+#pragma omp parallel for if (N >= FL_PAR_MIN_VALUES)
     for (size_t c = 0; c < nchunks; c++) {
         size_t i0 = c * GELU_CHUNK, n = N - i0 < GELU_CHUNK ? N - i0 : GELU_CHUNK;
         float inp32[GELU_CHUNK], out32[GELU_CHUNK];
@@ -171,7 +171,7 @@ void gelu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout, s
         f = gelu_backward_avx2;
 #endif
     size_t nchunks = (N + GELU_CHUNK - 1) / GELU_CHUNK;
-#pragma omp parallel for
+#pragma omp parallel for if (N >= FL_PAR_MIN_VALUES)
     for (size_t c = 0; c < nchunks; c++) {
         size_t i0 = c * GELU_CHUNK, n = N - i0 < GELU_CHUNK ? N - i0 : GELU_CHUNK;
         float inp32[GELU_CHUNK], dout32[GELU_CHUNK], dinp32[GELU_CHUNK];

@@ -68,7 +68,7 @@ void layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const v
                        const void *weight, const void *bias, int N, int C) {
     // out, inp (N,C); mean, rstd (N); weight, bias (C)
     __typeof__(ln_norm_portable) *ln_norm = ln_norm_for(fl_cpu_isa());
-#pragma omp parallel
+#pragma omp parallel if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     {
         float w32[C], b32[C], x32[C], y32[C];
         const float *w = fl_load_f32(dt, weight, C, w32), *b = fl_load_f32(dt, bias, C, b32);
@@ -90,9 +90,10 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
     fl_isa isa = fl_cpu_isa();
     __typeof__(ln_dx_portable) *ln_dx = ln_dx_for(isa);
     __typeof__(ln_dwdb_portable) *ln_dwdb = ln_dwdb_for(isa);
-    // dinp: rows are independent
-#pragma omp parallel
+    // One region for both loops: a thread is woken once per call.
+#pragma omp parallel if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     {
+        // dinp: rows are independent
         float w32[C], x32[C], dy32[C], dx32[C];
         const float *weight_f = fl_load_f32(dt, weight, C, w32);
 #pragma omp for
@@ -113,26 +114,26 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
             ln_dx(dx, x, dy, weight_f, m, r, dnorm_mean, dnorm_norm_mean, C);
             fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
-    }
-    if (!dweight) return; // a frozen weight and bias
-    // dweight, dbias: each thread owns a block of channels and sums the rows
-    // in order, so there is no reduction across threads (deterministic); the
-    // block's sums stay in fp32 until all rows are in
-    int nblocks = (C + LN_CBLOCK - 1) / LN_CBLOCK;
-#pragma omp parallel for
-    for (int blk = 0; blk < nblocks; blk++) {
-        int c0 = blk * LN_CBLOCK, nc = C - c0 < LN_CBLOCK ? C - c0 : LN_CBLOCK;
-        float dw32[LN_CBLOCK], db32[LN_CBLOCK], x32[LN_CBLOCK], dy32[LN_CBLOCK];
-        float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dw32);
-        float *db = fp32_rmw(dt, fl_at(dt, dbias, c0), nc, db32);
-        for (int n = 0; n < N; n++) {
-            size_t off = (size_t)n * C + c0;
-            const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
-            const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
-            ln_dwdb(dw, db, x, dy, mean[n], rstd[n], nc);
+        // dweight, dbias (none for a frozen weight and bias): each thread owns
+        // a block of channels and sums the rows in order, so there is no
+        // reduction across threads (deterministic); the block's sums stay in
+        // fp32 until all rows are in
+        int nblocks = dweight ? (C + LN_CBLOCK - 1) / LN_CBLOCK : 0;
+#pragma omp for
+        for (int blk = 0; blk < nblocks; blk++) {
+            int c0 = blk * LN_CBLOCK, nc = C - c0 < LN_CBLOCK ? C - c0 : LN_CBLOCK;
+            float dw32[LN_CBLOCK], db32[LN_CBLOCK];
+            float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dw32);
+            float *db = fp32_rmw(dt, fl_at(dt, dbias, c0), nc, db32);
+            for (int n = 0; n < N; n++) {
+                size_t off = (size_t)n * C + c0;
+                const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
+                const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
+                ln_dwdb(dw, db, x, dy, mean[n], rstd[n], nc);
+            }
+            fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
+            fp32_flush(dt, fl_at(dt, dbias, c0), db, nc);
         }
-        fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
-        fp32_flush(dt, fl_at(dt, dbias, c0), db, nc);
     }
 }
 

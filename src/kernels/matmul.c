@@ -17,7 +17,10 @@
 #include "fitlm/core.h"
 
 #include <cblas.h>
+#include <omp.h>
+#include <string.h>
 
+#include "gemm.h"
 #include "matmul_dnnl.h"
 
 // output-channel block for the bias gradient (see column_sums)
@@ -30,6 +33,12 @@
 // steps of MM_KSTEP (sgemm with beta = 1 on the fp32 accumulator): a fixed
 // order, independent of MM_PANEL and of the tiles.
 #define MM_KSTEP 256
+// With AVX2 (gemm.c), the input gradient sums over OC in chunks of
+// MM_DINP_CHUNK output channels (a multiple of gemm's depth block, so the
+// bits do not depend on it), dout's columns of a chunk packed once for all
+// of the chunk's tiles.
+#define MM_DINP_CHUNK 2048
+_Static_assert(MM_DINP_CHUNK % GEMM_DEPTH_BLOCK == 0, "chunks of whole depth blocks");
 
 // One tile's row-major sgemm, OpenBLAS's: inside a parallel region it runs
 // on the calling thread, and an output row's bits do not depend on how many
@@ -277,9 +286,200 @@ static void portable_backward(fl_dtype dt, void *dinp, void *dweight, void *dbia
 }
 
 // ----------------------------------------------------------------------------
+// With AVX2 or AVX-512 (every dtype): the same tiles through gemm.c, which
+// converts 16-bit operands while it packs them, so no conversion pass
+// precedes the GEMMs. inp, which every tile of a GEMM reads (the forward's
+// a, the weight gradient's b), is packed once per call by all threads
+// instead of once per tile; that and gemm's own packing make these tiles
+// faster than OpenBLAS's sgemm on the same tiles.
+// Workspace: inp packed; on the 16-bit path also the fp32 dinp accumulator
+// (N,C) and bias or dbias (OC); per thread, gemm's packing buffer and on
+// the 16-bit path one fp32 tile (a forward output tile or dweight rows).
+
+static int packed_path(void) {
+    return fl_cpu_isa() >= FL_ISA_AVX2;
+}
+
+// Row blocks of a tiling whose a is packed ahead: rb rows rounded to the
+// packing quantum (the blocks start where packed rows do).
+static int packed_rows(int rb, int N) {
+    if (rb >= N) return N;
+    rb = (rb + GEMM_PACK_QUANTUM / 2) / GEMM_PACK_QUANTUM * GEMM_PACK_QUANTUM;
+    return rb < N ? rb : N;
+}
+
+// gemm's packing buffer for the largest of the tiles below
+static size_t pack_floats(int N, int C, int OC) {
+    size_t fwd = gemm_pack_floats(packed_rows(fwd_tile_rows(N), N), fwd_tile_cols(C, OC), C);
+    size_t dw = gemm_pack_floats(dw_tile_rows(OC), C, N);
+    size_t dinp = gemm_pack_floats(N, dinp_tile_cols(C), min_int(OC, MM_DINP_CHUNK));
+    return fwd > dw ? (fwd > dinp ? fwd : dinp) : (dw > dinp ? dw : dinp);
+}
+
+static size_t packed_thread_floats(fl_dtype dt, int N, int C, int OC) {
+    size_t fwd = (size_t)packed_rows(fwd_tile_rows(N), N) * fwd_tile_cols(C, OC);
+    size_t dw = (size_t)dw_tile_rows(OC) * C;
+    return pack_floats(N, C, OC) + (dt == FL_F32 ? 0 : fwd > dw ? fwd : dw);
+}
+
+static size_t inp_packed_floats(int N, int C) {
+    size_t as_a = gemm_packed_floats(N, C), as_b = gemm_packed_floats(C, N);
+    return as_a > as_b ? as_a : as_b;
+}
+
+static size_t packed_shared_floats(fl_dtype dt, int N, int C, int OC) {
+    return inp_packed_floats(N, C) + gemm_packed_floats(N, min_int(OC, MM_DINP_CHUNK)) +
+           (dt == FL_F32 ? 0 : (size_t)N * C + OC);
+}
+
+static size_t packed_workspace_floats(fl_dtype dt, int N, int C, int OC) {
+    return packed_shared_floats(dt, N, C, OC) +
+           (size_t)fl_threads() * packed_thread_floats(dt, N, C, OC);
+}
+
+typedef struct {
+    float *inp_packed, *dout_packed, *dinp32, *bias32;
+} packed_shared;
+
+static packed_shared shared_split(float *ws, fl_dtype dt, int N, int C, int OC) {
+    packed_shared sh = {.inp_packed = ws};
+    sh.dout_packed = sh.inp_packed + inp_packed_floats(N, C);
+    if (dt != FL_F32) {
+        sh.dinp32 = sh.dout_packed + gemm_packed_floats(N, min_int(OC, MM_DINP_CHUNK));
+        sh.bias32 = sh.dinp32 + (size_t)N * C;
+    }
+    return sh;
+}
+
+static float *thread_share(float *ws, fl_dtype dt, int N, int C, int OC) {
+    FL_ASSERT(omp_get_thread_num() < fl_threads());
+    size_t per = packed_thread_floats(dt, N, C, OC);
+    return ws + packed_shared_floats(dt, N, C, OC) + (size_t)omp_get_thread_num() * per;
+}
+
+// x (rows, cols) with row stride ld, packed by all threads as gemm's a (rows
+// by depth cols) or b (cols by depth rows); called inside a parallel region
+static gemm_mat pack_shared(float *dst, fl_dtype dt, const void *x, int ld, int as_b, int rows,
+                            int cols) {
+    gemm_mat m = {.dt = dt, .p = x, .ld = ld, .trans = 0};
+    int count = as_b ? cols : rows, depth = as_b ? rows : cols;
+    int blocks = ceil_div(depth, GEMM_DEPTH_BLOCK), ranges = ceil_div(count, GEMM_PACK_QUANTUM);
+#pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < ranges * blocks; t++) {
+        int i = t / blocks * GEMM_PACK_QUANTUM;
+        gemm_pack(dst, m, as_b, count, depth, i, min_int(GEMM_PACK_QUANTUM, count - i),
+                  t % blocks * GEMM_DEPTH_BLOCK);
+    }
+    return (gemm_mat){.packed = dst, .count = count};
+}
+
+static gemm_mat mat(fl_dtype dt, const void *p, size_t offset, int ld, int trans) {
+    return (gemm_mat){.dt = dt, .p = fl_at_const(dt, p, offset), .ld = ld, .trans = trans};
+}
+
+static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
+                           const void *bias, float *ws, int N, int C, int OC) {
+    packed_shared sh = shared_split(ws, dt, N, C, OC);
+    // row blocks start on the packed rows' quantum
+    int rb = packed_rows(fwd_tile_rows(N), N), cb = fwd_tile_cols(C, OC);
+    int nr = ceil_div(N, rb), nc = ceil_div(OC, cb);
+#pragma omp parallel
+    {
+        float *pack = thread_share(ws, dt, N, C, OC);
+        gemm_mat a = pack_shared(sh.inp_packed, dt, inp, C, 0, N, C);
+        const float *bias32 = dt == FL_F32 ? bias : sh.bias32;
+#pragma omp single
+        if (bias && dt != FL_F32) fl_convert(FL_F32, sh.bias32, dt, bias, OC);
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < nr * nc; t++) {
+            int n0 = (t / nc) * rb, c0 = (t % nc) * cb;
+            int rows = min_int(rb, N - n0), cols = min_int(cb, OC - c0);
+            // fp32 straight into out; 16-bit on an fp32 tile, rounded after
+            float *tile =
+                dt == FL_F32 ? (float *)out + (size_t)n0 * OC + c0 : pack + pack_floats(N, C, OC);
+            int ldt = dt == FL_F32 ? OC : cols;
+            if (bias)
+                for (int n = 0; n < rows; n++)
+                    memcpy(tile + (size_t)n * ldt, bias32 + c0, cols * sizeof(float));
+            a.first = n0;
+            gemm_tile(rows, cols, C, a, mat(dt, weight, (size_t)c0 * C, C, 1), bias ? 1.0f : 0.0f,
+                      tile, ldt, pack);
+            if (dt != FL_F32)
+                store_tile(dt, fl_at(dt, out, (size_t)n0 * OC + c0), tile, rows, cols, OC, cols);
+        }
+    }
+}
+
+// dst (o1 - o0) += column sums of src rows [0, N) over columns [o0, o1)
+// (row stride ld), rows in order; row is scratch of MM_OCBLOCK floats
+static void column_sums_dt(float *dst, fl_dtype dt, const void *src, int N, int o0, int o1, int ld,
+                           float *row) {
+    for (int n = 0; n < N; n++) {
+        const float *x = fl_load_f32(dt, fl_at_const(dt, src, (size_t)n * ld + o0), o1 - o0, row);
+        for (int o = 0; o < o1 - o0; o++) dst[o] += x[o];
+    }
+}
+
+static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
+                            const void *inp, const void *weight, float *ws, int N, int C, int OC) {
+    packed_shared sh = shared_split(ws, dt, N, C, OC);
+    // fp32 gradients accumulate in place, 16-bit ones in fp32 copies
+    float *dinp32 = dt == FL_F32 ? dinp : sh.dinp32, *dbias32 = dt == FL_F32 ? dbias : sh.bias32;
+    int dwb = dw_tile_rows(OC), n_dw = dweight ? ceil_div(OC, dwb) : 0;
+    int rb = packed_rows(dinp_tile_rows(N), N), cb = dinp_tile_cols(C);
+    int nc = ceil_div(C, cb), n_dinp = dinp ? ceil_div(N, rb) * nc : 0;
+    int n_db = dbias ? ceil_div(OC, MM_OCBLOCK) : 0;
+#pragma omp parallel
+    {
+        // scratch: only 16-bit data is converted into it
+        float *pack = thread_share(ws, dt, N, C, OC), *scratch = pack + pack_floats(N, C, OC);
+        gemm_mat inp_b = {0};
+        if (dweight) inp_b = pack_shared(sh.inp_packed, dt, inp, C, 1, N, C);
+        if (dinp && dt != FL_F32) load_rows(dt, dinp32, dinp, N, C, C);
+#pragma omp single
+        if (dbias && dt != FL_F32) fl_convert(FL_F32, dbias32, dt, dbias, OC);
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int t = 0; t < n_dw + n_db; t++) {
+            if (t < n_dw) {
+                // dweight rows += dout[:, rows]^T @ inp, a 16-bit one rounded once
+                int r0 = t * dwb, rows = min_int(dwb, OC - r0);
+                void *dw = fl_at(dt, dweight, (size_t)r0 * C);
+                float *dw32 = dt == FL_F32 ? dw : scratch;
+                if (dt != FL_F32) fl_convert(FL_F32, dw32, dt, dw, (size_t)rows * C);
+                gemm_tile(rows, C, N, mat(dt, dout, r0, OC, 1), inp_b, 1.0f, dw32, C, pack);
+                if (dt != FL_F32) fl_store_f32(dt, dw, dw32, (size_t)rows * C);
+            } else {
+                int o = (t - n_dw) * MM_OCBLOCK;
+                column_sums_dt(dbias32 + o, dt, dout, N, o, min_int(o + MM_OCBLOCK, OC), OC,
+                               scratch);
+            }
+        }
+        // dinp tiles += dout (rows, chunk) @ weight (chunk, cols), chunk by
+        // chunk of output channels
+        for (int k0 = 0; n_dinp && k0 < OC; k0 += MM_DINP_CHUNK) {
+            int kn = min_int(MM_DINP_CHUNK, OC - k0);
+            gemm_mat a = pack_shared(sh.dout_packed, dt, fl_at_const(dt, dout, k0), OC, 0, N, kn);
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < n_dinp; i++) {
+                int n0 = (i / nc) * rb, c0 = (i % nc) * cb;
+                a.first = n0;
+                gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, a,
+                          mat(dt, weight, (size_t)k0 * C + c0, C, 0), 1.0f,
+                          dinp32 + (size_t)n0 * C + c0, C, pack);
+            }
+        }
+        if (dinp && dt != FL_F32) store_rows(dt, dinp, dinp32, N, C, C);
+#pragma omp barrier // the first loop's dbias sums (it does not wait)
+#pragma omp single
+        if (dbias && dt != FL_F32) fl_store_f32(dt, dbias, dbias32, OC);
+    }
+}
+
+// ----------------------------------------------------------------------------
 
 size_t matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC) {
     if (dnnl_matmul_supported(dt)) return dnnl_matmul_workspace_bytes(dt, N, C, OC);
+    if (packed_path()) return packed_workspace_floats(dt, N, C, OC) * sizeof(float);
     return dt == FL_F32 ? 0 : portable_workspace_floats(N, C, OC) * sizeof(float);
 }
 
@@ -288,6 +488,11 @@ void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
     // a native bf16 GEMM (oneDNN: AMX or AVX512_BF16) where the CPU has one
     if (dnnl_matmul_supported(dt)) {
         dnnl_matmul_forward(dt, out, inp, weight, bias, workspace, N, C, OC);
+        return;
+    }
+    if (packed_path()) {
+        FL_ASSERT(workspace);
+        packed_forward(dt, out, inp, weight, bias, workspace, N, C, OC);
         return;
     }
     if (dt != FL_F32) {
@@ -303,6 +508,11 @@ void matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const 
                      const void *inp, const void *weight, void *workspace, int N, int C, int OC) {
     if (dnnl_matmul_supported(dt)) {
         dnnl_matmul_backward(dt, dinp, dweight, dbias, dout, inp, weight, workspace, N, C, OC);
+        return;
+    }
+    if (packed_path()) {
+        FL_ASSERT(workspace);
+        packed_backward(dt, dinp, dweight, dbias, dout, inp, weight, workspace, N, C, OC);
         return;
     }
     if (dt != FL_F32) {

@@ -20,7 +20,7 @@ FL_ISA_COPIES(add, (float *out, const float *a, const float *b, size_t n), (out,
 void residual_forward(fl_dtype dt, void *out, const void *a, const void *b, size_t N) {
     size_t nblocks = (N + RES_BLOCK - 1) / RES_BLOCK;
     __typeof__(add_portable) *add = add_for(fl_cpu_isa());
-#pragma omp parallel for
+#pragma omp parallel for if (N >= FL_PAR_MIN_VALUES)
     for (size_t blk = 0; blk < nblocks; blk++) {
         size_t i0 = blk * RES_BLOCK, n = N - i0 < RES_BLOCK ? N - i0 : RES_BLOCK;
         float a32[RES_BLOCK], b32[RES_BLOCK], out32[RES_BLOCK];
@@ -35,7 +35,7 @@ void residual_forward(fl_dtype dt, void *out, const void *a, const void *b, size
 void residual_backward(fl_dtype dt, void *da, void *db, const void *dout, size_t N) {
     size_t nblocks = (N + RES_BLOCK - 1) / RES_BLOCK;
     __typeof__(add_portable) *add = add_for(fl_cpu_isa());
-#pragma omp parallel for
+#pragma omp parallel for if (N >= FL_PAR_MIN_VALUES)
     for (size_t blk = 0; blk < nblocks; blk++) {
         size_t i0 = blk * RES_BLOCK, n = N - i0 < RES_BLOCK ? N - i0 : RES_BLOCK;
         float dout32[RES_BLOCK], g32[RES_BLOCK];

@@ -54,7 +54,7 @@ void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const
                      int N, int C, float eps) {
     // out, inp (N,C); rstd (N); weight (C)
     __typeof__(rms_norm_portable) *rms_norm = rms_norm_for(fl_cpu_isa());
-#pragma omp parallel
+#pragma omp parallel if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     {
         float w32[C], x32[C], y32[C];
         const float *w = fl_load_f32(dt, weight, C, w32);
@@ -75,9 +75,10 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
     fl_isa isa = fl_cpu_isa();
     __typeof__(rms_dx_portable) *rms_dx = rms_dx_for(isa);
     __typeof__(rms_dw_portable) *rms_dw = rms_dw_for(isa);
-    // dinp: rows are independent
-#pragma omp parallel
+    // One region for both loops: a thread is woken once per call.
+#pragma omp parallel if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     {
+        // dinp: rows are independent
         float w32[C], x32[C], dy32[C], dx32[C];
         const float *weight_f = fl_load_f32(dt, weight, C, w32);
 #pragma omp for
@@ -93,24 +94,24 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
             rms_dx(dx, x, dy, weight_f, r, dnorm_norm_mean, C);
             fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
-    }
-    if (!dweight) return; // a frozen weight
-    // dweight: each thread owns a block of channels and sums the rows in
-    // order, so there is no reduction across threads (deterministic); the
-    // block's sums stay in fp32 until all rows are in
-    int nblocks = (C + RMS_CBLOCK - 1) / RMS_CBLOCK;
-#pragma omp parallel for
-    for (int blk = 0; blk < nblocks; blk++) {
-        int c0 = blk * RMS_CBLOCK, nc = C - c0 < RMS_CBLOCK ? C - c0 : RMS_CBLOCK;
-        float dw32[RMS_CBLOCK], x32[RMS_CBLOCK], dy32[RMS_CBLOCK];
-        float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dw32);
-        for (int n = 0; n < N; n++) {
-            size_t off = (size_t)n * C + c0;
-            const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
-            const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
-            rms_dw(dw, x, dy, rstd[n], nc);
+        // dweight (none for a frozen weight): each thread owns a block of
+        // channels and sums the rows in order, so there is no reduction
+        // across threads (deterministic); the block's sums stay in fp32 until
+        // all rows are in
+        int nblocks = dweight ? (C + RMS_CBLOCK - 1) / RMS_CBLOCK : 0;
+#pragma omp for
+        for (int blk = 0; blk < nblocks; blk++) {
+            int c0 = blk * RMS_CBLOCK, nc = C - c0 < RMS_CBLOCK ? C - c0 : RMS_CBLOCK;
+            float dw32[RMS_CBLOCK];
+            float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dw32);
+            for (int n = 0; n < N; n++) {
+                size_t off = (size_t)n * C + c0;
+                const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
+                const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
+                rms_dw(dw, x, dy, rstd[n], nc);
+            }
+            fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
         }
-        fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
     }
 }
 

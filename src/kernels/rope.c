@@ -53,7 +53,7 @@ static void rope_apply(fl_dtype dt, void *qkv, const float *cos_sin, int B, int 
     check_shape(NH, NKV, HS);
     int W = (NH + 2 * NKV) * HS, nrot = NH + NKV, h = HS / 2;
     __typeof__(rope_head_portable) *rope_head = rope_head_for(fl_cpu_isa());
-#pragma omp parallel
+#pragma omp parallel if ((size_t)B * T * nrot * HS >= FL_PAR_MIN_VALUES)
     {
         float x32[HS];
 #pragma omp for

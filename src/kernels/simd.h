@@ -33,6 +33,14 @@ static inline float fp32_at(fl_dtype dt, const void *src, size_t i) {
     return *fl_load_f32(dt, fl_at_const(dt, src, i), 1, &x);
 }
 
+// Kernels that make a pass or two over their data (norms, residual adds, RoPE,
+// activations, embeddings) run on one thread when a call's main tensor has
+// fewer values than this. Waking a passively waiting OpenMP thread cost 40-80
+// us on a 2-core Zen 4 VM (a halted vCPU, or a core another process holds),
+// so two threads paid off only above ~150 us of one core's work: from ~2^18.5
+// values (layernorm, GELU, SwiGLU) to ~2^20 (residual add, RoPE).
+#define FL_PAR_MIN_VALUES ((size_t)1 << 19)
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define FL_HAVE_X86_SIMD 1

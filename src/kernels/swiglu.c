@@ -177,7 +177,7 @@ void swiglu_forward(fl_dtype dt, void *out, const void *inp, int N, int IC) {
     int per_row = (IC + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK;
     long long items = (long long)N * per_row;
     swiglu_fwd_fn fwd_row = swiglu_fwd_path();
-#pragma omp parallel for
+#pragma omp parallel for if ((size_t)N * IC >= FL_PAR_MIN_VALUES)
     for (long long it = 0; it < items; it++) {
         int n = (int)(it / per_row), i0 = (int)(it % per_row) * SWIGLU_CHUNK;
         int nc = IC - i0 < SWIGLU_CHUNK ? IC - i0 : SWIGLU_CHUNK;
@@ -197,7 +197,7 @@ void swiglu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout,
     int per_row = (IC + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK;
     long long items = (long long)N * per_row;
     swiglu_bwd_fn bwd_row = swiglu_bwd_path();
-#pragma omp parallel for
+#pragma omp parallel for if ((size_t)N * IC >= FL_PAR_MIN_VALUES)
     for (long long it = 0; it < items; it++) {
         int n = (int)(it / per_row), i0 = (int)(it % per_row) * SWIGLU_CHUNK;
         int nc = IC - i0 < SWIGLU_CHUNK ? IC - i0 : SWIGLU_CHUNK;

@@ -287,7 +287,10 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
         n = o->rule->state_end - first;
     }
     fl_step_result r = {0.0f, 0, o->scaler.scale};
-    double overflow = o->dtype == FL_F16 && fl_has_inf_or_nan(grads_dtype, grads, n);
+    // finite floats' squares sum to a finite double, so an inf or NaN gradient
+    // (fp16 overflow) shows in the norm's pass: no pass of its own
+    double sumsq = fl_grad_sumsq(grads_dtype, grads, n);
+    double overflow = o->dtype == FL_F16 && !isfinite(sumsq);
     if (sync && o->dtype == FL_F16) sync->max(sync->ctx, &overflow, 1); // all ranks skip
     if (overflow) {
         // skip the step: no weight, master or optimizer-state byte changes
@@ -301,7 +304,6 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
         return r;
     }
     float unscale = 1.0f / o->scaler.scale;
-    double sumsq = fl_grad_sumsq(grads_dtype, grads, n);
     if (sync && !sync->replicated) sync->sum(sync->ctx, &sumsq, 1);
     r.grad_norm = (float)sqrt(sumsq) * unscale;
     if (!isfinite(r.grad_norm)) {

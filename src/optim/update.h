@@ -51,7 +51,8 @@ void fl_adamw_setup(fl_adamw *opt, size_t begin, size_t end, float beta1, float 
 void fl_sgd_setup(fl_sgd *opt, size_t begin, size_t end, float momentum, float weight_decay,
                   int alloc);
 
-// Elements per work item of fl_update_range (its fp32 copies live on the stack).
+// AdaLomo's block (its fp32 copies live on the stack). Its sums are taken per
+// block, so a change of size changes its bits; fl_update_range has its own.
 #define FL_UPDATE_BLOCK 4096
 
 #endif

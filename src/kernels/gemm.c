@@ -1,0 +1,342 @@
+// gemm.c: c (M,N) = beta * c + op(a) @ op(b), single-threaded, operands of
+// any storage dtype, the BLIS way: op(b) is packed in blocks of KC x NC into
+// panels NR columns wide, op(a) in micro-panels of MR rows x KC; a register-
+// blocked kernel multiplies one micro-panel of each. Packing converts bf16
+// and fp16 to fp32, so the 16-bit path pays no conversion pass of its own.
+// Kernels: AVX-512 12 x 32, AVX2+FMA 6 x 16. Without AVX2 the matmul keeps
+// OpenBLAS's sgemm on converted operands (matmul.c): a plain C kernel ran at
+// a sixth of its speed.
+// Each element of c sums its products in k order, in blocks of KC added to c.
+#include "gemm.h"
+
+#include <string.h>
+
+#include "fitlm/core.h"
+#include "simd.h"
+
+// Blocks of op(a) (MC x KC, 192 KiB) and op(b) (KC x NC, 256 KiB) stay in
+// L2; a micro-panel of op(a) (MR x KC, 12 KiB at MR = 12) in L1 while the
+// kernel streams op(b)'s panels. MC is a multiple of every MR.
+#define KC     GEMM_DEPTH_BLOCK
+#define NC     256
+#define MC     192
+#define MR_MAX 12
+// rows of a transposed operand fetched ahead while packing
+#define PREFETCH_ROWS 4
+#define NR_MAX        32
+
+static int min_int(int a, int b) {
+    return a < b ? a : b;
+}
+
+static int round_up(int n, int q) {
+    return (n + q - 1) / q * q;
+}
+
+// a's and b's blocks for a call of that shape (any kernel's MR and NR)
+static size_t a_block_floats(int M, int K) {
+    return (size_t)min_int(MC, round_up(M, MR_MAX)) * min_int(KC, K);
+}
+static size_t b_block_floats(int N, int K) {
+    return (size_t)min_int(KC, K) * min_int(NC, round_up(N, NR_MAX));
+}
+
+size_t gemm_pack_floats(int M, int N, int K) {
+    return a_block_floats(M, K) + b_block_floats(N, K) + MR_MAX * NR_MAX; // and an edge tile
+}
+
+#ifdef FL_HAVE_X86_SIMD
+// c (MR x NR, row stride ldc) = (load_c ? c : 0) + a (kc x MR) @ b (kc x NR)
+typedef void kernel_fn(int kc, const float *a, const float *b, float *c, size_t ldc, int load_c);
+
+typedef struct {
+    int mr, nr;
+    kernel_fn *kernel;
+} gemm_kernel;
+
+// 12 rows x 2 vectors: 24 accumulators, 2 b vectors, a broadcast a value
+__attribute__((target("avx512f"))) static void kernel_avx512(int kc, const float *a, const float *b,
+                                                             float *c, size_t ldc, int load_c) {
+    __m512 c0[12], c1[12];
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; r++) {
+        c0[r] = load_c ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+        c1[r] = load_c ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (int k = 0; k < kc; k++, a += 12, b += 32) {
+        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+#pragma GCC unroll 12
+        for (int r = 0; r < 12; r++) {
+            __m512 ar = _mm512_set1_ps(a[r]);
+            c0[r] = _mm512_fmadd_ps(ar, b0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(ar, b1, c1[r]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; r++) {
+        _mm512_storeu_ps(c + r * ldc, c0[r]);
+        _mm512_storeu_ps(c + r * ldc + 16, c1[r]);
+    }
+}
+
+// 6 rows x 2 vectors: 12 accumulators of the 16 registers
+__attribute__((target("avx2,fma"))) static void kernel_avx2(int kc, const float *a, const float *b,
+                                                            float *c, size_t ldc, int load_c) {
+    __m256 c0[6], c1[6];
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) {
+        c0[r] = load_c ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
+        c1[r] = load_c ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+    }
+    for (int k = 0; k < kc; k++, a += 6, b += 16) {
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; r++) {
+            __m256 ar = _mm256_broadcast_ss(a + r);
+            c0[r] = _mm256_fmadd_ps(ar, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(ar, b1, c1[r]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) {
+        _mm256_storeu_ps(c + r * ldc, c0[r]);
+        _mm256_storeu_ps(c + r * ldc + 8, c1[r]);
+    }
+}
+
+static gemm_kernel kernel_for(int isa) {
+    if (isa == FL_ISA_AVX512) return (gemm_kernel){12, 32, kernel_avx512};
+    return (gemm_kernel){6, 16, kernel_avx2};
+}
+
+// Packing. X (i, k) is x.p[i * ld + k] (x.trans == 0) or x.p[k * ld + i];
+// columns [i0, i0+n) of X, rows [k0, k0+kc), become ceil(n / w) panels of
+// kc x w fp32 values, panel q at dst + q * kc * w, columns past n zero.
+
+// 8 values of dtype dt at element i of p as fp32: bf16 is fp32's top half,
+// fp16 converts with F16C (every AVX2 CPU has it)
+__attribute__((target("avx2,f16c"))) static inline __m256 load8(fl_dtype dt, const void *p,
+                                                                size_t i) {
+    if (dt == FL_F32) return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (dt == FL_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// load8 of 4 values, as a 128-bit vector
+__attribute__((target("avx2,f16c"))) static inline __m128 load4(fl_dtype dt, const void *p,
+                                                                size_t i) {
+    if (dt == FL_F32) return _mm_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i));
+    if (dt == FL_F16) return _mm_cvtph_ps(h);
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+// load8 of one value
+__attribute__((target("avx2,f16c"))) static inline float load1(fl_dtype dt, const void *p,
+                                                               size_t i) {
+    if (dt == FL_F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    if (dt == FL_F16) return _cvtsh_ss(h);
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+// m values from element i of p to dst as fp32 (masked stores are slow on AMD)
+__attribute__((target("avx2,f16c"))) static inline void copy_f32(float *dst, gemm_mat x, size_t i,
+                                                                 int m) {
+    int j = 0;
+    for (; j + 8 <= m; j += 8) _mm256_storeu_ps(dst + j, load8(x.dt, x.p, i + j));
+    if (j + 4 <= m) {
+        _mm_storeu_ps(dst + j, load4(x.dt, x.p, i + j));
+        j += 4;
+    }
+    for (; j < m; j++) dst[j] = load1(x.dt, x.p, i + j);
+}
+
+// lanes [0, m) of v to dst, 0 < m <= 8
+__attribute__((target("avx2"))) static inline void store_lanes(float *dst, __m256 v, int m) {
+    if (m == 8) {
+        _mm256_storeu_ps(dst, v);
+        return;
+    }
+    __m128 lo = _mm256_castps256_ps128(v);
+    if (m >= 4) {
+        _mm_storeu_ps(dst, lo);
+        lo = _mm256_extractf128_ps(v, 1);
+        dst += 4;
+        m -= 4;
+    }
+    if (m >= 2) {
+        _mm_storel_pi((__m64 *)dst, lo);
+        lo = _mm_movehl_ps(lo, lo);
+        dst += 2;
+        m -= 2;
+    }
+    if (m) _mm_store_ss(dst, lo);
+}
+
+// columns [i, i+g) of X (g <= 8, the rest zero), rows [k, k+8), transposed
+// in registers into d (row stride w), lanes [0, m) of each row
+__attribute__((target("avx2,f16c"))) static inline void transpose8(float *d, int w, int m,
+                                                                   gemm_mat x, size_t src, int g) {
+    __m256 r[8];
+    for (int q = 0; q < 8; q++)
+        r[q] = q < g ? load8(x.dt, x.p, src + (size_t)q * x.ld) : _mm256_setzero_ps();
+    __m256 u0 = _mm256_unpacklo_ps(r[0], r[1]), u1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 u2 = _mm256_unpacklo_ps(r[2], r[3]), u3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 u4 = _mm256_unpacklo_ps(r[4], r[5]), u5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 u6 = _mm256_unpacklo_ps(r[6], r[7]), u7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(u0, u2, 0x44), s1 = _mm256_shuffle_ps(u0, u2, 0xEE);
+    __m256 s2 = _mm256_shuffle_ps(u1, u3, 0x44), s3 = _mm256_shuffle_ps(u1, u3, 0xEE);
+    __m256 s4 = _mm256_shuffle_ps(u4, u6, 0x44), s5 = _mm256_shuffle_ps(u4, u6, 0xEE);
+    __m256 s6 = _mm256_shuffle_ps(u5, u7, 0x44), s7 = _mm256_shuffle_ps(u5, u7, 0xEE);
+    __m256 t[8] = {_mm256_permute2f128_ps(s0, s4, 0x20), _mm256_permute2f128_ps(s1, s5, 0x20),
+                   _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
+                   _mm256_permute2f128_ps(s0, s4, 0x31), _mm256_permute2f128_ps(s1, s5, 0x31),
+                   _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
+    for (int j = 0; j < 8; j++) store_lanes(d + (size_t)j * w, t[j], m);
+}
+
+// rows of X read whole (x.trans), or 8 x 8 blocks transposed in registers
+__attribute__((target("avx2,f16c"))) static void pack(float *dst, int w, gemm_mat x, int i0, int n,
+                                                      int k0, int kc) {
+    int panels = (n + w - 1) / w;
+    if (x.trans) { // a row of X converted whole, then dealt out to the panels
+        float row[NC + NR_MAX + 8] = {0};
+        FL_ASSERT(n <= NC);
+        size_t esize = x.dt == FL_F32 ? 4 : 2;
+        for (int k = 0; k < kc; k++) {
+            // rows of X are far apart (a page or more): fetch a few ahead
+            if (k + PREFETCH_ROWS < kc) {
+                const char *next = (const char *)fl_at_const(
+                    x.dt, x.p, (size_t)(k0 + k + PREFETCH_ROWS) * x.ld + i0);
+                for (size_t b = 0; b < n * esize; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+            }
+            copy_f32(row, x, (size_t)(k0 + k) * x.ld + i0, n);
+            for (int q = 0; q < panels; q++) {
+                float *d = dst + (size_t)q * kc * w + (size_t)k * w;
+                // whole vectors (row has zeros past n): GCC would turn a
+                // loop of floats into calls to memcpy
+                for (int j = 0; j < w; j += 8)
+                    store_lanes(d + j, _mm256_loadu_ps(row + q * w + j), w - j < 8 ? w - j : 8);
+            }
+        }
+        return;
+    }
+    for (int q = 0; q < panels; q++) {
+        float *panel = dst + (size_t)q * kc * w;
+        for (int i = 0; i < w; i += 8) {
+            int g = n - q * w - i; // columns of X in this group of 8 (may be <= 0)
+            g = g < 0 ? 0 : g > 8 ? 8 : g;
+            int m = w - i < 8 ? w - i : 8;
+            size_t src = (size_t)(i0 + q * w + i) * x.ld + k0;
+            int k = 0;
+            for (; k + 8 <= kc; k += 8) transpose8(panel + (size_t)k * w + i, w, m, x, src + k, g);
+            for (; k < kc; k++) // the last k, one by one
+                for (int j = 0; j < m; j++)
+                    panel[(size_t)k * w + i + j] =
+                        j < g ? load1(x.dt, x.p, src + (size_t)j * x.ld + k) : 0.0f;
+        }
+    }
+}
+
+// op(a) (i, k) is X (i, k) for pack(); op(b) (k, j) is X (j, k) of b transposed
+static gemm_mat transposed(gemm_mat m) {
+    m.trans = !m.trans;
+    return m;
+}
+
+// A packed operand, block by block of KC rows of depth: the block at pc
+// starts at pc * (count rounded up to the panel width w), its panels in
+// order, so rows (or columns) [first, ...) of block pc start at first * kc.
+static const float *packed_block(gemm_mat x, int w, int pc, int kc, int first) {
+    FL_ASSERT(first % w == 0);
+    return x.packed + (size_t)pc * round_up(x.count, w) + (size_t)first * kc;
+}
+
+size_t gemm_packed_floats(int n, int K) {
+    return (size_t)round_up(n, GEMM_PACK_QUANTUM) * K;
+}
+
+void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, int n, int k0) {
+    gemm_kernel kn = kernel_for(fl_cpu_isa());
+    int w = as_b ? kn.nr : kn.mr;
+    FL_ASSERT(GEMM_PACK_QUANTUM % w == 0 && first % GEMM_PACK_QUANTUM == 0 && k0 % KC == 0);
+    FL_ASSERT(first + n == count || n % GEMM_PACK_QUANTUM == 0);
+    gemm_mat packed = {.packed = dst, .count = count};
+    int kc = min_int(KC, K - k0);
+    pack((float *)packed_block(packed, w, k0, kc, first), w, as_b ? transposed(x) : x, first, n, k0,
+         kc);
+}
+
+void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c,
+                   int ldc, float *pack_buf) {
+    FL_ASSERT(isa >= FL_ISA_AVX2 && isa <= (int)fl_cpu_isa());
+    FL_ASSERT(beta == 0.0f || beta == 1.0f);
+    if (K == 0) {
+        if (beta == 0.0f)
+            for (int i = 0; i < M; i++) memset(c + (size_t)i * ldc, 0, N * sizeof(float));
+        return;
+    }
+    gemm_kernel kn = kernel_for(isa);
+    float *ap = pack_buf, *bp = ap + a_block_floats(M, K), *edge = bp + b_block_floats(N, K);
+    gemm_mat bt = transposed(b);
+    for (int jc = 0; jc < N; jc += NC) {
+        int nc = min_int(NC, N - jc);
+        for (int pc = 0; pc < K; pc += KC) {
+            int kc = min_int(KC, K - pc);
+            int load_c = pc > 0 || beta != 0.0f;
+            const float *b_block = b.packed ? packed_block(b, kn.nr, pc, kc, b.first + jc) : bp;
+            if (!b.packed) pack(bp, kn.nr, bt, jc, nc, pc, kc);
+            for (int ic = 0; ic < M; ic += MC) {
+                int mc = min_int(MC, M - ic);
+                const float *a_block = a.packed ? packed_block(a, kn.mr, pc, kc, a.first + ic) : ap;
+                if (!a.packed) pack(ap, kn.mr, a, ic, mc, pc, kc);
+                for (int ir = 0; ir < mc; ir += kn.mr) {
+                    int mr = min_int(kn.mr, mc - ir);
+                    const float *a_panel = a_block + (size_t)ir * kc;
+                    for (int jr = 0; jr < nc; jr += kn.nr) {
+                        int nr = min_int(kn.nr, nc - jr);
+                        const float *b_panel = b_block + (size_t)jr * kc;
+                        float *cij = c + (size_t)(ic + ir) * ldc + jc + jr;
+                        if (mr == kn.mr && nr == kn.nr) {
+                            kn.kernel(kc, a_panel, b_panel, cij, ldc, load_c);
+                            continue;
+                        }
+                        // an edge: the whole micro-tile on scratch (the same
+                        // arithmetic as inside), its valid part back into c
+                        memset(edge, 0, (size_t)kn.mr * kn.nr * sizeof(float));
+                        for (int r = 0; r < mr; r++)
+                            memcpy(edge + r * kn.nr, cij + (size_t)r * ldc, nr * sizeof(float));
+                        kn.kernel(kc, a_panel, b_panel, edge, kn.nr, load_c);
+                        for (int r = 0; r < mr; r++)
+                            memcpy(cij + (size_t)r * ldc, edge + r * kn.nr, nr * sizeof(float));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#else
+void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c,
+                   int ldc, float *pack_buf) {
+    fl_die("gemm: no AVX2 on this CPU (matmul's portable path is OpenBLAS's sgemm)");
+}
+
+size_t gemm_packed_floats(int n, int K) {
+    return 0;
+}
+
+void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, int n, int k0) {
+    fl_die("gemm: no AVX2 on this CPU (matmul's portable path is OpenBLAS's sgemm)");
+}
+#endif
+
+void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c, int ldc,
+               float *pack_buf) {
+    gemm_tile_isa(fl_cpu_isa(), M, N, K, a, b, beta, c, ldc, pack_buf);
+}
