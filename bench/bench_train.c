@@ -534,10 +534,7 @@ int main(int argc, char **argv) {
            median(ms_fwd, a.steps), median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s,
            flops_per_token, gflops, peak_kind, peak, mfu, peak_fp32, peak_bf16, peak_amx, mfu_fp32,
            mfu_bf16, mfu_amx, rss_mib, tagged_mib, first_loss, last_loss, skipped, loss_scale,
-           a.precision == FL_F32                ? "sgemm"
-           : dnnl_matmul_supported(a.precision) ? "onednn"
-                                                : "sgemm-converted",
-           fl_isa_name(fl_cpu_isa()));
+           matmul_gemm_name(a.precision), fl_isa_name(fl_cpu_isa()));
     if (llama)
         printf(" L=%d C=%d NH=%d kv_heads=%d I=%d V=%d tie=%d", a.L, a.C, a.NH, cfg.n_kv_head,
                cfg.intermediate_size, a.V, cfg.tie_embeddings);

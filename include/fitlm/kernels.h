@@ -77,6 +77,9 @@ void layernorm_backward_ref(float *dinp, float *dweight, float *dbias, const flo
 // scratchpad, so every byte is counted by the tagged allocator.
 
 size_t matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC);
+// The GEMM that runs for dt on this CPU: "onednn", "fitlm", "openblas" or
+// "openblas-converted" (16-bit operands converted to fp32 first).
+const char *matmul_gemm_name(fl_dtype dt);
 void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight, const void *bias,
                     void *workspace, int N, int C, int OC);
 // dinp (N,C), dweight (OC,C), dbias (OC) accumulate; any of them may be NULL

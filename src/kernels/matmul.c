@@ -1,18 +1,22 @@
 // matmul.c: out (N,OC) = inp (N,C) @ weight^T + bias, weight (OC,C) as in
-// nn.Linear, with OpenBLAS's sgemm; transposes are expressed through the
-// sgemm flags, never materialised.
-// Each GEMM is one parallel region whose output tiles are handed out to the
-// threads as they free up, each tile one single-threaded sgemm. A thread that shares
-// its core with another process then takes fewer tiles instead of holding
-// the others back; and the tiles depend on the shape only, so the result
-// does not depend on the thread count.
-// bf16/fp16 without a native GEMM take the same tiles on fp32 copies: inp is
-// converted once, weight and out (or dout) in panels of MM_PANEL output
-// channels, each tile's output rounded back as soon as it is done.
-// Gradients are accumulated in fp32 across all panels and rounded once per
-// element per call.
-// A native bf16 GEMM plugs in at the top of matmul_forward/matmul_backward
-// (and matmul_workspace_bytes), before these paths.
+// nn.Linear, and its gradients. Each GEMM is one parallel region whose output
+// tiles are handed out to the threads as they free up, each tile one
+// single-threaded GEMM. A thread that shares its core with another process
+// then takes fewer tiles instead of holding the others back; and the tiles
+// depend on the shape only, so the result does not depend on the thread
+// count.
+// The tiles' GEMM, by what the CPU has (capped by FITLM_ISA):
+// - AVX2 or AVX-512: fitlm's (gemm.c) for every dtype, 16-bit operands
+//   converted as they are packed; operands that every tile of a call reads
+//   (inp, and dout for the input gradient) are packed once per call.
+// - otherwise OpenBLAS's sgemm, transposes expressed through its flags;
+//   bf16/fp16 take the same tiles on fp32 copies: inp converted once, weight
+//   and out (or dout) in panels of MM_PANEL output channels, each tile's
+//   output rounded back as soon as it is done.
+// 16-bit gradients are accumulated in fp32 and rounded once per element per
+// call. A native bf16 GEMM (oneDNN with AVX512_BF16 or AMX, matmul_dnnl.c)
+// plugs in at the top of matmul_forward/matmul_backward (and
+// matmul_workspace_bytes), before these paths.
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
@@ -476,6 +480,12 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
 }
 
 // ----------------------------------------------------------------------------
+
+const char *matmul_gemm_name(fl_dtype dt) {
+    if (dnnl_matmul_supported(dt)) return "onednn";
+    if (packed_path()) return "fitlm";
+    return dt == FL_F32 ? "openblas" : "openblas-converted";
+}
 
 size_t matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC) {
     if (dnnl_matmul_supported(dt)) return dnnl_matmul_workspace_bytes(dt, N, C, OC);
