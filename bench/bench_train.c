@@ -257,11 +257,11 @@ static float *rand_floats(size_t n, uint64_t seed) {
 // One GEMM of the shape through one engine, with the transposes and betas
 // src/kernels/matmul.c uses (row-major; dinp and dweight accumulate).
 static void gemm_run(int g, int e, int N, int C, int OC, float *inp, float *w, float *out,
-                     float *dout, float *dinp, float *dw) {
+                     float *dout, float *dinp, float *dw, void *ws) {
     if (e == E_FITLM) {
-        if (g == G_FWD) matmul_forward(FL_F32, out, inp, w, NULL, NULL, N, C, OC);
-        if (g == G_DINP) matmul_backward(FL_F32, dinp, NULL, NULL, dout, inp, w, NULL, N, C, OC);
-        if (g == G_DW) matmul_backward(FL_F32, NULL, dw, NULL, dout, inp, w, NULL, N, C, OC);
+        if (g == G_FWD) matmul_forward(FL_F32, out, inp, w, NULL, ws, N, C, OC);
+        if (g == G_DINP) matmul_backward(FL_F32, dinp, NULL, NULL, dout, inp, w, ws, N, C, OC);
+        if (g == G_DW) matmul_backward(FL_F32, NULL, dw, NULL, dout, inp, w, ws, N, C, OC);
         return;
     }
     dnnl_status_t st = dnnl_success;
@@ -292,19 +292,22 @@ static void gemm_time(gemm_shape *s, int N, uint64_t seed) {
     float *inp = rand_floats(nc, seed), *w = rand_floats(wc, seed + 1);
     float *dout = rand_floats(no, seed + 2), *out = rand_floats(no, seed + 3);
     float *dinp = rand_floats(nc, seed + 4), *dw = rand_floats(wc, seed + 5);
+    size_t ws_bytes = matmul_workspace_bytes(FL_F32, N, s->C, s->OC);
+    void *ws = ws_bytes ? fl_alloc(FL_MEM_WORKSPACE, ws_bytes) : NULL;
     for (int g = 0; g < NGEMM; g++)
         for (int e = 0; e < NENGINE; e++) {
-            gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw); // warm-up
+            gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw, ws); // warm-up
             double best = 1e30;
             for (int r = 0; r < 5; r++) {
                 double t0 = fl_now();
-                gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw);
+                gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw, ws);
                 double t = fl_now() - t0;
                 best = t < best ? t : best;
             }
             s->ms[g][e] = best * 1e3;
         }
     free(inp), free(w), free(dout), free(out), free(dinp), free(dw);
+    if (ws) fl_free(ws);
 }
 
 typedef struct {
