@@ -132,18 +132,6 @@ __attribute__((target("avx2,f16c"))) static inline __m128 load4(fl_dtype dt, con
     return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
 }
 
-// load8 of one value
-__attribute__((target("avx2,f16c"))) static inline float load1(fl_dtype dt, const void *p,
-                                                               size_t i) {
-    if (dt == FL_F32) return ((const float *)p)[i];
-    uint16_t h = ((const uint16_t *)p)[i];
-    if (dt == FL_F16) return _cvtsh_ss(h);
-    uint32_t bits = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
 // m values from element i of p to dst as fp32 (masked stores are slow on AMD)
 __attribute__((target("avx2,f16c"))) static inline void copy_f32(float *dst, gemm_mat x, size_t i,
                                                                  int m) {
@@ -153,7 +141,7 @@ __attribute__((target("avx2,f16c"))) static inline void copy_f32(float *dst, gem
         _mm_storeu_ps(dst + j, load4(x.dt, x.p, i + j));
         j += 4;
     }
-    for (; j < m; j++) dst[j] = load1(x.dt, x.p, i + j);
+    for (; j < m; j++) dst[j] = fp32_at(x.dt, x.p, i + j);
 }
 
 // lanes [0, m) of v to dst, 0 < m <= 8
@@ -238,7 +226,7 @@ __attribute__((target("avx2,f16c"))) static void pack(float *dst, int w, gemm_ma
             for (; k < kc; k++) // the last k, one by one
                 for (int j = 0; j < m; j++)
                     panel[(size_t)k * w + i + j] =
-                        j < g ? load1(x.dt, x.p, src + (size_t)j * x.ld + k) : 0.0f;
+                        j < g ? fp32_at(x.dt, x.p, src + (size_t)j * x.ld + k) : 0.0f;
         }
     }
 }

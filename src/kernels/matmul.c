@@ -92,12 +92,14 @@ static int dw_tile_rows(int OC) {
     return tile_len(OC, 192);
 }
 
-// dst (ncols) += column sums of src rows [0, N) over columns [o0, o1) (leading
-// dimension ld), rows in order: deterministic, no atomics
-static void column_sums(float *dst, const float *src, int N, int o0, int o1, int ld) {
+// dst (o1 - o0) += column sums of src rows [0, N) over columns [o0, o1)
+// (row stride ld), rows in order: deterministic, no atomics. row: scratch of
+// MM_OCBLOCK floats for 16-bit src (fp32 is read in place).
+static void column_sums(float *dst, fl_dtype dt, const void *src, int N, int o0, int o1, int ld,
+                        float *row) {
     for (int n = 0; n < N; n++) {
-        const float *src_n = src + (size_t)n * ld;
-        for (int o = o0; o < o1; o++) dst[o] += src_n[o];
+        const float *x = fl_load_f32(dt, fl_at_const(dt, src, (size_t)n * ld + o0), o1 - o0, row);
+        for (int o = 0; o < o1 - o0; o++) dst[o] += x[o];
     }
 }
 
@@ -249,7 +251,8 @@ static void backward_tiles(const bwd_panel *p) {
                       1.0f, p->dinp32 + (size_t)n0 * C + c0, C);
         } else {
             int o = (t - n_dw - n_dinp) * MM_OCBLOCK;
-            column_sums(p->dbias32, p->dout32, N, o, min_int(o + MM_OCBLOCK, ob), p->ldd);
+            column_sums(p->dbias32 + o, FL_F32, p->dout32, N, o, min_int(o + MM_OCBLOCK, ob),
+                        p->ldd, NULL);
         }
     }
 }
@@ -414,16 +417,6 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
     }
 }
 
-// dst (o1 - o0) += column sums of src rows [0, N) over columns [o0, o1)
-// (row stride ld), rows in order; row is scratch of MM_OCBLOCK floats
-static void column_sums_dt(float *dst, fl_dtype dt, const void *src, int N, int o0, int o1, int ld,
-                           float *row) {
-    for (int n = 0; n < N; n++) {
-        const float *x = fl_load_f32(dt, fl_at_const(dt, src, (size_t)n * ld + o0), o1 - o0, row);
-        for (int o = 0; o < o1 - o0; o++) dst[o] += x[o];
-    }
-}
-
 static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                             const void *inp, const void *weight, float *ws, int N, int C, int OC) {
     packed_shared sh = shared_split(ws, dt, N, C, OC);
@@ -454,8 +447,7 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                 if (dt != FL_F32) fl_store_f32(dt, dw, dw32, (size_t)rows * C);
             } else {
                 int o = (t - n_dw) * MM_OCBLOCK;
-                column_sums_dt(dbias32 + o, dt, dout, N, o, min_int(o + MM_OCBLOCK, OC), OC,
-                               scratch);
+                column_sums(dbias32 + o, dt, dout, N, o, min_int(o + MM_OCBLOCK, OC), OC, scratch);
             }
         }
         // dinp tiles += dout (rows, chunk) @ weight (chunk, cols), chunk by
