@@ -451,14 +451,22 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
             }
         }
         // dinp tiles += dout (rows, chunk) @ weight (chunk, cols), chunk by
-        // chunk of output channels
-        for (int k0 = 0; n_dinp && k0 < OC; k0 += MM_DINP_CHUNK) {
-            int kn = min_int(MM_DINP_CHUNK, OC - k0);
-            gemm_mat a = pack_shared(sh.dout_packed, dt, fl_at_const(dt, dout, k0), OC, 0, N, kn);
+        // chunk of output channels. dout's columns of a chunk are packed once
+        // for all the column tiles that read them; with one column tile,
+        // each tile packs its own rows as it goes, over all OC at once
+        // (packing ahead would only add a write and a re-read of dout).
+        int ahead = nc > 1, chunk = ahead ? MM_DINP_CHUNK : OC;
+        for (int k0 = 0; n_dinp && k0 < OC; k0 += chunk) {
+            int kn = min_int(chunk, OC - k0);
+            gemm_mat a = mat(dt, dout, k0, OC, 0);
+            if (ahead) a = pack_shared(sh.dout_packed, dt, a.p, OC, 0, N, kn);
 #pragma omp for schedule(dynamic, 1)
             for (int i = 0; i < n_dinp; i++) {
                 int n0 = (i / nc) * rb, c0 = (i % nc) * cb;
-                a.first = n0;
+                if (ahead)
+                    a.first = n0;
+                else
+                    a = mat(dt, dout, (size_t)n0 * OC + k0, OC, 0);
                 gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, a,
                           mat(dt, weight, (size_t)k0 * C + c0, C, 0), 1.0f,
                           dinp32 + (size_t)n0 * C + c0, C, pack);
