@@ -26,6 +26,9 @@
 #   SCALING     1 = also fitlm fp32 on 1 thread, for each shape      [1]
 #   BUSY        1 = also fitlm and PyTorch fp32 beside one busy
 #               process, at the first shape                          [1]
+#   ROUNDS      runs of each engine and precision, the sequence of a
+#               shape repeated in turn; the run with the median
+#               ms/step is reported (its range over the runs beside it) [1]
 #   TORCH_STEPS timed steps per PyTorch run (same forms)             [$STEPS]
 #   WARMUP      untimed steps before them                            [2]
 #   TORCH_BF16_WARMUP  untimed steps for PyTorch bf16 autocast, whose
@@ -41,7 +44,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 COMMAND="bench/train.sh${*:+ $*}"
-for v in SHAPES LLAMA PRECISIONS STEPS SCALING BUSY TORCH_STEPS WARMUP TORCH_BF16_WARMUP THREADS IDLE_WAIT NO_TORCH NO_MEMORY BUILD; do
+for v in SHAPES LLAMA PRECISIONS STEPS ROUNDS SCALING BUSY TORCH_STEPS WARMUP TORCH_BF16_WARMUP THREADS IDLE_WAIT NO_TORCH NO_MEMORY BUILD; do
     if [[ -n ${!v+x} ]]; then COMMAND="$v=\"${!v}\" $COMMAND"; fi
 done
 
@@ -51,6 +54,7 @@ PRECISIONS=${PRECISIONS:-"fp32 bf16 fp16"}
 SCALING=${SCALING:-1}
 BUSY=${BUSY:-1}
 STEPS=${STEPS:-"4x64=10 8x256=6"}
+ROUNDS=${ROUNDS:-1}
 TORCH_STEPS=${TORCH_STEPS:-$STEPS}
 WARMUP=${WARMUP:-2}
 TORCH_BF16_WARMUP=${TORCH_BF16_WARMUP:-4}
@@ -236,7 +240,7 @@ op_rows() {
 
 declare -a ROWS NOTES RAW
 PROFILES="" GEMM_ROWS="" SCALE_TABLES="" BUSY_ROWS=""
-declare -A LINE=()
+declare -A LINE=() FP32_LOG=()
 START=$SECONDS
 for shape in $SHAPES; do
     bt=${shape#*:}
@@ -244,13 +248,33 @@ for shape in $SHAPES; do
     label="B=$B, T=$T"
     [[ $shape == llama:* ]] && label="LLaMA, B=$B, T=$T"
     mapfile -t runs < <(runs_for_shape)
+    declare -A ROUND_LINES=() ROUND_NAMES=()
+    for ((round = 1; round <= ROUNDS; round++)); do
+        for run in "${runs[@]}"; do
+            eng=${run%%:*} prec=${run#*:}
+            idle=$(wait_idle)
+            echo "== $eng $prec $label, round $round of $ROUNDS (machine ${idle}% busy before)"
+            name="${eng}_${prec}_${shape/:/_}"
+            ((ROUNDS > 1)) && name+="_r$round"
+            line=$(run_one "$name" "$eng" "$prec" "$shape" "$THREADS" 0)
+            grep '^median' "$LOG/$name.log" || true
+            ROUND_LINES[$run]+="$(field ms_median "$line") $name"$'\n'
+            ROUND_NAMES[$name]=$line
+            RAW+=("$line")
+            note="$eng $prec $label, round $round ($(field steps_run "$line") timed steps after $(field warmup_run "$line") warm-up): machine ${idle}% busy before the run; other processes took ~$(cat "$LOG/$name.other")% of the CPUs during it; loss $(field loss_first "$line") -> $(field loss_last "$line"); fwd/bwd/clip+adamw median $(field ms_fwd "$line")/$(field ms_bwd "$line")/$(field ms_opt "$line") ms"
+            [[ $prec == fp16 ]] && note+="; fp16 steps skipped for overflow: $(field skipped "$line")"
+            NOTES+=("$note")
+        done
+    done
+    # each engine and precision: the run of median ms/step (a failed run's
+    # "?" sorts first), and the range of the runs' medians
+    declare -A SPREAD=()
     for run in "${runs[@]}"; do
         eng=${run%%:*} prec=${run#*:}
-        idle=$(wait_idle)
-        echo "== $eng $prec $label (machine ${idle}% busy before)"
-        name="${eng}_${prec}_${shape/:/_}"
-        line=$(run_one "$name" "$eng" "$prec" "$shape" "$THREADS" 0)
-        grep '^median' "$LOG/$name.log" || true
+        mapfile -t sorted < <(printf '%s' "${ROUND_LINES[$run]}" | sort -g)
+        name=${sorted[$(((${#sorted[@]} - 1) / 2))]#* }
+        line=${ROUND_NAMES[$name]}
+        SPREAD[$run]="${sorted[0]%% *}-${sorted[${#sorted[@]} - 1]%% *}"
         # bench_train's per-op table: its header line, a blank line (markdown), the table
         if [[ $eng == fitlm ]] && grep -q '^per-op profile' "$LOG/$name.log"; then
             PROFILES+="### fitlm $prec, $label"$'\n\n'
@@ -266,10 +290,8 @@ for shape in $SHAPES; do
                         ms / gb, (ms / gb <= 1.15 ? "met" : "NOT met") }')$'\n'
         fi
         LINE[$shape:$run]=$line
-        RAW+=("$line")
-        note="$eng $prec $label ($(field steps_run "$line") timed steps after $(field warmup_run "$line") warm-up): machine ${idle}% busy before the run; other processes took ~$(cat "$LOG/$name.other")% of the CPUs during it; loss $(field loss_first "$line") -> $(field loss_last "$line"); fwd/bwd/clip+adamw median $(field ms_fwd "$line")/$(field ms_bwd "$line")/$(field ms_opt "$line") ms"
-        [[ $prec == fp16 ]] && note+="; fp16 steps skipped for overflow: $(field skipped "$line")"
-        NOTES+=("$note")
+        # the one-thread run compares with this one's log
+        [[ $run == fitlm:fp32 ]] && FP32_LOG[$shape]="$LOG/$name.log"
     done
     for run in "${runs[@]}"; do
         eng=${run%%:*} prec=${run#*:}
@@ -293,8 +315,11 @@ for shape in $SHAPES; do
         if [[ $eng == fitlm && -n $pt32 && $(field failed "$pt32") != 1 ]]; then
             vs32=$(awk -v a="$(field tok_s "$l")" -v b="$(field tok_s "$pt32")" 'BEGIN { printf "%.2f", a / b }')
         fi
+        # the range: of the run's steps, or with ROUNDS > 1 of the runs' medians
+        lo=$(field ms_min "$l") hi=$(field ms_max "$l")
+        if ((ROUNDS > 1)); then lo=${SPREAD[$run]%-*} hi=${SPREAD[$run]#*-}; fi
         ROWS+=("$(awk -v s="$label" -v e="$eng" -v p="$prec" -v med="$(field ms_median "$l")" \
-            -v lo="$(field ms_min "$l")" -v hi="$(field ms_max "$l")" -v tok="$(field tok_s "$l")" \
+            -v lo="$lo" -v hi="$hi" -v tok="$(field tok_s "$l")" \
             -v gf="$(field gflops "$l")" -v mfu="$(field mfu "$l")" -v pk="$(field peak "$l")" \
             -v rss="$(field peak_rss_mib "$l")" \
             -v r1="$lowp" -v r2="$vs" -v r3="$vs32" 'BEGIN {
@@ -313,7 +338,7 @@ for shape in $SHAPES; do
             SCALE_TABLES+="### fitlm fp32, $label: 1 thread against $THREADS (ms per step)"$'\n\n'
             SCALE_TABLES+="| op family | 1 thread | $THREADS threads | speed-up |"$'\n'"|---|---:|---:|---:|"$'\n'
             SCALE_TABLES+=$(LC_ALL=C join -t $'\t' <(op_rows "$LOG/$name.log") \
-                <(op_rows "$LOG/fitlm_fp32_${shape/:/_}.log") |
+                <(op_rows "${FP32_LOG[$shape]}") |
                 sort -t $'\t' -k2 -gr | awk -F'\t' '{ printf "| %s | %.1f | %.1f | %.2f |\n", $1, $2, $3, ($3 > 0 ? $2 / $3 : 0) }')
             SCALE_TABLES+=$'\n'$(awk -v a="$(field ms_median "$one")" -v b="$(field ms_median "$two")" \
                 'BEGIN { printf "| **step** | %.1f | %.1f | %.2f |", a, b, a / b }')$'\n\n'
