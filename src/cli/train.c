@@ -750,16 +750,20 @@ int cmd_train(int argc, char **argv) {
             printf("%s", tty ? "\n" : "");
             rank_memory_report();
         }
-        if (world > 1 && any_rank(stop_signal) && !stop_signal) stop_signal = SIGTERM;
+        // One reading of the flag: a signal arriving between the save and
+        // the stop must not stop the run without its checkpoint (nor stop
+        // one rank while the others go on); it is seen after the next step.
+        int stop = stop_signal;
+        if (world > 1 && any_rank(stop) && !stop) stop = stop_signal = SIGTERM;
         int save = cfg.save_every && (step + 1) % cfg.save_every == 0;
-        if (*cfg.out_dir && (save || stop_signal) && saved_at != step + 1) {
+        if (*cfg.out_dir && (save || stop) && saved_at != step + 1) {
             save_checkpoint(&cfg, step + 1, dist, &model, &optim, base, &train, config_json,
                             run_id);
             saved_at = step + 1;
         }
         fflush(stdout);
-        if (stop_signal) { // after the step and its checkpoint: nothing is lost
-            int sig = stop_signal;
+        if (stop) { // after the step and its checkpoint: nothing is lost
+            int sig = stop;
             if (tty) printf("\n");
             if (*cfg.out_dir)
                 printf("interrupted by %s after step %d: checkpoint written to %s (continue with "
