@@ -1453,6 +1453,38 @@ static int number_after(const char *text, const char *key) {
     return p ? atoi(p + strlen(key)) : -1;
 }
 
+// --learn-vocab: a BPE learnt from the training documents, written beside
+// the shards, trained on and sampled from with --tokenizer-path
+static void test_learn_vocab(void) {
+    fails_with("tokenize short.txt -o lv --tokenizer byte --learn-vocab 300",
+               "--learn-vocab learns a GPT-2-style BPE (--tokenizer gpt2), not --tokenizer byte");
+    fails_with("tokenize short.txt -o lv --learn-vocab 300 --tokenizer-path x",
+               "--learn-vocab writes its tokenizer to -o lv; --tokenizer-path names an existing "
+               "one");
+    fails_with("tokenize short.txt -o lv --learn-vocab 256", "expects a number in [257, 1e+06]");
+    fails_with("tokenize short.txt -o lv --format jsonl --learn-vocab 300",
+               "--learn-vocab is an option of --format text");
+    int rc = fitlmf("tokenize %s -o lv --learn-vocab 1000 --val-fraction 0.06",
+                    t_source_path("data/brown.txt"));
+    t_check(rc == 0 &&
+                strstr(output, "learnt a byte-level BPE of 1000 tokens from 470 training "
+                               "documents") &&
+                strstr(output, "tokenizer gpt2 (vocab 1000)") && exists("lv/encoder.json") &&
+                exists("lv/vocab.bpe") && exists("lv/train_000000.bin"),
+            "tokenize --learn-vocab 1000 writes the tokenizer beside the shards (status %d): "
+            "%.400s",
+            rc, output);
+    rc = fitlm("train --model tiny --data lv --tokenizer-path lv --batch 2 --seq-len 16 --steps 2 "
+               "--eval-every 0 --sample-tokens 8 --threads 1 --out ''");
+    t_check(rc == 0 && strstr(output, "vocab 1000 (padded 1024)") && strstr(output, "--- sample"),
+            "a model trains on the learnt tokens and samples with their tokenizer (status %d): "
+            "%.400s",
+            rc, output);
+    fails_with("train --model tiny --data lv --batch 2 --seq-len 16 --steps 1 --out ''",
+               "the training data lv has a vocabulary of 1000, but the gpt2 tokenizer at "
+               "data/gpt2 has 50257");
+}
+
 static void test_resume_continues_in_its_directory(void) {
     int rc = fitlmf("%s --steps 4 --save-every 2 --keep-checkpoints 0 --out orig", small_run());
     t_check(rc == 0 && latest_step("orig") == 4, "a run to copy (status %d): %.300s", rc, output);
@@ -1709,6 +1741,7 @@ int main(void) {
     test_lora_errors();
     test_matches_recorded_logs();
     test_kill_while_saving();
+    test_learn_vocab();
     test_resume_continues_in_its_directory();
     test_new_run_refuses_a_used_directory();
     test_one_run_per_directory_and_sigterm();

@@ -6,12 +6,15 @@
 // llama3-tokenizer-js (tests/fixtures/hf_tokenizer_*.json), the same ids as
 // gpt2 from a tokenizer.json made of GPT-2's files, round trips, and refuses
 // every part it does not support by name (small tokenizer.json files made
-// here). Needs data/gpt2, data/llama, data/llama3 and the Brown texts
-// (scripts/setup.sh).
+// here). A BPE learnt by fl_bpe_learn makes the merges worked out by hand on
+// small texts and those of a plain learner that recounts every pair, and
+// loads as a gpt2 tokenizer that round-trips. Needs data/gpt2, data/llama,
+// data/llama3 and the Brown texts (scripts/setup.sh).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <sys/stat.h>
 #include <omp.h>
 #include <cjson/cJSON.h>
 
@@ -680,6 +683,152 @@ static void test_hf_gpt2(const fl_tokenizer *gpt2) {
     fl_tokenizer_free(tok);
 }
 
+// ----------------------------------------------------------------------------
+// learning a BPE (fl_bpe_learn)
+
+// The file's text (malloc'd), or NULL.
+static char *slurp(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *s = malloc((size_t)n + 1);
+    s[fread(s, 1, (size_t)n, f)] = 0;
+    fclose(f);
+    return s;
+}
+
+// Learns from one text into dir/sub; the merges file's lines after the header.
+static char *learn_one(const char *text, int vocab, const char *sub, int *learnt) {
+    char out[4200], path[4300];
+    snprintf(out, sizeof out, "%s/%s", dir, sub);
+    mkdir(out, 0755);
+    const uint8_t *texts[1] = {(const uint8_t *)text};
+    size_t lens[1] = {strlen(text)};
+    *learnt = fl_bpe_learn(texts, lens, 1, vocab, out);
+    snprintf(path, sizeof path, "%s/vocab.bpe", out);
+    char *merges = slurp(path);
+    char *body = merges ? strchr(merges, '\n') : NULL;
+    char *copy = strdup(body ? body + 1 : "");
+    free(merges);
+    return copy;
+}
+
+// A plain learner to check the incremental one against: every pair counted
+// again before each merge. Words over ' ', a, b, c as the pre-tokenizer cuts
+// them (a leading space, then letters). Writes the merges as vocab.bpe has
+// them (the space as "Ġ").
+static void reference_learn(const char *text, int vocab, char *out, size_t cap) {
+    enum { MAXW = 4096, MAXL = 16 };
+    static int sym[MAXW][MAXL], len[MAXW];
+    static char tok[1024][64];
+    int n_words = 0, n_tok = 256;
+    for (const char *p = text; *p;) {
+        int l = 0;
+        if (*p == ' ') sym[n_words][l++] = *p++;
+        while (*p && *p != ' ') sym[n_words][l++] = (unsigned char)*p++;
+        len[n_words++] = l;
+    }
+    for (int b = 0; b < 256; b++) tok[b][0] = (char)b, tok[b][1] = 0;
+    size_t o = 0;
+    out[0] = 0;
+    while (n_tok < vocab - 1) {
+        static int count[1024][1024];
+        memset(count, 0, sizeof count);
+        int best_a = -1, best_b = -1, best = 1;
+        for (int w = 0; w < n_words; w++)
+            for (int j = 0; j + 1 < len[w]; j++) count[sym[w][j]][sym[w][j + 1]]++;
+        for (int a = 0; a < n_tok; a++)
+            for (int b = 0; b < n_tok; b++)
+                if (count[a][b] > best) best = count[a][b], best_a = a, best_b = b;
+        if (best_a < 0) break;
+        char made[64];
+        snprintf(made, sizeof made, "%s%s", tok[best_a], tok[best_b]);
+        int t = -1;
+        for (int k = 0; k < n_tok; k++)
+            if (!strcmp(tok[k], made)) t = k;
+        if (t < 0) snprintf(tok[t = n_tok++], sizeof tok[0], "%s", made);
+        for (int w = 0; w < n_words; w++) {
+            int r = 0, k = 0;
+            while (r < len[w])
+                if (r + 1 < len[w] && sym[w][r] == best_a && sym[w][r + 1] == best_b)
+                    sym[w][k++] = t, r += 2;
+                else
+                    sym[w][k++] = sym[w][r++];
+            len[w] = k;
+        }
+        for (int side = 0; side < 2; side++) {
+            const char *s = tok[side ? best_b : best_a];
+            for (; *s; s++)
+                o += (size_t)snprintf(out + o, cap - o, "%s",
+                                      *s == ' ' ? "\xc4\xa0" : (char[2]){*s, 0});
+            o += (size_t)snprintf(out + o, cap - o, side ? "\n" : " ");
+        }
+    }
+}
+
+static void test_learn(void) {
+    printf("learning a BPE\n");
+    int learnt;
+    char *m = learn_one("ab ab ab abc", 300, "l1", &learnt);
+    t_check(learnt == 259 && !strcmp(m, "a b\n\xc4\xa0 ab\n"),
+            "ab ab ab abc: merges a+b then space+ab, then no pair occurs twice (vocab %d): %s",
+            learnt, m);
+    free(m);
+    char path[4300];
+    snprintf(path, sizeof path, "%s/l1", dir);
+    fl_tokenizer *tok = fl_tokenizer_load("gpt2", path);
+    fl_tokens t = {0};
+    fl_tokenizer_encode(tok, (const uint8_t *)"ab ab abc", 9, &t);
+    t_check(fl_tokenizer_vocab_size(tok) == 259 && fl_tokenizer_eot(tok) == 258 && t.n == 4 &&
+                t.ids[0] == 256 && t.ids[1] == 257 && t.ids[2] == 257 && t.ids[3] == 'c',
+            "the learnt files load as a gpt2 tokenizer: ab ab abc -> 256 257 257 99 (%zu ids)",
+            t.n);
+    fl_tokens_free(&t);
+    fl_tokenizer_free(tok);
+    m = learn_one("xy xy zw zw", 300, "l2", &learnt);
+    t_check(learnt == 260 && !strcmp(m, "\xc4\xa0 z\nx y\n\xc4\xa0z w\n"),
+            "equal counts merge the pair of lower ids first: %s", m);
+    free(m);
+    m = learn_one("ab ab ab abc", 258, "l3", &learnt);
+    t_check(learnt == 258 && !strcmp(m, "a b\n"), "vocab 258: one merge (%d): %s", learnt, m);
+    free(m);
+
+    // random words over a, b, c, until no pair occurs twice
+    static char text[8192], want[1 << 16];
+    uint64_t state = 7;
+    size_t n = 0;
+    for (int w = 0; w < 600; w++) {
+        if (w) text[n++] = ' ';
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        int l = 1 + (int)(state >> 60) % 8;
+        for (int k = 0; k < l; k++) {
+            state = state * 6364136223846793005ull + 1442695040888963407ull;
+            text[n++] = "abc"[(state >> 33) % 3];
+        }
+    }
+    text[n] = 0;
+    m = learn_one(text, 600, "l4", &learnt);
+    reference_learn(text, 600, want, sizeof want);
+    int merges = 0;
+    for (const char *p = m; *p; p++) merges += *p == '\n';
+    t_check(!strcmp(m, want),
+            "random words: the same merges as a learner that recounts every pair "
+            "(%d merges)",
+            merges);
+    free(m);
+    snprintf(path, sizeof path, "%s/l4", dir);
+    tok = fl_tokenizer_load("gpt2", path);
+    memset(&t, 0, sizeof t);
+    fl_tokenizer_encode(tok, (const uint8_t *)text, n, &t);
+    t_check(decodes_to(tok, &t, (const uint8_t *)text, n) && t.n < n / 3,
+            "the learnt tokenizer round-trips its text in fewer tokens (%zu for %zu bytes)", t.n,
+            n);
+    fl_tokens_free(&t);
+    fl_tokenizer_free(tok);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     snprintf(gpt2_dir, sizeof gpt2_dir, "%s", t_source_path("data/gpt2"));
@@ -688,6 +837,7 @@ int main(void) {
     test_hf_errors();
     test_byte();
     test_hf_small();
+    test_learn();
     fl_tokenizer *tok = fl_tokenizer_load("gpt2", gpt2_dir);
     t_check(!strcmp(fl_tokenizer_name(tok), "gpt2") && fl_tokenizer_vocab_size(tok) == 50257 &&
                 fl_tokenizer_eot(tok) == 50256,

@@ -22,7 +22,8 @@ typedef struct fl_tokenizer fl_tokenizer;
 // name "byte": 256 byte tokens + <|endoftext|> = 256 (vocab 257), needs no files.
 // name "gpt2": OpenAI's GPT-2 BPE from dir/encoder.json and dir/vocab.bpe
 // (dir NULL: data/gpt2, fetched by scripts/setup.sh); vocab 50257,
-// <|endoftext|> = 50256.
+// <|endoftext|> = 50256. The same files learnt by fl_bpe_learn hold their
+// own vocabulary, <|endoftext|> last.
 // name "hf": dir is a tokenizer.json or a directory holding one. Its ids
 // are 0..V-1 over model.vocab and added_tokens. The end of text is the
 // eos_token of a tokenizer_config.json beside it, else the added token
@@ -39,9 +40,19 @@ void fl_hf_tokenizer_copy(const char *path, const char *out_dir);
 const char *fl_tokenizer_name(const fl_tokenizer *tok);
 int fl_tokenizer_vocab_size(const fl_tokenizer *tok);
 // The vocabulary a model for tokenizer `name` needs, without keeping the
-// tokenizer: 257 (byte), 50257 (gpt2), or the ids of the hf file at `path`
-// (loaded to count them). Dies as fl_tokenizer_load does.
+// tokenizer: 257 (byte); gpt2: the tokens of path/encoder.json, or GPT-2's
+// 50257 when there is none to read (the files are needed only to encode);
+// hf: the ids of the file at `path`. Dies as fl_tokenizer_load does.
 int fl_tokenizer_vocab_of(const char *name, const char *path);
+// Learns a byte-level BPE from texts[i][0..lens[i]), as GPT-2's was learnt:
+// GPT-2's pre-tokenizer cuts the text into pieces, and each merge joins the
+// adjacent pair of tokens that occurs most often in them (ties: the pair of
+// lower ids), until the vocabulary has `vocab` tokens (>= 257: the 256
+// bytes, the merged tokens, <|endoftext|> last) or no pair occurs twice.
+// Writes dir/encoder.json and dir/vocab.bpe (each written whole), which
+// fl_tokenizer_load("gpt2", dir) reads. Returns the vocabulary learnt.
+int fl_bpe_learn(const uint8_t *const *texts, const size_t *lens, size_t n_texts, int vocab,
+                 const char *dir);
 // The end of a document: GPT-2's <|endoftext|>, LLaMA's </s>, LLaMA-3's
 // <|end_of_text|>.
 int fl_tokenizer_eot(const fl_tokenizer *tok);

@@ -73,6 +73,12 @@ int tokenize_in_shard_set(const char *name) {
     return !strncmp(name, "train_", 6) || !strncmp(name, "val_", 4);
 }
 
+// A set with its learnt tokenizer: the two go together.
+static int in_learnt_set(const char *name) {
+    return tokenize_in_shard_set(name) || !strncmp(name, "encoder.json", 12) ||
+           !strncmp(name, "vocab.bpe", 9);
+}
+
 void tokenize_remove_stale(const char *dir, const char *split, int kept) {
     DIR *d = opendir(dir);
     if (!d) fl_die("cannot list %s: %s", dir, strerror(errno));
@@ -109,7 +115,12 @@ static void help(void) {
            "  --threads N             threads, 0 = all cores (default: 0)\n\n"
            "--format text:\n"
            "  --doc-separator TEXT    text between documents, with \\n and \\t escapes (default: "
-           "\\n\\n, a blank line)\n\n"
+           "\\n\\n, a blank line)\n"
+           "  --learn-vocab N         learn a byte-level BPE of N tokens (GPT-2's pre-tokenizer\n"
+           "                          and byte alphabet, 257 <= N <= 1000000) from the training\n"
+           "                          documents, write it beside the shards (DIR/encoder.json,\n"
+           "                          DIR/vocab.bpe) and tokenize with it; train with\n"
+           "                          --tokenizer gpt2 --tokenizer-path DIR (default: 0, none)\n\n"
            "--format jsonl: {\"messages\": [{\"role\": \"system|user|assistant\", \"content\": "
            "...}, ...]},\n"
            "{\"prompt\": ..., \"response\": ...} or {\"instruction\", \"input\", \"output\"} "
@@ -162,13 +173,33 @@ static size_t split_documents(const fl_text *t, const char *sep, document *docs,
     return n;
 }
 
-// Documents into version 1 shards: one stream per split.
+// Learns o->learn_vocab tokens from the training documents into dir.
+static fl_tokenizer *learn(const tokenize_options *o, const document *docs, size_t n_docs,
+                           const char *dir) {
+    const uint8_t **texts = fl_alloc(FL_MEM_OTHER, n_docs * sizeof *texts);
+    size_t *lens = fl_alloc(FL_MEM_OTHER, n_docs * sizeof *lens), n = 0;
+    for (size_t d = 0; d < n_docs; d++)
+        if (!docs[d].val) texts[n] = docs[d].text, lens[n++] = docs[d].n;
+    double t0 = fl_now();
+    int vocab = fl_bpe_learn(texts, lens, n, o->learn_vocab, dir);
+    printf("learnt a byte-level BPE of %d tokens from %zu training documents in %.1f s%s: "
+           "%s/encoder.json and %s/vocab.bpe (train with --tokenizer-path %s)\n",
+           vocab, n, fl_now() - t0, vocab < o->learn_vocab ? " (no pair occurs twice more)" : "",
+           o->out, o->out, o->out);
+    fl_free(lens);
+    fl_free(texts);
+    return fl_tokenizer_load("gpt2", dir);
+}
+
+// Documents into version 1 shards: one stream per split. tok NULL: learn
+// one (o->learn_vocab).
 static void tokenize_text(const tokenize_options *o, const char **inputs, int n_inputs,
                           const fl_tokenizer *tok) {
     // the new set is written beside o->out and swapped in whole: training
     // never sees old and new shards mixed, whenever this run dies
     fl_dir_txn txn;
-    const char *where = fl_dir_begin(&txn, o->out, tokenize_in_shard_set);
+    const char *where =
+        fl_dir_begin(&txn, o->out, o->learn_vocab ? in_learnt_set : tokenize_in_shard_set);
 
     double t0 = fl_now();
     fl_text *texts = fl_alloc(FL_MEM_OTHER, (size_t)n_inputs * sizeof(fl_text));
@@ -190,6 +221,8 @@ static void tokenize_text(const tokenize_options *o, const char **inputs, int n_
     if (o->val_fraction > 0 && n_val == 0)
         fl_die("%zu documents are too few for a validation fraction of %g", n_docs,
                o->val_fraction);
+    fl_tokenizer *learnt = tok ? NULL : learn(o, docs, n_docs, where);
+    if (learnt) tok = learnt;
 
     fl_tokens *encoded = fl_alloc(FL_MEM_OTHER, n_docs * sizeof(fl_tokens));
 #pragma omp parallel for schedule(dynamic, 1)
@@ -230,6 +263,7 @@ static void tokenize_text(const tokenize_options *o, const char **inputs, int n_
     printf("tokenizer %s (vocab %u); %zu input bytes in %.2f s (%.1f MB/s)\n", o->tokenizer, vocab,
            in_bytes, seconds, (double)in_bytes / 1e6 / seconds);
     for (int s = 0; s < 2; s++) fl_free(w[s].buf);
+    fl_tokenizer_free(learnt);
     fl_free(encoded);
     fl_free(docs);
     for (int i = 0; i < n_inputs; i++) fl_text_free(&texts[i]);
@@ -254,6 +288,7 @@ int cmd_tokenize(int argc, char **argv) {
     const char **inputs = fl_alloc(FL_MEM_OTHER, ((size_t)argc + 1) * sizeof *inputs);
     int n_inputs = 0;
     const char *text_only = NULL, *jsonl_only = NULL; // a flag of one format, given
+    int tokenizer_path_given = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (strncmp(a, "-", 1) != 0) {
@@ -280,8 +315,12 @@ int cmd_tokenize(int argc, char **argv) {
             o.tokenizer = v;
         } else if (!strcmp(a, "--tokenizer-path")) {
             o.tokenizer_path = v;
+            tokenizer_path_given = 1;
         } else if (!strcmp(a, "--val-fraction")) {
             o.val_fraction = cli_number(a, v, 0, 0.5);
+        } else if (!strcmp(a, "--learn-vocab")) {
+            o.learn_vocab = (int)cli_number(a, v, 257, 1000000);
+            text_only = a;
         } else if (!strcmp(a, "--doc-separator")) {
             unescape(o.separator, sizeof o.separator, v);
             text_only = a;
@@ -326,8 +365,15 @@ int cmd_tokenize(int argc, char **argv) {
     if (!o.out) fl_die("no output directory: give -o DIR");
     // before anything is created: a directory or a FIFO is not text
     for (int i = 0; i < n_inputs; i++) fl_require_regular_file(inputs[i], "data file");
+    if (o.learn_vocab && strcmp(o.tokenizer, "gpt2"))
+        fl_die("--learn-vocab learns a GPT-2-style BPE (--tokenizer gpt2), not --tokenizer %s",
+               o.tokenizer);
+    if (o.learn_vocab && tokenizer_path_given)
+        fl_die("--learn-vocab writes its tokenizer to -o %s; --tokenizer-path names an existing "
+               "one: give one or the other",
+               o.out);
     if (o.threads) fl_set_threads(o.threads);
-    fl_tokenizer *tok = fl_tokenizer_load(o.tokenizer, o.tokenizer_path);
+    fl_tokenizer *tok = o.learn_vocab ? NULL : fl_tokenizer_load(o.tokenizer, o.tokenizer_path);
     if (o.jsonl)
         tokenize_jsonl(&o, inputs, n_inputs, tok);
     else

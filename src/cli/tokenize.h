@@ -15,6 +15,7 @@ typedef struct {
     uint64_t shard_tokens;
     int threads;
     int jsonl;
+    int learn_vocab; // --format text: tokens of a BPE to learn (0: none)
     // --format jsonl
     fl_example_format example;
     const char *template_name;

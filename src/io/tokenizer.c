@@ -267,8 +267,11 @@ int fl_tokenizer_vocab_size(const fl_tokenizer *tok) {
 
 int fl_tokenizer_vocab_of(const char *name, const char *path) {
     if (!strcmp(name, "byte")) return 257;
-    if (!strcmp(name, "gpt2")) return 50257;
-    fl_tokenizer *tok = fl_tokenizer_load(name, path); // hf: the file decides
+    char encoder[4096];
+    snprintf(encoder, sizeof encoder, "%s/encoder.json", path ? path : "data/gpt2");
+    // gpt2: GPT-2's 50257 unless the directory holds a vocabulary (a learnt one)
+    if (!strcmp(name, "gpt2") && access(encoder, R_OK) != 0) return 50257;
+    fl_tokenizer *tok = fl_tokenizer_load(name, path); // the files decide
     int vocab = tok->vocab;
     fl_tokenizer_free(tok);
     return vocab;
