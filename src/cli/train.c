@@ -449,6 +449,13 @@ int cmd_train(int argc, char **argv) {
         fl_die("the training data %s was tokenized with '%s', but the tokenizer is '%s' (set "
                "--tokenizer %s)",
                cfg.data, train.tokenizer, cfg.tokenizer, train.tokenizer);
+    int tokenizer_vocab = fl_tokenizer_vocab_of(cfg.tokenizer, cfg.tokenizer_path);
+    if ((int)train.vocab_size != tokenizer_vocab)
+        fl_die("the training data %s has a vocabulary of %u, but the %s tokenizer at %s has %d: "
+               "it was tokenized with another one (data a learnt tokenizer was written beside: "
+               "--tokenizer-path DIR)",
+               cfg.data, train.vocab_size, cfg.tokenizer,
+               strcmp(cfg.tokenizer, "byte") ? cfg.tokenizer_path : "(built in)", tokenizer_vocab);
     if ((int)train.vocab_size > cfg.model.vocab_size)
         fl_die("the training data %s has a vocabulary of %u, larger than the model's %d", cfg.data,
                train.vocab_size, cfg.model.vocab_size);
