@@ -27,8 +27,9 @@
 #   BUSY        1 = also fitlm and PyTorch fp32 beside one busy
 #               process, at the first shape                          [1]
 #   ROUNDS      runs of each engine and precision, the sequence of a
-#               shape repeated in turn; the run with the median
-#               ms/step is reported (its range over the runs beside it) [1]
+#               shape repeated in turn (the busy runs too); the run with
+#               the median ms/step is reported (its range over the runs
+#               beside it)                                           [1]
 #   TORCH_STEPS timed steps per PyTorch run (same forms)             [$STEPS]
 #   WARMUP      untimed steps before them                            [2]
 #   TORCH_BF16_WARMUP  untimed steps for PyTorch bf16 autocast, whose
@@ -349,18 +350,34 @@ done
 if [[ $BUSY == 1 ]]; then
     shape=${SHAPES%% *}
     bt=${shape#*:}
+    # ROUNDS runs per engine, in turn, as for the idle runs: the run of
+    # median ms/step, and the range of the runs' medians
+    declare -A BUSY_RUNS=() BUSY_LINES=()
+    for ((round = 1; round <= ROUNDS; round++)); do
+        for eng in fitlm pytorch; do
+            [[ $eng == pytorch ]] && ((!TORCH)) && continue
+            base=${LINE[$shape:$eng:fp32]:-}
+            [[ -z $base || $(field failed "$base") == 1 ]] && continue
+            idle=$(wait_idle)
+            echo "== $eng fp32 B=${bt%x*}, T=${bt#*x} beside one busy process, round $round of $ROUNDS (machine ${idle}% busy before)"
+            name="${eng}_fp32_${shape/:/_}_busy"
+            ((ROUNDS > 1)) && name+="_r$round"
+            l=$(run_one "$name" "$eng" fp32 "$shape" "$THREADS" 1)
+            RAW+=("$l")
+            [[ $(field failed "$l") == 1 ]] && continue
+            BUSY_RUNS[$eng]+="$(field ms_median "$l") $name"$'\n'
+            BUSY_LINES[$name]=$l
+        done
+    done
     for eng in fitlm pytorch; do
-        [[ $eng == pytorch ]] && ((!TORCH)) && continue
-        base=${LINE[$shape:$eng:fp32]:-}
-        [[ -z $base || $(field failed "$base") == 1 ]] && continue
-        idle=$(wait_idle)
-        echo "== $eng fp32 B=${bt%x*}, T=${bt#*x} beside one busy process (machine ${idle}% busy before)"
-        name="${eng}_fp32_${shape/:/_}_busy"
-        l=$(run_one "$name" "$eng" fp32 "$shape" "$THREADS" 1)
-        RAW+=("$l")
-        [[ $(field failed "$l") == 1 ]] && continue
-        BUSY_ROWS+=$(awk -v e="$eng" -v a="$(field ms_median "$l")" -v lo="$(field ms_min "$l")" -v hi="$(field ms_max "$l")" \
-            -v b="$(field ms_median "$base")" 'BEGIN { printf "| %s | %.0f | %.0f (%.0f-%.0f) | %.2f |\n", e, b, a, lo, hi, a / b }')$'\n'
+        [[ -z ${BUSY_RUNS[$eng]:-} ]] && continue
+        mapfile -t sorted < <(printf '%s' "${BUSY_RUNS[$eng]}" | sort -g)
+        l=${BUSY_LINES[${sorted[$(((${#sorted[@]} - 1) / 2))]#* }]}
+        # the range: of the run's steps, or with ROUNDS > 1 of the runs' medians
+        lo=$(field ms_min "$l") hi=$(field ms_max "$l")
+        if ((ROUNDS > 1)); then lo=${sorted[0]%% *} hi=${sorted[${#sorted[@]} - 1]%% *}; fi
+        BUSY_ROWS+=$(awk -v e="$eng" -v a="$(field ms_median "$l")" -v lo="$lo" -v hi="$hi" \
+            -v b="$(field ms_median "${LINE[$shape:$eng:fp32]}")" 'BEGIN { printf "| %s | %.0f | %.0f (%.0f-%.0f) | %.2f |\n", e, b, a, lo, hi, a / b }')$'\n'
     done
 fi
 ELAPSED=$((SECONDS - START))
