@@ -184,7 +184,7 @@ static fl_tokenizer *learn(const tokenize_options *o, const document *docs, size
     int vocab = fl_bpe_learn(texts, lens, n, o->learn_vocab, dir);
     printf("learnt a byte-level BPE of %d tokens from %zu training documents in %.1f s%s: "
            "%s/encoder.json and %s/vocab.bpe (train with --tokenizer-path %s)\n",
-           vocab, n, fl_now() - t0, vocab < o->learn_vocab ? " (no pair occurs twice more)" : "",
+           vocab, n, fl_now() - t0, vocab < o->learn_vocab ? " (every pair left occurs once)" : "",
            o->out, o->out, o->out);
     fl_free(lens);
     fl_free(texts);

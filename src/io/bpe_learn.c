@@ -51,12 +51,18 @@ static void table_free(table *t) {
     fl_free(t->len);
 }
 
-// The slot of key (pieces: of the bytes s[0..n) with that hash), or the empty
-// slot where it goes.
-static size_t table_slot(const table *t, uint64_t key, const uint8_t *s, size_t n) {
+// The slot of key in a table of pairs, or the empty slot where it goes.
+static size_t key_slot(const table *t, uint64_t key) {
     for (size_t i = bpe_mix(key) & t->mask;; i = (i + 1) & t->mask)
-        if (!t->keys[i] ||
-            (t->keys[i] == key && (!t->text || (t->len[i] == n && !memcmp(t->text[i], s, n)))))
+        if (!t->keys[i] || t->keys[i] == key) return i;
+}
+
+// The slot of key (a table of byte strings: of the bytes s[0..n) with that
+// hash), or the empty slot where it goes.
+static size_t table_slot(const table *t, uint64_t key, const uint8_t *s, size_t n) {
+    if (!t->text) return key_slot(t, key);
+    for (size_t i = bpe_mix(key) & t->mask;; i = (i + 1) & t->mask)
+        if (!t->keys[i] || (t->keys[i] == key && t->len[i] == n && !memcmp(t->text[i], s, n)))
             return i;
 }
 
@@ -165,7 +171,7 @@ static void pair_add(pair_counts *p, int32_t a, int32_t b, int64_t count) {
 }
 
 static int64_t pair_count(const pair_counts *p, uint64_t key) {
-    size_t i = table_slot(&p->pairs, key, NULL, 0);
+    size_t i = key_slot(&p->pairs, key);
     return p->pairs.keys[i] ? p->pairs.counts[i] : 0;
 }
 
