@@ -312,18 +312,20 @@ int fl_bpe_learn(const uint8_t *const *texts, const size_t *lens, size_t n_texts
             pair_add(&p, w.sym[w.start[k] + j], w.sym[w.start[k] + j + 1], w.count[k]);
     queue_raised(&p);
 
-    // the bytes, then one token per merge whose bytes are new
+    // the bytes, then one token per merge. A merge never makes the bytes of
+    // an earlier token: a span between two token boundaries changes only by
+    // merges inside it (boundaries never appear), the same ones wherever the
+    // span occurs, so a span merged as a + b everywhere at rank r cannot be
+    // c + d later. (Were it otherwise, loading the files would say so.)
     vocabulary v = {0};
     v.offs = fl_alloc(FL_MEM_OTHER, (size_t)vocab * sizeof *v.offs);
     v.cap = 4096;
     v.bytes = fl_alloc(FL_MEM_OTHER, v.cap);
     for (int b = 0; b < 256; b++) v.bytes[b] = (uint8_t)b, v.offs[b + 1] = (uint32_t)b + 1;
     v.n = 256;
-    table index; // token bytes -> id + 1 (in counts)
-    table_init(&index, 12, 1);
-    int32_t(*merges)[2] = fl_alloc(FL_MEM_OTHER, (size_t)vocab * 4 * sizeof *merges);
-    int n_merges = 0, max_merges = 4 * vocab; // merges that make a token twice add none
-    while (v.n < vocab - 1 && n_merges < max_merges && p.queue.n) {
+    int32_t(*merges)[2] = fl_alloc(FL_MEM_OTHER, (size_t)vocab * sizeof *merges);
+    int n_merges = 0;
+    while (v.n < vocab - 1 && p.queue.n) {
         entry top = heap_pop(&p.queue);
         int64_t now = pair_count(&p, top.key);
         if (now != top.count) { // stale: back with its count
@@ -331,32 +333,17 @@ int fl_bpe_learn(const uint8_t *const *texts, const size_t *lens, size_t n_texts
             continue;
         }
         if (now < 2) break; // a pair seen once makes no useful token
-        int32_t a = (int32_t)(top.key >> 32) - 1, b = (int32_t)(uint32_t)top.key;
+        int32_t a = (int32_t)(top.key >> 32) - 1, b = (int32_t)(uint32_t)top.key, t = v.n++;
         size_t la = v.offs[a + 1] - v.offs[a], lb = v.offs[b + 1] - v.offs[b];
-        size_t cap = v.cap;
-        v.bytes = grow(v.bytes, &v.cap, v.offs[v.n], v.offs[v.n] + la + lb, 1);
-        if (v.cap != cap) // moved: the index points into the tokens' bytes
-            for (size_t i = 0; i <= index.mask; i++)
-                if (index.keys[i]) index.text[i] = v.bytes + v.offs[index.counts[i] - 1];
-        uint8_t *made = v.bytes + v.offs[v.n];
-        memcpy(made, v.bytes + v.offs[a], la);
-        memcpy(made + la, v.bytes + v.offs[b], lb);
-        uint64_t key = bytes_key(made, la + lb);
-        size_t slot = table_slot(&index, key, made, la + lb);
-        int32_t t;
-        if (index.keys[slot]) { // the same bytes as an earlier token: that token
-            t = (int32_t)index.counts[slot] - 1;
-        } else {
-            t = v.n++;
-            v.offs[v.n] = v.offs[t] + (uint32_t)(la + lb);
-            table_add(&index, key, made, la + lb, t + 1);
-        }
+        v.bytes = grow(v.bytes, &v.cap, v.offs[t], v.offs[t] + la + lb, 1);
+        memcpy(v.bytes + v.offs[t], v.bytes + v.offs[a], la);
+        memcpy(v.bytes + v.offs[t] + la, v.bytes + v.offs[b], lb);
+        v.offs[v.n] = v.offs[t] + (uint32_t)(la + lb);
         merges[n_merges][0] = a;
         merges[n_merges++][1] = b;
         merge_pair(&w, &p, a, b, t);
         queue_raised(&p);
     }
-    table_free(&index);
     write_files(dir, &v, (const int32_t(*)[2])merges, n_merges);
     int learnt = v.n + 1;
     fl_free(merges);
