@@ -1482,7 +1482,8 @@ static void test_learn_vocab(void) {
             rc, output);
     fails_with("train --model tiny --data lv --batch 2 --seq-len 16 --steps 1 --out ''",
                "the training data lv has a vocabulary of 1000, but the gpt2 tokenizer at "
-               "data/gpt2 has 50257");
+               "data/gpt2 has 50257: the data was tokenized with another one (its directory "
+               "holds a learnt one: --tokenizer-path lv)");
 }
 
 static void test_resume_continues_in_its_directory(void) {

@@ -450,12 +450,17 @@ int cmd_train(int argc, char **argv) {
                "--tokenizer %s)",
                cfg.data, train.tokenizer, cfg.tokenizer, train.tokenizer);
     int tokenizer_vocab = fl_tokenizer_vocab_of(cfg.tokenizer, cfg.tokenizer_path);
-    if ((int)train.vocab_size != tokenizer_vocab)
+    if ((int)train.vocab_size != tokenizer_vocab) {
+        char learnt[FL_PATH_MAX + 16]; // where fitlm tokenize --learn-vocab puts its tokenizer
+        snprintf(learnt, sizeof learnt, "%s/encoder.json", cfg.data);
+        int beside = access(learnt, R_OK) == 0;
         fl_die("the training data %s has a vocabulary of %u, but the %s tokenizer at %s has %d: "
-               "it was tokenized with another one (data a learnt tokenizer was written beside: "
-               "--tokenizer-path DIR)",
+               "the data was tokenized with another one%s%s%s",
                cfg.data, train.vocab_size, cfg.tokenizer,
-               strcmp(cfg.tokenizer, "byte") ? cfg.tokenizer_path : "(built in)", tokenizer_vocab);
+               strcmp(cfg.tokenizer, "byte") ? cfg.tokenizer_path : "(built in)", tokenizer_vocab,
+               beside ? " (its directory holds a learnt one: --tokenizer-path " : "",
+               beside ? cfg.data : "", beside ? ")" : "");
+    }
     if ((int)train.vocab_size > cfg.model.vocab_size)
         fl_die("the training data %s has a vocabulary of %u, larger than the model's %d", cfg.data,
                train.vocab_size, cfg.model.vocab_size);
