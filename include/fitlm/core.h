@@ -53,6 +53,10 @@ const char *fl_mem_tag_name(fl_mem_tag tag);
 // matches the accounting). Dies with a clear message when memory runs out.
 void *fl_alloc(fl_mem_tag tag, size_t bytes);
 void fl_free(void *ptr); // NULL is fine
+// Grows the tagged array p (NULL: none yet; *cap elements of elem bytes) to
+// hold at least `need` elements, doubling from 64, and keeps its first
+// `used`; returns it, moved when it grew.
+void *fl_reserve(fl_mem_tag tag, void *p, size_t *cap, size_t used, size_t need, size_t elem);
 size_t fl_mem_current(fl_mem_tag tag);
 size_t fl_mem_peak(fl_mem_tag tag);
 size_t fl_mem_total_current(void);

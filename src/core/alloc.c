@@ -51,6 +51,17 @@ void *fl_alloc(fl_mem_tag tag, size_t bytes) {
     return (char *)raw + ALIGN;
 }
 
+void *fl_reserve(fl_mem_tag tag, void *p, size_t *cap, size_t used, size_t need, size_t elem) {
+    if (need <= *cap) return p;
+    size_t grown = *cap ? *cap : 64;
+    while (grown < need) grown *= 2;
+    void *q = fl_alloc(tag, grown * elem);
+    if (used) memcpy(q, p, used * elem);
+    fl_free(p);
+    *cap = grown;
+    return q;
+}
+
 void fl_free(void *ptr) {
     if (!ptr) return;
     block_header *h = (block_header *)((char *)ptr - sizeof(block_header));

@@ -13,17 +13,6 @@
 #include "fitlm/core.h"
 #include "fitlm/io.h"
 
-static void *grow(void *p, size_t *cap, size_t used, size_t need, size_t elem) {
-    if (need <= *cap) return p;
-    size_t cap2 = *cap ? *cap : 1024;
-    while (cap2 < need) cap2 *= 2;
-    void *q = fl_alloc(FL_MEM_OTHER, cap2 * elem);
-    if (used) memcpy(q, p, used * elem);
-    fl_free(p);
-    *cap = cap2;
-    return q;
-}
-
 // Open addressing over 64-bit keys (0: empty) with a count each: the pieces
 // (by hash, with the piece's first occurrence) and the pairs.
 typedef struct {
@@ -34,8 +23,7 @@ typedef struct {
     size_t mask, used;
 } table;
 
-static void table_init(table *t, int bits, int pieces) {
-    size_t n = (size_t)1 << bits;
+static void table_init(table *t, size_t n, int pieces) { // n: a power of two
     t->keys = fl_alloc(FL_MEM_OTHER, n * sizeof *t->keys);
     t->counts = fl_alloc(FL_MEM_OTHER, n * sizeof *t->counts);
     t->text = pieces ? fl_alloc(FL_MEM_OTHER, n * sizeof *t->text) : NULL;
@@ -66,7 +54,22 @@ static size_t table_slot(const table *t, uint64_t key, const uint8_t *s, size_t 
             return i;
 }
 
-static void table_grow(table *t);
+// Twice the slots; each key moves to the first empty one from its hash
+// (the keys are distinct entries already).
+static void table_grow(table *t) {
+    table old = *t;
+    table_init(t, 2 * (old.mask + 1), old.text != NULL);
+    for (size_t i = 0; i <= old.mask; i++) {
+        if (!old.keys[i]) continue;
+        size_t j = bpe_mix(old.keys[i]) & t->mask;
+        while (t->keys[j]) j = (j + 1) & t->mask;
+        t->keys[j] = old.keys[i];
+        t->counts[j] = old.counts[i];
+        if (t->text) t->text[j] = old.text[i], t->len[j] = old.len[i];
+    }
+    t->used = old.used;
+    table_free(&old);
+}
 
 // The key of a byte string (never 0, which marks an empty slot).
 static uint64_t bytes_key(const uint8_t *s, size_t n) {
@@ -74,7 +77,7 @@ static uint64_t bytes_key(const uint8_t *s, size_t n) {
     return h | !h;
 }
 
-static size_t table_add(table *t, uint64_t key, const uint8_t *s, size_t n, int64_t count) {
+static void table_add(table *t, uint64_t key, const uint8_t *s, size_t n, int64_t count) {
     size_t i = table_slot(t, key, s, n);
     if (!t->keys[i]) {
         if (2 * (t->used + 1) > t->mask + 1) {
@@ -86,24 +89,6 @@ static size_t table_add(table *t, uint64_t key, const uint8_t *s, size_t n, int6
         t->used++;
     }
     t->counts[i] += count;
-    return i;
-}
-
-static void table_grow(table *t) {
-    table old = *t;
-    int bits = 1;
-    while (((size_t)1 << bits) < 2 * (old.mask + 1)) bits++;
-    table_init(t, bits, old.text != NULL);
-    for (size_t i = 0; i <= old.mask; i++)
-        if (old.keys[i]) {
-            size_t j =
-                table_slot(t, old.keys[i], old.text ? old.text[i] : NULL, old.len ? old.len[i] : 0);
-            t->keys[j] = old.keys[i];
-            t->counts[j] = old.counts[i];
-            if (t->text) t->text[j] = old.text[i], t->len[j] = old.len[i];
-            t->used++;
-        }
-    table_free(&old);
 }
 
 // A max-heap of (count, pair key): the most frequent pair first, the lower
@@ -124,7 +109,7 @@ static int before(entry a, entry b) {
 }
 
 static void heap_push(heap *h, entry x) {
-    h->e = grow(h->e, &h->cap, h->n, h->n + 1, sizeof *h->e);
+    h->e = fl_reserve(FL_MEM_OTHER, h->e, &h->cap, h->n, h->n + 1, sizeof *h->e);
     size_t i = h->n++;
     for (; i && before(x, h->e[(i - 1) / 2]); i = (i - 1) / 2) h->e[i] = h->e[(i - 1) / 2];
     h->e[i] = x;
@@ -165,7 +150,8 @@ static void pair_add(pair_counts *p, int32_t a, int32_t b, int64_t count) {
     uint64_t key = bpe_pair_key(a, b);
     table_add(&p->pairs, key, NULL, 0, count);
     if (count > 0) {
-        p->raised = grow(p->raised, &p->cap_raised, p->n_raised, p->n_raised + 1, sizeof(uint64_t));
+        p->raised = fl_reserve(FL_MEM_OTHER, p->raised, &p->cap_raised, p->n_raised,
+                               p->n_raised + 1, sizeof(uint64_t));
         p->raised[p->n_raised++] = key;
     }
 }
@@ -209,7 +195,7 @@ static void merge_pair(words *w, pair_counts *p, int32_t a, int32_t b, int32_t t
 static void count_pieces(const uint8_t *const *texts, const size_t *lens, size_t n_texts,
                          words *w) {
     table pieces;
-    table_init(&pieces, 16, 1);
+    table_init(&pieces, (size_t)1 << 16, 1);
     for (size_t d = 0; d < n_texts; d++)
         for (size_t i = 0; i < lens[d];) {
             size_t end = fl_pretok_end(FL_PRE_GPT2, texts[d], lens[d], i);
@@ -306,7 +292,7 @@ int fl_bpe_learn(const uint8_t *const *texts, const size_t *lens, size_t n_texts
     words w;
     count_pieces(texts, lens, n_texts, &w);
     pair_counts p = {0};
-    table_init(&p.pairs, 16, 0);
+    table_init(&p.pairs, (size_t)1 << 16, 0);
     for (size_t k = 0; k < w.n; k++)
         for (uint32_t j = 0; j + 1 < w.len[k]; j++)
             pair_add(&p, w.sym[w.start[k] + j], w.sym[w.start[k] + j + 1], w.count[k]);
@@ -335,7 +321,7 @@ int fl_bpe_learn(const uint8_t *const *texts, const size_t *lens, size_t n_texts
         if (now < 2) break; // a pair seen once makes no useful token
         int32_t a = (int32_t)(top.key >> 32) - 1, b = (int32_t)(uint32_t)top.key, t = v.n++;
         size_t la = v.offs[a + 1] - v.offs[a], lb = v.offs[b + 1] - v.offs[b];
-        v.bytes = grow(v.bytes, &v.cap, v.offs[t], v.offs[t] + la + lb, 1);
+        v.bytes = fl_reserve(FL_MEM_OTHER, v.bytes, &v.cap, v.offs[t], v.offs[t] + la + lb, 1);
         memcpy(v.bytes + v.offs[t], v.bytes + v.offs[a], la);
         memcpy(v.bytes + v.offs[t] + la, v.bytes + v.offs[b], lb);
         v.offs[v.n] = v.offs[t] + (uint32_t)(la + lb);

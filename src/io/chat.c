@@ -127,22 +127,10 @@ typedef struct {
     fl_tokens scratch;
 } renderer;
 
-// Grows an array to hold `need` elements (doubling), keeping its first `used`.
-static void *reserve(void *p, size_t *cap, size_t used, size_t need, size_t elem) {
-    if (need <= *cap) return p;
-    size_t cap2 = *cap ? *cap : 256;
-    while (cap2 < need) cap2 *= 2;
-    void *q = fl_alloc(FL_MEM_OTHER, cap2 * elem);
-    if (used) memcpy(q, p, used * elem);
-    fl_free(p);
-    *cap = cap2;
-    return q;
-}
-
 static void push(fl_example *ex, const int32_t *ids, size_t n, int target) {
     fl_tokens *t = &ex->tokens;
-    ex->mask = reserve(ex->mask, &ex->mask_cap, t->n, t->n + n, 1);
-    t->ids = reserve(t->ids, &t->cap, t->n, t->n + n, sizeof *t->ids);
+    ex->mask = fl_reserve(FL_MEM_OTHER, ex->mask, &ex->mask_cap, t->n, t->n + n, 1);
+    t->ids = fl_reserve(FL_MEM_OTHER, t->ids, &t->cap, t->n, t->n + n, sizeof *t->ids);
     memset(ex->mask + t->n, target, n);
     memcpy(t->ids + t->n, ids, n * sizeof *ids);
     t->n += n;
@@ -161,7 +149,7 @@ static void text(renderer *r, int target, const char *s) {
     size_t n = strlen(s);
     if (r->n && target != r->target) flush_run(r);
     r->target = target;
-    r->run = reserve(r->run, &r->cap, r->n, r->n + n, 1);
+    r->run = fl_reserve(FL_MEM_OTHER, r->run, &r->cap, r->n, r->n + n, 1);
     memcpy(r->run + r->n, s, n);
     r->n += n;
 }

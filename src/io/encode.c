@@ -34,20 +34,8 @@ typedef struct {
     fl_bpe_scratch scratch;
 } encoder;
 
-// Grows an array to hold `need` elements (doubling), keeping its first `used`.
-static void *reserve(void *p, size_t *cap, size_t used, size_t need, size_t elem) {
-    if (need <= *cap) return p;
-    size_t cap2 = *cap ? *cap : 64;
-    while (cap2 < need) cap2 *= 2;
-    void *q = fl_alloc(FL_MEM_OTHER, cap2 * elem);
-    if (used) memcpy(q, p, used * elem);
-    fl_free(p);
-    *cap = cap2;
-    return q;
-}
-
 static void append(fl_tokens *out, const int32_t *ids, size_t n) {
-    out->ids = reserve(out->ids, &out->cap, out->n, out->n + n, sizeof *ids);
+    out->ids = fl_reserve(FL_MEM_OTHER, out->ids, &out->cap, out->n, out->n + n, sizeof *ids);
     memcpy(out->ids + out->n, ids, n * sizeof *ids);
     out->n += n;
 }
@@ -88,8 +76,8 @@ static void cache_add(encoder *e, cache_slot *s, uint64_t h, const uint8_t *p, s
         fl_free(old);
         s = cache_find(e, h, p, len);
     }
-    e->keys = reserve(e->keys, &e->cap_keys, e->n_keys, e->n_keys + len, 1);
-    e->ids = reserve(e->ids, &e->cap_ids, e->n_ids, e->n_ids + n, sizeof *e->ids);
+    e->keys = fl_reserve(FL_MEM_OTHER, e->keys, &e->cap_keys, e->n_keys, e->n_keys + len, 1);
+    e->ids = fl_reserve(FL_MEM_OTHER, e->ids, &e->cap_ids, e->n_ids, e->n_ids + n, sizeof *e->ids);
     memcpy(e->keys + e->n_keys, p, len);
     memcpy(e->ids + e->n_ids, ids, n * sizeof *e->ids);
     *s = (cache_slot){h, (uint32_t)e->n_keys, (uint32_t)len, (uint32_t)e->n_ids, (uint32_t)n};
@@ -127,7 +115,7 @@ static size_t normalise(encoder *e, const uint8_t *s, size_t n, int first) {
     int p = e->tok->prepend;
     int meta = p == FL_PREPEND_META_ALWAYS || (p == FL_PREPEND_META_FIRST && first);
     int starts_space = n && (s[0] == ' ' || (n >= 3 && !memcmp(s, "\xe2\x96\x81", 3)));
-    e->norm = reserve(e->norm, &e->cap_norm, 0, n + 1, 1);
+    e->norm = fl_reserve(FL_MEM_OTHER, e->norm, &e->cap_norm, 0, n + 1, 1);
     size_t m = 0;
     if (n && (p == FL_PREPEND_ALWAYS || (meta && !starts_space))) e->norm[m++] = ' ';
     for (size_t i = 0; i < n; i++) {
@@ -240,7 +228,8 @@ static int32_t next_added(const fl_tokenizer *tok, const uint8_t *s, size_t n, s
 
 void fl_tokenizer_encode(const fl_tokenizer *tok, const uint8_t *text, size_t n, fl_tokens *out) {
     if (!tok->merges) { // the byte tokenizer
-        out->ids = reserve(out->ids, &out->cap, out->n, out->n + n, sizeof *out->ids);
+        out->ids =
+            fl_reserve(FL_MEM_OTHER, out->ids, &out->cap, out->n, out->n + n, sizeof *out->ids);
         for (size_t i = 0; i < n; i++) out->ids[out->n + i] = text[i];
         out->n += n;
         return;
@@ -250,7 +239,8 @@ void fl_tokenizer_encode(const fl_tokenizer *tok, const uint8_t *text, size_t n,
     // the tokens are built in a copy of *out on this thread's stack: callers'
     // fl_tokens for different threads may share a cache line
     fl_tokens mine = *out;
-    mine.ids = reserve(mine.ids, &mine.cap, mine.n, mine.n + n / 4 + 1, sizeof *mine.ids);
+    mine.ids =
+        fl_reserve(FL_MEM_OTHER, mine.ids, &mine.cap, mine.n, mine.n + n / 4 + 1, sizeof *mine.ids);
     encoder e = {.tok = tok};
     int bits = 8;
     while (bits < 17 && ((size_t)1 << bits) < n / 32) bits++;
