@@ -398,9 +398,9 @@ int main(int argc, char **argv) {
     double peak_fp32 = peak_of(a.peak, fma_peak_pick_isa(), a.threads, &how_fp32);
     double peak_bf16 = peak_of(a.peak_bf16, FMA_PEAK_BF16_DP, a.threads, &how_bf16);
     double peak_amx = peak_of(a.peak_amx, FMA_PEAK_AMX_BF16, a.threads, &how_amx);
-    // MFU's denominator: the peak of the precision's arithmetic (the fp32
-    // one on a CPU without AVX512_BF16)
-    int use_bf16_peak = a.precision != FL_F32 && peak_bf16 > 0.0;
+    // MFU's denominator: the peak of the arithmetic the GEMMs run on (bf16
+    // dot products where matmul takes oneDNN's native bf16, else fp32 FMAs)
+    int use_bf16_peak = !strcmp(matmul_gemm_name(a.precision), "onednn") && peak_bf16 > 0.0;
     double peak = use_bf16_peak ? peak_bf16 : peak_fp32;
     const char *peak_kind = use_bf16_peak ? "bf16" : "fp32";
 

@@ -434,7 +434,7 @@ TOTAL=$SECONDS
     echo "- step: zero_grad + forward + backward + clip_grad_norm 1.0 + AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1 on matrices)"
     echo "- FLOPs/token = 6 x (the weights of the linear layers, LM head included) + 12*L*T*C (GPT-2: 6*(12*L*C^2 + V*C) + 12*L*T*C; GFLOP/s = FLOPs/token x tok/s)"
     echo "- peaks, measured by bench/peak_fma in this run with $THREADS threads (1 thread in brackets): fp32 FMA $PEAK GFLOP/s ($(field isa "$PEAK_LINE"); $(field gflops_1t "$PEAK_LINE")), bf16 dot product $PEAK_BF16 GFLOP/s (vdpbf16ps; $(field bf16_gflops_1t "$PEAK_LINE")), AMX-BF16 $PEAK_AMX GFLOP/s (tdpbf16ps; $(field amx_gflops_1t "$PEAK_LINE"))"
-    echo "- MFU (peak): against the fp32 FMA peak for fp32 rows, against the bf16 dot-product (vdpbf16ps) peak for 16-bit rows where the CPU (as capped) has one, else the fp32 peak; a bf16 step whose GEMMs run on AMX can exceed 100% of the vdpbf16ps peak."
+    echo "- MFU (peak): against the fp32 FMA peak for fp32 rows, against the bf16 dot-product (vdpbf16ps) peak for 16-bit rows whose GEMMs run on oneDNN's native bf16 (gemm=onednn: AMX, or AVX512_BF16 on AMD), else the fp32 peak; a bf16 step whose GEMMs run on AMX can exceed 100% of the vdpbf16ps peak."
     echo
     echo "$TABLE"
     echo

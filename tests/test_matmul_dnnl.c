@@ -157,7 +157,23 @@ static void die_unsupported(void *arg) {
     dnnl_matmul_forward(FL_F16, &c, &a, &a, NULL, NULL, 1, 1, 1);
 }
 
+// matmul (src/kernels/matmul.c) takes oneDNN for bf16 only where its native
+// kernels beat fp32 FMAs: AMX, or AVX512_BF16 on AMD
+static void test_dispatch(void) {
+    const fl_cpu_features *f = fl_cpu();
+    t_check(!f->bf16_dot_fast || f->avx512_bf16, "a fast bf16 dot product is AVX512_BF16");
+    int native = (f->amx_bf16 || f->bf16_dot_fast) && dnnl_matmul_supported(FL_BF16);
+    t_check(!strcmp(matmul_gemm_name(FL_BF16), native ? "onednn" : "fitlm") ||
+                fl_cpu_isa() == FL_ISA_PORTABLE,
+            "bf16 GEMMs: %s (avx512_bf16 %d, fast dot product %d, amx_bf16 %d)",
+            matmul_gemm_name(FL_BF16), f->avx512_bf16, f->bf16_dot_fast, f->amx_bf16);
+    t_check(strcmp(matmul_gemm_name(FL_F32), "onednn") &&
+                strcmp(matmul_gemm_name(FL_F16), "onednn"),
+            "fp32 and fp16 never take oneDNN");
+}
+
 int main(void) {
+    test_dispatch();
     t_check(!dnnl_matmul_supported(FL_F32), "fp32 is never supported");
     t_check(!dnnl_matmul_supported(FL_F16), "fp16 is never supported");
     t_dies("fp16 forward", die_unsupported, NULL, "not supported");

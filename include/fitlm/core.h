@@ -99,6 +99,10 @@ uint64_t fl_rng_below(fl_rng *rng, uint64_t n); // uniform in [0, n), n > 0
 
 typedef struct {
     int avx2, fma, avx512f, avx512bw, avx512vl, avx512_bf16, amx_bf16;
+    // AVX512_BF16's dot product outruns fp32 FMAs: on AMD (Zen 4: twice the
+    // fp32 rate), not on Intel (an Emerald Rapids VM with AMX hidden: half
+    // the fp32 rate)
+    int bf16_dot_fast;
 } fl_cpu_features;
 
 // Probed once with CPUID/XGETBV, capped by the environment so that one

@@ -14,9 +14,11 @@
 //   and out (or dout) in panels of MM_PANEL output channels, each tile's
 //   output rounded back as soon as it is done.
 // 16-bit gradients are accumulated in fp32 and rounded once per element per
-// call. A native bf16 GEMM (oneDNN with AVX512_BF16 or AMX, matmul_dnnl.c)
-// plugs in at the top of matmul_forward/matmul_backward (and
-// matmul_workspace_bytes), before these paths.
+// call. A native bf16 GEMM (oneDNN with AMX, or AVX512_BF16 where its dot
+// product outruns fp32 FMAs: matmul_dnnl.c) plugs in at the top of
+// matmul_forward/matmul_backward (and matmul_workspace_bytes), before these
+// paths; elsewhere bf16 takes fitlm's GEMM on fp32 FMAs like fp16 (on
+// Intel's AVX512_BF16 without AMX oneDNN's bf16 step ran at 0.80x fp32).
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
@@ -481,22 +483,26 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
 
 // ----------------------------------------------------------------------------
 
+// bf16 on oneDNN's native kernels where they beat fp32 FMAs
+static int native_bf16(fl_dtype dt) {
+    return (fl_cpu()->amx_bf16 || fl_cpu()->bf16_dot_fast) && dnnl_matmul_supported(dt);
+}
+
 const char *matmul_gemm_name(fl_dtype dt) {
-    if (dnnl_matmul_supported(dt)) return "onednn";
+    if (native_bf16(dt)) return "onednn";
     if (packed_path()) return "fitlm";
     return dt == FL_F32 ? "openblas" : "openblas-converted";
 }
 
 size_t matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC) {
-    if (dnnl_matmul_supported(dt)) return dnnl_matmul_workspace_bytes(dt, N, C, OC);
+    if (native_bf16(dt)) return dnnl_matmul_workspace_bytes(dt, N, C, OC);
     if (packed_path()) return packed_workspace_floats(dt, N, C, OC) * sizeof(float);
     return dt == FL_F32 ? 0 : portable_workspace_floats(N, C, OC) * sizeof(float);
 }
 
 void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight, const void *bias,
                     void *workspace, int N, int C, int OC) {
-    // a native bf16 GEMM (oneDNN: AMX or AVX512_BF16) where the CPU has one
-    if (dnnl_matmul_supported(dt)) {
+    if (native_bf16(dt)) {
         dnnl_matmul_forward(dt, out, inp, weight, bias, workspace, N, C, OC);
         return;
     }
@@ -516,7 +522,7 @@ void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
 
 void matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                      const void *inp, const void *weight, void *workspace, int N, int C, int OC) {
-    if (dnnl_matmul_supported(dt)) {
+    if (native_bf16(dt)) {
         dnnl_matmul_backward(dt, dinp, dweight, dbias, dout, inp, weight, workspace, N, C, OC);
         return;
     }

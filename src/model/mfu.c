@@ -3,8 +3,10 @@
 // sustained multiply-add rate depends on its frequency under load, which no
 // table of models knows.
 #include <stdio.h>
+#include <string.h>
 
 #include "../core/fma_peak.h"
+#include "fitlm/kernels.h"
 #include "fitlm/mfu.h"
 
 double fl_mfu_flops_per_token(const fl_model *m, int T, int base_frozen) {
@@ -15,12 +17,13 @@ double fl_mfu_flops_per_token(const fl_model *m, int T, int base_frozen) {
 
 double fl_mfu_peak(fl_dtype dtype, int threads, char *how, size_t how_size) {
     // what the GEMMs run on: bf16 through oneDNN on AMX tiles or vdpbf16ps
-    // where the CPU has them (src/kernels/matmul_dnnl.c); fp32 and fp16
-    // (converted to fp32) on fp32 FMAs
+    // where matmul takes them (src/kernels/matmul.c); otherwise, and for
+    // fp32 and fp16 (converted to fp32), fp32 FMAs
     fma_peak_isa isa = fma_peak_pick_isa();
-    if (dtype == FL_BF16 && fma_peak_has(FMA_PEAK_AMX_BF16))
+    int native = dtype == FL_BF16 && !strcmp(matmul_gemm_name(dtype), "onednn");
+    if (native && fma_peak_has(FMA_PEAK_AMX_BF16))
         isa = FMA_PEAK_AMX_BF16;
-    else if (dtype == FL_BF16 && fma_peak_has(FMA_PEAK_BF16_DP))
+    else if (native && fma_peak_has(FMA_PEAK_BF16_DP))
         isa = FMA_PEAK_BF16_DP;
     // one short measurement after the calibration (which also warms up)
     double gflops = fma_peak_gflops(isa, threads, 0.03, 1, NULL, NULL);
