@@ -188,9 +188,14 @@ __attribute__((target("avx2,f16c"))) static inline void transpose8(float *d, int
     for (int j = 0; j < 8; j++) store_lanes(d + (size_t)j * w, t[j], m);
 }
 
-// rows of X read whole (x.trans), or 8 x 8 blocks transposed in registers
+// rows of X read whole (x.trans), or 8 x 8 blocks transposed in registers.
+// next_kc: the depth of the block packed after this one (0: none). Its part of
+// each row is fetched while this block's is transposed: a row's block is
+// only KC values (a few cache lines, far from the next row's), too short
+// for the hardware prefetcher, and a kernel's worth of work later they are
+// in cache.
 __attribute__((target("avx2,f16c"))) static void pack(float *dst, int w, gemm_mat x, int i0, int n,
-                                                      int k0, int kc) {
+                                                      int k0, int kc, int next_kc) {
     int panels = (n + w - 1) / w;
     if (x.trans) { // a row of X converted whole, then dealt out to the panels
         float row[NC + NR_MAX + 8] = {0};
@@ -222,7 +227,13 @@ __attribute__((target("avx2,f16c"))) static void pack(float *dst, int w, gemm_ma
             int m = w - i < 8 ? w - i : 8;
             size_t src = (size_t)(i0 + q * w + i) * x.ld + k0;
             int k = 0;
-            for (; k + 8 <= kc; k += 8) transpose8(panel + (size_t)k * w + i, w, m, x, src + k, g);
+            for (; k + 8 <= kc; k += 8) {
+                for (int q = 0; q < g && k < next_kc && k % 16 == 0; q++)
+                    _mm_prefetch(
+                        (const char *)fl_at_const(x.dt, x.p, src + (size_t)q * x.ld + kc + k),
+                        _MM_HINT_T0);
+                transpose8(panel + (size_t)k * w + i, w, m, x, src + k, g);
+            }
             for (; k < kc; k++) // the last k, one by one
                 for (int j = 0; j < m; j++)
                     panel[(size_t)k * w + i + j] =
@@ -257,7 +268,7 @@ void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, in
     gemm_mat packed = {.packed = dst, .count = count};
     int kc = min_int(KC, K - k0);
     pack((float *)packed_block(packed, w, k0, kc, first), w, as_b ? transposed(x) : x, first, n, k0,
-         kc);
+         kc, 0);
 }
 
 void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c,
@@ -278,11 +289,11 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
             int kc = min_int(KC, K - pc);
             int load_c = pc > 0 || beta != 0.0f;
             const float *b_block = b.packed ? packed_block(b, kn.nr, pc, kc, b.first + jc) : bp;
-            if (!b.packed) pack(bp, kn.nr, bt, jc, nc, pc, kc);
+            if (!b.packed) pack(bp, kn.nr, bt, jc, nc, pc, kc, 0);
             for (int ic = 0; ic < M; ic += MC) {
                 int mc = min_int(MC, M - ic);
                 const float *a_block = a.packed ? packed_block(a, kn.mr, pc, kc, a.first + ic) : ap;
-                if (!a.packed) pack(ap, kn.mr, a, ic, mc, pc, kc);
+                if (!a.packed) pack(ap, kn.mr, a, ic, mc, pc, kc, min_int(KC, K - pc - kc));
                 for (int ir = 0; ir < mc; ir += kn.mr) {
                     int mr = min_int(kn.mr, mc - ir);
                     const float *a_panel = a_block + (size_t)ir * kc;

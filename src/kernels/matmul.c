@@ -425,8 +425,11 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
     // fp32 gradients accumulate in place, 16-bit ones in fp32 copies
     float *dinp32 = dt == FL_F32 ? dinp : sh.dinp32, *dbias32 = dt == FL_F32 ? dbias : sh.bias32;
     int dwb = dw_tile_rows(OC), n_dw = dweight ? ceil_div(OC, dwb) : 0;
-    int rb = packed_rows(dinp_tile_rows(N), N), cb = dinp_tile_cols(C);
-    int nc = ceil_div(C, cb), n_dinp = dinp ? ceil_div(N, rb) * nc : 0;
+    // dout's columns are packed ahead only for several column tiles (below);
+    // then row blocks start on the packed rows' quantum
+    int cb = dinp_tile_cols(C), nc = ceil_div(C, cb), ahead = nc > 1;
+    int rb = ahead ? packed_rows(dinp_tile_rows(N), N) : dinp_tile_rows(N);
+    int n_dinp = dinp ? ceil_div(N, rb) * nc : 0;
     int n_db = dbias ? ceil_div(OC, MM_OCBLOCK) : 0;
 #pragma omp parallel
     {
@@ -457,7 +460,7 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
         // for all the column tiles that read them; with one column tile,
         // each tile packs its own rows as it goes, over all OC at once
         // (packing ahead would only add a write and a re-read of dout).
-        int ahead = nc > 1, chunk = ahead ? MM_DINP_CHUNK : OC;
+        int chunk = ahead ? MM_DINP_CHUNK : OC;
         for (int k0 = 0; n_dinp && k0 < OC; k0 += chunk) {
             int kn = min_int(chunk, OC - k0);
             gemm_mat a = mat(dt, dout, k0, OC, 0);
