@@ -430,6 +430,8 @@ int main(int argc, char **argv) {
     printf("peaks (GFLOP/s, %d threads): fp32 FMA %.1f (%s), bf16 dot product %.1f (%s), AMX-BF16 "
            "%.1f (%s); MFU against the %s peak\n",
            a.threads, peak_fp32, how_fp32, peak_bf16, how_bf16, peak_amx, how_amx, peak_kind);
+    printf("kernels: fitlm %s, GEMMs %s, OpenBLAS %s (attention's GEMMs)\n",
+           fl_isa_name(fl_cpu_isa()), matmul_gemm_name(a.precision), openblas_get_corename());
     if (!(peak > 0.0)) fl_die("no peak to quote MFU against: pass one with --peak");
     fflush(stdout);
 
@@ -532,12 +534,12 @@ int main(int argc, char **argv) {
            "tok_s=%.2f flops_per_token=%.0f gflops=%.2f peak=%s peak_gflops=%.1f mfu=%.4f "
            "peak_fp32_gflops=%.1f peak_bf16_gflops=%.1f peak_amx_gflops=%.1f mfu_fp32=%.4f "
            "mfu_bf16=%.4f mfu_amx=%.4f peak_rss_mib=%.0f tagged_mib=%.0f loss_first=%.4f "
-           "loss_last=%.4f skipped=%d loss_scale=%g gemm=%s isa=%s",
+           "loss_last=%.4f skipped=%d loss_scale=%g gemm=%s isa=%s openblas=%s",
            fl_arch_name(cfg.arch), prec, a.B, a.T, a.threads, a.steps, a.warmup, med, lo, hi,
            median(ms_fwd, a.steps), median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s,
            flops_per_token, gflops, peak_kind, peak, mfu, peak_fp32, peak_bf16, peak_amx, mfu_fp32,
            mfu_bf16, mfu_amx, rss_mib, tagged_mib, first_loss, last_loss, skipped, loss_scale,
-           matmul_gemm_name(a.precision), fl_isa_name(fl_cpu_isa()));
+           matmul_gemm_name(a.precision), fl_isa_name(fl_cpu_isa()), openblas_get_corename());
     if (llama)
         printf(" L=%d C=%d NH=%d kv_heads=%d I=%d V=%d tie=%d", a.L, a.C, a.NH, cfg.n_kv_head,
                cfg.intermediate_size, a.V, cfg.tie_embeddings);

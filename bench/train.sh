@@ -168,7 +168,7 @@ MEM_GIB=$(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo)
 if [[ -n ${FITLM_ISA:-} && $FITLM_ISA != avx512 ]]; then
     ISA_PATHS="fitlm capped to FITLM_ISA=$FITLM_ISA, OpenBLAS core ${OPENBLAS_CORETYPE:-Haswell}"
 else
-    ISA_PATHS="fitlm on the CPU's own paths, OpenBLAS core ${OPENBLAS_CORETYPE:-as detected}"
+    ISA_PATHS="fitlm on the CPU's own paths, OpenBLAS core ${OPENBLAS_CORETYPE:-as detected, or SkylakeX/Haswell where it falls back to SSE3 (fitlm and PyTorch alike)}"
 fi
 
 echo "== peaks: fp32 FMA, bf16 dot product, AMX-BF16 (idle wait: $(wait_idle)% busy)"
@@ -217,8 +217,15 @@ run_one() {
     done
     if [[ $eng == fitlm ]]; then
         run_measured "$name" timeout 1800 "./$BUILD/bench_train" "${args[@]}" || true
+        # the OpenBLAS kernels fitlm ran on (fl_runtime_env replaces the
+        # generic ones OpenBLAS falls back to on a CPU model it does not know)
+        grep -o ' openblas=[^ ]*' "$LOG/$name.log" | cut -d= -f2 >"$LOG/openblas_core" || true
     else
-        run_measured "$name" timeout 1800 env OMP_WAIT_POLICY=PASSIVE "$PY" bench/torch_gpt2.py "${args[@]}" || true
+        # PyTorch's fp32 GEMMs are the same OpenBLAS's: the same kernels,
+        # unless fitlm runs under an ISA cap
+        local core=""
+        if [[ -z ${FITLM_ISA:-} || $FITLM_ISA == avx512 ]]; then core=$(cat "$LOG/openblas_core" 2>/dev/null || true); fi
+        run_measured "$name" timeout 1800 env OMP_WAIT_POLICY=PASSIVE ${core:+OPENBLAS_CORETYPE=$core} "$PY" bench/torch_gpt2.py "${args[@]}" || true
     fi
     if ((${#pids[@]})); then kill "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; fi
     line=$(grep '^RESULT engine' "$LOG/$name.log" || true)
@@ -430,7 +437,7 @@ TOTAL=$SECONDS
     echo "- command: \`$COMMAND\` (threads $THREADS; timed steps fitlm: $STEPS, PyTorch: $TORCH_STEPS; warm-up steps $WARMUP, PyTorch bf16 $TORCH_BF16_WARMUP); whole run ${TOTAL} s"
     echo "- models: GPT-2 124M (L=12, C=768, NH=12, V=50257 padded to 50304, maxT=1024); LLaMA: \`$LLAMA\` with GPT-2's vocabulary (V=50257, so both engines read the same batch); random weights, one batch of GPT-2 tokens of the Brown corpus (the first B windows of data/brown_gpt2)"
     echo "- fitlm: OMP_WAIT_POLICY ${OMP_WAIT_POLICY:-PASSIVE, the fitlm default}; GEMMs in tiles of fitlm's own GEMM (src/kernels/gemm.c; OpenBLAS sgemm without AVX2), bf16 through oneDNN where the CPU has avx512_bf16 or AMX (each run's RESULT line: gemm=); bf16/fp16: mixed precision (16-bit weights, activations, gradients; fp32 master weights and AdamW state), converted to fp32 as the GEMM packs them"
-    echo "- PyTorch: $TORCH_VERSION ($PY), OMP_WAIT_POLICY=PASSIVE, AdamW default (foreach off), attention as masked softmax; fp32, or bf16 = \`torch.autocast('cpu', dtype=torch.bfloat16)\` around forward + loss (fp32 parameters, gradients and AdamW state)"
+    echo "- PyTorch: $TORCH_VERSION ($PY), OMP_WAIT_POLICY=PASSIVE, OPENBLAS_CORETYPE as fitlm ran ($(cat "$LOG/openblas_core" 2>/dev/null || echo "?")), AdamW default (foreach off), attention as masked softmax; fp32, or bf16 = \`torch.autocast('cpu', dtype=torch.bfloat16)\` around forward + loss (fp32 parameters, gradients and AdamW state)"
     echo "- step: zero_grad + forward + backward + clip_grad_norm 1.0 + AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1 on matrices)"
     echo "- FLOPs/token = 6 x (the weights of the linear layers, LM head included) + 12*L*T*C (GPT-2: 6*(12*L*C^2 + V*C) + 12*L*T*C; GFLOP/s = FLOPs/token x tok/s)"
     echo "- peaks, measured by bench/peak_fma in this run with $THREADS threads (1 thread in brackets): fp32 FMA $PEAK GFLOP/s ($(field isa "$PEAK_LINE"); $(field gflops_1t "$PEAK_LINE")), bf16 dot product $PEAK_BF16 GFLOP/s (vdpbf16ps; $(field bf16_gflops_1t "$PEAK_LINE")), AMX-BF16 $PEAK_AMX GFLOP/s (tdpbf16ps; $(field amx_gflops_1t "$PEAK_LINE"))"

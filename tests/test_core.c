@@ -33,6 +33,37 @@ static void test_allocator_counts_exactly(void) {
     t_check(fl_mem_peak_rss() > 0, "peak RSS is readable");
 }
 
+// Blocks of 2 MiB or more start on a 2 MiB boundary (header included), so
+// that transparent huge pages can back them; FITLM_THP=0 keeps them on 64
+// bytes and any other value is refused.
+static void alloc_with_thp(void *value) {
+    setenv("FITLM_THP", value, 1);
+    fl_free(fl_alloc(FL_MEM_OTHER, (size_t)3 << 20));
+}
+
+static void test_huge_blocks(void) {
+    size_t huge = (size_t)2 << 20, base = fl_mem_current(FL_MEM_ACTS);
+    unsetenv("FITLM_THP");
+    char *small = fl_alloc(FL_MEM_ACTS, huge - 1), *big = fl_alloc(FL_MEM_ACTS, huge);
+    t_check(((uintptr_t)big - 64) % huge == 0, "a 2 MiB block's allocation starts on 2 MiB");
+    int zero = 1;
+    for (size_t i = 0; i < huge; i += 4096) zero &= big[i] == 0;
+    zero &= big[huge - 1] == 0;
+    t_check(zero, "a huge block is zero-filled");
+    t_check(fl_mem_current(FL_MEM_ACTS) == base + 2 * huge - 1, "counted at their own sizes");
+    fl_free(small);
+    fl_free(big);
+    t_check(fl_mem_current(FL_MEM_ACTS) == base, "and uncounted");
+    t_dies("FITLM_THP=2", alloc_with_thp, "2", "FITLM_THP must be 0 or 1, got '2'");
+    setenv("FITLM_THP", "0", 1);
+    big = fl_alloc(FL_MEM_ACTS, huge);
+    t_check(((uintptr_t)big & 63) == 0 && big[huge - 1] == 0 &&
+                fl_mem_current(FL_MEM_ACTS) == base + huge,
+            "FITLM_THP=0: an aligned, zeroed, counted block");
+    fl_free(big);
+    unsetenv("FITLM_THP");
+}
+
 static void test_rng(void) {
     fl_rng a, b;
     fl_rng_seed(&a, 42);
@@ -92,6 +123,7 @@ static void test_isa_cap(void) {
 int main(void) {
     test_isa_cap(); // first: before anything calls fl_cpu()
     test_allocator_counts_exactly();
+    test_huge_blocks();
     test_rng();
     test_cpu_probe();
     return t_report();

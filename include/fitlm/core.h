@@ -127,8 +127,10 @@ int fl_threads(void);
 // user set neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT it asks for passive
 // waits (idle threads sleep instead of spinning, which costs nothing
 // measurable alone and keeps a busy machine from slowing the step twice
-// over), and under FITLM_ISA=avx2 or portable, with OPENBLAS_CORETYPE
-// unset, OpenBLAS's AVX2 (Haswell) kernels; then the program starts over
+// over), and where OPENBLAS_CORETYPE is unset, OpenBLAS's AVX2 (Haswell)
+// kernels under FITLM_ISA=avx2 or portable, or, where OpenBLAS did not
+// recognise the CPU and fell back to SSE3, the widest kernels the CPU has
+// (SkylakeX or Haswell); then the program starts over
 // with that environment (execv of /proc/self/exe, argv unchanged). When
 // nothing is to change, or the exec fails, it returns and the run goes on.
 void fl_runtime_env(char **argv);

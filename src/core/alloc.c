@@ -2,13 +2,22 @@
 // and size) in front of the 64-byte aligned pointer handed out, so fl_free
 // can uncount it without a lookup table. Counters are updated under a lock;
 // allocation is rare (set-up time), never inside a kernel.
+//
+// Blocks of HUGE_PAGE bytes or more start on a 2 MiB boundary and are backed by
+// transparent huge pages where the kernel offers them (madvise mode, the
+// Debian default, gives them only to regions that ask). The GEMMs' packing
+// walks down columns of large row-major matrices (a row of the LM head's
+// logits is 200 KiB): with 4 KiB pages nearly every row it touches is a TLB
+// miss. FITLM_THP=0 turns this off (for comparison).
 #include "fitlm/core.h"
 
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <sys/mman.h>
 
-#define ALIGN 64
+#define ALIGN     64
+#define HUGE_PAGE ((size_t)2 << 20)
 
 typedef struct {
     size_t bytes;
@@ -29,14 +38,27 @@ const char *fl_mem_tag_name(fl_mem_tag tag) {
     return (unsigned)tag < FL_MEM_NTAGS ? tag_names[tag] : "?";
 }
 
+// FITLM_THP: 1 (default) or 0; read at each large allocation (they are few)
+static int huge_pages_wanted(void) {
+    const char *v = getenv("FITLM_THP");
+    if (v && strcmp(v, "0") && strcmp(v, "1")) fl_die("FITLM_THP must be 0 or 1, got '%s'", v);
+    return !v || v[0] == '1';
+}
+
 void *fl_alloc(fl_mem_tag tag, size_t bytes) {
     FL_ASSERT((unsigned)tag < FL_MEM_NTAGS);
-    if (bytes > SIZE_MAX - 2 * ALIGN)
+    if (bytes > SIZE_MAX - 2 * HUGE_PAGE)
         fl_die("allocation of %zu bytes (%s) is too large", bytes, fl_mem_tag_name(tag));
     void *raw = NULL;
-    if (posix_memalign(&raw, ALIGN, ALIGN + bytes) != 0)
+    int huge = bytes >= HUGE_PAGE && huge_pages_wanted();
+    if (posix_memalign(&raw, huge ? HUGE_PAGE : ALIGN, ALIGN + bytes) != 0)
         fl_die("out of memory allocating %.1f MiB for %s (%.1f MiB already allocated)",
                bytes / 1048576.0, fl_mem_tag_name(tag), fl_mem_total_current() / 1048576.0);
+#ifdef MADV_HUGEPAGE
+    // a hint, before the first touch: where the kernel has no huge pages to
+    // give, the block keeps small ones
+    if (huge) (void)madvise(raw, (ALIGN + bytes) / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE);
+#endif
     memset(raw, 0, ALIGN + bytes);
     block_header *h = (block_header *)((char *)raw + ALIGN - sizeof(block_header));
     h->bytes = bytes;
