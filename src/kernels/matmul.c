@@ -39,10 +39,11 @@
 // steps of MM_KSTEP (sgemm with beta = 1 on the fp32 accumulator): a fixed
 // order, independent of MM_PANEL and of the tiles.
 #define MM_KSTEP 256
-// With AVX2 (gemm.c), the input gradient sums over OC in chunks of
-// MM_DINP_CHUNK output channels (a multiple of gemm's depth block, so the
-// bits do not depend on it), dout's columns of a chunk packed once for all
-// of the chunk's tiles.
+// With AVX2 (gemm.c), the backward goes over OC in spans of MM_DINP_CHUNK
+// output channels (a multiple of gemm's depth block), each span's weight
+// gradient, bias gradient and input-gradient tiles in one loop: the bits
+// do not depend on the span, and dout's columns of a span are packed once
+// for all of its input-gradient tiles.
 #define MM_DINP_CHUNK 2048
 _Static_assert(MM_DINP_CHUNK % GEMM_DEPTH_BLOCK == 0, "chunks of whole depth blocks");
 
@@ -424,13 +425,12 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
     packed_shared sh = shared_split(ws, dt, N, C, OC);
     // fp32 gradients accumulate in place, 16-bit ones in fp32 copies
     float *dinp32 = dt == FL_F32 ? dinp : sh.dinp32, *dbias32 = dt == FL_F32 ? dbias : sh.bias32;
-    int dwb = dw_tile_rows(OC), n_dw = dweight ? ceil_div(OC, dwb) : 0;
+    int dwb = dw_tile_rows(OC);
     // dout's columns are packed ahead only for several column tiles (below);
     // then row blocks start on the packed rows' quantum
     int cb = dinp_tile_cols(C), nc = ceil_div(C, cb), ahead = nc > 1;
     int rb = ahead ? packed_rows(dinp_tile_rows(N), N) : dinp_tile_rows(N);
     int n_dinp = dinp ? ceil_div(N, rb) * nc : 0;
-    int n_db = dbias ? ceil_div(OC, MM_OCBLOCK) : 0;
 #pragma omp parallel
     {
         // scratch: only 16-bit data is converted into it
@@ -440,45 +440,48 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
         if (dinp && dt != FL_F32) load_rows(dt, dinp32, dinp, N, C, C);
 #pragma omp single
         if (dbias && dt != FL_F32) fl_convert(FL_F32, dbias32, dt, dbias, OC);
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int t = 0; t < n_dw + n_db; t++) {
-            if (t < n_dw) {
-                // dweight rows += dout[:, rows]^T @ inp, a 16-bit one rounded once
-                int r0 = t * dwb, rows = min_int(dwb, OC - r0);
-                void *dw = fl_at(dt, dweight, (size_t)r0 * C);
-                float *dw32 = dt == FL_F32 ? dw : scratch;
-                if (dt != FL_F32) fl_convert(FL_F32, dw32, dt, dw, (size_t)rows * C);
-                gemm_tile(rows, C, N, mat(dt, dout, r0, OC, 1), inp_b, 1.0f, dw32, C, pack);
-                if (dt != FL_F32) fl_store_f32(dt, dw, dw32, (size_t)rows * C);
-            } else {
-                int o = (t - n_dw) * MM_OCBLOCK;
-                column_sums(dbias32 + o, dt, dout, N, o, min_int(o + MM_OCBLOCK, OC), OC, scratch);
-            }
-        }
-        // dinp tiles += dout (rows, chunk) @ weight (chunk, cols), chunk by
-        // chunk of output channels. dout's columns of a chunk are packed once
-        // for all the column tiles that read them; with one column tile,
-        // each tile packs its own rows as it goes, over all OC at once
-        // (packing ahead would only add a write and a re-read of dout).
-        int chunk = ahead ? MM_DINP_CHUNK : OC;
-        for (int k0 = 0; n_dinp && k0 < OC; k0 += chunk) {
-            int kn = min_int(chunk, OC - k0);
+        // Output channels span by span (MM_DINP_CHUNK of them): a span's
+        // dweight rows, dbias sums and dinp tiles share one dynamic loop, so
+        // the span of dout that the weight gradient has just read is still
+        // in cache when the input gradient reads it again; spans in order,
+        // as the input gradient's sums over output channels need.
+        // dweight rows += dout[:, rows]^T @ inp, a 16-bit one rounded once;
+        // dinp tiles += dout (rows, span) @ weight (span, cols). dout's
+        // columns of a span are packed once for all the column tiles that
+        // read them; with one column tile, each tile packs its own rows as
+        // it goes (packing ahead would only add a write and a re-read).
+        for (int k0 = 0; k0 < OC; k0 += MM_DINP_CHUNK) {
+            int kn = min_int(MM_DINP_CHUNK, OC - k0), k1 = k0 + kn;
+            int n_dw = dweight ? ceil_div(kn, dwb) : 0, n_db = dbias ? ceil_div(kn, MM_OCBLOCK) : 0;
             gemm_mat a = mat(dt, dout, k0, OC, 0);
-            if (ahead) a = pack_shared(sh.dout_packed, dt, a.p, OC, 0, N, kn);
+            if (ahead && n_dinp) a = pack_shared(sh.dout_packed, dt, a.p, OC, 0, N, kn);
 #pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < n_dinp; i++) {
-                int n0 = (i / nc) * rb, c0 = (i % nc) * cb;
-                if (ahead)
-                    a.first = n0;
-                else
-                    a = mat(dt, dout, (size_t)n0 * OC + k0, OC, 0);
-                gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, a,
-                          mat(dt, weight, (size_t)k0 * C + c0, C, 0), 1.0f,
-                          dinp32 + (size_t)n0 * C + c0, C, pack);
+            for (int t = 0; t < n_dw + n_db + n_dinp; t++) {
+                if (t < n_dw) {
+                    int r0 = k0 + t * dwb, rows = min_int(dwb, k1 - r0);
+                    void *dw = fl_at(dt, dweight, (size_t)r0 * C);
+                    float *dw32 = dt == FL_F32 ? dw : scratch;
+                    if (dt != FL_F32) fl_convert(FL_F32, dw32, dt, dw, (size_t)rows * C);
+                    gemm_tile(rows, C, N, mat(dt, dout, r0, OC, 1), inp_b, 1.0f, dw32, C, pack);
+                    if (dt != FL_F32) fl_store_f32(dt, dw, dw32, (size_t)rows * C);
+                } else if (t < n_dw + n_db) {
+                    int o = k0 + (t - n_dw) * MM_OCBLOCK;
+                    column_sums(dbias32 + o, dt, dout, N, o, min_int(o + MM_OCBLOCK, k1), OC,
+                                scratch);
+                } else {
+                    int i = t - n_dw - n_db, n0 = (i / nc) * rb, c0 = (i % nc) * cb;
+                    gemm_mat ai = a;
+                    if (ahead)
+                        ai.first = n0;
+                    else
+                        ai = mat(dt, dout, (size_t)n0 * OC + k0, OC, 0);
+                    gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, ai,
+                              mat(dt, weight, (size_t)k0 * C + c0, C, 0), 1.0f,
+                              dinp32 + (size_t)n0 * C + c0, C, pack);
+                }
             }
         }
         if (dinp && dt != FL_F32) store_rows(dt, dinp, dinp32, N, C, C);
-#pragma omp barrier // the first loop's dbias sums (it does not wait)
 #pragma omp single
         if (dbias && dt != FL_F32) fl_store_f32(dt, dbias, dbias32, OC);
     }
