@@ -400,7 +400,7 @@ int main(int argc, char **argv) {
     double peak_amx = peak_of(a.peak_amx, FMA_PEAK_AMX_BF16, a.threads, &how_amx);
     // MFU's denominator: the peak of the arithmetic the GEMMs run on (bf16
     // dot products where matmul takes oneDNN's native bf16, else fp32 FMAs)
-    int use_bf16_peak = !strcmp(matmul_gemm_name(a.precision), "onednn") && peak_bf16 > 0.0;
+    int use_bf16_peak = matmul_native_bf16(a.precision) && peak_bf16 > 0.0;
     double peak = use_bf16_peak ? peak_bf16 : peak_fp32;
     const char *peak_kind = use_bf16_peak ? "bf16" : "fp32";
 

@@ -163,11 +163,13 @@ static void test_dispatch(void) {
     const fl_cpu_features *f = fl_cpu();
     t_check(!f->bf16_dot_fast || f->avx512_bf16, "a fast bf16 dot product is AVX512_BF16");
     int native = (f->amx_bf16 || f->bf16_dot_fast) && dnnl_matmul_supported(FL_BF16);
-    t_check(!strcmp(matmul_gemm_name(FL_BF16), native ? "onednn" : "fitlm") ||
-                fl_cpu_isa() == FL_ISA_PORTABLE,
+    t_check(matmul_native_bf16(FL_BF16) == native &&
+                (!strcmp(matmul_gemm_name(FL_BF16), native ? "onednn" : "fitlm") ||
+                 fl_cpu_isa() == FL_ISA_PORTABLE),
             "bf16 GEMMs: %s (avx512_bf16 %d, fast dot product %d, amx_bf16 %d)",
             matmul_gemm_name(FL_BF16), f->avx512_bf16, f->bf16_dot_fast, f->amx_bf16);
-    t_check(strcmp(matmul_gemm_name(FL_F32), "onednn") &&
+    t_check(!matmul_native_bf16(FL_F32) && !matmul_native_bf16(FL_F16) &&
+                strcmp(matmul_gemm_name(FL_F32), "onednn") &&
                 strcmp(matmul_gemm_name(FL_F16), "onednn"),
             "fp32 and fp16 never take oneDNN");
 }

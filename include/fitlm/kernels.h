@@ -80,6 +80,9 @@ size_t matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC);
 // The GEMM that runs for dt on this CPU: "onednn", "fitlm", "openblas" or
 // "openblas-converted" (16-bit operands converted to fp32 first).
 const char *matmul_gemm_name(fl_dtype dt);
+// 1 when dt's GEMMs run on native bf16 arithmetic (oneDNN on AMX, or on
+// AVX512_BF16 where its dot product outruns fp32 FMAs), else 0: fp32 FMAs.
+int matmul_native_bf16(fl_dtype dt);
 void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight, const void *bias,
                     void *workspace, int N, int C, int OC);
 // dinp (N,C), dweight (OC,C), dbias (OC) accumulate; any of them may be NULL

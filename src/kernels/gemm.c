@@ -228,10 +228,11 @@ __attribute__((target("avx2,f16c"))) static void pack(float *dst, int w, gemm_ma
             size_t src = (size_t)(i0 + q * w + i) * x.ld + k0;
             int k = 0;
             for (; k + 8 <= kc; k += 8) {
-                for (int q = 0; q < g && k < next_kc && k % 16 == 0; q++)
-                    _mm_prefetch(
-                        (const char *)fl_at_const(x.dt, x.p, src + (size_t)q * x.ld + kc + k),
-                        _MM_HINT_T0);
+                if (k < next_kc && k % 16 == 0) // a line of each row at most every other k
+                    for (int q = 0; q < g; q++)
+                        _mm_prefetch(
+                            (const char *)fl_at_const(x.dt, x.p, src + (size_t)q * x.ld + kc + k),
+                            _MM_HINT_T0);
                 transpose8(panel + (size_t)k * w + i, w, m, x, src + k, g);
             }
             for (; k < kc; k++) // the last k, one by one

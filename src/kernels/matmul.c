@@ -490,25 +490,25 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
 // ----------------------------------------------------------------------------
 
 // bf16 on oneDNN's native kernels where they beat fp32 FMAs
-static int native_bf16(fl_dtype dt) {
+int matmul_native_bf16(fl_dtype dt) {
     return (fl_cpu()->amx_bf16 || fl_cpu()->bf16_dot_fast) && dnnl_matmul_supported(dt);
 }
 
 const char *matmul_gemm_name(fl_dtype dt) {
-    if (native_bf16(dt)) return "onednn";
+    if (matmul_native_bf16(dt)) return "onednn";
     if (packed_path()) return "fitlm";
     return dt == FL_F32 ? "openblas" : "openblas-converted";
 }
 
 size_t matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC) {
-    if (native_bf16(dt)) return dnnl_matmul_workspace_bytes(dt, N, C, OC);
+    if (matmul_native_bf16(dt)) return dnnl_matmul_workspace_bytes(dt, N, C, OC);
     if (packed_path()) return packed_workspace_floats(dt, N, C, OC) * sizeof(float);
     return dt == FL_F32 ? 0 : portable_workspace_floats(N, C, OC) * sizeof(float);
 }
 
 void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight, const void *bias,
                     void *workspace, int N, int C, int OC) {
-    if (native_bf16(dt)) {
+    if (matmul_native_bf16(dt)) {
         dnnl_matmul_forward(dt, out, inp, weight, bias, workspace, N, C, OC);
         return;
     }
@@ -528,7 +528,7 @@ void matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
 
 void matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                      const void *inp, const void *weight, void *workspace, int N, int C, int OC) {
-    if (native_bf16(dt)) {
+    if (matmul_native_bf16(dt)) {
         dnnl_matmul_backward(dt, dinp, dweight, dbias, dout, inp, weight, workspace, N, C, OC);
         return;
     }

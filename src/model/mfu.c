@@ -3,7 +3,6 @@
 // sustained multiply-add rate depends on its frequency under load, which no
 // table of models knows.
 #include <stdio.h>
-#include <string.h>
 
 #include "../core/fma_peak.h"
 #include "fitlm/kernels.h"
@@ -20,7 +19,7 @@ double fl_mfu_peak(fl_dtype dtype, int threads, char *how, size_t how_size) {
     // where matmul takes them (src/kernels/matmul.c); otherwise, and for
     // fp32 and fp16 (converted to fp32), fp32 FMAs
     fma_peak_isa isa = fma_peak_pick_isa();
-    int native = dtype == FL_BF16 && !strcmp(matmul_gemm_name(dtype), "onednn");
+    int native = matmul_native_bf16(dtype);
     if (native && fma_peak_has(FMA_PEAK_AMX_BF16))
         isa = FMA_PEAK_AMX_BF16;
     else if (native && fma_peak_has(FMA_PEAK_BF16_DP))
