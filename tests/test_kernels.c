@@ -440,7 +440,8 @@ static double mm_loss(const void *p) {
 static void test_matmul(void) {
     printf("matmul\n");
     // N C OC; with AVX2 the last shape's input gradient has three row tiles
-    // and two column tiles (dout packed ahead for both) in two chunks of OC
+    // and two column tiles (dout packed ahead for both, the weight's rows for
+    // all three) in two chunks of OC
     int shapes[][3] = {{1, 1, 1},     {1, 7, 3},       {5, 33, 17},
                        {64, 96, 288}, {130, 192, 320}, {400, 400, 2100}};
     for (int s = 0; s < 6; s++) {
@@ -1718,7 +1719,8 @@ static void test_matmul_lp(fl_dtype dt) {
     // on the portable path OC 320 and 530 span two and three of the input
     // gradient's 256-channel steps, OC 4500 three 2048-channel weight panels;
     // N 1100 two forward row blocks; with AVX2 the last shape's input
-    // gradient has three row tiles and two column tiles (dout packed ahead)
+    // gradient has three row tiles and two column tiles (dout and the
+    // weight's rows packed ahead)
     int shapes[][3] = {{1, 1, 1},    {1, 7, 3},     {5, 33, 17},    {64, 96, 288},  {130, 192, 320},
                        {2, 33, 530}, {3, 20, 4500}, {1100, 20, 40}, {400, 400, 300}}; // N C OC
     if (fl_cpu_isa() == FL_ISA_PORTABLE)
@@ -1855,8 +1857,9 @@ static void gemm_case(int M, int N, int K, int ta, int tb, fl_dtype dt, int beta
 
 static void test_gemm(void) {
     if (fl_cpu_isa() < FL_ISA_AVX2) return;
-    // edges of the 12 x 32 and 6 x 16 micro-tiles, of the 256-wide k and n
-    // blocks and of the 192-row a block
+    // edges of the 8 x 48 and 6 x 16 micro-tiles, of the 256-deep k and
+    // 288-wide n blocks and of the 192-row a block; M <= 192 takes the loop
+    // order that packs a once per depth block
     int shapes[][3] = {{1, 1, 1}, {13, 33, 7}, {7, 17, 0}, {50, 40, 300}, {200, 300, 513}};
     fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
     unsigned seed = 300;

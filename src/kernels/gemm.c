@@ -3,7 +3,7 @@
 // panels NR columns wide, op(a) in micro-panels of MR rows x KC; a register-
 // blocked kernel multiplies one micro-panel of each. Packing converts bf16
 // and fp16 to fp32, so the 16-bit path pays no conversion pass of its own.
-// Kernels: AVX-512 12 x 32, AVX2+FMA 6 x 16. Without AVX2 the matmul keeps
+// Kernels: AVX-512 8 x 48, AVX2+FMA 6 x 16. Without AVX2 the matmul keeps
 // OpenBLAS's sgemm on converted operands (matmul.c): a plain C kernel ran at
 // a sixth of its speed.
 // Each element of c sums its products in k order, in blocks of KC added to c.
@@ -14,16 +14,17 @@
 #include "fitlm/core.h"
 #include "simd.h"
 
-// Blocks of op(a) (MC x KC, 192 KiB) and op(b) (KC x NC, 256 KiB) stay in
-// L2; a micro-panel of op(a) (MR x KC, 12 KiB at MR = 12) in L1 while the
-// kernel streams op(b)'s panels. MC is a multiple of every MR.
-#define KC     GEMM_DEPTH_BLOCK
-#define NC     256
-#define MC     192
-#define MR_MAX 12
+// Blocks of op(a) (MC x KC, 192 KiB) and op(b) (KC x NC, 288 KiB) stay in
+// L2; a micro-panel of op(a) (MR x KC, 8 KiB at MR = 8) in L1 while the
+// kernel streams op(b)'s panels. MC is a multiple of every MR, NC of every NR.
+#define KC GEMM_DEPTH_BLOCK
+#define NC 288
+#define MC 192
+// rows a block of op(a) is rounded to: a multiple of every kernel's MR
+#define MR_ALL 24
 // rows of a transposed operand fetched ahead while packing
 #define PREFETCH_ROWS 4
-#define NR_MAX        32
+#define NR_MAX        48
 
 static int min_int(int a, int b) {
     return a < b ? a : b;
@@ -35,14 +36,14 @@ static int round_up(int n, int q) {
 
 // a's and b's blocks for a call of that shape (any kernel's MR and NR)
 static size_t a_block_floats(int M, int K) {
-    return (size_t)min_int(MC, round_up(M, MR_MAX)) * min_int(KC, K);
+    return (size_t)min_int(MC, round_up(M, MR_ALL)) * min_int(KC, K);
 }
 static size_t b_block_floats(int N, int K) {
     return (size_t)min_int(KC, K) * min_int(NC, round_up(N, NR_MAX));
 }
 
 size_t gemm_pack_floats(int M, int N, int K) {
-    return a_block_floats(M, K) + b_block_floats(N, K) + MR_MAX * NR_MAX; // and an edge tile
+    return a_block_floats(M, K) + b_block_floats(N, K) + MR_ALL * NR_MAX; // and an edge tile
 }
 
 #ifdef FL_HAVE_X86_SIMD
@@ -54,28 +55,34 @@ typedef struct {
     kernel_fn *kernel;
 } gemm_kernel;
 
-// 12 rows x 2 vectors: 24 accumulators, 2 b vectors, a broadcast a value
+// 8 rows x 3 vectors: 24 accumulators, 3 b vectors, a broadcast a value:
+// 11 loads per 24 FMAs (12 x 32: 14); and token counts (multiples of 8) and
+// GPT-2's widths (768, 2304, 3072, 50304: multiples of 48) leave no edge
+// micro-tiles, where 12 rows left 4 of every 256 tokens to a scratch tile
 __attribute__((target("avx512f"))) static void kernel_avx512(int kc, const float *a, const float *b,
                                                              float *c, size_t ldc, int load_c) {
-    __m512 c0[12], c1[12];
-#pragma GCC unroll 12
-    for (int r = 0; r < 12; r++) {
+    __m512 c0[8], c1[8], c2[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
         c0[r] = load_c ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
         c1[r] = load_c ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+        c2[r] = load_c ? _mm512_loadu_ps(c + r * ldc + 32) : _mm512_setzero_ps();
     }
-    for (int k = 0; k < kc; k++, a += 12, b += 32) {
-        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-#pragma GCC unroll 12
-        for (int r = 0; r < 12; r++) {
+    for (int k = 0; k < kc; k++, a += 8, b += 48) {
+        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
             __m512 ar = _mm512_set1_ps(a[r]);
             c0[r] = _mm512_fmadd_ps(ar, b0, c0[r]);
             c1[r] = _mm512_fmadd_ps(ar, b1, c1[r]);
+            c2[r] = _mm512_fmadd_ps(ar, b2, c2[r]);
         }
     }
-#pragma GCC unroll 12
-    for (int r = 0; r < 12; r++) {
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
         _mm512_storeu_ps(c + r * ldc, c0[r]);
         _mm512_storeu_ps(c + r * ldc + 16, c1[r]);
+        _mm512_storeu_ps(c + r * ldc + 32, c2[r]);
     }
 }
 
@@ -105,7 +112,7 @@ __attribute__((target("avx2,fma"))) static void kernel_avx2(int kc, const float 
 }
 
 static gemm_kernel kernel_for(int isa) {
-    if (isa == FL_ISA_AVX512) return (gemm_kernel){12, 32, kernel_avx512};
+    if (isa == FL_ISA_AVX512) return (gemm_kernel){8, 48, kernel_avx512};
     return (gemm_kernel){6, 16, kernel_avx2};
 }
 
@@ -261,6 +268,10 @@ size_t gemm_packed_floats(int n, int K) {
     return (size_t)round_up(n, GEMM_PACK_QUANTUM) * K;
 }
 
+int gemm_panel_width(void) {
+    return kernel_for(fl_cpu_isa()).nr;
+}
+
 void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, int n, int k0) {
     gemm_kernel kn = kernel_for(fl_cpu_isa());
     int w = as_b ? kn.nr : kn.mr;
@@ -270,6 +281,33 @@ void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, in
     int kc = min_int(KC, K - k0);
     pack((float *)packed_block(packed, w, k0, kc, first), w, as_b ? transposed(x) : x, first, n, k0,
          kc, 0);
+}
+
+// c (mc x nc, row stride ldc) += a_block (mc x kc) @ b_block (kc x nc),
+// micro-tile by micro-tile
+static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *a_block,
+                           const float *b_block, float *c, int ldc, int load_c, float *edge) {
+    for (int ir = 0; ir < mc; ir += kn.mr) {
+        int mr = min_int(kn.mr, mc - ir);
+        const float *a_panel = a_block + (size_t)ir * kc;
+        for (int jr = 0; jr < nc; jr += kn.nr) {
+            int nr = min_int(kn.nr, nc - jr);
+            const float *b_panel = b_block + (size_t)jr * kc;
+            float *cij = c + (size_t)ir * ldc + jr;
+            if (mr == kn.mr && nr == kn.nr) {
+                kn.kernel(kc, a_panel, b_panel, cij, ldc, load_c);
+                continue;
+            }
+            // an edge: the whole micro-tile on scratch (the same arithmetic
+            // as inside), its valid part back into c
+            memset(edge, 0, (size_t)kn.mr * kn.nr * sizeof(float));
+            for (int r = 0; r < mr; r++)
+                memcpy(edge + r * kn.nr, cij + (size_t)r * ldc, nr * sizeof(float));
+            kn.kernel(kc, a_panel, b_panel, edge, kn.nr, load_c);
+            for (int r = 0; r < mr; r++)
+                memcpy(cij + (size_t)r * ldc, edge + r * kn.nr, nr * sizeof(float));
+        }
+    }
 }
 
 void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c,
@@ -284,38 +322,27 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
     gemm_kernel kn = kernel_for(isa);
     float *ap = pack_buf, *bp = ap + a_block_floats(M, K), *edge = bp + b_block_floats(N, K);
     gemm_mat bt = transposed(b);
-    for (int jc = 0; jc < N; jc += NC) {
-        int nc = min_int(NC, N - jc);
-        for (int pc = 0; pc < K; pc += KC) {
-            int kc = min_int(KC, K - pc);
+    // One block of rows (M <= MC): depth blocks outermost, so that a's
+    // block is packed once for all of b's column blocks rather than once per
+    // column block. Several: column blocks outermost, b's block packed once
+    // for all of a's row blocks.
+    int a_once = M <= MC;
+    int outer = a_once ? K : N, outer_step = a_once ? KC : NC;
+    int inner = a_once ? N : K, inner_step = a_once ? NC : KC;
+    for (int o = 0; o < outer; o += outer_step) {
+        for (int i = 0; i < inner; i += inner_step) {
+            int jc = a_once ? i : o, pc = a_once ? o : i;
+            int nc = min_int(NC, N - jc), kc = min_int(KC, K - pc);
             int load_c = pc > 0 || beta != 0.0f;
             const float *b_block = b.packed ? packed_block(b, kn.nr, pc, kc, b.first + jc) : bp;
             if (!b.packed) pack(bp, kn.nr, bt, jc, nc, pc, kc, 0);
             for (int ic = 0; ic < M; ic += MC) {
                 int mc = min_int(MC, M - ic);
                 const float *a_block = a.packed ? packed_block(a, kn.mr, pc, kc, a.first + ic) : ap;
-                if (!a.packed) pack(ap, kn.mr, a, ic, mc, pc, kc, min_int(KC, K - pc - kc));
-                for (int ir = 0; ir < mc; ir += kn.mr) {
-                    int mr = min_int(kn.mr, mc - ir);
-                    const float *a_panel = a_block + (size_t)ir * kc;
-                    for (int jr = 0; jr < nc; jr += kn.nr) {
-                        int nr = min_int(kn.nr, nc - jr);
-                        const float *b_panel = b_block + (size_t)jr * kc;
-                        float *cij = c + (size_t)(ic + ir) * ldc + jc + jr;
-                        if (mr == kn.mr && nr == kn.nr) {
-                            kn.kernel(kc, a_panel, b_panel, cij, ldc, load_c);
-                            continue;
-                        }
-                        // an edge: the whole micro-tile on scratch (the same
-                        // arithmetic as inside), its valid part back into c
-                        memset(edge, 0, (size_t)kn.mr * kn.nr * sizeof(float));
-                        for (int r = 0; r < mr; r++)
-                            memcpy(edge + r * kn.nr, cij + (size_t)r * ldc, nr * sizeof(float));
-                        kn.kernel(kc, a_panel, b_panel, edge, kn.nr, load_c);
-                        for (int r = 0; r < mr; r++)
-                            memcpy(cij + (size_t)r * ldc, edge + r * kn.nr, nr * sizeof(float));
-                    }
-                }
+                if (!a.packed && (!a_once || jc == 0))
+                    pack(ap, kn.mr, a, ic, mc, pc, kc, min_int(KC, K - pc - kc));
+                multiply_block(kn, kc, mc, nc, a_block, b_block, c + (size_t)ic * ldc + jc, ldc,
+                               load_c, edge);
             }
         }
     }
@@ -329,6 +356,10 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
 
 size_t gemm_packed_floats(int n, int K) {
     return 0;
+}
+
+int gemm_panel_width(void) {
+    fl_die("gemm: no AVX2 on this CPU (matmul's portable path is OpenBLAS's sgemm)");
 }
 
 void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, int n, int k0) {

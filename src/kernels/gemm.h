@@ -34,6 +34,10 @@ size_t gemm_packed_floats(int n, int K);
 #define GEMM_DEPTH_BLOCK  256
 void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, int n, int k0);
 
+// Columns of op(b) per panel of the kernel gemm_tile runs (fl_cpu_isa()):
+// tiles of whole panels need no narrower edge.
+int gemm_panel_width(void);
+
 // Floats of packing buffer a gemm_tile call of shape (M, N, K), or any
 // smaller one, needs (one buffer per thread).
 size_t gemm_pack_floats(int M, int N, int K);

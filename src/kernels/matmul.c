@@ -69,30 +69,37 @@ static int ceil_div(int a, int b) {
 // Tile sizes, measured on GPT-2 and LLaMA shapes (bench_train's GEMM table):
 // a few tiles per thread for balance, each large enough that sgemm's packing
 // stays a small part of it; wider forward tiles with a short inner dimension
-// (the demo's C = 128). tile_len: a length about `base` along a dimension of
-// n, a multiple of 16, in an even number of tiles when there are few (3
+// (the demo's C = 128). tile_len: a length near `base` along a dimension of
+// n, a multiple of q, in an even number of tiles when there are few (3
 // tiles on 2 threads would leave one idle a third of the time).
-static int tile_len(int n, int base) {
-    int count = (n + base / 2) / base;
-    if (count < 1) count = 1;
-    if (count > 1 && count < 8 && count % 2) count++;
-    int len = (ceil_div(n, count) + 15) / 16 * 16;
-    return min_int(n, len);
+static int tile_len(int n, int base, int q) {
+    int panels = ceil_div(n, q), best = panels, best_err = -1;
+    for (int per = 1; per <= panels; per++) {
+        int count = ceil_div(panels, per), err = per * q > base ? per * q - base : base - per * q;
+        if (count > 1 && count < 8 && count % 2) continue;
+        if (best_err < 0 || err < best_err) best = per, best_err = err;
+    }
+    return min_int(n, best * q);
+}
+// Output columns of a tile: whole panels of fitlm's GEMM kernel (48 columns
+// with AVX-512), so that no tile ends in a narrower one.
+static int col_quantum(void) {
+    return fl_cpu_isa() >= FL_ISA_AVX2 ? gemm_panel_width() : 16;
 }
 static int fwd_tile_rows(int N) {
     return min_int(N, 1024);
 }
 static int fwd_tile_cols(int C, int OC) {
-    return tile_len(OC, C <= 256 ? 512 : 192);
+    return tile_len(OC, C <= 256 ? 512 : 192, col_quantum());
 }
 static int dinp_tile_rows(int N) {
-    return tile_len(N, 256);
+    return tile_len(N, 256, 16);
 }
 static int dinp_tile_cols(int C) {
-    return tile_len(C, C <= 1024 ? 192 : 384);
+    return tile_len(C, C <= 1024 ? 192 : 384, col_quantum());
 }
 static int dw_tile_rows(int OC) {
-    return tile_len(OC, 192);
+    return tile_len(OC, 192, 16);
 }
 
 // dst (o1 - o0) += column sums of src rows [0, N) over columns [o0, o1)
@@ -337,9 +344,29 @@ static size_t inp_packed_floats(int N, int C) {
     return as_a > as_b ? as_a : as_b;
 }
 
+// The input gradient's tiling: column tiles of cb, row tiles of rb. dout's
+// columns of a span are packed ahead when several column tiles read them
+// (then row tiles start on the packed rows' quantum), the span's weight rows
+// when several row tiles read them.
+typedef struct {
+    int cb, nc, rb, nr, dout_ahead, weight_ahead;
+} dinp_tiling;
+
+static dinp_tiling dinp_tiles(int N, int C) {
+    dinp_tiling t = {.cb = dinp_tile_cols(C)};
+    t.nc = ceil_div(C, t.cb), t.dout_ahead = t.nc > 1;
+    t.rb = t.dout_ahead ? packed_rows(dinp_tile_rows(N), N) : dinp_tile_rows(N);
+    t.nr = ceil_div(N, t.rb), t.weight_ahead = t.nr > 1;
+    return t;
+}
+
+static size_t weight_packed_floats(int N, int C, int OC) {
+    return dinp_tiles(N, C).weight_ahead ? gemm_packed_floats(C, min_int(OC, MM_DINP_CHUNK)) : 0;
+}
+
 static size_t packed_shared_floats(fl_dtype dt, int N, int C, int OC) {
     return inp_packed_floats(N, C) + gemm_packed_floats(N, min_int(OC, MM_DINP_CHUNK)) +
-           (dt == FL_F32 ? 0 : (size_t)N * C + OC);
+           weight_packed_floats(N, C, OC) + (dt == FL_F32 ? 0 : (size_t)N * C + OC);
 }
 
 static size_t packed_workspace_floats(fl_dtype dt, int N, int C, int OC) {
@@ -348,14 +375,15 @@ static size_t packed_workspace_floats(fl_dtype dt, int N, int C, int OC) {
 }
 
 typedef struct {
-    float *inp_packed, *dout_packed, *dinp32, *bias32;
+    float *inp_packed, *dout_packed, *weight_packed, *dinp32, *bias32;
 } packed_shared;
 
 static packed_shared shared_split(float *ws, fl_dtype dt, int N, int C, int OC) {
     packed_shared sh = {.inp_packed = ws};
     sh.dout_packed = sh.inp_packed + inp_packed_floats(N, C);
+    sh.weight_packed = sh.dout_packed + gemm_packed_floats(N, min_int(OC, MM_DINP_CHUNK));
     if (dt != FL_F32) {
-        sh.dinp32 = sh.dout_packed + gemm_packed_floats(N, min_int(OC, MM_DINP_CHUNK));
+        sh.dinp32 = sh.weight_packed + weight_packed_floats(N, C, OC);
         sh.bias32 = sh.dinp32 + (size_t)N * C;
     }
     return sh;
@@ -426,11 +454,8 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
     // fp32 gradients accumulate in place, 16-bit ones in fp32 copies
     float *dinp32 = dt == FL_F32 ? dinp : sh.dinp32, *dbias32 = dt == FL_F32 ? dbias : sh.bias32;
     int dwb = dw_tile_rows(OC);
-    // dout's columns are packed ahead only for several column tiles (below);
-    // then row blocks start on the packed rows' quantum
-    int cb = dinp_tile_cols(C), nc = ceil_div(C, cb), ahead = nc > 1;
-    int rb = ahead ? packed_rows(dinp_tile_rows(N), N) : dinp_tile_rows(N);
-    int n_dinp = dinp ? ceil_div(N, rb) * nc : 0;
+    dinp_tiling tiles = dinp_tiles(N, C);
+    int cb = tiles.cb, nc = tiles.nc, rb = tiles.rb, n_dinp = dinp ? tiles.nr * nc : 0;
 #pragma omp parallel
     {
         // scratch: only 16-bit data is converted into it
@@ -453,8 +478,10 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
         for (int k0 = 0; k0 < OC; k0 += MM_DINP_CHUNK) {
             int kn = min_int(MM_DINP_CHUNK, OC - k0), k1 = k0 + kn;
             int n_dw = dweight ? ceil_div(kn, dwb) : 0, n_db = dbias ? ceil_div(kn, MM_OCBLOCK) : 0;
-            gemm_mat a = mat(dt, dout, k0, OC, 0);
-            if (ahead && n_dinp) a = pack_shared(sh.dout_packed, dt, a.p, OC, 0, N, kn);
+            gemm_mat a = mat(dt, dout, k0, OC, 0), w = mat(dt, weight, (size_t)k0 * C, C, 0);
+            if (tiles.dout_ahead && n_dinp) a = pack_shared(sh.dout_packed, dt, a.p, OC, 0, N, kn);
+            if (tiles.weight_ahead && n_dinp)
+                w = pack_shared(sh.weight_packed, dt, w.p, C, 1, kn, C);
 #pragma omp for schedule(dynamic, 1)
             for (int t = 0; t < n_dw + n_db + n_dinp; t++) {
                 if (t < n_dw) {
@@ -470,13 +497,16 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                                 scratch);
                 } else {
                     int i = t - n_dw - n_db, n0 = (i / nc) * rb, c0 = (i % nc) * cb;
-                    gemm_mat ai = a;
-                    if (ahead)
+                    gemm_mat ai = a, wi = w;
+                    if (tiles.dout_ahead)
                         ai.first = n0;
                     else
                         ai = mat(dt, dout, (size_t)n0 * OC + k0, OC, 0);
-                    gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, ai,
-                              mat(dt, weight, (size_t)k0 * C + c0, C, 0), 1.0f,
+                    if (tiles.weight_ahead)
+                        wi.first = c0;
+                    else
+                        wi = mat(dt, weight, (size_t)k0 * C + c0, C, 0);
+                    gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, ai, wi, 1.0f,
                               dinp32 + (size_t)n0 * C + c0, C, pack);
                 }
             }
