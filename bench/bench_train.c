@@ -35,7 +35,8 @@
 // of the step's linear units (the model driver's list: forward, input
 // gradient, weight gradient, N = B*T rows) is timed alone, per distinct
 // shape, through OpenBLAS cblas_sgemm called whole, oneDNN dnnl_sgemm and
-// fitlm's matmul_forward/matmul_backward (best of 5 after a warm-up). The
+// fitlm's matmul_forward/matmul_backward (after a warm-up, the best of 7
+// rounds in which the three take turns). The
 // GEMM-bound time of the step is the sum over its GEMMs of the faster
 // library's time. Attention's score/value products run inside the
 // flash-style attention kernel, not as linear GEMMs: they are left out.
@@ -237,12 +238,13 @@ static double peak_of(double given, fma_peak_isa isa, int threads, const char **
 enum { G_FWD, G_DINP, G_DW, NGEMM };       // forward, input gradient, weight gradient
 enum { E_BLAS, E_DNNL, E_FITLM, NENGINE }; // OpenBLAS, oneDNN, fitlm's matmul
 static const char *gemm_name[NGEMM] = {"fwd", "dinp", "dweight"};
+enum { GEMM_ROUNDS = 7 }; // timed rounds per GEMM, each engine once per round
 
 // One distinct (C, OC) shape of the step's linear units, with N = B*T rows.
 typedef struct {
     char ops[64]; // the profile names of the linears of this shape
     int C, OC, calls;
-    double ms[NGEMM][NENGINE]; // one call, best of 5
+    double ms[NGEMM][NENGINE]; // one call, best of GEMM_ROUNDS
 } gemm_shape;
 
 static float *rand_floats(size_t n, uint64_t seed) {
@@ -294,18 +296,23 @@ static void gemm_time(gemm_shape *s, int N, uint64_t seed) {
     float *dinp = rand_floats(nc, seed + 4), *dw = rand_floats(wc, seed + 5);
     size_t ws_bytes = matmul_workspace_bytes(FL_F32, N, s->C, s->OC);
     void *ws = ws_bytes ? fl_alloc(FL_MEM_WORKSPACE, ws_bytes) : NULL;
-    for (int g = 0; g < NGEMM; g++)
+    // the engines take turns, round by round, so that a burst of other load
+    // on the machine slows all three rather than the one it happens to hit
+    for (int g = 0; g < NGEMM; g++) {
+        double best[NENGINE];
         for (int e = 0; e < NENGINE; e++) {
             gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw, ws); // warm-up
-            double best = 1e30;
-            for (int r = 0; r < 5; r++) {
+            best[e] = 1e30;
+        }
+        for (int r = 0; r < GEMM_ROUNDS; r++)
+            for (int e = 0; e < NENGINE; e++) {
                 double t0 = fl_now();
                 gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw, ws);
                 double t = fl_now() - t0;
-                best = t < best ? t : best;
+                best[e] = t < best[e] ? t : best[e];
             }
-            s->ms[g][e] = best * 1e3;
-        }
+        for (int e = 0; e < NENGINE; e++) s->ms[g][e] = best[e] * 1e3;
+    }
     free(inp), free(w), free(dout), free(out), free(dinp), free(dw);
     if (ws) fl_free(ws);
 }
@@ -337,9 +344,9 @@ static gemm_bound gemm_bound_of(const fl_model *m, int B, int T, int steps) {
         r.profiled_flops += (st->flops[FL_FWD] + st->flops[FL_BWD]) / steps;
     }
     printf("\nGEMM-bound time of the step (fp32, N = B*T = %d, %d threads; each GEMM alone, best "
-           "of 5 after a warm-up; attention's score/value products are inside the attention "
-           "kernel, not counted):\n\n",
-           N, fl_threads());
+           "of %d rounds after a warm-up, the three engines taking turns; attention's "
+           "score/value products are inside the attention kernel, not counted):\n\n",
+           N, fl_threads(), GEMM_ROUNDS);
     printf("| linear | N | C | OC | calls/step | GEMM | OpenBLAS GFLOP/s | oneDNN GFLOP/s | fitlm "
            "GFLOP/s | best ms/step | fitlm ms/step |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
