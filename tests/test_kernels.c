@@ -1859,11 +1859,13 @@ static void test_gemm(void) {
     if (fl_cpu_isa() < FL_ISA_AVX2) return;
     // edges of the 8 x 48 and 6 x 16 micro-tiles, of the 256-deep k and
     // 288-wide n blocks and of the 192-row a block; M <= 192 takes the loop
-    // order that packs a once per depth block
-    int shapes[][3] = {{1, 1, 1}, {13, 33, 7}, {7, 17, 0}, {50, 40, 300}, {200, 300, 513}};
+    // order that packs a once per depth block; N = 128 and 64 end in panels
+    // of 32 and 16 columns (AVX-512's narrow kernels)
+    int shapes[][3] = {{1, 1, 1},       {13, 33, 7},   {7, 17, 0},   {50, 40, 300},
+                       {200, 300, 513}, {24, 128, 70}, {17, 64, 260}};
     fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
     unsigned seed = 300;
-    for (int s = 0; s < 5; s++)
+    for (int s = 0; s < 7; s++)
         for (int d = 0; d < 3; d++)
             for (int t = 0; t < 4; t++)
                 gemm_case(shapes[s][0], shapes[s][1], shapes[s][2], t & 1, t >> 1, dts[d],

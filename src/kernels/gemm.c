@@ -50,10 +50,40 @@ size_t gemm_pack_floats(int M, int N, int K) {
 // c (MR x NR, row stride ldc) = (load_c ? c : 0) + a (kc x MR) @ b (kc x NR)
 typedef void kernel_fn(int kc, const float *a, const float *b, float *c, size_t ldc, int load_c);
 
+// kernel: mr x nr; narrow[v]: mr x 16 (v + 1) on the same panels, for a
+// last panel of 16 (v + 1) columns (NULL: none, the scratch tile instead)
 typedef struct {
     int mr, nr;
-    kernel_fn *kernel;
+    kernel_fn *kernel, *narrow[2];
 } gemm_kernel;
+
+// 8 rows x NV vectors of 16: c (8 x 16 NV, row stride ldc) = (load_c ? c :
+// 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48)
+__attribute__((target("avx512f"), always_inline)) static inline void
+kernel_avx512_rows8(int nv, int kc, const float *a, const float *b, float *c, size_t ldc,
+                    int load_c) {
+    __m512 acc[8][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++)
+            acc[r][v] = load_c ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
+    for (int k = 0; k < kc; k++, a += 8, b += 48) {
+        __m512 bv[3];
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(b + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            __m512 ar = _mm512_set1_ps(a[r]);
+#pragma GCC unroll 3
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+}
 
 // 8 rows x 3 vectors: 24 accumulators, 3 b vectors, a broadcast a value:
 // 11 loads per 24 FMAs (12 x 32: 14); and token counts (multiples of 8) and
@@ -61,29 +91,17 @@ typedef struct {
 // micro-tiles, where 12 rows left 4 of every 256 tokens to a scratch tile
 __attribute__((target("avx512f"))) static void kernel_avx512(int kc, const float *a, const float *b,
                                                              float *c, size_t ldc, int load_c) {
-    __m512 c0[8], c1[8], c2[8];
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) {
-        c0[r] = load_c ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
-        c1[r] = load_c ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
-        c2[r] = load_c ? _mm512_loadu_ps(c + r * ldc + 32) : _mm512_setzero_ps();
-    }
-    for (int k = 0; k < kc; k++, a += 8, b += 48) {
-        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) {
-            __m512 ar = _mm512_set1_ps(a[r]);
-            c0[r] = _mm512_fmadd_ps(ar, b0, c0[r]);
-            c1[r] = _mm512_fmadd_ps(ar, b1, c1[r]);
-            c2[r] = _mm512_fmadd_ps(ar, b2, c2[r]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) {
-        _mm512_storeu_ps(c + r * ldc, c0[r]);
-        _mm512_storeu_ps(c + r * ldc + 16, c1[r]);
-        _mm512_storeu_ps(c + r * ldc + 32, c2[r]);
-    }
+    kernel_avx512_rows8(3, kc, a, b, c, ldc, load_c);
+}
+// A panel's first 32 or 16 columns, straight into c: the demo's 128
+// channels are two panels and 32 columns
+__attribute__((target("avx512f"))) static void
+kernel_avx512_32(int kc, const float *a, const float *b, float *c, size_t ldc, int load_c) {
+    kernel_avx512_rows8(2, kc, a, b, c, ldc, load_c);
+}
+__attribute__((target("avx512f"))) static void
+kernel_avx512_16(int kc, const float *a, const float *b, float *c, size_t ldc, int load_c) {
+    kernel_avx512_rows8(1, kc, a, b, c, ldc, load_c);
 }
 
 // 6 rows x 2 vectors: 12 accumulators of the 16 registers
@@ -112,8 +130,9 @@ __attribute__((target("avx2,fma"))) static void kernel_avx2(int kc, const float 
 }
 
 static gemm_kernel kernel_for(int isa) {
-    if (isa == FL_ISA_AVX512) return (gemm_kernel){8, 48, kernel_avx512};
-    return (gemm_kernel){6, 16, kernel_avx2};
+    if (isa == FL_ISA_AVX512)
+        return (gemm_kernel){8, 48, kernel_avx512, {kernel_avx512_16, kernel_avx512_32}};
+    return (gemm_kernel){6, 16, kernel_avx2, {NULL, NULL}};
 }
 
 // Packing. X (i, k) is x.p[i * ld + k] (x.trans == 0) or x.p[k * ld + i];
@@ -296,6 +315,11 @@ static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *
             float *cij = c + (size_t)ir * ldc + jr;
             if (mr == kn.mr && nr == kn.nr) {
                 kn.kernel(kc, a_panel, b_panel, cij, ldc, load_c);
+                continue;
+            }
+            kernel_fn *narrow = mr == kn.mr && nr % 16 == 0 ? kn.narrow[nr / 16 - 1] : NULL;
+            if (narrow) {
+                narrow(kc, a_panel, b_panel, cij, ldc, load_c);
                 continue;
             }
             // an edge: the whole micro-tile on scratch (the same arithmetic
