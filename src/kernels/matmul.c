@@ -71,12 +71,14 @@ static int ceil_div(int a, int b) {
 // stays a small part of it; wider forward tiles with a short inner dimension
 // (the demo's C = 128). tile_len: a length near `base` along a dimension of
 // n, a multiple of q, in an even number of tiles when there are few (3
-// tiles on 2 threads would leave one idle a third of the time).
+// tiles on 2 threads would leave one idle a third of the time), and then
+// of equal lengths where it can (a short last one idles a thread too).
 static int tile_len(int n, int base, int q) {
     int panels = ceil_div(n, q), best = panels, best_err = -1;
     for (int per = 1; per <= panels; per++) {
         int count = ceil_div(panels, per), err = per * q > base ? per * q - base : base - per * q;
         if (count > 1 && count < 8 && count % 2) continue;
+        if (count < 8) err += (count * per - panels) * q;
         if (best_err < 0 || err < best_err) best = per, best_err = err;
     }
     return min_int(n, best * q);
