@@ -299,19 +299,17 @@ static void gemm_time(gemm_shape *s, int N, uint64_t seed) {
     // the engines take turns, round by round, so that a burst of other load
     // on the machine slows all three rather than the one it happens to hit
     for (int g = 0; g < NGEMM; g++) {
-        double best[NENGINE];
         for (int e = 0; e < NENGINE; e++) {
             gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw, ws); // warm-up
-            best[e] = 1e30;
+            s->ms[g][e] = 1e30;
         }
         for (int r = 0; r < GEMM_ROUNDS; r++)
             for (int e = 0; e < NENGINE; e++) {
                 double t0 = fl_now();
                 gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw, ws);
-                double t = fl_now() - t0;
-                best[e] = t < best[e] ? t : best[e];
+                double ms = (fl_now() - t0) * 1e3;
+                s->ms[g][e] = ms < s->ms[g][e] ? ms : s->ms[g][e];
             }
-        for (int e = 0; e < NENGINE; e++) s->ms[g][e] = best[e] * 1e3;
     }
     free(inp), free(w), free(dout), free(out), free(dinp), free(dw);
     if (ws) fl_free(ws);

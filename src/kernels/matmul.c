@@ -75,7 +75,8 @@ static int ceil_div(int a, int b) {
 // of equal lengths where it can (a short last one idles a thread too).
 static int tile_len(int n, int base, int q) {
     int panels = ceil_div(n, q), best = panels, best_err = -1;
-    for (int per = 1; per <= panels; per++) {
+    // past base, err only grows with per: stop once it exceeds the best
+    for (int per = 1; per <= panels && (best_err < 0 || per * q - base <= best_err); per++) {
         int count = ceil_div(panels, per), err = per * q > base ? per * q - base : base - per * q;
         if (count > 1 && count < 8 && count % 2) continue;
         if (count < 8) err += (count * per - panels) * q;
