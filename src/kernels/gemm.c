@@ -46,7 +46,7 @@ size_t gemm_pack_floats(int M, int N, int K) {
     return a_block_floats(M, K) + b_block_floats(N, K) + MR_ALL * NR_MAX; // and an edge tile
 }
 
-#ifdef FL_HAVE_X86_SIMD
+#if FL_HAVE_X86_SIMD
 // c (MR x NR, row stride ldc) = (load_c ? c : 0) + a (kc x MR) @ b (kc x NR)
 typedef void kernel_fn(int kc, const float *a, const float *b, float *c, size_t ldc, int load_c);
 
