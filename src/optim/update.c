@@ -12,6 +12,7 @@
 // 96-118 at 128).
 #define UPDATE_BLOCK      512
 #define UPDATE_BLOCK_LOWP 128
+_Static_assert(UPDATE_BLOCK_LOWP <= UPDATE_BLOCK, "the stack copies are UPDATE_BLOCK long");
 
 void fl_optim_begin_step(fl_optim_rule *r, float lr) {
     r->ops->begin_step(r, lr);
