@@ -2,7 +2,8 @@
 // any storage dtype, the BLIS way: op(b) is packed in blocks of KC x NC into
 // panels NR columns wide, op(a) in micro-panels of MR rows x KC; a register-
 // blocked kernel multiplies one micro-panel of each. Packing converts bf16
-// and fp16 to fp32, so the 16-bit path pays no conversion pass of its own.
+// and fp16 to fp32, so the 16-bit path pays no conversion pass of its own;
+// an fp32 op(b) that is row-major already is read in place.
 // Kernels: AVX-512 8 x 48, AVX2+FMA 6 x 16. Without AVX2 the matmul keeps
 // OpenBLAS's sgemm on converted operands (matmul.c): a plain C kernel ran at
 // a sixth of its speed.
@@ -47,8 +48,10 @@ size_t gemm_pack_floats(int M, int N, int K) {
 }
 
 #if FL_HAVE_X86_SIMD
-// c (MR x NR, row stride ldc) = (load_c ? c : 0) + a (kc x MR) @ b (kc x NR)
-typedef void kernel_fn(int kc, const float *a, const float *b, float *c, size_t ldc, int load_c);
+// c (MR x NR, row stride ldc) = (load_c ? c : 0) + a (kc x MR) @ b (kc x NR,
+// row stride ldb)
+typedef void kernel_fn(int kc, const float *a, const float *b, size_t ldb, float *c, size_t ldc,
+                       int load_c);
 
 // kernel: mr x nr; narrow[v]: mr x 16 (v + 1) on the same panels, for a
 // last panel of 16 (v + 1) columns (NULL: none, the scratch tile instead)
@@ -58,17 +61,17 @@ typedef struct {
 } gemm_kernel;
 
 // 8 rows x NV vectors of 16: c (8 x 16 NV, row stride ldc) = (load_c ? c :
-// 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48)
+// 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48, row stride ldb)
 __attribute__((target("avx512f"), always_inline)) static inline void
-kernel_avx512_rows8(int nv, int kc, const float *a, const float *b, float *c, size_t ldc,
-                    int load_c) {
+kernel_avx512_rows8(int nv, int kc, const float *a, const float *b, size_t ldb, float *c,
+                    size_t ldc, int load_c) {
     __m512 acc[8][3];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++)
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++)
             acc[r][v] = load_c ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
-    for (int k = 0; k < kc; k++, a += 8, b += 48) {
+    for (int k = 0; k < kc; k++, a += 8, b += ldb) {
         __m512 bv[3];
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(b + 16 * v);
@@ -90,30 +93,33 @@ kernel_avx512_rows8(int nv, int kc, const float *a, const float *b, float *c, si
 // GPT-2's widths (768, 2304, 3072, 50304: multiples of 48) leave no edge
 // micro-tiles, where 12 rows left 4 of every 256 tokens to a scratch tile
 __attribute__((target("avx512f"))) static void kernel_avx512(int kc, const float *a, const float *b,
-                                                             float *c, size_t ldc, int load_c) {
-    kernel_avx512_rows8(3, kc, a, b, c, ldc, load_c);
+                                                             size_t ldb, float *c, size_t ldc,
+                                                             int load_c) {
+    kernel_avx512_rows8(3, kc, a, b, ldb, c, ldc, load_c);
 }
 // A panel's first 32 or 16 columns, straight into c: the demo's 128
 // channels are two panels and 32 columns
-__attribute__((target("avx512f"))) static void
-kernel_avx512_32(int kc, const float *a, const float *b, float *c, size_t ldc, int load_c) {
-    kernel_avx512_rows8(2, kc, a, b, c, ldc, load_c);
+__attribute__((target("avx512f"))) static void kernel_avx512_32(int kc, const float *a,
+                                                                const float *b, size_t ldb,
+                                                                float *c, size_t ldc, int load_c) {
+    kernel_avx512_rows8(2, kc, a, b, ldb, c, ldc, load_c);
 }
-__attribute__((target("avx512f"))) static void
-kernel_avx512_16(int kc, const float *a, const float *b, float *c, size_t ldc, int load_c) {
-    kernel_avx512_rows8(1, kc, a, b, c, ldc, load_c);
+__attribute__((target("avx512f"))) static void kernel_avx512_16(int kc, const float *a,
+                                                                const float *b, size_t ldb,
+                                                                float *c, size_t ldc, int load_c) {
+    kernel_avx512_rows8(1, kc, a, b, ldb, c, ldc, load_c);
 }
 
 // 6 rows x 2 vectors: 12 accumulators of the 16 registers
-__attribute__((target("avx2,fma"))) static void kernel_avx2(int kc, const float *a, const float *b,
-                                                            float *c, size_t ldc, int load_c) {
+__attribute__((target("avx2,fma"))) static void
+kernel_avx2(int kc, const float *a, const float *b, size_t ldb, float *c, size_t ldc, int load_c) {
     __m256 c0[6], c1[6];
 #pragma GCC unroll 6
     for (int r = 0; r < 6; r++) {
         c0[r] = load_c ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
         c1[r] = load_c ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
     }
-    for (int k = 0; k < kc; k++, a += 6, b += 16) {
+    for (int k = 0; k < kc; k++, a += 6, b += ldb) {
         __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < 6; r++) {
@@ -303,31 +309,31 @@ void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, in
 }
 
 // c (mc x nc, row stride ldc) += a_block (mc x kc) @ b_block (kc x nc),
-// micro-tile by micro-tile
+// micro-tile by micro-tile; b's panels panel_step floats apart, their rows
+// ldb apart (packed: kc * NR and NR)
 static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *a_block,
-                           const float *b_block, float *c, int ldc, int load_c, float *edge) {
+                           const float *b_block, size_t ldb, size_t panel_step, float *c, int ldc,
+                           int load_c, float *edge) {
     for (int ir = 0; ir < mc; ir += kn.mr) {
         int mr = min_int(kn.mr, mc - ir);
         const float *a_panel = a_block + (size_t)ir * kc;
         for (int jr = 0; jr < nc; jr += kn.nr) {
             int nr = min_int(kn.nr, nc - jr);
-            const float *b_panel = b_block + (size_t)jr * kc;
+            const float *b_panel = b_block + (size_t)(jr / kn.nr) * panel_step;
             float *cij = c + (size_t)ir * ldc + jr;
-            if (mr == kn.mr && nr == kn.nr) {
-                kn.kernel(kc, a_panel, b_panel, cij, ldc, load_c);
-                continue;
-            }
-            kernel_fn *narrow = mr == kn.mr && nr % 16 == 0 ? kn.narrow[nr / 16 - 1] : NULL;
-            if (narrow) {
-                narrow(kc, a_panel, b_panel, cij, ldc, load_c);
+            // the kernel as wide as the panel, if there is one
+            kernel_fn *fits = nr == kn.nr ? kn.kernel : nr % 16 ? NULL : kn.narrow[nr / 16 - 1];
+            if (mr == kn.mr && fits) {
+                fits(kc, a_panel, b_panel, ldb, cij, ldc, load_c);
                 continue;
             }
             // an edge: the whole micro-tile on scratch (the same arithmetic
-            // as inside), its valid part back into c
+            // as inside), its valid part back into c; the full kernel only on
+            // a packed panel (zeros past nr)
             memset(edge, 0, (size_t)kn.mr * kn.nr * sizeof(float));
             for (int r = 0; r < mr; r++)
                 memcpy(edge + r * kn.nr, cij + (size_t)r * ldc, nr * sizeof(float));
-            kn.kernel(kc, a_panel, b_panel, edge, kn.nr, load_c);
+            (fits ? fits : kn.kernel)(kc, a_panel, b_panel, ldb, edge, kn.nr, load_c);
             for (int r = 0; r < mr; r++)
                 memcpy(cij + (size_t)r * ldc, edge + r * kn.nr, nr * sizeof(float));
         }
@@ -351,6 +357,11 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
     // column block. Several: column blocks outermost, b's block packed once
     // for all of a's row blocks.
     int a_once = M <= MC;
+    // An fp32 op(b) stored row-major is read in place, its rows ldb apart:
+    // packing it would copy a block that only this call's rows read. Its
+    // columns must end in whole panels or narrow ones (nothing is read past
+    // them, where a packed panel has zeros).
+    int b_in_place = !b.packed && b.dt == FL_F32 && !b.trans && N % 16 == 0;
     int outer = a_once ? K : N, outer_step = a_once ? KC : NC;
     int inner = a_once ? N : K, inner_step = a_once ? NC : KC;
     for (int o = 0; o < outer; o += outer_step) {
@@ -359,14 +370,19 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
             int nc = min_int(NC, N - jc), kc = min_int(KC, K - pc);
             int load_c = pc > 0 || beta != 0.0f;
             const float *b_block = b.packed ? packed_block(b, kn.nr, pc, kc, b.first + jc) : bp;
-            if (!b.packed) pack(bp, kn.nr, bt, jc, nc, pc, kc, 0);
+            size_t ldb = kn.nr, panel_step = (size_t)kn.nr * kc;
+            if (b_in_place)
+                b_block = (const float *)b.p + (size_t)pc * b.ld + jc, ldb = b.ld,
+                panel_step = kn.nr;
+            else if (!b.packed)
+                pack(bp, kn.nr, bt, jc, nc, pc, kc, 0);
             for (int ic = 0; ic < M; ic += MC) {
                 int mc = min_int(MC, M - ic);
                 const float *a_block = a.packed ? packed_block(a, kn.mr, pc, kc, a.first + ic) : ap;
                 if (!a.packed && (!a_once || jc == 0))
                     pack(ap, kn.mr, a, ic, mc, pc, kc, min_int(KC, K - pc - kc));
-                multiply_block(kn, kc, mc, nc, a_block, b_block, c + (size_t)ic * ldc + jc, ldc,
-                               load_c, edge);
+                multiply_block(kn, kc, mc, nc, a_block, b_block, ldb, panel_step,
+                               c + (size_t)ic * ldc + jc, ldc, load_c, edge);
             }
         }
     }
