@@ -2191,6 +2191,7 @@ static void test_swiglu_lp(fl_dtype dt) {
         float *dx = frand_dt(dt, ni, 203, 1.0f), *out = fnan(no);
         void *inp_h = to_dt(dt, inp, ni), *dout_h = to_dt(dt, dout, no), *out_h = nan_dt(dt, no);
         void *out_h2 = nan_dt(dt, no), *dx_h = to_dt(dt, dx, ni), *dx_h2 = copy_dt(dt, dx_h, ni);
+        float *out32 = fnan(no), *dx32 = fcopy(dx, ni);
         swiglu_forward_ref(out, inp, N, IC);
         swiglu_forward(dt, out_h, inp_h, N, IC);
         swiglu_forward(dt, out_h2, inp_h, N, IC);
@@ -2201,8 +2202,17 @@ static void test_swiglu_lp(fl_dtype dt) {
         check_lp(nm("swiglu N%d IC%d dinp", N, IC), dt, dx_h, dx, ni, 1e-6, REF_RTOL);
         same_bytes("swiglu out", dt, out_h, out_h2, no);
         same_bytes("swiglu dinp", dt, dx_h, dx_h2, ni);
+        // 16-bit data is converted as it is loaded and stored: the bits of the
+        // fp32 kernel on the fp32 values, each output rounded once
+        swiglu_forward(FL_F32, out32, inp, N, IC);
+        swiglu_backward(FL_F32, dx32, inp, dout, N, IC);
+        void *out_w = to_dt(dt, out32, no), *dx_w = to_dt(dt, dx32, ni);
+        t_check(!memcmp(out_h, out_w, no * fl_dtype_size(dt)) &&
+                    !memcmp(dx_h, dx_w, ni * fl_dtype_size(dt)),
+                "%s swiglu N%d IC%d: not the fp32 kernel's values rounded once", fl_dtype_name(dt),
+                N, IC);
         free(inp), free(dout), free(dx), free(out), free(inp_h), free(dout_h), free(out_h);
-        free(out_h2), free(dx_h), free(dx_h2);
+        free(out_h2), free(dx_h), free(dx_h2), free(out32), free(dx32), free(out_w), free(dx_w);
     }
 }
 

@@ -64,15 +64,12 @@ float fl_f16_to_f32(uint16_t h) {
 }
 
 // ----------------------------------------------------------------------------
-// vectorised conversions, bit for bit the scalar ones above. bf16 is integer
-// arithmetic (the scalar rounding on 8 or 16 lanes): vcvtneps2bf16 is faster
-// from L1 but flushes fp32 subnormals to zero. fp16 uses vcvtps2ph and
-// vcvtph2ps (F16C, and their AVX-512F forms), which round to nearest even,
-// keep fp16 subnormals and quiet NaNs as the scalar code does. Tails (n mod
-// 8 or 16) take the scalar functions.
+// vectorised conversions, bit for bit the scalar ones above (the lanes'
+// arithmetic, shared with the kernels, is in dtype_simd.h). Tails (n mod 8
+// or 16) take the scalar functions.
 
 #if defined(__x86_64__)
-#include <immintrin.h>
+#include "dtype_simd.h"
 
 __attribute__((target("avx2"))) static void bf16_to_f32_avx2(float *dst, const uint16_t *src,
                                                              size_t n) {
@@ -82,17 +79,6 @@ __attribute__((target("avx2"))) static void bf16_to_f32_avx2(float *dst, const u
         _mm256_storeu_si256((__m256i *)(dst + i), _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     for (; i < n; i++) dst[i] = fl_bf16_to_f32(src[i]);
-}
-
-// 8 fp32 -> 8 bf16 in the low halves of the 32-bit lanes (fl_f32_to_bf16)
-__attribute__((target("avx2"))) static __m256i bf16_round_avx2(__m256 x) {
-    __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
-    __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-    __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000)); // signed: abs >= 0
-    __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
-    return _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), quiet, nan);
 }
 
 __attribute__((target("avx2"))) static void f32_to_bf16_avx2(uint16_t *dst, const float *src,
@@ -142,13 +128,7 @@ __attribute__((target("avx512f"))) static void f32_to_bf16_avx512(uint16_t *dst,
                                                                   size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i)), hi = _mm512_srli_epi32(u, 16);
-        __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-        __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-        __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
-        __m512i quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
-        __m512i h = _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(r, 16), quiet);
+        __m512i h = bf16_round_avx512(_mm512_loadu_ps(src + i));
         _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(h));
     }
     for (; i < n; i++) dst[i] = fl_f32_to_bf16(src[i]);

@@ -145,17 +145,7 @@ static gemm_kernel kernel_for(int isa) {
 // columns [i0, i0+n) of X, rows [k0, k0+kc), become ceil(n / w) panels of
 // kc x w fp32 values, panel q at dst + q * kc * w, columns past n zero.
 
-// 8 values of dtype dt at element i of p as fp32: bf16 is fp32's top half,
-// fp16 converts with F16C (every AVX2 CPU has it)
-__attribute__((target("avx2,f16c"))) static inline __m256 load8(fl_dtype dt, const void *p,
-                                                                size_t i) {
-    if (dt == FL_F32) return _mm256_loadu_ps((const float *)p + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    if (dt == FL_F16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// load8 of 4 values, as a 128-bit vector
+// load8_f32 of 4 values, as a 128-bit vector
 __attribute__((target("avx2,f16c"))) static inline __m128 load4(fl_dtype dt, const void *p,
                                                                 size_t i) {
     if (dt == FL_F32) return _mm_loadu_ps((const float *)p + i);
@@ -168,7 +158,7 @@ __attribute__((target("avx2,f16c"))) static inline __m128 load4(fl_dtype dt, con
 __attribute__((target("avx2,f16c"))) static inline void copy_f32(float *dst, gemm_mat x, size_t i,
                                                                  int m) {
     int j = 0;
-    for (; j + 8 <= m; j += 8) _mm256_storeu_ps(dst + j, load8(x.dt, x.p, i + j));
+    for (; j + 8 <= m; j += 8) _mm256_storeu_ps(dst + j, load8_f32(x.dt, x.p, i + j));
     if (j + 4 <= m) {
         _mm_storeu_ps(dst + j, load4(x.dt, x.p, i + j));
         j += 4;
@@ -204,7 +194,7 @@ __attribute__((target("avx2,f16c"))) static inline void transpose8(float *d, int
                                                                    gemm_mat x, size_t src, int g) {
     __m256 r[8];
     for (int q = 0; q < 8; q++)
-        r[q] = q < g ? load8(x.dt, x.p, src + (size_t)q * x.ld) : _mm256_setzero_ps();
+        r[q] = q < g ? load8_f32(x.dt, x.p, src + (size_t)q * x.ld) : _mm256_setzero_ps();
     __m256 u0 = _mm256_unpacklo_ps(r[0], r[1]), u1 = _mm256_unpackhi_ps(r[0], r[1]);
     __m256 u2 = _mm256_unpacklo_ps(r[2], r[3]), u3 = _mm256_unpackhi_ps(r[2], r[3]);
     __m256 u4 = _mm256_unpacklo_ps(r[4], r[5]), u5 = _mm256_unpackhi_ps(r[4], r[5]);

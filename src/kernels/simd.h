@@ -45,6 +45,10 @@ static inline float fp32_at(fl_dtype dt, const void *src, size_t i) {
 #include <immintrin.h>
 #define FL_HAVE_X86_SIMD 1
 
+// load8_f32/store8_f32 and load16_f32/store16_f32: data of any storage dtype
+// in fp32 registers, rounded as fl_store_f32 rounds
+#include "../core/dtype_simd.h"
+
 // exp(x) on 16 lanes: Cephes' expf (range reduction by ln 2, degree-6
 // polynomial, ~1 ulp), inf above ~88.72. Results below e^-80 (~2e-35) are
 // flushed to 0 so nothing downstream touches denormals, which cost ~100

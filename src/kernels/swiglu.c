@@ -5,10 +5,10 @@
 // sigmoid(x) and 1 - sigmoid(x) both come from e = exp(-|x|) in (0, 1]:
 // 1 / (1 + e) and e / (1 + e), so nothing overflows and neither cancels.
 // Elementwise: the fast version runs on chunks of rows in parallel (chunking
-// changes nothing in the result: deterministic); 16-bit chunks pass through
-// fp32 buffers on the stack. The AVX-512 and AVX2 paths take e from the shared
-// vector exp (exp512, exp256): one exp and division per 16 (8) values instead
-// of 16 (8) libm expf calls.
+// changes nothing in the result: deterministic). The AVX-512 and AVX2 paths
+// take e from the shared vector exp (exp512, exp256): one exp and division
+// per 16 (8) values instead of 16 (8) libm expf calls; they convert 16-bit
+// data in registers, the portable path through fp32 buffers on the stack.
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
@@ -16,7 +16,7 @@
 #include <math.h>
 #include <string.h>
 
-#define SWIGLU_CHUNK 1024 // columns per parallel work item and fp32 buffer
+#define SWIGLU_CHUNK 1024 // columns per parallel work item (and portable fp32 buffer)
 
 // s = sigmoid(x), s1 = 1 - sigmoid(x)
 static inline void sigmoid2(float x, float *s, float *s1) {
@@ -44,11 +44,38 @@ static void swiglu_bwd_row(float *dgate, float *dup, const float *gate, const fl
     }
 }
 
-typedef void (*swiglu_fwd_fn)(float *out, const float *gate, const float *up, int n);
-typedef void (*swiglu_bwd_fn)(float *dgate, float *dup, const float *gate, const float *up,
-                              const float *dout, int n);
+// A path computes n <= SWIGLU_CHUNK values of a row; gate, up, out, dout,
+// dgate and dup point at the chunk's first value in dtype dt.
+typedef void (*swiglu_fwd_fn)(fl_dtype dt, void *out, const void *gate, const void *up, int n);
+typedef void (*swiglu_bwd_fn)(fl_dtype dt, void *dgate, void *dup, const void *gate, const void *up,
+                              const void *dout, int n);
+
+// 16-bit chunks through fp32 buffers on the stack
+static void swiglu_fwd_portable(fl_dtype dt, void *out, const void *gate, const void *up, int n) {
+    float g32[SWIGLU_CHUNK], u32[SWIGLU_CHUNK], y32[SWIGLU_CHUNK];
+    const float *g = fl_load_f32(dt, gate, n, g32), *u = fl_load_f32(dt, up, n, u32);
+    float *y = fp32_out(dt, out, y32);
+    swiglu_fwd_row(y, g, u, n);
+    fp32_flush(dt, out, y, n);
+}
+
+static void swiglu_bwd_portable(fl_dtype dt, void *dgate, void *dup, const void *gate,
+                                const void *up, const void *dout, int n) {
+    float g32[SWIGLU_CHUNK], u32[SWIGLU_CHUNK], dy32[SWIGLU_CHUNK];
+    float dg32[SWIGLU_CHUNK], du32[SWIGLU_CHUNK];
+    const float *g = fl_load_f32(dt, gate, n, g32), *u = fl_load_f32(dt, up, n, u32);
+    const float *dy = fl_load_f32(dt, dout, n, dy32);
+    float *dg = fp32_rmw(dt, dgate, n, dg32), *du = fp32_rmw(dt, dup, n, du32);
+    swiglu_bwd_row(dg, du, g, u, dy, n);
+    fp32_flush(dt, dgate, dg, n);
+    fp32_flush(dt, dup, du, n);
+}
 
 #if FL_HAVE_X86_SIMD
+// The vector paths convert 16-bit data in registers as they load and store
+// it (the bits of fl_load_f32 and fl_store_f32), so that memory is read once,
+// overlapped with the arithmetic, instead of in a conversion pass of its own.
+
 // s = sigmoid(x) and s1 = 1 - sigmoid(x), as sigmoid2 but with exp512
 __attribute__((target("avx512f"))) static inline void swiglu_sigmoid(__m512 x, __m512 *s,
                                                                      __m512 *s1) {
@@ -60,32 +87,31 @@ __attribute__((target("avx512f"))) static inline void swiglu_sigmoid(__m512 x, _
     *s1 = _mm512_mask_blend_ps(neg, er, r);
 }
 
-__attribute__((target("avx512f"))) static void swiglu_fwd_avx512(float *out, const float *gate,
-                                                                 const float *up, int n) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
+swiglu_fwd_avx512(fl_dtype dt, void *out, const void *gate, const void *up, int n) {
     for (int i = 0; i < n; i += 16) {
         __mmask16 m = tail_mask((size_t)(n - i));
-        __m512 x = _mm512_maskz_loadu_ps(m, gate + i), s, s1;
+        __m512 x = load16_f32(dt, gate, i, m), s, s1;
         swiglu_sigmoid(x, &s, &s1);
-        _mm512_mask_storeu_ps(out + i, m,
-                              _mm512_mul_ps(_mm512_mul_ps(x, s), _mm512_maskz_loadu_ps(m, up + i)));
+        store16_f32(dt, out, i, m, _mm512_mul_ps(_mm512_mul_ps(x, s), load16_f32(dt, up, i, m)));
     }
 }
 
 // dgate += (dout up) s (1 + x s1),  dup += dout (x s)
-__attribute__((target("avx512f"))) static void swiglu_bwd_avx512(float *dgate, float *dup,
-                                                                 const float *gate, const float *up,
-                                                                 const float *dout, int n) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
+swiglu_bwd_avx512(fl_dtype dt, void *dgate, void *dup, const void *gate, const void *up,
+                  const void *dout, int n) {
     for (int i = 0; i < n; i += 16) {
         __mmask16 m = tail_mask((size_t)(n - i));
-        __m512 x = _mm512_maskz_loadu_ps(m, gate + i), s, s1;
+        __m512 x = load16_f32(dt, gate, i, m), s, s1;
         swiglu_sigmoid(x, &s, &s1);
-        __m512 dy = _mm512_maskz_loadu_ps(m, dout + i);
+        __m512 dy = load16_f32(dt, dout, i, m);
         __m512 ds = _mm512_mul_ps(s, _mm512_fmadd_ps(x, s1, _mm512_set1_ps(1.0f)));
-        __m512 dg = _mm512_fmadd_ps(_mm512_mul_ps(dy, _mm512_maskz_loadu_ps(m, up + i)), ds,
-                                    _mm512_maskz_loadu_ps(m, dgate + i));
-        __m512 du = _mm512_fmadd_ps(dy, _mm512_mul_ps(x, s), _mm512_maskz_loadu_ps(m, dup + i));
-        _mm512_mask_storeu_ps(dgate + i, m, dg);
-        _mm512_mask_storeu_ps(dup + i, m, du);
+        __m512 dg = _mm512_fmadd_ps(_mm512_mul_ps(dy, load16_f32(dt, up, i, m)), ds,
+                                    load16_f32(dt, dgate, i, m));
+        __m512 du = _mm512_fmadd_ps(dy, _mm512_mul_ps(x, s), load16_f32(dt, dup, i, m));
+        store16_f32(dt, dgate, i, m, dg);
+        store16_f32(dt, dup, i, m, du);
     }
 }
 
@@ -102,93 +128,91 @@ __attribute__((target("avx2,fma"))) static inline void swiglu_sigmoid8(__m256 x,
     *s1 = _mm256_blendv_ps(er, r, neg);
 }
 
-// a ragged end (n not a multiple of 8) goes through zero-padded 8-lane buffers
-__attribute__((target("avx2,fma"))) static inline void swiglu_fwd8(float *out, const float *gate,
-                                                                   const float *up) {
-    __m256 x = _mm256_loadu_ps(gate), s, s1;
+__attribute__((target("avx2,fma,f16c"))) static inline void
+swiglu_fwd8(fl_dtype dt, void *out, const void *gate, const void *up, size_t i) {
+    __m256 x = load8_f32(dt, gate, i), s, s1;
     swiglu_sigmoid8(x, &s, &s1);
-    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_mul_ps(x, s), _mm256_loadu_ps(up)));
+    store8_f32(dt, out, i, _mm256_mul_ps(_mm256_mul_ps(x, s), load8_f32(dt, up, i)));
 }
 
-__attribute__((target("avx2,fma"))) static void swiglu_fwd_avx2(float *out, const float *gate,
-                                                                const float *up, int n) {
+// a ragged end (n not a multiple of 8) goes through zero-padded fp32 buffers
+__attribute__((target("avx2,fma,f16c"))) static void
+swiglu_fwd_avx2(fl_dtype dt, void *out, const void *gate, const void *up, int n) {
     int i = 0;
-    for (; i + 8 <= n; i += 8) swiglu_fwd8(out + i, gate + i, up + i);
+    for (; i + 8 <= n; i += 8) swiglu_fwd8(dt, out, gate, up, (size_t)i);
     if (i < n) {
         float g8[8] = {0}, u8[8] = {0}, y8[8];
-        memcpy(g8, gate + i, (size_t)(n - i) * sizeof *g8);
-        memcpy(u8, up + i, (size_t)(n - i) * sizeof *u8);
-        swiglu_fwd8(y8, g8, u8);
-        memcpy(out + i, y8, (size_t)(n - i) * sizeof *y8);
+        fl_convert(FL_F32, g8, dt, fl_at_const(dt, gate, i), n - i);
+        fl_convert(FL_F32, u8, dt, fl_at_const(dt, up, i), n - i);
+        swiglu_fwd8(FL_F32, y8, g8, u8, 0);
+        fl_store_f32(dt, fl_at(dt, out, i), y8, n - i);
     }
 }
 
-__attribute__((target("avx2,fma"))) static inline void
-swiglu_bwd8(float *dgate, float *dup, const float *gate, const float *up, const float *dout) {
-    __m256 x = _mm256_loadu_ps(gate), s, s1;
+__attribute__((target("avx2,fma,f16c"))) static inline void
+swiglu_bwd8(fl_dtype dt, void *dgate, void *dup, const void *gate, const void *up, const void *dout,
+            size_t i) {
+    __m256 x = load8_f32(dt, gate, i), s, s1;
     swiglu_sigmoid8(x, &s, &s1);
-    __m256 dy = _mm256_loadu_ps(dout);
+    __m256 dy = load8_f32(dt, dout, i);
     __m256 ds = _mm256_mul_ps(s, _mm256_fmadd_ps(x, s1, _mm256_set1_ps(1.0f)));
-    __m256 dg = _mm256_fmadd_ps(_mm256_mul_ps(dy, _mm256_loadu_ps(up)), ds, _mm256_loadu_ps(dgate));
-    __m256 du = _mm256_fmadd_ps(dy, _mm256_mul_ps(x, s), _mm256_loadu_ps(dup));
-    _mm256_storeu_ps(dgate, dg);
-    _mm256_storeu_ps(dup, du);
+    __m256 dg =
+        _mm256_fmadd_ps(_mm256_mul_ps(dy, load8_f32(dt, up, i)), ds, load8_f32(dt, dgate, i));
+    __m256 du = _mm256_fmadd_ps(dy, _mm256_mul_ps(x, s), load8_f32(dt, dup, i));
+    store8_f32(dt, dgate, i, dg);
+    store8_f32(dt, dup, i, du);
 }
 
-__attribute__((target("avx2,fma"))) static void swiglu_bwd_avx2(float *dgate, float *dup,
-                                                                const float *gate, const float *up,
-                                                                const float *dout, int n) {
+__attribute__((target("avx2,fma,f16c"))) static void swiglu_bwd_avx2(fl_dtype dt, void *dgate,
+                                                                     void *dup, const void *gate,
+                                                                     const void *up,
+                                                                     const void *dout, int n) {
     int i = 0;
-    for (; i + 8 <= n; i += 8) swiglu_bwd8(dgate + i, dup + i, gate + i, up + i, dout + i);
+    for (; i + 8 <= n; i += 8) swiglu_bwd8(dt, dgate, dup, gate, up, dout, (size_t)i);
     if (i < n) {
-        size_t tail = (size_t)(n - i) * sizeof(float);
+        int tail = n - i;
         float g8[8] = {0}, u8[8] = {0}, dy8[8] = {0}, dg8[8] = {0}, du8[8] = {0};
-        memcpy(g8, gate + i, tail);
-        memcpy(u8, up + i, tail);
-        memcpy(dy8, dout + i, tail);
-        memcpy(dg8, dgate + i, tail);
-        memcpy(du8, dup + i, tail);
-        swiglu_bwd8(dg8, du8, g8, u8, dy8);
-        memcpy(dgate + i, dg8, tail);
-        memcpy(dup + i, du8, tail);
+        fl_convert(FL_F32, g8, dt, fl_at_const(dt, gate, i), tail);
+        fl_convert(FL_F32, u8, dt, fl_at_const(dt, up, i), tail);
+        fl_convert(FL_F32, dy8, dt, fl_at_const(dt, dout, i), tail);
+        fl_convert(FL_F32, dg8, dt, fl_at_const(dt, dgate, i), tail);
+        fl_convert(FL_F32, du8, dt, fl_at_const(dt, dup, i), tail);
+        swiglu_bwd8(FL_F32, dg8, du8, g8, u8, dy8, 0);
+        fl_store_f32(dt, fl_at(dt, dgate, i), dg8, tail);
+        fl_store_f32(dt, fl_at(dt, dup, i), du8, tail);
     }
 }
 #endif
 
-// the widest path fl_cpu() allows (FITLM_ISA caps it)
+// the widest path fl_cpu_isa() allows (FITLM_ISA caps it)
 static swiglu_fwd_fn swiglu_fwd_path(void) {
 #if FL_HAVE_X86_SIMD
-    if (fl_cpu()->avx512f) return swiglu_fwd_avx512;
-    if (fl_cpu()->avx2 && fl_cpu()->fma) return swiglu_fwd_avx2;
+    if (fl_cpu_isa() >= FL_ISA_AVX512) return swiglu_fwd_avx512;
+    if (fl_cpu_isa() >= FL_ISA_AVX2) return swiglu_fwd_avx2;
 #endif
-    return swiglu_fwd_row;
+    return swiglu_fwd_portable;
 }
 
 static swiglu_bwd_fn swiglu_bwd_path(void) {
 #if FL_HAVE_X86_SIMD
-    if (fl_cpu()->avx512f) return swiglu_bwd_avx512;
-    if (fl_cpu()->avx2 && fl_cpu()->fma) return swiglu_bwd_avx2;
+    if (fl_cpu_isa() >= FL_ISA_AVX512) return swiglu_bwd_avx512;
+    if (fl_cpu_isa() >= FL_ISA_AVX2) return swiglu_bwd_avx2;
 #endif
-    return swiglu_bwd_row;
+    return swiglu_bwd_portable;
 }
 
 void swiglu_forward(fl_dtype dt, void *out, const void *inp, int N, int IC) {
     FL_ASSERT(N >= 0 && IC > 0);
     int per_row = (IC + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK;
     long long items = (long long)N * per_row;
-    swiglu_fwd_fn fwd_row = swiglu_fwd_path();
+    swiglu_fwd_fn fwd = swiglu_fwd_path();
 #pragma omp parallel for if ((size_t)N * IC >= FL_PAR_MIN_VALUES)
     for (long long it = 0; it < items; it++) {
         int n = (int)(it / per_row), i0 = (int)(it % per_row) * SWIGLU_CHUNK;
         int nc = IC - i0 < SWIGLU_CHUNK ? IC - i0 : SWIGLU_CHUNK;
-        float g32[SWIGLU_CHUNK], u32[SWIGLU_CHUNK], y32[SWIGLU_CHUNK];
         size_t row = (size_t)n * 2 * IC + i0;
-        const float *g = fl_load_f32(dt, fl_at_const(dt, inp, row), nc, g32);
-        const float *u = fl_load_f32(dt, fl_at_const(dt, inp, row + IC), nc, u32);
-        void *y = fl_at(dt, out, (size_t)n * IC + i0);
-        float *y_f = fp32_out(dt, y, y32);
-        fwd_row(y_f, g, u, nc);
-        fp32_flush(dt, y, y_f, nc);
+        fwd(dt, fl_at(dt, out, (size_t)n * IC + i0), fl_at_const(dt, inp, row),
+            fl_at_const(dt, inp, row + IC), nc);
     }
 }
 
@@ -196,22 +220,14 @@ void swiglu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout,
     FL_ASSERT(N >= 0 && IC > 0);
     int per_row = (IC + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK;
     long long items = (long long)N * per_row;
-    swiglu_bwd_fn bwd_row = swiglu_bwd_path();
+    swiglu_bwd_fn bwd = swiglu_bwd_path();
 #pragma omp parallel for if ((size_t)N * IC >= FL_PAR_MIN_VALUES)
     for (long long it = 0; it < items; it++) {
         int n = (int)(it / per_row), i0 = (int)(it % per_row) * SWIGLU_CHUNK;
         int nc = IC - i0 < SWIGLU_CHUNK ? IC - i0 : SWIGLU_CHUNK;
-        float g32[SWIGLU_CHUNK], u32[SWIGLU_CHUNK], dy32[SWIGLU_CHUNK];
-        float dg32[SWIGLU_CHUNK], du32[SWIGLU_CHUNK];
         size_t row = (size_t)n * 2 * IC + i0;
-        const float *g = fl_load_f32(dt, fl_at_const(dt, inp, row), nc, g32);
-        const float *u = fl_load_f32(dt, fl_at_const(dt, inp, row + IC), nc, u32);
-        const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, (size_t)n * IC + i0), nc, dy32);
-        float *dg = fp32_rmw(dt, fl_at(dt, dinp, row), nc, dg32);
-        float *du = fp32_rmw(dt, fl_at(dt, dinp, row + IC), nc, du32);
-        bwd_row(dg, du, g, u, dy, nc);
-        fp32_flush(dt, fl_at(dt, dinp, row), dg, nc);
-        fp32_flush(dt, fl_at(dt, dinp, row + IC), du, nc);
+        bwd(dt, fl_at(dt, dinp, row), fl_at(dt, dinp, row + IC), fl_at_const(dt, inp, row),
+            fl_at_const(dt, inp, row + IC), fl_at_const(dt, dout, (size_t)n * IC + i0), nc);
     }
 }
 
