@@ -58,6 +58,10 @@ static void test_f16(void) {
 }
 
 // The dispatched vector path must agree bit for bit with the scalar ones.
+static float fp32_of(fl_dtype dt, uint16_t h) {
+    return dt == FL_BF16 ? fl_bf16_to_f32(h) : fl_f16_to_f32(h);
+}
+
 static void test_bulk_matches_scalar(void) {
     enum { N = 1000 };
     float x[N], back[N];
@@ -302,10 +306,37 @@ static void test_stochastic_rounding(void) {
     t_check(ok && infs > 10 && infs < 54, "fp16 SR of 65520: 65504 or inf (%d of 64 inf)", infs);
 }
 
+// fl_convert_rows: each row as fl_convert converts it, nothing between the
+// rows written (a head of 20 values in rows 37 apart and back)
+static void test_convert_rows(void) {
+    enum { ROWS = 9, COLS = 20, LD = 37 };
+    float x[ROWS * LD], back[ROWS * LD];
+    uint16_t h[ROWS * LD], want[COLS];
+    t_fill(x, ROWS * LD, 5, 10.0f);
+    fl_dtype types[2] = {FL_BF16, FL_F16};
+    for (int k = 0; k < 2; k++) {
+        fl_dtype dt = types[k];
+        memset(h, 0xab, sizeof h);
+        for (int i = 0; i < ROWS * LD; i++) back[i] = -1.0f;
+        fl_convert_rows(dt, h, LD, FL_F32, x, LD, ROWS, COLS);
+        fl_convert_rows(FL_F32, back, COLS, dt, h, LD, ROWS, COLS);
+        int same = 1;
+        for (int r = 0; r < ROWS; r++) {
+            fl_convert(dt, want, FL_F32, x + r * LD, COLS);
+            same &= !memcmp(h + r * LD, want, sizeof want);
+            for (int c = COLS; c < LD; c++) same &= h[r * LD + c] == 0xabab;
+            for (int c = 0; c < COLS; c++) same &= back[r * COLS + c] == fp32_of(dt, want[c]);
+        }
+        for (int i = ROWS * COLS; i < ROWS * LD; i++) same &= back[i] == -1.0f;
+        t_check(same, "%s: fl_convert_rows converts row by row, in place", fl_dtype_name(dt));
+    }
+}
+
 int main(void) {
     test_bf16();
     test_f16();
     test_bulk_matches_scalar();
+    test_convert_rows();
     test_isa_paths();
     test_stochastic_rounding();
     return t_report();

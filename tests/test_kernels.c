@@ -22,6 +22,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1222,6 +1223,29 @@ static void test_rmsnorm(void) {
         free(inp), free(w), free(dout), free(out_r), free(rstd_r), free(out_f), free(rstd_f);
         free(out_f2), free(rstd_f2), free(dinp_r), free(dw_r), free(dinp_f), free(dw_f);
         free(dinp_f2), free(dw_f2);
+    }
+
+    // above FL_PAR_MIN_VALUES the threads split the rows, then the weight
+    // gradient's channels (in ranges of whole blocks, a ragged one last): the
+    // bits of one thread
+    {
+        int N = 1024, C = 520, threads = omp_get_max_threads();
+        size_t n = (size_t)N * C;
+        float *inp = frand(n, 166, 2.0f), *w = frand(C, 167, 1.0f), *dout = frand(n, 168, 1.0f);
+        float *out[2], *rstd[2], *dinp[2], *dw[2];
+        for (int k = 0; k < 2; k++) {
+            omp_set_num_threads(k ? 1 : threads);
+            out[k] = fnan(n), rstd[k] = fnan(N), dinp[k] = frand(n, 169, 1.0f);
+            dw[k] = frand(C, 170, 1.0f);
+            rmsnorm_forward_f32(out[k], rstd[k], inp, w, N, C, 1e-5f);
+            rmsnorm_backward_f32(dinp[k], dw[k], dout, inp, w, rstd[k], N, C);
+        }
+        omp_set_num_threads(threads);
+        t_check(!memcmp(out[0], out[1], n * 4) && !memcmp(rstd[0], rstd[1], N * 4) &&
+                    !memcmp(dinp[0], dinp[1], n * 4) && !memcmp(dw[0], dw[1], C * 4),
+                "rms N%d C%d: %d threads and one differ", N, C, threads);
+        free(inp), free(w), free(dout);
+        for (int k = 0; k < 2; k++) free(out[k]), free(rstd[k]), free(dinp[k]), free(dw[k]);
     }
 
     // N, C, input scale, eps: the tiny scale gives mean(x^2) ~ 1e-5, where

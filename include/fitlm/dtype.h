@@ -29,6 +29,11 @@ void fl_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, si
 // fl_isa of core.h, all paths give the same bits). Dies if fl_cpu() lacks it.
 void fl_convert_isa(int isa, fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
                     size_t n);
+// fl_convert of `rows` rows of `cols` values, ld_src and ld_dst values
+// apart (a head of a fused qkv buffer to a contiguous copy, and back): one
+// dispatch for all rows.
+void fl_convert_rows(fl_dtype dst_dt, void *dst, size_t ld_dst, fl_dtype src_dt, const void *src,
+                     size_t ld_src, size_t rows, size_t cols);
 
 // Row access for kernels that compute in fp32 on any storage dtype:
 // fl_load_f32 returns src itself for fp32 data (no copy) and otherwise

@@ -210,6 +210,14 @@ void fl_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, si
     convert(best_isa(), dst_dt, dst, src_dt, src, n);
 }
 
+void fl_convert_rows(fl_dtype dst_dt, void *dst, size_t ld_dst, fl_dtype src_dt, const void *src,
+                     size_t ld_src, size_t rows, size_t cols) {
+    int isa = best_isa();
+    for (size_t r = 0; r < rows; r++)
+        convert(isa, dst_dt, fl_at(dst_dt, dst, r * ld_dst), src_dt,
+                fl_at_const(src_dt, src, r * ld_src), cols);
+}
+
 void fl_convert_isa(int isa, fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
                     size_t n) {
     if (isa > best_isa()) fl_die("fl_convert: this CPU has no %s", fl_isa_name((fl_isa)isa));

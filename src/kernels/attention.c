@@ -42,16 +42,14 @@ static float *head_f32(fl_dtype dt, const void *src, int ld, int T, int HS, floa
                        int slot) {
     if (dt == FL_F32) return (float *)src;
     float *copy = copies + (size_t)slot * T * HS;
-    for (int t = 0; t < T; t++)
-        fl_convert(FL_F32, copy + (size_t)t * HS, dt, fl_at_const(dt, src, (size_t)t * ld), HS);
+    fl_convert_rows(FL_F32, copy, HS, dt, src, ld, T, HS);
     return copy;
 }
 
 // Stores a head's fp32 copy (leading dimension HS) into dst; for fp32 the
 // view was dst itself, so there is nothing to do.
 static void head_flush(fl_dtype dt, void *dst, int ld, int T, int HS, const float *copy) {
-    for (int t = 0; dt != FL_F32 && t < T; t++)
-        fl_store_f32(dt, fl_at(dt, dst, (size_t)t * ld), copy + (size_t)t * HS, HS);
+    if (dt != FL_F32) fl_convert_rows(dt, dst, ld, FL_F32, copy, HS, T, HS);
 }
 
 static void check_heads(int NH, int NKV, int HS) {

@@ -7,6 +7,7 @@
 
 #include "simd.h"
 #include <math.h>
+#include <omp.h>
 
 // channel block for the weight gradient, see rmsnorm_backward
 #define RMS_CBLOCK 64
@@ -94,21 +95,26 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
             rms_dx(dx, x, dy, weight_f, r, dnorm_norm_mean, C);
             fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
-        // dweight (none for a frozen weight): each thread owns a block of
+        // dweight (none for a frozen weight): each thread owns a range of
         // channels and sums the rows in order, so there is no reduction
-        // across threads (deterministic); the block's sums stay in fp32 until
-        // all rows are in
+        // across threads (deterministic); the sums stay in fp32 until all
+        // rows are in. Row by row the range goes in blocks of RMS_CBLOCK
+        // channels (their sums stay in L1), a 16-bit row's part converted
+        // once for all of them.
         int nblocks = dweight ? (C + RMS_CBLOCK - 1) / RMS_CBLOCK : 0;
-#pragma omp for
-        for (int blk = 0; blk < nblocks; blk++) {
-            int c0 = blk * RMS_CBLOCK, nc = C - c0 < RMS_CBLOCK ? C - c0 : RMS_CBLOCK;
-            float dw32[RMS_CBLOCK];
-            float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dw32);
+        int threads = omp_get_num_threads(), t = omp_get_thread_num();
+        int c0 = nblocks * t / threads * RMS_CBLOCK, c1 = nblocks * (t + 1) / threads * RMS_CBLOCK;
+        c1 = c1 < C ? c1 : C;
+        if (c0 < c1) {
+            int nc = c1 - c0;
+            float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dx32);
             for (int n = 0; n < N; n++) {
                 size_t off = (size_t)n * C + c0;
                 const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
                 const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
-                rms_dw(dw, x, dy, rstd[n], nc);
+                for (int b = 0; b < nc; b += RMS_CBLOCK)
+                    rms_dw(dw + b, x + b, dy + b, rstd[n],
+                           nc - b < RMS_CBLOCK ? nc - b : RMS_CBLOCK);
             }
             fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
         }

@@ -55,16 +55,16 @@ static void rope_apply(fl_dtype dt, void *qkv, const float *cos_sin, int B, int 
     __typeof__(rope_head_portable) *rope_head = rope_head_for(fl_cpu_isa());
 #pragma omp parallel if ((size_t)B * T * nrot * HS >= FL_PAR_MIN_VALUES)
     {
-        float x32[HS];
+        // a position's rotated heads are contiguous: 16-bit ones are
+        // converted together, not head by head
+        float x32[nrot * HS];
 #pragma omp for
         for (int bt = 0; bt < B * T; bt++) {
             const float *cs = cos_sin + (size_t)(bt % T) * HS; // h pairs at position t
-            for (int hd = 0; hd < nrot; hd++) {
-                void *x = fl_at(dt, qkv, (size_t)bt * W + (size_t)hd * HS);
-                float *xf = fp32_rmw(dt, x, HS, x32);
-                rope_head(xf, cs, h, sign);
-                fp32_flush(dt, x, xf, HS);
-            }
+            void *x = fl_at(dt, qkv, (size_t)bt * W);
+            float *xf = fp32_rmw(dt, x, (size_t)nrot * HS, x32);
+            for (int hd = 0; hd < nrot; hd++) rope_head(xf + (size_t)hd * HS, cs, h, sign);
+            fp32_flush(dt, x, xf, (size_t)nrot * HS);
         }
     }
 }
