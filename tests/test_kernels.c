@@ -1950,6 +1950,7 @@ static void test_gelu_lp(fl_dtype dt) {
         float *dx = frand_dt(dt, N, 93, 1.0f), *out = fnan(N);
         void *x_h = to_dt(dt, x, N), *dout_h = to_dt(dt, dout, N), *out_h = nan_dt(dt, N);
         void *out_h2 = nan_dt(dt, N), *dx_h = to_dt(dt, dx, N), *dx_h2 = copy_dt(dt, dx_h, N);
+        float *out32 = fnan(N), *dx32 = fcopy(dx, N);
         gelu_forward_ref(out, x, N);
         gelu_forward(dt, out_h, x_h, N);
         gelu_forward(dt, out_h2, x_h, N);
@@ -1960,8 +1961,15 @@ static void test_gelu_lp(fl_dtype dt) {
         check_lp(nm("gelu N%zu dinp", N), dt, dx_h, dx, N, 1e-6, REF_RTOL);
         same_bytes("gelu out", dt, out_h, out_h2, N);
         same_bytes("gelu dinp", dt, dx_h, dx_h2, N);
+        // converted as loaded and stored: the fp32 kernel's values rounded once
+        gelu_forward(FL_F32, out32, x, N);
+        gelu_backward(FL_F32, dx32, x, dout, N);
+        void *out_w = to_dt(dt, out32, N), *dx_w = to_dt(dt, dx32, N);
+        t_check(!memcmp(out_h, out_w, N * fl_dtype_size(dt)) &&
+                    !memcmp(dx_h, dx_w, N * fl_dtype_size(dt)),
+                "%s gelu N%zu: not the fp32 kernel's values rounded once", fl_dtype_name(dt), N);
         free(x), free(dout), free(dx), free(out), free(x_h), free(dout_h), free(out_h);
-        free(out_h2), free(dx_h), free(dx_h2);
+        free(out_h2), free(dx_h), free(dx_h2), free(out32), free(dx32), free(out_w), free(dx_w);
     }
 }
 

@@ -14,7 +14,6 @@
 
 #include "simd.h"
 #include <math.h>
-#include <string.h>
 
 #define SWIGLU_CHUNK 1024 // columns per parallel work item (and portable fp32 buffer)
 
