@@ -378,6 +378,30 @@ static void test_layernorm(void) {
         free(db_r), free(dinp_f), free(dw_f), free(db_f), free(dinp_f2), free(dw_f2), free(db_f2);
     }
 
+    // above FL_PAR_MIN_VALUES the threads split the rows, then the weight
+    // and bias gradients' channels (in ranges of whole blocks, a ragged one
+    // last): the bits of one thread
+    {
+        int N = 1024, C = 520, threads = omp_get_max_threads();
+        size_t n = (size_t)N * C;
+        float *inp = frand(n, 46, 2.0f), *w = frand(C, 47, 1.0f), *b = frand(C, 48, 1.0f);
+        float *dout = frand(n, 49, 1.0f), *out[2], *mean[2], *rstd[2], *dinp[2], *dw[2], *db[2];
+        for (int k = 0; k < 2; k++) {
+            omp_set_num_threads(k ? 1 : threads);
+            out[k] = fnan(n), mean[k] = fnan(N), rstd[k] = fnan(N);
+            dinp[k] = frand(n, 50, 1.0f), dw[k] = frand(C, 51, 1.0f), db[k] = frand(C, 52, 1.0f);
+            layernorm_forward_f32(out[k], mean[k], rstd[k], inp, w, b, N, C);
+            layernorm_backward_f32(dinp[k], dw[k], db[k], dout, inp, w, mean[k], rstd[k], N, C);
+        }
+        omp_set_num_threads(threads);
+        t_check(!memcmp(out[0], out[1], n * 4) && !memcmp(dinp[0], dinp[1], n * 4) &&
+                    !memcmp(dw[0], dw[1], C * 4) && !memcmp(db[0], db[1], C * 4),
+                "ln N%d C%d: %d threads and one differ", N, C, threads);
+        free(inp), free(w), free(b), free(dout);
+        for (int k = 0; k < 2; k++)
+            free(out[k]), free(mean[k]), free(rstd[k]), free(dinp[k]), free(dw[k]), free(db[k]);
+    }
+
     // N, C, input scale: the tiny scale gives a variance ~1e-5, where a
     // wrong eps shows
     struct {

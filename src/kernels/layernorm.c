@@ -4,6 +4,7 @@
 
 #include "simd.h"
 #include <math.h>
+#include <omp.h>
 
 #define LN_EPS 1e-5f
 // channel block for the weight/bias gradients, see layernorm_backward
@@ -94,7 +95,7 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
 #pragma omp parallel if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     {
         // dinp: rows are independent
-        float w32[C], x32[C], dy32[C], dx32[C];
+        float w32[C], x32[C], dy32[C], dx32[C], db32[C];
         const float *weight_f = fl_load_f32(dt, weight, C, w32);
 #pragma omp for
         for (int n = 0; n < N; n++) {
@@ -115,21 +116,26 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
             fp32_flush(dt, fl_at(dt, dinp, (size_t)n * C), dx, C);
         }
         // dweight, dbias (none for a frozen weight and bias): each thread owns
-        // a block of channels and sums the rows in order, so there is no
-        // reduction across threads (deterministic); the block's sums stay in
-        // fp32 until all rows are in
+        // a range of channels and sums the rows in order, so there is no
+        // reduction across threads (deterministic); the sums stay in fp32
+        // until all rows are in. Row by row the range goes in blocks of
+        // LN_CBLOCK channels (their sums stay in L1), a 16-bit row's part
+        // converted once for all of them.
         int nblocks = dweight ? (C + LN_CBLOCK - 1) / LN_CBLOCK : 0;
-#pragma omp for
-        for (int blk = 0; blk < nblocks; blk++) {
-            int c0 = blk * LN_CBLOCK, nc = C - c0 < LN_CBLOCK ? C - c0 : LN_CBLOCK;
-            float dw32[LN_CBLOCK], db32[LN_CBLOCK];
-            float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dw32);
+        int threads = omp_get_num_threads(), t = omp_get_thread_num();
+        int c0 = nblocks * t / threads * LN_CBLOCK, c1 = nblocks * (t + 1) / threads * LN_CBLOCK;
+        c1 = c1 < C ? c1 : C;
+        if (c0 < c1) {
+            int nc = c1 - c0;
+            float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dx32);
             float *db = fp32_rmw(dt, fl_at(dt, dbias, c0), nc, db32);
             for (int n = 0; n < N; n++) {
                 size_t off = (size_t)n * C + c0;
                 const float *x = fl_load_f32(dt, fl_at_const(dt, inp, off), nc, x32);
                 const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, off), nc, dy32);
-                ln_dwdb(dw, db, x, dy, mean[n], rstd[n], nc);
+                for (int b = 0; b < nc; b += LN_CBLOCK)
+                    ln_dwdb(dw + b, db + b, x + b, dy + b, mean[n], rstd[n],
+                            nc - b < LN_CBLOCK ? nc - b : LN_CBLOCK);
             }
             fp32_flush(dt, fl_at(dt, dweight, c0), dw, nc);
             fp32_flush(dt, fl_at(dt, dbias, c0), db, nc);
