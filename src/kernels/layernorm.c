@@ -4,7 +4,6 @@
 
 #include "simd.h"
 #include <math.h>
-#include <omp.h>
 
 #define LN_EPS 1e-5f
 // channel block for the weight/bias gradients, see layernorm_backward
@@ -121,10 +120,8 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
         // until all rows are in. Row by row the range goes in blocks of
         // LN_CBLOCK channels (their sums stay in L1), a 16-bit row's part
         // converted once for all of them.
-        int nblocks = dweight ? (C + LN_CBLOCK - 1) / LN_CBLOCK : 0;
-        int threads = omp_get_num_threads(), t = omp_get_thread_num();
-        int c0 = nblocks * t / threads * LN_CBLOCK, c1 = nblocks * (t + 1) / threads * LN_CBLOCK;
-        c1 = c1 < C ? c1 : C;
+        int c0, c1;
+        thread_block_range(dweight ? C : 0, LN_CBLOCK, &c0, &c1);
         if (c0 < c1) {
             int nc = c1 - c0;
             float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dx32);

@@ -7,7 +7,6 @@
 
 #include "simd.h"
 #include <math.h>
-#include <omp.h>
 
 // channel block for the weight gradient, see rmsnorm_backward
 #define RMS_CBLOCK 64
@@ -101,10 +100,8 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
         // rows are in. Row by row the range goes in blocks of RMS_CBLOCK
         // channels (their sums stay in L1), a 16-bit row's part converted
         // once for all of them.
-        int nblocks = dweight ? (C + RMS_CBLOCK - 1) / RMS_CBLOCK : 0;
-        int threads = omp_get_num_threads(), t = omp_get_thread_num();
-        int c0 = nblocks * t / threads * RMS_CBLOCK, c1 = nblocks * (t + 1) / threads * RMS_CBLOCK;
-        c1 = c1 < C ? c1 : C;
+        int c0, c1;
+        thread_block_range(dweight ? C : 0, RMS_CBLOCK, &c0, &c1);
         if (c0 < c1) {
             int nc = c1 - c0;
             float *dw = fp32_rmw(dt, fl_at(dt, dweight, c0), nc, dx32);

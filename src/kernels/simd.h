@@ -5,6 +5,7 @@
 #ifndef FITLM_KERNELS_SIMD_H
 #define FITLM_KERNELS_SIMD_H
 
+#include <omp.h>
 #include <stddef.h>
 
 #include "fitlm/core.h" // FL_ISA_COPIES
@@ -40,6 +41,19 @@ static inline float fp32_at(fl_dtype dt, const void *src, size_t i) {
 // so two threads paid off only above ~150 us of one core's work: from ~2^18.5
 // values (layernorm, GELU, SwiGLU) to ~2^20 (residual add, RoPE).
 #define FL_PAR_MIN_VALUES ((size_t)1 << 19)
+
+// The calling thread's part of n values split into contiguous ranges of
+// whole blocks of `block` (the last one ragged), one range per thread of the
+// enclosing parallel region: [*lo, *hi), empty when there are more threads
+// than blocks. The norms' weight gradients sum their rows channel range by
+// channel range, so no sum crosses threads.
+static inline void thread_block_range(int n, int block, int *lo, int *hi) {
+    int blocks = (n + block - 1) / block, threads = omp_get_num_threads();
+    int t = omp_get_thread_num();
+    *lo = blocks * t / threads * block;
+    *hi = blocks * (t + 1) / threads * block;
+    if (*hi > n) *hi = n;
+}
 
 #if defined(__x86_64__)
 #include <immintrin.h>
