@@ -1832,8 +1832,10 @@ static void test_matmul_lp(fl_dtype dt) {
 // path is OpenBLAS's sgemm, covered by test_matmul under that cap). Against
 // a double reference with the fp32 bound of a K-term sum, (K + 2) u
 // sum |a b| + u |c|; a 16-bit operand gives the bits of its fp32 copy
-// (conversion is exact); sub-tiles give the whole call's bits (matmul's
-// tiles rely on it); AVX2 and AVX-512 give the same bits (FMAs in k order).
+// (conversion is exact), read in place or packed; sub-tiles give the whole
+// call's bits (matmul's tiles rely on it); AVX2 and AVX-512 give the same
+// bits (FMAs in k order); a 16-bit c (one depth block) gets the bits of an
+// fp32 c rounded after the call.
 static gemm_mat gm(fl_dtype dt, const void *p, int ld, int trans) {
     return (gemm_mat){.dt = dt, .p = p, .ld = ld, .trans = trans};
 }
@@ -1855,7 +1857,8 @@ static void gemm_case(int M, int N, int K, int ta, int tb, fl_dtype dt, int beta
     float *c0 = frand(nc, seed + 2, 1.0f), *c = fcopy(c0, nc), *c32 = fcopy(c0, nc);
     void *a_h = to_dt(dt, a, na), *b_h = to_dt(dt, b, nb);
     float *pack = fnan(gemm_pack_floats(M, N, K));
-    gemm_tile(M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta, c, ldc, pack);
+    gemm_tile(M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta, FL_F32, c, ldc,
+              pack);
     const char *name =
         nm("gemm %s M%d N%d K%d ta%d tb%d beta%d", fl_dtype_name(dt), M, N, K, ta, tb, beta);
     int bad = 0;
@@ -1888,7 +1891,8 @@ static void gemm_case(int M, int N, int K, int ta, int tb, fl_dtype dt, int beta
             if (pass)
                 ma = (gemm_mat){.packed = pa, .count = M, .first = i0},
                 mb = (gemm_mat){.packed = pb, .count = N, .first = j0};
-            gemm_tile(rows, cols, K, ma, mb, (float)beta, c32 + (size_t)i0 * ldc + j0, ldc, pack);
+            gemm_tile(rows, cols, K, ma, mb, (float)beta, FL_F32, c32 + (size_t)i0 * ldc + j0, ldc,
+                      pack);
         }
         t_check(!memcmp(c, c32, nc * sizeof *c), "%s: differs %s", name,
                 pass ? "with operands packed ahead" : "from its fp32 copy in sub-tiles");
@@ -1896,8 +1900,23 @@ static void gemm_case(int M, int N, int K, int ta, int tb, fl_dtype dt, int beta
     if (fl_cpu_isa() == FL_ISA_AVX512) {
         memcpy(c32, c0, nc * sizeof *c32);
         gemm_tile_isa(FL_ISA_AVX2, M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta,
-                      c32, ldc, pack);
+                      FL_F32, c32, ldc, pack);
         t_check(!memcmp(c, c32, nc * sizeof *c), "%s: AVX2 and AVX-512 differ", name);
+    }
+    if (dt != FL_F32 && K <= GEMM_DEPTH_BLOCK) {
+        // c in dt: the fp32 call on c's 16-bit values, rounded after
+        void *c_h = to_dt(dt, c0, nc);
+        fl_convert(FL_F32, c32, dt, c_h, nc);
+        gemm_tile(M, N, K, gm(FL_F32, a, lda, ta), gm(FL_F32, b, ldb, tb), (float)beta, FL_F32, c32,
+                  ldc, pack);
+        for (int isa = FL_ISA_AVX2; isa <= (int)fl_cpu_isa(); isa++) {
+            void *got = to_dt(dt, c0, nc);
+            gemm_tile_isa(isa, M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta, dt,
+                          got, ldc, pack);
+            check_lp_exact(nm("%s, c in it (isa %d)", name, isa), dt, got, c32, nc);
+            free(got);
+        }
+        free(c_h);
     }
     free(a), free(b), free(c0), free(c), free(c32), free(a_h), free(b_h), free(pack);
     free(pa), free(pb);
@@ -1908,12 +1927,13 @@ static void test_gemm(void) {
     // edges of the 8 x 48 and 6 x 16 micro-tiles, of the 256-deep k and
     // 288-wide n blocks and of the 192-row a block; M <= 192 takes the loop
     // order that packs a once per depth block; N = 128 and 64 end in panels
-    // of 32 and 16 columns (AVX-512's narrow kernels)
-    int shapes[][3] = {{1, 1, 1},       {13, 33, 7},   {7, 17, 0},   {50, 40, 300},
-                       {200, 300, 513}, {24, 128, 70}, {17, 64, 260}};
+    // of 32 and 16 columns (AVX-512's narrow kernels); K <= 256 also takes
+    // a 16-bit c, and N a multiple of 16 a 16-bit op(b) in place
+    int shapes[][3] = {{1, 1, 1},       {13, 33, 7},   {7, 17, 0},    {50, 40, 300},
+                       {200, 300, 513}, {24, 128, 70}, {17, 64, 260}, {200, 96, 256}};
     fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
     unsigned seed = 300;
-    for (int s = 0; s < 7; s++)
+    for (int s = 0; s < 8; s++)
         for (int d = 0; d < 3; d++)
             for (int t = 0; t < 4; t++)
                 gemm_case(shapes[s][0], shapes[s][1], shapes[s][2], t & 1, t >> 1, dts[d],

@@ -3,7 +3,9 @@
 // panels NR columns wide, op(a) in micro-panels of MR rows x KC; a register-
 // blocked kernel multiplies one micro-panel of each. Packing converts bf16
 // and fp16 to fp32, so the 16-bit path pays no conversion pass of its own;
-// an fp32 op(b) that is row-major already is read in place.
+// with AVX-512 an op(b) that is row-major already is read in place (16-bit
+// values converted in registers), and a 16-bit c of one depth block is
+// loaded and rounded by the kernel itself.
 // Kernels: AVX-512 8 x 48, AVX2+FMA 6 x 16. Without AVX2 the matmul keeps
 // OpenBLAS's sgemm on converted operands (matmul.c): a plain C kernel ran at
 // a sixth of its speed.
@@ -48,33 +50,45 @@ size_t gemm_pack_floats(int M, int N, int K) {
 }
 
 #if FL_HAVE_X86_SIMD
+// The dtypes a kernel reads b and c in, one of them fp32: a 16-bit b read
+// in place (the input gradient's weight), or a 16-bit c that the call adds
+// one depth block into (a weight gradient over at most KC tokens); their
+// values are converted in registers, c's rounded once as it is stored.
+typedef struct {
+    fl_dtype b, c;
+} tile_dts;
+
 // c (MR x NR, row stride ldc) = (load_c ? c : 0) + a (kc x MR) @ b (kc x NR,
-// row stride ldb)
-typedef void kernel_fn(int kc, const float *a, const float *b, size_t ldb, float *c, size_t ldc,
-                       int load_c);
+// row stride ldb), b and c of dtypes dts
+typedef void kernel_fn(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc,
+                       int load_c, tile_dts dts);
 
 // kernel: mr x nr; narrow[v]: mr x 16 (v + 1) on the same panels, for a
-// last panel of 16 (v + 1) columns (NULL: none, the scratch tile instead)
+// last panel of 16 (v + 1) columns (NULL: none, the scratch tile instead);
+// b_in_place: reads an op(b) stored row-major where it lies (see
+// gemm_tile_isa)
 typedef struct {
     int mr, nr;
     kernel_fn *kernel, *narrow[2];
+    int b_in_place;
 } gemm_kernel;
 
 // 8 rows x NV vectors of 16: c (8 x 16 NV, row stride ldc) = (load_c ? c :
-// 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48, row stride ldb)
-__attribute__((target("avx512f"), always_inline)) static inline void
-kernel_avx512_rows8(int nv, int kc, const float *a, const float *b, size_t ldb, float *c,
-                    size_t ldc, int load_c) {
+// 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48, row stride ldb);
+// b of dtype bdt, c of cdt (constants where inlined)
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) static inline void
+kernel_avx512_rows8(int nv, fl_dtype bdt, fl_dtype cdt, int kc, const float *a, const void *b,
+                    size_t ldb, void *c, size_t ldc, int load_c) {
     __m512 acc[8][3];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++)
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++)
-            acc[r][v] = load_c ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
-    for (int k = 0; k < kc; k++, a += 8, b += ldb) {
+            acc[r][v] = load_c ? load16_f32(cdt, c, r * ldc + 16 * v, 0xFFFF) : _mm512_setzero_ps();
+    for (int k = 0; k < kc; k++, a += 8, b = fl_at_const(bdt, b, ldb)) {
         __m512 bv[3];
 #pragma GCC unroll 3
-        for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(b + 16 * v);
+        for (int v = 0; v < nv; v++) bv[v] = load16_f32(bdt, b, 16 * v, 0xFFFF);
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
             __m512 ar = _mm512_set1_ps(a[r]);
@@ -85,42 +99,59 @@ kernel_avx512_rows8(int nv, int kc, const float *a, const float *b, size_t ldb, 
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++)
 #pragma GCC unroll 3
-        for (int v = 0; v < nv; v++) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+        for (int v = 0; v < nv; v++) store16_f32(cdt, c, r * ldc + 16 * v, 0xFFFF, acc[r][v]);
+}
+
+// kernel_avx512_rows8 with the dtypes as constants, one of them fp32
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) static inline void
+kernel_avx512_dts(int nv, tile_dts dts, int kc, const float *a, const void *b, size_t ldb, void *c,
+                  size_t ldc, int load_c) {
+    if (dts.c == FL_BF16)
+        kernel_avx512_rows8(nv, FL_F32, FL_BF16, kc, a, b, ldb, c, ldc, load_c);
+    else if (dts.c == FL_F16)
+        kernel_avx512_rows8(nv, FL_F32, FL_F16, kc, a, b, ldb, c, ldc, load_c);
+    else if (dts.b == FL_BF16)
+        kernel_avx512_rows8(nv, FL_BF16, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+    else if (dts.b == FL_F16)
+        kernel_avx512_rows8(nv, FL_F16, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+    else
+        kernel_avx512_rows8(nv, FL_F32, FL_F32, kc, a, b, ldb, c, ldc, load_c);
 }
 
 // 8 rows x 3 vectors: 24 accumulators, 3 b vectors, a broadcast a value:
 // 11 loads per 24 FMAs (12 x 32: 14); and token counts (multiples of 8) and
 // GPT-2's widths (768, 2304, 3072, 50304: multiples of 48) leave no edge
 // micro-tiles, where 12 rows left 4 of every 256 tokens to a scratch tile
-__attribute__((target("avx512f"))) static void kernel_avx512(int kc, const float *a, const float *b,
-                                                             size_t ldb, float *c, size_t ldc,
-                                                             int load_c) {
-    kernel_avx512_rows8(3, kc, a, b, ldb, c, ldc, load_c);
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
+kernel_avx512(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
+              tile_dts dts) {
+    kernel_avx512_dts(3, dts, kc, a, b, ldb, c, ldc, load_c);
 }
 // A panel's first 32 or 16 columns, straight into c: the demo's 128
 // channels are two panels and 32 columns
-__attribute__((target("avx512f"))) static void kernel_avx512_32(int kc, const float *a,
-                                                                const float *b, size_t ldb,
-                                                                float *c, size_t ldc, int load_c) {
-    kernel_avx512_rows8(2, kc, a, b, ldb, c, ldc, load_c);
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
+kernel_avx512_32(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
+                 tile_dts dts) {
+    kernel_avx512_dts(2, dts, kc, a, b, ldb, c, ldc, load_c);
 }
-__attribute__((target("avx512f"))) static void kernel_avx512_16(int kc, const float *a,
-                                                                const float *b, size_t ldb,
-                                                                float *c, size_t ldc, int load_c) {
-    kernel_avx512_rows8(1, kc, a, b, ldb, c, ldc, load_c);
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
+kernel_avx512_16(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
+                 tile_dts dts) {
+    kernel_avx512_dts(1, dts, kc, a, b, ldb, c, ldc, load_c);
 }
 
 // 6 rows x 2 vectors: 12 accumulators of the 16 registers
-__attribute__((target("avx2,fma"))) static void
-kernel_avx2(int kc, const float *a, const float *b, size_t ldb, float *c, size_t ldc, int load_c) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+kernel_avx2_rows6(fl_dtype bdt, fl_dtype cdt, int kc, const float *a, const void *b, size_t ldb,
+                  void *c, size_t ldc, int load_c) {
     __m256 c0[6], c1[6];
 #pragma GCC unroll 6
     for (int r = 0; r < 6; r++) {
-        c0[r] = load_c ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
-        c1[r] = load_c ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+        c0[r] = load_c ? load8_f32(cdt, c, r * ldc) : _mm256_setzero_ps();
+        c1[r] = load_c ? load8_f32(cdt, c, r * ldc + 8) : _mm256_setzero_ps();
     }
-    for (int k = 0; k < kc; k++, a += 6, b += ldb) {
-        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    for (int k = 0; k < kc; k++, a += 6, b = fl_at_const(bdt, b, ldb)) {
+        __m256 b0 = load8_f32(bdt, b, 0), b1 = load8_f32(bdt, b, 8);
 #pragma GCC unroll 6
         for (int r = 0; r < 6; r++) {
             __m256 ar = _mm256_broadcast_ss(a + r);
@@ -130,15 +161,31 @@ kernel_avx2(int kc, const float *a, const float *b, size_t ldb, float *c, size_t
     }
 #pragma GCC unroll 6
     for (int r = 0; r < 6; r++) {
-        _mm256_storeu_ps(c + r * ldc, c0[r]);
-        _mm256_storeu_ps(c + r * ldc + 8, c1[r]);
+        store8_f32(cdt, c, r * ldc, c0[r]);
+        store8_f32(cdt, c, r * ldc + 8, c1[r]);
     }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void kernel_avx2(int kc, const float *a,
+                                                                 const void *b, size_t ldb, void *c,
+                                                                 size_t ldc, int load_c,
+                                                                 tile_dts dts) {
+    if (dts.c == FL_BF16)
+        kernel_avx2_rows6(FL_F32, FL_BF16, kc, a, b, ldb, c, ldc, load_c);
+    else if (dts.c == FL_F16)
+        kernel_avx2_rows6(FL_F32, FL_F16, kc, a, b, ldb, c, ldc, load_c);
+    else if (dts.b == FL_BF16)
+        kernel_avx2_rows6(FL_BF16, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+    else if (dts.b == FL_F16)
+        kernel_avx2_rows6(FL_F16, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+    else
+        kernel_avx2_rows6(FL_F32, FL_F32, kc, a, b, ldb, c, ldc, load_c);
 }
 
 static gemm_kernel kernel_for(int isa) {
     if (isa == FL_ISA_AVX512)
-        return (gemm_kernel){8, 48, kernel_avx512, {kernel_avx512_16, kernel_avx512_32}};
-    return (gemm_kernel){6, 16, kernel_avx2, {NULL, NULL}};
+        return (gemm_kernel){8, 48, kernel_avx512, {kernel_avx512_16, kernel_avx512_32}, 1};
+    return (gemm_kernel){6, 16, kernel_avx2, {NULL, NULL}, 0};
 }
 
 // Packing. X (i, k) is x.p[i * ld + k] (x.trans == 0) or x.p[k * ld + i];
@@ -299,44 +346,47 @@ void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, in
 }
 
 // c (mc x nc, row stride ldc) += a_block (mc x kc) @ b_block (kc x nc),
-// micro-tile by micro-tile; b's panels panel_step floats apart, their rows
-// ldb apart (packed: kc * NR and NR)
+// micro-tile by micro-tile; b's panels panel_step values apart, their rows
+// ldb apart (packed: kc * NR and NR); b and c of dtypes dts
 static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *a_block,
-                           const float *b_block, size_t ldb, size_t panel_step, float *c, int ldc,
-                           int load_c, float *edge) {
+                           const void *b_block, size_t ldb, size_t panel_step, tile_dts dts,
+                           void *c, int ldc, int load_c, float *edge) {
     for (int ir = 0; ir < mc; ir += kn.mr) {
         int mr = min_int(kn.mr, mc - ir);
         const float *a_panel = a_block + (size_t)ir * kc;
         for (int jr = 0; jr < nc; jr += kn.nr) {
             int nr = min_int(kn.nr, nc - jr);
-            const float *b_panel = b_block + (size_t)(jr / kn.nr) * panel_step;
-            float *cij = c + (size_t)ir * ldc + jr;
+            const void *b_panel = fl_at_const(dts.b, b_block, (size_t)(jr / kn.nr) * panel_step);
+            void *cij = fl_at(dts.c, c, (size_t)ir * ldc + jr);
             // the kernel as wide as the panel, if there is one
             kernel_fn *fits = nr == kn.nr ? kn.kernel : nr % 16 ? NULL : kn.narrow[nr / 16 - 1];
             if (mr == kn.mr && fits) {
-                fits(kc, a_panel, b_panel, ldb, cij, ldc, load_c);
+                fits(kc, a_panel, b_panel, ldb, cij, ldc, load_c, dts);
                 continue;
             }
-            // an edge: the whole micro-tile on scratch (the same arithmetic
-            // as inside), its valid part back into c; the full kernel only on
-            // a packed panel (zeros past nr)
+            // an edge: the whole micro-tile on fp32 scratch (the same
+            // arithmetic as inside, a 16-bit c rounded once as it goes back),
+            // its valid part back into c; the full kernel only on a packed
+            // panel (zeros past nr)
+            tile_dts on_edge = {dts.b, FL_F32};
             memset(edge, 0, (size_t)kn.mr * kn.nr * sizeof(float));
-            for (int r = 0; r < mr; r++)
-                memcpy(edge + r * kn.nr, cij + (size_t)r * ldc, nr * sizeof(float));
-            (fits ? fits : kn.kernel)(kc, a_panel, b_panel, ldb, edge, kn.nr, load_c);
-            for (int r = 0; r < mr; r++)
-                memcpy(cij + (size_t)r * ldc, edge + r * kn.nr, nr * sizeof(float));
+            fl_convert_rows(FL_F32, edge, kn.nr, dts.c, cij, ldc, mr, nr);
+            (fits ? fits : kn.kernel)(kc, a_panel, b_panel, ldb, edge, kn.nr, load_c, on_edge);
+            fl_convert_rows(dts.c, cij, ldc, FL_F32, edge, kn.nr, mr, nr);
         }
     }
 }
 
-void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c,
-                   int ldc, float *pack_buf) {
+void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt,
+                   void *c, int ldc, float *pack_buf) {
     FL_ASSERT(isa >= FL_ISA_AVX2 && isa <= (int)fl_cpu_isa());
     FL_ASSERT(beta == 0.0f || beta == 1.0f);
+    // a 16-bit c takes one depth block, its sum rounded once
+    FL_ASSERT(c_dt == FL_F32 || K <= KC);
     if (K == 0) {
         if (beta == 0.0f)
-            for (int i = 0; i < M; i++) memset(c + (size_t)i * ldc, 0, N * sizeof(float));
+            for (int i = 0; i < M; i++)
+                memset(fl_at(c_dt, c, (size_t)i * ldc), 0, N * fl_dtype_size(c_dt));
         return;
     }
     gemm_kernel kn = kernel_for(isa);
@@ -347,11 +397,16 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
     // column block. Several: column blocks outermost, b's block packed once
     // for all of a's row blocks.
     int a_once = M <= MC;
-    // An fp32 op(b) stored row-major is read in place, its rows ldb apart:
-    // packing it would copy a block that only this call's rows read. Its
-    // columns must end in whole panels or narrow ones (nothing is read past
-    // them, where a packed panel has zeros).
-    int b_in_place = !b.packed && b.dt == FL_F32 && !b.trans && N % 16 == 0;
+    // An op(b) stored row-major is read in place by the AVX-512 kernel, its
+    // rows ldb apart (a 16-bit one converted in registers, unless c is
+    // 16-bit too): packing it would copy a block that only this call's rows
+    // read. Its columns must end in whole panels or narrow ones (nothing is
+    // read past them, where a packed panel has zeros). The AVX2 kernel's
+    // panel row is one cache line, used for 12 FMAs: read in place, its
+    // strided rows cost more than packing them.
+    int b_in_place =
+        kn.b_in_place && !b.packed && !b.trans && N % 16 == 0 && (b.dt == FL_F32 || c_dt == FL_F32);
+    tile_dts dts = {b_in_place ? b.dt : FL_F32, c_dt};
     int outer = a_once ? K : N, outer_step = a_once ? KC : NC;
     int inner = a_once ? N : K, inner_step = a_once ? NC : KC;
     for (int o = 0; o < outer; o += outer_step) {
@@ -359,10 +414,10 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
             int jc = a_once ? i : o, pc = a_once ? o : i;
             int nc = min_int(NC, N - jc), kc = min_int(KC, K - pc);
             int load_c = pc > 0 || beta != 0.0f;
-            const float *b_block = b.packed ? packed_block(b, kn.nr, pc, kc, b.first + jc) : bp;
+            const void *b_block = b.packed ? packed_block(b, kn.nr, pc, kc, b.first + jc) : bp;
             size_t ldb = kn.nr, panel_step = (size_t)kn.nr * kc;
             if (b_in_place)
-                b_block = (const float *)b.p + (size_t)pc * b.ld + jc, ldb = b.ld,
+                b_block = fl_at_const(b.dt, b.p, (size_t)pc * b.ld + jc), ldb = b.ld,
                 panel_step = kn.nr;
             else if (!b.packed)
                 pack(bp, kn.nr, bt, jc, nc, pc, kc, 0);
@@ -371,16 +426,16 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
                 const float *a_block = a.packed ? packed_block(a, kn.mr, pc, kc, a.first + ic) : ap;
                 if (!a.packed && (!a_once || jc == 0))
                     pack(ap, kn.mr, a, ic, mc, pc, kc, min_int(KC, K - pc - kc));
-                multiply_block(kn, kc, mc, nc, a_block, b_block, ldb, panel_step,
-                               c + (size_t)ic * ldc + jc, ldc, load_c, edge);
+                multiply_block(kn, kc, mc, nc, a_block, b_block, ldb, panel_step, dts,
+                               fl_at(c_dt, c, (size_t)ic * ldc + jc), ldc, load_c, edge);
             }
         }
     }
 }
 
 #else
-void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c,
-                   int ldc, float *pack_buf) {
+void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt,
+                   void *c, int ldc, float *pack_buf) {
     fl_die("gemm: no AVX2 on this CPU (matmul's portable path is OpenBLAS's sgemm)");
 }
 
@@ -397,7 +452,7 @@ void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, in
 }
 #endif
 
-void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c, int ldc,
-               float *pack_buf) {
-    gemm_tile_isa(fl_cpu_isa(), M, N, K, a, b, beta, c, ldc, pack_buf);
+void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt, void *c,
+               int ldc, float *pack_buf) {
+    gemm_tile_isa(fl_cpu_isa(), M, N, K, a, b, beta, c_dt, c, ldc, pack_buf);
 }

@@ -42,16 +42,18 @@ int gemm_panel_width(void);
 // smaller one, needs (one buffer per thread).
 size_t gemm_pack_floats(int M, int N, int K);
 
-// c (M,N) fp32, row stride ldc, = beta * c + op(a) (M,K) @ op(b) (K,N), with
-// beta 0 or 1; single-threaded, on the widest path fl_cpu_isa() allows,
-// which must be AVX2 or wider.
+// c (M,N) of dtype c_dt, row stride ldc, = beta * c + op(a) (M,K) @ op(b)
+// (K,N), with beta 0 or 1; single-threaded, on the widest path fl_cpu_isa()
+// allows, which must be AVX2 or wider.
 // An element of c sums its K products in the same order whatever M, N and
 // the position of the tile, so tiles give the bits of one whole call: in k
 // order within blocks of GEMM_DEPTH_BLOCK, each block's sum added to c.
-void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c, int ldc,
-               float *pack);
+// A 16-bit c needs K <= GEMM_DEPTH_BLOCK: its sum is rounded once, the bits
+// of an fp32 copy of c rounded after the call.
+void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt, void *c,
+               int ldc, float *pack);
 // The same through one path (FL_ISA_AVX2 or FL_ISA_AVX512), for the tests.
-void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, float *c,
-                   int ldc, float *pack);
+void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt,
+                   void *c, int ldc, float *pack);
 
 #endif

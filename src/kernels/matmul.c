@@ -444,7 +444,7 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
                     memcpy(tile + (size_t)n * ldt, bias32 + c0, cols * sizeof(float));
             a.first = n0;
             gemm_tile(rows, cols, C, a, mat(dt, weight, (size_t)c0 * C, C, 1), bias ? 1.0f : 0.0f,
-                      tile, ldt, pack);
+                      FL_F32, tile, ldt, pack);
             if (dt != FL_F32)
                 store_tile(dt, fl_at(dt, out, (size_t)n0 * OC + c0), tile, rows, cols, OC, cols);
         }
@@ -454,11 +454,15 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
 static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                             const void *inp, const void *weight, float *ws, int N, int C, int OC) {
     packed_shared sh = shared_split(ws, dt, N, C, OC);
-    // fp32 gradients accumulate in place, 16-bit ones in fp32 copies
+    // fp32 input and bias gradients accumulate in place, 16-bit ones in fp32 copies
     float *dinp32 = dt == FL_F32 ? dinp : sh.dinp32, *dbias32 = dt == FL_F32 ? dbias : sh.bias32;
     int dwb = dw_tile_rows(OC);
     dinp_tiling tiles = dinp_tiles(N, C);
     int cb = tiles.cb, nc = tiles.nc, rb = tiles.rb, n_dinp = dinp ? tiles.nr * nc : 0;
+    // The weight gradient accumulates in place when fp32, or when 16-bit over
+    // one depth block of tokens (gemm rounds its one sum: the bits of an fp32
+    // copy of its rows rounded after); otherwise in an fp32 copy, rounded once.
+    int dw_in_place = dt == FL_F32 || N <= GEMM_DEPTH_BLOCK;
 #pragma omp parallel
     {
         // scratch: only 16-bit data is converted into it
@@ -490,10 +494,14 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                 if (t < n_dw) {
                     int r0 = k0 + t * dwb, rows = min_int(dwb, k1 - r0);
                     void *dw = fl_at(dt, dweight, (size_t)r0 * C);
-                    float *dw32 = dt == FL_F32 ? dw : scratch;
-                    if (dt != FL_F32) fl_convert(FL_F32, dw32, dt, dw, (size_t)rows * C);
-                    gemm_tile(rows, C, N, mat(dt, dout, r0, OC, 1), inp_b, 1.0f, dw32, C, pack);
-                    if (dt != FL_F32) fl_store_f32(dt, dw, dw32, (size_t)rows * C);
+                    gemm_mat dout_t = mat(dt, dout, r0, OC, 1);
+                    if (dw_in_place) {
+                        gemm_tile(rows, C, N, dout_t, inp_b, 1.0f, dt, dw, C, pack);
+                        continue;
+                    }
+                    fl_convert(FL_F32, scratch, dt, dw, (size_t)rows * C);
+                    gemm_tile(rows, C, N, dout_t, inp_b, 1.0f, FL_F32, scratch, C, pack);
+                    fl_store_f32(dt, dw, scratch, (size_t)rows * C);
                 } else if (t < n_dw + n_db) {
                     int o = k0 + (t - n_dw) * MM_OCBLOCK;
                     column_sums(dbias32 + o, dt, dout, N, o, min_int(o + MM_OCBLOCK, k1), OC,
@@ -509,7 +517,7 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                         wi.first = c0;
                     else
                         wi = mat(dt, weight, (size_t)k0 * C + c0, C, 0);
-                    gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, ai, wi, 1.0f,
+                    gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, ai, wi, 1.0f, FL_F32,
                               dinp32 + (size_t)n0 * C + c0, C, pack);
                 }
             }
