@@ -1057,15 +1057,18 @@ static void test_fused_lowp(void) {
 // ----------------------------------------------------------------------------
 // the ISA paths
 
-#define PATH_OUTS 7 // weights of 4 rules, AdamW's m and v, SGD's momentum
+// weights of 4 rules, AdamW's m and v, SGD's momentum; then for two
+// mixed-precision AdamW runs, master, m, v and the 16-bit weights
+#define PATH_OUTS 15
 #define PATH_SUMS 6
 #define SUMSQ_N   100003 // several chunks, a ragged end
 
 // What every path must compute bitwise alike: three steps of each rule with
 // an elementwise kernel (AdamW, SGD with and without momentum, LOMO) over
 // make_big_table's rows (several update blocks, ends no multiple of a vector),
-// into out (PATH_OUTS arrays of the table's size), and sums of squares of
-// ragged lengths in fp32 and bf16 into sums.
+// and of AdamW under mixed precision (fp32 master, 16-bit weights refreshed,
+// 16-bit or fp32 gradients), into out (PATH_OUTS arrays of the table's size),
+// and sums of squares of ragged lengths in fp32 and bf16 into sums.
 static void path_results(float *out, double *sums) {
     fl_param_table t = {0};
     make_big_table(&t);
@@ -1091,6 +1094,38 @@ static void path_results(float *out, double *sums) {
     for (int k = 0; k < 3; k++) memcpy(out + (4 + k) * n, state[k], n * sizeof(float));
     fl_optim_free(&adamw.rule), fl_optim_free(&sgd.rule), fl_optim_free(&plain.rule);
     fl_optim_free(&lomo.rule);
+    // mixed precision: bf16 weights with bf16 gradients, fp16 weights with
+    // fp32 gradients (an accumulation buffer's)
+    for (int run = 0; run < 2; run++) {
+        fl_dtype dt = run ? FL_F16 : FL_BF16, gdt = run ? FL_F32 : FL_BF16;
+        float *o = out + (7 + 4 * run) * n;
+        void *p16 = malloc(n * 2), *g16 = malloc(n * 2);
+        t_fill(o, n, 60 + run, 1.0f);
+        fl_convert(dt, p16, FL_F32, o, n);
+        fl_adamw_init(&adamw, n, 0.9f, 0.95f, 1e-8f, 0.1f);
+        for (int step = 1; step <= 3; step++) {
+            t_fill(g, n, 70 + step, 0.5f);
+            fl_convert(FL_BF16, g16, FL_F32, g, n);
+            fl_optim_begin_step(&adamw.rule, 1e-2f);
+            for (int k = 0; k < t.count; k++) {
+                const fl_param_view *v = &t.views[k];
+                fl_update_args a = {.params = o + v->offset,
+                                    .params_lowp = fl_at(dt, p16, v->offset),
+                                    .lowp_dtype = dt,
+                                    .grads = gdt == FL_F32 ? (const void *)(g + v->offset)
+                                                           : fl_at(gdt, g16, v->offset),
+                                    .grads_dtype = gdt,
+                                    .grad_scale = 0.75f};
+                fl_optim_update(&adamw.rule, v, v->offset, v->numel, &a);
+            }
+            fl_optim_end_step(&adamw.rule);
+        }
+        memcpy(o + n, fl_optim_state_ptr(&adamw.rule, 0, 0), n * sizeof(float));
+        memcpy(o + 2 * n, fl_optim_state_ptr(&adamw.rule, 1, 0), n * sizeof(float));
+        fl_convert(FL_F32, o + 3 * n, dt, p16, n);
+        fl_optim_free(&adamw.rule);
+        free(p16), free(g16);
+    }
     fl_params_free(&t);
 
     float *x = malloc(SUMSQ_N * sizeof *x);
@@ -1135,9 +1170,21 @@ static void test_isa_paths_bitwise(int avx2, int avx512) {
         t_check(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
                 "%s-path child failed or ran another path", caps[k]);
     }
-    const char *out_names[PATH_OUTS] = {
-        "adamw weights", "sgd+momentum weights", "sgd weights", "lomo weights", "adamw m",
-        "adamw v",       "sgd momentum"};
+    const char *out_names[PATH_OUTS] = {"adamw weights",
+                                        "sgd+momentum weights",
+                                        "sgd weights",
+                                        "lomo weights",
+                                        "adamw m",
+                                        "adamw v",
+                                        "sgd momentum",
+                                        "bf16 adamw master",
+                                        "bf16 adamw m",
+                                        "bf16 adamw v",
+                                        "bf16 adamw bf16 weights",
+                                        "fp16 adamw master (fp32 gradients)",
+                                        "fp16 adamw m",
+                                        "fp16 adamw v",
+                                        "fp16 adamw fp16 weights"};
     const char *sum_names[PATH_SUMS] = {"fp32 n=1",  "fp32 n=15",     "fp32 n=16",
                                         "fp32 n=17", "fp32 n=100003", "bf16 n=100003"};
     for (int k = 1; k < 3; k++) {

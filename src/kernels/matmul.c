@@ -336,10 +336,15 @@ static size_t pack_floats(int N, int C, int OC) {
     return fwd > dw ? (fwd > dinp ? fwd : dinp) : (dw > dinp ? dw : dinp);
 }
 
+// A thread's fp32 scratch on the 16-bit path: a forward output tile, a
+// weight gradient tile's rows (over more than one depth block of tokens;
+// fewer accumulate in place) or a bias block's column sums.
 static size_t packed_thread_floats(fl_dtype dt, int N, int C, int OC) {
     size_t fwd = (size_t)packed_rows(fwd_tile_rows(N), N) * fwd_tile_cols(C, OC);
-    size_t dw = (size_t)dw_tile_rows(OC) * C;
-    return pack_floats(N, C, OC) + (dt == FL_F32 ? 0 : fwd > dw ? fwd : dw);
+    size_t dw = N <= GEMM_DEPTH_BLOCK ? 0 : (size_t)dw_tile_rows(OC) * C;
+    size_t scratch = fwd > dw ? fwd : dw;
+    if (scratch < MM_OCBLOCK) scratch = MM_OCBLOCK;
+    return pack_floats(N, C, OC) + (dt == FL_F32 ? 0 : scratch);
 }
 
 static size_t inp_packed_floats(int N, int C) {
