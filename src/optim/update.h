@@ -3,7 +3,9 @@
 // fl_update_range is the loop every elementwise rule runs: it walks a range
 // in blocks, in parallel, hands each block's fp32 weights and fp32 gradients
 // (converted from their storage dtype, scale still to apply) to the rule's
-// elementwise function, then refreshes the 16-bit weights.
+// elementwise function, then refreshes the 16-bit weights. (AdamW under
+// mixed precision with AVX2 or AVX-512 runs a one-pass loop of its own that
+// converts in registers, with the same bits.)
 #ifndef FITLM_OPTIM_UPDATE_H
 #define FITLM_OPTIM_UPDATE_H
 
