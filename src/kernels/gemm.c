@@ -140,18 +140,19 @@ kernel_avx512_16(int kc, const float *a, const void *b, size_t ldb, void *c, siz
     kernel_avx512_dts(1, dts, kc, a, b, ldb, c, ldc, load_c);
 }
 
-// 6 rows x 2 vectors: 12 accumulators of the 16 registers
+// 6 rows x 2 vectors: 12 accumulators of the 16 registers; b is always
+// packed (fp32) for this kernel, c of dtype cdt
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-kernel_avx2_rows6(fl_dtype bdt, fl_dtype cdt, int kc, const float *a, const void *b, size_t ldb,
-                  void *c, size_t ldc, int load_c) {
+kernel_avx2_rows6(fl_dtype cdt, int kc, const float *a, const float *b, size_t ldb, void *c,
+                  size_t ldc, int load_c) {
     __m256 c0[6], c1[6];
 #pragma GCC unroll 6
     for (int r = 0; r < 6; r++) {
         c0[r] = load_c ? load8_f32(cdt, c, r * ldc) : _mm256_setzero_ps();
         c1[r] = load_c ? load8_f32(cdt, c, r * ldc + 8) : _mm256_setzero_ps();
     }
-    for (int k = 0; k < kc; k++, a += 6, b = fl_at_const(bdt, b, ldb)) {
-        __m256 b0 = load8_f32(bdt, b, 0), b1 = load8_f32(bdt, b, 8);
+    for (int k = 0; k < kc; k++, a += 6, b += ldb) {
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < 6; r++) {
             __m256 ar = _mm256_broadcast_ss(a + r);
@@ -170,16 +171,13 @@ __attribute__((target("avx2,fma,f16c"))) static void kernel_avx2(int kc, const f
                                                                  const void *b, size_t ldb, void *c,
                                                                  size_t ldc, int load_c,
                                                                  tile_dts dts) {
+    FL_ASSERT(dts.b == FL_F32);
     if (dts.c == FL_BF16)
-        kernel_avx2_rows6(FL_F32, FL_BF16, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx2_rows6(FL_BF16, kc, a, b, ldb, c, ldc, load_c);
     else if (dts.c == FL_F16)
-        kernel_avx2_rows6(FL_F32, FL_F16, kc, a, b, ldb, c, ldc, load_c);
-    else if (dts.b == FL_BF16)
-        kernel_avx2_rows6(FL_BF16, FL_F32, kc, a, b, ldb, c, ldc, load_c);
-    else if (dts.b == FL_F16)
-        kernel_avx2_rows6(FL_F16, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx2_rows6(FL_F16, kc, a, b, ldb, c, ldc, load_c);
     else
-        kernel_avx2_rows6(FL_F32, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx2_rows6(FL_F32, kc, a, b, ldb, c, ldc, load_c);
 }
 
 static gemm_kernel kernel_for(int isa) {
