@@ -47,6 +47,15 @@ __attribute__((target("avx2,f16c"))) static inline __m256 load8_f32(fl_dtype dt,
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// the same for 4 values, as a 128-bit vector
+__attribute__((target("avx2,f16c"))) static inline __m128 load4_f32(fl_dtype dt, const void *p,
+                                                                    size_t i) {
+    if (dt == FL_F32) return _mm_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i));
+    if (dt == FL_F16) return _mm_cvtph_ps(h);
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
 // x as 8 values of dtype dt at element i of p
 __attribute__((target("avx2,f16c"))) static inline void store8_f32(fl_dtype dt, void *p, size_t i,
                                                                    __m256 x) {

@@ -190,22 +190,13 @@ static gemm_kernel kernel_for(int isa) {
 // columns [i0, i0+n) of X, rows [k0, k0+kc), become ceil(n / w) panels of
 // kc x w fp32 values, panel q at dst + q * kc * w, columns past n zero.
 
-// load8_f32 of 4 values, as a 128-bit vector
-__attribute__((target("avx2,f16c"))) static inline __m128 load4(fl_dtype dt, const void *p,
-                                                                size_t i) {
-    if (dt == FL_F32) return _mm_loadu_ps((const float *)p + i);
-    __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i));
-    if (dt == FL_F16) return _mm_cvtph_ps(h);
-    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
-}
-
 // m values from element i of p to dst as fp32 (masked stores are slow on AMD)
 __attribute__((target("avx2,f16c"))) static inline void copy_f32(float *dst, gemm_mat x, size_t i,
                                                                  int m) {
     int j = 0;
     for (; j + 8 <= m; j += 8) _mm256_storeu_ps(dst + j, load8_f32(x.dt, x.p, i + j));
     if (j + 4 <= m) {
-        _mm_storeu_ps(dst + j, load4(x.dt, x.p, i + j));
+        _mm_storeu_ps(dst + j, load4_f32(x.dt, x.p, i + j));
         j += 4;
     }
     for (; j < m; j++) dst[j] = fp32_at(x.dt, x.p, i + j);

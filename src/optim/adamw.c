@@ -133,51 +133,39 @@ ADAMW_LOWP_AVX2 static size_t adamw_lowp_avx2(float *p, fl_dtype gdt, const void
 }
 #endif
 
-// Elements [i, i+n) of the range: the vector pass; past AVX2's whole
-// vectors (fewer than 8 elements) the fp32 kernel on a converted copy.
-static void adamw_lowp_block(const fl_update_args *a, const adamw_range_ctx *c, size_t i, size_t n,
-                             const adamw_consts *k) {
+// fl_update_lowp_fn: elements [i, i+n) of the range, the vector pass; past
+// AVX2's whole vectors (fewer than 8 elements) the fp32 kernel on a
+// converted copy.
+static void adamw_lowp_block(void *ctx, const fl_update_args *a, size_t i, size_t n) {
+    const adamw_range_ctx *c = ctx;
+    const fl_adamw *o = c->opt;
+    adamw_consts k = {a->grad_scale, o->beta1, o->beta2, o->eps, o->bc1, o->bc2, o->lr, c->keep};
     const void *g = fl_at_const(a->grads_dtype, a->grads, i);
     void *p16 = a->params_lowp ? fl_at(a->lowp_dtype, a->params_lowp, i) : NULL;
     float *p = a->params + i, *m = c->m + i, *v = c->v + i;
     size_t done = 0;
 #if defined(__x86_64__)
     if (fl_cpu_isa() == FL_ISA_AVX512) {
-        adamw_lowp_avx512(p, a->grads_dtype, g, m, v, a->lowp_dtype, p16, n, k);
+        adamw_lowp_avx512(p, a->grads_dtype, g, m, v, a->lowp_dtype, p16, n, &k);
         return;
     }
-    done = adamw_lowp_avx2(p, a->grads_dtype, g, m, v, a->lowp_dtype, p16, n, k);
+    done = adamw_lowp_avx2(p, a->grads_dtype, g, m, v, a->lowp_dtype, p16, n, &k);
 #endif
     if (done == n) return;
     float g32[8];
     size_t rest = n - done;
     FL_ASSERT(rest <= 8);
     fl_convert(FL_F32, g32, a->grads_dtype, fl_at_const(a->grads_dtype, g, done), rest);
-    adamw_kernel_for(fl_cpu_isa())(p + done, g32, m + done, v + done, rest, k->gscale, k->b1, k->b2,
-                                   k->eps, k->bc1, k->bc2, k->lr, k->keep);
+    adamw_block(ctx, p + done, g32, i + done, rest, a->grad_scale);
     if (p16) fl_store_f32(a->lowp_dtype, fl_at(a->lowp_dtype, p16, done), p + done, rest);
 }
-
-// elements per work item of the one-pass update (no copies to keep in L1)
-#define ADAMW_LOWP_BLOCK 4096
 
 static void adamw_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
                          const fl_update_args *a) {
     const fl_adamw *o = (const fl_adamw *)r;
     size_t s = offset - r->window_begin;
     adamw_range_ctx c = {o, o->m + s, o->v + s, (row->flags & FL_PARAM_DECAY) ? o->keep : 1.0f};
-    int lowp = a->params_lowp || a->grads_dtype != FL_F32;
-    if (!lowp || !a->params || fl_cpu_isa() < FL_ISA_AVX2) {
-        fl_update_range(a, count, adamw_block, &c);
-        return;
-    }
-    adamw_consts k = {a->grad_scale, o->beta1, o->beta2, o->eps, o->bc1, o->bc2, o->lr, c.keep};
-    size_t nblocks = (count + ADAMW_LOWP_BLOCK - 1) / ADAMW_LOWP_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (size_t b = 0; b < nblocks; b++) {
-        size_t i = b * ADAMW_LOWP_BLOCK, n = count - i;
-        adamw_lowp_block(a, &c, i, n < ADAMW_LOWP_BLOCK ? n : ADAMW_LOWP_BLOCK, &k);
-    }
+    fl_update_range(a, count, adamw_block, adamw_lowp_block, &c);
 }
 
 static float **adamw_state_slot(fl_optim_rule *r, int k) {

@@ -49,7 +49,7 @@ static void lomo_update(fl_optim_rule *r, const fl_param_view *row, size_t offse
     const fl_lomo *o = (const fl_lomo *)r;
     lomo_range_ctx c = {o->lr, (row->flags & FL_PARAM_DECAY) ? o->keep : 1.0f, o->clip_value,
                         a->clip_coef > 0.0f ? a->clip_coef : 1.0f};
-    fl_update_range(a, count, lomo_block, &c);
+    fl_update_range(a, count, lomo_block, NULL, &c);
 }
 
 static float *lomo_state_ptr(fl_optim_rule *r, int k, size_t offset) {

@@ -52,7 +52,7 @@ static void sgd_update(fl_optim_rule *r, const fl_param_view *row, size_t offset
     const fl_sgd *o = (const fl_sgd *)r;
     sgd_range_ctx c = {o->lr, (row->flags & FL_PARAM_DECAY) ? o->weight_decay : 0.0f, o->momentum,
                        o->buf ? o->buf + (offset - r->window_begin) : NULL, o->t == 1};
-    fl_update_range(a, count, sgd_block, &c);
+    fl_update_range(a, count, sgd_block, NULL, &c);
 }
 
 static float **sgd_state_slot(fl_optim_rule *r, int k) {

@@ -1,6 +1,8 @@
 // update.c: see update.h.
 #include "update.h"
 
+#include "fitlm/core.h"
+
 // Elements per work item of fl_update_range. Its fp32 copies (the gradients,
 // and the weights read back for the 16-bit store) must still be in L1 when
 // read: with 4,096, about 80 KB a block, the 16-bit AdamW step took ~40%
@@ -82,7 +84,21 @@ void fl_update_store_params(const fl_update_args *a, size_t i, size_t n, const f
         fl_store_f32(a->lowp_dtype, dst, p, n);
 }
 
-void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn, void *ctx) {
+// elements per work item of a rule's one-pass blocks (no copies to keep in L1)
+#define UPDATE_BLOCK_ONE_PASS 4096
+
+void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn,
+                     fl_update_lowp_fn lowp, void *ctx) {
+    int lowp_data = a->params_lowp || a->grads_dtype != FL_F32;
+    if (lowp && lowp_data && a->params && fl_cpu_isa() >= FL_ISA_AVX2) {
+        size_t nblocks = (n + UPDATE_BLOCK_ONE_PASS - 1) / UPDATE_BLOCK_ONE_PASS;
+#pragma omp parallel for schedule(static)
+        for (size_t b = 0; b < nblocks; b++) {
+            size_t i = b * UPDATE_BLOCK_ONE_PASS, len = n - i;
+            lowp(ctx, a, i, len < UPDATE_BLOCK_ONE_PASS ? len : UPDATE_BLOCK_ONE_PASS);
+        }
+        return;
+    }
     size_t block = a->grads_dtype == FL_F32 && !a->params_lowp ? UPDATE_BLOCK : UPDATE_BLOCK_LOWP;
     size_t nblocks = (n + block - 1) / block;
 #pragma omp parallel for schedule(static)

@@ -3,9 +3,9 @@
 // fl_update_range is the loop every elementwise rule runs: it walks a range
 // in blocks, in parallel, hands each block's fp32 weights and fp32 gradients
 // (converted from their storage dtype, scale still to apply) to the rule's
-// elementwise function, then refreshes the 16-bit weights. (AdamW under
-// mixed precision with AVX2 or AVX-512 runs a one-pass loop of its own that
-// converts in registers, with the same bits.)
+// elementwise function, then refreshes the 16-bit weights; or, under mixed
+// precision with AVX2 or AVX-512, hands each block to the rule's one-pass
+// function where it has one (AdamW), which converts in registers.
 #ifndef FITLM_OPTIM_UPDATE_H
 #define FITLM_OPTIM_UPDATE_H
 
@@ -32,8 +32,16 @@ struct fl_optim_ops {
 typedef void (*fl_update_block_fn)(void *ctx, float *p, const float *g, size_t i, size_t n,
                                    float gscale);
 
-// The n elements a points at.
-void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn, void *ctx);
+// A rule's one-pass block under mixed precision: elements [i, i+n) of the
+// range, the gradients read in a->grads_dtype and the 16-bit weights
+// refreshed by the rule itself (converted in registers), with fn's bits.
+typedef void (*fl_update_lowp_fn)(void *ctx, const fl_update_args *a, size_t i, size_t n);
+
+// The n elements a points at. lowp (NULL: none) takes the blocks instead of
+// fn where there is a master copy and 16-bit gradients or weights, on AVX2
+// or AVX-512.
+void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn,
+                     fl_update_lowp_fn lowp, void *ctx);
 
 // For rules that walk a range themselves (AdaLomo): the fp32 weights of the
 // range's elements [i, i+n) (a->params + i, or without a master the 16-bit
