@@ -541,6 +541,55 @@ static void check_shards(fl_dtype dt, fl_optim_kind kind, int accum) {
     big_free(&w);
 }
 
+// The whole step's rows share one parallel team (update_span), each row's
+// blocks split among its threads: 1, 2 and 3 threads (row blocks in any
+// split, rows of fewer blocks than threads) give the same weights, master
+// and state bitwise.
+static void check_thread_counts(fl_dtype dt, fl_optim_kind kind) {
+    enum { RUNS = 3 };
+    big_model m[RUNS];
+    fl_optimizer o[RUNS];
+    fl_optimizer_config cfg = adamw_config(kind == FL_OPT_LOMO ? 1 : 2);
+    cfg.kind = kind;
+    cfg.momentum = 0.9f;
+    for (int c = 0; c < RUNS; c++) {
+        big_init(&m[c], dt, 71);
+        fl_optimizer_init(&o[c], &cfg, &m[c].table, dt, m[c].params, m[c].grads);
+        omp_set_num_threads(c + 1);
+        for (int step = 0; step < 2; step++) {
+            big_micro_batches(&o[c], &m[c], 80 + step);
+            fl_optimizer_step(&o[c], 1e-2f);
+        }
+    }
+    omp_set_num_threads(2);
+    size_t n = m[0].table.numel;
+    int same = 1;
+    for (int c = 1; c < RUNS; c++) {
+        same &= !memcmp(m[0].params, m[c].params, n * fl_dtype_size(dt)) &&
+                same_state(o[0].rule, o[c].rule);
+        if (o[0].master) same &= !memcmp(o[0].master, o[c].master, n * sizeof(float));
+    }
+    const char *what = kind == FL_OPT_ADAMW ? "adamw"
+                       : kind == FL_OPT_SGD ? "sgd+momentum"
+                                            : "lomo";
+    t_check(same, "%s %s: 1, 2 and 3 threads give the same weights, master and state bitwise",
+            fl_dtype_name(dt), what);
+    for (int c = 0; c < RUNS; c++) {
+        fl_optimizer_free(&o[c]);
+        big_free(&m[c]);
+    }
+}
+
+static void test_thread_counts(void) {
+    fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
+    for (int d = 0; d < 3; d++) {
+        check_thread_counts(dts[d], FL_OPT_ADAMW);
+        check_thread_counts(dts[d], FL_OPT_SGD);
+    }
+    check_thread_counts(FL_F32, FL_OPT_LOMO);
+    check_thread_counts(FL_BF16, FL_OPT_LOMO);
+}
+
 static void test_shards_match_whole(void) {
     check_shards(FL_BF16, FL_OPT_ADAMW, 2);
     check_shards(FL_F16, FL_OPT_ADAMW, 1);
@@ -1218,6 +1267,7 @@ static int run_all(const char *path) {
     test_ranges_match_whole_step();
     test_optimizer_pieces();
     test_shards_match_whole();
+    test_thread_counts();
     test_frozen_rows();
     test_state_listing();
     test_scale();

@@ -56,6 +56,9 @@ typedef struct {
     int stochastic;       // params NULL: stochastic rounding instead of nearest even
     uint64_t sr_seed;     // the step's stochastic-rounding seed
     uint64_t first_index; // flat-buffer index of the range's first element
+    // 1: called by every thread of the caller's parallel region, which share
+    // the range's blocks (rules with team_rows only; see fl_update_range)
+    int team;
 } fl_update_args;
 
 typedef struct fl_optim_ops fl_optim_ops; // a rule's functions (src/optim/update.h)

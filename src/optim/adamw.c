@@ -187,7 +187,8 @@ static const fl_optim_ops adamw_ops = {.state_names = adamw_state_names,
                                        .update = adamw_update,
                                        .state_slot = adamw_state_slot,
                                        .step_count = adamw_step_count,
-                                       .free = adamw_free};
+                                       .free = adamw_free,
+                                       .team_rows = 1};
 
 void fl_adamw_setup(fl_adamw *opt, size_t begin, size_t end, float beta1, float beta2, float eps,
                     float weight_decay, int alloc) {

@@ -70,7 +70,8 @@ static const fl_optim_ops lomo_ops = {.state_names = NULL,
                                       .update = lomo_update,
                                       .state_ptr = lomo_state_ptr,
                                       .step_count = lomo_step_count,
-                                      .free = lomo_free};
+                                      .free = lomo_free,
+                                      .team_rows = 1};
 
 void fl_lomo_init_range(fl_lomo *opt, size_t begin, size_t end, float weight_decay,
                         float clip_value) {

@@ -74,7 +74,8 @@ static const fl_optim_ops sgd_ops = {.state_names = sgd_state_names,
                                      .update = sgd_update,
                                      .state_slot = sgd_state_slot,
                                      .step_count = sgd_step_count,
-                                     .free = sgd_free};
+                                     .free = sgd_free,
+                                     .team_rows = 1};
 
 void fl_sgd_setup(fl_sgd *opt, size_t begin, size_t end, float momentum, float weight_decay,
                   int alloc) {

@@ -3,6 +3,8 @@
 
 #include "fitlm/core.h"
 
+#include <omp.h>
+
 // Elements per work item of fl_update_range. Its fp32 copies (the gradients,
 // and the weights read back for the 16-bit store) must still be in L1 when
 // read: with 4,096, about 80 KB a block, the 16-bit AdamW step took ~40%
@@ -87,24 +89,24 @@ void fl_update_store_params(const fl_update_args *a, size_t i, size_t n, const f
 // elements per work item of a rule's one-pass blocks (no copies to keep in L1)
 #define UPDATE_BLOCK_ONE_PASS 4096
 
-void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn,
-                     fl_update_lowp_fn lowp, void *ctx) {
+// The calling thread's share of the range's blocks: a contiguous run of
+// them, as schedule(static) would give it (the bits do not depend on it:
+// each block's elements are updated on their own).
+static void range_share(const fl_update_args *a, size_t n, fl_update_block_fn fn,
+                        fl_update_lowp_fn lowp, void *ctx) {
     int lowp_data = a->params_lowp || a->grads_dtype != FL_F32;
-    if (lowp && lowp_data && a->params && fl_cpu_isa() >= FL_ISA_AVX2) {
-        size_t nblocks = (n + UPDATE_BLOCK_ONE_PASS - 1) / UPDATE_BLOCK_ONE_PASS;
-#pragma omp parallel for schedule(static)
-        for (size_t b = 0; b < nblocks; b++) {
-            size_t i = b * UPDATE_BLOCK_ONE_PASS, len = n - i;
-            lowp(ctx, a, i, len < UPDATE_BLOCK_ONE_PASS ? len : UPDATE_BLOCK_ONE_PASS);
-        }
-        return;
-    }
-    size_t block = a->grads_dtype == FL_F32 && !a->params_lowp ? UPDATE_BLOCK : UPDATE_BLOCK_LOWP;
+    int one_pass = lowp && lowp_data && a->params && fl_cpu_isa() >= FL_ISA_AVX2;
+    size_t block = one_pass                                      ? UPDATE_BLOCK_ONE_PASS
+                   : a->grads_dtype == FL_F32 && !a->params_lowp ? UPDATE_BLOCK
+                                                                 : UPDATE_BLOCK_LOWP;
     size_t nblocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static)
-    for (size_t b = 0; b < nblocks; b++) {
-        size_t i = b * block, len = n - i;
-        if (len > block) len = block;
+    size_t threads = (size_t)omp_get_num_threads(), t = (size_t)omp_get_thread_num();
+    for (size_t b = nblocks * t / threads; b < nblocks * (t + 1) / threads; b++) {
+        size_t i = b * block, len = n - i < block ? n - i : block;
+        if (one_pass) {
+            lowp(ctx, a, i, len);
+            continue;
+        }
         float scratch[UPDATE_BLOCK], pbuf[UPDATE_BLOCK];
         const float *g =
             fl_load_f32(a->grads_dtype, fl_at_const(a->grads_dtype, a->grads, i), len, scratch);
@@ -112,4 +114,14 @@ void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn,
         fn(ctx, p, g, i, len, a->grad_scale);
         fl_update_store_params(a, i, len, p);
     }
+}
+
+void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn,
+                     fl_update_lowp_fn lowp, void *ctx) {
+    if (a->team) {
+        range_share(a, n, fn, lowp, ctx);
+        return;
+    }
+#pragma omp parallel
+    range_share(a, n, fn, lowp, ctx);
 }

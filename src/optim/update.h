@@ -26,6 +26,9 @@ struct fl_optim_ops {
     size_t (*state_numel)(const fl_optim_rule *r, int k, const fl_param_view *row);
     int *(*step_count)(fl_optim_rule *r);
     void (*free)(fl_optim_rule *r);
+    // 1: update goes through fl_update_range alone (no parallel region of
+    // its own), so the rows of a step can share one team (fl_update_args.team)
+    int team_rows;
 };
 
 // p and g point at element i of the range; gscale multiplies g.
@@ -39,7 +42,9 @@ typedef void (*fl_update_lowp_fn)(void *ctx, const fl_update_args *a, size_t i, 
 
 // The n elements a points at. lowp (NULL: none) takes the blocks instead of
 // fn where there is a master copy and 16-bit gradients or weights, on AVX2
-// or AVX-512.
+// or AVX-512. The blocks are shared among the threads of a parallel region
+// of its own, or with a->team among those of the caller's, every one of
+// which makes the same call (no barrier: the rows of a step follow on).
 void fl_update_range(const fl_update_args *a, size_t n, fl_update_block_fn fn,
                      fl_update_lowp_fn lowp, void *ctx);
 
