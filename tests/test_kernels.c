@@ -593,18 +593,21 @@ static float *att_workspace(fl_dtype dt, int T, int HS, int group) {
 
 // B T NH NKV HS of the attention tests: multi-head (NKV = NH) and grouped
 // query (NKV < NH, down to one kv head); see test_attention
-static const int ATT_SHAPES[][5] = {{1, 1, 1, 1, 3},    {2, 5, 3, 3, 5},   {1, 7, 6, 6, 1},
-                                    {1, 64, 1, 1, 8},   {2, 65, 2, 2, 6},  {2, 150, 4, 4, 12},
-                                    {1, 1024, 2, 2, 4}, {2, 7, 4, 2, 8},   {1, 7, 4, 1, 8},
-                                    {2, 65, 6, 2, 5},   {2, 150, 8, 2, 6}, {1, 9, 3, 1, 3}};
+static const int ATT_SHAPES[][5] = {
+    {1, 1, 1, 1, 3},    {2, 5, 3, 3, 5},    {1, 7, 6, 6, 1},    {1, 64, 1, 1, 8},
+    {2, 65, 2, 2, 6},   {2, 150, 4, 4, 12}, {1, 1024, 2, 2, 4}, {2, 130, 2, 2, 64},
+    {1, 100, 3, 3, 40}, {1, 20, 1, 1, 257}, {2, 7, 4, 2, 8},    {1, 7, 4, 1, 8},
+    {2, 65, 6, 2, 5},   {2, 150, 8, 2, 6},  {1, 9, 3, 1, 3},    {1, 200, 4, 2, 64}};
 enum { N_ATT_SHAPES = sizeof ATT_SHAPES / sizeof ATT_SHAPES[0] };
 
 static void test_attention(void) {
     printf("attention\n");
     // MHA: T=1; odd HS=5 with NH=3; HS=1; one full row block (64), one plus
-    // a row, several blocks with a ragged end; the longest context. GQA:
-    // groups of 2, 4 (NKV=1), 3 with odd HS, 4 over several row blocks, 3
-    // with NKV=1 and odd HS.
+    // a row, several blocks with a ragged end; the longest context; GPT-2's
+    // HS=64 (the tiles' whole vectors), HS=40 (three vectors, the last
+    // ragged), HS=257 (past one packing depth block: OpenBLAS's products).
+    // GQA: groups of 2, 4 (NKV=1), 3 with odd HS, 4 over several row
+    // blocks, 3 with NKV=1 and odd HS, 2 at HS=64.
     for (int s = 0; s < N_ATT_SHAPES; s++) {
         int B = ATT_SHAPES[s][0], T = ATT_SHAPES[s][1], NH = ATT_SHAPES[s][2];
         int NKV = ATT_SHAPES[s][3], HS = ATT_SHAPES[s][4];
@@ -678,10 +681,13 @@ static void test_attention(void) {
 // The softmax loops of every ISA the CPU has, on the same inputs: each runs
 // in a child forked before any OpenMP thread exists (fl_cpu() reads
 // FITLM_ISA once per process) and leaves out, lse and dqkv in shared memory.
-// BLAS computes the same scores in every child, so the paths differ only in
-// the loops: AVX2 and AVX-512 sum the same 16 lanes in the same order with
-// exp256 == exp512, hence the same bits; the scalar loops use expf (exp512 is
-// within ~1 ulp of it) and sum in another order. A row's sum of n positive
+// AVX2 and AVX-512 run tiles that sum every product in the same order, and
+// loops that sum the same 16 lanes in the same order with exp256 == exp512,
+// hence the same bits. The portable path's products are OpenBLAS's: a score
+// sums its HS terms (each <= 4 / sqrt(HS) in size) in another order, which
+// moves it by ~sqrt(HS) * 4 / sqrt(HS) u = 4 u (independent roundings), and
+// P by as much in relative terms; its loops use expf (exp512 is within ~1
+// ulp of it) and sum in another order. A row's sum of n positive
 // terms then differs by ~sqrt(n) u in relative terms (independent roundings;
 // n u is the adversarial worst case), and so do its P, lse, out (weights of
 // |v| <= 2) and the gradients that sum such P. Allow 4 sqrt(T) u (~1 ulp
@@ -691,8 +697,9 @@ static void test_attention(void) {
 static void test_attention_isas(int avx2, int avx512) {
     printf("attention paths\n");
     const char *caps[] = {"portable", "avx2", "avx512"};
-    int have[] = {1, avx2, avx512}, shapes[][5] = {{2, 150, 8, 2, 6}, {1, 300, 4, 4, 29}};
-    for (int s = 0; s < 2; s++) {
+    int have[] = {1, avx2, avx512},
+        shapes[][5] = {{2, 150, 8, 2, 6}, {1, 300, 4, 4, 29}, {1, 200, 4, 2, 64}};
+    for (int s = 0; s < 3; s++) {
         int B = shapes[s][0], T = shapes[s][1], NH = shapes[s][2], NKV = shapes[s][3];
         int HS = shapes[s][4];
         size_t nqkv = (size_t)B * T * qkv_width(NH, NKV, HS), no = (size_t)B * T * NH * HS;

@@ -3,9 +3,10 @@
 // Nothing of size (T,T) survives the forward: only lse (B,NH,T), the log of
 // each row's softmax denominator, from which the backward recomputes P.
 // The fast version walks each (b, query head) in blocks of ATT_BR query rows;
-// the block of rows i0..n-1 only sees keys 0..n-1 (causality), so the GEMMs
-// skip the masked upper triangle and the per-thread workspace is ATT_BR rows
-// of T scores rather than a (T,T) matrix. The backward runs one (b, kv head)
+// the block of rows i0..n-1 only sees keys 0..n-1 (causality), so its
+// products skip the masked upper triangle (on AVX2 and AVX-512 tile by tile
+// within the block too) and the per-thread workspace is ATT_BR rows of T
+// scores rather than a (T,T) matrix. The backward runs one (b, kv head)
 // per work item and its group's query heads inside it, in order: they all
 // add into the same dk and dv, so this keeps it race-free and deterministic
 // (with NKV == NH each item is one head, as in plain multi-head attention).
@@ -18,6 +19,7 @@
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
+#include "gemm.h"
 #include "simd.h"
 #include <cblas.h>
 #include <math.h>
@@ -25,14 +27,317 @@
 
 #define ATT_BR 64 // query rows per block
 
-// scores block P (ATT_BR,T), dP block (ATT_BR,T), D (ATT_BR); for 16-bit data
-// also fp32 copies (T,HS) of q, k, v, out, dout, dq, dk and dv. The backward
-// keeps one kv head's k, v, dk, dv for the whole group and reuses the query
-// head's slots, so the size does not depend on the group.
+// ----------------------------------------------------------------------------
+// The block products. Row r of a block of query rows i0..i0+nb-1 sees keys
+// 0..i0+r, so the block's keys are 0..n-1 (n = i0 + nb) and its scores,
+// probabilities and their gradients are (nb, n) matrices, lds apart:
+//   scores: S[r][j] = alpha * x_r . y_j for j <= i0 + r at least, j < n
+//           (x: q or dO rows, ldx apart; y: k or v rows, ldy apart)
+//   rows:   c_r = beta * c_r + alpha * sum_j p[r][j] y_j   (o, dq)
+//   cols:   c_j += alpha * sum_r p[r][j] x_r               (dv, dk)
+// where p is zero past each row's keys. The portable path makes each one
+// sgemm of the whole block. The AVX2 and AVX-512 paths run register tiles
+// that stop at the causal edge tile by tile (a block's whole (nb, n) square
+// is ~1.25x the triangle's work at T = 256), read y for the scores from
+// panels packed once per head instead of once per sgemm, and sum each
+// element in one order on both ISAs (ascending, FMA by FMA, alpha applied
+// last), so the two give the same bits.
+
+static int min_int(int a, int b) {
+    return a < b ? a : b;
+}
+
+// rows of the scores blocks: room for whole vectors of 16 keys
+static int score_stride(int T) {
+    return (T + 15) / 16 * 16;
+}
+
+// y's T rows (HS values, ldy apart) packed as gemm.c packs an op(b) of
+// (HS, T): panels of gemm_panel_width() keys, value d of key j of a panel at
+// [d * width + j], keys past T zero. HS <= GEMM_DEPTH_BLOCK: one depth block.
+static void pack_keys(float *pk, const float *y, int ldy, int T, int HS) {
+    gemm_mat yt = {.dt = FL_F32, .p = y, .ld = ldy, .trans = 1};
+    gemm_pack(pk, yt, 1, T, HS, 0, T, 0);
+}
+
+// A path's register tiles:
+//   scores: s (rows x 16 nv, row stride lds) = alpha * x (rows x HS, rows
+//           ldx apart) @ the first 16 nv keys of a panel of pk (pw keys
+//           wide); rows <= score_rows, 16 nv <= pw = gemm_panel_width()
+//   sums:   c (rows x width, row stride ldc) = (beta ? c : 0) + alpha * a @ y
+//           (kc x width, rows ldy apart), a (i, k) = a[i * a_ri + k * a_rk];
+//           rows <= sum_rows, width <= sum_width
+typedef struct {
+    int score_rows;
+    void (*scores)(int nv, int rows, int HS, const float *x, size_t ldx, const float *pk, int pw,
+                   float *s, size_t lds, float alpha);
+    int sum_rows, sum_width;
+    void (*sums)(int rows, int width, int kc, const float *a, size_t a_ri, size_t a_rk,
+                 const float *y, size_t ldy, float *c, size_t ldc, float alpha, int beta);
+} att_tiles;
+
+// The three products on a path's tiles, or (t NULL) on OpenBLAS's sgemm; y
+// for the scores packed in pk by pack_keys when there are tiles.
+static void block_scores(const att_tiles *t, float *S, int lds, const float *x, int ldx,
+                         const float *y, int ldy, const float *pk, int nb, int i0, int HS,
+                         float alpha) {
+    if (!t) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, i0 + nb, HS, alpha, x, ldx, y, ldy,
+                    0.0f, S, lds);
+        return;
+    }
+    int pw = gemm_panel_width();
+    for (int r0 = 0; r0 < nb; r0 += t->score_rows) {
+        int rows = min_int(t->score_rows, nb - r0);
+        int keys = i0 + r0 + rows; // through the tile's last row's key
+        for (int j0 = 0; j0 < keys; j0 += pw)
+            t->scores((min_int(pw, keys - j0) + 15) / 16, rows, HS, x + (size_t)r0 * ldx, ldx,
+                      pk + (size_t)j0 * HS, pw, S + (size_t)r0 * lds + j0, lds, alpha);
+    }
+}
+
+static void block_rows(const att_tiles *t, float *c, int ldc, const float *p, int lds,
+                       const float *y, int ldy, int nb, int i0, int HS, float alpha, int beta) {
+    if (!t) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, i0 + nb, alpha, p, lds, y,
+                    ldy, (float)beta, c, ldc);
+        return;
+    }
+    for (int r0 = 0; r0 < nb; r0 += t->sum_rows) {
+        int rows = min_int(t->sum_rows, nb - r0), keys = i0 + r0 + rows;
+        for (int e = 0; e < HS; e += t->sum_width)
+            t->sums(rows, min_int(t->sum_width, HS - e), keys, p + (size_t)r0 * lds, lds, 1, y + e,
+                    ldy, c + (size_t)r0 * ldc + e, ldc, alpha, beta);
+    }
+}
+
+// key j is seen by the block's rows r >= j - i0
+static void block_cols(const att_tiles *t, float *c, int ldc, const float *p, int lds,
+                       const float *x, int ldx, int nb, int i0, int HS, float alpha) {
+    if (!t) {
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, i0 + nb, HS, nb, alpha, p, lds, x, ldx,
+                    1.0f, c, ldc);
+        return;
+    }
+    for (int j0 = 0; j0 < i0 + nb; j0 += t->sum_rows) {
+        int rows = min_int(t->sum_rows, i0 + nb - j0), r_first = j0 > i0 ? j0 - i0 : 0;
+        for (int e = 0; e < HS; e += t->sum_width)
+            t->sums(rows, min_int(t->sum_width, HS - e), nb - r_first,
+                    p + (size_t)r_first * lds + j0, 1, lds, x + (size_t)r_first * ldx + e, ldx,
+                    c + (size_t)j0 * ldc + e, ldc, alpha, 1);
+    }
+}
+
+#if FL_HAVE_X86_SIMD
+// 8 rows x nv vectors of 16 keys (24 accumulators at nv = 3); a tile's
+// spare rows repeat its last row and are not stored
+__attribute__((target("avx512f"), always_inline)) static inline void
+scores_avx512_nv(int nv, int rows, int HS, const float *x, size_t ldx, const float *pk, int pw,
+                 float *s, size_t lds, float alpha) {
+    __m512 acc[8][3];
+    const float *xr[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
+        xr[r] = x + (size_t)(r < rows ? r : rows - 1) * ldx;
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    }
+    for (int d = 0; d < HS; d++, pk += pw) {
+        __m512 y[3];
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) y[v] = _mm512_loadu_ps(pk + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            __m512 xv = _mm512_set1_ps(xr[r][d]);
+#pragma GCC unroll 3
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(xv, y[v], acc[r][v]);
+        }
+    }
+    __m512 av = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+        if (r < rows)
+#pragma GCC unroll 3
+            for (int v = 0; v < nv; v++)
+                _mm512_storeu_ps(s + r * lds + 16 * v, _mm512_mul_ps(acc[r][v], av));
+}
+
+__attribute__((target("avx512f"))) static void scores_avx512(int nv, int rows, int HS,
+                                                             const float *x, size_t ldx,
+                                                             const float *pk, int pw, float *s,
+                                                             size_t lds, float alpha) {
+    if (nv == 3)
+        scores_avx512_nv(3, rows, HS, x, ldx, pk, pw, s, lds, alpha);
+    else if (nv == 2)
+        scores_avx512_nv(2, rows, HS, x, ldx, pk, pw, s, lds, alpha);
+    else
+        scores_avx512_nv(1, rows, HS, x, ldx, pk, pw, s, lds, alpha);
+}
+
+// 6 rows x nv vectors of 16 columns (24 accumulators at nv = 4); with
+// `ragged`, the last vector's columns masked at width (masks in the loop
+// would be reloaded from the stack: the accumulators take every register)
+__attribute__((target("avx512f"), always_inline)) static inline void
+sums_avx512_nv(int nv, int ragged, int rows, int width, int kc, const float *a, size_t a_ri,
+               size_t a_rk, const float *y, size_t ldy, float *c, size_t ldc, float alpha,
+               int beta) {
+    __m512 acc[6][4];
+    __mmask16 m[4];
+    const float *ar[6];
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) m[v] = ragged && v == nv - 1 ? tail_mask(width - 16 * v) : 0xFFFF;
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) {
+        ar[r] = a + (r < rows ? r : rows - 1) * a_ri;
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    }
+    for (int k = 0; k < kc; k++) {
+        __m512 yv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++)
+            yv[v] = ragged && v == nv - 1 ? _mm512_maskz_loadu_ps(m[v], y + k * ldy + 16 * v)
+                                          : _mm512_loadu_ps(y + k * ldy + 16 * v);
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; r++) {
+            __m512 av = _mm512_set1_ps(ar[r][k * a_rk]);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(av, yv[v], acc[r][v]);
+        }
+    }
+    __m512 alv = _mm512_set1_ps(alpha);
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++)
+        if (r < rows)
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) {
+                float *cv = c + r * ldc + 16 * v;
+                __m512 out = beta ? _mm512_fmadd_ps(alv, acc[r][v], _mm512_maskz_loadu_ps(m[v], cv))
+                                  : _mm512_mul_ps(alv, acc[r][v]);
+                _mm512_mask_storeu_ps(cv, m[v], out);
+            }
+}
+
+__attribute__((target("avx512f"))) static void sums_avx512(int rows, int width, int kc,
+                                                           const float *a, size_t a_ri, size_t a_rk,
+                                                           const float *y, size_t ldy, float *c,
+                                                           size_t ldc, float alpha, int beta) {
+    if (width == 64)
+        sums_avx512_nv(4, 0, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+    else if (width > 48)
+        sums_avx512_nv(4, 1, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+    else if (width > 32)
+        sums_avx512_nv(3, 1, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+    else if (width > 16)
+        sums_avx512_nv(2, 1, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+    else
+        sums_avx512_nv(1, 1, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+}
+
+static const att_tiles avx512_tiles = {8, scores_avx512, 6, 64, sums_avx512};
+
+// 6 rows x one panel of 16 keys as two 8-lane halves: 12 accumulators of
+// the 16 registers
+__attribute__((target("avx2,fma"))) static void scores_avx2(int nv, int rows, int HS,
+                                                            const float *x, size_t ldx,
+                                                            const float *pk, int pw, float *s,
+                                                            size_t lds, float alpha) {
+    FL_ASSERT(nv == 1 && pw == 16);
+    __m256 lo[6], hi[6];
+    const float *xr[6];
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) {
+        xr[r] = x + (size_t)(r < rows ? r : rows - 1) * ldx;
+        lo[r] = hi[r] = _mm256_setzero_ps();
+    }
+    for (int d = 0; d < HS; d++) {
+        __m256 y0 = _mm256_loadu_ps(pk + d * 16), y1 = _mm256_loadu_ps(pk + d * 16 + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; r++) {
+            __m256 xv = _mm256_broadcast_ss(xr[r] + d);
+            lo[r] = _mm256_fmadd_ps(xv, y0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(xv, y1, hi[r]);
+        }
+    }
+    __m256 av = _mm256_set1_ps(alpha);
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++)
+        if (r < rows) {
+            _mm256_storeu_ps(s + r * lds, _mm256_mul_ps(lo[r], av));
+            _mm256_storeu_ps(s + r * lds + 8, _mm256_mul_ps(hi[r], av));
+        }
+}
+
+// lanes [0, n) of v stored at p: a plain store when whole (masked stores
+// are slow on AMD)
+__attribute__((target("avx2"))) static inline void store_lanes8(float *p, __m256 v, int n) {
+    if (n >= 8)
+        _mm256_storeu_ps(p, v);
+    else
+        _mm256_maskstore_ps(p, tail_mask8(n), v);
+}
+
+// 6 rows x nv vectors of 8 columns (12 accumulators at nv = 2)
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+sums_avx2_nv(int nv, int rows, int width, int kc, const float *a, size_t a_ri, size_t a_rk,
+             const float *y, size_t ldy, float *c, size_t ldc, float alpha, int beta) {
+    __m256 acc[6][2];
+    __m256i m[2];
+    const float *ar[6];
+#pragma GCC unroll 2
+    for (int v = 0; v < nv; v++) m[v] = tail_mask8(width > 8 * v ? width - 8 * v : 0);
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) {
+        ar[r] = a + (r < rows ? r : rows - 1) * a_ri;
+#pragma GCC unroll 2
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm256_setzero_ps();
+    }
+    for (int k = 0; k < kc; k++) {
+        __m256 yv[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < nv; v++) yv[v] = _mm256_maskload_ps(y + k * ldy + 8 * v, m[v]);
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; r++) {
+            __m256 av = _mm256_broadcast_ss(ar[r] + k * a_rk);
+#pragma GCC unroll 2
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm256_fmadd_ps(av, yv[v], acc[r][v]);
+        }
+    }
+    __m256 alv = _mm256_set1_ps(alpha);
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++)
+        if (r < rows)
+#pragma GCC unroll 2
+            for (int v = 0; v < nv; v++) {
+                float *cv = c + r * ldc + 8 * v;
+                __m256 out = beta ? _mm256_fmadd_ps(alv, acc[r][v], _mm256_maskload_ps(cv, m[v]))
+                                  : _mm256_mul_ps(alv, acc[r][v]);
+                store_lanes8(cv, out, width - 8 * v);
+            }
+}
+
+__attribute__((target("avx2,fma"))) static void sums_avx2(int rows, int width, int kc,
+                                                          const float *a, size_t a_ri, size_t a_rk,
+                                                          const float *y, size_t ldy, float *c,
+                                                          size_t ldc, float alpha, int beta) {
+    if (width > 8)
+        sums_avx2_nv(2, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+    else
+        sums_avx2_nv(1, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+}
+
+static const att_tiles avx2_tiles = {6, scores_avx2, 6, 16, sums_avx2};
+#endif
+
+// scores block P (ATT_BR rows of score_stride), dP block, D (ATT_BR), k
+// and v packed for the tiles; for 16-bit data also fp32 copies (T,HS) of
+// q, k, v, out, dout, dq, dk and dv. The backward keeps one kv head's k, v,
+// dk, dv for the whole group and reuses the query head's slots, so the size
+// does not depend on the group.
 size_t attention_workspace_floats(fl_dtype dt, int T, int HS, int group) {
     FL_ASSERT(group >= 1);
     size_t copies = dt == FL_F32 ? 0 : (size_t)8 * T * HS;
-    return (size_t)2 * ATT_BR * T + ATT_BR + copies;
+    return (size_t)2 * ATT_BR * score_stride(T) + ATT_BR + 2 * gemm_packed_floats(T, HS) + copies;
 }
 
 // An fp32 view of one head: T rows of HS values at src, ld elements apart.
@@ -57,11 +362,11 @@ static void check_heads(int NH, int NKV, int HS) {
 }
 
 // ----------------------------------------------------------------------------
-// the per-row softmax loops, scalar, AVX2 + FMA or AVX-512; the GEMMs are
-// BLAS's in every case. The vector paths sum in 16 lanes (AVX2 as two 8-lane
+// the per-row softmax loops, scalar, AVX2 + FMA or AVX-512, each path with
+// its products (above). The vector paths sum in 16 lanes (AVX2 as two 8-lane
 // halves) and reduce them in one fixed order, so AVX2 and AVX-512 give the
-// same bits; against the scalar loops they differ by exp's ~1 ulp and the
-// order of the sums.
+// same bits; against the scalar loops and OpenBLAS they differ by exp's ~1
+// ulp and the order of the sums.
 
 typedef struct {
     // row[0:cnt) = softmax(row[0:cnt)), row[cnt:n) = 0; returns the lse
@@ -69,8 +374,10 @@ typedef struct {
     // row[0:cnt) = exp(row[0:cnt) - lse), row[cnt:n) = 0
     void (*probs)(float *row, int cnt, int n, float lse);
     float (*dot)(const float *a, const float *b, int n);
-    // dS = p * (dS - D): the softmax backward
-    void (*dsoftmax)(float *dS, const float *p, float D, int n);
+    // dS[0:cnt) = p * (dS - D): the softmax backward; dS[cnt:n) = 0 (p is
+    // zero there, and the tiles leave dS unset)
+    void (*dsoftmax)(float *dS, const float *p, float D, int cnt, int n);
+    const att_tiles *tiles; // NULL: the products on OpenBLAS
 } att_ops;
 
 static float softmax_scalar(float *row, int cnt, int n) {
@@ -98,11 +405,11 @@ static float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-static void dsoftmax_scalar(float *dS, const float *p, float D, int n) {
-    for (int j = 0; j < n; j++) dS[j] = p[j] * (dS[j] - D);
+static void dsoftmax_scalar(float *dS, const float *p, float D, int cnt, int n) {
+    for (int j = 0; j < n; j++) dS[j] = j < cnt ? p[j] * (dS[j] - D) : 0.0f;
 }
 
-static const att_ops scalar_ops = {softmax_scalar, probs_scalar, dot, dsoftmax_scalar};
+static const att_ops scalar_ops = {softmax_scalar, probs_scalar, dot, dsoftmax_scalar, NULL};
 
 #if FL_HAVE_X86_SIMD
 // lanes 0..15 summed as ((0..7 + 8..15) halves folded 4, 2, 1): both vector
@@ -160,15 +467,17 @@ __attribute__((target("avx512f"))) static float dot_avx512(const float *a, const
 }
 
 __attribute__((target("avx512f"))) static void dsoftmax_avx512(float *dS, const float *p, float D,
-                                                               int n) {
+                                                               int cnt, int n) {
     for (int j = 0; j < n; j += 16) {
-        __mmask16 m = tail_mask(n - j);
-        __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dS + j), _mm512_set1_ps(D));
-        _mm512_mask_storeu_ps(dS + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + j), d));
+        __mmask16 keep = j < cnt ? tail_mask(cnt - j) : 0;
+        __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, dS + j), _mm512_set1_ps(D));
+        __m512 ds = _mm512_maskz_mul_ps(keep, _mm512_maskz_loadu_ps(keep, p + j), d);
+        _mm512_mask_storeu_ps(dS + j, tail_mask(n - j), ds);
     }
 }
 
-static const att_ops avx512_ops = {softmax_avx512, probs_avx512, dot_avx512, dsoftmax_avx512};
+static const att_ops avx512_ops = {softmax_avx512, probs_avx512, dot_avx512, dsoftmax_avx512,
+                                   &avx512_tiles};
 
 // AVX2 walks the same 16-value blocks as two 8-lane halves; lanes [0, n) of
 // the half that starts h values into a block of n (n <= 0: none)
@@ -225,39 +534,47 @@ __attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const 
 }
 
 __attribute__((target("avx2,fma"))) static void dsoftmax_avx2(float *dS, const float *p, float D,
-                                                              int n) {
+                                                              int cnt, int n) {
     for (int j = 0; j < n; j += 8) {
-        __m256i m = half_mask(n - j, 0);
-        __m256 d = _mm256_sub_ps(_mm256_maskload_ps(dS + j, m), _mm256_set1_ps(D));
-        _mm256_maskstore_ps(dS + j, m, _mm256_mul_ps(_mm256_maskload_ps(p + j, m), d));
+        __m256i keep = half_mask(cnt - j, 0);
+        __m256 d = _mm256_sub_ps(_mm256_maskload_ps(dS + j, keep), _mm256_set1_ps(D));
+        __m256 ds = _mm256_mul_ps(_mm256_maskload_ps(p + j, keep), d);
+        _mm256_maskstore_ps(dS + j, half_mask(n - j, 0),
+                            _mm256_and_ps(ds, _mm256_castsi256_ps(keep)));
     }
 }
 
-static const att_ops avx2_ops = {softmax_avx2, probs_avx2, dot_avx2, dsoftmax_avx2};
+static const att_ops avx2_ops = {softmax_avx2, probs_avx2, dot_avx2, dsoftmax_avx2, &avx2_tiles};
 #endif
 
-static const att_ops *fast_ops(void) {
+// The widest path allowed; a head of more than one depth block of the
+// packing (256 values) keeps the products on OpenBLAS.
+static att_ops fast_ops(int HS) {
+    att_ops ops = scalar_ops;
 #if FL_HAVE_X86_SIMD
-    const fl_cpu_features *cpu = fl_cpu();
-    if (cpu->avx512f) return &avx512_ops;
-    if (cpu->avx2 && cpu->fma) return &avx2_ops;
+    fl_isa isa = fl_cpu_isa();
+    if (isa == FL_ISA_AVX512) ops = avx512_ops;
+    if (isa == FL_ISA_AVX2) ops = avx2_ops;
 #endif
-    return &scalar_ops;
+    if (HS > GEMM_DEPTH_BLOCK) ops.tiles = NULL;
+    return ops;
 }
 
 void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace, int B,
                        int T, int NH, int NKV, int HS) {
     check_heads(NH, NKV, HS);
-    const att_ops *ops = fast_ops();
+    const att_ops ops_ = fast_ops(HS), *ops = &ops_;
     int group = NH / NKV, C = NH * HS, W = (NH + 2 * NKV) * HS;   // out and qkv row widths
     int ldq = dt == FL_F32 ? W : HS, ldo = dt == FL_F32 ? C : HS; // of the fp32 views
+    int lds = score_stride(T);
     float scale = 1.0f / sqrtf((float)HS);
     size_t ws_per_thread = attention_workspace_floats(dt, T, HS, group);
 #pragma omp parallel for
     for (int bh = 0; bh < B * NH; bh++) {
         int b = bh / NH, h = bh % NH, g = h / group;
         float *S = workspace + (size_t)omp_get_thread_num() * ws_per_thread;
-        float *copies = S + (size_t)2 * ATT_BR * T + ATT_BR;
+        float *kpk = S + (size_t)2 * ATT_BR * lds + ATT_BR;
+        float *copies = kpk + 2 * gemm_packed_floats(T, HS);
         const void *row0 = fl_at_const(dt, qkv, (size_t)b * T * W);
         const float *q = head_f32(dt, fl_at_const(dt, row0, (size_t)h * HS), W, T, HS, copies, 0);
         const float *k =
@@ -267,17 +584,15 @@ void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, floa
         void *oh = fl_at(dt, out, (size_t)b * T * C + h * HS);
         float *o = dt == FL_F32 ? (float *)oh : copies + 3 * (size_t)T * HS;
         float *lse_bh = lse + (size_t)bh * T;
+        if (ops->tiles) pack_keys(kpk, k, ldq, T, HS);
         for (int i0 = 0; i0 < T; i0 += ATT_BR) {
             int nb = T - i0 < ATT_BR ? T - i0 : ATT_BR, n = i0 + nb; // rows i0..n-1, keys 0..n-1
-            // S (nb,n) = scale * Q[i0:n] K[0:n]^T
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, scale,
-                        q + (size_t)i0 * ldq, ldq, k, ldq, 0.0f, S, n);
+            block_scores(ops->tiles, S, lds, q + (size_t)i0 * ldq, ldq, k, ldq, kpk, nb, i0, HS,
+                         scale);
             // row i sees keys 0..i
             for (int r = 0; r < nb; r++)
-                lse_bh[i0 + r] = ops->softmax(S + (size_t)r * n, i0 + r + 1, n);
-            // O[i0:n] (nb,HS) = P V[0:n]
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, n, 1.0f, S, n, v, ldq,
-                        0.0f, o + (size_t)i0 * ldo, ldo);
+                lse_bh[i0 + r] = ops->softmax(S + (size_t)r * lds, i0 + r + 1, n);
+            block_rows(ops->tiles, o + (size_t)i0 * ldo, ldo, S, lds, v, ldq, nb, i0, HS, 1.0f, 0);
         }
         head_flush(dt, oh, C, T, HS, o);
     }
@@ -286,9 +601,10 @@ void attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv, floa
 void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv, const void *out,
                         const float *lse, float *workspace, int B, int T, int NH, int NKV, int HS) {
     check_heads(NH, NKV, HS);
-    const att_ops *ops = fast_ops();
+    const att_ops ops_ = fast_ops(HS), *ops = &ops_;
     int group = NH / NKV, C = NH * HS, W = (NH + 2 * NKV) * HS;   // out and qkv row widths
     int ldq = dt == FL_F32 ? W : HS, ldo = dt == FL_F32 ? C : HS; // of the fp32 views
+    int lds = score_stride(T);
     float scale = 1.0f / sqrtf((float)HS);
     size_t ws_per_thread = attention_workspace_floats(dt, T, HS, group);
     // each (b, kv head) owns its own columns of dqkv: its dk, dv and its
@@ -297,7 +613,9 @@ void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
     for (int bg = 0; bg < B * NKV; bg++) {
         int b = bg / NKV, g = bg % NKV;
         float *P = workspace + (size_t)omp_get_thread_num() * ws_per_thread;
-        float *dP = P + (size_t)ATT_BR * T, *D = dP + (size_t)ATT_BR * T, *copies = D + ATT_BR;
+        float *dP = P + (size_t)ATT_BR * lds, *D = dP + (size_t)ATT_BR * lds;
+        float *kpk = D + ATT_BR, *vpk = kpk + gemm_packed_floats(T, HS);
+        float *copies = vpk + gemm_packed_floats(T, HS);
         const void *row0 = fl_at_const(dt, qkv, (size_t)b * T * W);
         void *drow0 = fl_at(dt, dqkv, (size_t)b * T * W);
         void *dkh = fl_at(dt, drow0, (size_t)C + g * HS);
@@ -308,6 +626,7 @@ void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
             head_f32(dt, fl_at_const(dt, row0, (size_t)C + (NKV + g) * HS), W, T, HS, copies, 2);
         float *dk = head_f32(dt, dkh, W, T, HS, copies, 6);
         float *dv = head_f32(dt, dvh, W, T, HS, copies, 7);
+        if (ops->tiles) pack_keys(kpk, k, ldq, T, HS), pack_keys(vpk, v, ldq, T, HS);
         for (int h = g * group; h < (g + 1) * group; h++) { // the group's query heads, in order
             const void *oh = fl_at_const(dt, out, (size_t)b * T * C + h * HS);
             const void *dOh = fl_at_const(dt, dout, (size_t)b * T * C + h * HS);
@@ -322,27 +641,23 @@ void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
                 int nb = T - i0 < ATT_BR ? T - i0 : ATT_BR, n = i0 + nb;
                 const float *q_blk = q + (size_t)i0 * ldq, *dO_blk = dO + (size_t)i0 * ldo;
                 // recompute P = exp(scale * Q K^T - lse), masked
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, scale, q_blk, ldq,
-                            k, ldq, 0.0f, P, n);
+                block_scores(ops->tiles, P, lds, q_blk, ldq, k, ldq, kpk, nb, i0, HS, scale);
                 for (int r = 0; r < nb; r++) {
                     int i = i0 + r;
-                    ops->probs(P + (size_t)r * n, i + 1, n, lse_bh[i]);
+                    ops->probs(P + (size_t)r * lds, i + 1, n, lse_bh[i]);
                     // D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
                     D[r] = ops->dot(dO + (size_t)i * ldo, o + (size_t)i * ldo, HS);
                 }
                 // dV[0:n] += P^T dO[i0:n]
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, HS, nb, 1.0f, P, n, dO_blk,
-                            ldo, 1.0f, dv, ldq);
+                block_cols(ops->tiles, dv, ldq, P, lds, dO_blk, ldo, nb, i0, HS, 1.0f);
                 // dP = dO V^T, then dS = P * (dP - D) in place
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, n, HS, 1.0f, dO_blk, ldo,
-                            v, ldq, 0.0f, dP, n);
+                block_scores(ops->tiles, dP, lds, dO_blk, ldo, v, ldq, vpk, nb, i0, HS, 1.0f);
                 for (int r = 0; r < nb; r++)
-                    ops->dsoftmax(dP + (size_t)r * n, P + (size_t)r * n, D[r], n);
+                    ops->dsoftmax(dP + (size_t)r * lds, P + (size_t)r * lds, D[r], i0 + r + 1, n);
                 // dQ[i0:n] += scale * dS K[0:n] ; dK[0:n] += scale * dS^T Q[i0:n]
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, HS, n, scale, dP, n, k,
-                            ldq, 1.0f, dq + (size_t)i0 * ldq, ldq);
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, HS, nb, scale, dP, n, q_blk,
-                            ldq, 1.0f, dk, ldq);
+                block_rows(ops->tiles, dq + (size_t)i0 * ldq, ldq, dP, lds, k, ldq, nb, i0, HS,
+                           scale, 1);
+                block_cols(ops->tiles, dk, ldq, dP, lds, q_blk, ldq, nb, i0, HS, scale);
             }
             head_flush(dt, dqh, W, T, HS, dq);
         }
