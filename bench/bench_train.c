@@ -435,7 +435,7 @@ int main(int argc, char **argv) {
     printf("peaks (GFLOP/s, %d threads): fp32 FMA %.1f (%s), bf16 dot product %.1f (%s), AMX-BF16 "
            "%.1f (%s); MFU against the %s peak\n",
            a.threads, peak_fp32, how_fp32, peak_bf16, how_bf16, peak_amx, how_amx, peak_kind);
-    printf("kernels: fitlm %s, GEMMs %s, OpenBLAS %s (attention's GEMMs)\n",
+    printf("kernels: fitlm %s, GEMMs %s, OpenBLAS %s (attention's products without AVX2)\n",
            fl_isa_name(fl_cpu_isa()), matmul_gemm_name(a.precision), openblas_get_corename());
     if (!(peak > 0.0)) fl_die("no peak to quote MFU against: pass one with --peak");
     fflush(stdout);
