@@ -277,10 +277,11 @@ __attribute__((target("avx2"))) static inline void store_lanes8(float *p, __m256
         _mm256_maskstore_ps(p, tail_mask8(n), v);
 }
 
-// 6 rows x nv vectors of 8 columns (12 accumulators at nv = 2)
+// 6 rows x nv vectors of 8 columns (12 accumulators at nv = 2); with
+// `ragged`, y and c are read through masks (slower than plain loads on AMD)
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-sums_avx2_nv(int nv, int rows, int width, int kc, const float *a, size_t a_ri, size_t a_rk,
-             const float *y, size_t ldy, float *c, size_t ldc, float alpha, int beta) {
+sums_avx2_nv(int nv, int ragged, int rows, int width, int kc, const float *a, size_t a_ri,
+             size_t a_rk, const float *y, size_t ldy, float *c, size_t ldc, float alpha, int beta) {
     __m256 acc[6][2];
     __m256i m[2];
     const float *ar[6];
@@ -295,7 +296,9 @@ sums_avx2_nv(int nv, int rows, int width, int kc, const float *a, size_t a_ri, s
     for (int k = 0; k < kc; k++) {
         __m256 yv[2];
 #pragma GCC unroll 2
-        for (int v = 0; v < nv; v++) yv[v] = _mm256_maskload_ps(y + k * ldy + 8 * v, m[v]);
+        for (int v = 0; v < nv; v++)
+            yv[v] = ragged ? _mm256_maskload_ps(y + k * ldy + 8 * v, m[v])
+                           : _mm256_loadu_ps(y + k * ldy + 8 * v);
 #pragma GCC unroll 6
         for (int r = 0; r < 6; r++) {
             __m256 av = _mm256_broadcast_ss(ar[r] + k * a_rk);
@@ -320,10 +323,12 @@ __attribute__((target("avx2,fma"))) static void sums_avx2(int rows, int width, i
                                                           const float *a, size_t a_ri, size_t a_rk,
                                                           const float *y, size_t ldy, float *c,
                                                           size_t ldc, float alpha, int beta) {
-    if (width > 8)
-        sums_avx2_nv(2, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+    if (width == 16)
+        sums_avx2_nv(2, 0, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+    else if (width > 8)
+        sums_avx2_nv(2, 1, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
     else
-        sums_avx2_nv(1, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
+        sums_avx2_nv(1, 1, rows, width, kc, a, a_ri, a_rk, y, ldy, c, ldc, alpha, beta);
 }
 
 static const att_tiles avx2_tiles = {6, scores_avx2, 6, 16, sums_avx2};
