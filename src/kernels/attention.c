@@ -484,68 +484,76 @@ __attribute__((target("avx512f"))) static void dsoftmax_avx512(float *dS, const 
 static const att_ops avx512_ops = {softmax_avx512, probs_avx512, dot_avx512, dsoftmax_avx512,
                                    &avx512_tiles};
 
-// AVX2 walks the same 16-value blocks as two 8-lane halves; lanes [0, n) of
-// the half that starts h values into a block of n (n <= 0: none)
-__attribute__((target("avx2"))) static __m256i half_mask(int n, int h) {
-    return tail_mask8(n > h ? (size_t)(n - h) : 0);
+// AVX2 walks the same 16-value blocks as two 8-lane halves, with plain
+// loads and stores where a vector is whole (masked ones are slow on AMD, and
+// AVX2 is AMD Zen 3's path): lanes [0, n) of p, the rest zero
+__attribute__((target("avx2"))) static inline __m256 load_lanes8(const float *p, int n) {
+    if (n <= 0) return _mm256_setzero_ps();
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask8((size_t)n));
+}
+
+// v with lanes [n, 8) zeroed
+__attribute__((target("avx2"))) static inline __m256 keep_lanes8(__m256 v, int n) {
+    return n >= 8 ? v : _mm256_and_ps(v, _mm256_castsi256_ps(tail_mask8((size_t)n)));
 }
 
 __attribute__((target("avx2,fma"))) static float softmax_avx2(float *row, int cnt, int n) {
     __m256 vmax = _mm256_set1_ps(-INFINITY);
-    for (int j = 0; j < cnt; j += 8) {
-        __m256 m = _mm256_castsi256_ps(half_mask(cnt - j, 0)); // lanes past cnt keep vmax
-        vmax = _mm256_max_ps(
-            vmax, _mm256_blendv_ps(vmax, _mm256_maskload_ps(row + j, _mm256_castps_si256(m)), m));
+    int j = 0;
+    for (; j + 8 <= cnt; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + j));
+    if (j < cnt) { // lanes past cnt keep vmax
+        __m256 m = _mm256_castsi256_ps(tail_mask8((size_t)(cnt - j)));
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(vmax, load_lanes8(row + j, cnt - j), m));
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     float maxval = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, vm = _mm256_set1_ps(maxval);
-    for (int j = 0; j < cnt; j += 16)
-        for (int h = 0; h < 16; h += 8) {
-            __m256i m = half_mask(cnt - j, h);
-            __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(row + j + h, m), vm));
-            e = _mm256_and_ps(e, _mm256_castsi256_ps(m));
-            _mm256_maskstore_ps(row + j + h, m, e);
+    for (j = 0; j < cnt; j += 16)
+        for (int h = 0; h < 16 && j + h < cnt; h += 8) { // an empty half would add zeros
+            int left = cnt - j - h;
+            __m256 e = keep_lanes8(exp256(_mm256_sub_ps(load_lanes8(row + j + h, left), vm)), left);
+            store_lanes8(row + j + h, e, left);
             sum[h / 8] = _mm256_add_ps(sum[h / 8], e);
         }
     float s = hsum16(sum[0], sum[1]);
     __m256 inv = _mm256_set1_ps(1.0f / s);
-    for (int j = 0; j < n; j += 8) {
-        __m256 p = _mm256_mul_ps(_mm256_maskload_ps(row + j, half_mask(cnt - j, 0)), inv);
-        _mm256_maskstore_ps(row + j, half_mask(n - j, 0), p);
-    }
+    for (j = 0; j < n; j += 8)
+        store_lanes8(row + j, _mm256_mul_ps(load_lanes8(row + j, cnt - j), inv), n - j);
     return maxval + logf(s);
 }
 
 __attribute__((target("avx2,fma"))) static void probs_avx2(float *row, int cnt, int n, float lse) {
+    __m256 vlse = _mm256_set1_ps(lse);
     for (int j = 0; j < n; j += 8) {
-        __m256i keep = half_mask(cnt - j, 0);
-        __m256 d = _mm256_sub_ps(_mm256_maskload_ps(row + j, keep), _mm256_set1_ps(lse));
-        __m256 p = _mm256_and_ps(exp256(d), _mm256_castsi256_ps(keep));
-        _mm256_maskstore_ps(row + j, half_mask(n - j, 0), p);
+        int left = cnt - j;
+        __m256 p = _mm256_setzero_ps();
+        if (left > 0)
+            p = keep_lanes8(exp256(_mm256_sub_ps(load_lanes8(row + j, left), vlse)), left);
+        store_lanes8(row + j, p, n - j);
     }
 }
 
 __attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int n) {
     __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int j = 0; j < n; j += 16)
-        for (int h = 0; h < 16; h += 8) {
-            __m256i m = half_mask(n - j, h);
-            s[h / 8] = _mm256_fmadd_ps(_mm256_maskload_ps(a + j + h, m),
-                                       _mm256_maskload_ps(b + j + h, m), s[h / 8]);
-        }
+        for (int h = 0; h < 16 && j + h < n; h += 8)
+            s[h / 8] = _mm256_fmadd_ps(load_lanes8(a + j + h, n - j - h),
+                                       load_lanes8(b + j + h, n - j - h), s[h / 8]);
     return hsum16(s[0], s[1]);
 }
 
 __attribute__((target("avx2,fma"))) static void dsoftmax_avx2(float *dS, const float *p, float D,
                                                               int cnt, int n) {
+    __m256 vD = _mm256_set1_ps(D);
     for (int j = 0; j < n; j += 8) {
-        __m256i keep = half_mask(cnt - j, 0);
-        __m256 d = _mm256_sub_ps(_mm256_maskload_ps(dS + j, keep), _mm256_set1_ps(D));
-        __m256 ds = _mm256_mul_ps(_mm256_maskload_ps(p + j, keep), d);
-        _mm256_maskstore_ps(dS + j, half_mask(n - j, 0),
-                            _mm256_and_ps(ds, _mm256_castsi256_ps(keep)));
+        int left = cnt - j;
+        __m256 ds = _mm256_setzero_ps();
+        if (left > 0) {
+            __m256 d = _mm256_sub_ps(load_lanes8(dS + j, left), vD);
+            ds = keep_lanes8(_mm256_mul_ps(load_lanes8(p + j, left), d), left);
+        }
+        store_lanes8(dS + j, ds, n - j);
     }
 }
 
