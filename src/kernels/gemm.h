@@ -29,7 +29,8 @@ size_t gemm_packed_floats(int n, int K);
 // gemm_packed_floats(count, K), at depths [k0, k0 + GEMM_DEPTH_BLOCK): one
 // piece of the operand, so that threads pack pieces side by side. first is a
 // multiple of GEMM_PACK_QUANTUM, and so is n unless the range ends at count;
-// k0 is a multiple of GEMM_DEPTH_BLOCK.
+// k0 is a multiple of GEMM_DEPTH_BLOCK. attention.c packs a head's keys and
+// values this way for its score tiles.
 #define GEMM_PACK_QUANTUM 96
 #define GEMM_DEPTH_BLOCK  256
 void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, int n, int k0);
