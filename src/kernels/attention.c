@@ -268,25 +268,34 @@ __attribute__((target("avx2,fma"))) static void scores_avx2(int nv, int rows, in
         }
 }
 
-// lanes [0, n) of v stored at p: a plain store when whole (masked stores
-// are slow on AMD)
+// The first n lanes of 8 at p, with plain loads and stores where a vector is
+// whole: masked ones are slow on AMD, and AVX2 is AMD Zen 3's path.
+// load_lanes8: lanes [0, n) of p, the rest zero (none for n <= 0)
+__attribute__((target("avx2"))) static inline __m256 load_lanes8(const float *p, int n) {
+    if (n <= 0) return _mm256_setzero_ps();
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask8((size_t)n));
+}
+
+// v with lanes [n, 8) zeroed
+__attribute__((target("avx2"))) static inline __m256 keep_lanes8(__m256 v, int n) {
+    return n >= 8 ? v : _mm256_and_ps(v, _mm256_castsi256_ps(tail_mask8((size_t)n)));
+}
+
+// lanes [0, n) of v stored at p, 0 < n
 __attribute__((target("avx2"))) static inline void store_lanes8(float *p, __m256 v, int n) {
     if (n >= 8)
         _mm256_storeu_ps(p, v);
     else
-        _mm256_maskstore_ps(p, tail_mask8(n), v);
+        _mm256_maskstore_ps(p, tail_mask8((size_t)n), v);
 }
 
 // 6 rows x nv vectors of 8 columns (12 accumulators at nv = 2); with
-// `ragged`, y and c are read through masks (slower than plain loads on AMD)
+// `ragged`, the last vector's columns end at width
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 sums_avx2_nv(int nv, int ragged, int rows, int width, int kc, const float *a, size_t a_ri,
              size_t a_rk, const float *y, size_t ldy, float *c, size_t ldc, float alpha, int beta) {
     __m256 acc[6][2];
-    __m256i m[2];
     const float *ar[6];
-#pragma GCC unroll 2
-    for (int v = 0; v < nv; v++) m[v] = tail_mask8(width > 8 * v ? width - 8 * v : 0);
 #pragma GCC unroll 6
     for (int r = 0; r < 6; r++) {
         ar[r] = a + (r < rows ? r : rows - 1) * a_ri;
@@ -297,8 +306,8 @@ sums_avx2_nv(int nv, int ragged, int rows, int width, int kc, const float *a, si
         __m256 yv[2];
 #pragma GCC unroll 2
         for (int v = 0; v < nv; v++)
-            yv[v] = ragged ? _mm256_maskload_ps(y + k * ldy + 8 * v, m[v])
-                           : _mm256_loadu_ps(y + k * ldy + 8 * v);
+            yv[v] = ragged && v == nv - 1 ? load_lanes8(y + k * ldy + 8 * v, width - 8 * v)
+                                          : _mm256_loadu_ps(y + k * ldy + 8 * v);
 #pragma GCC unroll 6
         for (int r = 0; r < 6; r++) {
             __m256 av = _mm256_broadcast_ss(ar[r] + k * a_rk);
@@ -313,7 +322,7 @@ sums_avx2_nv(int nv, int ragged, int rows, int width, int kc, const float *a, si
 #pragma GCC unroll 2
             for (int v = 0; v < nv; v++) {
                 float *cv = c + r * ldc + 8 * v;
-                __m256 out = beta ? _mm256_fmadd_ps(alv, acc[r][v], _mm256_maskload_ps(cv, m[v]))
+                __m256 out = beta ? _mm256_fmadd_ps(alv, acc[r][v], load_lanes8(cv, width - 8 * v))
                                   : _mm256_mul_ps(alv, acc[r][v]);
                 store_lanes8(cv, out, width - 8 * v);
             }
@@ -484,18 +493,8 @@ __attribute__((target("avx512f"))) static void dsoftmax_avx512(float *dS, const 
 static const att_ops avx512_ops = {softmax_avx512, probs_avx512, dot_avx512, dsoftmax_avx512,
                                    &avx512_tiles};
 
-// AVX2 walks the same 16-value blocks as two 8-lane halves, with plain
-// loads and stores where a vector is whole (masked ones are slow on AMD, and
-// AVX2 is AMD Zen 3's path): lanes [0, n) of p, the rest zero
-__attribute__((target("avx2"))) static inline __m256 load_lanes8(const float *p, int n) {
-    if (n <= 0) return _mm256_setzero_ps();
-    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask8((size_t)n));
-}
-
-// v with lanes [n, 8) zeroed
-__attribute__((target("avx2"))) static inline __m256 keep_lanes8(__m256 v, int n) {
-    return n >= 8 ? v : _mm256_and_ps(v, _mm256_castsi256_ps(tail_mask8((size_t)n)));
-}
+// AVX2 walks the same 16-value blocks as two 8-lane halves (the lane
+// helpers are with the tiles).
 
 __attribute__((target("avx2,fma"))) static float softmax_avx2(float *row, int cnt, int n) {
     __m256 vmax = _mm256_set1_ps(-INFINITY);
