@@ -1773,15 +1773,18 @@ static void *mm_workspace(fl_dtype dt, int N, int C, int OC) {
 static void test_matmul_lp(fl_dtype dt) {
     // on the portable path OC 320 and 530 span two and three of the input
     // gradient's 256-channel steps, OC 4500 three 2048-channel weight panels;
-    // N 1100 two forward row blocks; with AVX2 the last shape's input
-    // gradient has three row tiles and two column tiles (dout and the
-    // weight's rows packed ahead)
-    int shapes[][3] = {{1, 1, 1},    {1, 7, 3},     {5, 33, 17},    {64, 96, 288},  {130, 192, 320},
-                       {2, 33, 530}, {3, 20, 4500}, {1100, 20, 40}, {400, 400, 300}}; // N C OC
+    // N 1100 two forward row blocks; with AVX2 the input gradients of N 400
+    // and C 400 have three row tiles and two column tiles (dout and the
+    // weight's rows packed ahead), over OC 2100 in two 2048-channel spans,
+    // each span packed after the last one's tiles; their weight gradients
+    // sum more than one depth block of tokens
+    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},       {5, 33, 17},   {64, 96, 288},
+                       {130, 192, 320}, {2, 33, 530},    {3, 20, 4500}, {1100, 20, 40},
+                       {400, 400, 300}, {400, 400, 2100}}; // N C OC
     if (fl_cpu_isa() == FL_ISA_PORTABLE)
         t_check(matmul_workspace_bytes(FL_F32, 130, 192, 320) == 0,
                 "fp32 matmul on the portable path needs no workspace");
-    for (int s = 0; s < 9; s++) {
+    for (int s = 0; s < 10; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand_dt(dt, ni, 51, 1.0f), *w = frand_dt(dt, nw, 52, 1.0f);

@@ -403,25 +403,60 @@ static float *thread_share(float *ws, fl_dtype dt, int N, int C, int OC) {
     return ws + packed_shared_floats(dt, N, C, OC) + (size_t)omp_get_thread_num() * per;
 }
 
-// x (rows, cols) with row stride ld, packed by all threads as gemm's a (rows
-// by depth cols) or b (cols by depth rows); called inside a parallel region
-static gemm_mat pack_shared(float *dst, fl_dtype dt, const void *x, int ld, int as_b, int rows,
-                            int cols) {
-    gemm_mat m = {.dt = dt, .p = x, .ld = ld, .trans = 0};
-    int count = as_b ? cols : rows, depth = as_b ? rows : cols;
-    int blocks = ceil_div(depth, GEMM_DEPTH_BLOCK), ranges = ceil_div(count, GEMM_PACK_QUANTUM);
+// An operand that several tiles read, packed ahead by all threads: x (rows,
+// cols) with row stride ld, as gemm's a (rows by depth cols) or b (cols by
+// depth rows), into dst.
+typedef struct {
+    float *dst;
+    fl_dtype dt;
+    const void *x;
+    int ld, as_b, rows, cols;
+} pack_job;
+
+static int job_count(const pack_job *j) {
+    return j->as_b ? j->cols : j->rows;
+}
+static int job_depth(const pack_job *j) {
+    return j->as_b ? j->rows : j->cols;
+}
+static int job_tasks(const pack_job *j) {
+    return ceil_div(job_depth(j), GEMM_DEPTH_BLOCK) * ceil_div(job_count(j), GEMM_PACK_QUANTUM);
+}
+static void job_task(const pack_job *j, int t) {
+    int blocks = ceil_div(job_depth(j), GEMM_DEPTH_BLOCK), i = t / blocks * GEMM_PACK_QUANTUM;
+    gemm_mat m = {.dt = j->dt, .p = j->x, .ld = j->ld, .trans = 0};
+    gemm_pack(j->dst, m, j->as_b, job_count(j), job_depth(j), i,
+              min_int(GEMM_PACK_QUANTUM, job_count(j) - i), t % blocks * GEMM_DEPTH_BLOCK);
+}
+static gemm_mat job_packed(const pack_job *j) {
+    return (gemm_mat){.packed = j->dst, .count = job_count(j)};
+}
+
+// The jobs' pieces in one loop of the threads of a parallel region, then its
+// barrier: one wait for all of them. With OMP_WAIT_POLICY=PASSIVE each wait
+// can cost a thread's wake-up (tens of microseconds on a VM), against GEMMs
+// of a millisecond or two at 256 tokens: a phase per operand, or a barrier
+// that guards nothing, showed in the step.
+static void pack_jobs(const pack_job *jobs, int n) {
+    int total = 0;
+    for (int j = 0; j < n; j++) total += job_tasks(&jobs[j]);
 #pragma omp for schedule(dynamic, 1)
-    for (int t = 0; t < ranges * blocks; t++) {
-        int i = t / blocks * GEMM_PACK_QUANTUM;
-        gemm_pack(dst, m, as_b, count, depth, i, min_int(GEMM_PACK_QUANTUM, count - i),
-                  t % blocks * GEMM_DEPTH_BLOCK);
+    for (int t = 0; t < total; t++) {
+        int j = 0, u = t;
+        while (u >= job_tasks(&jobs[j])) u -= job_tasks(&jobs[j++]);
+        job_task(&jobs[j], u);
     }
-    return (gemm_mat){.packed = dst, .count = count};
 }
 
 static gemm_mat mat(fl_dtype dt, const void *p, size_t offset, int ld, int trans) {
     return (gemm_mat){.dt = dt, .p = fl_at_const(dt, p, offset), .ld = ld, .trans = trans};
 }
+
+// Each GEMM below waits for the other threads once per phase that needs it:
+// after its shared packing (and, in the backward, after each span of output
+// channels but the last); the last loop runs into the region's end
+// (nowait), and work only the 16-bit path has is skipped, not a barrier
+// round an empty block.
 
 static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
                            const void *bias, float *ws, int N, int C, int OC) {
@@ -429,14 +464,18 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
     // row blocks start on the packed rows' quantum
     int rb = packed_rows(fwd_tile_rows(N), N), cb = fwd_tile_cols(C, OC);
     int nr = ceil_div(N, rb), nc = ceil_div(OC, cb);
-#pragma omp parallel
+    pack_job inp_a = {sh.inp_packed, dt, inp, C, 0, N, C};
+    gemm_mat a = job_packed(&inp_a);
+#pragma omp parallel firstprivate(a)
     {
         float *pack = thread_share(ws, dt, N, C, OC);
-        gemm_mat a = pack_shared(sh.inp_packed, dt, inp, C, 0, N, C);
         const float *bias32 = dt == FL_F32 ? bias : sh.bias32;
-#pragma omp single
-        if (bias && dt != FL_F32) fl_convert(FL_F32, sh.bias32, dt, bias, OC);
-#pragma omp for schedule(dynamic, 1)
+        if (bias && dt != FL_F32) {
+#pragma omp single nowait
+            fl_convert(FL_F32, sh.bias32, dt, bias, OC);
+        }
+        pack_jobs(&inp_a, 1);
+#pragma omp for schedule(dynamic, 1) nowait
         for (int t = 0; t < nr * nc; t++) {
             int n0 = (t / nc) * rb, c0 = (t % nc) * cb;
             int rows = min_int(rb, N - n0), cols = min_int(cb, OC - c0);
@@ -456,6 +495,20 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
     }
 }
 
+// The operands the input-gradient tiles of the span of output channels [k0,
+// k0 + kn) read ahead: dout's columns (several column tiles read them) and
+// the weight's rows (several row tiles); returns how many, into jobs.
+static int span_jobs(pack_job *jobs, packed_shared sh, dinp_tiling tiles, fl_dtype dt,
+                     const void *dout, const void *weight, int N, int C, int OC, int k0, int kn) {
+    int n = 0;
+    if (tiles.dout_ahead)
+        jobs[n++] = (pack_job){sh.dout_packed, dt, fl_at_const(dt, dout, k0), OC, 0, N, kn};
+    if (tiles.weight_ahead)
+        jobs[n++] =
+            (pack_job){sh.weight_packed, dt, fl_at_const(dt, weight, (size_t)k0 * C), C, 1, kn, C};
+    return n;
+}
+
 static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                             const void *inp, const void *weight, float *ws, int N, int C, int OC) {
     packed_shared sh = shared_split(ws, dt, N, C, OC);
@@ -468,50 +521,66 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
     // one depth block of tokens (gemm rounds its one sum: the bits of an fp32
     // copy of its rows rounded after); otherwise in an fp32 copy, rounded once.
     int dw_in_place = dt == FL_F32 || N <= GEMM_DEPTH_BLOCK;
+    pack_job inp_b = {sh.inp_packed, dt, inp, C, 1, N, C};
+    // Output channels span by span (MM_DINP_CHUNK of them): a span's
+    // dweight rows, dbias sums and dinp tiles share one dynamic loop, so
+    // the span of dout that the weight gradient has just read is still
+    // in cache when the input gradient reads it again; spans in order,
+    // as the input gradient's sums over output channels need.
+    // dweight rows += dout[:, rows]^T @ inp, a 16-bit one rounded once;
+    // dinp tiles += dout (rows, span) @ weight (span, cols). dout's
+    // columns of a span are packed once for all the column tiles that
+    // read them; with one column tile, each tile packs its own rows as
+    // it goes (packing ahead would only add a write and a re-read).
+    // Without an input gradient there is one span: spans would only add
+    // barriers, each leaving a thread idle behind the span's last tile
+    // (a weight gradient alone over 2048 x 768 x 2304 took 0.91x the
+    // time in one span, the LM head's 0.94x, 10 pairs in turn; the same
+    // bits).
+    int span = dinp ? MM_DINP_CHUNK : OC;
 #pragma omp parallel
     {
         // scratch: only 16-bit data is converted into it
         float *pack = thread_share(ws, dt, N, C, OC), *scratch = pack + pack_floats(N, C, OC);
-        gemm_mat inp_b = {0};
-        if (dweight) inp_b = pack_shared(sh.inp_packed, dt, inp, C, 1, N, C);
-        if (dinp && dt != FL_F32) load_rows(dt, dinp32, dinp, N, C, C);
-#pragma omp single
-        if (dbias && dt != FL_F32) fl_convert(FL_F32, dbias32, dt, dbias, OC);
-        // Output channels span by span (MM_DINP_CHUNK of them): a span's
-        // dweight rows, dbias sums and dinp tiles share one dynamic loop, so
-        // the span of dout that the weight gradient has just read is still
-        // in cache when the input gradient reads it again; spans in order,
-        // as the input gradient's sums over output channels need.
-        // dweight rows += dout[:, rows]^T @ inp, a 16-bit one rounded once;
-        // dinp tiles += dout (rows, span) @ weight (span, cols). dout's
-        // columns of a span are packed once for all the column tiles that
-        // read them; with one column tile, each tile packs its own rows as
-        // it goes (packing ahead would only add a write and a re-read).
-        // Without an input gradient there is one span: spans would only add
-        // barriers, each leaving a thread idle behind the span's last tile
-        // (a weight gradient alone over 2048 x 768 x 2304 took 0.91x the
-        // time in one span, the LM head's 0.94x, 10 pairs in turn; the same
-        // bits).
-        int span = dinp ? MM_DINP_CHUNK : OC;
+        if (dt != FL_F32) {
+            if (dinp) {
+#pragma omp for nowait
+                for (int r = 0; r < N; r++)
+                    fl_convert(FL_F32, dinp32 + (size_t)r * C, dt,
+                               fl_at_const(dt, dinp, (size_t)r * C), C);
+            }
+            if (dbias) {
+#pragma omp single nowait
+                fl_convert(FL_F32, dbias32, dt, dbias, OC);
+            }
+        }
         for (int k0 = 0; k0 < OC; k0 += span) {
             int kn = min_int(span, OC - k0), k1 = k0 + kn;
             int n_dw = dweight ? ceil_div(kn, dwb) : 0, n_db = dbias ? ceil_div(kn, MM_OCBLOCK) : 0;
+            // the span's packing, with inp's before the first: one wait
+            pack_job jobs[3];
+            int n_jobs = k0 == 0 && dweight ? 1 : 0;
+            if (n_jobs) jobs[0] = inp_b;
+            if (n_dinp)
+                n_jobs += span_jobs(jobs + n_jobs, sh, tiles, dt, dout, weight, N, C, OC, k0, kn);
+            // the 16-bit copies above are read from here on
+            if (n_jobs || (k0 == 0 && dt != FL_F32)) pack_jobs(jobs, n_jobs);
             gemm_mat a = mat(dt, dout, k0, OC, 0), w = mat(dt, weight, (size_t)k0 * C, C, 0);
-            if (tiles.dout_ahead && n_dinp) a = pack_shared(sh.dout_packed, dt, a.p, OC, 0, N, kn);
-            if (tiles.weight_ahead && n_dinp)
-                w = pack_shared(sh.weight_packed, dt, w.p, C, 1, kn, C);
-#pragma omp for schedule(dynamic, 1)
+            if (tiles.dout_ahead && n_dinp) a = job_packed(&jobs[n_jobs - 1 - tiles.weight_ahead]);
+            if (tiles.weight_ahead && n_dinp) w = job_packed(&jobs[n_jobs - 1]);
+            gemm_mat inp_packed = job_packed(&inp_b);
+#pragma omp for schedule(dynamic, 1) nowait
             for (int t = 0; t < n_dw + n_db + n_dinp; t++) {
                 if (t < n_dw) {
                     int r0 = k0 + t * dwb, rows = min_int(dwb, k1 - r0);
                     void *dw = fl_at(dt, dweight, (size_t)r0 * C);
                     gemm_mat dout_t = mat(dt, dout, r0, OC, 1);
                     if (dw_in_place) {
-                        gemm_tile(rows, C, N, dout_t, inp_b, 1.0f, dt, dw, C, pack);
+                        gemm_tile(rows, C, N, dout_t, inp_packed, 1.0f, dt, dw, C, pack);
                         continue;
                     }
                     fl_convert(FL_F32, scratch, dt, dw, (size_t)rows * C);
-                    gemm_tile(rows, C, N, dout_t, inp_b, 1.0f, FL_F32, scratch, C, pack);
+                    gemm_tile(rows, C, N, dout_t, inp_packed, 1.0f, FL_F32, scratch, C, pack);
                     fl_store_f32(dt, dw, scratch, (size_t)rows * C);
                 } else if (t < n_dw + n_db) {
                     int o = k0 + (t - n_dw) * MM_OCBLOCK;
@@ -532,10 +601,23 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                               dinp32 + (size_t)n0 * C + c0, C, pack);
                 }
             }
+            // the next span packs over this one's operands and adds to the
+            // same dinp tiles; the 16-bit copies below are read whole
+            if (k1 < OC || dt != FL_F32) {
+#pragma omp barrier
+            }
         }
-        if (dinp && dt != FL_F32) store_rows(dt, dinp, dinp32, N, C, C);
-#pragma omp single
-        if (dbias && dt != FL_F32) fl_store_f32(dt, dbias, dbias32, OC);
+        if (dt != FL_F32) {
+            if (dinp) {
+#pragma omp for nowait
+                for (int r = 0; r < N; r++)
+                    fl_store_f32(dt, fl_at(dt, dinp, (size_t)r * C), dinp32 + (size_t)r * C, C);
+            }
+            if (dbias) {
+#pragma omp single nowait
+                fl_store_f32(dt, dbias, dbias32, OC);
+            }
+        }
     }
 }
 
