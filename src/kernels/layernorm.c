@@ -72,7 +72,7 @@ void layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const v
     {
         float w32[C], b32[C], x32[C], y32[C];
         const float *w = fl_load_f32(dt, weight, C, w32), *b = fl_load_f32(dt, bias, C, b32);
-#pragma omp for
+#pragma omp for nowait
         for (int n = 0; n < N; n++) {
             void *y = fl_at(dt, out, (size_t)n * C);
             float *y_f = fp32_out(dt, y, y32);
@@ -90,13 +90,15 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
     fl_isa isa = fl_cpu_isa();
     __typeof__(ln_dx_portable) *ln_dx = ln_dx_for(isa);
     __typeof__(ln_dwdb_portable) *ln_dwdb = ln_dwdb_for(isa);
-    // One region for both loops: a thread is woken once per call.
+    // One region for both loops: a thread is woken once per call. They share
+    // nothing (the weight sums read inp and dout, never dinp, which must
+    // not alias dout), so neither waits for the other (nowait).
 #pragma omp parallel if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     {
         // dinp: rows are independent
         float w32[C], x32[C], dy32[C], dx32[C], db32[C];
         const float *weight_f = fl_load_f32(dt, weight, C, w32);
-#pragma omp for
+#pragma omp for nowait
         for (int n = 0; n < N; n++) {
             const float *x = fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32);
             const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, (size_t)n * C), C, dy32);

@@ -58,7 +58,7 @@ void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const
     {
         float w32[C], x32[C], y32[C];
         const float *w = fl_load_f32(dt, weight, C, w32);
-#pragma omp for
+#pragma omp for nowait
         for (int n = 0; n < N; n++) {
             void *y = fl_at(dt, out, (size_t)n * C);
             float *y_f = fp32_out(dt, y, y32);
@@ -75,13 +75,15 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
     fl_isa isa = fl_cpu_isa();
     __typeof__(rms_dx_portable) *rms_dx = rms_dx_for(isa);
     __typeof__(rms_dw_portable) *rms_dw = rms_dw_for(isa);
-    // One region for both loops: a thread is woken once per call.
+    // One region for both loops: a thread is woken once per call. They share
+    // nothing (the weight sums read inp and dout, never dinp, which must
+    // not alias dout), so neither waits for the other (nowait).
 #pragma omp parallel if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     {
         // dinp: rows are independent
         float w32[C], x32[C], dy32[C], dx32[C];
         const float *weight_f = fl_load_f32(dt, weight, C, w32);
-#pragma omp for
+#pragma omp for nowait
         for (int n = 0; n < N; n++) {
             const float *x = fl_load_f32(dt, fl_at_const(dt, inp, (size_t)n * C), C, x32);
             const float *dy = fl_load_f32(dt, fl_at_const(dt, dout, (size_t)n * C), C, dy32);

@@ -58,7 +58,7 @@ static void rope_apply(fl_dtype dt, void *qkv, const float *cos_sin, int B, int 
         // a position's rotated heads are contiguous: 16-bit ones are
         // converted together, not head by head
         float x32[nrot * HS];
-#pragma omp for
+#pragma omp for nowait
         for (int bt = 0; bt < B * T; bt++) {
             const float *cs = cos_sin + (size_t)(bt % T) * HS; // h pairs at position t
             void *x = fl_at(dt, qkv, (size_t)bt * W);
