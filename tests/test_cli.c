@@ -909,6 +909,26 @@ static void test_matches_recorded_logs(void) {
     }
 }
 
+// Waits up to `seconds` for a temporary file of process pid in directory
+// path (NAME.tmp.<pid>: a write under way); 1 once one is there.
+static int wait_for_tmp_of(const char *path, pid_t pid, double seconds) {
+    char suffix[32];
+    int len = snprintf(suffix, sizeof suffix, ".tmp.%ld", (long)pid);
+    struct timespec poll = {0, 100000};
+    for (double waited = 0; waited < seconds; waited += 1e-4) {
+        DIR *d = opendir(path);
+        int found = 0;
+        for (struct dirent *e; d && !found && (e = readdir(d));) {
+            size_t n = strlen(e->d_name);
+            found = n >= (size_t)len && !strcmp(e->d_name + n - len, suffix);
+        }
+        if (d) closedir(d);
+        if (found) return 1;
+        nanosleep(&poll, NULL);
+    }
+    return 0;
+}
+
 static void test_kill_while_saving(void) {
     const char *bin = getenv("FITLM_BINARY");
     char out[600];
@@ -934,8 +954,13 @@ static void test_kill_while_saving(void) {
                       (char *)NULL);
             _exit(3);
         }
+        // Most kills land at a random moment; every third as soon as the
+        // run is seen writing a file, so that some certainly land in a
+        // write whatever the build's speed (a sanitizer build's steps are
+        // slower, its writes no slower, and 30 random kills once caught
+        // none).
         struct timespec ts = {0, (long)(50 + rand() % 400) * 1000000L};
-        nanosleep(&ts, NULL);
+        if (i % 3 != 2 || !wait_for_tmp_of(out, pid, 20.0)) nanosleep(&ts, NULL);
         kill(pid, SIGKILL);
         int status;
         waitpid(pid, &status, 0);
