@@ -117,17 +117,30 @@ static void column_sums(float *dst, fl_dtype dt, const void *src, int N, int o0,
 }
 
 // dst (rows,cols) contiguous fp32 = src (rows,cols) of dtype dt, row stride
-// ld; called inside a parallel region, rows shared among its threads
-static void load_rows(fl_dtype dt, float *dst, const void *src, int rows, int cols, int ld) {
-#pragma omp for
+// ld; called inside a parallel region, rows shared among its threads, which
+// do not wait for each other (the caller's next barrier does)
+static void load_rows_nowait(fl_dtype dt, float *dst, const void *src, int rows, int cols, int ld) {
+#pragma omp for nowait
     for (int r = 0; r < rows; r++)
         fl_convert(FL_F32, dst + (size_t)r * cols, dt, fl_at_const(dt, src, (size_t)r * ld), cols);
 }
 
-static void store_rows(fl_dtype dt, void *dst, const float *src, int rows, int cols, int ld) {
-#pragma omp for
+static void store_rows_nowait(fl_dtype dt, void *dst, const float *src, int rows, int cols,
+                              int ld) {
+#pragma omp for nowait
     for (int r = 0; r < rows; r++)
         fl_store_f32(dt, fl_at(dt, dst, (size_t)r * ld), src + (size_t)r * cols, cols);
+}
+
+// the same, all rows done when it returns
+static void load_rows(fl_dtype dt, float *dst, const void *src, int rows, int cols, int ld) {
+    load_rows_nowait(dt, dst, src, rows, cols, ld);
+#pragma omp barrier
+}
+
+static void store_rows(fl_dtype dt, void *dst, const float *src, int rows, int cols, int ld) {
+    store_rows_nowait(dt, dst, src, rows, cols, ld);
+#pragma omp barrier
 }
 
 // one thread's tile: dst (rows,cols) of dtype dt with row stride ld = src
@@ -495,20 +508,6 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
     }
 }
 
-// The operands the input-gradient tiles of the span of output channels [k0,
-// k0 + kn) read ahead: dout's columns (several column tiles read them) and
-// the weight's rows (several row tiles); returns how many, into jobs.
-static int span_jobs(pack_job *jobs, packed_shared sh, dinp_tiling tiles, fl_dtype dt,
-                     const void *dout, const void *weight, int N, int C, int OC, int k0, int kn) {
-    int n = 0;
-    if (tiles.dout_ahead)
-        jobs[n++] = (pack_job){sh.dout_packed, dt, fl_at_const(dt, dout, k0), OC, 0, N, kn};
-    if (tiles.weight_ahead)
-        jobs[n++] =
-            (pack_job){sh.weight_packed, dt, fl_at_const(dt, weight, (size_t)k0 * C), C, 1, kn, C};
-    return n;
-}
-
 static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                             const void *inp, const void *weight, float *ws, int N, int C, int OC) {
     packed_shared sh = shared_split(ws, dt, N, C, OC);
@@ -543,12 +542,7 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
         // scratch: only 16-bit data is converted into it
         float *pack = thread_share(ws, dt, N, C, OC), *scratch = pack + pack_floats(N, C, OC);
         if (dt != FL_F32) {
-            if (dinp) {
-#pragma omp for nowait
-                for (int r = 0; r < N; r++)
-                    fl_convert(FL_F32, dinp32 + (size_t)r * C, dt,
-                               fl_at_const(dt, dinp, (size_t)r * C), C);
-            }
+            if (dinp) load_rows_nowait(dt, dinp32, dinp, N, C, C);
             if (dbias) {
 #pragma omp single nowait
                 fl_convert(FL_F32, dbias32, dt, dbias, OC);
@@ -557,17 +551,27 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
         for (int k0 = 0; k0 < OC; k0 += span) {
             int kn = min_int(span, OC - k0), k1 = k0 + kn;
             int n_dw = dweight ? ceil_div(kn, dwb) : 0, n_db = dbias ? ceil_div(kn, MM_OCBLOCK) : 0;
-            // the span's packing, with inp's before the first: one wait
+            // The span's packing in one wait, inp's with the first span's:
+            // what the input-gradient tiles read ahead, dout's columns when
+            // several column tiles read them, the weight's rows when several
+            // row tiles do.
+            gemm_mat a = mat(dt, dout, k0, OC, 0), w = mat(dt, weight, (size_t)k0 * C, C, 0);
             pack_job jobs[3];
-            int n_jobs = k0 == 0 && dweight ? 1 : 0;
-            if (n_jobs) jobs[0] = inp_b;
-            if (n_dinp)
-                n_jobs += span_jobs(jobs + n_jobs, sh, tiles, dt, dout, weight, N, C, OC, k0, kn);
+            const pack_job *dout_job = NULL, *weight_job = NULL;
+            int n_jobs = 0;
+            if (k0 == 0 && dweight) jobs[n_jobs++] = inp_b;
+            if (n_dinp && tiles.dout_ahead) {
+                jobs[n_jobs] = (pack_job){sh.dout_packed, dt, a.p, OC, 0, N, kn};
+                dout_job = &jobs[n_jobs++];
+            }
+            if (n_dinp && tiles.weight_ahead) {
+                jobs[n_jobs] = (pack_job){sh.weight_packed, dt, w.p, C, 1, kn, C};
+                weight_job = &jobs[n_jobs++];
+            }
             // the 16-bit copies above are read from here on
             if (n_jobs || (k0 == 0 && dt != FL_F32)) pack_jobs(jobs, n_jobs);
-            gemm_mat a = mat(dt, dout, k0, OC, 0), w = mat(dt, weight, (size_t)k0 * C, C, 0);
-            if (tiles.dout_ahead && n_dinp) a = job_packed(&jobs[n_jobs - 1 - tiles.weight_ahead]);
-            if (tiles.weight_ahead && n_dinp) w = job_packed(&jobs[n_jobs - 1]);
+            if (dout_job) a = job_packed(dout_job);
+            if (weight_job) w = job_packed(weight_job);
             gemm_mat inp_packed = job_packed(&inp_b);
 #pragma omp for schedule(dynamic, 1) nowait
             for (int t = 0; t < n_dw + n_db + n_dinp; t++) {
@@ -608,11 +612,7 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
             }
         }
         if (dt != FL_F32) {
-            if (dinp) {
-#pragma omp for nowait
-                for (int r = 0; r < N; r++)
-                    fl_store_f32(dt, fl_at(dt, dinp, (size_t)r * C), dinp32 + (size_t)r * C, C);
-            }
+            if (dinp) store_rows_nowait(dt, dinp, dinp32, N, C, C);
             if (dbias) {
 #pragma omp single nowait
                 fl_store_f32(dt, dbias, dbias32, OC);
