@@ -26,6 +26,10 @@ static int fitlm(const char *args) {
     return t_fitlm(dir, args, 1, output, sizeof output);
 }
 
+// `fitlm` with printf-style arguments.
+static char fitlmf_cmd[8192];
+#define fitlmf(...) (snprintf(fitlmf_cmd, sizeof fitlmf_cmd, __VA_ARGS__), fitlm(fitlmf_cmd))
+
 static void write_file(const char *name, const char *text, size_t n) {
     char path[512];
     snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -682,6 +686,41 @@ static void test_export_and_pretrained(void) {
             "train --init-from a LLaMA directory takes its shape: %.400s", output);
     fails_with("export whole --format onnx", "--format onnx is not supported");
     fails_with("export nowhere", "nowhere is not a fitlm checkpoint");
+}
+
+// The demo's shape trained from scratch takes its own recipe for the keys a
+// run does not give; another shape and pretrained weights keep the defaults.
+static void test_demo_recipe(void) {
+    const char *run = "train --data small --tokenizer byte --batch 1 --seq-len 16 --threads 1 "
+                      "--eval-every 0 --eval-iters 1 --sample-tokens 0";
+    int rc = fitlmf("%s --out ''", run);
+    t_check(rc == 0 &&
+                strstr(output, "320 steps | adamw lr 0.006 (cosine, warmup 160, floor 0.1) "
+                               "betas 0.9,0.99 ") &&
+                strstr(output, "step   320/320"),
+            "the demo's recipe: %.600s", output);
+    rc = fitlmf("%s --out '' --steps 6 --lr 0.002", run);
+    t_check(rc == 0 && strstr(output, "6 steps | adamw lr 0.002 (cosine, warmup 3, floor 0.1) "
+                                      "betas 0.9,0.99 "),
+            "given keys win; the warm-up stays half the steps: %.600s", output);
+    rc = fitlmf("%s --out '' --steps 2 --warmup 1 --betas 0.8,0.9", run);
+    t_check(rc == 0 && strstr(output, "2 steps | adamw lr 0.006 (cosine, warmup 1, floor 0.1) "
+                                      "betas 0.8,0.9 "),
+            "given warm-up and betas win: %.600s", output);
+    const char *defaults = "lr 0.003 (cosine, warmup 100, floor 0.1) betas 0.9,0.95 ";
+    rc = fitlmf("%s --out '' --steps 2 --n-layer 2", run);
+    t_check(rc == 0 && strstr(output, defaults), "another shape keeps the defaults: %.600s",
+            output);
+    rc = fitlmf("%s --steps 2 --out demo_run", run);
+    t_check(rc == 0 && fitlm("export demo_run -o demo_hf") == 0, "a demo model exported: %.300s",
+            output);
+    rc = fitlmf("%s --out '' --steps 2 --init-from demo_hf", run);
+    t_check(rc == 0 && strstr(output, "n_layer 4, n_head 4 (kv 4), n_embd 128") &&
+                strstr(output, defaults),
+            "the demo's shape from pretrained weights keeps the defaults: %.600s", output);
+    rc = fitlmf("%s --out '' --steps 2 --optimizer sgd", run);
+    t_check(rc == 0 && strstr(output, "2 steps | sgd lr 0.003 (cosine, warmup 100,"),
+            "another optimizer keeps the defaults: %.600s", output);
 }
 
 // ----------------------------------------------------------------------------
@@ -1366,10 +1405,6 @@ static void test_sample_seed_is_64_bit(void) {
 
 static char run_data[4200];
 
-// `fitlm` with printf-style arguments.
-static char fitlmf_cmd[8192];
-#define fitlmf(...) (snprintf(fitlmf_cmd, sizeof fitlmf_cmd, __VA_ARGS__), fitlm(fitlmf_cmd))
-
 // A tiny GPT-2 on the byte-tokenized Brown corpus, ~1 ms a step; one thread,
 // so that a loaded machine does not slow it down by spinning OpenMP threads.
 static const char *small_run(void) {
@@ -1761,6 +1796,7 @@ int main(void) {
     test_same_seed_same_losses();
     test_resume_is_bitwise();
     test_export_and_pretrained();
+    test_demo_recipe();
     make_lora_base();
     test_lora_resume_is_bitwise();
     test_lora_adapter();

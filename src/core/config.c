@@ -36,7 +36,9 @@ static const option options[] = {
     {"model.preset", "--model", OPT_CHOICE, STR(model_preset), "demo", 0, 0,
      "demo|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl|llama-tiny|llama-7b|tinyllama-1.1b|"
      "smollm-135m",
-     "model shape preset (demo and tiny take --arch; the others name theirs)"},
+     "model shape preset (demo and tiny take --arch; the others name theirs). The demo's "
+     "shape, trained from scratch with AdamW, has its own recipe for what is not given: 320 "
+     "steps, lr 0.006, warmup half the steps, betas 0.9,0.99"},
     {"model.arch", "--arch", OPT_STRING, STR(model_arch), "", 0, 0, NULL,
      "architecture: gpt2 or llama (\"\" = the preset's; demo and tiny are gpt2 unless given)"},
     {"model.n_layer", "--n-layer", OPT_INT, NUM(model.n_layer), "0", 0, 1024, NULL,
@@ -1360,9 +1362,10 @@ void fl_config_print(const fl_train_config *cfg, FILE *out) {
             m->n_embd, m->intermediate_size, m->vocab_size, m->padded_vocab_size, m->max_seq_len,
             cfg->recompute_policy);
     fprintf(out,
-            "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g (%s, warmup %d, floor %g) "
-            "wd %g clip %g | %s | seed %llu, %d threads\n",
+            "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g (%s, warmup %d, floor %g) ",
             cfg->micro_batch, cfg->seq_len, cfg->grad_accum, cfg->steps, cfg->optimizer, cfg->lr,
-            cfg->scheduler, cfg->warmup_steps, cfg->min_lr_ratio, cfg->weight_decay, cfg->grad_clip,
+            cfg->scheduler, cfg->warmup_steps, cfg->min_lr_ratio);
+    if (!strcmp(cfg->optimizer, "adamw")) fprintf(out, "betas %g,%g ", cfg->beta1, cfg->beta2);
+    fprintf(out, "wd %g clip %g | %s | seed %llu, %d threads\n", cfg->weight_decay, cfg->grad_clip,
             cfg->precision, (unsigned long long)cfg->seed, cfg->threads);
 }
