@@ -170,6 +170,13 @@ if [[ -n ${FITLM_ISA:-} && $FITLM_ISA != avx512 ]]; then
 else
     ISA_PATHS="fitlm on the CPU's own paths, OpenBLAS core ${OPENBLAS_CORETYPE:-as detected, or SkylakeX/Haswell where it falls back to SSE3 (fitlm and PyTorch alike)}"
 fi
+# an OPENBLAS_CORETYPE the machine sets for every process (some hosts set
+# Haswell on AVX-512 CPUs) holds OpenBLAS, and PyTorch's GEMMs with it, to
+# those kernels: the figures are then that setting's
+if [[ -n ${OPENBLAS_CORETYPE:-} ]]; then
+    ISA_PATHS+=" (OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE from the environment)"
+    echo "note: OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE from the environment: OpenBLAS and PyTorch's GEMMs run on those kernels (unset it to let fitlm choose)" >&2
+fi
 
 echo "== peaks: fp32 FMA, bf16 dot product, AMX-BF16 (idle wait: $(wait_idle)% busy)"
 run_measured peak "./$BUILD/peak_fma" --threads "$THREADS"
