@@ -721,6 +721,19 @@ static void test_demo_recipe(void) {
     rc = fitlmf("%s --out '' --steps 2 --optimizer sgd", run);
     t_check(rc == 0 && strstr(output, "2 steps | sgd lr 0.003 (cosine, warmup 100,"),
             "another optimizer keeps the defaults: %.600s", output);
+    // a resumed run takes the same recipe (checkpoints keep the given keys only)
+    int rc1 = fitlmf("%s --out demo_whole", run);
+    int rc2 = fitlmf("%s --out demo_parts --save-every 160 --keep-checkpoints 0", run);
+    int rc3 = fitlm("train --resume demo_parts/ckpt_00000160.fitlm --out demo_resumed --threads 1");
+    t_check(rc1 == 0 && rc2 == 0 && rc3 == 0 && strstr(output, "resumed from step 160") &&
+                strstr(output, "320 steps | adamw lr 0.006 (cosine, warmup 160, floor 0.1) "
+                               "betas 0.9,0.99 "),
+            "resuming the demo keeps its recipe (status %d %d %d): %.600s", rc1, rc2, rc3, output);
+    static char whole[65536], resumed[65536];
+    read_file("demo_whole/log.txt", whole, sizeof whole);
+    read_file("demo_resumed/log.txt", resumed, sizeof resumed);
+    t_check(*log_from(whole, 161) && !strcmp(log_from(whole, 161), resumed),
+            "steps 161-320 after a resume log the same losses, bit for bit");
 }
 
 // ----------------------------------------------------------------------------
