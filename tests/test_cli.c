@@ -575,41 +575,52 @@ static const char *log_from(const char *log, int from) {
     return p ? p : "";
 }
 
-// N steps, save, resume, M more steps == N+M uninterrupted steps, bit for bit:
-// the logged losses and every tensor of the final checkpoint.
-// N steps, save, resume, M steps = N+M steps, bit for bit; `name` prefixes
-// the run directories, `extra` selects the model and strategies.
-static void resume_is_bitwise(const char *name, const char *extra) {
-    char common[512], cmd[1024];
-    snprintf(common, sizeof common,
-             "train --config %s --steps 6 --eval-every 0 --sample-tokens 0 --threads 2 "
-             "--seed 11 --lr 0.01 %s",
-             strstr(extra, "lomo") ? "fused.json" : "run.json", extra);
+// `common` (a train command) run whole, then with a save at step `at` and
+// resumed from it on `threads` threads: the steps after `at` log the same
+// losses and the final checkpoints hold the same tensors, bit for bit.
+// `name` prefixes the run directories. The resumed run's output stays in
+// `output`.
+static void resume_matches(const char *name, const char *common, int at, int threads) {
+    char cmd[1024];
     snprintf(cmd, sizeof cmd, "%s --out %swhole", common, name);
     int rc1 = fitlm(cmd);
-    snprintf(cmd, sizeof cmd, "%s --out %sparts --save-every 3 --keep-checkpoints 0", common, name);
+    snprintf(cmd, sizeof cmd, "%s --out %sparts --save-every %d --keep-checkpoints 0", common, name,
+             at);
     int rc2 = fitlm(cmd);
-    snprintf(cmd, sizeof cmd,
-             "train --resume %sparts/ckpt_00000003.fitlm --out %sresumed --threads 2", name, name);
+    snprintf(cmd, sizeof cmd, "train --resume %sparts/ckpt_%08d.fitlm --out %sresumed --threads %d",
+             name, at, name, threads);
     int rc3 = fitlm(cmd);
-    t_check(rc1 == 0 && rc2 == 0 && rc3 == 0 && strstr(output, "resumed from step 3"),
-            "%s: train, train with saves, resume (status %d %d %d): %.400s", extra, rc1, rc2, rc3,
+    char resumed_from[64];
+    snprintf(resumed_from, sizeof resumed_from, "resumed from step %d", at);
+    t_check(rc1 == 0 && rc2 == 0 && rc3 == 0 && strstr(output, resumed_from),
+            "%s: train, train with saves, resume (status %d %d %d): %.400s", common, rc1, rc2, rc3,
             output);
-    static char whole[8192], resumed[8192];
+    static char whole[65536], resumed[65536];
     snprintf(cmd, sizeof cmd, "%swhole/log.txt", name);
     read_file(cmd, whole, sizeof whole);
     snprintf(cmd, sizeof cmd, "%sresumed/log.txt", name);
     read_file(cmd, resumed, sizeof resumed);
-    t_check(*log_from(whole, 4) && !strcmp(log_from(whole, 4), resumed),
-            "%s: steps 4-6 after a resume log the same losses, bit for bit:\n%s---\n%s", extra,
-            log_from(whole, 4), resumed);
+    t_check(*log_from(whole, at + 1) && !strcmp(log_from(whole, at + 1), resumed),
+            "%s: the steps after a resume log the same losses, bit for bit:\n%s---\n%s", common,
+            log_from(whole, at + 1), resumed);
     char a[600], b[600];
     snprintf(a, sizeof a, "%s/%swhole", dir, name);
     snprintf(b, sizeof b, "%s/%sresumed", dir, name);
     // a LoRA checkpoint holds no whole model for fl_ckpts_equal to load
-    int lora = strstr(extra, "--lora") != NULL;
+    int lora = strstr(common, "--lora") != NULL;
     t_check(ckpt_tensors_equal(a, b) && (lora || fl_ckpts_equal(a, b)),
-            "%s: the final weights and optimizer state are bit for bit the same", extra);
+            "%s: the final weights and optimizer state are bit for bit the same", common);
+}
+
+// 3 steps, save, resume, 3 more = 6 uninterrupted steps; `extra` selects the
+// model and strategies.
+static void resume_is_bitwise(const char *name, const char *extra) {
+    char common[512];
+    snprintf(common, sizeof common,
+             "train --config %s --steps 6 --eval-every 0 --sample-tokens 0 --threads 2 "
+             "--seed 11 --lr 0.01 %s",
+             strstr(extra, "lomo") ? "fused.json" : "run.json", extra);
+    resume_matches(name, common, 3, 2);
 }
 
 static void test_resume_is_bitwise(void) {
@@ -722,18 +733,10 @@ static void test_demo_recipe(void) {
     t_check(rc == 0 && strstr(output, "2 steps | sgd lr 0.003 (cosine, warmup 100,"),
             "another optimizer keeps the defaults: %.600s", output);
     // a resumed run takes the same recipe (checkpoints keep the given keys only)
-    int rc1 = fitlmf("%s --out demo_whole", run);
-    int rc2 = fitlmf("%s --out demo_parts --save-every 160 --keep-checkpoints 0", run);
-    int rc3 = fitlm("train --resume demo_parts/ckpt_00000160.fitlm --out demo_resumed --threads 1");
-    t_check(rc1 == 0 && rc2 == 0 && rc3 == 0 && strstr(output, "resumed from step 160") &&
-                strstr(output, "320 steps | adamw lr 0.006 (cosine, warmup 160, floor 0.1) "
-                               "betas 0.9,0.99 "),
-            "resuming the demo keeps its recipe (status %d %d %d): %.600s", rc1, rc2, rc3, output);
-    static char whole[65536], resumed[65536];
-    read_file("demo_whole/log.txt", whole, sizeof whole);
-    read_file("demo_resumed/log.txt", resumed, sizeof resumed);
-    t_check(*log_from(whole, 161) && !strcmp(log_from(whole, 161), resumed),
-            "steps 161-320 after a resume log the same losses, bit for bit");
+    resume_matches("demo_", run, 160, 1);
+    t_check(strstr(output, "320 steps | adamw lr 0.006 (cosine, warmup 160, floor 0.1) "
+                           "betas 0.9,0.99 ") != NULL,
+            "resuming the demo keeps its recipe: %.600s", output);
 }
 
 // ----------------------------------------------------------------------------
