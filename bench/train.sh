@@ -25,7 +25,8 @@
 #   STEPS       timed steps per fitlm run ("SHAPE=N ..." or N)       ["4x64=10 8x256=6"; 5 otherwise]
 #   SCALING     1 = also fitlm fp32 on 1 thread, for each shape      [1]
 #   BUSY        1 = also fitlm and PyTorch fp32 beside one busy
-#               process, at the first shape                          [1]
+#               process, at each of BUSY_SHAPES                      [1]
+#   BUSY_SHAPES the shapes of SHAPES run beside the busy process     [GPT-2's]
 #   ROUNDS      runs of each engine and precision, the sequence of a
 #               shape repeated in turn (the busy runs too); the run with
 #               the median ms/step is reported (its range over the runs
@@ -45,7 +46,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 COMMAND="bench/train.sh${*:+ $*}"
-for v in SHAPES LLAMA PRECISIONS STEPS ROUNDS SCALING BUSY TORCH_STEPS WARMUP TORCH_BF16_WARMUP THREADS IDLE_WAIT NO_TORCH NO_MEMORY BUILD; do
+for v in SHAPES LLAMA PRECISIONS STEPS ROUNDS SCALING BUSY BUSY_SHAPES TORCH_STEPS WARMUP TORCH_BF16_WARMUP THREADS IDLE_WAIT NO_TORCH NO_MEMORY BUILD; do
     if [[ -n ${!v+x} ]]; then COMMAND="$v=\"${!v}\" $COMMAND"; fi
 done
 
@@ -54,6 +55,12 @@ LLAMA=${LLAMA:-"--arch llama --L 30 --C 576 --NH 9 --kv-heads 3 --I 1536"}
 PRECISIONS=${PRECISIONS:-"fp32 bf16 fp16"}
 SCALING=${SCALING:-1}
 BUSY=${BUSY:-1}
+# by default the GPT-2 shapes: the first one's short parallel regions and the
+# second's long ones meet the busy process differently
+if [[ -z ${BUSY_SHAPES+x} ]]; then
+    BUSY_SHAPES=""
+    for s in $SHAPES; do [[ $s == llama:* ]] || BUSY_SHAPES+="${BUSY_SHAPES:+ }$s"; done
+fi
 STEPS=${STEPS:-"4x64=10 8x256=6"}
 ROUNDS=${ROUNDS:-1}
 TORCH_STEPS=${TORCH_STEPS:-$STEPS}
@@ -254,7 +261,7 @@ op_rows() {
 }
 
 declare -a ROWS NOTES RAW
-PROFILES="" GEMM_ROWS="" SCALE_TABLES="" BUSY_ROWS=""
+PROFILES="" GEMM_ROWS="" SCALE_TABLES="" BUSY_ROWS="" BUSY_TARGET=""
 declare -A LINE=() FP32_LOG=()
 START=$SECONDS
 for shape in $SHAPES; do
@@ -365,38 +372,50 @@ for shape in $SHAPES; do
         fi
     fi
 done
-# slowdown beside one busy process, at the first shape, fp32, for both engines
+# slowdown beside one busy process, fp32, for both engines, at BUSY_SHAPES
 if [[ $BUSY == 1 ]]; then
-    shape=${SHAPES%% *}
-    bt=${shape#*:}
-    # ROUNDS runs per engine, in turn, as for the idle runs: the run of
-    # median ms/step, and the range of the runs' medians
-    declare -A BUSY_RUNS=() BUSY_LINES=()
+    # ROUNDS runs per engine and shape, in turn, as for the idle runs: the
+    # run of median ms/step, and the range of the runs' medians
+    declare -A BUSY_RUNS=() BUSY_LINES=() SLOWDOWN=()
     for ((round = 1; round <= ROUNDS; round++)); do
-        for eng in fitlm pytorch; do
-            [[ $eng == pytorch ]] && ((!TORCH)) && continue
-            base=${LINE[$shape:$eng:fp32]:-}
-            [[ -z $base || $(field failed "$base") == 1 ]] && continue
-            idle=$(wait_idle)
-            echo "== $eng fp32 B=${bt%x*}, T=${bt#*x} beside one busy process, round $round of $ROUNDS (machine ${idle}% busy before)"
-            name="${eng}_fp32_${shape/:/_}_busy"
-            ((ROUNDS > 1)) && name+="_r$round"
-            l=$(run_one "$name" "$eng" fp32 "$shape" "$THREADS" 1)
-            RAW+=("$l")
-            [[ $(field failed "$l") == 1 ]] && continue
-            BUSY_RUNS[$eng]+="$(field ms_median "$l") $name"$'\n'
-            BUSY_LINES[$name]=$l
+        for shape in $BUSY_SHAPES; do
+            bt=${shape#*:}
+            for eng in fitlm pytorch; do
+                [[ $eng == pytorch ]] && ((!TORCH)) && continue
+                base=${LINE[$shape:$eng:fp32]:-}
+                [[ -z $base || $(field failed "$base") == 1 ]] && continue
+                idle=$(wait_idle)
+                echo "== $eng fp32 B=${bt%x*}, T=${bt#*x} beside one busy process, round $round of $ROUNDS (machine ${idle}% busy before)"
+                name="${eng}_fp32_${shape/:/_}_busy"
+                ((ROUNDS > 1)) && name+="_r$round"
+                l=$(run_one "$name" "$eng" fp32 "$shape" "$THREADS" 1)
+                RAW+=("$l")
+                [[ $(field failed "$l") == 1 ]] && continue
+                BUSY_RUNS[$shape:$eng]+="$(field ms_median "$l") $name"$'\n'
+                BUSY_LINES[$name]=$l
+            done
         done
     done
-    for eng in fitlm pytorch; do
-        [[ -z ${BUSY_RUNS[$eng]:-} ]] && continue
-        mapfile -t sorted < <(printf '%s' "${BUSY_RUNS[$eng]}" | sort -g)
-        l=${BUSY_LINES[${sorted[$(((${#sorted[@]} - 1) / 2))]#* }]}
-        # the range: of the run's steps, or with ROUNDS > 1 of the runs' medians
-        lo=$(field ms_min "$l") hi=$(field ms_max "$l")
-        if ((ROUNDS > 1)); then lo=${sorted[0]%% *} hi=${sorted[${#sorted[@]} - 1]%% *}; fi
-        BUSY_ROWS+=$(awk -v e="$eng" -v a="$(field ms_median "$l")" -v lo="$lo" -v hi="$hi" \
-            -v b="$(field ms_median "${LINE[$shape:$eng:fp32]}")" 'BEGIN { printf "| %s | %.0f | %.0f (%.0f-%.0f) | %.2f |\n", e, b, a, lo, hi, a / b }')$'\n'
+    for shape in $BUSY_SHAPES; do
+        bt=${shape#*:}
+        label="B=${bt%x*}, T=${bt#*x}"
+        [[ $shape == llama:* ]] && label="LLaMA, $label"
+        for eng in fitlm pytorch; do
+            [[ -z ${BUSY_RUNS[$shape:$eng]:-} ]] && continue
+            mapfile -t sorted < <(printf '%s' "${BUSY_RUNS[$shape:$eng]}" | sort -g)
+            l=${BUSY_LINES[${sorted[$(((${#sorted[@]} - 1) / 2))]#* }]}
+            # the range: of the run's steps, or with ROUNDS > 1 of the runs' medians
+            lo=$(field ms_min "$l") hi=$(field ms_max "$l")
+            if ((ROUNDS > 1)); then lo=${sorted[0]%% *} hi=${sorted[${#sorted[@]} - 1]%% *}; fi
+            BUSY_ROWS+=$(awk -v s="$label" -v e="$eng" -v a="$(field ms_median "$l")" -v lo="$lo" -v hi="$hi" \
+                -v b="$(field ms_median "${LINE[$shape:$eng:fp32]}")" 'BEGIN { printf "| %s | %s | %.0f | %.0f (%.0f-%.0f) | %.2f |\n", s, e, b, a, lo, hi, a / b }')$'\n'
+            SLOWDOWN[$eng]=$(awk -v a="$(field ms_median "$l")" -v b="$(field ms_median "${LINE[$shape:$eng:fp32]}")" 'BEGIN { printf "%.2f", a / b }')
+        done
+        if [[ -n ${SLOWDOWN[fitlm]:-} && -n ${SLOWDOWN[pytorch]:-} ]]; then
+            BUSY_TARGET+=$(awk -v s="$label" -v f="${SLOWDOWN[fitlm]}" -v p="${SLOWDOWN[pytorch]}" \
+                'BEGIN { printf "- fitlm slowdown beside a busy process at %s: %.2f, PyTorch %.2f (target <= PyTorch: %s)\n", s, f, p, (f <= p ? "met" : "NOT met") }')$'\n'
+        fi
+        SLOWDOWN=()
     done
 fi
 ELAPSED=$((SECONDS - START))
@@ -478,12 +497,13 @@ TOTAL=$SECONDS
     if [[ -n $BUSY_ROWS ]]; then
         echo "## Beside one busy process"
         echo
-        echo "fp32 at the first shape with one \`sh -c 'while :; do :; done'\` running on the same $(nproc) CPUs, against the same engine's idle run above."
+        echo "fp32 at each of BUSY_SHAPES ($BUSY_SHAPES) with one \`sh -c 'while :; do :; done'\` running on the same $(nproc) CPUs, against the same engine's idle run above."
         echo
-        echo "| engine | idle ms/step | busy ms/step median (min-max) | slowdown |"
-        echo "|---|---:|---:|---:|"
+        echo "| shape | engine | idle ms/step | busy ms/step median (min-max) | slowdown |"
+        echo "|---|---|---:|---:|---:|"
         printf '%s' "$BUSY_ROWS"
         echo
+        [[ -n $BUSY_TARGET ]] && printf '%s\n' "$BUSY_TARGET"
     fi
     echo "Notes (benchmark time ${ELAPSED} s after the peak measurement):"
     echo
@@ -517,6 +537,7 @@ echo
 [[ -n $GEMM_ROWS ]] && printf '%s\n' "$GEMM_ROWS"
 [[ -n $SCALE_TABLES ]] && printf '%s' "$SCALE_TABLES"
 [[ -n $BUSY_ROWS ]] && printf '%s\n' "$BUSY_ROWS"
+[[ -n $BUSY_TARGET ]] && printf '%s\n' "$BUSY_TARGET"
 for n in "${NOTES[@]}"; do echo "- $n"; done
 if [[ -n $MEMORY ]]; then echo; echo "$MEMORY"; fi
 echo
