@@ -539,12 +539,13 @@ int main(int argc, char **argv) {
            "tok_s=%.2f flops_per_token=%.0f gflops=%.2f peak=%s peak_gflops=%.1f mfu=%.4f "
            "peak_fp32_gflops=%.1f peak_bf16_gflops=%.1f peak_amx_gflops=%.1f mfu_fp32=%.4f "
            "mfu_bf16=%.4f mfu_amx=%.4f peak_rss_mib=%.0f tagged_mib=%.0f loss_first=%.4f "
-           "loss_last=%.4f skipped=%d loss_scale=%g gemm=%s isa=%s openblas=%s",
+           "loss_last=%.4f skipped=%d loss_scale=%g gemm=%s isa=%s openblas=%s params=%zu",
            fl_arch_name(cfg.arch), prec, a.B, a.T, a.threads, a.steps, a.warmup, med, lo, hi,
            median(ms_fwd, a.steps), median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s,
            flops_per_token, gflops, peak_kind, peak, mfu, peak_fp32, peak_bf16, peak_amx, mfu_fp32,
            mfu_bf16, mfu_amx, rss_mib, tagged_mib, first_loss, last_loss, skipped, loss_scale,
-           matmul_gemm_name(a.precision), fl_isa_name(fl_cpu_isa()), openblas_get_corename());
+           matmul_gemm_name(a.precision), fl_isa_name(fl_cpu_isa()), openblas_get_corename(),
+           model.table.numel);
     if (llama)
         printf(" L=%d C=%d NH=%d kv_heads=%d I=%d V=%d tie=%d", a.L, a.C, a.NH, cfg.n_kv_head,
                cfg.intermediate_size, a.V, cfg.tie_embeddings);

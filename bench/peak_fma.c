@@ -1,9 +1,13 @@
 // peak_fma.c: this machine's peak multiply-add rates with 1 and 2 (or
 // --threads N) threads, the denominators of the MFU figures in bench/: fp32
 // FMA (fp32 training), the AVX512_BF16 dot product vdpbf16ps (bf16/fp16
-// training) and, where the CPU and kernel allow it, AMX-BF16 tiles.
+// training) and, where the CPU and kernel allow it, AMX-BF16 tiles; and the
+// memory bandwidth of a read-modify-write stream, the roofline of the
+// optimizer's update (AdamW reads the weights, gradients and both moments and
+// writes back all but the gradients, each line where it was read).
 //
 //   peak_fma [--threads N] [--seconds S] [--reps R] [--bf16 0|1] [--amx 0|1]
+//            [--bandwidth 0|1]
 //
 // Each measurement runs independent register-resident chains per thread
 // (fma_peak.h) for ~S seconds (default 0.5); the figure is the median of R
@@ -17,8 +21,12 @@
 //   RESULT peak_fma isa=avx512 threads=2 gflops_1t=... gflops_2t=...
 //     peak_gflops=... bf16_isa=avx512bf16 bf16_gflops_1t=... bf16_gflops_2t=...
 //     bf16_peak_gflops=... amx_gflops_1t=... amx_gflops_2t=... amx_peak_gflops=...
-// where *peak_gflops is the figure at the largest thread count measured; the
-// bf16_ and amx_ fields are absent when that peak was not measured.
+//     bw_gbs_1t=... bw_gbs_2t=... bw_peak_gbs=...
+// where *peak_gflops is the figure at the largest thread count measured and
+// bw_peak_gbs the highest over the thread counts (one thread may already
+// saturate the memory); the bf16_, amx_ and bw_ fields are absent when that
+// peak was not measured.
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,8 +36,10 @@
 
 static void usage(FILE *out) {
     fprintf(out, "usage: peak_fma [--threads N] [--seconds S] [--reps R] [--bf16 0|1] [--amx 0|1]\n"
+                 "                [--bandwidth 0|1]\n"
                  "  measures peak fp32 FMA, bf16 dot-product (vdpbf16ps) and AMX-BF16 GFLOP/s\n"
-                 "  with 1..N threads (default N = 2)\n");
+                 "  and the memory bandwidth of a read-modify-write stream, with 1..N threads\n"
+                 "  (default N = 2)\n");
 }
 
 // Measures one loop with 1..max_threads threads; prints a line per thread
@@ -53,8 +63,56 @@ static void measure(fma_peak_isa isa, const char *what, const char *prefix, int 
     snprintf(res + n, res_size - n, " %speak_gflops=%.1f", prefix, glast);
 }
 
+// The stream: x = 0.5 x + y over two arrays far larger than any cache, each
+// thread on its own contiguous part, as the optimizer's update splits its
+// range. Counted bytes are those that move: 8 read and 4 written per
+// element (x's lines are written where they were read, so no extra read
+// for ownership).
+#define BW_FLOATS ((size_t)64 << 20) // 256 MiB per array
+
+static double stream_pass(float *x, const float *y, int threads) {
+    double t0 = fl_now();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (size_t i = 0; i < BW_FLOATS; i++) x[i] = 0.5f * x[i] + y[i];
+    return fl_now() - t0;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void measure_bandwidth(int max_threads, int reps, char *res, size_t res_size) {
+    printf("memory bandwidth: x = 0.5 x + y over 2 x %zu MiB, 12 bytes moved per element, "
+           "%d reps (median)\n",
+           BW_FLOATS * sizeof(float) >> 20, reps);
+    float *x = fl_alloc(FL_MEM_OTHER, BW_FLOATS * sizeof(float));
+    float *y = fl_alloc(FL_MEM_OTHER, BW_FLOATS * sizeof(float));
+    // first touch by the threads that stream them
+#pragma omp parallel for schedule(static) num_threads(max_threads)
+    for (size_t i = 0; i < BW_FLOATS; i++) x[i] = 0.0f, y[i] = 1.0f;
+    double *gbs = fl_alloc(FL_MEM_OTHER, (size_t)reps * sizeof(double)), gmax = 0.0;
+    for (int t = 1; t <= max_threads; t++) {
+        stream_pass(x, y, t); // warm-up
+        for (int r = 0; r < reps; r++) gbs[r] = 12.0 * BW_FLOATS / stream_pass(x, y, t) / 1e9;
+        qsort(gbs, (size_t)reps, sizeof(double), cmp_double);
+        double g = gbs[reps / 2];
+        printf("  %d thread%s: %8.1f GB/s (min %.1f, max %.1f)\n", t, t == 1 ? " " : "s", g, gbs[0],
+               gbs[reps - 1]);
+        fflush(stdout);
+        size_t n = strlen(res);
+        if (t <= 2) snprintf(res + n, res_size - n, " bw_gbs_%dt=%.1f", t, g);
+        if (g > gmax) gmax = g;
+    }
+    size_t n = strlen(res);
+    snprintf(res + n, res_size - n, " bw_peak_gbs=%.1f", gmax);
+    fl_free(gbs);
+    fl_free(y);
+    fl_free(x);
+}
+
 int main(int argc, char **argv) {
-    int max_threads = 2, reps = 5, bf16 = 1, amx = 1;
+    int max_threads = 2, reps = 5, bf16 = 1, amx = 1, bandwidth = 1;
     double seconds = 0.5;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -77,6 +135,8 @@ int main(int argc, char **argv) {
             bf16 = atoi(v);
         else if (!strcmp(a, "--amx"))
             amx = atoi(v);
+        else if (!strcmp(a, "--bandwidth"))
+            bandwidth = atoi(v);
         else {
             usage(stderr);
             fl_die("unknown option %s", a);
@@ -104,6 +164,7 @@ int main(int argc, char **argv) {
     else if (amx)
         printf("peak AMX-BF16: not available (CPU without AMX-BF16, or the kernel refused "
                "the tile state)\n");
+    if (bandwidth) measure_bandwidth(max_threads, reps, res, sizeof(res));
     printf("%s\n", res);
     return 0;
 }

@@ -2,7 +2,7 @@
 # bench/train.sh: the training-throughput benchmark, fitlm against PyTorch,
 # fp32, bf16 and fp16, in one command. Builds the bench programs (Release),
 # measures the peaks (bench/peak_fma: fp32 FMA, bf16 dot product vdpbf16ps,
-# AMX-BF16), then for each shape (GPT-2 124M at two batch shapes, a LLaMA of
+# AMX-BF16, memory bandwidth), then for each shape (GPT-2 124M at two batch shapes, a LLaMA of
 # similar cost) runs, alternating engines, fitlm fp32 (bench/bench_train,
 # which also times the step's GEMM shapes with OpenBLAS's and oneDNN's sgemm
 # for the GEMM-bound time), PyTorch fp32 (bench/torch_gpt2.py, if
@@ -193,6 +193,9 @@ PEAK=$(field peak_gflops "$PEAK_LINE")
 PEAK_BF16=$(field bf16_peak_gflops "$PEAK_LINE")
 PEAK_AMX=$(field amx_peak_gflops "$PEAK_LINE")
 [[ $PEAK_BF16 == "?" ]] && PEAK_BF16=0
+# the read-modify-write stream's bandwidth, the optimizer update's roofline
+BW=$(field bw_peak_gbs "$PEAK_LINE")
+[[ $BW == "?" ]] && BW=0
 [[ $PEAK_AMX == "?" ]] && PEAK_AMX=0
 PEAKS=(--peak "$PEAK" --peak-bf16 "$PEAK_BF16" --peak-amx "$PEAK_AMX")
 
@@ -307,14 +310,21 @@ for shape in $SHAPES; do
         if [[ $eng == fitlm && $prec == fp32 && $(field gemm_bound_ms "$line") != "?" ]]; then
             GEMM_ROWS+=$(awk -v s="$label" -v ms="$(field ms_median "$line")" -v gb="$(field gemm_bound_ms "$line")" \
                 -v gf="$(field gemm_fitlm_ms "$line")" -v best="$(field sgemm_best_gflops "$line")" \
-                -v fl="$(field gemm_flops_step "$line")" 'BEGIN {
+                -v fl="$(field gemm_flops_step "$line")" -v opt="$(field ms_opt "$line")" \
+                -v np="$(field params "$line")" -v bw="$BW" 'BEGIN {
+                    # clip + AdamW at the stream bandwidth: 32 bytes per
+                    # parameter (the norm reads the gradient; the update
+                    # reads weight, gradient, m and v, writes weight, m, v)
+                    floor = (bw > 0 && np + 0 > 0) ? np * 32 / (bw * 1e6) : -1
                     # the step holds these GEMMs and more: a step faster than
                     # fitlm'"'"'s GEMMs alone (best of 7 each) means the GEMM
                     # timings were disturbed, and so may the bound be
                     v = ms < gf ? "unreliable: the step ran faster than fitlm'"'"'s GEMMs alone (disturbed GEMM timings)" \
                         : ms / gb <= 1.15 ? "met" : "NOT met"
-                    printf "| %s | %.1f | %.0f | %.1f | %.0f | %.0f | %.2f | %s |\n", s, fl / 1e9, best, gb, gf, ms,
-                        ms / gb, v }')$'\n'
+                    fs = floor < 0 ? "?" : sprintf("%.0f", floor)
+                    fr = floor < 0 ? "?" : sprintf("%.2f", (gb + floor) / gb)
+                    printf "| %s | %.1f | %.0f | %.1f | %.0f | %.0f | %.2f | %s | %.0f | %s | %s |\n", s, fl / 1e9, best, gb, gf, ms,
+                        ms / gb, v, opt, fs, fr }')$'\n'
         fi
         LINE[$shape:$run]=$line
         # the one-thread run compares with this one's log
@@ -471,7 +481,7 @@ TOTAL=$SECONDS
     echo "- PyTorch: $TORCH_VERSION ($PY), OMP_WAIT_POLICY=PASSIVE, OPENBLAS_CORETYPE as fitlm ran ($(cat "$LOG/openblas_core" 2>/dev/null || echo "?")), AdamW default (foreach off), attention as masked softmax; fp32, or bf16 = \`torch.autocast('cpu', dtype=torch.bfloat16)\` around forward + loss (fp32 parameters, gradients and AdamW state)"
     echo "- step: zero_grad + forward + backward + clip_grad_norm 1.0 + AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1 on matrices)"
     echo "- FLOPs/token = 6 x (the weights of the linear layers, LM head included) + 12*L*T*C (GPT-2: 6*(12*L*C^2 + V*C) + 12*L*T*C; GFLOP/s = FLOPs/token x tok/s)"
-    echo "- peaks, measured by bench/peak_fma in this run with $THREADS threads (1 thread in brackets): fp32 FMA $PEAK GFLOP/s ($(field isa "$PEAK_LINE"); $(field gflops_1t "$PEAK_LINE")), bf16 dot product $PEAK_BF16 GFLOP/s (vdpbf16ps; $(field bf16_gflops_1t "$PEAK_LINE")), AMX-BF16 $PEAK_AMX GFLOP/s (tdpbf16ps; $(field amx_gflops_1t "$PEAK_LINE"))"
+    echo "- peaks, measured by bench/peak_fma in this run with $THREADS threads (1 thread in brackets): fp32 FMA $PEAK GFLOP/s ($(field isa "$PEAK_LINE"); $(field gflops_1t "$PEAK_LINE")), bf16 dot product $PEAK_BF16 GFLOP/s (vdpbf16ps; $(field bf16_gflops_1t "$PEAK_LINE")), AMX-BF16 $PEAK_AMX GFLOP/s (tdpbf16ps; $(field amx_gflops_1t "$PEAK_LINE")), memory bandwidth $BW GB/s (read-modify-write stream x = 0.5 x + y; $(field bw_gbs_1t "$PEAK_LINE"))"
     echo "- MFU (peak): against the fp32 FMA peak for fp32 rows, against the bf16 dot-product (vdpbf16ps) peak for 16-bit rows whose GEMMs run on oneDNN's native bf16 (gemm=onednn: AMX, or AVX512_BF16 on AMD), else the fp32 peak; a bf16 step whose GEMMs run on AMX can exceed 100% of the vdpbf16ps peak."
     echo
     echo "$TABLE"
@@ -480,10 +490,10 @@ TOTAL=$SECONDS
     if [[ -n $GEMM_ROWS ]]; then
         echo "## fp32 step against its GEMM-bound time"
         echo
-        echo "GEMM-bound time: the step's linear-layer GEMMs (forward, input and weight gradients, N = B*T rows), each timed in this run with OpenBLAS's and oneDNN's sgemm on $THREADS threads, the faster of the two summed (bench_train's table in the log). Attention's products run in fitlm's fused kernel and count as non-GEMM time. Target: step <= 1.15 x GEMM-bound."
+        echo "GEMM-bound time: the step's linear-layer GEMMs (forward, input and weight gradients, N = B*T rows), each timed in this run with OpenBLAS's and oneDNN's sgemm on $THREADS threads, the faster of the two summed (bench_train's table in the log). Attention's products run in fitlm's fused kernel and count as non-GEMM time. Target: step <= 1.15 x GEMM-bound. The last three columns: the step's clip+AdamW phase (median), the time its 32 bytes per parameter take at the memory bandwidth measured by bench/peak_fma ($BW GB/s, a read-modify-write stream), and the ratio a step would reach with its GEMMs at the best library's rate and nothing else but that phase at the bandwidth."
         echo
-        echo "| shape | GEMM GFLOP/step | best sgemm GFLOP/s | GEMM-bound ms | fitlm's GEMMs ms | step ms | step / GEMM-bound | target |"
-        echo "|---|---:|---:|---:|---:|---:|---:|---|"
+        echo "| shape | GEMM GFLOP/step | best sgemm GFLOP/s | GEMM-bound ms | fitlm's GEMMs ms | step ms | step / GEMM-bound | target | clip+AdamW ms | clip+AdamW at bandwidth ms | (GEMM-bound + that) / GEMM-bound |"
+        echo "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
         printf '%s' "$GEMM_ROWS"
         echo
     fi
