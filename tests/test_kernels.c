@@ -464,12 +464,14 @@ static double mm_loss(const void *p) {
 
 static void test_matmul(void) {
     printf("matmul\n");
-    // N C OC; with AVX2 the last shape's input gradient has three row tiles
-    // and two column tiles (dout packed ahead for both, the weight's rows for
-    // all three) in two chunks of OC
-    int shapes[][3] = {{1, 1, 1},     {1, 7, 3},       {5, 33, 17},
-                       {64, 96, 288}, {130, 192, 320}, {400, 400, 2100}};
-    for (int s = 0; s < 6; s++) {
+    // N C OC; with AVX2 the input gradient of N 400 has three row tiles and
+    // two column tiles (dout packed ahead for both, the weight's rows for all
+    // three) in two chunks of OC; that of N 1160 (>= 8 x 144 rows) has nine
+    // row tiles of all 40 columns, the last of 8 rows, each packing its own
+    // rows of dout
+    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},        {5, 33, 17},     {64, 96, 288},
+                       {130, 192, 320}, {400, 400, 2100}, {1160, 40, 2100}};
+    for (int s = 0; s < 7; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand(ni, 51, 1.0f), *w = frand(nw, 52, 1.0f), *bias = frand(OC, 53, 1.0f);
@@ -1777,14 +1779,15 @@ static void test_matmul_lp(fl_dtype dt) {
     // and C 400 have three row tiles and two column tiles (dout and the
     // weight's rows packed ahead), over OC 2100 in two 2048-channel spans,
     // each span packed after the last one's tiles; their weight gradients
-    // sum more than one depth block of tokens
-    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},       {5, 33, 17},   {64, 96, 288},
-                       {130, 192, 320}, {2, 33, 530},    {3, 20, 4500}, {1100, 20, 40},
-                       {400, 400, 300}, {400, 400, 2100}}; // N C OC
+    // sum more than one depth block of tokens; N 1160's input gradient takes
+    // row tiles of all C columns, each converting its own rows of dout
+    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},        {5, 33, 17},     {64, 96, 288},
+                       {130, 192, 320}, {2, 33, 530},     {3, 20, 4500},   {1100, 20, 40},
+                       {400, 400, 300}, {400, 400, 2100}, {1160, 40, 2100}}; // N C OC
     if (fl_cpu_isa() == FL_ISA_PORTABLE)
         t_check(matmul_workspace_bytes(FL_F32, 130, 192, 320) == 0,
                 "fp32 matmul on the portable path needs no workspace");
-    for (int s = 0; s < 10; s++) {
+    for (int s = 0; s < 11; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand_dt(dt, ni, 51, 1.0f), *w = frand_dt(dt, nw, 52, 1.0f);

@@ -22,7 +22,7 @@
 // kernel streams op(b)'s panels. MC is a multiple of every MR, NC of every NR.
 #define KC GEMM_DEPTH_BLOCK
 #define NC 288
-#define MC 192
+#define MC GEMM_ROW_BLOCK
 // rows a block of op(a) is rounded to: a multiple of every kernel's MR
 #define MR_ALL 24
 // rows of a transposed operand fetched ahead while packing

@@ -33,6 +33,10 @@ size_t gemm_packed_floats(int n, int K);
 // values this way for its score tiles.
 #define GEMM_PACK_QUANTUM 96
 #define GEMM_DEPTH_BLOCK  256
+// Rows of op(a) per block: a gemm_tile call of at most this many rows packs
+// each depth block of a once for all of op(b)'s columns (more rows: once per
+// block of columns). A multiple of every kernel's rows.
+#define GEMM_ROW_BLOCK 192
 void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, int n, int k0);
 
 // Columns of op(b) per panel of the kernel gemm_tile runs (fl_cpu_isa()):

@@ -7,8 +7,9 @@
 // count.
 // The tiles' GEMM, by what the CPU has (capped by FITLM_ISA):
 // - AVX2 or AVX-512: fitlm's (gemm.c) for every dtype, 16-bit operands
-//   converted as they are packed; operands that every tile of a call reads
-//   (inp, and dout for the input gradient) are packed once per call.
+//   converted as they are packed; operands that several tiles of a call
+//   read (inp; the input gradient's weight, and its dout where it has
+//   several column tiles) are packed once per call.
 // - otherwise OpenBLAS's sgemm, transposes expressed through its flags;
 //   bf16/fp16 take the same tiles on fp32 copies: inp converted once, weight
 //   and out (or dout) in panels of MM_PANEL output channels, each tile's
@@ -46,6 +47,20 @@
 // for all of its input-gradient tiles.
 #define MM_DINP_CHUNK 2048
 _Static_assert(MM_DINP_CHUNK % GEMM_DEPTH_BLOCK == 0, "chunks of whole depth blocks");
+// With AVX2, an input gradient of at least 8 x MM_DINP_ROWS rows takes
+// tiles of MM_DINP_ROWS rows by all C columns: each tile packs its rows of
+// dout once per depth block for every column (gemm's one row block), where
+// tiles of a few columns needed dout packed ahead for all of them, written
+// to memory and read back. Interleaved in one process against the column
+// tiles (the backward's weight, bias and input gradients together, N = 2048,
+// 2 threads, Zen 5): GPT-2's 768-channel inputs 1-5% faster with AVX-512
+// and 1.5-4% with AVX2, the LLaMA's 576-channel ones 4.5-7%, fp16 up to 9%,
+// the 1536- and 3072-channel ones level or 1.5% faster. Rows of 144 did
+// better than 96 and 192 (more tiles for the two threads to share at each
+// span's barrier); above GEMM_ROW_BLOCK (240, 256) the gain was gone.
+#define MM_DINP_ROWS 144
+_Static_assert(MM_DINP_ROWS <= GEMM_ROW_BLOCK && MM_DINP_ROWS % 24 == 0,
+               "one row block of gemm's a, whole kernel rows");
 
 // One tile's row-major sgemm, OpenBLAS's: inside a parallel region it runs
 // on the calling thread, and an output row's bits do not depend on how many
@@ -341,11 +356,31 @@ static int packed_rows(int rb, int N) {
     return rb < N ? rb : N;
 }
 
+// The input gradient's tiling: column tiles of cb, row tiles of rb. dout's
+// columns of a span are packed ahead when several column tiles read them
+// (then row tiles start on the packed rows' quantum), the span's weight rows
+// when several row tiles read them.
+typedef struct {
+    int cb, nc, rb, nr, dout_ahead, weight_ahead;
+} dinp_tiling;
+
+static dinp_tiling dinp_tiles(int N, int C) {
+    int full_width = N >= 8 * MM_DINP_ROWS;
+    dinp_tiling t = {.cb = full_width ? C : dinp_tile_cols(C)};
+    t.nc = ceil_div(C, t.cb), t.dout_ahead = t.nc > 1;
+    t.rb = full_width     ? MM_DINP_ROWS
+           : t.dout_ahead ? packed_rows(dinp_tile_rows(N), N)
+                          : dinp_tile_rows(N);
+    t.nr = ceil_div(N, t.rb), t.weight_ahead = t.nr > 1;
+    return t;
+}
+
 // gemm's packing buffer for the largest of the tiles below
 static size_t pack_floats(int N, int C, int OC) {
     size_t fwd = gemm_pack_floats(packed_rows(fwd_tile_rows(N), N), fwd_tile_cols(C, OC), C);
     size_t dw = gemm_pack_floats(dw_tile_rows(OC), C, N);
-    size_t dinp = gemm_pack_floats(N, dinp_tile_cols(C), min_int(OC, MM_DINP_CHUNK));
+    dinp_tiling t = dinp_tiles(N, C);
+    size_t dinp = gemm_pack_floats(t.rb, t.cb, min_int(OC, MM_DINP_CHUNK));
     return fwd > dw ? (fwd > dinp ? fwd : dinp) : (dw > dinp ? dw : dinp);
 }
 
@@ -365,20 +400,8 @@ static size_t inp_packed_floats(int N, int C) {
     return as_a > as_b ? as_a : as_b;
 }
 
-// The input gradient's tiling: column tiles of cb, row tiles of rb. dout's
-// columns of a span are packed ahead when several column tiles read them
-// (then row tiles start on the packed rows' quantum), the span's weight rows
-// when several row tiles read them.
-typedef struct {
-    int cb, nc, rb, nr, dout_ahead, weight_ahead;
-} dinp_tiling;
-
-static dinp_tiling dinp_tiles(int N, int C) {
-    dinp_tiling t = {.cb = dinp_tile_cols(C)};
-    t.nc = ceil_div(C, t.cb), t.dout_ahead = t.nc > 1;
-    t.rb = t.dout_ahead ? packed_rows(dinp_tile_rows(N), N) : dinp_tile_rows(N);
-    t.nr = ceil_div(N, t.rb), t.weight_ahead = t.nr > 1;
-    return t;
+static size_t dout_packed_floats(int N, int C, int OC) {
+    return dinp_tiles(N, C).dout_ahead ? gemm_packed_floats(N, min_int(OC, MM_DINP_CHUNK)) : 0;
 }
 
 static size_t weight_packed_floats(int N, int C, int OC) {
@@ -386,8 +409,8 @@ static size_t weight_packed_floats(int N, int C, int OC) {
 }
 
 static size_t packed_shared_floats(fl_dtype dt, int N, int C, int OC) {
-    return inp_packed_floats(N, C) + gemm_packed_floats(N, min_int(OC, MM_DINP_CHUNK)) +
-           weight_packed_floats(N, C, OC) + (dt == FL_F32 ? 0 : (size_t)N * C + OC);
+    return inp_packed_floats(N, C) + dout_packed_floats(N, C, OC) + weight_packed_floats(N, C, OC) +
+           (dt == FL_F32 ? 0 : (size_t)N * C + OC);
 }
 
 static size_t packed_workspace_floats(fl_dtype dt, int N, int C, int OC) {
@@ -402,7 +425,7 @@ typedef struct {
 static packed_shared shared_split(float *ws, fl_dtype dt, int N, int C, int OC) {
     packed_shared sh = {.inp_packed = ws};
     sh.dout_packed = sh.inp_packed + inp_packed_floats(N, C);
-    sh.weight_packed = sh.dout_packed + gemm_packed_floats(N, min_int(OC, MM_DINP_CHUNK));
+    sh.weight_packed = sh.dout_packed + dout_packed_floats(N, C, OC);
     if (dt != FL_F32) {
         sh.dinp32 = sh.weight_packed + weight_packed_floats(N, C, OC);
         sh.bias32 = sh.dinp32 + (size_t)N * C;
