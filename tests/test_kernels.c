@@ -467,11 +467,11 @@ static void test_matmul(void) {
     // N C OC; with AVX2 the input gradient of N 400 has three row tiles and
     // two column tiles (dout packed ahead for both, the weight's rows for all
     // three) in two chunks of OC; that of N 1160 (>= 8 x 144 rows) has nine
-    // row tiles of all 40 columns, the last of 8 rows, each packing its own
-    // rows of dout
-    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},        {5, 33, 17},     {64, 96, 288},
-                       {130, 192, 320}, {400, 400, 2100}, {1160, 40, 2100}};
-    for (int s = 0; s < 7; s++) {
+    // row tiles of all C columns, the last of 8 rows, each packing its own
+    // rows of dout; with OC <= N so does the forward, the weight packed ahead
+    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},        {5, 33, 17},      {64, 96, 288},
+                       {130, 192, 320}, {400, 400, 2100}, {1160, 40, 2100}, {1160, 300, 200}};
+    for (int s = 0; s < 8; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand(ni, 51, 1.0f), *w = frand(nw, 52, 1.0f), *bias = frand(OC, 53, 1.0f);
@@ -1780,14 +1780,16 @@ static void test_matmul_lp(fl_dtype dt) {
     // weight's rows packed ahead), over OC 2100 in two 2048-channel spans,
     // each span packed after the last one's tiles; their weight gradients
     // sum more than one depth block of tokens; N 1160's input gradient takes
-    // row tiles of all C columns, each converting its own rows of dout
-    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},        {5, 33, 17},     {64, 96, 288},
-                       {130, 192, 320}, {2, 33, 530},     {3, 20, 4500},   {1100, 20, 40},
-                       {400, 400, 300}, {400, 400, 2100}, {1160, 40, 2100}}; // N C OC
+    // row tiles of all C columns, each converting its own rows of dout, and
+    // with OC <= N so does the forward (inp's rows), the weight packed ahead
+    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},        {5, 33, 17},      {64, 96, 288},
+                       {130, 192, 320}, {2, 33, 530},     {3, 20, 4500},    {1100, 20, 40},
+                       {400, 400, 300}, {400, 400, 2100}, {1160, 40, 2100}, {1160, 300, 200}};
+    // N C OC
     if (fl_cpu_isa() == FL_ISA_PORTABLE)
         t_check(matmul_workspace_bytes(FL_F32, 130, 192, 320) == 0,
                 "fp32 matmul on the portable path needs no workspace");
-    for (int s = 0; s < 11; s++) {
+    for (int s = 0; s < 12; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand_dt(dt, ni, 51, 1.0f), *w = frand_dt(dt, nw, 52, 1.0f);

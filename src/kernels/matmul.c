@@ -47,19 +47,25 @@
 // for all of its input-gradient tiles.
 #define MM_DINP_CHUNK 2048
 _Static_assert(MM_DINP_CHUNK % GEMM_DEPTH_BLOCK == 0, "chunks of whole depth blocks");
-// With AVX2, an input gradient of at least 8 x MM_DINP_ROWS rows takes
-// tiles of MM_DINP_ROWS rows by all C columns: each tile packs its rows of
-// dout once per depth block for every column (gemm's one row block), where
-// tiles of a few columns needed dout packed ahead for all of them, written
-// to memory and read back. Interleaved in one process against the column
-// tiles (the backward's weight, bias and input gradients together, N = 2048,
-// 2 threads, Zen 5): GPT-2's 768-channel inputs 1-5% faster with AVX-512
-// and 1.5-4% with AVX2, the LLaMA's 576-channel ones 4.5-7%, fp16 up to 9%,
-// the 1536- and 3072-channel ones level or 1.5% faster. Rows of 144 did
-// better than 96 and 192 (more tiles for the two threads to share at each
-// span's barrier); above GEMM_ROW_BLOCK (240, 256) the gain was gone.
-#define MM_DINP_ROWS 144
-_Static_assert(MM_DINP_ROWS <= GEMM_ROW_BLOCK && MM_DINP_ROWS % 24 == 0,
+// With AVX2, GEMMs of at least 8 x MM_FULL_ROWS rows take tiles of
+// MM_FULL_ROWS rows by every output column (gemm's one row block): each tile
+// packs its own rows of the operand that differs between rows (dout for the
+// input gradient, inp for the forward) once per depth block for all columns,
+// where tiles of a few columns needed it packed ahead for all of them,
+// written to memory and read back; the operand every tile reads whole (the
+// weight) is packed ahead instead. The forward does so when OC <= N, so that
+// the weight packed ahead takes no more workspace than inp did (not the LM
+// head). Interleaved in one process against the column tiles (N = 2048, 2
+// threads, Zen 5): the backward (weight, bias and input gradients together)
+// 1-5% faster at GPT-2's 768-channel inputs with AVX-512 and 1.5-4% with
+// AVX2, 4.5-7% at the LLaMA's 576-channel ones, fp16 up to 9%, level or 1.5%
+// at 1536 and 3072 channels; the forward 6-14% faster at 1536 and 3072
+// input channels (the down projections, AVX-512, AVX2 and fp16), level
+// within -1..+2% at 576 and 768. Rows of 144 did better than 96 and 192
+// (more tiles for the two threads to share at each barrier); above
+// GEMM_ROW_BLOCK (240, 256) the gain was gone.
+#define MM_FULL_ROWS 144
+_Static_assert(MM_FULL_ROWS <= GEMM_ROW_BLOCK && MM_FULL_ROWS % 24 == 0,
                "one row block of gemm's a, whole kernel rows");
 
 // One tile's row-major sgemm, OpenBLAS's: inside a parallel region it runs
@@ -356,6 +362,11 @@ static int packed_rows(int rb, int N) {
     return rb < N ? rb : N;
 }
 
+// Tiles of MM_FULL_ROWS rows by all columns (see MM_FULL_ROWS)
+static int full_width(int N) {
+    return N >= 8 * MM_FULL_ROWS;
+}
+
 // The input gradient's tiling: column tiles of cb, row tiles of rb. dout's
 // columns of a span are packed ahead when several column tiles read them
 // (then row tiles start on the packed rows' quantum), the span's weight rows
@@ -365,19 +376,33 @@ typedef struct {
 } dinp_tiling;
 
 static dinp_tiling dinp_tiles(int N, int C) {
-    int full_width = N >= 8 * MM_DINP_ROWS;
-    dinp_tiling t = {.cb = full_width ? C : dinp_tile_cols(C)};
+    int full = full_width(N);
+    dinp_tiling t = {.cb = full ? C : dinp_tile_cols(C)};
     t.nc = ceil_div(C, t.cb), t.dout_ahead = t.nc > 1;
-    t.rb = full_width     ? MM_DINP_ROWS
+    t.rb = full           ? MM_FULL_ROWS
            : t.dout_ahead ? packed_rows(dinp_tile_rows(N), N)
                           : dinp_tile_rows(N);
     t.nr = ceil_div(N, t.rb), t.weight_ahead = t.nr > 1;
     return t;
 }
 
+// The forward's tiling: row tiles of rb, column tiles of cb; full width:
+// each tile packs its own rows of inp and the weight is packed ahead, else
+// inp is packed ahead (row tiles on the packed rows' quantum) and each tile
+// packs its columns of the weight.
+typedef struct {
+    int rb, cb, full_width;
+} fwd_tiling;
+
+static fwd_tiling fwd_tiles(int N, int C, int OC) {
+    if (full_width(N) && OC <= N) return (fwd_tiling){MM_FULL_ROWS, OC, 1};
+    return (fwd_tiling){packed_rows(fwd_tile_rows(N), N), fwd_tile_cols(C, OC), 0};
+}
+
 // gemm's packing buffer for the largest of the tiles below
 static size_t pack_floats(int N, int C, int OC) {
-    size_t fwd = gemm_pack_floats(packed_rows(fwd_tile_rows(N), N), fwd_tile_cols(C, OC), C);
+    fwd_tiling ft = fwd_tiles(N, C, OC);
+    size_t fwd = gemm_pack_floats(ft.rb, ft.cb, C);
     size_t dw = gemm_pack_floats(dw_tile_rows(OC), C, N);
     dinp_tiling t = dinp_tiles(N, C);
     size_t dinp = gemm_pack_floats(t.rb, t.cb, min_int(OC, MM_DINP_CHUNK));
@@ -388,13 +413,16 @@ static size_t pack_floats(int N, int C, int OC) {
 // weight gradient tile's rows (over more than one depth block of tokens;
 // fewer accumulate in place) or a bias block's column sums.
 static size_t packed_thread_floats(fl_dtype dt, int N, int C, int OC) {
-    size_t fwd = (size_t)packed_rows(fwd_tile_rows(N), N) * fwd_tile_cols(C, OC);
+    fwd_tiling ft = fwd_tiles(N, C, OC);
+    size_t fwd = (size_t)ft.rb * ft.cb;
     size_t dw = N <= GEMM_DEPTH_BLOCK ? 0 : (size_t)dw_tile_rows(OC) * C;
     size_t scratch = fwd > dw ? fwd : dw;
     if (scratch < MM_OCBLOCK) scratch = MM_OCBLOCK;
     return pack_floats(N, C, OC) + (dt == FL_F32 ? 0 : scratch);
 }
 
+// inp packed (the forward's a, the weight gradient's b); a full-width
+// forward packs its weight (OC <= N columns of C) there instead
 static size_t inp_packed_floats(int N, int C) {
     size_t as_a = gemm_packed_floats(N, C), as_b = gemm_packed_floats(C, N);
     return as_a > as_b ? as_a : as_b;
@@ -446,21 +474,21 @@ typedef struct {
     float *dst;
     fl_dtype dt;
     const void *x;
-    int ld, as_b, rows, cols;
+    int ld, as_b, rows, cols, trans;
 } pack_job;
 
 static int job_count(const pack_job *j) {
-    return j->as_b ? j->cols : j->rows;
+    return j->as_b != j->trans ? j->cols : j->rows;
 }
 static int job_depth(const pack_job *j) {
-    return j->as_b ? j->rows : j->cols;
+    return j->as_b != j->trans ? j->rows : j->cols;
 }
 static int job_tasks(const pack_job *j) {
     return ceil_div(job_depth(j), GEMM_DEPTH_BLOCK) * ceil_div(job_count(j), GEMM_PACK_QUANTUM);
 }
 static void job_task(const pack_job *j, int t) {
     int blocks = ceil_div(job_depth(j), GEMM_DEPTH_BLOCK), i = t / blocks * GEMM_PACK_QUANTUM;
-    gemm_mat m = {.dt = j->dt, .p = j->x, .ld = j->ld, .trans = 0};
+    gemm_mat m = {.dt = j->dt, .p = j->x, .ld = j->ld, .trans = j->trans};
     gemm_pack(j->dst, m, j->as_b, job_count(j), job_depth(j), i,
               min_int(GEMM_PACK_QUANTUM, job_count(j) - i), t % blocks * GEMM_DEPTH_BLOCK);
 }
@@ -497,12 +525,15 @@ static gemm_mat mat(fl_dtype dt, const void *p, size_t offset, int ld, int trans
 static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
                            const void *bias, float *ws, int N, int C, int OC) {
     packed_shared sh = shared_split(ws, dt, N, C, OC);
-    // row blocks start on the packed rows' quantum
-    int rb = packed_rows(fwd_tile_rows(N), N), cb = fwd_tile_cols(C, OC);
+    fwd_tiling ft = fwd_tiles(N, C, OC);
+    int rb = ft.rb, cb = ft.cb;
     int nr = ceil_div(N, rb), nc = ceil_div(OC, cb);
-    pack_job inp_a = {sh.inp_packed, dt, inp, C, 0, N, C};
-    gemm_mat a = job_packed(&inp_a);
-#pragma omp parallel firstprivate(a)
+    // what every tile reads, packed ahead: the weight as b (full width), or inp as a
+    pack_job ahead = ft.full_width ? (pack_job){sh.inp_packed, dt, weight, C, 1, OC, C, 1}
+                                   : (pack_job){sh.inp_packed, dt, inp, C, 0, N, C, 0};
+    FL_ASSERT(!ft.full_width || gemm_packed_floats(OC, C) <= inp_packed_floats(N, C));
+    gemm_mat packed = job_packed(&ahead);
+#pragma omp parallel
     {
         float *pack = thread_share(ws, dt, N, C, OC);
         const float *bias32 = dt == FL_F32 ? bias : sh.bias32;
@@ -510,7 +541,7 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
 #pragma omp single nowait
             fl_convert(FL_F32, sh.bias32, dt, bias, OC);
         }
-        pack_jobs(&inp_a, 1);
+        pack_jobs(&ahead, 1);
 #pragma omp for schedule(dynamic, 1) nowait
         for (int t = 0; t < nr * nc; t++) {
             int n0 = (t / nc) * rb, c0 = (t % nc) * cb;
@@ -522,9 +553,12 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
             if (bias)
                 for (int n = 0; n < rows; n++)
                     memcpy(tile + (size_t)n * ldt, bias32 + c0, cols * sizeof(float));
-            a.first = n0;
-            gemm_tile(rows, cols, C, a, mat(dt, weight, (size_t)c0 * C, C, 1), bias ? 1.0f : 0.0f,
-                      FL_F32, tile, ldt, pack);
+            gemm_mat ai = packed, bi = mat(dt, weight, (size_t)c0 * C, C, 1);
+            if (ft.full_width)
+                ai = mat(dt, inp, (size_t)n0 * C, C, 0), bi = packed;
+            else
+                ai.first = n0;
+            gemm_tile(rows, cols, C, ai, bi, bias ? 1.0f : 0.0f, FL_F32, tile, ldt, pack);
             if (dt != FL_F32)
                 store_tile(dt, fl_at(dt, out, (size_t)n0 * OC + c0), tile, rows, cols, OC, cols);
         }
@@ -543,7 +577,7 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
     // one depth block of tokens (gemm rounds its one sum: the bits of an fp32
     // copy of its rows rounded after); otherwise in an fp32 copy, rounded once.
     int dw_in_place = dt == FL_F32 || N <= GEMM_DEPTH_BLOCK;
-    pack_job inp_b = {sh.inp_packed, dt, inp, C, 1, N, C};
+    pack_job inp_b = {sh.inp_packed, dt, inp, C, 1, N, C, 0};
     // Output channels span by span (MM_DINP_CHUNK of them): a span's
     // dweight rows, dbias sums and dinp tiles share one dynamic loop, so
     // the span of dout that the weight gradient has just read is still
@@ -584,11 +618,11 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
             int n_jobs = 0;
             if (k0 == 0 && dweight) jobs[n_jobs++] = inp_b;
             if (n_dinp && tiles.dout_ahead) {
-                jobs[n_jobs] = (pack_job){sh.dout_packed, dt, a.p, OC, 0, N, kn};
+                jobs[n_jobs] = (pack_job){sh.dout_packed, dt, a.p, OC, 0, N, kn, 0};
                 dout_job = &jobs[n_jobs++];
             }
             if (n_dinp && tiles.weight_ahead) {
-                jobs[n_jobs] = (pack_job){sh.weight_packed, dt, w.p, C, 1, kn, C};
+                jobs[n_jobs] = (pack_job){sh.weight_packed, dt, w.p, C, 1, kn, C, 0};
                 weight_job = &jobs[n_jobs++];
             }
             // the 16-bit copies above are read from here on
