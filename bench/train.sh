@@ -193,7 +193,7 @@ PEAK=$(field peak_gflops "$PEAK_LINE")
 PEAK_BF16=$(field bf16_peak_gflops "$PEAK_LINE")
 PEAK_AMX=$(field amx_peak_gflops "$PEAK_LINE")
 [[ $PEAK_BF16 == "?" ]] && PEAK_BF16=0
-# the read-modify-write stream's bandwidth, the optimizer update's roofline
+# the read-modify-write stream's bandwidth, what the optimizer update is bound by
 BW=$(field bw_peak_gbs "$PEAK_LINE")
 [[ $BW == "?" ]] && BW=0
 [[ $PEAK_AMX == "?" ]] && PEAK_AMX=0
@@ -311,20 +311,18 @@ for shape in $SHAPES; do
             GEMM_ROWS+=$(awk -v s="$label" -v ms="$(field ms_median "$line")" -v gb="$(field gemm_bound_ms "$line")" \
                 -v gf="$(field gemm_fitlm_ms "$line")" -v best="$(field sgemm_best_gflops "$line")" \
                 -v fl="$(field gemm_flops_step "$line")" -v opt="$(field ms_opt "$line")" \
-                -v np="$(field params "$line")" -v bw="$BW" 'BEGIN {
-                    # clip + AdamW at the stream bandwidth: 32 bytes per
-                    # parameter (the norm reads the gradient; the update
-                    # reads weight, gradient, m and v, writes weight, m, v)
-                    floor = (bw > 0 && np + 0 > 0) ? np * 32 / (bw * 1e6) : -1
+                -v np="$(field params "$line")" 'BEGIN {
+                    # clip + AdamW moves 32 bytes per parameter (the norm
+                    # reads the gradient; the update reads weight, gradient,
+                    # m and v, writes weight, m and v): its GB/s
+                    gbs = (np + 0 > 0 && opt > 0) ? sprintf("%.0f", np * 32 / (opt * 1e6)) : "?"
                     # the step holds these GEMMs and more: a step faster than
                     # fitlm'"'"'s GEMMs alone (best of 7 each) means the GEMM
                     # timings were disturbed, and so may the bound be
                     v = ms < gf ? "unreliable: the step ran faster than fitlm'"'"'s GEMMs alone (disturbed GEMM timings)" \
                         : ms / gb <= 1.15 ? "met" : "NOT met"
-                    fs = floor < 0 ? "?" : sprintf("%.0f", floor)
-                    fr = floor < 0 ? "?" : sprintf("%.2f", (gb + floor) / gb)
-                    printf "| %s | %.1f | %.0f | %.1f | %.0f | %.0f | %.2f | %s | %.0f | %s | %s |\n", s, fl / 1e9, best, gb, gf, ms,
-                        ms / gb, v, opt, fs, fr }')$'\n'
+                    printf "| %s | %.1f | %.0f | %.1f | %.0f | %.0f | %.2f | %s | %.0f | %s | %.2f |\n", s, fl / 1e9, best, gb, gf, ms,
+                        ms / gb, v, opt, gbs, (gb + opt) / gb }')$'\n'
         fi
         LINE[$shape:$run]=$line
         # the one-thread run compares with this one's log
@@ -490,9 +488,9 @@ TOTAL=$SECONDS
     if [[ -n $GEMM_ROWS ]]; then
         echo "## fp32 step against its GEMM-bound time"
         echo
-        echo "GEMM-bound time: the step's linear-layer GEMMs (forward, input and weight gradients, N = B*T rows), each timed in this run with OpenBLAS's and oneDNN's sgemm on $THREADS threads, the faster of the two summed (bench_train's table in the log). Attention's products run in fitlm's fused kernel and count as non-GEMM time. Target: step <= 1.15 x GEMM-bound. The last three columns: the step's clip+AdamW phase (median), the time its 32 bytes per parameter take at the memory bandwidth measured by bench/peak_fma ($BW GB/s, a read-modify-write stream), and the ratio a step would reach with its GEMMs at the best library's rate and nothing else but that phase at the bandwidth."
+        echo "GEMM-bound time: the step's linear-layer GEMMs (forward, input and weight gradients, N = B*T rows), each timed in this run with OpenBLAS's and oneDNN's sgemm on $THREADS threads, the faster of the two summed (bench_train's table in the log). Attention's products run in fitlm's fused kernel and count as non-GEMM time. Target: step <= 1.15 x GEMM-bound. The last three columns: the step's clip+AdamW phase (median ms), the GB/s at which it moved its 32 bytes per parameter (against the memory bandwidth bench/peak_fma measured at the start, $BW GB/s, a read-modify-write stream: the phase is bound by memory, and a VM's bandwidth can move from run to run), and (GEMM-bound + that phase) / GEMM-bound: the ratio a step would reach with its GEMMs at the best library's rate, that phase as it ran and nothing else."
         echo
-        echo "| shape | GEMM GFLOP/step | best sgemm GFLOP/s | GEMM-bound ms | fitlm's GEMMs ms | step ms | step / GEMM-bound | target | clip+AdamW ms | clip+AdamW at bandwidth ms | (GEMM-bound + that) / GEMM-bound |"
+        echo "| shape | GEMM GFLOP/step | best sgemm GFLOP/s | GEMM-bound ms | fitlm's GEMMs ms | step ms | step / GEMM-bound | target | clip+AdamW ms | its GB/s | (GEMM-bound + clip+AdamW) / GEMM-bound |"
         echo "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
         printf '%s' "$GEMM_ROWS"
         echo
