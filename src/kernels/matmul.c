@@ -63,7 +63,8 @@ _Static_assert(MM_DINP_CHUNK % GEMM_DEPTH_BLOCK == 0, "chunks of whole depth blo
 // input channels (the down projections, AVX-512, AVX2 and fp16), level
 // within -1..+2% at 576 and 768. Rows of 144 did better than 96 and 192
 // (more tiles for the two threads to share at each barrier); above
-// GEMM_ROW_BLOCK (240, 256) the gain was gone.
+// GEMM_ROW_BLOCK (240, 256) the gain was gone. At N = 1024 (7 tiles and a
+// sliver) the full-width tiles were slower, up to 10%: too few to share.
 #define MM_FULL_ROWS 144
 _Static_assert(MM_FULL_ROWS <= GEMM_ROW_BLOCK && MM_FULL_ROWS % 24 == 0,
                "one row block of gemm's a, whole kernel rows");
