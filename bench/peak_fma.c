@@ -77,11 +77,6 @@ static double stream_pass(float *x, const float *y, int threads) {
     return fl_now() - t0;
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static void measure_bandwidth(int max_threads, int reps, char *res, size_t res_size) {
     printf("memory bandwidth: x = 0.5 x + y over 2 x %zu MiB, 12 bytes moved per element, "
            "%d reps (median)\n",
@@ -95,7 +90,7 @@ static void measure_bandwidth(int max_threads, int reps, char *res, size_t res_s
     for (int t = 1; t <= max_threads; t++) {
         stream_pass(x, y, t); // warm-up
         for (int r = 0; r < reps; r++) gbs[r] = 12.0 * BW_FLOATS / stream_pass(x, y, t) / 1e9;
-        qsort(gbs, (size_t)reps, sizeof(double), cmp_double);
+        qsort(gbs, (size_t)reps, sizeof(double), fma_peak_cmp_double);
         double g = gbs[reps / 2];
         printf("  %d thread%s: %8.1f GB/s (min %.1f, max %.1f)\n", t, t == 1 ? " " : "s", g, gbs[0],
                gbs[reps - 1]);

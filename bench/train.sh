@@ -213,6 +213,13 @@ shape_args() {
     if [[ $1 == llama:* ]]; then echo "$LLAMA"; fi
 }
 
+# shape_label SHAPE: "B=4, T=64" or "LLaMA, B=4, T=64", as the tables name a shape
+shape_label() {
+    local bt=${1#*:}
+    if [[ $1 == llama:* ]]; then echo -n "LLaMA, "; fi
+    echo "B=${bt%x*}, T=${bt#*x}"
+}
+
 # run_one NAME ENGINE PREC SHAPE THREADS BUSY: one bench run, its RESULT line
 # (or a failed= line) on stdout; the log in $LOG/NAME.log
 run_one() {
@@ -270,8 +277,7 @@ START=$SECONDS
 for shape in $SHAPES; do
     bt=${shape#*:}
     B=${bt%x*} T=${bt#*x}
-    label="B=$B, T=$T"
-    [[ $shape == llama:* ]] && label="LLaMA, B=$B, T=$T"
+    label=$(shape_label "$shape")
     mapfile -t runs < <(runs_for_shape)
     declare -A ROUND_LINES=() ROUND_NAMES=()
     for ((round = 1; round <= ROUNDS; round++)); do
@@ -387,13 +393,12 @@ if [[ $BUSY == 1 ]]; then
     declare -A BUSY_RUNS=() BUSY_LINES=() SLOWDOWN=()
     for ((round = 1; round <= ROUNDS; round++)); do
         for shape in $BUSY_SHAPES; do
-            bt=${shape#*:}
             for eng in fitlm pytorch; do
                 [[ $eng == pytorch ]] && ((!TORCH)) && continue
                 base=${LINE[$shape:$eng:fp32]:-}
                 [[ -z $base || $(field failed "$base") == 1 ]] && continue
                 idle=$(wait_idle)
-                echo "== $eng fp32 B=${bt%x*}, T=${bt#*x} beside one busy process, round $round of $ROUNDS (machine ${idle}% busy before)"
+                echo "== $eng fp32 $(shape_label "$shape") beside one busy process, round $round of $ROUNDS (machine ${idle}% busy before)"
                 name="${eng}_fp32_${shape/:/_}_busy"
                 ((ROUNDS > 1)) && name+="_r$round"
                 l=$(run_one "$name" "$eng" fp32 "$shape" "$THREADS" 1)
@@ -405,9 +410,7 @@ if [[ $BUSY == 1 ]]; then
         done
     done
     for shape in $BUSY_SHAPES; do
-        bt=${shape#*:}
-        label="B=${bt%x*}, T=${bt#*x}"
-        [[ $shape == llama:* ]] && label="LLaMA, $label"
+        label=$(shape_label "$shape")
         for eng in fitlm pytorch; do
             [[ -z ${BUSY_RUNS[$shape:$eng]:-} ]] && continue
             mapfile -t sorted < <(printf '%s' "${BUSY_RUNS[$shape:$eng]}" | sort -g)
@@ -415,9 +418,10 @@ if [[ $BUSY == 1 ]]; then
             # the range: of the run's steps, or with ROUNDS > 1 of the runs' medians
             lo=$(field ms_min "$l") hi=$(field ms_max "$l")
             if ((ROUNDS > 1)); then lo=${sorted[0]%% *} hi=${sorted[${#sorted[@]} - 1]%% *}; fi
-            BUSY_ROWS+=$(awk -v s="$label" -v e="$eng" -v a="$(field ms_median "$l")" -v lo="$lo" -v hi="$hi" \
-                -v b="$(field ms_median "${LINE[$shape:$eng:fp32]}")" 'BEGIN { printf "| %s | %s | %.0f | %.0f (%.0f-%.0f) | %.2f |\n", s, e, b, a, lo, hi, a / b }')$'\n'
-            SLOWDOWN[$eng]=$(awk -v a="$(field ms_median "$l")" -v b="$(field ms_median "${LINE[$shape:$eng:fp32]}")" 'BEGIN { printf "%.2f", a / b }')
+            a=$(field ms_median "$l") b=$(field ms_median "${LINE[$shape:$eng:fp32]}")
+            SLOWDOWN[$eng]=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')
+            BUSY_ROWS+=$(awk -v s="$label" -v e="$eng" -v a="$a" -v lo="$lo" -v hi="$hi" -v b="$b" -v r="${SLOWDOWN[$eng]}" \
+                'BEGIN { printf "| %s | %s | %.0f | %.0f (%.0f-%.0f) | %s |\n", s, e, b, a, lo, hi, r }')$'\n'
         done
         if [[ -n ${SLOWDOWN[fitlm]:-} && -n ${SLOWDOWN[pytorch]:-} ]]; then
             BUSY_TARGET+=$(awk -v s="$label" -v f="${SLOWDOWN[fitlm]}" -v p="${SLOWDOWN[pytorch]}" \
@@ -435,9 +439,7 @@ for r in "${ROWS[@]}"; do TABLE+=$'\n'"$r"; done
 # the targets: fitlm >= 2x PyTorch fp32; 16-bit >= fp32 (>= 2.5x with a bf16 GEMM)
 TARGET=""
 for shape in $SHAPES; do
-    bt=${shape#*:}
-    label="B=${bt%x*}, T=${bt#*x}"
-    [[ $shape == llama:* ]] && label="LLaMA, $label"
+    label=$(shape_label "$shape")
     b=${LINE[$shape:fitlm:fp32]:-} pt=${LINE[$shape:pytorch:fp32]:-}
     [[ -z $b || $(field failed "$b") == 1 ]] && continue
     if [[ -n $pt && $(field failed "$pt") != 1 ]]; then

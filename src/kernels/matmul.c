@@ -470,7 +470,8 @@ static float *thread_share(float *ws, fl_dtype dt, int N, int C, int OC) {
 
 // An operand that several tiles read, packed ahead by all threads: x (rows,
 // cols) with row stride ld, as gemm's a (rows by depth cols) or b (cols by
-// depth rows), into dst.
+// depth rows), into dst; trans swaps the roles of x's rows and columns (the
+// forward's weight, (OC, C), is its b of OC columns by depth C).
 typedef struct {
     float *dst;
     fl_dtype dt;
@@ -554,12 +555,14 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
             if (bias)
                 for (int n = 0; n < rows; n++)
                     memcpy(tile + (size_t)n * ldt, bias32 + c0, cols * sizeof(float));
-            gemm_mat ai = packed, bi = mat(dt, weight, (size_t)c0 * C, C, 1);
+            // full width: inp's rows in place, the weight packed; else inp
+            // packed, the tile's rows of the weight in place
+            gemm_mat a = packed, b = packed;
             if (ft.full_width)
-                ai = mat(dt, inp, (size_t)n0 * C, C, 0), bi = packed;
+                a = mat(dt, inp, (size_t)n0 * C, C, 0);
             else
-                ai.first = n0;
-            gemm_tile(rows, cols, C, ai, bi, bias ? 1.0f : 0.0f, FL_F32, tile, ldt, pack);
+                a.first = n0, b = mat(dt, weight, (size_t)c0 * C, C, 1);
+            gemm_tile(rows, cols, C, a, b, bias ? 1.0f : 0.0f, FL_F32, tile, ldt, pack);
             if (dt != FL_F32)
                 store_tile(dt, fl_at(dt, out, (size_t)n0 * OC + c0), tile, rows, cols, OC, cols);
         }
