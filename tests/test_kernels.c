@@ -1865,38 +1865,62 @@ static float *packed(gemm_mat x, int as_b, int count, int K) {
     return dst;
 }
 
-static void gemm_case(int M, int N, int K, int ta, int tb, fl_dtype dt, int beta, unsigned seed) {
+// How a gemm_case's c starts: zero (beta 0), its values (beta 1), or a bias
+// row (beta 0 with a bias: the tile's c is NaN, and c0 holds the bias in
+// every row for the reference and for the beta 1 call it must equal).
+enum { INIT_ZERO, INIT_C, INIT_BIAS };
+
+static void gemm_case(int M, int N, int K, int ta, int tb, fl_dtype dt, int init, unsigned seed) {
     int lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 1, ldc = N + 2;
     size_t na = (size_t)(ta ? K : M) * lda, nb = (size_t)(tb ? N : K) * ldb, nc = (size_t)M * ldc;
     float *a = frand_dt(dt, na, seed, 1.0f), *b = frand_dt(dt, nb, seed + 1, 1.0f);
-    float *c0 = frand(nc, seed + 2, 1.0f), *c = fcopy(c0, nc), *c32 = fcopy(c0, nc);
+    float *c0 = frand(nc, seed + 2, 1.0f), *bias = frand(N, seed + 3, 1.0f);
+    float beta = init == INIT_C ? 1.0f : 0.0f, *bias_or_null = init == INIT_BIAS ? bias : NULL;
+    if (init == INIT_BIAS)
+        for (int i = 0; i < M; i++) memcpy(c0 + (size_t)i * ldc, bias, N * sizeof *bias);
+    // what the calls start from: c0, its tile NaN where c is not to be read
+    float *start = fcopy(c0, nc);
+    if (init == INIT_BIAS)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) start[(size_t)i * ldc + j] = NAN;
+    float *c = fcopy(start, nc), *c32 = fcopy(start, nc);
     void *a_h = to_dt(dt, a, na), *b_h = to_dt(dt, b, nb);
     float *pack = fnan(gemm_pack_floats(M, N, K));
-    gemm_tile(M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta, FL_F32, c, ldc,
-              pack);
+    gemm_tile(M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), beta, bias_or_null, FL_F32, c,
+              ldc, pack);
     const char *name =
-        nm("gemm %s M%d N%d K%d ta%d tb%d beta%d", fl_dtype_name(dt), M, N, K, ta, tb, beta);
+        nm("gemm %s M%d N%d K%d ta%d tb%d init %s", fl_dtype_name(dt), M, N, K, ta, tb,
+           init == INIT_ZERO ? "zero"
+           : init == INIT_C  ? "c"
+                             : "bias");
     int bad = 0;
     for (int i = 0; i < M && !bad; i++)
         for (int j = 0; j < N && !bad; j++) {
-            double sum = beta ? c0[(size_t)i * ldc + j] : 0.0, mag = 0.0;
+            double sum = init != INIT_ZERO ? c0[(size_t)i * ldc + j] : 0.0, mag = 0.0;
             for (int k = 0; k < K; k++) {
                 double x = ta ? a[(size_t)k * lda + i] : a[(size_t)i * lda + k];
                 double y = tb ? b[(size_t)j * ldb + k] : b[(size_t)k * ldb + j];
                 sum += x * y, mag += fabs(x * y);
             }
             double tol = (K + 2) * 0x1p-24 * mag + 0x1p-24 * fabs(sum);
-            bad = fabs(c[(size_t)i * ldc + j] - sum) > tol;
+            bad = !(fabs(c[(size_t)i * ldc + j] - sum) <= tol);
             t_check(!bad, "%s: c[%d][%d] = %.9g, want %.9g +- %.3g", name, i, j,
                     c[(size_t)i * ldc + j], sum, tol);
         }
+    if (init == INIT_BIAS) {
+        // the bits of c set to the bias row, beta 1
+        memcpy(c32, c0, nc * sizeof *c32);
+        gemm_tile(M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), 1.0f, NULL, FL_F32, c32, ldc,
+                  pack);
+        t_check(!memcmp(c, c32, nc * sizeof *c), "%s: differs from c = bias, beta 1", name);
+    }
     // the fp32 copy of the operands in four sub-tiles, then the operands
     // packed ahead in four sub-tiles split on the packing quantum
     float *pa = packed(gm(dt, a_h, lda, ta), 0, M, K), *pb = packed(gm(dt, b_h, ldb, tb), 1, N, K);
     for (int pass = 0; pass < 2; pass++) {
         int m1 = pass ? (M > GEMM_PACK_QUANTUM ? GEMM_PACK_QUANTUM : 0) : M / 3, n1 = N / 2;
         if (pass) n1 = N > GEMM_PACK_QUANTUM ? GEMM_PACK_QUANTUM : 0;
-        memcpy(c32, c0, nc * sizeof *c32);
+        memcpy(c32, start, nc * sizeof *c32);
         for (int q = 0; q < 4; q++) {
             int i0 = q & 1 ? m1 : 0, j0 = q & 2 ? n1 : 0;
             int rows = q & 1 ? M - m1 : m1, cols = q & 2 ? N - n1 : n1;
@@ -1906,35 +1930,36 @@ static void gemm_case(int M, int N, int K, int ta, int tb, fl_dtype dt, int beta
             if (pass)
                 ma = (gemm_mat){.packed = pa, .count = M, .first = i0},
                 mb = (gemm_mat){.packed = pb, .count = N, .first = j0};
-            gemm_tile(rows, cols, K, ma, mb, (float)beta, FL_F32, c32 + (size_t)i0 * ldc + j0, ldc,
-                      pack);
+            gemm_tile(rows, cols, K, ma, mb, beta, bias_or_null ? bias_or_null + j0 : NULL, FL_F32,
+                      c32 + (size_t)i0 * ldc + j0, ldc, pack);
         }
         t_check(!memcmp(c, c32, nc * sizeof *c), "%s: differs %s", name,
                 pass ? "with operands packed ahead" : "from its fp32 copy in sub-tiles");
     }
     if (fl_cpu_isa() == FL_ISA_AVX512) {
-        memcpy(c32, c0, nc * sizeof *c32);
-        gemm_tile_isa(FL_ISA_AVX2, M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta,
-                      FL_F32, c32, ldc, pack);
+        memcpy(c32, start, nc * sizeof *c32);
+        gemm_tile_isa(FL_ISA_AVX2, M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), beta,
+                      bias_or_null, FL_F32, c32, ldc, pack);
         t_check(!memcmp(c, c32, nc * sizeof *c), "%s: AVX2 and AVX-512 differ", name);
     }
     if (dt != FL_F32 && K <= GEMM_DEPTH_BLOCK) {
-        // c in dt: the fp32 call on c's 16-bit values, rounded after
-        void *c_h = to_dt(dt, c0, nc);
+        // c in dt: the fp32 call on c's 16-bit values (or on the fp32
+        // bias), rounded after
+        void *c_h = to_dt(dt, start, nc);
         fl_convert(FL_F32, c32, dt, c_h, nc);
-        gemm_tile(M, N, K, gm(FL_F32, a, lda, ta), gm(FL_F32, b, ldb, tb), (float)beta, FL_F32, c32,
-                  ldc, pack);
+        gemm_tile(M, N, K, gm(FL_F32, a, lda, ta), gm(FL_F32, b, ldb, tb), beta, bias_or_null,
+                  FL_F32, c32, ldc, pack);
         for (int isa = FL_ISA_AVX2; isa <= (int)fl_cpu_isa(); isa++) {
-            void *got = to_dt(dt, c0, nc);
-            gemm_tile_isa(isa, M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), (float)beta, dt,
-                          got, ldc, pack);
+            void *got = to_dt(dt, start, nc);
+            gemm_tile_isa(isa, M, N, K, gm(dt, a_h, lda, ta), gm(dt, b_h, ldb, tb), beta,
+                          bias_or_null, dt, got, ldc, pack);
             check_lp_exact(nm("%s, c in it (isa %d)", name, isa), dt, got, c32, nc);
             free(got);
         }
         free(c_h);
     }
     free(a), free(b), free(c0), free(c), free(c32), free(a_h), free(b_h), free(pack);
-    free(pa), free(pb);
+    free(pa), free(pb), free(bias), free(start);
 }
 
 static void test_gemm(void) {
@@ -1943,7 +1968,8 @@ static void test_gemm(void) {
     // 288-wide n blocks and of the 192-row a block; M <= 192 takes the loop
     // order that packs a once per depth block; N = 128 and 64 end in panels
     // of 32 and 16 columns (AVX-512's narrow kernels); K <= 256 also takes
-    // a 16-bit c, and N a multiple of 16 a 16-bit op(b) in place
+    // a 16-bit c, and N a multiple of 16 a 16-bit op(b) in place; K = 0
+    // leaves c its start
     int shapes[][3] = {{1, 1, 1},       {13, 33, 7},   {7, 17, 0},    {50, 40, 300},
                        {200, 300, 513}, {24, 128, 70}, {17, 64, 260}, {200, 96, 256}};
     fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
@@ -1952,7 +1978,7 @@ static void test_gemm(void) {
         for (int d = 0; d < 3; d++)
             for (int t = 0; t < 4; t++)
                 gemm_case(shapes[s][0], shapes[s][1], shapes[s][2], t & 1, t >> 1, dts[d],
-                          (s + t) % 2, seed += 3);
+                          (s + t + d) % 3, seed += 4);
 }
 
 static void test_attention_lp(fl_dtype dt) {

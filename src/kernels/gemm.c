@@ -1,15 +1,16 @@
-// gemm.c: c (M,N) = beta * c + op(a) @ op(b), single-threaded, operands of
-// any storage dtype, the BLIS way: op(b) is packed in blocks of KC x NC into
-// panels NR columns wide, op(a) in micro-panels of MR rows x KC; a register-
-// blocked kernel multiplies one micro-panel of each. Packing converts bf16
-// and fp16 to fp32, so the 16-bit path pays no conversion pass of its own;
-// with AVX-512 an op(b) that is row-major already is read in place (16-bit
-// values converted in registers), and a 16-bit c of one depth block is
-// loaded and rounded by the kernel itself.
+// gemm.c: c (M,N) = beta * c (or a bias row) + op(a) @ op(b), single-
+// threaded, operands of any storage dtype, the BLIS way: op(b) is packed in
+// blocks of KC x NC into panels NR columns wide, op(a) in micro-panels of MR
+// rows x KC; a register-blocked kernel multiplies one micro-panel of each.
+// Packing converts bf16 and fp16 to fp32, so the 16-bit path pays no
+// conversion pass of its own; with AVX-512 an op(b) that is row-major
+// already is read in place (16-bit values converted in registers), and a
+// 16-bit c of one depth block is loaded and rounded by the kernel itself.
 // Kernels: AVX-512 8 x 48, AVX2+FMA 6 x 16. Without AVX2 the matmul keeps
 // OpenBLAS's sgemm on converted operands (matmul.c): a plain C kernel ran at
 // a sixth of its speed.
-// Each element of c sums its products in k order, in blocks of KC added to c.
+// Each element of c sums its products in k order, in blocks of KC added to c
+// (the first block to the bias, if any).
 #include "gemm.h"
 
 #include <string.h>
@@ -58,10 +59,11 @@ typedef struct {
     fl_dtype b, c;
 } tile_dts;
 
-// c (MR x NR, row stride ldc) = (load_c ? c : 0) + a (kc x MR) @ b (kc x NR,
-// row stride ldb), b and c of dtypes dts
+// c (MR x NR, row stride ldc) = (load_c ? c : bias ? bias in every row : 0)
+// + a (kc x MR) @ b (kc x NR, row stride ldb), b and c of dtypes dts, bias
+// NR fp32 values
 typedef void kernel_fn(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc,
-                       int load_c, tile_dts dts);
+                       int load_c, const float *bias, tile_dts dts);
 
 // kernel: mr x nr; narrow[v]: mr x 16 (v + 1) on the same panels, for a
 // last panel of 16 (v + 1) columns (NULL: none, the scratch tile instead);
@@ -74,17 +76,20 @@ typedef struct {
 } gemm_kernel;
 
 // 8 rows x NV vectors of 16: c (8 x 16 NV, row stride ldc) = (load_c ? c :
-// 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48, row stride ldb);
-// b of dtype bdt, c of cdt (constants where inlined)
+// bias ? bias : 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48, row
+// stride ldb); b of dtype bdt, c of cdt (constants where inlined)
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) static inline void
 kernel_avx512_rows8(int nv, fl_dtype bdt, fl_dtype cdt, int kc, const float *a, const void *b,
-                    size_t ldb, void *c, size_t ldc, int load_c) {
-    __m512 acc[8][3];
+                    size_t ldb, void *c, size_t ldc, int load_c, const float *bias) {
+    __m512 acc[8][3], init[3];
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++)
+        init[v] = !load_c && bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++)
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++)
-            acc[r][v] = load_c ? load16_f32(cdt, c, r * ldc + 16 * v, 0xFFFF) : _mm512_setzero_ps();
+            acc[r][v] = load_c ? load16_f32(cdt, c, r * ldc + 16 * v, 0xFFFF) : init[v];
     for (int k = 0; k < kc; k++, a += 8, b = fl_at_const(bdt, b, ldb)) {
         __m512 bv[3];
 #pragma GCC unroll 3
@@ -105,17 +110,17 @@ kernel_avx512_rows8(int nv, fl_dtype bdt, fl_dtype cdt, int kc, const float *a, 
 // kernel_avx512_rows8 with the dtypes as constants, one of them fp32
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) static inline void
 kernel_avx512_dts(int nv, tile_dts dts, int kc, const float *a, const void *b, size_t ldb, void *c,
-                  size_t ldc, int load_c) {
+                  size_t ldc, int load_c, const float *bias) {
     if (dts.c == FL_BF16)
-        kernel_avx512_rows8(nv, FL_F32, FL_BF16, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx512_rows8(nv, FL_F32, FL_BF16, kc, a, b, ldb, c, ldc, load_c, bias);
     else if (dts.c == FL_F16)
-        kernel_avx512_rows8(nv, FL_F32, FL_F16, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx512_rows8(nv, FL_F32, FL_F16, kc, a, b, ldb, c, ldc, load_c, bias);
     else if (dts.b == FL_BF16)
-        kernel_avx512_rows8(nv, FL_BF16, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx512_rows8(nv, FL_BF16, FL_F32, kc, a, b, ldb, c, ldc, load_c, bias);
     else if (dts.b == FL_F16)
-        kernel_avx512_rows8(nv, FL_F16, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx512_rows8(nv, FL_F16, FL_F32, kc, a, b, ldb, c, ldc, load_c, bias);
     else
-        kernel_avx512_rows8(nv, FL_F32, FL_F32, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx512_rows8(nv, FL_F32, FL_F32, kc, a, b, ldb, c, ldc, load_c, bias);
 }
 
 // 8 rows x 3 vectors: 24 accumulators, 3 b vectors, a broadcast a value:
@@ -124,32 +129,34 @@ kernel_avx512_dts(int nv, tile_dts dts, int kc, const float *a, const void *b, s
 // micro-tiles, where 12 rows left 4 of every 256 tokens to a scratch tile
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
 kernel_avx512(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
-              tile_dts dts) {
-    kernel_avx512_dts(3, dts, kc, a, b, ldb, c, ldc, load_c);
+              const float *bias, tile_dts dts) {
+    kernel_avx512_dts(3, dts, kc, a, b, ldb, c, ldc, load_c, bias);
 }
 // A panel's first 32 or 16 columns, straight into c: the demo's 128
 // channels are two panels and 32 columns
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
 kernel_avx512_32(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
-                 tile_dts dts) {
-    kernel_avx512_dts(2, dts, kc, a, b, ldb, c, ldc, load_c);
+                 const float *bias, tile_dts dts) {
+    kernel_avx512_dts(2, dts, kc, a, b, ldb, c, ldc, load_c, bias);
 }
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
 kernel_avx512_16(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
-                 tile_dts dts) {
-    kernel_avx512_dts(1, dts, kc, a, b, ldb, c, ldc, load_c);
+                 const float *bias, tile_dts dts) {
+    kernel_avx512_dts(1, dts, kc, a, b, ldb, c, ldc, load_c, bias);
 }
 
 // 6 rows x 2 vectors: 12 accumulators of the 16 registers; b is always
 // packed (fp32) for this kernel, c of dtype cdt
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 kernel_avx2_rows6(fl_dtype cdt, int kc, const float *a, const float *b, size_t ldb, void *c,
-                  size_t ldc, int load_c) {
+                  size_t ldc, int load_c, const float *bias) {
     __m256 c0[6], c1[6];
+    __m256 init0 = !load_c && bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    __m256 init1 = !load_c && bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
 #pragma GCC unroll 6
     for (int r = 0; r < 6; r++) {
-        c0[r] = load_c ? load8_f32(cdt, c, r * ldc) : _mm256_setzero_ps();
-        c1[r] = load_c ? load8_f32(cdt, c, r * ldc + 8) : _mm256_setzero_ps();
+        c0[r] = load_c ? load8_f32(cdt, c, r * ldc) : init0;
+        c1[r] = load_c ? load8_f32(cdt, c, r * ldc + 8) : init1;
     }
     for (int k = 0; k < kc; k++, a += 6, b += ldb) {
         __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
@@ -170,14 +177,14 @@ kernel_avx2_rows6(fl_dtype cdt, int kc, const float *a, const float *b, size_t l
 __attribute__((target("avx2,fma,f16c"))) static void kernel_avx2(int kc, const float *a,
                                                                  const void *b, size_t ldb, void *c,
                                                                  size_t ldc, int load_c,
-                                                                 tile_dts dts) {
+                                                                 const float *bias, tile_dts dts) {
     FL_ASSERT(dts.b == FL_F32);
     if (dts.c == FL_BF16)
-        kernel_avx2_rows6(FL_BF16, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx2_rows6(FL_BF16, kc, a, b, ldb, c, ldc, load_c, bias);
     else if (dts.c == FL_F16)
-        kernel_avx2_rows6(FL_F16, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx2_rows6(FL_F16, kc, a, b, ldb, c, ldc, load_c, bias);
     else
-        kernel_avx2_rows6(FL_F32, kc, a, b, ldb, c, ldc, load_c);
+        kernel_avx2_rows6(FL_F32, kc, a, b, ldb, c, ldc, load_c, bias);
 }
 
 static gemm_kernel kernel_for(int isa) {
@@ -334,12 +341,13 @@ void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, in
          kc, 0);
 }
 
-// c (mc x nc, row stride ldc) += a_block (mc x kc) @ b_block (kc x nc),
-// micro-tile by micro-tile; b's panels panel_step values apart, their rows
-// ldb apart (packed: kc * NR and NR); b and c of dtypes dts
+// c (mc x nc, row stride ldc) = (load_c ? c : bias ? bias in every row : 0)
+// + a_block (mc x kc) @ b_block (kc x nc), micro-tile by micro-tile; b's
+// panels panel_step values apart, their rows ldb apart (packed: kc * NR and
+// NR); b and c of dtypes dts, bias nc fp32 values
 static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *a_block,
                            const void *b_block, size_t ldb, size_t panel_step, tile_dts dts,
-                           void *c, int ldc, int load_c, float *edge) {
+                           void *c, int ldc, int load_c, const float *bias, float *edge) {
     for (int ir = 0; ir < mc; ir += kn.mr) {
         int mr = min_int(kn.mr, mc - ir);
         const float *a_panel = a_block + (size_t)ir * kc;
@@ -349,33 +357,45 @@ static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *
             void *cij = fl_at(dts.c, c, (size_t)ir * ldc + jr);
             // the kernel as wide as the panel, if there is one
             kernel_fn *fits = nr == kn.nr ? kn.kernel : nr % 16 ? NULL : kn.narrow[nr / 16 - 1];
+            const float *bias_j = bias ? bias + jr : NULL;
             if (mr == kn.mr && fits) {
-                fits(kc, a_panel, b_panel, ldb, cij, ldc, load_c, dts);
+                fits(kc, a_panel, b_panel, ldb, cij, ldc, load_c, bias_j, dts);
                 continue;
             }
             // an edge: the whole micro-tile on fp32 scratch (the same
             // arithmetic as inside, a 16-bit c rounded once as it goes back),
             // its valid part back into c; the full kernel only on a packed
-            // panel (zeros past nr)
+            // panel (zeros past nr). The bias goes into the scratch rows,
+            // which the kernel then loads: it has only nr values.
             tile_dts on_edge = {dts.b, FL_F32};
             memset(edge, 0, (size_t)kn.mr * kn.nr * sizeof(float));
-            fl_convert_rows(FL_F32, edge, kn.nr, dts.c, cij, ldc, mr, nr);
-            (fits ? fits : kn.kernel)(kc, a_panel, b_panel, ldb, edge, kn.nr, load_c, on_edge);
+            if (load_c)
+                fl_convert_rows(FL_F32, edge, kn.nr, dts.c, cij, ldc, mr, nr);
+            else if (bias_j)
+                for (int r = 0; r < mr; r++) memcpy(edge + r * kn.nr, bias_j, nr * sizeof(float));
+            (fits ? fits : kn.kernel)(kc, a_panel, b_panel, ldb, edge, kn.nr, load_c || bias_j,
+                                      NULL, on_edge);
             fl_convert_rows(dts.c, cij, ldc, FL_F32, edge, kn.nr, mr, nr);
         }
     }
 }
 
-void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt,
-                   void *c, int ldc, float *pack_buf) {
+void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta,
+                   const float *bias, fl_dtype c_dt, void *c, int ldc, float *pack_buf) {
     FL_ASSERT(isa >= FL_ISA_AVX2 && isa <= (int)fl_cpu_isa());
     FL_ASSERT(beta == 0.0f || beta == 1.0f);
+    FL_ASSERT(!bias || beta == 0.0f);
     // a 16-bit c takes one depth block, its sum rounded once
     FL_ASSERT(c_dt == FL_F32 || K <= KC);
     if (K == 0) {
         if (beta == 0.0f)
-            for (int i = 0; i < M; i++)
-                memset(fl_at(c_dt, c, (size_t)i * ldc), 0, N * fl_dtype_size(c_dt));
+            for (int i = 0; i < M; i++) {
+                void *row = fl_at(c_dt, c, (size_t)i * ldc);
+                if (bias)
+                    fl_store_f32(c_dt, row, bias, N);
+                else
+                    memset(row, 0, N * fl_dtype_size(c_dt));
+            }
         return;
     }
     gemm_kernel kn = kernel_for(isa);
@@ -403,6 +423,7 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
             int jc = a_once ? i : o, pc = a_once ? o : i;
             int nc = min_int(NC, N - jc), kc = min_int(KC, K - pc);
             int load_c = pc > 0 || beta != 0.0f;
+            const float *bias_j = load_c || !bias ? NULL : bias + jc;
             const void *b_block = b.packed ? packed_block(b, kn.nr, pc, kc, b.first + jc) : bp;
             size_t ldb = kn.nr, panel_step = (size_t)kn.nr * kc;
             if (b_in_place)
@@ -416,15 +437,15 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
                 if (!a.packed && (!a_once || jc == 0))
                     pack(ap, kn.mr, a, ic, mc, pc, kc, min_int(KC, K - pc - kc));
                 multiply_block(kn, kc, mc, nc, a_block, b_block, ldb, panel_step, dts,
-                               fl_at(c_dt, c, (size_t)ic * ldc + jc), ldc, load_c, edge);
+                               fl_at(c_dt, c, (size_t)ic * ldc + jc), ldc, load_c, bias_j, edge);
             }
         }
     }
 }
 
 #else
-void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt,
-                   void *c, int ldc, float *pack_buf) {
+void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta,
+                   const float *bias, fl_dtype c_dt, void *c, int ldc, float *pack_buf) {
     fl_die("gemm: no AVX2 on this CPU (matmul's portable path is OpenBLAS's sgemm)");
 }
 
@@ -441,7 +462,7 @@ void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, in
 }
 #endif
 
-void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt, void *c,
-               int ldc, float *pack_buf) {
-    gemm_tile_isa(fl_cpu_isa(), M, N, K, a, b, beta, c_dt, c, ldc, pack_buf);
+void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, const float *bias,
+               fl_dtype c_dt, void *c, int ldc, float *pack_buf) {
+    gemm_tile_isa(fl_cpu_isa(), M, N, K, a, b, beta, bias, c_dt, c, ldc, pack_buf);
 }

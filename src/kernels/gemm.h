@@ -49,16 +49,18 @@ size_t gemm_pack_floats(int M, int N, int K);
 
 // c (M,N) of dtype c_dt, row stride ldc, = beta * c + op(a) (M,K) @ op(b)
 // (K,N), with beta 0 or 1; single-threaded, on the widest path fl_cpu_isa()
-// allows, which must be AVX2 or wider.
+// allows, which must be AVX2 or wider. With beta 0, a bias (N fp32 values,
+// or NULL) starts every row's sums where c would with beta 1: for an fp32
+// c, the bits of c set to the bias row and beta 1, without that pass.
 // An element of c sums its K products in the same order whatever M, N and
 // the position of the tile, so tiles give the bits of one whole call: in k
 // order within blocks of GEMM_DEPTH_BLOCK, each block's sum added to c.
 // A 16-bit c needs K <= GEMM_DEPTH_BLOCK: its sum is rounded once, the bits
 // of an fp32 copy of c rounded after the call.
-void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt, void *c,
-               int ldc, float *pack);
+void gemm_tile(int M, int N, int K, gemm_mat a, gemm_mat b, float beta, const float *bias,
+               fl_dtype c_dt, void *c, int ldc, float *pack);
 // The same through one path (FL_ISA_AVX2 or FL_ISA_AVX512), for the tests.
-void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta, fl_dtype c_dt,
-                   void *c, int ldc, float *pack);
+void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float beta,
+                   const float *bias, fl_dtype c_dt, void *c, int ldc, float *pack);
 
 #endif

@@ -552,9 +552,6 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
             float *tile =
                 dt == FL_F32 ? (float *)out + (size_t)n0 * OC + c0 : pack + pack_floats(N, C, OC);
             int ldt = dt == FL_F32 ? OC : cols;
-            if (bias)
-                for (int n = 0; n < rows; n++)
-                    memcpy(tile + (size_t)n * ldt, bias32 + c0, cols * sizeof(float));
             // full width: inp's rows in place, the weight packed; else inp
             // packed, the tile's rows of the weight in place
             gemm_mat a = packed, b = packed;
@@ -562,7 +559,9 @@ static void packed_forward(fl_dtype dt, void *out, const void *inp, const void *
                 a = mat(dt, inp, (size_t)n0 * C, C, 0);
             else
                 a.first = n0, b = mat(dt, weight, (size_t)c0 * C, C, 1);
-            gemm_tile(rows, cols, C, a, b, bias ? 1.0f : 0.0f, FL_F32, tile, ldt, pack);
+            // the bias starts the sums in the kernel's registers
+            gemm_tile(rows, cols, C, a, b, 0.0f, bias ? bias32 + c0 : NULL, FL_F32, tile, ldt,
+                      pack);
             if (dt != FL_F32)
                 store_tile(dt, fl_at(dt, out, (size_t)n0 * OC + c0), tile, rows, cols, OC, cols);
         }
@@ -641,11 +640,11 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                     void *dw = fl_at(dt, dweight, (size_t)r0 * C);
                     gemm_mat dout_t = mat(dt, dout, r0, OC, 1);
                     if (dw_in_place) {
-                        gemm_tile(rows, C, N, dout_t, inp_packed, 1.0f, dt, dw, C, pack);
+                        gemm_tile(rows, C, N, dout_t, inp_packed, 1.0f, NULL, dt, dw, C, pack);
                         continue;
                     }
                     fl_convert(FL_F32, scratch, dt, dw, (size_t)rows * C);
-                    gemm_tile(rows, C, N, dout_t, inp_packed, 1.0f, FL_F32, scratch, C, pack);
+                    gemm_tile(rows, C, N, dout_t, inp_packed, 1.0f, NULL, FL_F32, scratch, C, pack);
                     fl_store_f32(dt, dw, scratch, (size_t)rows * C);
                 } else if (t < n_dw + n_db) {
                     int o = k0 + (t - n_dw) * MM_OCBLOCK;
@@ -662,8 +661,8 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                         wi.first = c0;
                     else
                         wi = mat(dt, weight, (size_t)k0 * C + c0, C, 0);
-                    gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, ai, wi, 1.0f, FL_F32,
-                              dinp32 + (size_t)n0 * C + c0, C, pack);
+                    gemm_tile(min_int(rb, N - n0), min_int(cb, C - c0), kn, ai, wi, 1.0f, NULL,
+                              FL_F32, dinp32 + (size_t)n0 * C + c0, C, pack);
                 }
             }
             // the next span packs over this one's operands and adds to the
