@@ -473,13 +473,16 @@ int main(int argc, char **argv) {
     if (!ms || !ms_fwd || !ms_bwd || !ms_opt) fl_die("out of memory");
     float first_loss = 0.0f, last_loss = 0.0f, loss_scale = 1.0f;
     int skipped = 0, skipped_timed = 0;
+    long n_targets = fl_batch_targets(&opt, targets, (size_t)a.B * a.T);
     for (int s = 0; s < total; s++) {
         fl_profile_enable(s >= a.warmup);
         double t0 = fl_now();
         FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(&opt));
-        float loss = fl_model_forward(&model, inputs, targets, a.B, a.T);
+        // as fl_train_step: the loss pass writes the logits' gradient too
+        float dloss = fl_optimizer_scale(&opt) / (float)n_targets;
+        float loss = fl_model_forward_train(&model, inputs, targets, a.B, a.T, dloss);
         double t1 = fl_now();
-        fl_model_backward(&model, fl_optimizer_scale(&opt) / model.n_targets);
+        fl_model_backward(&model, dloss);
         double t2 = fl_now();
         fl_step_result r;
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(&opt));

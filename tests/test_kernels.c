@@ -2122,6 +2122,34 @@ static void test_softmax_xent_lp(fl_dtype dt) {
     }
 }
 
+// softmax_xent_forward_backward: the bits of the forward, then the backward
+// with the logits as their own gradient; rows run on both threads, ignored
+// targets and the vocabulary padding included.
+static void test_softmax_xent_fused(void) {
+    printf("softmax_xent_forward_backward\n");
+    fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
+    int shapes[][3] = {{1, 1, 1}, {7, 33, 48}, {5, 50257, 50304}};
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 3; s++) {
+            fl_dtype dt = dts[d];
+            int N = shapes[s][0], V = shapes[s][1], Vp = shapes[s][2];
+            size_t n = (size_t)N * Vp;
+            float *logits = frand_dt(dt, n, 131 + s, 8.0f), *dl = frand(N, 132 + s, 1.0f);
+            int *targets = tokens(N, 133 + s, -1, V - 1);
+            float *loss = fnan(N), *lse = fnan(N), *loss2 = fnan(N), *lse2 = fnan(N);
+            void *apart = to_dt(dt, logits, n), *fused = copy_dt(dt, apart, n);
+            softmax_xent_forward(dt, loss, lse, apart, targets, N, V, Vp);
+            softmax_xent_backward(dt, apart, apart, lse, targets, dl, N, V, Vp);
+            softmax_xent_forward_backward(dt, loss2, lse2, fused, targets, dl, N, V, Vp);
+            const char *name = nm("%s xent fused N%d V%d", fl_dtype_name(dt), N, V);
+            same_bits(nm("%s losses", name), loss, loss2, N);
+            same_bits(nm("%s lse", name), lse, lse2, N);
+            same_bytes(nm("%s dlogits", name), dt, apart, fused, n);
+            free(logits), free(dl), free(targets), free(loss), free(lse), free(loss2), free(lse2);
+            free(apart), free(fused);
+        }
+}
+
 // Gradients summed over many rows are rounded once per call, not once per
 // row or block of rows: each single contribution below is at most half an
 // ulp of the prefilled gradient, 1.0, so rounding per row would lose them all,
@@ -2368,6 +2396,7 @@ static int run_all(const char *path) {
     test_gelu();
     test_residual();
     test_softmax_xent();
+    test_softmax_xent_fused();
     test_rmsnorm();
     test_rope();
     test_swiglu();

@@ -1,6 +1,7 @@
 // test_train.c: the training step as a whole: determinism, gradient
 // accumulation equals the big batch, the hooks, ignored targets, batches
-// smaller than the allocated activations, and LOMO fused into the backward.
+// smaller than the allocated activations, LOMO fused into the backward, and
+// the training forward that writes the logits' gradient.
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -450,6 +451,38 @@ static void test_lomo(void) {
     test_lomo_accumulation();
 }
 
+// fl_model_forward_train (the loss pass writes the logits' gradient) gives
+// the bits of fl_model_forward and a backward apart: loss and gradients, in
+// each dtype, with ignored targets, and again through the head alone.
+static void test_forward_train(void) {
+    fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 7);
+    for (int i = 0; i < B * T; i += 5) targets[i] = -1;
+    for (int d = 0; d < 3; d++) {
+        fl_model m[2];
+        float loss[2][2];
+        for (int k = 0; k < 2; k++) {
+            fl_model_init(&m[k], &tiny, dts[d], 11);
+            fl_model_alloc_acts(&m[k], B, T, FL_RECOMPUTE_NONE, 0);
+            fl_model_zero_grad(&m[k]);
+            float dloss = 0.37f / (float)(B * T);
+            loss[k][0] = k ? fl_model_forward_train(&m[k], tokens, targets, B, T, dloss)
+                           : fl_model_forward(&m[k], tokens, targets, B, T);
+            fl_model_backward(&m[k], dloss);
+            loss[k][1] =
+                k ? fl_model_forward_head_train(&m[k], 2.0f * dloss) : fl_model_forward_head(&m[k]);
+            fl_model_backward(&m[k], 2.0f * dloss);
+        }
+        size_t bytes = m[0].table.numel * fl_dtype_size(dts[d]);
+        t_check(!memcmp(loss[0], loss[1], sizeof loss[0]) && !memcmp(m[0].grads, m[1].grads, bytes),
+                "%s: forward_train + backward = forward + backward, bitwise (losses %.6f %.6f)",
+                fl_dtype_name(dts[d]), loss[1][0], loss[1][1]);
+        fl_model_free(&m[0]);
+        fl_model_free(&m[1]);
+    }
+}
+
 int main(void) {
     omp_set_num_threads(2);
     test_deterministic();
@@ -458,5 +491,6 @@ int main(void) {
     test_hooks();
     test_ignored_targets_and_short_batches();
     test_lomo();
+    test_forward_train();
     return t_report();
 }

@@ -212,6 +212,13 @@ void softmax_xent_forward(fl_dtype dt, float *losses, float *lse, const void *lo
                           const int *targets, int N, int V, int Vp);
 void softmax_xent_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
                            const int *targets, const float *dlosses, int N, int V, int Vp);
+// Both in one pass over the rows, for a training step whose dlosses are
+// known before the forward (llm.c's fused classifier): losses and lse as
+// the forward's, then the logits OVERWRITTEN by their gradient as the
+// backward's with dlogits = logits, the same bits as the two calls. Each
+// row is read from memory once instead of twice.
+void softmax_xent_forward_backward(fl_dtype dt, float *losses, float *lse, void *logits,
+                                   const int *targets, const float *dlosses, int N, int V, int Vp);
 void softmax_xent_forward_ref(float *losses, float *lse, const float *logits, const int *targets,
                               int N, int V, int Vp);
 void softmax_xent_backward_ref(float *dlogits, const float *logits, const float *lse,

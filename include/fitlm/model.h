@@ -132,6 +132,9 @@ struct fl_model {
     int B, T;
     int n_targets; // positions with a loss (targets != -1)
     float loss;    // mean loss of the last forward (-1 when no targets were given)
+    // a forward for training made the logits their own gradient for this
+    // dloss (NaN: it did not; the backward does)
+    float dlogits_dloss;
 };
 
 // Builds the parameter table, allocates the parameters of dtype dt (tagged;
@@ -213,6 +216,15 @@ float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B
 // re-run from the kept residual stream (what a policy recomputes, the
 // backward recomputes itself); the loss is the same, bitwise.
 float fl_model_forward_head(fl_model *m);
+// The same for a training step whose backward's dloss is known already
+// (llm.c's fused classifier): the loss pass also overwrites the logits with
+// their gradient, row by row while each row is in cache (the backward then
+// starts at the LM head), so the (B,T,Vp) logits are read from memory once,
+// not twice. The same bits as the forward and backward apart. The backward
+// that follows must be given the same dloss.
+float fl_model_forward_train(fl_model *m, const int *tokens, const int *targets, int B, int T,
+                             float dloss);
+float fl_model_forward_head_train(fl_model *m, float dloss);
 void fl_model_zero_grad(fl_model *m);
 // Backward of the last forward: accumulates d(dloss * sum of the losses)
 // /dparams into the gradients, i.e. dloss is the weight of each target

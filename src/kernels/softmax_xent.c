@@ -150,60 +150,68 @@ static const row_ops *fast_ops(void) {
     return &scalar_ops;
 }
 
-static void forward(fl_dtype dt, float *losses, float *lse, const void *logits, const int *targets,
-                    int N, int V, int Vp, const row_ops *ops, int parallel) {
+// One row's lse and loss.
+static void forward_row(fl_dtype dt, float *loss, float *lse, const void *row, int target, int V,
+                        const row_ops *ops) {
     int blk = dt == FL_F32 ? V : XENT_BLOCK;
-#pragma omp parallel for if (parallel)
-    for (int i = 0; i < N; i++) {
-        const void *row = fl_at_const(dt, logits, (size_t)i * Vp);
-        FL_ASSERT(targets[i] >= -1 && targets[i] < V);
-        float x32[XENT_BLOCK], maxval = -INFINITY;
-        for (int j0 = 0; j0 < V; j0 += blk) {
-            int n = V - j0 < blk ? V - j0 : blk;
-            maxval = fmaxf(maxval, ops->max(fl_load_f32(dt, fl_at_const(dt, row, j0), n, x32), n));
-        }
-        double sum = 0.0;
-        for (int j0 = 0; j0 < V; j0 += blk) {
-            int n = V - j0 < blk ? V - j0 : blk;
-            sum += ops->sum_exp(fl_load_f32(dt, fl_at_const(dt, row, j0), n, x32), n, maxval);
-        }
-        // cppcheck-suppress invalidFunctionArg ; V >= 1, so sum >= 1
-        lse[i] = maxval + (float)log(sum);
-        losses[i] = targets[i] < 0 ? 0.0f : lse[i] - fp32_at(dt, row, targets[i]);
+    FL_ASSERT(target >= -1 && target < V);
+    float x32[XENT_BLOCK], maxval = -INFINITY;
+    for (int j0 = 0; j0 < V; j0 += blk) {
+        int n = V - j0 < blk ? V - j0 : blk;
+        maxval = fmaxf(maxval, ops->max(fl_load_f32(dt, fl_at_const(dt, row, j0), n, x32), n));
     }
+    double sum = 0.0;
+    for (int j0 = 0; j0 < V; j0 += blk) {
+        int n = V - j0 < blk ? V - j0 : blk;
+        sum += ops->sum_exp(fl_load_f32(dt, fl_at_const(dt, row, j0), n, x32), n, maxval);
+    }
+    // cppcheck-suppress invalidFunctionArg ; V >= 1, so sum >= 1
+    *lse = maxval + (float)log(sum);
+    *loss = target < 0 ? 0.0f : *lse - fp32_at(dt, row, target);
 }
 
-// dx[j] = dloss * (softmax_j - [j == target]) for j < V. Each block of logits
-// is read before the same block of dx is written, so dlogits may be logits.
-// The target's entry is redone from its saved logit as dloss * (p - 1), not
-// dloss * p - dloss, which would cancel. Ignored rows and the vocabulary
-// padding get exact zeros.
+// One row's gradient: dx[j] = dloss * (softmax_j - [j == target]) for j < V.
+// Each block of logits is read before the same block of dx is written, so
+// drow may be row. The target's entry is redone from its saved logit as
+// dloss * (p - 1), not dloss * p - dloss, which would cancel. An ignored
+// row and the vocabulary padding get exact zeros.
+static void backward_row(fl_dtype dt, void *drow, const void *row, float lse, int target,
+                         float dloss, int V, int Vp, const row_ops *ops) {
+    int blk = dt == FL_F32 ? V : XENT_BLOCK, zero_from = 0;
+    FL_ASSERT(target >= -1 && target < V);
+    if (target >= 0) {
+        float x_target = fp32_at(dt, row, target);
+        for (int j0 = 0; j0 < V; j0 += blk) {
+            int n = V - j0 < blk ? V - j0 : blk;
+            float x32[XENT_BLOCK];
+            const float *x = fl_load_f32(dt, fl_at_const(dt, row, j0), n, x32);
+            float *dx = fp32_out(dt, fl_at(dt, drow, j0), x32);
+            ops->probs(dx, x, lse, dloss, n);
+            fp32_flush(dt, fl_at(dt, drow, j0), dx, n);
+        }
+        float g = dloss * (expf(x_target - lse) - 1.0f);
+        fl_store_f32(dt, fl_at(dt, drow, target), &g, 1);
+        zero_from = V;
+    }
+    memset(fl_at(dt, drow, zero_from), 0, (size_t)(Vp - zero_from) * fl_dtype_size(dt));
+}
+
+static void forward(fl_dtype dt, float *losses, float *lse, const void *logits, const int *targets,
+                    int N, int V, int Vp, const row_ops *ops, int parallel) {
+#pragma omp parallel for if (parallel)
+    for (int i = 0; i < N; i++)
+        forward_row(dt, &losses[i], &lse[i], fl_at_const(dt, logits, (size_t)i * Vp), targets[i], V,
+                    ops);
+}
+
 static void backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
                      const int *targets, const float *dlosses, int N, int V, int Vp,
                      const row_ops *ops, int parallel) {
-    int blk = dt == FL_F32 ? V : XENT_BLOCK;
 #pragma omp parallel for if (parallel)
-    for (int i = 0; i < N; i++) {
-        const void *row = fl_at_const(dt, logits, (size_t)i * Vp);
-        void *drow = fl_at(dt, dlogits, (size_t)i * Vp);
-        int target = targets[i], zero_from = 0;
-        FL_ASSERT(target >= -1 && target < V);
-        if (target >= 0) {
-            float x_target = fp32_at(dt, row, target), dloss = dlosses[i];
-            for (int j0 = 0; j0 < V; j0 += blk) {
-                int n = V - j0 < blk ? V - j0 : blk;
-                float x32[XENT_BLOCK];
-                const float *x = fl_load_f32(dt, fl_at_const(dt, row, j0), n, x32);
-                float *dx = fp32_out(dt, fl_at(dt, drow, j0), x32);
-                ops->probs(dx, x, lse[i], dloss, n);
-                fp32_flush(dt, fl_at(dt, drow, j0), dx, n);
-            }
-            float g = dloss * (expf(x_target - lse[i]) - 1.0f);
-            fl_store_f32(dt, fl_at(dt, drow, target), &g, 1);
-            zero_from = V;
-        }
-        memset(fl_at(dt, drow, zero_from), 0, (size_t)(Vp - zero_from) * fl_dtype_size(dt));
-    }
+    for (int i = 0; i < N; i++)
+        backward_row(dt, fl_at(dt, dlogits, (size_t)i * Vp),
+                     fl_at_const(dt, logits, (size_t)i * Vp), lse[i], targets[i], dlosses[i], V, Vp,
+                     ops);
 }
 
 void softmax_xent_forward(fl_dtype dt, float *losses, float *lse, const void *logits,
@@ -214,6 +222,19 @@ void softmax_xent_forward(fl_dtype dt, float *losses, float *lse, const void *lo
 void softmax_xent_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
                            const int *targets, const float *dlosses, int N, int V, int Vp) {
     backward(dt, dlogits, logits, lse, targets, dlosses, N, V, Vp, fast_ops(), 1);
+}
+
+// Row by row, while the row is in cache: the logits come from memory once,
+// not once for each pass.
+void softmax_xent_forward_backward(fl_dtype dt, float *losses, float *lse, void *logits,
+                                   const int *targets, const float *dlosses, int N, int V, int Vp) {
+    const row_ops *ops = fast_ops();
+#pragma omp parallel for
+    for (int i = 0; i < N; i++) {
+        void *row = fl_at(dt, logits, (size_t)i * Vp);
+        forward_row(dt, &losses[i], &lse[i], row, targets[i], V, ops);
+        backward_row(dt, row, row, lse[i], targets[i], dlosses[i], V, Vp, ops);
+    }
 }
 
 void softmax_xent_forward_ref(float *losses, float *lse, const float *logits, const int *targets,

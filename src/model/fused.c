@@ -98,7 +98,8 @@ static float backward_pass(fl_model *m, fused_pass *p, const int *inputs, const 
     if (m->lora.grads) fl_model_zero_grad(m);
     p->outer = m->hooks;
     m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, p};
-    float loss = head_only ? fl_model_forward_head(m) : fl_model_forward(m, inputs, targets, B, T);
+    float loss = head_only ? fl_model_forward_head_train(m, dloss)
+                           : fl_model_forward_train(m, inputs, targets, B, T, dloss);
     fl_model_backward(m, dloss);
     m->hooks = p->outer;
     return loss;

@@ -4,6 +4,7 @@
 // recomputing what the activation-checkpointing policy dropped.
 #include "fitlm/model.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -125,6 +126,8 @@ void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_
 static void init_model(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
                        const fl_quant_config *q, size_t begin, size_t end) {
     memset(m, 0, sizeof *m);
+    m->loss = -1.0f; // no forward with targets yet
+    m->dlogits_dloss = NAN;
     m->config = *cfg;
     m->dtype = dt;
     fl_model_config_finish(&m->config);
@@ -462,9 +465,12 @@ static fl_block head_at(fl_model *m) {
         NULL, m->head_act, m->block_work};
 }
 
-static float loss(fl_model *m);
+static float loss(fl_model *m, const float *dloss);
 
-float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B, int T) {
+// dloss: NULL, or the backward's, for the loss pass to write the logits'
+// gradient too
+static float forward(fl_model *m, const int *tokens, const int *targets, int B, int T,
+                     const float *dloss) {
     const fl_model_config *c = &m->config;
     if (m->max_B == 0) fl_die("internal: fl_model_forward before fl_model_alloc_acts");
     if (B > m->max_B || T > m->max_T)
@@ -501,18 +507,40 @@ float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B
 
     m->loss = -1.0f;
     m->n_targets = 0;
+    m->dlogits_dloss = NAN;
     if (!targets) return m->loss;
     memcpy(m->targets, targets, BT * sizeof(int));
-    return loss(m);
+    return loss(m, dloss);
 }
 
-// The mean loss of the logits against m->targets, kept for the backward.
-static float loss(fl_model *m) {
+float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B, int T) {
+    return forward(m, tokens, targets, B, T, NULL);
+}
+
+float fl_model_forward_train(fl_model *m, const int *tokens, const int *targets, int B, int T,
+                             float dloss) {
+    if (!targets) fl_die("internal: fl_model_forward_train needs targets");
+    return forward(m, tokens, targets, B, T, &dloss);
+}
+
+// The mean loss of the logits against m->targets, kept for the backward;
+// with dloss, the logits become their gradient for it.
+static float loss(fl_model *m, const float *dloss) {
     const fl_model_config *c = &m->config;
     size_t BT = (size_t)m->B * m->T;
     const int *targets = m->targets;
-    FL_FWD_OP(FL_OP_XENT, softmax_xent_forward(m->dtype, m->losses, m->xent_lse, m->logits, targets,
-                                               BT, c->vocab_size, c->padded_vocab_size));
+    int V = c->vocab_size, Vp = c->padded_vocab_size;
+    m->dlogits_dloss = NAN;
+    if (dloss) {
+        for (size_t i = 0; i < BT; i++) m->dlosses[i] = *dloss;
+        FL_FWD_OP(FL_OP_XENT,
+                  softmax_xent_forward_backward(m->dtype, m->losses, m->xent_lse, m->logits,
+                                                targets, m->dlosses, BT, V, Vp));
+        m->dlogits_dloss = *dloss;
+    } else {
+        FL_FWD_OP(FL_OP_XENT, softmax_xent_forward(m->dtype, m->losses, m->xent_lse, m->logits,
+                                                   targets, BT, V, Vp));
+    }
     double sum = 0.0; // fixed order: deterministic
     m->n_targets = 0;
     for (size_t i = 0; i < BT; i++) {
@@ -524,12 +552,20 @@ static float loss(fl_model *m) {
     return m->loss;
 }
 
-float fl_model_forward_head(fl_model *m) {
+static float forward_head(fl_model *m, const float *dloss) {
     if (m->loss < 0.0f) fl_die("internal: fl_model_forward_head needs a forward with targets");
     pre_unit(m, FL_UNIT_HEAD(m->config.n_layer), FL_PASS_FWD);
     fl_block head = head_at(m);
     m->arch->head_forward(&head, m->logits);
-    return loss(m);
+    return loss(m, dloss);
+}
+
+float fl_model_forward_head(fl_model *m) {
+    return forward_head(m, NULL);
+}
+
+float fl_model_forward_head_train(fl_model *m, float dloss) {
+    return forward_head(m, &dloss);
 }
 
 void fl_model_zero_grad(fl_model *m) {
@@ -544,10 +580,16 @@ void fl_model_backward(fl_model *m, float dloss) {
     int B = m->B, T = m->T, L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
     size_t BT = (size_t)B * T;
 
-    for (size_t i = 0; i < BT; i++) m->dlosses[i] = dloss;
     void *dlogits = m->logits; // overwritten in place by its own gradient
-    FL_BWD_OP(FL_OP_XENT, softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
-                                                m->targets, m->dlosses, BT, V, Vp));
+    if (isnan(m->dlogits_dloss)) {
+        for (size_t i = 0; i < BT; i++) m->dlosses[i] = dloss;
+        FL_BWD_OP(FL_OP_XENT, softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
+                                                    m->targets, m->dlosses, BT, V, Vp));
+    } else if (dloss != m->dlogits_dloss) {
+        fl_die("internal: a backward with dloss %g after a training forward for %g", dloss,
+               m->dlogits_dloss);
+    }
+    m->dlogits_dloss = NAN; // the logits hold a gradient now either way
     pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_BWD);
     fl_block head = head_at(m);
     m->arch->head_backward(&head, m->dres, dlogits);

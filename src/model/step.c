@@ -27,7 +27,7 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
     for (int k = 0; k < micro; k++) {
         FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(o));
         m->lora.dropout_step = t * (uint64_t)micro + (uint64_t)k + 1;
-        fl_model_forward(m, inputs + k * BT, targets + k * BT, B, T);
+        fl_model_forward_train(m, inputs + k * BT, targets + k * BT, B, T, dloss);
         loss_sum += (double)m->loss * m->n_targets;
         fl_model_backward(m, dloss);
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(o));
