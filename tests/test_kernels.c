@@ -2379,6 +2379,68 @@ static void test_lowp(void) {
     }
 }
 
+// matmul on fitlm's GEMM, forward and both gradients, under the AVX2 and the
+// AVX-512 caps (forked children, results in shared memory): the same bits,
+// fp32 and fp16, including the AVX-512 path's transposed weight-gradient
+// tiles (C <= 256) and shapes past gemm's blocks. (bf16 may run on oneDNN
+// natively.)
+static void test_matmul_isas(int avx512) {
+    if (!avx512) return;
+    printf("matmul paths\n");
+    const char *caps[] = {"avx2", "avx512"};
+    int shapes[][3] = {{100, 40, 200},  {200, 96, 300}, {520, 128, 1000},
+                       {300, 256, 130}, {130, 320, 64}, {1160, 40, 2100}};
+    fl_dtype dts[] = {FL_F32, FL_F16};
+    for (int s = 0; s < 6; s++)
+        for (int d = 0; d < 2; d++) {
+            fl_dtype dt = dts[d];
+            int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
+            size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
+            size_t es = fl_dtype_size(dt), nres = (ni + nw + OC + no) * es;
+            // fp32 here; converted in the children: the parent must not read
+            // the CPU's features before the caps are set
+            float *inp = frand(ni, 141, 1.0f), *w = frand(nw, 142, 1.0f);
+            float *bias = frand(OC, 143, 1.0f), *dout = frand(no, 144, 1.0f);
+            float *dw0 = frand(nw, 145, 1.0f), *dx0 = frand(ni, 146, 1.0f);
+            char *res =
+                mmap(NULL, 2 * nres, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+            t_check(res != MAP_FAILED, "mmap failed");
+            if (res == MAP_FAILED) return;
+            for (int k = 0; k < 2; k++) {
+                fflush(stdout);
+                pid_t pid = fork();
+                if (pid == 0) {
+                    setenv("FITLM_ISA", caps[k], 1);
+                    char *dx = res + k * nres, *dw = dx + ni * es, *db = dw + nw * es;
+                    char *out = db + (size_t)OC * es;
+                    fl_convert(dt, dx, FL_F32, dx0, ni), fl_convert(dt, dw, FL_F32, dw0, nw);
+                    fl_convert(dt, db, FL_F32, bias, OC);
+                    void *inp_h = to_dt(dt, inp, ni), *w_h = to_dt(dt, w, nw);
+                    void *bias_h = to_dt(dt, bias, OC), *dout_h = to_dt(dt, dout, no);
+                    void *ws = fl_alloc(FL_MEM_WORKSPACE, matmul_workspace_bytes(dt, N, C, OC));
+                    matmul_forward(dt, out, inp_h, w_h, bias_h, ws, N, C, OC);
+                    matmul_backward(dt, dx, dw, db, dout_h, inp_h, w_h, ws, N, C, OC);
+                    _exit(0);
+                }
+                int status = 0;
+                if (pid > 0) waitpid(pid, &status, 0);
+                t_check(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                        "matmul %s-path child failed", caps[k]);
+            }
+            t_check(!memcmp(res, res + nres, nres),
+                    "%s matmul N%d C%d OC%d: the AVX2 and AVX-512 paths give the same bits",
+                    fl_dtype_name(dt), N, C, OC);
+            munmap(res, 2 * nres);
+            free(inp), free(w), free(bias), free(dout), free(dw0), free(dx0);
+        }
+}
+
+// the checks that compare the ISA paths, run once from the parent
+static void test_isas(int avx2, int avx512) {
+    test_attention_isas(avx2, avx512);
+    test_matmul_isas(avx512);
+}
+
 static int run_all(const char *path) {
     printf("%s paths: threads %d, vector ISA %s\n", path, fl_threads(), fl_isa_name(fl_cpu_isa()));
     if (!strcmp(path, "portable") || !strcmp(path, "avx2"))
@@ -2406,5 +2468,5 @@ static int run_all(const char *path) {
 }
 
 int main(void) {
-    return t_main_under_isa_caps(run_all, test_attention_isas);
+    return t_main_under_isa_caps(run_all, test_isas);
 }
