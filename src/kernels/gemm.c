@@ -4,8 +4,9 @@
 // rows x KC; a register-blocked kernel multiplies one micro-panel of each.
 // Packing converts bf16 and fp16 to fp32, so the 16-bit path pays no
 // conversion pass of its own; with AVX-512 an op(b) that is row-major
-// already is read in place (16-bit values converted in registers), and a
-// 16-bit c of one depth block is loaded and rounded by the kernel itself.
+// already is read in place (16-bit values converted in registers), so is a
+// row-major fp32 op(a) when b is narrow, and a 16-bit c of one depth block
+// is loaded and rounded by the kernel itself.
 // Kernels: AVX-512 8 x 48, AVX2+FMA 6 x 16. Without AVX2 the matmul keeps
 // OpenBLAS's sgemm on converted operands (matmul.c): a plain C kernel ran at
 // a sixth of its speed.
@@ -61,26 +62,28 @@ typedef struct {
 
 // c (MR x NR, row stride ldc) = (load_c ? c : bias ? bias in every row : 0)
 // + a (kc x MR) @ b (kc x NR, row stride ldb), b and c of dtypes dts, bias
-// NR fp32 values
-typedef void kernel_fn(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc,
-                       int load_c, const float *bias, tile_dts dts);
+// NR fp32 values; a a packed micro-panel (lda 0) or, where the kernel can,
+// MR fp32 rows lda apart read in place
+typedef void kernel_fn(int kc, const float *a, size_t lda, const void *b, size_t ldb, void *c,
+                       size_t ldc, int load_c, const float *bias, tile_dts dts);
 
 // kernel: mr x nr; narrow[v]: mr x 16 (v + 1) on the same panels, for a
 // last panel of 16 (v + 1) columns (NULL: none, the scratch tile instead);
-// b_in_place: reads an op(b) stored row-major where it lies (see
-// gemm_tile_isa)
+// b_in_place, a_in_place: reads an op(b), or an fp32 op(a), stored
+// row-major where it lies (see gemm_tile_isa)
 typedef struct {
     int mr, nr;
     kernel_fn *kernel, *narrow[2];
-    int b_in_place;
+    int b_in_place, a_in_place;
 } gemm_kernel;
 
 // 8 rows x NV vectors of 16: c (8 x 16 NV, row stride ldc) = (load_c ? c :
 // bias ? bias : 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48, row
 // stride ldb); b of dtype bdt, c of cdt (constants where inlined)
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) static inline void
-kernel_avx512_rows8(int nv, fl_dtype bdt, fl_dtype cdt, int kc, const float *a, const void *b,
-                    size_t ldb, void *c, size_t ldc, int load_c, const float *bias) {
+kernel_avx512_rows8(int nv, fl_dtype bdt, fl_dtype cdt, int kc, const float *a, int a_rows,
+                    size_t lda, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
+                    const float *bias) {
     __m512 acc[8][3], init[3];
 #pragma GCC unroll 3
     for (int v = 0; v < nv; v++)
@@ -90,13 +93,13 @@ kernel_avx512_rows8(int nv, fl_dtype bdt, fl_dtype cdt, int kc, const float *a, 
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++)
             acc[r][v] = load_c ? load16_f32(cdt, c, r * ldc + 16 * v, 0xFFFF) : init[v];
-    for (int k = 0; k < kc; k++, a += 8, b = fl_at_const(bdt, b, ldb)) {
+    for (int k = 0; k < kc; k++, a += a_rows ? 1 : 8, b = fl_at_const(bdt, b, ldb)) {
         __m512 bv[3];
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++) bv[v] = load16_f32(bdt, b, 16 * v, 0xFFFF);
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
-            __m512 ar = _mm512_set1_ps(a[r]);
+            __m512 ar = _mm512_set1_ps(a_rows ? a[r * lda] : a[r]);
 #pragma GCC unroll 3
             for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
         }
@@ -107,20 +110,24 @@ kernel_avx512_rows8(int nv, fl_dtype bdt, fl_dtype cdt, int kc, const float *a, 
         for (int v = 0; v < nv; v++) store16_f32(cdt, c, r * ldc + 16 * v, 0xFFFF, acc[r][v]);
 }
 
-// kernel_avx512_rows8 with the dtypes as constants, one of them fp32
+// kernel_avx512_rows8 with the dtypes as constants, one of them fp32 (both,
+// with a read in place)
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) static inline void
-kernel_avx512_dts(int nv, tile_dts dts, int kc, const float *a, const void *b, size_t ldb, void *c,
-                  size_t ldc, int load_c, const float *bias) {
-    if (dts.c == FL_BF16)
-        kernel_avx512_rows8(nv, FL_F32, FL_BF16, kc, a, b, ldb, c, ldc, load_c, bias);
+kernel_avx512_dts(int nv, tile_dts dts, int kc, const float *a, size_t lda, const void *b,
+                  size_t ldb, void *c, size_t ldc, int load_c, const float *bias) {
+    if (lda) {
+        FL_ASSERT(dts.b == FL_F32 && dts.c == FL_F32);
+        kernel_avx512_rows8(nv, FL_F32, FL_F32, kc, a, 1, lda, b, ldb, c, ldc, load_c, bias);
+    } else if (dts.c == FL_BF16)
+        kernel_avx512_rows8(nv, FL_F32, FL_BF16, kc, a, 0, 0, b, ldb, c, ldc, load_c, bias);
     else if (dts.c == FL_F16)
-        kernel_avx512_rows8(nv, FL_F32, FL_F16, kc, a, b, ldb, c, ldc, load_c, bias);
+        kernel_avx512_rows8(nv, FL_F32, FL_F16, kc, a, 0, 0, b, ldb, c, ldc, load_c, bias);
     else if (dts.b == FL_BF16)
-        kernel_avx512_rows8(nv, FL_BF16, FL_F32, kc, a, b, ldb, c, ldc, load_c, bias);
+        kernel_avx512_rows8(nv, FL_BF16, FL_F32, kc, a, 0, 0, b, ldb, c, ldc, load_c, bias);
     else if (dts.b == FL_F16)
-        kernel_avx512_rows8(nv, FL_F16, FL_F32, kc, a, b, ldb, c, ldc, load_c, bias);
+        kernel_avx512_rows8(nv, FL_F16, FL_F32, kc, a, 0, 0, b, ldb, c, ldc, load_c, bias);
     else
-        kernel_avx512_rows8(nv, FL_F32, FL_F32, kc, a, b, ldb, c, ldc, load_c, bias);
+        kernel_avx512_rows8(nv, FL_F32, FL_F32, kc, a, 0, 0, b, ldb, c, ldc, load_c, bias);
 }
 
 // 8 rows x 3 vectors: 24 accumulators, 3 b vectors, a broadcast a value:
@@ -128,21 +135,21 @@ kernel_avx512_dts(int nv, tile_dts dts, int kc, const float *a, const void *b, s
 // GPT-2's widths (768, 2304, 3072, 50304: multiples of 48) leave no edge
 // micro-tiles, where 12 rows left 4 of every 256 tokens to a scratch tile
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
-kernel_avx512(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
-              const float *bias, tile_dts dts) {
-    kernel_avx512_dts(3, dts, kc, a, b, ldb, c, ldc, load_c, bias);
+kernel_avx512(int kc, const float *a, size_t lda, const void *b, size_t ldb, void *c, size_t ldc,
+              int load_c, const float *bias, tile_dts dts) {
+    kernel_avx512_dts(3, dts, kc, a, lda, b, ldb, c, ldc, load_c, bias);
 }
 // A panel's first 32 or 16 columns, straight into c: the demo's 128
 // channels are two panels and 32 columns
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
-kernel_avx512_32(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
-                 const float *bias, tile_dts dts) {
-    kernel_avx512_dts(2, dts, kc, a, b, ldb, c, ldc, load_c, bias);
+kernel_avx512_32(int kc, const float *a, size_t lda, const void *b, size_t ldb, void *c, size_t ldc,
+                 int load_c, const float *bias, tile_dts dts) {
+    kernel_avx512_dts(2, dts, kc, a, lda, b, ldb, c, ldc, load_c, bias);
 }
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void
-kernel_avx512_16(int kc, const float *a, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
-                 const float *bias, tile_dts dts) {
-    kernel_avx512_dts(1, dts, kc, a, b, ldb, c, ldc, load_c, bias);
+kernel_avx512_16(int kc, const float *a, size_t lda, const void *b, size_t ldb, void *c, size_t ldc,
+                 int load_c, const float *bias, tile_dts dts) {
+    kernel_avx512_dts(1, dts, kc, a, lda, b, ldb, c, ldc, load_c, bias);
 }
 
 // 6 rows x 2 vectors: 12 accumulators of the 16 registers; b is always
@@ -174,11 +181,11 @@ kernel_avx2_rows6(fl_dtype cdt, int kc, const float *a, const float *b, size_t l
     }
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void kernel_avx2(int kc, const float *a,
+__attribute__((target("avx2,fma,f16c"))) static void kernel_avx2(int kc, const float *a, size_t lda,
                                                                  const void *b, size_t ldb, void *c,
                                                                  size_t ldc, int load_c,
                                                                  const float *bias, tile_dts dts) {
-    FL_ASSERT(dts.b == FL_F32);
+    FL_ASSERT(dts.b == FL_F32 && !lda);
     if (dts.c == FL_BF16)
         kernel_avx2_rows6(FL_BF16, kc, a, b, ldb, c, ldc, load_c, bias);
     else if (dts.c == FL_F16)
@@ -189,8 +196,8 @@ __attribute__((target("avx2,fma,f16c"))) static void kernel_avx2(int kc, const f
 
 static gemm_kernel kernel_for(int isa) {
     if (isa == FL_ISA_AVX512)
-        return (gemm_kernel){8, 48, kernel_avx512, {kernel_avx512_16, kernel_avx512_32}, 1};
-    return (gemm_kernel){6, 16, kernel_avx2, {NULL, NULL}, 0};
+        return (gemm_kernel){8, 48, kernel_avx512, {kernel_avx512_16, kernel_avx512_32}, 1, 1};
+    return (gemm_kernel){6, 16, kernel_avx2, {NULL, NULL}, 0, 0};
 }
 
 // Packing. X (i, k) is x.p[i * ld + k] (x.trans == 0) or x.p[k * ld + i];
@@ -345,12 +352,12 @@ void gemm_pack(float *dst, gemm_mat x, int as_b, int count, int K, int first, in
 // + a_block (mc x kc) @ b_block (kc x nc), micro-tile by micro-tile; b's
 // panels panel_step values apart, their rows ldb apart (packed: kc * NR and
 // NR); b and c of dtypes dts, bias nc fp32 values
-static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *a_block,
+static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *a_block, size_t lda,
                            const void *b_block, size_t ldb, size_t panel_step, tile_dts dts,
                            void *c, int ldc, int load_c, const float *bias, float *edge) {
     for (int ir = 0; ir < mc; ir += kn.mr) {
         int mr = min_int(kn.mr, mc - ir);
-        const float *a_panel = a_block + (size_t)ir * kc;
+        const float *a_panel = a_block + (size_t)ir * (lda ? lda : (size_t)kc);
         for (int jr = 0; jr < nc; jr += kn.nr) {
             int nr = min_int(kn.nr, nc - jr);
             const void *b_panel = fl_at_const(dts.b, b_block, (size_t)(jr / kn.nr) * panel_step);
@@ -359,7 +366,7 @@ static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *
             kernel_fn *fits = nr == kn.nr ? kn.kernel : nr % 16 ? NULL : kn.narrow[nr / 16 - 1];
             const float *bias_j = bias ? bias + jr : NULL;
             if (mr == kn.mr && fits) {
-                fits(kc, a_panel, b_panel, ldb, cij, ldc, load_c, bias_j, dts);
+                fits(kc, a_panel, lda, b_panel, ldb, cij, ldc, load_c, bias_j, dts);
                 continue;
             }
             // an edge: the whole micro-tile on fp32 scratch (the same
@@ -373,7 +380,7 @@ static void multiply_block(gemm_kernel kn, int kc, int mc, int nc, const float *
                 fl_convert_rows(FL_F32, edge, kn.nr, dts.c, cij, ldc, mr, nr);
             else if (bias_j)
                 for (int r = 0; r < mr; r++) memcpy(edge + r * kn.nr, bias_j, nr * sizeof(float));
-            (fits ? fits : kn.kernel)(kc, a_panel, b_panel, ldb, edge, kn.nr, load_c || bias_j,
+            (fits ? fits : kn.kernel)(kc, a_panel, lda, b_panel, ldb, edge, kn.nr, load_c || bias_j,
                                       NULL, on_edge);
             fl_convert_rows(dts.c, cij, ldc, FL_F32, edge, kn.nr, mr, nr);
         }
@@ -416,6 +423,16 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
     int b_in_place =
         kn.b_in_place && !b.packed && !b.trans && N % 16 == 0 && (b.dt == FL_F32 || c_dt == FL_F32);
     tile_dts dts = {b_in_place ? b.dt : FL_F32, c_dt};
+    // An fp32 op(a) stored row-major is read in place by the AVX-512 kernel
+    // too (its micro-panel's 8 rows lda apart, whole micro-panels only),
+    // when b has at most three column blocks: packing a's block is then
+    // paid back over few panels of b. Against packing (N = 2048, 2 threads,
+    // Zen 5, alternated): the LM head's input gradient at 128 channels
+    // 368 -> 470 GFLOP/s (both gradients 374 -> 426), the forward of 3072
+    // -> 768 channels 3.5-6% faster, 768-channel gradients level to +2%;
+    // over 11 column blocks (3072 channels) the gradients were 1-3% slower.
+    int a_in_place = kn.a_in_place && !a.packed && !a.trans && a.dt == FL_F32 && M % kn.mr == 0 &&
+                     dts.b == FL_F32 && c_dt == FL_F32 && N <= 3 * NC;
     int outer = a_once ? K : N, outer_step = a_once ? KC : NC;
     int inner = a_once ? N : K, inner_step = a_once ? NC : KC;
     for (int o = 0; o < outer; o += outer_step) {
@@ -434,10 +451,13 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
             for (int ic = 0; ic < M; ic += MC) {
                 int mc = min_int(MC, M - ic);
                 const float *a_block = a.packed ? packed_block(a, kn.mr, pc, kc, a.first + ic) : ap;
-                if (!a.packed && (!a_once || jc == 0))
+                if (a_in_place)
+                    a_block = (const float *)a.p + (size_t)ic * a.ld + pc;
+                else if (!a.packed && (!a_once || jc == 0))
                     pack(ap, kn.mr, a, ic, mc, pc, kc, min_int(KC, K - pc - kc));
-                multiply_block(kn, kc, mc, nc, a_block, b_block, ldb, panel_step, dts,
-                               fl_at(c_dt, c, (size_t)ic * ldc + jc), ldc, load_c, bias_j, edge);
+                multiply_block(kn, kc, mc, nc, a_block, a_in_place ? (size_t)a.ld : 0, b_block, ldb,
+                               panel_step, dts, fl_at(c_dt, c, (size_t)ic * ldc + jc), ldc, load_c,
+                               bias_j, edge);
             }
         }
     }
