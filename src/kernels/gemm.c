@@ -4,9 +4,9 @@
 // rows x KC; a register-blocked kernel multiplies one micro-panel of each.
 // Packing converts bf16 and fp16 to fp32, so the 16-bit path pays no
 // conversion pass of its own; with AVX-512 an op(b) that is row-major
-// already is read in place (16-bit values converted in registers), so is a
-// row-major fp32 op(a) when b is narrow, and a 16-bit c of one depth block
-// is loaded and rounded by the kernel itself.
+// already is read in place (16-bit values converted in registers), with
+// either kernel a row-major fp32 op(a) when b is narrow, and a 16-bit c of
+// one depth block is loaded and rounded by the kernel itself.
 // Kernels: AVX-512 8 x 48, AVX2+FMA 6 x 16. Without AVX2 the matmul keeps
 // OpenBLAS's sgemm on converted operands (matmul.c): a plain C kernel ran at
 // a sixth of its speed.
@@ -155,8 +155,8 @@ kernel_avx512_16(int kc, const float *a, size_t lda, const void *b, size_t ldb, 
 // 6 rows x 2 vectors: 12 accumulators of the 16 registers; b is always
 // packed (fp32) for this kernel, c of dtype cdt
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-kernel_avx2_rows6(fl_dtype cdt, int kc, const float *a, const float *b, size_t ldb, void *c,
-                  size_t ldc, int load_c, const float *bias) {
+kernel_avx2_rows6(fl_dtype cdt, int kc, const float *a, int a_rows, size_t lda, const float *b,
+                  size_t ldb, void *c, size_t ldc, int load_c, const float *bias) {
     __m256 c0[6], c1[6];
     __m256 init0 = !load_c && bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
     __m256 init1 = !load_c && bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -165,11 +165,11 @@ kernel_avx2_rows6(fl_dtype cdt, int kc, const float *a, const float *b, size_t l
         c0[r] = load_c ? load8_f32(cdt, c, r * ldc) : init0;
         c1[r] = load_c ? load8_f32(cdt, c, r * ldc + 8) : init1;
     }
-    for (int k = 0; k < kc; k++, a += 6, b += ldb) {
+    for (int k = 0; k < kc; k++, a += a_rows ? 1 : 6, b += ldb) {
         __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < 6; r++) {
-            __m256 ar = _mm256_broadcast_ss(a + r);
+            __m256 ar = _mm256_broadcast_ss(a_rows ? a + r * lda : a + r);
             c0[r] = _mm256_fmadd_ps(ar, b0, c0[r]);
             c1[r] = _mm256_fmadd_ps(ar, b1, c1[r]);
         }
@@ -185,19 +185,21 @@ __attribute__((target("avx2,fma,f16c"))) static void kernel_avx2(int kc, const f
                                                                  const void *b, size_t ldb, void *c,
                                                                  size_t ldc, int load_c,
                                                                  const float *bias, tile_dts dts) {
-    FL_ASSERT(dts.b == FL_F32 && !lda);
-    if (dts.c == FL_BF16)
-        kernel_avx2_rows6(FL_BF16, kc, a, b, ldb, c, ldc, load_c, bias);
+    FL_ASSERT(dts.b == FL_F32 && (!lda || dts.c == FL_F32));
+    if (lda)
+        kernel_avx2_rows6(FL_F32, kc, a, 1, lda, b, ldb, c, ldc, load_c, bias);
+    else if (dts.c == FL_BF16)
+        kernel_avx2_rows6(FL_BF16, kc, a, 0, 0, b, ldb, c, ldc, load_c, bias);
     else if (dts.c == FL_F16)
-        kernel_avx2_rows6(FL_F16, kc, a, b, ldb, c, ldc, load_c, bias);
+        kernel_avx2_rows6(FL_F16, kc, a, 0, 0, b, ldb, c, ldc, load_c, bias);
     else
-        kernel_avx2_rows6(FL_F32, kc, a, b, ldb, c, ldc, load_c, bias);
+        kernel_avx2_rows6(FL_F32, kc, a, 0, 0, b, ldb, c, ldc, load_c, bias);
 }
 
 static gemm_kernel kernel_for(int isa) {
     if (isa == FL_ISA_AVX512)
         return (gemm_kernel){8, 48, kernel_avx512, {kernel_avx512_16, kernel_avx512_32}, 1, 1};
-    return (gemm_kernel){6, 16, kernel_avx2, {NULL, NULL}, 0, 0};
+    return (gemm_kernel){6, 16, kernel_avx2, {NULL, NULL}, 0, 1};
 }
 
 // Packing. X (i, k) is x.p[i * ld + k] (x.trans == 0) or x.p[k * ld + i];
@@ -423,14 +425,16 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
     int b_in_place =
         kn.b_in_place && !b.packed && !b.trans && N % 16 == 0 && (b.dt == FL_F32 || c_dt == FL_F32);
     tile_dts dts = {b_in_place ? b.dt : FL_F32, c_dt};
-    // An fp32 op(a) stored row-major is read in place by the AVX-512 kernel
-    // too (its micro-panel's 8 rows lda apart, whole micro-panels only),
+    // An fp32 op(a) stored row-major is read in place by either kernel too
+    // (its micro-panel's 8 or 6 rows lda apart, whole micro-panels only),
     // when b has at most three column blocks: packing a's block is then
     // paid back over few panels of b. Against packing (N = 2048, 2 threads,
-    // Zen 5, alternated): the LM head's input gradient at 128 channels
-    // 368 -> 470 GFLOP/s (both gradients 374 -> 426), the forward of 3072
-    // -> 768 channels 3.5-6% faster, 768-channel gradients level to +2%;
-    // over 11 column blocks (3072 channels) the gradients were 1-3% slower.
+    // Zen 5, alternated), AVX-512: the LM head's input gradient at 128
+    // channels 368 -> 470 GFLOP/s (both gradients 374 -> 426), the forward
+    // of 3072 -> 768 channels 3.5-6% faster, 768-channel gradients level to
+    // +2%; over 11 column blocks (3072 channels) the gradients were 1-3%
+    // slower. AVX2: 202-206 -> 239-241 (both 204 -> 222), the 768-channel
+    // forwards and input gradients 1-4% faster.
     int a_in_place = kn.a_in_place && !a.packed && !a.trans && a.dt == FL_F32 && M % kn.mr == 0 &&
                      dts.b == FL_F32 && c_dt == FL_F32 && N <= 3 * NC;
     int outer = a_once ? K : N, outer_step = a_once ? KC : NC;
