@@ -132,8 +132,9 @@ struct fl_model {
     int B, T;
     int n_targets; // positions with a loss (targets != -1)
     float loss;    // mean loss of the last forward (-1 when no targets were given)
-    // a forward for training made the logits their own gradient for this
-    // dloss (NaN: it did not; the backward does)
+    // a forward for training made the logits their own gradient, for
+    // dlogits_dloss (else the backward does)
+    int dlogits_ready;
     float dlogits_dloss;
 };
 

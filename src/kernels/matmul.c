@@ -418,18 +418,20 @@ static int dw_transposed(int C) {
     return fl_cpu_isa() >= FL_ISA_AVX512 && C <= MM_DW_T_MAX_C;
 }
 
-// dst (cols, rows) fp32, row stride ldd = src (rows, cols) of dtype dt, row stride lds, transposed
-static void transpose_f32(float *dst, int ldd, fl_dtype dt, const void *src, int lds, int rows,
-                          int cols) {
+// dst (cols, rows) fp32, row stride ldd = src (rows, cols) of dtype dt, row
+// stride lds, transposed
+static void load_transposed(float *dst, int ldd, fl_dtype dt, const void *src, int lds, int rows,
+                            int cols) {
     float buf[MM_DW_T_MAX_C];
     for (int r = 0; r < rows; r++) {
         const float *x = fl_load_f32(dt, fl_at_const(dt, src, (size_t)r * lds), cols, buf);
         for (int c = 0; c < cols; c++) dst[(size_t)c * ldd + r] = x[c];
     }
 }
-// dst (rows, cols) of dtype dt, row stride ldd = src (cols, rows) fp32 transposed
-static void transpose_store(fl_dtype dt, void *dst, int ldd, const float *src, int lds, int rows,
-                            int cols) {
+// dst (rows, cols) of dtype dt, row stride ldd = src (cols, rows) fp32,
+// row stride lds, transposed (rounded as fl_store_f32 rounds)
+static void store_transposed(fl_dtype dt, void *dst, int ldd, const float *src, int lds, int rows,
+                             int cols) {
     float buf[MM_DW_T_MAX_C];
     for (int r = 0; r < rows; r++) {
         for (int c = 0; c < cols; c++) buf[c] = src[(size_t)c * lds + r];
@@ -448,9 +450,10 @@ static size_t pack_floats(int N, int C, int OC) {
     return fwd > dw ? (fwd > dinp ? fwd : dinp) : (dw > dinp ? dw : dinp);
 }
 
-// A thread's fp32 scratch on the 16-bit path: a forward output tile, a
-// weight gradient tile's rows (over more than one depth block of tokens;
-// fewer accumulate in place) or a bias block's column sums.
+// A thread's fp32 scratch after its packing buffer: on the 16-bit path a
+// forward output tile, a weight gradient tile's rows (over more than one
+// depth block of tokens; fewer accumulate in place) or a bias block's column
+// sums; in any dtype, a transposed weight gradient tile (MM_DW_T_MAX_C).
 static size_t packed_thread_floats(fl_dtype dt, int N, int C, int OC) {
     fwd_tiling ft = fwd_tiles(N, C, OC);
     int lp = dt != FL_F32;
@@ -461,8 +464,9 @@ static size_t packed_thread_floats(fl_dtype dt, int N, int C, int OC) {
     return pack_floats(N, C, OC) + (scratch > col_sums ? scratch : col_sums);
 }
 
-// inp packed (the forward's a, the weight gradient's b); a full-width
-// forward packs its weight (OC <= N columns of C) there instead
+// inp packed (the forward's a, the weight gradient's b, or its a when
+// transposed); a full-width forward packs its weight (OC <= N columns of C)
+// there instead
 static size_t inp_packed_floats(int N, int C) {
     size_t as_a = gemm_packed_floats(N, C), as_b = gemm_packed_floats(C, N);
     return as_a > as_b ? as_a : as_b;
@@ -681,10 +685,10 @@ static void packed_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                     void *dw = fl_at(dt, dweight, (size_t)r0 * C);
                     gemm_mat dout_t = mat(dt, dout, r0, OC, 1);
                     if (dw_t) { // see MM_DW_T_MAX_C
-                        transpose_f32(scratch, rows, dt, dw, C, rows, C);
+                        load_transposed(scratch, rows, dt, dw, C, rows, C);
                         gemm_tile(C, rows, N, inp_packed, mat(dt, dout, r0, OC, 0), 1.0f, NULL,
                                   FL_F32, scratch, rows, pack);
-                        transpose_store(dt, dw, C, scratch, rows, rows, C);
+                        store_transposed(dt, dw, C, scratch, rows, rows, C);
                         continue;
                     }
                     if (dw_in_place) {

@@ -4,7 +4,6 @@
 // recomputing what the activation-checkpointing policy dropped.
 #include "fitlm/model.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -127,7 +126,6 @@ static void init_model(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uin
                        const fl_quant_config *q, size_t begin, size_t end) {
     memset(m, 0, sizeof *m);
     m->loss = -1.0f; // no forward with targets yet
-    m->dlogits_dloss = NAN;
     m->config = *cfg;
     m->dtype = dt;
     fl_model_config_finish(&m->config);
@@ -507,7 +505,7 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
 
     m->loss = -1.0f;
     m->n_targets = 0;
-    m->dlogits_dloss = NAN;
+    m->dlogits_ready = 0;
     if (!targets) return m->loss;
     memcpy(m->targets, targets, BT * sizeof(int));
     return loss(m, dloss);
@@ -530,13 +528,13 @@ static float loss(fl_model *m, const float *dloss) {
     size_t BT = (size_t)m->B * m->T;
     const int *targets = m->targets;
     int V = c->vocab_size, Vp = c->padded_vocab_size;
-    m->dlogits_dloss = NAN;
+    m->dlogits_ready = 0;
     if (dloss) {
         for (size_t i = 0; i < BT; i++) m->dlosses[i] = *dloss;
         FL_FWD_OP(FL_OP_XENT,
                   softmax_xent_forward_backward(m->dtype, m->losses, m->xent_lse, m->logits,
                                                 targets, m->dlosses, BT, V, Vp));
-        m->dlogits_dloss = *dloss;
+        m->dlogits_ready = 1, m->dlogits_dloss = *dloss;
     } else {
         FL_FWD_OP(FL_OP_XENT, softmax_xent_forward(m->dtype, m->losses, m->xent_lse, m->logits,
                                                    targets, BT, V, Vp));
@@ -581,15 +579,15 @@ void fl_model_backward(fl_model *m, float dloss) {
     size_t BT = (size_t)B * T;
 
     void *dlogits = m->logits; // overwritten in place by its own gradient
-    if (isnan(m->dlogits_dloss)) {
+    if (!m->dlogits_ready) {
         for (size_t i = 0; i < BT; i++) m->dlosses[i] = dloss;
         FL_BWD_OP(FL_OP_XENT, softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
                                                     m->targets, m->dlosses, BT, V, Vp));
-    } else if (dloss != m->dlogits_dloss) {
+    } else if (memcmp(&dloss, &m->dlogits_dloss, sizeof dloss)) {
         fl_die("internal: a backward with dloss %g after a training forward for %g", dloss,
                m->dlogits_dloss);
     }
-    m->dlogits_dloss = NAN; // the logits hold a gradient now either way
+    m->dlogits_ready = 0; // the logits hold a gradient now either way
     pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_BWD);
     fl_block head = head_at(m);
     m->arch->head_backward(&head, m->dres, dlogits);
