@@ -680,6 +680,23 @@ static void test_attention(void) {
     }
 }
 
+// Forks a child under FITLM_ISA=cap: returns 1 in the child, which does its
+// part and _exits; 0 in the parent once the child has exited, checked. The
+// parent must not have read the CPU's features (fl_cpu caches them).
+static int in_child_under_cap(const char *cap, const char *what) {
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        setenv("FITLM_ISA", cap, 1);
+        return 1;
+    }
+    int status = 0;
+    if (pid > 0) waitpid(pid, &status, 0);
+    t_check(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s %s-path child failed",
+            what, cap);
+    return 0;
+}
+
 // The softmax loops of every ISA the CPU has, on the same inputs: each runs
 // in a child forked before any OpenMP thread exists (fl_cpu() reads
 // FITLM_ISA once per process) and leaves out, lse and dqkv in shared memory.
@@ -716,22 +733,13 @@ static void test_attention_isas(int avx2, int avx512) {
         t_check(res != MAP_FAILED, "mmap failed");
         if (res == MAP_FAILED) return;
         for (int k = 0; k < 3; k++) {
-            if (!have[k]) continue;
-            fflush(stdout);
-            pid_t pid = fork();
-            if (pid == 0) {
-                setenv("FITLM_ISA", caps[k], 1);
-                float *out = res + k * nres, *lse = out + no, *dqkv = lse + nl;
-                float *ws = att_workspace(FL_F32, T, HS, NH / NKV);
-                memcpy(dqkv, dqkv0, nqkv * sizeof *dqkv);
-                attention_forward_f32(out, lse, qkv, ws, B, T, NH, NKV, HS);
-                attention_backward_f32(dqkv, dout, qkv, out_r, lse_r, ws, B, T, NH, NKV, HS);
-                _exit(0);
-            }
-            int status = 0;
-            if (pid > 0) waitpid(pid, &status, 0);
-            t_check(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-                    "attention %s-path child failed", caps[k]);
+            if (!have[k] || !in_child_under_cap(caps[k], "attention")) continue;
+            float *out = res + k * nres, *lse = out + no, *dqkv = lse + nl;
+            float *ws = att_workspace(FL_F32, T, HS, NH / NKV);
+            memcpy(dqkv, dqkv0, nqkv * sizeof *dqkv);
+            attention_forward_f32(out, lse, qkv, ws, B, T, NH, NKV, HS);
+            attention_backward_f32(dqkv, dout, qkv, out_r, lse_r, ws, B, T, NH, NKV, HS);
+            _exit(0);
         }
         double tol = 4 * sqrt(T) * 0x1p-24;
         const float *out_s = res, *lse_s = out_s + no, *dqkv_s = lse_s + nl;
@@ -2407,25 +2415,17 @@ static void test_matmul_isas(int avx512) {
             t_check(res != MAP_FAILED, "mmap failed");
             if (res == MAP_FAILED) return;
             for (int k = 0; k < 2; k++) {
-                fflush(stdout);
-                pid_t pid = fork();
-                if (pid == 0) {
-                    setenv("FITLM_ISA", caps[k], 1);
-                    char *dx = res + k * nres, *dw = dx + ni * es, *db = dw + nw * es;
-                    char *out = db + (size_t)OC * es;
-                    fl_convert(dt, dx, FL_F32, dx0, ni), fl_convert(dt, dw, FL_F32, dw0, nw);
-                    fl_convert(dt, db, FL_F32, bias, OC);
-                    void *inp_h = to_dt(dt, inp, ni), *w_h = to_dt(dt, w, nw);
-                    void *bias_h = to_dt(dt, bias, OC), *dout_h = to_dt(dt, dout, no);
-                    void *ws = fl_alloc(FL_MEM_WORKSPACE, matmul_workspace_bytes(dt, N, C, OC));
-                    matmul_forward(dt, out, inp_h, w_h, bias_h, ws, N, C, OC);
-                    matmul_backward(dt, dx, dw, db, dout_h, inp_h, w_h, ws, N, C, OC);
-                    _exit(0);
-                }
-                int status = 0;
-                if (pid > 0) waitpid(pid, &status, 0);
-                t_check(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-                        "matmul %s-path child failed", caps[k]);
+                if (!in_child_under_cap(caps[k], "matmul")) continue;
+                char *dx = res + k * nres, *dw = dx + ni * es, *db = dw + nw * es;
+                char *out = db + (size_t)OC * es;
+                fl_convert(dt, dx, FL_F32, dx0, ni), fl_convert(dt, dw, FL_F32, dw0, nw);
+                fl_convert(dt, db, FL_F32, bias, OC);
+                void *inp_h = to_dt(dt, inp, ni), *w_h = to_dt(dt, w, nw);
+                void *bias_h = to_dt(dt, bias, OC), *dout_h = to_dt(dt, dout, no);
+                void *ws = fl_alloc(FL_MEM_WORKSPACE, matmul_workspace_bytes(dt, N, C, OC));
+                matmul_forward(dt, out, inp_h, w_h, bias_h, ws, N, C, OC);
+                matmul_backward(dt, dx, dw, db, dout_h, inp_h, w_h, ws, N, C, OC);
+                _exit(0);
             }
             t_check(!memcmp(res, res + nres, nres),
                     "%s matmul N%d C%d OC%d: the AVX2 and AVX-512 paths give the same bits",

@@ -79,7 +79,8 @@ typedef struct {
 
 // 8 rows x NV vectors of 16: c (8 x 16 NV, row stride ldc) = (load_c ? c :
 // bias ? bias : 0) + a (kc x 8) @ the first 16 NV columns of b (kc x 48, row
-// stride ldb); b of dtype bdt, c of cdt (constants where inlined)
+// stride ldb); b of dtype bdt, c of cdt; a_rows: a's rows read in place, lda
+// apart, else a packed micro-panel (all constants where inlined)
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) static inline void
 kernel_avx512_rows8(int nv, fl_dtype bdt, fl_dtype cdt, int kc, const float *a, int a_rows,
                     size_t lda, const void *b, size_t ldb, void *c, size_t ldc, int load_c,
@@ -153,7 +154,7 @@ kernel_avx512_16(int kc, const float *a, size_t lda, const void *b, size_t ldb, 
 }
 
 // 6 rows x 2 vectors: 12 accumulators of the 16 registers; b is always
-// packed (fp32) for this kernel, c of dtype cdt
+// packed (fp32) for this kernel, c of dtype cdt; a_rows as for AVX-512
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 kernel_avx2_rows6(fl_dtype cdt, int kc, const float *a, int a_rows, size_t lda, const float *b,
                   size_t ldb, void *c, size_t ldc, int load_c, const float *bias) {

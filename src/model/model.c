@@ -521,6 +521,11 @@ float fl_model_forward_train(fl_model *m, const int *tokens, const int *targets,
     return forward(m, tokens, targets, B, T, &dloss);
 }
 
+// every target token's loss weighs dloss in the softmax's backward
+static void set_dlosses(fl_model *m, float dloss) {
+    for (size_t i = 0; i < (size_t)m->B * m->T; i++) m->dlosses[i] = dloss;
+}
+
 // The mean loss of the logits against m->targets, kept for the backward;
 // with dloss, the logits become their gradient for it.
 static float loss(fl_model *m, const float *dloss) {
@@ -530,7 +535,7 @@ static float loss(fl_model *m, const float *dloss) {
     int V = c->vocab_size, Vp = c->padded_vocab_size;
     m->dlogits_ready = 0;
     if (dloss) {
-        for (size_t i = 0; i < BT; i++) m->dlosses[i] = *dloss;
+        set_dlosses(m, *dloss);
         FL_FWD_OP(FL_OP_XENT,
                   softmax_xent_forward_backward(m->dtype, m->losses, m->xent_lse, m->logits,
                                                 targets, m->dlosses, BT, V, Vp));
@@ -580,7 +585,7 @@ void fl_model_backward(fl_model *m, float dloss) {
 
     void *dlogits = m->logits; // overwritten in place by its own gradient
     if (!m->dlogits_ready) {
-        for (size_t i = 0; i < BT; i++) m->dlosses[i] = dloss;
+        set_dlosses(m, dloss);
         FL_BWD_OP(FL_OP_XENT, softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
                                                     m->targets, m->dlosses, BT, V, Vp));
     } else if (memcmp(&dloss, &m->dlogits_dloss, sizeof dloss)) {
