@@ -22,14 +22,13 @@
 // backward, plus the attention score/value products; KV = kv_heads * C/NH
 // (k and v), I = the SwiGLU hidden size (gate, up, down); the padded
 // vocabulary, norms, activations, softmax and the optimizer are not
-// counted), MFU and the process's peak RSS, and the per-op profile of the
-// timed steps (fitlm/profile.h, as `fitlm train --profile` prints it). MFU
-// is quoted against the fp32 FMA peak (--peak) for fp32 and against the
-// bf16 dot-product (vdpbf16ps) peak (--peak-bf16) for bf16 and fp16 (the
-// fp32 peak on a CPU without AVX512_BF16); the other peaks' MFUs (and the
-// AMX-BF16 peak's, --peak-amx) are printed too. A peak that is not given (or
-// 0) is measured here with --threads threads, as peak_fma does; --peak-amx
-// -1 skips the AMX one.
+// counted), MFU, the process's peak RSS, the CPUs it kept busy over the
+// timed steps (CPU seconds of all its threads / wall seconds: "cpus"), and the per-op profile of
+// the timed steps (fitlm/profile.h, as `fitlm train --profile` prints it). MFU is quoted against
+// the fp32 FMA peak (--peak) for fp32 and against the bf16 dot-product (vdpbf16ps) peak
+// (--peak-bf16) for bf16 and fp16 (the fp32 peak on a CPU without AVX512_BF16); the other peaks'
+// MFUs (and the AMX-BF16 peak's, --peak-amx) are printed too. A peak that is not given (or 0) is
+// measured here with --threads threads, as peak_fma does; --peak-amx -1 skips the AMX one.
 //
 // --gemm-bound 1 (the default for fp32): after the timed steps, every GEMM
 // of the step's linear units (the model driver's list: forward, input
@@ -45,6 +44,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cblas.h>
 #include <oneapi/dnnl/dnnl.h>
@@ -246,6 +246,13 @@ typedef struct {
     int C, OC, calls;
     double ms[NGEMM][NENGINE]; // one call, best of GEMM_ROUNDS
 } gemm_shape;
+
+// CPU seconds this process has run, all threads summed
+static double process_cpu_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 static float *rand_floats(size_t n, uint64_t seed) {
     float *x = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
@@ -474,9 +481,10 @@ int main(int argc, char **argv) {
     float first_loss = 0.0f, last_loss = 0.0f, loss_scale = 1.0f;
     int skipped = 0, skipped_timed = 0;
     long n_targets = fl_batch_targets(&opt, targets, (size_t)a.B * a.T);
+    double cpu_timed = 0.0, wall_timed = 0.0; // CPU seconds of all threads, wall seconds
     for (int s = 0; s < total; s++) {
         fl_profile_enable(s >= a.warmup);
-        double t0 = fl_now();
+        double c0 = process_cpu_s(), t0 = fl_now();
         FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(&opt));
         // as fl_train_step: the loss pass writes the logits' gradient too
         float dloss = fl_optimizer_scale(&opt) / (float)n_targets;
@@ -487,7 +495,7 @@ int main(int argc, char **argv) {
         fl_step_result r;
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(&opt));
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, r = fl_optimizer_step(&opt, 1e-4f));
-        double t3 = fl_now();
+        double t3 = fl_now(), c3 = process_cpu_s();
         if (fl_profile_on) fl_profile_step(t3 - t0);
         fl_profile_enable(0);
         if (s == 0) first_loss = loss;
@@ -504,6 +512,8 @@ int main(int argc, char **argv) {
         printf("\n");
         fflush(stdout);
         if (timed >= 0) {
+            cpu_timed += c3 - c0;
+            wall_timed += t3 - t0;
             ms[timed] = (t3 - t0) * 1e3;
             ms_fwd[timed] = (t1 - t0) * 1e3;
             ms_bwd[timed] = (t2 - t1) * 1e3;
@@ -542,13 +552,14 @@ int main(int argc, char **argv) {
            "tok_s=%.2f flops_per_token=%.0f gflops=%.2f peak=%s peak_gflops=%.1f mfu=%.4f "
            "peak_fp32_gflops=%.1f peak_bf16_gflops=%.1f peak_amx_gflops=%.1f mfu_fp32=%.4f "
            "mfu_bf16=%.4f mfu_amx=%.4f peak_rss_mib=%.0f tagged_mib=%.0f loss_first=%.4f "
-           "loss_last=%.4f skipped=%d loss_scale=%g gemm=%s isa=%s openblas=%s params=%zu",
+           "loss_last=%.4f skipped=%d loss_scale=%g gemm=%s isa=%s openblas=%s params=%zu "
+           "cpus=%.2f",
            fl_arch_name(cfg.arch), prec, a.B, a.T, a.threads, a.steps, a.warmup, med, lo, hi,
            median(ms_fwd, a.steps), median(ms_bwd, a.steps), median(ms_opt, a.steps), tok_s,
            flops_per_token, gflops, peak_kind, peak, mfu, peak_fp32, peak_bf16, peak_amx, mfu_fp32,
            mfu_bf16, mfu_amx, rss_mib, tagged_mib, first_loss, last_loss, skipped, loss_scale,
            matmul_gemm_name(a.precision), fl_isa_name(fl_cpu_isa()), openblas_get_corename(),
-           model.table.numel);
+           model.table.numel, cpu_timed / wall_timed);
     if (llama)
         printf(" L=%d C=%d NH=%d kv_heads=%d I=%d V=%d tie=%d", a.L, a.C, a.NH, cfg.n_kv_head,
                cfg.intermediate_size, a.V, cfg.tie_embeddings);

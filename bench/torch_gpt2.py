@@ -36,7 +36,9 @@ Run it with /usr/bin/python3 (Debian's python3-torch). OMP_WAIT_POLICY must
 be in the environment before torch loads; this script sets it to PASSIVE
 (PyTorch's fastest setting on this 2-core machine) when it is unset.
 
-The last line is machine-readable: "RESULT engine=pytorch key=value ...".
+The last line is machine-readable: "RESULT engine=pytorch key=value ...";
+cpus= is the CPUs the timed steps kept busy (CPU seconds of all the
+process's threads per wall second), as in bench_train's.
 """
 import argparse
 import math
@@ -371,7 +373,9 @@ def main():
     ms, ms_fwd, ms_bwd, ms_opt = [], [], [], []
     first_loss = last_loss = float("nan")
     total = a.warmup + a.steps
+    cpu_timed = wall_timed = 0.0  # CPU seconds of all threads, wall seconds
     for s in range(total):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         if bf16:
@@ -384,7 +388,7 @@ def main():
         t2 = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         lv = loss.item()
         if s == 0:
             first_loss = lv
@@ -397,6 +401,8 @@ def main():
             flush=True,
         )
         if timed:
+            cpu_timed += c3 - c0
+            wall_timed += t3 - t0
             ms.append((t3 - t0) * 1e3)
             ms_fwd.append((t1 - t0) * 1e3)
             ms_bwd.append((t2 - t1) * 1e3)
@@ -429,7 +435,7 @@ def main():
         f"mfu_fp32={mfu_of(a.peak):.4f} mfu_bf16={mfu_of(a.peak_bf16):.4f} "
         f"mfu_amx={mfu_of(a.peak_amx):.4f} peak_rss_mib={rss_mib:.0f} loss_first={first_loss:.4f} "
         f"loss_last={last_loss:.4f} torch={torch.__version__} "
-        f"omp_wait_policy={os.environ.get('OMP_WAIT_POLICY')}"
+        f"omp_wait_policy={os.environ.get('OMP_WAIT_POLICY')} cpus={cpu_timed / wall_timed:.2f}"
         + (f" L={a.L} C={a.C} NH={a.NH} kv_heads={NKV} I={I} V={a.V} tie={a.tie}" if llama else "")
     )
 

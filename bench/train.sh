@@ -220,6 +220,19 @@ shape_label() {
     echo "B=${bt%x*}, T=${bt#*x}"
 }
 
+# fair_share_floor U THREADS CPUS: the least slowdown beside one busy
+# process of a step that kept U CPUs busy idle, split into a one-thread part
+# and a part on all of m = min(THREADS, CPUS), when the scheduler shares the
+# CPUs equally among runnable threads (the parallel part then gets g =
+# min(THREADS, CPUS * THREADS / (THREADS + 1)) CPUs); "—" when U is unknown
+fair_share_floor() {
+    awk -v u="$1" -v t="$2" -v c="$3" 'BEGIN {
+        if (u !~ /^[0-9.]+$/ || t < 2 || c < 2) { print "—"; exit }
+        m = t < c ? t : c; g = c * t / (t + 1); if (g > t) g = t
+        p = (u - 1) / (m - 1); if (p < 0) p = 0; if (p > 1) p = 1
+        printf "%.2f", (1 - p) + p * m / g }'
+}
+
 # run_one NAME ENGINE PREC SHAPE THREADS BUSY: one bench run, its RESULT line
 # (or a failed= line) on stdout; the log in $LOG/NAME.log
 run_one() {
@@ -390,7 +403,7 @@ done
 if [[ $BUSY == 1 ]]; then
     # ROUNDS runs per engine and shape, in turn, as for the idle runs: the
     # run of median ms/step, and the range of the runs' medians
-    declare -A BUSY_RUNS=() BUSY_LINES=() SLOWDOWN=()
+    declare -A BUSY_RUNS=() BUSY_LINES=() SLOWDOWN=() FLOOR=()
     for ((round = 1; round <= ROUNDS; round++)); do
         for shape in $BUSY_SHAPES; do
             for eng in fitlm pytorch; do
@@ -419,15 +432,17 @@ if [[ $BUSY == 1 ]]; then
             lo=$(field ms_min "$l") hi=$(field ms_max "$l")
             if ((ROUNDS > 1)); then lo=${sorted[0]%% *} hi=${sorted[${#sorted[@]} - 1]%% *}; fi
             a=$(field ms_median "$l") b=$(field ms_median "${LINE[$shape:$eng:fp32]}")
+            u=$(field cpus "${LINE[$shape:$eng:fp32]}")
             SLOWDOWN[$eng]=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }')
-            BUSY_ROWS+=$(awk -v s="$label" -v e="$eng" -v a="$a" -v lo="$lo" -v hi="$hi" -v b="$b" -v r="${SLOWDOWN[$eng]}" \
-                'BEGIN { printf "| %s | %s | %.0f | %.0f (%.0f-%.0f) | %s |\n", s, e, b, a, lo, hi, r }')$'\n'
+            FLOOR[$eng]=$(fair_share_floor "$u" "$THREADS" "$(nproc)")
+            BUSY_ROWS+=$(awk -v s="$label" -v e="$eng" -v a="$a" -v lo="$lo" -v hi="$hi" -v b="$b" -v r="${SLOWDOWN[$eng]}" -v u="$u" -v f="${FLOOR[$eng]}" \
+                'BEGIN { printf "| %s | %s | %.0f | %s | %.0f (%.0f-%.0f) | %s | %s |\n", s, e, b, u, a, lo, hi, r, f }')$'\n'
         done
         if [[ -n ${SLOWDOWN[fitlm]:-} && -n ${SLOWDOWN[pytorch]:-} ]]; then
-            BUSY_TARGET+=$(awk -v s="$label" -v f="${SLOWDOWN[fitlm]}" -v p="${SLOWDOWN[pytorch]}" \
-                'BEGIN { printf "- fitlm slowdown beside a busy process at %s: %.2f, PyTorch %.2f (target <= PyTorch: %s)\n", s, f, p, (f <= p ? "met" : "NOT met") }')$'\n'
+            BUSY_TARGET+=$(awk -v s="$label" -v f="${SLOWDOWN[fitlm]}" -v p="${SLOWDOWN[pytorch]}" -v ff="${FLOOR[fitlm]}" -v fp="${FLOOR[pytorch]}" \
+                'BEGIN { printf "- fitlm slowdown beside a busy process at %s: %.2f, PyTorch %.2f (target <= PyTorch: %s); fair-share floors %s and %s\n", s, f, p, (f <= p ? "met" : "NOT met"), ff, fp }')$'\n'
         fi
-        SLOWDOWN=()
+        SLOWDOWN=() FLOOR=()
     done
 fi
 ELAPSED=$((SECONDS - START))
@@ -509,8 +524,10 @@ TOTAL=$SECONDS
         echo
         echo "fp32 at each of BUSY_SHAPES ($BUSY_SHAPES) with one \`sh -c 'while :; do :; done'\` running on the same $(nproc) CPUs, against the same engine's idle run above."
         echo
-        echo "| shape | engine | idle ms/step | busy ms/step median (min-max) | slowdown |"
-        echo "|---|---|---:|---:|---:|"
+        echo "CPUs busy: the idle run's CPU seconds (all its threads) per wall second over its timed steps, u. Fair-share floor: the least slowdown a step that busy can have when the scheduler shares the CPUs equally among runnable threads, for a step made of a one-thread part and a part using all of min(THREADS, CPUs) = m: u = s + m p (s + p = 1), and beside the busy process the parallel part gets min(THREADS, CPUs x THREADS / (THREADS + 1)) = g CPUs, so the floor is s + p m / g (with 2 threads on 2 CPUs, (1 + u) / 2). Above the floor: time the engine's threads lost waiting for each other."
+        echo
+        echo "| shape | engine | idle ms/step | CPUs busy (idle) | busy ms/step median (min-max) | slowdown | fair-share floor |"
+        echo "|---|---|---:|---:|---:|---:|---:|"
         printf '%s' "$BUSY_ROWS"
         echo
         [[ -n $BUSY_TARGET ]] && printf '%s\n' "$BUSY_TARGET"
