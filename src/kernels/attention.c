@@ -90,6 +90,10 @@ static void block_scores(const att_tiles *t, float *S, int lds, const float *x, 
     for (int r0 = 0; r0 < nb; r0 += t->score_rows) {
         int rows = min_int(t->score_rows, nb - r0);
         int keys = i0 + r0 + rows; // through the tile's last row's key
+        // the next tile's rows of x, far apart and seldom in cache, fetched
+        // while this tile runs
+        for (int r = r0 + rows; r < min_int(nb, r0 + 2 * rows); r++)
+            for (int d = 0; d < HS; d += 16) __builtin_prefetch(x + (size_t)r * ldx + d);
         for (int j0 = 0; j0 < keys; j0 += pw)
             t->scores((min_int(pw, keys - j0) + 15) / 16, rows, HS, x + (size_t)r0 * ldx, ldx,
                       pk + (size_t)j0 * HS, pw, S + (size_t)r0 * lds + j0, lds, alpha);
@@ -654,12 +658,13 @@ void attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
                 const float *q_blk = q + (size_t)i0 * ldq, *dO_blk = dO + (size_t)i0 * ldo;
                 // recompute P = exp(scale * Q K^T - lse), masked
                 block_scores(ops->tiles, P, lds, q_blk, ldq, k, ldq, kpk, nb, i0, HS, scale);
-                for (int r = 0; r < nb; r++) {
-                    int i = i0 + r;
-                    ops->probs(P + (size_t)r * lds, i + 1, n, lse_bh[i]);
-                    // D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij
-                    D[r] = ops->dot(dO + (size_t)i * ldo, o + (size_t)i * ldo, HS);
-                }
+                // D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, in a loop of
+                // its own: the rows are far apart and not in cache, and
+                // without the exps between them their loads overlap
+                for (int r = 0; r < nb; r++)
+                    D[r] = ops->dot(dO_blk + (size_t)r * ldo, o + (size_t)(i0 + r) * ldo, HS);
+                for (int r = 0; r < nb; r++)
+                    ops->probs(P + (size_t)r * lds, i0 + r + 1, n, lse_bh[i0 + r]);
                 // dV[0:n] += P^T dO[i0:n]
                 block_cols(ops->tiles, dv, ldq, P, lds, dO_blk, ldo, nb, i0, HS, 1.0f);
                 // dP = dO V^T, then dS = P * (dP - D) in place

@@ -301,12 +301,23 @@ __attribute__((target("avx2,f16c"))) static void pack(float *dst, int w, gemm_ma
             g = g < 0 ? 0 : g > 8 ? 8 : g;
             int m = w - i < 8 ? w - i : 8;
             size_t src = (size_t)(i0 + q * w + i) * x.ld + k0;
+            // with no next block (the last, or a pack of one block), the
+            // next group's rows of this block instead: up to 8 rows
+            // further on, as far apart as any
+            int next_g = next_kc ? 0 : n - q * w - i - 8;
+            size_t next_src = src + (size_t)8 * x.ld;
+            next_g = next_g < 0 ? 0 : next_g > 8 ? 8 : next_g;
             int k = 0;
             for (; k + 8 <= kc; k += 8) {
                 if (k < next_kc && k % 16 == 0) // a line of each row at most every other k
                     for (int q = 0; q < g; q++)
                         _mm_prefetch(
                             (const char *)fl_at_const(x.dt, x.p, src + (size_t)q * x.ld + kc + k),
+                            _MM_HINT_T0);
+                if (k % 16 == 0)
+                    for (int q = 0; q < next_g; q++)
+                        _mm_prefetch(
+                            (const char *)fl_at_const(x.dt, x.p, next_src + (size_t)q * x.ld + k),
                             _MM_HINT_T0);
                 transpose8(panel + (size_t)k * w + i, w, m, x, src + k, g);
             }
