@@ -447,8 +447,12 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
     // +2%; over 11 column blocks (3072 channels) the gradients were 1-3%
     // slower. AVX2: 202-206 -> 239-241 (both 204 -> 222), the 768-channel
     // forwards and input gradients 1-4% faster.
-    int a_in_place = kn.a_in_place && !a.packed && !a.trans && a.dt == FL_F32 && M % kn.mr == 0 &&
-                     dts.b == FL_F32 && c_dt == FL_F32 && N <= 3 * NC;
+    int a_rows = kn.a_in_place && !a.packed && !a.trans && M % kn.mr == 0 && dts.b == FL_F32 &&
+                 c_dt == FL_F32 && N <= 3 * NC;
+    int a_in_place = a_rows && a.dt == FL_F32;
+    // A 16-bit one, in one block of rows, is converted to fp32 rows (a
+    // straight conversion, where packing transposes too) and read so.
+    int a_converted = a_rows && a.dt != FL_F32 && a_once;
     int outer = a_once ? K : N, outer_step = a_once ? KC : NC;
     int inner = a_once ? N : K, inner_step = a_once ? NC : KC;
     for (int o = 0; o < outer; o += outer_step) {
@@ -467,13 +471,19 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
             for (int ic = 0; ic < M; ic += MC) {
                 int mc = min_int(MC, M - ic);
                 const float *a_block = a.packed ? packed_block(a, kn.mr, pc, kc, a.first + ic) : ap;
+                size_t lda = 0; // packed micro-panels
                 if (a_in_place)
-                    a_block = (const float *)a.p + (size_t)ic * a.ld + pc;
-                else if (!a.packed && (!a_once || jc == 0))
+                    a_block = (const float *)a.p + (size_t)ic * a.ld + pc, lda = a.ld;
+                else if (a_converted) {
+                    if (jc == 0)
+                        fl_convert_rows(FL_F32, ap, kc, a.dt,
+                                        fl_at_const(a.dt, a.p, (size_t)ic * a.ld + pc), a.ld, mc,
+                                        kc);
+                    lda = kc;
+                } else if (!a.packed && (!a_once || jc == 0))
                     pack(ap, kn.mr, a, ic, mc, pc, kc, min_int(KC, K - pc - kc));
-                multiply_block(kn, kc, mc, nc, a_block, a_in_place ? (size_t)a.ld : 0, b_block, ldb,
-                               panel_step, dts, fl_at(c_dt, c, (size_t)ic * ldc + jc), ldc, load_c,
-                               bias_j, edge);
+                multiply_block(kn, kc, mc, nc, a_block, lda, b_block, ldb, panel_step, dts,
+                               fl_at(c_dt, c, (size_t)ic * ldc + jc), ldc, load_c, bias_j, edge);
             }
         }
     }
