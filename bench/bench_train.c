@@ -23,12 +23,14 @@
 // (k and v), I = the SwiGLU hidden size (gate, up, down); the padded
 // vocabulary, norms, activations, softmax and the optimizer are not
 // counted), MFU, the process's peak RSS, the CPUs it kept busy over the
-// timed steps (CPU seconds of all its threads / wall seconds: "cpus"), and the per-op profile of
-// the timed steps (fitlm/profile.h, as `fitlm train --profile` prints it). MFU is quoted against
-// the fp32 FMA peak (--peak) for fp32 and against the bf16 dot-product (vdpbf16ps) peak
-// (--peak-bf16) for bf16 and fp16 (the fp32 peak on a CPU without AVX512_BF16); the other peaks'
-// MFUs (and the AMX-BF16 peak's, --peak-amx) are printed too. A peak that is not given (or 0) is
-// measured here with --threads threads, as peak_fma does; --peak-amx -1 skips the AMX one.
+// timed steps (CPU seconds of all its threads / wall seconds: "cpus"), and
+// the per-op profile of the timed steps (fitlm/profile.h, as `fitlm train
+// --profile` prints it). MFU is quoted against the fp32 FMA peak (--peak)
+// for fp32 and against the bf16 dot-product (vdpbf16ps) peak (--peak-bf16)
+// for bf16 and fp16 (the fp32 peak on a CPU without AVX512_BF16); the other
+// peaks' MFUs (and the AMX-BF16 peak's, --peak-amx) are printed too. A peak
+// that is not given (or 0) is measured here with --threads threads, as
+// peak_fma does; --peak-amx -1 skips the AMX one.
 //
 // --gemm-bound 1 (the default for fp32): after the timed steps, every GEMM
 // of the step's linear units (the model driver's list: forward, input
