@@ -964,36 +964,39 @@ static void test_matches_recorded_logs(void) {
     }
 }
 
-// Waits up to `seconds` for a temporary file of process pid in directory
-// path (NAME.tmp.<pid>: a write under way); 1 once one is there.
-static int wait_for_tmp_of(const char *path, pid_t pid, double seconds) {
-    char suffix[32];
-    int len = snprintf(suffix, sizeof suffix, ".tmp.%ld", (long)pid);
+// Polls every 0.1 ms, up to `seconds`, until ready(path, pid); 0 when the
+// time runs out or process pid has exited first (it is left to be reaped).
+static int poll_until(int (*ready)(const char *path, pid_t pid), const char *path, pid_t pid,
+                      double seconds) {
     struct timespec poll = {0, 100000};
     for (double waited = 0; waited < seconds; waited += 1e-4) {
-        DIR *d = opendir(path);
-        int found = 0;
-        for (struct dirent *e; d && !found && (e = readdir(d));) {
-            size_t n = strlen(e->d_name);
-            found = n >= (size_t)len && !strcmp(e->d_name + n - len, suffix);
-        }
-        if (d) closedir(d);
-        if (found) return 1;
+        if (ready(path, pid)) return 1;
+        siginfo_t info = {0};
+        if (waitid(P_PID, (id_t)pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid)
+            return 0;
         nanosleep(&poll, NULL);
     }
     return 0;
 }
 
-// Waits up to `seconds` for path to exist while process pid runs; 1 once
-// it does.
-static int wait_for_file_of(const char *path, pid_t pid, double seconds) {
-    struct timespec poll = {0, 1000000};
-    for (double waited = 0; waited < seconds; waited += 1e-3) {
-        if (access(path, F_OK) == 0) return 1;
-        if (waitpid(pid, NULL, WNOHANG) != 0) return 0;
-        nanosleep(&poll, NULL);
+// A temporary file of process pid in directory path (NAME.tmp.<pid>: a
+// write under way)?
+static int has_tmp_of(const char *path, pid_t pid) {
+    char suffix[32];
+    int len = snprintf(suffix, sizeof suffix, ".tmp.%ld", (long)pid);
+    DIR *d = opendir(path);
+    int found = 0;
+    for (struct dirent *e; d && !found && (e = readdir(d));) {
+        size_t n = strlen(e->d_name);
+        found = n >= (size_t)len && !strcmp(e->d_name + n - len, suffix);
     }
-    return 0;
+    if (d) closedir(d);
+    return found;
+}
+
+static int path_exists(const char *path, pid_t pid) {
+    (void)pid;
+    return access(path, F_OK) == 0;
 }
 
 static void test_kill_while_saving(void) {
@@ -1031,8 +1034,9 @@ static void test_kill_while_saving(void) {
         // none).
         struct timespec ts = {0, (long)(50 + rand() % 400) * 1000000L};
         if (i == 0)
-            t_check(wait_for_file_of(latest, pid, 120.0), "the first run saves a checkpoint");
-        else if (i % 3 != 2 || !wait_for_tmp_of(out, pid, 20.0))
+            t_check(poll_until(path_exists, latest, pid, 120.0),
+                    "the first run saves a checkpoint");
+        else if (i % 3 != 2 || !poll_until(has_tmp_of, out, pid, 20.0))
             nanosleep(&ts, NULL);
         kill(pid, SIGKILL);
         int status;

@@ -263,6 +263,12 @@ __attribute__((target("avx2,f16c"))) static inline void transpose8(float *d, int
     for (int j = 0; j < 8; j++) store_lanes(d + (size_t)j * w, t[j], m);
 }
 
+// how many of the n columns of X a group of 8 starting at column first holds
+static int group_columns(int n, int first) {
+    int g = n - first;
+    return g < 0 ? 0 : g > 8 ? 8 : g;
+}
+
 // rows of X read whole (x.trans), or 8 x 8 blocks transposed in registers.
 // next_kc: the depth of the block packed after this one (0: none). Its part of
 // each row is fetched while this block's is transposed: a row's block is
@@ -297,16 +303,14 @@ __attribute__((target("avx2,f16c"))) static void pack(float *dst, int w, gemm_ma
     for (int q = 0; q < panels; q++) {
         float *panel = dst + (size_t)q * kc * w;
         for (int i = 0; i < w; i += 8) {
-            int g = n - q * w - i; // columns of X in this group of 8 (may be <= 0)
-            g = g < 0 ? 0 : g > 8 ? 8 : g;
+            int g = group_columns(n, q * w + i); // columns of X in this group of 8
             int m = w - i < 8 ? w - i : 8;
             size_t src = (size_t)(i0 + q * w + i) * x.ld + k0;
             // with no next block (the last, or a pack of one block), the
             // next group's rows of this block instead: up to 8 rows
             // further on, as far apart as any
-            int next_g = next_kc ? 0 : n - q * w - i - 8;
+            int next_g = next_kc ? 0 : group_columns(n, q * w + i + 8);
             size_t next_src = src + (size_t)8 * x.ld;
-            next_g = next_g < 0 ? 0 : next_g > 8 ? 8 : next_g;
             int k = 0;
             for (; k + 8 <= kc; k += 8) {
                 if (k < next_kc && k % 16 == 0) // a line of each row at most every other k
@@ -447,12 +451,12 @@ void gemm_tile_isa(int isa, int M, int N, int K, gemm_mat a, gemm_mat b, float b
     // +2%; over 11 column blocks (3072 channels) the gradients were 1-3%
     // slower. AVX2: 202-206 -> 239-241 (both 204 -> 222), the 768-channel
     // forwards and input gradients 1-4% faster.
-    int a_rows = kn.a_in_place && !a.packed && !a.trans && M % kn.mr == 0 && dts.b == FL_F32 &&
-                 c_dt == FL_F32 && N <= 3 * NC;
-    int a_in_place = a_rows && a.dt == FL_F32;
+    int a_as_rows = kn.a_in_place && !a.packed && !a.trans && M % kn.mr == 0 && dts.b == FL_F32 &&
+                    c_dt == FL_F32 && N <= 3 * NC;
+    int a_in_place = a_as_rows && a.dt == FL_F32;
     // A 16-bit one, in one block of rows, is converted to fp32 rows (a
     // straight conversion, where packing transposes too) and read so.
-    int a_converted = a_rows && a.dt != FL_F32 && a_once;
+    int a_converted = a_as_rows && a.dt != FL_F32 && a_once;
     int outer = a_once ? K : N, outer_step = a_once ? KC : NC;
     int inner = a_once ? N : K, inner_step = a_once ? NC : KC;
     for (int o = 0; o < outer; o += outer_step) {
