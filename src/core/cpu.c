@@ -101,14 +101,20 @@ void fl_set_threads(int n) {
                 "(install libopenblas-openmp-dev and rebuild)");
 }
 
-// The OpenBLAS kernels to ask for, or NULL to keep OpenBLAS's own choice.
-// Debian 12's OpenBLAS (0.3.21) picks them by CPU model, and a model newer
-// than it knows gets its generic SSE3 ones (Prescott): on an Emerald Rapids
-// (model 207) its sgemm ran at 33 GFLOP/s instead of about 200, and
-// attention's GEMMs with it.
-static const char *openblas_core(void) {
+// Debian 12's OpenBLAS (0.3.21) picks its kernels by CPU model, and a model
+// newer than it knows gets its generic SSE3 ones (Prescott): on an Emerald
+// Rapids (model 207) its sgemm ran at 33 GFLOP/s instead of about 200, and
+// attention's GEMMs with it. OpenBLAS runs the kernels it is told to
+// without a check of its own, so AVX2's are named only where the CPU has
+// AVX2, whatever the cap (named on an emulated Nehalem, OpenBLAS's sgemm
+// stopped on an illegal instruction).
+const char *fl_openblas_coretype(void) {
     if (getenv("OPENBLAS_CORETYPE")) return NULL;
-    if (isa_cap() < FL_ISA_AVX512) return "Haswell";
+    if (isa_cap() < FL_ISA_AVX512) {
+        fl_cpu_features uncapped = {0};
+        probe(&uncapped);
+        return uncapped.avx2 && uncapped.fma ? "Haswell" : NULL;
+    }
     const char *core = openblas_get_corename();
     const char *vector[] = {"Haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids"};
     for (size_t i = 0; i < sizeof vector / sizeof vector[0]; i++)
@@ -123,7 +129,7 @@ void fl_runtime_env(char **argv) {
         setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
         change = 1;
     }
-    const char *core = openblas_core();
+    const char *core = fl_openblas_coretype();
     if (core) {
         setenv("OPENBLAS_CORETYPE", core, 1);
         change = 1;
