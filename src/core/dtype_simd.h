@@ -16,26 +16,25 @@
 
 #include "fitlm/dtype.h"
 
-// 8 fp32 -> 8 bf16 in the low halves of the 32-bit lanes (fl_f32_to_bf16)
+// 8 fp32 -> 8 bf16 in the low halves of the 32-bit lanes (fl_f32_to_bf16).
+// A NaN (unordered with itself) is quieted before the one shift: its top
+// payload bits kept.
 __attribute__((target("avx2"))) static inline __m256i bf16_round_avx2(__m256 x) {
-    __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
-    __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-    __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000)); // signed: abs >= 0
-    __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
-    return _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), quiet, nan);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    return _mm256_srli_epi32(_mm256_blendv_epi8(r, quiet, nan), 16);
 }
 
 // the same on 16 lanes
 __attribute__((target("avx512f"))) static inline __m512i bf16_round_avx512(__m512 x) {
-    __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
-    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
-    __m512i quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
-    return _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(r, 16), quiet);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_srli_epi32(_mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000)), 16);
 }
 
 // 8 values of dtype dt at element i of p, as fp32
