@@ -99,18 +99,14 @@ static void test_cpu_probe(void) {
     // uncapped, the widest ISA the CPU has, as the compiler's own probe sees it
     const char *cap = getenv("FITLM_ISA");
     if (!getenv("FITLM_NO_SIMD") && (!cap || !strcmp(cap, "avx512"))) {
-        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        int avx2 = t_cpu_avx2();
         int avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
         fl_isa want = avx512 ? FL_ISA_AVX512 : avx2 ? FL_ISA_AVX2 : FL_ISA_PORTABLE;
         t_check(fl_cpu_isa() == want, "the probe finds %s, the CPU has %s",
                 fl_isa_name(fl_cpu_isa()), fl_isa_name(want));
     }
-    // an emulated CPU's run (CMakeLists.txt) names the ISA it has
-    const char *expect = getenv("FITLM_TEST_EXPECT_ISA");
-    if (expect)
-        t_check(!strcmp(fl_isa_name(fl_cpu_isa()), expect), "the CPU's ISA is %s, expected %s",
-                fl_isa_name(fl_cpu_isa()), expect);
+    t_check_expected_isa();
 }
 
 // fl_cpu() reads the environment once per process: each case runs in a
@@ -135,8 +131,7 @@ static void coretype_with_isa(void *isa) {
 }
 
 static void test_openblas_coretype(void) {
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    const char *want = avx2 ? "OpenBLAS core Haswell\n" : "OpenBLAS core unchanged\n";
+    const char *want = t_cpu_avx2() ? "OpenBLAS core Haswell\n" : "OpenBLAS core unchanged\n";
     t_dies("FITLM_ISA=portable: OpenBLAS's kernels", coretype_with_isa, "portable", want);
     t_dies("FITLM_ISA=avx2: OpenBLAS's kernels", coretype_with_isa, "avx2", want);
 }
@@ -146,9 +141,8 @@ static void test_isa_cap(void) {
     t_dies("FITLM_ISA=portable", probe_with_isa, "portable", "gives portable\n");
     // avx2 where the CPU has it (asked of the compiler's own probe), else
     // portable; never AVX-512 or its bf16
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     t_dies("FITLM_ISA=avx2", probe_with_isa, "avx2",
-           avx2 ? "FITLM_ISA=avx2 gives avx2\n" : "FITLM_ISA=avx2 gives portable\n");
+           t_cpu_avx2() ? "FITLM_ISA=avx2 gives avx2\n" : "FITLM_ISA=avx2 gives portable\n");
 }
 
 int main(void) {

@@ -825,7 +825,7 @@ static void test_exp_lanes(void) {
     for (size_t i = 0; i < sizeof specials / sizeof *specials; i++) x[n++] = specials[i];
     for (size_t i = 0; i < cap; i++) want[i] = isnan(x[i]) ? NAN : exp_model(x[i]);
 #if FL_HAVE_X86_SIMD
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int avx2 = t_cpu_avx2();
     int avx512 = __builtin_cpu_supports("avx512f");
     float *y512 = malloc(cap * sizeof *y512), *y256 = malloc(cap * sizeof *y256);
     if (avx512) exp512_all(y512, x, cap);

@@ -72,17 +72,24 @@ float *t_weights_f32(fl_model *m, fl_dist *d) {
     return out;
 }
 
+int t_cpu_avx2(void) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+void t_check_expected_isa(void) {
+    const char *expect = getenv("FITLM_TEST_EXPECT_ISA");
+    if (expect)
+        t_check(!strcmp(fl_isa_name(fl_cpu_isa()), expect), "the CPU's ISA is %s, expected %s",
+                fl_isa_name(fl_cpu_isa()), expect);
+}
+
 int t_main_under_isa_caps(int (*run_all)(const char *isa), void (*across)(int avx2, int avx512)) {
     if (getenv("FITLM_NO_SIMD")) return run_all("portable (FITLM_NO_SIMD)");
     if (getenv("FITLM_ISA")) {
-        // an emulated CPU's run (CMakeLists.txt) names the ISA it has
-        const char *expect = getenv("FITLM_TEST_EXPECT_ISA");
-        if (expect)
-            t_check(!strcmp(fl_isa_name(fl_cpu_isa()), expect), "the CPU's ISA is %s, expected %s",
-                    fl_isa_name(fl_cpu_isa()), expect);
+        t_check_expected_isa();
         return run_all(getenv("FITLM_ISA"));
     }
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int avx2 = t_cpu_avx2();
     int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                  __builtin_cpu_supports("avx512vl");
     if (across) across(avx2, avx2 && avx512);

@@ -35,9 +35,14 @@ float *t_weights_f32(fl_model *m, fl_dist *d);
 // child forked first thing, before any OpenMP thread exists (portable, then
 // AVX2 where the CPU has AVX-512); the parent runs the CPU's own paths. First
 // across(avx2, avx512) compares the paths in one process (NULL: none).
-// FITLM_ISA or FITLM_NO_SIMD set from outside: that run only (and with
-// FITLM_TEST_EXPECT_ISA, a check that the CPU's ISA under it is that one).
+// FITLM_ISA or FITLM_NO_SIMD set from outside: that run only (and
+// t_check_expected_isa first).
 int t_main_under_isa_caps(int (*run_all)(const char *isa), void (*across)(int avx2, int avx512));
+// AVX2 and FMA, as the compiler's own probe sees the CPU
+int t_cpu_avx2(void);
+// With FITLM_TEST_EXPECT_ISA (an emulated CPU's run, CMakeLists.txt): a
+// check that fl_cpu_isa() is that ISA.
+void t_check_expected_isa(void);
 
 // Prints "<program>: N passed, N failed" and returns the exit status.
 int t_report(void);
