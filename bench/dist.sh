@@ -19,7 +19,7 @@
 #     waiting on collectives; beside it the ring-algorithm theory, 2(N-1)/N x P
 #     for stages 0-2 and 3(N-1)/N x P for stage 3, and for stage 3 also what
 #     its reuse leaves (the embedding gathered once a step, the last blocks
-#     kept from the forward pass to the backward: see src/dist/zero.c);
+#     kept from the forward pass to the backward: see src/parallel/zero.c);
 #   - tokens/s: N x B x T over the median step time of the steps after the
 #     first (rank 0's log), with the min-max of those step times;
 #   - per rank, the tagged peak and the tagged total at the end (steady

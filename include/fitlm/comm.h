@@ -1,6 +1,6 @@
-// comm.h: the communicator the engine sees. src/dist/comm.c implements it
-// on MPI (Open MPI); a build without MPI gets src/dist/comm_single.c, one
-// rank. Nothing outside src/dist includes mpi.h.
+// comm.h: the communicator the engine sees. src/parallel/comm.c implements it
+// on MPI (Open MPI); a build without MPI gets src/parallel/comm_single.c, one
+// rank. Nothing outside src/parallel includes mpi.h.
 //
 // One world per process: fl_comm_init starts MPI only when the process was
 // launched by mpirun (a plain `fitlm train` is one rank and needs no MPI

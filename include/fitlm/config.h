@@ -19,7 +19,7 @@
 #define FL_NAME_MAX 32
 
 // DeepSpeed's zero_optimization block (sizes in elements, as DeepSpeed's).
-// What each key means here is in src/dist/zero.c; fl_config_check refuses
+// What each key means here is in src/parallel/zero.c; fl_config_check refuses
 // the keys fitlm cannot honour, naming them.
 typedef struct {
     int stage;                         // 0 (data parallel, DDP), 1, 2, 3

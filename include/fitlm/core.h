@@ -16,7 +16,7 @@
 // the engine never continues past an error it cannot recover from.
 void fl_die(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
 void fl_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-// Several ranks (src/dist/comm.c): messages name `rank`, and fl_die calls
+// Several ranks (src/parallel/comm.c): messages name `rank`, and fl_die calls
 // on_die (which ends the whole job) before exiting.
 void fl_log_set_rank(int rank, void (*on_die)(int code));
 // For parsers that report instead of dying (so fuzzers can run them): writes

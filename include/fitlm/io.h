@@ -204,6 +204,11 @@ void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, s
 // 0, or -1 with a message in err.
 int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen);
 
+// True when path is a fitlm checkpoint (a directory with `latest`, or a
+// checkpoint file); the second, only for the directory.
+int fl_is_checkpoint(const char *path);
+int fl_is_checkpoint_dir(const char *path);
+
 // ----------------------------------------------------------------------------
 // training checkpoints: everything a bitwise-identical resume needs. Meta:
 // the step, the run's config, the model shape, precision and tokenizer, the
@@ -276,10 +281,6 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl
 // .bin, version 3 or 5) or a fitlm checkpoint (directory or file), told
 // apart by content.
 
-// True when path is a fitlm checkpoint (a directory with `latest`, or a
-// checkpoint file); the second, only for the directory.
-int fl_is_checkpoint(const char *path);
-int fl_is_checkpoint_dir(const char *path);
 // The model shape, without reading the weights (for planning).
 void fl_pretrained_config(const char *path, fl_model_config *cfg);
 // Initialises *model from the weights, rounded to dt.

@@ -48,7 +48,7 @@ fl_train_result fl_lora_lomo_step(fl_model *m, fl_optimizer *adapters, fl_optimi
                                   const int *inputs, const int *targets, int B, int T, float lr,
                                   float base_lr);
 
-// A run's config made whole (src/model/run.c): the model shape from its
+// A run's config made whole (src/run/config_finish.c): the model shape from its
 // preset and the model.* options (the preset names the architecture unless
 // it is tiny or demo), the vocabulary from the tokenizer, then
 // fl_config_check. Dies naming the option on a contradiction.

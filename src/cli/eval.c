@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "helpers.h"
 #include "fitlm/config.h"
 #include "fitlm/data.h"
 #include "fitlm/eval.h"

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "helpers.h"
 #include "fitlm/config.h"
 #include "fitlm/io.h"
 #include "fitlm/tokenizer.h"

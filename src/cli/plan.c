@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "helpers.h"
 #include "fitlm/data.h"
 #include "fitlm/config.h"
 #include "fitlm/train.h"

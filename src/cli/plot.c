@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "helpers.h"
 #include "fitlm/metrics.h"
 
 #define SWATCH_WIDTH 2.5

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "helpers.h"
 #include "fitlm/config.h"
 #include "fitlm/io.h"
 #include "fitlm/model.h"

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "helpers.h"
 #include "fitlm/data.h"
 #include "fitlm/io.h"
 #include "fitlm/tokenizer.h"

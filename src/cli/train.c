@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "helpers.h"
 #include "fitlm/comm.h"
 #include "fitlm/config.h"
 #include "fitlm/data.h"

@@ -1209,7 +1209,7 @@ static void check_aio(const fl_train_config *cfg) {
                    keys[i].key, keys[i].value, x->offload_optimizer, keys[i].def);
 }
 
-// What the data-parallel engine (src/dist) cannot run yet, said before
+// What the data-parallel engine (src/parallel) cannot run yet, said before
 // anything loads, naming the keys (LOMO and AdaLomo it runs: fused_units).
 static void check_parallel(const fl_train_config *cfg) {
     int world = fl_comm_size(), stage = cfg->zero.stage;

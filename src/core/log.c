@@ -5,7 +5,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 
-// Set by the communicator (src/dist/comm.c) when several ranks run: messages
+// Set by the communicator (src/parallel/comm.c) when several ranks run: messages
 // name the rank, and a fatal error ends every rank at once.
 static int log_rank = -1;
 static void (*die_hook)(int code);

@@ -31,6 +31,26 @@
 #define CKPT_NAME_MAX    64
 #define SHARD_NAME_MAX   64
 
+int fl_is_checkpoint_dir(const char *path) {
+    char latest[FL_FILE_PATH_MAX];
+    struct stat st;
+    snprintf(latest, sizeof latest, "%s/latest", path);
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode) && access(latest, F_OK) == 0;
+}
+
+int fl_is_checkpoint(const char *path) {
+    // O_NONBLOCK: opening a FIFO must not hang; only a regular file is read
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return fl_is_checkpoint_dir(path);
+    struct stat st;
+    char magic[8];
+    int found = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+                pread(fd, magic, sizeof magic, 0) == (ssize_t)sizeof magic &&
+                !memcmp(magic, CKPT_MAGIC, sizeof magic);
+    close(fd);
+    return found || fl_is_checkpoint_dir(path);
+}
+
 static const char *dtype_name(fl_dtype dt) {
     return dt == FL_F32 ? "F32" : dt == FL_BF16 ? "BF16" : "F16";
 }

@@ -1,5 +1,5 @@
 // pretrained.c: weights from elsewhere, told apart by what the path holds: a
-// fitlm checkpoint (`latest` or the FITLMCKP magic), a Hugging Face GPT-2 or
+// fitlm checkpoint (fl_is_checkpoint), a Hugging Face GPT-2 or
 // LLaMA directory or .safetensors file (config.json says which), or an llm.c
 // model file (its magic; always GPT-2).
 #include <errno.h>
@@ -12,13 +12,6 @@
 #include "fitlm/io.h"
 #include "fitlm/safetensors.h"
 
-int fl_is_checkpoint_dir(const char *path) {
-    char latest[FL_FILE_PATH_MAX];
-    struct stat st;
-    snprintf(latest, sizeof latest, "%s/latest", path);
-    return stat(path, &st) == 0 && S_ISDIR(st.st_mode) && access(latest, F_OK) == 0;
-}
-
 // The first n bytes of a file (fewer when it is shorter); -1 if unreadable
 // or not a regular file (O_NONBLOCK: opening a FIFO must not hang).
 static ssize_t head(const char *path, uint8_t *buf, size_t n, uint64_t *size) {
@@ -30,12 +23,6 @@ static ssize_t head(const char *path, uint8_t *buf, size_t n, uint64_t *size) {
     if (size) *size = regular ? (uint64_t)st.st_size : 0;
     close(fd);
     return got;
-}
-
-int fl_is_checkpoint(const char *path) {
-    uint8_t magic[8];
-    return fl_is_checkpoint_dir(path) ||
-           (head(path, magic, 8, NULL) == 8 && !memcmp(magic, "FITLMCKP", 8));
 }
 
 typedef enum { SRC_CKPT, SRC_HF, SRC_LLMC } source_kind;

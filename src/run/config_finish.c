@@ -1,4 +1,4 @@
-// run.c: a run's config made whole for the model and the optimizer: the
+// config_finish.c: a run's config made whole for the model and the optimizer: the
 // model shape from its preset, the options and pretrained weights, then the
 // config's own checks; and the optimizer's settings.
 #include <string.h>
