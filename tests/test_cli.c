@@ -16,6 +16,7 @@
 #include "fitlm/config.h"
 #include "fitlm/io.h"
 #include "fitlm/safetensors.h"
+#include "fitlm/train.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_test_cli_XXXXXX";

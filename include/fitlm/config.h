@@ -12,15 +12,14 @@
 
 #include "fitlm/core.h"
 #include "fitlm/dtype.h"
-#include "fitlm/lora.h"
 #include "fitlm/shape.h"
 
 #define FL_PATH_MAX 1024
 #define FL_NAME_MAX 32
 
 // DeepSpeed's zero_optimization block (sizes in elements, as DeepSpeed's).
-// What each key means here is in src/parallel/zero.c; fl_config_check refuses
-// the keys fitlm cannot honour, naming them.
+// What each key means here is in src/parallel/zero.c; fl_parallel_check_config
+// (fitlm/dist.h) checks them by stage.
 typedef struct {
     int stage;                         // 0 (data parallel, DDP), 1, 2, 3
     float reduce_bucket_size;          // gradient reduction bucket (5e8)
@@ -45,9 +44,10 @@ typedef struct {
 } fl_zero_config;
 
 // The rest of DeepSpeed's zero_optimization block, and its aio block: keys
-// the engine needs no code for. fl_config_check accepts each where fitlm
-// already behaves as DeepSpeed means (state in RAM is "offloaded to cpu")
-// and refuses it, naming it, where it does not; nothing reads them after.
+// the engine needs no code for. fl_deepspeed_check_config and
+// fl_offload_check_config accept each where fitlm already behaves as
+// DeepSpeed means (state in RAM is "offloaded to cpu") and refuse it,
+// naming it, where it does not; nothing reads them after but NVMe offload.
 typedef struct {
     int allgather_partitions;            // true: all-gather (false: broadcasts)
     int use_multi_rank_bucket_allreduce; // true
@@ -128,14 +128,14 @@ typedef struct {
     // LoRA (PEFT's LoraConfig names) and NF4 base weights (bitsandbytes'
     // BitsAndBytesConfig names)
     int lora_enabled;
-    fl_lora_config lora;                   // init and train_base derived by fl_config_check
+    fl_lora_config lora;                   // init and train_base derived by fl_lora_check_config
     char lora_init[FL_NAME_MAX];           // true | gaussian
     char lora_bias[FL_NAME_MAX];           // none
     char lora_base_optimizer[FL_NAME_MAX]; // none | lomo | adalomo (LoRA + LOMO)
     float lora_base_lr;                    // 0 = lr
     char adapter[FL_PATH_MAX];             // a PEFT adapter directory to start from
     char quant_type[FL_NAME_MAX];          // none | nf4 | fp4
-    fl_quant_config quant;                 // enabled derived by fl_config_check
+    fl_quant_config quant;                 // enabled derived by fl_quant_check_config
     // schedule
     char scheduler[FL_NAME_MAX]; // constant | cosine | linear
     int warmup_steps;
@@ -171,10 +171,16 @@ void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, 
 // The options set by a file or a flag (not defaulted), as a JSON config that
 // fl_config_load_json_text reads back into the same run; fl_free the result.
 char *fl_config_to_json(const fl_train_config *cfg);
-// The checks of a config that need no model (batch sizes, options the
-// optimizer would ignore, threads, checkpointing keys, precision): the part
-// of fl_config_finish (fitlm/train.h) that core does.
-void fl_config_check(fl_train_config *cfg);
+// The checks of the options no subsystem owns: threads (0: all cores),
+// mem_limit, precision (dtype) and its fp16 keys, the recompute policy.
+// Each subsystem checks its own section (fl_<subsystem>_check_config);
+// fl_config_check (fitlm/train.h) runs them all in order.
+void fl_config_check_common(fl_train_config *cfg);
+// DeepSpeed's keys that name no concept of fitlm's (src/core/config_compat.c):
+// mapped onto fitlm's options (the bf16/fp16 blocks onto precision, the
+// deprecated cpu_offload forms onto the offload devices) before the sections
+// check theirs, or refused naming the key, the value and why.
+void fl_deepspeed_check_config(fl_train_config *cfg);
 // Whether an option (by JSON key) was set by a file or a flag; set it.
 int fl_config_given(const fl_train_config *cfg, const char *key);
 void fl_config_set_given(fl_train_config *cfg, const char *key, int on);

@@ -43,6 +43,14 @@ void fl_dist_shard(const fl_zero_config *cfg, const fl_param_table *t, int world
 
 typedef struct fl_dist fl_dist;
 
+// DeepSpeed's batch rule (src/parallel/parallel_config.c): any two of
+// train_micro_batch_size_per_gpu, gradient_accumulation_steps and
+// train_batch_size set the third over the ranks (cfg->ranks, or this job's).
+void fl_parallel_check_batch(fl_train_config *cfg);
+// The zero_optimization section: overlap_comm's default by stage, stage 3's
+// keys only at stage 3, and LoRA or NF4 refused with data parallelism.
+void fl_parallel_check_config(fl_train_config *cfg);
+
 // Fills what the strategy takes from the optimizer (cfg->fused_units,
 // cfg->whole_rows); fl_config_finish and the planner call it.
 void fl_dist_derive(fl_zero_config *cfg, const fl_optimizer_config *o);

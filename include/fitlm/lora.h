@@ -19,30 +19,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fitlm/config.h"
 #include "fitlm/params.h"
-#include "fitlm/shape.h"
+#include "fitlm/shape.h" // fl_lora_config, fl_quant_config: plain settings the config reads
 
-#define FL_LORA_TARGETS_MAX 256
-
-typedef enum {
-    FL_LORA_INIT_DEFAULT,  // PEFT's init_lora_weights true: A Kaiming-uniform (a = sqrt 5), B 0
-    FL_LORA_INIT_GAUSSIAN, // "gaussian": A ~ N(0, 1/r), B 0
-} fl_lora_init;
-
-typedef struct {
-    int r;         // rank, PEFT's default 8; 0 = no adapters
-    float alpha;   // lora_alpha (8)
-    float dropout; // lora_dropout (0): on the adapter's input only
-    // module names, comma-separated: a module is targeted when its Hugging
-    // Face name (e.g. "model.layers.0.self_attn.q_proj") equals an entry or
-    // ends with "." + entry; "all-linear": every linear layer but the LM
-    // head; "": the architecture's default (LLaMA q_proj,v_proj; GPT-2 c_attn)
-    char target_modules[FL_LORA_TARGETS_MAX];
-    int use_rslora; // scaling alpha / sqrt(r) instead of alpha / r
-    fl_lora_init init;
-    int train_base; // LoRA + LOMO: the base is trained by a fused optimizer, not frozen
-} fl_lora_config;
-
+// The LoRA section of a run's config (src/model/lora_config.c): lora.*
+// keys only with LoRA (an adapter turns it on), PEFT's choices fitlm lacks
+// refused; derives cfg->lora.init and cfg->lora.train_base. After the batch
+// (it reads the accumulation).
+void fl_lora_check_config(fl_train_config *cfg);
 void fl_lora_config_defaults(fl_lora_config *c);
 float fl_lora_scaling(const fl_lora_config *c);
 
@@ -67,13 +52,12 @@ void fl_lora_peft_name(const fl_model_config *c, const char *row, char *out, siz
 // ----------------------------------------------------------------------------
 // NF4 storage of base weights
 
-typedef struct {
-    int enabled;      // load_in_4bit with bnb_4bit_quant_type "nf4"
-    int blocksize;    // 64 (bitsandbytes allows 32..4096, a power of two)
-    int double_quant; // bnb_4bit_use_double_quant: the absmax quantised to 8 bits (block 256)
-} fl_quant_config;
-
 #define FL_DQ_BLOCK 256 // double quantisation's block, bitsandbytes' fixed value
+
+// The NF4 section of a run's config (src/model/quant_config.c): fp4
+// refused, NF4 keys only with nf4, NF4 only under LoRA with a frozen base;
+// derives cfg->quant.enabled. After fl_lora_check_config.
+void fl_quant_check_config(fl_train_config *cfg);
 
 // Which rows are stored in NF4: the linear layers of the blocks (2-D rows
 // of a block unit); embeddings, norms and the LM head stay in the compute

@@ -32,6 +32,10 @@ typedef struct {
     int overlap_events;    // false: a batch completes before the next is submitted
 } fl_offload_config;
 
+// Checks the offload_optimizer, offload_param and aio blocks against the
+// ZeRO stage and each other (src/parallel/offload_config.c); sets
+// cfg->zero.offload_params. Dies naming the key.
+void fl_offload_check_config(fl_train_config *cfg);
 // The offload settings of a training config's offload_optimizer and aio blocks.
 fl_offload_config fl_offload_config_of(const fl_train_config *cfg);
 

@@ -13,6 +13,7 @@
 
 #include <stddef.h>
 
+#include "fitlm/config.h"
 #include "fitlm/dtype.h"
 #include "fitlm/params.h"
 
@@ -263,6 +264,13 @@ typedef struct {
     int paged; // the master weights and the rule's state live outside RAM (NVMe offload):
                // not allocated here; a pager (fl_optim_pager) is attached before the first step
 } fl_optimizer_config;
+
+// The optimizer section of a run's config (src/optim/optim_config.c):
+// options the chosen optimizers would ignore are refused, AdaLomo's own eps
+// and clipping defaults set, stochastic rounding only on 16-bit weights,
+// optimizer_in_backward's limits, an eps that can only give NaN refused.
+// After the precision (cfg->dtype) and the LoRA section are checked.
+void fl_optim_check_config(fl_train_config *cfg);
 
 // LOMO or AdaLomo
 static inline int fl_optim_kind_fused(fl_optim_kind k) {

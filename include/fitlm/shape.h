@@ -1,6 +1,6 @@
-// shape.h: a model's architecture and dimensions, and the activation
-// checkpointing policy: plain types that the config (core) reads and the
-// model driver (model.h) runs, with their names.
+// shape.h: a model's architecture and dimensions, the activation
+// checkpointing policy, and the LoRA and NF4 settings: plain types that the
+// config (core) reads and the model driver (model.h) runs, with their names.
 #ifndef FITLM_SHAPE_H
 #define FITLM_SHAPE_H
 
@@ -32,5 +32,34 @@ typedef enum {
 } fl_recompute;
 const char *fl_recompute_name(fl_recompute r);
 int fl_recompute_parse(const char *name, fl_recompute *out); // 0 on success, -1 unknown
+
+// LoRA adapters (PEFT's LoraConfig) and the NF4 storage of base weights
+// (bitsandbytes' BitsAndBytesConfig): what they are is in fitlm/lora.h.
+#define FL_LORA_TARGETS_MAX 256
+
+typedef enum {
+    FL_LORA_INIT_DEFAULT,  // PEFT's init_lora_weights true: A Kaiming-uniform (a = sqrt 5), B 0
+    FL_LORA_INIT_GAUSSIAN, // "gaussian": A ~ N(0, 1/r), B 0
+} fl_lora_init;
+
+typedef struct {
+    int r;         // rank, PEFT's default 8; 0 = no adapters
+    float alpha;   // lora_alpha (8)
+    float dropout; // lora_dropout (0): on the adapter's input only
+    // module names, comma-separated: a module is targeted when its Hugging
+    // Face name (e.g. "model.layers.0.self_attn.q_proj") equals an entry or
+    // ends with "." + entry; "all-linear": every linear layer but the LM
+    // head; "": the architecture's default (LLaMA q_proj,v_proj; GPT-2 c_attn)
+    char target_modules[FL_LORA_TARGETS_MAX];
+    int use_rslora; // scaling alpha / sqrt(r) instead of alpha / r
+    fl_lora_init init;
+    int train_base; // LoRA + LOMO: the base is trained by a fused optimizer, not frozen
+} fl_lora_config;
+
+typedef struct {
+    int enabled;      // load_in_4bit with bnb_4bit_quant_type "nf4"
+    int blocksize;    // 64 (bitsandbytes allows 32..4096, a power of two)
+    int double_quant; // bnb_4bit_use_double_quant: the absmax quantised to 8 bits (block 256)
+} fl_quant_config;
 
 #endif

@@ -53,6 +53,11 @@ fl_train_result fl_lora_lomo_step(fl_model *m, fl_optimizer *adapters, fl_optimi
 // it is tiny or demo), the vocabulary from the tokenizer, then
 // fl_config_check. Dies naming the option on a contradiction.
 void fl_config_finish(fl_train_config *cfg);
+// The checks of a config that need no model, section by section in the
+// order their derived values are read: DeepSpeed's keys mapped or refused,
+// the common options, the batch over the ranks, LoRA, NF4, the optimizer,
+// ZeRO and its offload. Dies naming the option.
+void fl_config_check(fl_train_config *cfg);
 // Takes the model shape of pretrained weights or a checkpoint (`source`);
 // a model.* option that contradicts it is an error.
 void fl_config_set_shape(fl_train_config *cfg, const fl_model_config *shape, const char *source);

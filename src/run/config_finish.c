@@ -1,9 +1,12 @@
 // config_finish.c: a run's config made whole for the model and the optimizer: the
 // model shape from its preset, the options and pretrained weights, then the
-// config's own checks; and the optimizer's settings.
+// config's checks, each section's by its subsystem in the order their derived
+// values are read (fl_config_check); and the optimizer's settings.
 #include <string.h>
 
 #include "fitlm/dist.h"
+#include "fitlm/lora.h"
+#include "fitlm/offload.h"
 #include "fitlm/tokenizer.h"
 #include "fitlm/train.h"
 
@@ -70,6 +73,17 @@ static void demo_recipe(fl_train_config *cfg) {
     if (!fl_config_given(cfg, "scheduler.params.warmup_num_steps"))
         cfg->warmup_steps = cfg->steps / 2;
     if (!fl_config_given(cfg, "optimizer.params.betas")) cfg->beta2 = 0.99f;
+}
+
+void fl_config_check(fl_train_config *cfg) {
+    fl_deepspeed_check_config(cfg); // first: it maps keys the sections read
+    fl_config_check_common(cfg);
+    fl_parallel_check_batch(cfg); // the accumulation LoRA and the optimizer read
+    fl_lora_check_config(cfg);
+    fl_quant_check_config(cfg);    // reads whether LoRA trains, and on what base
+    fl_optim_check_config(cfg);    // reads the precision and LoRA's base optimizer
+    fl_parallel_check_config(cfg); // reads whether LoRA or NF4 is on
+    fl_offload_check_config(cfg);
 }
 
 void fl_config_finish(fl_train_config *cfg) {

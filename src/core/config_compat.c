@@ -1,0 +1,173 @@
+// config_compat.c: DeepSpeed's keys that name no concept of fitlm's, each
+// mapped onto fitlm's own or refused naming the key, the value and why;
+// none is ignored. Mapped: the bf16/fp16 blocks onto precision, the
+// deprecated cpu_offload forms onto the offload blocks' device. Refused:
+// activation checkpointing's partitioning, ZeRO's alternatives to what
+// fitlm does one way and its features fitlm lacks (ZeRO++, MiCS, ...), aio's
+// GPU and intra-op settings. Their entries stay in the option table
+// (config.c), which reads them and prints them in --help; the sections
+// fitlm runs check their own keys (fl_<subsystem>_check_config).
+#include <string.h>
+
+#include "fitlm/config.h"
+
+#define ZERO "zero_optimization."
+
+static int given(const fl_train_config *cfg, const char *key) {
+    return fl_config_given(cfg, key);
+}
+
+// bf16.enabled / fp16.enabled: DeepSpeed's precision blocks, the same as
+// --precision bf16 / fp16
+static void map_precision(fl_train_config *cfg) {
+    if (cfg->bf16_enabled && cfg->fp16_enabled)
+        fl_die("bf16.enabled and fp16.enabled cannot both be true");
+    const char *block = cfg->bf16_enabled ? "bf16" : cfg->fp16_enabled ? "fp16" : NULL;
+    if (block) {
+        if (fl_config_given(cfg, "precision") && strcmp(cfg->precision, block))
+            fl_die("precision '%s' contradicts %s.enabled", cfg->precision, block);
+        strcpy(cfg->precision, block);
+    }
+}
+
+// DeepSpeed's activation_checkpointing keys beside the policy: each is
+// refused with what fitlm does instead, never ignored.
+static void refuse_checkpointing(const fl_train_config *cfg) {
+    const char *needs_tp = "partitions checkpoints across tensor-parallel ranks, and fitlm has no "
+                           "tensor parallelism yet";
+    if (cfg->ac_partition) fl_die("activation_checkpointing.partition_activations %s", needs_tp);
+    if (cfg->ac_cpu)
+        fl_die("activation_checkpointing.cpu_checkpointing offloads partitioned checkpoints "
+               "(DeepSpeed: needs partition_activations); fitlm's activations are in host memory "
+               "already");
+    if (cfg->ac_contiguous || fl_config_given(cfg, "activation_checkpointing.number_checkpoints"))
+        fl_die("activation_checkpointing.contiguous_memory_optimization and number_checkpoints "
+               "apply to partitioned checkpoints (DeepSpeed: need partition_activations); "
+               "fitlm's checkpoints are one contiguous buffer already");
+    if (cfg->ac_sync)
+        fl_die("activation_checkpointing.synchronize_checkpoint_boundary synchronises a GPU "
+               "stream; fitlm's kernels are synchronous");
+    if (cfg->ac_profile)
+        fl_die("activation_checkpointing.profile: use --profile (the per-op forward and backward "
+               "times, recomputation included)");
+}
+
+// A setting fitlm cannot honour: the key (under zero_optimization), the
+// value given and why.
+static void refuse(int bad, const char *key, const char *value, const char *why) {
+    if (bad) fl_die(ZERO "%s %s: %s", key, value, why);
+}
+
+// cpu_offload and cpu_offload_param are DeepSpeed's old spellings of an
+// offload block's device cpu: the same here, but not both at once.
+static void deprecated_offload(fl_train_config *cfg, const char *old, int on, const char *block,
+                               char *device) {
+    char oldkey[96], devkey[96];
+    snprintf(oldkey, sizeof oldkey, ZERO "%s", old);
+    snprintf(devkey, sizeof devkey, ZERO "%s.device", block);
+    if (!given(cfg, oldkey)) return;
+    if (given(cfg, devkey))
+        fl_die("%s is the deprecated form of %s (device cpu): give one of them, not both", oldkey,
+               devkey);
+    if (on) strcpy(device, "cpu");
+}
+
+// The deprecated forms onto the offload blocks' devices, whose keys
+// fl_offload_check_config then checks.
+static void map_offload(fl_train_config *cfg) {
+    fl_zero_extra *x = &cfg->zero_extra;
+    deprecated_offload(cfg, "cpu_offload", x->cpu_offload, "offload_optimizer",
+                       x->offload_optimizer);
+    deprecated_offload(cfg, "cpu_offload_param", x->cpu_offload_param, "offload_param",
+                       x->offload_param);
+    int opt_on = strcmp(x->offload_optimizer, "none") != 0;
+    int param_on = strcmp(x->offload_param, "none") != 0;
+    if (x->cpu_offload_use_pin_memory && !opt_on && !param_on)
+        fl_die(ZERO "cpu_offload_use_pin_memory applies to an offload (device cpu); neither "
+                    "offload_optimizer nor offload_param has one");
+}
+
+// DeepSpeed's choices between ways of doing what fitlm does one way, and
+// its features fitlm lacks: the default is accepted, the rest refused.
+static void check_zero_choices(const fl_train_config *cfg) {
+    const fl_zero_extra *x = &cfg->zero_extra;
+    refuse(!cfg->zero.contiguous_gradients, "contiguous_gradients", "false",
+           "fitlm always keeps a rank's gradient shard in one contiguous buffer (drop the key or "
+           "set it true)");
+    refuse(!x->allgather_partitions, "allgather_partitions", "false",
+           "DeepSpeed then broadcasts each rank's updated weights; fitlm all-gathers them (drop "
+           "the key or set it true)");
+    refuse(!x->use_multi_rank_bucket_allreduce, "use_multi_rank_bucket_allreduce", "false",
+           "DeepSpeed then reduces each rank's part of a bucket to it separately; fitlm "
+           "reduce-scatters buckets, or all-reduces them whole with reduce_scatter false");
+    refuse(!x->grad_hooks, "grad_hooks", "false",
+           "reducing after the backward pass is overlap_comm false in fitlm");
+    refuse(!x->load_from_fp32_weights, "load_from_fp32_weights", "false",
+           "a resume restores the fp32 master weights from the checkpoint, bit for bit; fitlm "
+           "does not rebuild them from the 16-bit weights");
+    refuse(x->elastic_checkpoint, "elastic_checkpoint", "true",
+           "loading a checkpoint saved by another number of ranks is not supported (DeepSpeed no "
+           "longer supports it either)");
+    if (given(cfg, ZERO "stage3_gather_16bit_weights_on_model_save") &&
+        given(cfg, ZERO "stage3_gather_fp16_weights_on_model_save") &&
+        x->gather_16bit_on_save != x->gather_fp16_on_save)
+        fl_die(ZERO "stage3_gather_fp16_weights_on_model_save (the deprecated name) contradicts "
+                    "stage3_gather_16bit_weights_on_model_save");
+    const char *why_gather = "fitlm's checkpoints and fitlm export always hold the whole weights "
+                             "(gathered under stage 3); drop the key or set it true";
+    refuse(given(cfg, ZERO "stage3_gather_16bit_weights_on_model_save") && !x->gather_16bit_on_save,
+           "stage3_gather_16bit_weights_on_model_save", "false", why_gather);
+    refuse(given(cfg, ZERO "stage3_gather_fp16_weights_on_model_save") && !x->gather_fp16_on_save,
+           "stage3_gather_fp16_weights_on_model_save", "false", why_gather);
+    refuse(x->use_all_reduce_for_fetch_params, "stage3_use_all_reduce_for_fetch_params", "true",
+           "fitlm fetches stage 3 weights by all-gather");
+    refuse(x->legacy_stage1, "legacy_stage1", "true",
+           "DeepSpeed's old stage 1 implementation has no counterpart; stage 1 is fitlm's");
+    if (x->hpz_partition_size > 1)
+        fl_die(ZERO "zero_hpz_partition_size %d: ZeRO++ hierarchical partitioning (a secondary "
+                    "copy of the weights within a node) is not supported; use 1",
+               x->hpz_partition_size);
+    const char *why_q = "ZeRO++ quantised communication is not supported: fitlm gathers weights "
+                        "in the model's dtype and reduces gradients in fp32";
+    refuse(x->quantized_weights, "zero_quantized_weights", "true", why_q);
+    refuse(x->quantized_nontrainable_weights, "zero_quantized_nontrainable_weights", "true", why_q);
+    refuse(x->quantized_gradients, "zero_quantized_gradients", "true", why_q);
+    if (given(cfg, ZERO "zeropp_loco_param.err_beta") ||
+        given(cfg, ZERO "zeropp_loco_param.reset_T"))
+        fl_die(ZERO "zeropp_loco_param: LoCo-ZeRO++ corrects zero_quantized_gradients, which is "
+                    "not supported");
+    if (x->mics_shard_size != -1)
+        fl_die(ZERO "mics_shard_size %d: MiCS (sharding within groups of ranks) is not "
+                    "supported; stage 3 shards over every rank (use -1)",
+               x->mics_shard_size);
+    refuse(x->mics_hierarchical_params_gather, "mics_hierarchical_params_gather", "true",
+           "MiCS is not supported");
+    refuse(!x->memory_efficient_linear, "memory_efficient_linear", "false",
+           "fitlm's stage 3 gathers a block's weights again for its backward pass rather than "
+           "keep them from the forward (stage3_max_reuse_distance sets what is kept)");
+    refuse(x->pipeline_loading_checkpoint, "pipeline_loading_checkpoint", "true",
+           "pipeline parallelism is not supported");
+    refuse(!x->override_module_apply, "override_module_apply", "false",
+           "it switches off a hook on PyTorch's nn.Module.apply, which has no counterpart here");
+}
+
+// aio's settings without a counterpart here (the rest tune NVMe offload:
+// fl_offload_check_config)
+static void refuse_aio(const fl_train_config *cfg) {
+    const fl_zero_extra *x = &cfg->zero_extra;
+    if (x->aio_intra_op != 1)
+        fl_die("aio.intra_op_parallelism %d: fitlm splits a transfer into block_size requests "
+               "spread over thread_count threads instead (use 1)",
+               x->aio_intra_op);
+    if (x->aio_use_gds)
+        fl_die("aio.use_gds true: GPUDirect Storage moves data between NVMe and a GPU; fitlm "
+               "has no GPU (use false)");
+}
+
+void fl_deepspeed_check_config(fl_train_config *cfg) {
+    refuse_checkpointing(cfg);
+    map_precision(cfg);
+    check_zero_choices(cfg);
+    map_offload(cfg);
+    refuse_aio(cfg);
+}

@@ -1,0 +1,66 @@
+// optim_config.c: the optimizer section of a run's config: options the
+// chosen optimizers would ignore are errors, AdaLomo's own defaults, and
+// settings that can only give NaN are refused before anything trains.
+#include <string.h>
+
+#include "fitlm/optim.h"
+
+// optimizer_in_backward: the update of each unit as its gradient is ready
+// (LOMO's scheme, clipping and fp16's overflow check by its two passes),
+// so there is one micro-batch per step and no adapters to step after.
+static void check_in_backward(const fl_train_config *cfg) {
+    if (!cfg->optimizer_in_backward) return;
+    if (cfg->grad_accum > 1)
+        fl_die("optimizer_in_backward: each block is updated as soon as its gradient is ready, "
+               "so a step has one micro-batch; gradient_accumulation_steps is %d (use 1, and a "
+               "larger train_micro_batch_size_per_gpu)",
+               cfg->grad_accum);
+    if (cfg->lora_enabled)
+        fl_die("optimizer_in_backward with LoRA is not supported: the adapters are small, their "
+               "optimizer steps after the backward pass (lora.base_optimizer updates the base in "
+               "it)");
+}
+
+void fl_optim_check_config(fl_train_config *cfg) {
+    // An option that the chosen optimizers would ignore is an error, not a
+    // no-op (under LoRA + LOMO, the base's optimizer takes LOMO's options).
+    char opt[2 * FL_NAME_MAX + 16];
+    if (cfg->lora.train_base)
+        snprintf(opt, sizeof opt, "%s (base: %s)", cfg->optimizer, cfg->lora_base_optimizer);
+    else
+        snprintf(opt, sizeof opt, "%s", cfg->optimizer);
+    const struct {
+        const char *key, *for_whom;
+    } only[] = {{"optimizer.params.momentum", "sgd"},
+                {"optimizer.params.betas", "adamw"},
+                {"optimizer.params.eps", "adamw adalomo"},
+                {"optimizer.params.eps2", "adalomo"},
+                {"optimizer.params.clip_threshold", "adalomo"},
+                {"optimizer.params.decay_rate", "adalomo"},
+                {"optimizer.params.clip_grad_value", "lomo"},
+                {"optimizer.params.stochastic_rounding", "lomo adalomo"}};
+    for (size_t i = 0; i < sizeof only / sizeof only[0]; i++) {
+        char words[32], me[2][FL_NAME_MAX + 2];
+        snprintf(words, sizeof words, " %s ", only[i].for_whom);
+        snprintf(me[0], sizeof me[0], " %s ", cfg->optimizer);
+        snprintf(me[1], sizeof me[1], " %s ", cfg->lora_base_optimizer);
+        if (fl_config_given(cfg, only[i].key) && !strstr(words, me[0]) && !strstr(words, me[1]))
+            fl_die("%s applies to %s, not %s", only[i].key, only[i].for_whom, opt);
+    }
+    if (!strcmp(cfg->optimizer, "adalomo") && !fl_config_given(cfg, "optimizer.params.eps"))
+        cfg->eps = 1e-30f; // AdaLomo's own default
+    // AdaLomo normalises each update itself (clip_threshold) and needs no
+    // global-norm pass: as its reference, no global clipping unless asked
+    if (!strcmp(cfg->optimizer, "adalomo") && !fl_config_given(cfg, "gradient_clipping"))
+        cfg->grad_clip = 0.0f;
+    if (cfg->dtype == FL_F32 && fl_config_given(cfg, "optimizer.params.stochastic_rounding"))
+        fl_die("optimizer.params.stochastic_rounding applies to bf16 and fp16 weights; precision "
+               "is fp32");
+    check_in_backward(cfg);
+    // settings that can only give NaN: refused before anything trains
+    if (cfg->eps == 0.0f &&
+        (!strcmp(cfg->optimizer, "adamw") || !strcmp(cfg->optimizer, "adalomo")))
+        fl_die("optimizer.params.eps 0: %s divides by a root of its second moment, which eps "
+               "keeps above 0; a parameter whose gradient is 0 would get 0/0 = NaN (use e.g. %s)",
+               cfg->optimizer, !strcmp(cfg->optimizer, "adamw") ? "1e-8" : "1e-30");
+}
