@@ -2,8 +2,9 @@
 // command in a ```sh runnable block of README.md and docs/*.md runs against
 // the built fitlm at tiny settings (a 2-layer model, two steps, small data
 // made here), in document order, one scratch directory per page, so that a
-// page may use what its earlier commands wrote; a command that fails names
-// the file and line it is on. Every relative link of README.md, docs/*.md and
+// page may use what its earlier commands wrote (and the blocks marked
+// file=NAME, written first); a command that fails names the file and line
+// it is on. Every relative link of README.md, docs/*.md and
 // bench/README.md must name a file that exists and, with #anchor, a heading
 // of that file.
 #include <dirent.h>
@@ -264,9 +265,6 @@ static void make_page_dir(const char *page, char *dir, size_t size) {
     link_in(dir, "essay.txt", target);
     snprintf(target, sizeof target, "%s/shared/brown_gpt2", base);
     link_in(data, "brown_gpt2", target);
-    write_in(dir, "my.json",
-             "{\"gradient_clipping\": 1.0, \"optimizer\": {\"type\": \"AdamW\", \"params\": "
-             "{\"lr\": 6e-4, \"betas\": [0.9, 0.95]}}, \"scheduler\": {\"type\": \"cosine\"}}\n");
     write_jsonl(dir, "sft.jsonl");
     write_jsonl(dir, "chat.jsonl");
     char nvme[1024];
@@ -366,6 +364,28 @@ static void run_command(const char *rel, int line, const char *dir, const char *
             command, full, rc, n > 1500 ? output + n - 1500 : output);
 }
 
+// A block whose info string holds file=NAME (```json file=my.json) is a
+// file the page's commands use: written into dir before any runs.
+static void write_file_blocks(const doc *d, const char *dir) {
+    for (int i = 0; i < d->n; i++) {
+        if (!is_fence(d->lines[i])) continue;
+        const char *name = strstr(d->lines[i], " file=");
+        int end = i + 1;
+        while (end < d->n && !is_fence(d->lines[end])) end++;
+        if (name) {
+            size_t len = 1;
+            for (int j = i + 1; j < end; j++) len += strlen(d->lines[j]) + 1;
+            char *text = malloc(len), path[1024];
+            text[0] = 0;
+            for (int j = i + 1; j < end; j++) strcat(strcat(text, d->lines[j]), "\n");
+            join_path(path, sizeof path, dir, name + 6);
+            t_write_text(path, text);
+            free(text);
+        }
+        i = end;
+    }
+}
+
 // Runs the ```sh runnable blocks of rel in its own scratch directory.
 static void run_page(const char *rel) {
     doc d = read_doc(rel);
@@ -374,6 +394,7 @@ static void run_page(const char *rel) {
     for (char *c = page; *c; c++)
         if (*c == '/') *c = '_';
     make_page_dir(page, dir, sizeof dir);
+    write_file_blocks(&d, dir);
     int before = commands_run;
     for (int i = 0; i < d.n; i++) {
         if (!is_fence(d.lines[i])) continue;
