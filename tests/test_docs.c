@@ -6,7 +6,7 @@
 // file=NAME, written first); a command that fails names the file and line
 // it is on. Every relative link of README.md, docs/*.md and
 // bench/README.md must name a file that exists and, with #anchor, a heading
-// of that file.
+// of that file; README.md must link to every page of docs/.
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -439,6 +439,15 @@ int main(void) {
     if (docs) closedir(docs);
     qsort(pages + 1, (size_t)(n_pages - 1), sizeof *pages, by_name);
     for (int i = 0; i < n_pages; i++) check_links(pages[i]);
+    // no page the front page does not lead to
+    size_t size;
+    char *readme = (char *)t_read_file(t_source_path("README.md"), &size);
+    for (int i = 1; readme && i < n_pages; i++) {
+        char link[320];
+        snprintf(link, sizeof link, "](%s)", pages[i]);
+        t_check(strstr(readme, link) != NULL, "README.md links to %s", pages[i]);
+    }
+    free(readme);
     check_links("bench/README.md");
     for (int i = 0; i < n_pages; i++) {
         run_page(pages[i]);
