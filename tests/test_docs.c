@@ -270,10 +270,6 @@ static void make_page_dir(const char *page, char *dir, size_t size) {
     char nvme[1024];
     join_path(nvme, sizeof nvme, dir, "nvme");
     make_dir(nvme);
-    write_in(dir, "offload.json",
-             "{\"zero_optimization\": {\"stage\": 2, \"sub_group_size\": 5e7, "
-             "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"nvme\", "
-             "\"buffer_count\": 4, \"pipeline_read\": true, \"pipeline_write\": true}}}\n");
 }
 
 // ---------------------------------------------------------------------------
