@@ -5,8 +5,9 @@
 // shape reads the same GPT-2 tokens, with --V 50257, so that both engines
 // train on the same batch), in fp32, bf16 or fp16 (mixed precision: 16-bit
 // weights, activations and gradients, fp32 master weights and AdamW state).
-// A step is the full training step as `fitlm train` drives it, through
-// fl_optimizer: zero_grad, forward, backward, then the optimizer step (fp16
+// The model and optimizer are a run opened as `fitlm train` opens it
+// (fl_run_open). A step is the full training step as it drives it, through
+// fl_optimizer, timed phase by phase: zero_grad, forward, backward, then the optimizer step (fp16
 // overflow check, gradient norm, clip to 1.0 folded into AdamW, master
 // update, rounding into the 16-bit weights, loss-scale update).
 //
@@ -54,10 +55,9 @@
 #include "fitlm/core.h"
 #include "fitlm/model.h"
 #include "fitlm/config.h"
-#include "fitlm/train.h"
 #include "fitlm/data.h"
-#include "fitlm/optim.h"
 #include "fitlm/profile.h"
+#include "fitlm/run.h"
 #include "fma_peak.h"
 // the driver's list of linear units (arch->linears), private to src/model:
 // the GEMM-bound section times exactly the GEMMs the step runs
@@ -450,18 +450,26 @@ int main(int argc, char **argv) {
     fflush(stdout);
 
     double t_init = fl_now();
-    fl_model model;
-    fl_model_init(&model, &cfg, a.precision, a.seed);
-    fl_model_alloc_acts(&model, a.B, a.T, FL_RECOMPUTE_NONE, 0);
-    // `fitlm train`'s defaults: AdamW betas 0.9/0.95, eps 1e-8, wd 0.1, clip
-    // 1.0, no accumulation, DeepSpeed's fp16 loss-scaler settings
-    fl_train_config defaults;
-    fl_config_defaults(&defaults);
-    fl_optimizer_config ocfg = fl_config_optimizer(&defaults);
-    fl_optimizer opt;
-    fl_optimizer_init(&opt, &ocfg, &model.table, a.precision, model.params, model.grads);
-    printf("%zu parameters (%.2f M, padded vocabulary included); init %.2f s\n", model.table.numel,
-           model.table.numel / 1e6, fl_now() - t_init);
+    // the run as `fitlm train` opens it, on this shape, with its defaults:
+    // AdamW betas 0.9/0.95, eps 1e-8, wd 0.1, clip 1.0, no accumulation,
+    // DeepSpeed's fp16 loss-scaler settings; the batch is the bench's own
+    fl_train_config tc;
+    fl_config_defaults(&tc);
+    strcpy(tc.model_preset, "tiny"); // the shape is set whole below
+    fl_config_set_shape(&tc, &cfg, "bench_train's shape");
+    snprintf(tc.precision, sizeof tc.precision, "%s", prec);
+    tc.micro_batch = a.B;
+    tc.seq_len = a.T;
+    tc.seed = a.seed;
+    tc.threads = a.threads;
+    tc.sample_tokens = 0;
+    tc.out_dir[0] = 0;
+    fl_run run;
+    fl_run_open(&run, &tc, &(fl_run_options){.own_batches = 1});
+    fl_model *model = &run.model;
+    fl_optimizer *opt = &run.optim;
+    printf("%zu parameters (%.2f M, padded vocabulary included); init %.2f s\n", model->table.numel,
+           model->table.numel / 1e6, fl_now() - t_init);
 
     // the first B windows of the data, in order: the batch torch_gpt2.py reads
     size_t n = (size_t)a.B * a.T;
@@ -482,21 +490,21 @@ int main(int argc, char **argv) {
     if (!ms || !ms_fwd || !ms_bwd || !ms_opt) fl_die("out of memory");
     float first_loss = 0.0f, last_loss = 0.0f, loss_scale = 1.0f;
     int skipped = 0, skipped_timed = 0;
-    long n_targets = fl_batch_targets(&opt, targets, (size_t)a.B * a.T);
+    long n_targets = fl_batch_targets(opt, targets, (size_t)a.B * a.T);
     double cpu_timed = 0.0, wall_timed = 0.0; // CPU seconds of all threads, wall seconds
     for (int s = 0; s < total; s++) {
         fl_profile_enable(s >= a.warmup);
         double c0 = process_cpu_s(), t0 = fl_now();
-        FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(&opt));
+        FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(opt));
         // as fl_train_step: the loss pass writes the logits' gradient too
-        float dloss = fl_optimizer_scale(&opt) / (float)n_targets;
-        float loss = fl_model_forward_train(&model, inputs, targets, a.B, a.T, dloss);
+        float dloss = fl_optimizer_scale(opt) / (float)n_targets;
+        float loss = fl_model_forward_train(model, inputs, targets, a.B, a.T, dloss);
         double t1 = fl_now();
-        fl_model_backward(&model, dloss);
+        fl_model_backward(model, dloss);
         double t2 = fl_now();
         fl_step_result r;
-        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(&opt));
-        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, r = fl_optimizer_step(&opt, 1e-4f));
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(opt));
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, r = fl_optimizer_step(opt, 1e-4f));
         double t3 = fl_now(), c3 = process_cpu_s();
         if (fl_profile_on) fl_profile_step(t3 - t0);
         fl_profile_enable(0);
@@ -537,7 +545,7 @@ int main(int argc, char **argv) {
     fl_profile_print(stdout);
     // after RSS was read: the section's buffers are not the step's
     gemm_bound gb = {0};
-    if (a.gemm_bound) gb = gemm_bound_of(&model, a.B, a.T, a.steps);
+    if (a.gemm_bound) gb = gemm_bound_of(model, a.B, a.T, a.steps);
     printf("median %.1f ms/step (min %.1f, max %.1f; fwd %.1f, bwd %.1f, clip+adamw %.1f) | "
            "%.1f tok/s | %.1f GFLOP/s | MFU %.1f%% of the %s peak %.1f (fp32 %.1f%%, bf16 %.1f%%, "
            "AMX %.1f%%) | peak RSS %.0f MiB (tagged %.0f)",
@@ -561,7 +569,7 @@ int main(int argc, char **argv) {
            flops_per_token, gflops, peak_kind, peak, mfu, peak_fp32, peak_bf16, peak_amx, mfu_fp32,
            mfu_bf16, mfu_amx, rss_mib, tagged_mib, first_loss, last_loss, skipped, loss_scale,
            matmul_gemm_name(a.precision), fl_isa_name(fl_cpu_isa()), openblas_get_corename(),
-           model.table.numel, cpu_timed / wall_timed);
+           model->table.numel, cpu_timed / wall_timed);
     if (llama)
         printf(" L=%d C=%d NH=%d kv_heads=%d I=%d V=%d tie=%d", a.L, a.C, a.NH, cfg.n_kv_head,
                cfg.intermediate_size, a.V, cfg.tie_embeddings);
@@ -577,7 +585,6 @@ int main(int argc, char **argv) {
     free(ms_opt);
     fl_free(inputs);
     fl_free(targets);
-    fl_optimizer_free(&opt);
-    fl_model_free(&model);
+    fl_run_close(&run);
     return 0;
 }

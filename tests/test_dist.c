@@ -16,9 +16,7 @@
 #include <string.h>
 
 #include "fitlm/comm.h"
-#include "fitlm/config.h"
-#include "fitlm/dist.h"
-#include "fitlm/train.h"
+#include "fitlm/run.h"
 #include "testlib.h"
 
 enum { B = 2, T = 16, STEPS = 20, V = 97 };
@@ -47,38 +45,55 @@ static float lr_of(const dist_case *c) {
     return c->kind == FL_OPT_ADALOMO ? 0.05f : LR;
 }
 
-static fl_model_config shape(const dist_case *c) {
-    fl_model_config mc = {.arch = c->arch,
-                          .max_seq_len = T,
-                          .vocab_size = V,
-                          .n_layer = 3,
-                          .n_head = 4,
-                          .n_embd = 32,
-                          .tie_embeddings = c->arch == FL_ARCH_GPT2 || c->tied};
-    if (c->arch == FL_ARCH_LLAMA) {
-        mc.n_kv_head = 2;
-        mc.intermediate_size = 48;
-    }
-    fl_model_config_finish(&mc);
-    return mc;
-}
-
-static fl_zero_config zero_of(const dist_case *c) {
-    fl_zero_config z = {.stage = c->stage,
-                        .reduce_bucket_size = c->bucket ? c->bucket : 5e8f,
-                        .allgather_bucket_size = c->bucket ? c->bucket : 5e8f,
-                        .overlap_comm = !c->no_overlap,
-                        .contiguous_gradients = 1,
-                        .reduce_scatter = !c->no_reduce_scatter,
-                        .prefetch_bucket_size = c->prefetch ? c->prefetch : 5e7f,
-                        .max_live_parameters = c->live ? c->live : 1e9f,
-                        .max_reuse_distance = c->no_reuse ? 0.0f : 1e9f,
-                        .param_persistence_threshold = c->persistence ? c->persistence : 1e5f,
-                        .model_persistence_threshold = 1e18f,
-                        .comm_timeout = 60};
-    fl_optimizer_config o = {.kind = c->kind, .grad_accum = c->accum};
-    fl_dist_derive(&z, &o);
-    return z;
+// The case as `fitlm train`'s flags: its shape (the byte tokenizer's
+// vocabulary; the batches use the first V tokens), precision, optimizer
+// and zero_optimization keys. The one-process reference (dist 0) takes the
+// whole global batch per micro-batch, alone, with no strategy.
+static void open_run(const dist_case *c, int dist, fl_run *run) {
+    char flags[2048];
+    int n = snprintf(flags, sizeof flags,
+                     "--model tiny --arch %s --n-layer 3 --n-head 4 --n-embd 32 --max-seq-len %d "
+                     "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
+                     "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
+                     "--grad-clip %g --activation-checkpointing %s --seed 42 --threads 1 "
+                     "--sample-tokens 0 --out= --comm-timeout 60",
+                     fl_arch_name(c->arch), T, fl_dtype_name(c->dt), dist ? B : B * fl_comm_size(),
+                     T, c->accum, dist ? c->stage : 0,
+                     c->kind == FL_OPT_LOMO      ? "lomo"
+                     : c->kind == FL_OPT_ADALOMO ? "adalomo"
+                                                 : "adamw",
+                     lr_of(c),
+                     c->clip < 0 ? 0.0f
+                     : c->clip   ? c->clip
+                                 : 1.0f,
+                     c->recompute == FL_RECOMPUTE_BLOCK ? "block" : "none");
+    // AdaLomo at the eps its tolerance was set with, the general default
+    // (through the config AdaLomo's own default is 1e-30)
+    if (c->kind == FL_OPT_ADALOMO)
+        n += snprintf(flags + n, sizeof flags - (size_t)n, " --eps 1e-8");
+    if (c->arch == FL_ARCH_LLAMA)
+        n += snprintf(flags + n, sizeof flags - (size_t)n,
+                      " --n-kv-head 2 --intermediate-size 48 --tie-word-embeddings=%s",
+                      c->tied ? "true" : "false");
+    // the keys' settings the case changes from DeepSpeed's defaults (the
+    // reference has no strategy for them)
+    const struct {
+        float set;
+        const char *flag;
+    } keys[] = {{c->bucket, "--reduce-bucket-size"},
+                {c->bucket, "--allgather-bucket-size"},
+                {c->prefetch, "--prefetch-bucket-size"},
+                {c->live, "--max-live-parameters"},
+                {c->persistence, "--param-persistence-threshold"}};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0] && dist; i++)
+        if (keys[i].set)
+            n += snprintf(flags + n, sizeof flags - (size_t)n, " %s %g", keys[i].flag, keys[i].set);
+    if (dist)
+        snprintf(flags + n, sizeof flags - (size_t)n, "%s%s%s",
+                 c->no_overlap ? " --overlap-comm=false" : "",
+                 c->no_reduce_scatter ? " --reduce-scatter=false" : "",
+                 c->no_reuse ? " --max-reuse-distance 0" : "");
+    t_run_open(run, NULL, flags, !dist);
 }
 
 // The global batch of a step: micro-batch k holds world*B sequences, rank r
@@ -99,69 +114,37 @@ static void batch(int step, int accum, int world, int *inputs, int *targets) {
 
 typedef struct {
     float loss[STEPS];
-    float *weights; // whole, fp32, table order
+    float *weights;        // whole, fp32, table order
+    fl_model_config shape; // the run's
 } run_result;
 
 // Trains STEPS steps: with a strategy over the world (dist), or alone on the
 // whole global batch.
 static void train(const dist_case *c, int dist, run_result *out) {
     int world = fl_comm_size(), rank = fl_comm_rank();
-    fl_model_config mc = shape(c);
-    fl_zero_config z = zero_of(c);
-    int parts = dist ? world : 1, Bm = dist ? B : B * world; // sequences per forward here
-    fl_model m;
-    size_t begin = 0, end = fl_model_num_params(&mc);
-    if (dist) {
-        fl_param_table t;
-        fl_model_table(&t, &mc);
-        fl_dist_range(&z, &t, &begin, &end);
-        fl_params_free(&t);
-    }
-    // ZeRO-3 over several ranks, as `fitlm train` does it: only the shard
-    if (dist && c->stage == 3 && world > 1)
-        fl_model_init_shard(&m, &mc, c->dt, 42, begin, end);
-    else
-        fl_model_init(&m, &mc, c->dt, 42);
-    fl_optimizer_config probe = {.kind = c->kind, .grad_accum = c->accum};
-    fl_model_alloc_acts(&m, Bm, T, c->recompute,
-                        dist ? fl_dist_unit_grads(&z) : fl_optimizer_unit_grads(&probe));
-    fl_train_config defaults;
-    fl_config_defaults(&defaults);
-    if (c->kind == FL_OPT_LOMO) strcpy(defaults.optimizer, "lomo");
-    if (c->kind == FL_OPT_ADALOMO) strcpy(defaults.optimizer, "adalomo");
-    fl_optimizer_config oc = fl_config_optimizer(&defaults);
-    oc.grad_accum = c->accum;
-    if (c->clip) oc.max_grad_norm = c->clip < 0 ? 0.0f : c->clip;
-    oc.sharded_grads = dist && c->stage >= 2;
-    fl_optimizer o;
-    fl_optimizer_init_at(&o, &oc, &m.table, c->dt, m.params, m.params_begin, m.grads, begin, end);
-    fl_dist *d = dist ? fl_dist_attach(&m, &o, &z, NULL) : NULL;
-
-    size_t global = (size_t)c->accum * world * B * T, mine = (size_t)c->accum * Bm * T;
+    fl_run run;
+    open_run(c, dist, &run);
+    int Bm = run.cfg.micro_batch; // sequences per forward here
+    size_t global = (size_t)c->accum * world * B * T;
     int *gi = malloc(global * sizeof(int)), *gt = malloc(global * sizeof(int));
-    int *in = malloc(mine * sizeof(int)), *tg = malloc(mine * sizeof(int));
     for (int step = 0; step < STEPS; step++) {
         batch(step, c->accum, world, gi, gt);
         // this process's micro-batches: rank r's slice of each global one
         for (int k = 0; k < c->accum; k++) {
             size_t from = ((size_t)k * world + (dist ? rank : 0)) * B * T;
             size_t len = (size_t)Bm * T;
-            memcpy(in + k * len, gi + from, len * sizeof(int));
-            memcpy(tg + k * len, gt + from, len * sizeof(int));
+            memcpy(run.inputs + k * len, gi + from, len * sizeof(int));
+            memcpy(run.targets + k * len, gt + from, len * sizeof(int));
         }
-        (void)parts;
-        fl_train_result r = fl_train_step(&m, &o, in, tg, c->accum, Bm, T, lr_of(c));
+        fl_train_result r = fl_run_step_batch(&run, run.inputs, run.targets, lr_of(c));
         out->loss[step] = r.loss;
     }
     // the final weights, whole (stage 3 gathers them row by row)
-    out->weights = t_weights_f32(&m, d);
+    out->weights = t_weights_f32(&run.model, run.strategy);
+    out->shape = run.cfg.model;
     free(gi);
     free(gt);
-    free(in);
-    free(tg);
-    fl_dist_free(d);
-    fl_optimizer_free(&o);
-    fl_model_free(&m);
+    fl_run_close(&run);
 }
 
 static double rel_diff(const float *a, const float *b, size_t n) {
@@ -183,7 +166,7 @@ static void check_case(const dist_case *c) {
         double r = fabs((double)got.loss[s] - want.loss[s]) / fabs((double)want.loss[s]);
         if (r > worst) worst = r;
     }
-    fl_model_config mc = shape(c);
+    fl_model_config mc = got.shape;
     size_t n = fl_model_num_params(&mc);
     // GPT-2's key bias has an exact gradient of zero (softmax does not see a
     // shift of every score), so AdamW turns its rounding noise into steps of

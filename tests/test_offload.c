@@ -25,10 +25,7 @@
 #include <unistd.h>
 
 #include "fitlm/comm.h"
-#include "fitlm/config.h"
-#include "fitlm/dist.h"
-#include "fitlm/offload.h"
-#include "fitlm/train.h"
+#include "fitlm/run.h"
 #include "testlib.h"
 
 enum { B = 2, T = 16, STEPS = 6, V = 97 };
@@ -46,30 +43,37 @@ typedef struct {
     int in_backward; // optimizer_in_backward (1), and that against the usual step (2)
 } offload_case;
 
-static fl_offload_config io_of(const offload_case *c) {
-    fl_offload_config io = {.buffer_count = c->buffers,
-                            .pipeline_read = c->read_ahead,
-                            .pipeline_write = c->write_behind,
-                            .chunk = c->chunk,
-                            .block_size = 4096,
-                            .queue_depth = c->queue_depth ? c->queue_depth : 8,
-                            .thread_count = c->threads ? c->threads : 1,
-                            .single_submit = c->single_submit,
-                            .overlap_events = !c->batches};
-    snprintf(io.dir, sizeof io.dir, "%s", nvme_dir);
-    return io;
-}
-
-static fl_model_config shape(void) {
-    fl_model_config mc = {.arch = FL_ARCH_GPT2,
-                          .max_seq_len = T,
-                          .vocab_size = V,
-                          .n_layer = 2,
-                          .n_head = 4,
-                          .n_embd = 32,
-                          .tie_embeddings = 1};
-    fl_model_config_finish(&mc);
-    return mc;
+// The case as `fitlm train` opens it: a config file with its
+// zero_optimization stage and (paged) NVMe offload's settings, and flags
+// for the rest: a small GPT-2, AdamW or SGD with momentum, constant lr.
+static void open_run(const offload_case *c, fl_dtype dt, int seed, int paged, int in_backward,
+                     fl_run *run) {
+    char json[1024];
+    int n = snprintf(json, sizeof json, "{\"zero_optimization\": {\"stage\": %d", c->stage);
+    if (paged)
+        n += snprintf(json + n, sizeof json - (size_t)n,
+                      ", \"sub_group_size\": %.17g, \"offload_optimizer\": {\"device\": "
+                      "\"nvme\", \"nvme_path\": \"%s\", \"buffer_count\": %d, "
+                      "\"pipeline_read\": %s, \"pipeline_write\": %s}%s}, \"aio\": "
+                      "{\"block_size\": 4096, \"queue_depth\": %d, \"thread_count\": %d, "
+                      "\"single_submit\": %s, \"overlap_events\": %s",
+                      c->chunk, nvme_dir, c->buffers, c->read_ahead ? "true" : "false",
+                      c->write_behind ? "true" : "false",
+                      c->weights ? ", \"offload_param\": {\"device\": \"nvme\"}" : "",
+                      c->queue_depth ? c->queue_depth : 8, c->threads ? c->threads : 1,
+                      c->single_submit ? "true" : "false", c->batches ? "false" : "true");
+    snprintf(json + n, sizeof json - (size_t)n, "}}");
+    char flags[1024];
+    snprintf(flags, sizeof flags,
+             "--model tiny --n-layer 2 --n-head 4 --n-embd 32 --max-seq-len %d --tokenizer byte "
+             "--precision %s --batch %d --seq-len %d --grad-accum %d --optimizer %s --lr %g "
+             "--scheduler constant --warmup 0 --seed %d --threads 1 --sample-tokens 0 --out=%s%s%s",
+             T, fl_dtype_name(dt), B, T, c->accum ? c->accum : 1,
+             c->kind == FL_OPT_SGD ? "sgd" : "adamw", c->kind == FL_OPT_SGD ? 0.05f : 2e-3f, seed,
+             c->kind == FL_OPT_SGD ? " --momentum 0.9" : "",
+             in_backward ? " --optimizer-in-backward" : "",
+             c->in_backward == 2 ? " --grad-clip 0" : ""); // no clipping: bitwise
+    t_run_open(run, json, flags, 0);
 }
 
 // This rank's micro-batches of a step: a learnable rule with a few masked targets.
@@ -87,71 +91,35 @@ static void batch(int step, int n, int *inputs, int *targets) {
 typedef struct {
     float loss[STEPS], norm[STEPS];
     float *weights; // whole, fp32
-    float *state;   // this rank's master and state tensors, one after another
+    size_t numel;
+    float *state; // this rank's master and state tensors, one after another
     size_t state_n;
 } run_result;
 
 static void train(const offload_case *c, int paged, int in_backward, run_result *out) {
-    fl_model_config mc = shape();
-    fl_train_config defaults; // zero_optimization's defaults, and the optimizer's
-    fl_config_defaults(&defaults);
-    fl_zero_config z = defaults.zero;
-    z.stage = c->stage;
-    if (c->kind == FL_OPT_SGD) {
-        strcpy(defaults.optimizer, "sgd");
-        defaults.momentum = 0.9f;
-    }
-    fl_optimizer_config oc = fl_config_optimizer(&defaults);
-    oc.grad_accum = c->accum;
-    oc.sharded_grads = c->stage >= 2;
-    oc.paged = paged;
-    oc.in_backward = in_backward;
-    if (c->in_backward == 2) oc.max_grad_norm = 0.0f; // no clipping: bitwise
-    fl_dist_derive(&z, &oc);
-    z.offload_params = paged && c->weights;
-    fl_model m;
-    size_t begin, end;
-    fl_param_table t;
-    fl_model_table(&t, &mc);
-    fl_dist_range(&z, &t, &begin, &end);
-    fl_params_free(&t);
-    if (c->stage == 3 && fl_comm_size() > 1)
-        fl_model_init_shard(&m, &mc, c->dt, 42, begin, end);
-    else
-        fl_model_init(&m, &mc, c->dt, 42);
-    fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE,
-                        c->stage ? fl_dist_unit_grads(&z) : fl_optimizer_unit_grads(&oc));
-    fl_optimizer o;
-    fl_optimizer_init_at(&o, &oc, &m.table, c->dt, m.params, m.params_begin, m.grads, begin, end);
-    fl_offload_config io = io_of(c);
-    fl_offload *f = paged ? fl_offload_optimizer(&o, &io, z.offload_params) : NULL;
-    fl_dist *d = c->stage ? fl_dist_attach(&m, &o, &z, f) : NULL;
+    fl_run run;
+    open_run(c, c->dt, 42, paged, in_backward, &run);
     size_t n = (size_t)c->accum * B * T;
-    int *in = malloc(n * sizeof(int)), *tg = malloc(n * sizeof(int));
-    float lr = c->kind == FL_OPT_SGD ? 0.05f : 2e-3f;
     for (int step = 0; step < STEPS; step++) {
-        batch(step, (int)n, in, tg);
-        fl_train_result r = fl_train_step(&m, &o, in, tg, c->accum, B, T, lr);
+        batch(step, (int)n, run.inputs, run.targets);
+        fl_train_result r = fl_run_step_batch(&run, run.inputs, run.targets, run.cfg.lr);
         out->loss[step] = r.loss;
         out->norm[step] = r.grad_norm;
     }
-    out->weights = t_weights_f32(&m, d);
+    out->weights = t_weights_f32(&run.model, run.strategy);
+    out->numel = run.model.table.numel;
     // the master and the state, through the mapping when paged
-    fl_optimizer_map(&o);
-    int k0 = o.master ? -1 : 0, nstate = fl_optim_state_count(o.rule);
-    size_t span = end - begin;
+    fl_optimizer *o = &run.optim;
+    fl_optimizer_map(o);
+    size_t begin = o->rule->state_begin, span = o->rule->state_end - begin;
+    int k0 = o->master ? -1 : 0, nstate = fl_optim_state_count(o->rule);
     out->state_n = (size_t)(nstate - k0) * span;
     out->state = malloc((out->state_n ? out->state_n : 1) * sizeof(float));
     for (int k = k0; k < nstate && span; k++)
         memcpy(out->state + (size_t)(k - k0) * span,
-               k < 0 ? o.master : fl_optim_state_ptr(o.rule, k, begin), span * sizeof(float));
-    fl_optimizer_unmap(&o);
-    free(in);
-    free(tg);
-    fl_dist_free(d);
-    fl_offload_free(f);
-    fl_optimizer_free(&o);
-    fl_model_free(&m);
+               k < 0 ? o->master : fl_optim_state_ptr(o->rule, k, begin), span * sizeof(float));
+    fl_optimizer_unmap(o);
+    fl_run_close(&run);
 }
 
 static void check_case(const offload_case *c) {
@@ -161,8 +129,7 @@ static void check_case(const offload_case *c) {
     train(c, c->in_backward != 2, c->in_backward != 0, &got);
     train(c, 0, c->in_backward == 1, &want);
     int rank = fl_comm_rank(), world = fl_comm_size();
-    fl_model_config mc = shape();
-    size_t numel = fl_model_num_params(&mc);
+    size_t numel = got.numel;
     t_check(!memcmp(got.loss, want.loss, sizeof got.loss) &&
                 !memcmp(got.norm, want.norm, sizeof got.norm),
             "rank %d/%d %s: losses and norms bitwise (%.6f vs %.6f)", rank, world, c->name,
@@ -193,26 +160,10 @@ static void check_huge(void *arg) {
     fl_offload_check_path("nvme_path", arg, (size_t)1 << 62);
 }
 
-// An offloaded optimizer over a small model: its file, and the model and
-// optimizer it pages.
-typedef struct {
-    fl_model m;
-    fl_optimizer o;
-    fl_offload *f;
-} small_run;
-
-static void small_open(small_run *s, int buffers) {
-    fl_model_config mc = shape();
-    fl_model_init(&s->m, &mc, FL_BF16, 7);
-    fl_model_alloc_acts(&s->m, B, T, FL_RECOMPUTE_NONE, 0);
-    fl_train_config defaults;
-    fl_config_defaults(&defaults);
-    fl_optimizer_config oc = fl_config_optimizer(&defaults);
-    oc.paged = 1;
-    fl_optimizer_init(&s->o, &oc, &s->m.table, FL_BF16, s->m.params, s->m.grads);
-    offload_case c = {.buffers = buffers, .chunk = 4096};
-    fl_offload_config io = io_of(&c);
-    s->f = fl_offload_optimizer(&s->o, &io, 0);
+// An offloaded optimizer over a small model, one process: its run.
+static void small_open(fl_run *run, int buffers) {
+    offload_case c = {.dt = FL_BF16, .stage = 1, .accum = 1, .buffers = buffers, .chunk = 4096};
+    open_run(&c, FL_BF16, 7, 1, 0, run);
 }
 
 static void full_disk(void *arg) {
@@ -221,8 +172,8 @@ static void full_disk(void *arg) {
     struct rlimit lim = {16384, 16384};
     signal(SIGXFSZ, SIG_IGN);
     setrlimit(RLIMIT_FSIZE, &lim);
-    small_run s;
-    small_open(&s, 2);
+    fl_run run;
+    small_open(&run, 2);
 }
 
 // Cuts the offload file to nothing through a descriptor of this process
@@ -245,12 +196,11 @@ static int truncate_open_file(const char *path) {
 
 static void short_read(void *arg) {
     (void)arg;
-    small_run s;
-    small_open(&s, 1);
-    if (!truncate_open_file(fl_offload_path(s.f))) exit(3); // the test itself failed
-    int in[B * T], tg[B * T];
-    batch(0, B * T, in, tg);
-    fl_train_step(&s.m, &s.o, in, tg, 1, B, T, 1e-3f);
+    fl_run run;
+    small_open(&run, 1);
+    if (!truncate_open_file(fl_offload_path(run.offload))) exit(3); // the test itself failed
+    batch(0, B * T, run.inputs, run.targets);
+    fl_run_step_batch(&run, run.inputs, run.targets, 1e-3f);
 }
 
 static void check_errors(void) {

@@ -72,6 +72,19 @@ float *t_weights_f32(fl_model *m, fl_dist *d) {
     return out;
 }
 
+void t_run_open(fl_run *run, const char *json, const char *flags, int alone) {
+    char *copy = strdup(flags), *argv[128];
+    int argc = 0;
+    for (char *w = strtok(copy, " "); w && argc < 128; w = strtok(NULL, " ")) argv[argc++] = w;
+    fl_train_config cfg;
+    fl_config_defaults(&cfg);
+    if (json) fl_config_load_json_text(&cfg, json, strlen(json), "the test's config");
+    fl_config_parse_args(&cfg, argc, argv);
+    fl_run_options opt = {.own_batches = 1, .alone = alone};
+    fl_run_open(run, &cfg, &opt);
+    free(copy);
+}
+
 int t_cpu_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }

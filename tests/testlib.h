@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "fitlm/dist.h"
+#include "fitlm/run.h"
 #include "fitlm/safetensors.h"
 
 // Records one check; prints a line on failure (and on success when verbose).
@@ -29,6 +30,12 @@ int t_dies(const char *name, void (*fn)(void *), void *arg, const char *expect);
 // data-parallel strategy d (a collective: every rank calls it) gathered row
 // by row, which ZeRO-3 needs; else the model's own buffer.
 float *t_weights_f32(fl_model *m, fl_dist *d);
+
+// Opens a run (run.h) as `fitlm train` would with a config file holding
+// `json` (NULL: none) and these flags (space-separated, unquoted; "--out="
+// for none), on the test's own batches (fl_run_step_batch: no data is
+// opened); alone: the one-process reference under mpirun (no strategy).
+void t_run_open(fl_run *run, const char *json, const char *flags, int alone);
 
 // A test program's main under every ISA cap the CPU allows. fl_cpu() reads
 // FITLM_ISA once per process, so each narrower cap's run_all(name) is in a

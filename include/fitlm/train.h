@@ -1,6 +1,7 @@
 // train.h: one training step, as a library call: forward and backward over
 // the micro-batches of an accumulated batch, loss scaling, clipping and the
-// optimizer update. The CLI, the benchmarks and the tests all step through it.
+// optimizer update (src/run/step.c); and a run's config made whole for it
+// (src/run/config_finish.c). A run (run.h) steps through it.
 #ifndef FITLM_TRAIN_H
 #define FITLM_TRAIN_H
 
@@ -31,7 +32,7 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
                               int micro, int B, int T, float lr);
 
 // The step of an optimizer fused into the backward pass (LOMO, AdaLomo) on a
-// model made by fl_model_init_unit_grads, one micro-batch (src/model/fused.c):
+// model made by fl_model_init_unit_grads, one micro-batch:
 // each unit is updated as soon as its gradients are complete. With gradient
 // clipping (max_grad_norm > 0) or fp16, a first forward and backward gather
 // the global norm and look for overflow without changing a weight, then a
@@ -48,7 +49,10 @@ fl_train_result fl_lora_lomo_step(fl_model *m, fl_optimizer *adapters, fl_optimi
                                   const int *inputs, const int *targets, int B, int T, float lr,
                                   float base_lr);
 
-// A run's config made whole (src/run/config_finish.c): the model shape from its
+// ----------------------------------------------------------------------------
+// the config finished (src/run/config_finish.c)
+
+// A run's config made whole: the model shape from its
 // preset and the model.* options (the preset names the architecture unless
 // it is tiny or demo), the vocabulary from the tokenizer, then
 // fl_config_check. Dies naming the option on a contradiction.

@@ -1,4 +1,8 @@
-// fused.c: optimizers fused into the backward pass, as LOMO (Lv et al. 2023)
+// step.c: a training step (train.h), and the one place that picks its kind:
+// LoRA + LOMO, an optimizer fused into the backward pass, or the plain step
+// over the micro-batches of an accumulated batch (step_of).
+//
+// The fused step: optimizers fused into the backward pass, as LOMO (Lv et al. 2023)
 // and AdaLomo do it: each unit's parameters are updated as soon as the
 // backward pass has completed their gradients, in a buffer that then serves
 // the next unit, so no whole-model gradient is ever held (the model is made
@@ -21,7 +25,42 @@
 #include <string.h>
 
 #include "fitlm/profile.h"
+#include "fitlm/run.h"
 #include "fitlm/train.h"
+
+long fl_batch_targets(const fl_optimizer *o, const int *targets, size_t n) {
+    double count = 0.0;
+    for (size_t i = 0; i < n; i++) count += targets[i] != -1;
+    if (o->sync) o->sync->sum(o->sync->ctx, &count, 1);
+    return (long)count;
+}
+
+// The plain step: forward and backward over each micro-batch, then the
+// optimizer's step on the accumulated gradient.
+static fl_train_result plain_step(fl_model *m, fl_optimizer *o, const int *inputs,
+                                  const int *targets, int micro, int B, int T, float lr) {
+    size_t BT = (size_t)B * T;
+    const fl_optim_sync *sync = o->sync; // data parallelism: the batch is every rank's
+    long total = fl_batch_targets(o, targets, (size_t)micro * BT);
+    // d(scaled mean loss)/d(loss_i): the same weight for every target token
+    float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
+    double loss_sum = 0.0;
+    uint64_t t = (uint64_t)*fl_optim_step_count(o->rule); // steps done: the dropout masks' key
+    for (int k = 0; k < micro; k++) {
+        FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(o));
+        m->lora.dropout_step = t * (uint64_t)micro + (uint64_t)k + 1;
+        fl_model_forward_train(m, inputs + k * BT, targets + k * BT, B, T, dloss);
+        loss_sum += (double)m->loss * m->n_targets;
+        fl_model_backward(m, dloss);
+        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(o));
+    }
+    m->lora.dropout_step = 0; // evaluation and sampling run without dropout
+    if (sync) sync->sum(sync->ctx, &loss_sum, 1);
+    fl_step_result s;
+    FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, s = fl_optimizer_step(o, lr));
+    return (fl_train_result){total ? (float)(loss_sum / total) : 0.0f, total, s.grad_norm,
+                             s.skipped, s.loss_scale};
+}
 
 typedef struct {
     fl_optimizer *o;
@@ -168,4 +207,40 @@ fl_train_result fl_lora_lomo_step(fl_model *m, fl_optimizer *adapters, fl_optimi
                                   float base_lr) {
     FL_ASSERT(m->lora.cfg.train_base && m->dtype != FL_F16);
     return fused_step(m, base, adapters, inputs, targets, B, T, base_lr, lr);
+}
+
+// The step's kind, chosen here only: LoRA + LOMO (a base optimizer), an
+// optimizer fused into the backward pass on one micro-batch (with
+// accumulation, ZeRO-2/3's unit gradients go through the plain step), or
+// the plain step.
+static fl_train_result step_of(fl_model *m, fl_optimizer *o, fl_optimizer *base, const int *inputs,
+                               const int *targets, int micro, int B, int T, float lr,
+                               float base_lr) {
+    FL_ASSERT(micro == o->cfg.grad_accum);
+    if (base) return fl_lora_lomo_step(m, o, base, inputs, targets, B, T, lr, base_lr);
+    if (m->unit_grads && fl_optim_in_backward(&o->cfg) && micro == 1)
+        return fl_fused_step(m, o, inputs, targets, B, T, lr);
+    return plain_step(m, o, inputs, targets, micro, B, T, lr);
+}
+
+fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
+                              int micro, int B, int T, float lr) {
+    return step_of(m, o, NULL, inputs, targets, micro, B, T, lr, 0.0f);
+}
+
+fl_train_result fl_run_step_batch(fl_run *r, const int *inputs, const int *targets, float lr) {
+    const fl_train_config *c = &r->cfg;
+    return step_of(&r->model, &r->optim, r->base, inputs, targets, c->grad_accum, c->micro_batch,
+                   c->seq_len, lr, lr * (r->base_lr / c->lr));
+}
+
+fl_train_result fl_run_step(fl_run *r, int step) {
+    const fl_train_config *c = &r->cfg;
+    FL_ASSERT(r->has_train); // own_batches: the caller steps with fl_run_step_batch
+    size_t micro_tokens = (size_t)c->micro_batch * c->seq_len;
+    for (int micro = 0; micro < c->grad_accum; micro++)
+        FL_PROFILE(FL_OP_LOADER, FL_STEP, 0.0,
+                   fl_loader_next(&r->train, r->inputs + micro * micro_tokens,
+                                  r->targets + micro * micro_tokens, c->micro_batch));
+    return fl_run_step_batch(r, r->inputs, r->targets, fl_lr_at(&r->schedule, step));
 }

@@ -1,0 +1,341 @@
+// run.c: opening a run (run.h) in the one order that works, its evaluation
+// and checkpoints, and closing it.
+#include <libgen.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fitlm/comm.h"
+#include "fitlm/run.h"
+#include "fitlm/safetensors.h"
+#include "out_dir.h"
+
+void fl_run_resume_open(fl_run_resume *res, const char *path, fl_train_config *cfg) {
+    memset(res, 0, sizeof *res);
+    res->path = path;
+    res->ck = fl_ckpt_open(path);
+    char *json = fl_train_ckpt_config(res->ck);
+    char where[FL_FILE_PATH_MAX + 32];
+    snprintf(where, sizeof where, "config in checkpoint %s", fl_ckpt_path(res->ck));
+    fl_config_load_json_text(cfg, json, strlen(json), where);
+    fl_free(json);
+    res->saved = *cfg;
+    // the directory the checkpoint is in: DIR itself, or a file's directory
+    char copy[FL_FILE_PATH_MAX];
+    snprintf(copy, sizeof copy, "%s", fl_ckpt_path(res->ck));
+    snprintf(res->dir, sizeof res->dir, "%s", dirname(copy));
+    snprintf(res->run_id, sizeof res->run_id, "%s", fl_ckpt_run(res->ck));
+}
+
+// The config made whole: a resume's and the flags' settings checked against
+// each other, the shape of the checkpoint or the pretrained weights taken,
+// then fl_config_finish. r->config_json keeps the run as given.
+static void configure(fl_run *r, const fl_run_options *opt) {
+    fl_train_config *cfg = &r->cfg;
+    const fl_run_resume *res = opt->resume;
+    // the checkpoint's config must be read before any other: a flag only
+    if (*cfg->resume && !res)
+        fl_die("resume is a command-line option (--resume DIR), not a config-file key");
+    if (res && (opt->init_from_given || strcmp(cfg->init_from, res->saved.init_from)))
+        fl_die("--init-from and --resume together: a resumed run takes its weights from the "
+               "checkpoint %s (drop --init-from)",
+               fl_ckpt_path(res->ck));
+    // A resume continues where its checkpoint is (or in --out, given now),
+    // never in the out_dir recorded in the checkpoint's config: a copy of a
+    // run must not write into, prune or truncate the original's.
+    if (res && !opt->out_given) {
+        if (strlen(res->dir) >= sizeof cfg->out_dir)
+            fl_die("checkpoint directory name is too long: %s", res->dir);
+        strcpy(cfg->out_dir, res->dir);
+    }
+    snprintf(r->run_id, sizeof r->run_id, "%s", res ? res->run_id : "");
+    if (!*r->run_id) run_new_id(r->run_id, sizeof r->run_id); // or a checkpoint without one
+    // about this invocation, not the run: not inherited by a resume
+    fl_config_set_given(cfg, "overwrite", 0);
+    // Pretrained weights bring their tokenizer (a Hugging Face directory's
+    // tokenizer.json, a checkpoint's run's) unless the run names one.
+    if (!res && *cfg->init_from && !fl_config_given(cfg, "tokenizer")) {
+        char name[sizeof cfg->tokenizer], path[sizeof cfg->tokenizer_path];
+        if (fl_source_tokenizer(cfg->init_from, name, sizeof name, path, sizeof path)) {
+            strcpy(cfg->tokenizer, name);
+            if (!fl_config_given(cfg, "tokenizer_path")) strcpy(cfg->tokenizer_path, path);
+        }
+    }
+    r->config_json = fl_config_to_json(cfg); // the run as given, for its checkpoints
+    // A resumed or pretrained model brings its own shape.
+    const char *shape_from = res ? res->path : *cfg->init_from ? cfg->init_from : "";
+    snprintf(r->shape_from, sizeof r->shape_from, "%s", shape_from);
+    if (*shape_from) {
+        fl_model_config shape;
+        if (res)
+            fl_ckpt_model_config(res->ck, &shape);
+        else
+            fl_pretrained_config(shape_from, &shape);
+        fl_config_set_shape(cfg, &shape, shape_from);
+    }
+    fl_config_finish(cfg);
+}
+
+// Data first: the shards name their tokenizer and vocabulary.
+static void open_data(fl_run *r) {
+    const fl_train_config *cfg = &r->cfg;
+    fl_loader *train = &r->train, *val = &r->val;
+    fl_loader_open(train, cfg->data, "train", cfg->seq_len, cfg->seed, 1, r->rank, r->world);
+    r->has_train = 1;
+    if (strcmp(train->tokenizer, cfg->tokenizer))
+        fl_die("the training data %s was tokenized with '%s', but the tokenizer is '%s' (set "
+               "--tokenizer %s)",
+               cfg->data, train->tokenizer, cfg->tokenizer, train->tokenizer);
+    int tokenizer_vocab = fl_tokenizer_vocab_of(cfg->tokenizer, cfg->tokenizer_path);
+    if ((int)train->vocab_size != tokenizer_vocab) {
+        char learnt[FL_PATH_MAX + 16]; // where fitlm tokenize --learn-vocab puts its tokenizer
+        snprintf(learnt, sizeof learnt, "%s/encoder.json", cfg->data);
+        int beside = access(learnt, R_OK) == 0;
+        fl_die("the training data %s has a vocabulary of %u, but the %s tokenizer at %s has %d: "
+               "the data was tokenized with another one%s%s%s",
+               cfg->data, train->vocab_size, cfg->tokenizer,
+               strcmp(cfg->tokenizer, "byte") ? cfg->tokenizer_path : "(built in)", tokenizer_vocab,
+               beside ? " (its directory holds a learnt one: --tokenizer-path " : "",
+               beside ? cfg->data : "", beside ? ")" : "");
+    }
+    if ((int)train->vocab_size > cfg->model.vocab_size)
+        fl_die("the training data %s has a vocabulary of %u, larger than the model's %d", cfg->data,
+               train->vocab_size, cfg->model.vocab_size);
+    r->has_val = fl_loader_open_val(val, cfg->data, cfg->val_data, cfg->seq_len);
+    if (r->has_val &&
+        (strcmp(val->tokenizer, train->tokenizer) || val->vocab_size != train->vocab_size))
+        fl_die("the validation data (tokenizer %s) does not match the training data (tokenizer %s)",
+               val->tokenizer, train->tokenizer);
+    if (r->has_val) {
+        // before the model exists, so its scratch never adds to a memory peak
+        r->baseline = fl_loader_unigram_xent(train, val);
+        // masked examples record the bytes of their targets (the answers)
+        r->bytes_per_token = (double)val->source_bytes / (double)val->n_targets;
+    }
+}
+
+// Plans before the model is allocated: a run that cannot fit stops here
+// with advice, rather than being killed by the kernel halfway through.
+// What the loaders and the tokenizer keep (tag other) is measured for it.
+static void plan_run(fl_run *r, int whole_weights_first) {
+    const fl_train_config *cfg = &r->cfg;
+    size_t data_bytes = fl_mem_current(FL_MEM_OTHER), data_peak = fl_mem_peak(FL_MEM_OTHER);
+    fl_plan_request req;
+    fl_plan_request_from_config(&req, cfg, data_bytes);
+    req.data_peak = data_peak;
+    req.whole_weights_first = whole_weights_first;
+    req.ranks = r->world;
+    fl_plan_compute(&req, &r->plan);
+    size_t limit =
+        *cfg->mem_limit ? fl_parse_bytes(cfg->mem_limit, "mem_limit") : fl_mem_available();
+    // the ranks on this machine share its memory
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (!*cfg->mem_limit && local && atoi(local) > 1) limit /= (size_t)atoi(local);
+    fl_plan_check_fits(&req, &r->plan, limit);
+}
+
+// The model's weights: pretrained (loaded whole, NF4 rows quantised as
+// they load), ZeRO-3's shard of a random start over several ranks (a resume
+// reads that range), or a random start (NF4 under QLoRA).
+static void init_model(fl_run *r, int pretrained, size_t own_begin, size_t own_end) {
+    const fl_train_config *cfg = &r->cfg;
+    const fl_quant_config *quant = cfg->quant.enabled ? &cfg->quant : NULL;
+    if (pretrained)
+        fl_pretrained_load_quant(cfg->init_from, &r->model, cfg->dtype, quant);
+    else if (r->dist && cfg->zero.stage == 3 && r->world > 1)
+        fl_model_init_shard(&r->model, &cfg->model, cfg->dtype, cfg->seed, own_begin, own_end);
+    else
+        fl_model_init_quant(&r->model, &cfg->model, cfg->dtype, cfg->seed, quant);
+}
+
+// A single file or a sharded checkpoint of any world size: the whole
+// weights, and the master and state of this rank's range (dist: its shard);
+// the loader's position split over this world's ranks.
+static void restore(fl_run *r, fl_ckpt *ck) {
+    fl_optimizer_map(&r->optim);
+    fl_train_ckpt_restore(ck, &r->model, &r->optim, r->base, &r->train.state, r->train.tokenizer);
+    fl_optimizer_unmap(&r->optim);
+    r->ck_threads = fl_train_ckpt_threads(ck);
+    r->ck_world = fl_train_ckpt_world(ck);
+    if (r->train.state.index > r->train.per_rank)
+        fl_die("checkpoint %s is at window %llu of an epoch of %llu: the training data has "
+               "changed since it was saved",
+               fl_ckpt_path(ck), (unsigned long long)r->train.state.index,
+               (unsigned long long)r->train.per_rank);
+}
+
+void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options *opt) {
+    memset(r, 0, sizeof *r);
+    r->cfg = *config;
+    fl_train_config *cfg = &r->cfg;
+    fl_run_resume *res = opt->resume;
+    fl_ckpt *ck = res ? res->ck : NULL;
+    FL_ASSERT(!(ck && opt->own_batches)); // a resume restores the data's position
+    r->rank = opt->alone ? 0 : fl_comm_rank();
+    r->world = opt->alone ? 1 : fl_comm_size();
+    r->ck_world = 1;
+    if (res) r->saved = res->saved;
+    configure(r, opt);
+    fl_comm_set_timeout(cfg->zero.comm_timeout);
+    FL_ASSERT(!opt->alone || cfg->zero.stage == 0);
+    r->dist = !opt->alone && fl_dist_wanted(&cfg->zero);
+    r->resumed = ck != NULL;
+    r->start = ck ? fl_ckpt_step(ck) : 0;
+    if (ck && cfg->steps <= r->start)
+        fl_die("train_steps %d is not above the checkpoint's step %d (%s): nothing to train; give "
+               "--steps above %d",
+               cfg->steps, r->start, fl_ckpt_path(ck), r->start);
+    // rank 0 owns the output directory; the others find it ready
+    if (*cfg->out_dir && r->rank == 0)
+        run_prepare_out_dir(cfg->out_dir, ck ? res->dir : NULL, cfg->overwrite);
+    if (!opt->alone) fl_comm_barrier();
+    if (*cfg->adapter) { // the adapter's LoRA config, which the lora.* options must not contradict
+        fl_lora_config adapter;
+        fl_peft_read_config(cfg->adapter, &adapter);
+        fl_config_set_lora(cfg, &adapter, cfg->adapter);
+    }
+    fl_set_threads(cfg->threads);
+    fl_optimizer_config ocfg = fl_config_optimizer(cfg);
+    r->lora = cfg->lora_enabled;
+    r->train_base = r->lora && cfg->lora.train_base;
+    fl_optimizer_config bcfg = r->train_base ? fl_config_base_optimizer(cfg) : ocfg;
+    if (r->train_base && cfg->dtype == FL_F16)
+        fl_die("lora.base_optimizer with fp16 is not supported (two loss scalers would have to "
+               "agree): use --precision bf16");
+
+    if (!opt->own_batches) open_data(r);
+    r->tok = cfg->sample_tokens > 0 ? fl_tokenizer_load(cfg->tokenizer, cfg->tokenizer_path) : NULL;
+    // pretrained weights load whole (a resume has its own, unless they are
+    // a LoRA run's frozen base, which the checkpoint does not hold)
+    int pretrained = *cfg->init_from && (!ck || (r->lora && !r->train_base));
+    plan_run(r, pretrained);
+
+    // the range of the flat buffer this rank's optimizer covers (ZeRO: its shard)
+    size_t own_begin = 0, own_end = fl_model_num_params(&cfg->model);
+    if (r->dist) {
+        fl_param_table t;
+        fl_model_table(&t, &cfg->model);
+        fl_dist_range(&cfg->zero, &t, &own_begin, &own_end);
+        fl_params_free(&t);
+    }
+    init_model(r, pretrained, own_begin, own_end);
+    fl_model *model = &r->model;
+    if (r->lora) {
+        fl_model_add_lora(model, &cfg->lora, cfg->seed);
+        if (*cfg->adapter) fl_peft_load(cfg->adapter, model);
+    }
+    fl_model_alloc_acts(model, cfg->micro_batch, cfg->seq_len, cfg->recompute,
+                        r->dist   ? fl_dist_unit_grads(&cfg->zero)
+                        : r->lora ? r->train_base && fl_optimizer_unit_grads(&bcfg)
+                                  : fl_optimizer_unit_grads(&ocfg));
+    // what the optimizer trains: the adapters under LoRA (the base too, by
+    // its own fused optimizer, under LoRA + LOMO), else the model
+    ocfg.sharded_grads = r->dist && cfg->zero.stage >= 2; // ZeRO-2/3 sum their own shards
+    if (r->lora)
+        fl_optimizer_init(&r->optim, &ocfg, &model->lora.table, cfg->dtype, model->lora.params,
+                          model->lora.grads);
+    else
+        fl_optimizer_init_at(&r->optim, &ocfg, &model->table, cfg->dtype, model->params,
+                             model->params_begin, model->grads, own_begin, own_end);
+    if (r->train_base) {
+        fl_optimizer_init(&r->base_optim, &bcfg, &model->table, cfg->dtype, model->params,
+                          model->grads);
+        r->base = &r->base_optim;
+    }
+    // NVMe offload: the master and the optimizer state move to a file,
+    // filled from the weights now (a resume then overwrites it)
+    if (ocfg.paged) { // its directory and room were checked with the plan
+        fl_offload_config oc = fl_offload_config_of(cfg);
+        r->offload = fl_offload_optimizer(&r->optim, &oc, cfg->zero.offload_params);
+    }
+    r->base_lr = cfg->lora_base_lr > 0.0f ? cfg->lora_base_lr : cfg->lr;
+    if (ck) {
+        restore(r, ck);
+        fl_ckpt_close(ck);
+        res->ck = NULL;
+    }
+    if (r->dist) r->strategy = fl_dist_attach(model, &r->optim, &cfg->zero, r->offload);
+    r->schedule = (fl_schedule){!strcmp(cfg->scheduler, "cosine")   ? FL_SCHED_COSINE
+                                : !strcmp(cfg->scheduler, "linear") ? FL_SCHED_LINEAR
+                                                                    : FL_SCHED_CONSTANT,
+                                cfg->lr, cfg->warmup_steps, cfg->steps, cfg->min_lr_ratio};
+    // a step's micro-batches, loaded before it: the step weights every target
+    // token of the accumulated batch alike
+    size_t tokens = (size_t)cfg->micro_batch * cfg->seq_len * cfg->grad_accum;
+    r->inputs = fl_alloc(FL_MEM_OTHER, tokens * sizeof(int));
+    r->targets = fl_alloc(FL_MEM_OTHER, tokens * sizeof(int));
+}
+
+// Mean loss over cfg->eval_iters fixed batches of the whole step's batch
+// (micro-batch x ranks sequences) spread over the validation data: under
+// data parallelism rank r evaluates every N-th micro-batch of them, the same
+// windows one process with the global batch would, and the sums are added.
+float fl_run_evaluate(fl_run *r) {
+    const fl_train_config *cfg = &r->cfg;
+    FL_ASSERT(r->has_val);
+    // each batch's mean weighted by its targets, whose count varies with a
+    // loss mask: the mean over every target evaluated
+    double sums[2] = {0.0, 0.0}; // loss x targets, targets
+    for (int k = 0; k < cfg->eval_iters; k++) {
+        fl_loader_eval_batch(&r->val, k * r->world + r->rank, cfg->eval_iters * r->world, r->inputs,
+                             r->targets, cfg->micro_batch);
+        float loss =
+            fl_model_forward(&r->model, r->inputs, r->targets, cfg->micro_batch, cfg->seq_len);
+        sums[0] += (double)loss * r->model.n_targets;
+        sums[1] += r->model.n_targets;
+    }
+    if (r->world > 1) fl_comm_sum(sums, 2);
+    return sums[1] ? (float)(sums[0] / sums[1]) : 0.0f;
+}
+
+// Whether every rank's weights (the range its optimizer updates) are finite.
+static int weights_finite(const fl_run *r) {
+    const fl_optimizer *sets[2] = {&r->optim, r->base};
+    double bad = 0.0;
+    for (int i = 0; i < 2; i++) {
+        const fl_optimizer *o = sets[i];
+        if (!o) continue;
+        size_t first = o->rule->state_begin, n = o->rule->state_end - first;
+        if (o->master ? fl_has_inf_or_nan(FL_F32, o->master, n)
+                      : fl_has_inf_or_nan(
+                            o->dtype, fl_at_const(o->dtype, o->params, first - o->params_first), n))
+            bad = 1.0;
+    }
+    if (r->world > 1) fl_comm_max(&bad, 1);
+    return bad == 0.0;
+}
+
+// A paged optimizer's state is read through its mapping.
+void fl_run_save(fl_run *r, int step) {
+    const fl_train_config *cfg = &r->cfg;
+    FL_ASSERT(r->has_train && *cfg->out_dir);
+    fl_optimizer_map(&r->optim);
+    if (!weights_finite(r))
+        fl_die("the weights are not finite after step %d: not writing a checkpoint over the good "
+               "ones in %s (training diverged; lower the learning rate)",
+               step, cfg->out_dir);
+    if (r->dist) // every rank its shard (DDP: rank 0 all), agreed before anything is visible
+        fl_train_ckpt_save_dist(cfg->out_dir, step, &r->model, &r->optim, &r->train.state,
+                                r->train.tokenizer, r->config_json, cfg->keep_checkpoints,
+                                r->run_id);
+    else
+        fl_train_ckpt_save_run(cfg->out_dir, step, &r->model, &r->optim, r->base, &r->train.state,
+                               r->train.tokenizer, r->config_json, cfg->keep_checkpoints,
+                               r->run_id);
+    fl_optimizer_unmap(&r->optim);
+}
+
+void fl_run_close(fl_run *r) {
+    fl_free(r->inputs);
+    fl_free(r->targets);
+    fl_free(r->config_json);
+    fl_dist_free(r->strategy);
+    fl_offload_free(r->offload);
+    fl_optimizer_free(&r->optim);
+    if (r->base) fl_optimizer_free(r->base);
+    fl_model_free(&r->model);
+    if (r->tok) fl_tokenizer_free(r->tok);
+    if (r->has_val) fl_loader_close(&r->val);
+    if (r->has_train) fl_loader_close(&r->train);
+}
