@@ -118,10 +118,10 @@ static void train(const dist_case *c, int dist, run_result *out) {
         fl_params_free(&t);
     }
     // ZeRO-3 over several ranks, as `fitlm train` does it: only the shard
-    if (dist && c->stage == 3 && world > 1)
-        fl_model_init_shard(&m, &mc, c->dt, 42, begin, end);
-    else
-        fl_model_init(&m, &mc, c->dt, 42);
+    int shard = dist && c->stage == 3 && world > 1;
+    fl_weight_source seed;
+    fl_weight_source_random(&seed, &mc, 42);
+    fl_model_init_from(&m, &seed, c->dt, NULL, shard ? begin : 0, shard ? end : SIZE_MAX);
     fl_optimizer_config probe = {.kind = c->kind, .grad_accum = c->accum};
     fl_model_alloc_acts(&m, Bm, T, c->recompute,
                         dist ? fl_dist_unit_grads(&z) : fl_optimizer_unit_grads(&probe));

@@ -115,10 +115,10 @@ static void train(const offload_case *c, int paged, int in_backward, run_result 
     fl_model_table(&t, &mc);
     fl_dist_range(&z, &t, &begin, &end);
     fl_params_free(&t);
-    if (c->stage == 3 && fl_comm_size() > 1)
-        fl_model_init_shard(&m, &mc, c->dt, 42, begin, end);
-    else
-        fl_model_init(&m, &mc, c->dt, 42);
+    int shard = c->stage == 3 && fl_comm_size() > 1;
+    fl_weight_source seed;
+    fl_weight_source_random(&seed, &mc, 42);
+    fl_model_init_from(&m, &seed, c->dt, NULL, shard ? begin : 0, shard ? end : SIZE_MAX);
     fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE,
                         c->stage ? fl_dist_unit_grads(&z) : fl_optimizer_unit_grads(&oc));
     fl_optimizer o;

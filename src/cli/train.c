@@ -406,16 +406,15 @@ int cmd_train(int argc, char **argv) {
         }
     }
     char *config_json = fl_config_to_json(&cfg); // the run as given, for its checkpoints
-    // A resumed or pretrained model brings its own shape.
+    // A resumed or pretrained model brings its own shape: its weights are
+    // opened once, here, and their rows read when the model is made.
     const char *shape_from = resume ? resume : *cfg.init_from ? cfg.init_from : NULL;
-    if (shape_from) {
-        fl_model_config shape;
-        if (ck)
-            fl_ckpt_model_config(ck, &shape);
-        else
-            fl_pretrained_config(shape_from, &shape);
-        fl_config_set_shape(&cfg, &shape, shape_from);
-    }
+    fl_weight_source weights = {0};
+    if (ck)
+        fl_ckpt_source(&weights, ck);
+    else if (shape_from)
+        fl_weight_source_open(&weights, shape_from);
+    if (shape_from) fl_config_set_shape(&cfg, &weights.config, shape_from);
     fl_config_finish(&cfg);
     fl_comm_set_timeout(cfg.zero.comm_timeout);
     int dist = fl_dist_wanted(&cfg.zero);
@@ -508,13 +507,21 @@ int cmd_train(int argc, char **argv) {
         fl_dist_range(&cfg.zero, &t, &own_begin, &own_end);
         fl_params_free(&t);
     }
-    if (pretrained) {
-        fl_pretrained_load_quant(cfg.init_from, &model, cfg.dtype, quant);
-    } else if (dist && cfg.zero.stage == 3 && world > 1) {
-        fl_model_init_shard(&model, &cfg.model, cfg.dtype, cfg.seed, own_begin, own_end);
-    } else {
-        fl_model_init_quant(&model, &cfg.model, cfg.dtype, cfg.seed, quant);
+    // a resume's weights are its checkpoint's, but a frozen LoRA base's,
+    // which it does not hold: that is init_from's, or the seed's
+    if (resume && lora && !train_base) {
+        fl_weight_source_close(&weights);
+        if (pretrained)
+            fl_weight_source_open(&weights, cfg.init_from);
+        else
+            fl_weight_source_random(&weights, &cfg.model, cfg.seed);
+    } else if (!shape_from) {
+        fl_weight_source_random(&weights, &cfg.model, cfg.seed);
     }
+    int shard = !pretrained && dist && cfg.zero.stage == 3 && world > 1;
+    fl_model_init_from(&model, &weights, cfg.dtype, quant, shard ? own_begin : 0,
+                       shard ? own_end : SIZE_MAX);
+    fl_weight_source_close(&weights);
     if (lora) {
         fl_model_add_lora(&model, &cfg.lora, cfg.seed);
         if (*cfg.adapter) fl_peft_load(cfg.adapter, &model);
