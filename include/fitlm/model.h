@@ -112,7 +112,9 @@ struct fl_model {
     fl_model_hooks hooks;
     fl_lora_set lora;   // adapters (lora.cfg.r == 0: none)
     fl_quant_set quant; // NF4 base rows (quant.cfg.enabled == 0: none)
-    size_t stored;      // elements fl_model_store_row wrote: each row once (none drawn first)
+    // elements fl_model_store_row wrote: each row's once, none drawn first (a
+    // checkpoint's rows are read in place, uncounted)
+    size_t stored;
     // activations and scratch, sized by fl_model_alloc_acts
     int max_B, max_T;
     fl_recompute recompute;
@@ -205,7 +207,7 @@ void fl_model_free(fl_model *m);
 
 // Elements [first, first + n) of a base row from fp32 values (the table's
 // layout): rounded to the model's dtype, or quantised when the row is
-// stored in NF4. The loaders write every row through it. An NF4 row comes
+// stored in NF4. The weight sources write rows through it. An NF4 row comes
 // in order, in pieces whose first is a multiple of 4096 (any block size
 // divides it); its statistics are complete with its last element.
 void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n);
