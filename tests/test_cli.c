@@ -655,7 +655,7 @@ static void test_export_and_pretrained(void) {
     fl_model a, b;
     char tok[32];
     fl_ckpt_load_model(ck, &a, FL_F32, tok, sizeof tok);
-    fl_pretrained_load(hf, &b, FL_F32);
+    fl_pretrained_load(hf, &b, FL_F32, NULL);
     t_check(a.table.numel == b.table.numel &&
                 !memcmp(a.params, b.params, a.table.numel * sizeof(float)),
             "checkpoint -> safetensors -> model is bit-exact");
@@ -683,7 +683,7 @@ static void test_export_and_pretrained(void) {
     snprintf(ck, sizeof ck, "%s/llama_whole", dir);
     snprintf(hf, sizeof hf, "%s/llama_hf", dir);
     fl_ckpt_load_model(ck, &a, FL_BF16, tok, sizeof tok);
-    fl_pretrained_load(hf, &b, FL_BF16);
+    fl_pretrained_load(hf, &b, FL_BF16, NULL);
     t_check(a.config.arch == FL_ARCH_LLAMA && b.config.arch == FL_ARCH_LLAMA &&
                 a.table.numel == b.table.numel &&
                 !memcmp(a.params, b.params, a.table.numel * sizeof(uint16_t)),

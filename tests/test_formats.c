@@ -7,6 +7,7 @@
 // naming what is wrong; and thousands of seeded mutations of valid files
 // never crash the non-dying parsers (the sanitizer build catches any
 // overread).
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include "fitlm/io.h"
+#include "fitlm/kernels.h"
 #include "fitlm/safetensors.h"
 #include "testlib.h"
 #include "testref.h"
@@ -935,6 +937,129 @@ static void test_mutations(void) {
     t_mutations("llm.c header", t_source_path(LLMC_V3), 2000, 4000000, parse_llmc);
 }
 
+// ----------------------------------------------------------------------------
+// weight sources: each row filled once from the file, NF4 from real values
+
+// The elements the file at path stores (its every tensor).
+static size_t stored_elements(const char *path) {
+    fl_safetensors st;
+    fl_safetensors_open(&st, path);
+    size_t n = 0;
+    for (int i = 0; i < st.count; i++) n += st.tensors[i].numel;
+    fl_safetensors_free(&st);
+    return n;
+}
+
+// NF4 error statistics of LLaMA's linear layers ("_proj." rows, stored as
+// the table holds them) read straight from the safetensors: blocks of
+// `block` per row, each value against the codebook entry nearest to it over
+// its block's absmax.
+static void nf4_error_of_file(const char *path, int block, size_t *count, double *mean,
+                              double *most, double *rms) {
+    fl_safetensors st;
+    fl_safetensors_open(&st, path);
+    double sum = 0, sq = 0;
+    *count = 0, *most = 0;
+    for (int i = 0; i < st.count; i++) {
+        const fl_st_tensor *t = &st.tensors[i];
+        if (!strstr(t->name, "_proj.")) continue;
+        float *w = malloc(t->numel * sizeof(float));
+        void *raw = malloc(t->numel * fl_dtype_size(t->dtype));
+        memcpy(raw, st.data + t->begin, t->numel * fl_dtype_size(t->dtype));
+        fl_convert(FL_F32, w, t->dtype, raw, t->numel);
+        for (size_t b = 0; b < t->numel; b += (size_t)block) {
+            size_t end = b + (size_t)block < t->numel ? b + (size_t)block : t->numel;
+            float absmax = 0;
+            for (size_t j = b; j < end; j++) absmax = fmaxf(absmax, fabsf(w[j]));
+            for (size_t j = b; j < end; j++) {
+                int q = 0;
+                double s = absmax > 0 ? (double)w[j] / absmax : 0;
+                for (int c = 1; c < 16; c++)
+                    if (fabs(s - nf4_codebook[c]) < fabs(s - nf4_codebook[q])) q = c;
+                double e = fabs((double)(nf4_codebook[q] * absmax) - w[j]);
+                sum += e;
+                sq += (double)w[j] * w[j];
+                *most = fmax(*most, e);
+            }
+        }
+        *count += t->numel;
+        free(w), free(raw);
+    }
+    fl_safetensors_free(&st);
+    *mean = sum / (double)*count;
+    *rms = sqrt(sq / (double)*count);
+}
+
+static void test_weight_sources(void) {
+    // config.json is read once, when the source opens: a config.json broken
+    // afterwards does not reach the model, whose weights are the file's
+    char d[PATH_MAX_LEN], path[PATH_MAX_LEN + 32];
+    model_dir(d, "source_once", NULL);
+    snprintf(path, sizeof path, "%s/config.json", d);
+    size_t n;
+    unsigned char *bytes = t_read_file(t_source_path(LLAMA_HF "/config.json"), &n);
+    t_write_file(path, bytes, n);
+    free(bytes);
+    snprintf(path, sizeof path, "%s/model.safetensors", d);
+    bytes = t_read_file(t_source_path(LLAMA_HF "/model.safetensors"), &n);
+    t_write_file(path, bytes, n);
+    free(bytes);
+    fl_weight_source src;
+    fl_weight_source_open(&src, d);
+    snprintf(path, sizeof path, "%s/config.json", d);
+    t_write_text(path, "not JSON");
+    fl_model m, ref;
+    fl_model_init_from(&m, &src, FL_F32, NULL, 0, SIZE_MAX);
+    fl_weight_source_close(&src);
+    fl_hf_load(t_source_path(LLAMA_HF), &ref, FL_F32);
+    size_t in_file = stored_elements(t_source_path(LLAMA_HF "/model.safetensors"));
+    t_check(m.table.numel == ref.table.numel && same_floats(m.params, ref.params, m.table.numel),
+            "a source keeps the config.json it read: the model is the file's");
+    // a loaded model is stored once, from the file: no random values first
+    t_check(m.stored == in_file && ref.stored == in_file,
+            "HF: %zu and %zu elements stored, the %zu the file holds", m.stored, ref.stored,
+            in_file);
+    fl_model_free(&m), fl_model_free(&ref);
+
+    fl_model_config tiny = {
+        .max_seq_len = 16, .vocab_size = 64, .n_layer = 2, .n_head = 4, .n_embd = 16};
+    fl_model_init(&m, &tiny, FL_F32, 1);
+    t_check(m.stored == m.table.numel, "random: every element drawn once (%zu of %zu)", m.stored,
+            m.table.numel);
+    fl_model_free(&m);
+    fl_llmc_load(t_source_path(LLMC_V3), &m, FL_F32);
+    size_t pad = (size_t)(m.config.padded_vocab_size - m.config.vocab_size) * m.config.n_embd;
+    t_check(m.stored == m.table.numel - pad,
+            "llm.c: %zu elements stored, the %zu the file holds (vocabulary padding aside)",
+            m.stored, m.table.numel - pad);
+    fl_model_free(&m);
+
+    // NF4 quantises each linear row once, from its real values: the report
+    // covers exactly the loaded elements and matches a computation from the
+    // file itself
+    fl_quant_config qc = {.enabled = 1, .blocksize = 64, .double_quant = 0};
+    fl_pretrained_load(t_source_path(LLAMA_HF), &m, FL_F32, &qc);
+    double mean, most, rms, want_mean, want_most, want_rms;
+    size_t want_n, quantised;
+    fl_model_quant_error(&m, &mean, &most, &rms);
+    fl_quant_bytes_per_param(&m.table, &qc, &quantised);
+    nf4_error_of_file(t_source_path(LLAMA_HF "/model.safetensors"), 64, &want_n, &want_mean,
+                      &want_most, &want_rms);
+    t_check(m.quant.err_n == want_n && quantised == want_n && want_n == 3840,
+            "NF4 report: %zu elements quantised, the file's %zu linear ones (3840)", m.quant.err_n,
+            want_n);
+    t_check(fabs(mean - want_mean) <= 1e-6 * want_mean && fabs(most - want_most) <= 1e-7 &&
+                fabs(rms - want_rms) <= 1e-9 * want_rms,
+            "NF4 report: mean %.6g, max %.6g, RMS %.6g; from the file: %.6g, %.6g, %.6g", mean,
+            most, rms, want_mean, want_most, want_rms);
+    printf("  NF4 over %s (block 64): %zu elements, error mean %.4g, max %.4g; weights' RMS "
+           "%.4g\n",
+           LLAMA_HF, m.quant.err_n, mean, most, rms);
+    t_check(m.stored == in_file, "NF4: %zu elements stored, the %zu the file holds", m.stored,
+            in_file);
+    fl_model_free(&m);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     fixture fx;
@@ -955,6 +1080,7 @@ int main(void) {
     test_mutations();
     if (have_ref) test_reference(&fx, &c);
     test_llama_reference();
+    test_weight_sources();
 
     free(data), free(fx.recs);
     if (t_remove_dir(dir) != 0) return 1;

@@ -29,6 +29,14 @@ static const fl_model_config tiny_llama = {.arch = FL_ARCH_LLAMA,
                                            .intermediate_size = 96};
 enum { B = 4, T = 16, BT = B * T };
 
+// A model drawn from seed, its linear layers stored in NF4 (qc enabled).
+static void init_quant(fl_model *m, const fl_model_config *c, fl_dtype dt, uint64_t seed,
+                       const fl_quant_config *qc) {
+    fl_weight_source s;
+    fl_weight_source_random(&s, c, seed);
+    fl_model_init_from(m, &s, dt, qc, 0, SIZE_MAX);
+}
+
 static void random_batch(int *tokens, int *targets, unsigned seed) {
     fl_rng rng;
     fl_rng_seed(&rng, seed);
@@ -262,7 +270,7 @@ static void qlora_is_lora_on_dequantised(const char *name, const fl_model_config
     random_batch(tokens, targets_, 5);
     fl_quant_config qc = {1, 64, double_quant};
     fl_model q, d;
-    fl_model_init_quant(&q, c, dt, 12, &qc);
+    init_quant(&q, c, dt, 12, &qc);
     dense_copy(&d, &q);
     fl_lora_config lc = lora_config(4, "all-linear", 0.0f);
     fl_model *ms[2] = {&q, &d};
@@ -426,7 +434,7 @@ static void memory_is_planned(const char *name, const fl_model_config *c, fl_dty
     fl_model_memory(c, dt, B, T, 2, FL_RECOMPUTE_SELECTIVE, 0, &lc, qc, want);
     for (int t = 0; t < FL_MEM_NTAGS; t++) before[t] = fl_mem_current(t);
     fl_model m;
-    fl_model_init_quant(&m, c, dt, 1, qc);
+    init_quant(&m, c, dt, 1, qc);
     fl_model_add_lora(&m, &lc, 1);
     fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_SELECTIVE, 0);
     int same = 1;

@@ -571,7 +571,7 @@ static void check_merged(const char *what, const char *base, const char *adapter
                          fl_dtype dt, const fl_quant_config *q) {
     char path[PATH_MAX_LEN];
     fl_model m, got;
-    fl_hf_load_quant(in_dir(path, base), &m, FL_F32, q);
+    fl_pretrained_load(in_dir(path, base), &m, FL_F32, q);
     fl_lora_config lc;
     fl_peft_read_config(in_dir(path, adapter), &lc);
     fl_model_add_lora(&m, &lc, 0);

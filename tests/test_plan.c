@@ -371,9 +371,11 @@ static int measure(const run_case *c, const lora_case *l) {
         r.lora.train_base = train_base;
         if (train_base) r.base_optim = l->base;
     }
+    fl_weight_source base_weights; // the HF base, or random
     if (lora && l->nf4) {
         r.quant = (fl_quant_config){.enabled = 1, .blocksize = 64, .double_quant = 1};
-        fl_pretrained_config(hf_base, &r.model);
+        fl_weight_source_open(&base_weights, hf_base);
+        r.model = base_weights.config;
     }
 
     fl_loader train, val;
@@ -381,10 +383,9 @@ static int measure(const run_case *c, const lora_case *l) {
     fl_loader_open(&val, scratch, "val", T, 0, 0, 0, 1);
     r.data_bytes = fl_mem_current(FL_MEM_OTHER); // what the loaders keep: their shard tables
     fl_model model;
-    if (lora && l->nf4)
-        fl_pretrained_load_quant(hf_base, &model, c->dt, &r.quant);
-    else
-        fl_model_init(&model, &r.model, c->dt, 1337);
+    if (!(lora && l->nf4)) fl_weight_source_random(&base_weights, &r.model, 1337);
+    fl_model_init_from(&model, &base_weights, c->dt, &r.quant, 0, SIZE_MAX);
+    fl_weight_source_close(&base_weights);
     if (lora) fl_model_add_lora(&model, &r.lora, 1337);
     fl_model_alloc_acts(&model, B, T, c->recompute,
                         lora ? train_base && fl_optimizer_unit_grads(&l->base)

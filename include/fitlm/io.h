@@ -247,6 +247,15 @@ int fl_train_ckpt_world(const fl_ckpt *ck);
 // a checkpoint directory or file; tokenizer receives the tokenizer's name.
 void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,
                         size_t tokenizer_size);
+// A checkpoint's model as a weight source (model.h): the shape from its
+// header (checked against its tensors), the rows "model/<row>" read in the
+// model's dtype into whatever range it holds (a ZeRO-3 shard too). Dense
+// only; a checkpoint of LoRA adapters alone is refused, naming the file.
+// fl_ckpt_source borrows an open checkpoint (closed by its caller, after
+// the source); fl_ckpt_source_open opens path (which must outlive the
+// source) and closes it with the source.
+void fl_ckpt_source(fl_weight_source *s, fl_ckpt *ck);
+void fl_ckpt_source_open(fl_weight_source *s, const char *path);
 // The model shape an open checkpoint holds, checked against its tensors
 // (fl_ckpt_check_shape), so a caller may allocate by it.
 void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg);
@@ -281,14 +290,16 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl
 // .bin, version 3 or 5) or a fitlm checkpoint (directory or file), told
 // apart by content.
 
-// The model shape, without reading the weights (for planning).
-void fl_pretrained_config(const char *path, fl_model_config *cfg);
-// Initialises *model from the weights, rounded to dt.
-void fl_pretrained_load(const char *path, fl_model *model, fl_dtype dt);
-// The same with the base's linear layers stored in NF4 (q enabled: a
-// Hugging Face directory only).
-void fl_pretrained_load_quant(const char *path, fl_model *model, fl_dtype dt,
-                              const fl_quant_config *q);
+// Opens the weights at path as a weight source (model.h), its kind told by
+// what the path holds: a checkpoint (fl_ckpt_source_open), a Hugging Face
+// directory or .safetensors file (fl_hf_source_open), else an llm.c file
+// (fl_llmc_source_open). The shape (s->config) is read once, here; the rows
+// when a model is made of it (fl_model_init_from). path must outlive s.
+void fl_weight_source_open(fl_weight_source *s, const char *path);
+// Initialises *model from the weights at path, rounded to dt, with the
+// base's linear layers stored in NF4 when q is enabled (a Hugging Face
+// model only; q NULL: dense).
+void fl_pretrained_load(const char *path, fl_model *model, fl_dtype dt, const fl_quant_config *q);
 // Dies naming the tensor (source: the weights' path; adapter: the LoRA
 // adapter's, or NULL) when a weight or adapter value is NaN or Inf: what a
 // diverged run leaves, which sample and export refuse rather than pass on.

@@ -76,7 +76,7 @@ typedef struct {
     uint64_t dropout_step; // advanced by each training forward
 } fl_lora_set;
 
-// Base rows stored in NF4 (fl_model_init_quant; see lora.h).
+// Base rows stored in NF4 (fl_model_init_from; see lora.h).
 typedef struct {
     fl_quant_config cfg; // cfg.enabled == 0: none
     uint8_t *store;      // FL_MEM_PARAMS: each quantised row's codes and statistics
@@ -97,7 +97,7 @@ struct fl_model {
     fl_param_table table;
     void *params, *grads; // flat buffers of table.numel values of dtype (grads: NULL when
                           // gradients live per unit, below)
-    // the flat elements params holds: all, or (fl_model_init_shard) one ZeRO-3
+    // the flat elements params holds: all, or (fl_model_init_from) one ZeRO-3
     // rank's shard, whose rows' weights are bound when their unit is gathered
     size_t params_begin, params_end;
     // unit gradients (fl_model_alloc_acts): no whole-model buffer; a unit's
@@ -112,6 +112,9 @@ struct fl_model {
     fl_model_hooks hooks;
     fl_lora_set lora;   // adapters (lora.cfg.r == 0: none)
     fl_quant_set quant; // NF4 base rows (quant.cfg.enabled == 0: none)
+    // elements fl_model_store_row wrote: each row's once, none drawn first (a
+    // checkpoint's rows are read in place, uncounted)
+    size_t stored;
     // activations and scratch, sized by fl_model_alloc_acts
     int max_B, max_T;
     fl_recompute recompute;
@@ -138,18 +141,48 @@ struct fl_model {
     float dlogits_dloss;
 };
 
-// Builds the parameter table, allocates the parameters of dtype dt (tagged;
-// the gradients come with fl_model_alloc_acts) and initialises the weights
-// from the rows' init rules (drawn in fp32 from `seed`, rounded to dt).
+// Where a model's weights come from: its shape, read once when the source is
+// opened, and a producer of its rows. Random initialisation
+// (fl_weight_source_random) and the file formats (io.h:
+// fl_weight_source_open) are sources; fl_model_init_from makes a model of
+// one.
+typedef struct fl_weight_source fl_weight_source;
+struct fl_weight_source {
+    fl_model_config config; // the model's shape
+    uint64_t seed;          // random: the seed the init rules draw from
+    void *state;            // a file source's open files and what it parsed of them
+    // Checks the source against the table of its shape before anything is
+    // allocated, and refuses what it cannot give (NF4 rows: q enabled);
+    // dies naming the file. NULL: nothing to check.
+    void (*check)(fl_weight_source *s, const fl_param_table *t, const fl_quant_config *q);
+    // Writes every row of m's range once: through fl_model_store_row (an
+    // NF4 row in order, in pieces whose first is a multiple of
+    // FL_PARAMS_INIT_CHUNK), or, for dense rows, straight into m->params.
+    // Padded vocabulary rows may be left as allocated (zero).
+    void (*fill)(fl_weight_source *s, fl_model *m);
+    void (*close)(fl_weight_source *s); // NULL: nothing to release
+};
+
+// The rows' init rules (drawn in fp32 from `seed` in table order, rounded
+// to the model's dtype) for a model of shape cfg.
+void fl_weight_source_random(fl_weight_source *s, const fl_model_config *cfg, uint64_t seed);
+// Releases what the source holds (its files); s is empty afterwards.
+void fl_weight_source_close(fl_weight_source *s);
+// Builds the parameter table of the source's shape once, lets the source
+// check it, allocates the parameters of dtype dt (tagged; the gradients come
+// with fl_model_alloc_acts) and fills each row once from the source. q
+// enabled: the base's linear layers (fl_quant_row) are stored in NF4, each
+// row quantised once from its real values, so the dense model never exists
+// (q NULL: dense). [begin, end): the flat elements kept (a ZeRO-3 rank's
+// shard, dense only; end SIZE_MAX: to the end). A shard binds no row's
+// weights (m->wp NULL) until a strategy binds its unit's gathered weights
+// (fl_model_bind_params); fl_model_store_row stores the part of a row
+// inside it. The source stays open (fl_weight_source_close).
+void fl_model_init_from(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
+                        size_t begin, size_t end);
+// fl_model_init_from a random source: the whole model, dense.
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed);
-// fl_model_init keeping only the flat elements [begin, end) of the weights
-// (a ZeRO-3 rank's shard): the same values there, the whole model never
-// allocated. No row's weights are bound (m->wp NULL) until a strategy binds
-// its unit's gathered weights (fl_model_bind_params); fl_model_store_row
-// stores the part of a row inside the shard.
-void fl_model_init_shard(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
-                         size_t begin, size_t end);
-// Whether m->params holds a shard only (fl_model_init_shard).
+// Whether m->params holds a shard only (fl_model_init_from).
 static inline int fl_model_sharded(const fl_model *m) {
     return m->params_end && (m->params_begin > 0 || m->params_end < m->table.numel);
 }
@@ -172,14 +205,9 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
                      const fl_quant_config *quant, size_t bytes[FL_MEM_NTAGS]);
 void fl_model_free(fl_model *m);
 
-// fl_model_init with the base's linear layers (fl_quant_row) stored in NF4
-// (q->enabled; otherwise it is fl_model_init): each row is initialised in
-// fp32 and quantised, so the dense model never exists.
-void fl_model_init_quant(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
-                         const fl_quant_config *q);
 // Elements [first, first + n) of a base row from fp32 values (the table's
 // layout): rounded to the model's dtype, or quantised when the row is
-// stored in NF4. The loaders write every row through it. An NF4 row comes
+// stored in NF4. The weight sources write rows through it. An NF4 row comes
 // in order, in pieces whose first is a multiple of 4096 (any block size
 // divides it); its statistics are complete with its last element.
 void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n);

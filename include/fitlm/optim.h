@@ -382,7 +382,7 @@ void fl_optimizer_init_range(fl_optimizer *o, const fl_optimizer_config *cfg,
                              const fl_param_table *table, fl_dtype dt, void *params, void *grads,
                              size_t begin, size_t end);
 // fl_optimizer_init_range over weights that hold the flat elements from
-// params_first on (a ZeRO-3 shard, fl_model_init_shard).
+// params_first on (a ZeRO-3 shard, fl_model_init_from).
 void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
                           const fl_param_table *table, fl_dtype dt, void *params,
                           size_t params_first, void *grads, size_t begin, size_t end);

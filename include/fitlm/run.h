@@ -64,6 +64,7 @@ typedef struct {
     int resumed, start, ck_world, ck_threads;
     fl_train_config saved;
     char shape_from[FL_PATH_MAX]; // the checkpoint or pretrained weights the shape came from
+    fl_weight_source weights;     // opened for the shape, closed once the model is made
     char run_id[64];
     char *config_json; // the run as given, for its checkpoints
 } fl_run;

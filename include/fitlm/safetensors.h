@@ -123,17 +123,19 @@ void fl_hf_index_free(fl_hf_index *idx);
 // model's table.numel fp32 values; out_dtype is the stored dtype.
 void fl_hf_export(const char *dir, const fl_model *model, const float *weights_fp32,
                   fl_dtype out_dtype, size_t max_shard_bytes);
-// Initialises *model from a directory written by fl_hf_export or
-// save_pretrained, or from a .safetensors file with config.json beside it.
-// Names with or without "transformer." / "model."; F32, F16 or BF16
-// tensors, rounded to dt; buffers are skipped (GPT-2's attn.bias and
-// attn.masked_bias, LLaMA's rotary_emb.inv_freq); a LLaMA bias tensor is an
-// error naming it; a stored lm_head the model ties must equal the embedding;
-// every parameter must be there once with its shape.
+// Opens a Hugging Face model as a weight source (model.h): a directory
+// written by fl_hf_export or save_pretrained, or a .safetensors file with
+// config.json beside it (path must outlive the source). config.json is
+// read once, here; the safetensors are mapped and their headers (and the
+// index) read once, when a model is made of the source. Names with or without "transformer." /
+// "model."; F32, F16 or BF16 tensors, rounded to the model's dtype or quantised to NF4 as they are
+// read; buffers are skipped (GPT-2's attn.bias and attn.masked_bias, LLaMA's rotary_emb.inv_freq);
+// a LLaMA bias tensor is an error naming it; a stored lm_head the model ties must equal the
+// embedding; every parameter must be there once with its shape (checked before the model
+// allocates).
+void fl_hf_source_open(fl_weight_source *s, const char *path);
+// Initialises *model from such a source (dense, rounded to dt).
 void fl_hf_load(const char *path, fl_model *model, fl_dtype dt);
-// The same with the linear layers stored in NF4 as they are read (q NULL
-// or not enabled: fl_hf_load).
-void fl_hf_load_quant(const char *path, fl_model *model, fl_dtype dt, const fl_quant_config *q);
 
 // ----------------------------------------------------------------------------
 // llm.c model files (gpt2_124M.bin; GPT-2 only): 256 int32 header {20240326, version
@@ -156,8 +158,11 @@ typedef struct {
 // size of the whole file.
 int fl_llmc_header_parse(const uint8_t *buf, size_t n, uint64_t file_size, fl_llmc_header *out,
                          char *err, size_t errlen);
-// Initialises *model from an llm.c model file: V rows of wte are kept, the
-// padded rows of our table are zero.
+// Opens an llm.c model file as a weight source (model.h; its header read
+// once, here; path must outlive the source): V rows of wte are kept, the padded rows of our table
+// are zero. Dense only: NF4 is refused.
+void fl_llmc_source_open(fl_weight_source *s, const char *path);
+// Initialises *model from an llm.c model file (rounded to dt).
 void fl_llmc_load(const char *path, fl_model *model, fl_dtype dt);
 
 // ----------------------------------------------------------------------------

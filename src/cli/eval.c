@@ -332,7 +332,7 @@ int cmd_eval(int argc, char **argv) {
     if (from_ckpt)
         fl_ckpt_load_model(path, &model, dt, ckpt_tok, sizeof ckpt_tok);
     else
-        fl_pretrained_load_quant(path, &model, dt, &quant);
+        fl_pretrained_load(path, &model, dt, &quant);
     if (*o.tokenizer) {
         snprintf(model_tok, sizeof model_tok, "%s", o.tokenizer);
         snprintf(text_tok, sizeof text_tok, "%s", o.tokenizer);

@@ -151,7 +151,7 @@ int cmd_export(int argc, char **argv) {
     if (is_ckpt)
         fl_ckpt_load_model(ckpt, &model, FL_F32, tokenizer, sizeof tokenizer);
     else // NF4 rows are dequantised by the merge: the weights the adapter was trained on
-        fl_pretrained_load_quant(ckpt, &model, FL_F32, &quant);
+        fl_pretrained_load(ckpt, &model, FL_F32, &quant);
     // a Hugging Face tokenizer goes with the weights, so the directory loads whole
     char tok_name[32], tok_path[FL_PATH_MAX];
     int hf_tok = fl_source_tokenizer(ckpt, tok_name, sizeof tok_name, tok_path, sizeof tok_path) &&

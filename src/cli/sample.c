@@ -104,7 +104,7 @@ int cmd_sample(int argc, char **argv) {
     if (fl_is_checkpoint(o.checkpoint) && !quant.enabled)
         fl_ckpt_load_model(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer);
     else
-        fl_pretrained_load_quant(o.checkpoint, &model, FL_F32, &quant);
+        fl_pretrained_load(o.checkpoint, &model, FL_F32, &quant);
     if (o.adapter) { // before the activations: their workspace covers the adapters'
         fl_lora_config lc;
         fl_peft_read_config(o.adapter, &lc);

@@ -370,7 +370,7 @@ void fl_hf_export(const char *out_dir, const fl_model *model, const float *weigh
 typedef struct {
     fl_safetensors *shards;
     int n_shards;
-    char where[HF_PATH_MAX]; // the directory or file, for messages
+    const char *where; // the directory or file, for messages
 } hf_files;
 
 // Opens the shards of dir's index and checks the index against them: every
@@ -543,18 +543,13 @@ static void copy_tensors(fl_model *model, const hf_ref *refs) {
     fl_free(whole), fl_free(buf), fl_free(chunk);
 }
 
-void fl_hf_load(const char *path, fl_model *model, fl_dtype dt) {
-    fl_hf_load_quant(path, model, dt, NULL);
-}
-
-void fl_hf_load_quant(const char *path, fl_model *model, fl_dtype dt, const fl_quant_config *q) {
-    hf_files f = {0};
-    char dir[HF_PATH_MAX], file[HF_PATH_MAX], err[512];
-    struct stat s;
-    if (stat(path, &s) != 0) fl_die("cannot open %s: %s", path, strerror(errno));
-    snprintf(f.where, sizeof f.where, "%s", path);
-    if (S_ISDIR(s.st_mode)) {
-        snprintf(dir, sizeof dir, "%s", path);
+// Where a directory's or file's weights and config.json are: file "" when
+// dir holds a sharded index.
+static void locate(const char *path, char *dir, char *file) {
+    struct stat st;
+    if (stat(path, &st) != 0) fl_die("cannot open %s: %s", path, strerror(errno));
+    if (S_ISDIR(st.st_mode)) {
+        snprintf(dir, HF_PATH_MAX, "%s", path);
         join(file, dir, HF_SINGLE);
         if (access(file, F_OK) != 0) {
             join(file, dir, HF_INDEX);
@@ -562,47 +557,86 @@ void fl_hf_load_quant(const char *path, fl_model *model, fl_dtype dt, const fl_q
                 fl_die("%s holds neither %s nor %s", path, HF_SINGLE, HF_INDEX);
             file[0] = 0;
         }
-    } else {
-        snprintf(file, sizeof file, "%s", path);
-        snprintf(dir, sizeof dir, "%s", path);
-        char *slash = strrchr(dir, '/');
-        if (slash)
-            *slash = 0;
-        else
-            strcpy(dir, ".");
+        return;
     }
+    snprintf(file, HF_PATH_MAX, "%s", path);
+    snprintf(dir, HF_PATH_MAX, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        *slash = 0;
+    else
+        strcpy(dir, ".");
+}
 
-    char config_path[HF_PATH_MAX];
+// What an open Hugging Face source keeps: the path (config.json was parsed
+// at the opening), then, from the check on, the safetensors mapped and each
+// row's tensor, matched against the table.
+typedef struct {
+    hf_files f;
+    hf_ref *refs; // per table row
+} hf_source;
+
+// The safetensors are opened here, not with config.json, so that what they
+// take is held from the model's allocation on only (as the plan has it).
+static void hf_check(fl_weight_source *s, const fl_param_table *t, const fl_quant_config *q) {
+    (void)q; // any row can be quantised as it is read
+    hf_source *h = s->state;
+    hf_files *f = &h->f;
+    char dir[HF_PATH_MAX], file[HF_PATH_MAX];
+    locate(f->where, dir, file);
+    if (file[0]) {
+        f->n_shards = 1;
+        f->shards = fl_alloc(FL_MEM_OTHER, sizeof *f->shards);
+        fl_safetensors_open(&f->shards[0], file);
+    } else {
+        open_index(f, dir);
+    }
+    const hf_layout *lay = layout_of(&s->config);
+    h->refs = fl_alloc(FL_MEM_OTHER, (size_t)t->count * sizeof *h->refs);
+    hf_ref head = {0};
+    match_tensors(f, lay, t, h->refs, &head);
+    int embed = fl_params_find(t, lay->embed);
+    FL_ASSERT(embed >= 0);
+    if (head.t)
+        check_lm_head(f, lay, &head, &h->refs[embed], (size_t)s->config.vocab_size,
+                      (size_t)s->config.n_embd);
+}
+
+static void hf_fill(fl_weight_source *s, fl_model *m) {
+    hf_source *h = s->state;
+    FL_ASSERT(h->refs); // checked first
+    copy_tensors(m, h->refs);
+}
+
+static void hf_close(fl_weight_source *s) {
+    hf_source *h = s->state;
+    for (int i = 0; i < h->f.n_shards; i++) fl_safetensors_free(&h->f.shards[i]);
+    fl_free(h->f.shards);
+    fl_free(h->refs);
+    fl_free(h);
+}
+
+void fl_hf_source_open(fl_weight_source *s, const char *path) {
+    char dir[HF_PATH_MAX], file[HF_PATH_MAX], config_path[HF_PATH_MAX], err[512];
+    locate(path, dir, file);
+    memset(s, 0, sizeof *s);
     join(config_path, dir, "config.json");
     size_t n;
     char *json = (char *)fl_file_read_all(config_path, FL_HF_MAX_JSON_BYTES, &n, "config file");
-    fl_model_config cfg;
-    if (fl_hf_config_parse(json, n, &cfg, err, sizeof err) != 0) fl_die("%s: %s", config_path, err);
+    if (fl_hf_config_parse(json, n, &s->config, err, sizeof err) != 0)
+        fl_die("%s: %s", config_path, err);
     fl_free(json);
+    hf_source *h = fl_alloc(FL_MEM_OTHER, sizeof *h);
+    h->f.where = path;
+    s->state = h;
+    s->check = hf_check;
+    s->fill = hf_fill;
+    s->close = hf_close;
+}
 
-    if (file[0]) {
-        f.n_shards = 1;
-        f.shards = fl_alloc(FL_MEM_OTHER, sizeof *f.shards);
-        fl_safetensors_open(&f.shards[0], file);
-    } else {
-        open_index(&f, dir);
-    }
-
-    // Names and shapes are checked before the parameters are allocated.
-    fl_param_table table;
-    fl_model_table(&table, &cfg);
-    const hf_layout *lay = layout_of(&cfg);
-    hf_ref *refs = fl_alloc(FL_MEM_OTHER, (size_t)table.count * sizeof *refs), head = {0};
-    match_tensors(&f, lay, &table, refs, &head);
-    int embed = fl_params_find(&table, lay->embed);
-    FL_ASSERT(embed >= 0);
-    fl_params_free(&table);
-    if (head.t)
-        check_lm_head(&f, lay, &head, &refs[embed], (size_t)cfg.vocab_size, (size_t)cfg.n_embd);
-
-    fl_model_init_quant(model, &cfg, dt, 0, q);
-    copy_tensors(model, refs);
-    fl_free(refs);
-    for (int i = 0; i < f.n_shards; i++) fl_safetensors_free(&f.shards[i]);
-    fl_free(f.shards);
+void fl_hf_load(const char *path, fl_model *model, fl_dtype dt) {
+    fl_weight_source s;
+    fl_hf_source_open(&s, path);
+    fl_model_init_from(model, &s, dt, NULL, 0, SIZE_MAX);
+    fl_weight_source_close(&s);
 }

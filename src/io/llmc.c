@@ -1,11 +1,12 @@
-// llmc.c: loading llm.c model files (karpathy/llm.c, gpt2_124M.bin and
-// gpt2_124M_bf16.bin). llm.c stacks each parameter kind over the layers
-// (all ln1w, then all ln1b, ...) where our table goes layer by layer, and
-// both store matrices (out, in), so every (kind, layer) slice is one
-// contiguous copy.
+// llmc.c: llm.c model files (karpathy/llm.c, gpt2_124M.bin and
+// gpt2_124M_bf16.bin) as a weight source. llm.c stacks each parameter kind
+// over the layers (all ln1w, then all ln1b, ...) where our table goes layer
+// by layer, and both store matrices (out, in), so every (kind, layer) slice
+// is one row, read in order from the file.
 #include "fitlm/safetensors.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -15,51 +16,96 @@
 #define LLMC_CHUNK  65536 // values converted at a time
 #define LAYER_KINDS 12    // ln1w .. fcprojb, in our table's per-layer order too
 
-// Reads n values of dtype src_dt from f into dst (dtype dt).
-static void read_values(FILE *f, const char *path, fl_dtype src_dt, fl_dtype dt, void *dst,
-                        size_t n, void *chunk) {
-    size_t es = fl_dtype_size(src_dt);
+typedef struct {
+    FILE *f;
+    const char *path;
+    fl_llmc_header h;
+} llmc_source;
+
+// Reads a row's n values (dtype src_dt) from f and stores them in pieces.
+static void read_row(fl_model *m, const llmc_source *l, int row, size_t n, float *buf,
+                     void *chunk) {
+    size_t es = fl_dtype_size(l->h.dtype);
     for (size_t i = 0; i < n; i += LLMC_CHUNK) {
         size_t len = n - i < LLMC_CHUNK ? n - i : LLMC_CHUNK;
-        if (fread(chunk, es, len, f) != len) fl_die("cannot read %s: truncated", path);
-        fl_convert(dt, fl_at(dt, dst, i), src_dt, chunk, len);
+        if (fread(chunk, es, len, l->f) != len) fl_die("cannot read %s: truncated", l->path);
+        fl_convert(FL_F32, buf, l->h.dtype, chunk, len);
+        fl_model_store_row(m, row, i, buf, len);
     }
 }
 
-void fl_llmc_load(const char *path, fl_model *model, fl_dtype dt) {
-    FILE *f = fopen(path, "rb");
-    if (!f) fl_die("cannot open %s: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode))
-        fl_die("%s is not a regular file", path);
-    uint8_t buf[FL_LLMC_HEADER_BYTES];
-    size_t got = fread(buf, 1, sizeof buf, f);
-    fl_llmc_header h;
-    char err[512];
-    if (fl_llmc_header_parse(buf, got, (uint64_t)st.st_size, &h, err, sizeof err) != 0)
-        fl_die("llm.c model file %s: %s", path, err);
-    fl_model_config cfg = {
-        .max_seq_len = h.max_T, .vocab_size = h.V, .n_layer = h.L, .n_head = h.NH, .n_embd = h.C};
-    fl_model_init(model, &cfg, dt, 0);
+static void llmc_check(fl_weight_source *s, const fl_param_table *t, const fl_quant_config *q) {
+    (void)t; // the header's shape is the table's
+    const llmc_source *l = s->state;
+    if (q)
+        fl_die("%s: NF4 quantisation (--quantize nf4) loads a Hugging Face model directory "
+               "(config.json + safetensors), not an llm.c model file",
+               l->path);
+}
 
-    const fl_param_view *v = model->table.views;
+static void llmc_fill(fl_weight_source *s, fl_model *m) {
+    llmc_source *l = s->state;
+    const fl_llmc_header *h = &l->h;
+    if (fseek(l->f, FL_LLMC_HEADER_BYTES, SEEK_SET) != 0)
+        fl_die("cannot read %s: %s", l->path, strerror(errno));
+    float *buf = fl_alloc(FL_MEM_WORKSPACE, LLMC_CHUNK * sizeof(float));
     void *chunk = fl_alloc(FL_MEM_WORKSPACE, LLMC_CHUNK * sizeof(float));
-    size_t C = (size_t)h.C, es = fl_dtype_size(h.dtype);
+    const fl_param_view *v = m->table.views;
+    size_t C = (size_t)h->C, es = fl_dtype_size(h->dtype);
     // wte: V rows kept, llm.c's padded rows skipped (ours are zero)
-    read_values(f, path, h.dtype, dt, model->params, (size_t)h.V * C, chunk);
-    if (fseek(f, (long)(((size_t)h.Vp - (size_t)h.V) * C * es), SEEK_CUR) != 0)
-        fl_die("cannot read %s: %s", path, strerror(errno));
-    read_values(f, path, h.dtype, dt, fl_at(dt, model->params, v[1].offset), v[1].numel, chunk);
+    read_row(m, l, 0, (size_t)h->V * C, buf, chunk);
+    if (fseek(l->f, (long)(((size_t)h->Vp - (size_t)h->V) * C * es), SEEK_CUR) != 0)
+        fl_die("cannot read %s: %s", l->path, strerror(errno));
+    read_row(m, l, 1, v[1].numel, buf, chunk);
     for (int k = 0; k < LAYER_KINDS; k++)
-        for (int l = 0; l < h.L; l++) {
-            const fl_param_view *lv = &v[2 + l * LAYER_KINDS + k];
-            read_values(f, path, h.dtype, dt, fl_at(dt, model->params, lv->offset), lv->numel,
-                        chunk);
+        for (int layer = 0; layer < h->L; layer++) {
+            int row = 2 + layer * LAYER_KINDS + k;
+            read_row(m, l, row, v[row].numel, buf, chunk);
         }
     for (int k = 0; k < 2; k++) { // lnfw, lnfb
-        const fl_param_view *fv = &v[2 + h.L * LAYER_KINDS + k];
-        read_values(f, path, h.dtype, dt, fl_at(dt, model->params, fv->offset), fv->numel, chunk);
+        int row = 2 + h->L * LAYER_KINDS + k;
+        read_row(m, l, row, v[row].numel, buf, chunk);
     }
+    fl_free(buf);
     fl_free(chunk);
-    fclose(f);
+}
+
+static void llmc_close(fl_weight_source *s) {
+    llmc_source *l = s->state;
+    fclose(l->f);
+    fl_free(l);
+}
+
+void fl_llmc_source_open(fl_weight_source *s, const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); // opening a FIFO must not hang
+    if (fd < 0) fl_die("cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) fl_die("%s is not a regular file", path);
+    FILE *f = fdopen(fd, "rb");
+    if (!f) fl_die("cannot open %s: %s", path, strerror(errno));
+    uint8_t buf[FL_LLMC_HEADER_BYTES];
+    size_t got = fread(buf, 1, sizeof buf, f);
+    llmc_source *l = fl_alloc(FL_MEM_OTHER, sizeof *l);
+    char err[512];
+    if (fl_llmc_header_parse(buf, got, (uint64_t)st.st_size, &l->h, err, sizeof err) != 0)
+        fl_die("llm.c model file %s: %s", path, err);
+    l->f = f;
+    l->path = path;
+    memset(s, 0, sizeof *s);
+    s->config = (fl_model_config){.max_seq_len = l->h.max_T,
+                                  .vocab_size = l->h.V,
+                                  .n_layer = l->h.L,
+                                  .n_head = l->h.NH,
+                                  .n_embd = l->h.C};
+    s->state = l;
+    s->check = llmc_check;
+    s->fill = llmc_fill;
+    s->close = llmc_close;
+}
+
+void fl_llmc_load(const char *path, fl_model *model, fl_dtype dt) {
+    fl_weight_source s;
+    fl_llmc_source_open(&s, path);
+    fl_model_init_from(model, &s, dt, NULL, 0, SIZE_MAX);
+    fl_weight_source_close(&s);
 }

@@ -333,12 +333,6 @@ static void read_rows_range(fl_ckpt *ck, const fl_param_table *t, const char *pr
     }
 }
 
-// The whole buffer of a set's weights.
-static void read_rows(fl_ckpt *ck, const fl_param_table *t, const char *prefix, const char *legacy,
-                      fl_dtype dt, void *dst) {
-    read_rows_range(ck, t, prefix, legacy, dt, dst, 0, t->numel);
-}
-
 static cJSON *parse_meta(const fl_ckpt *ck) {
     cJSON *meta = cJSON_Parse(fl_ckpt_meta(ck));
     FL_ASSERT(meta); // fl_ckpt_open checked it
@@ -476,31 +470,78 @@ int fl_source_tokenizer(const char *source, char *name, size_t name_size, char *
     return hf;
 }
 
+// A checkpoint as a weight source: its model rows ("model/<row>", or the
+// buffer of the layout before by-name tensors), read in the model's dtype
+// straight into the range the model holds.
+typedef struct {
+    fl_ckpt *ck;
+    int owned;        // opened by the source, closed with it
+    const char *path; // as given, for messages
+} ckpt_source;
+
+static void ckpt_check(fl_weight_source *s, const fl_param_table *t, const fl_quant_config *q) {
+    const ckpt_source *c = s->state;
+    if (q)
+        fl_die("%s: NF4 quantisation (--quantize nf4) loads a Hugging Face model directory "
+               "(config.json + safetensors), not a fitlm checkpoint",
+               c->path);
+    cJSON *meta = parse_meta(c->ck);
+    int adapters = cJSON_GetObjectItemCaseSensitive(meta, "lora") != NULL;
+    cJSON_Delete(meta);
+    char first[NAME_MAX_];
+    tensor_name(first, sizeof first, "model", NULL, t->views[0].name);
+    if (adapters && !fl_ckpt_has(c->ck, first))
+        fl_die("checkpoint %s holds LoRA adapters, not a whole model: load its base (the run's "
+               "init_from) with the adapters in PEFT's format, e.g. --adapter OUT/adapter",
+               fl_ckpt_path(c->ck));
+}
+
+static void ckpt_fill(fl_weight_source *s, fl_model *m) {
+    const ckpt_source *c = s->state;
+    read_rows_range(c->ck, &m->table, "model", "weights", m->dtype, m->params, m->params_begin,
+                    m->params_end);
+}
+
+static void ckpt_close(fl_weight_source *s) {
+    ckpt_source *c = s->state;
+    if (c->owned) fl_ckpt_close(c->ck);
+    fl_free(c);
+}
+
+static void ckpt_source_of(fl_weight_source *s, fl_ckpt *ck, int owned, const char *path) {
+    ckpt_source *c = fl_alloc(FL_MEM_OTHER, sizeof *c);
+    c->ck = ck;
+    c->owned = owned;
+    c->path = path;
+    memset(s, 0, sizeof *s);
+    fl_ckpt_model_config(ck, &s->config); // checked against the tensors
+    s->state = c;
+    s->check = ckpt_check;
+    s->fill = ckpt_fill;
+    s->close = ckpt_close;
+}
+
+void fl_ckpt_source(fl_weight_source *s, fl_ckpt *ck) {
+    ckpt_source_of(s, ck, 0, fl_ckpt_path(ck));
+}
+
+void fl_ckpt_source_open(fl_weight_source *s, const char *path) {
+    ckpt_source_of(s, fl_ckpt_open(path), 1, path);
+}
+
 void fl_ckpt_load_model(const char *path, fl_model *model, fl_dtype dt, char *tokenizer,
                         size_t tokenizer_size) {
-    fl_ckpt *ck = fl_ckpt_open(path);
+    fl_weight_source s;
+    fl_ckpt_source_open(&s, path);
+    const fl_ckpt *ck = ((const ckpt_source *)s.state)->ck;
     cJSON *meta = parse_meta(ck);
-    fl_model_config cfg;
-    read_shape(meta, fl_ckpt_path(ck), &cfg);
     const char *tok = string(meta, "tokenizer", fl_ckpt_path(ck));
     if (strlen(tok) >= tokenizer_size)
         fl_die("checkpoint %s: tokenizer name too long", fl_ckpt_path(ck));
     strcpy(tokenizer, tok);
-    int adapters = cJSON_GetObjectItemCaseSensitive(meta, "lora") != NULL;
     cJSON_Delete(meta);
-    char first[NAME_MAX_];
-    fl_param_table t;
-    fl_model_table(&t, &cfg);
-    tensor_name(first, sizeof first, "model", NULL, t.views[0].name);
-    fl_params_free(&t);
-    if (adapters && !fl_ckpt_has(ck, first))
-        fl_die("checkpoint %s holds LoRA adapters, not a whole model: load its base (the run's "
-               "init_from) with the adapters in PEFT's format, e.g. --adapter OUT/adapter",
-               fl_ckpt_path(ck));
-    fl_ckpt_check_shape(ck); // before allocating by the header's shape
-    fl_model_init(model, &cfg, dt, 0);
-    read_rows(ck, &model->table, "model", "weights", dt, model->params);
-    fl_ckpt_close(ck);
+    fl_model_init_from(model, &s, dt, NULL, 0, SIZE_MAX);
+    fl_weight_source_close(&s);
 }
 
 char *fl_train_ckpt_config(const fl_ckpt *ck) {

@@ -117,16 +117,33 @@ static void store_sink(void *ctx, int row, size_t first, const float *values, si
     fl_model_store_row(ctx, row, first, values, n);
 }
 
-void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed) {
-    fl_model_init_quant(m, cfg, dt, seed, NULL);
+static void random_fill(fl_weight_source *s, fl_model *m) {
+    fl_params_init_each(&m->table, s->seed, store_sink, m);
 }
 
-// The weights of elements [begin, end) (SIZE_MAX: all), dense or NF4 (q).
-static void init_model(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
-                       const fl_quant_config *q, size_t begin, size_t end) {
+void fl_weight_source_random(fl_weight_source *s, const fl_model_config *cfg, uint64_t seed) {
+    memset(s, 0, sizeof *s);
+    s->config = *cfg;
+    s->seed = seed;
+    s->fill = random_fill;
+}
+
+void fl_weight_source_close(fl_weight_source *s) {
+    if (s->close) s->close(s);
+    memset(s, 0, sizeof *s);
+}
+
+void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed) {
+    fl_weight_source s;
+    fl_weight_source_random(&s, cfg, seed);
+    fl_model_init_from(m, &s, dt, NULL, 0, SIZE_MAX);
+}
+
+void fl_model_init_from(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
+                        size_t begin, size_t end) {
     memset(m, 0, sizeof *m);
     m->loss = -1.0f; // no forward with targets yet
-    m->config = *cfg;
+    m->config = src->config;
     m->dtype = dt;
     fl_model_config_finish(&m->config);
     const fl_model_config *c = &m->config;
@@ -135,13 +152,13 @@ static void init_model(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uin
     size_t n = m->table.numel;
     FL_ASSERT(n == m->arch->num_params(c) && m->table.count == m->arch->table_rows(c));
     int quant = q && q->enabled;
-    m->params_begin = begin == SIZE_MAX ? 0 : begin;
-    m->params_end = begin == SIZE_MAX ? n : end;
+    if (quant) fl_quant_check(q);
+    if (src->check) src->check(src, &m->table, quant ? q : NULL); // before allocating
+    m->params_begin = begin;
+    m->params_end = end == SIZE_MAX ? n : end;
     FL_ASSERT(m->params_begin <= m->params_end && m->params_end <= n);
-    int shard = m->params_begin > 0 || m->params_end < n;
-    FL_ASSERT(!(shard && quant));
+    FL_ASSERT(!(fl_model_sharded(m) && quant));
     if (quant) {
-        fl_quant_check(q);
         fl_quant_alloc(m, q);
         m->quant.dequant = fl_alloc(FL_MEM_WORKSPACE, dequant_numel(c) * fl_dtype_size(dt));
     } else {
@@ -164,20 +181,7 @@ static void init_model(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uin
         fl_model_bind_params(m, unit, NULL);
         fl_model_bind_grads(m, unit, NULL);
     }
-    if (quant || shard) // row by row (into NF4, or the shard): the dense model never exists
-        fl_params_init_each(&m->table, seed, store_sink, m);
-    else
-        fl_params_init(&m->table, dt, m->params, seed);
-}
-
-void fl_model_init_quant(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
-                         const fl_quant_config *q) {
-    init_model(m, cfg, dt, seed, q, SIZE_MAX, SIZE_MAX);
-}
-
-void fl_model_init_shard(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed,
-                         size_t begin, size_t end) {
-    init_model(m, cfg, dt, seed, NULL, begin, end);
+    src->fill(src, m); // each row once: NF4 rows quantised from their real values
 }
 
 // LoRA without training the base: no base gradient at all.

@@ -626,7 +626,7 @@ static void setup_stage3(fl_dist *d) {
         d->ring_read[i] = -1;
     }
     // keep only this rank's shard of the weights: the model's own, when it
-    // was initialised as that shard (fl_model_init_shard); or none in RAM,
+    // was initialised as that shard (fl_model_init_from); or none in RAM,
     // handed to the offload file
     if (d->pstore) {
         const void *shard = fl_at(d->dt, m->params, d->begin - m->params_begin);

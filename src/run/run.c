@@ -63,17 +63,15 @@ static void configure(fl_run *r, const fl_run_options *opt) {
         }
     }
     r->config_json = fl_config_to_json(cfg); // the run as given, for its checkpoints
-    // A resumed or pretrained model brings its own shape.
+    // A resumed or pretrained model brings its own shape: its weights are
+    // opened once, here, and their rows read when the model is made.
     const char *shape_from = res ? res->path : *cfg->init_from ? cfg->init_from : "";
     snprintf(r->shape_from, sizeof r->shape_from, "%s", shape_from);
-    if (*shape_from) {
-        fl_model_config shape;
-        if (res)
-            fl_ckpt_model_config(res->ck, &shape);
-        else
-            fl_pretrained_config(shape_from, &shape);
-        fl_config_set_shape(cfg, &shape, shape_from);
-    }
+    if (res)
+        fl_ckpt_source(&r->weights, res->ck);
+    else if (*shape_from)
+        fl_weight_source_open(&r->weights, cfg->init_from);
+    if (*shape_from) fl_config_set_shape(cfg, &r->weights.config, shape_from);
     fl_config_finish(cfg);
 }
 
@@ -135,18 +133,29 @@ static void plan_run(fl_run *r, int whole_weights_first) {
     fl_plan_check_fits(&req, &r->plan, limit);
 }
 
-// The model's weights: pretrained (loaded whole, NF4 rows quantised as
-// they load), ZeRO-3's shard of a random start over several ranks (a resume
-// reads that range), or a random start (NF4 under QLoRA).
+// The model's weights, each row stored once from its source (NF4 rows
+// quantised as they are stored): pretrained weights whole, a checkpoint's,
+// or a random start; ZeRO-3 over several ranks keeps only its shard of a
+// random start or a checkpoint. A resume's weights are its checkpoint's,
+// except a frozen LoRA base, which it does not hold: init_from's, or the
+// seed's.
 static void init_model(fl_run *r, int pretrained, size_t own_begin, size_t own_end) {
     const fl_train_config *cfg = &r->cfg;
     const fl_quant_config *quant = cfg->quant.enabled ? &cfg->quant : NULL;
-    if (pretrained)
-        fl_pretrained_load_quant(cfg->init_from, &r->model, cfg->dtype, quant);
-    else if (r->dist && cfg->zero.stage == 3 && r->world > 1)
-        fl_model_init_shard(&r->model, &cfg->model, cfg->dtype, cfg->seed, own_begin, own_end);
-    else
-        fl_model_init_quant(&r->model, &cfg->model, cfg->dtype, cfg->seed, quant);
+    fl_weight_source *weights = &r->weights;
+    if (r->resumed && r->lora && !r->train_base) {
+        fl_weight_source_close(weights);
+        if (pretrained)
+            fl_weight_source_open(weights, cfg->init_from);
+        else
+            fl_weight_source_random(weights, &cfg->model, cfg->seed);
+    } else if (!*r->shape_from) {
+        fl_weight_source_random(weights, &cfg->model, cfg->seed);
+    }
+    int shard = !pretrained && r->dist && cfg->zero.stage == 3 && r->world > 1;
+    fl_model_init_from(&r->model, weights, cfg->dtype, quant, shard ? own_begin : 0,
+                       shard ? own_end : SIZE_MAX);
+    fl_weight_source_close(weights);
 }
 
 // A single file or a sharded checkpoint of any world size: the whole
