@@ -29,6 +29,14 @@ vocabulary is GPT-2's (--V 50257), so both engines read the same batch.
 MFU is against --peak (fp32 FMA) for fp32 and --peak-bf16 (vdpbf16ps) for
 bf16, as bench_train; both, and --peak-amx's, are in the RESULT line.
 
+--device cuda runs the same model and step on an NVIDIA GPU, the baseline
+a GPU engine is measured against (PyTorch's fast path there, as a user
+would write it): autocast("cuda", bf16) under --precision bf16, AdamW with
+fused=True, --compile wraps the model in torch.compile; every timestamp
+waits for the GPU (torch.cuda.synchronize), and the peak is
+torch.cuda.max_memory_allocated. --data random draws the batch's tokens
+(seeded) instead of reading fitlm's shards, for a machine without them.
+
     OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 bench/torch_gpt2.py --B 8 --T 256 \
         --steps 7 --warmup 2 --threads 2 --precision bf16 --peak 410 --peak-bf16 213
 
@@ -259,8 +267,9 @@ class Llama(nn.Module):
         B, T = idx.shape
         # LlamaRotaryEmbedding (default rope type), in fp32: (T, HS) each
         HS = self.HS
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, HS, 2, dtype=torch.int64).float() / HS))
-        freqs = torch.arange(T, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        dev = idx.device
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, HS, 2, dtype=torch.int64, device=dev).float() / HS))
+        freqs = torch.arange(T, dtype=torch.int64, device=dev).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         x = self.embed_tokens(idx)
@@ -298,7 +307,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
     ap.add_argument("--data", default="data/brown_gpt2",
-                    help="fitlm token shards; the batch is their first B windows")
+                    help="fitlm token shards; the batch is their first B windows; random: drawn")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--compile", action="store_true", help="torch.compile(model)")
     a = ap.parse_args()
     if min(a.B, a.T, a.steps, a.threads) < 1 or a.warmup < 0 or a.T > a.maxT:
         sys.exit("torch_gpt2: bad shape or step counts")
@@ -339,19 +350,35 @@ def main():
         {"params": [p for n, p in params.items() if n in decay_names], "weight_decay": 0.1},
         {"params": [p for n, p in params.items() if n not in decay_names], "weight_decay": 0.0},
     ]
-    opt_kw = {"foreach": True} if a.foreach else {}
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("torch_gpt2: --device cuda, but PyTorch finds no CUDA GPU")
+    if a.compile and not hasattr(torch, "compile"):
+        sys.exit(f"torch_gpt2: --compile needs PyTorch 2 (this is {torch.__version__})")
+    model = model.to(a.device)
+    opt_kw = {"foreach": True} if a.foreach else {"fused": True} if cuda else {}
     opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **opt_kw)
     nparams = sum(p.numel() for p in params.values())
 
-    tok = first_windows(a.data, a.B, a.T)
-    inputs, targets = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+    if a.data == "random":
+        tok = torch.randint(0, a.V, (a.B, a.T + 1), generator=torch.Generator().manual_seed(a.seed))
+    else:
+        tok = first_windows(a.data, a.B, a.T)
+    inputs, targets = tok[:, :-1].contiguous().to(a.device), tok[:, 1:].contiguous().to(a.device)
+    step_model = torch.compile(model) if a.compile else model
+
+    def sync():  # a timestamp means the GPU's work so far is done
+        if cuda:
+            torch.cuda.synchronize()
 
     shape = (f"LLaMA L={a.L} C={a.C} NH={a.NH} KV heads={NKV} SwiGLU I={I} V={a.V} (GPT-2's "
              f"vocabulary) LM head {'tied' if a.tie else 'untied'}, RMSNorm eps 1e-05, RoPE theta "
              f"10000" if llama else f"GPT-2 L={a.L} C={a.C} NH={a.NH} V={a.V}")
     print(
         f"pytorch {torch.__version__} train bench: {shape} "
-        f"maxT={a.maxT} | B={a.B} T={a.T} | {torch.get_num_threads()} threads, "
+        f"maxT={a.maxT} | B={a.B} T={a.T} | "
+        f"{torch.cuda.get_device_name() if cuda else 'CPU'}{', torch.compile' if a.compile else ''}"
+        f" | {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | "
         f"{a.warmup} warm-up + {a.steps} timed steps | "
         f"attention {'sdpa' if hasattr(F, 'scaled_dot_product_attention') else 'masked softmax'}"
@@ -361,9 +388,9 @@ def main():
     peak = a.peak_bf16 if bf16 else a.peak
     print(
         "step = zero_grad(set_to_none) + "
-        f"{'autocast(cpu, bf16)[forward + loss]' if bf16 else 'forward'} + backward + "
+        f"{f'autocast({a.device}, bf16)[forward + loss]' if bf16 else 'forward'} + backward + "
         "clip_grad_norm_(1.0) + "
-        f"AdamW(lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1{', foreach' if a.foreach else ''})"
+        f"AdamW(lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1{''.join(f', {k}' for k in opt_kw)})"
     )
     print(f"FLOPs/token = {flops_formula}: {flops_per_token:.4g}; "
           f"peaks (given, GFLOP/s): fp32 {a.peak:.1f}, bf16 {a.peak_bf16:.1f}, "
@@ -375,19 +402,23 @@ def main():
     total = a.warmup + a.steps
     cpu_timed = wall_timed = 0.0  # CPU seconds of all threads, wall seconds
     for s in range(total):
+        sync()
         c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         if bf16:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(inputs, targets)
+            with torch.autocast(a.device, dtype=torch.bfloat16):
+                loss = step_model(inputs, targets)
         else:
-            loss = model(inputs, targets)
+            loss = step_model(inputs, targets)
+        sync()
         t1 = time.perf_counter()
         loss.backward()
+        sync()
         t2 = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sync()
         t3, c3 = time.perf_counter(), time.process_time()
         lv = loss.item()
         if s == 0:
@@ -416,6 +447,7 @@ def main():
 
     mfu = mfu_of(peak)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    gpu_mib = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
     mf, mb, mo = statistics.median(ms_fwd), statistics.median(ms_bwd), statistics.median(ms_opt)
     print(
         f"median {med:.1f} ms/step (min {lo:.1f}, max {hi:.1f}; fwd {mf:.1f}, bwd {mb:.1f}, "
@@ -423,6 +455,7 @@ def main():
         f"MFU {100 * mfu:.1f}% of the {peak_kind} peak {peak:.1f} (fp32 "
         f"{100 * mfu_of(a.peak):.1f}%, bf16 {100 * mfu_of(a.peak_bf16):.1f}%, AMX "
         f"{100 * mfu_of(a.peak_amx):.1f}%) | peak RSS {rss_mib:.0f} MiB"
+        + (f" | peak GPU memory {gpu_mib:.0f} MiB" if cuda else "")
     )
     print(
         f"RESULT engine=pytorch arch={a.arch} precision={a.precision} B={a.B} T={a.T} threads={a.threads} "
@@ -436,6 +469,7 @@ def main():
         f"mfu_amx={mfu_of(a.peak_amx):.4f} peak_rss_mib={rss_mib:.0f} loss_first={first_loss:.4f} "
         f"loss_last={last_loss:.4f} torch={torch.__version__} "
         f"omp_wait_policy={os.environ.get('OMP_WAIT_POLICY')} cpus={cpu_timed / wall_timed:.2f}"
+        f" device={a.device} compile={int(a.compile)} peak_gpu_mib={gpu_mib:.0f}"
         + (f" L={a.L} C={a.C} NH={a.NH} kv_heads={NKV} I={I} V={a.V} tie={a.tie}" if llama else "")
     )
 
