@@ -60,10 +60,10 @@ static double sum_tol(int K) {
 }
 #define REF_RTOL 1e-5
 
-// The emulated CPUs' runs (t_quick) leave out the cases of more than this
-// many multiply-adds (the kernels' or the references'): smaller ones reach
-// the same paths of every kernel (checked with gcov), and the native runs
-// take them all.
+// The emulated CPUs' runs and the sanitizer build (t_quick) leave out the
+// cases of more than this many multiply-adds (the kernels' or the
+// references'): the smaller ones run every line of src/ that they do
+// (gcov, under each ISA cap), and the release build takes them all.
 #define QUICK_MAX_MACS 50e6
 static int quick_skip(double macs) {
     return t_quick() && macs > QUICK_MAX_MACS;
