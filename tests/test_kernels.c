@@ -60,6 +60,15 @@ static double sum_tol(int K) {
 }
 #define REF_RTOL 1e-5
 
+// The emulated CPUs' runs and the sanitizer build (t_quick) leave out the
+// cases of more than this many multiply-adds (the kernels' or the
+// references'): the smaller ones run every line of src/ that they do
+// (gcov, under each ISA cap), and the release build takes them all.
+#define QUICK_MAX_MACS 50e6
+static int quick_skip(double macs) {
+    return t_quick() && macs > QUICK_MAX_MACS;
+}
+
 // ----------------------------------------------------------------------------
 // helpers
 
@@ -469,10 +478,13 @@ static void test_matmul(void) {
     // three) in two chunks of OC; that of N 1160 (>= 8 x 144 rows) has nine
     // row tiles of all C columns, the last of 8 rows, each packing its own
     // rows of dout; with OC <= N so does the forward, the weight packed ahead
-    int shapes[][3] = {{1, 1, 1},       {1, 7, 3},        {5, 33, 17},      {64, 96, 288},
-                       {130, 192, 320}, {400, 400, 2100}, {1160, 40, 2100}, {1160, 300, 200}};
-    for (int s = 0; s < 8; s++) {
+    // (N 1160, C 8, OC 40 takes those paths in the reduced list too)
+    int shapes[][3] = {{1, 1, 1},        {1, 7, 3},        {5, 33, 17},
+                       {64, 96, 288},    {130, 192, 320},  {400, 400, 2100},
+                       {1160, 40, 2100}, {1160, 300, 200}, {1160, 8, 40}};
+    for (int s = 0; s < 9; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
+        if (quick_skip((double)N * C * OC)) continue;
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand(ni, 51, 1.0f), *w = frand(nw, 52, 1.0f), *bias = frand(OC, 53, 1.0f);
         float *dout = frand(no, 54, 1.0f);
@@ -654,6 +666,8 @@ static void test_attention(void) {
         int HS = gshapes[s][4];
         size_t nqkv = (size_t)B * T * qkv_width(NH, NKV, HS), no = (size_t)B * T * NH * HS;
         size_t nl = (size_t)B * NH * T;
+        // two double forwards per input, each ~B NH T^2 HS multiply-adds
+        if (quick_skip(2.0 * nqkv * B * NH * T * T * HS)) continue;
         float *qkv = frand(nqkv, 81, 1.5f), *R = frand(no, 82, 1.0f);
         att_ctx ctx = {
             dcopy(qkv, nqkv), dcopy(R, no), malloc(no * 8), malloc(nl * 8), B, T, NH, NKV, HS};
@@ -1792,13 +1806,15 @@ static void test_matmul_lp(fl_dtype dt) {
     // with OC <= N so does the forward (inp's rows), the weight packed ahead
     int shapes[][3] = {{1, 1, 1},       {1, 7, 3},        {5, 33, 17},      {64, 96, 288},
                        {130, 192, 320}, {2, 33, 530},     {3, 20, 4500},    {1100, 20, 40},
-                       {400, 400, 300}, {400, 400, 2100}, {1160, 40, 2100}, {1160, 300, 200}};
-    // N C OC
+                       {400, 400, 300}, {400, 400, 2100}, {1160, 40, 2100}, {1160, 300, 200},
+                       {1160, 8, 40}};
+    // N C OC; N 1160 with C 8 as in test_matmul
     if (fl_cpu_isa() == FL_ISA_PORTABLE)
         t_check(matmul_workspace_bytes(FL_F32, 130, 192, 320) == 0,
                 "fp32 matmul on the portable path needs no workspace");
-    for (int s = 0; s < 12; s++) {
+    for (int s = 0; s < 13; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
+        if (quick_skip((double)N * C * OC)) continue;
         size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
         float *inp = frand_dt(dt, ni, 51, 1.0f), *w = frand_dt(dt, nw, 52, 1.0f);
         float *bias = frand_dt(dt, OC, 53, 1.0f), *dout = frand_dt(dt, no, 54, 1.0f);
@@ -1982,11 +1998,17 @@ static void test_gemm(void) {
                        {200, 300, 513}, {24, 128, 70}, {17, 64, 260}, {200, 96, 256}};
     fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
     unsigned seed = 300;
-    for (int s = 0; s < 8; s++)
-        for (int d = 0; d < 3; d++)
-            for (int t = 0; t < 4; t++)
-                gemm_case(shapes[s][0], shapes[s][1], shapes[s][2], t & 1, t >> 1, dts[d],
-                          (s + t + d) % 3, seed += 4);
+    for (int s = 0; s < 8; s++) {
+        int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        // the reduced list takes a shape whose twelve cases are too much
+        // work once (fp32, neither operand transposed), on the same seeds
+        int cases = quick_skip(12.0 * M * N * K) ? 1 : 12;
+        for (int k = 0; k < 12; k++) {
+            int d = k / 4, t = k % 4;
+            seed += 4;
+            if (k < cases) gemm_case(M, N, K, t & 1, t >> 1, dts[d], (s + t + d) % 3, seed);
+        }
+    }
 }
 
 static void test_attention_lp(fl_dtype dt) {

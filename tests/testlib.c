@@ -150,6 +150,11 @@ int t_dies(const char *name, void (*fn)(void *), void *arg, const char *expect) 
                    status, msg);
 }
 
+int t_quick(void) {
+    const char *q = getenv("FITLM_TEST_QUICK");
+    return q && strcmp(q, "0") != 0;
+}
+
 int t_report(void) {
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed == 0 && n_passed > 0 ? 0 : 1;

@@ -51,6 +51,11 @@ int t_cpu_avx2(void);
 // check that fl_cpu_isa() is that ISA.
 void t_check_expected_isa(void);
 
+// FITLM_TEST_QUICK=1 (CMakeLists.txt: the emulated CPUs' runs and the
+// sanitizer build): the reduced case lists, fewer and smaller shapes that
+// still run every ISA path; the release build runs the full lists natively.
+int t_quick(void);
+
 // Prints "<program>: N passed, N failed" and returns the exit status.
 int t_report(void);
 
