@@ -45,28 +45,31 @@ static float lr_of(const dist_case *c) {
     return c->kind == FL_OPT_ADALOMO ? 0.05f : LR;
 }
 
-// The case as `fitlm train`'s flags: its shape (the byte tokenizer's
-// vocabulary; the batches use the first V tokens), precision, optimizer
+// The case as `fitlm train`'s flags: its shape (a vocabulary of V, from a
+// tokenizer.json of V tokens: every id the batches use, so no row of the LM
+// head is trained only towards zero, where AdamW would turn the ranks' other
+// summation order into steps of lr), precision, optimizer
 // and zero_optimization keys. The one-process reference (dist 0) takes the
 // whole global batch per micro-batch, alone, with no strategy.
 static void open_run(const dist_case *c, int dist, fl_run *run) {
     char flags[2048];
-    int n = snprintf(flags, sizeof flags,
-                     "--model tiny --arch %s --n-layer 3 --n-head 4 --n-embd 32 --max-seq-len %d "
-                     "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
-                     "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
-                     "--grad-clip %g --activation-checkpointing %s --seed 42 --threads 1 "
-                     "--sample-tokens 0 --out= --comm-timeout 60",
-                     fl_arch_name(c->arch), T, fl_dtype_name(c->dt), dist ? B : B * fl_comm_size(),
-                     T, c->accum, dist ? c->stage : 0,
-                     c->kind == FL_OPT_LOMO      ? "lomo"
-                     : c->kind == FL_OPT_ADALOMO ? "adalomo"
-                                                 : "adamw",
-                     lr_of(c),
-                     c->clip < 0 ? 0.0f
-                     : c->clip   ? c->clip
-                                 : 1.0f,
-                     c->recompute == FL_RECOMPUTE_BLOCK ? "block" : "none");
+    int n = snprintf(
+        flags, sizeof flags,
+        "--model tiny --arch %s --n-layer 3 --n-head 4 --n-embd 32 --max-seq-len %d "
+        "--tokenizer hf --tokenizer-path %s --precision %s --batch %d --seq-len %d --grad-accum %d "
+        "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
+        "--grad-clip %g --activation-checkpointing %s --seed 42 --threads 1 "
+        "--sample-tokens 0 --out= --comm-timeout 60",
+        fl_arch_name(c->arch), T, t_source_path("tests/fixtures/hf_tokenizer_97"),
+        fl_dtype_name(c->dt), dist ? B : B * fl_comm_size(), T, c->accum, dist ? c->stage : 0,
+        c->kind == FL_OPT_LOMO      ? "lomo"
+        : c->kind == FL_OPT_ADALOMO ? "adalomo"
+                                    : "adamw",
+        lr_of(c),
+        c->clip < 0 ? 0.0f
+        : c->clip   ? c->clip
+                    : 1.0f,
+        c->recompute == FL_RECOMPUTE_BLOCK ? "block" : "none");
     // AdaLomo at the eps its tolerance was set with, the general default
     // (through the config AdaLomo's own default is 1e-30)
     if (c->kind == FL_OPT_ADALOMO)
