@@ -180,6 +180,10 @@ void fl_weight_source_close(fl_weight_source *s);
 // inside it. The source stays open (fl_weight_source_close).
 void fl_model_init_from(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
                         size_t begin, size_t end);
+// fl_model_init_from of the whole model, then the source closed: what a
+// loader of one file format (fl_hf_load, fl_llmc_load, fl_pretrained_load)
+// and fl_model_init do after opening theirs.
+void fl_model_init_whole(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q);
 // fl_model_init_from a random source: the whole model, dense.
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed);
 // Whether m->params holds a shard only (fl_model_init_from).

@@ -106,6 +106,5 @@ void fl_llmc_source_open(fl_weight_source *s, const char *path) {
 void fl_llmc_load(const char *path, fl_model *model, fl_dtype dt) {
     fl_weight_source s;
     fl_llmc_source_open(&s, path);
-    fl_model_init_from(model, &s, dt, NULL, 0, SIZE_MAX);
-    fl_weight_source_close(&s);
+    fl_model_init_whole(model, &s, dt, NULL);
 }

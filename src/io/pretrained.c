@@ -25,6 +25,5 @@ void fl_weight_source_open(fl_weight_source *s, const char *path) {
 void fl_pretrained_load(const char *path, fl_model *model, fl_dtype dt, const fl_quant_config *q) {
     fl_weight_source s;
     fl_weight_source_open(&s, path);
-    fl_model_init_from(model, &s, dt, q, 0, SIZE_MAX);
-    fl_weight_source_close(&s);
+    fl_model_init_whole(model, &s, dt, q);
 }

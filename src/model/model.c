@@ -136,7 +136,13 @@ void fl_weight_source_close(fl_weight_source *s) {
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed) {
     fl_weight_source s;
     fl_weight_source_random(&s, cfg, seed);
-    fl_model_init_from(m, &s, dt, NULL, 0, SIZE_MAX);
+    fl_model_init_whole(m, &s, dt, NULL);
+}
+
+void fl_model_init_whole(fl_model *m, fl_weight_source *src, fl_dtype dt,
+                         const fl_quant_config *q) {
+    fl_model_init_from(m, src, dt, q, 0, SIZE_MAX);
+    fl_weight_source_close(src);
 }
 
 void fl_model_init_from(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
