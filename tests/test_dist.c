@@ -3,6 +3,9 @@
 // and 4 ranks (and once over TCP), and once alone (one rank: the shards are
 // the whole buffer). Every rank also runs the one-process reference itself,
 // so each rank checks its own result without any exchange but the strategy's.
+// First, the texts a run's ranks agree on (every option, the parameter
+// table) and the description of their first difference, and the agreement
+// over groups of ranks (the ranks that differ are test_failures' cases).
 //
 // Tolerances: fp32 losses within 1e-6 relative and final weights within
 // 1e-6 relative (norm of the difference over the norm); the strategy sums
@@ -14,9 +17,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fitlm/comm.h"
 #include "fitlm/run.h"
+#include "fitlm/train.h"
 #include "testlib.h"
 
 enum { B = 2, T = 16, STEPS = 20, V = 97 };
@@ -204,9 +209,162 @@ static void check_case(const dist_case *c) {
     free(want.weights);
 }
 
+// ----------------------------------------------------------------------------
+// what the ranks agree on
+
+// A finished config of the base flags and then `more` (a --config file
+// among them, say).
+static void finished(fl_train_config *cfg, const char *more) {
+    char flags[1024], *argv[64];
+    snprintf(flags, sizeof flags,
+             "--model tiny --tokenizer byte --data data/brown_byte --seq-len 32 --sample-tokens 0 "
+             "--val-data none %s",
+             more);
+    int argc = 0;
+    for (char *w = strtok(flags, " "); w && argc < 64; w = strtok(NULL, " ")) argv[argc++] = w;
+    fl_config_defaults(cfg);
+    fl_config_parse_args(cfg, argc, argv);
+    fl_config_finish(cfg);
+}
+
+// Its canonical text.
+static char *settings_of(const char *more) {
+    fl_train_config cfg;
+    finished(&cfg, more);
+    return fl_config_canonical(&cfg);
+}
+
+// Every option of the table is in the text once, in a line of its own,
+// except the three that describe the machine.
+static void check_every_option_agreed(void) {
+    char *help = NULL, *text = settings_of("");
+    size_t n = 0;
+    FILE *f = open_memstream(&help, &n);
+    fl_config_print_help(f);
+    fclose(f);
+    int keys = 0, lines = 0;
+    for (const char *p = text; *p; p += strcspn(p, "\n") + 1) lines++;
+    for (const char *p = help; (p = strstr(p, "  [")); p++) {
+        char key[128], line[140];
+        if (sscanf(p + 3, "%127[^]]", key) != 1) continue;
+        keys++;
+        int machine =
+            !strcmp(key, "threads") || !strcmp(key, "mem_limit") || !strcmp(key, "peak_tflops");
+        snprintf(line, sizeof line, "\n%s=", key);
+        const char *at = !strncmp(text, line + 1, strlen(line + 1)) ? text : strstr(text, line);
+        t_check(machine ? at == NULL : at != NULL, "option %s is %s the ranks' settings", key,
+                machine ? "left out of" : "in");
+    }
+    t_check(keys > 100 && lines == keys - 3,
+            "the settings hold every option but the machine's: %d lines for %d options", lines,
+            keys);
+    free(help);
+    free(text);
+}
+
+// Two runs started with settings that differ in one place: the description
+// names its key and both values (so every rank agrees with its own).
+static void check_difference_named(void) {
+    char json[] = "/tmp/fitlm_agree_XXXXXX";
+    int fd = mkstemp(json);
+    if (fd >= 0) close(fd);
+    t_write_text(json, "{\"optimizer\": {\"params\": {\"betas\": [0.9, 0.99]}}}");
+    char config_flag[64];
+    snprintf(config_flag, sizeof config_flag, "--config %s", json);
+    const struct {
+        const char *flags, *says;
+    } cases[] = {
+        {"--n-layer 3", "key model.n_layer: 2 (rank 0) vs 3 (rank 5)"},
+        {"--n-embd 32", "key model.n_embd: 64 (rank 0) vs 32 (rank 5)"},
+        {"--lr 0.002", "key optimizer.params.lr: 0.003 (rank 0) vs 0.002 (rank 5)"},
+        {"--lr 0.0030000003", "key optimizer.params.lr: 0.003 (rank 0) vs 0.0030000"}, // 1 ulp
+        {"--seed 1338", "key seed: 1337 (rank 0) vs 1338 (rank 5)"},
+        {"--precision bf16", "key precision: fp32 (rank 0) vs bf16 (rank 5)"},
+        {"--optimizer sgd", "key optimizer.type: adamw (rank 0) vs sgd (rank 5)"},
+        {"--batch 8", "key train_micro_batch_size_per_gpu: 16 (rank 0) vs 8 (rank 5)"},
+        {"--seq-len 16", "key seq_len: 32 (rank 0) vs 16 (rank 5)"},
+        {"--grad-accum 2", "key gradient_accumulation_steps: 1 (rank 0) vs 2 (rank 5)"},
+        {"--grad-clip 0.5", "key gradient_clipping: 1 (rank 0) vs 0.5 (rank 5)"},
+        {"--weight-decay 0.01", "key optimizer.params.weight_decay: 0.1 (rank 0) vs 0.01 (rank 5)"},
+        {"--save-every 5", "key save_every: 0 (rank 0) vs 5 (rank 5)"},
+        {"--zero-stage 1", "key zero_optimization.stage: 0 (rank 0) vs 1 (rank 5)"},
+        {config_flag, "key optimizer.params.betas: 0.9,0.95 (rank 0) vs 0.9,0.99 (rank 5)"},
+        {"--out a\nb", "key out_dir: out (rank 0) vs a\\x0ab (rank 5)"},
+    };
+    char *base = settings_of("");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *other = settings_of(cases[i].flags), says[1024];
+        int differ = fl_agree_describe(base, 0, other, 5, says, sizeof says);
+        t_check(differ && fl_agree_hash(base) != fl_agree_hash(other) &&
+                    strstr(says, cases[i].says) && strstr(says, "ranks 0 and 5 differ at "),
+                "%s: the ranks differ at \"%s\"; got \"%s\"", cases[i].flags, cases[i].says, says);
+        free(other);
+    }
+    char says[256];
+    t_check(!fl_agree_describe(base, 0, base, 5, says, sizeof says), "the same settings agree: %s",
+            says);
+    free(base);
+    remove(json);
+}
+
+// The parameter tables of two shapes: the totals differ first; a text that
+// ends early or holds another key is named as such.
+static void check_tables_named(void) {
+    fl_train_config a, b;
+    finished(&a, "");
+    finished(&b, "--n-layer 3");
+    fl_param_table ta = {0}, tb = {0};
+    fl_model_table(&ta, &a.model);
+    fl_model_table(&tb, &b.model);
+    char *x = fl_params_canonical(&ta, FL_F32), *y = fl_params_canonical(&tb, FL_F32),
+         *z = fl_params_canonical(&ta, FL_BF16), says[1024];
+    t_check(fl_agree_describe(x, 0, y, 1, says, sizeof says) && strstr(says, "key params.numel: "),
+            "another depth differs at the parameter count: %s", says);
+    t_check(fl_agree_describe(x, 0, z, 1, says, sizeof says) &&
+                strstr(says, "key params.dtype: fp32 (rank 0) vs bf16 (rank 1)"),
+            "another dtype differs at params.dtype: %s", says);
+    t_check(strstr(x, "\nparam.wte.weight=shape ") != NULL, "the rows are named: %.200s", x);
+    t_check(fl_agree_describe("a=1\nb=2\n", 0, "a=1\n", 3, says, sizeof says) &&
+                !strcmp(says, "ranks 0 and 3 differ at key b: rank 0 has it (2), rank 3 not"),
+            "a key only rank 0 has: %s", says);
+    t_check(fl_agree_describe("a=1\n", 0, "a=1\nc=4\n", 3, says, sizeof says) &&
+                !strcmp(says, "ranks 0 and 3 differ at key c: rank 3 has it (4), rank 0 not"),
+            "a key only rank 3 has: %s", says);
+    t_check(fl_agree_describe("a=1\nb=2\n", 0, "a=1\nc=2\n", 3, says, sizeof says) &&
+                !strcmp(says, "ranks 0 and 3 differ at key b: rank 0 has b = 2 where rank 3 has "
+                              "c = 2"),
+            "another key in the same place: %s", says);
+    free(x);
+    free(y);
+    free(z);
+    fl_params_free(&ta);
+    fl_params_free(&tb);
+}
+
+// Ranks that agree pass, over the world and over groups whose texts differ
+// from each other's (a split by parity); the groups number their ranks.
+static void check_groups(void) {
+    int rank = fl_comm_rank(), world = fl_comm_size();
+    fl_comm_agree(fl_comm_world(), "test texts", "a=1\nb=2\n");
+    fl_comm_group *half = fl_comm_split(fl_comm_world(), rank % 2);
+    char text[64];
+    snprintf(text, sizeof text, "parity=%d\n", rank % 2);
+    fl_comm_agree(half, "test texts of a group", text);
+    t_check(fl_comm_group_rank(half) == rank / 2 &&
+                fl_comm_group_size(half) == (world - rank % 2 + 1) / 2,
+            "rank %d of %d is rank %d of %d in its half", rank, world, fl_comm_group_rank(half),
+            fl_comm_group_size(half));
+    fl_comm_group_free(half);
+}
+
 int main(int argc, char **argv) {
     fl_comm_init(&argc, &argv);
     fl_set_threads(1); // ranks share the cores
+    if (chdir(t_source_path("")) != 0) return t_check(0, "cd to the source tree"), t_report();
+    check_every_option_agreed();
+    check_difference_named();
+    check_tables_named();
+    check_groups();
     const fl_arch_kind G = FL_ARCH_GPT2, L = FL_ARCH_LLAMA;
     const fl_recompute none = FL_RECOMPUTE_NONE, blk = FL_RECOMPUTE_BLOCK;
     const dist_case cases[] = {

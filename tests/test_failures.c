@@ -1,6 +1,8 @@
 // test_failures.c: a data-parallel run (mpirun -np 2 fitlm train) whose rank
 // is killed, hangs or fails ends at once, non-zero, with a message naming
-// the rank; and two ranks over TCP train exactly as over shared memory.
+// the rank; ranks started with different settings or builds stop before
+// their first collective, naming the first differing key and the ranks; and
+// two ranks over TCP train exactly as over shared memory.
 //
 // Each case starts mpirun in the background with its output on pipes, finds
 // a rank's process (a child of mpirun whose environment says its rank),
@@ -379,6 +381,101 @@ static void test_error_on_one_rank(void) {
     rmdir(empty);
 }
 
+// Ranks that differ: MPMD jobs (mpirun's "A : B") whose last rank runs
+// other settings, another config file at the same path or another ISA
+// path. Each stops at the start, status 1, within seconds, rank 0 naming
+// the key, both values and both ranks; no sanitizer report and no error of
+// MPI's own (before the check, a different shape overflowed a buffer inside
+// MPI and most other settings trained apart silently).
+typedef struct {
+    const char *what;
+    int ranks;      // in all: the first ranks run `first`, the last one `last`
+    char *first;    // mpirun's words for an application context: [-wdir D] program args
+    char *last;     //
+    char says[256]; // rank 0's words after "error: the ranks' builds and settings differ: "
+} differ_case;
+
+static void test_ranks_differ_case(const differ_case *c) {
+    char args[8192];
+    snprintf(args, sizeof args, "-q -np %d %s : -np 1 %s", c->ranks - 1, c->first, c->last);
+    job j;
+    job_start(&j, args, NULL);
+    int ended = job_pump(&j, JOB_DEADLINE / 3, NULL);
+    double took = (ended ? j.ended : now()) - j.started;
+    printf("  %-50s ended after %.2f s, status %d\n", c->what, took, job_rc(&j));
+    show_stderr(&j);
+    char says[512];
+    snprintf(says, sizeof says, "fitlm: rank 0: error: the ranks' builds and settings differ: %s",
+             c->says);
+    t_check(ended && took < 15.0 && job_rc(&j) == 1,
+            "%s: the job ends at the start with status 1 (%.2f s, status %d)", c->what, took,
+            job_rc(&j));
+    t_check(strstr(j.text[1], says) && !strstr(j.text[0], "step 1/"),
+            "%s: rank 0 says \"%s\" before any step; got: %.600s", c->what, says, j.text[1]);
+    t_check(!strstr(j.text[1], "Sanitizer") && !strstr(j.text[1], "runtime error") &&
+                !strstr(j.text[1], "MPI_ERR") && !strstr(j.text[1], "did not complete within"),
+            "%s: no sanitizer report, MPI error or timeout: %.600s", c->what, j.text[1]);
+    if (!ended) job_end(&j, 0, 0);
+    job_free(&j);
+}
+
+// An application context of the usual run with `extra` words (free() it).
+static char *context(const char *wdir, const char *prefix, const char *extra) {
+    char *out = malloc(8192);
+    snprintf(out, 8192, "%s%s %s%s %s %s", wdir ? "-wdir " : "", wdir ? wdir : "", prefix,
+             getenv("FITLM_BINARY"), TRAIN, extra);
+    return out;
+}
+
+static void test_ranks_differ(void) {
+    // the same command line and config path, another file on the last
+    // rank's machine (mpirun -wdir per application context)
+    char dirs[2][32] = {"/tmp/fitlm_agree_XXXXXX", "/tmp/fitlm_agree_XXXXXX"};
+    char path[64], words[FL_PATH_MAX + 64], out[64];
+    for (int k = 0; k < 2; k++) {
+        if (!t_check(mkdtemp(dirs[k]) != NULL, "a scratch directory")) return;
+        snprintf(path, sizeof path, "%s/run.json", dirs[k]);
+        t_write_text(path, k ? "{\"gradient_clipping\": 0.5}" : "{\"gradient_clipping\": 1.0}");
+    }
+    snprintf(words, sizeof words, "--config run.json --data %s", t_source_path("data/brown_byte"));
+    snprintf(out, sizeof out, "--out %s/run", dirs[0]);
+    char save_every[128];
+    snprintf(save_every, sizeof save_every, "%s --save-every 3", out);
+    differ_case cases[] = {
+        {"model shape (n_embd)", 2, context(NULL, "", ""), context(NULL, "", "--n-embd 32"),
+         "ranks 0 and 1 differ at key model.n_embd: 64 (rank 0) vs 32 (rank 1)"},
+        {"save_every", 2, context(NULL, "", out), context(NULL, "", save_every),
+         "ranks 0 and 1 differ at key save_every: 0 (rank 0) vs 3 (rank 1)"},
+        {"config file at the same path", 2, context(dirs[0], "", words),
+         context(dirs[1], "", words),
+         "ranks 0 and 1 differ at key gradient_clipping: 1 (rank 0) vs 0.5 (rank 1)"},
+        {"lr, the last of 3 ranks", 3, context(NULL, "", ""), context(NULL, "", "--lr 0.002"),
+         "ranks 0 and 2 differ at key optimizer.params.lr: 0.003 (rank 0) vs 0.002 (rank 2) (1 "
+         "of 3 ranks"},
+        {"ISA path (the last rank capped to portable)", 2, context(NULL, "", ""),
+         context(NULL, "env FITLM_ISA=portable ", ""), "ranks 0 and 1 differ at key build.isa: "},
+        {"zero stage", 2, context(NULL, "", ""), context(NULL, "", "--zero-stage 2"),
+         "ranks 0 and 1 differ at key zero_optimization.stage: 0 (rank 0) vs 2 (rank 1)"},
+        {"seed", 2, context(NULL, "", ""), context(NULL, "", "--seed 7"),
+         "ranks 0 and 1 differ at key seed: 1337 (rank 0) vs 7 (rank 1)"},
+        {"precision", 2, context(NULL, "", ""), context(NULL, "", "--precision bf16"),
+         "ranks 0 and 1 differ at key precision: fp32 (rank 0) vs bf16 (rank 1)"},
+        {"gradient accumulation", 2, context(NULL, "", ""), context(NULL, "", "--grad-accum 2"),
+         "ranks 0 and 1 differ at key gradient_accumulation_steps: 1 (rank 0) vs 2 (rank 1)"},
+    };
+    // the sanitizer build: the classes of shape, schedule, file, rank and
+    // build (every key's description is test_dist's)
+    size_t n = sizeof cases / sizeof cases[0];
+    for (size_t i = 0; i < n; i++) {
+        // a host without AVX2 has no other path to cap to
+        int skip = (t_quick() && i >= 5) || (strstr(cases[i].says, "build.isa") && !t_cpu_avx2());
+        if (!skip) test_ranks_differ_case(&cases[i]);
+        free(cases[i].first);
+        free(cases[i].last);
+    }
+    for (int k = 0; k < 2; k++) t_remove_dir(dirs[k]);
+}
+
 // The losses printed by rank 0 ("step N/M | loss X"), joined by spaces.
 static void losses_of(const char *out, char *into, size_t size) {
     size_t n = 0;
@@ -429,5 +526,6 @@ int main(void) {
     test_kill(0, "--zero-stage 3", 1);
     test_hang();
     test_error_on_one_rank();
+    test_ranks_differ();
     return t_report();
 }

@@ -14,6 +14,7 @@
 #define FITLM_COMM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "fitlm/dtype.h"
 
@@ -57,6 +58,35 @@ fl_comm_req fl_comm_iallgather(fl_dtype dt, const void *send, void *recv, const 
 void fl_comm_wait(fl_comm_req req);
 // Whether it has completed (then it needs no wait); lets MPI progress.
 int fl_comm_test(fl_comm_req req);
+
+// A group of ranks that a collective runs over: the world, or a part of it
+// (the groups of a tensor- or pipeline-parallel layout). Ranks are numbered
+// 0..size-1 within a group, in the world's order.
+typedef struct fl_comm_group fl_comm_group;
+const fl_comm_group *fl_comm_world(void);
+// The groups of g's ranks that pass the same color (a collective over g):
+// this rank's; fl_comm_group_free it.
+fl_comm_group *fl_comm_split(const fl_comm_group *g, int color);
+void fl_comm_group_free(fl_comm_group *g);
+int fl_comm_group_rank(const fl_comm_group *g);
+int fl_comm_group_size(const fl_comm_group *g);
+
+// The check that a group's ranks run the same thing (a collective over g):
+// each rank's `text`, canonical "key=value\n" lines (its settings, its
+// parameter table, its build), must equal the group's rank 0's. A 64-bit
+// digest of each is all-gathered (one fixed-size element per rank, so the
+// check itself cannot overflow); when one differs, rank 0's text and the
+// first differing rank's go to every rank by a size, then exactly that many
+// bytes, and rank 0 stops the job naming `what`, the first differing key,
+// both values and both ranks (world ranks), before any collective whose
+// sizes the texts decide. Every rank reaches the same decision: none hangs.
+void fl_comm_agree(const fl_comm_group *g, const char *what, const char *text);
+// Its parts (src/parallel/agree.c): the digest (FNV-1a, 64 bits) and the
+// description of the first line where texts a (of rank_a) and b differ:
+// "ranks A and B differ at key K: VA (rank A) vs VB (rank B)". Returns
+// whether they differ.
+uint64_t fl_agree_hash(const char *text);
+int fl_agree_describe(const char *a, int rank_a, const char *b, int rank_b, char *out, size_t size);
 
 // Traffic so far, in elements per rank as a ring moves them (see above),
 // and the seconds spent waiting in fl_comm_wait (communication not hidden

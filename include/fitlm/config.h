@@ -171,6 +171,11 @@ void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, 
 // The options set by a file or a flag (not defaulted), as a JSON config that
 // fl_config_load_json_text reads back into the same run; fl_free the result.
 char *fl_config_to_json(const fl_train_config *cfg);
+// Every option's value, resolved (after fl_config_finish), as canonical
+// "key=value\n" lines in the table's order: the text the ranks of a run
+// agree on (fl_comm_agree). Left out: what describes this machine, not
+// the run (threads, mem_limit, peak_tflops). free() the result.
+char *fl_config_canonical(const fl_train_config *cfg);
 // The checks of the options no subsystem owns: threads (0: all cores),
 // mem_limit, precision (dtype) and its fp16 keys, the recompute policy.
 // Each subsystem checks its own section (fl_<subsystem>_check_config);

@@ -114,6 +114,9 @@ const fl_cpu_features *fl_cpu(void);
 // The kernels' vector paths: AVX-512 (F, BW, VL), AVX2 + FMA, or plain C.
 typedef enum { FL_ISA_PORTABLE, FL_ISA_AVX2, FL_ISA_AVX512 } fl_isa;
 // The widest of them fl_cpu() allows.
+// This build: the commit it was configured from (git describe; "unknown"
+// outside a git checkout) and the compiler (src/core/build.c).
+const char *fl_build_id(void);
 fl_isa fl_cpu_isa(void);
 const char *fl_isa_name(fl_isa isa); // "portable", "avx2", "avx512"
 

@@ -64,6 +64,10 @@ void fl_params_reserve(fl_param_table *table, int capacity);
 int fl_params_find(const fl_param_table *table, const char *name); // -1 when absent
 void fl_params_free(fl_param_table *table);
 
+// The table as canonical "key=value\n" lines (dtype, totals, then each
+// row's shape, offset, flags and initialisation), for the ranks of a run to
+// agree on (fl_comm_agree). free() the result.
+char *fl_params_canonical(const fl_param_table *table, fl_dtype dt);
 // Initialises the flat buffer `params` (dtype dt) row by row from the rows'
 // init rules, drawing from one RNG seeded with `seed` in table order.
 void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint64_t seed);

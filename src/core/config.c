@@ -791,6 +791,74 @@ char *fl_config_to_json(const fl_train_config *cfg) {
     return out;
 }
 
+// Options that describe this machine rather than the run: ranks on
+// different machines may differ in them (the kernels give the same bits
+// at any thread count).
+static int machine_only(const option *o) {
+    static const char *keys[] = {"threads", "mem_limit", "peak_tflops"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (!strcmp(o->key, keys[i])) return 1;
+    return 0;
+}
+
+// A string on one line: printable ASCII as it is, anything else (and the
+// backslash) as \xNN.
+static void put_escaped(FILE *f, const char *s) {
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++)
+        if (*p >= 0x20 && *p < 0x7f && *p != '\\')
+            fputc(*p, f);
+        else
+            fprintf(f, "\\x%02x", *p);
+}
+
+// The fewest digits that read back as the same float (at most 9 do), so
+// that two floats differ in the text exactly when they differ.
+static void put_float(FILE *f, float v) {
+    char text[32];
+    for (int digits = 6; digits <= 9; digits++) {
+        snprintf(text, sizeof text, "%.*g", digits, (double)v);
+        if (strtof(text, NULL) == v) break;
+    }
+    fputs(text, f);
+}
+
+char *fl_config_canonical(const fl_train_config *cfg) {
+    char *text = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&text, &n);
+    if (!f) fl_die("out of memory");
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        const option *o = &options[i];
+        if (machine_only(o)) continue;
+        const void *v = (const char *)cfg + o->offset;
+        fprintf(f, "%s=", o->key);
+        switch (o->type) {
+        case OPT_INT:
+            fprintf(f, "%d", *(const int *)v);
+            break;
+        case OPT_U64:
+            fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)v);
+            break;
+        case OPT_FLOAT:
+            put_float(f, *(const float *)v);
+            break;
+        case OPT_BOOL:
+            fprintf(f, "%s", *(const int *)v ? "true" : "false");
+            break;
+        case OPT_PAIR:
+            put_float(f, ((const float *)v)[0]);
+            fputc(',', f);
+            put_float(f, ((const float *)v)[1]);
+            break;
+        default:
+            put_escaped(f, (const char *)v);
+        }
+        fputc('\n', f);
+    }
+    if (fclose(f)) fl_die("out of memory");
+    return text;
+}
+
 static const option *find_flag(const char *flag, size_t len) {
     for (size_t i = 0; i < N_OPTIONS; i++)
         if (options[i].flag && strlen(options[i].flag) == len &&

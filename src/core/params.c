@@ -3,6 +3,8 @@
 // sum of the sizes before it.
 #include "fitlm/params.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 int fl_params_add(fl_param_table *table, const char *name, unsigned flags, int ndim,
@@ -50,6 +52,25 @@ int fl_params_find(const fl_param_table *table, const char *name) {
 void fl_params_free(fl_param_table *table) {
     fl_free(table->views);
     memset(table, 0, sizeof *table);
+}
+
+char *fl_params_canonical(const fl_param_table *table, fl_dtype dt) {
+    char *text = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&text, &n);
+    if (!f) fl_die("out of memory");
+    // the totals first: a different shape shows there before it shows in a row
+    fprintf(f, "params.dtype=%s\nparams.numel=%zu\nparams.rows=%d\n", fl_dtype_name(dt),
+            table->numel, table->count);
+    for (int i = 0; i < table->count; i++) {
+        const fl_param_view *v = &table->views[i];
+        fprintf(f, "param.%s=shape ", v->name);
+        for (int d = 0; d < v->ndim; d++) fprintf(f, "%s%zu", d ? "x" : "", v->shape[d]);
+        fprintf(f, " offset %zu flags %u init %d std %.9g unit %d live_rows %zu\n", v->offset,
+                v->flags, (int)v->init, (double)v->std, v->unit, v->live_rows);
+    }
+    if (fclose(f)) fl_die("out of memory");
+    return text;
 }
 
 void fl_params_init_each(const fl_param_table *table, uint64_t seed, fl_params_sink sink,

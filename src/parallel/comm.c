@@ -39,8 +39,16 @@ typedef struct {
     unsigned long long start, pidns; // pidns: this machine's pid namespace
 } peer;
 
+// A group: its communicator, and the world ranks of its ranks (for messages).
+struct fl_comm_group {
+    MPI_Comm comm;
+    int rank, size;
+    int *world_ranks; // NULL: the world itself
+};
+
 static struct {
     int started, mpi, rank, size;
+    fl_comm_group world;
     peer *peers; // the other ranks whose processes this one can see
     int n_peers;
     MPI_Comm comm;
@@ -48,7 +56,7 @@ static struct {
     double timeout;
     slot reqs[MAX_REQS];
     fl_comm_stats stats;
-} w = {.size = 1, .timeout = 600.0};
+} w = {.size = 1, .world = {.size = 1}, .timeout = 600.0};
 
 static double now(void) {
     struct timespec ts;
@@ -150,6 +158,7 @@ void fl_comm_init(int *argc, char ***argv) {
     MPI_Comm_dup(MPI_COMM_WORLD, &w.comm);
     MPI_Comm_rank(w.comm, &w.rank);
     MPI_Comm_size(w.comm, &w.size);
+    w.world = (fl_comm_group){w.comm, w.rank, w.size, NULL};
     MPI_Type_contiguous(2, MPI_BYTE, &w.bf16);
     MPI_Type_commit(&w.bf16);
     if (w.size > 1) {
@@ -171,6 +180,7 @@ int fl_comm_finalize(int rc) {
     w.n_peers = 0;
     MPI_Type_free(&w.bf16);
     MPI_Comm_free(&w.comm);
+    w.world.comm = MPI_COMM_NULL;
     MPI_Finalize();
     fflush(NULL);
     _exit(rc);
@@ -297,11 +307,15 @@ void fl_comm_barrier(void) {
     fl_comm_wait(r);
 }
 
-void fl_comm_bcast(void *buf, size_t bytes, int root) {
-    if (w.size == 1) return;
+static void bcast_over(const fl_comm_group *g, void *buf, size_t bytes, int root) {
+    if (g->size == 1) return;
     fl_comm_req r = new_req("a broadcast", (double)bytes, 1);
-    MPI_Ibcast(buf, count_of(bytes, "a broadcast"), MPI_BYTE, root, w.comm, &w.reqs[r].req);
+    MPI_Ibcast(buf, count_of(bytes, "a broadcast"), MPI_BYTE, root, g->comm, &w.reqs[r].req);
     fl_comm_wait(r);
+}
+
+void fl_comm_bcast(void *buf, size_t bytes, int root) {
+    bcast_over(&w.world, buf, bytes, root);
 }
 
 fl_comm_req fl_comm_iallreduce(float *buf, size_t n) {
@@ -355,6 +369,104 @@ fl_comm_req fl_comm_iallgather(fl_dtype dt, const void *send, void *recv, const 
     MPI_Iallgatherv(at == send ? MPI_IN_PLACE : send, s->counts[w.rank], type, recv, s->counts,
                     s->displs, type, w.comm, &s->req);
     return r;
+}
+
+// ----------------------------------------------------------------------------
+// groups, and the check that their ranks agree
+
+const fl_comm_group *fl_comm_world(void) {
+    return &w.world;
+}
+
+int fl_comm_group_rank(const fl_comm_group *g) {
+    return g->rank;
+}
+
+int fl_comm_group_size(const fl_comm_group *g) {
+    return g->size;
+}
+
+static int world_rank(const fl_comm_group *g, int rank) {
+    return g->world_ranks ? g->world_ranks[rank] : rank;
+}
+
+// One fixed-size element from every rank of g, in rank order.
+static void allgather_u64(const fl_comm_group *g, uint64_t mine, uint64_t *all, const char *what) {
+    all[g->rank] = mine;
+    if (g->size == 1) return;
+    fl_comm_req r = new_req(what, (double)(g->size - 1), sizeof mine);
+    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, all, 1, MPI_UINT64_T, g->comm,
+                   &w.reqs[r].req);
+    fl_comm_wait(r);
+}
+
+fl_comm_group *fl_comm_split(const fl_comm_group *g, int color) {
+    fl_comm_group *s = calloc(1, sizeof *s);
+    if (!s) fl_die("out of memory");
+    if (g->size == 1) { // without MPI, or a group of one: a group of this rank alone
+        *s = (fl_comm_group){MPI_COMM_NULL, 0, 1, malloc(sizeof(int))};
+        if (!s->world_ranks) fl_die("out of memory");
+        s->world_ranks[0] = world_rank(g, g->rank);
+        return s;
+    }
+    MPI_Comm_split(g->comm, color, g->rank, &s->comm);
+    MPI_Comm_rank(s->comm, &s->rank);
+    MPI_Comm_size(s->comm, &s->size);
+    uint64_t *all = malloc((size_t)s->size * sizeof *all);
+    s->world_ranks = malloc((size_t)s->size * sizeof(int));
+    if (!all || !s->world_ranks) fl_die("out of memory");
+    allgather_u64(s, (uint64_t)world_rank(g, g->rank), all, "a group's all-gather of its ranks");
+    for (int i = 0; i < s->size; i++) s->world_ranks[i] = (int)all[i];
+    free(all);
+    return s;
+}
+
+void fl_comm_group_free(fl_comm_group *g) {
+    if (!g) return;
+    if (g->comm != MPI_COMM_NULL) MPI_Comm_free(&g->comm);
+    free(g->world_ranks);
+    free(g);
+}
+
+// The text of g's rank `root` on every rank: its size first (one fixed-size
+// element), then exactly that many bytes. free() it.
+static char *share_text(const fl_comm_group *g, int root, const char *text) {
+    uint64_t n = g->rank == root ? strlen(text) : 0;
+    bcast_over(g, &n, sizeof n, root);
+    char *out = malloc(n + 1);
+    if (!out) fl_die("out of memory");
+    if (g->rank == root) memcpy(out, text, n);
+    bcast_over(g, out, n, root);
+    out[n] = 0;
+    return out;
+}
+
+void fl_comm_agree(const fl_comm_group *g, const char *what, const char *text) {
+    if (g->size == 1) return;
+    uint64_t *all = malloc((size_t)g->size * sizeof *all);
+    if (!all) fl_die("out of memory");
+    allgather_u64(g, fl_agree_hash(text), all, "the all-gather of the ranks' digests");
+    int first = -1, others = 0;
+    for (int r = 1; r < g->size; r++)
+        if (all[r] != all[0]) {
+            if (first < 0) first = r;
+            others++;
+        }
+    free(all);
+    if (first < 0) return;
+    // every rank holds the same digests, so every rank comes here
+    char *text0 = share_text(g, 0, text), *textd = share_text(g, first, text);
+    char says[1024];
+    fl_agree_describe(text0, world_rank(g, 0), textd, world_rank(g, first), says, sizeof says);
+    free(text0);
+    free(textd);
+    if (g->rank == 0)
+        fl_die("the ranks' %s differ: %s (%d of %d ranks differ from rank 0); start every rank "
+               "with the same build, config file and flags",
+               what, says, others, g->size);
+    // rank 0's fl_die ends the job (MPI_Abort): one message, not one per rank
+    for (unsigned left = 30; left;) left = sleep(left);
+    fl_die("the ranks' %s differ (rank 0 says how)", what);
 }
 
 fl_comm_stats fl_comm_get_stats(void) {

@@ -9,6 +9,7 @@
 #include "fitlm/comm.h"
 #include "fitlm/run.h"
 #include "fitlm/safetensors.h"
+#include "agree.h"
 #include "out_dir.h"
 
 void fl_run_resume_open(fl_run_resume *res, const char *path, fl_train_config *cfg) {
@@ -195,6 +196,8 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         fl_die("train_steps %d is not above the checkpoint's step %d (%s): nothing to train; give "
                "--steps above %d",
                cfg->steps, r->start, fl_ckpt_path(ck), r->start);
+    // the ranks run the same thing, checked before anything is written or sent
+    if (!opt->alone) run_agree(r, fl_comm_world());
     // rank 0 owns the output directory; the others find it ready
     if (*cfg->out_dir && r->rank == 0)
         run_prepare_out_dir(cfg->out_dir, ck ? res->dir : NULL, cfg->overwrite);
@@ -298,8 +301,11 @@ float fl_run_evaluate(fl_run *r) {
     return sums[1] ? (float)(sums[0] / sums[1]) : 0.0f;
 }
 
-// Whether every rank's weights (the range its optimizer updates) are finite.
-static int weights_finite(const fl_run *r) {
+// Whether every rank's weights (the range its optimizer updates) are finite,
+// before the checkpoint after `step`. The step is reduced with the flag: ranks
+// that reach this reduction at different steps (their settings agreed at the
+// start, so only an engine bug) are named as that, never taken for divergence.
+static int weights_finite(const fl_run *r, int step) {
     const fl_optimizer *sets[2] = {&r->optim, r->base};
     double bad = 0.0;
     for (int i = 0; i < 2; i++) {
@@ -311,8 +317,13 @@ static int weights_finite(const fl_run *r) {
                             o->dtype, fl_at_const(o->dtype, o->params, first - o->params_first), n))
             bad = 1.0;
     }
-    if (r->world > 1) fl_comm_max(&bad, 1);
-    return bad == 0.0;
+    double v[3] = {bad, step, -step};
+    if (r->world > 1) fl_comm_max(v, 3);
+    if (v[1] != step || v[2] != -step)
+        fl_die("internal: the ranks reached the checkpoint of step %d at different steps (%g to "
+               "%g)",
+               step, -v[2], v[1]);
+    return v[0] == 0.0;
 }
 
 // A paged optimizer's state is read through its mapping.
@@ -320,7 +331,7 @@ void fl_run_save(fl_run *r, int step) {
     const fl_train_config *cfg = &r->cfg;
     FL_ASSERT(r->has_train && *cfg->out_dir);
     fl_optimizer_map(&r->optim);
-    if (!weights_finite(r))
+    if (!weights_finite(r, step))
         fl_die("the weights are not finite after step %d: not writing a checkpoint over the good "
                "ones in %s (training diverged; lower the learning rate)",
                step, cfg->out_dir);

@@ -1,0 +1,32 @@
+// agree.c: a run's ranks checked against each other before any collective
+// whose sizes their settings decide (run_agree, agree.h). Ranks started
+// with different settings would otherwise overflow a buffer inside MPI (a
+// different model shape), fail with MPI's own error, or train apart without
+// a word (a different learning rate or seed); a different save_every would
+// meet another rank's collective with its checkpoint's.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "agree.h"
+
+void run_agree(const fl_run *r, const fl_comm_group *g) {
+    const fl_train_config *cfg = &r->cfg;
+    // the build and the kernels' ISA path first: they decide the bits of the rest
+    char *settings = fl_config_canonical(cfg), *text = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&text, &n);
+    if (!f) fl_die("out of memory");
+    fprintf(f, "build.id=%s\nbuild.isa=%s\nrun.start_step=%d\n%s", fl_build_id(),
+            fl_isa_name(fl_cpu_isa()), r->start, settings);
+    if (fclose(f)) fl_die("out of memory");
+    free(settings);
+    fl_comm_agree(g, "builds and settings", text);
+    free(text);
+    fl_param_table t = {0};
+    fl_model_table(&t, &cfg->model);
+    text = fl_params_canonical(&t, cfg->dtype);
+    fl_params_free(&t);
+    fl_comm_agree(g, "parameter tables", text);
+    free(text);
+}
