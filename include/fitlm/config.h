@@ -174,7 +174,8 @@ char *fl_config_to_json(const fl_train_config *cfg);
 // Every option's value, resolved (after fl_config_finish), as canonical
 // "key=value\n" lines in the table's order: the text the ranks of a run
 // agree on (fl_comm_agree). Left out: what describes this machine, not
-// the run (threads, mem_limit, peak_tflops). free() the result.
+// the run (threads, mem_limit, peak_tflops, the NVMe offload directories).
+// free() the result.
 char *fl_config_canonical(const fl_train_config *cfg);
 // The checks of the options no subsystem owns: threads (0: all cores),
 // mem_limit, precision (dtype) and its fp16 keys, the recompute policy.

@@ -793,9 +793,12 @@ char *fl_config_to_json(const fl_train_config *cfg) {
 
 // Options that describe this machine rather than the run: ranks on
 // different machines may differ in them (the kernels give the same bits
-// at any thread count).
+// at any thread count; NVMe offload's files are each rank's own, in the
+// machine's scratch directory).
 static int machine_only(const option *o) {
-    static const char *keys[] = {"threads", "mem_limit", "peak_tflops"};
+    static const char *keys[] = {"threads", "mem_limit", "peak_tflops",
+                                 "zero_optimization.offload_optimizer.nvme_path",
+                                 "zero_optimization.offload_param.nvme_path"};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!strcmp(o->key, keys[i])) return 1;
     return 0;
