@@ -127,7 +127,7 @@ int cmd_plan(int argc, char **argv) {
     char *config_json = fl_config_to_json(&cfg);
     size_t json_bytes = fl_mem_current(FL_MEM_OTHER) - other_before;
     cfg.ranks = f.ranks; // DeepSpeed's batch rule, for them
-    fl_config_finish(&cfg);
+    fl_config_finish(&cfg, fl_tokenizer_vocab_of(cfg.tokenizer, cfg.tokenizer_path));
     fl_free(args);
     // as `fitlm train` does before planning: oneDNN sizes a bf16 GEMM's
     // scratchpad (tag workspace) by the threads it will run on
