@@ -2066,6 +2066,11 @@ static void test_checkpoint_holds_its_tokenizer(void) {
             t_check(drop ? rc != 0 && rc2 != 0 && strstr(output, held) : rc == 0 && rc2 == 0,
                     "forged tokenizer_path %s: sample and eval %s: %.300s", targets[t],
                     drop ? "ask for --tokenizer-path" : "use the stored copy", output);
+            rc = fitlm("train --init-from tk_forged --data tk_data --batch 2 --seq-len 16 "
+                       "--steps 1 --eval-every 0 --sample-tokens 4 --out ''");
+            t_check(drop ? rc != 0 && strstr(output, held) : rc == 0,
+                    "forged tokenizer_path %s: --init-from it %s: %.300s", targets[t],
+                    drop ? "asks for --tokenizer-path" : "uses the stored copy", output);
             rc = fitlm("train --resume tk_forged --out tk_resumed --overwrite --steps 4 "
                        "--sample-tokens 4");
             t_check(drop ? rc != 0 && strstr(output, held) : rc == 0,
