@@ -318,6 +318,12 @@ static void read_stored(void *path) {
     fl_ckpt_close(c);
 }
 
+static void open_tokenizer(void *path) {
+    fl_ckpt *c = fl_ckpt_open(path);
+    fl_tokenizer_files f;
+    fl_ckpt_tokenizer(c, &f);
+}
+
 static void test_stored_files(void) {
     char ck[512], sharded[512], file[600];
     snprintf(ck, sizeof ck, "%s/files", dir);
@@ -375,8 +381,17 @@ static void test_stored_files(void) {
     fl_tokenizer_free(loaded);
     fl_tokenizer_files_free(&back);
     fl_tokenizer_files_free(&tok);
+    // stored files that are not the named tokenizer's are refused, naming the checkpoint
+    fl_tokenizer_files odd = {.name = "gpt2", .n = 1};
+    odd.file[0] = "tokenizer.json";
+    odd.data[0] = (uint8_t *)"{}";
+    odd.size[0] = 2;
+    snprintf(ck, sizeof ck, "%s/files_odd", dir);
+    fl_train_ckpt_save(ck, 1, &m, NULL, NULL, NULL, &odd, NULL, 0);
+    t_dies("stored files of another tokenizer", open_tokenizer, ck,
+           "its stored tokenizer files are not those of the gpt2 tokenizer");
     fl_model_free(&m);
-    // an older checkpoint holds none: a load names the checkpoint and the flag
+    // a checkpoint of the format before stored files holds none
     c = fl_ckpt_open(t_source_path("tests/fixtures/ckpt_tiny.fitlm"));
     fl_ckpt_tokenizer(c, &back);
     fl_ckpt_close(c);

@@ -486,7 +486,7 @@ void fl_ckpt_tokenizer(const fl_ckpt *ck, fl_tokenizer_files *f) {
     }
     // the files a load needs, in the order it takes them
     int gpt2 = !strcmp(f->name, "gpt2"), hf = !strcmp(f->name, "hf");
-    if ((gpt2 && f->n && (f->n != 2 || strcmp(f->file[0], "encoder.json"))) ||
+    if ((gpt2 && f->n && (f->n != 2 || strcmp(f->file[1], "vocab.bpe"))) ||
         (hf && f->n && strcmp(f->file[0], "tokenizer.json")) || (!gpt2 && !hf && f->n))
         fl_die("checkpoint %s: its stored tokenizer files are not those of the %s tokenizer",
                fl_ckpt_path(ck), f->name);
