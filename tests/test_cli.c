@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <cjson/cJSON.h>
 
 #include "fitlm/config.h"
 #include "fitlm/io.h"
@@ -20,6 +21,7 @@
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_test_cli_XXXXXX";
+static const fl_tokenizer_files byte_tok = {.name = "byte"}; // no files
 static char output[65536];
 
 // Runs `fitlm ARGS` in dir with stdout and stderr captured; the exit status.
@@ -1085,7 +1087,7 @@ static void save_demo_ckpt(const char *name, uint64_t seed, int poison, float va
     if (poison >= 0) ((float *)m.params)[m.table.views[poison].offset + 3] = value;
     char path[600];
     snprintf(path, sizeof path, "%s/%s", dir, name);
-    fl_train_ckpt_save(path, 1, &m, NULL, NULL, NULL, "byte", NULL, 0);
+    fl_train_ckpt_save(path, 1, &m, NULL, NULL, NULL, &byte_tok, NULL, 0);
     fl_model_free(&m);
 }
 
@@ -1822,6 +1824,274 @@ static void test_resume_checks(void) {
             rc2, output);
 }
 
+// ----------------------------------------------------------------------------
+// A checkpoint holds the tokenizer it was trained with (issue 42): export
+// writes that copy, parsed and checked against the model, and nothing reads
+// the path the checkpoint's config records, which a forged header (plain
+// JSON, a CRC anyone recomputes) can point at any file.
+
+static const char TK_SECRET[] = "SECRET-KEY-7f3a9c";
+
+// The bytes of dir/name (malloc'ed, NUL after them), or NULL.
+static char *slurp(const char *name, size_t *n) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    if (access(path, R_OK) != 0) return NULL;
+    char *data = (char *)t_read_file(path, n);
+    char *text = malloc(*n + 1);
+    memcpy(text, data, *n);
+    text[*n] = 0;
+    free(data);
+    return text;
+}
+
+static int same_bytes(const char *a, const char *b) {
+    size_t na, nb;
+    char *x = slurp(a, &na), *y = slurp(b, &nb);
+    int same = x && y && na == nb && !memcmp(x, y, na);
+    free(x);
+    free(y);
+    return same;
+}
+
+// Whether any file in dir/sub or its siblings sub.tmp.*, sub.old.* holds
+// needle (what an export wrote, or left behind).
+static int export_holds(const char *sub, const char *needle) {
+    char top[600];
+    snprintf(top, sizeof top, "%s", dir);
+    DIR *d = opendir(top);
+    int found = 0;
+    for (struct dirent *e; d && (e = readdir(d)) && !found;) {
+        if (strncmp(e->d_name, sub, strlen(sub))) continue;
+        char path[1200];
+        snprintf(path, sizeof path, "%s/%s", top, e->d_name);
+        DIR *in = opendir(path);
+        for (struct dirent *f; in && (f = readdir(in)) && !found;) {
+            char name[600];
+            size_t n;
+            snprintf(name, sizeof name, "%.250s/%.250s", e->d_name, f->d_name);
+            struct stat st;
+            char full[1400];
+            snprintf(full, sizeof full, "%s/%s", top, name);
+            if (stat(full, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+            char *text = slurp(name, &n);
+            for (size_t i = 0; text && !found && i + strlen(needle) <= n; i++)
+                found = !memcmp(text + i, needle, strlen(needle));
+            free(text);
+        }
+        if (in) closedir(in);
+    }
+    if (d) closedir(d);
+    return found;
+}
+
+// Rewrites checkpoint file dir/name's header as anyone can: its config's
+// tokenizer_path set to `path`, the prefix's lengths and CRC-32 recomputed
+// as ckpt.c computes them. drop_files also cuts the stored files off the
+// end and writes version 2: the layout of a checkpoint saved before
+// checkpoints held their tokenizer.
+static void forge_tokenizer_path(const char *name, const char *path, int drop_files) {
+    size_t n;
+    char *file = slurp(name, &n);
+    uint8_t *b = (uint8_t *)file;
+    uint32_t hlen = fl_get_u32(b + 12);
+    uint64_t dlen = fl_get_u64(b + 16);
+    cJSON *root = cJSON_ParseWithLength(file + 28, hlen);
+    cJSON *cfg = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "meta"), "config");
+    cJSON_ReplaceItemInObject(cfg, "tokenizer_path", cJSON_CreateString(path));
+    const cJSON *files = cJSON_GetObjectItem(root, "files");
+    if (drop_files && files) {
+        for (const cJSON *f = files->child; f; f = f->next)
+            dlen -= (uint64_t)cJSON_GetObjectItem(f, "bytes")->valuedouble;
+        cJSON_DeleteItemFromObject(root, "files");
+    }
+    char *header = cJSON_PrintUnformatted(root);
+    size_t h = strlen(header);
+    uint8_t *out = malloc(28 + h + dlen);
+    memcpy(out, b, 28);
+    if (drop_files) fl_put_u32(out + 8, 2);
+    fl_put_u32(out + 12, (uint32_t)h);
+    fl_put_u64(out + 16, dlen);
+    memcpy(out + 28, header, h);
+    memcpy(out + 28 + h, b + 28 + hlen, dlen);
+    fl_put_u32(out + 24, fl_crc32(fl_crc32(0, out, 24), header, h));
+    char full[1024];
+    snprintf(full, sizeof full, "%s/%s", dir, name);
+    t_write_file(full, out, 28 + h + dlen);
+    free(out);
+    cJSON_free(header);
+    cJSON_Delete(root);
+    free(file);
+}
+
+static void test_checkpoint_holds_its_tokenizer(void) {
+    char cmd[4096], path[1024];
+    snprintf(path, sizeof path, "%s/tk_tok", dir);
+    mkdir(path, 0755);
+    size_t n;
+    unsigned char *tok =
+        t_read_file(t_source_path("tests/fixtures/hf_tokenizer_97/tokenizer.json"), &n);
+    write_file("tk_tok/tokenizer.json", (const char *)tok, n);
+    write_file("tk_trained.json", (const char *)tok, n); // the reference
+    free(tok);
+    const char *tok_cfg = "{\"eos_token\": \"</s>\", \"chat_template\": \"{{ messages }}\"}";
+    write_text("tk_tok/tokenizer_config.json", tok_cfg);
+    write_text("tk_trained_config.json", tok_cfg);
+    char *text = malloc(1 << 14);
+    size_t len = 0;
+    for (int i = 0; i < 60; i++)
+        len += (size_t)sprintf(text + len, "the cat %d sat on the mat and ate.\n\n", i);
+    write_text("tk.txt", text);
+    free(text);
+    int rc = fitlm("tokenize tk.txt -o tk_data --tokenizer hf --tokenizer-path tk_tok "
+                   "--val-fraction 0");
+    rc |= fitlm("train --data tk_data --tokenizer hf --tokenizer-path tk_tok --model tiny "
+                "--batch 2 --seq-len 16 --steps 2 --eval-every 0 --sample-tokens 4 --threads 2 "
+                "--out tk_run");
+    if (!t_check(rc == 0, "a run with a Hugging Face tokenizer: %.400s", output)) return;
+
+    // the round trip: the files trained with, loadable by our loader
+    rc = fitlm("export tk_run -o tk_hf");
+    snprintf(path, sizeof path, "%s/tk_hf", dir);
+    fl_tokenizer *loaded = rc == 0 ? fl_tokenizer_load("hf", path) : NULL;
+    t_check(rc == 0 && same_bytes("tk_hf/tokenizer.json", "tk_trained.json") &&
+                same_bytes("tk_hf/tokenizer_config.json", "tk_trained_config.json") && loaded &&
+                fl_tokenizer_vocab_size(loaded) == 97,
+            "export writes the tokenizer trained with, byte for byte, and it loads: %.300s",
+            output);
+    fl_tokenizer_free(loaded);
+
+    // the files changed or gone after training: the checkpoint's copy is
+    // what goes out; the changed file, named now, is checked and refused
+    // another vocabulary: the trained one with a 98th token
+    tok = t_read_file(t_source_path("tests/fixtures/hf_tokenizer_97/tokenizer.json"), &n);
+    char *other = malloc(n + 32), *at = strstr((char *)tok, "\"vocab\": {");
+    if (!t_check(at != NULL, "the fixture has a vocab")) return;
+    size_t head = (size_t)(at - (char *)tok) + 10;
+    memcpy(other, tok, head);
+    n = head + (size_t)sprintf(other + head, "\"zq\": 97, ");
+    memcpy(other + n, tok + head, strlen((char *)tok + head));
+    n += strlen((char *)tok + head);
+    free(tok);
+    const struct {
+        const char *what, *bytes, *refusal;
+        size_t n;
+    } changed[] = {
+        {"another vocabulary", other, "has a vocabulary of 98, but the model of tk_run has 97", n},
+        {"unparsable", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0", "is not valid JSON",
+         0},
+        {"JSON of no tokenizer", "{\"name\": \"a config\", \"vocab_size\": 97}",
+         "model must be an object", 0},
+        {"empty", "", "is empty", 0},
+    };
+    for (size_t k = 0; k < sizeof changed / sizeof changed[0]; k++) {
+        write_file("tk_tok/tokenizer.json", changed[k].bytes,
+                   changed[k].n ? changed[k].n : strlen(changed[k].bytes));
+        rc = fitlm("export tk_run -o tk_hf");
+        t_check(rc == 0 && same_bytes("tk_hf/tokenizer.json", "tk_trained.json"),
+                "tokenizer file %s after training: export writes the trained one: %.300s",
+                changed[k].what, output);
+        rc = fitlm("sample --checkpoint tk_run --tokens 4 --prompt 'the cat'");
+        int rc2 = fitlm("eval --checkpoint tk_run --text tk.txt --json");
+        t_check(rc == 0 && rc2 == 0, "%s: sample and eval use the checkpoint's copy: %.300s",
+                changed[k].what, output);
+        fails_with("export tk_run -o tk_named --tokenizer-path tk_tok", changed[k].refusal);
+        snprintf(path, sizeof path, "%s/tk_named", dir);
+        t_check(access(path, F_OK) != 0 && leftovers("tk_named") == 0,
+                "%s, named on export's command line: refused, nothing written", changed[k].what);
+    }
+    free(other);
+    // tokenizer_config.json too: the stored one goes out; a changed one named now is parsed
+    tok = t_read_file(t_source_path("tests/fixtures/hf_tokenizer_97/tokenizer.json"), &n);
+    write_file("tk_tok/tokenizer.json", (const char *)tok, n);
+    free(tok);
+    write_text("tk_tok/tokenizer_config.json", "eos_token: </s>");
+    rc = fitlm("export tk_run -o tk_hf");
+    t_check(rc == 0 && same_bytes("tk_hf/tokenizer_config.json", "tk_trained_config.json"),
+            "tokenizer_config.json changed after training: the trained one goes out: %.300s",
+            output);
+    fails_with("export tk_run -o tk_named --tokenizer-path tk_tok",
+               "tokenizer_config.json is not a valid JSON object");
+    snprintf(path, sizeof path, "%s/tk_tok", dir);
+    t_remove_dir(path); // gone
+    rc = fitlm("export tk_run -o tk_hf");
+    t_check(rc == 0 && same_bytes("tk_hf/tokenizer.json", "tk_trained.json"),
+            "the tokenizer's files deleted: the export still has them: %.300s", output);
+    rc = fitlm("train --resume tk_run --steps 3 --sample-tokens 4");
+    t_check(rc == 0 && strstr(output, "step     3/3"),
+            "a resume uses the checkpoint's copy (the recorded path is gone): %.400s", output);
+
+    // a forged header naming a secret as the tokenizer: a file, or a
+    // directory whose tokenizer.json parses and whose tokenizer_config.json
+    // holds the secret
+    write_text("tk_secret", TK_SECRET);
+    snprintf(path, sizeof path, "%s/tk_secretdir", dir);
+    mkdir(path, 0755);
+    tok = t_read_file(t_source_path("tests/fixtures/hf_tokenizer_97/tokenizer.json"), &n);
+    write_file("tk_secretdir/tokenizer.json", (const char *)tok, n);
+    free(tok);
+    snprintf(cmd, sizeof cmd, "{\"eos_token\": \"</s>\", \"api_key\": \"%s\"}", TK_SECRET);
+    write_text("tk_secretdir/tokenizer_config.json", cmd);
+    snprintf(path, sizeof path, "%s/tk_forged", dir);
+    mkdir(path, 0755);
+    char *latest = slurp("tk_run/latest", &n), ck_name[600];
+    if (!t_check(latest && n > 1, "tk_run has a checkpoint")) return;
+    latest[strcspn(latest, "\n")] = 0;
+    char forged[600];
+    snprintf(ck_name, sizeof ck_name, "tk_run/%.300s", latest);
+    snprintf(forged, sizeof forged, "tk_forged/%.300s", latest);
+    snprintf(cmd, sizeof cmd, "%.300s\n", latest);
+    write_text("tk_forged/latest", cmd);
+    free(latest);
+    const char *targets[] = {"tk_secret", "tk_secretdir", "tk_secretdir/tokenizer.json"};
+    for (int t = 0; t < 3; t++)
+        for (int drop = 0; drop < 2; drop++) {
+            char target[1024], *ck;
+            snprintf(target, sizeof target, "%s/%s", dir, targets[t]);
+            ck = slurp(ck_name, &n);
+            write_file(forged, ck, n);
+            free(ck);
+            forge_tokenizer_path(forged, target, drop);
+            const char *held = "holds no copy of its hf tokenizer";
+            rc = fitlm("export tk_forged -o tk_out");
+            t_check(drop ? rc != 0 && strstr(output, held)
+                         : rc == 0 && same_bytes("tk_out/tokenizer.json", "tk_trained.json"),
+                    "forged tokenizer_path %s (%s): export %s: %.300s", targets[t],
+                    drop ? "no stored copy" : "a stored copy",
+                    drop ? "refuses" : "writes the stored copy", output);
+            t_check(!export_holds("tk_out", TK_SECRET) && !strstr(output, TK_SECRET),
+                    "forged tokenizer_path %s: the secret is in no exported file", targets[t]);
+            rc = fitlm("sample --checkpoint tk_forged --tokens 4");
+            int rc2 = fitlm("eval --checkpoint tk_forged --text tk.txt");
+            t_check(drop ? rc != 0 && rc2 != 0 && strstr(output, held) : rc == 0 && rc2 == 0,
+                    "forged tokenizer_path %s: sample and eval %s: %.300s", targets[t],
+                    drop ? "ask for --tokenizer-path" : "use the stored copy", output);
+            rc = fitlm("train --init-from tk_forged --data tk_data --batch 2 --seq-len 16 "
+                       "--steps 1 --eval-every 0 --sample-tokens 4 --out ''");
+            t_check(drop ? rc != 0 && strstr(output, held) : rc == 0,
+                    "forged tokenizer_path %s: --init-from it %s: %.300s", targets[t],
+                    drop ? "asks for --tokenizer-path" : "uses the stored copy", output);
+            rc = fitlm("train --resume tk_forged --out tk_resumed --overwrite --steps 4 "
+                       "--sample-tokens 4");
+            t_check(drop ? rc != 0 && strstr(output, held) : rc == 0,
+                    "forged tokenizer_path %s: a resume %s: %.300s", targets[t],
+                    drop ? "asks for --tokenizer-path" : "uses the stored copy", output);
+        }
+    // named on the command line, an old checkpoint's tokenizer is the user's to give
+    snprintf(cmd, sizeof cmd, "export tk_forged -o tk_out --tokenizer-path %s/tk_secretdir", dir);
+    rc = fitlm(cmd);
+    t_check(rc == 0 && same_bytes("tk_out/tokenizer.json", "tk_trained.json"),
+            "--tokenizer-path gives an old checkpoint its tokenizer: %.300s", output);
+    // a byte-level model exported over it: no tokenizer file stays beside it
+    rc = fitlm("export whole -o tk_out");
+    snprintf(path, sizeof path, "%s/tk_out/tokenizer.json", dir);
+    char cfg_path[1024];
+    snprintf(cfg_path, sizeof cfg_path, "%s/tk_out/tokenizer_config.json", dir);
+    t_check(rc == 0 && access(path, F_OK) != 0 && access(cfg_path, F_OK) != 0,
+            "a byte-level checkpoint exports without a tokenizer, none left from before: %.300s",
+            output);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_help_lists_every_option_with_default();
@@ -1835,6 +2105,7 @@ int main(void) {
     test_same_seed_same_losses();
     test_resume_is_bitwise();
     test_export_and_pretrained();
+    test_checkpoint_holds_its_tokenizer();
     test_demo_recipe();
     make_lora_base();
     test_lora_resume_is_bitwise();

@@ -13,6 +13,7 @@
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_test_io_XXXXXX";
+static const fl_tokenizer_files byte_tok = {.name = "byte"}; // no files
 
 static void load_text(void *path) {
     fl_text t;
@@ -73,7 +74,7 @@ static void test_checkpoint(void) {
     fl_model_init(&a, &tiny, FL_F32, 3);
     char ck[512], file[600];
     snprintf(ck, sizeof ck, "%s/ck", dir);
-    fl_train_ckpt_save(ck, 42, &a, NULL, NULL, NULL, "byte", NULL, 2);
+    fl_train_ckpt_save(ck, 42, &a, NULL, NULL, NULL, &byte_tok, NULL, 2);
     char tok[32];
     fl_ckpt_load_model(ck, &b, FL_F32, tok, sizeof tok);
     t_check(!strcmp(tok, "byte"), "the tokenizer name round-trips");
@@ -134,7 +135,7 @@ static void test_checkpoint(void) {
         {"truncated", 0, 0, n - 7, "truncated or corrupt"},
         {"truncated to 10 bytes", 0, 0, 10, "truncated: 10 bytes"},
         {"bad magic", 0, 'X' ^ 'F', 0, "not a fitlm checkpoint"},
-        {"future version", 8, 2 ^ 9, 0, "format version 9"},
+        {"future version", 8, 3 ^ 9, 0, "format version 9"}, // written: version 3
         {"wrong data length", 16, 0x04, 0, "truncated or corrupt"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -287,7 +288,7 @@ static void test_pruning(void) {
             snprintf(tmp, sizeof tmp, "%s/ckpt_00000099.fitlm.tmp", ck);
             t_write_file(tmp, "partial", 7);
         }
-        fl_train_ckpt_save(ck, step, &a, NULL, NULL, NULL, "byte", NULL, 2);
+        fl_train_ckpt_save(ck, step, &a, NULL, NULL, NULL, &byte_tok, NULL, 2);
     }
     t_check(count_files(ck, "ckpt_") == 2, "keep 2: two checkpoint files remain");
     snprintf(tmp, sizeof tmp, "%s/ckpt_00000004.fitlm", ck);
@@ -295,16 +296,106 @@ static void test_pruning(void) {
     fl_ckpt *c = fl_ckpt_open(ck);
     t_check(fl_ckpt_step(c) == 5, "latest is the newest");
     fl_ckpt_close(c);
-    fl_train_ckpt_save(ck, 6, &a, NULL, NULL, NULL, "byte", NULL, 0);
+    fl_train_ckpt_save(ck, 6, &a, NULL, NULL, NULL, &byte_tok, NULL, 0);
     t_check(count_files(ck, "ckpt_") == 3, "keep 0 keeps every checkpoint");
     // a new run in the same directory: the older run's files go first, even
     // with larger step numbers
-    fl_train_ckpt_save(ck, 1, &a, NULL, NULL, NULL, "byte", NULL, 2);
-    fl_train_ckpt_save(ck, 2, &a, NULL, NULL, NULL, "byte", NULL, 2);
+    fl_train_ckpt_save(ck, 1, &a, NULL, NULL, NULL, &byte_tok, NULL, 2);
+    fl_train_ckpt_save(ck, 2, &a, NULL, NULL, NULL, &byte_tok, NULL, 2);
     snprintf(tmp, sizeof tmp, "%s/ckpt_00000001.fitlm", ck);
     t_check(count_files(ck, "ckpt_") == 2 && access(tmp, F_OK) == 0,
             "a new run's checkpoints replace an older run's");
     fl_model_free(&a);
+}
+
+// Files stored in a checkpoint (its run's tokenizer): read back whole from a
+// single file and from a sharded checkpoint's manifest, checked by their
+// CRC-32; a training checkpoint gives back the tokenizer it was saved with.
+static void read_stored(void *path) {
+    fl_ckpt *c = fl_ckpt_open(path);
+    size_t n;
+    fl_free(fl_ckpt_file_read(c, "b", &n));
+    fl_ckpt_close(c);
+}
+
+static void open_tokenizer(void *path) {
+    fl_ckpt *c = fl_ckpt_open(path);
+    fl_tokenizer_files f;
+    fl_ckpt_tokenizer(c, &f);
+}
+
+static void test_stored_files(void) {
+    char ck[512], sharded[512], file[600];
+    snprintf(ck, sizeof ck, "%s/files", dir);
+    snprintf(sharded, sizeof sharded, "%s/files_sharded", dir);
+    float w[4] = {1, 2, 3, 4};
+    fl_ckpt_tensor t = {"w", FL_F32, w, 4};
+    fl_ckpt_piece piece = {"w", FL_F32, w, 4, 0, 4};
+    const uint8_t bin[5] = {0, 'x', 0, 0xff, '\n'};
+    fl_ckpt_file files[2] = {{"a", "hello", 5}, {"b", bin, 5}};
+    fl_ckpt_write_run(ck, 1, "{}", &t, 1, 0, NULL, files, 2);
+    fl_ckpt_write_dist(sharded, 1, "{}", "{}", &piece, 1, 1, 0, "r1", files, 2);
+    const char *paths[] = {ck, sharded};
+    for (int k = 0; k < 2; k++) {
+        fl_ckpt *c = fl_ckpt_open(paths[k]);
+        size_t na = 0, nb = 0, nc = 1;
+        uint8_t *a = fl_ckpt_file_read(c, "a", &na), *b = fl_ckpt_file_read(c, "b", &nb);
+        uint8_t *none = fl_ckpt_file_read(c, "c", &nc);
+        float back[4];
+        fl_ckpt_read(c, "w", FL_F32, back, 4);
+        t_check(a && na == 5 && !memcmp(a, "hello", 5) && b && nb == 5 && !memcmp(b, bin, 5) &&
+                    !none && !memcmp(back, w, sizeof w) && (k == 0) == !fl_ckpt_shards(c),
+                "%s checkpoint: its stored files read back whole, an absent one is NULL",
+                k ? "a sharded" : "a single-file");
+        fl_free(a);
+        fl_free(b);
+        fl_ckpt_close(c);
+    }
+    snprintf(file, sizeof file, "%s/ckpt_00000001.fitlm", ck);
+    size_t n;
+    unsigned char *img = t_read_file(file, &n);
+    char err[256];
+    t_check(fl_ckpt_parse(img, n, err, sizeof err) == 0, "the parser takes it: %s", err);
+    img[n - 1] ^= 1; // the last byte of file "b"
+    t_check(fl_ckpt_parse(img, n, err, sizeof err) != 0 && strstr(err, "file 'b' is corrupt"),
+            "the parser checks a stored file's CRC-32: %s", err);
+    t_write_file(file, img, n);
+    free(img);
+    t_dies("a corrupt stored file", read_stored, file, "its file 'b' is corrupt");
+
+    // a training checkpoint holds the tokenizer's files it was given
+    const char *json = t_source_path("tests/fixtures/hf_tokenizer_97/tokenizer.json");
+    fl_tokenizer_files tok, back;
+    fl_tokenizer_files_read(&tok, "hf", json);
+    fl_model m;
+    fl_model_init(&m, &tiny, FL_F32, 3); // (a checkpoint does not check the vocabulary)
+    snprintf(ck, sizeof ck, "%s/files_tok", dir);
+    fl_train_ckpt_save(ck, 1, &m, NULL, NULL, NULL, &tok, NULL, 0);
+    fl_ckpt *c = fl_ckpt_open(ck);
+    fl_ckpt_tokenizer(c, &back);
+    fl_ckpt_close(c);
+    fl_tokenizer *loaded = fl_tokenizer_load_files(&back);
+    t_check(fl_tokenizer_files_equal(&tok, &back) && back.n == 1 &&
+                !strcmp(back.file[0], "tokenizer.json") && fl_tokenizer_vocab_size(loaded) == 97,
+            "a training checkpoint gives back its tokenizer, byte for byte, and it loads");
+    fl_tokenizer_free(loaded);
+    fl_tokenizer_files_free(&back);
+    fl_tokenizer_files_free(&tok);
+    // stored files that are not the named tokenizer's are refused, naming the checkpoint
+    fl_tokenizer_files odd = {.name = "gpt2", .n = 1};
+    odd.file[0] = "tokenizer.json";
+    odd.data[0] = (uint8_t *)"{}";
+    odd.size[0] = 2;
+    snprintf(ck, sizeof ck, "%s/files_odd", dir);
+    fl_train_ckpt_save(ck, 1, &m, NULL, NULL, NULL, &odd, NULL, 0);
+    t_dies("stored files of another tokenizer", open_tokenizer, ck,
+           "its stored tokenizer files are not those of the gpt2 tokenizer");
+    fl_model_free(&m);
+    // a checkpoint of the format before stored files holds none
+    c = fl_ckpt_open(t_source_path("tests/fixtures/ckpt_tiny.fitlm"));
+    fl_ckpt_tokenizer(c, &back);
+    fl_ckpt_close(c);
+    t_check(!strcmp(back.name, "byte") && back.n == 0, "a version-2 checkpoint: byte, no files");
 }
 
 int main(void) {
@@ -315,6 +406,7 @@ int main(void) {
     test_checkpoint_shape_checked();
     test_pruning();
     test_legacy_checkpoint();
+    test_stored_files();
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

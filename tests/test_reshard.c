@@ -331,6 +331,48 @@ static void test_export(void) {
     fl_safetensors_free(&st);
 }
 
+// A sharded checkpoint holds its run's tokenizer in the manifest, with the
+// meta: export writes it from there, whatever became of the file the run
+// read (issue 42).
+static void test_tokenizer_in_manifest(void) {
+    sh("mkdir -p %s/tok && cp tests/fixtures/hf_tokenizer_97/tokenizer.json %s/tok/ && "
+       "head -c 30000 data/brown.txt > %s/tok.txt",
+       work, work, work);
+    char args[2048];
+    snprintf(args, sizeof args,
+             "tokenize %s/tok.txt -o %s/tokdata --tokenizer hf --tokenizer-path %s/tok "
+             "--val-fraction 0",
+             work, work, work);
+    if (!fitlm_ok(0, args)) return;
+    snprintf(args, sizeof args,
+             "train --model tiny --data %s/tokdata --tokenizer hf --tokenizer-path %s/tok "
+             "--seq-len 32 --threads 1 --sample-tokens 0 --val-data none --steps 1 "
+             "--zero-stage 2 --out %s/hz",
+             work, work, work);
+    if (!fitlm_ok(2, args)) return;
+    sh("echo '{\"model\": 1}' > %s/tok/tokenizer.json", work); // changed after training
+    snprintf(args, sizeof args, "export %s/hz -o %s/hzhf", work, work);
+    if (!fitlm_ok(0, args)) return;
+    size_t n, m, k = 0;
+    unsigned char *want =
+        t_read_file(t_source_path("tests/fixtures/hf_tokenizer_97/tokenizer.json"), &n);
+    char path[512];
+    snprintf(path, sizeof path, "%s/hzhf/tokenizer.json", work);
+    unsigned char *got = t_read_file(path, &m);
+    snprintf(path, sizeof path, "%s/hz", work);
+    fl_ckpt *ck = fl_ckpt_open(path);
+    uint8_t *stored = fl_ckpt_file_read(ck, "tokenizer/tokenizer.json", &k);
+    t_check(fl_ckpt_shards(ck) == 2 && stored && k == n && !memcmp(stored, want, n) && got &&
+                m == n && !memcmp(got, want, n),
+            "the sharded checkpoint's manifest holds the tokenizer trained with, and export "
+            "writes it (%zu, %zu, %zu bytes)",
+            n, k, m);
+    fl_free(stored);
+    fl_ckpt_close(ck);
+    free(want);
+    free(got);
+}
+
 // A copy of d4 to damage.
 static void copy_of(const char *name) {
     sh("rm -rf %s/%s && cp -r %s/d4 %s/%s && rm -f %s/%s/.lock", work, name, work, work, name, work,
@@ -563,6 +605,7 @@ int main(void) {
     test_eval();
     test_resume();
     test_export();
+    test_tokenizer_in_manifest();
     test_damage();
     test_failed_save();
     test_kill(1);

@@ -13,6 +13,7 @@
 #include "fitlm/dtype.h"
 #include "fitlm/model.h"
 #include "fitlm/optim.h"
+#include "fitlm/tokenizer.h"
 
 uint32_t fl_crc32(uint32_t crc, const void *data, size_t n);
 
@@ -104,13 +105,17 @@ void fl_text_free(fl_text *text);
 //
 // File layout, little-endian:
 //   bytes 0-7    magic "FITLMCKP"
-//   bytes 8-11   uint32 format version (2)
+//   bytes 8-11   uint32 format version (3; version 2, without files, is read too)
 //   bytes 12-15  uint32 header length H
 //   bytes 16-23  uint64 data length D
 //   bytes 24-27  uint32 CRC-32 of bytes 0-23 and the header
 //   H bytes      JSON: {"meta": {...}, "tensors": [{"name", "dtype",
-//                "shape": [n], "offset", "crc32"}, ...]}
-//   D bytes      the tensors, back to back, offsets relative to here
+//                "shape": [n], "offset", "crc32"}, ...], "files": [{"name",
+//                "offset", "bytes", "crc32"}, ...]}
+//   D bytes      the tensors, then the files, back to back, offsets
+//                relative to here
+// A file is stored whole (e.g. the run's tokenizer.json): a checkpoint
+// carries what its readers need, so none of them opens a path it records.
 //
 // Sharded checkpoints (fl_ckpt_write_dist): DIR/ckpt_<step>.fitlm is then a
 // manifest, a file of this layout with no tensors whose header adds
@@ -131,6 +136,13 @@ typedef struct {
     size_t numel;
 } fl_ckpt_tensor;
 
+// A file stored in a checkpoint: name (< 64 bytes, unique) and bytes.
+typedef struct {
+    const char *name;
+    const void *data;
+    size_t size;
+} fl_ckpt_file;
+
 // A piece of a tensor (in a shard file): elements [first, first + numel)
 // of a tensor of total elements; total 0: the whole tensor.
 typedef struct {
@@ -146,9 +158,11 @@ void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ck
                    int n_tensors, int keep);
 // The same, recording `run` (an id of the training run, kept across resumes)
 // in the header: pruning then deletes only checkpoints of that run, never
-// another run's left in the same directory (fl_ckpt_write prunes any).
+// another run's left in the same directory (fl_ckpt_write prunes any), and
+// storing files[0..n_files) in it.
 void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
-                       const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run);
+                       const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run,
+                       const fl_ckpt_file *files, int n_files);
 // The collective save of a run over ranks (every rank calls it, at the same
 // step). sharded 0: rank 0 writes `tensors` as one checkpoint file (DDP:
 // every rank holds everything), the others pass nothing. sharded 1: every
@@ -161,10 +175,12 @@ void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
 // every rank with an error naming the rank and the file, `latest` still
 // naming the previous checkpoint. Rank 0 then prunes as fl_ckpt_write_run,
 // a manifest with its shard files, and the shard files of `run` that no
-// manifest lists (a failed or killed save's).
+// manifest lists (a failed or killed save's). files (rank 0's are used) go
+// with meta_json: into the single file, or the manifest.
 void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
                         const char *shard_meta_json, const fl_ckpt_piece *tensors, int n_tensors,
-                        int sharded, int keep, const char *run);
+                        int sharded, int keep, const char *run, const fl_ckpt_file *files,
+                        int n_files);
 // Deletes the temporary files killed writers left in DIR (checkpoints,
 // `latest`, log.txt). Only safe while no other process writes there: the
 // training command holds DIR/.lock.
@@ -185,6 +201,9 @@ const char *fl_ckpt_meta(const fl_ckpt *ck);
 const char *fl_ckpt_run(const fl_ckpt *ck);
 // The number of shard files of a sharded checkpoint (0: a single file).
 int fl_ckpt_shards(const fl_ckpt *ck);
+// A file stored in the checkpoint (its size in *size, a NUL after it; fl_free
+// it), or NULL when it holds none of that name. Dies on a CRC mismatch.
+uint8_t *fl_ckpt_file_read(const fl_ckpt *ck, const char *name, size_t *size);
 int fl_ckpt_has(const fl_ckpt *ck, const char *name);
 // Elements of tensor `name`; 0 when it is absent.
 size_t fl_ckpt_numel(const fl_ckpt *ck, const char *name);
@@ -217,15 +236,17 @@ int fl_is_checkpoint_dir(const char *path);
 // the optimizer state ("adamw.m", "adamw.v" or "sgd.momentum").
 
 // Under LoRA, optim is the adapters' and base the base's under LoRA + LOMO
-// (else NULL): see train_state.c for the tensors.
+// (else NULL): see train_state.c for the tensors. The tokenizer's name goes
+// into the meta and its files (the bytes the run loaded) into the checkpoint
+// as tokenizer/<file>: fl_ckpt_tokenizer gives them back.
 void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
                         const fl_optimizer *base, const fl_loader_state *loader,
-                        const char *tokenizer, const char *config_json, int keep);
+                        const fl_tokenizer_files *tokenizer, const char *config_json, int keep);
 // The same as run `run` (fl_ckpt_write_run: pruning spares other runs').
 // The meta also records the thread count in force (omp_get_max_threads).
 void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
                             const fl_optimizer *optim, const fl_optimizer *base,
-                            const fl_loader_state *loader, const char *tokenizer,
+                            const fl_loader_state *loader, const fl_tokenizer_files *tokenizer,
                             const char *config_json, int keep, const char *run);
 // The collective save of a data-parallel run (dist.h; every rank calls it):
 // each rank's shard of the flat buffer [state_begin, state_end) of its
@@ -237,7 +258,7 @@ void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
 // saved with the world size, so a run can resume on any number of ranks.
 void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
                              const fl_optimizer *optim, const fl_loader_state *loader,
-                             const char *tokenizer, const char *config_json, int keep,
+                             const fl_tokenizer_files *tokenizer, const char *config_json, int keep,
                              const char *run);
 // The thread count the checkpoint's run computed with (0: not recorded).
 int fl_train_ckpt_threads(const fl_ckpt *ck);
@@ -267,12 +288,16 @@ void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg);
 void fl_ckpt_check_shape(const fl_ckpt *ck);
 // The run's config (JSON text, caller frees with fl_free) of an open checkpoint.
 char *fl_train_ckpt_config(const fl_ckpt *ck);
-// The tokenizer a model source comes with: a checkpoint's (the name in its
-// meta, the files its run's config named); a Hugging Face directory holding
-// a tokenizer.json: "hf" and that directory; else GPT-2's ("gpt2",
-// "data/gpt2"). Returns 0 only in the last case, where it is a guess.
-int fl_source_tokenizer(const char *source, char *name, size_t name_size, char *path,
-                        size_t path_size);
+// The tokenizer a checkpoint contains: the name in its meta and the files
+// its run stored (tokenizer/<file>); none (n 0, `missing` saying so) in a
+// checkpoint saved before they were stored. The path its run's config
+// records is never read: the checkpoint may come from anywhere.
+void fl_ckpt_tokenizer(const fl_ckpt *ck, fl_tokenizer_files *f);
+// The tokenizer a model source comes with: a checkpoint's
+// (fl_ckpt_tokenizer); a Hugging Face directory holding a tokenizer.json:
+// "hf" and its files; else GPT-2's ("gpt2", data/gpt2's files if there).
+// Returns 0 only in the last case, where it is a guess.
+int fl_source_tokenizer(const char *source, fl_tokenizer_files *f);
 // Restores weights, optimizer state and loader position into a model and
 // optimizer initialised with the checkpoint's shape and settings; dies if
 // the shape, precision, optimizer or tokenizer differ. From a single file or

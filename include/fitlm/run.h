@@ -32,13 +32,14 @@ typedef struct {
 void fl_run_resume_open(fl_run_resume *res, const char *path, fl_train_config *cfg);
 
 typedef struct {
-    fl_run_resume *resume; // a checkpoint to continue (fl_run_resume_open), or NULL
-    int out_given;         // --out was given: a resume writes there, not beside its checkpoint
-    int init_from_given;   // --init-from was given (an error with a resume)
-    int own_batches;       // no data is opened: the caller steps its own batches
-                           // (fl_run_step_batch)
-    int alone;             // this process trains by itself whatever the world (no
-                           // strategy, zero stage 0): a test's one-process reference
+    fl_run_resume *resume;    // a checkpoint to continue (fl_run_resume_open), or NULL
+    int out_given;            // --out was given: a resume writes there, not beside its checkpoint
+    int init_from_given;      // --init-from was given (an error with a resume)
+    int tokenizer_path_given; // --tokenizer-path was given: a resume reads it, not its copy
+    int own_batches;          // no data is opened: the caller steps its own batches
+                              // (fl_run_step_batch)
+    int alone;                // this process trains by itself whatever the world (no
+                              // strategy, zero stage 0): a test's one-process reference
 } fl_run_options;
 
 typedef struct {
@@ -52,9 +53,11 @@ typedef struct {
     fl_offload *offload;     // NVMe offload of the optimizer, or NULL
     fl_loader train, val;    // val only when has_val; neither under own_batches
     int has_train, has_val;
-    double baseline;        // the unigram cross-entropy of val (nats/token)
-    double bytes_per_token; // of val's targets: for nats/byte
-    fl_tokenizer *tok;      // for the final sample (sample_tokens > 0), else NULL
+    double baseline;              // the unigram cross-entropy of val (nats/token)
+    double bytes_per_token;       // of val's targets: for nats/byte
+    fl_tokenizer_files tok_files; // the run's tokenizer, read once; in every checkpoint
+    int tok_vocab;                // its vocabulary (fl_tokenizer_files_vocab)
+    fl_tokenizer *tok;            // for the final sample (sample_tokens > 0), else NULL
     fl_plan plan;
     fl_schedule schedule;
     int *inputs, *targets; // a step's micro-batches, (grad_accum, B, T)

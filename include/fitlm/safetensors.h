@@ -13,6 +13,7 @@
 
 #include "fitlm/dtype.h"
 #include "fitlm/model.h"
+#include "fitlm/tokenizer.h"
 
 // ----------------------------------------------------------------------------
 // safetensors: 8-byte little-endian header length N, N bytes of JSON
@@ -123,6 +124,11 @@ void fl_hf_index_free(fl_hf_index *idx);
 // model's table.numel fp32 values; out_dtype is the stored dtype.
 void fl_hf_export(const char *dir, const fl_model *model, const float *weights_fp32,
                   fl_dtype out_dtype, size_t max_shard_bytes);
+// The same with a tokenizer's files (tokenizer.json, tokenizer_config.json;
+// NULL: none) written into the set, so they are swapped in with the weights.
+void fl_hf_export_with(const char *dir, const fl_model *model, const float *weights_fp32,
+                       fl_dtype out_dtype, size_t max_shard_bytes,
+                       const fl_tokenizer_files *tokenizer);
 // Opens a Hugging Face model as a weight source (model.h): a directory
 // written by fl_hf_export or save_pretrained, or a .safetensors file with
 // config.json beside it (path must outlive the source). config.json is

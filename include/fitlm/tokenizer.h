@@ -33,10 +33,45 @@ typedef struct fl_tokenizer fl_tokenizer;
 // and what is wrong.
 fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir);
 void fl_tokenizer_free(fl_tokenizer *tok);
-// Copies an hf tokenizer's files (path: its tokenizer.json or directory)
-// into out_dir: tokenizer.json, and tokenizer_config.json when it is beside
-// it; each written whole (temporary file, rename). Dies naming the file.
-void fl_hf_tokenizer_copy(const char *path, const char *out_dir);
+
+// The files a tokenizer is made of, held in memory: read once (a run's at
+// its start), stored in its checkpoints and loaded from there, so a model and
+// its tokenizer stay together whatever becomes of the files on disk.
+// byte: none; gpt2: encoder.json and vocab.bpe; hf: tokenizer.json and, when
+// it is beside it, tokenizer_config.json. n 0 for gpt2 or hf: none is at
+// hand, and `missing` says why (a load then dies with it).
+enum { FL_TOKENIZER_FILES = 2, FL_TOKENIZER_WHERE = 4400 };
+typedef struct {
+    char name[8]; // byte | gpt2 | hf
+    int n;
+    const char *file[FL_TOKENIZER_FILES];               // the names above
+    char where[FL_TOKENIZER_FILES][FL_TOKENIZER_WHERE]; // for messages: a path, or the checkpoint's
+    uint8_t *data[FL_TOKENIZER_FILES];                  // with a NUL after size bytes
+    size_t size[FL_TOKENIZER_FILES];
+    char missing[FL_TOKENIZER_WHERE];
+    char from[FL_TOKENIZER_WHERE]; // where they came from: the path read, or the checkpoint
+} fl_tokenizer_files;
+
+// Reads the files of tokenizer `name` at path (as fl_tokenizer_load takes
+// it; gpt2 NULL: data/gpt2). Dies on an unknown name, an unreadable or empty
+// file; a gpt2 directory without encoder.json gives n 0.
+void fl_tokenizer_files_read(fl_tokenizer_files *f, const char *name, const char *path);
+// Takes ownership of data (fl_alloc'ed, a NUL after size bytes) as f's file
+// `file`, where naming it in messages.
+void fl_tokenizer_files_add(fl_tokenizer_files *f, const char *file, uint8_t *data, size_t size,
+                            const char *where);
+void fl_tokenizer_files_free(fl_tokenizer_files *f);
+// Whether a and b are the same tokenizer: name and bytes.
+int fl_tokenizer_files_equal(const fl_tokenizer_files *a, const fl_tokenizer_files *b);
+// Parses f as fl_tokenizer_load does its files; dies naming f->where.
+fl_tokenizer *fl_tokenizer_load_files(const fl_tokenizer_files *f);
+// The vocabulary a model for f needs (fl_tokenizer_vocab_of of its files;
+// gpt2 with none: GPT-2's 50257).
+int fl_tokenizer_files_vocab(const fl_tokenizer_files *f);
+// Writes an hf tokenizer's files into out_dir under their names
+// (tokenizer.json, tokenizer_config.json), each whole (temporary file,
+// rename). Dies naming the file.
+void fl_tokenizer_files_write(const fl_tokenizer_files *f, const char *out_dir);
 const char *fl_tokenizer_name(const fl_tokenizer *tok);
 int fl_tokenizer_vocab_size(const fl_tokenizer *tok);
 // The vocabulary a model for tokenizer `name` needs, without keeping the

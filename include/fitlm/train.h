@@ -54,9 +54,10 @@ fl_train_result fl_lora_lomo_step(fl_model *m, fl_optimizer *adapters, fl_optimi
 
 // A run's config made whole: the model shape from its
 // preset and the model.* options (the preset names the architecture unless
-// it is tiny or demo), the vocabulary from the tokenizer, then
+// it is tiny or demo), the vocabulary from the tokenizer's (tokenizer_vocab,
+// which the caller took from the run's tokenizer files), then
 // fl_config_check. Dies naming the option on a contradiction.
-void fl_config_finish(fl_train_config *cfg);
+void fl_config_finish(fl_train_config *cfg, int tokenizer_vocab);
 // The checks of a config that need no model, section by section in the
 // order their derived values are read: DeepSpeed's keys mapped or refused,
 // the common options, the batch over the ranks, LoRA, NF4, the optimizer,

@@ -60,8 +60,8 @@ static void help(void) {
            "                       (default: the checkpoint's; hf for a Hugging Face\n"
            "                       directory with a tokenizer.json; else gpt2)\n"
            "  --tokenizer-path DIR gpt2: encoder.json and vocab.bpe; hf: tokenizer.json or its\n"
-           "                       directory (default: the checkpoint's run's; the Hugging\n"
-           "                       Face directory; else data/gpt2)\n"
+           "                       directory (default: the copy the checkpoint holds; the\n"
+           "                       Hugging Face directory's; else data/gpt2)\n"
            "  --threads N          threads, 0 = all cores (default: 0)\n"
            "  --json               one JSON object on stdout (loss, perplexity, bits_per_byte,\n"
            "                       tokens, bytes, seconds, model, adapter, data, ...)\n\n"
@@ -179,9 +179,9 @@ static void check_shards(const eval_data *d, const char *pattern, const char *to
                pattern, s->vocab_size, s->tokenizer, m->config.vocab_size);
 }
 
-static void open_text(eval_data *d, const char *path, const char *tokenizer,
-                      const char *tokenizer_path, const fl_model *m) {
-    fl_tokenizer *tok = fl_tokenizer_load(tokenizer, tokenizer_path);
+static void open_text(eval_data *d, const char *path, const fl_tokenizer_files *files,
+                      const fl_model *m) {
+    fl_tokenizer *tok = fl_tokenizer_load_files(files);
     int vocab = fl_tokenizer_vocab_size(tok);
     if (vocab > m->config.vocab_size)
         fl_die("the %s tokenizer's vocabulary (%d) is larger than the model's (%d): choose the "
@@ -322,9 +322,11 @@ int cmd_eval(int argc, char **argv) {
     // data is checked against a name only when it is known.
     // the data is checked against the model's tokenizer only when it is
     // known (GPT-2's is a guess for weights that do not say)
-    char model_tok[FL_NAME_MAX], text_tok[FL_NAME_MAX], tok_path[FL_PATH_MAX];
-    int known = fl_source_tokenizer(path, text_tok, sizeof text_tok, tok_path, sizeof tok_path);
-    snprintf(model_tok, sizeof model_tok, "%s", known ? text_tok : "");
+    // (a checkpoint's: the copy it holds, never the path its config records)
+    char model_tok[FL_NAME_MAX];
+    fl_tokenizer_files files;
+    int known = fl_source_tokenizer(path, &files);
+    snprintf(model_tok, sizeof model_tok, "%s", known ? files.name : "");
     fl_dtype dt = from_ckpt ? ckpt_precision(path) : FL_F32;
     if (o.precision) dt = dtype_of(o.precision);
     fl_model model;
@@ -333,11 +335,13 @@ int cmd_eval(int argc, char **argv) {
         fl_ckpt_load_model(path, &model, dt, ckpt_tok, sizeof ckpt_tok);
     else
         fl_pretrained_load(path, &model, dt, &quant);
-    if (*o.tokenizer) {
-        snprintf(model_tok, sizeof model_tok, "%s", o.tokenizer);
-        snprintf(text_tok, sizeof text_tok, "%s", o.tokenizer);
+    if (*o.tokenizer) snprintf(model_tok, sizeof model_tok, "%s", o.tokenizer);
+    if (o.tokenizer_path || (*o.tokenizer && strcmp(o.tokenizer, files.name))) {
+        char name[FL_NAME_MAX];
+        snprintf(name, sizeof name, "%s", *o.tokenizer ? o.tokenizer : files.name);
+        fl_tokenizer_files_free(&files);
+        fl_tokenizer_files_read(&files, name, o.tokenizer_path);
     }
-    if (o.tokenizer_path) snprintf(tok_path, sizeof tok_path, "%s", o.tokenizer_path);
     if (o.adapter) { // before the activations: their workspace covers the adapters'
         fl_lora_config lc;
         fl_peft_read_config(o.adapter, &lc);
@@ -351,8 +355,9 @@ int cmd_eval(int argc, char **argv) {
         open_shards(&data, o.data, o.split);
         check_shards(&data, o.data, model_tok, &model);
     } else {
-        open_text(&data, o.text, text_tok, tok_path, &model);
+        open_text(&data, o.text, &files, &model);
     }
+    fl_tokenizer_files_free(&files);
     const fl_shard *first = &data.shards[0];
     // examples laid out in windows (version 2) bring their T
     int laid_out = first->version == 2 ? (int)first->layout.seq_len : 0;

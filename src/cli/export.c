@@ -38,12 +38,20 @@ static void help(void) {
            "holding checkpoints, as the default one does, is updated in place, one file at\n"
            "a time: give -o DIR for an all-or-nothing replacement. Weights holding NaN or\n"
            "Inf are refused, naming the tensor.\n\n"
+           "A Hugging Face tokenizer goes with the weights (tokenizer.json, and\n"
+           "tokenizer_config.json when it had one): the copy the checkpoint holds, the one\n"
+           "its run trained with (or a base directory's), else the file --tokenizer-path\n"
+           "names; never a path recorded inside the checkpoint. It is parsed and its\n"
+           "vocabulary checked against the model before anything is written.\n\n"
            "  --format NAME          safetensors (the only format so far; default)\n"
            "  -o, --out DIR          output directory (default: the checkpoint's directory;\n"
            "                         required with --merge onto a base that is not one)\n"
            "  --dtype NAME           fp32, bf16 or fp16 tensors (default: fp32)\n"
            "  --max-shard-size SIZE  split into shards above this size, e.g. 5G (default: 5G,\n"
            "                         as transformers' save_pretrained)\n"
+           "  --tokenizer-path PATH  the tokenizer.json (or its directory) to export with the\n"
+           "                         weights, instead of the checkpoint's copy; its vocabulary\n"
+           "                         must be the model's\n"
            "  --adapter DIR          the PEFT LoRA adapter to merge (with --merge)\n"
            "  --merge                merge --adapter into the base's weights\n"
            "  --quantize nf4         with --merge: the base's linear layers as NF4, dequantised:\n"
@@ -66,6 +74,21 @@ static void dir_of(char *out, size_t size, const char *path) {
         snprintf(out, size, ".");
 }
 
+// The tokenizer goes out only as one the loader parses, fitting the model:
+// every id a row (the checkpoint's own copy: the run checked it against the
+// data; its model may have more rows, --vocab-size), and a file named now
+// exactly the model's vocabulary.
+static void check_tokenizer(const fl_tokenizer_files *f, const fl_model *m, const char *source,
+                            int named) {
+    fl_tokenizer *tok = fl_tokenizer_load_files(f); // dies naming the file and the problem
+    int vocab = fl_tokenizer_vocab_size(tok), rows = m->config.vocab_size;
+    fl_tokenizer_free(tok);
+    if (named ? vocab != rows : vocab > rows)
+        fl_die("tokenizer %s has a vocabulary of %d, but the model of %s has %d: it is not this "
+               "model's tokenizer (nothing exported)",
+               f->where[0], vocab, source, rows);
+}
+
 static int same_file(const char *a, const char *b) {
     struct stat x, y;
     return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
@@ -77,7 +100,7 @@ int cmd_export(int argc, char **argv) {
         return 0;
     }
     const char *ckpt = NULL, *out = NULL, *format = "safetensors", *dtype = "fp32";
-    const char *adapter = NULL;
+    const char *adapter = NULL, *tokenizer_path = NULL;
     int merge = 0;
     fl_quant_config quant = {0, 64, 0};
     size_t max_shard = (size_t)5 << 30;
@@ -109,6 +132,8 @@ int cmd_export(int argc, char **argv) {
             max_shard = fl_parse_bytes(v, "--max-shard-size");
         else if (!strcmp(a, "--adapter"))
             adapter = v;
+        else if (!strcmp(a, "--tokenizer-path"))
+            tokenizer_path = v;
         else
             fl_die("unknown option '%s' (see --help)", a);
     }
@@ -153,13 +178,17 @@ int cmd_export(int argc, char **argv) {
     else // NF4 rows are dequantised by the merge: the weights the adapter was trained on
         fl_pretrained_load(ckpt, &model, FL_F32, &quant);
     // a Hugging Face tokenizer goes with the weights, so the directory loads whole
-    char tok_name[32], tok_path[FL_PATH_MAX];
-    int hf_tok = fl_source_tokenizer(ckpt, tok_name, sizeof tok_name, tok_path, sizeof tok_path) &&
-                 !strcmp(tok_name, "hf");
+    fl_tokenizer_files tok;
+    if (tokenizer_path)
+        fl_tokenizer_files_read(&tok, "hf", tokenizer_path);
+    else
+        fl_source_tokenizer(ckpt, &tok);
+    int hf_tok = !strcmp(tok.name, "hf");
+    if (hf_tok) check_tokenizer(&tok, &model, ckpt, tokenizer_path != NULL);
     if (!merge) {
         fl_model_check_finite(&model, ckpt, NULL);
-        fl_hf_export(dir, &model, model.params, dt, max_shard);
-        if (hf_tok) fl_hf_tokenizer_copy(tok_path, dir);
+        fl_hf_export_with(dir, &model, model.params, dt, max_shard, hf_tok ? &tok : NULL);
+        fl_tokenizer_files_free(&tok);
         printf("exported %zu parameters (%s, %s, %s tensors, tokenizer %s) to %s\n",
                model.table.numel, ckpt, fl_arch_name(model.config.arch), fl_dtype_name(dt),
                tokenizer, dir);
@@ -175,8 +204,8 @@ int cmd_export(int argc, char **argv) {
     fl_model_check_finite(&model, ckpt, adapter);
     float *merged = fl_alloc(FL_MEM_WORKSPACE, model.table.numel * sizeof(float));
     fl_model_merged_f32(&model, merged);
-    fl_hf_export(dir, &model, merged, dt, max_shard);
-    if (hf_tok) fl_hf_tokenizer_copy(tok_path, dir);
+    fl_hf_export_with(dir, &model, merged, dt, max_shard, hf_tok ? &tok : NULL);
+    fl_tokenizer_files_free(&tok);
     printf("merged adapter %s (r %d, %zu adapter parameters) into %s (%s%s): exported %zu "
            "parameters as %s tensors to %s\n",
            adapter, lc.r, model.lora.table.numel, ckpt, fl_arch_name(model.config.arch),

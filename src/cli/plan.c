@@ -99,12 +99,15 @@ static size_t loader_bytes(const fl_train_config *cfg, size_t *peak) {
     fl_loader train, val;
     fl_loader_open(&train, cfg->data, "train", cfg->seq_len, 0, 0, 0, 1);
     int has_val = fl_loader_open_val(&val, cfg->data, cfg->val_data, cfg->seq_len);
-    // a run that samples at the end loads its tokenizer with the data
-    fl_tokenizer *tok =
-        cfg->sample_tokens > 0 ? fl_tokenizer_load(cfg->tokenizer, cfg->tokenizer_path) : NULL;
+    // a run holds its tokenizer's files (its checkpoints store them) and,
+    // when it samples at the end, the tokenizer
+    fl_tokenizer_files files;
+    fl_tokenizer_files_read(&files, cfg->tokenizer, cfg->tokenizer_path);
+    fl_tokenizer *tok = cfg->sample_tokens > 0 ? fl_tokenizer_load_files(&files) : NULL;
     size_t bytes = fl_mem_current(FL_MEM_OTHER) - before;
     *peak = fl_mem_peak(FL_MEM_OTHER) - before;
     if (tok) fl_tokenizer_free(tok);
+    fl_tokenizer_files_free(&files);
     if (has_val) fl_loader_close(&val);
     fl_loader_close(&train);
     return bytes;
@@ -127,7 +130,7 @@ int cmd_plan(int argc, char **argv) {
     char *config_json = fl_config_to_json(&cfg);
     size_t json_bytes = fl_mem_current(FL_MEM_OTHER) - other_before;
     cfg.ranks = f.ranks; // DeepSpeed's batch rule, for them
-    fl_config_finish(&cfg);
+    fl_config_finish(&cfg, fl_tokenizer_vocab_of(cfg.tokenizer, cfg.tokenizer_path));
     fl_free(args);
     // as `fitlm train` does before planning: oneDNN sizes a bf16 GEMM's
     // scratchpad (tag workspace) by the threads it will run on

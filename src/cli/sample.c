@@ -34,8 +34,9 @@ static void help(void) {
            "  --tokenizer NAME     gpt2, byte or hf (default: the checkpoint's; hf for a Hugging\n"
            "                       Face directory with a tokenizer.json; gpt2 for others)\n"
            "  --tokenizer-path DIR gpt2: encoder.json and vocab.bpe; hf: a tokenizer.json or its\n"
-           "                       directory (default: a checkpoint's run's files; a Hugging\n"
-           "                       Face directory's tokenizer.json; else data/gpt2)\n"
+           "                       directory (default: the copy a checkpoint holds of its\n"
+           "                       run's, never the path its config records; a Hugging Face\n"
+           "                       directory's tokenizer.json; else data/gpt2)\n"
            "  --tokens N           tokens to generate (default: 400)\n"
            "  --temperature X      softmax temperature, 0 = greedy (default: 0.8)\n"
            "  --top-k K            sample among the K most likely tokens, 0 = all (default: 40)\n"
@@ -97,10 +98,11 @@ int cmd_sample(int argc, char **argv) {
 
     fl_model model;
     // the tokenizer the weights come with (a Hugging Face directory's
-    // tokenizer.json, a checkpoint's run's), unless the flags name another
-    char tokenizer[32], tokenizer_path[FL_PATH_MAX];
-    fl_source_tokenizer(o.checkpoint, tokenizer, sizeof tokenizer, tokenizer_path,
-                        sizeof tokenizer_path);
+    // tokenizer.json, the copy a checkpoint holds), unless the flags name another
+    fl_tokenizer_files files;
+    fl_source_tokenizer(o.checkpoint, &files);
+    char tokenizer[32];
+    snprintf(tokenizer, sizeof tokenizer, "%s", files.name);
     if (fl_is_checkpoint(o.checkpoint) && !quant.enabled)
         fl_ckpt_load_model(o.checkpoint, &model, FL_F32, tokenizer, sizeof tokenizer);
     else
@@ -112,11 +114,13 @@ int cmd_sample(int argc, char **argv) {
         fl_peft_load(o.adapter, &model);
     }
     fl_model_check_finite(&model, o.checkpoint, o.adapter);
-    const char *name = *o.tokenizer ? o.tokenizer : tokenizer;
     // (another tokenizer named without --tokenizer-path: its default files)
-    if (!o.tokenizer_path && !(*o.tokenizer && strcmp(o.tokenizer, tokenizer)))
-        o.tokenizer_path = tokenizer_path;
-    fl_tokenizer *tok = fl_tokenizer_load(name, o.tokenizer_path);
+    if (o.tokenizer_path || (*o.tokenizer && strcmp(o.tokenizer, tokenizer))) {
+        fl_tokenizer_files_free(&files);
+        fl_tokenizer_files_read(&files, *o.tokenizer ? o.tokenizer : tokenizer, o.tokenizer_path);
+    }
+    fl_tokenizer *tok = fl_tokenizer_load_files(&files);
+    fl_tokenizer_files_free(&files);
     // every token the model can sample must decode
     if (fl_tokenizer_vocab_size(tok) != model.config.vocab_size)
         fl_die("the %s tokenizer's vocabulary (%d) is not the model's (%d): choose the tokenizer "

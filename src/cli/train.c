@@ -222,7 +222,8 @@ int cmd_train(int argc, char **argv) {
     fl_config_parse_args(&given, argc, argv);
     fl_run_options opt = {.resume = resume_path ? &resume : NULL,
                           .out_given = flag_given(argc, argv, "--out"),
-                          .init_from_given = flag_given(argc, argv, "--init-from")};
+                          .init_from_given = flag_given(argc, argv, "--init-from"),
+                          .tokenizer_path_given = flag_given(argc, argv, "--tokenizer-path")};
     fl_run run;
     fl_run_open(&run, &given, &opt);
     const fl_train_config *cfg = &run.cfg;

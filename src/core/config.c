@@ -87,7 +87,8 @@ static const option options[] = {
      "have been tokenized with it"},
     {"tokenizer_path", "--tokenizer-path", OPT_STRING, STR(tokenizer_path), "data/gpt2", 0, 0, NULL,
      "gpt2: the directory with encoder.json and vocab.bpe (GPT-2's, or one fitlm tokenize "
-     "--learn-vocab wrote beside its shards); hf: a tokenizer.json or the directory holding it"},
+     "--learn-vocab wrote beside its shards); hf: a tokenizer.json or the directory holding it "
+     "(a resume uses the copy its checkpoint holds)"},
     {"data", "--data", OPT_STRING, STR(data), "data/brown_gpt2", 0, 0, NULL,
      "training token shards: a directory (its train_*.bin), a glob pattern or a file"},
     {"val_data", "--val-data", OPT_STRING, STR(val_data), "", 0, 0, NULL,

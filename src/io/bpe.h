@@ -108,8 +108,8 @@ int32_t fl_tok_find(const fl_tokenizer *tok, const void *s, size_t n);
 void fl_tok_merges_alloc(fl_tokenizer *tok, size_t merges);
 // Whether every merge ranks below all merges that use the token it makes.
 int fl_tok_merges_ordered(const fl_tokenizer *tok);
-// Loads name "hf" from a tokenizer.json file or a directory holding one.
-void fl_hf_tokenizer_load(fl_tokenizer *tok, const char *path);
+// Loads name "hf" from its files (tokenizer.json, tokenizer_config.json).
+void fl_hf_tokenizer_load(fl_tokenizer *tok, const fl_tokenizer_files *f);
 
 static inline uint64_t bpe_pair_key(int32_t left, int32_t right) {
     return (uint64_t)(uint32_t)(left + 1) << 32 | (uint32_t)right;

@@ -23,11 +23,12 @@
 #include "fitlm/comm.h"
 
 #define CKPT_MAGIC       "FITLMCKP"
-#define CKPT_VERSION     2
+#define CKPT_VERSION     3 // 3: "files"; version 2 (none) is read too
 #define CKPT_PREFIX      28
 #define CKPT_MAX_HEADER  (64u << 20)
 #define CKPT_MAX_TENSORS 4096
 #define CKPT_MAX_SHARDS  65536
+#define CKPT_MAX_FILES   16
 #define CKPT_NAME_MAX    64
 #define SHARD_NAME_MAX   64
 
@@ -126,6 +127,10 @@ typedef struct parsed_ {
     char *meta_json;
     tensor_entry *tensors;
     int n_tensors;
+    // the files stored whole after the tensors (a tensor entry's fields;
+    // dtype unused)
+    tensor_entry *files;
+    int n_files;
     // a manifest: its shard files, rank by rank (none otherwise)
     shard_ref *shards;
     int n_shards;
@@ -138,6 +143,7 @@ static void parsed_free(parsed *p) {
     cJSON_Delete(p->root);
     cJSON_free(p->meta_json);
     fl_free(p->tensors);
+    fl_free(p->files);
     fl_free(p->shards);
     memset(p, 0, sizeof *p);
 }
@@ -151,9 +157,9 @@ static int parse_prefix(const uint8_t *prefix, uint64_t file_size, parsed *p, ch
     if (memcmp(prefix, CKPT_MAGIC, 8) != 0)
         return fl_errorf(err, errlen, "not a fitlm checkpoint (bad magic)");
     uint32_t version = fl_get_u32(prefix + 8);
-    if (version != CKPT_VERSION)
-        return fl_errorf(err, errlen, "format version %u; this fitlm reads version %d", version,
-                         CKPT_VERSION);
+    if (version != CKPT_VERSION && version != 2)
+        return fl_errorf(err, errlen, "format version %u; this fitlm reads versions 2 and %d",
+                         version, CKPT_VERSION);
     p->header_len = fl_get_u32(prefix + 12);
     p->data_len = fl_get_u64(prefix + 16);
     if (p->header_len == 0 || p->header_len > CKPT_MAX_HEADER)
@@ -223,6 +229,43 @@ static int parse_shard_of(const cJSON *s, parsed *p, char *err, size_t errlen) {
     return 0;
 }
 
+// The header's "files": [{"name", "offset", "bytes", "crc32"}, ...], stored
+// back to back after the tensors (from *offset, which it advances).
+static int parse_files(const cJSON *list, parsed *p, uint64_t *offset, char *err, size_t errlen) {
+    if (!list) return 0;
+    int n = cJSON_GetArraySize(list);
+    if (!cJSON_IsArray(list) || n > CKPT_MAX_FILES)
+        return fl_errorf(err, errlen, "the header's files are not a list of at most %d",
+                         CKPT_MAX_FILES);
+    p->files = fl_alloc(FL_MEM_OTHER, (size_t)(n ? n : 1) * sizeof(tensor_entry));
+    for (const cJSON *item = list->child; item; item = item->next) {
+        tensor_entry *f = &p->files[p->n_files];
+        memset(f, 0, sizeof *f);
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(item, "name");
+        if (!cJSON_IsString(name) || !*name->valuestring ||
+            strlen(name->valuestring) >= CKPT_NAME_MAX ||
+            json_u64(cJSON_GetObjectItemCaseSensitive(item, "offset"), 1ull << 62, &f->offset) !=
+                0 ||
+            json_u64(cJSON_GetObjectItemCaseSensitive(item, "bytes"), 1ull << 62, &f->bytes) != 0 ||
+            json_crc(cJSON_GetObjectItemCaseSensitive(item, "crc32"), &f->crc) != 0)
+            return fl_errorf(err, errlen, "file entry %d is malformed", p->n_files);
+        strcpy(f->name, name->valuestring);
+        f->numel = f->total = f->bytes;
+        if (f->offset != *offset || f->bytes > p->data_len - f->offset)
+            return fl_errorf(err, errlen,
+                             "file '%s' spans bytes %llu..%llu, outside the data or not where "
+                             "the previous entry ended",
+                             f->name, (unsigned long long)f->offset,
+                             (unsigned long long)(f->offset + f->bytes));
+        for (int k = 0; k < p->n_files; k++)
+            if (!strcmp(p->files[k].name, f->name))
+                return fl_errorf(err, errlen, "file '%s' appears twice", f->name);
+        *offset += f->bytes;
+        p->n_files++;
+    }
+    return 0;
+}
+
 // The header JSON (after its CRC was checked) against data_len.
 static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errlen) {
     p->root = cJSON_ParseWithLength((const char *)header, p->header_len);
@@ -287,8 +330,11 @@ static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errl
         expect_offset += t->bytes;
         p->n_tensors++;
     }
+    if (parse_files(cJSON_GetObjectItemCaseSensitive(p->root, "files"), p, &expect_offset, err,
+                    errlen) != 0)
+        return -1;
     if (expect_offset != p->data_len)
-        return fl_errorf(err, errlen, "the tensors cover %llu of %llu data bytes",
+        return fl_errorf(err, errlen, "the tensors and files cover %llu of %llu data bytes",
                          (unsigned long long)expect_offset, (unsigned long long)p->data_len);
     if (p->shards && p->n_tensors)
         return fl_errorf(err, errlen, "a manifest holds no tensors, this one %d", p->n_tensors);
@@ -362,6 +408,10 @@ int fl_ckpt_parse(const uint8_t *file, size_t size, char *err, size_t errlen) {
             if (fl_crc32(0, data + p.tensors[i].offset, p.tensors[i].bytes) != p.tensors[i].crc)
                 rc = fl_errorf(err, errlen, "tensor '%s' is corrupt (CRC-32 mismatch)",
                                p.tensors[i].name);
+        for (int i = 0; i < p.n_files && rc == 0; i++)
+            if (fl_crc32(0, data + p.files[i].offset, p.files[i].bytes) != p.files[i].crc)
+                rc = fl_errorf(err, errlen, "file '%s' is corrupt (CRC-32 mismatch)",
+                               p.files[i].name);
     }
     parsed_free(&p);
     return rc;
@@ -518,11 +568,11 @@ static void prune(const char *dir, int keep, int newest, const char *run) {
 }
 
 // The header JSON of a file: meta (NULL: {}), step, run, `extra` (owned)
-// under extra_key, then the tensor table (pieces: with first and total).
-// *data_len receives the bytes of the tensors.
+// under extra_key, the tensor table (pieces: with first and total), then the
+// files stored after the tensors. *data_len receives the bytes of both.
 static char *make_header(const char *meta_json, int step, const char *run, const char *extra_key,
                          cJSON *extra, const fl_ckpt_piece *tensors, int n_tensors,
-                         uint64_t *data_len) {
+                         const fl_ckpt_file *files, int n_files, uint64_t *data_len) {
     cJSON *meta = meta_json ? cJSON_Parse(meta_json) : cJSON_CreateObject();
     FL_ASSERT(meta && cJSON_IsObject(meta));
     cJSON *root = cJSON_CreateObject();
@@ -550,6 +600,19 @@ static char *make_header(const char *meta_json, int step, const char *run, const
         cJSON_AddStringToObject(item, "crc32", crc);
         cJSON_AddItemToArray(list, item);
         offset += bytes;
+    }
+    FL_ASSERT(n_files <= CKPT_MAX_FILES);
+    cJSON *flist = n_files ? cJSON_AddArrayToObject(root, "files") : NULL;
+    for (int i = 0; i < n_files; i++) {
+        cJSON *item = cJSON_CreateObject();
+        char crc[16];
+        snprintf(crc, sizeof crc, "%08x", fl_crc32(0, files[i].data, files[i].size));
+        cJSON_AddStringToObject(item, "name", files[i].name);
+        cJSON_AddNumberToObject(item, "offset", (double)offset);
+        cJSON_AddNumberToObject(item, "bytes", (double)files[i].size);
+        cJSON_AddStringToObject(item, "crc32", crc);
+        cJSON_AddItemToArray(flist, item);
+        offset += files[i].size;
     }
     char *header = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
@@ -583,12 +646,12 @@ static int write_full(int fd, const void *data, size_t n) {
     return 0;
 }
 
-// Writes a checkpoint file (prefix, header, tensors) to tmp and makes it
-// durable. 0, or -1 with errno set and tmp removed. *header_crc and *size:
+// Writes a checkpoint file (prefix, header, tensors, files) to tmp and makes
+// it durable. 0, or -1 with errno set and tmp removed. *header_crc and *size:
 // the file's identity as a manifest records it.
 static int write_file(const char *tmp, const char *header, const fl_ckpt_piece *tensors,
-                      int n_tensors, uint64_t data_len, int fault, uint32_t *header_crc,
-                      uint64_t *size) {
+                      int n_tensors, const fl_ckpt_file *files, int n_files, uint64_t data_len,
+                      int fault, uint32_t *header_crc, uint64_t *size) {
     uint8_t prefix[CKPT_PREFIX];
     size_t hlen = strlen(header);
     memcpy(prefix, CKPT_MAGIC, 8);
@@ -608,6 +671,7 @@ static int write_file(const char *tmp, const char *header, const fl_ckpt_piece *
     if (rc == 0) rc = write_full(fd, header, hlen);
     for (int i = 0; i < n_tensors && rc == 0; i++)
         rc = write_full(fd, tensors[i].data, tensors[i].numel * fl_dtype_size(tensors[i].dtype));
+    for (int i = 0; i < n_files && rc == 0; i++) rc = write_full(fd, files[i].data, files[i].size);
     if (rc == 0) rc = fsync(fd);
     int err = errno;
     if (close(fd) != 0 && rc == 0) {
@@ -670,11 +734,12 @@ static void join(char *out, size_t size, const char *dir, const char *name) {
 
 void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ckpt_tensor *tensors,
                    int n_tensors, int keep) {
-    fl_ckpt_write_run(dir, step, meta_json, tensors, n_tensors, keep, NULL);
+    fl_ckpt_write_run(dir, step, meta_json, tensors, n_tensors, keep, NULL, NULL, 0);
 }
 
 void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
-                       const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run) {
+                       const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run,
+                       const fl_ckpt_file *files, int n_files) {
     make_dir(dir);
     fl_ckpt_piece *whole =
         fl_alloc(FL_MEM_OTHER, (size_t)(n_tensors ? n_tensors : 1) * sizeof *whole);
@@ -682,12 +747,13 @@ void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
         whole[i] = (fl_ckpt_piece){
             tensors[i].name, tensors[i].dtype, tensors[i].data, tensors[i].numel, 0, 0};
     uint64_t data_len;
-    char *header = make_header(meta_json, step, run, NULL, NULL, whole, n_tensors, &data_len);
+    char *header =
+        make_header(meta_json, step, run, NULL, NULL, whole, n_tensors, files, n_files, &data_len);
     char name[32], path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX + 32];
     ckpt_name(name, sizeof name, step);
     join(path, sizeof path, dir, name);
     tmp_name(tmp, sizeof tmp, path);
-    if (write_file(tmp, header, whole, n_tensors, data_len, 0, NULL, NULL) != 0)
+    if (write_file(tmp, header, whole, n_tensors, files, n_files, data_len, 0, NULL, NULL) != 0)
         fl_die("writing %s failed: %s", tmp, strerror(errno));
     cJSON_free(header);
     fl_free(whole);
@@ -790,7 +856,8 @@ static cJSON *sharding_json(const dist_save *s, const double *bytes, const doubl
 
 void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
                         const char *shard_meta_json, const fl_ckpt_piece *tensors, int n_tensors,
-                        int sharded, int keep, const char *run) {
+                        int sharded, int keep, const char *run, const fl_ckpt_file *files,
+                        int n_files) {
     int rank = fl_comm_rank(), world = fl_comm_size(), code = 0, bad;
     dist_save s = {dir, step, sharded, world, ""};
     char run0[64] = ""; // rank 0's id names the run in every file
@@ -815,11 +882,13 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
             cJSON_AddNumberToObject(shard, "rank", rank);
             cJSON_AddNumberToObject(shard, "world", world);
         }
+        // the files go with the meta: in rank 0's single file, else the manifest
+        int nf = sharded ? 0 : n_files;
         uint64_t data_len;
         char *header = make_header(sharded ? shard_meta_json : meta_json, step, run, "shard", shard,
-                                   tensors, n_tensors, &data_len);
-        if (write_file(tmp, header, tensors, n_tensors, data_len, fault_injected(step), &crc,
-                       &size) != 0)
+                                   tensors, n_tensors, files, nf, &data_len);
+        if (write_file(tmp, header, tensors, n_tensors, files, nf, data_len, fault_injected(step),
+                       &crc, &size) != 0)
             code = PHASE_WRITE * 100000 + errno;
         cJSON_free(header);
     }
@@ -842,11 +911,12 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
         if (rank == 0) {
             cJSON *sh = sharding_json(&s, v, v + world);
             uint64_t data_len;
-            char *header = make_header(meta_json, step, run, "sharding", sh, NULL, 0, &data_len);
+            char *header = make_header(meta_json, step, run, "sharding", sh, NULL, 0, files,
+                                       n_files, &data_len);
             char mpath[FL_FILE_PATH_MAX], mtmp[FL_FILE_PATH_MAX + 32];
             join(mpath, sizeof mpath, dir, manifest);
             tmp_name(mtmp, sizeof mtmp, mpath);
-            if (write_file(mtmp, header, NULL, 0, 0, 0, NULL, NULL) != 0 ||
+            if (write_file(mtmp, header, NULL, 0, files, n_files, data_len, 0, NULL, NULL) != 0 ||
                 commit_file(mtmp, mpath) != 0)
                 code = PHASE_MANIFEST * 100000 + errno;
             cJSON_free(header);
@@ -1175,4 +1245,25 @@ void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, s
             read_entry(&ck->parts[p->part], p->e, dt, fl_at(dt, dst, lo - first), lo - a,
                        hi > lo ? hi - lo : 0);
     }
+}
+
+uint8_t *fl_ckpt_file_read(const fl_ckpt *ck, const char *name, size_t *size) {
+    const tensor_entry *f = NULL;
+    for (int i = 0; i < ck->p.n_files && !f; i++)
+        if (!strcmp(ck->p.files[i].name, name)) f = &ck->p.files[i];
+    if (!f) return NULL;
+    uint8_t *data = fl_alloc(FL_MEM_OTHER, f->bytes + 1); // + a NUL: text reads as a string
+    uint64_t base = CKPT_PREFIX + (uint64_t)ck->p.header_len + f->offset;
+    for (size_t got = 0; got < f->bytes;) {
+        ssize_t r = pread(ck->fd, data + got, f->bytes - got, (off_t)(base + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0)
+            fl_die("cannot read checkpoint %s: %s", ck->path, r ? strerror(errno) : "end of file");
+        got += (size_t)r;
+    }
+    data[f->bytes] = 0;
+    if (fl_crc32(0, data, f->bytes) != f->crc)
+        fl_die("checkpoint %s: its file '%s' is corrupt (CRC-32 mismatch)", ck->path, name);
+    *size = f->bytes;
+    return data;
 }

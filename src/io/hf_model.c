@@ -300,13 +300,22 @@ void fl_model_check_finite(const fl_model *m, const char *source, const char *ad
 
 // The files an export writes (and their temporaries): the rest of an
 // export directory is the user's and stays.
+// (the tokenizer's files too: an earlier export's never stays beside a
+// model that has none)
 static int is_export_file(const char *name) {
     return !strncmp(name, "config.json", 11) || !strncmp(name, HF_SINGLE, strlen(HF_SINGLE)) ||
-           !strncmp(name, "model-", 6);
+           !strncmp(name, "model-", 6) || !strncmp(name, "tokenizer.json", 14) ||
+           !strncmp(name, "tokenizer_config.json", 21);
 }
 
 void fl_hf_export(const char *out_dir, const fl_model *model, const float *weights_fp32,
                   fl_dtype out_dtype, size_t max_shard_bytes) {
+    fl_hf_export_with(out_dir, model, weights_fp32, out_dtype, max_shard_bytes, NULL);
+}
+
+void fl_hf_export_with(const char *out_dir, const fl_model *model, const float *weights_fp32,
+                       fl_dtype out_dtype, size_t max_shard_bytes,
+                       const fl_tokenizer_files *tokenizer) {
     // written beside out_dir and swapped in whole, so a kill never leaves a
     // mix of two exports' shards and configs (in place beside checkpoints)
     fl_dir_txn txn;
@@ -358,6 +367,7 @@ void fl_hf_export(const char *out_dir, const fl_model *model, const float *weigh
     }
     if (n_shards > 1) write_index(dir, names, shard_of, n, n_shards, total);
     write_config(dir, &model->config, out_dtype);
+    if (tokenizer) fl_tokenizer_files_write(tokenizer, dir);
     remove_stale(dir, n_shards);
     fl_dir_commit(&txn);
     fl_free(ctx.row);

@@ -12,8 +12,6 @@
 #include "bpe.h"
 
 #include <stdlib.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <cJSON.h>
 
 #include "fitlm/core.h"
@@ -481,18 +479,14 @@ static int32_t token_named(const fl_tokenizer *tok, const char *name) {
     return fl_tok_find(tok, name, n);
 }
 
-// The end of a document: tokenizer_config.json's eos_token when the file is
-// beside tokenizer.json, else the added token </s>, <|end_of_text|> or
-// <|endoftext|>.
-static void find_eot(fl_tokenizer *tok, const char *path) {
-    char cfg[4200];
-    const char *slash = strrchr(path, '/');
-    int dir = slash ? (int)(slash - path + 1) : 0;
-    snprintf(cfg, sizeof cfg, "%.*stokenizer_config.json", dir, path);
-    struct stat st;
-    if (stat(cfg, &st) == 0) {
-        size_t size;
-        char *text = fl_tok_read_file(cfg, &size);
+// The end of a document: tokenizer_config.json's eos_token when f has the
+// file (beside tokenizer.json), else the added token </s>, <|end_of_text|>
+// or <|endoftext|>.
+static void find_eot(fl_tokenizer *tok, const fl_tokenizer_files *f) {
+    const char *path = f->where[0];
+    if (f->n > 1) {
+        const char *cfg = f->where[1], *text = (const char *)f->data[1];
+        size_t size = f->size[1];
         cJSON *root = cJSON_ParseWithLength(text, size);
         if (!cJSON_IsObject(root)) fl_die("tokenizer file %s is not a valid JSON object", cfg);
         const cJSON *eos = item(root, "eos_token");
@@ -506,7 +500,6 @@ static void find_eot(fl_tokenizer *tok, const char *path) {
                        eos->valuestring, path);
         }
         cJSON_Delete(root);
-        fl_free(text);
         if (named) return;
     }
     static const char *const names[] = {"</s>", "<|end_of_text|>", "<|endoftext|>"};
@@ -548,45 +541,9 @@ static void set_mode(fl_tokenizer *tok, const hf_loader *L, const cJSON *model) 
     tok->prepend = L->prepend ? FL_PREPEND_ALWAYS : L->meta >= 0 ? L->meta : FL_PREPEND_NONE;
 }
 
-// The tokenizer.json that path names: the file, or the one in a directory.
-static void json_file(char *file, size_t size, const char *path) {
-    struct stat st;
-    int is_dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
-    if ((size_t)snprintf(file, size, is_dir ? "%s/tokenizer.json" : "%s", path) >= size)
-        fl_die("tokenizer path is too long: %s", path);
-}
-
-void fl_hf_tokenizer_copy(const char *path, const char *out_dir) {
-    char file[4200], dir[4200], out[4200];
-    json_file(file, sizeof file, path);
-    snprintf(dir, sizeof dir, "%s", file);
-    char *slash = strrchr(dir, '/');
-    if (slash)
-        *slash = 0;
-    else
-        strcpy(dir, ".");
-    static const char *const names[] = {"tokenizer.json", "tokenizer_config.json"};
-    for (int k = 0; k < 2; k++) {
-        char from[4300];
-        snprintf(from, sizeof from, "%s/%s", dir, names[k]);
-        if (k == 0)
-            snprintf(from, sizeof from, "%s", file);
-        else if (access(from, R_OK) != 0)
-            continue; // optional: it names BOS and EOS
-        size_t size;
-        uint8_t *data = fl_file_read_all(from, (size_t)1 << 30, &size, "tokenizer file");
-        if ((size_t)snprintf(out, sizeof out, "%s/%s", out_dir, names[k]) >= sizeof out)
-            fl_die("output directory name is too long: %s", out_dir);
-        fl_file_write_all(out, data, size);
-        fl_free(data);
-    }
-}
-
-void fl_hf_tokenizer_load(fl_tokenizer *tok, const char *path) {
-    char file[4200];
-    json_file(file, sizeof file, path);
-    size_t size;
-    char *text = fl_tok_read_file(file, &size);
+void fl_hf_tokenizer_load(fl_tokenizer *tok, const fl_tokenizer_files *f) {
+    const char *file = f->where[0], *text = (const char *)f->data[0];
+    size_t size = f->size[0];
     cJSON *root = cJSON_ParseWithLength(text, size);
     if (!root) {
         const char *at = cJSON_GetErrorPtr();
@@ -648,7 +605,6 @@ void fl_hf_tokenizer_load(fl_tokenizer *tok, const char *path) {
             fl_die("tokenizer file %s: post_processor: the special token \"%.60s\" is not a token",
                    file, L.bos);
     }
-    find_eot(tok, file);
+    find_eot(tok, f);
     cJSON_Delete(root);
-    fl_free(text);
 }

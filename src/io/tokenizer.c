@@ -6,6 +6,7 @@
 #include "bpe.h"
 
 #include <errno.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <cJSON.h>
 
@@ -88,9 +89,9 @@ void fl_tok_merges_alloc(fl_tokenizer *tok, size_t merges) {
     tok->merge_shift = 64 - bits;
 }
 
-static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byte_of) {
-    size_t size;
-    char *text = fl_tok_read_file(path, &size);
+// text: the file's size bytes (a NUL after them); path names it in messages.
+static void load_encoder(fl_tokenizer *tok, const char *text, size_t size, const char *path,
+                         const int16_t *byte_of) {
     cJSON *root = cJSON_ParseWithLength(text, size);
     if (!root) {
         const char *at = cJSON_GetErrorPtr();
@@ -139,7 +140,6 @@ static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byt
     cJSON_Delete(root);
     fl_free(buf);
     fl_free(len);
-    fl_free(text);
 }
 
 int fl_tok_merges_ordered(const fl_tokenizer *tok) {
@@ -158,9 +158,8 @@ int fl_tok_merges_ordered(const fl_tokenizer *tok) {
 }
 
 // vocab.bpe: a "#version" line, then one merge "A B" per line, by rank.
-static void load_merges(fl_tokenizer *tok, const char *path, const int16_t *byte_of) {
-    size_t size;
-    char *text = fl_tok_read_file(path, &size);
+static void load_merges(fl_tokenizer *tok, const char *text, size_t size, const char *path,
+                        const int16_t *byte_of) {
     if (strncmp(text, "#version", 8) != 0)
         fl_die("tokenizer file %s line 1: expected the \"#version\" header", path);
     size_t lines = 0;
@@ -195,19 +194,15 @@ static void load_merges(fl_tokenizer *tok, const char *path, const int16_t *byte
         p = eol;
     }
     fl_free(buf);
-    fl_free(text);
     tok->ordered = fl_tok_merges_ordered(tok);
 }
 
-static void load_gpt2(fl_tokenizer *tok, const char *dir) {
-    char path[4096];
+static void load_gpt2(fl_tokenizer *tok, const fl_tokenizer_files *f) {
     int16_t byte_of[FL_ALPHABET];
     fl_tok_byte_decoder(byte_of);
-    if ((size_t)snprintf(path, sizeof path, "%s/encoder.json", dir) >= sizeof path)
-        fl_die("tokenizer directory name is too long: %s", dir);
-    load_encoder(tok, path, byte_of);
-    snprintf(path, sizeof path, "%s/vocab.bpe", dir);
-    load_merges(tok, path, byte_of);
+    load_encoder(tok, (const char *)f->data[0], f->size[0], f->where[0], byte_of);
+    if (f->n < 2) fl_die("%s", f->missing);
+    load_merges(tok, (const char *)f->data[1], f->size[1], f->where[1], byte_of);
 }
 
 static void load_byte(fl_tokenizer *tok) {
@@ -225,24 +220,110 @@ static void load_byte(fl_tokenizer *tok) {
     tok->offs[257] = 256 + 13;
 }
 
-fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir) {
+static void known_name(const char *name) {
     if (strcmp(name, "byte") != 0 && strcmp(name, "gpt2") != 0 && strcmp(name, "hf") != 0)
         fl_die("unknown tokenizer \"%s\" (known: byte, gpt2, hf)", name);
+}
+
+void fl_tokenizer_files_add(fl_tokenizer_files *f, const char *file, uint8_t *data, size_t size,
+                            const char *where) {
+    FL_ASSERT(f->n < FL_TOKENIZER_FILES);
+    if (size == 0) fl_die("tokenizer file %s is empty", where);
+    f->file[f->n] = file;
+    snprintf(f->where[f->n], sizeof f->where[f->n], "%s", where);
+    f->data[f->n] = data;
+    f->size[f->n++] = size;
+}
+
+static void read_into(fl_tokenizer_files *f, const char *file, const char *path) {
+    size_t size;
+    uint8_t *data = (uint8_t *)fl_tok_read_file(path, &size);
+    fl_tokenizer_files_add(f, file, data, size, path);
+}
+
+void fl_tokenizer_files_read(fl_tokenizer_files *f, const char *name, const char *path) {
+    known_name(name);
+    memset(f, 0, sizeof *f);
+    snprintf(f->name, sizeof f->name, "%s", name);
+    snprintf(f->from, sizeof f->from, "%s",
+             !strcmp(name, "byte")   ? "(built in)"
+             : path && *path         ? path
+             : !strcmp(name, "gpt2") ? "data/gpt2"
+                                     : "");
+    char file[FL_TOKENIZER_WHERE - 256]; // room in `missing` for the reason
+    if (!strcmp(name, "gpt2")) {
+        const char *dir = path && *path ? path : "data/gpt2";
+        if ((size_t)snprintf(file, sizeof file, "%s/encoder.json", dir) >= sizeof file)
+            fl_die("tokenizer directory name is too long: %s", dir);
+        if (access(file, R_OK) != 0) { // GPT-2's vocabulary is known; encoding needs the files
+            snprintf(f->missing, sizeof f->missing, "cannot open tokenizer file %s: %s%s", file,
+                     strerror(errno),
+                     errno == ENOENT ? " (scripts/setup.sh fetches the tokenizer files)" : "");
+            return;
+        }
+        read_into(f, "encoder.json", file);
+        snprintf(file, sizeof file, "%s/vocab.bpe", dir);
+        if (access(file, R_OK) == 0)
+            read_into(f, "vocab.bpe", file);
+        else // said after encoder.json is parsed, as the loader reads them
+            snprintf(f->missing, sizeof f->missing, "cannot open tokenizer file %s: %s%s", file,
+                     strerror(errno),
+                     errno == ENOENT ? " (scripts/setup.sh fetches the tokenizer files)" : "");
+    } else if (!strcmp(name, "hf")) {
+        if (!path || !*path)
+            fl_die("the hf tokenizer needs a path: a tokenizer.json or a directory holding one "
+                   "(--tokenizer-path)");
+        struct stat st;
+        int is_dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+        if ((size_t)snprintf(file, sizeof file, is_dir ? "%s/tokenizer.json" : "%s", path) >=
+            sizeof file - 32)
+            fl_die("tokenizer path is too long: %s", path);
+        read_into(f, "tokenizer.json", file);
+        // tokenizer_config.json beside it names the end of text
+        char *slash = strrchr(file, '/');
+        snprintf(slash ? slash + 1 : file, sizeof file - (size_t)(slash ? slash + 1 - file : 0),
+                 "tokenizer_config.json");
+        if (stat(file, &st) == 0) read_into(f, "tokenizer_config.json", file);
+    }
+}
+
+void fl_tokenizer_files_free(fl_tokenizer_files *f) {
+    for (int i = 0; i < f->n; i++) fl_free(f->data[i]);
+    f->n = 0;
+}
+
+int fl_tokenizer_files_equal(const fl_tokenizer_files *a, const fl_tokenizer_files *b) {
+    if (strcmp(a->name, b->name) || a->n != b->n) return 0;
+    for (int i = 0; i < a->n; i++)
+        if (strcmp(a->file[i], b->file[i]) || a->size[i] != b->size[i] ||
+            memcmp(a->data[i], b->data[i], a->size[i]))
+            return 0;
+    return 1;
+}
+
+fl_tokenizer *fl_tokenizer_load_files(const fl_tokenizer_files *f) {
+    known_name(f->name);
+    if (strcmp(f->name, "byte") && !f->n) fl_die("%s", f->missing);
     fl_tokenizer *tok = fl_alloc(FL_MEM_OTHER, sizeof *tok);
-    snprintf(tok->name, sizeof tok->name, "%s", name);
+    snprintf(tok->name, sizeof tok->name, "%s", f->name);
     tok->bos = -1;
     tok->unk = -1;
     tok->start = FL_BPE_BYTES;
     tok->pattern = FL_PRE_GPT2;
-    if (!strcmp(name, "byte"))
+    if (!strcmp(f->name, "byte"))
         load_byte(tok);
-    else if (!strcmp(name, "gpt2"))
-        load_gpt2(tok, dir ? dir : "data/gpt2");
-    else if (!dir || !*dir)
-        fl_die("the hf tokenizer needs a path: a tokenizer.json or a directory holding one "
-               "(--tokenizer-path)");
+    else if (!strcmp(f->name, "gpt2"))
+        load_gpt2(tok, f);
     else
-        fl_hf_tokenizer_load(tok, dir);
+        fl_hf_tokenizer_load(tok, f);
+    return tok;
+}
+
+fl_tokenizer *fl_tokenizer_load(const char *name, const char *dir) {
+    fl_tokenizer_files f;
+    fl_tokenizer_files_read(&f, name, dir);
+    fl_tokenizer *tok = fl_tokenizer_load_files(&f);
+    fl_tokenizer_files_free(&f);
     return tok;
 }
 
@@ -265,15 +346,21 @@ int fl_tokenizer_vocab_size(const fl_tokenizer *tok) {
     return tok->vocab;
 }
 
-int fl_tokenizer_vocab_of(const char *name, const char *path) {
-    if (!strcmp(name, "byte")) return 257;
-    char encoder[4096];
-    snprintf(encoder, sizeof encoder, "%s/encoder.json", path ? path : "data/gpt2");
-    // gpt2: GPT-2's 50257 unless the directory holds a vocabulary (a learnt one)
-    if (!strcmp(name, "gpt2") && access(encoder, R_OK) != 0) return 50257;
-    fl_tokenizer *tok = fl_tokenizer_load(name, path); // the files decide
+int fl_tokenizer_files_vocab(const fl_tokenizer_files *f) {
+    if (!strcmp(f->name, "byte")) return 257;
+    // gpt2: GPT-2's 50257 unless there is a vocabulary (a learnt one)
+    if (!strcmp(f->name, "gpt2") && !f->n) return 50257;
+    fl_tokenizer *tok = fl_tokenizer_load_files(f); // the files decide
     int vocab = tok->vocab;
     fl_tokenizer_free(tok);
+    return vocab;
+}
+
+int fl_tokenizer_vocab_of(const char *name, const char *path) {
+    fl_tokenizer_files f;
+    fl_tokenizer_files_read(&f, name, path);
+    int vocab = fl_tokenizer_files_vocab(&f);
+    fl_tokenizer_files_free(&f);
     return vocab;
 }
 
@@ -312,4 +399,13 @@ uint8_t *fl_tokenizer_decode(const fl_tokenizer *tok, const int32_t *ids, size_t
     }
     *len = at;
     return out;
+}
+
+void fl_tokenizer_files_write(const fl_tokenizer_files *f, const char *out_dir) {
+    for (int i = 0; i < f->n; i++) {
+        char out[FL_TOKENIZER_WHERE];
+        if ((size_t)snprintf(out, sizeof out, "%s/%s", out_dir, f->file[i]) >= sizeof out)
+            fl_die("output directory name is too long: %s", out_dir);
+        fl_file_write_all(out, f->data[i], f->size[i]);
+    }
 }

@@ -116,7 +116,7 @@ static void add_optim_meta(cJSON *meta, const char *key, const fl_optimizer *o) 
 
 void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
                         const fl_optimizer *base, const fl_loader_state *loader,
-                        const char *tokenizer, const char *config_json, int keep) {
+                        const fl_tokenizer_files *tokenizer, const char *config_json, int keep) {
     fl_train_ckpt_save_run(dir, step, model, optim, base, loader, tokenizer, config_json, keep,
                            NULL);
 }
@@ -262,11 +262,25 @@ static size_t count_tensors(const param_set *sets, int nsets) {
     return n;
 }
 
+// The tokenizer's files as a checkpoint stores them: "tokenizer/<file>".
+typedef struct {
+    fl_ckpt_file f[FL_TOKENIZER_FILES];
+    char names[FL_TOKENIZER_FILES][64];
+} tokenizer_blobs;
+
+static int tokenizer_files(const fl_tokenizer_files *tok, tokenizer_blobs *b) {
+    for (int i = 0; i < tok->n; i++) {
+        snprintf(b->names[i], sizeof b->names[i], "tokenizer/%s", tok->file[i]);
+        b->f[i] = (fl_ckpt_file){b->names[i], tok->data[i], tok->size[i]};
+    }
+    return tok->n;
+}
+
 void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
                             const fl_optimizer *optim, const fl_optimizer *base,
-                            const fl_loader_state *loader, const char *tokenizer,
+                            const fl_loader_state *loader, const fl_tokenizer_files *tokenizer,
                             const char *config_json, int keep, const char *run) {
-    char *text = train_meta(model, optim, base, loader, tokenizer, config_json);
+    char *text = train_meta(model, optim, base, loader, tokenizer->name, config_json);
     param_set sets[2];
     int nsets = param_sets(model, optim, base, sets);
     tensor_list l;
@@ -275,7 +289,9 @@ void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
     fl_ckpt_tensor *whole = fl_alloc(FL_MEM_OTHER, (l.n ? l.n : 1) * sizeof *whole);
     for (size_t i = 0; i < l.n; i++)
         whole[i] = (fl_ckpt_tensor){l.t[i].name, l.t[i].dtype, l.t[i].data, l.t[i].numel};
-    fl_ckpt_write_run(dir, step, text, whole, (int)l.n, keep, run);
+    tokenizer_blobs blobs;
+    int n_files = tokenizer_files(tokenizer, &blobs);
+    fl_ckpt_write_run(dir, step, text, whole, (int)l.n, keep, run, blobs.f, n_files);
     fl_free(whole);
     cJSON_free(text);
     list_free(&l);
@@ -283,13 +299,13 @@ void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
 
 void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
                              const fl_optimizer *optim, const fl_loader_state *loader,
-                             const char *tokenizer, const char *config_json, int keep,
+                             const fl_tokenizer_files *tokenizer, const char *config_json, int keep,
                              const char *run) {
     FL_ASSERT(optim && !model->lora.cfg.r); // dist.h trains whole models only
     size_t b = optim->rule->state_begin, e = optim->rule->state_end, numel = model->table.numel;
     double partial = b != 0 || e != numel; // ZeRO: a shard per rank
     fl_comm_max(&partial, 1);
-    char *text = train_meta(model, optim, NULL, loader, tokenizer, config_json);
+    char *text = train_meta(model, optim, NULL, loader, tokenizer->name, config_json);
     param_set sets[2];
     param_sets(model, optim, NULL, sets);
     tensor_list l;
@@ -301,7 +317,10 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     } else if (fl_comm_rank() == 0) { // DDP: rank 0 writes today's single file
         collect(&sets[0], model->dtype, 0, numel, 0, &l);
     }
-    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, partial != 0.0, keep, run);
+    tokenizer_blobs blobs;
+    int n_files = tokenizer_files(tokenizer, &blobs);
+    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, partial != 0.0, keep, run,
+                       blobs.f, n_files);
     cJSON_free(text);
     list_free(&l);
 }
@@ -442,31 +461,53 @@ void fl_ckpt_model_config(const fl_ckpt *ck, fl_model_config *cfg) {
     fl_ckpt_check_shape(ck); // callers allocate by this shape
 }
 
-int fl_source_tokenizer(const char *source, char *name, size_t name_size, char *path,
-                        size_t path_size) {
+void fl_ckpt_tokenizer(const fl_ckpt *ck, fl_tokenizer_files *f) {
+    memset(f, 0, sizeof *f);
+    cJSON *meta = parse_meta(ck);
+    const char *name = string(meta, "tokenizer", fl_ckpt_path(ck));
+    if (strlen(name) >= sizeof f->name)
+        fl_die("checkpoint %s: tokenizer name too long", fl_ckpt_path(ck));
+    strcpy(f->name, name);
+    cJSON_Delete(meta);
+    snprintf(f->from, sizeof f->from, "checkpoint %s (its stored copy)", fl_ckpt_path(ck));
+    static const char *const names[] = {"encoder.json", "vocab.bpe", "tokenizer.json",
+                                        "tokenizer_config.json"};
+    for (int i = 0; i < 4; i++) {
+        char blob[64], where[FL_TOKENIZER_WHERE];
+        size_t size;
+        snprintf(blob, sizeof blob, "tokenizer/%s", names[i]);
+        uint8_t *data = fl_ckpt_file_read(ck, blob, &size);
+        if (!data) continue;
+        if (f->n == FL_TOKENIZER_FILES)
+            fl_die("checkpoint %s holds more tokenizer files than the %s tokenizer has",
+                   fl_ckpt_path(ck), f->name);
+        snprintf(where, sizeof where, "%s (stored in checkpoint %s)", names[i], fl_ckpt_path(ck));
+        fl_tokenizer_files_add(f, names[i], data, size, where);
+    }
+    // the files a load needs, in the order it takes them
+    int gpt2 = !strcmp(f->name, "gpt2"), hf = !strcmp(f->name, "hf");
+    if ((gpt2 && f->n && (f->n != 2 || strcmp(f->file[1], "vocab.bpe"))) ||
+        (hf && f->n && strcmp(f->file[0], "tokenizer.json")) || (!gpt2 && !hf && f->n))
+        fl_die("checkpoint %s: its stored tokenizer files are not those of the %s tokenizer",
+               fl_ckpt_path(ck), f->name);
+    snprintf(f->missing, sizeof f->missing,
+             "checkpoint %s holds no copy of its %s tokenizer (it was saved before checkpoints "
+             "held their tokenizer's files): name them with --tokenizer-path; the path its run "
+             "used is never read, as the checkpoint does not contain it",
+             fl_ckpt_path(ck), f->name);
+}
+
+int fl_source_tokenizer(const char *source, fl_tokenizer_files *f) {
     if (fl_is_checkpoint(source)) {
         fl_ckpt *ck = fl_ckpt_open(source);
-        cJSON *meta = parse_meta(ck);
-        snprintf(name, name_size, "%s", string(meta, "tokenizer", fl_ckpt_path(ck)));
-        // a model saved outside a training run has no run config: the defaults
-        int has_config = cJSON_GetObjectItemCaseSensitive(meta, "config") != NULL;
-        cJSON_Delete(meta);
-        fl_train_config cfg;
-        fl_config_defaults(&cfg);
-        if (has_config) {
-            char *json = fl_train_ckpt_config(ck);
-            fl_config_load_json_text(&cfg, json, strlen(json), fl_ckpt_path(ck));
-            fl_free(json);
-        }
-        snprintf(path, path_size, "%s", cfg.tokenizer_path);
+        fl_ckpt_tokenizer(ck, f);
         fl_ckpt_close(ck);
         return 1;
     }
     char json[FL_FILE_PATH_MAX + 32];
     snprintf(json, sizeof json, "%s/tokenizer.json", source);
     int hf = access(json, R_OK) == 0;
-    snprintf(name, name_size, "%s", hf ? "hf" : "gpt2");
-    snprintf(path, path_size, "%s", hf ? source : "data/gpt2");
+    fl_tokenizer_files_read(f, hf ? "hf" : "gpt2", hf ? source : NULL);
     return hf;
 }
 

@@ -86,7 +86,7 @@ void fl_config_check(fl_train_config *cfg) {
     fl_offload_check_config(cfg);
 }
 
-void fl_config_finish(fl_train_config *cfg) {
+void fl_config_finish(fl_train_config *cfg, int tokenizer_vocab) {
     fl_model_config shape = {0};
     fl_model_preset(&shape, cfg->model_preset);
     fl_model_config *m = &cfg->model;
@@ -114,7 +114,6 @@ void fl_config_finish(fl_train_config *cfg) {
     }
     // the tokenizer's vocabulary; the data's shards are checked against the
     // model when training starts
-    int tokenizer_vocab = fl_tokenizer_vocab_of(cfg->tokenizer, cfg->tokenizer_path);
     if (m->vocab_size && m->vocab_size < tokenizer_vocab)
         fl_die("model.vocab_size %d is smaller than the %s tokenizer's %d", m->vocab_size,
                cfg->tokenizer, tokenizer_vocab);

@@ -29,6 +29,50 @@ void fl_run_resume_open(fl_run_resume *res, const char *path, fl_train_config *c
     snprintf(res->run_id, sizeof res->run_id, "%s", fl_ckpt_run(res->ck));
 }
 
+// The run's tokenizer, its files read once and stored in every checkpoint.
+// A resume's is the copy its checkpoint contains, and pretrained weights
+// bring theirs (a checkpoint's copy, a Hugging Face directory's
+// tokenizer.json) unless the run names one: the path a checkpoint's config
+// records is never read. A resume given a tokenizer path anew reads that,
+// which must be the one the checkpoint holds, if it holds one.
+static void open_tokenizer(fl_run *r, const fl_run_options *opt) {
+    fl_train_config *cfg = &r->cfg;
+    const fl_run_resume *res = opt->resume;
+    fl_tokenizer_files *f = &r->tok_files;
+    if (res) {
+        fl_ckpt_tokenizer(res->ck, f);
+        int named = opt->tokenizer_path_given || strcmp(cfg->tokenizer, f->name) ||
+                    strcmp(cfg->tokenizer_path, res->saved.tokenizer_path);
+        if (named) {
+            fl_tokenizer_files given;
+            fl_tokenizer_files_read(&given, cfg->tokenizer, cfg->tokenizer_path);
+            if (f->n && !strcmp(cfg->tokenizer, f->name) && !fl_tokenizer_files_equal(&given, f))
+                fl_die("the %s tokenizer at %s is not the one checkpoint %s was trained with "
+                       "(the checkpoint holds a copy of that: drop --tokenizer-path to use it)",
+                       cfg->tokenizer, cfg->tokenizer_path, fl_ckpt_path(res->ck));
+            fl_tokenizer_files_free(f);
+            *f = given;
+        }
+        r->tok_vocab = fl_tokenizer_files_vocab(f);
+        return;
+    }
+    fl_tokenizer_files source = {0};
+    if (*cfg->init_from && !fl_config_given(cfg, "tokenizer") &&
+        fl_source_tokenizer(cfg->init_from, &source)) {
+        strcpy(cfg->tokenizer, source.name);
+        if (!fl_config_given(cfg, "tokenizer_path")) { // the files come with the weights
+            if (!fl_is_checkpoint(cfg->init_from))     // a Hugging Face directory's, for the record
+                snprintf(cfg->tokenizer_path, sizeof cfg->tokenizer_path, "%s", cfg->init_from);
+            *f = source;
+            r->tok_vocab = fl_tokenizer_files_vocab(f);
+            return;
+        }
+    }
+    fl_tokenizer_files_free(&source);
+    fl_tokenizer_files_read(f, cfg->tokenizer, cfg->tokenizer_path);
+    r->tok_vocab = fl_tokenizer_files_vocab(f);
+}
+
 // The config made whole: a resume's and the flags' settings checked against
 // each other, the shape of the checkpoint or the pretrained weights taken,
 // then fl_config_finish. r->config_json keeps the run as given.
@@ -54,15 +98,7 @@ static void configure(fl_run *r, const fl_run_options *opt) {
     if (!*r->run_id) run_new_id(r->run_id, sizeof r->run_id); // or a checkpoint without one
     // about this invocation, not the run: not inherited by a resume
     fl_config_set_given(cfg, "overwrite", 0);
-    // Pretrained weights bring their tokenizer (a Hugging Face directory's
-    // tokenizer.json, a checkpoint's run's) unless the run names one.
-    if (!res && *cfg->init_from && !fl_config_given(cfg, "tokenizer")) {
-        char name[sizeof cfg->tokenizer], path[sizeof cfg->tokenizer_path];
-        if (fl_source_tokenizer(cfg->init_from, name, sizeof name, path, sizeof path)) {
-            strcpy(cfg->tokenizer, name);
-            if (!fl_config_given(cfg, "tokenizer_path")) strcpy(cfg->tokenizer_path, path);
-        }
-    }
+    open_tokenizer(r, opt);
     r->config_json = fl_config_to_json(cfg); // the run as given, for its checkpoints
     // A resumed or pretrained model brings its own shape: its weights are
     // opened once, here, and their rows read when the model is made.
@@ -73,7 +109,7 @@ static void configure(fl_run *r, const fl_run_options *opt) {
     else if (*shape_from)
         fl_weight_source_open(&r->weights, cfg->init_from);
     if (*shape_from) fl_config_set_shape(cfg, &r->weights.config, shape_from);
-    fl_config_finish(cfg);
+    fl_config_finish(cfg, r->tok_vocab);
 }
 
 // Data first: the shards name their tokenizer and vocabulary.
@@ -86,15 +122,14 @@ static void open_data(fl_run *r) {
         fl_die("the training data %s was tokenized with '%s', but the tokenizer is '%s' (set "
                "--tokenizer %s)",
                cfg->data, train->tokenizer, cfg->tokenizer, train->tokenizer);
-    int tokenizer_vocab = fl_tokenizer_vocab_of(cfg->tokenizer, cfg->tokenizer_path);
+    int tokenizer_vocab = r->tok_vocab;
     if ((int)train->vocab_size != tokenizer_vocab) {
         char learnt[FL_PATH_MAX + 16]; // where fitlm tokenize --learn-vocab puts its tokenizer
         snprintf(learnt, sizeof learnt, "%s/encoder.json", cfg->data);
         int beside = access(learnt, R_OK) == 0;
         fl_die("the training data %s has a vocabulary of %u, but the %s tokenizer at %s has %d: "
                "the data was tokenized with another one%s%s%s",
-               cfg->data, train->vocab_size, cfg->tokenizer,
-               strcmp(cfg->tokenizer, "byte") ? cfg->tokenizer_path : "(built in)", tokenizer_vocab,
+               cfg->data, train->vocab_size, cfg->tokenizer, r->tok_files.from, tokenizer_vocab,
                beside ? " (its directory holds a learnt one: --tokenizer-path " : "",
                beside ? cfg->data : "", beside ? ")" : "");
     }
@@ -217,7 +252,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
                "agree): use --precision bf16");
 
     if (!opt->own_batches) open_data(r);
-    r->tok = cfg->sample_tokens > 0 ? fl_tokenizer_load(cfg->tokenizer, cfg->tokenizer_path) : NULL;
+    r->tok = cfg->sample_tokens > 0 ? fl_tokenizer_load_files(&r->tok_files) : NULL;
     // pretrained weights load whole (a resume has its own, unless they are
     // a LoRA run's frozen base, which the checkpoint does not hold)
     int pretrained = *cfg->init_from && (!ck || (r->lora && !r->train_base));
@@ -337,12 +372,10 @@ void fl_run_save(fl_run *r, int step) {
                step, cfg->out_dir);
     if (r->dist) // every rank its shard (DDP: rank 0 all), agreed before anything is visible
         fl_train_ckpt_save_dist(cfg->out_dir, step, &r->model, &r->optim, &r->train.state,
-                                r->train.tokenizer, r->config_json, cfg->keep_checkpoints,
-                                r->run_id);
+                                &r->tok_files, r->config_json, cfg->keep_checkpoints, r->run_id);
     else
         fl_train_ckpt_save_run(cfg->out_dir, step, &r->model, &r->optim, r->base, &r->train.state,
-                               r->train.tokenizer, r->config_json, cfg->keep_checkpoints,
-                               r->run_id);
+                               &r->tok_files, r->config_json, cfg->keep_checkpoints, r->run_id);
     fl_optimizer_unmap(&r->optim);
 }
 
@@ -356,6 +389,7 @@ void fl_run_close(fl_run *r) {
     if (r->base) fl_optimizer_free(r->base);
     fl_model_free(&r->model);
     if (r->tok) fl_tokenizer_free(r->tok);
+    fl_tokenizer_files_free(&r->tok_files);
     if (r->has_val) fl_loader_close(&r->val);
     if (r->has_train) fl_loader_close(&r->train);
 }
