@@ -224,7 +224,7 @@ static void finished(fl_train_config *cfg, const char *more) {
     for (char *w = strtok(flags, " "); w && argc < 64; w = strtok(NULL, " ")) argv[argc++] = w;
     fl_config_defaults(cfg);
     fl_config_parse_args(cfg, argc, argv);
-    fl_config_finish(cfg);
+    fl_config_finish(cfg, fl_tokenizer_vocab_of(cfg->tokenizer, cfg->tokenizer_path));
 }
 
 // Its canonical text.
