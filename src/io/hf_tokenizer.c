@@ -493,7 +493,12 @@ static void find_eot(fl_tokenizer *tok, const char *path) {
     if (stat(cfg, &st) == 0) {
         size_t size;
         char *text = fl_tok_read_file(cfg, &size);
-        cJSON *root = cJSON_ParseWithLength(text, size);
+        const char *why;
+        size_t at;
+        cJSON *root = fl_json_parse(text, size, &why, &at);
+        if (!root)
+            fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", cfg, why,
+                   fl_text_line_of(text, at), at);
         if (!cJSON_IsObject(root)) fl_die("tokenizer file %s is not a valid JSON object", cfg);
         const cJSON *eos = item(root, "eos_token");
         if (cJSON_IsObject(eos)) eos = item(eos, "content"); // the older AddedToken layout
@@ -587,12 +592,12 @@ void fl_hf_tokenizer_load(fl_tokenizer *tok, const char *path) {
     json_file(file, sizeof file, path);
     size_t size;
     char *text = fl_tok_read_file(file, &size);
-    cJSON *root = cJSON_ParseWithLength(text, size);
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        fl_die("tokenizer file %s is not valid JSON (near byte %ld)", file,
-               at ? (long)(at - text) : -1L);
-    }
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(text, size, &why, &at);
+    if (!root)
+        fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", file, why,
+               fl_text_line_of(text, at), at);
     hf_loader L = {.path = file, .pattern = FL_PRE_NONE, .meta = -1};
     if (!cJSON_IsObject(root)) fl_die("tokenizer file %s: expected a JSON object", file);
     const cJSON *model = item(root, "model");
