@@ -228,6 +228,293 @@ static void test_tokenize_input_is_a_file(void) {
     t_check(access(p, F_OK) != 0, "no output directory was made for a bad input");
 }
 
+// Every input the user names is read only when it is a regular file (links
+// followed): a FIFO in its place fails at once naming it (its open must not
+// block: each run is ended after 30 s, which fails the check), and so do a
+// device (a link to /dev/null) and a directory.
+static char in_path[700];
+static const char *in_dir(const char *name) {
+    snprintf(in_path, sizeof in_path, "%s/%s", dir, name);
+    return in_path;
+}
+static void copy_in(const char *from, const char *to) {
+    size_t n;
+    unsigned char *b = t_read_file(from, &n);
+    t_check(b != NULL, "read %s", from);
+    t_write_file(in_dir(to), b, n);
+    free(b);
+}
+// the good inputs, made again before each case
+static void good_inputs(void) {
+    char q[700];
+    static const char *const dirs[] = {"in_hf", "in_idx",  "in_tok", "in_gpt2",
+                                       "in_ad", "in_data", "in_ck",  "in_run"};
+    for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) mkdir(in_dir(dirs[i]), 0755);
+    snprintf(q, sizeof q, "%s/in_base/config.json", dir);
+    copy_in(q, "in_hf/config.json");
+    copy_in(q, "in_idx/config.json");
+    snprintf(q, sizeof q, "%s/in_base/model.safetensors", dir);
+    copy_in(q, "in_hf/model.safetensors");
+    copy_in(q, "in_idx/model-00001-of-00001.safetensors");
+    static char index[4096];
+    if (!*index) { // every tensor of the one shard
+        fl_safetensors st;
+        snprintf(q, sizeof q, "%s/in_base/model.safetensors", dir);
+        fl_safetensors_open(&st, q);
+        size_t n = (size_t)snprintf(index, sizeof index, "{\"weight_map\": {");
+        for (int i = 0; i < st.count; i++)
+            n += (size_t)snprintf(index + n, sizeof index - n, "%s\"%s\": \"%s\"", i ? ", " : "",
+                                  st.tensors[i].name, "model-00001-of-00001.safetensors");
+        snprintf(index + n, sizeof index - n, "}}");
+        fl_safetensors_free(&st);
+    }
+    write_text("in_idx/model.safetensors.index.json", index);
+    copy_in(t_source_path("tests/fixtures/hf_tokenizer_97/tokenizer.json"),
+            "in_tok/tokenizer.json");
+    unlink(in_dir("in_tok/tokenizer_config.json"));
+    copy_in(t_source_path("data/gpt2/encoder.json"), "in_gpt2/encoder.json");
+    copy_in(t_source_path("data/gpt2/vocab.bpe"), "in_gpt2/vocab.bpe");
+    write_text("in_ad/adapter_config.json",
+               "{\"peft_type\": \"LORA\", \"task_type\": \"CAUSAL_LM\", \"r\": 4, "
+               "\"lora_alpha\": 8, \"target_modules\": [\"c_attn\"]}");
+    snprintf(q, sizeof q, "%s/in_run0/ckpt_00000001.fitlm", dir);
+    copy_in(q, "in_ck/ckpt_00000001.fitlm");
+    write_text("in_ck/latest", "ckpt_00000001.fitlm\n");
+    write_text("in.txt", "a short text to evaluate on\n");
+}
+
+static void test_inputs_are_regular_files(void) {
+    char text[4096] = "";
+    for (int i = 0; i < 60; i++) strcat(text, "some lines of text, for shards.\n\n");
+    write_text("in_small.txt", text);
+    int rc = fitlm("tokenize in_small.txt -o in_small --tokenizer byte --val-fraction 0.2");
+    rc |= fitlm("train --model tiny --data in_small --tokenizer byte --steps 1 --batch 2 "
+                "--seq-len 16 --out in_run0 --sample-tokens 0");
+    rc |= fitlm("export in_run0 -o in_base");
+    t_check(rc == 0, "a small run to take inputs from: %.300s", output);
+    // the file replaced by a FIFO (kind 0), a link to /dev/null (1), a directory (2)
+    static const char *const kinds[] = {"is not a regular file (it is a FIFO)",
+                                        "is not a regular file (it is a character device)",
+                                        "is a directory"};
+    static const struct {
+        const char *file, *args; // the file replaced; fitlm ARGS
+        int n_kinds;             // 2: a directory there means something else
+        const char *says;        // NULL: "<the file's name> <kinds[k]>"
+    } cases[] = {
+        {"in_hf/model.safetensors", "eval --init-from in_hf --text in.txt --tokenizer byte", 3,
+         NULL},
+        {"in_hf/model.safetensors", "sample --checkpoint in_hf --tokenizer byte --tokens 2", 3,
+         NULL},
+        {"in_hf/model.safetensors",
+         "train --init-from in_hf --data in_small --tokenizer byte --steps 1 --seq-len 16 --out ''",
+         3, NULL},
+        {"in_hf/model.safetensors", "eval --init-from in_hf/model.safetensors --text in.txt", 2,
+         NULL},
+        {"in_hf/config.json", "eval --init-from in_hf --text in.txt --tokenizer byte", 3, NULL},
+        {"in_idx/model.safetensors.index.json",
+         "eval --init-from in_idx --text in.txt --tokenizer byte", 3, NULL},
+        {"in_idx/model-00001-of-00001.safetensors",
+         "eval --init-from in_idx --text in.txt --tokenizer byte", 3, NULL},
+        {"in_tok/tokenizer.json",
+         "tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok", 3, NULL},
+        {"in_tok/tokenizer_config.json",
+         "tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok", 3, NULL},
+        {"in_gpt2/encoder.json",
+         "tokenize in.txt -o tok_out --tokenizer gpt2 --tokenizer-path in_gpt2", 3, NULL},
+        {"in_gpt2/vocab.bpe",
+         "tokenize in.txt -o tok_out --tokenizer gpt2 --tokenizer-path in_gpt2", 3, NULL},
+        {"in_ad/adapter_config.json",
+         "eval --init-from in_hf --adapter in_ad --text in.txt --tokenizer byte", 3, NULL},
+        {"in_ad/adapter_model.safetensors",
+         "eval --init-from in_hf --adapter in_ad --text in.txt --tokenizer byte", 3, NULL},
+        {"in_ad/adapter_model.safetensors",
+         "train --init-from in_hf --adapter in_ad --data in_small --tokenizer byte "
+         "--steps 1 --seq-len 16 --out ''",
+         3, NULL},
+        {"in_data/val_000000.bin", "eval --init-from in_hf --data in_data --tokenizer byte", 3,
+         NULL},
+        {"in_data.bin", "train --data in_data.bin --tokenizer byte --steps 1 --seq-len 16 --out ''",
+         2, NULL},
+        {"in_gpt2.bin", "eval --init-from in_gpt2.bin --text in.txt --tokenizer byte", 2, NULL},
+        {"in.fitlm", "eval --checkpoint in.fitlm --text in.txt", 3,
+         "in.fitlm is not a fitlm checkpoint"},
+        {"in.fitlm", "export in.fitlm -o exp_out", 3, "in.fitlm is not a fitlm checkpoint"},
+        {"in_ck/latest", "sample --checkpoint in_ck --tokens 2", 3, NULL},
+        {"in_ck/ckpt_00000001.fitlm", "export in_ck -o exp_out", 3, NULL},
+        {"in_ck/ckpt_00000001.fitlm", "eval --checkpoint in_ck --text in.txt", 3, NULL},
+        {"in_ck/ckpt_00000001.fitlm", "train --init-from in_ck --data in_small --steps 1 --out ''",
+         3, NULL},
+        {"in.json", "train --config in.json", 3, NULL},
+        {"in.txt", "eval --init-from in_hf --text in.txt --tokenizer byte", 3, NULL},
+        {"in.txt", "tokenize in.txt -o tok_out --tokenizer byte", 3, NULL},
+        {"in.jsonl", "tokenize in.jsonl -o tok_out --tokenizer byte --format jsonl", 3, NULL},
+        {"in_run/metrics.jsonl", "plot in_run -o plot_out", 3, NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        // a device or a directory: once per file; a FIFO: by every command
+        for (int k = 0; k < (i && !strcmp(cases[i - 1].file, cases[i].file) ? 1 : cases[i].n_kinds);
+             k++) {
+            good_inputs();
+            const char *p = in_dir(cases[i].file);
+            unlink(p);
+            rmdir(p);
+            t_check(k == 0   ? mkfifo(p, 0644) == 0
+                    : k == 1 ? symlink("/dev/null", p) == 0
+                             : mkdir(p, 0755) == 0,
+                    "make %s", p);
+            const char *name = strrchr(cases[i].file, '/');
+            char says[300];
+            snprintf(says, sizeof says, "%s %s", name ? name + 1 : cases[i].file, kinds[k]);
+            t_fitlm_fails_within(dir, cases[i].args, 30, cases[i].says ? cases[i].says : says,
+                                 output, sizeof output);
+            unlink(in_dir(cases[i].file));
+            rmdir(in_path);
+        }
+}
+
+// The text of a file with its trailing white space cut and `tail` (n
+// bytes) put after its first line's JSON value (line: 1) or the whole text's.
+static void json_with_tail(const char *from, const char *to, int line, const char *tail, size_t n) {
+    size_t len;
+    unsigned char *b = t_read_file(from, &len);
+    t_check(b != NULL, "read %s", from);
+    size_t end = len;
+    if (line) end = (size_t)((unsigned char *)strchr((char *)b, '\n') - b);
+    size_t cut = end;
+    while (cut && strchr(" \t\r\n", b[cut - 1])) cut--;
+    unsigned char *out = malloc(len + n + 1);
+    memcpy(out, b, cut);
+    memcpy(out + cut, tail, n);
+    memcpy(out + cut + n, b + end, len - end);
+    t_write_file(in_dir(to), out, cut + n + len - end);
+    free(out);
+    free(b);
+}
+
+// Every JSON file fitlm reads is one value and white space: text after the
+// value (a second value, a stray character, bytes after a NUL) is refused
+// naming the file and the byte; white space after it is fine. In the
+// sanitizer build, each error exit is also checked to report no leak.
+static void test_json_inputs_are_whole(void) {
+    char q[700];
+    int rc = fitlm("train --init-from in_base --lora --lora-target-modules c_attn --data in_small "
+                   "--tokenizer byte --steps 1 --seq-len 16 --batch 2 --out in_lora "
+                   "--sample-tokens 0");
+    t_check(rc == 0, "a LoRA run for its adapter: %.300s", output);
+    write_text("in_good.json", "{\"seq_len\": 16}\n");
+    write_text("in_cfg.json", "{}\n");
+    static const struct {
+        const char *from, *file; // the good file (in dir, or in the source tree), the one edited
+        int line;                // 1: the tail goes after the first line's value
+        const char *args, *says; // fitlm ARGS; its error says "<says><why>"
+        const char *ok_args;     // a run that succeeds with white space after the value
+    } files[] = {
+        {"tests/fixtures/hf_tokenizer_97/tokenizer.json", "in_tok/tokenizer.json", 0,
+         "tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok",
+         "in_tok/tokenizer.json is not valid JSON: ",
+         "tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok --val-fraction 0"},
+        {"@in_cfg.json", "in_tok/tokenizer_config.json", 0,
+         "tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok",
+         "in_tok/tokenizer_config.json is not valid JSON: ",
+         "tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok --val-fraction 0"},
+        {"data/gpt2/encoder.json", "in_gpt2/encoder.json", 0,
+         "tokenize in.txt -o tok_out --tokenizer gpt2 --tokenizer-path in_gpt2",
+         "in_gpt2/encoder.json is not valid JSON: ",
+         "tokenize in.txt -o tok_out --tokenizer gpt2 --tokenizer-path in_gpt2 --val-fraction 0"},
+        {"@in_base/config.json", "in_hf/config.json", 0,
+         "eval --init-from in_hf --text in.txt --tokenizer byte",
+         "in_hf/config.json: not valid JSON: ",
+         "eval --init-from in_hf --text in.txt --tokenizer byte"},
+        {"@in_idx/model.safetensors.index.json", "in_idx/model.safetensors.index.json", 0,
+         "eval --init-from in_idx --text in.txt --tokenizer byte",
+         "in_idx/model.safetensors.index.json: not valid JSON: ",
+         "eval --init-from in_idx --text in.txt --tokenizer byte"},
+        {"@in_lora/adapter/adapter_config.json", "in_ad/adapter_config.json", 0,
+         "eval --init-from in_base --adapter in_ad --text in.txt --tokenizer byte",
+         "in_ad/adapter_config.json: not valid JSON: ",
+         "eval --init-from in_base --adapter in_ad --text in.txt --tokenizer byte"},
+        {"@in_run0/metrics.jsonl", "in_run/metrics.jsonl", 1, "plot in_run -o plot_out",
+         "in_run/metrics.jsonl:1: not a JSON object (", "plot in_run -o plot_out"},
+        {"@in_good.json", "in.json", 0, "train --config in.json",
+         "in.json: ", "plan --config in.json --model tiny --tokenizer byte --batch 2"},
+    };
+    static const struct {
+        const char *tail;
+        size_t n;
+        const char *why;
+    } tails[] = {
+        {"x", 1, "unexpected text after the top-level JSON value"},
+        {" {}", 3, "unexpected text after the top-level JSON value"},
+        {"]", 1, "unexpected text after the top-level JSON value"},
+        {"\0junk", 5, "a NUL byte"},
+    };
+    for (size_t f = 0; f < sizeof files / sizeof files[0]; f++) {
+        const char *from = files[f].from;
+        if (*from == '@')
+            snprintf(q, sizeof q, "%s/%s", dir, from + 1);
+        else
+            snprintf(q, sizeof q, "%s", t_source_path(from));
+        char src[700], adapter[700];
+        snprintf(src, sizeof src, "%s", q);
+        snprintf(adapter, sizeof adapter, "%s/in_lora/adapter/adapter_model.safetensors", dir);
+        for (size_t t = 0; t <= sizeof tails / sizeof tails[0]; t++) {
+            good_inputs();
+            copy_in(adapter, "in_ad/adapter_model.safetensors");
+            if (t == sizeof tails / sizeof tails[0]) { // white space after the value: fine
+                // (a line of metrics.jsonl ends at its '\n')
+                json_with_tail(src, files[f].file, files[f].line, " \t\r\n \n",
+                               files[f].line ? 3 : 6);
+                rc = fitlm(files[f].ok_args);
+                t_check(rc == 0, "%s with white space after its JSON: fitlm %s: status %d: %.300s",
+                        files[f].file, files[f].ok_args, rc, output);
+                break;
+            }
+            if (files[f].line && memchr(tails[t].tail, '\n', tails[t].n)) continue;
+            json_with_tail(src, files[f].file, files[f].line, tails[t].tail, tails[t].n);
+            char says[400];
+            snprintf(says, sizeof says, "%s%s", files[f].says, tails[t].why);
+            t_fitlm_fails_within(dir, files[f].args, 60, says, output, sizeof output);
+        }
+    }
+}
+
+// Error exits report no leak (the sanitizer build; t_fitlm_fails checks):
+// what a reader held when it failed goes with the process.
+static void test_error_exits_do_not_leak(void) {
+    good_inputs();
+    write_text("in_tok/tokenizer.json", "");
+    fails_with("tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok",
+               "tokenizer.json is empty");
+    write_text("in_tok/tokenizer.json", " \n");
+    fails_with("tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok",
+               "tokenizer.json is not valid JSON: no JSON value");
+    good_inputs();
+    write_text("in_tok/tokenizer_config.json", "");
+    fails_with("tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok",
+               "tokenizer_config.json is empty");
+    write_text("in_tok/tokenizer_config.json", "{\"eos_token\": 3}");
+    fails_with("tokenize in.txt -o tok_out --tokenizer hf --tokenizer-path in_tok",
+               "eos_token must be a string");
+    write_text("in_gpt2/encoder.json", "");
+    fails_with("tokenize in.txt -o tok_out --tokenizer gpt2 --tokenizer-path in_gpt2",
+               "encoder.json is empty");
+    fails_with("plot", "fitlm plot needs at least one run directory");
+    fails_with("plot in_nowhere", "in_nowhere");
+    write_text("in_run/metrics.jsonl", "{\"step\": 1, \"loss\": 2, \"memory\": 5}\n");
+    fails_with("plot in_run -o plot_out", "\"memory\" is not an object");
+    write_text("in_run/metrics.jsonl", "{\"step\": 1, \"loss\": 2, \"lr\": \"high\"}\n");
+    fails_with("plot in_run -o plot_out", "in_run/metrics.jsonl:1");
+    write_text("in_file", "a file\n");
+    fails_with("plot in_run0 -o in_file", "in_file");
+    write_text("in_hf/config.json", "{\"model_type\": \"gpt2\"}");
+    fails_with("eval --init-from in_hf --text in.txt --tokenizer byte", "config.json implies");
+    write_text("in_ad/adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": -1}");
+    fails_with("eval --init-from in_base --adapter in_ad --text in.txt --tokenizer byte",
+               "in_ad/adapter_config.json");
+    write_text("in.json", "{\"seq_len\": \"long\"}");
+    fails_with("train --config in.json", "in.json");
+}
+
 static void test_config_then_flags(void) {
     char text[8192];
     size_t n = 0;
@@ -2111,6 +2398,9 @@ int main(void) {
     test_lora_resume_is_bitwise();
     test_lora_adapter();
     test_lora_errors();
+    test_inputs_are_regular_files();
+    test_json_inputs_are_whole();
+    test_error_exits_do_not_leak();
     test_matches_recorded_logs();
     test_kill_while_saving();
     test_learn_vocab();

@@ -351,7 +351,8 @@ static void test_bad_safetensors(void) {
          "non-negative integers"},
         {"bad JSON", "{\"a\":{\"dtype\":", 0, "not valid JSON"},
         {"not an object", "[1, 2]", 0, "does not start with '{'"},
-        {"trailing garbage", "{" T16("a", 0, 64) "}x", 64, "bytes after the header's JSON"},
+        {"trailing garbage", "{" T16("a", 0, 64) "}x", 64,
+         "not valid JSON: unexpected text after the top-level JSON value at byte 56"},
         {"bad metadata", "{\"__metadata__\":{\"format\":1}," T16("a", 0, 64) "}", 64,
          "__metadata__ value 'format' is not a string"},
     };

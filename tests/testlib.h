@@ -99,8 +99,13 @@ const char *t_source_path(const char *rel);
 // discarded otherwise. Returns the exit status, -1 when it did not exit.
 int t_fitlm(const char *dir, const char *args, int with_stderr, char *out, size_t size);
 // Checks that `fitlm ARGS` exits with status 1 saying "fitlm: error:" and
-// `what`; out receives its output.
+// `what`, and no LeakSanitizer report (the sanitizer build); out receives its
+// output.
 int t_fitlm_fails(const char *dir, const char *args, const char *what, char *out, size_t size);
+// The same within `seconds` (a run still going then is ended: status 124),
+// for inputs that could block it (a FIFO).
+int t_fitlm_fails_within(const char *dir, const char *args, int seconds, const char *what,
+                         char *out, size_t size);
 
 // Safetensors test files. t_write_st: a file with this header and `data`
 // zero bytes of data. t_st_rewrite: a copy of a safetensors file with edits,

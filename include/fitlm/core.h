@@ -11,7 +11,9 @@
 // ----------------------------------------------------------------------------
 // errors and logging
 
-// Prints "fitlm: error: <message>" to stderr and exits with status 1.
+// Prints "fitlm: error: <message>" to stderr and ends the process with
+// status 1 at once (_exit after flushing every stream: no exit handler runs,
+// and what is still allocated goes with the process).
 // Used for bad input (files, config, flags) and broken invariants alike:
 // the engine never continues past an error it cannot recover from.
 void fl_die(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
@@ -67,17 +69,39 @@ void fl_mem_report(FILE *out);
 // by a cgroup (v2 or v1) limit minus its usage when there is one. 0 when
 // unknown.
 size_t fl_mem_available(void);
+
+// ----------------------------------------------------------------------------
+// input files (src/core/input.c): every file the user names is read through
+// these. The path (links followed) must be a regular file: a directory, FIFO,
+// socket or device is refused, naming what it is, and never blocks or is
+// opened.
+
+struct stat;
 // Reads a whole file (at most max_bytes; `what` names it in errors) into a
 // tagged buffer with room for a terminating NUL; dies naming the file.
-// A directory or a FIFO/device is refused ("<what> <path> is a directory",
-// "... is not a regular file") without blocking.
 uint8_t *fl_file_read_all(const char *path, size_t max_bytes, size_t *size, const char *what);
 // Dies unless path is a regular file: "cannot open <what> <path>: <reason>",
-// "<what> <path> is a directory" or "... is not a regular file".
+// "<what> <path> is a directory" or "... is not a regular file (it is a FIFO)".
 void fl_require_regular_file(const char *path, const char *what);
 // Opens a regular file for reading (O_RDONLY | O_CLOEXEC), with the errors
-// of fl_require_regular_file; a FIFO never blocks the open.
+// of fl_require_regular_file.
 int fl_open_regular(const char *path, const char *what);
+// The same, never dying (for probes): the descriptor, or -1 with errno set
+// (EISDIR, or EINVAL for another kind of file); *st receives its status.
+int fl_try_open_regular(const char *path, struct stat *st);
+
+// ----------------------------------------------------------------------------
+// JSON from outside (src/core/json.c): every file, header or log line that
+// fitlm did not just build is parsed here. The text must be one JSON value
+// and nothing but white space after it; a NUL byte anywhere is refused (it
+// would end a C string early). NULL when it is not: *why ("invalid JSON",
+// "unexpected text after the top-level JSON value", "a NUL byte", "no JSON
+// value") and *at, the byte offset, for the caller's message naming the file.
+
+struct cJSON;
+struct cJSON *fl_json_parse(const char *text, size_t n, const char **why, size_t *at);
+// The 1-based line of byte off in text, for messages.
+int fl_text_line_of(const char *text, size_t off);
 
 // ----------------------------------------------------------------------------
 // random numbers: a small, fast, fully reproducible generator (xoshiro256**

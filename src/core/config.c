@@ -632,25 +632,15 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
     }
 }
 
-static int line_of(const char *text, size_t off) {
-    int line = 1;
-    for (size_t i = 0; i < off; i++) line += text[i] == '\n';
-    return line;
-}
-
-// A NUL (a raw byte, or \u0000 in a string) would end a C string early:
-// "a\u0000b" would read as "a".
+// A \u0000 in a string would end a C string early: "a\u0000b" would read
+// as "a" (a raw NUL byte is fl_json_parse's to refuse).
 static void check_no_nul(const char *text, size_t n, const char *where) {
-    const char *z = memchr(text, 0, n);
-    if (z)
-        fl_die("%s: a NUL byte at line %d (byte %zu) is not allowed", where,
-               line_of(text, (size_t)(z - text)), (size_t)(z - text));
     int in_string = 0;
     for (size_t i = 0; i < n; i++) {
         if (in_string && text[i] == '\\' && i + 1 < n) {
             if (text[i + 1] == 'u' && i + 6 <= n && !memcmp(text + i + 2, "0000", 4))
                 fl_die("%s: \\u0000 (a NUL character) at line %d (byte %zu) is not allowed", where,
-                       line_of(text, i), i);
+                       fl_text_line_of(text, i), i);
             i++; // the escaped character cannot end the string
         } else if (text[i] == '"') {
             in_string = !in_string;
@@ -690,22 +680,11 @@ static void check_duplicates(const cJSON *item, const char *path, const char *wh
 }
 
 void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, const char *where) {
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(text, n, &why, &at);
+    if (!root) fl_die("%s: %s at line %d (byte %zu)", where, why, fl_text_line_of(text, at), at);
     check_no_nul(text, n, where);
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
-    if (!root) {
-        size_t off = end && end >= text && (size_t)(end - text) <= n ? (size_t)(end - text) : 0;
-        fl_die("%s: invalid JSON at line %d (byte %zu)", where, line_of(text, off), off);
-    }
-    // cJSON stops after the first value: anything but white space after it
-    // is a second value or a stray edit
-    size_t off = (size_t)(end - text);
-    while (off < n &&
-           (text[off] == ' ' || text[off] == '\t' || text[off] == '\n' || text[off] == '\r'))
-        off++;
-    if (off < n)
-        fl_die("%s: unexpected text after the top-level JSON value at line %d (byte %zu)", where,
-               line_of(text, off), off);
     if (!cJSON_IsObject(root)) fl_die("%s: the top level must be a JSON object", where);
     check_duplicates(root, "", where);
     load_object(cfg, root, "", where);

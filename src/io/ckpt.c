@@ -40,13 +40,11 @@ int fl_is_checkpoint_dir(const char *path) {
 }
 
 int fl_is_checkpoint(const char *path) {
-    // O_NONBLOCK: opening a FIFO must not hang; only a regular file is read
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) return fl_is_checkpoint_dir(path);
     struct stat st;
+    int fd = fl_try_open_regular(path, &st);
+    if (fd < 0) return fl_is_checkpoint_dir(path);
     char magic[8];
-    int found = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-                pread(fd, magic, sizeof magic, 0) == (ssize_t)sizeof magic &&
+    int found = pread(fd, magic, sizeof magic, 0) == (ssize_t)sizeof magic &&
                 !memcmp(magic, CKPT_MAGIC, sizeof magic);
     close(fd);
     return found || fl_is_checkpoint_dir(path);
@@ -268,9 +266,12 @@ static int parse_files(const cJSON *list, parsed *p, uint64_t *offset, char *err
 
 // The header JSON (after its CRC was checked) against data_len.
 static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errlen) {
-    p->root = cJSON_ParseWithLength((const char *)header, p->header_len);
-    if (!p->root || !cJSON_IsObject(p->root))
-        return fl_errorf(err, errlen, "the header is not a JSON object");
+    const char *why;
+    size_t at;
+    p->root = fl_json_parse((const char *)header, p->header_len, &why, &at);
+    if (!p->root)
+        return fl_errorf(err, errlen, "the header is not a JSON object (%s at byte %zu)", why, at);
+    if (!cJSON_IsObject(p->root)) return fl_errorf(err, errlen, "the header is not a JSON object");
     const cJSON *meta = cJSON_GetObjectItemCaseSensitive(p->root, "meta");
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(p->root, "step");
     const cJSON *list = cJSON_GetObjectItemCaseSensitive(p->root, "tensors");
@@ -377,13 +378,11 @@ static int read_header(int fd, uint64_t size, parsed *p, uint32_t *header_crc, c
 // The header of the file at path, never dying (for pruning): 0 or -1.
 static int header_of(const char *path, parsed *p) {
     memset(p, 0, sizeof *p);
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) return -1;
     struct stat st;
+    int fd = fl_try_open_regular(path, &st);
+    if (fd < 0) return -1;
     char err[256];
-    int rc = fstat(fd, &st) == 0 && S_ISREG(st.st_mode)
-                 ? read_header(fd, (uint64_t)st.st_size, p, NULL, err, sizeof err)
-                 : -1;
+    int rc = read_header(fd, (uint64_t)st.st_size, p, NULL, err, sizeof err);
     close(fd);
     if (rc != 0) parsed_free(p);
     return rc;
@@ -979,14 +978,11 @@ static void resolve(const char *path, char *out, size_t size) {
     }
     char latest[FL_FILE_PATH_MAX];
     snprintf(latest, sizeof latest, "%s/latest", path);
-    struct stat lst; // a FIFO would block fopen
-    if (stat(latest, &lst) == 0 && !S_ISREG(lst.st_mode))
-        fl_die("%s holds no checkpoint: %s is not a regular file", path, latest);
-    FILE *f = fopen(latest, "rb");
-    if (!f) fl_die("%s holds no checkpoint: cannot open %s: %s", path, latest, strerror(errno));
+    int fd = fl_open_regular(latest, "checkpoint pointer file");
     char name[64] = {0};
-    size_t n = fread(name, 1, sizeof name - 1, f);
-    fclose(f);
+    ssize_t got = read(fd, name, sizeof name - 1);
+    close(fd);
+    size_t n = got > 0 ? (size_t)got : 0;
     while (n && (name[n - 1] == '\n' || name[n - 1] == '\r')) name[--n] = 0;
     int step;
     if (!is_ckpt_name(name, &step))

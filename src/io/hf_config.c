@@ -203,8 +203,12 @@ static int check_config(const cJSON *root, fl_model_config *out, char *err, size
 }
 
 int fl_hf_config_parse(const char *json, size_t n, fl_model_config *out, char *err, size_t errlen) {
-    cJSON *root = cJSON_ParseWithLength(json, n);
-    if (!root) return fl_errorf(err, errlen, "not valid JSON");
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(json, n, &why, &at);
+    if (!root)
+        return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
+                         fl_text_line_of(json, at), at);
     int rc = check_config(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;
@@ -272,8 +276,12 @@ static int check_index(const cJSON *root, fl_hf_index *out, char *err, size_t er
 
 int fl_hf_index_parse(const char *json, size_t n, fl_hf_index *out, char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
-    cJSON *root = cJSON_ParseWithLength(json, n);
-    if (!root) return fl_errorf(err, errlen, "not valid JSON");
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(json, n, &why, &at);
+    if (!root)
+        return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
+                         fl_text_line_of(json, at), at);
     int rc = check_index(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;

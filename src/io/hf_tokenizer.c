@@ -487,7 +487,12 @@ static void find_eot(fl_tokenizer *tok, const fl_tokenizer_files *f) {
     if (f->n > 1) {
         const char *cfg = f->where[1], *text = (const char *)f->data[1];
         size_t size = f->size[1];
-        cJSON *root = cJSON_ParseWithLength(text, size);
+        const char *why;
+        size_t at;
+        cJSON *root = fl_json_parse(text, size, &why, &at);
+        if (!root)
+            fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", cfg, why,
+                   fl_text_line_of(text, at), at);
         if (!cJSON_IsObject(root)) fl_die("tokenizer file %s is not a valid JSON object", cfg);
         const cJSON *eos = item(root, "eos_token");
         if (cJSON_IsObject(eos)) eos = item(eos, "content"); // the older AddedToken layout
@@ -544,12 +549,12 @@ static void set_mode(fl_tokenizer *tok, const hf_loader *L, const cJSON *model) 
 void fl_hf_tokenizer_load(fl_tokenizer *tok, const fl_tokenizer_files *f) {
     const char *file = f->where[0], *text = (const char *)f->data[0];
     size_t size = f->size[0];
-    cJSON *root = cJSON_ParseWithLength(text, size);
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        fl_die("tokenizer file %s is not valid JSON (near byte %ld)", file,
-               at ? (long)(at - text) : -1L);
-    }
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(text, size, &why, &at);
+    if (!root)
+        fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", file, why,
+               fl_text_line_of(text, at), at);
     hf_loader L = {.path = file, .pattern = FL_PRE_NONE, .meta = -1};
     if (!cJSON_IsObject(root)) fl_die("tokenizer file %s: expected a JSON object", file);
     const cJSON *model = item(root, "model");

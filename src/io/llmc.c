@@ -77,10 +77,9 @@ static void llmc_close(fl_weight_source *s) {
 }
 
 void fl_llmc_source_open(fl_weight_source *s, const char *path) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); // opening a FIFO must not hang
-    if (fd < 0) fl_die("cannot open %s: %s", path, strerror(errno));
+    int fd = fl_open_regular(path, "llm.c model file");
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) fl_die("%s is not a regular file", path);
+    if (fstat(fd, &st) != 0) fl_die("cannot stat llm.c model file %s: %s", path, strerror(errno));
     FILE *f = fdopen(fd, "rb");
     if (!f) fl_die("cannot open %s: %s", path, strerror(errno));
     uint8_t buf[FL_LLMC_HEADER_BYTES];

@@ -22,7 +22,9 @@ int fl_text_line_step(const char *line, size_t len) {
 }
 
 int fl_metrics_line_step(const char *line, size_t len) {
-    cJSON *o = cJSON_ParseWithLength(line, len);
+    const char *why;
+    size_t at;
+    cJSON *o = fl_json_parse(line, len, &why, &at);
     const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
     int step = cJSON_IsNumber(s) ? s->valueint : -1;
     cJSON_Delete(o);
@@ -191,9 +193,15 @@ void fl_metrics_read(const char *path, fl_metrics *m) {
         if (!end) break; // a torn last line: the writer died inside it
         w.line++;
         size_t len = (size_t)(end - line);
-        cJSON *o = cJSON_ParseWithLength(line, len);
+        const char *why;
+        size_t at;
+        cJSON *o = fl_json_parse(line, len, &why, &at);
         line = end + 1;
-        if (!o || !cJSON_IsObject(o))
+        if (!o)
+            fl_die("%s:%d: not a JSON object (%s at byte %zu of the line; each line of "
+                   "metrics.jsonl is one)",
+                   path, w.line, why, at);
+        if (!cJSON_IsObject(o))
             fl_die("%s:%d: not a JSON object (each line of metrics.jsonl is one)", path, w.line);
         const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
         if (!cJSON_IsNumber(s) || s->valuedouble != (double)s->valueint || s->valueint < 0)

@@ -190,8 +190,12 @@ static int check_peft(const cJSON *root, fl_lora_config *out, char *err, size_t 
 
 int fl_peft_config_parse(const char *json, size_t n, fl_lora_config *out, char *err,
                          size_t errlen) {
-    cJSON *root = cJSON_ParseWithLength(json, n);
-    if (!root) return fl_errorf(err, errlen, "not valid JSON");
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(json, n, &why, &at);
+    if (!root)
+        return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
+                         fl_text_line_of(json, at), at);
     int rc = check_peft(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;

@@ -188,27 +188,21 @@ int fl_safetensors_parse(const uint8_t *buf, size_t n, fl_safetensors *out, char
                          (unsigned long long)hlen);
     out->data = buf + 8 + hlen;
     out->data_size = n - 8 - (size_t)hlen;
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(header, (size_t)hlen, &end, 0);
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(header, (size_t)hlen, &why, &at);
     if (!root)
-        return fl_errorf(err, errlen, "the header is not valid JSON (error at byte %td of %llu)",
-                         end ? end - header : 0, (unsigned long long)hlen);
-    for (const char *p = end; p < header + hlen; p++)
-        if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
-            cJSON_Delete(root);
-            return fl_errorf(err, errlen, "bytes after the header's JSON object (at byte %td)",
-                             p - header);
-        }
+        return fl_errorf(err, errlen, "the header is not valid JSON: %s at byte %zu of %llu", why,
+                         at, (unsigned long long)hlen);
     int rc = parse_header(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;
 }
 
 void fl_safetensors_open(fl_safetensors *st, const char *path) {
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) fl_die("cannot open %s: %s", path, strerror(errno));
+    int fd = fl_open_regular(path, "safetensors file");
     struct stat s;
-    if (fstat(fd, &s) != 0 || !S_ISREG(s.st_mode)) fl_die("%s is not a regular file", path);
+    if (fstat(fd, &s) != 0) fl_die("cannot stat safetensors file %s: %s", path, strerror(errno));
     size_t size = (size_t)s.st_size;
     void *map = NULL;
     if (size > 0) {

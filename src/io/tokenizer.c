@@ -92,12 +92,12 @@ void fl_tok_merges_alloc(fl_tokenizer *tok, size_t merges) {
 // text: the file's size bytes (a NUL after them); path names it in messages.
 static void load_encoder(fl_tokenizer *tok, const char *text, size_t size, const char *path,
                          const int16_t *byte_of) {
-    cJSON *root = cJSON_ParseWithLength(text, size);
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        fl_die("tokenizer file %s is not valid JSON (near byte %ld)", path,
-               at ? (long)(at - text) : -1L);
-    }
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(text, size, &why, &at);
+    if (!root)
+        fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", path, why,
+               fl_text_line_of(text, at), at);
     if (!cJSON_IsObject(root) || !root->child)
         fl_die("tokenizer file %s: expected a JSON object {\"token\": id, ...}", path);
     int count = cJSON_GetArraySize(root);
