@@ -15,6 +15,7 @@
 // (its two passes sum the norm row by row) within 1e-6 relative.
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -203,6 +204,90 @@ static void short_read(void *arg) {
     fl_run_step_batch(&run, run.inputs, run.targets, 1e-3f);
 }
 
+// A change to the file under the run, by something else than the run.
+typedef enum {
+    CUT_TO_NOTHING,
+    CUT_AND_EXTENDED, // cut to nothing, then its last page written: a late write-back's race
+    CUT_TO_HALF,
+    CUT_LAST_PAGE,
+    ZERO_PAGES,
+    FLIP_BYTE,
+    OLD_COPY
+} tamper;
+
+typedef struct {
+    const char *name;
+    tamper how;
+    int stage, weights; // ZeRO stage; offload_param (the weights in the file too)
+    int buffers, pipelined;
+    size_t region; // ZERO_PAGES, FLIP_BYTE: the offset's tensor region (0: master)
+    int then_save; // then a checkpoint's read of the state (fl_optimizer_map), not a step
+} tamper_case;
+
+// A descriptor of this process's offload file opened for writing anew (as
+// anyone can through /proc), or -1.
+static int reopen_offload_file(const char *path) {
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    int fd = -1;
+    while (d && fd < 0 && (e = readdir(d))) {
+        char link[300], target[PATH_MAX + 16];
+        snprintf(link, sizeof link, "/proc/self/fd/%s", e->d_name);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n <= 0) continue;
+        target[n] = 0;
+        if (!strncmp(target, path, strlen(path))) fd = open(link, O_RDWR);
+    }
+    if (d) closedir(d);
+    return fd;
+}
+
+static void tamper_run(void *arg) {
+    const tamper_case *c = arg;
+    offload_case oc = {.dt = FL_BF16,
+                       .stage = c->stage,
+                       .accum = 1,
+                       .buffers = c->buffers,
+                       .read_ahead = c->pipelined,
+                       .write_behind = c->pipelined,
+                       .chunk = 4096,
+                       .weights = c->weights};
+    fl_run run;
+    open_run(&oc, FL_BF16, 7, 1, 0, &run);
+    int fd = reopen_offload_file(fl_offload_path(run.offload));
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) exit(3); // the test itself failed
+    size_t size = (size_t)st.st_size, tensors = c->weights ? 4 : 3;
+    // the middle of a tensor's region: a chunk no buffer holds between steps
+    size_t at = size / tensors * c->region + size / tensors / 2 + 100;
+    unsigned char *old = malloc(size), byte;
+    static const char zeros[3 * 4096];
+    for (int step = 0; step < 4; step++) {
+        batch(step, B * T, run.inputs, run.targets);
+        fl_run_step_batch(&run, run.inputs, run.targets, 1e-3f);
+        if (step == 0 && pread(fd, old, size, 0) != (ssize_t)size) exit(3);
+        if (step != 1) continue;
+        // after a step: its last chunks are still to be written back
+        int ok = 1;
+        if (c->how == CUT_TO_NOTHING || c->how == CUT_AND_EXTENDED) ok = ftruncate(fd, 0) == 0;
+        if (c->how == CUT_AND_EXTENDED) // the size is right again, the rest reads as zeros
+            ok = ok && pwrite(fd, old + size - 4096, 4096, (off_t)(size - 4096)) == 4096;
+        if (c->how == CUT_TO_HALF) ok = ftruncate(fd, (off_t)(size / 2)) == 0;
+        if (c->how == CUT_LAST_PAGE) ok = ftruncate(fd, (off_t)(size - 4096)) == 0;
+        if (c->how == ZERO_PAGES) ok = pwrite(fd, zeros, sizeof zeros, (off_t)at) == sizeof zeros;
+        if (c->how == FLIP_BYTE)
+            ok = pread(fd, &byte, 1, (off_t)at) == 1 && (byte ^= 0x10, 1) &&
+                 pwrite(fd, &byte, 1, (off_t)at) == 1;
+        if (c->how == OLD_COPY) ok = pwrite(fd, old, size, 0) == (ssize_t)size; // step 1's file
+        if (!ok) exit(3);
+        if (c->then_save) {
+            fl_optimizer_map(&run.optim);
+            fl_optimizer_unmap(&run.optim);
+        }
+    }
+    exit(0); // trained on: the test fails
+}
+
 static void check_errors(void) {
     char file[64];
     snprintf(file, sizeof file, "%s/plain-file", nvme_dir);
@@ -215,6 +300,31 @@ static void check_errors(void) {
     t_dies("a full disk at start", full_disk, NULL, "cannot reserve");
     t_dies("a file cut short under the run", short_read, NULL, "a short transfer");
     remove(file);
+    // any change to the file under the run is an error naming it, never a
+    // wrong number: between steps, with the last chunks still to be written
+    // back (whose write-back extends a cut file again, its holes reading as
+    // zeros), or before a checkpoint reads the state
+    const tamper_case tampers[] = {
+        {"cut to nothing", CUT_TO_NOTHING, 1, 0, 1, 0, 0, 0},
+        {"cut, then extended by a write", CUT_AND_EXTENDED, 1, 0, 1, 0, 0, 0},
+        {"cut, then extended, pipelined", CUT_AND_EXTENDED, 2, 0, 4, 1, 0, 0},
+        {"cut, then extended, then saved", CUT_AND_EXTENDED, 2, 0, 2, 1, 0, 1},
+        {"ZeRO-3: cut, then extended", CUT_AND_EXTENDED, 3, 1, 3, 1, 0, 0},
+        {"cut to half", CUT_TO_HALF, 1, 0, 2, 1, 0, 0},
+        {"the last page cut", CUT_LAST_PAGE, 1, 0, 3, 0, 0, 0},
+        {"three pages zeroed", ZERO_PAGES, 1, 0, 1, 0, 1, 0},
+        {"one byte flipped", FLIP_BYTE, 1, 0, 4, 1, 2, 0},
+        {"an older copy put back", OLD_COPY, 2, 0, 3, 1, 0, 0},
+        {"one byte flipped, then saved", FLIP_BYTE, 1, 0, 2, 0, 0, 1},
+        {"cut to half, then saved", CUT_TO_HALF, 1, 0, 1, 0, 0, 1},
+        {"ZeRO-3: a weight's byte flipped", FLIP_BYTE, 3, 1, 2, 1, 3, 0},
+        {"ZeRO-3: weights zeroed", ZERO_PAGES, 3, 1, 4, 1, 3, 0},
+        {"ZeRO-3: cut to nothing", CUT_TO_NOTHING, 3, 1, 1, 0, 0, 0},
+    };
+    char names_file[160];
+    snprintf(names_file, sizeof names_file, "NVMe offload file %s/fitlm-optimizer-", nvme_dir);
+    for (size_t i = 0; i < sizeof tampers / sizeof tampers[0]; i++)
+        t_dies(tampers[i].name, tamper_run, (void *)&tampers[i], names_file);
 }
 
 // ----------------------------------------------------------------------------
