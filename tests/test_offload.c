@@ -24,8 +24,10 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <cjson/cJSON.h>
 
 #include "fitlm/comm.h"
+#include "fitlm/io.h"
 #include "fitlm/run.h"
 #include "testlib.h"
 
@@ -352,6 +354,93 @@ static void log_steps(const char *dir, int from, char *out, size_t size) {
     free(text);
 }
 
+// Sets zero_optimization.<block> (and `aio` when given) in the config that
+// checkpoint `path` records, as an older fitlm or anyone could have written
+// it: the header rewritten, its CRC-32 recomputed.
+static void ckpt_set_config(const char *path, const char *block, const char *json,
+                            const char *aio) {
+    size_t n = 0;
+    unsigned char *file = t_read_file(path, &n);
+    uint32_t header_len = file ? fl_get_u32(file + 12) : 0;
+    cJSON *root = file ? cJSON_ParseWithLength((const char *)file + 28, header_len) : NULL;
+    cJSON *cfg = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "meta"), "config");
+    cJSON *zero = cJSON_GetObjectItem(cfg, "zero_optimization");
+    if (!zero) {
+        t_check(0, "%s records no zero_optimization block", path);
+        cJSON_Delete(root);
+        free(file);
+        return;
+    }
+    cJSON_DeleteItemFromObject(zero, block);
+    cJSON_AddItemToObject(zero, block, cJSON_Parse(json));
+    cJSON_DeleteItemFromObject(cfg, "aio");
+    if (aio) cJSON_AddItemToObject(cfg, "aio", cJSON_Parse(aio));
+    char *header = cJSON_PrintUnformatted(root);
+    size_t len = strlen(header);
+    fl_put_u32(file + 12, (uint32_t)len);
+    fl_put_u32(file + 24, fl_crc32(fl_crc32(0, file, 24), header, len));
+    FILE *out = fopen(path, "wb");
+    t_check(out && fwrite(file, 1, 28, out) == 28 && fwrite(header, 1, len, out) == len &&
+                fwrite(file + 28 + header_len, 1, n - 28 - header_len, out) ==
+                    n - 28 - header_len &&
+                fclose(out) == 0,
+            "rewriting %s", path);
+    cJSON_free(header);
+    cJSON_Delete(root);
+    free(file);
+}
+
+// NVMe offload's blocks belong to the invocation: a checkpoint's config,
+// whatever wrote it, never names the directory a resume writes in.
+static void check_resume_nvme_path(const char *work, const char *cfg) {
+    const char *src = t_source_path(".");
+    char args[2048], out[16384], ck[300], elsewhere[300];
+    static char text[1 << 16];
+    snprintf(ck, sizeof ck, "%s/off/ckpt_00000003.fitlm", work);
+    size_t n = 0;
+    unsigned char *file = t_read_file(ck, &n);
+    snprintf(text, sizeof text, "%.*s", file ? (int)fl_get_u32(file + 12) : 0,
+             file ? (const char *)file + 28 : "");
+    free(file);
+    t_check(*text && !strstr(text, "nvme_path") && !strstr(text, "offload_optimizer"),
+            "a checkpoint of an offloaded run records no NVMe offload block");
+    // a directory named by the checkpoint: absent, then one that exists
+    snprintf(elsewhere, sizeof elsewhere, "%s/elsewhere", work);
+    char json[512];
+    snprintf(json, sizeof json,
+             "{\"device\": \"nvme\", \"nvme_path\": \"%s\", \"buffer_count\": 2}", elsewhere);
+    ckpt_set_config(ck, "offload_optimizer", json, "{\"block_size\": 4096}");
+    for (int exists = 0; exists < 2; exists++) {
+        if (exists && mkdir(elsewhere, 0700) != 0) t_check(0, "mkdir %s", elsewhere);
+        snprintf(args, sizeof args, RUN " --steps 4 --resume %s --out %s/named%d", ck, work,
+                 exists);
+        int rc = t_fitlm(src, args, 1, out, sizeof out);
+        t_check(rc == 0 && !strstr(out, "NVMe offload") && !strstr(out, elsewhere),
+                "a resume of a checkpoint naming nvme_path %s (%s) runs in RAM, nothing there "
+                "(status %d):\n%s",
+                elsewhere, exists ? "a directory" : "absent", rc, out);
+    }
+    t_check(rmdir(elsewhere) == 0, "nothing was created in %s", elsewhere);
+    // this invocation's --config decides: its directory, not the checkpoint's
+    snprintf(args, sizeof args, RUN " --steps 4 --config %s --resume %s --out %s/given", cfg, ck,
+             work);
+    int rc = t_fitlm(src, args, 1, out, sizeof out);
+    char here[300];
+    snprintf(here, sizeof here, "NVMe offload per step (%s/fitlm-optimizer-", nvme_dir);
+    t_check(rc == 0 && strstr(out, here) && access(elsewhere, F_OK) != 0,
+            "a resume with --config offloads where that config says (status %d):\n%s", rc, out);
+    // ZeRO-3's offload_param block and aio from the checkpoint: not taken either
+    snprintf(ck, sizeof ck, "%s/z3off/ckpt_00000003.fitlm", work);
+    ckpt_set_config(ck, "offload_param", "{\"device\": \"nvme\", \"nvme_path\": \"/\"}",
+                    "{\"queue_depth\": 3}");
+    snprintf(args, sizeof args, RUN_ANY_STAGE " --steps 4 --resume %s --out %s/z3named", ck, work);
+    rc = t_fitlm(src, args, 1, out, sizeof out);
+    t_check(rc == 0 && !strstr(out, "NVMe offload"),
+            "a ZeRO-3 resume of a checkpoint naming offload_param.nvme_path / runs in RAM "
+            "(status %d):\n%s",
+            rc, out);
+}
+
 static void check_resume(void) {
     char work[256], cfg[300], args[2048], out[16384];
     snprintf(work, sizeof work, "%s/runs", nvme_dir);
@@ -452,6 +541,13 @@ static void check_resume(void) {
     t_fitlm_fails(src, args, "nvme_path /proc: cannot create files there", out, sizeof out);
     snprintf(args, sizeof args, "plan --model gpt2-xl --precision bf16 --config %s", cfg);
     t_fitlm_fails(src, args, "nvme_path /proc: cannot create files there", out, sizeof out);
+    // the first config again: the stage-2 offload under nvme_dir
+    snprintf(json, sizeof json,
+             "{\"zero_optimization\": {\"stage\": 2, \"sub_group_size\": 100000, "
+             "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}}",
+             nvme_dir);
+    t_write_text(cfg, json);
+    check_resume_nvme_path(work, cfg);
 }
 
 int main(int argc, char **argv) {

@@ -171,6 +171,12 @@ void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, 
 // The options set by a file or a flag (not defaulted), as a JSON config that
 // fl_config_load_json_text reads back into the same run; fl_free the result.
 char *fl_config_to_json(const fl_train_config *cfg);
+// Resets the options that belong to an invocation, not to the run (the ones
+// fl_config_to_json leaves out: --resume, the reports, mem_limit, NVMe
+// offload's offload_optimizer, offload_param and aio blocks), to their
+// defaults, not given: a resume never takes them from a checkpoint's config,
+// whatever wrote it (docs/checkpoints-and-formats.md).
+void fl_config_forget_invocation(fl_train_config *cfg);
 // The checks of the options no subsystem owns: threads (0: all cores),
 // mem_limit, precision (dtype) and its fp16 keys, the recompute policy.
 // Each subsystem checks its own section (fl_<subsystem>_check_config);
