@@ -299,6 +299,8 @@ static void check_errors(void) {
     t_dies("nvme_path where nothing can be created", check_path, "/proc",
            "cannot create files there");
     t_dies("nvme_path without room", check_huge, nvme_dir, "only");
+    t_dies("nvme_path without room: the sizes", check_huge, nvme_dir,
+           "needs 4.00 EiB of disk, only ");
     t_dies("a full disk at start", full_disk, NULL, "cannot reserve");
     t_dies("a file cut short under the run", short_read, NULL, "a short transfer");
     remove(file);
@@ -380,11 +382,11 @@ static void ckpt_set_config(const char *path, const char *block, const char *jso
     fl_put_u32(file + 12, (uint32_t)len);
     fl_put_u32(file + 24, fl_crc32(fl_crc32(0, file, 24), header, len));
     FILE *out = fopen(path, "wb");
-    t_check(out && fwrite(file, 1, 28, out) == 28 && fwrite(header, 1, len, out) == len &&
-                fwrite(file + 28 + header_len, 1, n - 28 - header_len, out) ==
-                    n - 28 - header_len &&
-                fclose(out) == 0,
-            "rewriting %s", path);
+    size_t data = n - 28 - header_len;
+    int ok = out && fwrite(file, 1, 28, out) == 28 && fwrite(header, 1, len, out) == len &&
+             fwrite(file + 28 + header_len, 1, data, out) == data;
+    if (out && fclose(out) != 0) ok = 0;
+    t_check(ok, "rewriting %s", path);
     cJSON_free(header);
     cJSON_Delete(root);
     free(file);

@@ -254,10 +254,14 @@ void fl_offload_check_path(const char *key, const char *dir, size_t disk) {
     if (fd < 0) fl_die("%s %s: cannot create files there: %s", key, dir, strerror(errno));
     close(fd);
     unlink(probe);
-    double avail = (double)vs.f_bavail * (double)vs.f_frsize;
-    if (avail < (double)disk)
-        fl_die("%s %s: the offloaded optimizer needs %.2f GB of disk, only %.2f GB are free there",
-               key, dir, disk / 1e9, avail / 1e9);
+    double free_bytes = (double)vs.f_bavail * (double)vs.f_frsize;
+    size_t avail = free_bytes >= (double)SIZE_MAX ? SIZE_MAX : (size_t)free_bytes;
+    if (avail < disk) {
+        char need[FL_SIZE_TEXT], have[FL_SIZE_TEXT];
+        fl_size_text_pair(disk, avail, need, have);
+        fl_die("%s %s: the offloaded optimizer needs %s of disk, only %s are free there", key, dir,
+               need, have);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -585,9 +589,10 @@ static void open_file(fl_offload *f) {
     unlink(f->path); // scratch: gone with the process, however it ends
     size_t bytes = f->y.file_bytes;
     int rc = posix_fallocate(f->fd, 0, (off_t)bytes);
+    char size[FL_SIZE_TEXT];
     if (rc != 0)
-        fl_die("zero_optimization.offload_optimizer.nvme_path: cannot reserve %.2f GB for %s: %s",
-               bytes / 1e9, f->path, strerror(rc));
+        fl_die("zero_optimization.offload_optimizer.nvme_path: cannot reserve %s for %s: %s",
+               fl_size_text(bytes, size), f->path, strerror(rc));
 }
 
 // Writes each chunk of the file (only tensor `only` when >= 0) from what
