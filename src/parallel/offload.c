@@ -418,9 +418,10 @@ static void wait_buffer(fl_offload *f, int b) {
         pthread_cond_wait(&f->done, &f->lock);
     }
     int err = f->error;
+    size_t bad = f->bad_at;
     f->stats.wait_s += now_s() - t0;
     pthread_mutex_unlock(&f->lock);
-    if (err == EBADMSG) die_changed(f, f->error_what, f->bad_at);
+    if (err == EBADMSG) die_changed(f, f->error_what, bad);
     if (err)
         fl_die("NVMe offload file %s: %s failed: %s", f->path, f->error_what,
                err == EIO ? "I/O error or end of file (was the file truncated?)" : strerror(err));
