@@ -290,6 +290,33 @@ static void tamper_run(void *arg) {
     exit(0); // trained on: the test fails
 }
 
+// The file is unlinked once open: a file put at its name later is never
+// read (the run goes on bitwise as without it) and is left as it is.
+static void check_file_at_its_name(void) {
+    float loss[2][4];
+    char path[PATH_MAX] = "";
+    for (int put = 0; put < 2; put++) {
+        fl_run run;
+        small_open(&run, 1);
+        for (int step = 0; step < 4; step++) {
+            batch(step, B * T, run.inputs, run.targets);
+            loss[put][step] = fl_run_step_batch(&run, run.inputs, run.targets, 1e-3f).loss;
+            if (put && step == 1) {
+                snprintf(path, sizeof path, "%s", fl_offload_path(run.offload));
+                t_write_text(path, "not the state");
+            }
+        }
+        fl_run_close(&run);
+    }
+    size_t n = 0;
+    unsigned char *text = t_read_file(path, &n);
+    t_check(!memcmp(loss[0], loss[1], sizeof loss[0]) && text && n == 13 &&
+                !memcmp(text, "not the state", 13),
+            "a file put at the offload file's name is neither read nor touched");
+    free(text);
+    remove(path);
+}
+
 static void check_errors(void) {
     char file[64];
     snprintf(file, sizeof file, "%s/plain-file", nvme_dir);
@@ -329,6 +356,7 @@ static void check_errors(void) {
     snprintf(names_file, sizeof names_file, "NVMe offload file %s/fitlm-optimizer-", nvme_dir);
     for (size_t i = 0; i < sizeof tampers / sizeof tampers[0]; i++)
         t_dies(tampers[i].name, tamper_run, (void *)&tampers[i], names_file);
+    check_file_at_its_name();
 }
 
 // ----------------------------------------------------------------------------
