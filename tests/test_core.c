@@ -145,12 +145,47 @@ static void test_isa_cap(void) {
            t_cpu_avx2() ? "FITLM_ISA=avx2 gives avx2\n" : "FITLM_ISA=avx2 gives portable\n");
 }
 
+// Sizes in messages: bytes below 1 KiB, then three significant digits; two
+// sizes a message compares never read the same unless they are.
+static void test_size_text(void) {
+    const struct {
+        size_t bytes;
+        const char *text;
+    } cases[] = {{0, "0 bytes"},
+                 {1023, "1023 bytes"},
+                 {1024, "1.00 KiB"},
+                 {120832, "118 KiB"},
+                 {1536u << 10, "1.50 MiB"},
+                 {(size_t)(12.3 * 1073741824.0), "12.3 GiB"},
+                 {(size_t)1 << 62, "4.00 EiB"},
+                 {SIZE_MAX, "16.0 EiB"}};
+    char a[FL_SIZE_TEXT], b[FL_SIZE_TEXT];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        t_check(!strcmp(fl_size_text(cases[i].bytes, a), cases[i].text), "%zu bytes: %s (want %s)",
+                cases[i].bytes, a, cases[i].text);
+    const struct {
+        size_t need, have;
+        const char *need_text, *have_text;
+    } pairs[] = {{10 << 20, (10 << 20) - 4096, "10485760 bytes", "10481664 bytes"},
+                 {8192, 8191, "8192 bytes", "8191 bytes"},
+                 {(size_t)5 << 30, ((size_t)5 << 30) + 1, "5368709120 bytes", "5368709121 bytes"},
+                 {1 << 20, 2 << 20, "1.00 MiB", "2.00 MiB"},
+                 {1000, 999, "1000 bytes", "999 bytes"},
+                 {4096, 4096, "4.00 KiB", "4.00 KiB"}};
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+        fl_size_text_pair(pairs[i].need, pairs[i].have, a, b);
+        t_check(!strcmp(a, pairs[i].need_text) && !strcmp(b, pairs[i].have_text),
+                "needs %zu, has %zu: \"%s\", \"%s\"", pairs[i].need, pairs[i].have, a, b);
+    }
+}
+
 int main(void) {
     test_isa_cap(); // first: before anything calls fl_cpu()
     test_openblas_coretype();
     test_allocator_counts_exactly();
     test_huge_blocks();
     test_rng();
+    test_size_text();
     test_cpu_probe();
     return t_report();
 }

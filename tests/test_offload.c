@@ -15,6 +15,7 @@
 // (its two passes sum the norm row by row) within 1e-6 relative.
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -23,8 +24,10 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <cjson/cJSON.h>
 
 #include "fitlm/comm.h"
+#include "fitlm/io.h"
 #include "fitlm/run.h"
 #include "testlib.h"
 
@@ -203,6 +206,117 @@ static void short_read(void *arg) {
     fl_run_step_batch(&run, run.inputs, run.targets, 1e-3f);
 }
 
+// A change to the file under the run, by something else than the run.
+typedef enum {
+    CUT_TO_NOTHING,
+    CUT_AND_EXTENDED, // cut to nothing, then its last page written: a late write-back's race
+    CUT_TO_HALF,
+    CUT_LAST_PAGE,
+    ZERO_PAGES,
+    FLIP_BYTE,
+    OLD_COPY
+} tamper;
+
+typedef struct {
+    const char *name;
+    tamper how;
+    int stage, weights; // ZeRO stage; offload_param (the weights in the file too)
+    int buffers, pipelined;
+    size_t region; // ZERO_PAGES, FLIP_BYTE: the offset's tensor region (0: master)
+    int then_save; // then a checkpoint's read of the state (fl_optimizer_map), not a step
+} tamper_case;
+
+// A descriptor of this process's offload file opened for writing anew (as
+// anyone can through /proc), or -1.
+static int reopen_offload_file(const char *path) {
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    int fd = -1;
+    while (d && fd < 0 && (e = readdir(d))) {
+        char link[300], target[PATH_MAX + 16];
+        snprintf(link, sizeof link, "/proc/self/fd/%s", e->d_name);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n <= 0) continue;
+        target[n] = 0;
+        if (!strncmp(target, path, strlen(path))) fd = open(link, O_RDWR);
+    }
+    if (d) closedir(d);
+    return fd;
+}
+
+static void tamper_run(void *arg) {
+    const tamper_case *c = arg;
+    offload_case oc = {.dt = FL_BF16,
+                       .stage = c->stage,
+                       .accum = 1,
+                       .buffers = c->buffers,
+                       .read_ahead = c->pipelined,
+                       .write_behind = c->pipelined,
+                       .chunk = 4096,
+                       .weights = c->weights};
+    fl_run run;
+    open_run(&oc, FL_BF16, 7, 1, 0, &run);
+    int fd = reopen_offload_file(fl_offload_path(run.offload));
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) exit(3); // the test itself failed
+    size_t size = (size_t)st.st_size, tensors = c->weights ? 4 : 3;
+    // the middle of a tensor's region: a chunk no buffer holds between steps
+    size_t at = size / tensors * c->region + size / tensors / 2 + 100;
+    unsigned char *old = malloc(size), byte;
+    static const char zeros[3 * 4096];
+    for (int step = 0; step < 4; step++) {
+        batch(step, B * T, run.inputs, run.targets);
+        fl_run_step_batch(&run, run.inputs, run.targets, 1e-3f);
+        if (step == 0 && pread(fd, old, size, 0) != (ssize_t)size) exit(3);
+        if (step != 1) continue;
+        // after a step: its last chunks are still to be written back
+        int ok = 1;
+        if (c->how == CUT_TO_NOTHING || c->how == CUT_AND_EXTENDED) ok = ftruncate(fd, 0) == 0;
+        if (c->how == CUT_AND_EXTENDED) // the size is right again, the rest reads as zeros
+            ok = ok && pwrite(fd, old + size - 4096, 4096, (off_t)(size - 4096)) == 4096;
+        if (c->how == CUT_TO_HALF) ok = ftruncate(fd, (off_t)(size / 2)) == 0;
+        if (c->how == CUT_LAST_PAGE) ok = ftruncate(fd, (off_t)(size - 4096)) == 0;
+        if (c->how == ZERO_PAGES) ok = pwrite(fd, zeros, sizeof zeros, (off_t)at) == sizeof zeros;
+        if (c->how == FLIP_BYTE)
+            ok = pread(fd, &byte, 1, (off_t)at) == 1 && (byte ^= 0x10, 1) &&
+                 pwrite(fd, &byte, 1, (off_t)at) == 1;
+        if (c->how == OLD_COPY) ok = pwrite(fd, old, size, 0) == (ssize_t)size; // step 1's file
+        if (!ok) exit(3);
+        if (c->then_save) {
+            fl_optimizer_map(&run.optim);
+            fl_optimizer_unmap(&run.optim);
+        }
+    }
+    exit(0); // trained on: the test fails
+}
+
+// The file is unlinked once open: a file put at its name later is never
+// read (the run goes on bitwise as without it) and is left as it is.
+static void check_file_at_its_name(void) {
+    float loss[2][4];
+    char path[PATH_MAX] = "";
+    for (int put = 0; put < 2; put++) {
+        fl_run run;
+        small_open(&run, 1);
+        for (int step = 0; step < 4; step++) {
+            batch(step, B * T, run.inputs, run.targets);
+            loss[put][step] = fl_run_step_batch(&run, run.inputs, run.targets, 1e-3f).loss;
+            if (put && step == 1) {
+                snprintf(path, sizeof path, "%s", fl_offload_path(run.offload));
+                t_write_text(path, "not the state");
+            }
+        }
+        fl_run_close(&run);
+    }
+    size_t n = 0;
+    unsigned char *text = t_read_file(path, &n);
+    t_check(!memcmp(loss[0], loss[1], sizeof loss[0]) && text && n == 13 &&
+                !memcmp(text, "not the state", 13),
+            "a file put at the offload file's name is neither read nor touched");
+    free(text);
+    remove(path);
+}
+
 static void check_errors(void) {
     char file[64];
     snprintf(file, sizeof file, "%s/plain-file", nvme_dir);
@@ -212,9 +326,37 @@ static void check_errors(void) {
     t_dies("nvme_path where nothing can be created", check_path, "/proc",
            "cannot create files there");
     t_dies("nvme_path without room", check_huge, nvme_dir, "only");
+    t_dies("nvme_path without room: the sizes", check_huge, nvme_dir,
+           "needs 4.00 EiB of disk, only ");
     t_dies("a full disk at start", full_disk, NULL, "cannot reserve");
     t_dies("a file cut short under the run", short_read, NULL, "a short transfer");
     remove(file);
+    // any change to the file under the run is an error naming it, never a
+    // wrong number: between steps, with the last chunks still to be written
+    // back (whose write-back extends a cut file again, its holes reading as
+    // zeros), or before a checkpoint reads the state
+    const tamper_case tampers[] = {
+        {"cut to nothing", CUT_TO_NOTHING, 1, 0, 1, 0, 0, 0},
+        {"cut, then extended by a write", CUT_AND_EXTENDED, 1, 0, 1, 0, 0, 0},
+        {"cut, then extended, pipelined", CUT_AND_EXTENDED, 2, 0, 4, 1, 0, 0},
+        {"cut, then extended, then saved", CUT_AND_EXTENDED, 2, 0, 2, 1, 0, 1},
+        {"ZeRO-3: cut, then extended", CUT_AND_EXTENDED, 3, 1, 3, 1, 0, 0},
+        {"cut to half", CUT_TO_HALF, 1, 0, 2, 1, 0, 0},
+        {"the last page cut", CUT_LAST_PAGE, 1, 0, 3, 0, 0, 0},
+        {"three pages zeroed", ZERO_PAGES, 1, 0, 1, 0, 1, 0},
+        {"one byte flipped", FLIP_BYTE, 1, 0, 4, 1, 2, 0},
+        {"an older copy put back", OLD_COPY, 2, 0, 3, 1, 0, 0},
+        {"one byte flipped, then saved", FLIP_BYTE, 1, 0, 2, 0, 0, 1},
+        {"cut to half, then saved", CUT_TO_HALF, 1, 0, 1, 0, 0, 1},
+        {"ZeRO-3: a weight's byte flipped", FLIP_BYTE, 3, 1, 2, 1, 3, 0},
+        {"ZeRO-3: weights zeroed", ZERO_PAGES, 3, 1, 4, 1, 3, 0},
+        {"ZeRO-3: cut to nothing", CUT_TO_NOTHING, 3, 1, 1, 0, 0, 0},
+    };
+    char names_file[160];
+    snprintf(names_file, sizeof names_file, "NVMe offload file %s/fitlm-optimizer-", nvme_dir);
+    for (size_t i = 0; i < sizeof tampers / sizeof tampers[0]; i++)
+        t_dies(tampers[i].name, tamper_run, (void *)&tampers[i], names_file);
+    check_file_at_its_name();
 }
 
 // ----------------------------------------------------------------------------
@@ -240,6 +382,93 @@ static void log_steps(const char *dir, int from, char *out, size_t size) {
             used += (size_t)snprintf(out + used, size - used, "%s\n", line);
     }
     free(text);
+}
+
+// Sets zero_optimization.<block> (and `aio` when given) in the config that
+// checkpoint `path` records, as an older fitlm or anyone could have written
+// it: the header rewritten, its CRC-32 recomputed.
+static void ckpt_set_config(const char *path, const char *block, const char *json,
+                            const char *aio) {
+    size_t n = 0;
+    unsigned char *file = t_read_file(path, &n);
+    uint32_t header_len = file ? fl_get_u32(file + 12) : 0;
+    cJSON *root = file ? cJSON_ParseWithLength((const char *)file + 28, header_len) : NULL;
+    cJSON *cfg = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "meta"), "config");
+    cJSON *zero = cJSON_GetObjectItem(cfg, "zero_optimization");
+    if (!zero) {
+        t_check(0, "%s records no zero_optimization block", path);
+        cJSON_Delete(root);
+        free(file);
+        return;
+    }
+    cJSON_DeleteItemFromObject(zero, block);
+    cJSON_AddItemToObject(zero, block, cJSON_Parse(json));
+    cJSON_DeleteItemFromObject(cfg, "aio");
+    if (aio) cJSON_AddItemToObject(cfg, "aio", cJSON_Parse(aio));
+    char *header = cJSON_PrintUnformatted(root);
+    size_t len = strlen(header);
+    fl_put_u32(file + 12, (uint32_t)len);
+    fl_put_u32(file + 24, fl_crc32(fl_crc32(0, file, 24), header, len));
+    FILE *out = fopen(path, "wb");
+    size_t data = n - 28 - header_len;
+    int ok = out && fwrite(file, 1, 28, out) == 28 && fwrite(header, 1, len, out) == len &&
+             fwrite(file + 28 + header_len, 1, data, out) == data;
+    if (out && fclose(out) != 0) ok = 0;
+    t_check(ok, "rewriting %s", path);
+    cJSON_free(header);
+    cJSON_Delete(root);
+    free(file);
+}
+
+// NVMe offload's blocks belong to the invocation: a checkpoint's config,
+// whatever wrote it, never names the directory a resume writes in.
+static void check_resume_nvme_path(const char *work, const char *cfg) {
+    const char *src = t_source_path(".");
+    char args[2048], out[16384], ck[300], elsewhere[300];
+    static char text[1 << 16];
+    snprintf(ck, sizeof ck, "%s/off/ckpt_00000003.fitlm", work);
+    size_t n = 0;
+    unsigned char *file = t_read_file(ck, &n);
+    snprintf(text, sizeof text, "%.*s", file ? (int)fl_get_u32(file + 12) : 0,
+             file ? (const char *)file + 28 : "");
+    free(file);
+    t_check(*text && !strstr(text, "nvme_path") && !strstr(text, "offload_optimizer"),
+            "a checkpoint of an offloaded run records no NVMe offload block");
+    // a directory named by the checkpoint: absent, then one that exists
+    snprintf(elsewhere, sizeof elsewhere, "%s/elsewhere", work);
+    char json[512];
+    snprintf(json, sizeof json,
+             "{\"device\": \"nvme\", \"nvme_path\": \"%s\", \"buffer_count\": 2}", elsewhere);
+    ckpt_set_config(ck, "offload_optimizer", json, "{\"block_size\": 4096}");
+    for (int exists = 0; exists < 2; exists++) {
+        if (exists && mkdir(elsewhere, 0700) != 0) t_check(0, "mkdir %s", elsewhere);
+        snprintf(args, sizeof args, RUN " --steps 4 --resume %s --out %s/named%d", ck, work,
+                 exists);
+        int rc = t_fitlm(src, args, 1, out, sizeof out);
+        t_check(rc == 0 && !strstr(out, "NVMe offload") && !strstr(out, elsewhere),
+                "a resume of a checkpoint naming nvme_path %s (%s) runs in RAM, nothing there "
+                "(status %d):\n%s",
+                elsewhere, exists ? "a directory" : "absent", rc, out);
+    }
+    t_check(rmdir(elsewhere) == 0, "nothing was created in %s", elsewhere);
+    // this invocation's --config decides: its directory, not the checkpoint's
+    snprintf(args, sizeof args, RUN " --steps 4 --config %s --resume %s --out %s/given", cfg, ck,
+             work);
+    int rc = t_fitlm(src, args, 1, out, sizeof out);
+    char here[300];
+    snprintf(here, sizeof here, "NVMe offload per step (%s/fitlm-optimizer-", nvme_dir);
+    t_check(rc == 0 && strstr(out, here) && access(elsewhere, F_OK) != 0,
+            "a resume with --config offloads where that config says (status %d):\n%s", rc, out);
+    // ZeRO-3's offload_param block and aio from the checkpoint: not taken either
+    snprintf(ck, sizeof ck, "%s/z3off/ckpt_00000003.fitlm", work);
+    ckpt_set_config(ck, "offload_param", "{\"device\": \"nvme\", \"nvme_path\": \"/\"}",
+                    "{\"queue_depth\": 3}");
+    snprintf(args, sizeof args, RUN_ANY_STAGE " --steps 4 --resume %s --out %s/z3named", ck, work);
+    rc = t_fitlm(src, args, 1, out, sizeof out);
+    t_check(rc == 0 && !strstr(out, "NVMe offload"),
+            "a ZeRO-3 resume of a checkpoint naming offload_param.nvme_path / runs in RAM "
+            "(status %d):\n%s",
+            rc, out);
 }
 
 static void check_resume(void) {
@@ -342,6 +571,13 @@ static void check_resume(void) {
     t_fitlm_fails(src, args, "nvme_path /proc: cannot create files there", out, sizeof out);
     snprintf(args, sizeof args, "plan --model gpt2-xl --precision bf16 --config %s", cfg);
     t_fitlm_fails(src, args, "nvme_path /proc: cannot create files there", out, sizeof out);
+    // the first config again: the stage-2 offload under nvme_dir
+    snprintf(json, sizeof json,
+             "{\"zero_optimization\": {\"stage\": 2, \"sub_group_size\": 100000, "
+             "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}}",
+             nvme_dir);
+    t_write_text(cfg, json);
+    check_resume_nvme_path(work, cfg);
 }
 
 int main(int argc, char **argv) {

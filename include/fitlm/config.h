@@ -177,6 +177,12 @@ char *fl_config_to_json(const fl_train_config *cfg);
 // the run (threads, mem_limit, peak_tflops, the NVMe offload directories).
 // free() the result.
 char *fl_config_canonical(const fl_train_config *cfg);
+// Resets the options that belong to an invocation, not to the run (the ones
+// fl_config_to_json leaves out: --resume, the reports, mem_limit, NVMe
+// offload's offload_optimizer, offload_param and aio blocks), to their
+// defaults, not given: a resume never takes them from a checkpoint's config,
+// whatever wrote it (docs/checkpoints-and-formats.md).
+void fl_config_forget_invocation(fl_train_config *cfg);
 // The checks of the options no subsystem owns: threads (0: all cores),
 // mem_limit, precision (dtype) and its fp16 keys, the recompute policy.
 // Each subsystem checks its own section (fl_<subsystem>_check_config);

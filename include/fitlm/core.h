@@ -25,6 +25,15 @@ void fl_log_set_rank(int rank, void (*on_die)(int code));
 // the message into err and returns -1.
 int fl_errorf(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
+// Sizes in messages (src/core/size_text.c): below 1 KiB "512 bytes", else
+// KiB, MiB, GiB, ... to three significant digits ("1.50 MiB", "12.3 GiB",
+// "118 KiB"); buf holds FL_SIZE_TEXT chars. A message that compares two
+// sizes uses the pair, which gives both in exact bytes when their texts
+// would read the same ("needs 4096 bytes, only 3072 bytes are free").
+enum { FL_SIZE_TEXT = 32 };
+const char *fl_size_text(size_t bytes, char *buf);
+void fl_size_text_pair(size_t a, size_t b, char *text_a, char *text_b);
+
 // Always-on assertion (also in release builds): names the source line.
 #define FL_ASSERT(cond)                                                                            \
     do {                                                                                           \

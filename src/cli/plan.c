@@ -191,13 +191,17 @@ int cmd_plan(int argc, char **argv) {
     } else if (!*cfg.mem_limit) {
         snprintf(source, sizeof source, "available memory");
     }
-    printf("\nmemory limit %.2f GiB%s (%s): %s\n", limit / 1073741824.0,
-           f.ranks > 1 ? " per rank" : "", source, p.total <= limit ? "fits" : "does NOT fit");
+    // the limit against the plan's total (and the run without offload):
+    // exact bytes where the rounded sizes would read the same
+    char lim[FL_SIZE_TEXT], total[FL_SIZE_TEXT], disk[FL_SIZE_TEXT], ram[FL_SIZE_TEXT];
+    fl_size_text_pair(limit, p.total, lim, total);
+    printf("\nmemory limit %s%s (%s): %s\n", lim, f.ranks > 1 ? " per rank" : "", source,
+           p.total <= limit ? "fits" : "does NOT fit");
     if (p.disk) {
         size_t without = p.total - p.bytes[FL_MEM_OFFLOAD] + fl_plan_offloaded(&p);
-        printf("NVMe offload: %.2f GB on disk under %s: fits; without offload %.2f GiB of RAM: "
-               "%s\n",
-               p.disk / 1e9, p.disk_dir, without / 1073741824.0,
+        fl_size_text_pair(without, limit, ram, lim);
+        printf("NVMe offload: %s on disk under %s: fits; without offload %s of RAM: %s\n",
+               fl_size_text(p.disk, disk), p.disk_dir, ram,
                without <= limit ? "fits" : "does NOT fit");
     }
     if (p.total > limit) {

@@ -195,9 +195,11 @@ static void print_offload(const fl_offload *f, const fl_offload_stats *from, int
     double rd = (double)(s.bytes_read - from->bytes_read) / steps,
            wr = (double)(s.bytes_written - from->bytes_written) / steps,
            wait = (s.wait_s - from->wait_s) / steps, busy = (s.busy_s - from->busy_s) / steps;
-    printf("NVMe offload per step (%s%s): read %.3f GB, written %.3f GB, I/O %.2f s (%.2f GB/s); "
+    char read[FL_SIZE_TEXT], written[FL_SIZE_TEXT];
+    printf("NVMe offload per step (%s%s): read %s, written %s, I/O %.2f s (%.2f GB/s); "
            "the step waited %.2f s of its %.2f s for it (%.0f%% of the I/O time hidden)",
-           fl_offload_path(f), fl_offload_direct(f) ? ", O_DIRECT" : "", rd / 1e9, wr / 1e9, busy,
+           fl_offload_path(f), fl_offload_direct(f) ? ", O_DIRECT" : "",
+           fl_size_text((size_t)rd, read), fl_size_text((size_t)wr, written), busy,
            busy > 0 ? (rd + wr) / busy / 1e9 : 0.0, wait, step_seconds / steps,
            busy > 0 ? 100.0 * (1.0 - (wait < busy ? wait : busy) / busy) : 100.0);
     double weights = (s.weights_s - from->weights_s) / steps;

@@ -51,9 +51,12 @@ void *fl_alloc(fl_mem_tag tag, size_t bytes) {
         fl_die("allocation of %zu bytes (%s) is too large", bytes, fl_mem_tag_name(tag));
     void *raw = NULL;
     int huge = bytes >= HUGE_PAGE && huge_pages_wanted();
-    if (posix_memalign(&raw, huge ? HUGE_PAGE : ALIGN, ALIGN + bytes) != 0)
-        fl_die("out of memory allocating %.1f MiB for %s (%.1f MiB already allocated)",
-               bytes / 1048576.0, fl_mem_tag_name(tag), fl_mem_total_current() / 1048576.0);
+    if (posix_memalign(&raw, huge ? HUGE_PAGE : ALIGN, ALIGN + bytes) != 0) {
+        char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT];
+        fl_die("out of memory allocating %s for %s (%s already allocated)",
+               fl_size_text(bytes, want), fl_mem_tag_name(tag),
+               fl_size_text(fl_mem_total_current(), have));
+    }
 #ifdef MADV_HUGEPAGE
     // a hint, before the first touch: where the kernel has no huge pages to
     // give, the block keeps small ones

@@ -718,14 +718,29 @@ static cJSON *parent_of(cJSON *root, const char *key, const char **leaf) {
 }
 
 // Options about this invocation rather than the run: a resumed run does not
-// inherit them from its checkpoint.
+// inherit them from its checkpoint. NVMe offload's blocks say where and how
+// this machine keeps the state on its disk (never a number of the run: the
+// offloaded run is bitwise the one in RAM), so a checkpoint from elsewhere
+// never names a directory to write in.
 static int run_only(const option *o) {
     static const char *keys[] = {"resume",           "profile",   "mem_report",
                                  "mem_report_every", "mem_limit", "metrics_memory_every",
                                  "peak_tflops"};
+    static const char *prefixes[] = {"zero_optimization.offload_optimizer.",
+                                     "zero_optimization.offload_param.", "aio."};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!strcmp(o->key, keys[i])) return 1;
+    for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++)
+        if (!strncmp(o->key, prefixes[i], strlen(prefixes[i]))) return 1;
     return 0;
+}
+
+void fl_config_forget_invocation(fl_train_config *cfg) {
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        if (run_only(&options[i])) {
+            set_from_text(cfg, &options[i], options[i].def, "defaults");
+            cfg->given[i] = 0;
+        }
 }
 
 char *fl_config_to_json(const fl_train_config *cfg) {

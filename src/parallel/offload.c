@@ -7,6 +7,11 @@
 // thread_count threads, each owning an io_uring ring: the step's thread
 // queues requests (block_size bytes each) and waits only for the chunk it
 // needs, so reads ahead and writes behind proceed while it computes.
+// Every page of the file has a checksum in RAM, taken (on an I/O thread)
+// from what is written there and checked against what is read back: a file
+// changed under the run by anything else (cut short and extended again by a
+// write-back, zeroed, overwritten, an old copy put back) stops it naming the
+// file and the offset, never trains on what it reads.
 #define _GNU_SOURCE
 #include "fitlm/offload.h"
 
@@ -39,7 +44,8 @@ typedef struct {
     uint64_t order; // queued reads run in the order they were asked for
     size_t first, n;
     void *dst;
-    int err; // errno, or -1: the file ended early
+    int err;    // errno, -1: the file ended early, -2: page `bad` differs from what was written
+    size_t bad; // offset in the file
 } weight_read;
 
 typedef struct request {
@@ -98,8 +104,12 @@ struct fl_offload {
     request *head, *tail;
     request *reqs; // per buffer, y.requests of them
     int stop;
-    int error; // errno of the first failed request (EIO for a short one)
-    char error_what[160];
+    int error; // errno of the first failed request (EIO for a short one, EBADMSG for a changed
+               // page)
+    char error_what[256];
+    size_t bad_at;          // with EBADMSG: the changed page's offset
+    uint32_t *sums;         // per page of the file: the checksum of what was last written there
+    uint32_t key[PAGE / 4]; // page_sum's, from a fixed seed
     io_thread threads[MAX_THREADS];
     int n_threads;
     // paged weights: reads through the page cache on a thread of their own
@@ -118,6 +128,57 @@ static double now_s(void) {
 
 static size_t round_up(size_t x, size_t to) {
     return (x + to - 1) / to * to;
+}
+
+// ----------------------------------------------------------------------------
+// page checksums
+
+// A page's checksum: NH (UMAC's hash, Black et al. 1999) over its 32-bit
+// words in pairs with the offload's fixed key, four sums at once, mixed
+// down to 32 bits. It vectorizes (pmuludq): about 6 times fl_crc32's
+// slicing-by-8 here (bench/README.md, "NVMe offload"), and the I/O threads
+// take it, not the step's.
+static uint32_t page_sum(const fl_offload *f, const char *page) {
+    const uint32_t *k = f->key;
+    uint64_t s[4] = {0, 0, 0, 0};
+    for (size_t i = 0; i < PAGE / 4; i += 8)
+        for (size_t j = 0; j < 4; j++) {
+            uint32_t a, b;
+            memcpy(&a, page + 4 * (i + 2 * j), 4);
+            memcpy(&b, page + 4 * (i + 2 * j + 1), 4);
+            s[j] += (uint64_t)(uint32_t)(a + k[i + 2 * j]) * (uint32_t)(b + k[i + 2 * j + 1]);
+        }
+    uint64_t h = s[0] ^ s[1] * 0x9E3779B185EBCA87ull ^ s[2] * 0xC2B2AE3D27D4EB4Full ^
+                 s[3] * 0x165667B19E3779F9ull;
+    h ^= h >> 33;
+    h *= 0xC2B2AE3D27D4EB4Full;
+    h ^= h >> 29;
+    return (uint32_t)(h ^ h >> 32);
+}
+
+static void sum_pages(fl_offload *f, const char *data, size_t at, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += PAGE) f->sums[(at + i) / PAGE] = page_sum(f, data + i);
+}
+
+// The offset of the first page of file range [at, at + bytes) (held at
+// data) that is not what was written there, or SIZE_MAX.
+static size_t changed_page(const fl_offload *f, const char *data, size_t at, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += PAGE)
+        if (page_sum(f, data + i) != f->sums[(at + i) / PAGE]) return at + i;
+    return SIZE_MAX;
+}
+
+// The error of a changed page (the file's size says whether it was cut).
+static void die_changed(const fl_offload *f, const char *what, size_t at) {
+    struct stat st;
+    char size[96] = "";
+    if (fstat(f->fd, &st) == 0 && (size_t)st.st_size != f->y.file_bytes)
+        snprintf(size, sizeof size, "; the file is %lld bytes, not the %zu written",
+                 (long long)st.st_size, f->y.file_bytes);
+    fl_die("NVMe offload file %s: %s: the page at offset %zu reads back other bytes than were "
+           "written there%s (the file was changed under the run: truncated, zeroed or "
+           "overwritten)",
+           f->path, what, at, size);
 }
 
 fl_offload_config fl_offload_config_of(const fl_train_config *cfg) {
@@ -171,8 +232,9 @@ void fl_offload_memory(const fl_offload_config *cfg, size_t numel, int ntensors,
     layout_of(cfg, numel, ntensors, weight_size, &y);
     size_t nbuf = (size_t)cfg->buffer_count;
     bytes[FL_MEM_OFFLOAD] = nbuf * y.stride + PAGE;
-    bytes[FL_MEM_OTHER] =
-        sizeof(fl_offload) + nbuf * (sizeof(buffer) + y.requests * sizeof(request));
+    bytes[FL_MEM_OTHER] = sizeof(fl_offload) +
+                          nbuf * (sizeof(buffer) + y.requests * sizeof(request)) +
+                          y.file_bytes / PAGE * sizeof(uint32_t); // the page checksums
     *disk = y.file_bytes;
 }
 
@@ -191,10 +253,14 @@ void fl_offload_check_path(const char *key, const char *dir, size_t disk) {
     if (fd < 0) fl_die("%s %s: cannot create files there: %s", key, dir, strerror(errno));
     close(fd);
     unlink(probe);
-    double avail = (double)vs.f_bavail * (double)vs.f_frsize;
-    if (avail < (double)disk)
-        fl_die("%s %s: the offloaded optimizer needs %.2f GB of disk, only %.2f GB are free there",
-               key, dir, disk / 1e9, avail / 1e9);
+    double free_bytes = (double)vs.f_bavail * (double)vs.f_frsize;
+    size_t avail = free_bytes >= (double)SIZE_MAX ? SIZE_MAX : (size_t)free_bytes;
+    if (avail < disk) {
+        char need[FL_SIZE_TEXT], have[FL_SIZE_TEXT];
+        fl_size_text_pair(disk, avail, need, have);
+        fl_die("%s %s: the offloaded optimizer needs %s of disk, only %s are free there", key, dir,
+               need, have);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -212,19 +278,31 @@ static request *pop_request(fl_offload *f) {
 static void fail(fl_offload *f, int err, const request *r, long got) {
     if (f->error) return;
     f->error = err;
-    snprintf(f->error_what, sizeof f->error_what, "%s of %zu bytes at offset %zu%s%ld%s",
-             r->write ? "write" : "read", r->len, r->offset, got >= 0 ? " returned " : "",
-             got >= 0 ? got : 0L, got >= 0 ? " bytes (a short transfer)" : "");
+    int n = snprintf(f->error_what, sizeof f->error_what, "%s of %zu bytes at offset %zu",
+                     r->write ? "write" : "read", r->len, r->offset);
+    if (got >= 0)
+        snprintf(f->error_what + n, sizeof f->error_what - (size_t)n,
+                 " returned %ld bytes (a short transfer)", got);
 }
 
-// One completion, under the lock.
-static void complete(fl_offload *f, io_thread *t, struct io_uring_cqe *cqe) {
+// A whole read's changed page (checked outside the lock), or SIZE_MAX.
+static size_t check_read(fl_offload *f, struct io_uring_cqe *cqe) {
+    const request *r = io_uring_cqe_get_data(cqe);
+    if (r->write || cqe->res < 0 || (size_t)cqe->res != r->len) return SIZE_MAX;
+    return changed_page(f, r->addr, r->offset, r->len);
+}
+
+// One completion, under the lock; bad: check_read's.
+static void complete(fl_offload *f, io_thread *t, struct io_uring_cqe *cqe, size_t bad) {
     request *r = io_uring_cqe_get_data(cqe);
     if (cqe->res < 0)
         fail(f, -cqe->res, r, -1);
     else if ((size_t)cqe->res != r->len)
         fail(f, EIO, r, cqe->res);
-    else if (r->write)
+    else if (bad != SIZE_MAX && !f->error) {
+        fail(f, EBADMSG, r, -1);
+        f->bad_at = bad;
+    } else if (r->write)
         f->stats.bytes_written += r->len;
     else
         f->stats.bytes_read += r->len;
@@ -243,20 +321,33 @@ static void *io_main(void *arg) {
     for (;;) {
         // overlap_events false: a batch is submitted only once the last one is done
         int may = f->cfg.overlap_events || t->in_flight == 0, prepared = 0;
+        request *mine = NULL, **end = &mine;
         while (may && f->head && t->in_flight < f->cfg.queue_depth) {
             request *r = pop_request(f);
-            struct io_uring_sqe *sqe = io_uring_get_sqe(&t->ring);
-            FL_ASSERT(sqe); // the ring has queue_depth entries
-            if (r->write)
-                io_uring_prep_write(sqe, f->fd, r->addr, (unsigned)r->len, (off_t)r->offset);
-            else
-                io_uring_prep_read(sqe, f->fd, r->addr, (unsigned)r->len, (off_t)r->offset);
-            io_uring_sqe_set_data(sqe, r);
+            r->next = NULL;
+            *end = r;
+            end = &r->next;
             if (t->in_flight++ == 0) t->busy_since = now_s();
             prepared++;
+        }
+        // checksums and submissions outside the lock: the step's thread
+        // queues and waits meanwhile (the buffers stay put while pending)
+        if (mine) pthread_mutex_unlock(&f->lock);
+        for (request *r = mine, *next; r; r = next) {
+            next = r->next;
+            struct io_uring_sqe *sqe = io_uring_get_sqe(&t->ring);
+            FL_ASSERT(sqe); // the ring has queue_depth entries
+            if (r->write) {
+                sum_pages(f, r->addr, r->offset, r->len);
+                io_uring_prep_write(sqe, f->fd, r->addr, (unsigned)r->len, (off_t)r->offset);
+            } else {
+                io_uring_prep_read(sqe, f->fd, r->addr, (unsigned)r->len, (off_t)r->offset);
+            }
+            io_uring_sqe_set_data(sqe, r);
             if (f->cfg.single_submit) io_uring_submit(&t->ring);
         }
         if (prepared && !f->cfg.single_submit) io_uring_submit(&t->ring);
+        if (mine) pthread_mutex_lock(&f->lock);
         if (t->in_flight == 0) {
             if (f->stop) break;
             pthread_cond_wait(&f->work, &f->lock);
@@ -265,15 +356,17 @@ static void *io_main(void *arg) {
         pthread_mutex_unlock(&f->lock);
         struct io_uring_cqe *cqe;
         int rc = io_uring_wait_cqe(&t->ring, &cqe);
-        pthread_mutex_lock(&f->lock);
-        if (rc == -EINTR) continue;
-        FL_ASSERT(rc == 0);
-        complete(f, t, cqe);
-        io_uring_cqe_seen(&t->ring, cqe);
-        while (io_uring_peek_cqe(&t->ring, &cqe) == 0) { // every other one ready
-            complete(f, t, cqe);
-            io_uring_cqe_seen(&t->ring, cqe);
+        if (rc == 0) {
+            do { // this one and every other one ready, each checked first
+                size_t bad = check_read(f, cqe);
+                pthread_mutex_lock(&f->lock);
+                complete(f, t, cqe, bad);
+                pthread_mutex_unlock(&f->lock);
+                io_uring_cqe_seen(&t->ring, cqe);
+            } while (io_uring_peek_cqe(&t->ring, &cqe) == 0);
         }
+        FL_ASSERT(rc == 0 || rc == -EINTR);
+        pthread_mutex_lock(&f->lock);
     }
     pthread_mutex_unlock(&f->lock);
     return NULL;
@@ -324,8 +417,10 @@ static void wait_buffer(fl_offload *f, int b) {
         pthread_cond_wait(&f->done, &f->lock);
     }
     int err = f->error;
+    size_t bad = f->bad_at;
     f->stats.wait_s += now_s() - t0;
     pthread_mutex_unlock(&f->lock);
+    if (err == EBADMSG) die_changed(f, f->error_what, bad);
     if (err)
         fl_die("NVMe offload file %s: %s failed: %s", f->path, f->error_what,
                err == EIO ? "I/O error or end of file (was the file truncated?)" : strerror(err));
@@ -438,6 +533,12 @@ static void pager_map(void *ctx, float **tensors, void **weights) {
     flush(f, -1);
     wait_buffer(f, -1);
     size_t bytes = f->y.file_bytes;
+    struct stat st; // a mapping past the end would die of SIGBUS
+    if (fstat(f->fd, &st) != 0) fl_die("NVMe offload file %s: fstat: %s", f->path, strerror(errno));
+    if ((size_t)st.st_size != bytes)
+        fl_die("NVMe offload file %s is %lld bytes, not the %zu written (the file was changed "
+               "under the run: truncated or extended)",
+               f->path, (long long)st.st_size, bytes);
     f->map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f->fd, 0);
     if (f->map == MAP_FAILED) {
         f->map = NULL;
@@ -445,6 +546,9 @@ static void pager_map(void *ctx, float **tensors, void **weights) {
                strerror(errno));
     }
     madvise(f->map, bytes, MADV_SEQUENTIAL);
+    // a checkpoint reads the state through the mapping: never a changed one
+    size_t bad = changed_page(f, f->map, 0, bytes);
+    if (bad != SIZE_MAX) die_changed(f, "mapping the state", bad);
     for (int k = 0; k < f->y.n - f->y.weights; k++)
         tensors[k] = (float *)(void *)((char *)f->map + f->y.file_at[k]);
     *weights = f->y.weights ? (char *)f->map + f->y.file_at[f->y.n - 1] : NULL;
@@ -456,6 +560,7 @@ static void pager_unmap(void *ctx) {
     if (msync(f->map, bytes, MS_SYNC) != 0)
         fl_die("NVMe offload file %s: writing back the mapped state failed: %s", f->path,
                strerror(errno));
+    sum_pages(f, f->map, 0, bytes); // a resume wrote the state through it
     munmap(f->map, bytes);
     f->map = NULL;
     forget_buffers(f); // what the mapping wrote is newer than what they hold
@@ -484,9 +589,10 @@ static void open_file(fl_offload *f) {
     unlink(f->path); // scratch: gone with the process, however it ends
     size_t bytes = f->y.file_bytes;
     int rc = posix_fallocate(f->fd, 0, (off_t)bytes);
+    char size[FL_SIZE_TEXT];
     if (rc != 0)
-        fl_die("zero_optimization.offload_optimizer.nvme_path: cannot reserve %.2f GB for %s: %s",
-               bytes / 1e9, f->path, strerror(rc));
+        fl_die("zero_optimization.offload_optimizer.nvme_path: cannot reserve %s for %s: %s",
+               fl_size_text(bytes, size), f->path, strerror(rc));
 }
 
 // Writes each chunk of the file (only tensor `only` when >= 0) from what
@@ -536,8 +642,44 @@ void fl_offload_write_weights(fl_offload *f, const void *src) {
     write_chunks(f, f->y.n - 1, fill_weights, src);
 }
 
+// Reads n bytes from the buffered descriptor at `at` whole (a short
+// transfer is retried); 0, errno, or -1: the file ended early.
+static int pread_all(const fl_offload *f, char *dst, size_t n, size_t at) {
+    for (size_t done = 0; done < n;) {
+        ssize_t got = pread(f->fd_buffered, dst + done, n - done, (off_t)(at + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) return got < 0 ? errno : -1;
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+// File range [at, at + n) into dst, every page it touches checked against
+// its checksum (a partial first or last one through a page of its own): 0,
+// pread_all's error, or -2 with *bad the changed page's offset.
+static int read_checked(const fl_offload *f, char *dst, size_t at, size_t n, size_t *bad) {
+    size_t end = at + n, whole_lo = round_up(at, PAGE), whole_hi = end / PAGE * PAGE;
+    char edge[PAGE];
+    for (size_t p = at / PAGE * PAGE; p < end;) {
+        if (p >= whole_lo && p < whole_hi) { // the whole pages, straight into dst
+            int err = pread_all(f, dst + (p - at), whole_hi - p, p);
+            if (err) return err;
+            if ((*bad = changed_page(f, dst + (p - at), p, whole_hi - p)) != SIZE_MAX) return -2;
+            p = whole_hi;
+            continue;
+        }
+        int err = pread_all(f, edge, PAGE, p);
+        if (err) return err;
+        if ((*bad = changed_page(f, edge, p, PAGE)) != SIZE_MAX) return -2;
+        size_t lo = p > at ? p : at, hi = p + PAGE < end ? p + PAGE : end;
+        memcpy(dst + (lo - at), edge + (lo - p), hi - lo);
+        p += PAGE;
+    }
+    return 0;
+}
+
 // The reader thread: queued weight reads, oldest first, each read whole
-// (pread loops over short transfers) and then dropped from the page cache.
+// and checked (read_checked), then dropped from the page cache.
 static void *reader_main(void *arg) {
     fl_offload *f = arg;
     size_t D = f->y.size[f->y.n - 1];
@@ -554,24 +696,16 @@ static void *reader_main(void *arg) {
         }
         weight_read job = *r;
         pthread_mutex_unlock(&f->lock);
-        size_t bytes = job.n * D, done = 0;
-        off_t at = (off_t)(f->y.file_at[f->y.n - 1] + (job.first - f->begin) * D);
-        int err = 0;
-        while (done < bytes && !err) {
-            ssize_t got =
-                pread(f->fd_buffered, (char *)job.dst + done, bytes - done, at + (off_t)done);
-            if (got < 0 && errno == EINTR) continue;
-            if (got <= 0)
-                err = got < 0 ? errno : -1;
-            else
-                done += (size_t)got;
-        }
+        size_t bytes = job.n * D, bad = 0;
+        size_t at = f->y.file_at[f->y.n - 1] + (job.first - f->begin) * D;
+        int err = read_checked(f, job.dst, at, bytes, &bad);
         // the page cache need not keep what RAM is meant not to hold
-        posix_fadvise(f->fd_buffered, at, (off_t)bytes, POSIX_FADV_DONTNEED);
+        posix_fadvise(f->fd_buffered, (off_t)at, (off_t)bytes, POSIX_FADV_DONTNEED);
         pthread_mutex_lock(&f->lock);
         r->err = err;
+        r->bad = bad;
         r->state = READ_DONE;
-        f->stats.bytes_read += done;
+        f->stats.bytes_read += err ? 0 : bytes;
         pthread_cond_broadcast(&f->done);
     }
     pthread_mutex_unlock(&f->lock);
@@ -586,7 +720,7 @@ int fl_offload_read_weights_async(fl_offload *f, size_t first, size_t n, void *d
     int t = 0;
     while (t < MAX_READS && f->reads[t].state != READ_FREE) t++;
     FL_ASSERT(t < MAX_READS);
-    f->reads[t] = (weight_read){READ_QUEUED, f->reads_asked++, first, n, dst, 0};
+    f->reads[t] = (weight_read){READ_QUEUED, f->reads_asked++, first, n, dst, 0, 0};
     pthread_cond_broadcast(&f->reads_queued);
     pthread_mutex_unlock(&f->lock);
     return t;
@@ -606,11 +740,14 @@ void fl_offload_wait_read(fl_offload *f, int ticket) {
     FL_ASSERT(r->state != READ_FREE);
     while (r->state != READ_DONE) pthread_cond_wait(&f->done, &f->lock);
     int err = r->err;
-    size_t D = f->y.size[f->y.n - 1], bytes = r->n * D;
+    size_t D = f->y.size[f->y.n - 1], bytes = r->n * D, bad = r->bad;
     size_t at = f->y.file_at[f->y.n - 1] + (r->first - f->begin) * D;
     r->state = READ_FREE;
     f->stats.weights_s += now_s() - t0;
     pthread_mutex_unlock(&f->lock);
+    char what[96];
+    snprintf(what, sizeof what, "read of %zu bytes of weights at offset %zu", bytes, at);
+    if (err == -2) die_changed(f, what, bad);
     if (err)
         fl_die("NVMe offload file %s: read of %zu bytes of weights at offset %zu %s", f->path,
                bytes, at, err > 0 ? strerror(err) : "ended early (was the file truncated?)");
@@ -639,6 +776,14 @@ fl_offload *fl_offload_optimizer(fl_optimizer *o, const fl_offload_config *cfg, 
     f->buffers = f->raw + (PAGE - (uintptr_t)f->raw % PAGE) % PAGE;
     f->buf = fl_alloc(FL_MEM_OTHER, nbuf * sizeof(buffer));
     f->reqs = fl_alloc(FL_MEM_OTHER, nbuf * f->y.requests * sizeof(request));
+    f->sums = fl_alloc(FL_MEM_OTHER, f->y.file_bytes / PAGE * sizeof(uint32_t));
+    uint64_t seed = 0x9E3779B97F4A7C15ull; // splitmix64
+    for (size_t i = 0; i < PAGE / 4; i++) {
+        uint64_t z = (seed += 0x9E3779B97F4A7C15ull);
+        z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ z >> 27) * 0x94D049BB133111EBull;
+        f->key[i] = (uint32_t)(z ^ z >> 31);
+    }
     forget_buffers(f);
     pthread_mutex_init(&f->lock, NULL);
     pthread_cond_init(&f->work, NULL);
@@ -683,6 +828,7 @@ void fl_offload_free(fl_offload *f) {
     close(f->fd);
     close(f->fd_buffered);
     fl_free(f->reqs);
+    fl_free(f->sums);
     if (f->o->pager == &f->pager) f->o->pager = NULL;
     pthread_mutex_destroy(&f->lock);
     pthread_cond_destroy(&f->work);

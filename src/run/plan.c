@@ -375,19 +375,6 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
 // ----------------------------------------------------------------------------
 // printing
 
-static const char *human(size_t bytes, char *buf, size_t size) {
-    double v = (double)bytes;
-    if (v >= 1024.0 * 1048576.0)
-        snprintf(buf, size, "%.2f GiB", v / (1024.0 * 1048576.0));
-    else if (v >= 1048576.0)
-        snprintf(buf, size, "%.2f MiB", v / 1048576.0);
-    else if (v >= 1024.0)
-        snprintf(buf, size, "%.2f KiB", v / 1024.0);
-    else
-        snprintf(buf, size, "%zu B", bytes);
-    return buf;
-}
-
 size_t fl_plan_offloaded(const fl_plan *p) {
     return p->unpaged[FL_MEM_MASTER] + p->unpaged[FL_MEM_OPTIM] + p->unpaged[FL_MEM_PARAMS];
 }
@@ -485,11 +472,11 @@ static void put(sink *s, const char *fmt, ...) {
 // One line for a variant that fits: "  <flags> [--batch b --grad-accum a]: X".
 static void put_fit(sink *s, const char *flags, const fl_plan_request *base,
                     const fl_plan_request *v, size_t total, int runnable, const char *per) {
-    char h[32], batch[32] = "", accum[32] = "";
+    char h[FL_SIZE_TEXT], batch[32] = "", accum[32] = "";
     if (v->B != base->B) snprintf(batch, sizeof batch, "%s--batch %d", *flags ? " " : "", v->B);
     if (v->optim.grad_accum != base->optim.grad_accum && !v->lomo)
         snprintf(accum, sizeof accum, " --grad-accum %d", v->optim.grad_accum);
-    put(s, "  %s%s%s: %s%s%s\n", flags, batch, accum, human(total, h, sizeof h), per,
+    put(s, "  %s%s%s: %s%s%s\n", flags, batch, accum, fl_size_text(total, h), per,
         runnable ? "" : " (not runnable yet)");
     s->lines++;
 }
@@ -527,7 +514,7 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
     fl_plan_request v;
     size_t total;
     int runnable;
-    char h[32];
+    char h[FL_SIZE_TEXT];
 
     // a smaller micro-batch, the same sequences per step
     if (shaped && r->B > 1) {
@@ -537,7 +524,7 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
             put_fit(&s, "", r, &v, total, runnable, per);
         else
             put(&s, "  (no micro-batch fits: --batch 1 needs %s%s)\n",
-                human(plan_total(&v, NULL), h, sizeof h), per);
+                fl_size_text(plan_total(&v, NULL), h), per);
     }
     // 16-bit weights, gradients and activations
     if (shaped && r->dtype == FL_F32) {
@@ -599,22 +586,22 @@ void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit
                 order[i] = order[j];
                 order[j] = tmp;
             }
-    char largest[160] = "", h[32];
+    char largest[160] = "", h[FL_SIZE_TEXT];
     size_t n = 0;
     for (int i = 0; i < 3 && p->bytes[order[i]]; i++)
         n += (size_t)snprintf(largest + n, sizeof largest - n, "%s%s %s", i ? ", " : "",
-                              fl_mem_tag_name(order[i]), human(p->bytes[order[i]], h, sizeof h));
+                              fl_mem_tag_name(order[i]), fl_size_text(p->bytes[order[i]], h));
     char alt[2048];
     fl_plan_alternatives(r, limit, alt, sizeof alt);
     size_t len = strlen(alt);
     if (len && alt[len - 1] == '\n') alt[len - 1] = 0;
-    char need[32], lim[32];
+    char need[FL_SIZE_TEXT], lim[FL_SIZE_TEXT];
+    fl_size_text_pair(p->total, limit, need, lim);
     fl_die("this run needs %s%s of memory (planned before allocating), more than the limit of "
            "%s (--mem-limit; default: the available memory).\n"
            "Largest: %s.\n"
            "What would fit ('fitlm plan' with the same options prints the whole plan):\n%s",
-           human(p->total, need, sizeof need), r->ranks > 1 ? " per rank" : "",
-           human(limit, lim, sizeof lim), largest, alt);
+           need, r->ranks > 1 ? " per rank" : "", lim, largest, alt);
 }
 
 size_t fl_plan_parse_count(const char *text, const char *what) {

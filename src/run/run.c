@@ -21,6 +21,7 @@ void fl_run_resume_open(fl_run_resume *res, const char *path, fl_train_config *c
     snprintf(where, sizeof where, "config in checkpoint %s", fl_ckpt_path(res->ck));
     fl_config_load_json_text(cfg, json, strlen(json), where);
     fl_free(json);
+    fl_config_forget_invocation(cfg); // where this machine writes: this invocation's flags only
     res->saved = *cfg;
     // the directory the checkpoint is in: DIR itself, or a file's directory
     char copy[FL_FILE_PATH_MAX];
