@@ -247,6 +247,12 @@ static void test_cli_leaves_lookalikes(void) {
         const char *base = absent ? "exp" : "results";
         if (!absent) fitlmf("export run0 -o %s", base);
         int n = plant_lookalikes(base, names);
+        // the user's files inside it named like the export's own
+        const char *inside[] = {"config.json.bak", "model-card.md", "model.safetensors.orig"};
+        for (int i = 0; i < 3 && !absent; i++) {
+            snprintf(names[n], 128, "%s/%s", base, inside[i]);
+            put(names[n++], SECRET);
+        }
         int rc = fitlmf("export run0 -o %s", base);
         char cfg[200];
         snprintf(cfg, sizeof cfg, "%s/config.json", base);
@@ -258,7 +264,13 @@ static void test_cli_leaves_lookalikes(void) {
     }
     // tokenize -o tok
     put("in.txt", "one document\n\nanother document\n\na third one here\n");
+    fitlmf("tokenize in.txt -o tok --tokenizer byte --val-fraction 0");
     int n = plant_lookalikes("tok", names);
+    const char *inside[] = {"train_notes.txt", "val_old.bin", "train_000000.bin.orig"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(names[n], 128, "tok/%s", inside[i]);
+        put(names[n++], SECRET);
+    }
     int rc = fitlmf("tokenize in.txt -o tok --tokenizer byte --val-fraction 0");
     t_check(rc == 0 && lookalikes_intact(names, n) && exists("tok/train_000000.bin"),
             "tokenize -o tok: the user's look-alikes are untouched: %.300s", output);

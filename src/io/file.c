@@ -180,22 +180,24 @@ void fl_dir_recover(const char *dir) {
     if (fl_tmp_dead_writer(dir)) fl_tmp_unmark(dir);
 }
 
-// Whether DIR may be replaced whole: see io.h.
-static int swappable(const char *dir) {
+// Whether DIR may be replaced whole (see io.h); *run: it holds a run's
+// checkpoints, which a run may be writing.
+static int swappable(const char *dir, int *run) {
     DIR *d = opendir(dir);
     if (!d) fl_die("cannot list %s: %s", dir, strerror(errno));
     int ok = 1;
+    *run = 0;
     const struct dirent *e;
     char path[2 * FL_FILE_PATH_MAX];
-    while (ok && (e = readdir(d))) {
+    while ((e = readdir(d))) {
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         struct stat st;
-        ok = lstat(path, &st) == 0 && S_ISREG(st.st_mode) && strcmp(e->d_name, "latest") &&
-             strncmp(e->d_name, "ckpt_", 5);
+        *run |= !strcmp(e->d_name, "latest") || !strncmp(e->d_name, "ckpt_", 5);
+        ok &= lstat(path, &st) == 0 && S_ISREG(st.st_mode);
     }
     closedir(d);
-    return ok;
+    return ok && !*run;
 }
 
 const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const char *name)) {
@@ -208,8 +210,12 @@ const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const cha
     int exists = lstat(dir, &st) == 0;
     if (exists && !S_ISDIR(st.st_mode) && !S_ISLNK(st.st_mode))
         fl_die("%s exists and is not a directory", dir);
-    t->whole =
-        split_path(dir, parent, base) && (!exists || (S_ISDIR(st.st_mode) && swappable(dir)));
+    int run = 1, whole = exists && S_ISDIR(st.st_mode) && swappable(dir, &run);
+    if (exists && S_ISDIR(st.st_mode) && !run) { // a killed in-place writer's temporaries
+        fl_tmp_clean(dir);
+        whole = swappable(dir, &run);
+    }
+    t->whole = split_path(dir, parent, base) && (!exists || whole);
     if (!t->whole) { // in place
         if (mkdir(dir, 0755) != 0 && errno != EEXIST)
             fl_die("cannot create directory %s: %s", dir, strerror(errno));
