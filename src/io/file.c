@@ -168,7 +168,6 @@ void fl_dir_recover(const char *dir) {
                     fl_die("cannot restore %s from %s: %s", dir, path, strerror(errno));
                 fl_fsync_dir_of(path);
                 fl_tmp_unmark(dir);
-                fl_fsync_dir_of(dir);
                 fl_warn("restored %s from %s (a writer was killed while swapping it)", dir, path);
                 continue;
             }
@@ -262,7 +261,6 @@ void fl_dir_commit(fl_dir_txn *t) {
             fl_die("cannot rename %s to %s: %s", t->tmp, t->dir, strerror(errno));
         fl_fsync_dir_of(t->dir);
         fl_tmp_unmark(t->dir);
-        fl_fsync_dir_of(t->dir);
         return;
     }
     // the old set is marked too: once swapped out it is a temporary of ours
@@ -277,7 +275,6 @@ void fl_dir_commit(fl_dir_txn *t) {
     if (swapped) {
         fl_fsync_dir_of(t->dir);
         fl_tmp_unmark(t->dir);
-        fl_fsync_dir_of(t->dir);
         fl_tmp_remove_tree(t->tmp);
         return;
     }
@@ -288,7 +285,6 @@ void fl_dir_commit(fl_dir_txn *t) {
     if (rename(t->tmp, t->dir) != 0)
         fl_die("cannot rename %s to %s: %s", t->tmp, t->dir, strerror(errno));
     fl_fsync_dir_of(t->dir);
-    fl_tmp_unmark(t->dir);
-    fl_fsync_dir_of(t->dir);
+    fl_tmp_unmark(t->dir); // a crash may bring it back: a dead writer's, removed next time
     fl_tmp_remove_tree(t->old);
 }

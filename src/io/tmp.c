@@ -189,8 +189,10 @@ static void remove_at(int dfd, const char *name, const char *shown) {
         if (!d) fl_die("cannot list %s: %s", shown, strerror(errno));
         const struct dirent *e;
         while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, ".."))
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strcmp(e->d_name, MARK_NAME))
                 remove_at(dirfd(d), e->d_name, shown);
+        // the marker last: a kill in the middle leaves a leftover still provably ours
+        remove_at(dirfd(d), MARK_NAME, shown);
         closedir(d);
     }
     if (unlinkat(dfd, name, S_ISDIR(st.st_mode) ? AT_REMOVEDIR : 0) != 0 && errno != ENOENT)
