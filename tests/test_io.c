@@ -286,7 +286,9 @@ static void test_pruning(void) {
     snprintf(ck, sizeof ck, "%s/prune", dir);
     for (int step = 1; step <= 5; step++) {
         if (step == 3) { // as if a writer had been killed mid-file
-            snprintf(tmp, sizeof tmp, "%s/ckpt_00000099.fitlm.tmp", ck);
+            snprintf(tmp, sizeof tmp, "%s/ckpt_00000099.fitlm.tmp.99999", ck);
+            t_mark_temporary(tmp, 99999);
+            strcat(tmp, "/ckpt_00000099.fitlm");
             t_write_file(tmp, "partial", 7);
         }
         fl_train_ckpt_save(ck, step, &a, NULL, NULL, NULL, &byte_tok, NULL, 2);

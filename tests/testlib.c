@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -326,6 +327,14 @@ void t_write_file(const char *path, const void *data, size_t n) {
 
 void t_write_text(const char *path, const char *text) {
     t_write_file(path, text, strlen(text));
+}
+
+void t_mark_temporary(const char *path, long pid) {
+    char mark[4200], text[128];
+    mkdir(path, 0755);
+    snprintf(mark, sizeof mark, "%s/.fitlm-dir", path);
+    snprintf(text, sizeof text, "fitlm temporary directory\npid %ld\nboot x\nstart 0\n", pid);
+    t_write_text(mark, text);
 }
 
 int t_remove_dir(const char *dir) {

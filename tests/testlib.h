@@ -87,6 +87,10 @@ void t_mutations(const char *what, const char *path, int count, unsigned long lo
 unsigned char *t_read_file(const char *path, size_t *n);
 void t_write_file(const char *path, const void *data, size_t n);
 void t_write_text(const char *path, const char *text);
+// Makes the directory path (if missing) a temporary of the writer process
+// pid, as that writer marks it (fitlm/io.h: a killed writer's leftover when
+// no process has the pid).
+void t_mark_temporary(const char *path, long pid);
 // Removes a scratch directory and everything in it; 0 on success.
 int t_remove_dir(const char *dir);
 

@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "fitlm/core.h"
 #include "fitlm/data.h"
@@ -32,8 +33,10 @@ static inline uint64_t fl_get_u64(const uint8_t *p) {
 }
 
 // ----------------------------------------------------------------------------
-// crash-safe writing: begin (PATH.tmp.<pid>), write..., commit (fsync, rename over
-// PATH, fsync the directory). An error removes the temporary file and dies.
+// crash-safe writing: begin (the temporary PATH.tmp.<pid>/<name>, see below),
+// write..., commit (fsync, rename over PATH, fsync the directory). An error
+// removes the temporary and dies. A link planted at PATH is replaced, its
+// target never written.
 
 #define FL_FILE_PATH_MAX 4096
 
@@ -53,6 +56,64 @@ void fl_file_write_all(const char *path, const void *data, size_t n);
 // (fl_file_read_all, the whole-file reader, is core's: fitlm/core.h)
 
 // ----------------------------------------------------------------------------
+// what fitlm may write, replace or delete (src/io/tmp.c). Outputs are new
+// files (O_EXCL|O_NOFOLLOW) renamed into place. Every temporary (a file's,
+// a directory set's) is a directory NAME.tmp.<pid> (or NAME.old.<pid>)
+// whose first entry is the marker `.fitlm-dir`, created O_EXCL:
+// "fitlm temporary directory\npid <pid>\nboot <boot id>\nstart <ticks>\n".
+// A leftover is deleted (or restored) only when it is a directory, not a
+// link, with that marker naming the pid of its name, and that writer is
+// gone: no process has the pid, or the boot id or the start time of the one
+// that has it differs (a reused pid). An empty directory so named (a writer
+// killed between its mkdir and its marker) is removed too, its pid gone:
+// nothing is lost. Anything else named like a leftover (a user's
+// results.old.2024, log.txt.tmp.1) is left alone.
+
+// Dies with the error of a failed fl_tmp_open of path.
+void fl_die_not_new(const char *path);
+// Opens path to append, only when it is a regular file of one link
+// (O_NOFOLLOW; a link, FIFO, device or hard-linked file is refused). Dies
+// naming it (what: "training log", ...).
+FILE *fl_fopen_append(const char *path, const char *what);
+// What an error may show of a file that failed validation: the bytes
+// quoted when they could be a name (at most 40 of [A-Za-z0-9._-], starting
+// with prefix), else only "<total> bytes that are not a name": a file a link
+// points at (a key, a password) is never echoed.
+void fl_name_excerpt(char *out, size_t size, const char *bytes, size_t n, uint64_t total,
+                     const char *prefix);
+
+// The temporary of path: PATH.tmp.<pid>/<name of PATH> (dies if too long).
+void fl_tmp_name(char *out, size_t size, const char *path);
+// Creates tmp's directory (new), marks it, and creates tmp in it (new). The
+// fd, or -1 with errno and nothing left behind.
+int fl_tmp_open(const char *tmp);
+// Renames tmp over path and removes its directory; fsyncs path's
+// directory. 0, or -1 with errno and tmp removed.
+int fl_tmp_commit(const char *tmp, const char *path);
+// Removes tmp and its directory (when they are this process's).
+void fl_tmp_discard(const char *tmp);
+// Deletes the temporaries (NAME.tmp.<pid>) that killed writers left in dir.
+// A writer on another machine (another boot id) counts as gone: call it only
+// while no other process writes there (a run holds DIR/.lock; rank 0 prunes
+// after every rank's save).
+void fl_tmp_clean(const char *dir);
+// Marks dir as this process's temporary; removes the mark.
+void fl_tmp_mark(const char *dir);
+void fl_tmp_unmark(const char *dir);
+// Whether name is the marker's.
+int fl_tmp_is_mark(const char *name);
+// Whether dir is the leftover of writer pid: marked by it and it is gone
+// (see above; this process's pid counts as gone: it has none under way when
+// this is asked), or empty (but for an empty marker) and no process has pid
+// (a writer killed between its mkdir and its marker; an empty directory
+// loses nothing).
+int fl_tmp_is_leftover(const char *dir, long pid);
+// The pid of dir's marker when its writer is gone, else 0.
+long fl_tmp_dead_writer(const char *dir);
+// Removes path and everything in it, never following a link.
+void fl_tmp_remove_tree(const char *path);
+
+// ----------------------------------------------------------------------------
 // crash-safe directories: a set of files (an export, a shard set, an
 // adapter) replaced as a whole. The new set is written into DIR.tmp.<pid>
 // beside DIR; commit swaps it in (an atomic exchange where the kernel has
@@ -62,6 +123,9 @@ void fl_file_write_all(const char *path, const void *data, size_t n);
 // DIR.old.<pid> of pids no longer running); a DIR.old.<pid> with DIR missing
 // (a kill between the two renames) is renamed back to DIR: the last complete
 // set is never lost.
+// Only marked siblings are touched (see above): the old set is marked
+// before it is swapped out, and the marker is removed from DIR after the
+// swap.
 //
 // DIR's other regular files (not in_set) are carried over by hard links. A
 // DIR that cannot be swapped whole (a symlink, ".", one that holds
@@ -181,10 +245,6 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
                         const char *shard_meta_json, const fl_ckpt_piece *tensors, int n_tensors,
                         int sharded, int keep, const char *run, const fl_ckpt_file *files,
                         int n_files);
-// Deletes the temporary files killed writers left in DIR (checkpoints,
-// `latest`, log.txt). Only safe while no other process writes there: the
-// training command holds DIR/.lock.
-void fl_ckpt_clean_tmp(const char *dir);
 
 typedef struct fl_ckpt fl_ckpt;
 

@@ -19,6 +19,7 @@
 
 #include "cli.h"
 #include "helpers.h"
+#include "fitlm/io.h"
 #include "fitlm/metrics.h"
 
 #define SWATCH_WIDTH 2.5
@@ -320,24 +321,36 @@ static void check(cairo_status_t st, const char *path) {
     if (st != CAIRO_STATUS_SUCCESS) fl_die("cannot write %s: %s", path, cairo_status_to_string(st));
 }
 
+// cairo's output, into a crash-safe file (fitlm/io.h): a link planted at the
+// image's name is replaced, never written through
+static cairo_status_t to_file(void *f, const unsigned char *data, unsigned int n) {
+    fl_file_write(f, data, n);
+    return CAIRO_STATUS_SUCCESS;
+}
+
 // Writes DIR/<name>.png and DIR/<name>.svg.
 static void render(const figure *f, const char *dir, int W, int H) {
     char path[FL_PATH_MAX + 64];
+    fl_file out;
     snprintf(path, sizeof path, "%s/%s.png", dir, f->name);
     cairo_surface_t *png = cairo_image_surface_create(CAIRO_FORMAT_ARGB32, W, H);
     cairo_t *cr = cairo_create(png);
     draw(cr, f, W, H);
     cairo_destroy(cr);
-    check(cairo_surface_write_to_png(png, path), path);
+    fl_file_begin(&out, path);
+    check(cairo_surface_write_to_png_stream(png, to_file, &out), path);
+    fl_file_commit(&out);
     cairo_surface_destroy(png);
     snprintf(path, sizeof path, "%s/%s.svg", dir, f->name);
-    cairo_surface_t *svg = cairo_svg_surface_create(path, W, H);
+    fl_file_begin(&out, path);
+    cairo_surface_t *svg = cairo_svg_surface_create_for_stream(to_file, &out, W, H);
     cr = cairo_create(svg);
     draw(cr, f, W, H);
     cairo_destroy(cr);
     cairo_surface_finish(svg); // writes the file
     check(cairo_surface_status(svg), path);
     cairo_surface_destroy(svg);
+    fl_file_commit(&out);
 }
 
 // ----------------------------------------------------------------------------

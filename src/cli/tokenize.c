@@ -70,14 +70,16 @@ static int is_shard_of(const char *name, const char *split, long *index) {
     return !strcmp(end, ".bin");
 }
 
+// Exactly the set's own names: a user's train_notes.txt beside them stays.
 int tokenize_in_shard_set(const char *name) {
-    return !strncmp(name, "train_", 6) || !strncmp(name, "val_", 4);
+    long index;
+    return is_shard_of(name, "train", &index) || is_shard_of(name, "val", &index);
 }
 
 // A set with its learnt tokenizer: the two go together.
 static int in_learnt_set(const char *name) {
-    return tokenize_in_shard_set(name) || !strncmp(name, "encoder.json", 12) ||
-           !strncmp(name, "vocab.bpe", 9);
+    return tokenize_in_shard_set(name) || !strcmp(name, "encoder.json") ||
+           !strcmp(name, "vocab.bpe");
 }
 
 void tokenize_remove_stale(const char *dir, const char *split, int kept) {

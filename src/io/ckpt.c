@@ -430,26 +430,6 @@ static int older_first(const void *a, const void *b) {
     return (x->tv_nsec > y->tv_nsec) - (x->tv_nsec < y->tv_nsec);
 }
 
-// A killed writer's temporary file: NAME.tmp or NAME.tmp.<pid>, of a
-// checkpoint or shard, of `latest` or of the log.
-static int is_tmp_name(const char *name) {
-    const char *t = strstr(name, ".tmp");
-    if (!t || (t[4] && t[4] != '.')) return 0;
-    return !strncmp(name, "ckpt_", 5) || !strncmp(name, "latest.", 7) ||
-           !strncmp(name, "log.txt.", 8);
-}
-
-void fl_ckpt_clean_tmp(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return;
-    char path[FL_FILE_PATH_MAX];
-    for (struct dirent *e; (e = readdir(d));)
-        if (is_tmp_name(e->d_name) &&
-            (size_t)snprintf(path, sizeof path, "%s/%s", dir, e->d_name) < sizeof path)
-            unlink(path);
-    closedir(d);
-}
-
 // Whether path's header names run (any run when run is NULL).
 static int of_run(const char *path, const char *run) {
     char id[64];
@@ -536,6 +516,7 @@ static void remove_orphans(const char *dir, name_list *l, const char *run) {
 // failed or was killed before its manifest) go too. Runs only after
 // `latest` points at the newest.
 static void prune(const char *dir, int keep, int newest, const char *run) {
+    fl_tmp_clean(dir);
     DIR *d = opendir(dir);
     if (!d) return;
     enum { MAX_FILES = 1024 };
@@ -548,10 +529,8 @@ static void prune(const char *dir, int keep, int newest, const char *run) {
         int step;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         struct stat st;
-        if (is_tmp_name(e->d_name)) {
-            unlink(path);
-        } else if (is_ckpt_name(e->d_name, &step) && step != newest && n < MAX_FILES &&
-                   stat(path, &st) == 0 && keep > 0 && of_run(path, run)) {
+        if (is_ckpt_name(e->d_name, &step) && step != newest && n < MAX_FILES &&
+            stat(path, &st) == 0 && keep > 0 && of_run(path, run)) {
             memcpy(files[n].name, e->d_name, 20); // 19 characters (is_ckpt_name) and the NUL
             files[n++].mtime = st.st_mtim;
         } else if (is_shard_name(e->d_name, &step)) {
@@ -660,7 +639,7 @@ static int write_file(const char *tmp, const char *header, const fl_ckpt_piece *
     fl_put_u32(prefix + 24, fl_crc32(fl_crc32(0, prefix, 24), header, hlen));
     if (header_crc) *header_crc = fl_get_u32(prefix + 24);
     if (size) *size = CKPT_PREFIX + hlen + data_len;
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fd = fl_tmp_open(tmp);
     if (fd < 0) return -1;
     int rc = write_full(fd, prefix, sizeof prefix);
     if (rc == 0 && fault) {
@@ -678,47 +657,30 @@ static int write_file(const char *tmp, const char *header, const fl_ckpt_piece *
         err = errno;
     }
     if (rc != 0) {
-        unlink(tmp); // the previous file, if any, is untouched
+        fl_tmp_discard(tmp); // the previous file, if any, is untouched
         errno = err;
     }
     return rc;
 }
 
-// tmp into place at path, durably (the directory fsynced). 0 or -1 (errno).
-static int commit_file(const char *tmp, const char *path) {
-    if (rename(tmp, path) != 0) {
-        int err = errno;
-        unlink(tmp);
-        errno = err;
-        return -1;
-    }
-    fl_fsync_dir_of(path);
-    return 0;
-}
-
-static void tmp_name(char *out, size_t size, const char *path) {
-    if ((size_t)snprintf(out, size, "%s.tmp.%ld", path, (long)getpid()) >= size)
-        fl_die("checkpoint path is too long: %s", path);
-}
-
 // DIR/latest := name, crash-safely. 0 or -1 (errno).
 static int write_latest(const char *dir, const char *name) {
-    char path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX + 32], line[64];
+    char path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX + 128], line[64];
     snprintf(path, sizeof path, "%s/latest", dir);
-    tmp_name(tmp, sizeof tmp, path);
+    fl_tmp_name(tmp, sizeof tmp, path);
     int n = snprintf(line, sizeof line, "%s\n", name);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fd = fl_tmp_open(tmp);
     if (fd < 0) return -1;
     int rc = write_full(fd, line, (size_t)n);
     if (rc == 0) rc = fsync(fd);
     int err = errno;
     if (close(fd) != 0 && rc == 0) rc = -1, err = errno;
     if (rc != 0) {
-        unlink(tmp);
+        fl_tmp_discard(tmp);
         errno = err;
         return -1;
     }
-    return commit_file(tmp, path);
+    return fl_tmp_commit(tmp, path);
 }
 
 static void make_dir(const char *dir) {
@@ -748,15 +710,15 @@ void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
     uint64_t data_len;
     char *header =
         make_header(meta_json, step, run, NULL, NULL, whole, n_tensors, files, n_files, &data_len);
-    char name[32], path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX + 32];
+    char name[32], path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX + 128];
     ckpt_name(name, sizeof name, step);
     join(path, sizeof path, dir, name);
-    tmp_name(tmp, sizeof tmp, path);
+    fl_tmp_name(tmp, sizeof tmp, path);
     if (write_file(tmp, header, whole, n_tensors, files, n_files, data_len, 0, NULL, NULL) != 0)
         fl_die("writing %s failed: %s", tmp, strerror(errno));
     cJSON_free(header);
     fl_free(whole);
-    if (commit_file(tmp, path) != 0)
+    if (fl_tmp_commit(tmp, path) != 0)
         fl_die("cannot rename %s to %s: %s", tmp, path, strerror(errno));
     // Only now does `latest` move: it always names a complete checkpoint.
     if (write_latest(dir, name) != 0) fl_die("cannot update %s/latest: %s", dir, strerror(errno));
@@ -866,10 +828,10 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
     if (rank == 0) make_dir(dir);
     fl_comm_barrier();
     if (sharded) new_tag(s.tag, sizeof s.tag);
-    char path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX + 32], manifest[32];
+    char path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX + 128], manifest[32];
     ckpt_name(manifest, sizeof manifest, step);
     file_of(&s, rank, path, sizeof path);
-    tmp_name(tmp, sizeof tmp, path);
+    fl_tmp_name(tmp, sizeof tmp, path);
     int writes = sharded || rank == 0;
     uint32_t crc = 0;
     uint64_t size = 0;
@@ -893,10 +855,10 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
     }
     // nothing has its final name until every rank's file is durable
     if ((bad = agree(code, &code)) >= 0) {
-        if (writes) unlink(tmp);
+        if (writes) fl_tmp_discard(tmp);
         fail_all(&s, bad, code);
     }
-    if (writes && commit_file(tmp, path) != 0) code = PHASE_RENAME * 100000 + errno;
+    if (writes && fl_tmp_commit(tmp, path) != 0) code = PHASE_RENAME * 100000 + errno;
     if ((bad = agree(code, &code)) >= 0) {
         if (sharded) unlink(path); // a shard of this save only (its tag): no one needs it
         fail_all(&s, bad, code);
@@ -912,11 +874,11 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
             uint64_t data_len;
             char *header = make_header(meta_json, step, run, "sharding", sh, NULL, 0, files,
                                        n_files, &data_len);
-            char mpath[FL_FILE_PATH_MAX], mtmp[FL_FILE_PATH_MAX + 32];
+            char mpath[FL_FILE_PATH_MAX], mtmp[FL_FILE_PATH_MAX + 128];
             join(mpath, sizeof mpath, dir, manifest);
-            tmp_name(mtmp, sizeof mtmp, mpath);
+            fl_tmp_name(mtmp, sizeof mtmp, mpath);
             if (write_file(mtmp, header, NULL, 0, files, n_files, data_len, 0, NULL, NULL) != 0 ||
-                commit_file(mtmp, mpath) != 0)
+                fl_tmp_commit(mtmp, mpath) != 0)
                 code = PHASE_MANIFEST * 100000 + errno;
             cJSON_free(header);
         }
@@ -978,15 +940,31 @@ static void resolve(const char *path, char *out, size_t size) {
     }
     char latest[FL_FILE_PATH_MAX];
     snprintf(latest, sizeof latest, "%s/latest", path);
-    int fd = fl_open_regular(latest, "checkpoint pointer file");
+    // fitlm writes `latest` as a regular file: a link is not followed (it
+    // could name any file), a FIFO would block the read
+    int fd = open(latest, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    struct stat lst;
+    if (fd < 0 && errno == ELOOP)
+        fl_die("%s holds no checkpoint: %s is a symbolic link (fitlm writes it as a regular "
+               "file and does not follow a link there)",
+               path, latest);
+    if (fd < 0) fl_die("%s holds no checkpoint: cannot open %s: %s", path, latest, strerror(errno));
+    if (fstat(fd, &lst) != 0 || !S_ISREG(lst.st_mode))
+        fl_die("%s holds no checkpoint: %s is not a regular file", path, latest);
     char name[64] = {0};
     ssize_t got = read(fd, name, sizeof name - 1);
     close(fd);
     size_t n = got > 0 ? (size_t)got : 0;
+    name[n] = 0;
     while (n && (name[n - 1] == '\n' || name[n - 1] == '\r')) name[--n] = 0;
     int step;
-    if (!is_ckpt_name(name, &step))
-        fl_die("%s does not name a checkpoint file (it says '%s')", latest, name);
+    // only a name's shape is ever quoted: the file's bytes are not echoed
+    if (!is_ckpt_name(name, &step) || strlen(name) != n || (uint64_t)lst.st_size > n + 2) {
+        char shown[48];
+        fl_name_excerpt(shown, sizeof shown, name, n, (uint64_t)lst.st_size, "ckpt_");
+        fl_die("%s does not name a checkpoint file (ckpt_<step>.fitlm): it holds %s", latest,
+               shown);
+    }
     if ((size_t)snprintf(out, size, "%s/%s", path, name) >= size)
         fl_die("checkpoint path too long: %s", path);
 }

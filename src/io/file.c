@@ -1,10 +1,12 @@
 // file.c: crash-safe writing. A file is written under a temporary name in its
 // own directory, fsynced, renamed over the final name and the directory
 // fsynced: a reader sees the old file or the complete new one, never a torn
-// mix, whenever the process or the machine dies. The temporary name carries
-// the writer's pid (PATH.tmp.<pid>), so two processes writing the same file
-// never write into one temporary; a killed writer's leftover is deleted by
-// the next run into its directory (fl_ckpt_clean_tmp) or by pruning.
+// mix, whenever the process or the machine dies. The temporary is
+// PATH.tmp.<pid>/<name>, in a marked directory of its own (tmp.c): two
+// processes writing the same file never write into one temporary, a link
+// planted at PATH is replaced by the rename (its target never written), and a
+// killed writer's leftover is provably fitlm's; the next run into its
+// directory (fl_tmp_clean) deletes it.
 #include "fitlm/io.h"
 
 #include <errno.h>
@@ -13,6 +15,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 // CRC-32 (IEEE, as zlib), eight bytes at a time ("slicing-by-8"): checkpoints
@@ -50,12 +53,11 @@ uint32_t fl_crc32(uint32_t crc, const void *data, size_t n) {
 
 void fl_file_begin(fl_file *f, const char *path) {
     memset(f, 0, sizeof *f);
-    if ((size_t)snprintf(f->path, sizeof f->path, "%s", path) >= sizeof f->path ||
-        (size_t)snprintf(f->tmp, sizeof f->tmp, "%s.tmp.%ld", path, (long)getpid()) >=
-            sizeof f->tmp)
+    if ((size_t)snprintf(f->path, sizeof f->path, "%s", path) >= sizeof f->path)
         fl_die("file name is too long: %s", path);
-    f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (f->fd < 0) fl_die("cannot create %s: %s", f->tmp, strerror(errno));
+    fl_tmp_name(f->tmp, sizeof f->tmp, path);
+    f->fd = fl_tmp_open(f->tmp);
+    if (f->fd < 0) fl_die_not_new(f->tmp);
 }
 
 void fl_file_write(fl_file *f, const void *data, size_t n) {
@@ -67,7 +69,7 @@ void fl_file_write(fl_file *f, const void *data, size_t n) {
         if (w <= 0) {
             int err = errno;
             close(f->fd);
-            unlink(f->tmp); // the previous file, if any, is untouched
+            fl_tmp_discard(f->tmp); // the previous file, if any, is untouched
             fl_die("writing %s failed: %s", f->tmp, w < 0 ? strerror(err) : "no space written");
         }
         p += w;
@@ -89,12 +91,11 @@ void fl_fsync_dir_of(const char *path) {
 void fl_file_commit(fl_file *f) {
     if (fsync(f->fd) != 0 || close(f->fd) != 0) {
         int err = errno;
-        unlink(f->tmp);
+        fl_tmp_discard(f->tmp);
         fl_die("cannot flush %s: %s", f->tmp, strerror(err));
     }
-    if (rename(f->tmp, f->path) != 0)
+    if (fl_tmp_commit(f->tmp, f->path) != 0)
         fl_die("cannot rename %s to %s: %s", f->tmp, f->path, strerror(errno));
-    fl_fsync_dir_of(f->path);
 }
 
 void fl_file_write_all(const char *path, const void *data, size_t n) {
@@ -109,35 +110,12 @@ void fl_file_write_all(const char *path, const void *data, size_t n) {
 // swapped in whole. Kept apart from the file functions above.
 
 #include <dirent.h>
-#include <signal.h>
 #include <stdlib.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 
 #ifndef RENAME_EXCHANGE
 #define RENAME_EXCHANGE (1 << 1) // linux/fs.h
 #endif
-
-// Removes path and, when it is a directory, everything in it (not
-// following symlinks); a missing path is no error.
-static void remove_tree(const char *path) {
-    struct stat st;
-    if (lstat(path, &st) != 0) return;
-    if (S_ISDIR(st.st_mode)) {
-        DIR *d = opendir(path);
-        if (!d) fl_die("cannot list %s: %s", path, strerror(errno));
-        const struct dirent *e;
-        char sub[2 * FL_FILE_PATH_MAX];
-        while ((e = readdir(d))) {
-            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-            snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
-            remove_tree(sub);
-        }
-        closedir(d);
-    }
-    if ((S_ISDIR(st.st_mode) ? rmdir(path) : unlink(path)) != 0 && errno != ENOENT)
-        fl_die("cannot remove %s: %s", path, strerror(errno));
-}
 
 // Splits "a/b/c/" into parent "a/b" and name "c"; 0 when there is no name
 // that a sibling could be made for ("", ".", "..", "/").
@@ -172,10 +150,6 @@ static long leftover_pid(const char *name, const char *base, const char *kind) {
     return *digits >= '0' && *digits <= '9' && !*end && pid > 0 ? pid : 0;
 }
 
-static int running(long pid) {
-    return pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno == EPERM;
-}
-
 void fl_dir_recover(const char *dir) {
     char parent[FL_FILE_PATH_MAX], base[FL_FILE_PATH_MAX], path[2 * FL_FILE_PATH_MAX];
     if (!split_path(dir, parent, base)) return;
@@ -186,38 +160,43 @@ void fl_dir_recover(const char *dir) {
         const struct dirent *e;
         while ((e = readdir(d))) {
             long pid = leftover_pid(e->d_name, base, pass ? "tmp" : "old");
-            if (!pid || running(pid)) continue;
             snprintf(path, sizeof path, "%s/%s", parent, e->d_name);
+            if (!pid || !fl_tmp_is_leftover(path, pid)) continue; // not fitlm's, or still writing
             struct stat st;
             if (!pass && lstat(dir, &st) != 0 && errno == ENOENT) {
                 if (rename(path, dir) != 0)
                     fl_die("cannot restore %s from %s: %s", dir, path, strerror(errno));
                 fl_fsync_dir_of(path);
+                fl_tmp_unmark(dir);
                 fl_warn("restored %s from %s (a writer was killed while swapping it)", dir, path);
                 continue;
             }
-            remove_tree(path);
+            fl_tmp_remove_tree(path);
         }
         closedir(d);
     }
+    // a marker a killed writer left in DIR itself (after its swap)
+    if (fl_tmp_dead_writer(dir)) fl_tmp_unmark(dir);
 }
 
-// Whether DIR may be replaced whole: see io.h.
-static int swappable(const char *dir) {
+// Whether DIR may be replaced whole (see io.h); *run: it holds a run's
+// checkpoints, which a run may be writing.
+static int swappable(const char *dir, int *run) {
     DIR *d = opendir(dir);
     if (!d) fl_die("cannot list %s: %s", dir, strerror(errno));
     int ok = 1;
+    *run = 0;
     const struct dirent *e;
     char path[2 * FL_FILE_PATH_MAX];
-    while (ok && (e = readdir(d))) {
+    while ((e = readdir(d))) {
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         struct stat st;
-        ok = lstat(path, &st) == 0 && S_ISREG(st.st_mode) && strcmp(e->d_name, "latest") &&
-             strncmp(e->d_name, "ckpt_", 5);
+        *run |= !strcmp(e->d_name, "latest") || !strncmp(e->d_name, "ckpt_", 5);
+        ok &= lstat(path, &st) == 0 && S_ISREG(st.st_mode);
     }
     closedir(d);
-    return ok;
+    return ok && !*run;
 }
 
 const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const char *name)) {
@@ -230,8 +209,12 @@ const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const cha
     int exists = lstat(dir, &st) == 0;
     if (exists && !S_ISDIR(st.st_mode) && !S_ISLNK(st.st_mode))
         fl_die("%s exists and is not a directory", dir);
-    t->whole =
-        split_path(dir, parent, base) && (!exists || (S_ISDIR(st.st_mode) && swappable(dir)));
+    int run = 1, whole = exists && S_ISDIR(st.st_mode) && swappable(dir, &run);
+    if (exists && S_ISDIR(st.st_mode) && !run) { // a killed in-place writer's temporaries
+        fl_tmp_clean(dir);
+        whole = swappable(dir, &run);
+    }
+    t->whole = split_path(dir, parent, base) && (!exists || whole);
     if (!t->whole) { // in place
         if (mkdir(dir, 0755) != 0 && errno != EEXIST)
             fl_die("cannot create directory %s: %s", dir, strerror(errno));
@@ -242,9 +225,10 @@ const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const cha
         (size_t)snprintf(t->old, sizeof t->old, "%s/%s.old.%ld", parent, base, (long)getpid()) >=
             sizeof t->old)
         fl_die("directory name is too long: %s", dir);
-    remove_tree(t->tmp); // our own, from an earlier set in this process
     if (mkdir(t->tmp, exists ? st.st_mode & 07777 : 0755) != 0)
-        fl_die("cannot create directory %s: %s", t->tmp, strerror(errno));
+        fl_die("cannot create directory %s: %s%s", t->tmp, strerror(errno),
+               errno == EEXIST ? " (it is not fitlm's: move it away)" : "");
+    fl_tmp_mark(t->tmp); // first: from now on it is provably ours
     if (!exists) return t->tmp;
     // the files that are not the set's stay (a tokenizer beside an export)
     DIR *d = opendir(dir);
@@ -252,7 +236,8 @@ const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const cha
     const struct dirent *e;
     char from[2 * FL_FILE_PATH_MAX], to[2 * FL_FILE_PATH_MAX];
     while ((e = readdir(d))) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !in_set || in_set(e->d_name))
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || fl_tmp_is_mark(e->d_name) ||
+            !in_set || in_set(e->d_name))
             continue;
         snprintf(from, sizeof from, "%s/%s", dir, e->d_name);
         snprintf(to, sizeof to, "%s/%s", t->tmp, e->d_name);
@@ -275,8 +260,11 @@ void fl_dir_commit(fl_dir_txn *t) {
         if (rename(t->tmp, t->dir) != 0)
             fl_die("cannot rename %s to %s: %s", t->tmp, t->dir, strerror(errno));
         fl_fsync_dir_of(t->dir);
+        fl_tmp_unmark(t->dir);
         return;
     }
+    // the old set is marked too: once swapped out it is a temporary of ours
+    fl_tmp_mark(t->dir);
     int swapped = 0;
 #ifdef SYS_renameat2
     // one step: DIR is never missing; tmp then holds the old set (the
@@ -286,7 +274,8 @@ void fl_dir_commit(fl_dir_txn *t) {
 #endif
     if (swapped) {
         fl_fsync_dir_of(t->dir);
-        remove_tree(t->tmp);
+        fl_tmp_unmark(t->dir);
+        fl_tmp_remove_tree(t->tmp);
         return;
     }
     // two steps: a kill between them leaves DIR.old.<pid>, which the next
@@ -296,5 +285,6 @@ void fl_dir_commit(fl_dir_txn *t) {
     if (rename(t->tmp, t->dir) != 0)
         fl_die("cannot rename %s to %s: %s", t->tmp, t->dir, strerror(errno));
     fl_fsync_dir_of(t->dir);
-    remove_tree(t->old);
+    fl_tmp_unmark(t->dir); // a crash may bring it back: a dead writer's, removed next time
+    fl_tmp_remove_tree(t->old);
 }

@@ -300,12 +300,14 @@ void fl_model_check_finite(const fl_model *m, const char *source, const char *ad
 
 // The files an export writes (and their temporaries): the rest of an
 // export directory is the user's and stays.
-// (the tokenizer's files too: an earlier export's never stays beside a
-// model that has none)
+// Exactly the export's own names (the tokenizer's files too: an earlier
+// export's never stays beside a model that has none); a user's
+// config.json.bak or model-card.md beside them stays.
 static int is_export_file(const char *name) {
-    return !strncmp(name, "config.json", 11) || !strncmp(name, HF_SINGLE, strlen(HF_SINGLE)) ||
-           !strncmp(name, "model-", 6) || !strncmp(name, "tokenizer.json", 14) ||
-           !strncmp(name, "tokenizer_config.json", 21);
+    int i, of, end = 0;
+    return !strcmp(name, "config.json") || !strcmp(name, HF_SINGLE) || !strcmp(name, HF_INDEX) ||
+           !strcmp(name, "tokenizer.json") || !strcmp(name, "tokenizer_config.json") ||
+           (sscanf(name, "model-%5d-of-%5d.safetensors%n", &i, &of, &end) == 2 && !name[end]);
 }
 
 void fl_hf_export(const char *out_dir, const fl_model *model, const float *weights_fp32,

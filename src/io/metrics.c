@@ -7,6 +7,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "fitlm/io.h"
@@ -57,9 +58,19 @@ void fl_line_log_open(fl_line_log *log, const char *path, const char *what, int 
     if (!*path) return;
     if (strlen(path) >= sizeof log->path) fl_die("%s path is too long: %s", what, path);
     strcpy(log->path, path);
-    if (resume_step >= 0 && access(path, F_OK) == 0) keep_lines(path, what, resume_step, step_of);
-    log->f = fopen(path, resume_step >= 0 ? "a" : "w");
-    if (!log->f) fl_die("cannot open %s for writing: %s", path, strerror(errno));
+    // never through a link, FIFO or device planted at the name: the log is
+    // (re)made as a new file of ours (temporary + rename), then appended to
+    struct stat st;
+    int exists = lstat(path, &st) == 0;
+    if (exists && !S_ISREG(st.st_mode))
+        fl_die("%s %s is not a regular file (a link, FIFO or device): fitlm does not write "
+               "through it; remove it",
+               what, path);
+    if (resume_step >= 0 && exists)
+        keep_lines(path, what, resume_step, step_of);
+    else
+        fl_file_write_all(path, "", 0);
+    log->f = fl_fopen_append(path, what);
 }
 
 void fl_line_log_printf(fl_line_log *log, const char *fmt, ...) {

@@ -300,9 +300,8 @@ static void save_fill(void *ctx, int i, void *dst) {
 
 // The adapter's two files and their temporaries (PEFT's README.md and
 // anything else in the directory stay).
-static int is_adapter_file(const char *name) {
-    return !strncmp(name, PEFT_WEIGHTS, strlen(PEFT_WEIGHTS)) ||
-           !strncmp(name, PEFT_CONFIG, strlen(PEFT_CONFIG));
+static int is_adapter_file(const char *name) { // exactly: a user's copies beside them stay
+    return !strcmp(name, PEFT_WEIGHTS) || !strcmp(name, PEFT_CONFIG);
 }
 
 void fl_peft_save(const char *out_dir, const fl_model *m, const char *base_model) {

@@ -20,13 +20,25 @@
 static void lock_dir(const char *dir) {
     char path[FL_PATH_MAX + 16];
     snprintf(path, sizeof path, "%s/.lock", dir);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) fl_die("cannot create the lock file %s: %s", path, strerror(errno));
+    // never a link, FIFO, device or a file with another name: the pid is
+    // written into it (O_NONBLOCK: a FIFO must not block the open)
+    int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    struct stat st;
+    if (fd < 0 && errno == ELOOP)
+        fl_die("the lock file %s is a symbolic link: fitlm does not write through one; remove it",
+               path);
+    if (fd < 0 || fstat(fd, &st) != 0)
+        fl_die("cannot create the lock file %s: %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode) || st.st_nlink != 1)
+        fl_die("the lock file %s is not a regular file of one link (a FIFO, a device or a hard "
+               "link to another name): fitlm does not write into it; remove it",
+               path);
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
         char pid[32] = "";
         ssize_t n = pread(fd, pid, sizeof pid - 1, 0);
         pid[n > 0 ? n : 0] = 0;
         pid[strcspn(pid, "\n")] = 0;
+        if (pid[strspn(pid, "0123456789")]) *pid = 0; // only a pid is ever quoted
         fl_die("%s is in use by another fitlm run (process %s): one run per directory; wait for "
                "it to finish, stop it, or choose another --out",
                dir, *pid ? pid : "unknown");
@@ -65,7 +77,7 @@ void run_prepare_out_dir(const char *out_dir, const char *resume_dir, int overwr
     if (access(out_dir, W_OK) != 0)
         fl_die("cannot write into output directory %s: %s", out_dir, strerror(errno));
     lock_dir(out_dir);
-    fl_ckpt_clean_tmp(out_dir); // ours now: a leftover is a dead writer's
+    fl_tmp_clean(out_dir); // a killed writer's temporaries (only marked ones)
     if (resume_dir && same_dir(resume_dir, out_dir)) return;
     if (!overwrite && holds_run(out_dir))
         fl_die("%s already holds a run (checkpoints, latest, log.txt or metrics.jsonl): continue "
