@@ -1854,6 +1854,25 @@ static void test_nonfinite_results_are_errors(void) {
         t_check(rc == 1 && strstr(output, "logits for generated token 1 are not finite"),
                 "%s: sampling from non-finite logits fails (status %d): %.300s", args, rc, output);
     }
+    // a Hugging Face directory (safetensors) with the same overflow
+    {
+        fl_model_config cfg;
+        fl_model_preset(&cfg, "demo");
+        cfg.vocab_size = 257;
+        fl_model_config_finish(&cfg);
+        fl_model m;
+        fl_model_init(&m, &cfg, FL_F32, 3);
+        const fl_param_view *v = &m.table.views[fl_params_find(&m.table, "ln_f.weight")];
+        for (size_t i = 0; i < v->numel; i++) ((float *)m.params)[v->offset + i] = 3e38f;
+        char p[600];
+        snprintf(p, sizeof p, "%s/huge_hf", dir);
+        fl_hf_export(p, &m, m.params, FL_F32, 0);
+        fl_model_free(&m);
+        int rc = fitlm("eval --init-from huge_hf --tokenizer byte --text nf.txt --json");
+        t_check(rc == 1 && strstr(output, "not finite") && !strstr(output, "null"),
+                "eval of a safetensors model whose weights overflow fails (status %d): %.300s", rc,
+                output);
+    }
     // the position named: window and file
     fitlm("eval --checkpoint huge_0 --text nf.txt");
     t_check(strstr(output, "of window 0 of nf.txt") != NULL,

@@ -186,20 +186,21 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
         // the spike guard, before the second pass updates anything
         if (isfinite(r.grad_norm)) r.spike = fl_spike_judge(&o->spike, r.loss, r.grad_norm);
     }
-    p.update = 1;
-    float loss = forward_half(m, &p, inputs, targets, B, T, dloss, two_pass);
     if (!two_pass) { // the update comes with the backward: the guard judges the loss alone
+        float loss = forward_half(m, &p, inputs, targets, B, T, dloss, 0);
         r.loss = sync ? batch_loss(o, m, total) : loss;
         r.spike = fl_spike_judge(&o->spike, r.loss, NAN);
+        if (r.spike.outlier) m->hooks = p.outer; // no backward
     }
     r.spikes_in_row = o->spike.in_row;
     r.spikes_skipped = o->spike.skipped;
-    if (r.spike.outlier) { // no backward that updates: nothing changes
-        m->hooks = p.outer;
+    if (r.spike.outlier) { // nothing is updated
         fl_free(row_sq);
         m->lora.dropout_step = 0;
         return r;
     }
+    p.update = 1;
+    if (two_pass) forward_half(m, &p, inputs, targets, B, T, dloss, 1);
     fl_optimizer_begin_step(o, lr);
     backward_half(m, &p, dloss);
     fl_optimizer_end_step(o);
