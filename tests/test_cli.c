@@ -2102,9 +2102,192 @@ static void test_divergence_stops_without_a_bad_checkpoint(void) {
     // fp16 overflow steps, skipped by the loss scaler, are normal
     rc = fitlmf("%s --fp16 --initial-scale-power 30 --hysteresis 1 --lr 0.001 --steps 20 --out ''",
                 small_run());
-    t_check(rc == 0 && strstr(output, "OVERFLOW") && !strstr(output, "diverged"),
-            "fp16 overflow steps are not divergence (status %d): %.300s", rc, output);
+    t_check(rc == 0 && strstr(output, "OVERFLOW") && !strstr(output, "diverged") &&
+                !strstr(output, "SPIKE"),
+            "fp16 overflow steps are not divergence, nor spikes (status %d): %.300s", rc, output);
     fails_with("train --eps 0", "optimizer.params.eps 0: adamw divides");
+}
+
+// Issue 42, item 14: every number fitlm reports is finite, or it is an error
+// naming what and where. Finite weights too large for the logits (load
+// accepts them: they are finite) make eval's loss, sample's logits and
+// train's validation loss non-finite, in every precision.
+// A demo-shaped checkpoint (vocabulary 257) whose row `row` holds `value` at
+// its elements [first, first + n).
+static void save_poisoned_ckpt(const char *name, const char *row, int first, int n, float value) {
+    fl_model_config cfg;
+    fl_model_preset(&cfg, "demo");
+    cfg.vocab_size = 257;
+    fl_model_config_finish(&cfg);
+    fl_model m;
+    fl_model_init(&m, &cfg, FL_F32, 3);
+    int r = fl_params_find(&m.table, row);
+    FL_ASSERT(r >= 0);
+    for (int i = 0; i < n; i++) ((float *)m.params)[m.table.views[r].offset + first + i] = value;
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    fl_train_ckpt_save(path, 1, &m, NULL, NULL, NULL, &byte_tok, NULL, 0);
+    fl_model_free(&m);
+}
+
+static void test_nonfinite_results_are_errors(void) {
+    write_text("nf.txt", "The quick brown fox jumps over the lazy dog.\n\nA second document.\n");
+    // inf logits (NaN loss); huge finite ones (a finite loss whose perplexity
+    // overflows); the start token's embedding (NaN from the first layer norm,
+    // at every position); fp16-sized weights that overflow fp16's activations
+    const char *rows[] = {"ln_f.weight", "ln_f.bias", "wte.weight", "ln_f.weight"};
+    const int firsts[] = {3, 3, 256 * 128, 3}, counts[] = {120, 1, 128, 120};
+    const float values[] = {3e38f, 1e30f, 3e38f, 6e4f};
+    for (int i = 0; i < 4; i++) {
+        char name[32], args[256];
+        snprintf(name, sizeof name, "huge_%d", i);
+        save_poisoned_ckpt(name, rows[i], firsts[i], counts[i], values[i]);
+        const char *precisions[] = {"fp32", "bf16", "fp16"};
+        for (int p = i == 3 ? 2 : 0; p < 3; p++) {
+            snprintf(args, sizeof args, "eval --checkpoint %s --text nf.txt --json --precision %s",
+                     name, precisions[p]);
+            int rc = fitlm(args);
+            t_check(rc == 1 && !strstr(output, "null") && !strstr(output, "\"loss\"") &&
+                        (strstr(output, "not finite") || strstr(output, "holds Inf") ||
+                         strstr(output, "overflow")),
+                    "%s: eval of a model whose %s holds %g fails naming it (status %d): %.300s",
+                    args, rows[i], values[i], rc, output);
+        }
+        if (i != 2) continue; // the others' logits after the start token are finite
+        snprintf(args, sizeof args, "sample --checkpoint %s --tokens 4", name);
+        int rc = fitlm(args);
+        t_check(rc == 1 && strstr(output, "logits for generated token 1 are not finite"),
+                "%s: sampling from non-finite logits fails (status %d): %.300s", args, rc, output);
+    }
+    // a Hugging Face directory (safetensors) with the same overflow
+    {
+        fl_model_config cfg;
+        fl_model_preset(&cfg, "demo");
+        cfg.vocab_size = 257;
+        fl_model_config_finish(&cfg);
+        fl_model m;
+        fl_model_init(&m, &cfg, FL_F32, 3);
+        const fl_param_view *v = &m.table.views[fl_params_find(&m.table, "ln_f.weight")];
+        for (size_t i = 0; i < v->numel; i++) ((float *)m.params)[v->offset + i] = 3e38f;
+        char p[600];
+        snprintf(p, sizeof p, "%s/huge_hf", dir);
+        fl_hf_export(p, &m, m.params, FL_F32, 0);
+        fl_model_free(&m);
+        int rc = fitlm("eval --init-from huge_hf --tokenizer byte --text nf.txt --json");
+        t_check(rc == 1 && strstr(output, "not finite") && !strstr(output, "null"),
+                "eval of a safetensors model whose weights overflow fails (status %d): %.300s", rc,
+                output);
+    }
+    // the position named: window and file
+    fitlm("eval --checkpoint huge_0 --text nf.txt");
+    t_check(strstr(output, "of window 0 of nf.txt") != NULL,
+            "eval names the window and file: %.300s", output);
+    // training: a validation loss that is not finite stops the run, naming the step
+    int rc =
+        fitlmf("train --init-from huge_2 --tokenizer byte --data %s --batch 2 --seq-len 16 "
+               "--eval-every 1 --eval-iters 2 --steps 2 --sample-tokens 0 --threads 1 --out nf_run",
+               t_source_path("data/brown_byte"));
+    t_check(rc == 1 &&
+                strstr(output, "the validation loss at step 0 is not finite (validation "
+                               "batch 0 of 2 gave") &&
+                !exists("nf_run/latest"),
+            "train: a non-finite validation loss stops the run at its step (status %d): %.300s", rc,
+            strstr(output, "fitlm: error") ? strstr(output, "fitlm: error") : output);
+    // finite and not overflowing: still fine
+    save_poisoned_ckpt("fine", "ln_f.weight", 3, 1, 2.0f);
+    t_check(fitlm("eval --checkpoint fine --text nf.txt --json") == 0 &&
+                strstr(output, "\"perplexity\":") && !strstr(output, "null,\"nats\""),
+            "a finite model evaluates: %.200s", output);
+}
+
+// Count of `what` in text.
+static int occurrences(const char *text, const char *what) {
+    int n = 0;
+    for (const char *p = strstr(text, what); p; p = strstr(p + 1, what)) n++;
+    return n;
+}
+
+// OUT/log.txt, malloc'd (NULL: none).
+static char *run_log_text(const char *sub, size_t *n) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s/log.txt", dir, sub);
+    return access(path, F_OK) == 0 ? (char *)t_read_file(path, n) : NULL;
+}
+
+// The spike guard (issue 42, item 15): a run resumed at a learning rate far
+// too high spikes; the guard skips those steps before their update, says so
+// and stops after skip_update_max_in_row of them, and no checkpoint is
+// written after the first: for every step kind, by the loss or the norm test.
+static void test_spike_guard(void) {
+    const char *save = "--save-every 1 --keep-checkpoints 0";
+    // a normal run with the defaults skips nothing: its log is bitwise that
+    // of the guard off
+    int rc = fitlmf("%s --steps 24 %s --out sg", small_run(), save);
+    int rc2 = fitlmf("%s --steps 24 --skip-update-lossz 0 --skip-update-gradz 0 --out sg_off",
+                     small_run());
+    size_t n1 = 0, n2 = 0;
+    char *on = run_log_text("sg", &n1), *off = run_log_text("sg_off", &n2);
+    t_check(
+        rc == 0 && rc2 == 0 && on && off && n1 == n2 && !memcmp(on, off, n1) &&
+            !strstr(on, "skipped_steps"),
+        "a normal run: the guard skips nothing, the log is that of the guard off (status %d %d)",
+        rc, rc2);
+    free(on);
+    free(off);
+    const char *kinds[] = {"", "--optimizer lomo --grad-clip 0", "--optimizer lomo --grad-clip 1",
+                           "--optimizer adalomo --grad-clip 0"};
+    for (int k = 0; k < 4; k++) {
+        char sub[32];
+        snprintf(sub, sizeof sub, "sg%d", k);
+        if (k) // the plain kind resumes sg
+            fitlmf("%s %s --lr 0.01 --steps 24 %s --out %s", small_run(), kinds[k], save, sub);
+        const char *from = k ? sub : "sg";
+        rc = fitlmf("train --resume %s --steps 60 --lr 30 %s", from, save);
+        int first = number_after(output, "SPIKE! Skipping step ");
+        char ck[64];
+        snprintf(ck, sizeof ck, "%s/ckpt_%08d.fitlm", from, first);
+        // the window came with the checkpoint: judged from the first resumed
+        // step on (a fresh one would wait for 16 normal steps)
+        t_check(rc == 1 && first > 24 && first <= 27 &&
+                    occurrences(output, "SPIKE! Skipping step ") == 5 &&
+                    strstr(output, "5 steps in a row were skipped as spikes") &&
+                    latest_step(from) == first - 1 && !exists(ck),
+                "%s: the spikes from step %d skipped, 5 in a row stop the run, latest is step %d "
+                "(status %d): %.400s",
+                *kinds[k] ? kinds[k] : "adamw", first, latest_step(from), rc,
+                strstr(output, "SPIKE") ? strstr(output, "SPIKE") : output);
+    }
+    // the count in the step line and metrics.jsonl; the limit and the norm test alone
+    rc = fitlm("train --resume sg --steps 60 --lr 30 --skip-update-lossz 0 "
+               "--skip-update-max-in-row 2 --out sg_gn");
+    char path[600];
+    snprintf(path, sizeof path, "%s/sg_gn/metrics.jsonl", dir);
+    size_t n;
+    char *metrics = access(path, F_OK) == 0 ? (char *)t_read_file(path, &n) : NULL;
+    t_check(rc == 1 && occurrences(output, "SPIKE! Skipping step ") == 2 &&
+                strstr(output, "gradient norm") && strstr(output, "--skip-update-gradz 10") &&
+                strstr(output, "| SPIKE skipped_steps 2") && metrics &&
+                strstr(metrics, "\"skipped\":1,\"skipped_steps\":2,"),
+            "the norm's test alone, 2 in a row at most; counted in the step line and "
+            "metrics.jsonl (status %d): %.400s",
+            rc, strstr(output, "SPIKE") ? strstr(output, "SPIKE") : output);
+    free(metrics);
+    // off: the same resume is not stopped by the guard
+    rc = fitlm("train --resume sg --steps 40 --lr 30 --skip-update-lossz 0 --skip-update-gradz 0 "
+               "--out sg_none");
+    t_check(!strstr(output, "SPIKE"), "the guard off skips nothing (status %d): %.200s", rc,
+            output);
+    // thresholds from a config file, checked
+    write_text("sg.json", "{\"skip_update_lossz\": 0, \"skip_update_gradz\": 3, "
+                          "\"skip_update_max_in_row\": 1}");
+    rc = fitlm("train --resume sg --steps 60 --lr 30 --config sg.json --out sg_cfg");
+    t_check(rc == 1 && occurrences(output, "SPIKE! Skipping step ") == 1 &&
+                strstr(output, "--skip-update-gradz 3)"),
+            "skip_update_* from a config file (status %d): %.300s", rc,
+            strstr(output, "SPIKE") ? strstr(output, "SPIKE") : output);
+    fails_with("train --skip-update-window 8 --skip-update-min-steps 9",
+               "skip_update_min_steps (9) is larger than skip_update_window (8)");
+    fails_with("train --skip-update-lossz -1", "--skip-update-lossz");
 }
 
 static void test_resume_checks(void) {
@@ -2426,6 +2609,8 @@ int main(void) {
     test_sigint_saves_and_a_second_exits();
     test_log_write_error_stops_the_run();
     test_divergence_stops_without_a_bad_checkpoint();
+    test_spike_guard();
+    test_nonfinite_results_are_errors();
     test_resume_checks();
     test_kill_while_exporting();
     test_kill_while_tokenizing();

@@ -357,6 +357,50 @@ static void check_groups(void) {
     fl_comm_group_free(half);
 }
 
+// The spike guard under a strategy: every rank judges the all-reduced loss
+// and norm, so all skip the same step, and a skipped step changes no
+// weight; a normal step after it is applied on every rank. The window is
+// filled with values far below the batch's, so the first real step is a
+// spike: for the plain step, ZeRO-3's and the fused ones (two passes, and
+// one pass, which judges the loss alone).
+static void check_spike_guard(const dist_case *c) {
+    int world = fl_comm_size(), rank = fl_comm_rank();
+    fl_run run;
+    open_run(c, 1, &run);
+    fl_spike_guard *g = run.base ? &run.base->spike : &run.optim.spike;
+    for (int i = 0; i < 20; i++) fl_spike_judge(g, 1e-3 * (1 + i % 2), 1e-4 * (1 + i % 2));
+    size_t global = (size_t)c->accum * world * B * T, len = (size_t)run.cfg.micro_batch * T;
+    int *gi = malloc(global * sizeof(int)), *gt = malloc(global * sizeof(int));
+    batch(0, c->accum, world, gi, gt);
+    for (int k = 0; k < c->accum; k++) {
+        memcpy(run.inputs + k * len, gi + ((size_t)k * world + rank) * B * T, len * sizeof(int));
+        memcpy(run.targets + k * len, gt + ((size_t)k * world + rank) * B * T, len * sizeof(int));
+    }
+    float *before = t_weights_f32(&run.model, run.strategy);
+    fl_train_result r = fl_run_step_batch(&run, run.inputs, run.targets, lr_of(c));
+    float *after = t_weights_f32(&run.model, run.strategy);
+    size_t n = run.model.table.numel;
+    double flagged = r.spike.outlier;
+    fl_comm_sum(&flagged, 1);
+    t_check(flagged == world && !memcmp(before, after, n * sizeof(float)),
+            "rank %d/%d %s: every rank skips the spike (%g of %d), no weight changes", rank, world,
+            c->name, flagged, world);
+    // the guard off: the same step is applied everywhere
+    g->cfg.loss_z = g->cfg.grad_z = 0;
+    r = fl_run_step_batch(&run, run.inputs, run.targets, lr_of(c));
+    free(after);
+    after = t_weights_f32(&run.model, run.strategy);
+    flagged = r.spike.outlier;
+    fl_comm_sum(&flagged, 1);
+    t_check(flagged == 0 && memcmp(before, after, n * sizeof(float)),
+            "rank %d/%d %s: without the guard the step updates", rank, world, c->name);
+    free(before);
+    free(after);
+    free(gi);
+    free(gt);
+    fl_run_close(&run);
+}
+
 int main(int argc, char **argv) {
     fl_comm_init(&argc, &argv);
     fl_set_threads(1); // ranks share the cores
@@ -590,5 +634,23 @@ int main(int argc, char **argv) {
     // --quick (the TCP run): the four stages once
     int quick = argc > 1 && !strcmp(argv[1], "--quick");
     for (size_t i = 0; i < (quick ? 4 : sizeof cases / sizeof cases[0]); i++) check_case(&cases[i]);
+    // the spike guard: DDP, ZeRO-3, LOMO in two passes (clipping) and in one
+    const dist_case guarded[] = {
+        {.name = "gpt2 fp32 DDP", .arch = G, .dt = FL_F32, .accum = 2, .recompute = none},
+        {.name = "gpt2 fp32 ZeRO-3", .arch = G, .dt = FL_F32, .stage = 3, .accum = 1},
+        {.name = "gpt2 fp32 ZeRO-1 lomo",
+         .arch = G,
+         .dt = FL_F32,
+         .stage = 1,
+         .accum = 1,
+         .kind = FL_OPT_LOMO},
+        {.name = "gpt2 fp32 DDP lomo one pass",
+         .arch = G,
+         .dt = FL_F32,
+         .accum = 1,
+         .kind = FL_OPT_LOMO,
+         .clip = -1}};
+    for (size_t i = 0; i < (quick ? 1 : sizeof guarded / sizeof guarded[0]); i++)
+        check_spike_guard(&guarded[i]);
     return fl_comm_finalize(t_report());
 }

@@ -483,8 +483,125 @@ static void test_forward_train(void) {
     }
 }
 
+// The spike guard's detector (optim.h): z-scores against the window of
+// earlier normal values, judged only from min_count values on, one-sided;
+// an outlier never enters the window; the ring wraps; NAN is not judged.
+static void test_spike_detector(void) {
+    fl_spike_config c = {.loss_z = 4, .grad_z = 4, .window = 4, .min_count = 3, .max_in_row = 2};
+    fl_spike_guard g;
+    fl_spike_guard_init(&g, &c);
+    fl_spike_verdict v = fl_spike_judge(&g, 1.0, 10.0);
+    t_check(!v.outlier && isnan(v.loss_z) && g.loss.count == 1, "one value: not judged");
+    fl_spike_judge(&g, 2.0, 10.0);
+    v = fl_spike_judge(&g, 1000.0, 10.0); // two values < min_count: not judged, kept
+    t_check(!v.outlier && isnan(v.loss_z) && g.loss.count == 3, "below min_count: not judged");
+    // window {1, 2, 1000}: mean 334.33, sd 470.69
+    v = fl_spike_judge(&g, 3.0, 10.0);
+    double mean = 1003.0 / 3, sd = sqrt(((1 - mean) * (1 - mean) + (2 - mean) * (2 - mean) +
+                                         (1000 - mean) * (1000 - mean)) /
+                                        3);
+    t_check(!v.outlier && fabs(v.loss_z - (3.0 - mean) / sd) < 1e-6 && g.loss.count == 4,
+            "z of 3 against {1, 2, 1000}: %g (want %g); a low value is never an outlier", v.loss_z,
+            (3.0 - mean) / sd);
+    // equal norms: the deviation's floor is 1% of the mean, so 10.3 is z 3 (normal)
+    t_check(!v.outlier && fabs(v.grad_z) < 1e-6, "equal values: z 0 (%g)", v.grad_z);
+    v = fl_spike_judge(&g, 4.0, 10.3);
+    t_check(!v.outlier && fabs(v.grad_z - 3.0) < 1e-4 && g.loss.count == 4 && g.loss.next == 1,
+            "a 3%% rise of equal values is z 3 (%g); the ring wrapped (next %d)", v.grad_z,
+            g.loss.next);
+    // window {2, 1000, 3, 4} (1 was dropped): 5000 is an outlier and stays out
+    v = fl_spike_judge(&g, 5000.0, 10.0);
+    t_check(v.outlier && v.loss_z > 4 && g.in_row == 1 && g.skipped == 1 && g.loss.next == 1,
+            "5000 after {2, 1000, 3, 4}: an outlier (z %g), not added", v.loss_z);
+    v = fl_spike_judge(&g, 5000.0, NAN); // the norm unknown: the loss alone judges
+    t_check(v.outlier && isnan(v.grad_z) && g.in_row == 2 && g.skipped == 2,
+            "again: two in a row, the norm not judged");
+    v = fl_spike_judge(&g, 3.0, 1e6); // the norm's test alone
+    t_check(v.outlier && !(v.loss_z > 4) && v.grad_z > 4 && g.in_row == 3,
+            "a norm outlier with a normal loss");
+    v = fl_spike_judge(&g, 3.0, 10.0);
+    t_check(!v.outlier && g.in_row == 0 && g.skipped == 3, "a normal step ends the row");
+    // a test set to 0 is off; both off: nothing is judged or kept
+    c.grad_z = 0;
+    fl_spike_guard_init(&g, &c);
+    for (int i = 0; i < 4; i++) fl_spike_judge(&g, 1.0, 1.0);
+    v = fl_spike_judge(&g, 1.0, 1e9);
+    t_check(!v.outlier && isnan(v.grad_z), "grad_z 0: the norm is not judged");
+    c.loss_z = 0;
+    fl_spike_guard_init(&g, &c);
+    for (int i = 0; i < 4; i++) fl_spike_judge(&g, 1.0, 1.0);
+    v = fl_spike_judge(&g, 1e9, 1e9);
+    t_check(!fl_spike_guard_on(&g) && !v.outlier && g.loss.count == 0, "both off: nothing");
+}
+
+// A step the guard flags changes no weight, for the plain step and both
+// fused ones (two passes with clipping: the norm and the loss; one pass:
+// the loss, before the backward that updates).
+static void test_spike_step_kinds(void) {
+    const struct {
+        const char *name;
+        fl_optim_kind kind;
+        float clip;
+    } kinds[] = {{"adamw", FL_OPT_ADAMW, 1.0f},
+                 {"lomo, two passes", FL_OPT_LOMO, 1.0f},
+                 {"lomo, one pass", FL_OPT_LOMO, 0.0f}};
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 31);
+    for (int k = 0; k < 3; k++) {
+        fl_optimizer_config oc = {.kind = kinds[k].kind,
+                                  .grad_accum = 1,
+                                  .beta1 = 0.9f,
+                                  .beta2 = 0.95f,
+                                  .eps = 1e-8f,
+                                  .max_grad_norm = kinds[k].clip,
+                                  .spike = {10, 10, 8, 4, 3}};
+        fl_model m;
+        fl_model_init(&m, &tiny, FL_F32, 5);
+        fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, fl_optimizer_unit_grads(&oc));
+        fl_optimizer o;
+        fl_optimizer_init(&o, &oc, &m.table, FL_F32, m.params, m.grads);
+        // a window of losses and norms far below this batch's
+        for (int i = 0; i < 4; i++)
+            fl_spike_judge(&o.spike, 0.01 * (1 + i % 2), 0.001 * (1 + i % 2));
+        size_t bytes = m.table.numel * sizeof(float);
+        float *before = malloc(bytes);
+        memcpy(before, m.params, bytes);
+        fl_train_result r = fl_train_step(&m, &o, tokens, targets, 1, B, T, 0.05f);
+        t_check(r.spike.outlier && !r.skipped && r.spikes_in_row == 1 && r.spikes_skipped == 1 &&
+                    !memcmp(before, m.params, bytes) && isfinite(r.loss),
+                "%s: the flagged step changes no weight (loss %g, z %g)", kinds[k].name, r.loss,
+                r.spike.loss_z);
+        // without the guard the same step updates
+        o.spike.cfg.loss_z = o.spike.cfg.grad_z = 0;
+        r = fl_train_step(&m, &o, tokens, targets, 1, B, T, 0.05f);
+        t_check(!r.spike.outlier && memcmp(before, m.params, bytes),
+                "%s: the guard off, the step updates", kinds[k].name);
+        free(before);
+        fl_optimizer_free(&o);
+        fl_model_free(&m);
+    }
+}
+
+// Sampling from logits that are not finite is an error, not a garbage draw.
+static void generate_from_nan(void *arg) {
+    (void)arg;
+    fl_model m;
+    fl_model_init(&m, &tiny, FL_F32, 5);
+    fl_model_alloc_acts(&m, 1, T, FL_RECOMPUTE_NONE, 1);
+    ((float *)m.params)[m.table.views[fl_params_find(&m.table, "ln_f.weight")].offset] = NAN;
+    int tokens[4] = {1, 2, 0, 0};
+    fl_rng rng;
+    fl_rng_seed(&rng, 1);
+    fl_model_generate(&m, tokens, 2, 2, 1.0f, 0, &rng, NULL, NULL);
+}
+
 int main(void) {
+    // first: a forked child cannot use a parent's OpenMP threads
+    t_dies("generate from NaN logits", generate_from_nan, NULL,
+           "logits for generated token 1 are not finite (nan for id 0)");
     omp_set_num_threads(2);
+    test_spike_detector();
+    test_spike_step_kinds();
     test_deterministic();
     test_accumulation_equals_big_batch();
     test_train_step_accumulation();

@@ -146,6 +146,11 @@ typedef struct {
     int save_every, keep_checkpoints;
     int overwrite;      // a new run may start in an out_dir holding another
     int skip_nonfinite; // non-finite steps skipped before training stops
+    // the spike guard (fl_spike_config): z-score thresholds (0 = off), the
+    // window, the values needed before judging, the outliers in a row that stop
+#define FL_SPIKE_WINDOW_MAX 1024
+    float skip_update_lossz, skip_update_gradz;
+    int skip_update_window, skip_update_min_steps, skip_update_max_in_row;
     char resume[FL_PATH_MAX];
     int sample_tokens;
     uint64_t seed;

@@ -50,9 +50,10 @@ typedef struct {
     int step;      // 1-based: the step just done
     double tokens; // tokens trained on so far (B x T x accumulation per step)
     float loss, lr, grad_norm, loss_scale;
-    int skipped; // nothing was updated (fp16 overflow or a non-finite step)
+    int skipped; // nothing was updated (fp16 overflow, a non-finite step or a spike)
     double tokens_per_s, ms;
-    double mfu; // model FLOPs / (time x peak); NAN when there is no peak
+    long skipped_steps; // steps the spike guard skipped so far (written when not 0)
+    double mfu;         // model FLOPs / (time x peak); NAN when there is no peak
 } fl_metrics_step;
 
 typedef struct {
@@ -79,7 +80,7 @@ typedef struct {
 } fl_metrics_run;
 
 // {"step":..,"tokens":..,"loss":..,"lr":..,"grad_norm":..,"loss_scale":..,
-//  "skipped":..,"tokens_per_s":..,"ms":..,"mfu":..[, "memory":{...}]}; with
+//  "skipped":..[,"skipped_steps":..],"tokens_per_s":..,"ms":..,"mfu":..[, "memory":{...}]}; with
 // with_memory, the allocator's tags and the RSS as they are now.
 void fl_metrics_write_step(fl_line_log *log, const fl_metrics_step *s, int with_memory);
 void fl_metrics_write_eval(fl_line_log *log,

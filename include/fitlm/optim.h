@@ -233,6 +233,58 @@ void fl_loss_scaler_init(fl_loss_scaler *s, float static_scale, int initial_scal
 int fl_loss_scaler_update(fl_loss_scaler *s, int overflow);
 
 // ----------------------------------------------------------------------------
+// the spike guard (src/optim/spike_guard.c): llm.c's outlier detector
+// (-sl/-sg, llmc/outlier_detector.h). A step whose loss or gradient norm lies
+// more than a z-score threshold above the window of the last normal steps'
+// values is an outlier: it is not applied. One-sided (a low value is never
+// one); unlike llm.c the value judged is not part of the window it is judged
+// against (there, z can never exceed (n - 1) / sqrt(n), so a short window
+// could not flag anything), and an outlier's values never enter it (after a
+// bad update every later step is an outlier, and must stay one).
+
+typedef struct {
+    float loss_z, grad_z; // z-scores above which a step is skipped; 0 = that test off
+    int window;           // values each series keeps (the last normal steps')
+    int min_count;        // values a series needs before it judges
+    int max_in_row;       // consecutive outliers before the caller stops training
+} fl_spike_config;
+
+typedef struct {
+    double v[FL_SPIKE_WINDOW_MAX]; // a ring of the last `count` values, the oldest at
+    int count, next;               // v[(next - count) mod window]; the next goes at v[next]
+} fl_spike_series;
+
+typedef struct {
+    fl_spike_config cfg;
+    fl_spike_series loss, norm;
+    int in_row;   // consecutive outliers up to the last step judged
+    long skipped; // outliers in all
+} fl_spike_guard;
+
+// The verdict on one step: z-scores (NAN where not judged: the test off, too
+// few values, or the value unknown or not finite).
+typedef struct {
+    int outlier;
+    float loss_z, grad_z;
+} fl_spike_verdict;
+
+void fl_spike_guard_init(fl_spike_guard *g, const fl_spike_config *cfg);
+// Whether the guard judges at all (a threshold is set).
+int fl_spike_guard_on(const fl_spike_guard *g);
+// The z-score of v against the series (its window's mean and standard
+// deviation, the deviation at least 1% of |mean|: a series of equal values
+// does not make every small rise infinite); NAN with fewer than min_count
+// values.
+double fl_spike_z(const fl_spike_series *s, int window, int min_count, double v);
+// Adds v to the series (a window of `window` values; a non-finite v is not added).
+void fl_spike_push(fl_spike_series *s, int window, double v);
+// Judges a step by its loss and gradient norm (NAN: unknown, not judged):
+// an outlier counts in in_row and skipped; a normal step's finite values
+// enter their windows and end the row. Every rank must pass the same
+// (all-reduced) values: they decide identically.
+fl_spike_verdict fl_spike_judge(fl_spike_guard *g, double loss, double grad_norm);
+
+// ----------------------------------------------------------------------------
 // the optimizer of a training step
 
 // LOMO and AdaLomo are the fused kinds: no fp32 master weights (the update
@@ -263,6 +315,7 @@ typedef struct {
                           // (optimizer_in_backward): no whole gradient buffer
     int paged; // the master weights and the rule's state live outside RAM (NVMe offload):
                // not allocated here; a pager (fl_optim_pager) is attached before the first step
+    fl_spike_config spike; // the spike guard (all zero: off)
 } fl_optimizer_config;
 
 // The optimizer section of a run's config (src/optim/optim_config.c):
@@ -351,6 +404,7 @@ typedef struct {
     const fl_optim_sync *sync;   // data parallelism, or NULL
     const fl_optim_pager *pager; // cfg.paged: where the master and state are, else NULL
     int mapped;                  // the pager's map is in place (fl_optimizer_map)
+    fl_spike_guard spike;        // judges fl_optimizer_step_loss's and the fused steps' updates
 } fl_optimizer;
 
 typedef struct {
@@ -358,6 +412,7 @@ typedef struct {
     int skipped;     // nothing was updated: an fp16 overflow (grad_norm 0), or a
                      // non-finite gradient in another precision (grad_norm inf/NaN)
     float loss_scale;
+    fl_spike_verdict spike; // fl_optimizer_step_loss: an outlier was not applied either
 } fl_step_result;
 
 // Bytes the optimizer allocates per tag (master, optim, grads) for numel
@@ -411,6 +466,10 @@ void fl_optimizer_micro_done(fl_optimizer *o);
 // gradient norm in any precision skips the step (skipped = 1), changing
 // no weight or state.
 fl_step_result fl_optimizer_step(fl_optimizer *o, float lr);
+// The same, with the step's loss (over every rank) for the spike guard,
+// which judges the loss and the norm before anything is updated; an outlier
+// changes no weight or state (spike.outlier = 1, skipped = 0).
+fl_step_result fl_optimizer_step_loss(fl_optimizer *o, float lr, float loss);
 
 // The pieces of fl_optimizer_step, for a driver that updates block by block
 // as gradients become ready (LOMO, ZeRO-2) and does its own overflow check

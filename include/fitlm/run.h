@@ -85,8 +85,9 @@ fl_train_result fl_run_step(fl_run *r, int step);
 // learning rate lr: LoRA + LOMO, an optimizer fused into the backward pass,
 // or the plain step, whichever the run is.
 fl_train_result fl_run_step_batch(fl_run *r, const int *inputs, const int *targets, float lr);
-// The mean validation loss over cfg.eval_iters fixed batches (every rank's).
-float fl_run_evaluate(fl_run *r);
+// The mean validation loss over cfg.eval_iters fixed batches (every rank's)
+// after `step`; dies naming the step and the batch when it is not finite.
+float fl_run_evaluate(fl_run *r, int step);
 // A checkpoint after `step` in cfg.out_dir (sharded under a strategy),
 // unless the weights are not finite: a diverged model never replaces a good one.
 void fl_run_save(fl_run *r, int step);

@@ -16,6 +16,9 @@ typedef struct {
     int skipped;     // nothing was updated: an fp16 overflow, or (another precision)
                      // a non-finite gradient found before the update
     float loss_scale;
+    fl_spike_verdict spike; // the spike guard's; an outlier was not applied (skipped 0)
+    int spikes_in_row;      // consecutive outliers up to this step
+    long spikes_skipped;    // outliers in all (a resumed run's too)
 } fl_train_result;
 
 // The target tokens (targets != -1) of targets[0, n), summed over every rank

@@ -383,6 +383,12 @@ int cmd_eval(int argc, char **argv) {
         fl_die("the data %s holds no target tokens to evaluate (every target is masked, or no "
                "shard has two tokens)",
                o.data ? o.data : o.text);
+    // every loss was finite (fl_eval_shards); its exponential may still not be
+    double loss = sum.nats / (double)sum.tokens;
+    if (!isfinite(exp(loss)))
+        fl_die("the loss on %s, %g nats/token, makes the perplexity overflow: the weights "
+               "overflow the logits (a huge weight?)",
+               o.data ? o.data : o.text, loss);
     if (!tty)
         fprintf(stderr, "eval: %llu windows, %llu tokens in %.2f s\n",
                 (unsigned long long)sum.windows, (unsigned long long)sum.tokens, seconds);

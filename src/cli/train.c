@@ -170,7 +170,7 @@ static int any_rank(int flag) {
 static void finish(fl_run *run, run_log *log, double seconds, int saved_at, int interrupted) {
     const fl_train_config *cfg = &run->cfg;
     if (run->has_val && !interrupted) {
-        float val_loss = fl_run_evaluate(run);
+        float val_loss = fl_run_evaluate(run, cfg->steps);
         printf("final val loss %.4f nats/token (%.4f nats/byte) after %d steps (%.1f s); unigram "
                "baseline %.4f nats/token\n",
                val_loss, val_loss / run->bytes_per_token, cfg->steps, seconds, run->baseline);
@@ -241,7 +241,7 @@ int cmd_train(int argc, char **argv) {
     for (int step = start; step < cfg->steps; step++) {
         if (run.has_val && cfg->eval_interval && step % cfg->eval_interval == 0 &&
             (step > start || !run.resumed)) {
-            float val_loss = fl_run_evaluate(&run);
+            float val_loss = fl_run_evaluate(&run, step);
             printf("%sstep %5d | val loss %.4f\n", log.tty ? "\r\033[K" : "", step, val_loss);
             run_log_eval(&log, step, val_loss);
         }
@@ -257,6 +257,7 @@ int cmd_train(int argc, char **argv) {
         fl_profile_enable(0);
         run_log_step(&log, &run, step, fl_lr_at(&run.schedule, step), &r, ms);
         run_check_finite(&log, cfg, step, &r);
+        run_check_spike(&log, cfg, step, &r);
         if (cfg->mem_report_every && (step + 1) % cfg->mem_report_every == 0) {
             printf("%s", log.tty ? "\n" : "");
             rank_memory_report();
@@ -266,7 +267,8 @@ int cmd_train(int argc, char **argv) {
         // one rank while the others go on); it is seen after the next step.
         int stop = stop_signal;
         if (world > 1 && any_rank(stop) && !stop) stop = stop_signal = SIGTERM;
-        int save = cfg->save_every && (step + 1) % cfg->save_every == 0;
+        // not while the spike guard is skipping: the weights may be what spikes
+        int save = cfg->save_every && (step + 1) % cfg->save_every == 0 && !r.spikes_in_row;
         if (*cfg->out_dir && (save || stop) && saved_at != step + 1) {
             fl_run_save(&run, step + 1);
             saved_at = step + 1;
@@ -291,6 +293,10 @@ int cmd_train(int argc, char **argv) {
     double seconds = fl_now() - train_start;
     if (cfg->profile && !interrupted) fl_profile_print(stdout);
     run_print_traffic(&log, &run, &io0, cfg->steps - start);
+    if (log.spikes)
+        printf("spike guard: %ld step%s skipped as loss or gradient-norm outliers (see "
+               "skip_update_lossz, skip_update_gradz)\n",
+               log.spikes, log.spikes == 1 ? "" : "s");
     finish(&run, &log, seconds, saved_at, interrupted);
     fl_run_close(&run);
     return fl_comm_finalize(stop_signal ? 128 + stop_signal : 0);

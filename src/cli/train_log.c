@@ -106,6 +106,7 @@ void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_
     int start = run->start;
     float loss = r->loss;
     log->skipped += r->skipped;
+    log->spikes = r->spikes_skipped;
     log->step_seconds += ms / 1e3;
     double tok_s = log->tokens_per_step / (ms / 1e3);
     log->recent_ms[(step - start) % RECENT] = ms;
@@ -118,10 +119,14 @@ void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_
         if (cfg->dtype == FL_F16)
             printf(" | scale %g%s | skipped %d", r->loss_scale, r->skipped ? " OVERFLOW" : "",
                    log->skipped);
+        if (log->spikes)
+            printf(" | %sskipped_steps %ld", r->spike.outlier ? "SPIKE " : "", log->spikes);
         printf("\n");
     }
-    fl_line_log_printf(&log->text, "step %d loss %.9g lr %.9g norm %.9g scale %.9g\n", step + 1,
-                       (float)loss, lr, r->grad_norm, r->loss_scale);
+    char spikes[48] = ""; // only once the guard has skipped: the recorded logs stay as they are
+    if (log->spikes) snprintf(spikes, sizeof spikes, " skipped_steps %ld", log->spikes);
+    fl_line_log_printf(&log->text, "step %d loss %.9g lr %.9g norm %.9g scale %.9g%s\n", step + 1,
+                       (float)loss, lr, r->grad_norm, r->loss_scale, spikes);
     log->tokens += log->tokens_per_step;
     double flops = log->flops_per_token * tok_s;
     fl_metrics_step m = {.step = step + 1,
@@ -130,7 +135,8 @@ void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_
                          .lr = lr,
                          .grad_norm = r->grad_norm,
                          .loss_scale = r->loss_scale,
-                         .skipped = r->skipped,
+                         .skipped = r->skipped || r->spike.outlier,
+                         .skipped_steps = log->spikes,
                          .tokens_per_s = tok_s,
                          .ms = ms,
                          .mfu = log->peak_flops > 0.0 ? flops / log->peak_flops : NAN};
@@ -171,6 +177,29 @@ void run_check_finite(run_log *log, const fl_train_config *cfg, int step,
     printf("%sstep %d skipped: loss %g, gradient norm %s: not finite (%d of "
            "--skip-nonfinite %d)\n",
            log->tty ? "\n" : "", step + 1, loss, norm, log->nonfinite, cfg->skip_nonfinite);
+}
+
+// The spike guard's outlier (DeepSpeed's "OVERFLOW! Skipping step"), and
+// the stop after skip_update_max_in_row in a row: the weights, not a batch,
+// are then the likely cause, and nothing is saved from them.
+void run_check_spike(run_log *log, const fl_train_config *cfg, int step, const fl_train_result *r) {
+    if (!r->spike.outlier) return;
+    char why[160];
+    if (r->spike.loss_z > cfg->skip_update_lossz)
+        snprintf(why, sizeof why, "loss %g (z-score %.3g > --skip-update-lossz %g)", r->loss,
+                 r->spike.loss_z, cfg->skip_update_lossz);
+    else
+        snprintf(why, sizeof why, "gradient norm %g (z-score %.3g > --skip-update-gradz %g)",
+                 r->grad_norm, r->spike.grad_z, cfg->skip_update_gradz);
+    if (log->tty) printf("\n");
+    printf("[fitlm] SPIKE! Skipping step %d: %s; %d in a row (at most %d), %ld skipped in all\n",
+           step + 1, why, r->spikes_in_row, cfg->skip_update_max_in_row, r->spikes_skipped);
+    if (r->spikes_in_row >= cfg->skip_update_max_in_row)
+        fl_die("training stopped at step %d: %d steps in a row were skipped as spikes (the last: "
+               "%s). The weights an earlier update made are the likely cause (a learning rate "
+               "too high?); no checkpoint is written from them%s%s%s",
+               step + 1, r->spikes_in_row, why, *cfg->out_dir ? ": " : "", cfg->out_dir,
+               *cfg->out_dir ? "/latest, if any, is from before the spikes" : "");
 }
 
 void rank_memory_report(void) {

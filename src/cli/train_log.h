@@ -17,6 +17,7 @@ typedef struct {
     int tty;                  // stdout is a terminal: a progress bar rewritten in place
     double recent_ms[RECENT]; // the last steps' times
     int skipped, nonfinite;   // fp16 overflows skipped; non-finite steps skipped
+    long spikes;              // steps the spike guard skipped (a resumed run's too)
     fl_comm_stats comm;       // the training steps' traffic (not evaluation's)
     double step_seconds;      // summed over the steps run
 } run_log;
@@ -34,6 +35,9 @@ void run_log_comm(run_log *log, const fl_comm_stats *before);
 // Dies on a diverged step (non-finite, not an fp16 overflow the scaler
 // skipped), unless --skip-nonfinite still allows skipping it.
 void run_check_finite(run_log *log, const fl_train_config *cfg, int step, const fl_train_result *r);
+// Reports a step the spike guard skipped; dies after skip_update_max_in_row
+// of them in a row.
+void run_check_spike(run_log *log, const fl_train_config *cfg, int step, const fl_train_result *r);
 // Every rank's memory report, in rank order (ranks beyond the first print
 // nothing on stdout: theirs go to stderr).
 void rank_memory_report(void);

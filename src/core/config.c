@@ -375,6 +375,24 @@ static const option options[] = {
     {"skip_nonfinite", "--skip-nonfinite", OPT_INT, NUM(skip_nonfinite), "0", 0, 1 << 30, NULL,
      "steps with a non-finite loss or gradient norm to skip (no update) before training stops "
      "as diverged (fp16 overflow steps are not counted)"},
+    {"skip_update_lossz", "--skip-update-lossz", OPT_FLOAT, NUM(skip_update_lossz), "10", 0, 1e6,
+     NULL,
+     "spike guard (llm.c's -sl): skip a step whose loss lies more than this many standard "
+     "deviations above the mean of the last normal steps' losses (0 = off)"},
+    {"skip_update_gradz", "--skip-update-gradz", OPT_FLOAT, NUM(skip_update_gradz), "10", 0, 1e6,
+     NULL,
+     "spike guard (llm.c's -sg): the same test on the gradient norm, made before the update "
+     "(0 = off)"},
+    {"skip_update_window", "--skip-update-window", OPT_INT, NUM(skip_update_window), "128", 1,
+     FL_SPIKE_WINDOW_MAX, NULL,
+     "spike guard: the last normal steps whose values a step is judged against"},
+    {"skip_update_min_steps", "--skip-update-min-steps", OPT_INT, NUM(skip_update_min_steps), "16",
+     2, FL_SPIKE_WINDOW_MAX, NULL,
+     "spike guard: normal steps seen (this run and the one it resumes) before any step is judged"},
+    {"skip_update_max_in_row", "--skip-update-max-in-row", OPT_INT, NUM(skip_update_max_in_row),
+     "5", 1, 1 << 20, NULL,
+     "spike guard: consecutive skipped steps after which training stops with an error (the "
+     "weights, not the data, are then the likely cause)"},
     {"resume", "--resume", OPT_STRING, STR(resume), "", 0, 0, NULL,
      "continue the run saved in this checkpoint directory or file, bit for bit (its config "
      "applies; flags given here override it)"},

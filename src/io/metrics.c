@@ -126,13 +126,16 @@ void fl_metrics_write_step(fl_line_log *log, const fl_metrics_step *s, int with_
         snprintf(mem + k, sizeof mem - k, "\"tagged\":%zu,\"rss\":%.0f,\"peak_rss\":%.0f}",
                  fl_mem_total_current(), rss, peak);
     }
+    char spikes[48] = ""; // DeepSpeed's skipped_steps, for the spike guard's
+    if (s->skipped_steps)
+        snprintf(spikes, sizeof spikes, ",\"skipped_steps\":%ld", s->skipped_steps);
     fl_line_log_printf(
         log,
         "{\"step\":%d,\"tokens\":%.0f,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,"
-        "\"loss_scale\":%s,\"skipped\":%d,\"tokens_per_s\":%s,\"ms\":%s,\"mfu\":%s%s}\n",
+        "\"loss_scale\":%s,\"skipped\":%d%s,\"tokens_per_s\":%s,\"ms\":%s,\"mfu\":%s%s}\n",
         s->step, s->tokens, num(a, s->loss), num(b, s->lr), num(c, s->grad_norm),
-        num(d, s->loss_scale), s->skipped, num(e, s->tokens_per_s), num(f, s->ms), num(g, s->mfu),
-        mem);
+        num(d, s->loss_scale), s->skipped, spikes, num(e, s->tokens_per_s), num(f, s->ms),
+        num(g, s->mfu), mem);
 }
 
 void fl_metrics_write_eval(fl_line_log *log, const fl_metrics_eval *e) {

@@ -7,6 +7,7 @@
 // flat buffer as pieces of the same named rows (fl_train_ckpt_save_dist), so
 // a restore reads whatever range it owns from any number of shard files.
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,10 +109,26 @@ static int param_sets(const fl_model *m, const fl_optimizer *optim, const fl_opt
     return 2;
 }
 
+// The spike guard's windows, oldest first (cJSON writes a double so that it
+// reads back exactly): a resume judges against the same values.
+static void add_spike_series(cJSON *j, const char *key, const fl_spike_series *s, int window) {
+    cJSON *arr = cJSON_AddArrayToObject(j, key);
+    for (int i = 0; i < s->count; i++)
+        cJSON_AddItemToArray(arr,
+                             cJSON_CreateNumber(s->v[(s->next - s->count + i + window) % window]));
+}
+
 static void add_optim_meta(cJSON *meta, const char *key, const fl_optimizer *o) {
     cJSON *j = cJSON_AddObjectToObject(meta, key);
     cJSON_AddStringToObject(j, "type", optim_kind_name(o->cfg.kind));
     cJSON_AddNumberToObject(j, "t", *fl_optim_step_count(o->rule));
+    const fl_spike_guard *g = &o->spike;
+    if (!fl_spike_guard_on(g)) return;
+    cJSON *sg = cJSON_AddObjectToObject(j, "spike_guard");
+    add_spike_series(sg, "loss", &g->loss, g->cfg.window);
+    add_spike_series(sg, "grad_norm", &g->norm, g->cfg.window);
+    cJSON_AddNumberToObject(sg, "in_row", g->in_row);
+    cJSON_AddNumberToObject(sg, "skipped", (double)g->skipped);
 }
 
 void fl_train_ckpt_save(const char *dir, int step, const fl_model *model, const fl_optimizer *optim,
@@ -627,6 +644,28 @@ static void restore_optim_meta(const cJSON *meta, const char *key, const char *p
         fl_die("checkpoint %s holds %s state; this run uses %s", path, kind,
                optim_kind_name(o->cfg.kind));
     *fl_optim_step_count(o->rule) = (int)number(j, "t", path, 0, 1 << 30);
+    const cJSON *sg = cJSON_GetObjectItemCaseSensitive(j, "spike_guard");
+    fl_spike_guard *g = &o->spike;
+    if (!sg || !fl_spike_guard_on(g)) return; // a checkpoint from before the guard, or it is off
+    const char *names[2] = {"loss", "grad_norm"};
+    fl_spike_series *series[2] = {&g->loss, &g->norm};
+    for (int k = 0; k < 2; k++) {
+        const cJSON *arr = cJSON_GetObjectItemCaseSensitive(sg, names[k]);
+        if (!cJSON_IsArray(arr))
+            fl_die("checkpoint %s: '%s.spike_guard.%s' is missing", path, key, names[k]);
+        int n = cJSON_GetArraySize(arr), i = 0;
+        const cJSON *v;
+        cJSON_ArrayForEach(v, arr) {
+            if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
+                fl_die("checkpoint %s: '%s.spike_guard.%s' holds a value that is not a finite "
+                       "number",
+                       path, key, names[k]);
+            // a smaller window now keeps the newest values
+            if (i++ >= n - g->cfg.window) fl_spike_push(series[k], g->cfg.window, v->valuedouble);
+        }
+    }
+    g->in_row = (int)number(sg, "in_row", path, 0, 1 << 30);
+    g->skipped = (long)number(sg, "skipped", path, 0, 1e15);
 }
 
 // A set's weights and its optimizer's state tensors (and those of the layout

@@ -1,6 +1,8 @@
 // eval.c: the loss of a model over whole token data (the rule: eval.h).
 // Forward passes only; the loss of each target comes from m->losses, summed
 // in data order so that batching and threads cannot change the result.
+#include <math.h>
+
 #include "fitlm/eval.h"
 
 // Tokens from one window's start to the next: a stream's windows share a
@@ -35,13 +37,28 @@ static void read_window(const fl_shard *s, uint64_t k, int T, int *inputs, int *
     }
 }
 
+// Dies naming the shard and window of the data's window number `w`, whose
+// target at position t has the non-finite loss `loss`.
+static void nonfinite_loss(const fl_shard *shards, int n_shards, int T, uint64_t w, int t,
+                           float loss) {
+    int i = 0;
+    for (; i < n_shards - 1 && w >= shard_windows(&shards[i], T); i++)
+        w -= shard_windows(&shards[i], T);
+    fl_die("the model's loss is %g (not finite) at position %d of window %llu of %s: the "
+           "weights overflow the logits (a huge weight?); no loss is reported from it",
+           loss, t, (unsigned long long)w, shards[i].path);
+}
+
 // One forward over `rows` windows; adds the losses of their counted
-// targets, in order.
+// targets, in order. Every loss must be finite.
 static void run_batch(fl_model *m, const int *inputs, const int *targets, int rows, int T,
-                      fl_eval_sum *out) {
+                      fl_eval_sum *out, const fl_shard *shards, int n_shards) {
     fl_model_forward(m, inputs, targets, rows, T);
     for (size_t i = 0; i < (size_t)rows * (size_t)T; i++) {
         if (targets[i] == -1) continue;
+        if (!isfinite(m->losses[i]))
+            nonfinite_loss(shards, n_shards, T, out->windows + i / (size_t)T, (int)(i % (size_t)T),
+                           m->losses[i]);
         out->nats += (double)m->losses[i];
         out->tokens++;
     }
@@ -65,13 +82,13 @@ void fl_eval_shards(fl_model *m, const fl_shard *shards, int n_shards, int B, in
         for (uint64_t k = 0; k < n; k++) {
             read_window(&shards[i], k, T, inputs + (size_t)rows * T, targets + (size_t)rows * T);
             if (++rows < B) continue;
-            run_batch(m, inputs, targets, rows, T, out);
+            run_batch(m, inputs, targets, rows, T, out, shards, n_shards);
             rows = 0;
             if (progress) progress(ctx, out->windows, total);
         }
     }
     if (rows) { // the last batch, smaller
-        run_batch(m, inputs, targets, rows, T, out);
+        run_batch(m, inputs, targets, rows, T, out, shards, n_shards);
         if (progress) progress(ctx, out->windows, total);
     }
     fl_free(targets);

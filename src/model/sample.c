@@ -52,7 +52,13 @@ void fl_model_generate(fl_model *model, int *tokens, int n_prompt, int n_new, fl
         int T = n < model->max_T ? n : model->max_T; // the most recent context that fits
         fl_model_forward(model, tokens + n - T, NULL, 1, T);
         const void *last = fl_at(dt, model->logits, (size_t)(T - 1) * Vp);
-        tokens[n] = fl_sample_logits(fl_load_f32(dt, last, V, row), V, temperature, top_k, rng);
+        const float *logits = fl_load_f32(dt, last, V, row); // row, or fp32's own
+        for (int i = 0; i < V; i++)                          // a NaN would make every draw garbage
+            if (!isfinite(logits[i]))
+                fl_die("the model's logits for generated token %d are not finite (%g for id %d): "
+                       "the weights overflow them (a huge weight?); nothing can be sampled",
+                       n - n_prompt + 1, logits[i], i);
+        tokens[n] = fl_sample_logits(logits, V, temperature, top_k, rng);
         if (on_token) on_token(tokens[n], ctx);
     }
     fl_free(row);

@@ -22,6 +22,10 @@ static void check_in_backward(const fl_train_config *cfg) {
 }
 
 void fl_optim_check_config(fl_train_config *cfg) {
+    if (cfg->skip_update_min_steps > cfg->skip_update_window)
+        fl_die("skip_update_min_steps (%d) is larger than skip_update_window (%d): the guard "
+               "would never judge a step",
+               cfg->skip_update_min_steps, cfg->skip_update_window);
     // An option that the chosen optimizers would ignore is an error, not a
     // no-op (under LoRA + LOMO, the base's optimizer takes LOMO's options).
     char opt[2 * FL_NAME_MAX + 16];

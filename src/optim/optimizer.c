@@ -67,6 +67,7 @@ void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
     FL_ASSERT(cfg->grad_accum >= 1);
     FL_ASSERT(begin <= end && end <= table->numel && params_first <= begin);
     o->cfg = *cfg;
+    fl_spike_guard_init(&o->spike, &cfg->spike);
     o->table = table;
     o->dtype = dt;
     o->params = params;
@@ -293,7 +294,8 @@ void fl_optimizer_end_step(fl_optimizer *o) {
     o->micro = 0;
 }
 
-fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
+// judge: the spike guard looks at the loss and the norm before the update.
+static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int judge) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
     const fl_optim_sync *sync = o->sync;
     // the gradient the update reads: the whole local one, or under data
@@ -307,7 +309,7 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
         first = o->rule->state_begin;
         n = o->rule->state_end - first;
     }
-    fl_step_result r = {0.0f, 0, o->scaler.scale};
+    fl_step_result r = {0.0f, 0, o->scaler.scale, {0, NAN, NAN}};
     // finite floats' squares sum to a finite double, so an inf or NaN gradient
     // (fp16 overflow) shows in the norm's pass: no pass of its own
     double sumsq = fl_grad_sumsq(grads_dtype, grads, n);
@@ -335,6 +337,11 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
         o->micro = 0;
         return r;
     }
+    if (judge) r.spike = fl_spike_judge(&o->spike, loss, r.grad_norm);
+    if (r.spike.outlier) { // an fp16 overflow above never gets here: not in the window
+        o->micro = 0;
+        return r;
+    }
     fl_optimizer_begin_step(o, lr);
     float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
     if (fl_optim_kind_fused(o->cfg.kind)) // LOMO's order: clamp the unscaled g, then coef
@@ -345,4 +352,12 @@ fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
     fl_optimizer_end_step(o);
     if (sync) sync->updated(sync->ctx);
     return r;
+}
+
+fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
+    return optimizer_step(o, lr, NAN, 0);
+}
+
+fl_step_result fl_optimizer_step_loss(fl_optimizer *o, float lr, float loss) {
+    return optimizer_step(o, lr, loss, 1);
 }

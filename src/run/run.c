@@ -1,6 +1,7 @@
 // run.c: opening a run (run.h) in the one order that works, its evaluation
 // and checkpoints, and closing it.
 #include <libgen.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -319,21 +320,33 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
 // (micro-batch x ranks sequences) spread over the validation data: under
 // data parallelism rank r evaluates every N-th micro-batch of them, the same
 // windows one process with the global batch would, and the sums are added.
-float fl_run_evaluate(fl_run *r) {
+float fl_run_evaluate(fl_run *r, int step) {
     const fl_train_config *cfg = &r->cfg;
     FL_ASSERT(r->has_val);
     // each batch's mean weighted by its targets, whose count varies with a
     // loss mask: the mean over every target evaluated
     double sums[2] = {0.0, 0.0}; // loss x targets, targets
+    int bad = -1;                // this rank's first batch with a non-finite loss
+    float bad_loss = 0.0f;
     for (int k = 0; k < cfg->eval_iters; k++) {
         fl_loader_eval_batch(&r->val, k * r->world + r->rank, cfg->eval_iters * r->world, r->inputs,
                              r->targets, cfg->micro_batch);
         float loss =
             fl_model_forward(&r->model, r->inputs, r->targets, cfg->micro_batch, cfg->seq_len);
+        if (!isfinite(loss) && bad < 0) bad = k * r->world + r->rank, bad_loss = loss;
         sums[0] += (double)loss * r->model.n_targets;
         sums[1] += r->model.n_targets;
     }
-    if (r->world > 1) fl_comm_sum(sums, 2);
+    if (r->world > 1) fl_comm_sum(sums, 2); // a non-finite sum is every rank's
+    if (!isfinite(sums[0])) {
+        char where[96] = "on another rank";
+        if (bad >= 0)
+            snprintf(where, sizeof where, "validation batch %d of %d gave %g", bad,
+                     cfg->eval_iters * r->world, bad_loss);
+        fl_die("the validation loss at step %d is not finite (%s): the weights overflow the "
+               "logits; no checkpoint is written from them",
+               step, where);
+    }
     return sums[1] ? (float)(sums[0] / sums[1]) : 0.0f;
 }
 

@@ -57,9 +57,10 @@ static fl_train_result plain_step(fl_model *m, fl_optimizer *o, const int *input
     m->lora.dropout_step = 0; // evaluation and sampling run without dropout
     if (sync) sync->sum(sync->ctx, &loss_sum, 1);
     fl_step_result s;
-    FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, s = fl_optimizer_step(o, lr));
-    return (fl_train_result){total ? (float)(loss_sum / total) : 0.0f, total, s.grad_norm,
-                             s.skipped, s.loss_scale};
+    float loss = total ? (float)(loss_sum / total) : 0.0f;
+    FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, s = fl_optimizer_step_loss(o, lr, loss));
+    return (fl_train_result){loss,         total,   s.grad_norm,     s.skipped,
+                             s.loss_scale, s.spike, o->spike.in_row, o->spike.skipped};
 }
 
 typedef struct {
@@ -130,18 +131,21 @@ static double sum_rows(const double *row_sq, int rows) {
 }
 
 // A forward (the whole model, or, for the second pass, only the head: the
-// first backward overwrote nothing else) and a backward with the hook; the
-// adapters' gradients, if any, start from zero.
-static float backward_pass(fl_model *m, fused_pass *p, const int *inputs, const int *targets, int B,
-                           int T, float dloss, int head_only) {
+// first backward overwrote nothing else) with the hook, which backward_half
+// (the backward) or the spike guard's skip (no backward) takes off again;
+// the adapters' gradients, if any, start from zero.
+static float forward_half(fl_model *m, fused_pass *p, const int *inputs, const int *targets, int B,
+                          int T, float dloss, int head_only) {
     if (m->lora.grads) fl_model_zero_grad(m);
     p->outer = m->hooks;
     m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, p};
-    float loss = head_only ? fl_model_forward_head_train(m, dloss)
-                           : fl_model_forward_train(m, inputs, targets, B, T, dloss);
+    return head_only ? fl_model_forward_head_train(m, dloss)
+                     : fl_model_forward_train(m, inputs, targets, B, T, dloss);
+}
+
+static void backward_half(fl_model *m, fused_pass *p, float dloss) {
     fl_model_backward(m, dloss);
     m->hooks = p->outer;
-    return loss;
 }
 
 static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *adapters,
@@ -155,12 +159,14 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
     long total = fl_batch_targets(o, targets, BT);
     float scale = fl_optimizer_scale(o), unscale = 1.0f / scale;
     float dloss = total ? scale / (float)total : 0.0f;
-    fl_train_result r = {0.0f, total, 0.0f, 0, scale};
+    fl_train_result r = {
+        0.0f, total, 0.0f, 0, scale, {0, NAN, NAN}, o->spike.in_row, o->spike.skipped};
     double *row_sq = fl_alloc(FL_MEM_WORKSPACE, (size_t)m->table.count * sizeof(double));
     int two_pass = o->cfg.max_grad_norm > 0.0f || m->dtype == FL_F16;
     fused_pass p = {o, 0, two_pass, row_sq, 0, unscale, 1.0f, {0}};
     if (two_pass) {
-        backward_pass(m, &p, inputs, targets, B, T, dloss, 0);
+        forward_half(m, &p, inputs, targets, B, T, dloss, 0);
+        backward_half(m, &p, dloss);
         r.loss = batch_loss(o, m, total);
         gather_norm(o, &p, m->table.count);
         double sq = sum_rows(row_sq, m->table.count);
@@ -177,14 +183,29 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
         }
         r.grad_norm = (float)sqrt(sq) * unscale;
         p.clip_coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
+        // the spike guard, before the second pass updates anything
+        if (isfinite(r.grad_norm)) r.spike = fl_spike_judge(&o->spike, r.loss, r.grad_norm);
+    }
+    if (!two_pass) { // the update comes with the backward: the guard judges the loss alone
+        float loss = forward_half(m, &p, inputs, targets, B, T, dloss, 0);
+        r.loss = sync ? batch_loss(o, m, total) : loss;
+        r.spike = fl_spike_judge(&o->spike, r.loss, NAN);
+        if (r.spike.outlier) m->hooks = p.outer; // no backward
+    }
+    r.spikes_in_row = o->spike.in_row;
+    r.spikes_skipped = o->spike.skipped;
+    if (r.spike.outlier) { // nothing is updated
+        fl_free(row_sq);
+        m->lora.dropout_step = 0;
+        return r;
     }
     p.update = 1;
+    if (two_pass) forward_half(m, &p, inputs, targets, B, T, dloss, 1);
     fl_optimizer_begin_step(o, lr);
-    float loss = backward_pass(m, &p, inputs, targets, B, T, dloss, two_pass);
+    backward_half(m, &p, dloss);
     fl_optimizer_end_step(o);
     if (sync) sync->updated(sync->ctx); // ZeRO-1/2: every rank's new weights
     if (!two_pass) {
-        r.loss = sync ? batch_loss(o, m, total) : loss;
         gather_norm(o, &p, m->table.count);
         r.grad_norm = (float)sqrt(sum_rows(row_sq, m->table.count)) * unscale;
     }
