@@ -366,6 +366,8 @@ static void test_inputs_are_regular_files(void) {
             const char *name = strrchr(cases[i].file, '/');
             char says[300];
             snprintf(says, sizeof says, "%s %s", name ? name + 1 : cases[i].file, kinds[k]);
+            if (k == 1 && !strcmp(cases[i].file, "in_ck/latest")) // fitlm's own: no link followed
+                snprintf(says, sizeof says, "latest is a symbolic link");
             t_fitlm_fails_within(dir, cases[i].args, 30, cases[i].says ? cases[i].says : says,
                                  output, sizeof output);
             unlink(in_dir(cases[i].file));
@@ -2497,7 +2499,7 @@ static void test_checkpoint_holds_its_tokenizer(void) {
             "tokenizer_config.json changed after training: the trained one goes out: %.300s",
             output);
     fails_with("export tk_run -o tk_named --tokenizer-path tk_tok",
-               "tokenizer_config.json is not a valid JSON object");
+               "tokenizer_config.json is not valid JSON");
     snprintf(path, sizeof path, "%s/tk_tok", dir);
     t_remove_dir(path); // gone
     rc = fitlm("export tk_run -o tk_hf");

@@ -92,6 +92,8 @@ uint8_t *fl_file_read_all(const char *path, size_t max_bytes, size_t *size, cons
 // Dies unless path is a regular file: "cannot open <what> <path>: <reason>",
 // "<what> <path> is a directory" or "... is not a regular file (it is a FIFO)".
 void fl_require_regular_file(const char *path, const char *what);
+// The same check of what fstat or lstat found at path.
+void fl_check_regular(const struct stat *st, const char *path, const char *what);
 // Opens a regular file for reading (O_RDONLY | O_CLOEXEC), with the errors
 // of fl_require_regular_file.
 int fl_open_regular(const char *path, const char *what);

@@ -20,7 +20,7 @@ static const char *kind_of(mode_t mode) {
                             : "not a regular file";
 }
 
-static void check_mode(const struct stat *st, const char *path, const char *what) {
+void fl_check_regular(const struct stat *st, const char *path, const char *what) {
     if (S_ISDIR(st->st_mode)) fl_die("%s %s is a directory", what, path);
     if (!S_ISREG(st->st_mode))
         fl_die("%s %s is not a regular file (it is %s)", what, path, kind_of(st->st_mode));
@@ -29,7 +29,7 @@ static void check_mode(const struct stat *st, const char *path, const char *what
 void fl_require_regular_file(const char *path, const char *what) {
     struct stat st;
     if (stat(path, &st) != 0) fl_die("cannot open %s %s: %s", what, path, strerror(errno));
-    check_mode(&st, path, what);
+    fl_check_regular(&st, path, what);
 }
 
 int fl_try_open_regular(const char *path, struct stat *st) {
@@ -57,7 +57,7 @@ int fl_open_regular(const char *path, const char *what) {
     int fd = fl_try_open_regular(path, &st);
     if (fd < 0) {
         int e = errno;
-        if (stat(path, &st) == 0) check_mode(&st, path, what); // names what it is
+        if (stat(path, &st) == 0) fl_check_regular(&st, path, what); // names what it is
         fl_die("cannot open %s %s: %s", what, path, strerror(e));
     }
     return fd;

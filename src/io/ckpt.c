@@ -949,8 +949,9 @@ static void resolve(const char *path, char *out, size_t size) {
                "file and does not follow a link there)",
                path, latest);
     if (fd < 0) fl_die("%s holds no checkpoint: cannot open %s: %s", path, latest, strerror(errno));
-    if (fstat(fd, &lst) != 0 || !S_ISREG(lst.st_mode))
-        fl_die("%s holds no checkpoint: %s is not a regular file", path, latest);
+    if (fstat(fd, &lst) != 0)
+        fl_die("%s holds no checkpoint: cannot read %s: %s", path, latest, strerror(errno));
+    fl_check_regular(&lst, latest, "checkpoint pointer file");
     char name[64] = {0};
     ssize_t got = read(fd, name, sizeof name - 1);
     close(fd);
