@@ -197,7 +197,9 @@ void run_check_spike(run_log *log, const fl_train_config *cfg, int step, const f
     if (r->spikes_in_row >= cfg->skip_update_max_in_row)
         fl_die("training stopped at step %d: %d steps in a row were skipped as spikes (the last: "
                "%s). The weights an earlier update made are the likely cause (a learning rate "
-               "too high?); no checkpoint is written from them%s%s%s",
+               "too high?); no checkpoint is written from them%s%s%s. If the loss or norm "
+               "moved for a known reason (another batch size or data on a resume), raise the "
+               "thresholds or turn the guard off (--skip-update-lossz 0 --skip-update-gradz 0)",
                step + 1, r->spikes_in_row, why, *cfg->out_dir ? ": " : "", cfg->out_dir,
                *cfg->out_dir ? "/latest, if any, is from before the spikes" : "");
 }
