@@ -238,6 +238,47 @@ static void test_masked_examples(void) {
     fails_with(args, "laid out in windows of 8+1 tokens");
 }
 
+// Bits per byte counts the bytes of the targets the shards hold: answers
+// cut by --overflow truncate count the part kept, so the figure is the
+// untruncated one's (the model spends about the same nats on each byte),
+// not inflated bytes under a few kept targets.
+static void test_truncated_bits_per_byte(void) {
+    char text[8192], path[1024];
+    size_t n = 0, kept = 0, whole = 0;
+    for (int i = 0; i < 24; i++) { // answers of 20..43 bytes; the window keeps 8 targets
+        char answer[64];
+        int len = 20 + i;
+        for (int k = 0; k < len; k++) answer[k] = (char)('a' + (i * 7 + k * 3) % 26);
+        answer[len] = 0;
+        n += (size_t)snprintf(text + n, sizeof text - n,
+                              "{\"messages\": [{\"role\": \"assistant\", \"content\": \"%s\"}]}\n",
+                              answer);
+        kept += 8;
+        whole += (size_t)len - 1; // a window's first token is no target
+    }
+    snprintf(path, sizeof path, "%s/answers.jsonl", dir);
+    t_write_text(path, text);
+    double bpb[2];
+    const char *policy[] = {"truncate", "split"};
+    for (int p = 0; p < 2; p++) {
+        char args[1024];
+        snprintf(args, sizeof args,
+                 "tokenize answers.jsonl -o bpb_%s --format jsonl --tokenizer byte --seq-len 8 "
+                 "--val-fraction 0 --overflow %s",
+                 policy[p], policy[p]);
+        t_check(run(args, 0) == 0, "tokenize --overflow %s: %.300s", policy[p], output);
+        snprintf(args, sizeof args, "--checkpoint %s --data bpb_%s --split train", ckpt, policy[p]);
+        cJSON *j = eval_json(args);
+        bpb[p] = num(j, "bits_per_byte");
+        t_check(num(j, "bytes") == (double)(p ? whole : kept),
+                "--overflow %s: the bytes are the kept targets' %zu (got %g)", policy[p],
+                p ? whole : kept, num(j, "bytes"));
+        cJSON_Delete(j);
+    }
+    t_check(bpb[0] > 0.75 * bpb[1] && bpb[0] < 1.33 * bpb[1],
+            "bits per byte, truncated %.4f and whole %.4f, agree", bpb[0], bpb[1]);
+}
+
 // ----------------------------------------------------------------------------
 // errors: each a message and status 1
 
@@ -355,6 +396,7 @@ int main(void) {
     test_loss_is_the_model_apis();
     test_text_equals_tokenized_data();
     test_masked_examples();
+    test_truncated_bits_per_byte();
     test_adapter_is_its_merge();
     test_errors();
     if (t_remove_dir(dir) != 0) fprintf(stderr, "could not remove %s\n", dir);

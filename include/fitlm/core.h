@@ -23,6 +23,15 @@ void fl_log_set_rank(int rank, void (*on_die)(int code));
 // the message into err and returns -1.
 int fl_errorf(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
+// The offset of the first NUL in a JSON text of n bytes (a raw NUL byte, or
+// "\u0000" in a string, which cJSON would cut the string at), or n; with
+// key_size > 0, key gets the key whose value holds it ("" when none, or
+// when the NUL is in a key).
+size_t fl_json_nul_at(const char *text, size_t n, char *key, size_t key_size);
+// Dies when the JSON text holds a NUL, naming `where` (the file), the line,
+// the byte offset and the key.
+void fl_json_check_nul(const char *text, size_t n, const char *where);
+
 // Always-on assertion (also in release builds): names the source line.
 #define FL_ASSERT(cond)                                                                            \
     do {                                                                                           \

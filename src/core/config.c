@@ -637,26 +637,6 @@ static int line_of(const char *text, size_t off) {
     return line;
 }
 
-// A NUL (a raw byte, or \u0000 in a string) would end a C string early:
-// "a\u0000b" would read as "a".
-static void check_no_nul(const char *text, size_t n, const char *where) {
-    const char *z = memchr(text, 0, n);
-    if (z)
-        fl_die("%s: a NUL byte at line %d (byte %zu) is not allowed", where,
-               line_of(text, (size_t)(z - text)), (size_t)(z - text));
-    int in_string = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (in_string && text[i] == '\\' && i + 1 < n) {
-            if (text[i + 1] == 'u' && i + 6 <= n && !memcmp(text + i + 2, "0000", 4))
-                fl_die("%s: \\u0000 (a NUL character) at line %d (byte %zu) is not allowed", where,
-                       line_of(text, i), i);
-            i++; // the escaped character cannot end the string
-        } else if (text[i] == '"') {
-            in_string = !in_string;
-        }
-    }
-}
-
 static int by_name(const void *a, const void *b) {
     return strcmp((*(const cJSON *const *)a)->string, (*(const cJSON *const *)b)->string);
 }
@@ -689,7 +669,7 @@ static void check_duplicates(const cJSON *item, const char *path, const char *wh
 }
 
 void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, const char *where) {
-    check_no_nul(text, n, where);
+    fl_json_check_nul(text, n, where);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
     if (!root) {

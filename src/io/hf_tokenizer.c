@@ -493,6 +493,9 @@ static void find_eot(fl_tokenizer *tok, const char *path) {
     if (stat(cfg, &st) == 0) {
         size_t size;
         char *text = fl_tok_read_file(cfg, &size);
+        char where[4300];
+        snprintf(where, sizeof where, "tokenizer file %s", cfg);
+        fl_json_check_nul(text, size, where);
         cJSON *root = cJSON_ParseWithLength(text, size);
         if (!cJSON_IsObject(root)) fl_die("tokenizer file %s is not a valid JSON object", cfg);
         const cJSON *eos = item(root, "eos_token");
@@ -587,6 +590,9 @@ void fl_hf_tokenizer_load(fl_tokenizer *tok, const char *path) {
     json_file(file, sizeof file, path);
     size_t size;
     char *text = fl_tok_read_file(file, &size);
+    char where[4300];
+    snprintf(where, sizeof where, "tokenizer file %s", file);
+    fl_json_check_nul(text, size, where); // a token cut at a NUL would be another token
     cJSON *root = cJSON_ParseWithLength(text, size);
     if (!root) {
         const char *at = cJSON_GetErrorPtr();

@@ -91,6 +91,9 @@ void fl_tok_merges_alloc(fl_tokenizer *tok, size_t merges) {
 static void load_encoder(fl_tokenizer *tok, const char *path, const int16_t *byte_of) {
     size_t size;
     char *text = fl_tok_read_file(path, &size);
+    char where[FL_FILE_PATH_MAX + 32];
+    snprintf(where, sizeof where, "tokenizer file %s", path);
+    fl_json_check_nul(text, size, where); // a token cut at a NUL would be another token
     cJSON *root = cJSON_ParseWithLength(text, size);
     if (!root) {
         const char *at = cJSON_GetErrorPtr();
