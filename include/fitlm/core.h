@@ -61,6 +61,12 @@ const char *fl_mem_tag_name(fl_mem_tag tag);
 // 64-byte aligned, zero-filled (so the pages are really resident and RSS
 // matches the accounting). Dies with a clear message when memory runs out.
 void *fl_alloc(fl_mem_tag tag, size_t bytes);
+// Names what this thread is reading ("data.jsonl:3"; NULL: nothing) in the
+// out-of-memory error, where the input decides how much is allocated. The
+// string must live until the call with NULL.
+void fl_mem_context(const char *what);
+// The out-of-memory error for `bytes` more of tag, naming the context.
+void fl_die_oom(size_t bytes, fl_mem_tag tag) __attribute__((noreturn));
 void fl_free(void *ptr); // NULL is fine
 // Grows the tagged array p (NULL: none yet; *cap elements of elem bytes) to
 // hold at least `need` elements, doubling from 64, and keeps its first

@@ -51,9 +51,7 @@ void *fl_alloc(fl_mem_tag tag, size_t bytes) {
         fl_die("allocation of %zu bytes (%s) is too large", bytes, fl_mem_tag_name(tag));
     void *raw = NULL;
     int huge = bytes >= HUGE_PAGE && huge_pages_wanted();
-    if (posix_memalign(&raw, huge ? HUGE_PAGE : ALIGN, ALIGN + bytes) != 0)
-        fl_die("out of memory allocating %.1f MiB for %s (%.1f MiB already allocated)",
-               bytes / 1048576.0, fl_mem_tag_name(tag), fl_mem_total_current() / 1048576.0);
+    if (posix_memalign(&raw, huge ? HUGE_PAGE : ALIGN, ALIGN + bytes) != 0) fl_die_oom(bytes, tag);
 #ifdef MADV_HUGEPAGE
     // a hint, before the first touch: where the kernel has no huge pages to
     // give, the block keeps small ones
@@ -71,6 +69,18 @@ void *fl_alloc(fl_mem_tag tag, size_t bytes) {
     if (total_current > total_peak) total_peak = total_current;
     pthread_mutex_unlock(&lock);
     return (char *)raw + ALIGN;
+}
+
+static __thread const char *context; // what this thread reads, or NULL
+
+void fl_mem_context(const char *what) {
+    context = what;
+}
+
+void fl_die_oom(size_t bytes, fl_mem_tag tag) {
+    fl_die("out of memory allocating %.1f MiB for %s%s%s (%.1f MiB already allocated)",
+           bytes / 1048576.0, fl_mem_tag_name(tag), context ? " while reading " : "",
+           context ? context : "", fl_mem_total_current() / 1048576.0);
 }
 
 void *fl_reserve(fl_mem_tag tag, void *p, size_t *cap, size_t used, size_t need, size_t elem) {

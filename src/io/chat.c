@@ -3,6 +3,7 @@
 // loss mask. Only the assistant's words and the markers that end them are
 // targets: the model learns to answer and to stop, not to write prompts.
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <string.h>
 
 #include "fitlm/data.h"
@@ -124,19 +125,16 @@ typedef struct {
     char *run;
     size_t n, cap;
     int target;
-    fl_tokens scratch;
 } renderer;
 
-static void push(fl_example *ex, const int32_t *ids, size_t n, int target) {
-    fl_tokens *t = &ex->tokens;
-    ex->mask = fl_reserve(FL_MEM_OTHER, ex->mask, &ex->mask_cap, t->n, t->n + n, 1);
-    ex->text_bytes = fl_reserve(FL_MEM_OTHER, ex->text_bytes, &ex->text_bytes_cap, t->n, t->n + n,
+// The mask and text bytes of the tokens appended from `from` on.
+static void mark(fl_example *ex, size_t from, int target) {
+    size_t n = ex->tokens.n;
+    ex->mask = fl_reserve(FL_MEM_OTHER, ex->mask, &ex->mask_cap, from, n, 1);
+    ex->text_bytes = fl_reserve(FL_MEM_OTHER, ex->text_bytes, &ex->text_bytes_cap, from, n,
                                 sizeof *ex->text_bytes);
-    t->ids = fl_reserve(FL_MEM_OTHER, t->ids, &t->cap, t->n, t->n + n, sizeof *t->ids);
-    memset(ex->mask + t->n, target, n);
-    memset(ex->text_bytes + t->n, 0, n * sizeof *ex->text_bytes);
-    memcpy(t->ids + t->n, ids, n * sizeof *ids);
-    t->n += n;
+    memset(ex->mask + from, target, n - from);
+    memset(ex->text_bytes + from, 0, (n - from) * sizeof *ex->text_bytes);
 }
 
 // The bytes of text each target token from `from` on stands for: its bytes
@@ -160,12 +158,12 @@ static void count_text(const fl_tokenizer *tok, fl_example *ex, size_t from, siz
     if (m && sum < n) c[m - 1] += (uint32_t)(n - sum);
 }
 
+// The run's tokens, encoded straight onto the example's.
 static void flush_run(renderer *r) {
     if (!r->n) return;
-    r->scratch.n = 0;
-    fl_tokenizer_encode(r->tok, (const uint8_t *)r->run, r->n, &r->scratch);
     size_t from = r->ex->tokens.n;
-    push(r->ex, r->scratch.ids, r->scratch.n, r->target);
+    fl_tokenizer_encode(r->tok, (const uint8_t *)r->run, r->n, &r->ex->tokens);
+    mark(r->ex, from, r->target);
     if (r->target) count_text(r->tok, r->ex, from, r->n);
     r->n = 0;
 }
@@ -179,9 +177,14 @@ static void text(renderer *r, int target, const char *s) {
     r->n += n;
 }
 
+// A template's marker as its token: no text of the example's.
 static void special(renderer *r, int target, int32_t id) {
     flush_run(r);
-    if (id >= 0) push(r->ex, &id, 1, target);
+    if (id < 0) return;
+    fl_tokens *t = &r->ex->tokens;
+    t->ids = fl_reserve(FL_MEM_OTHER, t->ids, &t->cap, t->n, t->n + 1, sizeof *t->ids);
+    t->ids[t->n++] = id;
+    mark(r->ex, t->n - 1, target);
 }
 
 // The end of the text: <eot>, unless the template's end-of-turn marker
@@ -269,7 +272,9 @@ int fl_example_parse(const fl_tokenizer *tok, const fl_example_format *f, const 
                          json[nul] ? "\\u0000 (a NUL character)" : "a NUL byte", nul + 1,
                          *key ? ", in field \"" : "", key, *key ? "\"," : "");
     const char *end = NULL;
+    errno = 0;
     cJSON *root = cJSON_ParseWithLengthOpts(json, n, &end, 0);
+    if (!root && errno == ENOMEM) fl_die_oom(n, FL_MEM_OTHER); // cJSON's malloc, not bad JSON
     if (!root) {
         size_t at = end && end >= json && end <= json + n ? (size_t)(end - json) : 0;
         return fl_errorf(err, errlen, "invalid JSON at column %zu", at + 1);
@@ -291,7 +296,6 @@ int fl_example_parse(const fl_tokenizer *tok, const fl_example_format *f, const 
         renderer r = {.tok = tok, .ex = ex};
         render(&r, f->chat_template, c);
         fl_free(r.run);
-        fl_tokens_free(&r.scratch);
     }
     fl_free(c->m);
     fl_free(c->joined);

@@ -191,6 +191,10 @@ void fl_metrics_read(const char *path, fl_metrics *m) {
         if (!end) break; // a torn last line: the writer died inside it
         w.line++;
         size_t len = (size_t)(end - line);
+        if (fl_line_is_blank((const uint8_t *)line, len)) { // as in JSON Lines data
+            line = end + 1;
+            continue;
+        }
         cJSON *o = cJSON_ParseWithLength(line, len);
         line = end + 1;
         if (!o || !cJSON_IsObject(o))

@@ -296,6 +296,20 @@ const uint8_t *fl_tokenizer_token_bytes(const fl_tokenizer *tok, int id, size_t 
     return tok->bytes + tok->offs[id];
 }
 
+size_t fl_tokenizer_prefix_bytes(const fl_tokenizer *tok, const int32_t *ids, size_t n, size_t k,
+                                 size_t total) {
+    if (k >= n) return total;
+    size_t prefix = 0, sum = 0, b;
+    for (size_t i = 0; i < n; i++) {
+        fl_tokenizer_token_bytes(tok, ids[i], &b);
+        sum += b;
+        prefix += i < k ? b : 0;
+    }
+    size_t added = sum > total ? sum - total : 0;
+    prefix = prefix > added ? prefix - added : 0;
+    return prefix < total ? prefix : total;
+}
+
 uint8_t *fl_tokenizer_decode(const fl_tokenizer *tok, const int32_t *ids, size_t n, size_t *len) {
     size_t total = 0, at = 0, b;
     for (size_t i = 0; i < n; i++) {
