@@ -28,8 +28,10 @@ int fl_errorf(char *err, size_t errlen, const char *fmt, ...) __attribute__((for
 // key_size > 0, key gets the key whose value holds it ("" when none, or
 // when the NUL is in a key).
 size_t fl_json_nul_at(const char *text, size_t n, char *key, size_t key_size);
-// Dies when the JSON text holds a NUL, naming `where` (the file), the line,
-// the byte offset and the key.
+// 0, or -1 with the reason in err when the JSON text holds a NUL: the line,
+// the byte offset and the key. fl_json_check_nul dies with it, naming
+// `where` (the file).
+int fl_json_nul_error(const char *text, size_t n, char *err, size_t errlen);
 void fl_json_check_nul(const char *text, size_t n, const char *where);
 
 // Always-on assertion (also in release builds): names the source line.

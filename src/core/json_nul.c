@@ -41,13 +41,20 @@ size_t fl_json_nul_at(const char *text, size_t n, char *key, size_t key_size) {
     return n;
 }
 
-void fl_json_check_nul(const char *text, size_t n, const char *where) {
+int fl_json_nul_error(const char *text, size_t n, char *err, size_t errlen) {
     char key[64];
     size_t at = fl_json_nul_at(text, n, key, sizeof key);
-    if (at == n) return;
+    if (at == n) return 0;
     int line = 1;
     for (size_t i = 0; i < at; i++) line += text[i] == '\n';
-    fl_die("%s: %s at line %d (byte %zu)%s%s%s is not allowed: it would cut the text short", where,
-           text[at] ? "\\u0000 (a NUL character)" : "a NUL byte", line, at,
-           *key ? ", in the value of \"" : "", key, *key ? "\"," : "");
+    return fl_errorf(err, errlen,
+                     "%s at line %d (byte %zu)%s%s%s is not allowed: it would cut the "
+                     "text short",
+                     text[at] ? "\\u0000 (a NUL character)" : "a NUL byte", line, at,
+                     *key ? ", in the value of \"" : "", key, *key ? "\"," : "");
+}
+
+void fl_json_check_nul(const char *text, size_t n, const char *where) {
+    char err[256];
+    if (fl_json_nul_error(text, n, err, sizeof err)) fl_die("%s: %s", where, err);
 }

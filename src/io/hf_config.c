@@ -203,6 +203,7 @@ static int check_config(const cJSON *root, fl_model_config *out, char *err, size
 }
 
 int fl_hf_config_parse(const char *json, size_t n, fl_model_config *out, char *err, size_t errlen) {
+    if (fl_json_nul_error(json, n, err, errlen)) return -1; // a name cut at a NUL is another
     cJSON *root = cJSON_ParseWithLength(json, n);
     if (!root) return fl_errorf(err, errlen, "not valid JSON");
     int rc = check_config(root, out, err, errlen);
@@ -272,6 +273,7 @@ static int check_index(const cJSON *root, fl_hf_index *out, char *err, size_t er
 
 int fl_hf_index_parse(const char *json, size_t n, fl_hf_index *out, char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
+    if (fl_json_nul_error(json, n, err, errlen)) return -1; // a tensor or file name cut short
     cJSON *root = cJSON_ParseWithLength(json, n);
     if (!root) return fl_errorf(err, errlen, "not valid JSON");
     int rc = check_index(root, out, err, errlen);

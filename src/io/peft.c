@@ -190,6 +190,7 @@ static int check_peft(const cJSON *root, fl_lora_config *out, char *err, size_t 
 
 int fl_peft_config_parse(const char *json, size_t n, fl_lora_config *out, char *err,
                          size_t errlen) {
+    if (fl_json_nul_error(json, n, err, errlen)) return -1; // a module name cut short
     cJSON *root = cJSON_ParseWithLength(json, n);
     if (!root) return fl_errorf(err, errlen, "not valid JSON");
     int rc = check_peft(root, out, err, errlen);

@@ -189,6 +189,7 @@ int fl_safetensors_parse(const uint8_t *buf, size_t n, fl_safetensors *out, char
     out->data = buf + 8 + hlen;
     out->data_size = n - 8 - (size_t)hlen;
     const char *end = NULL;
+    if (fl_json_nul_error(header, (size_t)hlen, err, errlen)) return -1; // a tensor name cut short
     cJSON *root = cJSON_ParseWithLengthOpts(header, (size_t)hlen, &end, 0);
     if (!root)
         return fl_errorf(err, errlen, "the header is not valid JSON (error at byte %td of %llu)",
