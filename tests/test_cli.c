@@ -278,7 +278,7 @@ static void write_long_lines(const char *name, int lines, double mib) {
 // A JSON Lines record longer than the documented maximum is a bad line
 // naming its file and line; memory that runs out while lines are read
 // ends the run with an error naming the line being read, status 1, no
-// crash (a child limited to 1 GiB of address space; 8 lines of 15 MiB
+// crash (a child limited to 1 GiB of address space; 6 lines of 15 MiB
 // take ~14x that as they are tokenized).
 static void test_long_lines(void) {
     write_long_lines("long.jsonl", 1, 16.5);
@@ -287,7 +287,7 @@ static void test_long_lines(void) {
 #ifdef __SANITIZE_ADDRESS__
     printf("  (the address-space limit is left out: AddressSanitizer reserves terabytes)\n");
 #else
-    write_long_lines("many.jsonl", 8, 15);
+    write_long_lines("many.jsonl", 6, 15);
     const char *bin = getenv("FITLM_BINARY");
     char cmd[2048];
     snprintf(cmd, sizeof cmd,
