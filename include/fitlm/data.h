@@ -191,8 +191,9 @@ typedef struct {
 
 // Parses one record (json[0..n), no newline), renders and tokenizes it into
 // *ex (emptied first). Returns 0, or -1 with the reason in err (invalid
-// JSON, a missing field, a wrong type, an unknown role, no or an empty
-// answer). Segments are encoded one at a time and concatenated (as
+// JSON, a NUL in a string, a missing field, a wrong type, an unknown role,
+// no or an empty answer); dies naming fl_mem_context when memory runs
+// out. Segments are encoded one at a time and concatenated (as
 // LLaMA-Factory does): a SentencePiece tokenizer's normaliser then puts its
 // "▁" before each segment. Thread-safe.
 int fl_example_parse(const fl_tokenizer *tok, const fl_example_format *f, const char *json,
