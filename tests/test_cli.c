@@ -518,6 +518,85 @@ static void test_error_exits_do_not_leak(void) {
     fails_with("train --config in.json", "in.json");
 }
 
+// Windows line ends split documents and examples as Unix ones do: the same
+// text with LF, CRLF, mixed ends or blank lines of white space is the same
+// 40 documents (and, tokenized as examples, the same 40 lines).
+static void test_crlf_documents(void) {
+    static const char *const ends[][2] = {
+        {"\n", "\n"}, {"\r\n", "\r\n"}, {"\n", "\r\n"}, {"\r\n", " \r\n"}, {"\r\n", "\t\n"}};
+    for (size_t e = 0; e < sizeof ends / sizeof ends[0]; e++) {
+        char text[16384], jsonl[16384];
+        size_t n = 0, m = 0;
+        for (int i = 0; i < 120; i++) { // documents of three lines, blank lines between
+            if (i % 3 == 0 && i) n += (size_t)snprintf(text + n, sizeof text - n, "%s", ends[e][1]);
+            n += (size_t)snprintf(text + n, sizeof text - n, "line %d of a small text.%s", i,
+                                  ends[e][0]);
+            if (i % 3 == 0)
+                m += (size_t)snprintf(jsonl + m, sizeof jsonl - m,
+                                      "{\"prompt\": \"%d\", \"response\": \"ok\"}%s%s", i,
+                                      ends[e][0], i % 2 ? ends[e][1] : "");
+        }
+        write_text("ends.txt", text);
+        int rc = fitlm("tokenize ends.txt -o ends --tokenizer byte --val-fraction 0.2");
+        t_check(rc == 0 && strstr(output, "train: 32 documents") &&
+                    strstr(output, "val: 8 documents"),
+                "line ends %zu: 40 documents, 32/8: %.300s", e, output);
+        write_text("ends.jsonl", jsonl);
+        rc = fitlm("tokenize ends.jsonl -o ends_ex --format jsonl --tokenizer byte "
+                   "--val-fraction 0.2");
+        t_check(rc == 0 && strstr(output, "train: 32 examples") &&
+                    strstr(output, "val: 8 examples") && strstr(output, "40 lines"),
+                "line ends %zu: 40 examples, 32/8: %.300s", e, output);
+    }
+}
+
+// Lines of `mib` MiB each: an example whose answer fills the line.
+static void write_long_lines(const char *name, int lines, double mib) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    size_t n = (size_t)(mib * 1048576.0) - 40;
+    char *answer = malloc(n);
+    for (size_t i = 0; i < n; i++) answer[i] = "ab cd "[i % 6];
+    for (int l = 0; l < lines; l++) {
+        fputs("{\"prompt\": \"q\", \"response\": \"", f);
+        fwrite(answer, 1, n, f);
+        fputs("\"}\n", f);
+    }
+    fclose(f);
+    free(answer);
+}
+
+// A JSON Lines record longer than the documented maximum is a bad line
+// naming its file and line; memory that runs out while lines are read
+// ends the run with an error naming the line being read, status 1, no
+// crash (a child limited to 1 GiB of address space; 6 lines of 15 MiB
+// take ~14x that as they are tokenized).
+static void test_long_lines(void) {
+    write_long_lines("long.jsonl", 1, 16.5);
+    fails_with("tokenize long.jsonl -o long --format jsonl --tokenizer byte",
+               "long.jsonl:1: the line is 16.5 MiB, longer than the 16 MiB an example may be");
+#ifdef __SANITIZE_ADDRESS__
+    printf("  (the address-space limit is left out: AddressSanitizer reserves terabytes)\n");
+#else
+    write_long_lines("many.jsonl", 6, 15);
+    const char *bin = getenv("FITLM_BINARY");
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "cd %s && ulimit -v 1048576 && timeout 60 %s tokenize many.jsonl -o many --format "
+             "jsonl --tokenizer byte --threads 1 --val-fraction 0 2>&1",
+             dir, bin ? bin : "fitlm");
+    FILE *p = popen(cmd, "r");
+    size_t got = p ? fread(output, 1, sizeof output - 1, p) : 0;
+    output[got] = 0;
+    int status = p ? pclose(p) : -1;
+    int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    t_check(rc == 1 && strstr(output, "fitlm: error: out of memory") &&
+                strstr(output, "while reading many.jsonl:"),
+            "out of memory under a 1 GiB limit names the line (status %d): %.300s", rc, output);
+#endif
+}
+
 static void test_config_then_flags(void) {
     char text[8192];
     size_t n = 0;
@@ -2588,6 +2667,8 @@ int main(void) {
     test_bad_data();
     test_tokenize_input_is_a_file();
     test_config_then_flags();
+    test_crlf_documents();
+    test_long_lines();
     test_zero_optimization_keys();
     test_deepspeed_zero3_example();
     test_same_seed_same_losses();

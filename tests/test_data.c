@@ -366,12 +366,13 @@ static fl_example make_example(int id, size_t n, size_t from) {
     fl_example ex = {0};
     ex.tokens.ids = malloc(n * sizeof(int32_t));
     ex.mask = malloc(n);
+    ex.text_bytes = malloc(n * sizeof *ex.text_bytes);
     ex.tokens.n = n;
     for (size_t i = 0; i < n; i++) {
         ex.tokens.ids[i] = (int32_t)(1000 * id + (int)i);
         ex.mask[i] = i >= from;
+        ex.text_bytes[i] = i >= from;
     }
-    ex.response_bytes = n - from;
     return ex;
 }
 
@@ -380,6 +381,7 @@ static void add_example(fl_packer *p, int id, size_t n, size_t from) {
     fl_packer_add(p, &ex);
     free(ex.tokens.ids);
     free(ex.mask);
+    free(ex.text_bytes);
 }
 
 static void test_packing(void) {
@@ -425,6 +427,154 @@ static void test_packing(void) {
     t_check(p.n_windows == 2 && p.tokens[3] == 7 && p.tokens[W] == 2000,
             "--no-packing: one example per window");
     fl_packer_free(&p);
+}
+
+// The bytes of text a packer records for its windows are those of exactly
+// the targets it keeps, whatever cut the layout makes: for each tokenizer,
+// template, overflow policy, packing and window length, recounted from the
+// kept target tokens (their bytes in the vocabulary; a SentencePiece
+// tokenizer's run of targets decoded, its leading space dropped), and, with
+// nothing cut, the answers' own bytes.
+static const char *const byte_records[] = {
+    "{\"prompt\": \"What is 7 plus 5?\", \"response\": \"7 + 5 = 12, and that is all.\"}",
+    "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", "
+    "\"content\": \"Say h\u00e9llo\"}, {\"role\": \"assistant\", \"content\": \"H\u00e9llo, "
+    "w\u00f6rld! \u65e5\u672c\u8a9e \u00e9t\u00e9\"}, {\"role\": \"user\", \"content\": "
+    "\"Again\"}, {\"role\": \"assistant\", \"content\": \"  Once more, with   spaces.\"}]}",
+    "{\"instruction\": \"Count\", \"input\": \"to ten\", \"output\": \"one two three four five six "
+    "seven eight nine ten\"}",
+};
+
+// The answers' bytes plus the template's target markers' (none for those
+// it inserts as tokens).
+static size_t answer_bytes(fl_chat_template tpl) {
+    static const size_t answers[] = {28, 31 + 27, 48}, turns[] = {1, 2, 1};
+    size_t marker = tpl == FL_TEMPLATE_CHATML   ? strlen("<|im_end|>")
+                    : tpl == FL_TEMPLATE_LLAMA3 ? strlen("<|eot_id|>")
+                                                : 0,
+           sum = 0;
+    for (int i = 0; i < 3; i++) sum += answers[i] + turns[i] * marker;
+    return sum;
+}
+
+static uint64_t recount(const fl_tokenizer *tok, const fl_packer *p, int strip) {
+    size_t W = (size_t)p->T + 1, len;
+    int32_t eot = fl_tokenizer_eot(tok), bos = fl_tokenizer_bos(tok);
+    uint64_t sum = 0;
+    for (size_t w = 0; w < p->n_windows; w++) {
+        uint64_t window = 0;
+        for (size_t i = w * W; i < (w + 1) * W; i++) {
+            if (!p->mask[i]) continue;
+            size_t end = i; // the run of targets i..end
+            while (end < (w + 1) * W && p->mask[end]) end++;
+            if (strip) {
+                uint8_t *text = fl_tokenizer_decode(tok, p->tokens + i, end - i, &len);
+                window += len;
+                fl_free(text);
+            } else {
+                for (size_t k = i; k < end; k++)
+                    if (p->tokens[k] != eot && p->tokens[k] != bos) {
+                        fl_tokenizer_token_bytes(tok, p->tokens[k], &len);
+                        window += len;
+                    }
+            }
+            i = end;
+        }
+        t_check(window == p->bytes[w], "window %zu records %llu bytes, its targets hold %llu", w,
+                (unsigned long long)p->bytes[w], (unsigned long long)window);
+        sum += window;
+    }
+    return sum;
+}
+
+static void check_text_bytes(const char *name, const fl_tokenizer *tok, int strip) {
+    static const fl_chat_template templates[] = {FL_TEMPLATE_DEFAULT, FL_TEMPLATE_CHATML,
+                                                 FL_TEMPLATE_LLAMA3, FL_TEMPLATE_LLAMA2};
+    for (int t = 0; t < 4; t++) {
+        fl_chat_template tpl = templates[t];
+        // a SentencePiece recount decodes runs of targets, whose markers must be
+        // the template's own tokens: the default template's
+        if (strip && tpl != FL_TEMPLATE_DEFAULT) continue;
+        fl_example ex[3];
+        memset(ex, 0, sizeof ex);
+        fl_example_format f = {"prompt", "response", "messages", tpl};
+        char err[256] = "";
+        for (int r = 0; r < 3; r++)
+            t_check(fl_example_parse(tok, &f, byte_records[r], strlen(byte_records[r]), &ex[r], err,
+                                     sizeof err) == 0,
+                    "%s: record %d parses: %s", name, r, err);
+        for (int T = 12; T <= 4096; T *= 4)
+            for (int policy = FL_SEQ_TRUNCATE; policy <= FL_SEQ_SPLIT; policy++)
+                for (int packed = 0; packed < 2; packed++) {
+                    // split cuts runs of targets anywhere: only recounted token by token
+                    if (strip && policy == FL_SEQ_SPLIT) continue;
+                    fl_packer p;
+                    fl_packer_init(&p, T, (fl_seq_policy)policy, packed, fl_tokenizer_eot(tok));
+                    for (int r = 0; r < 3; r++) fl_packer_add(&p, &ex[r]);
+                    uint64_t sum = recount(tok, &p, strip), recorded = 0;
+                    for (size_t w = 0; w < p.n_windows; w++) recorded += p.bytes[w];
+                    // split keeps every target, once
+                    t_check(sum == recorded && (p.n_truncated || recorded == answer_bytes(tpl)),
+                            "%s, template %d, T %d, %s, %s: %llu bytes recorded, %llu in the "
+                            "kept targets (answers: %zu)",
+                            name, tpl, T, policy == FL_SEQ_SPLIT ? "split" : "truncate",
+                            packed ? "packed" : "unpacked", (unsigned long long)recorded,
+                            (unsigned long long)sum, answer_bytes(tpl));
+                    fl_packer_free(&p);
+                }
+        for (int r = 0; r < 3; r++) fl_example_free(&ex[r]);
+    }
+}
+
+static void test_text_bytes(void) {
+    check_text_bytes("byte", byte_tok, 0);
+    fl_tokenizer *gpt2 = fl_tokenizer_load("gpt2", t_source_path("data/gpt2"));
+    check_text_bytes("gpt2", gpt2, 0);
+    fl_tokenizer_free(gpt2);
+    fl_tokenizer *llama3 = fl_tokenizer_load("hf", t_source_path("data/llama3/tokenizer.json"));
+    check_text_bytes("hf llama3", llama3, 0);
+    fl_tokenizer_free(llama3);
+    fl_tokenizer *llama = fl_tokenizer_load("hf", t_source_path("data/llama"));
+    check_text_bytes("hf llama (SentencePiece)", llama, 1);
+    fl_tokenizer_free(llama);
+}
+
+// A NUL in a record's string would cut it short (cJSON's strings end at
+// one): refused wherever it is, naming the column and the field.
+static void test_nul_in_records(void) {
+    const struct {
+        const char *json, *why;
+    } cases[] = {
+        {"{\"prompt\": \"hi\", \"response\": \"ok\\u0000SECRET\"}",
+         "\\u0000 (a NUL character) at column 33, in field \"response\","},
+        {"{\"prompt\": \"h\\u0000i\", \"response\": \"ok\"}", "column 14, in field \"prompt\","},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", "
+         "\"content\": \"\\u0000\"}]}",
+         "in field \"content\","},
+        {"{\"messages\": [{\"role\": \"user\\u0000x\", \"content\": \"a\"}]}",
+         "in field \"role\","},
+        {"{\"instruction\": \"a\", \"input\": \"\\\\\\u0000\", \"output\": \"b\"}",
+         "column 34, in field \"input\","},
+        {"{\"prompt\": \"hi\", \"response\": \"ok\0SECRET\"}", "a NUL byte at column 33"},
+    };
+    fl_example_format f = {"prompt", "response", "messages", FL_TEMPLATE_DEFAULT};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fl_example ex = {0};
+        char err[256] = "";
+        size_t n = strlen(cases[i].json);
+        if (i == 5) n += 1 + strlen("SECRET\"}");
+        int rc = fl_example_parse(byte_tok, &f, cases[i].json, n, &ex, err, sizeof err);
+        t_check(rc == -1 && strstr(err, cases[i].why), "%s is refused: '%s' (got %d: '%s')",
+                cases[i].json, cases[i].why, rc, err);
+        fl_example_free(&ex);
+    }
+    // an escaped backslash before "u0000" is no NUL
+    const char *ok = "{\"prompt\": \"a\\\\u0000\", \"response\": \"b\"}";
+    fl_example ex = {0};
+    char err[256] = "";
+    t_check(fl_example_parse(byte_tok, &f, ok, strlen(ok), &ex, err, sizeof err) == 0,
+            "\"a\\\\u0000\" is a backslash and text: %s", err);
+    fl_example_free(&ex);
 }
 
 static void open_loader_t(void *pattern) {
@@ -563,6 +713,8 @@ int main(void) {
     byte_tok = fl_tokenizer_load("byte", NULL);
     test_templates();
     test_packing();
+    test_text_bytes();
+    test_nul_in_records();
     test_masked_shards();
     fl_tokenizer_free(byte_tok);
     if (t_remove_dir(dir) != 0) return 1;

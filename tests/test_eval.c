@@ -238,6 +238,86 @@ static void test_masked_examples(void) {
     fails_with(args, "laid out in windows of 8+1 tokens");
 }
 
+// Bits per byte counts the bytes of the targets the shards hold: answers
+// cut by --overflow truncate count the part kept, so the figure is the
+// untruncated one's (the model spends about the same nats on each byte),
+// not inflated bytes under a few kept targets.
+static void test_truncated_bits_per_byte(void) {
+    char text[8192], path[1024];
+    size_t n = 0, kept = 0, whole = 0;
+    for (int i = 0; i < 24; i++) { // answers of 20..43 bytes; the window keeps 8 targets
+        char answer[64];
+        int len = 20 + i;
+        for (int k = 0; k < len; k++) answer[k] = (char)('a' + (i * 7 + k * 3) % 26);
+        answer[len] = 0;
+        n += (size_t)snprintf(text + n, sizeof text - n,
+                              "{\"messages\": [{\"role\": \"assistant\", \"content\": \"%s\"}]}\n",
+                              answer);
+        kept += 8;
+        whole += (size_t)len - 1; // a window's first token is no target
+    }
+    snprintf(path, sizeof path, "%s/answers.jsonl", dir);
+    t_write_text(path, text);
+    double bpb[2];
+    const char *policy[] = {"truncate", "split"};
+    for (int p = 0; p < 2; p++) {
+        char args[1024];
+        snprintf(args, sizeof args,
+                 "tokenize answers.jsonl -o bpb_%s --format jsonl --tokenizer byte --seq-len 8 "
+                 "--val-fraction 0 --overflow %s",
+                 policy[p], policy[p]);
+        t_check(run(args, 0) == 0, "tokenize --overflow %s: %.300s", policy[p], output);
+        snprintf(args, sizeof args, "--checkpoint %s --data bpb_%s --split train", ckpt, policy[p]);
+        cJSON *j = eval_json(args);
+        bpb[p] = num(j, "bits_per_byte");
+        t_check(num(j, "bytes") == (double)(p ? whole : kept),
+                "--overflow %s: the bytes are the kept targets' %zu (got %g)", policy[p],
+                p ? whole : kept, num(j, "bytes"));
+        cJSON_Delete(j);
+    }
+    t_check(bpb[0] > 0.75 * bpb[1] && bpb[0] < 1.33 * bpb[1],
+            "bits per byte, truncated %.4f and whole %.4f, agree", bpb[0], bpb[1]);
+}
+
+// A document cut between two shards: each shard records the bytes of the
+// tokens it holds (byte tokens: one byte each, <eot> none), so the bits
+// per byte of any one shard are right too.
+static void test_shard_bytes_of_cut_documents(void) {
+    static char text[8192];
+    size_t n = 0;
+    for (int d = 0; d < 4; d++) { // documents of 2500, 700, 1900 and 40 bytes
+        int len = d == 0 ? 2500 : d == 1 ? 700 : d == 2 ? 1900 : 40;
+        for (int k = 0; k < len; k++) text[n++] = (char)('a' + (d + k) % 26);
+        if (d < 3) n += (size_t)snprintf(text + n, sizeof text - n, "\r\n\r\n");
+    }
+    char path[1024];
+    snprintf(path, sizeof path, "%s/cut.txt", dir);
+    t_write_text(path, text);
+    t_check(run("tokenize cut.txt -o cut --tokenizer byte --val-fraction 0 --shard-tokens 1024",
+                0) == 0,
+            "tokenize into shards of 1024 tokens: %.300s", output);
+    uint64_t total = 0;
+    int shards = 0, exact = 1;
+    for (;; shards++) {
+        snprintf(path, sizeof path, "%s/cut/train_%06d.bin", dir, shards);
+        struct stat st;
+        if (stat(path, &st) != 0) break;
+        fl_shard s;
+        fl_shard_open(&s, path);
+        uint64_t bytes = 0;
+        for (uint64_t i = 0; i < s.n_tokens; i++) bytes += fl_shard_token(&s, i) != 256;
+        exact &= bytes == s.source_bytes;
+        if (bytes != s.source_bytes)
+            printf("  %s: %llu bytes recorded, its tokens hold %llu\n", path,
+                   (unsigned long long)s.source_bytes, (unsigned long long)bytes);
+        total += s.source_bytes;
+        fl_shard_close(&s);
+    }
+    t_check(shards == 6 && exact && total == 2500 + 700 + 1900 + 40,
+            "%d shards, each recording the bytes of its own tokens (%llu in all)", shards,
+            (unsigned long long)total);
+}
+
 // ----------------------------------------------------------------------------
 // errors: each a message and status 1
 
@@ -355,6 +435,8 @@ int main(void) {
     test_loss_is_the_model_apis();
     test_text_equals_tokenized_data();
     test_masked_examples();
+    test_truncated_bits_per_byte();
+    test_shard_bytes_of_cut_documents();
     test_adapter_is_its_merge();
     test_errors();
     if (t_remove_dir(dir) != 0) fprintf(stderr, "could not remove %s\n", dir);

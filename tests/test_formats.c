@@ -925,6 +925,37 @@ static int parse_llmc(const unsigned char *b, size_t n, char *err, size_t errlen
     return fl_llmc_header_parse(b, n, n, &h, err, errlen);
 }
 
+// A NUL in a name (a tensor, a file, a model type) would cut it short and
+// make it another name: each parser refuses it, naming where.
+static void test_nul_in_names(void) {
+    char err[512] = "";
+    const char *config = "{\"model_type\": \"llama\\u0000x\", \"architectures\": [\"x\"]}";
+    fl_model_config c;
+    t_check(fl_hf_config_parse(config, strlen(config), &c, err, sizeof err) == -1 &&
+                strstr(err, "(a NUL character) at line 1 (byte 21), in the value of "
+                            "\"model_type\""),
+            "config.json: %s", err);
+    const char *index = "{\"weight_map\": {\"a.weight\\u0000b\": \"model.safetensors\"}}";
+    fl_hf_index idx;
+    t_check(fl_hf_index_parse(index, strlen(index), &idx, err, sizeof err) == -1 &&
+                strstr(err, "(a NUL character) at line 1 (byte 25) is not allowed"),
+            "the index: %s", err);
+    const char *header = "{\"w\\u0000\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": "
+                         "[0, 4]}}";
+    unsigned char st_file[256] = {0};
+    size_t hlen = strlen(header);
+    st_file[0] = (unsigned char)hlen;
+    memcpy(st_file + 8, header, hlen);
+    fl_safetensors st;
+    t_check(fl_safetensors_parse(st_file, 8 + hlen + 4, &st, err, sizeof err) == -1 &&
+                strstr(err, "\\u0000 (a NUL character) at line 1 (byte 3)"),
+            "a safetensors header: %s", err);
+    const char *raw = "{\"model_type\": \"gpt2\0\"}";
+    t_check(fl_hf_config_parse(raw, 23, &c, err, sizeof err) == -1 &&
+                strstr(err, "a NUL byte at line 1 (byte 20)"),
+            "a raw NUL byte: %s", err);
+}
+
 static void test_mutations(void) {
     char index[PATH_MAX_LEN];
     in_dir(index, "fp16_sharded/model.safetensors.index.json");
@@ -1078,6 +1109,7 @@ int main(void) {
     test_llama_roundtrip();
     test_llama_configs();
     test_llama_bad_models();
+    test_nul_in_names();
     test_mutations();
     if (have_ref) test_reference(&fx, &c);
     test_llama_reference();

@@ -46,6 +46,59 @@ static void test_text(void) {
     }
 }
 
+// The documents of a text, "|"-joined, into out.
+static void add_doc(void *ctx, const uint8_t *bytes, size_t n) {
+    char *out = ctx;
+    size_t at = strlen(out);
+    if (at) out[at++] = '|';
+    memcpy(out + at, bytes, n);
+    out[at + n] = 0;
+}
+
+// Documents are separated by blank lines whatever the line ends: LF, CRLF
+// or both mixed; a line of nothing but white space is blank; blank lines
+// at the start, the end or in a row separate nothing more. A document
+// keeps its inner line ends, not the one before a blank line; the last
+// keeps its final one, as a file without blank lines is one document.
+static void test_documents(void) {
+    const struct {
+        const char *text, *docs;
+        size_t count;
+    } cases[] = {
+        {"a\n\nb", "a|b", 2},
+        {"a\r\n\r\nb", "a|b", 2},
+        {"a\nx\n\nb\n", "a\nx|b\n", 2},
+        {"a\r\nx\r\n\r\nb\r\n", "a\r\nx|b\r\n", 2},
+        {"a\n\r\nb", "a|b", 2},
+        {"a\r\n\nb", "a|b", 2},
+        {"a\r\n \r\nb", "a|b", 2},
+        {"a\n \t\nb", "a|b", 2},
+        {"a\r\n\t \f\v\r\n\r\nb\r", "a|b\r", 2},
+        {"\r\n\r\na\r\n\r\n\r\n", "a", 1},
+        {"\n\n\na\n\n\n\nb\n\n", "a|b", 2},
+        {"a\r", "a\r", 1},
+        {"a\rb\r\rc", "a\rb\r\rc", 1}, // a lone CR ends no line
+        {" \r\n\t\n", "", 0},
+        {"one\r\ntwo\n\nthree\r\n\r\nfour", "one\r\ntwo|three|four", 3},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char got[256] = "";
+        size_t n = fl_text_documents((const uint8_t *)cases[i].text, strlen(cases[i].text), NULL,
+                                     add_doc, got);
+        t_check(n == cases[i].count && !strcmp(got, cases[i].docs),
+                "case %zu: %zu documents '%s' (want %zu '%s')", i, n, got, cases[i].count,
+                cases[i].docs);
+    }
+    char got[256] = "";
+    size_t n = fl_text_documents((const uint8_t *)"a--b----c--", 11, "--", add_doc, got);
+    t_check(n == 3 && !strcmp(got, "a|b|c"), "a separator given splits at each occurrence: %s",
+            got);
+    t_check(fl_line_is_blank((const uint8_t *)" \t\r", 3) &&
+                !fl_line_is_blank((const uint8_t *)" \0", 2) &&
+                !fl_line_is_blank((const uint8_t *)"\xc2\xa0", 2),
+            "a blank line holds only ASCII white space");
+}
+
 static void load_ckpt(void *path) {
     fl_model m;
     char tok[32];
@@ -404,6 +457,7 @@ static void test_stored_files(void) {
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_text();
+    test_documents();
     test_not_regular_files();
     test_checkpoint();
     test_checkpoint_shape_checked();

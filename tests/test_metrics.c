@@ -107,6 +107,34 @@ static void test_reader_names_the_bad_line(void) {
     t_dies("a value of the wrong type", read_bad, path, want);
 }
 
+// LF and CRLF line ends read the same, and a blank line (nothing but white
+// space) is skipped, as in JSON Lines data; errors count every line.
+static void test_reader_line_ends(void) {
+    static const char *const records[] = {
+        "{\"step\":1,\"loss\":2.5}", "{\"step\":1,\"val_loss\":3}", "{\"step\":2,\"loss\":1.5}"};
+    static const char *const joins[] = {"\n", "\r\n", "\n\n", "\r\n\r\n", "\r\n \t\r\n", "\n\r\n"};
+    const char *path = in_dir("ends.jsonl");
+    for (size_t j = 0; j < sizeof joins / sizeof joins[0]; j++) {
+        char text[512] = "";
+        for (int r = 0; r < 3; r++) {
+            strcat(text, records[r]);
+            strcat(text, joins[j]);
+        }
+        t_write_text(path, text);
+        fl_metrics m;
+        fl_metrics_read(path, &m);
+        t_check(m.n_steps == 2 && m.n_evals == 1 && m.steps[1].loss == 1.5f &&
+                    m.evals[0].val_loss == 3.0f,
+                "line ends %zu: 2 steps and 1 evaluation read (got %d, %d)", j, m.n_steps,
+                m.n_evals);
+        fl_metrics_free(&m);
+    }
+    char want[700];
+    t_write_text(path, "{\"step\":1,\"loss\":1}\r\n\r\n{\"step\":2,\"loss\":1,}\r\n");
+    snprintf(want, sizeof want, "%s:3: not a JSON object", path);
+    t_dies("a bad line after a blank one", read_bad, (void *)path, want);
+}
+
 // ----------------------------------------------------------------------------
 // a real run
 
@@ -347,6 +375,7 @@ int main(void) {
     test_resume_keeps_complete_lines_up_to_the_step();
     test_reader_skips_a_torn_line_and_reads_null_as_nan();
     test_reader_names_the_bad_line();
+    test_reader_line_ends();
     test_every_step_and_evaluation_is_recorded();
     test_resume_truncates_metrics_like_the_log();
     test_plot_one_and_two_runs();

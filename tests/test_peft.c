@@ -390,6 +390,8 @@ static void test_peft_configs(void) {
          "init_lora_weights olora is not supported"},
         {"init false", PEFT_OK ", \"init_lora_weights\": false}",
          "init_lora_weights false is not supported"},
+        {"NUL in a module name", "{\"peft_type\": \"LORA\", \"target_modules\": [\"q\\u0000k\"]}",
+         "(a NUL character) at line 1 (byte 43), in the value of \"target_modules\""},
         {"r 0", PEFT_OK ", \"r\": 0}", "r must be an integer in [1, 65536]"},
         {"r huge", PEFT_OK ", \"r\": 1e9}", "r must be an integer"},
         {"r fractional", PEFT_OK ", \"r\": 2.5}", "r must be an integer"},

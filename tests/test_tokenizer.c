@@ -377,8 +377,17 @@ static cJSON *byte_level_json(void) {
     return root;
 }
 
+// "@NUL@" in a string is written as \u0000 (cJSON cannot hold one).
 static void write_json(const cJSON *root) {
     char *text = cJSON_PrintUnformatted(root);
+    for (char *at; (at = strstr(text, "@NUL@"));) {
+        size_t off = (size_t)(at - text), n = strlen(text);
+        char *grown = realloc(text, n + 2);
+        if (!grown) abort();
+        text = grown;
+        memmove(text + off + 6, text + off + 5, n - off - 4);
+        memcpy(text + off, "\\u0000", 6);
+    }
     t_write_text(hf_file, text);
     free(text);
 }
@@ -441,6 +450,13 @@ static void test_hf_errors(void) {
     refused(1, "added_tokens", "[{\"id\": 2, \"content\": \"</s>\", \"lstrip\": true}]",
             "added_tokens[0].lstrip true is not supported");
     refused(1, "model.unk_token", "\"<nope>\"", "model.unk_token \"<nope>\" is not a token");
+    // a NUL would cut a token, an added token or a name short: refused
+    refused(1, "added_tokens", "[{\"id\": 15, \"content\": \"a@NUL@b\"}]",
+            "\\u0000 (a NUL character) at line 1");
+    refused(1, "added_tokens", "[{\"id\": 15, \"content\": \"@NUL@\"}]",
+            ", in the value of \"content\", is not allowed");
+    refused(1, "model.unk_token", "\"<unk>@NUL@\"", "in the value of \"unk_token\"");
+    refused(1, "model.vocab.a@NUL@", "15", "(a NUL character) at line 1 (byte");
     refused(1, "normalizer", "{\"type\": \"Lowercase\"}",
             "normalizer: type \"Lowercase\" is not supported");
     refused(1, "normalizer", "{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"NFKC\"}]}",

@@ -33,6 +33,16 @@ int fl_errorf(char *err, size_t errlen, const char *fmt, ...) __attribute__((for
 enum { FL_SIZE_TEXT = 32 };
 const char *fl_size_text(size_t bytes, char *buf);
 void fl_size_text_pair(size_t a, size_t b, char *text_a, char *text_b);
+// The offset of the first NUL in a JSON text of n bytes (a raw NUL byte, or
+// "\u0000" in a string, which cJSON would cut the string at), or n; with
+// key_size > 0, key gets the key whose value holds it ("" when none, or
+// when the NUL is in a key).
+size_t fl_json_nul_at(const char *text, size_t n, char *key, size_t key_size);
+// 0, or -1 with the reason in err when the JSON text holds a NUL: the line,
+// the byte offset and the key. fl_json_check_nul dies with it, naming
+// `where` (the file).
+int fl_json_nul_error(const char *text, size_t n, char *err, size_t errlen);
+void fl_json_check_nul(const char *text, size_t n, const char *where);
 
 // Always-on assertion (also in release builds): names the source line.
 #define FL_ASSERT(cond)                                                                            \
@@ -63,6 +73,12 @@ const char *fl_mem_tag_name(fl_mem_tag tag);
 // 64-byte aligned, zero-filled (so the pages are really resident and RSS
 // matches the accounting). Dies with a clear message when memory runs out.
 void *fl_alloc(fl_mem_tag tag, size_t bytes);
+// Names what this thread is reading ("data.jsonl:3"; NULL: nothing) in the
+// out-of-memory error, where the input decides how much is allocated. The
+// string must live until the call with NULL.
+void fl_mem_context(const char *what);
+// The out-of-memory error for `bytes` more of tag, naming the context.
+void fl_die_oom(size_t bytes, fl_mem_tag tag) __attribute__((noreturn));
 void fl_free(void *ptr); // NULL is fine
 // Grows the tagged array p (NULL: none yet; *cap elements of elem bytes) to
 // hold at least `need` elements, doubling from 64, and keeps its first

@@ -179,18 +179,21 @@ typedef struct {
     fl_chat_template chat_template;
 } fl_example_format;
 
-// An example's tokens: mask[i] = 1 when ids[i] is a target.
+// An example's tokens: mask[i] = 1 when ids[i] is a target, text_bytes[i]
+// the bytes of text a target stands for (0 for the markers a template
+// inserts as tokens), so that the bytes of any kept part are known.
 typedef struct {
     fl_tokens tokens;
     uint8_t *mask;
-    size_t mask_cap;
-    size_t response_bytes; // bytes of text in the targets (for nats/byte)
+    uint32_t *text_bytes;
+    size_t mask_cap, text_bytes_cap;
 } fl_example;
 
 // Parses one record (json[0..n), no newline), renders and tokenizes it into
 // *ex (emptied first). Returns 0, or -1 with the reason in err (invalid
-// JSON, a missing field, a wrong type, an unknown role, no or an empty
-// answer). Segments are encoded one at a time and concatenated (as
+// JSON, a NUL in a string, a missing field, a wrong type, an unknown role,
+// no or an empty answer); dies naming fl_mem_context when memory runs
+// out. Segments are encoded one at a time and concatenated (as
 // LLaMA-Factory does): a SentencePiece tokenizer's normaliser then puts its
 // "▁" before each segment. Thread-safe.
 int fl_example_parse(const fl_tokenizer *tok, const fl_example_format *f, const char *json,
@@ -213,7 +216,7 @@ typedef struct {
     int32_t *tokens;     // (windows, T+1)
     uint8_t *mask;       // (windows, T+1)
     uint32_t *examples;  // (windows) examples whose first piece is there
-    uint64_t *bytes;     // (windows) their response bytes
+    uint64_t *bytes;     // (windows) the text bytes of the targets in them
     uint32_t *used;      // (windows) tokens filled
     int64_t *room_head;  // (T+2) a window with that much room, -1: none
     int64_t *room_next;  // (windows) the next one in its room's list

@@ -159,6 +159,18 @@ typedef struct {
 void fl_text_load(fl_text *text, const char *path);
 void fl_text_free(fl_text *text);
 
+// Lines end at "\n", and a "\r" before it is part of the line end (CRLF);
+// a lone "\r" is white space within a line. A line is blank when it holds
+// nothing but white space (space, \t, \r, \f, \v).
+int fl_line_is_blank(const uint8_t *s, size_t n);
+// Calls doc(ctx, bytes, n) for each document of text[0..n), in order, and
+// returns their number. separator NULL: documents are separated by blank
+// lines, LF and CRLF alike; a document runs from its first line that is not
+// blank to the line end before the next blank line (or to the end of the
+// text). Else at each occurrence of separator. No document is empty.
+size_t fl_text_documents(const uint8_t *text, size_t n, const char *separator,
+                         void (*doc)(void *ctx, const uint8_t *bytes, size_t n), void *ctx);
+
 // ----------------------------------------------------------------------------
 // checkpoints. DIR/ckpt_<step>.fitlm holds a JSON header (the caller's
 // metadata plus a table of tensors) and the tensors, each with a CRC-32, and

@@ -119,6 +119,13 @@ void fl_tokens_free(fl_tokens *t);
 // the space it stands for and <0xNN> as byte NN; added tokens their text.
 const uint8_t *fl_tokenizer_token_bytes(const fl_tokenizer *tok, int id, size_t *len);
 
+// The bytes of text that ids[0..k) stand for when ids[0..n) encode a text
+// of `total` bytes: their bytes in the vocabulary, less what the encoding
+// added in front (SentencePiece's leading space); all n: total. For a text
+// cut between two shards or windows.
+size_t fl_tokenizer_prefix_bytes(const fl_tokenizer *tok, const int32_t *ids, size_t n, size_t k,
+                                 size_t total);
+
 // The text of ids[0..n) (*len bytes; fl_free it), as Hugging Face's
 // decode(ids, skip_special_tokens=True): the token bytes concatenated,
 // special added tokens left out, and, for a tokenizer whose decoder strips

@@ -1,11 +1,12 @@
 // tokenize.c: `fitlm tokenize`: text files to token shards (JSON Lines of
 // instruction examples: tokenize_jsonl.c). Documents are separated by a
-// blank line (or --doc-separator); each document's tokens are preceded by
-// the tokenizer's BOS when it has one, else by <|endoftext|> (as GPT-2's
-// training data and llm.c's shards are); every k-th document goes to the
-// validation split (k = 1/fraction), so the split is the same on every run
-// and spread over the whole input.
-#define _GNU_SOURCE // memmem
+// blank line, LF or CRLF alike (or --doc-separator); each document's tokens
+// are preceded by the tokenizer's BOS when it has one, else by
+// <|endoftext|> (as GPT-2's training data and llm.c's shards are); every
+// k-th document goes to the validation split (k = 1/fraction), so the split
+// is the same on every run and spread over the whole input. A shard records
+// the bytes of the tokens it holds: a document cut between two is counted
+// in each by its part.
 #include <ctype.h>
 #include <dirent.h>
 #include <math.h>
@@ -32,6 +33,7 @@ typedef struct {
 // One split's output: tokens gathered until a shard is full.
 typedef struct {
     const char *name, *dir, *tokenizer;
+    const fl_tokenizer *tok;
     uint32_t vocab;
     uint64_t shard_tokens;
     int32_t *buf;
@@ -47,14 +49,17 @@ static void flush(split_writer *w) {
     w->n = w->source_bytes = 0;
 }
 
+// A document's tokens; a shard records the bytes of the part it holds.
 static void append(split_writer *w, const int32_t *ids, size_t n, size_t source_bytes) {
-    w->source_bytes += source_bytes; // counted in the shard where the document starts
     w->total_bytes += source_bytes;
     w->total_tokens += n;
     while (n) {
         size_t room = (size_t)(w->shard_tokens - w->n), take = n < room ? n : room;
+        size_t bytes = fl_tokenizer_prefix_bytes(w->tok, ids, n, take, source_bytes);
         memcpy(w->buf + w->n, ids, take * sizeof(int32_t));
         w->n += take;
+        w->source_bytes += bytes;
+        source_bytes -= bytes;
         ids += take;
         n -= take;
         if (w->n == w->shard_tokens) flush(w);
@@ -117,8 +122,9 @@ static void help(void) {
            "  --shard-tokens N        tokens per shard file (default: 100000000)\n"
            "  --threads N             threads, 0 = all cores (default: 0)\n\n"
            "--format text:\n"
-           "  --doc-separator TEXT    text between documents, with \\n and \\t escapes (default: "
-           "\\n\\n, a blank line)\n"
+           "  --doc-separator TEXT    text between documents, with \\n, \\r and \\t escapes\n"
+           "                          (default: a blank line, one of nothing but white space;\n"
+           "                          LF and CRLF line ends alike)\n"
            "  --learn-vocab N         learn a byte-level BPE of N tokens (GPT-2's pre-tokenizer\n"
            "                          and byte alphabet, 257 <= N <= 1000000) from the training\n"
            "                          documents, write it beside the shards (DIR/encoder.json,\n"
@@ -161,19 +167,22 @@ static void unescape(char *out, size_t size, const char *in) {
     if (!n) fl_die("--doc-separator must not be empty");
 }
 
-// Splits text into documents at the separator; empty documents are dropped.
+typedef struct {
+    document *docs;
+    size_t n, cap;
+} document_list;
+
+static void add_document(void *ctx, const uint8_t *text, size_t n) {
+    document_list *l = ctx;
+    if (l->docs && l->n < l->cap) l->docs[l->n] = (document){text, n, 0};
+    l->n++;
+}
+
+// The text's documents into docs (NULL: only counted); separator "": at
+// blank lines.
 static size_t split_documents(const fl_text *t, const char *sep, document *docs, size_t cap) {
-    size_t n = 0, sep_len = strlen(sep), start = 0;
-    while (start < t->n) {
-        const uint8_t *hit = memmem(t->bytes + start, t->n - start, sep, sep_len);
-        size_t end = hit ? (size_t)(hit - t->bytes) : t->n;
-        if (end > start) {
-            if (docs && n < cap) docs[n] = (document){t->bytes + start, end - start, 0};
-            n++;
-        }
-        start = end + (hit ? sep_len : 0);
-    }
-    return n;
+    document_list l = {docs, 0, cap};
+    return fl_text_documents(t->bytes, t->n, *sep ? sep : NULL, add_document, &l);
 }
 
 // Learns o->learn_vocab tokens from the training documents into dir.
@@ -235,8 +244,8 @@ static void tokenize_text(const tokenize_options *o, const char **inputs, int n_
     uint32_t vocab = (uint32_t)fl_tokenizer_vocab_size(tok);
     int32_t start = fl_tokenizer_bos(tok) >= 0 ? fl_tokenizer_bos(tok) : fl_tokenizer_eot(tok);
     split_writer w[2] = {
-        {"train", where, o->tokenizer, vocab, o->shard_tokens, NULL, 0, 0, 0, 0, 0},
-        {"val", where, o->tokenizer, vocab, o->shard_tokens, NULL, 0, 0, 0, 0, 0}};
+        {"train", where, o->tokenizer, tok, vocab, o->shard_tokens, NULL, 0, 0, 0, 0, 0},
+        {"val", where, o->tokenizer, tok, vocab, o->shard_tokens, NULL, 0, 0, 0, 0, 0}};
     uint64_t split_tokens[2] = {0, 0}; // a shard buffer no larger than its split
     for (size_t d = 0; d < n_docs; d++) split_tokens[docs[d].val] += 1 + encoded[d].n;
     for (int s = 0; s < 2; s++) {
@@ -280,7 +289,7 @@ int cmd_tokenize(int argc, char **argv) {
     }
     tokenize_options o = {.tokenizer = "gpt2",
                           .tokenizer_path = "data/gpt2",
-                          .separator = "\n\n",
+                          .separator = "", // blank lines
                           .val_fraction = 0.05,
                           .shard_tokens = 100000000,
                           .example = {"prompt", "response", "messages", FL_TEMPLATE_DEFAULT},

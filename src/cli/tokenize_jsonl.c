@@ -20,15 +20,19 @@ typedef struct {
 
 enum { REASONS_SHOWN = 5 }; // skipped lines whose reason is printed
 
+// The longest line read as an example: millions of tokens past any window,
+// while a line takes ~9-14x its size in memory as it is rendered and
+// tokenized (the JSON tree, the text; per token id, mask and text bytes).
+#define LINE_MAX_BYTES ((size_t)16 << 20)
+
 // The lines of a file that hold anything but white space; records NULL:
 // only counts them.
 static size_t split_lines(const char *file, const uint8_t *b, size_t n, record *records) {
     size_t count = 0, line = 0;
     for (size_t start = 0; start < n; line++) {
         const uint8_t *nl = memchr(b + start, '\n', n - start);
-        size_t end = nl ? (size_t)(nl - b) : n, k = start;
-        while (k < end && strchr(" \t\r\f\v", b[k]) && b[k]) k++;
-        if (k < end) {
+        size_t end = nl ? (size_t)(nl - b) : n;
+        if (!fl_line_is_blank(b + start, end - start)) {
             if (records)
                 records[count] = (record){file, line + 1, (const char *)b + start, end - start};
             count++;
@@ -53,12 +57,20 @@ static size_t utf8_invalid_at(const char *s, size_t n) {
 // One record into ex; NULL, or the reason it is not an example (fl_free it).
 static char *parse_record(const fl_tokenizer *tok, const fl_example_format *f, const record *r,
                           fl_example *ex) {
-    char err[256];
-    size_t bad = utf8_invalid_at(r->text, r->n);
-    if (bad < r->n)
+    char err[256], where[FL_FILE_PATH_MAX + 32];
+    snprintf(where, sizeof where, "%s:%zu", r->file, r->line);
+    fl_mem_context(where); // an out-of-memory error names the line
+    size_t bad;
+    int rc = -1;
+    if (r->n > LINE_MAX_BYTES)
+        snprintf(err, sizeof err, "the line is %.1f MiB, longer than the %zu MiB an example may be",
+                 (double)r->n / 1048576.0, LINE_MAX_BYTES >> 20);
+    else if ((bad = utf8_invalid_at(r->text, r->n)) < r->n)
         snprintf(err, sizeof err, "invalid UTF-8 at column %zu", bad + 1);
-    else if (fl_example_parse(tok, f, r->text, r->n, ex, err, sizeof err) == 0)
-        return NULL;
+    else
+        rc = fl_example_parse(tok, f, r->text, r->n, ex, err, sizeof err);
+    fl_mem_context(NULL);
+    if (rc == 0) return NULL;
     char *copy = fl_alloc(FL_MEM_OTHER, strlen(err) + 1);
     strcpy(copy, err);
     return copy;

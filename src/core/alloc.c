@@ -51,12 +51,7 @@ void *fl_alloc(fl_mem_tag tag, size_t bytes) {
         fl_die("allocation of %zu bytes (%s) is too large", bytes, fl_mem_tag_name(tag));
     void *raw = NULL;
     int huge = bytes >= HUGE_PAGE && huge_pages_wanted();
-    if (posix_memalign(&raw, huge ? HUGE_PAGE : ALIGN, ALIGN + bytes) != 0) {
-        char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT];
-        fl_die("out of memory allocating %s for %s (%s already allocated)",
-               fl_size_text(bytes, want), fl_mem_tag_name(tag),
-               fl_size_text(fl_mem_total_current(), have));
-    }
+    if (posix_memalign(&raw, huge ? HUGE_PAGE : ALIGN, ALIGN + bytes) != 0) fl_die_oom(bytes, tag);
 #ifdef MADV_HUGEPAGE
     // a hint, before the first touch: where the kernel has no huge pages to
     // give, the block keeps small ones
@@ -74,6 +69,19 @@ void *fl_alloc(fl_mem_tag tag, size_t bytes) {
     if (total_current > total_peak) total_peak = total_current;
     pthread_mutex_unlock(&lock);
     return (char *)raw + ALIGN;
+}
+
+static __thread const char *context; // what this thread reads, or NULL
+
+void fl_mem_context(const char *what) {
+    context = what;
+}
+
+void fl_die_oom(size_t bytes, fl_mem_tag tag) {
+    char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT];
+    fl_die("out of memory allocating %s for %s%s%s (%s already allocated)",
+           fl_size_text(bytes, want), fl_mem_tag_name(tag), context ? " while reading " : "",
+           context ? context : "", fl_size_text(fl_mem_total_current(), have));
 }
 
 void *fl_reserve(fl_mem_tag tag, void *p, size_t *cap, size_t used, size_t need, size_t elem) {

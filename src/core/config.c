@@ -650,22 +650,6 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
     }
 }
 
-// A \u0000 in a string would end a C string early: "a\u0000b" would read
-// as "a" (a raw NUL byte is fl_json_parse's to refuse).
-static void check_no_nul(const char *text, size_t n, const char *where) {
-    int in_string = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (in_string && text[i] == '\\' && i + 1 < n) {
-            if (text[i + 1] == 'u' && i + 6 <= n && !memcmp(text + i + 2, "0000", 4))
-                fl_die("%s: \\u0000 (a NUL character) at line %d (byte %zu) is not allowed", where,
-                       fl_text_line_of(text, i), i);
-            i++; // the escaped character cannot end the string
-        } else if (text[i] == '"') {
-            in_string = !in_string;
-        }
-    }
-}
-
 static int by_name(const void *a, const void *b) {
     return strcmp((*(const cJSON *const *)a)->string, (*(const cJSON *const *)b)->string);
 }
@@ -702,7 +686,7 @@ void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, 
     size_t at;
     cJSON *root = fl_json_parse(text, n, &why, &at);
     if (!root) fl_die("%s: %s at line %d (byte %zu)", where, why, fl_text_line_of(text, at), at);
-    check_no_nul(text, n, where);
+    fl_json_check_nul(text, n, where); // a value cut at a NUL would be another
     if (!cJSON_IsObject(root)) fl_die("%s: the top level must be a JSON object", where);
     check_duplicates(root, "", where);
     load_object(cfg, root, "", where);

@@ -3,6 +3,7 @@
 // loss mask. Only the assistant's words and the markers that end them are
 // targets: the model learns to answer and to stop, not to write prompts.
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <string.h>
 
 #include "fitlm/data.h"
@@ -124,24 +125,46 @@ typedef struct {
     char *run;
     size_t n, cap;
     int target;
-    fl_tokens scratch;
 } renderer;
 
-static void push(fl_example *ex, const int32_t *ids, size_t n, int target) {
-    fl_tokens *t = &ex->tokens;
-    ex->mask = fl_reserve(FL_MEM_OTHER, ex->mask, &ex->mask_cap, t->n, t->n + n, 1);
-    t->ids = fl_reserve(FL_MEM_OTHER, t->ids, &t->cap, t->n, t->n + n, sizeof *t->ids);
-    memset(ex->mask + t->n, target, n);
-    memcpy(t->ids + t->n, ids, n * sizeof *ids);
-    t->n += n;
+// The mask and text bytes of the tokens appended from `from` on.
+static void mark(fl_example *ex, size_t from, int target) {
+    size_t n = ex->tokens.n;
+    ex->mask = fl_reserve(FL_MEM_OTHER, ex->mask, &ex->mask_cap, from, n, 1);
+    ex->text_bytes = fl_reserve(FL_MEM_OTHER, ex->text_bytes, &ex->text_bytes_cap, from, n,
+                                sizeof *ex->text_bytes);
+    memset(ex->mask + from, target, n - from);
+    memset(ex->text_bytes + from, 0, (n - from) * sizeof *ex->text_bytes);
 }
 
+// The bytes of text each target token from `from` on stands for: its bytes
+// in the vocabulary (what decoding gives), less what the tokenizer added
+// (SentencePiece's leading space) and with what it took away (NFC) settled
+// on the run's last token, so the run's tokens add up to its n bytes and a
+// cut through the run keeps the bytes of the tokens it keeps.
+static void count_text(const fl_tokenizer *tok, fl_example *ex, size_t from, size_t n) {
+    uint32_t *c = ex->text_bytes + from;
+    size_t m = ex->tokens.n - from, sum = 0, len;
+    for (size_t i = 0; i < m; i++) {
+        fl_tokenizer_token_bytes(tok, ex->tokens.ids[from + i], &len);
+        c[i] = (uint32_t)len;
+        sum += len;
+    }
+    for (size_t i = 0; i < m && sum > n; i++) {
+        size_t extra = c[i] < sum - n ? c[i] : sum - n;
+        c[i] -= (uint32_t)extra;
+        sum -= extra;
+    }
+    if (m && sum < n) c[m - 1] += (uint32_t)(n - sum);
+}
+
+// The run's tokens, encoded straight onto the example's.
 static void flush_run(renderer *r) {
     if (!r->n) return;
-    r->scratch.n = 0;
-    fl_tokenizer_encode(r->tok, (const uint8_t *)r->run, r->n, &r->scratch);
-    push(r->ex, r->scratch.ids, r->scratch.n, r->target);
-    if (r->target) r->ex->response_bytes += r->n;
+    size_t from = r->ex->tokens.n;
+    fl_tokenizer_encode(r->tok, (const uint8_t *)r->run, r->n, &r->ex->tokens);
+    mark(r->ex, from, r->target);
+    if (r->target) count_text(r->tok, r->ex, from, r->n);
     r->n = 0;
 }
 
@@ -154,9 +177,14 @@ static void text(renderer *r, int target, const char *s) {
     r->n += n;
 }
 
+// A template's marker as its token: no text of the example's.
 static void special(renderer *r, int target, int32_t id) {
     flush_run(r);
-    if (id >= 0) push(r->ex, &id, 1, target);
+    if (id < 0) return;
+    fl_tokens *t = &r->ex->tokens;
+    t->ids = fl_reserve(FL_MEM_OTHER, t->ids, &t->cap, t->n, t->n + 1, sizeof *t->ids);
+    t->ids[t->n++] = id;
+    mark(r->ex, t->n - 1, target);
 }
 
 // The end of the text: <eot>, unless the template's end-of-turn marker
@@ -235,9 +263,18 @@ static void render(renderer *r, fl_chat_template tpl, const conversation *c) {
 int fl_example_parse(const fl_tokenizer *tok, const fl_example_format *f, const char *json,
                      size_t n, fl_example *ex, char *err, size_t errlen) {
     ex->tokens.n = 0;
-    ex->response_bytes = 0;
+    // cJSON's strings end at a NUL: "ok\u0000SECRET" would train on "ok".
+    // It has no length to keep it by, and a NUL is no text to learn from.
+    char key[64];
+    size_t nul = fl_json_nul_at(json, n, key, sizeof key);
+    if (nul < n)
+        return fl_errorf(err, errlen, "%s at column %zu%s%s%s is not allowed in text",
+                         json[nul] ? "\\u0000 (a NUL character)" : "a NUL byte", nul + 1,
+                         *key ? ", in field \"" : "", key, *key ? "\"," : "");
     const char *end = NULL;
+    errno = 0;
     cJSON *root = cJSON_ParseWithLengthOpts(json, n, &end, 0);
+    if (!root && errno == ENOMEM) fl_die_oom(n, FL_MEM_OTHER); // cJSON's malloc, not bad JSON
     if (!root) {
         size_t at = end && end >= json && end <= json + n ? (size_t)(end - json) : 0;
         return fl_errorf(err, errlen, "invalid JSON at column %zu", at + 1);
@@ -259,7 +296,6 @@ int fl_example_parse(const fl_tokenizer *tok, const fl_example_format *f, const 
         renderer r = {.tok = tok, .ex = ex};
         render(&r, f->chat_template, c);
         fl_free(r.run);
-        fl_tokens_free(&r.scratch);
     }
     fl_free(c->m);
     fl_free(c->joined);
@@ -270,5 +306,6 @@ int fl_example_parse(const fl_tokenizer *tok, const fl_example_format *f, const 
 void fl_example_free(fl_example *ex) {
     fl_tokens_free(&ex->tokens);
     fl_free(ex->mask);
+    fl_free(ex->text_bytes);
     memset(ex, 0, sizeof *ex);
 }

@@ -158,6 +158,7 @@ static void encode_text(encoder *e, const uint8_t *s, size_t n, int first, fl_to
     uint8_t *nfc; // utf8proc's allocation
     utf8proc_ssize_t m =
         utf8proc_map(s, (utf8proc_ssize_t)n, &nfc, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+    if (m == UTF8PROC_ERROR_NOMEM) fl_die_oom(4 * n, FL_MEM_OTHER); // utf8proc's malloc
     if (m < 0) fl_die("NFC normalisation failed: %s", utf8proc_errmsg(m));
     split_text(e, nfc, (size_t)m, first, out);
     free(nfc);

@@ -209,6 +209,10 @@ int fl_hf_config_parse(const char *json, size_t n, fl_model_config *out, char *e
     if (!root)
         return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
                          fl_text_line_of(json, at), at);
+    if (fl_json_nul_error(json, n, err, errlen)) {
+        cJSON_Delete(root);
+        return -1; // a name cut at a NUL is another
+    }
     int rc = check_config(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;
@@ -282,6 +286,10 @@ int fl_hf_index_parse(const char *json, size_t n, fl_hf_index *out, char *err, s
     if (!root)
         return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
                          fl_text_line_of(json, at), at);
+    if (fl_json_nul_error(json, n, err, errlen)) {
+        cJSON_Delete(root);
+        return -1; // a name cut at a NUL is another
+    }
     int rc = check_index(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;

@@ -493,6 +493,9 @@ static void find_eot(fl_tokenizer *tok, const fl_tokenizer_files *f) {
         if (!root)
             fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", cfg, why,
                    fl_text_line_of(text, at), at);
+        char where[FL_FILE_PATH_MAX + 512];
+        snprintf(where, sizeof where, "tokenizer file %s", cfg);
+        fl_json_check_nul(text, size, where);
         if (!cJSON_IsObject(root)) fl_die("tokenizer file %s is not a valid JSON object", cfg);
         const cJSON *eos = item(root, "eos_token");
         if (cJSON_IsObject(eos)) eos = item(eos, "content"); // the older AddedToken layout
@@ -555,6 +558,9 @@ void fl_hf_tokenizer_load(fl_tokenizer *tok, const fl_tokenizer_files *f) {
     if (!root)
         fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", file, why,
                fl_text_line_of(text, at), at);
+    char where[FL_FILE_PATH_MAX + 512];
+    snprintf(where, sizeof where, "tokenizer file %s", file);
+    fl_json_check_nul(text, size, where); // a token cut at a NUL would be another token
     hf_loader L = {.path = file, .pattern = FL_PRE_NONE, .meta = -1};
     if (!cJSON_IsObject(root)) fl_die("tokenizer file %s: expected a JSON object", file);
     const cJSON *model = item(root, "model");

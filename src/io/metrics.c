@@ -207,6 +207,10 @@ void fl_metrics_read(const char *path, fl_metrics *m) {
         if (!end) break; // a torn last line: the writer died inside it
         w.line++;
         size_t len = (size_t)(end - line);
+        if (fl_line_is_blank((const uint8_t *)line, len)) { // as in JSON Lines data
+            line = end + 1;
+            continue;
+        }
         const char *why;
         size_t at;
         cJSON *o = fl_json_parse(line, len, &why, &at);

@@ -64,13 +64,20 @@ static int64_t room_pop(fl_packer *p, size_t need) {
     return -1;
 }
 
-// One piece (n <= T+1 tokens) into a window; its first token is an input
-// only (what comes before it in the window belongs to another piece).
-// Returns 0 when the piece holds no target and is left out.
-static int place(fl_packer *p, const int32_t *ids, const uint8_t *mask, size_t n, int first,
-                 size_t bytes) {
+// Tokens from `from` of ex: n <= T+1 of them, a piece, into a window; its
+// first token is an input only (what comes before it in the window belongs
+// to another piece). The window's bytes are those of the piece's targets:
+// what a cut leaves out is not counted. Returns 0 when the piece holds no
+// target and is left out.
+static int place(fl_packer *p, const fl_example *ex, size_t from, size_t n, int first) {
+    const int32_t *ids = ex->tokens.ids + from;
+    const uint8_t *mask = ex->mask + from;
     size_t targets = 0, W = (size_t)p->T + 1;
-    for (size_t i = 1; i < n; i++) targets += mask[i] != 0;
+    uint64_t bytes = 0;
+    for (size_t i = 1; i < n; i++) {
+        targets += mask[i] != 0;
+        bytes += mask[i] ? ex->text_bytes[from + i] : 0;
+    }
     if (!targets) return 0;
     int64_t w = p->packed ? room_pop(p, n) : -1;
     if (w < 0) w = (int64_t)new_window(p);
@@ -88,23 +95,20 @@ static int place(fl_packer *p, const int32_t *ids, const uint8_t *mask, size_t n
 }
 
 void fl_packer_add(fl_packer *p, const fl_example *ex) {
-    const int32_t *ids = ex->tokens.ids;
-    const uint8_t *mask = ex->mask;
     size_t n = ex->tokens.n, W = (size_t)p->T + 1, T = (size_t)p->T;
     int placed = 0;
     p->n_examples++;
     if (n <= W) {
-        placed = place(p, ids, mask, n, 1, ex->response_bytes);
+        placed = place(p, ex, 0, n, 1);
     } else if (p->policy == FL_SEQ_TRUNCATE) {
         p->n_truncated++;
-        placed = place(p, ids, mask, W, 1, ex->response_bytes);
+        placed = place(p, ex, 0, W, 1);
     } else {
         // windows overlap by one token: the last target of one is the first
         // input of the next, so every target of the example is kept
         p->n_split++;
         for (size_t start = 0; start + 1 < n; start += T)
-            placed |= place(p, ids + start, mask + start, n - start < W ? n - start : W, !placed,
-                            placed ? 0 : ex->response_bytes);
+            placed |= place(p, ex, start, n - start < W ? n - start : W, !placed);
     }
     p->n_dropped += !placed;
 }

@@ -196,6 +196,10 @@ int fl_peft_config_parse(const char *json, size_t n, fl_lora_config *out, char *
     if (!root)
         return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
                          fl_text_line_of(json, at), at);
+    if (fl_json_nul_error(json, n, err, errlen)) {
+        cJSON_Delete(root);
+        return -1; // a module name cut short
+    }
     int rc = check_peft(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;

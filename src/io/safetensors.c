@@ -194,6 +194,10 @@ int fl_safetensors_parse(const uint8_t *buf, size_t n, fl_safetensors *out, char
     if (!root)
         return fl_errorf(err, errlen, "the header is not valid JSON: %s at byte %zu of %llu", why,
                          at, (unsigned long long)hlen);
+    if (fl_json_nul_error(header, (size_t)hlen, err, errlen)) {
+        cJSON_Delete(root);
+        return -1; // a tensor name cut short
+    }
     int rc = parse_header(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;

@@ -98,6 +98,9 @@ static void load_encoder(fl_tokenizer *tok, const char *text, size_t size, const
     if (!root)
         fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", path, why,
                fl_text_line_of(text, at), at);
+    char where[FL_FILE_PATH_MAX + 512];
+    snprintf(where, sizeof where, "tokenizer file %s", path);
+    fl_json_check_nul(text, size, where); // a token cut at a NUL would be another token
     if (!cJSON_IsObject(root) || !root->child)
         fl_die("tokenizer file %s: expected a JSON object {\"token\": id, ...}", path);
     int count = cJSON_GetArraySize(root);
@@ -378,6 +381,20 @@ const uint8_t *fl_tokenizer_token_bytes(const fl_tokenizer *tok, int id, size_t 
                tok->vocab);
     *len = tok->offs[id + 1] - tok->offs[id];
     return tok->bytes + tok->offs[id];
+}
+
+size_t fl_tokenizer_prefix_bytes(const fl_tokenizer *tok, const int32_t *ids, size_t n, size_t k,
+                                 size_t total) {
+    if (k >= n) return total;
+    size_t prefix = 0, sum = 0, b;
+    for (size_t i = 0; i < n; i++) {
+        fl_tokenizer_token_bytes(tok, ids[i], &b);
+        sum += b;
+        prefix += i < k ? b : 0;
+    }
+    size_t added = sum > total ? sum - total : 0;
+    prefix = prefix > added ? prefix - added : 0;
+    return prefix < total ? prefix : total;
 }
 
 uint8_t *fl_tokenizer_decode(const fl_tokenizer *tok, const int32_t *ids, size_t n, size_t *len) {
