@@ -379,10 +379,10 @@ static const option options[] = {
      NULL,
      "spike guard (llm.c's -sl): skip a step whose loss lies more than this many standard "
      "deviations above the mean of the last normal steps' losses (0 = off)"},
-    {"skip_update_gradz", "--skip-update-gradz", OPT_FLOAT, NUM(skip_update_gradz), "10", 0, 1e6,
+    {"skip_update_gradz", "--skip-update-gradz", OPT_FLOAT, NUM(skip_update_gradz), "0", 0, 1e6,
      NULL,
      "spike guard (llm.c's -sg): the same test on the gradient norm, made before the update "
-     "(0 = off)"},
+     "(0 = off: norm spikes are common in healthy runs and clipping bounds their updates)"},
     {"skip_update_window", "--skip-update-window", OPT_INT, NUM(skip_update_window), "128", 1,
      FL_SPIKE_WINDOW_MAX, NULL,
      "spike guard: the last normal steps whose values a step is judged against"},
