@@ -262,6 +262,23 @@ static void test_cli_leaves_lookalikes(void) {
                 "export -o %s (%s): the user's look-alikes are untouched: %.300s", base,
                 absent ? "absent" : "present", output);
     }
+    // OUT/adapter, the set a LoRA run writes: present (a run again) and absent
+    for (int absent = 0; absent < 2; absent++) {
+        const char *run = absent ? "lora1" : "lora0";
+        if (absent)
+            mkd(run);
+        else
+            train_small(run, "--lora");
+        char base[64], cfg[96];
+        snprintf(base, sizeof base, "%s/adapter", run);
+        snprintf(cfg, sizeof cfg, "%s/adapter_config.json", base);
+        int n = plant_lookalikes(base, names);
+        if (absent) unlink(at(cfg));
+        train_small(run, "--lora --overwrite");
+        t_check(lookalikes_intact(names, n) && exists(cfg),
+                "%s (%s): the user's look-alikes beside it are untouched", base,
+                absent ? "absent" : "present");
+    }
     // tokenize -o tok
     put("in.txt", "one document\n\nanother document\n\na third one here\n");
     fitlmf("tokenize in.txt -o tok --tokenizer byte --val-fraction 0");
