@@ -2259,6 +2259,21 @@ static void test_nonfinite_results_are_errors(void) {
                 "eval of a safetensors model whose weights overflow fails (status %d): %.300s", rc,
                 output);
     }
+    // a huge finite value in the residual stream (an MLP's or attention's
+    // output bias): the next layer norm's variance overflows; its 1/sqrt(inf)
+    // was 0, which reduced every row to the norm's bias and gave a finite,
+    // wrong loss (ln V); now NaN, reported
+    const char *stream[] = {"h.0.mlp.c_proj.bias", "h.1.attn.c_proj.bias", "h.1.mlp.c_fc.bias"};
+    for (int i = 0; i < 3; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "huge_stream_%d", i);
+        save_poisoned_ckpt(name, stream[i], 3, 1, 1e30f);
+        int rc = fitlmf("eval --checkpoint %s --text nf.txt --json", name);
+        t_check(rc == 1 && strstr(output, "not finite") && !strstr(output, "\"loss\""),
+                "eval of a model whose %s holds 1e30 (a norm's variance overflows) fails (status "
+                "%d): %.300s",
+                stream[i], rc, output);
+    }
     // the position named: window and file
     fitlm("eval --checkpoint huge_0 --text nf.txt");
     t_check(strstr(output, "of window 0 of nf.txt") != NULL,

@@ -2463,6 +2463,36 @@ static void test_isas(int avx2, int avx512) {
     test_matmul_isas(avx512);
 }
 
+// A row whose squares overflow (finite but huge inputs) gives NaN, not the
+// bias alone (1/sqrt(inf) = 0 did), in every norm and dtype path and the
+// references; the other rows are untouched.
+static void test_norm_overflow(void) {
+    enum { N = 2, C = 40 };
+    float inp[N * C], w[C], b[C], out[N * C], mean[N], rstd[N];
+    for (int i = 0; i < N * C; i++) inp[i] = 0.01f * (float)(i % 7) - 0.02f;
+    for (int i = 0; i < C; i++) w[i] = 1.0f + 0.01f * (float)i, b[i] = 0.5f;
+    inp[C + 3] = 1e30f; // row 1: its variance is (1e30)^2 / C, inf in fp32
+    for (int kind = 0; kind < 2; kind++)
+        for (int path = 0; path < 4; path++) { // ref; fp32, bf16, fp16 data
+            fl_dtype dt = path == 2 ? FL_BF16 : path == 3 ? FL_F16 : FL_F32;
+            uint16_t in16[N * C], out16[N * C];
+            if (dt != FL_F32) fl_store_f32(dt, in16, inp, N * C);
+            const void *x = dt == FL_F32 ? (const void *)inp : in16;
+            void *y = dt == FL_F32 ? (void *)out : out16;
+            if (kind == 0 && path == 0) layernorm_forward_ref(out, mean, rstd, inp, w, b, N, C);
+            if (kind == 0 && path > 0) layernorm_forward(dt, y, mean, rstd, x, w, b, N, C);
+            if (kind == 1 && path == 0) rmsnorm_forward_ref(out, rstd, inp, w, N, C, 1e-5f);
+            if (kind == 1 && path > 0) rmsnorm_forward(dt, y, rstd, x, w, N, C, 1e-5f);
+            if (dt != FL_F32) fl_load_f32(dt, out16, N * C, out);
+            int nan_row = 1, finite_row = 1;
+            for (int i = 0; i < C; i++)
+                nan_row &= isnan(out[C + i]), finite_row &= isfinite(out[i]);
+            t_check(nan_row && isnan(rstd[1]) && finite_row && isfinite(rstd[0]),
+                    "%s path %d: an overflowing row is NaN (rstd %g), the other finite (rstd %g)",
+                    kind ? "rmsnorm" : "layernorm", path, rstd[1], rstd[0]);
+        }
+}
+
 static int run_all(const char *path) {
     printf("%s paths: threads %d, vector ISA %s\n", path, fl_threads(), fl_isa_name(fl_cpu_isa()));
     if (!strcmp(path, "portable") || !strcmp(path, "avx2"))
@@ -2482,6 +2512,7 @@ static int run_all(const char *path) {
     test_softmax_xent();
     test_softmax_xent_fused();
     test_rmsnorm();
+    test_norm_overflow();
     test_rope();
     test_swiglu();
     test_gemm();

@@ -21,7 +21,7 @@ static void layernorm_stats(float *mean, float *rstd, const float *x, int C) {
 #pragma omp simd reduction(+ : v)
     for (int i = 0; i < C; i++) v += (x[i] - m) * (x[i] - m);
     *mean = m;
-    *rstd = 1.0f / sqrtf(v / C + LN_EPS);
+    *rstd = norm_rstd(v / C + LN_EPS);
 }
 
 // The elementwise loops, one copy per ISA (simd.h): same bits on each.
@@ -153,7 +153,7 @@ void layernorm_forward_ref(float *out, float *mean, float *rstd, const float *in
         float v = 0.0f;
         for (int i = 0; i < C; i++) v += (x[i] - m) * (x[i] - m);
         v /= C;
-        float r = 1.0f / sqrtf(v + LN_EPS);
+        float r = norm_rstd(v + LN_EPS);
         for (int i = 0; i < C; i++) y[i] = (x[i] - m) * r * weight[i] + bias[i];
         mean[n] = m;
         rstd[n] = r;

@@ -18,7 +18,7 @@ static float rmsnorm_rstd(const float *x, int C, float eps) {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int i = 0; i < C; i++) ss += x[i] * x[i];
-    return 1.0f / sqrtf(ss / C + eps);
+    return norm_rstd(ss / C + eps);
 }
 
 // The elementwise loops, one copy per ISA (FL_ISA_COPIES, core.h): same bits on each.
@@ -127,7 +127,7 @@ void rmsnorm_forward_ref(float *out, float *rstd, const float *inp, const float 
         float *y = out + (size_t)n * C;
         float ss = 0.0f;
         for (int i = 0; i < C; i++) ss += x[i] * x[i];
-        float r = 1.0f / sqrtf(ss / C + eps);
+        float r = norm_rstd(ss / C + eps);
         for (int i = 0; i < C; i++) y[i] = x[i] * r * weight[i];
         rstd[n] = r;
     }

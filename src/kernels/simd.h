@@ -5,6 +5,7 @@
 #ifndef FITLM_KERNELS_SIMD_H
 #define FITLM_KERNELS_SIMD_H
 
+#include <math.h>
 #include <omp.h>
 #include <stddef.h>
 
@@ -26,6 +27,14 @@ static inline float *fp32_rmw(fl_dtype dt, void *dst, size_t n, float *scratch) 
 
 static inline void fp32_flush(fl_dtype dt, void *dst, const float *x, size_t n) {
     if (dt != FL_F32) fl_store_f32(dt, dst, x, n);
+}
+
+// A norm's 1/sqrt(var): a row whose squares overflowed (var inf, from
+// finite but huge inputs) has no scale, and 1/sqrt(inf) = 0 would silently
+// reduce the row to its bias; NaN carries the overflow on to the loss, where
+// it is reported (a non-finite result is an error). Finite rows unchanged.
+static inline float norm_rstd(float var) {
+    return var <= 3.4028235e38f ? 1.0f / sqrtf(var) : NAN;
 }
 
 // element i of src as fp32
