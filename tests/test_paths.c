@@ -279,6 +279,17 @@ static void test_cli_leaves_lookalikes(void) {
                 "%s (%s): the user's look-alikes beside it are untouched", base,
                 absent ? "absent" : "present");
     }
+    // OUT/adapter planted as a link to the user's directory: refused, its
+    // target untouched (the run names OUT; OUT/adapter is fitlm's own)
+    mkd("lora2");
+    mkd("victim");
+    put("victim/adapter_config.json", SECRET);
+    symlink(at("victim"), at("lora2/adapter"));
+    int rc = fitlmf("%s --steps 2 --out lora2 --lora", run_args);
+    t_check(rc == 1 && strstr(output, "lora2/adapter is a symbolic link") &&
+                holds("victim/adapter_config.json", SECRET) &&
+                !exists("victim/adapter_model.safetensors") && is_link("lora2/adapter"),
+            "a link at OUT/adapter is not followed (status %d): %.300s", rc, output);
     // tokenize -o tok
     put("in.txt", "one document\n\nanother document\n\na third one here\n");
     fitlmf("tokenize in.txt -o tok --tokenizer byte --val-fraction 0");
@@ -288,7 +299,7 @@ static void test_cli_leaves_lookalikes(void) {
         snprintf(names[n], 128, "tok/%s", inside[i]);
         put(names[n++], SECRET);
     }
-    int rc = fitlmf("tokenize in.txt -o tok --tokenizer byte --val-fraction 0");
+    rc = fitlmf("tokenize in.txt -o tok --tokenizer byte --val-fraction 0");
     t_check(rc == 0 && lookalikes_intact(names, n) && exists("tok/train_000000.bin"),
             "tokenize -o tok: the user's look-alikes are untouched: %.300s", output);
     // a run directory: files named like fitlm's temporaries that are not

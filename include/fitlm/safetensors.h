@@ -193,7 +193,8 @@ void fl_llmc_load(const char *path, fl_model *model, fl_dtype dt);
 int fl_peft_config_parse(const char *json, size_t n, fl_lora_config *out, char *err, size_t errlen);
 // The same from DIR/adapter_config.json; dies naming the file.
 void fl_peft_read_config(const char *dir, fl_lora_config *out);
-// Writes the adapters of m (fl_model_add_lora) to DIR (created if missing),
+// Writes the adapters of m (fl_model_add_lora) to DIR (created if missing;
+// a run's own directory, so a symbolic link there is refused, not followed),
 // each file crash-safely; base_model names the base (base_model_name_or_path;
 // NULL: null). target_modules "" is written as the module names it
 // resolved to, as PEFT writes them.

@@ -310,6 +310,13 @@ static int is_adapter_file(const char *name) { // exactly: a user's copies besid
 
 void fl_peft_save(const char *out_dir, const fl_model *m, const char *base_model) {
     FL_ASSERT(m->lora.cfg.r > 0);
+    // out_dir is a run's own (OUT/adapter), not a name the user gave: a link
+    // planted there would have the pair written into whatever it names
+    struct stat st;
+    if (lstat(out_dir, &st) == 0 && S_ISLNK(st.st_mode))
+        fl_die("%s is a symbolic link: fitlm writes the adapter there as a directory of its own "
+               "and does not follow a link (remove it; the run's checkpoints hold the adapters)",
+               out_dir);
     // the pair is written beside out_dir and swapped in whole (io.h)
     fl_dir_txn txn;
     const char *dir = fl_dir_begin(&txn, out_dir, is_adapter_file);
