@@ -77,6 +77,18 @@ static long dead_pid(void) {
     return (long)pid;
 }
 
+// Whether pid is a zombie (exited, not reaped).
+static int is_zombie(pid_t pid) {
+    char path[64], text[512] = "";
+    snprintf(path, sizeof path, "/proc/%ld/stat", (long)pid);
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
+    if (f) fclose(f);
+    text[n] = 0;
+    const char *p = strrchr(text, ')');
+    return p && p[1] && p[2] == 'Z';
+}
+
 // The marker a living process (pid) would have written: its real boot id
 // and start time (start + skew: a pid reused by another process).
 static void mark_living(const char *name, long pid, long long skew) {
@@ -217,6 +229,19 @@ static void test_dir_transactions_touch_only_their_own(void) {
             "a dead writer's marked leftovers (and an empty one) are removed, a living "
             "writer's stays, a reused pid's goes");
     fl_tmp_remove_tree(at(c));
+    // a writer killed but not yet reaped (a zombie: its parent, mpirun say,
+    // exited first and left it to init) cannot write: its leftover goes
+    pid_t zombie = fork();
+    if (zombie == 0) _exit(0);
+    char z[128];
+    snprintf(z, sizeof z, "real.tmp.%ld", (long)zombie);
+    for (int i = 0; i < 500 && !is_zombie(zombie); i++) usleep(2000);
+    mark_living(z, (long)zombie, 0);
+    snprintf(inner, sizeof inner, "%s/f", z);
+    put(inner, "partial");
+    fl_tmp_clean(dir);
+    t_check(is_zombie(zombie) && !exists(z), "a zombie writer's marked leftover is removed");
+    waitpid(zombie, NULL, 0);
     // DIR missing beside a marked DIR.old.<dead>: a kill between the two
     // renames; the old set is restored, its marker removed
     t_check(rename(at("real"), at(b)) == 0, "move real aside");

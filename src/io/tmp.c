@@ -92,8 +92,19 @@ static unsigned long long start_time(long pid) {
     return t;
 }
 
+// A process that can still write: a zombie (killed, not yet reaped: its
+// parent, mpirun say, may have exited first and left it to init) cannot.
 static int running(long pid) {
-    return pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno == EPERM;
+    if (pid == (long)getpid()) return 1;
+    if (kill((pid_t)pid, 0) != 0 && errno != EPERM) return 0;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')'); // the state follows the name, which may hold spaces
+    return !(p && p[1] && (p[2] == 'Z' || p[2] == 'X'));
 }
 
 void fl_tmp_mark(const char *dir) {
