@@ -392,7 +392,8 @@ typedef struct {
     int ranks;      // in all: the first ranks run `first`, the last one `last`
     char *first;    // mpirun's words for an application context: [-wdir D] program args
     char *last;     //
-    char says[256]; // rank 0's words after "error: the ranks' builds and settings differ: "
+    char says[256]; // rank 0's words after "error: the ranks' <of> differ: "
+    const char *of; // NULL: "builds and settings"
 } differ_case;
 
 static void test_ranks_differ_case(const differ_case *c) {
@@ -405,8 +406,8 @@ static void test_ranks_differ_case(const differ_case *c) {
     printf("  %-50s ended after %.2f s, status %d\n", c->what, took, job_rc(&j));
     show_stderr(&j);
     char says[512];
-    snprintf(says, sizeof says, "fitlm: rank 0: error: the ranks' builds and settings differ: %s",
-             c->says);
+    snprintf(says, sizeof says, "fitlm: rank 0: error: the ranks' %s differ: %s",
+             c->of ? c->of : "builds and settings", c->says);
     t_check(ended && took < 15.0 && job_rc(&j) == 1,
             "%s: the job ends at the start with status 1 (%.2f s, status %d)", c->what, took,
             job_rc(&j));
@@ -431,44 +432,57 @@ static void test_ranks_differ(void) {
     // the same command line and config path, another file on the last
     // rank's machine (mpirun -wdir per application context)
     char dirs[2][32] = {"/tmp/fitlm_agree_XXXXXX", "/tmp/fitlm_agree_XXXXXX"};
-    char path[64], words[FL_PATH_MAX + 64], out[64];
+    char path[128], words[FL_PATH_MAX + 64], out[64];
+    char ck[FL_PATH_MAX + 64], made[2 * FL_PATH_MAX + 256];
     for (int k = 0; k < 2; k++) {
         if (!t_check(mkdtemp(dirs[k]) != NULL, "a scratch directory")) return;
         snprintf(path, sizeof path, "%s/run.json", dirs[k]);
         t_write_text(path, k ? "{\"gradient_clipping\": 0.5}" : "{\"gradient_clipping\": 1.0}");
+        // a checkpoint at the same path, of another seed on the last rank's machine
+        snprintf(made, sizeof made, "%s %s --data %s --steps 1 --seed %d --out %s/ck >/dev/null",
+                 getenv("FITLM_BINARY"), TRAIN, t_source_path("data/brown_byte"), 1 + k, dirs[k]);
+        t_check(system(made) == 0, "a checkpoint in %s", dirs[k]);
     }
+    snprintf(ck, sizeof ck, "--init-from ck --data %s", t_source_path("data/brown_byte"));
     snprintf(words, sizeof words, "--config run.json --data %s", t_source_path("data/brown_byte"));
     snprintf(out, sizeof out, "--out %s/run", dirs[0]);
     char save_every[128];
     snprintf(save_every, sizeof save_every, "%s --save-every 3", out);
     differ_case cases[] = {
         {"model shape (n_embd)", 2, context(NULL, "", ""), context(NULL, "", "--n-embd 32"),
-         "ranks 0 and 1 differ at key model.n_embd: 64 (rank 0) vs 32 (rank 1)"},
+         "ranks 0 and 1 differ at key model.n_embd: 64 (rank 0) vs 32 (rank 1)", NULL},
         {"save_every", 2, context(NULL, "", out), context(NULL, "", save_every),
-         "ranks 0 and 1 differ at key save_every: 0 (rank 0) vs 3 (rank 1)"},
+         "ranks 0 and 1 differ at key save_every: 0 (rank 0) vs 3 (rank 1)", NULL},
         {"config file at the same path", 2, context(dirs[0], "", words),
          context(dirs[1], "", words),
-         "ranks 0 and 1 differ at key gradient_clipping: 1 (rank 0) vs 0.5 (rank 1)"},
+         "ranks 0 and 1 differ at key gradient_clipping: 1 (rank 0) vs 0.5 (rank 1)", NULL},
         {"lr, the last of 3 ranks", 3, context(NULL, "", ""), context(NULL, "", "--lr 0.002"),
          "ranks 0 and 2 differ at key optimizer.params.lr: 0.003 (rank 0) vs 0.002 (rank 2) (1 "
-         "of 3 ranks"},
+         "of 3 ranks",
+         NULL},
         {"ISA path (the last rank capped to portable)", 2, context(NULL, "", ""),
-         context(NULL, "env FITLM_ISA=portable ", ""), "ranks 0 and 1 differ at key build.isa: "},
+         context(NULL, "env FITLM_ISA=portable ", ""),
+         "ranks 0 and 1 differ at key build.isa: ", NULL},
         {"zero stage", 2, context(NULL, "", ""), context(NULL, "", "--zero-stage 2"),
-         "ranks 0 and 1 differ at key zero_optimization.stage: 0 (rank 0) vs 2 (rank 1)"},
+         "ranks 0 and 1 differ at key zero_optimization.stage: 0 (rank 0) vs 2 (rank 1)", NULL},
         {"seed", 2, context(NULL, "", ""), context(NULL, "", "--seed 7"),
-         "ranks 0 and 1 differ at key seed: 1337 (rank 0) vs 7 (rank 1)"},
+         "ranks 0 and 1 differ at key seed: 1337 (rank 0) vs 7 (rank 1)", NULL},
         {"precision", 2, context(NULL, "", ""), context(NULL, "", "--precision bf16"),
-         "ranks 0 and 1 differ at key precision: fp32 (rank 0) vs bf16 (rank 1)"},
+         "ranks 0 and 1 differ at key precision: fp32 (rank 0) vs bf16 (rank 1)", NULL},
         {"gradient accumulation", 2, context(NULL, "", ""), context(NULL, "", "--grad-accum 2"),
-         "ranks 0 and 1 differ at key gradient_accumulation_steps: 1 (rank 0) vs 2 (rank 1)"},
+         "ranks 0 and 1 differ at key gradient_accumulation_steps: 1 (rank 0) vs 2 (rank 1)", NULL},
+        {"weights: --init-from's path holds another checkpoint", 2, context(dirs[0], "", ck),
+         context(dirs[1], "", ck), "ranks 0 and 1 differ at key weights.crc32: ",
+         "weights (the same settings, but the files they were read from hold other contents on "
+         "another machine)"},
     };
     // the sanitizer build: the classes of shape, schedule, file, rank and
     // build (every key's description is test_dist's)
     size_t n = sizeof cases / sizeof cases[0];
     for (size_t i = 0; i < n; i++) {
         // a host without AVX2 has no other path to cap to
-        int skip = (t_quick() && i >= 5) || (strstr(cases[i].says, "build.isa") && !t_cpu_avx2());
+        int skip = (t_quick() && i >= 5 && !cases[i].of) ||
+                   (strstr(cases[i].says, "build.isa") && !t_cpu_avx2());
         if (!skip) test_ranks_differ_case(&cases[i]);
         free(cases[i].first);
         free(cases[i].last);

@@ -190,6 +190,10 @@ void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_
 static inline int fl_model_sharded(const fl_model *m) {
     return m->params_end && (m->params_begin > 0 || m->params_end < m->table.numel);
 }
+// The memory that holds m's weights, as up to 3 spans (the dense rows of
+// this rank's range, the NF4 rows' store, the LoRA adapters); returns how
+// many: what two copies of a model must hold alike to be the same model.
+int fl_model_weight_spans(const fl_model *m, const void *data[3], size_t bytes[3]);
 // Allocates what training (or, without using the gradients, inference)
 // needs for batches of up to B x T (T <= max_seq_len), for the current
 // thread count: the gradients, and the activations and scratch of a

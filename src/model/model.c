@@ -625,3 +625,17 @@ void fl_model_backward(fl_model *m, float dloss) {
     m->arch->embed_backward(m, m->dres, m->inputs, B, T);
     grad_ready(m, FL_UNIT_EMBED);
 }
+
+int fl_model_weight_spans(const fl_model *m, const void *data[3], size_t bytes[3]) {
+    size_t D = fl_dtype_size(m->dtype), dense = m->params_end - m->params_begin, store = 0;
+    if (!m->params_end) dense = m->table.numel;
+    if (m->quant.cfg.enabled) {
+        size_t absmax;
+        fl_quant_sizes(&m->table, &m->quant.cfg, &dense, &store, &absmax);
+    }
+    int n = 0;
+    data[n] = m->params, bytes[n++] = dense * D;
+    if (store) data[n] = m->quant.store, bytes[n++] = store;
+    if (m->lora.cfg.r > 0) data[n] = m->lora.params, bytes[n++] = m->lora.table.numel * D;
+    return n;
+}

@@ -462,7 +462,7 @@ void fl_comm_agree(const fl_comm_group *g, const char *what, const char *text) {
     free(textd);
     if (g->rank == 0)
         fl_die("the ranks' %s differ: %s (%d of %d ranks differ from rank 0); start every rank "
-               "with the same build, config file and flags",
+               "with the same build, config file, flags and input files",
                what, says, others, g->size);
     // rank 0's fl_die ends the job (MPI_Abort): one message, not one per rank
     for (unsigned left = 30; left;) left = sleep(left);

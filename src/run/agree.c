@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "agree.h"
+#include "fitlm/io.h"
 
 void run_agree(const fl_run *r, const fl_comm_group *g) {
     const fl_train_config *cfg = &r->cfg;
@@ -29,4 +30,21 @@ void run_agree(const fl_run *r, const fl_comm_group *g) {
     fl_params_free(&t);
     fl_comm_agree(g, "parameter tables", text);
     free(text);
+}
+
+void run_agree_weights(const fl_run *r, const fl_comm_group *g) {
+    const fl_model *m = &r->model;
+    // alone, or a ZeRO-3 shard each: nothing to compare (the hash reads every weight)
+    if (fl_comm_group_size(g) < 2 || fl_model_sharded(m)) return;
+    const void *data[3];
+    size_t bytes[3];
+    int spans = fl_model_weight_spans(m, data, bytes);
+    uint32_t crc = 0;
+    for (int i = 0; i < spans; i++) crc = fl_crc32(crc, data[i], bytes[i]);
+    char text[64];
+    snprintf(text, sizeof text, "weights.crc32=%08x\n", (unsigned)crc);
+    fl_comm_agree(g,
+                  "weights (the same settings, but the files they were read from hold other "
+                  "contents on another machine)",
+                  text);
 }

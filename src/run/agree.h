@@ -10,5 +10,10 @@
 // resume starts at, then on the parameter table; otherwise rank 0 stops the
 // job naming the first differing key, both values and both ranks.
 void run_agree(const fl_run *r, const fl_comm_group *g);
+// Then, once the weights are loaded (and restored), on their contents where
+// every rank holds them whole (no ZeRO-3 shard): the same path may hold other
+// files on another machine, which would train apart without a word
+// (PyTorch's DDP and DeepSpeed broadcast rank 0's instead).
+void run_agree_weights(const fl_run *r, const fl_comm_group *g);
 
 #endif

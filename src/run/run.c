@@ -305,6 +305,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         res->ck = NULL;
     }
     if (r->dist) r->strategy = fl_dist_attach(model, &r->optim, &cfg->zero, r->offload);
+    if (!opt->alone) run_agree_weights(r, fl_comm_world());
     r->schedule = (fl_schedule){!strcmp(cfg->scheduler, "cosine")   ? FL_SCHED_COSINE
                                 : !strcmp(cfg->scheduler, "linear") ? FL_SCHED_LINEAR
                                                                     : FL_SCHED_CONSTANT,
