@@ -517,6 +517,24 @@ static void test_latest_never_echoed(void) {
     close(fd);
 }
 
+// An output path whose parents are missing is made whole (mkdir -p, as
+// os.makedirs): --out, export -o, tokenize -o and plot -o; a parent that is
+// a file is an error naming it.
+static void test_output_parents(void) {
+    train_small("deep/er/run", "");
+    int rc = fitlmf("export run0 -o e1/e2/exp");
+    int rc2 = fitlmf("tokenize in.txt -o t1/t2/tok --tokenizer byte --val-fraction 0");
+    int rc3 = fitlmf("plot run0 -o p1/p2");
+    t_check(exists("deep/er/run/latest") && rc == 0 && exists("e1/e2/exp/config.json") &&
+                rc2 == 0 && exists("t1/t2/tok/train_000000.bin") && rc3 == 0 &&
+                exists("p1/p2/loss.png"),
+            "missing parents are made (status %d %d %d): %.300s", rc, rc2, rc3, output);
+    put("afile", "x");
+    rc = fitlmf("export run0 -o afile/sub/exp");
+    t_check(rc == 1 && strstr(output, "afile") && holds("afile", "x"),
+            "a parent that is a file is an error naming it (status %d): %.300s", rc, output);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     snprintf(run_args, sizeof run_args,
@@ -531,6 +549,7 @@ int main(void) {
     test_file_temporaries();
     test_outputs_replace_links();
     test_latest_never_echoed();
+    test_output_parents();
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

@@ -51,6 +51,9 @@ void fl_file_begin(fl_file *f, const char *path);
 void fl_file_write(fl_file *f, const void *data, size_t n);
 void fl_file_commit(fl_file *f);
 void fl_fsync_dir_of(const char *path);
+// Creates the missing directories above path (mkdir -p of its parent, as
+// os.makedirs does for an output directory); dies naming the one that fails.
+void fl_mkdir_parents(const char *path);
 // begin + write + commit of one buffer
 void fl_file_write_all(const char *path, const void *data, size_t n);
 // (fl_file_read_all, the whole-file reader, is core's: fitlm/core.h)

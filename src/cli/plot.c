@@ -415,6 +415,7 @@ int cmd_plot(int argc, char **argv) {
         add_memory(&figs[5], &m, name, r);
         fl_metrics_free(&m);
     }
+    fl_mkdir_parents(out_dir);
     if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
         fl_die("cannot create output directory %s: %s", out_dir, strerror(errno));
     for (size_t i = 0; i < sizeof figs / sizeof figs[0]; i++) {

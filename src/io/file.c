@@ -119,6 +119,29 @@ void fl_file_write_all(const char *path, const void *data, size_t n) {
 
 // Splits "a/b/c/" into parent "a/b" and name "c"; 0 when there is no name
 // that a sibling could be made for ("", ".", "..", "/").
+void fl_mkdir_parents(const char *path) {
+    char copy[FL_FILE_PATH_MAX];
+    if ((size_t)snprintf(copy, sizeof copy, "%s", path) >= sizeof copy)
+        fl_die("path is too long: %s", path);
+    size_t n = strlen(copy);
+    while (n > 1 && copy[n - 1] == '/') copy[--n] = 0;
+    char *last = strrchr(copy, '/');
+    if (!last || last == copy) return;
+    *last = 0;
+    for (char *p = copy + 1;; p++) { // each ancestor, the shortest first
+        int end = !*p;
+        if (*p != '/' && !end) continue;
+        *p = 0;
+        struct stat st;
+        if (mkdir(copy, 0755) != 0 && errno != EEXIST)
+            fl_die("cannot create directory %s: %s", copy, strerror(errno));
+        if (stat(copy, &st) != 0 || !S_ISDIR(st.st_mode))
+            fl_die("cannot create %s: %s is not a directory", path, copy);
+        if (end) return;
+        *p = '/';
+    }
+}
+
 static int split_path(const char *dir, char *parent, char *name) {
     char copy[FL_FILE_PATH_MAX];
     if ((size_t)snprintf(copy, sizeof copy, "%s", dir) >= sizeof copy)
@@ -204,6 +227,7 @@ const char *fl_dir_begin(fl_dir_txn *t, const char *dir, int (*in_set)(const cha
     char parent[FL_FILE_PATH_MAX], base[FL_FILE_PATH_MAX];
     if ((size_t)snprintf(t->dir, sizeof t->dir, "%s", dir) >= sizeof t->dir)
         fl_die("directory name is too long: %s", dir);
+    fl_mkdir_parents(dir);
     fl_dir_recover(dir);
     struct stat st;
     int exists = lstat(dir, &st) == 0;

@@ -72,6 +72,7 @@ static int same_dir(const char *a, const char *b) {
 }
 
 void run_prepare_out_dir(const char *out_dir, const char *resume_dir, int overwrite) {
+    fl_mkdir_parents(out_dir);
     if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
         fl_die("cannot create output directory %s: %s", out_dir, strerror(errno));
     if (access(out_dir, W_OK) != 0)
