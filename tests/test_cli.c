@@ -2193,15 +2193,20 @@ static void test_divergence_stops_without_a_bad_checkpoint(void) {
 // naming what and where. Finite weights too large for the logits (load
 // accepts them: they are finite) make eval's loss, sample's logits and
 // train's validation loss non-finite, in every precision.
-// A demo-shaped checkpoint (vocabulary 257) whose row `row` holds `value` at
-// its elements [first, first + n).
-static void save_poisoned_ckpt(const char *name, const char *row, int first, int n, float value) {
+// The demo's shape (vocabulary 257), its random weights.
+static void demo_model(fl_model *m) {
     fl_model_config cfg;
     fl_model_preset(&cfg, "demo");
     cfg.vocab_size = 257;
     fl_model_config_finish(&cfg);
+    fl_model_init(m, &cfg, FL_F32, 3);
+}
+
+// A demo-shaped checkpoint whose row `row` holds `value` at its elements
+// [first, first + n).
+static void save_poisoned_ckpt(const char *name, const char *row, int first, int n, float value) {
     fl_model m;
-    fl_model_init(&m, &cfg, FL_F32, 3);
+    demo_model(&m);
     int r = fl_params_find(&m.table, row);
     FL_ASSERT(r >= 0);
     for (int i = 0; i < n; i++) ((float *)m.params)[m.table.views[r].offset + first + i] = value;
@@ -2242,12 +2247,8 @@ static void test_nonfinite_results_are_errors(void) {
     }
     // a Hugging Face directory (safetensors) with the same overflow
     {
-        fl_model_config cfg;
-        fl_model_preset(&cfg, "demo");
-        cfg.vocab_size = 257;
-        fl_model_config_finish(&cfg);
         fl_model m;
-        fl_model_init(&m, &cfg, FL_F32, 3);
+        demo_model(&m);
         const fl_param_view *v = &m.table.views[fl_params_find(&m.table, "ln_f.weight")];
         for (size_t i = 0; i < v->numel; i++) ((float *)m.params)[v->offset + i] = 3e38f;
         char p[600];

@@ -127,6 +127,12 @@ int fl_try_open_regular(const char *path, struct stat *st);
 
 struct cJSON;
 struct cJSON *fl_json_parse(const char *text, size_t n, const char **why, size_t *at);
+// fl_json_parse, then no \u0000 in any string (fl_json_nul_error: a name or
+// token cut short would be another): the tree, or NULL with the reason in
+// err ("not valid JSON: <why> at line L (byte B)", or the NUL's place).
+struct cJSON *fl_json_read(const char *text, size_t n, char *err, size_t errlen);
+// The same for a reader that dies: what ("tokenizer file F") names the file.
+struct cJSON *fl_json_load(const char *text, size_t n, const char *what);
 // The 1-based line of byte off in text, for messages.
 int fl_text_line_of(const char *text, size_t off);
 

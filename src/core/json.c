@@ -47,3 +47,30 @@ cJSON *fl_json_parse(const char *text, size_t n, const char **why, size_t *at) {
     }
     return root;
 }
+
+cJSON *fl_json_read(const char *text, size_t n, char *err, size_t errlen) {
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(text, n, &why, &at);
+    if (!root) {
+        fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
+                  fl_text_line_of(text, at), at);
+        return NULL;
+    }
+    if (fl_json_nul_error(text, n, err, errlen)) {
+        cJSON_Delete(root);
+        return NULL;
+    }
+    return root;
+}
+
+cJSON *fl_json_load(const char *text, size_t n, const char *what) {
+    const char *why;
+    size_t at;
+    cJSON *root = fl_json_parse(text, n, &why, &at);
+    if (!root)
+        fl_die("%s is not valid JSON: %s at line %d (byte %zu)", what, why,
+               fl_text_line_of(text, at), at);
+    fl_json_check_nul(text, n, what);
+    return root;
+}

@@ -119,29 +119,6 @@ void fl_file_write_all(const char *path, const void *data, size_t n) {
 
 // Splits "a/b/c/" into parent "a/b" and name "c"; 0 when there is no name
 // that a sibling could be made for ("", ".", "..", "/").
-void fl_mkdir_parents(const char *path) {
-    char copy[FL_FILE_PATH_MAX];
-    if ((size_t)snprintf(copy, sizeof copy, "%s", path) >= sizeof copy)
-        fl_die("path is too long: %s", path);
-    size_t n = strlen(copy);
-    while (n > 1 && copy[n - 1] == '/') copy[--n] = 0;
-    char *last = strrchr(copy, '/');
-    if (!last || last == copy) return;
-    *last = 0;
-    for (char *p = copy + 1;; p++) { // each ancestor, the shortest first
-        int end = !*p;
-        if (*p != '/' && !end) continue;
-        *p = 0;
-        struct stat st;
-        if (mkdir(copy, 0755) != 0 && errno != EEXIST)
-            fl_die("cannot create directory %s: %s", copy, strerror(errno));
-        if (stat(copy, &st) != 0 || !S_ISDIR(st.st_mode))
-            fl_die("cannot create %s: %s is not a directory", path, copy);
-        if (end) return;
-        *p = '/';
-    }
-}
-
 static int split_path(const char *dir, char *parent, char *name) {
     char copy[FL_FILE_PATH_MAX];
     if ((size_t)snprintf(copy, sizeof copy, "%s", dir) >= sizeof copy)
@@ -159,6 +136,23 @@ static int split_path(const char *dir, char *parent, char *name) {
     else
         *slash = 0, strcpy(parent, copy);
     return 1;
+}
+
+void fl_mkdir_parents(const char *path) {
+    char parent[FL_FILE_PATH_MAX], name[FL_FILE_PATH_MAX];
+    if (!split_path(path, parent, name)) return;
+    for (char *p = parent + 1;; p++) { // each ancestor, the shortest first
+        int end = !*p;
+        if (*p != '/' && !end) continue;
+        *p = 0;
+        struct stat st;
+        if (mkdir(parent, 0755) != 0 && errno != EEXIST)
+            fl_die("cannot create directory %s: %s", parent, strerror(errno));
+        if (stat(parent, &st) != 0 || !S_ISDIR(st.st_mode))
+            fl_die("cannot create %s: %s is not a directory", path, parent);
+        if (end) return;
+        *p = '/';
+    }
 }
 
 // name is "<base>.<kind>.<pid>"; returns the pid, or 0.

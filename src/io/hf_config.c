@@ -203,16 +203,8 @@ static int check_config(const cJSON *root, fl_model_config *out, char *err, size
 }
 
 int fl_hf_config_parse(const char *json, size_t n, fl_model_config *out, char *err, size_t errlen) {
-    const char *why;
-    size_t at;
-    cJSON *root = fl_json_parse(json, n, &why, &at);
-    if (!root)
-        return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
-                         fl_text_line_of(json, at), at);
-    if (fl_json_nul_error(json, n, err, errlen)) {
-        cJSON_Delete(root);
-        return -1; // a name cut at a NUL is another
-    }
+    cJSON *root = fl_json_read(json, n, err, errlen);
+    if (!root) return -1;
     int rc = check_config(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;
@@ -280,16 +272,8 @@ static int check_index(const cJSON *root, fl_hf_index *out, char *err, size_t er
 
 int fl_hf_index_parse(const char *json, size_t n, fl_hf_index *out, char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
-    const char *why;
-    size_t at;
-    cJSON *root = fl_json_parse(json, n, &why, &at);
-    if (!root)
-        return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
-                         fl_text_line_of(json, at), at);
-    if (fl_json_nul_error(json, n, err, errlen)) {
-        cJSON_Delete(root);
-        return -1; // a name cut at a NUL is another
-    }
+    cJSON *root = fl_json_read(json, n, err, errlen);
+    if (!root) return -1;
     int rc = check_index(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;

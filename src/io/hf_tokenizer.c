@@ -487,15 +487,9 @@ static void find_eot(fl_tokenizer *tok, const fl_tokenizer_files *f) {
     if (f->n > 1) {
         const char *cfg = f->where[1], *text = (const char *)f->data[1];
         size_t size = f->size[1];
-        const char *why;
-        size_t at;
-        cJSON *root = fl_json_parse(text, size, &why, &at);
-        if (!root)
-            fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", cfg, why,
-                   fl_text_line_of(text, at), at);
-        char where[FL_FILE_PATH_MAX + 512];
-        snprintf(where, sizeof where, "tokenizer file %s", cfg);
-        fl_json_check_nul(text, size, where);
+        char what[FL_FILE_PATH_MAX + 512];
+        snprintf(what, sizeof what, "tokenizer file %s", cfg);
+        cJSON *root = fl_json_load(text, size, what);
         if (!cJSON_IsObject(root)) fl_die("tokenizer file %s is not a valid JSON object", cfg);
         const cJSON *eos = item(root, "eos_token");
         if (cJSON_IsObject(eos)) eos = item(eos, "content"); // the older AddedToken layout
@@ -552,15 +546,9 @@ static void set_mode(fl_tokenizer *tok, const hf_loader *L, const cJSON *model) 
 void fl_hf_tokenizer_load(fl_tokenizer *tok, const fl_tokenizer_files *f) {
     const char *file = f->where[0], *text = (const char *)f->data[0];
     size_t size = f->size[0];
-    const char *why;
-    size_t at;
-    cJSON *root = fl_json_parse(text, size, &why, &at);
-    if (!root)
-        fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", file, why,
-               fl_text_line_of(text, at), at);
-    char where[FL_FILE_PATH_MAX + 512];
-    snprintf(where, sizeof where, "tokenizer file %s", file);
-    fl_json_check_nul(text, size, where); // a token cut at a NUL would be another token
+    char what[FL_FILE_PATH_MAX + 512];
+    snprintf(what, sizeof what, "tokenizer file %s", file);
+    cJSON *root = fl_json_load(text, size, what);
     hf_loader L = {.path = file, .pattern = FL_PRE_NONE, .meta = -1};
     if (!cJSON_IsObject(root)) fl_die("tokenizer file %s: expected a JSON object", file);
     const cJSON *model = item(root, "model");

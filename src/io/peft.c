@@ -190,16 +190,8 @@ static int check_peft(const cJSON *root, fl_lora_config *out, char *err, size_t 
 
 int fl_peft_config_parse(const char *json, size_t n, fl_lora_config *out, char *err,
                          size_t errlen) {
-    const char *why;
-    size_t at;
-    cJSON *root = fl_json_parse(json, n, &why, &at);
-    if (!root)
-        return fl_errorf(err, errlen, "not valid JSON: %s at line %d (byte %zu)", why,
-                         fl_text_line_of(json, at), at);
-    if (fl_json_nul_error(json, n, err, errlen)) {
-        cJSON_Delete(root);
-        return -1; // a module name cut short
-    }
+    cJSON *root = fl_json_read(json, n, err, errlen);
+    if (!root) return -1;
     int rc = check_peft(root, out, err, errlen);
     cJSON_Delete(root);
     return rc;

@@ -75,16 +75,24 @@ static void boot_id(char *out, size_t size) {
     if (f) fclose(f);
 }
 
-static unsigned long long start_time(long pid) {
-    char path[64], buf[1024];
+// /proc/<pid>/stat after the process's name (which may hold spaces): " S
+// ppid ...", the state first; NULL when there is no such process.
+static const char *proc_stat(long pid, char *buf, size_t size) {
+    char path[64];
     snprintf(path, sizeof path, "/proc/%ld/stat", pid);
     FILE *f = fopen(path, "r");
-    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    size_t n = f ? fread(buf, 1, size - 1, f) : 0;
     if (f) fclose(f);
     buf[n] = 0;
-    const char *p = strrchr(buf, ')'); // the name before it may hold spaces
+    const char *p = strrchr(buf, ')');
+    return p && p[1] && p[2] ? p + 1 : NULL;
+}
+
+static unsigned long long start_time(long pid) {
+    char buf[1024];
+    const char *p = proc_stat(pid, buf, sizeof buf);
     unsigned long long t = 0;
-    if (p && sscanf(p + 1,
+    if (p && sscanf(p,
                     " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d "
                     "%llu",
                     &t) != 1)
@@ -97,14 +105,9 @@ static unsigned long long start_time(long pid) {
 static int running(long pid) {
     if (pid == (long)getpid()) return 1;
     if (kill((pid_t)pid, 0) != 0 && errno != EPERM) return 0;
-    char path[64], buf[512];
-    snprintf(path, sizeof path, "/proc/%ld/stat", pid);
-    FILE *f = fopen(path, "r");
-    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
-    if (f) fclose(f);
-    buf[n] = 0;
-    const char *p = strrchr(buf, ')'); // the state follows the name, which may hold spaces
-    return !(p && p[1] && (p[2] == 'Z' || p[2] == 'X'));
+    char buf[1024];
+    const char *p = proc_stat(pid, buf, sizeof buf);
+    return !(p && (p[1] == 'Z' || p[1] == 'X'));
 }
 
 void fl_tmp_mark(const char *dir) {

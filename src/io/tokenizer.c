@@ -92,15 +92,9 @@ void fl_tok_merges_alloc(fl_tokenizer *tok, size_t merges) {
 // text: the file's size bytes (a NUL after them); path names it in messages.
 static void load_encoder(fl_tokenizer *tok, const char *text, size_t size, const char *path,
                          const int16_t *byte_of) {
-    const char *why;
-    size_t at;
-    cJSON *root = fl_json_parse(text, size, &why, &at);
-    if (!root)
-        fl_die("tokenizer file %s is not valid JSON: %s at line %d (byte %zu)", path, why,
-               fl_text_line_of(text, at), at);
-    char where[FL_FILE_PATH_MAX + 512];
-    snprintf(where, sizeof where, "tokenizer file %s", path);
-    fl_json_check_nul(text, size, where); // a token cut at a NUL would be another token
+    char what[FL_FILE_PATH_MAX + 512];
+    snprintf(what, sizeof what, "tokenizer file %s", path);
+    cJSON *root = fl_json_load(text, size, what);
     if (!cJSON_IsObject(root) || !root->child)
         fl_die("tokenizer file %s: expected a JSON object {\"token\": id, ...}", path);
     int count = cJSON_GetArraySize(root);
