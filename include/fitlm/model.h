@@ -25,6 +25,7 @@
 #include "fitlm/lora.h"
 #include "fitlm/params.h"
 #include "fitlm/shape.h"
+#include "fitlm/tp.h"
 
 // Fills the architecture's defaults for fields left 0 (n_kv_head,
 // intermediate_size, norm_eps, rope_theta), rounds the vocabulary up to a
@@ -45,6 +46,9 @@ void fl_model_sizes(const fl_model_config *cfg, size_t *largest_row, size_t *blo
 // The parameter table of that shape, without allocating the parameters:
 // model-file readers check names and shapes against it before allocating.
 void fl_model_table(fl_param_table *t, const fl_model_config *cfg);
+// Rank `rank`'s table: the whole one, or under tensor parallelism
+// (cfg->tp_size > 1) that rank's slices (fl_params_slice).
+void fl_model_rank_table(fl_param_table *t, const fl_model_config *cfg, int rank);
 
 enum { FL_PASS_FWD, FL_PASS_BWD };
 
@@ -94,7 +98,11 @@ struct fl_model {
     fl_model_config config;
     const fl_arch *arch;
     fl_dtype dtype; // of weights, gradients and activations (compute is fp32)
-    fl_param_table table;
+    // the rows this process holds: the whole model's, or under tensor
+    // parallelism its rank's slices (fl_params_slice), with the whole
+    // model's table in `whole` (the names and shapes files hold)
+    fl_param_table table, whole;
+    fl_tp tp; // tensor parallelism: size 1 none
     void *params, *grads; // flat buffers of table.numel values of dtype (grads: NULL when
                           // gradients live per unit, below)
     // the flat elements params holds: all, or (fl_model_init_from) one ZeRO-3
@@ -131,6 +139,8 @@ struct fl_model {
     void *matmul_workspace;    // for the largest GEMM of the step
     float *rope_table;         // LLaMA: (maxT, HS/2, 2) cos/sin
     int *inputs, *targets;     // (B,T) copies of the last batch
+    int *tp_targets;           // tensor parallelism: (B,T) the targets' columns here, or -1
+    float *tp_sums;            // (B,T,2) the vocabulary-parallel loss's partial sums
     // state of the last forward
     int B, T;
     int n_targets; // positions with a loss (targets != -1)
@@ -184,6 +194,17 @@ void fl_model_init_from(fl_model *m, fl_weight_source *src, fl_dtype dt, const f
 // loader of one file format (fl_hf_load, fl_llmc_load, fl_pretrained_load)
 // and fl_model_init do after opening theirs.
 void fl_model_init_whole(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q);
+// The same for one rank of a tensor-parallel split (tp NULL or size 1:
+// fl_model_init_from): the rows hold this rank's slices (m->table) of the
+// whole rows the source gives (m->whole), which it stores through
+// fl_model_store_row in the whole rows' coordinates, so a t-way model's
+// slices are exactly the one-process model's (initialise whole, then slice).
+void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
+                      size_t begin, size_t end, const fl_tp *tp);
+// The whole model's table: m->whole under tensor parallelism, else m->table.
+static inline const fl_param_table *fl_model_whole_table(const fl_model *m) {
+    return m->tp.size > 1 ? &m->whole : &m->table;
+}
 // fl_model_init_from a random source: the whole model, dense.
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed);
 // Whether m->params holds a shard only (fl_model_init_from).
@@ -213,8 +234,9 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
                      const fl_quant_config *quant, size_t bytes[FL_MEM_NTAGS]);
 void fl_model_free(fl_model *m);
 
-// Elements [first, first + n) of a base row from fp32 values (the table's
-// layout): rounded to the model's dtype, or quantised when the row is
+// Elements [first, first + n) of a base row from fp32 values (the whole
+// table's layout: under tensor parallelism the part in this rank's slice is
+// kept): rounded to the model's dtype, or quantised when the row is
 // stored in NF4. The weight sources write rows through it. An NF4 row comes
 // in order, in pieces whose first is a multiple of 4096 (any block size
 // divides it); its statistics are complete with its last element.
@@ -274,16 +296,25 @@ void fl_model_backward(fl_model *m, float dloss);
 // the table, or several consecutive rows run as one GEMM (q/k/v, gate/up).
 // It owns the GEMM, the bias, the profile slot and the workspace size.
 
+// Under tensor parallelism (Megatron) a linear is column-parallel (its
+// output features split: the input's gradient is all-reduced over the TP
+// group), row-parallel (its input features split: the output is
+// all-reduced, then the whole bias added once) or whole.
+enum { FL_LINEAR_WHOLE, FL_LINEAR_COLUMN, FL_LINEAR_ROW };
+
 typedef struct {
     int w, b;    // weight and bias rows relative to the unit's first row (b = -1: no bias)
-    int in, out; // C, OC
+    int in, out; // C, OC (this rank's under tensor parallelism)
     int op;      // profile slot (fl_op)
+    int tp;      // FL_LINEAR_WHOLE, _COLUMN or _ROW
 } fl_linear;
 
 size_t fl_linear_workspace_bytes(fl_dtype dt, const fl_linear *lin, int N);
 void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
                        int N);
-// dinp (N,C) accumulates (NULL: not needed); the weight and bias gradients accumulate.
+// dinp (N,C) accumulates (NULL: not needed); the weight and bias gradients
+// accumulate. A column-parallel linear all-reduces dinp, which must hold
+// nothing else: the caller zeroes it.
 void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
                         const void *inp, int N);
 

@@ -16,6 +16,7 @@
 #include "fitlm/config.h"
 #include "fitlm/dtype.h"
 #include "fitlm/params.h"
+#include "fitlm/tp.h"
 
 // ----------------------------------------------------------------------------
 // Update rules (AdamW, SGD; LOMO, AdaLomo, offloaded AdamW plug in the same
@@ -402,6 +403,10 @@ typedef struct {
     int micro;                   // micro-batches seen in this step
     size_t params_first;         // flat-buffer element of params[0] (ZeRO-3 keeps one shard)
     const fl_optim_sync *sync;   // data parallelism, or NULL
+    // tensor parallelism (NULL or size 1: none): the gradient norm counts
+    // each element once (a replicated row on TP rank 0 only) and sums over
+    // the TP group; an fp16 overflow anywhere in it skips every rank's step
+    const fl_tp *tp;
     const fl_optim_pager *pager; // cfg.paged: where the master and state are, else NULL
     int mapped;                  // the pager's map is in place (fl_optimizer_map)
     fl_spike_guard spike;        // judges fl_optimizer_step_loss's and the fused steps' updates

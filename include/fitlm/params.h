@@ -46,12 +46,21 @@ typedef struct {
     int unit;         // FL_UNIT_EMBED, a block index, or FL_UNIT_HEAD(L)
     size_t live_rows; // > 0: only the first live_rows of dim 0 are initialised (the
                       // rest, e.g. vocabulary padding, stay zero); 0: all
+    // tensor parallelism (Megatron): how the row splits over t ranks.
+    // tp_dim -1: replicated; 0: along dim 0 (a column-parallel linear's
+    // output features, the vocabulary); 1: along dim 1 (a row-parallel
+    // linear's input features). Dim tp_dim holds tp_parts equal blocks
+    // ([Q | K | V] of GPT-2's c_attn: 3), each split t ways. In a rank's
+    // table (fl_params_slice) tp_global is that dim's global extent.
+    int tp_dim, tp_parts;
+    size_t tp_global;
 } fl_param_view;
 
 typedef struct {
     fl_param_view *views;
     int count, capacity;
-    size_t numel; // total elements of the flat buffer
+    size_t numel;      // total elements of the flat buffer
+    int tp_size, tp_rank; // a tensor-parallel rank's table (fl_params_slice); size 0: whole
 } fl_param_table;
 
 // Appends a view at the end of the buffer and returns its index (init
@@ -78,5 +87,31 @@ void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint
 typedef void (*fl_params_sink)(void *ctx, int row, size_t first, const float *values, size_t n);
 void fl_params_init_each(const fl_param_table *table, uint64_t seed, fl_params_sink sink,
                          void *ctx);
+
+// Tensor parallelism. Marks row r as split along dim (0 or 1) in `parts`
+// equal blocks (fl_param_view's tp_dim); rows start replicated.
+void fl_params_split(fl_param_table *t, int row, int dim, int parts);
+// Rank `rank`'s table of a t-way split of the whole table `whole` (same
+// rows and names; each split row keeps 1/t of every block of its split
+// dim, rows in table order in a flat buffer of their own). A vocabulary row
+// (live_rows > 0, split along dim 0) is padded to a multiple of 128 * t
+// rows first (Megatron's make-vocab-size-divisible-by), so a rank may hold
+// padding rows the whole table has not: they stay zero and belong to no
+// global element. Dies naming the row when a split does not divide.
+void fl_params_slice(fl_param_table *local, const fl_param_table *whole, int t, int rank);
+// The rows a vocabulary of V entries spans on each of t ranks (a multiple
+// of 128).
+size_t fl_params_vocab_rows(size_t V, int t);
+// Where a rank's row lies in the whole row: fn(ctx, local, first, run,
+// stride, count) per block of it inside local elements [lo, hi): local
+// elements [local, local + count) are the whole row's elements first +
+// k * stride + j (k < count / run, j < run), in order. Padding rows are in
+// no block. A whole table's row is one block.
+// The elements of a rank's row in the whole table (its own when whole).
+size_t fl_params_whole_numel(const fl_param_table *t, int row);
+typedef void (*fl_params_block_fn)(void *ctx, size_t local, size_t first, size_t run,
+                                   size_t stride, size_t count);
+void fl_params_blocks(const fl_param_table *t, int row, size_t lo, size_t hi,
+                      fl_params_block_fn fn, void *ctx);
 
 #endif

@@ -7,6 +7,7 @@
 #ifndef FITLM_RUN_H
 #define FITLM_RUN_H
 
+#include "fitlm/comm.h"
 #include "fitlm/config.h"
 #include "fitlm/data.h"
 #include "fitlm/dist.h"
@@ -61,7 +62,12 @@ typedef struct {
     fl_plan plan;
     fl_schedule schedule;
     int *inputs, *targets; // a step's micro-batches, (grad_accum, B, T)
-    int rank, world;       // this process among the run's ranks (alone: 0 of 1)
+    // this process among the run's data-parallel ranks (alone: 0 of 1): the
+    // world, or under tensor parallelism its TP groups (which read the same data)
+    int rank, world;
+    int lead;         // writes the shared files: world rank 0 (or alone)
+    fl_layout layout; // the TP x DP groups (tensor parallelism), else layout.tp 0
+    fl_tp tp;         // this rank's place in its TP group (size 1: none)
     int dist, lora, train_base;
     // a resume: its step, and what it was saved with (for the notices)
     int resumed, start, ck_world, ck_threads;

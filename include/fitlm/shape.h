@@ -19,6 +19,9 @@ typedef struct {
     float norm_eps;        // GPT-2 LayerNorm 1e-5; LLaMA rms_norm_eps
     float rope_theta;      // LLaMA
     int tie_embeddings;    // LM head = token embedding (GPT-2 always; LLaMA's tie_word_embeddings)
+    // tensor parallelism: the ways this process's model is split (0 or 1:
+    // whole). Not a property of the model: no file stores it
+    int tp_size;
 } fl_model_config;
 const char *fl_arch_name(fl_arch_kind arch);
 int fl_arch_parse(const char *name, fl_arch_kind *out); // 0 on success, -1 unknown

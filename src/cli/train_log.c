@@ -29,7 +29,7 @@ void run_log_open(run_log *log, const fl_run *run) {
     log->tty = isatty(STDOUT_FILENO);
     size_t micro_tokens = (size_t)cfg->micro_batch * cfg->seq_len;
     log->tokens_per_step = (double)micro_tokens * cfg->grad_accum * run->world; // every rank's
-    const char *out_dir = run->rank == 0 ? cfg->out_dir : ""; // rank 0 writes the shared files
+    const char *out_dir = run->lead ? cfg->out_dir : ""; // world rank 0 writes the shared files
     int resume_step = run->resumed ? run->start : -1;
     char path[FL_PATH_MAX + 32] = "";
     if (*out_dir) snprintf(path, sizeof path, "%s/log.txt", out_dir);

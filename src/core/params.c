@@ -33,6 +33,8 @@ int fl_params_add(fl_param_table *table, const char *name, unsigned flags, int n
     v->init = FL_INIT_NORMAL;
     v->std = 0.02f;
     v->unit = FL_UNIT_EMBED;
+    v->tp_dim = -1;
+    v->tp_parts = 1;
     table->numel += v->numel;
     return table->count++;
 }
@@ -111,4 +113,99 @@ static void store_flat(void *ctx, int row, size_t first, const float *values, si
 void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint64_t seed) {
     flat_sink f = {table, dt, params};
     fl_params_init_each(table, seed, store_flat, &f);
+}
+
+void fl_params_split(fl_param_table *t, int row, int dim, int parts) {
+    FL_ASSERT(row >= 0 && row < t->count && (dim == 0 || dim == 1) && parts >= 1);
+    FL_ASSERT(dim < t->views[row].ndim && (dim == 0 || parts == 1));
+    t->views[row].tp_dim = dim;
+    t->views[row].tp_parts = parts;
+}
+
+size_t fl_params_vocab_rows(size_t V, int t) {
+    size_t unit = 128 * (size_t)t;
+    return (V + unit - 1) / unit * unit / (size_t)t;
+}
+
+void fl_params_slice(fl_param_table *local, const fl_param_table *whole, int t, int rank) {
+    FL_ASSERT(t >= 1 && rank >= 0 && rank < t);
+    memset(local, 0, sizeof *local);
+    fl_params_reserve(local, whole->count);
+    for (int r = 0; r < whole->count; r++) {
+        fl_param_view v = whole->views[r];
+        if (v.tp_dim >= 0) {
+            size_t ext = v.shape[v.tp_dim];
+            v.tp_global = ext;
+            if (v.live_rows && v.tp_dim == 0) { // the vocabulary, padded for t ranks
+                size_t per = fl_params_vocab_rows(v.live_rows, t), at = per * (size_t)rank;
+                v.shape[0] = per;
+                v.live_rows = v.live_rows > at ? v.live_rows - at : 0;
+                if (v.live_rows > per) v.live_rows = per;
+            } else {
+                if (ext % ((size_t)v.tp_parts * t))
+                    fl_die("tensor parallelism: %s's dimension %d (%zu) does not split into %d x "
+                           "%d parts",
+                           v.name, v.tp_dim, ext, v.tp_parts, t);
+                v.shape[v.tp_dim] = ext / t;
+            }
+            v.numel = 1;
+            for (int d = 0; d < v.ndim; d++) v.numel *= v.shape[d];
+        }
+        v.offset = local->numel;
+        local->views[local->count++] = v;
+        local->numel += v.numel;
+    }
+    local->tp_size = t;
+    local->tp_rank = rank;
+}
+
+size_t fl_params_whole_numel(const fl_param_table *t, int row) {
+    const fl_param_view *v = &t->views[row];
+    if (t->tp_size <= 1 || v->tp_dim < 0) return v->numel;
+    return v->numel / v->shape[v->tp_dim] * v->tp_global;
+}
+
+typedef struct {
+    size_t lo, hi;
+    fl_params_block_fn fn;
+    void *ctx;
+} block_clip;
+
+// A block's elements inside [lo, hi): a partial first run, whole runs, a
+// partial last run.
+static void clip_block(const block_clip *c, size_t L, size_t F, size_t run, size_t stride,
+                       size_t count) {
+    size_t a = c->lo > L ? c->lo : L, b = c->hi < L + count ? c->hi : L + count;
+    while (a < b) {
+        size_t k = (a - L) / run, j = (a - L) % run, g = F + k * stride + j;
+        if (j || b - a < run) { // within one run
+            size_t end = L + (k + 1) * run < b ? L + (k + 1) * run : b;
+            c->fn(c->ctx, a, g, end - a, stride, end - a);
+            a = end;
+        } else {
+            size_t n = (b - a) / run * run;
+            c->fn(c->ctx, a, g, run, stride, n);
+            a += n;
+        }
+    }
+}
+
+void fl_params_blocks(const fl_param_table *t, int row, size_t lo, size_t hi,
+                      fl_params_block_fn fn, void *ctx) {
+    const fl_param_view *v = &t->views[row];
+    block_clip c = {lo, hi < v->numel ? hi : v->numel, fn, ctx};
+    if (t->tp_size <= 1 || v->tp_dim < 0) {
+        clip_block(&c, 0, 0, v->numel, v->numel, v->numel);
+    } else if (v->tp_dim == 1) { // each dim-0 index: a run of the rank's columns
+        size_t cols = v->shape[1], inner = v->numel / (v->shape[0] * cols);
+        clip_block(&c, 0, (size_t)t->tp_rank * cols * inner, cols * inner, v->tp_global * inner,
+                   v->numel);
+    } else { // each part: a run of the rank's dim-0 indices (fewer at vocabulary padding)
+        size_t inner = v->numel / v->shape[0], per = v->shape[0] / (size_t)v->tp_parts;
+        size_t gper = v->tp_global / (size_t)v->tp_parts, at = per * (size_t)t->tp_rank;
+        size_t valid = gper > at ? (gper - at < per ? gper - at : per) : 0;
+        for (int p = 0; p < v->tp_parts && valid; p++)
+            clip_block(&c, p * per * inner, (p * gper + at) * inner, valid * inner,
+                       valid * inner, valid * inner);
+    }
 }

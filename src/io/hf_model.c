@@ -522,7 +522,7 @@ static void check_lm_head(const hf_files *f, const hf_layout *lay, const hf_ref 
 // Each row goes through fl_model_store_row (in pieces of HF_CHUNK, a
 // multiple of 4096), so NF4 rows are quantised as they arrive.
 static void copy_tensors(fl_model *model, const hf_ref *refs) {
-    const fl_param_table *table = &model->table;
+    const fl_param_table *table = fl_model_whole_table(model); // the file's rows
     const hf_layout *lay = layout_of(&model->config);
     size_t largest = 0;
     for (int v = 0; v < table->count; v++)

@@ -50,7 +50,7 @@ static void llmc_fill(fl_weight_source *s, fl_model *m) {
         fl_die("cannot read %s: %s", l->path, strerror(errno));
     float *buf = fl_alloc(FL_MEM_WORKSPACE, LLMC_CHUNK * sizeof(float));
     void *chunk = fl_alloc(FL_MEM_WORKSPACE, LLMC_CHUNK * sizeof(float));
-    const fl_param_view *v = m->table.views;
+    const fl_param_view *v = fl_model_whole_table(m)->views; // the file's rows
     size_t C = (size_t)h->C, es = fl_dtype_size(h->dtype);
     // wte: V rows kept, llm.c's padded rows skipped (ours are zero)
     read_row(m, l, 0, (size_t)h->V * C, buf, chunk);

@@ -87,6 +87,12 @@ static void tensor_name(char *out, size_t size, const char *prefix, const char *
 
 enum { NAME_MAX_ = 112 };
 
+// The ranks that read data apart: the world, whose tensor-parallel groups
+// (t consecutive ranks, Megatron's order) read the same windows.
+static int data_ranks(const fl_model *m) {
+    return fl_comm_size() / m->tp.size;
+}
+
 // One parameter set of a checkpoint: its rows' weights (the optimizer's
 // fp32 master, else the model's own values) and its optimizer's state.
 typedef struct {
@@ -194,7 +200,7 @@ static char *train_meta(const fl_model *model, const fl_optimizer *optim, const 
         add_u64_array(l, "rng", loader->rng.s, 4);
         // every rank took `index` windows of the epoch's order: the world
         // consumed index * world, which another world size splits anew
-        cJSON_AddNumberToObject(l, "world", fl_comm_size());
+        cJSON_AddNumberToObject(l, "world", data_ranks(model));
     }
     char *text = cJSON_PrintUnformatted(meta);
     cJSON_Delete(meta);
@@ -234,9 +240,31 @@ static const void *weights_at(const param_set *s, fl_dtype dt, size_t i) {
 // each state's "<state>/<name>/<row>". pieces 0: whole rows (the range is
 // the whole buffer); 1: each row's part inside the range, with its first
 // element and the row's size (a shard file).
+typedef struct {
+    tensor_list *out;
+    const char *name;
+    fl_dtype dt;
+    const void *data; // element `at` of the row's data
+    size_t at, total; // total: the whole row's elements
+} tp_pieces;
+
+static void add_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
+                      size_t count) {
+    tp_pieces *p = ctx;
+    tensor_list *out = p->out;
+    FL_ASSERT(out->n < out->cap);
+    int strided = run < count;
+    out->t[out->n++] = (fl_ckpt_piece){p->name,  p->dt,
+                                       fl_at_const(p->dt, p->data, local - p->at),
+                                       count,    first,
+                                       p->total, strided ? run : 0,
+                                       strided ? stride : 0};
+}
+
 static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, int pieces,
                     tensor_list *out) {
     const fl_param_table *t = s->t;
+    int tp = t->tp_size > 1;
     fl_optim_rule *rule = s->optim ? s->optim->rule : NULL;
     int nstate = rule ? fl_optim_state_count(rule) : 0;
     // fp32, or 16-bit weights without a master (LOMO, AdaLomo)
@@ -249,6 +277,7 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
             size_t hi = v->offset + v->numel < e ? v->offset + v->numel : e;
             size_t total = st < 0 ? v->numel : fl_optim_state_numel(rule, st, v);
             if (lo >= hi || total == 0) continue;
+            if (tp && v->tp_dim < 0 && t->tp_rank > 0) continue; // TP rank 0 writes it
             size_t first = lo - v->offset, count = hi - lo;
             const void *data;
             if (st < 0) {
@@ -264,6 +293,13 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
             char *name = out->names[out->n];
             tensor_name(name, NAME_MAX_, st < 0 ? s->weights : s->state,
                         st < 0 ? NULL : fl_optim_state_name(rule, st), v->name);
+            if (tp) { // this rank's slice, as blocks of the whole row
+                FL_ASSERT(pieces && total == v->numel);
+                tp_pieces p = {out, name, st < 0 ? wdt : FL_F32, data, first,
+                               fl_params_whole_numel(t, r)};
+                fl_params_blocks(t, r, first, first + count, add_block, &p); // one name for all
+                continue;
+            }
             out->t[out->n++] = (fl_ckpt_piece){name,  st < 0 ? wdt : FL_F32, data,
                                                count, pieces ? first : 0,    pieces ? total : 0};
         }
@@ -276,7 +312,9 @@ static size_t count_tensors(const param_set *sets, int nsets) {
     for (int i = 0; i < nsets; i++)
         n += (size_t)sets[i].t->count *
              (1 + (sets[i].optim ? fl_optim_state_count(sets[i].optim->rule) : 0));
-    return n;
+    // a tensor-parallel slice: up to 3 parts (c_attn's Q, K, V), each cut
+    // by a range into up to 3 blocks
+    return sets[0].t->tp_size > 1 ? 9 * n : n;
 }
 
 // The tokenizer's files as a checkpoint stores them: "tokenizer/<file>".
@@ -322,13 +360,23 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     size_t b = optim->rule->state_begin, e = optim->rule->state_end, numel = model->table.numel;
     double partial = b != 0 || e != numel; // ZeRO: a shard per rank
     fl_comm_max(&partial, 1);
+    // tensor parallelism: every TP rank its slices, of its range (a ZeRO
+    // shard), or, where the data-parallel ranks hold the same (DDP), the
+    // first data-parallel group's (world ranks 0..t-1) alone
+    int tp = model->tp.size > 1, writes = partial != 0.0 || fl_comm_rank() < model->tp.size;
     char *text = train_meta(model, optim, NULL, loader, tokenizer->name, config_json);
     param_set sets[2];
     param_sets(model, optim, NULL, sets);
     tensor_list l;
     list_init(&l, count_tensors(sets, 1));
     char shard_meta[128] = "{}";
-    if (partial) {
+    if (tp) {
+        if (writes) collect(&sets[0], model->dtype, b, e, 1, &l);
+        snprintf(shard_meta, sizeof shard_meta,
+                 "{\"tensor_parallel\":{\"size\":%d,\"rank\":%d},\"range\":{\"begin\":%zu,"
+                 "\"end\":%zu}}",
+                 model->tp.size, model->tp.rank, b, e);
+    } else if (partial) {
         collect(&sets[0], model->dtype, b, e, 1, &l);
         snprintf(shard_meta, sizeof shard_meta, "{\"range\":{\"begin\":%zu,\"end\":%zu}}", b, e);
     } else if (fl_comm_rank() == 0) { // DDP: rank 0 writes today's single file
@@ -336,8 +384,8 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     }
     tokenizer_blobs blobs;
     int n_files = tokenizer_files(tokenizer, &blobs);
-    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, partial != 0.0, keep, run,
-                       blobs.f, n_files);
+    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, tp || partial != 0.0, keep,
+                       run, blobs.f, n_files);
     cJSON_free(text);
     list_free(&l);
 }
@@ -346,10 +394,46 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
 // is element b) row by row: each row's part inside the range. Checkpoints
 // written before the by-name layout hold the whole buffer as one tensor
 // (`legacy`, in the same table order): read as such.
+typedef struct {
+    fl_ckpt *ck;
+    const char *name;
+    fl_dtype dt;
+    void *dst; // element `at` of the row
+    size_t at;
+} tp_read;
+
+static void read_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
+                       size_t count) {
+    const tp_read *r = ctx;
+    fl_ckpt_read_runs(r->ck, r->name, r->dt, fl_at(r->dt, r->dst, local - r->at), first, run,
+                      stride, count);
+}
+
+// Elements [lo, hi) of row r (of t) of tensor `name` into dst: a range of
+// the whole row, or under tensor parallelism this rank's slice's part,
+// whatever the layout that saved it. Dies unless the tensor has the whole
+// row's size.
+static void read_row_part(fl_ckpt *ck, const fl_param_table *t, int r, const char *name,
+                          fl_dtype dt, void *dst, size_t lo, size_t hi) {
+    size_t whole = fl_params_whole_numel(t, r);
+    if (fl_ckpt_numel(ck, name) != whole) // dies naming the sizes (or the missing tensor)
+        fl_ckpt_read(ck, name, dt, dst, whole);
+    if (t->tp_size <= 1) {
+        fl_ckpt_read_range(ck, name, dt, dst, lo, hi - lo);
+        return;
+    }
+    tp_read rd = {ck, name, dt, dst, lo};
+    fl_params_blocks(t, r, lo, hi, read_block, &rd);
+}
+
 static void read_rows_range(fl_ckpt *ck, const fl_param_table *t, const char *prefix,
                             const char *legacy, fl_dtype dt, void *dst, size_t b, size_t e) {
     if (b >= e) return;
     if (legacy && fl_ckpt_has(ck, legacy)) {
+        if (t->tp_size > 1)
+            fl_die("checkpoint %s holds its weights in the layout before by-name tensors: resume "
+                   "it without tensor parallelism first",
+                   fl_ckpt_path(ck));
         if (fl_ckpt_numel(ck, legacy) != t->numel)
             fl_die("checkpoint %s: tensor '%s' has %zu elements, this model needs %zu",
                    fl_ckpt_path(ck), legacy, fl_ckpt_numel(ck, legacy), t->numel);
@@ -363,9 +447,7 @@ static void read_rows_range(fl_ckpt *ck, const fl_param_table *t, const char *pr
         if (lo >= hi) continue;
         char name[NAME_MAX_];
         tensor_name(name, sizeof name, prefix, NULL, v->name);
-        if (fl_ckpt_numel(ck, name) != v->numel) // the whole row's size, not just the part
-            fl_ckpt_read(ck, name, dt, fl_at(dt, dst, lo - b), v->numel);
-        fl_ckpt_read_range(ck, name, dt, fl_at(dt, dst, lo - b), lo - v->offset, hi - lo);
+        read_row_part(ck, t, r, name, dt, fl_at(dt, dst, lo - b), lo - v->offset, hi - v->offset);
     }
 }
 
@@ -714,14 +796,13 @@ static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) 
             if (numel == 0 || lo >= hi) continue;
             char name[NAME_MAX_];
             tensor_name(name, sizeof name, s->state, fl_optim_state_name(rule, k), v->name);
-            if (fl_ckpt_numel(ck, name) != numel ||
-                numel != v->numel) { // whole: checked, or per row
-                FL_ASSERT(numel == v->numel || (lo == v->offset && hi == v->offset + v->numel));
+            if (numel != v->numel) { // per row (AdaLomo): whole rows only
+                FL_ASSERT(lo == v->offset && hi == v->offset + v->numel && t->tp_size <= 1);
                 fl_ckpt_read(ck, name, FL_F32, fl_optim_state_ptr(rule, k, v->offset), numel);
                 continue;
             }
-            fl_ckpt_read_range(ck, name, FL_F32, fl_optim_state_ptr(rule, k, lo), lo - v->offset,
-                               hi - lo);
+            read_row_part(ck, t, r, name, FL_F32, fl_optim_state_ptr(rule, k, lo), lo - v->offset,
+                          hi - v->offset);
         }
     }
     char first[NAME_MAX_];
@@ -737,6 +818,7 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl
     cJSON *meta = parse_meta(ck);
     fl_model_config shape;
     read_shape(meta, path, &shape);
+    shape.tp_size = model->config.tp_size; // how this run splits it, not the model's
     fl_model_config_finish(&shape);
     const fl_model_config *c = &model->config;
     if (memcmp(&shape, c, sizeof shape))
@@ -780,7 +862,7 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl
     uint64_t saved_world = cJSON_GetObjectItemCaseSensitive(l, "world")
                                ? (uint64_t)number(l, "world", path, 1, 1 << 20)
                                : 1; // checkpoints from before data parallelism
-    uint64_t world = (uint64_t)fl_comm_size(), taken = loader->index * saved_world;
+    uint64_t world = (uint64_t)data_ranks(model), taken = loader->index * saved_world;
     if (taken % world)
         fl_die("checkpoint %s was saved by %llu rank(s) after %llu windows of the epoch, which "
                "%llu ranks cannot split evenly: resume on a number of ranks that divides %llu",

@@ -8,6 +8,7 @@
 #include "fitlm/kernels.h"
 #include "fitlm/model.h"
 #include "fitlm/profile.h"
+#include "fitlm/tp.h"
 
 // One activation or workspace buffer of a block or the head, per position.
 typedef struct {
@@ -110,6 +111,35 @@ void fl_quant_sizes(const fl_param_table *t, const fl_quant_config *q, size_t *d
 // Allocates m->params for the dense rows (packed in table order), the NF4
 // storage and the row index (quant.row_at).
 void fl_quant_alloc(fl_model *m, const fl_quant_config *q);
+
+// Tensor parallelism (tp.c). The ways a model of shape c is split (1:
+// whole): a rank's heads, KV heads, MLP width and LM-head columns are 1/t.
+static inline int fl_tp_ways(const fl_model_config *c) {
+    return c->tp_size > 1 ? c->tp_size : 1;
+}
+// The LM head's output columns on one rank: the padded vocabulary, or its
+// 1/t share padded to 128 x t (Megatron).
+int fl_vocab_cols(const fl_model_config *c);
+// buf[0, n) of the model's dtype summed over the TP group (Megatron's g
+// forward, f backward); nothing at t = 1.
+void fl_tp_all_reduce(fl_model *m, void *buf, size_t n);
+// The token embedding (wte, this rank's rows) plus the position embedding
+// (wpe, NULL: none) for tokens (B,T): at t = 1 the encoder kernels; else
+// the vocabulary-parallel lookup, its all-reduce, then the positions.
+void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte, const void *wpe,
+                      int B, int T);
+void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, const int *tokens,
+                       int B, int T);
+// The vocabulary-parallel cross-entropy of m->logits (this rank's columns)
+// against m->targets (Megatron's cross_entropy.py: the max, then the
+// target logit and the sum of exponentials, each reduced over the TP
+// group; the logits are never gathered): m->losses and m->xent_lse, and
+// with dloss the logits overwritten by their gradient.
+void fl_vocab_xent(fl_model *m, const float *dloss);
+void fl_vocab_xent_backward(fl_model *m, float dloss);
+
+// fl_model_store_row in this rank's row coordinates (quant.c).
+void fl_model_store_local(fl_model *m, int row, size_t first, const float *w, size_t n);
 
 // Adds a row named fmt % l with its init rule and unit.
 int fl_arch_add_row(fl_param_table *t, int unit, unsigned flags, fl_init_rule init, float std,

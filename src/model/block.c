@@ -23,7 +23,7 @@ void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_
                           const fl_attention_acts *a, void *out) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
-    int NH = c->n_head, KV = c->n_kv_head, HS = c->n_embd / NH;
+    int t = fl_tp_ways(c), NH = c->n_head / t, KV = c->n_kv_head / t, HS = c->n_embd / c->n_head;
     fl_linear_forward(m, b->l, qkv_lin, a->qkv, a->normed, b->B * b->T);
     if (m->rope_table)
         FL_FWD_OP(FL_OP_ROPE,
@@ -38,10 +38,12 @@ void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl
                            void *dqkv) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
-    int NH = c->n_head, KV = c->n_kv_head, HS = c->n_embd / NH, BT = b->B * b->T;
+    int t = fl_tp_ways(c), NH = c->n_head / t, KV = c->n_kv_head / t;
+    int HS = c->n_embd / c->n_head, BT = b->B * b->T;
     size_t D = fl_dtype_size(m->dtype), BTC = (size_t)BT * c->n_embd;
-    // dnormed first holds d(attention output), then d(the norm's output)
-    memset(dnormed, 0, BTC * D);
+    // dnormed first holds d(attention output) (this rank's heads), then
+    // d(the norm's output)
+    memset(dnormed, 0, (size_t)BT * o_lin->in * D);
     fl_linear_backward(m, b->l, o_lin, dnormed, dres, a->atty, BT);
     memset(dqkv, 0, (size_t)BT * qkv_lin->out * D);
     FL_BWD_OP(FL_OP_ATTENTION, attention_backward(m->dtype, dqkv, dnormed, a->qkv, a->atty, a->lse,

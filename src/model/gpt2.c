@@ -67,6 +67,9 @@ static int table_rows(const fl_model_config *c) {
 // other, so a block's parameters are one contiguous range. Initialisation:
 // N(0, 0.02) for matrices and embeddings, with the projections into the
 // residual stream scaled by 1/sqrt(2L) since L blocks each add two of them.
+// Tensor parallelism: c_attn and c_fc are column-parallel (c_attn by heads
+// within each of Q, K and V), the projections row-parallel (their biases
+// whole), wte split by vocabulary rows; the norms and wpe are replicated.
 static void build_table(fl_param_table *t, const fl_model_config *c) {
     size_t C = c->n_embd;
     float std = 0.02f, resid = 0.02f / sqrtf(2.0f * c->n_layer);
@@ -74,19 +77,28 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
     int wte = fl_arch_add_row(t, FL_UNIT_EMBED, D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
                               "wte.weight", 0);
     t->views[wte].live_rows = c->vocab_size; // the padding rows stay zero
+    fl_params_split(t, wte, 0, 1);
     fl_arch_add_row(t, FL_UNIT_EMBED, 0, FL_INIT_NORMAL, std, c->max_seq_len, C, "wpe.weight", 0);
     for (int l = 0; l < c->n_layer; l++) {
         fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "h.%d.ln_1.weight", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_1.bias", l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 3 * C, C, "h.%d.attn.c_attn.weight", l);
-        fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, 3 * C, 0, "h.%d.attn.c_attn.bias", l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, resid, C, C, "h.%d.attn.c_proj.weight", l);
+        int r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 3 * C, C, "h.%d.attn.c_attn.weight",
+                                l);
+        fl_params_split(t, r, 0, 3);
+        r = fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, 3 * C, 0, "h.%d.attn.c_attn.bias", l);
+        fl_params_split(t, r, 0, 3);
+        r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, resid, C, C, "h.%d.attn.c_proj.weight", l);
+        fl_params_split(t, r, 1, 1);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.attn.c_proj.bias", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "h.%d.ln_2.weight", l);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_2.bias", l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 4 * C, C, "h.%d.mlp.c_fc.weight", l);
-        fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, 4 * C, 0, "h.%d.mlp.c_fc.bias", l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, resid, C, 4 * C, "h.%d.mlp.c_proj.weight", l);
+        r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 4 * C, C, "h.%d.mlp.c_fc.weight", l);
+        fl_params_split(t, r, 0, 1);
+        r = fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, 4 * C, 0, "h.%d.mlp.c_fc.bias", l);
+        fl_params_split(t, r, 0, 1);
+        r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, resid, C, 4 * C, "h.%d.mlp.c_proj.weight",
+                            l);
+        fl_params_split(t, r, 1, 1);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.mlp.c_proj.bias", l);
     }
     int L = c->n_layer;
@@ -94,18 +106,20 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
     fl_arch_add_row(t, FL_UNIT_HEAD(L), 0, FL_INIT_ZEROS, 0, C, 0, "ln_f.bias", 0);
 }
 
+// (Under tensor parallelism the attention's and the MLP's inner widths are
+// this rank's 1/t.)
 static int block_slots(const fl_model_config *c, fl_slot *s) {
-    size_t C = c->n_embd;
+    size_t C = c->n_embd, t = (size_t)fl_tp_ways(c);
     s[A_LN1] = (fl_slot){C, 0, 1};
     s[A_LN1_MEAN] = s[A_LN1_RSTD] = (fl_slot){1, 1, 1};
-    s[A_QKV] = (fl_slot){3 * C, 0, 0};
-    s[A_ATTY] = (fl_slot){C, 0, 0};
-    s[A_LSE] = (fl_slot){(size_t)c->n_head, 1, 0};
+    s[A_QKV] = (fl_slot){3 * C / t, 0, 0};
+    s[A_ATTY] = (fl_slot){C / t, 0, 0};
+    s[A_LSE] = (fl_slot){(size_t)c->n_head / t, 1, 0};
     s[A_RES2] = (fl_slot){C, 0, 0};
     s[A_LN2] = (fl_slot){C, 0, 1};
     s[A_LN2_MEAN] = s[A_LN2_RSTD] = (fl_slot){1, 1, 1};
-    s[A_FCH] = (fl_slot){4 * C, 0, 0};
-    s[A_GELU] = (fl_slot){4 * C, 0, 1};
+    s[A_FCH] = (fl_slot){4 * C / t, 0, 0};
+    s[A_GELU] = (fl_slot){4 * C / t, 0, 1};
     return NSLOTS;
 }
 
@@ -117,7 +131,7 @@ static int head_slots(const fl_model_config *c, fl_slot *s) {
 
 static int work_slots(const fl_model_config *c, fl_slot *s) {
     s[W_C] = (fl_slot){(size_t)c->n_embd, 0, 0};
-    s[W_4A] = s[W_4B] = (fl_slot){4 * (size_t)c->n_embd, 0, 0};
+    s[W_4A] = s[W_4B] = (fl_slot){4 * (size_t)c->n_embd / (size_t)fl_tp_ways(c), 0, 0};
     return NWORK;
 }
 
@@ -125,12 +139,13 @@ static int work_slots(const fl_model_config *c, fl_slot *s) {
 // (rows of the embedding unit)
 enum { L_QKV, L_ATTPROJ, L_FC, L_FCPROJ, L_HEAD, NLIN };
 static void linear_set(const fl_model_config *c, fl_linear *out) {
-    int C = c->n_embd;
-    out[L_QKV] = (fl_linear){QKVW, QKVB, C, 3 * C, FL_OP_MM_QKV};
-    out[L_ATTPROJ] = (fl_linear){ATTPROJW, ATTPROJB, C, C, FL_OP_MM_ATTPROJ};
-    out[L_FC] = (fl_linear){FCW, FCB, C, 4 * C, FL_OP_MM_FC};
-    out[L_FCPROJ] = (fl_linear){FCPROJW, FCPROJB, 4 * C, C, FL_OP_MM_FCPROJ};
-    out[L_HEAD] = (fl_linear){0, -1, C, c->padded_vocab_size, FL_OP_MM_LMHEAD};
+    int C = c->n_embd, t = fl_tp_ways(c);
+    enum { COL = FL_LINEAR_COLUMN, ROW = FL_LINEAR_ROW };
+    out[L_QKV] = (fl_linear){QKVW, QKVB, C, 3 * C / t, FL_OP_MM_QKV, COL};
+    out[L_ATTPROJ] = (fl_linear){ATTPROJW, ATTPROJB, C / t, C, FL_OP_MM_ATTPROJ, ROW};
+    out[L_FC] = (fl_linear){FCW, FCB, C, 4 * C / t, FL_OP_MM_FC, COL};
+    out[L_FCPROJ] = (fl_linear){FCPROJW, FCPROJB, 4 * C / t, C, FL_OP_MM_FCPROJ, ROW};
+    out[L_HEAD] = (fl_linear){0, -1, C, fl_vocab_cols(c), FL_OP_MM_LMHEAD, COL};
 }
 
 static int linears(const fl_model_config *c, fl_linear *out) {
@@ -148,15 +163,13 @@ static size_t rope_floats(const fl_model_config *c, int T) {
 }
 
 static void embed_forward(fl_model *m, void *out, const int *tokens, int B, int T) {
-    FL_FWD_OP(FL_OP_ENCODER,
-              encoder_forward(m->dtype, out, tokens, fl_unit_w(m, FL_UNIT_EMBED, 0),
-                              fl_unit_w(m, FL_UNIT_EMBED, 1), B, T, m->config.n_embd));
+    fl_embed_forward(m, out, tokens, fl_unit_w(m, FL_UNIT_EMBED, 0),
+                     fl_unit_w(m, FL_UNIT_EMBED, 1), B, T);
 }
 
 static void embed_backward(fl_model *m, const void *dout, const int *tokens, int B, int T) {
-    FL_BWD_OP(FL_OP_ENCODER, encoder_backward(m->dtype, fl_unit_g(m, FL_UNIT_EMBED, 0),
-                                              fl_unit_g(m, FL_UNIT_EMBED, 1), dout, tokens, B, T,
-                                              m->config.n_embd));
+    fl_embed_backward(m, fl_unit_g(m, FL_UNIT_EMBED, 0), fl_unit_g(m, FL_UNIT_EMBED, 1), dout,
+                      tokens, B, T);
 }
 
 static void block_forward(const fl_block *b, int cheap_only) {
@@ -175,7 +188,7 @@ static void block_forward(const fl_block *b, int cheap_only) {
     FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD],
                                                  a[A_RES2], W(LN2W), W(LN2B), BT, C));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_FC], a[A_FCH], a[A_LN2], BT);
-    FL_FWD_OP(FL_OP_GELU, gelu_forward(dt, a[A_GELU], a[A_FCH], 4 * (size_t)BT * C));
+    FL_FWD_OP(FL_OP_GELU, gelu_forward(dt, a[A_GELU], a[A_FCH], (size_t)BT * lin[L_FC].out));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_FCPROJ], b->out, a[A_GELU], a[A_RES2]);
 #undef W
 }
@@ -189,13 +202,14 @@ static void block_backward(const fl_block *b, void *dres) {
     void **a = b->act, *dbuf = b->work[W_C], *d4a = b->work[W_4A], *d4b = b->work[W_4B];
     fl_linear lin[NLIN];
     linear_set(c, lin);
+    size_t BT4 = (size_t)BT * lin[L_FC].out; // 4C, or this rank's 4C/t
 #define W(k) fl_unit_w(m, l, k)
 #define G(k) fl_unit_g(m, l, k)
     // MLP: out = residual2 + fcproj(gelu(fc(ln2(residual2))))
-    memset(d4a, 0, 4 * BTC * D);
+    memset(d4a, 0, BT4 * D);
     fl_linear_backward(m, l, &lin[L_FCPROJ], d4a, dres, a[A_GELU], BT);
-    memset(d4b, 0, 4 * BTC * D);
-    FL_BWD_OP(FL_OP_GELU, gelu_backward(dt, d4b, a[A_FCH], d4a, 4 * BTC));
+    memset(d4b, 0, BT4 * D);
+    FL_BWD_OP(FL_OP_GELU, gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
     memset(dbuf, 0, BTC * D);
     fl_linear_backward(m, l, &lin[L_FC], dbuf, d4b, a[A_LN2], BT);
     FL_BWD_OP(FL_OP_LAYERNORM, layernorm_backward(dt, dres, G(LN2W), G(LN2B), dbuf, a[A_RES2],

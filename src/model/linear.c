@@ -15,13 +15,24 @@ size_t fl_linear_workspace_bytes(fl_dtype dt, const fl_linear *lin, int N) {
     return matmul_workspace_bytes(dt, N, lin->in, lin->out);
 }
 
+// The linear's place under tensor parallelism (whole at t = 1).
+static int tp_kind(const fl_model *m, const fl_linear *lin) {
+    return m->tp.size > 1 ? lin->tp : FL_LINEAR_WHOLE;
+}
+
 void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
                        int N) {
     const void *w = fl_quant_weights(m, unit, lin, FL_FWD);
     const void *b = lin->b >= 0 ? fl_unit_w(m, unit, lin->b) : NULL;
+    // a row-parallel product is a partial sum: the bias comes once, after it
+    int row = tp_kind(m, lin) == FL_LINEAR_ROW;
     FL_PROFILE(lin->op, FL_FWD, gemm_flops(N, lin->in, lin->out),
-               matmul_forward(m->dtype, out, inp, w, b, m->matmul_workspace, N, lin->in, lin->out));
+               matmul_forward(m->dtype, out, inp, w, row ? NULL : b, m->matmul_workspace, N,
+                              lin->in, lin->out));
     if (m->lora.cfg.r) fl_lora_forward(m, unit, lin, out, inp, N);
+    if (!row) return;
+    fl_tp_all_reduce(m, out, (size_t)N * lin->out);
+    if (b) FL_PROFILE(lin->op, FL_FWD, 0.0, bias_forward(m->dtype, out, b, N, lin->out));
 }
 
 void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
@@ -37,4 +48,7 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
                matmul_backward(m->dtype, dinp, dw, db, dout, inp, w, m->matmul_workspace, N,
                                lin->in, lin->out));
     if (m->lora.cfg.r) fl_lora_backward(m, unit, lin, dinp, dout, inp, N);
+    // a column-parallel input's gradient is this rank's outputs' share
+    if (dinp && tp_kind(m, lin) == FL_LINEAR_COLUMN)
+        fl_tp_all_reduce(m, dinp, (size_t)N * lin->in);
 }

@@ -30,8 +30,10 @@ enum {
 enum { H_NORM, H_RSTD, NHEAD };        // head slots
 enum { W_C, W_QKV, W_2I, W_I, NWORK }; // backward scratch
 
+// this rank's q, k and v (all of them at t = 1)
 static size_t qkv_width(const fl_model_config *c) {
-    return (size_t)(c->n_head + 2 * c->n_kv_head) * (c->n_embd / c->n_head);
+    return (size_t)(c->n_head + 2 * c->n_kv_head) * (c->n_embd / c->n_head) /
+           (size_t)fl_tp_ways(c);
 }
 
 static void finish(fl_model_config *c) {
@@ -67,7 +69,10 @@ static int table_rows(const fl_model_config *c) {
 }
 
 // Initialisation as Hugging Face's LlamaPreTrainedModel: N(0, 0.02) for
-// every matrix and embedding, RMSNorm weights 1.
+// every matrix and embedding, RMSNorm weights 1. Tensor parallelism: q, k,
+// v, gate and up are column-parallel (by heads, KV heads, MLP width),
+// o_proj and down_proj row-parallel, the embedding and LM head split by
+// vocabulary rows; the norms are replicated.
 static void build_table(fl_param_table *t, const fl_model_config *c) {
     size_t C = c->n_embd, I = c->intermediate_size, kv = (size_t)c->n_kv_head * (C / c->n_head);
     const unsigned D = FL_PARAM_DECAY, LIN = FL_PARAM_DECAY | FL_PARAM_LINEAR;
@@ -76,37 +81,51 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
     int e = fl_arch_add_row(t, FL_UNIT_EMBED, D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
                             "embed_tokens.weight", 0);
     t->views[e].live_rows = c->vocab_size;
+    fl_params_split(t, e, 0, 1);
+    static const struct {
+        const char *name;
+        int out, in, dim; // sizes: 0 C, 1 kv, 2 I
+    } mats[] = {{"layers.%d.self_attn.q_proj.weight", 0, 0, 0},
+                {"layers.%d.self_attn.k_proj.weight", 1, 0, 0},
+                {"layers.%d.self_attn.v_proj.weight", 1, 0, 0},
+                {"layers.%d.self_attn.o_proj.weight", 0, 0, 1},
+                {NULL, 0, 0, 0}, // post_attention_layernorm
+                {"layers.%d.mlp.gate_proj.weight", 2, 0, 0},
+                {"layers.%d.mlp.up_proj.weight", 2, 0, 0},
+                {"layers.%d.mlp.down_proj.weight", 0, 2, 1}};
+    size_t size[] = {C, kv, I};
     for (int l = 0; l < L; l++) {
         fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "layers.%d.input_layernorm.weight", l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, C, C, "layers.%d.self_attn.q_proj.weight",
-                        l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, kv, C, "layers.%d.self_attn.k_proj.weight",
-                        l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, kv, C, "layers.%d.self_attn.v_proj.weight",
-                        l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, C, C, "layers.%d.self_attn.o_proj.weight",
-                        l);
-        fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "layers.%d.post_attention_layernorm.weight",
-                        l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, I, C, "layers.%d.mlp.gate_proj.weight", l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, I, C, "layers.%d.mlp.up_proj.weight", l);
-        fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, C, I, "layers.%d.mlp.down_proj.weight", l);
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) {
+            if (!mats[i].name) {
+                fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0,
+                                "layers.%d.post_attention_layernorm.weight", l);
+                continue;
+            }
+            int r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, size[mats[i].out],
+                                    size[mats[i].in], mats[i].name, l);
+            fl_params_split(t, r, mats[i].dim, 1);
+        }
     }
     fl_arch_add_row(t, FL_UNIT_HEAD(L), 0, FL_INIT_ONES, 0, C, 0, "norm.weight", 0);
     if (!c->tie_embeddings) {
         int h = fl_arch_add_row(t, FL_UNIT_HEAD(L), D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
                                 "lm_head.weight", 0);
         t->views[h].live_rows = c->vocab_size;
+        fl_params_split(t, h, 0, 1);
     }
 }
 
+// (Under tensor parallelism the attention's and the MLP's inner widths are
+// this rank's 1/t.)
 static int block_slots(const fl_model_config *c, fl_slot *s) {
-    size_t C = c->n_embd, I = c->intermediate_size;
+    size_t C = c->n_embd, t = (size_t)fl_tp_ways(c), I = c->intermediate_size / t;
     s[A_LN1] = s[A_LN2] = (fl_slot){C, 0, 1};
     s[A_RSTD1] = s[A_RSTD2] = (fl_slot){1, 1, 1};
     s[A_QKV] = (fl_slot){qkv_width(c), 0, 0};
-    s[A_ATTY] = s[A_RES2] = (fl_slot){C, 0, 0};
-    s[A_LSE] = (fl_slot){(size_t)c->n_head, 1, 0};
+    s[A_ATTY] = (fl_slot){C / t, 0, 0};
+    s[A_RES2] = (fl_slot){C, 0, 0};
+    s[A_LSE] = (fl_slot){(size_t)c->n_head / t, 1, 0};
     s[A_GATEUP] = (fl_slot){2 * I, 0, 0};
     s[A_ACT] = (fl_slot){I, 0, 1};
     return NSLOTS;
@@ -119,7 +138,7 @@ static int head_slots(const fl_model_config *c, fl_slot *s) {
 }
 
 static int work_slots(const fl_model_config *c, fl_slot *s) {
-    size_t I = c->intermediate_size;
+    size_t I = c->intermediate_size / (size_t)fl_tp_ways(c);
     s[W_C] = (fl_slot){(size_t)c->n_embd, 0, 0};
     s[W_QKV] = (fl_slot){qkv_width(c), 0, 0};
     s[W_2I] = (fl_slot){2 * I, 0, 0};
@@ -129,14 +148,15 @@ static int work_slots(const fl_model_config *c, fl_slot *s) {
 
 enum { L_QKV, L_O, L_GATEUP, L_DOWN, L_HEAD, NLIN };
 static void linear_set(const fl_model_config *c, fl_linear *out) {
-    int C = c->n_embd, I = c->intermediate_size;
-    out[L_QKV] = (fl_linear){WQ, -1, C, (int)qkv_width(c), FL_OP_MM_QKV};
-    out[L_O] = (fl_linear){WO, -1, C, C, FL_OP_MM_ATTPROJ};
-    out[L_GATEUP] = (fl_linear){WGATE, -1, C, 2 * I, FL_OP_MM_FC};
-    out[L_DOWN] = (fl_linear){WDOWN, -1, I, C, FL_OP_MM_FCPROJ};
+    int t = fl_tp_ways(c), C = c->n_embd, I = c->intermediate_size / t;
+    enum { COL = FL_LINEAR_COLUMN, ROW = FL_LINEAR_ROW };
+    out[L_QKV] = (fl_linear){WQ, -1, C, (int)qkv_width(c), FL_OP_MM_QKV, COL};
+    out[L_O] = (fl_linear){WO, -1, C / t, C, FL_OP_MM_ATTPROJ, ROW};
+    out[L_GATEUP] = (fl_linear){WGATE, -1, C, 2 * I, FL_OP_MM_FC, COL};
+    out[L_DOWN] = (fl_linear){WDOWN, -1, I, C, FL_OP_MM_FCPROJ, ROW};
     // tied: row 0 of the embedding unit; untied: row 1 of the head unit
-    out[L_HEAD] =
-        (fl_linear){c->tie_embeddings ? 0 : 1, -1, C, c->padded_vocab_size, FL_OP_MM_LMHEAD};
+    out[L_HEAD] = (fl_linear){c->tie_embeddings ? 0 : 1, -1, C, fl_vocab_cols(c), FL_OP_MM_LMHEAD,
+                              COL};
 }
 
 static int linears(const fl_model_config *c, fl_linear *out) {
@@ -157,20 +177,18 @@ static size_t rope_floats(const fl_model_config *c, int T) {
 }
 
 static void embed_forward(fl_model *m, void *out, const int *tokens, int B, int T) {
-    FL_FWD_OP(FL_OP_ENCODER, encoder_forward(m->dtype, out, tokens, fl_unit_w(m, FL_UNIT_EMBED, 0),
-                                             NULL, B, T, m->config.n_embd));
+    fl_embed_forward(m, out, tokens, fl_unit_w(m, FL_UNIT_EMBED, 0), NULL, B, T);
 }
 
 static void embed_backward(fl_model *m, const void *dout, const int *tokens, int B, int T) {
-    FL_BWD_OP(FL_OP_ENCODER, encoder_backward(m->dtype, fl_unit_g(m, FL_UNIT_EMBED, 0), NULL, dout,
-                                              tokens, B, T, m->config.n_embd));
+    fl_embed_backward(m, fl_unit_g(m, FL_UNIT_EMBED, 0), NULL, dout, tokens, B, T);
 }
 
 static void block_forward(const fl_block *b, int cheap_only) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
-    int l = b->l, C = c->n_embd, I = c->intermediate_size;
+    int l = b->l, C = c->n_embd, I = c->intermediate_size / fl_tp_ways(c);
     int BT = b->B * b->T;
     float eps = c->norm_eps;
     void **a = b->act;
@@ -191,7 +209,7 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
-    int l = b->l, C = c->n_embd, I = c->intermediate_size;
+    int l = b->l, C = c->n_embd, I = c->intermediate_size / fl_tp_ways(c);
     int BT = b->B * b->T;
     size_t D = fl_dtype_size(dt);
     void **a = b->act, **w = b->work;

@@ -48,6 +48,28 @@ void fl_model_config_finish(fl_model_config *cfg) {
                cfg->intermediate_size);
     // A multiple of 128 keeps the LM-head GEMM on full SIMD tiles.
     cfg->padded_vocab_size = (cfg->vocab_size + 127) / 128 * 128;
+    int t = fl_tp_ways(cfg);
+    if (t > 1 && cfg->n_kv_head < t && t % cfg->n_kv_head == 0)
+        fl_die("tensor parallelism: %d key/value heads cannot be split over %d ranks (Megatron's "
+               "gathered-QKV scheme for n_kv_head < t is not implemented): use a tensor-parallel "
+               "size that divides n_kv_head %d",
+               cfg->n_kv_head, t, cfg->n_kv_head);
+    const struct {
+        const char *name;
+        int value;
+    } split[] = {{"n_head", cfg->n_head},
+                 {"n_kv_head", cfg->n_kv_head},
+                 {"intermediate_size", cfg->intermediate_size}};
+    for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
+        if (split[i].value % t)
+            fl_die("tensor parallelism: model.%s (%d) is not divisible by the tensor-parallel "
+                   "size %d",
+                   split[i].name, split[i].value, t);
+}
+
+int fl_vocab_cols(const fl_model_config *c) {
+    int t = fl_tp_ways(c);
+    return t > 1 ? (int)fl_params_vocab_rows((size_t)c->vocab_size, t) : c->padded_vocab_size;
 }
 
 size_t fl_model_num_params(const fl_model_config *cfg) {
@@ -68,6 +90,14 @@ void fl_model_table(fl_param_table *t, const fl_model_config *cfg) {
     memset(t, 0, sizeof *t);
     fl_params_reserve(t, arch_of(&c)->table_rows(&c));
     arch_of(&c)->build_table(t, &c);
+}
+
+void fl_model_rank_table(fl_param_table *t, const fl_model_config *c, int rank) {
+    fl_model_table(t, c);
+    if (fl_tp_ways(c) == 1) return;
+    fl_param_table whole = *t;
+    fl_params_slice(t, &whole, fl_tp_ways(c), rank);
+    fl_params_free(&whole);
 }
 
 int fl_arch_add_row(fl_param_table *t, int unit, unsigned flags, fl_init_rule init, float std,
@@ -118,7 +148,7 @@ static void store_sink(void *ctx, int row, size_t first, const float *values, si
 }
 
 static void random_fill(fl_weight_source *s, fl_model *m) {
-    fl_params_init_each(&m->table, s->seed, store_sink, m);
+    fl_params_init_each(fl_model_whole_table(m), s->seed, store_sink, m);
 }
 
 void fl_weight_source_random(fl_weight_source *s, const fl_model_config *cfg, uint64_t seed) {
@@ -147,19 +177,31 @@ void fl_model_init_whole(fl_model *m, fl_weight_source *src, fl_dtype dt,
 
 void fl_model_init_from(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
                         size_t begin, size_t end) {
+    fl_model_init_tp(m, src, dt, q, begin, end, NULL);
+}
+
+void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
+                      size_t begin, size_t end, const fl_tp *tp) {
     memset(m, 0, sizeof *m);
     m->loss = -1.0f; // no forward with targets yet
     m->config = src->config;
     m->dtype = dt;
+    m->tp = tp && tp->size > 1 ? *tp : (fl_tp){1, 0, 0, NULL};
+    m->config.tp_size = m->tp.size;
     fl_model_config_finish(&m->config);
     const fl_model_config *c = &m->config;
     m->arch = arch_of(c);
-    fl_model_table(&m->table, c);
-    size_t n = m->table.numel;
-    FL_ASSERT(n == m->arch->num_params(c) && m->table.count == m->arch->table_rows(c));
     int quant = q && q->enabled;
+    if (m->tp.size > 1 && quant)
+        fl_die("tensor parallelism with NF4 base weights (QLoRA) is not supported: drop "
+               "--quantize or --tensor-parallel");
+    fl_model_rank_table(&m->table, c, m->tp.rank);
+    if (m->tp.size > 1) fl_model_table(&m->whole, c);
+    const fl_param_table *whole = fl_model_whole_table(m);
+    size_t n = m->table.numel;
+    FL_ASSERT(whole->numel == m->arch->num_params(c) && m->table.count == m->arch->table_rows(c));
     if (quant) fl_quant_check(q);
-    if (src->check) src->check(src, &m->table, quant ? q : NULL); // before allocating
+    if (src->check) src->check(src, whole, quant ? q : NULL); // before allocating
     m->params_begin = begin;
     m->params_end = end == SIZE_MAX ? n : end;
     FL_ASSERT(m->params_begin <= m->params_end && m->params_end <= n);
@@ -267,7 +309,7 @@ static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, 
                      fl_recompute r, const fl_lora_config *lc, const fl_param_table *lt,
                      act_spec *out) {
     const fl_arch *arch = arch_of(c);
-    size_t L = c->n_layer, C = c->n_embd, Vp = c->padded_vocab_size;
+    size_t L = c->n_layer, C = c->n_embd;
     size_t BT = (size_t)B * T, D = fl_dtype_size(dt), F = sizeof(float), I = sizeof(int);
     int n = 0;
 #define SPEC(field, cnt, size, tag)                                                                \
@@ -281,11 +323,15 @@ static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, 
     ns = arch->head_slots(c, slots);
     for (int i = 0; i < ns; i++)
         SPEC(m->head_act[i], BT * slots[i].per_token, slots[i].f32 ? F : D, FL_MEM_ACTS);
-    SPEC(m->logits, BT * Vp, D, FL_MEM_ACTS);
+    SPEC(m->logits, BT * (size_t)fl_vocab_cols(c), D, FL_MEM_ACTS);
     SPEC(m->losses, BT, F, FL_MEM_ACTS);
     SPEC(m->xent_lse, BT, F, FL_MEM_ACTS);
     SPEC(m->inputs, BT, I, FL_MEM_ACTS);
     SPEC(m->targets, BT, I, FL_MEM_ACTS);
+    if (fl_tp_ways(c) > 1) { // the vocabulary-parallel loss's local targets and sums
+        SPEC(m->tp_targets, BT, I, FL_MEM_ACTS);
+        SPEC(m->tp_sums, 2 * BT, F, FL_MEM_WORKSPACE);
+    }
     size_t rope = arch->rope_floats(c, T);
     if (rope) SPEC(m->rope_table, rope, F, FL_MEM_ACTS);
     SPEC(m->dres, BT * C, D, FL_MEM_WORKSPACE);
@@ -330,15 +376,18 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
     fl_model_config_finish(&c);
     const fl_arch *arch = arch_of(&c);
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
-    size_t numel = arch->num_params(&c), D = fl_dtype_size(dt);
+    size_t D = fl_dtype_size(dt);
     int rows = arch->table_rows(&c);
-    // the tables, built only to size what depends on their rows
+    // the tables, built only to size what depends on their rows (under
+    // tensor parallelism every rank's slices are the same size)
     fl_param_table t, lt = {0};
-    fl_model_table(&t, &c);
+    fl_model_rank_table(&t, &c, 0);
+    size_t numel = t.numel;
     if (lora && lora->r) fl_lora_table(&lt, &t, &c, lora, NULL);
     bytes[FL_MEM_PARAMS] = numel * D;
     bytes[FL_MEM_GRADS] = numel * D;
-    bytes[FL_MEM_OTHER] = rows * sizeof(fl_param_view) + bookkeeping_bytes(rows, c.n_layer);
+    bytes[FL_MEM_OTHER] = rows * sizeof(fl_param_view) * (fl_tp_ways(&c) > 1 ? 2 : 1) +
+                          bookkeeping_bytes(rows, c.n_layer);
     if (quant && quant->enabled) {
         size_t dense, store, absmax;
         fl_quant_sizes(&t, quant, &dense, &store, &absmax);
@@ -409,6 +458,7 @@ void fl_model_free(fl_model *m) {
     fl_free(m->gp);
     fl_free(m->unit_row);
     fl_params_free(&m->table);
+    fl_params_free(&m->whole);
     memset(m, 0, sizeof *m);
 }
 
@@ -544,7 +594,10 @@ static float loss(fl_model *m, const float *dloss) {
     const int *targets = m->targets;
     int V = c->vocab_size, Vp = c->padded_vocab_size;
     m->dlogits_ready = 0;
-    if (dloss) {
+    if (m->tp.size > 1) {
+        fl_vocab_xent(m, dloss);
+        if (dloss) m->dlogits_ready = 1, m->dlogits_dloss = *dloss;
+    } else if (dloss) {
         set_dlosses(m, *dloss);
         FL_FWD_OP(FL_OP_XENT,
                   softmax_xent_forward_backward(m->dtype, m->losses, m->xent_lse, m->logits,
@@ -594,7 +647,9 @@ void fl_model_backward(fl_model *m, float dloss) {
     size_t BT = (size_t)B * T;
 
     void *dlogits = m->logits; // overwritten in place by its own gradient
-    if (!m->dlogits_ready) {
+    if (!m->dlogits_ready && m->tp.size > 1) {
+        fl_vocab_xent_backward(m, dloss);
+    } else if (!m->dlogits_ready) {
         set_dlosses(m, dloss);
         FL_BWD_OP(FL_OP_XENT, softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
                                                     m->targets, m->dlosses, BT, V, Vp));

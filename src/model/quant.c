@@ -159,10 +159,9 @@ void fl_model_quant_error(const fl_model *m, double *mean_abs, double *max_abs, 
     *rms = sqrt(s->w_sumsq / n);
 }
 
-void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n) {
+void fl_model_store_local(fl_model *m, int row, size_t first, const float *w, size_t n) {
     const fl_param_view *v = &m->table.views[row];
     FL_ASSERT(first + n <= v->numel);
-    m->stored += n;
     if (!is_nf4(m, row) && fl_model_sharded(m)) {
         // a shard (fl_model_init_from): the part of the piece inside it
         size_t a = v->offset + first, lo = a > m->params_begin ? a : m->params_begin;

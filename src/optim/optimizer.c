@@ -294,6 +294,23 @@ void fl_optimizer_end_step(fl_optimizer *o) {
     o->micro = 0;
 }
 
+// Tensor parallelism: the squares of the gradient elements [first, first +
+// n) this rank counts (a replicated row's on TP rank 0 only), row by row in
+// table order, summed over the TP group.
+static double tp_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, size_t first,
+                       size_t n) {
+    double s = 0.0;
+    for (int r = 0; r < o->table->count; r++) {
+        const fl_param_view *v = &o->table->views[r];
+        size_t a = v->offset > first ? v->offset : first;
+        size_t b = v->offset + v->numel < first + n ? v->offset + v->numel : first + n;
+        if (b > a && (v->tp_dim >= 0 || o->tp->rank == 0))
+            s += fl_grad_sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
+    }
+    o->tp->ops->sum(o->tp->ops->ctx, &s, 1);
+    return s;
+}
+
 // judge: the spike guard looks at the loss and the norm before the update.
 static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int judge) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
@@ -312,8 +329,10 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int 
     fl_step_result r = {0.0f, 0, o->scaler.scale, {0, NAN, NAN}};
     // finite floats' squares sum to a finite double, so an inf or NaN gradient
     // (fp16 overflow) shows in the norm's pass: no pass of its own
-    double sumsq = fl_grad_sumsq(grads_dtype, grads, n);
+    double sumsq = o->tp ? tp_sumsq(o, grads_dtype, grads, first, n)
+                         : fl_grad_sumsq(grads_dtype, grads, n);
     double overflow = o->dtype == FL_F16 && !isfinite(sumsq);
+    if (o->tp && o->dtype == FL_F16) o->tp->ops->sum(o->tp->ops->ctx, &overflow, 1);
     if (sync && o->dtype == FL_F16) sync->max(sync->ctx, &overflow, 1); // all ranks skip
     if (overflow) {
         // skip the step: no weight, master or optimizer-state byte changes

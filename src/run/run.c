@@ -191,8 +191,8 @@ static void init_model(fl_run *r, int pretrained, size_t own_begin, size_t own_e
         fl_weight_source_random(weights, &cfg->model, cfg->seed);
     }
     int shard = !pretrained && r->dist && cfg->zero.stage == 3 && r->world > 1;
-    fl_model_init_from(&r->model, weights, cfg->dtype, quant, shard ? own_begin : 0,
-                       shard ? own_end : SIZE_MAX);
+    fl_model_init_tp(&r->model, weights, cfg->dtype, quant, shard ? own_begin : 0,
+                     shard ? own_end : SIZE_MAX, &r->tp);
     fl_weight_source_close(weights);
 }
 
@@ -212,6 +212,12 @@ static void restore(fl_run *r, fl_ckpt *ck) {
                (unsigned long long)r->train.per_rank);
 }
 
+// The data-parallel group: the world, or under tensor parallelism the ranks
+// of this TP rank's index.
+static const fl_comm_group *dp_group(const fl_run *r) {
+    return r->tp.size > 1 ? r->layout.dp_group : fl_comm_world();
+}
+
 void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options *opt) {
     memset(r, 0, sizeof *r);
     r->cfg = *config;
@@ -221,12 +227,23 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     FL_ASSERT(!(ck && opt->own_batches)); // a resume restores the data's position
     r->rank = opt->alone ? 0 : fl_comm_rank();
     r->world = opt->alone ? 1 : fl_comm_size();
+    r->lead = r->rank == 0;
     r->ck_world = 1;
     if (res) r->saved = res->saved;
     configure(r, opt);
     fl_comm_set_timeout(cfg->zero.comm_timeout);
     FL_ASSERT(!opt->alone || cfg->zero.stage == 0);
-    r->dist = !opt->alone && fl_dist_wanted(&cfg->zero);
+    r->tp = (fl_tp){1, 0, 0, NULL};
+    if (cfg->tensor_parallel > 1) { // Megatron's groups; the data is the DP group's
+        if (opt->alone)
+            fl_die("internal: a run alone cannot be split by tensor parallelism");
+        fl_layout_init(&r->layout, cfg->tensor_parallel, 1);
+        r->tp = (fl_tp){cfg->tensor_parallel, r->layout.tp_rank, cfg->sequence_parallel,
+                        fl_tp_ops_group(r->layout.tp_group)};
+        r->rank = r->layout.dp_rank;
+        r->world = r->layout.dp;
+    }
+    r->dist = !opt->alone && (cfg->zero.stage > 0 || r->world > 1);
     r->resumed = ck != NULL;
     r->start = ck ? fl_ckpt_step(ck) : 0;
     if (ck && cfg->steps <= r->start)
@@ -236,9 +253,9 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     // the ranks run the same thing, checked before anything is written or sent
     if (!opt->alone) run_agree(r, fl_comm_world());
     // rank 0 owns the output directory; the others find it ready
-    if (*cfg->out_dir && r->rank == 0)
+    if (*cfg->out_dir && r->lead)
         run_prepare_out_dir(cfg->out_dir, ck ? res->dir : NULL, cfg->overwrite);
-    if (!opt->alone) fl_comm_barrier();
+    if (!opt->alone) fl_comm_barrier(fl_comm_world());
     if (*cfg->adapter) { // the adapter's LoRA config, which the lora.* options must not contradict
         fl_lora_config adapter;
         fl_peft_read_config(cfg->adapter, &adapter);
@@ -261,13 +278,13 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     plan_run(r, pretrained);
 
     // the range of the flat buffer this rank's optimizer covers (ZeRO: its shard)
-    size_t own_begin = 0, own_end = fl_model_num_params(&cfg->model);
-    if (r->dist) {
-        fl_param_table t;
-        fl_model_table(&t, &cfg->model);
-        fl_dist_range(&cfg->zero, &t, &own_begin, &own_end);
-        fl_params_free(&t);
-    }
+    fl_param_table rows; // this rank's (its slices under tensor parallelism)
+    fl_model_config shape = cfg->model;
+    shape.tp_size = r->tp.size;
+    fl_model_rank_table(&rows, &shape, r->tp.rank);
+    size_t own_begin = 0, own_end = rows.numel;
+    if (r->dist) fl_dist_range(&cfg->zero, &rows, dp_group(r), &own_begin, &own_end);
+    fl_params_free(&rows);
     init_model(r, pretrained, own_begin, own_end);
     fl_model *model = &r->model;
     if (r->lora) {
@@ -292,6 +309,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
                           model->grads);
         r->base = &r->base_optim;
     }
+    if (r->tp.size > 1) r->optim.tp = &model->tp;
     // NVMe offload: the master and the optimizer state move to a file,
     // filled from the weights now (a resume then overwrites it)
     if (ocfg.paged) { // its directory and room were checked with the plan
@@ -304,8 +322,10 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         fl_ckpt_close(ck);
         res->ck = NULL;
     }
-    if (r->dist) r->strategy = fl_dist_attach(model, &r->optim, &cfg->zero, r->offload);
-    if (!opt->alone) run_agree_weights(r, fl_comm_world());
+    if (r->dist)
+        r->strategy = fl_dist_attach(model, &r->optim, &cfg->zero, r->offload, dp_group(r));
+    // (the data-parallel ranks hold the same; TP ranks their own slices)
+    if (!opt->alone) run_agree_weights(r, dp_group(r));
     r->schedule = (fl_schedule){!strcmp(cfg->scheduler, "cosine")   ? FL_SCHED_COSINE
                                 : !strcmp(cfg->scheduler, "linear") ? FL_SCHED_LINEAR
                                                                     : FL_SCHED_CONSTANT,
@@ -338,7 +358,7 @@ float fl_run_evaluate(fl_run *r, int step) {
         sums[0] += (double)loss * r->model.n_targets;
         sums[1] += r->model.n_targets;
     }
-    if (r->world > 1) fl_comm_sum(sums, 2); // a non-finite sum is every rank's
+    if (r->world > 1) fl_comm_sum(dp_group(r), sums, 2); // a non-finite sum is every rank's
     if (!isfinite(sums[0])) {
         char where[96] = "on another rank";
         if (bad >= 0)
@@ -368,7 +388,7 @@ static int weights_finite(const fl_run *r, int step) {
             bad = 1.0;
     }
     double v[3] = {bad, step, -step};
-    if (r->world > 1) fl_comm_max(v, 3);
+    if (r->world * r->tp.size > 1) fl_comm_max(fl_comm_world(), v, 3);
     if (v[1] != step || v[2] != -step)
         fl_die("internal: the ranks reached the checkpoint of step %d at different steps (%g to "
                "%g)",
@@ -385,7 +405,8 @@ void fl_run_save(fl_run *r, int step) {
         fl_die("the weights are not finite after step %d: not writing a checkpoint over the good "
                "ones in %s (training diverged; lower the learning rate)",
                step, cfg->out_dir);
-    if (r->dist) // every rank its shard (DDP: rank 0 all), agreed before anything is visible
+    if (r->dist || r->tp.size > 1) // every rank its shard (DDP: rank 0 all), agreed before
+                                   // anything is visible
         fl_train_ckpt_save_dist(cfg->out_dir, step, &r->model, &r->optim, &r->train.state,
                                 &r->tok_files, r->config_json, cfg->keep_checkpoints, r->run_id);
     else
@@ -403,6 +424,7 @@ void fl_run_close(fl_run *r) {
     fl_optimizer_free(&r->optim);
     if (r->base) fl_optimizer_free(r->base);
     fl_model_free(&r->model);
+    if (r->tp.size > 1) fl_layout_free(&r->layout);
     if (r->tok) fl_tokenizer_free(r->tok);
     fl_tokenizer_files_free(&r->tok_files);
     if (r->has_val) fl_loader_close(&r->val);

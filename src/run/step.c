@@ -113,9 +113,18 @@ static float batch_loss(const fl_optimizer *o, const fl_model *m, long total) {
 }
 
 // Under data parallelism: the rows' sums of squares and the overflow flag
-// over every rank's part.
+// over every rank's part; under tensor parallelism, over the TP group, a
+// replicated row counted on TP rank 0 only.
 static void gather_norm(const fl_optimizer *o, fused_pass *p, int rows) {
     const fl_optim_sync *sync = o->sync;
+    if (o->tp) {
+        for (int r = 0; r < rows; r++)
+            if (o->table->views[r].tp_dim < 0 && o->tp->rank > 0) p->row_sq[r] = 0.0;
+        double overflow = p->overflow;
+        o->tp->ops->sum(o->tp->ops->ctx, p->row_sq, rows);
+        o->tp->ops->sum(o->tp->ops->ctx, &overflow, 1);
+        p->overflow = overflow != 0.0;
+    }
     if (!sync) return;
     if (!sync->replicated) sync->sum(sync->ctx, p->row_sq, rows);
     double overflow = p->overflow;

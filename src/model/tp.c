@@ -1,0 +1,133 @@
+// tp.c: tensor parallelism (Shoeybi et al. 2019, Megatron-LM) on the model's
+// side: the whole rows a weight source gives stored as this rank's slices,
+// the vocabulary-parallel embedding and cross-entropy, and the all-reduce
+// the linear unit calls. The collectives are the TP group's (m->tp.ops, from
+// src/parallel); at t = 1 nothing here communicates.
+#include <math.h>
+#include <string.h>
+
+#include "arch.h"
+
+void fl_tp_all_reduce(fl_model *m, void *buf, size_t n) {
+    if (m->tp.size > 1) m->tp.ops->all_reduce(m->tp.ops->ctx, m->dtype, buf, n);
+}
+
+// ----------------------------------------------------------------------------
+// storing whole rows into slices
+
+typedef struct {
+    fl_model *m;
+    int row;
+    size_t first, n; // the whole row's elements given
+    const float *w;
+} slice_store;
+
+static void store_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
+                        size_t count) {
+    const slice_store *s = ctx;
+    size_t runs = count / run, lo = s->first, hi = s->first + s->n;
+    if (hi <= first) return;
+    // the runs [k0, k1) that can meet [lo, hi)
+    size_t k0 = lo > first ? (lo - first) / stride : 0;
+    size_t k1 = (hi - first + stride - 1) / stride;
+    if (k1 > runs) k1 = runs;
+    for (size_t k = k0; k < k1; k++) {
+        size_t g = first + k * stride, a = g > lo ? g : lo, b = g + run < hi ? g + run : hi;
+        if (a < b) fl_model_store_local(s->m, s->row, local + k * run + (a - g), s->w + (a - lo),
+                                        b - a);
+    }
+}
+
+void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n) {
+    FL_ASSERT(first + n <= fl_model_whole_table(m)->views[row].numel);
+    m->stored += n;
+    if (m->tp.size == 1) {
+        fl_model_store_local(m, row, first, w, n);
+        return;
+    }
+    slice_store s = {m, row, first, n, w};
+    fl_params_blocks(&m->table, row, 0, m->table.views[row].numel, store_block, &s);
+}
+
+// ----------------------------------------------------------------------------
+// the vocabulary-parallel embedding
+
+void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte, const void *wpe,
+                      int B, int T) {
+    int C = m->config.n_embd;
+    if (m->tp.size == 1) {
+        FL_FWD_OP(FL_OP_ENCODER, encoder_forward(m->dtype, out, tokens, wte, wpe, B, T, C));
+        return;
+    }
+    int rows = fl_vocab_cols(&m->config);
+    FL_FWD_OP(FL_OP_ENCODER, embedding_shard_forward(m->dtype, out, tokens, wte,
+                                                     m->tp.rank * rows, rows, B * T, C));
+    fl_tp_all_reduce(m, out, (size_t)B * T * C);
+    if (wpe) FL_FWD_OP(FL_OP_ENCODER, position_forward(m->dtype, out, wpe, B, T, C));
+}
+
+void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, const int *tokens,
+                       int B, int T) {
+    int C = m->config.n_embd;
+    if (m->tp.size == 1) {
+        FL_BWD_OP(FL_OP_ENCODER, encoder_backward(m->dtype, dwte, dwpe, dout, tokens, B, T, C));
+        return;
+    }
+    // dout is the same on every rank: each adds its rows' share, and the
+    // (replicated) positions' whole gradient
+    int rows = fl_vocab_cols(&m->config);
+    if (dwte)
+        FL_BWD_OP(FL_OP_ENCODER, embedding_shard_backward(m->dtype, dwte, dout, tokens,
+                                                          m->tp.rank * rows, rows, B * T, C));
+    if (dwpe) FL_BWD_OP(FL_OP_ENCODER, position_backward(m->dtype, dwpe, dout, B, T, C));
+}
+
+// ----------------------------------------------------------------------------
+// the vocabulary-parallel cross-entropy
+
+// This rank's columns: [first, first + valid) of the vocabulary in a row of
+// cols (the rest is padding).
+static void vocab_range(const fl_model *m, int *first, int *valid, int *cols) {
+    *cols = fl_vocab_cols(&m->config);
+    *first = m->tp.rank * *cols;
+    int v = m->config.vocab_size - *first;
+    *valid = v < 0 ? 0 : v > *cols ? *cols : v;
+}
+
+// Every target token's loss weighs dloss; positions without one, nothing.
+static void tp_dlosses(fl_model *m, float dloss) {
+    for (size_t i = 0; i < (size_t)m->B * m->T; i++)
+        m->dlosses[i] = m->targets[i] == -1 ? 0.0f : dloss;
+}
+
+void fl_vocab_xent(fl_model *m, const float *dloss) {
+    const fl_tp_ops *ops = m->tp.ops;
+    int first, valid, cols, BT = m->B * m->T;
+    vocab_range(m, &first, &valid, &cols);
+    float *mx = m->xent_lse, *sums = m->tp_sums; // the max first, then the log-sum-exp
+    FL_FWD_OP(FL_OP_XENT, xent_shard_max(m->dtype, mx, m->logits, BT, valid, cols));
+    ops->all_reduce_max(ops->ctx, mx, (size_t)BT);
+    for (int i = 0; i < BT; i++) {
+        int y = m->targets[i];
+        m->tp_targets[i] = y >= first && y < first + valid ? y - first : -1;
+    }
+    FL_FWD_OP(FL_OP_XENT,
+              xent_shard_sums(m->dtype, sums, m->logits, mx, m->tp_targets, BT, valid, cols));
+    ops->all_reduce(ops->ctx, FL_F32, sums, 2 * (size_t)BT);
+    for (int i = 0; i < BT; i++) {
+        m->xent_lse[i] = mx[i] + logf(sums[2 * i]);
+        m->losses[i] = m->targets[i] == -1 ? 0.0f : m->xent_lse[i] - sums[2 * i + 1];
+    }
+    if (!dloss) return;
+    tp_dlosses(m, *dloss);
+    FL_FWD_OP(FL_OP_XENT, xent_shard_backward(m->dtype, m->logits, m->logits, m->xent_lse,
+                                              m->tp_targets, m->dlosses, BT, valid, cols));
+}
+
+void fl_vocab_xent_backward(fl_model *m, float dloss) {
+    int first, valid, cols, BT = m->B * m->T;
+    vocab_range(m, &first, &valid, &cols);
+    tp_dlosses(m, dloss);
+    FL_BWD_OP(FL_OP_XENT, xent_shard_backward(m->dtype, m->logits, m->logits, m->xent_lse,
+                                              m->tp_targets, m->dlosses, BT, valid, cols));
+}
