@@ -141,6 +141,9 @@ struct fl_model {
     int *inputs, *targets;     // (B,T) copies of the last batch
     int *tp_targets;           // tensor parallelism: (B,T) the targets' columns here, or -1
     float *tp_sums;            // (B,T,2) the vocabulary-parallel loss's partial sums
+    // sequence parallelism: (B,T,C) gathered positions, (B,T,C) a partial
+    // sum, and a unit's norm-weight gradients before their sum over TP
+    void *tp_gather, *tp_partial, *tp_norm_grads;
     // state of the last forward
     int B, T;
     int n_targets; // positions with a loss (targets != -1)

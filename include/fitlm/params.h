@@ -14,6 +14,10 @@ enum {
     FL_PARAM_DECAY = 1 << 0,  // AdamW/SGD apply weight decay (matrices, embeddings)
     FL_PARAM_FROZEN = 1 << 1, // no gradient, no update (adapters train, the base stays)
     FL_PARAM_LINEAR = 1 << 2, // the weight of a block's linear layer: LoRA's targets, NF4's rows
+    // a norm's weight or bias: applied position by position on the residual
+    // stream's side, so under sequence parallelism each rank's gradient is
+    // its positions' share, summed over the TP group
+    FL_PARAM_TOKENWISE = 1 << 3,
 };
 
 // How a row is initialised: drawn in fp32 from the model's seeded RNG in

@@ -22,6 +22,7 @@ typedef struct {
     // tensor parallelism: the ways this process's model is split (0 or 1:
     // whole). Not a property of the model: no file stores it
     int tp_size;
+    int sequence_parallel; // with tp_size > 1: norms and residual adds on 1/t of the tokens
 } fl_model_config;
 const char *fl_arch_name(fl_arch_kind arch);
 int fl_arch_parse(const char *name, fl_arch_kind *out); // 0 on success, -1 unknown

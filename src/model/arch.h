@@ -16,6 +16,8 @@ typedef struct {
     int f32;          // always fp32 (norm statistics, log-sum-exps), else the model's dtype
     int cheap;        // FL_RECOMPUTE_SELECTIVE drops it (one copy shared by all blocks) and the
                       // block's forward recomputes it with cheap_only set
+    int seq;          // on the residual stream's side (norms, residual adds): under sequence
+                      // parallelism it holds this rank's 1/t of the positions only
 } fl_slot;
 
 // What a block's passes see: its index, the batch, its input and output on
@@ -117,12 +119,25 @@ void fl_quant_alloc(fl_model *m, const fl_quant_config *q);
 static inline int fl_tp_ways(const fl_model_config *c) {
     return c->tp_size > 1 ? c->tp_size : 1;
 }
+// Sequence parallelism (Korthikanti et al. 2022): the residual stream, the
+// norms and the residual adds hold this rank's 1/t of the N positions.
+static inline int fl_seq_parallel(const fl_model_config *c) {
+    return c->tp_size > 1 && c->sequence_parallel;
+}
+static inline int fl_seq_rows(const fl_model_config *c, int N) {
+    return fl_seq_parallel(c) ? N / c->tp_size : N;
+}
 // The LM head's output columns on one rank: the padded vocabulary, or its
 // 1/t share padded to 128 x t (Megatron).
 int fl_vocab_cols(const fl_model_config *c);
 // buf[0, n) of the model's dtype summed over the TP group (Megatron's g
 // forward, f backward); nothing at t = 1.
 void fl_tp_all_reduce(fl_model *m, void *buf, size_t n);
+// Over the TP group, of the model's dtype: each rank's send[0, n) into
+// recv[r*n, (r+1)*n); send[0, t*n) summed, rank r's part [r*n, (r+1)*n)
+// into recv (sequence parallelism's gathers and scatters over positions).
+void fl_tp_all_gather(fl_model *m, const void *send, void *recv, size_t n);
+void fl_tp_reduce_scatter(fl_model *m, const void *send, void *recv, size_t n);
 // The token embedding (wte, this rank's rows) plus the position embedding
 // (wpe, NULL: none) for tokens (B,T): at t = 1 the encoder kernels; else
 // the vocabulary-parallel lookup, its all-reduce, then the positions.

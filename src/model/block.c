@@ -15,8 +15,8 @@ void fl_residual_linear_forward(const fl_block *b, const fl_linear *lin, void *o
     // The projection is written straight into `out` and the skip connection
     // added in place: its output alone is not needed by the backward.
     fl_linear_forward(m, b->l, lin, out, inp, BT);
-    FL_FWD_OP(FL_OP_RESIDUAL,
-              residual_forward(m->dtype, out, skip, out, (size_t)BT * m->config.n_embd));
+    size_t n = (size_t)fl_seq_rows(&m->config, BT) * m->config.n_embd; // the stream's positions
+    FL_FWD_OP(FL_OP_RESIDUAL, residual_forward(m->dtype, out, skip, out, n));
 }
 
 void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_linear *o_lin,
@@ -40,7 +40,7 @@ void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl
     const fl_model_config *c = &m->config;
     int t = fl_tp_ways(c), NH = c->n_head / t, KV = c->n_kv_head / t;
     int HS = c->n_embd / c->n_head, BT = b->B * b->T;
-    size_t D = fl_dtype_size(m->dtype), BTC = (size_t)BT * c->n_embd;
+    size_t D = fl_dtype_size(m->dtype), BTC = (size_t)fl_seq_rows(c, BT) * c->n_embd;
     // dnormed first holds d(attention output) (this rank's heads), then
     // d(the norm's output)
     memset(dnormed, 0, (size_t)BT * o_lin->in * D);

@@ -74,14 +74,15 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
     size_t C = c->n_embd;
     float std = 0.02f, resid = 0.02f / sqrtf(2.0f * c->n_layer);
     const unsigned D = FL_PARAM_DECAY, LIN = FL_PARAM_DECAY | FL_PARAM_LINEAR;
+    const unsigned NORM = FL_PARAM_TOKENWISE;
     int wte = fl_arch_add_row(t, FL_UNIT_EMBED, D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
                               "wte.weight", 0);
     t->views[wte].live_rows = c->vocab_size; // the padding rows stay zero
     fl_params_split(t, wte, 0, 1);
     fl_arch_add_row(t, FL_UNIT_EMBED, 0, FL_INIT_NORMAL, std, c->max_seq_len, C, "wpe.weight", 0);
     for (int l = 0; l < c->n_layer; l++) {
-        fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "h.%d.ln_1.weight", l);
-        fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_1.bias", l);
+        fl_arch_add_row(t, l, NORM, FL_INIT_ONES, 0, C, 0, "h.%d.ln_1.weight", l);
+        fl_arch_add_row(t, l, NORM, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_1.bias", l);
         int r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 3 * C, C, "h.%d.attn.c_attn.weight",
                                 l);
         fl_params_split(t, r, 0, 3);
@@ -90,8 +91,8 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
         r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, resid, C, C, "h.%d.attn.c_proj.weight", l);
         fl_params_split(t, r, 1, 1);
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.attn.c_proj.bias", l);
-        fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "h.%d.ln_2.weight", l);
-        fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_2.bias", l);
+        fl_arch_add_row(t, l, NORM, FL_INIT_ONES, 0, C, 0, "h.%d.ln_2.weight", l);
+        fl_arch_add_row(t, l, NORM, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_2.bias", l);
         r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 4 * C, C, "h.%d.mlp.c_fc.weight", l);
         fl_params_split(t, r, 0, 1);
         r = fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, 4 * C, 0, "h.%d.mlp.c_fc.bias", l);
@@ -102,36 +103,38 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
         fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, C, 0, "h.%d.mlp.c_proj.bias", l);
     }
     int L = c->n_layer;
-    fl_arch_add_row(t, FL_UNIT_HEAD(L), 0, FL_INIT_ONES, 0, C, 0, "ln_f.weight", 0);
-    fl_arch_add_row(t, FL_UNIT_HEAD(L), 0, FL_INIT_ZEROS, 0, C, 0, "ln_f.bias", 0);
+    fl_arch_add_row(t, FL_UNIT_HEAD(L), NORM, FL_INIT_ONES, 0, C, 0, "ln_f.weight", 0);
+    fl_arch_add_row(t, FL_UNIT_HEAD(L), NORM, FL_INIT_ZEROS, 0, C, 0, "ln_f.bias", 0);
 }
 
 // (Under tensor parallelism the attention's and the MLP's inner widths are
 // this rank's 1/t.)
 static int block_slots(const fl_model_config *c, fl_slot *s) {
     size_t C = c->n_embd, t = (size_t)fl_tp_ways(c);
-    s[A_LN1] = (fl_slot){C, 0, 1};
-    s[A_LN1_MEAN] = s[A_LN1_RSTD] = (fl_slot){1, 1, 1};
-    s[A_QKV] = (fl_slot){3 * C / t, 0, 0};
-    s[A_ATTY] = (fl_slot){C / t, 0, 0};
-    s[A_LSE] = (fl_slot){(size_t)c->n_head / t, 1, 0};
-    s[A_RES2] = (fl_slot){C, 0, 0};
-    s[A_LN2] = (fl_slot){C, 0, 1};
-    s[A_LN2_MEAN] = s[A_LN2_RSTD] = (fl_slot){1, 1, 1};
-    s[A_FCH] = (fl_slot){4 * C / t, 0, 0};
-    s[A_GELU] = (fl_slot){4 * C / t, 0, 1};
+    s[A_LN1] = (fl_slot){C, 0, 1, 1};
+    s[A_LN1_MEAN] = s[A_LN1_RSTD] = (fl_slot){1, 1, 1, 1};
+    s[A_QKV] = (fl_slot){3 * C / t, 0, 0, 0};
+    s[A_ATTY] = (fl_slot){C / t, 0, 0, 0};
+    s[A_LSE] = (fl_slot){(size_t)c->n_head / t, 1, 0, 0};
+    s[A_RES2] = (fl_slot){C, 0, 0, 1};
+    s[A_LN2] = (fl_slot){C, 0, 1, 1};
+    s[A_LN2_MEAN] = s[A_LN2_RSTD] = (fl_slot){1, 1, 1, 1};
+    s[A_FCH] = (fl_slot){4 * C / t, 0, 0, 0};
+    s[A_GELU] = (fl_slot){4 * C / t, 0, 1, 0};
     return NSLOTS;
 }
 
 static int head_slots(const fl_model_config *c, fl_slot *s) {
-    s[H_LNF] = (fl_slot){(size_t)c->n_embd, 0, 0};
-    s[H_MEAN] = s[H_RSTD] = (fl_slot){1, 1, 0};
+    s[H_LNF] = (fl_slot){(size_t)c->n_embd, 0, 0, 1};
+    s[H_MEAN] = s[H_RSTD] = (fl_slot){1, 1, 0, 1};
     return NHEAD;
 }
 
 static int work_slots(const fl_model_config *c, fl_slot *s) {
-    s[W_C] = (fl_slot){(size_t)c->n_embd, 0, 0};
-    s[W_4A] = s[W_4B] = (fl_slot){4 * (size_t)c->n_embd / (size_t)fl_tp_ways(c), 0, 0};
+    // W_C: d(a norm's output) on the stream's side, first d(attention output)
+    // (C/t of every position: the same size under sequence parallelism)
+    s[W_C] = (fl_slot){(size_t)c->n_embd, 0, 0, 1};
+    s[W_4A] = s[W_4B] = (fl_slot){4 * (size_t)c->n_embd / (size_t)fl_tp_ways(c), 0, 0, 0};
     return NWORK;
 }
 
@@ -176,17 +179,17 @@ static void block_forward(const fl_block *b, int cheap_only) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
-    int l = b->l, C = c->n_embd, BT = b->B * b->T;
+    int l = b->l, C = c->n_embd, BT = b->B * b->T, BTs = fl_seq_rows(c, BT);
     void **a = b->act;
     fl_linear lin[NLIN];
     linear_set(c, lin);
 #define W(k) fl_unit_w(m, l, k)
     FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(dt, a[A_LN1], a[A_LN1_MEAN], a[A_LN1_RSTD], b->in,
-                                                 W(LN1W), W(LN1B), BT, C));
+                                                 W(LN1W), W(LN1B), BTs, C));
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     if (!cheap_only) fl_attention_forward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, a[A_RES2]);
     FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD],
-                                                 a[A_RES2], W(LN2W), W(LN2B), BT, C));
+                                                 a[A_RES2], W(LN2W), W(LN2B), BTs, C));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_FC], a[A_FCH], a[A_LN2], BT);
     FL_FWD_OP(FL_OP_GELU, gelu_forward(dt, a[A_GELU], a[A_FCH], (size_t)BT * lin[L_FC].out));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_FCPROJ], b->out, a[A_GELU], a[A_RES2]);
@@ -197,8 +200,8 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_model *m = b->m;
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
-    int l = b->l, C = c->n_embd, BT = b->B * b->T;
-    size_t BTC = (size_t)BT * C, D = fl_dtype_size(dt);
+    int l = b->l, C = c->n_embd, BT = b->B * b->T, BTs = fl_seq_rows(c, BT);
+    size_t BTC = (size_t)BTs * C, D = fl_dtype_size(dt);
     void **a = b->act, *dbuf = b->work[W_C], *d4a = b->work[W_4A], *d4b = b->work[W_4B];
     fl_linear lin[NLIN];
     linear_set(c, lin);
@@ -213,12 +216,12 @@ static void block_backward(const fl_block *b, void *dres) {
     memset(dbuf, 0, BTC * D);
     fl_linear_backward(m, l, &lin[L_FC], dbuf, d4b, a[A_LN2], BT);
     FL_BWD_OP(FL_OP_LAYERNORM, layernorm_backward(dt, dres, G(LN2W), G(LN2B), dbuf, a[A_RES2],
-                                                  W(LN2W), a[A_LN2_MEAN], a[A_LN2_RSTD], BT, C));
+                                                  W(LN2W), a[A_LN2_MEAN], a[A_LN2_RSTD], BTs, C));
     // attention: residual2 = in + attproj(attn(qkv(ln1(in))))
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     fl_attention_backward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, dres, dbuf, d4a);
     FL_BWD_OP(FL_OP_LAYERNORM, layernorm_backward(dt, dres, G(LN1W), G(LN1B), dbuf, b->in, W(LN1W),
-                                                  a[A_LN1_MEAN], a[A_LN1_RSTD], BT, C));
+                                                  a[A_LN1_MEAN], a[A_LN1_RSTD], BTs, C));
 #undef W
 #undef G
 }
@@ -231,14 +234,16 @@ static void head_forward(const fl_block *h, void *logits) {
     linear_set(&m->config, lin);
     FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(m->dtype, a[H_LNF], a[H_MEAN], a[H_RSTD], h->in,
                                                  fl_unit_w(m, FL_UNIT_HEAD(L), 0),
-                                                 fl_unit_w(m, FL_UNIT_HEAD(L), 1), BT, C));
+                                                 fl_unit_w(m, FL_UNIT_HEAD(L), 1),
+                                                 fl_seq_rows(&m->config, BT), C));
     fl_linear_forward(m, FL_UNIT_EMBED, &lin[L_HEAD], logits, a[H_LNF], BT); // tied to wte
 }
 
 static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     fl_model *m = h->m;
     int L = m->config.n_layer, C = m->config.n_embd, BT = h->B * h->T, U = FL_UNIT_HEAD(L);
-    size_t BTC = (size_t)BT * C, D = fl_dtype_size(m->dtype);
+    int BTs = fl_seq_rows(&m->config, BT);
+    size_t BTC = (size_t)BTs * C, D = fl_dtype_size(m->dtype);
     void **a = h->act, *dbuf = h->work[W_C];
     fl_linear lin[NLIN];
     linear_set(&m->config, lin);
@@ -247,7 +252,7 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     memset(dres, 0, BTC * D);
     FL_BWD_OP(FL_OP_LAYERNORM,
               layernorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), fl_unit_g(m, U, 1), dbuf,
-                                 h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BT, C));
+                                 h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BTs, C));
 }
 
 const fl_arch fl_arch_gpt2 = {

@@ -3,6 +3,8 @@
 // have one place to wrap; a frozen weight gets no gradient.
 #include "fitlm/model.h"
 
+#include <string.h>
+
 #include "arch.h"
 
 // FLOPs of one (N x C) @ (C x OC) GEMM: the profile's GFLOP/s; the backward
@@ -20,19 +22,41 @@ static int tp_kind(const fl_model *m, const fl_linear *lin) {
     return m->tp.size > 1 ? lin->tp : FL_LINEAR_WHOLE;
 }
 
+// Under sequence parallelism a column-parallel linear's input and a
+// row-parallel linear's output hold this rank's N/t positions: the input is
+// all-gathered first (Megatron's f becomes an all-gather, its backward a
+// reduce-scatter), the output reduce-scattered (g), every position's
+// product in between. Neither gathered copy is kept: the backward gathers
+// again (as Megatron does).
+static int seq_parallel(const fl_model *m) {
+    return fl_seq_parallel(&m->config);
+}
+
 void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
                        int N) {
     const void *w = fl_quant_weights(m, unit, lin, FL_FWD);
     const void *b = lin->b >= 0 ? fl_unit_w(m, unit, lin->b) : NULL;
+    int kind = tp_kind(m, lin), sp = seq_parallel(m);
+    if (sp && kind == FL_LINEAR_COLUMN) {
+        fl_tp_all_gather(m, inp, m->tp_gather, (size_t)fl_seq_rows(&m->config, N) * lin->in);
+        inp = m->tp_gather;
+    }
     // a row-parallel product is a partial sum: the bias comes once, after it
-    int row = tp_kind(m, lin) == FL_LINEAR_ROW;
+    int row = kind == FL_LINEAR_ROW;
+    void *prod = row && sp ? m->tp_partial : out;
     FL_PROFILE(lin->op, FL_FWD, gemm_flops(N, lin->in, lin->out),
-               matmul_forward(m->dtype, out, inp, w, row ? NULL : b, m->matmul_workspace, N,
+               matmul_forward(m->dtype, prod, inp, w, row ? NULL : b, m->matmul_workspace, N,
                               lin->in, lin->out));
     if (m->lora.cfg.r) fl_lora_forward(m, unit, lin, out, inp, N);
     if (!row) return;
-    fl_tp_all_reduce(m, out, (size_t)N * lin->out);
-    if (b) FL_PROFILE(lin->op, FL_FWD, 0.0, bias_forward(m->dtype, out, b, N, lin->out));
+    int rows = N;
+    if (sp) {
+        rows = fl_seq_rows(&m->config, N);
+        fl_tp_reduce_scatter(m, prod, out, (size_t)rows * lin->out);
+    } else {
+        fl_tp_all_reduce(m, out, (size_t)N * lin->out);
+    }
+    if (b) FL_PROFILE(lin->op, FL_FWD, 0.0, bias_forward(m->dtype, out, b, rows, lin->out));
 }
 
 void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
@@ -42,13 +66,30 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
     void *dw = frozen ? NULL : fl_unit_g(m, unit, lin->w);
     void *db = lin->b >= 0 && !frozen ? fl_unit_g(m, unit, lin->b) : NULL;
     const void *w = fl_quant_weights(m, unit, lin, FL_BWD);
+    int kind = tp_kind(m, lin), sp = seq_parallel(m);
+    size_t local = (size_t)fl_seq_rows(&m->config, N);
+    void *dinp_here = dinp;
+    if (sp && kind == FL_LINEAR_COLUMN) { // every position's input, and its gradient's partial sum
+        fl_tp_all_gather(m, inp, m->tp_gather, local * lin->in);
+        inp = m->tp_gather;
+        if (dinp) {
+            dinp_here = m->tp_partial;
+            memset(dinp_here, 0, (size_t)N * lin->in * fl_dtype_size(m->dtype));
+        }
+    } else if (sp && kind == FL_LINEAR_ROW) { // every position's output gradient
+        fl_tp_all_gather(m, dout, m->tp_gather, local * lin->out);
+        dout = m->tp_gather;
+    }
     // a frozen weight's GEMM only passes the gradient on: half the work
     double flops = (dw ? 2.0 : 1.0) * gemm_flops(N, lin->in, lin->out);
     FL_PROFILE(lin->op, FL_BWD, flops,
-               matmul_backward(m->dtype, dinp, dw, db, dout, inp, w, m->matmul_workspace, N,
+               matmul_backward(m->dtype, dinp_here, dw, db, dout, inp, w, m->matmul_workspace, N,
                                lin->in, lin->out));
     if (m->lora.cfg.r) fl_lora_backward(m, unit, lin, dinp, dout, inp, N);
     // a column-parallel input's gradient is this rank's outputs' share
-    if (dinp && tp_kind(m, lin) == FL_LINEAR_COLUMN)
+    if (!dinp || kind != FL_LINEAR_COLUMN) return;
+    if (sp)
+        fl_tp_reduce_scatter(m, dinp_here, dinp, local * lin->in);
+    else
         fl_tp_all_reduce(m, dinp, (size_t)N * lin->in);
 }

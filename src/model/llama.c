@@ -76,6 +76,7 @@ static int table_rows(const fl_model_config *c) {
 static void build_table(fl_param_table *t, const fl_model_config *c) {
     size_t C = c->n_embd, I = c->intermediate_size, kv = (size_t)c->n_kv_head * (C / c->n_head);
     const unsigned D = FL_PARAM_DECAY, LIN = FL_PARAM_DECAY | FL_PARAM_LINEAR;
+    const unsigned NORM = FL_PARAM_TOKENWISE;
     const float std = 0.02f;
     int L = c->n_layer;
     int e = fl_arch_add_row(t, FL_UNIT_EMBED, D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
@@ -95,10 +96,10 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
                 {"layers.%d.mlp.down_proj.weight", 0, 2, 1}};
     size_t size[] = {C, kv, I};
     for (int l = 0; l < L; l++) {
-        fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0, "layers.%d.input_layernorm.weight", l);
+        fl_arch_add_row(t, l, NORM, FL_INIT_ONES, 0, C, 0, "layers.%d.input_layernorm.weight", l);
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) {
             if (!mats[i].name) {
-                fl_arch_add_row(t, l, 0, FL_INIT_ONES, 0, C, 0,
+                fl_arch_add_row(t, l, NORM, FL_INIT_ONES, 0, C, 0,
                                 "layers.%d.post_attention_layernorm.weight", l);
                 continue;
             }
@@ -107,7 +108,7 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
             fl_params_split(t, r, mats[i].dim, 1);
         }
     }
-    fl_arch_add_row(t, FL_UNIT_HEAD(L), 0, FL_INIT_ONES, 0, C, 0, "norm.weight", 0);
+    fl_arch_add_row(t, FL_UNIT_HEAD(L), NORM, FL_INIT_ONES, 0, C, 0, "norm.weight", 0);
     if (!c->tie_embeddings) {
         int h = fl_arch_add_row(t, FL_UNIT_HEAD(L), D, FL_INIT_NORMAL, std, c->padded_vocab_size, C,
                                 "lm_head.weight", 0);
@@ -120,29 +121,31 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
 // this rank's 1/t.)
 static int block_slots(const fl_model_config *c, fl_slot *s) {
     size_t C = c->n_embd, t = (size_t)fl_tp_ways(c), I = c->intermediate_size / t;
-    s[A_LN1] = s[A_LN2] = (fl_slot){C, 0, 1};
-    s[A_RSTD1] = s[A_RSTD2] = (fl_slot){1, 1, 1};
-    s[A_QKV] = (fl_slot){qkv_width(c), 0, 0};
-    s[A_ATTY] = (fl_slot){C / t, 0, 0};
-    s[A_RES2] = (fl_slot){C, 0, 0};
-    s[A_LSE] = (fl_slot){(size_t)c->n_head / t, 1, 0};
-    s[A_GATEUP] = (fl_slot){2 * I, 0, 0};
-    s[A_ACT] = (fl_slot){I, 0, 1};
+    s[A_LN1] = s[A_LN2] = (fl_slot){C, 0, 1, 1};
+    s[A_RSTD1] = s[A_RSTD2] = (fl_slot){1, 1, 1, 1};
+    s[A_QKV] = (fl_slot){qkv_width(c), 0, 0, 0};
+    s[A_ATTY] = (fl_slot){C / t, 0, 0, 0};
+    s[A_RES2] = (fl_slot){C, 0, 0, 1};
+    s[A_LSE] = (fl_slot){(size_t)c->n_head / t, 1, 0, 0};
+    s[A_GATEUP] = (fl_slot){2 * I, 0, 0, 0};
+    s[A_ACT] = (fl_slot){I, 0, 1, 0};
     return NSLOTS;
 }
 
 static int head_slots(const fl_model_config *c, fl_slot *s) {
-    s[H_NORM] = (fl_slot){(size_t)c->n_embd, 0, 0};
-    s[H_RSTD] = (fl_slot){1, 1, 0};
+    s[H_NORM] = (fl_slot){(size_t)c->n_embd, 0, 0, 1};
+    s[H_RSTD] = (fl_slot){1, 1, 0, 1};
     return NHEAD;
 }
 
 static int work_slots(const fl_model_config *c, fl_slot *s) {
     size_t I = c->intermediate_size / (size_t)fl_tp_ways(c);
-    s[W_C] = (fl_slot){(size_t)c->n_embd, 0, 0};
-    s[W_QKV] = (fl_slot){qkv_width(c), 0, 0};
-    s[W_2I] = (fl_slot){2 * I, 0, 0};
-    s[W_I] = (fl_slot){I, 0, 0};
+    // W_C: d(a norm's output) on the stream's side, first d(attention output)
+    // (C/t of every position: the same size under sequence parallelism)
+    s[W_C] = (fl_slot){(size_t)c->n_embd, 0, 0, 1};
+    s[W_QKV] = (fl_slot){qkv_width(c), 0, 0, 0};
+    s[W_2I] = (fl_slot){2 * I, 0, 0, 0};
+    s[W_I] = (fl_slot){I, 0, 0, 0};
     return NWORK;
 }
 
@@ -189,17 +192,17 @@ static void block_forward(const fl_block *b, int cheap_only) {
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
     int l = b->l, C = c->n_embd, I = c->intermediate_size / fl_tp_ways(c);
-    int BT = b->B * b->T;
+    int BT = b->B * b->T, BTs = fl_seq_rows(c, BT);
     float eps = c->norm_eps;
     void **a = b->act;
     fl_linear lin[NLIN];
     linear_set(c, lin);
     FL_FWD_OP(FL_OP_RMSNORM,
-              rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in, fl_unit_w(m, l, LN1), BT, C, eps));
+              rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in, fl_unit_w(m, l, LN1), BTs, C, eps));
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     if (!cheap_only) fl_attention_forward(b, &lin[L_QKV], &lin[L_O], &att, a[A_RES2]);
     FL_FWD_OP(FL_OP_RMSNORM, rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2],
-                                             fl_unit_w(m, l, LN2), BT, C, eps));
+                                             fl_unit_w(m, l, LN2), BTs, C, eps));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_GATEUP], a[A_GATEUP], a[A_LN2], BT);
     FL_FWD_OP(FL_OP_SWIGLU, swiglu_forward(dt, a[A_ACT], a[A_GATEUP], BT, I));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_DOWN], b->out, a[A_ACT], a[A_RES2]);
@@ -210,7 +213,7 @@ static void block_backward(const fl_block *b, void *dres) {
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
     int l = b->l, C = c->n_embd, I = c->intermediate_size / fl_tp_ways(c);
-    int BT = b->B * b->T;
+    int BT = b->B * b->T, BTs = fl_seq_rows(c, BT);
     size_t D = fl_dtype_size(dt);
     void **a = b->act, **w = b->work;
     fl_linear lin[NLIN];
@@ -220,15 +223,15 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_linear_backward(m, l, &lin[L_DOWN], w[W_I], dres, a[A_ACT], BT);
     memset(w[W_2I], 0, (size_t)BT * 2 * I * D);
     FL_BWD_OP(FL_OP_SWIGLU, swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
-    memset(w[W_C], 0, (size_t)BT * C * D);
+    memset(w[W_C], 0, (size_t)BTs * C * D);
     fl_linear_backward(m, l, &lin[L_GATEUP], w[W_C], w[W_2I], a[A_LN2], BT);
     FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN2), w[W_C], a[A_RES2],
-                                              fl_unit_w(m, l, LN2), a[A_RSTD2], BT, C));
+                                              fl_unit_w(m, l, LN2), a[A_RSTD2], BTs, C));
     // attention: res2 = in + o(attn(rope(qkv(ln1)))), ln1 = rmsnorm(in)
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     fl_attention_backward(b, &lin[L_QKV], &lin[L_O], &att, dres, w[W_C], w[W_QKV]);
     FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN1), w[W_C], b->in,
-                                              fl_unit_w(m, l, LN1), a[A_RSTD1], BT, C));
+                                              fl_unit_w(m, l, LN1), a[A_RSTD1], BTs, C));
 }
 
 static void head_forward(const fl_block *h, void *logits) {
@@ -238,16 +241,17 @@ static void head_forward(const fl_block *h, void *logits) {
     void **a = h->act;
     fl_linear lin[NLIN];
     linear_set(c, lin);
-    FL_FWD_OP(FL_OP_RMSNORM, rmsnorm_forward(m->dtype, a[H_NORM], a[H_RSTD], h->in,
-                                             fl_unit_w(m, U, 0), BT, c->n_embd, c->norm_eps));
+    FL_FWD_OP(FL_OP_RMSNORM,
+              rmsnorm_forward(m->dtype, a[H_NORM], a[H_RSTD], h->in, fl_unit_w(m, U, 0),
+                              fl_seq_rows(c, BT), c->n_embd, c->norm_eps));
     fl_linear_forward(m, head_unit(c), &lin[L_HEAD], logits, a[H_NORM], BT);
 }
 
 static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     fl_model *m = h->m;
     const fl_model_config *c = &m->config;
-    int BT = h->B * h->T, C = c->n_embd, U = FL_UNIT_HEAD(c->n_layer);
-    size_t BTC = (size_t)BT * C, D = fl_dtype_size(m->dtype);
+    int BT = h->B * h->T, C = c->n_embd, U = FL_UNIT_HEAD(c->n_layer), BTs = fl_seq_rows(c, BT);
+    size_t BTC = (size_t)BTs * C, D = fl_dtype_size(m->dtype);
     void **a = h->act, *dnorm = h->work[W_C];
     fl_linear lin[NLIN];
     linear_set(c, lin);
@@ -255,7 +259,7 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     fl_linear_backward(m, head_unit(c), &lin[L_HEAD], dnorm, dlogits, a[H_NORM], BT);
     memset(dres, 0, BTC * D);
     FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), dnorm, h->in,
-                                              fl_unit_w(m, U, 0), a[H_RSTD], BT, C));
+                                              fl_unit_w(m, U, 0), a[H_RSTD], BTs, C));
 }
 
 const fl_arch fl_arch_llama = {

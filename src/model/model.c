@@ -188,6 +188,7 @@ void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_
     m->dtype = dt;
     m->tp = tp && tp->size > 1 ? *tp : (fl_tp){1, 0, 0, NULL};
     m->config.tp_size = m->tp.size;
+    m->config.sequence_parallel = m->tp.size > 1 && m->tp.sequence_parallel;
     fl_model_config_finish(&m->config);
     const fl_model_config *c = &m->config;
     m->arch = arch_of(c);
@@ -305,24 +306,44 @@ static int copies_of(const fl_slot *s, fl_recompute r, int L) {
     return L;
 }
 
+// Elements of a slot for BT positions (a stream-side slot's 1/t of them
+// under sequence parallelism).
+static size_t slot_numel(const fl_model_config *c, const fl_slot *s, size_t BT) {
+    return (s->seq ? (size_t)fl_seq_rows(c, (int)BT) : BT) * s->per_token;
+}
+
+// Under sequence parallelism: elements of the largest unit's rows whose
+// gradients are sums over the positions of the rank's slice (FL_PARAM_TOKENWISE).
+static size_t tokenwise_numel(const fl_model_config *c) {
+    fl_param_table t;
+    fl_model_rank_table(&t, c, 0);
+    size_t per[1026] = {0}, most = 0; // by unit + 1
+    for (int r = 0; r < t.count; r++)
+        if (t.views[r].flags & FL_PARAM_TOKENWISE) per[t.views[r].unit + 1] += t.views[r].numel;
+    for (int u = 0; u <= c->n_layer + 1; u++) most = per[u] > most ? per[u] : most;
+    fl_params_free(&t);
+    return most;
+}
+
 static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, int T, int threads,
                      fl_recompute r, const fl_lora_config *lc, const fl_param_table *lt,
                      act_spec *out) {
     const fl_arch *arch = arch_of(c);
     size_t L = c->n_layer, C = c->n_embd;
     size_t BT = (size_t)B * T, D = fl_dtype_size(dt), F = sizeof(float), I = sizeof(int);
+    size_t BTs = (size_t)fl_seq_rows(c, (int)BT); // the residual stream's positions here
     int n = 0;
 #define SPEC(field, cnt, size, tag)                                                                \
     out[n++] = (act_spec){m ? (void **)&(field) : NULL, cnt, size, tag}
     fl_slot slots[FL_MAX_SLOTS];
-    SPEC(m->resid, (L + 1) * BT * C, D, FL_MEM_ACTS);
+    SPEC(m->resid, (L + 1) * BTs * C, D, FL_MEM_ACTS);
     int ns = arch->block_slots(c, slots);
     for (int i = 0; i < ns; i++)
-        SPEC(m->block_act[i], copies_of(&slots[i], r, (int)L) * BT * slots[i].per_token,
+        SPEC(m->block_act[i], copies_of(&slots[i], r, (int)L) * slot_numel(c, &slots[i], BT),
              slots[i].f32 ? F : D, FL_MEM_ACTS);
     ns = arch->head_slots(c, slots);
     for (int i = 0; i < ns; i++)
-        SPEC(m->head_act[i], BT * slots[i].per_token, slots[i].f32 ? F : D, FL_MEM_ACTS);
+        SPEC(m->head_act[i], slot_numel(c, &slots[i], BT), slots[i].f32 ? F : D, FL_MEM_ACTS);
     SPEC(m->logits, BT * (size_t)fl_vocab_cols(c), D, FL_MEM_ACTS);
     SPEC(m->losses, BT, F, FL_MEM_ACTS);
     SPEC(m->xent_lse, BT, F, FL_MEM_ACTS);
@@ -334,10 +355,19 @@ static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, 
     }
     size_t rope = arch->rope_floats(c, T);
     if (rope) SPEC(m->rope_table, rope, F, FL_MEM_ACTS);
-    SPEC(m->dres, BT * C, D, FL_MEM_WORKSPACE);
+    SPEC(m->dres, BTs * C, D, FL_MEM_WORKSPACE);
     ns = arch->work_slots(c, slots);
     for (int i = 0; i < ns; i++)
-        SPEC(m->block_work[i], BT * slots[i].per_token, slots[i].f32 ? F : D, FL_MEM_WORKSPACE);
+        SPEC(m->block_work[i], slot_numel(c, &slots[i], BT), slots[i].f32 ? F : D,
+             FL_MEM_WORKSPACE);
+    if (fl_seq_parallel(c)) {
+        // every position's hidden states, gathered, and a partial sum before
+        // its reduce-scatter (the linear unit, the embedding); the norms'
+        // weight gradients of one unit before their sum over the TP group
+        SPEC(m->tp_gather, BT * C, D, FL_MEM_WORKSPACE);
+        SPEC(m->tp_partial, BT * C, D, FL_MEM_WORKSPACE);
+        SPEC(m->tp_norm_grads, tokenwise_numel(c), D, FL_MEM_WORKSPACE);
+    }
     SPEC(m->dlosses, BT, F, FL_MEM_WORKSPACE);
     SPEC(m->att_workspace, arch->thread_floats(c, dt, T) * (size_t)threads, F, FL_MEM_WORKSPACE);
     // the largest GEMM workspace of the step
@@ -497,33 +527,76 @@ static void grad_ready(fl_model *m, int unit) {
 // shared copy of a slot the policy recomputes.
 static fl_block block_at(fl_model *m, int l, void **act) {
     const fl_model_config *c = &m->config;
-    size_t BT = (size_t)m->B * m->T, C = c->n_embd;
+    size_t BT = (size_t)m->B * m->T, C = c->n_embd, BTs = (size_t)fl_seq_rows(c, (int)BT);
     fl_slot slots[FL_MAX_SLOTS];
     int ns = m->arch->block_slots(c, slots);
     for (int i = 0; i < ns; i++) {
         size_t copy = copies_of(&slots[i], m->recompute, c->n_layer) == 1 ? 0 : (size_t)l;
         fl_dtype dt = slots[i].f32 ? FL_F32 : m->dtype;
-        act[i] = fl_at(dt, m->block_act[i], copy * BT * slots[i].per_token);
+        act[i] = fl_at(dt, m->block_act[i], copy * slot_numel(c, &slots[i], BT));
     }
     return (fl_block){m,
                       l,
                       m->B,
                       m->T,
-                      fl_at(m->dtype, m->resid, (size_t)l * BT * C),
-                      fl_at(m->dtype, m->resid, (size_t)(l + 1) * BT * C),
+                      fl_at(m->dtype, m->resid, (size_t)l * BTs * C),
+                      fl_at(m->dtype, m->resid, (size_t)(l + 1) * BTs * C),
                       act,
                       m->block_work};
 }
 
 // The head reads the last block's output.
 static fl_block head_at(fl_model *m) {
-    size_t BT = (size_t)m->B * m->T, L = m->config.n_layer;
+    const fl_model_config *c = &m->config;
+    size_t BTs = (size_t)fl_seq_rows(c, m->B * m->T), L = c->n_layer;
     return (fl_block){
-        m,    (int)L,      m->B,         m->T, fl_at(m->dtype, m->resid, L * BT * m->config.n_embd),
+        m,    (int)L,      m->B,         m->T, fl_at(m->dtype, m->resid, L * BTs * c->n_embd),
         NULL, m->head_act, m->block_work};
 }
 
 static float loss(fl_model *m, const float *dloss);
+
+// Sequence parallelism: a unit's norm weights (FL_PARAM_TOKENWISE) take
+// their gradient for this rank's positions in scratch while the unit runs
+// backward; the scratch is then summed over the TP group and added, so every
+// micro-batch adds each position's share once, whatever the strategy binds
+// the gradients to (Megatron sums them once per step, after the data-parallel
+// reduction, which ZeRO-2's per-micro-batch reduction would have passed).
+enum { TOKENWISE_MAX = 32 };
+typedef struct {
+    void *grads[TOKENWISE_MAX]; // the rows' own gradients, or NULL
+    size_t numel;               // of the scratch used
+} tokenwise;
+
+static void tokenwise_begin(fl_model *m, int unit, tokenwise *tw) {
+    tw->numel = 0;
+    if (!fl_seq_parallel(&m->config)) return;
+    int first, count;
+    fl_model_unit_rows(m, unit, &first, &count);
+    FL_ASSERT(count <= TOKENWISE_MAX);
+    size_t D = fl_dtype_size(m->dtype);
+    for (int i = 0; i < count; i++) {
+        const fl_param_view *v = &m->table.views[first + i];
+        tw->grads[i] = v->flags & FL_PARAM_TOKENWISE ? m->gp[first + i] : NULL;
+        if (!tw->grads[i]) continue;
+        m->gp[first + i] = fl_at(m->dtype, m->tp_norm_grads, tw->numel);
+        memset(m->gp[first + i], 0, v->numel * D);
+        tw->numel += v->numel;
+    }
+}
+
+static void tokenwise_end(fl_model *m, int unit, const tokenwise *tw) {
+    if (!tw->numel) return;
+    fl_tp_all_reduce(m, m->tp_norm_grads, tw->numel);
+    int first, count;
+    fl_model_unit_rows(m, unit, &first, &count);
+    for (int i = 0; i < count; i++) {
+        if (!tw->grads[i]) continue;
+        size_t n = m->table.views[first + i].numel;
+        residual_forward(m->dtype, tw->grads[i], tw->grads[i], m->gp[first + i], n);
+        m->gp[first + i] = tw->grads[i];
+    }
+}
 
 // dloss: NULL, or the backward's, for the loss pass to write the logits'
 // gradient too
@@ -535,6 +608,10 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
         fl_die("internal: batch %dx%d exceeds the allocated %dx%d", B, T, m->max_B, m->max_T);
     int L = c->n_layer, V = c->vocab_size;
     size_t BT = (size_t)B * T;
+    if (fl_seq_parallel(c) && BT % (size_t)c->tp_size)
+        fl_die("sequence parallelism: a batch of %d x %d positions does not split over %d "
+               "tensor-parallel ranks",
+               B, T, c->tp_size);
     for (size_t i = 0; i < BT; i++) {
         if (tokens[i] < 0 || tokens[i] >= V)
             fl_die("token id %d at position %zu is outside the vocabulary [0, %d)", tokens[i], i,
@@ -660,7 +737,10 @@ void fl_model_backward(fl_model *m, float dloss) {
     m->dlogits_ready = 0; // the logits hold a gradient now either way
     pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_BWD);
     fl_block head = head_at(m);
+    tokenwise tw;
+    tokenwise_begin(m, FL_UNIT_HEAD(L), &tw);
     m->arch->head_backward(&head, m->dres, dlogits);
+    tokenwise_end(m, FL_UNIT_HEAD(L), &tw);
     grad_ready(m, FL_UNIT_HEAD(L));
 
     // dres holds the gradient of the residual stream, walking back through
@@ -672,7 +752,9 @@ void fl_model_backward(fl_model *m, float dloss) {
         // recomputation is deterministic: the same values as the forward's
         if (m->recompute != FL_RECOMPUTE_NONE)
             m->arch->block_forward(&b, m->recompute == FL_RECOMPUTE_SELECTIVE);
+        tokenwise_begin(m, l, &tw);
         m->arch->block_backward(&b, m->dres);
+        tokenwise_end(m, l, &tw);
         grad_ready(m, l);
     }
     // the token embedding is complete only now when the LM head is tied to it

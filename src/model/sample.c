@@ -42,18 +42,48 @@ int fl_sample_logits(const float *logits, int V, float temperature, int top_k, f
     return token;
 }
 
+// The last position's logits over the whole vocabulary as fp32: the
+// model's own row, or under tensor parallelism every rank's columns
+// gathered (the same on every rank, so every rank draws the same token).
+static const float *last_logits(fl_model *m, int T, float *row, float *mine) {
+    const fl_model_config *c = &m->config;
+    fl_dtype dt = m->dtype;
+    if (m->tp.size == 1) {
+        const void *last = fl_at(dt, m->logits, (size_t)(T - 1) * c->padded_vocab_size);
+        return fl_load_f32(dt, last, c->vocab_size, row); // row, or fp32's own
+    }
+    size_t cols = fl_params_vocab_rows((size_t)c->vocab_size, m->tp.size);
+    fl_convert(FL_F32, mine, dt, fl_at(dt, m->logits, (size_t)(T - 1) * cols), cols);
+    m->tp.ops->all_gather(m->tp.ops->ctx, FL_F32, mine, row, cols);
+    return row;
+}
+
 void fl_model_generate(fl_model *model, int *tokens, int n_prompt, int n_new, float temperature,
                        int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx), void *ctx) {
     FL_ASSERT(n_prompt >= 1 && model->max_B >= 1);
-    int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
-    fl_dtype dt = model->dtype;
-    float *row = fl_alloc(FL_MEM_WORKSPACE, (size_t)V * sizeof(float));
+    int V = model->config.vocab_size, t = model->tp.size;
+    size_t cols = t > 1 ? fl_params_vocab_rows((size_t)V, t) : 0;
+    float *row = fl_alloc(FL_MEM_WORKSPACE, (t > 1 ? t * cols : (size_t)V) * sizeof(float));
+    float *mine = t > 1 ? fl_alloc(FL_MEM_WORKSPACE, cols * sizeof(float)) : NULL;
+    // sequence parallelism splits the positions t ways: the context is
+    // padded to a multiple of t at its end, which the causal attention of
+    // the positions before never sees
+    int sp = model->config.sequence_parallel && t > 1;
+    int *padded = sp ? fl_alloc(FL_MEM_WORKSPACE, (size_t)model->max_T * sizeof(int)) : NULL;
     for (int n = n_prompt; n < n_prompt + n_new; n++) {
         int T = n < model->max_T ? n : model->max_T; // the most recent context that fits
-        fl_model_forward(model, tokens + n - T, NULL, 1, T);
-        const void *last = fl_at(dt, model->logits, (size_t)(T - 1) * Vp);
-        const float *logits = fl_load_f32(dt, last, V, row); // row, or fp32's own
-        for (int i = 0; i < V; i++)                          // a NaN would make every draw garbage
+        const int *context = tokens + n - T;
+        if (sp) {
+            if ((T + t - 1) / t * t > model->max_T) T = model->max_T / t * t;
+            context = tokens + n - T;
+            int Tp = (T + t - 1) / t * t;
+            for (int i = 0; i < Tp; i++) padded[i] = i < T ? context[i] : 0;
+            fl_model_forward(model, padded, NULL, 1, Tp);
+        } else {
+            fl_model_forward(model, context, NULL, 1, T);
+        }
+        const float *logits = last_logits(model, T, row, mine);
+        for (int i = 0; i < V; i++) // a NaN would make every draw garbage
             if (!isfinite(logits[i]))
                 fl_die("the model's logits for generated token %d are not finite (%g for id %d): "
                        "the weights overflow them (a huge weight?); nothing can be sampled",
@@ -62,4 +92,6 @@ void fl_model_generate(fl_model *model, int *tokens, int n_prompt, int n_new, fl
         if (on_token) on_token(tokens[n], ctx);
     }
     fl_free(row);
+    fl_free(mine);
+    fl_free(padded);
 }

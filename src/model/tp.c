@@ -12,6 +12,14 @@ void fl_tp_all_reduce(fl_model *m, void *buf, size_t n) {
     if (m->tp.size > 1) m->tp.ops->all_reduce(m->tp.ops->ctx, m->dtype, buf, n);
 }
 
+void fl_tp_all_gather(fl_model *m, const void *send, void *recv, size_t n) {
+    m->tp.ops->all_gather(m->tp.ops->ctx, m->dtype, send, recv, n);
+}
+
+void fl_tp_reduce_scatter(fl_model *m, const void *send, void *recv, size_t n) {
+    m->tp.ops->reduce_scatter(m->tp.ops->ctx, m->dtype, send, recv, n);
+}
+
 // ----------------------------------------------------------------------------
 // storing whole rows into slices
 
@@ -59,11 +67,21 @@ void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte
         FL_FWD_OP(FL_OP_ENCODER, encoder_forward(m->dtype, out, tokens, wte, wpe, B, T, C));
         return;
     }
-    int rows = fl_vocab_cols(&m->config);
-    FL_FWD_OP(FL_OP_ENCODER, embedding_shard_forward(m->dtype, out, tokens, wte,
-                                                     m->tp.rank * rows, rows, B * T, C));
-    fl_tp_all_reduce(m, out, (size_t)B * T * C);
-    if (wpe) FL_FWD_OP(FL_OP_ENCODER, position_forward(m->dtype, out, wpe, B, T, C));
+    int rows = fl_vocab_cols(&m->config), N = B * T;
+    size_t local = (size_t)fl_seq_rows(&m->config, N) * C;
+    // under sequence parallelism every position's lookup, then this rank's
+    // positions of the sum (GPT-2: of the sum with the positions added)
+    void *all = fl_seq_parallel(&m->config) ? m->tp_gather : out;
+    FL_FWD_OP(FL_OP_ENCODER, embedding_shard_forward(m->dtype, all, tokens, wte,
+                                                     m->tp.rank * rows, rows, N, C));
+    if (all != out && !wpe) {
+        fl_tp_reduce_scatter(m, all, out, local);
+        return;
+    }
+    fl_tp_all_reduce(m, all, (size_t)N * C);
+    if (wpe) FL_FWD_OP(FL_OP_ENCODER, position_forward(m->dtype, all, wpe, B, T, C));
+    if (all != out)
+        memcpy(out, fl_at(m->dtype, all, (size_t)m->tp.rank * local), local * fl_dtype_size(m->dtype));
 }
 
 void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, const int *tokens,
@@ -73,9 +91,13 @@ void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, co
         FL_BWD_OP(FL_OP_ENCODER, encoder_backward(m->dtype, dwte, dwpe, dout, tokens, B, T, C));
         return;
     }
-    // dout is the same on every rank: each adds its rows' share, and the
-    // (replicated) positions' whole gradient
+    // dout is the same on every rank (sequence parallelism: gathered): each
+    // adds its rows' share, and the (replicated) positions' whole gradient
     int rows = fl_vocab_cols(&m->config);
+    if (fl_seq_parallel(&m->config)) {
+        fl_tp_all_gather(m, dout, m->tp_gather, (size_t)fl_seq_rows(&m->config, B * T) * C);
+        dout = m->tp_gather;
+    }
     if (dwte)
         FL_BWD_OP(FL_OP_ENCODER, embedding_shard_backward(m->dtype, dwte, dout, tokens,
                                                           m->tp.rank * rows, rows, B * T, C));
