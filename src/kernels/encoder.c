@@ -106,8 +106,8 @@ static void add_token_rows(occurs_fn *occurs, fl_dtype dt, void *dst, const void
 // Each token's row of dwte is owned by the first position holding that
 // token, which sums all the token's rows in (b,t) order: no races, a result
 // independent of the thread count, and one rounding per element.
-static void token_grads(fl_dtype dt, void *dwte, const void *dout, const int *inp, int first,
-                        int rows, int N, int C) {
+void embedding_shard_backward(fl_dtype dt, void *dwte, const void *dout, const int *inp, int first,
+                              int rows, int N, int C) {
     occurs_fn *occurs = occurs_for(fl_cpu_isa());
 #pragma omp parallel for schedule(dynamic, 16) if ((size_t)N * C >= FL_PAR_MIN_VALUES)
     for (int bt = 0; bt < N; bt++) {
@@ -120,11 +120,6 @@ static void token_grads(fl_dtype dt, void *dwte, const void *dout, const int *in
                            tok, bt, N, C, c0, nc);
         }
     }
-}
-
-void embedding_shard_backward(fl_dtype dt, void *dwte, const void *dout, const int *inp, int first,
-                              int rows, int N, int C) {
-    token_grads(dt, dwte, dout, inp, first, rows, N, C);
 }
 
 // each t owns its row of dwpe; batches are summed in order
@@ -148,7 +143,7 @@ void position_backward(fl_dtype dt, void *dwpe, const void *dout, int B, int T, 
 
 void encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, const int *inp, int B,
                       int T, int C) {
-    if (dwte) token_grads(dt, dwte, dout, inp, 0, INT_MAX, B * T, C);
+    if (dwte) embedding_shard_backward(dt, dwte, dout, inp, 0, INT_MAX, B * T, C);
     if (dwpe) position_backward(dt, dwpe, dout, B, T, C);
 }
 
