@@ -2391,6 +2391,434 @@ static void test_swiglu_lp(fl_dtype dt) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// tensor parallelism's kernels, in fp32, bf16 and fp16
+//
+// The vocabulary-parallel embedding and cross-entropy run on t = 1, 2 and 4
+// shards of the vocabulary, ceil(Vp / t) rows or columns each, the last
+// shorter or empty, and are combined as the model combines them over the TP
+// group; the results are checked against the one-process kernels
+// (encoder_*, softmax_xent_*), and each kernel against its _ref twin, by
+// finite differences in double (the fp32 backwards) and across thread counts.
+
+static const fl_dtype ALL_DT[3] = {FL_F32, FL_BF16, FL_F16};
+
+// shard k of t over n rows or columns: [*first, *first + *count)
+static void shard_range(int n, int t, int k, int *first, int *count) {
+    int per = (n + t - 1) / t;
+    *first = k * per < n ? k * per : n;
+    *count = n - *first < per ? n - *first : per;
+}
+
+// got (dt) against the fp32 want: fp32's tolerance, or check_lp's in 16 bits
+static void check_dt(const char *name, fl_dtype dt, const void *got, const float *want, size_t n,
+                     double atol, double rtol) {
+    if (dt != FL_F32) {
+        check_lp(name, dt, got, want, n, atol, rtol);
+        return;
+    }
+    char full[160];
+    snprintf(full, sizeof full, "fp32 %s", name);
+    t_close(full, got, want, n, atol, rtol);
+}
+
+typedef struct {
+    const int *inp;
+    double *wte, *wpe, *R, *out;
+    int first, rows, B, T, C;
+} emb_ctx;
+
+// embedding_shard_forward, then position_forward, in double
+static double emb_loss(const void *p) {
+    const emb_ctx *c = p;
+    for (int bt = 0; bt < c->B * c->T; bt++) {
+        int id = c->inp[bt] - c->first;
+        for (int i = 0; i < c->C; i++)
+            c->out[(size_t)bt * c->C + i] =
+                (id >= 0 && id < c->rows ? c->wte[(size_t)id * c->C + i] : 0.0) +
+                c->wpe[(size_t)(bt % c->T) * c->C + i];
+    }
+    return dot_d(c->out, c->R, (size_t)c->B * c->T * c->C);
+}
+
+// The shards' lookups summed (the all-reduce) plus position_forward are
+// encoder_forward's bits, the shards' gradients side by side and
+// position_backward's encoder_backward's, in every dtype (each output is one
+// fp32 sum, rounded once); each kernel agrees with its _ref exactly.
+static void test_embedding_shard(fl_dtype dt) {
+    int shapes[][4] = {
+        {1, 1, 1, 2}, {2, 3, 7, 5}, {3, 17, 33, 11}, {4, 64, 96, 50}, {2, 5, 1100, 9}};
+    for (int s = 0; s < 5; s++) {
+        int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], Vp = shapes[s][3], N = B * T;
+        int maxT = T + 2;
+        size_t nout = (size_t)N * C, nwte = (size_t)Vp * C, nwpe = (size_t)maxT * C;
+        int *inp = tokens(N, 10 + s, 0, Vp - 1);
+        float *wte = frand_dt(dt, nwte, 1, 1.0f), *wpe = frand_dt(dt, nwpe, 2, 1.0f);
+        float *dout = frand_dt(dt, nout, 3, 1.0f), *dwte0 = frand_dt(dt, nwte, 4, 1.0f);
+        float *dwpe0 = frand_dt(dt, nwpe, 5, 1.0f), *sum = fnan(nout);
+        void *wte_h = to_dt(dt, wte, nwte), *wpe_h = to_dt(dt, wpe, nwpe);
+        void *dout_h = to_dt(dt, dout, nout), *enc_h = nan_dt(dt, nout);
+        void *dwte_e = to_dt(dt, dwte0, nwte), *dwpe_e = to_dt(dt, dwpe0, nwpe);
+        encoder_forward(dt, enc_h, inp, wte_h, wpe_h, B, T, C);
+        encoder_backward(dt, dwte_e, dwpe_e, dout_h, inp, B, T, C);
+        for (int t = 1; t <= 4; t *= 2) {
+            void *dwte_h = to_dt(dt, dwte0, nwte), *part_h = nan_dt(dt, nout);
+            float *part = fnan(nout);
+            for (size_t i = 0; i < nout; i++) sum[i] = 0.0f;
+            for (int k = 0; k < t; k++) {
+                int first, rows;
+                shard_range(Vp, t, k, &first, &rows);
+                const char *name = nm("emb shard B%d T%d C%d t%d k%d", B, T, C, t, k);
+                char base[96];
+                snprintf(base, sizeof base, "%s", name);
+                embedding_shard_forward(dt, part_h, inp, fl_at_const(dt, wte_h, (size_t)first * C),
+                                        first, rows, N, C);
+                embedding_shard_forward_ref(part, inp, wte + (size_t)first * C, first, rows, N, C);
+                check_lp_exact(nm("%s out", base), dt, part_h, part, nout);
+                for (size_t i = 0; i < nout; i++) sum[i] += part[i];
+                float *dw = fcopy(dwte0 + (size_t)first * C, (size_t)rows * C);
+                void *dw_h = fl_at(dt, dwte_h, (size_t)first * C);
+                embedding_shard_backward(dt, dw_h, dout_h, inp, first, rows, N, C);
+                embedding_shard_backward_ref(dw, dout, inp, first, rows, N, C);
+                check_lp_exact(nm("%s dwte", base), dt, dw_h, dw, (size_t)rows * C);
+                free(dw);
+            }
+            void *pos_h = to_dt(dt, sum, nout);
+            position_forward(dt, pos_h, wpe_h, B, T, C);
+            position_forward_ref(sum, wpe, B, T, C);
+            check_lp_exact(nm("pos B%d T%d C%d t%d out", B, T, C, t), dt, pos_h, sum, nout);
+            same_bytes(nm("emb shards t%d + position = encoder out", t), dt, pos_h, enc_h, nout);
+            same_bytes(nm("emb shards t%d = encoder dwte", t), dt, dwte_h, dwte_e, nwte);
+            free(dwte_h), free(part_h), free(part), free(pos_h);
+        }
+        void *dwpe_h = to_dt(dt, dwpe0, nwpe);
+        position_backward(dt, dwpe_h, dout_h, B, T, C);
+        position_backward_ref(dwpe0, dout, B, T, C);
+        check_lp_exact(nm("pos B%d T%d C%d dwpe", B, T, C), dt, dwpe_h, dwpe0, nwpe);
+        same_bytes("position = encoder dwpe", dt, dwpe_h, dwpe_e, nwpe);
+        free(inp), free(wte), free(wpe), free(dout), free(dwte0), free(dwpe0), free(sum);
+        free(wte_h), free(wpe_h), free(dout_h), free(enc_h), free(dwte_e), free(dwpe_e);
+        free(dwpe_h);
+    }
+
+    // above FL_PAR_MIN_VALUES: one thread's bits (repeated tokens, C past a block)
+    {
+        int B = 4, T = 64, C = 2100, Vp = 50, first = 20, rows = 20,
+            threads = omp_get_max_threads();
+        size_t nout = (size_t)B * T * C, nw = (size_t)rows * C, np = (size_t)T * C;
+        int *inp = tokens((size_t)B * T, 31, 0, Vp - 1);
+        float *wte = frand_dt(dt, nw, 32, 1.0f), *wpe = frand_dt(dt, np, 33, 1.0f);
+        float *dout = frand_dt(dt, nout, 34, 1.0f);
+        void *wte_h = to_dt(dt, wte, nw), *wpe_h = to_dt(dt, wpe, np),
+             *dout_h = to_dt(dt, dout, nout);
+        void *out[2], *dw[2], *dp[2];
+        for (int k = 0; k < 2; k++) {
+            omp_set_num_threads(k ? 1 : threads);
+            out[k] = nan_dt(dt, nout), dw[k] = to_dt(dt, wte, nw), dp[k] = to_dt(dt, wpe, np);
+            embedding_shard_forward(dt, out[k], inp, wte_h, first, rows, B * T, C);
+            position_forward(dt, out[k], wpe_h, B, T, C);
+            embedding_shard_backward(dt, dw[k], dout_h, inp, first, rows, B * T, C);
+            position_backward(dt, dp[k], dout_h, B, T, C);
+        }
+        omp_set_num_threads(threads);
+        size_t es = fl_dtype_size(dt);
+        t_check(!memcmp(out[0], out[1], nout * es) && !memcmp(dw[0], dw[1], nw * es) &&
+                    !memcmp(dp[0], dp[1], np * es),
+                "%s emb shard + position C%d: %d threads and one differ", fl_dtype_name(dt), C,
+                threads);
+        free(inp), free(wte), free(wpe), free(dout), free(wte_h), free(wpe_h), free(dout_h);
+        for (int k = 0; k < 2; k++) free(out[k]), free(dw[k]), free(dp[k]);
+    }
+    if (dt != FL_F32) return;
+
+    // gradient check of the shard holding rows [2, 5) of 6, with the
+    // positions: ids 0, 1 and 5 are another rank's; repeated ids accumulate
+    int B = 2, T = 4, C = 5, first = 2, rows = 3, maxT = 5;
+    size_t nout = (size_t)B * T * C, nwte = (size_t)rows * C, nwpe = (size_t)maxT * C;
+    int inp[] = {2, 0, 4, 2, 5, 3, 1, 2};
+    float *wte = frand(nwte, 41, 1.0f), *wpe = frand(nwpe, 42, 1.0f), *R = frand(nout, 43, 1.0f);
+    emb_ctx ctx = {inp,
+                   dcopy(wte, nwte),
+                   dcopy(wpe, nwpe),
+                   dcopy(R, nout),
+                   malloc(nout * 8),
+                   first,
+                   rows,
+                   B,
+                   T,
+                   C};
+    double *g_wte = numgrad(ctx.wte, nwte, emb_loss, &ctx);
+    double *g_wpe = numgrad(ctx.wpe, nwpe, emb_loss, &ctx);
+    emb_loss(&ctx);
+    for (int fast = 0; fast < 2; fast++) {
+        const char *v = fast ? "fast" : "ref";
+        float *out = fnan(nout), *dwte0 = frand(nwte, 44, 1.0f), *dwpe0 = frand(nwpe, 45, 1.0f);
+        float *dwte = fcopy(dwte0, nwte), *dwpe = fcopy(dwpe0, nwpe);
+        if (fast) {
+            embedding_shard_forward(FL_F32, out, inp, wte, first, rows, B * T, C);
+            position_forward(FL_F32, out, wpe, B, T, C);
+            embedding_shard_backward(FL_F32, dwte, R, inp, first, rows, B * T, C);
+            position_backward(FL_F32, dwpe, R, B, T, C);
+        } else {
+            embedding_shard_forward_ref(out, inp, wte, first, rows, B * T, C);
+            position_forward_ref(out, wpe, B, T, C);
+            embedding_shard_backward_ref(dwte, R, inp, first, rows, B * T, C);
+            position_backward_ref(dwpe, R, B, T, C);
+        }
+        check_fwd(nm("emb shard %s out vs double", v), out, ctx.out, nout);
+        check_grad(nm("emb shard %s dwte vs numeric", v), dwte, dwte0, g_wte, nwte);
+        check_grad(nm("position %s dwpe vs numeric", v), dwpe, dwpe0, g_wpe, nwpe);
+        free(out), free(dwte0), free(dwpe0), free(dwte), free(dwpe);
+    }
+    free(wte), free(wpe), free(R), free(g_wte), free(g_wpe);
+    free(ctx.wte), free(ctx.wpe), free(ctx.R), free(ctx.out);
+}
+
+// bias_forward: one fp32 addition per element, as in _ref, rounded once:
+// exact; in fp32 also against double. (It has no backward: the bias's
+// gradient is matmul_backward's dbias.)
+static void test_bias(fl_dtype dt) {
+    int shapes[][2] = {
+        {1, 1}, {3, 7}, {5, 1030}, {520, 1030}}; // N OC; the last past FL_PAR_MIN_VALUES
+    int threads = omp_get_max_threads();
+    for (int s = 0; s < 4; s++) {
+        int N = shapes[s][0], OC = shapes[s][1];
+        size_t n = (size_t)N * OC;
+        float *out = frand_dt(dt, n, 51, 1.0f), *bias = frand_dt(dt, OC, 52, 1.0f);
+        void *bias_h = to_dt(dt, bias, OC), *out_h = to_dt(dt, out, n), *out_1 = to_dt(dt, out, n);
+        double *want = dcopy(out, n);
+        for (size_t i = 0; i < n; i++) want[i] += bias[i % OC];
+        bias_forward(dt, out_h, bias_h, N, OC);
+        omp_set_num_threads(1);
+        bias_forward(dt, out_1, bias_h, N, OC);
+        omp_set_num_threads(threads);
+        bias_forward_ref(out, bias, N, OC);
+        check_lp_exact(nm("bias N%d OC%d out", N, OC), dt, out_h, out, n);
+        same_bytes(nm("bias N%d OC%d: %d threads and one", N, OC, threads), dt, out_h, out_1, n);
+        if (dt == FL_F32) check_fwd(nm("bias N%d OC%d out vs double", N, OC), out_h, want, n);
+        free(out), free(bias), free(bias_h), free(out_h), free(out_1), free(want);
+    }
+}
+
+// Each xent_shard kernel against its _ref on one shard (padding NaN, never
+// read), with a global max above the shard's own for some rows, as another
+// rank's columns give; and on the whole vocabulary, xent_shard_backward is
+// softmax_xent_backward's bits (the same row loop).
+static void test_xent_shard_kernels(fl_dtype dt) {
+    int shapes[][3] = {{2, 0, 16},  {1, 1, 1},        {1, 5, 8},
+                       {7, 33, 48}, {64, 1000, 1003}, {3, 12565, 12576}}; // N V Vp
+    int threads = omp_get_max_threads();
+    for (int s = 0; s < (t_quick() ? 5 : 6); s++) { // the emulated CPUs: the small shards
+        int N = shapes[s][0], V = shapes[s][1], Vp = shapes[s][2];
+        size_t n = (size_t)N * Vp;
+        float *logits = frand_dt(dt, n, 161, 8.0f), *dl = frand(N, 162, 1.0f);
+        for (int i = 0; i < N; i++)
+            for (int j = V; j < Vp; j++) logits[(size_t)i * Vp + j] = NAN;
+        int *targets = tokens(N, 163 + s, -1, V - 1);
+        float *mx = fnan(N), *mx_r = fnan(N), *mx_g = fnan(N), *sums = fnan(2 * N);
+        float *sums_r = fnan(2 * N), *lse = fnan(N), *dx_r = fnan(n);
+        void *logits_h = to_dt(dt, logits, n), *dx_h = nan_dt(dt, n), *dx_h2 = nan_dt(dt, n);
+        char base[96];
+        snprintf(base, sizeof base, "xent shard N%d V%d", N, V);
+        xent_shard_max(dt, mx, logits_h, N, V, Vp);
+        xent_shard_max_ref(mx_r, logits, N, V, Vp);
+        t_check(!memcmp(mx, mx_r, N * sizeof *mx), "%s %s: max differs from _ref's",
+                fl_dtype_name(dt), base); // the same bits, -inf included
+        int empty_ok = 1;
+        for (int i = 0; i < N; i++) {
+            empty_ok &= V > 0 || (isinf(mx[i]) && mx[i] < 0);
+            mx_g[i] = V == 0 ? 3.0f : i % 2 ? mx[i] + 1.5f : mx[i];
+        }
+        t_check(empty_ok, "%s %s: an empty shard's max is -inf", fl_dtype_name(dt), base);
+        xent_shard_sums(dt, sums, logits_h, mx_g, targets, N, V, Vp);
+        xent_shard_sums_ref(sums_r, logits, mx_g, targets, N, V, Vp);
+        float *se = fnan(N), *se_r = fnan(N), *tl = fnan(N), *tl_r = fnan(N);
+        for (int i = 0; i < N; i++) {
+            se[i] = sums[2 * i], se_r[i] = sums_r[2 * i];
+            tl[i] = sums[2 * i + 1], tl_r[i] = sums_r[2 * i + 1];
+            // this shard alone holds the vocabulary here (V = 0: an exp of 1 elsewhere)
+            lse[i] = mx_g[i] + logf(V ? se_r[i] : 1.0f);
+        }
+        // SIMD's exps against expf, each summed in double: fp32's fast-vs-ref bound
+        t_close(nm("%s %s exp sums", fl_dtype_name(dt), base), se, se_r, N, 1e-6, REF_RTOL);
+        t_close(nm("%s %s target logits", fl_dtype_name(dt), base), tl, tl_r, N, 0, 0);
+        int zero_ok = 1;
+        for (int i = 0; i < N; i++) zero_ok &= targets[i] >= 0 || tl[i] == 0.0f;
+        t_check(zero_ok, "%s %s: a -1 target's logit is 0", fl_dtype_name(dt), base);
+        xent_shard_backward(dt, dx_h, logits_h, lse, targets, dl, N, V, Vp);
+        xent_shard_backward(dt, dx_h2, logits_h, lse, targets, dl, N, V, Vp);
+        xent_shard_backward_ref(dx_r, logits, lse, targets, dl, N, V, Vp);
+        check_dt(nm("%s dlogits", base), dt, dx_h, dx_r, n, 1e-7, REF_RTOL);
+        same_bytes(nm("%s dlogits twice", base), dt, dx_h, dx_h2, n);
+        // the padding is exact zeros; a -1 target's row still has its probabilities
+        size_t es = fl_dtype_size(dt);
+        const unsigned char *g = dx_h;
+        int pad_ok = 1;
+        for (int i = 0; i < N; i++)
+            for (size_t b = (size_t)V * es; b < (size_t)Vp * es; b++)
+                pad_ok &= g[(size_t)i * Vp * es + b] == 0;
+        t_check(pad_ok, "%s %s: the padding's gradient is 0", fl_dtype_name(dt), base);
+        // one thread's bits, and in place
+        omp_set_num_threads(1);
+        xent_shard_max(dt, mx_r, logits_h, N, V, Vp);
+        xent_shard_sums(dt, sums_r, logits_h, mx_g, targets, N, V, Vp);
+        xent_shard_backward(dt, dx_h2, logits_h, lse, targets, dl, N, V, Vp);
+        omp_set_num_threads(threads);
+        t_check(!memcmp(mx, mx_r, N * sizeof *mx) && !memcmp(sums, sums_r, 2 * N * sizeof *sums),
+                "%s %s: %d threads and one differ (max, sums)", fl_dtype_name(dt), base, threads);
+        same_bytes(nm("%s dlogits, %d threads and one", base, threads), dt, dx_h, dx_h2, n);
+        xent_shard_backward(dt, logits_h, logits_h, lse, targets, dl, N, V, Vp);
+        same_bytes(nm("%s in place", base), dt, logits_h, dx_h, n);
+        // the whole vocabulary with no-loss rows' dlosses 0: softmax_xent_backward's bits
+        if (V > 0) {
+            fl_convert(dt, logits_h, FL_F32, logits, n);
+            for (int i = 0; i < N; i++) dl[i] = targets[i] < 0 ? 0.0f : dl[i];
+            softmax_xent_backward(dt, dx_h, logits_h, lse, targets, dl, N, V, Vp);
+            xent_shard_backward(dt, dx_h2, logits_h, lse, targets, dl, N, V, Vp);
+            same_bytes(nm("%s = softmax_xent_backward", base), dt, dx_h2, dx_h, n);
+        }
+        free(logits), free(dl), free(targets), free(mx), free(mx_r), free(mx_g), free(sums);
+        free(sums_r), free(lse), free(dx_r), free(logits_h), free(dx_h), free(dx_h2), free(se);
+        free(se_r), free(tl), free(tl_r);
+    }
+}
+
+// The model's combination over t shards of the (N,V) logits: losses, lse
+// (N) and the gradient (N,V), the shards' columns side by side. Shard k
+// holds global columns [first, first + count) with Vs = ceil(V / t) + 3
+// columns in all (NaN padding); targets are global, made local per shard;
+// dl is 0 at the positions without loss, as the model passes it.
+static void xent_sharded(fl_dtype dt, float *losses, float *lse, float *dlogits,
+                         const float *logits, const int *targets, const float *dl, int N, int V,
+                         int t, int fast) {
+    int Vs = (V + t - 1) / t + 3;
+    float *mx = fnan(N), *S = calloc(N, sizeof *S), *tl = calloc(N, sizeof *tl);
+    float *smx = fnan(N), *sums = fnan(2 * N), *x = fnan((size_t)N * Vs),
+          *dx = fnan((size_t)N * Vs);
+    int *local = malloc(N * sizeof *local);
+    void *x_h = nan_dt(dt, (size_t)N * Vs);
+    for (int i = 0; i < N; i++) mx[i] = -INFINITY;
+    for (int pass = 0; pass < 3; pass++) // max, sums, backward: each over all shards
+        for (int k = 0; k < t; k++) {
+            int first, count;
+            shard_range(V, t, k, &first, &count);
+            for (int i = 0; i < N; i++) {
+                for (int j = 0; j < Vs; j++)
+                    x[(size_t)i * Vs + j] = j < count ? logits[(size_t)i * V + first + j] : NAN;
+                int g = targets[i] - first;
+                local[i] = targets[i] >= 0 && g < count && g >= 0 ? g : -1;
+            }
+            fl_convert(dt, x_h, FL_F32, x, (size_t)N * Vs);
+            if (pass == 0) {
+                if (fast)
+                    xent_shard_max(dt, smx, x_h, N, count, Vs);
+                else
+                    xent_shard_max_ref(smx, x, N, count, Vs);
+                for (int i = 0; i < N; i++) mx[i] = fmaxf(mx[i], smx[i]);
+            } else if (pass == 1) {
+                if (fast)
+                    xent_shard_sums(dt, sums, x_h, mx, local, N, count, Vs);
+                else
+                    xent_shard_sums_ref(sums, x, mx, local, N, count, Vs);
+                for (int i = 0; i < N; i++) S[i] += sums[2 * i], tl[i] += sums[2 * i + 1];
+                if (k == t - 1)
+                    for (int i = 0; i < N; i++)
+                        lse[i] = mx[i] + logf(S[i]), losses[i] = lse[i] - tl[i];
+            } else {
+                // in place, as the model turns its logits into their gradient
+                if (fast)
+                    xent_shard_backward(dt, x_h, x_h, lse, local, dl, N, count, Vs);
+                else
+                    xent_shard_backward_ref(x, x, lse, local, dl, N, count, Vs);
+                if (fast)
+                    fl_convert(FL_F32, dx, dt, x_h, (size_t)N * Vs);
+                else
+                    memcpy(dx, x, (size_t)N * Vs * sizeof *dx);
+                int pad_ok = 1;
+                for (int i = 0; i < N; i++) {
+                    for (int j = 0; j < count; j++)
+                        dlogits[(size_t)i * V + first + j] = dx[(size_t)i * Vs + j];
+                    for (int j = count; j < Vs; j++) pad_ok &= dx[(size_t)i * Vs + j] == 0.0f;
+                }
+                t_check(pad_ok, "%s xent t%d shard %d: the padding's gradient is 0",
+                        fl_dtype_name(dt), t, k);
+            }
+        }
+    free(mx), free(S), free(tl), free(smx), free(sums), free(x), free(dx), free(local), free(x_h);
+}
+
+// Vocabulary-parallel cross-entropy equals the plain one (Megatron's
+// test_cross_entropy.py): t = 2 and 4 shards of the logits, combined as the
+// model does, against softmax_xent on the whole fp32 matrix. Tolerance: the
+// losses and lse within 1e-5 + 1e-5 |x| (softmax_xent's own fast-vs-ref
+// bound: the shards' fp32 partial sums and log against one double sum), the
+// gradients within 1e-7 + 1e-5 |g| (that lse's relative error times |lse|
+// < 15 is 1e-6 of each probability), 16-bit gradients rounded once from it.
+static void test_xent_shard_equals_plain(fl_dtype dt) {
+    int shapes[][2] = {{5, 5}, {7, 33}, {64, 1000}, {3, 50257}}; // N V; t = 4 of V = 5: 2, 2, 1, 0
+    for (int s = 0; s < (t_quick() ? 3 : 4); s++) { // the emulated CPUs: no GPT-2 vocabulary
+        int N = shapes[s][0], V = shapes[s][1];
+        size_t n = (size_t)N * V;
+        float *logits = frand_dt(dt, n, 171 + s, 8.0f), *dl = frand(N, 172, 1.0f);
+        int *targets = tokens(N, 173 + s, -1, V - 1);
+        targets[0] = -1, targets[N - 1] = V - 1; // a row without loss; the last shard's column
+        for (int i = 0; i < N; i++) dl[i] = targets[i] < 0 ? 0.0f : dl[i];
+        float *loss_p = fnan(N), *lse_p = fnan(N), *dx_p = fnan(n);
+        softmax_xent_forward(FL_F32, loss_p, lse_p, logits, targets, N, V, V);
+        softmax_xent_backward(FL_F32, dx_p, logits, lse_p, targets, dl, N, V, V);
+        for (int t = 2; t <= 4; t += 2) {
+            float *loss = fnan(N), *lse = fnan(N), *dx = fnan(n);
+            xent_sharded(dt, loss, lse, dx, logits, targets, dl, N, V, t, 1);
+            void *dx_h = to_dt(dt, dx, n);
+            char base[96];
+            snprintf(base, sizeof base, "xent t%d N%d V%d", t, N, V);
+            for (int i = 0; i < N; i++) loss[i] = targets[i] < 0 ? 0.0f : loss[i];
+            t_close(nm("%s %s losses = plain", fl_dtype_name(dt), base), loss, loss_p, N, 1e-5,
+                    REF_RTOL);
+            t_close(nm("%s %s lse = plain", fl_dtype_name(dt), base), lse, lse_p, N, 1e-5,
+                    REF_RTOL);
+            check_dt(nm("%s dlogits = plain", base), dt, dx_h, dx_p, n, 1e-7, REF_RTOL);
+            free(loss), free(lse), free(dx), free(dx_h);
+        }
+        free(logits), free(dl), free(targets), free(loss_p), free(lse_p), free(dx_p);
+    }
+}
+
+// the sharded loss and its gradient against double and finite differences,
+// fast kernels and _ref twins, over t = 2 shards of 4 and 3 columns
+static void test_xent_shard_grad(void) {
+    int N = 4, V = 7, targets[] = {2, -1, 0, 6};
+    size_t n = (size_t)N * V;
+    float *logits = frand(n, 181, 3.0f), *dl = frand(N, 182, 1.0f);
+    dl[1] = 0.0f; // no loss there
+    xent_ctx ctx = {dcopy(logits, n), dcopy(dl, N), malloc(N * 8), malloc(N * 8), targets, N, V, V};
+    double *g = numgrad(ctx.logits, n, xent_loss, &ctx);
+    xent_loss(&ctx);
+    for (int fast = 0; fast < 2; fast++) {
+        const char *v = fast ? "fast" : "ref";
+        float *losses = fnan(N), *lse = fnan(N), *dx = fnan(n), *zero = calloc(n, sizeof *zero);
+        xent_sharded(FL_F32, losses, lse, dx, logits, targets, dl, N, V, 2, fast);
+        losses[1] = 0.0f; // the model masks the positions without loss
+        check_fwd(nm("xent shard %s losses vs double", v), losses, ctx.losses, N);
+        check_fwd(nm("xent shard %s lse vs double", v), lse, ctx.lse, N);
+        check_grad(nm("xent shard %s dlogits vs numeric", v), dx, zero, g, n); // overwrites
+        free(losses), free(lse), free(dx), free(zero);
+    }
+    free(logits), free(dl), free(g), free(ctx.logits), free(ctx.dl), free(ctx.losses);
+    free(ctx.lse);
+}
+
+static void test_tp_kernels(void) {
+    printf("tensor-parallel kernels\n");
+    for (int d = 0; d < 3; d++) {
+        test_embedding_shard(ALL_DT[d]);
+        test_bias(ALL_DT[d]);
+        test_xent_shard_kernels(ALL_DT[d]);
+        test_xent_shard_equals_plain(ALL_DT[d]);
+    }
+    test_xent_shard_grad();
+}
+
 static void test_lowp(void) {
     for (int d = 0; d < 2; d++) {
         fl_dtype dt = LOWP[d];
@@ -2517,6 +2945,7 @@ static int run_all(const char *path) {
     test_swiglu();
     test_gemm();
     test_lowp();
+    test_tp_kernels();
     return t_report();
 }
 

@@ -10,8 +10,9 @@
 // - Backward functions ACCUMULATE (+=) into every gradient they write, so a
 //   gradient that receives contributions from several places (a residual
 //   stream, a tied embedding) is simply summed; callers zero grads first.
-//   Exceptions, marked where declared: softmax_xent_backward overwrites, and
-//   rope_forward/rope_backward work in place.
+//   Exceptions, marked where declared: softmax_xent_backward and
+//   xent_shard_backward overwrite, and rope_forward/rope_backward,
+//   position_forward and bias_forward work in place.
 // - Forward functions overwrite their outputs.
 // - Each fast kernel has a plain, single-threaded twin with the suffix _ref:
 //   the test oracle and the portable fallback. Fast and _ref versions agree
@@ -48,6 +49,30 @@ void encoder_forward_ref(float *out, const int *inp, const float *wte, const flo
                          int T, int C);
 void encoder_backward_ref(float *dwte, float *dwpe, const float *dout, const int *inp, int B, int T,
                           int C);
+
+// Tensor parallelism's pieces of the same (Megatron's VocabParallelEmbedding).
+// embedding_shard_forward: this rank holds rows [first, first + rows) of
+// wte, as wte (rows,C); out (N,C) = wte[inp - first] for ids in the range
+// and 0 for the others (another rank's rows: the all-reduce over the TP
+// group sums them). position_forward then adds the position embeddings in
+// place, out[b,t,:] += wpe[t,:] (GPT-2 adds them after that all-reduce).
+// The sum over the shards plus position_forward is encoder_forward's result
+// bit for bit, and embedding_shard_backward over the shards (dwte (rows,C),
+// the rows of the ids in the range accumulate) with position_backward (dwpe
+// (maxT,C) accumulates dout summed over b) are encoder_backward's.
+
+void embedding_shard_forward(fl_dtype dt, void *out, const int *inp, const void *wte, int first,
+                             int rows, int N, int C);
+void embedding_shard_backward(fl_dtype dt, void *dwte, const void *dout, const int *inp, int first,
+                              int rows, int N, int C);
+void position_forward(fl_dtype dt, void *out, const void *wpe, int B, int T, int C);
+void position_backward(fl_dtype dt, void *dwpe, const void *dout, int B, int T, int C);
+void embedding_shard_forward_ref(float *out, const int *inp, const float *wte, int first, int rows,
+                                 int N, int C);
+void embedding_shard_backward_ref(float *dwte, const float *dout, const int *inp, int first,
+                                  int rows, int N, int C);
+void position_forward_ref(float *out, const float *wpe, int B, int T, int C);
+void position_backward_ref(float *dwpe, const float *dout, int B, int T, int C);
 
 // ----------------------------------------------------------------------------
 // layernorm over the last dim C of N rows, eps = 1e-5 (GPT-2's).
@@ -197,6 +222,12 @@ void residual_backward(fl_dtype dt, void *da, void *db, const void *dout, size_t
 void residual_forward_ref(float *out, const float *a, const float *b, size_t N);
 void residual_backward_ref(float *da, float *db, const float *dout, size_t N);
 
+// A row-parallel linear's bias (tensor parallelism), added once after the
+// all-reduce of the partial products: out (N,OC) += bias (OC) per row, in
+// place. Its gradient is matmul_backward's dbias.
+void bias_forward(fl_dtype dt, void *out, const void *bias, int N, int OC);
+void bias_forward_ref(float *out, const float *bias, int N, int OC);
+
 // ----------------------------------------------------------------------------
 // fused softmax + cross-entropy over the first V of Vp logits per row
 // (columns V..Vp-1 are vocabulary padding and never take part).
@@ -223,6 +254,34 @@ void softmax_xent_forward_ref(float *losses, float *lse, const float *logits, co
                               int N, int V, int Vp);
 void softmax_xent_backward_ref(float *dlogits, const float *logits, const float *lse,
                                const int *targets, const float *dlosses, int N, int V, int Vp);
+
+// Vocabulary-parallel cross-entropy (Megatron's cross_entropy.py), the logits
+// never gathered: this rank's logits (N,Vp) hold its V columns of the
+// vocabulary (the rest is padding and never takes part; V may be 0).
+// targets are LOCAL column ids: -1 when the target is not in this shard or
+// the position has no loss. The model combines the ranks' results over the
+// TP group: the global max = max of mx; S = sum of sums[2i]; the target
+// logit = sum of sums[2i+1]; lse = max + log S; loss = lse - target logit.
+// xent_shard_max: mx[i] = max over j < V of logits[i,j] (-INFINITY when V
+// is 0).
+// xent_shard_sums: sums (N,2), sums[2i] = sum over j < V of exp(logits[i,j] -
+// mx[i]) (mx the global max; summed in double, stored in fp32), sums[2i+1] =
+// logits[i, targets[i]] when targets[i] >= 0, else 0.
+// xent_shard_backward: dlogits[i,j] = dlosses[i] * (exp(logits[i,j] - lse[i])
+// - [j == targets[i]]) for j < V, 0 for the padding; lse is the global one.
+// A row whose position has no loss has dlosses[i] == 0 (all zero). It
+// OVERWRITES dlogits, which may alias logits, as softmax_xent_backward.
+
+void xent_shard_max(fl_dtype dt, float *mx, const void *logits, int N, int V, int Vp);
+void xent_shard_sums(fl_dtype dt, float *sums, const void *logits, const float *mx,
+                     const int *targets, int N, int V, int Vp);
+void xent_shard_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
+                         const int *targets, const float *dlosses, int N, int V, int Vp);
+void xent_shard_max_ref(float *mx, const float *logits, int N, int V, int Vp);
+void xent_shard_sums_ref(float *sums, const float *logits, const float *mx, const int *targets,
+                         int N, int V, int Vp);
+void xent_shard_backward_ref(float *dlogits, const float *logits, const float *lse,
+                             const int *targets, const float *dlosses, int N, int V, int Vp);
 
 // ----------------------------------------------------------------------------
 // LoRA's pieces around its two GEMMs (the linear unit, src/model/lora.c):

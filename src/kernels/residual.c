@@ -1,4 +1,5 @@
-// residual.c: the residual stream's add, out = a + b.
+// residual.c: the residual stream's add, out = a + b, and the same add of a
+// row-parallel linear's bias to each row (tensor parallelism).
 #include "fitlm/kernels.h"
 #include "fitlm/core.h"
 
@@ -50,6 +51,22 @@ void residual_backward(fl_dtype dt, void *da, void *db, const void *dout, size_t
     }
 }
 
+// out (N,OC) += bias (OC) per row: the same add, in place, a row at a time
+void bias_forward(fl_dtype dt, void *out, const void *bias, int N, int OC) {
+    __typeof__(add_portable) *add = add_for(fl_cpu_isa());
+#pragma omp parallel for if ((size_t)N * OC >= FL_PAR_MIN_VALUES)
+    for (int n = 0; n < N; n++) {
+        for (int c0 = 0; c0 < OC; c0 += RES_BLOCK) {
+            int nc = OC - c0 < RES_BLOCK ? OC - c0 : RES_BLOCK;
+            float b32[RES_BLOCK], out32[RES_BLOCK];
+            void *o = fl_at(dt, out, (size_t)n * OC + c0);
+            float *y = fp32_rmw(dt, o, nc, out32);
+            add(y, y, fl_load_f32(dt, fl_at_const(dt, bias, c0), nc, b32), nc);
+            fp32_flush(dt, o, y, nc);
+        }
+    }
+}
+
 void residual_forward_ref(float *out, const float *a, const float *b, size_t N) {
     for (size_t i = 0; i < N; i++) out[i] = a[i] + b[i];
 }
@@ -59,4 +76,9 @@ void residual_backward_ref(float *da, float *db, const float *dout, size_t N) {
         da[i] += dout[i];
         db[i] += dout[i];
     }
+}
+
+void bias_forward_ref(float *out, const float *bias, int N, int OC) {
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < OC; j++) out[(size_t)n * OC + j] += bias[j];
 }

@@ -1,4 +1,5 @@
-// softmax_xent.c: fused softmax + cross-entropy over the first V of Vp logits.
+// softmax_xent.c: fused softmax + cross-entropy over the first V of Vp logits,
+// and its vocabulary-parallel pieces (one rank's columns: max, sums, gradient).
 // Fusing means the (N,Vp) probabilities never exist: the forward keeps only
 // each row's log-sum-exp, and the backward turns logits into their gradient
 // in place. Rows are independent; the AVX-512 and AVX2 paths only change the
@@ -150,21 +151,35 @@ static const row_ops *fast_ops(void) {
     return &scalar_ops;
 }
 
-// One row's lse and loss.
-static void forward_row(fl_dtype dt, float *loss, float *lse, const void *row, int target, int V,
-                        const row_ops *ops) {
+// The max over a row's first V logits (-INFINITY for V = 0), in blocks.
+static float max_row(fl_dtype dt, const void *row, int V, const row_ops *ops) {
     int blk = dt == FL_F32 ? V : XENT_BLOCK;
-    FL_ASSERT(target >= -1 && target < V);
     float x32[XENT_BLOCK], maxval = -INFINITY;
     for (int j0 = 0; j0 < V; j0 += blk) {
         int n = V - j0 < blk ? V - j0 : blk;
         maxval = fmaxf(maxval, ops->max(fl_load_f32(dt, fl_at_const(dt, row, j0), n, x32), n));
     }
+    return maxval;
+}
+
+// The sum of exp(x - maxval) over a row's first V logits, in blocks.
+static double sum_exp_row(fl_dtype dt, const void *row, int V, float maxval, const row_ops *ops) {
+    int blk = dt == FL_F32 ? V : XENT_BLOCK;
+    float x32[XENT_BLOCK];
     double sum = 0.0;
     for (int j0 = 0; j0 < V; j0 += blk) {
         int n = V - j0 < blk ? V - j0 : blk;
         sum += ops->sum_exp(fl_load_f32(dt, fl_at_const(dt, row, j0), n, x32), n, maxval);
     }
+    return sum;
+}
+
+// One row's lse and loss.
+static void forward_row(fl_dtype dt, float *loss, float *lse, const void *row, int target, int V,
+                        const row_ops *ops) {
+    FL_ASSERT(target >= -1 && target < V);
+    float maxval = max_row(dt, row, V, ops);
+    double sum = sum_exp_row(dt, row, V, maxval, ops);
     // cppcheck-suppress invalidFunctionArg ; V >= 1, so sum >= 1
     *lse = maxval + (float)log(sum);
     *loss = target < 0 ? 0.0f : *lse - fp32_at(dt, row, target);
@@ -174,13 +189,15 @@ static void forward_row(fl_dtype dt, float *loss, float *lse, const void *row, i
 // Each block of logits is read before the same block of dx is written, so
 // drow may be row. The target's entry is redone from its saved logit as
 // dloss * (p - 1), not dloss * p - dloss, which would cancel. An ignored
-// row and the vocabulary padding get exact zeros.
+// row and the vocabulary padding get exact zeros. shard: the row is one
+// rank's part of the vocabulary, where a -1 target is another rank's, so
+// the row still takes dloss * p (0 where the position has no loss).
 static void backward_row(fl_dtype dt, void *drow, const void *row, float lse, int target,
-                         float dloss, int V, int Vp, const row_ops *ops) {
+                         float dloss, int V, int Vp, const row_ops *ops, int shard) {
     int blk = dt == FL_F32 ? V : XENT_BLOCK, zero_from = 0;
     FL_ASSERT(target >= -1 && target < V);
-    if (target >= 0) {
-        float x_target = fp32_at(dt, row, target);
+    if (target >= 0 || shard) {
+        float x_target = target >= 0 ? fp32_at(dt, row, target) : 0.0f;
         for (int j0 = 0; j0 < V; j0 += blk) {
             int n = V - j0 < blk ? V - j0 : blk;
             float x32[XENT_BLOCK];
@@ -189,8 +206,10 @@ static void backward_row(fl_dtype dt, void *drow, const void *row, float lse, in
             ops->probs(dx, x, lse, dloss, n);
             fp32_flush(dt, fl_at(dt, drow, j0), dx, n);
         }
-        float g = dloss * (expf(x_target - lse) - 1.0f);
-        fl_store_f32(dt, fl_at(dt, drow, target), &g, 1);
+        if (target >= 0) {
+            float g = dloss * (expf(x_target - lse) - 1.0f);
+            fl_store_f32(dt, fl_at(dt, drow, target), &g, 1);
+        }
         zero_from = V;
     }
     memset(fl_at(dt, drow, zero_from), 0, (size_t)(Vp - zero_from) * fl_dtype_size(dt));
@@ -206,12 +225,12 @@ static void forward(fl_dtype dt, float *losses, float *lse, const void *logits, 
 
 static void backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
                      const int *targets, const float *dlosses, int N, int V, int Vp,
-                     const row_ops *ops, int parallel) {
+                     const row_ops *ops, int parallel, int shard) {
 #pragma omp parallel for if (parallel)
     for (int i = 0; i < N; i++)
         backward_row(dt, fl_at(dt, dlogits, (size_t)i * Vp),
                      fl_at_const(dt, logits, (size_t)i * Vp), lse[i], targets[i], dlosses[i], V, Vp,
-                     ops);
+                     ops, shard);
 }
 
 void softmax_xent_forward(fl_dtype dt, float *losses, float *lse, const void *logits,
@@ -221,7 +240,7 @@ void softmax_xent_forward(fl_dtype dt, float *losses, float *lse, const void *lo
 
 void softmax_xent_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
                            const int *targets, const float *dlosses, int N, int V, int Vp) {
-    backward(dt, dlogits, logits, lse, targets, dlosses, N, V, Vp, fast_ops(), 1);
+    backward(dt, dlogits, logits, lse, targets, dlosses, N, V, Vp, fast_ops(), 1, 0);
 }
 
 // Row by row, while the row is in cache: the logits come from memory once,
@@ -233,7 +252,7 @@ void softmax_xent_forward_backward(fl_dtype dt, float *losses, float *lse, void 
     for (int i = 0; i < N; i++) {
         void *row = fl_at(dt, logits, (size_t)i * Vp);
         forward_row(dt, &losses[i], &lse[i], row, targets[i], V, ops);
-        backward_row(dt, row, row, lse[i], targets[i], dlosses[i], V, Vp, ops);
+        backward_row(dt, row, row, lse[i], targets[i], dlosses[i], V, Vp, ops, 0);
     }
 }
 
@@ -244,5 +263,54 @@ void softmax_xent_forward_ref(float *losses, float *lse, const float *logits, co
 
 void softmax_xent_backward_ref(float *dlogits, const float *logits, const float *lse,
                                const int *targets, const float *dlosses, int N, int V, int Vp) {
-    backward(FL_F32, dlogits, logits, lse, targets, dlosses, N, V, Vp, &scalar_ops, 0);
+    backward(FL_F32, dlogits, logits, lse, targets, dlosses, N, V, Vp, &scalar_ops, 0, 0);
+}
+
+// The vocabulary-parallel pieces: the same row loops on one rank's columns.
+
+static void shard_max(fl_dtype dt, float *mx, const void *logits, int N, int V, int Vp,
+                      const row_ops *ops, int parallel) {
+#pragma omp parallel for if (parallel)
+    for (int i = 0; i < N; i++)
+        mx[i] = max_row(dt, fl_at_const(dt, logits, (size_t)i * Vp), V, ops);
+}
+
+static void shard_sums(fl_dtype dt, float *sums, const void *logits, const float *mx,
+                       const int *targets, int N, int V, int Vp, const row_ops *ops, int parallel) {
+#pragma omp parallel for if (parallel)
+    for (int i = 0; i < N; i++) {
+        const void *row = fl_at_const(dt, logits, (size_t)i * Vp);
+        int target = targets[i];
+        FL_ASSERT(target >= -1 && target < V);
+        sums[2 * i] = (float)sum_exp_row(dt, row, V, mx[i], ops);
+        sums[2 * i + 1] = target < 0 ? 0.0f : fp32_at(dt, row, target);
+    }
+}
+
+void xent_shard_max(fl_dtype dt, float *mx, const void *logits, int N, int V, int Vp) {
+    shard_max(dt, mx, logits, N, V, Vp, fast_ops(), 1);
+}
+
+void xent_shard_sums(fl_dtype dt, float *sums, const void *logits, const float *mx,
+                     const int *targets, int N, int V, int Vp) {
+    shard_sums(dt, sums, logits, mx, targets, N, V, Vp, fast_ops(), 1);
+}
+
+void xent_shard_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
+                         const int *targets, const float *dlosses, int N, int V, int Vp) {
+    backward(dt, dlogits, logits, lse, targets, dlosses, N, V, Vp, fast_ops(), 1, 1);
+}
+
+void xent_shard_max_ref(float *mx, const float *logits, int N, int V, int Vp) {
+    shard_max(FL_F32, mx, logits, N, V, Vp, &scalar_ops, 0);
+}
+
+void xent_shard_sums_ref(float *sums, const float *logits, const float *mx, const int *targets,
+                         int N, int V, int Vp) {
+    shard_sums(FL_F32, sums, logits, mx, targets, N, V, Vp, &scalar_ops, 0);
+}
+
+void xent_shard_backward_ref(float *dlogits, const float *logits, const float *lse,
+                             const int *targets, const float *dlosses, int N, int V, int Vp) {
+    backward(FL_F32, dlogits, logits, lse, targets, dlosses, N, V, Vp, &scalar_ops, 0, 1);
 }
