@@ -321,7 +321,7 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     FL_ASSERT(optim && !model->lora.cfg.r); // dist.h trains whole models only
     size_t b = optim->rule->state_begin, e = optim->rule->state_end, numel = model->table.numel;
     double partial = b != 0 || e != numel; // ZeRO: a shard per rank
-    fl_comm_max(&partial, 1);
+    fl_comm_max(fl_comm_world(), &partial, 1);
     char *text = train_meta(model, optim, NULL, loader, tokenizer->name, config_json);
     param_set sets[2];
     param_sets(model, optim, NULL, sets);

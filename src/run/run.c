@@ -238,7 +238,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     // rank 0 owns the output directory; the others find it ready
     if (*cfg->out_dir && r->rank == 0)
         run_prepare_out_dir(cfg->out_dir, ck ? res->dir : NULL, cfg->overwrite);
-    if (!opt->alone) fl_comm_barrier();
+    if (!opt->alone) fl_comm_barrier(fl_comm_world());
     if (*cfg->adapter) { // the adapter's LoRA config, which the lora.* options must not contradict
         fl_lora_config adapter;
         fl_peft_read_config(cfg->adapter, &adapter);
@@ -265,7 +265,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     if (r->dist) {
         fl_param_table t;
         fl_model_table(&t, &cfg->model);
-        fl_dist_range(&cfg->zero, &t, &own_begin, &own_end);
+        fl_dist_range(&cfg->zero, &t, fl_comm_world(), &own_begin, &own_end);
         fl_params_free(&t);
     }
     init_model(r, pretrained, own_begin, own_end);
@@ -304,7 +304,8 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         fl_ckpt_close(ck);
         res->ck = NULL;
     }
-    if (r->dist) r->strategy = fl_dist_attach(model, &r->optim, &cfg->zero, r->offload);
+    if (r->dist)
+        r->strategy = fl_dist_attach(model, &r->optim, &cfg->zero, r->offload, fl_comm_world());
     if (!opt->alone) run_agree_weights(r, fl_comm_world());
     r->schedule = (fl_schedule){!strcmp(cfg->scheduler, "cosine")   ? FL_SCHED_COSINE
                                 : !strcmp(cfg->scheduler, "linear") ? FL_SCHED_LINEAR
@@ -338,7 +339,7 @@ float fl_run_evaluate(fl_run *r, int step) {
         sums[0] += (double)loss * r->model.n_targets;
         sums[1] += r->model.n_targets;
     }
-    if (r->world > 1) fl_comm_sum(sums, 2); // a non-finite sum is every rank's
+    if (r->world > 1) fl_comm_sum(fl_comm_world(), sums, 2); // a non-finite sum is every rank's
     if (!isfinite(sums[0])) {
         char where[96] = "on another rank";
         if (bad >= 0)
@@ -368,7 +369,7 @@ static int weights_finite(const fl_run *r, int step) {
             bad = 1.0;
     }
     double v[3] = {bad, step, -step};
-    if (r->world > 1) fl_comm_max(v, 3);
+    if (r->world > 1) fl_comm_max(fl_comm_world(), v, 3);
     if (v[1] != step || v[2] != -step)
         fl_die("internal: the ranks reached the checkpoint of step %d at different steps (%g to "
                "%g)",
