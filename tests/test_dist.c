@@ -357,6 +357,277 @@ static void check_groups(void) {
     fl_comm_group_free(half);
 }
 
+// The layout's coordinates, without MPI: parallel.md's example (world 16,
+// t = 2, p = 4: TP {0,1},{2,3}..., DP {0,2},{1,3},{4,6}..., PP
+// {0,4,8,12},{1,5,9,13}...), and for several layouts every rank's
+// coordinates giving it back by rank = tp + t*dp + t*d*pp, each once.
+static void check_layout_coords(void) {
+    int tp, dp, pp;
+    const int example[][4] = {{0, 0, 0, 0}, {1, 1, 0, 0}, {2, 0, 1, 0},  {3, 1, 1, 0},
+                              {4, 0, 0, 1}, {6, 0, 1, 1}, {13, 1, 0, 3}, {15, 1, 1, 3}};
+    for (size_t i = 0; i < sizeof example / sizeof example[0]; i++) {
+        fl_layout_coords(16, 2, 4, example[i][0], &tp, &dp, &pp);
+        t_check(tp == example[i][1] && dp == example[i][2] && pp == example[i][3],
+                "world 16, t 2, p 4: rank %d is tp %d dp %d pp %d (got %d %d %d)", example[i][0],
+                example[i][1], example[i][2], example[i][3], tp, dp, pp);
+    }
+    // the groups of rank 1 in the example: ranks sharing two coordinates
+    const int want[3][4] = {{0, 1, -1, -1}, {1, 3, -1, -1}, {1, 5, 9, 13}}; // TP, DP, PP
+    int c1[3];
+    fl_layout_coords(16, 2, 4, 1, &c1[0], &c1[1], &c1[2]);
+    for (int k = 0; k < 3; k++) {
+        int got[16] = {0}, n = 0, ok = 1;
+        for (int r = 0; r < 16; r++) {
+            int c[3];
+            fl_layout_coords(16, 2, 4, r, &c[0], &c[1], &c[2]);
+            // in the group varying coordinate k: the other two equal rank 1's
+            if (c[(k + 1) % 3] == c1[(k + 1) % 3] && c[(k + 2) % 3] == c1[(k + 2) % 3])
+                got[n++] = r;
+        }
+        for (int i = 0; i < 4; i++) ok &= i < n ? got[i] == want[k][i] : want[k][i] < 0;
+        t_check(ok && n <= 4, "world 16, t 2, p 4: rank 1's %s group is parallel.md's",
+                k == 0   ? "TP"
+                : k == 1 ? "DP"
+                         : "PP");
+    }
+    const int layouts[][3] = {{1, 1, 1}, {8, 2, 2}, {8, 4, 1}, {8, 1, 8}, {12, 2, 3}, {12, 3, 2}};
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+        int world = layouts[i][0], t = layouts[i][1], p = layouts[i][2], d = world / (t * p);
+        int ok = 1, seen[16] = {0};
+        for (int r = 0; r < world; r++) {
+            fl_layout_coords(world, t, p, r, &tp, &dp, &pp);
+            ok &= tp >= 0 && tp < t && dp >= 0 && dp < d && pp >= 0 && pp < p &&
+                  tp + t * dp + t * d * pp == r && !seen[tp + t * dp + t * d * pp]++;
+        }
+        t_check(ok, "world %d, t %d, p %d: rank = tp + t*dp + t*d*pp, every rank once", world, t,
+                p);
+    }
+}
+
+// fl_layout_init over this job's ranks, for each (t, p) that divides it:
+// every group holds the ranks its coordinates say, numbered by the one that
+// varies, and a sum over it adds exactly their values (2^rank).
+static void check_layout_groups(void) {
+    int world = fl_comm_size(), rank = fl_comm_rank();
+    const int tps[][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}};
+    for (size_t i = 0; i < sizeof tps / sizeof tps[0]; i++) {
+        int t = tps[i][0], p = tps[i][1];
+        if (world % (t * p)) continue;
+        fl_layout l;
+        fl_layout_init(&l, t, p);
+        int mine[3] = {l.tp_rank, l.dp_rank, l.pp_rank};
+        const fl_comm_group *groups[4] = {l.tp_group, l.dp_group, l.pp_group, l.mp_group};
+        const char *names[4] = {"TP", "DP", "PP", "model-parallel"};
+        t_check(l.world == world && l.rank == rank && l.tp == t && l.pp == p &&
+                    l.dp == world / (t * p),
+                "rank %d/%d, t %d p %d: the layout's sizes", rank, world, t, p);
+        for (int k = 0; k < 4; k++) {
+            double sum = (double)(1 << rank), want = 0.0;
+            int size = 0, grank = -1, ok = 1;
+            for (int r = 0; r < world; r++) {
+                int c[3];
+                fl_layout_coords(world, t, p, r, &c[0], &c[1], &c[2]);
+                // TP, DP, PP: the other two coordinates equal; model-parallel: dp
+                int in = k < 3 ? c[(k + 1) % 3] == mine[(k + 1) % 3] &&
+                                     c[(k + 2) % 3] == mine[(k + 2) % 3]
+                               : c[1] == mine[1];
+                if (!in) continue;
+                if (r == rank) grank = size;
+                ok &= fl_comm_group_world_rank(groups[k], size) == r;
+                want += (double)(1 << r);
+                size++;
+            }
+            fl_comm_sum(groups[k], &sum, 1);
+            t_check(ok && sum == want && fl_comm_group_size(groups[k]) == size &&
+                        fl_comm_group_rank(groups[k]) == grank && (k == 3 || grank == mine[k]),
+                    "rank %d/%d, t %d p %d: its %s group (rank %d of %d, sum %g, want %g)", rank,
+                    world, t, p, names[k], fl_comm_group_rank(groups[k]),
+                    fl_comm_group_size(groups[k]), sum, want);
+        }
+        fl_layout_free(&l);
+    }
+}
+
+// A ring exchange of 20 KB (past the eager limit of shared memory and
+// TCP): each rank sends to the next and receives from the previous; the
+// send counts its bytes and no elements.
+static void check_point_to_point(void) {
+    int world = fl_comm_size(), rank = fl_comm_rank();
+    if (world == 1) return;
+    enum { N = 5000 };
+    int *out = malloc(N * sizeof(int)), *in = malloc(N * sizeof(int));
+    for (int i = 0; i < N; i++) {
+        out[i] = rank * 100000 + i;
+        in[i] = -1;
+    }
+    const fl_comm_group *g = fl_comm_world();
+    int next = (rank + 1) % world, prev = (rank + world - 1) % world, ok = 1;
+    fl_comm_stats before = fl_comm_get_stats();
+    fl_comm_req rr = fl_comm_irecv(g, prev, in, N * sizeof(int), 3);
+    fl_comm_req rs = fl_comm_isend(g, next, out, N * sizeof(int), 3);
+    fl_comm_wait(rs);
+    fl_comm_wait(rr);
+    fl_comm_stats after = fl_comm_get_stats();
+    for (int i = 0; i < N; i++) ok &= in[i] == prev * 100000 + i;
+    t_check(ok, "rank %d/%d: received rank %d's message", rank, world, prev);
+    t_check(after.bytes - before.bytes == N * sizeof(int) && after.elements == before.elements,
+            "rank %d/%d: the send counts %d bytes (counted %g) and no elements", rank, world,
+            (int)(N * sizeof(int)), after.bytes - before.bytes);
+    free(out);
+    free(in);
+}
+
+// Rank r's test values: x(r, i) with a fractional part (fp32 sums that
+// depend on their order), or integers (exact sums, for the adjoint checks).
+static float tp_value(int r, size_t i, int integer) {
+    uint32_t h = (uint32_t)(r + 1) * 2654435761u ^ (uint32_t)(i + 7) * 40503u;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    float v = (float)(int)(h % 2001) - 1000.0f;
+    return integer ? v : v / 7.0f + (float)(h % 97) * 1e-5f;
+}
+
+// n values of rank r (from index `from`) in dtype dt at out
+static void tp_fill(fl_dtype dt, void *out, int r, size_t from, size_t n, int integer) {
+    float *f = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) f[i] = tp_value(r, from + i, integer);
+    fl_store_f32(dt, out, f, n);
+    free(f);
+}
+
+// The group's sum of element `from + i`, i < n, of every rank's values in
+// dt: summed in fp32 in rank order, rounded once to dt, at out.
+static void tp_expected_sum(fl_dtype dt, void *out, int t, size_t from, size_t n) {
+    size_t D = fl_dtype_size(dt);
+    float *sum = calloc(n, sizeof(float)), *one = malloc(n * sizeof(float));
+    void *x = malloc(n * D);
+    for (int r = 0; r < t; r++) {
+        tp_fill(dt, x, r, from, n, 0);
+        fl_convert(FL_F32, one, dt, x, n);
+        for (size_t i = 0; i < n; i++) sum[i] = r ? sum[i] + one[i] : one[i];
+    }
+    fl_store_f32(dt, out, sum, n);
+    free(sum);
+    free(one);
+    free(x);
+}
+
+// Each TP collective over g exactly (tp.h): all_reduce of fp32, bf16 and
+// fp16 (n dividing t or not) the rank-order fp32 sum rounded once, the
+// same bits on every rank; all_reduce_max; all_gather; reduce_scatter.
+static void check_tp_ops_exact(const fl_comm_group *g, const char *name) {
+    const fl_tp_ops *ops = fl_tp_ops_group(g);
+    int t = fl_comm_group_size(g), me = fl_comm_group_rank(g), rank = fl_comm_rank();
+    t_check(ops == fl_tp_ops_group(g), "rank %d %s: one table per group", rank, name);
+    const fl_dtype dts[3] = {FL_F32, FL_BF16, FL_F16};
+    const size_t sizes[2] = {37, 4096 + 12};
+    for (int k = 0; k < 3; k++)
+        for (int s = 0; s < 2; s++) {
+            fl_dtype dt = dts[k];
+            size_t n = sizes[s], D = fl_dtype_size(dt);
+            char *buf = malloc(t * n * D), *want = malloc(t * n * D), *more = malloc(t * n * D);
+            // all_reduce
+            tp_fill(dt, buf, me, 0, n, 0);
+            tp_expected_sum(dt, want, t, 0, n);
+            ops->all_reduce(ops->ctx, dt, buf, n);
+            t_check(!memcmp(buf, want, n * D), "rank %d %s t=%d: all_reduce of %zu %s", rank, name,
+                    t, n, fl_dtype_name(dt));
+            // all_gather: rank r's values at [r*n, (r+1)*n)
+            tp_fill(dt, buf, me, 0, n, 0);
+            for (int r = 0; r < t; r++) tp_fill(dt, want + r * n * D, r, 0, n, 0);
+            ops->all_gather(ops->ctx, dt, buf, more, n);
+            t_check(!memcmp(more, want, t * n * D), "rank %d %s t=%d: all_gather of %zu %s", rank,
+                    name, t, n, fl_dtype_name(dt));
+            // reduce_scatter: this rank's n of the sum of t*n
+            tp_fill(dt, more, me, 0, t * n, 0);
+            tp_expected_sum(dt, want, t, (size_t)me * n, n);
+            ops->reduce_scatter(ops->ctx, dt, more, buf, n);
+            t_check(!memcmp(buf, want, n * D), "rank %d %s t=%d: reduce_scatter to %zu %s", rank,
+                    name, t, n, fl_dtype_name(dt));
+            free(buf);
+            free(want);
+            free(more);
+        }
+    size_t n = 1000;
+    float *x = malloc(n * sizeof(float)), *want = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        x[i] = tp_value(me, i, 0);
+        want[i] = tp_value(0, i, 0);
+        for (int r = 1; r < t; r++) want[i] = fmaxf(want[i], tp_value(r, i, 0));
+    }
+    ops->all_reduce_max(ops->ctx, x, n);
+    t_check(!memcmp(x, want, n * sizeof(float)), "rank %d %s t=%d: all_reduce_max", rank, name, t);
+    free(x);
+    free(want);
+}
+
+// Megatron's pairs as adjoints (test_mappings.py), exactly in fp32 with
+// integer values, dot products summed over the group's ranks:
+//   f (identity forward, all-reduce backward): <f(x), y> = <x, AR(y)> for
+//     a replicated x, the left side summed over ranks;
+//   g (all-reduce forward, identity backward): <AR(x), y> = <x, y> summed
+//     over ranks, for a replicated y;
+//   all-gather and reduce-scatter: <AG(x), y> = <x, RS(y)>, both summed.
+static void check_tp_ops_adjoint(const fl_comm_group *g, const char *name) {
+    const fl_tp_ops *ops = fl_tp_ops_group(g);
+    int t = fl_comm_group_size(g), me = fl_comm_group_rank(g), rank = fl_comm_rank();
+    size_t n = 96;
+    float *x = malloc(t * n * sizeof(float)), *y = malloc(t * n * sizeof(float));
+    float *z = malloc(t * n * sizeof(float));
+    double dots[6] = {0};
+    // f: x replicated (rank 0's values on every rank), y this rank's
+    tp_fill(FL_F32, x, 0, 0, n, 1);
+    tp_fill(FL_F32, y, me, 0, n, 1);
+    for (size_t i = 0; i < n; i++) dots[0] += (double)x[i] * y[i]; // <f(x), y> on this rank
+    memcpy(z, y, n * sizeof(float));
+    ops->all_reduce(ops->ctx, FL_F32, z, n);                                  // f's backward
+    for (size_t i = 0; i < n; i++) dots[1] += me ? 0.0 : (double)x[i] * z[i]; // once
+    // g: x this rank's, y replicated
+    tp_fill(FL_F32, x, me, 1000, n, 1);
+    tp_fill(FL_F32, y, 0, 1000, n, 1);
+    memcpy(z, x, n * sizeof(float));
+    ops->all_reduce(ops->ctx, FL_F32, z, n); // g's forward
+    for (size_t i = 0; i < n; i++) {
+        dots[2] += me ? 0.0 : (double)z[i] * y[i]; // the replicated output once
+        dots[3] += (double)x[i] * y[i];            // g's backward: y to every rank
+    }
+    // all-gather of n per rank against y of t*n; reduce-scatter of y
+    tp_fill(FL_F32, x, me, 2000, n, 1);
+    tp_fill(FL_F32, y, me, 3000, t * n, 1);
+    ops->all_gather(ops->ctx, FL_F32, x, z, n);
+    for (size_t i = 0; i < t * n; i++) dots[4] += (double)z[i] * y[i];
+    ops->reduce_scatter(ops->ctx, FL_F32, y, z, n);
+    for (size_t i = 0; i < n; i++) dots[5] += (double)x[i] * z[i];
+    fl_comm_sum(g, dots, 6);
+    t_check(dots[0] == dots[1] && dots[0] != 0,
+            "rank %d %s t=%d: f's backward is its adjoint (%g, %g)", rank, name, t, dots[0],
+            dots[1]);
+    t_check(dots[2] == dots[3] && dots[2] != 0,
+            "rank %d %s t=%d: g's backward is its adjoint (%g, %g)", rank, name, t, dots[2],
+            dots[3]);
+    t_check(dots[4] == dots[5] && dots[4] != 0,
+            "rank %d %s t=%d: reduce-scatter is all-gather's adjoint (%g, %g)", rank, name, t,
+            dots[4], dots[5]);
+    free(x);
+    free(y);
+    free(z);
+}
+
+// The TP collectives over the world, and over the TP groups of a t = 2
+// layout where the world splits into several.
+static void check_tp_ops(void) {
+    check_tp_ops_exact(fl_comm_world(), "world");
+    check_tp_ops_adjoint(fl_comm_world(), "world");
+    if (fl_comm_size() >= 4 && fl_comm_size() % 2 == 0) {
+        fl_layout l;
+        fl_layout_init(&l, 2, 1);
+        check_tp_ops_exact(l.tp_group, "TP group");
+        check_tp_ops_adjoint(l.tp_group, "TP group");
+        fl_layout_free(&l);
+    }
+}
+
 // The spike guard under a strategy: every rank judges the all-reduced loss
 // and norm, so all skip the same step, and a skipped step changes no
 // weight; a normal step after it is applied on every rank. The window is
@@ -381,7 +652,7 @@ static void check_spike_guard(const dist_case *c) {
     float *after = t_weights_f32(&run.model, run.strategy);
     size_t n = run.model.table.numel;
     double flagged = r.spike.outlier;
-    fl_comm_sum(&flagged, 1);
+    fl_comm_sum(fl_comm_world(), &flagged, 1);
     t_check(flagged == world && !memcmp(before, after, n * sizeof(float)),
             "rank %d/%d %s: every rank skips the spike (%g of %d), no weight changes", rank, world,
             c->name, flagged, world);
@@ -391,7 +662,7 @@ static void check_spike_guard(const dist_case *c) {
     free(after);
     after = t_weights_f32(&run.model, run.strategy);
     flagged = r.spike.outlier;
-    fl_comm_sum(&flagged, 1);
+    fl_comm_sum(fl_comm_world(), &flagged, 1);
     t_check(flagged == 0 && memcmp(before, after, n * sizeof(float)),
             "rank %d/%d %s: without the guard the step updates", rank, world, c->name);
     free(before);
@@ -401,14 +672,40 @@ static void check_spike_guard(const dist_case *c) {
     fl_run_close(&run);
 }
 
+// For test_failures (`test_dist --p2p-hang send|receive` under mpirun -np
+// 2, a 1 s deadline): rank 0 sends 1 MiB to rank 1, which never receives
+// it, or rank 1 waits for a message from rank 0, which never sends; the
+// other rank sleeps. The wait must end the job naming the operation and
+// the peer; returning at all is a failure.
+static int p2p_hang(const char *kind) {
+    fl_comm_set_timeout(1.0);
+    int sending = !strcmp(kind, "send"), rank = fl_comm_rank();
+    size_t bytes = 1 << 20;
+    char *buf = calloc(bytes, 1);
+    if (fl_comm_size() == 2 && rank == (sending ? 0 : 1)) {
+        fl_comm_wait(sending ? fl_comm_isend(fl_comm_world(), 1, buf, bytes, 5)
+                             : fl_comm_irecv(fl_comm_world(), 0, buf, bytes, 5));
+    } else {
+        for (unsigned left = 60; left;) left = sleep(left);
+    }
+    free(buf);
+    fprintf(stderr, "test_dist --p2p-hang %s: rank %d was not stopped\n", kind, rank);
+    return 1;
+}
+
 int main(int argc, char **argv) {
     fl_comm_init(&argc, &argv);
+    if (argc > 2 && !strcmp(argv[1], "--p2p-hang")) return p2p_hang(argv[2]);
     fl_set_threads(1); // ranks share the cores
     if (chdir(t_source_path("")) != 0) return t_check(0, "cd to the source tree"), t_report();
     check_every_option_agreed();
     check_difference_named();
     check_tables_named();
     check_groups();
+    check_layout_coords();
+    check_layout_groups();
+    check_point_to_point();
+    check_tp_ops();
     const fl_arch_kind G = FL_ARCH_GPT2, L = FL_ARCH_LLAMA;
     const fl_recompute none = FL_RECOMPUTE_NONE, blk = FL_RECOMPUTE_BLOCK;
     const dist_case cases[] = {

@@ -1,6 +1,7 @@
 // test_failures.c: a data-parallel run (mpirun -np 2 fitlm train) whose rank
 // is killed, hangs or fails ends at once, non-zero, with a message naming
-// the rank; ranks started with different settings or builds stop before
+// the rank, as does a point-to-point message never matched, at its
+// deadline; ranks started with different settings or builds stop before
 // their first collective, naming the first differing key and the ranks; and
 // two ranks over TCP train exactly as over shared memory.
 //
@@ -344,6 +345,33 @@ static void test_hang(void) {
     job_free(&j);
 }
 
+// A point-to-point message whose other side never comes (test_dist
+// --p2p-hang, a 1 s deadline): a send that is never received, a receive
+// that is never sent. The waiting rank ends the job soon after the
+// deadline, naming itself, the operation and the peer.
+static void test_p2p_hang(const char *kind, int waiter) {
+    char what[64], args[4096];
+    snprintf(what, sizeof what, "a %s that never completes (1 s)", kind);
+    snprintf(args, sizeof args, "-q -np 2 %s --p2p-hang %s", getenv("FITLM_TEST_DIST"), kind);
+    job j;
+    job_start(&j, args, NULL);
+    int ended = job_pump(&j, JOB_DEADLINE, NULL);
+    double took = (ended ? j.ended : now()) - j.started;
+    printf("  %-50s ended after %.2f s, status %d\n", what, took, job_rc(&j));
+    show_stderr(&j);
+    char says[160];
+    snprintf(says, sizeof says,
+             "fitlm: rank %d: error: a %s rank %d did not complete within 1 s (--comm-timeout)",
+             waiter, strcmp(kind, "send") ? "receive from" : "send to", 1 - waiter);
+    t_check(ended && took < 15.0 && job_rc(&j) != 0,
+            "%s: the job ends soon after the deadline, non-zero (%.2f s, status %d)", what, took,
+            job_rc(&j));
+    t_check(strstr(j.text[1], says) && !strstr(j.text[1], "was not stopped"),
+            "%s: stderr says \"%s\"; got: %.600s", what, says, j.text[1]);
+    if (!ended) job_end(&j, 0, 0);
+    job_free(&j);
+}
+
 // One rank fails with an error: the data directory is missing on its
 // machine. The ranks run the same command line, but rank 1 in a working
 // directory without data/ (mpirun -wdir per application context), as when
@@ -531,14 +559,17 @@ static void test_tcp_equals_shared_memory(void) {
 int main(void) {
     signal(SIGALRM, on_alarm);
     alarm(300); // CTest would end it at 600 s, leaving mpirun behind
-    if (!getenv("FITLM_BINARY")) {
-        fprintf(stderr, "test_failures: FITLM_BINARY is not set (run it through ctest)\n");
+    if (!getenv("FITLM_BINARY") || !getenv("FITLM_TEST_DIST")) {
+        fprintf(stderr, "test_failures: FITLM_BINARY or FITLM_TEST_DIST is not set (run it "
+                        "through ctest)\n");
         return 1;
     }
     test_tcp_equals_shared_memory();
     test_kill(1, "--zero-stage 0", 0);
     test_kill(0, "--zero-stage 3", 1);
     test_hang();
+    test_p2p_hang("send", 0);
+    test_p2p_hang("receive", 1);
     test_error_on_one_rank();
     test_ranks_differ();
     return t_report();

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "fitlm/dtype.h"
+#include "fitlm/tp.h"
 
 // Starts the world: MPI when launched by mpirun (and built with it), else
 // one rank. Idempotent. argc/argv may be NULL.
@@ -34,27 +35,47 @@ void fl_comm_set_timeout(double seconds);
 // printed why): MPI_Abort, or exit with one rank.
 void fl_comm_abort(int code);
 
-// Blocking collectives, small: sums or maxima of doubles (in place), a
-// barrier, a broadcast of bytes from `root`.
-void fl_comm_sum(double *v, int n);
-void fl_comm_max(double *v, int n);
-void fl_comm_barrier(void);
-void fl_comm_bcast(void *buf, size_t bytes, int root);
+// Every collective runs over a group (fl_comm_world() for all ranks; never
+// NULL) and every rank of the group calls it; ranks, roots and counts
+// arrays are the group's (counts[i] for group rank i).
+typedef struct fl_comm_group fl_comm_group;
 
-// Non-blocking collectives on fp32 sums and on gathers of any dtype. A
-// request is an index; fl_comm_wait completes it (with the deadline).
+// Blocking collectives, small: sums or maxima of doubles (in place), a
+// barrier, a broadcast of bytes from group rank `root`.
+void fl_comm_sum(const fl_comm_group *g, double *v, int n);
+void fl_comm_max(const fl_comm_group *g, double *v, int n);
+void fl_comm_barrier(const fl_comm_group *g);
+void fl_comm_bcast(const fl_comm_group *g, void *buf, size_t bytes, int root);
+
+// Non-blocking collectives on fp32 sums and maxima, on gathers and
+// exchanges of any dtype, and point-to-point messages. A request is an
+// index; fl_comm_wait completes it (with the deadline).
 typedef int fl_comm_req;
-// buf[0, n) summed over ranks, in place.
-fl_comm_req fl_comm_iallreduce(float *buf, size_t n);
+// buf[0, n) summed over the group's ranks, in place.
+fl_comm_req fl_comm_iallreduce(const fl_comm_group *g, float *buf, size_t n);
+// buf[0, n): the element-wise maximum over the group's ranks, in place.
+fl_comm_req fl_comm_iallreduce_max(const fl_comm_group *g, float *buf, size_t n);
 // send[0, sum of counts) summed over ranks; rank r receives its part
 // (counts[r] elements, starting at the sum of counts[0..r)) in recv.
-// counts has fl_comm_size() entries; a count may be 0.
-fl_comm_req fl_comm_ireduce_scatter(const float *send, float *recv, const size_t *counts);
+// counts has fl_comm_group_size(g) entries; a count may be 0.
+fl_comm_req fl_comm_ireduce_scatter(const fl_comm_group *g, const float *send, float *recv,
+                                    const size_t *counts);
 // Rank r contributes counts[r] elements from send; every rank receives all
 // of them, rank after rank, in recv (displs[r] elements in). send may be
 // recv + displs[rank] (in place).
-fl_comm_req fl_comm_iallgather(fl_dtype dt, const void *send, void *recv, const size_t *counts,
-                               const size_t *displs);
+fl_comm_req fl_comm_iallgather(const fl_comm_group *g, fl_dtype dt, const void *send, void *recv,
+                               const size_t *counts, const size_t *displs);
+// All to all, n elements a pair: send[r*n, (r+1)*n) goes to group rank r,
+// which receives it in its recv[q*n, (q+1)*n) (q this rank). Counted as
+// a reduce-scatter of the t*n elements (n(t-1) per rank).
+fl_comm_req fl_comm_ialltoall(const fl_comm_group *g, fl_dtype dt, const void *send, void *recv,
+                              size_t n);
+// Point to point: `bytes` bytes to or from group rank `peer` (not this
+// rank), matched by `tag` (0 or more); a send counts its bytes in the
+// traffic. buf must stay as it is until the wait. A wait past the deadline
+// names "a send to rank N" or "a receive from rank N" (world ranks).
+fl_comm_req fl_comm_isend(const fl_comm_group *g, int peer, const void *buf, size_t bytes, int tag);
+fl_comm_req fl_comm_irecv(const fl_comm_group *g, int peer, void *buf, size_t bytes, int tag);
 void fl_comm_wait(fl_comm_req req);
 // Whether it has completed (then it needs no wait); lets MPI progress.
 int fl_comm_test(fl_comm_req req);
@@ -62,7 +83,6 @@ int fl_comm_test(fl_comm_req req);
 // A group of ranks that a collective runs over: the world, or a part of it
 // (the groups of a tensor- or pipeline-parallel layout). Ranks are numbered
 // 0..size-1 within a group, in the world's order.
-typedef struct fl_comm_group fl_comm_group;
 const fl_comm_group *fl_comm_world(void);
 // The groups of g's ranks that pass the same color (a collective over g):
 // this rank's; fl_comm_group_free it.
@@ -70,6 +90,39 @@ fl_comm_group *fl_comm_split(const fl_comm_group *g, int color);
 void fl_comm_group_free(fl_comm_group *g);
 int fl_comm_group_rank(const fl_comm_group *g);
 int fl_comm_group_size(const fl_comm_group *g);
+// The world rank of g's rank `rank` (for messages).
+int fl_comm_group_world_rank(const fl_comm_group *g, int rank);
+
+// A tensor x pipeline x data parallel layout of the world in Megatron's
+// order (TP varies fastest, then DP, then PP): rank = tp + t*dp + t*d*pp.
+typedef struct {
+    int world, rank, tp, pp, dp; // sizes: t, p, d = world / (t*p)
+    int tp_rank, pp_rank, dp_rank;
+    fl_comm_group *tp_group, *dp_group, *pp_group; // this rank's groups
+    fl_comm_group *mp_group; // the t*p ranks sharing dp_rank (grad norm, overflow)
+} fl_layout;
+// Dies naming the numbers when world % (t*p) != 0 or t, p < 1. A
+// collective over the world (src/parallel/layout.c).
+void fl_layout_init(fl_layout *l, int t, int p);
+void fl_layout_free(fl_layout *l);
+// The coordinates of `rank` in that layout of `world` ranks (dies as
+// fl_layout_init does).
+void fl_layout_coords(int world, int t, int p, int rank, int *tp_rank, int *dp_rank, int *pp_rank);
+
+// Tensor parallelism's collectives over g (tp.h's fl_tp_ops, in
+// src/parallel/tensor_parallel.c): blocking, with the deadline. all_reduce
+// and reduce_scatter exchange the parts all to all and sum them in fp32 in
+// group-rank order, each rank its part, which all_reduce then all-gathers:
+// the same bits on every rank, and the same for a given group size, by
+// construction; 16-bit sums are rounded once. The table is made on first
+// use and lives as long as g. Its scratch buffer, grown to the largest call
+// so far, is counted under FL_MEM_COMM: for a reduce_scatter to n values of
+// a dtype of D bytes, t*n*D bytes rounded up to 16 plus n floats; for an
+// all_reduce of n, that of a reduce_scatter to ceil(n/t), plus t*ceil(n/t)*D
+// bytes when t does not divide n (the padded copy it sends).
+const fl_tp_ops *fl_tp_ops_group(const fl_comm_group *g);
+// Frees g's table, if it has one (fl_comm_group_free calls it).
+void fl_tp_ops_drop(const fl_comm_group *g);
 
 // The check that a group's ranks run the same thing (a collective over g):
 // each rank's `text`, canonical "key=value\n" lines (its settings, its

@@ -28,6 +28,7 @@
 #ifndef FITLM_DIST_H
 #define FITLM_DIST_H
 
+#include "fitlm/comm.h"
 #include "fitlm/config.h"
 #include "fitlm/model.h"
 #include "fitlm/offload.h"
@@ -62,19 +63,23 @@ int fl_dist_wanted(const fl_zero_config *cfg);
 // (cfg->fused_units) at any stage.
 int fl_dist_unit_grads(const fl_zero_config *cfg);
 
-// Attaches the strategy of cfg->stage over the world (fl_comm_size ranks)
-// to a model (fl_model_alloc_acts done, with unit_grads as
+// Attaches the strategy of cfg->stage over the data-parallel group dp (the
+// world, fl_comm_world(), without tensor or pipeline parallelism; ranks
+// numbered within it, and every collective of the strategy over it) to a
+// model (fl_model_alloc_acts done, with unit_grads as
 // fl_dist_unit_grads says) and its optimizer (fl_optimizer_init_range over
 // this rank's shard, fl_dist_range; the whole buffer under DDP). Every rank
 // must hold the same weights (the same seed or file). Stage 3 then keeps
 // only this rank's shard of the weights. Dies naming the key on a config it
 // cannot honour. cfg->offload_params (stage 3): the shard goes to `store`,
 // the optimizer's NVMe offload with paged weights (offload.h), instead.
-fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg, fl_offload *store);
+fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg, fl_offload *store,
+                        const fl_comm_group *dp);
 void fl_dist_free(fl_dist *d);
 // The range of the flat buffer this rank's optimizer covers (fl_dist_shard
-// of this rank).
-void fl_dist_range(const fl_zero_config *cfg, const fl_param_table *t, size_t *begin, size_t *end);
+// of this rank's place in the data-parallel group dp).
+void fl_dist_range(const fl_zero_config *cfg, const fl_param_table *t, const fl_comm_group *dp,
+                   size_t *begin, size_t *end);
 
 // Bytes per tag that fl_dist_attach allocates on `rank` for a model of
 // table t (n_layer blocks, dtype dt) whose optimizer has a whole fp32

@@ -160,7 +160,7 @@ static void print_run(const fl_run *run) {
 // after the same step when any of them has one.
 static int any_rank(int flag) {
     double v = flag;
-    fl_comm_max(&v, 1);
+    fl_comm_max(fl_comm_world(), &v, 1);
     return v != 0.0;
 }
 

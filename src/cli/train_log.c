@@ -213,7 +213,7 @@ void rank_memory_report(void) {
             fl_mem_report(out);
             fflush(out);
         }
-        fl_comm_barrier();
+        fl_comm_barrier(fl_comm_world());
     }
 }
 

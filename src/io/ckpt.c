@@ -740,7 +740,7 @@ static int agree(int code, int *codes) {
     int world = fl_comm_size();
     double *v = fl_alloc(FL_MEM_OTHER, (size_t)world * sizeof(double));
     for (int r = 0; r < world; r++) v[r] = r == fl_comm_rank() ? code : 0.0;
-    fl_comm_max(v, world);
+    fl_comm_max(fl_comm_world(), v, world);
     int first = -1;
     for (int r = world - 1; r >= 0; r--)
         if (v[r] != 0.0) first = r, *codes = (int)v[r];
@@ -793,7 +793,7 @@ static void new_tag(char *tag, size_t size) {
     uint32_t x = fl_crc32((uint32_t)getpid(), &ts, sizeof ts);
     char t[12];
     snprintf(t, sizeof t, "%08x", x);
-    fl_comm_bcast(t, sizeof t, 0);
+    fl_comm_bcast(fl_comm_world(), t, sizeof t, 0);
     snprintf(tag, size, "%s", t);
 }
 
@@ -823,10 +823,10 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
     dist_save s = {dir, step, sharded, world, ""};
     char run0[64] = ""; // rank 0's id names the run in every file
     if (run) snprintf(run0, sizeof run0, "%s", run);
-    fl_comm_bcast(run0, sizeof run0, 0);
+    fl_comm_bcast(fl_comm_world(), run0, sizeof run0, 0);
     run = run ? run0 : NULL;
     if (rank == 0) make_dir(dir);
-    fl_comm_barrier();
+    fl_comm_barrier(fl_comm_world());
     if (sharded) new_tag(s.tag, sizeof s.tag);
     char path[FL_FILE_PATH_MAX], tmp[FL_FILE_PATH_MAX + 128], manifest[32];
     ckpt_name(manifest, sizeof manifest, step);
@@ -868,7 +868,7 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
         memset(v, 0, 2 * (size_t)world * sizeof(double));
         v[rank] = (double)size;
         v[world + rank] = (double)crc;
-        fl_comm_sum(v, 2 * world);
+        fl_comm_sum(fl_comm_world(), v, 2 * world);
         if (rank == 0) {
             cJSON *sh = sharding_json(&s, v, v + world);
             uint64_t data_len;
@@ -892,7 +892,7 @@ void fl_ckpt_write_dist(const char *dir, int step, const char *meta_json,
         fail_all(&s, bad, code);
     }
     if (rank == 0) prune(dir, keep, step, run);
-    fl_comm_barrier(); // the next save starts once pruning is done
+    fl_comm_barrier(fl_comm_world()); // the next save starts once pruning is done
 }
 
 // ----------------------------------------------------------------------------

@@ -359,7 +359,7 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     FL_ASSERT(optim && !model->lora.cfg.r); // dist.h trains whole models only
     size_t b = optim->rule->state_begin, e = optim->rule->state_end, numel = model->table.numel;
     double partial = b != 0 || e != numel; // ZeRO: a shard per rank
-    fl_comm_max(&partial, 1);
+    fl_comm_max(fl_comm_world(), &partial, 1);
     // tensor parallelism: every TP rank its slices, of its range (a ZeRO
     // shard), or, where the data-parallel ranks hold the same (DDP), the
     // first data-parallel group's (world ranks 0..t-1) alone

@@ -29,6 +29,7 @@ typedef struct {
     MPI_Request req;
     int busy;
     const char *what;
+    char says[48];        // what, when it names a rank ("a send to rank 3")
     int *counts, *displs; // kept until completion, as MPI requires
 } slot;
 
@@ -174,7 +175,7 @@ void fl_comm_init(int *argc, char ***argv) {
 // same code).
 int fl_comm_finalize(int rc) {
     if (!w.mpi) return rc;
-    fl_comm_barrier(); // with the deadline: a rank may have died at the very end
+    fl_comm_barrier(&w.world); // with the deadline: a rank may have died at the very end
     free(w.peers);
     w.peers = NULL;
     w.n_peers = 0;
@@ -215,6 +216,7 @@ static int count_of(size_t n, const char *what) {
     return (int)n;
 }
 
+// elements of elsize bytes each: elements * elsize bytes of traffic
 static fl_comm_req new_req(const char *what, double elements, size_t elsize) {
     for (int i = 0; i < MAX_REQS; i++)
         if (!w.reqs[i].busy) {
@@ -285,89 +287,139 @@ void fl_comm_wait(fl_comm_req r) {
     release(r);
 }
 
-static void reduce(double *v, int n, MPI_Op op, const char *what) {
-    if (w.size == 1) return;
-    fl_comm_req r = new_req(what, 2.0 * n * (w.size - 1) / w.size, sizeof(double));
-    MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, op, w.comm, &w.reqs[r].req);
+static void reduce(const fl_comm_group *g, double *v, int n, MPI_Op op, const char *what) {
+    if (g->size == 1) return;
+    fl_comm_req r = new_req(what, 2.0 * n * (g->size - 1) / g->size, sizeof(double));
+    MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, op, g->comm, &w.reqs[r].req);
     fl_comm_wait(r);
 }
 
-void fl_comm_sum(double *v, int n) {
-    reduce(v, n, MPI_SUM, "an all-reduce (sum) of scalars");
+void fl_comm_sum(const fl_comm_group *g, double *v, int n) {
+    reduce(g, v, n, MPI_SUM, "an all-reduce (sum) of scalars");
 }
 
-void fl_comm_max(double *v, int n) {
-    reduce(v, n, MPI_MAX, "an all-reduce (max) of scalars");
+void fl_comm_max(const fl_comm_group *g, double *v, int n) {
+    reduce(g, v, n, MPI_MAX, "an all-reduce (max) of scalars");
 }
 
-void fl_comm_barrier(void) {
-    if (w.size == 1) return;
+void fl_comm_barrier(const fl_comm_group *g) {
+    if (g->size == 1) return;
     fl_comm_req r = new_req("a barrier", 0.0, 1);
-    MPI_Ibarrier(w.comm, &w.reqs[r].req);
+    MPI_Ibarrier(g->comm, &w.reqs[r].req);
     fl_comm_wait(r);
 }
 
-static void bcast_over(const fl_comm_group *g, void *buf, size_t bytes, int root) {
+void fl_comm_bcast(const fl_comm_group *g, void *buf, size_t bytes, int root) {
     if (g->size == 1) return;
     fl_comm_req r = new_req("a broadcast", (double)bytes, 1);
     MPI_Ibcast(buf, count_of(bytes, "a broadcast"), MPI_BYTE, root, g->comm, &w.reqs[r].req);
     fl_comm_wait(r);
 }
 
-void fl_comm_bcast(void *buf, size_t bytes, int root) {
-    bcast_over(&w.world, buf, bytes, root);
-}
-
-fl_comm_req fl_comm_iallreduce(float *buf, size_t n) {
-    const char *what = "a gradient all-reduce";
-    fl_comm_req r = new_req(what, 2.0 * (double)n * (w.size - 1) / w.size, sizeof(float));
-    if (w.size > 1)
-        MPI_Iallreduce(MPI_IN_PLACE, buf, count_of(n, what), MPI_FLOAT, MPI_SUM, w.comm,
+static fl_comm_req allreduce(const fl_comm_group *g, float *buf, size_t n, MPI_Op op,
+                             const char *what) {
+    fl_comm_req r = new_req(what, 2.0 * (double)n * (g->size - 1) / g->size, sizeof(float));
+    if (g->size > 1)
+        MPI_Iallreduce(MPI_IN_PLACE, buf, count_of(n, what), MPI_FLOAT, op, g->comm,
                        &w.reqs[r].req);
     return r;
 }
 
-static int *int_copy(const size_t *v, const char *what) {
-    int *out = malloc((size_t)w.size * sizeof(int));
+fl_comm_req fl_comm_iallreduce(const fl_comm_group *g, float *buf, size_t n) {
+    return allreduce(g, buf, n, MPI_SUM, "a gradient all-reduce");
+}
+
+fl_comm_req fl_comm_iallreduce_max(const fl_comm_group *g, float *buf, size_t n) {
+    return allreduce(g, buf, n, MPI_MAX, "an all-reduce (max)");
+}
+
+static int *int_copy(const fl_comm_group *g, const size_t *v, const char *what) {
+    int *out = malloc((size_t)g->size * sizeof(int));
     if (!out) fl_die("out of memory");
-    for (int i = 0; i < w.size; i++) out[i] = count_of(v[i], what);
+    for (int i = 0; i < g->size; i++) out[i] = count_of(v[i], what);
     return out;
 }
 
-fl_comm_req fl_comm_ireduce_scatter(const float *send, float *recv, const size_t *counts) {
+fl_comm_req fl_comm_ireduce_scatter(const fl_comm_group *g, const float *send, float *recv,
+                                    const size_t *counts) {
     const char *what = "a gradient reduce-scatter";
     size_t total = 0;
-    for (int i = 0; i < w.size; i++) total += counts[i];
-    fl_comm_req r = new_req(what, (double)total * (w.size - 1) / w.size, sizeof(float));
-    if (w.size == 1) {
+    for (int i = 0; i < g->size; i++) total += counts[i];
+    fl_comm_req r = new_req(what, (double)total * (g->size - 1) / g->size, sizeof(float));
+    if (g->size == 1) {
         if (counts[0] && recv != send) memmove(recv, send, counts[0] * sizeof(float));
         return r;
     }
     slot *s = &w.reqs[r];
-    s->counts = int_copy(counts, what);
+    s->counts = int_copy(g, counts, what);
     static float dummy;
-    MPI_Ireduce_scatter(send, counts[w.rank] ? recv : &dummy, s->counts, MPI_FLOAT, MPI_SUM, w.comm,
-                        &s->req);
+    MPI_Ireduce_scatter(send, counts[g->rank] ? recv : &dummy, s->counts, MPI_FLOAT, MPI_SUM,
+                        g->comm, &s->req);
     return r;
 }
 
-fl_comm_req fl_comm_iallgather(fl_dtype dt, const void *send, void *recv, const size_t *counts,
-                               const size_t *displs) {
+static MPI_Datatype type_of(size_t D) {
+    return D == 4 ? MPI_FLOAT : w.bf16;
+}
+
+fl_comm_req fl_comm_iallgather(const fl_comm_group *g, fl_dtype dt, const void *send, void *recv,
+                               const size_t *counts, const size_t *displs) {
     const char *what = "a parameter all-gather";
     size_t total = 0, D = fl_dtype_size(dt);
-    for (int i = 0; i < w.size; i++) total += counts[i];
-    fl_comm_req r = new_req(what, (double)total * (w.size - 1) / w.size, D);
-    char *at = (char *)recv + displs[w.rank] * D;
-    if (w.size == 1) {
+    for (int i = 0; i < g->size; i++) total += counts[i];
+    fl_comm_req r = new_req(what, (double)total * (g->size - 1) / g->size, D);
+    char *at = (char *)recv + displs[g->rank] * D;
+    if (g->size == 1) {
         if (counts[0] && at != send) memmove(at, send, counts[0] * D);
         return r;
     }
     slot *s = &w.reqs[r];
-    s->counts = int_copy(counts, what);
-    s->displs = int_copy(displs, what);
-    MPI_Datatype type = D == 4 ? MPI_FLOAT : w.bf16;
-    MPI_Iallgatherv(at == send ? MPI_IN_PLACE : send, s->counts[w.rank], type, recv, s->counts,
-                    s->displs, type, w.comm, &s->req);
+    s->counts = int_copy(g, counts, what);
+    s->displs = int_copy(g, displs, what);
+    MPI_Iallgatherv(at == send ? MPI_IN_PLACE : send, s->counts[g->rank], type_of(D), recv,
+                    s->counts, s->displs, type_of(D), g->comm, &s->req);
+    return r;
+}
+
+fl_comm_req fl_comm_ialltoall(const fl_comm_group *g, fl_dtype dt, const void *send, void *recv,
+                              size_t n) {
+    const char *what = "an all-to-all";
+    size_t D = fl_dtype_size(dt);
+    fl_comm_req r = new_req(what, (double)n * (g->size - 1), D);
+    if (g->size == 1) {
+        if (n && recv != send) memmove(recv, send, n * D);
+        return r;
+    }
+    MPI_Ialltoall(send, count_of(n, what), type_of(D), recv, count_of(n, what), type_of(D), g->comm,
+                  &w.reqs[r].req);
+    return r;
+}
+
+// A message to or from group rank peer, its words naming the world rank.
+static fl_comm_req p2p(const fl_comm_group *g, int peer, size_t bytes, int tag, int sending) {
+    if (peer < 0 || peer >= g->size || peer == g->rank || tag < 0)
+        fl_die("internal: a %s rank %d (tag %d) in a group of %d ranks where this is rank %d",
+               sending ? "send to" : "receive from", peer, tag, g->size, g->rank);
+    count_of(bytes, sending ? "a send" : "a receive");
+    fl_comm_req r = new_req("", 0.0, 1);
+    if (sending) w.stats.bytes += (double)bytes; // bytes without a dtype: no elements
+    slot *s = &w.reqs[r];
+    snprintf(s->says, sizeof s->says, "a %s rank %d", sending ? "send to" : "receive from",
+             g->world_ranks ? g->world_ranks[peer] : peer);
+    s->what = s->says;
+    return r;
+}
+
+fl_comm_req fl_comm_isend(const fl_comm_group *g, int peer, const void *buf, size_t bytes,
+                          int tag) {
+    fl_comm_req r = p2p(g, peer, bytes, tag, 1);
+    MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, tag, g->comm, &w.reqs[r].req);
+    return r;
+}
+
+fl_comm_req fl_comm_irecv(const fl_comm_group *g, int peer, void *buf, size_t bytes, int tag) {
+    fl_comm_req r = p2p(g, peer, bytes, tag, 0);
+    MPI_Irecv(buf, (int)bytes, MPI_BYTE, peer, tag, g->comm, &w.reqs[r].req);
     return r;
 }
 
@@ -386,7 +438,7 @@ int fl_comm_group_size(const fl_comm_group *g) {
     return g->size;
 }
 
-static int world_rank(const fl_comm_group *g, int rank) {
+int fl_comm_group_world_rank(const fl_comm_group *g, int rank) {
     return g->world_ranks ? g->world_ranks[rank] : rank;
 }
 
@@ -406,7 +458,7 @@ fl_comm_group *fl_comm_split(const fl_comm_group *g, int color) {
     if (g->size == 1) { // without MPI, or a group of one: a group of this rank alone
         *s = (fl_comm_group){MPI_COMM_NULL, 0, 1, malloc(sizeof(int))};
         if (!s->world_ranks) fl_die("out of memory");
-        s->world_ranks[0] = world_rank(g, g->rank);
+        s->world_ranks[0] = fl_comm_group_world_rank(g, g->rank);
         return s;
     }
     MPI_Comm_split(g->comm, color, g->rank, &s->comm);
@@ -415,7 +467,8 @@ fl_comm_group *fl_comm_split(const fl_comm_group *g, int color) {
     uint64_t *all = malloc((size_t)s->size * sizeof *all);
     s->world_ranks = malloc((size_t)s->size * sizeof(int));
     if (!all || !s->world_ranks) fl_die("out of memory");
-    allgather_u64(s, (uint64_t)world_rank(g, g->rank), all, "a group's all-gather of its ranks");
+    allgather_u64(s, (uint64_t)fl_comm_group_world_rank(g, g->rank), all,
+                  "a group's all-gather of its ranks");
     for (int i = 0; i < s->size; i++) s->world_ranks[i] = (int)all[i];
     free(all);
     return s;
@@ -423,6 +476,7 @@ fl_comm_group *fl_comm_split(const fl_comm_group *g, int color) {
 
 void fl_comm_group_free(fl_comm_group *g) {
     if (!g) return;
+    fl_tp_ops_drop(g);
     if (g->comm != MPI_COMM_NULL) MPI_Comm_free(&g->comm);
     free(g->world_ranks);
     free(g);
@@ -432,11 +486,11 @@ void fl_comm_group_free(fl_comm_group *g) {
 // element), then exactly that many bytes. free() it.
 static char *share_text(const fl_comm_group *g, int root, const char *text) {
     uint64_t n = g->rank == root ? strlen(text) : 0;
-    bcast_over(g, &n, sizeof n, root);
+    fl_comm_bcast(g, &n, sizeof n, root);
     char *out = malloc(n + 1);
     if (!out) fl_die("out of memory");
     if (g->rank == root) memcpy(out, text, n);
-    bcast_over(g, out, n, root);
+    fl_comm_bcast(g, out, n, root);
     out[n] = 0;
     return out;
 }
@@ -457,7 +511,8 @@ void fl_comm_agree(const fl_comm_group *g, const char *what, const char *text) {
     // every rank holds the same digests, so every rank comes here
     char *text0 = share_text(g, 0, text), *textd = share_text(g, first, text);
     char says[1024];
-    fl_agree_describe(text0, world_rank(g, 0), textd, world_rank(g, first), says, sizeof says);
+    fl_agree_describe(text0, fl_comm_group_world_rank(g, 0), textd,
+                      fl_comm_group_world_rank(g, first), says, sizeof says);
     free(text0);
     free(textd);
     if (g->rank == 0)

@@ -57,6 +57,7 @@ struct fl_dist {
     fl_zero_config cfg;
     fl_model *m;
     fl_optimizer *o;
+    const fl_comm_group *g; // the data-parallel group: rank and world are within it
     int rank, world, stage;
     fl_dtype dt;
     size_t D, numel, begin, end;
@@ -139,8 +140,9 @@ void fl_dist_shard(const fl_zero_config *cfg, const fl_param_table *t, int world
     }
 }
 
-void fl_dist_range(const fl_zero_config *cfg, const fl_param_table *t, size_t *begin, size_t *end) {
-    fl_dist_shard(cfg, t, fl_comm_size(), fl_comm_rank(), begin, end);
+void fl_dist_range(const fl_zero_config *cfg, const fl_param_table *t, const fl_comm_group *dp,
+                   size_t *begin, size_t *end) {
+    fl_dist_shard(cfg, t, fl_comm_group_size(dp), fl_comm_group_rank(dp), begin, end);
 }
 
 static size_t min_sz(size_t a, size_t b) {
@@ -200,7 +202,7 @@ static void flush(fl_dist *d) {
     if (!n) return;
     d->open_lo = d->open_hi = 0;
     if (d->stage == 0) { // staged in place in gred
-        push(d, (inflight){fl_comm_iallreduce(d->gred + a, n), NULL, NULL, 0, -1});
+        push(d, (inflight){fl_comm_iallreduce(d->g, d->gred + a, n), NULL, NULL, 0, -1});
         return;
     }
     float *send = d->bucket[d->cur] + (d->cap - n);
@@ -208,11 +210,11 @@ static void flush(fl_dist *d) {
     size_t x = max_sz(a, d->begin), y = min_sz(b, d->end);
     if (d->cfg.reduce_scatter) {
         split(d, a, b);
-        push(d, (inflight){fl_comm_ireduce_scatter(send, y > x ? d->gred + (x - d->begin) : NULL,
-                                                   d->counts),
+        push(d, (inflight){fl_comm_ireduce_scatter(
+                               d->g, send, y > x ? d->gred + (x - d->begin) : NULL, d->counts),
                            NULL, NULL, 0, d->cur});
     } else {
-        push(d, (inflight){fl_comm_iallreduce(send, n), y > x ? send + (x - a) : NULL,
+        push(d, (inflight){fl_comm_iallreduce(d->g, send, n), y > x ? send + (x - a) : NULL,
                            y > x ? d->gred + (x - d->begin) : NULL, y > x ? y - x : 0, d->cur});
     }
     d->cur ^= 1;
@@ -318,13 +320,13 @@ static const float *sync_grads(void *ctx) {
 }
 
 static void sync_sum(void *ctx, double *v, int n) {
-    (void)ctx;
-    fl_comm_sum(v, n);
+    fl_dist *d = ctx;
+    fl_comm_sum(d->g, v, n);
 }
 
 static void sync_max(void *ctx, double *v, int n) {
-    (void)ctx;
-    fl_comm_max(v, n);
+    fl_dist *d = ctx;
+    fl_comm_max(d->g, v, n);
 }
 
 // LOMO and AdaLomo: one unit's gradient summed over ranks, now; this rank
@@ -340,17 +342,17 @@ static const float *sync_reduce_rows(void *ctx, int first, int n, const void *gr
         *lo = a;
         *hi = b;
         if (d->stage == 0) {
-            fl_comm_wait(fl_comm_iallreduce(d->fsend, b - a));
+            fl_comm_wait(fl_comm_iallreduce(d->g, d->fsend, b - a));
         } else {
             size_t x = max_sz(a, d->begin), y = min_sz(b, d->end);
             *lo = x;
             *hi = y > x ? y : x;
             if (d->cfg.reduce_scatter) {
                 split(d, a, b);
-                fl_comm_wait(fl_comm_ireduce_scatter(d->fsend, d->frecv, d->counts));
+                fl_comm_wait(fl_comm_ireduce_scatter(d->g, d->fsend, d->frecv, d->counts));
                 out = d->frecv;
             } else {
-                fl_comm_wait(fl_comm_iallreduce(d->fsend, b - a));
+                fl_comm_wait(fl_comm_iallreduce(d->g, d->fsend, b - a));
                 out = d->fsend + (x - a);
             }
         }
@@ -375,7 +377,7 @@ static const void *own_part(fl_dist *d, size_t a, void *buf) {
 static fl_comm_req start_gather(fl_dist *d, int ui, void *buf) {
     split(d, d->u_lo[ui], d->u_hi[ui]);
     const void *send = own_part(d, d->u_lo[ui], buf);
-    return fl_comm_iallgather(d->dt, send, buf, d->counts, d->displs);
+    return fl_comm_iallgather(d->g, d->dt, send, buf, d->counts, d->displs);
 }
 
 // the ring buffer holding unit index ui (or -1)
@@ -392,7 +394,7 @@ static void ring_gather_read(fl_dist *d, int b) {
     int ui = d->ring_unit[b];
     split(d, d->u_lo[ui], d->u_hi[ui]);
     void *mine = fl_at(d->dt, d->ring[b], d->displs[d->rank]); // gathered in place
-    d->ring_req[b] = fl_comm_iallgather(d->dt, mine, d->ring[b], d->counts, d->displs);
+    d->ring_req[b] = fl_comm_iallgather(d->g, d->dt, mine, d->ring[b], d->counts, d->displs);
 }
 
 // Ring buffer b's unit complete: read, gathered.
@@ -499,8 +501,8 @@ static void sync_updated(void *ctx) {
                 size_t b = min_sz(d->numel, a + cap);
                 split(d, a, b);
                 void *at = fl_at(d->dt, d->m->params, a);
-                fl_comm_req r = fl_comm_iallgather(d->dt, fl_at(d->dt, at, d->displs[d->rank]), at,
-                                                   d->counts, d->displs);
+                fl_comm_req r = fl_comm_iallgather(
+                    d->g, d->dt, fl_at(d->dt, at, d->displs[d->rank]), at, d->counts, d->displs);
                 push(d, (inflight){r, NULL, NULL, 0, -1});
             }
             wait_all(d);
@@ -679,8 +681,8 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
     }
 }
 
-fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg,
-                        fl_offload *store) {
+fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg, fl_offload *store,
+                        const fl_comm_group *dp) {
     check_supported(m, o, cfg);
     if (cfg->offload_params && (cfg->stage != 3 || !store || !o->pager || !o->pager->weights))
         fl_die("internal: offload_params needs stage 3 and an NVMe offload with paged weights");
@@ -689,13 +691,14 @@ fl_dist *fl_dist_attach(fl_model *m, fl_optimizer *o, const fl_zero_config *cfg,
     d->cfg = *cfg;
     d->m = m;
     d->o = o;
-    d->rank = fl_comm_rank();
-    d->world = fl_comm_size();
+    d->g = dp;
+    d->rank = fl_comm_group_rank(dp);
+    d->world = fl_comm_group_size(dp);
     d->stage = cfg->stage;
     d->dt = m->dtype;
     d->D = fl_dtype_size(m->dtype);
     d->numel = m->table.numel;
-    fl_dist_range(cfg, &m->table, &d->begin, &d->end);
+    fl_dist_range(cfg, &m->table, dp, &d->begin, &d->end);
     if (o->rule->state_begin != d->begin || o->rule->state_end != d->end)
         fl_die("internal: the optimizer covers [%zu, %zu), not this rank's [%zu, %zu)",
                o->rule->state_begin, o->rule->state_end, d->begin, d->end);
@@ -771,5 +774,5 @@ void fl_dist_gather_row(fl_dist *d, int row, void *out) {
     }
     size_t a = v->offset, b = a + v->numel;
     split(d, a, b);
-    fl_comm_wait(fl_comm_iallgather(d->dt, own_part(d, a, out), out, d->counts, d->displs));
+    fl_comm_wait(fl_comm_iallgather(d->g, d->dt, own_part(d, a, out), out, d->counts, d->displs));
 }
