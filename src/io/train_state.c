@@ -264,8 +264,12 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
             char *name = out->names[out->n];
             tensor_name(name, NAME_MAX_, st < 0 ? s->weights : s->state,
                         st < 0 ? NULL : fl_optim_state_name(rule, st), v->name);
-            out->t[out->n++] = (fl_ckpt_piece){name,  st < 0 ? wdt : FL_F32, data,
-                                               count, pieces ? first : 0,    pieces ? total : 0};
+            out->t[out->n++] = (fl_ckpt_piece){.name = name,
+                                               .dtype = st < 0 ? wdt : FL_F32,
+                                               .data = data,
+                                               .numel = count,
+                                               .first = pieces ? first : 0,
+                                               .total = pieces ? total : 0};
         }
     }
 }
