@@ -28,7 +28,7 @@ cp $fx/llama_tiny_hf/config.json build-fuzz/seeds/fuzz_hf_config/llama_config.js
 printf '{"metadata": {"total_size": 128}, "weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors", "transformer.wpe.weight": "model-00002-of-00002.safetensors"}}' \
     >build-fuzz/seeds/fuzz_hf_config/index.json
 seed fuzz_llmc_header $fx/gpt2_tiny_llmc_v3.bin $fx/gpt2_tiny_llmc_v5.bin
-seed fuzz_ckpt $fx/ckpt_tiny.fitlm
+seed fuzz_ckpt $fx/ckpt_tiny.fitlm $fx/ckpt_tp_shard.fitlm
 
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_hf_config fuzz_llmc_header fuzz_ckpt)

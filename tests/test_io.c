@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fitlm/io.h"
@@ -386,7 +387,7 @@ static void test_stored_files(void) {
     snprintf(sharded, sizeof sharded, "%s/files_sharded", dir);
     float w[4] = {1, 2, 3, 4};
     fl_ckpt_tensor t = {"w", FL_F32, w, 4};
-    fl_ckpt_piece piece = {"w", FL_F32, w, 4, 0, 4};
+    fl_ckpt_piece piece = {.name = "w", .dtype = FL_F32, .data = w, .numel = 4, .total = 4};
     const uint8_t bin[5] = {0, 'x', 0, 0xff, '\n'};
     fl_ckpt_file files[2] = {{"a", "hello", 5}, {"b", bin, 5}};
     fl_ckpt_write_run(ck, 1, "{}", &t, 1, 0, NULL, files, 2);
@@ -454,6 +455,407 @@ static void test_stored_files(void) {
     t_check(!strcmp(back.name, "byte") && back.n == 0, "a version-2 checkpoint: byte, no files");
 }
 
+// ----------------------------------------------------------------------------
+// Tensor-parallel checkpoints: global tensors written as strided pieces (each
+// rank's columns of every row, as a row-parallel weight is split) in several
+// shard files, read back whole, by ranges and by another slicing.
+
+enum { ROWS = 6, COLS = 8, TOTAL = ROWS * COLS, PIECES_MAX = 8 };
+
+typedef struct {
+    fl_ckpt_piece p[PIECES_MAX];
+    int n;
+} rank_pieces;
+
+// Elements first + k * stride + j (j < run, k < count / run) of x into dst.
+static void gather(void *dst, const void *x, size_t esize, size_t first, size_t run, size_t stride,
+                   size_t count) {
+    for (size_t i = 0; i < count; i++)
+        memcpy((char *)dst + i * esize,
+               (const char *)x + (first + i / run * stride + i % run) * esize, esize);
+}
+
+static const char *find_text(const char *s, size_t n, const char *what) {
+    for (size_t m = strlen(what), i = 0; i + m <= n; i++)
+        if (!memcmp(s + i, what, m)) return s + i;
+    return NULL;
+}
+
+// A copy of checkpoint file src at dst with its header's text from `start`
+// through the first `end` after it replaced by `to` (start NULL: none) and
+// the version set (0: kept), the prefix's length and CRC-32 made to match:
+// a file another writer could have written.
+static void rewrite_ckpt(const char *src, const char *dst, const char *start, const char *end,
+                         const char *to, uint32_t version) {
+    size_t n;
+    unsigned char *img = t_read_file(src, &n);
+    uint32_t h = fl_get_u32(img + 12);
+    const char *header = (const char *)img + 28, *at = header + h, *stop = at;
+    if (start) {
+        at = find_text(header, h, start);
+        stop = at ? find_text(at, (size_t)(header + h - at), end) : NULL;
+        if (!t_check(at && stop, "%s holds %s...%s", src, start, end)) exit(1);
+        stop += strlen(end);
+    }
+    size_t pre = (size_t)(at - header), cut = (size_t)(stop - at), add = start ? strlen(to) : 0;
+    unsigned char *out = malloc(n - cut + add);
+    memcpy(out, img, 28);
+    memcpy(out + 28, header, pre);
+    memcpy(out + 28 + pre, to, add);
+    memcpy(out + 28 + pre + add, header + pre + cut, n - 28 - pre - cut);
+    uint32_t h2 = (uint32_t)(h - cut + add);
+    if (version) fl_put_u32(out + 8, version);
+    fl_put_u32(out + 12, h2);
+    fl_put_u32(out + 24, fl_crc32(fl_crc32(0, out, 24), out + 28, h2));
+    t_write_file(dst, out, n - cut + add);
+    free(out);
+    free(img);
+}
+
+// The shard file a one-rank save wrote into d.
+static void shard_in(const char *d, char *out, size_t size) {
+    DIR *dd = opendir(d);
+    out[0] = 0;
+    for (struct dirent *e; dd && (e = readdir(dd));)
+        if (strstr(e->d_name, ".rank0-of-1.fitlm")) snprintf(out, size, "%s/%s", d, e->d_name);
+    if (dd) closedir(dd);
+    t_check(out[0] != 0, "a one-rank save wrote a shard file into %s", d);
+}
+
+// A sharded checkpoint at out of `world` shard files, rank r's holding
+// ranks[r]: each written by a one-rank save (fl_ckpt_write_dist) and
+// relabelled rank r of world, then the manifest listing them.
+static void write_ranks(const char *out, const rank_pieces *ranks, int world) {
+    char sharding[4096], one[600], shard[900], path[900], to[256];
+    int at = snprintf(sharding, sizeof sharding, "\"sharding\":{\"world\":%d,\"shards\":[", world);
+    mkdir(out, 0755);
+    for (int r = 0; r < world; r++) {
+        snprintf(one, sizeof one, "%s.rank%d", out, r);
+        fl_ckpt_write_dist(one, 1, "{}", "{}", ranks[r].p, ranks[r].n, 1, 0, "tp", NULL, 0);
+        shard_in(one, shard, sizeof shard);
+        char name[64];
+        snprintf(name, sizeof name, "ckpt_00000001.0000abcd.rank%d-of-%d.fitlm", r, world);
+        snprintf(path, sizeof path, "%s/%s", out, name);
+        snprintf(to, sizeof to,
+                 "\"shard\":{\"of\":\"ckpt_00000001.fitlm\",\"rank\":%d,\"world\":%d}", r, world);
+        rewrite_ckpt(shard, path, "\"shard\":{", "}", to, 0);
+        size_t n;
+        unsigned char *img = t_read_file(path, &n);
+        at += snprintf(sharding + at, sizeof sharding - (size_t)at,
+                       "%s{\"file\":\"%s\",\"bytes\":%zu,\"header_crc32\":\"%08x\"}", r ? "," : "",
+                       name, n, fl_get_u32(img + 24));
+        free(img);
+    }
+    snprintf(sharding + at, sizeof sharding - (size_t)at, "]}");
+    snprintf(one, sizeof one, "%s.rank0/ckpt_00000001.fitlm", out);
+    snprintf(path, sizeof path, "%s/ckpt_00000001.fitlm", out);
+    rewrite_ckpt(one, path, "\"sharding\":{", "]}", sharding, 0);
+    snprintf(path, sizeof path, "%s/latest", out);
+    t_write_text(path, "ckpt_00000001.fitlm\n");
+}
+
+// Rank r of 2 (t = 2, split over the columns): "w" (fp32) as one strided
+// piece of runs of w_run (rank 1's last); "w16" (bf16) as its slice's
+// ZeRO-like parts: rows 0-1 strided, row 2 in two contiguous parts, rows
+// 3-5 strided. The slices: the rank's columns, back to back.
+static void tp2_pieces(rank_pieces *rp, int r, const float *wslice, const uint16_t *hslice,
+                       size_t w_run) {
+    size_t c = (size_t)r * COLS / 2, half = COLS / 2;
+    rp->n = 0;
+    fl_ckpt_piece *p = rp->p;
+    p[rp->n++] = (fl_ckpt_piece){.name = "w16",
+                                 .dtype = FL_BF16,
+                                 .data = hslice + 12,
+                                 .numel = 12,
+                                 .first = 3 * COLS + c,
+                                 .total = TOTAL,
+                                 .run = half,
+                                 .stride = COLS};
+    p[rp->n++] = (fl_ckpt_piece){.name = "w16",
+                                 .dtype = FL_BF16,
+                                 .data = hslice + 10,
+                                 .numel = 2,
+                                 .first = 2 * COLS + c + 2,
+                                 .total = TOTAL};
+    p[rp->n++] = (fl_ckpt_piece){.name = "w16",
+                                 .dtype = FL_BF16,
+                                 .data = hslice,
+                                 .numel = 8,
+                                 .first = c,
+                                 .total = TOTAL,
+                                 .run = half,
+                                 .stride = COLS};
+    p[rp->n++] = (fl_ckpt_piece){.name = "w16",
+                                 .dtype = FL_BF16,
+                                 .data = hslice + 8,
+                                 .numel = 2,
+                                 .first = 2 * COLS + c,
+                                 .total = TOTAL};
+    p[rp->n++] = (fl_ckpt_piece){.name = "w",
+                                 .dtype = FL_F32,
+                                 .data = wslice,
+                                 .numel = ROWS * w_run,
+                                 .first = c,
+                                 .total = TOTAL,
+                                 .run = w_run,
+                                 .stride = COLS};
+    if (!r) { // rank 0 lists "w" first
+        fl_ckpt_piece first = p[0];
+        p[0] = p[rp->n - 1];
+        p[rp->n - 1] = first;
+    }
+}
+
+typedef struct {
+    const char *path, *name;
+    size_t first, run, stride, count;
+} runs_read;
+
+static void read_runs_of(void *arg) {
+    const runs_read *a = arg;
+    fl_ckpt *c = fl_ckpt_open(a->path);
+    float x[TOTAL];
+    fl_ckpt_read_runs(c, a->name, FL_F32, x, a->first, a->run, a->stride, a->count);
+}
+
+static void open_ckpt(void *path) {
+    fl_ckpt_close(fl_ckpt_open(path));
+}
+
+// Reads the slices of `name` (dtype src) in dt through every reader and
+// compares them with the global tensor x: whole, ZeRO ranges, t = 4
+// column slices, the written t = 2 slices, runs across the pieces' edges.
+static void check_reads(fl_ckpt *c, const char *name, fl_dtype dt, const void *x) {
+    size_t es = fl_dtype_size(dt);
+    uint8_t got[TOTAL * 4 + 1], want[TOTAL * 4]; // + a byte that no read may touch
+    fl_ckpt_read(c, name, dt, got, TOTAL);
+    int ok = !memcmp(got, x, TOTAL * es);
+    const size_t ranges[][2] = {{0, 16}, {16, 16}, {32, 16}, {5, 37}, {47, 1}};
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+        fl_ckpt_read_range(c, name, dt, got, ranges[i][0], ranges[i][1]);
+        ok &= !memcmp(got, (const uint8_t *)x + ranges[i][0] * es, ranges[i][1] * es);
+    }
+    const size_t runs[][4] = {
+        {0, 2, COLS, 12}, {2, 2, COLS, 12},
+        {4, 2, COLS, 12}, {6, 2, COLS, 12}, // t = 4
+        {0, 4, COLS, 24}, {4, 4, COLS, 24}, // t = 2
+        {3, 3, COLS, 18}, {2 * COLS + 1, 6, COLS, 12},
+        {1, 1, 3, 15},                   // across edges
+        {0, 16, 16, 48},  {5, 1, 1, 40}, // contiguous
+    };
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+        memset(got, 0xee, sizeof got);
+        fl_ckpt_read_runs(c, name, dt, got, runs[i][0], runs[i][1], runs[i][2], runs[i][3]);
+        gather(want, x, es, runs[i][0], runs[i][1], runs[i][2], runs[i][3]);
+        ok &= !memcmp(got, want, runs[i][3] * es) && got[runs[i][3] * es] == 0xee;
+    }
+    t_check(ok, "'%s' as %s: whole, by ranges and by strided runs, bitwise", name,
+            dt == FL_F32 ? "fp32" : "bf16");
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void test_tensor_parallel(void) {
+    float w[TOTAL], w_of16[TOTAL], wslice[2][TOTAL / 2];
+    uint16_t h[TOTAL], w_bf16[TOTAL], hslice[2][TOTAL / 2];
+    t_fill(w, TOTAL, 7, 1.0f);
+    t_fill(w_of16, TOTAL, 8, 1.0f);
+    fl_convert(FL_BF16, h, FL_F32, w_of16, TOTAL);
+    fl_convert(FL_F32, w_of16, FL_BF16, h, TOTAL); // h's values exactly
+    fl_convert(FL_BF16, w_bf16, FL_F32, w, TOTAL);
+    rank_pieces ranks[2];
+    for (int r = 0; r < 2; r++) {
+        gather(wslice[r], w, 4, (size_t)r * 4, 4, COLS, TOTAL / 2);
+        gather(hslice[r], h, 2, (size_t)r * 4, 4, COLS, TOTAL / 2);
+        tp2_pieces(&ranks[r], r, wslice[r], hslice[r], 4);
+    }
+    char ck[512], shard[900], file[900];
+    snprintf(ck, sizeof ck, "%s/tp2", dir);
+    write_ranks(ck, ranks, 2);
+    fl_ckpt *c = fl_ckpt_open(ck);
+    t_check(fl_ckpt_shards(c) == 2 && fl_ckpt_numel(c, "w") == TOTAL &&
+                fl_ckpt_numel(c, "w16") == TOTAL && fl_ckpt_tensor_count(c) == 2,
+            "two shard files of strided pieces open as two whole tensors");
+    check_reads(c, "w", FL_F32, w);
+    check_reads(c, "w16", FL_BF16, h);
+    check_reads(c, "w", FL_BF16, w_bf16);  // rounded on the way
+    check_reads(c, "w16", FL_F32, w_of16); // widened
+    fl_ckpt_close(c);
+
+    // versions: 4 for a file with a strided piece only; the manifest stays 3
+    snprintf(file, sizeof file, "%s/ckpt_00000001.0000abcd.rank0-of-2.fitlm", ck);
+    size_t n;
+    unsigned char *img = t_read_file(file, &n);
+    snprintf(shard, sizeof shard, "%s/ckpt_00000001.fitlm", ck);
+    unsigned char *man = t_read_file(shard, &n);
+    t_check(fl_get_u32(img + 8) == 4 && fl_get_u32(man + 8) == 3,
+            "a shard file of strided pieces is version 4, its manifest version 3");
+    free(man);
+    free(img);
+    // the same tensor as contiguous ZeRO ranges: version 3, read as before
+    fl_ckpt_piece zero[2] = {
+        {.name = "w", .dtype = FL_F32, .data = w, .numel = 20, .total = TOTAL},
+        {.name = "w", .dtype = FL_F32, .data = w + 20, .numel = 28, .first = 20, .total = TOTAL}};
+    snprintf(file, sizeof file, "%s/zero", dir);
+    fl_ckpt_write_dist(file, 1, "{}", "{}", zero, 2, 1, 0, "z", NULL, 0);
+    shard_in(file, shard, sizeof shard);
+    img = t_read_file(shard, &n);
+    c = fl_ckpt_open(file);
+    float back[TOTAL], part[12];
+    fl_ckpt_read(c, "w", FL_F32, back, TOTAL);
+    fl_ckpt_read_runs(c, "w", FL_F32, part, 2, 2, COLS, 12);
+    float want[12];
+    gather(want, w, 4, 2, 2, COLS, 12);
+    t_check(fl_get_u32(img + 8) == 3 && !memcmp(back, w, sizeof w) && !memcmp(part, want, 48),
+            "contiguous pieces stay version 3, read whole and as a t = 4 slice");
+    fl_ckpt_close(c);
+    free(img);
+
+    // only the pieces that hold wanted elements are read: rank 1's "w"
+    // damaged, t = 4 rank 0 reads; rank 3 finds the damage
+    snprintf(file, sizeof file, "%s/ckpt_00000001.0000abcd.rank1-of-2.fitlm", ck);
+    img = t_read_file(file, &n);
+    img[n - 1] ^= 0x40; // rank 1's last piece: "w"
+    t_write_file(file, img, n);
+    free(img);
+    runs_read t4r3 = {ck, "w", 6, 2, COLS, 12};
+    c = fl_ckpt_open(ck);
+    fl_ckpt_read_runs(c, "w", FL_F32, part, 0, 2, COLS, 12);
+    gather(want, w, 4, 0, 2, COLS, 12);
+    t_check(!memcmp(part, want, 48), "a slice reads only the pieces that hold it");
+    fl_ckpt_close(c);
+    t_dies("a damaged strided piece", read_runs_of, &t4r3,
+           "rank1-of-2.fitlm: tensor 'w' is corrupt (CRC-32 mismatch");
+
+    // a slice that is not one, or lies past the tensor
+    runs_read bad_runs[] = {{ck, "w", 0, 0, COLS, 12},
+                            {ck, "w", 0, 4, 3, 12},
+                            {ck, "w", 0, 5, COLS, 12},
+                            {ck, "w", 6, 4, COLS, 24}};
+    const char *bad_why[] = {"12 elements in runs of 0 every 8 are not a slice of tensor 'w'",
+                             "12 elements in runs of 4 every 3 are not a slice",
+                             "12 elements in runs of 5 every 8 are not a slice",
+                             "6 runs of 4 every 8 from element 6 are outside tensor 'w' of 48"};
+    for (int i = 0; i < 4; i++) t_dies("a bad slice", read_runs_of, &bad_runs[i], bad_why[i]);
+
+    // overlaps and gaps between strided pieces, named by tensor and element
+    float fake[TOTAL];
+    memcpy(fake, wslice[1], sizeof wslice[1]);
+    tp2_pieces(&ranks[1], 1, fake, hslice[1], 4);
+    ranks[1].p[ranks[1].n - 1].first = 2; // columns 2-5: 2 and 3 are rank 0's too
+    snprintf(ck, sizeof ck, "%s/tp2_overlap", dir);
+    write_ranks(ck, ranks, 2);
+    t_dies("strided pieces overlap", open_ckpt, ck,
+           "tensor 'w' has element 2 twice (" /* the second piece's file */);
+    snprintf(file, sizeof file, "rank1-of-2.fitlm)");
+    t_dies("strided pieces overlap: the file", open_ckpt, ck, file);
+    tp2_pieces(&ranks[1], 1, fake, hslice[1], 3); // columns 4-6: 7 in no file
+    snprintf(ck, sizeof ck, "%s/tp2_gap", dir);
+    write_ranks(ck, ranks, 2);
+    t_dies("a gap between strided pieces", open_ckpt, ck, "tensor 'w' has element 7 in no file");
+    tp2_pieces(&ranks[1], 1, fake, hslice[1], 4);
+    ranks[1].p[1].first = 2 * COLS + 4 + 3; // a contiguous part one element late
+    ranks[1].p[1].numel = 1;
+    snprintf(ck, sizeof ck, "%s/tp2_gap16", dir);
+    write_ranks(ck, ranks, 2);
+    t_dies("a gap beside a strided piece", open_ckpt, ck, "tensor 'w16' has element 22 in no file");
+
+    // damaged run/stride values are refused, naming the file and the tensor
+    snprintf(ck, sizeof ck, "%s/tp2", dir);
+    snprintf(shard, sizeof shard, "%s/ckpt_00000001.0000abcd.rank0-of-2.fitlm", ck);
+    snprintf(file, sizeof file, "%s/damaged.fitlm", dir);
+    const struct {
+        const char *to, *expect;
+        uint32_t version;
+    } damaged[] = {
+        {"\"run\":5,\"stride\":8", "tensor 'w': its 24 elements are not whole runs of 5", 0},
+        {"\"run\":4,\"stride\":3", "tensor 'w': stride 3 is shorter than its run 4", 0},
+        {"\"run\":4,\"stride\":9",
+         "tensor 'w': 6 runs of 4 every 9 from element 0 end past its 48 elements", 0},
+        {"\"run\":0,\"stride\":8", "tensor 'w': run/stride are malformed", 0},
+        {"\"run\":-4,\"stride\":8", "tensor 'w': run/stride are malformed", 0},
+        {"\"run\":4,\"stride\":\"8\"", "tensor 'w': run/stride are malformed", 0},
+        {"\"stride\":8", "tensor 'w': run/stride are malformed", 0},
+        {"\"run\":4,\"stride\":8", "tensor 'w': run/stride in a version-3 file", 3},
+    };
+    char err[256];
+    for (size_t i = 0; i < sizeof damaged / sizeof damaged[0]; i++) {
+        rewrite_ckpt(shard, file, "\"run\":4,", "\"stride\":8", damaged[i].to, damaged[i].version);
+        img = t_read_file(file, &n);
+        t_check(fl_ckpt_parse(img, n, err, sizeof err) != 0 && strstr(err, damaged[i].expect),
+                "%s: refused: %s", damaged[i].to, err);
+        free(img);
+    }
+    rewrite_ckpt(shard, file, "\"run\":4,", "\"stride\":8", "\"run\":4,\"stride\":3", 0);
+    rename(file, shard);
+    t_dies("a damaged stride, opened", open_ckpt, ck,
+           "rank0-of-2.fitlm (of " /* the shard named */);
+    t_dies("a damaged stride, opened: why", open_ckpt, ck, "stride 3 is shorter than its run 4");
+
+    // the format of a strided shard file, byte for byte (the fuzzer's seed)
+    snprintf(ck, sizeof ck, "%s/tp2.rank0", dir);
+    shard_in(ck, shard, sizeof shard);
+    img = t_read_file(shard, &n);
+    size_t nf;
+    unsigned char *fixture = t_read_file(t_source_path("tests/fixtures/ckpt_tp_shard.fitlm"), &nf);
+    t_check(fixture && nf == n && !memcmp(img, fixture, n),
+            "a strided shard file is written as tests/fixtures/ckpt_tp_shard.fitlm records");
+    free(fixture);
+    free(img);
+    t_mutations("strided shard file", shard, 3000, 4242, fl_ckpt_parse);
+}
+
+// A 768 x 3072 row-parallel weight written by t = 2 read by t = 4: each
+// rank reads the one piece that holds its columns, once (each piece a
+// million and more elements: runs cross the reader's blocks).
+static void test_tensor_parallel_large(void) {
+    enum { OUT = 768, IN = 3072 };
+    size_t total = (size_t)OUT * IN, half = total / 2;
+    float *w = malloc(total * sizeof *w), *slice = malloc(half * 2 * sizeof *w);
+    float *got = malloc(total * sizeof *w), *want = malloc(total / 4 * sizeof *w);
+    t_fill(w, total, 11, 1.0f);
+    rank_pieces ranks[2];
+    for (int r = 0; r < 2; r++) {
+        gather(slice + r * half, w, 4, (size_t)r * IN / 2, IN / 2, IN, half);
+        ranks[r].n = 1;
+        ranks[r].p[0] = (fl_ckpt_piece){.name = "h.0.mlp.c_proj.weight",
+                                        .dtype = FL_F32,
+                                        .data = slice + r * half,
+                                        .numel = half,
+                                        .first = (size_t)r * IN / 2,
+                                        .total = total,
+                                        .run = IN / 2,
+                                        .stride = IN};
+    }
+    char ck[512];
+    snprintf(ck, sizeof ck, "%s/tp_large", dir);
+    write_ranks(ck, ranks, 2);
+    fl_ckpt *c = fl_ckpt_open(ck);
+    int ok = 1;
+    double t0 = now_s();
+    for (int r = 0; r < 4; r++) {
+        fl_ckpt_read_runs(c, "h.0.mlp.c_proj.weight", FL_F32, got, (size_t)r * IN / 4, IN / 4, IN,
+                          total / 4);
+        gather(want, w, 4, (size_t)r * IN / 4, IN / 4, IN, total / 4);
+        ok &= !memcmp(got, want, total / 4 * sizeof *w);
+    }
+    double t1 = now_s();
+    fl_ckpt_read(c, "h.0.mlp.c_proj.weight", FL_F32, got, total);
+    ok &= !memcmp(got, w, total * sizeof *w);
+    fl_ckpt_close(c);
+    t_check(ok, "a 768 x 3072 weight saved at t = 2 reads back at t = 4 and whole, bitwise");
+    printf("  768 x 3072 fp32 weight, 2 strided pieces: 4 t = 4 slices read in %.1f ms\n",
+           1e3 * (t1 - t0));
+    free(w);
+    free(slice);
+    free(got);
+    free(want);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return 1;
     test_text();
@@ -464,6 +866,8 @@ int main(void) {
     test_pruning();
     test_legacy_checkpoint();
     test_stored_files();
+    test_tensor_parallel();
+    test_tensor_parallel_large();
     if (t_remove_dir(dir) != 0) return 1;
     return t_report();
 }

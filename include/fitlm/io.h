@@ -184,7 +184,8 @@ size_t fl_text_documents(const uint8_t *text, size_t n, const char *separator,
 //
 // File layout, little-endian:
 //   bytes 0-7    magic "FITLMCKP"
-//   bytes 8-11   uint32 format version (3; version 2, without files, is read too)
+//   bytes 8-11   uint32 format version (3, or 4 when it holds a strided piece;
+//                versions 2, without files, and 3 are read too)
 //   bytes 12-15  uint32 header length H
 //   bytes 16-23  uint64 data length D
 //   bytes 24-27  uint32 CRC-32 of bytes 0-23 and the header
@@ -202,11 +203,16 @@ size_t fl_text_documents(const uint8_t *text, size_t n, const char *separator,
 // ...]}, and rank r's file DIR/ckpt_<step>.<tag>.rank<r>-of-<W>.fitlm (the
 // tag is new at every save) adds "shard": {"of": manifest, "rank", "world"}
 // and holds pieces: its table entries add "first" and "total" (elements
-// [first, first + shape[0]) of a tensor of total elements). A reader checks
+// [first, first + shape[0]) of a tensor of total elements), and a strided
+// piece (a tensor-parallel rank's slice: version 4) adds "run" and
+// "stride": shape[0] / run runs of run elements, run k at element first +
+// k * stride, stored back to back. Tensors keep their global (Hugging Face)
+// names; a file may hold several pieces of one tensor. A reader checks
 // that each shard file is the one its manifest recorded (size, header
 // CRC-32, step, run, rank) and that the pieces cover every tensor exactly
-// once, and then sees whole tensors: fl_ckpt_read and fl_ckpt_read_range
-// gather the pieces, whatever the number of ranks reading.
+// once, and then sees whole tensors: fl_ckpt_read, fl_ckpt_read_range and
+// fl_ckpt_read_runs gather the pieces, whatever the number of ranks reading
+// and however they slice them (any TP, DP or ZeRO layout reads any other).
 
 typedef struct {
     const char *name;
@@ -229,6 +235,10 @@ typedef struct {
     fl_dtype dtype;
     const void *data;
     size_t numel, first, total;
+    // 0: contiguous. Else the piece is numel / run runs of `run` elements,
+    // run k at tensor element first + k * stride (stride >= run; numel a
+    // multiple of run); data holds them back to back
+    size_t run, stride;
 } fl_ckpt_piece;
 
 // meta_json: a JSON object (text) of the caller's state. keep > 0 deletes all
@@ -289,9 +299,15 @@ const char *fl_ckpt_tensor_name(const fl_ckpt *ck, int i);
 // CRC-32. Dies when it is missing, of another size, or damaged.
 void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t numel);
 // Elements [first, first + count) of tensor `name` into dst (converted to
-// dt): a shard's part of a row. The whole tensor's CRC-32 is still checked.
+// dt): a shard's part of a row. The CRC-32 of every piece read is checked.
 void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
                         size_t count);
+// Elements first + k*stride + j (k < count/run, j < run) of tensor `name`,
+// converted to dt, back to back into dst: a rank's strided slice of a
+// global tensor. Each piece that holds any of them is read once (its CRC-32
+// checked); dies as fl_ckpt_read_range does.
+void fl_ckpt_read_runs(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
+                       size_t run, size_t stride, size_t count);
 
 // The header parser on its own, for fuzzing: checks a whole checkpoint file
 // image (prefix, header JSON, tensor table against the data length). Returns

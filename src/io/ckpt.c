@@ -4,9 +4,10 @@
 //
 // A sharded checkpoint is a manifest (a checkpoint file with no tensors and
 // a "sharding" list of files) and one file per rank holding pieces of
-// tensors (name, first element, count). A reader sees one set of whole
-// tensors either way: a read gathers the pieces from whichever files hold
-// them, so any number of ranks (or one process) can read any range.
+// tensors (name, first element, count; a tensor-parallel slice: runs of
+// elements a stride apart). A reader sees one set of whole tensors either
+// way: a read gathers the pieces from whichever files hold them, so any
+// number of ranks (or one process) can read any range or slice.
 #include "fitlm/io.h"
 
 #include <dirent.h>
@@ -22,15 +23,16 @@
 
 #include "fitlm/comm.h"
 
-#define CKPT_MAGIC       "FITLMCKP"
-#define CKPT_VERSION     3 // 3: "files"; version 2 (none) is read too
-#define CKPT_PREFIX      28
-#define CKPT_MAX_HEADER  (64u << 20)
-#define CKPT_MAX_TENSORS 4096
-#define CKPT_MAX_SHARDS  65536
-#define CKPT_MAX_FILES   16
-#define CKPT_NAME_MAX    64
-#define SHARD_NAME_MAX   64
+#define CKPT_MAGIC        "FITLMCKP"
+#define CKPT_VERSION      3 // 3: "files"; version 2 (none) is read too
+#define CKPT_VERSION_RUNS 4 // a file holding a strided piece ("run", "stride")
+#define CKPT_PREFIX       28
+#define CKPT_MAX_HEADER   (64u << 20)
+#define CKPT_MAX_TENSORS  4096
+#define CKPT_MAX_SHARDS   65536
+#define CKPT_MAX_FILES    16
+#define CKPT_NAME_MAX     64
+#define SHARD_NAME_MAX    64
 
 int fl_is_checkpoint_dir(const char *path) {
     char latest[FL_FILE_PATH_MAX];
@@ -106,6 +108,7 @@ typedef struct {
     fl_dtype dtype;
     uint64_t numel, offset, bytes;
     uint64_t first, total; // a piece: elements [first, first + numel) of a tensor of total
+    uint64_t run, stride;  // 0: contiguous; else numel / run runs, run k at first + k * stride
     uint32_t crc;
 } tensor_entry;
 
@@ -117,7 +120,7 @@ typedef struct {
 } shard_ref;
 
 typedef struct parsed_ {
-    uint32_t header_len;
+    uint32_t version, header_len;
     uint64_t data_len;
     int step;
     char run[64]; // the writing run's id, "" when absent
@@ -155,9 +158,10 @@ static int parse_prefix(const uint8_t *prefix, uint64_t file_size, parsed *p, ch
     if (memcmp(prefix, CKPT_MAGIC, 8) != 0)
         return fl_errorf(err, errlen, "not a fitlm checkpoint (bad magic)");
     uint32_t version = fl_get_u32(prefix + 8);
-    if (version != CKPT_VERSION && version != 2)
-        return fl_errorf(err, errlen, "format version %u; this fitlm reads versions 2 and %d",
-                         version, CKPT_VERSION);
+    if (version < 2 || version > CKPT_VERSION_RUNS)
+        return fl_errorf(err, errlen, "format version %u; this fitlm reads versions 2 to %d",
+                         version, CKPT_VERSION_RUNS);
+    p->version = version;
     p->header_len = fl_get_u32(prefix + 12);
     p->data_len = fl_get_u64(prefix + 16);
     if (p->header_len == 0 || p->header_len > CKPT_MAX_HEADER)
@@ -264,6 +268,42 @@ static int parse_files(const cJSON *list, parsed *p, uint64_t *offset, char *err
     return 0;
 }
 
+// A strided piece's "run" and "stride" (a version-4 shard file's, with
+// first and total): whole runs, a stride no shorter than a run, the last
+// element inside the tensor. Contiguous (run 0) without them.
+static int parse_runs(const cJSON *item, const parsed *p, tensor_entry *t, int has_first, char *err,
+                      size_t errlen) {
+    const cJSON *run = cJSON_GetObjectItemCaseSensitive(item, "run");
+    const cJSON *stride = cJSON_GetObjectItemCaseSensitive(item, "stride");
+    t->run = t->stride = 0;
+    if (!run && !stride) return 0;
+    if (p->version < CKPT_VERSION_RUNS || !has_first)
+        return fl_errorf(err, errlen,
+                         "tensor '%s': run/stride in a version-%u file or a piece without "
+                         "first/total (a strided piece is version %d, in a shard file)",
+                         t->name, p->version, CKPT_VERSION_RUNS);
+    if (json_u64(run, 1ull << 50, &t->run) != 0 || json_u64(stride, 1ull << 50, &t->stride) != 0 ||
+        t->run == 0)
+        return fl_errorf(err, errlen, "tensor '%s': run/stride are malformed (a run of 1 or more)",
+                         t->name);
+    if (t->numel % t->run)
+        return fl_errorf(err, errlen, "tensor '%s': its %llu elements are not whole runs of %llu",
+                         t->name, (unsigned long long)t->numel, (unsigned long long)t->run);
+    if (t->stride < t->run)
+        return fl_errorf(err, errlen, "tensor '%s': stride %llu is shorter than its run %llu",
+                         t->name, (unsigned long long)t->stride, (unsigned long long)t->run);
+    uint64_t runs = t->numel / t->run; // the last run ends by total, without overflowing
+    if (t->first > t->total || (runs && (t->run > t->total - t->first ||
+                                         runs - 1 > (t->total - t->first - t->run) / t->stride)))
+        return fl_errorf(err, errlen,
+                         "tensor '%s': %llu runs of %llu every %llu from element %llu end past "
+                         "its %llu elements",
+                         t->name, (unsigned long long)runs, (unsigned long long)t->run,
+                         (unsigned long long)t->stride, (unsigned long long)t->first,
+                         (unsigned long long)t->total);
+    return 0;
+}
+
 // The header JSON (after its CRC was checked) against data_len.
 static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errlen) {
     const char *why;
@@ -312,9 +352,13 @@ static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errl
         // a piece (shard files): where it lies in the whole tensor
         t->first = 0;
         t->total = t->numel;
-        if ((first || total) &&
-            (!p->shard_world || json_u64(first, 1ull << 50, &t->first) != 0 ||
-             json_u64(total, 1ull << 50, &t->total) != 0 || t->first + t->numel > t->total))
+        if ((first || total) && (!p->shard_world || json_u64(first, 1ull << 50, &t->first) != 0 ||
+                                 json_u64(total, 1ull << 50, &t->total) != 0))
+            return fl_errorf(err, errlen,
+                             "tensor entry %d: first/total are malformed or outside a shard",
+                             p->n_tensors);
+        if (parse_runs(item, p, t, first != NULL, err, errlen) != 0) return -1;
+        if (!t->run && t->first + t->numel > t->total)
             return fl_errorf(err, errlen,
                              "tensor entry %d: first/total are malformed or outside a shard",
                              p->n_tensors);
@@ -325,7 +369,10 @@ static int parse_header(const uint8_t *header, parsed *p, char *err, size_t errl
                              "not where the previous one ended",
                              t->name, (unsigned long long)t->offset,
                              (unsigned long long)(t->offset + t->bytes));
-        for (int k = 0; k < p->n_tensors; k++)
+        // a shard file may hold several pieces of a tensor (a rank's ZeRO
+        // range of its tensor-parallel slice); the reader checks they cover
+        // it once
+        for (int k = 0; k < p->n_tensors && !p->shard_world; k++)
             if (!strcmp(p->tensors[k].name, t->name))
                 return fl_errorf(err, errlen, "tensor '%s' appears twice", t->name);
         expect_offset += t->bytes;
@@ -573,6 +620,13 @@ static char *make_header(const char *meta_json, int step, const char *run, const
             cJSON_AddNumberToObject(item, "first", (double)t->first);
             cJSON_AddNumberToObject(item, "total", (double)t->total);
         }
+        if (t->run) { // strided: whole runs, the last inside the tensor
+            FL_ASSERT(t->total && t->numel % t->run == 0 && t->stride >= t->run);
+            FL_ASSERT(!t->numel ||
+                      t->first + (t->numel / t->run - 1) * t->stride + t->run <= t->total);
+            cJSON_AddNumberToObject(item, "run", (double)t->run);
+            cJSON_AddNumberToObject(item, "stride", (double)t->stride);
+        }
         char crc[16];
         snprintf(crc, sizeof crc, "%08x", fl_crc32(0, t->data, bytes));
         cJSON_AddStringToObject(item, "crc32", crc);
@@ -624,6 +678,14 @@ static int write_full(int fd, const void *data, size_t n) {
     return 0;
 }
 
+// The format version of a file of these tensors: 4 only when one is strided,
+// so a checkpoint of contiguous pieces stays what earlier versions wrote.
+static uint32_t version_of(const fl_ckpt_piece *tensors, int n_tensors) {
+    for (int i = 0; i < n_tensors; i++)
+        if (tensors[i].run) return CKPT_VERSION_RUNS;
+    return CKPT_VERSION;
+}
+
 // Writes a checkpoint file (prefix, header, tensors, files) to tmp and makes
 // it durable. 0, or -1 with errno set and tmp removed. *header_crc and *size:
 // the file's identity as a manifest records it.
@@ -633,7 +695,7 @@ static int write_file(const char *tmp, const char *header, const fl_ckpt_piece *
     uint8_t prefix[CKPT_PREFIX];
     size_t hlen = strlen(header);
     memcpy(prefix, CKPT_MAGIC, 8);
-    fl_put_u32(prefix + 8, CKPT_VERSION);
+    fl_put_u32(prefix + 8, version_of(tensors, n_tensors));
     fl_put_u32(prefix + 12, (uint32_t)hlen);
     fl_put_u64(prefix + 16, data_len);
     fl_put_u32(prefix + 24, fl_crc32(fl_crc32(0, prefix, 24), header, hlen));
@@ -705,8 +767,10 @@ void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
     fl_ckpt_piece *whole =
         fl_alloc(FL_MEM_OTHER, (size_t)(n_tensors ? n_tensors : 1) * sizeof *whole);
     for (int i = 0; i < n_tensors; i++)
-        whole[i] = (fl_ckpt_piece){
-            tensors[i].name, tensors[i].dtype, tensors[i].data, tensors[i].numel, 0, 0};
+        whole[i] = (fl_ckpt_piece){.name = tensors[i].name,
+                                   .dtype = tensors[i].dtype,
+                                   .data = tensors[i].data,
+                                   .numel = tensors[i].numel};
     uint64_t data_len;
     char *header =
         make_header(meta_json, step, run, NULL, NULL, whole, n_tensors, files, n_files, &data_len);
@@ -1039,8 +1103,81 @@ static int vt_order(const void *a, const void *b) {
     return (x->order > y->order) - (x->order < y->order);
 }
 
+// A set of elements of a tensor: count elements in runs of `run`, run k from
+// element first + k * stride. A contiguous range is one run; a strided
+// piece, or a rank's slice of a tensor, one run per row.
+typedef struct {
+    uint64_t first, run, stride, count;
+} span;
+
+static span span_of(const tensor_entry *e) {
+    uint64_t run = e->run ? e->run : e->numel ? e->numel : 1;
+    return (span){e->first, run, e->run ? e->stride : run, e->numel};
+}
+
+// One past the last element (first when empty).
+static uint64_t span_end(const span *s) {
+    return s->count ? s->first + (s->count / s->run - 1) * s->stride + s->run : s->first;
+}
+
+// Whether [a, b) holds an element of s.
+static int span_hits(const span *s, uint64_t a, uint64_t b) {
+    uint64_t end = span_end(s);
+    if (a < s->first) a = s->first;
+    if (b > end) b = end;
+    if (a >= b) return 0;
+    uint64_t k = (a - s->first) / s->stride;
+    return (a - s->first) % s->stride < s->run || s->first + (k + 1) * s->stride < b;
+}
+
+// Sets bits [a, b) of map; the first of them that was set already, else b.
+static uint64_t mark(uint64_t *map, uint64_t a, uint64_t b) {
+    while (a < b) {
+        uint64_t lo = a % 64, n = b - a < 64 - lo ? b - a : 64 - lo;
+        uint64_t bits = (n == 64 ? ~0ull : (1ull << n) - 1) << lo, *w = &map[a / 64];
+        if (*w & bits) return a - lo + (uint64_t)__builtin_ctzll(*w & bits);
+        *w |= bits;
+        a += n;
+    }
+    return b;
+}
+
+// Coverage of a tensor with a strided piece: a bitmap of its elements, each
+// piece's runs marked in turn. It spans the elements up to the first one no
+// piece can reach: the pieces' element count, plus one, when that is short
+// of the tensor (a gap lies there; a header's total never sizes it alone).
+static void check_strided(const fl_ckpt *ck, const vtensor *v) {
+    uint64_t held = 0;
+    for (int i = 0; i < v->n_pieces && held < v->total; i++)
+        held += ck->pieces[v->first_piece + i].e->numel;
+    uint64_t limit = held < v->total ? held + 1 : v->total, words = (limit + 63) / 64;
+    uint64_t *map = fl_alloc(FL_MEM_WORKSPACE, (words ? words : 1) * sizeof *map);
+    memset(map, 0, (words ? words : 1) * sizeof *map);
+    for (int i = 0; i < v->n_pieces; i++) {
+        const piece *q = &ck->pieces[v->first_piece + i];
+        span s = span_of(q->e);
+        for (uint64_t k = 0; k < s.count / s.run; k++) {
+            uint64_t a = s.first + k * s.stride, b = a + s.run < limit ? a + s.run : limit;
+            if (a >= limit) break;
+            uint64_t twice = mark(map, a, b);
+            if (twice < b)
+                fl_die("checkpoint %s: tensor '%s' has element %llu twice (%s)", ck->path, v->name,
+                       (unsigned long long)twice, ck->parts[q->part].path);
+        }
+    }
+    for (uint64_t w = 0; w < words; w++) {
+        uint64_t valid = w + 1 < words || limit % 64 == 0 ? ~0ull : (1ull << (limit % 64)) - 1;
+        if (~map[w] & valid)
+            fl_die("checkpoint %s: tensor '%s' has element %llu in no file", ck->path, v->name,
+                   (unsigned long long)(w * 64 + (uint64_t)__builtin_ctzll(~map[w] & valid)));
+    }
+    fl_free(map);
+}
+
 // The whole tensors from their pieces: each covered exactly once, listed
 // in file order (a single file's own order; shard 0's tensors first).
+// Contiguous pieces, sorted by first element, must follow one another; a
+// tensor with a strided piece is checked element by element.
 static void build_tensors(fl_ckpt *ck) {
     int n = 0;
     for (int f = 0; f < ck->n_parts; f++) n += ck->parts[f].p.n_tensors;
@@ -1057,7 +1194,7 @@ static void build_tensors(fl_ckpt *ck) {
         const piece *p = &ck->pieces[i];
         vtensor *v = &ck->vt[ck->n_vt++];
         *v = (vtensor){p->name, p->e->dtype, p->e->total, i, 0, -1};
-        uint64_t next = 0;
+        int strided = 0;
         for (; i < n && !strcmp(ck->pieces[i].name, v->name); i++, v->n_pieces++) {
             const piece *q = &ck->pieces[i];
             long order =
@@ -1067,6 +1204,15 @@ static void build_tensors(fl_ckpt *ck) {
                 fl_die("checkpoint %s: the pieces of tensor '%s' disagree on its size or dtype "
                        "(%s)",
                        ck->path, v->name, ck->parts[q->part].path);
+            strided |= q->e->run != 0;
+        }
+        if (strided) {
+            check_strided(ck, v);
+            continue;
+        }
+        uint64_t next = 0;
+        for (int j = 0; j < v->n_pieces; j++) {
+            const piece *q = &ck->pieces[v->first_piece + j];
             if (q->e->first != next)
                 fl_die("checkpoint %s: tensor '%s' has elements [%llu, %llu) %s (%s)", ck->path,
                        v->name, (unsigned long long)next, (unsigned long long)q->e->first,
@@ -1168,34 +1314,77 @@ void fl_ckpt_read(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t 
     fl_ckpt_read_range(ck, name, dt, dst, 0, numel);
 }
 
-// Elements [first, first + count) of one file's tensor (a piece) into dst.
-// The whole piece is read in blocks (its CRC-32 covers all of it). A whole
-// piece of dt is read straight into dst; otherwise blocks pass through a
-// buffer and the range lands in dst, converted.
+// Where a piece's elements land in dst, when all of them are wanted and
+// they land back to back (so a piece of dt is read straight there): its
+// index in dst, else -1. Either the piece is one run inside a wanted run,
+// or it has the wanted runs' shape, aligned with them.
+static int64_t direct_at(const span *have, const span *want) {
+    if (!have->count || have->first < want->first) return -1;
+    uint64_t at = have->first - want->first, k = at / want->stride, j = at % want->stride;
+    uint64_t runs = want->count / want->run, have_runs = have->count / have->run;
+    if ((have_runs == 1 || have->stride == have->run) && k < runs && j + have->count <= want->run)
+        return (int64_t)(k * want->run + j);
+    if (have->run == want->run && have->stride == want->stride && j == 0 && k + have_runs <= runs)
+        return (int64_t)(k * want->run);
+    return -1;
+}
+
+// The wanted elements among a piece's elements [i, i + n) (buf holds
+// them, of type st), converted into dst: walked a run of the piece at a
+// time, each run's part in each wanted run copied at once.
+static void scatter(fl_dtype dt, void *dst, const span *want, fl_dtype st, const uint8_t *buf,
+                    const span *have, uint64_t i, uint64_t n) {
+    size_t esize = fl_dtype_size(st);
+    uint64_t end = span_end(want);
+    for (uint64_t at = i; at < i + n;) { // at: the piece's element
+        uint64_t k = at / have->run, j = at % have->run;
+        uint64_t len = have->run - j < i + n - at ? have->run - j : i + n - at;
+        uint64_t a = have->first + k * have->stride + j, b = a + len; // in the tensor
+        uint64_t e = a > want->first ? a : want->first, stop = b < end ? b : end;
+        while (e < stop) {
+            uint64_t q = (e - want->first) / want->stride, o = (e - want->first) % want->stride;
+            if (o >= want->run) { // between wanted runs: on to the next
+                e = want->first + (q + 1) * want->stride;
+                continue;
+            }
+            uint64_t hi = want->first + q * want->stride + want->run;
+            if (hi > stop) hi = stop;
+            fl_convert(dt, fl_at(dt, dst, q * want->run + o), st, buf + (at - i + e - a) * esize,
+                       hi - e);
+            e = hi;
+        }
+        at += len;
+    }
+}
+
+// The wanted elements of one file's piece into dst. The whole piece is read
+// once, in blocks (its CRC-32 covers all of it): a piece of dt whose
+// elements land back to back is read straight into dst; otherwise blocks
+// pass through a buffer and the wanted elements land in dst, converted.
 static void read_entry(const ckpt_part *f, const tensor_entry *t, fl_dtype dt, void *dst,
-                       size_t first, size_t count) {
+                       const span *want) {
     size_t esize = fl_dtype_size(t->dtype), numel = t->numel;
     size_t block = numel < ((size_t)1 << 20) ? numel : (size_t)1 << 20;
-    int direct = t->dtype == dt && first == 0 && count == numel;
+    span have = span_of(t);
+    int64_t at = t->dtype == dt ? direct_at(&have, want) : -1;
+    int direct = at >= 0;
     uint8_t *buf = direct || !numel ? NULL : fl_alloc(FL_MEM_WORKSPACE, block * esize);
     uint64_t base = CKPT_PREFIX + (uint64_t)f->p.header_len + t->offset;
     uint32_t crc = 0;
     for (size_t i = 0; i < numel; i += block) {
         size_t n = numel - i < block ? numel - i : block;
-        uint8_t *into = direct ? (uint8_t *)dst + i * esize : buf;
-        size_t want = n * esize, got = 0;
-        while (got < want) {
-            ssize_t r = pread(f->fd, into + got, want - got, (off_t)(base + i * esize + got));
+        uint8_t *into = direct ? (uint8_t *)dst + ((size_t)at + i) * esize : buf;
+        size_t want_bytes = n * esize, got = 0;
+        while (got < want_bytes) {
+            ssize_t r = pread(f->fd, into + got, want_bytes - got, (off_t)(base + i * esize + got));
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0)
                 fl_die("cannot read checkpoint %s: %s", f->path,
                        r ? strerror(errno) : "end of file");
             got += (size_t)r;
         }
-        crc = fl_crc32(crc, into, want);
-        size_t lo = first > i ? first : i, hi = first + count < i + n ? first + count : i + n;
-        if (!direct && lo < hi)
-            fl_convert(dt, fl_at(dt, dst, lo - first), t->dtype, buf + (lo - i) * esize, hi - lo);
+        crc = fl_crc32(crc, into, want_bytes);
+        if (!direct) scatter(dt, dst, want, t->dtype, buf, &have, i, n);
     }
     fl_free(buf);
     if (crc != t->crc)
@@ -1204,22 +1393,49 @@ static void read_entry(const ckpt_part *f, const tensor_entry *t, fl_dtype dt, v
                f->path, t->name, t->crc, crc);
 }
 
-void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
-                        size_t count) {
+// Whether a piece holds any wanted element: each of its runs asked.
+static int piece_hits(const tensor_entry *e, const span *want) {
+    span have = span_of(e);
+    uint64_t end = span_end(&have);
+    if (!have.count || end <= want->first || have.first >= span_end(want)) return 0;
+    for (uint64_t k = 0; k < have.count / have.run; k++) {
+        uint64_t a = have.first + k * have.stride;
+        if (span_hits(want, a, a + have.run)) return 1;
+    }
+    return 0;
+}
+
+void fl_ckpt_read_runs(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
+                       size_t run, size_t stride, size_t count) {
     const vtensor *t = find(ck, name);
     if (!t) fl_die("checkpoint %s has no tensor '%s'", ck->path, name);
-    if (first > t->total || count > t->total - first)
-        fl_die("checkpoint %s: elements [%zu, %zu) are outside tensor '%s' of %llu", ck->path,
-               first, first + count, name, (unsigned long long)t->total);
-    size_t end = first + count;
-    for (int i = 0; i < t->n_pieces; i++) { // the pieces that hold part of the range
-        const piece *p = &ck->pieces[t->first_piece + i];
-        size_t a = (size_t)p->e->first, b = a + (size_t)p->e->numel;
-        size_t lo = first > a ? first : a, hi = end < b ? end : b;
-        if (lo < hi || (count == 0 && t->n_pieces == 1)) // (an empty read still checks)
-            read_entry(&ck->parts[p->part], p->e, dt, fl_at(dt, dst, lo - first), lo - a,
-                       hi > lo ? hi - lo : 0);
+    if (!run || stride < run || count % run)
+        fl_die("checkpoint %s: %zu elements in runs of %zu every %zu are not a slice of tensor "
+               "'%s'",
+               ck->path, count, run, stride, name);
+    // the last element inside the tensor, without overflowing
+    size_t runs = count / run, total = (size_t)t->total;
+    if (first > total ||
+        (runs && (run > total - first || runs - 1 > (total - first - run) / stride))) {
+        if (runs <= 1)
+            fl_die("checkpoint %s: elements [%zu, %zu) are outside tensor '%s' of %zu", ck->path,
+                   first, first + count, name, total);
+        fl_die("checkpoint %s: %zu runs of %zu every %zu from element %zu are outside tensor "
+               "'%s' of %zu",
+               ck->path, runs, run, stride, first, name, total);
     }
+    span want = {first, run, stride, count};
+    for (int i = 0; i < t->n_pieces; i++) { // the pieces that hold any of them, once each
+        const piece *p = &ck->pieces[t->first_piece + i];
+        if (piece_hits(p->e, &want) || (count == 0 && t->n_pieces == 1)) // (an empty read
+            read_entry(&ck->parts[p->part], p->e, dt, dst, &want);       // still checks)
+    }
+}
+
+void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
+                        size_t count) {
+    size_t run = count ? count : 1; // one run
+    fl_ckpt_read_runs(ck, name, dt, dst, first, run, run, count);
 }
 
 uint8_t *fl_ckpt_file_read(const fl_ckpt *ck, const char *name, size_t *size) {

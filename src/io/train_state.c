@@ -300,8 +300,12 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
                 fl_params_blocks(t, r, first, first + count, add_block, &p); // one name for all
                 continue;
             }
-            out->t[out->n++] = (fl_ckpt_piece){name,  st < 0 ? wdt : FL_F32, data,
-                                               count, pieces ? first : 0,    pieces ? total : 0};
+            out->t[out->n++] = (fl_ckpt_piece){.name = name,
+                                               .dtype = st < 0 ? wdt : FL_F32,
+                                               .data = data,
+                                               .numel = count,
+                                               .first = pieces ? first : 0,
+                                               .total = pieces ? total : 0};
         }
     }
 }
