@@ -34,9 +34,9 @@ static void map_precision(fl_train_config *cfg) {
 // refused with what fitlm does instead, never ignored.
 static void refuse_checkpointing(const fl_train_config *cfg) {
     if (cfg->ac_partition)
-        fl_die("activation_checkpointing.partition_activations splits the checkpoints kept "
-               "between blocks over the tensor-parallel ranks; fitlm does that with sequence "
-               "parallelism (--sequence-parallel, with --tensor-parallel above 1)");
+        fl_die("activation_checkpointing.partition_activations partitions checkpoints across "
+               "tensor-parallel ranks; fitlm's sequence parallelism (--sequence-parallel, with "
+               "--tensor-parallel above 1) keeps the activations between blocks split over them");
     if (cfg->ac_cpu)
         fl_die("activation_checkpointing.cpu_checkpointing offloads partitioned checkpoints "
                "(DeepSpeed: needs partition_activations); fitlm's activations are in host memory "
