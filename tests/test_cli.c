@@ -833,6 +833,28 @@ static void test_zero_optimization_keys(void) {
                "train_batch_size 12 is not a multiple of gradient_accumulation_steps 5 x 1 rank");
 }
 
+// The tensor-parallel flags reach both commands, and their layout check
+// runs before anything loads: one rank cannot be split two ways; a plan of
+// 4 ranks at t 2 splits the batch over d = 2 replicas.
+static void test_tensor_parallel_flags(void) {
+    fails_with("train --tensor-parallel 2 --data none",
+               "tensor_parallel.size 2 does not divide the world of 1 rank (1 % 2 = 1)");
+    fails_with("train --sequence-parallel --data none",
+               "sequence_parallel splits the tokens over the tensor-parallel ranks");
+    fails_with("plan --model tiny --tokenizer byte --data small --seq-len 32 --ranks 6 "
+               "--tensor-parallel 4",
+               "tensor_parallel.size 4 does not divide the world of 6 ranks (6 % 4 = 2)");
+    write_text("tp.json",
+               "{\"tensor_parallel\": {\"size\": 2}, \"tensor_model_parallel_size\": 4}");
+    fails_with("plan --config tp.json --ranks 4",
+               "tensor_model_parallel_size 4 contradicts tensor_parallel.size 2");
+    int rc = fitlm("plan --model llama-tiny --tokenizer byte --data small --seq-len 32 --ranks 4 "
+                   "--tensor-parallel 2 --sequence-parallel --train-batch-size 32 --batch 4");
+    t_check(rc == 0 && strstr(output, "grad accum 4 | 4 ranks"),
+            "plan --ranks 4 --tensor-parallel 2: train_batch_size 32 = 4 x 4 x 2 replicas: %.600s",
+            output);
+}
+
 // DeepSpeed's ZeRO tutorial's ZeRO-3 config (docs/_tutorials/zero.md,
 // "Offloading to CPU and NVMe with ZeRO-Infinity"), as published, runs on
 // one rank with a small model given by flags.
@@ -2686,6 +2708,7 @@ int main(void) {
     test_crlf_documents();
     test_long_lines();
     test_zero_optimization_keys();
+    test_tensor_parallel_flags();
     test_deepspeed_zero3_example();
     test_same_seed_same_losses();
     test_resume_is_bitwise();

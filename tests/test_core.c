@@ -1,10 +1,13 @@
-// test_core.c: the tagged allocator's accounting and the RNG.
+// test_core.c: the tagged allocator's accounting and the RNG; the option
+// table's names of one setting, and the tensor-parallel layout and batch
+// checks it feeds (cfg->ranks stands for the world: no MPI).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fitlm/core.h"
+#include "fitlm/train.h"
 #include "testlib.h"
 
 static void test_allocator_counts_exactly(void) {
@@ -179,6 +182,239 @@ static void test_size_text(void) {
     }
 }
 
+// ---------------------------------------------------------------------------
+// tensor parallelism's keys, flags and layout checks
+
+// A config from the defaults, JSON text (NULL: none) and flags (space-separated).
+static void config_of(fl_train_config *cfg, const char *json, const char *flags) {
+    fl_config_defaults(cfg);
+    if (json) fl_config_load_json_text(cfg, json, strlen(json), "test.json");
+    char copy[512], *argv[32];
+    snprintf(copy, sizeof copy, "%s", flags ? flags : "");
+    int argc = 0;
+    for (char *tok = strtok(copy, " "); tok && argc < 32; tok = strtok(NULL, " "))
+        argv[argc++] = tok;
+    fl_config_parse_args(cfg, argc, argv);
+}
+
+static void config_from_json(void *json) {
+    fl_train_config cfg;
+    config_of(&cfg, json, NULL);
+}
+
+static void test_tp_keys_and_flags(void) {
+    const struct {
+        const char *json, *flags;
+        int t, sp;
+    } set[] = {
+        {NULL, NULL, 1, 0},
+        {"{\"tensor_parallel\": {\"size\": 2}}", NULL, 2, 0},
+        {"{\"tensor_model_parallel_size\": 4}", NULL, 4, 0},
+        {"{\"tensor_parallel\": {\"autotp_size\": 8}}", NULL, 8, 0},
+        {"{\"sequence_parallel\": true}", NULL, 1, 1},
+        {NULL, "--tensor-parallel 2 --sequence-parallel", 2, 1},
+        {NULL, "--tensor-parallel=4", 4, 0},
+        // two names at one value agree
+        {"{\"tensor_parallel\": {\"size\": 2, \"autotp_size\": 2}, "
+         "\"tensor_model_parallel_size\": 2}",
+         NULL, 2, 0},
+        // a flag overrides the file, whichever name the file gave
+        {"{\"tensor_model_parallel_size\": 2, \"sequence_parallel\": true}",
+         "--tensor-parallel 4 --sequence-parallel=false", 4, 0},
+    };
+    for (size_t i = 0; i < sizeof set / sizeof set[0]; i++) {
+        fl_train_config cfg;
+        config_of(&cfg, set[i].json, set[i].flags);
+        t_check(cfg.tensor_parallel == set[i].t && cfg.sequence_parallel == set[i].sp,
+                "%s %s: tensor_parallel %d (want %d), sequence_parallel %d (want %d)",
+                set[i].json ? set[i].json : "", set[i].flags ? set[i].flags : "",
+                cfg.tensor_parallel, set[i].t, cfg.sequence_parallel, set[i].sp);
+    }
+    // two names of one setting at different values, in one file: refused naming both
+    t_dies("tensor_parallel.size and Megatron's name disagree", config_from_json,
+           "{\"tensor_parallel\": {\"size\": 2}, \"tensor_model_parallel_size\": 4}",
+           "test.json: tensor_model_parallel_size 4 contradicts tensor_parallel.size 2");
+    t_dies("Megatron's and DeepSpeed's names disagree", config_from_json,
+           "{\"tensor_model_parallel_size\": 2, \"tensor_parallel\": {\"autotp_size\": 4}}",
+           "test.json: tensor_parallel.autotp_size 4 contradicts tensor_model_parallel_size 2");
+    t_dies("tensor_parallel.size 0", config_from_json, "{\"tensor_parallel\": {\"size\": 0}}",
+           "tensor_parallel.size = 0 is out of range");
+    t_dies("DeepSpeed's other tensor_parallel keys", config_from_json,
+           "{\"tensor_parallel\": {\"autotp_size\": 2, \"preset_model\": \"llama\"}}",
+           "unknown key 'tensor_parallel.preset_model'");
+
+    // A resume: the checkpoint's config (one source), then this run's flags
+    // over it, at another layout; the run's config then records the new one.
+    fl_train_config cfg;
+    config_of(&cfg, "{\"tensor_model_parallel_size\": 2, \"sequence_parallel\": true}",
+              "--tensor-parallel 4 --sequence-parallel=false");
+    char *json = fl_config_to_json(&cfg);
+    t_check(strstr(json, "\"tensor_parallel\":{\"size\":4}") &&
+                !strstr(json, "tensor_model_parallel_size") &&
+                strstr(json, "\"sequence_parallel\":false"),
+            "a flag replaces the checkpoint's name of the setting: %s", json);
+    fl_train_config again;
+    config_of(&again, json, NULL);
+    t_check(again.tensor_parallel == 4 && !again.sequence_parallel,
+            "and the saved config reads back (%d, %d)", again.tensor_parallel,
+            again.sequence_parallel);
+    fl_free(json);
+    // a later file replaces an earlier file's name (a --config over a checkpoint's config)
+    config_of(&cfg, "{\"tensor_parallel\": {\"autotp_size\": 2}}", NULL);
+    const char *later = "{\"tensor_model_parallel_size\": 4}";
+    fl_config_load_json_text(&cfg, later, strlen(later), "later.json");
+    t_check(cfg.tensor_parallel == 4 && !fl_config_given(&cfg, "tensor_parallel.autotp_size") &&
+                fl_config_given(&cfg, "tensor_model_parallel_size"),
+            "a later source's name replaces an earlier one's (%d)", cfg.tensor_parallel);
+    // the ranks agree on the layout: it is in the canonical text
+    config_of(&cfg, NULL, "--tensor-parallel 2 --sequence-parallel");
+    char *canon = fl_config_canonical(&cfg);
+    t_check(strstr(canon, "\ntensor_parallel.size=2\n") &&
+                strstr(canon, "\nsequence_parallel=true\n"),
+            "the canonical text holds tensor_parallel.size and sequence_parallel");
+    free(canon);
+}
+
+typedef struct {
+    int world, t, sp, micro, seq;
+    fl_model_config model;
+} layout;
+
+static void tp_check_layout(void *arg) {
+    const layout *l = arg;
+    fl_train_config cfg;
+    fl_config_defaults(&cfg);
+    cfg.ranks = l->world;
+    cfg.tensor_parallel = l->t;
+    cfg.sequence_parallel = l->sp;
+    cfg.micro_batch = l->micro;
+    cfg.seq_len = l->seq;
+    fl_tp_check(&cfg, &l->model);
+}
+
+static void test_tp_layouts(void) {
+    // n_head, n_kv_head, intermediate_size: a finished shape's
+    const fl_model_config gpt2 = {
+        .n_head = 12, .n_kv_head = 12, .n_embd = 768, .intermediate_size = 3072};
+    const fl_model_config gqa2 = {.n_head = 8, .n_kv_head = 2, .intermediate_size = 256};
+    const fl_model_config gqa4 = {.n_head = 8, .n_kv_head = 4, .intermediate_size = 256};
+    const fl_model_config mlp100 = {.n_head = 8, .n_kv_head = 8, .intermediate_size = 100};
+    const struct {
+        layout l;
+        const char *says; // NULL: accepted
+    } cases[] = {
+        {{4, 2, 0, 4, 128, gpt2}, NULL},
+        {{4, 4, 1, 4, 128, gpt2}, NULL},
+        {{1, 1, 0, 3, 7, gqa2}, NULL},
+        {{4, 2, 0, 1, 1, gqa4}, NULL}, // n_kv_head 4, t 2: two KV heads a rank
+        {{2, 2, 0, 1, 1, gqa2}, NULL}, // n_kv_head 2, t 2: one a rank
+        {{6, 4, 0, 4, 128, gqa4},
+         "tensor_parallel.size 4 does not divide the world of 6 ranks (6 % 4 = 2): the ranks "
+         "form d = world / t data-parallel replicas of 4 ranks each"},
+        {{1, 2, 0, 4, 128, gqa4}, "does not divide the world of 1 rank (1 % 2 = 1)"},
+        {{8, 8, 0, 4, 128, gpt2},
+         "tensor_parallel.size 8 does not divide model.n_head 12 (12 % 8 = 4)"},
+        {{4, 4, 0, 4, 128, gqa2},
+         "tensor_parallel.size 4 is a multiple of model.n_kv_head 2, more ranks than key/value "
+         "heads: Megatron's scheme"},
+        {{8, 8, 0, 4, 128, mlp100},
+         "tensor_parallel.size 8 does not divide model.intermediate_size 100 (100 % 8 = 4)"},
+        {{1, 1, 1, 4, 128, gpt2},
+         "sequence_parallel splits the tokens over the tensor-parallel ranks: it needs "
+         "tensor_parallel.size above 1"},
+        {{4, 4, 1, 3, 5, gpt2},
+         "sequence_parallel: train_micro_batch_size_per_gpu 3 x seq_len 5 = 15 tokens do not "
+         "split over tensor_parallel.size 4 (15 % 4 = 3)"},
+        {{4, 4, 0, 3, 5, gpt2}, NULL}, // the same without sequence parallelism
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        layout l = cases[i].l;
+        char name[96];
+        snprintf(name, sizeof name, "world %d, t %d%s, n_head %d, n_kv_head %d, mlp %d", l.world,
+                 l.t, l.sp ? " with SP" : "", l.model.n_head, l.model.n_kv_head,
+                 l.model.intermediate_size);
+        if (cases[i].says) {
+            t_dies(name, tp_check_layout, &l, cases[i].says);
+        } else {
+            tp_check_layout(&l);
+            t_check(1, "%s: accepted", name);
+        }
+    }
+}
+
+// The run's config checks call fl_tp_check: a shape from the flags refused
+// by fl_config_finish, before anything is allocated.
+static void finish_flags(void *flags) {
+    fl_train_config cfg;
+    config_of(&cfg, NULL, flags);
+    cfg.ranks = 4;
+    fl_config_finish(&cfg, 257);
+}
+
+static void test_tp_checked_by_config_finish(void) {
+    t_dies("fl_config_finish: n_head 6 over t 4", finish_flags,
+           "--model tiny --n-head 6 --n-embd 96 --seq-len 16 --tensor-parallel 4",
+           "tensor_parallel.size 4 does not divide model.n_head 6 (6 % 4 = 2)");
+    t_dies("fl_config_finish: LLaMA's 2 KV heads over t 4", finish_flags,
+           "--model llama-tiny --seq-len 16 --tensor-parallel 4",
+           "tensor_parallel.size 4 is a multiple of model.n_kv_head 2");
+    fl_train_config cfg;
+    config_of(&cfg, NULL,
+              "--model llama-tiny --seq-len 16 --tensor-parallel 2 --sequence-parallel --batch 3");
+    cfg.ranks = 4;
+    fl_config_finish(&cfg, 257);
+    t_check(cfg.tensor_parallel == 2 && cfg.train_batch_size == 6,
+            "llama-tiny over 4 ranks at t 2 finishes: train_batch_size %d = 3 x 2 replicas",
+            cfg.train_batch_size);
+}
+
+static void batch_rule(void *json) {
+    fl_train_config cfg;
+    config_of(&cfg, json, NULL);
+    cfg.ranks = 4;
+    fl_parallel_check_batch(&cfg);
+}
+
+// DeepSpeed's batch rule over the data-parallel size d = world / t
+// (Megatron's global_batch = micro x m x d): t = 2 over 4 ranks is d = 2.
+static void test_batch_rule_over_replicas(void) {
+    const struct {
+        const char *json;
+        int micro, accum, total;
+    } set[] = {
+        {"{\"tensor_parallel\": {\"size\": 2}, \"train_micro_batch_size_per_gpu\": 4, "
+         "\"gradient_accumulation_steps\": 2}",
+         4, 2, 16},
+        {"{\"tensor_parallel\": {\"size\": 2}, \"train_batch_size\": 16, "
+         "\"train_micro_batch_size_per_gpu\": 4}",
+         4, 2, 16},
+        {"{\"tensor_parallel\": {\"size\": 2}, \"train_batch_size\": 16, "
+         "\"gradient_accumulation_steps\": 4}",
+         2, 4, 16},
+        {"{\"tensor_parallel\": {\"size\": 4}, \"train_batch_size\": 6}", 6, 1, 6},
+        {"{\"train_micro_batch_size_per_gpu\": 4, \"gradient_accumulation_steps\": 2}", 4, 2,
+         32}, // t 1: every rank a replica
+    };
+    for (size_t i = 0; i < sizeof set / sizeof set[0]; i++) {
+        fl_train_config cfg;
+        config_of(&cfg, set[i].json, NULL);
+        cfg.ranks = 4;
+        fl_parallel_check_batch(&cfg);
+        t_check(cfg.micro_batch == set[i].micro && cfg.grad_accum == set[i].accum &&
+                    cfg.train_batch_size == set[i].total,
+                "%s over 4 ranks: micro %d accum %d total %d (want %d %d %d)", set[i].json,
+                cfg.micro_batch, cfg.grad_accum, cfg.train_batch_size, set[i].micro, set[i].accum,
+                set[i].total);
+    }
+    t_dies("train_batch_size over replicas", batch_rule,
+           "{\"tensor_parallel\": {\"size\": 2}, \"train_batch_size\": 12, "
+           "\"gradient_accumulation_steps\": 5}",
+           "train_batch_size 12 is not a multiple of gradient_accumulation_steps 5 x 2 "
+           "data-parallel replicas (4 ranks / tensor_parallel.size 2)");
+    t_dies("the batch rule over a world t does not divide", batch_rule,
+           "{\"tensor_parallel\": {\"size\": 3}}", "(4 % 3 = 1)");
+}
+
 int main(void) {
     test_isa_cap(); // first: before anything calls fl_cpu()
     test_openblas_coretype();
@@ -187,5 +423,9 @@ int main(void) {
     test_rng();
     test_size_text();
     test_cpu_probe();
+    test_tp_keys_and_flags();
+    test_tp_layouts();
+    test_tp_checked_by_config_finish();
+    test_batch_rule_over_replicas();
     return t_report();
 }

@@ -101,12 +101,15 @@ typedef struct {
     char recompute_policy[FL_NAME_MAX]; // none | selective | block
     fl_recompute recompute;             // derived by fl_config_finish
     int ac_partition, ac_cpu, ac_contiguous, ac_number, ac_sync, ac_profile;
-    int micro_batch;      // train_micro_batch_size_per_gpu
-    int grad_accum;       // gradient_accumulation_steps
-    int train_batch_size; // DeepSpeed's micro * accum * ranks; 0 = derived
-    fl_zero_config zero;  // zero_optimization; ranks come from mpirun
-    int ranks; // the ranks train_batch_size is split over: 0 = this job's (fl_comm_size);
-               // `fitlm plan --ranks N` sets N
+    int micro_batch;       // train_micro_batch_size_per_gpu
+    int grad_accum;        // gradient_accumulation_steps
+    int train_batch_size;  // DeepSpeed's micro * accum * replicas (world / t); 0 = derived
+    fl_zero_config zero;   // zero_optimization; ranks come from mpirun
+    int tensor_parallel;   // t: ways each block's linears, attention heads and the vocabulary are
+                           // split (1: none)
+    int sequence_parallel; // Megatron's --sequence-parallel (needs t > 1)
+    int ranks; // the world, all ranks: 0 = this job's (fl_comm_size); `fitlm plan --ranks N`
+               // sets N. train_batch_size is split over its world / tensor_parallel replicas
     fl_zero_extra zero_extra; // its keys that need no engine code (and aio)
     int seq_len;
     int steps;

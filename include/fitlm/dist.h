@@ -46,8 +46,18 @@ typedef struct fl_dist fl_dist;
 
 // DeepSpeed's batch rule (src/parallel/parallel_config.c): any two of
 // train_micro_batch_size_per_gpu, gradient_accumulation_steps and
-// train_batch_size set the third over the ranks (cfg->ranks, or this job's).
+// train_batch_size set the third over the data-parallel size d = world /
+// tensor_parallel (the world: cfg->ranks, or this job's), as Megatron's
+// global_batch = micro x m x d; dies when t does not divide the world.
 void fl_parallel_check_batch(fl_train_config *cfg);
+// Refuses a tensor-parallel layout the model or the job cannot take, naming
+// the numbers: world % t (and the data-parallel size d = world / t), n_head % t,
+// n_kv_head % t (when t % n_kv_head == 0 with n_kv_head < t: refused, naming both
+// numbers: Megatron's gathered-QKV scheme is not implemented), intermediate_size % t,
+// sequence_parallel with t == 1, and under sequence parallelism
+// micro_batch * seq_len % t. world: cfg->ranks if set (fitlm plan), else fl_comm_size().
+// model: a finished shape (fl_model_config_finish: n_kv_head, intermediate_size).
+void fl_tp_check(const fl_train_config *cfg, const fl_model_config *model);
 // The zero_optimization section: overlap_comm's default by stage, stage 3's
 // keys only at stage 3, and LoRA or NF4 refused with data parallelism.
 void fl_parallel_check_config(fl_train_config *cfg);

@@ -32,10 +32,13 @@ static void help(void) {
            "  %-28s %s\n  %-28s default: 0\n"
            "  %-28s %s\n  %-28s default: off\n"
            "  %-28s %s\n  %-28s default: the model shape's count\n\n",
-           "--ranks N", "data-parallel ranks, as mpirun -np N starts (memory is per rank)", "",
-           "--rank R", "the rank planned (ZeRO shards differ by a few elements; 0: the largest)",
-           "", "--lomo", "LOMO by its formula: update fused into backward, no optimizer state", "",
-           "--params N", "a raw parameter count (124439808, 7e9, 7B, 350M): model states only", "");
+           "--ranks N",
+           "ranks, as mpirun -np N starts (memory is per rank; N / --tensor-parallel data-parallel "
+           "replicas)",
+           "", "--rank R",
+           "the rank planned (ZeRO shards differ by a few elements; 0: the largest)", "", "--lomo",
+           "LOMO by its formula: update fused into backward, no optimizer state", "", "--params N",
+           "a raw parameter count (124439808, 7e9, 7B, 350M): model states only", "");
     fl_config_print_help(stdout);
 }
 

@@ -66,7 +66,8 @@ static const option options[] = {
      "inputs"},
     {"activation_checkpointing.partition_activations", "--partition-activations", OPT_BOOL,
      NUM(ac_partition), "false", 0, 0, NULL,
-     "DeepSpeed: split checkpoints across tensor-parallel ranks (needs tensor parallelism)"},
+     "DeepSpeed: split checkpoints across tensor-parallel ranks (refused: use "
+     "--sequence-parallel)"},
     {"activation_checkpointing.cpu_checkpointing", "--cpu-checkpointing", OPT_BOOL, NUM(ac_cpu),
      "false", 0, 0, NULL, "DeepSpeed: offload partitioned checkpoints (needs partitioning)"},
     {"activation_checkpointing.contiguous_memory_optimization", "--contiguous-checkpoints",
@@ -100,6 +101,19 @@ static const option options[] = {
      "micro-batches accumulated per optimizer step"},
     {"train_batch_size", "--train-batch-size", OPT_INT, NUM(train_batch_size), "0", 0, 1 << 30,
      NULL, "sequences per optimizer step = batch x grad-accum (0 = derived)"},
+    {"tensor_parallel.size", "--tensor-parallel", OPT_INT, NUM(tensor_parallel), "1", 1, 1 << 20,
+     NULL,
+     "tensor parallelism (Megatron's): t ranks split each block's linears and attention heads "
+     "and the vocabulary; the ranks mpirun starts form world / t data-parallel replicas of t "
+     "(1 = none)"},
+    {"tensor_model_parallel_size", NULL, OPT_INT, NUM(tensor_parallel), "1", 1, 1 << 20, NULL,
+     "Megatron's name of tensor_parallel.size"},
+    {"tensor_parallel.autotp_size", NULL, OPT_INT, NUM(tensor_parallel), "1", 1, 1 << 20, NULL,
+     "DeepSpeed's name (AutoTP) of tensor_parallel.size"},
+    {"sequence_parallel", "--sequence-parallel", OPT_BOOL, NUM(sequence_parallel), "false", 0, 0,
+     NULL,
+     "Megatron's sequence parallelism (needs tensor_parallel.size above 1): norms, dropout and "
+     "residual adds each run on 1/t of the tokens"},
     {"zero_optimization.stage", "--zero-stage", OPT_INT, NUM(zero.stage), "0", 0, 3, NULL,
      "ZeRO stage over the ranks mpirun starts: 0 data parallel (DDP), 1 + optimizer states "
      "sharded, 2 + gradients, 3 + parameters"},
@@ -431,6 +445,28 @@ static size_t option_index(const char *key) {
     FL_ASSERT(0);
 }
 
+// Options that set the same field are names of one setting
+// (tensor_parallel.size, Megatron's and DeepSpeed's names for it, all
+// whole numbers). A source (a config file, a checkpoint's config, the
+// flags) giving two must give them the same value; a later source's name
+// replaces an earlier one's, as any value of it does. `seen`: what this
+// source has given so far; `before`: the field's value before o was set.
+static void mark_given(fl_train_config *cfg, const option *o, uint8_t *seen, int before,
+                       const char *where) {
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        const option *a = &options[i];
+        if (a == o || a->offset != o->offset || !cfg->given[i]) continue;
+        FL_ASSERT(o->type == OPT_INT && a->type == OPT_INT);
+        int now = *(const int *)((const char *)cfg + o->offset);
+        if (seen[i] && now != before)
+            fl_die("%s: %s %d contradicts %s %d (two names of one setting: give one)", where,
+                   o->key, now, a->key, before);
+        if (!seen[i]) cfg->given[i] = 0;
+    }
+    cfg->given[o - options] = 1;
+    seen[o - options] = 1;
+}
+
 int fl_config_given(const fl_train_config *cfg, const char *key) {
     return cfg->given[option_index(key)];
 }
@@ -627,7 +663,7 @@ static int is_prefix_of_a_key(const char *path) {
 }
 
 static void load_object(fl_train_config *cfg, const cJSON *obj, const char *prefix,
-                        const char *path) {
+                        const char *path, uint8_t *seen) {
     for (const cJSON *item = obj->child; item; item = item->next) {
         char key[256];
         int n = snprintf(key, sizeof key, "%s%s%s", prefix, *prefix ? "." : "", item->string);
@@ -637,11 +673,12 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
         for (size_t i = 0; i < N_OPTIONS; i++)
             if (!strcmp(options[i].key, key)) o = &options[i];
         if (o) {
+            int before = o->type == OPT_INT ? *(const int *)field(cfg, o) : 0;
             set_from_json(cfg, o, item, path);
-            cfg->given[o - options] = 1;
+            mark_given(cfg, o, seen, before, path);
         } else if (is_prefix_of_a_key(key)) {
             if (!cJSON_IsObject(item)) fl_die("%s: %s must be an object", path, key);
-            load_object(cfg, item, key, path);
+            load_object(cfg, item, key, path, seen);
         } else {
             fl_die("%s: unknown key '%s' (see 'fitlm train --help' for the keys this version "
                    "supports)",
@@ -689,7 +726,8 @@ void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, 
     fl_json_check_nul(text, n, where); // a value cut at a NUL would be another
     if (!cJSON_IsObject(root)) fl_die("%s: the top level must be a JSON object", where);
     check_duplicates(root, "", where);
-    load_object(cfg, root, "", where);
+    uint8_t seen[N_OPTIONS] = {0};
+    load_object(cfg, root, "", where, seen);
     cJSON_Delete(root);
 }
 
@@ -877,6 +915,7 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
             fl_config_load_json(cfg, argv[i] + 9);
         }
     }
+    uint8_t seen[N_OPTIONS] = {0};
     for (int i = 0; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--config")) {
@@ -901,8 +940,9 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
         }
         char where[64];
         snprintf(where, sizeof where, "option %s", o->flag);
+        int before = o->type == OPT_INT ? *(const int *)field(cfg, o) : 0;
         set_from_text(cfg, o, value, where);
-        cfg->given[o - options] = 1;
+        mark_given(cfg, o, seen, before, where);
     }
 }
 

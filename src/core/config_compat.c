@@ -33,9 +33,10 @@ static void map_precision(fl_train_config *cfg) {
 // DeepSpeed's activation_checkpointing keys beside the policy: each is
 // refused with what fitlm does instead, never ignored.
 static void refuse_checkpointing(const fl_train_config *cfg) {
-    const char *needs_tp = "partitions checkpoints across tensor-parallel ranks, and fitlm has no "
-                           "tensor parallelism yet";
-    if (cfg->ac_partition) fl_die("activation_checkpointing.partition_activations %s", needs_tp);
+    if (cfg->ac_partition)
+        fl_die("activation_checkpointing.partition_activations partitions checkpoints across "
+               "tensor-parallel ranks; fitlm's sequence parallelism (--sequence-parallel, with "
+               "--tensor-parallel above 1) keeps the activations between blocks split over them");
     if (cfg->ac_cpu)
         fl_die("activation_checkpointing.cpu_checkpointing offloads partitioned checkpoints "
                "(DeepSpeed: needs partition_activations); fitlm's activations are in host memory "

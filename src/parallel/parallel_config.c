@@ -1,6 +1,7 @@
-// parallel_config.c: the data-parallel section of a run's config: DeepSpeed's
-// batch rule over the ranks, ZeRO's keys by stage, and what the engine
-// cannot run yet. The ranks are the communicator's (a plan's: cfg->ranks).
+// parallel_config.c: the parallel sections of a run's config: DeepSpeed's
+// batch rule over the data-parallel replicas, the tensor-parallel layout
+// against the model, ZeRO's keys by stage, and what the engine cannot run
+// yet. The ranks are the communicator's (a plan's: cfg->ranks).
 #include <string.h>
 
 #include "fitlm/comm.h"
@@ -8,44 +9,98 @@
 
 #define ZERO "zero_optimization."
 
-// DeepSpeed's batch rule (runtime/config.py, _set_batch_related_parameters):
-// train_batch_size = micro x accum x ranks, and any two of the three set the
-// third; train_batch_size alone means no accumulation. Run after MPI has
-// started: the ranks are fl_comm_size's (or cfg->ranks, a plan's).
 static int world_of(const fl_train_config *cfg) {
     return cfg->ranks > 0 ? cfg->ranks : fl_comm_size();
 }
 
+// The data-parallel size d = world / t: the model replicas the batch is
+// split over, each of t tensor-parallel ranks (rank = tp + t x dp).
+static int data_parallel_size(const fl_train_config *cfg) {
+    int world = world_of(cfg), t = cfg->tensor_parallel;
+    if (world % t)
+        fl_die("tensor_parallel.size %d does not divide the world of %d rank%s (%d %% %d = %d): "
+               "the ranks form d = world / t data-parallel replicas of %d ranks each; run a "
+               "multiple of %d ranks",
+               t, world, world == 1 ? "" : "s", world, t, world % t, t, t);
+    return world / t;
+}
+
+// DeepSpeed's batch rule (runtime/config.py, _set_batch_related_parameters):
+// train_batch_size = micro x accum x replicas, and any two of the three set
+// the third; train_batch_size alone means no accumulation. The replicas are
+// the data-parallel size d = world / t (Megatron: global_batch = micro x m
+// x d): a tensor-parallel group of t ranks reads one micro-batch. Run after
+// MPI has started: the world is fl_comm_size's (or cfg->ranks, a plan's).
 void fl_parallel_check_batch(fl_train_config *cfg) {
-    int world = world_of(cfg), t = cfg->train_batch_size; // t 0: not given
+    int d = data_parallel_size(cfg), total_given = cfg->train_batch_size; // 0: not given
     int has_micro = fl_config_given(cfg, "train_micro_batch_size_per_gpu");
     int has_accum = fl_config_given(cfg, "gradient_accumulation_steps");
-    const char *ranks = world == 1 ? "rank" : "ranks";
-    if (t && !has_micro) {
+    char ranks[96]; // what d counts
+    if (cfg->tensor_parallel == 1)
+        snprintf(ranks, sizeof ranks, "%s", d == 1 ? "rank" : "ranks");
+    else
+        snprintf(ranks, sizeof ranks,
+                 "data-parallel replica%s (%d ranks / tensor_parallel.size %d)", d == 1 ? "" : "s",
+                 world_of(cfg), cfg->tensor_parallel);
+    if (total_given && !has_micro) {
         int accum = has_accum ? cfg->grad_accum : 1;
-        if (t % ((long long)accum * world))
+        if (total_given % ((long long)accum * d))
             fl_die("train_batch_size %d is not a multiple of gradient_accumulation_steps %d x %d "
                    "%s: it cannot set train_micro_batch_size_per_gpu",
-                   t, accum, world, ranks);
+                   total_given, accum, d, ranks);
         cfg->grad_accum = accum;
-        cfg->micro_batch = (int)(t / ((long long)accum * world));
-    } else if (t && !has_accum) {
-        if (t % ((long long)cfg->micro_batch * world))
+        cfg->micro_batch = (int)(total_given / ((long long)accum * d));
+    } else if (total_given && !has_accum) {
+        if (total_given % ((long long)cfg->micro_batch * d))
             fl_die("train_batch_size %d is not a multiple of train_micro_batch_size_per_gpu %d x "
                    "%d %s: it cannot set gradient_accumulation_steps",
-                   t, cfg->micro_batch, world, ranks);
-        cfg->grad_accum = (int)(t / ((long long)cfg->micro_batch * world));
+                   total_given, cfg->micro_batch, d, ranks);
+        cfg->grad_accum = (int)(total_given / ((long long)cfg->micro_batch * d));
     }
-    long long total = (long long)cfg->micro_batch * cfg->grad_accum * world;
-    if (t && total != t)
+    long long total = (long long)cfg->micro_batch * cfg->grad_accum * d;
+    if (total_given && total != total_given)
         fl_die("train_batch_size %d != train_micro_batch_size_per_gpu %d x "
                "gradient_accumulation_steps %d x %d %s",
-               t, cfg->micro_batch, cfg->grad_accum, world, ranks);
+               total_given, cfg->micro_batch, cfg->grad_accum, d, ranks);
     if (total > 1 << 30)
         fl_die("train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x %d %s is "
                "more than 2^30 sequences per step",
-               cfg->micro_batch, cfg->grad_accum, world, ranks);
+               cfg->micro_batch, cfg->grad_accum, d, ranks);
     cfg->train_batch_size = (int)total;
+}
+
+// t must divide `n` (model.<what>): each tensor-parallel rank takes 1/t of it.
+static void check_divides(int t, int n, const char *key, const char *why) {
+    if (n % t)
+        fl_die("tensor_parallel.size %d does not divide %s %d (%d %% %d = %d): %s", t, key, n, n, t,
+               n % t, why);
+}
+
+void fl_tp_check(const fl_train_config *cfg, const fl_model_config *model) {
+    int t = cfg->tensor_parallel;
+    if (cfg->sequence_parallel && t == 1)
+        fl_die("sequence_parallel splits the tokens over the tensor-parallel ranks: it needs "
+               "tensor_parallel.size above 1, which is 1 (--sequence-parallel=false turns it off)");
+    data_parallel_size(cfg);
+    if (t == 1) return;
+    FL_ASSERT(model->n_head > 0 && model->n_kv_head > 0); // a finished shape
+    check_divides(t, model->n_head, "model.n_head", "each rank runs whole attention heads");
+    int kv = model->n_kv_head;
+    if (kv < t && t % kv == 0)
+        fl_die("tensor_parallel.size %d is a multiple of model.n_kv_head %d, more ranks than "
+               "key/value heads: Megatron's scheme for that (the QKV output gathered over the "
+               "ranks, each keeping its group) is not implemented; use a tensor_parallel.size "
+               "that divides %d",
+               t, kv, kv);
+    check_divides(t, kv, "model.n_kv_head",
+                  "each rank runs whole key/value heads with their query heads");
+    check_divides(t, model->intermediate_size, "model.intermediate_size",
+                  "each rank takes an equal slice of the MLP");
+    long long tokens = (long long)cfg->micro_batch * cfg->seq_len;
+    if (cfg->sequence_parallel && tokens % t)
+        fl_die("sequence_parallel: train_micro_batch_size_per_gpu %d x seq_len %d = %lld tokens "
+               "do not split over tensor_parallel.size %d (%lld %% %d = %lld)",
+               cfg->micro_batch, cfg->seq_len, tokens, t, tokens, t, tokens % t);
 }
 
 // Keys named stage3_* do nothing below stage 3: an error, as an fp16 key

@@ -78,7 +78,8 @@ static void demo_recipe(fl_train_config *cfg) {
 void fl_config_check(fl_train_config *cfg) {
     fl_deepspeed_check_config(cfg); // first: it maps keys the sections read
     fl_config_check_common(cfg);
-    fl_parallel_check_batch(cfg); // the accumulation LoRA and the optimizer read
+    fl_parallel_check_batch(cfg);  // the accumulation LoRA and the optimizer read
+    fl_tp_check(cfg, &cfg->model); // the layout, before any allocation: reads the micro-batch
     fl_lora_check_config(cfg);
     fl_quant_check_config(cfg);    // reads whether LoRA trains, and on what base
     fl_optim_check_config(cfg);    // reads the precision and LoRA's base optimizer
