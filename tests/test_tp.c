@@ -10,8 +10,12 @@
 // Tolerances (fp32): losses and final weights within 1.3e-6 relative,
 // Megatron's bound for model-parallel gradients (about 10.6 x fp32 epsilon,
 // test_optimizer_grads_match.py): the row-parallel products are sums of t
-// partial GEMMs, the only difference. bf16: within the bf16 runs' gap to
-// fp32 as test_dist bounds it (losses 2e-3, weights 1e-2).
+// partial GEMMs, the only difference. AdamW runs at eps 1e-6: at 1e-8 it
+// turns the rounding noise of near-zero gradients into steps of up to lr,
+// which took the weights to 2e-6 of each other where SGD's are 1e-9 apart
+// (the gradients agree; test_dist.c meets the same with data parallelism).
+// bf16 and fp16: within the 16-bit runs' gap to fp32 as test_dist bounds it
+// (losses 2e-3, weights 1e-2).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -182,13 +186,14 @@ static void open_run(const tp_case *c, int tp, fl_run *run) {
         "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
         "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
         "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
-        "--sample-tokens 0 --out= --comm-timeout 60 --tensor-parallel %d%s",
+        "--sample-tokens 0 --out= --comm-timeout 60%s --tensor-parallel %d%s",
         fl_arch_name(c->arch), T, fl_dtype_name(c->dt), tp ? B : B * fl_comm_size() / c->tp, T,
         c->accum, tp ? c->stage : 0, c->kind == FL_OPT_LOMO ? "lomo" : "adamw", lr_of(c),
         c->recompute == FL_RECOMPUTE_BLOCK       ? "block"
         : c->recompute == FL_RECOMPUTE_SELECTIVE ? "selective"
                                                  : "none",
-        tp ? c->tp : 1, tp && c->sp ? " --sequence-parallel" : "");
+        c->kind == FL_OPT_LOMO ? "" : " --eps 1e-6", tp ? c->tp : 1,
+        tp && c->sp ? " --sequence-parallel" : "");
     (void)dp;
     if (c->arch == FL_ARCH_LLAMA)
         snprintf(flags + n, sizeof flags - (size_t)n,
@@ -221,6 +226,9 @@ static void train(const tp_case *c, int tp, run_result *out) {
     int dp = fl_comm_size() / c->tp, drank = fl_comm_rank() / c->tp;
     fl_run run;
     open_run(c, tp, &run);
+    if (tp)
+        t_check(run.model.tp.size == c->tp && run.model.table.numel < fl_model_whole_table(&run.model)->numel,
+                "%s: the run is split %d ways (%d)", c->name, c->tp, run.model.tp.size);
     int Bm = run.cfg.micro_batch;
     size_t global = (size_t)c->accum * dp * B * T;
     int *gi = malloc(global * sizeof(int)), *gt = malloc(global * sizeof(int));
@@ -275,7 +283,8 @@ static double rel_diff(const float *a, const float *b, size_t n) {
 }
 
 static void check_case(const tp_case *c) {
-    if (fl_comm_size() % c->tp) return;
+    // TP x DP cases on 4 ranks only (t = 2 alone is the first cases' on 2)
+    if (fl_comm_size() % c->tp || (c->tp < fl_comm_size() && fl_comm_size() != 4)) return;
     run_result got, want;
     train(c, 1, &got);
     train(c, 0, &want);
@@ -298,7 +307,16 @@ static void check_case(const tp_case *c) {
             for (size_t i = 0; i < got.table.views[r].numel; i++)
                 got.weights[got.table.views[r].offset + i] = ref[got.table.views[r].offset + i];
     double wd = rel_diff(got.weights, ref, got.table.numel);
+    if (getenv("FITLM_TEST_VERBOSE") && fl_comm_rank() == 0)
+        for (int r = 0; r < got.table.count; r++) {
+            const fl_param_view *v = &got.table.views[r];
+            double d = rel_diff(got.weights + v->offset, ref + v->offset, v->numel);
+            if (d > 1e-6) printf("  row %s: %.3g\n", v->name, d);
+        }
     int rank = fl_comm_rank(), world = fl_comm_size();
+    if (getenv("FITLM_TEST_VERBOSE"))
+        printf("rank %d %s: loss %.3g norm %.3g weights %.3g (loss %.4f -> %.4f)\n", rank, c->name,
+               worst, worst_norm, wd, got.loss[0], got.loss[STEPS - 1]);
     t_check(worst <= tol, "rank %d/%d %s: losses within %g relative of one process (worst %.3g)",
             rank, world, c->name, tol, worst);
     t_check(worst_norm <= (c->dt == FL_F32 ? 1e-5 : 2e-2),
@@ -306,7 +324,8 @@ static void check_case(const tp_case *c) {
             worst_norm);
     t_check(wd <= w_tol, "rank %d/%d %s: final weights within %g relative (%.3g)", rank, world,
             c->name, w_tol, wd);
-    t_check(got.loss[STEPS - 1] < got.loss[0] - 0.05f,
+    // (GPT-2 under LOMO, plain SGD clipped at 1, falls slowly in 12 steps)
+    t_check(got.loss[STEPS - 1] < got.loss[0] - (c->kind == FL_OPT_LOMO ? 0.0f : 0.05f),
             "rank %d/%d %s: the loss falls (%.4f -> %.4f)", rank, world, c->name, got.loss[0],
             got.loss[STEPS - 1]);
     free(ref);
@@ -333,12 +352,25 @@ int main(int argc, char **argv) {
         const fl_arch_kind G = FL_ARCH_GPT2, L = FL_ARCH_LLAMA;
         const fl_recompute none = FL_RECOMPUTE_NONE;
         int w = fl_comm_size();
+        const fl_recompute sel = FL_RECOMPUTE_SELECTIVE, blk = FL_RECOMPUTE_BLOCK;
+        const fl_optim_kind A = FL_OPT_ADAMW;
+        // t = the world; then, on 4 ranks, 2 x 2 (TP x DP) under DDP and ZeRO-1/2/3
         const tp_case cases[] = {
-            {"gpt2 fp32 TP", G, FL_F32, w, 0, 0, 1, 1, none, FL_OPT_ADAMW},
-            {"llama fp32 TP (GQA, untied)", L, FL_F32, w, 0, 0, 1, 0, none, FL_OPT_ADAMW},
-            {"llama fp32 TP (tied), accumulation", L, FL_F32, w, 0, 0, 2, 1, none, FL_OPT_ADAMW},
-            {"gpt2 bf16 TP, block recompute", G, FL_BF16, w, 0, 0, 1, 1, FL_RECOMPUTE_BLOCK,
-             FL_OPT_ADAMW},
+            {"gpt2 fp32 TP", G, FL_F32, w, 0, 0, 1, 1, none, A},
+            {"llama fp32 TP (GQA, untied)", L, FL_F32, w, 0, 0, 1, 0, none, A},
+            {"llama fp32 TP (tied), accumulation", L, FL_F32, w, 0, 0, 2, 1, none, A},
+            {"gpt2 fp32 TP+SP, accumulation", G, FL_F32, w, 1, 0, 2, 1, none, A},
+            {"llama fp32 TP+SP, selective recompute", L, FL_F32, w, 1, 0, 1, 0, sel, A},
+            {"gpt2 fp32 TP+SP, block recompute", G, FL_F32, w, 1, 0, 1, 1, blk, A},
+            {"gpt2 fp32 TP, LOMO", G, FL_F32, w, 0, 0, 1, 1, none, FL_OPT_LOMO},
+            {"llama fp32 TP+SP, LOMO", L, FL_F32, w, 1, 0, 1, 0, none, FL_OPT_LOMO},
+            {"gpt2 bf16 TP, block recompute", G, FL_BF16, w, 0, 0, 1, 1, blk, A},
+            {"llama fp16 TP+SP", L, FL_F16, w, 1, 0, 2, 0, none, A},
+            {"gpt2 fp32 TP x DDP", G, FL_F32, 2, 0, 0, 2, 1, none, A},
+            {"llama fp32 TP+SP x ZeRO-1", L, FL_F32, 2, 1, 1, 2, 0, none, A},
+            {"gpt2 fp32 TP x ZeRO-2", G, FL_F32, 2, 0, 2, 2, 1, none, A},
+            {"llama fp32 TP x ZeRO-3", L, FL_F32, 2, 0, 3, 1, 1, none, A},
+            {"gpt2 fp32 TP+SP x ZeRO-3, block recompute", G, FL_F32, 2, 1, 3, 1, 1, blk, A},
         };
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
     }
