@@ -5,7 +5,9 @@
 // so each rank checks its own result without any exchange but the strategy's.
 // First, the texts a run's ranks agree on (every option, the parameter
 // table) and the description of their first difference, and the agreement
-// over groups of ranks (the ranks that differ are test_failures' cases).
+// over groups of ranks (the ranks that differ are test_failures' cases);
+// then Megatron's layout of the ranks into groups, point-to-point messages
+// and tensor parallelism's collectives, each exactly.
 //
 // Tolerances: fp32 losses within 1e-6 relative and final weights within
 // 1e-6 relative (norm of the difference over the norm); the strategy sums
