@@ -174,26 +174,32 @@ typedef struct {
 } tp_case;
 
 static float lr_of(const tp_case *c) {
-    return c->kind == FL_OPT_LOMO ? 0.2f : 2e-3f;
+    return c->kind == FL_OPT_LOMO ? 0.2f : c->kind == FL_OPT_ADALOMO ? 0.05f : 2e-3f;
+}
+
+static const char *optimizer_flags(const tp_case *c) {
+    // AdaLomo at test_dist's eps (its lr a multiple of each tensor's RMS)
+    return c->kind == FL_OPT_LOMO      ? "lomo"
+           : c->kind == FL_OPT_ADALOMO ? "adalomo --eps 1e-8"
+                                       : "adamw --eps 1e-6";
 }
 
 static void open_run(const tp_case *c, int tp, fl_run *run) {
     int dp = tp ? fl_comm_size() / c->tp : 1;
     char flags[2048];
-    int n = snprintf(
-        flags, sizeof flags,
-        "--model tiny --arch %s --n-layer 2 --n-head 8 --n-embd 32 --max-seq-len %d "
-        "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
-        "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
-        "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
-        "--sample-tokens 0 --out= --comm-timeout 60%s --tensor-parallel %d%s",
-        fl_arch_name(c->arch), T, fl_dtype_name(c->dt), tp ? B : B * fl_comm_size() / c->tp, T,
-        c->accum, tp ? c->stage : 0, c->kind == FL_OPT_LOMO ? "lomo" : "adamw", lr_of(c),
-        c->recompute == FL_RECOMPUTE_BLOCK       ? "block"
-        : c->recompute == FL_RECOMPUTE_SELECTIVE ? "selective"
-                                                 : "none",
-        c->kind == FL_OPT_LOMO ? "" : " --eps 1e-6", tp ? c->tp : 1,
-        tp && c->sp ? " --sequence-parallel" : "");
+    int n = snprintf(flags, sizeof flags,
+                     "--model tiny --arch %s --n-layer 2 --n-head 8 --n-embd 32 --max-seq-len %d "
+                     "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
+                     "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
+                     "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
+                     "--sample-tokens 0 --out= --comm-timeout 60 --tensor-parallel %d%s",
+                     fl_arch_name(c->arch), T, fl_dtype_name(c->dt),
+                     tp ? B : B * fl_comm_size() / c->tp, T, c->accum, tp ? c->stage : 0,
+                     optimizer_flags(c), lr_of(c),
+                     c->recompute == FL_RECOMPUTE_BLOCK       ? "block"
+                     : c->recompute == FL_RECOMPUTE_SELECTIVE ? "selective"
+                                                              : "none",
+                     tp ? c->tp : 1, tp && c->sp ? " --sequence-parallel" : "");
     (void)dp;
     if (c->arch == FL_ARCH_LLAMA)
         snprintf(flags + n, sizeof flags - (size_t)n,
@@ -353,7 +359,7 @@ int main(int argc, char **argv) {
         const fl_recompute none = FL_RECOMPUTE_NONE;
         int w = fl_comm_size();
         const fl_recompute sel = FL_RECOMPUTE_SELECTIVE, blk = FL_RECOMPUTE_BLOCK;
-        const fl_optim_kind A = FL_OPT_ADAMW;
+        const fl_optim_kind A = FL_OPT_ADAMW, D = FL_OPT_ADALOMO;
         // t = the world; then, on 4 ranks, 2 x 2 (TP x DP) under DDP and ZeRO-1/2/3
         const tp_case cases[] = {
             {"gpt2 fp32 TP", G, FL_F32, w, 0, 0, 1, 1, none, A},
@@ -364,6 +370,9 @@ int main(int argc, char **argv) {
             {"gpt2 fp32 TP+SP, block recompute", G, FL_F32, w, 1, 0, 1, 1, blk, A},
             {"gpt2 fp32 TP, LOMO", G, FL_F32, w, 0, 0, 1, 1, none, FL_OPT_LOMO},
             {"llama fp32 TP+SP, LOMO", L, FL_F32, w, 1, 0, 1, 0, none, FL_OPT_LOMO},
+            {"gpt2 fp32 TP, AdaLomo", G, FL_F32, w, 0, 0, 1, 1, none, D},
+            {"llama fp32 TP+SP, AdaLomo", L, FL_F32, w, 1, 0, 1, 0, none, D},
+            {"llama fp32 TP (tied), AdaLomo, accumulation", L, FL_F32, w, 0, 0, 2, 1, none, D},
             {"gpt2 bf16 TP, block recompute", G, FL_BF16, w, 0, 0, 1, 1, blk, A},
             {"llama fp16 TP+SP", L, FL_F16, w, 1, 0, 2, 0, none, A},
             {"gpt2 fp32 TP x DDP", G, FL_F32, 2, 0, 0, 2, 1, none, A},
@@ -371,6 +380,7 @@ int main(int argc, char **argv) {
             {"gpt2 fp32 TP x ZeRO-2", G, FL_F32, 2, 0, 2, 2, 1, none, A},
             {"llama fp32 TP x ZeRO-3", L, FL_F32, 2, 0, 3, 1, 1, none, A},
             {"gpt2 fp32 TP+SP x ZeRO-3, block recompute", G, FL_F32, 2, 1, 3, 1, 1, blk, A},
+            {"gpt2 fp32 TP x ZeRO-1, AdaLomo", G, FL_F32, 2, 0, 1, 1, 1, none, D},
         };
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
     }

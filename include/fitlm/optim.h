@@ -61,6 +61,10 @@ typedef struct {
     // 1: called by every thread of the caller's parallel region, which share
     // the range's blocks (rules with team_rows only; see fl_update_range)
     int team;
+    // tensor parallelism (NULL or size 1: none): AdaLomo sums a split row's
+    // statistics over the TP group (every rank of it updates the same rows in
+    // the same order)
+    const fl_tp *tp;
 } fl_update_args;
 
 typedef struct fl_optim_ops fl_optim_ops; // a rule's functions (src/optim/update.h)
@@ -96,6 +100,14 @@ int fl_optim_state_count(const fl_optim_rule *r);
 const char *fl_optim_state_name(const fl_optim_rule *r, int k);
 float *fl_optim_state_ptr(fl_optim_rule *r, int k, size_t offset);
 size_t fl_optim_state_numel(const fl_optim_rule *r, int k, const fl_param_view *row);
+// Tensor k of row's state as a row of its own: numel its floats; shape, and
+// tp_dim, tp_parts and tp_global how it splits over a tensor-parallel group
+// (the row itself for elementwise rules; AdaLomo's row statistics split as a
+// column-parallel matrix's rows and are whole on every rank of a
+// row-parallel one, its column statistics the reverse), so that
+// fl_params_blocks on a one-row table of it (with the rank's tp_size and
+// tp_rank) places a rank's state in the whole row's.
+fl_param_view fl_optim_state_view(const fl_optim_rule *r, int k, const fl_param_view *row);
 int *fl_optim_step_count(fl_optim_rule *r);
 
 // ----------------------------------------------------------------------------
@@ -170,7 +182,9 @@ void fl_lomo_free(fl_lomo *opt);
 //   lr_t = lr * max(eps2, RMS(p))       (p before the update)
 //   p = p * (1 - lr_t*wd) - lr_t*u      (decay on FL_PARAM_DECAY rows only)
 // The means and RMS are summed in double in a fixed order (bitwise the same
-// for any thread count). An update must cover a whole row. State, O(R + K)
+// for any thread count). An update must cover a whole row; under tensor
+// parallelism (fl_update_args.tp) a rank's slice of it, the means and RMS
+// those of the whole row (a rank's vocabulary padding rows counting in none). State, O(R + K)
 // per matrix and O(numel) per vector: "exp_avg_sq_row", "exp_avg_sq_col"
 // (0 floats for vectors) and "exp_avg_sq" (0 floats for matrices), in one
 // FL_MEM_OPTIM buffer laid out row by row in table order.

@@ -10,6 +10,15 @@
 //   C. the weights themselves.
 // Every sum is taken in double, per fixed chunk and then over chunks in
 // order, so the result is the same for any thread count.
+//
+// Tensor parallelism: a rank holds a slice of a split row, so the statistics
+// its slice alone cannot complete are summed over the TP group where they
+// are formed: a column-parallel matrix's (rows split) column sums and the
+// sum of its row statistics, a row-parallel one's (columns split) row sums,
+// and every split row's sums of squares; the means divide by the whole
+// row's sizes. Rows a rank holds beyond the whole table (vocabulary
+// padding) count in no sum. Each slice's update is then the one-process
+// update of its elements.
 #include "fitlm/optim.h"
 
 #include <math.h>
@@ -19,6 +28,7 @@
 #define BLOCK      FL_UPDATE_BLOCK
 #define MAX_CHUNKS 4096
 #define COL_TILE   256
+#define SUMS       4096 // row or column sums formed (and summed over the TP group) at a time
 
 // A row's shape as AdaLomo sees it: a matrix of R x K (K the last dimension)
 // when it has two dimensions or more, else a vector.
@@ -34,6 +44,41 @@ static size_t row_cols(const fl_param_view *v) {
 static size_t state_floats(const fl_param_view *v, int k) {
     if (is_matrix(v)) return k == 0 ? v->numel / row_cols(v) : k == 1 ? row_cols(v) : 0;
     return k == 2 ? v->numel : 0;
+}
+
+// A matrix's rows are split over the TP group (column-parallel, the
+// vocabulary), or its columns (row-parallel).
+static int rows_split(const fl_param_view *v) {
+    return v->tp_dim >= 0 && v->tp_dim < v->ndim - 1;
+}
+
+static int cols_split(const fl_param_view *v) {
+    return v->tp_dim >= 0 && v->tp_dim == v->ndim - 1;
+}
+
+// Dimension d of the whole row (a rank's table records it as tp_global).
+static size_t whole_dim(const fl_param_view *v, int d) {
+    return v->tp_dim == d && v->tp_global ? v->tp_global : v->shape[d];
+}
+
+static size_t whole_rows(const fl_param_view *v) {
+    size_t R = 1;
+    for (int d = 0; d < v->ndim - 1; d++) R *= whole_dim(v, d);
+    return R;
+}
+
+static fl_param_view state_view(const fl_param_view *row, int k) {
+    if (!is_matrix(row)) return *row; // the elementwise v splits as the row
+    fl_param_view s = *row;
+    int split = k == 0 ? rows_split(row) : cols_split(row);
+    s.ndim = 1;
+    s.shape[0] = state_floats(row, k);
+    s.numel = s.shape[0];
+    s.tp_dim = split ? 0 : -1;
+    s.tp_parts = k == 0 && split ? row->tp_parts : 1;
+    s.tp_global = k == 0 ? whole_rows(row) : whole_dim(row, row->ndim - 1);
+    s.live_rows = 0;
+    return s;
 }
 
 static size_t row_state_floats(const fl_param_view *v) {
@@ -89,6 +134,18 @@ static size_t chunk_size(size_t n) {
     return (chunk + BLOCK - 1) / BLOCK * BLOCK;
 }
 
+static void count_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
+                        size_t count) {
+    (void)local, (void)first, (void)run, (void)stride;
+    *(size_t *)ctx += count;
+}
+
+// Sums v[0, n) over the TP group when the row is split (a row's whole
+// statistic from its slices), else leaves them.
+static void tp_sum(const fl_update_args *a, int split, double *v, size_t n) {
+    if (split && a->tp && a->tp->size > 1) a->tp->ops->sum(a->tp->ops->ctx, v, (int)n);
+}
+
 // What passes B and C share for one row.
 typedef struct {
     const fl_update_args *a;
@@ -133,38 +190,53 @@ static void adalomo_update(fl_optim_rule *rule, const fl_param_view *row, size_t
 
     // A: the second-moment statistics
     if (c.matrix) {
-        size_t K = row_cols(row), R = n / K;
+        size_t K = row_cols(row), R = n / K, Kw = whole_dim(row, row->ndim - 1);
+        size_t Rw = whole_rows(row), live = 0; // the rows that are the whole row's
+        fl_params_blocks(o->table, (int)(v - o->table->views), 0, n, count_block, &live);
+        live /= K;
         float *rs = st, *cs = st + R;
+        double sums[SUMS];
         c.K = K;
         c.row = rs;
         c.col = cs;
+        for (size_t r0 = 0; r0 < R; r0 += SUMS) { // row means, each row in order
+            size_t nr = R - r0 < SUMS ? R - r0 : SUMS;
 #pragma omp parallel for schedule(static)
-        for (size_t r = 0; r < R; r++) { // row means, each row in order
-            float g[BLOCK];
-            double s = 0.0;
-            for (size_t j = 0; j < K; j += BLOCK) {
-                size_t len = K - j < BLOCK ? K - j : BLOCK;
-                const float *gb = grad_block(a, r * K + j, len, c.clip, c.coef, g);
-                for (size_t k = 0; k < len; k++) s += (double)(gb[k] * gb[k] + eps1);
+            for (size_t i = 0; i < nr; i++) {
+                float g[BLOCK];
+                double s = 0.0;
+                for (size_t j = 0; j < K; j += BLOCK) {
+                    size_t len = K - j < BLOCK ? K - j : BLOCK;
+                    const float *gb = grad_block(a, (r0 + i) * K + j, len, c.clip, c.coef, g);
+                    for (size_t k = 0; k < len; k++) s += (double)(gb[k] * gb[k] + eps1);
+                }
+                sums[i] = s;
             }
-            rs[r] = b2 * rs[r] + one_b2 * (float)(s / (double)K);
+            tp_sum(a, cols_split(row), sums, nr);
+            for (size_t i = 0; i < nr; i++)
+                rs[r0 + i] = b2 * rs[r0 + i] + one_b2 * (float)(sums[i] / (double)Kw);
         }
-        size_t ntiles = (K + COL_TILE - 1) / COL_TILE;
+        for (size_t j0 = 0; j0 < K; j0 += SUMS) { // column means over the live rows, in order
+            size_t nc = K - j0 < SUMS ? K - j0 : SUMS, ntiles = (nc + COL_TILE - 1) / COL_TILE;
 #pragma omp parallel for schedule(static)
-        for (size_t tile = 0; tile < ntiles; tile++) { // column means, rows in order
-            size_t j0 = tile * COL_TILE, len = K - j0 < COL_TILE ? K - j0 : COL_TILE;
-            double s[COL_TILE] = {0};
-            float g[COL_TILE];
-            for (size_t r = 0; r < R; r++) {
-                const float *gb = grad_block(a, r * K + j0, len, c.clip, c.coef, g);
-                for (size_t k = 0; k < len; k++) s[k] += (double)(gb[k] * gb[k] + eps1);
+            for (size_t tile = 0; tile < ntiles; tile++) {
+                size_t t0 = tile * COL_TILE, len = nc - t0 < COL_TILE ? nc - t0 : COL_TILE;
+                double *s = sums + t0;
+                float g[COL_TILE];
+                for (size_t k = 0; k < len; k++) s[k] = 0.0;
+                for (size_t r = 0; r < live; r++) {
+                    const float *gb = grad_block(a, r * K + j0 + t0, len, c.clip, c.coef, g);
+                    for (size_t k = 0; k < len; k++) s[k] += (double)(gb[k] * gb[k] + eps1);
+                }
             }
-            for (size_t k = 0; k < len; k++)
-                cs[j0 + k] = b2 * cs[j0 + k] + one_b2 * (float)(s[k] / (double)R);
+            tp_sum(a, rows_split(row), sums, nc);
+            for (size_t k = 0; k < nc; k++)
+                cs[j0 + k] = b2 * cs[j0 + k] + one_b2 * (float)(sums[k] / (double)Rw);
         }
         double s = 0.0;
-        for (size_t r = 0; r < R; r++) s += rs[r];
-        c.mean_row = (float)(s / (double)R);
+        for (size_t r = 0; r < live; r++) s += rs[r];
+        tp_sum(a, rows_split(row), &s, 1);
+        c.mean_row = (float)(s / (double)Rw);
     } else {
         float *vs = st + state_floats(row, 0) + state_floats(row, 1);
         c.v = vs;
@@ -199,12 +271,14 @@ static void adalomo_update(fl_optim_rule *rule, const fl_param_view *row, size_t
         su[ch] = u2;
         sp[ch] = p2;
     }
-    double u2 = 0.0, p2 = 0.0;
+    double sq[2] = {0.0, 0.0}; // of u and of the weights (padding rows add zeros)
     for (size_t ch = 0; ch < nchunks; ch++) {
-        u2 += su[ch];
-        p2 += sp[ch];
+        sq[0] += su[ch];
+        sq[1] += sp[ch];
     }
-    float rms_u = (float)sqrt(u2 / (double)n), rms_p = (float)sqrt(p2 / (double)n);
+    tp_sum(a, row->tp_dim >= 0, sq, 2);
+    double nw = (double)fl_params_whole_numel(o->table, (int)(v - o->table->views));
+    float rms_u = (float)sqrt(sq[0] / nw), rms_p = (float)sqrt(sq[1] / nw);
     float denom = fmaxf(rms_u / o->clip_threshold, 1.0f);
     float lr = o->lr * fmaxf(o->eps2, rms_p);
     float keep = (row->flags & FL_PARAM_DECAY) ? 1.0f - lr * o->weight_decay : 1.0f;
@@ -233,9 +307,11 @@ static float *adalomo_state_ptr(fl_optim_rule *r, int k, size_t offset) {
     return row_state((const fl_adalomo *)r, offset, k, NULL);
 }
 
-static size_t adalomo_state_numel(const fl_optim_rule *r, int k, const fl_param_view *row) {
+static fl_param_view adalomo_state_view(const fl_optim_rule *r, int k, const fl_param_view *row) {
     (void)r;
-    return state_floats(row, k);
+    fl_param_view s = state_view(row, k);
+    s.numel = state_floats(row, k); // 0 where the tensor does not apply to the row
+    return s;
 }
 
 static int *adalomo_step_count(fl_optim_rule *r) {
@@ -251,7 +327,7 @@ static const fl_optim_ops adalomo_ops = {.state_names = adalomo_state_names,
                                          .begin_step = adalomo_begin_step,
                                          .update = adalomo_update,
                                          .state_ptr = adalomo_state_ptr,
-                                         .state_numel = adalomo_state_numel,
+                                         .state_view = adalomo_state_view,
                                          .step_count = adalomo_step_count,
                                          .free = adalomo_free};
 

@@ -204,6 +204,7 @@ static void update_rows(fl_optimizer *o, int first_row, int n_rows, const void *
             .sr_seed = sr_seed,
             .first_index = lo,
             .team = team,
+            .tp = o->tp,
         };
         fl_optim_update(o->rule, v, lo, hi - lo, &a);
     }

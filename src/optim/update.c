@@ -61,9 +61,13 @@ void fl_optim_set_window(fl_optim_rule *r, size_t begin, float *const *state) {
     for (int k = 0; k < r->nstate; k++) *r->ops->state_slot(r, k) = state[k];
 }
 
-size_t fl_optim_state_numel(const fl_optim_rule *r, int k, const fl_param_view *row) {
+fl_param_view fl_optim_state_view(const fl_optim_rule *r, int k, const fl_param_view *row) {
     FL_ASSERT(k >= 0 && k < r->nstate);
-    return r->ops->state_numel ? r->ops->state_numel(r, k, row) : row->numel;
+    return r->ops->state_view ? r->ops->state_view(r, k, row) : *row;
+}
+
+size_t fl_optim_state_numel(const fl_optim_rule *r, int k, const fl_param_view *row) {
+    return fl_optim_state_view(r, k, row).numel;
 }
 
 int *fl_optim_step_count(fl_optim_rule *r) {

@@ -22,8 +22,9 @@ struct fl_optim_ops {
     float **(*state_slot)(fl_optim_rule *r, int k);
     // the other rules (per-row state): tensor k's value for element offset
     float *(*state_ptr)(fl_optim_rule *r, int k, size_t offset);
-    // floats of state tensor k for row; NULL: elementwise (row->numel)
-    size_t (*state_numel)(const fl_optim_rule *r, int k, const fl_param_view *row);
+    // state tensor k of row as a row of its own (its floats: numel; how it
+    // splits under tensor parallelism); NULL: elementwise (the row itself)
+    fl_param_view (*state_view)(const fl_optim_rule *r, int k, const fl_param_view *row);
     int *(*step_count)(fl_optim_rule *r);
     void (*free)(fl_optim_rule *r);
     // 1: update goes through fl_update_range alone (no parallel region of

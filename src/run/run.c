@@ -239,11 +239,6 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
             fl_die("tensor parallelism (--tensor-parallel %d) with LoRA adapters is not "
                    "supported: train the adapters without it, or the whole model with it",
                    cfg->tensor_parallel);
-        if (!strcmp(cfg->optimizer, "adalomo"))
-            fl_die("tensor parallelism (--tensor-parallel %d) with AdaLomo is not supported: "
-                   "its factored second moments need each matrix's whole rows and columns (use "
-                   "LOMO or AdamW)",
-                   cfg->tensor_parallel);
         if (opt->alone)
             fl_die("internal: a run alone cannot be split by tensor parallelism");
         fl_layout_init(&r->layout, cfg->tensor_parallel, 1);
