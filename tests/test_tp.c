@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "fitlm/comm.h"
+#include "fitlm/io.h"
 #include "fitlm/run.h"
 #include "fitlm/train.h"
 #include "testlib.h"
@@ -184,7 +185,8 @@ static const char *optimizer_flags(const tp_case *c) {
                                        : "adamw --eps 1e-6";
 }
 
-static void open_run(const tp_case *c, int tp, fl_run *run) {
+// out: the run's output directory (NULL: none)
+static void open_run(const tp_case *c, int tp, const char *out, fl_run *run) {
     int dp = tp ? fl_comm_size() / c->tp : 1;
     char flags[2048];
     int n = snprintf(flags, sizeof flags,
@@ -192,14 +194,14 @@ static void open_run(const tp_case *c, int tp, fl_run *run) {
                      "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
                      "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
                      "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
-                     "--sample-tokens 0 --out= --comm-timeout 60 --tensor-parallel %d%s",
+                     "--sample-tokens 0 --out=%s --comm-timeout 60 --tensor-parallel %d%s",
                      fl_arch_name(c->arch), T, fl_dtype_name(c->dt),
                      tp ? B : B * fl_comm_size() / c->tp, T, c->accum, tp ? c->stage : 0,
                      optimizer_flags(c), lr_of(c),
                      c->recompute == FL_RECOMPUTE_BLOCK       ? "block"
                      : c->recompute == FL_RECOMPUTE_SELECTIVE ? "selective"
                                                               : "none",
-                     tp ? c->tp : 1, tp && c->sp ? " --sequence-parallel" : "");
+                     out ? out : "", tp ? c->tp : 1, tp && c->sp ? " --sequence-parallel" : "");
     (void)dp;
     if (c->arch == FL_ARCH_LLAMA)
         snprintf(flags + n, sizeof flags - (size_t)n,
@@ -228,17 +230,28 @@ typedef struct {
     fl_param_table table;
 } run_result;
 
-static void train(const tp_case *c, int tp, run_result *out) {
+// Steps [from, to) of the case (tp: split; else the one-process
+// reference): first restored from the checkpoint `resume` (NULL: none);
+// after step save_at saved to `save` (NULL: not saved), as fl_run_save
+// does (the test's own batches: no loader position).
+static void train_steps(const tp_case *c, int tp, int from, int to, const char *resume,
+                        const char *save, int save_at, run_result *out) {
     int dp = fl_comm_size() / c->tp, drank = fl_comm_rank() / c->tp;
     fl_run run;
-    open_run(c, tp, &run);
+    open_run(c, tp, save, &run);
+    fl_loader_state at = {0};
+    if (resume) {
+        fl_ckpt *ck = fl_ckpt_open(resume);
+        fl_train_ckpt_restore(ck, &run.model, &run.optim, NULL, &at, run.tok_files.name);
+        fl_ckpt_close(ck);
+    }
     if (tp)
         t_check(run.model.tp.size == c->tp && run.model.table.numel < fl_model_whole_table(&run.model)->numel,
                 "%s: the run is split %d ways (%d)", c->name, c->tp, run.model.tp.size);
     int Bm = run.cfg.micro_batch;
     size_t global = (size_t)c->accum * dp * B * T;
     int *gi = malloc(global * sizeof(int)), *gt = malloc(global * sizeof(int));
-    for (int step = 0; step < STEPS; step++) {
+    for (int step = from; step < to; step++) {
         batch(step, c->accum, dp, gi, gt);
         for (int k = 0; k < c->accum; k++) {
             size_t from = ((size_t)k * dp + (tp ? drank : 0)) * B * T, len = (size_t)Bm * T;
@@ -248,6 +261,14 @@ static void train(const tp_case *c, int tp, run_result *out) {
         fl_train_result r = fl_run_step_batch(&run, run.inputs, run.targets, lr_of(c));
         out->loss[step] = r.loss;
         out->norm[step] = r.grad_norm;
+        if (save && step + 1 == save_at) {
+            if (tp)
+                fl_train_ckpt_save_dist(save, save_at, &run.model, &run.optim, &at, &run.tok_files,
+                                        run.config_json, 1, run.run_id);
+            else
+                fl_train_ckpt_save_run(save, save_at, &run.model, &run.optim, NULL, &at,
+                                       &run.tok_files, run.config_json, 1, run.run_id);
+        }
     }
     out->weights = t_weights_f32(&run.model, run.strategy);
     fl_params_slice(&out->table, fl_model_whole_table(&run.model), run.model.tp.size,
@@ -255,6 +276,10 @@ static void train(const tp_case *c, int tp, run_result *out) {
     free(gi);
     free(gt);
     fl_run_close(&run);
+}
+
+static void train(const tp_case *c, int tp, run_result *out) {
+    train_steps(c, tp, 0, STEPS, NULL, NULL, 0, out);
 }
 
 typedef struct {
@@ -288,58 +313,94 @@ static double rel_diff(const float *a, const float *b, size_t n) {
     return sqrt(d / s);
 }
 
-static void check_case(const tp_case *c) {
-    // TP x DP cases on 4 ranks only (t = 2 alone is the first cases' on 2)
-    if (fl_comm_size() % c->tp || (c->tp < fl_comm_size() && fl_comm_size() != 4)) return;
-    run_result got, want;
-    train(c, 1, &got);
-    train(c, 0, &want);
+// A run's steps [from, STEPS) and final weights (got: its slices) against
+// the one-process reference's (want); frees got's.
+static void compare(const tp_case *c, const char *name, run_result *got, const run_result *want,
+                    int from) {
     double tol = c->dt == FL_F32 ? 1.3e-6 : 2e-3, w_tol = c->dt == FL_F32 ? 1.3e-6 : 1e-2;
     double worst = 0.0, worst_norm = 0.0;
-    for (int s = 0; s < STEPS; s++) {
-        double r = fabs((double)got.loss[s] - want.loss[s]) / fabs((double)want.loss[s]);
-        double g = fabs((double)got.norm[s] - want.norm[s]) / fabs((double)want.norm[s]);
+    for (int s = from; s < STEPS; s++) {
+        double r = fabs((double)got->loss[s] - want->loss[s]) / fabs((double)want->loss[s]);
+        double g = fabs((double)got->norm[s] - want->norm[s]) / fabs((double)want->norm[s]);
         worst = r > worst ? r : worst;
         worst_norm = g > worst_norm ? g : worst_norm;
     }
     fl_param_table whole;
     fl_model_config mc = shape_of(c->arch, c->tied);
     fl_model_table(&whole, &mc);
-    float *ref = slice_of(want.weights, &whole, &got.table);
+    float *ref = slice_of(want->weights, &whole, &got->table);
     // GPT-2's key bias has an exact gradient of zero: AdamW turns its rounding
     // noise into steps of up to lr (test_dist.c), so it is left out
-    for (int r = 0; r < got.table.count; r++)
-        if (strstr(got.table.views[r].name, "c_attn.bias"))
-            for (size_t i = 0; i < got.table.views[r].numel; i++)
-                got.weights[got.table.views[r].offset + i] = ref[got.table.views[r].offset + i];
-    double wd = rel_diff(got.weights, ref, got.table.numel);
+    for (int r = 0; r < got->table.count; r++)
+        if (strstr(got->table.views[r].name, "c_attn.bias"))
+            for (size_t i = 0; i < got->table.views[r].numel; i++)
+                got->weights[got->table.views[r].offset + i] = ref[got->table.views[r].offset + i];
+    double wd = rel_diff(got->weights, ref, got->table.numel);
     if (getenv("FITLM_TEST_VERBOSE") && fl_comm_rank() == 0)
-        for (int r = 0; r < got.table.count; r++) {
-            const fl_param_view *v = &got.table.views[r];
-            double d = rel_diff(got.weights + v->offset, ref + v->offset, v->numel);
+        for (int r = 0; r < got->table.count; r++) {
+            const fl_param_view *v = &got->table.views[r];
+            double d = rel_diff(got->weights + v->offset, ref + v->offset, v->numel);
             if (d > 1e-6) printf("  row %s: %.3g\n", v->name, d);
         }
     int rank = fl_comm_rank(), world = fl_comm_size();
     if (getenv("FITLM_TEST_VERBOSE"))
-        printf("rank %d %s: loss %.3g norm %.3g weights %.3g (loss %.4f -> %.4f)\n", rank, c->name,
-               worst, worst_norm, wd, got.loss[0], got.loss[STEPS - 1]);
+        printf("rank %d %s: loss %.3g norm %.3g weights %.3g (loss %.4f -> %.4f)\n", rank, name,
+               worst, worst_norm, wd, got->loss[from], got->loss[STEPS - 1]);
     t_check(worst <= tol, "rank %d/%d %s: losses within %g relative of one process (worst %.3g)",
-            rank, world, c->name, tol, worst);
+            rank, world, name, tol, worst);
     t_check(worst_norm <= (c->dt == FL_F32 ? 1e-5 : 2e-2),
-            "rank %d/%d %s: gradient norms as one process's (worst %.3g)", rank, world, c->name,
+            "rank %d/%d %s: gradient norms as one process's (worst %.3g)", rank, world, name,
             worst_norm);
     t_check(wd <= w_tol, "rank %d/%d %s: final weights within %g relative (%.3g)", rank, world,
-            c->name, w_tol, wd);
+            name, w_tol, wd);
     // (GPT-2 under LOMO, plain SGD clipped at 1, falls slowly in 12 steps)
-    t_check(got.loss[STEPS - 1] < got.loss[0] - (c->kind == FL_OPT_LOMO ? 0.0f : 0.05f),
-            "rank %d/%d %s: the loss falls (%.4f -> %.4f)", rank, world, c->name, got.loss[0],
-            got.loss[STEPS - 1]);
+    t_check(got->loss[STEPS - 1] <
+                got->loss[from] - (c->kind == FL_OPT_LOMO || from ? 0.0f : 0.05f),
+            "rank %d/%d %s: the loss falls (%.4f -> %.4f)", rank, world, name, got->loss[from],
+            got->loss[STEPS - 1]);
     free(ref);
-    free(got.weights);
-    free(want.weights);
-    fl_params_free(&got.table);
-    fl_params_free(&want.table);
+    free(got->weights);
+    fl_params_free(&got->table);
     fl_params_free(&whole);
+}
+
+static void free_result(run_result *r) {
+    free(r->weights);
+    fl_params_free(&r->table);
+}
+
+static void check_case(const tp_case *c) {
+    // TP x DP cases on 4 ranks only (t = 2 alone is the first cases' on 2)
+    if (fl_comm_size() % c->tp || (c->tp < fl_comm_size() && fl_comm_size() != 4)) return;
+    run_result got, want;
+    train(c, 1, &got);
+    train(c, 0, &want);
+    compare(c, c->name, &got, &want, 0);
+    free_result(&want);
+}
+
+// A checkpoint of a split run resumes in one process, and one of one
+// process resumes split, each then training as the run that was never
+// stopped: the optimizer's state (AdaLomo's row and column statistics,
+// split apart from their rows) is saved as the whole tensors' and read back
+// as any layout's. dir: a scratch directory of all ranks'.
+static void check_resume(const tp_case *c, const char *dir, int i) {
+    enum { H = STEPS / 2 };
+    char one[512], split[512], name[256];
+    snprintf(one, sizeof one, "%s/%d-one", dir, i);
+    snprintf(split, sizeof split, "%s/%d-tp", dir, i);
+    run_result want, half, got;
+    train_steps(c, 0, 0, STEPS, NULL, fl_comm_rank() == 0 ? one : NULL, H, &want);
+    train_steps(c, 1, 0, H, NULL, split, H, &half);
+    free_result(&half);
+    fl_comm_barrier(fl_comm_world()); // rank 0's one-process checkpoint is written
+    train_steps(c, 0, H, STEPS, split, NULL, 0, &got);
+    snprintf(name, sizeof name, "%s, resumed from t = %d on one process", c->name, c->tp);
+    compare(c, name, &got, &want, H);
+    train_steps(c, 1, H, STEPS, one, NULL, 0, &got);
+    snprintf(name, sizeof name, "%s, resumed from one process at t = %d", c->name, c->tp);
+    compare(c, name, &got, &want, H);
+    free_result(&want);
 }
 
 int main(int argc, char **argv) {
@@ -383,6 +444,18 @@ int main(int argc, char **argv) {
             {"gpt2 fp32 TP x ZeRO-1, AdaLomo", G, FL_F32, 2, 0, 1, 1, 1, none, D},
         };
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
+        char dir[64] = "/tmp/fitlm_test_tp_XXXXXX";
+        if (fl_comm_rank() == 0 && !mkdtemp(dir)) t_check(0, "a scratch directory");
+        fl_comm_bcast(fl_comm_world(), dir, sizeof dir, 0);
+        const tp_case resumed[] = {
+            {"gpt2 fp32 TP, AdaLomo", G, FL_F32, w, 0, 0, 1, 1, none, D},
+            {"llama fp32 TP+SP, AdaLomo", L, FL_F32, w, 1, 0, 1, 0, none, D},
+        };
+        for (int i = 0; i < 2; i++) check_resume(&resumed[i], dir, i);
+        fl_comm_barrier(fl_comm_world());
+        char rm[128];
+        snprintf(rm, sizeof rm, "rm -rf %s", dir);
+        if (fl_comm_rank() == 0 && system(rm) != 0) t_check(0, "%s", rm);
     }
     return fl_comm_finalize(t_report());
 }

@@ -261,6 +261,21 @@ static void add_block(void *ctx, size_t local, size_t first, size_t run, size_t 
                                        strided ? stride : 0};
 }
 
+// State tensor k of row r of t (k < 0: the weights) as a row of its own
+// (*sv), in a one-row table with t's split: how a rank's part of it lies in
+// the whole tensor (AdaLomo's row and column statistics split apart from
+// their row, fl_optim_state_view).
+static fl_param_table tensor_row(const fl_param_table *t, int r, const fl_optim_rule *rule, int k,
+                                 fl_param_view *sv) {
+    *sv = k < 0 ? t->views[r] : fl_optim_state_view(rule, k, &t->views[r]);
+    return (fl_param_table){.views = sv,
+                            .count = 1,
+                            .capacity = 1,
+                            .numel = sv->numel,
+                            .tp_size = t->tp_size,
+                            .tp_rank = t->tp_rank};
+}
+
 static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, int pieces,
                     tensor_list *out) {
     const fl_param_table *t = s->t;
@@ -273,11 +288,13 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
     for (int st = -1; st < nstate; st++) {
         for (int r = 0; r < t->count; r++) {
             const fl_param_view *v = &t->views[r];
+            fl_param_view sv;
+            fl_param_table one = tensor_row(t, r, rule, st, &sv);
             size_t lo = v->offset > b ? v->offset : b;
             size_t hi = v->offset + v->numel < e ? v->offset + v->numel : e;
-            size_t total = st < 0 ? v->numel : fl_optim_state_numel(rule, st, v);
+            size_t total = sv.numel;
             if (lo >= hi || total == 0) continue;
-            if (tp && v->tp_dim < 0 && t->tp_rank > 0) continue; // TP rank 0 writes it
+            if (tp && sv.tp_dim < 0 && t->tp_rank > 0) continue; // TP rank 0 writes it
             size_t first = lo - v->offset, count = hi - lo;
             const void *data;
             if (st < 0) {
@@ -293,11 +310,11 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
             char *name = out->names[out->n];
             tensor_name(name, NAME_MAX_, st < 0 ? s->weights : s->state,
                         st < 0 ? NULL : fl_optim_state_name(rule, st), v->name);
-            if (tp) { // this rank's slice, as blocks of the whole row
-                FL_ASSERT(pieces && total == v->numel);
-                tp_pieces p = {out, name, st < 0 ? wdt : FL_F32, data, first,
-                               fl_params_whole_numel(t, r)};
-                fl_params_blocks(t, r, first, first + count, add_block, &p); // one name for all
+            if (tp) { // this rank's slice, as blocks of the whole tensor
+                FL_ASSERT(pieces);
+                tp_pieces p = {out,  name,  st < 0 ? wdt : FL_F32,
+                               data, first, fl_params_whole_numel(&one, 0)};
+                fl_params_blocks(&one, 0, first, first + count, add_block, &p); // one name for all
                 continue;
             }
             out->t[out->n++] = (fl_ckpt_piece){.name = name,
@@ -794,19 +811,19 @@ static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) 
         }
         for (int r = 0; r < t->count; r++) { // per row: its own size, the part in [b, e)
             const fl_param_view *v = &t->views[r];
-            size_t numel = fl_optim_state_numel(rule, k, v);
+            fl_param_view sv;
+            fl_param_table one = tensor_row(t, r, rule, k, &sv);
             size_t lo = v->offset > b ? v->offset : b;
             size_t hi = v->offset + v->numel < e ? v->offset + v->numel : e;
-            if (numel == 0 || lo >= hi) continue;
+            if (sv.numel == 0 || lo >= hi) continue;
             char name[NAME_MAX_];
             tensor_name(name, sizeof name, s->state, fl_optim_state_name(rule, k), v->name);
-            if (numel != v->numel) { // per row (AdaLomo): whole rows only
-                FL_ASSERT(lo == v->offset && hi == v->offset + v->numel && t->tp_size <= 1);
-                fl_ckpt_read(ck, name, FL_F32, fl_optim_state_ptr(rule, k, v->offset), numel);
-                continue;
+            size_t first = lo - v->offset, last = hi - v->offset;
+            if (sv.numel != v->numel) { // per row (AdaLomo): whole rows only
+                FL_ASSERT(first == 0 && last == v->numel);
+                last = sv.numel;
             }
-            read_row_part(ck, t, r, name, FL_F32, fl_optim_state_ptr(rule, k, lo), lo - v->offset,
-                          hi - v->offset);
+            read_row_part(ck, &one, 0, name, FL_F32, fl_optim_state_ptr(rule, k, lo), first, last);
         }
     }
     char first[NAME_MAX_];
@@ -823,6 +840,7 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl
     fl_model_config shape;
     read_shape(meta, path, &shape);
     shape.tp_size = model->config.tp_size; // how this run splits it, not the model's
+    shape.sequence_parallel = model->config.sequence_parallel;
     fl_model_config_finish(&shape);
     const fl_model_config *c = &model->config;
     if (memcmp(&shape, c, sizeof shape))
