@@ -5,7 +5,8 @@
 // of Q, K and V and the vocabulary padded to 128 x t. Then, under mpirun
 // (CTest's tp_np2 and tp_np4), training: every rank also runs the
 // one-process reference itself and compares its slices with the
-// reference's.
+// reference's. AdaLomo's checkpoints also resume across layouts (t to one
+// process and back), training on as the run that never stopped.
 //
 // Tolerances (fp32): losses and final weights within 1.3e-6 relative,
 // Megatron's bound for model-parallel gradients (about 10.6 x fp32 epsilon,
