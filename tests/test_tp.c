@@ -105,7 +105,7 @@ static void check_slices(fl_arch_kind arch, int tied, int t) {
         t_check(local_total == m.table.numel, "the rows fill the rank's buffer");
         // the split rows are 1/t, the vocabulary padded to 128 x t
         int q = fl_params_find(&m.table, arch == FL_ARCH_GPT2 ? "h.0.attn.c_attn.weight"
-                                                               : "layers.0.self_attn.k_proj.weight");
+                                                              : "layers.0.self_attn.k_proj.weight");
         size_t want_rows = arch == FL_ARCH_GPT2 ? 3 * 32 / (size_t)t : 4 * 4 / (size_t)t;
         t_check(m.table.views[q].shape[0] == want_rows, "%s is split to %zu rows (%zu)",
                 m.table.views[q].name, want_rows, m.table.views[q].shape[0]);
@@ -180,20 +180,20 @@ static float lr_of(const tp_case *c) {
 static void open_run(const tp_case *c, int tp, fl_run *run) {
     int dp = tp ? fl_comm_size() / c->tp : 1;
     char flags[2048];
-    int n = snprintf(
-        flags, sizeof flags,
-        "--model tiny --arch %s --n-layer 2 --n-head 8 --n-embd 32 --max-seq-len %d "
-        "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
-        "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
-        "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
-        "--sample-tokens 0 --out= --comm-timeout 60%s --tensor-parallel %d%s",
-        fl_arch_name(c->arch), T, fl_dtype_name(c->dt), tp ? B : B * fl_comm_size() / c->tp, T,
-        c->accum, tp ? c->stage : 0, c->kind == FL_OPT_LOMO ? "lomo" : "adamw", lr_of(c),
-        c->recompute == FL_RECOMPUTE_BLOCK       ? "block"
-        : c->recompute == FL_RECOMPUTE_SELECTIVE ? "selective"
-                                                 : "none",
-        c->kind == FL_OPT_LOMO ? "" : " --eps 1e-6", tp ? c->tp : 1,
-        tp && c->sp ? " --sequence-parallel" : "");
+    int n = snprintf(flags, sizeof flags,
+                     "--model tiny --arch %s --n-layer 2 --n-head 8 --n-embd 32 --max-seq-len %d "
+                     "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
+                     "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
+                     "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
+                     "--sample-tokens 0 --out= --comm-timeout 60%s --tensor-parallel %d%s",
+                     fl_arch_name(c->arch), T, fl_dtype_name(c->dt),
+                     tp ? B : B * fl_comm_size() / c->tp, T, c->accum, tp ? c->stage : 0,
+                     c->kind == FL_OPT_LOMO ? "lomo" : "adamw", lr_of(c),
+                     c->recompute == FL_RECOMPUTE_BLOCK       ? "block"
+                     : c->recompute == FL_RECOMPUTE_SELECTIVE ? "selective"
+                                                              : "none",
+                     c->kind == FL_OPT_LOMO ? "" : " --eps 1e-6", tp ? c->tp : 1,
+                     tp && c->sp ? " --sequence-parallel" : "");
     (void)dp;
     if (c->arch == FL_ARCH_LLAMA)
         snprintf(flags + n, sizeof flags - (size_t)n,
@@ -227,7 +227,8 @@ static void train(const tp_case *c, int tp, run_result *out) {
     fl_run run;
     open_run(c, tp, &run);
     if (tp)
-        t_check(run.model.tp.size == c->tp && run.model.table.numel < fl_model_whole_table(&run.model)->numel,
+        t_check(run.model.tp.size == c->tp &&
+                    run.model.table.numel < fl_model_whole_table(&run.model)->numel,
                 "%s: the run is split %d ways (%d)", c->name, c->tp, run.model.tp.size);
     int Bm = run.cfg.micro_batch;
     size_t global = (size_t)c->accum * dp * B * T;

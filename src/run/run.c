@@ -244,8 +244,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
                    "its factored second moments need each matrix's whole rows and columns (use "
                    "LOMO or AdamW)",
                    cfg->tensor_parallel);
-        if (opt->alone)
-            fl_die("internal: a run alone cannot be split by tensor parallelism");
+        if (opt->alone) fl_die("internal: a run alone cannot be split by tensor parallelism");
         fl_layout_init(&r->layout, cfg->tensor_parallel, 1);
         r->tp = (fl_tp){cfg->tensor_parallel, r->layout.tp_rank, cfg->sequence_parallel,
                         fl_tp_ops_group(r->layout.tp_group)};
