@@ -235,10 +235,10 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     FL_ASSERT(!opt->alone || cfg->zero.stage == 0);
     r->tp = (fl_tp){1, 0, 0, NULL};
     if (cfg->tensor_parallel > 1) { // Megatron's groups; the data is the DP group's
-        if (cfg->lora_enabled)
-            fl_die("tensor parallelism (--tensor-parallel %d) with LoRA adapters is not "
-                   "supported: train the adapters without it, or the whole model with it",
-                   cfg->tensor_parallel);
+        if (cfg->lora_enabled || cfg->quant.enabled)
+            fl_die("tensor parallelism (--tensor-parallel %d) with %s is not supported: train "
+                   "the adapters without it, or the whole model with it",
+                   cfg->tensor_parallel, cfg->lora_enabled ? "LoRA adapters" : "NF4 base weights");
         if (!strcmp(cfg->optimizer, "adalomo"))
             fl_die("tensor parallelism (--tensor-parallel %d) with AdaLomo is not supported: "
                    "its factored second moments need each matrix's whole rows and columns (use "
