@@ -205,15 +205,8 @@ static void open_run(const tp_case *c, int tp, fl_run *run) {
 // The global batch of a step: micro-batch k holds dp*B sequences, data
 // rank d takes the d-th B of them (every rank of a TP group the same).
 static void batch(int step, int accum, int dp, int *inputs, int *targets) {
-    size_t n = (size_t)accum * dp * B * T;
-    uint64_t s = 0x9E3779B97F4A7C15ull * (uint64_t)(step + 1);
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        inputs[i] = (int)(s % V);
-        targets[i] = (s >> 20) % 11 == 0 ? -1 : (inputs[i] * 7 + 3) % V;
-    }
+    t_rule_batch(0x9E3779B97F4A7C15ull * (uint64_t)(step + 1), (size_t)accum * dp * B * T, V,
+                 inputs, targets);
 }
 
 typedef struct {
@@ -274,15 +267,6 @@ static float *slice_of(const float *whole, const fl_param_table *wt, const fl_pa
     return out;
 }
 
-static double rel_diff(const float *a, const float *b, size_t n) {
-    double d = 0.0, s = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-        s += (double)b[i] * b[i];
-    }
-    return sqrt(d / s);
-}
-
 static void check_case(const tp_case *c) {
     // TP x DP cases on 4 ranks only (t = 2 alone is the first cases' on 2)
     if (fl_comm_size() % c->tp || (c->tp < fl_comm_size() && fl_comm_size() != 4)) return;
@@ -307,11 +291,11 @@ static void check_case(const tp_case *c) {
         if (strstr(got.table.views[r].name, "c_attn.bias"))
             for (size_t i = 0; i < got.table.views[r].numel; i++)
                 got.weights[got.table.views[r].offset + i] = ref[got.table.views[r].offset + i];
-    double wd = rel_diff(got.weights, ref, got.table.numel);
+    double wd = t_rel_diff(got.weights, ref, got.table.numel);
     if (getenv("FITLM_TEST_VERBOSE") && fl_comm_rank() == 0)
         for (int r = 0; r < got.table.count; r++) {
             const fl_param_view *v = &got.table.views[r];
-            double d = rel_diff(got.weights + v->offset, ref + v->offset, v->numel);
+            double d = t_rel_diff(got.weights + v->offset, ref + v->offset, v->numel);
             if (d > 1e-6) printf("  row %s: %.3g\n", v->name, d);
         }
     int rank = fl_comm_rank(), world = fl_comm_size();
