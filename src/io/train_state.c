@@ -254,10 +254,13 @@ static void add_block(void *ctx, size_t local, size_t first, size_t run, size_t 
     tensor_list *out = p->out;
     FL_ASSERT(out->n < out->cap);
     int strided = run < count;
-    out->t[out->n++] = (fl_ckpt_piece){p->name,  p->dt,
+    out->t[out->n++] = (fl_ckpt_piece){p->name,
+                                       p->dt,
                                        fl_at_const(p->dt, p->data, local - p->at),
-                                       count,    first,
-                                       p->total, strided ? run : 0,
+                                       count,
+                                       first,
+                                       p->total,
+                                       strided ? run : 0,
                                        strided ? stride : 0};
 }
 
@@ -405,8 +408,8 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     }
     tokenizer_blobs blobs;
     int n_files = tokenizer_files(tokenizer, &blobs);
-    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, tp || partial != 0.0, keep,
-                       run, blobs.f, n_files);
+    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, tp || partial != 0.0, keep, run,
+                       blobs.f, n_files);
     cJSON_free(text);
     list_free(&l);
 }

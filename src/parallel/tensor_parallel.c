@@ -128,8 +128,8 @@ const fl_tp_ops *fl_tp_ops_group(const fl_comm_group *g) {
         if (c->g == g) return &c->ops;
     tp_table *c = fl_alloc(FL_MEM_OTHER, sizeof *c);
     *c = (tp_table){.g = g, .t = fl_comm_group_size(g), .rank = fl_comm_group_rank(g)};
-    c->ops = (fl_tp_ops){c,          tp_all_reduce,     tp_all_reduce_max,
-                         tp_all_gather, tp_reduce_scatter, tp_sum};
+    c->ops =
+        (fl_tp_ops){c, tp_all_reduce, tp_all_reduce_max, tp_all_gather, tp_reduce_scatter, tp_sum};
     c->counts = fl_alloc(FL_MEM_OTHER, (size_t)c->t * sizeof(size_t));
     c->displs = fl_alloc(FL_MEM_OTHER, (size_t)c->t * sizeof(size_t));
     c->next = tables;

@@ -235,12 +235,11 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     FL_ASSERT(!opt->alone || cfg->zero.stage == 0);
     r->tp = (fl_tp){1, 0, 0, NULL};
     if (cfg->tensor_parallel > 1) { // Megatron's groups; the data is the DP group's
-        if (cfg->lora_enabled)
-            fl_die("tensor parallelism (--tensor-parallel %d) with LoRA adapters is not "
-                   "supported: train the adapters without it, or the whole model with it",
-                   cfg->tensor_parallel);
-        if (opt->alone)
-            fl_die("internal: a run alone cannot be split by tensor parallelism");
+        if (cfg->lora_enabled || cfg->quant.enabled)
+            fl_die("tensor parallelism (--tensor-parallel %d) with %s is not supported: train "
+                   "the adapters without it, or the whole model with it",
+                   cfg->tensor_parallel, cfg->lora_enabled ? "LoRA adapters" : "NF4 base weights");
+        if (opt->alone) fl_die("internal: a run alone cannot be split by tensor parallelism");
         fl_layout_init(&r->layout, cfg->tensor_parallel, 1);
         r->tp = (fl_tp){cfg->tensor_parallel, r->layout.tp_rank, cfg->sequence_parallel,
                         fl_tp_ops_group(r->layout.tp_group)};
