@@ -428,6 +428,7 @@ int main(int argc, char **argv) {
             {"llama fp32 TP x ZeRO-3", L, FL_F32, 2, 0, 3, 1, 1, none, A},
             {"gpt2 fp32 TP+SP x ZeRO-3, block recompute", G, FL_F32, 2, 1, 3, 1, 1, blk, A},
             {"gpt2 fp32 TP x ZeRO-1, AdaLomo", G, FL_F32, 2, 0, 1, 1, 1, none, D},
+            {"llama fp32 TP+SP x ZeRO-3, AdaLomo", L, FL_F32, 2, 1, 3, 1, 0, none, D},
         };
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
         char dir[64] = "/tmp/fitlm_test_tp_XXXXXX";
