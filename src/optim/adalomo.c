@@ -67,6 +67,9 @@ static size_t whole_rows(const fl_param_view *v) {
     return R;
 }
 
+// State tensor k of row as a row of its own (fl_optim_state_view): the row
+// statistics split as a column-parallel matrix's rows (its Q, K, V parts
+// too), the column statistics as a row-parallel one's columns; else whole.
 static fl_param_view state_view(const fl_param_view *row, int k) {
     if (!is_matrix(row)) return *row; // the elementwise v splits as the row
     fl_param_view s = *row;
@@ -191,7 +194,9 @@ static void adalomo_update(fl_optim_rule *rule, const fl_param_view *row, size_t
     // A: the second-moment statistics
     if (c.matrix) {
         size_t K = row_cols(row), R = n / K, Kw = whole_dim(row, row->ndim - 1);
-        size_t Rw = whole_rows(row), live = 0; // the rows that are the whole row's
+        // the rows that are the whole row's: the first `live` (only the
+        // vocabulary, in one part, has padding rows, at its end)
+        size_t Rw = whole_rows(row), live = 0;
         fl_params_blocks(o->table, (int)(v - o->table->views), 0, n, count_block, &live);
         live /= K;
         float *rs = st, *cs = st + R;
