@@ -163,9 +163,14 @@ int cmd_plan(int argc, char **argv) {
                m->padded_vocab_size, m->max_seq_len, fl_model_num_params(m));
     printf("%s | %s", fl_dtype_name(cfg.dtype), cfg.optimizer);
     if (r.optim.kind == FL_OPT_SGD) printf(" (momentum %g)", r.optim.momentum);
-    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s, ZeRO stage %d%s%s%s | %d "
+    char layout[96] = ""; // t x d under tensor parallelism
+    if (cfg.tensor_parallel > 1)
+        snprintf(layout, sizeof layout, " (tensor parallel %d%s x %d data-parallel)",
+                 cfg.tensor_parallel, cfg.sequence_parallel ? " with sequence parallelism" : "",
+                 f.ranks / cfg.tensor_parallel);
+    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s%s, ZeRO stage %d%s%s%s | %d "
            "threads\n",
-           cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "",
+           cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "", layout,
            cfg.zero.stage, cfg.recompute ? " | activation checkpointing " : "",
            cfg.recompute ? cfg.recompute_policy : "", f.lomo ? " | LOMO" : "", cfg.threads);
     printf("data: %zu bytes (data loaders, tokenizer and the config's text; tokens are "
