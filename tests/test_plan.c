@@ -382,6 +382,23 @@ static void test_activations_against_korthikanti(void) {
     }
 }
 
+// A raw count under tensor parallelism: split evenly over the t ranks, then
+// ZeRO's formula over the d replicas (7B, t = 2 over 16 ranks, ZeRO-1 over
+// 8: (4 + 12/8) x 3.5B).
+static void test_tensor_parallel_raw_count(void) {
+    fl_plan_request r;
+    fl_plan_request_init(&r);
+    r.num_params = 7000000000u;
+    r.dtype = FL_BF16;
+    r.ranks = 16;
+    r.tensor_parallel = 2;
+    r.zero_stage = 1;
+    fl_plan p;
+    fl_plan_compute(&r, &p);
+    t_check(p.model_states == 19250000000u && !p.runnable && strstr(p.note, "split evenly"),
+            "7B, t = 2 x ZeRO-1 over 8: model states %zu (%s)", p.model_states, p.note);
+}
+
 static fl_plan_request tp_refused;
 
 static void plan_dies(void *arg) {
@@ -974,6 +991,7 @@ int main(void) {
     test_tp_scratch();
     test_tensor_parallel_plan();
     test_activations_against_korthikanti();
+    test_tensor_parallel_raw_count();
     test_tensor_parallel_refusals();
     test_check_fits();
     test_cli();

@@ -148,6 +148,12 @@ static int dp_rank_of(const fl_plan_request *r) {
     return r->rank / tp_of(r) % dp_of(r);
 }
 
+// Whether sequence parallelism, if on, splits the micro-batch's B x T
+// tokens evenly over the t ranks, as it must.
+static int tokens_split(const fl_plan_request *r) {
+    return !r->sequence_parallel || ((size_t)r->B * r->T) % (size_t)tp_of(r) == 0;
+}
+
 // What `fitlm train` refuses under tensor parallelism (run.c, the model), or NULL.
 static const char *tp_refused(const fl_plan_request *r) {
     if (tp_of(r) == 1) return NULL;
@@ -176,7 +182,7 @@ static void check_request(const fl_plan_request *r) {
                r->T);
     if (r->optim.grad_accum < 1)
         fl_die("plan: gradient accumulation steps must be >= 1 (got %d)", r->optim.grad_accum);
-    if (r->sequence_parallel && ((size_t)r->B * r->T) % (size_t)tp_of(r))
+    if (!tokens_split(r))
         fl_die("plan: sequence parallelism: B x T = %d x %d tokens do not split over %d "
                "tensor-parallel ranks",
                r->B, r->T, tp_of(r));
@@ -379,8 +385,12 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
                         dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
                         &r->quant, b);
     } else {
-        numel = r->num_params;
-        largest = unit = r->largest_tensor;
+        // a raw count split evenly over the TP ranks (what stays whole,
+        // norms and row-layer biases, is not known)
+        numel = ceil_div(r->num_params, (size_t)tp);
+        largest = unit = ceil_div(r->largest_tensor, (size_t)tp);
+        if (tp > 1)
+            note_add(out, "tensor parallel %d: the raw count split evenly over its ranks", tp);
         b[FL_MEM_PARAMS] = numel * ds;
         b[FL_MEM_GRADS] = numel * ds;
     }
@@ -575,7 +585,7 @@ static size_t fit_by_batch(const fl_plan_request *base, fl_plan_request *v, int 
             v->optim.grad_accum = 1;
         else if (per_step)
             v->optim.grad_accum = per_step >= seqs ? 1 : (int)ceil_div(seqs, per_step);
-        size_t total = plan_total(v, runnable);
+        size_t total = tokens_split(v) ? plan_total(v, runnable) : SIZE_MAX;
         if (total <= limit) return total;
         if (v->B <= 1) return 0;
     }
@@ -652,7 +662,7 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
         total = fit_by_batch(r, &v, r->B / 2, limit, &runnable);
         if (total)
             put_fit(&s, "", r, &v, total, runnable, per);
-        else
+        else if (tokens_split(&v))
             put(&s, "  (no micro-batch fits: --batch 1 needs %s%s)\n",
                 fl_size_text(plan_total(&v, NULL), h), per);
     }
