@@ -156,12 +156,15 @@ static void open_data(fl_run *r) {
 // What the loaders and the tokenizer keep (tag other) is measured for it.
 static void plan_run(fl_run *r, int whole_weights_first) {
     const fl_train_config *cfg = &r->cfg;
-    size_t data_bytes = fl_mem_current(FL_MEM_OTHER), data_peak = fl_mem_peak(FL_MEM_OTHER);
+    // (the TP group's table, made with the layout, is the plan's own term)
+    size_t tp_table = r->tp.size > 1 ? fl_tp_ops_bytes(r->tp.size) : 0;
+    size_t data_bytes = fl_mem_current(FL_MEM_OTHER) - tp_table,
+           data_peak = fl_mem_peak(FL_MEM_OTHER);
     fl_plan_request req;
     fl_plan_request_from_config(&req, cfg, data_bytes);
     req.data_peak = data_peak;
     req.whole_weights_first = whole_weights_first;
-    req.ranks = r->world;
+    req.ranks = r->world * r->tp.size; // t x d
     fl_plan_compute(&req, &r->plan);
     size_t limit =
         *cfg->mem_limit ? fl_parse_bytes(cfg->mem_limit, "mem_limit") : fl_mem_available();
