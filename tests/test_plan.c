@@ -859,7 +859,8 @@ static void test_data_parallel_measured(void) {
     // tensor parallelism, every tag exact on every rank: t = 2 and 4, with
     // and without sequence parallelism, GPT-2 and LLaMA with grouped-query
     // attention (two query heads per KV head), TP x DP 2 x 2 under ZeRO-1 and
-    // ZeRO-3, recompute, LOMO, and generation's gathered logits at the end
+    // ZeRO-3, recompute, LOMO, AdaLomo (its per-row state of the rank's
+    // slices), and generation's gathered logits at the end
     const dist_case tp[] = {
         {0, "fp32", "gpt2", "--tensor-parallel 2", 1, 0, 2, 1},
         {0, "bf16", "gpt2", "--tensor-parallel 2 --sequence-parallel --sample-tokens 4", 1, 0, 2,
@@ -877,6 +878,8 @@ static void test_data_parallel_measured(void) {
         {0, "bf16", "llama",
          "--n-kv-head 2 --tensor-parallel 2 --optimizer lomo --activation-checkpointing block", 1,
          0, 2, 1},
+        {0, "bf16", "gpt2", "--tensor-parallel 2 --sequence-parallel --optimizer adalomo", 1, 0, 2,
+         1},
     };
     for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++) check_dist_case(bin, &tp[i]);
     // NVMe offload: the buffers in RAM, the state on disk; under ZeRO-3 the

@@ -159,7 +159,6 @@ static const char *tp_refused(const fl_plan_request *r) {
     if (tp_of(r) == 1) return NULL;
     if (r->lora.r) return "LoRA adapters";
     if (r->quant.enabled) return "NF4 base weights";
-    if (r->optim.kind == FL_OPT_ADALOMO) return "AdaLomo";
     return NULL;
 }
 
