@@ -823,6 +823,7 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl
     fl_model_config shape;
     read_shape(meta, path, &shape);
     shape.tp_size = model->config.tp_size; // how this run splits it, not the model's
+    shape.sequence_parallel = model->config.sequence_parallel;
     fl_model_config_finish(&shape);
     const fl_model_config *c = &model->config;
     if (memcmp(&shape, c, sizeof shape))
