@@ -5,7 +5,9 @@
 // so each rank checks its own result without any exchange but the strategy's.
 // First, the texts a run's ranks agree on (every option, the parameter
 // table) and the description of their first difference, and the agreement
-// over groups of ranks (the ranks that differ are test_failures' cases).
+// over groups of ranks (the ranks that differ are test_failures' cases);
+// then Megatron's layout of the ranks into groups, point-to-point messages
+// and tensor parallelism's collectives, each exactly.
 //
 // Tolerances: fp32 losses within 1e-6 relative and final weights within
 // 1e-6 relative (norm of the difference over the norm); the strategy sums
@@ -357,6 +359,12 @@ static void check_groups(void) {
     fl_comm_group_free(half);
 }
 
+static void layout_of(void *arg) {
+    const int *w = arg;
+    int tp, dp, pp;
+    fl_layout_coords(w[0], w[1], w[2], 0, &tp, &dp, &pp);
+}
+
 // The layout's coordinates, without MPI: parallel.md's example (world 16,
 // t = 2, p = 4: TP {0,1},{2,3}..., DP {0,2},{1,3},{4,6}..., PP
 // {0,4,8,12},{1,5,9,13}...), and for several layouts every rank's
@@ -401,6 +409,13 @@ static void check_layout_coords(void) {
         }
         t_check(ok, "world %d, t %d, p %d: rank = tp + t*dp + t*d*pp, every rank once", world, t,
                 p);
+    }
+    if (fl_comm_size() == 1) { // a child of an MPI rank that dies would end the job
+        t_dies("16 ranks, t = 3", layout_of, (int[]){16, 3, 1},
+               "16 ranks do not split into tensor-parallel groups of 3 times pipeline stages of "
+               "1: the world must be a multiple of 3");
+        t_dies("t = 0", layout_of, (int[]){8, 0, 1},
+               "tensor-parallel size 0 and pipeline-parallel size 1 must each be at least 1");
     }
 }
 

@@ -127,17 +127,22 @@ static void print_run(const fl_run *run) {
     const fl_model *model = &run->model;
     int world = run->world;
     print_config(cfg, *run->shape_from ? run->shape_from : NULL);
-    printf("%zu parameters (%.2f M)", model->table.numel, model->table.numel / 1e6);
+    size_t whole = fl_model_whole_table(model)->numel;
+    printf("%zu parameters (%.2f M)", whole, whole / 1e6);
+    if (run->tp.size > 1)
+        printf("; tensor parallel %d%s: %zu per rank", run->tp.size,
+               run->tp.sequence_parallel ? " with sequence parallelism" : "", model->table.numel);
     if (run->lora)
         printf(" + %zu in LoRA adapters (%.3f%%)%s", model->lora.table.numel,
                100.0 * model->lora.table.numel / model->table.numel,
                run->train_base ? ", base trained too" : ", base frozen");
-    if (run->dist)
-        printf("; %d rank%s, %s", world, world > 1 ? "s" : "",
+    if (run->dist) // the data-parallel ranks (under tensor parallelism, each a TP group)
+        printf("; %d %srank%s, %s", world, run->tp.size > 1 ? "data-parallel " : "",
+               world > 1 ? "s" : "",
                cfg->zero.stage ? (const char *[]){"", "ZeRO-1", "ZeRO-2", "ZeRO-3"}[cfg->zero.stage]
                                : "data parallel");
     printf("; planned memory %.1f MiB%s; train %s: %llu tokens (%s)", run->plan.total / 1048576.0,
-           world > 1 ? " per rank" : "", cfg->data, (unsigned long long)run->train.n_tokens,
+           world * run->tp.size > 1 ? " per rank" : "", cfg->data, (unsigned long long)run->train.n_tokens,
            run->train.tokenizer);
     if (run->has_val)
         printf(", val %llu tokens; unigram baseline %.4f nats/token",

@@ -20,7 +20,8 @@ static int data_parallel_size(const fl_train_config *cfg) {
     if (world % t)
         fl_die("tensor_parallel.size %d does not divide the world of %d rank%s (%d %% %d = %d): "
                "the ranks form d = world / t data-parallel replicas of %d ranks each; run a "
-               "multiple of %d ranks",
+               "multiple of %d ranks (a checkpoint resumes under any layout: --tensor-parallel "
+               "1 for one process)",
                t, world, world == 1 ? "" : "s", world, t, world % t, t, t);
     return world / t;
 }
