@@ -11,7 +11,7 @@
 // parallel) with the tensors it saved, GPT-2 and LLaMA with grouped-query
 // heads; its export gathers whole tensors; validation, the sample, saves
 // and a resume under TP give one process's values; --tp-tcp (CTest's
-// tp_tcp) runs one of its resumes over TCP.
+// tp_tcp) runs one of its resumes over TCP, --tp the TP tests alone.
 //
 // Tolerance: a run on another number of ranks sums each gradient in another
 // order, so fp32 losses agree within 1e-5 (relative), and weights within
@@ -865,13 +865,19 @@ static void test_tp_damage(void) {
 }
 
 int main(int argc, char **argv) {
-    // --tp-tcp: CTest's tp_tcp, the TCP transport's tensor-parallel case
-    int tcp = argc > 1 && !strcmp(argv[1], "--tp-tcp");
+    // --tp: the tensor-parallel tests alone; --tp-tcp: CTest's tp_tcp, the
+    // TCP transport's tensor-parallel case
+    int tcp = argc > 1 && !strcmp(argv[1], "--tp-tcp"),
+        tp = tcp || (argc > 1 && !strcmp(argv[1], "--tp"));
+    if (argc > 2 || (argc > 1 && !tp)) {
+        fprintf(stderr, "usage: test_reshard [--tp | --tp-tcp]\n");
+        return 2;
+    }
     snprintf(work, sizeof work, "/tmp/fitlm_test_reshard_%d", (int)getpid());
     t_remove_dir(work);
     mkdir(work, 0755);
     double t0 = now();
-    if (!tcp && !getenv("FITLM_TEST_TP_ONLY")) {
+    if (!tp) {
         test_layouts();
         test_eval();
         test_resume();
