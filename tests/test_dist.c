@@ -109,17 +109,8 @@ static void open_run(const dist_case *c, int dist, fl_run *run) {
 // The global batch of a step: micro-batch k holds world*B sequences, rank r
 // takes the r-th B of them.
 static void batch(int step, int accum, int world, int *inputs, int *targets) {
-    size_t n = (size_t)accum * world * B * T;
-    uint64_t s = 0x9E3779B97F4A7C15ull * (uint64_t)(step + 1);
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        inputs[i] = (int)(s % V);
-        // a learnable rule, and a few masked targets, so that ranks hold
-        // different numbers of target tokens
-        targets[i] = (s >> 20) % 11 == 0 ? -1 : (inputs[i] * 7 + 3) % V;
-    }
+    t_rule_batch(0x9E3779B97F4A7C15ull * (uint64_t)(step + 1), (size_t)accum * world * B * T, V,
+                 inputs, targets);
 }
 
 typedef struct {
@@ -157,15 +148,6 @@ static void train(const dist_case *c, int dist, run_result *out) {
     fl_run_close(&run);
 }
 
-static double rel_diff(const float *a, const float *b, size_t n) {
-    double d = 0.0, s = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-        s += (double)b[i] * b[i];
-    }
-    return sqrt(d / s);
-}
-
 static void check_case(const dist_case *c) {
     run_result got, want;
     train(c, 1, &got);
@@ -195,7 +177,7 @@ static void check_case(const dist_case *c) {
                 }
         fl_params_free(&t);
     }
-    double wd = rel_diff(got.weights, want.weights, n);
+    double wd = t_rel_diff(got.weights, want.weights, n);
     int world = fl_comm_size(), rank = fl_comm_rank();
     t_check(worst <= loss_tol,
             "rank %d/%d %s: losses within %g relative of one process (worst %.3g)", rank, world,

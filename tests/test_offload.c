@@ -81,14 +81,8 @@ static void open_run(const offload_case *c, fl_dtype dt, int seed, int paged, in
 
 // This rank's micro-batches of a step: a learnable rule with a few masked targets.
 static void batch(int step, int n, int *inputs, int *targets) {
-    uint64_t s = 0x9E3779B97F4A7C15ull * (uint64_t)(step + 1) + (uint64_t)fl_comm_rank();
-    for (int i = 0; i < n; i++) {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        inputs[i] = (int)(s % V);
-        targets[i] = (s >> 20) % 11 == 0 ? -1 : (inputs[i] * 7 + 3) % V;
-    }
+    t_rule_batch(0x9E3779B97F4A7C15ull * (uint64_t)(step + 1) + (uint64_t)fl_comm_rank(), (size_t)n,
+                 V, inputs, targets);
 }
 
 typedef struct {

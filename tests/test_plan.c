@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "fitlm/comm.h"
 #include "fitlm/io.h"
 #include "fitlm/optim.h"
 #include "fitlm/train.h"
@@ -269,6 +270,151 @@ static void test_strategies_on_a_shape(void) {
     t_check(!refused.runnable &&
                 strstr(refused.note, "not runnable yet: LoRA with data parallel over 2 ranks"),
             "LoRA over 2 ranks is not runnable: %s", refused.note);
+}
+
+// The TP group's scratch (one buffer, the largest call's): t parts of the
+// values, rounded up to 16 bytes, then the fp32 sums; an all-reduce is a
+// reduce-scatter to ceil(n/t) values plus, when t does not divide n, the
+// padded copy it sends.
+static void test_tp_scratch(void) {
+    t_check(fl_tp_scratch_bytes(1, FL_TP_ALL_REDUCE, FL_F32, 100) == 0, "t = 1 takes none");
+    t_check(fl_tp_scratch_bytes(2, FL_TP_ALL_REDUCE, FL_F32, 10) == 48 + 20,
+            "all-reduce of 10 floats over 2: %zu",
+            fl_tp_scratch_bytes(2, FL_TP_ALL_REDUCE, FL_F32, 10));
+    t_check(fl_tp_scratch_bytes(2, FL_TP_ALL_REDUCE, FL_F32, 11) == 48 + 24 + 48,
+            "all-reduce of 11 floats over 2 (padded to 12): %zu",
+            fl_tp_scratch_bytes(2, FL_TP_ALL_REDUCE, FL_F32, 11));
+    t_check(fl_tp_scratch_bytes(4, FL_TP_REDUCE_SCATTER, FL_BF16, 5) == 48 + 20,
+            "reduce-scatter to 5 bf16 over 4: %zu",
+            fl_tp_scratch_bytes(4, FL_TP_REDUCE_SCATTER, FL_BF16, 5));
+}
+
+// GPT-2 124M under tensor parallelism: this rank's slices, the optimizer
+// over them (TP x DP 2 x 2: DDP over the data-parallel pair, ZeRO-1 its
+// shard of the slices), the TP scratch of one (B*T, C) all-reduce (sequence
+// parallelism: a reduce-scatter to B*T/t positions), activations split.
+static void test_tensor_parallel_plan(void) {
+    fl_plan_request r = small_request(FL_F32, adamw_config(1), 8, 1024);
+    r.model = (fl_model_config){
+        .max_seq_len = 1024, .vocab_size = 50257, .n_layer = 12, .n_head = 12, .n_embd = 768};
+    fl_plan one, tp2, sp2, z1, sp4;
+    fl_plan_compute(&r, &one);
+    r.ranks = 4;
+    r.tensor_parallel = 2;
+    fl_plan_compute(&r, &tp2);
+    r.zero_stage = 1;
+    r.rank = 3; // data-parallel rank 1: the second shard
+    fl_plan_compute(&r, &z1);
+    r.zero_stage = 0;
+    r.rank = 0;
+    r.sequence_parallel = 1;
+    fl_plan_compute(&r, &sp2);
+    r.tensor_parallel = 4;
+    fl_plan_compute(&r, &sp4);
+    // per rank: wte's 50432/2 vocabulary rows (padded to 128 x 2), wpe, and
+    // each block's split matrices and biases (6C^2 + 19C/2), ln_f
+    const size_t C = 768, BT = 8 * 1024;
+    const size_t rank_params = 25216 * C + 1024 * C + 12 * (6 * C * C + 19 * C / 2) + 2 * C;
+    t_check(tp2.runnable && tp2.num_params == rank_params &&
+                tp2.bytes[FL_MEM_PARAMS] == rank_params * 4 &&
+                tp2.bytes[FL_MEM_OPTIM] == rank_params * 8 && strstr(tp2.note, "tensor parallel 2"),
+            "t = 2 over 4 ranks: %zu parameters on this rank (want %zu), params %zu, optim %zu "
+            "(%s)",
+            tp2.num_params, rank_params, tp2.bytes[FL_MEM_PARAMS], tp2.bytes[FL_MEM_OPTIM],
+            tp2.note);
+    t_check(z1.bytes[FL_MEM_OPTIM] == rank_params / 2 * 8 && strstr(z1.note, "rank 1 of 2"),
+            "TP x DP 2 x 2, ZeRO-1, world rank 3: the optimizer over half the slices (%zu; %s)",
+            z1.bytes[FL_MEM_OPTIM], z1.note);
+    t_check(tp2.bytes[FL_MEM_COMM] == fl_tp_scratch_bytes(2, FL_TP_ALL_REDUCE, FL_F32, BT * C) &&
+                sp2.bytes[FL_MEM_COMM] ==
+                    fl_tp_scratch_bytes(2, FL_TP_REDUCE_SCATTER, FL_F32, BT / 2 * C),
+            "the TP scratch: one (B*T, C) all-reduce (%zu), under SP a reduce-scatter (%zu)",
+            tp2.bytes[FL_MEM_COMM], sp2.bytes[FL_MEM_COMM]);
+    t_check(sp2.bytes[FL_MEM_ACTS] < tp2.bytes[FL_MEM_ACTS] &&
+                tp2.bytes[FL_MEM_ACTS] < one.bytes[FL_MEM_ACTS] &&
+                sp4.bytes[FL_MEM_ACTS] < sp2.bytes[FL_MEM_ACTS],
+            "activations: t = 1 %zu > t = 2 %zu > t = 2 SP %zu > t = 4 SP %zu",
+            one.bytes[FL_MEM_ACTS], tp2.bytes[FL_MEM_ACTS], sp2.bytes[FL_MEM_ACTS],
+            sp4.bytes[FL_MEM_ACTS]);
+    printf("  gpt2 124M fp32 B=8 T=1024 per rank: t=1 %.1f MiB, t=2 %.1f MiB (acts %.1f), t=2 SP "
+           "%.1f MiB (acts %.1f), t=4 SP %.1f MiB (acts %.1f)\n",
+           one.total / 1048576.0, tp2.total / 1048576.0, tp2.bytes[FL_MEM_ACTS] / 1048576.0,
+           sp2.total / 1048576.0, sp2.bytes[FL_MEM_ACTS] / 1048576.0, sp4.total / 1048576.0,
+           sp4.bytes[FL_MEM_ACTS] / 1048576.0);
+}
+
+// One layer's activations per rank (the plan of 12 layers less that of 11)
+// against Korthikanti et al. 2022 (2205.05198, Table 2), per layer in bytes
+// of 2-byte activations: sbh(34 + 5as/h) without TP, sbh(10 + 24/t +
+// 5as/ht) with it, sbh(34 + 5as/h)/t with sequence parallelism. fitlm's
+// attention keeps no a x s x s scores (flash-style: a log-sum-exp per head,
+// 4a/t bytes per token) and its models have no dropout (Megatron keeps two
+// sbh masks): 32 sbh where Megatron counts 34 (their selective-recompute
+// column), of which 8 sbh (the norms' and the column layers' inputs) are
+// replicated without sequence parallelism; plus the norms' fp32 mean and
+// rstd, 16 bytes per token (/t under SP). GPT-2 124M, bf16, b = 1, s = 1024.
+static void test_activations_against_korthikanti(void) {
+    const double s = 1024, b = 1, h = 768, a = 12, sbh = s * b * h;
+    printf("  GPT-2 124M bf16, b=1, s=1024: one layer's activations per rank (MiB)\n"
+           "    %-8s %10s %12s %14s %8s\n",
+           "layout", "fitlm", "Korthikanti", "(no 5as/h)", "sbh");
+    const struct { int t, sp; } layouts[] = {{1, 0}, {2, 0}, {2, 1}, {4, 0}, {4, 1}};
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+        int t = layouts[i].t, sp = layouts[i].sp;
+        fl_plan_request r = small_request(FL_BF16, adamw_config(1), 1, 1024);
+        r.model = (fl_model_config){
+            .max_seq_len = 1024, .vocab_size = 50257, .n_layer = 12, .n_head = 12, .n_embd = 768};
+        r.ranks = r.tensor_parallel = t;
+        r.sequence_parallel = sp;
+        fl_plan p12, p11;
+        fl_plan_compute(&r, &p12);
+        r.model.n_layer = 11;
+        fl_plan_compute(&r, &p11);
+        size_t layer = p12.bytes[FL_MEM_ACTS] - p11.bytes[FL_MEM_ACTS];
+        double scores = 5 * a * s / h, kept = sp || t == 1 ? 34.0 / t : 10 + 24.0 / t;
+        double korthikanti = sbh * (kept + scores / t);
+        size_t want = (size_t)(sbh * (sp || t == 1 ? 32.0 / t : 8 + 24.0 / t) +
+                               s * b * (4 * a / t + (sp ? 16.0 / t : 16.0)));
+        printf("    t=%d%-4s %10.2f %12.2f %14.2f %8.2f\n", t, sp ? " SP" : "", layer / 1048576.0,
+               korthikanti / 1048576.0, sbh * kept / 1048576.0, layer / sbh);
+        t_check(layer == want, "t = %d%s: one layer's activations %zu bytes, want %zu", t,
+                sp ? " SP" : "", layer, want);
+    }
+}
+
+// A raw count under tensor parallelism: split evenly over the t ranks, then
+// ZeRO's formula over the d replicas (7B, t = 2 over 16 ranks, ZeRO-1 over
+// 8: (4 + 12/8) x 3.5B).
+static void test_tensor_parallel_raw_count(void) {
+    fl_plan_request r;
+    fl_plan_request_init(&r);
+    r.num_params = 7000000000u;
+    r.dtype = FL_BF16;
+    r.ranks = 16;
+    r.tensor_parallel = 2;
+    r.zero_stage = 1;
+    fl_plan p;
+    fl_plan_compute(&r, &p);
+    t_check(p.model_states == 19250000000u && !p.runnable && strstr(p.note, "split evenly"),
+            "7B, t = 2 x ZeRO-1 over 8: model states %zu (%s)", p.model_states, p.note);
+}
+
+static fl_plan_request tp_refused;
+
+static void plan_dies(void *arg) {
+    (void)arg;
+    fl_plan p;
+    fl_plan_compute(&tp_refused, &p);
+}
+
+static void test_tensor_parallel_refusals(void) {
+    tp_refused = small_request(FL_F32, adamw_config(1), 2, 32);
+    tp_refused.ranks = 4;
+    tp_refused.tensor_parallel = 3;
+    t_dies("t must divide the ranks", plan_dies, NULL, "divide the 4 ranks");
+    tp_refused.tensor_parallel = 2;
+    tp_refused.lora.r = 8;
+    t_dies("TP with LoRA is refused as train refuses it", plan_dies, NULL, "with LoRA adapters");
 }
 
 static void test_parse_count(void) {
@@ -595,35 +741,36 @@ static int read_report(const char *text, int rank, char cur[][16], char peak[][1
 
 typedef struct {
     int stage;
-    const char *precision, *arch, *extra; // extra: zero_optimization flags
+    const char *precision, *arch, *extra; // extra: zero_optimization (and tensor-parallel) flags
     int grad_accum;
     int weights_offloaded; // offload_param nvme: the shard lives until the file takes it
+    int np;                // ranks (0: 2)
+    int exact_other;       // other too must be exact (the plan is given the run's own options)
 } dist_case;
 
-// One case: `mpirun -np 2 fitlm train ... --mem-report` and `fitlm plan
-// --ranks 2 --rank R` with the same options; every rank's peak per tag against
+// One case: `mpirun -np N fitlm train ... --mem-report` and `fitlm plan
+// --ranks N --rank R` with the same options; every rank's peak per tag against
 // its plan, in bytes. The tags the model, optimizer and strategy allocate
 // must be exact; other (data loaders, config text, the strategy's
-// bookkeeping) and offload within 3%.
+// bookkeeping) and offload within 3%, other exactly with exact_other.
 static void check_dist_case(const char *bin, const dist_case *c) {
     static char out[65536], err[65536], plan_out[16384], plan_err[4096];
-    char opts[768], cmd[2048], what[160];
+    char opts[768], cmd[2048], what[200];
+    const int np = c->np ? c->np : 2;
     snprintf(opts, sizeof opts,
              "--model tiny --arch %s --data %s --tokenizer byte --seq-len 32 --batch 2 "
              "--threads 1 --sample-tokens 0 --val-data none --precision %s --grad-accum %d "
-             "--zero-stage %d %s",
+             "--zero-stage %d %s --steps 2 --mem-report --out ''",
              c->arch, t_source_path("data/brown_byte"), c->precision, c->grad_accum, c->stage,
              c->extra);
-    snprintf(what, sizeof what, "ZeRO-%d %s %s, grad accum %d%s%s", c->stage, c->arch, c->precision,
-             c->grad_accum, *c->extra ? ", " : "", c->extra);
-    snprintf(cmd, sizeof cmd,
-             "mpirun.openmpi -q --bind-to none -np 2 %s train %s --steps 2 --mem-report --out ''",
-             bin, opts);
+    snprintf(what, sizeof what, "np %d, ZeRO-%d %s %s, grad accum %d%s%s", np, c->stage, c->arch,
+             c->precision, c->grad_accum, *c->extra ? ", " : "", c->extra);
+    snprintf(cmd, sizeof cmd, "mpirun.openmpi -q --bind-to none -np %d %s train %s", np, bin, opts);
     int rc = t_mpirun_plan(cmd, out, err, sizeof out);
     if (!t_check(rc == 0, "%s: mpirun exits 0 (status %d): %.600s", what, rc, err)) return;
     printf("  %s\n    %-10s %4s %12s %12s\n", what, "tag", "rank", "planned", "peak");
-    for (int rank = 0; rank < 2; rank++) {
-        snprintf(cmd, sizeof cmd, "%s plan %s --ranks 2 --rank %d", bin, opts, rank);
+    for (int rank = 0; rank < np; rank++) {
+        snprintf(cmd, sizeof cmd, "%s plan %s --ranks %d --rank %d", bin, opts, np, rank);
         printed_plan p;
         int prc = t_mpirun_plan(cmd, plan_out, plan_err, sizeof plan_out);
         if (!t_check(prc == 0 && read_plan(plan_out, &p) && p.runnable,
@@ -638,7 +785,7 @@ static void check_dist_case(const char *bin, const dist_case *c) {
         for (int t = 0; t < FL_MEM_NTAGS; t++) {
             double pred = (double)p.bytes[t], meas = (double)measured[t];
             int same = p.bytes[t] == measured[t];
-            int exact_tag = t != FL_MEM_OTHER && t != FL_MEM_OFFLOAD;
+            int exact_tag = t != FL_MEM_OFFLOAD && (t != FL_MEM_OTHER || c->exact_other);
             printf("    %-10s %4d %12zu %12zu  %s\n", fl_mem_tag_name(t), rank, p.bytes[t],
                    measured[t], same ? "same" : "differs");
             t_check(exact_tag ? same : same || fabs(pred - meas) <= 0.03 * fmax(pred, meas),
@@ -693,22 +840,45 @@ static void test_data_parallel_measured(void) {
     // with blocks gathered through the ring (persistence threshold below a
     // block) as well as all kept gathered (the default threshold on tiny)
     const dist_case cases[] = {
-        {0, "fp32", "gpt2", "", 1, 0},
-        {0, "bf16", "llama", "", 2, 0},
-        {1, "fp32", "llama", "", 2, 0},
-        {1, "bf16", "gpt2", "--reduce-bucket-size 10000", 2, 0},
-        {2, "fp32", "gpt2", "--reduce-bucket-size 10000", 1, 0},
-        {2, "bf16", "llama", "", 2, 0},
-        {3, "fp32", "llama", "--param-persistence-threshold 1000", 1, 0},
-        {3, "bf16", "gpt2", "--param-persistence-threshold 1000 --prefetch-bucket-size 40000", 2,
-         0},
-        {3, "bf16", "gpt2", "", 1, 0},
+        {0, "fp32", "gpt2", "", 1, 0, 2, 0},
+        {0, "bf16", "llama", "", 2, 0, 2, 0},
+        {1, "fp32", "llama", "", 2, 0, 2, 0},
+        {1, "bf16", "gpt2", "--reduce-bucket-size 10000", 2, 0, 2, 0},
+        {2, "fp32", "gpt2", "--reduce-bucket-size 10000", 1, 0, 2, 0},
+        {2, "bf16", "llama", "", 2, 0, 2, 0},
+        {3, "fp32", "llama", "--param-persistence-threshold 1000", 1, 0, 2, 0},
+        {3, "bf16", "gpt2", "--param-persistence-threshold 1000 --prefetch-bucket-size 40000", 2, 0,
+         2, 0},
+        {3, "bf16", "gpt2", "", 1, 0, 2, 0},
         // LOMO and AdaLomo: one unit's reduction at a time, no gradient
         // buffer; AdaLomo's shards end at row boundaries
-        {3, "fp32", "llama", "--optimizer lomo --param-persistence-threshold 1000", 1, 0},
-        {1, "bf16", "gpt2", "--optimizer adalomo", 1, 0},
+        {3, "fp32", "llama", "--optimizer lomo --param-persistence-threshold 1000", 1, 0, 2, 0},
+        {1, "bf16", "gpt2", "--optimizer adalomo", 1, 0, 2, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_dist_case(bin, &cases[i]);
+    // tensor parallelism, every tag exact on every rank: t = 2 and 4, with
+    // and without sequence parallelism, GPT-2 and LLaMA with grouped-query
+    // attention (two query heads per KV head), TP x DP 2 x 2 under ZeRO-1 and
+    // ZeRO-3, recompute, LOMO, and generation's gathered logits at the end
+    const dist_case tp[] = {
+        {0, "fp32", "gpt2", "--tensor-parallel 2", 1, 0, 2, 1},
+        {0, "bf16", "gpt2", "--tensor-parallel 2 --sequence-parallel --sample-tokens 4", 1, 0, 2,
+         1},
+        {0, "fp32", "llama", "--n-head 8 --n-kv-head 4 --tensor-parallel 4 --sample-tokens 4", 1, 0,
+         4, 1},
+        {0, "bf16", "llama",
+         "--n-head 8 --n-kv-head 4 --tensor-parallel 4 --sequence-parallel "
+         "--activation-checkpointing selective",
+         2, 0, 4, 1},
+        {1, "bf16", "gpt2", "--tensor-parallel 2", 2, 0, 4, 1},
+        {3, "fp32", "llama",
+         "--n-kv-head 2 --tensor-parallel 2 --sequence-parallel --param-persistence-threshold 1000",
+         1, 0, 4, 1},
+        {0, "bf16", "llama",
+         "--n-kv-head 2 --tensor-parallel 2 --optimizer lomo --activation-checkpointing block", 1,
+         0, 2, 1},
+    };
+    for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++) check_dist_case(bin, &tp[i]);
     // NVMe offload: the buffers in RAM, the state on disk; under ZeRO-3 the
     // weights too, updated from the backward pass (no gradient buffer)
     char dir[] = "/tmp/fitlm-plan-nvme-XXXXXX";
@@ -731,8 +901,8 @@ static void test_data_parallel_measured(void) {
     static char opt_extra[96], all_extra[96];
     snprintf(opt_extra, sizeof opt_extra, "--config %s", opt_cfg);
     snprintf(all_extra, sizeof all_extra, "--config %s", all_cfg);
-    const dist_case offload[] = {{2, "bf16", "gpt2", opt_extra, 2, 0},
-                                 {3, "fp32", "llama", all_extra, 1, 1}};
+    const dist_case offload[] = {{2, "bf16", "gpt2", opt_extra, 2, 0, 2, 0},
+                                 {3, "fp32", "llama", all_extra, 1, 1, 2, 0}};
     for (size_t i = 0; i < sizeof offload / sizeof offload[0]; i++)
         check_dist_case(bin, &offload[i]);
     char rm[96];
@@ -792,6 +962,22 @@ static void test_cli(void) {
     t_check(status == 0 && strstr(out, "14000000000 bytes (14.00 GB) = 2.00 bytes/param") &&
                 strstr(out, "not runnable yet"),
             "fitlm plan --params 7B ... --zero-stage 3: %s", out);
+    // the tensor-parallel flags reach the request: t x d, the rank's slices
+    snprintf(cmd, sizeof cmd,
+             "%s plan --model tiny --seq-len 32 --tensor-parallel 2 --sequence-parallel --ranks 4 "
+             "--data '' --val-data '' 2>&1",
+             bin);
+    f = popen(cmd, "r");
+    n = f ? fread(out, 1, sizeof out - 1, f) : 0;
+    out[n] = 0;
+    status = f ? pclose(f) : -1;
+    t_check(status == 0 &&
+                strstr(out, "4 ranks (tensor parallel 2 with sequence parallelism x 2 "
+                            "data-parallel)") &&
+                strstr(out, "runnable: yes") &&
+                strstr(out, "tensor parallel 2 with sequence parallelism: this rank's slices") &&
+                strstr(out, "data parallel, data-parallel rank 0 of 2"),
+            "fitlm plan --tensor-parallel 2 --sequence-parallel --ranks 4: %s", out);
 }
 
 int main(void) {
@@ -802,6 +988,11 @@ int main(void) {
     test_bytes_per_param();
     test_strategies_on_a_shape();
     test_parse_count();
+    test_tp_scratch();
+    test_tensor_parallel_plan();
+    test_activations_against_korthikanti();
+    test_tensor_parallel_raw_count();
+    test_tensor_parallel_refusals();
     test_check_fits();
     test_cli();
     test_data_parallel_measured();

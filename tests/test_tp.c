@@ -105,7 +105,7 @@ static void check_slices(fl_arch_kind arch, int tied, int t) {
         t_check(local_total == m.table.numel, "the rows fill the rank's buffer");
         // the split rows are 1/t, the vocabulary padded to 128 x t
         int q = fl_params_find(&m.table, arch == FL_ARCH_GPT2 ? "h.0.attn.c_attn.weight"
-                                                               : "layers.0.self_attn.k_proj.weight");
+                                                              : "layers.0.self_attn.k_proj.weight");
         size_t want_rows = arch == FL_ARCH_GPT2 ? 3 * 32 / (size_t)t : 4 * 4 / (size_t)t;
         t_check(m.table.views[q].shape[0] == want_rows, "%s is split to %zu rows (%zu)",
                 m.table.views[q].name, want_rows, m.table.views[q].shape[0]);
@@ -180,20 +180,20 @@ static float lr_of(const tp_case *c) {
 static void open_run(const tp_case *c, int tp, fl_run *run) {
     int dp = tp ? fl_comm_size() / c->tp : 1;
     char flags[2048];
-    int n = snprintf(
-        flags, sizeof flags,
-        "--model tiny --arch %s --n-layer 2 --n-head 8 --n-embd 32 --max-seq-len %d "
-        "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
-        "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
-        "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
-        "--sample-tokens 0 --out= --comm-timeout 60%s --tensor-parallel %d%s",
-        fl_arch_name(c->arch), T, fl_dtype_name(c->dt), tp ? B : B * fl_comm_size() / c->tp, T,
-        c->accum, tp ? c->stage : 0, c->kind == FL_OPT_LOMO ? "lomo" : "adamw", lr_of(c),
-        c->recompute == FL_RECOMPUTE_BLOCK       ? "block"
-        : c->recompute == FL_RECOMPUTE_SELECTIVE ? "selective"
-                                                 : "none",
-        c->kind == FL_OPT_LOMO ? "" : " --eps 1e-6", tp ? c->tp : 1,
-        tp && c->sp ? " --sequence-parallel" : "");
+    int n = snprintf(flags, sizeof flags,
+                     "--model tiny --arch %s --n-layer 2 --n-head 8 --n-embd 32 --max-seq-len %d "
+                     "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
+                     "--zero-stage %d --optimizer %s --lr %g --scheduler constant --warmup 0 "
+                     "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
+                     "--sample-tokens 0 --out= --comm-timeout 60%s --tensor-parallel %d%s",
+                     fl_arch_name(c->arch), T, fl_dtype_name(c->dt),
+                     tp ? B : B * fl_comm_size() / c->tp, T, c->accum, tp ? c->stage : 0,
+                     c->kind == FL_OPT_LOMO ? "lomo" : "adamw", lr_of(c),
+                     c->recompute == FL_RECOMPUTE_BLOCK       ? "block"
+                     : c->recompute == FL_RECOMPUTE_SELECTIVE ? "selective"
+                                                              : "none",
+                     c->kind == FL_OPT_LOMO ? "" : " --eps 1e-6", tp ? c->tp : 1,
+                     tp && c->sp ? " --sequence-parallel" : "");
     (void)dp;
     if (c->arch == FL_ARCH_LLAMA)
         snprintf(flags + n, sizeof flags - (size_t)n,
@@ -205,15 +205,8 @@ static void open_run(const tp_case *c, int tp, fl_run *run) {
 // The global batch of a step: micro-batch k holds dp*B sequences, data
 // rank d takes the d-th B of them (every rank of a TP group the same).
 static void batch(int step, int accum, int dp, int *inputs, int *targets) {
-    size_t n = (size_t)accum * dp * B * T;
-    uint64_t s = 0x9E3779B97F4A7C15ull * (uint64_t)(step + 1);
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        inputs[i] = (int)(s % V);
-        targets[i] = (s >> 20) % 11 == 0 ? -1 : (inputs[i] * 7 + 3) % V;
-    }
+    t_rule_batch(0x9E3779B97F4A7C15ull * (uint64_t)(step + 1), (size_t)accum * dp * B * T, V,
+                 inputs, targets);
 }
 
 typedef struct {
@@ -227,7 +220,8 @@ static void train(const tp_case *c, int tp, run_result *out) {
     fl_run run;
     open_run(c, tp, &run);
     if (tp)
-        t_check(run.model.tp.size == c->tp && run.model.table.numel < fl_model_whole_table(&run.model)->numel,
+        t_check(run.model.tp.size == c->tp &&
+                    run.model.table.numel < fl_model_whole_table(&run.model)->numel,
                 "%s: the run is split %d ways (%d)", c->name, c->tp, run.model.tp.size);
     int Bm = run.cfg.micro_batch;
     size_t global = (size_t)c->accum * dp * B * T;
@@ -273,15 +267,6 @@ static float *slice_of(const float *whole, const fl_param_table *wt, const fl_pa
     return out;
 }
 
-static double rel_diff(const float *a, const float *b, size_t n) {
-    double d = 0.0, s = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-        s += (double)b[i] * b[i];
-    }
-    return sqrt(d / s);
-}
-
 static void check_case(const tp_case *c) {
     // TP x DP cases on 4 ranks only (t = 2 alone is the first cases' on 2)
     if (fl_comm_size() % c->tp || (c->tp < fl_comm_size() && fl_comm_size() != 4)) return;
@@ -306,11 +291,11 @@ static void check_case(const tp_case *c) {
         if (strstr(got.table.views[r].name, "c_attn.bias"))
             for (size_t i = 0; i < got.table.views[r].numel; i++)
                 got.weights[got.table.views[r].offset + i] = ref[got.table.views[r].offset + i];
-    double wd = rel_diff(got.weights, ref, got.table.numel);
+    double wd = t_rel_diff(got.weights, ref, got.table.numel);
     if (getenv("FITLM_TEST_VERBOSE") && fl_comm_rank() == 0)
         for (int r = 0; r < got.table.count; r++) {
             const fl_param_view *v = &got.table.views[r];
-            double d = rel_diff(got.weights + v->offset, ref + v->offset, v->numel);
+            double d = t_rel_diff(got.weights + v->offset, ref + v->offset, v->numel);
             if (d > 1e-6) printf("  row %s: %.3g\n", v->name, d);
         }
     int rank = fl_comm_rank(), world = fl_comm_size();

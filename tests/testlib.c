@@ -438,3 +438,23 @@ void t_st_stored(const fl_safetensors *st, const char *what, const char *name, i
             "%s: '%s' is stored with shape [%llu, %llu]", what, name, (unsigned long long)d0,
             (unsigned long long)d1);
 }
+
+void t_rule_batch(uint64_t seed, size_t n, int V, int *inputs, int *targets) {
+    uint64_t s = seed;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        inputs[i] = (int)(s % (uint64_t)V);
+        targets[i] = (s >> 20) % 11 == 0 ? -1 : (inputs[i] * 7 + 3) % V;
+    }
+}
+
+double t_rel_diff(const float *a, const float *b, size_t n) {
+    double d = 0.0, s = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        s += (double)b[i] * b[i];
+    }
+    return sqrt(d / s);
+}

@@ -30,6 +30,12 @@ int t_dies(const char *name, void (*fn)(void *), void *arg, const char *expect);
 // data-parallel strategy d (a collective: every rank calls it) gathered row
 // by row, which ZeRO-3 needs; else the model's own buffer.
 float *t_weights_f32(fl_model *m, fl_dist *d);
+// n positions of a learnable rule over ids [0, V) drawn from `seed` (xorshift):
+// target = (7 x input + 3) mod V, about one in 11 masked (-1), so ranks hold
+// different numbers of target tokens. The training tests' batches.
+void t_rule_batch(uint64_t seed, size_t n, int V, int *inputs, int *targets);
+// ||a - b|| / ||b|| over n values, in double.
+double t_rel_diff(const float *a, const float *b, size_t n);
 
 // Opens a run (run.h) as `fitlm train` would with a config file holding
 // `json` (NULL: none) and these flags (space-separated, unquoted; "--out="

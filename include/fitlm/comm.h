@@ -121,6 +121,14 @@ void fl_layout_coords(int world, int t, int p, int rank, int *tp_rank, int *dp_r
 // all_reduce of n, that of a reduce_scatter to ceil(n/t), plus t*ceil(n/t)*D
 // bytes when t does not divide n (the padded copy it sends).
 const fl_tp_ops *fl_tp_ops_group(const fl_comm_group *g);
+// That scratch for one call of a group of t ranks: an all_reduce of n
+// values of dt, or a reduce_scatter to n values (all_gather, the maximum
+// and the sums take none); the buffer's size is the largest of a run's
+// calls (the planner's).
+typedef enum { FL_TP_ALL_REDUCE, FL_TP_REDUCE_SCATTER } fl_tp_call;
+size_t fl_tp_scratch_bytes(int t, fl_tp_call call, fl_dtype dt, size_t n);
+// The bytes a group's table of t ranks keeps under FL_MEM_OTHER.
+size_t fl_tp_ops_bytes(int t);
 // Frees g's table, if it has one (fl_comm_group_free calls it).
 void fl_tp_ops_drop(const fl_comm_group *g);
 

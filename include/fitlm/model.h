@@ -102,7 +102,7 @@ struct fl_model {
     // parallelism its rank's slices (fl_params_slice), with the whole
     // model's table in `whole` (the names and shapes files hold)
     fl_param_table table, whole;
-    fl_tp tp; // tensor parallelism: size 1 none
+    fl_tp tp;             // tensor parallelism: size 1 none
     void *params, *grads; // flat buffers of table.numel values of dtype (grads: NULL when
                           // gradients live per unit, below)
     // the flat elements params holds: all, or (fl_model_init_from) one ZeRO-3

@@ -398,11 +398,11 @@ typedef struct {
         fl_lomo lomo;
         fl_adalomo adalomo;
     };
-    fl_optim_rule *rule;         // &adamw.rule, &sgd.rule, &lomo.rule or &adalomo.rule
-    fl_loss_scaler scaler;       // fp16; scale 1 otherwise
-    int micro;                   // micro-batches seen in this step
-    size_t params_first;         // flat-buffer element of params[0] (ZeRO-3 keeps one shard)
-    const fl_optim_sync *sync;   // data parallelism, or NULL
+    fl_optim_rule *rule;       // &adamw.rule, &sgd.rule, &lomo.rule or &adalomo.rule
+    fl_loss_scaler scaler;     // fp16; scale 1 otherwise
+    int micro;                 // micro-batches seen in this step
+    size_t params_first;       // flat-buffer element of params[0] (ZeRO-3 keeps one shard)
+    const fl_optim_sync *sync; // data parallelism, or NULL
     // tensor parallelism (NULL or size 1: none): the gradient norm counts
     // each element once (a replicated row on TP rank 0 only) and sums over
     // the TP group; an fp16 overflow anywhere in it skips every rank's step

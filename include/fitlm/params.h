@@ -63,7 +63,7 @@ typedef struct {
 typedef struct {
     fl_param_view *views;
     int count, capacity;
-    size_t numel;      // total elements of the flat buffer
+    size_t numel;         // total elements of the flat buffer
     int tp_size, tp_rank; // a tensor-parallel rank's table (fl_params_slice); size 0: whole
 } fl_param_table;
 
@@ -113,9 +113,9 @@ size_t fl_params_vocab_rows(size_t V, int t);
 // no block. A whole table's row is one block.
 // The elements of a rank's row in the whole table (its own when whole).
 size_t fl_params_whole_numel(const fl_param_table *t, int row);
-typedef void (*fl_params_block_fn)(void *ctx, size_t local, size_t first, size_t run,
-                                   size_t stride, size_t count);
-void fl_params_blocks(const fl_param_table *t, int row, size_t lo, size_t hi,
-                      fl_params_block_fn fn, void *ctx);
+typedef void (*fl_params_block_fn)(void *ctx, size_t local, size_t first, size_t run, size_t stride,
+                                   size_t count);
+void fl_params_blocks(const fl_param_table *t, int row, size_t lo, size_t hi, fl_params_block_fn fn,
+                      void *ctx);
 
 #endif

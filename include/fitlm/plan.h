@@ -34,9 +34,12 @@ typedef struct {
                        // are read whole): the tag's peak is at least this
     int sample_tokens; // > 0: the run ends by sampling this many tokens
     // strategies
-    int ranks;               // data-parallel ranks (>= 1)
-    int zero_stage;          // 0 (plain data parallel), 1, 2 or 3
-    int rank;                // whose shard is planned: 0, the largest (fl_zero_shard)
+    int ranks;               // ranks (>= 1, what mpirun -np starts): t x d, d data-parallel
+    int tensor_parallel;     // t: ranks of a tensor-parallel group (1: none); divides ranks
+    int sequence_parallel;   // with t > 1: Megatron's sequence parallelism
+    int zero_stage;          // 0 (plain data parallel), 1, 2 or 3, over the d replicas
+    int rank;                // the world rank planned; its data-parallel index rank / t % d
+                             // picks its shard: 0, the largest (fl_zero_shard)
     fl_zero_config zero;     // the other zero_optimization keys (buckets, stage 3's); .stage unused
     int whole_weights_first; // ZeRO-3: pretrained weights load whole on every rank before it
                              // keeps its shard (a random start or a resume allocates the shard
@@ -59,8 +62,8 @@ typedef struct {
     // weights every rank initialises before keeping its shard): bytes - freed
     // is what the tag holds from the first step on
     size_t freed[FL_MEM_NTAGS];
-    size_t total; // sum over tags: a bound on the peak of the sum
-    size_t num_params;
+    size_t total;        // sum over tags: a bound on the peak of the sum
+    size_t num_params;   // this rank's (under tensor parallelism: its slices)
     size_t model_states; // params + grads + master + optim
     // several ranks or a ZeRO stage planned exactly: the model states of the
     // ZeRO paper's formula for comparison (0: not computed)
@@ -86,24 +89,36 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
 // several ranks or a ZeRO stage only without LoRA, NF4 or a fused optimizer,
 // which fl_dist_attach refuses) this is exactly what `fitlm train` (under
 // mpirun -np ranks) allocates at its peak per tag on rank `rank`:
-//   fl_model_memory(model, dtype, B, T, threads, recompute, unit_grads)
-//                                                         params, grads, acts, workspace, other
-//     (unit_grads: ZeRO-2/3, or a fused optimizer)
+//   fl_model_memory(model with tp_size t, sequence_parallel, dtype, B, T, threads,
+//                   recompute, unit_grads)                params, grads, acts, workspace, other
+//     (unit_grads: ZeRO-2/3, or a fused optimizer; under tensor parallelism
+//     the rank's slices, the whole table beside them, the vocabulary-parallel
+//     loss's and the sequence-parallel buffers)
 //   + fl_optimizer_memory_table(optim, dtype, table, [begin, end))
 //                                                         master, optim, fp32 gradient sum
-//     ([begin, end): the whole table, or under ZeRO-1/2/3 the rank's shard)
+//     (table: the rank's (fl_model_rank_table); [begin, end): all of it, or
+//     under ZeRO-1/2/3 the shard of its data-parallel index over d = ranks / t)
 //   + fl_dist_memory(zero, table, ...)                    grads, comm, params (ZeRO-3)
 //     (reduced fp32 gradient, buckets, ZeRO-3's shard, resident units and
 //     gather ring; ZeRO-3 frees the whole weights after: freed[params])
+//   + t > 1: the TP group's scratch, the largest of the model's calls
+//     (fl_tp_scratch_bytes: all-reduces of B*T x n_embd in the dtype, or
+//     under sequence parallelism reduce-scatters to B*T/t x n_embd and the
+//     sums of one unit's norm gradients; the loss's B*T x 2 fp32 sums)  comm
+//     and the group's table (fl_tp_ops_bytes)             other
 //   + optim.paged: fl_offload_memory(offload, [begin, end)) offload (chunk buffers), other
 //     (and the files: disk)
 //   + data_bytes                                          other (loaders' tables, tokenizer)
 //   (other: at least data_peak, its peak while the data and tokenizer were opened)
 //   + 2 x grad_accum x B*T*sizeof(int)                    other (a step's inputs and targets)
 //   + sample_tokens > 0: vocab_size * (4 + 8)             workspace (logits row, sampler's sort)
+//                        (t > 1: the row is t x the vocabulary columns per rank, plus
+//                        one rank's columns; with sequence parallelism T ints of context)
 //                        (sample_tokens + 4) * sizeof(int) other (the sampled tokens)
 // Anything else is planned per rank from the model-state formulas (see
-// plan.c) with runnable = 0 and a note "not runnable yet: ...".
+// plan.c) with runnable = 0 and a note "not runnable yet: ...". Dies naming
+// the numbers when t does not divide ranks, and on tensor parallelism with
+// LoRA, NF4 or AdaLomo, which `fitlm train` refuses.
 void fl_plan_compute(const fl_plan_request *r, fl_plan *out);
 
 // NVMe offload: the bytes of RAM the offloaded tensors would take without it.

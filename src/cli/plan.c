@@ -23,7 +23,8 @@ static void help(void) {
     printf("usage: fitlm plan [options]\n\n"
            "Prints the memory per tag (per rank) that 'fitlm train' with the same options would\n"
            "allocate (under 'mpirun -np N' with --ranks N), without allocating it: exact for what\n"
-           "the engine runs (DDP and ZeRO 1-3 with --zero-stage included), from the published\n"
+           "the engine runs (DDP and ZeRO 1-3 with --zero-stage, tensor parallelism with\n"
+           "--tensor-parallel and --sequence-parallel included), from the published\n"
            "formulas (ZeRO, LOMO) for what it does not run yet, marked as such. Then compares\n"
            "the total with --mem-limit (per rank; default: the available memory shared by the\n"
            "ranks, as 'fitlm train' does) and, if it does not fit, lists what would.\n\n"
@@ -163,9 +164,14 @@ int cmd_plan(int argc, char **argv) {
                m->padded_vocab_size, m->max_seq_len, fl_model_num_params(m));
     printf("%s | %s", fl_dtype_name(cfg.dtype), cfg.optimizer);
     if (r.optim.kind == FL_OPT_SGD) printf(" (momentum %g)", r.optim.momentum);
-    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s, ZeRO stage %d%s%s%s | %d "
+    char layout[96] = ""; // t x d under tensor parallelism
+    if (cfg.tensor_parallel > 1)
+        snprintf(layout, sizeof layout, " (tensor parallel %d%s x %d data-parallel)",
+                 cfg.tensor_parallel, cfg.sequence_parallel ? " with sequence parallelism" : "",
+                 f.ranks / cfg.tensor_parallel);
+    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s%s, ZeRO stage %d%s%s%s | %d "
            "threads\n",
-           cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "",
+           cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "", layout,
            cfg.zero.stage, cfg.recompute ? " | activation checkpointing " : "",
            cfg.recompute ? cfg.recompute_policy : "", f.lomo ? " | LOMO" : "", cfg.threads);
     printf("data: %zu bytes (data loaders, tokenizer and the config's text; tokens are "

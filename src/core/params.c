@@ -190,8 +190,8 @@ static void clip_block(const block_clip *c, size_t L, size_t F, size_t run, size
     }
 }
 
-void fl_params_blocks(const fl_param_table *t, int row, size_t lo, size_t hi,
-                      fl_params_block_fn fn, void *ctx) {
+void fl_params_blocks(const fl_param_table *t, int row, size_t lo, size_t hi, fl_params_block_fn fn,
+                      void *ctx) {
     const fl_param_view *v = &t->views[row];
     block_clip c = {lo, hi < v->numel ? hi : v->numel, fn, ctx};
     if (t->tp_size <= 1 || v->tp_dim < 0) {
@@ -205,7 +205,7 @@ void fl_params_blocks(const fl_param_table *t, int row, size_t lo, size_t hi,
         size_t gper = v->tp_global / (size_t)v->tp_parts, at = per * (size_t)t->tp_rank;
         size_t valid = gper > at ? (gper - at < per ? gper - at : per) : 0;
         for (int p = 0; p < v->tp_parts && valid; p++)
-            clip_block(&c, p * per * inner, (p * gper + at) * inner, valid * inner,
-                       valid * inner, valid * inner);
+            clip_block(&c, p * per * inner, (p * gper + at) * inner, valid * inner, valid * inner,
+                       valid * inner);
     }
 }

@@ -254,10 +254,13 @@ static void add_block(void *ctx, size_t local, size_t first, size_t run, size_t 
     tensor_list *out = p->out;
     FL_ASSERT(out->n < out->cap);
     int strided = run < count;
-    out->t[out->n++] = (fl_ckpt_piece){p->name,  p->dt,
+    out->t[out->n++] = (fl_ckpt_piece){p->name,
+                                       p->dt,
                                        fl_at_const(p->dt, p->data, local - p->at),
-                                       count,    first,
-                                       p->total, strided ? run : 0,
+                                       count,
+                                       first,
+                                       p->total,
+                                       strided ? run : 0,
                                        strided ? stride : 0};
 }
 
@@ -295,8 +298,8 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
                         st < 0 ? NULL : fl_optim_state_name(rule, st), v->name);
             if (tp) { // this rank's slice, as blocks of the whole row
                 FL_ASSERT(pieces && total == v->numel);
-                tp_pieces p = {out, name, st < 0 ? wdt : FL_F32, data, first,
-                               fl_params_whole_numel(t, r)};
+                tp_pieces p = {out,  name,  st < 0 ? wdt : FL_F32,
+                               data, first, fl_params_whole_numel(t, r)};
                 fl_params_blocks(t, r, first, first + count, add_block, &p); // one name for all
                 continue;
             }
@@ -388,8 +391,8 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     }
     tokenizer_blobs blobs;
     int n_files = tokenizer_files(tokenizer, &blobs);
-    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, tp || partial != 0.0, keep,
-                       run, blobs.f, n_files);
+    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, tp || partial != 0.0, keep, run,
+                       blobs.f, n_files);
     cJSON_free(text);
     list_free(&l);
 }

@@ -83,8 +83,8 @@ static void build_table(fl_param_table *t, const fl_model_config *c) {
     for (int l = 0; l < c->n_layer; l++) {
         fl_arch_add_row(t, l, NORM, FL_INIT_ONES, 0, C, 0, "h.%d.ln_1.weight", l);
         fl_arch_add_row(t, l, NORM, FL_INIT_ZEROS, 0, C, 0, "h.%d.ln_1.bias", l);
-        int r = fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 3 * C, C, "h.%d.attn.c_attn.weight",
-                                l);
+        int r =
+            fl_arch_add_row(t, l, LIN, FL_INIT_NORMAL, std, 3 * C, C, "h.%d.attn.c_attn.weight", l);
         fl_params_split(t, r, 0, 3);
         r = fl_arch_add_row(t, l, 0, FL_INIT_ZEROS, 0, 3 * C, 0, "h.%d.attn.c_attn.bias", l);
         fl_params_split(t, r, 0, 3);
@@ -166,8 +166,8 @@ static size_t rope_floats(const fl_model_config *c, int T) {
 }
 
 static void embed_forward(fl_model *m, void *out, const int *tokens, int B, int T) {
-    fl_embed_forward(m, out, tokens, fl_unit_w(m, FL_UNIT_EMBED, 0),
-                     fl_unit_w(m, FL_UNIT_EMBED, 1), B, T);
+    fl_embed_forward(m, out, tokens, fl_unit_w(m, FL_UNIT_EMBED, 0), fl_unit_w(m, FL_UNIT_EMBED, 1),
+                     B, T);
 }
 
 static void embed_backward(fl_model *m, const void *dout, const int *tokens, int B, int T) {
@@ -232,10 +232,10 @@ static void head_forward(const fl_block *h, void *logits) {
     void **a = h->act;
     fl_linear lin[NLIN];
     linear_set(&m->config, lin);
-    FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(m->dtype, a[H_LNF], a[H_MEAN], a[H_RSTD], h->in,
-                                                 fl_unit_w(m, FL_UNIT_HEAD(L), 0),
-                                                 fl_unit_w(m, FL_UNIT_HEAD(L), 1),
-                                                 fl_seq_rows(&m->config, BT), C));
+    FL_FWD_OP(FL_OP_LAYERNORM,
+              layernorm_forward(m->dtype, a[H_LNF], a[H_MEAN], a[H_RSTD], h->in,
+                                fl_unit_w(m, FL_UNIT_HEAD(L), 0), fl_unit_w(m, FL_UNIT_HEAD(L), 1),
+                                fl_seq_rows(&m->config, BT), C));
     fl_linear_forward(m, FL_UNIT_EMBED, &lin[L_HEAD], logits, a[H_LNF], BT); // tied to wte
 }
 

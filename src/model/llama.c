@@ -32,8 +32,7 @@ enum { W_C, W_QKV, W_2I, W_I, NWORK }; // backward scratch
 
 // this rank's q, k and v (all of them at t = 1)
 static size_t qkv_width(const fl_model_config *c) {
-    return (size_t)(c->n_head + 2 * c->n_kv_head) * (c->n_embd / c->n_head) /
-           (size_t)fl_tp_ways(c);
+    return (size_t)(c->n_head + 2 * c->n_kv_head) * (c->n_embd / c->n_head) / (size_t)fl_tp_ways(c);
 }
 
 static void finish(fl_model_config *c) {
@@ -158,8 +157,8 @@ static void linear_set(const fl_model_config *c, fl_linear *out) {
     out[L_GATEUP] = (fl_linear){WGATE, -1, C, 2 * I, FL_OP_MM_FC, COL};
     out[L_DOWN] = (fl_linear){WDOWN, -1, I, C, FL_OP_MM_FCPROJ, ROW};
     // tied: row 0 of the embedding unit; untied: row 1 of the head unit
-    out[L_HEAD] = (fl_linear){c->tie_embeddings ? 0 : 1, -1, C, fl_vocab_cols(c), FL_OP_MM_LMHEAD,
-                              COL};
+    out[L_HEAD] =
+        (fl_linear){c->tie_embeddings ? 0 : 1, -1, C, fl_vocab_cols(c), FL_OP_MM_LMHEAD, COL};
 }
 
 static int linears(const fl_model_config *c, fl_linear *out) {

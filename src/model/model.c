@@ -312,22 +312,21 @@ static size_t slot_numel(const fl_model_config *c, const fl_slot *s, size_t BT) 
     return (s->seq ? (size_t)fl_seq_rows(c, (int)BT) : BT) * s->per_token;
 }
 
-// Under sequence parallelism: elements of the largest unit's rows whose
-// gradients are sums over the positions of the rank's slice (FL_PARAM_TOKENWISE).
-static size_t tokenwise_numel(const fl_model_config *c) {
-    fl_param_table t;
-    fl_model_rank_table(&t, c, 0);
+// Under sequence parallelism: elements of the largest unit's rows (of the
+// rank's table t: no table is built here, so nothing transient adds to the
+// peak of tag other) whose gradients are sums over the positions of the
+// rank's slice (FL_PARAM_TOKENWISE).
+static size_t tokenwise_numel(const fl_model_config *c, const fl_param_table *t) {
     size_t per[1026] = {0}, most = 0; // by unit + 1
-    for (int r = 0; r < t.count; r++)
-        if (t.views[r].flags & FL_PARAM_TOKENWISE) per[t.views[r].unit + 1] += t.views[r].numel;
+    for (int r = 0; r < t->count; r++)
+        if (t->views[r].flags & FL_PARAM_TOKENWISE) per[t->views[r].unit + 1] += t->views[r].numel;
     for (int u = 0; u <= c->n_layer + 1; u++) most = per[u] > most ? per[u] : most;
-    fl_params_free(&t);
     return most;
 }
 
-static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, int T, int threads,
-                     fl_recompute r, const fl_lora_config *lc, const fl_param_table *lt,
-                     act_spec *out) {
+static int act_specs(fl_model *m, const fl_model_config *c, const fl_param_table *rows, fl_dtype dt,
+                     int B, int T, int threads, fl_recompute r, const fl_lora_config *lc,
+                     const fl_param_table *lt, act_spec *out) {
     const fl_arch *arch = arch_of(c);
     size_t L = c->n_layer, C = c->n_embd;
     size_t BT = (size_t)B * T, D = fl_dtype_size(dt), F = sizeof(float), I = sizeof(int);
@@ -366,7 +365,7 @@ static int act_specs(fl_model *m, const fl_model_config *c, fl_dtype dt, int B, 
         // weight gradients of one unit before their sum over the TP group
         SPEC(m->tp_gather, BT * C, D, FL_MEM_WORKSPACE);
         SPEC(m->tp_partial, BT * C, D, FL_MEM_WORKSPACE);
-        SPEC(m->tp_norm_grads, tokenwise_numel(c), D, FL_MEM_WORKSPACE);
+        SPEC(m->tp_norm_grads, tokenwise_numel(c, rows), D, FL_MEM_WORKSPACE);
     }
     SPEC(m->dlosses, BT, F, FL_MEM_WORKSPACE);
     SPEC(m->att_workspace, arch->thread_floats(c, dt, T) * (size_t)threads, F, FL_MEM_WORKSPACE);
@@ -437,8 +436,8 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
     }
     if (B > 0) {
         act_spec specs[MAX_SPECS];
-        int n =
-            act_specs(NULL, &c, dt, B, T, threads, recompute, lora, lt.count ? &lt : NULL, specs);
+        int n = act_specs(NULL, &c, &t, dt, B, T, threads, recompute, lora, lt.count ? &lt : NULL,
+                          specs);
         for (int i = 0; i < n; i++) bytes[specs[i].tag] += specs[i].count * specs[i].elem;
     }
     fl_params_free(&lt);
@@ -454,7 +453,7 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
     FL_ASSERT(m->max_B == 0); // allocated once, up front
     alloc_grads(m, unit_grads);
     act_spec specs[MAX_SPECS];
-    int n = act_specs(m, c, m->dtype, B, T, fl_threads(), recompute, &m->lora.cfg,
+    int n = act_specs(m, c, &m->table, m->dtype, B, T, fl_threads(), recompute, &m->lora.cfg,
                       m->lora.cfg.r ? &m->lora.table : NULL, specs);
     for (int i = 0; i < n; i++)
         *specs[i].slot = fl_alloc(specs[i].tag, specs[i].count * specs[i].elem);
@@ -468,8 +467,9 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
 void fl_model_free(fl_model *m) {
     if (m->max_B) {
         act_spec specs[MAX_SPECS];
-        int n = act_specs(m, &m->config, m->dtype, m->max_B, m->max_T, m->att_workspace_threads,
-                          m->recompute, &m->lora.cfg, m->lora.cfg.r ? &m->lora.table : NULL, specs);
+        int n = act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
+                          m->att_workspace_threads, m->recompute, &m->lora.cfg,
+                          m->lora.cfg.r ? &m->lora.table : NULL, specs);
         for (int i = 0; i < n; i++) fl_free(*specs[i].slot);
     }
     fl_free(m->lora.params);

@@ -41,8 +41,8 @@ static void store_block(void *ctx, size_t local, size_t first, size_t run, size_
     if (k1 > runs) k1 = runs;
     for (size_t k = k0; k < k1; k++) {
         size_t g = first + k * stride, a = g > lo ? g : lo, b = g + run < hi ? g + run : hi;
-        if (a < b) fl_model_store_local(s->m, s->row, local + k * run + (a - g), s->w + (a - lo),
-                                        b - a);
+        if (a < b)
+            fl_model_store_local(s->m, s->row, local + k * run + (a - g), s->w + (a - lo), b - a);
     }
 }
 
@@ -72,8 +72,8 @@ void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte
     // under sequence parallelism every position's lookup, then this rank's
     // positions of the sum (GPT-2: of the sum with the positions added)
     void *all = fl_seq_parallel(&m->config) ? m->tp_gather : out;
-    FL_FWD_OP(FL_OP_ENCODER, embedding_shard_forward(m->dtype, all, tokens, wte,
-                                                     m->tp.rank * rows, rows, N, C));
+    FL_FWD_OP(FL_OP_ENCODER,
+              embedding_shard_forward(m->dtype, all, tokens, wte, m->tp.rank * rows, rows, N, C));
     if (all != out && !wpe) {
         fl_tp_reduce_scatter(m, all, out, local);
         return;
@@ -81,7 +81,8 @@ void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte
     fl_tp_all_reduce(m, all, (size_t)N * C);
     if (wpe) FL_FWD_OP(FL_OP_ENCODER, position_forward(m->dtype, all, wpe, B, T, C));
     if (all != out)
-        memcpy(out, fl_at(m->dtype, all, (size_t)m->tp.rank * local), local * fl_dtype_size(m->dtype));
+        memcpy(out, fl_at(m->dtype, all, (size_t)m->tp.rank * local),
+               local * fl_dtype_size(m->dtype));
 }
 
 void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, const int *tokens,

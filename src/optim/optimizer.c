@@ -329,8 +329,8 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int 
     fl_step_result r = {0.0f, 0, o->scaler.scale, {0, NAN, NAN}};
     // finite floats' squares sum to a finite double, so an inf or NaN gradient
     // (fp16 overflow) shows in the norm's pass: no pass of its own
-    double sumsq = o->tp ? tp_sumsq(o, grads_dtype, grads, first, n)
-                         : fl_grad_sumsq(grads_dtype, grads, n);
+    double sumsq =
+        o->tp ? tp_sumsq(o, grads_dtype, grads, first, n) : fl_grad_sumsq(grads_dtype, grads, n);
     double overflow = o->dtype == FL_F16 && !isfinite(sumsq);
     if (o->tp && o->dtype == FL_F16) o->tp->ops->sum(o->tp->ops->ctx, &overflow, 1);
     if (sync && o->dtype == FL_F16) sync->max(sync->ctx, &overflow, 1); // all ranks skip

@@ -51,15 +51,28 @@ static void sum_parts(fl_dtype dt, const void *parts, int t, size_t n, float *su
 
 // The scratch bytes of t parts of n values of dt, rounded up so that the
 // fp32 sums after them are aligned.
-static size_t parts_bytes(const tp_table *c, fl_dtype dt, size_t n) {
-    return ((size_t)c->t * n * fl_dtype_size(dt) + 15) / 16 * 16;
+static size_t parts_bytes(int t, fl_dtype dt, size_t n) {
+    return ((size_t)t * n * fl_dtype_size(dt) + 15) / 16 * 16;
+}
+
+size_t fl_tp_scratch_bytes(int t, fl_tp_call call, fl_dtype dt, size_t n) {
+    if (t == 1 || n == 0) return 0;
+    if (call == FL_TP_REDUCE_SCATTER) return parts_bytes(t, dt, n) + n * sizeof(float);
+    size_t T = (size_t)t, S = (n + T - 1) / T;
+    // a reduce-scatter to S values, and when t does not divide n the padded copy
+    return fl_tp_scratch_bytes(t, FL_TP_REDUCE_SCATTER, dt, S) +
+           (n % T ? T * S * fl_dtype_size(dt) : 0);
+}
+
+size_t fl_tp_ops_bytes(int t) {
+    return sizeof(tp_table) + 2 * (size_t)t * sizeof(size_t);
 }
 
 // The t parts of send (n values each) to their ranks; this rank's part of
 // the sum, rounded once to dt, into out (n values of dt).
 static void exchange_and_sum(tp_table *c, fl_dtype dt, const void *send, void *out, size_t n) {
-    char *parts = scratch(c, parts_bytes(c, dt, n) + n * sizeof(float));
-    float *sum = (void *)(parts + parts_bytes(c, dt, n));
+    char *parts = scratch(c, fl_tp_scratch_bytes(c->t, FL_TP_REDUCE_SCATTER, dt, n));
+    float *sum = (void *)(parts + parts_bytes(c->t, dt, n));
     fl_comm_wait(fl_comm_ialltoall(c->g, dt, send, parts, n));
     sum_parts(dt, parts, c->t, n, sum);
     fl_store_f32(dt, out, sum, n);
@@ -91,8 +104,8 @@ static void tp_all_reduce(void *ctx, fl_dtype dt, void *buf, size_t n) {
     if (c->t == 1 || n == 0) return;
     size_t D = fl_dtype_size(dt), T = (size_t)c->t, S = (n + T - 1) / T;
     const void *send = buf;
-    size_t used = parts_bytes(c, dt, S) + S * sizeof(float); // exchange_and_sum's
-    char *base = scratch(c, used + (n % T ? T * S * D : 0));
+    size_t used = fl_tp_scratch_bytes(c->t, FL_TP_REDUCE_SCATTER, dt, S); // exchange_and_sum's
+    char *base = scratch(c, fl_tp_scratch_bytes(c->t, FL_TP_ALL_REDUCE, dt, n));
     if (n % T) { // the padded copy, after what exchange_and_sum takes
         char *pad = base + used;
         memcpy(pad, buf, n * D);
@@ -126,10 +139,11 @@ static void tp_sum(void *ctx, double *v, int n) {
 const fl_tp_ops *fl_tp_ops_group(const fl_comm_group *g) {
     for (tp_table *c = tables; c; c = c->next)
         if (c->g == g) return &c->ops;
+    // fl_tp_ops_bytes's
     tp_table *c = fl_alloc(FL_MEM_OTHER, sizeof *c);
     *c = (tp_table){.g = g, .t = fl_comm_group_size(g), .rank = fl_comm_group_rank(g)};
-    c->ops = (fl_tp_ops){c,          tp_all_reduce,     tp_all_reduce_max,
-                         tp_all_gather, tp_reduce_scatter, tp_sum};
+    c->ops =
+        (fl_tp_ops){c, tp_all_reduce, tp_all_reduce_max, tp_all_gather, tp_reduce_scatter, tp_sum};
     c->counts = fl_alloc(FL_MEM_OTHER, (size_t)c->t * sizeof(size_t));
     c->displs = fl_alloc(FL_MEM_OTHER, (size_t)c->t * sizeof(size_t));
     c->next = tables;

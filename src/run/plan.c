@@ -47,7 +47,14 @@
 //
 //   Activation checkpointing is run by the engine, so it is planned exactly:
 //   the model's slot lists say which activations each policy keeps.
+//
+// Tensor parallelism over t ranks (ranks = t x d) is planned exactly too:
+// the model with tp_size t sizes the rank's slices and buffers itself; the
+// optimizer and ZeRO cover the rank's table over its data-parallel group of
+// d; the TP group's one scratch buffer is sized by the largest collective
+// the model calls (fl_tp_scratch_bytes, which sizes it in the engine too).
 #include "fitlm/plan.h"
+#include "fitlm/comm.h"
 #include "fitlm/dist.h"
 #include "fitlm/train.h"
 
@@ -67,6 +74,7 @@ void fl_plan_request_init(fl_plan_request *r) {
     r->optim.eps = 1e-8f;
     r->optim.grad_accum = 1;
     r->ranks = 1;
+    r->tensor_parallel = 1;
     fl_train_config defaults; // zero_optimization's defaults, from the config's own table
     fl_config_defaults(&defaults);
     r->zero = defaults.zero;
@@ -89,6 +97,8 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     r->quant = cfg->quant;
     r->zero = cfg->zero;
     r->zero_stage = cfg->zero.stage;
+    r->tensor_parallel = cfg->tensor_parallel;
+    r->sequence_parallel = cfg->sequence_parallel;
     r->whole_weights_first = *cfg->init_from != 0;
     r->offload = fl_offload_config_of(cfg);
 }
@@ -124,8 +134,45 @@ static int unit_grads_of(const fl_plan_request *r) {
     return fl_optimizer_unit_grads(&r->optim);
 }
 
+// The layout: t tensor-parallel ranks (1: none) times d data-parallel
+// replicas; the rank's index in each (Megatron's order, TP fastest).
+static int tp_of(const fl_plan_request *r) {
+    return r->tensor_parallel > 1 ? r->tensor_parallel : 1;
+}
+
+static int dp_of(const fl_plan_request *r) {
+    return r->ranks / tp_of(r);
+}
+
+static int dp_rank_of(const fl_plan_request *r) {
+    return r->rank / tp_of(r) % dp_of(r);
+}
+
+// Whether sequence parallelism, if on, splits the micro-batch's B x T
+// tokens evenly over the t ranks, as it must.
+static int tokens_split(const fl_plan_request *r) {
+    return !r->sequence_parallel || ((size_t)r->B * r->T) % (size_t)tp_of(r) == 0;
+}
+
+// What `fitlm train` refuses under tensor parallelism (run.c, the model), or NULL.
+static const char *tp_refused(const fl_plan_request *r) {
+    if (tp_of(r) == 1) return NULL;
+    if (r->lora.r) return "LoRA adapters";
+    if (r->quant.enabled) return "NF4 base weights";
+    if (r->optim.kind == FL_OPT_ADALOMO) return "AdaLomo";
+    return NULL;
+}
+
 static void check_request(const fl_plan_request *r) {
     if (r->ranks < 1) fl_die("plan: ranks must be >= 1 (got %d)", r->ranks);
+    if (r->tensor_parallel < 1 || r->ranks % tp_of(r))
+        fl_die("plan: the tensor-parallel size %d must be >= 1 and divide the %d ranks",
+               r->tensor_parallel, r->ranks);
+    if (r->sequence_parallel && tp_of(r) == 1)
+        fl_die("plan: sequence parallelism needs a tensor-parallel size above 1");
+    if (tp_refused(r))
+        fl_die("plan: tensor parallelism (%d ranks) with %s is not supported", tp_of(r),
+               tp_refused(r));
     if (r->zero_stage < 0 || r->zero_stage > 3)
         fl_die("plan: ZeRO stage must be 0, 1, 2 or 3 (got %d)", r->zero_stage);
     if (r->rank < 0 || r->rank >= r->ranks)
@@ -135,12 +182,38 @@ static void check_request(const fl_plan_request *r) {
                r->T);
     if (r->optim.grad_accum < 1)
         fl_die("plan: gradient accumulation steps must be >= 1 (got %d)", r->optim.grad_accum);
+    if (!tokens_split(r))
+        fl_die("plan: sequence parallelism: B x T = %d x %d tokens do not split over %d "
+               "tensor-parallel ranks",
+               r->B, r->T, tp_of(r));
 }
 
-// Whether the run is data-parallel: several ranks, or a ZeRO stage (even on
-// one rank), as fl_dist_wanted decides.
+// Whether the run is data-parallel: several replicas, or a ZeRO stage (even
+// on one), as fl_run_open decides.
 static int dist_of(const fl_plan_request *r) {
-    return r->ranks > 1 || r->zero_stage > 0;
+    return dp_of(r) > 1 || r->zero_stage > 0;
+}
+
+// The model's parameters on this rank: its slices under tensor parallelism
+// (every rank's are the same size).
+static void rank_table(const fl_plan_request *r, const fl_model_config *c, fl_param_table *t) {
+    fl_model_rank_table(t, c, r->rank % tp_of(r));
+}
+
+// Of a table: the largest row, and the largest unit (a block, or the
+// largest row when that is more): what LOMO's and ZeRO's formulas gather.
+static void table_sizes(const fl_param_table *t, int n_layer, size_t *largest, size_t *unit) {
+    size_t *per = fl_alloc(FL_MEM_OTHER, ((size_t)n_layer + 2) * sizeof(size_t));
+    *largest = *unit = 0;
+    for (int k = 0; k < t->count; k++) {
+        const fl_param_view *v = &t->views[k];
+        if (v->numel > *largest) *largest = v->numel;
+        per[v->unit + 1] += v->numel;
+    }
+    for (int u = 1; u <= n_layer; u++) // the blocks
+        if (per[u] > *unit) *unit = per[u];
+    if (*largest > *unit) *unit = *largest;
+    fl_free(per);
 }
 
 // What fl_dist_attach refuses to run over several ranks or under a ZeRO
@@ -168,10 +241,12 @@ static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
                             size_t unpaged[FL_MEM_NTAGS]) {
     fl_zero_config z = zero_of(r);
     fl_param_table t;
-    fl_model_table(&t, c);
+    rank_table(r, c, &t);
     // fl_dist_range's: the whole buffer under DDP, the rank's shard under ZeRO
+    // (over its data-parallel group)
+    const int d = dp_of(r), dp_rank = dp_rank_of(r);
     size_t begin, end;
-    fl_dist_shard(&z, &t, r->ranks, r->rank, &begin, &end);
+    fl_dist_shard(&z, &t, d, dp_rank, &begin, &end);
     fl_optimizer_config o = r->optim;
     o.sharded_grads = z.stage >= 2;                   // as `fitlm train` sets it
     if (z.fused_units) *fused_rows = (size_t)t.count; // a fused step's row sums
@@ -187,8 +262,7 @@ static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
     }
     // the optimizer's whole fp32 gradient sum (16-bit weights, accumulation)
     int accum_buffer = opt[FL_MEM_GRADS] != 0;
-    fl_dist_memory(&z, &t, c->n_layer, r->dtype, accum_buffer, r->ranks, r->rank, dist,
-                   params_freed);
+    fl_dist_memory(&z, &t, c->n_layer, r->dtype, accum_buffer, d, dp_rank, dist, params_freed);
     fl_params_free(&t);
 }
 
@@ -196,7 +270,7 @@ static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
 // per-rank bytes b of the one-rank plan.
 static void zero_by_formula(const fl_plan_request *r, size_t *b, size_t largest, size_t unit,
                             fl_plan *out) {
-    size_t N = (size_t)r->ranks, ds = fl_dtype_size(r->dtype);
+    size_t N = (size_t)dp_of(r), ds = fl_dtype_size(r->dtype);
     if (r->zero_stage >= 1) {
         b[FL_MEM_MASTER] = ceil_div(b[FL_MEM_MASTER], N);
         b[FL_MEM_OPTIM] = ceil_div(b[FL_MEM_OPTIM], N);
@@ -221,13 +295,58 @@ static size_t model_states_of(const size_t *b) {
 // its formula applied to the same run's one-rank plan.
 static size_t formula_model_states(const fl_plan_request *r, size_t largest, size_t unit) {
     fl_plan_request one = *r;
-    one.ranks = 1;
+    one.ranks = tp_of(r);
     one.rank = 0;
     one.zero_stage = 0;
     fl_plan p;
     fl_plan_compute(&one, &p);
     zero_by_formula(r, p.bytes, largest, unit, &p);
     return model_states_of(p.bytes);
+}
+
+// The TP group's scratch: its largest call in a step of BT positions
+// (evaluation and generation run no more). The linear unit's and the
+// embedding's sums of (BT, n_embd) in the dtype: all-reduces, or under
+// sequence parallelism reduce-scatters to BT/t positions (GPT-2's embedding
+// all-reduce of BT positions takes the same, t dividing BT); there also the
+// sum of one unit's token-wise gradients (norm weights, row-parallel
+// biases); the vocabulary-parallel loss's (BT, 2) fp32 sums.
+static size_t tp_scratch_of(const fl_model_config *c, const fl_param_table *rows, fl_dtype dt,
+                            size_t BT) {
+    const int t = c->tp_size;
+    const size_t C = (size_t)c->n_embd;
+    size_t most = fl_tp_scratch_bytes(t, FL_TP_ALL_REDUCE, FL_F32, 2 * BT);
+    size_t hidden = c->sequence_parallel
+                        ? fl_tp_scratch_bytes(t, FL_TP_REDUCE_SCATTER, dt, BT / (size_t)t * C)
+                        : fl_tp_scratch_bytes(t, FL_TP_ALL_REDUCE, dt, BT * C);
+    if (hidden > most) most = hidden;
+    if (c->sequence_parallel) {
+        size_t *per = fl_alloc(FL_MEM_OTHER, ((size_t)c->n_layer + 2) * sizeof(size_t));
+        for (int k = 0; k < rows->count; k++)
+            if (rows->views[k].flags & FL_PARAM_TOKENWISE)
+                per[rows->views[k].unit + 1] += rows->views[k].numel;
+        for (int u = 0; u < c->n_layer + 2; u++) {
+            size_t b = fl_tp_scratch_bytes(t, FL_TP_ALL_REDUCE, dt, per[u]);
+            if (b > most) most = b;
+        }
+        fl_free(per);
+    }
+    return most;
+}
+
+// fl_model_generate's workspace at its peak, the sampler's sort inside it:
+// an fp32 row of the vocabulary's logits (under tensor parallelism every
+// rank's columns gathered, t x the columns per rank, and this rank's; under
+// sequence parallelism a context of T ids) and the (logit, id) sort buffer.
+static size_t generate_bytes(const fl_model_config *c, int T) {
+    const int t = c->tp_size > 1 ? c->tp_size : 1;
+    size_t V = (size_t)c->vocab_size, row = V;
+    if (t > 1) {
+        size_t cols = fl_params_vocab_rows(V, t);
+        row = (size_t)t * cols + cols;
+    }
+    size_t context = c->sequence_parallel ? (size_t)T * sizeof(int) : 0;
+    return row * sizeof(float) + V * 8 + context;
 }
 
 void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
@@ -245,22 +364,33 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     fl_model_config c = r->model;
     size_t numel, largest, unit; // parameters; largest tensor; largest ZeRO-3 gather unit
     size_t opt[FL_MEM_NTAGS] = {0}, dist_bytes[FL_MEM_NTAGS] = {0};
+    const int tp = tp_of(r);
+    size_t tp_scratch = 0; // the TP group's, the largest call's (comm)
     if (shaped) {
+        c.tp_size = tp;
+        c.sequence_parallel = tp > 1 && r->sequence_parallel;
         fl_model_config_finish(&c);
         if (r->T > c.max_seq_len)
             fl_die("plan: sequence length %d exceeds the model's max_seq_len %d", r->T,
                    c.max_seq_len);
-        numel = fl_model_num_params(&c);
-        fl_model_sizes(&c, &largest, &unit); // the largest row; one block
-        if (largest > unit) unit = largest;
+        fl_param_table rows;
+        rank_table(r, &c, &rows);
+        numel = rows.numel;
+        table_sizes(&rows, c.n_layer, &largest, &unit);
+        if (tp > 1 && BT) tp_scratch = tp_scratch_of(&c, &rows, dt, BT);
+        fl_params_free(&rows);
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
         fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
                         dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
                         &r->quant, b);
     } else {
-        numel = r->num_params;
-        largest = unit = r->largest_tensor;
+        // a raw count split evenly over the TP ranks (what stays whole,
+        // norms and row-layer biases, is not known)
+        numel = ceil_div(r->num_params, (size_t)tp);
+        largest = unit = ceil_div(r->largest_tensor, (size_t)tp);
+        if (tp > 1)
+            note_add(out, "tensor parallel %d: the raw count split evenly over its ranks", tp);
         b[FL_MEM_PARAMS] = numel * ds;
         b[FL_MEM_GRADS] = numel * ds;
     }
@@ -268,7 +398,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     if (dist_exact) {
         plan_dist_exact(r, &c, opt, dist_bytes, &out->freed[FL_MEM_PARAMS], &fused_rows, &out->disk,
                         out->unpaged);
-        if (r->zero_stage == 3 && r->ranks > 1 && !r->whole_weights_first) {
+        if (r->zero_stage == 3 && dp_of(r) > 1 && !r->whole_weights_first) {
             // the model is the shard from the start: the whole never exists;
             // with offload_params the shard itself lives until the file takes it
             b[FL_MEM_PARAMS] -= out->freed[FL_MEM_PARAMS];
@@ -292,15 +422,21 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&t);
     } else if (shaped && fl_optim_in_backward(&r->optim)) {
         // AdaLomo's state is per row; a fused step keeps a sum of squares per row
-        fl_param_table t;
-        fl_model_table(&t, &c);
-        fl_optimizer_memory_table(&r->optim, dt, &t, 0, t.numel, opt);
-        if (fl_optimizer_unit_grads(&r->optim)) fused_rows = (size_t)t.count;
-        fl_params_free(&t);
+        fl_param_table rows;
+        rank_table(r, &c, &rows);
+        fl_optimizer_memory_table(&r->optim, dt, &rows, 0, rows.numel, opt);
+        if (fl_optimizer_unit_grads(&r->optim)) fused_rows = (size_t)rows.count;
+        fl_params_free(&rows);
     } else {
         fl_optimizer_memory(&r->optim, dt, numel, opt);
     }
-    for (int t = 0; t < FL_MEM_NTAGS; t++) b[t] += opt[t] + dist_bytes[t];
+    for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += opt[k] + dist_bytes[k];
+    // tensor parallelism: the TP group's table and its scratch, which stays
+    // at the size of the largest call
+    if (tp > 1) {
+        b[FL_MEM_OTHER] += fl_tp_ops_bytes(tp);
+        b[FL_MEM_COMM] += tp_scratch;
+    }
 
     // What `fitlm train` allocates besides the model and the optimizer: the
     // data loaders' tables and the tokenizer (measured), the inputs and targets
@@ -310,8 +446,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * (size_t)r->optim.grad_accum * sizeof(int);
     if (b[FL_MEM_OTHER] < r->data_peak) b[FL_MEM_OTHER] = r->data_peak;
     // transient workspace, one at a time: the fused step's row sums, the sampler's
-    size_t sampler =
-        shaped && r->sample_tokens > 0 ? (size_t)c.vocab_size * (sizeof(float) + 8) : 0;
+    size_t sampler = shaped && r->sample_tokens > 0 ? generate_bytes(&c, r->T) : 0;
     b[FL_MEM_WORKSPACE] +=
         sampler > fused_rows * sizeof(double) ? sampler : fused_rows * sizeof(double);
     if (shaped && r->sample_tokens > 0) {
@@ -321,6 +456,9 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     if (out->disk) snprintf(out->disk_dir, sizeof out->disk_dir, "%s", r->offload.dir);
     out->num_params = numel;
     out->runnable = shaped && !r->lomo && (!dist || dist_exact);
+    if (tp > 1 && shaped)
+        note_add(out, "tensor parallel %d%s: this rank's slices of the model's %zu parameters", tp,
+                 c.sequence_parallel ? " with sequence parallelism" : "", fl_model_num_params(&c));
     static const char *const stages[] = {"data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
     if (!out->runnable) {
         char what[200] = "";
@@ -330,15 +468,16 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         if (!shaped) WHAT("%s", "a raw parameter count (model states by formula)");
         if (dist)
             WHAT("%s%s%s%s over %d rank%s", n ? ", " : "", refused ? refused : "",
-                 refused ? " with " : "", stages[r->zero_stage], r->ranks, r->ranks > 1 ? "s" : "");
+                 refused ? " with " : "", stages[r->zero_stage], dp_of(r), dp_of(r) > 1 ? "s" : "");
         else if (r->lomo)
             WHAT("%sLOMO", n ? ", " : "");
         if (dist && refused) WHAT("%s", " (fl_dist_attach refuses it; ZeRO formulas)");
 #undef WHAT
         note_add(out, "not runnable yet: %s", what);
     } else if (dist) {
-        note_add(out, "%s, rank %d of %d%s", stages[r->zero_stage], r->rank, r->ranks,
-                 r->zero_stage > 0 && r->rank == 0 ? " (the largest shard)" : "");
+        note_add(out, "%s, %srank %d of %d%s", stages[r->zero_stage],
+                 tp > 1 ? "data-parallel " : "", dp_rank_of(r), dp_of(r),
+                 r->zero_stage > 0 && dp_rank_of(r) == 0 ? " (the largest shard)" : "");
     }
 
     if (r->lomo) {
@@ -367,7 +506,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&t);
     }
 
-    for (int t = 0; t < FL_MEM_NTAGS; t++) out->total += b[t];
+    for (int k = 0; k < FL_MEM_NTAGS; k++) out->total += b[k];
     out->model_states = model_states_of(b);
     if (dist_exact) out->formula_model_states = formula_model_states(r, largest, unit);
 }
@@ -439,14 +578,14 @@ static size_t plan_total(const fl_plan_request *r, int *runnable) {
 // or returns 0 (v at B = 1) when nothing fits.
 static size_t fit_by_batch(const fl_plan_request *base, fl_plan_request *v, int B, size_t limit,
                            int *runnable) {
-    const size_t seqs = (size_t)base->B * base->optim.grad_accum * base->ranks;
+    const size_t seqs = (size_t)base->B * base->optim.grad_accum * dp_of(base);
     for (v->B = B;; v->B /= 2) {
-        size_t per_step = (size_t)v->B * v->ranks;
+        size_t per_step = (size_t)v->B * dp_of(v);
         if (v->lomo)
             v->optim.grad_accum = 1;
         else if (per_step)
             v->optim.grad_accum = per_step >= seqs ? 1 : (int)ceil_div(seqs, per_step);
-        size_t total = plan_total(v, runnable);
+        size_t total = tokens_split(v) ? plan_total(v, runnable) : SIZE_MAX;
         if (total <= limit) return total;
         if (v->B <= 1) return 0;
     }
@@ -487,9 +626,10 @@ static void put_fit(sink *s, const char *flags, const fl_plan_request *base,
 // other unit in the ring (zero.c's stage3_layout).
 static int stage3_live_ok(const fl_plan_request *r) {
     fl_model_config c = r->model;
+    c.tp_size = tp_of(r);
     fl_model_config_finish(&c);
     fl_param_table t;
-    fl_model_table(&t, &c);
+    rank_table(r, &c, &t);
     int n_units = c.n_layer + 2;
     size_t *per = fl_alloc(FL_MEM_OTHER, (size_t)n_units * sizeof(size_t));
     for (int k = 0; k < t.count; k++) per[t.views[k].unit + 1] += t.views[k].numel;
@@ -522,7 +662,7 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
         total = fit_by_batch(r, &v, r->B / 2, limit, &runnable);
         if (total)
             put_fit(&s, "", r, &v, total, runnable, per);
-        else
+        else if (tokens_split(&v))
             put(&s, "  (no micro-batch fits: --batch 1 needs %s%s)\n",
                 fl_size_text(plan_total(&v, NULL), h), per);
     }
@@ -549,11 +689,13 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
     }
     // ZeRO: for each stage above the request's, the fewest ranks (each with
     // `limit` bytes: one per machine, as the ranks of one machine share its
-    // memory) that fit; a higher stage only when it needs fewer ranks
-    int fewest = 0;
+    // memory) that fit; a higher stage only when it needs fewer ranks. Under
+    // tensor parallelism the data-parallel replicas grow, t ranks each.
+    int fewest = 0, t = tp_of(r);
     for (int stage = r->zero_stage + 1; stage <= 3; stage++) {
         if (stage == 3 && shaped && !stage3_live_ok(r)) continue;
-        for (int N = r->ranks > 1 ? r->ranks : 2; N <= 4096 && (!fewest || N < fewest); N *= 2) {
+        for (int N = r->ranks > t ? r->ranks : 2 * t; N <= 4096 && (!fewest || N < fewest);
+             N *= 2) {
             v = *r;
             v.ranks = N;
             v.rank = 0;

@@ -156,12 +156,15 @@ static void open_data(fl_run *r) {
 // What the loaders and the tokenizer keep (tag other) is measured for it.
 static void plan_run(fl_run *r, int whole_weights_first) {
     const fl_train_config *cfg = &r->cfg;
-    size_t data_bytes = fl_mem_current(FL_MEM_OTHER), data_peak = fl_mem_peak(FL_MEM_OTHER);
+    // (the TP group's table, made with the layout, is the plan's own term)
+    size_t tp_table = r->tp.size > 1 ? fl_tp_ops_bytes(r->tp.size) : 0;
+    size_t data_bytes = fl_mem_current(FL_MEM_OTHER) - tp_table,
+           data_peak = fl_mem_peak(FL_MEM_OTHER);
     fl_plan_request req;
     fl_plan_request_from_config(&req, cfg, data_bytes);
     req.data_peak = data_peak;
     req.whole_weights_first = whole_weights_first;
-    req.ranks = r->world;
+    req.ranks = r->world * r->tp.size; // t x d
     fl_plan_compute(&req, &r->plan);
     size_t limit =
         *cfg->mem_limit ? fl_parse_bytes(cfg->mem_limit, "mem_limit") : fl_mem_available();
@@ -235,17 +238,16 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     FL_ASSERT(!opt->alone || cfg->zero.stage == 0);
     r->tp = (fl_tp){1, 0, 0, NULL};
     if (cfg->tensor_parallel > 1) { // Megatron's groups; the data is the DP group's
-        if (cfg->lora_enabled)
-            fl_die("tensor parallelism (--tensor-parallel %d) with LoRA adapters is not "
-                   "supported: train the adapters without it, or the whole model with it",
-                   cfg->tensor_parallel);
+        if (cfg->lora_enabled || cfg->quant.enabled)
+            fl_die("tensor parallelism (--tensor-parallel %d) with %s is not supported: train "
+                   "the adapters without it, or the whole model with it",
+                   cfg->tensor_parallel, cfg->lora_enabled ? "LoRA adapters" : "NF4 base weights");
         if (!strcmp(cfg->optimizer, "adalomo"))
             fl_die("tensor parallelism (--tensor-parallel %d) with AdaLomo is not supported: "
                    "its factored second moments need each matrix's whole rows and columns (use "
                    "LOMO or AdamW)",
                    cfg->tensor_parallel);
-        if (opt->alone)
-            fl_die("internal: a run alone cannot be split by tensor parallelism");
+        if (opt->alone) fl_die("internal: a run alone cannot be split by tensor parallelism");
         fl_layout_init(&r->layout, cfg->tensor_parallel, 1);
         r->tp = (fl_tp){cfg->tensor_parallel, r->layout.tp_rank, cfg->sequence_parallel,
                         fl_tp_ops_group(r->layout.tp_group)};
