@@ -5,7 +5,13 @@
 // shards; a failed save (injected full disk on one rank) stops every rank
 // and leaves the previous checkpoint; a rank killed mid-run leaves the last
 // complete checkpoint loadable; damaged or mismatched manifests and shards
-// are clear errors; pruning spares another run's files.
+// are clear errors; pruning spares another run's files. Tensor parallelism
+// (mpirun -np N fitlm train --tensor-parallel t): a run saved at t = 2
+// resumes at t = 1, t = 4, DP 4 and TP x DP (ZeRO inside, sequence
+// parallel) with the tensors it saved, GPT-2 and LLaMA with grouped-query
+// heads; its export gathers whole tensors; validation, the sample, saves
+// and a resume under TP give one process's values; --tp-tcp (CTest's
+// tp_tcp) runs one of its resumes over TCP, --tp the TP tests alone.
 //
 // Tolerance: a run on another number of ranks sums each gradient in another
 // order, so fp32 losses agree within 1e-5 (relative), and weights within
@@ -175,24 +181,40 @@ static void latest_is(const char *dir, const char *want) {
     free(text);
 }
 
-// Max |a - b| of the weights ("model/<row>") of two checkpoints.
-static double weights_diff(const char *a_path, const char *b_path) {
+// The worst differences of the tensors of checkpoint b whose names start
+// with `prefix` from checkpoint a's: elementwise (max |a - b|) and per
+// tensor (|a - b| / |b|, 2-norms).
+static void tensors_diff(const char *a_path, const char *b_path, const char *prefix,
+                         double *max_abs, double *max_rel) {
     fl_ckpt *a = fl_ckpt_open(a_path), *b = fl_ckpt_open(b_path);
-    double diff = 0.0;
+    *max_abs = *max_rel = 0.0;
     for (int i = 0; i < fl_ckpt_tensor_count(b); i++) {
         const char *name = fl_ckpt_tensor_name(b, i);
-        if (strncmp(name, "model/", 6)) continue;
+        if (strncmp(name, prefix, strlen(prefix))) continue;
         size_t n = fl_ckpt_numel(b, name);
         float *x = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
         fl_ckpt_read(a, name, FL_F32, x, n);
         fl_ckpt_read(b, name, FL_F32, y, n);
-        for (size_t k = 0; k < n; k++) diff = fmax(diff, fabs((double)x[k] - y[k]));
+        double d2 = 0.0, y2 = 0.0;
+        for (size_t k = 0; k < n; k++) {
+            double d = fabs((double)x[k] - y[k]);
+            *max_abs = fmax(*max_abs, d);
+            d2 += d * d;
+            y2 += (double)y[k] * y[k];
+        }
+        if (d2 > 0.0) *max_rel = fmax(*max_rel, y2 > 0.0 ? sqrt(d2 / y2) : INFINITY);
         free(x);
         free(y);
     }
     fl_ckpt_close(a);
     fl_ckpt_close(b);
-    return diff;
+}
+
+// Max |a - b| of the weights ("model/<row>") of two checkpoints.
+static double weights_diff(const char *a_path, const char *b_path) {
+    double abs, rel;
+    tensors_diff(a_path, b_path, "model/", &abs, &rel);
+    return abs;
 }
 
 // ----------------------------------------------------------------------------
@@ -373,17 +395,17 @@ static void test_tokenizer_in_manifest(void) {
     free(got);
 }
 
-// A copy of d4 to damage.
-static void copy_of(const char *name) {
-    sh("rm -rf %s/%s && cp -r %s/d4 %s/%s && rm -f %s/%s/.lock", work, name, work, work, name, work,
-       name);
+// A copy of run `from` to damage.
+static void copy_of(const char *from, const char *name) {
+    sh("rm -rf %s/%s && cp -r %s/%s %s/%s && rm -f %s/%s/.lock", work, name, work, from, work, name,
+       work, name);
 }
 
 // Damaged or mismatched files: a clear error naming the file, status 1.
 static void test_damage(void) {
     char args[1024], shard[128], path[512], other[128];
     // a bad manifest: a flipped byte in its header
-    copy_of("bad1");
+    copy_of("d4", "bad1");
     snprintf(path, sizeof path, "%s/bad1/ckpt_00000006.fitlm", work);
     size_t n;
     unsigned char *m = t_read_file(path, &n);
@@ -397,27 +419,27 @@ static void test_damage(void) {
     snprintf(args, sizeof args, "export %s/bad1 -o %s/hfbad", work, work);
     fitlm_fails(0, args, "ckpt_00000006.fitlm", "corrupt");
     // a missing shard file, on 2 ranks
-    copy_of("bad2");
+    copy_of("d4", "bad2");
     find_file("bad2", "ckpt_00000006.", "rank2-of-4", shard, sizeof shard);
     sh("rm -f %s/bad2/%s", work, shard);
     snprintf(args, sizeof args, TINY " --resume %s/bad2 --steps 9", work);
     fitlm_fails(2, args, shard, "missing");
     // a shard of another step under this step's name
-    copy_of("bad3");
+    copy_of("d4", "bad3");
     find_file("bad3", "ckpt_00000006.", "rank1-of-4", shard, sizeof shard);
     find_file("bad3", "ckpt_00000003.", "rank1-of-4", other, sizeof other);
     sh("cp %s/bad3/%s %s/bad3/%s", work, other, work, shard);
     snprintf(args, sizeof args, TINY " --resume %s/bad3 --steps 9", work);
     fitlm_fails(0, args, shard, "step 3");
     // a shard of another run (r4z1: 4 ranks, step 6, d1's run)
-    copy_of("bad4");
+    copy_of("d4", "bad4");
     find_file("bad4", "ckpt_00000006.", "rank3-of-4", shard, sizeof shard);
     find_file("r4z1", "ckpt_00000006.", "rank3-of-4", other, sizeof other);
     sh("cp %s/r4z1/%s %s/bad4/%s", work, other, work, shard);
     snprintf(args, sizeof args, "export %s/bad4 -o %s/hfbad", work, work);
     fitlm_fails(0, args, shard, "of run");
     // a flipped bit in a shard's data: the tensor's CRC-32
-    copy_of("bad5");
+    copy_of("d4", "bad5");
     find_file("bad5", "ckpt_00000006.", "rank0-of-4", shard, sizeof shard);
     snprintf(path, sizeof path, "%s/bad5/%s", work, shard);
     m = t_read_file(path, &n);
@@ -596,22 +618,288 @@ static void test_eval(void) {
             four);
 }
 
-int main(void) {
+// ----------------------------------------------------------------------------
+// Tensor parallelism: each rank saves its slices as strided pieces of the
+// whole rows under their global names, so a run saved at t = 2 resumes at
+// t = 1, t = 4, DP 4 and TP x DP, ZeRO inside, with no conversion step.
+
+// GPT-2 (tiny: 4 heads) and LLaMA with grouped-query heads (8 query, 4 KV:
+// t = 4 splits both), each run's model flags.
+static const char *const tp_model[2] = {
+    "", " --arch llama --n-head 8 --n-kv-head 4 --intermediate-size 128"};
+
+// The checkpoint of step `step` in run DIR, as a path.
+static void ckpt_path(char *path, size_t size, const char *dir, int step) {
+    snprintf(path, size, "%s/%s/ckpt_%08d.fitlm", work, dir, step);
+}
+
+// A model saved at t = 2 (its step-3 checkpoint), resumed on other layouts:
+// the loaded tensors are the saved ones bitwise (a resume at lr 0 saves
+// them back after a step that moves nothing), and the continuation is the
+// uninterrupted run's (bitwise on the same layout). The step-6 weights and
+// AdamW moments are the uninterrupted run's within the bounds above (the
+// moments within 1e-4 of their size: a misplaced slice is off by its whole
+// size). `tcp`: the cases the TCP transport runs (CTest's tp_tcp) alone.
+static void test_tp_resume(int llama, int tcp) {
+    const char *m = tp_model[llama], *arch = llama ? "llama" : "gpt2";
+    char args[1024], from[512], a[512], b[512], what[256];
+    char saved[8];
+    snprintf(saved, sizeof saved, "%ct2", arch[0]);
+    snprintf(args, sizeof args, SIX "%s --batch 8 --tensor-parallel 2 --out %s/%s", m, work, saved);
+    if (!fitlm_ok(2, args)) return;
+    t_check(count_files(saved, "-of-2.fitlm") == 4 && count_files(saved, ".fitlm") == 6,
+            "%s at t = 2 writes a manifest and 2 shard files per checkpoint (%d shard files)", arch,
+            count_files(saved, "-of-2.fitlm"));
+    ckpt_path(from, sizeof from, saved, 3);
+    static const struct {
+        int np;
+        const char *flags, *dir;
+        int exact, lr0, gpt2_only, tcp;
+    } cases[] = {
+        {2, "--tensor-parallel 2 --batch 8", "same", 1, 0, 0, 0},
+        {0, "--tensor-parallel 1 --batch 8", "t1", 0, 1, 0, 0},
+        {4, "--tensor-parallel 4 --batch 8", "t4", 0, 1, 0, 0},
+        {4, "--tensor-parallel 1 --batch 2 --zero-stage 1", "dp4z1", 0, 0, 1, 0},
+        {4, "--tensor-parallel 1 --batch 2 --zero-stage 3", "dp4z3", 0, 1, 0, 0},
+        {4, "--tensor-parallel 2 --batch 4 --zero-stage 1 --sequence-parallel", "tdz1", 0, 0, 0, 1},
+        {4, "--tensor-parallel 2 --batch 4 --zero-stage 3", "tdz3", 0, 0, 1, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if ((llama && cases[i].gpt2_only) || (tcp && !cases[i].tcp)) continue;
+        char dir[32];
+        snprintf(dir, sizeof dir, "%c%s", arch[0], cases[i].dir);
+        char where[32] = "in one process";
+        if (cases[i].np) snprintf(where, sizeof where, "on %d ranks", cases[i].np);
+        snprintf(what, sizeof what, "%s saved at t = 2, resumed %s with %s", arch, where,
+                 cases[i].flags);
+        snprintf(args, sizeof args, TINY "%s --resume %s %s --out %s/%s", m, from, cases[i].flags,
+                 work, dir);
+        if (!fitlm_ok(cases[i].np, args)) continue;
+        same_losses(what, dir, saved, 4, 6, cases[i].exact, 1e-5);
+        double wd, wrel, md, mrel;
+        ckpt_path(a, sizeof a, dir, 6);
+        ckpt_path(b, sizeof b, saved, 6);
+        tensors_diff(a, b, "model/", &wd, &wrel);
+        tensors_diff(a, b, "optim/", &md, &mrel);
+        if (cases[i].exact)
+            t_check(wd == 0.0 && md == 0.0,
+                    "%s: the step-6 weights and moments bitwise (%.3g, %.3g)", what, wd, md);
+        else
+            t_check(wd <= 1.3e-3 && mrel <= 1e-4,
+                    "%s: the step-6 weights within 1.3e-3 (%.3g), the moments within 1e-4 "
+                    "relative (%.3g)",
+                    what, wd, mrel);
+        if (!cases[i].lr0) continue;
+        // one step at lr 0 and its checkpoint: the tensors this layout loaded
+        snprintf(args, sizeof args, TINY "%s --resume %s %s --steps 4 --lr 0 --out %s/%s0", m, from,
+                 cases[i].flags, work, dir);
+        if (!fitlm_ok(cases[i].np, args)) continue;
+        snprintf(a, sizeof a, "%s/%s0/ckpt_00000004.fitlm", work, dir);
+        tensors_diff(a, from, "model/", &wd, &wrel);
+        t_check(wd == 0.0, "%s: loads the saved weights bitwise (%.3g)", what, wd);
+    }
+}
+
+// Every tensor of safetensors file b in a with the same shape; the worst
+// |a - b|.
+static double st_diff(const char *a_dir, const char *b_dir, int *same_shapes) {
+    char pa[512], pb[512];
+    snprintf(pa, sizeof pa, "%s/%s/model.safetensors", work, a_dir);
+    snprintf(pb, sizeof pb, "%s/%s/model.safetensors", work, b_dir);
+    fl_safetensors x, y;
+    fl_safetensors_open(&x, pa);
+    fl_safetensors_open(&y, pb);
+    double worst = 0.0;
+    *same_shapes = x.count == y.count && y.count > 0;
+    for (int i = 0; i < y.count; i++) {
+        const fl_st_tensor *u = fl_safetensors_find(&x, y.tensors[i].name), *v = &y.tensors[i];
+        if (!u || u->ndim != v->ndim || memcmp(u->shape, v->shape, sizeof u->shape) ||
+            u->dtype != FL_F32 || v->dtype != FL_F32) {
+            *same_shapes = 0;
+            continue;
+        }
+        for (size_t k = 0; k < v->numel; k++) {
+            float p, q;
+            memcpy(&p, x.data + u->begin + k * sizeof p, sizeof p);
+            memcpy(&q, y.data + v->begin + k * sizeof q, sizeof q);
+            worst = fmax(worst, fabs((double)p - q));
+        }
+    }
+    fl_safetensors_free(&x);
+    fl_safetensors_free(&y);
+    return worst;
+}
+
+// `fitlm export` of the t = 2 checkpoint gathers whole tensors: the same
+// Hugging Face names and shapes (the vocabulary's padding stripped) as the
+// export of the model trained in one process, the values within the
+// weights' bound; the export loads back at t = 2 (--init-from) to the same
+// tensors bitwise (a step at lr 0, exported again).
+static void test_tp_export(int llama) {
+    const char *m = tp_model[llama], *arch = llama ? "llama" : "gpt2";
+    char args[1024], one[8], saved[8], hf[8], hf1[8], init[8], hfi[8];
+    snprintf(one, sizeof one, "%c1", arch[0]);
+    snprintf(saved, sizeof saved, "%ct2", arch[0]);
+    snprintf(hf, sizeof hf, "%chf2", arch[0]);
+    snprintf(hf1, sizeof hf1, "%chf1", arch[0]);
+    snprintf(init, sizeof init, "%ci2", arch[0]);
+    snprintf(hfi, sizeof hfi, "%chfi", arch[0]);
+    snprintf(args, sizeof args, SIX "%s --batch 8 --out %s/%s", m, work, one);
+    if (!fitlm_ok(0, args)) return;
+    same_losses(llama ? "llama t = 2 vs one process" : "gpt2 t = 2 vs one process", saved, one, 1,
+                6, 0, 1e-5);
+    snprintf(args, sizeof args, "export %s/%s -o %s/%s", work, saved, work, hf);
+    if (!fitlm_ok(0, args)) return;
+    snprintf(args, sizeof args, "export %s/%s -o %s/%s", work, one, work, hf1);
+    if (!fitlm_ok(0, args)) return;
+    int same;
+    double d = st_diff(hf, hf1, &same);
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s/model.safetensors", work, hf);
+    fl_safetensors st;
+    fl_safetensors_open(&st, path);
+    const fl_st_tensor *e =
+        fl_safetensors_find(&st, llama ? "model.embed_tokens.weight" : "transformer.wte.weight");
+    t_check(same && d <= 1.3e-3 && e && e->shape[0] == 257,
+            "%s: the export at t = 2 has the tensors of one process's (names and shapes %s, "
+            "embedding rows %d) within 1.3e-3 (%.3g)",
+            arch, same ? "the same" : "differ", e ? (int)e->shape[0] : -1, d);
+    fl_safetensors_free(&st);
+    snprintf(args, sizeof args,
+             TINY "%s --init-from %s/%s --steps 1 --lr 0 --batch 8 --tensor-parallel 2 --out %s/%s",
+             m, work, hf, work, init);
+    if (!fitlm_ok(2, args)) return;
+    snprintf(args, sizeof args, "export %s/%s -o %s/%s", work, init, work, hfi);
+    if (!fitlm_ok(0, args)) return;
+    d = st_diff(hfi, hf, &same);
+    t_check(same && d == 0.0, "%s: the export loads back at t = 2 bitwise (%.3g)", arch, d);
+}
+
+// How often `part` occurs in `text`.
+static int occurrences(const char *text, const char *part) {
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, part)); p += strlen(part)) n++;
+    return n;
+}
+
+// The sample of the last command's output ("" when none).
+static void sample_of(char *text, size_t size) {
+    const char *b = strstr(out, "--- sample"), *e = b ? strstr(b, "\n---\n") : NULL;
+    snprintf(text, size, "%.*s", e ? (int)(e - b) : 0, b ? b : "");
+}
+
+// The lines of DIR's log.txt and metrics.jsonl for step `step`, counted:
+// rank 0 alone writes them, once.
+static void written_once(const char *dir, int step) {
+    char path[512], line[64], metric[64];
+    size_t n;
+    snprintf(path, sizeof path, "%s/%s/log.txt", work, dir);
+    char *log = (char *)t_read_file(path, &n);
+    snprintf(path, sizeof path, "%s/%s/metrics.jsonl", work, dir);
+    char *jsonl = (char *)t_read_file(path, &n);
+    snprintf(line, sizeof line, "step %d loss ", step);
+    snprintf(metric, sizeof metric, "{\"step\":%d,\"tokens\"", step);
+    int a = log ? occurrences(log, line) : -1, b = jsonl ? occurrences(jsonl, metric) : -1;
+    t_check(a == 1 && b == 1, "%s: step %d is in log.txt and metrics.jsonl once (%d, %d)", dir,
+            step, a, b);
+    free(log);
+    free(jsonl);
+}
+
+// The command line under TP (with sequence parallelism): validation, the
+// final sample (generation gathers the vocabulary-parallel logits),
+// checkpoints and a resume give one process's values; rank 0 alone writes
+// the logs and prints the sample.
+static void test_tp_cli(void) {
+    const char *cli = TINY " --save-every 2 --eval-every 2 --eval-iters 2 --val-data "
+                           "data/brown_byte --sample-tokens 16 --batch 8";
+    char args[1024], one[512], two[512], s1[256], s2[256];
+    snprintf(args, sizeof args, "%s --steps 4 --out %s/c1", cli, work);
+    if (!fitlm_ok(0, args)) return;
+    sample_of(s1, sizeof s1);
+    snprintf(args, sizeof args, "%s --steps 4 --tensor-parallel 2 --sequence-parallel --out %s/c2",
+             cli, work);
+    if (!fitlm_ok(2, args)) return;
+    sample_of(s2, sizeof s2);
+    t_check(*s1 && !strcmp(s1, s2) && occurrences(out, "--- sample") == 1,
+            "t = 2 (SP) prints one process's sample, once:\n%s\n---\n%s", s1, s2);
+    t_check(count_files("c2", "-of-2.fitlm") == 4, "t = 2 saved steps 2 and 4 as shards (%d)",
+            count_files("c2", "-of-2.fitlm"));
+    snprintf(args, sizeof args, "%s --steps 6 --resume %s/c1", cli, work);
+    fitlm_ok(0, args);
+    snprintf(args, sizeof args, "%s --steps 6 --resume %s/c2", cli, work);
+    if (!fitlm_ok(2, args)) return;
+    same_losses("t = 2 (SP) and its resume vs one process", "c2", "c1", 1, 6, 0, 1e-5);
+    val_lines("c1", one, sizeof one);
+    val_lines("c2", two, sizeof two);
+    t_check(occurrences(one, " val ") == 4 && !strcmp(one, two),
+            "validation at t = 2 (SP) and after its resume = one process:\n%s---\n%s", one, two);
+    written_once("c2", 1);
+    written_once("c2", 5);
+}
+
+// A TP checkpoint with a shard file missing or damaged: a clear error
+// naming the file.
+static void test_tp_damage(void) {
+    char args[1024], shard[128], path[512];
+    copy_of("gt2", "tbad1");
+    find_file("tbad1", "ckpt_00000006.", "rank1-of-2", shard, sizeof shard);
+    sh("rm -f %s/tbad1/%s", work, shard);
+    snprintf(args, sizeof args, TINY " --resume %s/tbad1 --steps 9 --tensor-parallel 4", work);
+    fitlm_fails(4, args, shard, "missing");
+    copy_of("gt2", "tbad2");
+    find_file("tbad2", "ckpt_00000006.", "rank0-of-2", shard, sizeof shard);
+    snprintf(path, sizeof path, "%s/tbad2/%s", work, shard);
+    size_t n;
+    unsigned char *m = t_read_file(path, &n);
+    size_t data = m && n > 28 ? 28 + (size_t)fl_get_u32(m + 12) : n; // past prefix and header
+    if (data + 100 < n) {
+        m[data + 10] ^= 1;
+        t_write_file(path, m, n);
+    }
+    free(m);
+    snprintf(args, sizeof args, "export %s/tbad2 -o %s/hfbad", work, work);
+    fitlm_fails(0, args, shard, "corrupt");
+    snprintf(args, sizeof args, TINY " --resume %s/tbad2 --steps 9 --tensor-parallel 1", work);
+    fitlm_fails(0, args, shard, "corrupt");
+}
+
+int main(int argc, char **argv) {
+    // --tp: the tensor-parallel tests alone; --tp-tcp: CTest's tp_tcp, the
+    // TCP transport's tensor-parallel case
+    int tcp = argc > 1 && !strcmp(argv[1], "--tp-tcp"),
+        tp = tcp || (argc > 1 && !strcmp(argv[1], "--tp"));
+    if (argc > 2 || (argc > 1 && !tp)) {
+        fprintf(stderr, "usage: test_reshard [--tp | --tp-tcp]\n");
+        return 2;
+    }
     snprintf(work, sizeof work, "/tmp/fitlm_test_reshard_%d", (int)getpid());
     t_remove_dir(work);
     mkdir(work, 0755);
     double t0 = now();
-    test_layouts();
-    test_eval();
-    test_resume();
-    test_export();
-    test_tokenizer_in_manifest();
-    test_damage();
-    test_failed_save();
-    test_kill(1);
-    test_kill(0);
-    test_prune();
-    printf("test_reshard: %.1f s (%.1f s in fitlm and mpirun)\n", now() - t0, mpirun_seconds);
+    if (!tp) {
+        test_layouts();
+        test_eval();
+        test_resume();
+        test_export();
+        test_tokenizer_in_manifest();
+        test_damage();
+        test_failed_save();
+        test_kill(1);
+        test_kill(0);
+        test_prune();
+    }
+    double t1 = now();
+    for (int llama = 0; llama < 2 - tcp; llama++) {
+        test_tp_resume(llama, tcp);
+        if (!tcp) test_tp_export(llama);
+    }
+    if (!tcp) {
+        test_tp_cli();
+        test_tp_damage();
+    }
+    printf("test_reshard: %.1f s, tensor parallelism %.1f s (%.1f s in fitlm and mpirun)\n",
+           now() - t0, now() - t1, mpirun_seconds);
     int rc = t_report();
     if (rc == 0) t_remove_dir(work); // kept for a look when something failed
     return rc;
