@@ -137,8 +137,8 @@ tag_mib() {
     awk -v t="$1" '$0 ~ /^memory by tag/ { on = 1 } on && $1 == t { v = $3 } END { printf "%.1f", v }' "$2"
 }
 
-# theory LAYOUT L C B T t rows P Vpad maxT: elements per rank and step,
-# "Megatron's the-layout's-own"
+# theory LAYOUT L C B T t rows P Vpad maxT: elements per rank and step, two
+# numbers: Megatron's TP (ZeRO-3: 3(t-1)/t P) and the layout's own
 theory() {
     local lay=$1 L=$2 C=$3 B=$4 T=$5 t=$6 rows=$7 P=$8 V=$9 maxT=${10}
     if [[ $lay == z3* ]]; then
@@ -226,6 +226,7 @@ for model in $MODELS; do
             if ((t > 1)); then
                 read -r th_full th_own <<<"$(theory "$lay" "$L" "$C" "$BATCH" "$SEQ" "$t" $((4 + 12 * L)) "$P" "$V" "$maxT")"
                 el=$(field elem "${m[@]}")
+                [[ $el == - ]] && el=0 # no communication line: shows as 0 against the theory
                 if [[ $lay == z3* ]]; then
                     th="3(t-1)/t P = $th_full; with reuse $th_own"
                 elif [[ $lay == sp ]]; then
