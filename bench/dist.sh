@@ -74,70 +74,11 @@ LOG=${LOG:-$(mktemp -d "${TMPDIR:-/tmp}/fitlm-dist.XXXXXX")}
 mkdir -p "$LOG"
 echo "== logs in $LOG" >&2
 
-# the test suite's Open MPI environment (shared/reference/mpi.md): root,
-# oversubscription, shared memory only, yield when idle, no mmap'd malloc
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader OMPI_MCA_mpi_yield_when_idle=1
-export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295
-export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-900}
-
 source bench/lib.sh
+bench_mpi_env
 bench_build
 
-# One rank: its own stdout and stderr files and /usr/bin/time's report
-# ("user sys maxrss_KiB"), named by OMPI_COMM_WORLD_RANK (0 without mpirun).
-cat >"$LOG/rank.sh" <<'EOF'
-#!/bin/sh
-base=$1; shift
-r=${OMPI_COMM_WORLD_RANK:-0}
-exec /usr/bin/time -o "$base.r$r.time" -f '%U %S %M' "$@" >"$base.r$r.out" 2>"$base.r$r.err"
-EOF
-chmod +x "$LOG/rank.sh"
-
-# Waits up to IDLE_WAIT seconds for the machine to be under 10% busy over a
-# second (other people's jobs on a shared machine); prints nothing.
-idle_wait() {
-    local end=$((SECONDS + IDLE_WAIT)) b0 b1 t0 t1
-    while ((SECONDS < end)); do
-        b0=$(busy_s)
-        t0=$(date +%s.%N)
-        sleep 1
-        b1=$(busy_s)
-        t1=$(date +%s.%N)
-        awk -v b="$(awk -v a="$b0" -v b="$b1" 'BEGIN { print b - a }')" -v t="$(awk -v a="$t0" -v b="$t1" 'BEGIN { print b - a }')" \
-            -v n="$(nproc)" 'BEGIN { exit !(b / (t * n) < 0.1) }' && return
-    done
-}
-
-# machine-wide busy CPU seconds (user+nice+sys+irq+softirq+steal) so far
-busy_s() {
-    awk -v hz="$(getconf CLK_TCK)" '$1 == "cpu" { print ($2 + $3 + $4 + $7 + $8 + $9) / hz; exit }' /proc/stat
-}
-
-# step_ms LOG: "median min max" of the per-step times after the first
-step_ms() {
-    grep -o '| [0-9.]* ms |' "$1" | awk 'NR > 1 { printf "%.0f\n", $2 }' | median_min_max
-}
-# mean_ms LOG: the mean of every step's time (the first included: the
-# communication line's percent is of all steps)
-mean_ms() {
-    grep -o '| [0-9.]* ms |' "$1" | awk '{ s += $2; n++ } END { printf "%.1f", n ? s / n : 0 }'
-}
-
-# the stage-3 gathers that reuse leaves, as a multiple of P, for a GPT-2
-# shape (tied embedding: the embedding unit, L blocks, the final norm), with
-# a prefetch bucket PF (fitlm's default 5e7) and the default live limit
-# (1e9): the resident units (embedding, final norm) once a step, every block
-# in the forward pass, and in the backward pass the blocks the ring (1 +
-# the prefetch depth) did not keep
-stage3_gathered() { # P L C Vpad maxT PF
-    awk -v P="$1" -v L="$2" -v C="$3" -v V="$4" -v T="$5" -v PF="$6" 'BEGIN {
-        E = V * C + T * C; lnf = 2 * C; Bk = (P - E - lnf) / L
-        d = int(PF / Bk); live = int((1e9 - E - lnf) / Bk - 1); if (live < d) d = live
-        if (d > L) d = L; if (d > 63) d = 63; ring = d + 1
-        back = L - ring; if (back < 0) back = 0
-        printf "%.4f", (E + lnf + Bk * (L + back)) / P }'
-}
+bench_rank_script
 
 # run NAME N STAGE OVERLAP THREADS [FLAG...]: one run (N = 1: no mpirun)
 run() {
@@ -198,14 +139,6 @@ measure() { # NAME N
     awk -F'|' '$2 ~ /^ *communication *$/ { gsub(/ /, "", $6); print "comm=" $6 }' "$out"
     echo "peak=$(printf %.0f "$peak") end=$(printf %.0f "$endv") rss_hi=$(printf %.0f "$rss_hi") rss_lo=$(printf %.0f "$rss_lo")"
     awk '{ printf "load=%.2f\n", ($2 - $3) / $1 }' "$LOG/$name.load"
-}
-
-# field KEY WORDS...: the value of KEY
-field() {
-    local k=$1 w
-    shift
-    for w in "$@"; do [[ $w == "$k="* ]] && { echo "${w#*=}"; return; }; done
-    echo "-"
 }
 
 START=$(date +%s)

@@ -37,3 +37,83 @@ median_min_max() {
     sort -g | awk '{ v[NR] = $1 } END { if (!NR) { print "- - -"; exit }
         m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; print m, v[1], v[NR] }'
 }
+
+# step_ms LOG: "median min max" of the per-step times after the first (the
+# plain "| 812.3 ms |" of fitlm train's step lines)
+step_ms() {
+    grep -o '| [0-9.]* ms |' "$1" | awk 'NR > 1 { printf "%.0f\n", $2 }' | median_min_max
+}
+
+# mean_ms LOG: the mean of every step's time (the first included: the
+# communication line's percent is of all steps)
+mean_ms() {
+    grep -o '| [0-9.]* ms |' "$1" | awk '{ s += $2; n++ } END { printf "%.1f", n ? s / n : 0 }'
+}
+
+# field KEY WORDS...: the value of KEY among "key=value" words ("-": none)
+field() {
+    local k=$1 w
+    shift
+    for w in "$@"; do [[ $w == "$k="* ]] && { echo "${w#*=}"; return; }; done
+    echo "-"
+}
+
+# The test suite's Open MPI environment (shared/reference/mpi.md): root,
+# oversubscription, shared memory only, yield when idle, no mmap'd malloc;
+# each mpirun ended after MPIEXEC_TIMEOUT seconds (default 900).
+bench_mpi_env() {
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader OMPI_MCA_mpi_yield_when_idle=1
+    export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295
+    export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-900}
+}
+
+# Writes $LOG/rank.sh: one rank with its own stdout and stderr files and
+# /usr/bin/time's report ("user sys maxrss_KiB"), named by
+# OMPI_COMM_WORLD_RANK (0 without mpirun): `rank.sh BASE cmd...` writes
+# BASE.rR.out, .err and .time. (Under mpirun a rank's stdout is a terminal,
+# and fitlm train would print a progress bar instead of its step lines.)
+bench_rank_script() {
+    cat >"$LOG/rank.sh" <<'EOS'
+#!/bin/sh
+base=$1; shift
+r=${OMPI_COMM_WORLD_RANK:-0}
+exec /usr/bin/time -o "$base.r$r.time" -f '%U %S %M' "$@" >"$base.r$r.out" 2>"$base.r$r.err"
+EOS
+    chmod +x "$LOG/rank.sh"
+}
+
+# machine-wide busy CPU seconds (user+nice+sys+irq+softirq+steal) so far
+busy_s() {
+    awk -v hz="$(getconf CLK_TCK)" '$1 == "cpu" { print ($2 + $3 + $4 + $7 + $8 + $9) / hz; exit }' /proc/stat
+}
+
+# Waits up to IDLE_WAIT seconds (default 0) for the machine to be under 10%
+# busy over a second (other people's jobs on a shared machine); prints nothing.
+idle_wait() {
+    local end=$((SECONDS + ${IDLE_WAIT:-0})) b0 b1 t0 t1
+    while ((SECONDS < end)); do
+        b0=$(busy_s)
+        t0=$(date +%s.%N)
+        sleep 1
+        b1=$(busy_s)
+        t1=$(date +%s.%N)
+        awk -v b="$(awk -v a="$b0" -v b="$b1" 'BEGIN { print b - a }')" -v t="$(awk -v a="$t0" -v b="$t1" 'BEGIN { print b - a }')" \
+            -v n="$(nproc)" 'BEGIN { exit !(b / (t * n) < 0.1) }' && return
+    done
+}
+
+# the ZeRO-3 gathers that reuse leaves, as a multiple of P, for a GPT-2
+# shape (tied embedding: the embedding unit, L blocks, the final norm), with
+# a prefetch bucket PF (fitlm's default 5e7) and the default live limit
+# (1e9): the resident units (embedding, final norm) once a step, every block
+# in the forward pass, and in the backward pass the blocks the ring (1 +
+# the prefetch depth) did not keep
+stage3_gathered() { # P L C Vpad maxT PF
+    awk -v P="$1" -v L="$2" -v C="$3" -v V="$4" -v T="$5" -v PF="$6" 'BEGIN {
+        E = V * C + T * C; lnf = 2 * C; Bk = (P - E - lnf) / L
+        d = int(PF / Bk); live = int((1e9 - E - lnf) / Bk - 1); if (live < d) d = live
+        if (d > L) d = L; if (d > 63) d = 63; ring = d + 1
+        back = L - ring; if (back < 0) back = 0
+        printf "%.4f", (E + lnf + Bk * (L + back)) / P }'
+}

@@ -35,11 +35,6 @@ mkdir -p "$LOG"
 source bench/lib.sh
 bench_build
 
-# step_ms LOG: "median min max" of the per-step times after the first
-step_ms() {
-    grep -o '| [0-9.]* ms |' "$1" | awk 'NR > 1 { printf "%.0f\n", $2 }' | median_min_max
-}
-
 ROWS=()
 for model in $MODELS; do
     extra=()

@@ -2,8 +2,9 @@
 // is killed, hangs or fails ends at once, non-zero, with a message naming
 // the rank, as does a point-to-point message never matched, at its
 // deadline; ranks started with different settings or builds stop before
-// their first collective, naming the first differing key and the ranks; and
-// two ranks over TCP train exactly as over shared memory.
+// their first collective, naming the first differing key and the ranks;
+// two ranks over TCP train exactly as over shared memory; and a
+// tensor-parallel run reports the traffic Megatron's layout predicts.
 //
 // Each case starts mpirun in the background with its output on pipes, finds
 // a rank's process (a child of mpirun whose environment says its rank),
@@ -556,6 +557,35 @@ static void test_tcp_equals_shared_memory(void) {
             rc[1], rc[0], steps);
 }
 
+// Two ranks splitting one model (--tensor-parallel 2, one data-parallel
+// replica) report their traffic per step and rank as a ring moves it (2n(t -
+// 1)/t for an all-reduce of n): Megatron's four all-reduces of B x T x C a
+// layer, the embedding's (forward) and the LM head's input gradient
+// (backward), the cross-entropy's max, sum of exponentials and target logit
+// (3 B x T) and the gradient norm's per-row sums and overflow flag.
+static void test_tp_traffic(void) {
+    char args[4096];
+    snprintf(args, sizeof args, "-q -np 2 %s %s --steps 2 --batch 4 --tensor-parallel 2",
+             getenv("FITLM_BINARY"), TRAIN);
+    job j;
+    job_start(&j, args, NULL);
+    if (!job_pump(&j, JOB_DEADLINE, NULL)) job_end(&j, 0, 0);
+    int rc = job_rc(&j);
+    const char *key = "communication per step and rank: ", *line = strstr(j.text[0], key);
+    double elements = line ? strtod(line + strlen(key), NULL) : 0.0;
+    // tiny: L = 2, C = 64, 4 + 12 L parameter rows; B x T = 4 x 32; t = 2
+    double L = 2, C = 64, BT = 4 * 32, r = 0.5, rows = 4 + 12 * L;
+    double theory = (8 * L + 4) * BT * C * r + 6 * BT * r + 2 * (rows + 1) * r;
+    double off = elements > theory ? elements - theory : theory - elements;
+    if (rc != 0) fprintf(stderr, "%s", j.text[1]);
+    printf("  TP 2: %.6g elements per step and rank (theory %.6g)\n", elements, theory);
+    // the line prints 4 digits
+    t_check(rc == 0 && off <= 1e-3 * theory,
+            "a tensor-parallel run: status %d, %.6g elements per step and rank, theory %.6g", rc,
+            elements, theory);
+    job_free(&j);
+}
+
 int main(void) {
     signal(SIGALRM, on_alarm);
     alarm(300); // CTest would end it at 600 s, leaving mpirun behind
@@ -565,6 +595,7 @@ int main(void) {
         return 1;
     }
     test_tcp_equals_shared_memory();
+    test_tp_traffic();
     test_kill(1, "--zero-stage 0", 0);
     test_kill(0, "--zero-stage 3", 1);
     test_hang();
