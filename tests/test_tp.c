@@ -25,6 +25,7 @@
 
 #include "fitlm/comm.h"
 #include "fitlm/io.h"
+#include "fitlm/profile.h"
 #include "fitlm/run.h"
 #include "fitlm/train.h"
 #include "testlib.h"
@@ -355,6 +356,27 @@ static void free_result(run_result *r) {
     fl_params_free(&r->table);
 }
 
+// One step's collectives, as --profile counts them in its communication
+// slot: Megatron's two all-reduces per block forward (after the row-parallel
+// attention and MLP projections) and two backward (before the
+// column-parallel QKV and MLP inputs), plus the embedding's sum and the
+// loss's max and sums forward, and the LM head's input gradient backward.
+static void check_collectives(const tp_case *c) {
+    fl_run run;
+    open_run(c, 1, NULL, &run);
+    batch(0, 1, fl_comm_size() / c->tp, run.inputs, run.targets);
+    fl_profile_enable(1);
+    fl_profile_reset();
+    fl_run_step_batch(&run, run.inputs, run.targets, lr_of(c));
+    const fl_op_stats *s = fl_profile_stats(FL_OP_COMM);
+    int L = run.cfg.model.n_layer;
+    t_check(s->calls[FL_FWD] == 2 * L + 3 && s->calls[FL_BWD] == 2 * L + 1,
+            "%s: %lld collectives forward (2L + 3 = %d), %lld backward (2L + 1 = %d)", c->name,
+            s->calls[FL_FWD], 2 * L + 3, s->calls[FL_BWD], 2 * L + 1);
+    fl_profile_enable(0);
+    fl_run_close(&run);
+}
+
 static void check_case(const tp_case *c) {
     // TP x DP cases on 4 ranks only (t = 2 alone is the first cases' on 2)
     if (fl_comm_size() % c->tp || (c->tp < fl_comm_size() && fl_comm_size() != 4)) return;
@@ -431,6 +453,7 @@ int main(int argc, char **argv) {
             {"llama fp32 TP+SP x ZeRO-3, AdaLomo", L, FL_F32, 2, 1, 3, 1, 0, none, D},
         };
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_case(&cases[i]);
+        check_collectives(&cases[0]);
         char dir[64] = "/tmp/fitlm_test_tp_XXXXXX";
         if (fl_comm_rank() == 0 && !mkdtemp(dir)) t_check(0, "a scratch directory");
         fl_comm_bcast(fl_comm_world(), dir, sizeof dir, 0);

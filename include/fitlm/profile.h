@@ -30,8 +30,8 @@ typedef enum {
     FL_OP_ZERO_GRAD,
     FL_OP_OPTIMIZER, // micro-batch accumulation, norm, clip, update
     FL_OP_LOADER,
-    FL_OP_COMM, // data parallelism: staging, starting and waiting for collectives (and ZeRO-3's
-                // reads of weights offloaded to NVMe)
+    FL_OP_COMM, // data and tensor parallelism: staging, starting and waiting for collectives
+                // (and ZeRO-3's reads of weights offloaded to NVMe)
     FL_OP_COUNT
 } fl_op;
 

@@ -131,13 +131,14 @@ static inline int fl_seq_rows(const fl_model_config *c, int N) {
 // 1/t share padded to 128 x t (Megatron).
 int fl_vocab_cols(const fl_model_config *c);
 // buf[0, n) of the model's dtype summed over the TP group (Megatron's g
-// forward, f backward); nothing at t = 1.
-void fl_tp_all_reduce(fl_model *m, void *buf, size_t n);
+// forward, f backward); nothing at t = 1. Timed into the profile's
+// communication slot under `pass` (FL_FWD, FL_BWD), as the two below.
+void fl_tp_all_reduce(fl_model *m, void *buf, size_t n, int pass);
 // Over the TP group, of the model's dtype: each rank's send[0, n) into
 // recv[r*n, (r+1)*n); send[0, t*n) summed, rank r's part [r*n, (r+1)*n)
 // into recv (sequence parallelism's gathers and scatters over positions).
-void fl_tp_all_gather(fl_model *m, const void *send, void *recv, size_t n);
-void fl_tp_reduce_scatter(fl_model *m, const void *send, void *recv, size_t n);
+void fl_tp_all_gather(fl_model *m, const void *send, void *recv, size_t n, int pass);
+void fl_tp_reduce_scatter(fl_model *m, const void *send, void *recv, size_t n, int pass);
 // The token embedding (wte, this rank's rows) plus the position embedding
 // (wpe, NULL: none) for tokens (B,T): at t = 1 the encoder kernels; else
 // the vocabulary-parallel lookup, its all-reduce, then the positions.

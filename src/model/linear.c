@@ -38,7 +38,8 @@ void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, c
     const void *b = lin->b >= 0 ? fl_unit_w(m, unit, lin->b) : NULL;
     int kind = tp_kind(m, lin), sp = seq_parallel(m);
     if (sp && kind == FL_LINEAR_COLUMN) {
-        fl_tp_all_gather(m, inp, m->tp_gather, (size_t)fl_seq_rows(&m->config, N) * lin->in);
+        fl_tp_all_gather(m, inp, m->tp_gather, (size_t)fl_seq_rows(&m->config, N) * lin->in,
+                         FL_FWD);
         inp = m->tp_gather;
     }
     // a row-parallel product is a partial sum: the bias comes once, after it
@@ -52,9 +53,9 @@ void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, c
     int rows = N;
     if (sp) {
         rows = fl_seq_rows(&m->config, N);
-        fl_tp_reduce_scatter(m, prod, out, (size_t)rows * lin->out);
+        fl_tp_reduce_scatter(m, prod, out, (size_t)rows * lin->out, FL_FWD);
     } else {
-        fl_tp_all_reduce(m, out, (size_t)N * lin->out);
+        fl_tp_all_reduce(m, out, (size_t)N * lin->out, FL_FWD);
     }
     if (b) FL_PROFILE(lin->op, FL_FWD, 0.0, bias_forward(m->dtype, out, b, rows, lin->out));
 }
@@ -70,14 +71,14 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
     size_t local = (size_t)fl_seq_rows(&m->config, N);
     void *dinp_here = dinp;
     if (sp && kind == FL_LINEAR_COLUMN) { // every position's input, and its gradient's partial sum
-        fl_tp_all_gather(m, inp, m->tp_gather, local * lin->in);
+        fl_tp_all_gather(m, inp, m->tp_gather, local * lin->in, FL_BWD);
         inp = m->tp_gather;
         if (dinp) {
             dinp_here = m->tp_partial;
             memset(dinp_here, 0, (size_t)N * lin->in * fl_dtype_size(m->dtype));
         }
     } else if (sp && kind == FL_LINEAR_ROW) { // every position's output gradient
-        fl_tp_all_gather(m, dout, m->tp_gather, local * lin->out);
+        fl_tp_all_gather(m, dout, m->tp_gather, local * lin->out, FL_BWD);
         dout = m->tp_gather;
     }
     // a frozen weight's GEMM only passes the gradient on: half the work
@@ -89,7 +90,7 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
     // a column-parallel input's gradient is this rank's outputs' share
     if (!dinp || kind != FL_LINEAR_COLUMN) return;
     if (sp)
-        fl_tp_reduce_scatter(m, dinp_here, dinp, local * lin->in);
+        fl_tp_reduce_scatter(m, dinp_here, dinp, local * lin->in, FL_BWD);
     else
-        fl_tp_all_reduce(m, dinp, (size_t)N * lin->in);
+        fl_tp_all_reduce(m, dinp, (size_t)N * lin->in, FL_BWD);
 }

@@ -587,7 +587,7 @@ static void tokenwise_begin(fl_model *m, int unit, tokenwise *tw) {
 
 static void tokenwise_end(fl_model *m, int unit, const tokenwise *tw) {
     if (!tw->numel) return;
-    fl_tp_all_reduce(m, m->tp_norm_grads, tw->numel);
+    fl_tp_all_reduce(m, m->tp_norm_grads, tw->numel, FL_BWD);
     int first, count;
     fl_model_unit_rows(m, unit, &first, &count);
     for (int i = 0; i < count; i++) {

@@ -8,16 +8,21 @@
 
 #include "arch.h"
 
-void fl_tp_all_reduce(fl_model *m, void *buf, size_t n) {
-    if (m->tp.size > 1) m->tp.ops->all_reduce(m->tp.ops->ctx, m->dtype, buf, n);
+// Each collective is timed into the profile's communication slot, under the
+// pass it serves.
+void fl_tp_all_reduce(fl_model *m, void *buf, size_t n, int pass) {
+    if (m->tp.size > 1)
+        FL_PROFILE(FL_OP_COMM, pass, 0.0, m->tp.ops->all_reduce(m->tp.ops->ctx, m->dtype, buf, n));
 }
 
-void fl_tp_all_gather(fl_model *m, const void *send, void *recv, size_t n) {
-    m->tp.ops->all_gather(m->tp.ops->ctx, m->dtype, send, recv, n);
+void fl_tp_all_gather(fl_model *m, const void *send, void *recv, size_t n, int pass) {
+    FL_PROFILE(FL_OP_COMM, pass, 0.0,
+               m->tp.ops->all_gather(m->tp.ops->ctx, m->dtype, send, recv, n));
 }
 
-void fl_tp_reduce_scatter(fl_model *m, const void *send, void *recv, size_t n) {
-    m->tp.ops->reduce_scatter(m->tp.ops->ctx, m->dtype, send, recv, n);
+void fl_tp_reduce_scatter(fl_model *m, const void *send, void *recv, size_t n, int pass) {
+    FL_PROFILE(FL_OP_COMM, pass, 0.0,
+               m->tp.ops->reduce_scatter(m->tp.ops->ctx, m->dtype, send, recv, n));
 }
 
 // ----------------------------------------------------------------------------
@@ -75,10 +80,10 @@ void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte
     FL_FWD_OP(FL_OP_ENCODER,
               embedding_shard_forward(m->dtype, all, tokens, wte, m->tp.rank * rows, rows, N, C));
     if (all != out && !wpe) {
-        fl_tp_reduce_scatter(m, all, out, local);
+        fl_tp_reduce_scatter(m, all, out, local, FL_FWD);
         return;
     }
-    fl_tp_all_reduce(m, all, (size_t)N * C);
+    fl_tp_all_reduce(m, all, (size_t)N * C, FL_FWD);
     if (wpe) FL_FWD_OP(FL_OP_ENCODER, position_forward(m->dtype, all, wpe, B, T, C));
     if (all != out)
         memcpy(out, fl_at(m->dtype, all, (size_t)m->tp.rank * local),
@@ -96,7 +101,7 @@ void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, co
     // adds its rows' share, and the (replicated) positions' whole gradient
     int rows = fl_vocab_cols(&m->config);
     if (fl_seq_parallel(&m->config)) {
-        fl_tp_all_gather(m, dout, m->tp_gather, (size_t)fl_seq_rows(&m->config, B * T) * C);
+        fl_tp_all_gather(m, dout, m->tp_gather, (size_t)fl_seq_rows(&m->config, B * T) * C, FL_BWD);
         dout = m->tp_gather;
     }
     if (dwte)
@@ -129,14 +134,14 @@ void fl_vocab_xent(fl_model *m, const float *dloss) {
     vocab_range(m, &first, &valid, &cols);
     float *mx = m->xent_lse, *sums = m->tp_sums; // the max first, then the log-sum-exp
     FL_FWD_OP(FL_OP_XENT, xent_shard_max(m->dtype, mx, m->logits, BT, valid, cols));
-    ops->all_reduce_max(ops->ctx, mx, (size_t)BT);
+    FL_PROFILE(FL_OP_COMM, FL_FWD, 0.0, ops->all_reduce_max(ops->ctx, mx, (size_t)BT));
     for (int i = 0; i < BT; i++) {
         int y = m->targets[i];
         m->tp_targets[i] = y >= first && y < first + valid ? y - first : -1;
     }
     FL_FWD_OP(FL_OP_XENT,
               xent_shard_sums(m->dtype, sums, m->logits, mx, m->tp_targets, BT, valid, cols));
-    ops->all_reduce(ops->ctx, FL_F32, sums, 2 * (size_t)BT);
+    FL_PROFILE(FL_OP_COMM, FL_FWD, 0.0, ops->all_reduce(ops->ctx, FL_F32, sums, 2 * (size_t)BT));
     for (int i = 0; i < BT; i++) {
         m->xent_lse[i] = mx[i] + logf(sums[2 * i]);
         m->losses[i] = m->targets[i] == -1 ? 0.0f : m->xent_lse[i] - sums[2 * i + 1];
