@@ -70,15 +70,8 @@ BUCKET=${BUCKET:-5e6}
 IDLE_WAIT=${IDLE_WAIT:-0}
 PREFETCH_SMALL=${PREFETCH_SMALL:-7.1e6}
 NO_OVERLAP_RUNS=${NO_OVERLAP_RUNS:-0}
-LOG=${LOG:-$(mktemp -d "${TMPDIR:-/tmp}/fitlm-dist.XXXXXX")}
-mkdir -p "$LOG"
-echo "== logs in $LOG" >&2
-
 source bench/lib.sh
-bench_mpi_env
-bench_build
-
-bench_rank_script
+bench_mpi_setup dist
 
 # run NAME N STAGE OVERLAP THREADS [FLAG...]: one run (N = 1: no mpirun)
 run() {

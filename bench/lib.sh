@@ -117,3 +117,15 @@ stage3_gathered() { # P L C Vpad maxT PF
         back = L - ring; if (back < 0) back = 0
         printf "%.4f", (E + lnf + Bk * (L + back)) / P }'
 }
+
+# The set-up of a benchmark over ranks (dist.sh, tp.sh): its log directory
+# ($LOG, else a new fitlm-NAME.XXXXXX under $TMPDIR), Open MPI's
+# environment, the build and the per-rank script.
+bench_mpi_setup() {
+    LOG=${LOG:-$(mktemp -d "${TMPDIR:-/tmp}/fitlm-$1.XXXXXX")}
+    mkdir -p "$LOG"
+    echo "== logs in $LOG" >&2
+    bench_mpi_env
+    bench_build
+    bench_rank_script
+}

@@ -76,14 +76,8 @@ LAYOUTS=${LAYOUTS:-"tp sp z3 z3p"}
 BUCKET=${BUCKET:-5e6}
 BUCKETS=(--reduce-bucket-size "$BUCKET" --allgather-bucket-size "$BUCKET")
 ACT_SEQS=${ACT_SEQS-"256 512"}
-LOG=${LOG:-$(mktemp -d "${TMPDIR:-/tmp}/fitlm-tp.XXXXXX")}
-mkdir -p "$LOG"
-echo "== logs in $LOG" >&2
-
 source bench/lib.sh
-bench_mpi_env
-bench_build
-bench_rank_script
+bench_mpi_setup tp
 
 # steps_of MODEL: its entry of STEPS (one number: every model's)
 steps_of() {

@@ -401,6 +401,15 @@ static void copy_of(const char *from, const char *name) {
        work, name);
 }
 
+// A copy of run `from` as `name` without one shard file of its step-6
+// checkpoint (the one whose name has `rank`, e.g. "rank1-of-2"), named in shard.
+static void copy_without_shard(const char *from, const char *name, const char *rank, char *shard,
+                               size_t size) {
+    copy_of(from, name);
+    find_file(name, "ckpt_00000006.", rank, shard, size);
+    sh("rm -f %s/%s/%s", work, name, shard);
+}
+
 // Damaged or mismatched files: a clear error naming the file, status 1.
 static void test_damage(void) {
     char args[1024], shard[128], path[512], other[128];
@@ -419,9 +428,7 @@ static void test_damage(void) {
     snprintf(args, sizeof args, "export %s/bad1 -o %s/hfbad", work, work);
     fitlm_fails(0, args, "ckpt_00000006.fitlm", "corrupt");
     // a missing shard file, on 2 ranks
-    copy_of("d4", "bad2");
-    find_file("bad2", "ckpt_00000006.", "rank2-of-4", shard, sizeof shard);
-    sh("rm -f %s/bad2/%s", work, shard);
+    copy_without_shard("d4", "bad2", "rank2-of-4", shard, sizeof shard);
     snprintf(args, sizeof args, TINY " --resume %s/bad2 --steps 9", work);
     fitlm_fails(2, args, shard, "missing");
     // a shard of another step under this step's name
@@ -842,9 +849,7 @@ static void test_tp_cli(void) {
 // naming the file.
 static void test_tp_damage(void) {
     char args[1024], shard[128], path[512];
-    copy_of("gt2", "tbad1");
-    find_file("tbad1", "ckpt_00000006.", "rank1-of-2", shard, sizeof shard);
-    sh("rm -f %s/tbad1/%s", work, shard);
+    copy_without_shard("gt2", "tbad1", "rank1-of-2", shard, sizeof shard);
     snprintf(args, sizeof args, TINY " --resume %s/tbad1 --steps 9 --tensor-parallel 4", work);
     fitlm_fails(4, args, shard, "missing");
     copy_of("gt2", "tbad2");

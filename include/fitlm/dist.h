@@ -53,7 +53,8 @@ void fl_parallel_check_batch(fl_train_config *cfg);
 // Refuses a tensor-parallel layout the model or the job cannot take, naming
 // the numbers: world % t (and the data-parallel size d = world / t), n_head % t,
 // n_kv_head % t (when t % n_kv_head == 0 with n_kv_head < t: refused, naming both
-// numbers: Megatron's gathered-QKV scheme is not implemented), intermediate_size % t,
+// numbers, as torchtitan refuses Megatron's gathered-QKV case), intermediate_size % t
+// (fl_model_tp_check),
 // sequence_parallel with t == 1, and under sequence parallelism
 // micro_batch * seq_len % t. world: cfg->ranks if set (fitlm plan), else fl_comm_size().
 // model: a finished shape (fl_model_config_finish: n_kv_head, intermediate_size).

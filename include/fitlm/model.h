@@ -46,6 +46,10 @@ void fl_model_sizes(const fl_model_config *cfg, size_t *largest_row, size_t *blo
 // The parameter table of that shape, without allocating the parameters:
 // model-file readers check names and shapes against it before allocating.
 void fl_model_table(fl_param_table *t, const fl_model_config *cfg);
+// Dies naming the numbers unless a t-way tensor-parallel split can take
+// the finished shape c: t divides n_head, n_kv_head (fewer KV heads than t,
+// Megatron's gathered-QKV case, refused) and intermediate_size.
+void fl_model_tp_check(const fl_model_config *c, int t);
 // Rank `rank`'s table: the whole one, or under tensor parallelism
 // (cfg->tp_size > 1) that rank's slices (fl_params_slice).
 void fl_model_rank_table(fl_param_table *t, const fl_model_config *cfg, int rank);

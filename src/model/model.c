@@ -48,23 +48,31 @@ void fl_model_config_finish(fl_model_config *cfg) {
                cfg->intermediate_size);
     // A multiple of 128 keeps the LM-head GEMM on full SIMD tiles.
     cfg->padded_vocab_size = (cfg->vocab_size + 127) / 128 * 128;
-    int t = fl_tp_ways(cfg);
-    if (t > 1 && cfg->n_kv_head < t && t % cfg->n_kv_head == 0)
-        fl_die("tensor parallelism: %d key/value heads cannot be split over %d ranks (Megatron's "
-               "gathered-QKV scheme for n_kv_head < t is not implemented): use a tensor-parallel "
-               "size that divides n_kv_head %d",
-               cfg->n_kv_head, t, cfg->n_kv_head);
-    const struct {
-        const char *name;
-        int value;
-    } split[] = {{"n_head", cfg->n_head},
-                 {"n_kv_head", cfg->n_kv_head},
-                 {"intermediate_size", cfg->intermediate_size}};
-    for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
-        if (split[i].value % t)
-            fl_die("tensor parallelism: model.%s (%d) is not divisible by the tensor-parallel "
-                   "size %d",
-                   split[i].name, split[i].value, t);
+    fl_model_tp_check(cfg, fl_tp_ways(cfg));
+}
+
+// t must divide `n` (model.<what>): each tensor-parallel rank takes 1/t of it.
+static void check_divides(int t, int n, const char *key, const char *why) {
+    if (n % t)
+        fl_die("tensor_parallel.size %d does not divide %s %d (%d %% %d = %d): %s", t, key, n, n, t,
+               n % t, why);
+}
+
+void fl_model_tp_check(const fl_model_config *c, int t) {
+    if (t <= 1) return;
+    FL_ASSERT(c->n_head > 0 && c->n_kv_head > 0); // a finished shape
+    check_divides(t, c->n_head, "model.n_head", "each rank runs whole attention heads");
+    int kv = c->n_kv_head;
+    if (kv < t && t % kv == 0)
+        fl_die("tensor_parallel.size %d is a multiple of model.n_kv_head %d, more ranks than "
+               "key/value heads: Megatron's scheme for that (the QKV output gathered over the "
+               "ranks, each keeping its group) is refused here, as torchtitan refuses it; use a "
+               "tensor_parallel.size that divides %d",
+               t, kv, kv);
+    check_divides(t, kv, "model.n_kv_head",
+                  "each rank runs whole key/value heads with their query heads");
+    check_divides(t, c->intermediate_size, "model.intermediate_size",
+                  "each rank takes an equal slice of the MLP");
 }
 
 int fl_vocab_cols(const fl_model_config *c) {

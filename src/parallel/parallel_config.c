@@ -70,13 +70,6 @@ void fl_parallel_check_batch(fl_train_config *cfg) {
     cfg->train_batch_size = (int)total;
 }
 
-// t must divide `n` (model.<what>): each tensor-parallel rank takes 1/t of it.
-static void check_divides(int t, int n, const char *key, const char *why) {
-    if (n % t)
-        fl_die("tensor_parallel.size %d does not divide %s %d (%d %% %d = %d): %s", t, key, n, n, t,
-               n % t, why);
-}
-
 void fl_tp_check(const fl_train_config *cfg, const fl_model_config *model) {
     int t = cfg->tensor_parallel;
     if (cfg->sequence_parallel && t == 1)
@@ -84,19 +77,7 @@ void fl_tp_check(const fl_train_config *cfg, const fl_model_config *model) {
                "tensor_parallel.size above 1, which is 1 (--sequence-parallel=false turns it off)");
     data_parallel_size(cfg);
     if (t == 1) return;
-    FL_ASSERT(model->n_head > 0 && model->n_kv_head > 0); // a finished shape
-    check_divides(t, model->n_head, "model.n_head", "each rank runs whole attention heads");
-    int kv = model->n_kv_head;
-    if (kv < t && t % kv == 0)
-        fl_die("tensor_parallel.size %d is a multiple of model.n_kv_head %d, more ranks than "
-               "key/value heads: Megatron's scheme for that (the QKV output gathered over the "
-               "ranks, each keeping its group) is not implemented; use a tensor_parallel.size "
-               "that divides %d",
-               t, kv, kv);
-    check_divides(t, kv, "model.n_kv_head",
-                  "each rank runs whole key/value heads with their query heads");
-    check_divides(t, model->intermediate_size, "model.intermediate_size",
-                  "each rank takes an equal slice of the MLP");
+    fl_model_tp_check(model, t);
     long long tokens = (long long)cfg->micro_batch * cfg->seq_len;
     if (cfg->sequence_parallel && tokens % t)
         fl_die("sequence_parallel: train_micro_batch_size_per_gpu %d x seq_len %d = %lld tokens "
