@@ -108,6 +108,11 @@ typedef struct {
     int tensor_parallel;   // t: ways each block's linears, attention heads and the vocabulary are
                            // split (1: none)
     int sequence_parallel; // Megatron's --sequence-parallel (needs t > 1)
+    // pipeline parallelism (pipeline.h): p stages of contiguous blocks
+    int pipeline_parallel;             // p (1: none)
+    char pipeline_schedule[FL_NAME_MAX]; // gpipe | 1f1b | interleaved
+    int virtual_stages;                // v: chunks a rank holds (interleaved: >= 2)
+    char pipeline_split[FL_PATH_MAX];  // uniform | parameters | N,N,... blocks a (virtual) stage
     int ranks; // the world, all ranks: 0 = this job's (fl_comm_size); `fitlm plan --ranks N`
                // sets N. train_batch_size is split over its world / tensor_parallel replicas
     fl_zero_extra zero_extra; // its keys that need no engine code (and aio)

@@ -114,6 +114,25 @@ static const option options[] = {
      NULL,
      "Megatron's sequence parallelism (needs tensor_parallel.size above 1): norms, dropout and "
      "residual adds each run on 1/t of the tokens"},
+    {"pipeline_parallel.size", "--pipeline-parallel", OPT_INT, NUM(pipeline_parallel), "1", 1,
+     1 << 20, NULL,
+     "pipeline parallelism: p stages, each a contiguous run of blocks (the first also the "
+     "embedding, the last the final norm, head and loss); the ranks mpirun starts form world / "
+     "(t p) data-parallel replicas (1 = none)"},
+    {"pipeline_model_parallel_size", NULL, OPT_INT, NUM(pipeline_parallel), "1", 1, 1 << 20, NULL,
+     "Megatron's name of pipeline_parallel.size"},
+    {"pipeline_parallel.schedule", "--pipeline-schedule", OPT_STRING, STR(pipeline_schedule),
+     "1f1b", 0, 0, NULL,
+     "gpipe (every forward, then every backward), 1f1b (one forward one backward) or "
+     "interleaved (1F1B over --virtual-stages chunks a rank)"},
+    {"pipeline_parallel.virtual_stages", "--virtual-stages", OPT_INT, NUM(virtual_stages), "1", 1,
+     64, NULL, "chunks of blocks each pipeline rank holds (the interleaved schedule: 2 or more)"},
+    {"num_virtual_stages_per_pipeline_rank", NULL, OPT_INT, NUM(virtual_stages), "1", 1, 64, NULL,
+     "Megatron's name of pipeline_parallel.virtual_stages"},
+    {"pipeline_parallel.split", "--pipeline-split", OPT_STRING, STR(pipeline_split), "parameters",
+     0, 0, NULL,
+     "blocks per stage: uniform, parameters (balanced, DeepSpeed's partition_method) or a list "
+     "N,N,... of blocks per (virtual) stage"},
     {"zero_optimization.stage", "--zero-stage", OPT_INT, NUM(zero.stage), "0", 0, 3, NULL,
      "ZeRO stage over the ranks mpirun starts: 0 data parallel (DDP), 1 + optimizer states "
      "sharded, 2 + gradients, 3 + parameters"},
