@@ -13,8 +13,10 @@
 //                forward_backward_pipelining_without_interleaving): at most
 //                min(p - r, m) in flight
 //   interleaved  Megatron's interleaved 1F1B with v chunks a rank, micro-
-//                batches in groups of p (m a multiple of p): warm-up
-//                2(p - r - 1) + (v - 1)p forwards, capped at m v
+//                batches in groups of p (m a multiple of p), each group
+//                forward through chunk 0, then 1, ...; backward through
+//                chunk v-1 first: warm-up 2(p - r - 1) + (v - 1)p forwards,
+//                capped at m v
 //
 // A forward of virtual stage s > 0 waits for virtual stage s-1's output of
 // the same micro-batch; a backward of s < n-1 for s+1's input gradient.
@@ -43,15 +45,25 @@ const char *fl_pp_schedule_name(int kind);
 // v = 1; interleaved takes v >= 2 and m a multiple of p.
 int fl_pp_schedule_check(int kind, int p, int m, int v, char *why, size_t n);
 // Rank `rank`'s 2*m*v actions in the order it runs them, into out (room for
-// 2*m*v). Dies naming the numbers unless fl_pp_schedule_check accepts them.
+// 2*m*v); returns 2*m*v. Dies naming the numbers unless fl_pp_schedule_check
+// accepts them and 0 <= rank < p. Each chunk's forwards, and its backwards,
+// take the micro-batches in increasing order (gradients accumulate in the
+// order one process sums them).
 int fl_pp_schedule(int kind, int p, int m, int v, int rank, fl_pp_action *out);
 // Runs every rank's list against the others' (an action starts once what it
 // receives has been sent) and checks: each (micro-batch, chunk) forward and
 // backward once on every rank, each backward after its forward, the
 // micro-batches in flight on a rank (forwards without their backward yet)
 // never above fl_pp_in_flight_bound, and every list runs to its end (no
-// deadlock). 0 when all hold, else -1 with the first failure in why.
+// deadlock). 0 when all hold, else -1 with the first failure in why, naming
+// the schedule, p, m, v, the rank and the action (a deadlock: every stuck
+// rank, its action and what it waits for).
 int fl_pp_validate(int kind, int p, int m, int v, char *why, size_t n);
+// The same checks on given lists: lists[r] with counts[r] actions for rank
+// r = 0..p-1, against kind's in-flight bound. fl_pp_validate runs it on
+// fl_pp_schedule's lists.
+int fl_pp_validate_lists(int kind, int p, int m, int v, const fl_pp_action *const *lists,
+                         const int *counts, char *why, size_t n);
 // The schedule's bound on micro-batches in flight on `rank`, all chunks
 // together: gpipe m v; 1f1b min(p - rank, m); interleaved Megatron's
 // warm-up + 1, capped at m v.
