@@ -57,7 +57,7 @@ static void init_rank(fl_model *m, const fl_model_config *c, int t, int rank) {
     fl_weight_source s;
     fl_weight_source_random(&s, c, 7);
     fl_tp tp = {t, rank, 0, NULL};
-    fl_model_init_tp(m, &s, FL_F32, NULL, 0, SIZE_MAX, &tp);
+    fl_model_init_tp(m, &s, FL_F32, NULL, 0, SIZE_MAX, &tp, NULL);
     fl_weight_source_close(&s);
 }
 

@@ -27,6 +27,28 @@
 #include "fitlm/shape.h"
 #include "fitlm/tp.h"
 
+// Pipeline parallelism (pipeline.h): the blocks a rank holds, as v chunks
+// of contiguous blocks (chunk c is virtual stage c * size + rank), and how
+// many micro-batches' activations each chunk keeps at once. The first
+// virtual stage also holds the embedding, the last the final norm, the LM
+// head and the loss (and, when the head is tied, a copy of the token
+// embedding: FL_PARAM_TIED_COPY).
+enum { FL_PP_MAX_CHUNKS = 64 };
+typedef struct {
+    int size, rank, chunks; // p, this rank's place, v (size 1: the whole model)
+    int first[FL_PP_MAX_CHUNKS], count[FL_PP_MAX_CHUNKS]; // chunk c: blocks [first, first+count)
+    int sets[FL_PP_MAX_CHUNKS]; // activation sets of chunk c (micro-batches in flight)
+} fl_pp_stage;
+// The whole model as one stage (p = 1, v = 1, one set).
+void fl_pp_stage_whole(fl_pp_stage *s, int n_layer);
+// Whether chunk c of the stage holds the embedding / the head.
+static inline int fl_pp_has_embed(const fl_pp_stage *s, int c) {
+    return s->rank == 0 && c == 0;
+}
+static inline int fl_pp_has_head(const fl_pp_stage *s, int c) {
+    return s->rank == s->size - 1 && c == s->chunks - 1;
+}
+
 // Fills the architecture's defaults for fields left 0 (n_kv_head,
 // intermediate_size, norm_eps, rope_theta), rounds the vocabulary up to a
 // multiple of 128 and checks the shape. Dies with a message naming the field.
@@ -53,6 +75,12 @@ void fl_model_tp_check(const fl_model_config *c, int t);
 // Rank `rank`'s table: the whole one, or under tensor parallelism
 // (cfg->tp_size > 1) that rank's slices (fl_params_slice).
 void fl_model_rank_table(fl_param_table *t, const fl_model_config *cfg, int rank);
+// The rows a pipeline stage holds of a rank's table t (its chunks' blocks,
+// the embedding on the first, the final norm and head on the last, with a
+// copy of a tied embedding's row marked FL_PARAM_TIED_COPY), into *local;
+// row_global (NULL, or local->count entries) receives each row's index in t.
+void fl_model_stage_table(fl_param_table *local, const fl_param_table *t,
+                          const fl_model_config *cfg, const fl_pp_stage *s, int *row_global);
 
 enum { FL_PASS_FWD, FL_PASS_BWD };
 
@@ -107,6 +135,10 @@ struct fl_model {
     // model's table in `whole` (the names and shapes files hold)
     fl_param_table table, whole;
     fl_tp tp;             // tensor parallelism: size 1 none
+    // pipeline parallelism: the stage (size 1: the whole model), and each
+    // row of the whole table's index here (-1: another stage's) and back
+    fl_pp_stage pp;
+    int *row_local, *row_global;
     void *params, *grads; // flat buffers of table.numel values of dtype (grads: NULL when
                           // gradients live per unit, below)
     // the flat elements params holds: all, or (fl_model_init_from) one ZeRO-3
@@ -117,6 +149,12 @@ struct fl_model {
     // embedding's to embed_grads (the tied LM head adds to it before the
     // embedding's own backward, so it needs a buffer of its own); NULL else
     void *unit_grads, *embed_grads;
+    // pipeline parallelism, a tied LM head: the last stage's head leaves its
+    // output's gradient and its input (this set's) in tied_dout and tied_inp
+    // for stage 0, which receives them into tied_dlogits and tied_x and
+    // computes the tied weight's gradient there, in one process's order
+    const void *tied_dout, *tied_inp;
+    void *tied_dlogits, *tied_x;
     // where each row's weights and gradient are now: into params/grads unless
     // a unit was rebound (fl_model_bind_params / fl_model_bind_grads)
     void **wp, **gp;
@@ -130,7 +168,8 @@ struct fl_model {
     // activations and scratch, sized by fl_model_alloc_acts
     int max_B, max_T;
     fl_recompute recompute;
-    void *resid; // (L+1, B,T,C) the residual stream: embedding, each block's output
+    // (each per micro-batch in flight: a chunk's sets, fl_model_use_set)
+    void *resid; // (n+1, B,T,C) the residual stream: the chunk's input, each block's output
     void *block_act[FL_MAX_SLOTS]; // per slot: L copies, or 1 when recomputed
     void *block_work[FL_MAX_SLOTS];
     void *head_act[FL_MAX_SLOTS];
@@ -148,6 +187,11 @@ struct fl_model {
     // sequence parallelism: (B,T,C) gathered positions, (B,T,C) a partial
     // sum, and a unit's norm-weight gradients before their sum over TP
     void *tp_gather, *tp_partial, *tp_norm_grads;
+    // pipeline parallelism: the activation set in use (chunk, set), where
+    // each set-held buffer's sets start, and each set's forward state
+    int chunk, set;
+    void *set_base[3 * FL_MAX_SLOTS + 16];
+    struct fl_set_state *set_state;
     // state of the last forward
     int B, T;
     int n_targets; // positions with a loss (targets != -1)
@@ -206,11 +250,14 @@ void fl_model_init_whole(fl_model *m, fl_weight_source *src, fl_dtype dt, const 
 // whole rows the source gives (m->whole), which it stores through
 // fl_model_store_row in the whole rows' coordinates, so a t-way model's
 // slices are exactly the one-process model's (initialise whole, then slice).
+// pp (NULL or size 1: the whole model): a pipeline stage keeps only its
+// rows (fl_model_stage_table), dense and whole (begin 0, end SIZE_MAX).
 void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
-                      size_t begin, size_t end, const fl_tp *tp);
-// The whole model's table: m->whole under tensor parallelism, else m->table.
+                      size_t begin, size_t end, const fl_tp *tp, const fl_pp_stage *pp);
+// The whole model's table: m->whole under tensor or pipeline parallelism,
+// else m->table.
 static inline const fl_param_table *fl_model_whole_table(const fl_model *m) {
-    return m->tp.size > 1 ? &m->whole : &m->table;
+    return m->whole.count ? &m->whole : &m->table;
 }
 // fl_model_init_from a random source: the whole model, dense.
 void fl_model_init(fl_model *m, const fl_model_config *cfg, fl_dtype dt, uint64_t seed);
@@ -236,9 +283,24 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
 // allocation walks, so the prediction is exact. B = 0 leaves out the
 // activations (the gradients are counted).
 // lora, quant: the adapters and NF4 storage (NULL or disabled: none).
+// pp: a pipeline stage's (NULL: the whole model).
 void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
                      fl_recompute recompute, int unit_grads, const fl_lora_config *lora,
-                     const fl_quant_config *quant, size_t bytes[FL_MEM_NTAGS]);
+                     const fl_quant_config *quant, const fl_pp_stage *pp,
+                     size_t bytes[FL_MEM_NTAGS]);
+// Pipeline parallelism: the forward and backward below run chunk `chunk`
+// of the stage (its embedding, blocks, head and loss, whichever it holds)
+// on activation set `set` (0 .. pp.sets[chunk] - 1): the buffers and the
+// forward's state one micro-batch keeps until its backward. The whole
+// model is chunk 0 with one set.
+void fl_model_use_set(fl_model *m, int chunk, int set);
+// Where a chunk without the embedding takes its input (B,T,C: this rank's
+// positions under sequence parallelism), received before its forward, and
+// where a chunk without the head leaves its output, sent after it. Its
+// backward takes the output's gradient in m->dres and leaves the input's
+// there (unless it holds the embedding).
+void *fl_model_chunk_input(fl_model *m);
+void *fl_model_chunk_output(fl_model *m);
 void fl_model_free(fl_model *m);
 
 // Elements [first, first + n) of a base row from fp32 values (the whole

@@ -392,6 +392,12 @@ typedef struct {
     size_t chunk; // elements per chunk: chunk c starts at state_begin + c * chunk
 } fl_optim_pager;
 
+struct fl_optim_pp {
+    const fl_tp_ops *ops;  // over the pipeline group (its sum: the same bits on every rank)
+    int whole_rows;        // rows of the whole model's table
+    const int *row_global; // each local row's index there
+};
+
 // The optimizer updates the elements [begin, end) of the model's flat buffer
 // (fl_optimizer_init: all of them; fl_optimizer_init_range: one shard, as a
 // ZeRO rank does): its master weights and rule state cover that range, while
@@ -421,6 +427,11 @@ typedef struct {
     // each element once (a replicated row on TP rank 0 only) and sums over
     // the TP group; an fp16 overflow anywhere in it skips every rank's step
     const fl_tp *tp;
+    // pipeline parallelism (NULL: none): each stage's rows' sums of squares
+    // go to their place in the whole table (row_global) and are summed over
+    // the stages, so the norm adds every tensor's in one global order, as
+    // one process does; an fp16 overflow on any stage skips every step
+    const struct fl_optim_pp *pp;
     const fl_optim_pager *pager; // cfg.paged: where the master and state are, else NULL
     int mapped;                  // the pager's map is in place (fl_optimizer_map)
     fl_spike_guard spike;        // judges fl_optimizer_step_loss's and the fused steps' updates
@@ -479,6 +490,10 @@ float fl_optimizer_scale(const fl_optimizer *o);
 void fl_optimizer_zero_grad(fl_optimizer *o);
 // After each micro-batch's backward (accumulates into fp32 when needed).
 void fl_optimizer_micro_done(fl_optimizer *o);
+// The fp32 sum (grad_accum) gains the gradient elements [first, end): what
+// fl_optimizer_micro_done does for the whole buffer, for a pipeline stage's
+// chunk whose micro-batches' backwards interleave with another chunk's.
+void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end);
 // After the last micro-batch: overflow check, norm, clipping, then
 // begin_step, update_rows over the whole table, end_step. Dies with a clear
 // message when the fp16 loss scale is stuck at its minimum. A non-finite

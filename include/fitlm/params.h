@@ -18,6 +18,10 @@ enum {
     // stream's side, so under sequence parallelism each rank's gradient is
     // its positions' share, summed over the TP group
     FL_PARAM_TOKENWISE = 1 << 3,
+    // pipeline parallelism: the last stage's copy of a tied embedding, which
+    // its LM head reads; stage 0's row is the one trained, checkpointed and
+    // counted (the copy's gradient is summed into it, its weights copied back)
+    FL_PARAM_TIED_COPY = 1 << 4,
 };
 
 // How a row is initialised: drawn in fp32 from the model's seeded RNG in
@@ -113,6 +117,9 @@ size_t fl_params_vocab_rows(size_t V, int t);
 // no block. A whole table's row is one block.
 // The elements of a rank's row in the whole table (its own when whole).
 size_t fl_params_whole_numel(const fl_param_table *t, int row);
+// The rows r of `from` with keep[r] set, in order, in a flat buffer of
+// their own (a pipeline stage's rows); tp_size and tp_rank as from's.
+void fl_params_select(fl_param_table *local, const fl_param_table *from, const int *keep);
 typedef void (*fl_params_block_fn)(void *ctx, size_t local, size_t first, size_t run, size_t stride,
                                    size_t count);
 void fl_params_blocks(const fl_param_table *t, int row, size_t lo, size_t hi, fl_params_block_fn fn,

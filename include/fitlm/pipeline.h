@@ -101,4 +101,50 @@ void fl_pp_split(int method, int L, int n, const int *explicit_counts, size_t bl
 // entry >= 1, sum L), naming the first block left out or the excess.
 void fl_pp_split_check(int L, int n, const int *count);
 
+// ----------------------------------------------------------------------------
+// the executor (src/parallel/pipeline.c): a model holding one stage
+// (fl_model_init_tp with a fl_pp_stage) runs its rank's list of a step over
+// the pipeline group, point to point, non-blocking.
+//
+// Tied embeddings: the last stage holds a copy of the token embedding for
+// its LM head (FL_PARAM_TIED_COPY), which computes no gradient of its own:
+// it sends the head's output gradient and input to stage 0, which computes
+// the weight's gradient there, added to the embedding's in one process's
+// order (so a pipeline's fp32 result is one process's, bitwise), and after
+// each step stage 0 sends the updated rows back into the copy.
+
+#include "fitlm/comm.h"
+#include "fitlm/model.h"
+#include "fitlm/optim.h"
+#include "fitlm/train.h"
+
+// The stage of pipeline rank `rank`: virtual stage i holds counts[i] blocks
+// (i < p v, fl_pp_split), chunk c = virtual stage c p + rank, each chunk
+// with the activation sets the schedule keeps in flight on it
+// (fl_pp_chunk_in_flight) for m micro-batches.
+void fl_pp_stage_of(fl_pp_stage *s, int kind, int p, int v, int m, int rank, const int *counts);
+
+typedef struct fl_pipeline fl_pipeline;
+// Attaches the executor to a model of one stage and its optimizer (over the
+// stage's rows; data parallelism's sync, if any, already attached), over the
+// pipeline group g (group rank = stage), for steps of m micro-batches of
+// B x T under schedule `kind`. Copies stage 0's token embedding into the
+// last stage's copy (a collective over g).
+fl_pipeline *fl_pipeline_attach(fl_model *m, fl_optimizer *o, const fl_comm_group *g, int kind,
+                                int m_micro, int B, int T);
+// One step: the rank's list over the m micro-batches (inputs and targets
+// (m, B, T), the same on every stage), then the optimizer's step (its norm
+// and fp16 overflow over every stage); the loss, the last stage's, is every
+// rank's.
+fl_train_result fl_pipeline_step(fl_pipeline *pl, const int *inputs, const int *targets, float lr);
+// A forward of one batch through the stages (evaluation): the mean loss,
+// and its target count in *n_targets, on every rank.
+float fl_pipeline_forward(fl_pipeline *pl, const int *tokens, const int *targets, int *n_targets);
+// Bytes per tag the executor allocates on pipeline rank `rank` (its send
+// buffers: each micro-batch's input gradient per chunk, and on the last
+// stage of a tied model the LM head's output gradient and input).
+void fl_pipeline_memory(const fl_model_config *c, fl_dtype dt, const fl_pp_stage *s, int m_micro,
+                        int B, int T, size_t bytes[FL_MEM_NTAGS]);
+void fl_pipeline_free(fl_pipeline *pl);
+
 #endif

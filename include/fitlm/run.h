@@ -14,6 +14,7 @@
 #include "fitlm/io.h"
 #include "fitlm/offload.h"
 #include "fitlm/optim.h"
+#include "fitlm/pipeline.h"
 #include "fitlm/plan.h"
 #include "fitlm/tokenizer.h"
 #include "fitlm/train.h"
@@ -66,8 +67,11 @@ typedef struct {
     // world, or under tensor parallelism its TP groups (which read the same data)
     int rank, world;
     int lead;         // writes the shared files: world rank 0 (or alone)
-    fl_layout layout; // the TP x DP groups (tensor parallelism), else layout.tp 0
+    fl_layout layout; // the TP x PP x DP groups (tensor or pipeline parallelism), else
+                      // layout.tp 0
     fl_tp tp;         // this rank's place in its TP group (size 1: none)
+    fl_pp_stage stage;  // this rank's pipeline stage (size 1: the whole model)
+    fl_pipeline *pipe;  // the pipeline executor, or NULL
     int dist, lora, train_base;
     // a resume: its step, and what it was saved with (for the notices)
     int resumed, start, ck_world, ck_threads;

@@ -159,6 +159,22 @@ void fl_params_slice(fl_param_table *local, const fl_param_table *whole, int t, 
     local->tp_rank = rank;
 }
 
+void fl_params_select(fl_param_table *local, const fl_param_table *from, const int *keep) {
+    int n = 0;
+    for (int r = 0; r < from->count; r++) n += keep[r] != 0;
+    memset(local, 0, sizeof *local);
+    fl_params_reserve(local, n);
+    for (int r = 0; r < from->count; r++) {
+        if (!keep[r]) continue;
+        fl_param_view v = from->views[r];
+        v.offset = local->numel;
+        local->views[local->count++] = v;
+        local->numel += v.numel;
+    }
+    local->tp_size = from->tp_size;
+    local->tp_rank = from->tp_rank;
+}
+
 size_t fl_params_whole_numel(const fl_param_table *t, int row) {
     const fl_param_view *v = &t->views[row];
     if (t->tp_size <= 1 || v->tp_dim < 0) return v->numel;

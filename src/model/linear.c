@@ -63,7 +63,12 @@ void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, c
 void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
                         const void *inp, int N) {
     int row = m->unit_row[unit + 1] + lin->w;
-    int frozen = (m->table.views[row].flags & FL_PARAM_FROZEN) != 0;
+    unsigned flags = m->table.views[row].flags;
+    int frozen = (flags & FL_PARAM_FROZEN) != 0;
+    if (flags & FL_PARAM_TIED_COPY) { // stage 0 computes the weight's gradient from these
+        m->tied_dout = dout;
+        m->tied_inp = inp;
+    }
     void *dw = frozen ? NULL : fl_unit_g(m, unit, lin->w);
     void *db = lin->b >= 0 && !frozen ? fl_unit_g(m, unit, lin->b) : NULL;
     const void *w = fl_quant_weights(m, unit, lin, FL_BWD);

@@ -155,6 +155,13 @@ static void store_sink(void *ctx, int row, size_t first, const float *values, si
     fl_model_store_row(ctx, row, first, values, n);
 }
 
+void fl_pp_stage_whole(fl_pp_stage *s, int n_layer) {
+    memset(s, 0, sizeof *s);
+    s->size = s->chunks = 1;
+    s->count[0] = n_layer;
+    s->sets[0] = 1;
+}
+
 static void random_fill(fl_weight_source *s, fl_model *m) {
     fl_params_init_each(fl_model_whole_table(m), s->seed, store_sink, m);
 }
@@ -185,11 +192,29 @@ void fl_model_init_whole(fl_model *m, fl_weight_source *src, fl_dtype dt,
 
 void fl_model_init_from(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
                         size_t begin, size_t end) {
-    fl_model_init_tp(m, src, dt, q, begin, end, NULL);
+    fl_model_init_tp(m, src, dt, q, begin, end, NULL, NULL);
+}
+
+// A pipeline stage's rows: its own table, and the maps between its rows
+// and the whole table's.
+static void stage_rows(fl_model *m) {
+    fl_param_table rank = m->table;
+    int *global = fl_alloc(FL_MEM_OTHER, (size_t)rank.count * sizeof(int));
+    fl_model_stage_table(&m->table, &rank, &m->config, &m->pp, global);
+    fl_params_free(&rank);
+    m->row_global = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(int));
+    memcpy(m->row_global, global, (size_t)m->table.count * sizeof(int));
+    fl_free(global);
+    m->row_local = fl_alloc(FL_MEM_OTHER, (size_t)m->whole.count * sizeof(int));
+    for (int r = 0; r < m->whole.count; r++) m->row_local[r] = -1;
+    // the tied copy is not stored from the source: the pipeline copies
+    // stage 0's row into it
+    for (int r = 0; r < m->table.count; r++)
+        if (!(m->table.views[r].flags & FL_PARAM_TIED_COPY)) m->row_local[m->row_global[r]] = r;
 }
 
 void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_quant_config *q,
-                      size_t begin, size_t end, const fl_tp *tp) {
+                      size_t begin, size_t end, const fl_tp *tp, const fl_pp_stage *pp) {
     memset(m, 0, sizeof *m);
     m->loss = -1.0f; // no forward with targets yet
     m->config = src->config;
@@ -200,15 +225,21 @@ void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_
     fl_model_config_finish(&m->config);
     const fl_model_config *c = &m->config;
     m->arch = arch_of(c);
+    if (pp && pp->size > 1)
+        m->pp = *pp;
+    else
+        fl_pp_stage_whole(&m->pp, c->n_layer);
     int quant = q && q->enabled;
     if (m->tp.size > 1 && quant)
         fl_die("tensor parallelism with NF4 base weights (QLoRA) is not supported: drop "
                "--quantize or --tensor-parallel");
+    FL_ASSERT(!(m->pp.size > 1 && (quant || begin > 0 || end != SIZE_MAX)));
     fl_model_rank_table(&m->table, c, m->tp.rank);
-    if (m->tp.size > 1) fl_model_table(&m->whole, c);
+    if (m->tp.size > 1 || m->pp.size > 1) fl_model_table(&m->whole, c);
+    if (m->pp.size > 1) stage_rows(m);
     const fl_param_table *whole = fl_model_whole_table(m);
     size_t n = m->table.numel;
-    FL_ASSERT(whole->numel == m->arch->num_params(c) && m->table.count == m->arch->table_rows(c));
+    FL_ASSERT(whole->numel == m->arch->num_params(c) && whole->count == m->arch->table_rows(c));
     if (quant) fl_quant_check(q);
     if (src->check) src->check(src, whole, quant ? q : NULL); // before allocating
     m->params_begin = begin;
@@ -301,17 +332,56 @@ void fl_model_bind_params(fl_model *m, int unit, void *buffer) {
 // One allocation of the activation set: where its pointer goes, how many
 // elements of what size, under which tag. fl_model_alloc_acts walks this
 // list to allocate and fl_model_memory to predict, so the two cannot disagree.
+// Under pipeline parallelism what a micro-batch keeps from its forward to
+// its backward is held once per activation set (PER_*): the residual
+// stream per chunk (its blocks + 1 entries), the blocks' kept slots per
+// chunk (its blocks), the head's (the last chunk's sets, on the last stage)
+// and the tokens (the first chunk's, on the first stage). The rest is
+// scratch, one copy (PER_STEP).
+enum { PER_STEP, PER_RESID, PER_BLOCK, PER_HEAD, PER_EMBED };
 typedef struct {
     void **slot; // NULL when only sizes are wanted
     size_t count, elem;
     fl_mem_tag tag;
+    int per;     // PER_*
+    size_t unit; // elements of one copy (PER_RESID, PER_BLOCK: of one entry or block)
 } act_spec;
+
+// Elements of set k of chunk c from the start of a PER_* buffer (k = the
+// chunk's sets, c = 0: the buffer's size).
+static size_t set_offset(const fl_pp_stage *s, int per, size_t unit, int c, int k) {
+    if (per == PER_HEAD || per == PER_EMBED) return (size_t)k * unit;
+    size_t at = 0;
+    for (int i = 0; i <= c; i++) {
+        size_t entries = (size_t)s->count[i] + (per == PER_RESID);
+        at += (size_t)(i < c ? s->sets[i] : k) * entries * unit;
+    }
+    return at;
+}
+
+// Elements of a PER_* buffer on this stage (0: the stage does not hold it).
+static size_t per_numel(const fl_pp_stage *s, int per, size_t unit) {
+    if (per == PER_HEAD) return s->rank == s->size - 1 ? (size_t)s->sets[s->chunks - 1] * unit : 0;
+    if (per == PER_EMBED) return s->rank == 0 ? (size_t)s->sets[0] * unit : 0;
+    return set_offset(s, per, unit, s->chunks - 1, s->sets[s->chunks - 1]);
+}
+
+// The forward state a set keeps for its backward.
+struct fl_set_state {
+    int B, T, n_targets, dlogits_ready;
+    float loss, dlogits_dloss;
+};
+
+static int total_sets(const fl_pp_stage *s) {
+    int n = 0;
+    for (int c = 0; c < s->chunks; c++) n += s->sets[c];
+    return n;
+}
 
 enum { MAX_SPECS = 3 * FL_MAX_SLOTS + 16 };
 
-static int copies_of(const fl_slot *s, fl_recompute r, int L) {
-    if (r == FL_RECOMPUTE_BLOCK || (r == FL_RECOMPUTE_SELECTIVE && s->cheap)) return 1;
-    return L;
+static int recomputed(const fl_slot *s, fl_recompute r) {
+    return r == FL_RECOMPUTE_BLOCK || (r == FL_RECOMPUTE_SELECTIVE && s->cheap);
 }
 
 // Elements of a slot for BT positions (a stream-side slot's 1/t of them
@@ -334,31 +404,44 @@ static size_t tokenwise_numel(const fl_model_config *c, const fl_param_table *t)
 
 static int act_specs(fl_model *m, const fl_model_config *c, const fl_param_table *rows, fl_dtype dt,
                      int B, int T, int threads, fl_recompute r, const fl_lora_config *lc,
-                     const fl_param_table *lt, act_spec *out) {
+                     const fl_param_table *lt, const fl_pp_stage *pp, act_spec *out) {
     const fl_arch *arch = arch_of(c);
-    size_t L = c->n_layer, C = c->n_embd;
+    size_t C = c->n_embd;
     size_t BT = (size_t)B * T, D = fl_dtype_size(dt), F = sizeof(float), I = sizeof(int);
     size_t BTs = (size_t)fl_seq_rows(c, (int)BT); // the residual stream's positions here
     int n = 0;
-#define SPEC(field, cnt, size, tag)                                                                \
-    out[n++] = (act_spec){m ? (void **)&(field) : NULL, cnt, size, tag}
+#define SPEC_PER(field, per, unit, size, tag)                                                      \
+    do {                                                                                           \
+        int per_ = (per);                                                                          \
+        size_t unit_ = (unit), cnt_ = per_ == PER_STEP ? unit_ : per_numel(pp, per_, unit_);       \
+        if (cnt_)                                                                                  \
+            out[n++] = (act_spec){m ? (void **)&(field) : NULL, cnt_, size, tag, per_, unit_};     \
+    } while (0)
+#define SPEC(field, cnt, size, tag) SPEC_PER(field, PER_STEP, cnt, size, tag)
     fl_slot slots[FL_MAX_SLOTS];
-    SPEC(m->resid, (L + 1) * BTs * C, D, FL_MEM_ACTS);
+    SPEC_PER(m->resid, PER_RESID, BTs * C, D, FL_MEM_ACTS);
     int ns = arch->block_slots(c, slots);
     for (int i = 0; i < ns; i++)
-        SPEC(m->block_act[i], copies_of(&slots[i], r, (int)L) * slot_numel(c, &slots[i], BT),
-             slots[i].f32 ? F : D, FL_MEM_ACTS);
+        SPEC_PER(m->block_act[i], recomputed(&slots[i], r) ? PER_STEP : PER_BLOCK,
+                 slot_numel(c, &slots[i], BT), slots[i].f32 ? F : D, FL_MEM_ACTS);
     ns = arch->head_slots(c, slots);
     for (int i = 0; i < ns; i++)
-        SPEC(m->head_act[i], slot_numel(c, &slots[i], BT), slots[i].f32 ? F : D, FL_MEM_ACTS);
-    SPEC(m->logits, BT * (size_t)fl_vocab_cols(c), D, FL_MEM_ACTS);
-    SPEC(m->losses, BT, F, FL_MEM_ACTS);
-    SPEC(m->xent_lse, BT, F, FL_MEM_ACTS);
-    SPEC(m->inputs, BT, I, FL_MEM_ACTS);
-    SPEC(m->targets, BT, I, FL_MEM_ACTS);
+        SPEC_PER(m->head_act[i], PER_HEAD, slot_numel(c, &slots[i], BT), slots[i].f32 ? F : D,
+                 FL_MEM_ACTS);
+    SPEC_PER(m->logits, PER_HEAD, BT * (size_t)fl_vocab_cols(c), D, FL_MEM_ACTS);
+    SPEC_PER(m->losses, PER_HEAD, BT, F, FL_MEM_ACTS);
+    SPEC_PER(m->xent_lse, PER_HEAD, BT, F, FL_MEM_ACTS);
+    SPEC_PER(m->inputs, PER_EMBED, BT, I, FL_MEM_ACTS);
+    SPEC_PER(m->targets, PER_HEAD, BT, I, FL_MEM_ACTS);
     if (fl_tp_ways(c) > 1) { // the vocabulary-parallel loss's local targets and sums
-        SPEC(m->tp_targets, BT, I, FL_MEM_ACTS);
+        SPEC_PER(m->tp_targets, PER_HEAD, BT, I, FL_MEM_ACTS);
         SPEC(m->tp_sums, 2 * BT, F, FL_MEM_WORKSPACE);
+    }
+    if (pp->size > 1)
+        SPEC(m->set_state, (size_t)total_sets(pp), sizeof(struct fl_set_state), FL_MEM_OTHER);
+    if (pp->size > 1 && pp->rank == 0 && c->tie_embeddings) { // the last stage's head's
+        SPEC(m->tied_dlogits, BT * (size_t)fl_vocab_cols(c), D, FL_MEM_WORKSPACE);
+        SPEC(m->tied_x, BTs * C, D, FL_MEM_WORKSPACE);
     }
     size_t rope = arch->rope_floats(c, T);
     if (rope) SPEC(m->rope_table, rope, F, FL_MEM_ACTS);
@@ -402,29 +485,41 @@ static int act_specs(fl_model *m, const fl_model_config *c, const fl_param_table
     }
     SPEC(m->matmul_workspace, mm, 1, FL_MEM_WORKSPACE);
 #undef SPEC
+#undef SPEC_PER
     FL_ASSERT(n <= MAX_SPECS);
     return n;
 }
 
 void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
                      fl_recompute recompute, int unit_grads, const fl_lora_config *lora,
-                     const fl_quant_config *quant, size_t bytes[FL_MEM_NTAGS]) {
+                     const fl_quant_config *quant, const fl_pp_stage *pp,
+                     size_t bytes[FL_MEM_NTAGS]) {
     fl_model_config c = *cfg;
     fl_model_config_finish(&c);
     const fl_arch *arch = arch_of(&c);
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
     size_t D = fl_dtype_size(dt);
-    int rows = arch->table_rows(&c);
+    int whole_rows = arch->table_rows(&c), rows = whole_rows;
+    fl_pp_stage one;
+    if (!pp || pp->size <= 1) fl_pp_stage_whole(&one, c.n_layer), pp = &one;
     // the tables, built only to size what depends on their rows (under
     // tensor parallelism every rank's slices are the same size)
     fl_param_table t, lt = {0};
     fl_model_rank_table(&t, &c, 0);
+    if (pp->size > 1) {
+        fl_param_table rank = t;
+        fl_model_stage_table(&t, &rank, &c, pp, NULL);
+        fl_params_free(&rank);
+        rows = t.count;
+    }
     size_t numel = t.numel;
     if (lora && lora->r) fl_lora_table(&lt, &t, &c, lora, NULL);
     bytes[FL_MEM_PARAMS] = numel * D;
     bytes[FL_MEM_GRADS] = numel * D;
-    bytes[FL_MEM_OTHER] = rows * sizeof(fl_param_view) * (fl_tp_ways(&c) > 1 ? 2 : 1) +
-                          bookkeeping_bytes(rows, c.n_layer);
+    int two = fl_tp_ways(&c) > 1 || pp->size > 1; // the whole table beside the rank's
+    bytes[FL_MEM_OTHER] = (rows + (two ? whole_rows : 0)) * sizeof(fl_param_view) +
+                          bookkeeping_bytes(rows, c.n_layer) +
+                          (pp->size > 1 ? (size_t)(rows + whole_rows) * sizeof(int) : 0);
     if (quant && quant->enabled) {
         size_t dense, store, absmax;
         fl_quant_sizes(&t, quant, &dense, &store, &absmax);
@@ -445,7 +540,7 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
     if (B > 0) {
         act_spec specs[MAX_SPECS];
         int n = act_specs(NULL, &c, &t, dt, B, T, threads, recompute, lora, lt.count ? &lt : NULL,
-                          specs);
+                          pp, specs);
         for (int i = 0; i < n; i++) bytes[specs[i].tag] += specs[i].count * specs[i].elem;
     }
     fl_params_free(&lt);
@@ -462,9 +557,12 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
     alloc_grads(m, unit_grads);
     act_spec specs[MAX_SPECS];
     int n = act_specs(m, c, &m->table, m->dtype, B, T, fl_threads(), recompute, &m->lora.cfg,
-                      m->lora.cfg.r ? &m->lora.table : NULL, specs);
-    for (int i = 0; i < n; i++)
+                      m->lora.cfg.r ? &m->lora.table : NULL, &m->pp, specs);
+    for (int i = 0; i < n; i++) {
         *specs[i].slot = fl_alloc(specs[i].tag, specs[i].count * specs[i].elem);
+        m->set_base[i] = *specs[i].slot;
+    }
+    if (m->set_state) memset(m->set_state, 0, (size_t)total_sets(&m->pp) * sizeof *m->set_state);
     m->att_workspace_threads = fl_threads();
     m->max_B = B;
     m->max_T = T;
@@ -472,13 +570,49 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
     if (m->rope_table) rope_table(m->rope_table, T, c->n_embd / c->n_head, c->rope_theta);
 }
 
+void fl_model_use_set(fl_model *m, int chunk, int set) {
+    fl_pp_stage *s = &m->pp;
+    FL_ASSERT(chunk >= 0 && chunk < s->chunks && set >= 0 && set < s->sets[chunk] && m->max_B);
+    if (m->set_state) { // keep the forward state of the set left, take the new one's
+        int at = 0;
+        for (int c = 0; c < m->chunk; c++) at += s->sets[c];
+        m->set_state[at + m->set] = (struct fl_set_state){
+            m->B, m->T, m->n_targets, m->dlogits_ready, m->loss, m->dlogits_dloss};
+        at = 0;
+        for (int c = 0; c < chunk; c++) at += s->sets[c];
+        const struct fl_set_state *st = &m->set_state[at + set];
+        m->B = st->B, m->T = st->T, m->n_targets = st->n_targets;
+        m->dlogits_ready = st->dlogits_ready, m->loss = st->loss;
+        m->dlogits_dloss = st->dlogits_dloss;
+    }
+    m->chunk = chunk;
+    m->set = set;
+    act_spec specs[MAX_SPECS];
+    int n = act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
+                      m->att_workspace_threads, m->recompute, &m->lora.cfg,
+                      m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
+    for (int i = 0; i < n; i++)
+        if (specs[i].per != PER_STEP)
+            *specs[i].slot = (char *)m->set_base[i] +
+                             set_offset(s, specs[i].per, specs[i].unit, chunk, set) * specs[i].elem;
+}
+
+void *fl_model_chunk_input(fl_model *m) {
+    return m->resid;
+}
+
+void *fl_model_chunk_output(fl_model *m) {
+    size_t n = (size_t)fl_seq_rows(&m->config, m->B * m->T) * m->config.n_embd;
+    return fl_at(m->dtype, m->resid, (size_t)m->pp.count[m->chunk] * n);
+}
+
 void fl_model_free(fl_model *m) {
     if (m->max_B) {
         act_spec specs[MAX_SPECS];
         int n = act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
                           m->att_workspace_threads, m->recompute, &m->lora.cfg,
-                          m->lora.cfg.r ? &m->lora.table : NULL, specs);
-        for (int i = 0; i < n; i++) fl_free(*specs[i].slot);
+                          m->lora.cfg.r ? &m->lora.table : NULL, &m->pp, specs);
+        for (int i = 0; i < n; i++) fl_free(m->set_base[i]);
     }
     fl_free(m->lora.params);
     fl_free(m->lora.grads);
@@ -538,8 +672,9 @@ static fl_block block_at(fl_model *m, int l, void **act) {
     size_t BT = (size_t)m->B * m->T, C = c->n_embd, BTs = (size_t)fl_seq_rows(c, (int)BT);
     fl_slot slots[FL_MAX_SLOTS];
     int ns = m->arch->block_slots(c, slots);
+    size_t j = (size_t)(l - m->pp.first[m->chunk]); // the block's place in its chunk
     for (int i = 0; i < ns; i++) {
-        size_t copy = copies_of(&slots[i], m->recompute, c->n_layer) == 1 ? 0 : (size_t)l;
+        size_t copy = recomputed(&slots[i], m->recompute) ? 0 : j;
         fl_dtype dt = slots[i].f32 ? FL_F32 : m->dtype;
         act[i] = fl_at(dt, m->block_act[i], copy * slot_numel(c, &slots[i], BT));
     }
@@ -547,19 +682,22 @@ static fl_block block_at(fl_model *m, int l, void **act) {
                       l,
                       m->B,
                       m->T,
-                      fl_at(m->dtype, m->resid, (size_t)l * BTs * C),
-                      fl_at(m->dtype, m->resid, (size_t)(l + 1) * BTs * C),
+                      fl_at(m->dtype, m->resid, j * BTs * C),
+                      fl_at(m->dtype, m->resid, (j + 1) * BTs * C),
                       act,
                       m->block_work};
 }
 
-// The head reads the last block's output.
+// The head reads the last block's output: the chunk's output.
 static fl_block head_at(fl_model *m) {
-    const fl_model_config *c = &m->config;
-    size_t BTs = (size_t)fl_seq_rows(c, m->B * m->T), L = c->n_layer;
-    return (fl_block){
-        m,    (int)L,      m->B,         m->T, fl_at(m->dtype, m->resid, L * BTs * c->n_embd),
-        NULL, m->head_act, m->block_work};
+    return (fl_block){m,
+                      m->config.n_layer,
+                      m->B,
+                      m->T,
+                      fl_model_chunk_output(m),
+                      NULL,
+                      m->head_act,
+                      m->block_work};
 }
 
 static float loss(fl_model *m, const float *dloss);
@@ -615,16 +753,18 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     if (B > m->max_B || T > m->max_T)
         fl_die("internal: batch %dx%d exceeds the allocated %dx%d", B, T, m->max_B, m->max_T);
     int L = c->n_layer, V = c->vocab_size;
+    const fl_pp_stage *s = &m->pp;
+    int embed = fl_pp_has_embed(s, m->chunk), head = fl_pp_has_head(s, m->chunk);
     size_t BT = (size_t)B * T;
     if (fl_seq_parallel(c) && BT % (size_t)c->tp_size)
         fl_die("sequence parallelism: a batch of %d x %d positions does not split over %d "
                "tensor-parallel ranks",
                B, T, c->tp_size);
     for (size_t i = 0; i < BT; i++) {
-        if (tokens[i] < 0 || tokens[i] >= V)
+        if (embed && (tokens[i] < 0 || tokens[i] >= V))
             fl_die("token id %d at position %zu is outside the vocabulary [0, %d)", tokens[i], i,
                    V);
-        if (targets && (targets[i] < -1 || targets[i] >= V))
+        if (head && targets && (targets[i] < -1 || targets[i] >= V))
             fl_die("target id %d at position %zu is outside the vocabulary [0, %d)", targets[i], i,
                    V);
     }
@@ -632,25 +772,27 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     if (fl_threads() > m->att_workspace_threads)
         fl_die("internal: %d threads, but activations were allocated for %d", fl_threads(),
                m->att_workspace_threads);
-    memcpy(m->inputs, tokens, BT * sizeof(int));
     m->B = B;
     m->T = T;
+    m->loss = -1.0f;
+    m->n_targets = 0;
+    m->dlogits_ready = 0;
 
-    pre_unit(m, FL_UNIT_EMBED, FL_PASS_FWD);
-    m->arch->embed_forward(m, m->resid, tokens, B, T);
+    if (embed) { // else the chunk's input was received into fl_model_chunk_input
+        memcpy(m->inputs, tokens, BT * sizeof(int));
+        pre_unit(m, FL_UNIT_EMBED, FL_PASS_FWD);
+        m->arch->embed_forward(m, m->resid, tokens, B, T);
+    }
     void *act[FL_MAX_SLOTS];
-    for (int l = 0; l < L; l++) {
+    for (int l = s->first[m->chunk]; l < s->first[m->chunk] + s->count[m->chunk]; l++) {
         pre_unit(m, l, FL_PASS_FWD);
         fl_block b = block_at(m, l, act);
         m->arch->block_forward(&b, 0);
     }
+    if (!head) return m->loss; // the output goes to the next stage (fl_model_chunk_output)
     pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_FWD);
-    fl_block head = head_at(m);
-    m->arch->head_forward(&head, m->logits);
-
-    m->loss = -1.0f;
-    m->n_targets = 0;
-    m->dlogits_ready = 0;
+    fl_block head_b = head_at(m);
+    m->arch->head_forward(&head_b, m->logits);
     if (!targets) return m->loss;
     memcpy(m->targets, targets, BT * sizeof(int));
     return loss(m, dloss);
@@ -725,12 +867,12 @@ void fl_model_zero_grad(fl_model *m) {
     if (m->lora.grads) memset(m->lora.grads, 0, m->lora.table.numel * D);
 }
 
-void fl_model_backward(fl_model *m, float dloss) {
+// The LM head's backward (the chunk's first part on the last stage): the
+// loss's gradient into the logits, then the head.
+static void head_backward(fl_model *m, float dloss) {
     const fl_model_config *c = &m->config;
-    if (m->loss < 0.0f) fl_die("internal: fl_model_backward needs a forward with targets");
-    int B = m->B, T = m->T, L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
-    size_t BT = (size_t)B * T;
-
+    int L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
+    size_t BT = (size_t)m->B * m->T;
     void *dlogits = m->logits; // overwritten in place by its own gradient
     if (!m->dlogits_ready && m->tp.size > 1) {
         fl_vocab_xent_backward(m, dloss);
@@ -750,11 +892,32 @@ void fl_model_backward(fl_model *m, float dloss) {
     m->arch->head_backward(&head, m->dres, dlogits);
     tokenwise_end(m, FL_UNIT_HEAD(L), &tw);
     grad_ready(m, FL_UNIT_HEAD(L));
+}
+
+// Pipeline stage 0 of a tied model: the LM head's weight gradient, from the
+// last stage's output gradient and input (received into tied_dlogits and
+// tied_x), added to the embedding's as one process adds it, before the
+// embedding's own.
+static void tied_head_grad(fl_model *m) {
+    fl_linear lins[FL_MAX_SLOTS];
+    int n = m->arch->linears(&m->config, lins);
+    for (int i = 0; i < n; i++)
+        if (lins[i].op == FL_OP_MM_LMHEAD)
+            fl_linear_backward(m, FL_UNIT_EMBED, &lins[i], NULL, m->tied_dlogits, m->tied_x,
+                               m->B * m->T);
+}
+
+void fl_model_backward(fl_model *m, float dloss) {
+    const fl_pp_stage *s = &m->pp;
+    int c = m->chunk, head = fl_pp_has_head(s, c);
+    if (head && m->loss < 0.0f) fl_die("internal: fl_model_backward needs a forward with targets");
+    if (head) head_backward(m, dloss); // else m->dres holds the next stage's gradient
 
     // dres holds the gradient of the residual stream, walking back through
     // the blocks.
     void *act[FL_MAX_SLOTS];
-    for (int l = L - 1; l >= 0; l--) {
+    tokenwise tw;
+    for (int l = s->first[c] + s->count[c] - 1; l >= s->first[c]; l--) {
         pre_unit(m, l, FL_PASS_BWD);
         fl_block b = block_at(m, l, act);
         // recomputation is deterministic: the same values as the forward's
@@ -765,9 +928,11 @@ void fl_model_backward(fl_model *m, float dloss) {
         tokenwise_end(m, l, &tw);
         grad_ready(m, l);
     }
+    if (!fl_pp_has_embed(s, c)) return; // m->dres goes to the previous stage
     // the token embedding is complete only now when the LM head is tied to it
     pre_unit(m, FL_UNIT_EMBED, FL_PASS_BWD);
-    m->arch->embed_backward(m, m->dres, m->inputs, B, T);
+    if (m->tied_dlogits) tied_head_grad(m);
+    m->arch->embed_backward(m, m->dres, m->inputs, m->B, m->T);
     grad_ready(m, FL_UNIT_EMBED);
 }
 

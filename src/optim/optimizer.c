@@ -132,17 +132,20 @@ void fl_optimizer_zero_grad(fl_optimizer *o) {
         memset(o->grads, 0, n * fl_dtype_size(o->dtype));
 }
 
-void fl_optimizer_micro_done(fl_optimizer *o) {
-    o->micro++;
-    if (!o->grad_accum) return;
-    size_t n = o->table->numel, block = 4096, nblocks = (n + block - 1) / block;
+void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
+    size_t n = end - first, block = 4096, nblocks = (n + block - 1) / block;
 #pragma omp parallel for schedule(static)
     for (size_t b = 0; b < nblocks; b++) {
-        size_t i = b * block, len = n - i < block ? n - i : block;
+        size_t i = first + b * block, len = end - i < block ? end - i : block;
         float scratch[4096];
         const float *g = fl_load_f32(o->dtype, fl_at(o->dtype, o->grads, i), len, scratch);
         for (size_t k = 0; k < len; k++) o->grad_accum[i + k] += g[k];
     }
+}
+
+void fl_optimizer_micro_done(fl_optimizer *o) {
+    o->micro++;
+    if (o->grad_accum) fl_optimizer_accum_range(o, 0, o->table->numel);
 }
 
 float fl_optimizer_scale(const fl_optimizer *o) {
@@ -295,20 +298,35 @@ void fl_optimizer_end_step(fl_optimizer *o) {
     o->micro = 0;
 }
 
-// Tensor parallelism: the squares of the gradient elements [first, first +
-// n) this rank counts (a replicated row's on TP rank 0 only), row by row in
-// table order, summed over the TP group.
-static double tp_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, size_t first,
-                       size_t n) {
-    double s = 0.0;
-    for (int r = 0; r < o->table->count; r++) {
-        const fl_param_view *v = &o->table->views[r];
+// The squares of the gradient elements [first, first + n) of dtype dt, each
+// element counted once over the model-parallel ranks (a replicated row on
+// TP rank 0 only, a pipeline's tied copy never), summed row by row, then
+// over the TP group, then (pipeline parallelism) placed in the whole
+// table's order and summed over the stages; with `dp`, summed over the
+// data-parallel ranks too. The total adds the rows in table order, so the
+// same gradient gives the same bits under any pipeline split.
+static double grad_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, size_t first,
+                         size_t n, int dp) {
+    const fl_param_table *t = o->table;
+    int rows = o->pp ? o->pp->whole_rows : t->count;
+    double *sq = fl_alloc(FL_MEM_WORKSPACE, (size_t)rows * sizeof(double));
+    memset(sq, 0, (size_t)rows * sizeof(double));
+    for (int r = 0; r < t->count; r++) {
+        const fl_param_view *v = &t->views[r];
         size_t a = v->offset > first ? v->offset : first;
         size_t b = v->offset + v->numel < first + n ? v->offset + v->numel : first + n;
-        if (b > a && (v->tp_dim >= 0 || o->tp->rank == 0))
-            s += fl_grad_sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
+        int counted = !(v->flags & FL_PARAM_TIED_COPY) &&
+                      (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
+        if (b > a && counted)
+            sq[o->pp ? o->pp->row_global[r] : r] =
+                fl_grad_sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
     }
-    o->tp->ops->sum(o->tp->ops->ctx, &s, 1);
+    if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, sq, rows);
+    if (o->pp) o->pp->ops->sum(o->pp->ops->ctx, sq, rows); // each row on one stage only
+    if (dp) o->sync->sum(o->sync->ctx, sq, rows);
+    double s = 0.0;
+    for (int r = 0; r < rows; r++) s += sq[r];
+    fl_free(sq);
     return s;
 }
 
@@ -330,11 +348,9 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int 
     fl_step_result r = {0.0f, 0, o->scaler.scale, {0, NAN, NAN}};
     // finite floats' squares sum to a finite double, so an inf or NaN gradient
     // (fp16 overflow) shows in the norm's pass: no pass of its own
-    double sumsq =
-        o->tp ? tp_sumsq(o, grads_dtype, grads, first, n) : fl_grad_sumsq(grads_dtype, grads, n);
+    int dp = sync && !sync->replicated;
+    double sumsq = grad_sumsq(o, grads_dtype, grads, first, n, dp);
     double overflow = o->dtype == FL_F16 && !isfinite(sumsq);
-    if (o->tp && o->dtype == FL_F16) o->tp->ops->sum(o->tp->ops->ctx, &overflow, 1);
-    if (sync && o->dtype == FL_F16) sync->max(sync->ctx, &overflow, 1); // all ranks skip
     if (overflow) {
         // skip the step: no weight, master or optimizer-state byte changes
         r.skipped = 1;
@@ -347,7 +363,6 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int 
         return r;
     }
     float unscale = 1.0f / o->scaler.scale;
-    if (sync && !sync->replicated) sync->sum(sync->ctx, &sumsq, 1);
     r.grad_norm = (float)sqrt(sumsq) * unscale;
     if (!isfinite(r.grad_norm)) {
         // an inf or NaN gradient outside fp16's scaling: skipped like an

@@ -382,7 +382,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         // B = 0 tells the model to leave out activations (and its inputs/targets)
         fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
                         dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
-                        &r->quant, b);
+                        &r->quant, NULL, b);
     } else {
         // a raw count split evenly over the TP ranks (what stays whole,
         // norms and row-layer biases, is not known)

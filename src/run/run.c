@@ -164,7 +164,7 @@ static void plan_run(fl_run *r, int whole_weights_first) {
     fl_plan_request_from_config(&req, cfg, data_bytes);
     req.data_peak = data_peak;
     req.whole_weights_first = whole_weights_first;
-    req.ranks = r->world * r->tp.size; // t x d
+    req.ranks = r->world * r->tp.size * r->stage.size; // t x p x d
     fl_plan_compute(&req, &r->plan);
     size_t limit =
         *cfg->mem_limit ? fl_parse_bytes(cfg->mem_limit, "mem_limit") : fl_mem_available();
@@ -195,7 +195,7 @@ static void init_model(fl_run *r, int pretrained, size_t own_begin, size_t own_e
     }
     int shard = !pretrained && r->dist && cfg->zero.stage == 3 && r->world > 1;
     fl_model_init_tp(&r->model, weights, cfg->dtype, quant, shard ? own_begin : 0,
-                     shard ? own_end : SIZE_MAX, &r->tp);
+                     shard ? own_end : SIZE_MAX, &r->tp, &r->stage);
     fl_weight_source_close(weights);
 }
 
@@ -218,7 +218,40 @@ static void restore(fl_run *r, fl_ckpt *ck) {
 // The data-parallel group: the world, or under tensor parallelism the ranks
 // of this TP rank's index.
 static const fl_comm_group *dp_group(const fl_run *r) {
-    return r->tp.size > 1 ? r->layout.dp_group : fl_comm_world();
+    return r->layout.tp ? r->layout.dp_group : fl_comm_world();
+}
+
+// Elements of one block's rows, the embedding's and the head's (the
+// tensor-parallel rank's table t), for the split by parameters.
+static void unit_sizes(const fl_param_table *t, int L, size_t *block, size_t *embed,
+                       size_t *head) {
+    *block = *embed = *head = 0;
+    for (int i = 0; i < t->count; i++) {
+        const fl_param_view *v = &t->views[i];
+        if (v->unit == FL_UNIT_EMBED) *embed += v->numel;
+        if (v->unit == FL_UNIT_HEAD(L)) *head += v->numel;
+        if (v->unit == 0) *block += v->numel;
+    }
+}
+
+// This rank's pipeline stage: the split of the blocks over p x v virtual
+// stages, and its chunks' activation sets under the schedule.
+static void pipeline_stage(fl_run *r) {
+    const fl_train_config *cfg = &r->cfg;
+    int p = cfg->pipeline_parallel, v = cfg->virtual_stages, L = cfg->model.n_layer;
+    fl_model_config shape = cfg->model;
+    shape.tp_size = r->tp.size;
+    fl_param_table t;
+    fl_model_rank_table(&t, &shape, r->tp.rank);
+    size_t block, embed, head;
+    unit_sizes(&t, L, &block, &embed, &head);
+    if (cfg->model.tie_embeddings) head += t.views[0].numel; // the last stage's copy
+    fl_params_free(&t);
+    int given[FL_PP_MAX_VIRTUAL], n_given, counts[FL_PP_MAX_VIRTUAL];
+    int method = fl_pp_split_parse(cfg->pipeline_split, "--pipeline-split", given, &n_given);
+    fl_pp_split(method, L, p * v, given, block, embed, head, counts);
+    fl_pp_stage_of(&r->stage, fl_pp_schedule_kind(cfg->pipeline_schedule), p, v, cfg->grad_accum,
+                   r->layout.pp_rank, counts);
 }
 
 void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options *opt) {
@@ -237,15 +270,19 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     fl_comm_set_timeout(cfg->zero.comm_timeout);
     FL_ASSERT(!opt->alone || cfg->zero.stage == 0);
     r->tp = (fl_tp){1, 0, 0, NULL};
-    if (cfg->tensor_parallel > 1) { // Megatron's groups; the data is the DP group's
-        if (cfg->lora_enabled || cfg->quant.enabled)
-            fl_die("tensor parallelism (--tensor-parallel %d) with %s is not supported: train "
-                   "the adapters without it, or the whole model with it",
-                   cfg->tensor_parallel, cfg->lora_enabled ? "LoRA adapters" : "NF4 base weights");
-        if (opt->alone) fl_die("internal: a run alone cannot be split by tensor parallelism");
-        fl_layout_init(&r->layout, cfg->tensor_parallel, 1);
-        r->tp = (fl_tp){cfg->tensor_parallel, r->layout.tp_rank, cfg->sequence_parallel,
-                        fl_tp_ops_group(r->layout.tp_group)};
+    fl_pp_stage_whole(&r->stage, cfg->model.n_layer);
+    if (cfg->tensor_parallel > 1 && (cfg->lora_enabled || cfg->quant.enabled))
+        fl_die("tensor parallelism (--tensor-parallel %d) with %s is not supported: train "
+               "the adapters without it, or the whole model with it",
+               cfg->tensor_parallel, cfg->lora_enabled ? "LoRA adapters" : "NF4 base weights");
+    if (cfg->tensor_parallel > 1 || cfg->pipeline_parallel > 1) {
+        // Megatron's groups; the data is the DP group's
+        if (opt->alone) fl_die("internal: a run alone cannot be split by model parallelism");
+        fl_layout_init(&r->layout, cfg->tensor_parallel, cfg->pipeline_parallel);
+        if (cfg->tensor_parallel > 1)
+            r->tp = (fl_tp){cfg->tensor_parallel, r->layout.tp_rank, cfg->sequence_parallel,
+                            fl_tp_ops_group(r->layout.tp_group)};
+        if (cfg->pipeline_parallel > 1) pipeline_stage(r);
         r->rank = r->layout.dp_rank;
         r->world = r->layout.dp;
     }
@@ -288,6 +325,11 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     fl_model_config shape = cfg->model;
     shape.tp_size = r->tp.size;
     fl_model_rank_table(&rows, &shape, r->tp.rank);
+    if (r->stage.size > 1) { // the stage's rows
+        fl_param_table rank = rows;
+        fl_model_stage_table(&rows, &rank, &shape, &r->stage, NULL);
+        fl_params_free(&rank);
+    }
     size_t own_begin = 0, own_end = rows.numel;
     if (r->dist) fl_dist_range(&cfg->zero, &rows, dp_group(r), &own_begin, &own_end);
     fl_params_free(&rows);
@@ -328,8 +370,17 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         fl_ckpt_close(ck);
         res->ck = NULL;
     }
-    if (r->dist)
-        r->strategy = fl_dist_attach(model, &r->optim, &cfg->zero, r->offload, dp_group(r));
+    if (r->dist) {
+        // under pipeline parallelism the data-parallel reduction runs once
+        // after the pipeline's last backward, as DeepSpeed's ReduceGrads
+        fl_zero_config zero = cfg->zero;
+        if (r->stage.size > 1) zero.overlap_comm = 0;
+        r->strategy = fl_dist_attach(model, &r->optim, &zero, r->offload, dp_group(r));
+    }
+    if (r->stage.size > 1)
+        r->pipe = fl_pipeline_attach(model, &r->optim, r->layout.pp_group,
+                                     fl_pp_schedule_kind(cfg->pipeline_schedule), cfg->grad_accum,
+                                     cfg->micro_batch, cfg->seq_len);
     // (the data-parallel ranks hold the same; TP ranks their own slices)
     if (!opt->alone) run_agree_weights(r, dp_group(r));
     r->schedule = (fl_schedule){!strcmp(cfg->scheduler, "cosine")   ? FL_SCHED_COSINE
@@ -358,11 +409,18 @@ float fl_run_evaluate(fl_run *r, int step) {
     for (int k = 0; k < cfg->eval_iters; k++) {
         fl_loader_eval_batch(&r->val, k * r->world + r->rank, cfg->eval_iters * r->world, r->inputs,
                              r->targets, cfg->micro_batch);
-        float loss =
-            fl_model_forward(&r->model, r->inputs, r->targets, cfg->micro_batch, cfg->seq_len);
+        int n_targets;
+        float loss;
+        if (r->pipe) {
+            loss = fl_pipeline_forward(r->pipe, r->inputs, r->targets, &n_targets);
+        } else {
+            loss = fl_model_forward(&r->model, r->inputs, r->targets, cfg->micro_batch,
+                                    cfg->seq_len);
+            n_targets = r->model.n_targets;
+        }
         if (!isfinite(loss) && bad < 0) bad = k * r->world + r->rank, bad_loss = loss;
-        sums[0] += (double)loss * r->model.n_targets;
-        sums[1] += r->model.n_targets;
+        sums[0] += (double)loss * n_targets;
+        sums[1] += n_targets;
     }
     if (r->world > 1) fl_comm_sum(dp_group(r), sums, 2); // a non-finite sum is every rank's
     if (!isfinite(sums[0])) {
@@ -394,7 +452,7 @@ static int weights_finite(const fl_run *r, int step) {
             bad = 1.0;
     }
     double v[3] = {bad, step, -step};
-    if (r->world * r->tp.size > 1) fl_comm_max(fl_comm_world(), v, 3);
+    if (fl_comm_size() > 1) fl_comm_max(fl_comm_world(), v, 3);
     if (v[1] != step || v[2] != -step)
         fl_die("internal: the ranks reached the checkpoint of step %d at different steps (%g to "
                "%g)",
@@ -411,7 +469,7 @@ void fl_run_save(fl_run *r, int step) {
         fl_die("the weights are not finite after step %d: not writing a checkpoint over the good "
                "ones in %s (training diverged; lower the learning rate)",
                step, cfg->out_dir);
-    if (r->dist || r->tp.size > 1) // every rank its shard (DDP: rank 0 all), agreed before
+    if (r->dist || r->layout.tp) // every rank its shard (DDP: rank 0 all), agreed before
                                    // anything is visible
         fl_train_ckpt_save_dist(cfg->out_dir, step, &r->model, &r->optim, &r->train.state,
                                 &r->tok_files, r->config_json, cfg->keep_checkpoints, r->run_id);
@@ -425,12 +483,13 @@ void fl_run_close(fl_run *r) {
     fl_free(r->inputs);
     fl_free(r->targets);
     fl_free(r->config_json);
+    fl_pipeline_free(r->pipe);
     fl_dist_free(r->strategy);
     fl_offload_free(r->offload);
     fl_optimizer_free(&r->optim);
     if (r->base) fl_optimizer_free(r->base);
     fl_model_free(&r->model);
-    if (r->tp.size > 1) fl_layout_free(&r->layout);
+    if (r->layout.tp) fl_layout_free(&r->layout);
     if (r->tok) fl_tokenizer_free(r->tok);
     fl_tokenizer_files_free(&r->tok_files);
     if (r->has_val) fl_loader_close(&r->val);

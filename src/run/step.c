@@ -260,6 +260,7 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
 
 fl_train_result fl_run_step_batch(fl_run *r, const int *inputs, const int *targets, float lr) {
     const fl_train_config *c = &r->cfg;
+    if (r->pipe) return fl_pipeline_step(r->pipe, inputs, targets, lr);
     return step_of(&r->model, &r->optim, r->base, inputs, targets, c->grad_accum, c->micro_batch,
                    c->seq_len, lr, lr * (r->base_lr / c->lr));
 }
