@@ -415,6 +415,195 @@ static void test_batch_rule_over_replicas(void) {
            "{\"tensor_parallel\": {\"size\": 3}}", "(4 % 3 = 1)");
 }
 
+// ----------------------------------------------------------------------------
+// pipeline parallelism's keys and refusals (fl_pp_check, fl_pp_finish_split)
+
+typedef struct {
+    int ranks;
+    const char *json, *flags;
+} run_config;
+
+static void finish_run(void *arg) {
+    const run_config *r = arg;
+    fl_train_config cfg;
+    config_of(&cfg, r->json, r->flags);
+    cfg.ranks = r->ranks;
+    fl_config_finish(&cfg, 257);
+}
+
+static void pp_check_of(void *cfg) {
+    fl_pp_check(cfg, &((fl_train_config *)cfg)->model);
+}
+
+static void test_pp_keys(void) {
+    fl_train_config cfg;
+    // DeepSpeed's pipeline.stages: a number is pipeline_parallel.size, "auto" leaves it
+    config_of(&cfg, "{\"pipeline\": {\"stages\": 4}}", NULL);
+    t_check(cfg.pipeline_parallel == 4, "pipeline.stages 4 sets p (%d)", cfg.pipeline_parallel);
+    config_of(&cfg, "{\"pipeline\": {\"stages\": \"auto\"}, \"pipeline_parallel\": {\"size\": 2}}",
+              NULL);
+    t_check(cfg.pipeline_parallel == 2 && !fl_config_given(&cfg, "pipeline.stages"),
+            "pipeline.stages auto keeps pipeline_parallel.size 2 (%d)", cfg.pipeline_parallel);
+    config_of(&cfg, "{\"pipeline\": {\"stages\": \"auto\"}}", "--pipeline-parallel 2");
+    char *json = fl_config_to_json(&cfg);
+    t_check(cfg.pipeline_parallel == 2 && !strstr(json, "stages"),
+            "auto under --pipeline-parallel 2: p %d, not saved: %s", cfg.pipeline_parallel, json);
+    fl_free(json);
+    config_of(&cfg, "{\"pipeline\": {\"stages\": \"auto\"}}", NULL);
+    t_check(cfg.pipeline_parallel == 1, "auto alone: p 1 (%d)", cfg.pipeline_parallel);
+    t_dies("pipeline.stages and pipeline_parallel.size disagree", config_from_json,
+           "{\"pipeline_parallel\": {\"size\": 4}, \"pipeline\": {\"stages\": 2}}",
+           "test.json: pipeline.stages 2 contradicts pipeline_parallel.size 4");
+    t_dies("pipeline.stages 'two'", config_from_json, "{\"pipeline\": {\"stages\": \"two\"}}",
+           "test.json: pipeline.stages must be a number");
+    t_dies("pipeline_parallel.schedule zb", config_from_json,
+           "{\"pipeline_parallel\": {\"schedule\": \"zb\"}}",
+           "test.json: pipeline_parallel.schedule must be one of gpipe|1f1b|interleaved, got 'zb'");
+    config_of(&cfg, NULL, "--pipeline-schedule Interleaved --virtual-stages 2");
+    t_check(!strcmp(cfg.pipeline_schedule, "interleaved") && cfg.virtual_stages == 2,
+            "--pipeline-schedule is a choice: %s", cfg.pipeline_schedule);
+    // Megatron's first/last stage blocks: an explicit list at finish time
+    // (GPT-2's 12 blocks over 4 stages: 2, then 8 over the middle 2, then 2)
+    config_of(&cfg,
+              "{\"decoder_first_pipeline_num_layers\": 2, "
+              "\"decoder_last_pipeline_num_layers\": 2}",
+              "--model gpt2 --pipeline-parallel 4 --seq-len 16");
+    cfg.ranks = 4;
+    fl_config_finish(&cfg, 257);
+    t_check(!strcmp(cfg.pipeline_split, "2,4,4,2"), "first 2, last 2 over p 4: %s",
+            cfg.pipeline_split);
+    config_of(
+        &cfg, NULL,
+        "--model gpt2 --pipeline-parallel 4 --seq-len 16 --decoder-last-pipeline-num-layers 3 "
+        "--pipeline-split 3,3,3,3");
+    cfg.ranks = 4;
+    fl_config_finish(&cfg, 257);
+    t_check(!strcmp(cfg.pipeline_split, "3,3,3,3"), "last 3 and the same list given: %s",
+            cfg.pipeline_split);
+    // under v = 2 each stage's blocks split over its chunks: virtual stage c p + r
+    config_of(&cfg, NULL,
+              "--model gpt2 --pipeline-parallel 4 --seq-len 16 --decoder-first-pipeline-num-layers "
+              "2 --decoder-last-pipeline-num-layers 2 --pipeline-schedule interleaved "
+              "--virtual-stages 2 --grad-accum 4");
+    cfg.ranks = 8;
+    fl_config_finish(&cfg, 257);
+    t_check(!strcmp(cfg.pipeline_split, "1,2,2,1,1,2,2,1") && cfg.train_batch_size == 16 * 4 * 2,
+            "first 2, last 2 over p 4, v 2: %s; train_batch_size %d over 2 replicas",
+            cfg.pipeline_split, cfg.train_batch_size);
+}
+
+static void test_pp_refusals(void) {
+    const char *gpt2 = "--model gpt2 --seq-len 16 ";
+    char flags[32][320];
+    const struct {
+        int ranks;
+        const char *json, *flags, *says;
+    } cases[] = {
+        {6, NULL, "--tensor-parallel 2 --pipeline-parallel 2",
+         "tensor_parallel.size 2 x pipeline_parallel.size 2 does not divide the world of 6 ranks "
+         "(6 % 4 = 2): the ranks form d = world / (t p) data-parallel replicas of 4 ranks each"},
+        {3, NULL, "--pipeline-parallel 2",
+         "pipeline_parallel.size 2 does not divide the world of 3 ranks (3 % 2 = 1)"},
+        {4, NULL, "--pipeline-parallel 2 --virtual-stages 2",
+         "pipeline_parallel.virtual_stages 2: several chunks a rank are run by the interleaved "
+         "schedule, and pipeline_parallel.schedule is 1f1b"},
+        {4, NULL, "--pipeline-parallel 2 --pipeline-schedule interleaved",
+         "pipeline_parallel.schedule interleaved runs 2 or more chunks a rank; "
+         "pipeline_parallel.virtual_stages is 1"},
+        {4, NULL,
+         "--pipeline-parallel 4 --pipeline-schedule interleaved --virtual-stages 2 --grad-accum 6",
+         "pipeline_parallel.schedule interleaved with pipeline_parallel.size 4, "
+         "gradient_accumulation_steps 6 (m, the micro-batches a step) and virtual_stages 2: "
+         "interleaved takes the micro-batches in groups of p: m 6 is not a multiple of p 4"},
+        {4, NULL,
+         "--pipeline-parallel 4 --pipeline-schedule interleaved --virtual-stages 4 --grad-accum 4",
+         "pipeline_parallel.split (--pipeline-split): 12 blocks (n_layer) cannot fill 16 "
+         "virtual stages"},
+        {2, NULL, "--pipeline-parallel 2 --pipeline-split 4,4,4",
+         "pipeline_parallel.split (--pipeline-split) 4,4,4 has 3 entries; pipeline_parallel.size "
+         "2 x virtual_stages 1 = 2 virtual stages need one each"},
+        {2, NULL, "--pipeline-parallel 2 --pipeline-split 5,5",
+         "pipeline_parallel.split (--pipeline-split): the 2 entries sum to 10 blocks, the model "
+         "has 12 (n_layer)"},
+        {4, NULL, "--pipeline-parallel 2 --zero-stage 2",
+         "zero_optimization.stage 2 (--zero-stage) with pipeline_parallel.size 2 is refused, as "
+         "DeepSpeed refuses pipeline parallelism with ZeRO-2 and ZeRO-3: a stage's gradients "
+         "live across all the micro-batches of a step"},
+        // parameter offload is stage 3's: refused with it
+        {4, "{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\"}}}",
+         "--pipeline-parallel 2",
+         "zero_optimization.stage 3 (--zero-stage) with "
+         "pipeline_parallel.size 2 is refused"},
+        {2, NULL, "--pipeline-parallel 2 --lora",
+         "pipeline parallelism (--pipeline-parallel 2) with LoRA adapters is not supported"},
+        {2, NULL, "--pipeline-parallel 2 --lora --quantize nf4",
+         "pipeline parallelism (--pipeline-parallel 2) with NF4 base weights (QLoRA) is not "
+         "supported"},
+        {2, NULL, "--pipeline-parallel 2 --optimizer lomo",
+         "optimizer.type lomo (an update fused into the backward pass) under pipeline "
+         "parallelism (--pipeline-parallel 2) is not supported yet"},
+        {2, NULL, "--pipeline-parallel 2 --optimizer adalomo",
+         "optimizer.type adalomo (an update fused into the backward pass) under pipeline "
+         "parallelism (--pipeline-parallel 2) is not supported yet"},
+        {2, NULL, "--pipeline-parallel 2 --optimizer-in-backward",
+         "optimizer_in_backward (an update fused into the backward pass) under pipeline "
+         "parallelism (--pipeline-parallel 2) is not supported yet"},
+        {8, "{\"train_batch_size\": 12, \"gradient_accumulation_steps\": 4}",
+         "--tensor-parallel 2 --pipeline-parallel 2",
+         "train_batch_size 12 is not a multiple of gradient_accumulation_steps 4 x 2 "
+         "data-parallel replicas (8 ranks / (tensor_parallel.size 2 x pipeline_parallel.size 2))"},
+        // Megatron's first/last stage blocks
+        {1, NULL, "--decoder-first-pipeline-num-layers 3",
+         "decoder_first_pipeline_num_layers 3: the first and last pipeline stages' blocks need "
+         "pipeline_parallel.size 2 or more, which is 1"},
+        {4, NULL, "--pipeline-parallel 4 --decoder-first-pipeline-num-layers 2",
+         "decoder_first_pipeline_num_layers 2: the 10 blocks left to the 3 middle pipeline "
+         "stages (n_layer 12) do not split evenly (10 % 3 = 1), as Megatron requires"},
+        {2, NULL,
+         "--pipeline-parallel 2 --decoder-first-pipeline-num-layers 5 "
+         "--decoder-last-pipeline-num-layers 5",
+         "decoder_first_pipeline_num_layers 5 and decoder_last_pipeline_num_layers 5: the first "
+         "and last stages are all of pipeline_parallel.size 2's, so they must hold the model's 12 "
+         "blocks (n_layer), not 10"},
+        {4, NULL,
+         "--pipeline-parallel 4 --decoder-first-pipeline-num-layers 6 "
+         "--decoder-last-pipeline-num-layers 5",
+         "decoder_first_pipeline_num_layers 6 and decoder_last_pipeline_num_layers 5: 1 of the "
+         "model's 12 blocks (n_layer) are left to the 2 middle pipeline stages"},
+        {4, NULL,
+         "--pipeline-parallel 2 --decoder-first-pipeline-num-layers 3 --pipeline-schedule "
+         "interleaved --virtual-stages 2 --grad-accum 2",
+         "decoder_first_pipeline_num_layers 3: the first stage's 3 blocks do not split over its "
+         "pipeline_parallel.virtual_stages 2 chunks (3 % 2 = 1)"},
+        {4, NULL,
+         "--pipeline-parallel 4 --decoder-last-pipeline-num-layers 3 --pipeline-split uniform",
+         "decoder_last_pipeline_num_layers 3: their split 3,3,3,3 contradicts "
+         "pipeline_parallel.split (--pipeline-split) uniform"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(flags[i], sizeof flags[i], "%s%s", gpt2, cases[i].flags);
+        run_config r = {cases[i].ranks, cases[i].json, flags[i]};
+        char name[400];
+        snprintf(name, sizeof name, "%d ranks: %s", r.ranks, cases[i].flags);
+        t_dies(name, finish_run, &r, cases[i].says);
+    }
+    // accepted: PP x TP x DP over 8 ranks, 1F1B over GPT-2's 12 blocks
+    fl_train_config cfg;
+    config_of(&cfg, NULL,
+              "--model gpt2 --seq-len 16 --tensor-parallel 2 --pipeline-parallel 2 --batch 2 "
+              "--grad-accum 4 --zero-stage 1");
+    cfg.ranks = 8;
+    fl_config_finish(&cfg, 257);
+    t_check(cfg.train_batch_size == 2 * 4 * 2, "t 2 x p 2 x d 2: train_batch_size %d = 2 x 4 x 2",
+            cfg.train_batch_size);
+    // fl_pp_check itself names a schedule the option table would have refused
+    cfg.pipeline_parallel = 2;
+    snprintf(cfg.pipeline_schedule, sizeof cfg.pipeline_schedule, "zb");
+    t_dies("fl_pp_check: schedule zb", pp_check_of, &cfg,
+           "pipeline_parallel.schedule (--pipeline-schedule) must be gpipe, 1f1b or interleaved, "
+           "got 'zb'");
+}
+
 int main(void) {
     test_isa_cap(); // first: before anything calls fl_cpu()
     test_openblas_coretype();
@@ -427,5 +616,7 @@ int main(void) {
     test_tp_layouts();
     test_tp_checked_by_config_finish();
     test_batch_rule_over_replicas();
+    test_pp_keys();
+    test_pp_refusals();
     return t_report();
 }

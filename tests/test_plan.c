@@ -929,6 +929,53 @@ static void check_fits_dies(void *arg) {
     fl_plan_check_fits(&big_batch, &p, fits_at_8);
 }
 
+// The pipeline's options reach the request (fl_plan_request_from_config),
+// the stage split resolved over the model's blocks.
+static void pp_request(fl_plan_request *r, const char *flags, int ranks) {
+    char copy[512], *argv[32];
+    snprintf(copy, sizeof copy, "%s", flags);
+    int argc = 0;
+    for (char *tok = strtok(copy, " "); tok && argc < 32; tok = strtok(NULL, " "))
+        argv[argc++] = tok;
+    fl_train_config cfg;
+    fl_config_defaults(&cfg);
+    fl_config_parse_args(&cfg, argc, argv);
+    cfg.ranks = ranks;
+    fl_config_finish(&cfg, 257);
+    fl_plan_request_from_config(r, &cfg, 0);
+}
+
+static void test_pipeline_request(void) {
+    static fl_plan_request r; // 4 KiB of stage_blocks
+    fl_plan_request_init(&r);
+    t_check(r.pipeline_parallel == 1 && r.virtual_stages == 1 &&
+                r.pipeline_schedule == FL_PP_1F1B && r.pipeline_split == FL_PP_SPLIT_PARAMETERS,
+            "a request's pipeline defaults: p 1, v 1, 1F1B, by parameters");
+    pp_request(&r, "--model gpt2 --seq-len 16 --pipeline-parallel 2", 4);
+    t_check(r.pipeline_parallel == 2 && r.virtual_stages == 1 &&
+                r.pipeline_schedule == FL_PP_1F1B && r.pipeline_split == FL_PP_SPLIT_PARAMETERS &&
+                r.stage_blocks[0] == 6 && r.stage_blocks[1] == 6,
+            "--pipeline-parallel 2: p %d, 1F1B, GPT-2's blocks %d,%d by parameters",
+            r.pipeline_parallel, r.stage_blocks[0], r.stage_blocks[1]);
+    pp_request(&r,
+               "--model gpt2 --seq-len 16 --pipeline-parallel 2 --pipeline-schedule interleaved "
+               "--virtual-stages 2 --grad-accum 4 --pipeline-split 2,4,4,2",
+               4);
+    t_check(r.pipeline_parallel == 2 && r.virtual_stages == 2 &&
+                r.pipeline_schedule == FL_PP_INTERLEAVED &&
+                r.pipeline_split == FL_PP_SPLIT_EXPLICIT && r.stage_blocks[0] == 2 &&
+                r.stage_blocks[1] == 4 && r.stage_blocks[2] == 4 && r.stage_blocks[3] == 2 &&
+                r.optim.grad_accum == 4,
+            "interleaved, v 2, 2,4,4,2: p %d v %d schedule %d split %d blocks %d,%d,%d,%d",
+            r.pipeline_parallel, r.virtual_stages, r.pipeline_schedule, r.pipeline_split,
+            r.stage_blocks[0], r.stage_blocks[1], r.stage_blocks[2], r.stage_blocks[3]);
+    pp_request(&r, "--model gpt2 --seq-len 16 --pipeline-parallel 3 --pipeline-split uniform", 3);
+    t_check(r.pipeline_split == FL_PP_SPLIT_UNIFORM && r.stage_blocks[0] == 4 &&
+                r.stage_blocks[1] == 4 && r.stage_blocks[2] == 4,
+            "uniform over 3 stages: %d,%d,%d", r.stage_blocks[0], r.stage_blocks[1],
+            r.stage_blocks[2]);
+}
+
 static void test_check_fits(void) {
     big_batch = small_request(FL_F32, adamw_config(1), 64, 64);
     fl_plan_request at8 = big_batch;
@@ -984,6 +1031,31 @@ static void test_cli(void) {
                 strstr(out, "tensor parallel 2 with sequence parallelism: this rank's slices") &&
                 strstr(out, "data parallel, data-parallel rank 0 of 2"),
             "fitlm plan --tensor-parallel 2 --sequence-parallel --ranks 4: %s", out);
+    // the pipeline's refusals apply to a plan's ranks
+    snprintf(cmd, sizeof cmd,
+             "%s plan --model tiny --seq-len 32 --pipeline-parallel 2 --tensor-parallel 2 "
+             "--ranks 6 --data '' --val-data '' 2>&1",
+             bin);
+    f = popen(cmd, "r");
+    n = f ? fread(out, 1, sizeof out - 1, f) : 0;
+    out[n] = 0;
+    status = f ? pclose(f) : -1;
+    t_check(WIFEXITED(status) && WEXITSTATUS(status) == 1 &&
+                strstr(out, "tensor_parallel.size 2 x pipeline_parallel.size 2 does not divide "
+                            "the world of 6 ranks (6 % 4 = 2)"),
+            "fitlm plan --pipeline-parallel 2 --tensor-parallel 2 --ranks 6: %s", out);
+    snprintf(cmd, sizeof cmd,
+             "%s plan --model tiny --seq-len 32 --pipeline-parallel 2 --ranks 2 --zero-stage 3 "
+             "--data '' --val-data '' 2>&1",
+             bin);
+    f = popen(cmd, "r");
+    n = f ? fread(out, 1, sizeof out - 1, f) : 0;
+    out[n] = 0;
+    status = f ? pclose(f) : -1;
+    t_check(WIFEXITED(status) && WEXITSTATUS(status) == 1 &&
+                strstr(out, "zero_optimization.stage 3 (--zero-stage) with "
+                            "pipeline_parallel.size 2 is refused"),
+            "fitlm plan --pipeline-parallel 2 --zero-stage 3: %s", out);
 }
 
 int main(void) {
@@ -1000,6 +1072,7 @@ int main(void) {
     test_tensor_parallel_raw_count();
     test_tensor_parallel_refusals();
     test_check_fits();
+    test_pipeline_request();
     test_cli();
     test_data_parallel_measured();
     return t_report();

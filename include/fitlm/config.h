@@ -109,12 +109,17 @@ typedef struct {
                            // split (1: none)
     int sequence_parallel; // Megatron's --sequence-parallel (needs t > 1)
     // pipeline parallelism (pipeline.h): p stages of contiguous blocks
-    int pipeline_parallel;             // p (1: none)
+    int pipeline_parallel;               // p (1: none)
     char pipeline_schedule[FL_NAME_MAX]; // gpipe | 1f1b | interleaved
-    int virtual_stages;                // v: chunks a rank holds (interleaved: >= 2)
-    char pipeline_split[FL_PATH_MAX];  // uniform | parameters | N,N,... blocks a (virtual) stage
+    int virtual_stages;                  // v: chunks a rank holds (interleaved: >= 2)
+    char pipeline_split[FL_PATH_MAX];    // uniform | parameters | N,N,... blocks a (virtual) stage
+    // Megatron's decoder_first/last_pipeline_num_layers (0: not given): the
+    // first/last stage's blocks, the rest even over the middle; written into
+    // pipeline_split as its list by fl_pp_finish_split
+    int pp_first_layers, pp_last_layers;
     int ranks; // the world, all ranks: 0 = this job's (fl_comm_size); `fitlm plan --ranks N`
-               // sets N. train_batch_size is split over its world / tensor_parallel replicas
+               // sets N. train_batch_size is split over its world / (t p) data-parallel
+               // replicas
     fl_zero_extra zero_extra; // its keys that need no engine code (and aio)
     int seq_len;
     int steps;

@@ -47,8 +47,9 @@ typedef struct fl_dist fl_dist;
 // DeepSpeed's batch rule (src/parallel/parallel_config.c): any two of
 // train_micro_batch_size_per_gpu, gradient_accumulation_steps and
 // train_batch_size set the third over the data-parallel size d = world /
-// tensor_parallel (the world: cfg->ranks, or this job's), as Megatron's
-// global_batch = micro x m x d; dies when t does not divide the world.
+// (tensor_parallel x pipeline_parallel) (the world: cfg->ranks, or this
+// job's), as Megatron's global_batch = micro x m x d; dies when t x p does
+// not divide the world.
 void fl_parallel_check_batch(fl_train_config *cfg);
 // Refuses a tensor-parallel layout the model or the job cannot take, naming
 // the numbers: world % t (and the data-parallel size d = world / t), n_head % t,
@@ -59,6 +60,29 @@ void fl_parallel_check_batch(fl_train_config *cfg);
 // micro_batch * seq_len % t. world: cfg->ranks if set (fitlm plan), else fl_comm_size().
 // model: a finished shape (fl_model_config_finish: n_kv_head, intermediate_size).
 void fl_tp_check(const fl_train_config *cfg, const fl_model_config *model);
+// Megatron's decoder_first/last_pipeline_num_layers (cfg->pp_first_layers,
+// pp_last_layers) into pipeline_split's explicit list of p x v entries: the
+// first and last stage's blocks as given, the rest even over the middle
+// stages, each stage's split evenly over its v chunks (Megatron's rules, each
+// refused naming the numbers); dies when --pipeline-split is given too and
+// says otherwise. Needs the finished model (cfg->model.n_layer).
+void fl_pp_finish_split(fl_train_config *cfg);
+// Refuses a pipeline-parallel layout before anything is allocated, naming
+// the numbers and the option: world % (t x p) (world: cfg->ranks if set,
+// else fl_comm_size()); virtual_stages above 1 without the interleaved
+// schedule, interleaved with fewer than 2; fl_pp_schedule_check of (the
+// schedule, p, m = gradient_accumulation_steps, v); a split that cannot
+// work (fl_pp_config_split). With p > 1: ZeRO stages 2 and 3 (as DeepSpeed
+// refuses them), LoRA and NF4 (as tensor parallelism refuses them), LOMO,
+// AdaLomo and optimizer_in_backward (not yet). After the LoRA and NF4
+// sections' checks (cfg->quant.enabled).
+void fl_pp_check(const fl_train_config *cfg, const fl_model_config *model);
+// The blocks of each of the n = p x v virtual stages (count: room for n),
+// by cfg->pipeline_split over model's blocks: fl_pp_split with the model's
+// parameters per block, in the embedding (virtual stage 0) and in the
+// final norm and head (stage n - 1; with tied embeddings also the token
+// embedding's copy that stage holds). Dies as fl_pp_split.
+void fl_pp_config_split(const fl_train_config *cfg, const fl_model_config *model, int *count);
 // The zero_optimization section: overlap_comm's default by stage, stage 3's
 // keys only at stage 3, and LoRA or NF4 refused with data parallelism.
 void fl_parallel_check_config(fl_train_config *cfg);

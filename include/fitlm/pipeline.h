@@ -90,11 +90,16 @@ int fl_pp_split_parse(const char *text, const char *what, int *counts, int *n_co
 //   parameters  DeepSpeed's partition_method "parameters": contiguous runs
 //               minimising the largest stage's parameters, virtual stage 0
 //               weighing embed_params more and stage n-1 head_params more
-//               (each block block_params);
-//   explicit    counts as given (n of them).
-// Dies naming the numbers when L < n (a virtual stage without a block), an
-// explicit list has not n entries, an entry is below 1, or they do not sum
-// to L (Megatron#1304 built 28 of 30 layers without a word).
+//               (each block block_params, above 0 unless n is 1); ties go
+//               the earlier stages' way (each block in turn to the stage
+//               lightest with it, the earliest of equals: 10 alike blocks
+//               over 4 stages are 3,3,2,2, as uniform);
+//   explicit    explicit_counts as given (n of them: a parsed list's length
+//               against n is the caller's check, fl_pp_config_split's).
+// Dies naming the numbers and the option (pipeline_parallel.split) when
+// L < n (a virtual stage without a block), an explicit entry is below 1, or
+// they do not sum to L (Megatron#1304 built 28 of 30 layers without a word);
+// then checks the result with fl_pp_split_check.
 void fl_pp_split(int method, int L, int n, const int *explicit_counts, size_t block_params,
                  size_t embed_params, size_t head_params, int *count);
 // Dies unless count[0..n) covers blocks 0..L-1 each exactly once (every

@@ -17,6 +17,7 @@
 #include "fitlm/model.h"
 #include "fitlm/offload.h"
 #include "fitlm/optim.h"
+#include "fitlm/pipeline.h"
 
 typedef struct {
     // The model: a model shape (GPT-2 or LLaMA) (fl_model_config_finish is applied to a copy),
@@ -54,6 +55,16 @@ typedef struct {
     // NVMe offload of the optimizer (optim.paged): its buffers in RAM, its
     // files on disk
     fl_offload_config offload;
+    // pipeline parallelism (pipeline.h), the config's: carried for the
+    // per-stage plans that come with the pipeline executor; fl_plan_compute
+    // does not read them yet
+    int pipeline_parallel; // p: stages of contiguous blocks (1: none); t x p divides ranks
+    int virtual_stages;    // v: chunks a pipeline rank holds (1; interleaved: 2 or more)
+    int pipeline_schedule; // FL_PP_GPIPE, FL_PP_1F1B or FL_PP_INTERLEAVED
+    int pipeline_split;    // FL_PP_SPLIT_UNIFORM, _PARAMETERS or _EXPLICIT: how stage_blocks came
+    // blocks of each of the p x v virtual stages (fl_pp_config_split; chunk c
+    // of pipeline rank r is virtual stage c p + r)
+    int stage_blocks[FL_PP_MAX_VIRTUAL];
 } fl_plan_request;
 
 typedef struct {
@@ -79,10 +90,12 @@ typedef struct {
 } fl_plan;
 
 // A request with the engine's defaults: one rank, no ZeRO (zero_optimization's
-// defaults), no strategies.
+// defaults), no strategies (pipeline: p 1, v 1, 1F1B, split by parameters;
+// stage_blocks all 0, no shape being known).
 void fl_plan_request_init(fl_plan_request *r);
 // The request a `fitlm train` run with this finished config makes, with
-// data_bytes = what its data loaders and tokenizer hold (measured after opening them).
+// data_bytes = what its data loaders and tokenizer hold (measured after opening them);
+// the pipeline's fields from cfg's (stage_blocks: fl_pp_config_split over cfg->model).
 void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg, size_t data_bytes);
 
 // Per-tag bytes per rank. For runnable requests (a model shape, no --lomo;

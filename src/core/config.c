@@ -25,7 +25,8 @@ typedef struct {
     size_t size;         // buffer size of strings
     const char *def;     // default, as text
     double min, max;     // for numbers
-    const char *choices; // "a|b|c" for OPT_CHOICE
+    const char *choices; // "a|b|c" for OPT_CHOICE; for OPT_INT, a word the JSON key also takes
+                         // ("auto": the setting left to its other names)
     const char *help;
 } option;
 
@@ -121,8 +122,11 @@ static const option options[] = {
      "(t p) data-parallel replicas (1 = none)"},
     {"pipeline_model_parallel_size", NULL, OPT_INT, NUM(pipeline_parallel), "1", 1, 1 << 20, NULL,
      "Megatron's name of pipeline_parallel.size"},
-    {"pipeline_parallel.schedule", "--pipeline-schedule", OPT_STRING, STR(pipeline_schedule),
-     "1f1b", 0, 0, NULL,
+    {"pipeline.stages", NULL, OPT_INT, NUM(pipeline_parallel), "1", 1, 1 << 20, "auto",
+     "DeepSpeed's name of pipeline_parallel.size (\"auto\", its default: pipeline_parallel.size "
+     "or Megatron's name decides)"},
+    {"pipeline_parallel.schedule", "--pipeline-schedule", OPT_CHOICE, STR(pipeline_schedule),
+     "1f1b", 0, 0, "gpipe|1f1b|interleaved",
      "gpipe (every forward, then every backward), 1f1b (one forward one backward) or "
      "interleaved (1F1B over --virtual-stages chunks a rank)"},
     {"pipeline_parallel.virtual_stages", "--virtual-stages", OPT_INT, NUM(virtual_stages), "1", 1,
@@ -133,6 +137,14 @@ static const option options[] = {
      0, 0, NULL,
      "blocks per stage: uniform, parameters (balanced, DeepSpeed's partition_method) or a list "
      "N,N,... of blocks per (virtual) stage"},
+    {"decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", OPT_INT,
+     NUM(pp_first_layers), "0", 0, 1 << 20, NULL,
+     "Megatron's: blocks of the first pipeline stage, the rest split evenly over the middle "
+     "stages (0 = not given; becomes a pipeline_parallel.split list)"},
+    {"decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", OPT_INT,
+     NUM(pp_last_layers), "0", 0, 1 << 20, NULL,
+     "Megatron's: blocks of the last pipeline stage, the rest split evenly over the middle "
+     "stages (0 = not given; becomes a pipeline_parallel.split list)"},
     {"zero_optimization.stage", "--zero-stage", OPT_INT, NUM(zero.stage), "0", 0, 3, NULL,
      "ZeRO stage over the ranks mpirun starts: 0 data parallel (DDP), 1 + optimizer states "
      "sharded, 2 + gradients, 3 + parameters"},
@@ -681,6 +693,13 @@ static int is_prefix_of_a_key(const char *path) {
     return 0;
 }
 
+// A number DeepSpeed also takes as "auto" (the option's choices): a name
+// of a setting that leaves it to its other names, given or defaulted.
+static int is_auto(const option *o, const cJSON *item) {
+    return o->type == OPT_INT && o->choices && cJSON_IsString(item) &&
+           choice_index(o, item->valuestring) >= 0;
+}
+
 static void load_object(fl_train_config *cfg, const cJSON *obj, const char *prefix,
                         const char *path, uint8_t *seen) {
     for (const cJSON *item = obj->child; item; item = item->next) {
@@ -691,6 +710,7 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
         const option *o = NULL;
         for (size_t i = 0; i < N_OPTIONS; i++)
             if (!strcmp(options[i].key, key)) o = &options[i];
+        if (o && is_auto(o, item)) continue; // DeepSpeed's "auto": the other names decide
         if (o) {
             int before = o->type == OPT_INT ? *(const int *)field(cfg, o) : 0;
             set_from_json(cfg, o, item, path);

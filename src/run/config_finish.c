@@ -80,8 +80,10 @@ void fl_config_check(fl_train_config *cfg) {
     fl_config_check_common(cfg);
     fl_parallel_check_batch(cfg);  // the accumulation LoRA and the optimizer read
     fl_tp_check(cfg, &cfg->model); // the layout, before any allocation: reads the micro-batch
+    fl_pp_finish_split(cfg);       // Megatron's first/last stage blocks: a split list
     fl_lora_check_config(cfg);
     fl_quant_check_config(cfg);    // reads whether LoRA trains, and on what base
+    fl_pp_check(cfg, &cfg->model); // the pipeline: reads m, LoRA and NF4
     fl_optim_check_config(cfg);    // reads the precision and LoRA's base optimizer
     fl_parallel_check_config(cfg); // reads whether LoRA or NF4 is on
     fl_offload_check_config(cfg);

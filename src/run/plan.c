@@ -75,6 +75,10 @@ void fl_plan_request_init(fl_plan_request *r) {
     r->optim.grad_accum = 1;
     r->ranks = 1;
     r->tensor_parallel = 1;
+    r->pipeline_parallel = 1;
+    r->virtual_stages = 1;
+    r->pipeline_schedule = FL_PP_1F1B;
+    r->pipeline_split = FL_PP_SPLIT_PARAMETERS;
     fl_train_config defaults; // zero_optimization's defaults, from the config's own table
     fl_config_defaults(&defaults);
     r->zero = defaults.zero;
@@ -99,6 +103,14 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     r->zero_stage = cfg->zero.stage;
     r->tensor_parallel = cfg->tensor_parallel;
     r->sequence_parallel = cfg->sequence_parallel;
+    r->pipeline_parallel = cfg->pipeline_parallel;
+    r->virtual_stages = cfg->virtual_stages;
+    r->pipeline_schedule = fl_pp_schedule_kind(cfg->pipeline_schedule);
+    FL_ASSERT(r->pipeline_schedule >= 0); // a checked choice
+    int list[FL_PP_MAX_VIRTUAL], n_list;
+    r->pipeline_split =
+        fl_pp_split_parse(cfg->pipeline_split, "pipeline_parallel.split", list, &n_list);
+    fl_pp_config_split(cfg, &cfg->model, r->stage_blocks);
     r->whole_weights_first = *cfg->init_from != 0;
     r->offload = fl_offload_config_of(cfg);
 }
