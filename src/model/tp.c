@@ -54,6 +54,7 @@ static void store_block(void *ctx, size_t local, size_t first, size_t run, size_
 void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n) {
     FL_ASSERT(first + n <= fl_model_whole_table(m)->views[row].numel);
     m->stored += n;
+    if (m->row_local && (row = m->row_local[row]) < 0) return; // another pipeline stage's
     if (m->tp.size == 1) {
         fl_model_store_local(m, row, first, w, n);
         return;
