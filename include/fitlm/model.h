@@ -399,5 +399,20 @@ int fl_sample_logits(const float *logits, int V, float temperature, int top_k, f
 // on_token (if not NULL) with each new token as it is made.
 void fl_model_generate(fl_model *m, int *tokens, int n_prompt, int n_new, float temperature,
                        int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx), void *ctx);
+// The logits a step of generation samples from: run the forward over
+// context (T positions) and return the whole vocabulary's logits at
+// position last (fp32, in row or the model's own), the same on every rank.
+typedef const float *(*fl_next_logits)(void *ctx, const int *context, int T, int last, float *row,
+                                       float *mine);
+// fl_model_generate with another forward (a pipeline's: pipeline.h); row
+// holds the vocabulary (t x its columns under tensor parallelism), mine a
+// rank's columns.
+void fl_model_generate_with(fl_model *m, fl_next_logits next, void *next_ctx, int *tokens,
+                            int n_prompt, int n_new, float temperature, int top_k, fl_rng *rng,
+                            void (*on_token)(int token, void *ctx), void *ctx);
+// The last forward's logits at position last over the whole vocabulary as
+// fp32 (row, or the model's own row): under tensor parallelism every rank's
+// columns gathered, the same on every rank.
+const float *fl_model_last_logits(fl_model *m, int last, float *row, float *mine);
 
 #endif

@@ -200,8 +200,12 @@ static void finish(fl_run *run, run_log *log, double seconds, int saved_at, int 
         fl_rng rng;
         fl_rng_seed(&rng, cfg->seed);
         printf("--- sample (temperature 0.8, top-k 40) ---\n");
-        fl_model_generate(&run->model, tokens, 1, cfg->sample_tokens, 0.8f, 40, &rng, print_token,
-                          tok);
+        if (run->pipe)
+            fl_pipeline_generate(run->pipe, tokens, 1, cfg->sample_tokens, 0.8f, 40, &rng,
+                                 print_token, tok);
+        else
+            fl_model_generate(&run->model, tokens, 1, cfg->sample_tokens, 0.8f, 40, &rng,
+                              print_token, tok);
         printf("\n---\n");
         fl_free(tokens);
     }

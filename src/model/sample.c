@@ -45,7 +45,7 @@ int fl_sample_logits(const float *logits, int V, float temperature, int top_k, f
 // The last position's logits over the whole vocabulary as fp32: the
 // model's own row, or under tensor parallelism every rank's columns
 // gathered (the same on every rank, so every rank draws the same token).
-static const float *last_logits(fl_model *m, int T, float *row, float *mine) {
+const float *fl_model_last_logits(fl_model *m, int T, float *row, float *mine) {
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
     if (m->tp.size == 1) {
@@ -58,8 +58,23 @@ static const float *last_logits(fl_model *m, int T, float *row, float *mine) {
     return row;
 }
 
+// One process's model: its forward, then its last logits.
+static const float *model_next(void *ctx, const int *context, int T, int last, float *row,
+                               float *mine) {
+    fl_model *m = ctx;
+    fl_model_forward(m, context, NULL, 1, T);
+    return fl_model_last_logits(m, last, row, mine);
+}
+
 void fl_model_generate(fl_model *model, int *tokens, int n_prompt, int n_new, float temperature,
                        int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx), void *ctx) {
+    fl_model_generate_with(model, model_next, model, tokens, n_prompt, n_new, temperature, top_k,
+                           rng, on_token, ctx);
+}
+
+void fl_model_generate_with(fl_model *model, fl_next_logits next, void *next_ctx, int *tokens,
+                            int n_prompt, int n_new, float temperature, int top_k, fl_rng *rng,
+                            void (*on_token)(int token, void *ctx), void *ctx) {
     FL_ASSERT(n_prompt >= 1 && model->max_B >= 1);
     int V = model->config.vocab_size, t = model->tp.size;
     size_t cols = t > 1 ? fl_params_vocab_rows((size_t)V, t) : 0;
@@ -73,16 +88,15 @@ void fl_model_generate(fl_model *model, int *tokens, int n_prompt, int n_new, fl
     for (int n = n_prompt; n < n_prompt + n_new; n++) {
         int T = n < model->max_T ? n : model->max_T; // the most recent context that fits
         const int *context = tokens + n - T;
+        int Tp = T;
         if (sp) {
             if ((T + t - 1) / t * t > model->max_T) T = model->max_T / t * t;
             context = tokens + n - T;
-            int Tp = (T + t - 1) / t * t;
+            Tp = (T + t - 1) / t * t;
             for (int i = 0; i < Tp; i++) padded[i] = i < T ? context[i] : 0;
-            fl_model_forward(model, padded, NULL, 1, Tp);
-        } else {
-            fl_model_forward(model, context, NULL, 1, T);
+            context = padded;
         }
-        const float *logits = last_logits(model, T, row, mine);
+        const float *logits = next(next_ctx, context, Tp, T, row, mine);
         for (int i = 0; i < V; i++) // a NaN would make every draw garbage
             if (!isfinite(logits[i]))
                 fl_die("the model's logits for generated token %d are not finite (%g for id %d): "

@@ -297,22 +297,50 @@ fl_train_result fl_pipeline_step(fl_pipeline *pl, const int *inputs, const int *
                              s.loss_scale, s.spike, o->spike.in_row, o->spike.skipped};
 }
 
-float fl_pipeline_forward(fl_pipeline *pl, const int *tokens, const int *targets, int *n_targets) {
+// A forward of B x T through the stages, one after the other (the last
+// stage's chunk 0 set 0 then holds the logits and the loss).
+static void forward_through(fl_pipeline *pl, const int *tokens, const int *targets, int B, int T) {
     fl_model *m = pl->m;
-    double r[2] = {0.0, 0.0}; // loss, targets
+    size_t act, logit;
+    sizes(&m->config, B, T, &act, &logit);
     for (int c = 0; c < pl->v; c++) {
         int vs = c * pl->p + pl->rank;
         fl_model_use_set(m, c, 0);
-        if (vs > 0)
-            recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), pl->act, tag(MSG_EVAL, vs - 1));
-        fl_model_forward(m, tokens, targets, pl->B, pl->T);
-        if (vs == pl->n - 1)
-            r[0] = m->loss, r[1] = m->n_targets;
-        else
+        if (vs > 0) recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), act, tag(MSG_EVAL, vs - 1));
+        fl_model_forward(m, tokens, targets, B, T);
+        if (vs < pl->n - 1)
             fl_comm_wait(fl_comm_isend(pl->g, (vs + 1) % pl->p, fl_model_chunk_output(m),
-                                       pl->act * dsize(m), tag(MSG_EVAL, vs)));
+                                       act * dsize(m), tag(MSG_EVAL, vs)));
     }
+}
+
+float fl_pipeline_forward(fl_pipeline *pl, const int *tokens, const int *targets, int *n_targets) {
+    double r[2] = {0.0, 0.0}; // loss, targets
+    forward_through(pl, tokens, targets, pl->B, pl->T);
+    if (pl->rank == pl->p - 1) r[0] = pl->m->loss, r[1] = pl->m->n_targets;
     fl_comm_bcast(pl->g, r, sizeof r, pl->p - 1);
     *n_targets = (int)r[1];
     return (float)r[0];
+}
+
+// Generation's forward: the last stage's logits, sent to every stage.
+static const float *pipeline_next(void *ctx, const int *context, int T, int last, float *row,
+                                  float *mine) {
+    fl_pipeline *pl = ctx;
+    fl_model *m = pl->m;
+    forward_through(pl, context, NULL, 1, T);
+    int V = m->config.vocab_size;
+    if (pl->rank == pl->p - 1) {
+        const float *x = fl_model_last_logits(m, last, row, mine);
+        if (x != row) memcpy(row, x, (size_t)V * sizeof(float));
+    }
+    fl_comm_bcast(pl->g, row, (size_t)V * sizeof(float), pl->p - 1);
+    return row;
+}
+
+void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new,
+                          float temperature, int top_k, fl_rng *rng,
+                          void (*on_token)(int token, void *ctx), void *ctx) {
+    fl_model_generate_with(pl->m, pipeline_next, pl, tokens, n_prompt, n_new, temperature, top_k,
+                           rng, on_token, ctx);
 }
