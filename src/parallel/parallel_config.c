@@ -214,7 +214,7 @@ void fl_pp_config_split(const fl_train_config *cfg, const fl_model_config *model
                 block += numel;
         }
         fl_params_free(&t);
-        // the last stage's copy of a tied token embedding (issue 45)
+        // tied: the last stage holds a copy of the token embedding for its head
         if (model->tie_embeddings) head += (size_t)model->padded_vocab_size * model->n_embd;
     }
     fl_pp_split(method, model->n_layer, (int)n, list, block, embed, head, count);
