@@ -221,37 +221,14 @@ static const fl_comm_group *dp_group(const fl_run *r) {
     return r->layout.tp ? r->layout.dp_group : fl_comm_world();
 }
 
-// Elements of one block's rows, the embedding's and the head's (the
-// tensor-parallel rank's table t), for the split by parameters.
-static void unit_sizes(const fl_param_table *t, int L, size_t *block, size_t *embed,
-                       size_t *head) {
-    *block = *embed = *head = 0;
-    for (int i = 0; i < t->count; i++) {
-        const fl_param_view *v = &t->views[i];
-        if (v->unit == FL_UNIT_EMBED) *embed += v->numel;
-        if (v->unit == FL_UNIT_HEAD(L)) *head += v->numel;
-        if (v->unit == 0) *block += v->numel;
-    }
-}
-
 // This rank's pipeline stage: the split of the blocks over p x v virtual
 // stages, and its chunks' activation sets under the schedule.
 static void pipeline_stage(fl_run *r) {
     const fl_train_config *cfg = &r->cfg;
-    int p = cfg->pipeline_parallel, v = cfg->virtual_stages, L = cfg->model.n_layer;
-    fl_model_config shape = cfg->model;
-    shape.tp_size = r->tp.size;
-    fl_param_table t;
-    fl_model_rank_table(&t, &shape, r->tp.rank);
-    size_t block, embed, head;
-    unit_sizes(&t, L, &block, &embed, &head);
-    if (cfg->model.tie_embeddings) head += t.views[0].numel; // the last stage's copy
-    fl_params_free(&t);
-    int given[FL_PP_MAX_VIRTUAL], n_given, counts[FL_PP_MAX_VIRTUAL];
-    int method = fl_pp_split_parse(cfg->pipeline_split, "--pipeline-split", given, &n_given);
-    fl_pp_split(method, L, p * v, given, block, embed, head, counts);
-    fl_pp_stage_of(&r->stage, fl_pp_schedule_kind(cfg->pipeline_schedule), p, v, cfg->grad_accum,
-                   r->layout.pp_rank, counts);
+    int counts[FL_PP_MAX_VIRTUAL];
+    fl_pp_config_split(cfg, &cfg->model, counts);
+    fl_pp_stage_of(&r->stage, fl_pp_schedule_kind(cfg->pipeline_schedule), cfg->pipeline_parallel,
+                   cfg->virtual_stages, cfg->grad_accum, r->layout.pp_rank, counts);
 }
 
 void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options *opt) {
