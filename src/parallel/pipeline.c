@@ -87,6 +87,16 @@ void fl_pipeline_memory(const fl_model_config *c, fl_dtype dt, const fl_pp_stage
     bytes[FL_MEM_COMM] = (size_t)senders * m_micro * act * D;
     if (tied_pipeline(c, s) && s->rank == s->size - 1)
         bytes[FL_MEM_COMM] += (size_t)m_micro * (logit + act) * D;
+    // fl_pipeline_attach's: the executor, its list and its per-(chunk,
+    // micro-batch) and per-(chunk, set) records
+    int max_sets = 0;
+    for (int ch = 0; ch < s->chunks; ch++)
+        if (s->sets[ch] > max_sets) max_sets = s->sets[ch];
+    size_t vm = (size_t)s->chunks * m_micro, vs = (size_t)s->chunks * max_sets;
+    bytes[FL_MEM_OTHER] = sizeof(fl_pipeline) + 2 * vm * sizeof(fl_pp_action) +
+                          vm * (sizeof(int) + sizeof(fl_comm_req)) +
+                          vs * (sizeof(int) + sizeof(fl_comm_req)) +
+                          2 * (size_t)m_micro * sizeof(fl_comm_req);
 }
 
 // Stage 0's token embedding rows into the last stage's copy.
@@ -144,6 +154,10 @@ fl_pipeline *fl_pipeline_attach(fl_model *m, fl_optimizer *o, const fl_comm_grou
         pl->tied_send = fl_alloc(FL_MEM_COMM, (size_t)m_micro * (pl->logit + pl->act) * dsize(m));
     FL_ASSERT(comm[FL_MEM_COMM] == (size_t)senders * m_micro * pl->act * dsize(m) +
                                        (pl->tied_send ? m_micro * (pl->logit + pl->act) * dsize(m) : 0));
+    FL_ASSERT(comm[FL_MEM_OTHER] == sizeof *pl + (size_t)pl->n_acts * sizeof *pl->acts +
+                                        vm * (sizeof *pl->set_of + sizeof *pl->grad_req) +
+                                        vs * (sizeof *pl->set_busy + sizeof *pl->out_req) +
+                                        2 * (size_t)m_micro * sizeof *pl->tied_req);
     // the gradient norm and fp16's overflow over every stage, in the whole
     // table's order
     pl->opp = (struct fl_optim_pp){fl_tp_ops_group(g), fl_model_whole_table(m)->count,
