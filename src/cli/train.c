@@ -142,7 +142,7 @@ static void print_run(const fl_run *run) {
                cfg->zero.stage ? (const char *[]){"", "ZeRO-1", "ZeRO-2", "ZeRO-3"}[cfg->zero.stage]
                                : "data parallel");
     printf("; planned memory %.1f MiB%s; train %s: %llu tokens (%s)", run->plan.total / 1048576.0,
-           world * run->tp.size > 1 ? " per rank" : "", cfg->data,
+           world * run->tp.size * run->stage.size > 1 ? " per rank" : "", cfg->data,
            (unsigned long long)run->train.n_tokens, run->train.tokenizer);
     if (run->has_val)
         printf(", val %llu tokens; unigram baseline %.4f nats/token",
