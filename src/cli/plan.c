@@ -170,7 +170,7 @@ int cmd_plan(int argc, char **argv) {
     char layout[192] = ""; // t x p x d under tensor or pipeline parallelism
     if (cfg.pipeline_parallel > 1)
         snprintf(layout, sizeof layout,
-                 " (tensor parallel %d x pipeline parallel %d, %s%s%.0d, x %d data-parallel)",
+                 " (tensor parallel %d x pipeline parallel %d (%s%s%.0d) x %d data-parallel)",
                  cfg.tensor_parallel, cfg.pipeline_parallel, cfg.pipeline_schedule,
                  cfg.virtual_stages > 1 ? " virtual stages " : "",
                  cfg.virtual_stages > 1 ? cfg.virtual_stages : 0,
