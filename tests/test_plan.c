@@ -901,6 +901,11 @@ static void test_data_parallel_measured(void) {
         {0, "fp32", "gpt2", "--tensor-parallel 2 --sequence-parallel --pipeline-parallel 2", 2, 0,
          4, 1},
         {1, "bf16", "llama", "--pipeline-parallel 2", 2, 0, 4, 1},
+        // p 4 interleaved over m 16: more sends in a step than the
+        // communicator has request slots, unless finished ones are freed
+        {0, "fp32", "llama",
+         "--n-layer 8 --pipeline-parallel 4 --pipeline-schedule interleaved --virtual-stages 2", 16,
+         0, 4, 1},
     };
     for (size_t i = 0; i < sizeof pp / sizeof pp[0]; i++)
         if (!t_quick() || i == 3 || i == 5) check_dist_case(bin, &pp[i]);
