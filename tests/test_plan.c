@@ -1078,6 +1078,18 @@ static void test_pipeline_plan(void) {
     printf("  1F1B p 4 m 8, acts per stage:");
     for (int s = 0; s < 4; s++) printf(" %zu", all.stage[s].acts);
     printf(" (one set of stage 0: %zu)\n", set0);
+    // what would fit keeps interleaved 1F1B's micro-batches a multiple of p
+    // (ZeRO-1 over 4 ranks, micro-batch 1: the 6 sequences a step are 3 a
+    // replica, rounded up to 4)
+    pp_plan(&r,
+            "--model tiny --seq-len 32 --batch 3 --grad-accum 2 --n-layer 4 --pipeline-parallel 2 "
+            "--pipeline-schedule interleaved --virtual-stages 2",
+            2, &all);
+    char alt[2048];
+    fl_plan_alternatives(&r, all.total - 1, alt, sizeof alt);
+    printf("  interleaved p 2, alternatives under %zu bytes:\n%s", all.total - 1, alt);
+    t_check(strstr(alt, "--ranks 4 --zero-stage 1 --batch 1 --grad-accum 4") != NULL,
+            "interleaved: ZeRO-1 over 4 ranks with m rounded up to p");
     // refusals: the layout, a raw count
     snprintf(flags, sizeof flags, "%s --grad-accum 8", base);
     pp_request(&pp_refused_request, flags, 4);

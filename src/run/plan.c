@@ -722,6 +722,10 @@ static size_t fit_by_batch(const fl_plan_request *base, fl_plan_request *v, int 
             v->optim.grad_accum = 1;
         else if (per_step)
             v->optim.grad_accum = per_step >= seqs ? 1 : (int)ceil_div(seqs, per_step);
+        // interleaved 1F1B takes the micro-batches in groups of p
+        if (pp_of(v) > 1 && v->pipeline_schedule == FL_PP_INTERLEAVED)
+            v->optim.grad_accum =
+                (int)ceil_div((size_t)v->optim.grad_accum, (size_t)pp_of(v)) * pp_of(v);
         size_t total = tokens_split(v) ? plan_total(v, runnable) : SIZE_MAX;
         if (total <= limit) return total;
         if (v->B <= 1) return 0;
