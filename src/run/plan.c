@@ -570,7 +570,7 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         note_add(out, "not runnable yet: %s", what);
     } else if (dist) {
         note_add(out, "%s, %srank %d of %d%s", stages[r->zero_stage],
-                 tp > 1 ? "data-parallel " : "", dp_rank_of(r), dp_of(r),
+                 tp * pp > 1 ? "data-parallel " : "", dp_rank_of(r), dp_of(r),
                  r->zero_stage > 0 && dp_rank_of(r) == 0 ? " (the largest shard)" : "");
     }
 
