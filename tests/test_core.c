@@ -539,15 +539,12 @@ static void test_pp_refusals(void) {
         {2, NULL, "--pipeline-parallel 2 --lora --quantize nf4",
          "pipeline parallelism (--pipeline-parallel 2) with NF4 base weights (QLoRA) is not "
          "supported"},
-        {2, NULL, "--pipeline-parallel 2 --optimizer lomo",
-         "optimizer.type lomo (an update fused into the backward pass) under pipeline "
-         "parallelism (--pipeline-parallel 2) is not supported yet"},
-        {2, NULL, "--pipeline-parallel 2 --optimizer adalomo",
-         "optimizer.type adalomo (an update fused into the backward pass) under pipeline "
-         "parallelism (--pipeline-parallel 2) is not supported yet"},
-        {2, NULL, "--pipeline-parallel 2 --optimizer-in-backward",
-         "optimizer_in_backward (an update fused into the backward pass) under pipeline "
-         "parallelism (--pipeline-parallel 2) is not supported yet"},
+        {2, NULL, "--pipeline-parallel 2 --optimizer lomo --grad-accum 4",
+         "optimizer.type lomo updates each block in the backward pass of a step's one "
+         "micro-batch: under pipeline parallelism (--pipeline-parallel 2) "
+         "gradient_accumulation_steps (--grad-accum) must be 1, not 4"},
+        {2, NULL, "--pipeline-parallel 2 --optimizer adalomo --grad-accum 2",
+         "optimizer.type adalomo updates each block in the backward pass"},
         {8, "{\"train_batch_size\": 12, \"gradient_accumulation_steps\": 4}",
          "--tensor-parallel 2 --pipeline-parallel 2",
          "train_batch_size 12 is not a multiple of gradient_accumulation_steps 4 x 2 "

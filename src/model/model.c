@@ -133,7 +133,8 @@ static size_t bookkeeping_bytes(int rows, int L) {
 static void unit_grad_sizes(const fl_param_table *t, const fl_model_config *c, size_t *unit,
                             size_t *embed) {
     size_t per[1026] = {0}; // by unit + 1: embedding, blocks, head (n_layer <= 1024)
-    for (int r = 0; r < t->count; r++) per[t->views[r].unit + 1] += t->views[r].numel;
+    for (int r = 0; r < t->count; r++) // (a pipeline's tied copy has no gradient)
+        if (!(t->views[r].flags & FL_PARAM_TIED_COPY)) per[t->views[r].unit + 1] += t->views[r].numel;
     *unit = 0;
     *embed = c->tie_embeddings ? per[0] : 0;
     for (int u = c->tie_embeddings ? 1 : 0; u <= c->n_layer + 1; u++)
@@ -649,11 +650,15 @@ static void bind_unit_grads(fl_model *m, int unit, void *buffer) {
 
 static void pre_unit(fl_model *m, int unit, int pass) {
     if (m->unit_grads && pass == FL_PASS_BWD) {
-        int L = m->config.n_layer;
-        // the tied LM head writes into the embedding's gradient first
+        int L = m->config.n_layer, head_here = fl_pp_has_head(&m->pp, m->pp.chunks - 1);
+        // the tied LM head writes into the embedding's gradient first (under
+        // pipeline parallelism, stage 0 from the last stage's head's data)
         if (unit == FL_UNIT_HEAD(L) && m->embed_grads)
             bind_unit_grads(m, FL_UNIT_EMBED, m->embed_grads);
-        if (unit != FL_UNIT_EMBED || !m->embed_grads) bind_unit_grads(m, unit, m->unit_grads);
+        if (unit == FL_UNIT_EMBED && m->embed_grads && !head_here)
+            bind_unit_grads(m, FL_UNIT_EMBED, m->embed_grads);
+        else if (unit != FL_UNIT_EMBED || !m->embed_grads)
+            bind_unit_grads(m, unit, m->unit_grads);
     }
     if (m->hooks.pre_unit) m->hooks.pre_unit(m->hooks.ctx, m, unit, pass);
 }

@@ -106,7 +106,9 @@ fl_pipeline *fl_pipeline_attach(fl_model *m, fl_optimizer *o, const fl_comm_grou
                                 int m_micro, int B, int T) {
     const fl_pp_stage *s = &m->pp;
     FL_ASSERT(s->size == fl_comm_group_size(g) && s->rank == fl_comm_group_rank(g));
-    FL_ASSERT(m->grads && !m->unit_grads); // the whole stage's gradients, summed over the step
+    // the whole stage's gradients summed over the step, or (an optimizer
+    // fused into the backward pass) one unit's at a time over one micro-batch
+    FL_ASSERT(m->grads ? !m->unit_grads : m->unit_grads && m_micro == 1);
     fl_pipeline *pl = fl_alloc(FL_MEM_OTHER, sizeof *pl);
     memset(pl, 0, sizeof *pl);
     pl->m = m;
@@ -220,11 +222,12 @@ static void forward_action(fl_pipeline *pl, const fl_pp_action *x, const int *in
     fl_model_use_set(m, c, set);
     if (vs > 0) recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), pl->act, tag(MSG_ACT, vs - 1));
     fl_model_forward_train(m, inputs + k * BT, targets + k * BT, pl->B, pl->T, dloss);
-    if (vs == pl->n - 1)
-        *loss_sum += (double)m->loss * m->n_targets;
-    else
+    if (vs == pl->n - 1) {
+        if (loss_sum) *loss_sum += (double)m->loss * m->n_targets;
+    } else {
         *out = fl_comm_isend(pl->g, (vs + 1) % pl->p, fl_model_chunk_output(m),
                              pl->act * dsize(m), tag(MSG_ACT, vs));
+    }
 }
 
 static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss) {
@@ -240,8 +243,8 @@ static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss)
         recv_wait(pl, pl->p - 1, m->tied_x, pl->act, tag(MSG_TIED_INP, 0));
     }
     // 16-bit gradients are one micro-batch's, summed in fp32: per chunk here
-    size_t a, b;
-    chunk_range(m, c, &a, &b);
+    size_t a = 0, b = 0;
+    if (o->grad_accum) chunk_range(m, c, &a, &b);
     if (o->grad_accum) memset(fl_at(m->dtype, o->grads, a), 0, (b - a) * D);
     fl_model_backward(m, dloss);
     if (o->grad_accum) fl_optimizer_accum_range(o, a, b);
@@ -263,28 +266,74 @@ static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss)
     pl->set_busy[c * pl->max_sets + set] = 0;
 }
 
+// The rank's actions of one kind (forwards or backwards) in list order, the
+// finished sends let go as it goes.
+static void run_actions(fl_pipeline *pl, int kind, const int *inputs, const int *targets,
+                        float dloss, double *loss_sum) {
+    for (int i = 0; i < pl->n_acts; i++) {
+        const fl_pp_action *x = &pl->acts[i];
+        if (kind >= 0 && x->kind != kind) continue;
+        if (x->kind == FL_PP_FORWARD)
+            forward_action(pl, x, inputs, targets, dloss, loss_sum);
+        else
+            backward_action(pl, x, dloss);
+        poll(pl->grad_req, (size_t)pl->v * pl->m_micro);
+        poll(pl->tied_req, 2 * (size_t)pl->m_micro);
+    }
+}
+
+static void wait_sends(fl_pipeline *pl) {
+    FL_PROFILE(FL_OP_COMM, FL_STEP, 0.0, {
+        for (int i = 0; i < pl->v * pl->m_micro; i++) wait_req(&pl->grad_req[i]);
+        for (int i = 0; i < 2 * pl->m_micro; i++) wait_req(&pl->tied_req[i]);
+        for (int i = 0; i < pl->v * pl->max_sets; i++) wait_req(&pl->out_req[i]);
+    });
+}
+
+// An optimizer fused into the backward pass (LOMO, AdaLomo) over the stages:
+// one micro-batch, its forwards, then its backwards, each stage updating its
+// units as their gradients complete (step.c's fused step over these passes).
+static void fused_forward(void *ctx, const int *inputs, const int *targets, int B, int T,
+                          float dloss, int head_only) {
+    fl_pipeline *pl = ctx;
+    fl_model *m = pl->m;
+    (void)B, (void)T;
+    double r[2] = {0.0, 0.0}; // the loss and its targets, the last stage's
+    if (!head_only) {
+        double sum = 0.0;
+        run_actions(pl, FL_PP_FORWARD, inputs, targets, dloss, &sum);
+    } else if (pl->rank == pl->p - 1) { // the kept activations serve: the head again
+        fl_model_use_set(m, pl->v - 1, pl->set_of[(pl->v - 1) * pl->m_micro]);
+        fl_model_forward_head_train(m, dloss);
+    }
+    if (pl->rank == pl->p - 1) r[0] = m->loss, r[1] = m->n_targets;
+    fl_comm_bcast(pl->g, r, sizeof r, pl->p - 1);
+    if (pl->rank != pl->p - 1) m->loss = (float)r[0], m->n_targets = (int)r[1];
+}
+
+static void fused_backward(void *ctx, float dloss) {
+    fl_pipeline *pl = ctx;
+    run_actions(pl, FL_PP_BACKWARD, NULL, NULL, dloss, NULL);
+    wait_sends(pl);
+}
+
 fl_train_result fl_pipeline_step(fl_pipeline *pl, const int *inputs, const int *targets, float lr) {
     fl_optimizer *o = pl->o;
+    if (pl->m->unit_grads) { // the sets of the forward stay taken until the backward
+        fl_step_passes passes = {pl, fused_forward, fused_backward};
+        fl_train_result r =
+            fl_fused_step_passes(pl->m, o, &passes, inputs, targets, pl->B, pl->T, lr);
+        refresh_copy(pl);
+        return r;
+    }
     size_t BT = (size_t)pl->B * pl->T;
     long total = fl_batch_targets(o, targets, (size_t)pl->m_micro * BT); // over data parallelism
     float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
     FL_ASSERT(o->micro == 0);
     FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(o));
     double loss_sum = 0.0;
-    for (int i = 0; i < pl->n_acts; i++) {
-        const fl_pp_action *x = &pl->acts[i];
-        if (x->kind == FL_PP_FORWARD)
-            forward_action(pl, x, inputs, targets, dloss, &loss_sum);
-        else
-            backward_action(pl, x, dloss);
-        poll(pl->grad_req, (size_t)pl->v * pl->m_micro);
-        poll(pl->tied_req, 2 * (size_t)pl->m_micro);
-    }
-    FL_PROFILE(FL_OP_COMM, FL_STEP, 0.0, {
-        for (int i = 0; i < pl->v * pl->m_micro; i++) wait_req(&pl->grad_req[i]);
-        for (int i = 0; i < 2 * pl->m_micro; i++) wait_req(&pl->tied_req[i]);
-        for (int i = 0; i < pl->v * pl->max_sets; i++) wait_req(&pl->out_req[i]);
-    });
+    run_actions(pl, -1, inputs, targets, dloss, &loss_sum);
+    wait_sends(pl);
     o->micro = pl->m_micro; // every micro-batch's gradient is in
     // the loss is the last stage's, summed over the data-parallel ranks
     fl_comm_bcast(pl->g, &loss_sum, sizeof loss_sum, pl->p - 1);
