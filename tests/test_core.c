@@ -514,7 +514,9 @@ static void test_pp_refusals(void) {
          "--pipeline-parallel 4 --pipeline-schedule interleaved --virtual-stages 2 --grad-accum 6",
          "pipeline_parallel.schedule interleaved with pipeline_parallel.size 4, "
          "gradient_accumulation_steps 6 (m, the micro-batches a step) and virtual_stages 2: "
-         "interleaved takes the micro-batches in groups of p: m 6 is not a multiple of p 4"},
+         "--pipeline-schedule interleaved takes the micro-batches in groups of "
+         "--pipeline-parallel 4: --grad-accum (gradient_accumulation_steps) 6 must be a "
+         "multiple of 4 (Megatron's rule)"},
         {4, NULL,
          "--pipeline-parallel 4 --pipeline-schedule interleaved --virtual-stages 4 --grad-accum 4",
          "pipeline_parallel.split (--pipeline-split): 12 blocks (n_layer) cannot fill 16 "
