@@ -4,7 +4,7 @@
 // micro-batches (the references are shared out over the ranks and
 // broadcast, so np 8 does not train eight of each).
 //
-// Pipeline-only fp32 runs are one process's bit for bit (issue 45): the
+// Pipeline-only runs are one process's bit for bit (issue 45): the
 // same micro-batches go through the same kernels, each stage sums its
 // gradients in one process's order, the tied head's weight gradient is
 // computed on stage 0 as one process computes it, and the gradient norm
@@ -30,7 +30,7 @@
 #include "fitlm/train.h"
 #include "testlib.h"
 
-enum { B = 2, T = 16, STEPS = 6, V = 257, MAX_REFS = 32 };
+enum { B = 2, T = 16, STEPS = 6, V = 257, MAX_REFS = 32, COPY_TAG = 32000 };
 
 enum {
     SLOW = 1, // left out of the quick lists (FITLM_TEST_QUICK)
@@ -125,7 +125,8 @@ typedef struct {
 } run_result;
 
 // The last stage's tied copy against stage 0's row (weights: this rank's
-// fp32 rows), point to point over the pipeline group.
+// fp32 rows), point to point over the pipeline group (a tag above the
+// executor's, whose messages are all in by now).
 static int copy_matches(const fl_run *run, const float *weights) {
     const fl_model *m = &run->model;
     if (!m->config.tie_embeddings || m->pp.size < 2) return 1;
@@ -133,10 +134,10 @@ static int copy_matches(const fl_run *run, const float *weights) {
     size_t bytes = v->numel * sizeof(float);
     int p = m->pp.size, ok = 1;
     if (m->pp.rank == 0)
-        fl_comm_wait(fl_comm_isend(run->layout.pp_group, p - 1, weights, bytes, 9));
+        fl_comm_wait(fl_comm_isend(run->layout.pp_group, p - 1, weights, bytes, COPY_TAG));
     if (m->pp.rank == p - 1) {
         float *row = malloc(bytes);
-        fl_comm_wait(fl_comm_irecv(run->layout.pp_group, 0, row, bytes, 9));
+        fl_comm_wait(fl_comm_irecv(run->layout.pp_group, 0, row, bytes, COPY_TAG));
         ok = (v->flags & FL_PARAM_TIED_COPY) && !memcmp(row, weights + v->offset, bytes);
         free(row);
     }
@@ -404,8 +405,8 @@ static void compare(const pp_case *c, const run_result *got, const run_result *w
 }
 
 // A stage holds its rows only (with a tied head, the copy of the
-// embedding's row too), and under 1F1B the first stage min(p, m) micro-
-// batches' activations, the last one.
+// embedding's row too), and under 1F1B stage r min(p - r, m) micro-batches'
+// activations: the first min(p, m), the last one.
 static void check_memory(const pp_case *c, const run_result *got, const run_result *want) {
     int rank = fl_comm_rank();
     size_t D = fl_dtype_size(c->dt), whole = want->table.numel;
@@ -414,9 +415,7 @@ static void check_memory(const pp_case *c, const run_result *got, const run_resu
             "model's %zu elements",
             rank, c->name, got->param_bytes, got->table.numel, whole);
     if (c->schedule) return; // 1F1B's bound
-    int want_sets = got->pp_rank == 0           ? (c->pp < c->accum ? c->pp : c->accum)
-                    : got->pp_rank == c->pp - 1 ? 1
-                                                : got->sets0;
+    int left = c->pp - got->pp_rank, want_sets = left < c->accum ? left : c->accum;
     t_check(got->sets0 == want_sets, "rank %d %s: stage %d keeps %d activation sets (%d)", rank,
             c->name, got->pp_rank, want_sets, got->sets0);
 }
