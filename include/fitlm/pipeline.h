@@ -146,9 +146,9 @@ fl_train_result fl_pipeline_step(fl_pipeline *pl, const int *inputs, const int *
 // and its target count in *n_targets, on every rank.
 float fl_pipeline_forward(fl_pipeline *pl, const int *tokens, const int *targets, int *n_targets);
 // fl_model_generate through the stages: every rank gets every token.
-void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new,
-                          float temperature, int top_k, fl_rng *rng,
-                          void (*on_token)(int token, void *ctx), void *ctx);
+void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new, float temperature,
+                          int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx),
+                          void *ctx);
 // Bytes per tag the executor allocates on pipeline rank `rank` (its send
 // buffers: each micro-batch's input gradient per chunk, and on the last
 // stage of a tied model the LM head's output gradient and input).

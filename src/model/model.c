@@ -132,9 +132,10 @@ static size_t bookkeeping_bytes(int rows, int L) {
 // embedding's own when the LM head is tied to it (0 otherwise).
 static void unit_grad_sizes(const fl_param_table *t, const fl_model_config *c, size_t *unit,
                             size_t *embed) {
-    size_t per[1026] = {0}; // by unit + 1: embedding, blocks, head (n_layer <= 1024)
+    size_t per[1026] = {0};            // by unit + 1: embedding, blocks, head (n_layer <= 1024)
     for (int r = 0; r < t->count; r++) // (a pipeline's tied copy has no gradient)
-        if (!(t->views[r].flags & FL_PARAM_TIED_COPY)) per[t->views[r].unit + 1] += t->views[r].numel;
+        if (!(t->views[r].flags & FL_PARAM_TIED_COPY))
+            per[t->views[r].unit + 1] += t->views[r].numel;
     *unit = 0;
     *embed = c->tie_embeddings ? per[0] : 0;
     for (int u = c->tie_embeddings ? 1 : 0; u <= c->n_layer + 1; u++)
@@ -589,9 +590,9 @@ void fl_model_use_set(fl_model *m, int chunk, int set) {
     m->chunk = chunk;
     m->set = set;
     act_spec specs[MAX_SPECS];
-    int n = act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
-                      m->att_workspace_threads, m->recompute, &m->lora.cfg,
-                      m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
+    int n =
+        act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T, m->att_workspace_threads,
+                  m->recompute, &m->lora.cfg, m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
     for (int i = 0; i < n; i++)
         if (specs[i].per != PER_STEP)
             *specs[i].slot = (char *)m->set_base[i] +
@@ -695,14 +696,8 @@ static fl_block block_at(fl_model *m, int l, void **act) {
 
 // The head reads the last block's output: the chunk's output.
 static fl_block head_at(fl_model *m) {
-    return (fl_block){m,
-                      m->config.n_layer,
-                      m->B,
-                      m->T,
-                      fl_model_chunk_output(m),
-                      NULL,
-                      m->head_act,
-                      m->block_work};
+    return (fl_block){m,    m->config.n_layer, m->B,         m->T, fl_model_chunk_output(m),
+                      NULL, m->head_act,       m->block_work};
 }
 
 static float loss(fl_model *m, const float *dloss);

@@ -315,8 +315,8 @@ static double grad_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, 
         const fl_param_view *v = &t->views[r];
         size_t a = v->offset > first ? v->offset : first;
         size_t b = v->offset + v->numel < first + n ? v->offset + v->numel : first + n;
-        int counted = !(v->flags & FL_PARAM_TIED_COPY) &&
-                      (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
+        int counted =
+            !(v->flags & FL_PARAM_TIED_COPY) && (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
         if (b <= a || !counted) continue;
         double x = fl_grad_sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
         if (sq)

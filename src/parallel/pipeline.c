@@ -28,12 +28,12 @@ struct fl_pipeline {
     int p, rank, v, n, m_micro, B, T, tied;
     fl_pp_action *acts;
     int n_acts;
-    int *set_of;         // (v, m): the set micro-batch k's forward took on chunk c
-    int *set_busy;       // (v, FL_MAX sets): per chunk, which sets are in use
+    int *set_of;          // (v, m): the set micro-batch k's forward took on chunk c
+    int *set_busy;        // (v, FL_MAX sets): per chunk, which sets are in use
     fl_comm_req *out_req; // (v, sets): the send of a set's output
     int max_sets;
-    size_t act, logit;   // elements of a chunk's input (B T C, this rank's positions) and logits
-    void *grad_send;     // (v, m) of act: each micro-batch's input gradient
+    size_t act, logit; // elements of a chunk's input (B T C, this rank's positions) and logits
+    void *grad_send;   // (v, m) of act: each micro-batch's input gradient
     fl_comm_req *grad_req;
     void *tied_send; // (m) of logit + act: the tied head's output gradient and input
     fl_comm_req *tied_req;
@@ -76,17 +76,26 @@ static int tied_pipeline(const fl_model_config *c, const fl_pp_stage *s) {
     return c->tie_embeddings && s->size > 1;
 }
 
+// Bytes of the send buffers: each micro-batch's input gradient of every
+// chunk but virtual stage 0, and (the last stage of a tied model) each
+// micro-batch's head output gradient and input.
+static void send_bytes(const fl_model_config *c, fl_dtype dt, const fl_pp_stage *s, int m_micro,
+                       int B, int T, size_t *grads, size_t *tied) {
+    size_t act, logit, D = fl_dtype_size(dt);
+    sizes(c, B, T, &act, &logit);
+    int senders = 0;
+    for (int ch = 0; ch < s->chunks; ch++) senders += ch * s->size + s->rank > 0;
+    *grads = (size_t)senders * m_micro * act * D;
+    *tied = tied_pipeline(c, s) && s->rank == s->size - 1 ? (size_t)m_micro * (logit + act) * D : 0;
+}
+
 void fl_pipeline_memory(const fl_model_config *c, fl_dtype dt, const fl_pp_stage *s, int m_micro,
                         int B, int T, size_t bytes[FL_MEM_NTAGS]) {
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
     if (s->size <= 1) return;
-    size_t act, logit, D = fl_dtype_size(dt);
-    sizes(c, B, T, &act, &logit);
-    int senders = 0; // chunks that send an input gradient back
-    for (int ch = 0; ch < s->chunks; ch++) senders += ch * s->size + s->rank > 0;
-    bytes[FL_MEM_COMM] = (size_t)senders * m_micro * act * D;
-    if (tied_pipeline(c, s) && s->rank == s->size - 1)
-        bytes[FL_MEM_COMM] += (size_t)m_micro * (logit + act) * D;
+    size_t grads, tied;
+    send_bytes(c, dt, s, m_micro, B, T, &grads, &tied);
+    bytes[FL_MEM_COMM] = grads + tied;
 }
 
 // Stage 0's token embedding rows into the last stage's copy.
@@ -137,19 +146,14 @@ fl_pipeline *fl_pipeline_attach(fl_model *m, fl_optimizer *o, const fl_comm_grou
     for (size_t i = 0; i < vm; i++) pl->grad_req[i] = NO_REQ;
     for (int i = 0; i < 2 * m_micro; i++) pl->tied_req[i] = NO_REQ;
     sizes(&m->config, B, T, &pl->act, &pl->logit);
-    size_t comm[FL_MEM_NTAGS];
-    fl_pipeline_memory(&m->config, m->dtype, s, m_micro, B, T, comm);
-    int senders = 0;
-    for (int c = 0; c < pl->v; c++) senders += c * pl->p + pl->rank > 0;
-    if (senders) pl->grad_send = fl_alloc(FL_MEM_COMM, (size_t)senders * m_micro * pl->act * dsize(m));
-    if (pl->tied && pl->rank == pl->p - 1)
-        pl->tied_send = fl_alloc(FL_MEM_COMM, (size_t)m_micro * (pl->logit + pl->act) * dsize(m));
-    FL_ASSERT(comm[FL_MEM_COMM] == (size_t)senders * m_micro * pl->act * dsize(m) +
-                                       (pl->tied_send ? m_micro * (pl->logit + pl->act) * dsize(m) : 0));
+    size_t grads, tied;
+    send_bytes(&m->config, m->dtype, s, m_micro, B, T, &grads, &tied);
+    if (grads) pl->grad_send = fl_alloc(FL_MEM_COMM, grads);
+    if (tied) pl->tied_send = fl_alloc(FL_MEM_COMM, tied);
     // the gradient norm and fp16's overflow over every stage, in the whole
     // table's order
-    pl->opp = (struct fl_optim_pp){fl_tp_ops_group(g), fl_model_whole_table(m)->count,
-                                   m->row_global};
+    pl->opp =
+        (struct fl_optim_pp){fl_tp_ops_group(g), fl_model_whole_table(m)->count, m->row_global};
     o->pp = &pl->opp;
     refresh_copy(pl);
     return pl;
@@ -221,13 +225,14 @@ static void forward_action(fl_pipeline *pl, const fl_pp_action *x, const int *in
     fl_comm_req *out = &pl->out_req[c * pl->max_sets + set];
     wait_req(out); // the set's last output: taken before its backward ran
     fl_model_use_set(m, c, set);
-    if (vs > 0) recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), pl->act, tag(MSG_ACT, vs - 1));
+    if (vs > 0)
+        recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), pl->act, tag(MSG_ACT, vs - 1));
     fl_model_forward_train(m, inputs + k * BT, targets + k * BT, pl->B, pl->T, dloss);
     if (vs == pl->n - 1) {
         if (loss_sum) *loss_sum += (double)m->loss * m->n_targets;
     } else {
-        *out = fl_comm_isend(pl->g, (vs + 1) % pl->p, fl_model_chunk_output(m),
-                             pl->act * dsize(m), tag(MSG_ACT, vs));
+        *out = fl_comm_isend(pl->g, (vs + 1) % pl->p, fl_model_chunk_output(m), pl->act * dsize(m),
+                             tag(MSG_ACT, vs));
     }
 }
 
@@ -258,8 +263,8 @@ static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss)
             fl_comm_isend(pl->g, 0, at + pl->logit * D, pl->act * D, tag(MSG_TIED_INP, 0));
     }
     if (vs > 0) {
-        char *at = (char *)pl->grad_send +
-                   ((size_t)sender_index(pl, c) * pl->m_micro + k) * pl->act * D;
+        char *at =
+            (char *)pl->grad_send + ((size_t)sender_index(pl, c) * pl->m_micro + k) * pl->act * D;
         memcpy(at, m->dres, pl->act * D);
         pl->grad_req[c * pl->m_micro + k] =
             fl_comm_isend(pl->g, (vs - 1) % pl->p, at, pl->act * D, tag(MSG_GRAD, vs));
@@ -356,7 +361,8 @@ static void forward_through(fl_pipeline *pl, const int *tokens, const int *targe
     for (int c = 0; c < pl->v; c++) {
         int vs = c * pl->p + pl->rank;
         fl_model_use_set(m, c, 0);
-        if (vs > 0) recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), act, tag(MSG_EVAL, vs - 1));
+        if (vs > 0)
+            recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), act, tag(MSG_EVAL, vs - 1));
         fl_model_forward(m, tokens, targets, B, T);
         if (vs < pl->n - 1)
             fl_comm_wait(fl_comm_isend(pl->g, (vs + 1) % pl->p, fl_model_chunk_output(m),
@@ -388,9 +394,9 @@ static const float *pipeline_next(void *ctx, const int *context, int T, int last
     return row;
 }
 
-void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new,
-                          float temperature, int top_k, fl_rng *rng,
-                          void (*on_token)(int token, void *ctx), void *ctx) {
+void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new, float temperature,
+                          int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx),
+                          void *ctx) {
     fl_model_generate_with(pl->m, pipeline_next, pl, tokens, n_prompt, n_new, temperature, top_k,
                            rng, on_token, ctx);
 }
