@@ -48,7 +48,8 @@ typedef struct {
     int virt;             // virtual stages (interleaved)
     const char *split;    // --pipeline-split ("parameters" unless set)
     fl_recompute recompute;
-    int more; // SLOW, EVAL, TIED
+    int more;              // SLOW, EVAL, TIED
+    const char *optimizer; // with its options ("adamw --eps 1e-6" unless set)
 } pp_case;
 
 static int tied(const pp_case *c) {
@@ -90,11 +91,13 @@ static void flags_of(const pp_case *c, int split, char *flags, size_t size) {
     int n = snprintf(flags, size,
                      "--model tiny --arch %s --n-layer %d --n-head 8 --n-embd 32 --max-seq-len %d "
                      "--tokenizer byte --precision %s --batch %d --seq-len %d --grad-accum %d "
-                     "--optimizer adamw --eps 1e-6 --lr 2e-3 --scheduler constant --warmup 0 "
+                     "--optimizer %s --scheduler constant --warmup 0 "
                      "--grad-clip 1.0 --activation-checkpointing %s --seed 42 --threads 1 "
                      "--sample-tokens 0 --comm-timeout 60 --out=",
                      fl_arch_name(c->arch), c->layers, T, fl_dtype_name(c->dt),
-                     split ? B : B * replicas(c), T, c->accum, recompute_name(c->recompute));
+                     split ? B : B * replicas(c), T, c->accum,
+                     c->optimizer ? c->optimizer : "adamw --eps 1e-6 --lr 2e-3",
+                     recompute_name(c->recompute));
     if (c->arch == FL_ARCH_LLAMA)
         n += snprintf(flags + n, size - (size_t)n,
                       " --n-kv-head 4 --intermediate-size 48 --tie-word-embeddings=%s",
@@ -398,9 +401,12 @@ static void compare(const pp_case *c, const run_result *got, const run_result *w
         t_check(wd <= 1.3e-6, "rank %d/%d %s: final weights within 1.3e-6 relative (%.3g)", rank,
                 world, c->name, wd);
     }
-    t_check(got->loss[STEPS - 1] < got->loss[0] - 0.02f,
-            "rank %d %s: the loss falls (%.4f -> %.4f)", rank, c->name, got->loss[0],
-            got->loss[STEPS - 1]);
+    // (AdamW's: LOMO's and AdaLomo's steps on these random tokens need not
+    // lower it in a few steps, one process's no more than the pipeline's)
+    if (!c->optimizer)
+        t_check(got->loss[STEPS - 1] < got->loss[0] - 0.02f,
+                "rank %d %s: the loss falls (%.4f -> %.4f)", rank, c->name, got->loss[0],
+                got->loss[STEPS - 1]);
     free(ref);
 }
 
@@ -488,40 +494,53 @@ int main(int argc, char **argv) {
                        sel = FL_RECOMPUTE_SELECTIVE;
     const pp_case all[] = {
         // p = 2
-        {"gpt2 fp32 p2 1f1b", 2, G, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, EVAL},
-        {"llama fp32 p2 1f1b (GQA, untied)", 2, L, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, 0},
-        {"llama fp32 p2 1f1b (tied)", 2, L, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, TIED},
-        {"gpt2 fp32 p2 gpipe", 2, G, F, 2, 1, 0, 0, 4, 4, "gpipe", 0, NULL, none, 0},
-        {"gpt2 fp32 p2 interleaved v2", 2, G, F, 2, 1, 0, 0, 4, 4, "interleaved", 2, NULL, none, 0},
+        {"gpt2 fp32 p2 1f1b", 2, G, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, EVAL, NULL},
+        {"llama fp32 p2 1f1b (GQA, untied)", 2, L, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, 0,
+         NULL},
+        {"llama fp32 p2 1f1b (tied)", 2, L, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, TIED, NULL},
+        {"gpt2 fp32 p2 gpipe", 2, G, F, 2, 1, 0, 0, 4, 4, "gpipe", 0, NULL, none, 0, NULL},
+        {"gpt2 fp32 p2 interleaved v2", 2, G, F, 2, 1, 0, 0, 4, 4, "interleaved", 2, NULL, none, 0,
+         NULL},
         {"llama fp32 p2 interleaved v2", 2, L, F, 2, 1, 0, 0, 4, 4, "interleaved", 2, NULL, none,
-         EVAL},
-        {"gpt2 fp32 p2 split 1,3", 2, G, F, 2, 1, 0, 0, 4, 4, NULL, 0, "1,3", none, 0},
+         EVAL, NULL},
+        {"gpt2 fp32 p2 split 1,3", 2, G, F, 2, 1, 0, 0, 4, 4, NULL, 0, "1,3", none, 0, NULL},
         {"llama fp32 p2 split uniform, m 8", 2, L, F, 2, 1, 0, 0, 8, 4, NULL, 0, "uniform", none,
-         SLOW},
-        {"gpt2 fp32 p2 block recompute", 2, G, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, blk, 0},
-        {"llama fp32 p2 selective recompute", 2, L, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, sel, 0},
-        {"gpt2 bf16 p2", 2, G, FL_BF16, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, SLOW},
-        {"llama fp16 p2", 2, L, FL_F16, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, SLOW},
+         SLOW, NULL},
+        {"gpt2 fp32 p2 block recompute", 2, G, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, blk, 0, NULL},
+        {"llama fp32 p2 selective recompute", 2, L, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, sel, 0,
+         NULL},
+        {"gpt2 bf16 p2", 2, G, FL_BF16, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, SLOW, NULL},
+        // optimizers fused into the backward pass: one micro-batch a step
+        {"gpt2 fp32 p2 lomo", 2, G, F, 2, 1, 0, 0, 1, 4, NULL, 0, NULL, none, 0, "lomo --lr 0.2"},
+        {"llama fp32 p2 adalomo (tied)", 2, L, F, 2, 1, 0, 0, 1, 4, NULL, 0, NULL, none, TIED,
+         "adalomo --eps 1e-8 --lr 0.05"},
+        {"gpt2 fp16 p2 lomo", 2, G, FL_F16, 2, 1, 0, 0, 1, 4, NULL, 0, NULL, blk, SLOW,
+         "lomo --lr 0.2"},
+        {"llama fp16 p2", 2, L, FL_F16, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, SLOW, NULL},
         // p = 4, and 2 x 2 with tensor or data parallelism
-        {"gpt2 fp32 p4 1f1b", 4, G, F, 4, 1, 0, 0, 4, 4, NULL, 0, NULL, none, 0},
-        {"llama fp32 p4 1f1b", 4, L, F, 4, 1, 0, 0, 4, 4, NULL, 0, NULL, none, SLOW | EVAL},
-        {"gpt2 fp32 p4 m 2", 4, G, F, 4, 1, 0, 0, 2, 4, NULL, 0, NULL, none, 0},
-        {"llama fp32 p4 interleaved v2", 4, L, F, 4, 1, 0, 0, 4, 8, "interleaved", 2, NULL, none,
-         0},
+        {"gpt2 fp32 p4 1f1b", 4, G, F, 4, 1, 0, 0, 4, 4, NULL, 0, NULL, none, 0, NULL},
+        {"llama fp32 p4 1f1b", 4, L, F, 4, 1, 0, 0, 4, 4, NULL, 0, NULL, none, SLOW | EVAL, NULL},
+        {"gpt2 fp32 p4 m 2", 4, G, F, 4, 1, 0, 0, 2, 4, NULL, 0, NULL, none, 0, NULL},
+        {"llama fp32 p4 interleaved v2", 4, L, F, 4, 1, 0, 0, 4, 8, "interleaved", 2, NULL, none, 0,
+         NULL},
         {"gpt2 fp32 p4 interleaved v2", 4, G, F, 4, 1, 0, 0, 4, 8, "interleaved", 2, NULL, none,
-         SLOW},
-        {"gpt2 fp32 p4 split 1,2,2,1", 4, G, F, 4, 1, 0, 0, 4, 6, NULL, 0, "1,2,2,1", none, SLOW},
+         SLOW, NULL},
+        {"gpt2 fp32 p4 split 1,2,2,1", 4, G, F, 4, 1, 0, 0, 4, 6, NULL, 0, "1,2,2,1", none, SLOW,
+         NULL},
         {"gpt2 fp32 p4 gpipe, block recompute", 4, G, F, 4, 1, 0, 0, 4, 4, "gpipe", 0, NULL, blk,
-         SLOW},
-        {"gpt2 fp32 TP x PP (2 x 2)", 4, G, F, 2, 2, 0, 0, 4, 4, NULL, 0, NULL, none, EVAL},
-        {"llama fp32 TP+SP x PP (2 x 2)", 4, L, F, 2, 2, 1, 0, 4, 4, NULL, 0, NULL, none, 0},
-        {"gpt2 fp32 PP x DP ZeRO-1 (2 x 2)", 4, G, F, 2, 1, 0, 1, 4, 4, NULL, 0, NULL, none, EVAL},
-        {"llama fp32 PP x DP ZeRO-1 (2 x 2)", 4, L, F, 2, 1, 0, 1, 4, 4, NULL, 0, NULL, none, SLOW},
+         SLOW, NULL},
+        {"gpt2 fp32 TP x PP (2 x 2)", 4, G, F, 2, 2, 0, 0, 4, 4, NULL, 0, NULL, none, EVAL, NULL},
+        {"gpt2 fp32 p4 lomo", 4, G, F, 4, 1, 0, 0, 1, 4, NULL, 0, NULL, none, 0, "lomo --lr 0.2"},
+        {"llama fp32 TP+SP x PP (2 x 2)", 4, L, F, 2, 2, 1, 0, 4, 4, NULL, 0, NULL, none, 0, NULL},
+        {"gpt2 fp32 PP x DP ZeRO-1 (2 x 2)", 4, G, F, 2, 1, 0, 1, 4, 4, NULL, 0, NULL, none, EVAL,
+         NULL},
+        {"llama fp32 PP x DP ZeRO-1 (2 x 2)", 4, L, F, 2, 1, 0, 1, 4, 4, NULL, 0, NULL, none, SLOW,
+         NULL},
         // 3D
         {"gpt2 fp32 TP x PP x DP ZeRO-1 (2 x 2 x 2)", 8, G, F, 2, 2, 0, 1, 4, 4, NULL, 0, NULL,
-         none, 0},
+         none, 0, NULL},
         {"llama fp32 TP+SP x PP x DP ZeRO-1 (2 x 2 x 2)", 8, L, F, 2, 2, 1, 1, 4, 4, NULL, 0, NULL,
-         none, SLOW},
+         none, SLOW, NULL},
     };
     pp_case cases[sizeof all / sizeof all[0]];
     int n = 0;

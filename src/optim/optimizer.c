@@ -205,7 +205,9 @@ static void update_rows(fl_optimizer *o, int first_row, int n_rows, const void *
             .clip_coef = fused ? clip_coef : 1.0f,
             .stochastic = o->cfg.stochastic_rounding,
             .sr_seed = sr_seed,
-            .first_index = lo,
+            // the element's place in the rank's whole table: a pipeline
+            // stage's rows draw the bits one process's would
+            .first_index = o->pp ? o->pp->row_offset[k] + (lo - v->offset) : lo,
             .team = team,
             .tp = o->tp,
         };

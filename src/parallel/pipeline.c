@@ -38,6 +38,7 @@ struct fl_pipeline {
     void *tied_send; // (m) of logit + act: the tied head's output gradient and input
     fl_comm_req *tied_req;
     struct fl_optim_pp opp;
+    size_t *row_offset; // opp's
 };
 
 static int tag(int kind, int vs) {
@@ -152,8 +153,14 @@ fl_pipeline *fl_pipeline_attach(fl_model *m, fl_optimizer *o, const fl_comm_grou
     if (tied) pl->tied_send = fl_alloc(FL_MEM_COMM, tied);
     // the gradient norm and fp16's overflow over every stage, in the whole
     // table's order
-    pl->opp =
-        (struct fl_optim_pp){fl_tp_ops_group(g), fl_model_whole_table(m)->count, m->row_global};
+    fl_param_table rank; // the rank's table of the whole model
+    fl_model_rank_table(&rank, &m->config, m->tp.rank);
+    pl->row_offset = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(size_t));
+    for (int r = 0; r < m->table.count; r++)
+        pl->row_offset[r] = rank.views[m->row_global[r]].offset;
+    fl_params_free(&rank);
+    pl->opp = (struct fl_optim_pp){fl_tp_ops_group(g), fl_model_whole_table(m)->count,
+                                   m->row_global, pl->row_offset};
     o->pp = &pl->opp;
     refresh_copy(pl);
     return pl;
@@ -169,6 +176,7 @@ void fl_pipeline_free(fl_pipeline *pl) {
     fl_free(pl->tied_req);
     fl_free(pl->grad_send);
     fl_free(pl->tied_send);
+    fl_free(pl->row_offset);
     fl_free(pl);
 }
 
