@@ -172,10 +172,11 @@ static void wait_req(fl_comm_req *r) {
     *r = NO_REQ;
 }
 
-// Lets finished sends go (their requests are few).
+// Lets finished sends go (their requests are few); the wait of a finished
+// request returns at once and frees its slot.
 static void poll(fl_comm_req *r, size_t n) {
     for (size_t i = 0; i < n; i++)
-        if (r[i] != NO_REQ && fl_comm_test(r[i])) r[i] = NO_REQ;
+        if (r[i] != NO_REQ && fl_comm_test(r[i])) wait_req(&r[i]);
 }
 
 static void recv_wait(fl_pipeline *pl, int peer, void *buf, size_t n, int t) {
