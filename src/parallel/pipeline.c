@@ -18,7 +18,7 @@
 
 // message kinds, for tags: a stream (kind, sending virtual stage) keeps
 // its micro-batches in order
-enum { MSG_ACT, MSG_GRAD, MSG_TIED_DOUT, MSG_TIED_INP, MSG_EVAL, MSG_WEIGHTS, MSG_KINDS };
+enum { MSG_ACT, MSG_GRAD, MSG_TIED_DOUT, MSG_TIED_INP, MSG_EVAL, MSG_WEIGHTS };
 enum { NO_REQ = -1 };
 
 struct fl_pipeline {
@@ -29,7 +29,7 @@ struct fl_pipeline {
     fl_pp_action *acts;
     int n_acts;
     int *set_of;          // (v, m): the set micro-batch k's forward took on chunk c
-    int *set_busy;        // (v, FL_MAX sets): per chunk, which sets are in use
+    int *set_busy;        // (v, max_sets): per chunk, which sets are in use
     fl_comm_req *out_req; // (v, sets): the send of a set's output
     int max_sets;
     size_t act, logit; // elements of a chunk's input (B T C, this rank's positions) and logits
