@@ -149,9 +149,11 @@ float fl_pipeline_forward(fl_pipeline *pl, const int *tokens, const int *targets
 void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new, float temperature,
                           int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx),
                           void *ctx);
-// Bytes per tag the executor allocates on pipeline rank `rank` (its send
-// buffers: each micro-batch's input gradient per chunk, and on the last
-// stage of a tied model the LM head's output gradient and input).
+// Bytes per tag the executor allocates on pipeline rank `rank` (comm: its
+// send buffers, each micro-batch's input gradient per chunk, and on the
+// last stage of a tied model the LM head's output gradient and input;
+// other: itself, its list of actions and its records per micro-batch and
+// per set).
 void fl_pipeline_memory(const fl_model_config *c, fl_dtype dt, const fl_pp_stage *s, int m_micro,
                         int B, int T, size_t bytes[FL_MEM_NTAGS]);
 void fl_pipeline_free(fl_pipeline *pl);

@@ -203,10 +203,12 @@ static void stage_rows(fl_model *m) {
     fl_param_table rank = m->table;
     int *global = fl_alloc(FL_MEM_OTHER, (size_t)rank.count * sizeof(int));
     fl_model_stage_table(&m->table, &rank, &m->config, &m->pp, global);
-    fl_params_free(&rank);
     m->row_global = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(int));
     memcpy(m->row_global, global, (size_t)m->table.count * sizeof(int));
     fl_free(global);
+    m->row_offset = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(size_t));
+    for (int r = 0; r < m->table.count; r++) m->row_offset[r] = rank.views[m->row_global[r]].offset;
+    fl_params_free(&rank);
     m->row_local = fl_alloc(FL_MEM_OTHER, (size_t)m->whole.count * sizeof(int));
     for (int r = 0; r < m->whole.count; r++) m->row_local[r] = -1;
     // the tied copy is not stored from the source: the pipeline copies
@@ -631,6 +633,9 @@ void fl_model_free(fl_model *m) {
     fl_free(m->wp);
     fl_free(m->gp);
     fl_free(m->unit_row);
+    fl_free(m->row_local);
+    fl_free(m->row_global);
+    fl_free(m->row_offset);
     fl_params_free(&m->table);
     fl_params_free(&m->whole);
     memset(m, 0, sizeof *m);

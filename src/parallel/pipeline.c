@@ -38,7 +38,6 @@ struct fl_pipeline {
     void *tied_send; // (m) of logit + act: the tied head's output gradient and input
     fl_comm_req *tied_req;
     struct fl_optim_pp opp;
-    size_t *row_offset; // opp's
 };
 
 static int tag(int kind, int vs) {
@@ -97,6 +96,16 @@ void fl_pipeline_memory(const fl_model_config *c, fl_dtype dt, const fl_pp_stage
     size_t grads, tied;
     send_bytes(c, dt, s, m_micro, B, T, &grads, &tied);
     bytes[FL_MEM_COMM] = grads + tied;
+    // fl_pipeline_attach's: the executor, its list and its per-(chunk,
+    // micro-batch) and per-(chunk, set) records
+    int max_sets = 0;
+    for (int ch = 0; ch < s->chunks; ch++)
+        if (s->sets[ch] > max_sets) max_sets = s->sets[ch];
+    size_t vm = (size_t)s->chunks * m_micro, vs = (size_t)s->chunks * max_sets;
+    bytes[FL_MEM_OTHER] = sizeof(fl_pipeline) + 2 * vm * sizeof(fl_pp_action) +
+                          vm * (sizeof(int) + sizeof(fl_comm_req)) +
+                          vs * (sizeof(int) + sizeof(fl_comm_req)) +
+                          2 * (size_t)m_micro * sizeof(fl_comm_req);
 }
 
 // Stage 0's token embedding rows into the last stage's copy.
@@ -151,16 +160,16 @@ fl_pipeline *fl_pipeline_attach(fl_model *m, fl_optimizer *o, const fl_comm_grou
     send_bytes(&m->config, m->dtype, s, m_micro, B, T, &grads, &tied);
     if (grads) pl->grad_send = fl_alloc(FL_MEM_COMM, grads);
     if (tied) pl->tied_send = fl_alloc(FL_MEM_COMM, tied);
+    size_t other[FL_MEM_NTAGS];
+    fl_pipeline_memory(&m->config, m->dtype, s, m_micro, B, T, other);
+    FL_ASSERT(other[FL_MEM_OTHER] == sizeof *pl + (size_t)pl->n_acts * sizeof *pl->acts +
+                                         vm * (sizeof *pl->set_of + sizeof *pl->grad_req) +
+                                         vs * (sizeof *pl->set_busy + sizeof *pl->out_req) +
+                                         2 * (size_t)m_micro * sizeof *pl->tied_req);
     // the gradient norm and fp16's overflow over every stage, in the whole
     // table's order
-    fl_param_table rank; // the rank's table of the whole model
-    fl_model_rank_table(&rank, &m->config, m->tp.rank);
-    pl->row_offset = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(size_t));
-    for (int r = 0; r < m->table.count; r++)
-        pl->row_offset[r] = rank.views[m->row_global[r]].offset;
-    fl_params_free(&rank);
     pl->opp = (struct fl_optim_pp){fl_tp_ops_group(g), fl_model_whole_table(m)->count,
-                                   m->row_global, pl->row_offset};
+                                   m->row_global, m->row_offset};
     o->pp = &pl->opp;
     refresh_copy(pl);
     return pl;
@@ -176,7 +185,6 @@ void fl_pipeline_free(fl_pipeline *pl) {
     fl_free(pl->tied_req);
     fl_free(pl->grad_send);
     fl_free(pl->tied_send);
-    fl_free(pl->row_offset);
     fl_free(pl);
 }
 

@@ -165,6 +165,11 @@ static void plan_run(fl_run *r, int whole_weights_first) {
     req.data_peak = data_peak;
     req.whole_weights_first = whole_weights_first;
     req.ranks = r->world * r->tp.size * r->stage.size; // t x p x d
+    // under pipeline parallelism, this rank's own stage
+    if (r->stage.size > 1) {
+        req.rank = fl_comm_rank();
+        req.one_stage = 1;
+    }
     fl_plan_compute(&req, &r->plan);
     size_t limit =
         *cfg->mem_limit ? fl_parse_bytes(cfg->mem_limit, "mem_limit") : fl_mem_available();
