@@ -203,17 +203,18 @@ static void stage_rows(fl_model *m) {
     fl_param_table rank = m->table;
     int *global = fl_alloc(FL_MEM_OTHER, (size_t)rank.count * sizeof(int));
     fl_model_stage_table(&m->table, &rank, &m->config, &m->pp, global);
-    m->row_global = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(int));
-    memcpy(m->row_global, global, (size_t)m->table.count * sizeof(int));
-    fl_free(global);
-    m->row_offset = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(size_t));
-    for (int r = 0; r < m->table.count; r++) m->row_offset[r] = rank.views[m->row_global[r]].offset;
+    int n = m->table.count;
+    m->row_offset = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof(size_t));
+    for (int r = 0; r < n; r++) m->row_offset[r] = rank.views[global[r]].offset;
     fl_params_free(&rank);
+    m->row_global = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof(int));
+    memcpy(m->row_global, global, (size_t)n * sizeof(int));
+    fl_free(global);
     m->row_local = fl_alloc(FL_MEM_OTHER, (size_t)m->whole.count * sizeof(int));
     for (int r = 0; r < m->whole.count; r++) m->row_local[r] = -1;
     // the tied copy is not stored from the source: the pipeline copies
     // stage 0's row into it
-    for (int r = 0; r < m->table.count; r++)
+    for (int r = 0; r < n; r++)
         if (!(m->table.views[r].flags & FL_PARAM_TIED_COPY)) m->row_local[m->row_global[r]] = r;
 }
 
@@ -521,9 +522,11 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
     bytes[FL_MEM_PARAMS] = numel * D;
     bytes[FL_MEM_GRADS] = numel * D;
     int two = fl_tp_ways(&c) > 1 || pp->size > 1; // the whole table beside the rank's
-    bytes[FL_MEM_OTHER] = (rows + (two ? whole_rows : 0)) * sizeof(fl_param_view) +
-                          bookkeeping_bytes(rows, c.n_layer) +
-                          (pp->size > 1 ? (size_t)(rows + whole_rows) * sizeof(int) : 0);
+    bytes[FL_MEM_OTHER] =
+        (rows + (two ? whole_rows : 0)) * sizeof(fl_param_view) +
+        bookkeeping_bytes(rows, c.n_layer) +
+        (pp->size > 1 ? (size_t)(rows + whole_rows) * sizeof(int) + (size_t)rows * sizeof(size_t)
+                      : 0);
     if (quant && quant->enabled) {
         size_t dense, store, absmax;
         fl_quant_sizes(&t, quant, &dense, &store, &absmax);
