@@ -139,7 +139,7 @@ struct fl_model {
     // row of the whole table's index here (-1: another stage's) and back
     fl_pp_stage pp;
     int *row_local, *row_global;
-    size_t *row_offset; // each row's offset in the rank's table of the whole model
+    size_t *row_offset;   // each row's offset in the rank's table of the whole model
     void *params, *grads; // flat buffers of table.numel values of dtype (grads: NULL when
                           // gradients live per unit, below)
     // the flat elements params holds: all, or (fl_model_init_from) one ZeRO-3
