@@ -980,7 +980,8 @@ static void test_pp_layouts(int bf16) {
     }
 }
 
-// A run saved under (1, 2, 1) continues in one process, and the 3D run's
+// A run saved under (1, 2, 1) (interleaved, v = 2: a stage's blocks are
+// not contiguous) continues in one process, and the 3D run's
 // checkpoint under (1, 1, 1) and (1, 4, 1) alike, bitwise as the run that
 // never stopped (pipeline-only fp32 is one process's arithmetic); the
 // exports of the pipeline's checkpoint and one process's are the same bytes.
@@ -988,7 +989,10 @@ static void test_pp_resume(void) {
     char args[1024], a[512], b[512];
     snprintf(args, sizeof args, PP_FOUR " --batch 8 --out %s/pone", work);
     if (!fitlm_ok(0, args)) return;
-    snprintf(args, sizeof args, PP_FOUR " --batch 8 --pipeline-parallel 2 --out %s/pp2", work);
+    snprintf(args, sizeof args,
+             PP_FOUR " --batch 8 --pipeline-parallel 2 --pipeline-schedule interleaved "
+                     "--virtual-stages 2 --out %s/pp2",
+             work);
     if (!fitlm_ok(2, args)) return;
     same_losses("(1, 2, 1) vs one process", "pp2", "pone", 1, 4, 1, 0);
     snprintf(args, sizeof args,
