@@ -989,11 +989,21 @@ static void test_pp_resume(void) {
     char args[1024], a[512], b[512];
     snprintf(args, sizeof args, PP_FOUR " --batch 8 --out %s/pone", work);
     if (!fitlm_ok(0, args)) return;
+    char whole[64] = ""; // "N parameters", the line's start
+    const char *end = strstr(out, " parameters ("), *line = end;
+    while (line && line > out && line[-1] != '\n') line--;
+    if (end && end - line < 32)
+        snprintf(whole, sizeof whole, "%.*s parameters", (int)(end - line), line);
     snprintf(args, sizeof args,
              PP_FOUR " --batch 8 --pipeline-parallel 2 --pipeline-schedule interleaved "
                      "--virtual-stages 2 --out %s/pp2",
              work);
     if (!fitlm_ok(2, args)) return;
+    // the run's line: the whole model's count, then the first stage's
+    t_check(*whole && strstr(out, whole) && strstr(out, "; pipeline parallel 2: ") &&
+                strstr(out, " per rank of the first stage"),
+            "(1, 2, 1) prints the whole model's parameters (%s) and the first stage's: %.300s",
+            whole, out);
     same_losses("(1, 2, 1) vs one process", "pp2", "pone", 1, 4, 1, 0);
     snprintf(args, sizeof args,
              PP_TINY
