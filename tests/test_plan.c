@@ -885,6 +885,30 @@ static void test_data_parallel_measured(void) {
     // parallelism with sampling, t = 4 with recompute, TP x DP under ZeRO-3
     for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++)
         if (!t_quick() || i == 1 || i == 3 || i == 5) check_dist_case(bin, &tp[i]);
+    // pipeline parallelism, every tag exact on every stage: p = 2 and 4,
+    // 1F1B, GPipe and interleaved, a tied GPT-2 and LLaMA, activation
+    // checkpointing, generation through the stages, TP x PP and PP x DP
+    // under ZeRO-1
+    const dist_case pp[] = {
+        {0, "fp32", "gpt2", "--pipeline-parallel 2 --sample-tokens 4", 4, 0, 2, 1},
+        {0, "bf16", "llama", "--n-layer 4 --pipeline-parallel 4 --pipeline-schedule gpipe", 4, 0, 4,
+         1},
+        {0, "fp32", "gpt2", "--n-layer 4 --pipeline-parallel 4 --activation-checkpointing block", 8,
+         0, 4, 1},
+        {0, "bf16", "gpt2",
+         "--n-layer 4 --pipeline-parallel 2 --pipeline-schedule interleaved --virtual-stages 2", 4,
+         0, 2, 1},
+        {0, "fp32", "gpt2", "--tensor-parallel 2 --sequence-parallel --pipeline-parallel 2", 2, 0,
+         4, 1},
+        {1, "bf16", "llama", "--pipeline-parallel 2", 2, 0, 4, 1},
+        // p 4 interleaved over m 16: more sends in a step than the
+        // communicator has request slots, unless finished ones are freed
+        {0, "fp32", "llama",
+         "--n-layer 8 --pipeline-parallel 4 --pipeline-schedule interleaved --virtual-stages 2", 16,
+         0, 4, 1},
+    };
+    for (size_t i = 0; i < sizeof pp / sizeof pp[0]; i++)
+        if (!t_quick() || i == 3 || i == 5) check_dist_case(bin, &pp[i]);
     // NVMe offload: the buffers in RAM, the state on disk; under ZeRO-3 the
     // weights too, updated from the backward pass (no gradient buffer)
     char dir[] = "/tmp/fitlm-plan-nvme-XXXXXX";
@@ -974,6 +998,95 @@ static void test_pipeline_request(void) {
                 r.stage_blocks[1] == 4 && r.stage_blocks[2] == 4,
             "uniform over 3 stages: %d,%d,%d", r.stage_blocks[0], r.stage_blocks[1],
             r.stage_blocks[2]);
+}
+
+// A stage's plan: every stage against each alone, the largest deciding;
+// the activation sets a stage holds: under 1F1B stage s keeps min(p - s, m)
+// micro-batches (stage 0 min(p, m), the last one), under GPipe every stage m.
+static void pp_plan(fl_plan_request *r, const char *flags, int ranks, fl_plan *out) {
+    pp_request(r, flags, ranks);
+    r->ranks = ranks;
+    fl_plan_compute(r, out);
+}
+
+static fl_plan_request pp_refused_request;
+
+static void pp_plan_dies(void *arg) {
+    (void)arg;
+    fl_plan p;
+    fl_plan_compute(&pp_refused_request, &p);
+}
+
+static void test_pipeline_plan(void) {
+    static fl_plan_request r;
+    static fl_plan all, one, m1, mk;
+    const char *base = "--model tiny --seq-len 32 --batch 2 --n-layer 4 --pipeline-split uniform "
+                       "--pipeline-parallel 4";
+    char flags[256];
+    snprintf(flags, sizeof flags, "%s --grad-accum 8", base);
+    pp_plan(&r, flags, 4, &all);
+    size_t most = 0;
+    int peak = -1;
+    for (int s = 0; s < all.stages; s++)
+        if (all.stage[s].total > most) most = all.stage[s].total, peak = s;
+    t_check(all.stages == 4 && all.total == most && all.peak_stage == peak &&
+                all.stage[peak].stage == peak,
+            "every stage planned: %d stages, the figures the largest's (stage %d, %zu bytes)",
+            all.stages, all.peak_stage, all.total);
+    for (int s = 0; s < 4; s++) {
+        r.rank = s;
+        r.one_stage = 1;
+        fl_plan_compute(&r, &one);
+        t_check(one.stages == 1 && one.stage[0].stage == s && one.total == all.stage[s].total &&
+                    one.bytes[FL_MEM_ACTS] == all.stage[s].acts && all.stage[s].blocks == 1,
+                "stage %d alone: %zu bytes, as in the whole plan (%zu)", s, one.total,
+                all.stage[s].total);
+        if (s == peak)
+            t_check(!memcmp(one.bytes, all.bytes, sizeof one.bytes),
+                    "the plan's tags are the peak stage's");
+    }
+    // activation sets: stage 0 and the last, m = 1 .. 8, against m = 1 (one
+    // set): each set the same bytes (set, m = 2 under GPipe / stage 0)
+    size_t set0 = 0;
+    for (int kind = 0; kind < 2; kind++) {
+        const char *sched = kind ? "gpipe" : "1f1b";
+        for (int stage = 0; stage < 4; stage += 3) {
+            size_t set = 0;
+            for (int m = 1; m <= 8; m++) {
+                snprintf(flags, sizeof flags, "%s --pipeline-schedule %s --grad-accum %d", base,
+                         sched, m);
+                pp_request(&r, flags, 4);
+                r.ranks = 4;
+                r.rank = stage;
+                r.one_stage = 1;
+                fl_plan_compute(&r, m == 1 ? &m1 : &mk);
+                if (m == 1) continue;
+                size_t extra = mk.bytes[FL_MEM_ACTS] - m1.bytes[FL_MEM_ACTS];
+                int sets = kind ? m : stage == 0 ? (m < 4 ? m : 4) : 1;
+                if (m == 2) set = extra;
+                if (m == 2 && stage == 0 && !kind) set0 = extra;
+                t_check(extra == (size_t)(sets - 1) * set && (sets == 1 || set > 0),
+                        "%s stage %d, m %d: %d activation set%s (acts %zu = %zu + %zu)", sched,
+                        stage, m, sets, sets == 1 ? "" : "s", mk.bytes[FL_MEM_ACTS],
+                        m1.bytes[FL_MEM_ACTS], extra);
+            }
+        }
+    }
+    // stage 0 under 1F1B at m >= p holds p sets, the last stage one
+    snprintf(flags, sizeof flags, "%s --grad-accum 8", base);
+    pp_plan(&r, flags, 4, &all);
+    printf("  1F1B p 4 m 8, acts per stage:");
+    for (int s = 0; s < 4; s++) printf(" %zu", all.stage[s].acts);
+    printf(" (one set of stage 0: %zu)\n", set0);
+    // refusals: the layout, a raw count
+    snprintf(flags, sizeof flags, "%s --grad-accum 8", base);
+    pp_request(&pp_refused_request, flags, 4);
+    pp_refused_request.ranks = 6;
+    t_dies("pipeline: 6 ranks over p 4", pp_plan_dies, NULL,
+           "pipeline parallel 4 = 4 does not divide the 6 ranks");
+    pp_refused_request.ranks = 4;
+    pp_refused_request.num_params = 1000000;
+    t_dies("pipeline: a raw count", pp_plan_dies, NULL, "needs a model shape");
 }
 
 static void test_check_fits(void) {
@@ -1073,6 +1186,7 @@ int main(void) {
     test_tensor_parallel_refusals();
     test_check_fits();
     test_pipeline_request();
+    test_pipeline_plan();
     test_cli();
     test_data_parallel_measured();
     return t_report();

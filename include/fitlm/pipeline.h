@@ -146,12 +146,14 @@ fl_train_result fl_pipeline_step(fl_pipeline *pl, const int *inputs, const int *
 // and its target count in *n_targets, on every rank.
 float fl_pipeline_forward(fl_pipeline *pl, const int *tokens, const int *targets, int *n_targets);
 // fl_model_generate through the stages: every rank gets every token.
-void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new,
-                          float temperature, int top_k, fl_rng *rng,
-                          void (*on_token)(int token, void *ctx), void *ctx);
-// Bytes per tag the executor allocates on pipeline rank `rank` (its send
-// buffers: each micro-batch's input gradient per chunk, and on the last
-// stage of a tied model the LM head's output gradient and input).
+void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new, float temperature,
+                          int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx),
+                          void *ctx);
+// Bytes per tag the executor allocates on pipeline rank `rank` (comm: its
+// send buffers, each micro-batch's input gradient per chunk, and on the
+// last stage of a tied model the LM head's output gradient and input;
+// other: itself, its list of actions and its records per micro-batch and
+// per set).
 void fl_pipeline_memory(const fl_model_config *c, fl_dtype dt, const fl_pp_stage *s, int m_micro,
                         int B, int T, size_t bytes[FL_MEM_NTAGS]);
 void fl_pipeline_free(fl_pipeline *pl);

@@ -55,9 +55,9 @@ typedef struct {
     // NVMe offload of the optimizer (optim.paged): its buffers in RAM, its
     // files on disk
     fl_offload_config offload;
-    // pipeline parallelism (pipeline.h), the config's: carried for the
-    // per-stage plans that come with the pipeline executor; fl_plan_compute
-    // does not read them yet
+    // pipeline parallelism (pipeline.h), the config's: with p > 1 each stage
+    // is planned as the executor runs it (ranks = t x p x d in Megatron's
+    // order: `rank`'s stage is rank / (t d))
     int pipeline_parallel; // p: stages of contiguous blocks (1: none); t x p divides ranks
     int virtual_stages;    // v: chunks a pipeline rank holds (1; interleaved: 2 or more)
     int pipeline_schedule; // FL_PP_GPIPE, FL_PP_1F1B or FL_PP_INTERLEAVED
@@ -65,7 +65,16 @@ typedef struct {
     // blocks of each of the p x v virtual stages (fl_pp_config_split; chunk c
     // of pipeline rank r is virtual stage c p + r)
     int stage_blocks[FL_PP_MAX_VIRTUAL];
+    int one_stage; // p > 1: 0 plans every stage (the figures the largest's); 1 only rank's
 } fl_plan_request;
+
+// One pipeline stage's figures (pipeline rank `stage`, its chunks' blocks).
+enum { FL_PLAN_MAX_STAGES = 256 };
+typedef struct {
+    int stage, blocks;
+    size_t params;      // parameters it holds (a tied copy included)
+    size_t acts, total; // bytes: tag acts (its activation sets), every tag
+} fl_plan_stage;
 
 typedef struct {
     size_t bytes[FL_MEM_NTAGS]; // per rank: each tag's peak
@@ -85,6 +94,11 @@ typedef struct {
     // the weights' shard would take in RAM instead (per tag), for "what would
     // fit without offload"
     size_t unpaged[FL_MEM_NTAGS];
+    // pipeline parallelism: the stages planned (0: none), each one's
+    // figures, and the stage whose figures bytes[] holds (of every stage:
+    // the largest total, which decides whether the run fits)
+    int stages, peak_stage;
+    fl_plan_stage stage[FL_PLAN_MAX_STAGES];
     int runnable;   // 1: the engine runs this, and the figures are its exact sizes
     char note[320]; // "" or what the figures leave out / "not runnable yet: ..."
 } fl_plan;
@@ -128,6 +142,14 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
 //                        (t > 1: the row is t x the vocabulary columns per rank, plus
 //                        one rank's columns; with sequence parallelism T ints of context)
 //                        (sample_tokens + 4) * sizeof(int) other (the sampled tokens)
+// Pipeline parallelism (p > 1, ranks = t x p x d): the stage of pipeline
+// rank s (fl_pp_stage_of over stage_blocks, its chunks' activation sets
+// under the schedule for m = grad_accum micro-batches) is planned as above
+// with the model, the optimizer and ZeRO-1/DDP (over the d ranks of its
+// data-parallel group) on the stage's table, plus fl_pipeline_memory (the
+// executor's send buffers, comm; its lists, other) and the pipeline group's
+// table (fl_tp_ops_bytes(p), other). With one_stage only rank's stage;
+// else every stage (into stage[], the largest total into bytes[]).
 // Anything else is planned per rank from the model-state formulas (see
 // plan.c) with runnable = 0 and a note "not runnable yet: ...". Dies naming
 // the numbers when t does not divide ranks, and on tensor parallelism with

@@ -54,8 +54,7 @@ typedef struct {
 } fl_step_passes;
 // fl_fused_step over other passes.
 fl_train_result fl_fused_step_passes(fl_model *m, fl_optimizer *o, const fl_step_passes *passes,
-                                     const int *inputs, const int *targets, int B, int T,
-                                     float lr);
+                                     const int *inputs, const int *targets, int B, int T, float lr);
 fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int B, int T, float lr);
 // LoRA + LOMO (lora.train_base): one micro-batch, the base updated in the

@@ -37,14 +37,15 @@ static void help(void) {
            "ranks, as mpirun -np N starts (memory is per rank; N / --tensor-parallel data-parallel "
            "replicas)",
            "", "--rank R",
-           "the rank planned (ZeRO shards differ by a few elements; 0: the largest)", "", "--lomo",
-           "LOMO by its formula: update fused into backward, no optimizer state", "", "--params N",
-           "a raw parameter count (124439808, 7e9, 7B, 350M): model states only", "");
+           "the rank planned (ZeRO shards differ by a few elements; 0: the largest); with "
+           "--pipeline-parallel, its stage alone (default: every stage)",
+           "", "--lomo", "LOMO by its formula: update fused into backward, no optimizer state", "",
+           "--params N", "a raw parameter count (124439808, 7e9, 7B, 350M): model states only", "");
     fl_config_print_help(stdout);
 }
 
 typedef struct {
-    int ranks, rank, lomo;
+    int ranks, rank, rank_given, lomo;
     size_t params;
 } plan_flags;
 
@@ -76,6 +77,7 @@ static int take_plan_flags(int argc, char **argv, plan_flags *f) {
             }
             if (which == 0) f->ranks = parse_int("--ranks", value, 1, 1 << 20);
             if (which == 1) f->rank = parse_int("--rank", value, 0, (1 << 20) - 1);
+            if (which == 1) f->rank_given = 1;
             if (which == 2) f->params = fl_plan_parse_count(value, "option --params");
         } else if (!strcmp(arg, "--lomo")) {
             f->lomo = 1;
@@ -122,7 +124,7 @@ int cmd_plan(int argc, char **argv) {
         help();
         return 0;
     }
-    plan_flags f = {1, 0, 0, 0};
+    plan_flags f = {1, 0, 0, 0, 0};
     char **args = fl_alloc(FL_MEM_OTHER, ((size_t)argc + 1) * sizeof(char *));
     memcpy(args, argv, (size_t)argc * sizeof(char *));
     int n = take_plan_flags(argc, args, &f);
@@ -150,6 +152,7 @@ int cmd_plan(int argc, char **argv) {
     r.ranks = f.ranks;
     if (f.rank >= f.ranks) fl_die("option --rank %d: must be below --ranks %d", f.rank, f.ranks);
     r.rank = f.rank;
+    r.one_stage = f.rank_given; // under pipeline parallelism: that rank's stage alone
     r.lomo = f.lomo;
     r.num_params = f.params;
 
@@ -164,8 +167,15 @@ int cmd_plan(int argc, char **argv) {
                m->padded_vocab_size, m->max_seq_len, fl_model_num_params(m));
     printf("%s | %s", fl_dtype_name(cfg.dtype), cfg.optimizer);
     if (r.optim.kind == FL_OPT_SGD) printf(" (momentum %g)", r.optim.momentum);
-    char layout[96] = ""; // t x d under tensor parallelism
-    if (cfg.tensor_parallel > 1)
+    char layout[192] = ""; // t x p x d under tensor or pipeline parallelism
+    if (cfg.pipeline_parallel > 1)
+        snprintf(layout, sizeof layout,
+                 " (tensor parallel %d x pipeline parallel %d (%s%s%.0d) x %d data-parallel)",
+                 cfg.tensor_parallel, cfg.pipeline_parallel, cfg.pipeline_schedule,
+                 cfg.virtual_stages > 1 ? " virtual stages " : "",
+                 cfg.virtual_stages > 1 ? cfg.virtual_stages : 0,
+                 f.ranks / (cfg.tensor_parallel * cfg.pipeline_parallel));
+    else if (cfg.tensor_parallel > 1)
         snprintf(layout, sizeof layout, " (tensor parallel %d%s x %d data-parallel)",
                  cfg.tensor_parallel, cfg.sequence_parallel ? " with sequence parallelism" : "",
                  f.ranks / cfg.tensor_parallel);

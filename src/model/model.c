@@ -132,9 +132,10 @@ static size_t bookkeeping_bytes(int rows, int L) {
 // embedding's own when the LM head is tied to it (0 otherwise).
 static void unit_grad_sizes(const fl_param_table *t, const fl_model_config *c, size_t *unit,
                             size_t *embed) {
-    size_t per[1026] = {0}; // by unit + 1: embedding, blocks, head (n_layer <= 1024)
+    size_t per[1026] = {0};            // by unit + 1: embedding, blocks, head (n_layer <= 1024)
     for (int r = 0; r < t->count; r++) // (a pipeline's tied copy has no gradient)
-        if (!(t->views[r].flags & FL_PARAM_TIED_COPY)) per[t->views[r].unit + 1] += t->views[r].numel;
+        if (!(t->views[r].flags & FL_PARAM_TIED_COPY))
+            per[t->views[r].unit + 1] += t->views[r].numel;
     *unit = 0;
     *embed = c->tie_embeddings ? per[0] : 0;
     for (int u = c->tie_embeddings ? 1 : 0; u <= c->n_layer + 1; u++)
@@ -202,10 +203,12 @@ static void stage_rows(fl_model *m) {
     fl_param_table rank = m->table;
     int *global = fl_alloc(FL_MEM_OTHER, (size_t)rank.count * sizeof(int));
     fl_model_stage_table(&m->table, &rank, &m->config, &m->pp, global);
-    fl_params_free(&rank);
     m->row_global = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(int));
     memcpy(m->row_global, global, (size_t)m->table.count * sizeof(int));
     fl_free(global);
+    m->row_offset = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(size_t));
+    for (int r = 0; r < m->table.count; r++) m->row_offset[r] = rank.views[m->row_global[r]].offset;
+    fl_params_free(&rank);
     m->row_local = fl_alloc(FL_MEM_OTHER, (size_t)m->whole.count * sizeof(int));
     for (int r = 0; r < m->whole.count; r++) m->row_local[r] = -1;
     // the tied copy is not stored from the source: the pipeline copies
@@ -589,9 +592,9 @@ void fl_model_use_set(fl_model *m, int chunk, int set) {
     m->chunk = chunk;
     m->set = set;
     act_spec specs[MAX_SPECS];
-    int n = act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
-                      m->att_workspace_threads, m->recompute, &m->lora.cfg,
-                      m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
+    int n =
+        act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T, m->att_workspace_threads,
+                  m->recompute, &m->lora.cfg, m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
     for (int i = 0; i < n; i++)
         if (specs[i].per != PER_STEP)
             *specs[i].slot = (char *)m->set_base[i] +
@@ -630,6 +633,9 @@ void fl_model_free(fl_model *m) {
     fl_free(m->wp);
     fl_free(m->gp);
     fl_free(m->unit_row);
+    fl_free(m->row_local);
+    fl_free(m->row_global);
+    fl_free(m->row_offset);
     fl_params_free(&m->table);
     fl_params_free(&m->whole);
     memset(m, 0, sizeof *m);
@@ -695,14 +701,8 @@ static fl_block block_at(fl_model *m, int l, void **act) {
 
 // The head reads the last block's output: the chunk's output.
 static fl_block head_at(fl_model *m) {
-    return (fl_block){m,
-                      m->config.n_layer,
-                      m->B,
-                      m->T,
-                      fl_model_chunk_output(m),
-                      NULL,
-                      m->head_act,
-                      m->block_work};
+    return (fl_block){m,    m->config.n_layer, m->B,         m->T, fl_model_chunk_output(m),
+                      NULL, m->head_act,       m->block_work};
 }
 
 static float loss(fl_model *m, const float *dloss);

@@ -53,6 +53,13 @@
 // optimizer and ZeRO cover the rank's table over its data-parallel group of
 // d; the TP group's one scratch buffer is sized by the largest collective
 // the model calls (fl_tp_scratch_bytes, which sizes it in the engine too).
+//
+// Pipeline parallelism over p stages (ranks = t x p x d) is planned stage by
+// stage: the model's fl_model_memory with the stage (its rows as its own
+// table beside the whole one, the row maps, its chunks' activation sets),
+// the optimizer and ZeRO-1/DDP over the stage's table, the executor's
+// buffers (fl_pipeline_memory) and the pipeline group's table, which the
+// gradient norm sums over. Every stage is planned; the largest decides.
 #include "fitlm/plan.h"
 #include "fitlm/comm.h"
 #include "fitlm/dist.h"
@@ -147,13 +154,28 @@ static int unit_grads_of(const fl_plan_request *r) {
 }
 
 // The layout: t tensor-parallel ranks (1: none) times d data-parallel
-// replicas; the rank's index in each (Megatron's order, TP fastest).
+// replicas times p pipeline stages; the rank's index in each (Megatron's
+// order: TP fastest, then DP, then PP).
 static int tp_of(const fl_plan_request *r) {
     return r->tensor_parallel > 1 ? r->tensor_parallel : 1;
 }
 
+static int pp_of(const fl_plan_request *r) {
+    return r->pipeline_parallel > 1 ? r->pipeline_parallel : 1;
+}
+
 static int dp_of(const fl_plan_request *r) {
-    return r->ranks / tp_of(r);
+    return r->ranks / (tp_of(r) * pp_of(r));
+}
+
+static int pp_rank_of(const fl_plan_request *r) {
+    return r->rank / (tp_of(r) * dp_of(r));
+}
+
+// Pipeline rank s's stage: its chunks' blocks and activation sets.
+static void stage_of(const fl_plan_request *r, int s, fl_pp_stage *out) {
+    fl_pp_stage_of(out, r->pipeline_schedule, pp_of(r), r->virtual_stages, r->optim.grad_accum, s,
+                   r->stage_blocks);
 }
 
 static int dp_rank_of(const fl_plan_request *r) {
@@ -174,11 +196,31 @@ static const char *tp_refused(const fl_plan_request *r) {
     return NULL;
 }
 
+// Pipeline parallelism: what the executor runs, over a model shape.
+static void check_pipeline(const fl_plan_request *r) {
+    const int p = r->pipeline_parallel, t = tp_of(r), v = r->virtual_stages;
+    if (r->ranks % (t * p))
+        fl_die("plan: tensor parallel %d x pipeline parallel %d = %d does not divide the %d ranks",
+               t, p, t * p, r->ranks);
+    if (p > FL_PLAN_MAX_STAGES)
+        fl_die("plan: pipeline parallel %d: at most %d stages are planned", p, FL_PLAN_MAX_STAGES);
+    if (r->num_params)
+        fl_die("plan: pipeline parallelism needs a model shape (its stages hold blocks), not a raw "
+               "parameter count");
+    char why[256];
+    if (fl_pp_schedule_check(r->pipeline_schedule, p, r->optim.grad_accum, v, why, sizeof why))
+        fl_die("plan: %s", why);
+    fl_model_config c = r->model;
+    fl_model_config_finish(&c);
+    fl_pp_split_check(c.n_layer, p * v, r->stage_blocks);
+}
+
 static void check_request(const fl_plan_request *r) {
     if (r->ranks < 1) fl_die("plan: ranks must be >= 1 (got %d)", r->ranks);
     if (r->tensor_parallel < 1 || r->ranks % tp_of(r))
         fl_die("plan: the tensor-parallel size %d must be >= 1 and divide the %d ranks",
                r->tensor_parallel, r->ranks);
+    if (pp_of(r) > 1) check_pipeline(r);
     if (r->sequence_parallel && tp_of(r) == 1)
         fl_die("plan: sequence parallelism needs a tensor-parallel size above 1");
     if (tp_refused(r))
@@ -206,9 +248,15 @@ static int dist_of(const fl_plan_request *r) {
 }
 
 // The model's parameters on this rank: its slices under tensor parallelism
-// (every rank's are the same size).
+// (every rank's are the same size), of its pipeline stage's rows.
 static void rank_table(const fl_plan_request *r, const fl_model_config *c, fl_param_table *t) {
     fl_model_rank_table(t, c, r->rank % tp_of(r));
+    if (pp_of(r) == 1) return;
+    fl_pp_stage s;
+    stage_of(r, pp_rank_of(r), &s);
+    fl_param_table rank = *t;
+    fl_model_stage_table(t, &rank, c, &s, NULL);
+    fl_params_free(&rank);
 }
 
 // Of a table: the largest row, and the largest unit (a block, or the
@@ -305,9 +353,10 @@ static size_t model_states_of(const size_t *b) {
 // The ZeRO paper's model states for an exactly planned data-parallel run:
 // its formula applied to the same run's one-rank plan.
 static size_t formula_model_states(const fl_plan_request *r, size_t largest, size_t unit) {
-    fl_plan_request one = *r;
-    one.ranks = tp_of(r);
-    one.rank = 0;
+    fl_plan_request one = *r; // the rank's model-parallel group alone (its stage)
+    one.ranks = tp_of(r) * pp_of(r);
+    one.rank = r->rank % tp_of(r) + tp_of(r) * pp_rank_of(r);
+    one.one_stage = 1;
     one.zero_stage = 0;
     fl_plan p;
     fl_plan_compute(&one, &p);
@@ -321,12 +370,13 @@ static size_t formula_model_states(const fl_plan_request *r, size_t largest, siz
 // sequence parallelism reduce-scatters to BT/t positions (GPT-2's embedding
 // all-reduce of BT positions takes the same, t dividing BT); there also the
 // sum of one unit's token-wise gradients (norm weights, row-parallel
-// biases); the vocabulary-parallel loss's (BT, 2) fp32 sums.
+// biases); the vocabulary-parallel loss's (BT, 2) fp32 sums (on the stage
+// that holds the head).
 static size_t tp_scratch_of(const fl_model_config *c, const fl_param_table *rows, fl_dtype dt,
-                            size_t BT) {
+                            size_t BT, int head) {
     const int t = c->tp_size;
     const size_t C = (size_t)c->n_embd;
-    size_t most = fl_tp_scratch_bytes(t, FL_TP_ALL_REDUCE, FL_F32, 2 * BT);
+    size_t most = head ? fl_tp_scratch_bytes(t, FL_TP_ALL_REDUCE, FL_F32, 2 * BT) : 0;
     size_t hidden = c->sequence_parallel
                         ? fl_tp_scratch_bytes(t, FL_TP_REDUCE_SCATTER, dt, BT / (size_t)t * C)
                         : fl_tp_scratch_bytes(t, FL_TP_ALL_REDUCE, dt, BT * C);
@@ -360,8 +410,8 @@ static size_t generate_bytes(const fl_model_config *c, int T) {
     return row * sizeof(float) + V * 8 + context;
 }
 
-void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
-    check_request(r);
+// The plan of one rank (under pipeline parallelism, of its stage).
+static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     memset(out, 0, sizeof *out);
     size_t *b = out->bytes;
     const fl_dtype dt = r->dtype;
@@ -375,8 +425,14 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     fl_model_config c = r->model;
     size_t numel, largest, unit; // parameters; largest tensor; largest ZeRO-3 gather unit
     size_t opt[FL_MEM_NTAGS] = {0}, dist_bytes[FL_MEM_NTAGS] = {0};
-    const int tp = tp_of(r);
+    const int tp = tp_of(r), pp = pp_of(r);
+    fl_pp_stage stage, *st = NULL; // the rank's pipeline stage (NULL: the whole model)
+    if (pp > 1) stage_of(r, pp_rank_of(r), st = &stage);
     size_t tp_scratch = 0; // the TP group's, the largest call's (comm)
+    // the step's gradient norm: a sum of squares per row of the optimizer's
+    // table, in the whole model's order (every row under pipeline parallelism)
+    size_t norm_rows = 0, whole_rows = 0;
+    int stage_rows = 0; // the rank's rows (of its stage)
     if (shaped) {
         c.tp_size = tp;
         c.sequence_parallel = tp > 1 && r->sequence_parallel;
@@ -387,14 +443,21 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         fl_param_table rows;
         rank_table(r, &c, &rows);
         numel = rows.numel;
+        stage_rows = rows.count;
         table_sizes(&rows, c.n_layer, &largest, &unit);
-        if (tp > 1 && BT) tp_scratch = tp_scratch_of(&c, &rows, dt, BT);
+        if (tp > 1 && BT)
+            tp_scratch =
+                tp_scratch_of(&c, &rows, dt, BT, !st || fl_pp_has_head(st, st->chunks - 1));
         fl_params_free(&rows);
+        fl_param_table whole;
+        fl_model_table(&whole, &c);
+        norm_rows = whole_rows = (size_t)whole.count;
+        fl_params_free(&whole);
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
         fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
                         dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
-                        &r->quant, NULL, b);
+                        &r->quant, st, b);
     } else {
         // a raw count split evenly over the TP ranks (what stays whole,
         // norms and row-layer biases, is not known)
@@ -423,6 +486,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         fl_model_table(&t, &c);
         fl_lora_table(&lt, &t, &c, &r->lora, NULL);
         fl_optimizer_memory_table(&r->optim, dt, &lt, 0, lt.numel, opt);
+        norm_rows = (size_t)lt.count;
         if (r->lora.train_base) {
             size_t base[FL_MEM_NTAGS] = {0};
             fl_optimizer_memory_table(&r->base_optim, dt, &t, 0, t.numel, base);
@@ -448,6 +512,14 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
         b[FL_MEM_OTHER] += fl_tp_ops_bytes(tp);
         b[FL_MEM_COMM] += tp_scratch;
     }
+    // pipeline parallelism: the executor's buffers and lists, and the
+    // pipeline group's table (the gradient norm's sum over the stages)
+    if (st && shaped) {
+        size_t pipe[FL_MEM_NTAGS];
+        fl_pipeline_memory(&c, dt, st, r->optim.grad_accum, r->B, r->T, pipe);
+        for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += pipe[k];
+        b[FL_MEM_OTHER] += fl_tp_ops_bytes(pp);
+    }
 
     // What `fitlm train` allocates besides the model and the optimizer: the
     // data loaders' tables and the tokenizer (measured), the inputs and targets
@@ -456,12 +528,23 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     // (V floats) and, inside it, the sampler's (logit, id) sort buffer (V x 8).
     b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * (size_t)r->optim.grad_accum * sizeof(int);
     if (b[FL_MEM_OTHER] < r->data_peak) b[FL_MEM_OTHER] = r->data_peak;
-    // transient workspace, one at a time: the fused step's row sums, the sampler's
+    // transient workspace, one at a time: the step's row sums (a fused
+    // step's over its rows), the sampler's
     size_t sampler = shaped && r->sample_tokens > 0 ? generate_bytes(&c, r->T) : 0;
-    b[FL_MEM_WORKSPACE] +=
-        sampler > fused_rows * sizeof(double) ? sampler : fused_rows * sizeof(double);
+    size_t sums = (fused_rows ? fused_rows : norm_rows) * sizeof(double);
+    b[FL_MEM_WORKSPACE] += sampler > sums ? sampler : sums;
     if (shaped && r->sample_tokens > 0) {
         b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
+    }
+    if (st && shaped) {
+        // the model's set-up of a stage (model.c's stage_rows) holds the
+        // rank's table and the whole one (whole_rows rows each), the stage's
+        // table and a map of the rank's rows at once, over what the run
+        // holds before the model (the data, the TP group's table)
+        size_t setup = r->data_bytes + (tp > 1 ? fl_tp_ops_bytes(tp) : 0) +
+                       (2 * whole_rows + (size_t)stage_rows) * sizeof(fl_param_view) +
+                       whole_rows * sizeof(int);
+        if (b[FL_MEM_OTHER] < setup) b[FL_MEM_OTHER] = setup;
     }
 
     if (out->disk) snprintf(out->disk_dir, sizeof out->disk_dir, "%s", r->offload.dir);
@@ -520,6 +603,38 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     for (int k = 0; k < FL_MEM_NTAGS; k++) out->total += b[k];
     out->model_states = model_states_of(b);
     if (dist_exact) out->formula_model_states = formula_model_states(r, largest, unit);
+    if (st) {
+        int blocks = 0;
+        for (int k = 0; k < st->chunks; k++) blocks += st->count[k];
+        out->stages = 1;
+        out->peak_stage = st->rank;
+        out->stage[0] = (fl_plan_stage){st->rank, blocks, numel, b[FL_MEM_ACTS], out->total};
+        note_add(out, "pipeline stage %d of %d: %d block%s", st->rank, pp, blocks,
+                 blocks == 1 ? "" : "s");
+    }
+}
+
+void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
+    check_request(r);
+    if (pp_of(r) == 1 || r->one_stage) {
+        plan_rank(r, out);
+        return;
+    }
+    // every stage, the rank's tensor- and data-parallel place on each; the
+    // largest total decides
+    const int p = pp_of(r), td = tp_of(r) * dp_of(r);
+    fl_plan_request q = *r;
+    q.one_stage = 1;
+    fl_plan one;
+    fl_plan_stage all[FL_PLAN_MAX_STAGES] = {{0}};
+    for (int s = 0; s < p; s++) {
+        q.rank = r->rank % td + s * td;
+        plan_rank(&q, &one);
+        all[s] = one.stage[0];
+        if (s == 0 || one.total > out->total) *out = one;
+    }
+    out->stages = p;
+    memcpy(out->stage, all, (size_t)p * sizeof all[0]);
 }
 
 // ----------------------------------------------------------------------------
@@ -565,6 +680,17 @@ void fl_plan_print(const fl_plan *p, FILE *out) {
                 p->disk, p->disk / 1e9, p->unpaged[FL_MEM_PARAMS] ? " and weights" : "",
                 p->disk_dir, moved / 1073741824.0,
                 (p->total - p->bytes[FL_MEM_OFFLOAD] + moved) / 1073741824.0);
+    }
+    if (p->stages > 1) { // every pipeline stage's
+        fprintf(out, "pipeline stages (per rank; the tags above are stage %d's, the largest):\n",
+                p->peak_stage);
+        fprintf(out, "  %5s %6s %14s %14s %14s\n", "stage", "blocks", "params", "acts bytes",
+                "total bytes");
+        for (int s = 0; s < p->stages; s++) {
+            const fl_plan_stage *g = &p->stage[s];
+            fprintf(out, "  %5d %6d %14zu %14zu %14zu%s\n", g->stage, g->blocks, g->params, g->acts,
+                    g->total, g->stage == p->peak_stage ? "  (peak)" : "");
+        }
     }
     if (p->runnable)
         fprintf(out, "runnable: yes (the engine's exact allocation sizes)%s%s\n",
@@ -701,9 +827,10 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
     // ZeRO: for each stage above the request's, the fewest ranks (each with
     // `limit` bytes: one per machine, as the ranks of one machine share its
     // memory) that fit; a higher stage only when it needs fewer ranks. Under
-    // tensor parallelism the data-parallel replicas grow, t ranks each.
-    int fewest = 0, t = tp_of(r);
-    for (int stage = r->zero_stage + 1; stage <= 3; stage++) {
+    // tensor and pipeline parallelism the data-parallel replicas grow, t p
+    // ranks each (ZeRO-2/3 are refused with pipeline parallelism).
+    int fewest = 0, t = tp_of(r) * pp_of(r);
+    for (int stage = r->zero_stage + 1; stage <= (pp_of(r) > 1 ? 1 : 3); stage++) {
         if (stage == 3 && shaped && !stage3_live_ok(r)) continue;
         for (int N = r->ranks > t ? r->ranks : 2 * t; N <= 4096 && (!fewest || N < fewest);
              N *= 2) {
