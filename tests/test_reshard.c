@@ -980,7 +980,8 @@ static void test_pp_layouts(int bf16) {
     }
 }
 
-// A run saved under (1, 2, 1) continues in one process, and the 3D run's
+// A run saved under (1, 2, 1) (interleaved, v = 2: a stage's blocks are
+// not contiguous) continues in one process, and the 3D run's
 // checkpoint under (1, 1, 1) and (1, 4, 1) alike, bitwise as the run that
 // never stopped (pipeline-only fp32 is one process's arithmetic); the
 // exports of the pipeline's checkpoint and one process's are the same bytes.
@@ -988,8 +989,21 @@ static void test_pp_resume(void) {
     char args[1024], a[512], b[512];
     snprintf(args, sizeof args, PP_FOUR " --batch 8 --out %s/pone", work);
     if (!fitlm_ok(0, args)) return;
-    snprintf(args, sizeof args, PP_FOUR " --batch 8 --pipeline-parallel 2 --out %s/pp2", work);
+    char whole[64] = ""; // "N parameters", the line's start
+    const char *end = strstr(out, " parameters ("), *line = end;
+    while (line && line > out && line[-1] != '\n') line--;
+    if (end && end - line < 32)
+        snprintf(whole, sizeof whole, "%.*s parameters", (int)(end - line), line);
+    snprintf(args, sizeof args,
+             PP_FOUR " --batch 8 --pipeline-parallel 2 --pipeline-schedule interleaved "
+                     "--virtual-stages 2 --out %s/pp2",
+             work);
     if (!fitlm_ok(2, args)) return;
+    // the run's line: the whole model's count, then the first stage's
+    t_check(*whole && strstr(out, whole) && strstr(out, "; pipeline parallel 2: ") &&
+                strstr(out, " per rank of the first stage"),
+            "(1, 2, 1) prints the whole model's parameters (%s) and the first stage's: %.300s",
+            whole, out);
     same_losses("(1, 2, 1) vs one process", "pp2", "pone", 1, 4, 1, 0);
     snprintf(args, sizeof args,
              PP_TINY
