@@ -514,7 +514,9 @@ static void test_pp_refusals(void) {
          "--pipeline-parallel 4 --pipeline-schedule interleaved --virtual-stages 2 --grad-accum 6",
          "pipeline_parallel.schedule interleaved with pipeline_parallel.size 4, "
          "gradient_accumulation_steps 6 (m, the micro-batches a step) and virtual_stages 2: "
-         "interleaved takes the micro-batches in groups of p: m 6 is not a multiple of p 4"},
+         "--pipeline-schedule interleaved takes the micro-batches in groups of "
+         "--pipeline-parallel 4: --grad-accum (gradient_accumulation_steps) 6 must be a "
+         "multiple of 4 (Megatron's rule)"},
         {4, NULL,
          "--pipeline-parallel 4 --pipeline-schedule interleaved --virtual-stages 4 --grad-accum 4",
          "pipeline_parallel.split (--pipeline-split): 12 blocks (n_layer) cannot fill 16 "
@@ -539,15 +541,12 @@ static void test_pp_refusals(void) {
         {2, NULL, "--pipeline-parallel 2 --lora --quantize nf4",
          "pipeline parallelism (--pipeline-parallel 2) with NF4 base weights (QLoRA) is not "
          "supported"},
-        {2, NULL, "--pipeline-parallel 2 --optimizer lomo",
-         "optimizer.type lomo (an update fused into the backward pass) under pipeline "
-         "parallelism (--pipeline-parallel 2) is not supported yet"},
-        {2, NULL, "--pipeline-parallel 2 --optimizer adalomo",
-         "optimizer.type adalomo (an update fused into the backward pass) under pipeline "
-         "parallelism (--pipeline-parallel 2) is not supported yet"},
-        {2, NULL, "--pipeline-parallel 2 --optimizer-in-backward",
-         "optimizer_in_backward (an update fused into the backward pass) under pipeline "
-         "parallelism (--pipeline-parallel 2) is not supported yet"},
+        {2, NULL, "--pipeline-parallel 2 --optimizer lomo --grad-accum 4",
+         "optimizer.type lomo updates each block in the backward pass of a step's one "
+         "micro-batch: under pipeline parallelism (--pipeline-parallel 2) "
+         "gradient_accumulation_steps (--grad-accum) must be 1, not 4"},
+        {2, NULL, "--pipeline-parallel 2 --optimizer adalomo --grad-accum 2",
+         "optimizer.type adalomo updates each block in the backward pass"},
         {8, "{\"train_batch_size\": 12, \"gradient_accumulation_steps\": 4}",
          "--tensor-parallel 2 --pipeline-parallel 2",
          "train_batch_size 12 is not a multiple of gradient_accumulation_steps 4 x 2 "

@@ -672,20 +672,25 @@ static void check_spike_guard(const dist_case *c) {
 // For test_failures (`test_dist --p2p-hang send|receive` under mpirun -np
 // 2, a 1 s deadline): rank 0 sends 1 MiB to rank 1, which never receives
 // it, or rank 1 waits for a message from rank 0, which never sends; the
-// other rank sleeps. The wait must end the job naming the operation and
-// the peer; returning at all is a failure.
+// other rank sleeps. Under -np 4 the same runs in the group of the odd
+// ranks {1, 3} (as a pipeline's group of stages is), whose ranks 0 and 1
+// are world ranks 1 and 3. The wait must end the job naming the operation
+// and the peer by its world rank; returning at all is a failure.
 static int p2p_hang(const char *kind) {
     fl_comm_set_timeout(1.0);
-    int sending = !strcmp(kind, "send"), rank = fl_comm_rank();
+    int sending = !strcmp(kind, "send"), rank = fl_comm_rank(), size = fl_comm_size();
+    fl_comm_group *odd = size == 4 ? fl_comm_split(fl_comm_world(), rank % 2) : NULL;
+    const fl_comm_group *g = odd && rank % 2 ? odd : fl_comm_world();
     size_t bytes = 1 << 20;
     char *buf = calloc(bytes, 1);
-    if (fl_comm_size() == 2 && rank == (sending ? 0 : 1)) {
-        fl_comm_wait(sending ? fl_comm_isend(fl_comm_world(), 1, buf, bytes, 5)
-                             : fl_comm_irecv(fl_comm_world(), 0, buf, bytes, 5));
+    if ((size == 2 || g == odd) && fl_comm_group_rank(g) == (sending ? 0 : 1)) {
+        fl_comm_wait(sending ? fl_comm_isend(g, 1, buf, bytes, 5)
+                             : fl_comm_irecv(g, 0, buf, bytes, 5));
     } else {
         for (unsigned left = 60; left;) left = sleep(left);
     }
     free(buf);
+    fl_comm_group_free(odd);
     fprintf(stderr, "test_dist --p2p-hang %s: rank %d was not stopped\n", kind, rank);
     return 1;
 }

@@ -1,10 +1,11 @@
 // test_failures.c: a data-parallel run (mpirun -np 2 fitlm train) whose rank
 // is killed, hangs or fails ends at once, non-zero, with a message naming
-// the rank, as does a point-to-point message never matched, at its
-// deadline; ranks started with different settings or builds stop before
-// their first collective, naming the first differing key and the ranks;
-// two ranks over TCP train exactly as over shared memory; and a
-// tensor-parallel run reports the traffic Megatron's layout predicts.
+// the rank, as does a pipeline of 4 stages one of which is killed or
+// stopped, and a point-to-point message never matched, at its deadline;
+// ranks started with different settings or builds stop before their first
+// collective, naming the first differing key and the ranks; two ranks over
+// TCP train exactly as over shared memory; and a tensor-parallel run
+// reports the traffic Megatron's layout predicts.
 //
 // Each case starts mpirun in the background with its output on pipes, finds
 // a rank's process (a child of mpirun whose environment says its rank),
@@ -207,8 +208,9 @@ static int process_gone(pid_t pid) {
 }
 
 // Ends a job that outlived its deadline: mpirun ends its ranks on SIGTERM;
-// a rank still there after that (stopped, say) is killed by its pid.
-static void job_end(job *j, pid_t rank0, pid_t rank1) {
+// a rank still there after that (stopped, say) is killed by its pid (the
+// n pids in ranks, 0 where unknown).
+static void job_end(job *j, const pid_t *ranks, int n) {
     if (j->pid > 0 && !j->done) {
         kill(j->pid, SIGTERM);
         if (!job_pump(j, 10.0, NULL)) {
@@ -216,8 +218,7 @@ static void job_end(job *j, pid_t rank0, pid_t rank1) {
             job_pump(j, 5.0, NULL);
         }
     }
-    pid_t ranks[2] = {rank0, rank1};
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < n; i++)
         if (ranks[i] > 0 && !process_gone(ranks[i])) {
             kill(ranks[i], SIGKILL);
             kill(ranks[i], SIGCONT);
@@ -240,20 +241,22 @@ static void on_alarm(int sig) {
     _exit(1);
 }
 
-// Starts a 2-rank run (mpirun -q unless loud) with `extra` train flags,
-// waits for step 3 and returns the pid of rank `rank` (0 on failure,
-// checked).
-static pid_t start_training(job *j, const char *what, const char *extra, int loud, int rank) {
-    char args[4096];
-    snprintf(args, sizeof args, "%s-np 2 %s %s %s", loud ? "" : "-q ", getenv("FITLM_BINARY"),
+// Starts an np-rank run (mpirun -q unless loud) with `extra` train flags,
+// waits for step `step` and fills pids with the ranks' processes (0 on
+// failure, checked for rank `rank`, which it returns).
+static pid_t start_training(job *j, const char *what, int np, const char *extra, int loud, int step,
+                            int rank, pid_t *pids) {
+    char args[4096], at[64];
+    snprintf(args, sizeof args, "%s-np %d %s %s %s", loud ? "" : "-q ", np, getenv("FITLM_BINARY"),
              TRAIN, extra);
+    snprintf(at, sizeof at, "step %d/100000", step);
     job_start(j, args, NULL);
-    job_pump(j, JOB_DEADLINE, "step 3/100000");
-    pid_t pid = j->done ? 0 : rank_pid(j->pid, rank);
-    t_check(pid > 0 && strstr(j->text[0], "step 3/100000"),
-            "%s: training runs, rank %d is process %d (mpirun status %d): %.300s", what, rank,
-            (int)pid, job_rc(j), j->text[1]);
-    return pid;
+    job_pump(j, JOB_DEADLINE, at);
+    for (int r = 0; r < np; r++) pids[r] = j->done ? 0 : rank_pid(j->pid, r);
+    t_check(pids[rank] > 0 && strstr(j->text[0], at),
+            "%s: training runs to %s, rank %d is process %d (mpirun status %d): %.300s", what, at,
+            rank, (int)pids[rank], job_rc(j), j->text[1]);
+    return pids[rank];
 }
 
 // Prints what the job said on stderr, indented: what a user would see.
@@ -265,13 +268,17 @@ static void show_stderr(const job *j) {
     }
 }
 
-// Both ranks' processes are gone once mpirun has ended (none is orphaned).
-static void check_no_rank_left(const char *what, pid_t r0, pid_t r1) {
+static int ranks_gone(const pid_t *ranks, int n) {
+    for (int i = 0; i < n; i++)
+        if (ranks[i] > 0 && !process_gone(ranks[i])) return 0;
+    return 1;
+}
+
+// The ranks' processes are gone once mpirun has ended (none is orphaned).
+static void check_no_rank_left(const char *what, const pid_t *ranks, int n) {
     double end = now() + 2.0;
-    while (now() < end && !((r0 <= 0 || process_gone(r0)) && (r1 <= 0 || process_gone(r1))))
-        usleep(20000);
-    t_check((r0 <= 0 || process_gone(r0)) && (r1 <= 0 || process_gone(r1)),
-            "%s: no rank process outlives mpirun", what);
+    while (now() < end && !ranks_gone(ranks, n)) usleep(20000);
+    t_check(ranks_gone(ranks, n), "%s: no rank process outlives mpirun", what);
 }
 
 // kill -9 of one rank mid-training: the job ends within 5 s, non-zero, and
@@ -282,8 +289,8 @@ static void test_kill(int rank, const char *extra, int loud) {
     snprintf(what, sizeof what, "kill -9 of rank %d (%s%s)", rank, extra,
              loud ? ", mpirun without -q" : "");
     job j;
-    pid_t victim = start_training(&j, what, extra, loud, rank);
-    pid_t other = j.done ? 0 : rank_pid(j.pid, 1 - rank);
+    pid_t pids[2];
+    pid_t victim = start_training(&j, what, 2, extra, loud, 3, rank, pids);
     double t_kill = now();
     if (victim > 0) kill(victim, SIGKILL);
     int ended = victim > 0 && job_pump(&j, JOB_DEADLINE, NULL);
@@ -309,8 +316,8 @@ static void test_kill(int rank, const char *extra, int loud) {
                 "rank): %.600s",
                 what, j.text[1]);
     }
-    job_end(&j, victim, other);
-    check_no_rank_left(what, victim, other);
+    job_end(&j, pids, 2);
+    check_no_rank_left(what, pids, 2);
     job_free(&j);
 }
 
@@ -321,8 +328,8 @@ static void test_hang(void) {
     const char *what = "SIGSTOP of rank 1 (--comm-timeout 3)";
     const double timeout = 3.0;
     job j;
-    pid_t victim = start_training(&j, what, "--comm-timeout 3", 0, 1);
-    pid_t other = j.done ? 0 : rank_pid(j.pid, 0);
+    pid_t pids[2];
+    pid_t victim = start_training(&j, what, 2, "--comm-timeout 3", 0, 3, 1, pids);
     double t_stop = now();
     if (victim > 0) kill(victim, SIGSTOP);
     int ended = victim > 0 && job_pump(&j, JOB_DEADLINE, NULL);
@@ -341,35 +348,138 @@ static void test_hang(void) {
                 strstr(j.text[1], stopped),
             "%s: rank 0 names itself, the operation, the timeout and the stopped rank; got: %.600s",
             what, j.text[1]);
-    job_end(&j, other, victim);
-    check_no_rank_left(what, other, victim);
+    job_end(&j, pids, 2);
+    check_no_rank_left(what, pids, 2);
+    job_free(&j);
+}
+
+// A pipeline of 4 stages (ranks 0-3 in order, the tied head's data sent
+// from the last to the first), run long enough to have reused its request
+// slots many times over.
+#define PIPELINE      "--n-layer 4 --pipeline-parallel 4 --grad-accum 4"
+#define PIPELINE_STEP 12
+
+// The first line of text that holds `key` (NUL-terminated, in line).
+static void line_with(const char *text, const char *key, char *line, size_t size) {
+    const char *at = strstr(text, key);
+    line[0] = 0;
+    if (!at) return;
+    while (at > text && at[-1] != '\n') at--;
+    snprintf(line, size, "%.*s", (int)strcspn(at, "\n"), at);
+}
+
+// kill -9 of a middle stage (rank 1) mid-step: the job ends within 5 s,
+// non-zero (mpirun reports 137 or the status of a rank that left on
+// noticing, whichever it sees first), and the ranks that notice name it;
+// a rank that waited on rank 1 itself names rank 1, not another rank that
+// has left on noticing first.
+static void test_pipeline_kill(void) {
+    const char *what = "kill -9 of stage 1 of 4 (--pipeline-parallel 4)";
+    job j;
+    pid_t pids[4];
+    pid_t victim = start_training(&j, what, 4, PIPELINE, 0, PIPELINE_STEP, 1, pids);
+    double t_kill = now();
+    if (victim > 0) kill(victim, SIGKILL);
+    int ended = victim > 0 && job_pump(&j, JOB_DEADLINE, NULL);
+    double took = (ended ? j.ended : now()) - t_kill;
+    printf("  %-50s ended %.2f s after the kill, status %d\n", what, took, job_rc(&j));
+    show_stderr(&j);
+    t_check(ended && took < 5.0 && (job_rc(&j) == 128 + SIGKILL || job_rc(&j) == 1),
+            "%s: the job ends within 5 s of the kill, status 137 or 1 (%.2f s, status %d)", what,
+            took, job_rc(&j));
+    char says[96];
+    snprintf(says, sizeof says, "error: rank 1 (process %d) has ended (killed or exited)",
+             (int)victim);
+    t_check(strstr(j.text[1], says) != NULL, "%s: stderr says \"%s\"; got: %.600s", what, says,
+            j.text[1]);
+    for (const char *p = j.text[1]; *p;) {
+        size_t n = strcspn(p, "\n");
+        char line[512];
+        snprintf(line, sizeof line, "%.*s", (int)n, p);
+        if (strstr(line, "waited in a send to rank 1;") ||
+            strstr(line, "waited in a receive from rank 1;"))
+            t_check(strstr(line, says) != NULL, "%s: a wait on rank 1 names it: %s", what, line);
+        p += n + (p[n] == '\n');
+    }
+    job_end(&j, pids, 4);
+    check_no_rank_left(what, pids, 4);
+    job_free(&j);
+}
+
+// SIGSTOP of a middle stage (rank 1): its neighbours wait on its sends and
+// receives, the others on theirs. The first wait to pass --comm-timeout 3
+// ends the job a little after it, naming the message and its peer by world
+// rank, and the stopped rank.
+static void test_pipeline_hang(void) {
+    const char *what = "SIGSTOP of stage 1 of 4 (--comm-timeout 3)";
+    const double timeout = 3.0;
+    job j;
+    pid_t pids[4];
+    pid_t victim =
+        start_training(&j, what, 4, PIPELINE " --comm-timeout 3", 0, PIPELINE_STEP, 1, pids);
+    double t_stop = now();
+    if (victim > 0) kill(victim, SIGSTOP);
+    int ended = victim > 0 && job_pump(&j, JOB_DEADLINE, NULL);
+    double took = (ended ? j.ended : now()) - t_stop;
+    printf("  %-50s ended %.2f s after the stop, status %d\n", what, took, job_rc(&j));
+    show_stderr(&j);
+    t_check(ended && took > timeout - 0.1 && took < timeout + 4.0 && job_rc(&j) != 0,
+            "%s: the job ends a little after the timeout, non-zero (%.2f s, status %d)", what, took,
+            job_rc(&j));
+    // the first to time out: a neighbour waiting on rank 1 as a rule, but
+    // a rank further down the chain may have begun its wait first, and
+    // ranks past the step's last message wait in its collectives
+    char first[512], stopped[128], op[256] = "";
+    line_with(j.text[1], " did not complete within ", first, sizeof first);
+    int rank = -1, peer = -1;
+    sscanf(first, "fitlm: rank %d: error: %255[^\n]", &rank, op);
+    char *end = strstr(op, " did not complete within 3 s (--comm-timeout)");
+    if (end) *end = 0;
+    if (sscanf(op, "a send to rank %d", &peer) != 1) sscanf(op, "a receive from rank %d", &peer);
+    int d = rank - peer;
+    int next = peer < 0 || d == 1 || d == -1 || d == 3 || d == -3; // the tied head: 3 and 0
+    t_check(end && rank >= 0 && rank != 1 && next,
+            "%s: the first error is a deadline of rank 0, 2 or 3, a message naming a neighbour "
+            "(world rank) or a collective: %s",
+            what, first);
+    snprintf(stopped, sizeof stopped, ": rank 1 (process %d) is stopped (by a signal)",
+             (int)victim);
+    t_check(strstr(j.text[1], stopped) != NULL, "%s: a rank that timed out says \"%s\"", what,
+            stopped);
+    job_end(&j, pids, 4);
+    check_no_rank_left(what, pids, 4);
     job_free(&j);
 }
 
 // A point-to-point message whose other side never comes (test_dist
 // --p2p-hang, a 1 s deadline): a send that is never received, a receive
-// that is never sent. The waiting rank ends the job soon after the
-// deadline, naming itself, the operation and the peer.
-static void test_p2p_hang(const char *kind, int waiter) {
-    char what[64], args[4096];
-    snprintf(what, sizeof what, "a %s that never completes (1 s)", kind);
-    snprintf(args, sizeof args, "-q -np 2 %s --p2p-hang %s", getenv("FITLM_TEST_DIST"), kind);
+// that is never sent, between world ranks 0 and 1 (np 2) or between ranks
+// 0 and 1 of the group of world ranks {1, 3} (np 4). The waiting rank ends
+// the job soon after the deadline, naming itself, the operation and the
+// peer, by their world ranks.
+static void test_p2p_hang(const char *kind, int np) {
+    char what[96], args[4096];
+    snprintf(what, sizeof what, "a %s that never completes (1 s, %s)", kind,
+             np == 2 ? "world" : "ranks {1, 3}");
+    snprintf(args, sizeof args, "-q -np %d %s --p2p-hang %s", np, getenv("FITLM_TEST_DIST"), kind);
     job j;
     job_start(&j, args, NULL);
     int ended = job_pump(&j, JOB_DEADLINE, NULL);
     double took = (ended ? j.ended : now()) - j.started;
     printf("  %-50s ended after %.2f s, status %d\n", what, took, job_rc(&j));
     show_stderr(&j);
+    int sending = !strcmp(kind, "send"), waiter = sending ? 0 : 1, peer = 1 - waiter;
+    if (np == 4) waiter = 2 * waiter + 1, peer = 2 * peer + 1; // group rank r is world 2r + 1
     char says[160];
     snprintf(says, sizeof says,
              "fitlm: rank %d: error: a %s rank %d did not complete within 1 s (--comm-timeout)",
-             waiter, strcmp(kind, "send") ? "receive from" : "send to", 1 - waiter);
+             waiter, sending ? "send to" : "receive from", peer);
     t_check(ended && took < 15.0 && job_rc(&j) != 0,
             "%s: the job ends soon after the deadline, non-zero (%.2f s, status %d)", what, took,
             job_rc(&j));
     t_check(strstr(j.text[1], says) && !strstr(j.text[1], "was not stopped"),
             "%s: stderr says \"%s\"; got: %.600s", what, says, j.text[1]);
-    if (!ended) job_end(&j, 0, 0);
+    if (!ended) job_end(&j, NULL, 0);
     job_free(&j);
 }
 
@@ -405,7 +515,7 @@ static void test_error_on_one_rank(void) {
             took, job_rc(&j));
     t_check(t_said && !strstr(j.text[1], "did not complete within"),
             "%s: stderr has rank 1's message, and no timeout; got: %.600s", what, j.text[1]);
-    job_end(&j, 0, 0);
+    job_end(&j, NULL, 0);
     job_free(&j);
     rmdir(empty);
 }
@@ -445,7 +555,7 @@ static void test_ranks_differ_case(const differ_case *c) {
     t_check(!strstr(j.text[1], "Sanitizer") && !strstr(j.text[1], "runtime error") &&
                 !strstr(j.text[1], "MPI_ERR") && !strstr(j.text[1], "did not complete within"),
             "%s: no sanitizer report, MPI error or timeout: %.600s", c->what, j.text[1]);
-    if (!ended) job_end(&j, 0, 0);
+    if (!ended) job_end(&j, NULL, 0);
     job_free(&j);
 }
 
@@ -542,7 +652,7 @@ static void test_tcp_equals_shared_memory(void) {
                  TRAIN);
         job j;
         job_start(&j, args, env[k]);
-        if (!job_pump(&j, JOB_DEADLINE, NULL)) job_end(&j, 0, 0);
+        if (!job_pump(&j, JOB_DEADLINE, NULL)) job_end(&j, NULL, 0);
         rc[k] = job_rc(&j);
         losses_of(j.text[0], losses[k], sizeof losses[k]);
         if (rc[k] != 0) fprintf(stderr, "%s", j.text[1]);
@@ -569,7 +679,7 @@ static void test_tp_traffic(void) {
              getenv("FITLM_BINARY"), TRAIN);
     job j;
     job_start(&j, args, NULL);
-    if (!job_pump(&j, JOB_DEADLINE, NULL)) job_end(&j, 0, 0);
+    if (!job_pump(&j, JOB_DEADLINE, NULL)) job_end(&j, NULL, 0);
     int rc = job_rc(&j);
     const char *key = "communication per step and rank: ", *line = strstr(j.text[0], key);
     double elements = line ? strtod(line + strlen(key), NULL) : 0.0;
@@ -601,9 +711,12 @@ int main(void) {
     test_kill(1, "--zero-stage 0", 0);
     test_kill(0, "--zero-stage 3", 1);
     test_hang();
+    test_pipeline_kill();
     if (!t_quick()) {
-        test_p2p_hang("send", 0);
-        test_p2p_hang("receive", 1);
+        test_pipeline_hang();
+        test_p2p_hang("send", 2);
+        test_p2p_hang("receive", 2);
+        test_p2p_hang("receive", 4);
     }
     test_error_on_one_rank();
     test_ranks_differ();

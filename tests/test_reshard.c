@@ -12,6 +12,10 @@
 // heads; its export gathers whole tensors; validation, the sample, saves
 // and a resume under TP give one process's values; --tp-tcp (CTest's
 // tp_tcp) runs one of its resumes over TCP, --tp the TP tests alone.
+// Pipeline parallelism (--pp, CTest's pp_ckpt): a 3D run (t, p, d) =
+// (2, 2, 2) loads under (1, 1, 1), (1, 4, 1), (2, 1, 2) and (1, 2, 2) the
+// tensors it saved, bitwise; PP-only checkpoints continue as one process
+// bitwise and export as it does.
 //
 // Tolerance: a run on another number of ranks sums each gradient in another
 // order, so fp32 losses agree within 1e-5 (relative), and weights within
@@ -34,7 +38,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fitlm/comm.h"
+#include "fitlm/config.h"
 #include "fitlm/io.h"
+#include "fitlm/run.h"
 #include "fitlm/safetensors.h"
 #include "testlib.h"
 
@@ -869,20 +876,208 @@ static void test_tp_damage(void) {
     fitlm_fails(0, args, shard, "corrupt");
 }
 
+// ----------------------------------------------------------------------------
+// Pipeline parallelism: a stage's table holds only its rows, saved and
+// read by name, so any (t, p, d) layout loads any other's checkpoint.
+
+#define PP_TINY TINY " --n-layer 4 --grad-accum 2"
+#define PP_FOUR PP_TINY " --steps 4 --save-every 2"
+
+// --resave train FLAGS... --resume CKPT (under mpirun): a run opened from CKPT
+// as `fitlm train` opens it, saved at once to its --out: the tensors the
+// layout FLAGS loaded (after the pipeline's and ZeRO's set-up), as that
+// layout writes them.
+static int resave(int argc, char **argv) {
+    fl_comm_init(NULL, NULL);
+    if (fl_comm_rank() > 0 && !freopen("/dev/null", "w", stdout)) return 1;
+    fl_train_config cfg;
+    fl_config_defaults(&cfg);
+    fl_run_resume res;
+    fl_run_resume_open(&res, argv[argc - 1], &cfg);
+    fl_config_parse_args(&cfg, argc - 3, argv + 3);
+    fl_run_options opt = {.resume = &res, .out_given = 1};
+    fl_run run;
+    fl_run_open(&run, &cfg, &opt);
+    fl_run_save(&run, run.start);
+    fl_run_close(&run);
+    return fl_comm_finalize(0);
+}
+
+// Every tensor of checkpoint `want` in `got` bitwise, and no other: each
+// read whole (a piece written twice or by no rank is an error of its own);
+// AdamW's m and v of every row (adamw), else some optimizer state for every
+// row (AdaLomo's row and column statistics, or a vector's).
+static void same_tensors(const char *what, const char *got_path, const char *want_path, int adamw) {
+    fl_ckpt *a = fl_ckpt_open(got_path), *b = fl_ckpt_open(want_path);
+    int n = fl_ckpt_tensor_count(b), differ = 0, kinds[3] = {0, 0, 0};
+    const char *first = "";
+    for (int i = 0; i < n; i++) {
+        const char *name = fl_ckpt_tensor_name(b, i);
+        size_t k = fl_ckpt_numel(b, name);
+        kinds[0] += !strncmp(name, "model/", 6);
+        kinds[1] += !strncmp(name, "optim/", 6);
+        if (!fl_ckpt_has(a, name) || fl_ckpt_numel(a, name) != k) {
+            if (!differ++) first = name;
+            continue;
+        }
+        float *x = malloc(k * sizeof(float)), *y = malloc(k * sizeof(float));
+        fl_ckpt_read(a, name, FL_F32, x, k);
+        fl_ckpt_read(b, name, FL_F32, y, k);
+        if (memcmp(x, y, k * sizeof(float)) && !differ++) first = name;
+        free(x);
+        free(y);
+    }
+    int rows = kinds[0];
+    t_check(!differ && fl_ckpt_tensor_count(a) == n && rows > 0 &&
+                (adamw ? kinds[1] == 2 * rows : kinds[1] >= rows),
+            "%s: the %d tensors (%d rows' weights, %s) bitwise, no other (%d differ, the first "
+            "%s; %d tensors, %d of state)",
+            what, n, rows, adamw ? "AdamW's m and v" : "their state", differ, first,
+            fl_ckpt_tensor_count(a), kinds[1]);
+    fl_ckpt_close(a);
+    fl_ckpt_close(b);
+}
+
+// The 3D run (ZeRO-1 inside each data-parallel group) saved at step 2, its
+// checkpoint loaded under other layouts (ZeRO-1, and DDP where data-parallel
+// rank 0 alone writes) and saved at once: the same tensors bitwise (under
+// bf16 the weights saved are the fp32 master). The stages' rows, TP slices
+// and ZeRO shards all differ from the saving run's.
+static void test_pp_layouts(int bf16) {
+    const char *saved = bf16 ? "b3d" : "p3d", *prec = bf16 ? "bf16" : "fp32";
+    char args[1024], from[512], a[512], what[160];
+    snprintf(args, sizeof args,
+             PP_FOUR " --batch 4 --tensor-parallel 2 --pipeline-parallel 2 --zero-stage 1 "
+                     "--precision %s --out %s/%s",
+             prec, work, saved);
+    if (!fitlm_ok(8, args)) return;
+    t_check(count_files(saved, "-of-8.fitlm") == 16,
+            "(2, 2, 2) writes 8 shard files per checkpoint (%d)",
+            count_files(saved, "-of-8.fitlm"));
+    ckpt_path(from, sizeof from, saved, 2);
+    static const struct {
+        int np;
+        const char *flags, *dir;
+    } cases[] = {
+        {1, "--tensor-parallel 1 --pipeline-parallel 1 --batch 8 --zero-stage 0", "111"},
+        {4, "--tensor-parallel 1 --pipeline-parallel 4 --batch 8 --zero-stage 1", "141"},
+        {4, "--tensor-parallel 2 --pipeline-parallel 1 --batch 4 --zero-stage 1", "212"},
+        {4, "--tensor-parallel 1 --pipeline-parallel 2 --batch 4 --zero-stage 0", "122"},
+    };
+    char self[512];
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[len > 0 ? len : 0] = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char dir[16];
+        snprintf(dir, sizeof dir, "%s%s", saved, cases[i].dir);
+        snprintf(what, sizeof what, "%s saved at (2, 2, 2), loaded with %s", prec, cases[i].flags);
+        int rc = sh("mpirun.openmpi -q --bind-to none -np %d %s --resave " PP_TINY
+                    " %s --steps 4 --out %s/%s --resume %s",
+                    cases[i].np, self, cases[i].flags, work, dir, from);
+        if (!t_check(rc == 0, "%s: status %d: %.1500s", what, rc, out)) continue;
+        ckpt_path(a, sizeof a, dir, 2);
+        same_tensors(what, a, from, 1);
+    }
+}
+
+// A run saved under (1, 2, 1) (interleaved, v = 2: a stage's blocks are
+// not contiguous) continues in one process, and the 3D run's
+// checkpoint under (1, 1, 1) and (1, 4, 1) alike, bitwise as the run that
+// never stopped (pipeline-only fp32 is one process's arithmetic); the
+// exports of the pipeline's checkpoint and one process's are the same bytes.
+static void test_pp_resume(void) {
+    char args[1024], a[512], b[512];
+    snprintf(args, sizeof args, PP_FOUR " --batch 8 --out %s/pone", work);
+    if (!fitlm_ok(0, args)) return;
+    char whole[64] = ""; // "N parameters", the line's start
+    const char *end = strstr(out, " parameters ("), *line = end;
+    while (line && line > out && line[-1] != '\n') line--;
+    if (end && end - line < 32)
+        snprintf(whole, sizeof whole, "%.*s parameters", (int)(end - line), line);
+    snprintf(args, sizeof args,
+             PP_FOUR " --batch 8 --pipeline-parallel 2 --pipeline-schedule interleaved "
+                     "--virtual-stages 2 --out %s/pp2",
+             work);
+    if (!fitlm_ok(2, args)) return;
+    // the run's line: the whole model's count, then the first stage's
+    t_check(*whole && strstr(out, whole) && strstr(out, "; pipeline parallel 2: ") &&
+                strstr(out, " per rank of the first stage"),
+            "(1, 2, 1) prints the whole model's parameters (%s) and the first stage's: %.300s",
+            whole, out);
+    same_losses("(1, 2, 1) vs one process", "pp2", "pone", 1, 4, 1, 0);
+    snprintf(args, sizeof args,
+             PP_TINY
+             " --steps 4 --batch 8 --pipeline-parallel 1 --resume %s/pp2/ckpt_00000002.fitlm "
+             "--out %s/pp2r",
+             work, work);
+    if (!fitlm_ok(0, args)) return;
+    same_losses("saved at (1, 2, 1), resumed in one process", "pp2r", "pone", 3, 4, 1, 0);
+    ckpt_path(a, sizeof a, "pp2r", 4);
+    ckpt_path(b, sizeof b, "pone", 4);
+    same_tensors("saved at (1, 2, 1), resumed in one process: step 4", a, b, 1);
+    // the 3D checkpoint continued in one process and over 4 stages
+    ckpt_path(b, sizeof b, "p3d", 2);
+    snprintf(args, sizeof args,
+             PP_TINY " --steps 4 --batch 8 --tensor-parallel 1 "
+                     "--pipeline-parallel 1 --zero-stage 0 --resume %s --out %s/p3r1",
+             b, work);
+    if (!fitlm_ok(0, args)) return;
+    snprintf(args, sizeof args,
+             PP_TINY " --steps 4 --batch 8 --tensor-parallel 1 "
+                     "--pipeline-parallel 4 --zero-stage 0 --resume %s --out %s/p3r4",
+             b, work);
+    if (!fitlm_ok(4, args)) return;
+    same_losses("saved at (2, 2, 2), resumed at (1, 4, 1) vs (1, 1, 1)", "p3r4", "p3r1", 3, 4, 1,
+                0);
+    ckpt_path(a, sizeof a, "p3r4", 4);
+    ckpt_path(b, sizeof b, "p3r1", 4);
+    same_tensors("saved at (2, 2, 2), resumed at (1, 4, 1) vs (1, 1, 1): step 4", a, b, 1);
+    // AdaLomo (one micro-batch a step): its per-row state by name too
+    snprintf(args, sizeof args,
+             TINY " --n-layer 4 --optimizer adalomo --steps 4 --save-every 2 "
+                  "--batch 8 --out %s/aone",
+             work);
+    if (!fitlm_ok(0, args)) return;
+    snprintf(args, sizeof args,
+             TINY " --n-layer 4 --steps 4 --batch 8 --pipeline-parallel 2 "
+                  "--resume %s/aone/ckpt_00000002.fitlm --out %s/ap2",
+             work, work);
+    if (!fitlm_ok(2, args)) return;
+    same_losses("AdaLomo saved in one process, resumed at (1, 2, 1)", "ap2", "aone", 3, 4, 1, 0);
+    ckpt_path(a, sizeof a, "ap2", 4);
+    ckpt_path(b, sizeof b, "aone", 4);
+    same_tensors("AdaLomo saved in one process, resumed at (1, 2, 1): step 4", a, b, 0);
+    snprintf(args, sizeof args, "export %s/pp2 -o %s/pphf2", work, work);
+    if (!fitlm_ok(0, args)) return;
+    snprintf(args, sizeof args, "export %s/pone -o %s/pphf1", work, work);
+    if (!fitlm_ok(0, args)) return;
+    int same;
+    double d = st_diff("pphf2", "pphf1", &same);
+    t_check(same && d == 0.0,
+            "the export of (1, 2, 1)'s checkpoint is one process's bitwise (%.3g)", d);
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--resave")) return resave(argc, argv);
     // --tp: the tensor-parallel tests alone; --tp-tcp: CTest's tp_tcp, the
-    // TCP transport's tensor-parallel case
+    // TCP transport's tensor-parallel case; --pp: the pipeline's alone
     int tcp = argc > 1 && !strcmp(argv[1], "--tp-tcp"),
-        tp = tcp || (argc > 1 && !strcmp(argv[1], "--tp"));
-    if (argc > 2 || (argc > 1 && !tp)) {
-        fprintf(stderr, "usage: test_reshard [--tp | --tp-tcp]\n");
+        tp = tcp || (argc > 1 && !strcmp(argv[1], "--tp")),
+        pp = argc > 1 && !strcmp(argv[1], "--pp");
+    if (argc > 2 || (argc > 1 && !tp && !pp)) {
+        fprintf(stderr, "usage: test_reshard [--tp | --tp-tcp | --pp]\n");
         return 2;
     }
     snprintf(work, sizeof work, "/tmp/fitlm_test_reshard_%d", (int)getpid());
     t_remove_dir(work);
     mkdir(work, 0755);
     double t0 = now();
-    if (!tp) {
+    if (pp) { // test_pp_resume continues test_pp_layouts' 3D checkpoint
+        test_pp_layouts(0);
+        test_pp_layouts(1);
+        test_pp_resume();
+    }
+    if (!tp && !pp) {
         test_layouts();
         test_eval();
         test_resume();
@@ -898,11 +1093,12 @@ int main(int argc, char **argv) {
     // The sanitizer build's quick list (FITLM_TEST_QUICK) leaves the TP
     // layouts to the release build: under the sanitizers test_tp saves and
     // resumes TP checkpoints, and tp_tcp runs its case here
-    for (int llama = 0; llama < (tp || !t_quick() ? 2 - tcp : 0); llama++) {
+    int tp_tests = tp || (!pp && !t_quick());
+    for (int llama = 0; llama < (tp_tests ? 2 - tcp : 0); llama++) {
         test_tp_resume(llama, tcp);
         if (!tcp) test_tp_export(llama);
     }
-    if (!tcp && (tp || !t_quick())) {
+    if (!tcp && tp_tests) {
         test_tp_cli();
         test_tp_damage();
     }

@@ -77,7 +77,8 @@ fl_comm_req fl_comm_ialltoall(const fl_comm_group *g, fl_dtype dt, const void *s
 fl_comm_req fl_comm_isend(const fl_comm_group *g, int peer, const void *buf, size_t bytes, int tag);
 fl_comm_req fl_comm_irecv(const fl_comm_group *g, int peer, void *buf, size_t bytes, int tag);
 void fl_comm_wait(fl_comm_req req);
-// Whether it has completed (then it needs no wait); lets MPI progress.
+// Whether it has completed; lets MPI progress. A completed request is still
+// waited on (fl_comm_wait returns at once), which frees its slot.
 int fl_comm_test(fl_comm_req req);
 
 // A group of ranks that a collective runs over: the world, or a part of it

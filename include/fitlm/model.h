@@ -134,11 +134,12 @@ struct fl_model {
     // parallelism its rank's slices (fl_params_slice), with the whole
     // model's table in `whole` (the names and shapes files hold)
     fl_param_table table, whole;
-    fl_tp tp;             // tensor parallelism: size 1 none
+    fl_tp tp; // tensor parallelism: size 1 none
     // pipeline parallelism: the stage (size 1: the whole model), and each
     // row of the whole table's index here (-1: another stage's) and back
     fl_pp_stage pp;
     int *row_local, *row_global;
+    size_t *row_offset;   // each row's offset in the rank's table of the whole model
     void *params, *grads; // flat buffers of table.numel values of dtype (grads: NULL when
                           // gradients live per unit, below)
     // the flat elements params holds: all, or (fl_model_init_from) one ZeRO-3

@@ -396,6 +396,9 @@ struct fl_optim_pp {
     const fl_tp_ops *ops;  // over the pipeline group (its sum: the same bits on every rank)
     int whole_rows;        // rows of the whole model's table
     const int *row_global; // each local row's index there
+    // each local row's offset in the rank's table of the whole model (its
+    // tensor-parallel slices): the index stochastic rounding draws by
+    const size_t *row_offset;
 };
 
 // The optimizer updates the elements [begin, end) of the model's flat buffer

@@ -66,12 +66,12 @@ typedef struct {
     // this process among the run's data-parallel ranks (alone: 0 of 1): the
     // world, or under tensor parallelism its TP groups (which read the same data)
     int rank, world;
-    int lead;         // writes the shared files: world rank 0 (or alone)
-    fl_layout layout; // the TP x PP x DP groups (tensor or pipeline parallelism), else
-                      // layout.tp 0
-    fl_tp tp;         // this rank's place in its TP group (size 1: none)
-    fl_pp_stage stage;  // this rank's pipeline stage (size 1: the whole model)
-    fl_pipeline *pipe;  // the pipeline executor, or NULL
+    int lead;          // writes the shared files: world rank 0 (or alone)
+    fl_layout layout;  // the TP x PP x DP groups (tensor or pipeline parallelism), else
+                       // layout.tp 0
+    fl_tp tp;          // this rank's place in its TP group (size 1: none)
+    fl_pp_stage stage; // this rank's pipeline stage (size 1: the whole model)
+    fl_pipeline *pipe; // the pipeline executor, or NULL
     int dist, lora, train_base;
     // a resume: its step, and what it was saved with (for the notices)
     int resumed, start, ck_world, ck_threads;

@@ -41,6 +41,20 @@ fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, c
 // the global norm and look for overflow without changing a weight, then a
 // second forward and backward update. fl_train_step calls it for those
 // optimizers; the result's grad_norm is that of the unscaled gradient.
+// A step's forward and backward passes over its one micro-batch: one
+// process's model (fl_fused_step), or a pipeline's stages (pipeline.h).
+// forward runs the whole forward, or with head_only the head again (what
+// the first backward overwrote), and leaves the loss and its target count
+// in m->loss and m->n_targets on every rank.
+typedef struct {
+    void *ctx;
+    void (*forward)(void *ctx, const int *inputs, const int *targets, int B, int T, float dloss,
+                    int head_only);
+    void (*backward)(void *ctx, float dloss);
+} fl_step_passes;
+// fl_fused_step over other passes.
+fl_train_result fl_fused_step_passes(fl_model *m, fl_optimizer *o, const fl_step_passes *passes,
+                                     const int *inputs, const int *targets, int B, int T, float lr);
 fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int B, int T, float lr);
 // LoRA + LOMO (lora.train_base): one micro-batch, the base updated in the

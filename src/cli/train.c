@@ -129,20 +129,24 @@ static void print_run(const fl_run *run) {
     print_config(cfg, *run->shape_from ? run->shape_from : NULL);
     size_t whole = fl_model_whole_table(model)->numel;
     printf("%zu parameters (%.2f M)", whole, whole / 1e6);
+    int pp = model->pp.size; // rank 0 prints: the first stage's rows
     if (run->tp.size > 1)
-        printf("; tensor parallel %d%s: %zu per rank", run->tp.size,
-               run->tp.sequence_parallel ? " with sequence parallelism" : "", model->table.numel);
+        printf("; tensor parallel %d%s", run->tp.size,
+               run->tp.sequence_parallel ? " with sequence parallelism" : "");
+    if (pp > 1) printf("; pipeline parallel %d", pp);
+    if (run->tp.size > 1 || pp > 1)
+        printf(": %zu per rank%s", model->table.numel, pp > 1 ? " of the first stage" : "");
     if (run->lora)
         printf(" + %zu in LoRA adapters (%.3f%%)%s", model->lora.table.numel,
                100.0 * model->lora.table.numel / model->table.numel,
                run->train_base ? ", base trained too" : ", base frozen");
-    if (run->dist) // the data-parallel ranks (under tensor parallelism, each a TP group)
-        printf("; %d %srank%s, %s", world, run->tp.size > 1 ? "data-parallel " : "",
+    if (run->dist) // the data-parallel ranks (under model parallelism, each a TP x PP group)
+        printf("; %d %srank%s, %s", world, run->tp.size * pp > 1 ? "data-parallel " : "",
                world > 1 ? "s" : "",
                cfg->zero.stage ? (const char *[]){"", "ZeRO-1", "ZeRO-2", "ZeRO-3"}[cfg->zero.stage]
                                : "data parallel");
     printf("; planned memory %.1f MiB%s; train %s: %llu tokens (%s)", run->plan.total / 1048576.0,
-           world * run->tp.size * run->stage.size > 1 ? " per rank" : "", cfg->data,
+           world * run->tp.size * pp > 1 ? " per rank" : "", cfg->data,
            (unsigned long long)run->train.n_tokens, run->train.tokenizer);
     if (run->has_val)
         printf(", val %llu tokens; unigram baseline %.4f nats/token",

@@ -6,6 +6,8 @@
 // are saved as they are. A data-parallel run saves each rank's shard of the
 // flat buffer as pieces of the same named rows (fl_train_ckpt_save_dist), so
 // a restore reads whatever range it owns from any number of shard files.
+// Under pipeline parallelism a stage's table holds only its rows: each stage
+// writes and reads its rows by name the same way.
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -88,9 +90,9 @@ static void tensor_name(char *out, size_t size, const char *prefix, const char *
 enum { NAME_MAX_ = 112 };
 
 // The ranks that read data apart: the world, whose tensor-parallel groups
-// (t consecutive ranks, Megatron's order) read the same windows.
+// and pipelines (Megatron's layout) read the same windows: d = world / (t p).
 static int data_ranks(const fl_model *m) {
-    return fl_comm_size() / m->tp.size;
+    return fl_comm_size() / (m->tp.size * m->pp.size);
 }
 
 // One parameter set of a checkpoint: its rows' weights (the optimizer's
@@ -298,6 +300,7 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
             size_t total = sv.numel;
             if (lo >= hi || total == 0) continue;
             if (tp && sv.tp_dim < 0 && t->tp_rank > 0) continue; // TP rank 0 writes it
+            if (v->flags & FL_PARAM_TIED_COPY) continue;         // stage 0 writes the embedding
             size_t first = lo - v->offset, count = hi - lo;
             const void *data;
             if (st < 0) {
@@ -384,22 +387,25 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     size_t b = optim->rule->state_begin, e = optim->rule->state_end, numel = model->table.numel;
     double partial = b != 0 || e != numel; // ZeRO: a shard per rank
     fl_comm_max(fl_comm_world(), &partial, 1);
-    // tensor parallelism: every TP rank its slices, of its range (a ZeRO
-    // shard), or, where the data-parallel ranks hold the same (DDP), the
-    // first data-parallel group's (world ranks 0..t-1) alone
-    int tp = model->tp.size > 1, writes = partial != 0.0 || fl_comm_rank() < model->tp.size;
+    // tensor and pipeline parallelism: every TP rank its slices of its
+    // stage's rows, of its range (a ZeRO shard), or, where the data-parallel
+    // ranks hold the same (DDP), those of data-parallel rank 0 alone
+    int tp = model->tp.size > 1, pp = model->pp.size > 1, tp_rank, dp_rank, pp_rank;
+    fl_layout_coords(fl_comm_size(), model->tp.size, model->pp.size, fl_comm_rank(), &tp_rank,
+                     &dp_rank, &pp_rank);
+    int writes = partial != 0.0 || dp_rank == 0;
     char *text = train_meta(model, optim, NULL, loader, tokenizer->name, config_json);
     param_set sets[2];
     param_sets(model, optim, NULL, sets);
     tensor_list l;
     list_init(&l, count_tensors(sets, 1));
-    char shard_meta[128] = "{}";
-    if (tp) {
+    char shard_meta[192] = "{}";
+    if (tp || pp) {
         if (writes) collect(&sets[0], model->dtype, b, e, 1, &l);
         snprintf(shard_meta, sizeof shard_meta,
-                 "{\"tensor_parallel\":{\"size\":%d,\"rank\":%d},\"range\":{\"begin\":%zu,"
-                 "\"end\":%zu}}",
-                 model->tp.size, model->tp.rank, b, e);
+                 "{\"tensor_parallel\":{\"size\":%d,\"rank\":%d},\"pipeline_parallel\":{"
+                 "\"size\":%d,\"rank\":%d},\"range\":{\"begin\":%zu,\"end\":%zu}}",
+                 model->tp.size, model->tp.rank, model->pp.size, model->pp.rank, b, e);
     } else if (partial) {
         collect(&sets[0], model->dtype, b, e, 1, &l);
         snprintf(shard_meta, sizeof shard_meta, "{\"range\":{\"begin\":%zu,\"end\":%zu}}", b, e);
@@ -408,8 +414,8 @@ void fl_train_ckpt_save_dist(const char *dir, int step, const fl_model *model,
     }
     tokenizer_blobs blobs;
     int n_files = tokenizer_files(tokenizer, &blobs);
-    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, tp || partial != 0.0, keep, run,
-                       blobs.f, n_files);
+    fl_ckpt_write_dist(dir, step, text, shard_meta, l.t, (int)l.n, tp || pp || partial != 0.0, keep,
+                       run, blobs.f, n_files);
     cJSON_free(text);
     list_free(&l);
 }
@@ -814,6 +820,8 @@ static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) 
         }
         for (int r = 0; r < t->count; r++) { // per row: its own size, the part in [b, e)
             const fl_param_view *v = &t->views[r];
+            // a pipeline's copy of the tied embedding: frozen, no state (stage 0's is the row's)
+            if (v->flags & FL_PARAM_TIED_COPY) continue;
             fl_param_view sv;
             fl_param_table one = tensor_row(t, r, rule, k, &sv);
             size_t lo = v->offset > b ? v->offset : b;

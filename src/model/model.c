@@ -132,8 +132,10 @@ static size_t bookkeeping_bytes(int rows, int L) {
 // embedding's own when the LM head is tied to it (0 otherwise).
 static void unit_grad_sizes(const fl_param_table *t, const fl_model_config *c, size_t *unit,
                             size_t *embed) {
-    size_t per[1026] = {0}; // by unit + 1: embedding, blocks, head (n_layer <= 1024)
-    for (int r = 0; r < t->count; r++) per[t->views[r].unit + 1] += t->views[r].numel;
+    size_t per[1026] = {0};            // by unit + 1: embedding, blocks, head (n_layer <= 1024)
+    for (int r = 0; r < t->count; r++) // (a pipeline's tied copy has no gradient)
+        if (!(t->views[r].flags & FL_PARAM_TIED_COPY))
+            per[t->views[r].unit + 1] += t->views[r].numel;
     *unit = 0;
     *embed = c->tie_embeddings ? per[0] : 0;
     for (int u = c->tie_embeddings ? 1 : 0; u <= c->n_layer + 1; u++)
@@ -201,15 +203,18 @@ static void stage_rows(fl_model *m) {
     fl_param_table rank = m->table;
     int *global = fl_alloc(FL_MEM_OTHER, (size_t)rank.count * sizeof(int));
     fl_model_stage_table(&m->table, &rank, &m->config, &m->pp, global);
+    int n = m->table.count;
+    m->row_offset = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof(size_t));
+    for (int r = 0; r < n; r++) m->row_offset[r] = rank.views[global[r]].offset;
     fl_params_free(&rank);
-    m->row_global = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(int));
-    memcpy(m->row_global, global, (size_t)m->table.count * sizeof(int));
+    m->row_global = fl_alloc(FL_MEM_OTHER, (size_t)n * sizeof(int));
+    memcpy(m->row_global, global, (size_t)n * sizeof(int));
     fl_free(global);
     m->row_local = fl_alloc(FL_MEM_OTHER, (size_t)m->whole.count * sizeof(int));
     for (int r = 0; r < m->whole.count; r++) m->row_local[r] = -1;
     // the tied copy is not stored from the source: the pipeline copies
     // stage 0's row into it
-    for (int r = 0; r < m->table.count; r++)
+    for (int r = 0; r < n; r++)
         if (!(m->table.views[r].flags & FL_PARAM_TIED_COPY)) m->row_local[m->row_global[r]] = r;
 }
 
@@ -517,9 +522,11 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
     bytes[FL_MEM_PARAMS] = numel * D;
     bytes[FL_MEM_GRADS] = numel * D;
     int two = fl_tp_ways(&c) > 1 || pp->size > 1; // the whole table beside the rank's
-    bytes[FL_MEM_OTHER] = (rows + (two ? whole_rows : 0)) * sizeof(fl_param_view) +
-                          bookkeeping_bytes(rows, c.n_layer) +
-                          (pp->size > 1 ? (size_t)(rows + whole_rows) * sizeof(int) : 0);
+    bytes[FL_MEM_OTHER] =
+        (rows + (two ? whole_rows : 0)) * sizeof(fl_param_view) +
+        bookkeeping_bytes(rows, c.n_layer) +
+        (pp->size > 1 ? (size_t)(rows + whole_rows) * sizeof(int) + (size_t)rows * sizeof(size_t)
+                      : 0);
     if (quant && quant->enabled) {
         size_t dense, store, absmax;
         fl_quant_sizes(&t, quant, &dense, &store, &absmax);
@@ -588,9 +595,9 @@ void fl_model_use_set(fl_model *m, int chunk, int set) {
     m->chunk = chunk;
     m->set = set;
     act_spec specs[MAX_SPECS];
-    int n = act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
-                      m->att_workspace_threads, m->recompute, &m->lora.cfg,
-                      m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
+    int n =
+        act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T, m->att_workspace_threads,
+                  m->recompute, &m->lora.cfg, m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
     for (int i = 0; i < n; i++)
         if (specs[i].per != PER_STEP)
             *specs[i].slot = (char *)m->set_base[i] +
@@ -629,6 +636,9 @@ void fl_model_free(fl_model *m) {
     fl_free(m->wp);
     fl_free(m->gp);
     fl_free(m->unit_row);
+    fl_free(m->row_local);
+    fl_free(m->row_global);
+    fl_free(m->row_offset);
     fl_params_free(&m->table);
     fl_params_free(&m->whole);
     memset(m, 0, sizeof *m);
@@ -649,11 +659,15 @@ static void bind_unit_grads(fl_model *m, int unit, void *buffer) {
 
 static void pre_unit(fl_model *m, int unit, int pass) {
     if (m->unit_grads && pass == FL_PASS_BWD) {
-        int L = m->config.n_layer;
-        // the tied LM head writes into the embedding's gradient first
+        int L = m->config.n_layer, head_here = fl_pp_has_head(&m->pp, m->pp.chunks - 1);
+        // the tied LM head writes into the embedding's gradient first (under
+        // pipeline parallelism, stage 0 from the last stage's head's data)
         if (unit == FL_UNIT_HEAD(L) && m->embed_grads)
             bind_unit_grads(m, FL_UNIT_EMBED, m->embed_grads);
-        if (unit != FL_UNIT_EMBED || !m->embed_grads) bind_unit_grads(m, unit, m->unit_grads);
+        if (unit == FL_UNIT_EMBED && m->embed_grads && !head_here)
+            bind_unit_grads(m, FL_UNIT_EMBED, m->embed_grads);
+        else if (unit != FL_UNIT_EMBED || !m->embed_grads)
+            bind_unit_grads(m, unit, m->unit_grads);
     }
     if (m->hooks.pre_unit) m->hooks.pre_unit(m->hooks.ctx, m, unit, pass);
 }
@@ -690,14 +704,8 @@ static fl_block block_at(fl_model *m, int l, void **act) {
 
 // The head reads the last block's output: the chunk's output.
 static fl_block head_at(fl_model *m) {
-    return (fl_block){m,
-                      m->config.n_layer,
-                      m->B,
-                      m->T,
-                      fl_model_chunk_output(m),
-                      NULL,
-                      m->head_act,
-                      m->block_work};
+    return (fl_block){m,    m->config.n_layer, m->B,         m->T, fl_model_chunk_output(m),
+                      NULL, m->head_act,       m->block_work};
 }
 
 static float loss(fl_model *m, const float *dloss);

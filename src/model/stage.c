@@ -20,9 +20,7 @@ void fl_model_stage_table(fl_param_table *local, const fl_param_table *t,
     int copy = -1; // the tied embedding's row the last stage copies
     for (int r = 0; r < t->count; r++) {
         int u = t->views[r].unit;
-        keep[r] = u == FL_UNIT_EMBED  ? first
-                  : u == FL_UNIT_HEAD(L) ? last
-                                         : holds_block(s, u);
+        keep[r] = u == FL_UNIT_EMBED ? first : u == FL_UNIT_HEAD(L) ? last : holds_block(s, u);
         // the LM head reads the embedding's first row when tied
         if (u == FL_UNIT_EMBED && r == 0 && cfg->tie_embeddings && last && !first)
             keep[r] = 1, copy = r;

@@ -205,7 +205,9 @@ static void update_rows(fl_optimizer *o, int first_row, int n_rows, const void *
             .clip_coef = fused ? clip_coef : 1.0f,
             .stochastic = o->cfg.stochastic_rounding,
             .sr_seed = sr_seed,
-            .first_index = lo,
+            // the element's place in the rank's whole table: a pipeline
+            // stage's rows draw the bits one process's would
+            .first_index = o->pp ? o->pp->row_offset[k] + (lo - v->offset) : lo,
             .team = team,
             .tp = o->tp,
         };
@@ -300,33 +302,40 @@ void fl_optimizer_end_step(fl_optimizer *o) {
 
 // The squares of the gradient elements [first, first + n) of dtype dt, each
 // element counted once over the model-parallel ranks (a replicated row on
-// TP rank 0 only, a pipeline's tied copy never), summed row by row, then
-// over the TP group, then (pipeline parallelism) placed in the whole
-// table's order and summed over the stages; with `dp`, summed over the
-// data-parallel ranks too. The total adds the rows in table order, so the
-// same gradient gives the same bits under any pipeline split.
+// TP rank 0 only, a pipeline's tied copy never), summed row by row in table
+// order, then over the TP group; with `dp`, over the data-parallel ranks
+// too. Under pipeline parallelism each row's sum goes to its place in the
+// whole table, the places are summed over the stages (one holds each) and
+// added in that order: the same bits as one process's for the same gradient.
 static double grad_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, size_t first,
                          size_t n, int dp) {
     const fl_param_table *t = o->table;
-    int rows = o->pp ? o->pp->whole_rows : t->count;
-    double *sq = fl_alloc(FL_MEM_WORKSPACE, (size_t)rows * sizeof(double));
-    memset(sq, 0, (size_t)rows * sizeof(double));
+    int rows = o->pp ? o->pp->whole_rows : 0;
+    double s = 0.0, *sq = rows ? fl_alloc(FL_MEM_WORKSPACE, (size_t)rows * sizeof(double)) : NULL;
+    if (sq) memset(sq, 0, (size_t)rows * sizeof(double));
     for (int r = 0; r < t->count; r++) {
         const fl_param_view *v = &t->views[r];
         size_t a = v->offset > first ? v->offset : first;
         size_t b = v->offset + v->numel < first + n ? v->offset + v->numel : first + n;
-        int counted = !(v->flags & FL_PARAM_TIED_COPY) &&
-                      (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
-        if (b > a && counted)
-            sq[o->pp ? o->pp->row_global[r] : r] =
-                fl_grad_sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
+        int counted =
+            !(v->flags & FL_PARAM_TIED_COPY) && (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
+        if (b <= a || !counted) continue;
+        double x = fl_grad_sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
+        if (sq)
+            sq[o->pp->row_global[r]] = x;
+        else
+            s += x;
     }
-    if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, sq, rows);
-    if (o->pp) o->pp->ops->sum(o->pp->ops->ctx, sq, rows); // each row on one stage only
-    if (dp) o->sync->sum(o->sync->ctx, sq, rows);
-    double s = 0.0;
-    for (int r = 0; r < rows; r++) s += sq[r];
-    fl_free(sq);
+    if (sq) {
+        if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, sq, rows);
+        o->pp->ops->sum(o->pp->ops->ctx, sq, rows);
+        if (dp) o->sync->sum(o->sync->ctx, sq, rows);
+        for (int r = 0; r < rows; r++) s += sq[r];
+        fl_free(sq);
+        return s;
+    }
+    if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, &s, 1);
+    if (dp) o->sync->sum(o->sync->ctx, &s, 1);
     return s;
 }
 

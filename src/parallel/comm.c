@@ -30,6 +30,7 @@ typedef struct {
     int busy;
     const char *what;
     char says[48];        // what, when it names a rank ("a send to rank 3")
+    int peer;             // that rank (world), or -1
     int *counts, *displs; // kept until completion, as MPI requires
 } slot;
 
@@ -122,13 +123,21 @@ static void find_peers(void) {
     w.peers = all;
 }
 
+static int peer_dead(const peer *p) {
+    unsigned long long start = 0;
+    char s = proc_state(p->pid, &start);
+    return !s || s == 'Z' || s == 'X' || start != p->start;
+}
+
 // A peer that has ended: no /proc entry, a zombie, or another process now.
-static const peer *dead_peer(void) {
-    for (int i = 0; i < w.n_peers; i++) {
-        unsigned long long start = 0;
-        char s = proc_state(w.peers[i].pid, &start);
-        if (!s || s == 'Z' || s == 'X' || start != w.peers[i].start) return &w.peers[i];
-    }
+// World rank `awaited` first, when it is one: in a chain of ranks waiting on
+// each other (a pipeline) a rank that ended on seeing the first end is
+// likely dead too, and the awaited one is the one to name.
+static const peer *dead_peer(int awaited) {
+    for (int i = 0; i < w.n_peers; i++)
+        if (w.peers[i].rank == awaited && peer_dead(&w.peers[i])) return &w.peers[i];
+    for (int i = 0; i < w.n_peers; i++)
+        if (peer_dead(&w.peers[i])) return &w.peers[i];
     return NULL;
 }
 
@@ -220,7 +229,7 @@ static int count_of(size_t n, const char *what) {
 static fl_comm_req new_req(const char *what, double elements, size_t elsize) {
     for (int i = 0; i < MAX_REQS; i++)
         if (!w.reqs[i].busy) {
-            w.reqs[i] = (slot){.req = MPI_REQUEST_NULL, .busy = 1, .what = what};
+            w.reqs[i] = (slot){.req = MPI_REQUEST_NULL, .busy = 1, .what = what, .peer = -1};
             w.stats.elements += elements;
             w.stats.bytes += elements * (double)elsize;
             w.stats.collectives++;
@@ -268,7 +277,7 @@ void fl_comm_wait(fl_comm_req r) {
         // a wait of over 0.1 s: are the ranks it waits for still there?
         if (t - checked > 0.1) {
             checked = t;
-            const peer *dead = dead_peer();
+            const peer *dead = dead_peer(w.reqs[r].peer);
             if (dead) {
                 fprintf(stderr,
                         "fitlm: rank %d: error: rank %d (process %d) has ended (killed or exited) "
@@ -404,8 +413,9 @@ static fl_comm_req p2p(const fl_comm_group *g, int peer, size_t bytes, int tag, 
     fl_comm_req r = new_req("", 0.0, 1);
     if (sending) w.stats.bytes += (double)bytes; // bytes without a dtype: no elements
     slot *s = &w.reqs[r];
+    s->peer = g->world_ranks ? g->world_ranks[peer] : peer;
     snprintf(s->says, sizeof s->says, "a %s rank %d", sending ? "send to" : "receive from",
-             g->world_ranks ? g->world_ranks[peer] : peer);
+             s->peer);
     s->what = s->says;
     return r;
 }

@@ -221,7 +221,7 @@ void fl_pp_config_split(const fl_train_config *cfg, const fl_model_config *model
 }
 
 // What the engine refuses with p > 1, or NULL.
-static const char *pp_refused_optimizer(const fl_train_config *cfg) {
+static const char *pp_fused_optimizer(const fl_train_config *cfg) {
     if (!strcmp(cfg->optimizer, "lomo")) return "optimizer.type lomo";
     if (!strcmp(cfg->optimizer, "adalomo")) return "optimizer.type adalomo";
     if (cfg->optimizer_in_backward) return "optimizer_in_backward";
@@ -266,11 +266,12 @@ void fl_pp_check(const fl_train_config *cfg, const fl_model_config *model) {
         fl_die("pipeline parallelism (--pipeline-parallel %d) with %s is not supported: train "
                "the adapters without it, or the whole model with it",
                p, cfg->quant.enabled ? "NF4 base weights (QLoRA)" : "LoRA adapters");
-    if (pp_refused_optimizer(cfg))
-        fl_die("%s (an update fused into the backward pass) under pipeline parallelism "
-               "(--pipeline-parallel %d) is not supported yet: use adamw or sgd without "
-               "optimizer_in_backward, or --pipeline-parallel 1",
-               pp_refused_optimizer(cfg), p);
+    if (pp_fused_optimizer(cfg) && m > 1)
+        fl_die("%s updates each block in the backward pass of a step's one micro-batch: under "
+               "pipeline parallelism (--pipeline-parallel %d) gradient_accumulation_steps "
+               "(--grad-accum) must be 1, not %d (the stages then run one after the other: the "
+               "pipeline splits the memory, not the time)",
+               pp_fused_optimizer(cfg), p, m);
 }
 
 // Keys named stage3_* do nothing below stage 3: an error, as an fp16 key

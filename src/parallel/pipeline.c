@@ -18,7 +18,7 @@
 
 // message kinds, for tags: a stream (kind, sending virtual stage) keeps
 // its micro-batches in order
-enum { MSG_ACT, MSG_GRAD, MSG_TIED_DOUT, MSG_TIED_INP, MSG_EVAL, MSG_WEIGHTS, MSG_KINDS };
+enum { MSG_ACT, MSG_GRAD, MSG_TIED_DOUT, MSG_TIED_INP, MSG_EVAL, MSG_WEIGHTS };
 enum { NO_REQ = -1 };
 
 struct fl_pipeline {
@@ -28,12 +28,12 @@ struct fl_pipeline {
     int p, rank, v, n, m_micro, B, T, tied;
     fl_pp_action *acts;
     int n_acts;
-    int *set_of;         // (v, m): the set micro-batch k's forward took on chunk c
-    int *set_busy;       // (v, FL_MAX sets): per chunk, which sets are in use
+    int *set_of;          // (v, m): the set micro-batch k's forward took on chunk c
+    int *set_busy;        // (v, max_sets): per chunk, which sets are in use
     fl_comm_req *out_req; // (v, sets): the send of a set's output
     int max_sets;
-    size_t act, logit;   // elements of a chunk's input (B T C, this rank's positions) and logits
-    void *grad_send;     // (v, m) of act: each micro-batch's input gradient
+    size_t act, logit; // elements of a chunk's input (B T C, this rank's positions) and logits
+    void *grad_send;   // (v, m) of act: each micro-batch's input gradient
     fl_comm_req *grad_req;
     void *tied_send; // (m) of logit + act: the tied head's output gradient and input
     fl_comm_req *tied_req;
@@ -76,17 +76,26 @@ static int tied_pipeline(const fl_model_config *c, const fl_pp_stage *s) {
     return c->tie_embeddings && s->size > 1;
 }
 
+// Bytes of the send buffers: each micro-batch's input gradient of every
+// chunk but virtual stage 0, and (the last stage of a tied model) each
+// micro-batch's head output gradient and input.
+static void send_bytes(const fl_model_config *c, fl_dtype dt, const fl_pp_stage *s, int m_micro,
+                       int B, int T, size_t *grads, size_t *tied) {
+    size_t act, logit, D = fl_dtype_size(dt);
+    sizes(c, B, T, &act, &logit);
+    int senders = 0;
+    for (int ch = 0; ch < s->chunks; ch++) senders += ch * s->size + s->rank > 0;
+    *grads = (size_t)senders * m_micro * act * D;
+    *tied = tied_pipeline(c, s) && s->rank == s->size - 1 ? (size_t)m_micro * (logit + act) * D : 0;
+}
+
 void fl_pipeline_memory(const fl_model_config *c, fl_dtype dt, const fl_pp_stage *s, int m_micro,
                         int B, int T, size_t bytes[FL_MEM_NTAGS]) {
     memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
     if (s->size <= 1) return;
-    size_t act, logit, D = fl_dtype_size(dt);
-    sizes(c, B, T, &act, &logit);
-    int senders = 0; // chunks that send an input gradient back
-    for (int ch = 0; ch < s->chunks; ch++) senders += ch * s->size + s->rank > 0;
-    bytes[FL_MEM_COMM] = (size_t)senders * m_micro * act * D;
-    if (tied_pipeline(c, s) && s->rank == s->size - 1)
-        bytes[FL_MEM_COMM] += (size_t)m_micro * (logit + act) * D;
+    size_t grads, tied;
+    send_bytes(c, dt, s, m_micro, B, T, &grads, &tied);
+    bytes[FL_MEM_COMM] = grads + tied;
     // fl_pipeline_attach's: the executor, its list and its per-(chunk,
     // micro-batch) and per-(chunk, set) records
     int max_sets = 0;
@@ -116,7 +125,9 @@ fl_pipeline *fl_pipeline_attach(fl_model *m, fl_optimizer *o, const fl_comm_grou
                                 int m_micro, int B, int T) {
     const fl_pp_stage *s = &m->pp;
     FL_ASSERT(s->size == fl_comm_group_size(g) && s->rank == fl_comm_group_rank(g));
-    FL_ASSERT(m->grads && !m->unit_grads); // the whole stage's gradients, summed over the step
+    // the whole stage's gradients summed over the step, or (an optimizer
+    // fused into the backward pass) one unit's at a time over one micro-batch
+    FL_ASSERT(m->grads ? !m->unit_grads : m->unit_grads && m_micro == 1);
     fl_pipeline *pl = fl_alloc(FL_MEM_OTHER, sizeof *pl);
     memset(pl, 0, sizeof *pl);
     pl->m = m;
@@ -145,23 +156,20 @@ fl_pipeline *fl_pipeline_attach(fl_model *m, fl_optimizer *o, const fl_comm_grou
     for (size_t i = 0; i < vm; i++) pl->grad_req[i] = NO_REQ;
     for (int i = 0; i < 2 * m_micro; i++) pl->tied_req[i] = NO_REQ;
     sizes(&m->config, B, T, &pl->act, &pl->logit);
-    size_t comm[FL_MEM_NTAGS];
-    fl_pipeline_memory(&m->config, m->dtype, s, m_micro, B, T, comm);
-    int senders = 0;
-    for (int c = 0; c < pl->v; c++) senders += c * pl->p + pl->rank > 0;
-    if (senders) pl->grad_send = fl_alloc(FL_MEM_COMM, (size_t)senders * m_micro * pl->act * dsize(m));
-    if (pl->tied && pl->rank == pl->p - 1)
-        pl->tied_send = fl_alloc(FL_MEM_COMM, (size_t)m_micro * (pl->logit + pl->act) * dsize(m));
-    FL_ASSERT(comm[FL_MEM_COMM] == (size_t)senders * m_micro * pl->act * dsize(m) +
-                                       (pl->tied_send ? m_micro * (pl->logit + pl->act) * dsize(m) : 0));
-    FL_ASSERT(comm[FL_MEM_OTHER] == sizeof *pl + (size_t)pl->n_acts * sizeof *pl->acts +
-                                        vm * (sizeof *pl->set_of + sizeof *pl->grad_req) +
-                                        vs * (sizeof *pl->set_busy + sizeof *pl->out_req) +
-                                        2 * (size_t)m_micro * sizeof *pl->tied_req);
+    size_t grads, tied;
+    send_bytes(&m->config, m->dtype, s, m_micro, B, T, &grads, &tied);
+    if (grads) pl->grad_send = fl_alloc(FL_MEM_COMM, grads);
+    if (tied) pl->tied_send = fl_alloc(FL_MEM_COMM, tied);
+    size_t other[FL_MEM_NTAGS];
+    fl_pipeline_memory(&m->config, m->dtype, s, m_micro, B, T, other);
+    FL_ASSERT(other[FL_MEM_OTHER] == sizeof *pl + (size_t)pl->n_acts * sizeof *pl->acts +
+                                         vm * (sizeof *pl->set_of + sizeof *pl->grad_req) +
+                                         vs * (sizeof *pl->set_busy + sizeof *pl->out_req) +
+                                         2 * (size_t)m_micro * sizeof *pl->tied_req);
     // the gradient norm and fp16's overflow over every stage, in the whole
     // table's order
     pl->opp = (struct fl_optim_pp){fl_tp_ops_group(g), fl_model_whole_table(m)->count,
-                                   m->row_global};
+                                   m->row_global, m->row_offset};
     o->pp = &pl->opp;
     refresh_copy(pl);
     return pl;
@@ -186,8 +194,8 @@ static void wait_req(fl_comm_req *r) {
     *r = NO_REQ;
 }
 
-// Lets finished sends go (their requests are few): a finished request is
-// waited for, which frees its slot (fl_comm_test alone keeps it).
+// Lets finished sends go: their requests are few (a completed one is still
+// waited on, which returns at once and frees its slot).
 static void poll(fl_comm_req *r, size_t n) {
     for (size_t i = 0; i < n; i++)
         if (r[i] != NO_REQ && fl_comm_test(r[i])) wait_req(&r[i]);
@@ -233,13 +241,15 @@ static void forward_action(fl_pipeline *pl, const fl_pp_action *x, const int *in
     fl_comm_req *out = &pl->out_req[c * pl->max_sets + set];
     wait_req(out); // the set's last output: taken before its backward ran
     fl_model_use_set(m, c, set);
-    if (vs > 0) recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), pl->act, tag(MSG_ACT, vs - 1));
+    if (vs > 0)
+        recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), pl->act, tag(MSG_ACT, vs - 1));
     fl_model_forward_train(m, inputs + k * BT, targets + k * BT, pl->B, pl->T, dloss);
-    if (vs == pl->n - 1)
-        *loss_sum += (double)m->loss * m->n_targets;
-    else
-        *out = fl_comm_isend(pl->g, (vs + 1) % pl->p, fl_model_chunk_output(m),
-                             pl->act * dsize(m), tag(MSG_ACT, vs));
+    if (vs == pl->n - 1) {
+        if (loss_sum) *loss_sum += (double)m->loss * m->n_targets;
+    } else {
+        *out = fl_comm_isend(pl->g, (vs + 1) % pl->p, fl_model_chunk_output(m), pl->act * dsize(m),
+                             tag(MSG_ACT, vs));
+    }
 }
 
 static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss) {
@@ -255,8 +265,8 @@ static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss)
         recv_wait(pl, pl->p - 1, m->tied_x, pl->act, tag(MSG_TIED_INP, 0));
     }
     // 16-bit gradients are one micro-batch's, summed in fp32: per chunk here
-    size_t a, b;
-    chunk_range(m, c, &a, &b);
+    size_t a = 0, b = 0;
+    if (o->grad_accum) chunk_range(m, c, &a, &b);
     if (o->grad_accum) memset(fl_at(m->dtype, o->grads, a), 0, (b - a) * D);
     fl_model_backward(m, dloss);
     if (o->grad_accum) fl_optimizer_accum_range(o, a, b);
@@ -269,8 +279,8 @@ static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss)
             fl_comm_isend(pl->g, 0, at + pl->logit * D, pl->act * D, tag(MSG_TIED_INP, 0));
     }
     if (vs > 0) {
-        char *at = (char *)pl->grad_send +
-                   ((size_t)sender_index(pl, c) * pl->m_micro + k) * pl->act * D;
+        char *at =
+            (char *)pl->grad_send + ((size_t)sender_index(pl, c) * pl->m_micro + k) * pl->act * D;
         memcpy(at, m->dres, pl->act * D);
         pl->grad_req[c * pl->m_micro + k] =
             fl_comm_isend(pl->g, (vs - 1) % pl->p, at, pl->act * D, tag(MSG_GRAD, vs));
@@ -278,28 +288,74 @@ static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss)
     pl->set_busy[c * pl->max_sets + set] = 0;
 }
 
+// The rank's actions of one kind (forwards or backwards) in list order, the
+// finished sends let go as it goes.
+static void run_actions(fl_pipeline *pl, int kind, const int *inputs, const int *targets,
+                        float dloss, double *loss_sum) {
+    for (int i = 0; i < pl->n_acts; i++) {
+        const fl_pp_action *x = &pl->acts[i];
+        if (kind >= 0 && x->kind != kind) continue;
+        if (x->kind == FL_PP_FORWARD)
+            forward_action(pl, x, inputs, targets, dloss, loss_sum);
+        else
+            backward_action(pl, x, dloss);
+        poll(pl->grad_req, (size_t)pl->v * pl->m_micro);
+        poll(pl->tied_req, 2 * (size_t)pl->m_micro);
+    }
+}
+
+static void wait_sends(fl_pipeline *pl) {
+    FL_PROFILE(FL_OP_COMM, FL_STEP, 0.0, {
+        for (int i = 0; i < pl->v * pl->m_micro; i++) wait_req(&pl->grad_req[i]);
+        for (int i = 0; i < 2 * pl->m_micro; i++) wait_req(&pl->tied_req[i]);
+        for (int i = 0; i < pl->v * pl->max_sets; i++) wait_req(&pl->out_req[i]);
+    });
+}
+
+// An optimizer fused into the backward pass (LOMO, AdaLomo) over the stages:
+// one micro-batch, its forwards, then its backwards, each stage updating its
+// units as their gradients complete (step.c's fused step over these passes).
+static void fused_forward(void *ctx, const int *inputs, const int *targets, int B, int T,
+                          float dloss, int head_only) {
+    fl_pipeline *pl = ctx;
+    fl_model *m = pl->m;
+    (void)B, (void)T;
+    double r[2] = {0.0, 0.0}; // the loss and its targets, the last stage's
+    if (!head_only) {
+        double sum = 0.0;
+        run_actions(pl, FL_PP_FORWARD, inputs, targets, dloss, &sum);
+    } else if (pl->rank == pl->p - 1) { // the kept activations serve: the head again
+        fl_model_use_set(m, pl->v - 1, pl->set_of[(pl->v - 1) * pl->m_micro]);
+        fl_model_forward_head_train(m, dloss);
+    }
+    if (pl->rank == pl->p - 1) r[0] = m->loss, r[1] = m->n_targets;
+    fl_comm_bcast(pl->g, r, sizeof r, pl->p - 1);
+    if (pl->rank != pl->p - 1) m->loss = (float)r[0], m->n_targets = (int)r[1];
+}
+
+static void fused_backward(void *ctx, float dloss) {
+    fl_pipeline *pl = ctx;
+    run_actions(pl, FL_PP_BACKWARD, NULL, NULL, dloss, NULL);
+    wait_sends(pl);
+}
+
 fl_train_result fl_pipeline_step(fl_pipeline *pl, const int *inputs, const int *targets, float lr) {
     fl_optimizer *o = pl->o;
+    if (pl->m->unit_grads) { // the sets of the forward stay taken until the backward
+        fl_step_passes passes = {pl, fused_forward, fused_backward};
+        fl_train_result r =
+            fl_fused_step_passes(pl->m, o, &passes, inputs, targets, pl->B, pl->T, lr);
+        refresh_copy(pl);
+        return r;
+    }
     size_t BT = (size_t)pl->B * pl->T;
     long total = fl_batch_targets(o, targets, (size_t)pl->m_micro * BT); // over data parallelism
     float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
     FL_ASSERT(o->micro == 0);
     FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(o));
     double loss_sum = 0.0;
-    for (int i = 0; i < pl->n_acts; i++) {
-        const fl_pp_action *x = &pl->acts[i];
-        if (x->kind == FL_PP_FORWARD)
-            forward_action(pl, x, inputs, targets, dloss, &loss_sum);
-        else
-            backward_action(pl, x, dloss);
-        poll(pl->grad_req, (size_t)pl->v * pl->m_micro);
-        poll(pl->tied_req, 2 * (size_t)pl->m_micro);
-    }
-    FL_PROFILE(FL_OP_COMM, FL_STEP, 0.0, {
-        for (int i = 0; i < pl->v * pl->m_micro; i++) wait_req(&pl->grad_req[i]);
-        for (int i = 0; i < 2 * pl->m_micro; i++) wait_req(&pl->tied_req[i]);
-        for (int i = 0; i < pl->v * pl->max_sets; i++) wait_req(&pl->out_req[i]);
-    });
+    run_actions(pl, -1, inputs, targets, dloss, &loss_sum);
+    wait_sends(pl);
     o->micro = pl->m_micro; // every micro-batch's gradient is in
     // the loss is the last stage's, summed over the data-parallel ranks
     fl_comm_bcast(pl->g, &loss_sum, sizeof loss_sum, pl->p - 1);
@@ -321,7 +377,8 @@ static void forward_through(fl_pipeline *pl, const int *tokens, const int *targe
     for (int c = 0; c < pl->v; c++) {
         int vs = c * pl->p + pl->rank;
         fl_model_use_set(m, c, 0);
-        if (vs > 0) recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), act, tag(MSG_EVAL, vs - 1));
+        if (vs > 0)
+            recv_wait(pl, (vs - 1) % pl->p, fl_model_chunk_input(m), act, tag(MSG_EVAL, vs - 1));
         fl_model_forward(m, tokens, targets, B, T);
         if (vs < pl->n - 1)
             fl_comm_wait(fl_comm_isend(pl->g, (vs + 1) % pl->p, fl_model_chunk_output(m),
@@ -353,9 +410,9 @@ static const float *pipeline_next(void *ctx, const int *context, int T, int last
     return row;
 }
 
-void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new,
-                          float temperature, int top_k, fl_rng *rng,
-                          void (*on_token)(int token, void *ctx), void *ctx) {
+void fl_pipeline_generate(fl_pipeline *pl, int *tokens, int n_prompt, int n_new, float temperature,
+                          int top_k, fl_rng *rng, void (*on_token)(int token, void *ctx),
+                          void *ctx) {
     fl_model_generate_with(pl->m, pipeline_next, pl, tokens, n_prompt, n_new, temperature, top_k,
                            rng, on_token, ctx);
 }

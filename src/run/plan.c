@@ -429,8 +429,9 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     fl_pp_stage stage, *st = NULL; // the rank's pipeline stage (NULL: the whole model)
     if (pp > 1) stage_of(r, pp_rank_of(r), st = &stage);
     size_t tp_scratch = 0; // the TP group's, the largest call's (comm)
-    // the step's gradient norm: a sum of squares per row of the optimizer's
-    // table, in the whole model's order (every row under pipeline parallelism)
+    // the step's gradient norm under pipeline parallelism: a sum of squares
+    // per row of the whole model, in its order (a fused step's too, beside
+    // its own per row of the stage)
     size_t norm_rows = 0, whole_rows = 0;
     int stage_rows = 0; // the rank's rows (of its stage)
     if (shaped) {
@@ -451,7 +452,8 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&rows);
         fl_param_table whole;
         fl_model_table(&whole, &c);
-        norm_rows = whole_rows = (size_t)whole.count;
+        whole_rows = (size_t)whole.count;
+        if (pp > 1) norm_rows = whole_rows; // the norm's sums in the whole table's order
         fl_params_free(&whole);
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
@@ -486,7 +488,6 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_model_table(&t, &c);
         fl_lora_table(&lt, &t, &c, &r->lora, NULL);
         fl_optimizer_memory_table(&r->optim, dt, &lt, 0, lt.numel, opt);
-        norm_rows = (size_t)lt.count;
         if (r->lora.train_base) {
             size_t base[FL_MEM_NTAGS] = {0};
             fl_optimizer_memory_table(&r->base_optim, dt, &t, 0, t.numel, base);
@@ -531,7 +532,7 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     // transient workspace, one at a time: the step's row sums (a fused
     // step's over its rows), the sampler's
     size_t sampler = shaped && r->sample_tokens > 0 ? generate_bytes(&c, r->T) : 0;
-    size_t sums = (fused_rows ? fused_rows : norm_rows) * sizeof(double);
+    size_t sums = (fused_rows + norm_rows) * sizeof(double);
     b[FL_MEM_WORKSPACE] += sampler > sums ? sampler : sums;
     if (shaped && r->sample_tokens > 0) {
         b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
@@ -539,11 +540,11 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     if (st && shaped) {
         // the model's set-up of a stage (model.c's stage_rows) holds the
         // rank's table and the whole one (whole_rows rows each), the stage's
-        // table and a map of the rank's rows at once, over what the run
+        // table, a map of the rank's rows and the stage's row offsets at once, over what the run
         // holds before the model (the data, the TP group's table)
         size_t setup = r->data_bytes + (tp > 1 ? fl_tp_ops_bytes(tp) : 0) +
                        (2 * whole_rows + (size_t)stage_rows) * sizeof(fl_param_view) +
-                       whole_rows * sizeof(int);
+                       whole_rows * sizeof(int) + (size_t)stage_rows * sizeof(size_t);
         if (b[FL_MEM_OTHER] < setup) b[FL_MEM_OTHER] = setup;
     }
 

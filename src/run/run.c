@@ -396,8 +396,8 @@ float fl_run_evaluate(fl_run *r, int step) {
         if (r->pipe) {
             loss = fl_pipeline_forward(r->pipe, r->inputs, r->targets, &n_targets);
         } else {
-            loss = fl_model_forward(&r->model, r->inputs, r->targets, cfg->micro_batch,
-                                    cfg->seq_len);
+            loss =
+                fl_model_forward(&r->model, r->inputs, r->targets, cfg->micro_batch, cfg->seq_len);
             n_targets = r->model.n_targets;
         }
         if (!isfinite(loss) && bad < 0) bad = k * r->world + r->rank, bad_loss = loss;
@@ -452,7 +452,7 @@ void fl_run_save(fl_run *r, int step) {
                "ones in %s (training diverged; lower the learning rate)",
                step, cfg->out_dir);
     if (r->dist || r->layout.tp) // every rank its shard (DDP: rank 0 all), agreed before
-                                   // anything is visible
+                                 // anything is visible
         fl_train_ckpt_save_dist(cfg->out_dir, step, &r->model, &r->optim, &r->train.state,
                                 &r->tok_files, r->config_json, cfg->keep_checkpoints, r->run_id);
     else

@@ -112,55 +112,82 @@ static float batch_loss(const fl_optimizer *o, const fl_model *m, long total) {
     return total ? (float)(sum / total) : 0.0f;
 }
 
-// Under data parallelism: the rows' sums of squares and the overflow flag
-// over every rank's part; under tensor parallelism, over the TP group, a
-// replicated row counted on TP rank 0 only.
-static void gather_norm(const fl_optimizer *o, fused_pass *p, int rows) {
+// The sum of the rows' sums of squares, and the overflow flag, over every
+// rank: under data parallelism over every rank's part; under tensor
+// parallelism over the TP group, a replicated row counted on TP rank 0
+// only; under pipeline parallelism over the stages, each row at its place in
+// the whole table. Added in (the whole) table order: the same for any unit
+// order, thread count or pipeline split.
+static double gather_norm(const fl_optimizer *o, fused_pass *p) {
     const fl_optim_sync *sync = o->sync;
+    int rows = o->table->count;
+    double overflow = p->overflow, *sq = p->row_sq;
     if (o->tp) {
         for (int r = 0; r < rows; r++)
-            if (o->table->views[r].tp_dim < 0 && o->tp->rank > 0) p->row_sq[r] = 0.0;
-        double overflow = p->overflow;
-        o->tp->ops->sum(o->tp->ops->ctx, p->row_sq, rows);
+            if (o->table->views[r].tp_dim < 0 && o->tp->rank > 0) sq[r] = 0.0;
+        o->tp->ops->sum(o->tp->ops->ctx, sq, rows);
         o->tp->ops->sum(o->tp->ops->ctx, &overflow, 1);
-        p->overflow = overflow != 0.0;
     }
-    if (!sync) return;
-    if (!sync->replicated) sync->sum(sync->ctx, p->row_sq, rows);
-    double overflow = p->overflow;
-    sync->max(sync->ctx, &overflow, 1);
+    if (o->pp) { // each stage's rows in the whole table's order, summed over the stages
+        int whole = o->pp->whole_rows;
+        sq = fl_alloc(FL_MEM_WORKSPACE, (size_t)whole * sizeof(double));
+        memset(sq, 0, (size_t)whole * sizeof(double));
+        for (int r = 0; r < rows; r++)
+            if (!(o->table->views[r].flags & FL_PARAM_TIED_COPY))
+                sq[o->pp->row_global[r]] = p->row_sq[r];
+        o->pp->ops->sum(o->pp->ops->ctx, sq, whole);
+        o->pp->ops->sum(o->pp->ops->ctx, &overflow, 1);
+        rows = whole;
+    }
+    if (sync) {
+        if (!sync->replicated) sync->sum(sync->ctx, sq, rows);
+        sync->max(sync->ctx, &overflow, 1);
+    }
     p->overflow = overflow != 0.0;
+    double s = 0.0;
+    for (int i = 0; i < rows; i++) s += sq[i];
+    if (sq != p->row_sq) fl_free(sq);
+    return s;
 }
 
-// in table order: the same for any unit order or thread count
-static double sum_rows(const double *row_sq, int rows) {
-    double s = 0.0;
-    for (int i = 0; i < rows; i++) s += row_sq[i];
-    return s;
+static void model_forward(void *ctx, const int *inputs, const int *targets, int B, int T,
+                          float dloss, int head_only) {
+    fl_model *m = ctx;
+    if (head_only)
+        fl_model_forward_head_train(m, dloss);
+    else
+        fl_model_forward_train(m, inputs, targets, B, T, dloss);
+}
+
+static void model_backward(void *ctx, float dloss) {
+    fl_model_backward(ctx, dloss);
 }
 
 // A forward (the whole model, or, for the second pass, only the head: the
 // first backward overwrote nothing else) with the hook, which backward_half
 // (the backward) or the spike guard's skip (no backward) takes off again;
 // the adapters' gradients, if any, start from zero.
-static float forward_half(fl_model *m, fused_pass *p, const int *inputs, const int *targets, int B,
-                          int T, float dloss, int head_only) {
+static float forward_half(fl_model *m, fused_pass *p, const fl_step_passes *passes,
+                          const int *inputs, const int *targets, int B, int T, float dloss,
+                          int head_only) {
     if (m->lora.grads) fl_model_zero_grad(m);
     p->outer = m->hooks;
     m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, p};
-    return head_only ? fl_model_forward_head_train(m, dloss)
-                     : fl_model_forward_train(m, inputs, targets, B, T, dloss);
+    passes->forward(passes->ctx, inputs, targets, B, T, dloss, head_only);
+    return m->loss;
 }
 
-static void backward_half(fl_model *m, fused_pass *p, float dloss) {
-    fl_model_backward(m, dloss);
+static void backward_half(fl_model *m, fused_pass *p, const fl_step_passes *passes, float dloss) {
+    passes->backward(passes->ctx, dloss);
     m->hooks = p->outer;
 }
 
 static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *adapters,
-                                  const int *inputs, const int *targets, int B, int T, float lr,
-                                  float adapter_lr) {
+                                  const fl_step_passes *passes, const int *inputs,
+                                  const int *targets, int B, int T, float lr, float adapter_lr) {
     FL_ASSERT(m->unit_grads && !m->grads);
+    fl_step_passes own = {m, model_forward, model_backward};
+    if (!passes) passes = &own;
     // dropout masks: one per step, the same in both passes
     m->lora.dropout_step = (uint64_t)*fl_optim_step_count(o->rule) + 1;
     size_t BT = (size_t)B * T;
@@ -174,11 +201,10 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
     int two_pass = o->cfg.max_grad_norm > 0.0f || m->dtype == FL_F16;
     fused_pass p = {o, 0, two_pass, row_sq, 0, unscale, 1.0f, {0}};
     if (two_pass) {
-        forward_half(m, &p, inputs, targets, B, T, dloss, 0);
-        backward_half(m, &p, dloss);
+        forward_half(m, &p, passes, inputs, targets, B, T, dloss, 0);
+        backward_half(m, &p, passes, dloss);
         r.loss = batch_loss(o, m, total);
-        gather_norm(o, &p, m->table.count);
-        double sq = sum_rows(row_sq, m->table.count);
+        double sq = gather_norm(o, &p);
         if (p.overflow) {
             r.skipped = 1;
             if (fl_loss_scaler_update(&o->scaler, 1) != 0)
@@ -196,7 +222,7 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
         if (isfinite(r.grad_norm)) r.spike = fl_spike_judge(&o->spike, r.loss, r.grad_norm);
     }
     if (!two_pass) { // the update comes with the backward: the guard judges the loss alone
-        float loss = forward_half(m, &p, inputs, targets, B, T, dloss, 0);
+        float loss = forward_half(m, &p, passes, inputs, targets, B, T, dloss, 0);
         r.loss = sync ? batch_loss(o, m, total) : loss;
         r.spike = fl_spike_judge(&o->spike, r.loss, NAN);
         if (r.spike.outlier) m->hooks = p.outer; // no backward
@@ -209,15 +235,12 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
         return r;
     }
     p.update = 1;
-    if (two_pass) forward_half(m, &p, inputs, targets, B, T, dloss, 1);
+    if (two_pass) forward_half(m, &p, passes, inputs, targets, B, T, dloss, 1);
     fl_optimizer_begin_step(o, lr);
-    backward_half(m, &p, dloss);
+    backward_half(m, &p, passes, dloss);
     fl_optimizer_end_step(o);
     if (sync) sync->updated(sync->ctx); // ZeRO-1/2: every rank's new weights
-    if (!two_pass) {
-        gather_norm(o, &p, m->table.count);
-        r.grad_norm = (float)sqrt(sum_rows(row_sq, m->table.count)) * unscale;
-    }
+    if (!two_pass) r.grad_norm = (float)sqrt(gather_norm(o, &p)) * unscale;
     fl_free(row_sq);
     if (adapters) {
         fl_optimizer_micro_done(adapters);
@@ -229,14 +252,20 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
 
 fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int B, int T, float lr) {
-    return fused_step(m, o, NULL, inputs, targets, B, T, lr, 0.0f);
+    return fused_step(m, o, NULL, NULL, inputs, targets, B, T, lr, 0.0f);
+}
+
+fl_train_result fl_fused_step_passes(fl_model *m, fl_optimizer *o, const fl_step_passes *passes,
+                                     const int *inputs, const int *targets, int B, int T,
+                                     float lr) {
+    return fused_step(m, o, NULL, passes, inputs, targets, B, T, lr, 0.0f);
 }
 
 fl_train_result fl_lora_lomo_step(fl_model *m, fl_optimizer *adapters, fl_optimizer *base,
                                   const int *inputs, const int *targets, int B, int T, float lr,
                                   float base_lr) {
     FL_ASSERT(m->lora.cfg.train_base && m->dtype != FL_F16);
-    return fused_step(m, base, adapters, inputs, targets, B, T, base_lr, lr);
+    return fused_step(m, base, adapters, NULL, inputs, targets, B, T, base_lr, lr);
 }
 
 // The step's kind, chosen here only: LoRA + LOMO (a base optimizer), an
