@@ -35,7 +35,8 @@
 #          of RATE each way (tbf; no added delay: this kernel has no netem).
 #          In Megatron's rank order (TP fastest, then DP, then PP) tppp's TP
 #          pairs and ppdp's DP pairs stay inside a machine and only the
-#          pipeline's activations cross the link; ddp, ZeRO and tp (t = 4)
+#          pipeline's activations (and the tied embedding's gradient, summed
+#          between the first and last stage) cross the link; ddp, ZeRO and tp (t = 4)
 #          cross it with everything. The link's rate is measured first (one
 #          TCP stream, bench/netns.sh bw) and printed.
 # Before each model and layout, `fitlm plan` with the same flags (--ranks 4)
@@ -199,6 +200,23 @@ run() {
 $(cat "$LOG/$name".r*.time | awk '{ s += $1 + $2 } END { print s }')" >"$LOG/$name.load"
 }
 
+# failure NAME: WHY = why a run failed: a rank killed by a signal
+# (/usr/bin/time's line; 9 is often the kernel's OOM killer), else fitlm's
+# first error, else the first line any rank wrote to stderr
+failure() {
+    local r sig
+    WHY=
+    for ((r = 0; r < NP; r++)); do
+        sig=$(sed -n 's/^Command terminated by signal \([0-9]*\).*/\1/p' "$LOG/$1.r$r.time" 2>/dev/null)
+        if [[ -n $sig ]]; then
+            WHY="rank $r killed by signal $sig$([[ $sig == 9 ]] && echo " (out of memory? dmesg)") at $(awk 'NR == 2 { printf "%.0f", $3 / 1024 }' "$LOG/$1.r$r.time") MiB peak RSS"
+            return
+        fi
+    done
+    WHY=$(cat "$LOG/$1".r*.err 2>/dev/null | grep -m 1 '^fitlm' || true)
+    [[ -n $WHY ]] || WHY=$(cat "$LOG/$1".r*.err 2>/dev/null | grep -v -e '^$' -e '^==>' | head -n 1 || true)
+}
+
 # measure NAME: "key=value" words of one run
 measure() {
     local name=$1 out="$LOG/$1.r0.out" r med lo hi peaks=() rss=0
@@ -206,7 +224,7 @@ measure() {
     echo "med=$med lo=$lo hi=$hi"
     echo "tps=$(awk -v t="$((GLOBAL_BATCH * SEQ))" -v m="$med" 'BEGIN { printf "%.0f", (m > 0 ? t * 1000 / m : 0) }')"
     awk '/^communication per step and rank/ {
-        gsub(/[(),;%]/, " "); printf "mb=%s coll=%s waitpct=%s\n", $13, $15, $17 }' "$out"
+        gsub(/[(),;%]/, " "); printf "mb=%.1f coll=%s waitpct=%s\n", $13, $15, $17 }' "$out"
     for ((r = 0; r < NP; r++)); do
         cat "$LOG/$name.r$r.out" "$LOG/$name.r$r.err" >"$LOG/$name.r$r.all"
         peaks+=("$(printf %.0f "$(tag_peak total "$LOG/$name.r$r.all")")")
@@ -246,7 +264,8 @@ for net in $NETS; do
             fi
             name="${model}_${net}_$lay"
             run "$name" "$net" "$model" "$lay" || {
-                ROWS+=("$label - | failed: $(grep -h -v '^$' "$LOG/$name".r*.err | grep -v -i 'mpirun\|^--\|^\*\*\*' | head -n 1) |||||||")
+                failure "$name"
+                ROWS+=("$label - | failed: ${WHY:-no message (killed?)}; logs in $LOG/$name.* |||||||")
                 continue
             }
             read -r -a f <<<"$(measure "$name" | tr '\n' ' ')"

@@ -33,11 +33,16 @@ down() {
     for ns in $(ip netns list | awk -v p="$PREFIX" 'index($1, p) == 1 { print $1 }'); do
         ip netns del "$ns"
     done
-    # the host ends of the veth pairs go with their peers, a moment later
-    local t
-    for ((t = 0; t < 50; t++)); do
+    # the host ends of the veth pairs go with their peers a moment later, or
+    # stay while a process (a rank killed half-way) still holds the namespace:
+    # then they are deleted here, which takes the peer along
+    local t h
+    for ((t = 0; t < 30; t++)); do
         ip -o link show | grep -q ' flh[0-9]*@' || break
         sleep 0.1
+    done
+    for h in $(ip -o link show | sed -n 's/^[0-9]*: \(flh[0-9]*\)@.*/\1/p'); do
+        ip link del "$h" 2>/dev/null || true
     done
     if ip link show "$BR" >/dev/null 2>&1; then ip link del "$BR"; fi
     return 0
