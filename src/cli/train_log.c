@@ -241,9 +241,10 @@ static void print_offload(const fl_offload *f, const fl_offload_stats *from, int
 void run_print_traffic(const run_log *log, const fl_run *run, const fl_offload_stats *io0,
                        int steps_run) {
     const fl_comm_stats *comm = &log->comm;
-    size_t numel = run->model.table.numel; // this rank's (under TP, its slices)
+    size_t numel = run->model.table.numel; // this rank's (under TP, its slices; PP, its stage's)
     // every rank of the job: the data-parallel ones, and each one's TP group
-    if (run->world * run->tp.size > 1 && steps_run > 0)
+    // and pipeline (its point-to-point sends count their bytes)
+    if (run->world * run->tp.size * run->stage.size > 1 && steps_run > 0)
         printf("communication per step and rank: %.4g elements (%.3f x the %zu parameters), "
                "%.4g MB, %.1f collectives; %.1f%% of the step time waiting on them\n",
                comm->elements / steps_run, comm->elements / steps_run / (double)numel, numel,
