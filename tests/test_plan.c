@@ -1122,33 +1122,36 @@ static void test_check_fits(void) {
 }
 
 // The command: a formula-only plan through the real binary.
+// `fitlm plan ARGS` (stdout and stderr into out): its exit status, -1 when it
+// did not exit.
+static int plan_command(const char *bin, const char *args, char *out, size_t size) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s plan %s 2>&1", bin, args);
+    FILE *f = popen(cmd, "r");
+    size_t n = f ? fread(out, 1, size - 1, f) : 0;
+    out[n] = 0;
+    int status = f ? pclose(f) : -1;
+    return status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 static void test_cli(void) {
     const char *bin = getenv("FITLM_BINARY");
     if (!bin) {
         printf("  (FITLM_BINARY not set: command test skipped)\n");
         return;
     }
-    char cmd[1024], out[16384];
-    snprintf(cmd, sizeof cmd,
-             "%s plan --params 7B --precision bf16 --ranks 8 --zero-stage 3 --data '' "
-             "--val-data '' 2>&1",
-             bin);
-    FILE *f = popen(cmd, "r");
-    size_t n = f ? fread(out, 1, sizeof out - 1, f) : 0;
-    out[n] = 0;
-    int status = f ? pclose(f) : -1;
+    char out[16384];
+    int status = plan_command(
+        bin, "--params 7B --precision bf16 --ranks 8 --zero-stage 3 --data '' --val-data ''", out,
+        sizeof out);
     t_check(status == 0 && strstr(out, "14000000000 bytes (14.00 GB) = 2.00 bytes/param") &&
                 strstr(out, "not runnable yet"),
             "fitlm plan --params 7B ... --zero-stage 3: %s", out);
     // the tensor-parallel flags reach the request: t x d, the rank's slices
-    snprintf(cmd, sizeof cmd,
-             "%s plan --model tiny --seq-len 32 --tensor-parallel 2 --sequence-parallel --ranks 4 "
-             "--data '' --val-data '' 2>&1",
-             bin);
-    f = popen(cmd, "r");
-    n = f ? fread(out, 1, sizeof out - 1, f) : 0;
-    out[n] = 0;
-    status = f ? pclose(f) : -1;
+    status = plan_command(bin,
+                          "--model tiny --seq-len 32 --tensor-parallel 2 --sequence-parallel "
+                          "--ranks 4 --data '' --val-data ''",
+                          out, sizeof out);
     t_check(status == 0 &&
                 strstr(out, "4 ranks (tensor parallel 2 with sequence parallelism x 2 "
                             "data-parallel)") &&
@@ -1157,29 +1160,20 @@ static void test_cli(void) {
                 strstr(out, "data parallel, data-parallel rank 0 of 2"),
             "fitlm plan --tensor-parallel 2 --sequence-parallel --ranks 4: %s", out);
     // the pipeline's refusals apply to a plan's ranks
-    snprintf(cmd, sizeof cmd,
-             "%s plan --model tiny --seq-len 32 --pipeline-parallel 2 --tensor-parallel 2 "
-             "--ranks 6 --data '' --val-data '' 2>&1",
-             bin);
-    f = popen(cmd, "r");
-    n = f ? fread(out, 1, sizeof out - 1, f) : 0;
-    out[n] = 0;
-    status = f ? pclose(f) : -1;
-    t_check(WIFEXITED(status) && WEXITSTATUS(status) == 1 &&
+    status = plan_command(bin,
+                          "--model tiny --seq-len 32 --pipeline-parallel 2 --tensor-parallel 2 "
+                          "--ranks 6 --data '' --val-data ''",
+                          out, sizeof out);
+    t_check(status == 1 &&
                 strstr(out, "tensor_parallel.size 2 x pipeline_parallel.size 2 does not divide "
                             "the world of 6 ranks (6 % 4 = 2)"),
             "fitlm plan --pipeline-parallel 2 --tensor-parallel 2 --ranks 6: %s", out);
-    snprintf(cmd, sizeof cmd,
-             "%s plan --model tiny --seq-len 32 --pipeline-parallel 2 --ranks 2 --zero-stage 3 "
-             "--data '' --val-data '' 2>&1",
-             bin);
-    f = popen(cmd, "r");
-    n = f ? fread(out, 1, sizeof out - 1, f) : 0;
-    out[n] = 0;
-    status = f ? pclose(f) : -1;
-    t_check(WIFEXITED(status) && WEXITSTATUS(status) == 1 &&
-                strstr(out, "zero_optimization.stage 3 (--zero-stage) with "
-                            "pipeline_parallel.size 2 is refused"),
+    status = plan_command(bin,
+                          "--model tiny --seq-len 32 --pipeline-parallel 2 --ranks 2 "
+                          "--zero-stage 3 --data '' --val-data ''",
+                          out, sizeof out);
+    t_check(status == 1 && strstr(out, "zero_optimization.stage 3 (--zero-stage) with "
+                                       "pipeline_parallel.size 2 is refused"),
             "fitlm plan --pipeline-parallel 2 --zero-stage 3: %s", out);
 }
 
