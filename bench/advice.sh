@@ -35,8 +35,9 @@
 #          of RATE each way (tbf; no added delay: this kernel has no netem).
 #          In Megatron's rank order (TP fastest, then DP, then PP) tppp's TP
 #          pairs and ppdp's DP pairs stay inside a machine and only the
-#          pipeline's activations (and the tied embedding's gradient, summed
-#          between the first and last stage) cross the link; ddp, ZeRO and tp (t = 4)
+#          pipeline's messages (activations, their gradients, and for the tied
+#          embedding the head's data to stage 0 and its rows back) cross the
+#          link; ddp, ZeRO and tp (t = 4)
 #          cross it with everything. The link's rate is measured first (one
 #          TCP stream, bench/netns.sh bw) and printed.
 # Before each model and layout, `fitlm plan` with the same flags (--ranks 4)
