@@ -36,6 +36,7 @@ enum {
     SLOW = 1, // left out of the quick lists (FITLM_TEST_QUICK)
     EVAL = 2, // also trains on the data and evaluates (check_evaluate)
     TIED = 4, // LLaMA with tied embeddings
+    NVME = 8, // the split run's optimizer state offloaded to files (ZeRO-1)
 };
 
 typedef struct {
@@ -154,8 +155,16 @@ static void train(const pp_case *c, int split, run_result *out) {
     flags_of(c, split, flags, sizeof flags);
     fl_run run;
     size_t before = fl_mem_current(FL_MEM_PARAMS);
-    t_run_open(&run, NULL, flags, !split);
+    // each stage's optimizer pages its own state (zero_optimization's offload)
+    char json[256];
+    snprintf(json, sizeof json,
+             "{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"nvme\", "
+             "\"nvme_path\": \"%s\"}}}",
+             "/tmp");
+    t_run_open(&run, split && (c->more & NVME) ? json : NULL, flags, !split);
     out->param_bytes = fl_mem_current(FL_MEM_PARAMS) - before;
+    if (split && (c->more & NVME))
+        t_check(run.offload != NULL, "%s: the stage's optimizer state is in its file", c->name);
     out->pp_rank = run.model.pp.rank;
     out->sets0 = run.model.pp.sets[0];
     int d = replicas(c), drank = split ? run.rank : 0;
@@ -510,6 +519,8 @@ int main(int argc, char **argv) {
         {"llama fp32 p2 selective recompute", 2, L, F, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, sel, 0,
          NULL},
         {"gpt2 bf16 p2", 2, G, FL_BF16, 2, 1, 0, 0, 4, 4, NULL, 0, NULL, none, SLOW, NULL},
+        {"gpt2 bf16 p2, ZeRO-1's state offloaded (NVMe)", 2, G, FL_BF16, 2, 1, 0, 1, 4, 4, NULL, 0,
+         NULL, none, NVME, NULL},
         // optimizers fused into the backward pass: one micro-batch a step
         {"gpt2 fp32 p2 lomo", 2, G, F, 2, 1, 0, 0, 1, 4, NULL, 0, NULL, none, 0, "lomo --lr 0.2"},
         {"llama fp32 p2 adalomo (tied)", 2, L, F, 2, 1, 0, 0, 1, 4, NULL, 0, NULL, none, TIED,
