@@ -147,7 +147,9 @@ static void check_zero_choices(const fl_train_config *cfg) {
            "fitlm's stage 3 gathers a block's weights again for its backward pass rather than "
            "keep them from the forward (stage3_max_reuse_distance sets what is kept)");
     refuse(x->pipeline_loading_checkpoint, "pipeline_loading_checkpoint", "true",
-           "pipeline parallelism is not supported");
+           "it loads stage 3 checkpoints into a pipeline, and stage 3 with pipeline "
+           "parallelism is refused (as DeepSpeed refuses it); fitlm's checkpoints load under "
+           "any layout as they are");
     refuse(!x->override_module_apply, "override_module_apply", "false",
            "it switches off a hook on PyTorch's nn.Module.apply, which has no counterpart here");
 }
