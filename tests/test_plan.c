@@ -401,20 +401,21 @@ static void test_tensor_parallel_raw_count(void) {
 
 static fl_plan_request tp_refused;
 
+// arg: the request whose plan must die
 static void plan_dies(void *arg) {
-    (void)arg;
     fl_plan p;
-    fl_plan_compute(&tp_refused, &p);
+    fl_plan_compute(arg, &p);
 }
 
 static void test_tensor_parallel_refusals(void) {
     tp_refused = small_request(FL_F32, adamw_config(1), 2, 32);
     tp_refused.ranks = 4;
     tp_refused.tensor_parallel = 3;
-    t_dies("t must divide the ranks", plan_dies, NULL, "divide the 4 ranks");
+    t_dies("t must divide the ranks", plan_dies, &tp_refused, "divide the 4 ranks");
     tp_refused.tensor_parallel = 2;
     tp_refused.lora.r = 8;
-    t_dies("TP with LoRA is refused as train refuses it", plan_dies, NULL, "with LoRA adapters");
+    t_dies("TP with LoRA is refused as train refuses it", plan_dies, &tp_refused,
+           "with LoRA adapters");
 }
 
 static void test_parse_count(void) {
@@ -1011,12 +1012,6 @@ static void pp_plan(fl_plan_request *r, const char *flags, int ranks, fl_plan *o
 
 static fl_plan_request pp_refused_request;
 
-static void pp_plan_dies(void *arg) {
-    (void)arg;
-    fl_plan p;
-    fl_plan_compute(&pp_refused_request, &p);
-}
-
 static void test_pipeline_plan(void) {
     static fl_plan_request r;
     static fl_plan all, one, m1, mk;
@@ -1094,11 +1089,11 @@ static void test_pipeline_plan(void) {
     snprintf(flags, sizeof flags, "%s --grad-accum 8", base);
     pp_request(&pp_refused_request, flags, 4);
     pp_refused_request.ranks = 6;
-    t_dies("pipeline: 6 ranks over p 4", pp_plan_dies, NULL,
+    t_dies("pipeline: 6 ranks over p 4", plan_dies, &pp_refused_request,
            "pipeline parallel 4 = 4 does not divide the 6 ranks");
     pp_refused_request.ranks = 4;
     pp_refused_request.num_params = 1000000;
-    t_dies("pipeline: a raw count", pp_plan_dies, NULL, "needs a model shape");
+    t_dies("pipeline: a raw count", plan_dies, &pp_refused_request, "needs a model shape");
 }
 
 static void test_check_fits(void) {

@@ -326,18 +326,6 @@ static void train_references(const pp_case *cases, int n) {
 // ----------------------------------------------------------------------------
 // comparisons
 
-typedef struct {
-    const float *whole;
-    float *out;
-} slice_copy;
-
-static void copy_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
-                       size_t count) {
-    slice_copy *s = ctx;
-    for (size_t k = 0; k < count / run; k++)
-        memcpy(s->out + local + k * run, s->whole + first + k * stride, run * sizeof(float));
-}
-
 // The reference's weights as this rank's rows (its stage's, its TP slices;
 // padding and the tied copy zero).
 static float *rows_of(const run_result *want, const run_result *got) {
@@ -349,8 +337,7 @@ static float *rows_of(const run_result *want, const run_result *got) {
         const fl_param_view *w = &wt->views[got->row_global[r]];
         t_check(!strcmp(v->name, w->name), "stage row %d is the whole table's %s (%s)", r, w->name,
                 v->name);
-        slice_copy s = {want->weights + w->offset, out + v->offset};
-        fl_params_blocks(lt, r, 0, v->numel, copy_block, &s);
+        t_slice_row(lt, r, want->weights + w->offset, out + v->offset);
     }
     return out;
 }

@@ -278,24 +278,11 @@ static void train(const tp_case *c, int tp, run_result *out) {
     train_steps(c, tp, 0, STEPS, NULL, NULL, 0, out);
 }
 
-typedef struct {
-    const float *whole;
-    float *out;
-} slice_copy;
-
-static void copy_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
-                       size_t count) {
-    slice_copy *s = ctx;
-    for (size_t k = 0; k < count / run; k++)
-        memcpy(s->out + local + k * run, s->whole + first + k * stride, run * sizeof(float));
-}
-
 // The reference's weights as this rank's slices (padding rows zero).
 static float *slice_of(const float *whole, const fl_param_table *wt, const fl_param_table *lt) {
     float *out = calloc(lt->numel, sizeof(float));
     for (int r = 0; r < lt->count; r++) {
-        slice_copy s = {whole + wt->views[r].offset, out + lt->views[r].offset};
-        fl_params_blocks(lt, r, 0, lt->views[r].numel, copy_block, &s);
+        t_slice_row(lt, r, whole + wt->views[r].offset, out + lt->views[r].offset);
     }
     return out;
 }

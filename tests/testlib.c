@@ -450,6 +450,23 @@ void t_rule_batch(uint64_t seed, size_t n, int V, int *inputs, int *targets) {
     }
 }
 
+typedef struct {
+    const float *whole;
+    float *out;
+} slice_copy;
+
+static void copy_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
+                       size_t count) {
+    slice_copy *s = ctx;
+    for (size_t k = 0; k < count / run; k++)
+        memcpy(s->out + local + k * run, s->whole + first + k * stride, run * sizeof(float));
+}
+
+void t_slice_row(const fl_param_table *lt, int row, const float *whole_row, float *out_row) {
+    slice_copy s = {whole_row, out_row};
+    fl_params_blocks(lt, row, 0, lt->views[row].numel, copy_block, &s);
+}
+
 double t_rel_diff(const float *a, const float *b, size_t n) {
     double d = 0.0, s = 0.0;
     for (size_t i = 0; i < n; i++) {

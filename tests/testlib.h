@@ -36,6 +36,10 @@ float *t_weights_f32(fl_model *m, fl_dist *d);
 void t_rule_batch(uint64_t seed, size_t n, int V, int *inputs, int *targets);
 // ||a - b|| / ||b|| over n values, in double.
 double t_rel_diff(const float *a, const float *b, size_t n);
+// Row `row` of a tensor-parallel rank's table lt, taken from the whole
+// row's fp32 values (whole_row) into out_row (its numel values; padding
+// rows left as they are): fl_params_blocks' mapping.
+void t_slice_row(const fl_param_table *lt, int row, const float *whole_row, float *out_row);
 
 // Opens a run (run.h) as `fitlm train` would with a config file holding
 // `json` (NULL: none) and these flags (space-separated, unquoted; "--out="
