@@ -377,10 +377,14 @@ struct fl_set_state {
     float loss, dlogits_dloss;
 };
 
+// Set k of chunk c among all the stage's sets (k = 0 of c = chunks: how many).
+static int set_index(const fl_pp_stage *s, int c, int k) {
+    for (int i = 0; i < c; i++) k += s->sets[i];
+    return k;
+}
+
 static int total_sets(const fl_pp_stage *s) {
-    int n = 0;
-    for (int c = 0; c < s->chunks; c++) n += s->sets[c];
-    return n;
+    return set_index(s, s->chunks, 0);
 }
 
 enum { MAX_SPECS = 3 * FL_MAX_SLOTS + 16 };
@@ -581,13 +585,9 @@ void fl_model_use_set(fl_model *m, int chunk, int set) {
     fl_pp_stage *s = &m->pp;
     FL_ASSERT(chunk >= 0 && chunk < s->chunks && set >= 0 && set < s->sets[chunk] && m->max_B);
     if (m->set_state) { // keep the forward state of the set left, take the new one's
-        int at = 0;
-        for (int c = 0; c < m->chunk; c++) at += s->sets[c];
-        m->set_state[at + m->set] = (struct fl_set_state){
+        m->set_state[set_index(s, m->chunk, m->set)] = (struct fl_set_state){
             m->B, m->T, m->n_targets, m->dlogits_ready, m->loss, m->dlogits_dloss};
-        at = 0;
-        for (int c = 0; c < chunk; c++) at += s->sets[c];
-        const struct fl_set_state *st = &m->set_state[at + set];
+        const struct fl_set_state *st = &m->set_state[set_index(s, chunk, set)];
         m->B = st->B, m->T = st->T, m->n_targets = st->n_targets;
         m->dlogits_ready = st->dlogits_ready, m->loss = st->loss;
         m->dlogits_dloss = st->dlogits_dloss;
