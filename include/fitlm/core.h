@@ -89,6 +89,16 @@ size_t fl_mem_peak(fl_mem_tag tag);
 size_t fl_mem_total_current(void);
 size_t fl_mem_total_peak(void); // peak of the sum, not the sum of peaks
 size_t fl_mem_peak_rss(void);   // the process's peak resident set (VmHWM)
+// Device memory (device.h) is counted apart, per tag: a device's allocator
+// adds its blocks with fl_mem_device_count (bytes > 0) and removes them
+// (bytes < 0); it dies with fl_die_device_oom when the device is full.
+void fl_mem_device_count(fl_mem_tag tag, long long bytes);
+void fl_die_device_oom(const char *device, size_t bytes, fl_mem_tag tag) __attribute__((noreturn));
+size_t fl_mem_device_current(fl_mem_tag tag);
+size_t fl_mem_device_peak(fl_mem_tag tag);
+size_t fl_mem_device_total_peak(void); // peak of the sum
+// The tags' current and peak bytes, on the host and (when a device
+// allocated any) on the device.
 void fl_mem_report(FILE *out);
 // Memory this process may still use: MemAvailable from /proc/meminfo, capped
 // by a cgroup (v2 or v1) limit minus its usage when there is one. 0 when

@@ -29,6 +29,9 @@ typedef struct {
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t current[FL_MEM_NTAGS], peak[FL_MEM_NTAGS], total_current, total_peak;
+// the same for device memory (fl_mem_device_count)
+static size_t dev_current[FL_MEM_NTAGS], dev_peak[FL_MEM_NTAGS], dev_total_current,
+    dev_total_peak;
 
 static const char *tag_names[FL_MEM_NTAGS] = {
     "params", "grads", "master", "optim", "acts", "workspace", "comm", "offload", "other",
@@ -135,6 +138,47 @@ size_t fl_mem_total_peak(void) {
     return v;
 }
 
+void fl_mem_device_count(fl_mem_tag tag, long long bytes) {
+    FL_ASSERT((unsigned)tag < FL_MEM_NTAGS);
+    pthread_mutex_lock(&lock);
+    FL_ASSERT(bytes >= 0 || (size_t)-bytes <= dev_current[tag]);
+    dev_current[tag] += (size_t)bytes; // wraps down for a negative count
+    dev_total_current += (size_t)bytes;
+    if (dev_current[tag] > dev_peak[tag]) dev_peak[tag] = dev_current[tag];
+    if (dev_total_current > dev_total_peak) dev_total_peak = dev_total_current;
+    pthread_mutex_unlock(&lock);
+}
+
+void fl_die_device_oom(const char *device, size_t bytes, fl_mem_tag tag) {
+    char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT];
+    pthread_mutex_lock(&lock);
+    size_t held = dev_total_current;
+    pthread_mutex_unlock(&lock);
+    fl_die("out of %s device memory allocating %s for %s (%s already allocated there)", device,
+           fl_size_text(bytes, want), fl_mem_tag_name(tag), fl_size_text(held, have));
+}
+
+size_t fl_mem_device_current(fl_mem_tag tag) {
+    pthread_mutex_lock(&lock);
+    size_t v = dev_current[tag];
+    pthread_mutex_unlock(&lock);
+    return v;
+}
+
+size_t fl_mem_device_peak(fl_mem_tag tag) {
+    pthread_mutex_lock(&lock);
+    size_t v = dev_peak[tag];
+    pthread_mutex_unlock(&lock);
+    return v;
+}
+
+size_t fl_mem_device_total_peak(void) {
+    pthread_mutex_lock(&lock);
+    size_t v = dev_total_peak;
+    pthread_mutex_unlock(&lock);
+    return v;
+}
+
 size_t fl_mem_peak_rss(void) {
     FILE *f = fopen("/proc/self/status", "r");
     if (!f) return 0;
@@ -159,4 +203,12 @@ void fl_mem_report(FILE *out) {
             "  process peak RSS     %10s %10.2f (untracked overhead %.2f MiB: code, libraries, "
             "BLAS buffers)\n",
             "", rss / 1048576.0, ((double)rss - (double)tagged) / 1048576.0);
+    if (!fl_mem_device_total_peak()) return;
+    fprintf(out, "device memory by tag (MiB): %5s %10s %14s\n", "current", "peak", "peak bytes");
+    for (int t = 0; t < FL_MEM_NTAGS; t++)
+        fprintf(out, "  %-20s %10.2f %10.2f %14zu\n", tag_names[t],
+                fl_mem_device_current(t) / 1048576.0, fl_mem_device_peak(t) / 1048576.0,
+                fl_mem_device_peak(t));
+    fprintf(out, "  %-20s %10s %10.2f %14zu\n", "total device", "",
+            fl_mem_device_total_peak() / 1048576.0, fl_mem_device_total_peak());
 }

@@ -1,0 +1,183 @@
+// device.h: the device seam. A device is a table of functions, in the
+// manner of ggml's backend interface: memory with placement, copies each
+// way, streams and events, one entry per kernel family of kernels.h, and
+// the reductions and updates of the optimizer step. Model, architecture,
+// LoRA, quantisation and optimizer code call a model's table (m->dev), so
+// none of it knows where its buffers are.
+//
+// Devices:
+// - "cpu": today's kernels on host memory; the reference every other
+//   device is checked against (the default).
+// - "test": the cpu's kernels on memory the host cannot touch. Its buffers
+//   live in one reserved region that is mapped PROT_NONE except while one
+//   of the table's functions runs, so any host access to a model buffer that
+//   does not go through the table (a copy) faults at once. CI runs the
+//   seam's copies and placement (checkpoints, export, eval, sample, plan)
+//   on it, on every machine.
+// - "cuda": one NVIDIA GPU (src/cuda/), built when CMake finds a CUDA
+//   compiler (FITLM_CUDA).
+//
+// Pointers the table takes are device pointers unless named host_*. The
+// kernel entries have kernels.h's signatures and contract (destination
+// first, backward accumulates, the same exceptions), with every pointer,
+// int * ids and float * statistics included, on the device.
+//
+// Ordering: work is issued on the device's compute stream in call order. A
+// copy to or from the host (copy_h2d, copy_d2h) returns when it is done;
+// copy_async does not (ordered on its stream; event_record and stream_wait
+// order streams against each other, event_sync waits on the host).
+#ifndef FITLM_DEVICE_H
+#define FITLM_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitlm/core.h"
+#include "fitlm/dtype.h"
+#include "fitlm/optim.h"
+#include "fitlm/params.h"
+
+typedef struct fl_stream fl_stream; // an ordered queue of device work (NULL: compute)
+typedef struct fl_event fl_event;   // a point on a stream
+
+enum { FL_COPY_H2D, FL_COPY_D2H, FL_COPY_D2D };
+
+typedef struct fl_device fl_device;
+struct fl_device {
+    const char *name; // "cpu", "test", "cuda"
+    int host;         // 1: device pointers are host pointers (the cpu device)
+    // one line for the start-up log: the backend, the card, its free memory
+    void (*describe)(const fl_device *d, char *out, size_t size);
+    // memory this device may still allocate (0: unknown, no limit known)
+    size_t (*available)(const fl_device *d);
+
+    // ---- memory: zero-filled, 64-byte aligned, counted under tag on the
+    // device (fl_mem_device_*); dies with the tag and size when it runs out
+    void *(*alloc)(const fl_device *d, fl_mem_tag tag, size_t bytes);
+    void (*free)(const fl_device *d, void *p); // NULL is fine
+    void (*zero)(const fl_device *d, void *p, size_t bytes);
+    void (*copy_h2d)(const fl_device *d, void *dst, const void *host_src, size_t bytes);
+    void (*copy_d2h)(const fl_device *d, void *host_dst, const void *src, size_t bytes);
+    void (*copy_d2d)(const fl_device *d, void *dst, const void *src, size_t bytes);
+    // kind: FL_COPY_*; the host side must stay valid until the copy is done
+    void (*copy_async)(const fl_device *d, void *dst, const void *src, size_t bytes, int kind,
+                       fl_stream *s);
+    fl_stream *(*stream_create)(const fl_device *d);
+    void (*stream_destroy)(const fl_device *d, fl_stream *s);
+    fl_event *(*event_record)(const fl_device *d, fl_stream *s);        // a new event
+    void (*stream_wait)(const fl_device *d, fl_stream *s, fl_event *e); // s waits for e
+    void (*event_sync)(const fl_device *d, fl_event *e);                // the host waits
+    void (*event_destroy)(const fl_device *d, fl_event *e);
+    void (*sync)(const fl_device *d); // the host waits for every stream
+
+    // ---- kernels (kernels.h)
+    size_t (*matmul_workspace_bytes)(fl_dtype dt, int N, int C, int OC);
+    // floats for `threads` host threads (the cpu's per-thread workspace)
+    size_t (*attention_workspace_floats)(fl_dtype dt, int T, int HS, int group, int threads);
+    void (*encoder_forward)(fl_dtype dt, void *out, const int *inp, const void *wte,
+                            const void *wpe, int B, int T, int C);
+    void (*encoder_backward)(fl_dtype dt, void *dwte, void *dwpe, const void *dout, const int *inp,
+                             int B, int T, int C);
+    void (*embedding_shard_forward)(fl_dtype dt, void *out, const int *inp, const void *wte,
+                                    int first, int rows, int N, int C);
+    void (*embedding_shard_backward)(fl_dtype dt, void *dwte, const void *dout, const int *inp,
+                                     int first, int rows, int N, int C);
+    void (*position_forward)(fl_dtype dt, void *out, const void *wpe, int B, int T, int C);
+    void (*position_backward)(fl_dtype dt, void *dwpe, const void *dout, int B, int T, int C);
+    void (*layernorm_forward)(fl_dtype dt, void *out, float *mean, float *rstd, const void *inp,
+                              const void *weight, const void *bias, int N, int C);
+    void (*layernorm_backward)(fl_dtype dt, void *dinp, void *dweight, void *dbias,
+                               const void *dout, const void *inp, const void *weight,
+                               const float *mean, const float *rstd, int N, int C);
+    void (*matmul_forward)(fl_dtype dt, void *out, const void *inp, const void *weight,
+                           const void *bias, void *workspace, int N, int C, int OC);
+    void (*matmul_backward)(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
+                            const void *inp, const void *weight, void *workspace, int N, int C,
+                            int OC);
+    void (*attention_forward)(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace,
+                              int B, int T, int NH, int NKV, int HS);
+    void (*attention_backward)(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
+                               const void *out, const float *lse, float *workspace, int B, int T,
+                               int NH, int NKV, int HS);
+    void (*rmsnorm_forward)(fl_dtype dt, void *out, float *rstd, const void *inp,
+                            const void *weight, int N, int C, float eps);
+    void (*rmsnorm_backward)(fl_dtype dt, void *dinp, void *dweight, const void *dout,
+                             const void *inp, const void *weight, const float *rstd, int N, int C);
+    void (*rope_forward)(fl_dtype dt, void *qkv, const float *cos_sin, int B, int T, int NH,
+                         int NKV, int HS);
+    void (*rope_backward)(fl_dtype dt, void *dqkv, const float *cos_sin, int B, int T, int NH,
+                          int NKV, int HS);
+    void (*swiglu_forward)(fl_dtype dt, void *out, const void *inp, int N, int IC);
+    void (*swiglu_backward)(fl_dtype dt, void *dinp, const void *inp, const void *dout, int N,
+                            int IC);
+    void (*gelu_forward)(fl_dtype dt, void *out, const void *inp, size_t N);
+    void (*gelu_backward)(fl_dtype dt, void *dinp, const void *inp, const void *dout, size_t N);
+    void (*residual_forward)(fl_dtype dt, void *out, const void *a, const void *b, size_t N);
+    void (*residual_backward)(fl_dtype dt, void *da, void *db, const void *dout, size_t N);
+    void (*bias_forward)(fl_dtype dt, void *out, const void *bias, int N, int OC);
+    void (*softmax_xent_forward)(fl_dtype dt, float *losses, float *lse, const void *logits,
+                                 const int *targets, int N, int V, int Vp);
+    void (*softmax_xent_backward)(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
+                                  const int *targets, const float *dlosses, int N, int V, int Vp);
+    void (*softmax_xent_forward_backward)(fl_dtype dt, float *losses, float *lse, void *logits,
+                                          const int *targets, const float *dlosses, int N, int V,
+                                          int Vp);
+    void (*xent_shard_max)(fl_dtype dt, float *mx, const void *logits, int N, int V, int Vp);
+    void (*xent_shard_sums)(fl_dtype dt, float *sums, const void *logits, const float *mx,
+                            const int *targets, int N, int V, int Vp);
+    void (*xent_shard_backward)(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
+                                const int *targets, const float *dlosses, int N, int V, int Vp);
+    void (*lora_add_columns)(fl_dtype dt, void *out, int ld, const void *x, float scale, int N,
+                             int cols);
+    void (*lora_gather_columns)(fl_dtype dt, void *x, const void *src, int ld, float scale, int N,
+                                int cols);
+    void (*dropout_apply)(fl_dtype dt, void *out, const void *inp, size_t n, float p, uint64_t key);
+    void (*nf4_dequantize)(fl_dtype dt, void *out, const uint8_t *codes, const float *absmax,
+                           size_t n, int block);
+
+    // ---- the step's reductions and updates
+    // n values of dtype src_dt converted into dst (dst_dt): fp32 master
+    // weights from 16-bit ones, a row for the host
+    void (*convert)(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n);
+    // dst (fp32) += src (of dt), elementwise: gradient accumulation in fp32
+    void (*accumulate)(float *dst, fl_dtype dt, const void *src, size_t n);
+    // the sum of squares of n values in double, in fl_grad_sumsq's order
+    // (bitwise the cpu's); inf or NaN when a value is
+    double (*sumsq)(fl_dtype dt, const void *x, size_t n);
+    // the sum of n fp32 values in double, in index order (the losses)
+    double (*sum)(const float *x, size_t n);
+    // fl_optim_update on device memory: every pointer of a (params,
+    // params_lowp, grads) and the rule's state are the device's
+    void (*update)(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
+                   const fl_update_args *a);
+
+    void *state; // the backend's own
+};
+
+// The device called `name` ("cpu", "test", "cuda"); dies with a clear
+// message when it is unknown or this build or machine has none.
+const fl_device *fl_device_get(const char *name);
+// Whether a device of that name exists in this build and machine (no dying);
+// why not in `why` when it does not.
+int fl_device_available(const char *name, char *why, size_t why_size);
+const fl_device *fl_device_cpu(void);
+// The device new models and optimizers are put on (fl_model_init_from,
+// fl_optimizer_init): the cpu until fl_device_use names another.
+const fl_device *fl_device_default(void);
+void fl_device_use(const fl_device *d);
+
+// Shorthands for host code that moves whole buffers.
+static inline void fl_dev_upload(const fl_device *d, void *dst, const void *host_src, size_t n) {
+    if (n) d->copy_h2d(d, dst, host_src, n);
+}
+static inline void fl_dev_download(const fl_device *d, void *host_dst, const void *src, size_t n) {
+    if (n) d->copy_d2h(d, host_dst, src, n);
+}
+
+// The backends (src/device/, src/cuda/).
+const fl_device *fl_device_cpu_table(void);
+const fl_device *fl_device_test_table(void);
+// NULL when the build has no CUDA backend or the machine no GPU (why says which).
+const fl_device *fl_device_cuda_table(char *why, size_t why_size);
+
+#endif

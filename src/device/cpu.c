@@ -1,0 +1,175 @@
+// cpu.c: the cpu device. Its memory is the host's (counted as host memory
+// by the tagged allocator), its copies are memcpy and its kernels are
+// kernels.h's: the reference every other device is checked against.
+#include "fitlm/device.h"
+#include "fitlm/kernels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void cpu_describe(const fl_device *d, char *out, size_t size) {
+    (void)d;
+    snprintf(out, size, "cpu (%d threads)", fl_threads());
+}
+
+static size_t cpu_available(const fl_device *d) {
+    (void)d;
+    return fl_mem_available();
+}
+
+static void *cpu_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes) {
+    (void)d;
+    return fl_alloc(tag, bytes);
+}
+
+static void cpu_free(const fl_device *d, void *p) {
+    (void)d;
+    fl_free(p);
+}
+
+static void cpu_zero(const fl_device *d, void *p, size_t bytes) {
+    (void)d;
+    memset(p, 0, bytes);
+}
+
+static void cpu_copy(const fl_device *d, void *dst, const void *src, size_t bytes) {
+    (void)d;
+    memmove(dst, src, bytes);
+}
+
+static void cpu_copy_async(const fl_device *d, void *dst, const void *src, size_t bytes, int kind,
+                           fl_stream *s) {
+    (void)kind, (void)s;
+    cpu_copy(d, dst, src, bytes);
+}
+
+// Work on the cpu is done when its call returns: a stream is a name, an
+// event a point already reached.
+static fl_stream *cpu_stream_create(const fl_device *d) {
+    (void)d;
+    return (fl_stream *)fl_alloc(FL_MEM_OTHER, 1);
+}
+
+static void cpu_stream_destroy(const fl_device *d, fl_stream *s) {
+    (void)d;
+    fl_free(s);
+}
+
+static fl_event *cpu_event_record(const fl_device *d, fl_stream *s) {
+    (void)d, (void)s;
+    return (fl_event *)fl_alloc(FL_MEM_OTHER, 1);
+}
+
+static void cpu_stream_wait(const fl_device *d, fl_stream *s, fl_event *e) {
+    (void)d, (void)s, (void)e;
+}
+
+static void cpu_event_sync(const fl_device *d, fl_event *e) {
+    (void)d, (void)e;
+}
+
+static void cpu_event_destroy(const fl_device *d, fl_event *e) {
+    (void)d;
+    fl_free(e);
+}
+
+static void cpu_sync(const fl_device *d) {
+    (void)d;
+}
+
+static size_t cpu_attention_workspace(fl_dtype dt, int T, int HS, int group, int threads) {
+    return attention_workspace_floats(dt, T, HS, group) * (size_t)threads;
+}
+
+static void cpu_accumulate(float *dst, fl_dtype dt, const void *src, size_t n) {
+    size_t block = 4096, nblocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < nblocks; b++) {
+        size_t i = b * block, len = n - i < block ? n - i : block;
+        float scratch[4096];
+        const float *g = fl_load_f32(dt, fl_at_const(dt, src, i), len, scratch);
+        for (size_t k = 0; k < len; k++) dst[i + k] += g[k];
+    }
+}
+
+// fl_convert in blocks over the threads (a whole model's master weights)
+static void cpu_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n) {
+    size_t block = 65536, nblocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < nblocks; b++) {
+        size_t i = b * block, len = n - i < block ? n - i : block;
+        fl_convert(dst_dt, fl_at(dst_dt, dst, i), src_dt, fl_at_const(src_dt, src, i), len);
+    }
+}
+
+static double cpu_sum(const float *x, size_t n) {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += x[i];
+    return s;
+}
+
+static const fl_device cpu = {
+    .name = "cpu",
+    .host = 1,
+    .describe = cpu_describe,
+    .available = cpu_available,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .zero = cpu_zero,
+    .copy_h2d = cpu_copy,
+    .copy_d2h = cpu_copy,
+    .copy_d2d = cpu_copy,
+    .copy_async = cpu_copy_async,
+    .stream_create = cpu_stream_create,
+    .stream_destroy = cpu_stream_destroy,
+    .event_record = cpu_event_record,
+    .stream_wait = cpu_stream_wait,
+    .event_sync = cpu_event_sync,
+    .event_destroy = cpu_event_destroy,
+    .sync = cpu_sync,
+    .matmul_workspace_bytes = matmul_workspace_bytes,
+    .attention_workspace_floats = cpu_attention_workspace,
+    .encoder_forward = encoder_forward,
+    .encoder_backward = encoder_backward,
+    .embedding_shard_forward = embedding_shard_forward,
+    .embedding_shard_backward = embedding_shard_backward,
+    .position_forward = position_forward,
+    .position_backward = position_backward,
+    .layernorm_forward = layernorm_forward,
+    .layernorm_backward = layernorm_backward,
+    .matmul_forward = matmul_forward,
+    .matmul_backward = matmul_backward,
+    .attention_forward = attention_forward,
+    .attention_backward = attention_backward,
+    .rmsnorm_forward = rmsnorm_forward,
+    .rmsnorm_backward = rmsnorm_backward,
+    .rope_forward = rope_forward,
+    .rope_backward = rope_backward,
+    .swiglu_forward = swiglu_forward,
+    .swiglu_backward = swiglu_backward,
+    .gelu_forward = gelu_forward,
+    .gelu_backward = gelu_backward,
+    .residual_forward = residual_forward,
+    .residual_backward = residual_backward,
+    .bias_forward = bias_forward,
+    .softmax_xent_forward = softmax_xent_forward,
+    .softmax_xent_backward = softmax_xent_backward,
+    .softmax_xent_forward_backward = softmax_xent_forward_backward,
+    .xent_shard_max = xent_shard_max,
+    .xent_shard_sums = xent_shard_sums,
+    .xent_shard_backward = xent_shard_backward,
+    .lora_add_columns = lora_add_columns,
+    .lora_gather_columns = lora_gather_columns,
+    .dropout_apply = dropout_apply,
+    .nf4_dequantize = nf4_dequantize,
+    .convert = cpu_convert,
+    .accumulate = cpu_accumulate,
+    .sumsq = fl_grad_sumsq,
+    .sum = cpu_sum,
+    .update = fl_optim_update,
+};
+
+const fl_device *fl_device_cpu_table(void) {
+    return &cpu;
+}

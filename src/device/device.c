@@ -1,0 +1,41 @@
+// device.c: the devices by name, and the one new models and optimizers use.
+#include "fitlm/device.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const fl_device *chosen;
+
+const fl_device *fl_device_cpu(void) {
+    return fl_device_cpu_table();
+}
+
+const fl_device *fl_device_default(void) {
+    return chosen ? chosen : fl_device_cpu_table();
+}
+
+void fl_device_use(const fl_device *d) {
+    chosen = d;
+}
+
+static const fl_device *lookup(const char *name, char *why, size_t why_size) {
+    if (!strcmp(name, "cpu")) return fl_device_cpu_table();
+    if (!strcmp(name, "test")) return fl_device_test_table();
+    if (!strcmp(name, "cuda")) return fl_device_cuda_table(why, why_size);
+    snprintf(why, why_size,
+             "unknown device '%s' (cpu, cuda, or test: the cpu's kernels on "
+             "memory only the device table may touch)",
+             name);
+    return NULL;
+}
+
+int fl_device_available(const char *name, char *why, size_t why_size) {
+    return lookup(name, why, why_size) != NULL;
+}
+
+const fl_device *fl_device_get(const char *name) {
+    char why[256] = "";
+    const fl_device *d = lookup(name, why, sizeof why);
+    if (!d) fl_die("device: %s", why);
+    return d;
+}
