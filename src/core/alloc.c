@@ -30,8 +30,7 @@ typedef struct {
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t current[FL_MEM_NTAGS], peak[FL_MEM_NTAGS], total_current, total_peak;
 // the same for device memory (fl_mem_device_count)
-static size_t dev_current[FL_MEM_NTAGS], dev_peak[FL_MEM_NTAGS], dev_total_current,
-    dev_total_peak;
+static size_t dev_current[FL_MEM_NTAGS], dev_peak[FL_MEM_NTAGS], dev_total_current, dev_total_peak;
 
 static const char *tag_names[FL_MEM_NTAGS] = {
     "params", "grads", "master", "optim", "acts", "workspace", "comm", "offload", "other",
