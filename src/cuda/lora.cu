@@ -1,0 +1,66 @@
+// lora.cu: LoRA's column pieces and dropout (kernels.h, src/kernels/lora.c),
+// one thread per element. The products and sums are rounded separately
+// (__fmul_rn, __fadd_rn: no contraction into an FMA), as the cpu rounds
+// them, and dropout draws the cpu's keyed bits (fl_sr_bits), so the masks
+// and values match it bit for bit.
+#include "kernel_util.cuh"
+
+// fl_sr_bits (src/core/dtype.c): splitmix64's output `index` of stream `seed`
+__device__ __forceinline__ uint64_t sr_bits(uint64_t seed, uint64_t index) {
+    uint64_t z = seed + (index + 1) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+__global__ void lora_add_columns_kernel(fl_dtype dt, void *out, int ld, const void *x, float scale,
+                                        int N, int cols) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)N * cols) return;
+    size_t n = i / cols, c = i % cols, o = n * ld + c;
+    fl_st(dt, out, o, __fadd_rn(fl_ld(dt, out, o), __fmul_rn(scale, fl_ld(dt, x, i))));
+}
+
+__global__ void lora_gather_columns_kernel(fl_dtype dt, void *x, const void *src, int ld,
+                                           float scale, int N, int cols) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)N * cols) return;
+    size_t n = i / cols, c = i % cols;
+    fl_st(dt, x, i, __fmul_rn(scale, fl_ld(dt, src, n * ld + c)));
+}
+
+// out may alias inp: each element is read and written by one thread
+__global__ void dropout_kernel(fl_dtype dt, void *out, const void *inp, size_t n, float p,
+                               float keep, uint64_t key) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float u = __fmul_rn((float)(sr_bits(key, i) >> 40), 1.0f / 16777216.0f);
+    fl_st(dt, out, i, u < p ? 0.0f : __fmul_rn(fl_ld(dt, inp, i), keep));
+}
+
+extern "C" void fl_cuda_lora_add_columns(fl_dtype dt, void *out, int ld, const void *x,
+                                         float scale, int N, int cols) {
+    size_t n = (size_t)N * cols;
+    if (!n) return;
+    lora_add_columns_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_compute_stream()>>>(
+        dt, out, ld, x, scale, N, cols);
+    fl_cuda_launched("lora_add_columns");
+}
+
+extern "C" void fl_cuda_lora_gather_columns(fl_dtype dt, void *x, const void *src, int ld,
+                                            float scale, int N, int cols) {
+    size_t n = (size_t)N * cols;
+    if (!n) return;
+    lora_gather_columns_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_compute_stream()>>>(
+        dt, x, src, ld, scale, N, cols);
+    fl_cuda_launched("lora_gather_columns");
+}
+
+extern "C" void fl_cuda_dropout_apply(fl_dtype dt, void *out, const void *inp, size_t n, float p,
+                                      uint64_t key) {
+    if (!n) return;
+    float keep = 1.0f / (1.0f - p); // the cpu's factor, rounded on the host as there
+    dropout_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_compute_stream()>>>(dt, out, inp, n, p,
+                                                                                 keep, key);
+    fl_cuda_launched("dropout_apply");
+}
