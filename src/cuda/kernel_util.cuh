@@ -44,6 +44,14 @@ __device__ __forceinline__ void fl_st(fl_dtype dt, void *p, size_t i, float v) {
         ((__half *)p)[i] = __float2half_rn(v);
 }
 
+// Element i of a buffer of dtype dt (fl_at and fl_at_const for device code).
+__device__ __forceinline__ void *fl_dat(fl_dtype dt, void *base, size_t i) {
+    return (char *)base + i * (dt == FL_F32 ? 4 : 2);
+}
+__device__ __forceinline__ const void *fl_dat(fl_dtype dt, const void *base, size_t i) {
+    return (const char *)base + i * (dt == FL_F32 ? 4 : 2);
+}
+
 // Grid size for n elements at `threads` per block, one element per thread.
 static inline unsigned fl_cuda_blocks(size_t n, int threads) {
     return (unsigned)((n + (size_t)threads - 1) / (size_t)threads);

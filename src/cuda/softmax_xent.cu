@@ -68,7 +68,7 @@ __global__ void xent_forward_kernel(fl_dtype dt, float *losses, float *lse, void
                                     const int *targets, const float *dlosses, int V, int Vp,
                                     int fused) {
     size_t i = blockIdx.x;
-    void *row = (char *)logits + i * Vp * (dt == FL_F32 ? 4 : 2);
+    void *row = fl_dat(dt, logits, i * Vp);
     int target = targets[i];
     float m, s;
     row_max_sum(dt, row, V, &m, &s);
@@ -87,15 +87,15 @@ __global__ void xent_forward_kernel(fl_dtype dt, float *losses, float *lse, void
 __global__ void xent_backward_kernel(fl_dtype dt, void *dlogits, const void *logits,
                                      const float *lse, const int *targets, const float *dlosses,
                                      int V, int Vp, int shard) {
-    size_t i = blockIdx.x, off = i * Vp * (dt == FL_F32 ? 4 : 2);
-    backward_row(dt, (char *)dlogits + off, (const char *)logits + off, lse[i], targets[i],
+    size_t i = blockIdx.x;
+    backward_row(dt, fl_dat(dt, dlogits, i * Vp), fl_dat(dt, logits, i * Vp), lse[i], targets[i],
                  dlosses[i], V, Vp, shard);
 }
 
 __global__ void xent_shard_max_kernel(fl_dtype dt, float *mx, const void *logits, int V, int Vp) {
     __shared__ float wm[XENT_THREADS / 32];
     size_t i = blockIdx.x;
-    const void *row = (const char *)logits + i * Vp * (dt == FL_F32 ? 4 : 2);
+    const void *row = fl_dat(dt, logits, i * Vp);
     float m = -INFINITY;
     for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, fl_ld(dt, row, j));
     for (int off = 16; off; off /= 2) m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, off));
@@ -112,7 +112,7 @@ __global__ void xent_shard_sums_kernel(fl_dtype dt, float *sums, const void *log
                                        const float *mx, const int *targets, int V, int Vp) {
     __shared__ double wsum[XENT_THREADS / 32];
     size_t i = blockIdx.x;
-    const void *row = (const char *)logits + i * Vp * (dt == FL_F32 ? 4 : 2);
+    const void *row = fl_dat(dt, logits, i * Vp);
     float m = mx[i];
     double s = 0.0;
     for (int j = threadIdx.x; j < V; j += blockDim.x) s += (double)expf(fl_ld(dt, row, j) - m);
