@@ -76,8 +76,7 @@ __global__ void attention_forward_kernel(fl_dtype dt, void *out, float *lse, con
     for (int j0 = 0; j0 < keys; j0 += tile) {
         __syncthreads();
         load_rows(K, dt, fl_dat(dt, row0, (size_t)a.C + g * HS), a.W, j0, a.T, tile, HS);
-        load_rows(V, dt, fl_dat(dt, row0, (size_t)a.C + (a.NKV + g) * HS), a.W, j0, a.T, tile,
-                  HS);
+        load_rows(V, dt, fl_dat(dt, row0, (size_t)a.C + (a.NKV + g) * HS), a.W, j0, a.T, tile, HS);
         __syncthreads();
         for (int idx = threadIdx.x; idx < tile * tile; idx += blockDim.x) {
             int r = idx / tile, c = idx % tile, i = i0 + r, j = j0 + c;
@@ -122,8 +121,8 @@ __device__ void load_query_tile(float *Q, float *dO, float *L, float *D, fl_dtyp
                                 const float *lse, int b, int h, int i0, const att_shape &a) {
     int tile = a.tile, HS = a.HS, hp = HS + 1;
     size_t orow0 = (size_t)b * a.T * a.C + (size_t)h * HS;
-    load_rows(Q, dt, fl_dat(dt, qkv, (size_t)b * a.T * a.W + (size_t)h * HS), a.W, i0, a.T,
-              tile, HS);
+    load_rows(Q, dt, fl_dat(dt, qkv, (size_t)b * a.T * a.W + (size_t)h * HS), a.W, i0, a.T, tile,
+              HS);
     load_rows(dO, dt, fl_dat(dt, dout, orow0), a.C, i0, a.T, tile, HS);
     __syncthreads();
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
@@ -241,17 +240,18 @@ static att_shape shape_of(int T, int NH, int NKV, int HS) {
         fl_die("cuda attention: %d query heads over %d kv heads of %d values: NKV must divide NH "
                "and heads hold at most %d values",
                NH, NKV, HS, ATT_MAX_HS);
-    att_shape a = {T, NH, NKV, HS, NH / NKV, (NH + 2 * NKV) * HS, NH * HS, att_tile(HS),
-                   1.0f / sqrtf((float)HS)};
+    att_shape a = {T,       NH,           NKV,
+                   HS,      NH / NKV,     (NH + 2 * NKV) * HS,
+                   NH * HS, att_tile(HS), 1.0f / sqrtf((float)HS)};
     return a;
 }
 
 // Dynamic shared memory over the default 48 KB needs the kernel's limit raised.
 static void allow_smem(const void *kernel, size_t bytes, const char *what) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)bytes);
-    if (e != cudaSuccess) fl_die("cuda: %s: %zu bytes of shared memory: %s", what, bytes,
-                                 cudaGetErrorString(e));
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (e != cudaSuccess)
+        fl_die("cuda: %s: %zu bytes of shared memory: %s", what, bytes, cudaGetErrorString(e));
 }
 
 // The kernels rebuild D per tile and keep every sum in shared memory: no
@@ -263,8 +263,7 @@ extern "C" size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int T, int HS,
 }
 
 extern "C" void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv,
-                                          float *workspace, int B, int T, int NH, int NKV,
-                                          int HS) {
+                                          float *workspace, int B, int T, int NH, int NKV, int HS) {
     (void)workspace;
     att_shape a = shape_of(T, NH, NKV, HS);
     if (B <= 0 || T <= 0) return;
@@ -273,7 +272,7 @@ extern "C" void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, co
     allow_smem((const void *)attention_forward_kernel, smem, "attention_forward");
     dim3 grid((T + tile - 1) / tile, B * NH);
     attention_forward_kernel<<<grid, ATT_THREADS, smem, fl_cuda_compute_stream()>>>(dt, out, lse,
-                                                                                   qkv, a);
+                                                                                    qkv, a);
     fl_cuda_launched("attention_forward");
 }
 

@@ -38,8 +38,8 @@ __global__ void dropout_kernel(fl_dtype dt, void *out, const void *inp, size_t n
     fl_st(dt, out, i, u < p ? 0.0f : __fmul_rn(fl_ld(dt, inp, i), keep));
 }
 
-extern "C" void fl_cuda_lora_add_columns(fl_dtype dt, void *out, int ld, const void *x,
-                                         float scale, int N, int cols) {
+extern "C" void fl_cuda_lora_add_columns(fl_dtype dt, void *out, int ld, const void *x, float scale,
+                                         int N, int cols) {
     size_t n = (size_t)N * cols;
     if (!n) return;
     lora_add_columns_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_compute_stream()>>>(

@@ -37,7 +37,8 @@ __device__ void row_max_sum(fl_dtype dt, const void *row, int V, float *m_out, f
         }
     }
     for (int off = 16; off; off /= 2) {
-        float m2 = __shfl_down_sync(0xffffffffu, m, off), s2 = __shfl_down_sync(0xffffffffu, s, off);
+        float m2 = __shfl_down_sync(0xffffffffu, m, off),
+              s2 = __shfl_down_sync(0xffffffffu, s, off);
         merge(&m, &s, m2, s2);
     }
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
@@ -162,8 +163,7 @@ extern "C" void fl_cuda_xent_shard_max(fl_dtype dt, float *mx, const void *logit
 }
 
 extern "C" void fl_cuda_xent_shard_sums(fl_dtype dt, float *sums, const void *logits,
-                                        const float *mx, const int *targets, int N, int V,
-                                        int Vp) {
+                                        const float *mx, const int *targets, int N, int V, int Vp) {
     if (N <= 0) return;
     xent_shard_sums_kernel<<<N, XENT_THREADS, 0, fl_cuda_compute_stream()>>>(dt, sums, logits, mx,
                                                                              targets, V, Vp);
