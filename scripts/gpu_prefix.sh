@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# scripts/gpu_prefix.sh: run HERE (a Debian 12 machine with apt), before a
+# GPU lease: fills .gpu-prefix/ (git-ignored) with what scripts/gpu_check.sh
+# needs on a GPU machine whose image may lack fitlm's C libraries and has no
+# package registry:
+#   .gpu-prefix/debs/       Debian 12's packages of cJSON, utf8proc, liburing,
+#                           OpenBLAS (OpenMP flavour), oneDNN, libgomp and
+#                           pkg-config, as downloaded (apt-get download: they
+#                           are not installed here); gpu_check.sh unpacks
+#                           them there (dpkg-deb -x, never into /) only when
+#                           the machine lacks the libraries
+#   .gpu-prefix/data/gpt2/  GPT-2's encoder.json and vocab.bpe (data/gpt2 is
+#                           a link that does not travel) for the benchmark's
+#                           shards
+# The packages travel compressed (about 19 MiB): unpacked they take 140 MiB
+# (OpenBLAS's static and LAPACK libraries 98, oneDNN 38), over the device
+# tool's 64 MiB carry. Carry it with: run(carry: [".gpu-prefix"], ...).
+# Then checks that the unpacked prefix holds every library and .pc file the
+# build asks for, and prints the prefix's size.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+prefix=.gpu-prefix
+pkgs=(libcjson-dev libcjson1 libutf8proc-dev libutf8proc2 liburing-dev liburing2
+    libopenblas-openmp-dev libopenblas0-openmp libopenblas-dev libdnnl-dev libdnnl2 libgomp1
+    pkgconf pkgconf-bin libpkgconf3)
+. /etc/os-release
+[ "${VERSION_CODENAME:-}" = bookworm ] ||
+    { echo "gpu_prefix: needs Debian 12 (bookworm), this is ${PRETTY_NAME:-unknown}" >&2; exit 1; }
+rm -rf "$prefix/debs"
+mkdir -p "$prefix/debs" "$prefix/data/gpt2"
+(cd "$prefix/debs" && apt-get download "${pkgs[@]}" 2>&1 | grep -v '^W: Download is performed unsandboxed')
+for f in encoder.json vocab.bpe; do
+    [ -s "data/gpt2/$f" ] || { echo "gpu_prefix: data/gpt2/$f is missing" >&2; exit 1; }
+    cp -L "data/gpt2/$f" "$prefix/data/gpt2/$f"
+done
+
+# the check: unpack into a scratch root and look for what CMake needs
+root=$(mktemp -d)
+trap 'rm -rf "$root"' EXIT
+for f in "$prefix"/debs/*.deb; do dpkg-deb -x "$f" "$root"; done
+lib=$root/usr/lib/x86_64-linux-gnu
+export PKG_CONFIG_LIBDIR=$lib/pkgconfig PKG_CONFIG_SYSROOT_DIR=$root
+for m in libcjson libutf8proc liburing; do
+    pkg-config --exists "$m" || { echo "gpu_prefix: $m.pc missing from the packages" >&2; exit 1; }
+done
+for f in "$lib/openblas-openmp/libopenblas.so" "$lib/libdnnl.so" "$lib/libgomp.so.1" \
+    "$root/usr/include/x86_64-linux-gnu/openblas-openmp/cblas.h" "$root/usr/include/oneapi/dnnl/dnnl.h" \
+    "$root/usr/bin/pkg-config"; do
+    [ -e "$f" ] || { echo "gpu_prefix: $f missing from the packages" >&2; exit 1; }
+done
+echo "gpu_prefix: $(ls "$prefix"/debs | wc -l) packages, $(du -sh "$prefix" | cut -f1) in $prefix" \
+    "(unpacked: $(du -sh "$root" | cut -f1))"
