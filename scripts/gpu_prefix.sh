@@ -4,11 +4,12 @@
 # needs on a GPU machine whose image may lack fitlm's C libraries and has no
 # package registry:
 #   .gpu-prefix/debs/       Debian 12's packages of cJSON, utf8proc, liburing,
-#                           OpenBLAS (OpenMP flavour), oneDNN, libgomp and
-#                           pkg-config, as downloaded (apt-get download: they
+#                           OpenBLAS (OpenMP flavour), oneDNN, pkg-config and
+#                           the libraries those link (libgomp, libgfortran,
+#                           libquadmath, the OpenCL loader), as downloaded (apt-get download: they
 #                           are not installed here); gpu_check.sh unpacks
-#                           them there (dpkg-deb -x, never into /) only when
-#                           the machine lacks the libraries
+#                           there (dpkg-deb -x, never into /) only the ones
+#                           whose libraries the machine lacks
 #   .gpu-prefix/data/gpt2/  GPT-2's encoder.json and vocab.bpe (data/gpt2 is
 #                           a link that does not travel) for the benchmark's
 #                           shards
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 prefix=.gpu-prefix
 pkgs=(libcjson-dev libcjson1 libutf8proc-dev libutf8proc2 liburing-dev liburing2
     libopenblas-openmp-dev libopenblas0-openmp libopenblas-dev libdnnl-dev libdnnl2 libgomp1
-    pkgconf pkgconf-bin libpkgconf3)
+    libgfortran5 libquadmath0 ocl-icd-libopencl1 pkgconf pkgconf-bin libpkgconf3)
 . /etc/os-release
 [ "${VERSION_CODENAME:-}" = bookworm ] ||
     { echo "gpu_prefix: needs Debian 12 (bookworm), this is ${PRETTY_NAME:-unknown}" >&2; exit 1; }
