@@ -640,6 +640,93 @@ static void step_pieces(fl_dtype dt) {
     tc_finish(&t, 0.0);
 }
 
+// ----------------------------------------------------------------------------
+// the optimizer update through the table: the same rule twice, its state
+// on the host for the cpu and on the device for the device (the struct
+// copied, its state pointers swapped for zeroed device buffers), two steps
+
+typedef struct {
+    int sgd;
+    fl_adamw adamw[2]; // [0] host state, [1] device state
+    fl_sgd sgdr[2];
+    fl_param_view row;
+    size_t n;
+} optim_args;
+
+static fl_optim_rule *rule_of(optim_args *o, int side) {
+    return o->sgd ? &o->sgdr[side ? 1 : 0].rule : &o->adamw[side ? 1 : 0].rule;
+}
+
+static void call_update(tcase *t, const fl_device *x, void *p) {
+    optim_args *o = p;
+    const int b[5] = {0, 1, 2, 3, 4}; // the buffers, in the order optim adds them
+    fl_optim_rule *r = rule_of(o, t->side);
+    // the state from zero on each side's first run (tc_begin resets buffers)
+    if (o->sgd) {
+        o->sgdr[t->side ? 1 : 0].t = 0;
+        if (t->side) o->sgdr[1].buf = P(t, b[3]);
+    } else {
+        o->adamw[t->side ? 1 : 0].t = 0;
+        if (t->side) o->adamw[1].m = P(t, b[3]), o->adamw[1].v = P(t, b[4]);
+    }
+    fl_update_args a = {.params = P(t, b[0]),
+                        .params_lowp = t->dt == FL_F32 ? NULL : P(t, b[1]),
+                        .lowp_dtype = t->dt,
+                        .grads = P(t, b[2]),
+                        .grads_dtype = t->dt,
+                        .grad_scale = 0.5f};
+    for (int step = 0; step < 2; step++) {
+        fl_optim_begin_step(r, 1e-2f);
+        x->update(r, &o->row, 0, o->n, &a);
+        fl_optim_end_step(r);
+    }
+}
+
+static void optim(fl_dtype dt, int sgd) {
+    optim_args o = {.sgd = sgd, .n = 100003};
+    o.row = (fl_param_view){
+        .name = "w", .ndim = 1, .shape = {o.n}, .numel = o.n, .flags = FL_PARAM_DECAY};
+    if (sgd)
+        fl_sgd_init(&o.sgdr[0], o.n, 0.9f, 0.01f), o.sgdr[1] = o.sgdr[0];
+    else
+        fl_adamw_init(&o.adamw[0], o.n, 0.9f, 0.95f, 1e-8f, 0.1f), o.adamw[1] = o.adamw[0];
+    tcase t = tc_new(sgd ? "update: SGD momentum 0.9" : "update: AdamW", dt);
+    tc_acc(&t, FL_F32, o.n, 1.0f); // 0: the fp32 (master) weights
+    tc_out(&t, dt, o.n);           // 1: the 16-bit weights the step refreshes
+    tc_in(&t, dt, o.n, 1.0f);      // 2: the gradients
+    tc_out(&t, FL_F32, o.n);       // 3: m (SGD: the momentum buffer)
+    tc_out(&t, FL_F32, o.n);       // 4: v (unused by SGD)
+    // the state starts at zero, not poisoned; the host's is the rule's own
+    float *zero = calloc(o.n, sizeof(float));
+    FL_ASSERT(zero);
+    for (int k = 3; k <= 4; k++) memcpy(t.b[k].init, zero, o.n * sizeof(float));
+    if (sgd) t.b[4].compared = 0;
+    if (dt == FL_F32) t.b[1].compared = 0;
+    for (int side = 0; side < 3; side++) {
+        const fl_device *x = tc_begin(&t, side);
+        if (!side) { // the host rule's state into the host buffers compared
+            if (sgd) {
+                memset(o.sgdr[0].buf, 0, o.n * sizeof(float));
+            } else {
+                memset(o.adamw[0].m, 0, o.n * sizeof(float));
+                memset(o.adamw[0].v, 0, o.n * sizeof(float));
+            }
+        }
+        call_update(&t, x, &o);
+        if (!side) {
+            memcpy(t.b[3].host, sgd ? o.sgdr[0].buf : o.adamw[0].m, o.n * sizeof(float));
+            if (!sgd) memcpy(t.b[4].host, o.adamw[0].v, o.n * sizeof(float));
+        }
+        tc_end(&t);
+    }
+    tc_finish(&t, 1e-5);
+    if (sgd)
+        fl_sgd_free(&o.sgdr[0]);
+    else
+        fl_adamw_free(&o.adamw[0]);
+    free(zero);
+}
+
 int main(int argc, char **argv) {
     char why[512] = "";
     if (argc > 1 && strcmp(argv[1], "test") == 0)
@@ -667,6 +754,8 @@ int main(int argc, char **argv) {
         xent(dt);
         lora_nf4(dt);
         step_pieces(dt);
+        optim(dt, 0);
+        optim(dt, 1);
     }
     return t_report();
 }
