@@ -40,7 +40,7 @@ __device__ void load_rows(float *s, fl_dtype dt, const void *base, size_t ld, in
                           int tile, int HS) {
     for (int idx = threadIdx.x; idx < tile * HS; idx += blockDim.x) {
         int r = idx / HS, d = idx % HS;
-        s[r * (HS + 1) + d] = r0 + r < T ? fl_ld(dt, base, (size_t)(r0 + r) * ld + d) : 0.0f;
+        s[r * (HS + 1) + d] = r0 + r < T ? fl_d_load(dt, base, (size_t)(r0 + r) * ld + d) : 0.0f;
     }
 }
 
@@ -108,7 +108,8 @@ __global__ void attention_forward_kernel(fl_dtype dt, void *out, float *lse, con
     for (int idx = threadIdx.x; idx < tile * HS; idx += blockDim.x) {
         int r = idx / HS, d = idx % HS, i = i0 + r;
         if (i < a.T)
-            fl_st(dt, out, ((size_t)b * a.T + i) * a.C + (size_t)h * HS + d, O[r * hp + d] / l[r]);
+            fl_d_store(dt, out, ((size_t)b * a.T + i) * a.C + (size_t)h * HS + d,
+                       O[r * hp + d] / l[r]);
     }
     for (int r = threadIdx.x; r < tile; r += blockDim.x)
         if (i0 + r < a.T) lse[((size_t)b * a.NH + h) * a.T + i0 + r] = m[r] + logf(l[r]);
@@ -131,7 +132,7 @@ __device__ void load_query_tile(float *Q, float *dO, float *L, float *D, fl_dtyp
         float s = 0.0f;
         if (i < a.T)
             for (int d = lane; d < HS; d += 32)
-                s += dO[r * hp + d] * fl_ld(dt, out, orow0 + (size_t)i * a.C + d);
+                s += dO[r * hp + d] * fl_d_load(dt, out, orow0 + (size_t)i * a.C + d);
         s = warp_sum(s);
         if (lane == 0) {
             D[r] = s;
@@ -165,7 +166,7 @@ __device__ void add_rows(fl_dtype dt, void *base, size_t ld, const float *acc, f
         int r = idx / HS, d = idx % HS;
         if (r0 + r >= T) continue;
         size_t o = (size_t)(r0 + r) * ld + d;
-        fl_st(dt, base, o, fl_ld(dt, base, o) + f * acc[r * (HS + 1) + d]);
+        fl_d_store(dt, base, o, fl_d_load(dt, base, o) + f * acc[r * (HS + 1) + d]);
     }
 }
 
@@ -271,9 +272,8 @@ extern "C" void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, co
     size_t smem = sizeof(float) * ((size_t)4 * tile * hp + (size_t)tile * (tile + 1) + 3 * tile);
     allow_smem((const void *)attention_forward_kernel, smem, "attention_forward");
     dim3 grid((T + tile - 1) / tile, B * NH);
-    attention_forward_kernel<<<grid, ATT_THREADS, smem, fl_cuda_compute_stream()>>>(dt, out, lse,
-                                                                                    qkv, a);
-    fl_cuda_launched("attention_forward");
+    attention_forward_kernel<<<grid, ATT_THREADS, smem, fl_cuda_stream()>>>(dt, out, lse, qkv, a);
+    FL_CUDA_LAUNCHED("attention_forward");
 }
 
 extern "C" void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *dout,
@@ -289,10 +289,10 @@ extern "C" void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *
     allow_smem((const void *)attention_dkdv_kernel, smem, "attention_backward");
     allow_smem((const void *)attention_dq_kernel, smem, "attention_backward");
     int tiles = (T + tile - 1) / tile;
-    attention_dkdv_kernel<<<dim3(tiles, B * NKV), ATT_THREADS, smem, fl_cuda_compute_stream()>>>(
+    attention_dkdv_kernel<<<dim3(tiles, B * NKV), ATT_THREADS, smem, fl_cuda_stream()>>>(
         dt, dqkv, dout, qkv, out, lse, a);
-    fl_cuda_launched("attention_backward (dk, dv)");
-    attention_dq_kernel<<<dim3(tiles, B * NH), ATT_THREADS, smem, fl_cuda_compute_stream()>>>(
+    FL_CUDA_LAUNCHED("attention_backward (dk, dv)");
+    attention_dq_kernel<<<dim3(tiles, B * NH), ATT_THREADS, smem, fl_cuda_stream()>>>(
         dt, dqkv, dout, qkv, out, lse, a);
-    fl_cuda_launched("attention_backward (dq)");
+    FL_CUDA_LAUNCHED("attention_backward (dq)");
 }

@@ -12,11 +12,12 @@ __constant__ float nf4_table[16];
 
 __global__ void nf4_dequantize_kernel(fl_dtype dt, void *out, const uint8_t *codes,
                                       const float *absmax, size_t n, int block) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    uint8_t byte = codes[i / 2];
-    int code = i % 2 ? byte & 15 : byte >> 4;
-    fl_st(dt, out, i, __fmul_rn(nf4_table[code], absmax[i / block]));
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint8_t byte = codes[i / 2];
+        int code = i % 2 ? byte & 15 : byte >> 4;
+        fl_d_store(dt, out, i, __fmul_rn(nf4_table[code], absmax[i / block]));
+    }
 }
 
 extern "C" void fl_cuda_nf4_dequantize(fl_dtype dt, void *out, const uint8_t *codes,
@@ -28,7 +29,7 @@ extern "C" void fl_cuda_nf4_dequantize(fl_dtype dt, void *out, const uint8_t *co
         loaded = 1;
     }
     if (!n) return;
-    nf4_dequantize_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_compute_stream()>>>(
-        dt, out, codes, absmax, n, block);
-    fl_cuda_launched("nf4_dequantize");
+    nf4_dequantize_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_stream()>>>(dt, out, codes,
+                                                                                absmax, n, block);
+    FL_CUDA_LAUNCHED("nf4_dequantize");
 }

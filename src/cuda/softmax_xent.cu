@@ -28,7 +28,7 @@ __device__ void row_max_sum(fl_dtype dt, const void *row, int V, float *m_out, f
     __shared__ float wm[XENT_THREADS / 32], ws[XENT_THREADS / 32];
     float m = -INFINITY, s = 0.0f;
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        float x = fl_ld(dt, row, j);
+        float x = fl_d_load(dt, row, j);
         if (x > m) {
             s = s * expf(m - x) + 1.0f;
             m = x;
@@ -58,10 +58,10 @@ __device__ void backward_row(fl_dtype dt, void *drow, const void *row, float lse
     for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
         float g = 0.0f;
         if (live && j < V) {
-            float p = expf(fl_ld(dt, row, j) - lse);
+            float p = expf(fl_d_load(dt, row, j) - lse);
             g = j == target ? dloss * (p - 1.0f) : dloss * p;
         }
-        fl_st(dt, drow, j, g);
+        fl_d_store(dt, drow, j, g);
     }
 }
 
@@ -78,7 +78,7 @@ __global__ void xent_forward_kernel(fl_dtype dt, float *losses, float *lse, void
     // barriers in row_max_sum came after every thread's last read of it
     if (threadIdx.x == 0) {
         lse[i] = l;
-        losses[i] = target < 0 ? 0.0f : l - fl_ld(dt, row, target);
+        losses[i] = target < 0 ? 0.0f : l - fl_d_load(dt, row, target);
     }
     if (!fused) return;
     __syncthreads();
@@ -98,7 +98,7 @@ __global__ void xent_shard_max_kernel(fl_dtype dt, float *mx, const void *logits
     size_t i = blockIdx.x;
     const void *row = fl_dat(dt, logits, i * Vp);
     float m = -INFINITY;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, fl_ld(dt, row, j));
+    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, fl_d_load(dt, row, j));
     for (int off = 16; off; off /= 2) m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, off));
     if (threadIdx.x % 32 == 0) wm[threadIdx.x / 32] = m;
     __syncthreads();
@@ -116,7 +116,7 @@ __global__ void xent_shard_sums_kernel(fl_dtype dt, float *sums, const void *log
     const void *row = fl_dat(dt, logits, i * Vp);
     float m = mx[i];
     double s = 0.0;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += (double)expf(fl_ld(dt, row, j) - m);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) s += (double)expf(fl_d_load(dt, row, j) - m);
     for (int off = 16; off; off /= 2) s += __shfl_down_sync(0xffffffffu, s, off);
     if (threadIdx.x % 32 == 0) wsum[threadIdx.x / 32] = s;
     __syncthreads();
@@ -124,7 +124,7 @@ __global__ void xent_shard_sums_kernel(fl_dtype dt, float *sums, const void *log
         for (int w = 1; w < (int)blockDim.x / 32; w++) s += wsum[w];
         int target = targets[i];
         sums[2 * i] = (float)s;
-        sums[2 * i + 1] = target < 0 ? 0.0f : fl_ld(dt, row, target);
+        sums[2 * i + 1] = target < 0 ? 0.0f : fl_d_load(dt, row, target);
     }
 }
 
@@ -132,49 +132,49 @@ extern "C" void fl_cuda_softmax_xent_forward(fl_dtype dt, float *losses, float *
                                              const void *logits, const int *targets, int N, int V,
                                              int Vp) {
     if (N <= 0) return;
-    xent_forward_kernel<<<N, XENT_THREADS, 0, fl_cuda_compute_stream()>>>(
-        dt, losses, lse, (void *)logits, targets, NULL, V, Vp, 0);
-    fl_cuda_launched("softmax_xent_forward");
+    xent_forward_kernel<<<N, XENT_THREADS, 0, fl_cuda_stream()>>>(dt, losses, lse, (void *)logits,
+                                                                  targets, NULL, V, Vp, 0);
+    FL_CUDA_LAUNCHED("softmax_xent_forward");
 }
 
 extern "C" void fl_cuda_softmax_xent_backward(fl_dtype dt, void *dlogits, const void *logits,
                                               const float *lse, const int *targets,
                                               const float *dlosses, int N, int V, int Vp) {
     if (N <= 0) return;
-    xent_backward_kernel<<<N, XENT_THREADS, 0, fl_cuda_compute_stream()>>>(
-        dt, dlogits, logits, lse, targets, dlosses, V, Vp, 0);
-    fl_cuda_launched("softmax_xent_backward");
+    xent_backward_kernel<<<N, XENT_THREADS, 0, fl_cuda_stream()>>>(dt, dlogits, logits, lse,
+                                                                   targets, dlosses, V, Vp, 0);
+    FL_CUDA_LAUNCHED("softmax_xent_backward");
 }
 
 extern "C" void fl_cuda_softmax_xent_forward_backward(fl_dtype dt, float *losses, float *lse,
                                                       void *logits, const int *targets,
                                                       const float *dlosses, int N, int V, int Vp) {
     if (N <= 0) return;
-    xent_forward_kernel<<<N, XENT_THREADS, 0, fl_cuda_compute_stream()>>>(
-        dt, losses, lse, logits, targets, dlosses, V, Vp, 1);
-    fl_cuda_launched("softmax_xent_forward_backward");
+    xent_forward_kernel<<<N, XENT_THREADS, 0, fl_cuda_stream()>>>(dt, losses, lse, logits, targets,
+                                                                  dlosses, V, Vp, 1);
+    FL_CUDA_LAUNCHED("softmax_xent_forward_backward");
 }
 
 extern "C" void fl_cuda_xent_shard_max(fl_dtype dt, float *mx, const void *logits, int N, int V,
                                        int Vp) {
     if (N <= 0) return;
-    xent_shard_max_kernel<<<N, XENT_THREADS, 0, fl_cuda_compute_stream()>>>(dt, mx, logits, V, Vp);
-    fl_cuda_launched("xent_shard_max");
+    xent_shard_max_kernel<<<N, XENT_THREADS, 0, fl_cuda_stream()>>>(dt, mx, logits, V, Vp);
+    FL_CUDA_LAUNCHED("xent_shard_max");
 }
 
 extern "C" void fl_cuda_xent_shard_sums(fl_dtype dt, float *sums, const void *logits,
                                         const float *mx, const int *targets, int N, int V, int Vp) {
     if (N <= 0) return;
-    xent_shard_sums_kernel<<<N, XENT_THREADS, 0, fl_cuda_compute_stream()>>>(dt, sums, logits, mx,
-                                                                             targets, V, Vp);
-    fl_cuda_launched("xent_shard_sums");
+    xent_shard_sums_kernel<<<N, XENT_THREADS, 0, fl_cuda_stream()>>>(dt, sums, logits, mx, targets,
+                                                                     V, Vp);
+    FL_CUDA_LAUNCHED("xent_shard_sums");
 }
 
 extern "C" void fl_cuda_xent_shard_backward(fl_dtype dt, void *dlogits, const void *logits,
                                             const float *lse, const int *targets,
                                             const float *dlosses, int N, int V, int Vp) {
     if (N <= 0) return;
-    xent_backward_kernel<<<N, XENT_THREADS, 0, fl_cuda_compute_stream()>>>(
-        dt, dlogits, logits, lse, targets, dlosses, V, Vp, 1);
-    fl_cuda_launched("xent_shard_backward");
+    xent_backward_kernel<<<N, XENT_THREADS, 0, fl_cuda_stream()>>>(dt, dlogits, logits, lse,
+                                                                   targets, dlosses, V, Vp, 1);
+    FL_CUDA_LAUNCHED("xent_shard_backward");
 }
