@@ -9,8 +9,8 @@
 # Configs (T = 1024): GPT-2 124M at B = 16 and 32, SmolLM-135M's shape at
 # B = 16 and TinyLlama-1.1B's at B = 4. Data: the repository's docs as
 # GPT-2 tokens (.gpu-prefix/data/gpt2 or data/gpt2: encoder.json, vocab.bpe)
-# for GPT-2 and as LLaMA-2 tokens (tests/fixtures/hf_tokenizer_llama.json,
-# vocabulary 32000) for the LLaMA shapes; PyTorch draws random tokens of the
+# for GPT-2 and as LLaMA-2 tokens (.gpu-prefix/data/llama or data/llama:
+# tokenizer.json, vocabulary 32000) for the LLaMA shapes; PyTorch draws random tokens of the
 # vocabulary fitlm's model line reports (--data random).
 #
 # Per run: tokens/s from the median step time of the timed steps
@@ -19,6 +19,9 @@
 # FLOPs per token 6 N + 6 L C T (N the parameters fitlm reports); peak
 # device memory (fitlm: its tagged device allocations, --mem-report's
 # "total device"; PyTorch: torch.cuda.max_memory_allocated).
+#
+# The whole takes BENCH_BUDGET seconds at most (then the runs left are
+# skipped), plus the run in progress (fitlm's at most 150 s, PyTorch's 240).
 #
 # Writes OUTDIR/bench.log (every run's output) and OUTDIR/bench.tsv (one row
 # per run: config engine B T tok_s ms_median mfu peak_mib status), and
@@ -32,6 +35,7 @@ steps=${BENCH_STEPS:-10}
 peak=989e12
 mkdir -p "$out"
 log=$out/bench.log
+: >"$log"
 tsv=$out/bench.tsv
 printf 'config\tengine\tB\tT\ttok_s\tms_median\tmfu\tpeak_mib\tstatus\n' >"$tsv"
 work=$(mktemp -d /tmp/fitlm_bench_gpu.XXXXXX)
@@ -40,11 +44,13 @@ py=${PYTHON:-python3}
 
 gpt2_tok=$src/.gpu-prefix/data/gpt2
 [ -s "$gpt2_tok/encoder.json" ] || gpt2_tok=$src/data/gpt2
+llama_tok=$src/.gpu-prefix/data/llama/tokenizer.json
+[ -s "$llama_tok" ] || llama_tok=$src/data/llama/tokenizer.json
 cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
 "$fitlm" tokenize "$work/text.txt" -o "$work/gpt2" --tokenizer gpt2 --tokenizer-path "$gpt2_tok" \
     --threads 8 >>"$log" 2>&1 || echo "bench/gpu.sh: GPT-2 tokenization failed (see $log)"
 "$fitlm" tokenize "$work/text.txt" -o "$work/llama" --tokenizer hf \
-    --tokenizer-path "$src/tests/fixtures/hf_tokenizer_llama.json" --threads 8 >>"$log" 2>&1 ||
+    --tokenizer-path "$llama_tok" --threads 8 >>"$log" 2>&1 ||
     echo "bench/gpu.sh: LLaMA tokenization failed (see $log)"
 
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
@@ -57,7 +63,7 @@ fitlm_run() {
     echo "== fitlm $cfg B $B T $T" >>"$log"
     timeout 150 "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
         --precision bf16 --optimizer adamw --steps $((warmup + steps)) --warmup 2 \
-        --eval-every 0 --eval-iters 1 --val-data none --sample-tokens 0 --mem-report \
+        --eval-every 0 --eval-iters 1 --val-data none --sample-tokens 0 --out "" --mem-report \
         >"$f" 2>&1
     local rc=$?
     cat "$f" >>"$log"
@@ -91,7 +97,7 @@ torch_run() {
     local eng=pytorch-eager f=$work/$cfg.torch.out
     [ "$comp" = 1 ] && eng=pytorch-compile
     echo "== $eng $cfg B $B T $T" >>"$log"
-    timeout 240 "$py" "$src/bench/torch_gpt2.py" --device cuda --data random --precision bf16 \
+    timeout 150 "$py" "$src/bench/torch_gpt2.py" --device cuda --data random --precision bf16 \
         --B "$B" --T "$T" --maxT "$T" --steps "$steps" --warmup "$warmup" \
         $([ "$comp" = 1 ] && echo --compile) "$@" >"$f" 2>&1
     local rc=$?
@@ -109,29 +115,48 @@ torch_run() {
                 v["ms_median"], v["tok_s"] * fl / pk, v["peak_gpu_mib"] }' >>"$tsv"
 }
 
-# config NAME B T DATA FITLM-FLAGS -- TORCH-FLAGS (the vocabulary appended)
-config() {
-    local name=$1 B=$2 T=$3 data=$4
-    shift 4
-    local ff=() tf=()
-    while [ $# -gt 0 ] && [ "$1" != -- ]; do ff+=("$1"); shift; done
-    shift
-    tf=("$@")
-    V='' N='' L='' C=''
-    fitlm_run "$name" "$B" "$T" "$data" "${ff[@]}"
-    [ -n "$V" ] || V=50257
-    for comp in 0 1; do torch_run "$name" "$B" "$T" $comp "${tf[@]}" --V "$V"; done
-}
+# The configs: NAME B T DATA, fitlm's flags, torch_gpt2.py's flags
+gpt2_f=(--model gpt2 --tokenizer gpt2 --tokenizer-path "$gpt2_tok")
+gpt2_t=(--arch gpt2 --L 12 --C 768 --NH 12)
+llama_f=(--tokenizer hf --tokenizer-path "$llama_tok")
+names=(gpt2-124m gpt2-124m smollm-135m tinyllama-1.1b)
+batches=(16 32 16 4)
+datas=("$work/gpt2" "$work/gpt2" "$work/llama" "$work/llama")
+fflags=("${gpt2_f[*]}" "${gpt2_f[*]}" "--model smollm-135m ${llama_f[*]}"
+    "--model tinyllama-1.1b ${llama_f[*]}")
+tflags=("${gpt2_t[*]}" "${gpt2_t[*]}" "--arch llama --L 30 --C 576 --NH 9 --kv-heads 3 --I 1536 --tie 1"
+    "--arch llama --L 22 --C 2048 --NH 32 --kv-heads 4 --I 5632")
+T=1024
 
-llama_tok=(--tokenizer hf --tokenizer-path "$src/tests/fixtures/hf_tokenizer_llama.json")
-config gpt2-124m 16 1024 "$work/gpt2" --model gpt2 --tokenizer gpt2 --tokenizer-path "$gpt2_tok" \
-    -- --arch gpt2 --L 12 --C 768 --NH 12
-config gpt2-124m 32 1024 "$work/gpt2" --model gpt2 --tokenizer gpt2 --tokenizer-path "$gpt2_tok" \
-    -- --arch gpt2 --L 12 --C 768 --NH 12
-config smollm-135m 16 1024 "$work/llama" --model smollm-135m "${llama_tok[@]}" \
-    -- --arch llama --L 30 --C 576 --NH 9 --kv-heads 3 --I 1536 --tie 1
-config tinyllama-1.1b 4 1024 "$work/llama" --model tinyllama-1.1b "${llama_tok[@]}" \
-    -- --arch llama --L 22 --C 2048 --NH 32 --kv-heads 4 --I 5632
+# fitlm's runs first, then PyTorch eager's, then torch.compile's (its
+# compilation is the slowest part): when BENCH_BUDGET seconds (default 280)
+# have passed, the runs left are recorded as skipped
+budget=${BENCH_BUDGET:-280}
+t0=$(date +%s)
+declare -A VS NS LS CS
+for k in "${!names[@]}"; do
+    if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
+        row "${names[$k]}" fitlm "${batches[$k]}" $T - - - - "skipped: time"
+        continue
+    fi
+    V='' N='' L='' C=''
+    # shellcheck disable=SC2086 # the flags are words
+    fitlm_run "${names[$k]}" "${batches[$k]}" $T "${datas[$k]}" ${fflags[$k]}
+    VS[$k]=${V:-50257} NS[$k]=${N:-0} LS[$k]=${L:-0} CS[$k]=${C:-0}
+done
+for comp in 0 1; do
+    for k in "${!names[@]}"; do
+        eng=pytorch-eager
+        [ $comp = 1 ] && eng=pytorch-compile
+        if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
+            row "${names[$k]}" $eng "${batches[$k]}" $T - - - - "skipped: time"
+            continue
+        fi
+        V=${VS[$k]:-50257} N=${NS[$k]:-0} L=${LS[$k]:-0} C=${CS[$k]:-0}
+        # shellcheck disable=SC2086
+        torch_run "${names[$k]}" "${batches[$k]}" $T $comp ${tflags[$k]} --V "$V"
+    done
+done
 
 echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s, peak device MiB"
 column -t -s $'\t' "$tsv"

@@ -10,10 +10,11 @@
 #                           are not installed here); gpu_check.sh unpacks
 #                           there (dpkg-deb -x, never into /) only the ones
 #                           whose libraries the machine lacks
-#   .gpu-prefix/data/gpt2/  GPT-2's encoder.json and vocab.bpe (data/gpt2 is
-#                           a link that does not travel) for the benchmark's
+#   .gpu-prefix/data/gpt2/  GPT-2's encoder.json and vocab.bpe, and
+#   .gpu-prefix/data/llama/ LLaMA-2's tokenizer.json (data/gpt2 and data/llama
+#                           are links that do not travel), for the benchmark's
 #                           shards
-# The packages travel compressed (about 19 MiB): unpacked they take 140 MiB
+# The packages travel compressed (about 21 MiB): unpacked they take 140 MiB
 # (OpenBLAS's static and LAPACK libraries 98, oneDNN 38), over the device
 # tool's 64 MiB carry. Carry it with: run(carry: [".gpu-prefix"], ...).
 # Then checks that the unpacked prefix holds every library and .pc file the
@@ -28,11 +29,11 @@ pkgs=(libcjson-dev libcjson1 libutf8proc-dev libutf8proc2 liburing-dev liburing2
 [ "${VERSION_CODENAME:-}" = bookworm ] ||
     { echo "gpu_prefix: needs Debian 12 (bookworm), this is ${PRETTY_NAME:-unknown}" >&2; exit 1; }
 rm -rf "$prefix/debs"
-mkdir -p "$prefix/debs" "$prefix/data/gpt2"
+mkdir -p "$prefix/debs" "$prefix/data/gpt2" "$prefix/data/llama"
 (cd "$prefix/debs" && apt-get download "${pkgs[@]}" 2>&1 | grep -v '^W: Download is performed unsandboxed')
-for f in encoder.json vocab.bpe; do
-    [ -s "data/gpt2/$f" ] || { echo "gpu_prefix: data/gpt2/$f is missing" >&2; exit 1; }
-    cp -L "data/gpt2/$f" "$prefix/data/gpt2/$f"
+for f in gpt2/encoder.json gpt2/vocab.bpe llama/tokenizer.json; do
+    [ -s "data/$f" ] || { echo "gpu_prefix: data/$f is missing" >&2; exit 1; }
+    cp -L "data/$f" "$prefix/data/$f"
 done
 
 # the check: unpack into a scratch root and look for what CMake needs
