@@ -54,10 +54,77 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-__device__ __forceinline__ float dot_rows(const float *a, const float *b, int HS) {
-    float s = 0.0f;
-    for (int d = 0; d < HS; d++) s += a[d] * b[d];
-    return s;
+// The tile products, each thread keeping its outputs in registers so that
+// a value read from shared memory serves several multiply-adds.
+//
+// tile_dots: the thread's entries (r_j, c) of a (tile, tile) block of dot
+// products X[r] . Y[c] over HS values, c = tid % tile and r_j = tid / tile
+// + j * (threads / tile) for j < tile * tile / threads (at most 8): a warp
+// reads one X row (a broadcast) and 32 Y rows one float apart (the padded
+// stride: no bank conflicts).
+enum { DOTS_MAX = 8, MM_MAX = 32 };
+
+__device__ __forceinline__ int dots_count(int tile) {
+    return tile * tile / (int)blockDim.x;
+}
+
+__device__ __forceinline__ int dots_row(int tile, int j) {
+    return (int)threadIdx.x / tile + j * ((int)blockDim.x / tile);
+}
+
+__device__ __forceinline__ void tile_dots(float acc[DOTS_MAX], const float *X, const float *Y,
+                                          int tile, int HS) {
+    int hp = HS + 1, c = threadIdx.x % tile, n = dots_count(tile);
+#pragma unroll
+    for (int j = 0; j < DOTS_MAX; j++) acc[j] = 0.0f;
+    for (int d = 0; d < HS; d++) {
+        float y = Y[c * hp + d];
+#pragma unroll
+        for (int j = 0; j < DOTS_MAX; j++)
+            if (j < n) acc[j] += X[dots_row(tile, j) * hp + d] * y;
+    }
+}
+
+// tile_mm: Cm (rows, HS; rows HS + 1 apart) += sum over k < kn of A(r, k)
+// Bm[k] (Bm rows HS + 1 apart), A(r, k) = A[r * lda + k], or with trans
+// A[k * lda + r]; with rowscale, C's rows are first multiplied by it. When
+// HS divides the block's threads each thread owns one column d = tid % HS
+// and rows tid / HS + j * (threads / HS) (at most 32): one Bm value serves
+// all of them, and a warp's A reads are broadcasts. Otherwise (HS 160,
+// 256, ...) one output per step of a strided loop.
+__device__ void tile_mm(float *Cm, const float *A, int lda, bool trans, const float *Bm, int rows,
+                        int kn, int HS, const float *rowscale) {
+    int hp = HS + 1, nt = blockDim.x;
+    if (nt % HS == 0 && rows * HS / nt <= MM_MAX) {
+        int d = threadIdx.x % HS, r0 = threadIdx.x / HS, step = nt / HS, n = rows * HS / nt;
+        float acc[MM_MAX];
+#pragma unroll
+        for (int j = 0; j < MM_MAX; j++)
+            if (j < n) {
+                int r = r0 + j * step;
+                acc[j] = Cm[r * hp + d] * (rowscale ? rowscale[r] : 1.0f);
+            }
+        for (int k = 0; k < kn; k++) {
+            float b = Bm[k * hp + d];
+#pragma unroll
+            for (int j = 0; j < MM_MAX; j++)
+                if (j < n) {
+                    int r = r0 + j * step;
+                    acc[j] += (trans ? A[k * lda + r] : A[r * lda + k]) * b;
+                }
+        }
+#pragma unroll
+        for (int j = 0; j < MM_MAX; j++)
+            if (j < n) Cm[(r0 + j * step) * hp + d] = acc[j];
+        return;
+    }
+    for (int idx = threadIdx.x; idx < rows * HS; idx += nt) {
+        int r = idx / HS, d = idx % HS;
+        float acc = Cm[r * hp + d] * (rowscale ? rowscale[r] : 1.0f);
+        for (int k = 0; k < kn; k++)
+            acc += (trans ? A[k * lda + r] : A[r * lda + k]) * Bm[k * hp + d];
+        Cm[r * hp + d] = acc;
+    }
 }
 
 __global__ void attention_forward_kernel(fl_dtype dt, void *out, float *lse, const void *qkv,
@@ -78,11 +145,15 @@ __global__ void attention_forward_kernel(fl_dtype dt, void *out, float *lse, con
         load_rows(K, dt, fl_dat(dt, row0, (size_t)a.C + g * HS), a.W, j0, a.T, tile, HS);
         load_rows(V, dt, fl_dat(dt, row0, (size_t)a.C + (a.NKV + g) * HS), a.W, j0, a.T, tile, HS);
         __syncthreads();
-        for (int idx = threadIdx.x; idx < tile * tile; idx += blockDim.x) {
-            int r = idx / tile, c = idx % tile, i = i0 + r, j = j0 + c;
-            S[r * (tile + 1) + c] =
-                j <= i && j < a.T ? a.scale * dot_rows(Q + r * hp, K + c * hp, HS) : -INFINITY;
-        }
+        float acc[DOTS_MAX];
+        tile_dots(acc, Q, K, tile, HS);
+        int c = threadIdx.x % tile, j = j0 + c;
+#pragma unroll
+        for (int k = 0; k < DOTS_MAX; k++)
+            if (k < dots_count(tile)) {
+                int r = dots_row(tile, k), i = i0 + r;
+                S[r * (tile + 1) + c] = j <= i && j < a.T ? a.scale * acc[k] : -INFINITY;
+            }
         __syncthreads();
         // a warp per row, a lane per key: the tile's max and sum, rescaled
         for (int r = warp; r < tile; r += nw) {
@@ -97,12 +168,7 @@ __global__ void attention_forward_kernel(fl_dtype dt, void *out, float *lse, con
             }
         }
         __syncthreads();
-        for (int idx = threadIdx.x; idx < tile * HS; idx += blockDim.x) {
-            int r = idx / HS, d = idx % HS;
-            float acc = O[r * hp + d] * alpha[r];
-            for (int c = 0; c < tile; c++) acc += S[r * (tile + 1) + c] * V[c * hp + d];
-            O[r * hp + d] = acc;
-        }
+        tile_mm(O, S, tile + 1, false, V, tile, tile, HS, alpha);
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < tile * HS; idx += blockDim.x) {
@@ -146,17 +212,22 @@ __device__ void load_query_tile(float *Q, float *dO, float *L, float *D, fl_dtyp
 __device__ void probs_and_dscores(float *P, float *dS, const float *Q, const float *dO,
                                   const float *K, const float *V, const float *L, const float *D,
                                   int i0, int j0, const att_shape &a) {
-    int tile = a.tile, HS = a.HS, hp = HS + 1;
-    for (int idx = threadIdx.x; idx < tile * tile; idx += blockDim.x) {
-        int r = idx / tile, c = idx % tile, i = i0 + r, j = j0 + c;
-        float p = 0.0f, ds = 0.0f;
-        if (i < a.T && j <= i) {
-            p = expf(a.scale * dot_rows(Q + r * hp, K + c * hp, HS) - L[r]);
-            ds = p * (dot_rows(dO + r * hp, V + c * hp, HS) - D[r]);
+    int tile = a.tile, HS = a.HS, c = threadIdx.x % tile, j = j0 + c;
+    float s[DOTS_MAX], dp[DOTS_MAX];
+    tile_dots(s, Q, K, tile, HS);
+    tile_dots(dp, dO, V, tile, HS);
+#pragma unroll
+    for (int k = 0; k < DOTS_MAX; k++)
+        if (k < dots_count(tile)) {
+            int r = dots_row(tile, k), i = i0 + r;
+            float p = 0.0f, ds = 0.0f;
+            if (i < a.T && j <= i) {
+                p = expf(a.scale * s[k] - L[r]);
+                ds = p * (dp[k] - D[r]);
+            }
+            P[r * (tile + 1) + c] = p;
+            dS[r * (tile + 1) + c] = ds;
         }
-        P[r * (tile + 1) + c] = p;
-        dS[r * (tile + 1) + c] = ds;
-    }
 }
 
 // dst (rows [r0, r0 + tile) of a head, ld apart) = round(dst + f * acc)
@@ -190,15 +261,8 @@ __global__ void attention_dkdv_kernel(fl_dtype dt, void *dqkv, const void *dout,
             __syncthreads();
             probs_and_dscores(P, dS, Q, dO, K, V, L, D, i0, j0, a);
             __syncthreads();
-            for (int idx = threadIdx.x; idx < tile * HS; idx += blockDim.x) {
-                int c = idx / HS, d = idx % HS;
-                float sv = dV[c * hp + d], sk = dK[c * hp + d];
-                for (int r = 0; r < tile; r++) {
-                    sv += P[r * (tile + 1) + c] * dO[r * hp + d];
-                    sk += dS[r * (tile + 1) + c] * Q[r * hp + d];
-                }
-                dV[c * hp + d] = sv, dK[c * hp + d] = sk;
-            }
+            tile_mm(dV, P, tile + 1, true, dO, tile, tile, HS, NULL);
+            tile_mm(dK, dS, tile + 1, true, Q, tile, tile, HS, NULL);
         }
     __syncthreads();
     add_rows(dt, fl_dat(dt, dqkv, koff), a.W, dK, a.scale, j0, a.T, tile, HS);
@@ -225,12 +289,7 @@ __global__ void attention_dq_kernel(fl_dtype dt, void *dqkv, const void *dout, c
         __syncthreads();
         probs_and_dscores(P, dS, Q, dO, K, V, L, D, i0, j0, a);
         __syncthreads();
-        for (int idx = threadIdx.x; idx < tile * HS; idx += blockDim.x) {
-            int r = idx / HS, d = idx % HS;
-            float s = dQ[r * hp + d];
-            for (int c = 0; c < tile; c++) s += dS[r * (tile + 1) + c] * K[c * hp + d];
-            dQ[r * hp + d] = s;
-        }
+        tile_mm(dQ, dS, tile + 1, false, K, tile, tile, HS, NULL);
     }
     __syncthreads();
     add_rows(dt, fl_dat(dt, dqkv, row0 + (size_t)h * HS), a.W, dQ, a.scale, i0, a.T, tile, HS);
