@@ -17,7 +17,7 @@
 // per tile from out, so they need no workspace. Each gradient is added to
 // dqkv once, rounded once (dst = round(dst + sum)). Every sum runs in a
 // fixed order: two runs give the same bits.
-#include "kernel_util.cuh"
+#include "common.cuh"
 
 #include <math.h>
 
@@ -134,16 +134,16 @@ __global__ void attention_forward_kernel(fl_dtype dt, void *out, float *lse, con
     int b = blockIdx.y / a.NH, h = blockIdx.y % a.NH, g = h / a.group;
     float *Q = sm, *K = Q + tile * hp, *V = K + tile * hp, *O = V + tile * hp;
     float *S = O + tile * hp, *m = S + tile * (tile + 1), *l = m + tile, *alpha = l + tile;
-    const void *row0 = fl_dat(dt, qkv, (size_t)b * a.T * a.W);
-    load_rows(Q, dt, fl_dat(dt, row0, (size_t)h * HS), a.W, i0, a.T, tile, HS);
+    const void *row0 = fl_d_at(dt, qkv, (size_t)b * a.T * a.W);
+    load_rows(Q, dt, fl_d_at(dt, row0, (size_t)h * HS), a.W, i0, a.T, tile, HS);
     for (int idx = threadIdx.x; idx < tile * hp; idx += blockDim.x) O[idx] = 0.0f;
     for (int r = threadIdx.x; r < tile; r += blockDim.x) m[r] = -INFINITY, l[r] = 0.0f;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
     int keys = min(a.T, i0 + tile); // the block's last row sees keys 0..keys-1
     for (int j0 = 0; j0 < keys; j0 += tile) {
         __syncthreads();
-        load_rows(K, dt, fl_dat(dt, row0, (size_t)a.C + g * HS), a.W, j0, a.T, tile, HS);
-        load_rows(V, dt, fl_dat(dt, row0, (size_t)a.C + (a.NKV + g) * HS), a.W, j0, a.T, tile, HS);
+        load_rows(K, dt, fl_d_at(dt, row0, (size_t)a.C + g * HS), a.W, j0, a.T, tile, HS);
+        load_rows(V, dt, fl_d_at(dt, row0, (size_t)a.C + (a.NKV + g) * HS), a.W, j0, a.T, tile, HS);
         __syncthreads();
         float acc[DOTS_MAX];
         tile_dots(acc, Q, K, tile, HS);
@@ -188,9 +188,9 @@ __device__ void load_query_tile(float *Q, float *dO, float *L, float *D, fl_dtyp
                                 const float *lse, int b, int h, int i0, const att_shape &a) {
     int tile = a.tile, HS = a.HS, hp = HS + 1;
     size_t orow0 = (size_t)b * a.T * a.C + (size_t)h * HS;
-    load_rows(Q, dt, fl_dat(dt, qkv, (size_t)b * a.T * a.W + (size_t)h * HS), a.W, i0, a.T, tile,
+    load_rows(Q, dt, fl_d_at(dt, qkv, (size_t)b * a.T * a.W + (size_t)h * HS), a.W, i0, a.T, tile,
               HS);
-    load_rows(dO, dt, fl_dat(dt, dout, orow0), a.C, i0, a.T, tile, HS);
+    load_rows(dO, dt, fl_d_at(dt, dout, orow0), a.C, i0, a.T, tile, HS);
     __syncthreads();
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
     for (int r = warp; r < tile; r += nw) {
@@ -251,8 +251,8 @@ __global__ void attention_dkdv_kernel(fl_dtype dt, void *dqkv, const void *dout,
     float *dS = P + tile * (tile + 1), *L = dS + tile * (tile + 1), *D = L + tile;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS;
-    load_rows(K, dt, fl_dat(dt, qkv, koff), a.W, j0, a.T, tile, HS);
-    load_rows(V, dt, fl_dat(dt, qkv, voff), a.W, j0, a.T, tile, HS);
+    load_rows(K, dt, fl_d_at(dt, qkv, koff), a.W, j0, a.T, tile, HS);
+    load_rows(V, dt, fl_d_at(dt, qkv, voff), a.W, j0, a.T, tile, HS);
     for (int idx = threadIdx.x; idx < tile * hp; idx += blockDim.x) dK[idx] = dV[idx] = 0.0f;
     for (int h = g * a.group; h < (g + 1) * a.group; h++) // the group's query heads, in order
         for (int i0 = j0; i0 < a.T; i0 += tile) {         // rows at or below the diagonal
@@ -265,8 +265,8 @@ __global__ void attention_dkdv_kernel(fl_dtype dt, void *dqkv, const void *dout,
             tile_mm(dK, dS, tile + 1, true, Q, tile, tile, HS, NULL);
         }
     __syncthreads();
-    add_rows(dt, fl_dat(dt, dqkv, koff), a.W, dK, a.scale, j0, a.T, tile, HS);
-    add_rows(dt, fl_dat(dt, dqkv, voff), a.W, dV, 1.0f, j0, a.T, tile, HS);
+    add_rows(dt, fl_d_at(dt, dqkv, koff), a.W, dK, a.scale, j0, a.T, tile, HS);
+    add_rows(dt, fl_d_at(dt, dqkv, voff), a.W, dV, 1.0f, j0, a.T, tile, HS);
 }
 
 __global__ void attention_dq_kernel(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
@@ -284,15 +284,15 @@ __global__ void attention_dq_kernel(fl_dtype dt, void *dqkv, const void *dout, c
     int keys = min(a.T, i0 + tile);
     for (int j0 = 0; j0 < keys; j0 += tile) {
         __syncthreads();
-        load_rows(K, dt, fl_dat(dt, qkv, koff), a.W, j0, a.T, tile, HS);
-        load_rows(V, dt, fl_dat(dt, qkv, voff), a.W, j0, a.T, tile, HS);
+        load_rows(K, dt, fl_d_at(dt, qkv, koff), a.W, j0, a.T, tile, HS);
+        load_rows(V, dt, fl_d_at(dt, qkv, voff), a.W, j0, a.T, tile, HS);
         __syncthreads();
         probs_and_dscores(P, dS, Q, dO, K, V, L, D, i0, j0, a);
         __syncthreads();
         tile_mm(dQ, dS, tile + 1, false, K, tile, tile, HS, NULL);
     }
     __syncthreads();
-    add_rows(dt, fl_dat(dt, dqkv, row0 + (size_t)h * HS), a.W, dQ, a.scale, i0, a.T, tile, HS);
+    add_rows(dt, fl_d_at(dt, dqkv, row0 + (size_t)h * HS), a.W, dQ, a.scale, i0, a.T, tile, HS);
 }
 
 static att_shape shape_of(int T, int NH, int NKV, int HS) {

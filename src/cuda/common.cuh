@@ -39,6 +39,14 @@ __device__ __forceinline__ uint16_t fl_d_f32_to_f16(float x) {
     return (uint16_t)(sign | (r >> 13));
 }
 
+// the address of element i of p (dtype dt): fl_at and fl_at_const for device code
+__device__ __forceinline__ void *fl_d_at(fl_dtype dt, void *p, size_t i) {
+    return (char *)p + i * (dt == FL_F32 ? 4 : 2);
+}
+__device__ __forceinline__ const void *fl_d_at(fl_dtype dt, const void *p, size_t i) {
+    return (const char *)p + i * (dt == FL_F32 ? 4 : 2);
+}
+
 // element i of p (dtype dt) as fp32
 __device__ __forceinline__ float fl_d_load(fl_dtype dt, const void *p, size_t i) {
     if (dt == FL_F32) return ((const float *)p)[i];

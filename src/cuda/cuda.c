@@ -247,9 +247,19 @@ static fl_device cuda = {
     .residual_forward = fl_cuda_residual_forward,
     .residual_backward = fl_cuda_residual_backward,
     .bias_forward = fl_cuda_bias_forward,
-    // attention, the classifier, xent_shard, LoRA's columns, dropout and NF4
-    // dequantisation: dev-cuda2 (src/cuda/attention.cu and the others) fills
-    // their entries here; table_complete refuses a table without them
+    .attention_workspace_floats = fl_cuda_attention_workspace_floats,
+    .attention_forward = fl_cuda_attention_forward,
+    .attention_backward = fl_cuda_attention_backward,
+    .softmax_xent_forward = fl_cuda_softmax_xent_forward,
+    .softmax_xent_backward = fl_cuda_softmax_xent_backward,
+    .softmax_xent_forward_backward = fl_cuda_softmax_xent_forward_backward,
+    .xent_shard_max = fl_cuda_xent_shard_max,
+    .xent_shard_sums = fl_cuda_xent_shard_sums,
+    .xent_shard_backward = fl_cuda_xent_shard_backward,
+    .lora_add_columns = fl_cuda_lora_add_columns,
+    .lora_gather_columns = fl_cuda_lora_gather_columns,
+    .dropout_apply = fl_cuda_dropout_apply,
+    .nf4_dequantize = fl_cuda_nf4_dequantize,
     .convert = fl_cuda_convert,
     .accumulate = fl_cuda_accumulate,
     .sumsq = fl_cuda_sumsq,

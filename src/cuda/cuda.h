@@ -81,6 +81,33 @@ void fl_cuda_residual_forward(fl_dtype dt, void *out, const void *a, const void 
 void fl_cuda_residual_backward(fl_dtype dt, void *da, void *db, const void *dout, size_t N);
 void fl_cuda_bias_forward(fl_dtype dt, void *out, const void *bias, int N, int OC);
 
+size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int T, int HS, int group, int threads);
+void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv,
+                               float *workspace, int B, int T, int NH, int NKV, int HS);
+void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
+                                const void *out, const float *lse, float *workspace, int B, int T,
+                                int NH, int NKV, int HS);
+void fl_cuda_softmax_xent_forward(fl_dtype dt, float *losses, float *lse, const void *logits,
+                                  const int *targets, int N, int V, int Vp);
+void fl_cuda_softmax_xent_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
+                                   const int *targets, const float *dlosses, int N, int V, int Vp);
+void fl_cuda_softmax_xent_forward_backward(fl_dtype dt, float *losses, float *lse, void *logits,
+                                           const int *targets, const float *dlosses, int N, int V,
+                                           int Vp);
+void fl_cuda_xent_shard_max(fl_dtype dt, float *mx, const void *logits, int N, int V, int Vp);
+void fl_cuda_xent_shard_sums(fl_dtype dt, float *sums, const void *logits, const float *mx,
+                             const int *targets, int N, int V, int Vp);
+void fl_cuda_xent_shard_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
+                                 const int *targets, const float *dlosses, int N, int V, int Vp);
+void fl_cuda_lora_add_columns(fl_dtype dt, void *out, int ld, const void *x, float scale, int N,
+                              int cols);
+void fl_cuda_lora_gather_columns(fl_dtype dt, void *x, const void *src, int ld, float scale, int N,
+                                 int cols);
+void fl_cuda_dropout_apply(fl_dtype dt, void *out, const void *inp, size_t n, float p,
+                           uint64_t key);
+void fl_cuda_nf4_dequantize(fl_dtype dt, void *out, const uint8_t *codes, const float *absmax,
+                            size_t n, int block);
+
 // ---- the step's reductions and updates (src/cuda/step.cu, update.cu)
 void fl_cuda_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n);
 void fl_cuda_accumulate(float *dst, fl_dtype dt, const void *src, size_t n);

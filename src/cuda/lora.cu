@@ -3,7 +3,7 @@
 // (__fmul_rn, __fadd_rn: no contraction into an FMA), as the cpu rounds
 // them, and dropout draws the cpu's keyed bits (fl_sr_bits), so the masks
 // and values match it bit for bit.
-#include "kernel_util.cuh"
+#include "common.cuh"
 
 // fl_sr_bits (src/core/dtype.c): splitmix64's output `index` of stream `seed`
 __device__ __forceinline__ uint64_t sr_bits(uint64_t seed, uint64_t index) {

@@ -2,10 +2,10 @@
 // codebook[code_i] * absmax[i / block], one fp32 product rounded once to dt,
 // so it matches the cpu bit for bit. Two codes per byte, the first element
 // in the high nibble.
-#include "kernel_util.cuh"
+#include "common.cuh"
 
 extern "C" {
-#include "fitlm/kernels.h"
+#include "fitlm/kernels.h" // nf4_codebook
 }
 
 __constant__ float nf4_table[16];

@@ -7,7 +7,7 @@
 // logits. The target's gradient is dloss * (p - 1), not dloss * p - dloss,
 // as on the cpu; a row without loss (target -1) and the padding V..Vp-1 get
 // exact zeros (in a shard, a -1 target is another rank's: dloss * p).
-#include "kernel_util.cuh"
+#include "common.cuh"
 
 #include <math.h>
 
@@ -69,7 +69,7 @@ __global__ void xent_forward_kernel(fl_dtype dt, float *losses, float *lse, void
                                     const int *targets, const float *dlosses, int V, int Vp,
                                     int fused) {
     size_t i = blockIdx.x;
-    void *row = fl_dat(dt, logits, i * Vp);
+    void *row = fl_d_at(dt, logits, i * Vp);
     int target = targets[i];
     float m, s;
     row_max_sum(dt, row, V, &m, &s);
@@ -89,14 +89,14 @@ __global__ void xent_backward_kernel(fl_dtype dt, void *dlogits, const void *log
                                      const float *lse, const int *targets, const float *dlosses,
                                      int V, int Vp, int shard) {
     size_t i = blockIdx.x;
-    backward_row(dt, fl_dat(dt, dlogits, i * Vp), fl_dat(dt, logits, i * Vp), lse[i], targets[i],
+    backward_row(dt, fl_d_at(dt, dlogits, i * Vp), fl_d_at(dt, logits, i * Vp), lse[i], targets[i],
                  dlosses[i], V, Vp, shard);
 }
 
 __global__ void xent_shard_max_kernel(fl_dtype dt, float *mx, const void *logits, int V, int Vp) {
     __shared__ float wm[XENT_THREADS / 32];
     size_t i = blockIdx.x;
-    const void *row = fl_dat(dt, logits, i * Vp);
+    const void *row = fl_d_at(dt, logits, i * Vp);
     float m = -INFINITY;
     for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, fl_d_load(dt, row, j));
     for (int off = 16; off; off /= 2) m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, off));
@@ -113,7 +113,7 @@ __global__ void xent_shard_sums_kernel(fl_dtype dt, float *sums, const void *log
                                        const float *mx, const int *targets, int V, int Vp) {
     __shared__ double wsum[XENT_THREADS / 32];
     size_t i = blockIdx.x;
-    const void *row = fl_dat(dt, logits, i * Vp);
+    const void *row = fl_d_at(dt, logits, i * Vp);
     float m = mx[i];
     double s = 0.0;
     for (int j = threadIdx.x; j < V; j += blockDim.x) s += (double)expf(fl_d_load(dt, row, j) - m);
