@@ -12,8 +12,8 @@
 # - an export of the GPU-trained model evaluates on the cpu to the loss the
 #   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5).
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
-# CUDA backend. GPU_RUNS_DEVICE=cpu compares the cpu with itself: a check
-# of this script on any machine.
+# CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
+# test device (or the cpu) against the cpu: a check of this script anywhere.
 set -euo pipefail
 fitlm=${1:?usage: tests/gpu_runs.sh FITLM}
 dev=${GPU_RUNS_DEVICE:-cuda}
