@@ -13,10 +13,13 @@
 //   accumulates dV += P^T dO and dK += dS^T Q in shared memory (fp32);
 // - dQ: a block per (query tile, b, query head) walks the key tiles up to
 //   the diagonal and accumulates dQ += dS K.
-// Both rebuild P = exp(S - lse) and dS = P (dO V^T - D), D = rowsum(dO O)
-// per tile from out, so they need no workspace. Each gradient is added to
-// dqkv once, rounded once (dst = round(dst + sum)). Every sum runs in a
-// fixed order: two runs give the same bits.
+// Grids are (heads, tiles), the costliest tiles first (the last query
+// tiles, the first key tiles: the most work under the causal mask), so the
+// short ones fill in at the end. Both backward kernels rebuild P = exp(S -
+// lse) and dS = P (dO V^T - D), D = rowsum(dO O) per tile from out, so they
+// need no workspace. Each gradient is added to dqkv once, rounded once (dst
+// = round(dst + sum)). Every sum runs in a fixed order: two runs give the
+// same bits.
 #include "common.cuh"
 
 #include <math.h>
@@ -130,8 +133,8 @@ __device__ void tile_mm(float *Cm, const float *A, int lda, bool trans, const fl
 __global__ void attention_forward_kernel(fl_dtype dt, void *out, float *lse, const void *qkv,
                                          att_shape a) {
     extern __shared__ float sm[];
-    int tile = a.tile, HS = a.HS, hp = HS + 1, i0 = blockIdx.x * tile;
-    int b = blockIdx.y / a.NH, h = blockIdx.y % a.NH, g = h / a.group;
+    int tile = a.tile, HS = a.HS, hp = HS + 1, i0 = (gridDim.y - 1 - blockIdx.y) * tile;
+    int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     float *Q = sm, *K = Q + tile * hp, *V = K + tile * hp, *O = V + tile * hp;
     float *S = O + tile * hp, *m = S + tile * (tile + 1), *l = m + tile, *alpha = l + tile;
     const void *row0 = fl_d_at(dt, qkv, (size_t)b * a.T * a.W);
@@ -244,8 +247,8 @@ __device__ void add_rows(fl_dtype dt, void *base, size_t ld, const float *acc, f
 __global__ void attention_dkdv_kernel(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
                                       const void *out, const float *lse, att_shape a) {
     extern __shared__ float sm[];
-    int tile = a.tile, HS = a.HS, hp = HS + 1, j0 = blockIdx.x * tile;
-    int b = blockIdx.y / a.NKV, g = blockIdx.y % a.NKV;
+    int tile = a.tile, HS = a.HS, hp = HS + 1, j0 = blockIdx.y * tile;
+    int b = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
     float *K = sm, *V = K + tile * hp, *dK = V + tile * hp, *dV = dK + tile * hp;
     float *Q = dV + tile * hp, *dO = Q + tile * hp, *P = dO + tile * hp;
     float *dS = P + tile * (tile + 1), *L = dS + tile * (tile + 1), *D = L + tile;
@@ -272,8 +275,8 @@ __global__ void attention_dkdv_kernel(fl_dtype dt, void *dqkv, const void *dout,
 __global__ void attention_dq_kernel(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
                                     const void *out, const float *lse, att_shape a) {
     extern __shared__ float sm[];
-    int tile = a.tile, HS = a.HS, hp = HS + 1, i0 = blockIdx.x * tile;
-    int b = blockIdx.y / a.NH, h = blockIdx.y % a.NH, g = h / a.group;
+    int tile = a.tile, HS = a.HS, hp = HS + 1, i0 = (gridDim.y - 1 - blockIdx.y) * tile;
+    int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     float *K = sm, *V = K + tile * hp, *dQ = V + tile * hp, *Q = dQ + tile * hp;
     float *dO = Q + tile * hp, *P = dO + tile * hp, *dS = P + tile * (tile + 1);
     float *L = dS + tile * (tile + 1), *D = L + tile;
@@ -330,7 +333,7 @@ extern "C" void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, co
     int tile = a.tile, hp = HS + 1;
     size_t smem = sizeof(float) * ((size_t)4 * tile * hp + (size_t)tile * (tile + 1) + 3 * tile);
     allow_smem((const void *)attention_forward_kernel, smem, "attention_forward");
-    dim3 grid((T + tile - 1) / tile, B * NH);
+    dim3 grid(B * NH, (T + tile - 1) / tile);
     attention_forward_kernel<<<grid, ATT_THREADS, smem, fl_cuda_stream()>>>(dt, out, lse, qkv, a);
     FL_CUDA_LAUNCHED("attention_forward");
 }
@@ -348,10 +351,10 @@ extern "C" void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *
     allow_smem((const void *)attention_dkdv_kernel, smem, "attention_backward");
     allow_smem((const void *)attention_dq_kernel, smem, "attention_backward");
     int tiles = (T + tile - 1) / tile;
-    attention_dkdv_kernel<<<dim3(tiles, B * NKV), ATT_THREADS, smem, fl_cuda_stream()>>>(
+    attention_dkdv_kernel<<<dim3(B * NKV, tiles), ATT_THREADS, smem, fl_cuda_stream()>>>(
         dt, dqkv, dout, qkv, out, lse, a);
     FL_CUDA_LAUNCHED("attention_backward (dk, dv)");
-    attention_dq_kernel<<<dim3(tiles, B * NH), ATT_THREADS, smem, fl_cuda_stream()>>>(
+    attention_dq_kernel<<<dim3(B * NH, tiles), ATT_THREADS, smem, fl_cuda_stream()>>>(
         dt, dqkv, dout, qkv, out, lse, a);
     FL_CUDA_LAUNCHED("attention_backward (dq)");
 }
