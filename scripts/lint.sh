@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 files=$(git ls-files '*.c' '*.h' 2>/dev/null || find include src tests bench -name '*.[ch]')
-clang-format --dry-run --Werror $files
+# the CUDA backend's kernels (src/cuda/*.cu, *.cuh) take the same format
+cuda_files=$(git ls-files '*.cu' '*.cuh' 2>/dev/null || find src -name '*.cu' -o -name '*.cuh')
+clang-format --dry-run --Werror $files $cuda_files
 # Findings that are false positives carry an inline cppcheck-suppress comment
 cppcheck --enable=warning,performance,portability --std=c11 -Iinclude --quiet --error-exitcode=1 \
     --suppress=missingIncludeSystem --inline-suppr $files

@@ -142,9 +142,11 @@ struct fl_device {
     // dst (fp32) += src (of dt), elementwise: gradient accumulation in fp32
     void (*accumulate)(float *dst, fl_dtype dt, const void *src, size_t n);
     // the sum of squares of n values in double, in fl_grad_sumsq's order
-    // (bitwise the cpu's); inf or NaN when a value is
+    // (bitwise the cpu's; cuda: a fixed order of its own, src/cuda/step.cu,
+    // within a double's rounding of it); inf or NaN when a value is
     double (*sumsq)(fl_dtype dt, const void *x, size_t n);
-    // the sum of n fp32 values in double, in index order (the losses)
+    // the sum of n fp32 values in double, in index order (the losses; cuda:
+    // its fixed order, as sumsq)
     double (*sum)(const float *x, size_t n);
     // fl_optim_update on device memory: every pointer of a (params,
     // params_lowp, grads) and the rule's state are the device's

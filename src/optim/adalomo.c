@@ -330,7 +330,8 @@ static void adalomo_free(fl_optim_rule *r) {
 }
 
 static const char *const adalomo_state_names[] = {"exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"};
-static const fl_optim_ops adalomo_ops = {.state_names = adalomo_state_names,
+static const fl_optim_ops adalomo_ops = {.kind = FL_OPT_ADALOMO,
+                                         .state_names = adalomo_state_names,
                                          .begin_step = adalomo_begin_step,
                                          .update = adalomo_update,
                                          .state_ptr = adalomo_state_ptr,

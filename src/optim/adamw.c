@@ -183,7 +183,8 @@ static void adamw_free(fl_optim_rule *r) {
 }
 
 static const char *const adamw_state_names[] = {"m", "v"};
-static const fl_optim_ops adamw_ops = {.state_names = adamw_state_names,
+static const fl_optim_ops adamw_ops = {.kind = FL_OPT_ADAMW,
+                                       .state_names = adamw_state_names,
                                        .begin_step = adamw_begin_step,
                                        .update = adamw_update,
                                        .state_slot = adamw_state_slot,

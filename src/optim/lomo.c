@@ -67,7 +67,8 @@ static void lomo_free(fl_optim_rule *r) {
     fl_lomo_free((fl_lomo *)r);
 }
 
-static const fl_optim_ops lomo_ops = {.state_names = NULL,
+static const fl_optim_ops lomo_ops = {.kind = FL_OPT_LOMO,
+                                      .state_names = NULL,
                                       .begin_step = lomo_begin_step,
                                       .update = lomo_update,
                                       .state_ptr = lomo_state_ptr,

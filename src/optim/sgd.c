@@ -71,7 +71,8 @@ static void sgd_free(fl_optim_rule *r) {
 }
 
 static const char *const sgd_state_names[] = {"momentum"};
-static const fl_optim_ops sgd_ops = {.state_names = sgd_state_names,
+static const fl_optim_ops sgd_ops = {.kind = FL_OPT_SGD,
+                                     .state_names = sgd_state_names,
                                      .begin_step = sgd_begin_step,
                                      .update = sgd_update,
                                      .state_slot = sgd_state_slot,

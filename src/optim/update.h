@@ -12,7 +12,8 @@
 #include "fitlm/optim.h"
 
 struct fl_optim_ops {
-    const char *const *state_names;                 // of the rule's elementwise state tensors
+    fl_optim_kind kind;             // which rule: a device's update kernel picks its own by it
+    const char *const *state_names; // of the rule's elementwise state tensors
     void (*begin_step)(fl_optim_rule *r, float lr); // t++, the step's constants
     // [offset, offset+count) lies in row and in the state range; row is not frozen
     void (*update)(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# bench/gpu.sh FITLM OUTDIR: bf16 AdamW training speed on one NVIDIA GPU,
+# fitlm (`fitlm train --device cuda`) beside PyTorch on the same GPU in the
+# same run (bench/torch_gpt2.py --device cuda: the same model in plain
+# PyTorch with scaled_dot_product_attention and fused AdamW, eager and
+# torch.compile). Called by scripts/gpu_check.sh; each config is short so
+# that the whole fits the lease (about 3 minutes).
+#
+# Configs (T = 1024): GPT-2 124M at B = 16 and 32, SmolLM-135M's shape at
+# B = 16 and TinyLlama-1.1B's at B = 4. Data: the repository's docs as
+# GPT-2 tokens (.gpu-prefix/data/gpt2 or data/gpt2: encoder.json, vocab.bpe)
+# for GPT-2 and as LLaMA-2 tokens (.gpu-prefix/data/llama or data/llama:
+# tokenizer.json, vocabulary 32000) for the LLaMA shapes; PyTorch draws random tokens of the
+# vocabulary fitlm's model line reports (--data random).
+#
+# Per run: tokens/s from the median step time of the timed steps
+# (BENCH_STEPS, default 10, after BENCH_WARMUP = 3 untimed ones); MFU
+# against the H100/H200 SXM bf16 dense peak, 989 TFLOP/s, with llm.c's
+# FLOPs per token 6 N + 6 L C T (N the parameters fitlm reports); peak
+# device memory (fitlm: its tagged device allocations, --mem-report's
+# "total device"; PyTorch: torch.cuda.max_memory_allocated).
+#
+# The whole takes BENCH_BUDGET seconds at most (then the runs left are
+# skipped), plus the run in progress (fitlm's at most 150 s, PyTorch's 240).
+#
+# Writes OUTDIR/bench.log (every run's output) and OUTDIR/bench.tsv (one row
+# per run: config engine B T tok_s ms_median mfu peak_mib status), and
+# prints the table.
+set -uo pipefail
+fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
+out=${2:?usage: bench/gpu.sh FITLM OUTDIR}
+src=$(cd "$(dirname "$0")/.." && pwd)
+warmup=${BENCH_WARMUP:-3}
+steps=${BENCH_STEPS:-10}
+peak=989e12
+mkdir -p "$out"
+log=$out/bench.log
+: >"$log"
+tsv=$out/bench.tsv
+printf 'config\tengine\tB\tT\ttok_s\tms_median\tmfu\tpeak_mib\tstatus\n' >"$tsv"
+work=$(mktemp -d /tmp/fitlm_bench_gpu.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+py=${PYTHON:-python3}
+
+gpt2_tok=$src/.gpu-prefix/data/gpt2
+[ -s "$gpt2_tok/encoder.json" ] || gpt2_tok=$src/data/gpt2
+llama_tok=$src/.gpu-prefix/data/llama/tokenizer.json
+[ -s "$llama_tok" ] || llama_tok=$src/data/llama/tokenizer.json
+cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
+"$fitlm" tokenize "$work/text.txt" -o "$work/gpt2" --tokenizer gpt2 --tokenizer-path "$gpt2_tok" \
+    --threads 8 >>"$log" 2>&1 || echo "bench/gpu.sh: GPT-2 tokenization failed (see $log)"
+"$fitlm" tokenize "$work/text.txt" -o "$work/llama" --tokenizer hf \
+    --tokenizer-path "$llama_tok" --threads 8 >>"$log" 2>&1 ||
+    echo "bench/gpu.sh: LLaMA tokenization failed (see $log)"
+
+row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
+
+# fitlm_run CONFIG B T DATA FLAGS...: one fitlm run; sets V, N, L, C for torch
+fitlm_run() {
+    local cfg=$1 B=$2 T=$3 data=$4
+    shift 4
+    local f=$work/$cfg.fitlm.out
+    echo "== fitlm $cfg B $B T $T" >>"$log"
+    timeout 150 "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
+        --precision bf16 --optimizer adamw --steps $((warmup + steps)) --warmup 2 \
+        --eval-every 0 --eval-iters 1 --val-data none --sample-tokens 0 --out "" --mem-report \
+        >"$f" 2>&1
+    local rc=$?
+    cat "$f" >>"$log"
+    V=$(sed -n 's/.*vocab \([0-9]*\).*/\1/p' "$f" | head -1)
+    N=$(sed -n 's/^\([0-9]*\) parameters.*/\1/p' "$f" | head -1)
+    L=$(sed -n 's/.*n_layer \([0-9]*\).*/\1/p' "$f" | head -1)
+    C=$(sed -n 's/.*n_embd \([0-9]*\).*/\1/p' "$f" | head -1)
+    if [ $rc != 0 ] || [ -z "$N" ]; then
+        row "$cfg" fitlm "$B" "$T" - - - - "failed rc $rc"
+        return
+    fi
+    local ms
+    ms=$(awk -v w="$warmup" '$1 == "step" && $2 ~ /\// {
+            split($2, s, "/"); if (s[1] + 0 > w) for (i = 1; i < NF; i++) if ($(i + 1) == "ms") print $i }' "$f" |
+        sort -g | awk '{ a[NR] = $1 } END { if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) }')
+    local mem
+    mem=$(awk '/total device/ { print $(NF - 1) }' "$f" | tail -1)
+    if [ -z "$ms" ]; then
+        row "$cfg" fitlm "$B" "$T" - - - "${mem:--}" "no step times"
+        return
+    fi
+    awk -v cfg="$cfg" -v B="$B" -v T="$T" -v ms="$ms" -v N="$N" -v L="$L" -v C="$C" -v pk=$peak \
+        -v mem="${mem:--}" 'BEGIN { tok = B * T / (ms / 1000); fl = 6 * N + 6 * L * C * T;
+            printf "%s\tfitlm\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\tok\n", cfg, B, T, tok, ms, tok * fl / pk, mem }' >>"$tsv"
+}
+
+# torch_run CONFIG B T COMPILE FLAGS...: bench/torch_gpt2.py on the GPU
+torch_run() {
+    local cfg=$1 B=$2 T=$3 comp=$4
+    shift 4
+    local eng=pytorch-eager f=$work/$cfg.torch.out
+    [ "$comp" = 1 ] && eng=pytorch-compile
+    echo "== $eng $cfg B $B T $T" >>"$log"
+    timeout 150 "$py" "$src/bench/torch_gpt2.py" --device cuda --data random --precision bf16 \
+        --B "$B" --T "$T" --maxT "$T" --steps "$steps" --warmup "$warmup" \
+        $([ "$comp" = 1 ] && echo --compile) "$@" >"$f" 2>&1
+    local rc=$?
+    cat "$f" >>"$log"
+    local r
+    r=$(grep '^RESULT' "$f" | tail -1)
+    if [ $rc != 0 ] || [ -z "$r" ]; then
+        row "$cfg" "$eng" "$B" "$T" - - - - "failed rc $rc"
+        return
+    fi
+    # the FLOPs per token as fitlm's row counts them, for one MFU
+    echo "$r" | tr ' ' '\n' | awk -F= -v cfg="$cfg" -v eng="$eng" -v B="$B" -v T="$T" -v N="$N" \
+        -v L="$L" -v C="$C" -v pk=$peak '{ v[$1] = $2 } END { fl = 6 * N + 6 * L * C * T;
+            printf "%s\t%s\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\tok\n", cfg, eng, B, T, v["tok_s"],
+                v["ms_median"], v["tok_s"] * fl / pk, v["peak_gpu_mib"] }' >>"$tsv"
+}
+
+# The configs: NAME B T DATA, fitlm's flags, torch_gpt2.py's flags
+gpt2_f=(--model gpt2 --tokenizer gpt2 --tokenizer-path "$gpt2_tok")
+gpt2_t=(--arch gpt2 --L 12 --C 768 --NH 12)
+llama_f=(--tokenizer hf --tokenizer-path "$llama_tok")
+names=(gpt2-124m gpt2-124m smollm-135m tinyllama-1.1b)
+batches=(16 32 16 4)
+datas=("$work/gpt2" "$work/gpt2" "$work/llama" "$work/llama")
+fflags=("${gpt2_f[*]}" "${gpt2_f[*]}" "--model smollm-135m ${llama_f[*]}"
+    "--model tinyllama-1.1b ${llama_f[*]}")
+tflags=("${gpt2_t[*]}" "${gpt2_t[*]}" "--arch llama --L 30 --C 576 --NH 9 --kv-heads 3 --I 1536 --tie 1"
+    "--arch llama --L 22 --C 2048 --NH 32 --kv-heads 4 --I 5632")
+T=1024
+
+# fitlm's runs first, then PyTorch eager's, then torch.compile's (its
+# compilation is the slowest part): when BENCH_BUDGET seconds (default 280)
+# have passed, the runs left are recorded as skipped
+budget=${BENCH_BUDGET:-280}
+t0=$(date +%s)
+declare -A VS NS LS CS
+for k in "${!names[@]}"; do
+    if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
+        row "${names[$k]}" fitlm "${batches[$k]}" $T - - - - "skipped: time"
+        continue
+    fi
+    V='' N='' L='' C=''
+    # shellcheck disable=SC2086 # the flags are words
+    fitlm_run "${names[$k]}" "${batches[$k]}" $T "${datas[$k]}" ${fflags[$k]}
+    VS[$k]=${V:-50257} NS[$k]=${N:-0} LS[$k]=${L:-0} CS[$k]=${C:-0}
+done
+for comp in 0 1; do
+    for k in "${!names[@]}"; do
+        eng=pytorch-eager
+        [ $comp = 1 ] && eng=pytorch-compile
+        if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
+            row "${names[$k]}" $eng "${batches[$k]}" $T - - - - "skipped: time"
+            continue
+        fi
+        V=${VS[$k]:-50257} N=${NS[$k]:-0} L=${LS[$k]:-0} C=${CS[$k]:-0}
+        # shellcheck disable=SC2086
+        torch_run "${names[$k]}" "${batches[$k]}" $T $comp ${tflags[$k]} --V "$V"
+    done
+done
+
+echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s, peak device MiB"
+column -t -s $'\t' "$tsv"

@@ -1,0 +1,32 @@
+// columns.cuh: column sums of an (N,C) matrix into a gradient of C values
+// without atomics: the norms' weight gradients (norm.cuh) and the linear's
+// bias gradient (matmul.cu).
+#ifndef FITLM_CUDA_COLUMNS_CUH
+#define FITLM_CUDA_COLUMNS_CUH
+
+#include "common.cuh"
+
+// Columns of an (N,C) matrix are summed in two passes: row chunk r of
+// `chunks` (fixed by N alone) sums its rows into partial[r][c] in a
+// fixed order (threads by row stride, then the block's 8 warps in order);
+// the second pass adds the chunks in order to the gradient and rounds once.
+// Deterministic and independent of the GPU.
+#define COL_THREADS 32
+#define COL_WARPS   8
+
+static inline int column_chunks(int N) {
+    int chunks = (N + 255) / 256; // >= 256 rows a chunk, at most 64 chunks
+    return chunks > 64 ? 64 : chunks < 1 ? 1 : chunks;
+}
+
+// dst[c] (dtype dt) = round(dst[c] + sum over r of partial[r][c])
+static __global__ void column_finish(fl_dtype dt, void *dst, const float *partial, int chunks,
+                                     int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float s = 0.0f;
+    for (int r = 0; r < chunks; r++) s += partial[(size_t)r * C + c];
+    fl_d_store(dt, dst, c, fl_d_load(dt, dst, c) + s);
+}
+
+#endif

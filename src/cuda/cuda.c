@@ -1,0 +1,305 @@
+// cuda.c: the cuda device, one NVIDIA GPU (device 0 of those the process
+// sees). Memory is cudaMalloc's, never managed memory (which can page and
+// hang a GPU that runs short), zero-filled and counted per tag on the device;
+// copies to and from the host return when done; kernels, GEMMs and copies
+// between device buffers go on the one compute stream, in call order.
+#include "cuda.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "fitlm/core.h"
+
+void fl_cuda_check(cudaError_t err, const char *call, const char *file, int line) {
+    if (err == cudaSuccess) return;
+    fl_die("cuda: %s failed at %s:%d: %s (%s)", call, file, line, cudaGetErrorString(err),
+           cudaGetErrorName(err));
+}
+
+struct fl_stream {
+    cudaStream_t s;
+};
+
+struct fl_event {
+    cudaEvent_t e;
+};
+
+// a live allocation, for free's count under its tag
+typedef struct {
+    void *p;
+    size_t bytes;
+    fl_mem_tag tag;
+} block;
+
+static struct {
+    int ready;
+    cudaStream_t compute;
+    struct cudaDeviceProp prop;
+    pthread_mutex_t lock; // the blocks
+    block *blocks;
+    size_t n_blocks, cap;
+    void *scratch; // fl_cuda_scratch's
+    size_t scratch_bytes;
+} g = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+cudaStream_t fl_cuda_stream(void) {
+    return g.compute;
+}
+
+int fl_cuda_sm_count(void) {
+    return g.prop.multiProcessorCount;
+}
+
+void *fl_cuda_scratch(size_t bytes) {
+    if (bytes <= g.scratch_bytes) return g.scratch;
+    size_t want = bytes < ((size_t)4 << 20) ? (size_t)4 << 20 : bytes;
+    FL_CUDA_CHECK(cudaStreamSynchronize(g.compute)); // the old one may still be read
+    FL_CUDA_CHECK(cudaFree(g.scratch));
+    g.scratch = NULL;
+    g.scratch_bytes = 0;
+    cudaError_t err = cudaMalloc(&g.scratch, want);
+    if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        fl_die_device_oom("cuda", want, FL_MEM_WORKSPACE);
+    }
+    FL_CUDA_CHECK(err);
+    g.scratch_bytes = want;
+    return g.scratch;
+}
+
+static void cuda_describe(const fl_device *d, char *out, size_t size) {
+    (void)d;
+    size_t free_b = 0, total = 0;
+    FL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
+    snprintf(out, size, "cuda: %s (compute capability %d.%d, %d SMs), %.1f GiB free of %.1f GiB",
+             g.prop.name, g.prop.major, g.prop.minor, g.prop.multiProcessorCount,
+             (double)free_b / (1 << 30), (double)total / (1 << 30));
+}
+
+static size_t cuda_available(const fl_device *d) {
+    (void)d;
+    size_t free_b = 0, total = 0;
+    FL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
+    return free_b;
+}
+
+static void *cuda_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes) {
+    (void)d;
+    void *p = NULL;
+    cudaError_t err = cudaMalloc(&p, bytes ? bytes : 1); // 256-byte aligned
+    if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError(); // clear it: the error below is the report
+        fl_die_device_oom("cuda", bytes, tag);
+    }
+    FL_CUDA_CHECK(err);
+    // zero-filled, and done before any stream uses it
+    FL_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.compute));
+    FL_CUDA_CHECK(cudaStreamSynchronize(g.compute));
+    pthread_mutex_lock(&g.lock);
+    g.blocks =
+        fl_reserve(FL_MEM_OTHER, g.blocks, &g.cap, g.n_blocks, g.n_blocks + 1, sizeof(block));
+    g.blocks[g.n_blocks++] = (block){p, bytes, tag};
+    pthread_mutex_unlock(&g.lock);
+    fl_mem_device_count(tag, (long long)bytes);
+    return p;
+}
+
+static void cuda_free(const fl_device *d, void *p) {
+    (void)d;
+    if (!p) return;
+    pthread_mutex_lock(&g.lock);
+    size_t at = g.n_blocks;
+    for (size_t i = 0; i < g.n_blocks; i++)
+        if (g.blocks[i].p == p) at = i;
+    if (at == g.n_blocks) {
+        pthread_mutex_unlock(&g.lock);
+        fl_die("cuda: free of a pointer the device did not allocate");
+    }
+    block b = g.blocks[at];
+    g.blocks[at] = g.blocks[--g.n_blocks];
+    pthread_mutex_unlock(&g.lock);
+    // the work queued on it finishes first (cudaFree waits for the device)
+    FL_CUDA_CHECK(cudaFree(p));
+    fl_mem_device_count(b.tag, -(long long)b.bytes);
+}
+
+static void cuda_zero(const fl_device *d, void *p, size_t bytes) {
+    (void)d;
+    if (bytes) FL_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.compute));
+}
+
+// After the compute stream's work so far; returns when the data is there.
+static void cuda_copy_h2d(const fl_device *d, void *dst, const void *host_src, size_t bytes) {
+    (void)d;
+    if (!bytes) return;
+    FL_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, g.compute));
+    FL_CUDA_CHECK(cudaStreamSynchronize(g.compute));
+}
+
+static void cuda_copy_d2h(const fl_device *d, void *host_dst, const void *src, size_t bytes) {
+    (void)d;
+    if (!bytes) return;
+    FL_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, g.compute));
+    FL_CUDA_CHECK(cudaStreamSynchronize(g.compute));
+}
+
+// queued on the compute stream like a kernel: later work sees it
+static void cuda_copy_d2d(const fl_device *d, void *dst, const void *src, size_t bytes) {
+    (void)d;
+    if (bytes) FL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, g.compute));
+}
+
+static void cuda_copy_async(const fl_device *d, void *dst, const void *src, size_t bytes, int kind,
+                            fl_stream *s) {
+    (void)d;
+    enum cudaMemcpyKind k = kind == FL_COPY_H2D   ? cudaMemcpyHostToDevice
+                            : kind == FL_COPY_D2H ? cudaMemcpyDeviceToHost
+                                                  : cudaMemcpyDeviceToDevice;
+    if (kind != FL_COPY_H2D && kind != FL_COPY_D2H && kind != FL_COPY_D2D)
+        fl_die("cuda: copy_async of unknown kind %d", kind);
+    if (bytes) FL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, k, s ? s->s : g.compute));
+}
+
+static fl_stream *cuda_stream_create(const fl_device *d) {
+    (void)d;
+    fl_stream *s = fl_alloc(FL_MEM_OTHER, sizeof *s);
+    FL_CUDA_CHECK(cudaStreamCreateWithFlags(&s->s, cudaStreamNonBlocking));
+    return s;
+}
+
+static void cuda_stream_destroy(const fl_device *d, fl_stream *s) {
+    (void)d;
+    if (!s) return;
+    FL_CUDA_CHECK(cudaStreamSynchronize(s->s));
+    FL_CUDA_CHECK(cudaStreamDestroy(s->s));
+    fl_free(s);
+}
+
+static fl_event *cuda_event_record(const fl_device *d, fl_stream *s) {
+    (void)d;
+    fl_event *e = fl_alloc(FL_MEM_OTHER, sizeof *e);
+    FL_CUDA_CHECK(cudaEventCreateWithFlags(&e->e, cudaEventDisableTiming));
+    FL_CUDA_CHECK(cudaEventRecord(e->e, s ? s->s : g.compute));
+    return e;
+}
+
+static void cuda_stream_wait(const fl_device *d, fl_stream *s, fl_event *e) {
+    (void)d;
+    FL_CUDA_CHECK(cudaStreamWaitEvent(s ? s->s : g.compute, e->e, 0));
+}
+
+static void cuda_event_sync(const fl_device *d, fl_event *e) {
+    (void)d;
+    FL_CUDA_CHECK(cudaEventSynchronize(e->e));
+}
+
+static void cuda_event_destroy(const fl_device *d, fl_event *e) {
+    (void)d;
+    if (!e) return;
+    FL_CUDA_CHECK(cudaEventDestroy(e->e));
+    fl_free(e);
+}
+
+static void cuda_sync(const fl_device *d) {
+    (void)d;
+    FL_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+static fl_device cuda = {
+    .name = "cuda",
+    .host = 0,
+    .describe = cuda_describe,
+    .available = cuda_available,
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .zero = cuda_zero,
+    .copy_h2d = cuda_copy_h2d,
+    .copy_d2h = cuda_copy_d2h,
+    .copy_d2d = cuda_copy_d2d,
+    .copy_async = cuda_copy_async,
+    .stream_create = cuda_stream_create,
+    .stream_destroy = cuda_stream_destroy,
+    .event_record = cuda_event_record,
+    .stream_wait = cuda_stream_wait,
+    .event_sync = cuda_event_sync,
+    .event_destroy = cuda_event_destroy,
+    .sync = cuda_sync,
+    .matmul_workspace_bytes = fl_cuda_matmul_workspace_bytes,
+    .encoder_forward = fl_cuda_encoder_forward,
+    .encoder_backward = fl_cuda_encoder_backward,
+    .embedding_shard_forward = fl_cuda_embedding_shard_forward,
+    .embedding_shard_backward = fl_cuda_embedding_shard_backward,
+    .position_forward = fl_cuda_position_forward,
+    .position_backward = fl_cuda_position_backward,
+    .layernorm_forward = fl_cuda_layernorm_forward,
+    .layernorm_backward = fl_cuda_layernorm_backward,
+    .matmul_forward = fl_cuda_matmul_forward,
+    .matmul_backward = fl_cuda_matmul_backward,
+    .rmsnorm_forward = fl_cuda_rmsnorm_forward,
+    .rmsnorm_backward = fl_cuda_rmsnorm_backward,
+    .rope_forward = fl_cuda_rope_forward,
+    .rope_backward = fl_cuda_rope_backward,
+    .swiglu_forward = fl_cuda_swiglu_forward,
+    .swiglu_backward = fl_cuda_swiglu_backward,
+    .gelu_forward = fl_cuda_gelu_forward,
+    .gelu_backward = fl_cuda_gelu_backward,
+    .residual_forward = fl_cuda_residual_forward,
+    .residual_backward = fl_cuda_residual_backward,
+    .bias_forward = fl_cuda_bias_forward,
+    .attention_workspace_floats = fl_cuda_attention_workspace_floats,
+    .attention_forward = fl_cuda_attention_forward,
+    .attention_backward = fl_cuda_attention_backward,
+    .softmax_xent_forward = fl_cuda_softmax_xent_forward,
+    .softmax_xent_backward = fl_cuda_softmax_xent_backward,
+    .softmax_xent_forward_backward = fl_cuda_softmax_xent_forward_backward,
+    .xent_shard_max = fl_cuda_xent_shard_max,
+    .xent_shard_sums = fl_cuda_xent_shard_sums,
+    .xent_shard_backward = fl_cuda_xent_shard_backward,
+    .lora_add_columns = fl_cuda_lora_add_columns,
+    .lora_gather_columns = fl_cuda_lora_gather_columns,
+    .dropout_apply = fl_cuda_dropout_apply,
+    .nf4_dequantize = fl_cuda_nf4_dequantize,
+    .convert = fl_cuda_convert,
+    .accumulate = fl_cuda_accumulate,
+    .sumsq = fl_cuda_sumsq,
+    .sum = fl_cuda_sum,
+    .update = fl_cuda_update,
+};
+
+// Every entry filled: a missing kernel is a build that lacks it, said at
+// start-up rather than as a crash mid-step.
+static int table_complete(const fl_device *d, char *why, size_t why_size) {
+    const void *const *f = (const void *const *)&d->describe;
+    const void *const *end = (const void *const *)&d->state;
+    for (int k = 0; f + k < end; k++)
+        if (!f[k]) {
+            snprintf(why, why_size,
+                     "this build's CUDA backend lacks entry %d of its device table (the "
+                     "function pointers of fl_device in include/fitlm/device.h, counted from "
+                     "describe; src/cuda/cuda.c): a partial build",
+                     k);
+            return 0;
+        }
+    return 1;
+}
+
+const fl_device *fl_device_cuda_table(char *why, size_t why_size) {
+    if (g.ready) return &cuda;
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+        snprintf(why, why_size,
+                 "'cuda' asked for, but no NVIDIA GPU is usable here (%s): use --device cpu",
+                 err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount found none");
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    if (!table_complete(&cuda, why, why_size)) return NULL;
+    FL_CUDA_CHECK(cudaSetDevice(0));
+    FL_CUDA_CHECK(cudaGetDeviceProperties(&g.prop, 0));
+    FL_CUDA_CHECK(cudaStreamCreate(&g.compute)); // blocking: the legacy stream waits for it
+    fl_cuda_scratch(1);                          // its first 4 MiB now, not in the first step
+    g.ready = 1;
+    return &cuda;
+}

@@ -1,0 +1,123 @@
+// cuda.h: what the CUDA backend's files share (src/cuda/; host code C11,
+// kernels in .cu files with extern "C" launchers): the checks on every CUDA
+// and cuBLASLt return code, the device's compute stream, and the launchers
+// the table (cuda.c) points at. For kernels.h's function X the launcher is
+// fl_cuda_X with X's signature and contract, every pointer on the device;
+// it queues its work on the compute stream and returns (device.h: work is
+// issued in call order).
+#ifndef FITLM_CUDA_H
+#define FITLM_CUDA_H
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// fitlm's headers are C: their functions keep C linkage in the .cu files
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "fitlm/core.h"
+#include "fitlm/device.h"
+
+// Dies naming the call, its place and CUDA's message when err is an error.
+void fl_cuda_check(cudaError_t err, const char *call, const char *file, int line);
+#define FL_CUDA_CHECK(call) fl_cuda_check((call), #call, __FILE__, __LINE__)
+// After each kernel launch: a bad configuration shows here, not at the
+// next synchronisation.
+#define FL_CUDA_LAUNCHED(kernel) fl_cuda_check(cudaGetLastError(), kernel, __FILE__, __LINE__)
+
+// The device's one compute stream: every kernel, GEMM and table copy of
+// the backend is queued on it, in call order.
+cudaStream_t fl_cuda_stream(void);
+// The multiprocessors of the device (grid sizes of the reductions that do
+// not depend on it are fixed; this only sizes grid-stride loops).
+int fl_cuda_sm_count(void);
+
+// The backend's own scratch on the device, at least `bytes`: the
+// reductions' partial sums (norms' weight gradients, bias gradients, sums
+// of squares) and the embedding backward's buckets. Grown when a call needs
+// more (after the stream's work so far), kept for the process: like the
+// CUDA context and cuBLASLt's handle, outside the tagged counts and the
+// plan (a few MiB; the plan's buffers are the model's).
+void *fl_cuda_scratch(size_t bytes);
+
+// ---- launchers (src/cuda/<family>.cu)
+void fl_cuda_encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte,
+                             const void *wpe, int B, int T, int C);
+void fl_cuda_encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout, const int *inp,
+                              int B, int T, int C);
+void fl_cuda_embedding_shard_forward(fl_dtype dt, void *out, const int *inp, const void *wte,
+                                     int first, int rows, int N, int C);
+void fl_cuda_embedding_shard_backward(fl_dtype dt, void *dwte, const void *dout, const int *inp,
+                                      int first, int rows, int N, int C);
+void fl_cuda_position_forward(fl_dtype dt, void *out, const void *wpe, int B, int T, int C);
+void fl_cuda_position_backward(fl_dtype dt, void *dwpe, const void *dout, int B, int T, int C);
+void fl_cuda_layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const void *inp,
+                               const void *weight, const void *bias, int N, int C);
+void fl_cuda_layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
+                                const void *dout, const void *inp, const void *weight,
+                                const float *mean, const float *rstd, int N, int C);
+size_t fl_cuda_matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC);
+void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
+                            const void *bias, void *workspace, int N, int C, int OC);
+void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
+                             const void *inp, const void *weight, void *workspace, int N, int C,
+                             int OC);
+void fl_cuda_rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp,
+                             const void *weight, int N, int C, float eps);
+void fl_cuda_rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout,
+                              const void *inp, const void *weight, const float *rstd, int N, int C);
+void fl_cuda_rope_forward(fl_dtype dt, void *qkv, const float *cos_sin, int B, int T, int NH,
+                          int NKV, int HS);
+void fl_cuda_rope_backward(fl_dtype dt, void *dqkv, const float *cos_sin, int B, int T, int NH,
+                           int NKV, int HS);
+void fl_cuda_swiglu_forward(fl_dtype dt, void *out, const void *inp, int N, int IC);
+void fl_cuda_swiglu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout, int N,
+                             int IC);
+void fl_cuda_gelu_forward(fl_dtype dt, void *out, const void *inp, size_t N);
+void fl_cuda_gelu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout, size_t N);
+void fl_cuda_residual_forward(fl_dtype dt, void *out, const void *a, const void *b, size_t N);
+void fl_cuda_residual_backward(fl_dtype dt, void *da, void *db, const void *dout, size_t N);
+void fl_cuda_bias_forward(fl_dtype dt, void *out, const void *bias, int N, int OC);
+
+size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int T, int HS, int group, int threads);
+void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv,
+                               float *workspace, int B, int T, int NH, int NKV, int HS);
+void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
+                                const void *out, const float *lse, float *workspace, int B, int T,
+                                int NH, int NKV, int HS);
+void fl_cuda_softmax_xent_forward(fl_dtype dt, float *losses, float *lse, const void *logits,
+                                  const int *targets, int N, int V, int Vp);
+void fl_cuda_softmax_xent_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
+                                   const int *targets, const float *dlosses, int N, int V, int Vp);
+void fl_cuda_softmax_xent_forward_backward(fl_dtype dt, float *losses, float *lse, void *logits,
+                                           const int *targets, const float *dlosses, int N, int V,
+                                           int Vp);
+void fl_cuda_xent_shard_max(fl_dtype dt, float *mx, const void *logits, int N, int V, int Vp);
+void fl_cuda_xent_shard_sums(fl_dtype dt, float *sums, const void *logits, const float *mx,
+                             const int *targets, int N, int V, int Vp);
+void fl_cuda_xent_shard_backward(fl_dtype dt, void *dlogits, const void *logits, const float *lse,
+                                 const int *targets, const float *dlosses, int N, int V, int Vp);
+void fl_cuda_lora_add_columns(fl_dtype dt, void *out, int ld, const void *x, float scale, int N,
+                              int cols);
+void fl_cuda_lora_gather_columns(fl_dtype dt, void *x, const void *src, int ld, float scale, int N,
+                                 int cols);
+void fl_cuda_dropout_apply(fl_dtype dt, void *out, const void *inp, size_t n, float p,
+                           uint64_t key);
+void fl_cuda_nf4_dequantize(fl_dtype dt, void *out, const uint8_t *codes, const float *absmax,
+                            size_t n, int block);
+
+// ---- the step's reductions and updates (src/cuda/step.cu, update.cu)
+void fl_cuda_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n);
+void fl_cuda_accumulate(float *dst, fl_dtype dt, const void *src, size_t n);
+double fl_cuda_sumsq(fl_dtype dt, const void *x, size_t n);
+double fl_cuda_sum(const float *x, size_t n);
+void fl_cuda_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
+                    const fl_update_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

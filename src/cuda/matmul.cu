@@ -1,0 +1,189 @@
+// matmul.cu: the linear's GEMMs through cuBLASLt, row-major as nn.Linear
+// (src/kernels/matmul.c): out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias.
+// cuBLASLt is column-major, so each row-major product is issued transposed,
+// as llm.c's matmul_forward_cublaslt does:
+//   forward  out^T (OC,N) = W^T-op of weight (C,OC col-major) x inp^T (C,N)
+//   dinp^T  (C,N)  += weight (C,OC col-major) x dout^T (OC,N)
+//   dW^T    (C,OC) += inp^T (C,N) x T-op of dout^T (OC,N col-major)
+// Operands in the storage dtype, fp32 accumulation (CUBLAS_COMPUTE_32F;
+// fp32 GEMMs in full fp32, TF32 only with FITLM_TF32=1), the gradients
+// accumulated by beta = 1 and rounded once. The bias rides on the forward's
+// epilogue; its gradient is a deterministic column sum (columns.cuh).
+// Descriptors and the algorithm are chosen once per (GEMM, dtype, shape,
+// epilogue, operand alignment, workspace) and cached: a fixed algorithm on
+// a fixed GPU gives the same bits every step.
+#include <cublasLt.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "columns.cuh"
+
+// What the model allocates and passes as `workspace` (FL_MEM_WORKSPACE, so
+// the plan counts it): cuBLASLt's scratch, llm.c's size.
+#define MM_WORKSPACE ((size_t)32 << 20)
+
+enum { MM_FORWARD, MM_DINP, MM_DWEIGHT };
+
+static void blas_check(cublasStatus_t st, const char *call, const char *file, int line) {
+    if (st != CUBLAS_STATUS_SUCCESS)
+        fl_die("cuda: %s failed at %s:%d: cuBLAS status %d", call, file, line, (int)st);
+}
+#define FL_BLAS_CHECK(call) blas_check((call), #call, __FILE__, __LINE__)
+
+typedef struct {
+    int kind, bias, align;
+    fl_dtype dt;
+    int m, n, k;
+    size_t ws;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+} plan;
+
+static struct {
+    cublasLtHandle_t handle;
+    plan *plans;
+    size_t n_plans, cap;
+    int tf32; // FITLM_TF32=1
+} mm;
+
+static cudaDataType_t data_type(fl_dtype dt) {
+    return dt == FL_F32 ? CUDA_R_32F : dt == FL_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+// the largest power of two up to 256 that divides every address
+static int alignment_of(const void *a, const void *b, const void *c) {
+    uintptr_t bits = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | 256;
+    return (int)(bits & (~bits + 1));
+}
+
+// The plan of D (m,n) = op(A) (m,k) x op(B) (k,n), column-major; A
+// transposed for the forward, B for the weight gradient.
+static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int align, size_t ws) {
+    for (size_t i = 0; i < mm.n_plans; i++) {
+        plan *p = &mm.plans[i];
+        if (p->kind == kind && p->dt == dt && p->m == m && p->n == n && p->k == k &&
+            p->bias == bias && p->align == align && p->ws == ws)
+            return p;
+    }
+    if (!mm.handle) {
+        FL_BLAS_CHECK(cublasLtCreate(&mm.handle));
+        const char *tf32 = getenv("FITLM_TF32");
+        mm.tf32 = tf32 && !strcmp(tf32, "1");
+    }
+    mm.plans = (plan *)fl_reserve(FL_MEM_OTHER, mm.plans, &mm.cap, mm.n_plans, mm.n_plans + 1,
+                                  sizeof(plan));
+    plan *p = &mm.plans[mm.n_plans];
+    memset(p, 0, sizeof *p);
+    p->kind = kind, p->bias = bias, p->align = align, p->dt = dt;
+    p->m = m, p->n = n, p->k = k, p->ws = ws;
+    cublasComputeType_t compute =
+        dt == FL_F32 && mm.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    FL_BLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
+    cublasOperation_t ta = kind == MM_FORWARD ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t tb = kind == MM_DWEIGHT ? CUBLAS_OP_T : CUBLAS_OP_N;
+    FL_BLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    FL_BLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    if (bias) {
+        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+        FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                                     sizeof epi));
+        cudaDataType_t bt = data_type(dt);
+        FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                     &bt, sizeof bt));
+    }
+    cudaDataType_t t = data_type(dt);
+    // stored shapes (rows, cols, leading dimension), column-major
+    uint64_t ar = ta == CUBLAS_OP_T ? k : m, ac = ta == CUBLAS_OP_T ? m : k;
+    uint64_t br = tb == CUBLAS_OP_T ? n : k, bc = tb == CUBLAS_OP_T ? k : n;
+    FL_BLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, t, ar, ac, (int64_t)ar));
+    FL_BLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, t, br, bc, (int64_t)br));
+    FL_BLAS_CHECK(cublasLtMatrixLayoutCreate(&p->c, t, m, n, (int64_t)m));
+    cublasLtMatmulPreference_t pref;
+    FL_BLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    FL_BLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    uint32_t al = (uint32_t)align;
+    cublasLtMatmulPreferenceAttributes_t aligns[] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; i++)
+        FL_BLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, aligns[i], &al, sizeof al));
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    FL_BLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(mm.handle, p->desc, p->a, p->b, p->c, p->c, pref,
+                                                 1, &res, &found));
+    FL_BLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    if (found < 1)
+        fl_die("cuda: cuBLASLt has no algorithm for the %s GEMM m=%d n=%d k=%d in %s (operands "
+               "%d-byte aligned, workspace %zu bytes)",
+               kind == MM_FORWARD ? "forward"
+               : kind == MM_DINP  ? "input-gradient"
+                                  : "weight-gradient",
+               m, n, k, fl_dtype_name(dt), align, ws);
+    p->algo = res.algo;
+    mm.n_plans++;
+    return p;
+}
+
+// D = A x B + beta D, on the compute stream
+static void gemm(int kind, fl_dtype dt, void *d, const void *a, const void *b, const void *bias,
+                 float beta, void *workspace, int m, int n, int k) {
+    size_t ws = workspace ? MM_WORKSPACE : 0;
+    int align = alignment_of(a, b, d);
+    plan *p = get_plan(kind, dt, m, n, k, bias != NULL, align, ws);
+    if (bias)
+        FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                     &bias, sizeof bias));
+    const float alpha = 1.0f;
+    FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p->desc, &alpha, a, p->a, b, p->b, &beta, d, p->c, d,
+                                 p->c, &p->algo, workspace, ws, fl_cuda_stream()));
+}
+
+// chunk blockIdx.y of the rows of dout (N,OC): partial[chunk][o] = its column sums
+__global__ void bias_columns_kernel(fl_dtype dt, float *partial, const void *dout, int N, int OC) {
+    __shared__ float sb[COL_WARPS][COL_THREADS];
+    int tx = threadIdx.x % COL_THREADS, ty = threadIdx.x / COL_THREADS;
+    int o = blockIdx.x * COL_THREADS + tx, chunk = blockIdx.y, chunks = gridDim.y;
+    int per = (N + chunks - 1) / chunks, r0 = chunk * per, r1 = min(N, r0 + per);
+    float s = 0.0f;
+    if (o < OC)
+        for (int n = r0 + ty; n < r1; n += COL_WARPS) s += fl_d_load(dt, dout, (size_t)n * OC + o);
+    sb[ty][tx] = s;
+    __syncthreads();
+    if (ty != 0 || o >= OC) return;
+    s = 0.0f;
+    for (int w = 0; w < COL_WARPS; w++) s += sb[w][tx];
+    partial[(size_t)chunk * OC + o] = s;
+}
+
+extern "C" size_t fl_cuda_matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC) {
+    (void)dt, (void)N, (void)C, (void)OC;
+    return MM_WORKSPACE;
+}
+
+extern "C" void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
+                                       const void *bias, void *workspace, int N, int C, int OC) {
+    if (N <= 0 || OC <= 0) return;
+    gemm(MM_FORWARD, dt, out, weight, inp, bias, 0.0f, workspace, OC, N, C);
+}
+
+extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
+                                        const void *dout, const void *inp, const void *weight,
+                                        void *workspace, int N, int C, int OC) {
+    if (N <= 0 || OC <= 0 || C <= 0) return;
+    if (dinp) gemm(MM_DINP, dt, dinp, weight, dout, NULL, 1.0f, workspace, C, N, OC);
+    if (dweight) gemm(MM_DWEIGHT, dt, dweight, inp, dout, NULL, 1.0f, workspace, C, OC, N);
+    if (!dbias) return;
+    int chunks = column_chunks(N);
+    float *partial = (float *)fl_cuda_scratch((size_t)chunks * OC * sizeof(float));
+    dim3 grid((unsigned)((OC + COL_THREADS - 1) / COL_THREADS), (unsigned)chunks);
+    bias_columns_kernel<<<grid, COL_THREADS * COL_WARPS, 0, fl_cuda_stream()>>>(dt, partial, dout,
+                                                                                N, OC);
+    FL_CUDA_LAUNCHED("bias_columns_kernel");
+    column_finish<<<(unsigned)((OC + 255) / 256), 256, 0, fl_cuda_stream()>>>(dt, dbias, partial,
+                                                                              chunks, OC);
+    FL_CUDA_LAUNCHED("column_finish");
+}

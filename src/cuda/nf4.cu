@@ -1,0 +1,35 @@
+// nf4.cu: NF4 dequantisation (kernels.h, src/kernels/nf4.c): out[i] =
+// codebook[code_i] * absmax[i / block], one fp32 product rounded once to dt,
+// so it matches the cpu bit for bit. Two codes per byte, the first element
+// in the high nibble.
+#include "common.cuh"
+
+extern "C" {
+#include "fitlm/kernels.h" // nf4_codebook
+}
+
+__constant__ float nf4_table[16];
+
+__global__ void nf4_dequantize_kernel(fl_dtype dt, void *out, const uint8_t *codes,
+                                      const float *absmax, size_t n, int block) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint8_t byte = codes[i / 2];
+        int code = i % 2 ? byte & 15 : byte >> 4;
+        fl_d_store(dt, out, i, __fmul_rn(nf4_table[code], absmax[i / block]));
+    }
+}
+
+extern "C" void fl_cuda_nf4_dequantize(fl_dtype dt, void *out, const uint8_t *codes,
+                                       const float *absmax, size_t n, int block) {
+    static int loaded; // the table is the cpu's (nf4_codebook), copied once
+    if (!loaded) {
+        cudaError_t e = cudaMemcpyToSymbol(nf4_table, nf4_codebook, sizeof nf4_table);
+        if (e != cudaSuccess) fl_die("cuda: nf4 codebook: %s", cudaGetErrorString(e));
+        loaded = 1;
+    }
+    if (!n) return;
+    nf4_dequantize_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_stream()>>>(dt, out, codes,
+                                                                                absmax, n, block);
+    FL_CUDA_LAUNCHED("nf4_dequantize");
+}

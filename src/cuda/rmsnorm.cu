@@ -1,0 +1,87 @@
+// rmsnorm.cu: RMSNorm over the last dim C, as Hugging Face's LlamaRMSNorm
+// (src/kernels/rmsnorm.c): y = x rstd w, rstd = rsqrt(mean(x^2) + eps); a
+// warp per row, the cpu's formulas operation for operation. The weight
+// gradient is a column sum in two deterministic passes (columns.cuh).
+#include "norm.cuh"
+
+__global__ void rmsnorm_forward_kernel(fl_dtype dt, void *out, float *rstd, const void *inp,
+                                       const void *weight, int N, int C, float eps) {
+    int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return; // the whole warp
+    size_t base = (size_t)row * C;
+    float ss = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        float x = fl_d_load(dt, inp, base + c);
+        ss += x * x;
+    }
+    float r = norm_rstd(__shfl_sync(0xffffffffu, fl_d_warp_sum(ss), 0) / C + eps);
+    if (lane == 0) rstd[row] = r;
+    for (int c = lane; c < C; c += 32)
+        fl_d_store(dt, out, base + c, fl_d_load(dt, inp, base + c) * r * fl_d_load(dt, weight, c));
+}
+
+// dinp += (w dy - norm mean(w dy norm)) rstd, norm = x rstd
+__global__ void rmsnorm_dinp_kernel(fl_dtype dt, void *dinp, const void *dout, const void *inp,
+                                    const void *weight, const float *rstd, int N, int C) {
+    int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    size_t base = (size_t)row * C;
+    float r = rstd[row], dnm = 0.0f;
+    for (int c = lane; c < C; c += 32)
+        dnm += fl_d_load(dt, weight, c) * fl_d_load(dt, dout, base + c) *
+               (fl_d_load(dt, inp, base + c) * r);
+    dnm = __shfl_sync(0xffffffffu, fl_d_warp_sum(dnm), 0) / C;
+    for (int c = lane; c < C; c += 32) {
+        float x = fl_d_load(dt, inp, base + c);
+        float wdy = fl_d_load(dt, weight, c) * fl_d_load(dt, dout, base + c);
+        fl_d_store(dt, dinp, base + c, fl_d_load(dt, dinp, base + c) + (wdy - x * r * dnm) * r);
+    }
+}
+
+// chunk blockIdx.y of the rows: partial[chunk][c] = sum of x rstd dy
+__global__ void rmsnorm_columns_kernel(fl_dtype dt, float *partial, const void *dout,
+                                       const void *inp, const float *rstd, int N, int C) {
+    __shared__ float sw[COL_WARPS][COL_THREADS];
+    int tx = threadIdx.x % COL_THREADS, ty = threadIdx.x / COL_THREADS;
+    int c = blockIdx.x * COL_THREADS + tx, chunk = blockIdx.y, chunks = gridDim.y;
+    int per = (N + chunks - 1) / chunks, r0 = chunk * per, r1 = min(N, r0 + per);
+    float dw = 0.0f;
+    if (c < C)
+        for (int n = r0 + ty; n < r1; n += COL_WARPS) {
+            size_t at = (size_t)n * C + c;
+            dw += fl_d_load(dt, inp, at) * rstd[n] * fl_d_load(dt, dout, at);
+        }
+    sw[ty][tx] = dw;
+    __syncthreads();
+    if (ty != 0 || c >= C) return;
+    dw = 0.0f;
+    for (int w = 0; w < COL_WARPS; w++) dw += sw[w][tx];
+    partial[(size_t)chunk * C + c] = dw;
+}
+
+extern "C" void fl_cuda_rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp,
+                                        const void *weight, int N, int C, float eps) {
+    if (N <= 0) return;
+    rmsnorm_forward_kernel<<<(N + NORM_ROWS - 1) / NORM_ROWS, NORM_ROWS * 32, 0,
+                             fl_cuda_stream()>>>(dt, out, rstd, inp, weight, N, C, eps);
+    FL_CUDA_LAUNCHED("rmsnorm_forward_kernel");
+}
+
+extern "C" void fl_cuda_rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout,
+                                         const void *inp, const void *weight, const float *rstd,
+                                         int N, int C) {
+    if (N <= 0) return;
+    rmsnorm_dinp_kernel<<<(N + NORM_ROWS - 1) / NORM_ROWS, NORM_ROWS * 32, 0, fl_cuda_stream()>>>(
+        dt, dinp, dout, inp, weight, rstd, N, C);
+    FL_CUDA_LAUNCHED("rmsnorm_dinp_kernel");
+    if (!dweight) return; // frozen
+    int chunks = column_chunks(N);
+    float *partial = (float *)fl_cuda_scratch((size_t)chunks * C * sizeof(float));
+    dim3 grid((unsigned)((C + COL_THREADS - 1) / COL_THREADS), (unsigned)chunks);
+    rmsnorm_columns_kernel<<<grid, COL_THREADS * COL_WARPS, 0, fl_cuda_stream()>>>(
+        dt, partial, dout, inp, rstd, N, C);
+    FL_CUDA_LAUNCHED("rmsnorm_columns_kernel");
+    column_finish<<<(unsigned)((C + 255) / 256), 256, 0, fl_cuda_stream()>>>(dt, dweight, partial,
+                                                                             chunks, C);
+    FL_CUDA_LAUNCHED("column_finish");
+}

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# tests/gpu_runs.sh FITLM: whole training runs on the GPU against the cpu
+# (CTest gpu_runs, label gpu). For a tiny GPT-2 and a tiny LLaMA, 10 AdamW
+# steps on byte tokens of the repository's docs:
+# - fp32: every step's loss on `--device cuda` within 1e-5 relative of the
+#   cpu run's;
+# - bf16: every step's loss within the gap bf16 shows against fp32 on the
+#   cpu (the largest relative difference over the 10 steps, at least 1e-4);
+# - two GPU runs bitwise equal (every logged loss, lr and norm, printed to
+#   float precision, and their exported weights byte for byte);
+# - resume: 5 steps, a checkpoint, 5 more from it, equal to the 10 straight;
+# - an export of the GPU-trained model evaluates on the cpu to the loss the
+#   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5).
+# Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
+# CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
+# test device (or the cpu) against the cpu: a check of this script anywhere.
+set -euo pipefail
+fitlm=${1:?usage: tests/gpu_runs.sh FITLM}
+dev=${GPU_RUNS_DEVICE:-cuda}
+src=${FITLM_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
+
+if [ "$dev" = cuda ] && ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_runs: skipped: no NVIDIA GPU (nvidia-smi finds none)"
+    exit 77
+fi
+work=$(mktemp -d /tmp/fitlm_gpu_runs.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+failed=0
+check() { # check OK MESSAGE
+    if [ "$1" = 1 ]; then echo "ok: $2"; else echo "FAILED: $2"; failed=1; fi
+}
+
+cat "$src"/docs/*.md >"$work/text.txt"
+"$fitlm" tokenize "$work/text.txt" -o "$work/data" --tokenizer byte --threads 2 >/dev/null
+
+# run NAME DEVICE ARCH PRECISION [FLAGS...]: 10 steps into $work/NAME
+run() {
+    local name=$1 device=$2 arch=$3 prec=$4
+    shift 4
+    if ! "$fitlm" train --device "$device" --model tiny --arch "$arch" --tokenizer byte \
+        --data "$work/data" --batch 4 --seq-len 64 --steps 10 --warmup 2 --lr 1e-3 \
+        --precision "$prec" --threads 2 --sample-tokens 0 --eval-every 0 --eval-iters 2 \
+        --seed 1234 --out "$work/$name" "$@" >"$work/$name.out" 2>&1; then
+        if grep -qE "no CUDA backend|no NVIDIA GPU|no CUDA-capable" "$work/$name.out"; then
+            echo "gpu_runs: skipped: $(grep -m1 -E 'CUDA|GPU' "$work/$name.out")"
+            exit 77
+        fi
+        echo "gpu_runs: fitlm train ($name) failed:"
+        tail -20 "$work/$name.out"
+        exit 1
+    fi
+}
+
+# the step lines' losses of a run, one per line
+losses() { awk '$1 == "step" && $3 == "loss" { print $4 }' "$work/$1/log.txt"; }
+
+# max relative difference of two runs' losses, step by step (and whether
+# they have the same number of steps: 1 when not)
+max_rel() {
+    paste <(losses "$1") <(losses "$2") | awk '
+        NF != 2 { bad = 1 }
+        { d = $1 - $2; if (d < 0) d = -d; r = d / ($2 < 0 ? -$2 : $2); if (r > m) m = r }
+        END { if (bad || NR != 10) print "inf"; else printf "%.3g\n", m }'
+}
+
+le() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a != "inf" && a + 0 <= b + 0) }'; }
+
+for arch in gpt2 llama; do
+    run "cpu_fp32_$arch" cpu "$arch" fp32
+    run "cpu_bf16_$arch" cpu "$arch" bf16
+    run "dev_fp32_$arch" "$dev" "$arch" fp32 --save-every 5
+    run "dev_fp32b_$arch" "$dev" "$arch" fp32
+    run "dev_bf16_$arch" "$dev" "$arch" bf16
+
+    e=$(max_rel "dev_fp32_$arch" "cpu_fp32_$arch")
+    le "$e" 1e-5 && ok=1 || ok=0
+    check $ok "$arch fp32: $dev losses within 1e-5 relative of the cpu's (max $e)"
+
+    gap=$(max_rel "cpu_bf16_$arch" "cpu_fp32_$arch")
+    bound=$(awk -v g="$gap" 'BEGIN { print (g + 0 > 1e-4 ? g : 1e-4) }')
+    e=$(max_rel "dev_bf16_$arch" "cpu_bf16_$arch")
+    le "$e" "$bound" && ok=1 || ok=0
+    check $ok "$arch bf16: $dev losses within the cpu's bf16-fp32 gap $bound of the cpu's (max $e)"
+
+    cmp -s <(grep '^step' "$work/dev_fp32_$arch/log.txt") \
+        <(grep '^step' "$work/dev_fp32b_$arch/log.txt") && ok=1 || ok=0
+    check $ok "$arch: two $dev runs log the same values bit for bit"
+
+    # resume from step 5's checkpoint: steps 6-10 as the straight run's
+    "$fitlm" train --device "$dev" --resume "$work/dev_fp32_$arch/ckpt_00000005.fitlm" \
+        --out "$work/resumed_$arch" --threads 2 >"$work/resumed_$arch.out" 2>&1 ||
+        { tail -20 "$work/resumed_$arch.out"; exit 1; }
+    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/dev_fp32_$arch/log.txt") \
+        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/resumed_$arch/log.txt") && ok=1 || ok=0
+    check $ok "$arch: resumed at step 5 on $dev, steps 6-10 bit for bit as the straight run"
+
+    # the export of the GPU-trained model on the cpu
+    for r in "dev_fp32_$arch" "dev_fp32b_$arch"; do
+        "$fitlm" export "$work/$r" -o "$work/$r.hf" >/dev/null
+    done
+    cmp -s "$work/dev_fp32_$arch.hf/model.safetensors" "$work/dev_fp32b_$arch.hf/model.safetensors" &&
+        ok=1 || ok=0
+    check $ok "$arch: two $dev runs export the same weights byte for byte"
+    ev() { # ev DEVICE SOURCE-FLAG PATH: the eval loss
+        "$fitlm" eval --device "$1" "$2" "$3" --data "$work/data" --batch 4 --seq-len 64 \
+            --threads 2 --json 2>/dev/null | sed -n 's/.*"loss": *\([-0-9.eE+]*\).*/\1/p'
+    }
+    l_export=$(ev cpu --init-from "$work/dev_fp32_$arch.hf")
+    l_ckpt=$(ev cpu --checkpoint "$work/dev_fp32_$arch")
+    l_dev=$(ev "$dev" --checkpoint "$work/dev_fp32_$arch")
+    [ -n "$l_export" ] && [ "$l_export" = "$l_ckpt" ] && ok=1 || ok=0
+    check $ok "$arch: the export evaluates on the cpu to the checkpoint's cpu loss ($l_export, $l_ckpt)"
+    e=$(awk -v a="$l_dev" -v b="$l_ckpt" 'BEGIN { if (a == "" || b == "") print "inf";
+        else { d = a - b; if (d < 0) d = -d; printf "%.3g\n", d / b } }')
+    le "$e" 1e-5 && ok=1 || ok=0
+    check $ok "$arch: the checkpoint evaluates on $dev within 1e-5 of the cpu ($l_dev, $e)"
+done
+
+[ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
+exit $failed

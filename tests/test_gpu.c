@@ -1,0 +1,770 @@
+// test_gpu: every kernel entry of the cuda device's table against the cpu
+// table (the oracle) on the same fixed-seed random inputs, at awkward sizes
+// (V = 50257 padded to 50304, T = 77, 9 query heads over 3 kv heads, heads
+// of 64 and 128 values, odd element counts), in fp32, bf16 and fp16.
+// Before each launch every output is poisoned (all bytes 0xFF: NaN in each
+// dtype) and accumulated or in-place buffers reset to their start; NaN
+// never passes. fp32 outputs must be within 1e-5 relative L2 error of the
+// cpu's, 16-bit ones within 1e-2 (one rounding of the 16-bit result apart
+// where the fp32 sums differ in order); LoRA's pieces, dropout, NF4,
+// convert and accumulate bitwise; the step's sums (sumsq, sum) within 1e-10
+// (device.h: a fixed order of the device's own). Each entry runs twice on the device: the
+// two results must be bitwise equal (no atomics, fixed orders).
+//
+// Exits 77 (CTest: skipped) when fl_device_cuda_table finds no backend or
+// no GPU. `test_gpu test` runs the same checks on the test device (the
+// cpu's kernels on memory the host cannot touch), which checks this
+// program itself on any machine.
+#include "fitlm/device.h"
+#include "fitlm/kernels.h"
+#include "testlib.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { MAX_BUFS = 16 };
+
+// One kernel call's buffers, each with its start (init), its host copy the
+// cpu runs on, its device copy and the device's two results.
+typedef struct {
+    size_t bytes, n;
+    fl_dtype dt; // of the values, for the comparison
+    int compared, is_int;
+    unsigned char *init, *host, *got[2];
+    void *dev;
+} tbuf;
+
+typedef struct {
+    const char *name;
+    fl_dtype dt;
+    const fl_device *d, *cpu;
+    int side; // 0: the cpu on host copies; 1, 2: the device, twice
+    int nbuf;
+    tbuf b[MAX_BUFS];
+} tcase;
+
+static const fl_device *dev; // the device under test
+
+static tcase tc_new(const char *name, fl_dtype dt) {
+    tcase t = {.name = name, .dt = dt, .d = dev, .cpu = fl_device_cpu_table()};
+    return t;
+}
+
+static int tc_add(tcase *t, fl_dtype dt, size_t n, size_t elem, const void *init, int compared) {
+    FL_ASSERT(t->nbuf < MAX_BUFS);
+    tbuf *b = &t->b[t->nbuf];
+    b->dt = dt, b->n = n, b->bytes = n * elem > 0 ? n * elem : 1, b->compared = compared;
+    b->init = malloc(b->bytes), b->host = malloc(b->bytes);
+    b->got[0] = malloc(b->bytes), b->got[1] = malloc(b->bytes);
+    FL_ASSERT(b->init && b->host && b->got[0] && b->got[1]);
+    if (init)
+        memcpy(b->init, init, n * elem);
+    else
+        memset(b->init, 0xFF, b->bytes); // poison: NaN in fp32, bf16 and fp16
+    b->dev = t->d->alloc(t->d, FL_MEM_WORKSPACE, b->bytes);
+    return t->nbuf++;
+}
+
+// n random values in [-scale, scale) rounded to dt
+static void *random_values(fl_dtype dt, size_t n, unsigned seed, float scale) {
+    float *x = malloc((n ? n : 1) * sizeof(float));
+    void *v = malloc((n ? n : 1) * fl_dtype_size(dt));
+    FL_ASSERT(x && v);
+    t_fill(x, n, seed, scale);
+    fl_convert(dt, v, FL_F32, x, n);
+    free(x);
+    return v;
+}
+
+static unsigned seed_counter = 1000; // a fresh draw for every buffer
+
+// An input of n random values of dt (not compared)
+static int tc_in(tcase *t, fl_dtype dt, size_t n, float scale) {
+    void *v = random_values(dt, n, seed_counter++, scale);
+    int i = tc_add(t, dt, n, fl_dtype_size(dt), v, 0);
+    free(v);
+    return i;
+}
+
+// An input of raw bytes (ids, targets, codes): not compared
+static int tc_raw(tcase *t, const void *data, size_t bytes) {
+    int i = tc_add(t, FL_F32, bytes, 1, data, 0);
+    t->b[i].is_int = 1;
+    return i;
+}
+
+// An output the kernel overwrites: poisoned, compared
+static int tc_out(tcase *t, fl_dtype dt, size_t n) {
+    return tc_add(t, dt, n, fl_dtype_size(dt), NULL, 1);
+}
+
+// A buffer the kernel accumulates into or changes in place: random start,
+// compared
+static int tc_acc(tcase *t, fl_dtype dt, size_t n, float scale) {
+    int i = tc_in(t, dt, n, scale);
+    t->b[i].compared = 1;
+    return i;
+}
+
+// Starts side 0 (cpu), 1 or 2 (device): every buffer back to its start.
+static const fl_device *tc_begin(tcase *t, int side) {
+    t->side = side;
+    for (int i = 0; i < t->nbuf; i++) {
+        tbuf *b = &t->b[i];
+        if (side == 0)
+            memcpy(b->host, b->init, b->bytes);
+        else
+            fl_dev_upload(t->d, b->dev, b->init, b->bytes);
+    }
+    return side ? t->d : t->cpu;
+}
+
+static void *P(tcase *t, int i) {
+    return t->side ? t->b[i].dev : (void *)t->b[i].host;
+}
+
+static void tc_end(tcase *t) {
+    if (!t->side) return;
+    t->d->sync(t->d);
+    for (int i = 0; i < t->nbuf; i++)
+        if (t->b[i].compared)
+            fl_dev_download(t->d, t->b[i].got[t->side - 1], t->b[i].dev, t->b[i].bytes);
+}
+
+// Relative L2 error of got against want (fp32 copies of buffer b's values);
+// any NaN or inf in got is +inf.
+static double rel_l2(const tbuf *b, const void *got_raw, const void *want_raw) {
+    float *got = malloc(b->n * sizeof(float)), *want = malloc(b->n * sizeof(float));
+    FL_ASSERT(got && want);
+    fl_convert(FL_F32, got, b->dt, got_raw, b->n);
+    fl_convert(FL_F32, want, b->dt, want_raw, b->n);
+    double num = 0.0, den = 0.0;
+    int bad = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        if (!isfinite(got[i]) || !isfinite(want[i])) bad = 1;
+        double d = (double)got[i] - want[i];
+        num += d * d, den += (double)want[i] * want[i];
+    }
+    free(got), free(want);
+    if (bad) return INFINITY;
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static double tol_of(fl_dtype dt) {
+    return dt == FL_F32 ? 1e-5 : 1e-2;
+}
+
+// Compares every compared buffer (cpu vs device, device vs device) and frees.
+static void tc_finish(tcase *t, double tol32) {
+    for (int i = 0; i < t->nbuf; i++) {
+        tbuf *b = &t->b[i];
+        if (b->compared) {
+            double tol = b->dt == FL_F32 ? tol32 : tol_of(b->dt);
+            double e = rel_l2(b, b->got[0], b->host);
+            t_check(e <= tol, "%s %s: output %d of %zu values: relative L2 error %.3g (bound %.0e)",
+                    t->name, fl_dtype_name(t->dt), i, b->n, e, tol);
+            t_check(memcmp(b->got[0], b->got[1], b->n * fl_dtype_size(b->dt)) == 0,
+                    "%s %s: output %d: two device runs bitwise equal", t->name,
+                    fl_dtype_name(t->dt), i);
+        }
+        t->d->free(t->d, b->dev);
+        free(b->init), free(b->host), free(b->got[0]), free(b->got[1]);
+    }
+    t->nbuf = 0;
+}
+
+// The three runs of one case: `call` issues the kernel on the side's table.
+typedef void (*tc_call)(tcase *t, const fl_device *x, void *arg);
+
+static void tc_run(tcase *t, tc_call call, void *arg, double tol32) {
+    for (int side = 0; side < 3; side++) {
+        const fl_device *x = tc_begin(t, side);
+        call(t, x, arg);
+        tc_end(t);
+    }
+    tc_finish(t, tol32);
+}
+
+static int *random_ids(size_t n, int lo, int hi, unsigned seed) {
+    int *ids = malloc((n ? n : 1) * sizeof(int));
+    FL_ASSERT(ids);
+    srand(seed);
+    for (size_t i = 0; i < n; i++) ids[i] = lo + rand() % (hi - lo);
+    return ids;
+}
+
+// ----------------------------------------------------------------------------
+// the cases: each fills an args struct of buffer indices and shapes
+
+typedef struct {
+    int a[10];
+    int B, T, C, N, V, Vp, NH, NKV, HS, OC, IC, extra;
+    size_t n;
+    float f;
+} targs;
+
+static void call_encoder(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->encoder_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]), a->B,
+                       a->T, a->C);
+}
+
+static void call_encoder_bwd(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->encoder_backward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]), a->B,
+                        a->T, a->C);
+}
+
+static void call_shard_emb(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->embedding_shard_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), a->extra, a->V,
+                               a->N, a->C);
+    x->position_forward(t->dt, P(t, a->a[0]), P(t, a->a[3]), a->B, a->T, a->C);
+}
+
+static void call_shard_emb_bwd(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->embedding_shard_backward(t->dt, P(t, a->a[0]), P(t, a->a[2]), P(t, a->a[1]), a->extra, a->V,
+                                a->N, a->C);
+    x->position_backward(t->dt, P(t, a->a[3]), P(t, a->a[2]), a->B, a->T, a->C);
+}
+
+static void test_encoder(fl_dtype dt) {
+    int B = 2, T = 77, C = 192, Vp = 512, N = B * T;
+    int *ids = random_ids((size_t)N, 0, 500, 7);
+    targs a = {.B = B, .T = T, .C = C, .N = N};
+    tcase t = tc_new("encoder_forward", dt);
+    a.a[0] = tc_out(&t, dt, (size_t)N * C);
+    a.a[1] = tc_raw(&t, ids, (size_t)N * sizeof(int));
+    a.a[2] = tc_in(&t, dt, (size_t)Vp * C, 1.0f);
+    a.a[3] = tc_in(&t, dt, (size_t)T * C, 1.0f);
+    tc_run(&t, call_encoder, &a, 1e-5);
+    t = tc_new("encoder_backward", dt);
+    a.a[0] = tc_acc(&t, dt, (size_t)Vp * C, 1.0f);
+    a.a[1] = tc_acc(&t, dt, (size_t)T * C, 1.0f);
+    a.a[2] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+    a.a[3] = tc_raw(&t, ids, (size_t)N * sizeof(int));
+    tc_run(&t, call_encoder_bwd, &a, 1e-5);
+    // a shard of rows [100, 356): the other ids give zero rows
+    a.extra = 100, a.V = 256;
+    t = tc_new("embedding_shard_forward + position_forward", dt);
+    a.a[0] = tc_out(&t, dt, (size_t)N * C);
+    a.a[1] = tc_raw(&t, ids, (size_t)N * sizeof(int));
+    a.a[2] = tc_in(&t, dt, (size_t)a.V * C, 1.0f);
+    a.a[3] = tc_in(&t, dt, (size_t)T * C, 1.0f);
+    tc_run(&t, call_shard_emb, &a, 1e-5);
+    t = tc_new("embedding_shard_backward + position_backward", dt);
+    a.a[0] = tc_acc(&t, dt, (size_t)a.V * C, 1.0f);
+    a.a[1] = tc_raw(&t, ids, (size_t)N * sizeof(int));
+    a.a[2] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+    a.a[3] = tc_acc(&t, dt, (size_t)T * C, 1.0f);
+    tc_run(&t, call_shard_emb_bwd, &a, 1e-5);
+    free(ids);
+}
+
+static void call_layernorm(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->layernorm_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                         P(t, a->a[4]), P(t, a->a[5]), a->N, a->C);
+}
+
+static void call_layernorm_bwd(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->layernorm_backward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                          P(t, a->a[4]), P(t, a->a[5]), P(t, a->a[6]), P(t, a->a[7]), a->N, a->C);
+}
+
+static void call_rmsnorm(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->rmsnorm_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]), a->N,
+                       a->C, 1e-5f);
+}
+
+static void call_rmsnorm_bwd(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->rmsnorm_backward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                        P(t, a->a[4]), P(t, a->a[5]), a->N, a->C);
+}
+
+// the saved statistics of a row of inputs, from the cpu (exact inputs for
+// the backward cases)
+static void norms(fl_dtype dt) {
+    int N = 154, C = 200;
+    targs a = {.N = N, .C = C};
+    tcase t = tc_new("layernorm_forward", dt);
+    a.a[0] = tc_out(&t, dt, (size_t)N * C);
+    a.a[1] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[2] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[3] = tc_in(&t, dt, (size_t)N * C, 2.0f);
+    a.a[4] = tc_in(&t, dt, (size_t)C, 1.0f);
+    a.a[5] = tc_in(&t, dt, (size_t)C, 1.0f);
+    tc_run(&t, call_layernorm, &a, 1e-5);
+
+    // the backward's mean and rstd: the cpu's for the same rows
+    void *inp = random_values(dt, (size_t)N * C, 77, 2.0f),
+         *w = random_values(dt, (size_t)C, 78, 1.0f);
+    void *bias = random_values(dt, (size_t)C, 79, 1.0f), *o = malloc((size_t)N * C * 4);
+    float *mean = malloc((size_t)N * 4), *rstd = malloc((size_t)N * 4);
+    FL_ASSERT(o && mean && rstd);
+    layernorm_forward(dt, o, mean, rstd, inp, w, bias, N, C);
+    t = tc_new("layernorm_backward", dt);
+    a.a[0] = tc_acc(&t, dt, (size_t)N * C, 1.0f);
+    a.a[1] = tc_acc(&t, dt, (size_t)C, 1.0f);
+    a.a[2] = tc_acc(&t, dt, (size_t)C, 1.0f);
+    a.a[3] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+    a.a[4] = tc_add(&t, dt, (size_t)N * C, fl_dtype_size(dt), inp, 0);
+    a.a[5] = tc_add(&t, dt, (size_t)C, fl_dtype_size(dt), w, 0);
+    a.a[6] = tc_add(&t, FL_F32, (size_t)N, 4, mean, 0);
+    a.a[7] = tc_add(&t, FL_F32, (size_t)N, 4, rstd, 0);
+    tc_run(&t, call_layernorm_bwd, &a, 1e-5);
+
+    t = tc_new("rmsnorm_forward", dt);
+    a.a[0] = tc_out(&t, dt, (size_t)N * C);
+    a.a[1] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[2] = tc_in(&t, dt, (size_t)N * C, 2.0f);
+    a.a[3] = tc_in(&t, dt, (size_t)C, 1.0f);
+    tc_run(&t, call_rmsnorm, &a, 1e-5);
+
+    rmsnorm_forward(dt, o, rstd, inp, w, N, C, 1e-5f);
+    t = tc_new("rmsnorm_backward", dt);
+    a.a[0] = tc_acc(&t, dt, (size_t)N * C, 1.0f);
+    a.a[1] = tc_acc(&t, dt, (size_t)C, 1.0f);
+    a.a[2] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+    a.a[3] = tc_add(&t, dt, (size_t)N * C, fl_dtype_size(dt), inp, 0);
+    a.a[4] = tc_add(&t, dt, (size_t)C, fl_dtype_size(dt), w, 0);
+    a.a[5] = tc_add(&t, FL_F32, (size_t)N, 4, rstd, 0);
+    tc_run(&t, call_rmsnorm_bwd, &a, 1e-5);
+    free(inp), free(w), free(bias), free(o), free(mean), free(rstd);
+}
+
+// matmul: each side with its own workspace
+typedef struct {
+    targs a;
+    void *ws[2];
+} mm_args;
+
+static void call_matmul(tcase *t, const fl_device *x, void *p) {
+    mm_args *m = p;
+    targs *a = &m->a;
+    x->matmul_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                      m->ws[t->side ? 1 : 0], a->N, a->C, a->OC);
+}
+
+static void call_matmul_bwd(tcase *t, const fl_device *x, void *p) {
+    mm_args *m = p;
+    targs *a = &m->a;
+    x->matmul_backward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                       P(t, a->a[4]), P(t, a->a[5]), m->ws[t->side ? 1 : 0], a->N, a->C, a->OC);
+}
+
+static void matmuls(fl_dtype dt) {
+    int N = 154, C = 192, OC = 264;
+    mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
+    size_t wc = fl_device_cpu_table()->matmul_workspace_bytes(dt, N, C, OC);
+    size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
+    m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
+    m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
+    tcase t = tc_new("matmul_forward", dt);
+    m.a.a[0] = tc_out(&t, dt, (size_t)N * OC);
+    m.a.a[1] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+    m.a.a[2] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
+    m.a.a[3] = tc_in(&t, dt, (size_t)OC, 1.0f);
+    tc_run(&t, call_matmul, &m, 1e-5);
+    t = tc_new("matmul_backward", dt);
+    m.a.a[0] = tc_acc(&t, dt, (size_t)N * C, 1.0f);
+    m.a.a[1] = tc_acc(&t, dt, (size_t)OC * C, 1.0f);
+    m.a.a[2] = tc_acc(&t, dt, (size_t)OC, 1.0f);
+    m.a.a[3] = tc_in(&t, dt, (size_t)N * OC, 1.0f);
+    m.a.a[4] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+    m.a.a[5] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
+    tc_run(&t, call_matmul_bwd, &m, 1e-5);
+    fl_free(m.ws[0]);
+    dev->free(dev, m.ws[1]);
+}
+
+// attention: each side with its own workspace
+typedef struct {
+    targs a;
+    float *ws[2];
+} att_args;
+
+static void call_attention(tcase *t, const fl_device *x, void *p) {
+    att_args *m = p;
+    targs *a = &m->a;
+    x->attention_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), m->ws[t->side ? 1 : 0],
+                         a->B, a->T, a->NH, a->NKV, a->HS);
+}
+
+static void call_attention_bwd(tcase *t, const fl_device *x, void *p) {
+    att_args *m = p;
+    targs *a = &m->a;
+    x->attention_backward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                          P(t, a->a[4]), m->ws[t->side ? 1 : 0], a->B, a->T, a->NH, a->NKV, a->HS);
+}
+
+static void attention(fl_dtype dt, int B, int T, int NH, int NKV, int HS) {
+    att_args m = {.a = {.B = B, .T = T, .NH = NH, .NKV = NKV, .HS = HS}};
+    int group = NH / NKV, W = (NH + 2 * NKV) * HS, C = NH * HS;
+    size_t N = (size_t)B * T;
+    size_t wc = fl_device_cpu_table()->attention_workspace_floats(dt, T, HS, group, fl_threads());
+    size_t wd = dev->attention_workspace_floats(dt, T, HS, group, fl_threads());
+    m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc * sizeof(float)) : NULL;
+    m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd * sizeof(float)) : NULL;
+    char name[96];
+    snprintf(name, sizeof name, "attention_forward B %d T %d NH %d NKV %d HS %d", B, T, NH, NKV,
+             HS);
+    tcase t = tc_new(name, dt);
+    m.a.a[0] = tc_out(&t, dt, N * C);
+    m.a.a[1] = tc_out(&t, FL_F32, (size_t)B * NH * T);
+    m.a.a[2] = tc_in(&t, dt, N * W, 1.0f);
+    tc_run(&t, call_attention, &m, 1e-5);
+
+    // the backward's out and lse: the cpu forward's on the same qkv
+    void *qkv = random_values(dt, N * W, 4242, 1.0f), *out = malloc(N * C * 4);
+    float *lse = malloc((size_t)B * NH * T * 4);
+    FL_ASSERT(out && lse);
+    attention_forward(dt, out, lse, qkv, m.ws[0], B, T, NH, NKV, HS);
+    snprintf(name, sizeof name, "attention_backward B %d T %d NH %d NKV %d HS %d", B, T, NH, NKV,
+             HS);
+    t = tc_new(name, dt);
+    m.a.a[0] = tc_acc(&t, dt, N * W, 1.0f);
+    m.a.a[1] = tc_in(&t, dt, N * C, 1.0f);
+    m.a.a[2] = tc_add(&t, dt, N * W, fl_dtype_size(dt), qkv, 0);
+    m.a.a[3] = tc_add(&t, dt, N * C, fl_dtype_size(dt), out, 0);
+    m.a.a[4] = tc_add(&t, FL_F32, (size_t)B * NH * T, 4, lse, 0);
+    tc_run(&t, call_attention_bwd, &m, 1e-5);
+    free(qkv), free(out), free(lse);
+    fl_free(m.ws[0]);
+    dev->free(dev, m.ws[1]);
+}
+
+static void call_rope(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->rope_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), a->B, a->T, a->NH, a->NKV, a->HS);
+    x->rope_backward(t->dt, P(t, a->a[2]), P(t, a->a[1]), a->B, a->T, a->NH, a->NKV, a->HS);
+}
+
+static void rope(fl_dtype dt) {
+    int B = 2, T = 77, NH = 9, NKV = 3, HS = 64, W = (NH + 2 * NKV) * HS;
+    float *cs = malloc((size_t)T * HS * sizeof(float));
+    FL_ASSERT(cs);
+    rope_table(cs, T, HS, 10000.0f);
+    targs a = {.B = B, .T = T, .NH = NH, .NKV = NKV, .HS = HS};
+    tcase t = tc_new("rope_forward + rope_backward", dt);
+    a.a[0] = tc_acc(&t, dt, (size_t)B * T * W, 1.0f);
+    a.a[1] = tc_add(&t, FL_F32, (size_t)T * HS, 4, cs, 0);
+    a.a[2] = tc_acc(&t, dt, (size_t)B * T * W, 1.0f);
+    tc_run(&t, call_rope, &a, 1e-5);
+    free(cs);
+}
+
+static void call_elementwise(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    int *b = a->a;
+    x->gelu_forward(t->dt, P(t, b[0]), P(t, b[1]), a->n);
+    x->gelu_backward(t->dt, P(t, b[2]), P(t, b[1]), P(t, b[3]), a->n);
+    x->residual_forward(t->dt, P(t, b[4]), P(t, b[1]), P(t, b[3]), a->n);
+    x->residual_backward(t->dt, P(t, b[5]), P(t, b[6]), P(t, b[3]), a->n);
+    x->swiglu_forward(t->dt, P(t, b[7]), P(t, b[8]), a->N, a->IC);
+    x->swiglu_backward(t->dt, P(t, b[9]), P(t, b[8]), P(t, b[7]), a->N, a->IC);
+    // bias_forward on swiglu's output, viewed as (N, IC)
+    x->bias_forward(t->dt, P(t, b[7]), P(t, b[1]), a->N, a->IC);
+}
+
+static void elementwise(fl_dtype dt) {
+    targs a = {.n = 29573, .N = 154, .IC = 520};
+    size_t n = a.n, nsw = (size_t)a.N * a.IC;
+    tcase t = tc_new("gelu, residual, swiglu, bias", dt);
+    a.a[0] = tc_out(&t, dt, n);
+    a.a[1] = tc_in(&t, dt, n, 3.0f);
+    a.a[2] = tc_acc(&t, dt, n, 1.0f);
+    a.a[3] = tc_in(&t, dt, n, 1.0f);
+    a.a[4] = tc_out(&t, dt, n);
+    a.a[5] = tc_acc(&t, dt, n, 1.0f);
+    a.a[6] = tc_acc(&t, dt, n, 1.0f);
+    a.a[7] = tc_out(&t, dt, nsw);
+    a.a[8] = tc_in(&t, dt, 2 * nsw, 3.0f);
+    a.a[9] = tc_acc(&t, dt, 2 * nsw, 1.0f);
+    tc_run(&t, call_elementwise, &a, 1e-5);
+}
+
+static void call_xent(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    int *b = a->a;
+    x->softmax_xent_forward(t->dt, P(t, b[0]), P(t, b[1]), P(t, b[2]), P(t, b[3]), a->N, a->V,
+                            a->Vp);
+    // the backward on the forward's lse, into a separate buffer
+    x->softmax_xent_backward(t->dt, P(t, b[4]), P(t, b[2]), P(t, b[1]), P(t, b[3]), P(t, b[5]),
+                             a->N, a->V, a->Vp);
+}
+
+static void call_xent_fused(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    int *b = a->a;
+    x->softmax_xent_forward_backward(t->dt, P(t, b[0]), P(t, b[1]), P(t, b[2]), P(t, b[3]),
+                                     P(t, b[5]), a->N, a->V, a->Vp);
+}
+
+static void call_xent_shard(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    int *b = a->a;
+    x->xent_shard_max(t->dt, P(t, b[0]), P(t, b[2]), a->N, a->V, a->Vp);
+    // the sums against a global max 0.5 above this shard's (another rank's)
+    x->xent_shard_sums(t->dt, P(t, b[1]), P(t, b[2]), P(t, b[6]), P(t, b[3]), a->N, a->V, a->Vp);
+    x->xent_shard_backward(t->dt, P(t, b[4]), P(t, b[2]), P(t, b[7]), P(t, b[3]), P(t, b[5]), a->N,
+                           a->V, a->Vp);
+}
+
+// targets: every 7th position without loss (-1)
+static int *xent_targets(int N, int V) {
+    int *tg = random_ids((size_t)N, 0, V, 99);
+    for (int i = 0; i < N; i += 7) tg[i] = -1;
+    return tg;
+}
+
+static void xent(fl_dtype dt) {
+    int N = 154, V = 50257, Vp = 50304;
+    size_t NV = (size_t)N * Vp;
+    int *tg = xent_targets(N, V);
+    float *dl = malloc((size_t)N * sizeof(float));
+    FL_ASSERT(dl);
+    for (int i = 0; i < N; i++) dl[i] = tg[i] < 0 ? 0.0f : 1.0f / (float)N;
+    targs a = {.N = N, .V = V, .Vp = Vp};
+    tcase t = tc_new("softmax_xent_forward + backward V 50257 Vp 50304", dt);
+    a.a[0] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[1] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[2] = tc_in(&t, dt, NV, 8.0f);
+    a.a[3] = tc_raw(&t, tg, (size_t)N * sizeof(int));
+    a.a[4] = tc_out(&t, dt, NV);
+    a.a[5] = tc_add(&t, FL_F32, (size_t)N, 4, dl, 0);
+    tc_run(&t, call_xent, &a, 1e-5);
+
+    t = tc_new("softmax_xent_forward_backward (fused, in place)", dt);
+    a.a[0] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[1] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[2] = tc_acc(&t, dt, NV, 8.0f);
+    a.a[3] = tc_raw(&t, tg, (size_t)N * sizeof(int));
+    a.a[4] = a.a[2];
+    a.a[5] = tc_add(&t, FL_F32, (size_t)N, 4, dl, 0);
+    tc_run(&t, call_xent_fused, &a, 1e-5);
+
+    // a shard of 25129 columns in 25152; its local targets, -1 elsewhere
+    int Vs = 25129, Vps = 25152;
+    int *tl = xent_targets(N, Vs);
+    for (int i = 3; i < N; i += 5) tl[i] = -1;
+    float *mx = malloc((size_t)N * 4), *lse = malloc((size_t)N * 4);
+    void *logits = random_values(dt, (size_t)N * Vps, 555, 8.0f);
+    FL_ASSERT(mx && lse);
+    xent_shard_max(dt, mx, logits, N, Vs, Vps);
+    for (int i = 0; i < N; i++) mx[i] += 0.5f, lse[i] = mx[i] + 10.0f;
+    a = (targs){.N = N, .V = Vs, .Vp = Vps};
+    t = tc_new("xent_shard_max, _sums, _backward", dt);
+    a.a[0] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[1] = tc_out(&t, FL_F32, (size_t)2 * N);
+    a.a[2] = tc_add(&t, dt, (size_t)N * Vps, fl_dtype_size(dt), logits, 0);
+    a.a[3] = tc_raw(&t, tl, (size_t)N * sizeof(int));
+    a.a[4] = tc_out(&t, dt, (size_t)N * Vps);
+    a.a[5] = tc_add(&t, FL_F32, (size_t)N, 4, dl, 0);
+    a.a[6] = tc_add(&t, FL_F32, (size_t)N, 4, mx, 0);
+    a.a[7] = tc_add(&t, FL_F32, (size_t)N, 4, lse, 0);
+    tc_run(&t, call_xent_shard, &a, 1e-5);
+    free(tg), free(tl), free(dl), free(mx), free(lse), free(logits);
+}
+
+static void call_lora(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    int *b = a->a;
+    x->lora_add_columns(t->dt, P(t, b[0]), a->extra, P(t, b[1]), 0.75f, a->N, a->C);
+    x->lora_gather_columns(t->dt, P(t, b[2]), P(t, b[0]), a->extra, 1.5f, a->N, a->C);
+    x->dropout_apply(t->dt, P(t, b[3]), P(t, b[4]), a->n, 0.1f, 0x1234abcdull);
+    x->dropout_apply(t->dt, P(t, b[4]), P(t, b[4]), a->n, 0.3f, 77ull); // in place
+    x->nf4_dequantize(t->dt, P(t, b[5]), P(t, b[6]), P(t, b[7]), (size_t)a->B, 64);
+}
+
+static void lora_nf4(fl_dtype dt) {
+    int N = 154, cols = 100, ld = 576, n4 = 4097;
+    size_t n = 100003;
+    unsigned char *codes = malloc((size_t)(n4 + 1) / 2);
+    float *absmax = malloc((size_t)(n4 + 63) / 64 * sizeof(float));
+    FL_ASSERT(codes && absmax);
+    for (int i = 0; i < (n4 + 1) / 2; i++) codes[i] = (unsigned char)(i * 37 + 11);
+    for (int i = 0; i < (n4 + 63) / 64; i++) absmax[i] = 0.01f * (float)(i + 1);
+    targs a = {.N = N, .C = cols, .extra = ld, .n = n, .B = n4};
+    tcase t = tc_new("lora_add_columns, lora_gather_columns, dropout_apply, nf4_dequantize", dt);
+    a.a[0] = tc_acc(&t, dt, (size_t)N * ld, 1.0f);
+    a.a[1] = tc_in(&t, dt, (size_t)N * cols, 1.0f);
+    a.a[2] = tc_out(&t, dt, (size_t)N * cols);
+    a.a[3] = tc_out(&t, dt, n);
+    a.a[4] = tc_acc(&t, dt, n, 1.0f);
+    a.a[5] = tc_out(&t, dt, (size_t)n4);
+    a.a[6] = tc_raw(&t, codes, (size_t)(n4 + 1) / 2);
+    a.a[7] = tc_add(&t, FL_F32, (size_t)(n4 + 63) / 64, 4, absmax, 0);
+    // the cpu rounds these exactly as the device must: bitwise (bound 0)
+    tc_run(&t, call_lora, &a, 0.0);
+    free(codes), free(absmax);
+}
+
+// the step's pieces: convert, accumulate, sumsq and sum
+static void call_step(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    int *b = a->a;
+    x->convert(FL_F32, P(t, b[0]), t->dt, P(t, b[1]), a->n);
+    x->convert(t->dt, P(t, b[2]), FL_F32, P(t, b[3]), a->n);
+    x->accumulate(P(t, b[4]), t->dt, P(t, b[1]), a->n);
+    double s[2] = {x->sumsq(t->dt, P(t, b[1]), a->n), x->sum(P(t, b[3]), a->n)};
+    // the two doubles, as bytes, into an 16-byte output (host memory on both
+    // sides: the reductions return to the host)
+    memcpy(t->side ? t->b[b[5]].got[t->side - 1] : t->b[b[5]].host, s, sizeof s);
+}
+
+static void step_pieces(fl_dtype dt) {
+    targs a = {.n = 1000003};
+    tcase t = tc_new("convert, accumulate, sumsq, sum", dt);
+    a.a[0] = tc_out(&t, FL_F32, a.n);
+    a.a[1] = tc_in(&t, dt, a.n, 1.0f);
+    a.a[2] = tc_out(&t, dt, a.n);
+    a.a[3] = tc_in(&t, FL_F32, a.n, 1.0f);
+    a.a[4] = tc_acc(&t, FL_F32, a.n, 1.0f);
+    // a host result: not uploaded or downloaded (not compared by tc_end)
+    a.a[5] = tc_out(&t, FL_F32, 4);
+    t.b[a.a[5]].compared = 0;
+    for (int side = 0; side < 3; side++) {
+        const fl_device *x = tc_begin(&t, side);
+        call_step(&t, x, &a);
+        tc_end(&t);
+    }
+    // the device sums in a fixed order of its own (device.h): within a
+    // double's rounding over the 10^6 terms of the cpu's, the same bits twice
+    tbuf *r = &t.b[a.a[5]];
+    double got[2], want[2];
+    memcpy(got, r->got[0], sizeof got), memcpy(want, r->host, sizeof want);
+    for (int k = 0; k < 2; k++)
+        t_check(fabs(got[k] - want[k]) <= 1e-10 * fabs(want[k]),
+                "%s %s: %.17g against the cpu's %.17g", k ? "sum" : "sumsq", fl_dtype_name(dt),
+                got[k], want[k]);
+    t_check(memcmp(r->got[0], r->got[1], 16) == 0, "sumsq and sum %s: the same bits twice",
+            fl_dtype_name(dt));
+    tc_finish(&t, 0.0);
+}
+
+// ----------------------------------------------------------------------------
+// the optimizer update through the table: the same rule twice, its state
+// on the host for the cpu and on the device for the device (the struct
+// copied, its state pointers swapped for zeroed device buffers), two steps
+
+typedef struct {
+    int sgd;
+    fl_adamw adamw[2]; // [0] host state, [1] device state
+    fl_sgd sgdr[2];
+    fl_param_view row;
+    size_t n;
+} optim_args;
+
+static fl_optim_rule *rule_of(optim_args *o, int side) {
+    return o->sgd ? &o->sgdr[side ? 1 : 0].rule : &o->adamw[side ? 1 : 0].rule;
+}
+
+static void call_update(tcase *t, const fl_device *x, void *p) {
+    optim_args *o = p;
+    const int b[5] = {0, 1, 2, 3, 4}; // the buffers, in the order optim adds them
+    fl_optim_rule *r = rule_of(o, t->side);
+    // the state from zero on each side's first run (tc_begin resets buffers)
+    if (o->sgd) {
+        o->sgdr[t->side ? 1 : 0].t = 0;
+        if (t->side) o->sgdr[1].buf = P(t, b[3]);
+    } else {
+        o->adamw[t->side ? 1 : 0].t = 0;
+        if (t->side) o->adamw[1].m = P(t, b[3]), o->adamw[1].v = P(t, b[4]);
+    }
+    fl_update_args a = {.params = P(t, b[0]),
+                        .params_lowp = t->dt == FL_F32 ? NULL : P(t, b[1]),
+                        .lowp_dtype = t->dt,
+                        .grads = P(t, b[2]),
+                        .grads_dtype = t->dt,
+                        .grad_scale = 0.5f};
+    for (int step = 0; step < 2; step++) {
+        fl_optim_begin_step(r, 1e-2f);
+        x->update(r, &o->row, 0, o->n, &a);
+        fl_optim_end_step(r);
+    }
+}
+
+static void optim(fl_dtype dt, int sgd) {
+    optim_args o = {.sgd = sgd, .n = 100003};
+    o.row = (fl_param_view){
+        .name = "w", .ndim = 1, .shape = {o.n}, .numel = o.n, .flags = FL_PARAM_DECAY};
+    if (sgd)
+        fl_sgd_init(&o.sgdr[0], o.n, 0.9f, 0.01f), o.sgdr[1] = o.sgdr[0];
+    else
+        fl_adamw_init(&o.adamw[0], o.n, 0.9f, 0.95f, 1e-8f, 0.1f), o.adamw[1] = o.adamw[0];
+    tcase t = tc_new(sgd ? "update: SGD momentum 0.9" : "update: AdamW", dt);
+    tc_acc(&t, FL_F32, o.n, 1.0f); // 0: the fp32 (master) weights
+    tc_out(&t, dt, o.n);           // 1: the 16-bit weights the step refreshes
+    tc_in(&t, dt, o.n, 1.0f);      // 2: the gradients
+    tc_out(&t, FL_F32, o.n);       // 3: m (SGD: the momentum buffer)
+    tc_out(&t, FL_F32, o.n);       // 4: v (unused by SGD)
+    // the state starts at zero, not poisoned; the host's is the rule's own
+    float *zero = calloc(o.n, sizeof(float));
+    FL_ASSERT(zero);
+    for (int k = 3; k <= 4; k++) memcpy(t.b[k].init, zero, o.n * sizeof(float));
+    if (sgd) t.b[4].compared = 0;
+    if (dt == FL_F32) t.b[1].compared = 0;
+    for (int side = 0; side < 3; side++) {
+        const fl_device *x = tc_begin(&t, side);
+        if (!side) { // the host rule's state into the host buffers compared
+            if (sgd) {
+                memset(o.sgdr[0].buf, 0, o.n * sizeof(float));
+            } else {
+                memset(o.adamw[0].m, 0, o.n * sizeof(float));
+                memset(o.adamw[0].v, 0, o.n * sizeof(float));
+            }
+        }
+        call_update(&t, x, &o);
+        if (!side) {
+            memcpy(t.b[3].host, sgd ? o.sgdr[0].buf : o.adamw[0].m, o.n * sizeof(float));
+            if (!sgd) memcpy(t.b[4].host, o.adamw[0].v, o.n * sizeof(float));
+        }
+        tc_end(&t);
+    }
+    tc_finish(&t, 1e-5);
+    if (sgd)
+        fl_sgd_free(&o.sgdr[0]);
+    else
+        fl_adamw_free(&o.adamw[0]);
+    free(zero);
+}
+
+int main(int argc, char **argv) {
+    char why[512] = "";
+    if (argc > 1 && strcmp(argv[1], "test") == 0)
+        dev = fl_device_test_table();
+    else
+        dev = fl_device_cuda_table(why, sizeof why);
+    if (!dev) {
+        printf("test_gpu: skipped: %s\n", why);
+        return 77;
+    }
+    char line[256];
+    dev->describe(dev, line, sizeof line);
+    printf("test_gpu: %s against the cpu\n", line);
+    const fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
+    for (int k = 0; k < 3; k++) {
+        fl_dtype dt = dts[k];
+        test_encoder(dt);
+        norms(dt);
+        matmuls(dt);
+        attention(dt, 2, 77, 9, 3, 64);
+        attention(dt, 1, 77, 4, 4, 128);
+        attention(dt, 1, 130, 2, 1, 64);
+        rope(dt);
+        elementwise(dt);
+        xent(dt);
+        lora_nf4(dt);
+        step_pieces(dt);
+        optim(dt, 0);
+        optim(dt, 1);
+    }
+    return t_report();
+}
