@@ -26,7 +26,8 @@ enum { MM_FORWARD, MM_DINP, MM_DWEIGHT };
 
 static void blas_check(cublasStatus_t st, const char *call, const char *file, int line) {
     if (st != CUBLAS_STATUS_SUCCESS)
-        fl_die("cuda: %s failed at %s:%d: cuBLAS status %d", call, file, line, (int)st);
+        fl_die("cuda: %s failed at %s:%d: %s (%s)", call, file, line, cublasLtGetStatusString(st),
+               cublasLtGetStatusName(st));
 }
 #define FL_BLAS_CHECK(call) blas_check((call), #call, __FILE__, __LINE__)
 
