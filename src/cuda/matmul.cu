@@ -26,7 +26,8 @@ enum { MM_FORWARD, MM_DINP, MM_DWEIGHT };
 
 static void blas_check(cublasStatus_t st, const char *call, const char *file, int line) {
     if (st != CUBLAS_STATUS_SUCCESS)
-        fl_die("cuda: %s failed at %s:%d: cuBLAS status %d", call, file, line, (int)st);
+        fl_die("cuda: %s failed at %s:%d: %s (%s)", call, file, line, cublasLtGetStatusString(st),
+               cublasLtGetStatusName(st));
 }
 #define FL_BLAS_CHECK(call) blas_check((call), #call, __FILE__, __LINE__)
 
@@ -131,7 +132,14 @@ static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int 
 // D = A x B + beta D, on the compute stream
 static void gemm(int kind, fl_dtype dt, void *d, const void *a, const void *b, const void *bias,
                  float beta, void *workspace, int m, int n, int k) {
-    size_t ws = workspace ? MM_WORKSPACE : 0;
+    // the workspace from its first 256-byte boundary (the model's buffer
+    // may sit at any 64-byte offset of an arena)
+    size_t ws = 0;
+    if (workspace) {
+        uintptr_t at = ((uintptr_t)workspace + 255) & ~(uintptr_t)255;
+        ws = MM_WORKSPACE - (at - (uintptr_t)workspace);
+        workspace = (void *)at;
+    }
     int align = alignment_of(a, b, d);
     plan *p = get_plan(kind, dt, m, n, k, bias != NULL, align, ws);
     if (bias)
@@ -164,10 +172,15 @@ extern "C" size_t fl_cuda_matmul_workspace_bytes(fl_dtype dt, int N, int C, int 
     return MM_WORKSPACE;
 }
 
+// The bias rides on the epilogue (rounded once with the product) when its
+// pointer is 16-byte aligned; otherwise it is added after, rounded again
+// under 16-bit storage.
 extern "C" void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
                                        const void *bias, void *workspace, int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
-    gemm(MM_FORWARD, dt, out, weight, inp, bias, 0.0f, workspace, OC, N, C);
+    int epilogue = bias && (uintptr_t)bias % 16 == 0;
+    gemm(MM_FORWARD, dt, out, weight, inp, epilogue ? bias : NULL, 0.0f, workspace, OC, N, C);
+    if (bias && !epilogue) fl_cuda_bias_forward(dt, out, bias, N, OC);
 }
 
 extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
