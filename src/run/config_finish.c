@@ -93,11 +93,11 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "%d ranks", ranks);
     else if (cfg->tensor_parallel > 1 || cfg->pipeline_parallel > 1)
         snprintf(what, sizeof what, "tensor or pipeline parallelism");
-    else if (cfg->zero.stage > 0)
-        snprintf(what, sizeof what, "ZeRO stage %d", cfg->zero.stage);
     else if (strcmp(x->offload_optimizer, "none") || strcmp(x->offload_param, "none") ||
              x->cpu_offload || x->cpu_offload_param)
         snprintf(what, sizeof what, "offload (zero_optimization.offload_*)");
+    else if (cfg->zero.stage > 0)
+        snprintf(what, sizeof what, "ZeRO stage %d", cfg->zero.stage);
     else if (cfg->lora_enabled || *cfg->adapter)
         snprintf(what, sizeof what, "LoRA adapters");
     else if (cfg->quant.enabled)
