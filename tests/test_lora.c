@@ -297,7 +297,7 @@ static void qlora_is_lora_on_dequantised(const char *name, const fl_model_config
         else
             dense += v->numel;
     }
-    fl_model_memory(c, dt, 0, 0, 1, FL_RECOMPUTE_NONE, 0, NULL, &qc, NULL, bytes);
+    fl_model_memory(NULL, c, dt, 0, 0, 1, FL_RECOMPUTE_NONE, 0, NULL, &qc, NULL, bytes);
     double per = (double)(bytes[FL_MEM_PARAMS] - dense * fl_dtype_size(dt)) / quantised;
     // the format's bytes (a nested block's fp32 absmax per 256 blocks and the
     // offset rounded up per row), and at most 64 bytes of row alignment
@@ -431,7 +431,7 @@ static void memory_is_planned(const char *name, const fl_model_config *c, fl_dty
                               const char *targets, float dropout_p, const fl_quant_config *qc) {
     size_t want[FL_MEM_NTAGS], before[FL_MEM_NTAGS], got[FL_MEM_NTAGS];
     fl_lora_config lc = lora_config(8, targets, dropout_p);
-    fl_model_memory(c, dt, B, T, 2, FL_RECOMPUTE_SELECTIVE, 0, &lc, qc, NULL, want);
+    fl_model_memory(NULL, c, dt, B, T, 2, FL_RECOMPUTE_SELECTIVE, 0, &lc, qc, NULL, want);
     for (int t = 0; t < FL_MEM_NTAGS; t++) before[t] = fl_mem_current(t);
     fl_model m;
     init_quant(&m, c, dt, 1, qc);

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "fitlm/config.h"
+#include "fitlm/device.h"
 #include "fitlm/train.h"
 #include "fitlm/optim.h"
 #include "testlib.h"
@@ -1104,6 +1105,146 @@ static void test_fused_lowp(void) {
 }
 
 // ----------------------------------------------------------------------------
+// the optimizer on a device
+
+#define DEV_STEPS 4
+
+// What DEV_STEPS steps left: the weights, master and rule state (downloaded)
+// and each step's result.
+typedef struct {
+    void *params;                       // n values of the dtype
+    float *master;                      // n floats, or NULL
+    float *state[FL_OPTIM_MAX_TENSORS]; // n floats each
+    int nstate;
+    size_t n, bytes; // elements, bytes of params
+    fl_step_result r[DEV_STEPS];
+} dev_outcome;
+
+// DEV_STEPS steps of cfg's optimizer over the big table, with the weights
+// and gradients in d's memory (filled by upload) and the optimizer put on d.
+// Each micro-batch's "backward" adds its gradient (times the loss scale) to
+// the device's through the copies, as a backward accumulates; at step
+// `overflow` (-1: none) one gradient overflows fp16 once scaled. Off the
+// cpu the optimizer's own buffers must be the device's, in
+// fl_optimizer_memory_table's sizes.
+static void dev_run(const fl_device *d, fl_dtype dt, const fl_optimizer_config *cfg, int overflow,
+                    dev_outcome *out) {
+    fl_param_table t = {0};
+    make_big_table(&t);
+    size_t n = t.numel, ds = fl_dtype_size(dt), want[FL_MEM_NTAGS];
+    float *f = malloc(n * sizeof(float));
+    void *host = malloc(n * ds);
+    t_fill(f, n, 61, 1.0f);
+    fl_convert(dt, host, FL_F32, f, n);
+    void *params = d->alloc(d, FL_MEM_PARAMS, n * ds), *grads = d->alloc(d, FL_MEM_GRADS, n * ds);
+    fl_dev_upload(d, params, host, n * ds);
+    const fl_mem_tag tags[] = {FL_MEM_MASTER, FL_MEM_GRADS, FL_MEM_OPTIM};
+    size_t before[3];
+    for (int k = 0; k < 3; k++) before[k] = fl_mem_device_current(tags[k]);
+    fl_optimizer o;
+    fl_device_use(d);
+    fl_optimizer_init(&o, cfg, &t, dt, params, grads);
+    fl_device_use(fl_device_cpu());
+    fl_optimizer_memory_table(cfg, dt, &t, 0, n, want);
+    int placed = o.dev == d && o.rule->dev == d;
+    for (int k = 0; k < 3 && !d->host; k++)
+        placed &= fl_mem_device_current(tags[k]) - before[k] == want[tags[k]];
+    t_check(placed, "%s: the optimizer, its master, gradient sum and state are the device's",
+            d->name);
+    for (int s = 0; s < DEV_STEPS; s++) {
+        for (int micro = 0; micro < cfg->grad_accum; micro++) {
+            fl_optimizer_zero_grad(&o);
+            t_fill(f, n, 70 + 10 * (unsigned)s + (unsigned)micro, 0.05f);
+            if (s == overflow) f[n / 3] = 1e4f;
+            for (size_t i = 0; i < n; i++) f[i] *= fl_optimizer_loss_scale(&o);
+            fl_dev_download(d, host, grads, n * ds);
+            fl_accumulate_f32(dt, host, f, n);
+            fl_dev_upload(d, grads, host, n * ds);
+            fl_optimizer_micro_done(&o);
+        }
+        out->r[s] = fl_optimizer_step(&o, 1e-2f * (float)(s + 1));
+    }
+    out->n = n;
+    out->bytes = n * ds;
+    out->params = malloc(n * ds);
+    fl_dev_download(d, out->params, params, n * ds);
+    if (o.master) {
+        out->master = malloc(n * sizeof(float));
+        fl_dev_download(d, out->master, o.master, n * sizeof(float));
+    }
+    out->nstate = fl_optim_state_count(o.rule);
+    for (int k = 0; k < out->nstate; k++) {
+        out->state[k] = malloc(n * sizeof(float));
+        fl_dev_download(d, out->state[k], fl_optim_state_ptr(o.rule, k, 0), n * sizeof(float));
+    }
+    fl_optimizer_free(&o);
+    d->free(d, params);
+    d->free(d, grads);
+    free(f);
+    free(host);
+    fl_params_free(&t);
+}
+
+static void dev_outcome_free(dev_outcome *x) {
+    free(x->params);
+    free(x->master);
+    for (int k = 0; k < x->nstate; k++) free(x->state[k]);
+}
+
+// The optimizer on the test device (buffers the host cannot touch, the
+// cpu's kernels) gives the cpu's weights, master, state, norms, skips and
+// loss scales bitwise. clip: the norm must exceed max_grad_norm at every
+// step that is not skipped.
+static void check_device_step(const char *name, fl_dtype dt, const fl_optimizer_config *cfg,
+                              int overflow) {
+    dev_outcome a = {0}, b = {0};
+    dev_run(fl_device_cpu(), dt, cfg, overflow, &a);
+    dev_run(fl_device_get("test"), dt, cfg, overflow, &b);
+    size_t n = a.n;
+    int same = !memcmp(a.params, b.params, a.bytes) && !a.master == !b.master &&
+               (!a.master || !memcmp(a.master, b.master, n * sizeof(float))) &&
+               a.nstate == b.nstate;
+    for (int k = 0; same && k < a.nstate; k++)
+        same &= !memcmp(a.state[k], b.state[k], n * sizeof(float));
+    int results = 1, clipped = 1, skips = 1,
+        halved = overflow < 0 || overflow + 1 >= DEV_STEPS ||
+                 b.r[overflow + 1].loss_scale * 2.0f == b.r[overflow].loss_scale;
+    for (int s = 0; s < DEV_STEPS; s++) {
+        const fl_step_result *x = &a.r[s], *y = &b.r[s];
+        results &= !memcmp(&x->grad_norm, &y->grad_norm, sizeof(float)) &&
+                   x->skipped == y->skipped && x->loss_scale == y->loss_scale;
+        skips &= y->skipped == (s == overflow);
+        if (!y->skipped) clipped &= y->grad_norm > cfg->max_grad_norm;
+    }
+    t_check(same && results,
+            "%s: the test device's weights, master, state and step results are the cpu's "
+            "bitwise",
+            name);
+    t_check(skips && halved, "%s: only the overflowing step (if any) is skipped, halving the scale",
+            name);
+    t_check(clipped, "%s: clipping is active", name);
+    dev_outcome_free(&a);
+    dev_outcome_free(&b);
+}
+
+static void test_device_steps(void) {
+    fl_optimizer_config adamw = adamw_config(2); // accumulates 2 micro-batches
+    adamw.max_grad_norm = 0.5f;
+    fl_optimizer_config sgd = adamw;
+    sgd.kind = FL_OPT_SGD;
+    sgd.momentum = 0.9f;
+    sgd.weight_decay = 0.01f;
+    sgd.grad_accum = 1;
+    check_device_step("fp32 AdamW, 2 micro-batches", FL_F32, &adamw, -1);
+    check_device_step("bf16 AdamW with master weights, 2 micro-batches", FL_BF16, &adamw, -1);
+    check_device_step("fp32 SGD with momentum", FL_F32, &sgd, -1);
+    check_device_step("bf16 SGD with momentum", FL_BF16, &sgd, -1);
+    fl_optimizer_config fp16 = adamw;
+    fp16.hysteresis = 1; // the overflow halves the scale
+    check_device_step("fp16 AdamW, loss scaling, 2 micro-batches", FL_F16, &fp16, 2);
+}
+
+// ----------------------------------------------------------------------------
 // the ISA paths
 
 // weights of 4 rules, AdamW's m and v, SGD's momentum; then for two
@@ -1274,6 +1415,7 @@ static int run_all(const char *path) {
     test_lomo_rule();
     test_adalomo_matches_reference();
     test_fused_lowp();
+    test_device_steps();
 
     test_schedules();
     return t_report();

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "fitlm/core.h"
+#include "fitlm/device.h"
 #include "fitlm/dtype.h"
 #include "fitlm/lora.h"
 #include "fitlm/params.h"
@@ -119,6 +120,9 @@ typedef struct {
     size_t *row_at;      // per base row: byte offset of its storage in store; SIZE_MAX: dense
     void *dequant;       // workspace: the largest GEMM's weights dequantised to the model's dtype
     float *absmax;       // workspace: one row's absmax, double quantisation undone
+    // a device other than the cpu: the host's side of quantising and
+    // dequantising a row (its absmax and statistics; FL_MEM_OTHER), else NULL
+    float *host;
     // the quantisation error of the rows stored so far (fl_model_quant_error)
     double err_sum, err_max, w_sumsq;
     size_t err_n;
@@ -129,6 +133,11 @@ enum { FL_MAX_SLOTS = 16 };
 struct fl_model {
     fl_model_config config;
     const fl_arch *arch;
+    // where its buffers live and its kernels run (fl_device_default() when it
+    // was initialised): every buffer of a tag the placement rule puts on the
+    // device (params, grads, acts, workspace) is the device's, and the model
+    // reaches it only through the table (device.h)
+    const fl_device *dev;
     fl_dtype dtype; // of weights, gradients and activations (compute is fp32)
     // the rows this process holds: the whole model's, or under tensor
     // parallelism its rank's slices (fl_params_slice), with the whole
@@ -269,6 +278,8 @@ static inline int fl_model_sharded(const fl_model *m) {
 // The memory that holds m's weights, as up to 3 spans (the dense rows of
 // this rank's range, the NF4 rows' store, the LoRA adapters); returns how
 // many: what two copies of a model must hold alike to be the same model.
+// The spans are m->dev's memory: device pointers on a device other than the
+// cpu (read them with m->dev->copy_d2h).
 int fl_model_weight_spans(const fl_model *m, const void *data[3], size_t bytes[3]);
 // Allocates what training (or, without using the gradients, inference)
 // needs for batches of up to B x T (T <= max_seq_len), for the current
@@ -284,11 +295,13 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
 // allocation walks, so the prediction is exact. B = 0 leaves out the
 // activations (the gradients are counted).
 // lora, quant: the adapters and NF4 storage (NULL or disabled: none).
-// pp: a pipeline stage's (NULL: the whole model).
-void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
-                     fl_recompute recompute, int unit_grads, const fl_lora_config *lora,
-                     const fl_quant_config *quant, const fl_pp_stage *pp,
-                     size_t bytes[FL_MEM_NTAGS]);
+// pp: a pipeline stage's (NULL: the whole model). dev: the device the model
+// is put on (its workspace sizes; NULL: the cpu); which tags are the
+// device's is the placement rule's (device.h).
+void fl_model_memory(const fl_device *dev, const fl_model_config *cfg, fl_dtype dt, int B, int T,
+                     int threads, fl_recompute recompute, int unit_grads,
+                     const fl_lora_config *lora, const fl_quant_config *quant,
+                     const fl_pp_stage *pp, size_t bytes[FL_MEM_NTAGS]);
 // Pipeline parallelism: the forward and backward below run chunk `chunk`
 // of the stage (its embedding, blocks, head and loss, whichever it holds)
 // on activation set `set` (0 .. pp.sets[chunk] - 1): the buffers and the
@@ -311,7 +324,14 @@ void fl_model_free(fl_model *m);
 // in order, in pieces whose first is a multiple of 4096 (any block size
 // divides it); its statistics are complete with its last element.
 void fl_model_store_row(fl_model *m, int row, size_t first, const float *w, size_t n);
-// A base row as fp32 (dequantised when stored in NF4).
+// n values of the model's dtype at dst (the model's device memory) from
+// fp32 host values, rounded on the host and uploaded through a small
+// staging buffer (on the cpu stored in place: the same bits); and back,
+// widened to fp32 on the host.
+void fl_model_upload_f32(const fl_model *m, void *dst, const float *w, size_t n);
+void fl_model_download_f32(const fl_model *m, float *out, const void *src, size_t n);
+// A base row as fp32 (dequantised when stored in NF4), downloaded from the
+// model's device into host memory.
 void fl_model_row_f32(const fl_model *m, int row, float *out);
 // The NF4 rows' quantisation error so far, as stored (each value against its
 // 4-bit code times its block's fp32 absmax; double quantisation of the
@@ -324,7 +344,8 @@ void fl_model_quant_error(const fl_model *m, double *mean_abs, double *max_abs, 
 // row) unless cfg->train_base.
 void fl_model_add_lora(fl_model *m, const fl_lora_config *cfg, uint64_t seed);
 // The base weights as fp32 (table.numel values) with each adapter merged in:
-// W + scaling * B @ A, computed in fp32 (what `fitlm export --merge` writes).
+// W + scaling * B @ A, computed in fp32 (what `fitlm export --merge` writes);
+// out is host memory (the rows are downloaded from m->dev).
 void fl_model_merged_f32(const fl_model *m, float *out);
 
 // Rows of a unit: [*first, *first + *count).
@@ -379,7 +400,7 @@ typedef struct {
     int tp;      // FL_LINEAR_WHOLE, _COLUMN or _ROW
 } fl_linear;
 
-size_t fl_linear_workspace_bytes(fl_dtype dt, const fl_linear *lin, int N);
+size_t fl_linear_workspace_bytes(const fl_device *d, fl_dtype dt, const fl_linear *lin, int N);
 void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
                        int N);
 // dinp (N,C) accumulates (NULL: not needed); the weight and bias gradients

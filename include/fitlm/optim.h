@@ -18,6 +18,8 @@
 #include "fitlm/params.h"
 #include "fitlm/tp.h"
 
+struct fl_device; // device.h
+
 // ----------------------------------------------------------------------------
 // Update rules (AdamW, SGD; LOMO, AdaLomo, offloaded AdamW plug in the same
 // way). A rule updates any range [offset, offset+count) of one row of the
@@ -27,7 +29,10 @@
 // whole model or one rank's shard (ZeRO), and every update falls inside.
 // A step is fl_optim_begin_step (t++, the step's constants), updates of
 // disjoint ranges in any order and split any way (bitwise the same result),
-// then fl_optim_end_step.
+// then fl_optim_end_step. A rule's state is memory of the device that was
+// fl_device_default() when the rule was made (rule.dev); fl_optim_update is
+// the cpu's update (the cpu table's), and on another device updates go
+// through its table's update (device.h).
 
 // What one update reads and writes: every pointer is at element `offset` of
 // the range. Gradients may be of any dtype (so they may live in per-block
@@ -78,6 +83,9 @@ typedef struct fl_optim_rule {
     size_t window_begin;
     int nstate; // state tensors: elementwise ones, (state_end - state_begin) floats each,
                 // or per-row ones (AdaLomo) of fl_optim_state_numel floats per row
+    // the device the state is allocated on: fl_device_default() when the
+    // rule was made (its updates run there through the table's update)
+    const struct fl_device *dev;
 } fl_optim_rule;
 
 void fl_optim_begin_step(fl_optim_rule *r, float lr);
@@ -95,7 +103,9 @@ void fl_optim_free(fl_optim_rule *r);
 // fl_optim_state_ptr(r, k, row->offset): row->numel for the elementwise
 // rules (AdamW, SGD); AdaLomo's state is per row (row and column statistics
 // of a matrix), and only a row's first element may be asked for (0 floats
-// where a tensor does not apply to the row).
+// where a tensor does not apply to the row). The address is the rule's
+// device's (r->dev): on a device other than the cpu the host reads and
+// writes the state through its copies (fl_dev_download, fl_dev_upload).
 int fl_optim_state_count(const fl_optim_rule *r);
 const char *fl_optim_state_name(const fl_optim_rule *r, int k);
 float *fl_optim_state_ptr(fl_optim_rule *r, int k, size_t offset);
@@ -352,6 +362,7 @@ static inline int fl_optim_in_backward(const fl_optimizer_config *c) {
 }
 
 // Data parallelism (dist.h) joins the step here; NULL for one process.
+// Its gradients are host memory: the cpu device's only.
 typedef struct {
     void *ctx;
     // The reduced gradient once every micro-batch is done: fp32 values of
@@ -379,7 +390,8 @@ typedef struct {
 // (checkpoints read and restore through it), and unmap writes them back.
 // With `weights`, the model's weights of the range are paged too: *weights
 // is the chunk's (the mapping's) first weight, and o->params points there
-// only while a chunk is acquired or the state mapped.
+// only while a chunk is acquired or the state mapped. Chunks are host
+// memory: a paged optimizer is the cpu device's.
 enum { FL_OPTIM_MAX_TENSORS = 4 };
 typedef struct {
     void *ctx;
@@ -408,6 +420,9 @@ struct fl_optim_pp {
 typedef struct {
     fl_optimizer_config cfg;
     const fl_param_table *table;
+    // fl_device_default() at init: params, grads, master, grad_accum and the
+    // rule's state are its memory, and every pass over them is its table's
+    const struct fl_device *dev;
     fl_dtype dtype;    // the model's weight and gradient dtype
     void *params;      // the model's weights (dtype)
     void *grads;       // the model's gradients (dtype)
@@ -459,8 +474,9 @@ void fl_optimizer_memory(const fl_optimizer_config *cfg, fl_dtype dt, size_t num
 void fl_optimizer_memory_table(const fl_optimizer_config *cfg, fl_dtype dt,
                                const fl_param_table *table, size_t begin, size_t end,
                                size_t bytes[FL_MEM_NTAGS]);
-// Takes the model's table and buffers; under bf16/fp16 the master weights
-// start as the fp32 values of the 16-bit weights.
+// Takes the model's table and buffers (memory of fl_device_default(), the
+// device the optimizer is put on); under bf16/fp16 the master weights start
+// as the fp32 values of the 16-bit weights.
 void fl_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg, const fl_param_table *table,
                        fl_dtype dt, void *params, void *grads);
 // The same for the shard [begin, end) of the flat buffer: it allocates

@@ -44,8 +44,10 @@ struct fl_arch {
     int (*work_slots)(const fl_model_config *c, fl_slot *out);
     // every GEMM shape of a step (the driver sizes the GEMM workspace for the largest)
     int (*linears)(const fl_model_config *c, fl_linear *out);
-    // attention's scratch per thread, and tables computed once per allocation
-    size_t (*thread_floats)(const fl_model_config *c, fl_dtype dt, int T);
+    // attention's scratch on device d (for `threads` host threads), and
+    // tables computed once per allocation
+    size_t (*attention_floats)(const fl_model_config *c, const fl_device *d, fl_dtype dt, int T,
+                               int threads);
     size_t (*rope_floats)(const fl_model_config *c, int T); // 0: none
     void (*embed_forward)(fl_model *m, void *out, const int *tokens, int B, int T);
     void (*embed_backward)(fl_model *m, const void *dout, const int *tokens, int B, int T);
@@ -67,6 +69,20 @@ static inline void *fl_unit_g(const fl_model *m, int u, int k) {
     return m->gp[m->unit_row[u + 1] + k];
 }
 
+// Placement (device.h): a model's buffers of tag params, grads, acts and
+// workspace are its device's; the rest (bookkeeping) the host's.
+static inline int fl_tag_on_device(fl_mem_tag tag) {
+    return tag != FL_MEM_OTHER && tag != FL_MEM_COMM && tag != FL_MEM_OFFLOAD;
+}
+static inline void *fl_model_mem(const fl_model *m, fl_mem_tag tag, size_t bytes) {
+    return fl_tag_on_device(tag) ? m->dev->alloc(m->dev, tag, bytes) : fl_alloc(tag, bytes);
+}
+static inline void fl_model_mem_free(const fl_model *m, fl_mem_tag tag, void *p) {
+    if (fl_tag_on_device(tag))
+        m->dev->free(m->dev, p);
+    else
+        fl_free(p);
+}
 // Kernel calls timed into the profile's op slots (fitlm/profile.h).
 #define FL_FWD_OP(op, ...) FL_PROFILE(op, FL_FWD, 0.0, __VA_ARGS__)
 #define FL_BWD_OP(op, ...) FL_PROFILE(op, FL_BWD, 0.0, __VA_ARGS__)
@@ -110,6 +126,9 @@ void fl_quant_check(const fl_quant_config *q);
 // the largest row's absmax (the quantiser's and dequantiser's workspace).
 void fl_quant_sizes(const fl_param_table *t, const fl_quant_config *q, size_t *dense, size_t *store,
                     size_t *absmax);
+// Floats of quant.host on a device other than the cpu, for `absmax` floats
+// of the largest row's absmax.
+size_t fl_quant_host_floats(size_t absmax);
 // Allocates m->params for the dense rows (packed in table order), the NF4
 // storage and the row index (quant.row_at).
 void fl_quant_alloc(fl_model *m, const fl_quant_config *q);

@@ -16,7 +16,7 @@ void fl_residual_linear_forward(const fl_block *b, const fl_linear *lin, void *o
     // added in place: its output alone is not needed by the backward.
     fl_linear_forward(m, b->l, lin, out, inp, BT);
     size_t n = (size_t)fl_seq_rows(&m->config, BT) * m->config.n_embd; // the stream's positions
-    FL_FWD_OP(FL_OP_RESIDUAL, residual_forward(m->dtype, out, skip, out, n));
+    FL_FWD_OP(FL_OP_RESIDUAL, m->dev->residual_forward(m->dtype, out, skip, out, n));
 }
 
 void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_linear *o_lin,
@@ -27,9 +27,9 @@ void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_
     fl_linear_forward(m, b->l, qkv_lin, a->qkv, a->normed, b->B * b->T);
     if (m->rope_table)
         FL_FWD_OP(FL_OP_ROPE,
-                  rope_forward(m->dtype, a->qkv, m->rope_table, b->B, b->T, NH, KV, HS));
-    FL_FWD_OP(FL_OP_ATTENTION, attention_forward(m->dtype, a->atty, a->lse, a->qkv,
-                                                 m->att_workspace, b->B, b->T, NH, KV, HS));
+                  m->dev->rope_forward(m->dtype, a->qkv, m->rope_table, b->B, b->T, NH, KV, HS));
+    FL_FWD_OP(FL_OP_ATTENTION, m->dev->attention_forward(m->dtype, a->atty, a->lse, a->qkv,
+                                                         m->att_workspace, b->B, b->T, NH, KV, HS));
     fl_residual_linear_forward(b, o_lin, out, a->atty, b->in);
 }
 
@@ -43,13 +43,15 @@ void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl
     size_t D = fl_dtype_size(m->dtype), BTC = (size_t)fl_seq_rows(c, BT) * c->n_embd;
     // dnormed first holds d(attention output) (this rank's heads), then
     // d(the norm's output)
-    memset(dnormed, 0, (size_t)BT * o_lin->in * D);
+    m->dev->zero(m->dev, dnormed, (size_t)BT * o_lin->in * D);
     fl_linear_backward(m, b->l, o_lin, dnormed, dres, a->atty, BT);
-    memset(dqkv, 0, (size_t)BT * qkv_lin->out * D);
-    FL_BWD_OP(FL_OP_ATTENTION, attention_backward(m->dtype, dqkv, dnormed, a->qkv, a->atty, a->lse,
-                                                  m->att_workspace, b->B, b->T, NH, KV, HS));
+    m->dev->zero(m->dev, dqkv, (size_t)BT * qkv_lin->out * D);
+    FL_BWD_OP(FL_OP_ATTENTION,
+              m->dev->attention_backward(m->dtype, dqkv, dnormed, a->qkv, a->atty, a->lse,
+                                         m->att_workspace, b->B, b->T, NH, KV, HS));
     if (m->rope_table)
-        FL_BWD_OP(FL_OP_ROPE, rope_backward(m->dtype, dqkv, m->rope_table, b->B, b->T, NH, KV, HS));
-    memset(dnormed, 0, BTC * D);
+        FL_BWD_OP(FL_OP_ROPE,
+                  m->dev->rope_backward(m->dtype, dqkv, m->rope_table, b->B, b->T, NH, KV, HS));
+    m->dev->zero(m->dev, dnormed, BTC * D);
     fl_linear_backward(m, b->l, qkv_lin, dnormed, dqkv, a->normed, BT);
 }

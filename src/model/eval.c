@@ -50,16 +50,19 @@ static void nonfinite_loss(const fl_shard *shards, int n_shards, int T, uint64_t
 }
 
 // One forward over `rows` windows; adds the losses of their counted
-// targets, in order. Every loss must be finite.
-static void run_batch(fl_model *m, const int *inputs, const int *targets, int rows, int T,
-                      fl_eval_sum *out, const fl_shard *shards, int n_shards) {
+// targets, in order (downloaded into losses, rows x T). Every loss must be
+// finite.
+static void run_batch(fl_model *m, const int *inputs, const int *targets, float *losses, int rows,
+                      int T, fl_eval_sum *out, const fl_shard *shards, int n_shards) {
     fl_model_forward(m, inputs, targets, rows, T);
-    for (size_t i = 0; i < (size_t)rows * (size_t)T; i++) {
+    size_t n = (size_t)rows * (size_t)T;
+    fl_dev_download(m->dev, losses, m->losses, n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
         if (targets[i] == -1) continue;
-        if (!isfinite(m->losses[i]))
+        if (!isfinite(losses[i]))
             nonfinite_loss(shards, n_shards, T, out->windows + i / (size_t)T, (int)(i % (size_t)T),
-                           m->losses[i]);
-        out->nats += (double)m->losses[i];
+                           losses[i]);
+        out->nats += (double)losses[i];
         out->tokens++;
     }
     out->windows += (uint64_t)rows;
@@ -74,23 +77,26 @@ void fl_eval_shards(fl_model *m, const fl_shard *shards, int n_shards, int B, in
     *out = (fl_eval_sum){0};
     uint64_t total = fl_eval_windows(shards, n_shards, T);
     size_t BT = (size_t)B * (size_t)T;
-    int *inputs = fl_alloc(FL_MEM_WORKSPACE, BT * sizeof(int));
-    int *targets = fl_alloc(FL_MEM_WORKSPACE, BT * sizeof(int));
+    // host buffers (the model's own are its device's)
+    int *inputs = fl_alloc(FL_MEM_OTHER, BT * sizeof(int));
+    int *targets = fl_alloc(FL_MEM_OTHER, BT * sizeof(int));
+    float *losses = fl_alloc(FL_MEM_OTHER, BT * sizeof(float));
     int rows = 0;
     for (int i = 0; i < n_shards; i++) {
         uint64_t n = shard_windows(&shards[i], T);
         for (uint64_t k = 0; k < n; k++) {
             read_window(&shards[i], k, T, inputs + (size_t)rows * T, targets + (size_t)rows * T);
             if (++rows < B) continue;
-            run_batch(m, inputs, targets, rows, T, out, shards, n_shards);
+            run_batch(m, inputs, targets, losses, rows, T, out, shards, n_shards);
             rows = 0;
             if (progress) progress(ctx, out->windows, total);
         }
     }
     if (rows) { // the last batch, smaller
-        run_batch(m, inputs, targets, rows, T, out, shards, n_shards);
+        run_batch(m, inputs, targets, losses, rows, T, out, shards, n_shards);
         if (progress) progress(ctx, out->windows, total);
     }
+    fl_free(losses);
     fl_free(targets);
     fl_free(inputs);
 }

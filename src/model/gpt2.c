@@ -156,8 +156,9 @@ static int linears(const fl_model_config *c, fl_linear *out) {
     return NLIN;
 }
 
-static size_t thread_floats(const fl_model_config *c, fl_dtype dt, int T) {
-    return attention_workspace_floats(dt, T, c->n_embd / c->n_head, 1);
+static size_t attention_floats(const fl_model_config *c, const fl_device *d, fl_dtype dt, int T,
+                               int threads) {
+    return d->attention_workspace_floats(dt, T, c->n_embd / c->n_head, 1, threads);
 }
 
 static size_t rope_floats(const fl_model_config *c, int T) {
@@ -184,14 +185,15 @@ static void block_forward(const fl_block *b, int cheap_only) {
     fl_linear lin[NLIN];
     linear_set(c, lin);
 #define W(k) fl_unit_w(m, l, k)
-    FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(dt, a[A_LN1], a[A_LN1_MEAN], a[A_LN1_RSTD], b->in,
-                                                 W(LN1W), W(LN1B), BTs, C));
+    FL_FWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_forward(dt, a[A_LN1], a[A_LN1_MEAN], a[A_LN1_RSTD],
+                                                         b->in, W(LN1W), W(LN1B), BTs, C));
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     if (!cheap_only) fl_attention_forward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, a[A_RES2]);
-    FL_FWD_OP(FL_OP_LAYERNORM, layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD],
-                                                 a[A_RES2], W(LN2W), W(LN2B), BTs, C));
+    FL_FWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD],
+                                                         a[A_RES2], W(LN2W), W(LN2B), BTs, C));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_FC], a[A_FCH], a[A_LN2], BT);
-    FL_FWD_OP(FL_OP_GELU, gelu_forward(dt, a[A_GELU], a[A_FCH], (size_t)BT * lin[L_FC].out));
+    FL_FWD_OP(FL_OP_GELU,
+              m->dev->gelu_forward(dt, a[A_GELU], a[A_FCH], (size_t)BT * lin[L_FC].out));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_FCPROJ], b->out, a[A_GELU], a[A_RES2]);
 #undef W
 }
@@ -209,19 +211,21 @@ static void block_backward(const fl_block *b, void *dres) {
 #define W(k) fl_unit_w(m, l, k)
 #define G(k) fl_unit_g(m, l, k)
     // MLP: out = residual2 + fcproj(gelu(fc(ln2(residual2))))
-    memset(d4a, 0, BT4 * D);
+    m->dev->zero(m->dev, d4a, BT4 * D);
     fl_linear_backward(m, l, &lin[L_FCPROJ], d4a, dres, a[A_GELU], BT);
-    memset(d4b, 0, BT4 * D);
-    FL_BWD_OP(FL_OP_GELU, gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
-    memset(dbuf, 0, BTC * D);
+    m->dev->zero(m->dev, d4b, BT4 * D);
+    FL_BWD_OP(FL_OP_GELU, m->dev->gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
+    m->dev->zero(m->dev, dbuf, BTC * D);
     fl_linear_backward(m, l, &lin[L_FC], dbuf, d4b, a[A_LN2], BT);
-    FL_BWD_OP(FL_OP_LAYERNORM, layernorm_backward(dt, dres, G(LN2W), G(LN2B), dbuf, a[A_RES2],
-                                                  W(LN2W), a[A_LN2_MEAN], a[A_LN2_RSTD], BTs, C));
+    FL_BWD_OP(FL_OP_LAYERNORM,
+              m->dev->layernorm_backward(dt, dres, G(LN2W), G(LN2B), dbuf, a[A_RES2], W(LN2W),
+                                         a[A_LN2_MEAN], a[A_LN2_RSTD], BTs, C));
     // attention: residual2 = in + attproj(attn(qkv(ln1(in))))
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     fl_attention_backward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, dres, dbuf, d4a);
-    FL_BWD_OP(FL_OP_LAYERNORM, layernorm_backward(dt, dres, G(LN1W), G(LN1B), dbuf, b->in, W(LN1W),
-                                                  a[A_LN1_MEAN], a[A_LN1_RSTD], BTs, C));
+    FL_BWD_OP(FL_OP_LAYERNORM,
+              m->dev->layernorm_backward(dt, dres, G(LN1W), G(LN1B), dbuf, b->in, W(LN1W),
+                                         a[A_LN1_MEAN], a[A_LN1_RSTD], BTs, C));
 #undef W
 #undef G
 }
@@ -232,10 +236,10 @@ static void head_forward(const fl_block *h, void *logits) {
     void **a = h->act;
     fl_linear lin[NLIN];
     linear_set(&m->config, lin);
-    FL_FWD_OP(FL_OP_LAYERNORM,
-              layernorm_forward(m->dtype, a[H_LNF], a[H_MEAN], a[H_RSTD], h->in,
-                                fl_unit_w(m, FL_UNIT_HEAD(L), 0), fl_unit_w(m, FL_UNIT_HEAD(L), 1),
-                                fl_seq_rows(&m->config, BT), C));
+    FL_FWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_forward(m->dtype, a[H_LNF], a[H_MEAN], a[H_RSTD],
+                                                         h->in, fl_unit_w(m, FL_UNIT_HEAD(L), 0),
+                                                         fl_unit_w(m, FL_UNIT_HEAD(L), 1),
+                                                         fl_seq_rows(&m->config, BT), C));
     fl_linear_forward(m, FL_UNIT_EMBED, &lin[L_HEAD], logits, a[H_LNF], BT); // tied to wte
 }
 
@@ -247,15 +251,15 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     void **a = h->act, *dbuf = h->work[W_C];
     fl_linear lin[NLIN];
     linear_set(&m->config, lin);
-    memset(dbuf, 0, BTC * D);
+    m->dev->zero(m->dev, dbuf, BTC * D);
     fl_linear_backward(m, FL_UNIT_EMBED, &lin[L_HEAD], dbuf, dlogits, a[H_LNF], BT);
-    memset(dres, 0, BTC * D);
-    FL_BWD_OP(FL_OP_LAYERNORM,
-              layernorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), fl_unit_g(m, U, 1), dbuf,
-                                 h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BTs, C));
+    m->dev->zero(m->dev, dres, BTC * D);
+    FL_BWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_backward(
+                                   m->dtype, dres, fl_unit_g(m, U, 0), fl_unit_g(m, U, 1), dbuf,
+                                   h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BTs, C));
 }
 
 const fl_arch fl_arch_gpt2 = {
-    finish,         num_params,    sizes,          table_rows,    build_table,  block_slots,
-    head_slots,     work_slots,    linears,        thread_floats, rope_floats,  embed_forward,
-    embed_backward, block_forward, block_backward, head_forward,  head_backward};
+    finish,         num_params,    sizes,          table_rows,       build_table,  block_slots,
+    head_slots,     work_slots,    linears,        attention_floats, rope_floats,  embed_forward,
+    embed_backward, block_forward, block_backward, head_forward,     head_backward};

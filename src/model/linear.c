@@ -13,8 +13,8 @@ static double gemm_flops(int N, int C, int OC) {
     return 2.0 * (double)N * C * OC;
 }
 
-size_t fl_linear_workspace_bytes(fl_dtype dt, const fl_linear *lin, int N) {
-    return matmul_workspace_bytes(dt, N, lin->in, lin->out);
+size_t fl_linear_workspace_bytes(const fl_device *d, fl_dtype dt, const fl_linear *lin, int N) {
+    return d->matmul_workspace_bytes(dt, N, lin->in, lin->out);
 }
 
 // The linear's place under tensor parallelism (whole at t = 1).
@@ -46,8 +46,8 @@ void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, c
     int row = kind == FL_LINEAR_ROW;
     void *prod = row && sp ? m->tp_partial : out;
     FL_PROFILE(lin->op, FL_FWD, gemm_flops(N, lin->in, lin->out),
-               matmul_forward(m->dtype, prod, inp, w, row ? NULL : b, m->matmul_workspace, N,
-                              lin->in, lin->out));
+               m->dev->matmul_forward(m->dtype, prod, inp, w, row ? NULL : b, m->matmul_workspace,
+                                      N, lin->in, lin->out));
     if (m->lora.cfg.r) fl_lora_forward(m, unit, lin, out, inp, N);
     if (!row) return;
     int rows = N;
@@ -57,7 +57,7 @@ void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, c
     } else {
         fl_tp_all_reduce(m, out, (size_t)N * lin->out, FL_FWD);
     }
-    if (b) FL_PROFILE(lin->op, FL_FWD, 0.0, bias_forward(m->dtype, out, b, rows, lin->out));
+    if (b) FL_PROFILE(lin->op, FL_FWD, 0.0, m->dev->bias_forward(m->dtype, out, b, rows, lin->out));
 }
 
 void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
@@ -80,7 +80,7 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
         inp = m->tp_gather;
         if (dinp) {
             dinp_here = m->tp_partial;
-            memset(dinp_here, 0, (size_t)N * lin->in * fl_dtype_size(m->dtype));
+            m->dev->zero(m->dev, dinp_here, (size_t)N * lin->in * fl_dtype_size(m->dtype));
         }
     } else if (sp && kind == FL_LINEAR_ROW) { // every position's output gradient
         fl_tp_all_gather(m, dout, m->tp_gather, local * lin->out, FL_BWD);
@@ -89,8 +89,8 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
     // a frozen weight's GEMM only passes the gradient on: half the work
     double flops = (dw ? 2.0 : 1.0) * gemm_flops(N, lin->in, lin->out);
     FL_PROFILE(lin->op, FL_BWD, flops,
-               matmul_backward(m->dtype, dinp_here, dw, db, dout, inp, w, m->matmul_workspace, N,
-                               lin->in, lin->out));
+               m->dev->matmul_backward(m->dtype, dinp_here, dw, db, dout, inp, w,
+                                       m->matmul_workspace, N, lin->in, lin->out));
     if (m->lora.cfg.r) fl_lora_backward(m, unit, lin, dinp, dout, inp, N);
     // a column-parallel input's gradient is this rank's outputs' share
     if (!dinp || kind != FL_LINEAR_COLUMN) return;

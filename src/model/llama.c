@@ -170,8 +170,10 @@ static int head_unit(const fl_model_config *c) {
     return c->tie_embeddings ? FL_UNIT_EMBED : FL_UNIT_HEAD(c->n_layer);
 }
 
-static size_t thread_floats(const fl_model_config *c, fl_dtype dt, int T) {
-    return attention_workspace_floats(dt, T, c->n_embd / c->n_head, c->n_head / c->n_kv_head);
+static size_t attention_floats(const fl_model_config *c, const fl_device *d, fl_dtype dt, int T,
+                               int threads) {
+    return d->attention_workspace_floats(dt, T, c->n_embd / c->n_head, c->n_head / c->n_kv_head,
+                                         threads);
 }
 
 static size_t rope_floats(const fl_model_config *c, int T) {
@@ -196,14 +198,14 @@ static void block_forward(const fl_block *b, int cheap_only) {
     void **a = b->act;
     fl_linear lin[NLIN];
     linear_set(c, lin);
-    FL_FWD_OP(FL_OP_RMSNORM,
-              rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in, fl_unit_w(m, l, LN1), BTs, C, eps));
+    FL_FWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in,
+                                                     fl_unit_w(m, l, LN1), BTs, C, eps));
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     if (!cheap_only) fl_attention_forward(b, &lin[L_QKV], &lin[L_O], &att, a[A_RES2]);
-    FL_FWD_OP(FL_OP_RMSNORM, rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2],
-                                             fl_unit_w(m, l, LN2), BTs, C, eps));
+    FL_FWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2],
+                                                     fl_unit_w(m, l, LN2), BTs, C, eps));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_GATEUP], a[A_GATEUP], a[A_LN2], BT);
-    FL_FWD_OP(FL_OP_SWIGLU, swiglu_forward(dt, a[A_ACT], a[A_GATEUP], BT, I));
+    FL_FWD_OP(FL_OP_SWIGLU, m->dev->swiglu_forward(dt, a[A_ACT], a[A_GATEUP], BT, I));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_DOWN], b->out, a[A_ACT], a[A_RES2]);
 }
 
@@ -218,19 +220,20 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_linear lin[NLIN];
     linear_set(c, lin);
     // MLP: out = res2 + down(silu(gate(ln2)) * up(ln2)), ln2 = rmsnorm(res2)
-    memset(w[W_I], 0, (size_t)BT * I * D);
+    m->dev->zero(m->dev, w[W_I], (size_t)BT * I * D);
     fl_linear_backward(m, l, &lin[L_DOWN], w[W_I], dres, a[A_ACT], BT);
-    memset(w[W_2I], 0, (size_t)BT * 2 * I * D);
-    FL_BWD_OP(FL_OP_SWIGLU, swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
-    memset(w[W_C], 0, (size_t)BTs * C * D);
+    m->dev->zero(m->dev, w[W_2I], (size_t)BT * 2 * I * D);
+    FL_BWD_OP(FL_OP_SWIGLU, m->dev->swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
+    m->dev->zero(m->dev, w[W_C], (size_t)BTs * C * D);
     fl_linear_backward(m, l, &lin[L_GATEUP], w[W_C], w[W_2I], a[A_LN2], BT);
-    FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN2), w[W_C], a[A_RES2],
-                                              fl_unit_w(m, l, LN2), a[A_RSTD2], BTs, C));
+    FL_BWD_OP(FL_OP_RMSNORM,
+              m->dev->rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN2), w[W_C], a[A_RES2],
+                                       fl_unit_w(m, l, LN2), a[A_RSTD2], BTs, C));
     // attention: res2 = in + o(attn(rope(qkv(ln1)))), ln1 = rmsnorm(in)
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     fl_attention_backward(b, &lin[L_QKV], &lin[L_O], &att, dres, w[W_C], w[W_QKV]);
-    FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN1), w[W_C], b->in,
-                                              fl_unit_w(m, l, LN1), a[A_RSTD1], BTs, C));
+    FL_BWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN1), w[W_C], b->in,
+                                                      fl_unit_w(m, l, LN1), a[A_RSTD1], BTs, C));
 }
 
 static void head_forward(const fl_block *h, void *logits) {
@@ -241,8 +244,8 @@ static void head_forward(const fl_block *h, void *logits) {
     fl_linear lin[NLIN];
     linear_set(c, lin);
     FL_FWD_OP(FL_OP_RMSNORM,
-              rmsnorm_forward(m->dtype, a[H_NORM], a[H_RSTD], h->in, fl_unit_w(m, U, 0),
-                              fl_seq_rows(c, BT), c->n_embd, c->norm_eps));
+              m->dev->rmsnorm_forward(m->dtype, a[H_NORM], a[H_RSTD], h->in, fl_unit_w(m, U, 0),
+                                      fl_seq_rows(c, BT), c->n_embd, c->norm_eps));
     fl_linear_forward(m, head_unit(c), &lin[L_HEAD], logits, a[H_NORM], BT);
 }
 
@@ -254,14 +257,15 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     void **a = h->act, *dnorm = h->work[W_C];
     fl_linear lin[NLIN];
     linear_set(c, lin);
-    memset(dnorm, 0, BTC * D);
+    m->dev->zero(m->dev, dnorm, BTC * D);
     fl_linear_backward(m, head_unit(c), &lin[L_HEAD], dnorm, dlogits, a[H_NORM], BT);
-    memset(dres, 0, BTC * D);
-    FL_BWD_OP(FL_OP_RMSNORM, rmsnorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), dnorm, h->in,
-                                              fl_unit_w(m, U, 0), a[H_RSTD], BTs, C));
+    m->dev->zero(m->dev, dres, BTC * D);
+    FL_BWD_OP(FL_OP_RMSNORM,
+              m->dev->rmsnorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), dnorm, h->in,
+                                       fl_unit_w(m, U, 0), a[H_RSTD], BTs, C));
 }
 
 const fl_arch fl_arch_llama = {
-    finish,         num_params,    sizes,          table_rows,    build_table,  block_slots,
-    head_slots,     work_slots,    linears,        thread_floats, rope_floats,  embed_forward,
-    embed_backward, block_forward, block_backward, head_forward,  head_backward};
+    finish,         num_params,    sizes,          table_rows,       build_table,  block_slots,
+    head_slots,     work_slots,    linears,        attention_floats, rope_floats,  embed_forward,
+    embed_backward, block_forward, block_backward, head_forward,     head_backward};

@@ -171,6 +171,12 @@ void fl_lora_table(fl_param_table *t, const fl_param_table *base, const fl_model
     fl_free(hit);
 }
 
+static void init_sink(void *ctx, int row, size_t first, const float *values, size_t n) {
+    fl_model *m = ctx;
+    size_t at = m->lora.table.views[row].offset + first;
+    fl_model_upload_f32(m, fl_at(m->dtype, m->lora.params, at), values, n);
+}
+
 void fl_model_add_lora(fl_model *m, const fl_lora_config *cfg, uint64_t seed) {
     FL_ASSERT(m->lora.cfg.r == 0 && m->max_B == 0); // before the activations
     if (!(cfg->dropout >= 0.0f && cfg->dropout < 1.0f))
@@ -181,8 +187,8 @@ void fl_model_add_lora(fl_model *m, const fl_lora_config *cfg, uint64_t seed) {
     fl_lora_table(&s->table, &m->table, &m->config, cfg, s->a_row);
     s->cfg = *cfg;
     s->scaling = fl_lora_scaling(cfg);
-    s->params = fl_alloc(FL_MEM_PARAMS, s->table.numel * fl_dtype_size(m->dtype));
-    fl_params_init(&s->table, m->dtype, s->params, seed);
+    s->params = fl_model_mem(m, FL_MEM_PARAMS, s->table.numel * fl_dtype_size(m->dtype));
+    fl_params_init_each(&s->table, seed, init_sink, m); // fl_params_init's values, uploaded
     s->dropout_seed = seed;
     if (!cfg->train_base)
         for (int r = 0; r < m->table.count; r++) m->table.views[r].flags |= FL_PARAM_FROZEN;
@@ -222,8 +228,8 @@ static int dropout_on(const fl_model *m) {
 // The adapter's input: x, or dropout(x) in lora.xd.
 static const void *adapter_input(fl_model *m, int row, const void *inp, int N, int in) {
     if (!dropout_on(m)) return inp;
-    dropout_apply(m->dtype, m->lora.xd, inp, (size_t)N * in, m->lora.cfg.dropout,
-                  dropout_key(m, row));
+    m->dev->dropout_apply(m->dtype, m->lora.xd, inp, (size_t)N * in, m->lora.cfg.dropout,
+                          dropout_key(m, row));
     return m->lora.xd;
 }
 
@@ -240,9 +246,10 @@ static void forward_one(fl_model *m, const fl_linear *lin, int row, int a, int c
     fl_dtype dt = m->dtype;
     int N = io->N, r = s->cfg.r, out = (int)m->table.views[row].shape[0];
     const void *x = adapter_input(m, row, io->inp, N, lin->in);
-    matmul_forward(dt, s->h, x, lora_w(m, a), NULL, m->matmul_workspace, N, lin->in, r);
-    matmul_forward(dt, s->dy, s->h, lora_w(m, a + 1), NULL, m->matmul_workspace, N, r, out);
-    lora_add_columns(dt, fl_at(dt, io->out, (size_t)col), lin->out, s->dy, s->scaling, N, out);
+    m->dev->matmul_forward(dt, s->h, x, lora_w(m, a), NULL, m->matmul_workspace, N, lin->in, r);
+    m->dev->matmul_forward(dt, s->dy, s->h, lora_w(m, a + 1), NULL, m->matmul_workspace, N, r, out);
+    m->dev->lora_add_columns(dt, fl_at(dt, io->out, (size_t)col), lin->out, s->dy, s->scaling, N,
+                             out);
 }
 
 static void backward_one(fl_model *m, const fl_linear *lin, int row, int a, int col, void *ctx) {
@@ -252,24 +259,25 @@ static void backward_one(fl_model *m, const fl_linear *lin, int row, int a, int 
     int N = io->N, r = s->cfg.r, in = lin->in, out = (int)m->table.views[row].shape[0];
     void *ws = m->matmul_workspace;
     const void *x = adapter_input(m, row, io->inp, N, in);
-    matmul_forward(dt, s->h, x, lora_w(m, a), NULL, ws, N, in, r);
-    lora_gather_columns(dt, s->dy, fl_at_const(dt, io->dout, (size_t)col), lin->out, s->scaling, N,
-                        out);
+    m->dev->matmul_forward(dt, s->h, x, lora_w(m, a), NULL, ws, N, in, r);
+    m->dev->lora_gather_columns(dt, s->dy, fl_at_const(dt, io->dout, (size_t)col), lin->out,
+                                s->scaling, N, out);
     size_t D = fl_dtype_size(dt);
-    memset(s->dh, 0, (size_t)N * r * D);
-    matmul_backward(dt, s->dh, lora_g(m, a + 1), NULL, s->dy, s->h, lora_w(m, a + 1), ws, N, r,
-                    out);
+    m->dev->zero(m->dev, s->dh, (size_t)N * r * D);
+    m->dev->matmul_backward(dt, s->dh, lora_g(m, a + 1), NULL, s->dy, s->h, lora_w(m, a + 1), ws, N,
+                            r, out);
     if (!dropout_on(m)) {
-        matmul_backward(dt, io->dinp, lora_g(m, a), NULL, s->dh, x, lora_w(m, a), ws, N, in, r);
+        m->dev->matmul_backward(dt, io->dinp, lora_g(m, a), NULL, s->dh, x, lora_w(m, a), ws, N, in,
+                                r);
         return;
     }
-    matmul_backward(dt, NULL, lora_g(m, a), NULL, s->dh, x, lora_w(m, a), ws, N, in, r);
+    m->dev->matmul_backward(dt, NULL, lora_g(m, a), NULL, s->dh, x, lora_w(m, a), ws, N, in, r);
     if (!io->dinp) return;
     // dx += dropout'(dh A): formed in lora.xd (x' is no longer needed)
-    memset(s->xd, 0, (size_t)N * in * D);
-    matmul_backward(dt, s->xd, NULL, NULL, s->dh, x, lora_w(m, a), ws, N, in, r);
-    dropout_apply(dt, s->xd, s->xd, (size_t)N * in, s->cfg.dropout, dropout_key(m, row));
-    residual_forward(dt, io->dinp, io->dinp, s->xd, (size_t)N * in);
+    m->dev->zero(m->dev, s->xd, (size_t)N * in * D);
+    m->dev->matmul_backward(dt, s->xd, NULL, NULL, s->dh, x, lora_w(m, a), ws, N, in, r);
+    m->dev->dropout_apply(dt, s->xd, s->xd, (size_t)N * in, s->cfg.dropout, dropout_key(m, row));
+    m->dev->residual_forward(dt, io->dinp, io->dinp, s->xd, (size_t)N * in);
 }
 
 void fl_lora_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
@@ -313,8 +321,8 @@ void fl_model_merged_f32(const fl_model *m, float *out) {
         size_t threads = (size_t)omp_get_max_threads();
         float *A = fl_alloc(FL_MEM_WORKSPACE, (R * I + O * R + threads * I) * sizeof(float));
         float *B = A + R * I, *deltas = B + O * R;
-        fl_convert(FL_F32, A, m->dtype, lora_w(m, a), R * I);
-        fl_convert(FL_F32, B, m->dtype, lora_w(m, a + 1), O * R);
+        fl_model_download_f32(m, A, lora_w(m, a), R * I);
+        fl_model_download_f32(m, B, lora_w(m, a + 1), O * R);
         float s = m->lora.scaling;
 #pragma omp parallel for
         for (size_t o = 0; o < O; o++) {

@@ -224,6 +224,7 @@ void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_
     m->loss = -1.0f; // no forward with targets yet
     m->config = src->config;
     m->dtype = dt;
+    m->dev = fl_device_default();
     m->tp = tp && tp->size > 1 ? *tp : (fl_tp){1, 0, 0, NULL};
     m->config.tp_size = m->tp.size;
     m->config.sequence_parallel = m->tp.size > 1 && m->tp.sequence_parallel;
@@ -235,6 +236,9 @@ void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_
     else
         fl_pp_stage_whole(&m->pp, c->n_layer);
     int quant = q && q->enabled;
+    if (!m->dev->host && (m->tp.size > 1 || (pp && pp->size > 1)))
+        fl_die("tensor and pipeline parallelism run on the cpu device only (not on '%s')",
+               m->dev->name);
     if (m->tp.size > 1 && quant)
         fl_die("tensor parallelism with NF4 base weights (QLoRA) is not supported: drop "
                "--quantize or --tensor-parallel");
@@ -253,9 +257,10 @@ void fl_model_init_tp(fl_model *m, fl_weight_source *src, fl_dtype dt, const fl_
     FL_ASSERT(!(fl_model_sharded(m) && quant));
     if (quant) {
         fl_quant_alloc(m, q);
-        m->quant.dequant = fl_alloc(FL_MEM_WORKSPACE, dequant_numel(c) * fl_dtype_size(dt));
+        m->quant.dequant = fl_model_mem(m, FL_MEM_WORKSPACE, dequant_numel(c) * fl_dtype_size(dt));
     } else {
-        m->params = fl_alloc(FL_MEM_PARAMS, (m->params_end - m->params_begin) * fl_dtype_size(dt));
+        m->params =
+            fl_model_mem(m, FL_MEM_PARAMS, (m->params_end - m->params_begin) * fl_dtype_size(dt));
     }
     int rows = m->table.count, L = c->n_layer;
     m->wp = fl_alloc(FL_MEM_OTHER, (size_t)rows * sizeof(void *));
@@ -285,16 +290,16 @@ static int base_frozen(const fl_model *m) {
 // The gradients: one buffer for the model, or one unit's at a time.
 static void alloc_grads(fl_model *m, int unit_grads) {
     size_t D = fl_dtype_size(m->dtype);
-    if (m->lora.cfg.r) m->lora.grads = fl_alloc(FL_MEM_GRADS, m->lora.table.numel * D);
+    if (m->lora.cfg.r) m->lora.grads = fl_model_mem(m, FL_MEM_GRADS, m->lora.table.numel * D);
     if (base_frozen(m)) return; // the row pointers stay NULL: no gradient
     if (unit_grads) {
         size_t unit, embed;
         unit_grad_sizes(&m->table, &m->config, &unit, &embed);
-        m->unit_grads = fl_alloc(FL_MEM_GRADS, unit * D);
-        if (embed) m->embed_grads = fl_alloc(FL_MEM_GRADS, embed * D);
+        m->unit_grads = fl_model_mem(m, FL_MEM_GRADS, unit * D);
+        if (embed) m->embed_grads = fl_model_mem(m, FL_MEM_GRADS, embed * D);
         return;
     }
-    m->grads = fl_alloc(FL_MEM_GRADS, m->table.numel * D);
+    m->grads = fl_model_mem(m, FL_MEM_GRADS, m->table.numel * D);
     for (int unit = FL_UNIT_EMBED; unit <= m->config.n_layer; unit++)
         fl_model_bind_grads(m, unit, NULL);
 }
@@ -411,9 +416,10 @@ static size_t tokenwise_numel(const fl_model_config *c, const fl_param_table *t)
     return most;
 }
 
-static int act_specs(fl_model *m, const fl_model_config *c, const fl_param_table *rows, fl_dtype dt,
-                     int B, int T, int threads, fl_recompute r, const fl_lora_config *lc,
-                     const fl_param_table *lt, const fl_pp_stage *pp, act_spec *out) {
+static int act_specs(fl_model *m, const fl_device *dev, const fl_model_config *c,
+                     const fl_param_table *rows, fl_dtype dt, int B, int T, int threads,
+                     fl_recompute r, const fl_lora_config *lc, const fl_param_table *lt,
+                     const fl_pp_stage *pp, act_spec *out) {
     const fl_arch *arch = arch_of(c);
     size_t C = c->n_embd;
     size_t BT = (size_t)B * T, D = fl_dtype_size(dt), F = sizeof(float), I = sizeof(int);
@@ -468,13 +474,13 @@ static int act_specs(fl_model *m, const fl_model_config *c, const fl_param_table
         SPEC(m->tp_norm_grads, tokenwise_numel(c, rows), D, FL_MEM_WORKSPACE);
     }
     SPEC(m->dlosses, BT, F, FL_MEM_WORKSPACE);
-    SPEC(m->att_workspace, arch->thread_floats(c, dt, T) * (size_t)threads, F, FL_MEM_WORKSPACE);
+    SPEC(m->att_workspace, arch->attention_floats(c, dev, dt, T, threads), F, FL_MEM_WORKSPACE);
     // the largest GEMM workspace of the step
     fl_linear lins[FL_MAX_SLOTS];
     int nl = arch->linears(c, lins);
     size_t mm = 0;
     for (int i = 0; i < nl; i++) {
-        size_t b = fl_linear_workspace_bytes(dt, &lins[i], (int)BT);
+        size_t b = fl_linear_workspace_bytes(dev, dt, &lins[i], (int)BT);
         if (b > mm) mm = b;
     }
     if (lt) { // the adapters: their GEMMs and scratch
@@ -486,8 +492,8 @@ static int act_specs(fl_model *m, const fl_model_config *c, const fl_param_table
         if (xd) SPEC(m->lora.xd, xd, D, FL_MEM_WORKSPACE);
         for (int a = 0; a < lt->count; a += 2) {
             int in = (int)lt->views[a].shape[1], out = (int)lt->views[a + 1].shape[0];
-            size_t b1 = matmul_workspace_bytes(dt, (int)BT, in, lc->r);
-            size_t b2 = matmul_workspace_bytes(dt, (int)BT, lc->r, out);
+            size_t b1 = dev->matmul_workspace_bytes(dt, (int)BT, in, lc->r);
+            size_t b2 = dev->matmul_workspace_bytes(dt, (int)BT, lc->r, out);
             if (b1 > mm) mm = b1;
             if (b2 > mm) mm = b2;
         }
@@ -499,10 +505,11 @@ static int act_specs(fl_model *m, const fl_model_config *c, const fl_param_table
     return n;
 }
 
-void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int threads,
-                     fl_recompute recompute, int unit_grads, const fl_lora_config *lora,
-                     const fl_quant_config *quant, const fl_pp_stage *pp,
-                     size_t bytes[FL_MEM_NTAGS]) {
+void fl_model_memory(const fl_device *dev, const fl_model_config *cfg, fl_dtype dt, int B, int T,
+                     int threads, fl_recompute recompute, int unit_grads,
+                     const fl_lora_config *lora, const fl_quant_config *quant,
+                     const fl_pp_stage *pp, size_t bytes[FL_MEM_NTAGS]) {
+    if (!dev) dev = fl_device_cpu();
     fl_model_config c = *cfg;
     fl_model_config_finish(&c);
     const fl_arch *arch = arch_of(&c);
@@ -537,6 +544,7 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
         bytes[FL_MEM_PARAMS] = dense * D + store;
         bytes[FL_MEM_OTHER] += rows * sizeof(size_t);
         bytes[FL_MEM_WORKSPACE] += absmax * sizeof(float) + dequant_numel(&c) * D;
+        if (!dev->host) bytes[FL_MEM_OTHER] += fl_quant_host_floats(absmax) * sizeof(float);
     }
     if (unit_grads) {
         size_t unit, embed;
@@ -550,8 +558,8 @@ void fl_model_memory(const fl_model_config *cfg, fl_dtype dt, int B, int T, int 
     }
     if (B > 0) {
         act_spec specs[MAX_SPECS];
-        int n = act_specs(NULL, &c, &t, dt, B, T, threads, recompute, lora, lt.count ? &lt : NULL,
-                          pp, specs);
+        int n = act_specs(NULL, dev, &c, &t, dt, B, T, threads, recompute, lora,
+                          lt.count ? &lt : NULL, pp, specs);
         for (int i = 0; i < n; i++) bytes[specs[i].tag] += specs[i].count * specs[i].elem;
     }
     fl_params_free(&lt);
@@ -567,10 +575,10 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
     FL_ASSERT(m->max_B == 0); // allocated once, up front
     alloc_grads(m, unit_grads);
     act_spec specs[MAX_SPECS];
-    int n = act_specs(m, c, &m->table, m->dtype, B, T, fl_threads(), recompute, &m->lora.cfg,
-                      m->lora.cfg.r ? &m->lora.table : NULL, &m->pp, specs);
+    int n = act_specs(m, m->dev, c, &m->table, m->dtype, B, T, fl_threads(), recompute,
+                      &m->lora.cfg, m->lora.cfg.r ? &m->lora.table : NULL, &m->pp, specs);
     for (int i = 0; i < n; i++) {
-        *specs[i].slot = fl_alloc(specs[i].tag, specs[i].count * specs[i].elem);
+        *specs[i].slot = fl_model_mem(m, specs[i].tag, specs[i].count * specs[i].elem);
         m->set_base[i] = *specs[i].slot;
     }
     if (m->set_state) memset(m->set_state, 0, (size_t)total_sets(&m->pp) * sizeof *m->set_state);
@@ -578,7 +586,15 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
     m->max_B = B;
     m->max_T = T;
     m->recompute = recompute;
-    if (m->rope_table) rope_table(m->rope_table, T, c->n_embd / c->n_head, c->rope_theta);
+    if (m->rope_table) { // built on the host, then uploaded
+        size_t bytes = m->arch->rope_floats(c, T) * sizeof(float);
+        float *host = m->dev->host ? m->rope_table : fl_alloc(FL_MEM_OTHER, bytes);
+        rope_table(host, T, c->n_embd / c->n_head, c->rope_theta);
+        if (host != m->rope_table) {
+            fl_dev_upload(m->dev, m->rope_table, host, bytes);
+            fl_free(host);
+        }
+    }
 }
 
 void fl_model_use_set(fl_model *m, int chunk, int set) {
@@ -595,9 +611,9 @@ void fl_model_use_set(fl_model *m, int chunk, int set) {
     m->chunk = chunk;
     m->set = set;
     act_spec specs[MAX_SPECS];
-    int n =
-        act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T, m->att_workspace_threads,
-                  m->recompute, &m->lora.cfg, m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
+    int n = act_specs(m, m->dev, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
+                      m->att_workspace_threads, m->recompute, &m->lora.cfg,
+                      m->lora.cfg.r ? &m->lora.table : NULL, s, specs);
     for (int i = 0; i < n; i++)
         if (specs[i].per != PER_STEP)
             *specs[i].slot = (char *)m->set_base[i] +
@@ -616,23 +632,24 @@ void *fl_model_chunk_output(fl_model *m) {
 void fl_model_free(fl_model *m) {
     if (m->max_B) {
         act_spec specs[MAX_SPECS];
-        int n = act_specs(m, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
+        int n = act_specs(m, m->dev, &m->config, &m->table, m->dtype, m->max_B, m->max_T,
                           m->att_workspace_threads, m->recompute, &m->lora.cfg,
                           m->lora.cfg.r ? &m->lora.table : NULL, &m->pp, specs);
-        for (int i = 0; i < n; i++) fl_free(m->set_base[i]);
+        for (int i = 0; i < n; i++) fl_model_mem_free(m, specs[i].tag, m->set_base[i]);
     }
-    fl_free(m->lora.params);
-    fl_free(m->lora.grads);
+    fl_model_mem_free(m, FL_MEM_PARAMS, m->lora.params);
+    fl_model_mem_free(m, FL_MEM_GRADS, m->lora.grads);
     fl_free(m->lora.a_row);
     fl_params_free(&m->lora.table);
-    fl_free(m->quant.store);
+    fl_model_mem_free(m, FL_MEM_PARAMS, m->quant.store);
     fl_free(m->quant.row_at);
-    fl_free(m->quant.dequant);
-    fl_free(m->quant.absmax);
-    fl_free(m->params);
-    fl_free(m->grads);
-    fl_free(m->unit_grads);
-    fl_free(m->embed_grads);
+    fl_model_mem_free(m, FL_MEM_WORKSPACE, m->quant.dequant);
+    fl_model_mem_free(m, FL_MEM_WORKSPACE, m->quant.absmax);
+    fl_free(m->quant.host);
+    fl_model_mem_free(m, FL_MEM_PARAMS, m->params);
+    fl_model_mem_free(m, FL_MEM_GRADS, m->grads);
+    fl_model_mem_free(m, FL_MEM_GRADS, m->unit_grads);
+    fl_model_mem_free(m, FL_MEM_GRADS, m->embed_grads);
     fl_free(m->wp);
     fl_free(m->gp);
     fl_free(m->unit_row);
@@ -653,7 +670,7 @@ static void bind_unit_grads(fl_model *m, int unit, void *buffer) {
     fl_model_unit_rows(m, unit, &first, &count);
     if (!count) return;
     const fl_param_view *a = &m->table.views[first], *z = &m->table.views[first + count - 1];
-    memset(buffer, 0, (z->offset + z->numel - a->offset) * fl_dtype_size(m->dtype));
+    m->dev->zero(m->dev, buffer, (z->offset + z->numel - a->offset) * fl_dtype_size(m->dtype));
     fl_model_bind_grads(m, unit, buffer);
 }
 
@@ -734,7 +751,7 @@ static void tokenwise_begin(fl_model *m, int unit, tokenwise *tw) {
         tw->grads[i] = v->flags & FL_PARAM_TOKENWISE ? m->gp[first + i] : NULL;
         if (!tw->grads[i]) continue;
         m->gp[first + i] = fl_at(m->dtype, m->tp_norm_grads, tw->numel);
-        memset(m->gp[first + i], 0, v->numel * D);
+        m->dev->zero(m->dev, m->gp[first + i], v->numel * D);
         tw->numel += v->numel;
     }
 }
@@ -747,7 +764,7 @@ static void tokenwise_end(fl_model *m, int unit, const tokenwise *tw) {
     for (int i = 0; i < count; i++) {
         if (!tw->grads[i]) continue;
         size_t n = m->table.views[first + i].numel;
-        residual_forward(m->dtype, tw->grads[i], tw->grads[i], m->gp[first + i], n);
+        m->dev->residual_forward(m->dtype, tw->grads[i], tw->grads[i], m->gp[first + i], n);
         m->gp[first + i] = tw->grads[i];
     }
 }
@@ -787,9 +804,9 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     m->dlogits_ready = 0;
 
     if (embed) { // else the chunk's input was received into fl_model_chunk_input
-        memcpy(m->inputs, tokens, BT * sizeof(int));
+        fl_dev_upload(m->dev, m->inputs, tokens, BT * sizeof(int));
         pre_unit(m, FL_UNIT_EMBED, FL_PASS_FWD);
-        m->arch->embed_forward(m, m->resid, tokens, B, T);
+        m->arch->embed_forward(m, m->resid, m->inputs, B, T);
     }
     void *act[FL_MAX_SLOTS];
     for (int l = s->first[m->chunk]; l < s->first[m->chunk] + s->count[m->chunk]; l++) {
@@ -802,7 +819,8 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     fl_block head_b = head_at(m);
     m->arch->head_forward(&head_b, m->logits);
     if (!targets) return m->loss;
-    memcpy(m->targets, targets, BT * sizeof(int));
+    fl_dev_upload(m->dev, m->targets, targets, BT * sizeof(int));
+    for (size_t i = 0; i < BT; i++) m->n_targets += targets[i] != -1; // counted on the host
     return loss(m, dloss);
 }
 
@@ -816,9 +834,14 @@ float fl_model_forward_train(fl_model *m, const int *tokens, const int *targets,
     return forward(m, tokens, targets, B, T, &dloss);
 }
 
-// every target token's loss weighs dloss in the softmax's backward
+// every target token's loss weighs dloss in the softmax's backward: filled
+// on the host, uploaded a staging buffer at a time
 static void set_dlosses(fl_model *m, float dloss) {
-    for (size_t i = 0; i < (size_t)m->B * m->T; i++) m->dlosses[i] = dloss;
+    float stage[1024];
+    size_t n = (size_t)m->B * m->T, step = sizeof stage / sizeof stage[0];
+    for (size_t i = 0; i < (n < step ? n : step); i++) stage[i] = dloss;
+    for (size_t i = 0; i < n; i += step)
+        fl_dev_upload(m->dev, m->dlosses + i, stage, (n - i < step ? n - i : step) * sizeof(float));
 }
 
 // The mean loss of the logits against m->targets, kept for the backward;
@@ -835,20 +858,16 @@ static float loss(fl_model *m, const float *dloss) {
     } else if (dloss) {
         set_dlosses(m, *dloss);
         FL_FWD_OP(FL_OP_XENT,
-                  softmax_xent_forward_backward(m->dtype, m->losses, m->xent_lse, m->logits,
-                                                targets, m->dlosses, BT, V, Vp));
+                  m->dev->softmax_xent_forward_backward(m->dtype, m->losses, m->xent_lse, m->logits,
+                                                        targets, m->dlosses, BT, V, Vp));
         m->dlogits_ready = 1, m->dlogits_dloss = *dloss;
     } else {
-        FL_FWD_OP(FL_OP_XENT, softmax_xent_forward(m->dtype, m->losses, m->xent_lse, m->logits,
-                                                   targets, BT, V, Vp));
+        FL_FWD_OP(FL_OP_XENT, m->dev->softmax_xent_forward(m->dtype, m->losses, m->xent_lse,
+                                                           m->logits, targets, BT, V, Vp));
     }
-    double sum = 0.0; // fixed order: deterministic
-    m->n_targets = 0;
-    for (size_t i = 0; i < BT; i++) {
-        if (targets[i] == -1) continue;
-        sum += m->losses[i];
-        m->n_targets++;
-    }
+    // in index order: deterministic; a position without a target has loss 0,
+    // which adds nothing (m->n_targets was counted from the host's targets)
+    double sum = m->dev->sum(m->losses, BT);
     m->loss = m->n_targets ? (float)(sum / m->n_targets) : 0.0f;
     return m->loss;
 }
@@ -871,8 +890,8 @@ float fl_model_forward_head_train(fl_model *m, float dloss) {
 
 void fl_model_zero_grad(fl_model *m) {
     size_t D = fl_dtype_size(m->dtype);
-    if (m->grads) memset(m->grads, 0, m->table.numel * D);
-    if (m->lora.grads) memset(m->lora.grads, 0, m->lora.table.numel * D);
+    if (m->grads) m->dev->zero(m->dev, m->grads, m->table.numel * D);
+    if (m->lora.grads) m->dev->zero(m->dev, m->lora.grads, m->lora.table.numel * D);
 }
 
 // The LM head's backward (the chunk's first part on the last stage): the
@@ -886,8 +905,9 @@ static void head_backward(fl_model *m, float dloss) {
         fl_vocab_xent_backward(m, dloss);
     } else if (!m->dlogits_ready) {
         set_dlosses(m, dloss);
-        FL_BWD_OP(FL_OP_XENT, softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
-                                                    m->targets, m->dlosses, BT, V, Vp));
+        FL_BWD_OP(FL_OP_XENT,
+                  m->dev->softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
+                                                m->targets, m->dlosses, BT, V, Vp));
     } else if (memcmp(&dloss, &m->dlogits_dloss, sizeof dloss)) {
         fl_die("internal: a backward with dloss %g after a training forward for %g", dloss,
                m->dlogits_dloss);
@@ -956,4 +976,39 @@ int fl_model_weight_spans(const fl_model *m, const void *data[3], size_t bytes[3
     if (store) data[n] = m->quant.store, bytes[n++] = store;
     if (m->lora.cfg.r > 0) data[n] = m->lora.params, bytes[n++] = m->lora.table.numel * D;
     return n;
+}
+
+// ----------------------------------------------------------------------------
+// host values in and out
+
+enum { STAGE_BYTES = 16384 }; // a staging buffer on the stack
+
+void fl_model_upload_f32(const fl_model *m, void *dst, const float *w, size_t n) {
+    fl_dtype dt = m->dtype;
+    if (m->dev->host) {
+        fl_store_f32(dt, dst, w, n);
+        return;
+    }
+    _Alignas(64) unsigned char stage[STAGE_BYTES];
+    size_t D = fl_dtype_size(dt), step = STAGE_BYTES / D;
+    for (size_t i = 0; i < n; i += step) {
+        size_t k = n - i < step ? n - i : step;
+        fl_store_f32(dt, stage, w + i, k); // elementwise: the same bits as in place
+        m->dev->copy_h2d(m->dev, fl_at(dt, dst, i), stage, k * D);
+    }
+}
+
+void fl_model_download_f32(const fl_model *m, float *out, const void *src, size_t n) {
+    fl_dtype dt = m->dtype;
+    if (m->dev->host) {
+        fl_convert(FL_F32, out, dt, src, n);
+        return;
+    }
+    _Alignas(64) unsigned char stage[STAGE_BYTES];
+    size_t D = fl_dtype_size(dt), step = STAGE_BYTES / D;
+    for (size_t i = 0; i < n; i += step) {
+        size_t k = n - i < step ? n - i : step;
+        m->dev->copy_d2h(m->dev, stage, fl_at_const(dt, src, i), k * D);
+        fl_convert(FL_F32, out + i, dt, stage, k);
+    }
 }

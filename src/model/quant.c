@@ -84,9 +84,11 @@ void fl_quant_alloc(fl_model *m, const fl_quant_config *q) {
     s->cfg = *q;
     size_t dense, store, absmax;
     fl_quant_sizes(&m->table, q, &dense, &store, &absmax);
-    m->params = fl_alloc(FL_MEM_PARAMS, dense * fl_dtype_size(m->dtype));
-    s->store = fl_alloc(FL_MEM_PARAMS, store);
-    s->absmax = fl_alloc(FL_MEM_WORKSPACE, absmax * sizeof(float));
+    m->params = fl_model_mem(m, FL_MEM_PARAMS, dense * fl_dtype_size(m->dtype));
+    s->store = fl_model_mem(m, FL_MEM_PARAMS, store);
+    s->absmax = fl_model_mem(m, FL_MEM_WORKSPACE, absmax * sizeof(float));
+    if (!m->dev->host)
+        s->host = fl_alloc(FL_MEM_OTHER, fl_quant_host_floats(absmax) * sizeof(float));
     s->row_at = fl_alloc(FL_MEM_OTHER, (size_t)m->table.count * sizeof(size_t));
     size_t at_dense = 0, at_store = 0;
     for (int r = 0; r < m->table.count; r++) {
@@ -101,6 +103,11 @@ void fl_quant_alloc(fl_model *m, const fl_quant_config *q) {
     }
 }
 
+size_t fl_quant_host_floats(size_t absmax) {
+    // the absmax, then the statistics' bytes (fewer than 4 per block + 64)
+    return 2 * absmax + 16;
+}
+
 // fp32 statistics inside a row's bytes (4-byte aligned by the layout)
 static float *floats_at(const uint8_t *p, size_t offset) {
     return (float *)(void *)(uintptr_t)(p + offset);
@@ -112,15 +119,34 @@ static uint8_t *row_store(const fl_model *m, int row, row_layout *l) {
     return m->quant.store + m->quant.row_at[row];
 }
 
-// The row's absmax, its double quantisation undone into quant.absmax.
+// The row's double-quantised statistics ([l.q, l.offset + 4) of its
+// storage) as the host sees them: the storage itself on the cpu, a copy
+// in quant.host past the absmax on a device.
+static const uint8_t *host_stats(const fl_model *m, const uint8_t *p, const row_layout *l) {
+    if (m->dev->host) return p + l->q;
+    uint8_t *h = (uint8_t *)(m->quant.host + l->nblocks);
+    fl_dev_download(m->dev, h, p + l->q, l->offset + sizeof(float) - l->q);
+    return h;
+}
+
+// Double quantisation: the row's absmax undone on the host (the table has
+// no kernel for it), into quant.absmax on the cpu, quant.host on a device.
+static const float *host_absmax(const fl_model *m, int row) {
+    row_layout l;
+    const uint8_t *p = row_store(m, row, &l), *st = host_stats(m, p, &l);
+    float *absmax = m->dev->host ? m->quant.absmax : m->quant.host, offset;
+    memcpy(&offset, st + (l.offset - l.q), sizeof offset);
+    dq8_dequantize(absmax, st, floats_at(st, l.nested - l.q), offset, l.nblocks, FL_DQ_BLOCK);
+    return absmax;
+}
+
+// The row's absmax on the device (the GEMM's dequantisation).
 static const float *row_absmax(const fl_model *m, int row) {
     row_layout l;
     const uint8_t *p = row_store(m, row, &l);
     if (!m->quant.cfg.double_quant) return floats_at(p, l.absmax);
-    float offset;
-    memcpy(&offset, p + l.offset, sizeof offset);
-    dq8_dequantize(m->quant.absmax, p + l.q, floats_at(p, l.nested), offset, l.nblocks,
-                   FL_DQ_BLOCK);
+    const float *h = host_absmax(m, row);
+    if (h != m->quant.absmax) fl_dev_upload(m->dev, m->quant.absmax, h, l.nblocks * sizeof(float));
     return m->quant.absmax;
 }
 
@@ -134,22 +160,23 @@ static void *dense_row(const fl_model *m, int row) {
     return fl_at(m->dtype, m->params, at);
 }
 
-// What the codes of w[0, n) lose, into the running error sums.
-static void add_error(fl_quant_set *s, const uint8_t *codes, const float *absmax, const float *w,
+// What the codes of w[0, n) lose, into the running sums (e: the absolute
+// error's sum and max, the weights' sum of squares).
+static void add_error(double e[3], const uint8_t *codes, const float *absmax, const float *w,
                       size_t n, int block) {
-    double sum = 0.0, sq = 0.0, most = s->err_max;
     for (size_t i = 0; i < n; i++) {
         int q = (codes[i / 2] >> (i % 2 ? 0 : 4)) & 15; // the first element is the high nibble
-        double e = fabs((double)(nf4_codebook[q] * absmax[i / (size_t)block]) - w[i]);
-        sum += e;
-        sq += (double)w[i] * w[i];
-        if (e > most) most = e;
+        double err = fabs((double)(nf4_codebook[q] * absmax[i / (size_t)block]) - w[i]);
+        e[0] += err;
+        e[2] += (double)w[i] * w[i];
+        if (err > e[1]) e[1] = err;
     }
-    s->err_sum += sum;
-    s->w_sumsq += sq;
-    s->err_max = most;
-    s->err_n += n;
 }
+
+// A piece of a row is quantised on the host a chunk at a time (whole
+// blocks: FL_PARAMS_INIT_CHUNK is a multiple of every block size) and its
+// codes uploaded.
+enum { CHUNK = FL_PARAMS_INIT_CHUNK };
 
 void fl_model_quant_error(const fl_model *m, double *mean_abs, double *max_abs, double *rms) {
     const fl_quant_set *s = &m->quant;
@@ -167,25 +194,42 @@ void fl_model_store_local(fl_model *m, int row, size_t first, const float *w, si
         size_t a = v->offset + first, lo = a > m->params_begin ? a : m->params_begin;
         size_t hi = a + n < m->params_end ? a + n : m->params_end;
         if (lo < hi)
-            fl_store_f32(m->dtype, fl_at(m->dtype, m->params, lo - m->params_begin), w + (lo - a),
-                         hi - lo);
+            fl_model_upload_f32(m, fl_at(m->dtype, m->params, lo - m->params_begin), w + (lo - a),
+                                hi - lo);
         return;
     }
     if (!is_nf4(m, row)) {
-        fl_store_f32(m->dtype, fl_at(m->dtype, dense_row(m, row), first), w, n);
+        fl_model_upload_f32(m, fl_at(m->dtype, dense_row(m, row), first), w, n);
         return;
     }
     const fl_quant_config *q = &m->quant.cfg;
-    FL_ASSERT(first % FL_PARAMS_INIT_CHUNK == 0);
+    FL_ASSERT(first % CHUNK == 0);
     row_layout l;
     uint8_t *p = row_store(m, row, &l);
-    float *absmax = q->double_quant ? m->quant.absmax : floats_at(p, l.absmax);
-    nf4_quantize(p + first / 2, absmax + first / (size_t)q->blocksize, w, n, q->blocksize);
-    add_error(&m->quant, p + first / 2, absmax + first / (size_t)q->blocksize, w, n, q->blocksize);
-    if (q->double_quant && first + n == v->numel) {
+    size_t B = (size_t)q->blocksize;
+    // double quantisation: the row's absmax gathers on the host until its end
+    float *dq = !q->double_quant ? NULL : m->dev->host ? m->quant.absmax : m->quant.host;
+    uint8_t codes[CHUNK / 2];
+    float absmax[CHUNK / 32] = {0}; // (filled by nf4_quantize)
+    double e[3] = {0.0, m->quant.err_max, 0.0};
+    for (size_t i = 0; i < n; i += CHUNK) {
+        size_t k = n - i < CHUNK ? n - i : CHUNK, at = first + i, blocks = (k + B - 1) / B;
+        float *am = dq ? dq + at / B : absmax;
+        nf4_quantize(codes, am, w + i, k, (int)B);
+        add_error(e, codes, am, w + i, k, (int)B);
+        fl_dev_upload(m->dev, p + at / 2, codes, (k + 1) / 2);
+        if (!dq) fl_dev_upload(m->dev, floats_at(p, l.absmax) + at / B, am, blocks * sizeof(float));
+    }
+    m->quant.err_sum += e[0];
+    m->quant.err_max = e[1];
+    m->quant.w_sumsq += e[2];
+    m->quant.err_n += n;
+    if (dq && first + n == v->numel) { // the statistics, written once the row is complete
+        uint8_t *st = m->dev->host ? p + l.q : (uint8_t *)(m->quant.host + l.nblocks);
         float offset;
-        dq8_quantize(p + l.q, floats_at(p, l.nested), &offset, absmax, l.nblocks, FL_DQ_BLOCK);
-        memcpy(p + l.offset, &offset, sizeof offset);
+        dq8_quantize(st, floats_at(st, l.nested - l.q), &offset, dq, l.nblocks, FL_DQ_BLOCK);
+        memcpy(st + (l.offset - l.q), &offset, sizeof offset);
+        if (st != p + l.q) fl_dev_upload(m->dev, p + l.q, st, l.offset + sizeof offset - l.q);
     }
 }
 
@@ -193,12 +237,23 @@ void fl_model_row_f32(const fl_model *m, int row, float *out) {
     const fl_param_view *v = &m->table.views[row];
     if (!is_nf4(m, row)) {
         if (fl_model_sharded(m)) fl_die("internal: a row of a model sharded for ZeRO-3 read whole");
-        fl_convert(FL_F32, out, m->dtype, dense_row(m, row), v->numel);
+        fl_model_download_f32(m, out, dense_row(m, row), v->numel);
         return;
     }
+    // dequantised on the host a chunk at a time from the downloaded codes
     row_layout l;
     const uint8_t *p = row_store(m, row, &l);
-    nf4_dequantize(FL_F32, out, p, row_absmax(m, row), v->numel, m->quant.cfg.blocksize);
+    size_t B = (size_t)m->quant.cfg.blocksize;
+    const float *dq = m->quant.cfg.double_quant ? host_absmax(m, row) : NULL;
+    uint8_t codes[CHUNK / 2];
+    float absmax[CHUNK / 32];
+    for (size_t i = 0; i < v->numel; i += CHUNK) {
+        size_t k = v->numel - i < CHUNK ? v->numel - i : CHUNK, blocks = (k + B - 1) / B;
+        fl_dev_download(m->dev, codes, p + i / 2, (k + 1) / 2);
+        if (!dq)
+            fl_dev_download(m->dev, absmax, floats_at(p, l.absmax) + i / B, blocks * sizeof(float));
+        nf4_dequantize(FL_F32, out + i, codes, dq ? dq + i / B : absmax, k, (int)B);
+    }
 }
 
 static void dequantize_rows(fl_model *m, int first, int out_rows) {
@@ -207,8 +262,8 @@ static void dequantize_rows(fl_model *m, int first, int out_rows) {
     for (int r = first, col = 0; col < out_rows; col += (int)v[r].shape[0], r++) {
         row_layout l;
         const uint8_t *p = row_store(m, r, &l);
-        nf4_dequantize(m->dtype, fl_at(m->dtype, m->quant.dequant, at), p, row_absmax(m, r),
-                       v[r].numel, m->quant.cfg.blocksize);
+        m->dev->nf4_dequantize(m->dtype, fl_at(m->dtype, m->quant.dequant, at), p, row_absmax(m, r),
+                               v[r].numel, m->quant.cfg.blocksize);
         at += v[r].numel;
     }
 }

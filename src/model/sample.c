@@ -2,7 +2,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "fitlm/model.h"
+#include "arch.h"
 
 typedef struct {
     float logit;
@@ -50,10 +50,12 @@ const float *fl_model_last_logits(fl_model *m, int T, float *row, float *mine) {
     fl_dtype dt = m->dtype;
     if (m->tp.size == 1) {
         const void *last = fl_at(dt, m->logits, (size_t)(T - 1) * c->padded_vocab_size);
-        return fl_load_f32(dt, last, c->vocab_size, row); // row, or fp32's own
+        if (m->dev->host) return fl_load_f32(dt, last, c->vocab_size, row); // row, or fp32's own
+        fl_model_download_f32(m, row, last, (size_t)c->vocab_size);
+        return row;
     }
     size_t cols = fl_params_vocab_rows((size_t)c->vocab_size, m->tp.size);
-    fl_convert(FL_F32, mine, dt, fl_at(dt, m->logits, (size_t)(T - 1) * cols), cols);
+    fl_model_download_f32(m, mine, fl_at(dt, m->logits, (size_t)(T - 1) * cols), cols);
     m->tp.ops->all_gather(m->tp.ops->ctx, FL_F32, mine, row, cols);
     return row;
 }

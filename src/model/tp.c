@@ -70,7 +70,7 @@ void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte
                       int B, int T) {
     int C = m->config.n_embd;
     if (m->tp.size == 1) {
-        FL_FWD_OP(FL_OP_ENCODER, encoder_forward(m->dtype, out, tokens, wte, wpe, B, T, C));
+        FL_FWD_OP(FL_OP_ENCODER, m->dev->encoder_forward(m->dtype, out, tokens, wte, wpe, B, T, C));
         return;
     }
     int rows = fl_vocab_cols(&m->config), N = B * T;
@@ -78,24 +78,25 @@ void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte
     // under sequence parallelism every position's lookup, then this rank's
     // positions of the sum (GPT-2: of the sum with the positions added)
     void *all = fl_seq_parallel(&m->config) ? m->tp_gather : out;
-    FL_FWD_OP(FL_OP_ENCODER,
-              embedding_shard_forward(m->dtype, all, tokens, wte, m->tp.rank * rows, rows, N, C));
+    FL_FWD_OP(FL_OP_ENCODER, m->dev->embedding_shard_forward(m->dtype, all, tokens, wte,
+                                                             m->tp.rank * rows, rows, N, C));
     if (all != out && !wpe) {
         fl_tp_reduce_scatter(m, all, out, local, FL_FWD);
         return;
     }
     fl_tp_all_reduce(m, all, (size_t)N * C, FL_FWD);
-    if (wpe) FL_FWD_OP(FL_OP_ENCODER, position_forward(m->dtype, all, wpe, B, T, C));
+    if (wpe) FL_FWD_OP(FL_OP_ENCODER, m->dev->position_forward(m->dtype, all, wpe, B, T, C));
     if (all != out)
-        memcpy(out, fl_at(m->dtype, all, (size_t)m->tp.rank * local),
-               local * fl_dtype_size(m->dtype));
+        m->dev->copy_d2d(m->dev, out, fl_at(m->dtype, all, (size_t)m->tp.rank * local),
+                         local * fl_dtype_size(m->dtype));
 }
 
 void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, const int *tokens,
                        int B, int T) {
     int C = m->config.n_embd;
     if (m->tp.size == 1) {
-        FL_BWD_OP(FL_OP_ENCODER, encoder_backward(m->dtype, dwte, dwpe, dout, tokens, B, T, C));
+        FL_BWD_OP(FL_OP_ENCODER,
+                  m->dev->encoder_backward(m->dtype, dwte, dwpe, dout, tokens, B, T, C));
         return;
     }
     // dout is the same on every rank (sequence parallelism: gathered): each
@@ -106,9 +107,10 @@ void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, co
         dout = m->tp_gather;
     }
     if (dwte)
-        FL_BWD_OP(FL_OP_ENCODER, embedding_shard_backward(m->dtype, dwte, dout, tokens,
-                                                          m->tp.rank * rows, rows, B * T, C));
-    if (dwpe) FL_BWD_OP(FL_OP_ENCODER, position_backward(m->dtype, dwpe, dout, B, T, C));
+        FL_BWD_OP(FL_OP_ENCODER,
+                  m->dev->embedding_shard_backward(m->dtype, dwte, dout, tokens, m->tp.rank * rows,
+                                                   rows, B * T, C));
+    if (dwpe) FL_BWD_OP(FL_OP_ENCODER, m->dev->position_backward(m->dtype, dwpe, dout, B, T, C));
 }
 
 // ----------------------------------------------------------------------------
@@ -134,14 +136,14 @@ void fl_vocab_xent(fl_model *m, const float *dloss) {
     int first, valid, cols, BT = m->B * m->T;
     vocab_range(m, &first, &valid, &cols);
     float *mx = m->xent_lse, *sums = m->tp_sums; // the max first, then the log-sum-exp
-    FL_FWD_OP(FL_OP_XENT, xent_shard_max(m->dtype, mx, m->logits, BT, valid, cols));
+    FL_FWD_OP(FL_OP_XENT, m->dev->xent_shard_max(m->dtype, mx, m->logits, BT, valid, cols));
     FL_PROFILE(FL_OP_COMM, FL_FWD, 0.0, ops->all_reduce_max(ops->ctx, mx, (size_t)BT));
     for (int i = 0; i < BT; i++) {
         int y = m->targets[i];
         m->tp_targets[i] = y >= first && y < first + valid ? y - first : -1;
     }
-    FL_FWD_OP(FL_OP_XENT,
-              xent_shard_sums(m->dtype, sums, m->logits, mx, m->tp_targets, BT, valid, cols));
+    FL_FWD_OP(FL_OP_XENT, m->dev->xent_shard_sums(m->dtype, sums, m->logits, mx, m->tp_targets, BT,
+                                                  valid, cols));
     FL_PROFILE(FL_OP_COMM, FL_FWD, 0.0, ops->all_reduce(ops->ctx, FL_F32, sums, 2 * (size_t)BT));
     for (int i = 0; i < BT; i++) {
         m->xent_lse[i] = mx[i] + logf(sums[2 * i]);
@@ -149,14 +151,14 @@ void fl_vocab_xent(fl_model *m, const float *dloss) {
     }
     if (!dloss) return;
     tp_dlosses(m, *dloss);
-    FL_FWD_OP(FL_OP_XENT, xent_shard_backward(m->dtype, m->logits, m->logits, m->xent_lse,
-                                              m->tp_targets, m->dlosses, BT, valid, cols));
+    FL_FWD_OP(FL_OP_XENT, m->dev->xent_shard_backward(m->dtype, m->logits, m->logits, m->xent_lse,
+                                                      m->tp_targets, m->dlosses, BT, valid, cols));
 }
 
 void fl_vocab_xent_backward(fl_model *m, float dloss) {
     int first, valid, cols, BT = m->B * m->T;
     vocab_range(m, &first, &valid, &cols);
     tp_dlosses(m, dloss);
-    FL_BWD_OP(FL_OP_XENT, xent_shard_backward(m->dtype, m->logits, m->logits, m->xent_lse,
-                                              m->tp_targets, m->dlosses, BT, valid, cols));
+    FL_BWD_OP(FL_OP_XENT, m->dev->xent_shard_backward(m->dtype, m->logits, m->logits, m->xent_lse,
+                                                      m->tp_targets, m->dlosses, BT, valid, cols));
 }

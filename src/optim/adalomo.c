@@ -23,6 +23,8 @@
 
 #include <math.h>
 
+#include "fitlm/device.h"
+
 #include "update.h"
 
 #define BLOCK      FL_UPDATE_BLOCK
@@ -352,7 +354,7 @@ void fl_adalomo_init_range(fl_adalomo *opt, const fl_param_table *t, size_t begi
         }
     }
     if (first > last) first = last;
-    *opt = (fl_adalomo){.rule = {&adalomo_ops, begin, end, begin, 3},
+    *opt = (fl_adalomo){.rule = {&adalomo_ops, begin, end, begin, 3, fl_device_default()},
                         .table = t,
                         .first_row = first,
                         .end_row = last,
@@ -363,10 +365,12 @@ void fl_adalomo_init_range(fl_adalomo *opt, const fl_param_table *t, size_t begi
                         .weight_decay = weight_decay,
                         .clip_value = clip_value,
                         .numel = fl_adalomo_state_numel(t, begin, end)};
-    opt->state = opt->numel ? fl_alloc(FL_MEM_OPTIM, opt->numel * sizeof(float)) : NULL; // zeroed
+    const fl_device *d = opt->rule.dev;
+    opt->state =
+        opt->numel ? d->alloc(d, FL_MEM_OPTIM, opt->numel * sizeof(float)) : NULL; // zeroed
 }
 
 void fl_adalomo_free(fl_adalomo *opt) {
-    fl_free(opt->state);
+    opt->rule.dev->free(opt->rule.dev, opt->state);
     opt->state = NULL;
 }

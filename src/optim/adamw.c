@@ -9,6 +9,7 @@
 
 #include "../core/dtype_simd.h"
 #include "fitlm/core.h"
+#include "fitlm/device.h"
 #include "update.h"
 
 // The elementwise update on fp32 gradients, one copy per ISA (FL_ISA_COPIES),
@@ -193,15 +194,16 @@ static const fl_optim_ops adamw_ops = {.state_names = adamw_state_names,
 void fl_adamw_setup(fl_adamw *opt, size_t begin, size_t end, float beta1, float beta2, float eps,
                     float weight_decay, int alloc) {
     FL_ASSERT(begin <= end);
-    *opt = (fl_adamw){.rule = {&adamw_ops, begin, end, begin, 2},
+    *opt = (fl_adamw){.rule = {&adamw_ops, begin, end, begin, 2, fl_device_default()},
                       .beta1 = beta1,
                       .beta2 = beta2,
                       .eps = eps,
                       .weight_decay = weight_decay,
                       .numel = end - begin};
     if (!alloc) return; // paged: the pager points m and v at a chunk
-    opt->m = fl_alloc(FL_MEM_OPTIM, (end - begin) * sizeof(float));
-    opt->v = fl_alloc(FL_MEM_OPTIM, (end - begin) * sizeof(float));
+    const fl_device *d = opt->rule.dev;
+    opt->m = d->alloc(d, FL_MEM_OPTIM, (end - begin) * sizeof(float));
+    opt->v = d->alloc(d, FL_MEM_OPTIM, (end - begin) * sizeof(float));
 }
 
 void fl_adamw_init_range(fl_adamw *opt, size_t begin, size_t end, float beta1, float beta2,
@@ -215,7 +217,8 @@ void fl_adamw_init(fl_adamw *opt, size_t numel, float beta1, float beta2, float 
 }
 
 void fl_adamw_free(fl_adamw *opt) {
-    fl_free(opt->m);
-    fl_free(opt->v);
+    const fl_device *d = opt->rule.dev;
+    d->free(d, opt->m);
+    d->free(d, opt->v);
     opt->m = opt->v = NULL;
 }

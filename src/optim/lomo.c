@@ -5,6 +5,8 @@
 //   p = p * (1 - lr*wd) - lr * g
 #include "fitlm/optim.h"
 
+#include "fitlm/device.h"
+
 #include "update.h"
 
 typedef struct {
@@ -76,7 +78,7 @@ static const fl_optim_ops lomo_ops = {.state_names = NULL,
 void fl_lomo_init_range(fl_lomo *opt, size_t begin, size_t end, float weight_decay,
                         float clip_value) {
     FL_ASSERT(begin <= end);
-    *opt = (fl_lomo){.rule = {&lomo_ops, begin, end, begin, 0},
+    *opt = (fl_lomo){.rule = {&lomo_ops, begin, end, begin, 0, fl_device_default()},
                      .weight_decay = weight_decay,
                      .clip_value = clip_value};
 }

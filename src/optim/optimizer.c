@@ -7,10 +7,13 @@
 // update itself is the rule's (fl_optim_rule), one range per table row, over
 // the whole table or over one shard of it. The fused kinds (LOMO, AdaLomo)
 // keep no master: their update runs on the model's weights, 16-bit ones
-// stored back by stochastic rounding seeded from (cfg.seed, t).
+// stored back by stochastic rounding seeded from (cfg.seed, t). Every
+// buffer is the optimizer's device's (o->dev), and every pass over one is a
+// call of its table: the host sees scalars (norms) only.
 #include <math.h>
 #include <string.h>
 
+#include "fitlm/device.h"
 #include "fitlm/optim.h"
 
 #include "update.h"
@@ -69,18 +72,20 @@ void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
     o->cfg = *cfg;
     fl_spike_guard_init(&o->spike, &cfg->spike);
     o->table = table;
+    const fl_device *d = o->dev = fl_device_default();
     o->dtype = dt;
     o->params = params;
     o->params_first = params_first;
     o->grads = grads;
     // a paged optimizer's pager holds the master and the state
     FL_ASSERT(!cfg->paged || cfg->kind == FL_OPT_ADAMW || cfg->kind == FL_OPT_SGD);
+    FL_ASSERT(!cfg->paged || d->host); // a pager's memory is the host's
     if (has_master(cfg, dt) && !cfg->paged) {
-        o->master = fl_alloc(FL_MEM_MASTER, (end - begin) * sizeof(float));
-        fl_convert(FL_F32, o->master, dt, fl_at(dt, params, begin - params_first), end - begin);
+        o->master = d->alloc(d, FL_MEM_MASTER, (end - begin) * sizeof(float));
+        d->convert(FL_F32, o->master, dt, fl_at(dt, params, begin - params_first), end - begin);
     }
     if (needs_accum_buffer(cfg, dt))
-        o->grad_accum = fl_alloc(FL_MEM_GRADS, table->numel * sizeof(float));
+        o->grad_accum = d->alloc(d, FL_MEM_GRADS, table->numel * sizeof(float));
     if (cfg->kind == FL_OPT_ADAMW) {
         fl_adamw_setup(&o->adamw, begin, end, cfg->beta1, cfg->beta2, cfg->eps, cfg->weight_decay,
                        !cfg->paged);
@@ -113,8 +118,10 @@ void fl_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg, const fl
 
 void fl_optimizer_free(fl_optimizer *o) {
     FL_ASSERT(!o->mapped);
-    fl_free(o->master);
-    fl_free(o->grad_accum);
+    if (o->dev) {
+        o->dev->free(o->dev, o->master);
+        o->dev->free(o->dev, o->grad_accum);
+    }
     if (o->rule) fl_optim_free(o->rule);
     memset(o, 0, sizeof *o);
 }
@@ -124,23 +131,18 @@ float fl_optimizer_loss_scale(const fl_optimizer *o) {
 }
 
 void fl_optimizer_zero_grad(fl_optimizer *o) {
+    const fl_device *d = o->dev;
     size_t n = o->table->numel;
-    if (o->micro == 0 && o->grad_accum) memset(o->grad_accum, 0, n * sizeof(float));
+    if (o->micro == 0 && o->grad_accum) d->zero(d, o->grad_accum, n * sizeof(float));
     // fp32 sums micro-batches in the model's own gradients; 16-bit gradients
     // are per micro-batch and summed into the fp32 buffer
     if (o->grads && (o->micro == 0 || o->grad_accum))
-        memset(o->grads, 0, n * fl_dtype_size(o->dtype));
+        d->zero(d, o->grads, n * fl_dtype_size(o->dtype));
 }
 
 void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
-    size_t n = end - first, block = 4096, nblocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static)
-    for (size_t b = 0; b < nblocks; b++) {
-        size_t i = first + b * block, len = end - i < block ? end - i : block;
-        float scratch[4096];
-        const float *g = fl_load_f32(o->dtype, fl_at(o->dtype, o->grads, i), len, scratch);
-        for (size_t k = 0; k < len; k++) o->grad_accum[i + k] += g[k];
-    }
+    o->dev->accumulate(o->grad_accum + first, o->dtype, fl_at(o->dtype, o->grads, first),
+                       end - first);
 }
 
 void fl_optimizer_micro_done(fl_optimizer *o) {
@@ -211,12 +213,13 @@ static void update_rows(fl_optimizer *o, int first_row, int n_rows, const void *
             .team = team,
             .tp = o->tp,
         };
-        fl_optim_update(o->rule, v, lo, hi - lo, &a);
+        o->dev->update(o->rule, v, lo, hi - lo, &a);
     }
 }
 
-// The rows' update: for a rule whose rows can share a team, all of them in
-// one parallel region; otherwise each row opens its own. With
+// The rows' update: on the cpu, for a rule whose rows can share a team, all
+// of them in one parallel region; otherwise (and on any other device, whose
+// update is one call per row) each row opens its own. With
 // OMP_WAIT_POLICY=PASSIVE a region costs ~60 us of waking the other thread
 // (one with 5 us of work took 65 us here, 11 with spinning threads): a
 // region per row held the clip+AdamW phase of SmolLM-135M's 273 rows at
@@ -224,7 +227,7 @@ static void update_rows(fl_optimizer *o, int first_row, int n_rows, const void *
 static void update_span(fl_optimizer *o, int first_row, int n_rows, const void *grads,
                         size_t grads_first, fl_dtype grads_dtype, float grad_scale, float clip_coef,
                         size_t span_lo, size_t span_hi) {
-    if (!o->rule->ops->team_rows) {
+    if (!o->rule->ops->team_rows || !o->dev->host) {
         update_rows(o, first_row, n_rows, grads, grads_first, grads_dtype, grad_scale, clip_coef,
                     span_lo, span_hi, 0);
         return;
@@ -320,7 +323,7 @@ static double grad_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, 
         int counted =
             !(v->flags & FL_PARAM_TIED_COPY) && (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
         if (b <= a || !counted) continue;
-        double x = fl_grad_sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
+        double x = o->dev->sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
         if (sq)
             sq[o->pp->row_global[r]] = x;
         else

@@ -3,6 +3,8 @@
 // buf = g at the first step, else momentum*buf + g; p -= lr*buf.
 #include "fitlm/optim.h"
 
+#include "fitlm/device.h"
+
 #include "update.h"
 
 typedef struct {
@@ -81,11 +83,12 @@ void fl_sgd_setup(fl_sgd *opt, size_t begin, size_t end, float momentum, float w
                   int alloc) {
     FL_ASSERT(begin <= end);
     int has_buf = momentum > 0.0f;
-    *opt = (fl_sgd){.rule = {&sgd_ops, begin, end, begin, has_buf},
+    *opt = (fl_sgd){.rule = {&sgd_ops, begin, end, begin, has_buf, fl_device_default()},
                     .momentum = momentum,
                     .weight_decay = weight_decay,
                     .numel = end - begin};
-    if (has_buf && alloc) opt->buf = fl_alloc(FL_MEM_OPTIM, (end - begin) * sizeof(float));
+    const fl_device *d = opt->rule.dev;
+    if (has_buf && alloc) opt->buf = d->alloc(d, FL_MEM_OPTIM, (end - begin) * sizeof(float));
 }
 
 void fl_sgd_init_range(fl_sgd *opt, size_t begin, size_t end, float momentum, float weight_decay) {
@@ -97,6 +100,6 @@ void fl_sgd_init(fl_sgd *opt, size_t numel, float momentum, float weight_decay) 
 }
 
 void fl_sgd_free(fl_sgd *opt) {
-    fl_free(opt->buf);
+    opt->rule.dev->free(opt->rule.dev, opt->buf);
     opt->buf = NULL;
 }

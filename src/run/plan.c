@@ -458,7 +458,7 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&whole);
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
-        fl_model_memory(&c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
+        fl_model_memory(NULL, &c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
                         dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
                         &r->quant, st, b);
     } else {

@@ -24,6 +24,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "fitlm/device.h"
 #include "fitlm/profile.h"
 #include "fitlm/run.h"
 #include "fitlm/train.h"
@@ -96,7 +97,7 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
         for (int r = first; r < first + n; r++) {
             size_t a = v[r].offset > lo ? v[r].offset : lo;
             size_t b = v[r].offset + v[r].numel < hi ? v[r].offset + v[r].numel : hi;
-            p->row_sq[r] = b > a ? fl_grad_sumsq(dt, fl_at_const(dt, g, a - lo), b - a) : 0.0;
+            p->row_sq[r] = b > a ? p->o->dev->sumsq(dt, fl_at_const(dt, g, a - lo), b - a) : 0.0;
             if (!isfinite(p->row_sq[r])) p->overflow = 1;
         }
     if (p->update)
