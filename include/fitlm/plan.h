@@ -70,7 +70,7 @@ typedef struct {
     // where the model and optimizer live (NULL: the cpu). On a device other
     // than the cpu the placement rule (docs/devices.md) puts tags params,
     // grads, master, optim, acts and workspace there; the model's workspace
-    // sizes are the default device's (fl_device_use it before planning)
+    // sizes are the device's (fl_model_memory's dev)
     const fl_device *dev;
 } fl_plan_request;
 
@@ -109,6 +109,9 @@ typedef struct {
     // 0 on the cpu); the rest is host memory
     size_t device[FL_MEM_NTAGS];
     size_t device_total;
+    // of bytes[workspace]: the host's transient buffers on any device (the
+    // step's row sums of squares, the sampler's logits row and sort)
+    size_t host_workspace;
     int runnable;   // 1: the engine runs this, and the figures are its exact sizes
     char note[320]; // "" or what the figures leave out / "not runnable yet: ..."
 } fl_plan;

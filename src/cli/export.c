@@ -193,7 +193,7 @@ int cmd_export(int argc, char **argv) {
     if (!merge) {
         fl_model_check_finite(&model, ckpt, NULL);
         // the writer reads host memory: a device's fp32 weights come down once
-        const fl_device *dev = fl_device_default();
+        const fl_device *dev = model.dev;
         size_t bytes = model.table.numel * sizeof(float);
         float *host = dev->host ? NULL : fl_alloc(FL_MEM_OTHER, bytes);
         if (host) fl_dev_download(dev, host, model.params, bytes);

@@ -139,10 +139,8 @@ int cmd_plan(int argc, char **argv) {
     fl_config_finish(&cfg, fl_tokenizer_vocab_of(cfg.tokenizer, cfg.tokenizer_path));
     fl_free(args);
     // as `fitlm train` does before planning: oneDNN sizes a bf16 GEMM's
-    // scratchpad (tag workspace) by the threads it will run on, and the
-    // model's workspace is its device's
+    // scratchpad (tag workspace) by the threads it will run on
     fl_set_threads(cfg.threads);
-    fl_device_use(fl_device_get(cfg.device));
 
     size_t data_peak, data = loader_bytes(&cfg, &data_peak);
     data += json_bytes;

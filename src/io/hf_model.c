@@ -286,7 +286,7 @@ void fl_model_check_finite(const fl_model *m, const char *source, const char *ad
         if (m->lora.table.views[r].numel > widest) widest = m->lora.table.views[r].numel;
     float *row = fl_alloc(FL_MEM_WORKSPACE, widest * sizeof(float));
     // a device's adapters come down to the host first
-    const fl_device *dev = fl_device_default();
+    const fl_device *dev = m->dev;
     void *raw = dev->host ? NULL : fl_alloc(FL_MEM_OTHER, widest * fl_dtype_size(m->dtype));
     for (int r = 0; r < m->table.count; r++) {
         fl_model_row_f32(m, r, row); // NF4 rows dequantised

@@ -290,7 +290,7 @@ static cJSON *peft_config(const fl_model *m, const char *base_model) {
 static void save_fill(void *ctx, int i, void *dst) {
     const fl_model *m = ctx;
     const fl_param_view *v = &m->lora.table.views[i];
-    fl_dev_download(fl_device_default(), dst, fl_at_const(m->dtype, m->lora.params, v->offset),
+    fl_dev_download(m->dev, dst, fl_at_const(m->dtype, m->lora.params, v->offset),
                     v->numel * fl_dtype_size(m->dtype));
 }
 
@@ -383,7 +383,7 @@ void fl_peft_load(const char *dir, fl_model *m) {
         if (lt->views[i].numel > largest) largest = lt->views[i].numel;
     void *raw = fl_alloc(FL_MEM_WORKSPACE, largest * sizeof(float));
     // a device's adapters are converted on the host, then uploaded
-    const fl_device *dev = fl_device_default();
+    const fl_device *dev = m->dev;
     void *staged = dev->host ? NULL : fl_alloc(FL_MEM_OTHER, largest * fl_dtype_size(m->dtype));
     for (int i = 0; i < lt->count; i++) {
         const fl_param_view *v = &lt->views[i];

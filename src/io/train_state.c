@@ -95,12 +95,6 @@ static int data_ranks(const fl_model *m) {
     return fl_comm_size() / (m->tp.size * m->pp.size);
 }
 
-// The device a model's buffers and its optimizers' are on.
-static const fl_device *model_dev(const fl_model *m) {
-    (void)m;
-    return fl_device_default();
-}
-
 // One parameter set of a checkpoint: its rows' weights (the optimizer's
 // fp32 master, else the model's own values) and its optimizer's state.
 typedef struct {
@@ -114,7 +108,7 @@ typedef struct {
 // The sets of a model trained by optim (and, under LoRA + LOMO, base).
 static int param_sets(const fl_model *m, const fl_optimizer *optim, const fl_optimizer *base,
                       param_set *out) {
-    const fl_device *dev = model_dev(m);
+    const fl_device *dev = m->dev; // its optimizers' too
     if (!m->lora.cfg.r) {
         out[0] = (param_set){"model", "optim", &m->table, m->params, (fl_optimizer *)optim, dev};
         return 1;
@@ -680,7 +674,7 @@ static void ckpt_check(fl_weight_source *s, const fl_param_table *t, const fl_qu
 
 static void ckpt_fill(fl_weight_source *s, fl_model *m) {
     const ckpt_source *c = s->state;
-    read_rows_range(c->ck, &m->table, "model", "weights", m->dtype, model_dev(m), m->params,
+    read_rows_range(c->ck, &m->table, "model", "weights", m->dtype, m->dev, m->params,
                     m->params_begin, m->params_end);
 }
 

@@ -458,7 +458,7 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&whole);
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
-        fl_model_memory(NULL, &c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
+        fl_model_memory(r->dev, &c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
                         dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
                         &r->quant, st, b);
     } else {
@@ -534,7 +534,8 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     // step's over its rows), the sampler's
     size_t sampler = shaped && r->sample_tokens > 0 ? generate_bytes(&c, r->T) : 0;
     size_t sums = (fused_rows + norm_rows) * sizeof(double);
-    b[FL_MEM_WORKSPACE] += sampler > sums ? sampler : sums;
+    out->host_workspace = sampler > sums ? sampler : sums; // host buffers on any device
+    b[FL_MEM_WORKSPACE] += out->host_workspace;
     if (shaped && r->sample_tokens > 0) {
         b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
     }
@@ -628,7 +629,8 @@ static int on_device(const fl_plan_request *r, int tag) {
 static void place(const fl_plan_request *r, fl_plan *p) {
     p->device_total = 0;
     for (int t = 0; t < FL_MEM_NTAGS; t++) {
-        p->device[t] = on_device(r, t) ? p->bytes[t] : 0;
+        p->device[t] =
+            on_device(r, t) ? p->bytes[t] - (t == FL_MEM_WORKSPACE ? p->host_workspace : 0) : 0;
         p->device_total += p->device[t];
     }
 }

@@ -437,7 +437,7 @@ static int weights_finite(const fl_run *r, int step) {
                                   : fl_at_const(o->dtype, o->params, first - o->params_first);
         // a device's weights are checked there: a sum of squares is not
         // finite exactly when a value is not (fp32's squares stay finite)
-        if (r->dev->host ? fl_has_inf_or_nan(dt, w, n) : !isfinite(r->dev->sumsq(dt, w, n)))
+        if (o->dev->host ? fl_has_inf_or_nan(dt, w, n) : !isfinite(o->dev->sumsq(dt, w, n)))
             bad = 1.0;
     }
     double v[3] = {bad, step, -step};
