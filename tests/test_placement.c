@@ -124,6 +124,23 @@ static void test_export_eval_sample(void) {
             "the export evaluates on the cpu to the test device's loss (%s, %s): %.300s", ckpt_loss,
             hf_loss, output);
 
+    // the export as pretrained weights (--init-from a Hugging Face
+    // directory: each row converted on the host and uploaded)
+    char want_steps[1024] = "", got_steps[1024] = "";
+    const char *devices[] = {"cpu", "test"};
+    for (int d = 0; d < 2; d++) {
+        rc = fitlm("train " RUN " --init-from hf --steps 2 --sample-tokens 0 --out init_%s "
+                   "--overwrite --device %s",
+                   devices[d], devices[d]);
+        t_check(rc == 0, "--init-from the export on --device %s: %.400s", devices[d], output);
+        char out[64];
+        snprintf(out, sizeof out, "init_%s", devices[d]);
+        step_figures(out, d ? got_steps : want_steps, sizeof want_steps);
+    }
+    t_check(*want_steps && !strcmp(want_steps, got_steps),
+            "--init-from on --device test trains as on the cpu bitwise\n  cpu  %s\n  test %s",
+            want_steps, got_steps);
+
     // the bytes in hex: a byte-level model's sample may hold a NUL
     static char want[sizeof output];
     rc = fitlm_out(
