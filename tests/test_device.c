@@ -79,6 +79,28 @@ static void test_device_memory(void) {
     t_check(fl_mem_device_current(FL_MEM_ACTS) == acts, "free returns the device's count");
 }
 
+// Several ranks are the cpu's alone in this issue: a tensor-parallel or
+// pipeline model on the test device is refused by name.
+static void init_split(void *arg) {
+    fl_device_use(fl_device_get("test"));
+    fl_weight_source s;
+    fl_weight_source_random(&s, &tiny_gpt2, 1);
+    fl_tp tp = {2, 0, 0, NULL};
+    fl_pp_stage pp;
+    fl_pp_stage_whole(&pp, tiny_gpt2.n_layer);
+    pp.size = 2;
+    fl_model m;
+    fl_model_init_tp(&m, &s, FL_F32, NULL, 0, SIZE_MAX, arg ? &tp : NULL, arg ? NULL : &pp);
+}
+
+static void test_split_refused(void) {
+    int tp = 1;
+    t_dies("tensor parallelism on the test device", init_split, &tp,
+           "run on the cpu device only (not on 'test')");
+    t_dies("pipeline parallelism on the test device", init_split, NULL,
+           "run on the cpu device only (not on 'test')");
+}
+
 // ----------------------------------------------------------------------------
 // a model on a device against the cpu
 
@@ -103,9 +125,10 @@ static void *download(const fl_model *m, const void *p, size_t bytes) {
 // The planner's bytes per tag are what the model allocates, on the
 // device for the placed tags and on the host for the rest.
 static void check_planned(const char *name, const fl_device *d, const fl_model_config *c,
-                          fl_dtype dt, fl_recompute r, const size_t dev0[], const size_t host0[]) {
+                          fl_dtype dt, fl_recompute r, const fl_lora_config *lc,
+                          const fl_quant_config *qc, const size_t dev0[], const size_t host0[]) {
     size_t want[FL_MEM_NTAGS];
-    fl_model_memory(d, c, dt, B, T, fl_threads(), r, 0, NULL, NULL, NULL, want);
+    fl_model_memory(d, c, dt, B, T, fl_threads(), r, 0, lc, qc, NULL, want);
     int same = 1;
     for (int t = 0; t < FL_MEM_NTAGS; t++) {
         size_t dv = fl_mem_device_current(t) - dev0[t], hv = fl_mem_current(t) - host0[t];
@@ -129,7 +152,7 @@ static void run_model(const char *name, const fl_device *d, const fl_model_confi
     fl_model_init(&m, c, dt, 7);
     fl_model_alloc_acts(&m, B, T, r, 0);
     fl_device_use(fl_device_cpu());
-    if (!d->host) check_planned(name, d, c, dt, r, dev0, host0);
+    if (!d->host) check_planned(name, d, c, dt, r, NULL, NULL, dev0, host0);
     int in[BT], tg[BT];
     t_rule_batch(3, BT, c->vocab_size, in, tg);
     const void *span[3];
@@ -219,8 +242,11 @@ typedef struct {
     float *merged;
 } qlora_outcome;
 
-static void run_qlora(const fl_device *d, const fl_model_config *c, fl_dtype dt, int double_quant,
-                      qlora_outcome *o) {
+static void run_qlora(const char *name, const fl_device *d, const fl_model_config *c, fl_dtype dt,
+                      int double_quant, qlora_outcome *o) {
+    size_t dev0[FL_MEM_NTAGS], host0[FL_MEM_NTAGS];
+    for (int t = 0; t < FL_MEM_NTAGS; t++)
+        dev0[t] = fl_mem_device_current(t), host0[t] = fl_mem_current(t);
     fl_device_use(d);
     fl_quant_config qc = {.enabled = 1, .blocksize = 64, .double_quant = double_quant};
     fl_weight_source s;
@@ -235,6 +261,7 @@ static void run_qlora(const fl_device *d, const fl_model_config *c, fl_dtype dt,
     fl_model_add_lora(&m, &lc, 9);
     fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_SELECTIVE, 0);
     fl_device_use(fl_device_cpu());
+    if (!d->host) check_planned(name, d, c, dt, FL_RECOMPUTE_SELECTIVE, &lc, &qc, dev0, host0);
     // lora_B starts at 0 (the adapters add nothing): weights of their own
     size_t n = m.lora.table.numel;
     float *w = malloc(n * sizeof(float));
@@ -273,8 +300,8 @@ static void test_qlora(void) {
             snprintf(name, sizeof name, "qlora %s %s%s", s ? "llama" : "gpt2", fl_dtype_name(dt),
                      dq ? " double-quant" : "");
             qlora_outcome cpu, dev;
-            run_qlora(fl_device_cpu(), c, dt, dq, &cpu);
-            run_qlora(test, c, dt, dq, &dev);
+            run_qlora(name, fl_device_cpu(), c, dt, dq, &cpu);
+            run_qlora(name, test, c, dt, dq, &dev);
             fl_model_config f = *c;
             fl_model_config_finish(&f);
             t_check(!memcmp(&cpu.loss, &dev.loss, sizeof(float)) &&
@@ -292,7 +319,8 @@ static void test_qlora(void) {
 }
 
 int main(void) {
-    test_device_memory(); // first: it forks
+    test_device_memory(); // first: these fork
+    test_split_refused();
     test_models();
     test_qlora();
     return t_report();

@@ -228,7 +228,8 @@ struct fl_weight_source {
     void (*check)(fl_weight_source *s, const fl_param_table *t, const fl_quant_config *q);
     // Writes every row of m's range once: through fl_model_store_row (an
     // NF4 row in order, in pieces whose first is a multiple of
-    // FL_PARAMS_INIT_CHUNK), or, for dense rows, straight into m->params.
+    // FL_PARAMS_INIT_CHUNK), or, for dense rows, straight into m->params
+    // (m->dev's memory: through its copy_h2d or fl_model_upload_f32).
     // Padded vocabulary rows may be left as allocated (zero).
     void (*fill)(fl_weight_source *s, fl_model *m);
     void (*close)(fl_weight_source *s); // NULL: nothing to release

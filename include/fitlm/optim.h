@@ -226,7 +226,9 @@ void fl_adalomo_free(fl_adalomo *opt);
 
 float fl_grad_norm(fl_dtype dt, const void *grads, size_t n);
 // The sum of squares fl_grad_norm takes the root of (in double; inf or NaN
-// when a value is), for norms gathered piece by piece.
+// when a value is), for norms gathered piece by piece. Both read host
+// memory: fl_grad_sumsq is the cpu table's sumsq, and the optimizer sums a
+// device's gradients with its table's.
 double fl_grad_sumsq(fl_dtype dt, const void *grads, size_t n);
 float fl_clip_coef(float norm, float max_norm);
 

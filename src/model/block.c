@@ -4,8 +4,6 @@
 // when n_kv_head < n_head), and the output projection added to the residual
 // stream. What differs between GPT-2 and LLaMA (the norms, biases, the MLP)
 // stays in their files.
-#include <string.h>
-
 #include "arch.h"
 
 void fl_residual_linear_forward(const fl_block *b, const fl_linear *lin, void *out, const void *inp,

@@ -4,7 +4,6 @@
 // LayerNorm and an LM head tied to the token embedding. The driver
 // (model.c) runs these passes; this file is the table and the passes.
 #include <math.h>
-#include <string.h>
 
 #include "arch.h"
 

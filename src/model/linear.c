@@ -3,8 +3,6 @@
 // have one place to wrap; a frozen weight gets no gradient.
 #include "fitlm/model.h"
 
-#include <string.h>
-
 #include "arch.h"
 
 // FLOPs of one (N x C) @ (C x OC) GEMM: the profile's GFLOP/s; the backward

@@ -7,8 +7,6 @@
 // q_proj, k_proj and v_proj are consecutive rows of the table, and so are
 // gate_proj and up_proj: each group runs as one GEMM over the stacked
 // weights, writing [q | k | v] and [gate | up] side by side per position.
-#include <string.h>
-
 #include "arch.h"
 
 // rows of a block, in table order

@@ -2,9 +2,11 @@
 // side: the whole rows a weight source gives stored as this rank's slices,
 // the vocabulary-parallel embedding and cross-entropy, and the all-reduce
 // the linear unit calls. The collectives are the TP group's (m->tp.ops, from
-// src/parallel); at t = 1 nothing here communicates.
+// src/parallel); at t = 1 nothing here communicates. Tensor parallelism
+// runs on the cpu device only (fl_model_init_tp refuses another): the
+// vocabulary-parallel loss's loops read the model's targets, maxima and sums
+// on the host.
 #include <math.h>
-#include <string.h>
 
 #include "arch.h"
 
