@@ -168,6 +168,7 @@ typedef struct {
     int sample_tokens;
     uint64_t seed;
     int threads;
+    char device[FL_NAME_MAX]; // cpu | cuda | test: where the model and optimizer live
     int mem_report, mem_report_every;
     int metrics_memory_every;    // memory per tag in metrics.jsonl every N steps
     float peak_tflops;           // MFU's denominator; 0 = measured at the start

@@ -127,8 +127,9 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
 
 // Stage 3: the weights of this rank's shard ([begin, end) of the flat
 // buffer, fl_dist_range) and whole rows for checkpoints and exports:
-// fl_dist_gather_row fills `out` (row numel values of the model's dtype)
-// on every rank (a collective: every rank calls it for the same row).
+// fl_dist_gather_row fills `out` (host memory: row numel values of the
+// model's dtype) on every rank (a collective: every rank calls it for the
+// same row).
 // Other stages: the model's own buffer.
 void *fl_dist_params_shard(fl_dist *d);
 void fl_dist_gather_row(fl_dist *d, int row, void *out);

@@ -11,6 +11,7 @@
 
 #include "fitlm/core.h"
 #include "fitlm/data.h"
+#include "fitlm/device.h"
 #include "fitlm/dtype.h"
 #include "fitlm/model.h"
 #include "fitlm/optim.h"
@@ -239,6 +240,9 @@ typedef struct {
     // run k at tensor element first + k * stride (stride >= run; numel a
     // multiple of run); data holds them back to back
     size_t run, stride;
+    // data's device (device.h): NULL or a host device: host memory; else
+    // the writer stages it through a bounded host buffer
+    const fl_device *dev;
 } fl_ckpt_piece;
 
 // meta_json: a JSON object (text) of the caller's state. keep > 0 deletes all
@@ -252,6 +256,11 @@ void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ck
 void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
                        const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run,
                        const fl_ckpt_file *files, int n_files);
+// fl_ckpt_write_run of whole tensors given as pieces (first and total 0),
+// which may lie on a device (fl_ckpt_piece's dev).
+void fl_ckpt_write_whole(const char *dir, int step, const char *meta_json,
+                         const fl_ckpt_piece *whole, int n_tensors, int keep, const char *run,
+                         const fl_ckpt_file *files, int n_files);
 // The collective save of a run over ranks (every rank calls it, at the same
 // step). sharded 0: rank 0 writes `tensors` as one checkpoint file (DDP:
 // every rank holds everything), the others pass nothing. sharded 1: every
@@ -308,6 +317,14 @@ void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, s
 // checked); dies as fl_ckpt_read_range does.
 void fl_ckpt_read_runs(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
                        size_t run, size_t stride, size_t count);
+// fl_ckpt_read_runs into device memory: dst is dev's (NULL or a host
+// device: host memory); the elements pass through a bounded host buffer and
+// the device's copies.
+void fl_ckpt_read_runs_to(fl_ckpt *ck, const char *name, fl_dtype dt, const fl_device *dev,
+                          void *dst, size_t first, size_t run, size_t stride, size_t count);
+// fl_ckpt_read_range into dev's memory, as fl_ckpt_read_runs_to.
+void fl_ckpt_read_range_to(fl_ckpt *ck, const char *name, fl_dtype dt, const fl_device *dev,
+                           void *dst, size_t first, size_t count);
 
 // The header parser on its own, for fuzzing: checks a whole checkpoint file
 // image (prefix, header JSON, tensor table against the data length). Returns

@@ -13,6 +13,7 @@
 
 #include "fitlm/config.h"
 #include "fitlm/core.h"
+#include "fitlm/device.h"
 #include "fitlm/dtype.h"
 #include "fitlm/model.h"
 #include "fitlm/offload.h"
@@ -66,6 +67,11 @@ typedef struct {
     // of pipeline rank r is virtual stage c p + r)
     int stage_blocks[FL_PP_MAX_VIRTUAL];
     int one_stage; // p > 1: 0 plans every stage (the figures the largest's); 1 only rank's
+    // where the model and optimizer live (NULL: the cpu). On a device other
+    // than the cpu the placement rule (docs/devices.md) puts tags params,
+    // grads, master, optim, acts and workspace there; the model's workspace
+    // sizes are the device's (fl_model_memory's dev)
+    const fl_device *dev;
 } fl_plan_request;
 
 // One pipeline stage's figures (pipeline rank `stage`, its chunks' blocks).
@@ -99,6 +105,13 @@ typedef struct {
     // the largest total, which decides whether the run fits)
     int stages, peak_stage;
     fl_plan_stage stage[FL_PLAN_MAX_STAGES];
+    // per rank, of bytes[] and total: what lies on the request's device (all
+    // 0 on the cpu); the rest is host memory
+    size_t device[FL_MEM_NTAGS];
+    size_t device_total;
+    // of bytes[workspace]: the host's transient buffers on any device (the
+    // step's row sums of squares, the sampler's logits row and sort)
+    size_t host_workspace;
     int runnable;   // 1: the engine runs this, and the figures are its exact sizes
     char note[320]; // "" or what the figures leave out / "not runnable yet: ..."
 } fl_plan;
@@ -170,12 +183,19 @@ void fl_plan_print(const fl_plan *p, FILE *out);
 // engine does not run is marked "(not runnable yet)". One line each.
 void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size);
 
-// If p->total > limit: fl_die with the limit, the total, the three largest
-// tags and the alternatives that would fit. Returns otherwise, and when
-// limit is 0 (unknown, as fl_mem_available returns without
-// /proc/meminfo). With NVMe offload, also dies unless its directory has
-// p->disk bytes free.
+// If p's host bytes (total - device_total) exceed limit: fl_die with the
+// limit, the bytes, the three largest tags and the alternatives that would
+// fit. Returns otherwise, and when limit is 0 (unknown, as
+// fl_mem_available returns without /proc/meminfo). With NVMe offload, also
+// dies unless its directory has p->disk bytes free. On a device, then the
+// same for device_total against the device's available memory
+// (fl_plan_device_limit).
 void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit);
+// The device's available memory for r (0: none known, or the cpu).
+size_t fl_plan_device_limit(const fl_plan_request *r);
+// As fl_plan_alternatives, for the device's bytes under `limit`: a smaller
+// micro-batch, bf16, activation checkpointing (what a device runs).
+void fl_plan_device_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size);
 
 // Parses a parameter count: "124439808", "7e9", "7B", "1.5b", "350M", "64K".
 // Dies naming `what` on bad input.

@@ -10,6 +10,7 @@
 #include "fitlm/comm.h"
 #include "fitlm/config.h"
 #include "fitlm/data.h"
+#include "fitlm/device.h"
 #include "fitlm/dist.h"
 #include "fitlm/io.h"
 #include "fitlm/offload.h"
@@ -45,7 +46,8 @@ typedef struct {
 } fl_run_options;
 
 typedef struct {
-    fl_train_config cfg; // finished
+    fl_train_config cfg;  // finished
+    const fl_device *dev; // cfg.device's: the model's and the optimizer's (fl_device_use)
     fl_model model;
     fl_optimizer optim;      // the model's, or under LoRA the adapters'
     fl_optimizer base_optim; // LoRA + LOMO: the base's fused optimizer (base points here)

@@ -19,7 +19,7 @@
 #include "fitlm/tokenizer.h"
 
 typedef struct {
-    const char *checkpoint, *init_from, *adapter, *data, *text, *split, *precision;
+    const char *checkpoint, *init_from, *adapter, *data, *text, *split, *precision, *device;
     const char *tokenizer, *tokenizer_path;
     int seq_len, batch, threads, json;
 } eval_options;
@@ -63,6 +63,8 @@ static void help(void) {
            "                       directory (default: the copy the checkpoint holds; the\n"
            "                       Hugging Face directory's; else data/gpt2)\n"
            "  --threads N          threads, 0 = all cores (default: 0)\n"
+           "  --device NAME        where the model runs: cpu, cuda or test (default: cpu;\n"
+           "                       docs/devices.md)\n"
            "  --json               one JSON object on stdout (loss, perplexity, bits_per_byte,\n"
            "                       tokens, bytes, seconds, model, adapter, data, ...)\n\n"
            "A progress bar goes to stderr when it is a terminal; otherwise one line at the end.\n");
@@ -107,6 +109,8 @@ static void parse_args(int argc, char **argv, eval_options *o, fl_quant_config *
             o->tokenizer_path = v;
         else if (!strcmp(flag, "--threads"))
             o->threads = cli_whole(flag, v, 0, 4096);
+        else if (!strcmp(flag, "--device"))
+            o->device = v;
         else
             fl_die("unknown option '%s' (see --help)", flag);
     }
@@ -310,10 +314,13 @@ int cmd_eval(int argc, char **argv) {
         help();
         return 0;
     }
-    eval_options o = {.split = "val", .tokenizer = "", .batch = 4};
+    eval_options o = {.split = "val", .tokenizer = "", .batch = 4, .device = "cpu"};
     fl_quant_config quant = {0, 64, 0};
     parse_args(argc, argv, &o, &quant);
     if (o.threads) fl_set_threads(o.threads);
+    cli_use_device(o.device, o.adapter       ? "a LoRA adapter (--adapter)"
+                             : quant.enabled ? "NF4 base weights (--quantize)"
+                                             : NULL);
 
     const char *path = o.checkpoint ? o.checkpoint : o.init_from;
     int from_ckpt = fl_is_checkpoint(path) && !quant.enabled;

@@ -59,7 +59,9 @@ static void help(void) {
            "                         Face base directory); the merge is written in --dtype,\n"
            "                         never re-quantised\n"
            "  --double-quant         with --quantize: double-quantised absmax, as in training\n"
-           "  --nf4-blocksize N      with --quantize: the NF4 block size (default: 64)\n");
+           "  --nf4-blocksize N      with --quantize: the NF4 block size (default: 64)\n"
+           "  --device NAME          where the model is loaded: cpu, cuda or test (default:\n"
+           "                         cpu; the export is the same; docs/devices.md)\n");
 }
 
 // The directory a path names, or holds it (a file's directory).
@@ -100,7 +102,7 @@ int cmd_export(int argc, char **argv) {
         return 0;
     }
     const char *ckpt = NULL, *out = NULL, *format = "safetensors", *dtype = "fp32";
-    const char *adapter = NULL, *tokenizer_path = NULL;
+    const char *adapter = NULL, *tokenizer_path = NULL, *device = "cpu";
     int merge = 0;
     fl_quant_config quant = {0, 64, 0};
     size_t max_shard = (size_t)5 << 30;
@@ -134,6 +136,8 @@ int cmd_export(int argc, char **argv) {
             adapter = v;
         else if (!strcmp(a, "--tokenizer-path"))
             tokenizer_path = v;
+        else if (!strcmp(a, "--device"))
+            device = v;
         else
             fl_die("unknown option '%s' (see --help)", a);
     }
@@ -154,6 +158,7 @@ int cmd_export(int argc, char **argv) {
     if (quant.enabled && !merge)
         fl_die("--quantize nf4 applies to --merge (the base a QLoRA adapter was trained on); "
                "a plain export never writes 4-bit weights");
+    cli_use_device(device, merge ? "a LoRA merge (--merge)" : NULL);
     int is_ckpt = fl_is_checkpoint(ckpt);
     if (!merge && !is_ckpt) fl_die("%s is not a fitlm checkpoint", ckpt);
 
@@ -187,7 +192,14 @@ int cmd_export(int argc, char **argv) {
     if (hf_tok) check_tokenizer(&tok, &model, ckpt, tokenizer_path != NULL);
     if (!merge) {
         fl_model_check_finite(&model, ckpt, NULL);
-        fl_hf_export_with(dir, &model, model.params, dt, max_shard, hf_tok ? &tok : NULL);
+        // the writer reads host memory: a device's fp32 weights come down once
+        const fl_device *dev = model.dev;
+        size_t bytes = model.table.numel * sizeof(float);
+        float *host = dev->host ? NULL : fl_alloc(FL_MEM_OTHER, bytes);
+        if (host) fl_dev_download(dev, host, model.params, bytes);
+        fl_hf_export_with(dir, &model, host ? host : model.params, dt, max_shard,
+                          hf_tok ? &tok : NULL);
+        fl_free(host);
         fl_tokenizer_files_free(&tok);
         printf("exported %zu parameters (%s, %s, %s tensors, tokenizer %s) to %s\n",
                model.table.numel, ckpt, fl_arch_name(model.config.arch), fl_dtype_name(dt),

@@ -10,6 +10,7 @@
 #include "fitlm/core.h"
 #include "fitlm/tokenizer.h"
 #include "helpers.h"
+#include "fitlm/device.h"
 
 double cli_number(const char *flag, const char *text, double min, double max) {
     char *end;
@@ -60,4 +61,13 @@ int cli_quant_option(int argc, char **argv, int i, fl_quant_config *q) {
         fl_die("--quantize %s is not supported: nf4 is the one 4-bit format", v);
     }
     return 2;
+}
+
+void cli_use_device(const char *name, const char *unsupported) {
+    const fl_device *d = fl_device_get(name);
+    if (!d->host && unsupported)
+        fl_die("--device %s with %s is not supported yet (it comes with the next GPU issue): "
+               "use --device cpu",
+               name, unsupported);
+    fl_device_use(d);
 }

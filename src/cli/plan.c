@@ -195,6 +195,20 @@ int cmd_plan(int argc, char **argv) {
     if (p.disk)
         fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", p.disk_dir, p.disk);
 
+    // as `fitlm train` checks: the device's free memory
+    size_t device_limit = fl_plan_device_limit(&r);
+    if (p.device_total && device_limit) {
+        char desc[256], free_[FL_SIZE_TEXT], need[FL_SIZE_TEXT];
+        r.dev->describe(r.dev, desc, sizeof desc);
+        fl_size_text_pair(device_limit, p.device_total, free_, need);
+        printf("\ndevice memory %s free on %s: %s needed, %s\n", free_, desc, need,
+               p.device_total <= device_limit ? "fits" : "does NOT fit");
+        if (p.device_total > device_limit) {
+            char alt[2048];
+            fl_plan_device_alternatives(&r, device_limit, alt, sizeof alt);
+            printf("what would fit on the device:\n%s", alt);
+        }
+    }
     // as `fitlm train` checks: the available memory shared by the ranks
     // (mpirun -np N on this machine), or --mem-limit per rank
     size_t limit =
@@ -210,12 +224,13 @@ int cmd_plan(int argc, char **argv) {
     } else if (!*cfg.mem_limit) {
         snprintf(source, sizeof source, "available memory");
     }
-    // the limit against the plan's total (and the run without offload):
+    // the limit against the plan's host bytes (and the run without offload):
     // exact bytes where the rounded sizes would read the same
     char lim[FL_SIZE_TEXT], total[FL_SIZE_TEXT], disk[FL_SIZE_TEXT], ram[FL_SIZE_TEXT];
-    fl_size_text_pair(limit, p.total, lim, total);
+    size_t host = p.total - p.device_total;
+    fl_size_text_pair(limit, host, lim, total);
     printf("\nmemory limit %s%s (%s): %s\n", lim, f.ranks > 1 ? " per rank" : "", source,
-           p.total <= limit ? "fits" : "does NOT fit");
+           host <= limit ? "fits" : "does NOT fit");
     if (p.disk) {
         size_t without = p.total - p.bytes[FL_MEM_OFFLOAD] + fl_plan_offloaded(&p);
         fl_size_text_pair(without, limit, ram, lim);
@@ -223,7 +238,7 @@ int cmd_plan(int argc, char **argv) {
                fl_size_text(p.disk, disk), p.disk_dir, ram,
                without <= limit ? "fits" : "does NOT fit");
     }
-    if (p.total > limit) {
+    if (host > limit) {
         char alt[2048];
         fl_plan_alternatives(&r, limit, alt, sizeof alt);
         printf("what would fit:\n%s", alt);

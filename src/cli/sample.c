@@ -13,7 +13,7 @@
 #include "fitlm/tokenizer.h"
 
 typedef struct {
-    const char *checkpoint, *adapter, *prompt, *tokenizer, *tokenizer_path;
+    const char *checkpoint, *adapter, *prompt, *tokenizer, *tokenizer_path, *device;
     int tokens, top_k, threads;
     float temperature;
     unsigned long long seed;
@@ -41,7 +41,9 @@ static void help(void) {
            "  --temperature X      softmax temperature, 0 = greedy (default: 0.8)\n"
            "  --top-k K            sample among the K most likely tokens, 0 = all (default: 40)\n"
            "  --seed N             random seed, 0 to 2^64-1 (default: 1337)\n"
-           "  --threads N          threads, 0 = all cores (default: 0)\n");
+           "  --threads N          threads, 0 = all cores (default: 0)\n"
+           "  --device NAME        where the model runs: cpu, cuda or test (default: cpu;\n"
+           "                       docs/devices.md)\n");
 }
 
 // The syntax of train's --seed: the whole 64-bit range, exactly.
@@ -57,7 +59,7 @@ int cmd_sample(int argc, char **argv) {
         help();
         return 0;
     }
-    sample_options o = {"out", NULL, "", "", NULL, 400, 40, 0, 0.8f, 1337};
+    sample_options o = {"out", NULL, "", "", NULL, "cpu", 400, 40, 0, 0.8f, 1337};
     fl_quant_config quant = {0, 64, 0};
     for (int i = 0; i < argc; i++) {
         const char *flag = argv[i];
@@ -89,12 +91,17 @@ int cmd_sample(int argc, char **argv) {
             o.seed = seed_of(flag, v);
         else if (!strcmp(flag, "--threads"))
             o.threads = cli_whole(flag, v, 0, 4096);
+        else if (!strcmp(flag, "--device"))
+            o.device = v;
         else
             fl_die("unknown option '%s' (see --help)", flag);
     }
     if (o.threads) fl_set_threads(o.threads);
     if (!quant.enabled && (quant.double_quant || quant.blocksize != 64))
         fl_die("--double-quant and --nf4-blocksize apply with --quantize nf4");
+    cli_use_device(o.device, o.adapter       ? "a LoRA adapter (--adapter)"
+                             : quant.enabled ? "NF4 base weights (--quantize)"
+                                             : NULL);
 
     fl_model model;
     // the tokenizer the weights come with (a Hugging Face directory's

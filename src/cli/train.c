@@ -127,6 +127,11 @@ static void print_run(const fl_run *run) {
     const fl_model *model = &run->model;
     int world = run->world;
     print_config(cfg, *run->shape_from ? run->shape_from : NULL);
+    if (!run->dev->host) { // the backend, the card and its free memory
+        char desc[256];
+        run->dev->describe(run->dev, desc, sizeof desc);
+        printf("device: %s\n", desc);
+    }
     size_t whole = fl_model_whole_table(model)->numel;
     printf("%zu parameters (%.2f M)", whole, whole / 1e6);
     int pp = model->pp.size; // rank 0 prints: the first stage's rows

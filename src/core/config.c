@@ -449,6 +449,10 @@ static const option options[] = {
      "tokens of text sampled after training"},
     {"seed", "--seed", OPT_U64, NUM(seed), "1337", 0, 0, NULL, "random seed"},
     {"threads", "--threads", OPT_INT, NUM(threads), "0", 0, 4096, NULL, "threads (0 = all cores)"},
+    {"device", "--device", OPT_CHOICE, STR(device), "cpu", 0, 0, "cpu|cuda|test",
+     "where the model and optimizer live: cpu; cuda (one NVIDIA GPU, in a build with CUDA); test "
+     "(the cpu's kernels on memory only the device table touches: checks the device seam) "
+     "(docs/devices.md)"},
     {"mem_report", "--mem-report", OPT_BOOL, NUM(mem_report), "false", 0, 0, NULL,
      "print memory per tag and peak RSS at the end"},
     {"mem_report_every", "--mem-report-every", OPT_INT, NUM(mem_report_every), "0", 0, 1 << 30,
@@ -800,11 +804,12 @@ static cJSON *parent_of(cJSON *root, const char *key, const char **leaf) {
 // inherit them from its checkpoint. NVMe offload's blocks say where and how
 // this machine keeps the state on its disk (never a number of the run: the
 // offloaded run is bitwise the one in RAM), so a checkpoint from elsewhere
-// never names a directory to write in.
+// never names a directory to write in. The device is where this invocation
+// computes: a checkpoint holds no device pointers and resumes on any.
 static int run_only(const option *o) {
     static const char *keys[] = {"resume",           "profile",   "mem_report",
                                  "mem_report_every", "mem_limit", "metrics_memory_every",
-                                 "peak_tflops"};
+                                 "peak_tflops",      "device"};
     static const char *prefixes[] = {"zero_optimization.offload_optimizer.",
                                      "zero_optimization.offload_param.", "aio."};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)

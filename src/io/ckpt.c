@@ -592,6 +592,42 @@ static void prune(const char *dir, int keep, int newest, const char *run) {
     remove_orphans(dir, &shards, run); // after the manifests: theirs are orphans now
 }
 
+// A device's tensors pass to and from the host in blocks of this, through
+// one staging buffer (tag other); host memory is read in place.
+#define STAGE_BYTES ((size_t)1 << 20)
+
+static int on_device(const fl_device *dev) {
+    return dev && !dev->host;
+}
+
+static void *stage_for(const fl_ckpt_piece *tensors, int n_tensors) {
+    for (int i = 0; i < n_tensors; i++)
+        if (on_device(tensors[i].dev)) return fl_alloc(FL_MEM_OTHER, STAGE_BYTES);
+    return NULL;
+}
+
+// Bytes [at, at + n) of piece t (n <= STAGE_BYTES) where the host can read
+// them: its own memory, or their copy in stage.
+static const void *piece_block(const fl_ckpt_piece *t, size_t at, size_t n, void *stage) {
+    const uint8_t *src = (const uint8_t *)t->data + at;
+    if (!on_device(t->dev)) return src;
+    fl_dev_download(t->dev, stage, src, n);
+    return stage;
+}
+
+static size_t block_of(size_t bytes, size_t at) {
+    return bytes - at < STAGE_BYTES ? bytes - at : STAGE_BYTES;
+}
+
+static uint32_t piece_crc(const fl_ckpt_piece *t, void *stage) {
+    size_t bytes = t->numel * fl_dtype_size(t->dtype);
+    if (!on_device(t->dev)) return fl_crc32(0, t->data, bytes);
+    uint32_t crc = 0;
+    for (size_t at = 0; at < bytes; at += STAGE_BYTES)
+        crc = fl_crc32(crc, piece_block(t, at, block_of(bytes, at), stage), block_of(bytes, at));
+    return crc;
+}
+
 // The header JSON of a file: meta (NULL: {}), step, run, `extra` (owned)
 // under extra_key, the tensor table (pieces: with first and total), then the
 // files stored after the tensors. *data_len receives the bytes of both.
@@ -607,6 +643,7 @@ static char *make_header(const char *meta_json, int step, const char *run, const
     if (extra) cJSON_AddItemToObject(root, extra_key, extra);
     cJSON *list = cJSON_AddArrayToObject(root, "tensors");
     uint64_t offset = 0;
+    void *stage = stage_for(tensors, n_tensors);
     for (int i = 0; i < n_tensors; i++) {
         const fl_ckpt_piece *t = &tensors[i];
         size_t bytes = t->numel * fl_dtype_size(t->dtype);
@@ -628,11 +665,12 @@ static char *make_header(const char *meta_json, int step, const char *run, const
             cJSON_AddNumberToObject(item, "stride", (double)t->stride);
         }
         char crc[16];
-        snprintf(crc, sizeof crc, "%08x", fl_crc32(0, t->data, bytes));
+        snprintf(crc, sizeof crc, "%08x", piece_crc(t, stage));
         cJSON_AddStringToObject(item, "crc32", crc);
         cJSON_AddItemToArray(list, item);
         offset += bytes;
     }
+    fl_free(stage);
     FL_ASSERT(n_files <= CKPT_MAX_FILES);
     cJSON *flist = n_files ? cJSON_AddArrayToObject(root, "files") : NULL;
     for (int i = 0; i < n_files; i++) {
@@ -678,6 +716,15 @@ static int write_full(int fd, const void *data, size_t n) {
     return 0;
 }
 
+static int write_piece(int fd, const fl_ckpt_piece *t, void *stage) {
+    size_t bytes = t->numel * fl_dtype_size(t->dtype);
+    if (!on_device(t->dev)) return write_full(fd, t->data, bytes);
+    for (size_t at = 0; at < bytes; at += STAGE_BYTES)
+        if (write_full(fd, piece_block(t, at, block_of(bytes, at), stage), block_of(bytes, at)))
+            return -1;
+    return 0;
+}
+
 // The format version of a file of these tensors: 4 only when one is strided,
 // so a checkpoint of contiguous pieces stays what earlier versions wrote.
 static uint32_t version_of(const fl_ckpt_piece *tensors, int n_tensors) {
@@ -709,8 +756,9 @@ static int write_file(const char *tmp, const char *header, const fl_ckpt_piece *
         rc = -1;
     }
     if (rc == 0) rc = write_full(fd, header, hlen);
-    for (int i = 0; i < n_tensors && rc == 0; i++)
-        rc = write_full(fd, tensors[i].data, tensors[i].numel * fl_dtype_size(tensors[i].dtype));
+    void *stage = stage_for(tensors, n_tensors);
+    for (int i = 0; i < n_tensors && rc == 0; i++) rc = write_piece(fd, &tensors[i], stage);
+    fl_free(stage);
     for (int i = 0; i < n_files && rc == 0; i++) rc = write_full(fd, files[i].data, files[i].size);
     if (rc == 0) rc = fsync(fd);
     int err = errno;
@@ -763,7 +811,6 @@ void fl_ckpt_write(const char *dir, int step, const char *meta_json, const fl_ck
 void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
                        const fl_ckpt_tensor *tensors, int n_tensors, int keep, const char *run,
                        const fl_ckpt_file *files, int n_files) {
-    make_dir(dir);
     fl_ckpt_piece *whole =
         fl_alloc(FL_MEM_OTHER, (size_t)(n_tensors ? n_tensors : 1) * sizeof *whole);
     for (int i = 0; i < n_tensors; i++)
@@ -771,6 +818,14 @@ void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
                                    .dtype = tensors[i].dtype,
                                    .data = tensors[i].data,
                                    .numel = tensors[i].numel};
+    fl_ckpt_write_whole(dir, step, meta_json, whole, n_tensors, keep, run, files, n_files);
+    fl_free(whole);
+}
+
+void fl_ckpt_write_whole(const char *dir, int step, const char *meta_json,
+                         const fl_ckpt_piece *whole, int n_tensors, int keep, const char *run,
+                         const fl_ckpt_file *files, int n_files) {
+    make_dir(dir);
     uint64_t data_len;
     char *header =
         make_header(meta_json, step, run, NULL, NULL, whole, n_tensors, files, n_files, &data_len);
@@ -781,7 +836,6 @@ void fl_ckpt_write_run(const char *dir, int step, const char *meta_json,
     if (write_file(tmp, header, whole, n_tensors, files, n_files, data_len, 0, NULL, NULL) != 0)
         fl_die("writing %s failed: %s", tmp, strerror(errno));
     cJSON_free(header);
-    fl_free(whole);
     if (fl_tmp_commit(tmp, path) != 0)
         fl_die("cannot rename %s to %s: %s", tmp, path, strerror(errno));
     // Only now does `latest` move: it always names a complete checkpoint.
@@ -1332,8 +1386,24 @@ static int64_t direct_at(const span *have, const span *want) {
 // The wanted elements among a piece's elements [i, i + n) (buf holds
 // them, of type st), converted into dst: walked a run of the piece at a
 // time, each run's part in each wanted run copied at once.
-static void scatter(fl_dtype dt, void *dst, const span *want, fl_dtype st, const uint8_t *buf,
-                    const span *have, uint64_t i, uint64_t n) {
+// n elements of type st (host memory) converted into dst (dt), which is
+// dev's: on a device, a staged block at a time.
+static void put(const fl_device *dev, fl_dtype dt, void *dst, fl_dtype st, const uint8_t *src,
+                size_t n, void *stage) {
+    if (!on_device(dev)) {
+        fl_convert(dt, dst, st, src, n);
+        return;
+    }
+    size_t per = STAGE_BYTES / fl_dtype_size(dt);
+    for (size_t i = 0; i < n; i += per) {
+        size_t k = n - i < per ? n - i : per;
+        fl_convert(dt, stage, st, src + i * fl_dtype_size(st), k);
+        fl_dev_upload(dev, fl_at(dt, dst, i), stage, k * fl_dtype_size(dt));
+    }
+}
+
+static void scatter(const fl_device *dev, fl_dtype dt, void *dst, const span *want, fl_dtype st,
+                    const uint8_t *buf, const span *have, uint64_t i, uint64_t n, void *stage) {
     size_t esize = fl_dtype_size(st);
     uint64_t end = span_end(want);
     for (uint64_t at = i; at < i + n;) { // at: the piece's element
@@ -1349,8 +1419,8 @@ static void scatter(fl_dtype dt, void *dst, const span *want, fl_dtype st, const
             }
             uint64_t hi = want->first + q * want->stride + want->run;
             if (hi > stop) hi = stop;
-            fl_convert(dt, fl_at(dt, dst, q * want->run + o), st, buf + (at - i + e - a) * esize,
-                       hi - e);
+            put(dev, dt, fl_at(dt, dst, q * want->run + o), st, buf + (at - i + e - a) * esize,
+                hi - e, stage);
             e = hi;
         }
         at += len;
@@ -1360,15 +1430,17 @@ static void scatter(fl_dtype dt, void *dst, const span *want, fl_dtype st, const
 // The wanted elements of one file's piece into dst. The whole piece is read
 // once, in blocks (its CRC-32 covers all of it): a piece of dt whose
 // elements land back to back is read straight into dst; otherwise blocks
-// pass through a buffer and the wanted elements land in dst, converted.
-static void read_entry(const ckpt_part *f, const tensor_entry *t, fl_dtype dt, void *dst,
-                       const span *want) {
+// pass through a buffer and the wanted elements land in dst, converted
+// (dst on a device: through the device's copies, staged).
+static void read_entry(const ckpt_part *f, const tensor_entry *t, fl_dtype dt, const fl_device *dev,
+                       void *dst, const span *want) {
     size_t esize = fl_dtype_size(t->dtype), numel = t->numel;
     size_t block = numel < ((size_t)1 << 20) ? numel : (size_t)1 << 20;
     span have = span_of(t);
-    int64_t at = t->dtype == dt ? direct_at(&have, want) : -1;
+    int64_t at = t->dtype == dt && !on_device(dev) ? direct_at(&have, want) : -1;
     int direct = at >= 0;
     uint8_t *buf = direct || !numel ? NULL : fl_alloc(FL_MEM_WORKSPACE, block * esize);
+    void *stage = on_device(dev) && numel ? fl_alloc(FL_MEM_OTHER, STAGE_BYTES) : NULL;
     uint64_t base = CKPT_PREFIX + (uint64_t)f->p.header_len + t->offset;
     uint32_t crc = 0;
     for (size_t i = 0; i < numel; i += block) {
@@ -1384,9 +1456,10 @@ static void read_entry(const ckpt_part *f, const tensor_entry *t, fl_dtype dt, v
             got += (size_t)r;
         }
         crc = fl_crc32(crc, into, want_bytes);
-        if (!direct) scatter(dt, dst, want, t->dtype, buf, &have, i, n);
+        if (!direct) scatter(dev, dt, dst, want, t->dtype, buf, &have, i, n, stage);
     }
     fl_free(buf);
+    fl_free(stage);
     if (crc != t->crc)
         fl_die("checkpoint %s: tensor '%s' is corrupt (CRC-32 mismatch: stored %08x, computed "
                "%08x)",
@@ -1407,6 +1480,11 @@ static int piece_hits(const tensor_entry *e, const span *want) {
 
 void fl_ckpt_read_runs(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
                        size_t run, size_t stride, size_t count) {
+    fl_ckpt_read_runs_to(ck, name, dt, NULL, dst, first, run, stride, count);
+}
+
+void fl_ckpt_read_runs_to(fl_ckpt *ck, const char *name, fl_dtype dt, const fl_device *dev,
+                          void *dst, size_t first, size_t run, size_t stride, size_t count) {
     const vtensor *t = find(ck, name);
     if (!t) fl_die("checkpoint %s has no tensor '%s'", ck->path, name);
     if (!run || stride < run || count % run)
@@ -1428,14 +1506,19 @@ void fl_ckpt_read_runs(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, si
     for (int i = 0; i < t->n_pieces; i++) { // the pieces that hold any of them, once each
         const piece *p = &ck->pieces[t->first_piece + i];
         if (piece_hits(p->e, &want) || (count == 0 && t->n_pieces == 1)) // (an empty read
-            read_entry(&ck->parts[p->part], p->e, dt, dst, &want);       // still checks)
+            read_entry(&ck->parts[p->part], p->e, dt, dev, dst, &want);  // still checks)
     }
 }
 
 void fl_ckpt_read_range(fl_ckpt *ck, const char *name, fl_dtype dt, void *dst, size_t first,
                         size_t count) {
+    fl_ckpt_read_range_to(ck, name, dt, NULL, dst, first, count);
+}
+
+void fl_ckpt_read_range_to(fl_ckpt *ck, const char *name, fl_dtype dt, const fl_device *dev,
+                           void *dst, size_t first, size_t count) {
     size_t run = count ? count : 1; // one run
-    fl_ckpt_read_runs(ck, name, dt, dst, first, run, run, count);
+    fl_ckpt_read_runs_to(ck, name, dt, dev, dst, first, run, run, count);
 }
 
 uint8_t *fl_ckpt_file_read(const fl_ckpt *ck, const char *name, size_t *size) {

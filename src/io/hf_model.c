@@ -285,16 +285,21 @@ void fl_model_check_finite(const fl_model *m, const char *source, const char *ad
     for (int r = 0; r < m->lora.table.count; r++)
         if (m->lora.table.views[r].numel > widest) widest = m->lora.table.views[r].numel;
     float *row = fl_alloc(FL_MEM_WORKSPACE, widest * sizeof(float));
+    // a device's adapters come down to the host first
+    const fl_device *dev = m->dev;
+    void *raw = dev->host ? NULL : fl_alloc(FL_MEM_OTHER, widest * fl_dtype_size(m->dtype));
     for (int r = 0; r < m->table.count; r++) {
         fl_model_row_f32(m, r, row); // NF4 rows dequantised
         refuse_nonfinite(source, "weight", m->table.views[r].name, row, m->table.views[r].numel);
     }
     for (int r = 0; r < m->lora.table.count; r++) {
         const fl_param_view *v = &m->lora.table.views[r];
-        fl_convert(FL_F32, row, m->dtype, fl_at_const(m->dtype, m->lora.params, v->offset),
-                   v->numel);
+        const void *src = fl_at_const(m->dtype, m->lora.params, v->offset);
+        if (raw) fl_dev_download(dev, raw, src, v->numel * fl_dtype_size(m->dtype));
+        fl_convert(FL_F32, row, m->dtype, raw ? raw : src, v->numel);
         refuse_nonfinite(adapter ? adapter : source, "LoRA adapter", v->name, row, v->numel);
     }
+    fl_free(raw);
     fl_free(row);
 }
 

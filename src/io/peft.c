@@ -290,8 +290,8 @@ static cJSON *peft_config(const fl_model *m, const char *base_model) {
 static void save_fill(void *ctx, int i, void *dst) {
     const fl_model *m = ctx;
     const fl_param_view *v = &m->lora.table.views[i];
-    memcpy(dst, fl_at_const(m->dtype, m->lora.params, v->offset),
-           v->numel * fl_dtype_size(m->dtype));
+    fl_dev_download(m->dev, dst, fl_at_const(m->dtype, m->lora.params, v->offset),
+                    v->numel * fl_dtype_size(m->dtype));
 }
 
 // The adapter's two files and their temporaries (PEFT's README.md and
@@ -382,6 +382,9 @@ void fl_peft_load(const char *dir, fl_model *m) {
     for (int i = 0; i < lt->count; i++)
         if (lt->views[i].numel > largest) largest = lt->views[i].numel;
     void *raw = fl_alloc(FL_MEM_WORKSPACE, largest * sizeof(float));
+    // a device's adapters are converted on the host, then uploaded
+    const fl_device *dev = m->dev;
+    void *staged = dev->host ? NULL : fl_alloc(FL_MEM_OTHER, largest * fl_dtype_size(m->dtype));
     for (int i = 0; i < lt->count; i++) {
         const fl_param_view *v = &lt->views[i];
         fl_lora_peft_name(&m->config, v->name, name, sizeof name);
@@ -399,8 +402,11 @@ void fl_peft_load(const char *dir, fl_model *m) {
         }
         // copied out first: the data may sit at any alignment in the mapping
         memcpy(raw, st.data + t->begin, t->end - t->begin);
-        fl_convert(m->dtype, fl_at(m->dtype, m->lora.params, v->offset), t->dtype, raw, v->numel);
+        void *dst = fl_at(m->dtype, m->lora.params, v->offset);
+        fl_convert(m->dtype, staged ? staged : dst, t->dtype, raw, v->numel);
+        if (staged) fl_dev_upload(dev, dst, staged, v->numel * fl_dtype_size(m->dtype));
     }
+    fl_free(staged);
     fl_free(raw);
     fl_safetensors_free(&st);
 }

@@ -102,18 +102,21 @@ typedef struct {
     const fl_param_table *t;
     void *values; // the model's values (dtype)
     fl_optimizer *optim;
+    const fl_device *dev; // where values, the master and the state are
 } param_set;
 
 // The sets of a model trained by optim (and, under LoRA + LOMO, base).
 static int param_sets(const fl_model *m, const fl_optimizer *optim, const fl_optimizer *base,
                       param_set *out) {
+    const fl_device *dev = m->dev; // its optimizers' too
     if (!m->lora.cfg.r) {
-        out[0] = (param_set){"model", "optim", &m->table, m->params, (fl_optimizer *)optim};
+        out[0] = (param_set){"model", "optim", &m->table, m->params, (fl_optimizer *)optim, dev};
         return 1;
     }
-    out[0] = (param_set){"lora", "optim", &m->lora.table, m->lora.params, (fl_optimizer *)optim};
+    out[0] =
+        (param_set){"lora", "optim", &m->lora.table, m->lora.params, (fl_optimizer *)optim, dev};
     if (!base) return 1;
-    out[1] = (param_set){"model", "base_optim", &m->table, m->params, (fl_optimizer *)base};
+    out[1] = (param_set){"model", "base_optim", &m->table, m->params, (fl_optimizer *)base, dev};
     return 2;
 }
 
@@ -248,6 +251,7 @@ typedef struct {
     fl_dtype dt;
     const void *data; // element `at` of the row's data
     size_t at, total; // total: the whole row's elements
+    const fl_device *dev;
 } tp_pieces;
 
 static void add_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
@@ -263,7 +267,8 @@ static void add_block(void *ctx, size_t local, size_t first, size_t run, size_t 
                                        first,
                                        p->total,
                                        strided ? run : 0,
-                                       strided ? stride : 0};
+                                       strided ? stride : 0,
+                                       p->dev};
 }
 
 // State tensor k of row r of t (k < 0: the weights) as a row of its own
@@ -318,8 +323,9 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
                         st < 0 ? NULL : fl_optim_state_name(rule, st), v->name);
             if (tp) { // this rank's slice, as blocks of the whole tensor
                 FL_ASSERT(pieces);
-                tp_pieces p = {out,  name,  st < 0 ? wdt : FL_F32,
-                               data, first, fl_params_whole_numel(&one, 0)};
+                tp_pieces p = {out,   name,  st < 0 ? wdt : FL_F32,
+                               data,  first, fl_params_whole_numel(&one, 0),
+                               s->dev};
                 fl_params_blocks(&one, 0, first, first + count, add_block, &p); // one name for all
                 continue;
             }
@@ -328,7 +334,8 @@ static void collect(const param_set *s, fl_dtype model_dt, size_t b, size_t e, i
                                                .data = data,
                                                .numel = count,
                                                .first = pieces ? first : 0,
-                                               .total = pieces ? total : 0};
+                                               .total = pieces ? total : 0,
+                                               .dev = s->dev};
         }
     }
 }
@@ -368,13 +375,9 @@ void fl_train_ckpt_save_run(const char *dir, int step, const fl_model *model,
     tensor_list l;
     list_init(&l, count_tensors(sets, nsets));
     for (int i = 0; i < nsets; i++) collect(&sets[i], model->dtype, 0, sets[i].t->numel, 0, &l);
-    fl_ckpt_tensor *whole = fl_alloc(FL_MEM_OTHER, (l.n ? l.n : 1) * sizeof *whole);
-    for (size_t i = 0; i < l.n; i++)
-        whole[i] = (fl_ckpt_tensor){l.t[i].name, l.t[i].dtype, l.t[i].data, l.t[i].numel};
     tokenizer_blobs blobs;
     int n_files = tokenizer_files(tokenizer, &blobs);
-    fl_ckpt_write_run(dir, step, text, whole, (int)l.n, keep, run, blobs.f, n_files);
-    fl_free(whole);
+    fl_ckpt_write_whole(dir, step, text, l.t, (int)l.n, keep, run, blobs.f, n_files);
     cJSON_free(text);
     list_free(&l);
 }
@@ -428,15 +431,16 @@ typedef struct {
     fl_ckpt *ck;
     const char *name;
     fl_dtype dt;
-    void *dst; // element `at` of the row
+    const fl_device *dev; // dst's
+    void *dst;            // element `at` of the row
     size_t at;
 } tp_read;
 
 static void read_block(void *ctx, size_t local, size_t first, size_t run, size_t stride,
                        size_t count) {
     const tp_read *r = ctx;
-    fl_ckpt_read_runs(r->ck, r->name, r->dt, fl_at(r->dt, r->dst, local - r->at), first, run,
-                      stride, count);
+    fl_ckpt_read_runs_to(r->ck, r->name, r->dt, r->dev, fl_at(r->dt, r->dst, local - r->at), first,
+                         run, stride, count);
 }
 
 // Elements [lo, hi) of row r (of t) of tensor `name` into dst: a range of
@@ -444,20 +448,21 @@ static void read_block(void *ctx, size_t local, size_t first, size_t run, size_t
 // whatever the layout that saved it. Dies unless the tensor has the whole
 // row's size.
 static void read_row_part(fl_ckpt *ck, const fl_param_table *t, int r, const char *name,
-                          fl_dtype dt, void *dst, size_t lo, size_t hi) {
+                          fl_dtype dt, const fl_device *dev, void *dst, size_t lo, size_t hi) {
     size_t whole = fl_params_whole_numel(t, r);
     if (fl_ckpt_numel(ck, name) != whole) // dies naming the sizes (or the missing tensor)
         fl_ckpt_read(ck, name, dt, dst, whole);
     if (t->tp_size <= 1) {
-        fl_ckpt_read_range(ck, name, dt, dst, lo, hi - lo);
+        fl_ckpt_read_range_to(ck, name, dt, dev, dst, lo, hi - lo);
         return;
     }
-    tp_read rd = {ck, name, dt, dst, lo};
+    tp_read rd = {ck, name, dt, dev, dst, lo};
     fl_params_blocks(t, r, lo, hi, read_block, &rd);
 }
 
 static void read_rows_range(fl_ckpt *ck, const fl_param_table *t, const char *prefix,
-                            const char *legacy, fl_dtype dt, void *dst, size_t b, size_t e) {
+                            const char *legacy, fl_dtype dt, const fl_device *dev, void *dst,
+                            size_t b, size_t e) {
     if (b >= e) return;
     if (legacy && fl_ckpt_has(ck, legacy)) {
         if (t->tp_size > 1)
@@ -467,7 +472,7 @@ static void read_rows_range(fl_ckpt *ck, const fl_param_table *t, const char *pr
         if (fl_ckpt_numel(ck, legacy) != t->numel)
             fl_die("checkpoint %s: tensor '%s' has %zu elements, this model needs %zu",
                    fl_ckpt_path(ck), legacy, fl_ckpt_numel(ck, legacy), t->numel);
-        fl_ckpt_read_range(ck, legacy, dt, dst, b, e - b);
+        fl_ckpt_read_range_to(ck, legacy, dt, dev, dst, b, e - b);
         return;
     }
     for (int r = 0; r < t->count; r++) {
@@ -477,7 +482,8 @@ static void read_rows_range(fl_ckpt *ck, const fl_param_table *t, const char *pr
         if (lo >= hi) continue;
         char name[NAME_MAX_];
         tensor_name(name, sizeof name, prefix, NULL, v->name);
-        read_row_part(ck, t, r, name, dt, fl_at(dt, dst, lo - b), lo - v->offset, hi - v->offset);
+        read_row_part(ck, t, r, name, dt, dev, fl_at(dt, dst, lo - b), lo - v->offset,
+                      hi - v->offset);
     }
 }
 
@@ -668,8 +674,8 @@ static void ckpt_check(fl_weight_source *s, const fl_param_table *t, const fl_qu
 
 static void ckpt_fill(fl_weight_source *s, fl_model *m) {
     const ckpt_source *c = s->state;
-    read_rows_range(c->ck, &m->table, "model", "weights", m->dtype, m->params, m->params_begin,
-                    m->params_end);
+    read_rows_range(c->ck, &m->table, "model", "weights", m->dtype, m->dev, m->params,
+                    m->params_begin, m->params_end);
 }
 
 static void ckpt_close(fl_weight_source *s) {
@@ -798,14 +804,16 @@ static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) 
         pb = model->params_begin;
         pe = model->params_end;
     }
+    const fl_device *dev = s->dev;
     if (optim->master) {
-        read_rows_range(ck, t, s->weights, legacy_weights, FL_F32, optim->master, b, e);
+        read_rows_range(ck, t, s->weights, legacy_weights, FL_F32, dev, optim->master, b, e);
         if (b == pb && e == pe) // the 16-bit weights, rounded from the fp32 ones as steps end
-            fl_convert(model->dtype, s->values, FL_F32, optim->master, e - b);
+            dev->convert(model->dtype, s->values, FL_F32, optim->master, e - b);
         else
-            read_rows_range(ck, t, s->weights, legacy_weights, model->dtype, s->values, pb, pe);
+            read_rows_range(ck, t, s->weights, legacy_weights, model->dtype, dev, s->values, pb,
+                            pe);
     } else { // fp32, or 16-bit weights without a master
-        read_rows_range(ck, t, s->weights, legacy_weights, model->dtype, s->values, pb, pe);
+        read_rows_range(ck, t, s->weights, legacy_weights, model->dtype, dev, s->values, pb, pe);
     }
     static const char *const legacy[2][2] = {{"adamw.m", "adamw.v"}, {"sgd.momentum", NULL}};
     int nstate = fl_optim_state_count(rule);
@@ -815,7 +823,7 @@ static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) 
             if (fl_ckpt_numel(ck, old) != n)
                 fl_die("checkpoint %s: tensor '%s' has %zu elements, this model needs %zu",
                        fl_ckpt_path(ck), old, fl_ckpt_numel(ck, old), n);
-            fl_ckpt_read_range(ck, old, FL_F32, fl_optim_state_ptr(rule, k, b), b, e - b);
+            fl_ckpt_read_range_to(ck, old, FL_F32, dev, fl_optim_state_ptr(rule, k, b), b, e - b);
             continue;
         }
         for (int r = 0; r < t->count; r++) { // per row: its own size, the part in [b, e)
@@ -834,7 +842,8 @@ static void restore_set(fl_ckpt *ck, const fl_model *model, const param_set *s) 
                 FL_ASSERT(first == 0 && last == v->numel);
                 last = sv.numel;
             }
-            read_row_part(ck, &one, 0, name, FL_F32, fl_optim_state_ptr(rule, k, lo), first, last);
+            read_row_part(ck, &one, 0, name, FL_F32, dev, fl_optim_state_ptr(rule, k, lo), first,
+                          last);
         }
     }
     char first[NAME_MAX_];

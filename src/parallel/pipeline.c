@@ -267,13 +267,13 @@ static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss)
     // 16-bit gradients are one micro-batch's, summed in fp32: per chunk here
     size_t a = 0, b = 0;
     if (o->grad_accum) chunk_range(m, c, &a, &b);
-    if (o->grad_accum) memset(fl_at(m->dtype, o->grads, a), 0, (b - a) * D);
+    if (o->grad_accum) o->dev->zero(o->dev, fl_at(m->dtype, o->grads, a), (b - a) * D);
     fl_model_backward(m, dloss);
     if (o->grad_accum) fl_optimizer_accum_range(o, a, b);
     if (vs == pl->n - 1 && pl->tied) { // the head's output gradient and input, for stage 0
         char *at = (char *)pl->tied_send + (size_t)k * (pl->logit + pl->act) * D;
-        memcpy(at, m->tied_dout, pl->logit * D);
-        memcpy(at + pl->logit * D, m->tied_inp, pl->act * D);
+        fl_dev_download(m->dev, at, m->tied_dout, pl->logit * D);
+        fl_dev_download(m->dev, at + pl->logit * D, m->tied_inp, pl->act * D);
         pl->tied_req[2 * k] = fl_comm_isend(pl->g, 0, at, pl->logit * D, tag(MSG_TIED_DOUT, 0));
         pl->tied_req[2 * k + 1] =
             fl_comm_isend(pl->g, 0, at + pl->logit * D, pl->act * D, tag(MSG_TIED_INP, 0));
@@ -281,7 +281,7 @@ static void backward_action(fl_pipeline *pl, const fl_pp_action *x, float dloss)
     if (vs > 0) {
         char *at =
             (char *)pl->grad_send + ((size_t)sender_index(pl, c) * pl->m_micro + k) * pl->act * D;
-        memcpy(at, m->dres, pl->act * D);
+        fl_dev_download(m->dev, at, m->dres, pl->act * D);
         pl->grad_req[c * pl->m_micro + k] =
             fl_comm_isend(pl->g, (vs - 1) % pl->p, at, pl->act * D, tag(MSG_GRAD, vs));
     }

@@ -769,7 +769,7 @@ void *fl_dist_params_shard(fl_dist *d) {
 void fl_dist_gather_row(fl_dist *d, int row, void *out) {
     const fl_param_view *v = &d->m->table.views[row];
     if (d->stage < 3) {
-        memcpy(out, fl_at(d->dt, d->m->params, v->offset), v->numel * d->D);
+        fl_dev_download(d->m->dev, out, fl_at(d->dt, d->m->params, v->offset), v->numel * d->D);
         return;
     }
     size_t a = v->offset, b = a + v->numel;

@@ -4,6 +4,8 @@
 // values are read (fl_config_check); and the optimizer's settings.
 #include <string.h>
 
+#include "fitlm/comm.h"
+#include "fitlm/device.h"
 #include "fitlm/dist.h"
 #include "fitlm/lora.h"
 #include "fitlm/offload.h"
@@ -75,6 +77,43 @@ static void demo_recipe(fl_train_config *cfg) {
     if (!fl_config_given(cfg, "optimizer.params.betas")) cfg->beta2 = 0.99f;
 }
 
+// A device other than the cpu runs one process training the whole model
+// with AdamW or SGD (issue 43); what moves memory elsewhere, splits the
+// model or fuses the update into the backward pass comes with the next
+// GPU issue. Refused before anything is allocated, as is a device this
+// build or machine lacks.
+static void device_check(const fl_train_config *cfg) {
+    char why[256] = "";
+    if (!fl_device_available(cfg->device, why, sizeof why)) fl_die("device: %s", why);
+    if (!strcmp(cfg->device, "cpu")) return;
+    const fl_zero_extra *x = &cfg->zero_extra;
+    int ranks = cfg->ranks > 0 ? cfg->ranks : fl_comm_size();
+    char what[96] = "";
+    if (ranks > 1)
+        snprintf(what, sizeof what, "%d ranks", ranks);
+    else if (cfg->tensor_parallel > 1 || cfg->pipeline_parallel > 1)
+        snprintf(what, sizeof what, "tensor or pipeline parallelism");
+    else if (strcmp(x->offload_optimizer, "none") || strcmp(x->offload_param, "none") ||
+             x->cpu_offload || x->cpu_offload_param)
+        snprintf(what, sizeof what, "offload (zero_optimization.offload_*)");
+    else if (cfg->zero.stage > 0)
+        snprintf(what, sizeof what, "ZeRO stage %d", cfg->zero.stage);
+    else if (cfg->lora_enabled || *cfg->adapter)
+        snprintf(what, sizeof what, "LoRA adapters");
+    else if (cfg->quant.enabled)
+        snprintf(what, sizeof what, "NF4 base weights (QLoRA)");
+    else if (!strcmp(cfg->optimizer, "lomo") || !strcmp(cfg->optimizer, "adalomo"))
+        snprintf(what, sizeof what, "the %s optimizer", cfg->optimizer);
+    else if (cfg->optimizer_in_backward)
+        snprintf(what, sizeof what, "optimizer_in_backward");
+    if (*what)
+        fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
+               "process training the whole model with AdamW or SGD (several ranks, ZeRO, "
+               "offload, LoRA/QLoRA, LOMO/AdaLomo and optimizer_in_backward come with the next "
+               "GPU issue); use --device cpu",
+               cfg->device, what);
+}
+
 void fl_config_check(fl_train_config *cfg) {
     fl_deepspeed_check_config(cfg); // first: it maps keys the sections read
     fl_config_check_common(cfg);
@@ -87,6 +126,7 @@ void fl_config_check(fl_train_config *cfg) {
     fl_optim_check_config(cfg);    // reads the precision and LoRA's base optimizer
     fl_parallel_check_config(cfg); // reads whether LoRA or NF4 is on
     fl_offload_check_config(cfg);
+    device_check(cfg); // reads the layout, offload, LoRA and the optimizer
 }
 
 void fl_config_finish(fl_train_config *cfg, int tokenizer_vocab) {

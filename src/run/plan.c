@@ -120,6 +120,7 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     fl_pp_config_split(cfg, &cfg->model, r->stage_blocks);
     r->whole_weights_first = *cfg->init_from != 0;
     r->offload = fl_offload_config_of(cfg);
+    r->dev = fl_device_get(cfg->device);
 }
 
 // ----------------------------------------------------------------------------
@@ -457,7 +458,7 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&whole);
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
-        fl_model_memory(NULL, &c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
+        fl_model_memory(r->dev, &c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
                         dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
                         &r->quant, st, b);
     } else {
@@ -533,7 +534,8 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     // step's over its rows), the sampler's
     size_t sampler = shaped && r->sample_tokens > 0 ? generate_bytes(&c, r->T) : 0;
     size_t sums = (fused_rows + norm_rows) * sizeof(double);
-    b[FL_MEM_WORKSPACE] += sampler > sums ? sampler : sums;
+    out->host_workspace = sampler > sums ? sampler : sums; // host buffers on any device
+    b[FL_MEM_WORKSPACE] += out->host_workspace;
     if (shaped && r->sample_tokens > 0) {
         b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
     }
@@ -615,10 +617,29 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     }
 }
 
+// The placement rule: on a device other than the cpu, the model's and the
+// optimizer's buffers of these tags are the device's; comm, offload and
+// other stay on the host.
+static int on_device(const fl_plan_request *r, int tag) {
+    return r->dev && !r->dev->host &&
+           (tag == FL_MEM_PARAMS || tag == FL_MEM_GRADS || tag == FL_MEM_MASTER ||
+            tag == FL_MEM_OPTIM || tag == FL_MEM_ACTS || tag == FL_MEM_WORKSPACE);
+}
+
+static void place(const fl_plan_request *r, fl_plan *p) {
+    p->device_total = 0;
+    for (int t = 0; t < FL_MEM_NTAGS; t++) {
+        p->device[t] =
+            on_device(r, t) ? p->bytes[t] - (t == FL_MEM_WORKSPACE ? p->host_workspace : 0) : 0;
+        p->device_total += p->device[t];
+    }
+}
+
 void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     check_request(r);
     if (pp_of(r) == 1 || r->one_stage) {
         plan_rank(r, out);
+        place(r, out);
         return;
     }
     // every stage, the rank's tensor- and data-parallel place on each; the
@@ -636,6 +657,7 @@ void fl_plan_compute(const fl_plan_request *r, fl_plan *out) {
     }
     out->stages = p;
     memcpy(out->stage, all, (size_t)p * sizeof all[0]);
+    place(r, out);
 }
 
 // ----------------------------------------------------------------------------
@@ -645,13 +667,29 @@ size_t fl_plan_offloaded(const fl_plan *p) {
     return p->unpaged[FL_MEM_MASTER] + p->unpaged[FL_MEM_OPTIM] + p->unpaged[FL_MEM_PARAMS];
 }
 
-void fl_plan_print(const fl_plan *p, FILE *out) {
-    fprintf(out, "%-14s %16s %12s %10s\n", "tag (per rank)", "bytes", "MiB", "GiB");
+// On a device, each tag's host and device bytes beside its sum.
+static void print_placed(const fl_plan *p, FILE *out) {
+    fprintf(out, "%-14s %16s %16s %16s %12s\n", "tag (per rank)", "host bytes", "device bytes",
+            "bytes", "MiB");
     for (int t = 0; t < FL_MEM_NTAGS; t++)
-        fprintf(out, "  %-12s %16zu %12.2f %10.3f\n", fl_mem_tag_name(t), p->bytes[t],
-                p->bytes[t] / 1048576.0, p->bytes[t] / 1073741824.0);
-    fprintf(out, "  %-12s %16zu %12.2f %10.3f  (%.2f GB)\n", "total", p->total,
-            p->total / 1048576.0, p->total / 1073741824.0, p->total / 1e9);
+        fprintf(out, "  %-12s %16zu %16zu %16zu %12.2f\n", fl_mem_tag_name(t),
+                p->bytes[t] - p->device[t], p->device[t], p->bytes[t], p->bytes[t] / 1048576.0);
+    fprintf(out, "  %-12s %16zu %16zu %16zu %12.2f  (%.2f GB)\n", "total",
+            p->total - p->device_total, p->device_total, p->total, p->total / 1048576.0,
+            p->total / 1e9);
+}
+
+void fl_plan_print(const fl_plan *p, FILE *out) {
+    if (p->device_total) {
+        print_placed(p, out);
+    } else {
+        fprintf(out, "%-14s %16s %12s %10s\n", "tag (per rank)", "bytes", "MiB", "GiB");
+        for (int t = 0; t < FL_MEM_NTAGS; t++)
+            fprintf(out, "  %-12s %16zu %12.2f %10.3f\n", fl_mem_tag_name(t), p->bytes[t],
+                    p->bytes[t] / 1048576.0, p->bytes[t] / 1073741824.0);
+        fprintf(out, "  %-12s %16zu %12.2f %10.3f  (%.2f GB)\n", "total", p->total,
+                p->total / 1048576.0, p->total / 1073741824.0, p->total / 1e9);
+    }
     if (p->num_params) {
         fprintf(out,
                 "model states (params+grads+master+optim): %zu bytes (%.2f GB) = %.2f bytes/param "
@@ -703,11 +741,12 @@ void fl_plan_print(const fl_plan *p, FILE *out) {
 // ----------------------------------------------------------------------------
 // what would fit
 
-static size_t plan_total(const fl_plan_request *r, int *runnable) {
+// The bytes a limit is checked against: the host's, or (device) the device's.
+static size_t plan_total(const fl_plan_request *r, int device, int *runnable) {
     fl_plan p;
     fl_plan_compute(r, &p);
     if (runnable) *runnable = p.runnable;
-    return p.total;
+    return device ? p.device_total : p.total - p.device_total;
 }
 
 // Tries v at micro-batch B, then halving it, with gradient accumulation set
@@ -715,7 +754,7 @@ static size_t plan_total(const fl_plan_request *r, int *runnable) {
 // LOMO cannot accumulate). Leaves v at the first fit and returns its total,
 // or returns 0 (v at B = 1) when nothing fits.
 static size_t fit_by_batch(const fl_plan_request *base, fl_plan_request *v, int B, size_t limit,
-                           int *runnable) {
+                           int device, int *runnable) {
     const size_t seqs = (size_t)base->B * base->optim.grad_accum * dp_of(base);
     for (v->B = B;; v->B /= 2) {
         size_t per_step = (size_t)v->B * dp_of(v);
@@ -727,7 +766,7 @@ static size_t fit_by_batch(const fl_plan_request *base, fl_plan_request *v, int 
         if (pp_of(v) > 1 && v->pipeline_schedule == FL_PP_INTERLEAVED)
             v->optim.grad_accum =
                 (int)ceil_div((size_t)v->optim.grad_accum, (size_t)pp_of(v)) * pp_of(v);
-        size_t total = tokens_split(v) ? plan_total(v, runnable) : SIZE_MAX;
+        size_t total = tokens_split(v) ? plan_total(v, device, runnable) : SIZE_MAX;
         if (total <= limit) return total;
         if (v->B <= 1) return 0;
     }
@@ -788,7 +827,10 @@ static int stage3_live_ok(const fl_plan_request *r) {
     return !ring || resident + ring <= r->zero.max_live_parameters;
 }
 
-void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size) {
+// What would fit under limit: the host's bytes, or (device) the device's,
+// for which only what a device runs is tried (no LOMO, no ZeRO).
+static void alternatives(const fl_plan_request *r, size_t limit, int device, char *buf,
+                         size_t size) {
     sink s = {buf, size, 0, 0};
     if (size) buf[0] = 0;
     const int shaped = r->num_params == 0;
@@ -801,32 +843,37 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
     // a smaller micro-batch, the same sequences per step
     if (shaped && r->B > 1) {
         v = *r;
-        total = fit_by_batch(r, &v, r->B / 2, limit, &runnable);
+        total = fit_by_batch(r, &v, r->B / 2, limit, device, &runnable);
         if (total)
             put_fit(&s, "", r, &v, total, runnable, per);
         else if (tokens_split(&v))
             put(&s, "  (no micro-batch fits: --batch 1 needs %s%s)\n",
-                fl_size_text(plan_total(&v, NULL), h), per);
+                fl_size_text(plan_total(&v, device, NULL), h), per);
     }
     // 16-bit weights, gradients and activations
     if (shaped && r->dtype == FL_F32) {
         v = *r;
         v.dtype = FL_BF16;
-        if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
+        if ((total = fit_by_batch(r, &v, r->B, limit, device, &runnable)))
             put_fit(&s, "--precision bf16", r, &v, total, runnable, per);
     }
     // recompute blocks in the backward pass
     if (shaped && r->recompute != FL_RECOMPUTE_BLOCK && r->B > 0) {
         v = *r;
         v.recompute = FL_RECOMPUTE_BLOCK;
-        if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
+        if ((total = fit_by_batch(r, &v, r->B, limit, device, &runnable)))
             put_fit(&s, "--activation-checkpointing block", r, &v, total, runnable, per);
+    }
+    if (device) {
+        if (!s.lines)
+            put(&s, "  (none of: a smaller micro-batch, bf16, activation checkpointing)\n");
+        return;
     }
     // formula-only strategies
     if (!r->lomo) {
         v = *r;
         v.lomo = 1;
-        if ((total = fit_by_batch(r, &v, r->B, limit, &runnable)))
+        if ((total = fit_by_batch(r, &v, r->B, limit, device, &runnable)))
             put_fit(&s, "--lomo", r, &v, total, runnable, per);
     }
     // ZeRO: for each stage above the request's, the fewest ranks (each with
@@ -843,7 +890,7 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
             v.ranks = N;
             v.rank = 0;
             v.zero_stage = stage;
-            if ((total = fit_by_batch(r, &v, r->B, limit, &runnable))) {
+            if ((total = fit_by_batch(r, &v, r->B, limit, device, &runnable))) {
                 char flags[64];
                 snprintf(flags, sizeof flags, "--ranks %d --zero-stage %d", N, stage);
                 put_fit(&s, flags, r, &v, total, runnable, " per rank, one rank per machine");
@@ -857,36 +904,71 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
                 "LOMO, ZeRO-1/2/3 up to 4096 ranks)\n");
 }
 
-void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit) {
-    if (p->disk)
-        fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", p->disk_dir,
-                              p->disk);
-    if (limit == 0 || p->total <= limit) return; // 0: the limit is unknown
+void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size) {
+    alternatives(r, limit, 0, buf, size);
+}
+
+void fl_plan_device_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size) {
+    alternatives(r, limit, 1, buf, size);
+}
+
+size_t fl_plan_device_limit(const fl_plan_request *r) {
+    return r->dev && !r->dev->host && r->dev->available ? r->dev->available(r->dev) : 0;
+}
+
+// Dies unless need (the host's bytes, or the device's) fits limit, naming
+// the three largest tags there and what would fit.
+static void check_fit(const fl_plan_request *r, const fl_plan *p, size_t limit, int device) {
+    size_t need = device ? p->device_total : p->total - p->device_total;
+    if (limit == 0 || need <= limit) return; // 0: the limit is unknown
+    size_t bytes[FL_MEM_NTAGS];
     int order[FL_MEM_NTAGS];
-    for (int t = 0; t < FL_MEM_NTAGS; t++) order[t] = t;
+    for (int t = 0; t < FL_MEM_NTAGS; t++) {
+        bytes[t] = device ? p->device[t] : p->bytes[t] - p->device[t];
+        order[t] = t;
+    }
     for (int i = 0; i < 3; i++) // the three largest tags, largest first
         for (int j = i + 1; j < FL_MEM_NTAGS; j++)
-            if (p->bytes[order[j]] > p->bytes[order[i]]) {
+            if (bytes[order[j]] > bytes[order[i]]) {
                 int tmp = order[i];
                 order[i] = order[j];
                 order[j] = tmp;
             }
     char largest[160] = "", h[FL_SIZE_TEXT];
     size_t n = 0;
-    for (int i = 0; i < 3 && p->bytes[order[i]]; i++)
+    for (int i = 0; i < 3 && bytes[order[i]]; i++)
         n += (size_t)snprintf(largest + n, sizeof largest - n, "%s%s %s", i ? ", " : "",
-                              fl_mem_tag_name(order[i]), fl_size_text(p->bytes[order[i]], h));
+                              fl_mem_tag_name(order[i]), fl_size_text(bytes[order[i]], h));
     char alt[2048];
-    fl_plan_alternatives(r, limit, alt, sizeof alt);
+    alternatives(r, limit, device, alt, sizeof alt);
     size_t len = strlen(alt);
     if (len && alt[len - 1] == '\n') alt[len - 1] = 0;
-    char need[FL_SIZE_TEXT], lim[FL_SIZE_TEXT];
-    fl_size_text_pair(p->total, limit, need, lim);
-    fl_die("this run needs %s%s of memory (planned before allocating), more than the limit of "
-           "%s (--mem-limit; default: the available memory).\n"
+    char needs[FL_SIZE_TEXT], lim[FL_SIZE_TEXT], what[448];
+    fl_size_text_pair(need, limit, needs, lim);
+    if (device) {
+        char desc[256];
+        r->dev->describe(r->dev, desc, sizeof desc);
+        snprintf(what, sizeof what,
+                 "device memory (planned before allocating), more than the %s free on %s", lim,
+                 desc);
+    } else {
+        snprintf(what, sizeof what,
+                 "memory (planned before allocating), more than the limit of %s (--mem-limit; "
+                 "default: the available memory)",
+                 lim);
+    }
+    fl_die("this run needs %s%s of %s.\n"
            "Largest: %s.\n"
            "What would fit ('fitlm plan' with the same options prints the whole plan):\n%s",
-           need, r->ranks > 1 ? " per rank" : "", lim, largest, alt);
+           needs, r->ranks > 1 ? " per rank" : "", what, largest, alt);
+}
+
+void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit) {
+    if (p->disk)
+        fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", p->disk_dir,
+                              p->disk);
+    check_fit(r, p, limit, 0);
+    if (p->device_total) check_fit(r, p, fl_plan_device_limit(r), 1);
 }
 
 size_t fl_plan_parse_count(const char *text, const char *what) {

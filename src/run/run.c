@@ -249,6 +249,10 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     r->ck_world = 1;
     if (res) r->saved = res->saved;
     configure(r, opt);
+    // the device every model and optimizer of the run is made on (its
+    // refusals were fl_config_finish's)
+    r->dev = fl_device_get(cfg->device);
+    fl_device_use(r->dev);
     fl_comm_set_timeout(cfg->zero.comm_timeout);
     FL_ASSERT(!opt->alone || cfg->zero.stage == 0);
     r->tp = (fl_tp){1, 0, 0, NULL};
@@ -428,9 +432,12 @@ static int weights_finite(const fl_run *r, int step) {
         const fl_optimizer *o = sets[i];
         if (!o) continue;
         size_t first = o->rule->state_begin, n = o->rule->state_end - first;
-        if (o->master ? fl_has_inf_or_nan(FL_F32, o->master, n)
-                      : fl_has_inf_or_nan(
-                            o->dtype, fl_at_const(o->dtype, o->params, first - o->params_first), n))
+        fl_dtype dt = o->master ? FL_F32 : o->dtype;
+        const void *w = o->master ? (const void *)o->master
+                                  : fl_at_const(o->dtype, o->params, first - o->params_first);
+        // a device's weights are checked there: a sum of squares is not
+        // finite exactly when a value is not (fp32's squares stay finite)
+        if (o->dev->host ? fl_has_inf_or_nan(dt, w, n) : !isfinite(o->dev->sumsq(dt, w, n)))
             bad = 1.0;
     }
     double v[3] = {bad, step, -step};
@@ -476,4 +483,5 @@ void fl_run_close(fl_run *r) {
     fl_tokenizer_files_free(&r->tok_files);
     if (r->has_val) fl_loader_close(&r->val);
     if (r->has_train) fl_loader_close(&r->train);
+    fl_device_use(NULL); // the cpu again for whatever the process makes next
 }
