@@ -109,32 +109,28 @@ void fl_free(void *ptr) {
     free((char *)ptr - ALIGN);
 }
 
-size_t fl_mem_current(fl_mem_tag tag) {
+// a counter, read under the lock
+static size_t locked_read(const size_t *counter) {
     pthread_mutex_lock(&lock);
-    size_t v = current[tag];
+    size_t v = *counter;
     pthread_mutex_unlock(&lock);
     return v;
+}
+
+size_t fl_mem_current(fl_mem_tag tag) {
+    return locked_read(&current[tag]);
 }
 
 size_t fl_mem_peak(fl_mem_tag tag) {
-    pthread_mutex_lock(&lock);
-    size_t v = peak[tag];
-    pthread_mutex_unlock(&lock);
-    return v;
+    return locked_read(&peak[tag]);
 }
 
 size_t fl_mem_total_current(void) {
-    pthread_mutex_lock(&lock);
-    size_t v = total_current;
-    pthread_mutex_unlock(&lock);
-    return v;
+    return locked_read(&total_current);
 }
 
 size_t fl_mem_total_peak(void) {
-    pthread_mutex_lock(&lock);
-    size_t v = total_peak;
-    pthread_mutex_unlock(&lock);
-    return v;
+    return locked_read(&total_peak);
 }
 
 void fl_mem_device_count(fl_mem_tag tag, long long bytes) {
@@ -150,32 +146,21 @@ void fl_mem_device_count(fl_mem_tag tag, long long bytes) {
 
 void fl_die_device_oom(const char *device, size_t bytes, fl_mem_tag tag) {
     char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT];
-    pthread_mutex_lock(&lock);
-    size_t held = dev_total_current;
-    pthread_mutex_unlock(&lock);
+    size_t held = locked_read(&dev_total_current);
     fl_die("out of %s device memory allocating %s for %s (%s already allocated there)", device,
            fl_size_text(bytes, want), fl_mem_tag_name(tag), fl_size_text(held, have));
 }
 
 size_t fl_mem_device_current(fl_mem_tag tag) {
-    pthread_mutex_lock(&lock);
-    size_t v = dev_current[tag];
-    pthread_mutex_unlock(&lock);
-    return v;
+    return locked_read(&dev_current[tag]);
 }
 
 size_t fl_mem_device_peak(fl_mem_tag tag) {
-    pthread_mutex_lock(&lock);
-    size_t v = dev_peak[tag];
-    pthread_mutex_unlock(&lock);
-    return v;
+    return locked_read(&dev_peak[tag]);
 }
 
 size_t fl_mem_device_total_peak(void) {
-    pthread_mutex_lock(&lock);
-    size_t v = dev_total_peak;
-    pthread_mutex_unlock(&lock);
-    return v;
+    return locked_read(&dev_total_peak);
 }
 
 size_t fl_mem_peak_rss(void) {
