@@ -7,12 +7,14 @@
 // there bitwise; an export from it evaluates on the cpu to the same loss;
 // sampling gives the same tokens; `fitlm plan --device test` predicts the
 // device bytes per tag that the run allocates, exactly; and what a device
-// does not run yet is refused with a clear error.
+// does not run yet is refused with a clear error; --mem-limit on a device
+// is its budget, refused by the plan and held by the allocator.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "fitlm/device.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_placement_XXXXXX";
@@ -227,6 +229,53 @@ static void test_refusals(void) {
             "the refusal names the device memory and a micro-batch that fits: %.600s", output);
 }
 
+// --mem-limit on a device: the device's budget. A run planned one byte over
+// it is refused before allocating, naming the budget; at exactly its planned
+// bytes it trains; `fitlm plan` prints the budget and the fit.
+static void test_mem_limit_device(void) {
+    const char *run = "train " RUN " --model tiny --precision bf16 --steps 2 --device test";
+    size_t planned[FL_MEM_NTAGS], need = 0;
+    int ok = fitlm("plan " RUN " --model tiny --precision bf16 --steps 2 --device test") == 0 &&
+             device_bytes(output, "tag (per rank)", 1, planned);
+    t_check(ok, "plan --device test prints the device bytes: %.600s", output);
+    if (!ok) return;
+    for (int t = 0; t < FL_MEM_NTAGS; t++) need += planned[t];
+    fails_with("device budget", "%s --out capped --overwrite --mem-limit %zu", run, need - 1);
+    t_check(strstr(output, "--mem-limit") && strstr(output, "What would fit"),
+            "the refusal names --mem-limit and what would fit: %.600s", output);
+    t_check(fitlm("%s --out capped --overwrite --mem-limit %zu", run, need) == 0,
+            "a run at its planned device bytes trains under the cap: %.600s", output);
+    // the host is not held to the device's budget: the run's host bytes
+    // (its data, the host's transient buffers) are more than 1 KiB
+    t_check(fitlm("plan " RUN " --model tiny --precision bf16 --device test --mem-limit %zu",
+                  need) == 0 &&
+                strstr(output, "device budget") && strstr(output, "needed, fits") &&
+                strstr(output, "(available memory)"),
+            "plan at the budget: fits, the host against its available memory: %.600s", output);
+    t_check(fitlm("plan " RUN " --model tiny --precision bf16 --device test --mem-limit %zu",
+                  need - 1) == 0 &&
+                strstr(output, "device budget") && strstr(output, "does NOT fit") &&
+                strstr(output, "what would fit on the device"),
+            "plan over the budget: does NOT fit, with the alternatives: %.600s", output);
+    fails_with("device budget", "train " RUN " --model tiny --steps 1 --device test "
+                                "--mem-limit 1KiB");
+}
+
+// The allocator's cap: what the plan misjudges still cannot pass it.
+static void over_cap(void *arg) {
+    (void)arg;
+    const fl_device *dev = fl_device_get("test");
+    fl_mem_device_set_cap((size_t)1 << 20);
+    void *p = dev->alloc(dev, FL_MEM_PARAMS, (size_t)512 << 10);
+    dev->free(dev, p);
+    dev->alloc(dev, FL_MEM_ACTS, (size_t)3 << 19); // 1.5 MiB: over
+}
+
+static void test_allocator_cap(void) {
+    t_dies("a device allocation over the cap", over_cap, NULL,
+           "device memory cap of 1.00 MiB (--mem-limit) exceeded allocating 1.50 MiB for acts");
+}
+
 int main(void) {
     if (!getenv("FITLM_BINARY")) {
         printf("placement: FITLM_BINARY not set (run under ctest)\n");
@@ -252,6 +301,8 @@ int main(void) {
     test_export_eval_sample();
     test_plan_equals_measured();
     test_refusals();
+    test_mem_limit_device();
+    test_allocator_cap();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("  (could not remove %s)\n", dir);
     return t_report();

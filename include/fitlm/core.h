@@ -92,7 +92,11 @@ size_t fl_mem_peak_rss(void);   // the process's peak resident set (VmHWM)
 // Device memory (device.h) is counted apart, per tag: a device's allocator
 // adds its blocks with fl_mem_device_count (bytes > 0) and removes them
 // (bytes < 0); it dies with fl_die_device_oom when the device is full.
+// Under a cap (fl_mem_device_set_cap) a count that would take the device's
+// total over it dies naming the cap, the tag and the size.
 void fl_mem_device_count(fl_mem_tag tag, long long bytes);
+// --mem-limit on a device: the most the device's blocks may total (0: no cap).
+void fl_mem_device_set_cap(size_t bytes);
 void fl_die_device_oom(const char *device, size_t bytes, fl_mem_tag tag) __attribute__((noreturn));
 size_t fl_mem_device_current(fl_mem_tag tag);
 size_t fl_mem_device_peak(fl_mem_tag tag);

@@ -72,6 +72,9 @@ typedef struct {
     // grads, master, optim, acts and workspace there; the model's workspace
     // sizes are the device's (fl_model_memory's dev)
     const fl_device *dev;
+    // --mem-limit on a device other than the cpu: the device's budget, the
+    // cap on its bytes below its available memory (0: none)
+    size_t device_cap;
 } fl_plan_request;
 
 // One pipeline stage's figures (pipeline rank `stage`, its chunks' blocks).
@@ -191,7 +194,8 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
 // same for device_total against the device's available memory
 // (fl_plan_device_limit).
 void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit);
-// The device's available memory for r (0: none known, or the cpu).
+// The device's budget for r: its available memory, capped by device_cap
+// (--mem-limit) (0: none known, or the cpu).
 size_t fl_plan_device_limit(const fl_plan_request *r);
 // As fl_plan_alternatives, for the device's bytes under `limit`: a smaller
 // micro-batch, bf16, activation checkpointing (what a device runs).

@@ -27,7 +27,9 @@ static void help(void) {
            "--tensor-parallel and --sequence-parallel included), from the published\n"
            "formulas (ZeRO, LOMO) for what it does not run yet, marked as such. Then compares\n"
            "the total with --mem-limit (per rank; default: the available memory shared by the\n"
-           "ranks, as 'fitlm train' does) and, if it does not fit, lists what would.\n\n"
+           "ranks, as 'fitlm train' does) and, if it does not fit, lists what would. With a\n"
+           "--device other than the cpu, --mem-limit is the device's budget instead (at most its\n"
+           "free memory) and the host is checked against its available memory.\n\n"
            "plan-only options:\n"
            "  %-28s %s\n  %-28s default: 1\n"
            "  %-28s %s\n  %-28s default: 0\n"
@@ -201,8 +203,13 @@ int cmd_plan(int argc, char **argv) {
         char desc[256], free_[FL_SIZE_TEXT], need[FL_SIZE_TEXT];
         r.dev->describe(r.dev, desc, sizeof desc);
         fl_size_text_pair(device_limit, p.device_total, free_, need);
-        printf("\ndevice memory %s free on %s: %s needed, %s\n", free_, desc, need,
-               p.device_total <= device_limit ? "fits" : "does NOT fit");
+        if (r.device_cap)
+            printf("\ndevice budget %s (--mem-limit, at most the free memory) on %s: %s needed, "
+                   "%s\n",
+                   free_, desc, need, p.device_total <= device_limit ? "fits" : "does NOT fit");
+        else
+            printf("\ndevice memory %s free on %s: %s needed, %s\n", free_, desc, need,
+                   p.device_total <= device_limit ? "fits" : "does NOT fit");
         if (p.device_total > device_limit) {
             char alt[2048];
             fl_plan_device_alternatives(&r, device_limit, alt, sizeof alt);
@@ -211,17 +218,18 @@ int cmd_plan(int argc, char **argv) {
     }
     // as `fitlm train` checks: the available memory shared by the ranks
     // (mpirun -np N on this machine), or --mem-limit per rank
-    size_t limit =
-        *cfg.mem_limit ? fl_parse_bytes(cfg.mem_limit, "--mem-limit") : fl_mem_available();
+    // (on a device --mem-limit is the device's budget, above)
+    int host_limit = *cfg.mem_limit && !r.device_cap;
+    size_t limit = host_limit ? fl_parse_bytes(cfg.mem_limit, "--mem-limit") : fl_mem_available();
     if (!limit) {
         printf("\nmemory limit: unknown (no /proc/meminfo); give --mem-limit to check the fit\n");
         return 0;
     }
     char source[96] = "--mem-limit";
-    if (!*cfg.mem_limit && f.ranks > 1) {
+    if (!host_limit && f.ranks > 1) {
         limit /= (size_t)f.ranks;
         snprintf(source, sizeof source, "available memory / %d ranks on this machine", f.ranks);
-    } else if (!*cfg.mem_limit) {
+    } else if (!host_limit) {
         snprintf(source, sizeof source, "available memory");
     }
     // the limit against the plan's host bytes (and the run without offload):

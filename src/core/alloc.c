@@ -31,6 +31,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t current[FL_MEM_NTAGS], peak[FL_MEM_NTAGS], total_current, total_peak;
 // the same for device memory (fl_mem_device_count)
 static size_t dev_current[FL_MEM_NTAGS], dev_peak[FL_MEM_NTAGS], dev_total_current, dev_total_peak;
+static size_t dev_cap; // --mem-limit on a device: the most its blocks may total (0: none)
 
 static const char *tag_names[FL_MEM_NTAGS] = {
     "params", "grads", "master", "optim", "acts", "workspace", "comm", "offload", "other",
@@ -133,9 +134,25 @@ size_t fl_mem_total_peak(void) {
     return locked_read(&total_peak);
 }
 
+void fl_mem_device_set_cap(size_t bytes) {
+    pthread_mutex_lock(&lock);
+    dev_cap = bytes;
+    pthread_mutex_unlock(&lock);
+}
+
 void fl_mem_device_count(fl_mem_tag tag, long long bytes) {
     FL_ASSERT((unsigned)tag < FL_MEM_NTAGS);
     pthread_mutex_lock(&lock);
+    // the cap holds even where the plan misjudged the run
+    if (bytes > 0 && dev_cap && dev_total_current + (size_t)bytes > dev_cap) {
+        size_t held = dev_total_current, cap = dev_cap;
+        pthread_mutex_unlock(&lock);
+        char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT], limit[FL_SIZE_TEXT];
+        fl_die("device memory cap of %s (--mem-limit) exceeded allocating %s for %s (%s already "
+               "allocated there)",
+               fl_size_text(cap, limit), fl_size_text((size_t)bytes, want), fl_mem_tag_name(tag),
+               fl_size_text(held, have));
+    }
     FL_ASSERT(bytes >= 0 || (size_t)-bytes <= dev_current[tag]);
     dev_current[tag] += (size_t)bytes; // wraps down for a negative count
     dev_total_current += (size_t)bytes;

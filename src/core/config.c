@@ -468,7 +468,8 @@ static const option options[] = {
      "step is not counted)"},
     {"mem_limit", "--mem-limit", OPT_STRING, STR(mem_limit), "", 0, 0, NULL,
      "refuse to start if the planned memory exceeds this (bytes, or with K/M/G/T; \"\" = the "
-     "machine's available memory)"},
+     "machine's available memory); with a --device other than the cpu, the device's budget, "
+     "which its allocator also enforces (the host then has its available memory)"},
 };
 
 #define N_OPTIONS (sizeof options / sizeof options[0])
@@ -1033,7 +1034,9 @@ size_t fl_parse_bytes(const char *text, const char *what) {
         unit = 1099511627776.0, end++;
         break;
     }
-    if (toupper((unsigned char)*end) == 'B' || toupper((unsigned char)*end) == 'I') end++;
+    // 24G, 24GB, 24Gi and 24GiB all read as binary units
+    if (unit > 1 && toupper((unsigned char)*end) == 'I') end++;
+    if (toupper((unsigned char)*end) == 'B') end++;
     if (end == text || *end || errno || !(v > 0) || v * unit > 1.8e19)
         fl_die("%s: expected a size such as 8G, 512M or 1048576, got '%s'", what, text);
     return (size_t)(v * unit);

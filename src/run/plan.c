@@ -121,6 +121,9 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     r->whole_weights_first = *cfg->init_from != 0;
     r->offload = fl_offload_config_of(cfg);
     r->dev = fl_device_get(cfg->device);
+    // on a device --mem-limit is its budget; the host keeps its available memory
+    if (*cfg->mem_limit && !r->dev->host)
+        r->device_cap = fl_parse_bytes(cfg->mem_limit, "mem_limit");
 }
 
 // ----------------------------------------------------------------------------
@@ -913,7 +916,10 @@ void fl_plan_device_alternatives(const fl_plan_request *r, size_t limit, char *b
 }
 
 size_t fl_plan_device_limit(const fl_plan_request *r) {
-    return r->dev && !r->dev->host && r->dev->available ? r->dev->available(r->dev) : 0;
+    if (!r->dev || r->dev->host) return 0;
+    size_t free_ = r->dev->available ? r->dev->available(r->dev) : 0;
+    if (!r->device_cap) return free_;
+    return free_ && free_ < r->device_cap ? free_ : r->device_cap;
 }
 
 // Dies unless need (the host's bytes, or the device's) fits limit, naming
@@ -948,13 +954,19 @@ static void check_fit(const fl_plan_request *r, const fl_plan *p, size_t limit, 
     if (device) {
         char desc[256];
         r->dev->describe(r->dev, desc, sizeof desc);
-        snprintf(what, sizeof what,
-                 "device memory (planned before allocating), more than the %s free on %s", lim,
-                 desc);
+        if (r->device_cap && limit == r->device_cap)
+            snprintf(what, sizeof what,
+                     "device memory (planned before allocating), more than the device budget of "
+                     "%s (--mem-limit) on %s",
+                     lim, desc);
+        else
+            snprintf(what, sizeof what,
+                     "device memory (planned before allocating), more than the %s free on %s", lim,
+                     desc);
     } else {
         snprintf(what, sizeof what,
                  "memory (planned before allocating), more than the limit of %s (--mem-limit; "
-                 "default: the available memory)",
+                 "default, and on a device: the available memory)",
                  lim);
     }
     fl_die("this run needs %s%s of %s.\n"

@@ -171,12 +171,16 @@ static void plan_run(fl_run *r, int whole_weights_first) {
         req.one_stage = 1;
     }
     fl_plan_compute(&req, &r->plan);
-    size_t limit =
-        *cfg->mem_limit ? fl_parse_bytes(cfg->mem_limit, "mem_limit") : fl_mem_available();
+    // on a device --mem-limit is the device's budget (req.device_cap), and
+    // the host has its available memory
+    int host_limit = *cfg->mem_limit && !req.device_cap;
+    size_t limit = host_limit ? fl_parse_bytes(cfg->mem_limit, "mem_limit") : fl_mem_available();
     // the ranks on this machine share its memory
     const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    if (!*cfg->mem_limit && local && atoi(local) > 1) limit /= (size_t)atoi(local);
+    if (!host_limit && local && atoi(local) > 1) limit /= (size_t)atoi(local);
     fl_plan_check_fits(&req, &r->plan, limit);
+    // and the device's allocator holds the run to it
+    fl_mem_device_set_cap(req.device_cap);
 }
 
 // The model's weights, each row stored once from its source (NF4 rows
@@ -484,4 +488,5 @@ void fl_run_close(fl_run *r) {
     if (r->has_val) fl_loader_close(&r->val);
     if (r->has_train) fl_loader_close(&r->train);
     fl_device_use(NULL); // the cpu again for whatever the process makes next
+    fl_mem_device_set_cap(0);
 }
