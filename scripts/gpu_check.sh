@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh OUTDIR: everything the CUDA backend needs checked, in
-# one call on a machine with one NVIDIA GPU (a device lease), in under 8
-# minutes:
+# scripts/gpu_check.sh OUTDIR [--memory [SHOWCASE...]]: everything the CUDA
+# backend needs checked, in one call on a machine with one NVIDIA GPU (a
+# device lease), in under 8 minutes (with --memory, steps 4 and 5 are
+# instead bench/gpu_memory.sh's showcases named, default all: lomo, offload,
+# lora; one per call keeps a call under 8 minutes):
 #  1. facts: the GPU, driver, nvcc, cmake, the OS, and which of fitlm's C
 #     libraries (cJSON, utf8proc, liburing, OpenBLAS-openmp, oneDNN, Open
 #     MPI, cairo) the machine has;
@@ -19,7 +21,12 @@
 # bench.tsv). Without a GPU, nvcc or cmake it says which and exits 1 after
 # the facts (it never waits for one).
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [--memory [SHOWCASE...]]}
+memory=""
+if [ "${2:-}" = --memory ]; then
+    shift 2
+    memory=${*:-lomo offload lora}
+fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -153,6 +160,15 @@ fi
 
 # ---- 4. the GPU tests
 ctest_summary="not run"
+if [ $build_ok = 1 ] && [ -n "$memory" ]; then
+    # the memory showcases instead of steps 4 and 5, in what is left of 450 s
+    left=$((450 - $(elapsed)))
+    [ $left -ge 60 ] || left=60
+    echo "== bench/gpu_memory.sh $memory ($(elapsed) s; ${left} s left)"
+    BENCH_SHOWCASES="$memory" BENCH_BUDGET=$((left > 200 ? left - 160 : 40)) timeout $left \
+        bash bench/gpu_memory.sh build-gpu/fitlm "$out" | tail -16
+    build_ok=memory
+fi
 if [ $build_ok = 1 ]; then
     echo "== ctest -L gpu ($(elapsed) s)"
     (cd build-gpu && timeout 300 ctest -L gpu --output-on-failure --timeout 120) >"$out/ctest.log" 2>&1
@@ -183,6 +199,13 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
     echo "- C libraries found:${libs:- none}; from .gpu-prefix:${missing:- none}"
     echo "- commit $(git rev-parse --short HEAD 2>/dev/null); status: $status; ctest -L gpu: $ctest_summary"
     echo "- total $(elapsed) s"
+    if [ -s "$out/memory.tsv" ]; then
+        echo
+        echo "memory techniques, --mem-limit 24GiB (bench/gpu_memory.sh)"
+        echo
+        awk -F'\t' '{ s = "|"; for (i = 1; i <= NF; i++) s = s " " $i " |"; print s }
+                    NR == 1 { s = "|"; for (i = 1; i <= NF; i++) s = s "---|"; print s }' "$out/memory.tsv"
+    fi
     if [ -s "$out/bench.tsv" ]; then
         echo
         echo "bf16 AdamW, T 1024: tokens/s (median), MFU of 989 TFLOP/s, peak device MiB"
@@ -205,4 +228,5 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
 
 echo "== summary ($(elapsed) s): $gpu, driver $driver, nvcc $nvcc_v; $status; ctest -L gpu: $ctest_summary"
 [ -s "$out/bench.tsv" ] && column -t -s $'\t' "$out/bench.tsv"
+[ -s "$out/memory.tsv" ] && column -t -s $'\t' "$out/memory.tsv"
 [ "$status" = ok ]

@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# bench/gpu_memory.sh FITLM OUTDIR: the memory techniques on one NVIDIA GPU,
+# each held to a 24 GB card's budget with --mem-limit 24GiB (the device's
+# budget under --device cuda: docs/devices.md). Called by
+# `scripts/gpu_check.sh OUTDIR --memory [SHOWCASES]`; BENCH_SHOWCASES picks
+# (default "lomo offload lora"), and each showcase starts no new run after
+# BENCH_BUDGET seconds (default 300; a run takes at most 150), so each stays
+# under 8 minutes.
+#
+#  lomo:    full-parameter fine-tuning of the llama-7b shape with LOMO (lr
+#           BENCH_LOMO_LR, default 1e-2), bf16,
+#           block checkpointing, B 1, T 512: peak device memory (the LOMO
+#           paper: 14.58 GB on an RTX 3090), tokens/s, the first and last
+#           loss on real text (the repository's docs as LLaMA-2 tokens).
+#  offload: the largest of a few LLaMA shapes whose plan fits 24 GiB of
+#           device memory with mixed-precision AdamW and
+#           zero_optimization.offload_optimizer.device cpu (`fitlm plan
+#           --device cuda --mem-limit 24GiB` picks it), its tokens/s, and
+#           the same model all on the GPU, uncapped; the share of the step
+#           the GPU waits on the CPU where fitlm prints it (a line naming a
+#           wait, with a percentage).
+#  lora:    LoRA and QLoRA (NF4, double quantisation), rank 16 on every
+#           linear of the blocks, on the tinyllama-1.1b and llama-7b shapes,
+#           B 4, T 512, block checkpointing: fitlm beside Hugging Face
+#           transformers + PEFT (bench/peft_baseline.py: random weights, no
+#           downloads; QLoRA needs bitsandbytes, else its row is skipped).
+#
+# Peak device memory: fitlm's tagged device allocations (--mem-report's
+# "total device"), PyTorch's torch.cuda.max_memory_allocated. Tokens/s from
+# the median step time after BENCH_WARMUP (3) untimed steps, of BENCH_STEPS
+# (5) timed ones.
+#
+# BENCH_SMOKE=1: every fitlm command with the llama-tiny shape, 2 steps, on
+# --device cpu (so the host holds the --mem-limit), and the baseline on the
+# cpu when torch and peft are there (else skipped): checks that the commands
+# parse and run, on any machine. The offload showcase still plans the real
+# shapes (a plan allocates nothing).
+#
+# Writes OUTDIR/memory.log (every run's output) and OUTDIR/memory.tsv (one
+# row per run: showcase config engine B T tok_s peak_mib loss_first
+# loss_last gpu_wait status), and prints the table; exits 1 when a run failed
+# (CTest runs the smoke as gpu_memory_smoke).
+set -uo pipefail
+fitlm=${1:?usage: bench/gpu_memory.sh FITLM OUTDIR}
+out=${2:?usage: bench/gpu_memory.sh FITLM OUTDIR}
+src=$(cd "$(dirname "$0")/.." && pwd)
+smoke=${BENCH_SMOKE:-0}
+warmup=${BENCH_WARMUP:-3}
+steps=${BENCH_STEPS:-5}
+budget=${BENCH_BUDGET:-300}
+showcases=${BENCH_SHOWCASES:-lomo offload lora}
+device=cuda
+run_timeout=150 threads=16
+if [ "$smoke" = 1 ]; then
+    device=cpu warmup=1 steps=1 run_timeout=60 threads=2
+fi
+mkdir -p "$out"
+log=$out/memory.log
+: >"$log"
+tsv=$out/memory.tsv
+printf 'showcase\tconfig\tengine\tB\tT\ttok_s\tpeak_mib\tloss_first\tloss_last\tgpu_wait\tstatus\n' >"$tsv"
+work=$(mktemp -d /tmp/fitlm_bench_memory.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+py=${PYTHON:-python3}
+row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
+
+# the docs as LLaMA-2 tokens, as bench/gpu.sh makes them
+llama_tok=$src/.gpu-prefix/data/llama/tokenizer.json
+[ -s "$llama_tok" ] || llama_tok=$src/data/llama/tokenizer.json
+cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
+"$fitlm" tokenize "$work/text.txt" -o "$work/llama" --tokenizer hf --tokenizer-path "$llama_tok" \
+    --threads $threads >>"$log" 2>&1 || echo "bench/gpu_memory.sh: tokenization failed (see $log)"
+data=(--data "$work/llama" --val-data none --tokenizer hf --tokenizer-path "$llama_tok")
+echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}' >"$work/offload.json"
+
+# shape FLAGS...: the model flags a run gets (the smoke's tiny shape instead)
+shape() { if [ "$smoke" = 1 ]; then echo --model llama-tiny; else echo "$@"; fi; }
+
+# fitlm_run SHOWCASE CONFIG B T FLAGS...: one `fitlm train` on $device; a row
+fitlm_run() {
+    local sc=$1 cfg=$2 B=$3 T=$4
+    shift 4
+    local f=$work/$sc.$cfg.out
+    [ "$smoke" = 1 ] && T=32
+    echo "== fitlm $sc $cfg B $B T $T: $*" >>"$log"
+    timeout $run_timeout "$fitlm" train --device $device "${data[@]}" --batch "$B" --seq-len "$T" \
+        --precision bf16 --steps $((warmup + steps)) --warmup 0 --scheduler constant --eval-every 0 \
+        --eval-iters 1 --sample-tokens 0 --out "" --mem-report --threads $threads "$@" >"$f" 2>&1
+    local rc=$?
+    cat "$f" >>"$log"
+    local ms loss0 loss1 mem wait
+    ms=$(awk -v w="$warmup" '$1 == "step" && $2 ~ /\// {
+            split($2, s, "/"); if (s[1] + 0 > w) for (i = 1; i < NF; i++) if ($(i + 1) == "ms") print $i }' "$f" |
+        sort -g | awk '{ a[NR] = $1 } END { if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) }')
+    loss0=$(sed -n 's/^step .*| loss \([0-9.]*\) |.*/\1/p' "$f" | head -1)
+    loss1=$(sed -n 's/^step .*| loss \([0-9.]*\) |.*/\1/p' "$f" | tail -1)
+    # the device's peak; on the cpu (the smoke) the host's tagged peak
+    mem=$(awk '/total device/ { print $(NF - 1) }' "$f" | tail -1)
+    [ -n "$mem" ] || mem=$(awk '/total tagged/ { print $NF }' "$f" | tail -1)
+    wait=$(awk 'tolower($0) ~ /wait/ && match($0, /[0-9.]+%/) { print substr($0, RSTART, RLENGTH) }' "$f" | tail -1)
+    local status=ok
+    [ $rc = 0 ] || status="failed rc $rc: $(grep -m1 'error' "$f" | cut -c1-120)"
+    local tok=-
+    [ -n "$ms" ] && tok=$(awk -v B="$B" -v T="$T" -v ms="$ms" 'BEGIN { printf "%.0f", B * T / (ms / 1000) }')
+    row "$sc" "$cfg" fitlm "$B" "$T" "$tok" "${mem:--}" "${loss0:--}" "${loss1:--}" "${wait:--}" "$status"
+}
+
+# peft_run SHOWCASE CONFIG B T FLAGS...: bench/peft_baseline.py; a row
+peft_run() {
+    local sc=$1 cfg=$2 B=$3 T=$4
+    shift 4
+    local f=$work/$sc.$cfg.peft.out
+    echo "== peft $sc $cfg B $B T $T: $*" >>"$log"
+    timeout $run_timeout "$py" "$src/bench/peft_baseline.py" --device $device --B "$B" --T "$T" \
+        --steps "$steps" --warmup "$warmup" "$@" >"$f" 2>&1
+    local rc=$?
+    cat "$f" >>"$log"
+    local r
+    r=$(grep '^RESULT' "$f" | tail -1)
+    if grep -q '^SKIP' "$f"; then
+        row "$sc" "$cfg" peft "$B" "$T" - - - - - "skipped: $(sed -n 's/^SKIP //p' "$f" | head -1)"
+    elif [ $rc != 0 ] || [ -z "$r" ]; then
+        row "$sc" "$cfg" peft "$B" "$T" - - - - - "failed rc $rc: $(tail -1 "$f" | cut -c1-120)"
+    else
+        echo "$r" | tr ' ' '\n' | awk -F= -v sc="$sc" -v cfg="$cfg" -v B="$B" -v T="$T" '{ v[$1] = $2 }
+            END { printf "%s\t%s\tpeft\t%s\t%s\t%s\t%s\t%s\t%s\t-\tok\n", sc, cfg, B, T, v["tok_s"],
+                  v["peak_gpu_mib"], v["loss_first"], v["loss_last"] }' >>"$tsv"
+    fi
+}
+
+t0=$(date +%s)
+# in_time SHOWCASE CONFIG ENGINE B T: whether a run may start; else a row
+in_time() {
+    [ $(($(date +%s) - t0)) -lt "$budget" ] && return 0
+    row "$1" "$2" "$3" "$4" "$5" - - - - - "skipped: time"
+    return 1
+}
+
+for sc in $showcases; do
+    t0=$(date +%s)
+    case $sc in
+    lomo)
+        # shellcheck disable=SC2046 # the shape's flags are words
+        in_time lomo llama-7b fitlm 1 512 &&
+            fitlm_run lomo llama-7b 1 512 $(shape --model llama-7b) --optimizer lomo --lr "${BENCH_LOMO_LR:-1e-2}" \
+                --activation-checkpointing block --mem-limit 24GiB
+        ;;
+    offload)
+        # the largest shape whose plan fits: 7B, 7B's width with 24 and
+        # with 16 blocks, OpenLLaMA-3B's shape, TinyLlama-1.1B's
+        names=(llama-7b llama-7b-24l llama-7b-16l openllama-3b tinyllama-1.1b)
+        shapes=("--model llama-7b" "--model llama-7b --n-layer 24" "--model llama-7b --n-layer 16"
+            "--model llama-7b --n-layer 26 --n-embd 3200 --n-head 32 --n-kv-head 32 --intermediate-size 8640"
+            "--model tinyllama-1.1b")
+        pick=-1 why=""
+        for k in "${!names[@]}"; do
+            # shellcheck disable=SC2086
+            "$fitlm" plan --device $device "${data[@]}" ${shapes[$k]} --batch 4 --seq-len 1024 \
+                --precision bf16 --optimizer adamw --activation-checkpointing block \
+                --config "$work/offload.json" --mem-limit 24GiB >"$work/plan.$k" 2>&1
+            rc=$?
+            [ $rc = 0 ] || why=": $(grep -m1 'error' "$work/plan.$k" | cut -c1-120)"
+            { echo "== plan offload ${names[$k]}: ${shapes[$k]}"; cat "$work/plan.$k"; } >>"$log"
+            # the device's budget says fits, and the host's limit; the
+            # smoke (no device) takes the first plan that runs
+            if [ $rc = 0 ] && { [ "$smoke" = 1 ] || { grep -q '^device budget.*fits$' "$work/plan.$k" &&
+                ! grep -q 'does NOT fit' "$work/plan.$k"; }; }; then
+                pick=$k
+                break
+            fi
+        done
+        if [ "$pick" -lt 0 ]; then
+            row offload none fitlm 4 1024 - - - - - "no shape's plan fits$why (see $log)"
+        else
+            name=${names[$pick]}
+            # shellcheck disable=SC2046,SC2086
+            in_time offload "$name-offload" fitlm 4 1024 &&
+                fitlm_run offload "$name-offload" 4 1024 $(shape ${shapes[$pick]}) --optimizer adamw \
+                    --activation-checkpointing block --config "$work/offload.json" --mem-limit 24GiB
+            # shellcheck disable=SC2046,SC2086
+            in_time offload "$name-all-on-gpu" fitlm 4 1024 &&
+                fitlm_run offload "$name-all-on-gpu" 4 1024 $(shape ${shapes[$pick]}) --optimizer adamw \
+                    --activation-checkpointing block
+        fi
+        ;;
+    lora)
+        targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+        lora=(--lora --lora-r 16 --lora-alpha 32 --lora-target-modules "$targets" --optimizer adamw
+            --lr 1e-4 --activation-checkpointing block)
+        for name in tinyllama-1.1b llama-7b; do
+            if [ "$smoke" = 1 ]; then
+                hf="--L 2 --C 64 --NH 4 --kv-heads 2 --I 176"
+            elif [ $name = llama-7b ]; then
+                hf="--L 32 --C 4096 --NH 32 --kv-heads 32 --I 11008"
+            else
+                hf="--L 22 --C 2048 --NH 32 --kv-heads 4 --I 5632"
+            fi
+            for q in lora qlora; do
+                qf=() pq=(--quant none)
+                [ $q = qlora ] && qf=(--quantize nf4 --double-quant) pq=(--quant nf4)
+                # shellcheck disable=SC2046
+                in_time lora "$name-$q" fitlm 4 512 &&
+                    fitlm_run lora "$name-$q" 4 512 $(shape --model $name) "${lora[@]}" "${qf[@]}" \
+                        --mem-limit 24GiB
+                T=512
+                [ "$smoke" = 1 ] && T=32
+                # shellcheck disable=SC2086
+                in_time lora "$name-$q" peft 4 $T &&
+                    peft_run lora "$name-$q" 4 $T $hf --rank 16 --alpha 32 --targets $targets \
+                        --lr 1e-4 --ckpt block "${pq[@]}"
+            done
+        done
+        ;;
+    *)
+        echo "bench/gpu_memory.sh: unknown showcase '$sc' (lomo, offload, lora)" >&2
+        exit 2
+        ;;
+    esac
+done
+
+echo "memory techniques, --mem-limit 24GiB: tokens/s (median of $steps steps after $warmup), peak MiB (device; the host's on --device cpu)"
+column -t -s $'\t' "$tsv"
+# a run that failed (not one skipped) fails the script
+! cut -f11 "$tsv" | grep -q '^failed'
