@@ -10,7 +10,9 @@
 #   float precision, and their exported weights byte for byte);
 # - resume: 5 steps, a checkpoint, 5 more from it, equal to the 10 straight;
 # - an export of the GPU-trained model evaluates on the cpu to the loss the
-#   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5).
+#   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5);
+# - --mem-limit, the device's budget: at the plan's device bytes a run
+#   trains, one byte under them it is refused before allocating.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -116,6 +118,21 @@ for arch in gpt2 llama; do
     le "$e" 1e-5 && ok=1 || ok=0
     check $ok "$arch: the checkpoint evaluates on $dev within 1e-5 of the cpu ($l_dev, $e)"
 done
+
+# --mem-limit on the device: its budget, against the plan's device bytes
+flags=(--device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" --batch 4
+    --seq-len 64 --steps 2 --precision bf16 --threads 2 --sample-tokens 0 --eval-iters 1)
+need=$("$fitlm" plan "${flags[@]}" | awk '$1 == "total" && NF >= 4 { print $3; exit }')
+if [ -n "$need" ] && [ "$need" -gt 0 ]; then
+    "$fitlm" train "${flags[@]}" --out "$work/capped" --mem-limit "$need" >"$work/capped.out" 2>&1 &&
+        ok=1 || ok=0
+    check $ok "a run at its planned $need device bytes trains under --mem-limit $need"
+    ! "$fitlm" train "${flags[@]}" --out "$work/over" --mem-limit $((need - 1)) >"$work/over.out" 2>&1 &&
+        grep -q "device budget" "$work/over.out" && ok=1 || ok=0
+    check $ok "one byte under its planned device bytes, the run is refused naming the device budget"
+else
+    check 0 "fitlm plan --device $dev prints the device bytes' total"
+fi
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed
