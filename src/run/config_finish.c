@@ -102,10 +102,6 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "LoRA adapters");
     else if (cfg->quant.enabled)
         snprintf(what, sizeof what, "NF4 base weights (QLoRA)");
-    else if (!strcmp(cfg->optimizer, "lomo") || !strcmp(cfg->optimizer, "adalomo"))
-        snprintf(what, sizeof what, "the %s optimizer", cfg->optimizer);
-    else if (cfg->optimizer_in_backward)
-        snprintf(what, sizeof what, "optimizer_in_backward");
     if (*what)
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
                "process training the whole model with AdamW or SGD (several ranks, ZeRO, "
