@@ -5,7 +5,9 @@
 // directory: training on --device test gives the cpu's losses bitwise
 // (GPT-2 and LLaMA, fp32, bf16, fp16); a checkpoint saved there resumes
 // there bitwise; an export from it evaluates on the cpu to the same loss;
-// sampling gives the same tokens; `fitlm plan --device test` predicts the
+// sampling gives the same tokens; LOMO, AdaLomo and optimizer_in_backward
+// (the fused step) train as on the cpu bitwise and an AdaLomo checkpoint
+// resumes bitwise; `fitlm plan --device test` predicts the
 // device bytes per tag that the run allocates, exactly; and what a device
 // does not run yet is refused with a clear error.
 #include <stdio.h>
