@@ -135,12 +135,8 @@ __device__ __forceinline__ float fused_grad(const fused_args &f, size_t i) {
 // LOMO (lomo.c): p = p * keep - lr * clamp(g * gscale) * coef
 __global__ void lomo_kernel(fused_args f, size_t n, float lr, float keep) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float d = fl_d_load(f.gdt, f.g, i) * f.gscale;
-        if (f.clip > 0.0f) d = d < -f.clip ? -f.clip : d > f.clip ? f.clip : d;
-        d *= f.coef;
-        fused_store(f, i, fused_load(f, i) * keep - lr * d);
-    }
+         i += (size_t)gridDim.x * blockDim.x)
+        fused_store(f, i, fused_load(f, i) * keep - lr * fused_grad(f, i));
 }
 
 // ---- AdaLomo (adalomo.c's passes A, B, C)
