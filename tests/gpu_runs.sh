@@ -12,7 +12,13 @@
 # - an export of the GPU-trained model evaluates on the cpu to the loss the
 #   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5);
 # - --mem-limit, the device's budget: at the plan's device bytes a run
-#   trains, one byte under them it is refused before allocating.
+#   trains, one byte under them it is refused before allocating;
+#   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5).
+# - the fused step (LOMO, AdaLomo, AdamW with --optimizer-in-backward: each
+#   unit updated from the backward pass, no master, 16-bit weights stored
+#   back by stochastic rounding): fp32 losses within 1e-5 relative of the
+#   cpu's, bf16 within the cpu's bf16-fp32 gap (as above), and two bf16 GPU
+#   runs of each bit for bit.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -133,6 +139,33 @@ if [ -n "$need" ] && [ "$need" -gt 0 ]; then
 else
     check 0 "fitlm plan --device $dev prints the device bytes' total"
 fi
+
+# the fused step: LOMO with a global-norm clip (the two backward passes) and
+# a clip by value, AdaLomo, AdamW from the backward pass
+fused_flags=("--optimizer lomo --grad-clip 1 --clip-grad-value 0.5"
+    "--optimizer adalomo --grad-clip 1"
+    "--optimizer adamw --optimizer-in-backward --grad-clip 1")
+for arch in gpt2 llama; do
+    for k in 0 1 2; do
+        read -r -a f <<<"${fused_flags[$k]}"
+        run "fcpu_fp32_${arch}_$k" cpu "$arch" fp32 "${f[@]}"
+        run "fcpu_bf16_${arch}_$k" cpu "$arch" bf16 "${f[@]}"
+        run "fdev_fp32_${arch}_$k" "$dev" "$arch" fp32 "${f[@]}"
+        run "fdev_bf16_${arch}_$k" "$dev" "$arch" bf16 "${f[@]}"
+        run "fdev_bf16b_${arch}_$k" "$dev" "$arch" bf16 "${f[@]}"
+        e=$(max_rel "fdev_fp32_${arch}_$k" "fcpu_fp32_${arch}_$k")
+        le "$e" 1e-5 && ok=1 || ok=0
+        check $ok "$arch fp32 ${fused_flags[$k]}: $dev losses within 1e-5 relative of the cpu's (max $e)"
+        gap=$(max_rel "fcpu_bf16_${arch}_$k" "fcpu_fp32_${arch}_$k")
+        bound=$(awk -v g="$gap" 'BEGIN { print (g + 0 > 1e-4 ? g : 1e-4) }')
+        e=$(max_rel "fdev_bf16_${arch}_$k" "fcpu_bf16_${arch}_$k")
+        le "$e" "$bound" && ok=1 || ok=0
+        check $ok "$arch bf16 ${fused_flags[$k]}: $dev losses within the cpu's bf16-fp32 gap $bound (max $e)"
+        cmp -s <(grep '^step' "$work/fdev_bf16_${arch}_$k/log.txt") \
+            <(grep '^step' "$work/fdev_bf16b_${arch}_$k/log.txt") && ok=1 || ok=0
+        check $ok "$arch bf16 ${fused_flags[$k]}: two $dev runs log the same values bit for bit"
+    done
+done
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed

@@ -7,7 +7,7 @@
 // never passes. fp32 outputs must be within 1e-5 relative L2 error of the
 // cpu's, 16-bit ones within 1e-2 (one rounding of the 16-bit result apart
 // where the fp32 sums differ in order); LoRA's pieces, dropout, NF4,
-// convert and accumulate bitwise; the step's sums (sumsq, sum) within 1e-10
+// convert and accumulate bitwise, LOMO's update too; the step's sums (sumsq, sum) within 1e-10
 // (device.h: a fixed order of the device's own). Each entry runs twice on the device: the
 // two results must be bitwise equal (no atomics, fixed orders).
 //
@@ -736,6 +736,89 @@ static void optim(fl_dtype dt, int sgd) {
     free(zero);
 }
 
+// ----------------------------------------------------------------------------
+// the fused rules (LOMO, AdaLomo) through the table: no master, the weights
+// of the dtype updated in place (16-bit ones stored back by stochastic
+// rounding keyed on the step and the flat element), the rows from the last
+// as the backward pass completes them, two steps. The cpu's rule holds its
+// AdaLomo state on the host, the device's copy of it a device buffer.
+
+typedef struct {
+    int ada;
+    fl_param_table table;
+    fl_lomo lomo[2]; // [0] the cpu's, [1] the device's
+    fl_adalomo adalomo[2];
+} fused_args;
+
+static void call_fused(tcase *t, const fl_device *x, void *p) {
+    fused_args *o = p;
+    int s = t->side ? 1 : 0;
+    fl_optim_rule *r = o->ada ? &o->adalomo[s].rule : &o->lomo[s].rule;
+    if (o->ada) {
+        o->adalomo[s].t = 0;
+        if (s) o->adalomo[1].state = P(t, 2);
+    } else {
+        o->lomo[s].t = 0;
+    }
+    fl_dtype dt = t->dt;
+    for (int step = 0; step < 2; step++) {
+        fl_optim_begin_step(r, 1e-2f);
+        for (int k = o->table.count - 1; k >= 0; k--) {
+            const fl_param_view *v = &o->table.views[k];
+            fl_update_args a = {.params = dt == FL_F32 ? (float *)P(t, 0) + v->offset : NULL,
+                                .params_lowp = dt == FL_F32 ? NULL : fl_at(dt, P(t, 0), v->offset),
+                                .lowp_dtype = dt,
+                                .grads = fl_at(dt, P(t, 1), v->offset),
+                                .grads_dtype = dt,
+                                .grad_scale = 0.5f,
+                                .clip_coef = 0.7f,
+                                .stochastic = 1,
+                                .sr_seed = fl_sr_bits(7, (uint64_t)step + 1),
+                                .first_index = v->offset};
+            x->update(r, v, v->offset, v->numel, &a);
+        }
+        fl_optim_end_step(r);
+    }
+}
+
+// LOMO bitwise the cpu's; AdaLomo too where the device sums in the cpu's
+// order (src/cuda/update.cu does), checked within 1e-6 (fp32) so that a
+// device with an order of its own passes within a double's rounding.
+static void fused(fl_dtype dt, int ada) {
+    fused_args o = {.ada = ada};
+    size_t w[2] = {300, 257}, b[1] = {1001}; // several of AdaLomo's chunks, ragged ends
+    fl_params_add(&o.table, "w", FL_PARAM_DECAY, 2, w);
+    fl_params_add(&o.table, "b", 0, 1, b);
+    size_t n = o.table.numel;
+    if (ada) {
+        fl_adalomo_init_range(&o.adalomo[0], &o.table, 0, n, 1e-30f, 1e-3f, 1.0f, -0.8f, 0.01f,
+                              0.0f);
+        o.adalomo[1] = o.adalomo[0];
+    } else {
+        fl_lomo_init_range(&o.lomo[0], 0, n, 0.01f, 0.3f);
+        o.lomo[1] = o.lomo[0];
+    }
+    size_t state_n = ada ? o.adalomo[0].numel : 0;
+    tcase t = tc_new(ada ? "update: AdaLomo" : "update: LOMO", dt);
+    tc_acc(&t, dt, n, 1.0f);     // 0: the weights, updated in place
+    tc_in(&t, dt, n, 1.0f);      // 1: the gradients
+    tc_out(&t, FL_F32, state_n); // 2: AdaLomo's state (from zero)
+    memset(t.b[2].init, 0, t.b[2].bytes);
+    t.b[2].compared = ada;
+    for (int side = 0; side < 3; side++) {
+        const fl_device *x = tc_begin(&t, side);
+        if (!side && ada) memset(o.adalomo[0].state, 0, state_n * sizeof(float));
+        call_fused(&t, x, &o);
+        if (!side && ada) memcpy(t.b[2].host, o.adalomo[0].state, state_n * sizeof(float));
+        tc_end(&t);
+    }
+    t_check(ada || memcmp(t.b[0].got[0], t.b[0].host, t.b[0].n * fl_dtype_size(dt)) == 0,
+            "update: LOMO %s: the device's weights are the cpu's bitwise", fl_dtype_name(dt));
+    tc_finish(&t, ada ? 1e-6 : 0.0);
+    if (ada) fl_adalomo_free(&o.adalomo[0]);
+    fl_params_free(&o.table);
+}
+
 int main(int argc, char **argv) {
     char why[512] = "";
     if (argc > 1 && strcmp(argv[1], "test") == 0)
@@ -765,6 +848,8 @@ int main(int argc, char **argv) {
         step_pieces(dt);
         optim(dt, 0);
         optim(dt, 1);
+        fused(dt, 0);
+        fused(dt, 1);
     }
     return t_report();
 }

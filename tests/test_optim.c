@@ -1114,11 +1114,39 @@ static void test_fused_lowp(void) {
 typedef struct {
     void *params;                       // n values of the dtype
     float *master;                      // n floats, or NULL
-    float *state[FL_OPTIM_MAX_TENSORS]; // n floats each
+    float *state[FL_OPTIM_MAX_TENSORS]; // state_n floats each
     int nstate;
+    size_t state_n;
     size_t n, bytes; // elements, bytes of params
     fl_step_result r[DEV_STEPS];
 } dev_outcome;
+
+// The fused step's two passes (step.c's fused_step, one micro-batch): the
+// rows' sums of squares through the device, an overflow skipped, then the
+// rows updated from the last one by one with the global-norm coefficient.
+static fl_step_result rows_step(fl_optimizer *o, const fl_device *d, void *grads, float lr) {
+    const fl_param_table *t = o->table;
+    fl_step_result r = {0.0f, 0, o->scaler.scale, {0, NAN, NAN}};
+    double sq = 0.0;
+    for (int k = 0; k < t->count; k++)
+        sq += d->sumsq(o->dtype, fl_at(o->dtype, grads, t->views[k].offset), t->views[k].numel);
+    o->micro = 0;
+    if (!isfinite(sq)) {
+        r.skipped = 1;
+        fl_loss_scaler_update(&o->scaler, 1);
+        return r;
+    }
+    float unscale = 1.0f / o->scaler.scale;
+    r.grad_norm = (float)sqrt(sq) * unscale;
+    float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
+    fl_optimizer_begin_step(o, lr);
+    for (int k = t->count - 1; k >= 0; k--)
+        fl_optimizer_update_rows_clip(o, k, 1, fl_at(o->dtype, grads, t->views[k].offset), o->dtype,
+                                      fl_optim_kind_fused(o->cfg.kind) ? unscale : unscale * coef,
+                                      fl_optim_kind_fused(o->cfg.kind) ? coef : 1.0f);
+    fl_optimizer_end_step(o);
+    return r;
+}
 
 // DEV_STEPS steps of cfg's optimizer over the big table, with the weights
 // and gradients in d's memory (filled by upload) and the optimizer put on d.
@@ -1126,9 +1154,12 @@ typedef struct {
 // the device's through the copies, as a backward accumulates; at step
 // `overflow` (-1: none) one gradient overflows fp16 once scaled. Off the
 // cpu the optimizer's own buffers must be the device's, in
-// fl_optimizer_memory_table's sizes.
+// fl_optimizer_memory_table's sizes. by_rows: each step as the fused step
+// (step.c) takes it: the norm from the rows' sums of squares (d->sumsq),
+// then the rows updated one at a time from the last, each with its own
+// gradient rows, as units complete in the backward pass.
 static void dev_run(const fl_device *d, fl_dtype dt, const fl_optimizer_config *cfg, int overflow,
-                    dev_outcome *out) {
+                    int by_rows, dev_outcome *out) {
     fl_param_table t = {0};
     make_big_table(&t);
     size_t n = t.numel, ds = fl_dtype_size(dt), want[FL_MEM_NTAGS];
@@ -1160,9 +1191,12 @@ static void dev_run(const fl_device *d, fl_dtype dt, const fl_optimizer_config *
             fl_dev_download(d, host, grads, n * ds);
             fl_accumulate_f32(dt, host, f, n);
             fl_dev_upload(d, grads, host, n * ds);
-            fl_optimizer_micro_done(&o);
+            if (!by_rows) fl_optimizer_micro_done(&o);
         }
-        out->r[s] = fl_optimizer_step(&o, 1e-2f * (float)(s + 1));
+        if (by_rows)
+            out->r[s] = rows_step(&o, d, grads, 1e-2f * (float)(s + 1));
+        else
+            out->r[s] = fl_optimizer_step(&o, 1e-2f * (float)(s + 1));
     }
     out->n = n;
     out->bytes = n * ds;
@@ -1173,7 +1207,14 @@ static void dev_run(const fl_device *d, fl_dtype dt, const fl_optimizer_config *
         fl_dev_download(d, out->master, o.master, n * sizeof(float));
     }
     out->nstate = fl_optim_state_count(o.rule);
-    for (int k = 0; k < out->nstate; k++) {
+    out->state_n = n;
+    if (cfg->kind == FL_OPT_ADALOMO) { // one buffer of per-row statistics
+        out->nstate = 1;
+        out->state_n = o.adalomo.numel;
+        out->state[0] = malloc(o.adalomo.numel * sizeof(float));
+        fl_dev_download(d, out->state[0], o.adalomo.state, o.adalomo.numel * sizeof(float));
+    }
+    for (int k = 0; k < out->nstate && cfg->kind != FL_OPT_ADALOMO; k++) {
         out->state[k] = malloc(n * sizeof(float));
         fl_dev_download(d, out->state[k], fl_optim_state_ptr(o.rule, k, 0), n * sizeof(float));
     }
@@ -1195,17 +1236,17 @@ static void dev_outcome_free(dev_outcome *x) {
 // cpu's kernels) gives the cpu's weights, master, state, norms, skips and
 // loss scales bitwise. clip: the norm must exceed max_grad_norm at every
 // step that is not skipped.
-static void check_device_step(const char *name, fl_dtype dt, const fl_optimizer_config *cfg,
-                              int overflow) {
+static void check_device_step_as(const char *name, fl_dtype dt, const fl_optimizer_config *cfg,
+                                 int overflow, int by_rows) {
     dev_outcome a = {0}, b = {0};
-    dev_run(fl_device_cpu(), dt, cfg, overflow, &a);
-    dev_run(fl_device_get("test"), dt, cfg, overflow, &b);
+    dev_run(fl_device_cpu(), dt, cfg, overflow, by_rows, &a);
+    dev_run(fl_device_get("test"), dt, cfg, overflow, by_rows, &b);
     size_t n = a.n;
     int same = !memcmp(a.params, b.params, a.bytes) && !a.master == !b.master &&
                (!a.master || !memcmp(a.master, b.master, n * sizeof(float))) &&
-               a.nstate == b.nstate;
+               a.nstate == b.nstate && a.state_n == b.state_n;
     for (int k = 0; same && k < a.nstate; k++)
-        same &= !memcmp(a.state[k], b.state[k], n * sizeof(float));
+        same &= !memcmp(a.state[k], b.state[k], a.state_n * sizeof(float));
     int results = 1, clipped = 1, skips = 1,
         halved = overflow < 0 || overflow + 1 >= DEV_STEPS ||
                  b.r[overflow + 1].loss_scale * 2.0f == b.r[overflow].loss_scale;
@@ -1227,6 +1268,11 @@ static void check_device_step(const char *name, fl_dtype dt, const fl_optimizer_
     dev_outcome_free(&b);
 }
 
+static void check_device_step(const char *name, fl_dtype dt, const fl_optimizer_config *cfg,
+                              int overflow) {
+    check_device_step_as(name, dt, cfg, overflow, 0);
+}
+
 static void test_device_steps(void) {
     fl_optimizer_config adamw = adamw_config(2); // accumulates 2 micro-batches
     adamw.max_grad_norm = 0.5f;
@@ -1242,6 +1288,43 @@ static void test_device_steps(void) {
     fl_optimizer_config fp16 = adamw;
     fp16.hysteresis = 1; // the overflow halves the scale
     check_device_step("fp16 AdamW, loss scaling, 2 micro-batches", FL_F16, &fp16, 2);
+
+    // the fused kinds: no master, 16-bit weights stored back by stochastic
+    // rounding, LOMO's clip by value, AdaLomo's per-row state; whole steps
+    // and the fused step's row-by-row updates
+    fl_optimizer_config lomo = adamw_config(1);
+    lomo.kind = FL_OPT_LOMO;
+    lomo.max_grad_norm = 0.5f;
+    lomo.clip_value = 0.02f;
+    lomo.weight_decay = 0.01f;
+    lomo.stochastic_rounding = 1;
+    lomo.seed = 1234;
+    fl_optimizer_config adalomo = lomo;
+    adalomo.kind = FL_OPT_ADALOMO;
+    adalomo.clip_value = 0.0f;
+    for (int by_rows = 0; by_rows < 2; by_rows++) {
+        char name[96];
+        const char *how = by_rows ? "row by row" : "whole step";
+        const fl_dtype dts[] = {FL_F32, FL_BF16};
+        for (int k = 0; k < 2; k++) {
+            snprintf(name, sizeof name, "%s LOMO, clipped, %s", fl_dtype_name(dts[k]), how);
+            check_device_step_as(name, dts[k], &lomo, -1, by_rows);
+            snprintf(name, sizeof name, "%s AdaLomo, clipped, %s", fl_dtype_name(dts[k]), how);
+            check_device_step_as(name, dts[k], &adalomo, -1, by_rows);
+        }
+        fl_optimizer_config lomo16 = lomo;
+        lomo16.hysteresis = 1;
+        snprintf(name, sizeof name, "fp16 LOMO, loss scaling, an overflow, %s", how);
+        check_device_step_as(name, FL_F16, &lomo16, 2, by_rows);
+    }
+    // AdamW and SGD updated row by row from the backward pass
+    fl_optimizer_config in_bwd = adamw_config(1);
+    in_bwd.max_grad_norm = 0.5f;
+    in_bwd.in_backward = 1;
+    check_device_step_as("bf16 AdamW in backward", FL_BF16, &in_bwd, -1, 1);
+    in_bwd.kind = FL_OPT_SGD;
+    in_bwd.momentum = 0.9f;
+    check_device_step_as("fp32 SGD in backward", FL_F32, &in_bwd, -1, 1);
 }
 
 // ----------------------------------------------------------------------------

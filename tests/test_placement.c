@@ -5,7 +5,9 @@
 // directory: training on --device test gives the cpu's losses bitwise
 // (GPT-2 and LLaMA, fp32, bf16, fp16); a checkpoint saved there resumes
 // there bitwise; an export from it evaluates on the cpu to the same loss;
-// sampling gives the same tokens; `fitlm plan --device test` predicts the
+// sampling gives the same tokens; LOMO, AdaLomo and optimizer_in_backward
+// (the fused step) train as on the cpu bitwise and an AdaLomo checkpoint
+// resumes bitwise; `fitlm plan --device test` predicts the
 // device bytes per tag that the run allocates, exactly; and what a device
 // does not run yet is refused with a clear error; --mem-limit on a device
 // is its budget, refused by the plan and held by the allocator.
@@ -183,6 +185,14 @@ static void test_plan_equals_measured(void) {
         "--model llama-tiny --precision bf16 --activation-checkpointing selective --grad-accum 2 "
         "--sample-tokens 0",
         "--model tiny --precision fp16 --activation-checkpointing block --sample-tokens 0",
+        // the fused step: no master, AdaLomo's factored state, a two-pass
+        // clip, and AdamW's master and moments updated from the backward
+        "--model tiny --precision bf16 --optimizer lomo --grad-clip 1 --sample-tokens 0",
+        "--model llama-tiny --precision fp32 --optimizer adalomo --sample-tokens 0",
+        "--model tiny --precision fp16 --optimizer lomo --activation-checkpointing block "
+        "--sample-tokens 0",
+        "--model llama-tiny --precision bf16 --optimizer adamw --optimizer-in-backward "
+        "--sample-tokens 0",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         size_t planned[FL_MEM_NTAGS], measured[FL_MEM_NTAGS];
@@ -200,6 +210,80 @@ static void test_plan_equals_measured(void) {
     }
 }
 
+// The fused step (step.c: each unit updated from the backward pass) on the
+// test device: LOMO and AdaLomo on fp32 and 16-bit weights (stochastic
+// rounding, keyed on the seed, step and element, as on the cpu), the
+// two-pass global-norm clip, LOMO's clip by value, fp16's loss scale with
+// overflowing steps skipped (the first ones overflow at power[m]), activation
+// checkpointing, and AdamW and SGD with --optimizer-in-backward: the cpu's
+// losses and norms bitwise, GPT-2 and LLaMA.
+static void test_fused_equal_cpu(void) {
+    const char *cases[] = {
+        "--optimizer lomo --precision fp32",
+        "--optimizer lomo --precision bf16 --grad-clip 1 --clip-grad-value 0.5",
+        "--optimizer lomo --precision bf16 --activation-checkpointing block",
+        "--optimizer lomo --precision fp16 --loss-scale 0 --initial-scale-power", // + power[m]
+        "--optimizer lomo --precision fp16 --grad-clip 1 --activation-checkpointing selective",
+        "--optimizer adalomo --precision fp32 --grad-clip 1",
+        "--optimizer adalomo --precision bf16",
+        "--optimizer adalomo --precision bf16 --grad-clip 1 --activation-checkpointing block",
+        "--optimizer adamw --optimizer-in-backward --precision bf16",
+        "--optimizer adamw --optimizer-in-backward --precision fp32 --grad-clip 1",
+        "--optimizer sgd --optimizer-in-backward --precision bf16 --grad-clip 1",
+    };
+    const char *models[] = {"tiny", "llama-tiny"}, *power[] = {" 17", " 20"};
+    for (int m = 0; m < 2; m++)
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            char want[1024] = "", got[1024] = "";
+            const char *devices[] = {"cpu", "test"};
+            int scaled = strstr(cases[c], "scale-power") != NULL;
+            for (int d = 0; d < 2; d++) {
+                int rc = fitlm("train " RUN " --model %s %s%s --steps 4 --sample-tokens 0 "
+                               "--out fused_%s --overwrite --device %s",
+                               models[m], cases[c], scaled ? power[m] : "", devices[d], devices[d]);
+                t_check(rc == 0, "%s %s on --device %s runs: %.600s", models[m], cases[c],
+                        devices[d], output);
+                step_figures(d ? "fused_test" : "fused_cpu", d ? got : want, sizeof want);
+            }
+            t_check(*want && !strcmp(want, got),
+                    "%s %s: --device test's losses and norms are the cpu's bitwise\n  cpu  %s\n"
+                    "  test %s",
+                    models[m], cases[c], want, got);
+            const char *last = strstr(want, " 4:");
+            if (scaled)
+                t_check(strstr(want, ":0 ") && last && !strstr(last, ":0 "),
+                        "the fp16 run skips its overflowing steps and then updates: %s", want);
+        }
+}
+
+// AdaLomo's state and the stochastically rounded bf16 weights in a
+// test-device checkpoint: resumed on the test device and on the cpu, the
+// uninterrupted cpu run's steps bitwise.
+static void test_fused_resume_bitwise(void) {
+    const char *m = "--model tiny --precision bf16 --optimizer adalomo --grad-clip 1 "
+                    "--sample-tokens 0";
+    int rc = fitlm("train " RUN " %s --steps 4 --out fused_whole --overwrite --device cpu", m);
+    t_check(rc == 0, "the uninterrupted AdaLomo run: %.400s", output);
+    char want[1024], got[1024];
+    step_figures("fused_whole", want, sizeof want);
+    const char *devices[] = {"test", "cpu"};
+    for (int d = 0; d < 2; d++) {
+        rc = fitlm("train " RUN " %s --steps 2 --out fused_half_%s --overwrite --device test", m,
+                   devices[d]);
+        t_check(rc == 0, "AdaLomo's first half on --device test: %.400s", output);
+        rc = fitlm("train " RUN " --resume fused_half_%s --steps 4 --device %s", devices[d],
+                   devices[d]);
+        t_check(rc == 0, "AdaLomo resumed on --device %s: %.400s", devices[d], output);
+        char path[64];
+        snprintf(path, sizeof path, "fused_half_%s", devices[d]);
+        step_figures(path, got, sizeof got);
+        t_check(*want && !strcmp(want, got),
+                "an AdaLomo checkpoint of the test device resumed on --device %s is the "
+                "uninterrupted run bitwise\n  want %s\n  got  %s",
+                devices[d], want, got);
+    }
+}
+
 static void test_refusals(void) {
     fails_with("this build has no CUDA backend", "train " RUN " --model tiny --device cuda");
     fails_with("this build has no CUDA backend", "plan " RUN " --model tiny --device cuda");
@@ -209,9 +293,6 @@ static void test_refusals(void) {
         const char *flags, *what;
     } refused[] = {
         {"--lora", "LoRA adapters"},
-        {"--optimizer lomo", "the lomo optimizer"},
-        {"--optimizer adalomo", "the adalomo optimizer"},
-        {"--optimizer-in-backward", "optimizer_in_backward"},
         {"--zero-stage 1", "ZeRO stage 1"},
     };
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
@@ -300,6 +381,8 @@ int main(void) {
     test_resume_bitwise();
     test_export_eval_sample();
     test_plan_equals_measured();
+    test_fused_equal_cpu();
+    test_fused_resume_bitwise();
     test_refusals();
     test_mem_limit_device();
     test_allocator_cap();

@@ -1,11 +1,22 @@
-// update.cu: fl_optim_update on device memory for AdamW and SGD (LOMO and
-// AdaLomo are refused on devices in this issue: no master copy). The rule's
-// struct stays on the host (its step constants, set by begin_step); its
-// state (m, v, the momentum) and the weights, master and gradients are on
-// the device. One thread per element, the arithmetic of src/optim/adamw.c
-// and sgd.c operation for operation (their FMAs written out, no other
-// contraction), so the fp32 weights, the state and the 16-bit copy
-// (rounded to nearest even) come out as the cpu's bits.
+// update.cu: fl_optim_update on device memory: AdamW, SGD, LOMO and
+// AdaLomo. The rule's struct stays on the host (its step constants, set by
+// begin_step); its state (m, v, the momentum, AdaLomo's row, column and
+// vector statistics) and the weights, master and gradients are on the
+// device. The arithmetic is src/optim/'s operation for operation (their
+// FMAs written out, no other contraction: --fmad=false), so the fp32
+// weights, the state and a 16-bit copy rounded to nearest even come out as
+// the cpu's bits. LOMO and AdaLomo keep no master: their 16-bit weights are
+// updated in place and stored back by stochastic rounding with the random
+// bits of fl_sr_bits(sr_seed, flat element index) (src/core/dtype.c's
+// fl_store_f32_stochastic, ported), the cpu's bits too.
+//
+// AdaLomo's sums are taken in the cpu's order (adalomo.c): a row's mean by
+// one thread over its columns, a column's by one thread over the rows, the
+// RMSs by one thread per fixed chunk and then the chunks in order, all in
+// double. That is slow for long rows but bitwise the cpu's; the scalars the
+// weights' pass needs (the row statistics' mean, the RMSs' step size and
+// divisor) stay on the device, formed by a one-thread kernel. Tensor
+// parallelism (fl_update_args.tp) is not run on a device.
 #include "common.cuh"
 
 extern "C" {
@@ -46,15 +57,268 @@ __global__ void sgd_kernel(float *p, fl_dtype gdt, const void *g, float *buf, fl
     }
 }
 
+// ---- stochastic rounding: src/core/dtype.c's, bit for bit
+
+__device__ __forceinline__ uint64_t sr_bits(uint64_t seed, uint64_t index) {
+    uint64_t z = seed + (index + 1) * 0x9e3779b97f4a7c15ull; // splitmix64, output `index`
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ uint16_t bf16_stochastic(float x, uint64_t bits) {
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); // quiet NaN
+    if ((u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(u >> 16);         // inf
+    return (uint16_t)((u + (uint32_t)(bits & 0xffffu)) >> 16);
+}
+
+__device__ __forceinline__ uint16_t f16_stochastic(float x, uint64_t bits) {
+    uint32_t u = __float_as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return fl_d_f32_to_f16(x);          // NaN: as rounded to nearest
+    if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u); // >= 65536 (and inf): inf
+    if (a < 0x38800000u) {
+        float f = __uint_as_float(a) * 16777216.0f, lo = floorf(f);
+        double frac = (double)(f - lo);
+        uint32_t h = (uint32_t)lo + ((double)(uint32_t)bits < frac * 4294967296.0);
+        return (uint16_t)(sign | h);
+    }
+    uint32_t r = a - (112u << 23) + (uint32_t)(bits & 0x1fffu);
+    return (uint16_t)(sign | (r >> 13));
+}
+
+// What a fused rule's kernel reads of fl_update_args: its weights (fp32,
+// or 16-bit in place), the gradients and how to store back.
+struct fused_args {
+    float *p32;
+    void *p16;
+    fl_dtype pdt, gdt;
+    const void *g;
+    float gscale, clip, coef;
+    int stochastic;
+    uint64_t seed, first;
+};
+
+static fused_args fused_of(const fl_update_args *a, float clip) {
+    fused_args f = {
+        a->params,     a->params_lowp, a->lowp_dtype, a->grads_dtype,
+        a->grads,      a->grad_scale,  clip,          a->clip_coef > 0.0f ? a->clip_coef : 1.0f,
+        a->stochastic, a->sr_seed,     a->first_index};
+    return f;
+}
+
+__device__ __forceinline__ float fused_load(const fused_args &f, size_t i) {
+    return f.p32 ? f.p32[i] : fl_d_load(f.pdt, f.p16, i);
+}
+
+// fl_update_store_params: the fp32 weights in place, a 16-bit copy to
+// nearest even, or (no fp32 weights) the 16-bit ones stochastically
+__device__ __forceinline__ void fused_store(const fused_args &f, size_t i, float p) {
+    if (f.p32) f.p32[i] = p;
+    if (!f.p16) return;
+    if (!f.p32 && f.stochastic && f.pdt != FL_F32) {
+        uint64_t bits = sr_bits(f.seed, f.first + i);
+        ((uint16_t *)f.p16)[i] =
+            f.pdt == FL_BF16 ? bf16_stochastic(p, bits) : f16_stochastic(p, bits);
+    } else {
+        fl_d_store(f.pdt, f.p16, i, p);
+    }
+}
+
+// the processed gradient: unscaled, clamped to +-clip (NaN stays NaN), times coef
+__device__ __forceinline__ float fused_grad(const fused_args &f, size_t i) {
+    float d = fl_d_load(f.gdt, f.g, i) * f.gscale;
+    if (f.clip > 0.0f) d = d < -f.clip ? -f.clip : d > f.clip ? f.clip : d;
+    return d * f.coef;
+}
+
+// LOMO (lomo.c): p = p * keep - lr * clamp(g * gscale) * coef
+__global__ void lomo_kernel(fused_args f, size_t n, float lr, float keep) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        fused_store(f, i, fused_load(f, i) * keep - lr * fused_grad(f, i));
+}
+
+// ---- AdaLomo (adalomo.c's passes A, B, C)
+
+#define ADALOMO_BLOCK      4096 // FL_UPDATE_BLOCK: the chunks are whole blocks of it
+#define ADALOMO_MAX_CHUNKS 4096
+
+// the step's scalars: [0] the row statistics' mean, [1] lr_t, [2] keep, [3] denom
+__device__ float adalomo_scalars[4];
+__device__ double adalomo_chunks[2][ADALOMO_MAX_CHUNKS];
+
+// A: a matrix's row r mean of g^2 + eps1 over its K columns, in order
+__global__ void adalomo_rows_kernel(fused_args f, float *rs, size_t R, size_t K, double Kw,
+                                    float eps1, float b2, float one_b2) {
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < R;
+         r += (size_t)gridDim.x * blockDim.x) {
+        double s = 0.0;
+        for (size_t j = 0; j < K; j++) {
+            float g = fused_grad(f, r * K + j);
+            s += (double)(g * g + eps1);
+        }
+        rs[r] = b2 * rs[r] + one_b2 * (float)(s / Kw);
+    }
+}
+
+// A: column j's mean over the live rows, in order
+__global__ void adalomo_cols_kernel(fused_args f, float *cs, size_t K, size_t live, double Rw,
+                                    float eps1, float b2, float one_b2) {
+    for (size_t j = blockIdx.x * (size_t)blockDim.x + threadIdx.x; j < K;
+         j += (size_t)gridDim.x * blockDim.x) {
+        double s = 0.0;
+        for (size_t r = 0; r < live; r++) {
+            float g = fused_grad(f, r * K + j);
+            s += (double)(g * g + eps1);
+        }
+        cs[j] = b2 * cs[j] + one_b2 * (float)(s / Rw);
+    }
+}
+
+// A: the mean of the live rows' statistics (one thread)
+__global__ void adalomo_mean_kernel(const float *rs, size_t live, double Rw) {
+    double s = 0.0;
+    for (size_t r = 0; r < live; r++) s += rs[r];
+    adalomo_scalars[0] = (float)(s / Rw);
+}
+
+// A: a vector's elementwise v
+__global__ void adalomo_vec_kernel(fused_args f, float *v, size_t n, float eps1, float b2,
+                                   float one_b2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float g = fused_grad(f, i);
+        v[i] = b2 * v[i] + one_b2 * (g * g + eps1);
+    }
+}
+
+// u for element i (update_block): rs, cs for a matrix (K columns), else v
+__device__ __forceinline__ float adalomo_u(const fused_args &f, size_t i, const float *rs,
+                                           const float *cs, const float *v, size_t K) {
+    float g = fused_grad(f, i);
+    if (!rs) return (1.0f / sqrtf(v[i])) * g;
+    float rf = 1.0f / sqrtf(rs[i / K] / adalomo_scalars[0]);
+    return (rf * (1.0f / sqrtf(cs[i % K]))) * g;
+}
+
+// B: each chunk's sums of squares of u and of the weights, in order
+__global__ void adalomo_chunks_kernel(fused_args f, const float *rs, const float *cs,
+                                      const float *v, size_t K, size_t n, size_t chunk,
+                                      size_t nchunks) {
+    for (size_t ch = blockIdx.x * (size_t)blockDim.x + threadIdx.x; ch < nchunks;
+         ch += (size_t)gridDim.x * blockDim.x) {
+        size_t end = (ch + 1) * chunk < n ? (ch + 1) * chunk : n;
+        double u2 = 0.0, p2 = 0.0;
+        for (size_t i = ch * chunk; i < end; i++) {
+            float u = adalomo_u(f, i, rs, cs, v, K), p = fused_load(f, i);
+            u2 += (double)u * u;
+            p2 += (double)p * p;
+        }
+        adalomo_chunks[0][ch] = u2;
+        adalomo_chunks[1][ch] = p2;
+    }
+}
+
+// B: the chunks in order, the RMSs and the step's size (one thread)
+__global__ void adalomo_scale_kernel(size_t nchunks, double nw, float lr, float eps2,
+                                     float clip_threshold, int decay, float wd) {
+    double su = 0.0, sp = 0.0;
+    for (size_t ch = 0; ch < nchunks; ch++) {
+        su += adalomo_chunks[0][ch];
+        sp += adalomo_chunks[1][ch];
+    }
+    float rms_u = (float)sqrt(su / nw), rms_p = (float)sqrt(sp / nw);
+    float lr_t = lr * fmaxf(eps2, rms_p);
+    adalomo_scalars[1] = lr_t;
+    adalomo_scalars[2] = decay ? 1.0f - lr_t * wd : 1.0f;
+    adalomo_scalars[3] = fmaxf(rms_u / clip_threshold, 1.0f);
+}
+
+// C: the weights
+__global__ void adalomo_weights_kernel(fused_args f, const float *rs, const float *cs,
+                                       const float *v, size_t K, size_t n) {
+    float lr = adalomo_scalars[1], keep = adalomo_scalars[2], denom = adalomo_scalars[3];
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float u = adalomo_u(f, i, rs, cs, v, K);
+        fused_store(f, i, fused_load(f, i) * keep - lr * (u / denom));
+    }
+}
+
+static void count_rows(void *ctx, size_t local, size_t first, size_t run, size_t stride,
+                       size_t count) {
+    (void)local, (void)first, (void)run, (void)stride;
+    *(size_t *)ctx += count;
+}
+
+static void adalomo_update(const fl_adalomo *o, const fl_param_view *row, size_t offset, size_t n,
+                           const fl_update_args *a) {
+    FL_ASSERT(offset == row->offset && n == row->numel); // whole rows only
+    if (a->tp && a->tp->size > 1)
+        fl_die("cuda: AdaLomo under tensor parallelism is not supported on a device");
+    int at = (int)(row - o->table->views);
+    FL_ASSERT(at >= o->first_row && at < o->end_row);
+    fused_args f = fused_of(a, o->clip_value);
+    float b2 = o->beta2t, one_b2 = 1.0f - o->beta2t;
+    cudaStream_t s = fl_cuda_stream();
+    int matrix = row->ndim >= 2;
+    size_t K = matrix ? row->shape[row->ndim - 1] : 0;
+    float *rs = NULL, *cs = NULL, *v = NULL;
+    if (matrix) { // A: the row and column statistics (no tensor parallelism: whole sizes)
+        size_t R = n / K, live = 0;
+        fl_params_blocks(o->table, at, 0, n, count_rows, &live);
+        live /= K;
+        rs = fl_optim_state_ptr((fl_optim_rule *)&o->rule, 0, offset);
+        cs = rs + R;
+        adalomo_rows_kernel<<<fl_cuda_blocks(R, 128), 128, 0, s>>>(f, rs, R, K, (double)K, o->eps1,
+                                                                   b2, one_b2);
+        FL_CUDA_LAUNCHED("adalomo_rows_kernel");
+        adalomo_cols_kernel<<<fl_cuda_blocks(K, 128), 128, 0, s>>>(f, cs, K, live, (double)R,
+                                                                   o->eps1, b2, one_b2);
+        FL_CUDA_LAUNCHED("adalomo_cols_kernel");
+        adalomo_mean_kernel<<<1, 1, 0, s>>>(rs, live, (double)R);
+        FL_CUDA_LAUNCHED("adalomo_mean_kernel");
+    } else {
+        v = fl_optim_state_ptr((fl_optim_rule *)&o->rule, 2, offset);
+        adalomo_vec_kernel<<<fl_cuda_blocks(n, 256), 256, 0, s>>>(f, v, n, o->eps1, b2, one_b2);
+        FL_CUDA_LAUNCHED("adalomo_vec_kernel");
+    }
+    // B: adalomo.c's chunk_size
+    size_t chunk = n / ADALOMO_MAX_CHUNKS + 1;
+    if (chunk < 4 * ADALOMO_BLOCK) chunk = 4 * ADALOMO_BLOCK;
+    chunk = (chunk + ADALOMO_BLOCK - 1) / ADALOMO_BLOCK * ADALOMO_BLOCK;
+    size_t nchunks = (n + chunk - 1) / chunk;
+    adalomo_chunks_kernel<<<fl_cuda_blocks(nchunks, 64), 64, 0, s>>>(f, rs, cs, v, K, n, chunk,
+                                                                     nchunks);
+    FL_CUDA_LAUNCHED("adalomo_chunks_kernel");
+    adalomo_scale_kernel<<<1, 1, 0, s>>>(nchunks, (double)fl_params_whole_numel(o->table, at),
+                                         o->lr, o->eps2, o->clip_threshold,
+                                         (row->flags & FL_PARAM_DECAY) != 0, o->weight_decay);
+    FL_CUDA_LAUNCHED("adalomo_scale_kernel");
+    // C
+    adalomo_weights_kernel<<<fl_cuda_blocks(n, 256), 256, 0, s>>>(f, rs, cs, v, K, n);
+    FL_CUDA_LAUNCHED("adalomo_weights_kernel");
+}
+
 extern "C" void fl_cuda_update(fl_optim_rule *r, const fl_param_view *row, size_t offset,
                                size_t count, const fl_update_args *a) {
     FL_ASSERT(*fl_optim_step_count(r) >= 1); // inside a step
     FL_ASSERT(offset >= row->offset && offset + count <= row->offset + row->numel);
     FL_ASSERT(offset >= r->state_begin && offset + count <= r->state_end);
     if ((row->flags & FL_PARAM_FROZEN) || !count) return;
-    if (r->ops->kind != FL_OPT_ADAMW && r->ops->kind != FL_OPT_SGD)
-        fl_die("cuda: the optimizer's update runs AdamW and SGD on the GPU; LOMO and AdaLomo "
-               "are not supported on a device yet (use --device cpu)");
+    if (r->ops->kind == FL_OPT_LOMO) {
+        const fl_lomo *o = (const fl_lomo *)r;
+        float keep = (row->flags & FL_PARAM_DECAY) ? o->keep : 1.0f;
+        lomo_kernel<<<fl_cuda_blocks(count, 256), 256, 0, fl_cuda_stream()>>>(
+            fused_of(a, o->clip_value), count, o->lr, keep);
+        FL_CUDA_LAUNCHED("lomo_kernel");
+        return;
+    }
+    if (r->ops->kind == FL_OPT_ADALOMO) {
+        adalomo_update((const fl_adalomo *)r, row, offset, count, a);
+        return;
+    }
     if (!a->params)
         fl_die(
             "cuda: an update without fp32 weights (no master copy) is not supported on a device");

@@ -78,10 +78,9 @@ static void demo_recipe(fl_train_config *cfg) {
 }
 
 // A device other than the cpu runs one process training the whole model
-// with AdamW or SGD (issue 43); what moves memory elsewhere, splits the
-// model or fuses the update into the backward pass comes with the next
-// GPU issue. Refused before anything is allocated, as is a device this
-// build or machine lacks.
+// with AdamW, SGD, LOMO or AdaLomo, the update fused into the backward
+// pass or not; what moves memory elsewhere or splits the model is refused
+// before anything is allocated, as is a device this build or machine lacks.
 static void device_check(const fl_train_config *cfg) {
     char why[256] = "";
     if (!fl_device_available(cfg->device, why, sizeof why)) fl_die("device: %s", why);
@@ -102,15 +101,10 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "LoRA adapters");
     else if (cfg->quant.enabled)
         snprintf(what, sizeof what, "NF4 base weights (QLoRA)");
-    else if (!strcmp(cfg->optimizer, "lomo") || !strcmp(cfg->optimizer, "adalomo"))
-        snprintf(what, sizeof what, "the %s optimizer", cfg->optimizer);
-    else if (cfg->optimizer_in_backward)
-        snprintf(what, sizeof what, "optimizer_in_backward");
     if (*what)
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
-               "process training the whole model with AdamW or SGD (several ranks, ZeRO, "
-               "offload, LoRA/QLoRA, LOMO/AdaLomo and optimizer_in_backward come with the next "
-               "GPU issue); use --device cpu",
+               "process training the whole model (several ranks, ZeRO, offload and LoRA/QLoRA "
+               "come with the next GPU issue); use --device cpu",
                cfg->device, what);
 }
 
