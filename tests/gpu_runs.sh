@@ -13,7 +13,6 @@
 #   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5);
 # - --mem-limit, the device's budget: at the plan's device bytes a run
 #   trains, one byte under them it is refused before allocating;
-#   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5).
 # - the fused step (LOMO, AdaLomo, AdamW with --optimizer-in-backward: each
 #   unit updated from the backward pass, no master, 16-bit weights stored
 #   back by stochastic rounding): fp32 losses within 1e-5 relative of the
