@@ -78,10 +78,11 @@ static void demo_recipe(fl_train_config *cfg) {
 }
 
 // A device other than the cpu runs one process training the whole model
-// with AdamW or SGD (issue 43); what moves memory elsewhere, splits the
-// model or fuses the update into the backward pass comes with the next
-// GPU issue. Refused before anything is allocated, as is a device this
-// build or machine lacks.
+// or LoRA adapters on it (dense or NF4 base weights) with AdamW or SGD
+// (issues 43, 46); LoRA + LOMO stays refused until LOMO runs there;
+// what moves memory elsewhere, splits the model or fuses the update into
+// the backward pass comes with the next GPU issue. Refused before anything
+// is allocated, as is a device this build or machine lacks.
 static void device_check(const fl_train_config *cfg) {
     char why[256] = "";
     if (!fl_device_available(cfg->device, why, sizeof why)) fl_die("device: %s", why);
@@ -98,18 +99,17 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "offload (zero_optimization.offload_*)");
     else if (cfg->zero.stage > 0)
         snprintf(what, sizeof what, "ZeRO stage %d", cfg->zero.stage);
-    else if (cfg->lora_enabled || *cfg->adapter)
-        snprintf(what, sizeof what, "LoRA adapters");
-    else if (cfg->quant.enabled)
-        snprintf(what, sizeof what, "NF4 base weights (QLoRA)");
+    else if (cfg->lora.train_base)
+        snprintf(what, sizeof what, "LoRA + LOMO (lora.base_optimizer %s)",
+                 cfg->lora_base_optimizer);
     else if (!strcmp(cfg->optimizer, "lomo") || !strcmp(cfg->optimizer, "adalomo"))
         snprintf(what, sizeof what, "the %s optimizer", cfg->optimizer);
     else if (cfg->optimizer_in_backward)
         snprintf(what, sizeof what, "optimizer_in_backward");
     if (*what)
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
-               "process training the whole model with AdamW or SGD (several ranks, ZeRO, "
-               "offload, LoRA/QLoRA, LOMO/AdaLomo and optimizer_in_backward come with the next "
+               "process training the whole model or LoRA adapters with AdamW or SGD (several "
+               "ranks, ZeRO, offload, LOMO/AdaLomo and optimizer_in_backward come with the next "
                "GPU issue); use --device cpu",
                cfg->device, what);
 }
