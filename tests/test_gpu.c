@@ -614,12 +614,13 @@ static void call_nf4(tcase *t, const fl_device *x, void *p) {
     targs *a = p;
     int *b = a->a;
     x->nf4_dequantize(t->dt, P(t, b[0]), P(t, b[2]), P(t, b[3]), a->n, a->B);
+    x->dq8_dequantize(P(t, b[4]), P(t, b[5]), P(t, b[6]), a->f, a->C, FL_DQ_BLOCK);
     x->nf4_dequantize(t->dt, P(t, b[1]), P(t, b[2]), P(t, b[4]), a->n, a->B);
 }
 
 // QLoRA's weights as a model stores them: random rows quantised by the
 // cpu (nf4_quantize), their absmax as is and double quantised (dq8 with
-// 256 absmax a block, undone on the host as the model does), dequantised
+// 256 absmax a block, undone by the table's dq8_dequantize), dequantised
 // at the smallest and largest block sizes and an odd length: bitwise.
 static void nf4_quantised(fl_dtype dt) {
     const int blocks[] = {32, 4096};
@@ -631,24 +632,24 @@ static void nf4_quantised(fl_dtype dt) {
         int bs = blocks[k];
         size_t nb = (n + (size_t)bs - 1) / (size_t)bs, nn = (nb + FL_DQ_BLOCK - 1) / FL_DQ_BLOCK;
         unsigned char *codes = malloc((n + 1) / 2), *q = malloc(nb);
-        float *absmax = malloc(nb * sizeof(float)), *dq = malloc(nb * sizeof(float));
-        float *nested = malloc(nn * sizeof(float)), offset;
-        FL_ASSERT(codes && q && absmax && dq && nested);
+        float *absmax = malloc(nb * sizeof(float)), *nested = malloc(nn * sizeof(float)), offset;
+        FL_ASSERT(codes && q && absmax && nested);
         nf4_quantize(codes, absmax, w, n, bs);
         dq8_quantize(q, nested, &offset, absmax, nb, FL_DQ_BLOCK);
-        dq8_dequantize(dq, q, nested, offset, nb, FL_DQ_BLOCK);
-        targs a = {.n = n, .B = bs};
-        tcase t = tc_new(bs == 32 ? "nf4_dequantize of quantised rows, block 32 (absmax, dq8)"
-                                  : "nf4_dequantize of quantised rows, block 4096 (absmax, dq8)",
+        targs a = {.n = n, .B = bs, .C = (int)nb, .f = offset};
+        tcase t = tc_new(bs == 32 ? "nf4_dequantize, dq8_dequantize of quantised rows, block 32"
+                                  : "nf4_dequantize, dq8_dequantize of quantised rows, block 4096",
                          dt);
         t.exact = 1;
         a.a[0] = tc_out(&t, dt, n);
         a.a[1] = tc_out(&t, dt, n);
         a.a[2] = tc_raw(&t, codes, (n + 1) / 2);
         a.a[3] = tc_add(&t, FL_F32, nb, 4, absmax, 0);
-        a.a[4] = tc_add(&t, FL_F32, nb, 4, dq, 0);
+        a.a[4] = tc_out(&t, FL_F32, nb);
+        a.a[5] = tc_raw(&t, q, nb);
+        a.a[6] = tc_add(&t, FL_F32, nn, 4, nested, 0);
         tc_run(&t, call_nf4, &a, 0.0);
-        free(codes), free(q), free(absmax), free(dq), free(nested);
+        free(codes), free(q), free(absmax), free(nested);
     }
     free(w);
 }
