@@ -280,29 +280,38 @@ static void test_lora_qlora_equal_cpu(void) {
                                 "--double-quant");
 }
 
-// A LoRA checkpoint (dropout on: its step counts) saved on the test device
-// resumes there and on the cpu as the uninterrupted run.
+// A LoRA checkpoint (dropout on: its step counts) and a QLoRA one (NF4,
+// double quantisation) saved on the test device resume there and on the
+// cpu as the uninterrupted run (after test_lora_qlora_equal_cpu: its base).
 static void test_lora_resume_bitwise(void) {
-    const char *m = "--model llama-tiny --precision bf16 --lora --lora-dropout 0.1 "
-                    "--sample-tokens 0";
-    int rc = fitlm("train " RUN " %s --steps 4 --out lwhole --overwrite --device cpu", m);
-    t_check(rc == 0, "the uninterrupted LoRA run: %.400s", output);
-    char want[1024], got[1024];
-    step_figures("lwhole", want, sizeof want);
-    const char *devices[] = {"test", "cpu"};
-    for (int d = 0; d < 2; d++) {
-        rc = fitlm("train " RUN " %s --steps 2 --out lhalf_%s --overwrite --device test", m,
-                   devices[d]);
-        t_check(rc == 0, "the LoRA run's first half on --device test: %.400s", output);
-        rc = fitlm("train " RUN " --resume lhalf_%s --steps 4 --device %s", devices[d], devices[d]);
-        t_check(rc == 0, "the LoRA run resumed on --device %s: %.400s", devices[d], output);
-        char path[64];
-        snprintf(path, sizeof path, "lhalf_%s", devices[d]);
-        step_figures(path, got, sizeof got);
-        t_check(*want && !strcmp(want, got),
-                "a test-device LoRA checkpoint resumed on --device %s is the uninterrupted run "
-                "bitwise\n  want %s\n  got  %s",
-                devices[d], want, got);
+    const char *runs[] = {"--model llama-tiny --precision bf16 --lora --lora-dropout 0.1",
+                          "--init-from qbase --precision bf16 --lora --quantize nf4 "
+                          "--double-quant"};
+    for (int k = 0; k < 2; k++) {
+        const char *m = runs[k];
+        int rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 4 --out lwhole --overwrite "
+                       "--device cpu",
+                       m);
+        t_check(rc == 0, "the uninterrupted run %s: %.400s", m, output);
+        char want[1024], got[1024];
+        step_figures("lwhole", want, sizeof want);
+        const char *devices[] = {"test", "cpu"};
+        for (int d = 0; d < 2; d++) {
+            rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 2 --out lhalf_%s --overwrite "
+                       "--device test",
+                       m, devices[d]);
+            t_check(rc == 0, "the first half of %s on --device test: %.400s", m, output);
+            rc = fitlm("train " RUN " --resume lhalf_%s --steps 4 --device %s", devices[d],
+                       devices[d]);
+            t_check(rc == 0, "%s resumed on --device %s: %.400s", m, devices[d], output);
+            char path[64];
+            snprintf(path, sizeof path, "lhalf_%s", devices[d]);
+            step_figures(path, got, sizeof got);
+            t_check(*want && !strcmp(want, got),
+                    "%s: a test-device checkpoint resumed on --device %s is the uninterrupted "
+                    "run bitwise\n  want %s\n  got  %s",
+                    m, devices[d], want, got);
+        }
     }
 }
 
