@@ -6,8 +6,10 @@
 // dtype) and accumulated or in-place buffers reset to their start; NaN
 // never passes. fp32 outputs must be within 1e-5 relative L2 error of the
 // cpu's, 16-bit ones within 1e-2 (one rounding of the 16-bit result apart
-// where the fp32 sums differ in order); LoRA's pieces, dropout, NF4,
-// convert and accumulate bitwise, LOMO's update too; the step's sums (sumsq, sum) within 1e-10
+// where the fp32 sums differ in order); LoRA's pieces, dropout, NF4 (of
+// rows the cpu quantised, absmax plain and double quantised), convert and
+// accumulate bitwise, LOMO's update too; the step's sums (sumsq, sum)
+// within 1e-10
 // (device.h: a fixed order of the device's own). Each entry runs twice on the device: the
 // two results must be bitwise equal (no atomics, fixed orders).
 //
@@ -17,6 +19,7 @@
 // program itself on any machine.
 #include "fitlm/device.h"
 #include "fitlm/kernels.h"
+#include "fitlm/lora.h" // FL_DQ_BLOCK
 #include "testlib.h"
 
 #include <math.h>
@@ -40,7 +43,8 @@ typedef struct {
     const char *name;
     fl_dtype dt;
     const fl_device *d, *cpu;
-    int side; // 0: the cpu on host copies; 1, 2: the device, twice
+    int side;  // 0: the cpu on host copies; 1, 2: the device, twice
+    int exact; // every output, 16-bit ones too, must equal the cpu's values
     int nbuf;
     tbuf b[MAX_BUFS];
 } tcase;
@@ -161,7 +165,7 @@ static void tc_finish(tcase *t, double tol32) {
     for (int i = 0; i < t->nbuf; i++) {
         tbuf *b = &t->b[i];
         if (b->compared) {
-            double tol = b->dt == FL_F32 ? tol32 : tol_of(b->dt);
+            double tol = t->exact ? 0.0 : b->dt == FL_F32 ? tol32 : tol_of(b->dt);
             double e = rel_l2(b, b->got[0], b->host);
             t_check(e <= tol, "%s %s: output %d of %zu values: relative L2 error %.3g (bound %.0e)",
                     t->name, fl_dtype_name(t->dt), i, b->n, e, tol);
@@ -602,8 +606,53 @@ static void lora_nf4(fl_dtype dt) {
     a.a[6] = tc_raw(&t, codes, (size_t)(n4 + 1) / 2);
     a.a[7] = tc_add(&t, FL_F32, (size_t)(n4 + 63) / 64, 4, absmax, 0);
     // the cpu rounds these exactly as the device must: bitwise (bound 0)
+    t.exact = 1;
     tc_run(&t, call_lora, &a, 0.0);
     free(codes), free(absmax);
+}
+
+static void call_nf4(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    int *b = a->a;
+    x->nf4_dequantize(t->dt, P(t, b[0]), P(t, b[2]), P(t, b[3]), a->n, a->B);
+    x->dq8_dequantize(P(t, b[4]), P(t, b[5]), P(t, b[6]), a->f, a->C, FL_DQ_BLOCK);
+    x->nf4_dequantize(t->dt, P(t, b[1]), P(t, b[2]), P(t, b[4]), a->n, a->B);
+}
+
+// QLoRA's weights as a model stores them: random rows quantised by the
+// cpu (nf4_quantize), their absmax as is and double quantised (dq8 with
+// 256 absmax a block, undone by the table's dq8_dequantize), dequantised
+// at the smallest and largest block sizes and an odd length: bitwise.
+static void nf4_quantised(fl_dtype dt) {
+    const int blocks[] = {32, 4096};
+    size_t n = 70001;
+    float *w = malloc(n * sizeof(float));
+    FL_ASSERT(w);
+    t_fill(w, n, 4242, 0.05f);
+    for (int k = 0; k < 2; k++) {
+        int bs = blocks[k];
+        size_t nb = (n + (size_t)bs - 1) / (size_t)bs, nn = (nb + FL_DQ_BLOCK - 1) / FL_DQ_BLOCK;
+        unsigned char *codes = malloc((n + 1) / 2), *q = malloc(nb);
+        float *absmax = malloc(nb * sizeof(float)), *nested = malloc(nn * sizeof(float)), offset;
+        FL_ASSERT(codes && q && absmax && nested);
+        nf4_quantize(codes, absmax, w, n, bs);
+        dq8_quantize(q, nested, &offset, absmax, nb, FL_DQ_BLOCK);
+        targs a = {.n = n, .B = bs, .C = (int)nb, .f = offset};
+        tcase t = tc_new(bs == 32 ? "nf4_dequantize, dq8_dequantize of quantised rows, block 32"
+                                  : "nf4_dequantize, dq8_dequantize of quantised rows, block 4096",
+                         dt);
+        t.exact = 1;
+        a.a[0] = tc_out(&t, dt, n);
+        a.a[1] = tc_out(&t, dt, n);
+        a.a[2] = tc_raw(&t, codes, (n + 1) / 2);
+        a.a[3] = tc_add(&t, FL_F32, nb, 4, absmax, 0);
+        a.a[4] = tc_out(&t, FL_F32, nb);
+        a.a[5] = tc_raw(&t, q, nb);
+        a.a[6] = tc_add(&t, FL_F32, nn, 4, nested, 0);
+        tc_run(&t, call_nf4, &a, 0.0);
+        free(codes), free(q), free(absmax), free(nested);
+    }
+    free(w);
 }
 
 // the step's pieces: convert, accumulate, sumsq and sum
@@ -845,6 +894,7 @@ int main(int argc, char **argv) {
         elementwise(dt);
         xent(dt);
         lora_nf4(dt);
+        nf4_quantised(dt);
         step_pieces(dt);
         optim(dt, 0);
         optim(dt, 1);

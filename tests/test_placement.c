@@ -10,7 +10,10 @@
 // resumes bitwise; `fitlm plan --device test` predicts the
 // device bytes per tag that the run allocates, exactly; and what a device
 // does not run yet is refused with a clear error; --mem-limit on a device
-// is its budget, refused by the plan and held by the allocator.
+// is its budget, refused by the plan and held by the allocator. LoRA and
+// QLoRA (NF4, double quantisation) train as on the cpu bitwise, and their
+// PEFT exports, --adapter loading and merged exports are the cpu's bytes
+// and losses.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -292,7 +295,7 @@ static void test_refusals(void) {
     const struct {
         const char *flags, *what;
     } refused[] = {
-        {"--lora", "LoRA adapters"},
+        {"--lora --lora-base-optimizer lomo", "LoRA + LOMO (lora.base_optimizer lomo)"},
         {"--zero-stage 1", "ZeRO stage 1"},
     };
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
@@ -301,7 +304,6 @@ static void test_refusals(void) {
     fails_with("2 ranks", "plan " RUN " --model tiny --device test --ranks 2");
     fails_with("offload",
                "train " RUN " --model tiny --steps 1 --device test --config offload.json");
-    fails_with("a LoRA adapter", "sample --checkpoint ex --adapter nowhere --device test");
     // a run that does not fit the device's free memory, refused before
     // allocating, with what would fit (the test device holds 64 GiB)
     fails_with("What would fit", "train " RUN " --model tiny --batch 1000000 --device test "
@@ -357,6 +359,159 @@ static void test_allocator_cap(void) {
            "device memory cap of 1.00 MiB (--mem-limit) exceeded allocating 1.50 MiB for acts");
 }
 
+// ----------------------------------------------------------------------------
+// LoRA and QLoRA on the test device (issue 46): the adapters, their
+// optimizer and the NF4 base weights live on the device; what reaches the
+// host (checkpoints, the PEFT export, merging) goes through copies.
+
+// the binary files a and b (under dir) hold the same bytes
+static int same_bytes(const char *a, const char *b) {
+    snprintf(cmd, sizeof cmd, "cmp -s %s/%s %s/%s", dir, a, dir, b);
+    return system(cmd) == 0;
+}
+
+// Trains `flags` on the cpu and on --device test into OUT_cpu and
+// OUT_test; their losses, norms and PEFT adapters must be the same.
+static void lora_runs_equal(const char *out, const char *flags) {
+    char want[1024] = "", got[1024] = "", run[64], a[128], b[128];
+    const char *devices[] = {"cpu", "test"};
+    for (int d = 0; d < 2; d++) {
+        snprintf(run, sizeof run, "%s_%s", out, devices[d]);
+        int rc = fitlm("train " RUN " %s --steps 3 --sample-tokens 0 --out %s --overwrite "
+                       "--device %s",
+                       flags, run, devices[d]);
+        t_check(rc == 0, "%s on --device %s runs: %.600s", flags, devices[d], output);
+        step_figures(run, d ? got : want, sizeof want);
+    }
+    t_check(*want && !strcmp(want, got),
+            "%s: --device test's losses and norms are the cpu's bitwise\n  cpu  %s\n  test %s",
+            flags, want, got);
+    const char *files[] = {"adapter_model.safetensors", "adapter_config.json"};
+    for (int f = 0; f < 2; f++) {
+        snprintf(a, sizeof a, "%s_cpu/adapter/%s", out, files[f]);
+        snprintf(b, sizeof b, "%s_test/adapter/%s", out, files[f]);
+        t_check(same_bytes(a, b), "%s: the test device's PEFT %s is the cpu's bytes", flags,
+                files[f]);
+    }
+}
+
+static void test_lora_qlora_equal_cpu(void) {
+    lora_runs_equal("lora32", "--model tiny --precision fp32 --lora --lora-dropout 0.1");
+    lora_runs_equal("lora16", "--model llama-tiny --precision bf16 --lora --lora-target-modules "
+                              "all-linear");
+    // QLoRA on a Hugging Face base (one step of a LLaMA, exported)
+    int rc = fitlm("train " RUN " --model llama-tiny --steps 1 --sample-tokens 0 --out qsrc "
+                   "--overwrite --device cpu");
+    t_check(rc == 0, "the QLoRA base's run: %.400s", output);
+    rc = fitlm("export qsrc -o qbase");
+    t_check(rc == 0, "the QLoRA base's export: %.400s", output);
+    lora_runs_equal("qlora", "--init-from qbase --precision bf16 --lora --quantize nf4 "
+                             "--lora-dropout 0.1");
+    lora_runs_equal("qlora_dq", "--init-from qbase --precision bf16 --lora --quantize nf4 "
+                                "--double-quant");
+}
+
+// A LoRA checkpoint (dropout on: its step counts) and a QLoRA one (NF4,
+// double quantisation) saved on the test device resume there and on the
+// cpu as the uninterrupted run (after test_lora_qlora_equal_cpu: its base).
+static void test_lora_resume_bitwise(void) {
+    const char *runs[] = {"--model llama-tiny --precision bf16 --lora --lora-dropout 0.1",
+                          "--init-from qbase --precision bf16 --lora --quantize nf4 "
+                          "--double-quant"};
+    for (int k = 0; k < 2; k++) {
+        const char *m = runs[k];
+        int rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 4 --out lwhole --overwrite "
+                       "--device cpu",
+                       m);
+        t_check(rc == 0, "the uninterrupted run %s: %.400s", m, output);
+        char want[1024], got[1024];
+        step_figures("lwhole", want, sizeof want);
+        const char *devices[] = {"test", "cpu"};
+        for (int d = 0; d < 2; d++) {
+            rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 2 --out lhalf_%s --overwrite "
+                       "--device test",
+                       m, devices[d]);
+            t_check(rc == 0, "the first half of %s on --device test: %.400s", m, output);
+            rc = fitlm("train " RUN " --resume lhalf_%s --steps 4 --device %s", devices[d],
+                       devices[d]);
+            t_check(rc == 0, "%s resumed on --device %s: %.400s", m, devices[d], output);
+            char path[64];
+            snprintf(path, sizeof path, "lhalf_%s", devices[d]);
+            step_figures(path, got, sizeof got);
+            t_check(*want && !strcmp(want, got),
+                    "%s: a test-device checkpoint resumed on --device %s is the uninterrupted "
+                    "run bitwise\n  want %s\n  got  %s",
+                    m, devices[d], want, got);
+        }
+    }
+}
+
+// --adapter on the device: training continues as on the cpu, eval gives
+// the cpu's loss, sample the cpu's bytes, and --merge the cpu's merged
+// export (after
+// test_lora_qlora_equal_cpu: its base and adapters).
+static void test_adapter_on_device(void) {
+    // training continued from an adapter (--adapter loads it through copies)
+    lora_runs_equal("cont", "--init-from qbase --adapter qlora_dq_test/adapter --quantize nf4 "
+                            "--double-quant --precision bf16");
+    const char *cases[] = {"--adapter qlora_test/adapter --quantize nf4",
+                           "--adapter qlora_dq_test/adapter --quantize nf4 --double-quant"};
+    for (int c = 0; c < 2; c++) {
+        char loss[2][64];
+        const char *devices[] = {"cpu", "test"};
+        for (int d = 0; d < 2; d++) {
+            int rc = fitlm_out("eval --init-from qbase %s --data data --seq-len 32 --json "
+                               "--device %s",
+                               cases[c], devices[d]);
+            json_field(output, "loss", loss[d], sizeof loss[d]);
+            t_check(rc == 0 && *loss[d], "eval %s on --device %s: %.400s", cases[c], devices[d],
+                    output);
+            rc = fitlm("export qbase %s --merge -o merged_%s --device %s", cases[c], devices[d],
+                       devices[d]);
+            t_check(rc == 0, "export --merge %s on --device %s: %.400s", cases[c], devices[d],
+                    output);
+        }
+        t_check(!strcmp(loss[0], loss[1]), "eval %s: --device test's loss %s = the cpu's %s",
+                cases[c], loss[1], loss[0]);
+        t_check(same_bytes("merged_cpu/model.safetensors", "merged_test/model.safetensors"),
+                "export --merge %s: --device test's merged weights are the cpu's bytes", cases[c]);
+    }
+    static char want[sizeof output];
+    const char *s = "sample --checkpoint qbase --adapter qlora_dq_test/adapter --quantize nf4 "
+                    "--double-quant --tokenizer byte --tokens 16 --prompt The --device";
+    int rc = fitlm_out("%s cpu 2>/dev/null | od -An -tx1", s);
+    memcpy(want, output, sizeof output);
+    t_check(rc == 0 && *want, "sample with an adapter on the cpu: %.300s", output);
+    rc = fitlm_out("%s test 2>/dev/null | od -An -tx1", s);
+    t_check(rc == 0 && !strcmp(want, output),
+            "sample with an adapter on --device test gives the cpu's tokens\n  cpu  %.200s\n  "
+            "test %.200s",
+            want, output);
+}
+
+static void test_lora_plan_equals_measured(void) {
+    const char *cases[] = {
+        "--model tiny --precision fp32 --lora --lora-dropout 0.1 --quantize nf4",
+        "--model llama-tiny --precision bf16 --lora --quantize nf4 --double-quant --grad-accum 2",
+        "--model llama-tiny --precision bf16 --lora --lora-target-modules all-linear "
+        "--activation-checkpointing block",
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        size_t planned[FL_MEM_NTAGS], measured[FL_MEM_NTAGS];
+        int rc = fitlm("plan " RUN " %s --steps 2 --sample-tokens 0 --device test", cases[c]);
+        int ok = rc == 0 && device_bytes(output, "tag (per rank)", 1, planned);
+        t_check(ok, "plan --device test %s prints host and device bytes: %.600s", cases[c], output);
+        rc = fitlm("train " RUN " %s --steps 2 --sample-tokens 0 --out plan_lora --overwrite "
+                   "--mem-report --device test",
+                   cases[c]);
+        ok &= rc == 0 && device_bytes(output, "device memory by tag", 0, measured);
+        t_check(ok, "train --device test %s reports device memory: %.600s", cases[c], output);
+        for (int t = 0; t < FL_MEM_NTAGS && ok; t++)
+            t_check(planned[t] == measured[t], "%s: planned device bytes of %s %zu = measured %zu",
+                    cases[c], fl_mem_tag_name(t), planned[t], measured[t]);
+    }
+}
+
 int main(void) {
     if (!getenv("FITLM_BINARY")) {
         printf("placement: FITLM_BINARY not set (run under ctest)\n");
@@ -386,6 +541,10 @@ int main(void) {
     test_refusals();
     test_mem_limit_device();
     test_allocator_cap();
+    test_lora_qlora_equal_cpu();
+    test_lora_resume_bitwise();
+    test_adapter_on_device();
+    test_lora_plan_equals_measured();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("  (could not remove %s)\n", dir);
     return t_report();

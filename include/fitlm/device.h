@@ -134,6 +134,8 @@ struct fl_device {
     void (*dropout_apply)(fl_dtype dt, void *out, const void *inp, size_t n, float p, uint64_t key);
     void (*nf4_dequantize)(fl_dtype dt, void *out, const uint8_t *codes, const float *absmax,
                            size_t n, int block);
+    void (*dq8_dequantize)(float *absmax, const uint8_t *q, const float *nested, float offset,
+                           size_t n, int block);
 
     // ---- the step's reductions and updates
     // n values of dtype src_dt converted into dst (dst_dt): fp32 master

@@ -318,9 +318,7 @@ int cmd_eval(int argc, char **argv) {
     fl_quant_config quant = {0, 64, 0};
     parse_args(argc, argv, &o, &quant);
     if (o.threads) fl_set_threads(o.threads);
-    cli_use_device(o.device, o.adapter       ? "a LoRA adapter (--adapter)"
-                             : quant.enabled ? "NF4 base weights (--quantize)"
-                                             : NULL);
+    cli_use_device(o.device);
 
     const char *path = o.checkpoint ? o.checkpoint : o.init_from;
     int from_ckpt = fl_is_checkpoint(path) && !quant.enabled;

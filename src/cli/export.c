@@ -158,7 +158,7 @@ int cmd_export(int argc, char **argv) {
     if (quant.enabled && !merge)
         fl_die("--quantize nf4 applies to --merge (the base a QLoRA adapter was trained on); "
                "a plain export never writes 4-bit weights");
-    cli_use_device(device, merge ? "a LoRA merge (--merge)" : NULL);
+    cli_use_device(device);
     int is_ckpt = fl_is_checkpoint(ckpt);
     if (!merge && !is_ckpt) fl_die("%s is not a fitlm checkpoint", ckpt);
 

@@ -63,11 +63,6 @@ int cli_quant_option(int argc, char **argv, int i, fl_quant_config *q) {
     return 2;
 }
 
-void cli_use_device(const char *name, const char *unsupported) {
-    const fl_device *d = fl_device_get(name);
-    if (!d->host && unsupported)
-        fl_die("--device %s with %s is not supported yet (it comes with the next GPU issue): "
-               "use --device cpu",
-               name, unsupported);
-    fl_device_use(d);
+void cli_use_device(const char *name) {
+    fl_device_use(fl_device_get(name));
 }

@@ -17,9 +17,8 @@ int cli_quant_option(int argc, char **argv, int i, fl_quant_config *q);
 // Writes a generated token's bytes to stdout (ctx: the fl_tokenizer).
 void print_token(int token, void *tokenizer);
 // `--device NAME` (eval, sample, export): makes the named device the one
-// models are made on; dies as fl_device_get does, and (non-cpu) when
-// `unsupported` names what the model would carry that the device does not
-// run yet (LoRA adapters, NF4 weights; NULL: nothing).
-void cli_use_device(const char *name, const char *unsupported);
+// models are made on (LoRA adapters and NF4 weights included); dies as
+// fl_device_get does.
+void cli_use_device(const char *name);
 
 #endif

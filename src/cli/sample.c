@@ -99,9 +99,7 @@ int cmd_sample(int argc, char **argv) {
     if (o.threads) fl_set_threads(o.threads);
     if (!quant.enabled && (quant.double_quant || quant.blocksize != 64))
         fl_die("--double-quant and --nf4-blocksize apply with --quantize nf4");
-    cli_use_device(o.device, o.adapter       ? "a LoRA adapter (--adapter)"
-                             : quant.enabled ? "NF4 base weights (--quantize)"
-                                             : NULL);
+    cli_use_device(o.device);
 
     fl_model model;
     // the tokenizer the weights come with (a Hugging Face directory's

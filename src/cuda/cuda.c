@@ -260,6 +260,7 @@ static fl_device cuda = {
     .lora_gather_columns = fl_cuda_lora_gather_columns,
     .dropout_apply = fl_cuda_dropout_apply,
     .nf4_dequantize = fl_cuda_nf4_dequantize,
+    .dq8_dequantize = fl_cuda_dq8_dequantize,
     .convert = fl_cuda_convert,
     .accumulate = fl_cuda_accumulate,
     .sumsq = fl_cuda_sumsq,

@@ -107,6 +107,8 @@ void fl_cuda_dropout_apply(fl_dtype dt, void *out, const void *inp, size_t n, fl
                            uint64_t key);
 void fl_cuda_nf4_dequantize(fl_dtype dt, void *out, const uint8_t *codes, const float *absmax,
                             size_t n, int block);
+void fl_cuda_dq8_dequantize(float *absmax, const uint8_t *q, const float *nested, float offset,
+                            size_t n, int block);
 
 // ---- the step's reductions and updates (src/cuda/step.cu, update.cu)
 void fl_cuda_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n);

@@ -163,6 +163,7 @@ static const fl_device cpu = {
     .lora_gather_columns = lora_gather_columns,
     .dropout_apply = dropout_apply,
     .nf4_dequantize = nf4_dequantize,
+    .dq8_dequantize = dq8_dequantize,
     .convert = cpu_convert,
     .accumulate = cpu_accumulate,
     .sumsq = fl_grad_sumsq,

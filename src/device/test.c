@@ -399,6 +399,13 @@ static void t_nf4_dequantize(fl_dtype dt, void *out, const uint8_t *codes, const
     close_();
 }
 
+static void t_dq8_dequantize(float *absmax, const uint8_t *q, const float *nested, float offset,
+                             size_t n, int block) {
+    open_();
+    cpu->dq8_dequantize(absmax, q, nested, offset, n, block);
+    close_();
+}
+
 static void t_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n) {
     open_();
     cpu->convert(dst_dt, dst, src_dt, src, n);
@@ -484,6 +491,7 @@ const fl_device *fl_device_test_table(void) {
     t.lora_gather_columns = t_lora_gather_columns;
     t.dropout_apply = t_dropout_apply;
     t.nf4_dequantize = t_nf4_dequantize;
+    t.dq8_dequantize = t_dq8_dequantize;
     t.convert = t_convert;
     t.accumulate = t_accumulate;
     t.sumsq = t_sumsq;

@@ -129,8 +129,9 @@ static const uint8_t *host_stats(const fl_model *m, const uint8_t *p, const row_
     return h;
 }
 
-// Double quantisation: the row's absmax undone on the host (the table has
-// no kernel for it), into quant.absmax on the cpu, quant.host on a device.
+// Double quantisation: the row's absmax undone on the host (a row read
+// whole, fl_model_row_f32), into quant.absmax on the cpu, quant.host on a
+// device.
 static const float *host_absmax(const fl_model *m, int row) {
     row_layout l;
     const uint8_t *p = row_store(m, row, &l), *st = host_stats(m, p, &l);
@@ -140,13 +141,17 @@ static const float *host_absmax(const fl_model *m, int row) {
     return absmax;
 }
 
-// The row's absmax on the device (the GEMM's dequantisation).
+// The row's absmax where the GEMM dequantises: double quantisation undone
+// into quant.absmax by the table (on a device only its offset, 4 bytes,
+// comes to the host).
 static const float *row_absmax(const fl_model *m, int row) {
     row_layout l;
     const uint8_t *p = row_store(m, row, &l);
     if (!m->quant.cfg.double_quant) return floats_at(p, l.absmax);
-    const float *h = host_absmax(m, row);
-    if (h != m->quant.absmax) fl_dev_upload(m->dev, m->quant.absmax, h, l.nblocks * sizeof(float));
+    float offset;
+    fl_dev_download(m->dev, &offset, p + l.offset, sizeof offset);
+    m->dev->dq8_dequantize(m->quant.absmax, p + l.q, floats_at(p, l.nested), offset, l.nblocks,
+                           FL_DQ_BLOCK);
     return m->quant.absmax;
 }
 

@@ -78,9 +78,10 @@ static void demo_recipe(fl_train_config *cfg) {
 }
 
 // A device other than the cpu runs one process training the whole model
-// with AdamW, SGD, LOMO or AdaLomo, the update fused into the backward
-// pass or not; what moves memory elsewhere or splits the model is refused
-// before anything is allocated, as is a device this build or machine lacks.
+// or LoRA adapters on it (dense or NF4 base weights) with AdamW, SGD, LOMO
+// or AdaLomo, the update fused into the backward pass or not (issues 43,
+// 46); what moves memory elsewhere or splits the model is refused before
+// anything is allocated, as is a device this build or machine lacks.
 static void device_check(const fl_train_config *cfg) {
     char why[256] = "";
     if (!fl_device_available(cfg->device, why, sizeof why)) fl_die("device: %s", why);
@@ -97,14 +98,13 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "offload (zero_optimization.offload_*)");
     else if (cfg->zero.stage > 0)
         snprintf(what, sizeof what, "ZeRO stage %d", cfg->zero.stage);
-    else if (cfg->lora_enabled || *cfg->adapter)
-        snprintf(what, sizeof what, "LoRA adapters");
-    else if (cfg->quant.enabled)
-        snprintf(what, sizeof what, "NF4 base weights (QLoRA)");
+    else if (cfg->lora.train_base)
+        snprintf(what, sizeof what, "LoRA + LOMO (lora.base_optimizer %s)",
+                 cfg->lora_base_optimizer);
     if (*what)
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
-               "process training the whole model (several ranks, ZeRO, offload and LoRA/QLoRA "
-               "come with the next GPU issue); use --device cpu",
+               "process training the whole model or LoRA adapters (several ranks, ZeRO, "
+               "offload and LoRA + LOMO come with the next GPU issue); use --device cpu",
                cfg->device, what);
 }
 
