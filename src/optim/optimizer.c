@@ -136,8 +136,10 @@ void fl_optimizer_zero_grad(fl_optimizer *o) {
     if (o->micro == 0 && o->grad_accum) d->zero(d, o->grad_accum, n * sizeof(float));
     // fp32 sums micro-batches in the model's own gradients; 16-bit gradients
     // are per micro-batch and summed into the fp32 buffer
-    if (o->grads && (o->micro == 0 || o->grad_accum))
+    if (o->grads && (o->micro == 0 || o->grad_accum)) {
         d->zero(d, o->grads, n * fl_dtype_size(o->dtype));
+        if (o->offload) o->offload->zero_grad(o->offload->ctx);
+    }
 }
 
 void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
@@ -147,6 +149,7 @@ void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
 
 void fl_optimizer_micro_done(fl_optimizer *o) {
     o->micro++;
+    if (o->offload) o->offload->grads_down(o->offload->ctx);
     if (o->grad_accum) fl_optimizer_accum_range(o, 0, o->table->numel);
 }
 
@@ -398,6 +401,7 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int 
                                   1.0f);
     fl_optimizer_end_step(o);
     if (sync) sync->updated(sync->ctx);
+    if (o->offload) o->offload->updated(o->offload->ctx);
     return r;
 }
 
