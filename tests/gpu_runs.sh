@@ -10,7 +10,12 @@
 #   float precision, and their exported weights byte for byte);
 # - resume: 5 steps, a checkpoint, 5 more from it, equal to the 10 straight;
 # - an export of the GPU-trained model evaluates on the cpu to the loss the
-#   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5).
+#   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5);
+# - ZeRO-Offload (offload_optimizer.device cpu, fp32 and bf16): the first
+#   step's loss bitwise the all-on-GPU run's (the same weights), every step's
+#   within 1e-5 relative (the update is the cpu's AdamW, not the GPU's; on the
+#   test device and the cpu, where they are the same, bitwise), and its
+#   resume bit for bit as its straight run.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -115,6 +120,31 @@ for arch in gpt2 llama; do
         else { d = a - b; if (d < 0) d = -d; printf "%.3g\n", d / b } }')
     le "$e" 1e-5 && ok=1 || ok=0
     check $ok "$arch: the checkpoint evaluates on $dev within 1e-5 of the cpu ($l_dev, $e)"
+done
+
+# ZeRO-Offload: the optimizer in pinned host memory, updated by the cpu
+printf '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}\n' \
+    >"$work/offload.json"
+for prec in fp32 bf16; do
+    run "dev_${prec}_off" "$dev" llama "$prec" --save-every 5
+    run "off_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/offload.json"
+    [ "$(losses "dev_${prec}_off" | head -1)" = "$(losses "off_$prec" | head -1)" ] && ok=1 || ok=0
+    check $ok "llama $prec offloaded on $dev: the first step's loss bitwise the all-on-$dev run's"
+    if [ "$dev" = cuda ]; then
+        e=$(max_rel "off_$prec" "dev_${prec}_off")
+        le "$e" 1e-5 && ok=1 || ok=0
+        check $ok "llama $prec offloaded on $dev: losses within 1e-5 relative of all-on-$dev (max $e)"
+    else
+        cmp -s <(grep '^step' "$work/off_$prec/log.txt") \
+            <(grep '^step' "$work/dev_${prec}_off/log.txt") && ok=1 || ok=0
+        check $ok "llama $prec offloaded on $dev: every step's loss and norm bitwise all-on-$dev's"
+    fi
+    "$fitlm" train --device "$dev" --resume "$work/off_$prec/ckpt_00000005.fitlm" \
+        --config "$work/offload.json" --out "$work/off_resumed_$prec" --threads 2 \
+        >"$work/off_resumed_$prec.out" 2>&1 || { tail -20 "$work/off_resumed_$prec.out"; exit 1; }
+    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/off_$prec/log.txt") \
+        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/off_resumed_$prec/log.txt") && ok=1 || ok=0
+    check $ok "llama $prec offloaded: resumed at step 5 on $dev, steps 6-10 bit for bit"
 done
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
