@@ -414,7 +414,12 @@ typedef struct {
     void *ctx;
     void (*zero_grad)(void *ctx);  // the device's gradients too (when o's are zeroed)
     void (*grads_down)(void *ctx); // after a backward: o->grads holds the device's
-    void (*updated)(void *ctx);    // after an update: the new weights go up
+    // the step updates groups of whole rows of about `chunk` elements in
+    // order; the weights of elements [first, end) are final: they go up
+    // while the next group is updated
+    void (*rows_updated)(void *ctx, size_t first, size_t end);
+    void (*updated)(void *ctx); // after the step's last group
+    size_t chunk;
 } fl_optim_offload;
 
 struct fl_optim_pp {

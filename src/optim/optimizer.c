@@ -345,6 +345,22 @@ static double grad_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, 
     return s;
 }
 
+// AdamW or SGD offloaded from a device: groups of whole rows of about
+// o->offload->chunk elements, each handed to the offload to go up as soon as
+// it is updated (updates of disjoint ranges: bitwise one update's).
+static void update_offloaded(fl_optimizer *o, const void *grads, size_t first, fl_dtype dt,
+                             float grad_scale) {
+    const fl_param_table *t = o->table;
+    const fl_optim_offload *f = o->offload;
+    for (int row = 0, end; row < t->count; row = end) {
+        size_t lo = t->views[row].offset;
+        for (end = row + 1; end < t->count; end++)
+            if (t->views[end].offset + t->views[end].numel - lo > f->chunk) break;
+        fl_optimizer_update_range(o, row, end - row, grads, first, dt, grad_scale, 1.0f);
+        f->rows_updated(f->ctx, lo, t->views[end - 1].offset + t->views[end - 1].numel);
+    }
+}
+
 // judge: the spike guard looks at the loss and the norm before the update.
 static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int judge) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
@@ -396,6 +412,8 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int 
     float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
     if (fl_optim_kind_fused(o->cfg.kind)) // LOMO's order: clamp the unscaled g, then coef
         fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, unscale, coef);
+    else if (o->offload)
+        update_offloaded(o, grads, first, grads_dtype, unscale * coef);
     else
         fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, unscale * coef,
                                   1.0f);

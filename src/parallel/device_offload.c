@@ -21,6 +21,8 @@ struct fl_dev_offload {
     fl_optimizer *o;
     const fl_device *dev;
     fl_stream *down;        // device-to-host copies of the gradients
+    fl_stream *up;          // host-to-device copies of the updated weights
+    fl_event *up_done;      // the last step's weights are up (NULL: none in flight)
     size_t down_bytes;      // gradient bytes this backward pass sent down
     void *params, *grads;   // the pinned host copies (the optimizer's params and grads)
     fl_optim_offload hooks; // the optimizer's calls back
@@ -46,9 +48,18 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     f->down_bytes += bytes;
 }
 
+// the host copy of the weights is free to change once its upload is done
+static void wait_up(fl_dev_offload *f) {
+    if (!f->up_done) return;
+    f->dev->event_sync(f->dev, f->up_done);
+    f->dev->event_destroy(f->dev, f->up_done);
+    f->up_done = NULL;
+}
+
 static void on_grads_down(void *ctx) {
     fl_dev_offload *f = ctx;
     const fl_device *d = f->dev;
+    wait_up(f); // long done: the backward pass ran after it
     size_t all = f->m->table.numel * fl_dtype_size(f->m->dtype);
     fl_event *e = d->event_record(d, f->down);
     d->event_sync(d, e);
@@ -63,8 +74,20 @@ void fl_dev_offload_upload(fl_dev_offload *f) {
     fl_dev_upload(f->dev, f->m->params, f->params, f->m->table.numel * fl_dtype_size(f->m->dtype));
 }
 
+// a group's new weights go up on the upload stream while the cpu updates the next
+static void on_rows_updated(void *ctx, size_t first, size_t end) {
+    fl_dev_offload *f = ctx;
+    size_t es = fl_dtype_size(f->m->dtype);
+    f->dev->copy_async(f->dev, (char *)f->m->params + first * es,
+                       (const char *)f->params + first * es, (end - first) * es, FL_COPY_H2D,
+                       f->up);
+}
+
+// the next forward pass (compute stream) runs after the uploads
 static void on_updated(void *ctx) {
-    fl_dev_offload_upload(ctx);
+    fl_dev_offload *f = ctx;
+    f->up_done = f->dev->event_record(f->dev, f->up);
+    f->dev->stream_wait(f->dev, NULL, f->up_done);
 }
 
 fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg) {
@@ -85,7 +108,12 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
     fl_device_use(d);
     f->down = d->stream_create(d);
-    f->hooks = (fl_optim_offload){f, on_zero_grad, on_grads_down, on_updated};
+    f->up = d->stream_create(d);
+    // eight groups a step (at least 64 Ki elements each): the upload of one
+    // overlaps the update of the next
+    size_t chunk = m->table.numel / 8 > (1u << 16) ? m->table.numel / 8 : (1u << 16);
+    f->hooks =
+        (fl_optim_offload){f, on_zero_grad, on_grads_down, on_rows_updated, on_updated, chunk};
     o->offload = &f->hooks;
     m->hooks = (fl_model_hooks){NULL, on_grad_ready, f};
     return f;
@@ -95,7 +123,9 @@ void fl_dev_offload_free(fl_dev_offload *f) {
     if (!f) return;
     const fl_device *pin = fl_device_pinned(f->dev);
     f->dev->sync(f->dev);
+    wait_up(f);
     f->dev->stream_destroy(f->dev, f->down);
+    f->dev->stream_destroy(f->dev, f->up);
     f->m->hooks = (fl_model_hooks){0};
     pin->free(pin, f->params);
     pin->free(pin, f->grads);
