@@ -210,13 +210,13 @@ static void test_refusals(void) {
         {"--optimizer lomo", "the lomo optimizer"},
         {"--optimizer adalomo", "the adalomo optimizer"},
         {"--optimizer-in-backward", "optimizer_in_backward"},
-        {"--zero-stage 1", "ZeRO stage 1 without offload_optimizer.device cpu"},
+        {"--zero-stage 1", "ZeRO stage 1 without offload_optimizer"},
     };
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
         fails_with(refused[i].what, "train " RUN " --model tiny --steps 1 --device test %s",
                    refused[i].flags);
     fails_with("2 ranks", "plan " RUN " --model tiny --device test --ranks 2");
-    fails_with("NVMe or weight offload",
+    fails_with("weight offload",
                "train " RUN " --model tiny --steps 1 --device test --config offload.json");
     fails_with("a LoRA adapter", "sample --checkpoint ex --adapter nowhere --device test");
     // a run that does not fit the device's free memory, refused before
@@ -242,8 +242,8 @@ int main(void) {
     snprintf(path, sizeof path, "%s/offload.json", dir);
     FILE *f = fopen(path, "w");
     if (f) {
-        fputs("{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": "
-              "\"nvme\", \"nvme_path\": \".\"}}}",
+        fputs("{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": "
+              "\"cpu\"}, \"offload_param\": {\"device\": \"cpu\"}}}",
               f);
         fclose(f);
     }

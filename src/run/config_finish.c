@@ -79,8 +79,8 @@ static void demo_recipe(fl_train_config *cfg) {
 
 // A device other than the cpu runs one process training the whole model
 // with AdamW or SGD (issue 43), its optimizer in pinned host memory with
-// ZeRO-1/2's offload_optimizer.device cpu (ZeRO-Offload, issue 46); NVMe
-// and weight offload, several ranks, splitting the model or fusing the
+// ZeRO-1/2's offload_optimizer.device cpu or nvme (ZeRO-Offload, issue
+// 46); weight offload, several ranks, splitting the model or fusing the
 // update into the backward pass are refused: before anything is
 // allocated, as is a device this build or machine lacks.
 static void device_check(const fl_train_config *cfg) {
@@ -94,12 +94,11 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "%d ranks", ranks);
     else if (cfg->tensor_parallel > 1 || cfg->pipeline_parallel > 1)
         snprintf(what, sizeof what, "tensor or pipeline parallelism");
-    else if (!strcmp(x->offload_optimizer, "nvme") || strcmp(x->offload_param, "none") ||
-             x->cpu_offload_param)
-        snprintf(what, sizeof what, "NVMe or weight offload (zero_optimization.offload_*)");
-    else if (cfg->zero.stage == 3 || (cfg->zero.stage > 0 && strcmp(x->offload_optimizer, "cpu")))
+    else if (strcmp(x->offload_param, "none") || x->cpu_offload_param)
+        snprintf(what, sizeof what, "weight offload (zero_optimization.offload_param)");
+    else if (cfg->zero.stage == 3 || (cfg->zero.stage > 0 && !strcmp(x->offload_optimizer, "none")))
         snprintf(what, sizeof what, "ZeRO stage %d%s", cfg->zero.stage,
-                 cfg->zero.stage < 3 ? " without offload_optimizer.device cpu" : "");
+                 cfg->zero.stage < 3 ? " without offload_optimizer (device cpu or nvme)" : "");
     else if (cfg->lora_enabled || *cfg->adapter)
         snprintf(what, sizeof what, "LoRA adapters");
     else if (cfg->quant.enabled)
@@ -111,7 +110,7 @@ static void device_check(const fl_train_config *cfg) {
     if (*what)
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
                "process training the whole model with AdamW or SGD, ZeRO-1/2 only with "
-               "offload_optimizer.device cpu (several ranks, ZeRO-3, NVMe and weight "
+               "offload_optimizer (device cpu or nvme) (several ranks, ZeRO-3, weight "
                "offload, LoRA/QLoRA, LOMO/AdaLomo and optimizer_in_backward come with the next "
                "GPU issue); use --device cpu",
                cfg->device, what);

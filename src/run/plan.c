@@ -121,7 +121,7 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     r->whole_weights_first = *cfg->init_from != 0;
     r->offload = fl_offload_config_of(cfg);
     r->dev = fl_device_get(cfg->device);
-    r->dev_offload = !r->dev->host && !strcmp(cfg->zero_extra.offload_optimizer, "cpu");
+    r->dev_offload = !r->dev->host && strcmp(cfg->zero_extra.offload_optimizer, "none");
     if (r->dev_offload) r->zero_stage = 0; // one process on a device: the plain path (run.c)
 }
 
@@ -508,10 +508,20 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&rows);
     } else {
         fl_optimizer_memory(&r->optim, dt, numel, opt);
+        if (r->dev_offload && r->optim.paged) { // NVMe under it: chunk buffers, the rest on disk
+            size_t pb[FL_MEM_NTAGS];
+            fl_offload_memory(&r->offload, numel, fl_optimizer_paged_tensors(&r->optim, dt), 0, pb,
+                              &out->disk);
+            for (int k = 0; k < FL_MEM_NTAGS; k++) opt[k] += pb[k];
+            fl_optimizer_config unpaged = r->optim;
+            unpaged.paged = 0;
+            fl_optimizer_memory(&unpaged, dt, numel, out->unpaged);
+        }
     }
     for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += opt[k] + dist_bytes[k];
     if (r->dev_offload) { // the optimizer's bytes and the host copies of weights and gradients
-        for (int k = 0; k < FL_MEM_NTAGS; k++) out->pinned[k] = opt[k];
+        static const int tags[] = {FL_MEM_PARAMS, FL_MEM_GRADS, FL_MEM_MASTER, FL_MEM_OPTIM};
+        for (int k = 0; k < 4; k++) out->pinned[tags[k]] = opt[tags[k]]; // not NVMe's buffers
         out->pinned[FL_MEM_PARAMS] += numel * ds;
         out->pinned[FL_MEM_GRADS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;

@@ -272,9 +272,10 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         r->rank = r->layout.dp_rank;
         r->world = r->layout.dp;
     }
-    // ZeRO-Offload on one device: the optimizer in its pinned host memory
-    // (one process: stage 1 and 2 shard nothing, the plain path runs)
-    int dev_offload = !r->dev->host && !strcmp(cfg->zero_extra.offload_optimizer, "cpu");
+    // ZeRO-Offload on one device: the optimizer in its pinned host memory,
+    // paged from an NVMe file under device nvme (one process: stage 1 and 2
+    // shard nothing, the plain path runs)
+    int dev_offload = !r->dev->host && strcmp(cfg->zero_extra.offload_optimizer, "none");
     r->dist = !opt->alone && !dev_offload && (cfg->zero.stage > 0 || r->world > 1);
     r->resumed = ck != NULL;
     r->start = ck ? fl_ckpt_step(ck) : 0;
