@@ -15,7 +15,8 @@
 #   step's loss bitwise the all-on-GPU run's (the same weights), every step's
 #   within 1e-5 relative (the update is the cpu's AdamW, not the GPU's; on the
 #   test device and the cpu, where they are the same, bitwise), and its
-#   resume bit for bit as its straight run.
+#   resume bit for bit as its straight run; under NVMe offload bitwise the
+#   pinned-memory offload run.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -146,6 +147,14 @@ for prec in fp32 bf16; do
         <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/off_resumed_$prec/log.txt") && ok=1 || ok=0
     check $ok "llama $prec offloaded: resumed at step 5 on $dev, steps 6-10 bit for bit"
 done
+# NVMe under it: the same cpu update, paged from a file: bitwise the pinned run
+mkdir -p "$work/nvme"
+printf '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "%s"}}}\n' \
+    "$work/nvme" >"$work/nvme.json"
+run off_nvme "$dev" llama bf16 --config "$work/nvme.json"
+cmp -s <(grep '^step' "$work/off_nvme/log.txt") <(grep '^step' "$work/off_bf16/log.txt") &&
+    ok=1 || ok=0
+check $ok "llama bf16 offloaded to NVMe on $dev: every step bitwise the pinned-memory run's"
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed
