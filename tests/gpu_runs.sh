@@ -20,6 +20,12 @@
 #   runs of each bit for bit.
 # Then LoRA and QLoRA (NF4, double quantisation) on the LLaMA's export, in
 # fp32 and bf16 with the same bounds, two runs and a resume bitwise.
+# Then ZeRO-Offload (offload_optimizer.device cpu, fp32 and bf16): the first
+# step's loss bitwise the all-on-GPU run's (the same weights), every step's
+# within 1e-5 relative (the update is the cpu's AdamW, not the GPU's; on the
+# test device and the cpu, where they are the same, bitwise), and its
+# resume bit for bit as its straight run; under NVMe offload bitwise the
+# pinned-memory offload run.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -217,6 +223,39 @@ for kind in lora qlora; do
             <(grep "$late" "$work/resumed_$kind/log.txt") && ok=1 || ok=0
     check $ok "$kind: resumed at step 5 on $dev, steps 6-10 bit for bit as the straight run"
 done
+
+# ZeRO-Offload: the optimizer in pinned host memory, updated by the cpu
+printf '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}\n' \
+    >"$work/offload.json"
+for prec in fp32 bf16; do
+    run "dev_${prec}_off" "$dev" llama "$prec" --save-every 5
+    run "off_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/offload.json"
+    [ "$(losses "dev_${prec}_off" | head -1)" = "$(losses "off_$prec" | head -1)" ] && ok=1 || ok=0
+    check $ok "llama $prec offloaded on $dev: the first step's loss bitwise the all-on-$dev run's"
+    if [ "$dev" = cuda ]; then
+        e=$(max_rel "off_$prec" "dev_${prec}_off")
+        le "$e" 1e-5 && ok=1 || ok=0
+        check $ok "llama $prec offloaded on $dev: losses within 1e-5 relative of all-on-$dev (max $e)"
+    else
+        cmp -s <(grep '^step' "$work/off_$prec/log.txt") \
+            <(grep '^step' "$work/dev_${prec}_off/log.txt") && ok=1 || ok=0
+        check $ok "llama $prec offloaded on $dev: every step's loss and norm bitwise all-on-$dev's"
+    fi
+    "$fitlm" train --device "$dev" --resume "$work/off_$prec/ckpt_00000005.fitlm" \
+        --config "$work/offload.json" --out "$work/off_resumed_$prec" --threads 2 \
+        >"$work/off_resumed_$prec.out" 2>&1 || { tail -20 "$work/off_resumed_$prec.out"; exit 1; }
+    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/off_$prec/log.txt") \
+        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/off_resumed_$prec/log.txt") && ok=1 || ok=0
+    check $ok "llama $prec offloaded: resumed at step 5 on $dev, steps 6-10 bit for bit"
+done
+# NVMe under it: the same cpu update, paged from a file: bitwise the pinned run
+mkdir -p "$work/nvme"
+printf '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "%s"}}}\n' \
+    "$work/nvme" >"$work/nvme.json"
+run off_nvme "$dev" llama bf16 --config "$work/nvme.json"
+cmp -s <(grep '^step' "$work/off_nvme/log.txt") <(grep '^step' "$work/off_bf16/log.txt") &&
+    ok=1 || ok=0
+check $ok "llama bf16 offloaded to NVMe on $dev: every step bitwise the pinned-memory run's"
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed

@@ -296,13 +296,13 @@ static void test_refusals(void) {
         const char *flags, *what;
     } refused[] = {
         {"--lora --lora-base-optimizer lomo", "LoRA + LOMO (lora.base_optimizer lomo)"},
-        {"--zero-stage 1", "ZeRO stage 1"},
+        {"--zero-stage 1", "ZeRO stage 1 without offload_optimizer"},
     };
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
         fails_with(refused[i].what, "train " RUN " --model tiny --steps 1 --device test %s",
                    refused[i].flags);
     fails_with("2 ranks", "plan " RUN " --model tiny --device test --ranks 2");
-    fails_with("offload",
+    fails_with("weight offload",
                "train " RUN " --model tiny --steps 1 --device test --config offload.json");
     // a run that does not fit the device's free memory, refused before
     // allocating, with what would fit (the test device holds 64 GiB)
@@ -527,9 +527,9 @@ int main(void) {
     snprintf(path, sizeof path, "%s/offload.json", dir);
     FILE *f = fopen(path, "w");
     if (f) {
-        fputs(
-            "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": \"cpu\"}}}",
-            f);
+        fputs("{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": "
+              "\"cpu\"}, \"offload_param\": {\"device\": \"cpu\"}}}",
+              f);
         fclose(f);
     }
     test_losses_equal_cpu();

@@ -101,6 +101,11 @@ void fl_die_device_oom(const char *device, size_t bytes, fl_mem_tag tag) __attri
 size_t fl_mem_device_current(fl_mem_tag tag);
 size_t fl_mem_device_peak(fl_mem_tag tag);
 size_t fl_mem_device_total_peak(void); // peak of the sum
+// Pinned host memory (a device's host_alloc) counts as host memory under its
+// tag and, apart, as pinned: bytes > 0 adds a block, bytes < 0 removes one.
+void fl_mem_pinned_count(fl_mem_tag tag, long long bytes);
+size_t fl_mem_pinned_peak(fl_mem_tag tag);
+size_t fl_mem_pinned_total_peak(void); // peak of the sum
 // The tags' current and peak bytes, on the host and (when a device
 // allocated any) on the device.
 void fl_mem_report(FILE *out);

@@ -69,6 +69,12 @@ struct fl_device {
     void (*event_sync)(const fl_device *d, fl_event *e);                // the host waits
     void (*event_destroy)(const fl_device *d, fl_event *e);
     void (*sync)(const fl_device *d); // the host waits for every stream
+    // pinned (page-locked) host memory, which copy_async moves without a
+    // bounce (ZeRO-Offload's master, state and staging): zero-filled,
+    // 64-byte aligned, counted under tag as host memory and as pinned
+    // (fl_mem_pinned_count); the cpu and test devices give ordinary memory
+    void *(*host_alloc)(const fl_device *d, fl_mem_tag tag, size_t bytes);
+    void (*host_free)(const fl_device *d, void *p); // NULL is fine
 
     // ---- kernels (kernels.h)
     size_t (*matmul_workspace_bytes)(fl_dtype dt, int N, int C, int OC);
@@ -165,6 +171,10 @@ const fl_device *fl_device_get(const char *name);
 // why not in `why` when it does not.
 int fl_device_available(const char *name, char *why, size_t why_size);
 const fl_device *fl_device_cpu(void);
+// The cpu's table whose alloc and free are d's host_alloc and host_free: an
+// optimizer made on it keeps its master, state and gradient sum in d's
+// pinned host memory and updates there with the cpu's kernels (offload).
+const fl_device *fl_device_pinned(const fl_device *d);
 // The device new models and optimizers are put on (fl_model_init_from,
 // fl_optimizer_init): the cpu until fl_device_use names another.
 const fl_device *fl_device_default(void);

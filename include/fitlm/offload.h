@@ -89,4 +89,18 @@ void fl_offload_stats_get(const fl_offload *f, fl_offload_stats *s);
 const char *fl_offload_path(const fl_offload *f);
 int fl_offload_direct(const fl_offload *f);
 
+// ZeRO-Offload on one device (src/parallel/device_offload.c): m on a device
+// other than the cpu, o made on its pinned host memory (master, state,
+// gradient sum, and pinned copies of m's weights and gradients), cfg as
+// fl_optimizer_init's. Gradients go down per unit from m's grad_ready hook
+// (m->hooks is the offload's), the step updates on the host, and the new
+// weights go up after it.
+struct fl_model;
+typedef struct fl_dev_offload fl_dev_offload;
+fl_dev_offload *fl_dev_offload_init(struct fl_model *m, fl_optimizer *o,
+                                    const fl_optimizer_config *cfg);
+// The host copy of the weights up to the model (after a restore wrote it).
+void fl_dev_offload_upload(fl_dev_offload *f);
+void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is fine
+
 #endif

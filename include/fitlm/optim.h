@@ -406,6 +406,22 @@ typedef struct {
     size_t chunk; // elements per chunk: chunk c starts at state_begin + c * chunk
 } fl_optim_pager;
 
+// The model on a device, the optimizer in its pinned host memory
+// (ZeRO-Offload, offload.h's fl_dev_offload): o->params and o->grads are
+// host copies of the model's weights and gradients, which these keep in step
+// with the device's.
+typedef struct {
+    void *ctx;
+    void (*zero_grad)(void *ctx);  // the device's gradients too (when o's are zeroed)
+    void (*grads_down)(void *ctx); // after a backward: o->grads holds the device's
+    // the step updates groups of whole rows of about `chunk` elements in
+    // order; the weights of elements [first, end) are final: they go up
+    // while the next group is updated
+    void (*rows_updated)(void *ctx, size_t first, size_t end);
+    void (*updated)(void *ctx); // after the step's last group
+    size_t chunk;
+} fl_optim_offload;
+
 struct fl_optim_pp {
     const fl_tp_ops *ops;  // over the pipeline group (its sum: the same bits on every rank)
     int whole_rows;        // rows of the whole model's table
@@ -452,9 +468,10 @@ typedef struct {
     // the stages, so the norm adds every tensor's in one global order, as
     // one process does; an fp16 overflow on any stage skips every step
     const struct fl_optim_pp *pp;
-    const fl_optim_pager *pager; // cfg.paged: where the master and state are, else NULL
-    int mapped;                  // the pager's map is in place (fl_optimizer_map)
-    fl_spike_guard spike;        // judges fl_optimizer_step_loss's and the fused steps' updates
+    const fl_optim_pager *pager;     // cfg.paged: where the master and state are, else NULL
+    const fl_optim_offload *offload; // a device's model, this optimizer on the host, or NULL
+    int mapped;                      // the pager's map is in place (fl_optimizer_map)
+    fl_spike_guard spike;            // judges fl_optimizer_step_loss's and the fused steps' updates
 } fl_optimizer;
 
 typedef struct {

@@ -75,6 +75,10 @@ typedef struct {
     // --mem-limit on a device other than the cpu: the device's budget, the
     // cap on its bytes below its available memory (0: none)
     size_t device_cap;
+    // ZeRO-Offload on that device (offload_optimizer.device cpu, one
+    // process): the optimizer's bytes and pinned copies of the weights and
+    // gradients are the host's pinned memory (planned as stage 0, as it runs)
+    int dev_offload;
 } fl_plan_request;
 
 // One pipeline stage's figures (pipeline rank `stage`, its chunks' blocks).
@@ -115,6 +119,9 @@ typedef struct {
     // of bytes[workspace]: the host's transient buffers on any device (the
     // step's row sums of squares, the sampler's logits row and sort)
     size_t host_workspace;
+    // per rank, of the host's bytes: what is pinned (ZeRO-Offload on a device)
+    size_t pinned[FL_MEM_NTAGS];
+    size_t pinned_total;
     int runnable;   // 1: the engine runs this, and the figures are its exact sizes
     char note[320]; // "" or what the figures leave out / "not runnable yet: ..."
 } fl_plan;

@@ -32,6 +32,8 @@ static size_t current[FL_MEM_NTAGS], peak[FL_MEM_NTAGS], total_current, total_pe
 // the same for device memory (fl_mem_device_count)
 static size_t dev_current[FL_MEM_NTAGS], dev_peak[FL_MEM_NTAGS], dev_total_current, dev_total_peak;
 static size_t dev_cap; // --mem-limit on a device: the most its blocks may total (0: none)
+// the part of the host's that is pinned (fl_mem_pinned_count)
+static size_t pin_current[FL_MEM_NTAGS], pin_peak[FL_MEM_NTAGS], pin_total_peak, pin_total_current;
 
 static const char *tag_names[FL_MEM_NTAGS] = {
     "params", "grads", "master", "optim", "acts", "workspace", "comm", "offload", "other",
@@ -161,6 +163,30 @@ void fl_mem_device_count(fl_mem_tag tag, long long bytes) {
     pthread_mutex_unlock(&lock);
 }
 
+void fl_mem_pinned_count(fl_mem_tag tag, long long bytes) {
+    FL_ASSERT((unsigned)tag < FL_MEM_NTAGS);
+    pthread_mutex_lock(&lock);
+    FL_ASSERT(bytes >= 0 || (size_t)-bytes <= pin_current[tag]);
+    // host memory first (wrapping down for a negative count), then its pinned part
+    current[tag] += (size_t)bytes;
+    total_current += (size_t)bytes;
+    if (current[tag] > peak[tag]) peak[tag] = current[tag];
+    if (total_current > total_peak) total_peak = total_current;
+    pin_current[tag] += (size_t)bytes;
+    pin_total_current += (size_t)bytes;
+    if (pin_current[tag] > pin_peak[tag]) pin_peak[tag] = pin_current[tag];
+    if (pin_total_current > pin_total_peak) pin_total_peak = pin_total_current;
+    pthread_mutex_unlock(&lock);
+}
+
+size_t fl_mem_pinned_peak(fl_mem_tag tag) {
+    return locked_read(&pin_peak[tag]);
+}
+
+size_t fl_mem_pinned_total_peak(void) {
+    return locked_read(&pin_total_peak);
+}
+
 void fl_die_device_oom(const char *device, size_t bytes, fl_mem_tag tag) {
     char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT];
     size_t held = locked_read(&dev_total_current);
@@ -204,6 +230,14 @@ void fl_mem_report(FILE *out) {
             "  process peak RSS     %10s %10.2f (untracked overhead %.2f MiB: code, libraries, "
             "BLAS buffers)\n",
             "", rss / 1048576.0, ((double)rss - (double)tagged) / 1048576.0);
+    if (fl_mem_pinned_total_peak()) {
+        fprintf(out, "of which pinned (MiB):  %10s %10s %14s\n", "current", "peak", "peak bytes");
+        for (int t = 0; t < FL_MEM_NTAGS; t++)
+            if (fl_mem_pinned_peak(t))
+                fprintf(out, "  %-20s %10.2f %10.2f %14zu\n", tag_names[t],
+                        locked_read(&pin_current[t]) / 1048576.0, fl_mem_pinned_peak(t) / 1048576.0,
+                        fl_mem_pinned_peak(t));
+    }
     if (!fl_mem_device_total_peak()) return;
     fprintf(out, "device memory by tag (MiB): %5s %10s %14s\n", "current", "peak", "peak bytes");
     for (int t = 0; t < FL_MEM_NTAGS; t++)

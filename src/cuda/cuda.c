@@ -206,6 +206,36 @@ static void cuda_sync(const fl_device *d) {
     FL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// Pinned host memory (cudaHostAlloc: copy_async moves it without a bounce
+// through a staging buffer); a header in front holds the tag and size.
+typedef struct {
+    size_t bytes;
+    fl_mem_tag tag;
+} host_header;
+
+static void *cuda_host_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes) {
+    (void)d;
+    void *raw = NULL;
+    cudaError_t err = cudaHostAlloc(&raw, 64 + bytes, cudaHostAllocPortable);
+    if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        fl_die_oom(bytes, tag);
+    }
+    FL_CUDA_CHECK(err);
+    memset(raw, 0, 64 + bytes);
+    *(host_header *)raw = (host_header){bytes, tag};
+    fl_mem_pinned_count(tag, (long long)bytes);
+    return (char *)raw + 64;
+}
+
+static void cuda_host_free(const fl_device *d, void *p) {
+    (void)d;
+    if (!p) return;
+    host_header h = *(host_header *)((char *)p - 64);
+    FL_CUDA_CHECK(cudaFreeHost((char *)p - 64)); // waits for the copies that use it
+    fl_mem_pinned_count(h.tag, -(long long)h.bytes);
+}
+
 static fl_device cuda = {
     .name = "cuda",
     .host = 0,
@@ -225,6 +255,8 @@ static fl_device cuda = {
     .event_sync = cuda_event_sync,
     .event_destroy = cuda_event_destroy,
     .sync = cuda_sync,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
     .matmul_workspace_bytes = fl_cuda_matmul_workspace_bytes,
     .encoder_forward = fl_cuda_encoder_forward,
     .encoder_backward = fl_cuda_encoder_backward,

@@ -28,6 +28,31 @@ static void cpu_free(const fl_device *d, void *p) {
     fl_free(p);
 }
 
+// Host memory counted as pinned (the cpu has nothing to pin): a header in
+// front holds the tag and size for the free.
+typedef struct {
+    size_t bytes;
+    fl_mem_tag tag;
+} host_header;
+
+static void *cpu_host_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes) {
+    (void)d;
+    void *raw = NULL;
+    if (posix_memalign(&raw, 64, 64 + bytes) != 0) fl_die_oom(bytes, tag);
+    memset(raw, 0, 64 + bytes);
+    *(host_header *)raw = (host_header){bytes, tag};
+    fl_mem_pinned_count(tag, (long long)bytes);
+    return (char *)raw + 64;
+}
+
+static void cpu_host_free(const fl_device *d, void *p) {
+    (void)d;
+    if (!p) return;
+    host_header h = *(host_header *)((char *)p - 64);
+    fl_mem_pinned_count(h.tag, -(long long)h.bytes);
+    free((char *)p - 64);
+}
+
 static void cpu_zero(const fl_device *d, void *p, size_t bytes) {
     (void)d;
     memset(p, 0, bytes);
@@ -116,6 +141,8 @@ static const fl_device cpu = {
     .available = cpu_available,
     .alloc = cpu_alloc,
     .free = cpu_free,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_host_free,
     .zero = cpu_zero,
     .copy_h2d = cpu_copy,
     .copy_d2h = cpu_copy,

@@ -39,3 +39,25 @@ const fl_device *fl_device_get(const char *name) {
     if (!d) fl_die("device: %s", why);
     return d;
 }
+
+// d's host_alloc and host_free behind the cpu table's alloc and free
+static void *pinned_alloc(const fl_device *p, fl_mem_tag tag, size_t bytes) {
+    const fl_device *d = p->state;
+    return d->host_alloc(d, tag, bytes);
+}
+
+static void pinned_free(const fl_device *p, void *ptr) {
+    const fl_device *d = p->state;
+    d->host_free(d, ptr);
+}
+
+const fl_device *fl_device_pinned(const fl_device *d) {
+    static fl_device t; // one device per process
+    FL_ASSERT(!t.state || t.state == d);
+    if (t.state) return &t;
+    t = *fl_device_cpu_table();
+    t.alloc = pinned_alloc;
+    t.free = pinned_free;
+    t.state = (void *)d;
+    return &t;
+}

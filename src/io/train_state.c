@@ -110,7 +110,15 @@ static int param_sets(const fl_model *m, const fl_optimizer *optim, const fl_opt
                       param_set *out) {
     const fl_device *dev = m->dev; // its optimizers' too
     if (!m->lora.cfg.r) {
-        out[0] = (param_set){"model", "optim", &m->table, m->params, (fl_optimizer *)optim, dev};
+        // an optimizer in host memory while the model is on a device
+        // (ZeRO-Offload): its host copy of the weights, in step with the model's
+        int host = optim && optim->dev && optim->dev != dev;
+        out[0] = (param_set){"model",
+                             "optim",
+                             &m->table,
+                             host ? optim->params : m->params,
+                             (fl_optimizer *)optim,
+                             host ? optim->dev : dev};
         return 1;
     }
     out[0] =

@@ -136,8 +136,10 @@ void fl_optimizer_zero_grad(fl_optimizer *o) {
     if (o->micro == 0 && o->grad_accum) d->zero(d, o->grad_accum, n * sizeof(float));
     // fp32 sums micro-batches in the model's own gradients; 16-bit gradients
     // are per micro-batch and summed into the fp32 buffer
-    if (o->grads && (o->micro == 0 || o->grad_accum))
+    if (o->grads && (o->micro == 0 || o->grad_accum)) {
         d->zero(d, o->grads, n * fl_dtype_size(o->dtype));
+        if (o->offload) o->offload->zero_grad(o->offload->ctx);
+    }
 }
 
 void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
@@ -147,6 +149,7 @@ void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
 
 void fl_optimizer_micro_done(fl_optimizer *o) {
     o->micro++;
+    if (o->offload) o->offload->grads_down(o->offload->ctx);
     if (o->grad_accum) fl_optimizer_accum_range(o, 0, o->table->numel);
 }
 
@@ -342,6 +345,22 @@ static double grad_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, 
     return s;
 }
 
+// AdamW or SGD offloaded from a device: groups of whole rows of about
+// o->offload->chunk elements, each handed to the offload to go up as soon as
+// it is updated (updates of disjoint ranges: bitwise one update's).
+static void update_offloaded(fl_optimizer *o, const void *grads, size_t first, fl_dtype dt,
+                             float grad_scale) {
+    const fl_param_table *t = o->table;
+    const fl_optim_offload *f = o->offload;
+    for (int row = 0, end; row < t->count; row = end) {
+        size_t lo = t->views[row].offset;
+        for (end = row + 1; end < t->count; end++)
+            if (t->views[end].offset + t->views[end].numel - lo > f->chunk) break;
+        fl_optimizer_update_range(o, row, end - row, grads, first, dt, grad_scale, 1.0f);
+        f->rows_updated(f->ctx, lo, t->views[end - 1].offset + t->views[end - 1].numel);
+    }
+}
+
 // judge: the spike guard looks at the loss and the norm before the update.
 static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int judge) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
@@ -393,11 +412,14 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int 
     float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
     if (fl_optim_kind_fused(o->cfg.kind)) // LOMO's order: clamp the unscaled g, then coef
         fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, unscale, coef);
+    else if (o->offload)
+        update_offloaded(o, grads, first, grads_dtype, unscale * coef);
     else
         fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, unscale * coef,
                                   1.0f);
     fl_optimizer_end_step(o);
     if (sync) sync->updated(sync->ctx);
+    if (o->offload) o->offload->updated(o->offload->ctx);
     return r;
 }
 

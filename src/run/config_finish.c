@@ -79,9 +79,12 @@ static void demo_recipe(fl_train_config *cfg) {
 
 // A device other than the cpu runs one process training the whole model
 // or LoRA adapters on it (dense or NF4 base weights) with AdamW, SGD, LOMO
-// or AdaLomo, the update fused into the backward pass or not (issues 43,
-// 46); what moves memory elsewhere or splits the model is refused before
-// anything is allocated, as is a device this build or machine lacks.
+// or AdaLomo, the update fused into the backward pass or not, and with
+// AdamW or SGD its optimizer in pinned host memory under ZeRO-1/2's
+// offload_optimizer.device cpu or nvme (ZeRO-Offload) (issues 43, 46);
+// weight offload, several ranks, splitting the model and the combinations
+// not yet checked are refused before anything is allocated, as is a device
+// this build or machine lacks.
 static void device_check(const fl_train_config *cfg) {
     char why[256] = "";
     if (!fl_device_available(cfg->device, why, sizeof why)) fl_die("device: %s", why);
@@ -93,18 +96,27 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "%d ranks", ranks);
     else if (cfg->tensor_parallel > 1 || cfg->pipeline_parallel > 1)
         snprintf(what, sizeof what, "tensor or pipeline parallelism");
-    else if (strcmp(x->offload_optimizer, "none") || strcmp(x->offload_param, "none") ||
-             x->cpu_offload || x->cpu_offload_param)
-        snprintf(what, sizeof what, "offload (zero_optimization.offload_*)");
-    else if (cfg->zero.stage > 0)
-        snprintf(what, sizeof what, "ZeRO stage %d", cfg->zero.stage);
+    else if (strcmp(x->offload_param, "none") || x->cpu_offload_param)
+        snprintf(what, sizeof what, "weight offload (zero_optimization.offload_param)");
+    else if (cfg->zero.stage == 3 || (cfg->zero.stage > 0 && !strcmp(x->offload_optimizer, "none")))
+        snprintf(what, sizeof what, "ZeRO stage %d%s", cfg->zero.stage,
+                 cfg->zero.stage < 3 ? " without offload_optimizer (device cpu or nvme)" : "");
     else if (cfg->lora.train_base)
         snprintf(what, sizeof what, "LoRA + LOMO (lora.base_optimizer %s)",
                  cfg->lora_base_optimizer);
+    else if (strcmp(x->offload_optimizer, "none") &&
+             (cfg->lora_enabled || *cfg->adapter || cfg->quant.enabled))
+        snprintf(what, sizeof what, "offload_optimizer under LoRA adapters");
+    else if (strcmp(x->offload_optimizer, "none") &&
+             (!strcmp(cfg->optimizer, "lomo") || !strcmp(cfg->optimizer, "adalomo") ||
+              cfg->optimizer_in_backward))
+        snprintf(what, sizeof what, "offload_optimizer with the update in the backward pass");
     if (*what)
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
-               "process training the whole model or LoRA adapters (several ranks, ZeRO, "
-               "offload and LoRA + LOMO come with the next GPU issue); use --device cpu",
+               "process training the whole model or LoRA adapters, ZeRO-1/2 only with "
+               "offload_optimizer (device cpu or nvme) for AdamW or SGD (several ranks, ZeRO-3, "
+               "weight offload, LoRA + LOMO, offload under LoRA or with the update in the "
+               "backward pass are not supported there yet); use --device cpu",
                cfg->device, what);
 }
 

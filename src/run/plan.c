@@ -124,6 +124,8 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     // on a device --mem-limit is its budget; the host keeps its available memory
     if (*cfg->mem_limit && !r->dev->host)
         r->device_cap = fl_parse_bytes(cfg->mem_limit, "mem_limit");
+    r->dev_offload = !r->dev->host && strcmp(cfg->zero_extra.offload_optimizer, "none");
+    if (r->dev_offload) r->zero_stage = 0; // one process on a device: the plain path (run.c)
 }
 
 // ----------------------------------------------------------------------------
@@ -509,8 +511,25 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&rows);
     } else {
         fl_optimizer_memory(&r->optim, dt, numel, opt);
+        if (r->dev_offload && r->optim.paged) { // NVMe under it: chunk buffers, the rest on disk
+            size_t pb[FL_MEM_NTAGS];
+            fl_offload_memory(&r->offload, numel, fl_optimizer_paged_tensors(&r->optim, dt), 0, pb,
+                              &out->disk);
+            for (int k = 0; k < FL_MEM_NTAGS; k++) opt[k] += pb[k];
+            fl_optimizer_config unpaged = r->optim;
+            unpaged.paged = 0;
+            fl_optimizer_memory(&unpaged, dt, numel, out->unpaged);
+        }
     }
     for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += opt[k] + dist_bytes[k];
+    if (r->dev_offload) { // the optimizer's bytes and the host copies of weights and gradients
+        static const int tags[] = {FL_MEM_PARAMS, FL_MEM_GRADS, FL_MEM_MASTER, FL_MEM_OPTIM};
+        for (int k = 0; k < 4; k++) out->pinned[tags[k]] = opt[tags[k]]; // not NVMe's buffers
+        out->pinned[FL_MEM_PARAMS] += numel * ds;
+        out->pinned[FL_MEM_GRADS] += numel * ds;
+        b[FL_MEM_PARAMS] += numel * ds;
+        b[FL_MEM_GRADS] += numel * ds;
+    }
     // tensor parallelism: the TP group's table and its scratch, which stays
     // at the size of the largest call
     if (tp > 1) {
@@ -630,11 +649,13 @@ static int on_device(const fl_plan_request *r, int tag) {
 }
 
 static void place(const fl_plan_request *r, fl_plan *p) {
-    p->device_total = 0;
+    p->device_total = p->pinned_total = 0;
     for (int t = 0; t < FL_MEM_NTAGS; t++) {
-        p->device[t] =
-            on_device(r, t) ? p->bytes[t] - (t == FL_MEM_WORKSPACE ? p->host_workspace : 0) : 0;
+        p->device[t] = on_device(r, t) ? p->bytes[t] - p->pinned[t] -
+                                             (t == FL_MEM_WORKSPACE ? p->host_workspace : 0)
+                                       : 0;
         p->device_total += p->device[t];
+        p->pinned_total += p->pinned[t];
     }
 }
 
@@ -680,6 +701,11 @@ static void print_placed(const fl_plan *p, FILE *out) {
     fprintf(out, "  %-12s %16zu %16zu %16zu %12.2f  (%.2f GB)\n", "total",
             p->total - p->device_total, p->device_total, p->total, p->total / 1048576.0,
             p->total / 1e9);
+    if (!p->pinned_total) return;
+    fprintf(out, "%-14s %16s\n", "of the host's", "pinned bytes");
+    for (int t = 0; t < FL_MEM_NTAGS; t++)
+        if (p->pinned[t]) fprintf(out, "  %-12s %16zu\n", fl_mem_tag_name(t), p->pinned[t]);
+    fprintf(out, "  %-12s %16zu\n", "total", p->pinned_total);
 }
 
 void fl_plan_print(const fl_plan *p, FILE *out) {
@@ -979,6 +1005,15 @@ void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit
     if (p->disk)
         fl_offload_check_path("zero_optimization.offload_optimizer.nvme_path", p->disk_dir,
                               p->disk);
+    if (limit && p->pinned_total > limit) { // locked pages: the host must hold them all
+        char need[FL_SIZE_TEXT], lim[FL_SIZE_TEXT];
+        fl_size_text_pair(p->pinned_total, limit, need, lim);
+        fl_die("ZeRO-Offload (zero_optimization.offload_optimizer.device cpu) needs %s of pinned "
+               "host memory (the master weights, optimizer state and host copies of the weights "
+               "and gradients), more than the %s the host has (--mem-limit; default: the "
+               "available memory): use fewer parameters, or offload_optimizer.device none",
+               need, lim);
+    }
     check_fit(r, p, limit, 0);
     if (p->device_total) check_fit(r, p, fl_plan_device_limit(r), 1);
 }

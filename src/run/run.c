@@ -276,7 +276,11 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         r->rank = r->layout.dp_rank;
         r->world = r->layout.dp;
     }
-    r->dist = !opt->alone && (cfg->zero.stage > 0 || r->world > 1);
+    // ZeRO-Offload on one device: the optimizer in its pinned host memory,
+    // paged from an NVMe file under device nvme (one process: stage 1 and 2
+    // shard nothing, the plain path runs)
+    int dev_offload = !r->dev->host && strcmp(cfg->zero_extra.offload_optimizer, "none");
+    r->dist = !opt->alone && !dev_offload && (cfg->zero.stage > 0 || r->world > 1);
     r->resumed = ck != NULL;
     r->start = ck ? fl_ckpt_step(ck) : 0;
     if (ck && cfg->steps <= r->start)
@@ -336,7 +340,9 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     // what the optimizer trains: the adapters under LoRA (the base too, by
     // its own fused optimizer, under LoRA + LOMO), else the model
     ocfg.sharded_grads = r->dist && cfg->zero.stage >= 2; // ZeRO-2/3 sum their own shards
-    if (r->lora)
+    if (dev_offload)
+        r->dev_offload = fl_dev_offload_init(model, &r->optim, &ocfg);
+    else if (r->lora)
         fl_optimizer_init(&r->optim, &ocfg, &model->lora.table, cfg->dtype, model->lora.params,
                           model->lora.grads);
     else
@@ -357,6 +363,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     r->base_lr = cfg->lora_base_lr > 0.0f ? cfg->lora_base_lr : cfg->lr;
     if (ck) {
         restore(r, ck);
+        if (r->dev_offload) fl_dev_offload_upload(r->dev_offload); // restored on the host
         fl_ckpt_close(ck);
         res->ck = NULL;
     }
@@ -480,6 +487,7 @@ void fl_run_close(fl_run *r) {
     fl_dist_free(r->strategy);
     fl_offload_free(r->offload);
     fl_optimizer_free(&r->optim);
+    fl_dev_offload_free(r->dev_offload);
     if (r->base) fl_optimizer_free(r->base);
     fl_model_free(&r->model);
     if (r->layout.tp) fl_layout_free(&r->layout);

@@ -1,0 +1,133 @@
+// device_offload.c: ZeRO-Offload on one device. The model (its 16-bit or
+// fp32 weights, gradients and activations) stays on the device; the
+// optimizer (fp32 master weights, state, fp32 gradient sum) lives in the
+// device's pinned host memory and updates there with the cpu's vectorised
+// rules (fl_device_pinned). Its params and grads are pinned host copies of
+// the model's: each unit's gradient goes down on a copy stream as soon as
+// the backward pass reports it (grad_ready, ordered after the compute
+// stream's work by an event), so the copies overlap the rest of the
+// backward pass; after the last micro-batch the step reads the whole
+// gradient (the global norm, clipping and fp16's overflow check need all of
+// it first), updates on the host, and the new weights go up. The host runs
+// the plain path's arithmetic on the same values: bitwise the cpu's run.
+#include <string.h>
+
+#include "fitlm/device.h"
+#include "fitlm/model.h"
+#include "fitlm/offload.h"
+
+struct fl_dev_offload {
+    fl_model *m;
+    fl_optimizer *o;
+    const fl_device *dev;
+    fl_stream *down;        // device-to-host copies of the gradients
+    fl_stream *up;          // host-to-device copies of the updated weights
+    fl_event *up_done;      // the last step's weights are up (NULL: none in flight)
+    size_t down_bytes;      // gradient bytes this backward pass sent down
+    void *params, *grads;   // the pinned host copies (the optimizer's params and grads)
+    fl_optim_offload hooks; // the optimizer's calls back
+};
+
+static void on_zero_grad(void *ctx) {
+    fl_dev_offload *f = ctx;
+    f->dev->zero(f->dev, f->m->grads, f->m->table.numel * fl_dtype_size(f->m->dtype));
+}
+
+// rows [first, first + n) are complete on the compute stream: send them down
+static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
+    fl_dev_offload *f = ctx;
+    const fl_device *d = f->dev;
+    const fl_param_view *a = &m->table.views[first], *b = &m->table.views[first + n - 1];
+    size_t es = fl_dtype_size(m->dtype), lo = a->offset * es,
+           bytes = (b->offset + b->numel) * es - lo;
+    fl_event *e = d->event_record(d, NULL);
+    d->stream_wait(d, f->down, e);
+    d->event_destroy(d, e);
+    d->copy_async(d, (char *)f->grads + lo, (const char *)m->grads + lo, bytes, FL_COPY_D2H,
+                  f->down);
+    f->down_bytes += bytes;
+}
+
+// the host copy of the weights is free to change once its upload is done
+static void wait_up(fl_dev_offload *f) {
+    if (!f->up_done) return;
+    f->dev->event_sync(f->dev, f->up_done);
+    f->dev->event_destroy(f->dev, f->up_done);
+    f->up_done = NULL;
+}
+
+static void on_grads_down(void *ctx) {
+    fl_dev_offload *f = ctx;
+    const fl_device *d = f->dev;
+    wait_up(f); // long done: the backward pass ran after it
+    size_t all = f->m->table.numel * fl_dtype_size(f->m->dtype);
+    fl_event *e = d->event_record(d, f->down);
+    d->event_sync(d, e);
+    d->event_destroy(d, e);
+    // a backward pass that reported only some units (none, or not all):
+    // the whole gradient, after the compute stream's work
+    if (f->down_bytes != all) fl_dev_download(d, f->grads, f->m->grads, all);
+    f->down_bytes = 0;
+}
+
+void fl_dev_offload_upload(fl_dev_offload *f) {
+    fl_dev_upload(f->dev, f->m->params, f->params, f->m->table.numel * fl_dtype_size(f->m->dtype));
+}
+
+// a group's new weights go up on the upload stream while the cpu updates the next
+static void on_rows_updated(void *ctx, size_t first, size_t end) {
+    fl_dev_offload *f = ctx;
+    size_t es = fl_dtype_size(f->m->dtype);
+    f->dev->copy_async(f->dev, (char *)f->m->params + first * es,
+                       (const char *)f->params + first * es, (end - first) * es, FL_COPY_H2D,
+                       f->up);
+}
+
+// the next forward pass (compute stream) runs after the uploads
+static void on_updated(void *ctx) {
+    fl_dev_offload *f = ctx;
+    f->up_done = f->dev->event_record(f->dev, f->up);
+    f->dev->stream_wait(f->dev, NULL, f->up_done);
+}
+
+fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg) {
+    const fl_device *d = m->dev;
+    FL_ASSERT(!d->host && m->params && m->grads && !fl_model_sharded(m));
+    fl_dev_offload *f = fl_alloc(FL_MEM_OTHER, sizeof *f);
+    f->m = m;
+    f->o = o;
+    f->dev = d;
+    size_t bytes = m->table.numel * fl_dtype_size(m->dtype);
+    const fl_device *pin = fl_device_pinned(d);
+    void *params = pin->alloc(pin, FL_MEM_PARAMS, bytes),
+         *grads = pin->alloc(pin, FL_MEM_GRADS, bytes);
+    f->params = params;
+    f->grads = grads;
+    fl_dev_download(d, params, m->params, bytes);
+    fl_device_use(pin); // the optimizer's memory is pinned host memory
+    fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
+    fl_device_use(d);
+    f->down = d->stream_create(d);
+    f->up = d->stream_create(d);
+    // eight groups a step (at least 64 Ki elements each): the upload of one
+    // overlaps the update of the next
+    size_t chunk = m->table.numel / 8 > (1u << 16) ? m->table.numel / 8 : (1u << 16);
+    f->hooks =
+        (fl_optim_offload){f, on_zero_grad, on_grads_down, on_rows_updated, on_updated, chunk};
+    o->offload = &f->hooks;
+    m->hooks = (fl_model_hooks){NULL, on_grad_ready, f};
+    return f;
+}
+
+void fl_dev_offload_free(fl_dev_offload *f) {
+    if (!f) return;
+    const fl_device *pin = fl_device_pinned(f->dev);
+    f->dev->sync(f->dev);
+    wait_up(f);
+    f->dev->stream_destroy(f->dev, f->down);
+    f->dev->stream_destroy(f->dev, f->up);
+    f->m->hooks = (fl_model_hooks){0};
+    pin->free(pin, f->params);
+    pin->free(pin, f->grads);
+    fl_free(f);
+}

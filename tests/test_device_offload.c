@@ -1,0 +1,253 @@
+// test_device_offload.c: ZeRO-Offload on one device (offload_optimizer
+// device cpu with --device test): the master weights, optimizer state and
+// gradient sum in pinned host memory, updated by the cpu's rules while the
+// model stays on the device. Runs the built binary (FITLM_BINARY) in a
+// scratch directory: an offloaded run gives the losses, norms and final
+// weights of the same run without offload on the test device and on the
+// cpu, bitwise (ZeRO-1 and 2, fp32/bf16/fp16, AdamW and SGD, with and
+// without clipping and accumulation), and so with NVMe under it; a resume
+// is bitwise; `fitlm plan` predicts the host, pinned and device bytes per
+// tag the run allocates; pinned memory the host lacks, weight offload and
+// ZeRO-3 on a device are refused.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "testlib.h"
+
+static char dir[] = "/tmp/fitlm_devoffload_XXXXXX";
+static char output[1 << 17];
+
+static char cmd[4096];
+#define fitlm(...)                                                                                 \
+    (snprintf(cmd, sizeof cmd, __VA_ARGS__), t_fitlm(dir, cmd, 1, output, sizeof output))
+#define fails_with(what, ...)                                                                      \
+    (snprintf(cmd, sizeof cmd, __VA_ARGS__), t_fitlm_fails(dir, cmd, what, output, sizeof output))
+
+#define RUN                                                                                        \
+    "--data data --tokenizer byte --batch 2 --seq-len 32 --eval-iters 1 --threads 2 "              \
+    "--sample-tokens 0 --overwrite"
+
+// "loss:norm " per step from OUT/metrics.jsonl, as written (floats that read
+// back exactly).
+static void step_figures(const char *out, char *figures, size_t size) {
+    char path[256], line[2048];
+    snprintf(path, sizeof path, "%s/%s/metrics.jsonl", dir, out);
+    FILE *f = fopen(path, "r");
+    size_t n = 0;
+    figures[0] = 0;
+    if (!f) return;
+    while (fgets(line, sizeof line, f) && n < size) {
+        const char *loss = strstr(line, "\"loss\":"), *norm = strstr(line, "\"grad_norm\":");
+        if (!loss || !norm) continue;
+        n += (size_t)snprintf(figures + n, size - n, "%.*s:%.*s ", (int)strcspn(loss + 7, ","),
+                              loss + 7, (int)strcspn(norm + 12, ","), norm + 12);
+    }
+    fclose(f);
+}
+
+// Whether two files hold the same bytes (and exist).
+static int same_file(const char *a, const char *b) {
+    char pa[256], pb[256];
+    snprintf(pa, sizeof pa, "%s/%s", dir, a);
+    snprintf(pb, sizeof pb, "%s/%s", dir, b);
+    FILE *fa = fopen(pa, "rb"), *fb = fopen(pb, "rb");
+    int same = fa && fb;
+    while (same) {
+        int x = fgetc(fa), y = fgetc(fb);
+        if (x != y) same = 0;
+        if (x == EOF || y == EOF) break;
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    return same;
+}
+
+static void write_config(const char *name, const char *text) {
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    t_check(f != NULL, "write %s", path);
+    if (!f) return;
+    fputs(text, f);
+    fclose(f);
+}
+
+// One configuration on the cpu and the test device without offload, and on
+// the test device with it: the same figures and final weights.
+static void check_case(const char *flags, const char *stage) {
+    const char *runs[3][2] = {{"cpu", ""}, {"test", ""}, {"test", stage}};
+    char figures[3][1024];
+    for (int i = 0; i < 3; i++) {
+        int rc = fitlm("train " RUN " %s --out r%d --device %s%s%s", flags, i, runs[i][0],
+                       *runs[i][1] ? " --config " : "", runs[i][1]);
+        t_check(rc == 0, "%s on --device %s %s runs: %.600s", flags, runs[i][0], runs[i][1],
+                output);
+        step_figures(i == 0 ? "r0" : i == 1 ? "r1" : "r2", figures[i], sizeof figures[i]);
+        rc = fitlm("export r%d -o ex%d", i, i);
+        t_check(rc == 0, "export of run %d: %.400s", i, output);
+    }
+    for (int i = 1; i < 3; i++) {
+        t_check(*figures[0] && !strcmp(figures[0], figures[i]),
+                "%s: --device test%s%s's losses and norms are the cpu's bitwise\n  cpu  %s\n  "
+                "test %s",
+                flags, i == 2 ? " with " : "", i == 2 ? stage : "", figures[0], figures[i]);
+        t_check(same_file("ex0/model.safetensors",
+                          i == 1 ? "ex1/model.safetensors" : "ex2/model.safetensors"),
+                "%s: the final weights of --device test%s%s are the cpu's bitwise", flags,
+                i == 2 ? " with " : "", i == 2 ? stage : "");
+    }
+}
+
+static void test_equals_plain(void) {
+    check_case("--model tiny --precision fp32 --grad-accum 2 --steps 3", "off1.json");
+    check_case("--model llama-tiny --precision bf16 --grad-accum 2 --steps 3", "off2.json");
+    check_case("--model tiny --precision fp16 --steps 3", "off1.json");
+    check_case("--model llama-tiny --precision bf16 --optimizer sgd --momentum 0.9 --grad-clip 0 "
+               "--steps 3",
+               "off1.json");
+    check_case("--model tiny --precision fp16 --optimizer sgd --grad-accum 2 --steps 3",
+               "off2.json");
+    check_case("--model llama-tiny --precision fp32 --optimizer sgd --momentum 0.9 --steps 3",
+               "off2.json");
+    // NVMe under it: the master and state paged from a file through host buffers
+    check_case("--model llama-tiny --precision bf16 --grad-accum 2 --steps 3", "nvme.json");
+    check_case("--model tiny --precision fp16 --optimizer sgd --momentum 0.9 --steps 3",
+               "nvme.json");
+}
+
+// Offloaded, interrupted after 2 steps and resumed to 4: the cpu's
+// uninterrupted 4 steps.
+static void test_resume_bitwise(void) {
+    const char *m = "--model llama-tiny --precision bf16 --grad-accum 2";
+    int rc = fitlm("train " RUN " %s --steps 4 --out whole --device cpu", m);
+    t_check(rc == 0, "the uninterrupted run: %.400s", output);
+    rc = fitlm("train " RUN " %s --steps 2 --out half --device test --config off1.json", m);
+    t_check(rc == 0, "the first half offloaded: %.400s", output);
+    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume half "
+               "--steps 4 --device test --config off1.json");
+    t_check(rc == 0, "resumed offloaded: %.400s", output);
+    char want[1024], got[1024];
+    step_figures("whole", want, sizeof want);
+    step_figures("half", got, sizeof got);
+    t_check(*want && !strcmp(want, got),
+            "an offloaded run resumed is the uninterrupted run bitwise\n  want %s\n  got  %s", want,
+            got);
+    t_check(fitlm("export whole -o exw") == 0 && fitlm("export half -o exh") == 0 &&
+                same_file("exw/model.safetensors", "exh/model.safetensors"),
+            "the resumed run's final weights are the uninterrupted run's bitwise");
+    // NVMe under it: the state written to the checkpoint from the file, and back
+    rc = fitlm("train " RUN " %s --steps 2 --out halfn --device test --config nvme.json", m);
+    t_check(rc == 0, "the first half offloaded to NVMe: %.400s", output);
+    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume halfn "
+               "--steps 4 --device test --config nvme.json");
+    t_check(rc == 0, "resumed offloaded to NVMe: %.400s", output);
+    step_figures("halfn", got, sizeof got);
+    t_check(*want && !strcmp(want, got),
+            "an NVMe-offloaded run resumed is the uninterrupted run bitwise\n  want %s\n  got  %s",
+            want, got);
+}
+
+// The bytes per tag of the table after the line starting with `header`:
+// column `col` (0-based after the tag's name) of each tag's row; only the
+// rows named (a pinned table lists the tags that have some).
+static void table_bytes(const char *text, const char *header, int col, size_t *bytes) {
+    memset(bytes, 0, FL_MEM_NTAGS * sizeof(size_t));
+    const char *at = strstr(text, header);
+    if (!at) return;
+    for (at = strchr(at, '\n'); at && at[1] == ' ' && at[2] == ' '; at = strchr(at + 1, '\n')) {
+        char name[32];
+        double v[4] = {0};
+        int n = sscanf(at + 1, " %31s %lf %lf %lf %lf", name, &v[0], &v[1], &v[2], &v[3]);
+        for (int t = 0; t < FL_MEM_NTAGS && n > col + 1; t++)
+            if (!strcmp(name, fl_mem_tag_name(t))) bytes[t] = (size_t)v[col];
+    }
+}
+
+static void test_plan_equals_measured(void) {
+    const char *cases[] = {
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config off1.json",
+        "--model tiny --precision fp16 --activation-checkpointing block --config off2.json",
+        "--model tiny --precision fp32 --optimizer sgd --momentum 0.9 --config off1.json",
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config nvme.json",
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        size_t host[FL_MEM_NTAGS], pinned[FL_MEM_NTAGS], device[FL_MEM_NTAGS];
+        size_t m_host[FL_MEM_NTAGS], m_pinned[FL_MEM_NTAGS], m_device[FL_MEM_NTAGS];
+        int rc = fitlm("plan " RUN " %s --steps 2 --device test", cases[c]);
+        t_check(rc == 0, "plan %s: %.600s", cases[c], output);
+        table_bytes(output, "tag (per rank)", 0, host);
+        table_bytes(output, "tag (per rank)", 1, device);
+        table_bytes(output, "of the host's", 0, pinned);
+        rc =
+            fitlm("train " RUN " %s --steps 2 --out plan_run --mem-report --device test", cases[c]);
+        t_check(rc == 0, "train %s: %.600s", cases[c], output);
+        table_bytes(output, "memory by tag (MiB)", 2, m_host);
+        table_bytes(output, "of which pinned", 2, m_pinned);
+        table_bytes(output, "device memory by tag", 2, m_device);
+        t_check(pinned[FL_MEM_PARAMS] > 0, "%s: the plan shows pinned bytes: %.800s", cases[c],
+                output);
+        // the host's other tags (data, tokenizer) are measured at run time
+        for (int t = 0; t < FL_MEM_NTAGS; t++) {
+            t_check(pinned[t] == m_pinned[t], "%s: planned pinned bytes of %s %zu = measured %zu",
+                    cases[c], fl_mem_tag_name(t), pinned[t], m_pinned[t]);
+            t_check(device[t] == m_device[t], "%s: planned device bytes of %s %zu = measured %zu",
+                    cases[c], fl_mem_tag_name(t), device[t], m_device[t]);
+            if (t != FL_MEM_OTHER && t != FL_MEM_WORKSPACE)
+                t_check(host[t] == m_host[t], "%s: planned host bytes of %s %zu = measured %zu",
+                        cases[c], fl_mem_tag_name(t), host[t], m_host[t]);
+        }
+    }
+}
+
+static void test_refusals(void) {
+    // the pinned bytes (2.7 MiB here) over the host's memory: refused before allocating
+    fails_with("pinned host memory",
+               "train " RUN " --model llama-tiny --precision bf16 --steps 1 --device test "
+               "--config off1.json --mem-limit 2M");
+    fails_with("offload_optimizer applies to ZeRO stages 1-3",
+               "train " RUN " --model tiny --steps 1 --device test --config off0.json");
+    fails_with("weight offload",
+               "train " RUN " --model tiny --steps 1 --device test --config param3.json");
+    fails_with("ZeRO stage 3",
+               "train " RUN " --model tiny --steps 1 --device test --config off3.json");
+    fails_with("ZeRO stage 2 without offload_optimizer",
+               "train " RUN " --model tiny --steps 1 --device test --zero-stage 2");
+}
+
+int main(void) {
+    if (!getenv("FITLM_BINARY")) {
+        printf("device_offload: FITLM_BINARY not set (run under ctest)\n");
+        return 77;
+    }
+    t_check(mkdtemp(dir) != NULL, "mkdtemp");
+    const char *src = getenv("FITLM_SOURCE_DIR");
+    char readme[512];
+    snprintf(readme, sizeof readme, "%s/README.md", src ? src : ".");
+    t_check(fitlm("tokenize %s -o data --tokenizer byte --val-fraction 0.1", readme) == 0,
+            "tokenize the README: %.300s", output);
+    static const char *const configs[][2] = {
+        {"off0.json", "{\"zero_optimization\": {\"stage\": 0, \"offload_optimizer\": "
+                      "{\"device\": \"cpu\"}}}"},
+        {"off1.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
+                      "{\"device\": \"cpu\"}}}"},
+        {"off2.json", "{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": "
+                      "{\"device\": \"cpu\"}}}"},
+        {"off3.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                      "{\"device\": \"cpu\"}}}"},
+        {"nvme.json", "{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": "
+                      "{\"device\": \"nvme\", \"nvme_path\": \".\"}}}"},
+        {"param3.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                        "{\"device\": \"cpu\"}, \"offload_param\": {\"device\": \"cpu\"}}}"},
+    };
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
+        write_config(configs[i][0], configs[i][1]);
+    test_equals_plain();
+    test_resume_bitwise();
+    test_plan_equals_measured();
+    test_refusals();
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd) != 0) printf("  (could not remove %s)\n", dir);
+    return t_report();
+}
