@@ -295,7 +295,6 @@ static void test_refusals(void) {
     const struct {
         const char *flags, *what;
     } refused[] = {
-        {"--lora --lora-base-optimizer lomo", "LoRA + LOMO (lora.base_optimizer lomo)"},
         {"--zero-stage 1", "ZeRO stage 1 without offload_optimizer"},
     };
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
@@ -399,6 +398,12 @@ static void test_lora_qlora_equal_cpu(void) {
     lora_runs_equal("lora32", "--model tiny --precision fp32 --lora --lora-dropout 0.1");
     lora_runs_equal("lora16", "--model llama-tiny --precision bf16 --lora --lora-target-modules "
                               "all-linear");
+    // LoRA + LOMO: the base trained in the same backward pass, by LOMO with
+    // the two-pass clip and by AdaLomo, its 16-bit weights stochastically rounded
+    lora_runs_equal("lora_lomo", "--model llama-tiny --precision bf16 --lora "
+                                 "--lora-base-optimizer lomo --grad-clip 1");
+    lora_runs_equal("lora_adalomo", "--model tiny --precision bf16 --lora "
+                                    "--lora-base-optimizer adalomo --grad-clip 0.5");
     // QLoRA on a Hugging Face base (one step of a LLaMA, exported)
     int rc = fitlm("train " RUN " --model llama-tiny --steps 1 --sample-tokens 0 --out qsrc "
                    "--overwrite --device cpu");
@@ -411,14 +416,16 @@ static void test_lora_qlora_equal_cpu(void) {
                                 "--double-quant");
 }
 
-// A LoRA checkpoint (dropout on: its step counts) and a QLoRA one (NF4,
-// double quantisation) saved on the test device resume there and on the
+// A LoRA checkpoint (dropout on: its step counts), a QLoRA one (NF4,
+// double quantisation) and a LoRA + AdaLomo one saved on the test device resume there and on the
 // cpu as the uninterrupted run (after test_lora_qlora_equal_cpu: its base).
 static void test_lora_resume_bitwise(void) {
     const char *runs[] = {"--model llama-tiny --precision bf16 --lora --lora-dropout 0.1",
                           "--init-from qbase --precision bf16 --lora --quantize nf4 "
-                          "--double-quant"};
-    for (int k = 0; k < 2; k++) {
+                          "--double-quant",
+                          "--model tiny --precision bf16 --lora --lora-base-optimizer adalomo "
+                          "--grad-clip 0.5"};
+    for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
         const char *m = runs[k];
         int rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 4 --out lwhole --overwrite "
                        "--device cpu",
@@ -495,6 +502,7 @@ static void test_lora_plan_equals_measured(void) {
         "--model llama-tiny --precision bf16 --lora --quantize nf4 --double-quant --grad-accum 2",
         "--model llama-tiny --precision bf16 --lora --lora-target-modules all-linear "
         "--activation-checkpointing block",
+        "--model llama-tiny --precision bf16 --lora --lora-base-optimizer adalomo --grad-clip 1",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         size_t planned[FL_MEM_NTAGS], measured[FL_MEM_NTAGS];

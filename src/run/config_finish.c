@@ -101,9 +101,6 @@ static void device_check(const fl_train_config *cfg) {
     else if (cfg->zero.stage == 3 || (cfg->zero.stage > 0 && !strcmp(x->offload_optimizer, "none")))
         snprintf(what, sizeof what, "ZeRO stage %d%s", cfg->zero.stage,
                  cfg->zero.stage < 3 ? " without offload_optimizer (device cpu or nvme)" : "");
-    else if (cfg->lora.train_base)
-        snprintf(what, sizeof what, "LoRA + LOMO (lora.base_optimizer %s)",
-                 cfg->lora_base_optimizer);
     else if (strcmp(x->offload_optimizer, "none") &&
              (cfg->lora_enabled || *cfg->adapter || cfg->quant.enabled))
         snprintf(what, sizeof what, "offload_optimizer under LoRA adapters");
@@ -115,8 +112,8 @@ static void device_check(const fl_train_config *cfg) {
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
                "process training the whole model or LoRA adapters, ZeRO-1/2 only with "
                "offload_optimizer (device cpu or nvme) for AdamW or SGD (several ranks, ZeRO-3, "
-               "weight offload, LoRA + LOMO, offload under LoRA or with the update in the "
-               "backward pass are not supported there yet); use --device cpu",
+               "weight offload, offload under LoRA or with the update in the backward pass are "
+               "not supported there yet); use --device cpu",
                cfg->device, what);
 }
 
