@@ -18,8 +18,8 @@
 #   back by stochastic rounding): fp32 losses within 1e-5 relative of the
 #   cpu's, bf16 within the cpu's bf16-fp32 gap (as above), and two bf16 GPU
 #   runs of each bit for bit.
-# Then LoRA and QLoRA (NF4, double quantisation) on the LLaMA's export, in
-# fp32 and bf16 with the same bounds, two runs and a resume bitwise.
+# Then LoRA, QLoRA (NF4, double quantisation) and LoRA + LOMO on the LLaMA's
+# export, in fp32 and bf16 with the same bounds, two runs and a resume bitwise.
 # Then ZeRO-Offload (offload_optimizer.device cpu, fp32 and bf16): the first
 # step's loss bitwise the all-on-GPU run's (the same weights), every step's
 # within 1e-5 relative (the update is the cpu's AdamW, not the GPU's; on the
@@ -190,9 +190,10 @@ lrun() { # lrun NAME DEVICE PRECISION [FLAGS...]: 10 steps into $work/NAME
         --seed 1234 --lora --lora-dropout 0.1 --out "$work/$name" "$@" >"$work/$name.out" 2>&1 ||
         { echo "gpu_runs: fitlm train ($name) failed:"; tail -20 "$work/$name.out"; exit 1; }
 }
-for kind in lora qlora; do
+for kind in lora qlora lora_lomo; do
     flags=()
     [ $kind = qlora ] && flags=(--quantize nf4 --double-quant)
+    [ $kind = lora_lomo ] && flags=(--lora-base-optimizer lomo --grad-clip 1)
     lrun "cpu_fp32_$kind" cpu fp32 "${flags[@]}"
     lrun "cpu_bf16_$kind" cpu bf16 "${flags[@]}"
     lrun "dev_fp32_$kind" "$dev" fp32 "${flags[@]}"
