@@ -503,6 +503,8 @@ static void test_lora_plan_equals_measured(void) {
         "--model llama-tiny --precision bf16 --lora --lora-target-modules all-linear "
         "--activation-checkpointing block",
         "--model llama-tiny --precision bf16 --lora --lora-base-optimizer adalomo --grad-clip 1",
+        // the plan takes a pretrained model's shape from its directory, as train does
+        "--init-from qbase --precision bf16 --lora --quantize nf4 --double-quant",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         size_t planned[FL_MEM_NTAGS], measured[FL_MEM_NTAGS];

@@ -13,6 +13,8 @@
 #include "cli.h"
 #include "helpers.h"
 #include "fitlm/data.h"
+#include "fitlm/io.h"
+#include "fitlm/model.h"
 #include "fitlm/config.h"
 #include "fitlm/train.h"
 #include "fitlm/offload.h"
@@ -137,7 +139,13 @@ int cmd_plan(int argc, char **argv) {
     size_t other_before = fl_mem_current(FL_MEM_OTHER);
     char *config_json = fl_config_to_json(&cfg);
     size_t json_bytes = fl_mem_current(FL_MEM_OTHER) - other_before;
-    cfg.ranks = f.ranks; // DeepSpeed's batch rule, for them
+    cfg.ranks = f.ranks;  // DeepSpeed's batch rule, for them
+    if (*cfg.init_from) { // as `fitlm train`: a pretrained model brings its own shape
+        fl_weight_source src;
+        fl_weight_source_open(&src, cfg.init_from);
+        fl_config_set_shape(&cfg, &src.config, cfg.init_from);
+        fl_weight_source_close(&src);
+    }
     fl_config_finish(&cfg, fl_tokenizer_vocab_of(cfg.tokenizer, cfg.tokenizer_path));
     fl_free(args);
     // as `fitlm train` does before planning: oneDNN sizes a bf16 GEMM's
@@ -165,8 +173,8 @@ int cmd_plan(int argc, char **argv) {
     else
         printf("model %s: n_layer %d, n_head %d, n_embd %d, vocab %d (padded %d), max_seq_len %d: "
                "%zu parameters\n",
-               cfg.model_preset, m->n_layer, m->n_head, m->n_embd, m->vocab_size,
-               m->padded_vocab_size, m->max_seq_len, fl_model_num_params(m));
+               *cfg.init_from ? cfg.init_from : cfg.model_preset, m->n_layer, m->n_head, m->n_embd,
+               m->vocab_size, m->padded_vocab_size, m->max_seq_len, fl_model_num_params(m));
     printf("%s | %s", fl_dtype_name(cfg.dtype), cfg.optimizer);
     if (r.optim.kind == FL_OPT_SGD) printf(" (momentum %g)", r.optim.momentum);
     char layout[192] = ""; // t x p x d under tensor or pipeline parallelism
