@@ -876,8 +876,8 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
         if (total)
             put_fit(&s, "", r, &v, total, runnable, per);
         else if (tokens_split(&v))
-            put(&s, "  (no micro-batch fits: --batch 1 needs %s%s)\n",
-                fl_size_text(plan_total(&v, device, NULL), h), per);
+            put(&s, "  (no micro-batch fits: --batch 1 --grad-accum %d needs %s%s)\n",
+                v.optim.grad_accum, fl_size_text(plan_total(&v, device, NULL), h), per);
     }
     // 16-bit weights, gradients and activations
     if (shaped && r->dtype == FL_F32) {
