@@ -140,7 +140,7 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
             use(w, &w->own_ready[v]);
             buf = w->own[v];
         } else {
-            int pinned[64], np = 0;
+            int pinned[64], np = 0; // the unit and up to depth < 64 more
             pinned[np++] = v;
             for (int u = v, i = 0; i < w->depth && (u = next_unit(w, u, pass)) >= 0; i++)
                 pinned[np++] = u;
@@ -177,7 +177,7 @@ fl_dev_weights *fl_dev_weights_attach(fl_model *m, void *host_params, const fl_z
     fl_stage3_layout_init(&w->y, &m->table, m->config.n_layer, cfg);
     w->n_ring = ring_count(&w->y);
     w->depth = w->n_ring > 0 ? w->n_ring - 1 : 0;
-    if (w->depth > 63) w->depth = 63;
+    FL_ASSERT(w->depth < 64); // the layout's depth is under zero.c's 64 buffers
     // the whole weights leave the device: its params are the ring and the residents
     d->free(d, m->params);
     m->params = NULL;
