@@ -25,7 +25,8 @@
 # within 1e-5 relative (the update is the cpu's AdamW, not the GPU's; on the
 # test device and the cpu, where they are the same, bitwise), and its
 # resume bit for bit as its straight run; under NVMe offload bitwise the
-# pinned-memory offload run.
+# pinned-memory offload run; with weight offload (ZeRO-3, offload_param
+# cpu) bitwise the stage-1 offloaded run, and its resume bit for bit.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -257,6 +258,25 @@ run off_nvme "$dev" llama bf16 --config "$work/nvme.json"
 cmp -s <(grep '^step' "$work/off_nvme/log.txt") <(grep '^step' "$work/off_bf16/log.txt") &&
     ok=1 || ok=0
 check $ok "llama bf16 offloaded to NVMe on $dev: every step bitwise the pinned-memory run's"
+
+# Weight offload (ZeRO-3, offload_param cpu): the whole weights in the
+# pinned host copy, each unit up ahead of use into a ring on the device (no
+# persistent units): the same kernels on the same values as the stage-1
+# offloaded run, so every step bitwise it, and its resume bit for bit
+printf '{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}\n' \
+    >"$work/weights.json"
+for prec in fp32 bf16; do
+    run "woff_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/weights.json"
+    cmp -s <(grep '^step' "$work/woff_$prec/log.txt") <(grep '^step' "$work/off_$prec/log.txt") &&
+        ok=1 || ok=0
+    check $ok "llama $prec with weight offload on $dev: every step bitwise the stage-1 offloaded run's"
+    "$fitlm" train --device "$dev" --resume "$work/woff_$prec/ckpt_00000005.fitlm" \
+        --config "$work/weights.json" --out "$work/woff_resumed_$prec" --threads 2 \
+        >"$work/woff_resumed_$prec.out" 2>&1 || { tail -20 "$work/woff_resumed_$prec.out"; exit 1; }
+    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/woff_$prec/log.txt") \
+        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/woff_resumed_$prec/log.txt") && ok=1 || ok=0
+    check $ok "llama $prec with weight offload: resumed at step 5 on $dev, steps 6-10 bit for bit"
+done
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed

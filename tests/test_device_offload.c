@@ -7,8 +7,11 @@
 // cpu, bitwise (ZeRO-1 and 2, fp32/bf16/fp16, AdamW and SGD, with and
 // without clipping and accumulation), and so with NVMe under it; a resume
 // is bitwise; `fitlm plan` predicts the host, pinned and device bytes per
-// tag the run allocates; pinned memory the host lacks, weight offload and
-// ZeRO-3 on a device are refused.
+// tag the run allocates. Weight offload (ZeRO-3 with offload_param cpu)
+// gives the stage-1 offloaded run's and the cpu's figures and weights
+// bitwise, resumes bitwise, and holds less than the whole weights on the
+// device. Pinned memory the host lacks, weight offload to NVMe and ZeRO-3
+// without offload_param on a device are refused.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,6 +204,118 @@ static void test_plan_equals_measured(void) {
     }
 }
 
+// Weight offload (ZeRO-3, offload_param cpu): the same run as the
+// stage-1 offloaded one and the cpu's, bitwise (losses, norms, final weights).
+static void weights_case(const char *flags, const char *stage3) {
+    const char *runs[3][2] = {{"cpu", ""}, {"test", "off1.json"}, {"test", stage3}};
+    char figures[3][1024];
+    for (int i = 0; i < 3; i++) {
+        int rc = fitlm("train " RUN " %s --out w%d --device %s%s%s", flags, i, runs[i][0],
+                       *runs[i][1] ? " --config " : "", runs[i][1]);
+        t_check(rc == 0, "%s on --device %s %s runs: %.600s", flags, runs[i][0], runs[i][1],
+                output);
+        char out[8];
+        snprintf(out, sizeof out, "w%d", i);
+        step_figures(out, figures[i], sizeof figures[i]);
+        rc = fitlm("export w%d -o exw%d", i, i);
+        t_check(rc == 0, "export of run %d: %.400s", i, output);
+    }
+    for (int i = 1; i < 3; i++) {
+        t_check(*figures[0] && !strcmp(figures[0], figures[i]),
+                "%s: --device test with %s: the cpu's losses and norms bitwise\n  cpu  %s\n  "
+                "test %s",
+                flags, runs[i][1], figures[0], figures[i]);
+        t_check(same_file("exw0/model.safetensors",
+                          i == 1 ? "exw1/model.safetensors" : "exw2/model.safetensors"),
+                "%s: the final weights with %s are the cpu's bitwise", flags, runs[i][1]);
+    }
+}
+
+static void test_weight_offload(void) {
+    const char *common = "--grad-accum 2 --activation-checkpointing block --grad-clip 0.5 "
+                         "--steps 3";
+    char flags[512];
+    const char *models[] = {"--model tiny --precision fp32", "--model llama-tiny --precision bf16"};
+    for (int k = 0; k < 2; k++) {
+        snprintf(flags, sizeof flags, "%s %s", models[k], common);
+        weights_case(flags, "w3.json");
+        weights_case(flags, "w3p.json");
+    }
+}
+
+// Weight offload interrupted after 2 steps and resumed to 4: the cpu's
+// uninterrupted run (the whole weights come back from the checkpoint into
+// the pinned copy, and up unit by unit).
+static void test_weight_offload_resume(void) {
+    const char *m = "--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0.5";
+    int rc = fitlm("train " RUN " %s --steps 4 --out wwhole --device cpu", m);
+    t_check(rc == 0, "the uninterrupted run: %.400s", output);
+    rc = fitlm("train " RUN " %s --steps 2 --out whalf --device test --config w3p.json", m);
+    t_check(rc == 0, "the first half with weight offload: %.400s", output);
+    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume whalf "
+               "--steps 4 --device test --config w3p.json");
+    t_check(rc == 0, "resumed with weight offload: %.400s", output);
+    char want[1024], got[1024];
+    step_figures("wwhole", want, sizeof want);
+    step_figures("whalf", got, sizeof got);
+    t_check(*want && !strcmp(want, got),
+            "a weight-offloaded run resumed is the uninterrupted run bitwise\n  want %s\n  got  %s",
+            want, got);
+    t_check(fitlm("export wwhole -o exww") == 0 && fitlm("export whalf -o exwh") == 0 &&
+                same_file("exww/model.safetensors", "exwh/model.safetensors"),
+            "the resumed run's final weights are the uninterrupted run's bitwise");
+}
+
+// The "current" MiB of tag params in the device's table of --mem-report.
+static double device_params_now(const char *text) {
+    const char *at = strstr(text, "device memory by tag");
+    at = at ? strstr(at, "\n  params") : NULL;
+    double now = -1.0;
+    if (!at || sscanf(at, " params %lf", &now) != 1) return -1.0;
+    return now;
+}
+
+// The plan equals the measured bytes per tag (the peak holds the whole
+// weights before set-up frees them), and after set-up the device's weights
+// are the ring and the residents: less than the whole model's.
+static void test_weight_offload_plan(void) {
+    const char *cases[] = {
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config w3.json",
+        "--model tiny --precision fp32 --activation-checkpointing block --config w3p.json",
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        size_t host[FL_MEM_NTAGS], pinned[FL_MEM_NTAGS], device[FL_MEM_NTAGS];
+        size_t m_host[FL_MEM_NTAGS], m_pinned[FL_MEM_NTAGS], m_device[FL_MEM_NTAGS];
+        int rc = fitlm("plan " RUN " %s --steps 2 --device test", cases[c]);
+        t_check(rc == 0, "plan %s: %.600s", cases[c], output);
+        table_bytes(output, "tag (per rank)", 0, host);
+        table_bytes(output, "tag (per rank)", 1, device);
+        table_bytes(output, "of the host's", 0, pinned);
+        rc = fitlm("train " RUN " %s --steps 2 --out wplan --mem-report --device test", cases[c]);
+        t_check(rc == 0, "train %s: %.600s", cases[c], output);
+        table_bytes(output, "memory by tag (MiB)", 2, m_host);
+        table_bytes(output, "of which pinned", 2, m_pinned);
+        table_bytes(output, "device memory by tag", 2, m_device);
+        for (int t = 0; t < FL_MEM_NTAGS; t++) {
+            t_check(pinned[t] == m_pinned[t], "%s: planned pinned bytes of %s %zu = measured %zu",
+                    cases[c], fl_mem_tag_name(t), pinned[t], m_pinned[t]);
+            t_check(device[t] == m_device[t], "%s: planned device bytes of %s %zu = measured %zu",
+                    cases[c], fl_mem_tag_name(t), device[t], m_device[t]);
+            if (t != FL_MEM_OTHER && t != FL_MEM_WORKSPACE)
+                t_check(host[t] == m_host[t], "%s: planned host bytes of %s %zu = measured %zu",
+                        cases[c], fl_mem_tag_name(t), host[t], m_host[t]);
+        }
+        // the pinned copy holds the whole weights; the device, after set-up,
+        // less (a ring of one unit: w3.json)
+        if (!strstr(cases[c], "w3.json")) continue;
+        double now = device_params_now(output), whole = (double)pinned[FL_MEM_PARAMS];
+        t_check(now >= 0.0 && now * 1048576.0 < 0.75 * whole,
+                "%s: the device's weights after set-up (%.2f MiB) are under the whole model's "
+                "(%.0f bytes)",
+                cases[c], now, whole);
+    }
+}
+
 static void test_refusals(void) {
     // the pinned bytes over the host's memory (on a device --mem-limit is the
     // device's budget; the host has its available memory): llama-7b's master
@@ -211,8 +326,10 @@ static void test_refusals(void) {
                "--config off1.json");
     fails_with("offload_optimizer applies to ZeRO stages 1-3",
                "train " RUN " --model tiny --steps 1 --device test --config off0.json");
-    fails_with("weight offload",
-               "train " RUN " --model tiny --steps 1 --device test --config param3.json");
+    fails_with("weight offload to NVMe",
+               "train " RUN " --model tiny --steps 1 --device test --config paramnv.json");
+    fails_with("without offload_optimizer.device cpu",
+               "train " RUN " --model tiny --steps 1 --device test --config param3n.json");
     fails_with("ZeRO stage 3",
                "train " RUN " --model tiny --steps 1 --device test --config off3.json");
     fails_with("ZeRO stage 2 without offload_optimizer",
@@ -241,14 +358,31 @@ int main(void) {
                       "{\"device\": \"cpu\"}}}"},
         {"nvme.json", "{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": "
                       "{\"device\": \"nvme\", \"nvme_path\": \".\"}}}"},
-        {"param3.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
-                        "{\"device\": \"cpu\"}, \"offload_param\": {\"device\": \"cpu\"}}}"},
+        {"paramnv.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                         "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
+                         "{\"device\": \"nvme\"}}}"},
+        {"param3n.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                         "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
+                         "{\"device\": \"cpu\"}}}"},
+        // weight offload: a ring of one unit (no prefetch), and the default
+        // prefetch with reuse between the passes
+        {"w3.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_prefetch_bucket_size\": 0, "
+                    "\"stage3_param_persistence_threshold\": 0, "
+                    "\"offload_optimizer\": {\"device\": \"cpu\"}, \"offload_param\": "
+                    "{\"device\": \"cpu\"}}}"},
+        {"w3p.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_max_reuse_distance\": "
+                     "1000000, \"stage3_param_persistence_threshold\": 0, \"offload_optimizer\": "
+                     "{\"device\": \"cpu\"}, "
+                     "\"offload_param\": {\"device\": \"cpu\"}}}"},
     };
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
         write_config(configs[i][0], configs[i][1]);
     test_equals_plain();
     test_resume_bitwise();
     test_plan_equals_measured();
+    test_weight_offload();
+    test_weight_offload_resume();
+    test_weight_offload_plan();
     test_refusals();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("  (could not remove %s)\n", dir);

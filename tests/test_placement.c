@@ -301,7 +301,7 @@ static void test_refusals(void) {
         fails_with(refused[i].what, "train " RUN " --model tiny --steps 1 --device test %s",
                    refused[i].flags);
     fails_with("2 ranks", "plan " RUN " --model tiny --device test --ranks 2");
-    fails_with("weight offload",
+    fails_with("weight offload to NVMe",
                "train " RUN " --model tiny --steps 1 --device test --config offload.json");
     // a run that does not fit the device's free memory, refused before
     // allocating, with what would fit (the test device holds 64 GiB)
@@ -537,8 +537,9 @@ int main(void) {
     snprintf(path, sizeof path, "%s/offload.json", dir);
     FILE *f = fopen(path, "w");
     if (f) {
+        // weight offload to NVMe (to pinned memory runs: test_device_offload.c)
         fputs("{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": "
-              "\"cpu\"}, \"offload_param\": {\"device\": \"cpu\"}}}",
+              "\"nvme\", \"nvme_path\": \".\"}, \"offload_param\": {\"device\": \"nvme\"}}}",
               f);
         fclose(f);
     }

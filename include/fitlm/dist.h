@@ -125,6 +125,23 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
                     int accum_buffer, int world, int rank, size_t bytes[FL_MEM_NTAGS],
                     size_t *params_freed);
 
+// Stage 3's units for a table: unit ui's range [lo, hi) (ui = unit + 1),
+// whether it stays gathered for the step (resident: the embedding and the
+// units under the persistence thresholds), the ring buffers' size (the
+// largest other unit) and the prefetch depth, by the stage3_* keys. Dies
+// when stage3_max_live_parameters cannot hold a step. Also the ring of
+// weight offload on a device (device_weights.c).
+typedef struct {
+    int n_units;
+    size_t *lo, *hi;
+    int *resident;
+    size_t resident_total, ring_size;
+    int depth, n_ring;
+} fl_stage3_layout;
+void fl_stage3_layout_init(fl_stage3_layout *y, const fl_param_table *t, int L,
+                           const fl_zero_config *c);
+void fl_stage3_layout_free(fl_stage3_layout *y);
+
 // Stage 3: the weights of this rank's shard ([begin, end) of the flat
 // buffer, fl_dist_range) and whole rows for checkpoints and exports:
 // fl_dist_gather_row fills `out` (host memory: row numel values of the

@@ -103,4 +103,17 @@ fl_dev_offload *fl_dev_offload_init(struct fl_model *m, fl_optimizer *o,
 void fl_dev_offload_upload(fl_dev_offload *f);
 void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is fine
 
+// Weight offload on one device (ZeRO-3, offload_param.device cpu): the
+// model's device weights are freed and the whole 16-bit weights read from
+// host_params (the offload's pinned copy, o->params); each unit goes up
+// ahead of use into stage 3's ring (fl_stage3_layout by cfg's stage3_*
+// keys) through m's pre_unit hook, which chains the offload's grad_ready.
+typedef struct fl_dev_weights fl_dev_weights;
+fl_dev_weights *fl_dev_weights_attach(struct fl_model *m, void *host_params,
+                                      const fl_zero_config *cfg);
+void fl_dev_weights_free(fl_dev_weights *w); // before fl_dev_offload_free; NULL is fine
+// The device bytes of weights it holds (the residents and the ring).
+size_t fl_dev_weights_bytes(const fl_zero_config *cfg, const fl_param_table *t, int n_layer,
+                            fl_dtype dt);
+
 #endif

@@ -56,6 +56,7 @@ typedef struct {
     fl_dist *strategy;           // data parallelism / ZeRO, or NULL
     fl_offload *offload;         // NVMe offload of the optimizer, or NULL
     fl_dev_offload *dev_offload; // the optimizer in a device's pinned host memory, or NULL
+    fl_dev_weights *dev_weights; // weight offload: the device's ring of units, or NULL
     fl_loader train, val;        // val only when has_val; neither under own_batches
     int has_train, has_val;
     double baseline;              // the unigram cross-entropy of val (nats/token)

@@ -77,6 +77,7 @@ void fl_dev_offload_upload(fl_dev_offload *f) {
 // a group's new weights go up on the upload stream while the cpu updates the next
 static void on_rows_updated(void *ctx, size_t first, size_t end) {
     fl_dev_offload *f = ctx;
+    if (!f->m->params) return; // weight offload: each unit goes up before it runs
     size_t es = fl_dtype_size(f->m->dtype);
     f->dev->copy_async(f->dev, (char *)f->m->params + first * es,
                        (const char *)f->params + first * es, (end - first) * es, FL_COPY_H2D,

@@ -541,18 +541,8 @@ static size_t largest_unit(const fl_param_table *t) {
     return best;
 }
 
-// Stage 3's buffers for a table: unit ui's range (ui = unit + 1), whether
-// it stays gathered for the step (resident), the ring buffers' size and the
-// prefetch depth. Dies when stage3_max_live_parameters cannot hold a step.
-typedef struct {
-    int n_units;
-    size_t *lo, *hi;
-    int *resident;
-    size_t resident_total, ring_size;
-    int depth, n_ring;
-} layout3;
-
-static void stage3_layout(layout3 *y, const fl_param_table *t, int L, const fl_zero_config *c) {
+void fl_stage3_layout_init(fl_stage3_layout *y, const fl_param_table *t, int L,
+                           const fl_zero_config *c) {
     y->n_units = L + 2;
     y->lo = fl_alloc(FL_MEM_OTHER, (size_t)y->n_units * sizeof(size_t));
     y->hi = fl_alloc(FL_MEM_OTHER, (size_t)y->n_units * sizeof(size_t));
@@ -597,7 +587,7 @@ static void stage3_layout(layout3 *y, const fl_param_table *t, int L, const fl_z
     y->n_ring = y->ring_size ? y->depth + 1 : 0;
 }
 
-static void layout3_free(layout3 *y) {
+void fl_stage3_layout_free(fl_stage3_layout *y) {
     fl_free(y->lo);
     fl_free(y->hi);
     fl_free(y->resident);
@@ -605,8 +595,8 @@ static void layout3_free(layout3 *y) {
 
 static void setup_stage3(fl_dist *d) {
     fl_model *m = d->m;
-    layout3 y;
-    stage3_layout(&y, &m->table, m->config.n_layer, &d->cfg);
+    fl_stage3_layout y;
+    fl_stage3_layout_init(&y, &m->table, m->config.n_layer, &d->cfg);
     d->L = m->config.n_layer;
     d->n_units = y.n_units;
     d->u_lo = y.lo;
@@ -669,15 +659,15 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
         if (cfg->stage > 0) bytes[FL_MEM_COMM] += 2 * cap * sizeof(float);
     }
     if (cfg->stage == 3) {
-        layout3 y;
-        stage3_layout(&y, t, n_layer, cfg);
+        fl_stage3_layout y;
+        fl_stage3_layout_init(&y, t, n_layer, cfg);
         bytes[FL_MEM_PARAMS] += y.resident_total * D + (cfg->offload_params ? 0 : end - begin) * D;
         bytes[FL_MEM_COMM] += (size_t)y.n_ring * y.ring_size * D;
         // per unit: its range, residency, validity and own buffer
         bytes[FL_MEM_OTHER] +=
             (size_t)y.n_units * (2 * sizeof(size_t) + 2 * sizeof(int) + sizeof(void *));
         *params_freed = numel * D;
-        layout3_free(&y);
+        fl_stage3_layout_free(&y);
     }
 }
 
@@ -747,8 +737,8 @@ void fl_dist_free(fl_dist *d) {
         for (int i = 0; i < d->n_ring; i++) fl_free(d->ring[i]);
         for (int u = 0; u < d->n_units; u++) fl_free(d->own_buf[u]);
         fl_free(d->pshard);
-        layout3 y = {.lo = d->u_lo, .hi = d->u_hi, .resident = d->resident};
-        layout3_free(&y);
+        fl_stage3_layout y = {.lo = d->u_lo, .hi = d->u_hi, .resident = d->resident};
+        fl_stage3_layout_free(&y);
         fl_free(d->u_valid);
         fl_free(d->own_buf);
         d->o->params = NULL;

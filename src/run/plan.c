@@ -529,6 +529,15 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         out->pinned[FL_MEM_GRADS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
         b[FL_MEM_GRADS] += numel * ds;
+        // weight offload (device_weights.c): after set-up the device holds
+        // the resident units and the ring, not the whole weights
+        if (r->zero.stage == 3 && shaped) {
+            fl_param_table rows;
+            rank_table(r, &c, &rows);
+            size_t held = fl_dev_weights_bytes(&r->zero, &rows, c.n_layer, dt);
+            fl_params_free(&rows);
+            if (held > numel * ds) b[FL_MEM_PARAMS] += held - numel * ds; // the peak's larger
+        }
     }
     // tensor parallelism: the TP group's table and its scratch, which stays
     // at the size of the largest call

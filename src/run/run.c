@@ -367,6 +367,10 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         fl_ckpt_close(ck);
         res->ck = NULL;
     }
+    // weight offload (ZeRO-3 with offload_param, which device_check requires
+    // on a device): the weights leave the device for the pinned host copy
+    if (r->dev_offload && cfg->zero.stage == 3)
+        r->dev_weights = fl_dev_weights_attach(model, r->optim.params, &cfg->zero);
     if (r->dist) {
         // under pipeline parallelism the data-parallel reduction runs once
         // after the pipeline's last backward, as DeepSpeed's ReduceGrads
@@ -487,6 +491,7 @@ void fl_run_close(fl_run *r) {
     fl_dist_free(r->strategy);
     fl_offload_free(r->offload);
     fl_optimizer_free(&r->optim);
+    fl_dev_weights_free(r->dev_weights);
     fl_dev_offload_free(r->dev_offload);
     if (r->base) fl_optimizer_free(r->base);
     fl_model_free(&r->model);
