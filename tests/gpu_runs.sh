@@ -25,7 +25,8 @@
 # within 1e-5 relative (the update is the cpu's AdamW, not the GPU's; on the
 # test device and the cpu, where they are the same, bitwise), and its
 # resume bit for bit as its straight run; under NVMe offload bitwise the
-# pinned-memory offload run.
+# pinned-memory offload run; without clipping the update during the
+# backward pass bitwise the update after it.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -256,6 +257,17 @@ run off_nvme "$dev" llama bf16 --config "$work/nvme.json"
 cmp -s <(grep '^step' "$work/off_nvme/log.txt") <(grep '^step' "$work/off_bf16/log.txt") &&
     ok=1 || ok=0
 check $ok "llama bf16 offloaded to NVMe on $dev: every step bitwise the pinned-memory run's"
+
+# the update during the backward pass (no clipping): bitwise the same run whose
+# update waits for the whole gradient (a spike test on the norm that never fires)
+run off_overlap "$dev" llama bf16 --grad-clip 0 --config "$work/offload.json"
+grep -q "the cpu updates each unit during the last backward pass" "$work/off_overlap.out" &&
+    ok=1 || ok=0
+check $ok "llama bf16 offloaded on $dev with --grad-clip 0: the update overlaps the backward pass"
+run off_wait "$dev" llama bf16 --grad-clip 0 --skip-update-gradz 1e6 --config "$work/offload.json"
+cmp -s <(grep '^step' "$work/off_overlap/log.txt") <(grep '^step' "$work/off_wait/log.txt") &&
+    ok=1 || ok=0
+check $ok "llama bf16 offloaded on $dev: overlapped, every step bitwise the waiting update's"
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed
