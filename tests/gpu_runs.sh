@@ -26,7 +26,9 @@
 # test device and the cpu, where they are the same, bitwise), and its
 # resume bit for bit as its straight run; under NVMe offload bitwise the
 # pinned-memory offload run; with weight offload (ZeRO-3, offload_param
-# cpu) bitwise the stage-1 offloaded run, and its resume bit for bit.
+# cpu) bitwise the stage-1 offloaded run, and its resume bit for bit;
+# without clipping the update during the backward pass bitwise the update
+# after it.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -277,6 +279,17 @@ for prec in fp32 bf16; do
         <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/woff_resumed_$prec/log.txt") && ok=1 || ok=0
     check $ok "llama $prec with weight offload: resumed at step 5 on $dev, steps 6-10 bit for bit"
 done
+
+# the update during the backward pass (no clipping): bitwise the same run whose
+# update waits for the whole gradient (a spike test on the norm that never fires)
+run off_overlap "$dev" llama bf16 --grad-clip 0 --config "$work/offload.json"
+grep -q "the cpu updates each unit during the last backward pass" "$work/off_overlap.out" &&
+    ok=1 || ok=0
+check $ok "llama bf16 offloaded on $dev with --grad-clip 0: the update overlaps the backward pass"
+run off_wait "$dev" llama bf16 --grad-clip 0 --skip-update-gradz 1e6 --config "$work/offload.json"
+cmp -s <(grep '^step' "$work/off_overlap/log.txt") <(grep '^step' "$work/off_wait/log.txt") &&
+    ok=1 || ok=0
+check $ok "llama bf16 offloaded on $dev: overlapped, every step bitwise the waiting update's"
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed

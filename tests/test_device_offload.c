@@ -120,6 +120,49 @@ static void test_equals_plain(void) {
                "nvme.json");
 }
 
+// No clipping, fp16 or spike guard: the cpu updates each unit during the
+// last micro-batch's backward pass (the run says so), and the losses, norms
+// and weights stay the cpu's bitwise; with clipping it says why it waits.
+static void test_overlap(void) {
+    static const char *const cases[] = {
+        "--model tiny --precision fp32 --grad-clip 0 --grad-accum 2 --steps 3",
+        "--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2 --steps 3",
+        "--model llama-tiny --precision bf16 --grad-clip 0 --activation-checkpointing block "
+        "--steps 3",
+        "--model tiny --precision bf16 --grad-clip 0 --optimizer sgd --steps 3",
+        // a spike guard tight enough to skip steps: judged on the loss before
+        // the backward pass, a spike's step goes the plain way, skipped
+        "--model tiny --precision fp32 --grad-clip 0 --skip-update-lossz 0.2 "
+        "--skip-update-max-in-row 50 "
+        "--skip-update-min-steps 2 --steps 10",
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        check_case(cases[i], i % 2 ? "off2.json" : "off1.json");
+        int rc = fitlm("train " RUN " %s --out ov --device test --config off1.json", cases[i]);
+        t_check(rc == 0 && strstr(output, "the cpu updates each unit during the last backward"),
+                "%s: the offloaded update overlaps the backward pass: %.600s", cases[i], output);
+    }
+    int rc = fitlm("train " RUN " --model tiny --precision bf16 --steps 1 --out ov --device test "
+                   "--config off1.json");
+    t_check(rc == 0 && strstr(output, "after the backward pass (clipping"),
+            "with clipping the update waits for the whole gradient: %.600s", output);
+    // a step's update ends inside it: a checkpoint holds no update in flight
+    const char *m = "--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2";
+    rc = fitlm("train " RUN " %s --steps 4 --out ovw --device cpu", m);
+    t_check(rc == 0, "the uninterrupted run: %.400s", output);
+    rc = fitlm("train " RUN " %s --steps 2 --out ovh --device test --config off1.json", m);
+    t_check(rc == 0, "the first half overlapped: %.400s", output);
+    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume ovh "
+               "--steps 4 --device test --config off1.json");
+    t_check(rc == 0, "resumed overlapped: %.400s", output);
+    char want[1024], got[1024];
+    step_figures("ovw", want, sizeof want);
+    step_figures("ovh", got, sizeof got);
+    t_check(*want && !strcmp(want, got),
+            "an overlapped run resumed is the uninterrupted cpu run bitwise\n  want %s\n  got  %s",
+            want, got);
+}
+
 // Offloaded, interrupted after 2 steps and resumed to 4: the cpu's
 // uninterrupted 4 steps.
 static void test_resume_bitwise(void) {
@@ -378,6 +421,7 @@ int main(void) {
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
         write_config(configs[i][0], configs[i][1]);
     test_equals_plain();
+    test_overlap();
     test_resume_bitwise();
     test_plan_equals_measured();
     test_weight_offload();

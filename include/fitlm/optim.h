@@ -471,7 +471,12 @@ typedef struct {
     const fl_optim_pager *pager;     // cfg.paged: where the master and state are, else NULL
     const fl_optim_offload *offload; // a device's model, this optimizer on the host, or NULL
     int mapped;                      // the pager's map is in place (fl_optimizer_map)
-    fl_spike_guard spike;            // judges fl_optimizer_step_loss's and the fused steps' updates
+    // the step updating in the last micro-batch's backward pass
+    // (fl_optimizer_begin_overlap): each row's sum of squares, and whether
+    // the row is updated yet; NULL when the step updates after it
+    double *overlap_sq;
+    unsigned char *overlap_done;
+    fl_spike_guard spike; // judges fl_optimizer_step_loss's and the fused steps' updates
 } fl_optimizer;
 
 typedef struct {
@@ -560,6 +565,23 @@ fl_step_result fl_optimizer_step_loss(fl_optimizer *o, float lr, float loss);
 // the unscaled gradient, then multiply by clip_coef); for AdamW/SGD it is
 // update_rows with grad_scale * clip_coef.
 void fl_optimizer_begin_step(fl_optimizer *o, float lr);
+
+// ZeRO-Offload's overlap (docs/offload.md): an offloaded AdamW or SGD step
+// with no global-norm clipping, no fp16 and no spike test on the norm needs
+// no whole gradient before its first update, so the host updates each unit
+// as soon as its gradient is down, during the last micro-batch's backward
+// pass. fl_optimizer_can_overlap: this optimizer's steps may;
+// begin_overlap (before that backward, with the batch's mean loss) judges
+// the loss by the spike guard and, unless it is a spike (0: the step goes
+// the plain way and is skipped), begins the step at lr; update_unit updates rows
+// [first_row, first_row + n_rows) whose gradient o->grads holds complete;
+// fl_optimizer_step_loss then updates any row not reported and ends the
+// step, its norm summed from the rows' in table order (the plain step's
+// bits). A non-finite gradient cannot skip the step then: it is updated
+// with, as the cpu's optimizer_in_backward is, and the norm reports it.
+int fl_optimizer_can_overlap(const fl_optimizer *o);
+int fl_optimizer_begin_overlap(fl_optimizer *o, float lr, float loss);
+void fl_optimizer_update_unit(fl_optimizer *o, int first_row, int n_rows);
 void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const void *grads,
                               fl_dtype grads_dtype, float grad_scale);
 void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,

@@ -132,6 +132,12 @@ static void print_run(const fl_run *run) {
         run->dev->describe(run->dev, desc, sizeof desc);
         printf("device: %s\n", desc);
     }
+    if (run->dev_offload) // docs/offload.md: whether the update overlaps the backward pass
+        printf("ZeRO-Offload: the cpu updates %s\n",
+               fl_optimizer_can_overlap(&run->optim)
+                   ? "each unit during the last backward pass"
+                   : "after the backward pass (clipping, fp16 or the spike guard's norm test "
+                     "need the whole gradient first)");
     size_t whole = fl_model_whole_table(model)->numel;
     printf("%zu parameters (%.2f M)", whole, whole / 1e6);
     int pp = model->pp.size; // rank 0 prints: the first stage's rows

@@ -161,8 +161,9 @@ void run_check_finite(run_log *log, const fl_train_config *cfg, int step,
         snprintf(norm, sizeof norm, "%g", r->grad_norm);
     if (!r->skipped)
         fl_die("training diverged at step %d: loss %g, gradient norm %s, and the update "
-               "was already applied (LOMO/AdaLomo without clipping check the norm only "
-               "after updating: set --grad-clip for a first pass that can skip). No "
+               "was already applied (LOMO/AdaLomo, and ZeRO-Offload's update during the "
+               "backward pass, without clipping check the norm only after updating: set "
+               "--grad-clip for a step that can skip). No "
                "checkpoint is written for it%s%s%s",
                step + 1, loss, norm, *cfg->out_dir ? ": " : "", cfg->out_dir,
                *cfg->out_dir ? "/latest, if any, stays the last good one" : "");

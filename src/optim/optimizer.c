@@ -150,7 +150,8 @@ void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
 void fl_optimizer_micro_done(fl_optimizer *o) {
     o->micro++;
     if (o->offload) o->offload->grads_down(o->offload->ctx);
-    if (o->grad_accum) fl_optimizer_accum_range(o, 0, o->table->numel);
+    // overlapped: the updated units summed theirs (fl_optimizer_update_unit)
+    if (o->grad_accum && !o->overlap_sq) fl_optimizer_accum_range(o, 0, o->table->numel);
 }
 
 float fl_optimizer_scale(const fl_optimizer *o) {
@@ -361,9 +362,71 @@ static void update_offloaded(fl_optimizer *o, const void *grads, size_t first, f
     }
 }
 
+int fl_optimizer_can_overlap(const fl_optimizer *o) {
+    return o->offload && o->cfg.max_grad_norm <= 0.0f && o->dtype != FL_F16 &&
+           !fl_optim_kind_fused(o->cfg.kind) && !o->sync && !o->tp && !o->pp &&
+           !(fl_spike_guard_on(&o->spike) && o->spike.cfg.grad_z > 0.0f);
+}
+
+int fl_optimizer_begin_overlap(fl_optimizer *o, float lr, float loss) {
+    FL_ASSERT(fl_optimizer_can_overlap(o) && o->micro == o->cfg.grad_accum - 1);
+    // the spike guard's loss test, made now (its verdict is the step's:
+    // the norm has no say): a spike steps after the backward pass, skipped
+    const fl_spike_guard *g = &o->spike;
+    if (fl_spike_guard_on(g) && g->cfg.loss_z > 0.0f &&
+        (float)fl_spike_z(&g->loss, g->cfg.window, g->cfg.min_count, loss) > g->cfg.loss_z)
+        return 0;
+    size_t rows = (size_t)o->table->count;
+    o->overlap_sq = fl_alloc(FL_MEM_WORKSPACE, rows * sizeof(double));
+    o->overlap_done = fl_alloc(FL_MEM_WORKSPACE, rows);
+    memset(o->overlap_done, 0, rows);
+    fl_optimizer_begin_step(o, lr);
+    return 1;
+}
+
+void fl_optimizer_update_unit(fl_optimizer *o, int first_row, int n_rows) {
+    FL_ASSERT(o->overlap_sq && n_rows > 0);
+    const fl_param_view *a = &o->table->views[first_row],
+                        *b = &o->table->views[first_row + n_rows - 1];
+    size_t lo = a->offset, hi = b->offset + b->numel;
+    if (o->grad_accum) fl_optimizer_accum_range(o, lo, hi);
+    const void *grads = o->grad_accum ? (const void *)o->grad_accum : o->grads;
+    fl_dtype dt = o->grad_accum ? FL_F32 : o->dtype;
+    for (int r = first_row; r < first_row + n_rows; r++) { // grad_sumsq's per row
+        const fl_param_view *v = &o->table->views[r];
+        o->overlap_sq[r] = v->numel && !(v->flags & FL_PARAM_TIED_COPY)
+                               ? o->dev->sumsq(dt, fl_at_const(dt, grads, v->offset), v->numel)
+                               : 0.0;
+        o->overlap_done[r] = 1;
+    }
+    fl_optimizer_update_range(o, first_row, n_rows, grads, 0, dt, 1.0f, 1.0f);
+    o->offload->rows_updated(o->offload->ctx, lo, hi);
+}
+
+// The overlapped step's end: the rows no unit reported, then the norm.
+// judge: the spike guard records the step's loss and norm, as the plain
+// step does for a finite norm.
+static fl_step_result overlap_end(fl_optimizer *o, float loss, int judge) {
+    for (int r = 0; r < o->table->count; r++)
+        if (!o->overlap_done[r]) fl_optimizer_update_unit(o, r, 1);
+    double sumsq = 0.0;
+    for (int r = 0; r < o->table->count; r++) sumsq += o->overlap_sq[r];
+    fl_free(o->overlap_sq);
+    fl_free(o->overlap_done);
+    o->overlap_sq = NULL;
+    o->overlap_done = NULL;
+    fl_optimizer_end_step(o);
+    o->offload->updated(o->offload->ctx);
+    fl_step_result r = {(float)sqrt(sumsq), 0, o->scaler.scale, {0, NAN, NAN}};
+    if (judge && isfinite(r.grad_norm)) r.spike = fl_spike_judge(&o->spike, loss, r.grad_norm);
+    FL_ASSERT(!r.spike.outlier); // the loss passed before the update, and the norm has no say
+    return r;
+}
+
 // judge: the spike guard looks at the loss and the norm before the update.
 static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int judge) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
+    if (o->overlap_sq) return overlap_end(o, loss, judge);
     const fl_optim_sync *sync = o->sync;
     // the gradient the update reads: the whole local one, or under data
     // parallelism the reduced one over this rank's range

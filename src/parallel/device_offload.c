@@ -8,8 +8,12 @@
 // stream's work by an event), so the copies overlap the rest of the
 // backward pass; after the last micro-batch the step reads the whole
 // gradient (the global norm, clipping and fp16's overflow check need all of
-// it first), updates on the host, and the new weights go up. The host runs
-// the plain path's arithmetic on the same values: bitwise the cpu's run.
+// it first), updates on the host, and the new weights go up. Without
+// clipping, fp16 or the spike guard no whole gradient is needed: the host
+// updates each unit of the last micro-batch as soon as its gradient is down
+// (fl_optimizer_begin_overlap), during the backward pass of the units before
+// it. The host runs the plain path's arithmetic on the same values: bitwise
+// the cpu's run.
 #include <string.h>
 
 #include "fitlm/device.h"
@@ -20,10 +24,14 @@ struct fl_dev_offload {
     fl_model *m;
     fl_optimizer *o;
     const fl_device *dev;
-    fl_stream *down;        // device-to-host copies of the gradients
-    fl_stream *up;          // host-to-device copies of the updated weights
-    fl_event *up_done;      // the last step's weights are up (NULL: none in flight)
-    size_t down_bytes;      // gradient bytes this backward pass sent down
+    fl_stream *down;   // device-to-host copies of the gradients
+    fl_stream *up;     // host-to-device copies of the updated weights
+    fl_event *up_done; // the last step's weights are up (NULL: none in flight)
+    size_t down_bytes; // gradient bytes this backward pass sent down
+    // overlapped step (fl_optimizer_begin_overlap): the unit whose gradient
+    // is on its way down, updated when the next is reported (or at the end)
+    fl_event *pending;
+    int pending_first, pending_n;
     void *params, *grads;   // the pinned host copies (the optimizer's params and grads)
     fl_optim_offload hooks; // the optimizer's calls back
 };
@@ -31,6 +39,26 @@ struct fl_dev_offload {
 static void on_zero_grad(void *ctx) {
     fl_dev_offload *f = ctx;
     f->dev->zero(f->dev, f->m->grads, f->m->table.numel * fl_dtype_size(f->m->dtype));
+}
+
+// the host copy of the weights is free to change once its upload is done
+static void wait_up(fl_dev_offload *f) {
+    if (!f->up_done) return;
+    f->dev->event_sync(f->dev, f->up_done);
+    f->dev->event_destroy(f->dev, f->up_done);
+    f->up_done = NULL;
+}
+
+// the pending unit's gradient has landed: the cpu updates it (its new
+// weights go up on the upload stream) while the device goes on with the
+// backward pass of the units before it
+static void update_pending(fl_dev_offload *f) {
+    if (!f->pending) return;
+    wait_up(f);
+    f->dev->event_sync(f->dev, f->pending);
+    f->dev->event_destroy(f->dev, f->pending);
+    f->pending = NULL;
+    fl_optimizer_update_unit(f->o, f->pending_first, f->pending_n);
 }
 
 // rows [first, first + n) are complete on the compute stream: send them down
@@ -46,19 +74,17 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     d->copy_async(d, (char *)f->grads + lo, (const char *)m->grads + lo, bytes, FL_COPY_D2H,
                   f->down);
     f->down_bytes += bytes;
-}
-
-// the host copy of the weights is free to change once its upload is done
-static void wait_up(fl_dev_offload *f) {
-    if (!f->up_done) return;
-    f->dev->event_sync(f->dev, f->up_done);
-    f->dev->event_destroy(f->dev, f->up_done);
-    f->up_done = NULL;
+    if (!f->o->overlap_sq) return;
+    update_pending(f); // one unit behind: its download ran beside this unit's backward
+    f->pending = d->event_record(d, f->down);
+    f->pending_first = first;
+    f->pending_n = n;
 }
 
 static void on_grads_down(void *ctx) {
     fl_dev_offload *f = ctx;
     const fl_device *d = f->dev;
+    update_pending(f);
     wait_up(f); // long done: the backward pass ran after it
     size_t all = f->m->table.numel * fl_dtype_size(f->m->dtype);
     fl_event *e = d->event_record(d, f->down);

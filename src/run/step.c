@@ -52,6 +52,9 @@ static fl_train_result plain_step(fl_model *m, fl_optimizer *o, const int *input
         m->lora.dropout_step = t * (uint64_t)micro + (uint64_t)k + 1;
         fl_model_forward_train(m, inputs + k * BT, targets + k * BT, B, T, dloss);
         loss_sum += (double)m->loss * m->n_targets;
+        // ZeRO-Offload: the host updates each unit during the last backward
+        if (k == micro - 1 && fl_optimizer_can_overlap(o))
+            fl_optimizer_begin_overlap(o, lr, total ? (float)(loss_sum / total) : 0.0f);
         fl_model_backward(m, dloss);
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(o));
     }
