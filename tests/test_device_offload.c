@@ -142,6 +142,13 @@ static void test_overlap(void) {
         t_check(rc == 0 && strstr(output, "the cpu updates each unit during the last backward"),
                 "%s: the offloaded update overlaps the backward pass: %.600s", cases[i], output);
     }
+    // under weight offload too: a unit's new weights stay in the pinned copy
+    // the ring uploads from, the units still to run being untouched
+    check_case("--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2 --steps 3",
+               "w3.json");
+    check_case("--model tiny --precision fp32 --grad-clip 0 --activation-checkpointing block "
+               "--steps 3",
+               "w3.json");
     int rc = fitlm("train " RUN " --model tiny --precision bf16 --steps 1 --out ov --device test "
                    "--config off1.json");
     t_check(rc == 0 && strstr(output, "after the backward pass (clipping"),
