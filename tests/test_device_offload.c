@@ -120,6 +120,33 @@ static void test_equals_plain(void) {
                "nvme.json");
 }
 
+// `flags` trained 4 steps on the cpu, and on the test device under
+// `config` interrupted after 2 steps (into `half`) and resumed to 4: the
+// same losses, norms and final weights, bitwise.
+static void resumed_equals_cpu(const char *flags, const char *config, const char *half) {
+    int rc = fitlm("train " RUN " %s --steps 4 --out rwhole --device cpu", flags);
+    t_check(rc == 0, "the uninterrupted run: %.400s", output);
+    rc =
+        fitlm("train " RUN " %s --steps 2 --out %s --device test --config %s", flags, half, config);
+    t_check(rc == 0, "the first half under %s: %.400s", config, output);
+    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume %s "
+               "--steps 4 --device test --config %s",
+               half, config);
+    t_check(rc == 0, "resumed under %s: %.400s", config, output);
+    char want[1024], got[1024], a[128], b[128];
+    step_figures("rwhole", want, sizeof want);
+    step_figures(half, got, sizeof got);
+    t_check(*want && !strcmp(want, got),
+            "%s under %s resumed is the uninterrupted cpu run bitwise\n  want %s\n  got  %s", flags,
+            config, want, got);
+    snprintf(a, sizeof a, "exw_%s/model.safetensors", half);
+    snprintf(b, sizeof b, "ex_%s/model.safetensors", half);
+    t_check(fitlm("export rwhole -o exw_%s", half) == 0 &&
+                fitlm("export %s -o ex_%s", half, half) == 0 && same_file(a, b),
+            "%s under %s: the resumed run's final weights are the uninterrupted run's bitwise",
+            flags, config);
+}
+
 // No clipping, fp16 or spike guard: the cpu updates each unit during the
 // last micro-batch's backward pass (the run says so), and the losses, norms
 // and weights stay the cpu's bitwise; with clipping it says why it waits.
@@ -154,52 +181,17 @@ static void test_overlap(void) {
     t_check(rc == 0 && strstr(output, "after the backward pass (clipping"),
             "with clipping the update waits for the whole gradient: %.600s", output);
     // a step's update ends inside it: a checkpoint holds no update in flight
-    const char *m = "--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2";
-    rc = fitlm("train " RUN " %s --steps 4 --out ovw --device cpu", m);
-    t_check(rc == 0, "the uninterrupted run: %.400s", output);
-    rc = fitlm("train " RUN " %s --steps 2 --out ovh --device test --config off1.json", m);
-    t_check(rc == 0, "the first half overlapped: %.400s", output);
-    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume ovh "
-               "--steps 4 --device test --config off1.json");
-    t_check(rc == 0, "resumed overlapped: %.400s", output);
-    char want[1024], got[1024];
-    step_figures("ovw", want, sizeof want);
-    step_figures("ovh", got, sizeof got);
-    t_check(*want && !strcmp(want, got),
-            "an overlapped run resumed is the uninterrupted cpu run bitwise\n  want %s\n  got  %s",
-            want, got);
+    resumed_equals_cpu("--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2",
+                       "off1.json", "ovh");
 }
 
 // Offloaded, interrupted after 2 steps and resumed to 4: the cpu's
 // uninterrupted 4 steps.
 static void test_resume_bitwise(void) {
     const char *m = "--model llama-tiny --precision bf16 --grad-accum 2";
-    int rc = fitlm("train " RUN " %s --steps 4 --out whole --device cpu", m);
-    t_check(rc == 0, "the uninterrupted run: %.400s", output);
-    rc = fitlm("train " RUN " %s --steps 2 --out half --device test --config off1.json", m);
-    t_check(rc == 0, "the first half offloaded: %.400s", output);
-    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume half "
-               "--steps 4 --device test --config off1.json");
-    t_check(rc == 0, "resumed offloaded: %.400s", output);
-    char want[1024], got[1024];
-    step_figures("whole", want, sizeof want);
-    step_figures("half", got, sizeof got);
-    t_check(*want && !strcmp(want, got),
-            "an offloaded run resumed is the uninterrupted run bitwise\n  want %s\n  got  %s", want,
-            got);
-    t_check(fitlm("export whole -o exw") == 0 && fitlm("export half -o exh") == 0 &&
-                same_file("exw/model.safetensors", "exh/model.safetensors"),
-            "the resumed run's final weights are the uninterrupted run's bitwise");
+    resumed_equals_cpu(m, "off1.json", "half");
     // NVMe under it: the state written to the checkpoint from the file, and back
-    rc = fitlm("train " RUN " %s --steps 2 --out halfn --device test --config nvme.json", m);
-    t_check(rc == 0, "the first half offloaded to NVMe: %.400s", output);
-    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume halfn "
-               "--steps 4 --device test --config nvme.json");
-    t_check(rc == 0, "resumed offloaded to NVMe: %.400s", output);
-    step_figures("halfn", got, sizeof got);
-    t_check(*want && !strcmp(want, got),
-            "an NVMe-offloaded run resumed is the uninterrupted run bitwise\n  want %s\n  got  %s",
-            want, got);
+    resumed_equals_cpu(m, "nvme.json", "halfn");
 }
 
 // The bytes per tag of the table after the line starting with `header`:
@@ -297,23 +289,8 @@ static void test_weight_offload(void) {
 // uninterrupted run (the whole weights come back from the checkpoint into
 // the pinned copy, and up unit by unit).
 static void test_weight_offload_resume(void) {
-    const char *m = "--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0.5";
-    int rc = fitlm("train " RUN " %s --steps 4 --out wwhole --device cpu", m);
-    t_check(rc == 0, "the uninterrupted run: %.400s", output);
-    rc = fitlm("train " RUN " %s --steps 2 --out whalf --device test --config w3p.json", m);
-    t_check(rc == 0, "the first half with weight offload: %.400s", output);
-    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume whalf "
-               "--steps 4 --device test --config w3p.json");
-    t_check(rc == 0, "resumed with weight offload: %.400s", output);
-    char want[1024], got[1024];
-    step_figures("wwhole", want, sizeof want);
-    step_figures("whalf", got, sizeof got);
-    t_check(*want && !strcmp(want, got),
-            "a weight-offloaded run resumed is the uninterrupted run bitwise\n  want %s\n  got  %s",
-            want, got);
-    t_check(fitlm("export wwhole -o exww") == 0 && fitlm("export whalf -o exwh") == 0 &&
-                same_file("exww/model.safetensors", "exwh/model.safetensors"),
-            "the resumed run's final weights are the uninterrupted run's bitwise");
+    resumed_equals_cpu("--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0.5",
+                       "w3p.json", "whalf");
 }
 
 // The "current" MiB of tag params in the device's table of --mem-report.
