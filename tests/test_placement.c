@@ -81,29 +81,36 @@ static void test_losses_equal_cpu(void) {
             output);
 }
 
-// Resume on the test device, and of the test device's checkpoint on the
-// cpu: both the uninterrupted run's steps.
-static void test_resume_bitwise(void) {
-    const char *m = "--model llama-tiny --precision bf16 --sample-tokens 0";
-    int rc = fitlm("train " RUN " %s --steps 4 --out whole --overwrite --device cpu", m);
-    t_check(rc == 0, "the uninterrupted run: %.400s", output);
+// m trained 4 steps on the cpu, and 2 on the test device whose checkpoint
+// is resumed to 4 on the test device and on the cpu: both the
+// uninterrupted run's steps, bitwise.
+static void resumed_bitwise(const char *m) {
+    int rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 4 --out whole --overwrite "
+                   "--device cpu",
+                   m);
+    t_check(rc == 0, "the uninterrupted run %s: %.400s", m, output);
     char want[1024], got[1024];
     step_figures("whole", want, sizeof want);
     const char *devices[] = {"test", "cpu"};
     for (int d = 0; d < 2; d++) {
-        rc = fitlm("train " RUN " %s --steps 2 --out half_%s --overwrite --device test", m,
-                   devices[d]);
-        t_check(rc == 0, "the first half on --device test: %.400s", output);
+        rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 2 --out half_%s --overwrite "
+                   "--device test",
+                   m, devices[d]);
+        t_check(rc == 0, "the first half of %s on --device test: %.400s", m, output);
         rc = fitlm("train " RUN " --resume half_%s --steps 4 --device %s", devices[d], devices[d]);
-        t_check(rc == 0, "resumed on --device %s: %.400s", devices[d], output);
+        t_check(rc == 0, "%s resumed on --device %s: %.400s", m, devices[d], output);
         char path[64];
         snprintf(path, sizeof path, "half_%s", devices[d]);
         step_figures(path, got, sizeof got);
         t_check(*want && !strcmp(want, got),
-                "a test-device checkpoint resumed on --device %s is the uninterrupted run "
+                "%s: a test-device checkpoint resumed on --device %s is the uninterrupted run "
                 "bitwise\n  want %s\n  got  %s",
-                devices[d], want, got);
+                m, devices[d], want, got);
     }
+}
+
+static void test_resume_bitwise(void) {
+    resumed_bitwise("--model llama-tiny --precision bf16");
 }
 
 // The figure after `key` in a JSON text ("" when missing).
@@ -263,28 +270,7 @@ static void test_fused_equal_cpu(void) {
 // test-device checkpoint: resumed on the test device and on the cpu, the
 // uninterrupted cpu run's steps bitwise.
 static void test_fused_resume_bitwise(void) {
-    const char *m = "--model tiny --precision bf16 --optimizer adalomo --grad-clip 1 "
-                    "--sample-tokens 0";
-    int rc = fitlm("train " RUN " %s --steps 4 --out fused_whole --overwrite --device cpu", m);
-    t_check(rc == 0, "the uninterrupted AdaLomo run: %.400s", output);
-    char want[1024], got[1024];
-    step_figures("fused_whole", want, sizeof want);
-    const char *devices[] = {"test", "cpu"};
-    for (int d = 0; d < 2; d++) {
-        rc = fitlm("train " RUN " %s --steps 2 --out fused_half_%s --overwrite --device test", m,
-                   devices[d]);
-        t_check(rc == 0, "AdaLomo's first half on --device test: %.400s", output);
-        rc = fitlm("train " RUN " --resume fused_half_%s --steps 4 --device %s", devices[d],
-                   devices[d]);
-        t_check(rc == 0, "AdaLomo resumed on --device %s: %.400s", devices[d], output);
-        char path[64];
-        snprintf(path, sizeof path, "fused_half_%s", devices[d]);
-        step_figures(path, got, sizeof got);
-        t_check(*want && !strcmp(want, got),
-                "an AdaLomo checkpoint of the test device resumed on --device %s is the "
-                "uninterrupted run bitwise\n  want %s\n  got  %s",
-                devices[d], want, got);
-    }
+    resumed_bitwise("--model tiny --precision bf16 --optimizer adalomo --grad-clip 1");
 }
 
 static void test_refusals(void) {
@@ -420,37 +406,10 @@ static void test_lora_qlora_equal_cpu(void) {
 // double quantisation) and a LoRA + AdaLomo one saved on the test device resume there and on the
 // cpu as the uninterrupted run (after test_lora_qlora_equal_cpu: its base).
 static void test_lora_resume_bitwise(void) {
-    const char *runs[] = {"--model llama-tiny --precision bf16 --lora --lora-dropout 0.1",
-                          "--init-from qbase --precision bf16 --lora --quantize nf4 "
-                          "--double-quant",
-                          "--model tiny --precision bf16 --lora --lora-base-optimizer adalomo "
-                          "--grad-clip 0.5"};
-    for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
-        const char *m = runs[k];
-        int rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 4 --out lwhole --overwrite "
-                       "--device cpu",
-                       m);
-        t_check(rc == 0, "the uninterrupted run %s: %.400s", m, output);
-        char want[1024], got[1024];
-        step_figures("lwhole", want, sizeof want);
-        const char *devices[] = {"test", "cpu"};
-        for (int d = 0; d < 2; d++) {
-            rc = fitlm("train " RUN " %s --sample-tokens 0 --steps 2 --out lhalf_%s --overwrite "
-                       "--device test",
-                       m, devices[d]);
-            t_check(rc == 0, "the first half of %s on --device test: %.400s", m, output);
-            rc = fitlm("train " RUN " --resume lhalf_%s --steps 4 --device %s", devices[d],
-                       devices[d]);
-            t_check(rc == 0, "%s resumed on --device %s: %.400s", m, devices[d], output);
-            char path[64];
-            snprintf(path, sizeof path, "lhalf_%s", devices[d]);
-            step_figures(path, got, sizeof got);
-            t_check(*want && !strcmp(want, got),
-                    "%s: a test-device checkpoint resumed on --device %s is the uninterrupted "
-                    "run bitwise\n  want %s\n  got  %s",
-                    m, devices[d], want, got);
-        }
-    }
+    resumed_bitwise("--model llama-tiny --precision bf16 --lora --lora-dropout 0.1");
+    resumed_bitwise("--init-from qbase --precision bf16 --lora --quantize nf4 --double-quant");
+    resumed_bitwise("--model tiny --precision bf16 --lora --lora-base-optimizer adalomo "
+                    "--grad-clip 0.5");
 }
 
 // --adapter on the device: training continues as on the cpu, eval gives
