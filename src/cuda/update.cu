@@ -148,31 +148,20 @@ __global__ void lomo_kernel(fused_args f, size_t n, float lr, float keep) {
 __device__ float adalomo_scalars[4];
 __device__ double adalomo_chunks[2][ADALOMO_MAX_CHUNKS];
 
-// A: a matrix's row r mean of g^2 + eps1 over its K columns, in order
-__global__ void adalomo_rows_kernel(fused_args f, float *rs, size_t R, size_t K, double Kw,
-                                    float eps1, float b2, float one_b2) {
-    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < R;
-         r += (size_t)gridDim.x * blockDim.x) {
+// A: a matrix's row or column statistics, out[i] = b2 * out[i] + (1 - b2) *
+// the mean of g^2 + eps1 over the n_in elements i * os + k * is, summed in
+// k's order: rows (os K, is 1) over the K columns, columns (os 1, is K)
+// over the live rows
+__global__ void adalomo_means_kernel(fused_args f, float *out, size_t n_out, size_t n_in, size_t os,
+                                     size_t is, double w, float eps1, float b2, float one_b2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_out;
+         i += (size_t)gridDim.x * blockDim.x) {
         double s = 0.0;
-        for (size_t j = 0; j < K; j++) {
-            float g = fused_grad(f, r * K + j);
+        for (size_t k = 0; k < n_in; k++) {
+            float g = fused_grad(f, i * os + k * is);
             s += (double)(g * g + eps1);
         }
-        rs[r] = b2 * rs[r] + one_b2 * (float)(s / Kw);
-    }
-}
-
-// A: column j's mean over the live rows, in order
-__global__ void adalomo_cols_kernel(fused_args f, float *cs, size_t K, size_t live, double Rw,
-                                    float eps1, float b2, float one_b2) {
-    for (size_t j = blockIdx.x * (size_t)blockDim.x + threadIdx.x; j < K;
-         j += (size_t)gridDim.x * blockDim.x) {
-        double s = 0.0;
-        for (size_t r = 0; r < live; r++) {
-            float g = fused_grad(f, r * K + j);
-            s += (double)(g * g + eps1);
-        }
-        cs[j] = b2 * cs[j] + one_b2 * (float)(s / Rw);
+        out[i] = b2 * out[i] + one_b2 * (float)(s / w);
     }
 }
 
@@ -271,12 +260,12 @@ static void adalomo_update(const fl_adalomo *o, const fl_param_view *row, size_t
         live /= K;
         rs = fl_optim_state_ptr((fl_optim_rule *)&o->rule, 0, offset);
         cs = rs + R;
-        adalomo_rows_kernel<<<fl_cuda_blocks(R, 128), 128, 0, s>>>(f, rs, R, K, (double)K, o->eps1,
-                                                                   b2, one_b2);
-        FL_CUDA_LAUNCHED("adalomo_rows_kernel");
-        adalomo_cols_kernel<<<fl_cuda_blocks(K, 128), 128, 0, s>>>(f, cs, K, live, (double)R,
-                                                                   o->eps1, b2, one_b2);
-        FL_CUDA_LAUNCHED("adalomo_cols_kernel");
+        adalomo_means_kernel<<<fl_cuda_blocks(R, 128), 128, 0, s>>>(f, rs, R, K, K, 1, (double)K,
+                                                                    o->eps1, b2, one_b2);
+        FL_CUDA_LAUNCHED("adalomo_means_kernel (rows)");
+        adalomo_means_kernel<<<fl_cuda_blocks(K, 128), 128, 0, s>>>(f, cs, K, live, 1, K, (double)R,
+                                                                    o->eps1, b2, one_b2);
+        FL_CUDA_LAUNCHED("adalomo_means_kernel (columns)");
         adalomo_mean_kernel<<<1, 1, 0, s>>>(rs, live, (double)R);
         FL_CUDA_LAUNCHED("adalomo_mean_kernel");
     } else {
