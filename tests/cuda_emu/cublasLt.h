@@ -84,8 +84,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
                                               cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                                               cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dl,
                                               cublasLtMatmulPreference_t p, int requested,
-                                              cublasLtMatmulHeuristicResult_t *results,
-                                              int *found);
+                                              cublasLtMatmulHeuristicResult_t *results, int *found);
 cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const void *alpha,
                               const void *A, cublasLtMatrixLayout_t a, const void *B,
                               cublasLtMatrixLayout_t b, const void *beta, const void *C,

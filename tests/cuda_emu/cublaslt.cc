@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cublasLt.h"
-#include "emu.h"
+#include "emu.hpp"
 
 struct fl_emu_lt_handle {
     int unused;
@@ -76,7 +76,7 @@ void store(int t, void *p, size_t i, float x) {
     uint16_t h;
     if (t == CUDA_R_16BF) {
         h = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)
-                                             : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+                                            : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
     } else {
         uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
         if (a > 0x7f800000u)
@@ -110,14 +110,12 @@ void op_shape(const fl_emu_lt_layout *x, cublasOperation_t op, uint64_t *rows, u
 
 // The checks cuBLASLt makes of a problem: shapes that agree, leading
 // dimensions at least the rows, the types it supports with fp32 compute.
-cublasStatus_t check(const fl_emu_lt_desc *d, const fl_emu_lt_layout *a,
-                     const fl_emu_lt_layout *b, const fl_emu_lt_layout *c,
-                     const fl_emu_lt_layout *dl) {
+cublasStatus_t check(const fl_emu_lt_desc *d, const fl_emu_lt_layout *a, const fl_emu_lt_layout *b,
+                     const fl_emu_lt_layout *c, const fl_emu_lt_layout *dl) {
     uint64_t am, ak, bk, bn;
     op_shape(a, d->ta, &am, &ak);
     op_shape(b, d->tb, &bk, &bn);
-    if (ak != bk || am != dl->rows || bn != dl->cols || c->rows != dl->rows ||
-        c->cols != dl->cols)
+    if (ak != bk || am != dl->rows || bn != dl->cols || c->rows != dl->rows || c->cols != dl->cols)
         return CUBLAS_STATUS_INVALID_VALUE;
     const fl_emu_lt_layout *all[] = {a, b, c, dl};
     for (const fl_emu_lt_layout *x : all)
@@ -184,20 +182,28 @@ extern "C" {
 
 const char *cublasLtGetStatusString(cublasStatus_t st) {
     switch (st) {
-    case CUBLAS_STATUS_SUCCESS: return "the operation completed successfully";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "the library was not initialized";
-    case CUBLAS_STATUS_INVALID_VALUE: return "an invalid value was used as an argument";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "the functionality requested is not supported";
+    case CUBLAS_STATUS_SUCCESS:
+        return "the operation completed successfully";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+        return "the library was not initialized";
+    case CUBLAS_STATUS_INVALID_VALUE:
+        return "an invalid value was used as an argument";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+        return "the functionality requested is not supported";
     }
     return "unknown status";
 }
 
 const char *cublasLtGetStatusName(cublasStatus_t st) {
     switch (st) {
-    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_SUCCESS:
+        return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+        return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_INVALID_VALUE:
+        return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+        return "CUBLAS_STATUS_NOT_SUPPORTED";
     }
     return "CUBLAS_STATUS_UNKNOWN";
 }
@@ -210,7 +216,7 @@ cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute,
                                         cudaDataType_t scale) {
     *d = new fl_emu_lt_desc{compute, scale, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT,
-                            NULL, -1};
+                            NULL,    -1};
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -291,9 +297,8 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
         const fl_emu_lt_layout *x = i == 0 ? a : i == 1 ? b : i == 2 ? c : dl;
         if (p->align[i] < type_bytes(x->type)) return CUBLAS_STATUS_NOT_SUPPORTED;
     }
-    memset(results, 0, sizeof *results);
+    *results = cublasLtMatmulHeuristicResult_t{};
     for (int i = 0; i < 4; i++) results->algo.data[i] = p->align[i];
-    results->workspaceSize = 0;
     results->state = CUBLAS_STATUS_SUCCESS;
     results->wavesCount = 1.0f;
     *found = 1;
@@ -321,12 +326,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     for (int i = 0; i < 4; i++) {
         if (i == 2 && be == 0.0f) continue; // C is not read
         if (extent(ls[i]) && !fl_emu::is_device(ptrs[i], extent(ls[i])))
-            fl_emu::die("cublasLtMatmul: operand %c (%zu bytes) is not in device memory",
-                        "ABCD"[i], extent(ls[i]));
+            fl_emu::die("cublasLtMatmul: operand %c (%zu bytes) is not in device memory", "ABCD"[i],
+                        extent(ls[i]));
     }
     if (d->epilogue == CUBLASLT_EPILOGUE_BIAS &&
-        !fl_emu::is_device(d->bias, dl->rows * type_bytes(d->bias_type >= 0 ? d->bias_type
-                                                                            : (int)dl->type)))
+        !fl_emu::is_device(d->bias,
+                           dl->rows * type_bytes(d->bias_type >= 0 ? d->bias_type : (int)dl->type)))
         fl_emu::die("cublasLtMatmul: the bias is not %llu values in device memory",
                     (unsigned long long)dl->rows);
     if (workspace_bytes && !fl_emu::is_device(workspace, workspace_bytes))
@@ -334,7 +339,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
                     workspace_bytes);
     float al;
     memcpy(&al, alpha, sizeof al);
-    // the descriptor's and layouts' values now (host pointer mode), the arithmetic when the stream runs
+    // the descriptor's and layouts' values now (host pointer mode), the arithmetic when the stream
+    // runs
     fl_emu_lt_desc dv = *d;
     fl_emu_lt_layout av = *a, bv = *b, cv = *c, dv_l = *dl;
     fl_emu::enqueue(s, [=]() { matmul(dv, al, A, av, B, bv, be, C, cv, D, dv_l); });

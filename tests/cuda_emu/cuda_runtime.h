@@ -3,7 +3,7 @@
 // backend's host code and kernels are executed and checked on machines
 // without a GPU (FITLM_CUDA_EMU=ON, docs/testing.md). Not NVIDIA's header:
 // only the names src/cuda/ calls, with the documented semantics. C for
-// cuda.c; under C++ the kernel side too (cuda_emu_kernel.h).
+// cuda.c; under C++ the kernel side too (cuda_emu_kernel.hpp).
 #ifndef FITLM_CUDA_EMU_RUNTIME_H
 #define FITLM_CUDA_EMU_RUNTIME_H
 
@@ -60,12 +60,12 @@ struct cudaDeviceProp {
 typedef struct CUstream_st *cudaStream_t;
 typedef struct CUevent_st *cudaEvent_t;
 
-#define cudaStreamDefault          0x0
-#define cudaStreamNonBlocking      0x1
-#define cudaEventDefault           0x0
-#define cudaEventDisableTiming     0x2
-#define cudaHostAllocDefault       0x0
-#define cudaHostAllocPortable      0x1
+#define cudaStreamDefault      0x0
+#define cudaStreamNonBlocking  0x1
+#define cudaEventDefault       0x0
+#define cudaEventDisableTiming 0x2
+#define cudaHostAllocDefault   0x0
+#define cudaHostAllocPortable  0x1
 
 const char *cudaGetErrorString(cudaError_t err);
 const char *cudaGetErrorName(cudaError_t err);
@@ -122,7 +122,7 @@ template <class F> cudaError_t cudaFuncSetAttribute(F *func, enum cudaFuncAttrib
     return fl_emu_func_set_attribute((const void *)func, (int)attr, v);
 }
 
-#include "cuda_emu_kernel.h"
+#include "cuda_emu_kernel.hpp"
 #endif
 
 #endif

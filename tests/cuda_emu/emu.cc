@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "cuda_runtime.h"
-#include "emu.h"
+#include "emu.hpp"
 
 uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
@@ -186,30 +186,48 @@ extern "C" {
 
 const char *cudaGetErrorString(cudaError_t err) {
     switch (err) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
-    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
-    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
-    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
-    case cudaErrorNotReady: return "device not ready";
+    case cudaSuccess:
+        return "no error";
+    case cudaErrorInvalidValue:
+        return "invalid argument";
+    case cudaErrorMemoryAllocation:
+        return "out of memory";
+    case cudaErrorInvalidConfiguration:
+        return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer:
+        return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection:
+        return "invalid copy direction for memcpy";
+    case cudaErrorNoDevice:
+        return "no CUDA-capable device is detected";
+    case cudaErrorInvalidResourceHandle:
+        return "invalid resource handle";
+    case cudaErrorNotReady:
+        return "device not ready";
     }
     return "unknown error";
 }
 
 const char *cudaGetErrorName(cudaError_t err) {
     switch (err) {
-    case cudaSuccess: return "cudaSuccess";
-    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
-    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
-    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
-    case cudaErrorNoDevice: return "cudaErrorNoDevice";
-    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
-    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaSuccess:
+        return "cudaSuccess";
+    case cudaErrorInvalidValue:
+        return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+        return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration:
+        return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer:
+        return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection:
+        return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorNoDevice:
+        return "cudaErrorNoDevice";
+    case cudaErrorInvalidResourceHandle:
+        return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady:
+        return "cudaErrorNotReady";
     }
     return "cudaErrorUnknown";
 }
@@ -344,8 +362,10 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
     // to host); pinned memory is copied when the stream runs.
     const void *host = kind == cudaMemcpyHostToDevice ? src : dst;
     if (kind != cudaMemcpyDeviceToDevice && !find(pinned_blocks, host, bytes)) {
-        if (s) force(s->s, s->s->queued);
-        else flush_all();
+        if (s)
+            force(s->s, s->s->queued);
+        else
+            flush_all();
         memcpy(dst, src, bytes);
         return cudaSuccess;
     }
@@ -384,8 +404,10 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     std::lock_guard<std::recursive_mutex> g(lock);
-    if (s) force(s->s, s->s->queued);
-    else flush_all();
+    if (s)
+        force(s->s, s->s->queued);
+    else
+        flush_all();
     return cudaSuccess;
 }
 
@@ -590,15 +612,14 @@ int open_barriers(block_run &r) {
         for (int l = 0; l < 32; l++) {
             if (!(mask >> l & 1)) continue;
             if (l >= lanes)
-                die("kernel %s: a shuffle's mask names lane %d of a block without it", r.name,
-                    l);
+                die("kernel %s: a shuffle's mask names lane %d of a block without it", r.name, l);
             if (r.f[w * 32 + l].state == DONE)
                 die("kernel %s: a shuffle's mask names lane %d, which has returned", r.name, l);
         }
         if ((waiting & mask) != mask) continue; // some named lane is still on its way
         if (!(waiting & mask))
-            die("kernel %s: warp %d shuffles with a mask without the lanes that call it",
-                r.name, w);
+            die("kernel %s: warp %d shuffles with a mask without the lanes that call it", r.name,
+                w);
         for (int l = 0; l < lanes; l++)
             if (waiting >> l & 1) r.f[w * 32 + l].state = RUNNABLE;
         opened = 1;
@@ -641,7 +662,8 @@ void run_block(block_run &r) {
         if (done) return;
         if (!open_barriers(r)) {
             int at_block = 0, at_warp = 0;
-            for (const fiber &t : r.f) at_block += t.state == AT_BLOCK, at_warp += t.state == AT_WARP;
+            for (const fiber &t : r.f)
+                at_block += t.state == AT_BLOCK, at_warp += t.state == AT_WARP;
             die("kernel %s: its threads wait at barriers that cannot open (%d at __syncthreads, "
                 "%d at a warp shuffle, the rest returned): a barrier inside a branch",
                 r.name, at_block, at_warp);
@@ -670,8 +692,8 @@ void launch(const char *name, const void *func, dim3 grid, dim3 block, size_t sm
     }
     if (!stacks) {
         size_t bytes = (size_t)max_threads * (stack_bytes + guard_bytes);
-        stacks = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS |
-                              MAP_NORESERVE, -1, 0);
+        stacks = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (stacks == MAP_FAILED) die("no memory for the fibers' stacks");
         for (int i = 0; i < max_threads; i++)
             mprotect(stacks + (size_t)i * (stack_bytes + guard_bytes), guard_bytes, PROT_NONE);
@@ -701,8 +723,8 @@ void launch(const char *name, const void *func, dim3 grid, dim3 block, size_t sm
                 }
         running = NULL;
         if (getenv("FITLM_CUDA_EMU_TRACE"))
-            fprintf(stderr, "emu: %s grid %u,%u,%u block %u,%u,%u smem %zu: %.1f ms\n", name, grid.x,
-                    grid.y, grid.z, block.x, block.y, block.z, smem, (now() - t0) * 1e3);
+            fprintf(stderr, "emu: %s grid %u,%u,%u block %u,%u,%u smem %zu: %.1f ms\n", name,
+                    grid.x, grid.y, grid.z, block.x, block.y, block.z, smem, (now() - t0) * 1e3);
     });
 }
 
@@ -727,8 +749,7 @@ void block_barrier() {
     pass_on(AT_BLOCK, 0);
 }
 
-unsigned long long exchange(unsigned mask, unsigned long long bits, int mode, int arg,
-                            int width) {
+unsigned long long exchange(unsigned mask, unsigned long long bits, int mode, int arg, int width) {
     block_run &r = *running;
     int me = r.current, lane = me % 32, base = me - lane;
     if (!(mask >> lane & 1))
@@ -741,10 +762,18 @@ unsigned long long exchange(unsigned mask, unsigned long long bits, int mode, in
     pass_on(AT_WARP, mask);
     int seg = lane & ~(width - 1), src = lane;
     switch (mode) {
-    case SHFL_IDX: src = seg + (arg & (width - 1)); break;
-    case SHFL_DOWN: src = (lane - seg) + arg < width ? lane + arg : lane; break;
-    case SHFL_UP: src = (lane - seg) >= arg ? lane - arg : lane; break;
-    case SHFL_XOR: src = (lane ^ arg) < seg + width ? lane ^ arg : lane; break;
+    case SHFL_IDX:
+        src = seg + (arg & (width - 1));
+        break;
+    case SHFL_DOWN:
+        src = (lane - seg) + arg < width ? lane + arg : lane;
+        break;
+    case SHFL_UP:
+        src = (lane - seg) >= arg ? lane - arg : lane;
+        break;
+    case SHFL_XOR:
+        src = (lane ^ arg) < seg + width ? lane ^ arg : lane;
+        break;
     }
     if (!(mask >> src & 1))
         die("kernel %s: lane %d reads a lane outside the shuffle's mask", r.name, lane);

@@ -1,6 +1,6 @@
 #!/usr/bin/perl
 # translate.pl IN.cu OUT.cc: a CUDA source as C++ for the CUDA emulator
-# (tests/cuda_emu/cuda_emu_kernel.h): kernel<<<grid, block, smem, stream>>>(args)
+# (tests/cuda_emu/cuda_emu_kernel.hpp): kernel<<<grid, block, smem, stream>>>(args)
 # becomes fl_emu::launcher("kernel", kernel, grid, block, smem, stream)(args), and
 # __shared__ declarations per-block arrays. Lines keep their numbers.
 use strict;

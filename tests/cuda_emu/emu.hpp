@@ -1,4 +1,4 @@
-// emu.h: what the CUDA emulator's runtime (emu.cc) shares with its
+// emu.hpp: what the CUDA emulator's runtime (emu.cc) shares with its
 // cuBLASLt (cublaslt.cc). C++, inside tests/cuda_emu/ only.
 #ifndef FITLM_CUDA_EMU_H
 #define FITLM_CUDA_EMU_H

@@ -1,4 +1,4 @@
-// cuda_emu_kernel.h: the kernel side of the CUDA emulator (C++). A kernel
+// cuda_emu_kernel.hpp: the kernel side of the CUDA emulator (C++). A kernel
 // is an ordinary function; a launch queues it on its stream and, when the
 // stream runs, every block runs in turn with one fiber per thread, so
 // __syncthreads and the warp shuffles are real barriers: a barrier that not
