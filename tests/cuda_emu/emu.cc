@@ -8,12 +8,15 @@
 // copy, the legacy stream). So a missing event wait leaves its reader with
 // the old bytes, and a host buffer reused before its asynchronous copy ran
 // is read at its new contents, as on a GPU where the copy had not started.
-// FITLM_CUDA_EMU_SCHEDULE=eager runs each piece of work when queued.
+// FITLM_CUDA_EMU_SCHEDULE=eager runs each piece of work when queued;
+// FITLM_CUDA_EMU_TRACE=1 prints each kernel's grid and time.
 //
 // Kernels: each block in turn, one fiber per thread (a stack of its own and
 // a switch of the callee-saved registers, x86-64's System V ABI); a thread
 // runs until it returns or reaches a barrier (__syncthreads, a shuffle);
-// the barrier opens when every thread it names has reached it, and a
+// the barrier opens when every thread it names has reached it (every
+// other launch of a kernel takes the blocks, and the threads of a round, in
+// reverse order, so order-dependent results differ between launches), and a
 // barrier that can never open (threads at different barriers, a shuffle
 // naming a lane that returned) stops the run naming the kernel. Checked at
 // launch, as CUDA does: the block size, grid limits, dynamic shared memory
@@ -494,7 +497,8 @@ cudaError_t fl_emu_memcpy_to_symbol(void *symbol, size_t symbol_bytes, const voi
 
 namespace {
 
-std::map<const void *, int> max_dynamic_shared; // per kernel: its attribute
+std::map<const void *, int> max_dynamic_shared;      // per kernel: its attribute
+std::map<const void *, unsigned long long> launches; // per kernel
 
 const int stack_bytes = 128 << 10, guard_bytes = 4096, max_threads = 1024;
 
@@ -513,6 +517,7 @@ struct block_run {
     void *sched; // the scheduler's saved stack pointer
     std::vector<fiber> f;
     int n, current;
+    int step; // 1 or -1: the threads' order in a round (and the blocks')
     // per thread, two sets used in turn: the bits a shuffle offers (a lane
     // reaches the shuffle after next only once all have read this one)
     std::vector<unsigned long long> slots[2];
@@ -557,17 +562,17 @@ fl_emu_switch:
 
 namespace {
 
-// A thread's first frame: the kernel, then back to the scheduler for good.
-// The current thread, now in `state` (at a barrier, or done), hands over to the next runnable
-// thread of the round, or to the scheduler after the last.
+// The current thread, now in `state` (at a barrier, or done), hands over
+// to the next runnable thread of the round, or to the scheduler after the
+// last.
 void pass_on(int state, unsigned mask) {
     block_run &r = *running;
     fiber &me = r.f[r.current];
     me.state = state;
     me.mask = mask;
-    int next = r.current + 1;
-    while (next < r.n && r.f[next].state != RUNNABLE) next++;
-    if (next == r.n) {
+    int next = r.current + r.step;
+    while (next >= 0 && next < r.n && r.f[next].state != RUNNABLE) next += r.step;
+    if (next < 0 || next == r.n) {
         fl_emu_switch(&me.sp, r.sched);
         return;
     }
@@ -576,6 +581,7 @@ void pass_on(int state, unsigned mask) {
     fl_emu_switch(&me.sp, r.f[next].sp);
 }
 
+// A thread's first frame: the kernel, then on to the next thread for good.
 extern "C" [[noreturn]] void fl_emu_thread_main() {
     (*running->body)();
     pass_on(DONE, 0);
@@ -650,9 +656,9 @@ void run_block(block_run &r) {
     r.shared_bytes = 0;
     for (;;) {
         // a round: each runnable thread in turn, handing over directly
-        int first = 0;
-        while (first < r.n && r.f[first].state != RUNNABLE) first++;
-        if (first < r.n) {
+        int first = r.step > 0 ? 0 : r.n - 1;
+        while (first >= 0 && first < r.n && r.f[first].state != RUNNABLE) first += r.step;
+        if (first >= 0 && first < r.n) {
             r.current = first;
             threadIdx = r.f[first].tid;
             fl_emu_switch(&r.sched, r.f[first].sp);
@@ -698,9 +704,19 @@ void launch(const char *name, const void *func, dim3 grid, dim3 block, size_t sm
         for (int i = 0; i < max_threads; i++)
             mprotect(stacks + (size_t)i * (stack_bytes + guard_bytes), guard_bytes, PROT_NONE);
     }
-    enqueue(s, [name, grid, block, smem, body]() {
+    // Every other launch of a kernel runs its blocks, and its threads in
+    // each round, in reverse order (FITLM_CUDA_EMU_ORDER=forward or
+    // reverse: all): a result that depends on the order (a race between
+    // threads or blocks) differs between two launches of the same work.
+    const char *order = getenv("FITLM_CUDA_EMU_ORDER");
+    int step = order && !strcmp(order, "reverse")   ? -1
+               : order && !strcmp(order, "forward") ? 1
+               : launches[func]++ % 2               ? -1
+                                                    : 1;
+    enqueue(s, [name, grid, block, smem, body, step]() {
         block_run r;
         r.name = name;
+        r.step = step;
         r.body = &body;
         r.n = (int)(block.x * block.y * block.z);
         r.f.resize((size_t)r.n);
@@ -715,12 +731,13 @@ void launch(const char *name, const void *func, dim3 grid, dim3 block, size_t sm
         double t0 = now();
         blockDim = block;
         gridDim = grid;
-        for (unsigned z = 0; z < grid.z; z++)
-            for (unsigned y = 0; y < grid.y; y++)
-                for (unsigned x = 0; x < grid.x; x++) {
-                    blockIdx = uint3{x, y, z};
-                    run_block(r);
-                }
+        unsigned long long blocks = (unsigned long long)grid.x * grid.y * grid.z;
+        for (unsigned long long i = 0; i < blocks; i++) {
+            unsigned long long b = step > 0 ? i : blocks - 1 - i;
+            blockIdx = uint3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
+                             (unsigned)(b / ((unsigned long long)grid.x * grid.y))};
+            run_block(r);
+        }
         running = NULL;
         if (getenv("FITLM_CUDA_EMU_TRACE"))
             fprintf(stderr, "emu: %s grid %u,%u,%u block %u,%u,%u smem %zu: %.1f ms\n", name,
