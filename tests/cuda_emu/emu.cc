@@ -286,10 +286,11 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     *p = NULL;
     size_t rounded = (bytes + 255) & ~(size_t)255;
     if (!rounded || device_used + rounded > mem_total()) return fail(cudaErrorMemoryAllocation);
-    char *q = (char *)aligned_alloc(256, rounded);
-    if (!q) return fail(cudaErrorMemoryAllocation);
-    memset(q, 0xff, rounded);
-    device_blocks[q] = bytes;
+    // the exact size, so that a kernel's read past the end meets ASan's redzone
+    void *q = NULL;
+    if (posix_memalign(&q, 256, bytes)) return fail(cudaErrorMemoryAllocation);
+    memset(q, 0xff, bytes);
+    device_blocks[(const char *)q] = bytes;
     device_used += rounded;
     *p = q;
     return cudaSuccess;
@@ -651,7 +652,7 @@ void run_block(block_run &r) {
         t.state = RUNNABLE;
         r.turn[(size_t)i] = 0;
     }
-    memset(r.dynamic.data(), 0xff, r.dynamic.size());
+    if (!r.dynamic.empty()) memset(r.dynamic.data(), 0xff, r.dynamic.size());
     r.shared.clear();
     r.shared_bytes = 0;
     for (;;) {
