@@ -26,9 +26,11 @@
 # test device and the cpu, where they are the same, bitwise), and its
 # resume bit for bit as its straight run; under NVMe offload bitwise the
 # pinned-memory offload run; with weight offload (ZeRO-3, offload_param
-# cpu) bitwise the stage-1 offloaded run, and its resume bit for bit;
-# without clipping the update during the backward pass bitwise the update
-# after it.
+# cpu) bitwise the stage-1 offloaded run, and its resume bit for bit; with
+# weight offload to NVMe (offload_param and offload_optimizer device nvme)
+# bitwise the pinned weight offload's run, its resume bit for bit, and the
+# device's peak of weights the plan's and under the model's; without
+# clipping the update during the backward pass bitwise the update after it.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -278,6 +280,39 @@ for prec in fp32 bf16; do
     cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/woff_$prec/log.txt") \
         <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/woff_resumed_$prec/log.txt") && ok=1 || ok=0
     check $ok "llama $prec with weight offload: resumed at step 5 on $dev, steps 6-10 bit for bit"
+done
+
+# Weight offload to NVMe (ZeRO-Infinity): the weights in the optimizer's
+# NVMe file, each unit read through two pinned staging buffers of 4096
+# elements (a unit in pieces) and up into the same ring: the same values as
+# the pinned weight offload, so every step bitwise its run and the resume
+# bit for bit; the model is built in pinned host memory, so the device's
+# peak of weights (--mem-report) is the plan's, under the whole model's
+mkdir -p "$work/wnvme"
+printf '{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "%s"}, "offload_param": {"device": "nvme", "buffer_count": 2, "buffer_size": 4096}}}\n' \
+    "$work/wnvme" >"$work/wnvme.json"
+# the params row's bytes (last column) of a table whose header starts with $2, in file $1
+params_bytes() { awk -v h="$2" 'index($0, h) == 1 { t = 1; next } t && $1 == "params" { print $NF; exit }' "$1"; }
+for prec in fp32 bf16; do
+    run "wnv_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/wnvme.json" --mem-report
+    cmp -s <(grep '^step' "$work/wnv_$prec/log.txt") <(grep '^step' "$work/woff_$prec/log.txt") &&
+        ok=1 || ok=0
+    check $ok "llama $prec with weight offload to NVMe on $dev: every step bitwise the pinned weight offload's"
+    "$fitlm" train --device "$dev" --resume "$work/wnv_$prec/ckpt_00000005.fitlm" \
+        --config "$work/wnvme.json" --out "$work/wnv_resumed_$prec" --threads 2 \
+        >"$work/wnv_resumed_$prec.out" 2>&1 || { tail -20 "$work/wnv_resumed_$prec.out"; exit 1; }
+    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/wnv_$prec/log.txt") \
+        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/wnv_resumed_$prec/log.txt") && ok=1 || ok=0
+    check $ok "llama $prec with weight offload to NVMe: resumed at step 5 on $dev, steps 6-10 bit for bit"
+    "$fitlm" plan --device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" \
+        --batch 4 --seq-len 64 --precision "$prec" --threads 2 --sample-tokens 0 \
+        --config "$work/wnvme.json" >"$work/wnv_plan_$prec.out" 2>&1 || { tail -20 "$work/wnv_plan_$prec.out"; exit 1; }
+    peak=$(params_bytes "$work/wnv_$prec.out" "device memory by tag")
+    planned=$(awk 'index($0, "tag (per rank)") == 1 { t = 1; next } t && $1 == "params" { print $3; exit }' \
+        "$work/wnv_plan_$prec.out")
+    whole=$(params_bytes "$work/wnv_$prec.out" "of which pinned")
+    [ -n "$peak" ] && [ "$peak" = "$planned" ] && [ "$peak" -lt "$whole" ] && ok=1 || ok=0
+    check $ok "llama $prec with weight offload to NVMe on $dev: the device's peak of weights $peak bytes = the plan's ${planned:-?}, under the whole model's ${whole:-?}"
 done
 
 # the update during the backward pass (no clipping): bitwise the same run whose

@@ -10,8 +10,14 @@
 // tag the run allocates. Weight offload (ZeRO-3 with offload_param cpu)
 // gives the stage-1 offloaded run's and the cpu's figures and weights
 // bitwise, resumes bitwise, and holds less than the whole weights on the
-// device. Pinned memory the host lacks, weight offload to NVMe and ZeRO-3
-// without offload_param on a device are refused.
+// device. Weight offload to NVMe (offload_param and offload_optimizer
+// device nvme: the weights in the optimizer's file, read through pinned
+// staging buffers) gives the cpu's and the pinned weight offload's figures
+// and weights bitwise and resumes bitwise. Under weight offload the device
+// never holds the whole weights (they are built in pinned host memory): its
+// peak of weights is the plan's and under the model's. Pinned memory the
+// host lacks, offload_param keys fitlm does not honour and ZeRO-3 without
+// offload_param on a device are refused.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -250,10 +256,11 @@ static void test_plan_equals_measured(void) {
         t_check(plan_equals_measured(cases[c]) > 0, "%s: the plan shows pinned bytes", cases[c]);
 }
 
-// Weight offload (ZeRO-3, offload_param cpu): the same run as the
-// stage-1 offloaded one and the cpu's, bitwise (losses, norms, final weights).
-static void weights_case(const char *flags, const char *stage3) {
-    const char *runs[3][2] = {{"cpu", ""}, {"test", "off1.json"}, {"test", stage3}};
+// Weight offload (ZeRO-3, offload_param cpu or nvme): the same run as the
+// cpu's and `base`'s on the test device (the stage-1 offloaded one, or the
+// pinned weight offload), bitwise (losses, norms, final weights).
+static void weights_case(const char *flags, const char *base, const char *stage3) {
+    const char *runs[3][2] = {{"cpu", ""}, {"test", base}, {"test", stage3}};
     char figures[3][1024];
     for (int i = 0; i < 3; i++) {
         int rc = fitlm("train " RUN " %s --out w%d --device %s%s%s", flags, i, runs[i][0],
@@ -284,9 +291,29 @@ static void test_weight_offload(void) {
     const char *models[] = {"--model tiny --precision fp32", "--model llama-tiny --precision bf16"};
     for (int k = 0; k < 2; k++) {
         snprintf(flags, sizeof flags, "%s %s", models[k], common);
-        weights_case(flags, "w3.json");
-        weights_case(flags, "w3p.json");
+        weights_case(flags, "off1.json", "w3.json");
+        weights_case(flags, "off1.json", "w3p.json");
     }
+}
+
+// NVMe weight offload: the pinned weight offload's run and the cpu's,
+// bitwise: a ring of one unit read in pieces (staging buffers smaller than
+// a unit), the default prefetch and reuse with DeepSpeed's buffer keys,
+// bf16/fp16/fp32, AdamW and SGD, clipping or the update during the
+// backward pass.
+static void test_weight_offload_nvme(void) {
+    weights_case("--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0.5 --steps 3",
+                 "w3.json", "w3n.json");
+    weights_case("--model tiny --precision fp32 --activation-checkpointing block --steps 3",
+                 "w3p.json", "w3np.json");
+    weights_case("--model tiny --precision fp16 --optimizer sgd --momentum 0.9 --steps 3",
+                 "w3.json", "w3n.json");
+    weights_case("--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2 --steps 3",
+                 "w3p.json", "w3np.json");
+    // interrupted and resumed: the weights written to the checkpoint from
+    // the file, and back into it
+    resumed_equals_cpu("--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0.5",
+                       "w3n.json", "wnhalf");
 }
 
 // Weight offload interrupted after 2 steps and resumed to 4: the cpu's
@@ -306,24 +333,49 @@ static double device_params_now(const char *text) {
     return now;
 }
 
-// The plan equals the measured bytes per tag (the peak holds the whole
-// weights before set-up frees them), and after set-up the device's weights
-// are the ring and the residents: less than the whole model's.
+// The plan equals the measured bytes per tag (host, pinned, device; the
+// disk's bytes under NVMe), and the device never holds the whole weights:
+// its peak of weights (the residents and the ring; the model is built in
+// pinned host memory) is the plan's and, with a ring of a fraction of the
+// units, under the model's; after set-up the same.
 static void test_weight_offload_plan(void) {
     const char *cases[] = {
         "--model llama-tiny --precision bf16 --grad-accum 2 --config w3.json",
         "--model tiny --precision fp32 --activation-checkpointing block --config w3p.json",
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config w3n.json",
+        "--model tiny --precision fp16 --config w3np.json",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        double whole = (double)plan_equals_measured(cases[c]);
+        // a ring of one unit (w3.json, w3n.json) holds under 3/4 of the weights here
+        int one = strstr(cases[c], "w3.json") || strstr(cases[c], "w3n.json");
+        size_t disk = 0;
+        int rc = fitlm("plan " RUN " %s --steps 2 --device test", cases[c]);
+        const char *at = strstr(output, "NVMe offload: ");
+        if (rc == 0 && at) sscanf(at, "NVMe offload: %zu bytes", &disk);
+        size_t whole = plan_equals_measured(cases[c]); // the 16-bit weights' bytes
+        size_t device[FL_MEM_NTAGS];
+        table_bytes(output, "device memory by tag", 2, device);
+        // (the default prefetch's ring on these 2-block models is not a
+        // fraction of the units: only the plan's bytes)
+        t_check(whole > 0 && device[FL_MEM_PARAMS] > 0 &&
+                    (!one || device[FL_MEM_PARAMS] < whole / 2 + whole / 4),
+                "%s: the device's peak of weights (%zu bytes, the plan's) is under 3/4 of the "
+                "whole model's %zu",
+                cases[c], device[FL_MEM_PARAMS], whole);
+        // NVMe: the file holds the weights besides the fp32 master, m and v
+        if (strstr(cases[c], "w3n"))
+            t_check(disk >= 7 * whole,
+                    "%s: the plan's %zu bytes on disk hold the weights (%zu) "
+                    "and the master and state",
+                    cases[c], disk, whole);
         // the pinned copy holds the whole weights; the device, after set-up,
         // less (a ring of one unit: w3.json)
-        if (!strstr(cases[c], "w3.json")) continue;
+        if (!one) continue;
         double now = device_params_now(output);
-        t_check(now >= 0.0 && now * 1048576.0 < 0.75 * whole,
+        t_check(now >= 0.0 && now * 1048576.0 < 0.75 * (double)whole,
                 "%s: the device's weights after set-up (%.2f MiB) are under the whole model's "
                 "(%.0f bytes)",
-                cases[c], now, whole);
+                cases[c], now, (double)whole);
     }
 }
 
@@ -337,8 +389,14 @@ static void test_refusals(void) {
                "--config off1.json");
     fails_with("offload_optimizer applies to ZeRO stages 1-3",
                "train " RUN " --model tiny --steps 1 --device test --config off0.json");
-    fails_with("weight offload to NVMe",
+    // NVMe weight offload: no weights kept in host memory (max_in_cpu), at
+    // most 64 staging buffers, the weights in the optimizer's file
+    fails_with("offload_param.max_in_cpu 1e+06: fitlm keeps no weights in host memory",
                "train " RUN " --model tiny --steps 1 --device test --config paramnv.json");
+    fails_with("offload_param.buffer_count 65",
+               "train " RUN " --model tiny --steps 1 --device test --config paramnb.json");
+    fails_with("offload_param.device nvme needs offload_optimizer.device nvme",
+               "train " RUN " --model tiny --steps 1 --device test --config paramno.json");
     fails_with("without offload_optimizer.device cpu",
                "train " RUN " --model tiny --steps 1 --device test --config param3n.json");
     fails_with("ZeRO stage 3",
@@ -371,7 +429,13 @@ int main(void) {
                       "{\"device\": \"nvme\", \"nvme_path\": \".\"}}}"},
         {"paramnv.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
                          "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
-                         "{\"device\": \"nvme\"}}}"},
+                         "{\"device\": \"nvme\", \"max_in_cpu\": 1e6}}}"},
+        {"paramnb.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                         "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
+                         "{\"device\": \"nvme\", \"buffer_count\": 65}}}"},
+        {"paramno.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                         "{\"device\": \"cpu\"}, \"offload_param\": {\"device\": "
+                         "\"nvme\", \"nvme_path\": \".\"}}}"},
         {"param3n.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
                          "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
                          "{\"device\": \"cpu\"}}}"},
@@ -385,6 +449,18 @@ int main(void) {
                      "1000000, \"stage3_param_persistence_threshold\": 0, \"offload_optimizer\": "
                      "{\"device\": \"cpu\"}, "
                      "\"offload_param\": {\"device\": \"cpu\"}}}"},
+        // NVMe weight offload: a ring of one unit read through two staging
+        // buffers of 3000 elements (a unit in pieces, buffers reused within
+        // it); the default prefetch and reuse with DeepSpeed's buffer keys
+        {"w3n.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_prefetch_bucket_size\": "
+                     "0, \"stage3_param_persistence_threshold\": 0, \"offload_optimizer\": "
+                     "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
+                     "{\"device\": \"nvme\", \"buffer_count\": 2, \"buffer_size\": 3000}}}"},
+        {"w3np.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_max_reuse_distance\": "
+                      "1000000, \"stage3_param_persistence_threshold\": 0, "
+                      "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \".\"}, "
+                      "\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \".\", "
+                      "\"buffer_count\": 5, \"buffer_size\": 1e8, \"pin_memory\": true}}}"},
     };
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
         write_config(configs[i][0], configs[i][1]);
@@ -394,6 +470,7 @@ int main(void) {
     test_plan_equals_measured();
     test_weight_offload();
     test_weight_offload_resume();
+    test_weight_offload_nvme();
     test_weight_offload_plan();
     test_refusals();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);

@@ -287,7 +287,7 @@ static void test_refusals(void) {
         fails_with(refused[i].what, "train " RUN " --model tiny --steps 1 --device test %s",
                    refused[i].flags);
     fails_with("2 ranks", "plan " RUN " --model tiny --device test --ranks 2");
-    fails_with("weight offload to NVMe",
+    fails_with("offload_param.max_in_cpu 1e+06: fitlm keeps no weights in host memory",
                "train " RUN " --model tiny --steps 1 --device test --config offload.json");
     // a run that does not fit the device's free memory, refused before
     // allocating, with what would fit (the test device holds 64 GiB)
@@ -496,9 +496,12 @@ int main(void) {
     snprintf(path, sizeof path, "%s/offload.json", dir);
     FILE *f = fopen(path, "w");
     if (f) {
-        // weight offload to NVMe (to pinned memory runs: test_device_offload.c)
+        // weight offload to NVMe with weights kept in host memory besides
+        // (max_in_cpu), which fitlm does not offer (weight offload to
+        // pinned memory or NVMe runs: test_device_offload.c)
         fputs("{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": "
-              "\"nvme\", \"nvme_path\": \".\"}, \"offload_param\": {\"device\": \"nvme\"}}}",
+              "\"nvme\", \"nvme_path\": \".\"}, \"offload_param\": {\"device\": \"nvme\", "
+              "\"max_in_cpu\": 1e6}}}",
               f);
         fclose(f);
     }

@@ -97,6 +97,7 @@ static void on_grads_down(void *ctx) {
 }
 
 void fl_dev_offload_upload(fl_dev_offload *f) {
+    if (!f->m->params) return; // weight offload: each unit goes up before it runs
     fl_dev_upload(f->dev, f->m->params, f->params, f->m->table.numel * fl_dtype_size(f->m->dtype));
 }
 
@@ -117,20 +118,22 @@ static void on_updated(void *ctx) {
     f->dev->stream_wait(f->dev, NULL, f->up_done);
 }
 
-fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg) {
+fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg,
+                                    void *host_params) {
     const fl_device *d = m->dev;
-    FL_ASSERT(!d->host && m->params && m->grads && !fl_model_sharded(m));
+    FL_ASSERT(!d->host && !m->params != !host_params && m->grads && !fl_model_sharded(m));
     fl_dev_offload *f = fl_alloc(FL_MEM_OTHER, sizeof *f);
     f->m = m;
     f->o = o;
     f->dev = d;
     size_t bytes = m->table.numel * fl_dtype_size(m->dtype);
     const fl_device *pin = fl_device_pinned(d);
-    void *params = pin->alloc(pin, FL_MEM_PARAMS, bytes),
+    // weight offload: the weights built in pinned memory are the host copy
+    void *params = host_params ? host_params : pin->alloc(pin, FL_MEM_PARAMS, bytes),
          *grads = pin->alloc(pin, FL_MEM_GRADS, bytes);
     f->params = params;
     f->grads = grads;
-    fl_dev_download(d, params, m->params, bytes);
+    if (!host_params) fl_dev_download(d, params, m->params, bytes);
     fl_device_use(pin); // the optimizer's memory is pinned host memory
     fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
     fl_device_use(d);
@@ -146,6 +149,13 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     return f;
 }
 
+void fl_dev_offload_drop_params(fl_dev_offload *f) {
+    const fl_device *pin = fl_device_pinned(f->dev);
+    FL_ASSERT(!f->m->params && f->o->params == f->params);
+    pin->free(pin, f->params);
+    f->params = f->o->params = NULL; // the pager binds a chunk's at a time
+}
+
 void fl_dev_offload_free(fl_dev_offload *f) {
     if (!f) return;
     const fl_device *pin = fl_device_pinned(f->dev);
@@ -154,7 +164,7 @@ void fl_dev_offload_free(fl_dev_offload *f) {
     f->dev->stream_destroy(f->dev, f->down);
     f->dev->stream_destroy(f->dev, f->up);
     f->m->hooks = (fl_model_hooks){0};
-    pin->free(pin, f->params);
+    if (f->params) pin->free(pin, f->params); // (NVMe weight offload: dropped)
     pin->free(pin, f->grads);
     fl_free(f);
 }

@@ -513,12 +513,15 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_optimizer_memory(&r->optim, dt, numel, opt);
         if (r->dev_offload && r->optim.paged) { // NVMe under it: chunk buffers, the rest on disk
             size_t pb[FL_MEM_NTAGS];
-            fl_offload_memory(&r->offload, numel, fl_optimizer_paged_tensors(&r->optim, dt), 0, pb,
-                              &out->disk);
+            // (with offload_param nvme the 16-bit weights too)
+            size_t paged_weights = r->zero.offload_params ? ds : 0;
+            fl_offload_memory(&r->offload, numel, fl_optimizer_paged_tensors(&r->optim, dt),
+                              paged_weights, pb, &out->disk);
             for (int k = 0; k < FL_MEM_NTAGS; k++) opt[k] += pb[k];
             fl_optimizer_config unpaged = r->optim;
             unpaged.paged = 0;
             fl_optimizer_memory(&unpaged, dt, numel, out->unpaged);
+            if (paged_weights) out->unpaged[FL_MEM_PARAMS] = numel * ds;
         }
     }
     for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += opt[k] + dist_bytes[k];
@@ -529,14 +532,22 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         out->pinned[FL_MEM_GRADS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
         b[FL_MEM_GRADS] += numel * ds;
-        // weight offload (device_weights.c): after set-up the device holds
-        // the resident units and the ring, not the whole weights
+        // weight offload (device_weights.c): the whole weights are built in
+        // the pinned copy (run.c; under NVMe freed once the file holds them)
+        // and the device only ever holds the resident units and the ring;
+        // under NVMe a unit goes up through the pinned staging buffers
         if (r->zero.stage == 3 && shaped) {
             fl_param_table rows;
             rank_table(r, &c, &rows);
             size_t held = fl_dev_weights_bytes(&r->zero, &rows, c.n_layer, dt);
+            size_t staging =
+                r->zero.offload_params
+                    ? fl_dev_weights_staging_bytes(&r->offload, &r->zero, &rows, c.n_layer, dt)
+                    : 0;
             fl_params_free(&rows);
-            if (held > numel * ds) b[FL_MEM_PARAMS] += held - numel * ds; // the peak's larger
+            b[FL_MEM_PARAMS] = b[FL_MEM_PARAMS] - numel * ds + held;
+            b[FL_MEM_OFFLOAD] += staging;
+            out->pinned[FL_MEM_OFFLOAD] += staging;
         }
     }
     // tensor parallelism: the TP group's table and its scratch, which stays
