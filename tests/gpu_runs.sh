@@ -284,12 +284,13 @@ done
 
 # Weight offload to NVMe (ZeRO-Infinity): the weights in the optimizer's
 # NVMe file, each unit read through two pinned staging buffers of 4096
-# elements (a unit in pieces) and up into the same ring: the same values as
-# the pinned weight offload, so every step bitwise its run and the resume
-# bit for bit; the model is built in pinned host memory, so the device's
-# peak of weights (--mem-report) is the plan's, under the whole model's
+# elements (a unit in pieces) and up into a ring of one unit (no prefetch):
+# the same values as the pinned weight offload, so every step bitwise its
+# run and the resume bit for bit; the model is built in pinned host memory,
+# so the device's peak of weights (--mem-report) is the plan's, under the
+# whole model's
 mkdir -p "$work/wnvme"
-printf '{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "%s"}, "offload_param": {"device": "nvme", "buffer_count": 2, "buffer_size": 4096}}}\n' \
+printf '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "%s"}, "offload_param": {"device": "nvme", "buffer_count": 2, "buffer_size": 4096}}}\n' \
     "$work/wnvme" >"$work/wnvme.json"
 # the params row's bytes (last column) of a table whose header starts with $2, in file $1
 params_bytes() { awk -v h="$2" 'index($0, h) == 1 { t = 1; next } t && $1 == "params" { print $NF; exit }' "$1"; }
