@@ -234,7 +234,8 @@ static const option options[] = {
      "weights kept in RAM under NVMe offload: stage 3's ring instead (the default only)"},
     {"zero_optimization.offload_param.pin_memory", NULL, OPT_BOOL, NUM(zero_extra.param_pin_memory),
      "false", 0, 0, NULL,
-     "offloaded weights in page-locked memory: no device copies here, either value"},
+     "offloaded weights in page-locked memory: either value (on a device they are pinned "
+     "either way)"},
     {"zero_optimization.cpu_offload", NULL, OPT_BOOL, NUM(zero_extra.cpu_offload), "false", 0, 0,
      NULL, "deprecated: offload_optimizer.device cpu"},
     {"zero_optimization.cpu_offload_param", NULL, OPT_BOOL, NUM(zero_extra.cpu_offload_param),
