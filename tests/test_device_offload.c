@@ -298,7 +298,8 @@ static void test_weight_offload(void) {
 
 // NVMe weight offload: the pinned weight offload's run and the cpu's,
 // bitwise: a ring of one unit read in pieces (staging buffers smaller than
-// a unit), the default prefetch and reuse with DeepSpeed's buffer keys,
+// a unit), the default prefetch and reuse with DeepSpeed's buffer keys and
+// with pieces,
 // bf16/fp16/fp32, AdamW and SGD, clipping or the update during the
 // backward pass.
 static void test_weight_offload_nvme(void) {
@@ -310,6 +311,10 @@ static void test_weight_offload_nvme(void) {
                  "w3.json", "w3n.json");
     weights_case("--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2 --steps 3",
                  "w3p.json", "w3np.json");
+    // the prefetch through three buffers of 2000 elements: a prefetched
+    // unit's pieces go up before it runs when their buffers are needed
+    weights_case("--model llama-tiny --precision bf16 --activation-checkpointing block --steps 3",
+                 "w3p.json", "w3nq.json");
     // interrupted and resumed: the weights written to the checkpoint from
     // the file, and back into it
     resumed_equals_cpu("--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0.5",
@@ -456,6 +461,11 @@ int main(void) {
                      "0, \"stage3_param_persistence_threshold\": 0, \"offload_optimizer\": "
                      "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
                      "{\"device\": \"nvme\", \"buffer_count\": 2, \"buffer_size\": 3000}}}"},
+        {"w3nq.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_max_reuse_distance\": "
+                      "1000000, \"stage3_param_persistence_threshold\": 0, "
+                      "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \".\"}, "
+                      "\"offload_param\": {\"device\": \"nvme\", \"buffer_count\": 3, "
+                      "\"buffer_size\": 2000}}}"},
         {"w3np.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_max_reuse_distance\": "
                       "1000000, \"stage3_param_persistence_threshold\": 0, "
                       "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \".\"}, "
