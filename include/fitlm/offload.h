@@ -101,6 +101,16 @@ fl_dev_offload *fl_dev_offload_init(struct fl_model *m, fl_optimizer *o,
                                     const fl_optimizer_config *cfg);
 // The host copy of the weights up to the model (after a restore wrote it).
 void fl_dev_offload_upload(fl_dev_offload *f);
+// How long the device waited on the host (timed on the device's compute
+// stream, docs/offload.md): the steps' time, each from its first
+// zero_grad to the end of its uploads, and the waits in it (the device
+// idle while the host took the gradients down, updated and sent the
+// weights up); a skipped step's count with the next step's.
+typedef struct {
+    double wait_ms, step_ms;
+    long steps; // steps timed
+} fl_dev_offload_waits;
+void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w);
 void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is fine
 
 // Weight offload on one device (ZeRO-3, offload_param.device cpu): the
