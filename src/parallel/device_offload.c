@@ -15,7 +15,7 @@
 // it. The host runs the plain path's arithmetic on the same values: bitwise
 // the cpu's run.
 //
-// The share of the step the device waits on the host (fl_dev_offload_waits)
+// The share of the step the device waits on the host (fl_dev_offload_waits_get)
 // is timed on the compute stream (event_record_timed): a step runs from its
 // first zero_grad to the event after the uploads the next forward pass
 // waits for; a wait, from where the host starts work the device then waits
