@@ -13,7 +13,7 @@
 // value, far below fp32.
 #include "common.cuh"
 
-#define REDUCE_BLOCKS  1024
+#define REDUCE_BLOCKS  FL_CUDA_REDUCE_BLOCKS
 #define REDUCE_THREADS 256
 
 __global__ void convert_kernel(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
