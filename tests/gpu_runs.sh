@@ -26,9 +26,16 @@
 # test device and the cpu, where they are the same, bitwise), and its
 # resume bit for bit as its straight run; under NVMe offload bitwise the
 # pinned-memory offload run; with weight offload (ZeRO-3, offload_param
-# cpu) bitwise the stage-1 offloaded run, and its resume bit for bit;
-# without clipping the update during the backward pass bitwise the update
-# after it.
+# cpu) bitwise the stage-1 offloaded run, and its resume bit for bit; with
+# weight offload to NVMe (offload_param and offload_optimizer device nvme)
+# bitwise the pinned weight offload's run, its resume bit for bit, and the
+# device's peak of weights the plan's and under the model's; without
+# clipping the update during the backward pass bitwise the update after it;
+# each offloaded step reports the share of it the device waited on the cpu
+# (timed on the device), within [0, 100]. The plan's device bytes per tag
+# equal a run's measured peaks (the backend's scratch included), and
+# --mem-limit counts what the device holds itself (cuda: its context,
+# measured at start-up).
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -139,14 +146,33 @@ done
 # --mem-limit on the device: its budget, against the plan's device bytes
 flags=(--device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" --batch 4
     --seq-len 64 --steps 2 --precision bf16 --threads 2 --sample-tokens 0 --eval-iters 1)
-need=$("$fitlm" plan "${flags[@]}" | awk '$1 == "total" && NF >= 4 { print $3; exit }')
+"$fitlm" plan "${flags[@]}" >"$work/plan.out" 2>&1 || true
+need=$(awk '$1 == "total" && NF >= 4 { print $3; exit }' "$work/plan.out")
+# what the device holds itself (cuda: its context), which the limit, a
+# card's total memory, counts too
+held=$(awk '/^the device holds [0-9]+ bytes itself/ { print $4; exit }' "$work/plan.out")
+held=${held:-0}
+if [ "$dev" = cuda ]; then
+    [ "$held" -gt 0 ] && grep -q "context and cuBLASLt" "$work/plan.out" && ok=1 || ok=0
+    check $ok "cuda measures the bytes its context holds ($held) and names them at start-up"
+fi
 if [ -n "$need" ] && [ "$need" -gt 0 ]; then
-    "$fitlm" train "${flags[@]}" --out "$work/capped" --mem-limit "$need" >"$work/capped.out" 2>&1 &&
+    cap=$((need + held))
+    "$fitlm" train "${flags[@]}" --out "$work/capped" --mem-limit "$cap" >"$work/capped.out" 2>&1 &&
         ok=1 || ok=0
-    check $ok "a run at its planned $need device bytes trains under --mem-limit $need"
-    ! "$fitlm" train "${flags[@]}" --out "$work/over" --mem-limit $((need - 1)) >"$work/over.out" 2>&1 &&
+    check $ok "a run at its planned $need device bytes and the device's own $held trains under --mem-limit $cap"
+    ! "$fitlm" train "${flags[@]}" --out "$work/over" --mem-limit $((cap - 1)) >"$work/over.out" 2>&1 &&
         grep -q "device budget" "$work/over.out" && ok=1 || ok=0
-    check $ok "one byte under its planned device bytes, the run is refused naming the device budget"
+    check $ok "one byte under them, the run is refused naming the device budget"
+    # the plan's device bytes per tag are what the run allocated (its peaks)
+    "$fitlm" train "${flags[@]}" --out "$work/measured" --mem-report >"$work/measured.out" 2>&1 || true
+    same=$(awk '/^tag \(per rank\)/ { p = 1; next } p && NF >= 4 && $1 != "total" { plan[$1] = $3 }
+        p && $1 == "total" { p = 0 }
+        /^device memory by tag/ { m = 1; next } m && NF >= 4 && $1 != "total" { got[$1] = $4 }
+        m && $1 == "total" { m = 0 }
+        END { ok = 1; n = 0; for (t in plan) { n++; if ((t in got ? got[t] : 0) != plan[t]) ok = 0 } print ok && n }' \
+        "$work/plan.out" "$work/measured.out")
+    check "$same" "the plan's device bytes per tag are the run's measured peaks (the backend's scratch included)"
 else
     check 0 "fitlm plan --device $dev prints the device bytes' total"
 fi
@@ -281,6 +307,40 @@ for prec in fp32 bf16; do
     check $ok "llama $prec with weight offload: resumed at step 5 on $dev, steps 6-10 bit for bit"
 done
 
+# Weight offload to NVMe (ZeRO-Infinity): the weights in the optimizer's
+# NVMe file, each unit read through two pinned staging buffers of 4096
+# elements (a unit in pieces) and up into a ring of one unit (no prefetch):
+# the same values as the pinned weight offload, so every step bitwise its
+# run and the resume bit for bit; the model is built in pinned host memory,
+# so the device's peak of weights (--mem-report) is the plan's, under the
+# whole model's
+mkdir -p "$work/wnvme"
+printf '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "%s"}, "offload_param": {"device": "nvme", "buffer_count": 2, "buffer_size": 4096}}}\n' \
+    "$work/wnvme" >"$work/wnvme.json"
+# the params row's bytes (last column) of a table whose header starts with $2, in file $1
+params_bytes() { awk -v h="$2" 'index($0, h) == 1 { t = 1; next } t && $1 == "params" { print $NF; exit }' "$1"; }
+for prec in fp32 bf16; do
+    run "wnv_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/wnvme.json" --mem-report
+    cmp -s <(grep '^step' "$work/wnv_$prec/log.txt") <(grep '^step' "$work/woff_$prec/log.txt") &&
+        ok=1 || ok=0
+    check $ok "llama $prec with weight offload to NVMe on $dev: every step bitwise the pinned weight offload's"
+    "$fitlm" train --device "$dev" --resume "$work/wnv_$prec/ckpt_00000005.fitlm" \
+        --config "$work/wnvme.json" --out "$work/wnv_resumed_$prec" --threads 2 \
+        >"$work/wnv_resumed_$prec.out" 2>&1 || { tail -20 "$work/wnv_resumed_$prec.out"; exit 1; }
+    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/wnv_$prec/log.txt") \
+        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/wnv_resumed_$prec/log.txt") && ok=1 || ok=0
+    check $ok "llama $prec with weight offload to NVMe: resumed at step 5 on $dev, steps 6-10 bit for bit"
+    "$fitlm" plan --device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" \
+        --batch 4 --seq-len 64 --precision "$prec" --threads 2 --sample-tokens 0 \
+        --config "$work/wnvme.json" >"$work/wnv_plan_$prec.out" 2>&1 || { tail -20 "$work/wnv_plan_$prec.out"; exit 1; }
+    peak=$(params_bytes "$work/wnv_$prec.out" "device memory by tag")
+    planned=$(awk 'index($0, "tag (per rank)") == 1 { t = 1; next } t && $1 == "params" { print $3; exit }' \
+        "$work/wnv_plan_$prec.out")
+    whole=$(params_bytes "$work/wnv_$prec.out" "of which pinned")
+    [ -n "$peak" ] && [ "$peak" = "$planned" ] && [ "$peak" -lt "$whole" ] && ok=1 || ok=0
+    check $ok "llama $prec with weight offload to NVMe on $dev: the device's peak of weights $peak bytes = the plan's ${planned:-?}, under the whole model's ${whole:-?}"
+done
+
 # the update during the backward pass (no clipping): bitwise the same run whose
 # update waits for the whole gradient (a spike test on the norm that never fires)
 run off_overlap "$dev" llama bf16 --grad-clip 0 --config "$work/offload.json"
@@ -291,6 +351,16 @@ run off_wait "$dev" llama bf16 --grad-clip 0 --skip-update-gradz 1e6 --config "$
 cmp -s <(grep '^step' "$work/off_overlap/log.txt") <(grep '^step' "$work/off_wait/log.txt") &&
     ok=1 || ok=0
 check $ok "llama bf16 offloaded on $dev: overlapped, every step bitwise the waiting update's"
+
+# the share of the step the device waits on the cpu: every step of an
+# offloaded run (overlapped or not) and the summary give one within [0, 100]
+for r in off_bf16 off_overlap; do
+    ok=$(awk '$1 == "step" && $2 ~ /\// { n++; if (match($0, /waited on the cpu [0-9.]+%/)) {
+            v = substr($0, RSTART + 18, RLENGTH - 19) + 0; if (v >= 0 && v <= 100) good++ } }
+        /^ZeRO-Offload: the .* device waited on the cpu [0-9.]+% of the step/ { sum = 1 }
+        END { print (n == 10 && good == n && sum) ? 1 : 0 }' "$work/$r.out")
+    check "$ok" "$r on $dev: each step and the summary give the share of the step the device waited on the cpu ($(grep -m1 '^ZeRO-Offload: the .* device waited' "$work/$r.out" | cut -c15-90))"
+done
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed

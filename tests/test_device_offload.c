@@ -10,13 +10,23 @@
 // tag the run allocates. Weight offload (ZeRO-3 with offload_param cpu)
 // gives the stage-1 offloaded run's and the cpu's figures and weights
 // bitwise, resumes bitwise, and holds less than the whole weights on the
-// device. Pinned memory the host lacks, weight offload to NVMe and ZeRO-3
-// without offload_param on a device are refused.
+// device. Weight offload to NVMe (offload_param and offload_optimizer
+// device nvme: the weights in the optimizer's file, read through pinned
+// staging buffers) gives the cpu's and the pinned weight offload's figures
+// and weights bitwise and resumes bitwise. Under weight offload the device
+// never holds the whole weights (they are built in pinned host memory): its
+// peak of weights is the plan's and under the model's. Pinned memory the
+// host lacks, offload_param keys fitlm does not honour and ZeRO-3 without
+// offload_param on a device are refused. The share of the step the device
+// waits on the host is reported per step and measured.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "fitlm/run.h"
+#include "fitlm/train.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_devoffload_XXXXXX";
@@ -250,10 +260,11 @@ static void test_plan_equals_measured(void) {
         t_check(plan_equals_measured(cases[c]) > 0, "%s: the plan shows pinned bytes", cases[c]);
 }
 
-// Weight offload (ZeRO-3, offload_param cpu): the same run as the
-// stage-1 offloaded one and the cpu's, bitwise (losses, norms, final weights).
-static void weights_case(const char *flags, const char *stage3) {
-    const char *runs[3][2] = {{"cpu", ""}, {"test", "off1.json"}, {"test", stage3}};
+// Weight offload (ZeRO-3, offload_param cpu or nvme): the same run as the
+// cpu's and `base`'s on the test device (the stage-1 offloaded one, or the
+// pinned weight offload), bitwise (losses, norms, final weights).
+static void weights_case(const char *flags, const char *base, const char *stage3) {
+    const char *runs[3][2] = {{"cpu", ""}, {"test", base}, {"test", stage3}};
     char figures[3][1024];
     for (int i = 0; i < 3; i++) {
         int rc = fitlm("train " RUN " %s --out w%d --device %s%s%s", flags, i, runs[i][0],
@@ -284,9 +295,34 @@ static void test_weight_offload(void) {
     const char *models[] = {"--model tiny --precision fp32", "--model llama-tiny --precision bf16"};
     for (int k = 0; k < 2; k++) {
         snprintf(flags, sizeof flags, "%s %s", models[k], common);
-        weights_case(flags, "w3.json");
-        weights_case(flags, "w3p.json");
+        weights_case(flags, "off1.json", "w3.json");
+        weights_case(flags, "off1.json", "w3p.json");
     }
+}
+
+// NVMe weight offload: the pinned weight offload's run and the cpu's,
+// bitwise: a ring of one unit read in pieces (staging buffers smaller than
+// a unit), the default prefetch and reuse with DeepSpeed's buffer keys and
+// with pieces,
+// bf16/fp16/fp32, AdamW and SGD, clipping or the update during the
+// backward pass.
+static void test_weight_offload_nvme(void) {
+    weights_case("--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0.5 --steps 3",
+                 "w3.json", "w3n.json");
+    weights_case("--model tiny --precision fp32 --activation-checkpointing block --steps 3",
+                 "w3p.json", "w3np.json");
+    weights_case("--model tiny --precision fp16 --optimizer sgd --momentum 0.9 --steps 3",
+                 "w3.json", "w3n.json");
+    weights_case("--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2 --steps 3",
+                 "w3p.json", "w3np.json");
+    // the prefetch through three buffers of 2000 elements: a prefetched
+    // unit's pieces go up before it runs when their buffers are needed
+    weights_case("--model llama-tiny --precision bf16 --activation-checkpointing block --steps 3",
+                 "w3p.json", "w3nq.json");
+    // interrupted and resumed: the weights written to the checkpoint from
+    // the file, and back into it
+    resumed_equals_cpu("--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0.5",
+                       "w3n.json", "wnhalf");
 }
 
 // Weight offload interrupted after 2 steps and resumed to 4: the cpu's
@@ -306,24 +342,49 @@ static double device_params_now(const char *text) {
     return now;
 }
 
-// The plan equals the measured bytes per tag (the peak holds the whole
-// weights before set-up frees them), and after set-up the device's weights
-// are the ring and the residents: less than the whole model's.
+// The plan equals the measured bytes per tag (host, pinned, device; the
+// disk's bytes under NVMe), and the device never holds the whole weights:
+// its peak of weights (the residents and the ring; the model is built in
+// pinned host memory) is the plan's and, with a ring of a fraction of the
+// units, under the model's; after set-up the same.
 static void test_weight_offload_plan(void) {
     const char *cases[] = {
         "--model llama-tiny --precision bf16 --grad-accum 2 --config w3.json",
         "--model tiny --precision fp32 --activation-checkpointing block --config w3p.json",
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config w3n.json",
+        "--model tiny --precision fp16 --config w3np.json",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        double whole = (double)plan_equals_measured(cases[c]);
+        // a ring of one unit (w3.json, w3n.json) holds under 3/4 of the weights here
+        int one = strstr(cases[c], "w3.json") || strstr(cases[c], "w3n.json");
+        size_t disk = 0;
+        int rc = fitlm("plan " RUN " %s --steps 2 --device test", cases[c]);
+        const char *at = strstr(output, "NVMe offload: ");
+        if (rc == 0 && at) sscanf(at, "NVMe offload: %zu bytes", &disk);
+        size_t whole = plan_equals_measured(cases[c]); // the 16-bit weights' bytes
+        size_t device[FL_MEM_NTAGS];
+        table_bytes(output, "device memory by tag", 2, device);
+        // (the default prefetch's ring on these 2-block models is not a
+        // fraction of the units: only the plan's bytes)
+        t_check(whole > 0 && device[FL_MEM_PARAMS] > 0 &&
+                    (!one || device[FL_MEM_PARAMS] < whole / 2 + whole / 4),
+                "%s: the device's peak of weights (%zu bytes, the plan's) is under 3/4 of the "
+                "whole model's %zu",
+                cases[c], device[FL_MEM_PARAMS], whole);
+        // NVMe: the file holds the weights besides the fp32 master, m and v
+        if (strstr(cases[c], "w3n"))
+            t_check(disk >= 7 * whole,
+                    "%s: the plan's %zu bytes on disk hold the weights (%zu) "
+                    "and the master and state",
+                    cases[c], disk, whole);
         // the pinned copy holds the whole weights; the device, after set-up,
         // less (a ring of one unit: w3.json)
-        if (!strstr(cases[c], "w3.json")) continue;
+        if (!one) continue;
         double now = device_params_now(output);
-        t_check(now >= 0.0 && now * 1048576.0 < 0.75 * whole,
+        t_check(now >= 0.0 && now * 1048576.0 < 0.75 * (double)whole,
                 "%s: the device's weights after set-up (%.2f MiB) are under the whole model's "
                 "(%.0f bytes)",
-                cases[c], now, whole);
+                cases[c], now, (double)whole);
     }
 }
 
@@ -337,14 +398,117 @@ static void test_refusals(void) {
                "--config off1.json");
     fails_with("offload_optimizer applies to ZeRO stages 1-3",
                "train " RUN " --model tiny --steps 1 --device test --config off0.json");
-    fails_with("weight offload to NVMe",
+    // NVMe weight offload: no weights kept in host memory (max_in_cpu), at
+    // most 64 staging buffers, the weights in the optimizer's file
+    fails_with("offload_param.max_in_cpu 1e+06: fitlm keeps no weights in host memory",
                "train " RUN " --model tiny --steps 1 --device test --config paramnv.json");
+    fails_with("offload_param.buffer_count 65",
+               "train " RUN " --model tiny --steps 1 --device test --config paramnb.json");
+    fails_with("offload_param.device nvme needs offload_optimizer.device nvme",
+               "train " RUN " --model tiny --steps 1 --device test --config paramno.json");
     fails_with("without offload_optimizer.device cpu",
                "train " RUN " --model tiny --steps 1 --device test --config param3n.json");
     fails_with("ZeRO stage 3",
                "train " RUN " --model tiny --steps 1 --device test --config off3.json");
     fails_with("ZeRO stage 2 without offload_optimizer",
                "train " RUN " --model tiny --steps 1 --device test --zero-stage 2");
+}
+
+// The share of the step the device waits on the host (issue 46). A run
+// reports it per step (its line and metrics.jsonl) and after the last,
+// between 0 and 100%; the cpu's run has none.
+static void test_waits_reported(void) {
+    const char *flags = "--model llama-tiny --precision bf16 --grad-accum 2 --steps 3";
+    for (int overlap = 0; overlap < 2; overlap++) {
+        int rc = fitlm("train " RUN " %s%s --out waits --device test --config off1.json", flags,
+                       overlap ? " --grad-clip 0" : "");
+        t_check(rc == 0, "%s: runs: %.600s", flags, output);
+        int lines = 0, in_range = 1;
+        for (const char *at = output; (at = strstr(at, "| waited on the cpu ")); at++, lines++) {
+            double pct = atof(at + strlen("| waited on the cpu "));
+            in_range &= pct >= 0.0 && pct <= 100.0;
+        }
+        const char *sum = strstr(output, "ZeRO-Offload: the test device waited on the cpu ");
+        double total =
+            sum ? atof(sum + strlen("ZeRO-Offload: the test device waited on the cpu ")) : -1.0;
+        t_check(lines == 3 && in_range && total >= 0.0 && total <= 100.0,
+                "%s%s: each step's line and the summary give the share of the step the device "
+                "waited, within [0, 100]: %.900s",
+                flags, overlap ? " (overlapped)" : "", output);
+        char path[256], line[2048];
+        snprintf(path, sizeof path, "%s/waits/metrics.jsonl", dir);
+        FILE *f = fopen(path, "r");
+        int recorded = 0, steps = 0;
+        while (f && fgets(line, sizeof line, f)) {
+            if (!strstr(line, "\"loss\":")) continue;
+            steps++;
+            const char *w = strstr(line, "\"device_wait\":");
+            double share = w ? atof(w + strlen("\"device_wait\":")) : -1.0;
+            recorded += share >= 0.0 && share <= 1.0;
+        }
+        if (f) fclose(f);
+        t_check(steps == 3 && recorded == 3,
+                "metrics.jsonl records device_wait within [0, 1] for each of its %d steps", steps);
+    }
+    int rc = fitlm("train " RUN " %s --out waits --device cpu", flags);
+    t_check(rc == 0 && !strstr(output, "waited on the cpu"),
+            "a run without offload reports no wait: %.600s", output);
+}
+
+// A step of the run by hand (train.c's plain step, one micro-batch), with
+// `sleep_ms` of host work between the gradients' download and the update.
+static void hand_step(fl_run *run, const int *in, const int *tg, int sleep_ms) {
+    fl_model *m = &run->model;
+    fl_optimizer *o = &run->optim;
+    int B = run->cfg.micro_batch, T = run->cfg.seq_len;
+    float dloss = fl_optimizer_scale(o) / (float)fl_batch_targets(o, tg, (size_t)B * T);
+    fl_optimizer_zero_grad(o);
+    fl_model_forward_train(m, in, tg, B, T, dloss);
+    if (fl_optimizer_can_overlap(o)) fl_optimizer_begin_overlap(o, run->cfg.lr, m->loss);
+    fl_model_backward(m, dloss);
+    fl_optimizer_micro_done(o);
+    struct timespec nap = {0, (long)sleep_ms * 1000000L};
+    while (nanosleep(&nap, &nap) != 0) continue;
+    fl_optimizer_step(o, run->cfg.lr);
+}
+
+// The share is measured, not made up: the offload's timed waits, read after
+// each step, lie within the step's time, and host work the device waits for
+// (a sleep between the download and the update) adds at least its length
+// to the waits, with the update overlapped or not.
+static void test_waits_measured(void) {
+    static const char json[] = "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
+                               "{\"device\": \"cpu\"}}}";
+    for (int overlap = 0; overlap < 2; overlap++) {
+        fl_run run;
+        t_run_open(&run, json,
+                   overlap ? "--model llama-tiny --precision bf16 --batch 2 --seq-len 32 "
+                             "--threads 2 --device test --tokenizer byte --out= --grad-clip 0"
+                           : "--model llama-tiny --precision bf16 --batch 2 --seq-len 32 "
+                             "--threads 2 --device test --tokenizer byte --out=",
+                   0);
+        enum { N = 64 };
+        int in[N], tg[N];
+        t_rule_batch(5, N, run.model.config.vocab_size, in, tg);
+        fl_dev_offload_waits w[3];
+        fl_dev_offload_waits_get(run.dev_offload, &w[0]);
+        fl_run_step_batch(&run, in, tg, run.cfg.lr); // the engine's step
+        fl_dev_offload_waits_get(run.dev_offload, &w[1]);
+        hand_step(&run, in, tg, 50);
+        fl_dev_offload_waits_get(run.dev_offload, &w[2]);
+        double wait1 = w[1].wait_ms, step1 = w[1].step_ms, wait2 = w[2].wait_ms - w[1].wait_ms,
+               step2 = w[2].step_ms - w[1].step_ms;
+        t_check(w[0].steps == 0 && w[1].steps == 1 && w[2].steps == 2,
+                "%s: one timed step per step (%ld, %ld, %ld)", overlap ? "overlapped" : "after",
+                w[0].steps, w[1].steps, w[2].steps);
+        t_check(wait1 > 0.0 && wait1 <= step1,
+                "%s: the engine's step waited %.3f ms of its %.3f ms on the host (the update)",
+                overlap ? "overlapped" : "after", wait1, step1);
+        t_check(wait2 >= 50.0 && wait2 <= step2,
+                "%s: 50 ms more host work: the step waited %.3f ms of its %.3f ms",
+                overlap ? "overlapped" : "after", wait2, step2);
+        fl_run_close(&run);
+    }
 }
 
 int main(void) {
@@ -371,7 +535,13 @@ int main(void) {
                       "{\"device\": \"nvme\", \"nvme_path\": \".\"}}}"},
         {"paramnv.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
                          "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
-                         "{\"device\": \"nvme\"}}}"},
+                         "{\"device\": \"nvme\", \"max_in_cpu\": 1e6}}}"},
+        {"paramnb.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                         "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
+                         "{\"device\": \"nvme\", \"buffer_count\": 65}}}"},
+        {"paramno.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                         "{\"device\": \"cpu\"}, \"offload_param\": {\"device\": "
+                         "\"nvme\", \"nvme_path\": \".\"}}}"},
         {"param3n.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
                          "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
                          "{\"device\": \"cpu\"}}}"},
@@ -385,6 +555,23 @@ int main(void) {
                      "1000000, \"stage3_param_persistence_threshold\": 0, \"offload_optimizer\": "
                      "{\"device\": \"cpu\"}, "
                      "\"offload_param\": {\"device\": \"cpu\"}}}"},
+        // NVMe weight offload: a ring of one unit read through two staging
+        // buffers of 3000 elements (a unit in pieces, buffers reused within
+        // it); the default prefetch and reuse with DeepSpeed's buffer keys
+        {"w3n.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_prefetch_bucket_size\": "
+                     "0, \"stage3_param_persistence_threshold\": 0, \"offload_optimizer\": "
+                     "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
+                     "{\"device\": \"nvme\", \"buffer_count\": 2, \"buffer_size\": 3000}}}"},
+        {"w3nq.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_max_reuse_distance\": "
+                      "1000000, \"stage3_param_persistence_threshold\": 0, "
+                      "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \".\"}, "
+                      "\"offload_param\": {\"device\": \"nvme\", \"buffer_count\": 3, "
+                      "\"buffer_size\": 2000}}}"},
+        {"w3np.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_max_reuse_distance\": "
+                      "1000000, \"stage3_param_persistence_threshold\": 0, "
+                      "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \".\"}, "
+                      "\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \".\", "
+                      "\"buffer_count\": 5, \"buffer_size\": 1e8, \"pin_memory\": true}}}"},
     };
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
         write_config(configs[i][0], configs[i][1]);
@@ -394,8 +581,11 @@ int main(void) {
     test_plan_equals_measured();
     test_weight_offload();
     test_weight_offload_resume();
+    test_weight_offload_nvme();
     test_weight_offload_plan();
     test_refusals();
+    test_waits_reported();
+    test_waits_measured();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("  (could not remove %s)\n", dir);
     return t_report();

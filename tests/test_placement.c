@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "fitlm/device.h"
+#include "fitlm/plan.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_placement_XXXXXX";
@@ -287,7 +288,7 @@ static void test_refusals(void) {
         fails_with(refused[i].what, "train " RUN " --model tiny --steps 1 --device test %s",
                    refused[i].flags);
     fails_with("2 ranks", "plan " RUN " --model tiny --device test --ranks 2");
-    fails_with("weight offload to NVMe",
+    fails_with("offload_param.max_in_cpu 1e+06: fitlm keeps no weights in host memory",
                "train " RUN " --model tiny --steps 1 --device test --config offload.json");
     // a run that does not fit the device's free memory, refused before
     // allocating, with what would fit (the test device holds 64 GiB)
@@ -342,6 +343,39 @@ static void over_cap(void *arg) {
 static void test_allocator_cap(void) {
     t_dies("a device allocation over the cap", over_cap, NULL,
            "device memory cap of 1.00 MiB (--mem-limit) exceeded allocating 1.50 MiB for acts");
+}
+
+// What a device holds itself (cuda: its context) counts against the cap,
+// which stands for a card's total memory: in the allocator's cap, and in
+// the plan's device budget (a test table that says it holds 600 KiB).
+static void over_cap_held(void *arg) {
+    (void)arg;
+    const fl_device *dev = fl_device_get("test");
+    fl_mem_device_set_cap((size_t)1 << 20);
+    fl_mem_device_set_reserved((size_t)600 << 10);
+    dev->alloc(dev, FL_MEM_PARAMS, (size_t)512 << 10); // 1.09 MiB with what it holds
+}
+
+static size_t holds_600k(const fl_device *d) {
+    (void)d;
+    return (size_t)600 << 10;
+}
+
+static void test_cap_counts_held(void) {
+    t_dies("a device allocation over the cap with what the device holds", over_cap_held, NULL,
+           "allocated there, and 600 KiB the device holds itself (its context))");
+    fl_device held = *fl_device_get("test");
+    held.reserved = holds_600k;
+    fl_plan_request r;
+    fl_plan_request_init(&r);
+    r.dev = &held;
+    r.device_cap = (size_t)1 << 20;
+    t_check(fl_plan_device_limit(&r) == ((size_t)424 << 10),
+            "the plan's device budget is --mem-limit less what the device holds (%zu)",
+            fl_plan_device_limit(&r));
+    r.device_cap = (size_t)500 << 10;
+    t_check(fl_plan_device_limit(&r) == 1, "a limit below it leaves no budget (%zu)",
+            fl_plan_device_limit(&r));
 }
 
 // ----------------------------------------------------------------------------
@@ -496,9 +530,12 @@ int main(void) {
     snprintf(path, sizeof path, "%s/offload.json", dir);
     FILE *f = fopen(path, "w");
     if (f) {
-        // weight offload to NVMe (to pinned memory runs: test_device_offload.c)
+        // weight offload to NVMe with weights kept in host memory besides
+        // (max_in_cpu), which fitlm does not offer (weight offload to
+        // pinned memory or NVMe runs: test_device_offload.c)
         fputs("{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": "
-              "\"nvme\", \"nvme_path\": \".\"}, \"offload_param\": {\"device\": \"nvme\"}}}",
+              "\"nvme\", \"nvme_path\": \".\"}, \"offload_param\": {\"device\": \"nvme\", "
+              "\"max_in_cpu\": 1e6}}}",
               f);
         fclose(f);
     }
@@ -511,6 +548,7 @@ int main(void) {
     test_refusals();
     test_mem_limit_device();
     test_allocator_cap();
+    test_cap_counts_held();
     test_lora_qlora_equal_cpu();
     test_lora_resume_bitwise();
     test_adapter_on_device();

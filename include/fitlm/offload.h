@@ -30,7 +30,13 @@ typedef struct {
     int thread_count;      // I/O threads, each with its own ring (aio.thread_count)
     int single_submit;     // each request submitted on its own, else a batch at once
     int overlap_events;    // false: a batch completes before the next is submitted
+    // weight offload on a device (offload_param.buffer_count, buffer_size):
+    // the pinned buffers a unit's weights are read into, and their elements
+    int staging_count;
+    double staging_size;
 } fl_offload_config;
+
+enum { FL_OFFLOAD_MAX_STAGING = 64 }; // offload_param.buffer_count's most (reads in flight)
 
 // Checks the offload_optimizer, offload_param and aio blocks against the
 // ZeRO stage and each other (src/parallel/offload_config.c); sets
@@ -94,26 +100,51 @@ int fl_offload_direct(const fl_offload *f);
 // gradient sum, and pinned copies of m's weights and gradients), cfg as
 // fl_optimizer_init's. Gradients go down per unit from m's grad_ready hook
 // (m->hooks is the offload's), the step updates on the host, and the new
-// weights go up after it.
+// weights go up after it. host_params NULL: the pinned copy of the weights
+// is made from m's; else (weight offload) m has no weights on the device
+// and host_params, the whole weights built in pinned memory
+// (fl_device_pinned's alloc, tag params), become the copy, freed with it.
 struct fl_model;
 typedef struct fl_dev_offload fl_dev_offload;
 fl_dev_offload *fl_dev_offload_init(struct fl_model *m, fl_optimizer *o,
-                                    const fl_optimizer_config *cfg);
-// The host copy of the weights up to the model (after a restore wrote it).
+                                    const fl_optimizer_config *cfg, void *host_params);
+// The host copy of the weights up to the model (after a restore wrote it);
+// nothing under weight offload.
 void fl_dev_offload_upload(fl_dev_offload *f);
+// NVMe weight offload: the weights now live in the optimizer's NVMe file
+// (fl_offload_optimizer with weights): the pinned copy is freed.
+void fl_dev_offload_drop_params(fl_dev_offload *f);
+// How long the device waited on the host (timed on the device's compute
+// stream, docs/offload.md): the steps' time, each from its first
+// zero_grad to the end of its uploads, and the waits in it (the device
+// idle while the host took the gradients down, updated and sent the
+// weights up); a skipped step's count with the next step's.
+typedef struct {
+    double wait_ms, step_ms;
+    long steps; // steps timed
+} fl_dev_offload_waits;
+void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w);
 void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is fine
 
-// Weight offload on one device (ZeRO-3, offload_param.device cpu): the
-// model's device weights are freed and the whole 16-bit weights read from
-// host_params (the offload's pinned copy, o->params); each unit goes up
-// ahead of use into stage 3's ring (fl_stage3_layout by cfg's stage3_*
-// keys) through m's pre_unit hook, which chains the offload's grad_ready.
+// Weight offload on one device (ZeRO-3 with offload_param): m has no
+// weights on the device (m->params NULL: they were built in pinned host
+// memory); with device cpu they are read from host_params (the offload's
+// pinned copy, o->params), with device nvme from the optimizer's NVMe file
+// `store` (paged weights) through oc's staging buffers
+// (offload_param.buffer_count of at most buffer_size elements). Each unit
+// goes up ahead of use into stage 3's ring (fl_stage3_layout by cfg's
+// stage3_* keys) through m's pre_unit hook, which chains the offload's
+// grad_ready.
 typedef struct fl_dev_weights fl_dev_weights;
-fl_dev_weights *fl_dev_weights_attach(struct fl_model *m, void *host_params,
-                                      const fl_zero_config *cfg);
-void fl_dev_weights_free(fl_dev_weights *w); // before fl_dev_offload_free; NULL is fine
+fl_dev_weights *fl_dev_weights_attach(struct fl_model *m, void *host_params, fl_offload *store,
+                                      const fl_zero_config *cfg, const fl_offload_config *oc);
+// before fl_offload_free and fl_dev_offload_free; NULL is fine
+void fl_dev_weights_free(fl_dev_weights *w);
 // The device bytes of weights it holds (the residents and the ring).
 size_t fl_dev_weights_bytes(const fl_zero_config *cfg, const fl_param_table *t, int n_layer,
                             fl_dtype dt);
+// Under NVMe: the pinned staging buffers' bytes (tag offload).
+size_t fl_dev_weights_staging_bytes(const fl_offload_config *oc, const fl_zero_config *cfg,
+                                    const fl_param_table *t, int n_layer, fl_dtype dt);
 
 #endif

@@ -223,16 +223,19 @@ static const option options[] = {
      "", 0, 0, NULL, "NVMe offload of the weights: offload_optimizer.nvme_path's (or empty)"},
     {"zero_optimization.offload_param.buffer_count", NULL, OPT_INT,
      NUM(zero_extra.param_buffer_count), "5", 0, 1 << 20, NULL,
-     "NVMe weight buffers: stage 3's ring instead (the default only)"},
+     "NVMe weight buffers: on a device the pinned ones units are read into (1-64); on the cpu "
+     "stage 3's ring instead (the default only)"},
     {"zero_optimization.offload_param.buffer_size", NULL, OPT_FLOAT,
      NUM(zero_extra.param_buffer_size), "1e8", 0, 1e15, NULL,
-     "NVMe weight buffers: stage 3's ring instead (the default only)"},
+     "NVMe weight buffers: on a device their elements (at most a unit's); on the cpu stage 3's "
+     "ring instead (the default only)"},
     {"zero_optimization.offload_param.max_in_cpu", NULL, OPT_FLOAT,
      NUM(zero_extra.param_max_in_cpu), "1e9", 0, 1e15, NULL,
      "weights kept in RAM under NVMe offload: stage 3's ring instead (the default only)"},
     {"zero_optimization.offload_param.pin_memory", NULL, OPT_BOOL, NUM(zero_extra.param_pin_memory),
      "false", 0, 0, NULL,
-     "offloaded weights in page-locked memory: no device copies here, either value"},
+     "offloaded weights in page-locked memory: either value (on a device they are pinned "
+     "either way)"},
     {"zero_optimization.cpu_offload", NULL, OPT_BOOL, NUM(zero_extra.cpu_offload), "false", 0, 0,
      NULL, "deprecated: offload_optimizer.device cpu"},
     {"zero_optimization.cpu_offload_param", NULL, OPT_BOOL, NUM(zero_extra.cpu_offload_param),

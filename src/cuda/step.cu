@@ -15,7 +15,7 @@
 // value, far below fp32.
 #include "common.cuh"
 
-#define REDUCE_BLOCKS     1024
+#define REDUCE_BLOCKS     FL_CUDA_REDUCE_BLOCKS
 #define REDUCE_THREADS    256
 #define REDUCE_PER_THREAD 8
 

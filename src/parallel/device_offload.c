@@ -14,6 +14,14 @@
 // (fl_optimizer_begin_overlap), during the backward pass of the units before
 // it. The host runs the plain path's arithmetic on the same values: bitwise
 // the cpu's run.
+//
+// The share of the step the device waits on the host (fl_dev_offload_waits_get)
+// is timed on the compute stream (event_record_timed): a step runs from its
+// first zero_grad to the event after the uploads the next forward pass
+// waits for; a wait, from where the host starts work the device then waits
+// for (the gradients' downloads, the update, the uploads) to where it next
+// gives the device work. Two timed events with nothing queued between them
+// are the stream's idle time: zero when the device still had work queued.
 #include <string.h>
 
 #include "fitlm/device.h"
@@ -34,10 +42,51 @@ struct fl_dev_offload {
     int pending_first, pending_n;
     void *params, *grads;   // the pinned host copies (the optimizer's params and grads)
     fl_optim_offload hooks; // the optimizer's calls back
+    // timing: the step's start, the open wait's start, and the step's waits
+    // as pairs (idle, resumed), read once the step's uploads are done
+    fl_event *start, *idle, **waits;
+    size_t n_waits, cap_waits;
+    fl_dev_offload_waits timed;
 };
+
+// the host starts work the device will wait for
+static void wait_begin(fl_dev_offload *f) {
+    if (!f->idle) f->idle = f->dev->event_record_timed(f->dev, NULL);
+}
+
+// the host gives the device work again
+static void wait_end(fl_dev_offload *f) {
+    if (!f->idle) return;
+    f->waits = fl_reserve(FL_MEM_OTHER, f->waits, &f->cap_waits, f->n_waits, f->n_waits + 2,
+                          sizeof *f->waits);
+    f->waits[f->n_waits++] = f->idle;
+    f->waits[f->n_waits++] = f->dev->event_record_timed(f->dev, NULL);
+    f->idle = NULL;
+}
+
+// the step's end (after the uploads): its time and its waits, the open
+// one (since the gradients came down) ending here
+static void step_timed(fl_dev_offload *f) {
+    const fl_device *d = f->dev;
+    fl_event *end = d->event_record_timed(d, NULL);
+    double wait = f->idle ? d->event_elapsed_ms(d, f->idle, end) : 0.0; // waits for all
+    for (size_t i = 0; i < f->n_waits; i += 2)
+        wait += d->event_elapsed_ms(d, f->waits[i], f->waits[i + 1]);
+    f->timed.wait_ms += wait;
+    f->timed.step_ms += d->event_elapsed_ms(d, f->start, end);
+    f->timed.steps++;
+    for (size_t i = 0; i < f->n_waits; i++) d->event_destroy(d, f->waits[i]);
+    d->event_destroy(d, f->idle);
+    d->event_destroy(d, f->start);
+    d->event_destroy(d, end);
+    f->n_waits = 0;
+    f->idle = f->start = NULL;
+}
 
 static void on_zero_grad(void *ctx) {
     fl_dev_offload *f = ctx;
+    if (!f->start) f->start = f->dev->event_record_timed(f->dev, NULL);
+    wait_end(f); // a micro-batch's accumulation on the host is done
     f->dev->zero(f->dev, f->m->grads, f->m->table.numel * fl_dtype_size(f->m->dtype));
 }
 
@@ -75,7 +124,11 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
                   f->down);
     f->down_bytes += bytes;
     if (!f->o->overlap_sq) return;
-    update_pending(f); // one unit behind: its download ran beside this unit's backward
+    if (f->pending) { // one unit behind: its download ran beside this unit's backward
+        wait_begin(f);
+        update_pending(f);
+        wait_end(f);
+    }
     f->pending = d->event_record(d, f->down);
     f->pending_first = first;
     f->pending_n = n;
@@ -84,6 +137,7 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
 static void on_grads_down(void *ctx) {
     fl_dev_offload *f = ctx;
     const fl_device *d = f->dev;
+    wait_begin(f); // until the next micro-batch's zero_grad, or the uploads
     update_pending(f);
     wait_up(f); // long done: the backward pass ran after it
     size_t all = f->m->table.numel * fl_dtype_size(f->m->dtype);
@@ -94,9 +148,12 @@ static void on_grads_down(void *ctx) {
     // the whole gradient, after the compute stream's work
     if (f->down_bytes != all) fl_dev_download(d, f->grads, f->m->grads, all);
     f->down_bytes = 0;
+    // fp32 accumulates on the device: the next micro-batch follows at once
+    if (!f->o->grad_accum && f->o->micro < f->o->cfg.grad_accum) wait_end(f);
 }
 
 void fl_dev_offload_upload(fl_dev_offload *f) {
+    if (!f->m->params) return; // weight offload: each unit goes up before it runs
     fl_dev_upload(f->dev, f->m->params, f->params, f->m->table.numel * fl_dtype_size(f->m->dtype));
 }
 
@@ -111,26 +168,36 @@ static void on_rows_updated(void *ctx, size_t first, size_t end) {
 }
 
 // the next forward pass (compute stream) runs after the uploads
+// (timed: the host waits for the uploads here, where the device must wait
+// for them anyway; the next forward's first kernels follow a few
+// microseconds later than they might)
 static void on_updated(void *ctx) {
     fl_dev_offload *f = ctx;
     f->up_done = f->dev->event_record(f->dev, f->up);
     f->dev->stream_wait(f->dev, NULL, f->up_done);
+    if (f->start) step_timed(f);
 }
 
-fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg) {
+void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w) {
+    *w = f->timed;
+}
+
+fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg,
+                                    void *host_params) {
     const fl_device *d = m->dev;
-    FL_ASSERT(!d->host && m->params && m->grads && !fl_model_sharded(m));
+    FL_ASSERT(!d->host && !m->params != !host_params && m->grads && !fl_model_sharded(m));
     fl_dev_offload *f = fl_alloc(FL_MEM_OTHER, sizeof *f);
     f->m = m;
     f->o = o;
     f->dev = d;
     size_t bytes = m->table.numel * fl_dtype_size(m->dtype);
     const fl_device *pin = fl_device_pinned(d);
-    void *params = pin->alloc(pin, FL_MEM_PARAMS, bytes),
+    // weight offload: the weights built in pinned memory are the host copy
+    void *params = host_params ? host_params : pin->alloc(pin, FL_MEM_PARAMS, bytes),
          *grads = pin->alloc(pin, FL_MEM_GRADS, bytes);
     f->params = params;
     f->grads = grads;
-    fl_dev_download(d, params, m->params, bytes);
+    if (!host_params) fl_dev_download(d, params, m->params, bytes);
     fl_device_use(pin); // the optimizer's memory is pinned host memory
     fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
     fl_device_use(d);
@@ -146,15 +213,26 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     return f;
 }
 
+void fl_dev_offload_drop_params(fl_dev_offload *f) {
+    const fl_device *pin = fl_device_pinned(f->dev);
+    FL_ASSERT(!f->m->params && f->o->params == f->params);
+    pin->free(pin, f->params);
+    f->params = f->o->params = NULL; // the pager binds a chunk's at a time
+}
+
 void fl_dev_offload_free(fl_dev_offload *f) {
     if (!f) return;
     const fl_device *pin = fl_device_pinned(f->dev);
     f->dev->sync(f->dev);
     wait_up(f);
+    for (size_t i = 0; i < f->n_waits; i++) f->dev->event_destroy(f->dev, f->waits[i]);
+    f->dev->event_destroy(f->dev, f->idle);
+    f->dev->event_destroy(f->dev, f->start);
+    fl_free(f->waits);
     f->dev->stream_destroy(f->dev, f->down);
     f->dev->stream_destroy(f->dev, f->up);
     f->m->hooks = (fl_model_hooks){0};
-    pin->free(pin, f->params);
+    if (f->params) pin->free(pin, f->params); // (NVMe weight offload: dropped)
     pin->free(pin, f->grads);
     fl_free(f);
 }

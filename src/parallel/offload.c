@@ -193,6 +193,8 @@ fl_offload_config fl_offload_config_of(const fl_train_config *cfg) {
                            .single_submit = x->aio_single_submit,
                            .overlap_events = x->aio_overlap_events};
     snprintf(c.dir, sizeof c.dir, "%s", x->opt_nvme_path);
+    c.staging_count = x->param_buffer_count;
+    c.staging_size = x->param_buffer_size;
     return c;
 }
 

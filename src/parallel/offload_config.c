@@ -31,8 +31,12 @@ static void check_offload(const fl_train_config *cfg, const char *block, const c
 }
 
 // NVMe offload of ZeRO-3's weights: they go in the optimizer's file, which
-// the step updates chunk by chunk, so the optimizer is offloaded too; the
-// gathered weights live in stage 3's own buffers.
+// the step updates chunk by chunk, so the optimizer is offloaded too. On
+// the cpu the gathered weights live in stage 3's own buffers; on a device
+// (device_weights.c) a unit is read into buffer_count pinned buffers of
+// buffer_size elements (DeepSpeed's parameter swap buffers) and uploaded
+// from there. max_in_cpu (weights kept in host memory besides) is not
+// offered: only the defaults of what does not apply are accepted.
 static void check_nvme_params(fl_train_config *cfg) {
     const fl_zero_extra *x = &cfg->zero_extra;
     if (strcmp(x->offload_optimizer, "nvme"))
@@ -45,18 +49,34 @@ static void check_nvme_params(fl_train_config *cfg) {
                     "fitlm keeps the weights in the optimizer's file (give the same directory, "
                     "or leave offload_param.nvme_path out)",
                x->param_nvme_path, x->opt_nvme_path);
+    int device = strcmp(cfg->device, "cpu") != 0;
+    if (device && (x->param_buffer_count < 1 || x->param_buffer_count > FL_OFFLOAD_MAX_STAGING))
+        fl_die(ZERO "offload_param.buffer_count %d: the pinned buffers a unit's weights are read "
+                    "into on their way to the device number 1 to %d",
+               x->param_buffer_count, FL_OFFLOAD_MAX_STAGING);
+    if (device && !(x->param_buffer_size >= 1.0f))
+        fl_die(ZERO "offload_param.buffer_size %g: the elements of a pinned buffer a unit's "
+                    "weights are read into must be at least 1",
+               x->param_buffer_size);
     const struct {
         const char *key;
         double value, def;
-    } keys[] = {{"buffer_count", x->param_buffer_count, 5},
-                {"buffer_size", x->param_buffer_size, 1e8},
-                {"max_in_cpu", x->param_max_in_cpu, 1e9}};
-    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
-        if (keys[i].value != keys[i].def)
-            fl_die(ZERO "offload_param.%s %g: the weights gathered from the file live in stage "
-                        "3's buffers, sized by stage3_prefetch_bucket_size and "
-                        "stage3_max_live_parameters (DeepSpeed's default %g is accepted)",
+        int on_device; // honoured on a device
+    } keys[] = {{"buffer_count", x->param_buffer_count, 5, 1},
+                {"buffer_size", x->param_buffer_size, 1e8, 1},
+                {"max_in_cpu", x->param_max_in_cpu, 1e9, 0}};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        if (keys[i].value == keys[i].def || (device && keys[i].on_device)) continue;
+        if (device)
+            fl_die(ZERO "offload_param.%s %g: fitlm keeps no weights in host memory under "
+                        "NVMe weight offload but the buffer_count pinned buffers they are "
+                        "read through (DeepSpeed's default %g is accepted)",
                    keys[i].key, keys[i].value, keys[i].def);
+        fl_die(ZERO "offload_param.%s %g: the weights gathered from the file live in stage "
+                    "3's buffers, sized by stage3_prefetch_bucket_size and "
+                    "stage3_max_live_parameters (DeepSpeed's default %g is accepted)",
+               keys[i].key, keys[i].value, keys[i].def);
+    }
     cfg->zero.offload_params = 1;
 }
 

@@ -82,10 +82,12 @@ static void demo_recipe(fl_train_config *cfg) {
 // or AdaLomo, the update fused into the backward pass or not, and with
 // AdamW or SGD its optimizer in pinned host memory under ZeRO-1/2's
 // offload_optimizer.device cpu or nvme (ZeRO-Offload), and under ZeRO-3
-// its weights too (offload_param and offload_optimizer device cpu,
-// device_weights.c) (issues 43, 46); weight offload to NVMe, several ranks, splitting the model and
-// the combinations not yet checked are refused before anything is allocated, as is a device this
-// build or machine lacks.
+// its weights too (offload_param device cpu with offload_optimizer cpu, or
+// device nvme with offload_optimizer nvme: ZeRO-Infinity, the weights in
+// the optimizer's NVMe file; device_weights.c) (issues 43, 46); several
+// ranks, splitting the model and the combinations not yet checked are
+// refused before anything is allocated, as is a device this build or
+// machine lacks.
 static void device_check(const fl_train_config *cfg) {
     char why[256] = "";
     if (!fl_device_available(cfg->device, why, sizeof why)) fl_die("device: %s", why);
@@ -97,13 +99,11 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "%d ranks", ranks);
     else if (cfg->tensor_parallel > 1 || cfg->pipeline_parallel > 1)
         snprintf(what, sizeof what, "tensor or pipeline parallelism");
-    else if (!strcmp(x->offload_param, "nvme"))
-        snprintf(what, sizeof what, "weight offload to NVMe (offload_param.device nvme)");
     else if (!strcmp(x->offload_param, "cpu") && strcmp(x->offload_optimizer, "cpu"))
         snprintf(what, sizeof what,
                  "weight offload (offload_param.device cpu) without offload_optimizer.device cpu");
-    else if (cfg->zero.stage == 3 && strcmp(x->offload_param, "cpu"))
-        snprintf(what, sizeof what, "ZeRO stage 3 without offload_param (device cpu)");
+    else if (cfg->zero.stage == 3 && !strcmp(x->offload_param, "none"))
+        snprintf(what, sizeof what, "ZeRO stage 3 without offload_param (device cpu or nvme)");
     else if (cfg->zero.stage > 0 && !strcmp(x->offload_optimizer, "none"))
         snprintf(what, sizeof what, "ZeRO stage %d without offload_optimizer (device cpu or nvme)",
                  cfg->zero.stage);
@@ -118,9 +118,9 @@ static void device_check(const fl_train_config *cfg) {
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
                "process training the whole model or LoRA adapters, ZeRO-1/2 only with "
                "offload_optimizer (device cpu or nvme) for AdamW or SGD, ZeRO-3 only with "
-               "offload_param and offload_optimizer on device cpu (several ranks, weight "
-               "offload to NVMe, offload under LoRA or with the update in the "
-               "backward pass are not supported there yet); use --device cpu",
+               "offload_param and offload_optimizer both on device cpu or both on nvme "
+               "(several ranks, offload under LoRA or with the update in the backward pass "
+               "are not supported there yet); use --device cpu",
                cfg->device, what);
 }
 

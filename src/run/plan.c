@@ -513,12 +513,15 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_optimizer_memory(&r->optim, dt, numel, opt);
         if (r->dev_offload && r->optim.paged) { // NVMe under it: chunk buffers, the rest on disk
             size_t pb[FL_MEM_NTAGS];
-            fl_offload_memory(&r->offload, numel, fl_optimizer_paged_tensors(&r->optim, dt), 0, pb,
-                              &out->disk);
+            // (with offload_param nvme the 16-bit weights too)
+            size_t paged_weights = r->zero.offload_params ? ds : 0;
+            fl_offload_memory(&r->offload, numel, fl_optimizer_paged_tensors(&r->optim, dt),
+                              paged_weights, pb, &out->disk);
             for (int k = 0; k < FL_MEM_NTAGS; k++) opt[k] += pb[k];
             fl_optimizer_config unpaged = r->optim;
             unpaged.paged = 0;
             fl_optimizer_memory(&unpaged, dt, numel, out->unpaged);
+            if (paged_weights) out->unpaged[FL_MEM_PARAMS] = numel * ds;
         }
     }
     for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += opt[k] + dist_bytes[k];
@@ -529,14 +532,22 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         out->pinned[FL_MEM_GRADS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
         b[FL_MEM_GRADS] += numel * ds;
-        // weight offload (device_weights.c): after set-up the device holds
-        // the resident units and the ring, not the whole weights
+        // weight offload (device_weights.c): the whole weights are built in
+        // the pinned copy (run.c; under NVMe freed once the file holds them)
+        // and the device only ever holds the resident units and the ring;
+        // under NVMe a unit goes up through the pinned staging buffers
         if (r->zero.stage == 3 && shaped) {
             fl_param_table rows;
             rank_table(r, &c, &rows);
             size_t held = fl_dev_weights_bytes(&r->zero, &rows, c.n_layer, dt);
+            size_t staging =
+                r->zero.offload_params
+                    ? fl_dev_weights_staging_bytes(&r->offload, &r->zero, &rows, c.n_layer, dt)
+                    : 0;
             fl_params_free(&rows);
-            if (held > numel * ds) b[FL_MEM_PARAMS] += held - numel * ds; // the peak's larger
+            b[FL_MEM_PARAMS] = b[FL_MEM_PARAMS] - numel * ds + held;
+            b[FL_MEM_OFFLOAD] += staging;
+            out->pinned[FL_MEM_OFFLOAD] += staging;
         }
     }
     // tensor parallelism: the TP group's table and its scratch, which stays
@@ -950,11 +961,20 @@ void fl_plan_device_alternatives(const fl_plan_request *r, size_t limit, char *b
     alternatives(r, limit, 1, buf, size);
 }
 
+// --mem-limit stands for a card's total memory: the blocks' budget is what
+// the device does not hold itself (its context), at least a byte (0 reads
+// as no limit)
+static size_t device_budget(const fl_plan_request *r) {
+    size_t held = r->dev->reserved(r->dev);
+    return r->device_cap > held ? r->device_cap - held : 1;
+}
+
 size_t fl_plan_device_limit(const fl_plan_request *r) {
     if (!r->dev || r->dev->host) return 0;
     size_t free_ = r->dev->available ? r->dev->available(r->dev) : 0;
     if (!r->device_cap) return free_;
-    return free_ && free_ < r->device_cap ? free_ : r->device_cap;
+    size_t budget = device_budget(r);
+    return free_ && free_ < budget ? free_ : budget;
 }
 
 // Dies unless need (the host's bytes, or the device's) fits limit, naming
@@ -989,11 +1009,12 @@ static void check_fit(const fl_plan_request *r, const fl_plan *p, size_t limit, 
     if (device) {
         char desc[256];
         r->dev->describe(r->dev, desc, sizeof desc);
-        if (r->device_cap && limit == r->device_cap)
+        if (r->device_cap && limit == device_budget(r))
             snprintf(what, sizeof what,
                      "device memory (planned before allocating), more than the device budget of "
-                     "%s (--mem-limit) on %s",
-                     lim, desc);
+                     "%s (--mem-limit%s) on %s",
+                     lim, r->dev->reserved(r->dev) ? ", less what the device holds itself" : "",
+                     desc);
         else
             snprintf(what, sizeof what,
                      "device memory (planned before allocating), more than the %s free on %s", lim,

@@ -179,8 +179,9 @@ static void plan_run(fl_run *r, int whole_weights_first) {
     const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     if (!host_limit && local && atoi(local) > 1) limit /= (size_t)atoi(local);
     fl_plan_check_fits(&req, &r->plan, limit);
-    // and the device's allocator holds the run to it
+    // and the device's allocator holds the run to it, the context included
     fl_mem_device_set_cap(req.device_cap);
+    fl_mem_device_set_reserved(req.device_cap ? r->dev->reserved(r->dev) : 0);
 }
 
 // The model's weights, each row stored once from its source (NF4 rows
@@ -327,8 +328,20 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     size_t own_begin = 0, own_end = rows.numel;
     if (r->dist) fl_dist_range(&cfg->zero, &rows, dp_group(r), &own_begin, &own_end);
     fl_params_free(&rows);
+    // weight offload on a device (ZeRO-3 with offload_param, which
+    // device_check requires there): the whole weights are built in pinned
+    // host memory, the offload's copy, and never held by the device
+    int dev_weights = dev_offload && cfg->zero.stage == 3;
+    if (dev_weights) fl_device_use(fl_device_pinned(r->dev));
     init_model(r, pretrained, own_begin, own_end);
     fl_model *model = &r->model;
+    void *host_params = NULL;
+    if (dev_weights) {
+        fl_device_use(r->dev);
+        model->dev = r->dev;
+        host_params = model->params;
+        model->params = NULL;
+    }
     if (r->lora) {
         fl_model_add_lora(model, &cfg->lora, cfg->seed);
         if (*cfg->adapter) fl_peft_load(cfg->adapter, model);
@@ -341,7 +354,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     // its own fused optimizer, under LoRA + LOMO), else the model
     ocfg.sharded_grads = r->dist && cfg->zero.stage >= 2; // ZeRO-2/3 sum their own shards
     if (dev_offload)
-        r->dev_offload = fl_dev_offload_init(model, &r->optim, &ocfg);
+        r->dev_offload = fl_dev_offload_init(model, &r->optim, &ocfg, host_params);
     else if (r->lora)
         fl_optimizer_init(&r->optim, &ocfg, &model->lora.table, cfg->dtype, model->lora.params,
                           model->lora.grads);
@@ -356,9 +369,11 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     if (r->tp.size > 1) r->optim.tp = &model->tp;
     // NVMe offload: the master and the optimizer state move to a file,
     // filled from the weights now (a resume then overwrites it)
+    fl_offload_config oc = fl_offload_config_of(cfg);
     if (ocfg.paged) { // its directory and room were checked with the plan
-        fl_offload_config oc = fl_offload_config_of(cfg);
         r->offload = fl_offload_optimizer(&r->optim, &oc, cfg->zero.offload_params);
+        // NVMe weight offload on a device: the file holds the weights now
+        if (dev_weights && cfg->zero.offload_params) fl_dev_offload_drop_params(r->dev_offload);
     }
     r->base_lr = cfg->lora_base_lr > 0.0f ? cfg->lora_base_lr : cfg->lr;
     if (ck) {
@@ -367,10 +382,12 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         fl_ckpt_close(ck);
         res->ck = NULL;
     }
-    // weight offload (ZeRO-3 with offload_param, which device_check requires
-    // on a device): the weights leave the device for the pinned host copy
-    if (r->dev_offload && cfg->zero.stage == 3)
-        r->dev_weights = fl_dev_weights_attach(model, r->optim.params, &cfg->zero);
+    // weight offload: each unit goes up from the pinned copy (offload_param
+    // cpu) or the NVMe file (nvme) ahead of use
+    if (dev_weights)
+        r->dev_weights = cfg->zero.offload_params
+                             ? fl_dev_weights_attach(model, NULL, r->offload, &cfg->zero, &oc)
+                             : fl_dev_weights_attach(model, r->optim.params, NULL, &cfg->zero, &oc);
     if (r->dist) {
         // under pipeline parallelism the data-parallel reduction runs once
         // after the pipeline's last backward, as DeepSpeed's ReduceGrads
@@ -489,9 +506,9 @@ void fl_run_close(fl_run *r) {
     fl_free(r->config_json);
     fl_pipeline_free(r->pipe);
     fl_dist_free(r->strategy);
+    fl_dev_weights_free(r->dev_weights); // its reads of the NVMe file landed
     fl_offload_free(r->offload);
     fl_optimizer_free(&r->optim);
-    fl_dev_weights_free(r->dev_weights);
     fl_dev_offload_free(r->dev_offload);
     if (r->base) fl_optimizer_free(r->base);
     fl_model_free(&r->model);
@@ -502,4 +519,5 @@ void fl_run_close(fl_run *r) {
     if (r->has_train) fl_loader_close(&r->train);
     fl_device_use(NULL); // the cpu again for whatever the process makes next
     fl_mem_device_set_cap(0);
+    fl_mem_device_set_reserved(0);
 }
