@@ -66,6 +66,10 @@ size_t env_size(const char *name, size_t fallback) {
 size_t mem_total() {
     return env_size("FITLM_CUDA_EMU_MEM_GIB", 16) << 30;
 }
+// what the emulated context and cuBLASLt's handle hold, as a GPU's do
+size_t context_bytes() {
+    return env_size("FITLM_CUDA_EMU_CONTEXT_MIB", 64) << 20;
+}
 std::map<const char *, size_t> device_blocks, pinned_blocks; // start -> bytes
 size_t device_used;
 
@@ -88,13 +92,19 @@ int touches_device(const void *p, size_t bytes) {
 
 // ---- streams and events
 
+// A piece of a stream's work: run(start) does it and returns the device
+// time it ends, given the time it starts (the emulated GPU's clock: work
+// starts when it is queued or when the stream's previous work ends,
+// whichever is later, however late the emulator runs it).
 struct op {
-    std::function<void()> run;
+    std::function<double(double)> run;
+    double queued_at;
 };
 
 struct stream_state {
     std::deque<op> queue;
     unsigned long long queued = 0, done = 0;
+    double clock = 0; // when its last work ended, on the device's clock
 };
 
 int eager() {
@@ -110,7 +120,7 @@ void force(const std::shared_ptr<stream_state> &s, unsigned long long until) {
         op o = std::move(s->queue.front());
         s->queue.pop_front();
         s->done++;
-        o.run();
+        s->clock = o.run(o.queued_at > s->clock ? o.queued_at : s->clock);
     }
 }
 
@@ -167,22 +177,33 @@ int is_device(const void *p, size_t bytes) {
     return find(device_blocks, p, bytes) != NULL;
 }
 
-// Queues `run` on s; the legacy stream (NULL) waits for all work before it
-// and runs at once.
-void enqueue(cudaStream_t s, std::function<void()> run) {
+// Queues timed work on s: run(start) returns when it ends on the device's
+// clock. The legacy stream (NULL) waits for all work before it and runs at
+// once.
+void enqueue_timed(cudaStream_t s, std::function<double(double)> run) {
     if (!s) {
         flush_all();
-        run();
+        run(now());
         return;
     }
-    s->s->queue.push_back(op{std::move(run)});
+    s->s->queue.push_back(op{std::move(run), now()});
     s->s->queued++;
     if (eager()) force(s->s, s->s->queued);
+}
+
+// Work that takes on the device the time it takes the emulator.
+void enqueue(cudaStream_t s, std::function<void()> run) {
+    enqueue_timed(s, [run](double start) {
+        double t = now();
+        run();
+        return start + (now() - t);
+    });
 }
 
 } // namespace fl_emu
 
 using fl_emu::enqueue;
+using fl_emu::enqueue_timed;
 using fl_emu::is_device;
 
 extern "C" {
@@ -277,7 +298,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
     std::lock_guard<std::recursive_mutex> g(lock);
     *total_bytes = mem_total();
-    *free_bytes = mem_total() - device_used;
+    *free_bytes = mem_total() - context_bytes() - device_used;
     return cudaSuccess;
 }
 
@@ -285,7 +306,8 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     std::lock_guard<std::recursive_mutex> g(lock);
     *p = NULL;
     size_t rounded = (bytes + 255) & ~(size_t)255;
-    if (!rounded || device_used + rounded > mem_total()) return fail(cudaErrorMemoryAllocation);
+    if (!rounded || context_bytes() + device_used + rounded > mem_total())
+        return fail(cudaErrorMemoryAllocation);
     // the exact size, so that a kernel's read past the end meets ASan's redzone
     void *q = NULL;
     if (posix_memalign(&q, 256, bytes)) return fail(cudaErrorMemoryAllocation);
@@ -420,9 +442,12 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
     (void)flags;
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     if (!e->e->recorded || !e->e->s) return cudaSuccess; // nothing to wait for
-    std::shared_ptr<stream_state> on = e->e->s;
-    unsigned long long at = e->e->at;
-    enqueue(s, [on, at]() { force(on, at); });
+    std::shared_ptr<event_state> ev = e->e;
+    // s goes on when the event's work has run, and not before its time
+    enqueue_timed(s, [ev](double start) {
+        force(ev->s, ev->at);
+        return ev->seconds > start ? ev->seconds : start;
+    });
     return cudaSuccess;
 }
 
@@ -445,7 +470,10 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     st->timing = e->e->timing;
     st->recorded = 1;
     e->e = st;
-    enqueue(s, [st]() { st->seconds = now(); });
+    enqueue_timed(s, [st](double start) {
+        st->seconds = start;
+        return start;
+    });
     if (s) {
         st->s = s->s;
         st->at = s->s->queued;

@@ -20,8 +20,11 @@ extern std::recursive_mutex lock;
 // whether [p, p + bytes) lies inside one device allocation
 int is_device(const void *p, size_t bytes);
 // Queues `run` on stream s (NULL: the legacy stream, which waits for all
-// work before it and runs at once).
+// work before it and runs at once); on the device's clock it takes the
+// time it takes the emulator.
 void enqueue(cudaStream_t s, std::function<void()> run);
+// The same for work whose end on the device's clock run(start) says.
+void enqueue_timed(cudaStream_t s, std::function<double(double)> run);
 
 } // namespace fl_emu
 
