@@ -80,6 +80,17 @@ static void test_losses_equal_cpu(void) {
         }
     t_check(strstr(output, "device: test") != NULL, "the start-up names the device: %.300s",
             output);
+    // the host's multiply-add peak is not the device's: no MFU unless given
+    char path[256], line[512] = "";
+    snprintf(path, sizeof path, "%s/run_test/metrics.jsonl", dir);
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (!fgets(line, sizeof line, f)) line[0] = 0;
+        fclose(f);
+    }
+    t_check(strstr(line, "\"peak_flops\":null") &&
+                strstr(line, "unknown on the test device: give --peak-tflops"),
+            "a device run records no host peak for its MFU: %s", line);
 }
 
 // m trained 4 steps on the cpu, and 2 on the test device whose checkpoint

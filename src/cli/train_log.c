@@ -44,9 +44,16 @@ void run_log_open(run_log *log, const fl_run *run) {
         fl_mfu_flops_per_token(&run->model, cfg->seq_len, run->lora && !run->train_base);
     if (*out_dir) {
         char how[128] = "given (--peak-tflops)";
-        log->peak_flops = cfg->peak_tflops > 0
-                              ? cfg->peak_tflops * 1e12
-                              : fl_mfu_peak(cfg->dtype, fl_threads(), how, sizeof how);
+        // a device's GEMMs run on it, not on the host's multiply-adds: its
+        // peak is the one given, else unknown (no MFU)
+        if (cfg->peak_tflops > 0)
+            log->peak_flops = cfg->peak_tflops * 1e12;
+        else if (!run->dev->host) {
+            log->peak_flops = 0.0;
+            snprintf(how, sizeof how, "unknown on the %s device: give --peak-tflops",
+                     run->dev->name);
+        } else
+            log->peak_flops = fl_mfu_peak(cfg->dtype, fl_threads(), how, sizeof how);
         fl_metrics_run record = {.step = run->start,
                                  .params = (double)run->model.table.numel,
                                  .flops_per_token = log->flops_per_token,
