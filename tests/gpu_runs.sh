@@ -36,6 +36,9 @@
 # equal a run's measured peaks (the backend's scratch included), and
 # --mem-limit counts what the device holds itself (cuda: its context,
 # measured at start-up).
+# GPU_RUNS_QUICK=1 (the emulated GPU's CTest gpu_runs_emu, where a step
+# takes 0.2 s) runs the fused steps on the LLaMA only and LoRA's kinds as
+# QLoRA alone; the rest as written.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -182,7 +185,13 @@ fi
 fused_flags=("--optimizer lomo --grad-clip 1 --clip-grad-value 0.5"
     "--optimizer adalomo --grad-clip 1"
     "--optimizer adamw --optimizer-in-backward --grad-clip 1")
-for arch in gpt2 llama; do
+fused_archs=(gpt2 llama)
+lora_kinds=(lora qlora lora_lomo)
+if [ -n "${GPU_RUNS_QUICK:-}" ]; then
+    fused_archs=(llama)
+    lora_kinds=(qlora)
+fi
+for arch in "${fused_archs[@]}"; do
     for k in 0 1 2; do
         read -r -a f <<<"${fused_flags[$k]}"
         run "fcpu_fp32_${arch}_$k" cpu "$arch" fp32 "${f[@]}"
@@ -220,7 +229,7 @@ lrun() { # lrun NAME DEVICE PRECISION [FLAGS...]: 10 steps into $work/NAME
         --seed 1234 --lora --lora-dropout 0.1 --out "$work/$name" "$@" >"$work/$name.out" 2>&1 ||
         { echo "gpu_runs: fitlm train ($name) failed:"; tail -20 "$work/$name.out"; exit 1; }
 }
-for kind in lora qlora lora_lomo; do
+for kind in "${lora_kinds[@]}"; do
     flags=()
     [ $kind = qlora ] && flags=(--quantize nf4 --double-quant)
     [ $kind = lora_lomo ] && flags=(--lora-base-optimizer lomo --grad-clip 1)
