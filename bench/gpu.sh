@@ -23,15 +23,22 @@
 # The whole takes BENCH_BUDGET seconds at most (then the runs left are
 # skipped), plus the run in progress (fitlm's at most 150 s, PyTorch's 240).
 #
+# BENCH_SMOKE=1 (CTest gpu_bench_smoke, with fitlm_emu: the emulated GPU,
+# docs/testing.md): the tiny GPT-2 and LLaMA shapes with the same
+# tokenizers, B 2, T 64, 1 + 2 steps, PyTorch's runs recorded as skipped:
+# the script's runs and parsing checked on any machine.
+#
 # Writes OUTDIR/bench.log (every run's output) and OUTDIR/bench.tsv (one row
 # per run: config engine B T tok_s ms_median mfu peak_mib status), and
-# prints the table.
+# prints the table; exits 1 when a fitlm run failed.
 set -uo pipefail
 fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu.sh FITLM OUTDIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
+smoke=${BENCH_SMOKE:-0}
 warmup=${BENCH_WARMUP:-3}
 steps=${BENCH_STEPS:-10}
+[ "$smoke" = 1 ] && warmup=1 steps=2
 peak=989e12
 mkdir -p "$out"
 log=$out/bench.log
@@ -127,6 +134,14 @@ fflags=("${gpt2_f[*]}" "${gpt2_f[*]}" "--model smollm-135m ${llama_f[*]}"
 tflags=("${gpt2_t[*]}" "${gpt2_t[*]}" "--arch llama --L 30 --C 576 --NH 9 --kv-heads 3 --I 1536 --tie 1"
     "--arch llama --L 22 --C 2048 --NH 32 --kv-heads 4 --I 5632")
 T=1024
+if [ "$smoke" = 1 ]; then
+    names=(gpt2-tiny llama-tiny)
+    batches=(2 2)
+    datas=("$work/gpt2" "$work/llama")
+    fflags=("--model tiny --arch gpt2 --tokenizer gpt2 --tokenizer-path $gpt2_tok"
+        "--model llama-tiny ${llama_f[*]}")
+    T=64
+fi
 
 # fitlm's runs first, then PyTorch eager's, then torch.compile's (its
 # compilation is the slowest part): when BENCH_BUDGET seconds (default 280)
@@ -148,6 +163,10 @@ for comp in 0 1; do
     for k in "${!names[@]}"; do
         eng=pytorch-eager
         [ $comp = 1 ] && eng=pytorch-compile
+        if [ "$smoke" = 1 ]; then
+            row "${names[$k]}" $eng "${batches[$k]}" $T - - - - "skipped: smoke"
+            continue
+        fi
         if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
             row "${names[$k]}" $eng "${batches[$k]}" $T - - - - "skipped: time"
             continue
@@ -160,3 +179,4 @@ done
 
 echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s, peak device MiB"
 column -t -s $'\t' "$tsv"
+awk -F'\t' 'NR > 1 && $2 == "fitlm" && $9 != "ok" && $9 != "skipped: time" { bad = 1 } END { exit bad }' "$tsv"
