@@ -8,7 +8,10 @@
 // copy, the legacy stream). So a missing event wait leaves its reader with
 // the old bytes, and a host buffer reused before its asynchronous copy ran
 // is read at its new contents, as on a GPU where the copy had not started.
-// FITLM_CUDA_EMU_SCHEDULE=eager runs each piece of work when queued;
+// FITLM_CUDA_EMU_SCHEDULE=eager runs each piece of work when queued,
+// =copies the copy streams' (cudaStreamNonBlocking) work when queued and
+// the compute stream's as late as allowed (a copy that overwrites what the
+// compute stream has yet to read then shows);
 // FITLM_CUDA_EMU_TRACE=1 prints each kernel's grid and time.
 //
 // Kernels: each block in turn, one fiber per thread (a stack of its own and
@@ -102,14 +105,21 @@ struct op {
 };
 
 struct stream_state {
+    int early; // runs its work when queued (FITLM_CUDA_EMU_SCHEDULE)
     std::deque<op> queue;
     unsigned long long queued = 0, done = 0;
     double clock = 0; // when its last work ended, on the device's clock
 };
 
-int eager() {
+// Whether a stream created with `flags` runs its work when queued:
+// FITLM_CUDA_EMU_SCHEDULE=eager every stream; =copies the non-blocking
+// streams (fitlm's copy streams), the compute stream staying as late as
+// allowed, so a copy that overwrites a buffer the compute stream has yet to
+// read, without waiting for it, shows; unset: none.
+int runs_early(unsigned int flags) {
     const char *v = getenv("FITLM_CUDA_EMU_SCHEDULE");
-    return v && !strcmp(v, "eager");
+    if (!v) return 0;
+    return !strcmp(v, "eager") || (!strcmp(v, "copies") && (flags & cudaStreamNonBlocking));
 }
 
 std::vector<std::shared_ptr<stream_state>> streams; // live ones
@@ -188,7 +198,7 @@ void enqueue_timed(cudaStream_t s, std::function<double(double)> run) {
     }
     s->s->queue.push_back(op{std::move(run), now()});
     s->s->queued++;
-    if (eager()) force(s->s, s->s->queued);
+    if (s->s->early) force(s->s, s->s->queued);
 }
 
 // Work that takes on the device the time it takes the emulator.
@@ -412,8 +422,9 @@ cudaError_t cudaStreamCreate(cudaStream_t *s) {
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
     std::lock_guard<std::recursive_mutex> g(lock);
-    (void)flags; // the legacy stream waits for all streams here (stricter)
+    // the legacy stream waits for all streams here, blocking or not (stricter)
     *s = new CUstream_st{std::make_shared<stream_state>()};
+    (*s)->s->early = runs_early(flags);
     streams.push_back((*s)->s);
     return cudaSuccess;
 }
