@@ -8,8 +8,8 @@
 // cpu's, 16-bit ones within 1e-2 (one rounding of the 16-bit result apart
 // where the fp32 sums differ in order); LoRA's pieces, dropout, NF4 (of
 // rows the cpu quantised, absmax plain and double quantised), convert and
-// accumulate bitwise, LOMO's update too; the step's sums (sumsq, sum)
-// within 1e-10
+// accumulate bitwise, LOMO's update too; the step's sums (sumsq, sum,
+// sumsq_rows) within 1e-10
 // (device.h: a fixed order of the device's own). Each entry runs twice on the device: the
 // two results must be bitwise equal (no atomics, fixed orders).
 //
@@ -702,6 +702,87 @@ static void step_pieces(fl_dtype dt) {
     tc_finish(&t, 0.0);
 }
 
+// sumsq_rows (the gradient norm's rows at once): each range's sum is
+// bitwise the device's own sumsq of it (cuda: the same blocks added in the
+// same order, however many ranges share the copy back) and within 1e-10 of
+// the cpu's; an empty range is 0.0; the same bits twice. The ranges are
+// awkward: empty ones first, between and last, one value, 2047, 2048 and
+// 2049 values (cuda: one and two reduction blocks), unaligned and
+// overlapping ones, the whole buffer (the most blocks); then 70 whole-buffer
+// ranges at once, more partial sums than one copy back of the lent scratch
+// holds (cuda: 64 x 1024 blocks), which must still serve them all (in fp32).
+enum { ROWS_N = 2100001, ROWS_MANY = 70 };
+
+static void check_rows(const char *what, fl_dtype dt, const void *host, const void *x, int n,
+                       const size_t *offsets, const size_t *counts) {
+    const fl_device *cpu = fl_device_cpu_table();
+    double *got = malloc(2 * (size_t)n * sizeof(double)),
+           *want = malloc((size_t)n * sizeof(double));
+    FL_ASSERT(got && want);
+    cpu->sumsq_rows(dt, host, n, offsets, counts, want);
+    for (int twice = 0; twice < 2; twice++) {
+        memset(got + twice * n, 0xFF, (size_t)n * sizeof(double)); // NaN: a range not written
+        dev->sumsq_rows(dt, x, n, offsets, counts, got + twice * n);
+    }
+    int bad = 0;
+    double *own1 = malloc(2 * (size_t)n * sizeof(double)), *cpu1s = own1 + n;
+    FL_ASSERT(own1);
+    for (int i = 0; i < n && bad < 3; i++) {
+        int seen = 0; // a range met before: its sums alone then
+        while (seen < i && (offsets[seen] != offsets[i] || counts[seen] != counts[i])) seen++;
+        own1[i] = seen < i ? own1[seen] : dev->sumsq(dt, fl_at_const(dt, x, offsets[i]), counts[i]);
+        cpu1s[i] =
+            seen < i ? cpu1s[seen] : cpu->sumsq(dt, fl_at_const(dt, host, offsets[i]), counts[i]);
+        double own = own1[i], cpu1 = cpu1s[i];
+        int ok = memcmp(&got[i], &own, sizeof own) == 0 &&
+                 memcmp(&want[i], &cpu1, sizeof cpu1) == 0 &&
+                 memcmp(&got[i], &got[n + i], sizeof got[i]) == 0 &&
+                 fabs(got[i] - want[i]) <= 1e-10 * fabs(want[i]) && (counts[i] || got[i] == 0.0);
+        bad += !ok;
+        t_check(ok,
+                "sumsq_rows %s %s, range %d of %d (%zu values from %zu): %.17g, twice %.17g, "
+                "sumsq alone %.17g, the cpu's %.17g (its sumsq %.17g)",
+                what, fl_dtype_name(dt), i, n, counts[i], offsets[i], got[i], got[n + i], own,
+                want[i], cpu1);
+    }
+    free(got), free(want), free(own1);
+}
+
+static void sumsq_rows(fl_dtype dt) {
+    void *host = random_values(dt, ROWS_N, seed_counter++, 1.0f);
+    size_t bytes = ROWS_N * fl_dtype_size(dt);
+    void *x = dev->alloc(dev, FL_MEM_GRADS, bytes);
+    fl_dev_upload(dev, x, host, bytes);
+    const size_t offsets[] = {0, 0,  7,      1, 0,    2048,       2049, 5,
+                              3, 99, ROWS_N, 0, 1000, ROWS_N - 1, 17,   0};
+    const size_t counts[] = {0,      1,    1, 2047,   2048,          2049, 2047, 0,
+                             100000, 2048, 0, ROWS_N, ROWS_N - 1000, 1,    4096, 0};
+    int n = (int)(sizeof counts / sizeof counts[0]);
+    check_rows("awkward ranges", dt, host, x, n, offsets, counts);
+    check_rows("no ranges", dt, host, x, 0, offsets, counts);
+    if (dt != FL_F32) { // the copies back do not depend on the dtype
+        dev->free(dev, x);
+        free(host);
+        return;
+    }
+    // many whole ranges, on the scratch a model of one row lends
+    size_t many_off[ROWS_MANY], many_n[ROWS_MANY], lend = dev->scratch_bytes(1, 1);
+    for (int i = 0; i < ROWS_MANY; i++) many_off[i] = i % 3, many_n[i] = ROWS_N - i % 3;
+    many_n[ROWS_MANY / 2] = 0;
+    void *s = dev->alloc(dev, FL_MEM_WORKSPACE, lend ? lend : 1);
+    dev->scratch_lend(dev, s, lend);
+    size_t ws = fl_mem_device_current(FL_MEM_WORKSPACE);
+    check_rows("many whole ranges", dt, host, x, ROWS_MANY, many_off, many_n);
+    t_check(fl_mem_device_current(FL_MEM_WORKSPACE) == ws,
+            "sumsq_rows %s: %d ranges within a lent scratch of %zu bytes (the device's "
+            "workspace count %zu, was %zu)",
+            fl_dtype_name(dt), ROWS_MANY, lend, fl_mem_device_current(FL_MEM_WORKSPACE), ws);
+    dev->scratch_return(dev, s);
+    dev->free(dev, s);
+    dev->free(dev, x);
+    free(host);
+}
+
 // ----------------------------------------------------------------------------
 // the optimizer update through the table: the same rule twice, its state
 // on the host for the cpu and on the device for the device (the struct
@@ -964,6 +1045,7 @@ int main(int argc, char **argv) {
         lora_nf4(dt);
         nf4_quantised(dt);
         step_pieces(dt);
+        sumsq_rows(dt);
         optim(dt, 0);
         optim(dt, 1);
         fused(dt, 0);

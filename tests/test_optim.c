@@ -1327,6 +1327,44 @@ static void test_device_steps(void) {
     check_device_step_as("fp32 SGD in backward", FL_F32, &in_bwd, -1, 1);
 }
 
+// The step's norm asks the device once a step for all its rows' sums
+// (sumsq_rows; cuda: one copy back and one wait), never row by row (sumsq,
+// a wait each): counted on a copy of the test device's table, whose steps
+// stay the cpu's bitwise.
+static int n_sumsq, n_sumsq_rows;
+
+static double counted_sumsq(fl_dtype dt, const void *x, size_t n) {
+    n_sumsq++;
+    return fl_device_get("test")->sumsq(dt, x, n);
+}
+
+static void counted_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offsets,
+                               const size_t *counts, double *out) {
+    n_sumsq_rows++;
+    fl_device_get("test")->sumsq_rows(dt, x, n, offsets, counts, out);
+}
+
+static void test_norm_round_trips(void) {
+    fl_device counted = *fl_device_get("test");
+    counted.sumsq = counted_sumsq;
+    counted.sumsq_rows = counted_sumsq_rows;
+    fl_optimizer_config adamw = adamw_config(2);
+    adamw.max_grad_norm = 0.5f;
+    dev_outcome a = {0}, b = {0};
+    dev_run(fl_device_cpu(), FL_BF16, &adamw, -1, 0, &a);
+    n_sumsq = n_sumsq_rows = 0;
+    dev_run(&counted, FL_BF16, &adamw, -1, 0, &b);
+    int same = !memcmp(a.params, b.params, a.bytes) && !memcmp(a.master, b.master, a.n * 4);
+    for (int s = 0; s < DEV_STEPS; s++)
+        same &= !memcmp(&a.r[s].grad_norm, &b.r[s].grad_norm, sizeof(float));
+    t_check(same, "bf16 AdamW through sumsq_rows: the cpu's weights, master and norms bitwise");
+    t_check(n_sumsq == 0 && n_sumsq_rows == DEV_STEPS,
+            "%d steps' norms: %d calls of sumsq_rows (one a step), %d of sumsq (none)", DEV_STEPS,
+            n_sumsq_rows, n_sumsq);
+    dev_outcome_free(&a);
+    dev_outcome_free(&b);
+}
+
 // ----------------------------------------------------------------------------
 // the ISA paths
 
@@ -1499,6 +1537,7 @@ static int run_all(const char *path) {
     test_adalomo_matches_reference();
     test_fused_lowp();
     test_device_steps();
+    test_norm_round_trips();
 
     test_schedules();
     return t_report();

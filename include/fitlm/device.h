@@ -172,6 +172,15 @@ struct fl_device {
     // (bitwise the cpu's; cuda: a fixed order of its own, src/cuda/step.cu,
     // within a double's rounding of it); inf or NaN when a value is
     double (*sumsq)(fl_dtype dt, const void *x, size_t n);
+    // the gradient norm's rows at once: out[i] (host) = sumsq(dt, x +
+    // offsets[i], counts[i]) bitwise for each of the n ranges, 0.0 for an
+    // empty one; ranges may overlap and come in any order. cuda: one launch
+    // per range into one buffer of partial sums, one copy back and one wait
+    // for all of them (more only when their partial sums outgrow the
+    // reductions' scratch, src/cuda/step.cu), where n calls of sumsq wait n
+    // times
+    void (*sumsq_rows)(fl_dtype dt, const void *x, int n, const size_t *offsets,
+                       const size_t *counts, double *out);
     // the sum of n fp32 values in double, in index order (the losses; cuda:
     // its fixed order, as sumsq)
     double (*sum)(const float *x, size_t n);

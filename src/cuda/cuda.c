@@ -63,12 +63,13 @@ static void *cuda_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes);
 static void cuda_free(const fl_device *d, void *p);
 static fl_device cuda;
 
-// The scratch's users: step.cu's reductions (a double per block), the
+// The scratch's users: step.cu's reductions (a double per block, for all
+// of sumsq_rows' ranges at once up to FL_CUDA_REDUCE_PARTIALS), the
 // column sums' partials (columns.cuh: up to two arrays of chunks x cols
 // floats, the LayerNorm's weight and bias) and the embedding backward's
 // buckets (encoder.cu: used + 2 buckets + 1 ints, used and buckets at most N).
 size_t fl_cuda_scratch_bytes(int N, int cols) {
-    size_t reduce = FL_CUDA_REDUCE_BLOCKS * sizeof(double),
+    size_t reduce = FL_CUDA_REDUCE_PARTIALS * sizeof(double),
            columns = 2 * (size_t)fl_cuda_column_chunks(N) * (size_t)cols * sizeof(float),
            buckets = (3 * (size_t)N + 1) * sizeof(int);
     size_t most = reduce > columns ? reduce : columns;
@@ -369,6 +370,7 @@ static fl_device cuda = {
     .convert = fl_cuda_convert,
     .accumulate = fl_cuda_accumulate,
     .sumsq = fl_cuda_sumsq,
+    .sumsq_rows = fl_cuda_sumsq_rows,
     .sum = fl_cuda_sum,
     .update = fl_cuda_update,
 };

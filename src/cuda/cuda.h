@@ -46,6 +46,10 @@ void *fl_cuda_scratch(size_t bytes);
 // What the kernels on at most N rows, with column sums at most cols wide, ask of it.
 size_t fl_cuda_scratch_bytes(int N, int cols);
 #define FL_CUDA_REDUCE_BLOCKS 1024 // step.cu's reductions: at most this many blocks' partial sums
+// step.cu's sumsq_rows: at most this many blocks' partial sums (its ranges'
+// together) in the scratch per copy back: 64 rows of 1024 blocks, a GPT-2
+// 124M's ~150 rows (~40K blocks) in one
+#define FL_CUDA_REDUCE_PARTIALS (64 * FL_CUDA_REDUCE_BLOCKS)
 // Row chunks of a column sum over N rows (columns.cuh): >= 256 rows a chunk, at most 64 chunks.
 static inline int fl_cuda_column_chunks(int N) {
     int chunks = (N + 255) / 256;
@@ -127,6 +131,8 @@ void fl_cuda_dq8_dequantize(float *absmax, const uint8_t *q, const float *nested
 void fl_cuda_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src, size_t n);
 void fl_cuda_accumulate(float *dst, fl_dtype dt, const void *src, size_t n);
 double fl_cuda_sumsq(fl_dtype dt, const void *x, size_t n);
+void fl_cuda_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offsets,
+                        const size_t *counts, double *out);
 double fl_cuda_sum(const float *x, size_t n);
 void fl_cuda_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
                     const fl_update_args *a);

@@ -1,7 +1,7 @@
 // step.cu: the step's conversions and reductions on device buffers:
 // convert (fp32 master weights from 16-bit ones, a row for the host),
-// accumulate (fp32 gradient accumulation), sumsq (the gradient norm) and sum
-// (the losses).
+// accumulate (fp32 gradient accumulation), sumsq and sumsq_rows (the
+// gradient norm) and sum (the losses).
 //
 // The reductions cannot take the cpu's order (fl_grad_sumsq's chunks and
 // lanes, the losses' index order): they are fixed instead, so that a run
@@ -56,18 +56,49 @@ __global__ void reduce_kernel(double *partial, fl_dtype dt, const void *x, size_
     partial[blockIdx.x] = t;
 }
 
+// out[i] = the sum (of squares) of the counts[i] values from x + offsets[i],
+// for n ranges: each range's blocks write their own slice of one buffer of
+// partial sums, copied back with one wait for all of them (another only when
+// the next range's would pass FL_CUDA_REDUCE_PARTIALS); the host adds each
+// range's blocks in order, so a range's sum is the same bits however many
+// ranges come with it.
+static void reduce_ranges(fl_dtype dt, const void *x, int n, const size_t *offsets,
+                          const size_t *counts, int squares, double *out) {
+    static double host[FL_CUDA_REDUCE_PARTIALS]; // the step's reductions run on one host thread
+    size_t want = 0;                             // the scratch this call fills, at most
+    for (int i = 0; i < n && want < FL_CUDA_REDUCE_PARTIALS; i++) want += reduce_blocks(counts[i]);
+    if (want > FL_CUDA_REDUCE_PARTIALS) want = FL_CUDA_REDUCE_PARTIALS;
+    double *partial = (double *)fl_cuda_scratch(want * sizeof(double));
+    for (int first = 0, i = 0; first < n; first = i) {
+        size_t used = 0; // launch ranges [first, i) while their partial sums fit
+        for (; i < n && used + reduce_blocks(counts[i]) <= want; i++) {
+            unsigned blocks = reduce_blocks(counts[i]);
+            if (!blocks) continue;
+            reduce_kernel<<<blocks, REDUCE_THREADS, 0, fl_cuda_stream()>>>(
+                partial + used, dt, fl_at_const(dt, x, offsets[i]), counts[i], squares);
+            FL_CUDA_LAUNCHED("reduce_kernel");
+            used += blocks;
+        }
+        if (used) {
+            FL_CUDA_CHECK(cudaMemcpyAsync(host, partial, used * sizeof(double),
+                                          cudaMemcpyDeviceToHost, fl_cuda_stream()));
+            FL_CUDA_CHECK(cudaStreamSynchronize(fl_cuda_stream()));
+        }
+        const double *p = host;
+        for (int k = first; k < i; k++) {
+            unsigned blocks = reduce_blocks(counts[k]);
+            double total = 0.0;
+            for (unsigned b = 0; b < blocks; b++) total += p[b];
+            out[k] = total;
+            p += blocks;
+        }
+    }
+}
+
 static double reduce(fl_dtype dt, const void *x, size_t n, int squares) {
-    if (!n) return 0.0;
-    unsigned blocks = reduce_blocks(n);
-    double *partial = (double *)fl_cuda_scratch(REDUCE_BLOCKS * sizeof(double));
-    reduce_kernel<<<blocks, REDUCE_THREADS, 0, fl_cuda_stream()>>>(partial, dt, x, n, squares);
-    FL_CUDA_LAUNCHED("reduce_kernel");
-    double host[REDUCE_BLOCKS];
-    FL_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost,
-                                  fl_cuda_stream()));
-    FL_CUDA_CHECK(cudaStreamSynchronize(fl_cuda_stream()));
-    double total = 0.0;
-    for (unsigned b = 0; b < blocks; b++) total += host[b];
+    size_t offset = 0;
+    double total;
+    reduce_ranges(dt, x, 1, &offset, &n, squares, &total);
     return total;
 }
 
@@ -92,6 +123,11 @@ extern "C" void fl_cuda_accumulate(float *dst, fl_dtype dt, const void *src, siz
 
 extern "C" double fl_cuda_sumsq(fl_dtype dt, const void *x, size_t n) {
     return reduce(dt, x, n, 1);
+}
+
+extern "C" void fl_cuda_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offsets,
+                                   const size_t *counts, double *out) {
+    reduce_ranges(dt, x, n, offsets, counts, 1, out);
 }
 
 extern "C" double fl_cuda_sum(const float *x, size_t n) {

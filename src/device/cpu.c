@@ -135,6 +135,14 @@ static void cpu_scratch_return(const fl_device *d, void *p) {
     (void)d, (void)p;
 }
 
+// each range as sumsq alone (an empty one 0.0): the per-row sums every cpu
+// result was made with
+static void cpu_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offsets,
+                           const size_t *counts, double *out) {
+    for (int i = 0; i < n; i++)
+        out[i] = fl_grad_sumsq(dt, fl_at_const(dt, x, offsets[i]), counts[i]);
+}
+
 static size_t cpu_attention_workspace(fl_dtype dt, int T, int HS, int group, int threads) {
     return attention_workspace_floats(dt, T, HS, group) * (size_t)threads;
 }
@@ -232,6 +240,7 @@ static const fl_device cpu = {
     .convert = cpu_convert,
     .accumulate = cpu_accumulate,
     .sumsq = fl_grad_sumsq,
+    .sumsq_rows = cpu_sumsq_rows,
     .sum = cpu_sum,
     .update = fl_optim_update,
 };

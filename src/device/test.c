@@ -464,6 +464,13 @@ static double t_sumsq(fl_dtype dt, const void *x, size_t n) {
     return r;
 }
 
+static void t_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offsets,
+                         const size_t *counts, double *out) {
+    open_();
+    cpu->sumsq_rows(dt, x, n, offsets, counts, out);
+    close_();
+}
+
 static double t_sum(const float *x, size_t n) {
     open_();
     double r = cpu->sum(x, n);
@@ -537,6 +544,7 @@ const fl_device *fl_device_test_table(void) {
     t.convert = t_convert;
     t.accumulate = t_accumulate;
     t.sumsq = t_sumsq;
+    t.sumsq_rows = t_sumsq_rows;
     t.sum = t_sum;
     t.update = t_update;
     return &t;

@@ -314,24 +314,34 @@ void fl_optimizer_end_step(fl_optimizer *o) {
 // too. Under pipeline parallelism each row's sum goes to its place in the
 // whole table, the places are summed over the stages (one holds each) and
 // added in that order: the same bits as one process's for the same gradient.
+enum { NORM_BATCH = 256 }; // rows per sumsq_rows call: a GPT-2's or a LLaMA-1B's all at once
+
 static double grad_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, size_t first,
                          size_t n, int dp) {
     const fl_param_table *t = o->table;
     int rows = o->pp ? o->pp->whole_rows : 0;
     double s = 0.0, *sq = rows ? fl_alloc(FL_MEM_WORKSPACE, (size_t)rows * sizeof(double)) : NULL;
     if (sq) memset(sq, 0, (size_t)rows * sizeof(double));
-    for (int r = 0; r < t->count; r++) {
-        const fl_param_view *v = &t->views[r];
-        size_t a = v->offset > first ? v->offset : first;
-        size_t b = v->offset + v->numel < first + n ? v->offset + v->numel : first + n;
-        int counted =
-            !(v->flags & FL_PARAM_TIED_COPY) && (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
-        if (b <= a || !counted) continue;
-        double x = o->dev->sumsq(dt, fl_at_const(dt, grads, a - first), b - a);
-        if (sq)
-            sq[o->pp->row_global[r]] = x;
-        else
-            s += x;
+    // the rows' sums a batch at a time from the device (one round trip each)
+    for (int r0 = 0; r0 < t->count; r0 += NORM_BATCH) {
+        size_t offsets[NORM_BATCH], counts[NORM_BATCH];
+        double x[NORM_BATCH];
+        int row[NORM_BATCH], k = 0;
+        for (int r = r0; r < t->count && r < r0 + NORM_BATCH; r++) {
+            const fl_param_view *v = &t->views[r];
+            size_t a = v->offset > first ? v->offset : first;
+            size_t b = v->offset + v->numel < first + n ? v->offset + v->numel : first + n;
+            int counted =
+                !(v->flags & FL_PARAM_TIED_COPY) && (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
+            if (b <= a || !counted) continue;
+            offsets[k] = a - first, counts[k] = b - a, row[k++] = r;
+        }
+        o->dev->sumsq_rows(dt, grads, k, offsets, counts, x);
+        for (int i = 0; i < k; i++)
+            if (sq)
+                sq[o->pp->row_global[row[i]]] = x[i];
+            else
+                s += x[i];
     }
     if (sq) {
         if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, sq, rows);
@@ -392,12 +402,16 @@ void fl_optimizer_update_unit(fl_optimizer *o, int first_row, int n_rows) {
     if (o->grad_accum) fl_optimizer_accum_range(o, lo, hi);
     const void *grads = o->grad_accum ? (const void *)o->grad_accum : o->grads;
     fl_dtype dt = o->grad_accum ? FL_F32 : o->dtype;
-    for (int r = first_row; r < first_row + n_rows; r++) { // grad_sumsq's per row
-        const fl_param_view *v = &o->table->views[r];
-        o->overlap_sq[r] = v->numel && !(v->flags & FL_PARAM_TIED_COPY)
-                               ? o->dev->sumsq(dt, fl_at_const(dt, grads, v->offset), v->numel)
-                               : 0.0;
-        o->overlap_done[r] = 1;
+    for (int r0 = first_row; r0 < first_row + n_rows; r0 += NORM_BATCH) { // grad_sumsq's per row
+        size_t offsets[NORM_BATCH], counts[NORM_BATCH];
+        int k = 0;
+        for (int r = r0; r < first_row + n_rows && r < r0 + NORM_BATCH; r++, k++) {
+            const fl_param_view *v = &o->table->views[r];
+            offsets[k] = v->offset;
+            counts[k] = v->flags & FL_PARAM_TIED_COPY ? 0 : v->numel;
+            o->overlap_done[r] = 1;
+        }
+        o->dev->sumsq_rows(dt, grads, k, offsets, counts, o->overlap_sq + r0);
     }
     fl_optimizer_update_range(o, first_row, n_rows, grads, 0, dt, 1.0f, 1.0f);
     o->offload->rows_updated(o->offload->ctx, lo, hi);

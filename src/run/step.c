@@ -83,6 +83,8 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
     if (p->outer.pre_unit) p->outer.pre_unit(p->outer.ctx, m, unit, pass);
 }
 
+enum { UNIT_ROWS = 64 }; // rows per sumsq_rows call: a unit's all at once
+
 static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     fused_pass *p = ctx;
     const fl_optim_sync *sync = p->o->sync;
@@ -96,12 +98,18 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
         g = sync->reduce_rows(sync->ctx, first, n, g, &lo, &hi);
         dt = FL_F32;
     }
-    if (!p->update || !p->two_pass) // the norm, to clip by or to report
-        for (int r = first; r < first + n; r++) {
-            size_t a = v[r].offset > lo ? v[r].offset : lo;
-            size_t b = v[r].offset + v[r].numel < hi ? v[r].offset + v[r].numel : hi;
-            p->row_sq[r] = b > a ? p->o->dev->sumsq(dt, fl_at_const(dt, g, a - lo), b - a) : 0.0;
-            if (!isfinite(p->row_sq[r])) p->overflow = 1;
+    if (!p->update || !p->two_pass) // the norm, to clip by or to report: the unit's rows at once
+        for (int r0 = first; r0 < first + n; r0 += UNIT_ROWS) {
+            size_t offsets[UNIT_ROWS], counts[UNIT_ROWS];
+            int k = 0;
+            for (int r = r0; r < first + n && r < r0 + UNIT_ROWS; r++, k++) {
+                size_t a = v[r].offset > lo ? v[r].offset : lo;
+                size_t b = v[r].offset + v[r].numel < hi ? v[r].offset + v[r].numel : hi;
+                offsets[k] = b > a ? a - lo : 0, counts[k] = b > a ? b - a : 0;
+            }
+            p->o->dev->sumsq_rows(dt, g, k, offsets, counts, p->row_sq + r0);
+            for (int i = 0; i < k; i++)
+                if (!isfinite(p->row_sq[r0 + i])) p->overflow = 1;
         }
     if (p->update)
         FL_PROFILE(FL_OP_OPTIMIZER, FL_BWD, 0.0,
