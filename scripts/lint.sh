@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 files=$(git ls-files '*.c' '*.h' 2>/dev/null || find include src tests bench -name '*.[ch]')
 # the CUDA backend's kernels (src/cuda/*.cu, *.cuh) take the same format
 cuda_files=$(git ls-files '*.cu' '*.cuh' 2>/dev/null || find src -name '*.cu' -o -name '*.cuh')
-clang-format --dry-run --Werror $files $cuda_files
+# the CUDA emulator's C++ (tests/cuda_emu/) too
+emu_files=$(git ls-files 'tests/cuda_emu/*.cc' 'tests/cuda_emu/*.hpp' 2>/dev/null ||
+    find tests/cuda_emu -name '*.cc' -o -name '*.hpp')
+clang-format --dry-run --Werror $files $cuda_files $emu_files
 # Findings that are false positives carry an inline cppcheck-suppress comment.
 # One job per core; a build directory keeps the whole-program checks, which
 # cppcheck 2.x skips under -j without one.
@@ -14,4 +17,6 @@ ckdir=$(mktemp -d)
 trap 'rm -rf "$ckdir"' EXIT
 cppcheck -j "$(nproc)" --cppcheck-build-dir="$ckdir" --enable=warning,performance,portability --std=c11 -Iinclude --quiet --error-exitcode=1 \
     --suppress=missingIncludeSystem --inline-suppr $files
+cppcheck --enable=warning,performance,portability --std=c++17 --language=c++ --quiet \
+    --error-exitcode=1 --suppress=missingIncludeSystem --inline-suppr -Itests/cuda_emu $emu_files
 echo "lint: clang-format and cppcheck clean"

@@ -31,10 +31,15 @@
 # bitwise the pinned weight offload's run, its resume bit for bit, and the
 # device's peak of weights the plan's and under the model's; without
 # clipping the update during the backward pass bitwise the update after it;
-# with accumulation 3 (the device holding a ring of two units' gradients,
-# summed on the host) the first step bitwise the all-on-GPU run's, every
-# step within 1e-5 relative, weight offload bitwise the stage-1 offloaded
-# run, and the device's peak of gradients the plan's, under the whole's.
+# each offloaded step reports the share of it the device waited on the cpu
+# (timed on the device), within [0, 100]. The plan's device bytes per tag
+# equal a run's measured peaks (the backend's scratch included), and
+# --mem-limit counts what the device holds itself (cuda: its context,
+# measured at start-up). With accumulation 3 (the device holding a ring
+# of two units' gradients, summed on the host) an offloaded run's first
+# step is bitwise the all-on-GPU run's, every step within 1e-5 relative,
+# weight offload bitwise the stage-1 offloaded run, and the device's peak
+# of gradients the plan's, under the whole gradient's.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
@@ -43,7 +48,8 @@ fitlm=${1:?usage: tests/gpu_runs.sh FITLM}
 dev=${GPU_RUNS_DEVICE:-cuda}
 src=${FITLM_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
 
-if [ "$dev" = cuda ] && ! nvidia-smi -L >/dev/null 2>&1; then
+# FITLM_CUDA_EMU=1: a build on the CUDA emulator (tests/cuda_emu), no GPU needed
+if [ "$dev" = cuda ] && [ -z "${FITLM_CUDA_EMU:-}" ] && ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_runs: skipped: no NVIDIA GPU (nvidia-smi finds none)"
     exit 77
 fi
@@ -144,14 +150,33 @@ done
 # --mem-limit on the device: its budget, against the plan's device bytes
 flags=(--device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" --batch 4
     --seq-len 64 --steps 2 --precision bf16 --threads 2 --sample-tokens 0 --eval-iters 1)
-need=$("$fitlm" plan "${flags[@]}" | awk '$1 == "total" && NF >= 4 { print $3; exit }')
+"$fitlm" plan "${flags[@]}" >"$work/plan.out" 2>&1 || true
+need=$(awk '$1 == "total" && NF >= 4 { print $3; exit }' "$work/plan.out")
+# what the device holds itself (cuda: its context), which the limit, a
+# card's total memory, counts too
+held=$(awk '/^the device holds [0-9]+ bytes itself/ { print $4; exit }' "$work/plan.out")
+held=${held:-0}
+if [ "$dev" = cuda ]; then
+    [ "$held" -gt 0 ] && grep -q "context and cuBLASLt" "$work/plan.out" && ok=1 || ok=0
+    check $ok "cuda measures the bytes its context holds ($held) and names them at start-up"
+fi
 if [ -n "$need" ] && [ "$need" -gt 0 ]; then
-    "$fitlm" train "${flags[@]}" --out "$work/capped" --mem-limit "$need" >"$work/capped.out" 2>&1 &&
+    cap=$((need + held))
+    "$fitlm" train "${flags[@]}" --out "$work/capped" --mem-limit "$cap" >"$work/capped.out" 2>&1 &&
         ok=1 || ok=0
-    check $ok "a run at its planned $need device bytes trains under --mem-limit $need"
-    ! "$fitlm" train "${flags[@]}" --out "$work/over" --mem-limit $((need - 1)) >"$work/over.out" 2>&1 &&
+    check $ok "a run at its planned $need device bytes and the device's own $held trains under --mem-limit $cap"
+    ! "$fitlm" train "${flags[@]}" --out "$work/over" --mem-limit $((cap - 1)) >"$work/over.out" 2>&1 &&
         grep -q "device budget" "$work/over.out" && ok=1 || ok=0
-    check $ok "one byte under its planned device bytes, the run is refused naming the device budget"
+    check $ok "one byte under them, the run is refused naming the device budget"
+    # the plan's device bytes per tag are what the run allocated (its peaks)
+    "$fitlm" train "${flags[@]}" --out "$work/measured" --mem-report >"$work/measured.out" 2>&1 || true
+    same=$(awk '/^tag \(per rank\)/ { p = 1; next } p && NF >= 4 && $1 != "total" { plan[$1] = $3 }
+        p && $1 == "total" { p = 0 }
+        /^device memory by tag/ { m = 1; next } m && NF >= 4 && $1 != "total" { got[$1] = $4 }
+        m && $1 == "total" { m = 0 }
+        END { ok = 1; n = 0; for (t in plan) { n++; if ((t in got ? got[t] : 0) != plan[t]) ok = 0 } print ok && n }' \
+        "$work/plan.out" "$work/measured.out")
+    check "$same" "the plan's device bytes per tag are the run's measured peaks (the backend's scratch included)"
 else
     check 0 "fitlm plan --device $dev prints the device bytes' total"
 fi
@@ -330,6 +355,16 @@ run off_wait "$dev" llama bf16 --grad-clip 0 --skip-update-gradz 1e6 --config "$
 cmp -s <(grep '^step' "$work/off_overlap/log.txt") <(grep '^step' "$work/off_wait/log.txt") &&
     ok=1 || ok=0
 check $ok "llama bf16 offloaded on $dev: overlapped, every step bitwise the waiting update's"
+
+# the share of the step the device waits on the cpu: every step of an
+# offloaded run (overlapped or not) and the summary give one within [0, 100]
+for r in off_bf16 off_overlap; do
+    ok=$(awk '$1 == "step" && $2 ~ /\// { n++; if (match($0, /waited on the cpu [0-9.]+%/)) {
+            v = substr($0, RSTART + 18, RLENGTH - 19) + 0; if (v >= 0 && v <= 100) good++ } }
+        /^ZeRO-Offload: the .* device waited on the cpu [0-9.]+% of the step/ { sum = 1 }
+        END { print (n == 10 && good == n && sum) ? 1 : 0 }' "$work/$r.out")
+    check "$ok" "$r on $dev: each step and the summary give the share of the step the device waited on the cpu ($(grep -m1 '^ZeRO-Offload: the .* device waited' "$work/$r.out" | cut -c15-90))"
+done
 
 # The gradient ring: the device holds no whole gradient, each unit's going
 # down to the pinned copy from a ring of two buffers and summed there over

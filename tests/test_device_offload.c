@@ -19,12 +19,16 @@
 // never holds the whole weights (they are built in pinned host memory): its
 // peak of weights is the plan's and under the model's. Pinned memory the
 // host lacks, offload_param keys fitlm does not honour and ZeRO-3 without
-// offload_param on a device are refused.
+// offload_param on a device are refused. The share of the step the device
+// waits on the host is reported per step and measured.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "fitlm/run.h"
+#include "fitlm/train.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_devoffload_XXXXXX";
@@ -467,6 +471,103 @@ static void test_refusals(void) {
                "train " RUN " --model tiny --steps 1 --device test --zero-stage 2");
 }
 
+// The share of the step the device waits on the host (issue 46). A run
+// reports it per step (its line and metrics.jsonl) and after the last,
+// between 0 and 100%; the cpu's run has none.
+static void test_waits_reported(void) {
+    const char *flags = "--model llama-tiny --precision bf16 --grad-accum 2 --steps 3";
+    for (int overlap = 0; overlap < 2; overlap++) {
+        int rc = fitlm("train " RUN " %s%s --out waits --device test --config off1.json", flags,
+                       overlap ? " --grad-clip 0" : "");
+        t_check(rc == 0, "%s: runs: %.600s", flags, output);
+        int lines = 0, in_range = 1;
+        for (const char *at = output; (at = strstr(at, "| waited on the cpu ")); at++, lines++) {
+            double pct = atof(at + strlen("| waited on the cpu "));
+            in_range &= pct >= 0.0 && pct <= 100.0;
+        }
+        const char *sum = strstr(output, "ZeRO-Offload: the test device waited on the cpu ");
+        double total =
+            sum ? atof(sum + strlen("ZeRO-Offload: the test device waited on the cpu ")) : -1.0;
+        t_check(lines == 3 && in_range && total >= 0.0 && total <= 100.0,
+                "%s%s: each step's line and the summary give the share of the step the device "
+                "waited, within [0, 100]: %.900s",
+                flags, overlap ? " (overlapped)" : "", output);
+        char path[256], line[2048];
+        snprintf(path, sizeof path, "%s/waits/metrics.jsonl", dir);
+        FILE *f = fopen(path, "r");
+        int recorded = 0, steps = 0;
+        while (f && fgets(line, sizeof line, f)) {
+            if (!strstr(line, "\"loss\":")) continue;
+            steps++;
+            const char *w = strstr(line, "\"device_wait\":");
+            double share = w ? atof(w + strlen("\"device_wait\":")) : -1.0;
+            recorded += share >= 0.0 && share <= 1.0;
+        }
+        if (f) fclose(f);
+        t_check(steps == 3 && recorded == 3,
+                "metrics.jsonl records device_wait within [0, 1] for each of its %d steps", steps);
+    }
+    int rc = fitlm("train " RUN " %s --out waits --device cpu", flags);
+    t_check(rc == 0 && !strstr(output, "waited on the cpu"),
+            "a run without offload reports no wait: %.600s", output);
+}
+
+// A step of the run by hand (train.c's plain step, one micro-batch), with
+// `sleep_ms` of host work between the gradients' download and the update.
+static void hand_step(fl_run *run, const int *in, const int *tg, int sleep_ms) {
+    fl_model *m = &run->model;
+    fl_optimizer *o = &run->optim;
+    int B = run->cfg.micro_batch, T = run->cfg.seq_len;
+    float dloss = fl_optimizer_scale(o) / (float)fl_batch_targets(o, tg, (size_t)B * T);
+    fl_optimizer_zero_grad(o);
+    fl_model_forward_train(m, in, tg, B, T, dloss);
+    if (fl_optimizer_can_overlap(o)) fl_optimizer_begin_overlap(o, run->cfg.lr, m->loss);
+    fl_model_backward(m, dloss);
+    fl_optimizer_micro_done(o);
+    struct timespec nap = {0, (long)sleep_ms * 1000000L};
+    while (nanosleep(&nap, &nap) != 0) continue;
+    fl_optimizer_step(o, run->cfg.lr);
+}
+
+// The share is measured, not made up: the offload's timed waits, read after
+// each step, lie within the step's time, and host work the device waits for
+// (a sleep between the download and the update) adds at least its length
+// to the waits, with the update overlapped or not.
+static void test_waits_measured(void) {
+    static const char json[] = "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
+                               "{\"device\": \"cpu\"}}}";
+    for (int overlap = 0; overlap < 2; overlap++) {
+        fl_run run;
+        t_run_open(&run, json,
+                   overlap ? "--model llama-tiny --precision bf16 --batch 2 --seq-len 32 "
+                             "--threads 2 --device test --tokenizer byte --out= --grad-clip 0"
+                           : "--model llama-tiny --precision bf16 --batch 2 --seq-len 32 "
+                             "--threads 2 --device test --tokenizer byte --out=",
+                   0);
+        enum { N = 64 };
+        int in[N], tg[N];
+        t_rule_batch(5, N, run.model.config.vocab_size, in, tg);
+        fl_dev_offload_waits w[3];
+        fl_dev_offload_waits_get(run.dev_offload, &w[0]);
+        fl_run_step_batch(&run, in, tg, run.cfg.lr); // the engine's step
+        fl_dev_offload_waits_get(run.dev_offload, &w[1]);
+        hand_step(&run, in, tg, 50);
+        fl_dev_offload_waits_get(run.dev_offload, &w[2]);
+        double wait1 = w[1].wait_ms, step1 = w[1].step_ms, wait2 = w[2].wait_ms - w[1].wait_ms,
+               step2 = w[2].step_ms - w[1].step_ms;
+        t_check(w[0].steps == 0 && w[1].steps == 1 && w[2].steps == 2,
+                "%s: one timed step per step (%ld, %ld, %ld)", overlap ? "overlapped" : "after",
+                w[0].steps, w[1].steps, w[2].steps);
+        t_check(wait1 > 0.0 && wait1 <= step1,
+                "%s: the engine's step waited %.3f ms of its %.3f ms on the host (the update)",
+                overlap ? "overlapped" : "after", wait1, step1);
+        t_check(wait2 >= 50.0 && wait2 <= step2,
+                "%s: 50 ms more host work: the step waited %.3f ms of its %.3f ms",
+                overlap ? "overlapped" : "after", wait2, step2);
+        fl_run_close(&run);
+    }
+}
+
 int main(void) {
     if (!getenv("FITLM_BINARY")) {
         printf("device_offload: FITLM_BINARY not set (run under ctest)\n");
@@ -542,6 +643,8 @@ int main(void) {
     test_grad_ring();
     test_grad_ring_plan();
     test_refusals();
+    test_waits_reported();
+    test_waits_measured();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("  (could not remove %s)\n", dir);
     return t_report();

@@ -13,6 +13,9 @@
 // (device.h: a fixed order of the device's own). Each entry runs twice on the device: the
 // two results must be bitwise equal (no atomics, fixed orders).
 //
+// The backend's own scratch, as large as it asks for, serves its kernels;
+// timed events time what the host waited; cuda measures its context.
+//
 // Exits 77 (CTest: skipped) when fl_device_cuda_table finds no backend or
 // no GPU. `test_gpu test` runs the same checks on the test device (the
 // cpu's kernels on memory the host cannot touch), which checks this
@@ -26,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { MAX_BUFS = 16 };
 
@@ -868,6 +872,70 @@ static void fused(fl_dtype dt, int ada) {
     fl_params_free(&o.table);
 }
 
+// The backend's own scratch (device.h's scratch_bytes, issue 46): a block
+// of the size it asks for, lent, serves its kernels at their widest (64
+// row chunks of column sums of the LayerNorm's and a bias's gradients, an
+// embedding backward over N distinct tokens, a sum of squares) without the
+// device allocating more (its workspace count stays put); timed events
+// measure a span the host slept through; cuda reports its context's bytes.
+static void scratch_and_timing(void) {
+    const int N = 64 * 256 + 5, cols = 96, C = 8;
+    const fl_dtype dt = FL_F32;
+    size_t bytes = dev->scratch_bytes(N, cols), f = sizeof(float);
+    void *b[12];
+    size_t sizes[12] = {(size_t)N * cols * f,
+                        cols * f,
+                        cols * f,
+                        (size_t)N * cols * f,
+                        (size_t)N * cols * f,
+                        cols * f,
+                        (size_t)N * f,
+                        (size_t)N * f,
+                        (size_t)N * C * f,
+                        (size_t)N * sizeof(int),
+                        dev->matmul_workspace_bytes(dt, N, C, cols),
+                        (size_t)cols * C * f};
+    for (int i = 0; i < 12; i++) b[i] = dev->alloc(dev, FL_MEM_ACTS, sizes[i] ? sizes[i] : 1);
+    int *ids = malloc((size_t)N * sizeof(int));
+    for (int i = 0; i < N; i++) ids[i] = i;
+    fl_dev_upload(dev, b[9], ids, (size_t)N * sizeof(int));
+    free(ids);
+    void *s = dev->alloc(dev, FL_MEM_WORKSPACE, bytes ? bytes : 1);
+    dev->scratch_lend(dev, s, bytes);
+    size_t ws = fl_mem_device_current(FL_MEM_WORKSPACE);
+    // LayerNorm (N, cols): dinp, dweight, dbias, dout, inp, weight, mean, rstd
+    dev->layernorm_backward(dt, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], N, cols);
+    // a bias of cols outputs over N rows of C inputs: dinp, dweight, dbias, dout, inp, weight
+    dev->matmul_backward(dt, b[8], b[11], b[2], b[3], b[8], b[11], b[10], N, C, cols);
+    dev->embedding_shard_backward(dt, b[0], b[8], b[9], 0, N, N, C);
+    double sq = dev->sumsq(dt, b[0], (size_t)N * cols);
+    dev->sync(dev);
+    t_check(isfinite(sq) && fl_mem_device_current(FL_MEM_WORKSPACE) == ws,
+            "%s: the lent scratch of %zu bytes serves the kernels at N %d, cols %d (the device's "
+            "workspace count %zu, was %zu)",
+            dev->name, bytes, N, cols, fl_mem_device_current(FL_MEM_WORKSPACE), ws);
+    dev->scratch_return(dev, s);
+    dev->free(dev, s);
+    for (int i = 0; i < 12; i++) dev->free(dev, b[i]);
+    dev->sync(dev); // the stream idle: the first event is reached as it is recorded
+    fl_event *e0 = dev->event_record_timed(dev, NULL);
+    struct timespec nap = {0, 20 * 1000000L};
+    while (nanosleep(&nap, &nap) != 0) continue;
+    fl_event *e1 = dev->event_record_timed(dev, NULL);
+    double ms = dev->event_elapsed_ms(dev, e0, e1);
+    dev->event_destroy(dev, e0);
+    dev->event_destroy(dev, e1);
+    t_check(ms >= 19.0 && ms < 10000.0,
+            "%s: timed events measure the 20 ms the host slept between them (%.3f ms)", dev->name,
+            ms);
+    char line[256];
+    dev->describe(dev, line, sizeof line);
+    int cuda = !strcmp(dev->name, "cuda");
+    t_check(cuda ? dev->reserved(dev) > 0 && strstr(line, "context") : dev->reserved(dev) == 0,
+            "%s: the bytes it holds itself (%zu) %s", dev->name, dev->reserved(dev),
+            cuda ? "measured at start-up and described" : "none");
+}
+
 int main(int argc, char **argv) {
     char why[512] = "";
     if (argc > 1 && strcmp(argv[1], "test") == 0)
@@ -901,5 +969,6 @@ int main(int argc, char **argv) {
         fused(dt, 0);
         fused(dt, 1);
     }
+    scratch_and_timing();
     return t_report();
 }

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "fitlm/device.h"
+#include "fitlm/plan.h"
 #include "testlib.h"
 
 static char dir[] = "/tmp/fitlm_placement_XXXXXX";
@@ -79,6 +80,17 @@ static void test_losses_equal_cpu(void) {
         }
     t_check(strstr(output, "device: test") != NULL, "the start-up names the device: %.300s",
             output);
+    // the host's multiply-add peak is not the device's: no MFU unless given
+    char path[256], line[512] = "";
+    snprintf(path, sizeof path, "%s/run_test/metrics.jsonl", dir);
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (!fgets(line, sizeof line, f)) line[0] = 0;
+        fclose(f);
+    }
+    t_check(strstr(line, "\"peak_flops\":null") &&
+                strstr(line, "unknown on the test device: give --peak-tflops"),
+            "a device run records no host peak for its MFU: %s", line);
 }
 
 // m trained 4 steps on the cpu, and 2 on the test device whose checkpoint
@@ -344,6 +356,39 @@ static void test_allocator_cap(void) {
            "device memory cap of 1.00 MiB (--mem-limit) exceeded allocating 1.50 MiB for acts");
 }
 
+// What a device holds itself (cuda: its context) counts against the cap,
+// which stands for a card's total memory: in the allocator's cap, and in
+// the plan's device budget (a test table that says it holds 600 KiB).
+static void over_cap_held(void *arg) {
+    (void)arg;
+    const fl_device *dev = fl_device_get("test");
+    fl_mem_device_set_cap((size_t)1 << 20);
+    fl_mem_device_set_reserved((size_t)600 << 10);
+    dev->alloc(dev, FL_MEM_PARAMS, (size_t)512 << 10); // 1.09 MiB with what it holds
+}
+
+static size_t holds_600k(const fl_device *d) {
+    (void)d;
+    return (size_t)600 << 10;
+}
+
+static void test_cap_counts_held(void) {
+    t_dies("a device allocation over the cap with what the device holds", over_cap_held, NULL,
+           "allocated there, and 600 KiB the device holds itself (its context))");
+    fl_device held = *fl_device_get("test");
+    held.reserved = holds_600k;
+    fl_plan_request r;
+    fl_plan_request_init(&r);
+    r.dev = &held;
+    r.device_cap = (size_t)1 << 20;
+    t_check(fl_plan_device_limit(&r) == ((size_t)424 << 10),
+            "the plan's device budget is --mem-limit less what the device holds (%zu)",
+            fl_plan_device_limit(&r));
+    r.device_cap = (size_t)500 << 10;
+    t_check(fl_plan_device_limit(&r) == 1, "a limit below it leaves no budget (%zu)",
+            fl_plan_device_limit(&r));
+}
+
 // ----------------------------------------------------------------------------
 // LoRA and QLoRA on the test device (issue 46): the adapters, their
 // optimizer and the NF4 base weights live on the device; what reaches the
@@ -514,6 +559,7 @@ int main(void) {
     test_refusals();
     test_mem_limit_device();
     test_allocator_cap();
+    test_cap_counts_held();
     test_lora_qlora_equal_cpu();
     test_lora_resume_bitwise();
     test_adapter_on_device();

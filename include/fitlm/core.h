@@ -95,8 +95,12 @@ size_t fl_mem_peak_rss(void);   // the process's peak resident set (VmHWM)
 // Under a cap (fl_mem_device_set_cap) a count that would take the device's
 // total over it dies naming the cap, the tag and the size.
 void fl_mem_device_count(fl_mem_tag tag, long long bytes);
-// --mem-limit on a device: the most the device's blocks may total (0: no cap).
+// --mem-limit on a device: the most the device's blocks may total (0: no
+// cap), with the bytes it holds outside them (fl_mem_device_set_reserved).
 void fl_mem_device_set_cap(size_t bytes);
+// What the device holds outside its counted blocks (the CUDA context,
+// device.h's reserved), counted against the cap.
+void fl_mem_device_set_reserved(size_t bytes);
 void fl_die_device_oom(const char *device, size_t bytes, fl_mem_tag tag) __attribute__((noreturn));
 size_t fl_mem_device_current(fl_mem_tag tag);
 size_t fl_mem_device_peak(fl_mem_tag tag);

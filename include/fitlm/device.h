@@ -69,6 +69,17 @@ struct fl_device {
     void (*event_sync)(const fl_device *d, fl_event *e);                // the host waits
     void (*event_destroy)(const fl_device *d, fl_event *e);
     void (*sync)(const fl_device *d); // the host waits for every stream
+    // timing (ZeRO-Offload's share of the step the device waits on the
+    // host): a new event that notes when stream s reaches it (the cpu and
+    // test devices: the host's clock, their work being done when a call
+    // returns), and the milliseconds from a to b, timed events of one
+    // stream with a before b; it waits for b
+    fl_event *(*event_record_timed)(const fl_device *d, fl_stream *s);
+    double (*event_elapsed_ms)(const fl_device *d, fl_event *a, fl_event *b);
+    // device bytes held outside the tagged blocks, measured at start-up
+    // (cuda: its context, cuBLASLt's handle; 0 for the others): counted
+    // against --mem-limit, which then stands for a card's total memory
+    size_t (*reserved)(const fl_device *d);
     // pinned (page-locked) host memory, which copy_async moves without a
     // bounce (ZeRO-Offload's master, state and staging): zero-filled,
     // 64-byte aligned, counted under tag as host memory and as pinned
@@ -80,6 +91,14 @@ struct fl_device {
     size_t (*matmul_workspace_bytes)(fl_dtype dt, int N, int C, int OC);
     // floats for `threads` host threads (the cpu's per-thread workspace)
     size_t (*attention_workspace_floats)(fl_dtype dt, int T, int HS, int group, int threads);
+    // the backend's own device scratch (cuda: the reductions' partial sums,
+    // the embedding backward's buckets) for kernels on at most N rows whose
+    // column sums (norm and bias gradients) are at most cols wide: a model
+    // allocates it under FL_MEM_WORKSPACE (so the plan counts it) and lends
+    // it to the device for as long as it lives
+    size_t (*scratch_bytes)(int N, int cols);
+    void (*scratch_lend)(const fl_device *d, void *p, size_t bytes);
+    void (*scratch_return)(const fl_device *d, void *p); // NULL is fine
     void (*encoder_forward)(fl_dtype dt, void *out, const int *inp, const void *wte,
                             const void *wpe, int B, int T, int C);
     void (*encoder_backward)(fl_dtype dt, void *dwte, void *dwpe, const void *dout, const int *inp,

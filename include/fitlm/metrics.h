@@ -54,6 +54,9 @@ typedef struct {
     double tokens_per_s, ms;
     long skipped_steps; // steps the spike guard skipped so far (written when not 0)
     double mfu;         // model FLOPs / (time x peak); NAN when there is no peak
+    // ZeRO-Offload on a device: the share of the step the device waited on
+    // the host, 0 to 1 (written when finite; NAN: not timed)
+    double device_wait;
 } fl_metrics_step;
 
 typedef struct {
@@ -80,7 +83,8 @@ typedef struct {
 } fl_metrics_run;
 
 // {"step":..,"tokens":..,"loss":..,"lr":..,"grad_norm":..,"loss_scale":..,
-//  "skipped":..[,"skipped_steps":..],"tokens_per_s":..,"ms":..,"mfu":..[, "memory":{...}]}; with
+//  "skipped":..[,"skipped_steps":..],"tokens_per_s":..,"ms":..,"mfu":..[,"device_wait":..]
+//  [, "memory":{...}]}; with
 // with_memory, the allocator's tags and the RSS as they are now.
 void fl_metrics_write_step(fl_line_log *log, const fl_metrics_step *s, int with_memory);
 void fl_metrics_write_eval(fl_line_log *log,

@@ -190,6 +190,7 @@ struct fl_model {
     float *att_workspace;
     int att_workspace_threads; // the thread count att_workspace was sized for
     void *matmul_workspace;    // for the largest GEMM of the step
+    void *dev_scratch;         // the device's own (device.h's scratch_lend), or NULL
     float *rope_table;         // LLaMA: (maxT, HS/2, 2) cos/sin
     int *inputs, *targets;     // (B,T) copies of the last batch
     int *tp_targets;           // tensor parallelism: (B,T) the targets' columns here, or -1

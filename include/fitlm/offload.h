@@ -116,6 +116,16 @@ void fl_dev_offload_upload(fl_dev_offload *f);
 // NVMe weight offload: the weights now live in the optimizer's NVMe file
 // (fl_offload_optimizer with weights): the pinned copy is freed.
 void fl_dev_offload_drop_params(fl_dev_offload *f);
+// How long the device waited on the host (timed on the device's compute
+// stream, docs/offload.md): the steps' time, each from its first
+// zero_grad to the end of its uploads, and the waits in it (the device
+// idle while the host took the gradients down, updated and sent the
+// weights up); a skipped step's count with the next step's.
+typedef struct {
+    double wait_ms, step_ms;
+    long steps; // steps timed
+} fl_dev_offload_waits;
+void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w);
 void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is fine
 // The device's gradient bytes under it (tag grads): two buffers of the
 // table's largest unit, and the tied embedding's own.

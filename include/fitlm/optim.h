@@ -413,6 +413,7 @@ typedef struct {
 // down from a small ring during the backward pass).
 typedef struct {
     void *ctx;
+    void (*zero_grad)(void *ctx);  // o's gradients were zeroed: a micro-batch begins
     void (*grads_down)(void *ctx); // after a backward: o->grads holds the device's
     // the step updates groups of whole rows of about `chunk` elements in
     // order; the weights of elements [first, end) are final: they go up

@@ -203,7 +203,8 @@ void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, siz
 // (fl_plan_device_limit).
 void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit);
 // The device's budget for r: its available memory, capped by device_cap
-// (--mem-limit) (0: none known, or the cpu).
+// (--mem-limit, a card's total memory: less what the device holds itself,
+// its context) (0: none known, or the cpu).
 size_t fl_plan_device_limit(const fl_plan_request *r);
 // As fl_plan_alternatives, for the device's bytes under `limit`: a smaller
 // micro-batch, bf16, activation checkpointing (what a device runs).

@@ -212,12 +212,18 @@ int cmd_plan(int argc, char **argv) {
         r.dev->describe(r.dev, desc, sizeof desc);
         fl_size_text_pair(device_limit, p.device_total, free_, need);
         if (r.device_cap)
-            printf("\ndevice budget %s (--mem-limit, at most the free memory) on %s: %s needed, "
-                   "%s\n",
-                   free_, desc, need, p.device_total <= device_limit ? "fits" : "does NOT fit");
+            printf("\ndevice budget %s (--mem-limit%s, at most the free memory) on %s: %s "
+                   "needed, %s\n",
+                   free_, r.dev->reserved(r.dev) ? " less what the device holds itself" : "", desc,
+                   need, p.device_total <= device_limit ? "fits" : "does NOT fit");
         else
             printf("\ndevice memory %s free on %s: %s needed, %s\n", free_, desc, need,
                    p.device_total <= device_limit ? "fits" : "does NOT fit");
+        size_t held = r.dev->reserved(r.dev);
+        if (held)
+            printf("the device holds %zu bytes itself (its context; --mem-limit, a card's total "
+                   "memory, counts them)\n",
+                   held);
         if (p.device_total > device_limit) {
             char alt[2048];
             fl_plan_device_alternatives(&r, device_limit, alt, sizeof alt);

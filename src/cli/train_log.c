@@ -44,9 +44,16 @@ void run_log_open(run_log *log, const fl_run *run) {
         fl_mfu_flops_per_token(&run->model, cfg->seq_len, run->lora && !run->train_base);
     if (*out_dir) {
         char how[128] = "given (--peak-tflops)";
-        log->peak_flops = cfg->peak_tflops > 0
-                              ? cfg->peak_tflops * 1e12
-                              : fl_mfu_peak(cfg->dtype, fl_threads(), how, sizeof how);
+        // a device's GEMMs run on it, not on the host's multiply-adds: its
+        // peak is the one given, else unknown (no MFU)
+        if (cfg->peak_tflops > 0)
+            log->peak_flops = cfg->peak_tflops * 1e12;
+        else if (!run->dev->host) {
+            log->peak_flops = 0.0;
+            snprintf(how, sizeof how, "unknown on the %s device: give --peak-tflops",
+                     run->dev->name);
+        } else
+            log->peak_flops = fl_mfu_peak(cfg->dtype, fl_threads(), how, sizeof how);
         fl_metrics_run record = {.step = run->start,
                                  .params = (double)run->model.table.numel,
                                  .flops_per_token = log->flops_per_token,
@@ -100,9 +107,37 @@ static void progress_line(int step, int steps, float loss, double tok_s, const d
            eta % 60);
 }
 
+// ZeRO-Offload on a device: the share of the step (of the steps timed
+// since the last read: a skipped step's counts with the next) the device
+// waited on the host, 0 to 1; NAN when none was timed.
+static double device_wait(run_log *log, const fl_run *run) {
+    if (!run->dev_offload) return NAN;
+    fl_dev_offload_waits w, *was = &log->waits;
+    fl_dev_offload_waits_get(run->dev_offload, &w);
+    double share = w.steps > was->steps && w.step_ms > was->step_ms
+                       ? (w.wait_ms - was->wait_ms) / (w.step_ms - was->step_ms)
+                       : NAN;
+    if (!was->steps && w.steps) log->waits_first = w;
+    *was = w;
+    return share;
+}
+
+static void print_device_waits(const run_log *log, const fl_run *run) {
+    fl_dev_offload_waits w = log->waits, from = log->waits_first;
+    if (!run->dev_offload || !w.steps) return;
+    if (w.steps == from.steps) from = (fl_dev_offload_waits){0};
+    long steps = w.steps - from.steps;
+    double wait = (w.wait_ms - from.wait_ms) / steps, step = (w.step_ms - from.step_ms) / steps;
+    printf("ZeRO-Offload: the %s device waited on the cpu %.1f%% of the step (%.2f of %.2f ms a "
+           "step, timed on the device over %ld step%s%s)\n",
+           run->dev->name, step > 0 ? 100.0 * wait / step : 0.0, wait, step, steps,
+           steps == 1 ? "" : "s", from.steps ? ", after the first" : "");
+}
+
 void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_train_result *r,
                   double ms) {
     const fl_train_config *cfg = &run->cfg;
+    double wait = device_wait(log, run);
     int start = run->start;
     float loss = r->loss;
     log->skipped += r->skipped;
@@ -121,6 +156,7 @@ void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_
                    log->skipped);
         if (log->spikes)
             printf(" | %sskipped_steps %ld", r->spike.outlier ? "SPIKE " : "", log->spikes);
+        if (isfinite(wait)) printf(" | waited on the cpu %.1f%%", 100.0 * wait);
         printf("\n");
     }
     char spikes[48] = ""; // only once the guard has skipped: the recorded logs stay as they are
@@ -139,7 +175,8 @@ void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_
                          .skipped_steps = log->spikes,
                          .tokens_per_s = tok_s,
                          .ms = ms,
-                         .mfu = log->peak_flops > 0.0 ? flops / log->peak_flops : NAN};
+                         .mfu = log->peak_flops > 0.0 ? flops / log->peak_flops : NAN,
+                         .device_wait = wait};
     int memory = step == start || (step + 1) % cfg->metrics_memory_every == 0 ||
                  (cfg->mem_report_every && (step + 1) % cfg->mem_report_every == 0);
     fl_metrics_write_step(&log->json, &m, memory);
@@ -253,4 +290,5 @@ void run_print_traffic(const run_log *log, const fl_run *run, const fl_offload_s
                100.0 * comm->wait_seconds / log->step_seconds);
     if (run->offload && steps_run > 0)
         print_offload(run->offload, io0, steps_run, log->step_seconds);
+    print_device_waits(log, run);
 }

@@ -20,6 +20,9 @@ typedef struct {
     long spikes;              // steps the spike guard skipped (a resumed run's too)
     fl_comm_stats comm;       // the training steps' traffic (not evaluation's)
     double step_seconds;      // summed over the steps run
+    // ZeRO-Offload on a device: the offload's timed waits as last read, and
+    // after the first timed step (its one-time set-up left out of the summary)
+    fl_dev_offload_waits waits, waits_first;
 } run_log;
 
 // Opens the run's records (rank 0 writes them; a resume keeps those up to
@@ -43,6 +46,8 @@ void run_check_spike(run_log *log, const fl_train_config *cfg, int step, const f
 void rank_memory_report(void);
 // The communication and NVMe offload traffic per step (io0: the offload's
 // counters before the first step).
+// ZeRO-Offload on a device: the share of the steps the device waited on the
+// host (after the first step, when there were more).
 void run_print_traffic(const run_log *log, const fl_run *run, const fl_offload_stats *io0,
                        int steps_run);
 

@@ -31,7 +31,8 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t current[FL_MEM_NTAGS], peak[FL_MEM_NTAGS], total_current, total_peak;
 // the same for device memory (fl_mem_device_count)
 static size_t dev_current[FL_MEM_NTAGS], dev_peak[FL_MEM_NTAGS], dev_total_current, dev_total_peak;
-static size_t dev_cap; // --mem-limit on a device: the most its blocks may total (0: none)
+static size_t dev_cap;      // --mem-limit on a device: the most its blocks may total (0: none)
+static size_t dev_reserved; // what the device holds outside its blocks (its context), under the cap
 // the part of the host's that is pinned (fl_mem_pinned_count)
 static size_t pin_current[FL_MEM_NTAGS], pin_peak[FL_MEM_NTAGS], pin_total_peak, pin_total_current;
 
@@ -142,18 +143,28 @@ void fl_mem_device_set_cap(size_t bytes) {
     pthread_mutex_unlock(&lock);
 }
 
+void fl_mem_device_set_reserved(size_t bytes) {
+    pthread_mutex_lock(&lock);
+    dev_reserved = bytes;
+    pthread_mutex_unlock(&lock);
+}
+
 void fl_mem_device_count(fl_mem_tag tag, long long bytes) {
     FL_ASSERT((unsigned)tag < FL_MEM_NTAGS);
     pthread_mutex_lock(&lock);
     // the cap holds even where the plan misjudged the run
-    if (bytes > 0 && dev_cap && dev_total_current + (size_t)bytes > dev_cap) {
-        size_t held = dev_total_current, cap = dev_cap;
+    if (bytes > 0 && dev_cap && dev_reserved + dev_total_current + (size_t)bytes > dev_cap) {
+        size_t held = dev_total_current, cap = dev_cap, outside = dev_reserved;
         pthread_mutex_unlock(&lock);
-        char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT], limit[FL_SIZE_TEXT];
+        char want[FL_SIZE_TEXT], have[FL_SIZE_TEXT], limit[FL_SIZE_TEXT], ctx[FL_SIZE_TEXT];
+        char context[FL_SIZE_TEXT + 48] = "";
+        if (outside)
+            snprintf(context, sizeof context, ", and %s the device holds itself (its context)",
+                     fl_size_text(outside, ctx));
         fl_die("device memory cap of %s (--mem-limit) exceeded allocating %s for %s (%s already "
-               "allocated there)",
+               "allocated there%s)",
                fl_size_text(cap, limit), fl_size_text((size_t)bytes, want), fl_mem_tag_name(tag),
-               fl_size_text(held, have));
+               fl_size_text(held, have), context);
     }
     FL_ASSERT(bytes >= 0 || (size_t)-bytes <= dev_current[tag]);
     dev_current[tag] += (size_t)bytes; // wraps down for a negative count

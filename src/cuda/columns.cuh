@@ -15,8 +15,7 @@
 #define COL_WARPS   8
 
 static inline int column_chunks(int N) {
-    int chunks = (N + 255) / 256; // >= 256 rows a chunk, at most 64 chunks
-    return chunks > 64 ? 64 : chunks < 1 ? 1 : chunks;
+    return fl_cuda_column_chunks(N); // cuda.h's: the scratch is sized by it
 }
 
 // dst[c] (dtype dt) = round(dst[c] + sum over r of partial[r][c])

@@ -39,7 +39,15 @@ static struct {
     pthread_mutex_t lock; // the blocks
     block *blocks;
     size_t n_blocks, cap;
-    void *scratch; // fl_cuda_scratch's
+    size_t context_bytes; // in use on the card once the context and cuBLASLt's handle exist
+    // fl_cuda_scratch's: the models' lent scratch (newest last), or the
+    // backend's own, grown when a call needs more than any lent one holds
+    struct {
+        void *p;
+        size_t bytes;
+    } lent[16];
+    int n_lent;
+    void *scratch;
     size_t scratch_bytes;
 } g = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -51,20 +59,55 @@ int fl_cuda_sm_count(void) {
     return g.prop.multiProcessorCount;
 }
 
-void *fl_cuda_scratch(size_t bytes) {
-    if (bytes <= g.scratch_bytes) return g.scratch;
-    size_t want = bytes < ((size_t)4 << 20) ? (size_t)4 << 20 : bytes;
-    FL_CUDA_CHECK(cudaStreamSynchronize(g.compute)); // the old one may still be read
-    FL_CUDA_CHECK(cudaFree(g.scratch));
-    g.scratch = NULL;
-    g.scratch_bytes = 0;
-    cudaError_t err = cudaMalloc(&g.scratch, want);
-    if (err == cudaErrorMemoryAllocation) {
-        (void)cudaGetLastError();
-        fl_die_device_oom("cuda", want, FL_MEM_WORKSPACE);
+static void *cuda_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes);
+static void cuda_free(const fl_device *d, void *p);
+static fl_device cuda;
+
+// The scratch's users: step.cu's reductions (a double per block), the
+// column sums' partials (columns.cuh: up to two arrays of chunks x cols
+// floats, the LayerNorm's weight and bias) and the embedding backward's
+// buckets (encoder.cu: used + 2 buckets + 1 ints, used and buckets at most N).
+size_t fl_cuda_scratch_bytes(int N, int cols) {
+    size_t reduce = FL_CUDA_REDUCE_BLOCKS * sizeof(double),
+           columns = 2 * (size_t)fl_cuda_column_chunks(N) * (size_t)cols * sizeof(float),
+           buckets = (3 * (size_t)N + 1) * sizeof(int);
+    size_t most = reduce > columns ? reduce : columns;
+    return most > buckets ? most : buckets;
+}
+
+static void cuda_scratch_lend(const fl_device *d, void *p, size_t bytes) {
+    (void)d;
+    if (g.n_lent == (int)(sizeof g.lent / sizeof g.lent[0]))
+        fl_die("cuda: more than %d models' scratch lent at once", g.n_lent);
+    g.lent[g.n_lent].p = p;
+    g.lent[g.n_lent++].bytes = bytes;
+    if (g.scratch) { // the lent one serves from now on: the own one leaves the counts
+        cuda_free(&cuda, g.scratch);
+        g.scratch = NULL;
+        g.scratch_bytes = 0;
     }
-    FL_CUDA_CHECK(err);
-    g.scratch_bytes = want;
+}
+
+// Before the model frees it: the work queued on it is done first.
+static void cuda_scratch_return(const fl_device *d, void *p) {
+    (void)d;
+    for (int i = 0; i < g.n_lent; i++)
+        if (g.lent[i].p == p) {
+            FL_CUDA_CHECK(cudaStreamSynchronize(g.compute));
+            memmove(&g.lent[i], &g.lent[i + 1], (size_t)(g.n_lent - i - 1) * sizeof g.lent[0]);
+            g.n_lent--;
+            return;
+        }
+}
+
+void *fl_cuda_scratch(size_t bytes) {
+    for (int i = g.n_lent - 1; i >= 0; i--)
+        if (bytes <= g.lent[i].bytes) return g.lent[i].p;
+    if (bytes <= g.scratch_bytes) return g.scratch;
+    FL_CUDA_CHECK(cudaStreamSynchronize(g.compute)); // the old one may still be read
+    cuda_free(&cuda, g.scratch);
+    g.scratch = cuda_alloc(&cuda, FL_MEM_WORKSPACE, bytes); // counted, as the lent ones are
+    g.scratch_bytes = bytes;
     return g.scratch;
 }
 
@@ -72,9 +115,17 @@ static void cuda_describe(const fl_device *d, char *out, size_t size) {
     (void)d;
     size_t free_b = 0, total = 0;
     FL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
-    snprintf(out, size, "cuda: %s (compute capability %d.%d, %d SMs), %.1f GiB free of %.1f GiB",
+    snprintf(out, size,
+             "cuda: %s (compute capability %d.%d, %d SMs), %.1f GiB free of %.1f GiB; context "
+             "and cuBLASLt %.0f MiB",
              g.prop.name, g.prop.major, g.prop.minor, g.prop.multiProcessorCount,
-             (double)free_b / (1 << 30), (double)total / (1 << 30));
+             (double)free_b / (1 << 30), (double)total / (1 << 30),
+             (double)g.context_bytes / (1 << 20));
+}
+
+static size_t cuda_reserved(const fl_device *d) {
+    (void)d;
+    return g.context_bytes;
 }
 
 static size_t cuda_available(const fl_device *d) {
@@ -189,6 +240,22 @@ static void cuda_stream_wait(const fl_device *d, fl_stream *s, fl_event *e) {
     FL_CUDA_CHECK(cudaStreamWaitEvent(s ? s->s : g.compute, e->e, 0));
 }
 
+static fl_event *cuda_event_record_timed(const fl_device *d, fl_stream *s) {
+    (void)d;
+    fl_event *e = fl_alloc(FL_MEM_OTHER, sizeof *e);
+    FL_CUDA_CHECK(cudaEventCreate(&e->e)); // with timing, unlike event_record's
+    FL_CUDA_CHECK(cudaEventRecord(e->e, s ? s->s : g.compute));
+    return e;
+}
+
+static double cuda_event_elapsed_ms(const fl_device *d, fl_event *a, fl_event *b) {
+    (void)d;
+    float ms = 0.0f;
+    FL_CUDA_CHECK(cudaEventSynchronize(b->e));
+    FL_CUDA_CHECK(cudaEventElapsedTime(&ms, a->e, b->e));
+    return ms;
+}
+
 static void cuda_event_sync(const fl_device *d, fl_event *e) {
     (void)d;
     FL_CUDA_CHECK(cudaEventSynchronize(e->e));
@@ -255,9 +322,15 @@ static fl_device cuda = {
     .event_sync = cuda_event_sync,
     .event_destroy = cuda_event_destroy,
     .sync = cuda_sync,
+    .event_record_timed = cuda_event_record_timed,
+    .event_elapsed_ms = cuda_event_elapsed_ms,
+    .reserved = cuda_reserved,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .matmul_workspace_bytes = fl_cuda_matmul_workspace_bytes,
+    .scratch_bytes = fl_cuda_scratch_bytes,
+    .scratch_lend = cuda_scratch_lend,
+    .scratch_return = cuda_scratch_return,
     .encoder_forward = fl_cuda_encoder_forward,
     .encoder_backward = fl_cuda_encoder_backward,
     .embedding_shard_forward = fl_cuda_embedding_shard_forward,
@@ -330,9 +403,18 @@ const fl_device *fl_device_cuda_table(char *why, size_t why_size) {
     }
     if (!table_complete(&cuda, why, why_size)) return NULL;
     FL_CUDA_CHECK(cudaSetDevice(0));
+    FL_CUDA_CHECK(cudaFree(0)); // the context, now
     FL_CUDA_CHECK(cudaGetDeviceProperties(&g.prop, 0));
     FL_CUDA_CHECK(cudaStreamCreate(&g.compute)); // blocking: the legacy stream waits for it
-    fl_cuda_scratch(1);                          // its first 4 MiB now, not in the first step
+    fl_cuda_matmul_init();
+    // What the card holds before fitlm allocates: the context and cuBLASLt's
+    // handle. The runtime's first call makes the context, so there is no
+    // reading before it: other processes' memory on the card is included
+    // (none on a card of one's own), which --mem-limit, a card's total
+    // memory, must leave room for just the same.
+    size_t free_b = 0, total = 0;
+    FL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
+    g.context_bytes = total - free_b;
     g.ready = 1;
     return &cuda;
 }

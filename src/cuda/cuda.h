@@ -36,11 +36,24 @@ int fl_cuda_sm_count(void);
 
 // The backend's own scratch on the device, at least `bytes`: the
 // reductions' partial sums (norms' weight gradients, bias gradients, sums
-// of squares) and the embedding backward's buckets. Grown when a call needs
-// more (after the stream's work so far), kept for the process: like the
-// CUDA context and cuBLASLt's handle, outside the tagged counts and the
-// plan (a few MiB; the plan's buffers are the model's).
+// of squares) and the embedding backward's buckets. A model's lent scratch
+// (device.h's scratch_lend: sized by fl_cuda_scratch_bytes, counted under
+// FL_MEM_WORKSPACE and planned); without one big enough (kernels called
+// outside a model) the backend's own, counted the same, grown when a call
+// needs more (after the stream's work so far) and freed when a model lends
+// one.
 void *fl_cuda_scratch(size_t bytes);
+// What the kernels on at most N rows, with column sums at most cols wide, ask of it.
+size_t fl_cuda_scratch_bytes(int N, int cols);
+#define FL_CUDA_REDUCE_BLOCKS 1024 // step.cu's reductions: at most this many blocks' partial sums
+// Row chunks of a column sum over N rows (columns.cuh): >= 256 rows a chunk, at most 64 chunks.
+static inline int fl_cuda_column_chunks(int N) {
+    int chunks = (N + 255) / 256;
+    return chunks > 64 ? 64 : chunks < 1 ? 1 : chunks;
+}
+// cuBLASLt's handle (matmul.cu), made at start-up so that the context's
+// bytes measured then include it.
+void fl_cuda_matmul_init(void);
 
 // ---- launchers (src/cuda/<family>.cu)
 void fl_cuda_encoder_forward(fl_dtype dt, void *out, const int *inp, const void *wte,

@@ -58,6 +58,13 @@ static int alignment_of(const void *a, const void *b, const void *c) {
     return (int)(bits & (~bits + 1));
 }
 
+extern "C" void fl_cuda_matmul_init(void) {
+    if (mm.handle) return;
+    FL_BLAS_CHECK(cublasLtCreate(&mm.handle));
+    const char *tf32 = getenv("FITLM_TF32");
+    mm.tf32 = tf32 && !strcmp(tf32, "1");
+}
+
 // The plan of D (m,n) = op(A) (m,k) x op(B) (k,n), column-major; A
 // transposed for the forward, B for the weight gradient.
 static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int align, size_t ws) {
@@ -67,11 +74,7 @@ static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int 
             p->bias == bias && p->align == align && p->ws == ws)
             return p;
     }
-    if (!mm.handle) {
-        FL_BLAS_CHECK(cublasLtCreate(&mm.handle));
-        const char *tf32 = getenv("FITLM_TF32");
-        mm.tf32 = tf32 && !strcmp(tf32, "1");
-    }
+    fl_cuda_matmul_init();
     mm.plans = (plan *)fl_reserve(FL_MEM_OTHER, mm.plans, &mm.cap, mm.n_plans, mm.n_plans + 1,
                                   sizeof(plan));
     plan *p = &mm.plans[mm.n_plans];

@@ -5,16 +5,25 @@
 //
 // The reductions cannot take the cpu's order (fl_grad_sumsq's chunks and
 // lanes, the losses' index order): they are fixed instead, so that a run
-// repeats bitwise on any GPU. REDUCE_BLOCKS blocks (a constant, not the
-// GPU's multiprocessors) each sum a grid stride of the values in double
-// (threads, then a warp tree, then the warps in order); the host adds the
-// blocks' sums in order. Against the cpu the result differs by the
+// repeats bitwise on any GPU. reduce_blocks(n) blocks (a function of n
+// alone, not of the GPU's multiprocessors: at least REDUCE_PER_THREAD values
+// a thread, at most REDUCE_BLOCKS blocks, so a small tensor's sum is one
+// block rather than 1024 mostly idle ones) each sum a grid stride of the
+// values in double (threads, then a warp tree, then the warps in order);
+// the host adds the blocks' sums in order. Against the cpu the result differs by the
 // rounding of a double sum in another order: relative 1e-16 or so per
 // value, far below fp32.
 #include "common.cuh"
 
-#define REDUCE_BLOCKS  1024
-#define REDUCE_THREADS 256
+#define REDUCE_BLOCKS     FL_CUDA_REDUCE_BLOCKS
+#define REDUCE_THREADS    256
+#define REDUCE_PER_THREAD 8
+
+static unsigned reduce_blocks(size_t n) {
+    size_t per_block = (size_t)REDUCE_THREADS * REDUCE_PER_THREAD;
+    size_t b = (n + per_block - 1) / per_block;
+    return (unsigned)(b > REDUCE_BLOCKS ? REDUCE_BLOCKS : b);
+}
 
 __global__ void convert_kernel(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
                                size_t n) {
@@ -49,16 +58,16 @@ __global__ void reduce_kernel(double *partial, fl_dtype dt, const void *x, size_
 
 static double reduce(fl_dtype dt, const void *x, size_t n, int squares) {
     if (!n) return 0.0;
+    unsigned blocks = reduce_blocks(n);
     double *partial = (double *)fl_cuda_scratch(REDUCE_BLOCKS * sizeof(double));
-    reduce_kernel<<<REDUCE_BLOCKS, REDUCE_THREADS, 0, fl_cuda_stream()>>>(partial, dt, x, n,
-                                                                          squares);
+    reduce_kernel<<<blocks, REDUCE_THREADS, 0, fl_cuda_stream()>>>(partial, dt, x, n, squares);
     FL_CUDA_LAUNCHED("reduce_kernel");
     double host[REDUCE_BLOCKS];
-    FL_CUDA_CHECK(
-        cudaMemcpyAsync(host, partial, sizeof host, cudaMemcpyDeviceToHost, fl_cuda_stream()));
+    FL_CUDA_CHECK(cudaMemcpyAsync(host, partial, blocks * sizeof(double), cudaMemcpyDeviceToHost,
+                                  fl_cuda_stream()));
     FL_CUDA_CHECK(cudaStreamSynchronize(fl_cuda_stream()));
     double total = 0.0;
-    for (int b = 0; b < REDUCE_BLOCKS; b++) total += host[b];
+    for (unsigned b = 0; b < blocks; b++) total += host[b];
     return total;
 }
 

@@ -103,6 +103,38 @@ static void cpu_sync(const fl_device *d) {
     (void)d;
 }
 
+// a timed event: the host's clock when it is recorded (the work before it is done)
+static fl_event *cpu_event_record_timed(const fl_device *d, fl_stream *s) {
+    (void)d, (void)s;
+    double *at = fl_alloc(FL_MEM_OTHER, sizeof *at);
+    *at = fl_now();
+    return (fl_event *)at;
+}
+
+static double cpu_event_elapsed_ms(const fl_device *d, fl_event *a, fl_event *b) {
+    (void)d;
+    return (*(const double *)b - *(const double *)a) * 1e3;
+}
+
+static size_t cpu_reserved(const fl_device *d) {
+    (void)d;
+    return 0;
+}
+
+// the cpu's kernels keep their scratch on the stack or in the model's workspace
+static size_t cpu_scratch_bytes(int N, int cols) {
+    (void)N, (void)cols;
+    return 0;
+}
+
+static void cpu_scratch_lend(const fl_device *d, void *p, size_t bytes) {
+    (void)d, (void)p, (void)bytes;
+}
+
+static void cpu_scratch_return(const fl_device *d, void *p) {
+    (void)d, (void)p;
+}
+
 static size_t cpu_attention_workspace(fl_dtype dt, int T, int HS, int group, int threads) {
     return attention_workspace_floats(dt, T, HS, group) * (size_t)threads;
 }
@@ -155,8 +187,14 @@ static const fl_device cpu = {
     .event_sync = cpu_event_sync,
     .event_destroy = cpu_event_destroy,
     .sync = cpu_sync,
+    .event_record_timed = cpu_event_record_timed,
+    .event_elapsed_ms = cpu_event_elapsed_ms,
+    .reserved = cpu_reserved,
     .matmul_workspace_bytes = matmul_workspace_bytes,
     .attention_workspace_floats = cpu_attention_workspace,
+    .scratch_bytes = cpu_scratch_bytes,
+    .scratch_lend = cpu_scratch_lend,
+    .scratch_return = cpu_scratch_return,
     .encoder_forward = encoder_forward,
     .encoder_backward = encoder_backward,
     .embedding_shard_forward = embedding_shard_forward,

@@ -18,6 +18,7 @@
 #define RESERVE    ((size_t)64 << 30) // the "device" holds 64 GiB at most
 #define ALIGN      ((size_t)64)
 #define MAX_BLOCKS 65536
+#define MAX_LENT   16
 
 typedef struct {
     size_t at, bytes; // offset into the region, size (ALIGN multiple)
@@ -34,6 +35,8 @@ static int depth;                // table calls in progress
 static block blocks[MAX_BLOCKS]; // by offset
 static int n_blocks;
 static size_t used;
+static void *lent[MAX_LENT]; // scratch lent by models (test_scratch_lend)
+static int n_lent;
 
 static void reserve(void) {
     if (base) return;
@@ -130,6 +133,8 @@ static void test_free(const fl_device *d, void *p) {
     for (int i = 0; i < n_blocks; i++)
         if (base + blocks[i].at == (char *)p && blocks[i].tag >= 0) at = i;
     if (at < 0) fl_die("test device: free of a pointer it did not allocate");
+    for (int i = 0; i < n_lent; i++)
+        if (lent[i] == p) fl_die("test device: free of a scratch still lent to it");
     int tag = blocks[at].tag;
     size_t bytes = blocks[at].asked;
     blocks[at].tag = -1;
@@ -167,6 +172,40 @@ static void test_copy_async(const fl_device *d, void *dst, const void *src, size
                             fl_stream *s) {
     (void)kind, (void)s;
     test_copy(d, dst, src, bytes);
+}
+
+// The backend scratch of a GPU's kernels, emulated: the cpu's kernels need
+// none, but a model on this device allocates and lends what a GPU backend
+// would ask for (column sums' partials of 64 row chunks, three ints a row
+// for the embedding's buckets), so that CI checks the generic path: the
+// plan counts it, the model allocates it, lends it, takes it back and
+// frees it. Lent blocks are checked to be the region's.
+
+static size_t test_scratch_bytes(int N, int cols) {
+    return 64 * (size_t)cols * sizeof(float) + 3 * (size_t)N * sizeof(int);
+}
+
+static void test_scratch_lend(const fl_device *d, void *p, size_t bytes) {
+    (void)d;
+    pthread_mutex_lock(&lock);
+    int ok = 0;
+    for (int i = 0; i < n_blocks; i++)
+        ok |= base + blocks[i].at == (char *)p && blocks[i].tag >= 0 && blocks[i].asked >= bytes;
+    if (!ok || n_lent == MAX_LENT) fl_die("test device: scratch lent that is not its own block");
+    lent[n_lent++] = p;
+    pthread_mutex_unlock(&lock);
+}
+
+static void test_scratch_return(const fl_device *d, void *p) {
+    (void)d;
+    if (!p) return;
+    pthread_mutex_lock(&lock);
+    int at = -1;
+    for (int i = 0; i < n_lent; i++)
+        if (lent[i] == p) at = i;
+    if (at < 0) fl_die("test device: scratch returned that was not lent");
+    lent[at] = lent[--n_lent];
+    pthread_mutex_unlock(&lock);
 }
 
 // The kernels: the cpu's, with the region open while they run.
@@ -458,6 +497,9 @@ const fl_device *fl_device_test_table(void) {
     t.copy_d2h = test_copy;
     t.copy_d2d = test_copy;
     t.copy_async = test_copy_async;
+    t.scratch_bytes = test_scratch_bytes;
+    t.scratch_lend = test_scratch_lend;
+    t.scratch_return = test_scratch_return;
     t.encoder_forward = t_encoder_forward;
     t.encoder_backward = t_encoder_backward;
     t.embedding_shard_forward = t_embedding_shard_forward;

@@ -129,13 +129,16 @@ void fl_metrics_write_step(fl_line_log *log, const fl_metrics_step *s, int with_
     char spikes[48] = ""; // DeepSpeed's skipped_steps, for the spike guard's
     if (s->skipped_steps)
         snprintf(spikes, sizeof spikes, ",\"skipped_steps\":%ld", s->skipped_steps);
+    char wait[48] = ""; // ZeRO-Offload on a device only: the recorded logs stay as they are
+    if (isfinite(s->device_wait))
+        snprintf(wait, sizeof wait, ",\"device_wait\":%.9g", s->device_wait);
     fl_line_log_printf(
         log,
         "{\"step\":%d,\"tokens\":%.0f,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,"
-        "\"loss_scale\":%s,\"skipped\":%d%s,\"tokens_per_s\":%s,\"ms\":%s,\"mfu\":%s%s}\n",
+        "\"loss_scale\":%s,\"skipped\":%d%s,\"tokens_per_s\":%s,\"ms\":%s,\"mfu\":%s%s%s}\n",
         s->step, s->tokens, num(a, s->loss), num(b, s->lr), num(c, s->grad_norm),
         num(d, s->loss_scale), s->skipped, spikes, num(e, s->tokens_per_s), num(f, s->ms),
-        num(g, s->mfu), mem);
+        num(g, s->mfu), wait, mem);
 }
 
 void fl_metrics_write_eval(fl_line_log *log, const fl_metrics_eval *e) {
@@ -239,6 +242,7 @@ void fl_metrics_read(const char *path, fl_metrics *m) {
             r->tokens_per_s = field(o, "tokens_per_s", &w);
             r->ms = field(o, "ms", &w);
             r->mfu = field(o, "mfu", &w);
+            r->device_wait = field(o, "device_wait", &w);
             const cJSON *mem = cJSON_GetObjectItemCaseSensitive(o, "memory");
             if (mem)
                 read_memory(

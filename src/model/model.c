@@ -417,6 +417,17 @@ static size_t tokenwise_numel(const fl_model_config *c, const fl_param_table *t)
     return most;
 }
 
+// The device's own scratch for the kernels of a step of BT positions
+// (device.h's scratch_bytes): the widest column sum is a norm's weight
+// gradient (C) or a bias's.
+static size_t dev_scratch_bytes(const fl_device *dev, const fl_model_config *c, size_t BT) {
+    fl_linear lins[FL_MAX_SLOTS];
+    int nl = arch_of(c)->linears(c, lins), cols = c->n_embd;
+    for (int i = 0; i < nl; i++)
+        if (lins[i].b >= 0 && lins[i].out > cols) cols = lins[i].out;
+    return dev->scratch_bytes((int)BT, cols);
+}
+
 static int act_specs(fl_model *m, const fl_device *dev, const fl_model_config *c,
                      const fl_param_table *rows, fl_dtype dt, int B, int T, int threads,
                      fl_recompute r, const fl_lora_config *lc, const fl_param_table *lt,
@@ -500,6 +511,7 @@ static int act_specs(fl_model *m, const fl_device *dev, const fl_model_config *c
         }
     }
     SPEC(m->matmul_workspace, mm, 1, FL_MEM_WORKSPACE);
+    SPEC(m->dev_scratch, dev_scratch_bytes(dev, c, BT), 1, FL_MEM_WORKSPACE);
 #undef SPEC
 #undef SPEC_PER
     FL_ASSERT(n <= MAX_SPECS);
@@ -583,6 +595,8 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
         m->set_base[i] = *specs[i].slot;
     }
     if (m->set_state) memset(m->set_state, 0, (size_t)total_sets(&m->pp) * sizeof *m->set_state);
+    if (m->dev_scratch)
+        m->dev->scratch_lend(m->dev, m->dev_scratch, dev_scratch_bytes(m->dev, c, (size_t)B * T));
     m->att_workspace_threads = fl_threads();
     m->max_B = B;
     m->max_T = T;
@@ -631,6 +645,7 @@ void *fl_model_chunk_output(fl_model *m) {
 }
 
 void fl_model_free(fl_model *m) {
+    if (m->dev_scratch) m->dev->scratch_return(m->dev, m->dev_scratch);
     if (m->max_B) {
         act_spec specs[MAX_SPECS];
         int n = act_specs(m, m->dev, &m->config, &m->table, m->dtype, m->max_B, m->max_T,

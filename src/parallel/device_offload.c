@@ -23,6 +23,14 @@
 // (fl_optimizer_begin_overlap), during the backward pass of the units
 // before it. The host runs the plain path's arithmetic on the same values:
 // bitwise the cpu's run.
+//
+// The share of the step the device waits on the host (fl_dev_offload_waits_get)
+// is timed on the compute stream (event_record_timed): a step runs from its
+// first zero_grad to the event after the uploads the next forward pass
+// waits for; a wait, from where the host starts work the device then waits
+// for (the gradients' downloads, the update, the uploads) to where it next
+// gives the device work. Two timed events with nothing queued between them
+// are the stream's idle time: zero when the device still had work queued.
 #include <string.h>
 
 #include "fitlm/device.h"
@@ -51,7 +59,55 @@ struct fl_dev_offload {
     fl_event *slot_free[RING + 1];
     int next_slot;
     int *unit_slot; // per unit + 1: the buffer its gradients are bound to
+    // timing: the step's start, the open wait's start, and the step's waits
+    // as pairs (idle, resumed), read once the step's uploads are done
+    fl_event *start, *idle, **waits;
+    size_t n_waits, cap_waits;
+    fl_dev_offload_waits timed;
 };
+
+// the host starts work the device will wait for
+static void wait_begin(fl_dev_offload *f) {
+    if (!f->idle) f->idle = f->dev->event_record_timed(f->dev, NULL);
+}
+
+// the host gives the device work again
+static void wait_end(fl_dev_offload *f) {
+    if (!f->idle) return;
+    f->waits = fl_reserve(FL_MEM_OTHER, f->waits, &f->cap_waits, f->n_waits, f->n_waits + 2,
+                          sizeof *f->waits);
+    f->waits[f->n_waits++] = f->idle;
+    f->waits[f->n_waits++] = f->dev->event_record_timed(f->dev, NULL);
+    f->idle = NULL;
+}
+
+// the step's end (after the uploads): its time and its waits, the open
+// one (since the gradients came down) ending here
+static void step_timed(fl_dev_offload *f) {
+    const fl_device *d = f->dev;
+    fl_event *end = d->event_record_timed(d, NULL);
+    double wait = f->idle ? d->event_elapsed_ms(d, f->idle, end) : 0.0; // waits for all
+    for (size_t i = 0; i < f->n_waits; i += 2)
+        wait += d->event_elapsed_ms(d, f->waits[i], f->waits[i + 1]);
+    f->timed.wait_ms += wait;
+    f->timed.step_ms += d->event_elapsed_ms(d, f->start, end);
+    f->timed.steps++;
+    for (size_t i = 0; i < f->n_waits; i++) d->event_destroy(d, f->waits[i]);
+    d->event_destroy(d, f->idle);
+    d->event_destroy(d, f->start);
+    d->event_destroy(d, end);
+    f->n_waits = 0;
+    f->idle = f->start = NULL;
+}
+
+// the optimizer zeroes the host's gradients, a micro-batch begins (the
+// device's are zeroed unit by unit in the ring): the step's timer starts,
+// and the wait for the host's accumulation of the last one ends
+static void on_zero_grad(void *ctx) {
+    fl_dev_offload *f = ctx;
+    if (!f->start) f->start = f->dev->event_record_timed(f->dev, NULL);
+    wait_end(f); // a micro-batch's accumulation on the host is done
+}
 
 // Gradient elements of the ring's buffers and of the tied embedding's.
 static void ring_sizes(const fl_param_table *t, int tied, size_t *unit, size_t *embed) {
@@ -148,7 +204,11 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     FL_ASSERT(!f->slot_free[s]);
     f->slot_free[s] = d->event_record(d, f->down);
     if (!f->o->overlap_sq) return;
-    update_pending(f); // one unit behind: its download ran beside this unit's backward
+    if (f->pending) { // one unit behind: its download ran beside this unit's backward
+        wait_begin(f);
+        update_pending(f);
+        wait_end(f);
+    }
     f->pending = d->event_record(d, f->down);
     f->pending_first = first;
     f->pending_n = n;
@@ -157,6 +217,7 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
 static void on_grads_down(void *ctx) {
     fl_dev_offload *f = ctx;
     const fl_device *d = f->dev;
+    wait_begin(f); // until the next micro-batch's zero_grad, or the uploads
     update_pending(f);
     wait_up(f); // long done: the backward pass ran after it
     size_t all = f->m->table.numel * fl_dtype_size(f->m->dtype);
@@ -171,6 +232,9 @@ static void on_grads_down(void *ctx) {
     FL_ASSERT(f->down_bytes == all);
     f->down_bytes = 0;
     f->next_slot = 0;
+    // fp32 sums on the device from the host's sum so far (uploaded at each
+    // unit): the next micro-batch follows at once
+    if (!f->o->grad_accum && f->o->micro < f->o->cfg.grad_accum) wait_end(f);
 }
 
 void fl_dev_offload_upload(fl_dev_offload *f) {
@@ -189,10 +253,18 @@ static void on_rows_updated(void *ctx, size_t first, size_t end) {
 }
 
 // the next forward pass (compute stream) runs after the uploads
+// (timed: the host waits for the uploads here, where the device must wait
+// for them anyway; the next forward's first kernels follow a few
+// microseconds later than they might)
 static void on_updated(void *ctx) {
     fl_dev_offload *f = ctx;
     f->up_done = f->dev->event_record(f->dev, f->up);
     f->dev->stream_wait(f->dev, NULL, f->up_done);
+    if (f->start) step_timed(f);
+}
+
+void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w) {
+    *w = f->timed;
 }
 
 fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg,
@@ -226,7 +298,8 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     // eight groups a step (at least 64 Ki elements each): the upload of one
     // overlaps the update of the next
     size_t chunk = m->table.numel / 8 > (1u << 16) ? m->table.numel / 8 : (1u << 16);
-    f->hooks = (fl_optim_offload){f, on_grads_down, on_rows_updated, on_updated, chunk};
+    f->hooks =
+        (fl_optim_offload){f, on_zero_grad, on_grads_down, on_rows_updated, on_updated, chunk};
     o->offload = &f->hooks;
     m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, f};
     return f;
@@ -244,6 +317,10 @@ void fl_dev_offload_free(fl_dev_offload *f) {
     const fl_device *pin = fl_device_pinned(f->dev);
     f->dev->sync(f->dev);
     wait_up(f);
+    for (size_t i = 0; i < f->n_waits; i++) f->dev->event_destroy(f->dev, f->waits[i]);
+    f->dev->event_destroy(f->dev, f->idle);
+    f->dev->event_destroy(f->dev, f->start);
+    fl_free(f->waits);
     f->dev->stream_destroy(f->dev, f->down);
     f->dev->stream_destroy(f->dev, f->up);
     f->m->hooks = (fl_model_hooks){0};

@@ -973,11 +973,20 @@ void fl_plan_device_alternatives(const fl_plan_request *r, size_t limit, char *b
     alternatives(r, limit, 1, buf, size);
 }
 
+// --mem-limit stands for a card's total memory: the blocks' budget is what
+// the device does not hold itself (its context), at least a byte (0 reads
+// as no limit)
+static size_t device_budget(const fl_plan_request *r) {
+    size_t held = r->dev->reserved(r->dev);
+    return r->device_cap > held ? r->device_cap - held : 1;
+}
+
 size_t fl_plan_device_limit(const fl_plan_request *r) {
     if (!r->dev || r->dev->host) return 0;
     size_t free_ = r->dev->available ? r->dev->available(r->dev) : 0;
     if (!r->device_cap) return free_;
-    return free_ && free_ < r->device_cap ? free_ : r->device_cap;
+    size_t budget = device_budget(r);
+    return free_ && free_ < budget ? free_ : budget;
 }
 
 // Dies unless need (the host's bytes, or the device's) fits limit, naming
@@ -1012,11 +1021,12 @@ static void check_fit(const fl_plan_request *r, const fl_plan *p, size_t limit, 
     if (device) {
         char desc[256];
         r->dev->describe(r->dev, desc, sizeof desc);
-        if (r->device_cap && limit == r->device_cap)
+        if (r->device_cap && limit == device_budget(r))
             snprintf(what, sizeof what,
                      "device memory (planned before allocating), more than the device budget of "
-                     "%s (--mem-limit) on %s",
-                     lim, desc);
+                     "%s (--mem-limit%s) on %s",
+                     lim, r->dev->reserved(r->dev) ? ", less what the device holds itself" : "",
+                     desc);
         else
             snprintf(what, sizeof what,
                      "device memory (planned before allocating), more than the %s free on %s", lim,

@@ -179,8 +179,9 @@ static void plan_run(fl_run *r, int whole_weights_first) {
     const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     if (!host_limit && local && atoi(local) > 1) limit /= (size_t)atoi(local);
     fl_plan_check_fits(&req, &r->plan, limit);
-    // and the device's allocator holds the run to it
+    // and the device's allocator holds the run to it, the context included
     fl_mem_device_set_cap(req.device_cap);
+    fl_mem_device_set_reserved(req.device_cap ? r->dev->reserved(r->dev) : 0);
 }
 
 // The model's weights, each row stored once from its source (NF4 rows
@@ -519,4 +520,5 @@ void fl_run_close(fl_run *r) {
     if (r->has_train) fl_loader_close(&r->train);
     fl_device_use(NULL); // the cpu again for whatever the process makes next
     fl_mem_device_set_cap(0);
+    fl_mem_device_set_reserved(0);
 }

@@ -1,0 +1,837 @@
+// emu.cc: the CUDA emulator's runtime (tests/cuda_emu/). One emulated GPU
+// whose memory is host memory: allocations are filled with 0xFF (NaN in
+// every float dtype), as a real cudaMalloc's contents are garbage.
+//
+// Streams run as late as CUDA allows: work queued on a stream runs only
+// when something waits for it (a stream or event synchronisation, a
+// cudaStreamWaitEvent of another stream that runs, cudaFree, a synchronous
+// copy, the legacy stream). So a missing event wait leaves its reader with
+// the old bytes, and a host buffer reused before its asynchronous copy ran
+// is read at its new contents, as on a GPU where the copy had not started.
+// FITLM_CUDA_EMU_SCHEDULE=eager runs each piece of work when queued;
+// FITLM_CUDA_EMU_TRACE=1 prints each kernel's grid and time.
+//
+// Kernels: each block in turn, one fiber per thread (a stack of its own and
+// a switch of the callee-saved registers, x86-64's System V ABI); a thread
+// runs until it returns or reaches a barrier (__syncthreads, a shuffle);
+// the barrier opens when every thread it names has reached it (every
+// other launch of a kernel takes the blocks, and the threads of a round, in
+// reverse order, so order-dependent results differ between launches), and a
+// barrier that can never open (threads at different barriers, a shuffle
+// naming a lane that returned) stops the run naming the kernel. Checked at
+// launch, as CUDA does: the block size, grid limits, dynamic shared memory
+// against its attribute.
+//
+// cuBLASLt: column-major D = alpha op(A) op(B) + beta C (+ bias per row of
+// D), fp32 sums in k order, operands and pointers checked against the
+// layouts and the alignment the algorithm was chosen for.
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cuda_runtime.h"
+#include "emu.hpp"
+
+uint3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+using fl_emu::die;
+
+namespace {
+
+std::recursive_mutex &lock = fl_emu::lock;
+cudaError_t last_error = cudaSuccess;
+
+cudaError_t fail(cudaError_t e) {
+    last_error = e;
+    return e;
+}
+
+size_t env_size(const char *name, size_t fallback) {
+    const char *v = getenv(name);
+    return v && *v ? (size_t)strtoull(v, NULL, 10) : fallback;
+}
+
+// ---- memory
+
+size_t mem_total() {
+    return env_size("FITLM_CUDA_EMU_MEM_GIB", 16) << 30;
+}
+// what the emulated context and cuBLASLt's handle hold, as a GPU's do
+size_t context_bytes() {
+    return env_size("FITLM_CUDA_EMU_CONTEXT_MIB", 64) << 20;
+}
+std::map<const char *, size_t> device_blocks, pinned_blocks; // start -> bytes
+size_t device_used;
+
+// the allocation of `blocks` holding [p, p + bytes), or NULL
+const char *find(const std::map<const char *, size_t> &blocks, const void *p, size_t bytes) {
+    const char *c = (const char *)p;
+    auto it = blocks.upper_bound(c);
+    if (it == blocks.begin()) return NULL;
+    --it;
+    return c >= it->first && c + bytes <= it->first + it->second ? it->first : NULL;
+}
+
+int touches_device(const void *p, size_t bytes) {
+    const char *c = (const char *)p;
+    auto it = device_blocks.lower_bound(c + bytes);
+    if (it == device_blocks.begin()) return 0;
+    --it;
+    return it->first + it->second > c;
+}
+
+// ---- streams and events
+
+// A piece of a stream's work: run(start) does it and returns the device
+// time it ends, given the time it starts (the emulated GPU's clock: work
+// starts when it is queued or when the stream's previous work ends,
+// whichever is later, however late the emulator runs it).
+struct op {
+    std::function<double(double)> run;
+    double queued_at;
+};
+
+struct stream_state {
+    std::deque<op> queue;
+    unsigned long long queued = 0, done = 0;
+    double clock = 0; // when its last work ended, on the device's clock
+};
+
+int eager() {
+    const char *v = getenv("FITLM_CUDA_EMU_SCHEDULE");
+    return v && !strcmp(v, "eager");
+}
+
+std::vector<std::shared_ptr<stream_state>> streams; // live ones
+
+// Runs s's work up to its first `until` items.
+void force(const std::shared_ptr<stream_state> &s, unsigned long long until) {
+    while (s->done < until) {
+        op o = std::move(s->queue.front());
+        s->queue.pop_front();
+        s->done++;
+        s->clock = o.run(o.queued_at > s->clock ? o.queued_at : s->clock);
+    }
+}
+
+void flush_all() {
+    for (size_t i = 0; i < streams.size(); i++) {
+        std::shared_ptr<stream_state> s = streams[i];
+        force(s, s->queued);
+    }
+}
+
+} // namespace
+
+struct CUstream_st {
+    std::shared_ptr<stream_state> s;
+};
+
+struct event_state {
+    std::shared_ptr<stream_state> s; // NULL: recorded on the legacy stream
+    unsigned long long at = 0;
+    int recorded = 0, timing = 1;
+    double seconds = 0;
+};
+
+struct CUevent_st {
+    std::shared_ptr<event_state> e;
+};
+
+namespace {
+
+double now() {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+} // namespace
+
+namespace fl_emu {
+
+std::recursive_mutex lock;
+
+void die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "cuda emulator: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    fflush(stderr);
+    abort();
+}
+
+int is_device(const void *p, size_t bytes) {
+    return find(device_blocks, p, bytes) != NULL;
+}
+
+// Queues timed work on s: run(start) returns when it ends on the device's
+// clock. The legacy stream (NULL) waits for all work before it and runs at
+// once.
+void enqueue_timed(cudaStream_t s, std::function<double(double)> run) {
+    if (!s) {
+        flush_all();
+        run(now());
+        return;
+    }
+    s->s->queue.push_back(op{std::move(run), now()});
+    s->s->queued++;
+    if (eager()) force(s->s, s->s->queued);
+}
+
+// Work that takes on the device the time it takes the emulator.
+void enqueue(cudaStream_t s, std::function<void()> run) {
+    enqueue_timed(s, [run](double start) {
+        double t = now();
+        run();
+        return start + (now() - t);
+    });
+}
+
+} // namespace fl_emu
+
+using fl_emu::enqueue;
+using fl_emu::enqueue_timed;
+using fl_emu::is_device;
+
+extern "C" {
+
+const char *cudaGetErrorString(cudaError_t err) {
+    switch (err) {
+    case cudaSuccess:
+        return "no error";
+    case cudaErrorInvalidValue:
+        return "invalid argument";
+    case cudaErrorMemoryAllocation:
+        return "out of memory";
+    case cudaErrorInvalidConfiguration:
+        return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer:
+        return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection:
+        return "invalid copy direction for memcpy";
+    case cudaErrorNoDevice:
+        return "no CUDA-capable device is detected";
+    case cudaErrorInvalidResourceHandle:
+        return "invalid resource handle";
+    case cudaErrorNotReady:
+        return "device not ready";
+    }
+    return "unknown error";
+}
+
+const char *cudaGetErrorName(cudaError_t err) {
+    switch (err) {
+    case cudaSuccess:
+        return "cudaSuccess";
+    case cudaErrorInvalidValue:
+        return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+        return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration:
+        return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer:
+        return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection:
+        return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorNoDevice:
+        return "cudaErrorNoDevice";
+    case cudaErrorInvalidResourceHandle:
+        return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady:
+        return "cudaErrorNotReady";
+    }
+    return "cudaErrorUnknown";
+}
+
+cudaError_t cudaGetLastError(void) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    return e;
+}
+
+cudaError_t cudaGetDeviceCount(int *count) {
+    *count = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+    return device == 0 ? cudaSuccess : fail(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device) {
+    if (device != 0) return fail(cudaErrorInvalidValue);
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "fitlm CUDA emulator (the CPU, tests/cuda_emu)");
+    prop->totalGlobalMem = mem_total();
+    prop->sharedMemPerBlock = 48 << 10;
+    prop->sharedMemPerBlockOptin = 227 << 10; // an H100's
+    prop->warpSize = 32;
+    prop->maxThreadsPerBlock = 1024;
+    prop->maxGridSize[0] = 0x7fffffff;
+    prop->maxGridSize[1] = prop->maxGridSize[2] = 65535;
+    prop->major = 9;
+    // few multiprocessors: grid-stride loops then run several rounds
+    prop->multiProcessorCount = (int)env_size("FITLM_CUDA_EMU_SMS", 2);
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    flush_all();
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    *total_bytes = mem_total();
+    *free_bytes = mem_total() - context_bytes() - device_used;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **p, size_t bytes) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    *p = NULL;
+    size_t rounded = (bytes + 255) & ~(size_t)255;
+    if (!rounded || context_bytes() + device_used + rounded > mem_total())
+        return fail(cudaErrorMemoryAllocation);
+    // the exact size, so that a kernel's read past the end meets ASan's redzone
+    void *q = NULL;
+    if (posix_memalign(&q, 256, bytes)) return fail(cudaErrorMemoryAllocation);
+    memset(q, 0xff, bytes);
+    device_blocks[(const char *)q] = bytes;
+    device_used += rounded;
+    *p = q;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *p) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (!p) return cudaSuccess;
+    flush_all(); // cudaFree waits for the device
+    auto it = device_blocks.find((const char *)p);
+    if (it == device_blocks.end()) return fail(cudaErrorInvalidDevicePointer);
+    device_used -= (it->second + 255) & ~(size_t)255;
+    device_blocks.erase(it);
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int flags) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    (void)flags;
+    *p = aligned_alloc(4096, (bytes + 4095) & ~(size_t)4095);
+    if (!*p) return fail(cudaErrorMemoryAllocation);
+    pinned_blocks[(const char *)*p] = bytes;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void *p) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (!p) return cudaSuccess;
+    flush_all();
+    auto it = pinned_blocks.find((const char *)p);
+    if (it == pinned_blocks.end()) return fail(cudaErrorInvalidValue);
+    pinned_blocks.erase(it);
+    free(p);
+    return cudaSuccess;
+}
+
+// A copy's pointers must lie where its kind says: a device range inside one
+// allocation, a host range outside every one.
+static void check_copy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
+    int dev_dst = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+    int dev_src = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+    if (kind == cudaMemcpyHostToHost || kind == cudaMemcpyDefault)
+        die("a copy of kind %d (src/cuda/ names the direction)", (int)kind);
+    if (dev_dst ? !is_device(dst, bytes) : touches_device(dst, bytes))
+        die("a %s copy of %zu bytes whose destination is not %s memory",
+            kind == cudaMemcpyHostToDevice   ? "host-to-device"
+            : kind == cudaMemcpyDeviceToHost ? "device-to-host"
+                                             : "device-to-device",
+            bytes, dev_dst ? "device" : "host");
+    if (dev_src ? !is_device(src, bytes) : touches_device(src, bytes))
+        die("a %s copy of %zu bytes whose source is not %s memory",
+            kind == cudaMemcpyHostToDevice   ? "host-to-device"
+            : kind == cudaMemcpyDeviceToHost ? "device-to-host"
+                                             : "device-to-device",
+            bytes, dev_src ? "device" : "host");
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    check_copy(dst, src, bytes, kind);
+    flush_all();
+    memcpy(dst, src, bytes);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,
+                            cudaStream_t s) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    check_copy(dst, src, bytes, kind);
+    // Pageable host memory: CUDA stages it, so the call returns only after
+    // the source is read (host to device) or the data has arrived (device
+    // to host); pinned memory is copied when the stream runs.
+    const void *host = kind == cudaMemcpyHostToDevice ? src : dst;
+    if (kind != cudaMemcpyDeviceToDevice && !find(pinned_blocks, host, bytes)) {
+        if (s)
+            force(s->s, s->s->queued);
+        else
+            flush_all();
+        memcpy(dst, src, bytes);
+        return cudaSuccess;
+    }
+    enqueue(s, [dst, src, bytes]() { memcpy(dst, src, bytes); });
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (bytes && !is_device(p, bytes)) die("a memset of %zu bytes outside device memory", bytes);
+    enqueue(s, [p, value, bytes]() { memset(p, value, bytes); });
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    return cudaStreamCreateWithFlags(s, cudaStreamDefault);
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    (void)flags; // the legacy stream waits for all streams here (stricter)
+    *s = new CUstream_st{std::make_shared<stream_state>()};
+    streams.push_back((*s)->s);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    force(s->s, s->s->queued); // its work still completes
+    for (size_t i = 0; i < streams.size(); i++)
+        if (streams[i] == s->s) streams.erase(streams.begin() + (long)i);
+    delete s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (s)
+        force(s->s, s->s->queued);
+    else
+        flush_all();
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    (void)flags;
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    if (!e->e->recorded || !e->e->s) return cudaSuccess; // nothing to wait for
+    std::shared_ptr<event_state> ev = e->e;
+    // s goes on when the event's work has run, and not before its time
+    enqueue_timed(s, [ev](double start) {
+        force(ev->s, ev->at);
+        return ev->seconds > start ? ev->seconds : start;
+    });
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *e) {
+    return cudaEventCreateWithFlags(e, cudaEventDefault);
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    *e = new CUevent_st{std::make_shared<event_state>()};
+    (*e)->e->timing = !(flags & cudaEventDisableTiming);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    // a fresh state: waits queued on the old recording keep theirs
+    std::shared_ptr<event_state> st = std::make_shared<event_state>();
+    st->timing = e->e->timing;
+    st->recorded = 1;
+    e->e = st;
+    enqueue_timed(s, [st](double start) {
+        st->seconds = start;
+        return start;
+    });
+    if (s) {
+        st->s = s->s;
+        st->at = s->s->queued;
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    if (e->e->s) force(e->e->s, e->e->at);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    return !e->e->s || e->e->s->done >= e->e->at ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (!start || !end || !start->e->timing || !end->e->timing)
+        return fail(cudaErrorInvalidResourceHandle);
+    if (cudaEventQuery(start) != cudaSuccess || cudaEventQuery(end) != cudaSuccess)
+        return fail(cudaErrorNotReady);
+    *ms = (float)((end->e->seconds - start->e->seconds) * 1e3);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    delete e; // queued waits keep its state
+    return cudaSuccess;
+}
+
+cudaError_t fl_emu_memcpy_to_symbol(void *symbol, size_t symbol_bytes, const void *src,
+                                    size_t bytes, size_t offset) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (offset + bytes > symbol_bytes) return fail(cudaErrorInvalidValue);
+    flush_all(); // synchronous, on the legacy stream
+    memcpy((char *)symbol + offset, src, bytes);
+    return cudaSuccess;
+}
+
+} // extern "C"
+
+// ---- kernels
+
+namespace {
+
+std::map<const void *, int> max_dynamic_shared;      // per kernel: its attribute
+std::map<const void *, unsigned long long> launches; // per kernel
+
+const int stack_bytes = 128 << 10, guard_bytes = 4096, max_threads = 1024;
+
+enum { RUNNABLE, AT_BLOCK, AT_WARP, DONE };
+
+struct fiber {
+    void *sp; // its saved stack pointer while another runs
+    int state;
+    unsigned mask; // at a warp barrier: the lanes it names
+    uint3 tid;
+};
+
+struct block_run {
+    const char *name;
+    const std::function<void()> *body;
+    void *sched; // the scheduler's saved stack pointer
+    std::vector<fiber> f;
+    int n, current;
+    int step; // 1 or -1: the threads' order in a round (and the blocks')
+    // per thread, two sets used in turn: the bits a shuffle offers (a lane
+    // reaches the shuffle after next only once all have read this one)
+    std::vector<unsigned long long> slots[2];
+    std::vector<unsigned char> turn; // per thread: its next set
+    std::vector<char> dynamic;
+    std::vector<std::pair<const void *, std::unique_ptr<char[]>>> shared;
+    size_t shared_bytes;
+};
+
+char *stacks; // max_threads stacks, each below a guard page
+block_run *running;
+
+} // namespace
+
+// Saves the callee-saved registers on the stack, stores the stack pointer
+// in *from and resumes the context whose stack pointer is `to` (saved the
+// same way). MXCSR and the x87 control word are left alone: no kernel
+// changes them.
+extern "C" void fl_emu_switch(void **from, void *to);
+asm(R"(
+    .text
+    .globl fl_emu_switch
+    .type fl_emu_switch, @function
+fl_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size fl_emu_switch, .-fl_emu_switch
+)");
+
+namespace {
+
+// The current thread, now in `state` (at a barrier, or done), hands over
+// to the next runnable thread of the round, or to the scheduler after the
+// last.
+void pass_on(int state, unsigned mask) {
+    block_run &r = *running;
+    fiber &me = r.f[r.current];
+    me.state = state;
+    me.mask = mask;
+    int next = r.current + r.step;
+    while (next >= 0 && next < r.n && r.f[next].state != RUNNABLE) next += r.step;
+    if (next < 0 || next == r.n) {
+        fl_emu_switch(&me.sp, r.sched);
+        return;
+    }
+    r.current = next;
+    threadIdx = r.f[next].tid;
+    fl_emu_switch(&me.sp, r.f[next].sp);
+}
+
+// A thread's first frame: the kernel, then on to the next thread for good.
+extern "C" [[noreturn]] void fl_emu_thread_main() {
+    (*running->body)();
+    pass_on(DONE, 0);
+    abort(); // a finished thread is never resumed
+}
+
+// A fresh thread's saved context at the top of its stack: the zeroed
+// registers fl_emu_switch pops, then fl_emu_thread_main's address for its
+// ret, placed so that the function starts with the stack aligned as after
+// a call.
+void *fresh_context(char *stack_top) {
+    uint64_t *top = (uint64_t *)((uintptr_t)stack_top & ~(uintptr_t)15);
+    uint64_t *sp = top - 8;
+    memset(sp, 0, 8 * sizeof *sp);
+    sp[6] = (uint64_t)(uintptr_t)&fl_emu_thread_main;
+    return sp;
+}
+
+// Opens the barriers that every thread they name has reached; 0 when none.
+int open_barriers(block_run &r) {
+    int opened = 0, live = 0, at_block = 0;
+    for (int w = 0; w * 32 < r.n; w++) {
+        int lanes = r.n - w * 32 < 32 ? r.n - w * 32 : 32;
+        unsigned mask = 0, waiting = 0;
+        for (int l = 0; l < lanes; l++) {
+            const fiber &t = r.f[w * 32 + l];
+            if (t.state != AT_WARP) continue;
+            if (waiting && t.mask != mask)
+                die("kernel %s: lanes of warp %d shuffle with different masks", r.name, w);
+            mask = t.mask;
+            waiting |= 1u << l;
+        }
+        if (!waiting) continue;
+        for (int l = 0; l < 32; l++) {
+            if (!(mask >> l & 1)) continue;
+            if (l >= lanes)
+                die("kernel %s: a shuffle's mask names lane %d of a block without it", r.name, l);
+            if (r.f[w * 32 + l].state == DONE)
+                die("kernel %s: a shuffle's mask names lane %d, which has returned", r.name, l);
+        }
+        if ((waiting & mask) != mask) continue; // some named lane is still on its way
+        if (!(waiting & mask))
+            die("kernel %s: warp %d shuffles with a mask without the lanes that call it", r.name,
+                w);
+        for (int l = 0; l < lanes; l++)
+            if (waiting >> l & 1) r.f[w * 32 + l].state = RUNNABLE;
+        opened = 1;
+    }
+    if (opened) return 1;
+    for (const fiber &t : r.f)
+        if (t.state != DONE) live++, at_block += t.state == AT_BLOCK;
+    if (live && at_block == live) {
+        for (fiber &t : r.f)
+            if (t.state == AT_BLOCK) t.state = RUNNABLE;
+        return 1;
+    }
+    return 0;
+}
+
+void run_block(block_run &r) {
+    for (int i = 0; i < r.n; i++) {
+        fiber &t = r.f[i];
+        // the tops staggered by cache lines: tops a page multiple apart would
+        // share the cache's sets and evict each other at every switch
+        t.sp = fresh_context(stacks + (size_t)(i + 1) * (stack_bytes + guard_bytes) -
+                             (size_t)(i % 61) * 64);
+        t.state = RUNNABLE;
+        r.turn[(size_t)i] = 0;
+    }
+    if (!r.dynamic.empty()) memset(r.dynamic.data(), 0xff, r.dynamic.size());
+    r.shared.clear();
+    r.shared_bytes = 0;
+    for (;;) {
+        // a round: each runnable thread in turn, handing over directly
+        int first = r.step > 0 ? 0 : r.n - 1;
+        while (first >= 0 && first < r.n && r.f[first].state != RUNNABLE) first += r.step;
+        if (first >= 0 && first < r.n) {
+            r.current = first;
+            threadIdx = r.f[first].tid;
+            fl_emu_switch(&r.sched, r.f[first].sp);
+        }
+        int done = 1;
+        for (const fiber &t : r.f) done &= t.state == DONE;
+        if (done) return;
+        if (!open_barriers(r)) {
+            int at_block = 0, at_warp = 0;
+            for (const fiber &t : r.f)
+                at_block += t.state == AT_BLOCK, at_warp += t.state == AT_WARP;
+            die("kernel %s: its threads wait at barriers that cannot open (%d at __syncthreads, "
+                "%d at a warp shuffle, the rest returned): a barrier inside a branch",
+                r.name, at_block, at_warp);
+        }
+    }
+}
+
+} // namespace
+
+namespace fl_emu {
+
+void launch(const char *name, const void *func, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+            std::function<void()> body) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
+    if (!threads || threads > max_threads || block.z > 64 || !grid.x || !grid.y || !grid.z ||
+        grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
+        fail(cudaErrorInvalidConfiguration);
+        return;
+    }
+    auto attr = max_dynamic_shared.find(func);
+    size_t limit = attr != max_dynamic_shared.end() ? (size_t)attr->second : 48 << 10;
+    if (smem > limit) {
+        fail(cudaErrorInvalidValue);
+        return;
+    }
+    if (!stacks) {
+        size_t bytes = (size_t)max_threads * (stack_bytes + guard_bytes);
+        stacks = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (stacks == MAP_FAILED) die("no memory for the fibers' stacks");
+        for (int i = 0; i < max_threads; i++)
+            mprotect(stacks + (size_t)i * (stack_bytes + guard_bytes), guard_bytes, PROT_NONE);
+    }
+    // Every other launch of a kernel runs its blocks, and its threads in
+    // each round, in reverse order (FITLM_CUDA_EMU_ORDER=forward or
+    // reverse: all): a result that depends on the order (a race between
+    // threads or blocks) differs between two launches of the same work.
+    const char *order = getenv("FITLM_CUDA_EMU_ORDER");
+    int step = order && !strcmp(order, "reverse")   ? -1
+               : order && !strcmp(order, "forward") ? 1
+               : launches[func]++ % 2               ? -1
+                                                    : 1;
+    enqueue(s, [name, grid, block, smem, body, step]() {
+        block_run r;
+        r.name = name;
+        r.step = step;
+        r.body = &body;
+        r.n = (int)(block.x * block.y * block.z);
+        r.f.resize((size_t)r.n);
+        r.slots[0].resize((size_t)r.n);
+        r.slots[1].resize((size_t)r.n);
+        r.turn.resize((size_t)r.n);
+        r.dynamic.resize(smem);
+        for (int i = 0; i < r.n; i++)
+            r.f[i].tid = uint3{(unsigned)i % block.x, (unsigned)i / block.x % block.y,
+                               (unsigned)i / (block.x * block.y)};
+        running = &r;
+        double t0 = now();
+        blockDim = block;
+        gridDim = grid;
+        unsigned long long blocks = (unsigned long long)grid.x * grid.y * grid.z;
+        for (unsigned long long i = 0; i < blocks; i++) {
+            unsigned long long b = step > 0 ? i : blocks - 1 - i;
+            blockIdx = uint3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
+                             (unsigned)(b / ((unsigned long long)grid.x * grid.y))};
+            run_block(r);
+        }
+        running = NULL;
+        if (getenv("FITLM_CUDA_EMU_TRACE"))
+            fprintf(stderr, "emu: %s grid %u,%u,%u block %u,%u,%u smem %zu: %.1f ms\n", name,
+                    grid.x, grid.y, grid.z, block.x, block.y, block.z, smem, (now() - t0) * 1e3);
+    });
+}
+
+void *dynamic_shared() {
+    return running->dynamic.data();
+}
+
+void *shared_array(const void *site, size_t bytes) {
+    block_run &r = *running;
+    for (auto &a : r.shared)
+        if (a.first == site) return a.second.get();
+    r.shared_bytes += bytes;
+    if (r.shared_bytes + r.dynamic.size() > (227u << 10))
+        die("kernel %s: %zu bytes of shared memory, more than a block has", r.name,
+            r.shared_bytes + r.dynamic.size());
+    r.shared.emplace_back(site, std::unique_ptr<char[]>(new char[bytes]));
+    memset(r.shared.back().second.get(), 0xff, bytes);
+    return r.shared.back().second.get();
+}
+
+void block_barrier() {
+    pass_on(AT_BLOCK, 0);
+}
+
+unsigned long long exchange(unsigned mask, unsigned long long bits, int mode, int arg, int width) {
+    block_run &r = *running;
+    int me = r.current, lane = me % 32, base = me - lane;
+    if (!(mask >> lane & 1))
+        die("kernel %s: lane %d shuffles with a mask without itself", r.name, lane);
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        die("kernel %s: a shuffle of width %d", r.name, width);
+    std::vector<unsigned long long> &slots = r.slots[r.turn[(size_t)me]];
+    r.turn[(size_t)me] ^= 1;
+    slots[(size_t)me] = bits;
+    pass_on(AT_WARP, mask);
+    int seg = lane & ~(width - 1), src = lane;
+    switch (mode) {
+    case SHFL_IDX:
+        src = seg + (arg & (width - 1));
+        break;
+    case SHFL_DOWN:
+        src = (lane - seg) + arg < width ? lane + arg : lane;
+        break;
+    case SHFL_UP:
+        src = (lane - seg) >= arg ? lane - arg : lane;
+        break;
+    case SHFL_XOR:
+        src = (lane ^ arg) < seg + width ? lane ^ arg : lane;
+        break;
+    }
+    if (!(mask >> src & 1))
+        die("kernel %s: lane %d reads a lane outside the shuffle's mask", r.name, lane);
+    return slots[(size_t)(base + src)];
+}
+
+} // namespace fl_emu
+
+extern "C" cudaError_t fl_emu_func_set_attribute(const void *func, int attr, int value) {
+    std::lock_guard<std::recursive_mutex> g(lock);
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value > (227 << 10))
+        return fail(cudaErrorInvalidValue);
+    max_dynamic_shared[func] = value;
+    return cudaSuccess;
+}
