@@ -35,7 +35,11 @@
 # (timed on the device), within [0, 100]. The plan's device bytes per tag
 # equal a run's measured peaks (the backend's scratch included), and
 # --mem-limit counts what the device holds itself (cuda: its context,
-# measured at start-up).
+# measured at start-up). With accumulation 3 (the device holding a ring
+# of two units' gradients, summed on the host) an offloaded run's first
+# step is bitwise the all-on-GPU run's, every step within 1e-5 relative,
+# weight offload bitwise the stage-1 offloaded run, and the device's peak
+# of gradients the plan's, under the whole gradient's.
 # GPU_RUNS_QUICK=1 (the emulated GPU's CTest gpu_runs_emu, where a step
 # takes 0.2 s) runs the fused steps on the LLaMA only and LoRA's kinds as
 # QLoRA alone; the rest as written.
@@ -369,6 +373,44 @@ for r in off_bf16 off_overlap; do
         /^ZeRO-Offload: the .* device waited on the cpu [0-9.]+% of the step/ { sum = 1 }
         END { print (n == 10 && good == n && sum) ? 1 : 0 }' "$work/$r.out")
     check "$ok" "$r on $dev: each step and the summary give the share of the step the device waited on the cpu ($(grep -m1 '^ZeRO-Offload: the .* device waited' "$work/$r.out" | cut -c15-90))"
+done
+
+# The gradient ring: the device holds no whole gradient, each unit's going
+# down to the pinned copy from a ring of two buffers and summed there over
+# the micro-batches (fp32: the sum so far goes up into the unit's buffer and
+# the backward adds to it, as the all-on-device run adds in place). With
+# accumulation 3: the first step's loss bitwise the all-on-device run's
+# (every step on the test device, within 1e-5 relative on a GPU), weight
+# offload bitwise the stage-1 offloaded run, and the device's peak of
+# gradients (--mem-report) the plan's and under the whole gradient's
+grads_bytes() { awk -v h="$2" 'index($0, h) == 1 { t = 1; next } t && $1 == "grads" { print $NF; exit }' "$1"; }
+for prec in fp32 bf16; do
+    run "dev_${prec}_acc" "$dev" llama "$prec" --grad-accum 3
+    run "offacc_${prec}" "$dev" llama "$prec" --grad-accum 3 --config "$work/offload.json" --mem-report
+    run "woffacc_${prec}" "$dev" llama "$prec" --grad-accum 3 --config "$work/weights.json"
+    [ "$(losses "dev_${prec}_acc" | head -1)" = "$(losses "offacc_$prec" | head -1)" ] && ok=1 || ok=0
+    check $ok "llama $prec offloaded with accumulation 3 on $dev: the first step's loss bitwise the all-on-$dev run's"
+    if [ "$dev" = cuda ]; then
+        e=$(max_rel "offacc_$prec" "dev_${prec}_acc")
+        le "$e" 1e-5 && ok=1 || ok=0
+        check $ok "llama $prec offloaded with accumulation 3 on $dev: losses within 1e-5 relative of all-on-$dev (max $e)"
+    else
+        cmp -s <(grep '^step' "$work/offacc_$prec/log.txt") \
+            <(grep '^step' "$work/dev_${prec}_acc/log.txt") && ok=1 || ok=0
+        check $ok "llama $prec offloaded with accumulation 3 on $dev: every step bitwise all-on-$dev's"
+    fi
+    cmp -s <(grep '^step' "$work/woffacc_$prec/log.txt") <(grep '^step' "$work/offacc_$prec/log.txt") &&
+        ok=1 || ok=0
+    check $ok "llama $prec with weight offload and accumulation 3 on $dev: every step bitwise the stage-1 offloaded run's"
+    "$fitlm" plan --device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" \
+        --batch 4 --seq-len 64 --grad-accum 3 --precision "$prec" --threads 2 --sample-tokens 0 \
+        --config "$work/offload.json" >"$work/offacc_plan_$prec.out" 2>&1 || { tail -20 "$work/offacc_plan_$prec.out"; exit 1; }
+    peak=$(grads_bytes "$work/offacc_$prec.out" "device memory by tag")
+    planned=$(awk 'index($0, "tag (per rank)") == 1 { t = 1; next } t && $1 == "grads" { print $3; exit }' \
+        "$work/offacc_plan_$prec.out")
+    whole=$(params_bytes "$work/offacc_$prec.out" "of which pinned") # the whole weights', the gradient's size
+    [ -n "$peak" ] && [ "$peak" = "$planned" ] && [ "$peak" -lt "$whole" ] && ok=1 || ok=0
+    check $ok "llama $prec offloaded on $dev: the device's peak of gradients $peak bytes = the plan's ${planned:-?} (the ring), under the whole gradient's ${whole:-?}"
 done
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"

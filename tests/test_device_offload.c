@@ -10,7 +10,9 @@
 // tag the run allocates. Weight offload (ZeRO-3 with offload_param cpu)
 // gives the stage-1 offloaded run's and the cpu's figures and weights
 // bitwise, resumes bitwise, and holds less than the whole weights on the
-// device. Weight offload to NVMe (offload_param and offload_optimizer
+// device. The device holds no whole gradient, only a ring of two units'
+// (accumulation summed on the host, bitwise the cpu's), its peak the plan's
+// and under the whole gradient's. Weight offload to NVMe (offload_param and offload_optimizer
 // device nvme: the weights in the optimizer's file, read through pinned
 // staging buffers) gives the cpu's and the pinned weight offload's figures
 // and weights bitwise and resumes bitwise. Under weight offload the device
@@ -388,6 +390,61 @@ static void test_weight_offload_plan(void) {
     }
 }
 
+// The device holds no whole gradient: each unit's lives in a ring of two
+// device buffers of the largest unit (the tied embedding's in its own from
+// the LM head to the embedding) and goes down to the pinned copy; with
+// accumulation the host sums as the cpu does (16-bit: each micro-batch's
+// into the fp32 sum; fp32: the sum so far goes up into the unit's buffer
+// and the backward adds to it, as the cpu's adds in place). Accumulation 1
+// and 3 in fp32, bf16 and fp16, with and without weight offload (pinned
+// and NVMe), recompute and the update during the backward pass: the cpu's
+// run bitwise, and resumed bitwise.
+static void test_grad_ring(void) {
+    static const char *const models[] = {"--model tiny --precision fp32",
+                                         "--model llama-tiny --precision bf16",
+                                         "--model tiny --precision fp16"};
+    char flags[512];
+    for (int k = 0; k < 3; k++)
+        for (int accum = 1; accum <= 3; accum += 2) {
+            snprintf(flags, sizeof flags, "%s --grad-accum %d --steps 3", models[k], accum);
+            weights_case(flags, "off1.json", "w3p.json");
+        }
+    // overlapped: each unit's fp32 sum goes up and down, the host updating
+    // the units behind the backward pass
+    weights_case("--model tiny --precision fp32 --grad-clip 0 --grad-accum 3 "
+                 "--activation-checkpointing block --steps 3",
+                 "off2.json", "w3.json");
+    weights_case("--model llama-tiny --precision fp32 --grad-accum 3 --steps 3", "nvme.json",
+                 "w3n.json");
+    resumed_equals_cpu("--model tiny --precision fp32 --grad-accum 3", "w3p.json", "ringh");
+    resumed_equals_cpu("--model llama-tiny --precision fp16 --grad-accum 3", "off1.json",
+                       "ringh16");
+}
+
+// The device's peak of gradient bytes (--mem-report's grads row) is the
+// ring's: the plan's (plan_equals_measured) and under the whole gradient's
+// (the tied GPT-2's embedding buffer is most of its tiny model; on the
+// LLaMA two units' buffers are under 3/4 of it).
+static void test_grad_ring_plan(void) {
+    const char *cases[] = {
+        "--model llama-tiny --precision bf16 --grad-accum 3 --config off1.json",
+        "--model tiny --precision fp32 --grad-accum 3 --config w3p.json",
+        "--model llama-tiny --precision fp16 --activation-checkpointing block --config w3.json",
+        "--model llama-tiny --precision fp32 --grad-accum 3 --config off2.json",
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        size_t whole = plan_equals_measured(cases[c]); // the 16-bit (or fp32) weights' bytes
+        size_t device[FL_MEM_NTAGS];
+        table_bytes(output, "device memory by tag", 2, device);
+        size_t ring = device[FL_MEM_GRADS];
+        int llama = strstr(cases[c], "llama") != NULL;
+        t_check(ring > 0 && ring < whole && (!llama || ring < whole / 2 + whole / 4),
+                "%s: the device's peak of gradients (%zu bytes, the plan's) is the ring's, under "
+                "the whole gradient's %zu",
+                cases[c], ring, whole);
+    }
+}
+
 static void test_refusals(void) {
     // the pinned bytes over the host's memory (on a device --mem-limit is the
     // device's budget; the host has its available memory): llama-7b's master
@@ -583,6 +640,8 @@ int main(void) {
     test_weight_offload_resume();
     test_weight_offload_nvme();
     test_weight_offload_plan();
+    test_grad_ring();
+    test_grad_ring_plan();
     test_refusals();
     test_waits_reported();
     test_waits_measured();

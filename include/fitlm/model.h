@@ -291,6 +291,11 @@ int fl_model_weight_spans(const fl_model *m, const void *data[3], size_t bytes[3
 // pass, LOMO and AdaLomo): fl_model_backward binds each unit's gradients to
 // that buffer, zeroed, before the unit runs, and they are valid until its
 // grad_ready hook returns; fl_model_zero_grad then does nothing.
+// FL_GRADS_HOOK: no gradient memory at all; the pre_unit hook binds each
+// unit's gradients (fl_model_bind_grads) before it runs backward, at the
+// tied LM head the embedding's too (ZeRO-Offload's device ring,
+// device_offload.c).
+enum { FL_GRADS_WHOLE, FL_GRADS_UNIT, FL_GRADS_HOOK }; // unit_grads' values
 void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int unit_grads);
 // Bytes per tag that fl_model_init + fl_model_alloc_acts(B, T, recompute,
 // unit_grads) allocate with `threads` threads: the same slot lists the

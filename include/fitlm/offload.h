@@ -96,11 +96,13 @@ const char *fl_offload_path(const fl_offload *f);
 int fl_offload_direct(const fl_offload *f);
 
 // ZeRO-Offload on one device (src/parallel/device_offload.c): m on a device
-// other than the cpu, o made on its pinned host memory (master, state,
+// other than the cpu, with no gradient memory (fl_model_alloc_acts with
+// FL_GRADS_HOOK), o made on its pinned host memory (master, state,
 // gradient sum, and pinned copies of m's weights and gradients), cfg as
-// fl_optimizer_init's. Gradients go down per unit from m's grad_ready hook
-// (m->hooks is the offload's), the step updates on the host, and the new
-// weights go up after it. host_params NULL: the pinned copy of the weights
+// fl_optimizer_init's. m's pre_unit hook binds each unit's gradients to a
+// small device ring (fl_dev_offload_grad_bytes); they go down per unit from
+// m's grad_ready hook (m->hooks is the offload's), the step updates on the
+// host, and the new weights go up after it. host_params NULL: the pinned copy of the weights
 // is made from m's; else (weight offload) m has no weights on the device
 // and host_params, the whole weights built in pinned memory
 // (fl_device_pinned's alloc, tag params), become the copy, freed with it.
@@ -125,6 +127,9 @@ typedef struct {
 } fl_dev_offload_waits;
 void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w);
 void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is fine
+// The device's gradient bytes under it (tag grads): two buffers of the
+// table's largest unit, and the tied embedding's own.
+size_t fl_dev_offload_grad_bytes(const fl_param_table *t, int tie_embeddings, fl_dtype dt);
 
 // Weight offload on one device (ZeRO-3 with offload_param): m has no
 // weights on the device (m->params NULL: they were built in pinned host
@@ -134,7 +139,7 @@ void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is
 // (offload_param.buffer_count of at most buffer_size elements). Each unit
 // goes up ahead of use into stage 3's ring (fl_stage3_layout by cfg's
 // stage3_* keys) through m's pre_unit hook, which chains the offload's
-// grad_ready.
+// pre_unit (the gradient ring) and grad_ready.
 typedef struct fl_dev_weights fl_dev_weights;
 fl_dev_weights *fl_dev_weights_attach(struct fl_model *m, void *host_params, fl_offload *store,
                                       const fl_zero_config *cfg, const fl_offload_config *oc);

@@ -409,10 +409,11 @@ typedef struct {
 // The model on a device, the optimizer in its pinned host memory
 // (ZeRO-Offload, offload.h's fl_dev_offload): o->params and o->grads are
 // host copies of the model's weights and gradients, which these keep in step
-// with the device's.
+// with the device's (the device holds no whole gradient: each unit's comes
+// down from a small ring during the backward pass).
 typedef struct {
     void *ctx;
-    void (*zero_grad)(void *ctx);  // the device's gradients too (when o's are zeroed)
+    void (*zero_grad)(void *ctx);  // o's gradients were zeroed: a micro-batch begins
     void (*grads_down)(void *ctx); // after a backward: o->grads holds the device's
     // the step updates groups of whole rows of about `chunk` elements in
     // order; the weights of elements [first, end) are final: they go up

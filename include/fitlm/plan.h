@@ -77,7 +77,8 @@ typedef struct {
     size_t device_cap;
     // ZeRO-Offload on that device (offload_optimizer.device cpu, one
     // process): the optimizer's bytes and pinned copies of the weights and
-    // gradients are the host's pinned memory (planned as stage 0, as it runs)
+    // gradients are the host's pinned memory (planned as stage 0, as it
+    // runs); the device's gradients are its ring (fl_dev_offload_grad_bytes)
     int dev_offload;
 } fl_plan_request;
 

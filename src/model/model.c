@@ -291,7 +291,8 @@ static int base_frozen(const fl_model *m) {
 static void alloc_grads(fl_model *m, int unit_grads) {
     size_t D = fl_dtype_size(m->dtype);
     if (m->lora.cfg.r) m->lora.grads = fl_model_mem(m, FL_MEM_GRADS, m->lora.table.numel * D);
-    if (base_frozen(m)) return; // the row pointers stay NULL: no gradient
+    // the row pointers stay NULL: no gradient, or the hook binds them
+    if (base_frozen(m) || unit_grads == FL_GRADS_HOOK) return;
     if (unit_grads) {
         size_t unit, embed;
         unit_grad_sizes(&m->table, &m->config, &unit, &embed);
@@ -561,7 +562,7 @@ void fl_model_memory(const fl_device *dev, const fl_model_config *cfg, fl_dtype 
     if (unit_grads) {
         size_t unit, embed;
         unit_grad_sizes(&t, &c, &unit, &embed);
-        bytes[FL_MEM_GRADS] = (unit + embed) * D;
+        bytes[FL_MEM_GRADS] = unit_grads == FL_GRADS_HOOK ? 0 : (unit + embed) * D;
     }
     if (lt.count) {
         bytes[FL_MEM_PARAMS] += lt.numel * D;

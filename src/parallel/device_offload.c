@@ -1,19 +1,28 @@
 // device_offload.c: ZeRO-Offload on one device. The model (its 16-bit or
-// fp32 weights, gradients and activations) stays on the device; the
-// optimizer (fp32 master weights, state, fp32 gradient sum) lives in the
-// device's pinned host memory and updates there with the cpu's vectorised
-// rules (fl_device_pinned). Its params and grads are pinned host copies of
-// the model's: each unit's gradient goes down on a copy stream as soon as
-// the backward pass reports it (grad_ready, ordered after the compute
-// stream's work by an event), so the copies overlap the rest of the
-// backward pass; after the last micro-batch the step reads the whole
-// gradient (the global norm, clipping and fp16's overflow check need all of
-// it first), updates on the host, and the new weights go up. Without
-// clipping, fp16 or the spike guard no whole gradient is needed: the host
-// updates each unit of the last micro-batch as soon as its gradient is down
-// (fl_optimizer_begin_overlap), during the backward pass of the units before
-// it. The host runs the plain path's arithmetic on the same values: bitwise
-// the cpu's run.
+// fp32 weights and activations) stays on the device; the optimizer (fp32
+// master weights, state, fp32 gradient sum) lives in the device's pinned
+// host memory and updates there with the cpu's vectorised rules
+// (fl_device_pinned). Its params and grads are pinned host copies of the
+// model's. The device holds no whole gradient (the model has none,
+// FL_GRADS_HOOK): in the backward pass each unit's gradients live in a
+// ring of two device buffers of the largest unit (the tied embedding's in
+// one of its own, from the LM head to the embedding), bound before the unit
+// runs; each goes down on a copy stream as soon as the backward pass
+// reports it (grad_ready, ordered after the compute stream's work by an
+// event), so the copies overlap the rest of the backward pass, and a buffer
+// is reused once its copy is done. Accumulation keeps the cpu's arithmetic:
+// 16-bit gradients are per micro-batch, summed on the host into the fp32
+// sum; fp32 ones sum in the gradients themselves, so a unit's sum so far
+// goes up into its buffer and the backward adds to it there, as the cpu's
+// adds in place (DeepSpeed's async_accumulate_grad_in_cpu_via_gpu). After
+// the last micro-batch the step reads the whole gradient on the host (the
+// global norm, clipping and fp16's overflow check need all of it first),
+// updates there, and the new weights go up. Without clipping, fp16 or the
+// spike guard no whole gradient is needed: the host updates each unit of
+// the last micro-batch as soon as its gradient is down
+// (fl_optimizer_begin_overlap), during the backward pass of the units
+// before it. The host runs the plain path's arithmetic on the same values:
+// bitwise the cpu's run.
 //
 // The share of the step the device waits on the host (fl_dev_offload_waits_get)
 // is timed on the compute stream (event_record_timed): a step runs from its
@@ -27,6 +36,8 @@
 #include "fitlm/device.h"
 #include "fitlm/model.h"
 #include "fitlm/offload.h"
+
+enum { RING = 2 }; // gradient buffers: one written by the backward pass, one going down
 
 struct fl_dev_offload {
     fl_model *m;
@@ -42,6 +53,12 @@ struct fl_dev_offload {
     int pending_first, pending_n;
     void *params, *grads;   // the pinned host copies (the optimizer's params and grads)
     fl_optim_offload hooks; // the optimizer's calls back
+    // the gradient ring: RING buffers of the largest unit, then the tied
+    // embedding's (NULL untied); each one's last download (NULL: none in flight)
+    void *slot[RING + 1];
+    fl_event *slot_free[RING + 1];
+    int next_slot;
+    int *unit_slot; // per unit + 1: the buffer its gradients are bound to
     // timing: the step's start, the open wait's start, and the step's waits
     // as pairs (idle, resumed), read once the step's uploads are done
     fl_event *start, *idle, **waits;
@@ -83,11 +100,71 @@ static void step_timed(fl_dev_offload *f) {
     f->idle = f->start = NULL;
 }
 
+// the optimizer zeroes the host's gradients, a micro-batch begins (the
+// device's are zeroed unit by unit in the ring): the step's timer starts,
+// and the wait for the host's accumulation of the last one ends
 static void on_zero_grad(void *ctx) {
     fl_dev_offload *f = ctx;
     if (!f->start) f->start = f->dev->event_record_timed(f->dev, NULL);
     wait_end(f); // a micro-batch's accumulation on the host is done
-    f->dev->zero(f->dev, f->m->grads, f->m->table.numel * fl_dtype_size(f->m->dtype));
+}
+
+// Gradient elements of the ring's buffers and of the tied embedding's.
+static void ring_sizes(const fl_param_table *t, int tied, size_t *unit, size_t *embed) {
+    *unit = *embed = 0;
+    for (int r = 0, u0 = 0; r < t->count; r = u0) {
+        size_t n = 0;
+        for (u0 = r; u0 < t->count && t->views[u0].unit == t->views[r].unit; u0++)
+            n += t->views[u0].numel;
+        if (tied && t->views[r].unit == FL_UNIT_EMBED)
+            *embed = n;
+        else if (n > *unit)
+            *unit = n;
+    }
+}
+
+size_t fl_dev_offload_grad_bytes(const fl_param_table *t, int tie_embeddings, fl_dtype dt) {
+    size_t unit, embed;
+    ring_sizes(t, tie_embeddings, &unit, &embed);
+    return (RING * unit + embed) * fl_dtype_size(dt);
+}
+
+// The device's gradients of `unit` into buffer s, once its last download
+// is done: zeroed, or under fp32 accumulation (the cpu sums micro-batches
+// in the gradients) after the first micro-batch the host's sum so far,
+// which the backward adds to as the cpu's does in place.
+static void bind_slot(fl_dev_offload *f, int unit, int s) {
+    const fl_device *d = f->dev;
+    int first, count;
+    fl_model_unit_rows(f->m, unit, &first, &count);
+    if (!count) return;
+    const fl_param_view *a = &f->m->table.views[first], *b = &f->m->table.views[first + count - 1];
+    size_t es = fl_dtype_size(f->m->dtype), lo = a->offset * es,
+           bytes = (b->offset + b->numel) * es - lo;
+    if (f->slot_free[s]) {
+        d->stream_wait(d, NULL, f->slot_free[s]);
+        d->event_destroy(d, f->slot_free[s]);
+        f->slot_free[s] = NULL;
+    }
+    if (f->o->micro > 0 && !f->o->grad_accum)
+        d->copy_async(d, f->slot[s], (const char *)f->grads + lo, bytes, FL_COPY_H2D, NULL);
+    else
+        d->zero(d, f->slot[s], bytes);
+    fl_model_bind_grads(f->m, unit, f->slot[s]);
+    f->unit_slot[unit + 1] = s;
+}
+
+// before a unit's backward: its gradients into the next ring buffer (the
+// tied LM head's the embedding's too, which the embedding's backward
+// completes)
+static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
+    fl_dev_offload *f = ctx;
+    if (pass != FL_PASS_BWD) return;
+    int tied = f->slot[RING] != NULL;
+    if (tied && unit == FL_UNIT_HEAD(m->config.n_layer)) bind_slot(f, FL_UNIT_EMBED, RING);
+    if (tied && unit == FL_UNIT_EMBED) return; // bound at the head
+    bind_slot(f, unit, f->next_slot);
+    f->next_slot = (f->next_slot + 1) % RING;
 }
 
 // the host copy of the weights is free to change once its upload is done
@@ -120,9 +197,12 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     fl_event *e = d->event_record(d, NULL);
     d->stream_wait(d, f->down, e);
     d->event_destroy(d, e);
-    d->copy_async(d, (char *)f->grads + lo, (const char *)m->grads + lo, bytes, FL_COPY_D2H,
-                  f->down);
+    d->copy_async(d, (char *)f->grads + lo, m->gp[first], bytes, FL_COPY_D2H, f->down);
     f->down_bytes += bytes;
+    // its buffer is free for another unit once the copy is done
+    int s = f->unit_slot[a->unit + 1];
+    FL_ASSERT(!f->slot_free[s]);
+    f->slot_free[s] = d->event_record(d, f->down);
     if (!f->o->overlap_sq) return;
     if (f->pending) { // one unit behind: its download ran beside this unit's backward
         wait_begin(f);
@@ -144,11 +224,16 @@ static void on_grads_down(void *ctx) {
     fl_event *e = d->event_record(d, f->down);
     d->event_sync(d, e);
     d->event_destroy(d, e);
-    // a backward pass that reported only some units (none, or not all):
-    // the whole gradient, after the compute stream's work
-    if (f->down_bytes != all) fl_dev_download(d, f->grads, f->m->grads, all);
+    for (int s = 0; s <= RING; s++) { // every download is done
+        if (f->slot_free[s]) d->event_destroy(d, f->slot_free[s]);
+        f->slot_free[s] = NULL;
+    }
+    // every unit reported its gradient: the device holds none besides
+    FL_ASSERT(f->down_bytes == all);
     f->down_bytes = 0;
-    // fp32 accumulates on the device: the next micro-batch follows at once
+    f->next_slot = 0;
+    // fp32 sums on the device from the host's sum so far (uploaded at each
+    // unit): the next micro-batch follows at once
     if (!f->o->grad_accum && f->o->micro < f->o->cfg.grad_accum) wait_end(f);
 }
 
@@ -185,8 +270,10 @@ void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w) 
 fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg,
                                     void *host_params) {
     const fl_device *d = m->dev;
-    FL_ASSERT(!d->host && !m->params != !host_params && m->grads && !fl_model_sharded(m));
+    FL_ASSERT(!d->host && !m->params != !host_params && !m->grads && !m->unit_grads &&
+              !fl_model_sharded(m));
     fl_dev_offload *f = fl_alloc(FL_MEM_OTHER, sizeof *f);
+    memset(f, 0, sizeof *f);
     f->m = m;
     f->o = o;
     f->dev = d;
@@ -201,6 +288,11 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     fl_device_use(pin); // the optimizer's memory is pinned host memory
     fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
     fl_device_use(d);
+    size_t unit, embed, es = fl_dtype_size(m->dtype);
+    ring_sizes(&m->table, m->config.tie_embeddings, &unit, &embed);
+    for (int s = 0; s < RING; s++) f->slot[s] = d->alloc(d, FL_MEM_GRADS, unit * es);
+    f->slot[RING] = embed ? d->alloc(d, FL_MEM_GRADS, embed * es) : NULL;
+    f->unit_slot = fl_alloc(FL_MEM_OTHER, ((size_t)m->config.n_layer + 2) * sizeof(int));
     f->down = d->stream_create(d);
     f->up = d->stream_create(d);
     // eight groups a step (at least 64 Ki elements each): the upload of one
@@ -209,7 +301,7 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     f->hooks =
         (fl_optim_offload){f, on_zero_grad, on_grads_down, on_rows_updated, on_updated, chunk};
     o->offload = &f->hooks;
-    m->hooks = (fl_model_hooks){NULL, on_grad_ready, f};
+    m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, f};
     return f;
 }
 
@@ -232,6 +324,12 @@ void fl_dev_offload_free(fl_dev_offload *f) {
     f->dev->stream_destroy(f->dev, f->down);
     f->dev->stream_destroy(f->dev, f->up);
     f->m->hooks = (fl_model_hooks){0};
+    for (int s = 0; s <= RING; s++) {
+        if (f->slot_free[s]) f->dev->event_destroy(f->dev, f->slot_free[s]);
+        f->dev->free(f->dev, f->slot[s]);
+    }
+    for (int u = FL_UNIT_EMBED; u <= f->m->config.n_layer; u++) fl_model_bind_grads(f->m, u, NULL);
+    fl_free(f->unit_slot);
     if (f->params) pin->free(pin, f->params); // (NVMe weight offload: dropped)
     pin->free(pin, f->grads);
     fl_free(f);

@@ -54,7 +54,7 @@ struct fl_dev_weights {
     fl_stream *up;
     int last_pass;
     int reuse;              // stage3_max_reuse_distance > 0
-    fl_model_hooks chained; // device_offload.c's grad_ready
+    fl_model_hooks chained; // device_offload.c's pre_unit (its gradient ring) and grad_ready
 };
 
 // Units outside the resident set that hold weights (the ring's candidates).
@@ -250,6 +250,7 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
         w->dev->event_sync(w->dev, e);
         w->dev->event_destroy(w->dev, e);
     }
+    if (w->chained.pre_unit) w->chained.pre_unit(w->chained.ctx, m, unit, pass);
 }
 
 static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {

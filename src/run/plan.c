@@ -464,8 +464,10 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         int threads = r->threads > 0 ? r->threads : fl_threads();
         // B = 0 tells the model to leave out activations (and its inputs/targets)
         fl_model_memory(r->dev, &c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
-                        dist_exact ? fl_dist_unit_grads(&zero) : unit_grads_of(r), lora_of(r),
-                        &r->quant, st, b);
+                        dist_exact       ? fl_dist_unit_grads(&zero)
+                        : r->dev_offload ? FL_GRADS_HOOK
+                                         : unit_grads_of(r),
+                        lora_of(r), &r->quant, st, b);
     } else {
         // a raw count split evenly over the TP ranks (what stays whole,
         // norms and row-layer biases, is not known)
@@ -531,7 +533,17 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         out->pinned[FL_MEM_PARAMS] += numel * ds;
         out->pinned[FL_MEM_GRADS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
+        // the device holds no whole gradient: a ring of two units' (and the
+        // tied embedding's) buffers, each unit's going down to the pinned copy
         b[FL_MEM_GRADS] += numel * ds;
+        if (shaped) {
+            fl_param_table rows;
+            rank_table(r, &c, &rows);
+            b[FL_MEM_GRADS] += fl_dev_offload_grad_bytes(&rows, c.tie_embeddings, dt);
+            fl_params_free(&rows);
+        } else { // a raw count: two of its largest units instead of the whole gradient
+            b[FL_MEM_GRADS] = b[FL_MEM_GRADS] - numel * ds + 2 * unit * ds;
+        }
         // weight offload (device_weights.c): the whole weights are built in
         // the pinned copy (run.c; under NVMe freed once the file holds them)
         // and the device only ever holds the resident units and the ring;

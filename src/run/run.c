@@ -347,9 +347,10 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         if (*cfg->adapter) fl_peft_load(cfg->adapter, model);
     }
     fl_model_alloc_acts(model, cfg->micro_batch, cfg->seq_len, cfg->recompute,
-                        r->dist   ? fl_dist_unit_grads(&cfg->zero)
-                        : r->lora ? r->train_base && fl_optimizer_unit_grads(&bcfg)
-                                  : fl_optimizer_unit_grads(&ocfg));
+                        r->dist       ? fl_dist_unit_grads(&cfg->zero)
+                        : dev_offload ? FL_GRADS_HOOK // the offload's device ring
+                        : r->lora     ? r->train_base && fl_optimizer_unit_grads(&bcfg)
+                                      : fl_optimizer_unit_grads(&ocfg));
     // what the optimizer trains: the adapters under LoRA (the base too, by
     // its own fused optimizer, under LoRA + LOMO), else the model
     ocfg.sharded_grads = r->dist && cfg->zero.stage >= 2; // ZeRO-2/3 sum their own shards
