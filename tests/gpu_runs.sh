@@ -41,14 +41,18 @@
 # weight offload bitwise the stage-1 offloaded run, and the device's peak
 # of gradients the plan's, under the whole gradient's.
 # GPU_RUNS_QUICK=1 (the emulated GPU's CTest gpu_runs_emu, where a step
-# takes 0.2 s) runs the fused steps on the LLaMA only and LoRA's kinds as
-# QLoRA alone; the rest as written.
+# takes 0.1 to 0.2 s) runs the whole runs on the LLaMA only (GPT-2's
+# kernels are test_gpu's), the fused steps as LOMO and AdaLomo, LoRA's
+# kinds as QLoRA alone, and every run at batch 2 instead of 4; the rest as
+# written.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
 set -euo pipefail
 fitlm=${1:?usage: tests/gpu_runs.sh FITLM}
 dev=${GPU_RUNS_DEVICE:-cuda}
+batch=4
+[ -n "${GPU_RUNS_QUICK:-}" ] && batch=2
 src=${FITLM_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
 
 # FITLM_CUDA_EMU=1: a build on the CUDA emulator (tests/cuda_emu), no GPU needed
@@ -72,7 +76,7 @@ run() {
     local name=$1 device=$2 arch=$3 prec=$4
     shift 4
     if ! "$fitlm" train --device "$device" --model tiny --arch "$arch" --tokenizer byte \
-        --data "$work/data" --batch 4 --seq-len 64 --steps 10 --warmup 2 --lr 1e-3 \
+        --data "$work/data" --batch "$batch" --seq-len 64 --steps 10 --warmup 2 --lr 1e-3 \
         --precision "$prec" --threads 2 --sample-tokens 0 --eval-every 0 --eval-iters 2 \
         --seed 1234 --out "$work/$name" "$@" >"$work/$name.out" 2>&1; then
         if grep -qE "no CUDA backend|no NVIDIA GPU|no CUDA-capable" "$work/$name.out"; then
@@ -99,7 +103,9 @@ max_rel() {
 
 le() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a != "inf" && a + 0 <= b + 0) }'; }
 
-for arch in gpt2 llama; do
+archs=(gpt2 llama)
+[ -n "${GPU_RUNS_QUICK:-}" ] && archs=(llama)
+for arch in "${archs[@]}"; do
     run "cpu_fp32_$arch" cpu "$arch" fp32
     run "cpu_bf16_$arch" cpu "$arch" bf16
     run "dev_fp32_$arch" "$dev" "$arch" fp32 --save-every 5
@@ -136,7 +142,7 @@ for arch in gpt2 llama; do
         ok=1 || ok=0
     check $ok "$arch: two $dev runs export the same weights byte for byte"
     ev() { # ev DEVICE SOURCE-FLAG PATH: the eval loss
-        "$fitlm" eval --device "$1" "$2" "$3" --data "$work/data" --batch 4 --seq-len 64 \
+        "$fitlm" eval --device "$1" "$2" "$3" --data "$work/data" --batch "$batch" --seq-len 64 \
             --threads 2 --json 2>/dev/null | sed -n 's/.*"loss": *\([-0-9.eE+]*\).*/\1/p'
     }
     l_export=$(ev cpu --init-from "$work/dev_fp32_$arch.hf")
@@ -151,7 +157,7 @@ for arch in gpt2 llama; do
 done
 
 # --mem-limit on the device: its budget, against the plan's device bytes
-flags=(--device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" --batch 4
+flags=(--device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" --batch "$batch"
     --seq-len 64 --steps 2 --precision bf16 --threads 2 --sample-tokens 0 --eval-iters 1)
 "$fitlm" plan "${flags[@]}" >"$work/plan.out" 2>&1 || true
 need=$(awk '$1 == "total" && NF >= 4 { print $3; exit }' "$work/plan.out")
@@ -190,13 +196,15 @@ fused_flags=("--optimizer lomo --grad-clip 1 --clip-grad-value 0.5"
     "--optimizer adalomo --grad-clip 1"
     "--optimizer adamw --optimizer-in-backward --grad-clip 1")
 fused_archs=(gpt2 llama)
+fused_kinds=(0 1 2)
 lora_kinds=(lora qlora lora_lomo)
 if [ -n "${GPU_RUNS_QUICK:-}" ]; then
     fused_archs=(llama)
+    fused_kinds=(0 1)
     lora_kinds=(qlora)
 fi
 for arch in "${fused_archs[@]}"; do
-    for k in 0 1 2; do
+    for k in "${fused_kinds[@]}"; do
         read -r -a f <<<"${fused_flags[$k]}"
         run "fcpu_fp32_${arch}_$k" cpu "$arch" fp32 "${f[@]}"
         run "fcpu_bf16_${arch}_$k" cpu "$arch" bf16 "${f[@]}"
@@ -228,7 +236,7 @@ lrun() { # lrun NAME DEVICE PRECISION [FLAGS...]: 10 steps into $work/NAME
     local name=$1 device=$2 prec=$3
     shift 3
     "$fitlm" train --device "$device" --init-from "$work/base.hf" --tokenizer byte \
-        --data "$work/data" --batch 4 --seq-len 64 --steps 10 --warmup 2 --lr 1e-3 \
+        --data "$work/data" --batch "$batch" --seq-len 64 --steps 10 --warmup 2 --lr 1e-3 \
         --precision "$prec" --threads 2 --sample-tokens 0 --eval-every 0 --eval-iters 2 \
         --seed 1234 --lora --lora-dropout 0.1 --out "$work/$name" "$@" >"$work/$name.out" 2>&1 ||
         { echo "gpu_runs: fitlm train ($name) failed:"; tail -20 "$work/$name.out"; exit 1; }
@@ -344,7 +352,7 @@ for prec in fp32 bf16; do
         <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/wnv_resumed_$prec/log.txt") && ok=1 || ok=0
     check $ok "llama $prec with weight offload to NVMe: resumed at step 5 on $dev, steps 6-10 bit for bit"
     "$fitlm" plan --device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" \
-        --batch 4 --seq-len 64 --precision "$prec" --threads 2 --sample-tokens 0 \
+        --batch "$batch" --seq-len 64 --precision "$prec" --threads 2 --sample-tokens 0 \
         --config "$work/wnvme.json" >"$work/wnv_plan_$prec.out" 2>&1 || { tail -20 "$work/wnv_plan_$prec.out"; exit 1; }
     peak=$(params_bytes "$work/wnv_$prec.out" "device memory by tag")
     planned=$(awk 'index($0, "tag (per rank)") == 1 { t = 1; next } t && $1 == "params" { print $3; exit }' \
@@ -403,7 +411,7 @@ for prec in fp32 bf16; do
         ok=1 || ok=0
     check $ok "llama $prec with weight offload and accumulation 3 on $dev: every step bitwise the stage-1 offloaded run's"
     "$fitlm" plan --device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" \
-        --batch 4 --seq-len 64 --grad-accum 3 --precision "$prec" --threads 2 --sample-tokens 0 \
+        --batch "$batch" --seq-len 64 --grad-accum 3 --precision "$prec" --threads 2 --sample-tokens 0 \
         --config "$work/offload.json" >"$work/offacc_plan_$prec.out" 2>&1 || { tail -20 "$work/offacc_plan_$prec.out"; exit 1; }
     peak=$(grads_bytes "$work/offacc_$prec.out" "device memory by tag")
     planned=$(awk 'index($0, "tag (per rank)") == 1 { t = 1; next } t && $1 == "grads" { print $3; exit }' \
