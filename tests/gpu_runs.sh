@@ -103,6 +103,20 @@ max_rel() {
 
 le() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a != "inf" && a + 0 <= b + 0) }'; }
 
+# resumed_equals RUN WHAT [FLAGS...]: RUN's checkpoint at step 5 resumed
+# (with FLAGS) logs its steps 6-10, bit for bit those of RUN
+resumed_equals() {
+    local r=$1 what=$2 late='^step \(6\|7\|8\|9\|10\) loss'
+    shift 2
+    "$fitlm" train --device "$dev" --resume "$work/$r/ckpt_00000005.fitlm" "$@" \
+        --out "$work/${r}_resumed" --threads 2 >"$work/${r}_resumed.out" 2>&1 ||
+        { tail -20 "$work/${r}_resumed.out"; exit 1; }
+    [ "$(grep -c "$late" "$work/${r}_resumed/log.txt")" = 5 ] &&
+        cmp -s <(grep "$late" "$work/$r/log.txt") <(grep "$late" "$work/${r}_resumed/log.txt") &&
+        ok=1 || ok=0
+    check $ok "$what"
+}
+
 archs=(gpt2 llama)
 [ -n "${GPU_RUNS_QUICK:-}" ] && archs=(llama)
 for arch in "${archs[@]}"; do
@@ -127,12 +141,7 @@ for arch in "${archs[@]}"; do
     check $ok "$arch: two $dev runs log the same values bit for bit"
 
     # resume from step 5's checkpoint: steps 6-10 as the straight run's
-    "$fitlm" train --device "$dev" --resume "$work/dev_fp32_$arch/ckpt_00000005.fitlm" \
-        --out "$work/resumed_$arch" --threads 2 >"$work/resumed_$arch.out" 2>&1 ||
-        { tail -20 "$work/resumed_$arch.out"; exit 1; }
-    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/dev_fp32_$arch/log.txt") \
-        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/resumed_$arch/log.txt") && ok=1 || ok=0
-    check $ok "$arch: resumed at step 5 on $dev, steps 6-10 bit for bit as the straight run"
+    resumed_equals "dev_fp32_$arch" "$arch: resumed at step 5 on $dev, steps 6-10 bit for bit as the straight run"
 
     # the export of the GPU-trained model on the cpu
     for r in "dev_fp32_$arch" "dev_fp32b_$arch"; do
@@ -266,39 +275,32 @@ for kind in "${lora_kinds[@]}"; do
             "$work/dev_bf16b_$kind/adapter/adapter_model.safetensors" && ok=1 || ok=0
     check $ok "$kind: two $dev runs log the same values and write the same adapter bit for bit"
 
-    "$fitlm" train --device "$dev" --resume "$work/dev_bf16_$kind/ckpt_00000005.fitlm" \
-        --out "$work/resumed_$kind" --threads 2 >"$work/resumed_$kind.out" 2>&1 ||
-        { tail -20 "$work/resumed_$kind.out"; exit 1; }
-    late='^step \(6\|7\|8\|9\|10\) loss'
-    [ "$(grep -c "$late" "$work/resumed_$kind/log.txt")" = 5 ] &&
-        cmp -s <(grep "$late" "$work/dev_bf16_$kind/log.txt") \
-            <(grep "$late" "$work/resumed_$kind/log.txt") && ok=1 || ok=0
-    check $ok "$kind: resumed at step 5 on $dev, steps 6-10 bit for bit as the straight run"
+    resumed_equals "dev_bf16_$kind" "$kind: resumed at step 5 on $dev, steps 6-10 bit for bit as the straight run"
 done
 
 # ZeRO-Offload: the optimizer in pinned host memory, updated by the cpu
 printf '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}\n' \
     >"$work/offload.json"
+# offloaded_equals RUN ALL_ON_DEVICE_RUN WHAT: the first step's loss bitwise
+# (the same weights); every step within 1e-5 relative on cuda (the update is
+# the cpu's AdamW, not the GPU's), bitwise on the test device and the cpu
+offloaded_equals() {
+    [ "$(losses "$2" | head -1)" = "$(losses "$1" | head -1)" ] && ok=1 || ok=0
+    check $ok "$3 on $dev: the first step's loss bitwise the all-on-$dev run's"
+    if [ "$dev" = cuda ]; then
+        e=$(max_rel "$1" "$2")
+        le "$e" 1e-5 && ok=1 || ok=0
+        check $ok "$3 on $dev: losses within 1e-5 relative of all-on-$dev (max $e)"
+    else
+        cmp -s <(grep '^step' "$work/$1/log.txt") <(grep '^step' "$work/$2/log.txt") && ok=1 || ok=0
+        check $ok "$3 on $dev: every step's loss and norm bitwise all-on-$dev's"
+    fi
+}
 for prec in fp32 bf16; do
     run "dev_${prec}_off" "$dev" llama "$prec" --save-every 5
     run "off_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/offload.json"
-    [ "$(losses "dev_${prec}_off" | head -1)" = "$(losses "off_$prec" | head -1)" ] && ok=1 || ok=0
-    check $ok "llama $prec offloaded on $dev: the first step's loss bitwise the all-on-$dev run's"
-    if [ "$dev" = cuda ]; then
-        e=$(max_rel "off_$prec" "dev_${prec}_off")
-        le "$e" 1e-5 && ok=1 || ok=0
-        check $ok "llama $prec offloaded on $dev: losses within 1e-5 relative of all-on-$dev (max $e)"
-    else
-        cmp -s <(grep '^step' "$work/off_$prec/log.txt") \
-            <(grep '^step' "$work/dev_${prec}_off/log.txt") && ok=1 || ok=0
-        check $ok "llama $prec offloaded on $dev: every step's loss and norm bitwise all-on-$dev's"
-    fi
-    "$fitlm" train --device "$dev" --resume "$work/off_$prec/ckpt_00000005.fitlm" \
-        --config "$work/offload.json" --out "$work/off_resumed_$prec" --threads 2 \
-        >"$work/off_resumed_$prec.out" 2>&1 || { tail -20 "$work/off_resumed_$prec.out"; exit 1; }
-    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/off_$prec/log.txt") \
-        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/off_resumed_$prec/log.txt") && ok=1 || ok=0
-    check $ok "llama $prec offloaded: resumed at step 5 on $dev, steps 6-10 bit for bit"
+    offloaded_equals "off_$prec" "dev_${prec}_off" "llama $prec offloaded"
+    resumed_equals "off_$prec" "llama $prec offloaded: resumed at step 5 on $dev, steps 6-10 bit for bit" --config "$work/offload.json"
 done
 # NVMe under it: the same cpu update, paged from a file: bitwise the pinned run
 mkdir -p "$work/nvme"
@@ -320,12 +322,7 @@ for prec in fp32 bf16; do
     cmp -s <(grep '^step' "$work/woff_$prec/log.txt") <(grep '^step' "$work/off_$prec/log.txt") &&
         ok=1 || ok=0
     check $ok "llama $prec with weight offload on $dev: every step bitwise the stage-1 offloaded run's"
-    "$fitlm" train --device "$dev" --resume "$work/woff_$prec/ckpt_00000005.fitlm" \
-        --config "$work/weights.json" --out "$work/woff_resumed_$prec" --threads 2 \
-        >"$work/woff_resumed_$prec.out" 2>&1 || { tail -20 "$work/woff_resumed_$prec.out"; exit 1; }
-    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/woff_$prec/log.txt") \
-        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/woff_resumed_$prec/log.txt") && ok=1 || ok=0
-    check $ok "llama $prec with weight offload: resumed at step 5 on $dev, steps 6-10 bit for bit"
+    resumed_equals "woff_$prec" "llama $prec with weight offload: resumed at step 5 on $dev, steps 6-10 bit for bit" --config "$work/weights.json"
 done
 
 # Weight offload to NVMe (ZeRO-Infinity): the weights in the optimizer's
@@ -345,12 +342,7 @@ for prec in fp32 bf16; do
     cmp -s <(grep '^step' "$work/wnv_$prec/log.txt") <(grep '^step' "$work/woff_$prec/log.txt") &&
         ok=1 || ok=0
     check $ok "llama $prec with weight offload to NVMe on $dev: every step bitwise the pinned weight offload's"
-    "$fitlm" train --device "$dev" --resume "$work/wnv_$prec/ckpt_00000005.fitlm" \
-        --config "$work/wnvme.json" --out "$work/wnv_resumed_$prec" --threads 2 \
-        >"$work/wnv_resumed_$prec.out" 2>&1 || { tail -20 "$work/wnv_resumed_$prec.out"; exit 1; }
-    cmp -s <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/wnv_$prec/log.txt") \
-        <(grep '^step \(6\|7\|8\|9\|10\) loss' "$work/wnv_resumed_$prec/log.txt") && ok=1 || ok=0
-    check $ok "llama $prec with weight offload to NVMe: resumed at step 5 on $dev, steps 6-10 bit for bit"
+    resumed_equals "wnv_$prec" "llama $prec with weight offload to NVMe: resumed at step 5 on $dev, steps 6-10 bit for bit" --config "$work/wnvme.json"
     "$fitlm" plan --device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" \
         --batch "$batch" --seq-len 64 --precision "$prec" --threads 2 --sample-tokens 0 \
         --config "$work/wnvme.json" >"$work/wnv_plan_$prec.out" 2>&1 || { tail -20 "$work/wnv_plan_$prec.out"; exit 1; }
@@ -396,17 +388,7 @@ for prec in fp32 bf16; do
     run "dev_${prec}_acc" "$dev" llama "$prec" --grad-accum 3
     run "offacc_${prec}" "$dev" llama "$prec" --grad-accum 3 --config "$work/offload.json" --mem-report
     run "woffacc_${prec}" "$dev" llama "$prec" --grad-accum 3 --config "$work/weights.json"
-    [ "$(losses "dev_${prec}_acc" | head -1)" = "$(losses "offacc_$prec" | head -1)" ] && ok=1 || ok=0
-    check $ok "llama $prec offloaded with accumulation 3 on $dev: the first step's loss bitwise the all-on-$dev run's"
-    if [ "$dev" = cuda ]; then
-        e=$(max_rel "offacc_$prec" "dev_${prec}_acc")
-        le "$e" 1e-5 && ok=1 || ok=0
-        check $ok "llama $prec offloaded with accumulation 3 on $dev: losses within 1e-5 relative of all-on-$dev (max $e)"
-    else
-        cmp -s <(grep '^step' "$work/offacc_$prec/log.txt") \
-            <(grep '^step' "$work/dev_${prec}_acc/log.txt") && ok=1 || ok=0
-        check $ok "llama $prec offloaded with accumulation 3 on $dev: every step bitwise all-on-$dev's"
-    fi
+    offloaded_equals "offacc_$prec" "dev_${prec}_acc" "llama $prec offloaded with accumulation 3"
     cmp -s <(grep '^step' "$work/woffacc_$prec/log.txt") <(grep '^step' "$work/offacc_$prec/log.txt") &&
         ok=1 || ok=0
     check $ok "llama $prec with weight offload and accumulation 3 on $dev: every step bitwise the stage-1 offloaded run's"

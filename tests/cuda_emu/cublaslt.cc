@@ -180,31 +180,29 @@ size_t extent(const fl_emu_lt_layout *x) {
 
 extern "C" {
 
+// each status's name and cuBLAS's text for it
+static const struct {
+    cublasStatus_t st;
+    const char *name, *text;
+} statuses[] = {
+    {CUBLAS_STATUS_SUCCESS, "CUBLAS_STATUS_SUCCESS", "the operation completed successfully"},
+    {CUBLAS_STATUS_NOT_INITIALIZED, "CUBLAS_STATUS_NOT_INITIALIZED",
+     "the library was not initialized"},
+    {CUBLAS_STATUS_INVALID_VALUE, "CUBLAS_STATUS_INVALID_VALUE",
+     "an invalid value was used as an argument"},
+    {CUBLAS_STATUS_NOT_SUPPORTED, "CUBLAS_STATUS_NOT_SUPPORTED",
+     "the functionality requested is not supported"},
+};
+
 const char *cublasLtGetStatusString(cublasStatus_t st) {
-    switch (st) {
-    case CUBLAS_STATUS_SUCCESS:
-        return "the operation completed successfully";
-    case CUBLAS_STATUS_NOT_INITIALIZED:
-        return "the library was not initialized";
-    case CUBLAS_STATUS_INVALID_VALUE:
-        return "an invalid value was used as an argument";
-    case CUBLAS_STATUS_NOT_SUPPORTED:
-        return "the functionality requested is not supported";
-    }
+    for (const auto &s : statuses)
+        if (s.st == st) return s.text;
     return "unknown status";
 }
 
 const char *cublasLtGetStatusName(cublasStatus_t st) {
-    switch (st) {
-    case CUBLAS_STATUS_SUCCESS:
-        return "CUBLAS_STATUS_SUCCESS";
-    case CUBLAS_STATUS_NOT_INITIALIZED:
-        return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_INVALID_VALUE:
-        return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_NOT_SUPPORTED:
-        return "CUBLAS_STATUS_NOT_SUPPORTED";
-    }
+    for (const auto &s : statuses)
+        if (s.st == st) return s.name;
     return "CUBLAS_STATUS_UNKNOWN";
 }
 

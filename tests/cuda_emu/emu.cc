@@ -218,51 +218,33 @@ using fl_emu::is_device;
 
 extern "C" {
 
+// each error's name and CUDA's text for it
+static const struct {
+    cudaError_t err;
+    const char *name, *text;
+} errors[] = {
+    {cudaSuccess, "cudaSuccess", "no error"},
+    {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
+    {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
+    {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration",
+     "invalid configuration argument"},
+    {cudaErrorInvalidDevicePointer, "cudaErrorInvalidDevicePointer", "invalid device pointer"},
+    {cudaErrorInvalidMemcpyDirection, "cudaErrorInvalidMemcpyDirection",
+     "invalid copy direction for memcpy"},
+    {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
+    {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
+    {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
+};
+
 const char *cudaGetErrorString(cudaError_t err) {
-    switch (err) {
-    case cudaSuccess:
-        return "no error";
-    case cudaErrorInvalidValue:
-        return "invalid argument";
-    case cudaErrorMemoryAllocation:
-        return "out of memory";
-    case cudaErrorInvalidConfiguration:
-        return "invalid configuration argument";
-    case cudaErrorInvalidDevicePointer:
-        return "invalid device pointer";
-    case cudaErrorInvalidMemcpyDirection:
-        return "invalid copy direction for memcpy";
-    case cudaErrorNoDevice:
-        return "no CUDA-capable device is detected";
-    case cudaErrorInvalidResourceHandle:
-        return "invalid resource handle";
-    case cudaErrorNotReady:
-        return "device not ready";
-    }
+    for (const auto &e : errors)
+        if (e.err == err) return e.text;
     return "unknown error";
 }
 
 const char *cudaGetErrorName(cudaError_t err) {
-    switch (err) {
-    case cudaSuccess:
-        return "cudaSuccess";
-    case cudaErrorInvalidValue:
-        return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation:
-        return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration:
-        return "cudaErrorInvalidConfiguration";
-    case cudaErrorInvalidDevicePointer:
-        return "cudaErrorInvalidDevicePointer";
-    case cudaErrorInvalidMemcpyDirection:
-        return "cudaErrorInvalidMemcpyDirection";
-    case cudaErrorNoDevice:
-        return "cudaErrorNoDevice";
-    case cudaErrorInvalidResourceHandle:
-        return "cudaErrorInvalidResourceHandle";
-    case cudaErrorNotReady:
-        return "cudaErrorNotReady";
-    }
+    for (const auto &e : errors)
+        if (e.err == err) return e.name;
     return "cudaErrorUnknown";
 }
 
@@ -367,18 +349,15 @@ static void check_copy(void *dst, const void *src, size_t bytes, enum cudaMemcpy
     int dev_src = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
     if (kind == cudaMemcpyHostToHost || kind == cudaMemcpyDefault)
         die("a copy of kind %d (src/cuda/ names the direction)", (int)kind);
+    const char *what = kind == cudaMemcpyHostToDevice   ? "host-to-device"
+                       : kind == cudaMemcpyDeviceToHost ? "device-to-host"
+                                                        : "device-to-device";
     if (dev_dst ? !is_device(dst, bytes) : touches_device(dst, bytes))
-        die("a %s copy of %zu bytes whose destination is not %s memory",
-            kind == cudaMemcpyHostToDevice   ? "host-to-device"
-            : kind == cudaMemcpyDeviceToHost ? "device-to-host"
-                                             : "device-to-device",
-            bytes, dev_dst ? "device" : "host");
+        die("a %s copy of %zu bytes whose destination is not %s memory", what, bytes,
+            dev_dst ? "device" : "host");
     if (dev_src ? !is_device(src, bytes) : touches_device(src, bytes))
-        die("a %s copy of %zu bytes whose source is not %s memory",
-            kind == cudaMemcpyHostToDevice   ? "host-to-device"
-            : kind == cudaMemcpyDeviceToHost ? "device-to-host"
-                                             : "device-to-device",
-            bytes, dev_src ? "device" : "host");
+        die("a %s copy of %zu bytes whose source is not %s memory", what, bytes,
+            dev_src ? "device" : "host");
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
