@@ -253,9 +253,12 @@ static void tamper_run(void *arg) {
     int fd = reopen_offload_file(fl_offload_path(run.offload));
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) exit(3); // the test itself failed
-    size_t size = (size_t)st.st_size, tensors = c->weights ? 4 : 3;
     // the middle of a tensor's region: a chunk no buffer holds between steps
-    size_t at = size / tensors * c->region + size / tensors / 2 + 100;
+    // (the fp32 master and state regions, then the bf16 weights' of half
+    // their size)
+    size_t size = (size_t)st.st_size, f32 = size * 2 / (c->weights ? 7 : 6);
+    size_t at = c->region < 3 ? f32 * c->region + f32 / 2 : f32 * 3 + f32 / 4;
+    at += 100;
     unsigned char *old = malloc(size), byte;
     static const char zeros[3 * 4096];
     for (int step = 0; step < 4; step++) {
