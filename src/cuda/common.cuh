@@ -73,6 +73,20 @@ __device__ __forceinline__ double fl_d_warp_sum_double(double v) {
     return v;
 }
 
+// The sum of v over the block, in thread 0 (blockDim.x a multiple of 32):
+// each warp's tree, then the warps in order; `warps` a __shared__ array of
+// blockDim.x / 32. Every thread of the block calls it.
+__device__ __forceinline__ double fl_d_block_sum_double(double v, double *warps) {
+    v = fl_d_warp_sum_double(v);
+    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = v;
+    __syncthreads();
+    double s = 0.0;
+    if (threadIdx.x == 0)
+        for (unsigned w = 0; w < blockDim.x / 32; w++) s += warps[w];
+    __syncthreads(); // warps is free again
+    return s;
+}
+
 // Blocks of `threads` for n work items, capped for grid-stride loops.
 static inline unsigned fl_cuda_blocks(size_t n, int threads) {
     size_t b = (n + (size_t)threads - 1) / (size_t)threads, cap = (size_t)fl_cuda_sm_count() * 32;

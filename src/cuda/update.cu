@@ -10,13 +10,14 @@
 // bits of fl_sr_bits(sr_seed, flat element index) (src/core/dtype.c's
 // fl_store_f32_stochastic, ported), the cpu's bits too.
 //
-// AdaLomo's sums are taken in the cpu's order (adalomo.c): a row's mean by
-// one thread over its columns, a column's by one thread over the rows, the
-// RMSs by one thread per fixed chunk and then the chunks in order, all in
-// double. That is slow for long rows but bitwise the cpu's; the scalars the
-// weights' pass needs (the row statistics' mean, the RMSs' step size and
-// divisor) stay on the device, formed by a one-thread kernel. Tensor
-// parallelism (fl_update_args.tp) is not run on a device.
+// AdaLomo's sums are in double, in fixed orders of the device's own: a
+// row's mean by a block over its values, the columns' by a block per 32
+// columns (a warp per row stride, coalesced), the RMSs by a block per
+// adalomo.c's chunk and then the chunks in order. The same run gives the
+// same bits; against the cpu (adalomo.c's orders) a double's rounding apart.
+// The scalars the weights' pass needs (the row statistics' mean, the RMSs'
+// step size and divisor) stay on the device, formed by a one-thread kernel.
+// Tensor parallelism (fl_update_args.tp) is not run on a device.
 #include "common.cuh"
 
 extern "C" {
@@ -148,20 +149,51 @@ __global__ void lomo_kernel(fused_args f, size_t n, float lr, float keep) {
 __device__ float adalomo_scalars[4];
 __device__ double adalomo_chunks[2][ADALOMO_MAX_CHUNKS];
 
-// A: a matrix's row or column statistics, out[i] = b2 * out[i] + (1 - b2) *
-// the mean of g^2 + eps1 over the n_in elements i * os + k * is, summed in
-// k's order: rows (os K, is 1) over the K columns, columns (os 1, is K)
-// over the live rows
-__global__ void adalomo_means_kernel(fused_args f, float *out, size_t n_out, size_t n_in, size_t os,
-                                     size_t is, double w, float eps1, float b2, float one_b2) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_out;
-         i += (size_t)gridDim.x * blockDim.x) {
+// The statistics' sums are in double, each in a fixed order of the
+// device's own (not adalomo.c's): a block's threads stride the values, then
+// fl_d_block_sum_double's tree. The same launch gives the same bits; against
+// the cpu they differ by a double's rounding, far below fp32.
+#define ADA_THREADS 256
+
+// A: a matrix's row statistics, a block per row: out[r] = b2 * out[r] +
+// (1 - b2) * the mean of g^2 + eps1 over the row's K values
+__global__ void adalomo_rows_kernel(fused_args f, float *out, size_t R, size_t K, double w,
+                                    float eps1, float b2, float one_b2) {
+    __shared__ double warps[ADA_THREADS / 32];
+    for (size_t r = blockIdx.x; r < R; r += gridDim.x) {
         double s = 0.0;
-        for (size_t k = 0; k < n_in; k++) {
-            float g = fused_grad(f, i * os + k * is);
+        for (size_t k = threadIdx.x; k < K; k += blockDim.x) {
+            float g = fused_grad(f, r * K + k);
             s += (double)(g * g + eps1);
         }
-        out[i] = b2 * out[i] + one_b2 * (float)(s / w);
+        s = fl_d_block_sum_double(s, warps);
+        if (threadIdx.x == 0) out[r] = b2 * out[r] + one_b2 * (float)(s / w);
+    }
+}
+
+// A: the column statistics over the live rows, a block per 32 columns: lane
+// l of warp w sums column c0 + l over rows w, w + 8, ... (coalesced), the
+// block's 8 warps then added in order
+__global__ void adalomo_columns_kernel(fused_args f, float *out, size_t K, size_t live, double w,
+                                       float eps1, float b2, float one_b2) {
+    __shared__ double part[ADA_THREADS / 32][32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    for (size_t c0 = (size_t)blockIdx.x * 32; c0 < K; c0 += (size_t)gridDim.x * 32) {
+        size_t c = c0 + lane;
+        double s = 0.0;
+        if (c < K)
+            for (size_t r = warp; r < live; r += nw) {
+                float g = fused_grad(f, r * K + c);
+                s += (double)(g * g + eps1);
+            }
+        part[warp][lane] = s;
+        __syncthreads();
+        if (warp == 0 && c < K) {
+            double t = 0.0;
+            for (int k = 0; k < nw; k++) t += part[k][lane];
+            out[c] = b2 * out[c] + one_b2 * (float)(t / w);
+        }
+        __syncthreads(); // part is reused by the next columns
     }
 }
 
@@ -191,21 +223,25 @@ __device__ __forceinline__ float adalomo_u(const fused_args &f, size_t i, const 
     return (rf * (1.0f / sqrtf(cs[i % K]))) * g;
 }
 
-// B: each chunk's sums of squares of u and of the weights, in order
+// B: each chunk's sums of squares of u and of the weights, a block per chunk
 __global__ void adalomo_chunks_kernel(fused_args f, const float *rs, const float *cs,
                                       const float *v, size_t K, size_t n, size_t chunk,
                                       size_t nchunks) {
-    for (size_t ch = blockIdx.x * (size_t)blockDim.x + threadIdx.x; ch < nchunks;
-         ch += (size_t)gridDim.x * blockDim.x) {
+    __shared__ double warps[2][ADA_THREADS / 32];
+    for (size_t ch = blockIdx.x; ch < nchunks; ch += gridDim.x) {
         size_t end = (ch + 1) * chunk < n ? (ch + 1) * chunk : n;
         double u2 = 0.0, p2 = 0.0;
-        for (size_t i = ch * chunk; i < end; i++) {
+        for (size_t i = ch * chunk + threadIdx.x; i < end; i += blockDim.x) {
             float u = adalomo_u(f, i, rs, cs, v, K), p = fused_load(f, i);
             u2 += (double)u * u;
             p2 += (double)p * p;
         }
-        adalomo_chunks[0][ch] = u2;
-        adalomo_chunks[1][ch] = p2;
+        u2 = fl_d_block_sum_double(u2, warps[0]);
+        p2 = fl_d_block_sum_double(p2, warps[1]);
+        if (threadIdx.x == 0) {
+            adalomo_chunks[0][ch] = u2;
+            adalomo_chunks[1][ch] = p2;
+        }
     }
 }
 
@@ -260,12 +296,12 @@ static void adalomo_update(const fl_adalomo *o, const fl_param_view *row, size_t
         live /= K;
         rs = fl_optim_state_ptr((fl_optim_rule *)&o->rule, 0, offset);
         cs = rs + R;
-        adalomo_means_kernel<<<fl_cuda_blocks(R, 128), 128, 0, s>>>(f, rs, R, K, K, 1, (double)K,
-                                                                    o->eps1, b2, one_b2);
-        FL_CUDA_LAUNCHED("adalomo_means_kernel (rows)");
-        adalomo_means_kernel<<<fl_cuda_blocks(K, 128), 128, 0, s>>>(f, cs, K, live, 1, K, (double)R,
-                                                                    o->eps1, b2, one_b2);
-        FL_CUDA_LAUNCHED("adalomo_means_kernel (columns)");
+        adalomo_rows_kernel<<<fl_cuda_blocks(R, 1), ADA_THREADS, 0, s>>>(f, rs, R, K, (double)K,
+                                                                         o->eps1, b2, one_b2);
+        FL_CUDA_LAUNCHED("adalomo_rows_kernel");
+        adalomo_columns_kernel<<<fl_cuda_blocks(K, 32), ADA_THREADS, 0, s>>>(
+            f, cs, K, live, (double)R, o->eps1, b2, one_b2);
+        FL_CUDA_LAUNCHED("adalomo_columns_kernel");
         adalomo_mean_kernel<<<1, 1, 0, s>>>(rs, live, (double)R);
         FL_CUDA_LAUNCHED("adalomo_mean_kernel");
     } else {
@@ -278,8 +314,8 @@ static void adalomo_update(const fl_adalomo *o, const fl_param_view *row, size_t
     if (chunk < 4 * ADALOMO_BLOCK) chunk = 4 * ADALOMO_BLOCK;
     chunk = (chunk + ADALOMO_BLOCK - 1) / ADALOMO_BLOCK * ADALOMO_BLOCK;
     size_t nchunks = (n + chunk - 1) / chunk;
-    adalomo_chunks_kernel<<<fl_cuda_blocks(nchunks, 64), 64, 0, s>>>(f, rs, cs, v, K, n, chunk,
-                                                                     nchunks);
+    adalomo_chunks_kernel<<<fl_cuda_blocks(nchunks, 1), ADA_THREADS, 0, s>>>(f, rs, cs, v, K, n,
+                                                                             chunk, nchunks);
     FL_CUDA_LAUNCHED("adalomo_chunks_kernel");
     adalomo_scale_kernel<<<1, 1, 0, s>>>(nchunks, (double)fl_params_whole_numel(o->table, at),
                                          o->lr, o->eps2, o->clip_threshold,
