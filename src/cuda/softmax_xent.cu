@@ -117,11 +117,8 @@ __global__ void xent_shard_sums_kernel(fl_dtype dt, float *sums, const void *log
     float m = mx[i];
     double s = 0.0;
     for (int j = threadIdx.x; j < V; j += blockDim.x) s += (double)expf(fl_d_load(dt, row, j) - m);
-    for (int off = 16; off; off /= 2) s += __shfl_down_sync(0xffffffffu, s, off);
-    if (threadIdx.x % 32 == 0) wsum[threadIdx.x / 32] = s;
-    __syncthreads();
+    s = fl_d_block_sum_double(s, wsum);
     if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)blockDim.x / 32; w++) s += wsum[w];
         int target = targets[i];
         sums[2 * i] = (float)s;
         sums[2 * i + 1] = target < 0 ? 0.0f : fl_d_load(dt, row, target);

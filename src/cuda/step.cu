@@ -47,13 +47,8 @@ __global__ void reduce_kernel(double *partial, fl_dtype dt, const void *x, size_
         double v = (double)fl_d_load(dt, x, i);
         s += squares ? v * v : v; // a float's square is exact in double
     }
-    s = fl_d_warp_sum_double(s);
-    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = s;
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    double t = 0.0;
-    for (int w = 0; w < REDUCE_THREADS / 32; w++) t += warps[w];
-    partial[blockIdx.x] = t;
+    s = fl_d_block_sum_double(s, warps);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
 // out[i] = the sum (of squares) of the counts[i] values from x + offsets[i],
