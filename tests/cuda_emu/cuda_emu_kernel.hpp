@@ -23,6 +23,7 @@
 #define __forceinline__ inline
 #define __constant__
 #define __restrict__ __restrict
+#define __align__(n) alignas(n)
 
 struct uint3 {
     unsigned int x, y, z;
@@ -56,6 +57,18 @@ void block_barrier();
 // bits where src is out of the width or not in mask)
 unsigned long long exchange(unsigned mask, unsigned long long bits, int mode, int arg, int width);
 enum { SHFL_IDX, SHFL_DOWN, SHFL_UP, SHFL_XOR };
+// a barrier of the lanes in mask of the running warp (__syncwarp; wmma:
+// whether a WMMA call's, which only lanes at WMMA calls may share)
+void warp_barrier(unsigned mask, int wmma);
+// Stops the run: "kernel <name>: " and the message.
+[[noreturn]] void kernel_die(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+// The start of the warp-collective WMMA call `call` (mma.h): stops the run
+// unless ptr is 32-byte aligned and ldm a multiple of 16 bytes (where
+// elem_bytes is not 0), then waits for the whole warp, whose lanes must
+// name the same call and arguments; returns the warp's staging area of
+// wmma_staging floats.
+enum { wmma_staging = 1280 };
+float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, size_t elem_bytes);
 
 template <class F> struct launcher_t;
 template <class... P> struct launcher_t<void (*)(P...)> {
@@ -95,6 +108,9 @@ template <class T> T shfl(unsigned mask, T v, int mode, int arg, int width) {
 
 inline void __syncthreads() {
     fl_emu::block_barrier();
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    fl_emu::warp_barrier(mask, 0);
 }
 template <class T> T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
     return fl_emu::shfl(mask, v, fl_emu::SHFL_IDX, src, width);

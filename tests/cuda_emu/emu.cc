@@ -527,8 +527,32 @@ struct fiber {
     void *sp; // its saved stack pointer while another runs
     int state;
     unsigned mask; // at a warp barrier: the lanes it names
+    int wmma;      // at a warp barrier: whether a WMMA call's
     uint3 tid;
 };
+
+// a lane's arguments to a WMMA call, compared across the warp
+struct wmma_args {
+    const char *call;
+    const void *ptr;
+    unsigned ldm;
+    int layout;
+};
+
+// what free() releases: the block's shared memory, 256-byte aligned
+struct free_delete {
+    void operator()(char *p) const {
+        free(p);
+    }
+};
+typedef std::unique_ptr<char, free_delete> aligned_bytes;
+
+aligned_bytes aligned(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 256, bytes ? bytes : 1)) die("no memory for shared memory");
+    memset(p, 0xff, bytes);
+    return aligned_bytes((char *)p);
+}
 
 struct block_run {
     const char *name;
@@ -541,8 +565,14 @@ struct block_run {
     // reaches the shuffle after next only once all have read this one)
     std::vector<unsigned long long> slots[2];
     std::vector<unsigned char> turn; // per thread: its next set
-    std::vector<char> dynamic;
-    std::vector<std::pair<const void *, std::unique_ptr<char[]>>> shared;
+    // the same for the WMMA calls' arguments, and per warp the staging
+    // area through which mma_sync's lanes see each other's fragments
+    std::vector<wmma_args> wmma_slots[2];
+    std::vector<unsigned char> wmma_turn;
+    std::vector<float> staging;
+    aligned_bytes dynamic;
+    size_t dynamic_bytes;
+    std::vector<std::pair<const void *, aligned_bytes>> shared;
     size_t shared_bytes;
 };
 
@@ -630,6 +660,10 @@ int open_barriers(block_run &r) {
             if (t.state != AT_WARP) continue;
             if (waiting && t.mask != mask)
                 die("kernel %s: lanes of warp %d shuffle with different masks", r.name, w);
+            if (waiting && t.wmma != r.f[w * 32 + __builtin_ctz(waiting)].wmma)
+                die("kernel %s: lanes of warp %d meet at a WMMA call and at a shuffle or "
+                    "__syncwarp: a WMMA call inside a branch",
+                    r.name, w);
             mask = t.mask;
             waiting |= 1u << l;
         }
@@ -637,9 +671,15 @@ int open_barriers(block_run &r) {
         for (int l = 0; l < 32; l++) {
             if (!(mask >> l & 1)) continue;
             if (l >= lanes)
-                die("kernel %s: a shuffle's mask names lane %d of a block without it", r.name, l);
+                die("kernel %s: a warp barrier's mask (a shuffle, __syncwarp, a WMMA call) names "
+                    "lane "
+                    "%d of a block without it",
+                    r.name, l);
             if (r.f[w * 32 + l].state == DONE)
-                die("kernel %s: a shuffle's mask names lane %d, which has returned", r.name, l);
+                die("kernel %s: a warp barrier's mask (a shuffle, __syncwarp, a WMMA call) names "
+                    "lane "
+                    "%d, which has returned",
+                    r.name, l);
         }
         if ((waiting & mask) != mask) continue; // some named lane is still on its way
         if (!(waiting & mask))
@@ -669,8 +709,9 @@ void run_block(block_run &r) {
                              (size_t)(i % 61) * 64);
         t.state = RUNNABLE;
         r.turn[(size_t)i] = 0;
+        r.wmma_turn[(size_t)i] = 0;
     }
-    if (!r.dynamic.empty()) memset(r.dynamic.data(), 0xff, r.dynamic.size());
+    memset(r.dynamic.get(), 0xff, r.dynamic_bytes);
     r.shared.clear();
     r.shared_bytes = 0;
     for (;;) {
@@ -690,7 +731,7 @@ void run_block(block_run &r) {
             for (const fiber &t : r.f)
                 at_block += t.state == AT_BLOCK, at_warp += t.state == AT_WARP;
             die("kernel %s: its threads wait at barriers that cannot open (%d at __syncthreads, "
-                "%d at a warp shuffle, the rest returned): a barrier inside a branch",
+                "%d at a warp barrier, the rest returned): a barrier inside a branch",
                 r.name, at_block, at_warp);
         }
     }
@@ -742,7 +783,10 @@ void launch(const char *name, const void *func, dim3 grid, dim3 block, size_t sm
         r.slots[0].resize((size_t)r.n);
         r.slots[1].resize((size_t)r.n);
         r.turn.resize((size_t)r.n);
-        r.dynamic.resize(smem);
+        r.wmma_turn.resize((size_t)r.n);
+        // at least 128-byte aligned, as CUDA's dynamic shared memory is in practice
+        r.dynamic = aligned(smem);
+        r.dynamic_bytes = smem;
         for (int i = 0; i < r.n; i++)
             r.f[i].tid = uint3{(unsigned)i % block.x, (unsigned)i / block.x % block.y,
                                (unsigned)i / (block.x * block.y)};
@@ -765,7 +809,7 @@ void launch(const char *name, const void *func, dim3 grid, dim3 block, size_t sm
 }
 
 void *dynamic_shared() {
-    return running->dynamic.data();
+    return running->dynamic.get();
 }
 
 void *shared_array(const void *site, size_t bytes) {
@@ -773,11 +817,10 @@ void *shared_array(const void *site, size_t bytes) {
     for (auto &a : r.shared)
         if (a.first == site) return a.second.get();
     r.shared_bytes += bytes;
-    if (r.shared_bytes + r.dynamic.size() > (227u << 10))
+    if (r.shared_bytes + r.dynamic_bytes > (227u << 10))
         die("kernel %s: %zu bytes of shared memory, more than a block has", r.name,
-            r.shared_bytes + r.dynamic.size());
-    r.shared.emplace_back(site, std::unique_ptr<char[]>(new char[bytes]));
-    memset(r.shared.back().second.get(), 0xff, bytes);
+            r.shared_bytes + r.dynamic_bytes);
+    r.shared.emplace_back(site, aligned(bytes));
     return r.shared.back().second.get();
 }
 
@@ -795,6 +838,7 @@ unsigned long long exchange(unsigned mask, unsigned long long bits, int mode, in
     std::vector<unsigned long long> &slots = r.slots[r.turn[(size_t)me]];
     r.turn[(size_t)me] ^= 1;
     slots[(size_t)me] = bits;
+    r.f[me].wmma = 0;
     pass_on(AT_WARP, mask);
     int seg = lane & ~(width - 1), src = lane;
     switch (mode) {
@@ -814,6 +858,53 @@ unsigned long long exchange(unsigned mask, unsigned long long bits, int mode, in
     if (!(mask >> src & 1))
         die("kernel %s: lane %d reads a lane outside the shuffle's mask", r.name, lane);
     return slots[(size_t)(base + src)];
+}
+
+void kernel_die(const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    die("kernel %s: %s", running->name, msg);
+}
+
+void warp_barrier(unsigned mask, int wmma) {
+    block_run &r = *running;
+    int lane = r.current % 32;
+    if (!(mask >> lane & 1))
+        die("kernel %s: lane %d calls __syncwarp with a mask without itself", r.name, lane);
+    r.f[r.current].wmma = wmma;
+    pass_on(AT_WARP, mask);
+}
+
+float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, size_t elem_bytes) {
+    block_run &r = *running;
+    int me = r.current, lane = me % 32, base = me - lane;
+    // the CUDA Programming Guide's rules (Warp Matrix Functions)
+    if (elem_bytes && (uintptr_t)ptr % 32)
+        die("kernel %s: wmma::%s at %p, not 256-bit (32-byte) aligned", r.name, call, ptr);
+    if (elem_bytes && ldm * elem_bytes % 16)
+        die("kernel %s: wmma::%s with ldm %u, not a multiple of %zu elements (16 bytes)", r.name,
+            call, ldm, 16 / elem_bytes);
+    std::vector<wmma_args> &slots = r.wmma_slots[r.wmma_turn[(size_t)me]];
+    r.wmma_turn[(size_t)me] ^= 1;
+    if (slots.empty()) slots.resize((size_t)r.n);
+    slots[(size_t)me] = wmma_args{call, ptr, ldm, layout};
+    warp_barrier(0xffffffffu, 1);
+    const wmma_args &a = slots[(size_t)me], &b = slots[(size_t)base];
+    if (strcmp(a.call, b.call))
+        die("kernel %s: lane %d of warp %d calls wmma::%s, lane 0 wmma::%s: a WMMA call inside a "
+            "branch",
+            r.name, lane, me / 32, a.call, b.call);
+    if (a.ptr != b.ptr || a.ldm != b.ldm || a.layout != b.layout)
+        die("kernel %s: wmma::%s with arguments that differ across warp %d (lane %d: %p, ldm %u, "
+            "%s; lane 0: %p, ldm %u, %s)",
+            r.name, a.call, me / 32, lane, a.ptr, a.ldm, a.layout ? "col-major" : "row-major",
+            b.ptr, b.ldm, b.layout ? "col-major" : "row-major");
+    size_t warps = (size_t)(r.n + 31) / 32;
+    if (r.staging.size() < warps * wmma_staging) r.staging.resize(warps * wmma_staging);
+    return &r.staging[(size_t)(me / 32) * wmma_staging];
 }
 
 } // namespace fl_emu

@@ -13,8 +13,11 @@ my $s = do { local $/; <$f> };
 close $f;
 
 $s =~ s/\b([A-Za-z_]\w*(?:<[^<>;()]*>)?)\s*<<<(.*?)>>>\s*\(/fl_emu::launcher("$1", $1, $2)(/gs;
-$s =~ s/extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;/$1 *$2 = ($1 *)fl_emu::dynamic_shared();/g;
-$s =~ s{__shared__\s+(\w+)\s+([^;]+);}{
+# the dynamic array, optionally aligned (its base is 256-byte aligned):
+# extern __shared__ __align__(128) unsigned char smem[];
+$s =~ s/extern\s+__shared__\s+(?:__align__\s*\(\s*\w+\s*\)\s+)?((?:unsigned\s+)?\w+)\s+(\w+)\s*\[\s*\]\s*;/$1 *$2 = ($1 *)fl_emu::dynamic_shared();/g;
+# static arrays, likewise (each 256-byte aligned)
+$s =~ s{__shared__\s+(?:__align__\s*\(\s*\w+\s*\)\s+)?((?:unsigned\s+)?\w+)\s+([^;]+);}{
     my ($type, $decls) = ($1, $2);
     my @out;
     for my $d (split /,(?![^\[]*\])/, $decls) {
