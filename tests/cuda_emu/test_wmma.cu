@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using namespace nvcuda;
@@ -131,31 +132,34 @@ static void run_mm(const char *tname, wmma::layout_t cl, wmma::layout_t dl, int 
     cudaMemcpy(dA, A.v.data(), A.v.size() * sizeof(T), cudaMemcpyHostToDevice);
     cudaMemcpy(dB, B.v.data(), B.v.size() * sizeof(T), cudaMemcpyHostToDevice);
     cudaMemcpy(dC, C.v.data(), C.v.size() * 4, cudaMemcpyHostToDevice);
-    mm_kernel<T, LA, LB, M, N, K><<<blocks, 32 * tiles_per_block>>>(
-        dA, dB, dC, dD, lda, ldb, ldc, cl, dl, tile_a, tile_b, tile_c, alias);
-    check(cudaGetLastError() == cudaSuccess, "launch");
-    cudaMemcpy(D.v.data(), dD, D.v.size() * 4, cudaMemcpyDeviceToHost);
     int bad = 0, padding = 0;
-    for (int t = 0; t < tiles; t++) {
-        std::vector<char> written(tile_c);
-        for (int i = 0; i < M; i++)
-            for (int j = 0; j < N; j++) {
-                float want = C.v[t * tile_c + (rc ? i * ldc + j : j * ldc + i)];
-                for (int k = 0; k < KK; k++)
-                    want += to_f(A.v[t * tile_a + (ra ? i * lda + k : k * lda + i)]) *
-                            to_f(B.v[t * tile_b + (rb ? k * ldb + j : j * ldb + k)]);
-                size_t at = rd ? (size_t)i * ldc + j : (size_t)j * ldc + i;
-                written[at] = 1;
-                bad += bits(D.v[t * tile_c + at]) != bits(want);
-            }
-        for (size_t at = 0; at < tile_c; at++)
-            padding += !written[at] && bits(D.v[t * tile_c + at]) != poison;
+    for (int launch = 0; launch < 2; launch++) { // forward, then reverse order
+        cudaMemsetAsync(dD, 0xff, D.v.size() * 4, 0);
+        mm_kernel<T, LA, LB, M, N, K><<<blocks, 32 * tiles_per_block>>>(
+            dA, dB, dC, dD, lda, ldb, ldc, cl, dl, tile_a, tile_b, tile_c, alias);
+        check(cudaGetLastError() == cudaSuccess, "launch");
+        cudaMemcpy(D.v.data(), dD, D.v.size() * 4, cudaMemcpyDeviceToHost);
+        for (int t = 0; t < tiles; t++) {
+            std::vector<char> written(tile_c);
+            for (int i = 0; i < M; i++)
+                for (int j = 0; j < N; j++) {
+                    float want = C.v[t * tile_c + (rc ? i * ldc + j : j * ldc + i)];
+                    for (int k = 0; k < KK; k++)
+                        want += to_f(A.v[t * tile_a + (ra ? i * lda + k : k * lda + i)]) *
+                                to_f(B.v[t * tile_b + (rb ? k * ldb + j : j * ldb + k)]);
+                    size_t at = rd ? (size_t)i * ldc + j : (size_t)j * ldc + i;
+                    written[at] = 1;
+                    bad += bits(D.v[t * tile_c + at]) != bits(want);
+                }
+            for (size_t at = 0; at < tile_c; at++)
+                padding += !written[at] && bits(D.v[t * tile_c + at]) != poison;
+        }
     }
     check(!bad && !padding,
           "m%dn%dk%d %s a %s b %s c %s d %s%s: %d of %d elements differ from the host's sums, %d "
           "padding elements written",
           M, N, K, tname, ra ? "row" : "col", rb ? "row" : "col", rc ? "row" : "col",
-          rd ? "row" : "col", alias ? " (d = c)" : "", bad, tiles * M * N, padding);
+          rd ? "row" : "col", alias ? " (d = c)" : "", bad, 2 * tiles * M * N, padding);
     cudaFree(dA);
     cudaFree(dB);
     cudaFree(dC);
@@ -317,6 +321,72 @@ static void test_shared() {
     cudaFree(dAligned);
 }
 
+// ---- the 16-bit types' conversions
+
+// bf16 by the definition: the nearer of the two neighbours in double, a tie
+// to the even one (the exponent unbounded, as IEEE rounds to infinity)
+static unsigned short bf16_reference(float f) {
+    unsigned lo = bits(f) >> 16, hi = lo + 1;
+    double dlo = (double)__bfloat162float(__ushort_as_bfloat16((unsigned short)lo)),
+           dhi = (double)__bfloat162float(__ushort_as_bfloat16((unsigned short)hi));
+    if ((hi & 0x7f80) == 0x7f80) dhi = ldexp(f < 0 ? -1.0 : 1.0, 128); // past the largest: 2^128
+    double elo = fabs((double)f - dlo), ehi = fabs(dhi - (double)f);
+    return (unsigned short)(elo < ehi || (elo == ehi && !(lo & 1)) ? lo : hi);
+}
+
+static void test_conversions() {
+    // every fp16 and bf16 value: exact to float (against the compiler's
+    // _Float16) and back unchanged
+    int bad_h = 0, bad_b = 0;
+    for (unsigned u = 0; u < 65536; u++) {
+        unsigned short h = (unsigned short)u;
+        _Float16 ref;
+        memcpy(&ref, &h, 2);
+        float f = __half2float(__ushort_as_half(h));
+        bool nan = (h & 0x7c00) == 0x7c00 && (h & 0x3ff);
+        bad_h += nan ? f == f || __half_as_ushort(__float2half(f)) != 0x7fff
+                     : bits(f) != bits((float)ref) || __half_as_ushort(__float2half(f)) != h;
+        float g = __bfloat162float(__ushort_as_bfloat16(h));
+        bool bnan = (h & 0x7f80) == 0x7f80 && (h & 0x7f);
+        bad_b += bits(g) != (unsigned)h << 16 ||
+                 __bfloat16_as_ushort(__float2bfloat16(g)) != (bnan ? 0x7fff : h);
+    }
+    check(!bad_h, "fp16 -> float -> fp16 on all 65536 values: %d wrong", bad_h);
+    check(!bad_b, "bf16 -> float -> bf16 on all 65536 values: %d wrong", bad_b);
+    // rounding: random floats over every exponent, and the halfway points
+    // (ties to even), against _Float16's conversion and the definition
+    bad_h = bad_b = 0;
+    for (int i = 0; i < 2000000; i++) {
+        rng = rng * 1664525u + 1013904223u;
+        unsigned u = rng;
+        if (i % 4 == 1) u = (u & 0xffffe000u) | 0x1000u;     // halfway between two normal fp16s
+        if (i % 4 == 2) u = (u & 0xffff0000u) | 0x8000u;     // halfway between two bf16s
+        if (i % 4 == 3) u = (u & 0x8fffffffu) | 0x30000000u; // fp16's subnormal range and near
+        float f;
+        memcpy(&f, &u, 4);
+        if (f != f) continue;
+        bad_h += __half_as_ushort(__float2half(f)) != [f] {
+            _Float16 r = (_Float16)f;
+            unsigned short s;
+            memcpy(&s, &r, 2);
+            return s;
+        }();
+        bad_b += __bfloat16_as_ushort(__float2bfloat16(f)) != bf16_reference(f);
+    }
+    check(!bad_h, "float -> fp16 rounding against _Float16: %d of 2M wrong", bad_h);
+    check(!bad_b, "float -> bf16 rounding against the definition: %d of 2M wrong", bad_b);
+    check(__half_as_ushort(__float2half(65520.0f)) == 0x7c00 &&
+              __half_as_ushort(__float2half(65519.0f)) == 0x7bff &&
+              __half_as_ushort(__float2half(5.9604645e-8f)) == 1 &&
+              __half_as_ushort(__float2half(2.9802322e-8f)) == 0 &&
+              __half_as_ushort(__float2half(-2.9802326e-8f)) == 0x8001,
+          "fp16's overflow and subnormal edges");
+    check(sizeof(__nv_bfloat16) == 2 && alignof(__nv_bfloat16) == 2 && sizeof(half) == 2 &&
+              alignof(__half) == 2 && std::is_trivially_copyable<__nv_bfloat16>::value &&
+              std::is_trivially_copyable<__half>::value,
+          "the 16-bit types are 2 bytes, aligned to 2, trivially copyable");
+}
+
 // ---- the contract's violations, each in a child
 
 __global__ void misaligned_kernel(const __nv_bfloat16 *A) {
@@ -463,6 +533,7 @@ int main() {
     run_layouts<__half, 8, 32, 16>("fp16");
     test_layout();
     test_shared();
+    test_conversions();
     test_violations();
     printf("test_wmma: %d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
