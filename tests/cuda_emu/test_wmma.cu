@@ -4,7 +4,8 @@
 // accumulator loaded and stored either way, padded rows, d = c, several
 // warps and blocks each on their own tile, the three shapes; the scrambled
 // layout (a kernel that assumes one fails, elementwise scaling stays right);
-// a store seen by other lanes only after a barrier; and the contract's
+// a store seen by other lanes only after a barrier; __syncwarp; the bf16
+// and fp16 conversions; and the contract's
 // violations, each in a child process that must stop with its message.
 // Built for the emulator only (CTest gpu_emu_wmma), translated as src/cuda/.
 #include <mma.h>
@@ -228,6 +229,34 @@ __global__ void shared_kernel(const __nv_bfloat16 *A, float *D, float *early, in
     early[lane] = out[255 - lane]; // another lane's element, before any barrier
     __syncwarp();
     for (int i = lane; i < 256; i += 32) D[i] = out[i];
+}
+
+// __syncwarp of a half-warp inside a branch: each lane then reads another's
+__global__ void syncwarp_kernel(float *out) {
+    __shared__ float buf[16];
+    int lane = (int)threadIdx.x;
+    if (lane < 16) {
+        buf[lane] = (float)lane;
+        __syncwarp(0x0000ffffu);
+        out[lane] = buf[15 - lane];
+    }
+}
+__global__ void syncwarp_without_itself_kernel() {
+    __syncwarp(0xfffffffeu);
+}
+
+static void test_syncwarp() {
+    float *d;
+    std::vector<float> h(16);
+    cudaMalloc(&d, 64);
+    int bad = 0;
+    for (int launch = 0; launch < 2; launch++) {
+        syncwarp_kernel<<<1, 32>>>(d);
+        cudaMemcpy(h.data(), d, 64, cudaMemcpyDeviceToHost);
+        for (int l = 0; l < 16; l++) bad += h[l] != (float)(15 - l);
+    }
+    check(!bad, "__syncwarp(0xffff) of a half-warp: %d reads wrong", bad);
+    cudaFree(d);
 }
 
 static void test_layout() {
@@ -516,6 +545,11 @@ static void test_violations() {
         [](const device_bufs &d) { wmma_and_shuffle_kernel<<<1, 32>>>(d.bf, d.f); }, b,
         "meet at a WMMA call and at a shuffle or __syncwarp");
     dies(
+        "__syncwarp without itself",
+        [](const device_bufs &) { syncwarp_without_itself_kernel<<<1, 32>>>(); }, b,
+        "kernel syncwarp_without_itself_kernel: lane 0 calls __syncwarp with a mask without "
+        "itself");
+    dies(
         "fp16 copies differ",
         [](const device_bufs &d) { copies_differ_kernel<<<1, 32>>>(d.h, d.f); }, b,
         "differs from another copy of the same matrix element");
@@ -533,6 +567,7 @@ int main() {
     run_layouts<__half, 8, 32, 16>("fp16");
     test_layout();
     test_shared();
+    test_syncwarp();
     test_conversions();
     test_violations();
     printf("test_wmma: %d checks, %d failed\n", checks, failures);
