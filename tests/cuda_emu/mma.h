@@ -28,11 +28,12 @@
 namespace nvcuda {
 namespace wmma {
 
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-struct row_major {};
-struct col_major {};
+// tags, incomplete as CUDA's
+struct matrix_a;
+struct matrix_b;
+struct accumulator;
+struct row_major;
+struct col_major;
 enum layout_t { mem_row_major, mem_col_major };
 
 template <class T, int size> struct alignas(8) __frag_base {

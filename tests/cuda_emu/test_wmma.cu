@@ -56,11 +56,8 @@ static unsigned bits(float f) {
     return u;
 }
 
-static bool is_row(wmma::row_major) {
-    return true;
-}
-static bool is_row(wmma::col_major) {
-    return false;
+template <class L> __host__ __device__ static bool is_row() {
+    return std::is_same<L, wmma::row_major>::value;
 }
 
 // One warp per (M x K) x (K x N) product, K = 2k: two mma_sync calls
@@ -82,7 +79,7 @@ __global__ void mm_kernel(const T *A, const T *B, const float *C, float *D, unsi
     wmma::fragment<wmma::accumulator, M, N, K, float> &acc = alias ? c : d;
     for (int half = 0; half < 2; half++) {
         // the k-th column block of A, the k-th row block of B
-        bool ra = is_row(LA()), rb = is_row(LB());
+        bool ra = is_row<LA>(), rb = is_row<LB>();
         wmma::load_matrix_sync(a, A + (ra ? (size_t)half * K : (size_t)half * K * lda), lda);
         wmma::load_matrix_sync(b, B + (rb ? (size_t)half * K * ldb : (size_t)half * K), ldb);
         wmma::mma_sync(acc, a, b, half ? acc : c);
@@ -104,7 +101,7 @@ template <class T> struct host_mat {
 template <class T, class LA, class LB, int M, int N, int K>
 static void run_mm(const char *tname, wmma::layout_t cl, wmma::layout_t dl, int alias) {
     const int KK = 2 * K, tiles_per_block = 4, blocks = 2, tiles = tiles_per_block * blocks;
-    bool ra = is_row(LA()), rb = is_row(LB()), rc = cl == wmma::mem_row_major,
+    bool ra = is_row<LA>(), rb = is_row<LB>(), rc = cl == wmma::mem_row_major,
          rd = dl == wmma::mem_row_major;
     // padded leading dimensions, multiples of 16 bytes
     unsigned lda = (unsigned)(ra ? KK : M) + 8, ldb = (unsigned)(rb ? N : KK) + 16,
