@@ -39,6 +39,10 @@ inline __nv_bfloat16 __float2bfloat16(float f) {
     return __ushort_as_bfloat16((unsigned short)((u + 0x7fffu + (u >> 16 & 1)) >> 16));
 }
 
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    return __float2bfloat16(f);
+}
+
 // exact
 inline float __bfloat162float(__nv_bfloat16 h) {
     unsigned int u = (unsigned int)__bfloat16_as_ushort(h) << 16;

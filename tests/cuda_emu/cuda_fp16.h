@@ -57,6 +57,10 @@ inline __half __float2half(float f) {
     return __ushort_as_half((unsigned short)(sign | h));
 }
 
+inline __half __float2half_rn(float f) {
+    return __float2half(f);
+}
+
 // exact
 inline float __half2float(__half x) {
     unsigned int h = __half_as_ushort(x), sign = (h & 0x8000u) << 16, exp = h >> 10 & 0x1f,

@@ -397,7 +397,9 @@ static void test_conversions() {
             memcpy(&s, &r, 2);
             return s;
         }();
-        bad_b += __bfloat16_as_ushort(__float2bfloat16(f)) != bf16_reference(f);
+        bad_b += __bfloat16_as_ushort(__float2bfloat16(f)) != bf16_reference(f) ||
+                 __bfloat16_as_ushort(__float2bfloat16_rn(f)) != bf16_reference(f);
+        bad_h += __half_as_ushort(__float2half_rn(f)) != __half_as_ushort(__float2half(f));
     }
     check(!bad_h, "float -> fp16 rounding against _Float16: %d of 2M wrong", bad_h);
     check(!bad_b, "float -> bf16 rounding against the definition: %d of 2M wrong", bad_b);
