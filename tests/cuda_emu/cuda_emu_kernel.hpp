@@ -23,7 +23,7 @@
 #define __forceinline__ inline
 #define __constant__
 #define __restrict__ __restrict
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n))) // as CUDA's host_defines.h
 
 struct uint3 {
     unsigned int x, y, z;

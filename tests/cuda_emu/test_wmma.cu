@@ -242,7 +242,15 @@ __global__ void syncwarp_without_itself_kernel() {
     __syncwarp(0xfffffffeu);
 }
 
+// __align__ where CUDA code puts it: before a type, after a declarator
+struct __align__(16) aligned16 {
+    float v[3];
+};
+
 static void test_syncwarp() {
+    float after[3] __align__(32);
+    check(alignof(aligned16) == 16 && sizeof(aligned16) == 16 && (uintptr_t)after % 32 == 0,
+          "__align__ on a struct and after a declarator");
     float *d;
     std::vector<float> h(16);
     cudaMalloc(&d, 64);
