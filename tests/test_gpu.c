@@ -392,28 +392,35 @@ static void matmuls(fl_dtype dt) {
     dev->free(dev, m.ws[1]);
 }
 
-// attention: each side with its own workspace
+// attention: each side with its own workspace; qkv and dqkv `off` values
+// into their buffers (1: rows not 16-byte aligned)
 typedef struct {
     targs a;
     float *ws[2];
+    int off;
 } att_args;
+
+static void *at_off(tcase *t, int i, int off) {
+    return (char *)P(t, i) + (size_t)off * fl_dtype_size(t->dt);
+}
 
 static void call_attention(tcase *t, const fl_device *x, void *p) {
     att_args *m = p;
     targs *a = &m->a;
-    x->attention_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), m->ws[t->side ? 1 : 0],
-                         a->B, a->T, a->NH, a->NKV, a->HS);
+    x->attention_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), at_off(t, a->a[2], m->off),
+                         m->ws[t->side ? 1 : 0], a->B, a->T, a->NH, a->NKV, a->HS);
 }
 
 static void call_attention_bwd(tcase *t, const fl_device *x, void *p) {
     att_args *m = p;
     targs *a = &m->a;
-    x->attention_backward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
-                          P(t, a->a[4]), m->ws[t->side ? 1 : 0], a->B, a->T, a->NH, a->NKV, a->HS);
+    x->attention_backward(t->dt, at_off(t, a->a[0], m->off), P(t, a->a[1]),
+                          at_off(t, a->a[2], m->off), P(t, a->a[3]), P(t, a->a[4]),
+                          m->ws[t->side ? 1 : 0], a->B, a->T, a->NH, a->NKV, a->HS);
 }
 
-static void attention(fl_dtype dt, int B, int T, int NH, int NKV, int HS) {
-    att_args m = {.a = {.B = B, .T = T, .NH = NH, .NKV = NKV, .HS = HS}};
+static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int off) {
+    att_args m = {.a = {.B = B, .T = T, .NH = NH, .NKV = NKV, .HS = HS}, .off = off};
     int group = NH / NKV, W = (NH + 2 * NKV) * HS, C = NH * HS;
     size_t N = (size_t)B * T;
     size_t wc = fl_device_cpu_table()->attention_workspace_floats(dt, T, HS, group, fl_threads());
@@ -421,31 +428,37 @@ static void attention(fl_dtype dt, int B, int T, int NH, int NKV, int HS) {
     m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc * sizeof(float)) : NULL;
     m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd * sizeof(float)) : NULL;
     char name[96];
-    snprintf(name, sizeof name, "attention_forward B %d T %d NH %d NKV %d HS %d", B, T, NH, NKV,
-             HS);
+    snprintf(name, sizeof name, "attention_forward B %d T %d NH %d NKV %d HS %d%s", B, T, NH, NKV,
+             HS, off ? " (qkv at an odd offset)" : "");
     tcase t = tc_new(name, dt);
     m.a.a[0] = tc_out(&t, dt, N * C);
     m.a.a[1] = tc_out(&t, FL_F32, (size_t)B * NH * T);
-    m.a.a[2] = tc_in(&t, dt, N * W, 1.0f);
+    m.a.a[2] = tc_in(&t, dt, N * W + off, 1.0f);
     tc_run(&t, call_attention, &m, 1e-5);
 
     // the backward's out and lse: the cpu forward's on the same qkv
-    void *qkv = random_values(dt, N * W, 4242, 1.0f), *out = malloc(N * C * 4);
+    size_t D = fl_dtype_size(dt);
+    char *qkv = random_values(dt, N * W + off, 4242, 1.0f);
+    void *out = malloc(N * C * 4);
     float *lse = malloc((size_t)B * NH * T * 4);
     FL_ASSERT(out && lse);
-    attention_forward(dt, out, lse, qkv, m.ws[0], B, T, NH, NKV, HS);
-    snprintf(name, sizeof name, "attention_backward B %d T %d NH %d NKV %d HS %d", B, T, NH, NKV,
-             HS);
+    attention_forward(dt, out, lse, qkv + off * D, m.ws[0], B, T, NH, NKV, HS);
+    snprintf(name, sizeof name, "attention_backward B %d T %d NH %d NKV %d HS %d%s", B, T, NH, NKV,
+             HS, off ? " (qkv and dqkv at an odd offset)" : "");
     t = tc_new(name, dt);
-    m.a.a[0] = tc_acc(&t, dt, N * W, 1.0f);
+    m.a.a[0] = tc_acc(&t, dt, N * W + off, 1.0f);
     m.a.a[1] = tc_in(&t, dt, N * C, 1.0f);
-    m.a.a[2] = tc_add(&t, dt, N * W, fl_dtype_size(dt), qkv, 0);
+    m.a.a[2] = tc_add(&t, dt, N * W + off, D, qkv, 0);
     m.a.a[3] = tc_add(&t, dt, N * C, fl_dtype_size(dt), out, 0);
     m.a.a[4] = tc_add(&t, FL_F32, (size_t)B * NH * T, 4, lse, 0);
     tc_run(&t, call_attention_bwd, &m, 1e-5);
     free(qkv), free(out), free(lse);
     fl_free(m.ws[0]);
     dev->free(dev, m.ws[1]);
+}
+
+static void attention(fl_dtype dt, int B, int T, int NH, int NKV, int HS) {
+    attention_at(dt, B, T, NH, NKV, HS, 0);
 }
 
 static void call_rope(tcase *t, const fl_device *x, void *p) {
@@ -1039,6 +1052,9 @@ int main(int argc, char **argv) {
         attention(dt, 2, 77, 9, 3, 64);
         attention(dt, 1, 77, 4, 4, 128);
         attention(dt, 1, 130, 2, 1, 64);
+        attention(dt, 1, 7, 2, 1, 16);        // one row tile, mostly past T
+        attention(dt, 1, 50, 4, 2, 40);       // 16-bit heads the tensor cores do not take
+        attention_at(dt, 1, 70, 4, 2, 32, 1); // rows copied value by value
         rope(dt);
         elementwise(dt);
         xent(dt);

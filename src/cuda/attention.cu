@@ -20,7 +20,10 @@
 // need no workspace. Each gradient is added to dqkv once, rounded once (dst
 // = round(dst + sum)). Every sum runs in a fixed order: two runs give the
 // same bits.
-#include "common.cuh"
+// This file's kernels compute in fp32 (CUDA cores): fp32 heads, and 16-bit
+// heads the tensor-core kernels (attention_tc.cu, the same algorithm on
+// 64-row tiles) do not take (HS not a multiple of 16, or over 128).
+#include "attention.cuh"
 
 #include <math.h>
 
@@ -31,11 +34,6 @@ enum { ATT_THREADS = 128, ATT_MAX_HS = 256 };
 static int att_tile(int HS) {
     return HS <= 128 ? 32 : 16;
 }
-
-typedef struct {
-    int T, NH, NKV, HS, group, W, C, tile;
-    float scale;
-} att_shape;
 
 // rows [r0, r0 + tile) of a head (ld elements apart) into s (tile, HS + 1);
 // rows past T are zero
@@ -309,8 +307,7 @@ static att_shape shape_of(int T, int NH, int NKV, int HS) {
     return a;
 }
 
-// Dynamic shared memory over the default 48 KB needs the kernel's limit raised.
-static void allow_smem(const void *kernel, size_t bytes, const char *what) {
+void fl_cuda_attention_allow_smem(const void *kernel, size_t bytes, const char *what) {
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     if (e != cudaSuccess)
@@ -330,9 +327,13 @@ extern "C" void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, co
     (void)workspace;
     att_shape a = shape_of(T, NH, NKV, HS);
     if (B <= 0 || T <= 0) return;
+    if (fl_cuda_attention_tc(dt, HS)) {
+        fl_cuda_attention_tc_forward(dt, out, lse, qkv, B, a);
+        return;
+    }
     int tile = a.tile, hp = HS + 1;
     size_t smem = sizeof(float) * ((size_t)4 * tile * hp + (size_t)tile * (tile + 1) + 3 * tile);
-    allow_smem((const void *)attention_forward_kernel, smem, "attention_forward");
+    fl_cuda_attention_allow_smem((const void *)attention_forward_kernel, smem, "attention_forward");
     dim3 grid(B * NH, (T + tile - 1) / tile);
     attention_forward_kernel<<<grid, ATT_THREADS, smem, fl_cuda_stream()>>>(dt, out, lse, qkv, a);
     FL_CUDA_LAUNCHED("attention_forward");
@@ -345,11 +346,15 @@ extern "C" void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *
     (void)workspace;
     att_shape a = shape_of(T, NH, NKV, HS);
     if (B <= 0 || T <= 0) return;
+    if (fl_cuda_attention_tc(dt, HS)) {
+        fl_cuda_attention_tc_backward(dt, dqkv, dout, qkv, out, lse, B, a);
+        return;
+    }
     int tile = a.tile, hp = HS + 1;
     size_t smem =
         sizeof(float) * ((size_t)6 * tile * hp + (size_t)2 * tile * (tile + 1) + 2 * tile);
-    allow_smem((const void *)attention_dkdv_kernel, smem, "attention_backward");
-    allow_smem((const void *)attention_dq_kernel, smem, "attention_backward");
+    fl_cuda_attention_allow_smem((const void *)attention_dkdv_kernel, smem, "attention_backward");
+    fl_cuda_attention_allow_smem((const void *)attention_dq_kernel, smem, "attention_backward");
     int tiles = (T + tile - 1) / tile;
     attention_dkdv_kernel<<<dim3(B * NKV, tiles), ATT_THREADS, smem, fl_cuda_stream()>>>(
         dt, dqkv, dout, qkv, out, lse, a);
