@@ -28,9 +28,11 @@
 # tokenizers, B 2, T 64, 1 + 2 steps, PyTorch's runs recorded as skipped:
 # the script's runs and parsing checked on any machine.
 #
-# Writes OUTDIR/bench.log (every run's output) and OUTDIR/bench.tsv (one row
-# per run: config engine B T tok_s ms_median mfu peak_mib status), and
-# prints the table; exits 1 when a fitlm run failed.
+# Writes OUTDIR/bench.log (every run's output), OUTDIR/bench.tsv (one row
+# per run: config engine B T tok_s ms_median mfu peak_mib status) and
+# OUTDIR/profile_CONFIG.md (the first config's step op by op, timed on the
+# GPU, each GEMM's and attention's floor at the peak beside it), and
+# prints them; exits 1 when a fitlm run failed.
 set -uo pipefail
 fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu.sh FITLM OUTDIR}
@@ -97,6 +99,35 @@ fitlm_run() {
             printf "%s\tfitlm\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\tok\n", cfg, B, T, tok, ms, tok * fl / pk, mem }' >>"$tsv"
 }
 
+# fitlm_profile CONFIG B T DATA FLAGS...: `fitlm train --profile` (each op
+# between two timed events on the GPU) of 1 + 3 steps into
+# OUTDIR/profile_CONFIG.md, with each GEMM's and attention's floor: its
+# FLOPs at the bf16 dense peak (ms x GFLOP/s / 989e3)
+fitlm_profile() {
+    local cfg=$1 B=$2 T=$3 data=$4
+    shift 4
+    local f=$work/$cfg.profile.out
+    echo "== fitlm $cfg B $B T $T --profile" >>"$log"
+    timeout 150 "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
+        --precision bf16 --optimizer adamw --steps 4 --warmup 2 --eval-every 0 --eval-iters 1 \
+        --val-data none --sample-tokens 0 --out "" --profile >"$f" 2>&1
+    local rc=$?
+    cat "$f" >>"$log"
+    if [ $rc != 0 ] || ! grep -q '^per-op profile' "$f"; then
+        echo "bench/gpu.sh: the profiled run of $cfg failed (rc $rc; see $log)"
+        return 1
+    fi
+    {
+        echo "# fitlm's step, op by op: $cfg, B $B, T $T, bf16 AdamW ($(date -u '+%Y-%m-%d'))"
+        echo
+        awk -F'|' -v pk=$peak '/^per-op profile/ { print; print ""; next }
+            /^\|:/ { print $0 "----------:|"; next }
+            /^\| op / { print $0 " floor ms |"; next }
+            /^\| / { fl = ($4 + 0) * ($8 + 0) + ($5 + 0) * ($9 + 0)
+                     printf "%s %s |\n", $0, (fl > 0 ? sprintf("%8.2f", fl / (pk / 1e9)) : "") }' "$f"
+    } >"$out/profile_$cfg.md"
+}
+
 # torch_run CONFIG B T COMPILE FLAGS...: bench/torch_gpt2.py on the GPU
 torch_run() {
     local cfg=$1 B=$2 T=$3 comp=$4
@@ -159,6 +190,11 @@ for k in "${!names[@]}"; do
     fitlm_run "${names[$k]}" "${batches[$k]}" $T "${datas[$k]}" ${fflags[$k]}
     VS[$k]=${V:-50257} NS[$k]=${N:-0} LS[$k]=${L:-0} CS[$k]=${C:-0}
 done
+# the first config's step op by op, when time is left
+if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
+    # shellcheck disable=SC2086
+    fitlm_profile "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]} || profile_failed=1
+fi
 for comp in 0 1; do
     for k in "${!names[@]}"; do
         eng=pytorch-eager
@@ -179,4 +215,6 @@ done
 
 echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s, peak device MiB"
 column -t -s $'\t' "$tsv"
+[ -s "$out/profile_${names[0]}.md" ] && cat "$out/profile_${names[0]}.md"
+[ -z "${profile_failed:-}" ] || exit 1
 awk -F'\t' 'NR > 1 && $2 == "fitlm" && $9 != "ok" && $9 != "skipped: time" { bad = 1 } END { exit bad }' "$tsv"

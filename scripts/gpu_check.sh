@@ -15,7 +15,8 @@
 #  3. builds build-gpu (nvcc, arch 90a, -j16);
 #  4. ctest -L gpu (test_gpu: every kernel against the cpu; gpu_runs: whole
 #     runs against the cpu);
-#  5. bench/gpu.sh (fitlm beside PyTorch eager and torch.compile);
+#  5. bench/gpu.sh (fitlm beside PyTorch eager and torch.compile, and
+#     fitlm's GPT-2 124M step op by op, timed on the GPU);
 #  6. OUTDIR/gpu_check.md and OUTDIR/gpu_check.json, and a short table last.
 # Logs are tee'd into OUTDIR (check.log, build.log, ctest.log, bench.log,
 # bench.tsv). Without a GPU, nvcc or cmake it says which and exits 1 after
@@ -214,6 +215,9 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
                               print "|---|---|---|---|---|---|---|---|"; next }
                     { print "| " $1 " | " $2 " | " $3 " | " $5 " | " $6 " | " $7 " | " $8 " | " $9 " |" }' "$out/bench.tsv"
     fi
+    for f in "$out"/profile_*.md; do
+        [ -s "$f" ] && echo && sed 's/^# /## /' "$f"
+    done
 } >"$out/gpu_check.md"
 {
     printf '{"date": "%s", "status": "%s", "gpu": "%s", "gpu_memory": "%s", "driver": "%s", ' \

@@ -647,6 +647,14 @@ static void test_config_then_flags(void) {
     int all = rc == 0;
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) all &= strstr(output, rows[i]) != 0;
     t_check(all, "--profile prints the per-op table of the steps after the first: %.600s", output);
+    // on a device the slots are timed on its clock (a GPU's events; the test
+    // device's mark the host's time when recorded)
+    rc = fitlm("train --config run.json --steps 3 --profile --device test");
+    const char *att = strstr(output, "| attention ");
+    all = rc == 0 && att && strstr(output, "per-op profile: 2 steps");
+    for (int col = 0; all && col < 4; col++) att = strchr(att + 1, '|');
+    t_check(all && att && atof(att + 1) > 0.0,
+            "--profile on a device: the table, attention's time measured (%.600s)", output);
 }
 
 // DeepSpeed's zero_optimization keys: each honoured or refused naming the

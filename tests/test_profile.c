@@ -2,6 +2,7 @@
 // kernel lands in its slot once per call, the table adds up to the step, a
 // disabled profiler records nothing, and profiling does not change training.
 #define _GNU_SOURCE // open_memstream
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,9 +86,12 @@ static void test_slots_and_shares(void) {
                 calls(op, FL_FWD), calls(op, FL_BWD), want[i][1], want[i][2]);
         t_check(s->seconds[FL_FWD] > 0.0 && (want[i][2] == 0 || s->seconds[FL_BWD] > 0.0),
                 "%s: time recorded", fl_op_name(op));
-        int gemm = op >= FL_OP_MM_QKV && op <= FL_OP_MM_LMHEAD;
-        t_check(gemm == (s->flops[FL_FWD] > 0.0 && s->flops[FL_BWD] == 2 * s->flops[FL_FWD]),
-                "%s: FLOPs for GEMMs only, backward = 2 GEMMs", fl_op_name(op));
+        int gemm = op >= FL_OP_MM_QKV && op <= FL_OP_MM_LMHEAD, att = op == FL_OP_ATTENTION;
+        double bwd = gemm ? 2.0 : 2.5; // 2 GEMMs; attention's 5 products against 2
+        t_check((gemm || att) == (s->flops[FL_FWD] > 0.0) &&
+                    (!(gemm || att) || s->flops[FL_BWD] == bwd * s->flops[FL_FWD]),
+                "%s: FLOPs for GEMMs and attention only, backward %.1f times the forward",
+                fl_op_name(op), bwd);
     }
     t_check(calls(FL_OP_LOADER, FL_STEP) == STEPS && calls(FL_OP_ZERO_GRAD, FL_STEP) == STEPS &&
                 calls(FL_OP_OPTIMIZER, FL_STEP) == 2 * STEPS,
@@ -95,6 +99,11 @@ static void test_slots_and_shares(void) {
     // QKV forward: 2 * (B*T) * C * 3C per layer
     double qkv = 2.0 * B * T * 32 * 96 * L * STEPS;
     t_check(fl_profile_stats(FL_OP_MM_QKV)->flops[FL_FWD] == qkv, "QKV FLOPs are 2*N*C*OC");
+    // attention forward: S and P V over T (T + 1) / 2 causal pairs, 2 HS each, per head
+    double att = 2.0 * 2.0 * 8 * B * 4 * T * (T + 1) / 2.0 * L * STEPS;
+    t_check(fl_profile_stats(FL_OP_ATTENTION)->flops[FL_FWD] == att,
+            "attention FLOPs are 4 HS per causal pair and head (%g, want %g)",
+            fl_profile_stats(FL_OP_ATTENTION)->flops[FL_FWD], att);
 
     fl_profile_row rows[FL_PROFILE_ROWS];
     int n = fl_profile_rows(rows);
@@ -152,8 +161,47 @@ static void test_profiling_changes_nothing(void) {
     free(w_off);
 }
 
+// A device's clock (a GPU's timed events) as a counter: each mark the next
+// integer, a slot's time 1 ms a mark between its two; it counts releases.
+static long marks, released;
+
+static void *count_mark(void *ctx) {
+    (void)ctx;
+    return (void *)(intptr_t)++marks;
+}
+
+static double count_seconds(void *ctx, void *a, void *b) {
+    (void)ctx;
+    released += 2;
+    return 1e-3 * (double)((intptr_t)b - (intptr_t)a);
+}
+
+static void test_device_clock(void) {
+    const fl_profile_clock clock = {count_mark, count_seconds, NULL};
+    fl_profile_use_clock(&clock);
+    float losses[STEPS];
+    free(train(1, losses));
+    fl_profile_use_clock(NULL);
+    long long calls_all = 0;
+    for (int op = 0; op < FL_OP_COUNT; op++)
+        for (int p = 0; p < FL_NPASSES; p++) calls_all += calls((fl_op)op, (fl_pass)p);
+    t_check(marks == 2 * calls_all && released == marks,
+            "a device clock: two marks a timed call (%ld for %lld calls), every one read and "
+            "released at the step's end (%ld)",
+            marks, calls_all, released);
+    const fl_op_stats *a = fl_profile_stats(FL_OP_ATTENTION);
+    t_check(a->seconds[FL_FWD] == 1e-3 * (double)a->calls[FL_FWD] &&
+                a->seconds[FL_BWD] == 1e-3 * (double)a->calls[FL_BWD],
+            "a slot's time is the clock's between its marks (attention: %g s for %lld calls)",
+            a->seconds[FL_FWD], a->calls[FL_FWD]);
+    long before = marks;
+    free(train(1, losses));
+    t_check(marks == before, "the host's clock again after fl_profile_use_clock(NULL)");
+}
+
 int main(void) {
     test_disabled_records_nothing();
+    test_device_clock();
     test_slots_and_shares();
     test_profiling_changes_nothing();
     return t_report();

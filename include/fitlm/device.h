@@ -36,6 +36,7 @@
 #include "fitlm/dtype.h"
 #include "fitlm/optim.h"
 #include "fitlm/params.h"
+#include "fitlm/profile.h"
 
 typedef struct fl_stream fl_stream; // an ordered queue of device work (NULL: compute)
 typedef struct fl_event fl_event;   // a point on a stream
@@ -207,6 +208,11 @@ const fl_device *fl_device_pinned(const fl_device *d);
 // fl_optimizer_init): the cpu until fl_device_use names another.
 const fl_device *fl_device_default(void);
 void fl_device_use(const fl_device *d);
+
+// The per-op profile's clock for d's work (profile.h): its timed events on
+// the compute stream; NULL for the cpu, whose calls return when done (the
+// host's clock).
+const fl_profile_clock *fl_device_profile_clock(const fl_device *d);
 
 // Shorthands for host code that moves whole buffers.
 static inline void fl_dev_upload(const fl_device *d, void *dst, const void *host_src, size_t n) {

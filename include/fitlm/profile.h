@@ -60,6 +60,24 @@ int fl_profile_steps(void);
 const fl_op_stats *fl_profile_stats(fl_op op);
 const char *fl_op_name(fl_op op);
 
+// A device that runs its work behind the host's back (a GPU: a kernel call
+// returns when it is queued) times the slots on its own clock: mark() notes
+// a point in its work's order, seconds(a, b) is the time between two marks
+// once the work has reached b (and releases both). The marks of a step are
+// read at fl_profile_step (after the step, which waited for its results).
+typedef struct {
+    void *(*mark)(void *ctx);
+    double (*seconds)(void *ctx, void *a, void *b);
+    void *ctx;
+} fl_profile_clock;
+
+// The clock the slots are timed on from now (NULL: the host's, fl_now).
+void fl_profile_use_clock(const fl_profile_clock *clock);
+// FL_PROFILE's halves: a mark before the statement (NULL on the host's
+// clock) and the slot's time from it and t0 (fl_now before it).
+void *fl_profile_mark(void);
+void fl_profile_end(fl_op op, fl_pass pass, void *mark, double t0, double flops);
+
 // Runs the statement(s), timed into slot `op` of `pass` when profiling is on;
 // `flops` is evaluated only then.
 #define FL_PROFILE(op, pass, flops, ...)                                                           \
@@ -68,8 +86,9 @@ const char *fl_op_name(fl_op op);
             __VA_ARGS__;                                                                           \
         } else {                                                                                   \
             double fl_profile_t0_ = fl_now();                                                      \
+            void *fl_profile_mark_ = fl_profile_mark();                                            \
             __VA_ARGS__;                                                                           \
-            fl_profile_add(op, pass, fl_now() - fl_profile_t0_, flops);                            \
+            fl_profile_end(op, pass, fl_profile_mark_, fl_profile_t0_, flops);                     \
         }                                                                                          \
     } while (0)
 
@@ -79,7 +98,7 @@ typedef struct {
     double calls;                    // all passes
     double fwd_ms, bwd_ms, total_ms; // total = forward + backward + outside them
     double share;                    // percent of the step time
-    double fwd_gflops, bwd_gflops;   // achieved, GEMM slots only (else 0)
+    double fwd_gflops, bwd_gflops;   // achieved: GEMMs' and attention's products (else 0)
 } fl_profile_row;
 
 #define FL_PROFILE_ROWS (FL_OP_COUNT + 1) // the slots and "other"

@@ -13,6 +13,7 @@
 #include "helpers.h"
 #include "train_log.h"
 #include "fitlm/comm.h"
+#include "fitlm/device.h"
 #include "fitlm/profile.h"
 #include "fitlm/run.h"
 #include "fitlm/safetensors.h"
@@ -261,6 +262,7 @@ int cmd_train(int argc, char **argv) {
     double train_start = fl_now();
     fl_offload_stats io0 = {0};
     if (run.offload) fl_offload_stats_get(run.offload, &io0);
+    fl_profile_use_clock(fl_device_profile_clock(fl_device_default())); // a GPU: its own clock
     fl_profile_reset();
     for (int step = start; step < cfg->steps; step++) {
         if (run.has_val && cfg->eval_interval && step % cfg->eval_interval == 0 &&
@@ -316,6 +318,7 @@ int cmd_train(int argc, char **argv) {
     if (log.tty && !interrupted) printf("\n");
     double seconds = fl_now() - train_start;
     if (cfg->profile && !interrupted) fl_profile_print(stdout);
+    fl_profile_use_clock(NULL);
     run_print_traffic(&log, &run, &io0, cfg->steps - start);
     if (log.spikes)
         printf("spike guard: %ld step%s skipped as loss or gradient-norm outliers (see "

@@ -10,6 +10,46 @@ static fl_op_stats slots[FL_OP_COUNT];
 static double step_seconds;
 static int steps;
 
+// A device clock's marks not read yet: a step's slots (read when it ends,
+// or earlier when the list fills: that waits for the device mid-step)
+enum { PENDING_MAX = 8192 };
+static const fl_profile_clock *clock;
+typedef struct {
+    fl_op op;
+    fl_pass pass;
+    void *a, *b;
+    double flops;
+} pending_slot;
+static pending_slot pending[PENDING_MAX];
+static int npending;
+
+// The pending marks' times into their slots (or only released: !keep).
+static void read_pending(int keep) {
+    for (int i = 0; i < npending; i++) {
+        double s = clock->seconds(clock->ctx, pending[i].a, pending[i].b);
+        if (keep) fl_profile_add(pending[i].op, pending[i].pass, s, pending[i].flops);
+    }
+    npending = 0;
+}
+
+void fl_profile_use_clock(const fl_profile_clock *c) {
+    if (clock) read_pending(1);
+    clock = c;
+}
+
+void *fl_profile_mark(void) {
+    return clock ? clock->mark(clock->ctx) : NULL;
+}
+
+void fl_profile_end(fl_op op, fl_pass pass, void *mark, double t0, double flops) {
+    if (!clock) {
+        fl_profile_add(op, pass, fl_now() - t0, flops);
+        return;
+    }
+    if (npending == PENDING_MAX) read_pending(1);
+    pending[npending++] = (pending_slot){op, pass, mark, clock->mark(clock->ctx), flops};
+}
+
 static const char *const names[FL_OP_COUNT] = {
     [FL_OP_ENCODER] = "encoder",
     [FL_OP_LAYERNORM] = "layernorm",
@@ -38,6 +78,7 @@ void fl_profile_enable(int on) {
 }
 
 void fl_profile_reset(void) {
+    if (clock) read_pending(0);
     memset(slots, 0, sizeof slots);
     step_seconds = 0.0;
     steps = 0;
@@ -51,6 +92,7 @@ void fl_profile_add(fl_op op, fl_pass pass, double seconds, double flops) {
 }
 
 void fl_profile_step(double seconds) {
+    if (clock) read_pending(1);
     step_seconds += seconds;
     steps++;
 }

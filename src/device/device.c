@@ -18,6 +18,26 @@ void fl_device_use(const fl_device *d) {
     chosen = d;
 }
 
+static void *clock_mark(void *ctx) {
+    const fl_device *d = ctx;
+    return d->event_record_timed(d, NULL);
+}
+
+static double clock_seconds(void *ctx, void *a, void *b) {
+    const fl_device *d = ctx;
+    double ms = d->event_elapsed_ms(d, a, b);
+    d->event_destroy(d, a);
+    d->event_destroy(d, b);
+    return ms / 1e3;
+}
+
+const fl_profile_clock *fl_device_profile_clock(const fl_device *d) {
+    static fl_profile_clock clock = {clock_mark, clock_seconds, NULL};
+    if (d->host) return NULL;
+    clock.ctx = (void *)d;
+    return &clock;
+}
+
 static const fl_device *lookup(const char *name, char *why, size_t why_size) {
     if (!strcmp(name, "cpu")) return fl_device_cpu_table();
     if (!strcmp(name, "test")) return fl_device_test_table();

@@ -17,6 +17,14 @@ void fl_residual_linear_forward(const fl_block *b, const fl_linear *lin, void *o
     FL_FWD_OP(FL_OP_RESIDUAL, m->dev->residual_forward(m->dtype, out, skip, out, n));
 }
 
+// The forward's products for the profile: S = Q K^T and P V over the
+// T (T + 1) / 2 causal pairs of each sequence and head, 2 HS FLOPs a pair
+// each; the backward's five (S again, dP, dV, dK, dQ) are 2.5 times that,
+// as FlashAttention counts them.
+static double attention_flops(const fl_block *b, int NH, int HS) {
+    return 2.0 * 2.0 * HS * b->B * NH * (double)b->T * (b->T + 1) / 2.0;
+}
+
 void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_linear *o_lin,
                           const fl_attention_acts *a, void *out) {
     fl_model *m = b->m;
@@ -26,8 +34,9 @@ void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_
     if (m->rope_table)
         FL_FWD_OP(FL_OP_ROPE,
                   m->dev->rope_forward(m->dtype, a->qkv, m->rope_table, b->B, b->T, NH, KV, HS));
-    FL_FWD_OP(FL_OP_ATTENTION, m->dev->attention_forward(m->dtype, a->atty, a->lse, a->qkv,
-                                                         m->att_workspace, b->B, b->T, NH, KV, HS));
+    FL_PROFILE(FL_OP_ATTENTION, FL_FWD, attention_flops(b, NH, HS),
+               m->dev->attention_forward(m->dtype, a->atty, a->lse, a->qkv, m->att_workspace, b->B,
+                                         b->T, NH, KV, HS));
     fl_residual_linear_forward(b, o_lin, out, a->atty, b->in);
 }
 
@@ -44,9 +53,9 @@ void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl
     m->dev->zero(m->dev, dnormed, (size_t)BT * o_lin->in * D);
     fl_linear_backward(m, b->l, o_lin, dnormed, dres, a->atty, BT);
     m->dev->zero(m->dev, dqkv, (size_t)BT * qkv_lin->out * D);
-    FL_BWD_OP(FL_OP_ATTENTION,
-              m->dev->attention_backward(m->dtype, dqkv, dnormed, a->qkv, a->atty, a->lse,
-                                         m->att_workspace, b->B, b->T, NH, KV, HS));
+    FL_PROFILE(FL_OP_ATTENTION, FL_BWD, 2.5 * attention_flops(b, NH, HS),
+               m->dev->attention_backward(m->dtype, dqkv, dnormed, a->qkv, a->atty, a->lse,
+                                          m->att_workspace, b->B, b->T, NH, KV, HS));
     if (m->rope_table)
         FL_BWD_OP(FL_OP_ROPE,
                   m->dev->rope_backward(m->dtype, dqkv, m->rope_table, b->B, b->T, NH, KV, HS));
