@@ -671,14 +671,12 @@ int open_barriers(block_run &r) {
         for (int l = 0; l < 32; l++) {
             if (!(mask >> l & 1)) continue;
             if (l >= lanes)
-                die("kernel %s: a warp barrier's mask (a shuffle, __syncwarp, a WMMA call) names "
-                    "lane "
-                    "%d of a block without it",
+                die("kernel %s: a warp barrier's mask names lane %d of a block without it (a "
+                    "shuffle, __syncwarp or WMMA call)",
                     r.name, l);
             if (r.f[w * 32 + l].state == DONE)
-                die("kernel %s: a warp barrier's mask (a shuffle, __syncwarp, a WMMA call) names "
-                    "lane "
-                    "%d, which has returned",
+                die("kernel %s: a warp barrier's mask names lane %d, which has returned (a "
+                    "shuffle, __syncwarp or WMMA call)",
                     r.name, l);
         }
         if ((waiting & mask) != mask) continue; // some named lane is still on its way
