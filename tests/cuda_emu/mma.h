@@ -127,9 +127,9 @@ inline float to_float(__nv_bfloat16 v) {
     return __bfloat162float(v);
 }
 
-template <class Use, int m, int n, int k, class T, class L, class P>
-void load(fragment<Use, m, n, k, T, L> &f, const P *p, unsigned ldm, bool row, int layout) {
-    wmma_enter("load_matrix_sync", p, ldm, layout, sizeof(P), span<Use, m, n, k>(ldm, row));
+template <class Use, int m, int n, int k, class T, class L>
+void load(fragment<Use, m, n, k, T, L> &f, const T *p, unsigned ldm, bool row, int layout) {
+    wmma_enter("load_matrix_sync", p, ldm, layout, sizeof(T), span<Use, m, n, k>(ldm, row));
     int l = lane();
     for (int e = 0; e < f.num_elements; e++)
         f.x[e] = p[offset<Use, m, n, k>(position<Use, m, n, k>(l, f.num_elements, e), ldm, row)];
