@@ -62,13 +62,15 @@ enum { SHFL_IDX, SHFL_DOWN, SHFL_UP, SHFL_XOR };
 void warp_barrier(unsigned mask, int wmma);
 // Stops the run: "kernel <name>: " and the message.
 [[noreturn]] void kernel_die(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-// The start of the warp-collective WMMA call `call` (mma.h): stops the run
-// unless ptr is 32-byte aligned and ldm a multiple of 16 bytes (where
-// elem_bytes is not 0), then waits for the whole warp, whose lanes must
-// name the same call and arguments; returns the warp's staging area of
-// wmma_staging floats.
+// The start of the warp-collective WMMA call `call` (mma.h): where
+// elem_bytes is not 0, stops the run unless ptr is 32-byte aligned, ldm a
+// multiple of 16 bytes and the `span` elements from ptr inside one device
+// allocation or shared array; then waits for the whole warp, whose lanes
+// must name the same call and arguments. Returns the warp's staging area
+// of wmma_staging floats.
 enum { wmma_staging = 1280 };
-float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, size_t elem_bytes);
+float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, size_t elem_bytes,
+                  size_t span);
 
 template <class F> struct launcher_t;
 template <class... P> struct launcher_t<void (*)(P...)> {

@@ -61,7 +61,7 @@ inline __half __float2half_rn(float f) {
     return __float2half(f);
 }
 
-// exact
+// exact; a NaN becomes the canonical 0x7fffffff, as CUDA's host code has it
 inline float __half2float(__half x) {
     unsigned int h = __half_as_ushort(x), sign = (h & 0x8000u) << 16, exp = h >> 10 & 0x1f,
                  mant = h & 0x3ffu, u;
@@ -69,7 +69,7 @@ inline float __half2float(__half x) {
         float f = (float)mant * 5.9604644775390625e-8f; // 2^-24, exact
         return sign ? -f : f;
     }
-    u = exp == 31 ? sign | 0x7f800000u | mant << 13 : sign | (exp + 112) << 23 | mant << 13;
+    u = exp < 31 ? sign | (exp + 112) << 23 | mant << 13 : mant ? 0x7fffffffu : sign | 0x7f800000u;
     float f;
     memcpy(&f, &u, 4);
     return f;

@@ -572,7 +572,12 @@ struct block_run {
     std::vector<float> staging;
     aligned_bytes dynamic;
     size_t dynamic_bytes;
-    std::vector<std::pair<const void *, aligned_bytes>> shared;
+    struct shared_array {
+        const void *site; // its declaration
+        size_t bytes;
+        aligned_bytes mem;
+    };
+    std::vector<shared_array> shared;
     size_t shared_bytes;
 };
 
@@ -671,14 +676,12 @@ int open_barriers(block_run &r) {
         for (int l = 0; l < 32; l++) {
             if (!(mask >> l & 1)) continue;
             if (l >= lanes)
-                die("kernel %s: a warp barrier's mask (a shuffle, __syncwarp, a WMMA call) names "
-                    "lane "
-                    "%d of a block without it",
+                die("kernel %s: a warp barrier's mask names lane %d of a block without it (a "
+                    "shuffle, __syncwarp or WMMA call)",
                     r.name, l);
             if (r.f[w * 32 + l].state == DONE)
-                die("kernel %s: a warp barrier's mask (a shuffle, __syncwarp, a WMMA call) names "
-                    "lane "
-                    "%d, which has returned",
+                die("kernel %s: a warp barrier's mask names lane %d, which has returned (a "
+                    "shuffle, __syncwarp or WMMA call)",
                     r.name, l);
         }
         if ((waiting & mask) != mask) continue; // some named lane is still on its way
@@ -815,13 +818,13 @@ void *dynamic_shared() {
 void *shared_array(const void *site, size_t bytes) {
     block_run &r = *running;
     for (auto &a : r.shared)
-        if (a.first == site) return a.second.get();
+        if (a.site == site) return a.mem.get();
     r.shared_bytes += bytes;
     if (r.shared_bytes + r.dynamic_bytes > (227u << 10))
         die("kernel %s: %zu bytes of shared memory, more than a block has", r.name,
             r.shared_bytes + r.dynamic_bytes);
-    r.shared.emplace_back(site, aligned(bytes));
-    return r.shared.back().second.get();
+    r.shared.push_back(block_run::shared_array{site, bytes, aligned(bytes)});
+    return r.shared.back().mem.get();
 }
 
 void block_barrier() {
@@ -878,15 +881,31 @@ void warp_barrier(unsigned mask, int wmma) {
     pass_on(AT_WARP, mask);
 }
 
-float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, size_t elem_bytes) {
+// whether [p, p + bytes) lies inside the running block's dynamic shared
+// memory or one of its shared arrays
+int in_shared(const block_run &r, const void *p, size_t bytes) {
+    const char *c = (const char *)p, *d = r.dynamic.get();
+    if (c >= d && c + bytes <= d + r.dynamic_bytes) return 1;
+    for (const auto &a : r.shared)
+        if (c >= a.mem.get() && c + bytes <= a.mem.get() + a.bytes) return 1;
+    return 0;
+}
+
+float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, size_t elem_bytes,
+                  size_t span) {
     block_run &r = *running;
     int me = r.current, lane = me % 32, base = me - lane;
-    // the CUDA Programming Guide's rules (Warp Matrix Functions)
+    // the CUDA Programming Guide's rules (Warp Matrix Functions), and the
+    // matrix where a GPU's memory is (global or shared)
     if (elem_bytes && (uintptr_t)ptr % 32)
         die("kernel %s: wmma::%s at %p, not 256-bit (32-byte) aligned", r.name, call, ptr);
     if (elem_bytes && ldm * elem_bytes % 16)
         die("kernel %s: wmma::%s with ldm %u, not a multiple of %zu elements (16 bytes)", r.name,
             call, ldm, 16 / elem_bytes);
+    if (elem_bytes && !is_device(ptr, span * elem_bytes) && !in_shared(r, ptr, span * elem_bytes))
+        die("kernel %s: wmma::%s of [%p, +%zu bytes) (ldm %u), outside every device allocation "
+            "and shared array",
+            r.name, call, ptr, span * elem_bytes, ldm);
     std::vector<wmma_args> &slots = r.wmma_slots[r.wmma_turn[(size_t)me]];
     r.wmma_turn[(size_t)me] ^= 1;
     if (slots.empty()) slots.resize((size_t)r.n);

@@ -5,7 +5,8 @@
 // Every call but fill_fragment is warp-collective: it starts with a
 // barrier of the whole warp (fl_emu::wmma_enter), so a call that some lane
 // does not reach stops the run, and the lanes must pass the same pointer,
-// ldm and layout; the pointer 32-byte aligned, ldm a multiple of 16 bytes.
+// ldm and layout; the pointer 32-byte aligned, ldm a multiple of 16 bytes,
+// the matrix inside one device allocation or shared array.
 // Which matrix element a lane's x[e] holds is unspecified in CUDA; here it
 // is a scrambled bijection, another for each of matrix_a, matrix_b and the
 // accumulator, so a kernel that assumes a layout gets wrong results while
@@ -99,6 +100,12 @@ template <class Use, int m, int n, int k> int position(int lane, int size, int e
     return ((lane * size + e) % p * s::mul + s::add) % p;
 }
 
+// the elements from the matrix's first to its last in memory
+template <class Use, int m, int n, int k> size_t span(unsigned ldm, bool row) {
+    typedef shape<Use, m, n, k> s;
+    return row ? (size_t)(s::rows - 1) * ldm + s::cols : (size_t)(s::cols - 1) * ldm + s::rows;
+}
+
 // where position p lies in memory
 template <class Use, int m, int n, int k> size_t offset(int p, unsigned ldm, bool row) {
     typedef shape<Use, m, n, k> s;
@@ -120,9 +127,9 @@ inline float to_float(__nv_bfloat16 v) {
     return __bfloat162float(v);
 }
 
-template <class Use, int m, int n, int k, class T, class L, class P>
-void load(fragment<Use, m, n, k, T, L> &f, const P *p, unsigned ldm, bool row, int layout) {
-    wmma_enter("load_matrix_sync", p, ldm, layout, sizeof(P));
+template <class Use, int m, int n, int k, class T, class L>
+void load(fragment<Use, m, n, k, T, L> &f, const T *p, unsigned ldm, bool row, int layout) {
+    wmma_enter("load_matrix_sync", p, ldm, layout, sizeof(T), span<Use, m, n, k>(ldm, row));
     int l = lane();
     for (int e = 0; e < f.num_elements; e++)
         f.x[e] = p[offset<Use, m, n, k>(position<Use, m, n, k>(l, f.num_elements, e), ldm, row)];
@@ -175,7 +182,8 @@ void load_matrix_sync(fragment<accumulator, m, n, k, float> &c, const float *p, 
 template <int m, int n, int k>
 void store_matrix_sync(float *p, const fragment<accumulator, m, n, k, float> &c, unsigned ldm,
                        layout_t layout) {
-    fl_emu::wmma_enter("store_matrix_sync", p, ldm, (int)layout, sizeof(float));
+    fl_emu::wmma_enter("store_matrix_sync", p, ldm, (int)layout, sizeof(float),
+                       fl_emu::wmma::span<accumulator, m, n, k>(ldm, layout == mem_row_major));
     int l = fl_emu::wmma::lane();
     for (int e = 0; e < c.num_elements; e++) {
         int pos = fl_emu::wmma::position<accumulator, m, n, k>(l, c.num_elements, e);
@@ -188,7 +196,7 @@ template <int m, int n, int k, class T, class LA, class LB>
 void mma_sync(fragment<accumulator, m, n, k, float> &d, const fragment<matrix_a, m, n, k, T, LA> &a,
               const fragment<matrix_b, m, n, k, T, LB> &b,
               const fragment<accumulator, m, n, k, float> &c) {
-    float *s = fl_emu::wmma_enter("mma_sync", nullptr, 0, 0, 0);
+    float *s = fl_emu::wmma_enter("mma_sync", nullptr, 0, 0, 0, 0);
     fl_emu::wmma::stage(a, s);
     fl_emu::wmma::stage(b, s);
     fl_emu::wmma::stage(c, s);

@@ -370,7 +370,7 @@ static unsigned short bf16_reference(float f) {
 
 static void test_conversions() {
     // every fp16 and bf16 value: exact to float (against the compiler's
-    // _Float16) and back unchanged
+    // _Float16) and back unchanged; fp16's NaNs to CUDA's canonical float NaN
     int bad_h = 0, bad_b = 0;
     for (unsigned u = 0; u < 65536; u++) {
         unsigned short h = (unsigned short)u;
@@ -378,7 +378,7 @@ static void test_conversions() {
         memcpy(&ref, &h, 2);
         float f = __half2float(__ushort_as_half(h));
         bool nan = (h & 0x7c00) == 0x7c00 && (h & 0x3ff);
-        bad_h += nan ? f == f || __half_as_ushort(__float2half(f)) != 0x7fff
+        bad_h += nan ? bits(f) != 0x7fffffffu || __half_as_ushort(__float2half(f)) != 0x7fff
                      : bits(f) != bits((float)ref) || __half_as_ushort(__float2half(f)) != h;
         float g = __bfloat162float(__ushort_as_bfloat16(h));
         bool bnan = (h & 0x7f80) == 0x7f80 && (h & 0x7f);
@@ -446,6 +446,19 @@ __global__ void half_warp_kernel(const __nv_bfloat16 *A) {
 __global__ void half_warp_returns_kernel(const __nv_bfloat16 *A) {
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
     if (threadIdx.x < 16) wmma::load_matrix_sync(a, A, 16);
+}
+// the last tile's rows run past the allocation's end (4096 bytes: 128 rows
+// of 16 bf16 from the start, the tile at row 120 needs 16)
+__global__ void past_the_end_kernel(const __nv_bfloat16 *A) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+    wmma::load_matrix_sync(a, A + 120 * 16, 16);
+}
+__global__ void local_memory_kernel(float *D) {
+    __align__(32) float local[256];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+    wmma::fill_fragment(c, 1.0f);
+    wmma::store_matrix_sync(local, c, 16, wmma::mem_row_major);
+    D[0] = local[0];
 }
 __global__ void ptrs_differ_kernel(const __nv_bfloat16 *A) {
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
@@ -551,6 +564,17 @@ static void test_violations() {
         "wmma beside a shuffle",
         [](const device_bufs &d) { wmma_and_shuffle_kernel<<<1, 32>>>(d.bf, d.f); }, b,
         "meet at a WMMA call and at a shuffle or __syncwarp");
+    dies(
+        "past the allocation's end",
+        [](const device_bufs &d) { past_the_end_kernel<<<1, 32>>>(d.bf); }, b,
+        "kernel past_the_end_kernel: wmma::load_matrix_sync of [");
+    dies(
+        "past the allocation's end message",
+        [](const device_bufs &d) { past_the_end_kernel<<<1, 32>>>(d.bf); }, b,
+        "+512 bytes) (ldm 16), outside every device allocation and shared array");
+    dies(
+        "a local array", [](const device_bufs &d) { local_memory_kernel<<<1, 32>>>(d.f); }, b,
+        "kernel local_memory_kernel: wmma::store_matrix_sync of [");
     dies(
         "__syncwarp without itself",
         [](const device_bufs &) { syncwarp_without_itself_kernel<<<1, 32>>>(); }, b,
