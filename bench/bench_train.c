@@ -59,9 +59,7 @@
 #include "fitlm/profile.h"
 #include "fitlm/run.h"
 #include "fma_peak.h"
-// the driver's list of linear units (arch->linears), private to src/model:
-// the GEMM-bound section times exactly the GEMMs the step runs
-#include "../src/model/arch.h"
+#include "fitlm/kernels.h"
 #include "../src/kernels/matmul_dnnl.h"
 
 typedef struct {
@@ -333,7 +331,7 @@ typedef struct {
 static gemm_bound gemm_bound_of(const fl_model *m, int B, int T, int steps) {
     const fl_model_config *c = &m->config;
     fl_linear lins[FL_MAX_SLOTS];
-    int nl = m->arch->linears(c, lins), ns = 0, N = B * T;
+    int nl = fl_model_linears(c, lins), ns = 0, N = B * T; // the GEMMs the step runs
     gemm_shape shapes[FL_MAX_SLOTS];
     for (int i = 0; i < nl; i++) {
         // the LM head runs once per step, every other linear once per block

@@ -16,7 +16,11 @@
 # Per run: tokens/s from the median step time of the timed steps
 # (BENCH_STEPS, default 10, after BENCH_WARMUP = 3 untimed ones); MFU
 # against the H100/H200 SXM bf16 dense peak, 989 TFLOP/s, with llm.c's
-# FLOPs per token 6 N + 6 L C T (N the parameters fitlm reports); peak
+# FLOPs per token 6 N + 6 L C T (N the parameters fitlm reports), and
+# against the best cuBLASLt rate on the config's own GEMM shapes measured
+# in the same run (mfu_gemm: bench_gpu_gemm, beside fitlm in its build
+# directory or BENCH_GEMM, times each linear's three GEMMs under
+# cuBLASLt's first 8 algorithms; its table in OUTDIR/gemm_CONFIG_bB.md); peak
 # device memory (fitlm: its tagged device allocations, --mem-report's
 # "total device"; PyTorch: torch.cuda.max_memory_allocated).
 #
@@ -29,7 +33,8 @@
 # the script's runs and parsing checked on any machine.
 #
 # Writes OUTDIR/bench.log (every run's output), OUTDIR/bench.tsv (one row
-# per run: config engine B T tok_s ms_median mfu peak_mib status) and
+# per run: config engine B T tok_s ms_median mfu mfu_gemm peak_mib
+# status) and
 # OUTDIR/profile_CONFIG.md (the first config's step op by op, timed on the
 # GPU, each GEMM's and attention's floor at the peak beside it), and
 # prints them; exits 1 when a fitlm run failed.
@@ -46,7 +51,7 @@ mkdir -p "$out"
 log=$out/bench.log
 : >"$log"
 tsv=$out/bench.tsv
-printf 'config\tengine\tB\tT\ttok_s\tms_median\tmfu\tpeak_mib\tstatus\n' >"$tsv"
+printf 'config\tengine\tB\tT\ttok_s\tms_median\tmfu\tmfu_gemm\tpeak_mib\tstatus\n' >"$tsv"
 work=$(mktemp -d /tmp/fitlm_bench_gpu.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 py=${PYTHON:-python3}
@@ -62,7 +67,34 @@ cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
     --tokenizer-path "$llama_tok" --threads 8 >>"$log" 2>&1 ||
     echo "bench/gpu.sh: LLaMA tokenization failed (see $log)"
 
-row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
+row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
+
+# gemm_rate CONFIG B T FITLM-FLAGS...: bench_gpu_gemm on the config's GEMM
+# shapes (its --model and --arch, the vocabulary V fitlm reported) into
+# OUTDIR/gemm_CONFIG_bB.md; sets GEMM_TF, the best cuBLASLt rate over them
+# in TFLOP/s (empty when it failed)
+gemm_bench=${BENCH_GEMM:-$(dirname "$fitlm")/bench_gpu_gemm}
+gemm_rate() {
+    local cfg=$1 B=$2 T=$3 model="" arch=()
+    shift 3
+    while [ $# -gt 0 ]; do
+        case $1 in
+        --model) model=$2 ;;
+        --arch) arch=(--arch "$2") ;;
+        esac
+        shift
+    done
+    GEMM_TF=""
+    local f=$out/gemm_${cfg}_b$B.md
+    echo "== bench_gpu_gemm $cfg B $B T $T" >>"$log"
+    local rounds=10
+    [ "$smoke" = 1 ] && rounds=1
+    if timeout 120 "$gemm_bench" --model "$model" "${arch[@]}" --vocab "$V" --B "$B" --T "$T" \
+        --precision bf16 --rounds $rounds >"$f" 2>&1; then
+        GEMM_TF=$(sed -n 's/^RESULT.* gemm_best_tflops=\([^ ]*\).*/\1/p' "$f")
+    fi
+    cat "$f" >>"$log"
+}
 
 # fitlm_run CONFIG B T DATA FLAGS...: one fitlm run; sets V, N, L, C for torch
 fitlm_run() {
@@ -81,9 +113,10 @@ fitlm_run() {
     L=$(sed -n 's/.*n_layer \([0-9]*\).*/\1/p' "$f" | head -1)
     C=$(sed -n 's/.*n_embd \([0-9]*\).*/\1/p' "$f" | head -1)
     if [ $rc != 0 ] || [ -z "$N" ]; then
-        row "$cfg" fitlm "$B" "$T" - - - - "failed rc $rc"
+        row "$cfg" fitlm "$B" "$T" - - - - - "failed rc $rc"
         return
     fi
+    gemm_rate "$cfg" "$B" "$T" "$@"
     local ms
     ms=$(awk -v w="$warmup" '$1 == "step" && $2 ~ /\// {
             split($2, s, "/"); if (s[1] + 0 > w) for (i = 1; i < NF; i++) if ($(i + 1) == "ms") print $i }' "$f" |
@@ -91,12 +124,13 @@ fitlm_run() {
     local mem
     mem=$(awk '/total device/ { print $(NF - 1) }' "$f" | tail -1)
     if [ -z "$ms" ]; then
-        row "$cfg" fitlm "$B" "$T" - - - "${mem:--}" "no step times"
+        row "$cfg" fitlm "$B" "$T" - - - - "${mem:--}" "no step times"
         return
     fi
     awk -v cfg="$cfg" -v B="$B" -v T="$T" -v ms="$ms" -v N="$N" -v L="$L" -v C="$C" -v pk=$peak \
-        -v mem="${mem:--}" 'BEGIN { tok = B * T / (ms / 1000); fl = 6 * N + 6 * L * C * T;
-            printf "%s\tfitlm\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\tok\n", cfg, B, T, tok, ms, tok * fl / pk, mem }' >>"$tsv"
+        -v mem="${mem:--}" -v gtf="$GEMM_TF" 'BEGIN { tok = B * T / (ms / 1000); fl = 6 * N + 6 * L * C * T;
+            mg = gtf > 0 ? sprintf("%.4f", tok * fl / (gtf * 1e12)) : "-"
+            printf "%s\tfitlm\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\t%s\tok\n", cfg, B, T, tok, ms, tok * fl / pk, mg, mem }' >>"$tsv"
 }
 
 # fitlm_profile CONFIG B T DATA FLAGS...: `fitlm train --profile` (each op
@@ -143,14 +177,16 @@ torch_run() {
     local r
     r=$(grep '^RESULT' "$f" | tail -1)
     if [ $rc != 0 ] || [ -z "$r" ]; then
-        row "$cfg" "$eng" "$B" "$T" - - - - "failed rc $rc"
+        row "$cfg" "$eng" "$B" "$T" - - - - - "failed rc $rc"
         return
     fi
-    # the FLOPs per token as fitlm's row counts them, for one MFU
+    # the FLOPs per token as fitlm's row counts them, for one MFU (and the
+    # same best cuBLASLt rate as fitlm's row)
     echo "$r" | tr ' ' '\n' | awk -F= -v cfg="$cfg" -v eng="$eng" -v B="$B" -v T="$T" -v N="$N" \
-        -v L="$L" -v C="$C" -v pk=$peak '{ v[$1] = $2 } END { fl = 6 * N + 6 * L * C * T;
-            printf "%s\t%s\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\tok\n", cfg, eng, B, T, v["tok_s"],
-                v["ms_median"], v["tok_s"] * fl / pk, v["peak_gpu_mib"] }' >>"$tsv"
+        -v L="$L" -v C="$C" -v pk=$peak -v gtf="$GEMM_TF" '{ v[$1] = $2 } END { fl = 6 * N + 6 * L * C * T;
+            mg = gtf > 0 ? sprintf("%.4f", v["tok_s"] * fl / (gtf * 1e12)) : "-"
+            printf "%s\t%s\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\t%s\tok\n", cfg, eng, B, T, v["tok_s"],
+                v["ms_median"], v["tok_s"] * fl / pk, mg, v["peak_gpu_mib"] }' >>"$tsv"
 }
 
 # The configs: NAME B T DATA, fitlm's flags, torch_gpt2.py's flags
@@ -179,16 +215,16 @@ fi
 # have passed, the runs left are recorded as skipped
 budget=${BENCH_BUDGET:-280}
 t0=$(date +%s)
-declare -A VS NS LS CS
+declare -A VS NS LS CS GS
 for k in "${!names[@]}"; do
     if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
-        row "${names[$k]}" fitlm "${batches[$k]}" $T - - - - "skipped: time"
+        row "${names[$k]}" fitlm "${batches[$k]}" $T - - - - - "skipped: time"
         continue
     fi
-    V='' N='' L='' C=''
+    V='' N='' L='' C='' GEMM_TF=''
     # shellcheck disable=SC2086 # the flags are words
     fitlm_run "${names[$k]}" "${batches[$k]}" $T "${datas[$k]}" ${fflags[$k]}
-    VS[$k]=${V:-50257} NS[$k]=${N:-0} LS[$k]=${L:-0} CS[$k]=${C:-0}
+    VS[$k]=${V:-50257} NS[$k]=${N:-0} LS[$k]=${L:-0} CS[$k]=${C:-0} GS[$k]=$GEMM_TF
 done
 # the first config's step op by op, when time is left
 if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
@@ -200,21 +236,21 @@ for comp in 0 1; do
         eng=pytorch-eager
         [ $comp = 1 ] && eng=pytorch-compile
         if [ "$smoke" = 1 ]; then
-            row "${names[$k]}" $eng "${batches[$k]}" $T - - - - "skipped: smoke"
+            row "${names[$k]}" $eng "${batches[$k]}" $T - - - - - "skipped: smoke"
             continue
         fi
         if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
-            row "${names[$k]}" $eng "${batches[$k]}" $T - - - - "skipped: time"
+            row "${names[$k]}" $eng "${batches[$k]}" $T - - - - - "skipped: time"
             continue
         fi
-        V=${VS[$k]:-50257} N=${NS[$k]:-0} L=${LS[$k]:-0} C=${CS[$k]:-0}
+        V=${VS[$k]:-50257} N=${NS[$k]:-0} L=${LS[$k]:-0} C=${CS[$k]:-0} GEMM_TF=${GS[$k]:-}
         # shellcheck disable=SC2086
         torch_run "${names[$k]}" "${batches[$k]}" $T $comp ${tflags[$k]} --V "$V"
     done
 done
 
-echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s, peak device MiB"
+echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s and of the best cuBLASLt rate on the config's GEMM shapes (mfu_gemm), peak device MiB"
 column -t -s $'\t' "$tsv"
 [ -s "$out/profile_${names[0]}.md" ] && cat "$out/profile_${names[0]}.md"
 [ -z "${profile_failed:-}" ] || exit 1
-awk -F'\t' 'NR > 1 && $2 == "fitlm" && $9 != "ok" && $9 != "skipped: time" { bad = 1 } END { exit bad }' "$tsv"
+awk -F'\t' 'NR > 1 && $2 == "fitlm" && ($10 != "ok" && $10 != "skipped: time" || $10 == "ok" && $8 == "-") { bad = 1 } END { exit bad }' "$tsv"

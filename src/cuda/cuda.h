@@ -76,6 +76,15 @@ void fl_cuda_layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *db
                                 const void *dout, const void *inp, const void *weight,
                                 const float *mean, const float *rstd, int N, int C);
 size_t fl_cuda_matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC);
+// The linear's GEMM `kind` (0 forward, 1 input gradient, 2 weight
+// gradient) as fl_cuda_matmul_forward/backward issue it, under each of
+// cuBLASLt's first `algos` (at most 16) algorithms for its descriptors:
+// ms[i] per call of algorithm i (0: the one fitlm runs), the mean of
+// `rounds` (>= 1) calls after one untimed; returns how many it timed
+// (bench/bench_gpu_gemm.c: the best rate on a step's GEMM shapes).
+int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const void *inp, const void *weight,
+                            void *dinp, void *dweight, const void *dout, void *workspace, int N,
+                            int C, int OC, int algos, int rounds, double *ms);
 void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
                             const void *bias, void *workspace, int N, int C, int OC);
 void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,

@@ -65,19 +65,11 @@ extern "C" void fl_cuda_matmul_init(void) {
     mm.tf32 = tf32 && !strcmp(tf32, "1");
 }
 
-// The plan of D (m,n) = op(A) (m,k) x op(B) (k,n), column-major; A
-// transposed for the forward, B for the weight gradient.
-static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int align, size_t ws) {
-    for (size_t i = 0; i < mm.n_plans; i++) {
-        plan *p = &mm.plans[i];
-        if (p->kind == kind && p->dt == dt && p->m == m && p->n == n && p->k == k &&
-            p->bias == bias && p->align == align && p->ws == ws)
-            return p;
-    }
+// Fills p's descriptors for D (m,n) = op(A) (m,k) x op(B) (k,n),
+// column-major; A transposed for the forward, B for the weight gradient.
+static void plan_init(plan *p, int kind, fl_dtype dt, int m, int n, int k, int bias, int align,
+                      size_t ws) {
     fl_cuda_matmul_init();
-    mm.plans = (plan *)fl_reserve(FL_MEM_OTHER, mm.plans, &mm.cap, mm.n_plans, mm.n_plans + 1,
-                                  sizeof(plan));
-    plan *p = &mm.plans[mm.n_plans];
     memset(p, 0, sizeof *p);
     p->kind = kind, p->bias = bias, p->align = align, p->dt = dt;
     p->m = m, p->n = n, p->k = k, p->ws = ws;
@@ -105,44 +97,68 @@ static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int 
     FL_BLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, t, ar, ac, (int64_t)ar));
     FL_BLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, t, br, bc, (int64_t)br));
     FL_BLAS_CHECK(cublasLtMatrixLayoutCreate(&p->c, t, m, n, (int64_t)m));
+}
+
+// cuBLASLt's first `want` algorithms for p (its heuristic's order) into
+// res; dies naming the GEMM when it has none.
+static int heuristics(const plan *p, int want, cublasLtMatmulHeuristicResult_t *res) {
     cublasLtMatmulPreference_t pref;
     FL_BLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     FL_BLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-    uint32_t al = (uint32_t)align;
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &p->ws, sizeof p->ws));
+    uint32_t al = (uint32_t)p->align;
     cublasLtMatmulPreferenceAttributes_t aligns[] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (int i = 0; i < 4; i++)
         FL_BLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, aligns[i], &al, sizeof al));
-    cublasLtMatmulHeuristicResult_t res;
     int found = 0;
     FL_BLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(mm.handle, p->desc, p->a, p->b, p->c, p->c, pref,
-                                                 1, &res, &found));
+                                                 want, res, &found));
     FL_BLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     if (found < 1)
         fl_die("cuda: cuBLASLt has no algorithm for the %s GEMM m=%d n=%d k=%d in %s (operands "
                "%d-byte aligned, workspace %zu bytes)",
-               kind == MM_FORWARD ? "forward"
-               : kind == MM_DINP  ? "input-gradient"
-                                  : "weight-gradient",
-               m, n, k, fl_dtype_name(dt), align, ws);
+               p->kind == MM_FORWARD ? "forward"
+               : p->kind == MM_DINP  ? "input-gradient"
+                                     : "weight-gradient",
+               p->m, p->n, p->k, fl_dtype_name(p->dt), p->align, p->ws);
+    return found;
+}
+
+// The cached plan of a GEMM: its descriptors and the heuristic's first algorithm.
+static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int align, size_t ws) {
+    for (size_t i = 0; i < mm.n_plans; i++) {
+        plan *p = &mm.plans[i];
+        if (p->kind == kind && p->dt == dt && p->m == m && p->n == n && p->k == k &&
+            p->bias == bias && p->align == align && p->ws == ws)
+            return p;
+    }
+    mm.plans = (plan *)fl_reserve(FL_MEM_OTHER, mm.plans, &mm.cap, mm.n_plans, mm.n_plans + 1,
+                                  sizeof(plan));
+    plan *p = &mm.plans[mm.n_plans];
+    plan_init(p, kind, dt, m, n, k, bias, align, ws);
+    cublasLtMatmulHeuristicResult_t res;
+    heuristics(p, 1, &res);
     p->algo = res.algo;
     mm.n_plans++;
     return p;
 }
 
+// The workspace from its first 256-byte boundary (the model's buffer may
+// sit at any 64-byte offset of an arena), and its bytes from there.
+static size_t workspace_from(void **workspace) {
+    if (!*workspace) return 0;
+    uintptr_t at = ((uintptr_t)*workspace + 255) & ~(uintptr_t)255;
+    size_t ws = MM_WORKSPACE - (at - (uintptr_t)*workspace);
+    *workspace = (void *)at;
+    return ws;
+}
+
 // D = A x B + beta D, on the compute stream
 static void gemm(int kind, fl_dtype dt, void *d, const void *a, const void *b, const void *bias,
                  float beta, void *workspace, int m, int n, int k) {
-    // the workspace from its first 256-byte boundary (the model's buffer
-    // may sit at any 64-byte offset of an arena)
-    size_t ws = 0;
-    if (workspace) {
-        uintptr_t at = ((uintptr_t)workspace + 255) & ~(uintptr_t)255;
-        ws = MM_WORKSPACE - (at - (uintptr_t)workspace);
-        workspace = (void *)at;
-    }
+    size_t ws = workspace_from(&workspace);
     int align = alignment_of(a, b, d);
     plan *p = get_plan(kind, dt, m, n, k, bias != NULL, align, ws);
     if (bias)
@@ -202,4 +218,47 @@ extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, 
     column_finish<<<(unsigned)((OC + 255) / 256), 256, 0, fl_cuda_stream()>>>(dt, dbias, partial,
                                                                               chunks, OC);
     FL_CUDA_LAUNCHED("column_finish");
+}
+
+// (cuda.h) The buffers are the caller's; the gradients' products are
+// accumulated into dinp and dweight at every call, as the backward does.
+extern "C" int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const void *inp,
+                                       const void *weight, void *dinp, void *dweight,
+                                       const void *dout, void *workspace, int N, int C, int OC,
+                                       int algos, int rounds, double *ms) {
+    FL_ASSERT(algos >= 1 && rounds >= 1);
+    // gemm()'s operands for each kind: D (m,n) = A x B
+    void *d = kind == MM_FORWARD ? out : kind == MM_DINP ? dinp : dweight;
+    const void *a = kind == MM_DWEIGHT ? inp : weight, *b = kind == MM_FORWARD ? inp : dout;
+    int m = kind == MM_FORWARD ? OC : C, n = kind == MM_DWEIGHT ? OC : N;
+    int k = kind == MM_FORWARD ? C : kind == MM_DINP ? OC : N;
+    float beta = kind == MM_FORWARD ? 0.0f : 1.0f, alpha = 1.0f;
+    size_t ws = workspace_from(&workspace);
+    plan p;
+    plan_init(&p, kind, dt, m, n, k, 0, alignment_of(a, b, d), ws);
+    cublasLtMatmulHeuristicResult_t res[16];
+    int found = heuristics(&p, algos < 16 ? algos : 16, res);
+    cudaEvent_t e0, e1;
+    FL_CUDA_CHECK(cudaEventCreate(&e0));
+    FL_CUDA_CHECK(cudaEventCreate(&e1));
+    for (int i = 0; i < found; i++)
+        for (int r = 0; r <= rounds; r++) {
+            if (r == 1) FL_CUDA_CHECK(cudaEventRecord(e0, fl_cuda_stream()));
+            FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.c,
+                                         d, p.c, &res[i].algo, workspace, ws, fl_cuda_stream()));
+            if (r == rounds) {
+                FL_CUDA_CHECK(cudaEventRecord(e1, fl_cuda_stream()));
+                FL_CUDA_CHECK(cudaEventSynchronize(e1));
+                float t = 0.0f;
+                FL_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+                ms[i] = rounds ? t / rounds : 0.0;
+            }
+        }
+    FL_CUDA_CHECK(cudaEventDestroy(e0));
+    FL_CUDA_CHECK(cudaEventDestroy(e1));
+    FL_BLAS_CHECK(cublasLtMatrixLayoutDestroy(p.a));
+    FL_BLAS_CHECK(cublasLtMatrixLayoutDestroy(p.b));
+    FL_BLAS_CHECK(cublasLtMatrixLayoutDestroy(p.c));
+    FL_BLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
+    return found;
 }

@@ -20,6 +20,10 @@ static const fl_arch *arch_of(const fl_model_config *c) {
     return ARCHS[c->arch];
 }
 
+int fl_model_linears(const fl_model_config *c, fl_linear *out) {
+    return arch_of(c)->linears(c, out);
+}
+
 void fl_model_config_finish(fl_model_config *cfg) {
     const struct {
         const char *name;

@@ -80,6 +80,8 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
                                                     cublasLtMatmulPreferenceAttributes_t attr,
                                                     const void *buf, size_t size);
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p);
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d);
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l);
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t d,
                                               cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                                               cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dl,
