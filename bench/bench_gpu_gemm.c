@@ -1,6 +1,6 @@
 // bench_gpu_gemm.c: the best cuBLASLt rate on a training step's own GEMM
 // shapes, on the GPU. For each distinct linear of the model (the LM head
-// once a step, the others once a block; fl_model_linears) and N = B*T rows,
+// once a step, the others once a block; fl_model_gemm_shapes) and N = B*T rows,
 // its three GEMMs (forward, input gradient, weight gradient) as fitlm
 // issues them (src/cuda/matmul.cu), under each of cuBLASLt's first
 // --algos heuristic algorithms: the fastest is the shape's best, the first
@@ -25,11 +25,6 @@
 #include "cuda.h"
 
 static const char *gemm_names[3] = {"forward", "input grad", "weight grad"};
-
-typedef struct {
-    int C, OC, calls;
-    char ops[96];
-} shape;
 
 static void usage(void) {
     fprintf(stderr, "usage: bench_gpu_gemm --model NAME [--arch gpt2|llama] --vocab V [--B 16] "
@@ -87,19 +82,11 @@ int main(int argc, char **argv) {
     c.vocab_size = V;
     fl_model_config_finish(&c);
 
-    fl_linear lins[FL_MAX_SLOTS];
-    shape shapes[FL_MAX_SLOTS];
-    int nl = fl_model_linears(&c, lins), ns = 0, N = B * T, maxC = 0, maxOC = 0;
-    for (int i = 0; i < nl; i++) {
-        int k = 0, calls = lins[i].op == FL_OP_MM_LMHEAD ? 1 : c.n_layer;
-        while (k < ns && !(shapes[k].C == lins[i].in && shapes[k].OC == lins[i].out)) k++;
-        if (k == ns) shapes[ns++] = (shape){.C = lins[i].in, .OC = lins[i].out};
-        size_t len = strlen(shapes[k].ops);
-        snprintf(shapes[k].ops + len, sizeof shapes[k].ops - len, "%s%s", len ? "+" : "",
-                 fl_op_name((fl_op)lins[i].op));
-        shapes[k].calls += calls;
-        if (lins[i].in > maxC) maxC = lins[i].in;
-        if (lins[i].out > maxOC) maxOC = lins[i].out;
+    fl_gemm_shape shapes[FL_MAX_SLOTS];
+    int ns = fl_model_gemm_shapes(&c, shapes), N = B * T, maxC = 0, maxOC = 0;
+    for (int k = 0; k < ns; k++) {
+        if (shapes[k].C > maxC) maxC = shapes[k].C;
+        if (shapes[k].OC > maxOC) maxOC = shapes[k].OC;
     }
 
     const fl_device *d = fl_device_get("cuda");
@@ -129,7 +116,7 @@ int main(int argc, char **argv) {
            "---|\n");
     double flops = 0.0, bound_ms = 0.0, fitlm_ms = 0.0;
     for (int k = 0; k < ns; k++) {
-        shape *s = &shapes[k];
+        const fl_gemm_shape *s = &shapes[k];
         double f = 2.0 * N * s->C * s->OC; // one GEMM's
         for (int g = 0; g < 3; g++) {
             double ms[16];

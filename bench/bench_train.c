@@ -240,11 +240,11 @@ enum { E_BLAS, E_DNNL, E_FITLM, NENGINE }; // OpenBLAS, oneDNN, fitlm's matmul
 static const char *gemm_name[NGEMM] = {"fwd", "dinp", "dweight"};
 enum { GEMM_ROUNDS = 7 }; // timed rounds per GEMM, each engine once per round
 
-// One distinct (C, OC) shape of the step's linear units, with N = B*T rows.
+// One distinct (C, OC) shape of the step's linear units, with N = B*T
+// rows, and its GEMMs' times: one call, best of GEMM_ROUNDS.
 typedef struct {
-    char ops[64]; // the profile names of the linears of this shape
-    int C, OC, calls;
-    double ms[NGEMM][NENGINE]; // one call, best of GEMM_ROUNDS
+    fl_gemm_shape s;
+    double ms[NGEMM][NENGINE];
 } gemm_shape;
 
 // CPU seconds this process has run, all threads summed
@@ -296,7 +296,8 @@ static void gemm_run(int g, int e, int N, int C, int OC, float *inp, float *w, f
     if (st != dnnl_success) fl_die("dnnl_sgemm failed (status %d)", (int)st);
 }
 
-static void gemm_time(gemm_shape *s, int N, uint64_t seed) {
+static void gemm_time(gemm_shape *shape, int N, uint64_t seed) {
+    const fl_gemm_shape *s = &shape->s;
     size_t nc = (size_t)N * s->C, no = (size_t)N * s->OC, wc = (size_t)s->OC * s->C;
     float *inp = rand_floats(nc, seed), *w = rand_floats(wc, seed + 1);
     float *dout = rand_floats(no, seed + 2), *out = rand_floats(no, seed + 3);
@@ -308,14 +309,14 @@ static void gemm_time(gemm_shape *s, int N, uint64_t seed) {
     for (int g = 0; g < NGEMM; g++) {
         for (int e = 0; e < NENGINE; e++) {
             gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw, ws); // warm-up
-            s->ms[g][e] = 1e30;
+            shape->ms[g][e] = 1e30;
         }
         for (int r = 0; r < GEMM_ROUNDS; r++)
             for (int e = 0; e < NENGINE; e++) {
                 double t0 = fl_now();
                 gemm_run(g, e, N, s->C, s->OC, inp, w, out, dout, dinp, dw, ws);
                 double ms = (fl_now() - t0) * 1e3;
-                s->ms[g][e] = ms < s->ms[g][e] ? ms : s->ms[g][e];
+                shape->ms[g][e] = ms < shape->ms[g][e] ? ms : shape->ms[g][e];
             }
     }
     free(inp), free(w), free(dout), free(out), free(dinp), free(dw);
@@ -330,19 +331,10 @@ typedef struct {
 // profile recorded (its GEMM slots) check the enumeration.
 static gemm_bound gemm_bound_of(const fl_model *m, int B, int T, int steps) {
     const fl_model_config *c = &m->config;
-    fl_linear lins[FL_MAX_SLOTS];
-    int nl = fl_model_linears(c, lins), ns = 0, N = B * T; // the GEMMs the step runs
+    fl_gemm_shape found[FL_MAX_SLOTS];
     gemm_shape shapes[FL_MAX_SLOTS];
-    for (int i = 0; i < nl; i++) {
-        // the LM head runs once per step, every other linear once per block
-        int calls = lins[i].op == FL_OP_MM_LMHEAD ? 1 : c->n_layer, k = 0;
-        while (k < ns && !(shapes[k].C == lins[i].in && shapes[k].OC == lins[i].out)) k++;
-        if (k == ns) shapes[ns++] = (gemm_shape){.C = lins[i].in, .OC = lins[i].out};
-        size_t len = strlen(shapes[k].ops);
-        snprintf(shapes[k].ops + len, sizeof shapes[k].ops - len, "%s%s", len ? "+" : "",
-                 fl_op_name((fl_op)lins[i].op));
-        shapes[k].calls += calls;
-    }
+    int ns = fl_model_gemm_shapes(c, found), N = B * T; // the GEMMs the step runs
+    for (int k = 0; k < ns; k++) shapes[k].s = found[k];
     gemm_bound r = {0};
     for (int op = FL_OP_MM_QKV; op <= FL_OP_MM_LMHEAD; op++) {
         const fl_op_stats *st = fl_profile_stats((fl_op)op);
@@ -356,11 +348,11 @@ static gemm_bound gemm_bound_of(const fl_model *m, int B, int T, int steps) {
            "GFLOP/s | best ms/step | fitlm ms/step |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int k = 0; k < ns; k++) {
-        gemm_shape *s = &shapes[k];
-        gemm_time(s, N, 1000 + (uint64_t)k * 16);
+        gemm_time(&shapes[k], N, 1000 + (uint64_t)k * 16);
+        const fl_gemm_shape *s = &shapes[k].s;
         double f = 2.0 * N * s->C * s->OC; // one GEMM's FLOPs
         for (int g = 0; g < NGEMM; g++) {
-            double *t = s->ms[g];
+            double *t = shapes[k].ms[g];
             double best = t[E_BLAS] < t[E_DNNL] ? t[E_BLAS] : t[E_DNNL];
             r.flops += f * s->calls;
             r.bound_ms += best * s->calls;

@@ -96,18 +96,27 @@ gemm_rate() {
     cat "$f" >>"$log"
 }
 
+# train OUT DATA B T STEPS FLAGS...: `fitlm train --device cuda`, bf16
+# AdamW, into OUT (and the log); its exit status
+train() {
+    local f=$1 data=$2 B=$3 T=$4 n=$5
+    shift 5
+    timeout 150 "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
+        --precision bf16 --optimizer adamw --steps "$n" --warmup 2 --eval-every 0 --eval-iters 1 \
+        --val-data none --sample-tokens 0 --out "" >"$f" 2>&1
+    local rc=$?
+    cat "$f" >>"$log"
+    return $rc
+}
+
 # fitlm_run CONFIG B T DATA FLAGS...: one fitlm run; sets V, N, L, C for torch
 fitlm_run() {
     local cfg=$1 B=$2 T=$3 data=$4
     shift 4
     local f=$work/$cfg.fitlm.out
     echo "== fitlm $cfg B $B T $T" >>"$log"
-    timeout 150 "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
-        --precision bf16 --optimizer adamw --steps $((warmup + steps)) --warmup 2 \
-        --eval-every 0 --eval-iters 1 --val-data none --sample-tokens 0 --out "" --mem-report \
-        >"$f" 2>&1
+    train "$f" "$data" "$B" "$T" $((warmup + steps)) "$@" --mem-report
     local rc=$?
-    cat "$f" >>"$log"
     V=$(sed -n 's/.*vocab \([0-9]*\).*/\1/p' "$f" | head -1)
     N=$(sed -n 's/^\([0-9]*\) parameters.*/\1/p' "$f" | head -1)
     L=$(sed -n 's/.*n_layer \([0-9]*\).*/\1/p' "$f" | head -1)
@@ -142,11 +151,8 @@ fitlm_profile() {
     shift 4
     local f=$work/$cfg.profile.out
     echo "== fitlm $cfg B $B T $T --profile" >>"$log"
-    timeout 150 "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
-        --precision bf16 --optimizer adamw --steps 4 --warmup 2 --eval-every 0 --eval-iters 1 \
-        --val-data none --sample-tokens 0 --out "" --profile >"$f" 2>&1
+    train "$f" "$data" "$B" "$T" 4 "$@" --profile
     local rc=$?
-    cat "$f" >>"$log"
     if [ $rc != 0 ] || ! grep -q '^per-op profile' "$f"; then
         echo "bench/gpu.sh: the profiled run of $cfg failed (rc $rc; see $log)"
         return 1

@@ -407,9 +407,15 @@ typedef struct {
     int tp;      // FL_LINEAR_WHOLE, _COLUMN or _ROW
 } fl_linear;
 
-// Every GEMM shape of a step of shape c (the LM head's once a step, the
-// others once a block), without a model; returns the count (<= FL_MAX_SLOTS).
-int fl_model_linears(const fl_model_config *c, fl_linear *out);
+// The distinct GEMM shapes (C, OC) of a step of shape c, without a model:
+// the calls of each a step (the LM head's once, the others' once a block)
+// and the profile names of its linears, "+"-joined; returns the count
+// (<= FL_MAX_SLOTS). For the benchmarks' GEMM-bound tables.
+typedef struct {
+    int C, OC, calls;
+    char ops[96];
+} fl_gemm_shape;
+int fl_model_gemm_shapes(const fl_model_config *c, fl_gemm_shape *out);
 
 size_t fl_linear_workspace_bytes(const fl_device *d, fl_dtype dt, const fl_linear *lin, int N);
 void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,

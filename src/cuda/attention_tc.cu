@@ -258,19 +258,37 @@ __device__ __forceinline__ void tc_probs(uint16_t *P, uint16_t *dS, const float 
     dS[c] = tc_bits(dt, ds);
 }
 
+// The backward kernels' shared arrays: the tiles K, V, Q, dO (16-bit);
+// the warp's strips S and dP (fp32: the scores and the dO V^T products,
+// transposed in the dK/dV kernel), P and dS (16-bit); the query tile's L
+// (lse) and D.
+typedef struct {
+    uint16_t *K, *V, *Q, *dO, *P, *dS;
+    float *S, *dP, *L, *D;
+} tc_bwd_arrays;
+
+__device__ tc_bwd_arrays tc_bwd_arrays_of(unsigned char *smem, int HS, int warp) {
+    tc_layout ly = tc_layout_of(HS, 1);
+    int lds = tc_lds(HS);
+    tc_bwd_arrays r;
+    r.K = (uint16_t *)(smem + ly.tile[0]), r.V = (uint16_t *)(smem + ly.tile[1]);
+    r.Q = (uint16_t *)(smem + ly.tile[2]), r.dO = (uint16_t *)(smem + ly.tile[3]);
+    r.S = (float *)(smem + ly.strip32[0]) + warp * 16 * lds;
+    r.dP = (float *)(smem + ly.strip32[1]) + warp * 16 * lds;
+    r.P = (uint16_t *)(smem + ly.strip16[0]) + warp * 16 * TC_LDP;
+    r.dS = (uint16_t *)(smem + ly.strip16[1]) + warp * 16 * TC_LDP;
+    r.L = (float *)(smem + ly.rows[0]), r.D = (float *)(smem + ly.rows[1]);
+    return r;
+}
+
 template <class E>
 __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
                                   const void *out, const float *lse, att_shape a, int vec) {
     extern __shared__ __align__(128) unsigned char smem[];
     int HS = a.HS, ldh = HS + 8, lds = tc_lds(HS), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    tc_layout ly = tc_layout_of(HS, 1);
-    uint16_t *K = (uint16_t *)(smem + ly.tile[0]), *V = (uint16_t *)(smem + ly.tile[1]);
-    uint16_t *Q = (uint16_t *)(smem + ly.tile[2]), *dO = (uint16_t *)(smem + ly.tile[3]);
-    float *S = (float *)(smem + ly.strip32[0]) + warp * 16 * lds;  // K Q^T
-    float *dP = (float *)(smem + ly.strip32[1]) + warp * 16 * lds; // V dO^T
-    uint16_t *P = (uint16_t *)(smem + ly.strip16[0]) + warp * 16 * TC_LDP;
-    uint16_t *dS = (uint16_t *)(smem + ly.strip16[1]) + warp * 16 * TC_LDP;
-    float *L = (float *)(smem + ly.rows[0]), *D = (float *)(smem + ly.rows[1]);
+    tc_bwd_arrays sh = tc_bwd_arrays_of(smem, HS, warp);
+    uint16_t *K = sh.K, *V = sh.V, *Q = sh.Q, *dO = sh.dO, *P = sh.P, *dS = sh.dS;
+    float *S = sh.S, *dP = sh.dP, *L = sh.L, *D = sh.D;
     int j0 = blockIdx.y * TC_TILE, b = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS;
@@ -315,14 +333,9 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
                                 const void *out, const float *lse, att_shape a, int vec) {
     extern __shared__ __align__(128) unsigned char smem[];
     int HS = a.HS, ldh = HS + 8, lds = tc_lds(HS), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    tc_layout ly = tc_layout_of(HS, 1);
-    uint16_t *K = (uint16_t *)(smem + ly.tile[0]), *V = (uint16_t *)(smem + ly.tile[1]);
-    uint16_t *Q = (uint16_t *)(smem + ly.tile[2]), *dO = (uint16_t *)(smem + ly.tile[3]);
-    float *S = (float *)(smem + ly.strip32[0]) + warp * 16 * lds;  // Q K^T
-    float *dP = (float *)(smem + ly.strip32[1]) + warp * 16 * lds; // dO V^T
-    uint16_t *P = (uint16_t *)(smem + ly.strip16[0]) + warp * 16 * TC_LDP;
-    uint16_t *dS = (uint16_t *)(smem + ly.strip16[1]) + warp * 16 * TC_LDP;
-    float *L = (float *)(smem + ly.rows[0]), *D = (float *)(smem + ly.rows[1]);
+    tc_bwd_arrays sh = tc_bwd_arrays_of(smem, HS, warp);
+    uint16_t *K = sh.K, *V = sh.V, *Q = sh.Q, *dO = sh.dO, *P = sh.P, *dS = sh.dS;
+    float *S = sh.S, *dP = sh.dP, *L = sh.L, *D = sh.D;
     int i0 = (gridDim.y - 1 - blockIdx.y) * TC_TILE;
     int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;

@@ -20,8 +20,19 @@ static const fl_arch *arch_of(const fl_model_config *c) {
     return ARCHS[c->arch];
 }
 
-int fl_model_linears(const fl_model_config *c, fl_linear *out) {
-    return arch_of(c)->linears(c, out);
+int fl_model_gemm_shapes(const fl_model_config *c, fl_gemm_shape *out) {
+    fl_linear lins[FL_MAX_SLOTS];
+    int nl = arch_of(c)->linears(c, lins), ns = 0;
+    for (int i = 0; i < nl; i++) {
+        int k = 0;
+        while (k < ns && !(out[k].C == lins[i].in && out[k].OC == lins[i].out)) k++;
+        if (k == ns) out[ns++] = (fl_gemm_shape){.C = lins[i].in, .OC = lins[i].out};
+        size_t len = strlen(out[k].ops);
+        snprintf(out[k].ops + len, sizeof out[k].ops - len, "%s%s", len ? "+" : "",
+                 fl_op_name((fl_op)lins[i].op));
+        out[k].calls += lins[i].op == FL_OP_MM_LMHEAD ? 1 : c->n_layer;
+    }
+    return ns;
 }
 
 void fl_model_config_finish(fl_model_config *cfg) {
