@@ -287,13 +287,11 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
     extern __shared__ __align__(128) unsigned char smem[];
     int HS = a.HS, ldh = HS + 8, lds = tc_lds(HS), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     tc_bwd_arrays sh = tc_bwd_arrays_of(smem, HS, warp);
-    uint16_t *K = sh.K, *V = sh.V, *Q = sh.Q, *dO = sh.dO, *P = sh.P, *dS = sh.dS;
-    float *S = sh.S, *dP = sh.dP, *L = sh.L, *D = sh.D;
     int j0 = blockIdx.y * TC_TILE, b = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS;
-    tc_load_rows(K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
-    tc_load_rows(V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
+    tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
+    tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
     // the lane's key (a row of the warp's strips) and half of the queries
     int r = lane / 2, half = lane % 2, j = j0 + warp * 16 + r;
     tc_acc dK[TC_FRAGS], dV[TC_FRAGS];
@@ -303,29 +301,30 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
         for (int i0 = j0; i0 < a.T; i0 += TC_TILE) {      // rows at or below the diagonal
             __syncthreads();
             size_t orow0 = (size_t)b * a.T * a.C + (size_t)h * HS;
-            tc_load_rows(Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS, vec);
-            tc_load_rows(dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
-            tc_row_stats(L, D, dt, out, dout, lse, b, h, i0, a);
+            tc_load_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
+                         vec);
+            tc_load_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
+            tc_row_stats(sh.L, sh.D, dt, out, dout, lse, b, h, i0, a);
             __syncthreads();
-            tc_strip_dots<E>(S, lds, K + warp * 16 * ldh, Q, ldh, HS);
-            tc_strip_dots<E>(dP, lds, V + warp * 16 * ldh, dO, ldh, HS);
+            tc_strip_dots<E>(sh.S, lds, sh.K + warp * 16 * ldh, sh.Q, ldh, HS);
+            tc_strip_dots<E>(sh.dP, lds, sh.V + warp * 16 * ldh, sh.dO, ldh, HS);
             __syncwarp();
             for (int c = half * 32; c < half * 32 + 32; c++)
-                tc_probs(P + r * TC_LDP, dS + r * TC_LDP, S + r * lds, dP + r * lds, dt, i0 + c, j,
-                         L[c], D[c], a.scale, a.T, c);
+                tc_probs(sh.P + r * TC_LDP, sh.dS + r * TC_LDP, sh.S + r * lds, sh.dP + r * lds, dt,
+                         i0 + c, j, sh.L[c], sh.D[c], a.scale, a.T, c);
             __syncwarp();
-            tc_strip_mm<E>(dV, P, dO, ldh, HS); // P^T dO
-            tc_strip_mm<E>(dK, dS, Q, ldh, HS); // dS^T Q
+            tc_strip_mm<E>(dV, sh.P, sh.dO, ldh, HS); // P^T dO
+            tc_strip_mm<E>(dK, sh.dS, sh.Q, ldh, HS); // dS^T Q
         }
     // dK and dV through the score strip into dqkv, each rounded once
     __syncwarp();
-    tc_store_acc(S, lds, dK, HS);
+    tc_store_acc(sh.S, lds, dK, HS);
     __syncwarp();
-    if (j < a.T) tc_add_row(dt, (char *)dqkv + koff * 2, a.W, S + r * lds, a.scale, j, half, HS);
+    if (j < a.T) tc_add_row(dt, (char *)dqkv + koff * 2, a.W, sh.S + r * lds, a.scale, j, half, HS);
     __syncwarp();
-    tc_store_acc(S, lds, dV, HS);
+    tc_store_acc(sh.S, lds, dV, HS);
     __syncwarp();
-    if (j < a.T) tc_add_row(dt, (char *)dqkv + voff * 2, a.W, S + r * lds, 1.0f, j, half, HS);
+    if (j < a.T) tc_add_row(dt, (char *)dqkv + voff * 2, a.W, sh.S + r * lds, 1.0f, j, half, HS);
 }
 
 template <class E>
@@ -334,16 +333,14 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     extern __shared__ __align__(128) unsigned char smem[];
     int HS = a.HS, ldh = HS + 8, lds = tc_lds(HS), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     tc_bwd_arrays sh = tc_bwd_arrays_of(smem, HS, warp);
-    uint16_t *K = sh.K, *V = sh.V, *Q = sh.Q, *dO = sh.dO, *P = sh.P, *dS = sh.dS;
-    float *S = sh.S, *dP = sh.dP, *L = sh.L, *D = sh.D;
     int i0 = (gridDim.y - 1 - blockIdx.y) * TC_TILE;
     int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS, qoff = row0 + (size_t)h * HS;
-    tc_load_rows(Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
-    tc_load_rows(dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0, a.T,
-                 HS, vec);
-    tc_row_stats(L, D, dt, out, dout, lse, b, h, i0, a);
+    tc_load_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
+    tc_load_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
+                 a.T, HS, vec);
+    tc_row_stats(sh.L, sh.D, dt, out, dout, lse, b, h, i0, a);
     // the lane's query (a row of the warp's strips) and half of the keys
     int r = lane / 2, half = lane % 2, q = warp * 16 + r, i = i0 + q;
     tc_acc dQ[TC_FRAGS];
@@ -351,22 +348,22 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     int keys = min(a.T, i0 + TC_TILE);
     for (int j0 = 0; j0 < keys; j0 += TC_TILE) {
         __syncthreads();
-        tc_load_rows(K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
-        tc_load_rows(V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
+        tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
+        tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
         __syncthreads();
-        tc_strip_dots<E>(S, lds, Q + warp * 16 * ldh, K, ldh, HS);
-        tc_strip_dots<E>(dP, lds, dO + warp * 16 * ldh, V, ldh, HS);
+        tc_strip_dots<E>(sh.S, lds, sh.Q + warp * 16 * ldh, sh.K, ldh, HS);
+        tc_strip_dots<E>(sh.dP, lds, sh.dO + warp * 16 * ldh, sh.V, ldh, HS);
         __syncwarp();
         for (int c = half * 32; c < half * 32 + 32; c++)
-            tc_probs(P + r * TC_LDP, dS + r * TC_LDP, S + r * lds, dP + r * lds, dt, i, j0 + c,
-                     L[q], D[q], a.scale, a.T, c);
+            tc_probs(sh.P + r * TC_LDP, sh.dS + r * TC_LDP, sh.S + r * lds, sh.dP + r * lds, dt, i,
+                     j0 + c, sh.L[q], sh.D[q], a.scale, a.T, c);
         __syncwarp();
-        tc_strip_mm<E>(dQ, dS, K, ldh, HS); // dS K
+        tc_strip_mm<E>(dQ, sh.dS, sh.K, ldh, HS); // dS K
     }
     __syncwarp();
-    tc_store_acc(S, lds, dQ, HS);
+    tc_store_acc(sh.S, lds, dQ, HS);
     __syncwarp();
-    if (i < a.T) tc_add_row(dt, (char *)dqkv + qoff * 2, a.W, S + r * lds, a.scale, i, half, HS);
+    if (i < a.T) tc_add_row(dt, (char *)dqkv + qoff * 2, a.W, sh.S + r * lds, a.scale, i, half, HS);
 }
 
 // Whether every row a kernel copies starts 16-byte aligned (the rows' and
