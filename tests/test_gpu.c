@@ -290,6 +290,19 @@ static void call_rmsnorm(tcase *t, const fl_device *x, void *p) {
                        a->C, 1e-5f);
 }
 
+// the residual add fused with the norm: res (accumulated) and the norm's outputs
+static void call_residual_layernorm(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->residual_layernorm_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                                  P(t, a->a[4]), P(t, a->a[5]), P(t, a->a[6]), a->N, a->C);
+}
+
+static void call_residual_rmsnorm(tcase *t, const fl_device *x, void *p) {
+    targs *a = p;
+    x->residual_rmsnorm_forward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                                P(t, a->a[4]), a->N, a->C, 1e-5f);
+}
+
 static void call_rmsnorm_bwd(tcase *t, const fl_device *x, void *p) {
     targs *a = p;
     x->rmsnorm_backward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
@@ -334,6 +347,24 @@ static void norms(fl_dtype dt) {
     a.a[2] = tc_in(&t, dt, (size_t)N * C, 2.0f);
     a.a[3] = tc_in(&t, dt, (size_t)C, 1.0f);
     tc_run(&t, call_rmsnorm, &a, 1e-5);
+
+    t = tc_new("residual_layernorm_forward", dt);
+    a.a[0] = tc_acc(&t, dt, (size_t)N * C, 2.0f);
+    a.a[1] = tc_out(&t, dt, (size_t)N * C);
+    a.a[2] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[3] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[4] = tc_in(&t, dt, (size_t)N * C, 2.0f);
+    a.a[5] = tc_in(&t, dt, (size_t)C, 1.0f);
+    a.a[6] = tc_in(&t, dt, (size_t)C, 1.0f);
+    tc_run(&t, call_residual_layernorm, &a, 1e-5);
+
+    t = tc_new("residual_rmsnorm_forward", dt);
+    a.a[0] = tc_acc(&t, dt, (size_t)N * C, 2.0f);
+    a.a[1] = tc_out(&t, dt, (size_t)N * C);
+    a.a[2] = tc_out(&t, FL_F32, (size_t)N);
+    a.a[3] = tc_in(&t, dt, (size_t)N * C, 2.0f);
+    a.a[4] = tc_in(&t, dt, (size_t)C, 1.0f);
+    tc_run(&t, call_residual_rmsnorm, &a, 1e-5);
 
     rmsnorm_forward(dt, o, rstd, inp, w, N, C, 1e-5f);
     t = tc_new("rmsnorm_backward", dt);

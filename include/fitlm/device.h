@@ -115,6 +115,9 @@ struct fl_device {
     void (*layernorm_backward)(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                                const void *dout, const void *inp, const void *weight,
                                const float *mean, const float *rstd, int N, int C);
+    void (*residual_layernorm_forward)(fl_dtype dt, void *res, void *out, float *mean, float *rstd,
+                                       const void *skip, const void *weight, const void *bias,
+                                       int N, int C);
     void (*matmul_forward)(fl_dtype dt, void *out, const void *inp, const void *weight,
                            const void *bias, void *workspace, int N, int C, int OC);
     void (*matmul_backward)(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
@@ -129,6 +132,8 @@ struct fl_device {
                             const void *weight, int N, int C, float eps);
     void (*rmsnorm_backward)(fl_dtype dt, void *dinp, void *dweight, const void *dout,
                              const void *inp, const void *weight, const float *rstd, int N, int C);
+    void (*residual_rmsnorm_forward)(fl_dtype dt, void *res, void *out, float *rstd,
+                                     const void *skip, const void *weight, int N, int C, float eps);
     void (*rope_forward)(fl_dtype dt, void *qkv, const float *cos_sin, int B, int T, int NH,
                          int NKV, int HS);
     void (*rope_backward)(fl_dtype dt, void *dqkv, const float *cos_sin, int B, int T, int NH,

@@ -83,6 +83,13 @@ void layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const v
 void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                         const void *inp, const void *weight, const float *mean, const float *rstd,
                         int N, int C);
+// res (N,C) = res + skip, rounded, then layernorm_forward of res: the
+// residual add fused with the norm after it (llm.c's fused residual
+// forward; a device reads and writes the rows once); on the cpu the two
+// kernels in turn, the same bits either way.
+void residual_layernorm_forward(fl_dtype dt, void *res, void *out, float *mean, float *rstd,
+                                const void *skip, const void *weight, const void *bias, int N,
+                                int C);
 void layernorm_forward_ref(float *out, float *mean, float *rstd, const float *inp,
                            const float *weight, const float *bias, int N, int C);
 void layernorm_backward_ref(float *dinp, float *dweight, float *dbias, const float *dout,
@@ -161,6 +168,9 @@ void rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp, const
 // order per block of channels (deterministic)
 void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, const void *inp,
                       const void *weight, const float *rstd, int N, int C);
+// res = res + skip, rounded, then rmsnorm_forward of res (as residual_layernorm_forward)
+void residual_rmsnorm_forward(fl_dtype dt, void *res, void *out, float *rstd, const void *skip,
+                              const void *weight, int N, int C, float eps);
 void rmsnorm_forward_ref(float *out, float *rstd, const float *inp, const float *weight, int N,
                          int C, float eps);
 void rmsnorm_backward_ref(float *dinp, float *dweight, const float *dout, const float *inp,

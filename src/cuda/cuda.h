@@ -72,6 +72,9 @@ void fl_cuda_position_forward(fl_dtype dt, void *out, const void *wpe, int B, in
 void fl_cuda_position_backward(fl_dtype dt, void *dwpe, const void *dout, int B, int T, int C);
 void fl_cuda_layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd, const void *inp,
                                const void *weight, const void *bias, int N, int C);
+void fl_cuda_residual_layernorm_forward(fl_dtype dt, void *res, void *out, float *mean, float *rstd,
+                                        const void *skip, const void *weight, const void *bias,
+                                        int N, int C);
 void fl_cuda_layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                                 const void *dout, const void *inp, const void *weight,
                                 const float *mean, const float *rstd, int N, int C);
@@ -92,6 +95,9 @@ void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias
                              int OC);
 void fl_cuda_rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp,
                              const void *weight, int N, int C, float eps);
+void fl_cuda_residual_rmsnorm_forward(fl_dtype dt, void *res, void *out, float *rstd,
+                                      const void *skip, const void *weight, int N, int C,
+                                      float eps);
 void fl_cuda_rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout,
                               const void *inp, const void *weight, const float *rstd, int N, int C);
 void fl_cuda_rope_forward(fl_dtype dt, void *qkv, const float *cos_sin, int B, int T, int NH,

@@ -6,14 +6,15 @@
 
 #define LN_EPS 1e-5f
 
+// inp is written only with a skip (the fused residual add: norm_input)
 __global__ void layernorm_forward_kernel(fl_dtype dt, void *out, float *mean, float *rstd,
-                                         const void *inp, const void *weight, const void *bias,
-                                         int N, int C) {
+                                         void *inp, const void *skip, const void *weight,
+                                         const void *bias, int N, int C) {
     int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return; // the whole warp
     size_t base = (size_t)row * C;
     float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += fl_d_load(dt, inp, base + c);
+    for (int c = lane; c < C; c += 32) s += norm_input(dt, inp, skip, base + c);
     float m = __shfl_sync(0xffffffffu, fl_d_warp_sum(s), 0) / C;
     float v = 0.0f;
     for (int c = lane; c < C; c += 32) {
@@ -91,8 +92,20 @@ extern "C" void fl_cuda_layernorm_forward(fl_dtype dt, void *out, float *mean, f
                                           int N, int C) {
     if (N <= 0) return;
     layernorm_forward_kernel<<<(N + NORM_ROWS - 1) / NORM_ROWS, NORM_ROWS * 32, 0,
-                               fl_cuda_stream()>>>(dt, out, mean, rstd, inp, weight, bias, N, C);
+                               fl_cuda_stream()>>>(dt, out, mean, rstd, (void *)inp, NULL, weight,
+                                                   bias, N, C);
     FL_CUDA_LAUNCHED("layernorm_forward_kernel");
+}
+
+extern "C" void fl_cuda_residual_layernorm_forward(fl_dtype dt, void *res, void *out, float *mean,
+                                                   float *rstd, const void *skip,
+                                                   const void *weight, const void *bias, int N,
+                                                   int C) {
+    if (N <= 0) return;
+    layernorm_forward_kernel<<<(N + NORM_ROWS - 1) / NORM_ROWS, NORM_ROWS * 32, 0,
+                               fl_cuda_stream()>>>(dt, out, mean, rstd, res, skip, weight, bias, N,
+                                                   C);
+    FL_CUDA_LAUNCHED("layernorm_forward_kernel (residual)");
 }
 
 extern "C" void fl_cuda_layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,

@@ -4,14 +4,16 @@
 // gradient is a column sum in two deterministic passes (columns.cuh).
 #include "norm.cuh"
 
-__global__ void rmsnorm_forward_kernel(fl_dtype dt, void *out, float *rstd, const void *inp,
-                                       const void *weight, int N, int C, float eps) {
+// inp is written only with a skip (the fused residual add: norm_input)
+__global__ void rmsnorm_forward_kernel(fl_dtype dt, void *out, float *rstd, void *inp,
+                                       const void *skip, const void *weight, int N, int C,
+                                       float eps) {
     int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return; // the whole warp
     size_t base = (size_t)row * C;
     float ss = 0.0f;
     for (int c = lane; c < C; c += 32) {
-        float x = fl_d_load(dt, inp, base + c);
+        float x = norm_input(dt, inp, skip, base + c);
         ss += x * x;
     }
     float r = norm_rstd(__shfl_sync(0xffffffffu, fl_d_warp_sum(ss), 0) / C + eps);
@@ -63,8 +65,18 @@ extern "C" void fl_cuda_rmsnorm_forward(fl_dtype dt, void *out, float *rstd, con
                                         const void *weight, int N, int C, float eps) {
     if (N <= 0) return;
     rmsnorm_forward_kernel<<<(N + NORM_ROWS - 1) / NORM_ROWS, NORM_ROWS * 32, 0,
-                             fl_cuda_stream()>>>(dt, out, rstd, inp, weight, N, C, eps);
+                             fl_cuda_stream()>>>(dt, out, rstd, (void *)inp, NULL, weight, N, C,
+                                                 eps);
     FL_CUDA_LAUNCHED("rmsnorm_forward_kernel");
+}
+
+extern "C" void fl_cuda_residual_rmsnorm_forward(fl_dtype dt, void *res, void *out, float *rstd,
+                                                 const void *skip, const void *weight, int N, int C,
+                                                 float eps) {
+    if (N <= 0) return;
+    rmsnorm_forward_kernel<<<(N + NORM_ROWS - 1) / NORM_ROWS, NORM_ROWS * 32, 0,
+                             fl_cuda_stream()>>>(dt, out, rstd, res, skip, weight, N, C, eps);
+    FL_CUDA_LAUNCHED("rmsnorm_forward_kernel (residual)");
 }
 
 extern "C" void fl_cuda_rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout,

@@ -257,6 +257,14 @@ static void t_layernorm_forward(fl_dtype dt, void *out, float *mean, float *rstd
     close_();
 }
 
+static void t_residual_layernorm_forward(fl_dtype dt, void *res, void *out, float *mean,
+                                         float *rstd, const void *skip, const void *weight,
+                                         const void *bias, int N, int C) {
+    open_();
+    cpu->residual_layernorm_forward(dt, res, out, mean, rstd, skip, weight, bias, N, C);
+    close_();
+}
+
 static void t_layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                                  const void *dout, const void *inp, const void *weight,
                                  const float *mean, const float *rstd, int N, int C) {
@@ -299,6 +307,14 @@ static void t_rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *i
                               const void *weight, int N, int C, float eps) {
     open_();
     cpu->rmsnorm_forward(dt, out, rstd, inp, weight, N, C, eps);
+    close_();
+}
+
+static void t_residual_rmsnorm_forward(fl_dtype dt, void *res, void *out, float *rstd,
+                                       const void *skip, const void *weight, int N, int C,
+                                       float eps) {
+    open_();
+    cpu->residual_rmsnorm_forward(dt, res, out, rstd, skip, weight, N, C, eps);
     close_();
 }
 
@@ -514,12 +530,14 @@ const fl_device *fl_device_test_table(void) {
     t.position_forward = t_position_forward;
     t.position_backward = t_position_backward;
     t.layernorm_forward = t_layernorm_forward;
+    t.residual_layernorm_forward = t_residual_layernorm_forward;
     t.layernorm_backward = t_layernorm_backward;
     t.matmul_forward = t_matmul_forward;
     t.matmul_backward = t_matmul_backward;
     t.attention_forward = t_attention_forward;
     t.attention_backward = t_attention_backward;
     t.rmsnorm_forward = t_rmsnorm_forward;
+    t.residual_rmsnorm_forward = t_residual_rmsnorm_forward;
     t.rmsnorm_backward = t_rmsnorm_backward;
     t.rope_forward = t_rope_forward;
     t.rope_backward = t_rope_backward;

@@ -142,6 +142,13 @@ void layernorm_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, con
     }
 }
 
+void residual_layernorm_forward(fl_dtype dt, void *res, void *out, float *mean, float *rstd,
+                                const void *skip, const void *weight, const void *bias, int N,
+                                int C) {
+    residual_forward(dt, res, skip, res, (size_t)N * C);
+    layernorm_forward(dt, out, mean, rstd, res, weight, bias, N, C);
+}
+
 void layernorm_forward_ref(float *out, float *mean, float *rstd, const float *inp,
                            const float *weight, const float *bias, int N, int C) {
     for (int n = 0; n < N; n++) {

@@ -120,6 +120,12 @@ void rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight, const void *dout, 
     }
 }
 
+void residual_rmsnorm_forward(fl_dtype dt, void *res, void *out, float *rstd, const void *skip,
+                              const void *weight, int N, int C, float eps) {
+    residual_forward(dt, res, skip, res, (size_t)N * C);
+    rmsnorm_forward(dt, out, rstd, res, weight, N, C, eps);
+}
+
 void rmsnorm_forward_ref(float *out, float *rstd, const float *inp, const float *weight, int N,
                          int C, float eps) {
     for (int n = 0; n < N; n++) {

@@ -87,8 +87,11 @@ static inline void fl_model_mem_free(const fl_model *m, fl_mem_tag tag, void *p)
 #define FL_FWD_OP(op, ...) FL_PROFILE(op, FL_FWD, 0.0, __VA_ARGS__)
 #define FL_BWD_OP(op, ...) FL_PROFILE(op, FL_BWD, 0.0, __VA_ARGS__)
 
-// The attention half of a pre-norm block (block.c): out = in +
-// o(attention(rope(qkv(normed)))), RoPE when the model has a rope table.
+// The attention half of a pre-norm block (block.c): out =
+// o(attention(rope(qkv(normed)))), RoPE when the model has a rope table;
+// the caller adds the skip connection (b->in) with the residual add fused
+// into the norm after it (the device's residual_layernorm_forward or
+// residual_rmsnorm_forward: the stream is read and written once).
 typedef struct {
     void *normed; // (B,T,C) the block's first norm's output: the input here
     void *qkv;    // (B,T,(NH+2KV)HS) after RoPE

@@ -37,7 +37,7 @@ void fl_attention_forward(const fl_block *b, const fl_linear *qkv_lin, const fl_
     FL_PROFILE(FL_OP_ATTENTION, FL_FWD, attention_flops(b, NH, HS),
                m->dev->attention_forward(m->dtype, a->atty, a->lse, a->qkv, m->att_workspace, b->B,
                                          b->T, NH, KV, HS));
-    fl_residual_linear_forward(b, o_lin, out, a->atty, b->in);
+    fl_linear_forward(m, b->l, o_lin, out, a->atty, b->B * b->T);
 }
 
 void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl_linear *o_lin,

@@ -187,9 +187,17 @@ static void block_forward(const fl_block *b, int cheap_only) {
     FL_FWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_forward(dt, a[A_LN1], a[A_LN1_MEAN], a[A_LN1_RSTD],
                                                          b->in, W(LN1W), W(LN1B), BTs, C));
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
-    if (!cheap_only) fl_attention_forward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, a[A_RES2]);
-    FL_FWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD],
-                                                         a[A_RES2], W(LN2W), W(LN2B), BTs, C));
+    // residual2 = in + attproj(...), added in ln_2's first pass; recomputing
+    // the cheap ops only, residual2 is kept
+    if (!cheap_only) {
+        fl_attention_forward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, a[A_RES2]);
+        FL_FWD_OP(FL_OP_LAYERNORM, m->dev->residual_layernorm_forward(
+                                       dt, a[A_RES2], a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD], b->in,
+                                       W(LN2W), W(LN2B), BTs, C));
+    } else
+        FL_FWD_OP(FL_OP_LAYERNORM,
+                  m->dev->layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD], a[A_RES2],
+                                            W(LN2W), W(LN2B), BTs, C));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_FC], a[A_FCH], a[A_LN2], BT);
     FL_FWD_OP(FL_OP_GELU,
               m->dev->gelu_forward(dt, a[A_GELU], a[A_FCH], (size_t)BT * lin[L_FC].out));

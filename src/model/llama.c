@@ -199,9 +199,16 @@ static void block_forward(const fl_block *b, int cheap_only) {
     FL_FWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in,
                                                      fl_unit_w(m, l, LN1), BTs, C, eps));
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
-    if (!cheap_only) fl_attention_forward(b, &lin[L_QKV], &lin[L_O], &att, a[A_RES2]);
-    FL_FWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2],
-                                                     fl_unit_w(m, l, LN2), BTs, C, eps));
+    // residual2 = in + o(...), added in the second norm's first pass;
+    // recomputing the cheap ops only, residual2 is kept
+    if (!cheap_only) {
+        fl_attention_forward(b, &lin[L_QKV], &lin[L_O], &att, a[A_RES2]);
+        FL_FWD_OP(FL_OP_RMSNORM,
+                  m->dev->residual_rmsnorm_forward(dt, a[A_RES2], a[A_LN2], a[A_RSTD2], b->in,
+                                                   fl_unit_w(m, l, LN2), BTs, C, eps));
+    } else
+        FL_FWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2],
+                                                         fl_unit_w(m, l, LN2), BTs, C, eps));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_GATEUP], a[A_GATEUP], a[A_LN2], BT);
     FL_FWD_OP(FL_OP_SWIGLU, m->dev->swiglu_forward(dt, a[A_ACT], a[A_GATEUP], BT, I));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_DOWN], b->out, a[A_ACT], a[A_RES2]);
