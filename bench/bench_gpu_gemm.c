@@ -32,19 +32,19 @@ static void usage(void) {
     exit(2);
 }
 
-// n random values in [-1, 1) of dt into device buffer p, a chunk at a time
+// n values of dt into device buffer p: one chunk of random values in
+// [-1, 1), uploaded over and over (a GEMM's speed wants values that are not
+// all zero, not a fresh draw for each of a billion)
 static void fill(const fl_device *d, fl_dtype dt, void *p, size_t n, fl_rng *rng) {
     enum { CHUNK = 1 << 22 };
     float *x = malloc(CHUNK * sizeof(float));
     void *h = malloc(CHUNK * sizeof(float));
     FL_ASSERT(x && h);
+    for (size_t i = 0; i < CHUNK; i++) x[i] = 2.0f * fl_rng_uniform(rng) - 1.0f;
+    fl_convert(dt, h, FL_F32, x, CHUNK);
     size_t es = fl_dtype_size(dt);
-    for (size_t at = 0; at < n; at += CHUNK) {
-        size_t k = n - at < CHUNK ? n - at : CHUNK;
-        for (size_t i = 0; i < k; i++) x[i] = 2.0f * fl_rng_uniform(rng) - 1.0f;
-        fl_convert(dt, h, FL_F32, x, k);
-        fl_dev_upload(d, (char *)p + at * es, h, k * es);
-    }
+    for (size_t at = 0; at < n; at += CHUNK)
+        fl_dev_upload(d, (char *)p + at * es, h, (n - at < CHUNK ? n - at : CHUNK) * es);
     free(x), free(h);
 }
 
