@@ -6,7 +6,7 @@
 // shared memory 64 rows at a time, as the raw 16-bit values (rows padded by
 // 8 values: 16 bytes, so the tensor cores' row loads spread over banks).
 // Each warp multiplies its strip: scores S (16 x 64) into a fp32 strip of
-// its own, which its lanes (two a row, 32 columns each) turn into
+// its own, which its lanes (two a row, every other column each) turn into
 // probabilities, rounded to the 16-bit type for the next product as
 // FlashAttention does, then P V (or P^T dO, dS^T Q, dS K) summed in fp32
 // fragments. The online softmax rescales the forward's output rows, which
@@ -171,11 +171,11 @@ __device__ void tc_row_stats(float *L, float *D, fl_dtype dt, const void *out, c
     }
 }
 
-// dst (row i of a head, ld apart; the lane's half of its HS values) =
-// round(dst + f * acc row)
+// dst (row i of a head, ld apart; its values odd, odd + 2, ...: a lane's,
+// its twin the others) = round(dst + f * acc row)
 __device__ void tc_add_row(fl_dtype dt, void *base, size_t ld, const float *acc, float f, int i,
-                           int half, int HS) {
-    for (int d = half * (HS / 2); d < (half + 1) * (HS / 2); d++) {
+                           int odd, int HS) {
+    for (int d = odd; d < HS; d += 2) {
         size_t o = (size_t)i * ld + d;
         fl_d_store(dt, base, o, fl_d_load(dt, base, o) + f * acc[d]);
     }
@@ -196,10 +196,11 @@ __global__ void attention_forward_tc(fl_dtype dt, void *out, float *lse, const v
     int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     const uint16_t *row0 = (const uint16_t *)qkv + (size_t)b * a.T * a.W;
     tc_load_rows(Q, row0 + (size_t)h * HS, a.W, i0, a.T, HS, vec);
-    // the lane's row of the warp's strip, and which half of its columns
-    int r = lane / 2, half = lane % 2, i = i0 + warp * 16 + r;
+    // the lane's row of the warp's strip; it takes every other column, its
+    // twin (the next lane) the others: the two read different banks
+    int r = lane / 2, odd = lane % 2, i = i0 + warp * 16 + r;
     float *orow = O + r * lds, *srow = S + r * lds;
-    for (int d = half * (HS / 2); d < (half + 1) * (HS / 2); d++) orow[d] = 0.0f;
+    for (int d = odd; d < HS; d += 2) orow[d] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     int keys = min(a.T, i0 + TC_TILE); // the block's last row sees keys 0..keys-1
     for (int j0 = 0; j0 < keys; j0 += TC_TILE) {
@@ -209,18 +210,18 @@ __global__ void attention_forward_tc(fl_dtype dt, void *out, float *lse, const v
         __syncthreads();
         tc_strip_dots<E>(S, lds, Q + warp * 16 * ldh, K, ldh, HS);
         __syncwarp();
-        // the row's max and sum over the tile, the lane's 32 keys and its twin's
-        float *s = srow + half * 32, mt = -INFINITY;
-        for (int c = 0; c < 32; c++) {
-            int j = j0 + half * 32 + c;
-            s[c] = j <= i && j < a.T ? a.scale * s[c] : -INFINITY;
-            mt = fmaxf(mt, s[c]);
+        // the row's max and sum over the tile: the lane's 32 keys and its twin's
+        float mt = -INFINITY;
+        for (int c = odd; c < TC_TILE; c += 2) {
+            int j = j0 + c;
+            srow[c] = j <= i && j < a.T ? a.scale * srow[c] : -INFINITY;
+            mt = fmaxf(mt, srow[c]);
         }
         // finite: key 0 is in every row's first tile
         float mnew = fmaxf(m, fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1))), sum = 0.0f;
-        uint16_t *p = P + r * TC_LDP + half * 32;
-        for (int c = 0; c < 32; c++) {
-            float e = s[c] == -INFINITY ? 0.0f : expf(s[c] - mnew);
+        uint16_t *p = P + r * TC_LDP;
+        for (int c = odd; c < TC_TILE; c += 2) {
+            float e = srow[c] == -INFINITY ? 0.0f : expf(srow[c] - mnew);
             sum += e;
             p[c] = tc_bits(dt, e);
         }
@@ -233,13 +234,12 @@ __global__ void attention_forward_tc(fl_dtype dt, void *out, float *lse, const v
         tc_strip_mm<E>(pv, P, V, ldh, HS);
         tc_store_acc(S, lds, pv, HS);
         __syncwarp();
-        for (int d = half * (HS / 2); d < (half + 1) * (HS / 2); d++)
-            orow[d] = orow[d] * alpha + srow[d];
+        for (int d = odd; d < HS; d += 2) orow[d] = orow[d] * alpha + srow[d];
     }
     if (i < a.T) {
-        for (int d = half * (HS / 2); d < (half + 1) * (HS / 2); d++)
+        for (int d = odd; d < HS; d += 2)
             fl_d_store(dt, out, ((size_t)b * a.T + i) * a.C + (size_t)h * HS + d, orow[d] / l);
-        if (half == 0) lse[((size_t)b * a.NH + h) * a.T + i] = m + logf(l);
+        if (odd == 0) lse[((size_t)b * a.NH + h) * a.T + i] = m + logf(l);
     }
 }
 
@@ -292,8 +292,8 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
     size_t voff = koff + (size_t)a.NKV * HS;
     tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
     tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
-    // the lane's key (a row of the warp's strips) and half of the queries
-    int r = lane / 2, half = lane % 2, j = j0 + warp * 16 + r;
+    // the lane's key (a row of the warp's strips) and every other query
+    int r = lane / 2, odd = lane % 2, j = j0 + warp * 16 + r;
     tc_acc dK[TC_FRAGS], dV[TC_FRAGS];
     tc_zero_acc(dK);
     tc_zero_acc(dV);
@@ -309,7 +309,7 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
             tc_strip_dots<E>(sh.S, lds, sh.K + warp * 16 * ldh, sh.Q, ldh, HS);
             tc_strip_dots<E>(sh.dP, lds, sh.V + warp * 16 * ldh, sh.dO, ldh, HS);
             __syncwarp();
-            for (int c = half * 32; c < half * 32 + 32; c++)
+            for (int c = odd; c < TC_TILE; c += 2)
                 tc_probs(sh.P + r * TC_LDP, sh.dS + r * TC_LDP, sh.S + r * lds, sh.dP + r * lds, dt,
                          i0 + c, j, sh.L[c], sh.D[c], a.scale, a.T, c);
             __syncwarp();
@@ -320,11 +320,11 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
     __syncwarp();
     tc_store_acc(sh.S, lds, dK, HS);
     __syncwarp();
-    if (j < a.T) tc_add_row(dt, (char *)dqkv + koff * 2, a.W, sh.S + r * lds, a.scale, j, half, HS);
+    if (j < a.T) tc_add_row(dt, (char *)dqkv + koff * 2, a.W, sh.S + r * lds, a.scale, j, odd, HS);
     __syncwarp();
     tc_store_acc(sh.S, lds, dV, HS);
     __syncwarp();
-    if (j < a.T) tc_add_row(dt, (char *)dqkv + voff * 2, a.W, sh.S + r * lds, 1.0f, j, half, HS);
+    if (j < a.T) tc_add_row(dt, (char *)dqkv + voff * 2, a.W, sh.S + r * lds, 1.0f, j, odd, HS);
 }
 
 template <class E>
@@ -341,8 +341,8 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     tc_load_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
                  a.T, HS, vec);
     tc_row_stats(sh.L, sh.D, dt, out, dout, lse, b, h, i0, a);
-    // the lane's query (a row of the warp's strips) and half of the keys
-    int r = lane / 2, half = lane % 2, q = warp * 16 + r, i = i0 + q;
+    // the lane's query (a row of the warp's strips) and every other key
+    int r = lane / 2, odd = lane % 2, q = warp * 16 + r, i = i0 + q;
     tc_acc dQ[TC_FRAGS];
     tc_zero_acc(dQ);
     int keys = min(a.T, i0 + TC_TILE);
@@ -354,7 +354,7 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
         tc_strip_dots<E>(sh.S, lds, sh.Q + warp * 16 * ldh, sh.K, ldh, HS);
         tc_strip_dots<E>(sh.dP, lds, sh.dO + warp * 16 * ldh, sh.V, ldh, HS);
         __syncwarp();
-        for (int c = half * 32; c < half * 32 + 32; c++)
+        for (int c = odd; c < TC_TILE; c += 2)
             tc_probs(sh.P + r * TC_LDP, sh.dS + r * TC_LDP, sh.S + r * lds, sh.dP + r * lds, dt, i,
                      j0 + c, sh.L[q], sh.D[q], a.scale, a.T, c);
         __syncwarp();
@@ -363,7 +363,7 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     __syncwarp();
     tc_store_acc(sh.S, lds, dQ, HS);
     __syncwarp();
-    if (i < a.T) tc_add_row(dt, (char *)dqkv + qoff * 2, a.W, sh.S + r * lds, a.scale, i, half, HS);
+    if (i < a.T) tc_add_row(dt, (char *)dqkv + qoff * 2, a.W, sh.S + r * lds, a.scale, i, odd, HS);
 }
 
 // Whether every row a kernel copies starts 16-byte aligned (the rows' and
