@@ -255,8 +255,9 @@ for comp in 0 1; do
     done
 done
 
+# the profile first: the table of runs is what a caller's tail shows
+[ -s "$out/profile_${names[0]}.md" ] && cat "$out/profile_${names[0]}.md"
 echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s and of the best cuBLASLt rate on the config's GEMM shapes (mfu_gemm), peak device MiB"
 column -t -s $'\t' "$tsv"
-[ -s "$out/profile_${names[0]}.md" ] && cat "$out/profile_${names[0]}.md"
 [ -z "${profile_failed:-}" ] || exit 1
 awk -F'\t' 'NR > 1 && $2 == "fitlm" && ($10 != "ok" && $10 != "skipped: time" || $10 == "ok" && $8 == "-") { bad = 1 } END { exit bad }' "$tsv"
