@@ -231,6 +231,9 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
 } >"$out/gpu_check.json"
 
 echo "== summary ($(elapsed) s): $gpu, driver $driver, nvcc $nvcc_v; $status; ctest -L gpu: $ctest_summary"
+for f in "$out"/profile_*.md; do
+    [ -s "$f" ] && head -16 "$f" # the step's largest ops (the whole table in gpu_check.md)
+done
 [ -s "$out/bench.tsv" ] && column -t -s $'\t' "$out/bench.tsv"
 [ -s "$out/memory.tsv" ] && column -t -s $'\t' "$out/memory.tsv"
 [ "$status" = ok ]
