@@ -155,18 +155,33 @@ static size_t workspace_from(void **workspace) {
     return ws;
 }
 
-// D = A x B + beta D, on the compute stream
-static void gemm(int kind, fl_dtype dt, void *d, const void *a, const void *b, const void *bias,
-                 float beta, void *workspace, int m, int n, int k) {
+// One of the linear's GEMMs as cuBLASLt's D (m,n) = A x B + beta D
+// (column-major, the header's table): its operands among the linear's
+// buffers and its shape, for kind MM_FORWARD, MM_DINP or MM_DWEIGHT.
+typedef struct {
+    int kind, m, n, k;
+    void *d;
+    const void *a, *b;
+    float beta; // the gradients accumulate
+} gemm_call;
+
+static gemm_call linear_gemm(int kind, void *out, const void *inp, const void *weight, void *dinp,
+                             void *dweight, const void *dout, int N, int C, int OC) {
+    if (kind == MM_FORWARD) return gemm_call{kind, OC, N, C, out, weight, inp, 0.0f};
+    if (kind == MM_DINP) return gemm_call{kind, C, N, OC, dinp, weight, dout, 1.0f};
+    return gemm_call{kind, C, OC, N, dweight, inp, dout, 1.0f};
+}
+
+// g on the compute stream, with the bias on its epilogue when given
+static void gemm(fl_dtype dt, gemm_call g, const void *bias, void *workspace) {
     size_t ws = workspace_from(&workspace);
-    int align = alignment_of(a, b, d);
-    plan *p = get_plan(kind, dt, m, n, k, bias != NULL, align, ws);
+    plan *p = get_plan(g.kind, dt, g.m, g.n, g.k, bias != NULL, alignment_of(g.a, g.b, g.d), ws);
     if (bias)
         FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                      &bias, sizeof bias));
     const float alpha = 1.0f;
-    FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p->desc, &alpha, a, p->a, b, p->b, &beta, d, p->c, d,
-                                 p->c, &p->algo, workspace, ws, fl_cuda_stream()));
+    FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p->desc, &alpha, g.a, p->a, g.b, p->b, &g.beta, g.d,
+                                 p->c, g.d, p->c, &p->algo, workspace, ws, fl_cuda_stream()));
 }
 
 // chunk blockIdx.y of the rows of dout (N,OC): partial[chunk][o] = its column sums
@@ -198,7 +213,8 @@ extern "C" void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, 
                                        const void *bias, void *workspace, int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
     int epilogue = bias && (uintptr_t)bias % 16 == 0;
-    gemm(MM_FORWARD, dt, out, weight, inp, epilogue ? bias : NULL, 0.0f, workspace, OC, N, C);
+    gemm(dt, linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC),
+         epilogue ? bias : NULL, workspace);
     if (bias && !epilogue) fl_cuda_bias_forward(dt, out, bias, N, OC);
 }
 
@@ -206,8 +222,12 @@ extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, 
                                         const void *dout, const void *inp, const void *weight,
                                         void *workspace, int N, int C, int OC) {
     if (N <= 0 || OC <= 0 || C <= 0) return;
-    if (dinp) gemm(MM_DINP, dt, dinp, weight, dout, NULL, 1.0f, workspace, C, N, OC);
-    if (dweight) gemm(MM_DWEIGHT, dt, dweight, inp, dout, NULL, 1.0f, workspace, C, OC, N);
+    if (dinp)
+        gemm(dt, linear_gemm(MM_DINP, NULL, inp, weight, dinp, NULL, dout, N, C, OC), NULL,
+             workspace);
+    if (dweight)
+        gemm(dt, linear_gemm(MM_DWEIGHT, NULL, inp, weight, NULL, dweight, dout, N, C, OC), NULL,
+             workspace);
     if (!dbias) return;
     int chunks = column_chunks(N);
     float *partial = (float *)fl_cuda_scratch((size_t)chunks * OC * sizeof(float));
@@ -227,15 +247,11 @@ extern "C" int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const v
                                        const void *dout, void *workspace, int N, int C, int OC,
                                        int algos, int rounds, double *ms) {
     FL_ASSERT(algos >= 1 && rounds >= 1);
-    // gemm()'s operands for each kind: D (m,n) = A x B
-    void *d = kind == MM_FORWARD ? out : kind == MM_DINP ? dinp : dweight;
-    const void *a = kind == MM_DWEIGHT ? inp : weight, *b = kind == MM_FORWARD ? inp : dout;
-    int m = kind == MM_FORWARD ? OC : C, n = kind == MM_DWEIGHT ? OC : N;
-    int k = kind == MM_FORWARD ? C : kind == MM_DINP ? OC : N;
-    float beta = kind == MM_FORWARD ? 0.0f : 1.0f, alpha = 1.0f;
+    gemm_call g = linear_gemm(kind, out, inp, weight, dinp, dweight, dout, N, C, OC);
+    const float alpha = 1.0f;
     size_t ws = workspace_from(&workspace);
     plan p;
-    plan_init(&p, kind, dt, m, n, k, 0, alignment_of(a, b, d), ws);
+    plan_init(&p, kind, dt, g.m, g.n, g.k, 0, alignment_of(g.a, g.b, g.d), ws);
     cublasLtMatmulHeuristicResult_t res[16];
     int found = heuristics(&p, algos < 16 ? algos : 16, res);
     cudaEvent_t e0, e1;
@@ -244,14 +260,15 @@ extern "C" int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const v
     for (int i = 0; i < found; i++)
         for (int r = 0; r <= rounds; r++) {
             if (r == 1) FL_CUDA_CHECK(cudaEventRecord(e0, fl_cuda_stream()));
-            FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.c,
-                                         d, p.c, &res[i].algo, workspace, ws, fl_cuda_stream()));
+            FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p.desc, &alpha, g.a, p.a, g.b, p.b, &g.beta,
+                                         g.d, p.c, g.d, p.c, &res[i].algo, workspace, ws,
+                                         fl_cuda_stream()));
             if (r == rounds) {
                 FL_CUDA_CHECK(cudaEventRecord(e1, fl_cuda_stream()));
                 FL_CUDA_CHECK(cudaEventSynchronize(e1));
                 float t = 0.0f;
                 FL_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-                ms[i] = rounds ? t / rounds : 0.0;
+                ms[i] = t / rounds;
             }
         }
     FL_CUDA_CHECK(cudaEventDestroy(e0));
