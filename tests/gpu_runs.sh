@@ -43,16 +43,17 @@
 # GPU_RUNS_QUICK=1 (the emulated GPU's CTest gpu_runs_emu, where a step
 # takes 0.1 to 0.2 s) runs the whole runs on the LLaMA only (GPT-2's
 # kernels are test_gpu's), the fused steps as LOMO and AdaLomo, LoRA's
-# kinds as QLoRA alone, and every run at batch 2 instead of 4; the rest as
-# written.
+# kinds as QLoRA alone, and every run at batch 2 instead of 4 for 6 steps
+# instead of 10 (the resumes from step 3); the rest as written.
 # Exits 77 (skipped) when the machine has no NVIDIA GPU or the build no
 # CUDA backend. GPU_RUNS_DEVICE=test (or cpu) runs the same checks on the
 # test device (or the cpu) against the cpu: a check of this script anywhere.
 set -euo pipefail
 fitlm=${1:?usage: tests/gpu_runs.sh FITLM}
 dev=${GPU_RUNS_DEVICE:-cuda}
-batch=4
-[ -n "${GPU_RUNS_QUICK:-}" ] && batch=2
+batch=4 steps=10
+[ -n "${GPU_RUNS_QUICK:-}" ] && batch=2 steps=6
+half=$((steps / 2)) # where the resumes start
 src=${FITLM_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
 
 # FITLM_CUDA_EMU=1: a build on the CUDA emulator (tests/cuda_emu), no GPU needed
@@ -70,13 +71,14 @@ check() { # check OK MESSAGE
 
 cat "$src"/docs/*.md >"$work/text.txt"
 "$fitlm" tokenize "$work/text.txt" -o "$work/data" --tokenizer byte --threads 2 >/dev/null
+head -c 2048 "$work/text.txt" >"$work/eval.txt" # what the evals read: 32 windows
 
-# run NAME DEVICE ARCH PRECISION [FLAGS...]: 10 steps into $work/NAME
+# run NAME DEVICE ARCH PRECISION [FLAGS...]: $steps steps into $work/NAME
 run() {
     local name=$1 device=$2 arch=$3 prec=$4
     shift 4
     if ! "$fitlm" train --device "$device" --model tiny --arch "$arch" --tokenizer byte \
-        --data "$work/data" --batch "$batch" --seq-len 64 --steps 10 --warmup 2 --lr 1e-3 \
+        --data "$work/data" --batch "$batch" --seq-len 64 --steps "$steps" --warmup 2 --lr 1e-3 \
         --precision "$prec" --threads 2 --sample-tokens 0 --eval-every 0 --eval-iters 2 \
         --seed 1234 --out "$work/$name" "$@" >"$work/$name.out" 2>&1; then
         if grep -qE "no CUDA backend|no NVIDIA GPU|no CUDA-capable" "$work/$name.out"; then
@@ -95,23 +97,25 @@ losses() { awk '$1 == "step" && $3 == "loss" { print $4 }' "$work/$1/log.txt"; }
 # max relative difference of two runs' losses, step by step (and whether
 # they have the same number of steps: 1 when not)
 max_rel() {
-    paste <(losses "$1") <(losses "$2") | awk '
+    paste <(losses "$1") <(losses "$2") | awk -v n="$steps" '
         NF != 2 { bad = 1 }
         { d = $1 - $2; if (d < 0) d = -d; r = d / ($2 < 0 ? -$2 : $2); if (r > m) m = r }
-        END { if (bad || NR != 10) print "inf"; else printf "%.3g\n", m }'
+        END { if (bad || NR != n) print "inf"; else printf "%.3g\n", m }'
 }
 
 le() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a != "inf" && a + 0 <= b + 0) }'; }
 
-# resumed_equals RUN WHAT [FLAGS...]: RUN's checkpoint at step 5 resumed
-# (with FLAGS) logs its steps 6-10, bit for bit those of RUN
+# resumed_equals RUN WHAT [FLAGS...]: RUN's checkpoint at step $half
+# resumed (with FLAGS) logs the steps after it, bit for bit those of RUN
+resumed="resumed at step $half on $dev, steps $((half + 1))-$steps bit for bit"
 resumed_equals() {
-    local r=$1 what=$2 late='^step \(6\|7\|8\|9\|10\) loss'
+    local r=$1 what=$2 late
+    late="^step \($(seq -s '\|' $((half + 1)) "$steps")\) loss"
     shift 2
-    "$fitlm" train --device "$dev" --resume "$work/$r/ckpt_00000005.fitlm" "$@" \
+    "$fitlm" train --device "$dev" --resume "$work/$r/ckpt_$(printf %08d $half).fitlm" "$@" \
         --out "$work/${r}_resumed" --threads 2 >"$work/${r}_resumed.out" 2>&1 ||
         { tail -20 "$work/${r}_resumed.out"; exit 1; }
-    [ "$(grep -c "$late" "$work/${r}_resumed/log.txt")" = 5 ] &&
+    [ "$(grep -c "$late" "$work/${r}_resumed/log.txt")" = $((steps - half)) ] &&
         cmp -s <(grep "$late" "$work/$r/log.txt") <(grep "$late" "$work/${r}_resumed/log.txt") &&
         ok=1 || ok=0
     check $ok "$what"
@@ -122,7 +126,7 @@ archs=(gpt2 llama)
 for arch in "${archs[@]}"; do
     run "cpu_fp32_$arch" cpu "$arch" fp32
     run "cpu_bf16_$arch" cpu "$arch" bf16
-    run "dev_fp32_$arch" "$dev" "$arch" fp32 --save-every 5
+    run "dev_fp32_$arch" "$dev" "$arch" fp32 --save-every "$half"
     run "dev_fp32b_$arch" "$dev" "$arch" fp32
     run "dev_bf16_$arch" "$dev" "$arch" bf16
 
@@ -140,8 +144,8 @@ for arch in "${archs[@]}"; do
         <(grep '^step' "$work/dev_fp32b_$arch/log.txt") && ok=1 || ok=0
     check $ok "$arch: two $dev runs log the same values bit for bit"
 
-    # resume from step 5's checkpoint: steps 6-10 as the straight run's
-    resumed_equals "dev_fp32_$arch" "$arch: resumed at step 5 on $dev, steps 6-10 bit for bit as the straight run"
+    # resume from step $half's checkpoint: the later steps as the straight run's
+    resumed_equals "dev_fp32_$arch" "$arch: $resumed as the straight run"
 
     # the export of the GPU-trained model on the cpu
     for r in "dev_fp32_$arch" "dev_fp32b_$arch"; do
@@ -151,7 +155,7 @@ for arch in "${archs[@]}"; do
         ok=1 || ok=0
     check $ok "$arch: two $dev runs export the same weights byte for byte"
     ev() { # ev DEVICE SOURCE-FLAG PATH: the eval loss
-        "$fitlm" eval --device "$1" "$2" "$3" --data "$work/data" --batch "$batch" --seq-len 64 \
+        "$fitlm" eval --device "$1" "$2" "$3" --text "$work/eval.txt" --tokenizer byte --batch "$batch" --seq-len 64 \
             --threads 2 --json 2>/dev/null | sed -n 's/.*"loss": *\([-0-9.eE+]*\).*/\1/p'
     }
     l_export=$(ev cpu --init-from "$work/dev_fp32_$arch.hf")
@@ -241,11 +245,11 @@ done
 # bf16-fp32 gap for that run (at least 1e-4); two device runs and their
 # PEFT adapters bitwise; a QLoRA resume at step 5 bitwise.
 "$fitlm" export "$work/cpu_fp32_llama" -o "$work/base.hf" >/dev/null
-lrun() { # lrun NAME DEVICE PRECISION [FLAGS...]: 10 steps into $work/NAME
+lrun() { # lrun NAME DEVICE PRECISION [FLAGS...]: $steps steps into $work/NAME
     local name=$1 device=$2 prec=$3
     shift 3
     "$fitlm" train --device "$device" --init-from "$work/base.hf" --tokenizer byte \
-        --data "$work/data" --batch "$batch" --seq-len 64 --steps 10 --warmup 2 --lr 1e-3 \
+        --data "$work/data" --batch "$batch" --seq-len 64 --steps "$steps" --warmup 2 --lr 1e-3 \
         --precision "$prec" --threads 2 --sample-tokens 0 --eval-every 0 --eval-iters 2 \
         --seed 1234 --lora --lora-dropout 0.1 --out "$work/$name" "$@" >"$work/$name.out" 2>&1 ||
         { echo "gpu_runs: fitlm train ($name) failed:"; tail -20 "$work/$name.out"; exit 1; }
@@ -257,7 +261,7 @@ for kind in "${lora_kinds[@]}"; do
     lrun "cpu_fp32_$kind" cpu fp32 "${flags[@]}"
     lrun "cpu_bf16_$kind" cpu bf16 "${flags[@]}"
     lrun "dev_fp32_$kind" "$dev" fp32 "${flags[@]}"
-    lrun "dev_bf16_$kind" "$dev" bf16 "${flags[@]}" --save-every 5
+    lrun "dev_bf16_$kind" "$dev" bf16 "${flags[@]}" --save-every "$half"
     lrun "dev_bf16b_$kind" "$dev" bf16 "${flags[@]}"
 
     e=$(max_rel "dev_fp32_$kind" "cpu_fp32_$kind")
@@ -275,7 +279,7 @@ for kind in "${lora_kinds[@]}"; do
             "$work/dev_bf16b_$kind/adapter/adapter_model.safetensors" && ok=1 || ok=0
     check $ok "$kind: two $dev runs log the same values and write the same adapter bit for bit"
 
-    resumed_equals "dev_bf16_$kind" "$kind: resumed at step 5 on $dev, steps 6-10 bit for bit as the straight run"
+    resumed_equals "dev_bf16_$kind" "$kind: $resumed as the straight run"
 done
 
 # ZeRO-Offload: the optimizer in pinned host memory, updated by the cpu
@@ -297,10 +301,10 @@ offloaded_equals() {
     fi
 }
 for prec in fp32 bf16; do
-    run "dev_${prec}_off" "$dev" llama "$prec" --save-every 5
-    run "off_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/offload.json"
+    run "dev_${prec}_off" "$dev" llama "$prec" --save-every "$half"
+    run "off_${prec}" "$dev" llama "$prec" --save-every "$half" --config "$work/offload.json"
     offloaded_equals "off_$prec" "dev_${prec}_off" "llama $prec offloaded"
-    resumed_equals "off_$prec" "llama $prec offloaded: resumed at step 5 on $dev, steps 6-10 bit for bit" --config "$work/offload.json"
+    resumed_equals "off_$prec" "llama $prec offloaded: $resumed" --config "$work/offload.json"
 done
 # NVMe under it: the same cpu update, paged from a file: bitwise the pinned run
 mkdir -p "$work/nvme"
@@ -318,11 +322,11 @@ check $ok "llama bf16 offloaded to NVMe on $dev: every step bitwise the pinned-m
 printf '{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}\n' \
     >"$work/weights.json"
 for prec in fp32 bf16; do
-    run "woff_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/weights.json"
+    run "woff_${prec}" "$dev" llama "$prec" --save-every "$half" --config "$work/weights.json"
     cmp -s <(grep '^step' "$work/woff_$prec/log.txt") <(grep '^step' "$work/off_$prec/log.txt") &&
         ok=1 || ok=0
     check $ok "llama $prec with weight offload on $dev: every step bitwise the stage-1 offloaded run's"
-    resumed_equals "woff_$prec" "llama $prec with weight offload: resumed at step 5 on $dev, steps 6-10 bit for bit" --config "$work/weights.json"
+    resumed_equals "woff_$prec" "llama $prec with weight offload: $resumed" --config "$work/weights.json"
 done
 
 # Weight offload to NVMe (ZeRO-Infinity): the weights in the optimizer's
@@ -338,11 +342,11 @@ printf '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "st
 # the params row's bytes (last column) of a table whose header starts with $2, in file $1
 params_bytes() { awk -v h="$2" 'index($0, h) == 1 { t = 1; next } t && $1 == "params" { print $NF; exit }' "$1"; }
 for prec in fp32 bf16; do
-    run "wnv_${prec}" "$dev" llama "$prec" --save-every 5 --config "$work/wnvme.json" --mem-report
+    run "wnv_${prec}" "$dev" llama "$prec" --save-every "$half" --config "$work/wnvme.json" --mem-report
     cmp -s <(grep '^step' "$work/wnv_$prec/log.txt") <(grep '^step' "$work/woff_$prec/log.txt") &&
         ok=1 || ok=0
     check $ok "llama $prec with weight offload to NVMe on $dev: every step bitwise the pinned weight offload's"
-    resumed_equals "wnv_$prec" "llama $prec with weight offload to NVMe: resumed at step 5 on $dev, steps 6-10 bit for bit" --config "$work/wnvme.json"
+    resumed_equals "wnv_$prec" "llama $prec with weight offload to NVMe: $resumed" --config "$work/wnvme.json"
     "$fitlm" plan --device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" \
         --batch "$batch" --seq-len 64 --precision "$prec" --threads 2 --sample-tokens 0 \
         --config "$work/wnvme.json" >"$work/wnv_plan_$prec.out" 2>&1 || { tail -20 "$work/wnv_plan_$prec.out"; exit 1; }
@@ -368,10 +372,10 @@ check $ok "llama bf16 offloaded on $dev: overlapped, every step bitwise the wait
 # the share of the step the device waits on the cpu: every step of an
 # offloaded run (overlapped or not) and the summary give one within [0, 100]
 for r in off_bf16 off_overlap; do
-    ok=$(awk '$1 == "step" && $2 ~ /\// { n++; if (match($0, /waited on the cpu [0-9.]+%/)) {
+    ok=$(awk -v steps="$steps" '$1 == "step" && $2 ~ /\// { n++; if (match($0, /waited on the cpu [0-9.]+%/)) {
             v = substr($0, RSTART + 18, RLENGTH - 19) + 0; if (v >= 0 && v <= 100) good++ } }
         /^ZeRO-Offload: the .* device waited on the cpu [0-9.]+% of the step/ { sum = 1 }
-        END { print (n == 10 && good == n && sum) ? 1 : 0 }' "$work/$r.out")
+        END { print (n == steps && good == n && sum) ? 1 : 0 }' "$work/$r.out")
     check "$ok" "$r on $dev: each step and the summary give the share of the step the device waited on the cpu ($(grep -m1 '^ZeRO-Offload: the .* device waited' "$work/$r.out" | cut -c15-90))"
 done
 
