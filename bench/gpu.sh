@@ -68,6 +68,19 @@ cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
     echo "bench/gpu.sh: LLaMA tokenization failed (see $log)"
 
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
+# why OUTPUT LINE: ": LINE", cut to 120 characters, no tabs or |, for a failed
+# run's status (the table's reader sees why without the log)
+why() { [ -n "$2" ] && printf ': %s' "$(echo "$2" | tr -d '\t' | tr '|' '/' | cut -c1-120)"; }
+# table TSV: the file in aligned columns; column(1) is util-linux's (Debian's
+# bsdextrautils), which a minimal image (a GPU lease's) may lack: awk then
+table() {
+    if command -v column >/dev/null; then
+        column -t -s $'\t' "$1"
+    else
+        awk -F'\t' 'NR == FNR { for (i = 1; i <= NF; i++) if (length($i) > w[i]) w[i] = length($i); next }
+            { s = ""; for (i = 1; i < NF; i++) s = s sprintf("%-" (w[i] + 2) "s", $i); print s $NF }' "$1" "$1"
+    fi
+}
 
 # gemm_rate CONFIG B T FITLM-FLAGS...: bench_gpu_gemm on the config's GEMM
 # shapes (its --model and --arch, the vocabulary V fitlm reported) into
@@ -122,7 +135,7 @@ fitlm_run() {
     L=$(sed -n 's/.*n_layer \([0-9]*\).*/\1/p' "$f" | head -1)
     C=$(sed -n 's/.*n_embd \([0-9]*\).*/\1/p' "$f" | head -1)
     if [ $rc != 0 ] || [ -z "$N" ]; then
-        row "$cfg" fitlm "$B" "$T" - - - - - "failed rc $rc"
+        row "$cfg" fitlm "$B" "$T" - - - - - "failed rc $rc$(why "$f" "$(grep -m1 -i error "$f")")"
         return
     fi
     gemm_rate "$cfg" "$B" "$T" "$@"
@@ -183,7 +196,7 @@ torch_run() {
     local r
     r=$(grep '^RESULT' "$f" | tail -1)
     if [ $rc != 0 ] || [ -z "$r" ]; then
-        row "$cfg" "$eng" "$B" "$T" - - - - - "failed rc $rc"
+        row "$cfg" "$eng" "$B" "$T" - - - - - "failed rc $rc$(why "$f" "$(tail -1 "$f")")"
         return
     fi
     # the FLOPs per token as fitlm's row counts them, for one MFU (and the
@@ -258,6 +271,6 @@ done
 # the profile first: the table of runs is what a caller's tail shows
 [ -s "$out/profile_${names[0]}.md" ] && cat "$out/profile_${names[0]}.md"
 echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s and of the best cuBLASLt rate on the config's GEMM shapes (mfu_gemm), peak device MiB"
-column -t -s $'\t' "$tsv"
+table "$tsv"
 [ -z "${profile_failed:-}" ] || exit 1
 awk -F'\t' 'NR > 1 && $2 == "fitlm" && ($10 != "ok" && $10 != "skipped: time" || $10 == "ok" && $8 == "-") { bad = 1 } END { exit bad }' "$tsv"

@@ -70,6 +70,16 @@ work=$(mktemp -d /tmp/fitlm_bench_memory.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 py=${PYTHON:-python3}
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
+# table TSV: the file in aligned columns; column(1) is util-linux's (Debian's
+# bsdextrautils), which a minimal image (a GPU lease's) may lack: awk then
+table() {
+    if command -v column >/dev/null; then
+        column -t -s $'\t' "$1"
+    else
+        awk -F'\t' 'NR == FNR { for (i = 1; i <= NF; i++) if (length($i) > w[i]) w[i] = length($i); next }
+            { s = ""; for (i = 1; i < NF; i++) s = s sprintf("%-" (w[i] + 2) "s", $i); print s $NF }' "$1" "$1"
+    fi
+}
 
 # the docs as LLaMA-2 tokens, as bench/gpu.sh makes them
 llama_tok=$src/.gpu-prefix/data/llama/tokenizer.json
@@ -250,6 +260,6 @@ for sc in $showcases; do
 done
 
 echo "memory techniques, --mem-limit 24GiB: tokens/s (median of $steps steps after $warmup), peak MiB (device; the host's on --device cpu)"
-column -t -s $'\t' "$tsv"
+table "$tsv"
 # a run that failed (not one skipped) fails the script
 ! cut -f11 "$tsv" | grep -q '^failed'

@@ -12,15 +12,21 @@
 #     unpacked into /tmp/fitlm_gpu_prefix (never into /) and pkg-config, CMake and
 #     LD_LIBRARY_PATH pointed at it; no Open MPI: FITLM_MPI=OFF (one rank);
 #     no cairo: FITLM_PLOT=OFF (no `fitlm plot`);
-#  3. builds build-gpu (nvcc, arch 90a, -j16);
+#  3. builds build-gpu (nvcc, arch 90a, -j16), and prints where each
+#     library fitlm links loads from (ldd; one that does not load fails);
 #  4. ctest -L gpu (test_gpu: every kernel against the cpu; gpu_runs: whole
-#     runs against the cpu);
+#     runs against the cpu); a test skipped fails the check, since
+#     nvidia-smi showed a GPU (the CUDA runtime could not use it: why is in
+#     ctest.log);
 #  5. bench/gpu.sh (fitlm beside PyTorch eager and torch.compile, and
 #     fitlm's GPT-2 124M step op by op, timed on the GPU);
 #  6. OUTDIR/gpu_check.md and OUTDIR/gpu_check.json, and a short table last.
 # Logs are tee'd into OUTDIR (check.log, build.log, ctest.log, bench.log,
 # bench.tsv). Without a GPU, nvcc or cmake it says which and exits 1 after
-# the facts (it never waits for one).
+# the facts (it never waits for one). Exits 0 when everything passed: the
+# build, the tests, and every fitlm run of the benchmark. The commit is
+# git's, or where the copy is no git checkout, .gpu-prefix/commit's (the
+# one gpu_prefix.sh ran at), said as such.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [--memory [SHOWCASE...]]}
 memory=""
@@ -33,13 +39,44 @@ out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 src=$(pwd)
 exec > >(tee "$out/check.log") 2>&1
+tee_pid=$!
+# finish RC: exit RC once tee has ended (its input closed), so that
+# check.log is whole when the caller collects OUTDIR; at most 5 s, in case
+# a straggler of a run that timed out still holds the pipe
+finish() {
+    exec >&- 2>&-
+    for _ in $(seq 50); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
+    exit "$1"
+}
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
 status=ok
 note() { echo "gpu_check: $*"; }
 
+# json STRING: STRING as a JSON string's contents (its \ and " escaped,
+# control characters dropped)
+json() { local v=${1//\\/\\\\}; v=${v//\"/\\\"}; printf '%s' "$v" | tr -d '\000-\037'; }
+# table TSV: the file in aligned columns; column(1) is util-linux's (Debian's
+# bsdextrautils), which a minimal image lacks: awk then
+table() {
+    if command -v column >/dev/null; then
+        column -t -s $'\t' "$1"
+    else
+        awk -F'\t' 'NR == FNR { for (i = 1; i <= NF; i++) if (length($i) > w[i]) w[i] = length($i); next }
+            { s = ""; for (i = 1; i < NF; i++) s = s sprintf("%-" (w[i] + 2) "s", $i); print s $NF }' "$1" "$1"
+    fi
+}
+
 # ---- 1. facts
-echo "== facts ($(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+# the commit: the working tree that travels to a device machine need not be
+# a git checkout (then git fails, or is missing), so gpu_prefix.sh's record
+# of the commit it ran at stands in, said as such
+commit=$(git rev-parse --short=12 HEAD 2>/dev/null) || commit=""
+if [ -z "$commit" ]; then
+    commit=unknown
+    [ -s .gpu-prefix/commit ] && commit="unknown (no git checkout; .gpu-prefix made at $(head -1 .gpu-prefix/commit))"
+fi
+echo "== facts ($(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $commit)"
 gpu=none driver=none gpu_mem=none
 if command -v nvidia-smi >/dev/null && timeout 30 nvidia-smi -L >/dev/null 2>&1; then
     timeout 30 nvidia-smi
@@ -85,9 +122,10 @@ fail_early() {
     status="failed: $1"
     printf '# gpu_check\n\n%s\n\nGPU: %s, driver %s; nvcc %s; cmake %s; %s\nlibraries found:%s; missing:%s\n' \
         "$status" "$gpu" "$driver" "$nvcc_v" "$cmake_v" "$os" "$libs" "$missing" >"$out/gpu_check.md"
-    printf '{"status": "%s", "gpu": "%s", "driver": "%s", "nvcc": "%s", "cmake": "%s", "os": "%s"}\n' \
-        "$status" "$gpu" "$driver" "$nvcc_v" "$cmake_v" "$os" >"$out/gpu_check.json"
-    exit 1
+    printf '{"status": "%s", "gpu": "%s", "driver": "%s", "nvcc": "%s", "cmake": "%s", "os": "%s", "commit": "%s"}\n' \
+        "$(json "$status")" "$(json "$gpu")" "$(json "$driver")" "$(json "$nvcc_v")" "$(json "$cmake_v")" \
+        "$(json "$os")" "$(json "$commit")" >"$out/gpu_check.json"
+    finish 1
 }
 [ "$gpu" != none ] || fail_early "no NVIDIA GPU on this machine: nothing to check"
 [ -n "$nvcc" ] || fail_early "no nvcc (CUDA compiler): cannot build the CUDA backend"
@@ -95,9 +133,13 @@ fail_early() {
 
 # ---- 2. the private prefix for what the machine lacks
 cmake_flags=()
-needs_prefix=0
-for m in cJSON utf8proc liburing OpenBLAS-openmp oneDNN pkg-config; do
-    case " $missing " in *" $m "*) needs_prefix=1 ;; esac
+needs_prefix=0 from_prefix="" without=""
+for m in $missing; do
+    case $m in
+    OpenMPI) without="$without OpenMPI" ;; # built without it: no prefix
+    cairo) without="$without cairo" ;;
+    *) needs_prefix=1 from_prefix="$from_prefix $m" ;;
+    esac
 done
 if [ $needs_prefix = 1 ]; then
     root=${TMPDIR:-/tmp}/fitlm_gpu_prefix # not under .gpu-prefix: it would travel
@@ -127,9 +169,9 @@ if [ $needs_prefix = 1 ]; then
         [ -n "$f" ] || fail_early "$d's package is not in .gpu-prefix/debs: rerun scripts/gpu_prefix.sh"
         if command -v dpkg-deb >/dev/null; then
             dpkg-deb -x "$f" "$root"
-        else # a .deb is an ar archive holding data.tar.*
+        else # a .deb is an ar archive holding data.tar.* (Debian's: xz)
             (cd "$root" && ar p "$f" "$(ar t "$f" | grep '^data.tar')" | tar -x -J -f -)
-        fi
+        fi || fail_early "could not unpack $f into $root"
     done
     lib=$root/usr/lib/x86_64-linux-gnu
     # the .pc files name /usr: point them at the prefix
@@ -153,7 +195,22 @@ if timeout 300 cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -D
     -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90a "${cmake_flags[@]}" >"$out/build.log" 2>&1 &&
     timeout 300 cmake --build build-gpu -j16 --target fitlm test_gpu bench_gpu_gemm >>"$out/build.log" 2>&1; then
     build_ok=1
-    grep -E '^-- .*(CUDA|cuBLAS)' "$out/build.log" | head -5
+    grep -E '^-- (CUDA backend|Open MPI|FITLM_PLOT)' "$out/build.log"
+    # where each library the binaries link loads from (the prefix's, the
+    # machine's, the toolkit's), and none missing: a library that does not
+    # load would fail every test and run below with exit 127
+    if command -v ldd >/dev/null; then
+        { echo "== ldd build-gpu/fitlm"; ldd build-gpu/fitlm; } >>"$out/build.log" 2>&1
+        echo "libraries: $(ldd build-gpu/fitlm 2>/dev/null | awk '$2 == "=>" && $1 ~ /^lib(openblas|dnnl|cjson|utf8proc|uring|gomp|gfortran|quadmath|OpenCL|cudart|cublasLt)\./ {
+            printf "%s%s %s", (n++ ? ", " : ""), $1, $3 }')"
+        unloaded=$(ldd build-gpu/fitlm build-gpu/test_gpu build-gpu/bench_gpu_gemm 2>&1 | awk '/not found/ { print $1 }' |
+            sort -u | xargs)
+        if [ -n "$unloaded" ]; then
+            build_ok=0
+            status="failed: the build's binaries cannot load $unloaded"
+            note "$status (see build.log)"
+        fi
+    fi
 else
     status="failed: build"
     tail -30 "$out/build.log"
@@ -168,6 +225,8 @@ if [ $build_ok = 1 ] && [ -n "$memory" ]; then
     echo "== bench/gpu_memory.sh $memory ($(elapsed) s; ${left} s left)"
     BENCH_SHOWCASES="$memory" BENCH_BUDGET=$((left > 200 ? left - 160 : 40)) timeout $left \
         bash bench/gpu_memory.sh build-gpu/fitlm "$out" | tail -16
+    rc=${PIPESTATUS[0]} # the script's, not tail's: a failed run fails the check
+    [ $rc = 0 ] || status="failed: bench/gpu_memory.sh (exit $rc$([ $rc = 124 ] && echo ': timed out'))"
     build_ok=memory
 fi
 if [ $build_ok = 1 ]; then
@@ -178,6 +237,17 @@ if [ $build_ok = 1 ]; then
     ctest_summary=$(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1)
     [ -n "$ctest_summary" ] || ctest_summary="ctest exit $rc"
     [ $rc = 0 ] || status="failed: ctest -L gpu"
+    # a GPU test skips (exit 77) where the CUDA runtime finds no usable GPU
+    # (no driver, or one too old for the runtime); here nvidia-smi showed
+    # one, so a skip is a failure of the check, not a pass
+    skipped=$(grep -c '(Skipped)' "$out/ctest.log")
+    if [ "$skipped" != 0 ]; then
+        ctest_summary="$ctest_summary, $skipped skipped"
+        # why (--output-on-failure shows no skipped test's output; CTest's
+        # own log holds it)
+        grep -h 'skipped:' build-gpu/Testing/Temporary/LastTest*.log 2>/dev/null | sort -u | tee -a "$out/ctest.log"
+        [ $rc != 0 ] || status="failed: ctest -L gpu skipped tests although nvidia-smi shows a GPU (see ctest.log)"
+    fi
 fi
 
 # ---- 5. the benchmark
@@ -189,6 +259,9 @@ if [ $build_ok = 1 ]; then
     echo "== bench/gpu.sh ($(elapsed) s; ${left} s left)"
     BENCH_BUDGET=$((left > 200 ? left - 160 : 40)) timeout $left bash bench/gpu.sh build-gpu/fitlm "$out" |
         tail -16
+    rc=${PIPESTATUS[0]} # a failed fitlm run fails the check (not after a failure above)
+    [ $rc = 0 ] || [ "$status" != ok ] ||
+        status="failed: bench/gpu.sh (exit $rc$([ $rc = 124 ] && echo ': timed out'))"
 fi
 
 # ---- 6. results
@@ -197,8 +270,8 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
     echo "# gpu_check ($date_s)"
     echo
     echo "- GPU: $gpu ($gpu_mem), driver $driver; nvcc $nvcc_v; cmake $cmake_v; $os"
-    echo "- C libraries found:${libs:- none}; from .gpu-prefix:${missing:- none}"
-    echo "- commit $(git rev-parse --short HEAD 2>/dev/null); status: $status; ctest -L gpu: $ctest_summary"
+    echo "- C libraries found:${libs:- none}; from .gpu-prefix:${from_prefix:- none}; built without:${without:- none}"
+    echo "- commit $commit; status: $status; ctest -L gpu: $ctest_summary"
     echo "- total $(elapsed) s"
     if [ -s "$out/memory.tsv" ]; then
         echo
@@ -220,20 +293,34 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
     done
 } >"$out/gpu_check.md"
 {
-    printf '{"date": "%s", "status": "%s", "gpu": "%s", "gpu_memory": "%s", "driver": "%s", ' \
-        "$date_s" "$status" "$gpu" "$gpu_mem" "$driver"
-    printf '"nvcc": "%s", "cmake": "%s", "os": "%s", "libraries_found": "%s", "from_prefix": "%s", ' \
-        "$nvcc_v" "$cmake_v" "$os" "${libs# }" "${missing# }"
-    printf '"ctest": "%s", "seconds": %s, "bench": [' "$ctest_summary" "$(elapsed)"
-    [ -s "$out/bench.tsv" ] && awk -F'\t' 'NR > 1 { printf "%s{\"config\": \"%s\", \"engine\": \"%s\", \"B\": %s, \"T\": %s, \"tok_s\": \"%s\", \"ms_median\": \"%s\", \"mfu\": \"%s\", \"mfu_gemm\": \"%s\", \"peak_mib\": \"%s\", \"status\": \"%s\"}",
+    printf '{"date": "%s", "commit": "%s", "status": "%s", "gpu": "%s", "gpu_memory": "%s", "driver": "%s", ' \
+        "$date_s" "$(json "$commit")" "$(json "$status")" "$(json "$gpu")" "$(json "$gpu_mem")" "$(json "$driver")"
+    printf '"nvcc": "%s", "cmake": "%s", "os": "%s", "libraries_found": "%s", "from_prefix": "%s", "built_without": "%s", ' \
+        "$(json "$nvcc_v")" "$(json "$cmake_v")" "$(json "$os")" "$(json "${libs# }")" "$(json "${from_prefix# }")" \
+        "$(json "${without# }")"
+    printf '"ctest": "%s", "seconds": %s, "bench": [' "$(json "$ctest_summary")" "$(elapsed)"
+    [ -s "$out/bench.tsv" ] && awk -F'\t' 'NR > 1 { for (i = 1; i <= NF; i++) gsub(/["\\]/, "\\\\&", $i)
+        printf "%s{\"config\": \"%s\", \"engine\": \"%s\", \"B\": %s, \"T\": %s, \"tok_s\": \"%s\", \"ms_median\": \"%s\", \"mfu\": \"%s\", \"mfu_gemm\": \"%s\", \"peak_mib\": \"%s\", \"status\": \"%s\"}",
         (NR > 2 ? ", " : ""), $1, $2, $3, $4, $5, $6, $7, $8, $9, $10 }' "$out/bench.tsv"
-    printf ']}\n'
+    printf ']'
+    # the memory showcases' rows (--memory), every field a string
+    if [ -s "$out/memory.tsv" ]; then
+        printf ', "memory": ['
+        awk -F'\t' 'NR == 1 { for (i = 1; i <= NF; i++) h[i] = $i; next }
+            { for (i = 1; i <= NF; i++) gsub(/["\\]/, "\\\\&", $i)
+              printf "%s{", (NR > 2 ? ", " : "")
+              for (i = 1; i <= NF; i++) printf "%s\"%s\": \"%s\"", (i > 1 ? ", " : ""), h[i], $i
+              printf "}" }' "$out/memory.tsv"
+        printf ']'
+    fi
+    printf '}\n'
 } >"$out/gpu_check.json"
 
 echo "== summary ($(elapsed) s): $gpu, driver $driver, nvcc $nvcc_v; $status; ctest -L gpu: $ctest_summary"
 for f in "$out"/profile_*.md; do
     [ -s "$f" ] && head -16 "$f" # the step's largest ops (the whole table in gpu_check.md)
 done
-[ -s "$out/bench.tsv" ] && column -t -s $'\t' "$out/bench.tsv"
-[ -s "$out/memory.tsv" ] && column -t -s $'\t' "$out/memory.tsv"
-[ "$status" = ok ]
+[ -s "$out/bench.tsv" ] && table "$out/bench.tsv"
+[ -s "$out/memory.tsv" ] && table "$out/memory.tsv"
+[ "$status" = ok ] && finish 0
+finish 1

@@ -14,6 +14,9 @@
 #   .gpu-prefix/data/llama/ LLaMA-2's tokenizer.json (data/gpt2 and data/llama
 #                           are links that do not travel), for the benchmark's
 #                           shards
+#   .gpu-prefix/commit      the commit this ran at (git describe, -dirty
+#                           with changes), which gpu_check.sh reports where
+#                           the travelling copy is no git checkout
 # The packages travel compressed (about 21 MiB): unpacked they take 140 MiB
 # (OpenBLAS's static and LAPACK libraries 98, oneDNN 38), over the device
 # tool's 64 MiB carry. Carry it with: run(carry: [".gpu-prefix"], ...).
@@ -31,6 +34,7 @@ pkgs=(libcjson-dev libcjson1 libutf8proc-dev libutf8proc2 liburing-dev liburing2
 rm -rf "$prefix/debs"
 mkdir -p "$prefix/debs" "$prefix/data/gpt2" "$prefix/data/llama"
 (cd "$prefix/debs" && apt-get download "${pkgs[@]}" 2>&1 | grep -v '^W: Download is performed unsandboxed')
+git describe --always --dirty --abbrev=12 >"$prefix/commit" 2>/dev/null || echo unknown >"$prefix/commit"
 for f in gpt2/encoder.json gpt2/vocab.bpe llama/tokenizer.json; do
     [ -s "data/$f" ] || { echo "gpu_prefix: data/$f is missing" >&2; exit 1; }
     cp -L "data/$f" "$prefix/data/$f"
