@@ -18,38 +18,52 @@ __device__ __forceinline__ void gelu_sigmoid(float x, float *s, float *s1s) {
 }
 
 __global__ void gelu_forward_kernel(fl_dtype dt, void *out, const void *inp, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float x = fl_d_load(dt, inp, i), s, s1s;
-        gelu_sigmoid(x, &s, &s1s);
-        fl_d_store(dt, out, i, x * s);
+    size_t w = fl_d_width();
+    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
+        float x[FL_D_ILP], y[FL_D_ILP];
+        fl_d_load_ilp(dt, inp, i, w, n, x);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) {
+            float s, s1s;
+            gelu_sigmoid(x[k], &s, &s1s);
+            y[k] = x[k] * s;
+        }
+        fl_d_store_ilp(dt, out, i, w, n, y);
     }
 }
 
 // d/dx = s + x s (1 - s) 2 du/dx
 __global__ void gelu_backward_kernel(fl_dtype dt, void *dinp, const void *inp, const void *dout,
                                      size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float x = fl_d_load(dt, inp, i), s, s1s;
-        gelu_sigmoid(x, &s, &s1s);
-        float du2 =
-            fmaf(x * x, 6.0f * GELU_CUBIC * GELU_SCALING_FACTOR, 2.0f * GELU_SCALING_FACTOR);
-        float grad = fmaf(x * s1s, du2, s);
-        fl_d_store(dt, dinp, i, fmaf(grad, fl_d_load(dt, dout, i), fl_d_load(dt, dinp, i)));
+    size_t w = fl_d_width();
+    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
+        float x[FL_D_ILP], dy[FL_D_ILP], acc[FL_D_ILP];
+        fl_d_load_ilp(dt, inp, i, w, n, x);
+        fl_d_load_ilp(dt, dout, i, w, n, dy);
+        fl_d_load_ilp(dt, dinp, i, w, n, acc);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) {
+            float s, s1s;
+            gelu_sigmoid(x[k], &s, &s1s);
+            float du2 = fmaf(x[k] * x[k], 6.0f * GELU_CUBIC * GELU_SCALING_FACTOR,
+                             2.0f * GELU_SCALING_FACTOR);
+            float grad = fmaf(x[k] * s1s, du2, s);
+            acc[k] = fmaf(grad, dy[k], acc[k]);
+        }
+        fl_d_store_ilp(dt, dinp, i, w, n, acc);
     }
 }
 
 extern "C" void fl_cuda_gelu_forward(fl_dtype dt, void *out, const void *inp, size_t N) {
     if (!N) return;
-    gelu_forward_kernel<<<fl_cuda_blocks(N, 256), 256, 0, fl_cuda_stream()>>>(dt, out, inp, N);
+    gelu_forward_kernel<<<fl_cuda_blocks_ilp(N, 256), 256, 0, fl_cuda_stream()>>>(dt, out, inp, N);
     FL_CUDA_LAUNCHED("gelu_forward_kernel");
 }
 
 extern "C" void fl_cuda_gelu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout,
                                       size_t N) {
     if (!N) return;
-    gelu_backward_kernel<<<fl_cuda_blocks(N, 256), 256, 0, fl_cuda_stream()>>>(dt, dinp, inp, dout,
-                                                                               N);
+    gelu_backward_kernel<<<fl_cuda_blocks_ilp(N, 256), 256, 0, fl_cuda_stream()>>>(dt, dinp, inp,
+                                                                                   dout, N);
     FL_CUDA_LAUNCHED("gelu_backward_kernel");
 }

@@ -51,17 +51,25 @@ __device__ void row_max_sum(fl_dtype dt, const void *row, int V, float *m_out, f
 }
 
 // dlogits row = dloss * (softmax - onehot) for j < V, 0 for the padding
-// (and for the whole row when it has no loss, outside a shard)
+// (and for the whole row when it has no loss, outside a shard); FL_D_ILP
+// columns a thread at a time, read before any is written (common.cuh)
 __device__ void backward_row(fl_dtype dt, void *drow, const void *row, float lse, int target,
                              float dloss, int V, int Vp, int shard) {
-    int live = target >= 0 || shard;
-    for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
-        float g = 0.0f;
-        if (live && j < V) {
-            float p = expf(fl_d_load(dt, row, j) - lse);
-            g = j == target ? dloss * (p - 1.0f) : dloss * p;
+    int live = target >= 0 || shard, bd = blockDim.x;
+    for (int j = threadIdx.x; j < Vp; j += FL_D_ILP * bd) {
+        float x[FL_D_ILP];
+        fl_d_load_ilp(dt, row, j, bd, live ? V : 0, x);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) {
+            int c = j + k * bd;
+            float g = 0.0f;
+            if (live && c < V) {
+                float p = expf(x[k] - lse);
+                g = c == target ? dloss * (p - 1.0f) : dloss * p;
+            }
+            x[k] = g;
         }
-        fl_d_store(dt, drow, j, g);
+        fl_d_store_ilp(dt, drow, j, bd, Vp, x);
     }
 }
 
