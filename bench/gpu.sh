@@ -42,6 +42,7 @@ set -uo pipefail
 fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu.sh FITLM OUTDIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
+source "$src/bench/lib.sh" # table
 smoke=${BENCH_SMOKE:-0}
 warmup=${BENCH_WARMUP:-3}
 steps=${BENCH_STEPS:-10}
@@ -71,16 +72,6 @@ row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
 # why OUTPUT LINE: ": LINE", cut to 120 characters, no tabs or |, for a failed
 # run's status (the table's reader sees why without the log)
 why() { [ -n "$2" ] && printf ': %s' "$(echo "$2" | tr -d '\t' | tr '|' '/' | cut -c1-120)"; }
-# table TSV: the file in aligned columns; column(1) is util-linux's (Debian's
-# bsdextrautils), which a minimal image (a GPU lease's) may lack: awk then
-table() {
-    if command -v column >/dev/null; then
-        column -t -s $'\t' "$1"
-    else
-        awk -F'\t' 'NR == FNR { for (i = 1; i <= NF; i++) if (length($i) > w[i]) w[i] = length($i); next }
-            { s = ""; for (i = 1; i < NF; i++) s = s sprintf("%-" (w[i] + 2) "s", $i); print s $NF }' "$1" "$1"
-    fi
-}
 
 # gemm_rate CONFIG B T FITLM-FLAGS...: bench_gpu_gemm on the config's GEMM
 # shapes (its --model and --arch, the vocabulary V fitlm reported) into

@@ -51,6 +51,7 @@ set -uo pipefail
 fitlm=${1:?usage: bench/gpu_memory.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu_memory.sh FITLM OUTDIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
+source "$src/bench/lib.sh" # table
 smoke=${BENCH_SMOKE:-0}
 warmup=${BENCH_WARMUP:-3}
 steps=${BENCH_STEPS:-5}
@@ -70,16 +71,6 @@ work=$(mktemp -d /tmp/fitlm_bench_memory.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 py=${PYTHON:-python3}
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
-# table TSV: the file in aligned columns; column(1) is util-linux's (Debian's
-# bsdextrautils), which a minimal image (a GPU lease's) may lack: awk then
-table() {
-    if command -v column >/dev/null; then
-        column -t -s $'\t' "$1"
-    else
-        awk -F'\t' 'NR == FNR { for (i = 1; i <= NF; i++) if (length($i) > w[i]) w[i] = length($i); next }
-            { s = ""; for (i = 1; i < NF; i++) s = s sprintf("%-" (w[i] + 2) "s", $i); print s $NF }' "$1" "$1"
-    fi
-}
 
 # the docs as LLaMA-2 tokens, as bench/gpu.sh makes them
 llama_tok=$src/.gpu-prefix/data/llama/tokenizer.json

@@ -1,5 +1,5 @@
 # bench/lib.sh: what the benchmark scripts share (sourced, not run): building
-# fitlm, the CPU they ran on, and reading fitlm's reports.
+# fitlm, the CPU they ran on, reading fitlm's reports, printing a table.
 #   BUILD, LOG, NO_BUILD=1 as the scripts document them.
 
 # Builds the fitlm target in $BUILD (Release) unless NO_BUILD=1; sets FITLM.
@@ -128,4 +128,15 @@ bench_mpi_setup() {
     bench_mpi_env
     bench_build
     bench_rank_script
+}
+
+# table TSV: the file in aligned columns; column(1) is util-linux's (Debian's
+# bsdextrautils), which a minimal image (a GPU lease's) may lack: awk then
+table() {
+    if command -v column >/dev/null; then
+        column -t -s $'\t' "$1"
+    else
+        awk -F'\t' 'NR == FNR { for (i = 1; i <= NF; i++) if (length($i) > w[i]) w[i] = length($i); next }
+            { s = ""; for (i = 1; i < NF; i++) s = s sprintf("%-" (w[i] + 2) "s", $i); print s $NF }' "$1" "$1"
+    fi
 }

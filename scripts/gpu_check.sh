@@ -38,6 +38,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 src=$(pwd)
+source "$src/bench/lib.sh" # table
 exec > >(tee "$out/check.log") 2>&1
 tee_pid=$!
 # finish RC: exit RC once tee has ended (its input closed), so that
@@ -56,16 +57,6 @@ note() { echo "gpu_check: $*"; }
 # json STRING: STRING as a JSON string's contents (its \ and " escaped,
 # control characters dropped)
 json() { local v=${1//\\/\\\\}; v=${v//\"/\\\"}; printf '%s' "$v" | tr -d '\000-\037'; }
-# table TSV: the file in aligned columns; column(1) is util-linux's (Debian's
-# bsdextrautils), which a minimal image lacks: awk then
-table() {
-    if command -v column >/dev/null; then
-        column -t -s $'\t' "$1"
-    else
-        awk -F'\t' 'NR == FNR { for (i = 1; i <= NF; i++) if (length($i) > w[i]) w[i] = length($i); next }
-            { s = ""; for (i = 1; i < NF; i++) s = s sprintf("%-" (w[i] + 2) "s", $i); print s $NF }' "$1" "$1"
-    fi
-}
 
 # ---- 1. facts
 # the commit: the working tree that travels to a device machine need not be
