@@ -4,16 +4,23 @@
 // math, one rounding per store.
 #include "common.cuh"
 
+// elements i + k w of out = those of a + y[k] (FL_D_ILP of them, below n)
+__device__ __forceinline__ void add_ilp(fl_dtype dt, void *out, const void *a, const float *y,
+                                        size_t i, size_t w, size_t n) {
+    float x[FL_D_ILP];
+    fl_d_load_ilp(dt, a, i, w, n, x);
+#pragma unroll
+    for (int k = 0; k < FL_D_ILP; k++) x[k] += y[k];
+    fl_d_store_ilp(dt, out, i, w, n, x);
+}
+
 __global__ void residual_forward_kernel(fl_dtype dt, void *out, const void *a, const void *b,
                                         size_t n) {
     size_t w = fl_d_width();
     for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP], y[FL_D_ILP];
-        fl_d_load_ilp(dt, a, i, w, n, x);
+        float y[FL_D_ILP];
         fl_d_load_ilp(dt, b, i, w, n, y);
-#pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) x[k] += y[k];
-        fl_d_store_ilp(dt, out, i, w, n, x);
+        add_ilp(dt, out, a, y, i, w, n);
     }
 }
 
@@ -23,16 +30,10 @@ __global__ void residual_backward_kernel(fl_dtype dt, void *da, void *db, const 
                                          size_t n) {
     size_t w = fl_d_width();
     for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float d[FL_D_ILP], x[FL_D_ILP];
+        float d[FL_D_ILP];
         fl_d_load_ilp(dt, dout, i, w, n, d);
-        fl_d_load_ilp(dt, da, i, w, n, x);
-#pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) x[k] += d[k];
-        fl_d_store_ilp(dt, da, i, w, n, x);
-        fl_d_load_ilp(dt, db, i, w, n, x);
-#pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) x[k] += d[k];
-        fl_d_store_ilp(dt, db, i, w, n, x);
+        add_ilp(dt, da, da, d, i, w, n);
+        add_ilp(dt, db, db, d, i, w, n);
     }
 }
 
