@@ -25,17 +25,27 @@ static unsigned reduce_blocks(size_t n) {
     return (unsigned)(b > REDUCE_BLOCKS ? REDUCE_BLOCKS : b);
 }
 
+// streaming kernels (common.cuh's FL_D_ILP)
 __global__ void convert_kernel(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
                                size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        fl_d_store(dst_dt, dst, i, fl_d_load(src_dt, src, i));
+    size_t w = fl_d_width();
+    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
+        float x[FL_D_ILP];
+        fl_d_load_ilp(src_dt, src, i, w, n, x);
+        fl_d_store_ilp(dst_dt, dst, i, w, n, x);
+    }
 }
 
 __global__ void accumulate_kernel(float *dst, fl_dtype dt, const void *src, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        dst[i] += fl_d_load(dt, src, i);
+    size_t w = fl_d_width();
+    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
+        float x[FL_D_ILP], y[FL_D_ILP];
+        fl_d_load_ilp(FL_F32, dst, i, w, n, x);
+        fl_d_load_ilp(dt, src, i, w, n, y);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) x[k] += y[k];
+        fl_d_store_ilp(FL_F32, dst, i, w, n, x);
+    }
 }
 
 // partial[blockIdx.x] = the block's sum of x^2 (squares 1) or of x, in double
@@ -105,14 +115,14 @@ extern "C" void fl_cuda_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, con
                                       fl_cuda_stream()));
         return;
     }
-    convert_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_stream()>>>(dst_dt, dst, src_dt, src,
-                                                                         n);
+    convert_kernel<<<fl_cuda_blocks_ilp(n, 256), 256, 0, fl_cuda_stream()>>>(dst_dt, dst, src_dt,
+                                                                             src, n);
     FL_CUDA_LAUNCHED("convert_kernel");
 }
 
 extern "C" void fl_cuda_accumulate(float *dst, fl_dtype dt, const void *src, size_t n) {
     if (!n) return;
-    accumulate_kernel<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_stream()>>>(dst, dt, src, n);
+    accumulate_kernel<<<fl_cuda_blocks_ilp(n, 256), 256, 0, fl_cuda_stream()>>>(dst, dt, src, n);
     FL_CUDA_LAUNCHED("accumulate_kernel");
 }
 
