@@ -13,12 +13,20 @@ __global__ void layernorm_forward_kernel(fl_dtype dt, void *out, float *mean, fl
     int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return; // the whole warp
     size_t base = (size_t)row * C;
+    void *xr = fl_d_at(dt, inp, base);
+    const void *sr = skip ? fl_d_at(dt, skip, base) : NULL;
     float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += norm_input(dt, inp, skip, base + c);
+    for (int c = lane; c < C; c += FL_D_ILP * 32) {
+        float x[FL_D_ILP];
+        norm_input(dt, xr, sr, c, C, x);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++)
+            if (c + 32 * k < C) s += x[k];
+    }
     float m = __shfl_sync(0xffffffffu, fl_d_warp_sum(s), 0) / C;
     float v = 0.0f;
     for (int c = lane; c < C; c += 32) {
-        float d = fl_d_load(dt, inp, base + c) - m;
+        float d = fl_d_load(dt, xr, c) - m;
         v += d * d;
     }
     float r = norm_rstd(__shfl_sync(0xffffffffu, fl_d_warp_sum(v), 0) / C + LN_EPS);
@@ -26,10 +34,14 @@ __global__ void layernorm_forward_kernel(fl_dtype dt, void *out, float *mean, fl
         mean[row] = m;
         rstd[row] = r;
     }
-    for (int c = lane; c < C; c += 32) {
-        float x = fl_d_load(dt, inp, base + c);
-        fl_d_store(dt, out, base + c,
-                   (x - m) * r * fl_d_load(dt, weight, c) + fl_d_load(dt, bias, c));
+    for (int c = lane; c < C; c += FL_D_ILP * 32) {
+        float x[FL_D_ILP], w[FL_D_ILP], b[FL_D_ILP];
+        fl_d_load_ilp(dt, xr, c, 32, C, x);
+        fl_d_load_ilp(dt, weight, c, 32, C, w);
+        fl_d_load_ilp(dt, bias, c, 32, C, b);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) x[k] = (x[k] - m) * r * w[k] + b[k];
+        fl_d_store_ilp(dt, fl_d_at(dt, out, base), c, 32, C, x);
     }
 }
 
@@ -48,11 +60,21 @@ __global__ void layernorm_dinp_kernel(fl_dtype dt, void *dinp, const void *dout,
     }
     dm = __shfl_sync(0xffffffffu, fl_d_warp_sum(dm), 0) / C;
     dnm = __shfl_sync(0xffffffffu, fl_d_warp_sum(dnm), 0) / C;
-    for (int c = lane; c < C; c += 32) {
-        float norm = (fl_d_load(dt, inp, base + c) - m) * r;
-        float dnorm = fl_d_load(dt, weight, c) * fl_d_load(dt, dout, base + c);
-        fl_d_store(dt, dinp, base + c,
-                   fl_d_load(dt, dinp, base + c) + (dnorm - dm - norm * dnm) * r);
+    const void *xr = fl_d_at(dt, inp, base), *dyr = fl_d_at(dt, dout, base);
+    void *dxr = fl_d_at(dt, dinp, base);
+    for (int c = lane; c < C; c += FL_D_ILP * 32) {
+        float x[FL_D_ILP], w[FL_D_ILP], dy[FL_D_ILP], dx[FL_D_ILP];
+        fl_d_load_ilp(dt, xr, c, 32, C, x);
+        fl_d_load_ilp(dt, weight, c, 32, C, w);
+        fl_d_load_ilp(dt, dyr, c, 32, C, dy);
+        fl_d_load_ilp(dt, dxr, c, 32, C, dx);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) {
+            float norm = (x[k] - m) * r;
+            float dnorm = w[k] * dy[k];
+            dx[k] = dx[k] + (dnorm - dm - norm * dnm) * r;
+        }
+        fl_d_store_ilp(dt, dxr, c, 32, C, dx);
     }
 }
 

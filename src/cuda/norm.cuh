@@ -14,12 +14,22 @@ __device__ __forceinline__ float norm_rstd(float var) {
     return var <= 3.4028235e38f ? 1.0f / sqrtf(var) : __int_as_float(0x7fc00000);
 }
 
-// Element i of a norm's input x as the norm reads it; with a skip, the
-// residual add fused with the norm first: x = round(skip + x), stored (the
-// first pass over a row; the later passes read x).
-__device__ __forceinline__ float norm_input(fl_dtype dt, void *x, const void *skip, size_t i) {
-    if (skip) fl_d_store(dt, x, i, fl_d_load(dt, skip, i) + fl_d_load(dt, x, i));
-    return fl_d_load(dt, x, i);
+// Elements c, c + 32, ... (FL_D_ILP of them, below C) of a row of a norm's
+// input as the norm reads them into x (0 past C); with a skip, the residual
+// add fused with the norm first: the row = round(skip + row), stored (the
+// first pass over a row; the later passes read the row). Lane by lane the
+// rows are read FL_D_ILP loads at a time (common.cuh).
+__device__ __forceinline__ void norm_input(fl_dtype dt, void *row, const void *skip, int c, int C,
+                                           float *x) {
+    if (skip) {
+        float s[FL_D_ILP];
+        fl_d_load_ilp(dt, skip, c, 32, C, s);
+        fl_d_load_ilp(dt, row, c, 32, C, x);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) x[k] = s[k] + x[k];
+        fl_d_store_ilp(dt, row, c, 32, C, x);
+    }
+    fl_d_load_ilp(dt, row, c, 32, C, x);
 }
 
 #endif

@@ -11,15 +11,26 @@ __global__ void rmsnorm_forward_kernel(fl_dtype dt, void *out, float *rstd, void
     int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return; // the whole warp
     size_t base = (size_t)row * C;
+    void *xr = fl_d_at(dt, inp, base);
+    const void *sr = skip ? fl_d_at(dt, skip, base) : NULL;
     float ss = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        float x = norm_input(dt, inp, skip, base + c);
-        ss += x * x;
+    for (int c = lane; c < C; c += FL_D_ILP * 32) {
+        float x[FL_D_ILP];
+        norm_input(dt, xr, sr, c, C, x);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++)
+            if (c + 32 * k < C) ss += x[k] * x[k];
     }
     float r = norm_rstd(__shfl_sync(0xffffffffu, fl_d_warp_sum(ss), 0) / C + eps);
     if (lane == 0) rstd[row] = r;
-    for (int c = lane; c < C; c += 32)
-        fl_d_store(dt, out, base + c, fl_d_load(dt, inp, base + c) * r * fl_d_load(dt, weight, c));
+    for (int c = lane; c < C; c += FL_D_ILP * 32) {
+        float x[FL_D_ILP], w[FL_D_ILP];
+        fl_d_load_ilp(dt, xr, c, 32, C, x);
+        fl_d_load_ilp(dt, weight, c, 32, C, w);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) x[k] = x[k] * r * w[k];
+        fl_d_store_ilp(dt, fl_d_at(dt, out, base), c, 32, C, x);
+    }
 }
 
 // dinp += (w dy - norm mean(w dy norm)) rstd, norm = x rstd
@@ -33,10 +44,20 @@ __global__ void rmsnorm_dinp_kernel(fl_dtype dt, void *dinp, const void *dout, c
         dnm += fl_d_load(dt, weight, c) * fl_d_load(dt, dout, base + c) *
                (fl_d_load(dt, inp, base + c) * r);
     dnm = __shfl_sync(0xffffffffu, fl_d_warp_sum(dnm), 0) / C;
-    for (int c = lane; c < C; c += 32) {
-        float x = fl_d_load(dt, inp, base + c);
-        float wdy = fl_d_load(dt, weight, c) * fl_d_load(dt, dout, base + c);
-        fl_d_store(dt, dinp, base + c, fl_d_load(dt, dinp, base + c) + (wdy - x * r * dnm) * r);
+    const void *xr = fl_d_at(dt, inp, base), *dyr = fl_d_at(dt, dout, base);
+    void *dxr = fl_d_at(dt, dinp, base);
+    for (int c = lane; c < C; c += FL_D_ILP * 32) {
+        float x[FL_D_ILP], w[FL_D_ILP], dy[FL_D_ILP], dx[FL_D_ILP];
+        fl_d_load_ilp(dt, xr, c, 32, C, x);
+        fl_d_load_ilp(dt, weight, c, 32, C, w);
+        fl_d_load_ilp(dt, dyr, c, 32, C, dy);
+        fl_d_load_ilp(dt, dxr, c, 32, C, dx);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) {
+            float wdy = w[k] * dy[k];
+            dx[k] = dx[k] + (wdy - x[k] * r * dnm) * r;
+        }
+        fl_d_store_ilp(dt, dxr, c, 32, C, dx);
     }
 }
 
