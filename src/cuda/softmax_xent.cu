@@ -27,13 +27,19 @@ __device__ __forceinline__ void merge(float *m, float *s, float m2, float s2) {
 __device__ void row_max_sum(fl_dtype dt, const void *row, int V, float *m_out, float *s_out) {
     __shared__ float wm[XENT_THREADS / 32], ws[XENT_THREADS / 32];
     float m = -INFINITY, s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        float x = fl_d_load(dt, row, j);
-        if (x > m) {
-            s = s * expf(m - x) + 1.0f;
-            m = x;
-        } else {
-            s += expf(x - m);
+    int bd = blockDim.x;
+    for (int j = threadIdx.x; j < V; j += FL_D_ILP * bd) {
+        float x[FL_D_ILP]; // a thread's columns in order, FL_D_ILP loads in flight
+        fl_d_load_ilp(dt, row, j, bd, V, x);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) {
+            if (j + k * bd >= V) break;
+            if (x[k] > m) {
+                s = s * expf(m - x[k]) + 1.0f;
+                m = x[k];
+            } else {
+                s += expf(x[k] - m);
+            }
         }
     }
     for (int off = 16; off; off /= 2) {
