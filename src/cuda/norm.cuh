@@ -32,4 +32,15 @@ __device__ __forceinline__ void norm_input(fl_dtype dt, void *row, const void *s
     fl_d_load_ilp(dt, row, c, 32, C, x);
 }
 
+// What a norm's dinp pass reads of a row, a lane's columns c, c + 32, ...
+// FL_D_ILP at a time (0 past C): x, the weight, dy and dinp so far
+__device__ __forceinline__ void norm_dinp_load(fl_dtype dt, const void *xr, const void *weight,
+                                               const void *dyr, const void *dxr, int c, int C,
+                                               float *x, float *w, float *dy, float *dx) {
+    fl_d_load_ilp(dt, xr, c, 32, C, x);
+    fl_d_load_ilp(dt, weight, c, 32, C, w);
+    fl_d_load_ilp(dt, dyr, c, 32, C, dy);
+    fl_d_load_ilp(dt, dxr, c, 32, C, dx);
+}
+
 #endif

@@ -48,10 +48,7 @@ __global__ void rmsnorm_dinp_kernel(fl_dtype dt, void *dinp, const void *dout, c
     void *dxr = fl_d_at(dt, dinp, base);
     for (int c = lane; c < C; c += FL_D_ILP * 32) {
         float x[FL_D_ILP], w[FL_D_ILP], dy[FL_D_ILP], dx[FL_D_ILP];
-        fl_d_load_ilp(dt, xr, c, 32, C, x);
-        fl_d_load_ilp(dt, weight, c, 32, C, w);
-        fl_d_load_ilp(dt, dyr, c, 32, C, dy);
-        fl_d_load_ilp(dt, dxr, c, 32, C, dx);
+        norm_dinp_load(dt, xr, weight, dyr, dxr, c, C, x, w, dy, dx);
 #pragma unroll
         for (int k = 0; k < FL_D_ILP; k++) {
             float wdy = w[k] * dy[k];
