@@ -42,7 +42,7 @@ set -uo pipefail
 fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu.sh FITLM OUTDIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
-source "$src/bench/lib.sh" # table
+source "$src/bench/lib.sh" # table, why
 smoke=${BENCH_SMOKE:-0}
 warmup=${BENCH_WARMUP:-3}
 steps=${BENCH_STEPS:-10}
@@ -69,9 +69,6 @@ cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
     echo "bench/gpu.sh: LLaMA tokenization failed (see $log)"
 
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
-# why OUTPUT LINE: ": LINE", cut to 120 characters, no tabs or |, for a failed
-# run's status (the table's reader sees why without the log)
-why() { [ -n "$2" ] && printf ': %s' "$(echo "$2" | tr -d '\t' | tr '|' '/' | cut -c1-120)"; }
 
 # gemm_rate CONFIG B T FITLM-FLAGS...: bench_gpu_gemm on the config's GEMM
 # shapes (its --model and --arch, the vocabulary V fitlm reported) into
@@ -126,7 +123,7 @@ fitlm_run() {
     L=$(sed -n 's/.*n_layer \([0-9]*\).*/\1/p' "$f" | head -1)
     C=$(sed -n 's/.*n_embd \([0-9]*\).*/\1/p' "$f" | head -1)
     if [ $rc != 0 ] || [ -z "$N" ]; then
-        row "$cfg" fitlm "$B" "$T" - - - - - "failed rc $rc$(why "$f" "$(grep -m1 -i error "$f")")"
+        row "$cfg" fitlm "$B" "$T" - - - - - "failed rc $rc$(why "$(grep -m1 -i error "$f")")"
         return
     fi
     gemm_rate "$cfg" "$B" "$T" "$@"
@@ -187,7 +184,7 @@ torch_run() {
     local r
     r=$(grep '^RESULT' "$f" | tail -1)
     if [ $rc != 0 ] || [ -z "$r" ]; then
-        row "$cfg" "$eng" "$B" "$T" - - - - - "failed rc $rc$(why "$f" "$(tail -1 "$f")")"
+        row "$cfg" "$eng" "$B" "$T" - - - - - "failed rc $rc$(why "$(tail -1 "$f")")"
         return
     fi
     # the FLOPs per token as fitlm's row counts them, for one MFU (and the

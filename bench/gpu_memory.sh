@@ -51,7 +51,7 @@ set -uo pipefail
 fitlm=${1:?usage: bench/gpu_memory.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu_memory.sh FITLM OUTDIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
-source "$src/bench/lib.sh" # table
+source "$src/bench/lib.sh" # table, why
 smoke=${BENCH_SMOKE:-0}
 warmup=${BENCH_WARMUP:-3}
 steps=${BENCH_STEPS:-5}
@@ -116,7 +116,7 @@ fitlm_run() {
             split($2, s, "/"); if (s[1] + 0 > w) print substr($0, RSTART + 18, RLENGTH - 19) }' "$f" |
         sort -g | awk '{ a[NR] = $1 } END { if (NR) printf "%.1f%%\n", (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) }')
     local status=ok
-    [ $rc = 0 ] || status="failed rc $rc: $(grep -m1 'error' "$f" | cut -c1-120)"
+    [ $rc = 0 ] || status="failed rc $rc$(why "$(grep -m1 'error' "$f")")"
     local tok=-
     [ -n "$ms" ] && tok=$(awk -v B="$B" -v T="$T" -v n="$accum" -v ms="$ms" 'BEGIN { printf "%.0f", B * T * n / (ms / 1000) }')
     row "$sc" "$cfg" fitlm "$B" "$T" "$tok" "${mem:--}" "${loss0:--}" "${loss1:--}" "${wait:--}" "$status"
@@ -137,7 +137,7 @@ peft_run() {
     if grep -q '^SKIP' "$f"; then
         row "$sc" "$cfg" peft "$B" "$T" - - - - - "skipped: $(sed -n 's/^SKIP //p' "$f" | head -1)"
     elif [ $rc != 0 ] || [ -z "$r" ]; then
-        row "$sc" "$cfg" peft "$B" "$T" - - - - - "failed rc $rc: $(tail -1 "$f" | cut -c1-120)"
+        row "$sc" "$cfg" peft "$B" "$T" - - - - - "failed rc $rc$(why "$(tail -1 "$f")")"
     else
         echo "$r" | tr ' ' '\n' | awk -F= -v sc="$sc" -v cfg="$cfg" -v B="$B" -v T="$T" '{ v[$1] = $2 }
             END { printf "%s\t%s\tpeft\t%s\t%s\t%s\t%s\t%s\t%s\t-\tok\n", sc, cfg, B, T, v["tok_s"],
@@ -183,14 +183,14 @@ for sc in $showcases; do
         shapes=("--model llama-7b" "--model llama-7b --n-layer 24" "--model llama-7b --n-layer 16"
             "--model llama-7b --n-layer 26 --n-embd 3200 --n-head 32 --n-kv-head 32 --intermediate-size 8640"
             "--model tinyllama-1.1b")
-        pick=-1 why=""
+        pick=-1 plan_err=""
         for k in "${!names[@]}"; do
             # shellcheck disable=SC2086
             "$fitlm" plan --device $device "${data[@]}" ${shapes[$k]} --batch 4 --seq-len 1024 \
                 --precision bf16 --optimizer adamw --activation-checkpointing block \
                 --config "$work/offload.json" --mem-limit 24GiB >"$work/plan.$k" 2>&1
             rc=$?
-            [ $rc = 0 ] || why=": $(grep -m1 'error' "$work/plan.$k" | cut -c1-120)"
+            [ $rc = 0 ] || plan_err=$(why "$(grep -m1 'error' "$work/plan.$k")")
             { echo "== plan offload ${names[$k]}: ${shapes[$k]}"; cat "$work/plan.$k"; } >>"$log"
             # the device's budget says fits, and the host's limit; the
             # smoke (no device) takes the first plan that runs
@@ -201,7 +201,7 @@ for sc in $showcases; do
             fi
         done
         if [ "$pick" -lt 0 ]; then
-            row offload none fitlm 4 1024 - - - - - "no shape's plan fits$why (see $log)"
+            row offload none fitlm 4 1024 - - - - - "no shape's plan fits$plan_err (see $log)"
         else
             name=${names[$pick]}
             # shellcheck disable=SC2046,SC2086

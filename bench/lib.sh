@@ -130,6 +130,11 @@ bench_mpi_setup() {
     bench_rank_script
 }
 
+# why LINE: ": LINE" for a failed run's status in a table (its reader sees
+# why without the log): cut to 120 characters, no tabs or | (the TSV's and
+# markdown's separators); nothing for an empty LINE
+why() { [ -n "$1" ] && printf ': %s' "$(echo "$1" | tr -d '\t' | tr '|' '/' | cut -c1-120)"; }
+
 # table TSV: the file in aligned columns; column(1) is util-linux's (Debian's
 # bsdextrautils), which a minimal image (a GPU lease's) may lack: awk then
 table() {
