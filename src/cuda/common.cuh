@@ -127,6 +127,16 @@ __device__ __forceinline__ void fl_d_store_ilp(fl_dtype dt, void *p, size_t i, s
         if (i + k * w < n) fl_d_store(dt, p, i + k * w, x[k]);
 }
 
+// elements i + k w of out = those of a + y[k] (FL_D_ILP of them, below n)
+__device__ __forceinline__ void fl_d_add_ilp(fl_dtype dt, void *out, const void *a, const float *y,
+                                             size_t i, size_t w, size_t n) {
+    float x[FL_D_ILP];
+    fl_d_load_ilp(dt, a, i, w, n, x);
+#pragma unroll
+    for (int k = 0; k < FL_D_ILP; k++) x[k] += y[k];
+    fl_d_store_ilp(dt, out, i, w, n, x);
+}
+
 // Blocks of `threads` for a streaming kernel over n elements: FL_D_ILP a
 // thread in its first pass where n allows.
 static inline unsigned fl_cuda_blocks_ilp(size_t n, int threads) {

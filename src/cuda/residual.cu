@@ -4,23 +4,13 @@
 // math, one rounding per store.
 #include "common.cuh"
 
-// elements i + k w of out = those of a + y[k] (FL_D_ILP of them, below n)
-__device__ __forceinline__ void add_ilp(fl_dtype dt, void *out, const void *a, const float *y,
-                                        size_t i, size_t w, size_t n) {
-    float x[FL_D_ILP];
-    fl_d_load_ilp(dt, a, i, w, n, x);
-#pragma unroll
-    for (int k = 0; k < FL_D_ILP; k++) x[k] += y[k];
-    fl_d_store_ilp(dt, out, i, w, n, x);
-}
-
 __global__ void residual_forward_kernel(fl_dtype dt, void *out, const void *a, const void *b,
                                         size_t n) {
     size_t w = fl_d_width();
     for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
         float y[FL_D_ILP];
         fl_d_load_ilp(dt, b, i, w, n, y);
-        add_ilp(dt, out, a, y, i, w, n);
+        fl_d_add_ilp(dt, out, a, y, i, w, n);
     }
 }
 
@@ -32,8 +22,8 @@ __global__ void residual_backward_kernel(fl_dtype dt, void *da, void *db, const 
     for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
         float d[FL_D_ILP];
         fl_d_load_ilp(dt, dout, i, w, n, d);
-        add_ilp(dt, da, da, d, i, w, n);
-        add_ilp(dt, db, db, d, i, w, n);
+        fl_d_add_ilp(dt, da, da, d, i, w, n);
+        fl_d_add_ilp(dt, db, db, d, i, w, n);
     }
 }
 

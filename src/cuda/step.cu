@@ -39,12 +39,9 @@ __global__ void convert_kernel(fl_dtype dst_dt, void *dst, fl_dtype src_dt, cons
 __global__ void accumulate_kernel(float *dst, fl_dtype dt, const void *src, size_t n) {
     size_t w = fl_d_width();
     for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP], y[FL_D_ILP];
-        fl_d_load_ilp(FL_F32, dst, i, w, n, x);
+        float y[FL_D_ILP];
         fl_d_load_ilp(dt, src, i, w, n, y);
-#pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) x[k] += y[k];
-        fl_d_store_ilp(FL_F32, dst, i, w, n, x);
+        fl_d_add_ilp(FL_F32, dst, dst, y, i, w, n);
     }
 }
 
