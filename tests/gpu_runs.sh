@@ -74,13 +74,14 @@ cat "$src"/docs/*.md >"$work/text.txt"
 head -c 2048 "$work/text.txt" >"$work/eval.txt" # what the evals read: 32 windows
 
 # run NAME DEVICE ARCH PRECISION [FLAGS...]: $steps steps into $work/NAME
+# (a given peak: the cpu runs would measure the host's, 0.05 s each)
 run() {
     local name=$1 device=$2 arch=$3 prec=$4
     shift 4
     if ! "$fitlm" train --device "$device" --model tiny --arch "$arch" --tokenizer byte \
         --data "$work/data" --batch "$batch" --seq-len 64 --steps "$steps" --warmup 2 --lr 1e-3 \
         --precision "$prec" --threads 2 --sample-tokens 0 --eval-every 0 --eval-iters 2 \
-        --seed 1234 --out "$work/$name" "$@" >"$work/$name.out" 2>&1; then
+        --seed 1234 --peak-tflops 1 --out "$work/$name" "$@" >"$work/$name.out" 2>&1; then
         if grep -qE "no CUDA backend|no NVIDIA GPU|no CUDA-capable" "$work/$name.out"; then
             echo "gpu_runs: skipped: $(grep -m1 -E 'CUDA|GPU' "$work/$name.out")"
             exit 77
@@ -251,7 +252,7 @@ lrun() { # lrun NAME DEVICE PRECISION [FLAGS...]: $steps steps into $work/NAME
     "$fitlm" train --device "$device" --init-from "$work/base.hf" --tokenizer byte \
         --data "$work/data" --batch "$batch" --seq-len 64 --steps "$steps" --warmup 2 --lr 1e-3 \
         --precision "$prec" --threads 2 --sample-tokens 0 --eval-every 0 --eval-iters 2 \
-        --seed 1234 --lora --lora-dropout 0.1 --out "$work/$name" "$@" >"$work/$name.out" 2>&1 ||
+        --seed 1234 --peak-tflops 1 --lora --lora-dropout 0.1 --out "$work/$name" "$@" >"$work/$name.out" 2>&1 ||
         { echo "gpu_runs: fitlm train ($name) failed:"; tail -20 "$work/$name.out"; exit 1; }
 }
 for kind in "${lora_kinds[@]}"; do

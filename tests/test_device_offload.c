@@ -40,9 +40,10 @@ static char cmd[4096];
 #define fails_with(what, ...)                                                                      \
     (snprintf(cmd, sizeof cmd, __VA_ARGS__), t_fitlm_fails(dir, cmd, what, output, sizeof output))
 
+// (--peak-tflops: measuring the host's peak, 0.05 s a run, is test_metrics' subject)
 #define RUN                                                                                        \
     "--data data --tokenizer byte --batch 2 --seq-len 32 --eval-iters 1 --threads 2 "              \
-    "--sample-tokens 0 --overwrite"
+    "--sample-tokens 0 --overwrite --peak-tflops 1"
 
 // "loss:norm " per step from OUT/metrics.jsonl, as written (floats that read
 // back exactly).

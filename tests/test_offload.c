@@ -359,9 +359,10 @@ static void check_errors(void) {
 // ----------------------------------------------------------------------------
 // resume, through `fitlm train`
 
+// (--peak-tflops: measuring the host's peak, 0.05 s a run, is test_metrics' subject)
 #define RUN_ANY_STAGE                                                                              \
     "train --model tiny --data data/brown_byte --tokenizer byte --seq-len 32 --threads 1 "         \
-    "--batch 2 --precision bf16 --sample-tokens 0 --eval-every 0"
+    "--batch 2 --precision bf16 --sample-tokens 0 --eval-every 0 --peak-tflops 1"
 #define RUN RUN_ANY_STAGE " --zero-stage 2"
 
 // The "step N loss ... norm ..." lines of DIR/log.txt for steps > from.

@@ -333,7 +333,11 @@ static double fma_peak_gflops(fma_peak_isa isa, int threads, double seconds_each
                               double *min_out, double *max_out) {
     int64_t iters = 1 << 16;
     double dt;
-    while ((dt = fma_peak_time(isa, threads, iters)) < 0.05) iters *= 2; // also warms up
+    // a third of a measurement (at most 0.05 s) is long enough to time, and
+    // the doubling rounds before it (as long again) warm the units up: a
+    // run's start-up measurement (0.03 s) takes about 0.05 s in all
+    double calibrate = seconds_each / 3 < 0.05 ? seconds_each / 3 : 0.05;
+    while ((dt = fma_peak_time(isa, threads, iters)) < calibrate) iters *= 2;
     iters = (int64_t)(iters * (seconds_each / dt));
     if (iters < 1) iters = 1;
     double *g = malloc(sizeof(double) * (size_t)reps);

@@ -11,6 +11,7 @@
 #include "fitlm/device.h"
 
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -30,7 +31,7 @@ static const fl_device *cpu; // whose kernels run
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static char *base;               // the region
 static size_t top;               // bytes carved so far (blocks cover [0, top))
-static size_t mapped;            // bytes made readable when open: top rounded up to pages
+static size_t mapped;            // bytes made readable when open: top rounded up to huge pages
 static int depth;                // table calls in progress
 static block blocks[MAX_BLOCKS]; // by offset
 static int n_blocks;
@@ -38,11 +39,18 @@ static size_t used;
 static void *lent[MAX_LENT]; // scratch lent by models (test_scratch_lend)
 static int n_lent;
 
+// Huge pages where the kernel offers them: each table call opens and closes
+// the region (two mprotects, whose cost is one entry per page: a 2 MiB page
+// is one entry instead of 512), so the region starts on a 2 MiB boundary.
+#define HUGE ((size_t)2 << 20)
+
 static void reserve(void) {
     if (base) return;
-    void *p = mmap(NULL, RESERVE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *p =
+        mmap(NULL, RESERVE + HUGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) fl_die("test device: cannot reserve %zu bytes of address space", RESERVE);
-    base = p;
+    base = (char *)(((uintptr_t)p + HUGE - 1) & ~(uintptr_t)(HUGE - 1));
+    (void)madvise(base, RESERVE, MADV_HUGEPAGE); // a hint: without it, 4 KiB pages
 }
 
 static void set_protection(int prot) {
@@ -100,7 +108,7 @@ static void *test_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes) {
         at = n_blocks++;
         blocks[at] = (block){top, want, 0, -1};
         top += want;
-        size_t page = 4096, need = (top + page - 1) / page * page;
+        size_t need = (top + HUGE - 1) / HUGE * HUGE; // whole huge pages
         if (need > mapped) {
             mapped = need; // the new pages stay PROT_NONE until the next open
             if (depth && mprotect(base, mapped, PROT_READ | PROT_WRITE) != 0)

@@ -143,8 +143,11 @@ void matmul(fl_emu_lt_desc d, float alpha, const void *A, fl_emu_lt_layout a, co
     uint64_t m = dl.rows, n = dl.cols, k, unused;
     op_shape(&a, d.ta, &unused, &k);
     int tf = d.compute == CUBLAS_COMPUTE_32F_FAST_TF32;
-    // op(A) by rows and op(B) by columns, each k contiguous values
-    std::vector<float> ar(m * k), bc(n * k);
+    // op(A) by rows, each k contiguous values; op(B) by blocks of LANES
+    // columns, their values at each p side by side (columns past n zero)
+    enum { LANES = 8 };
+    uint64_t blocks = (n + LANES - 1) / LANES;
+    std::vector<float> ar(m * k), bc(blocks * k * LANES, 0.0f);
     for (uint64_t i = 0; i < m; i++)
         for (uint64_t p = 0; p < k; p++) {
             size_t at = d.ta == CUBLAS_OP_N ? i + p * (uint64_t)a.ld : p + i * (uint64_t)a.ld;
@@ -155,18 +158,23 @@ void matmul(fl_emu_lt_desc d, float alpha, const void *A, fl_emu_lt_layout a, co
         for (uint64_t p = 0; p < k; p++) {
             size_t at = d.tb == CUBLAS_OP_N ? p + j * (uint64_t)b.ld : j + p * (uint64_t)b.ld;
             float v = load(b.type, B, at);
-            bc[j * k + p] = tf ? tf32(v) : v;
+            bc[(j / LANES * k + p) * LANES + j % LANES] = tf ? tf32(v) : v;
         }
     int bias_type = d.bias_type >= 0 ? d.bias_type : (int)dl.type;
-    for (uint64_t j = 0; j < n; j++)
+    // each value's sum in k order from 0, as one chain would add it; LANES
+    // columns' chains at once only so that they overlap in the pipeline
+    for (uint64_t jb = 0; jb < blocks; jb++)
         for (uint64_t i = 0; i < m; i++) {
-            const float *x = &ar[i * k], *y = &bc[j * k];
-            float s = 0.0f;
-            for (uint64_t p = 0; p < k; p++) s += x[p] * y[p];
-            float v = alpha * s;
-            if (beta != 0.0f) v += beta * load(c.type, C, i + j * (uint64_t)c.ld);
-            if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) v += load(bias_type, d.bias, i);
-            store(dl.type, D, i + j * (uint64_t)dl.ld, v);
+            const float *x = &ar[i * k], *y = &bc[jb * k * LANES];
+            float s[LANES] = {0.0f};
+            for (uint64_t p = 0; p < k; p++)
+                for (int q = 0; q < LANES; q++) s[q] += x[p] * y[p * LANES + q];
+            for (uint64_t j = jb * LANES; j < n && j < (jb + 1) * LANES; j++) {
+                float v = alpha * s[j % LANES];
+                if (beta != 0.0f) v += beta * load(c.type, C, i + j * (uint64_t)c.ld);
+                if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) v += load(bias_type, d.bias, i);
+                store(dl.type, D, i + j * (uint64_t)dl.ld, v);
+            }
         }
 }
 
