@@ -222,7 +222,7 @@ if [ $build_ok = 1 ] && [ -n "$memory" ]; then
 fi
 if [ $build_ok = 1 ]; then
     echo "== ctest -L gpu ($(elapsed) s)"
-    (cd build-gpu && timeout 300 ctest -L gpu --output-on-failure --timeout 120) >"$out/ctest.log" 2>&1
+    (cd build-gpu && timeout 300 ctest -L gpu --output-on-failure) >"$out/ctest.log" 2>&1
     rc=$?
     tail -40 "$out/ctest.log"
     ctest_summary=$(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1)
