@@ -68,6 +68,7 @@ static const char *const names[FL_OP_COUNT] = {
     [FL_OP_RESIDUAL] = "residual",
     [FL_OP_XENT] = "softmax+xent",
     [FL_OP_ZERO_GRAD] = "zero grad",
+    [FL_OP_ZERO_ACTS] = "zero act grads",
     [FL_OP_OPTIMIZER] = "optimizer",
     [FL_OP_LOADER] = "data loader",
     [FL_OP_COMM] = "communication",

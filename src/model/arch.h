@@ -87,6 +87,13 @@ static inline void fl_model_mem_free(const fl_model *m, fl_mem_tag tag, void *p)
 #define FL_FWD_OP(op, ...) FL_PROFILE(op, FL_FWD, 0.0, __VA_ARGS__)
 #define FL_BWD_OP(op, ...) FL_PROFILE(op, FL_BWD, 0.0, __VA_ARGS__)
 
+// The backward's activation-gradient buffers start at zero: each kernel
+// adds its gradient into its output (kernels.h's `+=`). Their own profile
+// slot, as on a GPU each is a pass over memory.
+static inline void fl_zero_dact(const fl_model *m, void *p, size_t bytes) {
+    FL_BWD_OP(FL_OP_ZERO_ACTS, m->dev->zero(m->dev, p, bytes));
+}
+
 // The attention half of a pre-norm block (block.c): out =
 // o(attention(rope(qkv(normed)))), RoPE when the model has a rope table;
 // the caller adds the skip connection (b->in) with the residual add fused

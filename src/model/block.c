@@ -50,15 +50,15 @@ void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl
     size_t D = fl_dtype_size(m->dtype), BTC = (size_t)fl_seq_rows(c, BT) * c->n_embd;
     // dnormed first holds d(attention output) (this rank's heads), then
     // d(the norm's output)
-    m->dev->zero(m->dev, dnormed, (size_t)BT * o_lin->in * D);
+    fl_zero_dact(m, dnormed, (size_t)BT * o_lin->in * D);
     fl_linear_backward(m, b->l, o_lin, dnormed, dres, a->atty, BT);
-    m->dev->zero(m->dev, dqkv, (size_t)BT * qkv_lin->out * D);
+    fl_zero_dact(m, dqkv, (size_t)BT * qkv_lin->out * D);
     FL_PROFILE(FL_OP_ATTENTION, FL_BWD, 2.5 * attention_flops(b, NH, HS),
                m->dev->attention_backward(m->dtype, dqkv, dnormed, a->qkv, a->atty, a->lse,
                                           m->att_workspace, b->B, b->T, NH, KV, HS));
     if (m->rope_table)
         FL_BWD_OP(FL_OP_ROPE,
                   m->dev->rope_backward(m->dtype, dqkv, m->rope_table, b->B, b->T, NH, KV, HS));
-    m->dev->zero(m->dev, dnormed, BTC * D);
+    fl_zero_dact(m, dnormed, BTC * D);
     fl_linear_backward(m, b->l, qkv_lin, dnormed, dqkv, a->normed, BT);
 }

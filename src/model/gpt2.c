@@ -218,11 +218,11 @@ static void block_backward(const fl_block *b, void *dres) {
 #define W(k) fl_unit_w(m, l, k)
 #define G(k) fl_unit_g(m, l, k)
     // MLP: out = residual2 + fcproj(gelu(fc(ln2(residual2))))
-    m->dev->zero(m->dev, d4a, BT4 * D);
+    fl_zero_dact(m, d4a, BT4 * D);
     fl_linear_backward(m, l, &lin[L_FCPROJ], d4a, dres, a[A_GELU], BT);
-    m->dev->zero(m->dev, d4b, BT4 * D);
+    fl_zero_dact(m, d4b, BT4 * D);
     FL_BWD_OP(FL_OP_GELU, m->dev->gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
-    m->dev->zero(m->dev, dbuf, BTC * D);
+    fl_zero_dact(m, dbuf, BTC * D);
     fl_linear_backward(m, l, &lin[L_FC], dbuf, d4b, a[A_LN2], BT);
     FL_BWD_OP(FL_OP_LAYERNORM,
               m->dev->layernorm_backward(dt, dres, G(LN2W), G(LN2B), dbuf, a[A_RES2], W(LN2W),
@@ -258,9 +258,9 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     void **a = h->act, *dbuf = h->work[W_C];
     fl_linear lin[NLIN];
     linear_set(&m->config, lin);
-    m->dev->zero(m->dev, dbuf, BTC * D);
+    fl_zero_dact(m, dbuf, BTC * D);
     fl_linear_backward(m, FL_UNIT_EMBED, &lin[L_HEAD], dbuf, dlogits, a[H_LNF], BT);
-    m->dev->zero(m->dev, dres, BTC * D);
+    fl_zero_dact(m, dres, BTC * D);
     FL_BWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_backward(
                                    m->dtype, dres, fl_unit_g(m, U, 0), fl_unit_g(m, U, 1), dbuf,
                                    h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BTs, C));

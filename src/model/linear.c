@@ -78,7 +78,7 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
         inp = m->tp_gather;
         if (dinp) {
             dinp_here = m->tp_partial;
-            m->dev->zero(m->dev, dinp_here, (size_t)N * lin->in * fl_dtype_size(m->dtype));
+            fl_zero_dact(m, dinp_here, (size_t)N * lin->in * fl_dtype_size(m->dtype));
         }
     } else if (sp && kind == FL_LINEAR_ROW) { // every position's output gradient
         fl_tp_all_gather(m, dout, m->tp_gather, local * lin->out, FL_BWD);

@@ -225,11 +225,11 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_linear lin[NLIN];
     linear_set(c, lin);
     // MLP: out = res2 + down(silu(gate(ln2)) * up(ln2)), ln2 = rmsnorm(res2)
-    m->dev->zero(m->dev, w[W_I], (size_t)BT * I * D);
+    fl_zero_dact(m, w[W_I], (size_t)BT * I * D);
     fl_linear_backward(m, l, &lin[L_DOWN], w[W_I], dres, a[A_ACT], BT);
-    m->dev->zero(m->dev, w[W_2I], (size_t)BT * 2 * I * D);
+    fl_zero_dact(m, w[W_2I], (size_t)BT * 2 * I * D);
     FL_BWD_OP(FL_OP_SWIGLU, m->dev->swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
-    m->dev->zero(m->dev, w[W_C], (size_t)BTs * C * D);
+    fl_zero_dact(m, w[W_C], (size_t)BTs * C * D);
     fl_linear_backward(m, l, &lin[L_GATEUP], w[W_C], w[W_2I], a[A_LN2], BT);
     FL_BWD_OP(FL_OP_RMSNORM,
               m->dev->rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN2), w[W_C], a[A_RES2],
@@ -262,9 +262,9 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     void **a = h->act, *dnorm = h->work[W_C];
     fl_linear lin[NLIN];
     linear_set(c, lin);
-    m->dev->zero(m->dev, dnorm, BTC * D);
+    fl_zero_dact(m, dnorm, BTC * D);
     fl_linear_backward(m, head_unit(c), &lin[L_HEAD], dnorm, dlogits, a[H_NORM], BT);
-    m->dev->zero(m->dev, dres, BTC * D);
+    fl_zero_dact(m, dres, BTC * D);
     FL_BWD_OP(FL_OP_RMSNORM,
               m->dev->rmsnorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), dnorm, h->in,
                                        fl_unit_w(m, U, 0), a[H_RSTD], BTs, C));
