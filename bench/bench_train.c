@@ -485,7 +485,9 @@ int main(int argc, char **argv) {
     for (int s = 0; s < total; s++) {
         fl_profile_enable(s >= a.warmup);
         double c0 = process_cpu_s(), t0 = fl_now();
-        FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(opt));
+        size_t cleared = 0; // bytes, for the profile
+        FL_PROFILE_IO(FL_OP_ZERO_GRAD, FL_STEP, 0.0, cleared,
+                      cleared = fl_optimizer_zero_grad(opt));
         // as fl_train_step: the loss pass writes the logits' gradient too
         float dloss = fl_optimizer_scale(opt) / (float)n_targets;
         float loss = fl_model_forward_train(model, inputs, targets, a.B, a.T, dloss);

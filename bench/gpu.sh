@@ -36,7 +36,7 @@
 # per run: config engine B T tok_s ms_median mfu mfu_gemm peak_mib
 # status) and
 # OUTDIR/profile_CONFIG.md (the first config's step op by op, timed on the
-# GPU, each GEMM's and attention's floor at the peak beside it), and
+# GPU, each op's floor beside it: FLOPs at the peak, bytes at the bandwidth), and
 # prints them; exits 1 when a fitlm run failed.
 set -uo pipefail
 fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
@@ -48,6 +48,16 @@ warmup=${BENCH_WARMUP:-3}
 steps=${BENCH_STEPS:-10}
 [ "$smoke" = 1 ] && warmup=1 steps=2
 peak=989e12
+# the card's memory bandwidth, the memory-bound kernels' floor: H100 SXM
+# 3.35 TB/s, H100 NVL 3.9, H100 PCIe 2.0, H200 4.8 (BENCH_BANDWIDTH overrides)
+card=$(timeout 30 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+case "$card" in
+    *H200*) bw=4.8e12 ;;
+    *H100*NVL*) bw=3.9e12 ;;
+    *H100*PCIe*) bw=2.0e12 ;;
+    *) bw=3.35e12 ;;
+esac
+bw=${BENCH_BANDWIDTH:-$bw}
 mkdir -p "$out"
 log=$out/bench.log
 : >"$log"
@@ -145,8 +155,9 @@ fitlm_run() {
 
 # fitlm_profile CONFIG B T DATA FLAGS...: `fitlm train --profile` (each op
 # between two timed events on the GPU) of 1 + 3 steps into
-# OUTDIR/profile_CONFIG.md, with each GEMM's and attention's floor: its
-# FLOPs at the bf16 dense peak (ms x GFLOP/s / 989e3)
+# OUTDIR/profile_CONFIG.md, with each op's floor: a GEMM's and attention's
+# FLOPs at the bf16 dense peak (ms x GFLOP/s / 989e3), a memory-bound
+# kernel's least bytes (the profile's GB/step) at the card's bandwidth
 fitlm_profile() {
     local cfg=$1 B=$2 T=$3 data=$4
     shift 4
@@ -161,11 +172,12 @@ fitlm_profile() {
     {
         echo "# fitlm's step, op by op: $cfg, B $B, T $T, bf16 AdamW ($(date -u '+%Y-%m-%d'))"
         echo
-        awk -F'|' -v pk=$peak '/^per-op profile/ { print; print ""; next }
+        awk -F'|' -v pk=$peak -v bw=$bw '/^per-op profile/ { print; print ""; next }
             /^\|:/ { print $0 "----------:|"; next }
             /^\| op / { print $0 " floor ms |"; next }
-            /^\| / { fl = ($4 + 0) * ($8 + 0) + ($5 + 0) * ($9 + 0)
-                     printf "%s %s |\n", $0, (fl > 0 ? sprintf("%8.2f", fl / (pk / 1e9)) : "") }' "$f"
+            /^\| / { fl = ($4 + 0) * ($8 + 0) + ($5 + 0) * ($9 + 0); gb = $10 + 0
+                     floor = fl / (pk / 1e9) + gb / (bw / 1e9) * 1e3
+                     printf "%s %s |\n", $0, (floor > 0 ? sprintf("%8.2f", floor) : "") }' "$f"
     } >"$out/profile_$cfg.md"
 }
 

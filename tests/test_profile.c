@@ -108,6 +108,26 @@ static void test_slots_and_shares(void) {
             "attention FLOPs are 4 HS per causal pair and head (%g, want %g)",
             fl_profile_stats(FL_OP_ATTENTION)->flops[FL_FWD], att);
 
+    // the memory-bound kernels' least bytes (fp32): GELU reads and writes
+    // 4C values a position, its backward reads three and writes one; the
+    // backward clears 14C values a position a block and 2C in the head; an
+    // fp32 AdamW step reads the gradient twice and reads and writes the
+    // weights, m and v: 8 times the bytes zero grad clears
+    const fl_op_stats *gelu = fl_profile_stats(FL_OP_GELU);
+    double gelu_fwd = 2.0 * B * T * 4 * 32 * 4 * L * STEPS, acts = (14.0 * L + 2) * B * T * 32 * 4;
+    t_check(gelu->bytes[FL_FWD] == gelu_fwd && gelu->bytes[FL_BWD] == 2 * gelu_fwd,
+            "GELU moves 2 and 4 passes over its 4C values (%g, %g; want %g, %g)",
+            gelu->bytes[FL_FWD], gelu->bytes[FL_BWD], gelu_fwd, 2 * gelu_fwd);
+    t_check(fl_profile_stats(FL_OP_ZERO_ACTS)->bytes[FL_BWD] == acts * STEPS,
+            "the backward clears 14C values a position a block and 2C in the head (%g, want %g)",
+            fl_profile_stats(FL_OP_ZERO_ACTS)->bytes[FL_BWD], acts * STEPS);
+    double zero = fl_profile_stats(FL_OP_ZERO_GRAD)->bytes[FL_STEP];
+    t_check(zero > 0.0 && fl_profile_stats(FL_OP_OPTIMIZER)->bytes[FL_STEP] == 8.0 * zero,
+            "an fp32 AdamW step moves 8 times the gradient's bytes (%g, %g)",
+            fl_profile_stats(FL_OP_OPTIMIZER)->bytes[FL_STEP], zero);
+    t_check(fl_profile_stats(FL_OP_MM_QKV)->bytes[FL_FWD] == 0.0,
+            "a GEMM's floor is its FLOPs: no bytes counted");
+
     fl_profile_row rows[FL_PROFILE_ROWS];
     int n = fl_profile_rows(rows);
     double share = 0.0;

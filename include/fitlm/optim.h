@@ -531,7 +531,13 @@ float fl_optimizer_loss_scale(const fl_optimizer *o);
 // normalises the loss itself (e.g. by the target tokens of the whole batch).
 float fl_optimizer_scale(const fl_optimizer *o);
 // Before each micro-batch's backward: zeroes the gradients it will write.
-void fl_optimizer_zero_grad(fl_optimizer *o);
+// Returns the bytes it cleared on the optimizer's device (the profile's).
+size_t fl_optimizer_zero_grad(fl_optimizer *o);
+// The least bytes a step's norm and update move on the device (the
+// gradient read twice, the weights, master and state read and written),
+// for the profile's floor: AdamW and SGD on one process without offload;
+// 0 (not known) otherwise.
+double fl_optimizer_step_io(const fl_optimizer *o);
 // After each micro-batch's backward (accumulates into fp32 when needed).
 void fl_optimizer_micro_done(fl_optimizer *o);
 // The fp32 sum (grad_accum) gains the gradient elements [first, end): what

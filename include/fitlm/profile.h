@@ -45,7 +45,8 @@ typedef enum {
 
 typedef struct {
     double seconds[FL_NPASSES];
-    double flops[FL_NPASSES]; // GEMMs only
+    double flops[FL_NPASSES]; // GEMMs and attention only
+    double bytes[FL_NPASSES]; // the memory-bound kernels: the least bytes they move
     long long calls[FL_NPASSES];
 } fl_op_stats;
 
@@ -53,7 +54,7 @@ extern int fl_profile_on; // read by FL_PROFILE; set it with fl_profile_enable
 
 void fl_profile_enable(int on);
 void fl_profile_reset(void); // clears the slots and the step count
-void fl_profile_add(fl_op op, fl_pass pass, double seconds, double flops);
+void fl_profile_add(fl_op op, fl_pass pass, double seconds, double flops, double bytes);
 // Counts one profiled step of `seconds` (the whole step, so that what the
 // slots do not cover shows as "other").
 void fl_profile_step(double seconds);
@@ -77,11 +78,14 @@ void fl_profile_use_clock(const fl_profile_clock *clock);
 // FL_PROFILE's halves: a mark before the statement (NULL on the host's
 // clock) and the slot's time from it and t0 (fl_now before it).
 void *fl_profile_mark(void);
-void fl_profile_end(fl_op op, fl_pass pass, void *mark, double t0, double flops);
+void fl_profile_end(fl_op op, fl_pass pass, void *mark, double t0, double flops, double bytes);
 
 // Runs the statement(s), timed into slot `op` of `pass` when profiling is on;
 // `flops` is evaluated only then.
-#define FL_PROFILE(op, pass, flops, ...)                                                           \
+#define FL_PROFILE(op, pass, flops, ...) FL_PROFILE_IO(op, pass, flops, 0.0, __VA_ARGS__)
+// The same with the least bytes the statement reads and writes (a
+// memory-bound kernel's floor is them at the memory's bandwidth).
+#define FL_PROFILE_IO(op, pass, flops, bytes, ...)                                                 \
     do {                                                                                           \
         if (!fl_profile_on) {                                                                      \
             __VA_ARGS__;                                                                           \
@@ -89,7 +93,7 @@ void fl_profile_end(fl_op op, fl_pass pass, void *mark, double t0, double flops)
             double fl_profile_t0_ = fl_now();                                                      \
             void *fl_profile_mark_ = fl_profile_mark();                                            \
             __VA_ARGS__;                                                                           \
-            fl_profile_end(op, pass, fl_profile_mark_, fl_profile_t0_, flops);                     \
+            fl_profile_end(op, pass, fl_profile_mark_, fl_profile_t0_, flops, bytes);              \
         }                                                                                          \
     } while (0)
 
@@ -100,6 +104,7 @@ typedef struct {
     double fwd_ms, bwd_ms, total_ms; // total = forward + backward + outside them
     double share;                    // percent of the step time
     double fwd_gflops, bwd_gflops;   // achieved: GEMMs' and attention's products (else 0)
+    double gbytes;                   // the least GB the op moves (memory-bound kernels, else 0)
 } fl_profile_row;
 
 #define FL_PROFILE_ROWS (FL_OP_COUNT + 1) // the slots and "other"

@@ -18,7 +18,7 @@ typedef struct {
     fl_op op;
     fl_pass pass;
     void *a, *b;
-    double flops;
+    double flops, bytes;
 } pending_slot;
 static pending_slot pending[PENDING_MAX];
 static int npending;
@@ -27,7 +27,8 @@ static int npending;
 static void read_pending(int keep) {
     for (int i = 0; i < npending; i++) {
         double s = clock->seconds(clock->ctx, pending[i].a, pending[i].b);
-        if (keep) fl_profile_add(pending[i].op, pending[i].pass, s, pending[i].flops);
+        if (keep)
+            fl_profile_add(pending[i].op, pending[i].pass, s, pending[i].flops, pending[i].bytes);
     }
     npending = 0;
 }
@@ -41,13 +42,13 @@ void *fl_profile_mark(void) {
     return clock ? clock->mark(clock->ctx) : NULL;
 }
 
-void fl_profile_end(fl_op op, fl_pass pass, void *mark, double t0, double flops) {
+void fl_profile_end(fl_op op, fl_pass pass, void *mark, double t0, double flops, double bytes) {
     if (!clock) {
-        fl_profile_add(op, pass, fl_now() - t0, flops);
+        fl_profile_add(op, pass, fl_now() - t0, flops, bytes);
         return;
     }
     if (npending == PENDING_MAX) read_pending(1);
-    pending[npending++] = (pending_slot){op, pass, mark, clock->mark(clock->ctx), flops};
+    pending[npending++] = (pending_slot){op, pass, mark, clock->mark(clock->ctx), flops, bytes};
 }
 
 static const char *const names[FL_OP_COUNT] = {
@@ -85,10 +86,11 @@ void fl_profile_reset(void) {
     steps = 0;
 }
 
-void fl_profile_add(fl_op op, fl_pass pass, double seconds, double flops) {
+void fl_profile_add(fl_op op, fl_pass pass, double seconds, double flops, double bytes) {
     FL_ASSERT(op >= 0 && op < FL_OP_COUNT && pass >= 0 && pass < FL_NPASSES);
     slots[op].seconds[pass] += seconds;
     slots[op].flops[pass] += flops;
+    slots[op].bytes[pass] += bytes;
     slots[op].calls[pass]++;
 }
 
@@ -138,7 +140,9 @@ int fl_profile_rows(fl_profile_row *rows) {
                                      total * per_step,
                                      0.0,
                                      gflops(s->flops[FL_FWD], s->seconds[FL_FWD]),
-                                     gflops(s->flops[FL_BWD], s->seconds[FL_BWD])};
+                                     gflops(s->flops[FL_BWD], s->seconds[FL_BWD]),
+                                     (s->bytes[FL_FWD] + s->bytes[FL_BWD] + s->bytes[FL_STEP]) /
+                                         steps / 1e9};
     }
     // the step outside every slot: bookkeeping between kernels, buffer
     // clears, gradient hooks, logging inside the step
@@ -167,10 +171,11 @@ void fl_profile_print(FILE *out) {
     double step_ms = step_seconds * 1e3 / steps;
     fprintf(out, "per-op profile: %d step%s, %.2f ms/step\n", steps, steps == 1 ? "" : "s",
             step_ms);
-    fprintf(out, "| %-16s | %10s | %10s | %10s | %10s | %6s | %11s | %11s |\n", "op", "calls/step",
-            "fwd ms", "bwd ms", "total ms", "share", "fwd GFLOP/s", "bwd GFLOP/s");
+    fprintf(out, "| %-16s | %10s | %10s | %10s | %10s | %6s | %11s | %11s | %9s | %8s |\n", "op",
+            "calls/step", "fwd ms", "bwd ms", "total ms", "share", "fwd GFLOP/s", "bwd GFLOP/s",
+            "GB/step", "GB/s");
     fprintf(out, "|:-----------------|-----------:|-----------:|-----------:|-----------:|-------:|"
-                 "------------:|------------:|\n");
+                 "------------:|------------:|----------:|---------:|\n");
     for (int i = 0; i < n; i++) {
         const fl_profile_row *r = &rows[i];
         fprintf(out, "| %-16s |", r->name);
@@ -180,10 +185,14 @@ void fl_profile_print(FILE *out) {
         fprintf(out, " %10.2f | %5.1f%% |", r->total_ms, r->share);
         cell(out, r->fwd_gflops, 11, 1);
         cell(out, r->bwd_gflops, 11, 1);
+        cell(out, r->gbytes, 9, 4);
+        cell(out, r->gbytes > 0.0 && r->total_ms > 0.0 ? r->gbytes / (r->total_ms / 1e3) : 0.0, 8,
+             1);
         fprintf(out, "\n");
     }
     double fwd = 0.0, bwd = 0.0;
     for (int i = 0; i < n; i++) fwd += rows[i].fwd_ms, bwd += rows[i].bwd_ms;
-    fprintf(out, "| %-16s | %10s | %10.2f | %10.2f | %10.2f | %5.1f%% | %11s | %11s |\n", "total",
-            "", fwd, bwd, step_ms, 100.0, "", "");
+    fprintf(out,
+            "| %-16s | %10s | %10.2f | %10.2f | %10.2f | %5.1f%% | %11s | %11s | %9s | %8s |\n",
+            "total", "", fwd, bwd, step_ms, 100.0, "", "", "", "");
 }

@@ -86,12 +86,22 @@ static inline void fl_model_mem_free(const fl_model *m, fl_mem_tag tag, void *p)
 // Kernel calls timed into the profile's op slots (fitlm/profile.h).
 #define FL_FWD_OP(op, ...) FL_PROFILE(op, FL_FWD, 0.0, __VA_ARGS__)
 #define FL_BWD_OP(op, ...) FL_PROFILE(op, FL_BWD, 0.0, __VA_ARGS__)
+// A memory-bound kernel's call, with the least bytes it moves (fl_io).
+#define FL_FWD_IO(op, bytes, ...) FL_PROFILE_IO(op, FL_FWD, 0.0, bytes, __VA_ARGS__)
+#define FL_BWD_IO(op, bytes, ...) FL_PROFILE_IO(op, FL_BWD, 0.0, bytes, __VA_ARGS__)
+
+// The bytes of `passes` passes over n values of dt (each stream read or
+// written once): a kernel's floor at the memory's bandwidth. A `+=` output
+// is read and written, two passes.
+static inline double fl_io(size_t n, fl_dtype dt, int passes) {
+    return (double)n * (double)fl_dtype_size(dt) * passes;
+}
 
 // The backward's activation-gradient buffers start at zero: each kernel
 // adds its gradient into its output (kernels.h's `+=`). Their own profile
 // slot, as on a GPU each is a pass over memory.
 static inline void fl_zero_dact(const fl_model *m, void *p, size_t bytes) {
-    FL_BWD_OP(FL_OP_ZERO_ACTS, m->dev->zero(m->dev, p, bytes));
+    FL_BWD_IO(FL_OP_ZERO_ACTS, (double)bytes, m->dev->zero(m->dev, p, bytes));
 }
 
 // The attention half of a pre-norm block (block.c): out =

@@ -184,23 +184,29 @@ static void block_forward(const fl_block *b, int cheap_only) {
     fl_linear lin[NLIN];
     linear_set(c, lin);
 #define W(k) fl_unit_w(m, l, k)
-    FL_FWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_forward(dt, a[A_LN1], a[A_LN1_MEAN], a[A_LN1_RSTD],
-                                                         b->in, W(LN1W), W(LN1B), BTs, C));
+    // a norm reads and writes a row (the fused residual add: two each), and
+    // saves its mean and rstd
+    size_t BTC = (size_t)BTs * C;
+    double norm_io = fl_io(BTC, dt, 2) + 8.0 * BTs;
+    FL_FWD_IO(FL_OP_LAYERNORM, norm_io,
+              m->dev->layernorm_forward(dt, a[A_LN1], a[A_LN1_MEAN], a[A_LN1_RSTD], b->in, W(LN1W),
+                                        W(LN1B), BTs, C));
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     // residual2 = in + attproj(...), added in ln_2's first pass; recomputing
     // the cheap ops only, residual2 is kept
     if (!cheap_only) {
         fl_attention_forward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, a[A_RES2]);
-        FL_FWD_OP(FL_OP_LAYERNORM, m->dev->residual_layernorm_forward(
-                                       dt, a[A_RES2], a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD], b->in,
-                                       W(LN2W), W(LN2B), BTs, C));
+        FL_FWD_IO(FL_OP_LAYERNORM, norm_io + fl_io(BTC, dt, 2),
+                  m->dev->residual_layernorm_forward(dt, a[A_RES2], a[A_LN2], a[A_LN2_MEAN],
+                                                     a[A_LN2_RSTD], b->in, W(LN2W), W(LN2B), BTs,
+                                                     C));
     } else
-        FL_FWD_OP(FL_OP_LAYERNORM,
+        FL_FWD_IO(FL_OP_LAYERNORM, norm_io,
                   m->dev->layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD], a[A_RES2],
                                             W(LN2W), W(LN2B), BTs, C));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_FC], a[A_FCH], a[A_LN2], BT);
-    FL_FWD_OP(FL_OP_GELU,
-              m->dev->gelu_forward(dt, a[A_GELU], a[A_FCH], (size_t)BT * lin[L_FC].out));
+    size_t BT4 = (size_t)BT * lin[L_FC].out;
+    FL_FWD_IO(FL_OP_GELU, fl_io(BT4, dt, 2), m->dev->gelu_forward(dt, a[A_GELU], a[A_FCH], BT4));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_FCPROJ], b->out, a[A_GELU], a[A_RES2]);
 #undef W
 }
@@ -221,16 +227,18 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_zero_dact(m, d4a, BT4 * D);
     fl_linear_backward(m, l, &lin[L_FCPROJ], d4a, dres, a[A_GELU], BT);
     fl_zero_dact(m, d4b, BT4 * D);
-    FL_BWD_OP(FL_OP_GELU, m->dev->gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
+    FL_BWD_IO(FL_OP_GELU, fl_io(BT4, dt, 4), m->dev->gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
     fl_zero_dact(m, dbuf, BTC * D);
     fl_linear_backward(m, l, &lin[L_FC], dbuf, d4b, a[A_LN2], BT);
-    FL_BWD_OP(FL_OP_LAYERNORM,
+    // a norm's backward reads dout, its input and dinp, and writes dinp
+    double norm_io = fl_io(BTC, dt, 4) + 8.0 * BTs;
+    FL_BWD_IO(FL_OP_LAYERNORM, norm_io,
               m->dev->layernorm_backward(dt, dres, G(LN2W), G(LN2B), dbuf, a[A_RES2], W(LN2W),
                                          a[A_LN2_MEAN], a[A_LN2_RSTD], BTs, C));
     // attention: residual2 = in + attproj(attn(qkv(ln1(in))))
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     fl_attention_backward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, dres, dbuf, d4a);
-    FL_BWD_OP(FL_OP_LAYERNORM,
+    FL_BWD_IO(FL_OP_LAYERNORM, norm_io,
               m->dev->layernorm_backward(dt, dres, G(LN1W), G(LN1B), dbuf, b->in, W(LN1W),
                                          a[A_LN1_MEAN], a[A_LN1_RSTD], BTs, C));
 #undef W
@@ -243,10 +251,11 @@ static void head_forward(const fl_block *h, void *logits) {
     void **a = h->act;
     fl_linear lin[NLIN];
     linear_set(&m->config, lin);
-    FL_FWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_forward(m->dtype, a[H_LNF], a[H_MEAN], a[H_RSTD],
-                                                         h->in, fl_unit_w(m, FL_UNIT_HEAD(L), 0),
-                                                         fl_unit_w(m, FL_UNIT_HEAD(L), 1),
-                                                         fl_seq_rows(&m->config, BT), C));
+    int BTs = fl_seq_rows(&m->config, BT);
+    FL_FWD_IO(FL_OP_LAYERNORM, fl_io((size_t)BTs * C, m->dtype, 2) + 8.0 * BTs,
+              m->dev->layernorm_forward(m->dtype, a[H_LNF], a[H_MEAN], a[H_RSTD], h->in,
+                                        fl_unit_w(m, FL_UNIT_HEAD(L), 0),
+                                        fl_unit_w(m, FL_UNIT_HEAD(L), 1), BTs, C));
     fl_linear_forward(m, FL_UNIT_EMBED, &lin[L_HEAD], logits, a[H_LNF], BT); // tied to wte
 }
 
@@ -261,9 +270,10 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     fl_zero_dact(m, dbuf, BTC * D);
     fl_linear_backward(m, FL_UNIT_EMBED, &lin[L_HEAD], dbuf, dlogits, a[H_LNF], BT);
     fl_zero_dact(m, dres, BTC * D);
-    FL_BWD_OP(FL_OP_LAYERNORM, m->dev->layernorm_backward(
-                                   m->dtype, dres, fl_unit_g(m, U, 0), fl_unit_g(m, U, 1), dbuf,
-                                   h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BTs, C));
+    FL_BWD_IO(FL_OP_LAYERNORM, fl_io(BTC, m->dtype, 4) + 8.0 * BTs,
+              m->dev->layernorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), fl_unit_g(m, U, 1),
+                                         dbuf, h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BTs,
+                                         C));
 }
 
 const fl_arch fl_arch_gpt2 = {

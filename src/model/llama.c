@@ -196,21 +196,29 @@ static void block_forward(const fl_block *b, int cheap_only) {
     void **a = b->act;
     fl_linear lin[NLIN];
     linear_set(c, lin);
-    FL_FWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in,
-                                                     fl_unit_w(m, l, LN1), BTs, C, eps));
+    // a norm reads and writes a row (the fused residual add: two each), and
+    // saves its rstd
+    size_t BTC = (size_t)BTs * C;
+    double norm_io = fl_io(BTC, dt, 2) + 4.0 * BTs;
+    FL_FWD_IO(FL_OP_RMSNORM, norm_io,
+              m->dev->rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in, fl_unit_w(m, l, LN1), BTs, C,
+                                      eps));
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     // residual2 = in + o(...), added in the second norm's first pass;
     // recomputing the cheap ops only, residual2 is kept
     if (!cheap_only) {
         fl_attention_forward(b, &lin[L_QKV], &lin[L_O], &att, a[A_RES2]);
-        FL_FWD_OP(FL_OP_RMSNORM,
+        FL_FWD_IO(FL_OP_RMSNORM, norm_io + fl_io(BTC, dt, 2),
                   m->dev->residual_rmsnorm_forward(dt, a[A_RES2], a[A_LN2], a[A_RSTD2], b->in,
                                                    fl_unit_w(m, l, LN2), BTs, C, eps));
     } else
-        FL_FWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2],
-                                                         fl_unit_w(m, l, LN2), BTs, C, eps));
+        FL_FWD_IO(FL_OP_RMSNORM, norm_io,
+                  m->dev->rmsnorm_forward(dt, a[A_LN2], a[A_RSTD2], a[A_RES2], fl_unit_w(m, l, LN2),
+                                          BTs, C, eps));
     if (!cheap_only) fl_linear_forward(m, l, &lin[L_GATEUP], a[A_GATEUP], a[A_LN2], BT);
-    FL_FWD_OP(FL_OP_SWIGLU, m->dev->swiglu_forward(dt, a[A_ACT], a[A_GATEUP], BT, I));
+    // SwiGLU reads gate and up, writes their product
+    FL_FWD_IO(FL_OP_SWIGLU, fl_io((size_t)BT * I, dt, 3),
+              m->dev->swiglu_forward(dt, a[A_ACT], a[A_GATEUP], BT, I));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_DOWN], b->out, a[A_ACT], a[A_RES2]);
 }
 
@@ -228,17 +236,22 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_zero_dact(m, w[W_I], (size_t)BT * I * D);
     fl_linear_backward(m, l, &lin[L_DOWN], w[W_I], dres, a[A_ACT], BT);
     fl_zero_dact(m, w[W_2I], (size_t)BT * 2 * I * D);
-    FL_BWD_OP(FL_OP_SWIGLU, m->dev->swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
+    // reads dout, gate and up, and adds into their gradients (read and written)
+    FL_BWD_IO(FL_OP_SWIGLU, fl_io((size_t)BT * I, dt, 7),
+              m->dev->swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
     fl_zero_dact(m, w[W_C], (size_t)BTs * C * D);
     fl_linear_backward(m, l, &lin[L_GATEUP], w[W_C], w[W_2I], a[A_LN2], BT);
-    FL_BWD_OP(FL_OP_RMSNORM,
+    // a norm's backward reads dout, its input and dinp, and writes dinp
+    double norm_io = fl_io((size_t)BTs * C, dt, 4) + 4.0 * BTs;
+    FL_BWD_IO(FL_OP_RMSNORM, norm_io,
               m->dev->rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN2), w[W_C], a[A_RES2],
                                        fl_unit_w(m, l, LN2), a[A_RSTD2], BTs, C));
     // attention: res2 = in + o(attn(rope(qkv(ln1)))), ln1 = rmsnorm(in)
     fl_attention_acts att = {a[A_LN1], a[A_QKV], a[A_ATTY], a[A_LSE]};
     fl_attention_backward(b, &lin[L_QKV], &lin[L_O], &att, dres, w[W_C], w[W_QKV]);
-    FL_BWD_OP(FL_OP_RMSNORM, m->dev->rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN1), w[W_C], b->in,
-                                                      fl_unit_w(m, l, LN1), a[A_RSTD1], BTs, C));
+    FL_BWD_IO(FL_OP_RMSNORM, norm_io,
+              m->dev->rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN1), w[W_C], b->in,
+                                       fl_unit_w(m, l, LN1), a[A_RSTD1], BTs, C));
 }
 
 static void head_forward(const fl_block *h, void *logits) {
@@ -248,9 +261,10 @@ static void head_forward(const fl_block *h, void *logits) {
     void **a = h->act;
     fl_linear lin[NLIN];
     linear_set(c, lin);
-    FL_FWD_OP(FL_OP_RMSNORM,
+    int BTs = fl_seq_rows(c, BT);
+    FL_FWD_IO(FL_OP_RMSNORM, fl_io((size_t)BTs * c->n_embd, m->dtype, 2) + 4.0 * BTs,
               m->dev->rmsnorm_forward(m->dtype, a[H_NORM], a[H_RSTD], h->in, fl_unit_w(m, U, 0),
-                                      fl_seq_rows(c, BT), c->n_embd, c->norm_eps));
+                                      BTs, c->n_embd, c->norm_eps));
     fl_linear_forward(m, head_unit(c), &lin[L_HEAD], logits, a[H_NORM], BT);
 }
 
@@ -265,7 +279,7 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     fl_zero_dact(m, dnorm, BTC * D);
     fl_linear_backward(m, head_unit(c), &lin[L_HEAD], dnorm, dlogits, a[H_NORM], BT);
     fl_zero_dact(m, dres, BTC * D);
-    FL_BWD_OP(FL_OP_RMSNORM,
+    FL_BWD_IO(FL_OP_RMSNORM, fl_io(BTC, m->dtype, 4) + 4.0 * BTs,
               m->dev->rmsnorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), dnorm, h->in,
                                        fl_unit_w(m, U, 0), a[H_RSTD], BTs, C));
 }

@@ -888,13 +888,15 @@ static float loss(fl_model *m, const float *dloss) {
         if (dloss) m->dlogits_ready = 1, m->dlogits_dloss = *dloss;
     } else if (dloss) {
         set_dlosses(m, *dloss);
-        FL_FWD_OP(FL_OP_XENT,
+        // the logits read, their gradient written in place
+        FL_FWD_IO(FL_OP_XENT, fl_io(BT * Vp, m->dtype, 2),
                   m->dev->softmax_xent_forward_backward(m->dtype, m->losses, m->xent_lse, m->logits,
                                                         targets, m->dlosses, BT, V, Vp));
         m->dlogits_ready = 1, m->dlogits_dloss = *dloss;
     } else {
-        FL_FWD_OP(FL_OP_XENT, m->dev->softmax_xent_forward(m->dtype, m->losses, m->xent_lse,
-                                                           m->logits, targets, BT, V, Vp));
+        FL_FWD_IO(FL_OP_XENT, fl_io(BT * Vp, m->dtype, 1),
+                  m->dev->softmax_xent_forward(m->dtype, m->losses, m->xent_lse, m->logits, targets,
+                                               BT, V, Vp));
     }
     // in index order: deterministic; a position without a target has loss 0,
     // which adds nothing (m->n_targets was counted from the host's targets)
@@ -936,7 +938,7 @@ static void head_backward(fl_model *m, float dloss) {
         fl_vocab_xent_backward(m, dloss);
     } else if (!m->dlogits_ready) {
         set_dlosses(m, dloss);
-        FL_BWD_OP(FL_OP_XENT,
+        FL_BWD_IO(FL_OP_XENT, fl_io(BT * Vp, m->dtype, 2),
                   m->dev->softmax_xent_backward(m->dtype, dlogits, m->logits, m->xent_lse,
                                                 m->targets, m->dlosses, BT, V, Vp));
     } else if (memcmp(&dloss, &m->dlogits_dloss, sizeof dloss)) {

@@ -72,7 +72,11 @@ void fl_embed_forward(fl_model *m, void *out, const int *tokens, const void *wte
                       int B, int T) {
     int C = m->config.n_embd;
     if (m->tp.size == 1) {
-        FL_FWD_OP(FL_OP_ENCODER, m->dev->encoder_forward(m->dtype, out, tokens, wte, wpe, B, T, C));
+        // the tokens' rows and the positions' read, the sum written
+        FL_FWD_IO(FL_OP_ENCODER,
+                  fl_io((size_t)B * T * C, m->dtype, 2) +
+                      (wpe ? fl_io((size_t)T * C, m->dtype, 1) : 0),
+                  m->dev->encoder_forward(m->dtype, out, tokens, wte, wpe, B, T, C));
         return;
     }
     int rows = fl_vocab_cols(&m->config), N = B * T;
@@ -97,7 +101,12 @@ void fl_embed_backward(fl_model *m, void *dwte, void *dwpe, const void *dout, co
                        int B, int T) {
     int C = m->config.n_embd;
     if (m->tp.size == 1) {
-        FL_BWD_OP(FL_OP_ENCODER,
+        // dout read (twice with positions), the positions' gradient added
+        // into; the tokens' rows at least once each way per distinct token,
+        // not counted
+        FL_BWD_IO(FL_OP_ENCODER,
+                  fl_io((size_t)B * T * C, m->dtype, dwpe ? 2 : 1) +
+                      (dwpe ? fl_io((size_t)T * C, m->dtype, 2) : 0),
                   m->dev->encoder_backward(m->dtype, dwte, dwpe, dout, tokens, B, T, C));
         return;
     }

@@ -130,16 +130,31 @@ float fl_optimizer_loss_scale(const fl_optimizer *o) {
     return o->scaler.scale / (float)o->cfg.grad_accum;
 }
 
-void fl_optimizer_zero_grad(fl_optimizer *o) {
+size_t fl_optimizer_zero_grad(fl_optimizer *o) {
     const fl_device *d = o->dev;
-    size_t n = o->table->numel;
-    if (o->micro == 0 && o->grad_accum) d->zero(d, o->grad_accum, n * sizeof(float));
+    size_t n = o->table->numel, bytes = 0;
+    if (o->micro == 0 && o->grad_accum) {
+        d->zero(d, o->grad_accum, n * sizeof(float));
+        bytes += n * sizeof(float);
+    }
     // fp32 sums micro-batches in the model's own gradients; 16-bit gradients
     // are per micro-batch and summed into the fp32 buffer
     if (o->grads && (o->micro == 0 || o->grad_accum)) {
         d->zero(d, o->grads, n * fl_dtype_size(o->dtype));
+        bytes += n * fl_dtype_size(o->dtype);
         if (o->offload) o->offload->zero_grad(o->offload->ctx);
     }
+    return bytes;
+}
+
+double fl_optimizer_step_io(const fl_optimizer *o) {
+    int adamw = o->cfg.kind == FL_OPT_ADAMW, sgd = o->cfg.kind == FL_OPT_SGD;
+    if ((!adamw && !sgd) || o->sync || o->tp || o->pp || o->pager || o->offload) return 0.0;
+    double n = (double)o->table->numel, D = (double)fl_dtype_size(o->dtype);
+    double g = o->grad_accum ? 4.0 : D;             // the gradient summed in
+    double w = o->master ? 2.0 * 4.0 + D : 2.0 * D; // fp32 master read and written, weights written
+    double state = adamw ? 2.0 * 8.0 : o->sgd.buf ? 8.0 : 0.0;
+    return n * (2.0 * g + w + state);
 }
 
 void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {

@@ -352,7 +352,8 @@ fl_train_result fl_pipeline_step(fl_pipeline *pl, const int *inputs, const int *
     long total = fl_batch_targets(o, targets, (size_t)pl->m_micro * BT); // over data parallelism
     float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
     FL_ASSERT(o->micro == 0);
-    FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(o));
+    size_t cleared = 0; // bytes, for the profile
+    FL_PROFILE_IO(FL_OP_ZERO_GRAD, FL_STEP, 0.0, cleared, cleared = fl_optimizer_zero_grad(o));
     double loss_sum = 0.0;
     run_actions(pl, -1, inputs, targets, dloss, &loss_sum);
     wait_sends(pl);

@@ -48,7 +48,8 @@ static fl_train_result plain_step(fl_model *m, fl_optimizer *o, const int *input
     double loss_sum = 0.0;
     uint64_t t = (uint64_t)*fl_optim_step_count(o->rule); // steps done: the dropout masks' key
     for (int k = 0; k < micro; k++) {
-        FL_PROFILE(FL_OP_ZERO_GRAD, FL_STEP, 0.0, fl_optimizer_zero_grad(o));
+        size_t cleared = 0; // bytes, for the profile
+        FL_PROFILE_IO(FL_OP_ZERO_GRAD, FL_STEP, 0.0, cleared, cleared = fl_optimizer_zero_grad(o));
         m->lora.dropout_step = t * (uint64_t)micro + (uint64_t)k + 1;
         fl_model_forward_train(m, inputs + k * BT, targets + k * BT, B, T, dloss);
         loss_sum += (double)m->loss * m->n_targets;
@@ -62,7 +63,8 @@ static fl_train_result plain_step(fl_model *m, fl_optimizer *o, const int *input
     if (sync) sync->sum(sync->ctx, &loss_sum, 1);
     fl_step_result s;
     float loss = total ? (float)(loss_sum / total) : 0.0f;
-    FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, s = fl_optimizer_step_loss(o, lr, loss));
+    FL_PROFILE_IO(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_step_io(o),
+                  s = fl_optimizer_step_loss(o, lr, loss));
     return (fl_train_result){loss,         total,   s.grad_norm,     s.skipped,
                              s.loss_scale, s.spike, o->spike.in_row, o->spike.skipped};
 }
