@@ -813,7 +813,7 @@ static void sumsq_rows(fl_dtype dt) {
         return;
     }
     // many whole ranges, on the scratch a model of one row lends
-    size_t many_off[ROWS_MANY], many_n[ROWS_MANY], lend = dev->scratch_bytes(1, 1);
+    size_t many_off[ROWS_MANY], many_n[ROWS_MANY], lend = dev->scratch_bytes(1, 1, 1);
     for (int i = 0; i < ROWS_MANY; i++) many_off[i] = i % 3, many_n[i] = ROWS_N - i % 3;
     many_n[ROWS_MANY / 2] = 0;
     void *s = dev->alloc(dev, FL_MEM_WORKSPACE, lend ? lend : 1);
@@ -1009,7 +1009,7 @@ static void fused(fl_dtype dt, int ada) {
 static void scratch_and_timing(void) {
     const int N = 64 * 256 + 5, cols = 96, C = 8;
     const fl_dtype dt = FL_F32;
-    size_t bytes = dev->scratch_bytes(N, cols), f = sizeof(float);
+    size_t bytes = dev->scratch_bytes(N, cols, 1), f = sizeof(float);
     void *b[12];
     size_t sizes[12] = {(size_t)N * cols * f,
                         cols * f,

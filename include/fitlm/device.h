@@ -93,11 +93,12 @@ struct fl_device {
     // floats for `threads` host threads (the cpu's per-thread workspace)
     size_t (*attention_workspace_floats)(fl_dtype dt, int T, int HS, int group, int threads);
     // the backend's own device scratch (cuda: the reductions' partial sums,
-    // the embedding backward's buckets) for kernels on at most N rows whose
-    // column sums (norm and bias gradients) are at most cols wide: a model
-    // allocates it under FL_MEM_WORKSPACE (so the plan counts it) and lends
-    // it to the device for as long as it lives
-    size_t (*scratch_bytes)(int N, int cols);
+    // the embedding backward's buckets, attention's per-row D) for kernels
+    // on at most N rows whose column sums (norm and bias gradients) are at
+    // most cols wide, with at most `heads` query heads: a model allocates it
+    // under FL_MEM_WORKSPACE (so the plan counts it) and lends it to the
+    // device for as long as it lives
+    size_t (*scratch_bytes)(int N, int cols, int heads);
     void (*scratch_lend)(const fl_device *d, void *p, size_t bytes);
     void (*scratch_return)(const fl_device *d, void *p); // NULL is fine
     void (*encoder_forward)(fl_dtype dt, void *out, const int *inp, const void *wte,

@@ -150,24 +150,33 @@ __device__ void tc_zero_acc(tc_acc acc[TC_FRAGS]) {
     for (int n = 0; n < TC_FRAGS; n++) wmma::fill_fragment(acc[n], 0.0f);
 }
 
-// A query tile's lse and D = rowsum(dO O) (rows past T: 0), a warp a row.
-__device__ void tc_row_stats(float *L, float *D, fl_dtype dt, const void *out, const void *dout,
-                             const float *lse, int b, int h, int i0, const att_shape &a) {
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    size_t orow0 = (size_t)b * a.T * a.C + (size_t)h * a.HS;
-    for (int r = warp; r < TC_TILE; r += TC_WARPS) {
-        int i = i0 + r;
+// D = rowsum(dO O) of every (b, h, i) row, in lse's order, a warp a row:
+// once for both backward kernels, as FlashAttention-2's preprocessing
+// does (the dK/dV kernel would otherwise redo it for every pair of tiles).
+__global__ void tc_rows_d(fl_dtype dt, float *Dg, const void *out, const void *dout, int B,
+                          att_shape a) {
+    int lane = threadIdx.x % 32;
+    size_t rows = (size_t)B * a.NH * a.T;
+    for (size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows;
+         row += (size_t)gridDim.x * blockDim.x / 32) {
+        size_t i = row % a.T, h = row / a.T % a.NH, b = row / ((size_t)a.T * a.NH);
+        size_t orow = (b * a.T + i) * a.C + h * a.HS;
         float s = 0.0f;
-        if (i < a.T)
-            for (int d = lane; d < a.HS; d += 32) {
-                size_t o = orow0 + (size_t)i * a.C + d;
-                s += fl_d_load(dt, dout, o) * fl_d_load(dt, out, o);
-            }
+        for (int d = lane; d < a.HS; d += 32)
+            s += fl_d_load(dt, dout, orow + d) * fl_d_load(dt, out, orow + d);
         s = fl_d_warp_sum(s);
-        if (lane == 0) {
-            D[r] = s;
-            L[r] = i < a.T ? lse[((size_t)b * a.NH + h) * a.T + i] : 0.0f;
-        }
+        if (lane == 0) Dg[row] = s;
+    }
+}
+
+// A query tile's lse and D (rows past T: 0).
+__device__ void tc_row_stats(float *L, float *D, const float *lse, const float *Dg, int b, int h,
+                             int i0, const att_shape &a) {
+    for (int r = threadIdx.x; r < TC_TILE; r += blockDim.x) {
+        int i = i0 + r;
+        size_t at = ((size_t)b * a.NH + h) * a.T + i;
+        L[r] = i < a.T ? lse[at] : 0.0f;
+        D[r] = i < a.T ? Dg[at] : 0.0f;
     }
 }
 
@@ -283,7 +292,7 @@ __device__ tc_bwd_arrays tc_bwd_arrays_of(unsigned char *smem, int HS, int warp)
 
 template <class E>
 __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
-                                  const void *out, const float *lse, att_shape a, int vec) {
+                                  const float *Dg, const float *lse, att_shape a, int vec) {
     extern __shared__ __align__(128) unsigned char smem[];
     int HS = a.HS, ldh = HS + 8, lds = tc_lds(HS), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     tc_bwd_arrays sh = tc_bwd_arrays_of(smem, HS, warp);
@@ -304,7 +313,7 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
             tc_load_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
                          vec);
             tc_load_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
-            tc_row_stats(sh.L, sh.D, dt, out, dout, lse, b, h, i0, a);
+            tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a);
             __syncthreads();
             tc_strip_dots<E>(sh.S, lds, sh.K + warp * 16 * ldh, sh.Q, ldh, HS);
             tc_strip_dots<E>(sh.dP, lds, sh.V + warp * 16 * ldh, sh.dO, ldh, HS);
@@ -329,7 +338,7 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
 
 template <class E>
 __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
-                                const void *out, const float *lse, att_shape a, int vec) {
+                                const float *Dg, const float *lse, att_shape a, int vec) {
     extern __shared__ __align__(128) unsigned char smem[];
     int HS = a.HS, ldh = HS + 8, lds = tc_lds(HS), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     tc_bwd_arrays sh = tc_bwd_arrays_of(smem, HS, warp);
@@ -340,7 +349,7 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     tc_load_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
     tc_load_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
                  a.T, HS, vec);
-    tc_row_stats(sh.L, sh.D, dt, out, dout, lse, b, h, i0, a);
+    tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a);
     // the lane's query (a row of the warp's strips) and every other key
     int r = lane / 2, odd = lane % 2, q = warp * 16 + r, i = i0 + q;
     tc_acc dQ[TC_FRAGS];
@@ -390,11 +399,16 @@ static void tc_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
     fl_cuda_attention_allow_smem((const void *)attention_dkdv_tc<E>, smem, "attention_backward");
     fl_cuda_attention_allow_smem((const void *)attention_dq_tc<E>, smem, "attention_backward");
     int tiles = (a.T + TC_TILE - 1) / TC_TILE, vec = tc_vec_ok(qkv, dout);
+    size_t rows = (size_t)B * a.NH * a.T; // the model's scratch holds them (scratch_bytes)
+    float *D = (float *)fl_cuda_scratch(rows * sizeof(float));
+    tc_rows_d<<<fl_cuda_blocks(rows * 32, TC_THREADS), TC_THREADS, 0, fl_cuda_stream()>>>(
+        dt, D, out, dout, B, a);
+    FL_CUDA_LAUNCHED("attention_backward (D; tensor cores)");
     attention_dkdv_tc<E><<<dim3(B * a.NKV, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(
-        dt, dqkv, dout, qkv, out, lse, a, vec);
+        dt, dqkv, dout, qkv, D, lse, a, vec);
     FL_CUDA_LAUNCHED("attention_backward (dk, dv; tensor cores)");
     attention_dq_tc<E><<<dim3(B * a.NH, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(
-        dt, dqkv, dout, qkv, out, lse, a, vec);
+        dt, dqkv, dout, qkv, D, lse, a, vec);
     FL_CUDA_LAUNCHED("attention_backward (dq; tensor cores)");
 }
 

@@ -66,14 +66,17 @@ static fl_device cuda;
 // The scratch's users: step.cu's reductions (a double per block, for all
 // of sumsq_rows' ranges at once up to FL_CUDA_REDUCE_PARTIALS), the
 // column sums' partials (columns.cuh: up to two arrays of chunks x cols
-// floats, the LayerNorm's weight and bias) and the embedding backward's
-// buckets (encoder.cu: used + 2 buckets + 1 ints, used and buckets at most N).
-size_t fl_cuda_scratch_bytes(int N, int cols) {
+// floats, the LayerNorm's weight and bias), the embedding backward's
+// buckets (encoder.cu: used + 2 buckets + 1 ints, used and buckets at most N)
+// and the attention backward's D (attention_tc.cu: a float per row and head).
+size_t fl_cuda_scratch_bytes(int N, int cols, int heads) {
     size_t reduce = FL_CUDA_REDUCE_PARTIALS * sizeof(double),
            columns = 2 * (size_t)fl_cuda_column_chunks(N) * (size_t)cols * sizeof(float),
-           buckets = (3 * (size_t)N + 1) * sizeof(int);
+           buckets = (3 * (size_t)N + 1) * sizeof(int),
+           rows = (size_t)N * (size_t)heads * sizeof(float);
     size_t most = reduce > columns ? reduce : columns;
-    return most > buckets ? most : buckets;
+    most = most > buckets ? most : buckets;
+    return most > rows ? most : rows;
 }
 
 static void cuda_scratch_lend(const fl_device *d, void *p, size_t bytes) {

@@ -44,7 +44,7 @@ int fl_cuda_sm_count(void);
 // one.
 void *fl_cuda_scratch(size_t bytes);
 // What the kernels on at most N rows, with column sums at most cols wide, ask of it.
-size_t fl_cuda_scratch_bytes(int N, int cols);
+size_t fl_cuda_scratch_bytes(int N, int cols, int heads);
 #define FL_CUDA_REDUCE_BLOCKS 1024 // step.cu's reductions: at most this many blocks' partial sums
 // step.cu's sumsq_rows: at most this many blocks' partial sums (its ranges'
 // together) in the scratch per copy back: 64 rows of 1024 blocks, a GPT-2

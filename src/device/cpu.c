@@ -122,8 +122,8 @@ static size_t cpu_reserved(const fl_device *d) {
 }
 
 // the cpu's kernels keep their scratch on the stack or in the model's workspace
-static size_t cpu_scratch_bytes(int N, int cols) {
-    (void)N, (void)cols;
+static size_t cpu_scratch_bytes(int N, int cols, int heads) {
+    (void)N, (void)cols, (void)heads;
     return 0;
 }
 

@@ -189,7 +189,8 @@ static void test_copy_async(const fl_device *d, void *dst, const void *src, size
 // plan counts it, the model allocates it, lends it, takes it back and
 // frees it. Lent blocks are checked to be the region's.
 
-static size_t test_scratch_bytes(int N, int cols) {
+static size_t test_scratch_bytes(int N, int cols, int heads) {
+    (void)heads;
     return 64 * (size_t)cols * sizeof(float) + 3 * (size_t)N * sizeof(int);
 }
 

@@ -434,13 +434,13 @@ static size_t tokenwise_numel(const fl_model_config *c, const fl_param_table *t)
 
 // The device's own scratch for the kernels of a step of BT positions
 // (device.h's scratch_bytes): the widest column sum is a norm's weight
-// gradient (C) or a bias's.
+// gradient (C) or a bias's; the rank's query heads.
 static size_t dev_scratch_bytes(const fl_device *dev, const fl_model_config *c, size_t BT) {
     fl_linear lins[FL_MAX_SLOTS];
     int nl = arch_of(c)->linears(c, lins), cols = c->n_embd;
     for (int i = 0; i < nl; i++)
         if (lins[i].b >= 0 && lins[i].out > cols) cols = lins[i].out;
-    return dev->scratch_bytes((int)BT, cols);
+    return dev->scratch_bytes((int)BT, cols, c->n_head / fl_tp_ways(c));
 }
 
 static int act_specs(fl_model *m, const fl_device *dev, const fl_model_config *c,
