@@ -190,6 +190,12 @@ __device__ void tc_add_row(fl_dtype dt, void *base, size_t ld, const float *acc,
     }
 }
 
+// Query i's scaled score for key j from its product s: -inf where i may
+// not see j (j > i, or j past T).
+__device__ __forceinline__ float tc_score(float s, int j, int i, const att_shape &a) {
+    return j <= i && j < a.T ? a.scale * s : -INFINITY;
+}
+
 template <class E>
 __global__ void attention_forward_tc(fl_dtype dt, void *out, float *lse, const void *qkv,
                                      att_shape a, int vec) {
@@ -219,18 +225,17 @@ __global__ void attention_forward_tc(fl_dtype dt, void *out, float *lse, const v
         __syncthreads();
         tc_strip_dots<E>(S, lds, Q + warp * 16 * ldh, K, ldh, HS);
         __syncwarp();
-        // the row's max and sum over the tile: the lane's 32 keys and its twin's
+        // the row's max and sum over the tile: the lane's 32 keys and its
+        // twin's (the scaled and masked score formed on each read, not
+        // stored back: one pass over the strip less)
         float mt = -INFINITY;
-        for (int c = odd; c < TC_TILE; c += 2) {
-            int j = j0 + c;
-            srow[c] = j <= i && j < a.T ? a.scale * srow[c] : -INFINITY;
-            mt = fmaxf(mt, srow[c]);
-        }
+        for (int c = odd; c < TC_TILE; c += 2) mt = fmaxf(mt, tc_score(srow[c], j0 + c, i, a));
         // finite: key 0 is in every row's first tile
         float mnew = fmaxf(m, fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1))), sum = 0.0f;
         uint16_t *p = P + r * TC_LDP;
         for (int c = odd; c < TC_TILE; c += 2) {
-            float e = srow[c] == -INFINITY ? 0.0f : expf(srow[c] - mnew);
+            float s = tc_score(srow[c], j0 + c, i, a);
+            float e = s == -INFINITY ? 0.0f : expf(s - mnew);
             sum += e;
             p[c] = tc_bits(dt, e);
         }
