@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "fitlm/core.h"
+#include "fitlm/params.h"
 #include "fitlm/train.h"
 #include "testlib.h"
 
@@ -93,6 +94,69 @@ static void test_rng(void) {
     int flat = 1;
     for (int k = 0; k < 10; k++) flat &= fabs(counts[k] - n / 10.0) < 5 * sqrt(n * 0.09);
     t_check(flat, "below(10) is uniform");
+}
+
+// fl_rng_jump(n) = n draws, for short and long jumps and after other draws
+static void test_rng_jump(void) {
+    const uint64_t jumps[] = {0, 1, 63, 64, 65, 1000, (1u << 20) + 3};
+    int same = 1;
+    for (size_t k = 0; k < sizeof jumps / sizeof jumps[0]; k++) {
+        fl_rng a, b;
+        fl_rng_seed(&a, 7 + k);
+        for (int i = 0; i < 5; i++) fl_rng_u64(&a);
+        b = a;
+        for (uint64_t i = 0; i < jumps[k]; i++) fl_rng_u64(&a);
+        fl_rng_jump(&b, jumps[k]);
+        for (int i = 0; i < 4; i++) same &= fl_rng_u64(&a) == fl_rng_u64(&b);
+    }
+    t_check(same, "fl_rng_jump(n) lands where n draws do (n up to 2^20 + 3)");
+}
+
+// A table of over 1 M values drawn by 2 threads, each piece from its jump,
+// equals the one stream drawn in order: every rule, a row with live rows,
+// rows of one value, rows across pieces.
+static void test_params_init_parallel(void) {
+    fl_param_table t = {0};
+    const struct {
+        const char *name;
+        size_t rows, cols, live;
+        fl_init_rule init;
+    } rows[] = {{"a", 1000, 700, 990, FL_INIT_NORMAL}, {"b", 1, 3, 0, FL_INIT_ONES},
+                {"c", 300, 1000, 0, FL_INIT_UNIFORM},  {"d", 7, 5, 0, FL_INIT_ZEROS},
+                {"e", 1, 1, 0, FL_INIT_NORMAL},        {"f", 257, 333, 0, FL_INIT_NORMAL}};
+    for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+        size_t shape[2] = {rows[r].rows, rows[r].cols};
+        int i = fl_params_add(&t, rows[r].name, 0, 2, shape);
+        t.views[i].init = rows[r].init;
+        t.views[i].std = 0.02f + 0.01f * (float)r;
+        t.views[i].live_rows = rows[r].live;
+    }
+    float *got = malloc(t.numel * sizeof(float)), *want = malloc(t.numel * sizeof(float));
+    int threads = fl_threads();
+    fl_set_threads(2);
+    t_check(fl_params_init_bytes(t.numel, 2) > 0, "a table of %zu values is drawn in parallel",
+            t.numel);
+    fl_params_init(&t, FL_F32, got, 99);
+    fl_set_threads(threads);
+    fl_rng rng;
+    fl_rng_seed(&rng, 99);
+    size_t at = 0;
+    for (int i = 0; i < t.count; i++) {
+        const fl_param_view *v = &t.views[i];
+        size_t drawn = v->live_rows ? v->live_rows * v->shape[1] : v->numel;
+        for (size_t j = 0; j < v->numel; j++)
+            want[at++] = v->init == FL_INIT_ONES     ? 1.0f
+                         : j >= drawn                ? 0.0f
+                         : v->init == FL_INIT_NORMAL ? v->std * fl_rng_normal(&rng)
+                         : v->init == FL_INIT_UNIFORM
+                             ? v->std * (2.0f * fl_rng_uniform(&rng) - 1.0f)
+                             : 0.0f;
+    }
+    t_check(!memcmp(got, want, t.numel * sizeof(float)),
+            "the parallel draw is the one stream's, bitwise (%zu values)", t.numel);
+    free(got);
+    free(want);
+    fl_params_free(&t);
 }
 
 static void test_cpu_probe(void) {
@@ -609,6 +673,8 @@ int main(void) {
     test_allocator_counts_exactly();
     test_huge_blocks();
     test_rng();
+    test_rng_jump();
+    test_params_init_parallel();
     test_size_text();
     test_cpu_probe();
     test_tp_keys_and_flags();

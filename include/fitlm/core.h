@@ -173,6 +173,9 @@ uint64_t fl_rng_u64(fl_rng *rng);
 float fl_rng_uniform(fl_rng *rng);              // [0, 1)
 float fl_rng_normal(fl_rng *rng);               // N(0, 1), Box-Muller
 uint64_t fl_rng_below(fl_rng *rng, uint64_t n); // uniform in [0, n), n > 0
+// The state n fl_rng_u64 draws later, in O(log n) (the state's update is
+// linear over GF(2)): streams split at known points can be drawn in parallel.
+void fl_rng_jump(fl_rng *rng, uint64_t n);
 
 // ----------------------------------------------------------------------------
 // CPU features, threads and time

@@ -93,8 +93,13 @@ void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint
 // flat buffer of one dtype, e.g. NF4 rows).
 #define FL_PARAMS_INIT_CHUNK 4096
 typedef void (*fl_params_sink)(void *ctx, int row, size_t first, const float *values, size_t n);
+// Tables of 1 M values or more are drawn by every thread (fl_threads()), each
+// piece from the stream's state at its first draw: the same values.
 void fl_params_init_each(const fl_param_table *table, uint64_t seed, fl_params_sink sink,
                          void *ctx);
+// The host buffer (FL_MEM_WORKSPACE) fl_params_init_each holds while it
+// draws a table of numel values with `threads` threads (0: none; the plan's).
+size_t fl_params_init_bytes(size_t numel, int threads);
 
 // Tensor parallelism. Marks row r as split along dim (0 or 1) in `parts`
 // equal blocks (fl_param_view's tp_dim); rows start replicated.

@@ -35,6 +35,7 @@ typedef struct {
     size_t data_peak;  // the peak of FL_MEM_OTHER while opening them (a tokenizer's files
                        // are read whole): the tag's peak is at least this
     int sample_tokens; // > 0: the run ends by sampling this many tokens
+    int random_init;   // the weights are drawn from the seed (fl_params_init_bytes' buffer)
     // strategies
     int ranks;               // ranks (>= 1, what mpirun -np starts): t x d, d data-parallel
     int tensor_parallel;     // t: ranks of a tensor-parallel group (1: none); divides ranks

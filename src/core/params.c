@@ -75,28 +75,78 @@ char *fl_params_canonical(const fl_param_table *table, fl_dtype dt) {
     return text;
 }
 
+// A row's draws per element (its rule's) and the elements that draw.
+static uint64_t draws_per(const fl_param_view *v) {
+    return v->init == FL_INIT_NORMAL ? 2 : v->init == FL_INIT_UNIFORM ? 1 : 0;
+}
+
+static size_t drawn_of(const fl_param_view *v) {
+    return v->live_rows ? v->live_rows * (v->numel / v->shape[0]) : v->numel;
+}
+
+// Elements [j0, j0 + len) of row v from rng, positioned at the first's draw.
+static void draw_values(const fl_param_view *v, size_t j0, size_t len, fl_rng *rng, float *out) {
+    size_t drawn = drawn_of(v);
+    for (size_t j = 0; j < len; j++)
+        out[j] = v->init == FL_INIT_ONES      ? 1.0f
+                 : j0 + j >= drawn            ? 0.0f
+                 : v->init == FL_INIT_NORMAL  ? v->std * fl_rng_normal(rng)
+                 : v->init == FL_INIT_UNIFORM ? v->std * (2.0f * fl_rng_uniform(rng) - 1.0f)
+                                              : 0.0f;
+}
+
+// Elements a thread draws at once when the threads share the drawing: each
+// piece starts from the stream's state at its first draw (fl_rng_jump), so
+// the values are the one stream's, whatever the threads.
+enum { INIT_PIECE = 16 * FL_PARAMS_INIT_CHUNK, INIT_PARALLEL = 1 << 20 };
+
+size_t fl_params_init_bytes(size_t numel, int threads) {
+    return numel >= INIT_PARALLEL && threads > 1 ? (size_t)threads * INIT_PIECE * sizeof(float) : 0;
+}
+
 void fl_params_init_each(const fl_param_table *table, uint64_t seed, fl_params_sink sink,
                          void *ctx) {
     fl_rng rng;
     fl_rng_seed(&rng, seed);
-    float block[FL_PARAMS_INIT_CHUNK];
+    int threads = fl_threads();
+    size_t bytes = fl_params_init_bytes(table->numel, threads), span = bytes / sizeof(float);
+    if (!bytes) { // one thread draws the stream in order
+        float block[FL_PARAMS_INIT_CHUNK];
+        for (int i = 0; i < table->count; i++) {
+            const fl_param_view *v = &table->views[i];
+            for (size_t j0 = 0; j0 < v->numel; j0 += FL_PARAMS_INIT_CHUNK) {
+                size_t len =
+                    v->numel - j0 < FL_PARAMS_INIT_CHUNK ? v->numel - j0 : FL_PARAMS_INIT_CHUNK;
+                draw_values(v, j0, len, &rng, block);
+                sink(ctx, i, j0, block, len);
+            }
+        }
+        return;
+    }
+    float *buf = fl_alloc(FL_MEM_WORKSPACE, bytes); // the host's transient workspace (plan.c)
+    uint64_t before = 0;                            // the stream's draws before row i
     for (int i = 0; i < table->count; i++) {
         const fl_param_view *v = &table->views[i];
-        size_t row = v->numel / v->shape[0];
-        size_t drawn = v->live_rows ? v->live_rows * row : v->numel;
-        for (size_t j0 = 0; j0 < v->numel; j0 += FL_PARAMS_INIT_CHUNK) {
-            size_t len =
-                v->numel - j0 < FL_PARAMS_INIT_CHUNK ? v->numel - j0 : FL_PARAMS_INIT_CHUNK;
-            for (size_t j = 0; j < len; j++)
-                block[j] = v->init == FL_INIT_ONES     ? 1.0f
-                           : j0 + j >= drawn           ? 0.0f
-                           : v->init == FL_INIT_NORMAL ? v->std * fl_rng_normal(&rng)
-                           : v->init == FL_INIT_UNIFORM
-                               ? v->std * (2.0f * fl_rng_uniform(&rng) - 1.0f)
-                               : 0.0f;
-            sink(ctx, i, j0, block, len);
+        uint64_t per = draws_per(v);
+        size_t drawn = drawn_of(v);
+        for (size_t j0 = 0; j0 < v->numel; j0 += span) {
+            size_t n = v->numel - j0 < span ? v->numel - j0 : span;
+            int pieces = (int)((n + INIT_PIECE - 1) / INIT_PIECE);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+            for (int k = 0; k < pieces; k++) {
+                size_t a = j0 + (size_t)k * INIT_PIECE, len = j0 + n - a;
+                if (len > INIT_PIECE) len = INIT_PIECE;
+                fl_rng r = rng;
+                fl_rng_jump(&r, before + per * (a < drawn ? a : drawn));
+                draw_values(v, a, len, &r, buf + (size_t)k * INIT_PIECE);
+            }
+            for (size_t o = 0; o < n; o += FL_PARAMS_INIT_CHUNK) // in table order
+                sink(ctx, i, j0 + o, buf + o,
+                     n - o < FL_PARAMS_INIT_CHUNK ? n - o : FL_PARAMS_INIT_CHUNK);
         }
+        before += per * drawn;
     }
+    fl_free(buf);
 }
 
 typedef struct {

@@ -81,6 +81,7 @@ void fl_plan_request_init(fl_plan_request *r) {
     r->optim.eps = 1e-8f;
     r->optim.grad_accum = 1;
     r->ranks = 1;
+    r->random_init = 1;
     r->tensor_parallel = 1;
     r->pipeline_parallel = 1;
     r->virtual_stages = 1;
@@ -119,6 +120,9 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
         fl_pp_split_parse(cfg->pipeline_split, "pipeline_parallel.split", list, &n_list);
     fl_pp_config_split(cfg, &cfg->model, r->stage_blocks);
     r->whole_weights_first = *cfg->init_from != 0;
+    // run.c's init_model: drawn unless loaded (a resume's frozen LoRA base is drawn again)
+    r->random_init =
+        !*cfg->init_from && (!*cfg->resume || (cfg->lora_enabled && !cfg->lora.train_base));
     r->offload = fl_offload_config_of(cfg);
     r->dev = fl_device_get(cfg->device);
     // on a device --mem-limit is its budget; the host keeps its available memory
@@ -439,7 +443,8 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     // per row of the whole model, in its order (a fused step's too, beside
     // its own per row of the stage)
     size_t norm_rows = 0, whole_rows = 0;
-    int stage_rows = 0; // the rank's rows (of its stage)
+    size_t init_bytes = 0; // the random start's drawing buffer (fl_params_init_each)
+    int stage_rows = 0;    // the rank's rows (of its stage)
     if (shaped) {
         c.tp_size = tp;
         c.sequence_parallel = tp > 1 && r->sequence_parallel;
@@ -460,8 +465,9 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_model_table(&whole, &c);
         whole_rows = (size_t)whole.count;
         if (pp > 1) norm_rows = whole_rows; // the norm's sums in the whole table's order
-        fl_params_free(&whole);
         int threads = r->threads > 0 ? r->threads : fl_threads();
+        if (r->random_init) init_bytes = fl_params_init_bytes(whole.numel, threads);
+        fl_params_free(&whole);
         // B = 0 tells the model to leave out activations (and its inputs/targets)
         fl_model_memory(r->dev, &c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
                         dist_exact       ? fl_dist_unit_grads(&zero)
@@ -585,11 +591,19 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * (size_t)r->optim.grad_accum * sizeof(int);
     if (b[FL_MEM_OTHER] < r->data_peak) b[FL_MEM_OTHER] = r->data_peak;
     // transient workspace, one at a time: the step's row sums (a fused
-    // step's over its rows), the sampler's
+    // step's over its rows), the sampler's, the random start's
     size_t sampler = shaped && r->sample_tokens > 0 ? generate_bytes(&c, r->T) : 0;
     size_t sums = (fused_rows + norm_rows) * sizeof(double);
     out->host_workspace = sampler > sums ? sampler : sums; // host buffers on any device
-    b[FL_MEM_WORKSPACE] += out->host_workspace;
+    if (r->dev && !r->dev->host) {
+        // the model's workspace is the device's: the host's holds the transients alone
+        if (out->host_workspace < init_bytes) out->host_workspace = init_bytes;
+        b[FL_MEM_WORKSPACE] += out->host_workspace;
+    } else {
+        // the random start's buffer is freed before the model's workspace is made
+        b[FL_MEM_WORKSPACE] += out->host_workspace;
+        if (b[FL_MEM_WORKSPACE] < init_bytes) b[FL_MEM_WORKSPACE] = init_bytes;
+    }
     if (shaped && r->sample_tokens > 0) {
         b[FL_MEM_OTHER] += ((size_t)r->sample_tokens + 4) * sizeof(int);
     }
