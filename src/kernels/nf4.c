@@ -141,10 +141,15 @@ static int nibble(const uint8_t *codes, size_t i) {
     return (codes[i >> 1] >> (i & 1 ? 0 : 4)) & 15;
 }
 
+// Below this many values the threads' wake-ups cost more than they share
+// (a model's start quantises its rows in pieces of FL_PARAMS_INIT_CHUNK:
+// a parallel region each was most of a QLoRA start's time).
+enum { NF4_PARALLEL_MIN = 1 << 16 };
+
 void nf4_quantize(uint8_t *codes, float *absmax, const float *w, size_t n, int block) {
     FL_ASSERT(block > 0);
     size_t bs = (size_t)block, nb = (n + bs - 1) / bs, nbytes = (n + 1) / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= NF4_PARALLEL_MIN)
     for (size_t b = 0; b < nb; b++) {
         size_t i1 = (b + 1) * bs < n ? (b + 1) * bs : n;
         float a = 0.0f;
@@ -152,7 +157,7 @@ void nf4_quantize(uint8_t *codes, float *absmax, const float *w, size_t n, int b
         absmax[b] = a;
     }
     // by bytes, not blocks: with an odd block two blocks share a byte
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= NF4_PARALLEL_MIN)
     for (size_t j = 0; j < nbytes; j++) {
         size_t i = 2 * j;
         int hi = nf4_code(w[i] * inv_scale(absmax[i / bs]));
