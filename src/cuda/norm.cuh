@@ -32,15 +32,30 @@ __device__ __forceinline__ void norm_input(fl_dtype dt, void *row, const void *s
     fl_d_load_ilp(dt, row, c, 32, C, x);
 }
 
-// What a norm's dinp pass reads of a row, a lane's columns c, c + 32, ...
-// FL_D_ILP at a time (0 past C): x, the weight, dy and dinp so far
-__device__ __forceinline__ void norm_dinp_load(fl_dtype dt, const void *xr, const void *weight,
-                                               const void *dyr, const void *dxr, int c, int C,
-                                               float *x, float *w, float *dy, float *dx) {
-    fl_d_load_ilp(dt, xr, c, 32, C, x);
-    fl_d_load_ilp(dt, weight, c, 32, C, w);
-    fl_d_load_ilp(dt, dyr, c, 32, C, dy);
-    fl_d_load_ilp(dt, dxr, c, 32, C, dx);
+// A norm's dinp pass over the row at `base`, the lane's columns c, c + 32,
+// ... FL_D_ILP at a time: dinp += (w dy - dm - norm dnm) rstd, norm =
+// (x - mean) rstd. RMSNorm passes mean and dm 0: x - 0 and a - 0 are x and
+// a exactly, so its own expression's bits.
+__device__ __forceinline__ void norm_dinp_pass(fl_dtype dt, void *dinp, const void *dout,
+                                               const void *inp, const void *weight, size_t base,
+                                               int lane, int C, float mean, float rstd, float dm,
+                                               float dnm) {
+    const void *xr = fl_d_at(dt, inp, base), *dyr = fl_d_at(dt, dout, base);
+    void *dxr = fl_d_at(dt, dinp, base);
+    for (int c = lane; c < C; c += FL_D_ILP * 32) {
+        float x[FL_D_ILP], w[FL_D_ILP], dy[FL_D_ILP], dx[FL_D_ILP];
+        fl_d_load_ilp(dt, xr, c, 32, C, x);
+        fl_d_load_ilp(dt, weight, c, 32, C, w);
+        fl_d_load_ilp(dt, dyr, c, 32, C, dy);
+        fl_d_load_ilp(dt, dxr, c, 32, C, dx);
+#pragma unroll
+        for (int k = 0; k < FL_D_ILP; k++) {
+            float norm = (x[k] - mean) * rstd;
+            float dnorm = w[k] * dy[k];
+            dx[k] = dx[k] + (dnorm - dm - norm * dnm) * rstd;
+        }
+        fl_d_store_ilp(dt, dxr, c, 32, C, dx);
+    }
 }
 
 #endif

@@ -44,18 +44,7 @@ __global__ void rmsnorm_dinp_kernel(fl_dtype dt, void *dinp, const void *dout, c
         dnm += fl_d_load(dt, weight, c) * fl_d_load(dt, dout, base + c) *
                (fl_d_load(dt, inp, base + c) * r);
     dnm = __shfl_sync(0xffffffffu, fl_d_warp_sum(dnm), 0) / C;
-    const void *xr = fl_d_at(dt, inp, base), *dyr = fl_d_at(dt, dout, base);
-    void *dxr = fl_d_at(dt, dinp, base);
-    for (int c = lane; c < C; c += FL_D_ILP * 32) {
-        float x[FL_D_ILP], w[FL_D_ILP], dy[FL_D_ILP], dx[FL_D_ILP];
-        norm_dinp_load(dt, xr, weight, dyr, dxr, c, C, x, w, dy, dx);
-#pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
-            float wdy = w[k] * dy[k];
-            dx[k] = dx[k] + (wdy - x[k] * r * dnm) * r;
-        }
-        fl_d_store_ilp(dt, dxr, c, 32, C, dx);
-    }
+    norm_dinp_pass(dt, dinp, dout, inp, weight, base, lane, C, 0.0f, r, 0.0f, dnm);
 }
 
 // chunk blockIdx.y of the rows: partial[chunk][c] = sum of x rstd dy
