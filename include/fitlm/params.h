@@ -88,9 +88,11 @@ char *fl_params_canonical(const fl_param_table *table, fl_dtype dt);
 // Initialises the flat buffer `params` (dtype dt) row by row from the rows'
 // init rules, drawing from one RNG seeded with `seed` in table order.
 void fl_params_init(const fl_param_table *table, fl_dtype dt, void *params, uint64_t seed);
-// The same values handed to sink(ctx, row, first, values, n) in pieces of
-// at most FL_PARAMS_INIT_CHUNK, in table order (for storage that is not a
-// flat buffer of one dtype, e.g. NF4 rows).
+// The same values handed to sink(ctx, row, first, values, n) in pieces, in
+// table order (for storage that is not a flat buffer of one dtype, e.g. NF4
+// rows, or a device's): each piece starts at a multiple of
+// FL_PARAMS_INIT_CHUNK, of at most that many values when one thread draws,
+// of up to fl_params_init_bytes() / 4 when the threads share the drawing.
 #define FL_PARAMS_INIT_CHUNK 4096
 typedef void (*fl_params_sink)(void *ctx, int row, size_t first, const float *values, size_t n);
 // Tables of 1 M values or more are drawn by every thread (fl_threads()), each

@@ -140,9 +140,7 @@ void fl_params_init_each(const fl_param_table *table, uint64_t seed, fl_params_s
                 fl_rng_jump(&r, before + per * (a < drawn ? a : drawn));
                 draw_values(v, a, len, &r, buf + (size_t)k * INIT_PIECE);
             }
-            for (size_t o = 0; o < n; o += FL_PARAMS_INIT_CHUNK) // in table order
-                sink(ctx, i, j0 + o, buf + o,
-                     n - o < FL_PARAMS_INIT_CHUNK ? n - o : FL_PARAMS_INIT_CHUNK);
+            sink(ctx, i, j0, buf, n); // in table order, the span at once (a device's copies)
         }
         before += per * drawn;
     }

@@ -1014,7 +1014,7 @@ int fl_model_weight_spans(const fl_model *m, const void *data[3], size_t bytes[3
 // ----------------------------------------------------------------------------
 // host values in and out
 
-enum { STAGE_BYTES = 16384 }; // a staging buffer on the stack
+enum { STAGE_BYTES = 65536 }; // a staging buffer on the stack (a device copy each)
 
 void fl_model_upload_f32(const fl_model *m, void *dst, const float *w, size_t n) {
     fl_dtype dt = m->dtype;

@@ -180,8 +180,10 @@ static void add_error(double e[3], const uint8_t *codes, const float *absmax, co
 
 // A piece of a row is quantised on the host a chunk at a time (whole
 // blocks: FL_PARAMS_INIT_CHUNK is a multiple of every block size) and its
-// codes uploaded.
-enum { CHUNK = FL_PARAMS_INIT_CHUNK };
+// codes uploaded; a store takes pieces of up to QUANT_PIECE values at once
+// (nf4_quantize shares those among the threads, and a device's copies are
+// 32 KiB).
+enum { CHUNK = FL_PARAMS_INIT_CHUNK, QUANT_PIECE = 16 * CHUNK };
 
 void fl_model_quant_error(const fl_model *m, double *mean_abs, double *max_abs, double *rms) {
     const fl_quant_set *s = &m->quant;
@@ -214,11 +216,12 @@ void fl_model_store_local(fl_model *m, int row, size_t first, const float *w, si
     size_t B = (size_t)q->blocksize;
     // double quantisation: the row's absmax gathers on the host until its end
     float *dq = !q->double_quant ? NULL : m->dev->host ? m->quant.absmax : m->quant.host;
-    uint8_t codes[CHUNK / 2];
-    float absmax[CHUNK / 32] = {0}; // (filled by nf4_quantize)
+    uint8_t codes[QUANT_PIECE / 2];
+    float absmax[QUANT_PIECE / 32] = {0}; // (filled by nf4_quantize)
     double e[3] = {0.0, m->quant.err_max, 0.0};
-    for (size_t i = 0; i < n; i += CHUNK) {
-        size_t k = n - i < CHUNK ? n - i : CHUNK, at = first + i, blocks = (k + B - 1) / B;
+    for (size_t i = 0; i < n; i += QUANT_PIECE) {
+        size_t k = n - i < QUANT_PIECE ? n - i : QUANT_PIECE, at = first + i;
+        size_t blocks = (k + B - 1) / B;
         float *am = dq ? dq + at / B : absmax;
         nf4_quantize(codes, am, w + i, k, (int)B);
         add_error(e, codes, am, w + i, k, (int)B);
