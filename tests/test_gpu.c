@@ -378,10 +378,12 @@ static void norms(fl_dtype dt) {
     free(inp), free(w), free(bias), free(o), free(mean), free(rstd);
 }
 
-// matmul: each side with its own workspace
+// matmul: each side with its own workspace; the backward's dinp written or
+// added to
 typedef struct {
     targs a;
     void *ws[2];
+    int dinp_add;
 } mm_args;
 
 static void call_matmul(tcase *t, const fl_device *x, void *p) {
@@ -395,7 +397,8 @@ static void call_matmul_bwd(tcase *t, const fl_device *x, void *p) {
     mm_args *m = p;
     targs *a = &m->a;
     x->matmul_backward(t->dt, P(t, a->a[0]), P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
-                       P(t, a->a[4]), P(t, a->a[5]), m->ws[t->side ? 1 : 0], a->N, a->C, a->OC);
+                       P(t, a->a[4]), P(t, a->a[5]), m->ws[t->side ? 1 : 0], a->N, a->C, a->OC,
+                       m->dinp_add);
 }
 
 static void matmuls(fl_dtype dt) {
@@ -411,14 +414,16 @@ static void matmuls(fl_dtype dt) {
     m.a.a[2] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
     m.a.a[3] = tc_in(&t, dt, (size_t)OC, 1.0f);
     tc_run(&t, call_matmul, &m, 1e-5);
-    t = tc_new("matmul_backward", dt);
-    m.a.a[0] = tc_acc(&t, dt, (size_t)N * C, 1.0f);
-    m.a.a[1] = tc_acc(&t, dt, (size_t)OC * C, 1.0f);
-    m.a.a[2] = tc_acc(&t, dt, (size_t)OC, 1.0f);
-    m.a.a[3] = tc_in(&t, dt, (size_t)N * OC, 1.0f);
-    m.a.a[4] = tc_in(&t, dt, (size_t)N * C, 1.0f);
-    m.a.a[5] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
-    tc_run(&t, call_matmul_bwd, &m, 1e-5);
+    for (m.dinp_add = 0; m.dinp_add < 2; m.dinp_add++) { // dinp poisoned: never read
+        t = tc_new(m.dinp_add ? "matmul_backward (dinp added to)" : "matmul_backward", dt);
+        m.a.a[0] = m.dinp_add ? tc_acc(&t, dt, (size_t)N * C, 1.0f) : tc_out(&t, dt, (size_t)N * C);
+        m.a.a[1] = tc_acc(&t, dt, (size_t)OC * C, 1.0f);
+        m.a.a[2] = tc_acc(&t, dt, (size_t)OC, 1.0f);
+        m.a.a[3] = tc_in(&t, dt, (size_t)N * OC, 1.0f);
+        m.a.a[4] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+        m.a.a[5] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
+        tc_run(&t, call_matmul_bwd, &m, 1e-5);
+    }
     fl_free(m.ws[0]);
     dev->free(dev, m.ws[1]);
 }
@@ -477,6 +482,8 @@ static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int
     snprintf(name, sizeof name, "attention_backward B %d T %d NH %d NKV %d HS %d%s", B, T, NH, NKV,
              HS, off ? " (qkv and dqkv at an odd offset)" : "");
     t = tc_new(name, dt);
+    // dqkv is overwritten (device.h): a random start the device must not
+    // add to (the cpu clears it), and before an odd offset left alone
     m.a.a[0] = tc_acc(&t, dt, N * W + off, 1.0f);
     m.a.a[1] = tc_in(&t, dt, N * C, 1.0f);
     m.a.a[2] = tc_add(&t, dt, N * W + off, D, qkv, 0);
@@ -534,14 +541,14 @@ static void elementwise(fl_dtype dt) {
     tcase t = tc_new("gelu, residual, swiglu, bias", dt);
     a.a[0] = tc_out(&t, dt, n);
     a.a[1] = tc_in(&t, dt, n, 3.0f);
-    a.a[2] = tc_acc(&t, dt, n, 1.0f);
+    a.a[2] = tc_out(&t, dt, n); // overwritten (device.h): poisoned, never read
     a.a[3] = tc_in(&t, dt, n, 1.0f);
     a.a[4] = tc_out(&t, dt, n);
     a.a[5] = tc_acc(&t, dt, n, 1.0f);
     a.a[6] = tc_acc(&t, dt, n, 1.0f);
     a.a[7] = tc_out(&t, dt, nsw);
     a.a[8] = tc_in(&t, dt, 2 * nsw, 3.0f);
-    a.a[9] = tc_acc(&t, dt, 2 * nsw, 1.0f);
+    a.a[9] = tc_out(&t, dt, 2 * nsw);
     tc_run(&t, call_elementwise, &a, 1e-5);
 }
 
@@ -1034,7 +1041,7 @@ static void scratch_and_timing(void) {
     // LayerNorm (N, cols): dinp, dweight, dbias, dout, inp, weight, mean, rstd
     dev->layernorm_backward(dt, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], N, cols);
     // a bias of cols outputs over N rows of C inputs: dinp, dweight, dbias, dout, inp, weight
-    dev->matmul_backward(dt, b[8], b[11], b[2], b[3], b[8], b[11], b[10], N, C, cols);
+    dev->matmul_backward(dt, b[8], b[11], b[2], b[3], b[8], b[11], b[10], N, C, cols, 1);
     dev->embedding_shard_backward(dt, b[0], b[8], b[9], 0, N, N, C);
     double sq = dev->sumsq(dt, b[0], (size_t)N * cols);
     dev->sync(dev);

@@ -20,7 +20,13 @@
 // Pointers the table takes are device pointers unless named host_*. The
 // kernel entries have kernels.h's signatures and contract (destination
 // first, backward accumulates, the same exceptions), with every pointer,
-// int * ids and float * statistics included, on the device.
+// int * ids and float * statistics included, on the device, but for the
+// input gradients a backward pass writes first: gelu_backward's and
+// swiglu_backward's dinp, attention_backward's dqkv and matmul_backward's
+// dinp (unless dinp_add) are OVERWRITTEN. A GPU writes them without reading
+// them, so the backward pass needs no clearing pass over its activation
+// gradients before them (llm.c's kernels overwrite them too); the cpu
+// clears them and runs kernels.h's +=, the same bits.
 //
 // Ordering: work is issued on the device's compute stream in call order. A
 // copy to or from the host (copy_h2d, copy_d2h) returns when it is done;
@@ -123,7 +129,7 @@ struct fl_device {
                            const void *bias, void *workspace, int N, int C, int OC);
     void (*matmul_backward)(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                             const void *inp, const void *weight, void *workspace, int N, int C,
-                            int OC);
+                            int OC, int dinp_add);
     void (*attention_forward)(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace,
                               int B, int T, int NH, int NKV, int HS);
     void (*attention_backward)(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,

@@ -28,7 +28,7 @@ typedef enum {
     FL_OP_RESIDUAL, // forward only: its backward passes the gradient through
     FL_OP_XENT,     // softmax + cross-entropy
     FL_OP_ZERO_GRAD,
-    FL_OP_ZERO_ACTS, // the backward's activation gradients set to 0 before kernels add into them
+    FL_OP_ZERO_ACTS, // the residual stream's gradient set to 0 before kernels add into it
     FL_OP_OPTIMIZER, // micro-batch accumulation, norm, clip, update
     FL_OP_LOADER,
     FL_OP_COMM, // data and tensor parallelism: staging, starting and waiting for collectives

@@ -17,9 +17,9 @@
 // tiles, the first key tiles: the most work under the causal mask), so the
 // short ones fill in at the end. Both backward kernels rebuild P = exp(S -
 // lse) and dS = P (dO V^T - D), D = rowsum(dO O) per tile from out, so they
-// need no workspace. Each gradient is added to dqkv once, rounded once (dst
-// = round(dst + sum)). Every sum runs in a fixed order: two runs give the
-// same bits.
+// need no workspace. Each gradient is written to dqkv once, rounded once
+// (dqkv is overwritten: device.h). Every sum runs in a fixed order: two runs
+// give the same bits.
 // This file's kernels compute in fp32 (CUDA cores): fp32 heads, and 16-bit
 // heads the tensor-core kernels (attention_tc.cu, the same algorithm on
 // 64-row tiles) do not take (HS not a multiple of 16, or over 128).
@@ -231,14 +231,13 @@ __device__ void probs_and_dscores(float *P, float *dS, const float *Q, const flo
         }
 }
 
-// dst (rows [r0, r0 + tile) of a head, ld apart) = round(dst + f * acc)
-__device__ void add_rows(fl_dtype dt, void *base, size_t ld, const float *acc, float f, int r0,
-                         int T, int tile, int HS) {
+// dst (rows [r0, r0 + tile) of a head, ld apart) = round(f * acc): dqkv is
+// overwritten (device.h), each value by one block
+__device__ void store_rows(fl_dtype dt, void *base, size_t ld, const float *acc, float f, int r0,
+                           int T, int tile, int HS) {
     for (int idx = threadIdx.x; idx < tile * HS; idx += blockDim.x) {
         int r = idx / HS, d = idx % HS;
-        if (r0 + r >= T) continue;
-        size_t o = (size_t)(r0 + r) * ld + d;
-        fl_d_store(dt, base, o, fl_d_load(dt, base, o) + f * acc[r * (HS + 1) + d]);
+        if (r0 + r < T) fl_d_store(dt, base, (size_t)(r0 + r) * ld + d, f * acc[r * (HS + 1) + d]);
     }
 }
 
@@ -266,8 +265,8 @@ __global__ void attention_dkdv_kernel(fl_dtype dt, void *dqkv, const void *dout,
             tile_mm(dK, dS, tile + 1, true, Q, tile, tile, HS, NULL);
         }
     __syncthreads();
-    add_rows(dt, fl_d_at(dt, dqkv, koff), a.W, dK, a.scale, j0, a.T, tile, HS);
-    add_rows(dt, fl_d_at(dt, dqkv, voff), a.W, dV, 1.0f, j0, a.T, tile, HS);
+    store_rows(dt, fl_d_at(dt, dqkv, koff), a.W, dK, a.scale, j0, a.T, tile, HS);
+    store_rows(dt, fl_d_at(dt, dqkv, voff), a.W, dV, 1.0f, j0, a.T, tile, HS);
 }
 
 __global__ void attention_dq_kernel(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
@@ -293,7 +292,7 @@ __global__ void attention_dq_kernel(fl_dtype dt, void *dqkv, const void *dout, c
         tile_mm(dQ, dS, tile + 1, false, K, tile, tile, HS, NULL);
     }
     __syncthreads();
-    add_rows(dt, fl_d_at(dt, dqkv, row0 + (size_t)h * HS), a.W, dQ, a.scale, i0, a.T, tile, HS);
+    store_rows(dt, fl_d_at(dt, dqkv, row0 + (size_t)h * HS), a.W, dQ, a.scale, i0, a.T, tile, HS);
 }
 
 static att_shape shape_of(int T, int NH, int NKV, int HS) {

@@ -181,13 +181,10 @@ __device__ void tc_row_stats(float *L, float *D, const float *lse, const float *
 }
 
 // dst (row i of a head, ld apart; its values odd, odd + 2, ...: a lane's,
-// its twin the others) = round(dst + f * acc row)
-__device__ void tc_add_row(fl_dtype dt, void *base, size_t ld, const float *acc, float f, int i,
-                           int odd, int HS) {
-    for (int d = odd; d < HS; d += 2) {
-        size_t o = (size_t)i * ld + d;
-        fl_d_store(dt, base, o, fl_d_load(dt, base, o) + f * acc[d]);
-    }
+// its twin the others) = round(f * acc row): dqkv is overwritten (device.h)
+__device__ void tc_store_row(fl_dtype dt, void *base, size_t ld, const float *acc, float f, int i,
+                             int odd, int HS) {
+    for (int d = odd; d < HS; d += 2) fl_d_store(dt, base, (size_t)i * ld + d, f * acc[d]);
 }
 
 // Query i's scaled score for key j from its product s: -inf where i may
@@ -334,11 +331,12 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
     __syncwarp();
     tc_store_acc(sh.S, lds, dK, HS);
     __syncwarp();
-    if (j < a.T) tc_add_row(dt, (char *)dqkv + koff * 2, a.W, sh.S + r * lds, a.scale, j, odd, HS);
+    if (j < a.T)
+        tc_store_row(dt, (char *)dqkv + koff * 2, a.W, sh.S + r * lds, a.scale, j, odd, HS);
     __syncwarp();
     tc_store_acc(sh.S, lds, dV, HS);
     __syncwarp();
-    if (j < a.T) tc_add_row(dt, (char *)dqkv + voff * 2, a.W, sh.S + r * lds, 1.0f, j, odd, HS);
+    if (j < a.T) tc_store_row(dt, (char *)dqkv + voff * 2, a.W, sh.S + r * lds, 1.0f, j, odd, HS);
 }
 
 template <class E>
@@ -377,7 +375,8 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     __syncwarp();
     tc_store_acc(sh.S, lds, dQ, HS);
     __syncwarp();
-    if (i < a.T) tc_add_row(dt, (char *)dqkv + qoff * 2, a.W, sh.S + r * lds, a.scale, i, odd, HS);
+    if (i < a.T)
+        tc_store_row(dt, (char *)dqkv + qoff * 2, a.W, sh.S + r * lds, a.scale, i, odd, HS);
 }
 
 // Whether every row a kernel copies starts 16-byte aligned (the rows' and

@@ -92,7 +92,7 @@ void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, const void 
                             const void *bias, void *workspace, int N, int C, int OC);
 void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                              const void *inp, const void *weight, void *workspace, int N, int C,
-                             int OC);
+                             int OC, int dinp_add);
 void fl_cuda_rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp,
                              const void *weight, int N, int C, float eps);
 void fl_cuda_residual_rmsnorm_forward(fl_dtype dt, void *res, void *out, float *rstd,

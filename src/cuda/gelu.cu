@@ -32,25 +32,23 @@ __global__ void gelu_forward_kernel(fl_dtype dt, void *out, const void *inp, siz
     }
 }
 
-// d/dx = s + x s (1 - s) 2 du/dx
+// d/dx = s + x s (1 - s) 2 du/dx; dinp is overwritten (device.h)
 __global__ void gelu_backward_kernel(fl_dtype dt, void *dinp, const void *inp, const void *dout,
                                      size_t n) {
     size_t w = fl_d_width();
     for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP], dy[FL_D_ILP], acc[FL_D_ILP];
+        float x[FL_D_ILP], dy[FL_D_ILP], dx[FL_D_ILP];
         fl_d_load_ilp(dt, inp, i, w, n, x);
         fl_d_load_ilp(dt, dout, i, w, n, dy);
-        fl_d_load_ilp(dt, dinp, i, w, n, acc);
 #pragma unroll
         for (int k = 0; k < FL_D_ILP; k++) {
             float s, s1s;
             gelu_sigmoid(x[k], &s, &s1s);
             float du2 = fmaf(x[k] * x[k], 6.0f * GELU_CUBIC * GELU_SCALING_FACTOR,
                              2.0f * GELU_SCALING_FACTOR);
-            float grad = fmaf(x[k] * s1s, du2, s);
-            acc[k] = fmaf(grad, dy[k], acc[k]);
+            dx[k] = fmaf(x[k] * s1s, du2, s) * dy[k];
         }
-        fl_d_store_ilp(dt, dinp, i, w, n, acc);
+        fl_d_store_ilp(dt, dinp, i, w, n, dx);
     }
 }
 

@@ -162,13 +162,15 @@ typedef struct {
     int kind, m, n, k;
     void *d;
     const void *a, *b;
-    float beta; // the gradients accumulate
+    float beta; // 1: the gradient accumulates (0: D is written, never read)
 } gemm_call;
 
+// The weight gradient accumulates; the input gradient only with dinp_add.
 static gemm_call linear_gemm(int kind, void *out, const void *inp, const void *weight, void *dinp,
-                             void *dweight, const void *dout, int N, int C, int OC) {
+                             void *dweight, const void *dout, int N, int C, int OC, int dinp_add) {
     if (kind == MM_FORWARD) return gemm_call{kind, OC, N, C, out, weight, inp, 0.0f};
-    if (kind == MM_DINP) return gemm_call{kind, C, N, OC, dinp, weight, dout, 1.0f};
+    if (kind == MM_DINP)
+        return gemm_call{kind, C, N, OC, dinp, weight, dout, dinp_add ? 1.0f : 0.0f};
     return gemm_call{kind, C, OC, N, dweight, inp, dout, 1.0f};
 }
 
@@ -213,20 +215,20 @@ extern "C" void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, 
                                        const void *bias, void *workspace, int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
     int epilogue = bias && (uintptr_t)bias % 16 == 0;
-    gemm(dt, linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC),
+    gemm(dt, linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC, 0),
          epilogue ? bias : NULL, workspace);
     if (bias && !epilogue) fl_cuda_bias_forward(dt, out, bias, N, OC);
 }
 
 extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
                                         const void *dout, const void *inp, const void *weight,
-                                        void *workspace, int N, int C, int OC) {
+                                        void *workspace, int N, int C, int OC, int dinp_add) {
     if (N <= 0 || OC <= 0 || C <= 0) return;
     if (dinp)
-        gemm(dt, linear_gemm(MM_DINP, NULL, inp, weight, dinp, NULL, dout, N, C, OC), NULL,
-             workspace);
+        gemm(dt, linear_gemm(MM_DINP, NULL, inp, weight, dinp, NULL, dout, N, C, OC, dinp_add),
+             NULL, workspace);
     if (dweight)
-        gemm(dt, linear_gemm(MM_DWEIGHT, NULL, inp, weight, NULL, dweight, dout, N, C, OC), NULL,
+        gemm(dt, linear_gemm(MM_DWEIGHT, NULL, inp, weight, NULL, dweight, dout, N, C, OC, 1), NULL,
              workspace);
     if (!dbias) return;
     int chunks = column_chunks(N);
@@ -240,14 +242,14 @@ extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, 
     FL_CUDA_LAUNCHED("column_finish");
 }
 
-// (cuda.h) The buffers are the caller's; the gradients' products are
-// accumulated into dinp and dweight at every call, as the backward does.
+// (cuda.h) The buffers are the caller's; as a model's backward issues
+// them, dinp is overwritten and dweight accumulates at every call.
 extern "C" int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const void *inp,
                                        const void *weight, void *dinp, void *dweight,
                                        const void *dout, void *workspace, int N, int C, int OC,
                                        int algos, int rounds, double *ms) {
     FL_ASSERT(algos >= 1 && rounds >= 1);
-    gemm_call g = linear_gemm(kind, out, inp, weight, dinp, dweight, dout, N, C, OC);
+    gemm_call g = linear_gemm(kind, out, inp, weight, dinp, dweight, dout, N, C, OC, 0);
     const float alpha = 1.0f;
     size_t ws = workspace_from(&workspace);
     plan p;

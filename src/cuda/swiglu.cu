@@ -37,12 +37,13 @@ __global__ void swiglu_forward_kernel(fl_dtype dt, void *out, const void *inp, s
     }
 }
 
-// dgate += (dout up) s (1 + x s1),  dup += dout (x s)
+// dgate = (dout up) s (1 + x s1),  dup = dout (x s): dinp is overwritten
+// (device.h)
 __global__ void swiglu_backward_kernel(fl_dtype dt, void *dinp, const void *inp, const void *dout,
                                        size_t n, int IC) {
     size_t w = fl_d_width();
     for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP], up[FL_D_ILP], dy[FL_D_ILP], dg[FL_D_ILP], du[FL_D_ILP];
+        float x[FL_D_ILP], up[FL_D_ILP], dy[FL_D_ILP];
         fl_d_load_ilp(dt, dout, i, w, n, dy);
 #pragma unroll
         for (int k = 0; k < FL_D_ILP; k++) {
@@ -50,8 +51,6 @@ __global__ void swiglu_backward_kernel(fl_dtype dt, void *dinp, const void *inp,
             size_t g = swiglu_gate(i + k * w, IC);
             x[k] = live ? fl_d_load(dt, inp, g) : 0.0f;
             up[k] = live ? fl_d_load(dt, inp, g + IC) : 0.0f;
-            dg[k] = live ? fl_d_load(dt, dinp, g) : 0.0f;
-            du[k] = live ? fl_d_load(dt, dinp, g + IC) : 0.0f;
         }
 #pragma unroll
         for (int k = 0; k < FL_D_ILP; k++) {
@@ -60,8 +59,8 @@ __global__ void swiglu_backward_kernel(fl_dtype dt, void *dinp, const void *inp,
             float ds = s * fmaf(x[k], s1, 1.0f);
             if (i + k * w >= n) continue;
             size_t g = swiglu_gate(i + k * w, IC);
-            fl_d_store(dt, dinp, g, fmaf(dy[k] * up[k], ds, dg[k]));
-            fl_d_store(dt, dinp, g + IC, fmaf(dy[k], x[k] * s, du[k]));
+            fl_d_store(dt, dinp, g, dy[k] * up[k] * ds);
+            fl_d_store(dt, dinp, g + IC, dy[k] * (x[k] * s));
         }
     }
 }

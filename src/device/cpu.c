@@ -58,6 +58,34 @@ static void cpu_zero(const fl_device *d, void *p, size_t bytes) {
     memset(p, 0, bytes);
 }
 
+// The input gradients the table overwrites (device.h): cleared, then
+// kernels.h's +=, the bits of a clear before the call.
+static void cpu_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
+                                const void *dout, const void *inp, const void *weight,
+                                void *workspace, int N, int C, int OC, int dinp_add) {
+    if (dinp && !dinp_add) memset(dinp, 0, (size_t)N * C * fl_dtype_size(dt));
+    matmul_backward(dt, dinp, dweight, dbias, dout, inp, weight, workspace, N, C, OC);
+}
+
+static void cpu_attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
+                                   const void *out, const float *lse, float *workspace, int B,
+                                   int T, int NH, int NKV, int HS) {
+    memset(dqkv, 0, (size_t)B * T * (NH + 2 * NKV) * HS * fl_dtype_size(dt));
+    attention_backward(dt, dqkv, dout, qkv, out, lse, workspace, B, T, NH, NKV, HS);
+}
+
+static void cpu_swiglu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout, int N,
+                                int IC) {
+    memset(dinp, 0, (size_t)N * 2 * IC * fl_dtype_size(dt));
+    swiglu_backward(dt, dinp, inp, dout, N, IC);
+}
+
+static void cpu_gelu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout,
+                              size_t N) {
+    memset(dinp, 0, N * fl_dtype_size(dt));
+    gelu_backward(dt, dinp, inp, dout, N);
+}
+
 static void cpu_copy(const fl_device *d, void *dst, const void *src, size_t bytes) {
     (void)d;
     memmove(dst, src, bytes);
@@ -213,18 +241,18 @@ static const fl_device cpu = {
     .residual_layernorm_forward = residual_layernorm_forward,
     .layernorm_backward = layernorm_backward,
     .matmul_forward = matmul_forward,
-    .matmul_backward = matmul_backward,
+    .matmul_backward = cpu_matmul_backward,
     .attention_forward = attention_forward,
-    .attention_backward = attention_backward,
+    .attention_backward = cpu_attention_backward,
     .rmsnorm_forward = rmsnorm_forward,
     .residual_rmsnorm_forward = residual_rmsnorm_forward,
     .rmsnorm_backward = rmsnorm_backward,
     .rope_forward = rope_forward,
     .rope_backward = rope_backward,
     .swiglu_forward = swiglu_forward,
-    .swiglu_backward = swiglu_backward,
+    .swiglu_backward = cpu_swiglu_backward,
     .gelu_forward = gelu_forward,
-    .gelu_backward = gelu_backward,
+    .gelu_backward = cpu_gelu_backward,
     .residual_forward = residual_forward,
     .residual_backward = residual_backward,
     .bias_forward = bias_forward,

@@ -291,9 +291,10 @@ static void t_matmul_forward(fl_dtype dt, void *out, const void *inp, const void
 
 static void t_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                               const void *inp, const void *weight, void *workspace, int N, int C,
-                              int OC) {
+                              int OC, int dinp_add) {
     open_();
-    cpu->matmul_backward(dt, dinp, dweight, dbias, dout, inp, weight, workspace, N, C, OC);
+    cpu->matmul_backward(dt, dinp, dweight, dbias, dout, inp, weight, workspace, N, C, OC,
+                         dinp_add);
     close_();
 }
 

@@ -97,9 +97,10 @@ static inline double fl_io(size_t n, fl_dtype dt, int passes) {
     return (double)n * (double)fl_dtype_size(dt) * passes;
 }
 
-// The backward's activation-gradient buffers start at zero: each kernel
-// adds its gradient into its output (kernels.h's `+=`). Their own profile
-// slot, as on a GPU each is a pass over memory.
+// An activation gradient that kernels add into (kernels.h's `+=`: the
+// residual stream's, from the head down) starts at zero; the others are
+// written by the op that produces them (device.h). Its own profile slot, as
+// on a GPU it is a pass over memory.
 static inline void fl_zero_dact(const fl_model *m, void *p, size_t bytes) {
     FL_BWD_IO(FL_OP_ZERO_ACTS, (double)bytes, m->dev->zero(m->dev, p, bytes));
 }

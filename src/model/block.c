@@ -53,18 +53,14 @@ void fl_attention_backward(const fl_block *b, const fl_linear *qkv_lin, const fl
     const fl_model_config *c = &m->config;
     int t = fl_tp_ways(c), NH = c->n_head / t, KV = c->n_kv_head / t;
     int HS = c->n_embd / c->n_head, BT = b->B * b->T;
-    size_t D = fl_dtype_size(m->dtype), BTC = (size_t)fl_seq_rows(c, BT) * c->n_embd;
     // dnormed first holds d(attention output) (this rank's heads), then
-    // d(the norm's output)
-    fl_zero_dact(m, dnormed, (size_t)BT * o_lin->in * D);
+    // d(the norm's output); the device writes each (device.h: no clearing)
     fl_linear_backward(m, b->l, o_lin, dnormed, dres, a->atty, BT);
-    fl_zero_dact(m, dqkv, (size_t)BT * qkv_lin->out * D);
     FL_PROFILE(FL_OP_ATTENTION, FL_BWD, 2.5 * attention_flops(b, NH, HS),
                m->dev->attention_backward(m->dtype, dqkv, dnormed, a->qkv, a->atty, a->lse,
                                           m->att_workspace, b->B, b->T, NH, KV, HS));
     if (m->rope_table)
         FL_BWD_IO(FL_OP_ROPE, rope_io(b, NH, KV, HS),
                   m->dev->rope_backward(m->dtype, dqkv, m->rope_table, b->B, b->T, NH, KV, HS));
-    fl_zero_dact(m, dnormed, BTC * D);
     fl_linear_backward(m, b->l, qkv_lin, dnormed, dqkv, a->normed, BT);
 }

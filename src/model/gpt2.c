@@ -216,19 +216,17 @@ static void block_backward(const fl_block *b, void *dres) {
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
     int l = b->l, C = c->n_embd, BT = b->B * b->T, BTs = fl_seq_rows(c, BT);
-    size_t BTC = (size_t)BTs * C, D = fl_dtype_size(dt);
+    size_t BTC = (size_t)BTs * C;
     void **a = b->act, *dbuf = b->work[W_C], *d4a = b->work[W_4A], *d4b = b->work[W_4B];
     fl_linear lin[NLIN];
     linear_set(c, lin);
     size_t BT4 = (size_t)BT * lin[L_FC].out; // 4C, or this rank's 4C/t
 #define W(k) fl_unit_w(m, l, k)
 #define G(k) fl_unit_g(m, l, k)
-    // MLP: out = residual2 + fcproj(gelu(fc(ln2(residual2))))
-    fl_zero_dact(m, d4a, BT4 * D);
+    // MLP: out = residual2 + fcproj(gelu(fc(ln2(residual2)))); d4a, d4b and
+    // dbuf are written by the device (device.h), the residual's dres added to
     fl_linear_backward(m, l, &lin[L_FCPROJ], d4a, dres, a[A_GELU], BT);
-    fl_zero_dact(m, d4b, BT4 * D);
-    FL_BWD_IO(FL_OP_GELU, fl_io(BT4, dt, 4), m->dev->gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
-    fl_zero_dact(m, dbuf, BTC * D);
+    FL_BWD_IO(FL_OP_GELU, fl_io(BT4, dt, 3), m->dev->gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
     fl_linear_backward(m, l, &lin[L_FC], dbuf, d4b, a[A_LN2], BT);
     // a norm's backward reads dout, its input and dinp, and writes dinp
     double norm_io = fl_io(BTC, dt, 4) + 8.0 * BTs;
@@ -267,9 +265,8 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     void **a = h->act, *dbuf = h->work[W_C];
     fl_linear lin[NLIN];
     linear_set(&m->config, lin);
-    fl_zero_dact(m, dbuf, BTC * D);
     fl_linear_backward(m, FL_UNIT_EMBED, &lin[L_HEAD], dbuf, dlogits, a[H_LNF], BT);
-    fl_zero_dact(m, dres, BTC * D);
+    fl_zero_dact(m, dres, BTC * D); // the residual stream's gradient starts here
     FL_BWD_IO(FL_OP_LAYERNORM, fl_io(BTC, m->dtype, 4) + 8.0 * BTs,
               m->dev->layernorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), fl_unit_g(m, U, 1),
                                          dbuf, h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BTs,

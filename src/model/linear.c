@@ -76,10 +76,7 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
     if (sp && kind == FL_LINEAR_COLUMN) { // every position's input, and its gradient's partial sum
         fl_tp_all_gather(m, inp, m->tp_gather, local * lin->in, FL_BWD);
         inp = m->tp_gather;
-        if (dinp) {
-            dinp_here = m->tp_partial;
-            fl_zero_dact(m, dinp_here, (size_t)N * lin->in * fl_dtype_size(m->dtype));
-        }
+        if (dinp) dinp_here = m->tp_partial;
     } else if (sp && kind == FL_LINEAR_ROW) { // every position's output gradient
         fl_tp_all_gather(m, dout, m->tp_gather, local * lin->out, FL_BWD);
         dout = m->tp_gather;
@@ -88,7 +85,7 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
     double flops = (dw ? 2.0 : 1.0) * gemm_flops(N, lin->in, lin->out);
     FL_PROFILE(lin->op, FL_BWD, flops,
                m->dev->matmul_backward(m->dtype, dinp_here, dw, db, dout, inp, w,
-                                       m->matmul_workspace, N, lin->in, lin->out));
+                                       m->matmul_workspace, N, lin->in, lin->out, 0));
     if (m->lora.cfg.r) fl_lora_backward(m, unit, lin, dinp, dout, inp, N);
     // a column-parallel input's gradient is this rank's outputs' share
     if (!dinp || kind != FL_LINEAR_COLUMN) return;

@@ -228,18 +228,15 @@ static void block_backward(const fl_block *b, void *dres) {
     fl_dtype dt = m->dtype;
     int l = b->l, C = c->n_embd, I = c->intermediate_size / fl_tp_ways(c);
     int BT = b->B * b->T, BTs = fl_seq_rows(c, BT);
-    size_t D = fl_dtype_size(dt);
     void **a = b->act, **w = b->work;
     fl_linear lin[NLIN];
     linear_set(c, lin);
     // MLP: out = res2 + down(silu(gate(ln2)) * up(ln2)), ln2 = rmsnorm(res2)
-    fl_zero_dact(m, w[W_I], (size_t)BT * I * D);
+    // the work buffers are written by the device (device.h), dres added to
     fl_linear_backward(m, l, &lin[L_DOWN], w[W_I], dres, a[A_ACT], BT);
-    fl_zero_dact(m, w[W_2I], (size_t)BT * 2 * I * D);
-    // reads dout, gate and up, and adds into their gradients (read and written)
-    FL_BWD_IO(FL_OP_SWIGLU, fl_io((size_t)BT * I, dt, 7),
+    // reads dout, gate and up, and writes their gradients
+    FL_BWD_IO(FL_OP_SWIGLU, fl_io((size_t)BT * I, dt, 5),
               m->dev->swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
-    fl_zero_dact(m, w[W_C], (size_t)BTs * C * D);
     fl_linear_backward(m, l, &lin[L_GATEUP], w[W_C], w[W_2I], a[A_LN2], BT);
     // a norm's backward reads dout, its input and dinp, and writes dinp
     double norm_io = fl_io((size_t)BTs * C, dt, 4) + 4.0 * BTs;
@@ -276,9 +273,8 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     void **a = h->act, *dnorm = h->work[W_C];
     fl_linear lin[NLIN];
     linear_set(c, lin);
-    fl_zero_dact(m, dnorm, BTC * D);
     fl_linear_backward(m, head_unit(c), &lin[L_HEAD], dnorm, dlogits, a[H_NORM], BT);
-    fl_zero_dact(m, dres, BTC * D);
+    fl_zero_dact(m, dres, BTC * D); // the residual stream's gradient starts here
     FL_BWD_IO(FL_OP_RMSNORM, fl_io(BTC, m->dtype, 4) + 4.0 * BTs,
               m->dev->rmsnorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), dnorm, h->in,
                                        fl_unit_w(m, U, 0), a[H_RSTD], BTs, C));

@@ -262,20 +262,17 @@ static void backward_one(fl_model *m, const fl_linear *lin, int row, int a, int 
     m->dev->matmul_forward(dt, s->h, x, lora_w(m, a), NULL, ws, N, in, r);
     m->dev->lora_gather_columns(dt, s->dy, fl_at_const(dt, io->dout, (size_t)col), lin->out,
                                 s->scaling, N, out);
-    size_t D = fl_dtype_size(dt);
-    m->dev->zero(m->dev, s->dh, (size_t)N * r * D);
     m->dev->matmul_backward(dt, s->dh, lora_g(m, a + 1), NULL, s->dy, s->h, lora_w(m, a + 1), ws, N,
-                            r, out);
-    if (!dropout_on(m)) {
+                            r, out, 0);
+    if (!dropout_on(m)) { // dx += dh A, on the base's
         m->dev->matmul_backward(dt, io->dinp, lora_g(m, a), NULL, s->dh, x, lora_w(m, a), ws, N, in,
-                                r);
+                                r, 1);
         return;
     }
-    m->dev->matmul_backward(dt, NULL, lora_g(m, a), NULL, s->dh, x, lora_w(m, a), ws, N, in, r);
+    m->dev->matmul_backward(dt, NULL, lora_g(m, a), NULL, s->dh, x, lora_w(m, a), ws, N, in, r, 0);
     if (!io->dinp) return;
     // dx += dropout'(dh A): formed in lora.xd (x' is no longer needed)
-    m->dev->zero(m->dev, s->xd, (size_t)N * in * D);
-    m->dev->matmul_backward(dt, s->xd, NULL, NULL, s->dh, x, lora_w(m, a), ws, N, in, r);
+    m->dev->matmul_backward(dt, s->xd, NULL, NULL, s->dh, x, lora_w(m, a), ws, N, in, r, 0);
     m->dev->dropout_apply(dt, s->xd, s->xd, (size_t)N * in, s->cfg.dropout, dropout_key(m, row));
     m->dev->residual_forward(dt, io->dinp, io->dinp, s->xd, (size_t)N * in);
 }
