@@ -133,16 +133,22 @@ float fl_optimizer_loss_scale(const fl_optimizer *o) {
 size_t fl_optimizer_zero_grad(fl_optimizer *o) {
     const fl_device *d = o->dev;
     size_t n = o->table->numel, bytes = 0;
-    if (o->micro == 0 && o->grad_accum) {
+    // offloaded from a device, the host's gradients are written whole by
+    // each micro-batch's downloads, and its fp32 sum by micro-batch 0's
+    // (device_offload.c): nothing to clear here, while the device waits
+    if (o->micro == 0 && o->grad_accum && !o->offload) {
         d->zero(d, o->grad_accum, n * sizeof(float));
         bytes += n * sizeof(float);
     }
     // fp32 sums micro-batches in the model's own gradients; 16-bit gradients
     // are per micro-batch and summed into the fp32 buffer
     if (o->grads && (o->micro == 0 || o->grad_accum)) {
-        d->zero(d, o->grads, n * fl_dtype_size(o->dtype));
-        bytes += n * fl_dtype_size(o->dtype);
-        if (o->offload) o->offload->zero_grad(o->offload->ctx);
+        if (o->offload) {
+            o->offload->zero_grad(o->offload->ctx);
+        } else {
+            d->zero(d, o->grads, n * fl_dtype_size(o->dtype));
+            bytes += n * fl_dtype_size(o->dtype);
+        }
     }
     return bytes;
 }
@@ -165,8 +171,9 @@ void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
 void fl_optimizer_micro_done(fl_optimizer *o) {
     o->micro++;
     if (o->offload) o->offload->grads_down(o->offload->ctx);
-    // overlapped: the updated units summed theirs (fl_optimizer_update_unit)
-    if (o->grad_accum && !o->overlap_sq) fl_optimizer_accum_range(o, 0, o->table->numel);
+    // offloaded, each unit was summed as its download landed (overlapped:
+    // by fl_optimizer_update_unit)
+    if (o->grad_accum && !o->offload) fl_optimizer_accum_range(o, 0, o->table->numel);
 }
 
 float fl_optimizer_scale(const fl_optimizer *o) {

@@ -12,7 +12,8 @@
 // event), so the copies overlap the rest of the backward pass, and a buffer
 // is reused once its copy is done. Accumulation keeps the cpu's arithmetic:
 // 16-bit gradients are per micro-batch, summed on the host into the fp32
-// sum; fp32 ones sum in the gradients themselves, so a unit's sum so far
+// sum a unit at a time as each download lands, while the backward pass
+// goes on; fp32 ones sum in the gradients themselves, so a unit's sum so far
 // goes up into its buffer and the backward adds to it there, as the cpu's
 // adds in place (DeepSpeed's async_accumulate_grad_in_cpu_via_gpu). After
 // the last micro-batch the step reads the whole gradient on the host (the
@@ -47,10 +48,12 @@ struct fl_dev_offload {
     fl_stream *up;     // host-to-device copies of the updated weights
     fl_event *up_done; // the last step's weights are up (NULL: none in flight)
     size_t down_bytes; // gradient bytes this backward pass sent down
-    // overlapped step (fl_optimizer_begin_overlap): the unit whose gradient
-    // is on its way down, updated when the next is reported (or at the end)
+    // the unit whose gradient is on its way down, taken by the host when the
+    // next is reported (or at the end): added into the fp32 sum (16-bit
+    // gradients under accumulation; written by micro-batch 0's), or under
+    // the overlapped step (fl_optimizer_begin_overlap) updated
     fl_event *pending;
-    int pending_first, pending_n;
+    int pending_first, pending_n, pending_micro;
     void *params, *grads;   // the pinned host copies (the optimizer's params and grads)
     fl_optim_offload hooks; // the optimizer's calls back
     // the gradient ring: RING buffers of the largest unit, then the tied
@@ -175,16 +178,31 @@ static void wait_up(fl_dev_offload *f) {
     f->up_done = NULL;
 }
 
-// the pending unit's gradient has landed: the cpu updates it (its new
-// weights go up on the upload stream) while the device goes on with the
-// backward pass of the units before it
-static void update_pending(fl_dev_offload *f) {
+// the pending unit's gradient has landed: the cpu sums it, or updates it
+// (its new weights go up on the upload stream), while the device goes on
+// with the backward pass of the units before it
+static void take_pending(fl_dev_offload *f) {
     if (!f->pending) return;
-    wait_up(f);
     f->dev->event_sync(f->dev, f->pending);
     f->dev->event_destroy(f->dev, f->pending);
     f->pending = NULL;
-    fl_optimizer_update_unit(f->o, f->pending_first, f->pending_n);
+    fl_optimizer *o = f->o;
+    if (o->overlap_sq) {
+        wait_up(f);
+        fl_optimizer_update_unit(o, f->pending_first, f->pending_n);
+        return;
+    }
+    // the plain step's sum (fl_optimizer_micro_done), a unit at a time:
+    // micro-batch 0 writes it (no clearing pass: fl_optimizer_zero_grad),
+    // the others add to it
+    const fl_param_view *a = &o->table->views[f->pending_first],
+                        *b = &o->table->views[f->pending_first + f->pending_n - 1];
+    size_t lo = a->offset, n = b->offset + b->numel - lo;
+    const void *g = fl_at(o->dtype, o->grads, lo);
+    if (f->pending_micro == 0)
+        o->dev->convert(FL_F32, o->grad_accum + lo, o->dtype, g, n);
+    else
+        o->dev->accumulate(o->grad_accum + lo, o->dtype, g, n);
 }
 
 // rows [first, first + n) are complete on the compute stream: send them down
@@ -203,22 +221,23 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     int s = f->unit_slot[a->unit + 1];
     FL_ASSERT(!f->slot_free[s]);
     f->slot_free[s] = d->event_record(d, f->down);
-    if (!f->o->overlap_sq) return;
+    if (!f->o->overlap_sq && !f->o->grad_accum) return;
     if (f->pending) { // one unit behind: its download ran beside this unit's backward
         wait_begin(f);
-        update_pending(f);
+        take_pending(f);
         wait_end(f);
     }
     f->pending = d->event_record(d, f->down);
     f->pending_first = first;
     f->pending_n = n;
+    f->pending_micro = f->o->micro; // (fl_optimizer_micro_done counts it after)
 }
 
 static void on_grads_down(void *ctx) {
     fl_dev_offload *f = ctx;
     const fl_device *d = f->dev;
     wait_begin(f); // until the next micro-batch's zero_grad, or the uploads
-    update_pending(f);
+    take_pending(f);
     wait_up(f); // long done: the backward pass ran after it
     size_t all = f->m->table.numel * fl_dtype_size(f->m->dtype);
     fl_event *e = d->event_record(d, f->down);
