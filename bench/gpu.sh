@@ -34,10 +34,11 @@
 #
 # Writes OUTDIR/bench.log (every run's output), OUTDIR/bench.tsv (one row
 # per run: config engine B T tok_s ms_median mfu mfu_gemm peak_mib
-# status) and
+# status),
 # OUTDIR/profile_CONFIG.md (the first config's step op by op, timed on the
-# GPU, each op's floor beside it: FLOPs at the peak, bytes at the bandwidth), and
-# prints them; exits 1 when a fitlm run failed.
+# GPU, each op's floor beside it: FLOPs at the peak, bytes at the bandwidth)
+# and, when time is left, OUTDIR/ncu_attention.txt (ncu_attention below),
+# and prints them; exits 1 when a fitlm run failed.
 set -uo pipefail
 fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu.sh FITLM OUTDIR}
@@ -181,6 +182,33 @@ fitlm_profile() {
     } >"$out/profile_$cfg.md"
 }
 
+# ncu_attention CONFIG B T DATA FLAGS...: Nsight Compute on one launch of
+# each attention kernel of the config's first step (after skipping 11 of
+# them: the last layer's forward, then its dK/dV and dQ) into
+# OUTDIR/ncu_attention.txt: their throughput against the tensor cores and
+# shared memory, occupancy, registers. The attention kernels (WMMA, each
+# key tile's scores, probabilities and output rescale through shared
+# memory) are the step's likeliest gap to its floor; this says by how much
+# and why. Without ncu it says so; its failure fails nothing.
+ncu_attention() {
+    local cfg=$1 B=$2 T=$3 data=$4
+    shift 4
+    local f=$out/ncu_attention.txt ncu
+    ncu=$(command -v ncu || { [ -x /usr/local/cuda/bin/ncu ] && echo /usr/local/cuda/bin/ncu; })
+    if [ -z "$ncu" ]; then
+        echo "ncu: not found" >"$f"
+        return 0
+    fi
+    echo "== ncu attention $cfg B $B T $T" >>"$log"
+    timeout 120 "$ncu" --clock-control none --kernel-name 'regex:^attention_(forward|dkdv|dq)' \
+        --launch-skip 11 --launch-count 3 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
+        --precision bf16 --optimizer adamw --steps 1 --eval-every 0 --eval-iters 1 --val-data none \
+        --sample-tokens 0 --out "" >"$f" 2>&1
+    echo "ncu: exit $? ($cfg, B $B, T $T)" >>"$f"
+}
+
 # torch_run CONFIG B T COMPILE FLAGS...: bench/torch_gpt2.py on the GPU
 torch_run() {
     local cfg=$1 B=$2 T=$3 comp=$4
@@ -268,6 +296,11 @@ for comp in 0 1; do
     done
 done
 
+# the attention kernels under Nsight Compute, when time is left
+if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
+    # shellcheck disable=SC2086
+    ncu_attention "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
+fi
 # the profile first: the table of runs is what a caller's tail shows
 [ -s "$out/profile_${names[0]}.md" ] && cat "$out/profile_${names[0]}.md"
 echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s and of the best cuBLASLt rate on the config's GEMM shapes (mfu_gemm), peak device MiB"

@@ -18,8 +18,9 @@
 #     runs against the cpu); a test skipped fails the check, since
 #     nvidia-smi showed a GPU (the CUDA runtime could not use it: why is in
 #     ctest.log);
-#  5. bench/gpu.sh (fitlm beside PyTorch eager and torch.compile, and
-#     fitlm's GPT-2 124M step op by op, timed on the GPU);
+#  5. bench/gpu.sh (fitlm beside PyTorch eager and torch.compile,
+#     fitlm's GPT-2 124M step op by op, timed on the GPU, and, when time is
+#     left, its attention kernels under Nsight Compute);
 #  6. OUTDIR/gpu_check.md and OUTDIR/gpu_check.json, and a short table last.
 # Logs are tee'd into OUTDIR (check.log, build.log, ctest.log, bench.log,
 # bench.tsv). Without a GPU, nvcc or cmake it says which and exits 1 after
@@ -282,6 +283,15 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
     for f in "$out"/profile_*.md; do
         [ -s "$f" ] && echo && sed 's/^# /## /' "$f"
     done
+    if [ -s "$out/ncu_attention.txt" ]; then
+        echo
+        echo "## the attention kernels under Nsight Compute (excerpt of ncu_attention.txt)"
+        echo
+        echo '```'
+        grep -E '^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per Thread|Occupancy|Shared Memory Per Block|^ncu' \
+            "$out/ncu_attention.txt" | head -60
+        echo '```'
+    fi
 } >"$out/gpu_check.md"
 {
     printf '{"date": "%s", "commit": "%s", "status": "%s", "gpu": "%s", "gpu_memory": "%s", "driver": "%s", ' \
