@@ -544,6 +544,11 @@ void fl_optimizer_micro_done(fl_optimizer *o);
 // fl_optimizer_micro_done does for the whole buffer, for a pipeline stage's
 // chunk whose micro-batches' backwards interleave with another chunk's.
 void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end);
+// The same for rows [first_row, first_row + n_rows) as they arrive (a
+// device's offload, one unit at a time); first_micro: the step's first
+// micro-batch, whose gradient is written into the sum (nothing cleared
+// before it: fl_optimizer_zero_grad leaves an offload's sum alone).
+void fl_optimizer_accum_rows(fl_optimizer *o, int first_row, int n_rows, int first_micro);
 // After the last micro-batch: overflow check, norm, clipping, then
 // begin_step, update_rows over the whole table, end_step. Dies with a clear
 // message when the fp16 loss scale is stuck at its minimum. A non-finite

@@ -97,6 +97,13 @@ static inline double fl_io(size_t n, fl_dtype dt, int passes) {
     return (double)n * (double)fl_dtype_size(dt) * passes;
 }
 
+// A norm over `rows` rows of C: `passes` over the rows, and its `stats`
+// fp32 values a row (LayerNorm's mean and rstd, RMSNorm's rstd) written or
+// read once.
+static inline double fl_norm_io(int rows, int C, fl_dtype dt, int passes, int stats) {
+    return fl_io((size_t)rows * C, dt, passes) + 4.0 * stats * rows;
+}
+
 // An activation gradient that kernels add into (kernels.h's `+=`: the
 // residual stream's, from the head down) starts at zero; the others are
 // written by the op that produces them (device.h). Its own profile slot, as

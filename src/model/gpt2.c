@@ -186,8 +186,7 @@ static void block_forward(const fl_block *b, int cheap_only) {
 #define W(k) fl_unit_w(m, l, k)
     // a norm reads and writes a row (the fused residual add: two each), and
     // saves its mean and rstd
-    size_t BTC = (size_t)BTs * C;
-    double norm_io = fl_io(BTC, dt, 2) + 8.0 * BTs;
+    double norm_io = fl_norm_io(BTs, C, dt, 2, 2);
     FL_FWD_IO(FL_OP_LAYERNORM, norm_io,
               m->dev->layernorm_forward(dt, a[A_LN1], a[A_LN1_MEAN], a[A_LN1_RSTD], b->in, W(LN1W),
                                         W(LN1B), BTs, C));
@@ -196,7 +195,7 @@ static void block_forward(const fl_block *b, int cheap_only) {
     // the cheap ops only, residual2 is kept
     if (!cheap_only) {
         fl_attention_forward(b, &lin[L_QKV], &lin[L_ATTPROJ], &att, a[A_RES2]);
-        FL_FWD_IO(FL_OP_LAYERNORM, norm_io + fl_io(BTC, dt, 2),
+        FL_FWD_IO(FL_OP_LAYERNORM, fl_norm_io(BTs, C, dt, 4, 2),
                   m->dev->residual_layernorm_forward(dt, a[A_RES2], a[A_LN2], a[A_LN2_MEAN],
                                                      a[A_LN2_RSTD], b->in, W(LN2W), W(LN2B), BTs,
                                                      C));
@@ -216,7 +215,6 @@ static void block_backward(const fl_block *b, void *dres) {
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
     int l = b->l, C = c->n_embd, BT = b->B * b->T, BTs = fl_seq_rows(c, BT);
-    size_t BTC = (size_t)BTs * C;
     void **a = b->act, *dbuf = b->work[W_C], *d4a = b->work[W_4A], *d4b = b->work[W_4B];
     fl_linear lin[NLIN];
     linear_set(c, lin);
@@ -229,7 +227,7 @@ static void block_backward(const fl_block *b, void *dres) {
     FL_BWD_IO(FL_OP_GELU, fl_io(BT4, dt, 3), m->dev->gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
     fl_linear_backward(m, l, &lin[L_FC], dbuf, d4b, a[A_LN2], BT);
     // a norm's backward reads dout, its input and dinp, and writes dinp
-    double norm_io = fl_io(BTC, dt, 4) + 8.0 * BTs;
+    double norm_io = fl_norm_io(BTs, C, dt, 4, 2);
     FL_BWD_IO(FL_OP_LAYERNORM, norm_io,
               m->dev->layernorm_backward(dt, dres, G(LN2W), G(LN2B), dbuf, a[A_RES2], W(LN2W),
                                          a[A_LN2_MEAN], a[A_LN2_RSTD], BTs, C));
@@ -250,7 +248,7 @@ static void head_forward(const fl_block *h, void *logits) {
     fl_linear lin[NLIN];
     linear_set(&m->config, lin);
     int BTs = fl_seq_rows(&m->config, BT);
-    FL_FWD_IO(FL_OP_LAYERNORM, fl_io((size_t)BTs * C, m->dtype, 2) + 8.0 * BTs,
+    FL_FWD_IO(FL_OP_LAYERNORM, fl_norm_io(BTs, C, m->dtype, 2, 2),
               m->dev->layernorm_forward(m->dtype, a[H_LNF], a[H_MEAN], a[H_RSTD], h->in,
                                         fl_unit_w(m, FL_UNIT_HEAD(L), 0),
                                         fl_unit_w(m, FL_UNIT_HEAD(L), 1), BTs, C));
@@ -267,7 +265,7 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     linear_set(&m->config, lin);
     fl_linear_backward(m, FL_UNIT_EMBED, &lin[L_HEAD], dbuf, dlogits, a[H_LNF], BT);
     fl_zero_dact(m, dres, BTC * D); // the residual stream's gradient starts here
-    FL_BWD_IO(FL_OP_LAYERNORM, fl_io(BTC, m->dtype, 4) + 8.0 * BTs,
+    FL_BWD_IO(FL_OP_LAYERNORM, fl_norm_io(BTs, C, m->dtype, 4, 2),
               m->dev->layernorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), fl_unit_g(m, U, 1),
                                          dbuf, h->in, fl_unit_w(m, U, 0), a[H_MEAN], a[H_RSTD], BTs,
                                          C));

@@ -198,8 +198,7 @@ static void block_forward(const fl_block *b, int cheap_only) {
     linear_set(c, lin);
     // a norm reads and writes a row (the fused residual add: two each), and
     // saves its rstd
-    size_t BTC = (size_t)BTs * C;
-    double norm_io = fl_io(BTC, dt, 2) + 4.0 * BTs;
+    double norm_io = fl_norm_io(BTs, C, dt, 2, 1);
     FL_FWD_IO(FL_OP_RMSNORM, norm_io,
               m->dev->rmsnorm_forward(dt, a[A_LN1], a[A_RSTD1], b->in, fl_unit_w(m, l, LN1), BTs, C,
                                       eps));
@@ -208,7 +207,7 @@ static void block_forward(const fl_block *b, int cheap_only) {
     // recomputing the cheap ops only, residual2 is kept
     if (!cheap_only) {
         fl_attention_forward(b, &lin[L_QKV], &lin[L_O], &att, a[A_RES2]);
-        FL_FWD_IO(FL_OP_RMSNORM, norm_io + fl_io(BTC, dt, 2),
+        FL_FWD_IO(FL_OP_RMSNORM, fl_norm_io(BTs, C, dt, 4, 1),
                   m->dev->residual_rmsnorm_forward(dt, a[A_RES2], a[A_LN2], a[A_RSTD2], b->in,
                                                    fl_unit_w(m, l, LN2), BTs, C, eps));
     } else
@@ -239,7 +238,7 @@ static void block_backward(const fl_block *b, void *dres) {
               m->dev->swiglu_backward(dt, w[W_2I], a[A_GATEUP], w[W_I], BT, I));
     fl_linear_backward(m, l, &lin[L_GATEUP], w[W_C], w[W_2I], a[A_LN2], BT);
     // a norm's backward reads dout, its input and dinp, and writes dinp
-    double norm_io = fl_io((size_t)BTs * C, dt, 4) + 4.0 * BTs;
+    double norm_io = fl_norm_io(BTs, C, dt, 4, 1);
     FL_BWD_IO(FL_OP_RMSNORM, norm_io,
               m->dev->rmsnorm_backward(dt, dres, fl_unit_g(m, l, LN2), w[W_C], a[A_RES2],
                                        fl_unit_w(m, l, LN2), a[A_RSTD2], BTs, C));
@@ -259,7 +258,7 @@ static void head_forward(const fl_block *h, void *logits) {
     fl_linear lin[NLIN];
     linear_set(c, lin);
     int BTs = fl_seq_rows(c, BT);
-    FL_FWD_IO(FL_OP_RMSNORM, fl_io((size_t)BTs * c->n_embd, m->dtype, 2) + 4.0 * BTs,
+    FL_FWD_IO(FL_OP_RMSNORM, fl_norm_io(BTs, c->n_embd, m->dtype, 2, 1),
               m->dev->rmsnorm_forward(m->dtype, a[H_NORM], a[H_RSTD], h->in, fl_unit_w(m, U, 0),
                                       BTs, c->n_embd, c->norm_eps));
     fl_linear_forward(m, head_unit(c), &lin[L_HEAD], logits, a[H_NORM], BT);
@@ -275,7 +274,7 @@ static void head_backward(const fl_block *h, void *dres, const void *dlogits) {
     linear_set(c, lin);
     fl_linear_backward(m, head_unit(c), &lin[L_HEAD], dnorm, dlogits, a[H_NORM], BT);
     fl_zero_dact(m, dres, BTC * D); // the residual stream's gradient starts here
-    FL_BWD_IO(FL_OP_RMSNORM, fl_io(BTC, m->dtype, 4) + 4.0 * BTs,
+    FL_BWD_IO(FL_OP_RMSNORM, fl_norm_io(BTs, C, m->dtype, 4, 1),
               m->dev->rmsnorm_backward(m->dtype, dres, fl_unit_g(m, U, 0), dnorm, h->in,
                                        fl_unit_w(m, U, 0), a[H_RSTD], BTs, C));
 }

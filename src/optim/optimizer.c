@@ -168,6 +168,24 @@ void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end) {
                        end - first);
 }
 
+// The flat elements [*lo, *hi) of rows [first_row, first_row + n_rows).
+static void rows_range(const fl_optimizer *o, int first_row, int n_rows, size_t *lo, size_t *hi) {
+    const fl_param_view *a = &o->table->views[first_row],
+                        *b = &o->table->views[first_row + n_rows - 1];
+    *lo = a->offset;
+    *hi = b->offset + b->numel;
+}
+
+void fl_optimizer_accum_rows(fl_optimizer *o, int first_row, int n_rows, int first_micro) {
+    size_t lo, hi;
+    rows_range(o, first_row, n_rows, &lo, &hi);
+    if (first_micro) // 0 + g's bits
+        o->dev->convert(FL_F32, o->grad_accum + lo, o->dtype, fl_at(o->dtype, o->grads, lo),
+                        hi - lo);
+    else
+        fl_optimizer_accum_range(o, lo, hi);
+}
+
 void fl_optimizer_micro_done(fl_optimizer *o) {
     o->micro++;
     if (o->offload) o->offload->grads_down(o->offload->ctx);
@@ -418,9 +436,8 @@ int fl_optimizer_begin_overlap(fl_optimizer *o, float lr, float loss) {
 
 void fl_optimizer_update_unit(fl_optimizer *o, int first_row, int n_rows) {
     FL_ASSERT(o->overlap_sq && n_rows > 0);
-    const fl_param_view *a = &o->table->views[first_row],
-                        *b = &o->table->views[first_row + n_rows - 1];
-    size_t lo = a->offset, hi = b->offset + b->numel;
+    size_t lo, hi;
+    rows_range(o, first_row, n_rows, &lo, &hi);
     if (o->grad_accum) fl_optimizer_accum_range(o, lo, hi);
     const void *grads = o->grad_accum ? (const void *)o->grad_accum : o->grads;
     fl_dtype dt = o->grad_accum ? FL_F32 : o->dtype;

@@ -192,17 +192,8 @@ static void take_pending(fl_dev_offload *f) {
         fl_optimizer_update_unit(o, f->pending_first, f->pending_n);
         return;
     }
-    // the plain step's sum (fl_optimizer_micro_done), a unit at a time:
-    // micro-batch 0 writes it (no clearing pass: fl_optimizer_zero_grad),
-    // the others add to it
-    const fl_param_view *a = &o->table->views[f->pending_first],
-                        *b = &o->table->views[f->pending_first + f->pending_n - 1];
-    size_t lo = a->offset, n = b->offset + b->numel - lo;
-    const void *g = fl_at(o->dtype, o->grads, lo);
-    if (f->pending_micro == 0)
-        o->dev->convert(FL_F32, o->grad_accum + lo, o->dtype, g, n);
-    else
-        o->dev->accumulate(o->grad_accum + lo, o->dtype, g, n);
+    // the plain step's sum (fl_optimizer_micro_done), a unit at a time
+    fl_optimizer_accum_rows(o, f->pending_first, f->pending_n, f->pending_micro == 0);
 }
 
 // rows [first, first + n) are complete on the compute stream: send them down
