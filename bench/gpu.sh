@@ -121,11 +121,12 @@ train() {
     return $rc
 }
 
-# fitlm_run CONFIG B T DATA FLAGS...: one fitlm run; sets V, N, L, C for torch
+# fitlm_run CONFIG B T DATA FLAGS...: one fitlm run; sets V, N, L, C for torch.
+# Its row's engine is $ENGINE (default fitlm); a GEMM_TF already set is kept.
 fitlm_run() {
-    local cfg=$1 B=$2 T=$3 data=$4
+    local cfg=$1 B=$2 T=$3 data=$4 engine=${ENGINE:-fitlm}
     shift 4
-    local f=$work/$cfg.fitlm.out
+    local f=$work/$cfg.$engine.out
     echo "== fitlm $cfg B $B T $T" >>"$log"
     train "$f" "$data" "$B" "$T" $((warmup + steps)) "$@" --mem-report
     local rc=$?
@@ -134,10 +135,10 @@ fitlm_run() {
     L=$(sed -n 's/.*n_layer \([0-9]*\).*/\1/p' "$f" | head -1)
     C=$(sed -n 's/.*n_embd \([0-9]*\).*/\1/p' "$f" | head -1)
     if [ $rc != 0 ] || [ -z "$N" ]; then
-        row "$cfg" fitlm "$B" "$T" - - - - - "failed rc $rc$(why "$(grep -m1 -i error "$f")")"
+        row "$cfg" "$engine" "$B" "$T" - - - - - "failed rc $rc$(why "$(grep -m1 -i error "$f")")"
         return
     fi
-    gemm_rate "$cfg" "$B" "$T" "$@"
+    [ -n "$GEMM_TF" ] || gemm_rate "$cfg" "$B" "$T" "$@"
     local ms
     ms=$(awk -v w="$warmup" '$1 == "step" && $2 ~ /\// {
             split($2, s, "/"); if (s[1] + 0 > w) for (i = 1; i < NF; i++) if ($(i + 1) == "ms") print $i }' "$f" |
@@ -145,13 +146,13 @@ fitlm_run() {
     local mem
     mem=$(awk '/total device/ { print $(NF - 1) }' "$f" | tail -1)
     if [ -z "$ms" ]; then
-        row "$cfg" fitlm "$B" "$T" - - - - "${mem:--}" "no step times"
+        row "$cfg" "$engine" "$B" "$T" - - - - "${mem:--}" "no step times"
         return
     fi
     awk -v cfg="$cfg" -v B="$B" -v T="$T" -v ms="$ms" -v N="$N" -v L="$L" -v C="$C" -v pk=$peak \
-        -v mem="${mem:--}" -v gtf="$GEMM_TF" 'BEGIN { tok = B * T / (ms / 1000); fl = 6 * N + 6 * L * C * T;
+        -v mem="${mem:--}" -v gtf="$GEMM_TF" -v eng="$engine" 'BEGIN { tok = B * T / (ms / 1000); fl = 6 * N + 6 * L * C * T;
             mg = gtf > 0 ? sprintf("%.4f", tok * fl / (gtf * 1e12)) : "-"
-            printf "%s\tfitlm\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\t%s\tok\n", cfg, B, T, tok, ms, tok * fl / pk, mg, mem }' >>"$tsv"
+            printf "%s\t%s\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\t%s\tok\n", cfg, eng, B, T, tok, ms, tok * fl / pk, mg, mem }' >>"$tsv"
 }
 
 # fitlm_profile CONFIG B T DATA FLAGS...: `fitlm train --profile` (each op
@@ -186,10 +187,9 @@ fitlm_profile() {
 # each attention kernel of the config's first step (after skipping 11 of
 # them: the last layer's forward, then its dK/dV and dQ) into
 # OUTDIR/ncu_attention.txt: their throughput against the tensor cores and
-# shared memory, occupancy, registers. The attention kernels (WMMA, each
-# key tile's scores, probabilities and output rescale through shared
-# memory) are the step's likeliest gap to its floor; this says by how much
-# and why. Without ncu it says so; its failure fails nothing.
+# shared memory, occupancy, registers. The attention kernels (never yet
+# timed on a GPU) are the step's likeliest gap to its floor; this says by
+# how much and why. Without ncu it says so; its failure fails nothing.
 ncu_attention() {
     local cfg=$1 B=$2 T=$3 data=$4
     shift 4
@@ -273,6 +273,15 @@ for k in "${!names[@]}"; do
     fitlm_run "${names[$k]}" "${batches[$k]}" $T "${datas[$k]}" ${fflags[$k]}
     VS[$k]=${V:-50257} NS[$k]=${N:-0} LS[$k]=${L:-0} CS[$k]=${C:-0} GS[$k]=$GEMM_TF
 done
+# the first config again with the WMMA version of the tensor-core attention
+# (attention_tc.cu; the default is attention_mma.cu's mma.sync), when time
+# is left: which of the two is faster on this card (row fitlm-wmma)
+if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
+    export FITLM_CUDA_ATTENTION=wmma
+    # shellcheck disable=SC2086
+    ENGINE=fitlm-wmma GEMM_TF=${GS[0]} fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
+    unset FITLM_CUDA_ATTENTION
+fi
 # the first config's step op by op, when time is left
 if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
     # shellcheck disable=SC2086

@@ -14,7 +14,8 @@
 #     no cairo: FITLM_PLOT=OFF (no `fitlm plot`);
 #  3. builds build-gpu (nvcc, arch 90a, -j16), and prints where each
 #     library fitlm links loads from (ldd; one that does not load fails);
-#  4. ctest -L gpu (test_gpu: every kernel against the cpu; gpu_runs: whole
+#  4. ctest -L gpu (mma: the tensor cores' fragment layouts mma.cuh
+#     assumes; test_gpu: every kernel against the cpu; gpu_runs: whole
 #     runs against the cpu); a test skipped fails the check, since
 #     nvidia-smi showed a GPU (the CUDA runtime could not use it: why is in
 #     ctest.log);
@@ -185,7 +186,7 @@ command -v ninja >/dev/null && gen=(-G Ninja)
 build_ok=0
 if timeout 300 cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DFITLM_CUDA=ON \
     -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90a "${cmake_flags[@]}" >"$out/build.log" 2>&1 &&
-    timeout 300 cmake --build build-gpu -j16 --target fitlm test_gpu bench_gpu_gemm >>"$out/build.log" 2>&1; then
+    timeout 300 cmake --build build-gpu -j16 --target fitlm test_gpu test_mma bench_gpu_gemm >>"$out/build.log" 2>&1; then
     build_ok=1
     grep -E '^-- (CUDA backend|Open MPI|FITLM_PLOT)' "$out/build.log"
     # where each library the binaries link loads from (the prefix's, the

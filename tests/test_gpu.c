@@ -10,7 +10,9 @@
 // rows the cpu quantised, absmax plain and double quantised), convert and
 // accumulate bitwise, LOMO's update too; the step's sums (sumsq, sum,
 // sumsq_rows) within 1e-10
-// (device.h: a fixed order of the device's own). Each entry runs twice on the device: the
+// (device.h: a fixed order of the device's own). On cuda the 16-bit
+// attention cases run again with FITLM_CUDA_ATTENTION=wmma (both versions of
+// the tensor-core kernels). Each entry runs twice on the device: the
 // two results must be bitwise equal (no atomics, fixed orders).
 //
 // The backend's own scratch, as large as it asks for, serves its kernels;
@@ -463,9 +465,10 @@ static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int
     size_t wd = dev->attention_workspace_floats(dt, T, HS, group, fl_threads());
     m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc * sizeof(float)) : NULL;
     m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd * sizeof(float)) : NULL;
-    char name[96];
-    snprintf(name, sizeof name, "attention_forward B %d T %d NH %d NKV %d HS %d%s", B, T, NH, NKV,
-             HS, off ? " (qkv at an odd offset)" : "");
+    char name[128];
+    const char *kernels = getenv("FITLM_CUDA_ATTENTION") ? " (wmma)" : "";
+    snprintf(name, sizeof name, "attention_forward B %d T %d NH %d NKV %d HS %d%s%s", B, T, NH, NKV,
+             HS, off ? " (qkv at an odd offset)" : "", kernels);
     tcase t = tc_new(name, dt);
     m.a.a[0] = tc_out(&t, dt, N * C);
     m.a.a[1] = tc_out(&t, FL_F32, (size_t)B * NH * T);
@@ -479,8 +482,8 @@ static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int
     float *lse = malloc((size_t)B * NH * T * 4);
     FL_ASSERT(out && lse);
     attention_forward(dt, out, lse, qkv + off * D, m.ws[0], B, T, NH, NKV, HS);
-    snprintf(name, sizeof name, "attention_backward B %d T %d NH %d NKV %d HS %d%s", B, T, NH, NKV,
-             HS, off ? " (qkv and dqkv at an odd offset)" : "");
+    snprintf(name, sizeof name, "attention_backward B %d T %d NH %d NKV %d HS %d%s%s", B, T, NH,
+             NKV, HS, off ? " (qkv and dqkv at an odd offset)" : "", kernels);
     t = tc_new(name, dt);
     // dqkv is overwritten (device.h): a random start the device must not
     // add to (the cpu clears it), and before an odd offset left alone
@@ -497,6 +500,15 @@ static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int
 
 static void attention(fl_dtype dt, int B, int T, int NH, int NKV, int HS) {
     attention_at(dt, B, T, NH, NKV, HS, 0);
+}
+
+static void attentions(fl_dtype dt) {
+    attention(dt, 2, 77, 9, 3, 64);
+    attention(dt, 1, 77, 4, 4, 128);
+    attention(dt, 1, 130, 2, 1, 64);
+    attention(dt, 1, 7, 2, 1, 16);        // one row tile, mostly past T
+    attention(dt, 1, 50, 4, 2, 40);       // 16-bit heads the tensor cores do not take
+    attention_at(dt, 1, 70, 4, 2, 32, 1); // rows copied value by value
 }
 
 static void call_rope(tcase *t, const fl_device *x, void *p) {
@@ -1090,12 +1102,13 @@ int main(int argc, char **argv) {
         test_encoder(dt);
         norms(dt);
         matmuls(dt);
-        attention(dt, 2, 77, 9, 3, 64);
-        attention(dt, 1, 77, 4, 4, 128);
-        attention(dt, 1, 130, 2, 1, 64);
-        attention(dt, 1, 7, 2, 1, 16);        // one row tile, mostly past T
-        attention(dt, 1, 50, 4, 2, 40);       // 16-bit heads the tensor cores do not take
-        attention_at(dt, 1, 70, 4, 2, 32, 1); // rows copied value by value
+        attentions(dt);
+        if (dt != FL_F32 && !strcmp(dev->name, "cuda")) {
+            // the WMMA version of the tensor-core kernels too (attention.cu)
+            setenv("FITLM_CUDA_ATTENTION", "wmma", 1);
+            attentions(dt);
+            unsetenv("FITLM_CUDA_ATTENTION");
+        }
         rope(dt);
         elementwise(dt);
         xent(dt);

@@ -21,11 +21,14 @@
 // (dqkv is overwritten: device.h). Every sum runs in a fixed order: two runs
 // give the same bits.
 // This file's kernels compute in fp32 (CUDA cores): fp32 heads, and 16-bit
-// heads the tensor-core kernels (attention_tc.cu, the same algorithm on
-// 64-row tiles) do not take (HS not a multiple of 16, or over 128).
+// heads the tensor-core kernels (the same algorithm on 64-row tiles:
+// attention_mma.cu, or attention_tc.cu's WMMA version) do not take (HS not
+// a multiple of 16, or over 128).
 #include "attention.cuh"
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 enum { ATT_THREADS = 128, ATT_MAX_HS = 256 };
 
@@ -313,6 +316,43 @@ void fl_cuda_attention_allow_smem(const void *kernel, size_t bytes, const char *
         fl_die("cuda: %s: %zu bytes of shared memory: %s", what, bytes, cudaGetErrorString(e));
 }
 
+// Which tensor-core kernels take 16-bit heads: FITLM_CUDA_ATTENTION=mma
+// (the default: attention_mma.cu) or wmma (attention_tc.cu), read at each
+// call so that a test can run both.
+static int use_wmma(void) {
+    const char *v = getenv("FITLM_CUDA_ATTENTION");
+    if (!v || !*v || !strcmp(v, "mma")) return 0;
+    if (!strcmp(v, "wmma")) return 1;
+    fl_die("FITLM_CUDA_ATTENTION=%s: the tensor-core attention kernels are mma or wmma", v);
+}
+
+// A warp a row (D's rows in lse's order).
+__global__ void attention_rows_d(fl_dtype dt, float *Dg, const void *out, const void *dout, int B,
+                                 att_shape a) {
+    int lane = threadIdx.x % 32;
+    size_t rows = (size_t)B * a.NH * a.T;
+    for (size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows;
+         row += (size_t)gridDim.x * blockDim.x / 32) {
+        size_t i = row % a.T, h = row / a.T % a.NH, b = row / ((size_t)a.T * a.NH);
+        size_t orow = (b * a.T + i) * a.C + h * a.HS;
+        float s = 0.0f;
+        for (int d = lane; d < a.HS; d += 32)
+            s += fl_d_load(dt, dout, orow + d) * fl_d_load(dt, out, orow + d);
+        s = fl_d_warp_sum(s);
+        if (lane == 0) Dg[row] = s;
+    }
+}
+
+float *fl_cuda_attention_rows_d(fl_dtype dt, const void *out, const void *dout, int B,
+                                const att_shape &a) {
+    size_t rows = (size_t)B * a.NH * a.T;
+    float *D = (float *)fl_cuda_scratch(rows * sizeof(float));
+    attention_rows_d<<<fl_cuda_blocks(rows * 32, ATT_THREADS), ATT_THREADS, 0, fl_cuda_stream()>>>(
+        dt, D, out, dout, B, a);
+    FL_CUDA_LAUNCHED("attention_backward (D)");
+    return D;
+}
+
 // The kernels rebuild D per tile and keep every sum in shared memory: no
 // workspace, whatever the shape.
 extern "C" size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int T, int HS, int group,
@@ -327,7 +367,10 @@ extern "C" void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, co
     att_shape a = shape_of(T, NH, NKV, HS);
     if (B <= 0 || T <= 0) return;
     if (fl_cuda_attention_tc(dt, HS)) {
-        fl_cuda_attention_tc_forward(dt, out, lse, qkv, B, a);
+        if (use_wmma())
+            fl_cuda_attention_tc_forward(dt, out, lse, qkv, B, a);
+        else
+            fl_cuda_attention_mma_forward(dt, out, lse, qkv, B, a);
         return;
     }
     int tile = a.tile, hp = HS + 1;
@@ -346,7 +389,10 @@ extern "C" void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *
     att_shape a = shape_of(T, NH, NKV, HS);
     if (B <= 0 || T <= 0) return;
     if (fl_cuda_attention_tc(dt, HS)) {
-        fl_cuda_attention_tc_backward(dt, dqkv, dout, qkv, out, lse, B, a);
+        if (use_wmma())
+            fl_cuda_attention_tc_backward(dt, dqkv, dout, qkv, out, lse, B, a);
+        else
+            fl_cuda_attention_mma_backward(dt, dqkv, dout, qkv, out, lse, B, a);
         return;
     }
     int tile = a.tile, hp = HS + 1;

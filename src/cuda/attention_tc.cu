@@ -1,10 +1,11 @@
 // attention_tc.cu: attention.cu's algorithm for bf16 and fp16 heads on the
 // tensor cores (the WMMA API: 16 x 16 x 16 products of 16-bit operands
-// summed in fp32), in the manner of FlashAttention-2.
+// summed in fp32), in the manner of FlashAttention-2; the version
+// FITLM_CUDA_ATTENTION=wmma selects (attention_mma.cu's, the default, keeps
+// the strips below in registers).
 // A block is 4 warps over a tile of 64 rows (query rows, or keys in the
 // dK/dV kernel), a warp owning 16 of them; the other side streams through
-// shared memory 64 rows at a time, as the raw 16-bit values (rows padded by
-// 8 values: 16 bytes, so the tensor cores' row loads spread over banks).
+// shared memory 64 rows at a time (attention.cuh's tiles).
 // Each warp multiplies its strip: scores S (16 x 64) into a fp32 strip of
 // its own, which its lanes (two a row, every other column each) turn into
 // probabilities, rounded to the 16-bit type for the next product as
@@ -22,20 +23,11 @@
 using namespace nvcuda;
 
 enum {
-    TC_TILE = 64, // rows of a block's tile and of each streamed tile
-    TC_WARPS = 4, // warps a block, 16 rows each
-    TC_THREADS = TC_WARPS * 32,
-    TC_MAX_HS = 128,           // fl_cuda_attention_tc's bound
     TC_LDP = TC_TILE + 8,      // a 16-bit strip's row (P, dS)
     TC_FRAGS = TC_MAX_HS / 16, // accumulator fragments across a head
 };
 
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> tc_acc;
-
-// 16-byte copies of a row's values
-struct alignas(16) tc_vec {
-    uint32_t w[4];
-};
 
 // Where a kernel's arrays lie in its dynamic shared memory (byte offsets,
 // each 128-byte aligned): the 64-row tiles of 16-bit values (HS + 8 a
@@ -69,32 +61,6 @@ __host__ __device__ inline tc_layout tc_layout_of(int HS, int backward) {
     for (int i = 0; i < 2 * backward; i++) l.rows[i] = tc_take(&o, rows);
     l.total = o;
     return l;
-}
-
-// x rounded to dt's 16 bits (src/core/dtype.c's rounding)
-__device__ __forceinline__ uint16_t tc_bits(fl_dtype dt, float x) {
-    return dt == FL_BF16 ? fl_d_f32_to_bf16(x) : fl_d_f32_to_f16(x);
-}
-
-// rows [r0, r0 + 64) of a head (ld values apart) into s (64, HS + 8) as
-// they are; rows past T zero. vec: the head's rows start 16-byte aligned.
-__device__ void tc_load_rows(uint16_t *s, const uint16_t *base, size_t ld, int r0, int T, int HS,
-                             int vec) {
-    int ldh = HS + 8;
-    if (vec) {
-        int per = HS / 8;
-        for (int idx = threadIdx.x; idx < TC_TILE * per; idx += blockDim.x) {
-            int r = idx / per, c = idx % per * 8;
-            tc_vec v = {{0, 0, 0, 0}};
-            if (r0 + r < T) v = *(const tc_vec *)(base + (size_t)(r0 + r) * ld + c);
-            *(tc_vec *)(s + r * ldh + c) = v;
-        }
-        return;
-    }
-    for (int idx = threadIdx.x; idx < TC_TILE * HS; idx += blockDim.x) {
-        int r = idx / HS, d = idx % HS;
-        s[r * ldh + d] = r0 + r < T ? base[(size_t)(r0 + r) * ld + d] : (uint16_t)0;
-    }
 }
 
 // S (16, 64; lds apart) = X Y^T over HS: X the warp's 16 rows, Y a tile's
@@ -150,47 +116,11 @@ __device__ void tc_zero_acc(tc_acc acc[TC_FRAGS]) {
     for (int n = 0; n < TC_FRAGS; n++) wmma::fill_fragment(acc[n], 0.0f);
 }
 
-// D = rowsum(dO O) of every (b, h, i) row, in lse's order, a warp a row:
-// once for both backward kernels, as FlashAttention-2's preprocessing
-// does (the dK/dV kernel would otherwise redo it for every pair of tiles).
-__global__ void tc_rows_d(fl_dtype dt, float *Dg, const void *out, const void *dout, int B,
-                          att_shape a) {
-    int lane = threadIdx.x % 32;
-    size_t rows = (size_t)B * a.NH * a.T;
-    for (size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; row < rows;
-         row += (size_t)gridDim.x * blockDim.x / 32) {
-        size_t i = row % a.T, h = row / a.T % a.NH, b = row / ((size_t)a.T * a.NH);
-        size_t orow = (b * a.T + i) * a.C + h * a.HS;
-        float s = 0.0f;
-        for (int d = lane; d < a.HS; d += 32)
-            s += fl_d_load(dt, dout, orow + d) * fl_d_load(dt, out, orow + d);
-        s = fl_d_warp_sum(s);
-        if (lane == 0) Dg[row] = s;
-    }
-}
-
-// A query tile's lse and D (rows past T: 0).
-__device__ void tc_row_stats(float *L, float *D, const float *lse, const float *Dg, int b, int h,
-                             int i0, const att_shape &a) {
-    for (int r = threadIdx.x; r < TC_TILE; r += blockDim.x) {
-        int i = i0 + r;
-        size_t at = ((size_t)b * a.NH + h) * a.T + i;
-        L[r] = i < a.T ? lse[at] : 0.0f;
-        D[r] = i < a.T ? Dg[at] : 0.0f;
-    }
-}
-
 // dst (row i of a head, ld apart; its values odd, odd + 2, ...: a lane's,
 // its twin the others) = round(f * acc row): dqkv is overwritten (device.h)
 __device__ void tc_store_row(fl_dtype dt, void *base, size_t ld, const float *acc, float f, int i,
                              int odd, int HS) {
     for (int d = odd; d < HS; d += 2) fl_d_store(dt, base, (size_t)i * ld + d, f * acc[d]);
-}
-
-// Query i's scaled score for key j from its product s: -inf where i may
-// not see j (j > i, or j past T).
-__device__ __forceinline__ float tc_score(float s, int j, int i, const att_shape &a) {
-    return j <= i && j < a.T ? a.scale * s : -INFINITY;
 }
 
 template <class E>
@@ -379,12 +309,6 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
         tc_store_row(dt, (char *)dqkv + qoff * 2, a.W, sh.S + r * lds, a.scale, i, odd, HS);
 }
 
-// Whether every row a kernel copies starts 16-byte aligned (the rows' and
-// heads' offsets are multiples of 16 values; the bases decide).
-static int tc_vec_ok(const void *p, const void *q) {
-    return ((uintptr_t)p | (uintptr_t)q) % 16 == 0;
-}
-
 template <class E>
 static void tc_forward(fl_dtype dt, void *out, float *lse, const void *qkv, int B,
                        const att_shape &a) {
@@ -403,11 +327,7 @@ static void tc_backward(fl_dtype dt, void *dqkv, const void *dout, const void *q
     fl_cuda_attention_allow_smem((const void *)attention_dkdv_tc<E>, smem, "attention_backward");
     fl_cuda_attention_allow_smem((const void *)attention_dq_tc<E>, smem, "attention_backward");
     int tiles = (a.T + TC_TILE - 1) / TC_TILE, vec = tc_vec_ok(qkv, dout);
-    size_t rows = (size_t)B * a.NH * a.T; // the model's scratch holds them (scratch_bytes)
-    float *D = (float *)fl_cuda_scratch(rows * sizeof(float));
-    tc_rows_d<<<fl_cuda_blocks(rows * 32, TC_THREADS), TC_THREADS, 0, fl_cuda_stream()>>>(
-        dt, D, out, dout, B, a);
-    FL_CUDA_LAUNCHED("attention_backward (D; tensor cores)");
+    float *D = fl_cuda_attention_rows_d(dt, out, dout, B, a);
     attention_dkdv_tc<E><<<dim3(B * a.NKV, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(
         dt, dqkv, dout, qkv, D, lse, a, vec);
     FL_CUDA_LAUNCHED("attention_backward (dk, dv; tensor cores)");

@@ -23,7 +23,8 @@
 #define __forceinline__ inline
 #define __constant__
 #define __restrict__ __restrict
-#define __align__(n) __attribute__((aligned(n))) // as CUDA's host_defines.h
+#define __align__(n)           __attribute__((aligned(n))) // as CUDA's host_defines.h
+#define __launch_bounds__(...)                             // an occupancy hint to nvcc
 
 struct uint3 {
     unsigned int x, y, z;
@@ -71,6 +72,19 @@ void warp_barrier(unsigned mask, int wmma);
 enum { wmma_staging = 1280 };
 float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, size_t elem_bytes,
                   size_t span);
+// A lane's part of a warp-collective PTX instruction (fl_emu_ptx.h): the
+// instruction's name and up to 24 bytes of its operands.
+struct ptx_slot {
+    const char *call;
+    unsigned char bytes[24];
+};
+// The start of PTX instruction `call` (ldmatrix, mma.sync): the lane's
+// `bytes` of `mine` into its slot, then a barrier of the whole warp, whose
+// lanes must all name `call`. Returns the warp's 32 slots, which stay as
+// they are until every lane has reached the warp's next instruction.
+const ptx_slot *ptx_enter(const char *call, const void *mine, size_t bytes);
+// whether [p, p + bytes) lies inside the running block's shared memory
+int in_shared_memory(const void *p, size_t bytes);
 
 template <class F> struct launcher_t;
 template <class... P> struct launcher_t<void (*)(P...)> {

@@ -527,7 +527,7 @@ struct fiber {
     void *sp; // its saved stack pointer while another runs
     int state;
     unsigned mask; // at a warp barrier: the lanes it names
-    int wmma;      // at a warp barrier: whether a WMMA call's
+    int wmma;      // at a warp barrier: whether a WMMA call's or PTX instruction's
     uint3 tid;
 };
 
@@ -569,6 +569,9 @@ struct block_run {
     // area through which mma_sync's lanes see each other's fragments
     std::vector<wmma_args> wmma_slots[2];
     std::vector<unsigned char> wmma_turn;
+    // the same for the PTX instructions' operands (fl_emu_ptx.h)
+    std::vector<fl_emu::ptx_slot> ptx_slots[2];
+    std::vector<unsigned char> ptx_turn;
     std::vector<float> staging;
     aligned_bytes dynamic;
     size_t dynamic_bytes;
@@ -713,6 +716,7 @@ void run_block(block_run &r) {
         t.state = RUNNABLE;
         r.turn[(size_t)i] = 0;
         r.wmma_turn[(size_t)i] = 0;
+        r.ptx_turn[(size_t)i] = 0;
     }
     memset(r.dynamic.get(), 0xff, r.dynamic_bytes);
     r.shared.clear();
@@ -787,6 +791,7 @@ void launch(const char *name, const void *func, dim3 grid, dim3 block, size_t sm
         r.slots[1].resize((size_t)r.n);
         r.turn.resize((size_t)r.n);
         r.wmma_turn.resize((size_t)r.n);
+        r.ptx_turn.resize((size_t)r.n);
         // at least 128-byte aligned, as CUDA's dynamic shared memory is in practice
         r.dynamic = aligned(smem);
         r.dynamic_bytes = smem;
@@ -924,6 +929,31 @@ float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, s
     size_t warps = (size_t)(r.n + 31) / 32;
     if (r.staging.size() < warps * wmma_staging) r.staging.resize(warps * wmma_staging);
     return &r.staging[(size_t)(me / 32) * wmma_staging];
+}
+
+int in_shared_memory(const void *p, size_t bytes) {
+    return in_shared(*running, p, bytes);
+}
+
+const ptx_slot *ptx_enter(const char *call, const void *mine, size_t bytes) {
+    block_run &r = *running;
+    int me = r.current, lane = me % 32, base = me - lane;
+    if (bytes > sizeof(ptx_slot::bytes))
+        die("kernel %s: %s with %zu bytes a lane", r.name, call, bytes);
+    std::vector<ptx_slot> &slots = r.ptx_slots[r.ptx_turn[(size_t)me]];
+    r.ptx_turn[(size_t)me] ^= 1;
+    if (slots.size() < (size_t)r.n) slots.resize((size_t)r.n);
+    slots[(size_t)me].call = call;
+    memcpy(slots[(size_t)me].bytes, mine, bytes);
+    // every lane's operands in place before any reads them; the other set
+    // of slots takes the next instruction's, so these stay until all lanes
+    // have passed that one's barrier
+    warp_barrier(0xffffffffu, 1);
+    if (strcmp(slots[(size_t)me].call, slots[(size_t)base].call))
+        die("kernel %s: lane %d of warp %d is at %s, lane 0 at %s: a warp-collective PTX "
+            "instruction inside a branch",
+            r.name, lane, me / 32, slots[(size_t)me].call, slots[(size_t)base].call);
+    return &slots[(size_t)base];
 }
 
 } // namespace fl_emu

@@ -1,0 +1,373 @@
+// attention_mma.cu: attention.cu's algorithm for bf16 and fp16 heads on the
+// tensor cores through PTX's mma.sync (mma.cuh), as FlashAttention-2 does
+// it: shared memory holds only the 64-row tiles of Q, K, V (and dO) that a
+// block's 4 warps share, and each warp keeps its 16 rows' scores,
+// probabilities and sums in registers. A product's fp32 accumulators,
+// rounded to the 16-bit type, are the next product's A operand where they
+// lie (S's become P's for P V), so no strip goes through shared memory
+// (attention_tc.cu's WMMA version stores each strip and loads it back).
+// Scores are scaled and masked as they come out of the product; the
+// online softmax rescales the output accumulators in place. Deterministic:
+// every sum in a fixed order, no atomics; no workspace.
+//
+// A lane holds, of each 16 x 8 accumulator tile, rows g = lane / 4 and
+// g + 8 at columns 2t and 2t + 1 (t = lane % 4): a row's values are spread
+// over the 4 lanes of its quad, whose row max and sum take two shuffles.
+#include "attention.cuh"
+#include "mma.cuh"
+
+#include <math.h>
+
+enum {
+    MMA_NT = TC_TILE / 8,   // 8-column accumulator tiles across a 64-key tile
+    MMA_CHUNK = 32,         // the backward's keys (or queries) per register pass
+    MMA_CT = MMA_CHUNK / 8, // its accumulator tiles
+};
+
+// The block's tiles in dynamic shared memory: n tiles of (64, HS + 8)
+// 16-bit values, then (backward) a query tile's lse and D.
+__host__ __device__ inline size_t mma_smem(int HS, int tiles, int rows) {
+    return (size_t)tiles * TC_TILE * (HS + 8) * 2 + (size_t)rows * TC_TILE * 4;
+}
+
+// Accumulator tiles n and n + 1 (a 16 x 16 block) rounded to dt's 16 bits
+// as an A operand.
+__device__ __forceinline__ void mma_as_a(uint32_t a[4], const float (*acc)[4], fl_dtype dt) {
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const float *x = acc[r / 2] + 2 * (r % 2);
+        a[r] = fl_d_pair(tc_bits(dt, x[0]), tc_bits(dt, x[1]));
+    }
+}
+
+// acc (16 x 8 cols tiles) += X Y^T over HS: X the warp's 16 rows (A
+// operands from rows ldh apart), Y `cols` rows of a tile (B operands, a row
+// per column).
+template <class E, int COLS>
+__device__ __forceinline__ void mma_dots(float (*acc)[4], const uint16_t *X, const uint16_t *Y,
+                                         int ldh, int HS) {
+    for (int k = 0; k < HS; k += 16) {
+        uint32_t x[4];
+        fl_d_mma_load_a(x, X + k, ldh);
+#pragma unroll
+        for (int n = 0; n < COLS / 8; n += 2) {
+            uint32_t y[4];
+            fl_d_mma_load_b_rows(y, Y + (size_t)n * 8 * ldh + k, ldh);
+            fl_d_mma<E>(acc[n], x, y[0], y[1]);
+            fl_d_mma<E>(acc[n + 1], x, y[2], y[3]);
+        }
+    }
+}
+
+// out (16 x HS, its 8-column tiles, HT of them for the widest head the
+// kernel takes) += A M: A the 16 x 16 block given as an operand, M 16 rows
+// of a tile (ldh apart; B operands, a row per k).
+template <class E, int HT>
+__device__ __forceinline__ void mma_times(float (*out)[4], const uint32_t A[4], const uint16_t *M,
+                                          int ldh, int HS) {
+#pragma unroll
+    for (int n = 0; n < HT; n += 2)
+        if (n * 8 < HS) {
+            uint32_t m[4];
+            fl_d_mma_load_b_cols(m, M + n * 8, ldh);
+            fl_d_mma<E>(out[n], A, m[0], m[1]);
+            fl_d_mma<E>(out[n + 1], A, m[2], m[3]);
+        }
+}
+
+__device__ __forceinline__ void mma_zero(float (*acc)[4], int tiles) {
+#pragma unroll
+    for (int n = 0; n < tiles; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+
+// Rows g and g + 8 of the warp's 16 x HS accumulators, times f, into rows
+// i and i + 8 of a head (ld values apart; rows at or past T left alone):
+// dqkv is overwritten (device.h), out written once.
+template <int HT>
+__device__ __forceinline__ void mma_store(fl_dtype dt, void *base, size_t ld, const float (*acc)[4],
+                                          float f0, float f1, int i, int T, int HS) {
+    int t = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < HT; n++)
+        if (n * 8 < HS)
+#pragma unroll
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = i + 8 * (e / 2);
+                if (r < T)
+                    fl_d_store(dt, base, (size_t)r * ld + n * 8 + 2 * t + e % 2,
+                               (e < 2 ? f0 : f1) * acc[n][e]);
+            }
+}
+
+template <class E, int HT>
+__global__ void __launch_bounds__(TC_THREADS)
+    attention_forward_mma(fl_dtype dt, void *out, float *lse, const void *qkv, att_shape a,
+                          int vec) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    int HS = a.HS, ldh = HS + 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint16_t *Q = (uint16_t *)smem, *K = Q + TC_TILE * ldh, *V = K + TC_TILE * ldh;
+    int i0 = (gridDim.y - 1 - blockIdx.y) * TC_TILE;
+    int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
+    const uint16_t *row0 = (const uint16_t *)qkv + (size_t)b * a.T * a.W;
+    tc_load_rows(Q, row0 + (size_t)h * HS, a.W, i0, a.T, HS, vec);
+    // the lane's rows (i, i + 8) and its columns' offset in each tile
+    int i = i0 + warp * 16 + lane / 4, c2 = 2 * (lane % 4);
+    float o[HT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    mma_zero(o, HT);
+    int keys = min(a.T, i0 + TC_TILE); // the block's last row sees keys 0..keys-1
+    for (int j0 = 0; j0 < keys; j0 += TC_TILE) {
+        __syncthreads(); // every warp is done with the last K and V
+        tc_load_rows(K, row0 + (size_t)a.C + (size_t)g * HS, a.W, j0, a.T, HS, vec);
+        tc_load_rows(V, row0 + (size_t)a.C + (size_t)(a.NKV + g) * HS, a.W, j0, a.T, HS, vec);
+        __syncthreads();
+        float s[MMA_NT][4];
+        mma_zero(s, MMA_NT);
+        mma_dots<E, TC_TILE>(s, Q + warp * 16 * ldh, K, ldh, HS);
+        // scaled and masked; each row's max over the tile (finite: key 0
+        // is in every row's first tile)
+        float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < MMA_NT; n++)
+#pragma unroll
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                s[n][e] = tc_score(s[n][e], j0 + n * 8 + c2 + e % 2, i + 8 * (e / 2), a);
+                mt[e / 2] = fmaxf(mt[e / 2], s[n][e]);
+            }
+        float alpha[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+            mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+            float mnew = fmaxf(m[r], mt[r]);
+            alpha[r] = expf(m[r] - mnew); // 0 on the first tile
+            m[r] = mnew;
+        }
+#pragma unroll
+        for (int n = 0; n < MMA_NT; n++)
+#pragma unroll
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float x = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e / 2]);
+                sum[e / 2] += x;
+                s[n][e] = x;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+            l[r] = l[r] * alpha[r] + sum[r];
+        }
+#pragma unroll
+        for (int n = 0; n < HT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[n][e] *= alpha[e / 2];
+                // O += P V, P rounded to the 16-bit type as FlashAttention does
+#pragma unroll
+        for (int k = 0; k < MMA_NT; k += 2) {
+            uint32_t p[4];
+            mma_as_a(p, s + k, dt);
+            mma_times<E, HT>(o, p, V + k * 8 * ldh, ldh, HS);
+        }
+    }
+    size_t ld = a.C;
+    void *obase = (char *)out + ((size_t)b * a.T * a.C + (size_t)h * HS) * 2;
+    mma_store<HT>(dt, obase, ld, o, 1.0f / l[0], 1.0f / l[1], i, a.T, HS);
+    if (lane % 4 == 0)
+        for (int r = 0; r < 2; r++)
+            if (i + 8 * r < a.T) lse[((size_t)b * a.NH + h) * a.T + i + 8 * r] = m[r] + logf(l[r]);
+}
+
+// P = exp(scale S - lse) and dS = P (dP - D) of a 16 x 32 chunk, in place
+// of its scores s and dO V^T products dp, its rows from r0 and columns
+// from c0 in the sequence: rows are queries and columns keys (dQ, BY_ROW:
+// the lane's rows' lse and D in Lr, Dr), or the other way round (dK/dV:
+// the columns' in L, D); zero where the query may not see the key (j > i,
+// or i past T).
+template <int BY_ROW>
+__device__ __forceinline__ void mma_probs(float (*s)[4], float (*dp)[4], int r0, int c0,
+                                          const float *L, const float *D, const float *Lr,
+                                          const float *Dr, const att_shape &a) {
+    int g = threadIdx.x % 32 / 4, c2 = 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int n = 0; n < MMA_CT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int r = r0 + g + 8 * (e / 2), c = c0 + n * 8 + c2 + e % 2;
+            int q = BY_ROW ? r : c, k = BY_ROW ? c : r; // positions in the sequence
+            float Lq = BY_ROW ? Lr[e / 2] : L[c - c0], Dq = BY_ROW ? Dr[e / 2] : D[c - c0];
+            float p = 0.0f, ds = 0.0f;
+            if (q < a.T && k <= q) {
+                p = expf(a.scale * s[n][e] - Lq);
+                ds = p * (dp[n][e] - Dq);
+            }
+            s[n][e] = p, dp[n][e] = ds;
+        }
+}
+
+// The backward kernels' shared tiles: K, V (keys), Q, dO (queries), and the
+// query tile's lse and D.
+typedef struct {
+    uint16_t *K, *V, *Q, *dO;
+    float *L, *D;
+} mma_bwd_tiles;
+
+__device__ __forceinline__ mma_bwd_tiles mma_bwd_tiles_of(unsigned char *smem, int HS) {
+    mma_bwd_tiles t;
+    size_t tile = (size_t)TC_TILE * (HS + 8);
+    t.K = (uint16_t *)smem, t.V = t.K + tile, t.Q = t.V + tile, t.dO = t.Q + tile;
+    t.L = (float *)(t.dO + tile), t.D = t.L + TC_TILE;
+    return t;
+}
+
+template <class E, int HT>
+__global__ void __launch_bounds__(TC_THREADS)
+    attention_dkdv_mma(fl_dtype dt, void *dqkv, const void *dout, const void *qkv, const float *Dg,
+                       const float *lse, att_shape a, int vec) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    int HS = a.HS, ldh = HS + 8, warp = threadIdx.x / 32;
+    mma_bwd_tiles sh = mma_bwd_tiles_of(smem, HS);
+    int j0 = blockIdx.y * TC_TILE, b = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
+    size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
+    size_t voff = koff + (size_t)a.NKV * HS;
+    tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
+    tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
+    // the warp's 16 keys are the rows of its products (S^T = K Q^T and
+    // dP^T = V dO^T), 32 queries a pass
+    int j = j0 + warp * 16;
+    float dK[HT][4], dV[HT][4];
+    mma_zero(dK, HT);
+    mma_zero(dV, HT);
+    for (int h = g * a.group; h < (g + 1) * a.group; h++) // the group's query heads, in order
+        for (int i0 = j0; i0 < a.T; i0 += TC_TILE) {      // rows at or below the diagonal
+            __syncthreads();
+            size_t orow0 = (size_t)b * a.T * a.C + (size_t)h * HS;
+            tc_load_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
+                         vec);
+            tc_load_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
+            tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a);
+            __syncthreads();
+            for (int q0 = 0; q0 < TC_TILE; q0 += MMA_CHUNK) {
+                float st[MMA_CT][4], dpt[MMA_CT][4];
+                mma_zero(st, MMA_CT);
+                mma_zero(dpt, MMA_CT);
+                mma_dots<E, MMA_CHUNK>(st, sh.K + warp * 16 * ldh, sh.Q + q0 * ldh, ldh, HS);
+                mma_dots<E, MMA_CHUNK>(dpt, sh.V + warp * 16 * ldh, sh.dO + q0 * ldh, ldh, HS);
+                mma_probs<0>(st, dpt, j, i0 + q0, sh.L + q0, sh.D + q0, NULL, NULL, a);
+#pragma unroll
+                for (int k = 0; k < MMA_CT; k += 2) { // 16 queries a step
+                    uint32_t p[4], ds[4];
+                    mma_as_a(p, st + k, dt);
+                    mma_as_a(ds, dpt + k, dt);
+                    mma_times<E, HT>(dV, p, sh.dO + (q0 + k * 8) * ldh, ldh, HS); // P^T dO
+                    mma_times<E, HT>(dK, ds, sh.Q + (q0 + k * 8) * ldh, ldh, HS); // dS^T Q
+                }
+            }
+        }
+    int i = j + threadIdx.x % 32 / 4;
+    mma_store<HT>(dt, (char *)dqkv + koff * 2, a.W, dK, a.scale, a.scale, i, a.T, HS);
+    mma_store<HT>(dt, (char *)dqkv + voff * 2, a.W, dV, 1.0f, 1.0f, i, a.T, HS);
+}
+
+template <class E, int HT>
+__global__ void __launch_bounds__(TC_THREADS)
+    attention_dq_mma(fl_dtype dt, void *dqkv, const void *dout, const void *qkv, const float *Dg,
+                     const float *lse, att_shape a, int vec) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    int HS = a.HS, ldh = HS + 8, warp = threadIdx.x / 32;
+    mma_bwd_tiles sh = mma_bwd_tiles_of(smem, HS);
+    int i0 = (gridDim.y - 1 - blockIdx.y) * TC_TILE;
+    int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
+    size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
+    size_t voff = koff + (size_t)a.NKV * HS, qoff = row0 + (size_t)h * HS;
+    tc_load_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
+    tc_load_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
+                 a.T, HS, vec);
+    tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a);
+    __syncthreads();
+    // the warp's 16 queries are the rows of its products, 32 keys a pass
+    int q = warp * 16 + threadIdx.x % 32 / 4, i = i0 + warp * 16;
+    float Lr[2] = {sh.L[q], sh.L[q + 8]}, Dr[2] = {sh.D[q], sh.D[q + 8]};
+    float dQ[HT][4];
+    mma_zero(dQ, HT);
+    int keys = min(a.T, i0 + TC_TILE);
+    for (int j0 = 0; j0 < keys; j0 += TC_TILE) {
+        __syncthreads();
+        tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
+        tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
+        __syncthreads();
+        for (int k0 = 0; k0 < TC_TILE; k0 += MMA_CHUNK) {
+            float s[MMA_CT][4], dp[MMA_CT][4];
+            mma_zero(s, MMA_CT);
+            mma_zero(dp, MMA_CT);
+            mma_dots<E, MMA_CHUNK>(s, sh.Q + warp * 16 * ldh, sh.K + k0 * ldh, ldh, HS);
+            mma_dots<E, MMA_CHUNK>(dp, sh.dO + warp * 16 * ldh, sh.V + k0 * ldh, ldh, HS);
+            mma_probs<1>(s, dp, i, j0 + k0, NULL, NULL, Lr, Dr, a);
+#pragma unroll
+            for (int k = 0; k < MMA_CT; k += 2) { // 16 keys a step
+                uint32_t ds[4];
+                mma_as_a(ds, dp + k, dt);
+                mma_times<E, HT>(dQ, ds, sh.K + (k0 + k * 8) * ldh, ldh, HS); // dS K
+            }
+        }
+    }
+    mma_store<HT>(dt, (char *)dqkv + qoff * 2, a.W, dQ, a.scale, a.scale, i + threadIdx.x % 32 / 4,
+                  a.T, HS);
+}
+
+template <class E, int HT>
+static void mma_forward(fl_dtype dt, void *out, float *lse, const void *qkv, int B,
+                        const att_shape &a) {
+    size_t smem = mma_smem(a.HS, 3, 0);
+    fl_cuda_attention_allow_smem((const void *)attention_forward_mma<E, HT>, smem,
+                                 "attention_forward");
+    dim3 grid(B * a.NH, (a.T + TC_TILE - 1) / TC_TILE);
+    attention_forward_mma<E, HT>
+        <<<grid, TC_THREADS, smem, fl_cuda_stream()>>>(dt, out, lse, qkv, a, tc_vec_ok(qkv, qkv));
+    FL_CUDA_LAUNCHED("attention_forward (mma)");
+}
+
+template <class E, int HT>
+static void mma_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
+                         const void *out, const float *lse, int B, const att_shape &a) {
+    size_t smem = mma_smem(a.HS, 4, 2);
+    fl_cuda_attention_allow_smem((const void *)attention_dkdv_mma<E, HT>, smem,
+                                 "attention_backward");
+    fl_cuda_attention_allow_smem((const void *)attention_dq_mma<E, HT>, smem, "attention_backward");
+    int tiles = (a.T + TC_TILE - 1) / TC_TILE, vec = tc_vec_ok(qkv, dout);
+    float *D = fl_cuda_attention_rows_d(dt, out, dout, B, a);
+    attention_dkdv_mma<E, HT><<<dim3(B * a.NKV, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(
+        dt, dqkv, dout, qkv, D, lse, a, vec);
+    FL_CUDA_LAUNCHED("attention_backward (dk, dv; mma)");
+    attention_dq_mma<E, HT><<<dim3(B * a.NH, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(
+        dt, dqkv, dout, qkv, D, lse, a, vec);
+    FL_CUDA_LAUNCHED("attention_backward (dq; mma)");
+}
+
+// Heads of up to 64 values (GPT-2's, SmolLM's, TinyLlama's) get kernels
+// whose accumulators span 64 columns, not 128: half the registers, twice
+// the blocks a multiprocessor holds.
+void fl_cuda_attention_mma_forward(fl_dtype dt, void *out, float *lse, const void *qkv, int B,
+                                   const att_shape &a) {
+    if (dt == FL_BF16 && a.HS <= 64)
+        mma_forward<__nv_bfloat16, 8>(dt, out, lse, qkv, B, a);
+    else if (dt == FL_BF16)
+        mma_forward<__nv_bfloat16, 16>(dt, out, lse, qkv, B, a);
+    else if (a.HS <= 64)
+        mma_forward<__half, 8>(dt, out, lse, qkv, B, a);
+    else
+        mma_forward<__half, 16>(dt, out, lse, qkv, B, a);
+}
+
+void fl_cuda_attention_mma_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
+                                    const void *out, const float *lse, int B, const att_shape &a) {
+    if (dt == FL_BF16 && a.HS <= 64)
+        mma_backward<__nv_bfloat16, 8>(dt, dqkv, dout, qkv, out, lse, B, a);
+    else if (dt == FL_BF16)
+        mma_backward<__nv_bfloat16, 16>(dt, dqkv, dout, qkv, out, lse, B, a);
+    else if (a.HS <= 64)
+        mma_backward<__half, 8>(dt, dqkv, dout, qkv, out, lse, B, a);
+    else
+        mma_backward<__half, 16>(dt, dqkv, dout, qkv, out, lse, B, a);
+}
