@@ -13,6 +13,10 @@
 # tokenizer.json, vocabulary 32000) for the LLaMA shapes; PyTorch draws random tokens of the
 # vocabulary fitlm's model line reports (--data random).
 #
+# The first config runs once more with FITLM_CUDA_ATTENTION=wmma (row
+# fitlm-wmma: the WMMA attention kernels against the default mma.sync ones)
+# after PyTorch's runs, when time is left.
+#
 # Per run: tokens/s from the median step time of the timed steps
 # (BENCH_STEPS, default 10, after BENCH_WARMUP = 3 untimed ones); MFU
 # against the H100/H200 SXM bf16 dense peak, 989 TFLOP/s, with llm.c's
@@ -273,15 +277,6 @@ for k in "${!names[@]}"; do
     fitlm_run "${names[$k]}" "${batches[$k]}" $T "${datas[$k]}" ${fflags[$k]}
     VS[$k]=${V:-50257} NS[$k]=${N:-0} LS[$k]=${L:-0} CS[$k]=${C:-0} GS[$k]=$GEMM_TF
 done
-# the first config again with the WMMA version of the tensor-core attention
-# (attention_tc.cu; the default is attention_mma.cu's mma.sync), when time
-# is left: which of the two is faster on this card (row fitlm-wmma)
-if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
-    export FITLM_CUDA_ATTENTION=wmma
-    # shellcheck disable=SC2086
-    ENGINE=fitlm-wmma GEMM_TF=${GS[0]} fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
-    unset FITLM_CUDA_ATTENTION
-fi
 # the first config's step op by op, when time is left
 if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
     # shellcheck disable=SC2086
@@ -305,6 +300,18 @@ for comp in 0 1; do
     done
 done
 
+# the first config again with the WMMA version of the tensor-core attention
+# (attention_tc.cu; the default is attention_mma.cu's mma.sync), when time
+# is left, after PyTorch's runs: which of the two is faster on this card
+# (row fitlm-wmma)
+if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
+    export FITLM_CUDA_ATTENTION=wmma
+    # shellcheck disable=SC2086
+    ENGINE=fitlm-wmma GEMM_TF=${GS[0]} fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
+    unset FITLM_CUDA_ATTENTION
+else
+    row "${names[0]}" fitlm-wmma "${batches[0]}" $T - - - - - "skipped: time"
+fi
 # the attention kernels under Nsight Compute, when time is left
 if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
     # shellcheck disable=SC2086

@@ -74,13 +74,13 @@ __device__ __forceinline__ void tc_load_rows(uint16_t *s, const uint16_t *base, 
     }
 }
 
-// A query tile's lse and D (rows past T: 0).
+// A query tile's lse (times lmul) and D (rows past T: 0).
 __device__ __forceinline__ void tc_row_stats(float *L, float *D, const float *lse, const float *Dg,
-                                             int b, int h, int i0, const att_shape &a) {
+                                             int b, int h, int i0, const att_shape &a, float lmul) {
     for (int r = threadIdx.x; r < TC_TILE; r += blockDim.x) {
         int i = i0 + r;
         size_t at = ((size_t)b * a.NH + h) * a.T + i;
-        L[r] = i < a.T ? lse[at] : 0.0f;
+        L[r] = i < a.T ? lse[at] * lmul : 0.0f;
         D[r] = i < a.T ? Dg[at] : 0.0f;
     }
 }

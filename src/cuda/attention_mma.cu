@@ -6,8 +6,10 @@
 // rounded to the 16-bit type, are the next product's A operand where they
 // lie (S's become P's for P V), so no strip goes through shared memory
 // (attention_tc.cu's WMMA version stores each strip and loads it back).
-// Scores are scaled and masked as they come out of the product; the
-// online softmax rescales the output accumulators in place. Deterministic:
+// The softmax works in units of log2, so that a probability costs one
+// multiply-add and one exp2 (FlashAttention-2's form); only the tiles on
+// the diagonal or past T are masked; the online softmax rescales the
+// output accumulators in place. Deterministic:
 // every sum in a fixed order, no atomics; no workspace.
 //
 // A lane holds, of each 16 x 8 accumulator tile, rows g = lane / 4 and
@@ -30,13 +32,13 @@ __host__ __device__ inline size_t mma_smem(int HS, int tiles, int rows) {
     return (size_t)tiles * TC_TILE * (HS + 8) * 2 + (size_t)rows * TC_TILE * 4;
 }
 
-// Accumulator tiles n and n + 1 (a 16 x 16 block) rounded to dt's 16 bits
+// Accumulator tiles n and n + 1 (a 16 x 16 block) rounded to E's 16 bits
 // as an A operand.
-__device__ __forceinline__ void mma_as_a(uint32_t a[4], const float (*acc)[4], fl_dtype dt) {
+template <class E> __device__ __forceinline__ void mma_as_a(uint32_t a[4], const float (*acc)[4]) {
 #pragma unroll
     for (int r = 0; r < 4; r++) {
         const float *x = acc[r / 2] + 2 * (r % 2);
-        a[r] = fl_d_pair(tc_bits(dt, x[0]), tc_bits(dt, x[1]));
+        a[r] = fl_d_pack<E>(x[0], x[1]);
     }
 }
 
@@ -91,7 +93,6 @@ __device__ __forceinline__ void mma_store(fl_dtype dt, void *base, size_t ld, co
     for (int n = 0; n < HT; n++)
         if (n * 8 < HS)
 #pragma unroll
-#pragma unroll
             for (int e = 0; e < 4; e++) {
                 int r = i + 8 * (e / 2);
                 if (r < T)
@@ -113,6 +114,10 @@ __global__ void __launch_bounds__(TC_THREADS)
     tc_load_rows(Q, row0 + (size_t)h * HS, a.W, i0, a.T, HS, vec);
     // the lane's rows (i, i + 8) and its columns' offset in each tile
     int i = i0 + warp * 16 + lane / 4, c2 = 2 * (lane % 4);
+    // m: each row's running max of the scores in units of log2 (scale
+    // log2(e) s), as exp2 takes them; l: the lane's part of its row's sum
+    // (the quad's parts are added at the end)
+    const float sl2 = a.scale * 1.4426950408889634f;
     float o[HT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     mma_zero(o, HT);
     int keys = min(a.T, i0 + TC_TILE); // the block's last row sees keys 0..keys-1
@@ -124,41 +129,36 @@ __global__ void __launch_bounds__(TC_THREADS)
         float s[MMA_NT][4];
         mma_zero(s, MMA_NT);
         mma_dots<E, TC_TILE>(s, Q + warp * 16 * ldh, K, ldh, HS);
-        // scaled and masked; each row's max over the tile (finite: key 0
-        // is in every row's first tile)
+        // masked only on the diagonal tile and the one past T; each row's
+        // max over the tile (finite: key 0 is in every row's first tile)
+        int edge = j0 + TC_TILE > i0 || j0 + TC_TILE > a.T;
         float mt[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < MMA_NT; n++)
 #pragma unroll
-#pragma unroll
             for (int e = 0; e < 4; e++) {
-                s[n][e] = tc_score(s[n][e], j0 + n * 8 + c2 + e % 2, i + 8 * (e / 2), a);
+                int j = j0 + n * 8 + c2 + e % 2;
+                if (edge && (j > i + 8 * (e / 2) || j >= a.T)) s[n][e] = -INFINITY;
                 mt[e / 2] = fmaxf(mt[e / 2], s[n][e]);
             }
-        float alpha[2], sum[2] = {0.0f, 0.0f};
+        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
             mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
-            float mnew = fmaxf(m[r], mt[r]);
-            alpha[r] = expf(m[r] - mnew); // 0 on the first tile
+            float mnew = fmaxf(m[r], mt[r] * sl2); // scale > 0: the max of the scaled
+            alpha[r] = exp2f(m[r] - mnew);         // 0 on the first tile
             m[r] = mnew;
+            l[r] *= alpha[r];
         }
+        // p = e^(scale s - max): one multiply-add and one exp2 a score
 #pragma unroll
         for (int n = 0; n < MMA_NT; n++)
 #pragma unroll
-#pragma unroll
             for (int e = 0; e < 4; e++) {
-                float x = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e / 2]);
-                sum[e / 2] += x;
-                s[n][e] = x;
+                s[n][e] = exp2f(__fmaf_rn(s[n][e], sl2, -m[e / 2]));
+                l[e / 2] += s[n][e];
             }
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
-            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
-            l[r] = l[r] * alpha[r] + sum[r];
-        }
 #pragma unroll
         for (int n = 0; n < HT; n++)
 #pragma unroll
@@ -167,28 +167,35 @@ __global__ void __launch_bounds__(TC_THREADS)
 #pragma unroll
         for (int k = 0; k < MMA_NT; k += 2) {
             uint32_t p[4];
-            mma_as_a(p, s + k, dt);
+            mma_as_a<E>(p, s + k);
             mma_times<E, HT>(o, p, V + k * 8 * ldh, ldh, HS);
         }
     }
-    size_t ld = a.C;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
     void *obase = (char *)out + ((size_t)b * a.T * a.C + (size_t)h * HS) * 2;
-    mma_store<HT>(dt, obase, ld, o, 1.0f / l[0], 1.0f / l[1], i, a.T, HS);
+    mma_store<HT>(dt, obase, a.C, o, 1.0f / l[0], 1.0f / l[1], i, a.T, HS);
     if (lane % 4 == 0)
         for (int r = 0; r < 2; r++)
-            if (i + 8 * r < a.T) lse[((size_t)b * a.NH + h) * a.T + i + 8 * r] = m[r] + logf(l[r]);
+            if (i + 8 * r < a.T)
+                lse[((size_t)b * a.NH + h) * a.T + i + 8 * r] =
+                    m[r] * 0.6931471805599453f + logf(l[r]);
 }
 
 // P = exp(scale S - lse) and dS = P (dP - D) of a 16 x 32 chunk, in place
 // of its scores s and dO V^T products dp, its rows from r0 and columns
 // from c0 in the sequence: rows are queries and columns keys (dQ, BY_ROW:
 // the lane's rows' lse and D in Lr, Dr), or the other way round (dK/dV:
-// the columns' in L, D); zero where the query may not see the key (j > i,
-// or i past T).
+// the columns' in L, D); lse in units of log2 (as exp2 takes it). Zero
+// where the query may not see the key (j > i, or i past T): only an edge
+// chunk (the diagonal's, or one past T) has such pairs.
 template <int BY_ROW>
-__device__ __forceinline__ void mma_probs(float (*s)[4], float (*dp)[4], int r0, int c0,
+__device__ __forceinline__ void mma_probs(float (*s)[4], float (*dp)[4], int r0, int c0, int edge,
                                           const float *L, const float *D, const float *Lr,
-                                          const float *Dr, const att_shape &a) {
+                                          const float *Dr, float sl2, int T) {
     int g = threadIdx.x % 32 / 4, c2 = 2 * (threadIdx.x % 4);
 #pragma unroll
     for (int n = 0; n < MMA_CT; n++)
@@ -197,12 +204,9 @@ __device__ __forceinline__ void mma_probs(float (*s)[4], float (*dp)[4], int r0,
             int r = r0 + g + 8 * (e / 2), c = c0 + n * 8 + c2 + e % 2;
             int q = BY_ROW ? r : c, k = BY_ROW ? c : r; // positions in the sequence
             float Lq = BY_ROW ? Lr[e / 2] : L[c - c0], Dq = BY_ROW ? Dr[e / 2] : D[c - c0];
-            float p = 0.0f, ds = 0.0f;
-            if (q < a.T && k <= q) {
-                p = expf(a.scale * s[n][e] - Lq);
-                ds = p * (dp[n][e] - Dq);
-            }
-            s[n][e] = p, dp[n][e] = ds;
+            float p = exp2f(__fmaf_rn(s[n][e], sl2, -Lq));
+            if (edge && (q >= T || k > q)) p = 0.0f;
+            s[n][e] = p, dp[n][e] = p * (dp[n][e] - Dq);
         }
 }
 
@@ -236,6 +240,7 @@ __global__ void __launch_bounds__(TC_THREADS)
     // the warp's 16 keys are the rows of its products (S^T = K Q^T and
     // dP^T = V dO^T), 32 queries a pass
     int j = j0 + warp * 16;
+    const float sl2 = a.scale * 1.4426950408889634f;
     float dK[HT][4], dV[HT][4];
     mma_zero(dK, HT);
     mma_zero(dV, HT);
@@ -246,20 +251,22 @@ __global__ void __launch_bounds__(TC_THREADS)
             tc_load_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
                          vec);
             tc_load_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
-            tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a);
+            tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a, 1.4426950408889634f);
             __syncthreads();
+            // the diagonal tile, queries or keys past T: masked
+            int edge = i0 < j0 + TC_TILE || i0 + TC_TILE > a.T || j0 + TC_TILE > a.T;
             for (int q0 = 0; q0 < TC_TILE; q0 += MMA_CHUNK) {
                 float st[MMA_CT][4], dpt[MMA_CT][4];
                 mma_zero(st, MMA_CT);
                 mma_zero(dpt, MMA_CT);
                 mma_dots<E, MMA_CHUNK>(st, sh.K + warp * 16 * ldh, sh.Q + q0 * ldh, ldh, HS);
                 mma_dots<E, MMA_CHUNK>(dpt, sh.V + warp * 16 * ldh, sh.dO + q0 * ldh, ldh, HS);
-                mma_probs<0>(st, dpt, j, i0 + q0, sh.L + q0, sh.D + q0, NULL, NULL, a);
+                mma_probs<0>(st, dpt, j, i0 + q0, edge, sh.L + q0, sh.D + q0, NULL, NULL, sl2, a.T);
 #pragma unroll
                 for (int k = 0; k < MMA_CT; k += 2) { // 16 queries a step
                     uint32_t p[4], ds[4];
-                    mma_as_a(p, st + k, dt);
-                    mma_as_a(ds, dpt + k, dt);
+                    mma_as_a<E>(p, st + k);
+                    mma_as_a<E>(ds, dpt + k);
                     mma_times<E, HT>(dV, p, sh.dO + (q0 + k * 8) * ldh, ldh, HS); // P^T dO
                     mma_times<E, HT>(dK, ds, sh.Q + (q0 + k * 8) * ldh, ldh, HS); // dS^T Q
                 }
@@ -284,8 +291,9 @@ __global__ void __launch_bounds__(TC_THREADS)
     tc_load_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
     tc_load_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
                  a.T, HS, vec);
-    tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a);
+    tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a, 1.4426950408889634f);
     __syncthreads();
+    const float sl2 = a.scale * 1.4426950408889634f;
     // the warp's 16 queries are the rows of its products, 32 keys a pass
     int q = warp * 16 + threadIdx.x % 32 / 4, i = i0 + warp * 16;
     float Lr[2] = {sh.L[q], sh.L[q + 8]}, Dr[2] = {sh.D[q], sh.D[q + 8]};
@@ -297,17 +305,19 @@ __global__ void __launch_bounds__(TC_THREADS)
         tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
         tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
         __syncthreads();
+        // the diagonal tile, queries or keys past T: masked
+        int edge = j0 + TC_TILE > i0 || i0 + TC_TILE > a.T || j0 + TC_TILE > a.T;
         for (int k0 = 0; k0 < TC_TILE; k0 += MMA_CHUNK) {
             float s[MMA_CT][4], dp[MMA_CT][4];
             mma_zero(s, MMA_CT);
             mma_zero(dp, MMA_CT);
             mma_dots<E, MMA_CHUNK>(s, sh.Q + warp * 16 * ldh, sh.K + k0 * ldh, ldh, HS);
             mma_dots<E, MMA_CHUNK>(dp, sh.dO + warp * 16 * ldh, sh.V + k0 * ldh, ldh, HS);
-            mma_probs<1>(s, dp, i, j0 + k0, NULL, NULL, Lr, Dr, a);
+            mma_probs<1>(s, dp, i, j0 + k0, edge, NULL, NULL, Lr, Dr, sl2, a.T);
 #pragma unroll
             for (int k = 0; k < MMA_CT; k += 2) { // 16 keys a step
                 uint32_t ds[4];
-                mma_as_a(ds, dp + k, dt);
+                mma_as_a<E>(ds, dp + k);
                 mma_times<E, HT>(dQ, ds, sh.K + (k0 + k * 8) * ldh, ldh, HS); // dS K
             }
         }

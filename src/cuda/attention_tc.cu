@@ -245,7 +245,7 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
             tc_load_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
                          vec);
             tc_load_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
-            tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a);
+            tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a, 1.0f);
             __syncthreads();
             tc_strip_dots<E>(sh.S, lds, sh.K + warp * 16 * ldh, sh.Q, ldh, HS);
             tc_strip_dots<E>(sh.dP, lds, sh.V + warp * 16 * ldh, sh.dO, ldh, HS);
@@ -282,7 +282,7 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     tc_load_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
     tc_load_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
                  a.T, HS, vec);
-    tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a);
+    tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a, 1.0f);
     // the lane's query (a row of the warp's strips) and every other key
     int r = lane / 2, odd = lane % 2, q = warp * 16 + r, i = i0 + q;
     tc_acc dQ[TC_FRAGS];

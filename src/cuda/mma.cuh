@@ -63,6 +63,20 @@ __device__ __forceinline__ void fl_d_mma<__half>(float d[4], const uint32_t a[4]
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// lo and hi rounded to E's 16 bits (to nearest even) as a pair, lo in the
+// low half: one instruction for both (cvt's first source is the high half)
+template <class E> __device__ uint32_t fl_d_pack(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t fl_d_pack<__nv_bfloat16>(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ uint32_t fl_d_pack<__half>(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
 #else
 #include <fl_emu_ptx.h>
 #endif

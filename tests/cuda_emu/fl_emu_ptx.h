@@ -76,6 +76,21 @@ inline void fl_d_ldmatrix_x4_trans(uint32_t r[4], const void *row) {
     fl_emu::ptx::ldmatrix(r, row, true);
 }
 
+// cvt.rn.bf16x2.f32 and cvt.rn.f16x2.f32: to nearest even, a NaN to the
+// canonical one (CUDA's conversions, cuda_bf16.h and cuda_fp16.h)
+template <class E> uint32_t fl_d_pack(float lo, float hi) {
+    uint16_t l, h;
+    if (std::is_same<E, __nv_bfloat16>::value) {
+        l = __bfloat16_as_ushort(__float2bfloat16(lo)),
+        h = __bfloat16_as_ushort(__float2bfloat16(hi));
+    } else {
+        __half x = __float2half(lo), y = __float2half(hi);
+        memcpy(&l, (const void *)&x, 2);
+        memcpy(&h, (const void *)&y, 2);
+    }
+    return (uint32_t)l | (uint32_t)h << 16;
+}
+
 // d (16 x 8) += a (16 x 16) b (16 x 8): element (r, k) of A is in lane
 // 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2;
 // element (k, c) of B in lane 4 c + (k % 8) / 2, register k >= 8, half k % 2.
