@@ -5,12 +5,18 @@
 // operand loads (ldmatrix, as stored and transposed), 16 x 16 x 32
 // products with B stored either way against a host sum (bf16 and fp16),
 // and a product's accumulators rounded to pairs as the A operand of the
-// next (the attention kernels' P V). On a GPU this checks the PTX ISA's
+// next (the attention kernels' P V); cp.async's copies and zero fill in
+// two groups waited for one at a time; on the emulator, its contract's
+// violations. On a GPU this checks the PTX ISA's
 // layouts that the emulator assumes.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifndef __CUDACC__
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
 
 #include <cuda_runtime.h>
 
@@ -99,6 +105,85 @@ __global__ void k_product(float *d_out, const uint16_t *a, const uint16_t *b, co
         for (int i = 0; i < 4; i++) d_out[(g + 8 * (i / 2)) * 16 + n * 8 + 2 * t + i % 2] = d[n][i];
 }
 
+// cp.async: 16-byte pieces of src (n of them) into shared memory in two
+// groups, every third piece zero-filled instead; the first group waited
+// for alone, then the second; out = what shared memory then holds.
+struct alignas(16) piece {
+    uint32_t w[4];
+};
+
+__global__ void k_copy(piece *out, const piece *src, int n) {
+    __shared__ __align__(16) piece s[64];
+    for (int i = threadIdx.x; i < n / 2; i += blockDim.x) fl_d_cp_async16(s + i, src + i, i % 3);
+    fl_d_cp_async_commit();
+    for (int i = n / 2 + threadIdx.x; i < n; i += blockDim.x)
+        fl_d_cp_async16(s + i, src + i, i % 3);
+    fl_d_cp_async_commit();
+    fl_d_cp_async_wait<1>();
+    __syncthreads();
+    for (int i = threadIdx.x; i < n / 2; i += blockDim.x) out[i] = s[i];
+    fl_d_cp_async_wait<0>();
+    __syncthreads();
+    for (int i = n / 2 + threadIdx.x; i < n; i += blockDim.x) out[i] = s[i];
+}
+
+#ifndef __CUDACC__
+// The emulator's contract (tests/cuda_emu/fl_emu_ptx.h), each broken in a
+// child that must stop with the message: a thread returning with a copy
+// it never waited for, an ldmatrix row not 16-byte aligned.
+__global__ void k_unwaited(const piece *src) {
+    __shared__ __align__(16) piece s[32];
+    fl_d_cp_async16(s + threadIdx.x, src + threadIdx.x, 1);
+    fl_d_cp_async_commit();
+}
+
+__global__ void k_misaligned() {
+    __shared__ __align__(16) uint16_t s[16 * LD];
+    uint32_t a[4];
+    fl_d_mma_load_a(a, s + 1, LD);
+}
+
+static void dies(const char *what, void (*bad)(const piece *), const piece *src,
+                 const char *expect) {
+    int fd[2];
+    if (pipe(fd)) abort();
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fd[0]);
+        dup2(fd[1], 2);
+        bad(src);
+        cudaDeviceSynchronize();
+        _exit(0);
+    }
+    close(fd[1]);
+    char err[4096];
+    size_t n = 0;
+    ssize_t got;
+    while (n < sizeof err - 1 && (got = read(fd[0], err + n, sizeof err - 1 - n)) > 0)
+        n += (size_t)got;
+    err[n] = 0;
+    close(fd[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    check(WIFSIGNALED(status) && strstr(err, expect), what, 0);
+}
+
+static void test_violations(void) {
+    piece *src;
+    CK(cudaMalloc((void **)&src, 32 * sizeof(piece)));
+    CK(cudaMemsetAsync(src, 0, 32 * sizeof(piece), 0));
+    dies(
+        "a copy never waited for stops the run", [](const piece *p) { k_unwaited<<<1, 32>>>(p); },
+        src, "never waited for");
+    dies(
+        "a misaligned ldmatrix row stops the run", [](const piece *) { k_misaligned<<<1, 32>>>(); },
+        src, "16-byte aligned");
+    CK(cudaFree(src));
+}
+#endif
+
 static unsigned rng = 2024;
 static float uniform() { // in [-2, 2)
     rng = rng * 1664525u + 1013904223u;
@@ -149,6 +234,21 @@ static void test_layout(void) {
         }
     }
     CK(cudaFree(dm));
+    CK(cudaFree(dout));
+}
+
+static void test_copy(void) {
+    enum { N = 64 };
+    uint32_t src[N * 4], out[N * 4];
+    for (int i = 0; i < N * 4; i++) src[i] = 0x9e3779b9u * (uint32_t)(i + 1);
+    piece *ds = (piece *)upload(src, sizeof src), *dout;
+    CK(cudaMalloc((void **)&dout, sizeof out));
+    k_copy<<<1, 32>>>(dout, ds, N);
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(out, dout, sizeof out, cudaMemcpyDeviceToHost));
+    for (int i = 0; i < N * 4; i++)
+        check(out[i] == (i / 4 % 3 ? src[i] : 0u), "cp.async: copied, or zero-filled", i);
+    CK(cudaFree(ds));
     CK(cudaFree(dout));
 }
 
@@ -216,8 +316,12 @@ int main(void) {
         return 77;
     }
     test_layout();
+    test_copy();
     test_product<__nv_bfloat16>(FL_BF16);
     test_product<__half>(FL_F16);
+#ifndef __CUDACC__
+    test_violations();
+#endif
     printf("test_mma: %d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
 }

@@ -32,6 +32,23 @@ __host__ __device__ inline size_t mma_smem(int HS, int tiles, int rows) {
     return (size_t)tiles * TC_TILE * (HS + 8) * 2 + (size_t)rows * TC_TILE * 4;
 }
 
+// tc_load_rows through cp.async where vec (rows past T zero-filled; the
+// caller commits, waits and synchronises before reading), else as it is:
+// a thread's copies are all in flight at once, where a loop of loads and
+// stores waits out each load's latency in turn.
+__device__ __forceinline__ void mma_copy_rows(uint16_t *s, const uint16_t *base, size_t ld, int r0,
+                                              int T, int HS, int vec) {
+    if (!vec) {
+        tc_load_rows(s, base, ld, r0, T, HS, 0);
+        return;
+    }
+    int ldh = HS + 8, per = HS / 8;
+    for (int idx = threadIdx.x; idx < TC_TILE * per; idx += blockDim.x) {
+        int r = idx / per, c = idx % per * 8, full = r0 + r < T;
+        fl_d_cp_async16(s + r * ldh + c, full ? base + (size_t)(r0 + r) * ld + c : base, full);
+    }
+}
+
 // Accumulator tiles n and n + 1 (a 16 x 16 block) rounded to E's 16 bits
 // as an A operand.
 template <class E> __device__ __forceinline__ void mma_as_a(uint32_t a[4], const float (*acc)[4]) {
@@ -111,7 +128,16 @@ __global__ void __launch_bounds__(TC_THREADS)
     int i0 = (gridDim.y - 1 - blockIdx.y) * TC_TILE;
     int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     const uint16_t *row0 = (const uint16_t *)qkv + (size_t)b * a.T * a.W;
-    tc_load_rows(Q, row0 + (size_t)h * HS, a.W, i0, a.T, HS, vec);
+    const uint16_t *kbase = row0 + (size_t)a.C + (size_t)g * HS,
+                   *vbase = kbase + (size_t)a.NKV * HS;
+    // K and V in separate groups, each tile's copy issued as soon as the
+    // last is used (FlashAttention-2's order): the next K comes while the
+    // softmax and P V run, the next V while the next scores do
+    mma_copy_rows(Q, row0 + (size_t)h * HS, a.W, i0, a.T, HS, vec);
+    mma_copy_rows(K, kbase, a.W, 0, a.T, HS, vec);
+    fl_d_cp_async_commit();
+    mma_copy_rows(V, vbase, a.W, 0, a.T, HS, vec);
+    fl_d_cp_async_commit();
     // the lane's rows (i, i + 8) and its columns' offset in each tile
     int i = i0 + warp * 16 + lane / 4, c2 = 2 * (lane % 4);
     // m: each row's running max of the scores in units of log2 (scale
@@ -122,13 +148,15 @@ __global__ void __launch_bounds__(TC_THREADS)
     mma_zero(o, HT);
     int keys = min(a.T, i0 + TC_TILE); // the block's last row sees keys 0..keys-1
     for (int j0 = 0; j0 < keys; j0 += TC_TILE) {
-        __syncthreads(); // every warp is done with the last K and V
-        tc_load_rows(K, row0 + (size_t)a.C + (size_t)g * HS, a.W, j0, a.T, HS, vec);
-        tc_load_rows(V, row0 + (size_t)a.C + (size_t)(a.NKV + g) * HS, a.W, j0, a.T, HS, vec);
+        int next = j0 + TC_TILE < keys;
+        fl_d_cp_async_wait<1>(); // this K (and Q), not necessarily this V
         __syncthreads();
         float s[MMA_NT][4];
         mma_zero(s, MMA_NT);
         mma_dots<E, TC_TILE>(s, Q + warp * 16 * ldh, K, ldh, HS);
+        __syncthreads(); // every warp is done with K
+        if (next) mma_copy_rows(K, kbase, a.W, j0 + TC_TILE, a.T, HS, vec);
+        fl_d_cp_async_commit();
         // masked only on the diagonal tile and the one past T; each row's
         // max over the tile (finite: key 0 is in every row's first tile)
         int edge = j0 + TC_TILE > i0 || j0 + TC_TILE > a.T;
@@ -163,14 +191,20 @@ __global__ void __launch_bounds__(TC_THREADS)
         for (int n = 0; n < HT; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) o[n][e] *= alpha[e / 2];
-                // O += P V, P rounded to the 16-bit type as FlashAttention does
+        // O += P V, P rounded to the 16-bit type as FlashAttention does
+        fl_d_cp_async_wait<1>(); // this V, not necessarily the next K
+        __syncthreads();
 #pragma unroll
         for (int k = 0; k < MMA_NT; k += 2) {
             uint32_t p[4];
             mma_as_a<E>(p, s + k);
             mma_times<E, HT>(o, p, V + k * 8 * ldh, ldh, HS);
         }
+        __syncthreads(); // every warp is done with V
+        if (next) mma_copy_rows(V, vbase, a.W, j0 + TC_TILE, a.T, HS, vec);
+        fl_d_cp_async_commit();
     }
+    fl_d_cp_async_wait<0>(); // the last, empty groups
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -235,8 +269,8 @@ __global__ void __launch_bounds__(TC_THREADS)
     int j0 = blockIdx.y * TC_TILE, b = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS;
-    tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
-    tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
+    mma_copy_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
+    mma_copy_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
     // the warp's 16 keys are the rows of its products (S^T = K Q^T and
     // dP^T = V dO^T), 32 queries a pass
     int j = j0 + warp * 16;
@@ -248,10 +282,12 @@ __global__ void __launch_bounds__(TC_THREADS)
         for (int i0 = j0; i0 < a.T; i0 += TC_TILE) {      // rows at or below the diagonal
             __syncthreads();
             size_t orow0 = (size_t)b * a.T * a.C + (size_t)h * HS;
-            tc_load_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
-                         vec);
-            tc_load_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
+            mma_copy_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
+                          vec);
+            mma_copy_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
+            fl_d_cp_async_commit();
             tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a, 1.4426950408889634f);
+            fl_d_cp_async_wait<0>();
             __syncthreads();
             // the diagonal tile, queries or keys past T: masked
             int edge = i0 < j0 + TC_TILE || i0 + TC_TILE > a.T || j0 + TC_TILE > a.T;
@@ -288,23 +324,25 @@ __global__ void __launch_bounds__(TC_THREADS)
     int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS, qoff = row0 + (size_t)h * HS;
-    tc_load_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
-    tc_load_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
-                 a.T, HS, vec);
+    mma_copy_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
+    mma_copy_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
+                  a.T, HS, vec);
     tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a, 1.4426950408889634f);
-    __syncthreads();
     const float sl2 = a.scale * 1.4426950408889634f;
     // the warp's 16 queries are the rows of its products, 32 keys a pass
     int q = warp * 16 + threadIdx.x % 32 / 4, i = i0 + warp * 16;
-    float Lr[2] = {sh.L[q], sh.L[q + 8]}, Dr[2] = {sh.D[q], sh.D[q + 8]};
     float dQ[HT][4];
     mma_zero(dQ, HT);
     int keys = min(a.T, i0 + TC_TILE);
+    float Lr[2], Dr[2];
     for (int j0 = 0; j0 < keys; j0 += TC_TILE) {
+        if (j0) __syncthreads(); // every warp is done with the last K and V
+        mma_copy_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
+        mma_copy_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
+        fl_d_cp_async_commit();
+        fl_d_cp_async_wait<0>(); // with the first, Q and dO
         __syncthreads();
-        tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
-        tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
-        __syncthreads();
+        if (!j0) Lr[0] = sh.L[q], Lr[1] = sh.L[q + 8], Dr[0] = sh.D[q], Dr[1] = sh.D[q + 8];
         // the diagonal tile, queries or keys past T: masked
         int edge = j0 + TC_TILE > i0 || i0 + TC_TILE > a.T || j0 + TC_TILE > a.T;
         for (int k0 = 0; k0 < TC_TILE; k0 += MMA_CHUNK) {

@@ -77,6 +77,25 @@ template <> __device__ __forceinline__ uint32_t fl_d_pack<__half>(float lo, floa
     asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+
+// dst (16 bytes of shared memory, 16-byte aligned) = the 16 bytes at src
+// (global memory, 16-byte aligned), or zeros where !full (src still a
+// valid address, not read), copied asynchronously (cp.async, bypassing L1
+// and the registers): the thread's copies since its last commit form a
+// group; fl_d_cp_async_wait<n> waits for all but its n newest groups, and
+// the bytes are the block's after a barrier.
+__device__ __forceinline__ void fl_d_cp_async16(void *dst, const void *src, int full) {
+    uint32_t at = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
+                 "r"(full ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void fl_d_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void fl_d_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 #else
 #include <fl_emu_ptx.h>
 #endif

@@ -85,6 +85,14 @@ struct ptx_slot {
 const ptx_slot *ptx_enter(const char *call, const void *mine, size_t bytes);
 // whether [p, p + bytes) lies inside the running block's shared memory
 int in_shared_memory(const void *p, size_t bytes);
+// cp.async of 16 bytes (fl_emu_ptx.h): queued in the thread's open group
+// (!full: zeros), made only when a wait covers its group, so a kernel
+// that reads the bytes before waiting reads what was there before. The
+// thread's open group committed; the copies of all but the `pending`
+// newest committed groups made, oldest first.
+void cp_async(void *dst, const void *src, int full);
+void cp_async_commit();
+void cp_async_wait(int pending);
 
 template <class F> struct launcher_t;
 template <class... P> struct launcher_t<void (*)(P...)> {

@@ -523,12 +523,22 @@ const int stack_bytes = 128 << 10, guard_bytes = 4096, max_threads = 1024;
 
 enum { RUNNABLE, AT_BLOCK, AT_WARP, DONE };
 
+// a cp.async copy not yet made: 16 bytes from src, or zeros (!full)
+struct async_copy {
+    void *dst;
+    const void *src;
+    int full;
+};
+
 struct fiber {
     void *sp; // its saved stack pointer while another runs
     int state;
     unsigned mask; // at a warp barrier: the lanes it names
     int wmma;      // at a warp barrier: whether a WMMA call's or PTX instruction's
     uint3 tid;
+    // its cp.async copies: committed groups, oldest first, then the open one
+    std::deque<std::vector<async_copy>> groups;
+    std::vector<async_copy> open;
 };
 
 // a lane's arguments to a WMMA call, compared across the warp
@@ -639,8 +649,20 @@ void pass_on(int state, unsigned mask) {
 }
 
 // A thread's first frame: the kernel, then on to the next thread for good.
+// A returning thread must have waited for all its cp.async copies. (Its
+// own function, not fl_emu_thread_main's code: that frame never returns,
+// and under ASan a frame with locals would leave poisoned bytes at the top
+// of the fiber's stack for the next launch.)
+__attribute__((noinline)) void check_copies_waited() {
+    const fiber &me = running->f[running->current];
+    if (!me.groups.empty() || !me.open.empty())
+        die("kernel %s: thread %d returns with cp.async copies it never waited for", running->name,
+            running->current);
+}
+
 extern "C" [[noreturn]] void fl_emu_thread_main() {
     (*running->body)();
+    check_copies_waited();
     pass_on(DONE, 0);
     abort(); // a finished thread is never resumed
 }
@@ -714,6 +736,8 @@ void run_block(block_run &r) {
         t.sp = fresh_context(stacks + (size_t)(i + 1) * (stack_bytes + guard_bytes) -
                              (size_t)(i % 61) * 64);
         t.state = RUNNABLE;
+        t.groups.clear();
+        t.open.clear();
         r.turn[(size_t)i] = 0;
         r.wmma_turn[(size_t)i] = 0;
         r.ptx_turn[(size_t)i] = 0;
@@ -929,6 +953,37 @@ float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, s
     size_t warps = (size_t)(r.n + 31) / 32;
     if (r.staging.size() < warps * wmma_staging) r.staging.resize(warps * wmma_staging);
     return &r.staging[(size_t)(me / 32) * wmma_staging];
+}
+
+void cp_async(void *dst, const void *src, int full) {
+    block_run &r = *running;
+    if ((uintptr_t)dst % 16 || !in_shared(r, dst, 16))
+        die("kernel %s: cp.async to %p: not 16 bytes, 16-byte aligned, of the block's shared "
+            "memory",
+            r.name, dst);
+    if ((uintptr_t)src % 16 || !is_device(src, full ? 16 : 1))
+        die("kernel %s: cp.async from %p: not 16 bytes, 16-byte aligned, of a device allocation",
+            r.name, src);
+    r.f[r.current].open.push_back(async_copy{dst, src, full});
+}
+
+void cp_async_commit() {
+    fiber &me = running->f[running->current];
+    me.groups.push_back(std::move(me.open));
+    me.open.clear();
+}
+
+void cp_async_wait(int pending) {
+    fiber &me = running->f[running->current];
+    while ((int)me.groups.size() > pending) {
+        for (const async_copy &c : me.groups.front()) {
+            if (c.full)
+                memcpy(c.dst, c.src, 16);
+            else
+                memset(c.dst, 0, 16);
+        }
+        me.groups.pop_front();
+    }
 }
 
 int in_shared_memory(const void *p, size_t bytes) {

@@ -76,6 +76,17 @@ inline void fl_d_ldmatrix_x4_trans(uint32_t r[4], const void *row) {
     fl_emu::ptx::ldmatrix(r, row, true);
 }
 
+// cp.async (fl_emu::cp_async: made when a wait covers it)
+inline void fl_d_cp_async16(void *dst, const void *src, int full) {
+    fl_emu::cp_async(dst, src, full);
+}
+inline void fl_d_cp_async_commit() {
+    fl_emu::cp_async_commit();
+}
+template <int N> void fl_d_cp_async_wait() {
+    fl_emu::cp_async_wait(N);
+}
+
 // cvt.rn.bf16x2.f32 and cvt.rn.f16x2.f32: to nearest even, a NaN to the
 // canonical one (CUDA's conversions, cuda_bf16.h and cuda_fp16.h)
 template <class E> uint32_t fl_d_pack(float lo, float hi) {
