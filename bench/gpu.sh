@@ -41,7 +41,9 @@
 # status),
 # OUTDIR/profile_CONFIG.md (the first config's step op by op, timed on the
 # GPU, each op's floor beside it: FLOPs at the peak, bytes at the bandwidth)
-# and, when time is left, OUTDIR/ncu_attention.txt (ncu_attention below),
+# OUTDIR/attention.md (the attention kernels alone beside PyTorch's:
+# attention_rates below) and, when time is left, OUTDIR/ncu_attention.txt
+# (ncu_attention below),
 # and prints them; exits 1 when a fitlm run failed.
 set -uo pipefail
 fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
@@ -187,6 +189,48 @@ fitlm_profile() {
     } >"$out/profile_$cfg.md"
 }
 
+# attention_rates: the attention kernels alone (bench_gpu_attention, beside
+# fitlm in its build directory or BENCH_ATTENTION: fitlm's mma and wmma
+# versions) beside PyTorch's scaled_dot_product_attention (its
+# FlashAttention where it has it) at each config's attention shape, one
+# layer at B and T = 1024, and a 128-value head (the llama-7b's) at B 4,
+# into OUTDIR/attention.md: forward and backward ms and causal TFLOP/s
+att_bench=${BENCH_ATTENTION:-$(dirname "$fitlm")/bench_gpu_attention}
+attention_rates() {
+    local f=$out/attention.md shapes
+    shapes=("gpt2-124m 16 1024 12 12 64" "smollm-135m 16 1024 9 3 64"
+        "tinyllama-1.1b 4 1024 32 4 64" "llama-7b 4 1024 32 32 128")
+    local rounds=20
+    if [ "$smoke" = 1 ]; then
+        shapes=("tiny 1 64 2 1 64")
+        rounds=1
+    fi
+    {
+        echo "# Causal attention alone, one layer, bf16 (${card:-the GPU nvidia-smi did not name}, $(date -u '+%Y-%m-%d'))"
+        echo
+        echo "FLOPs as FlashAttention's benchmarks count them: 2 B NH T^2 HS forward, 2.5x that backward."
+        echo
+        echo "| shape | B | T | NH | NKV | HS | engine | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s |"
+        echo "|---|---|---|---|---|---|---|---|---|---|---|"
+    } >"$f"
+    local sh name B T NH NKV HS r
+    for sh in "${shapes[@]}"; do
+        read -r name B T NH NKV HS <<<"$sh"
+        echo "== attention $name B $B T $T NH $NH NKV $NKV HS $HS" >>"$log"
+        r=$(timeout 60 "$att_bench" --B "$B" --T "$T" --NH "$NH" --NKV "$NKV" --HS "$HS" \
+            --rounds $rounds 2>>"$log" | tee -a "$log" | grep '^RESULT')
+        if [ "$smoke" != 1 ]; then
+            r+=$'\n'$(timeout 90 "$py" "$src/bench/torch_attention.py" --B "$B" --T "$T" --NH "$NH" \
+                --NKV "$NKV" --HS "$HS" --rounds $rounds 2>>"$log" | tee -a "$log" | grep '^RESULT')
+        fi
+        echo "$r" | awk -v s="| $name | $B | $T | $NH | $NKV | $HS" '/^RESULT/ {
+            for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+            eng = v["kernels"] != "" ? "fitlm " v["kernels"] : v["engine"] " (" v["backend"] ")"
+            printf "%s | %s | %s | %s | %s | %s |\n", s, eng, v["fwd_ms"], v["fwd_tflops"], v["bwd_ms"], v["bwd_tflops"]
+            delete v }' >>"$f"
+    done
+}
+
 # ncu_attention CONFIG B T DATA FLAGS...: Nsight Compute on one launch of
 # each attention kernel of the config's first step (after skipping 11 of
 # them: the last layer's forward, then its dK/dV and dQ) into
@@ -282,6 +326,10 @@ if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
     # shellcheck disable=SC2086
     fitlm_profile "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]} || profile_failed=1
 fi
+# the attention kernels alone beside PyTorch's, when time is left
+if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
+    attention_rates
+fi
 for comp in 0 1; do
     for k in "${!names[@]}"; do
         eng=pytorch-eager
@@ -319,6 +367,7 @@ if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
 fi
 # the profile first: the table of runs is what a caller's tail shows
 [ -s "$out/profile_${names[0]}.md" ] && cat "$out/profile_${names[0]}.md"
+[ -s "$out/attention.md" ] && cat "$out/attention.md"
 echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s and of the best cuBLASLt rate on the config's GEMM shapes (mfu_gemm), peak device MiB"
 table "$tsv"
 [ -z "${profile_failed:-}" ] || exit 1

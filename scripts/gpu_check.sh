@@ -20,8 +20,9 @@
 #     nvidia-smi showed a GPU (the CUDA runtime could not use it: why is in
 #     ctest.log);
 #  5. bench/gpu.sh (fitlm beside PyTorch eager and torch.compile,
-#     fitlm's GPT-2 124M step op by op, timed on the GPU, and, when time is
-#     left, its attention kernels under Nsight Compute);
+#     fitlm's GPT-2 124M step op by op, timed on the GPU, the attention
+#     kernels alone beside PyTorch's scaled_dot_product_attention, and,
+#     when time is left, under Nsight Compute);
 #  6. OUTDIR/gpu_check.md and OUTDIR/gpu_check.json, and a short table last.
 # Logs are tee'd into OUTDIR (check.log, build.log, ctest.log, bench.log,
 # bench.tsv). Without a GPU, nvcc or cmake it says which and exits 1 after
@@ -186,7 +187,7 @@ command -v ninja >/dev/null && gen=(-G Ninja)
 build_ok=0
 if timeout 300 cmake -S . -B build-gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DFITLM_CUDA=ON \
     -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90a "${cmake_flags[@]}" >"$out/build.log" 2>&1 &&
-    timeout 300 cmake --build build-gpu -j16 --target fitlm test_gpu test_mma bench_gpu_gemm >>"$out/build.log" 2>&1; then
+    timeout 300 cmake --build build-gpu -j16 --target fitlm test_gpu test_mma bench_gpu_gemm bench_gpu_attention >>"$out/build.log" 2>&1; then
     build_ok=1
     grep -E '^-- (CUDA backend|Open MPI|FITLM_PLOT)' "$out/build.log"
     # where each library the binaries link loads from (the prefix's, the
@@ -281,7 +282,7 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
                               print "|---|---|---|---|---|---|---|---|---|"; next }
                     { print "| " $1 " | " $2 " | " $3 " | " $5 " | " $6 " | " $7 " | " $8 " | " $9 " | " $10 " |" }' "$out/bench.tsv"
     fi
-    for f in "$out"/profile_*.md; do
+    for f in "$out"/profile_*.md "$out"/attention.md; do
         [ -s "$f" ] && echo && sed 's/^# /## /' "$f"
     done
     if [ -s "$out/ncu_attention.txt" ]; then
@@ -322,6 +323,7 @@ echo "== summary ($(elapsed) s): $gpu, driver $driver, nvcc $nvcc_v; $status; ct
 for f in "$out"/profile_*.md; do
     [ -s "$f" ] && head -16 "$f" # the step's largest ops (the whole table in gpu_check.md)
 done
+[ -s "$out/attention.md" ] && tail -n +5 "$out/attention.md" # the attention kernels beside PyTorch's
 [ -s "$out/bench.tsv" ] && table "$out/bench.tsv"
 [ -s "$out/memory.tsv" ] && table "$out/memory.tsv"
 [ "$status" = ok ] && finish 0
