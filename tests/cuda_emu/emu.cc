@@ -941,7 +941,7 @@ float *wmma_enter(const char *call, const void *ptr, unsigned ldm, int layout, s
     slots[(size_t)me] = wmma_args{call, ptr, ldm, layout};
     warp_barrier(0xffffffffu, 1);
     const wmma_args &a = slots[(size_t)me], &b = slots[(size_t)base];
-    if (strcmp(a.call, b.call))
+    if (a.call != b.call && strcmp(a.call, b.call))
         die("kernel %s: lane %d of warp %d calls wmma::%s, lane 0 wmma::%s: a WMMA call inside a "
             "branch",
             r.name, lane, me / 32, a.call, b.call);
@@ -1004,7 +1004,8 @@ const ptx_slot *ptx_enter(const char *call, const void *mine, size_t bytes) {
     // of slots takes the next instruction's, so these stay until all lanes
     // have passed that one's barrier
     warp_barrier(0xffffffffu, 1);
-    if (strcmp(slots[(size_t)me].call, slots[(size_t)base].call))
+    if (slots[(size_t)me].call != slots[(size_t)base].call &&
+        strcmp(slots[(size_t)me].call, slots[(size_t)base].call))
         die("kernel %s: lane %d of warp %d is at %s, lane 0 at %s: a warp-collective PTX "
             "instruction inside a branch",
             r.name, lane, me / 32, slots[(size_t)me].call, slots[(size_t)base].call);

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include <type_traits>
+#include <vector>
 
 #include "cuda_bf16.h"
 #include "cuda_fp16.h"
@@ -53,12 +54,25 @@ inline void ldmatrix(uint32_t r[4], const void *row, bool trans) {
     }
 }
 
+// every fp16 value as a float, once (a load, where __half2float branches)
+inline const float *half_values() {
+    static const std::vector<float> table = [] {
+        std::vector<float> t(65536);
+        for (uint32_t u = 0; u < 65536; u++) {
+            uint16_t h = (uint16_t)u;
+            __half x;
+            memcpy((void *)&x, &h, 2);
+            t[u] = __half2float(x);
+        }
+        return t;
+    }();
+    return table.data();
+}
+
 template <class E> float value(uint32_t pair, int high) {
     uint16_t h = (uint16_t)(high ? pair >> 16 : pair & 0xffffu);
     if (std::is_same<E, __nv_bfloat16>::value) return __bfloat162float(__ushort_as_bfloat16(h));
-    __half x;
-    memcpy((void *)&x, &h, 2);
-    return __half2float(x);
+    return half_values()[h];
 }
 
 // a lane's operands of mma.sync
@@ -105,21 +119,27 @@ template <class E> uint32_t fl_d_pack(float lo, float hi) {
 // d (16 x 8) += a (16 x 16) b (16 x 8): element (r, k) of A is in lane
 // 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2;
 // element (k, c) of B in lane 4 c + (k % 8) / 2, register k >= 8, half k % 2.
+// Each lane reads its two rows of A and two columns of B once.
 template <class E> void fl_d_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     using namespace fl_emu::ptx;
     mma_operands mine = {{a[0], a[1], a[2], a[3]}, {b0, b1}};
     const fl_emu::ptx_slot *s = fl_emu::ptx_enter("mma.sync", &mine, sizeof mine);
     int l = lane(), g = l / 4, t = l % 4;
-    mma_operands all[32];
-    for (int i = 0; i < 32; i++) memcpy(&all[i], s[i].bytes, sizeof all[i]);
-    for (int e = 0; e < 4; e++) {
-        int r = g + 8 * (e >= 2), c = 2 * t + (e & 1);
-        float sum = d[e];
-        for (int k = 0; k < 16; k++) {
-            float x = value<E>(all[4 * (r % 8) + (k % 8) / 2].a[(r >= 8) + 2 * (k >= 8)], k % 2);
-            float y = value<E>(all[4 * c + (k % 8) / 2].b[k >= 8], k % 2);
-            sum += x * y;
+    float arow[2][16], bcol[2][16];
+    for (int k = 0; k < 16; k++) {
+        mma_operands x, y[2];
+        memcpy(&x, s[4 * g + (k % 8) / 2].bytes, sizeof x);
+        memcpy(&y[0], s[4 * (2 * t) + (k % 8) / 2].bytes, sizeof x);
+        memcpy(&y[1], s[4 * (2 * t + 1) + (k % 8) / 2].bytes, sizeof x);
+        for (int h = 0; h < 2; h++) {
+            arow[h][k] = value<E>(x.a[h + 2 * (k >= 8)], k % 2);
+            bcol[h][k] = value<E>(y[h].b[k >= 8], k % 2);
         }
+    }
+    for (int e = 0; e < 4; e++) {
+        const float *x = arow[e / 2], *y = bcol[e % 2];
+        float sum = d[e];
+        for (int k = 0; k < 16; k++) sum += x[k] * y[k];
         d[e] = sum;
     }
 }
