@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the CUDA emulator's C++-only headers (NVIDIA's names) are checked as C++ below
-emu_cxx_headers="tests/cuda_emu/mma.h tests/cuda_emu/fl_emu_ptx.h tests/cuda_emu/cuda_bf16.h tests/cuda_emu/cuda_fp16.h"
+emu_cxx_headers="tests/cuda_emu/mma.h tests/cuda_emu/fl_emu_ptx.h tests/cuda_emu/in_child.h tests/cuda_emu/cuda_bf16.h tests/cuda_emu/cuda_fp16.h"
 files=$(git ls-files '*.c' '*.h' 2>/dev/null || find include src tests bench -name '*.[ch]')
 files=$(printf '%s\n' $files | grep -v -x -F "$(printf '%s\n' $emu_cxx_headers)")
 # the CUDA backend's kernels (src/cuda/*.cu, *.cuh) take the same format

@@ -14,8 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #ifndef __CUDACC__
-#include <sys/wait.h>
-#include <unistd.h>
+#include "in_child.h" // the emulator's (tests/cuda_emu)
 #endif
 
 #include <cuda_runtime.h>
@@ -145,29 +144,9 @@ __global__ void k_misaligned() {
 
 static void dies(const char *what, void (*bad)(const piece *), const piece *src,
                  const char *expect) {
-    int fd[2];
-    if (pipe(fd)) abort();
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(fd[0]);
-        dup2(fd[1], 2);
-        bad(src);
-        cudaDeviceSynchronize();
-        _exit(0);
-    }
-    close(fd[1]);
-    char err[4096];
-    size_t n = 0;
-    ssize_t got;
-    while (n < sizeof err - 1 && (got = read(fd[0], err + n, sizeof err - 1 - n)) > 0)
-        n += (size_t)got;
-    err[n] = 0;
-    close(fd[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    check(WIFSIGNALED(status) && strstr(err, expect), what, 0);
+    bool stopped;
+    std::string err = in_child<const piece *>(bad, src, &stopped);
+    check(stopped && err.find(expect) != std::string::npos, what, 0);
 }
 
 static void test_violations(void) {

@@ -9,17 +9,16 @@
 // violations, each in a child process that must stop with its message.
 // Built for the emulator only (CTest gpu_emu_wmma), translated as src/cuda/.
 #include <mma.h>
-#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "in_child.h"
 
 using namespace nvcuda;
 
@@ -499,27 +498,8 @@ struct device_bufs {
 // Runs `bad` in a child, which must stop (abort) with `expect` on stderr.
 static void dies(const char *name, void (*bad)(const device_bufs &), const device_bufs &b,
                  const char *expect) {
-    int fd[2];
-    if (pipe(fd)) abort();
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(fd[0]);
-        dup2(fd[1], 2);
-        bad(b);
-        cudaDeviceSynchronize();
-        _exit(0);
-    }
-    close(fd[1]);
-    std::string err;
-    char buf[512];
-    ssize_t got;
-    while ((got = read(fd[0], buf, sizeof buf)) > 0) err.append(buf, (size_t)got);
-    close(fd[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    bool stopped = WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
+    bool stopped;
+    std::string err = in_child<const device_bufs &>(bad, b, &stopped);
     check(stopped && err.find(expect) != std::string::npos, "%s: stops with '%s' (%s: %s)", name,
           expect, stopped ? "stopped" : "did not stop", err.c_str());
 }
