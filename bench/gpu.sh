@@ -353,10 +353,9 @@ done
 # is left, after PyTorch's runs: which of the two is faster on this card
 # (row fitlm-wmma)
 if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
-    export FITLM_CUDA_ATTENTION=wmma
     # shellcheck disable=SC2086
-    ENGINE=fitlm-wmma GEMM_TF=${GS[0]} fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
-    unset FITLM_CUDA_ATTENTION
+    FITLM_CUDA_ATTENTION=wmma ENGINE=fitlm-wmma GEMM_TF=${GS[0]} \
+        fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
 else
     row "${names[0]}" fitlm-wmma "${batches[0]}" $T - - - - - "skipped: time"
 fi
