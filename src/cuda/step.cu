@@ -45,12 +45,27 @@ __global__ void accumulate_kernel(float *dst, fl_dtype dt, const void *src, size
     }
 }
 
-// partial[blockIdx.x] = the block's sum of x^2 (squares 1) or of x, in double
-__global__ void reduce_kernel(double *partial, fl_dtype dt, const void *x, size_t n, int squares) {
+// Up to REDUCE_RANGES ranges of one reduction launch, passed by value (the
+// kernel's parameters: no upload): range r's values x[r] (n[r] of them)
+// and its blocks, partial sums first[r] to first[r + 1] - 1.
+enum { REDUCE_RANGES = 64 };
+typedef struct {
+    const void *x[REDUCE_RANGES];
+    size_t n[REDUCE_RANGES];
+    unsigned first[REDUCE_RANGES + 1];
+    int count;
+} reduce_table;
+
+// partial[blockIdx.x] = the block's sum of x^2 (squares 1) or of x, in
+// double, over its range's grid stride: the bits one launch per range gives
+__global__ void reduce_kernel(double *partial, fl_dtype dt, reduce_table t, int squares) {
     __shared__ double warps[REDUCE_THREADS / 32];
+    int r = 0;
+    while (r + 1 < t.count && t.first[r + 1] <= blockIdx.x) r++;
+    size_t b = blockIdx.x - t.first[r], blocks = t.first[r + 1] - t.first[r], n = t.n[r];
+    const void *x = t.x[r];
     double s = 0.0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
+    for (size_t i = b * blockDim.x + threadIdx.x; i < n; i += blocks * blockDim.x) {
         double v = (double)fl_d_load(dt, x, i);
         s += squares ? v * v : v; // a float's square is exact in double
     }
@@ -60,7 +75,9 @@ __global__ void reduce_kernel(double *partial, fl_dtype dt, const void *x, size_
 
 // out[i] = the sum (of squares) of the counts[i] values from x + offsets[i],
 // for n ranges: each range's blocks write their own slice of one buffer of
-// partial sums, copied back with one wait for all of them (another only when
+// partial sums, a launch for up to REDUCE_RANGES ranges (a GPT-2's ~150
+// tensors in 3, where a launch each left the GPU waiting on the host's
+// launches), copied back with one wait for all of them (another only when
 // the next range's would pass FL_CUDA_REDUCE_PARTIALS); the host adds each
 // range's blocks in order, so a range's sum is the same bits however many
 // ranges come with it.
@@ -73,13 +90,27 @@ static void reduce_ranges(fl_dtype dt, const void *x, int n, const size_t *offse
     double *partial = (double *)fl_cuda_scratch(want * sizeof(double));
     for (int first = 0, i = 0; first < n; first = i) {
         size_t used = 0; // launch ranges [first, i) while their partial sums fit
+        reduce_table t;
+        t.count = 0;
+        t.first[0] = 0;
         for (; i < n && used + reduce_blocks(counts[i]) <= want; i++) {
             unsigned blocks = reduce_blocks(counts[i]);
             if (!blocks) continue;
-            reduce_kernel<<<blocks, REDUCE_THREADS, 0, fl_cuda_stream()>>>(
-                partial + used, dt, fl_at_const(dt, x, offsets[i]), counts[i], squares);
-            FL_CUDA_LAUNCHED("reduce_kernel");
+            t.x[t.count] = fl_at_const(dt, x, offsets[i]);
+            t.n[t.count] = counts[i];
+            t.first[t.count + 1] = t.first[t.count] + blocks;
+            if (++t.count == REDUCE_RANGES) {
+                reduce_kernel<<<t.first[t.count], REDUCE_THREADS, 0, fl_cuda_stream()>>>(
+                    partial + used + blocks - t.first[t.count], dt, t, squares);
+                FL_CUDA_LAUNCHED("reduce_kernel");
+                t.count = 0;
+            }
             used += blocks;
+        }
+        if (t.count) {
+            reduce_kernel<<<t.first[t.count], REDUCE_THREADS, 0, fl_cuda_stream()>>>(
+                partial + used - t.first[t.count], dt, t, squares);
+            FL_CUDA_LAUNCHED("reduce_kernel");
         }
         if (used) {
             FL_CUDA_CHECK(cudaMemcpyAsync(host, partial, used * sizeof(double),
