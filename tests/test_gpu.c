@@ -860,6 +860,10 @@ typedef struct {
     fl_sgd sgdr[2];
     fl_param_view row;
     size_t n;
+    // rows: the buffer as a table of rows (ragged sizes, decay on every
+    // other one, one frozen, one empty), through update_rows where the
+    // device has it, FL_UPDATE_ROWS at a time, and row by row elsewhere
+    fl_param_table *rows;
 } optim_args;
 
 static fl_optim_rule *rule_of(optim_args *o, int side) {
@@ -886,25 +890,60 @@ static void call_update(tcase *t, const fl_device *x, void *p) {
                         .grad_scale = 0.5f};
     for (int step = 0; step < 2; step++) {
         fl_optim_begin_step(r, 1e-2f);
-        x->update(r, &o->row, 0, o->n, &a);
+        if (!o->rows) x->update(r, &o->row, 0, o->n, &a);
+        for (int k0 = 0; o->rows && k0 < o->rows->count; k0 += FL_UPDATE_ROWS) {
+            const fl_param_view *rows[FL_UPDATE_ROWS];
+            size_t lo[FL_UPDATE_ROWS], n[FL_UPDATE_ROWS];
+            fl_update_args ra[FL_UPDATE_ROWS];
+            int k = 0;
+            for (; k < FL_UPDATE_ROWS && k0 + k < o->rows->count; k++) {
+                const fl_param_view *v = &o->rows->views[k0 + k];
+                rows[k] = v, lo[k] = v->offset, n[k] = v->numel, ra[k] = a;
+                ra[k].params = (float *)a.params + v->offset;
+                ra[k].params_lowp = a.params_lowp ? fl_at(t->dt, a.params_lowp, v->offset) : NULL;
+                ra[k].grads = fl_at_const(t->dt, a.grads, v->offset);
+                if (!x->update_rows) x->update(r, v, v->offset, v->numel, &ra[k]);
+            }
+            if (x->update_rows) x->update_rows(r, k, rows, lo, n, ra);
+        }
         fl_optim_end_step(r);
     }
 }
 
-static void optim(fl_dtype dt, int sgd) {
+static void optim(fl_dtype dt, int sgd, int by_rows) {
     optim_args o = {.sgd = sgd, .n = 100003};
     o.row = (fl_param_view){
         .name = "w", .ndim = 1, .shape = {o.n}, .numel = o.n, .flags = FL_PARAM_DECAY};
+    fl_param_table rows = {0};
+    if (by_rows) { // 70 rows: more than a call of update_rows takes
+        char name[16];
+        for (int k = 0; k < 70; k++) {
+            size_t left = o.n - rows.numel, n = k == 69 ? left : k == 5 ? 0 : 1 + (size_t)k * 37;
+            int flags = (k % 2 ? FL_PARAM_DECAY : 0) | (k == 9 ? FL_PARAM_FROZEN : 0);
+            snprintf(name, sizeof name, "r%d", k);
+            fl_params_add(&rows, name, flags, 1, &n);
+        }
+        o.rows = &rows;
+    }
     if (sgd)
         fl_sgd_init(&o.sgdr[0], o.n, 0.9f, 0.01f), o.sgdr[1] = o.sgdr[0];
     else
         fl_adamw_init(&o.adamw[0], o.n, 0.9f, 0.95f, 1e-8f, 0.1f), o.adamw[1] = o.adamw[0];
-    tcase t = tc_new(sgd ? "update: SGD momentum 0.9" : "update: AdamW", dt);
+    tcase t =
+        tc_new(sgd ? by_rows ? "update: SGD momentum 0.9, 70 rows" : "update: SGD momentum 0.9"
+               : by_rows ? "update: AdamW, 70 rows"
+                         : "update: AdamW",
+               dt);
     tc_acc(&t, FL_F32, o.n, 1.0f); // 0: the fp32 (master) weights
-    tc_out(&t, dt, o.n);           // 1: the 16-bit weights the step refreshes
-    tc_in(&t, dt, o.n, 1.0f);      // 2: the gradients
-    tc_out(&t, FL_F32, o.n);       // 3: m (SGD: the momentum buffer)
-    tc_out(&t, FL_F32, o.n);       // 4: v (unused by SGD)
+    // 1: the 16-bit weights the step refreshes (by rows: from a start, which
+    // the frozen row keeps)
+    if (by_rows)
+        tc_acc(&t, dt, o.n, 1.0f);
+    else
+        tc_out(&t, dt, o.n);
+    tc_in(&t, dt, o.n, 1.0f); // 2: the gradients
+    tc_out(&t, FL_F32, o.n);  // 3: m (SGD: the momentum buffer)
+    tc_out(&t, FL_F32, o.n);  // 4: v (unused by SGD)
     // the state starts at zero, not poisoned; the host's is the rule's own
     float *zero = calloc(o.n, sizeof(float));
     FL_ASSERT(zero);
@@ -934,6 +973,7 @@ static void optim(fl_dtype dt, int sgd) {
     else
         fl_adamw_free(&o.adamw[0]);
     free(zero);
+    if (by_rows) fl_params_free(&rows);
 }
 
 // ----------------------------------------------------------------------------
@@ -1117,8 +1157,10 @@ int main(int argc, char **argv) {
         nf4_quantised(dt);
         step_pieces(dt);
         sumsq_rows(dt);
-        optim(dt, 0);
-        optim(dt, 1);
+        optim(dt, 0, 0);
+        optim(dt, 1, 0);
+        optim(dt, 0, 1);
+        optim(dt, 1, 1);
         fused(dt, 0);
         fused(dt, 1);
     }

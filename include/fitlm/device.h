@@ -48,6 +48,8 @@ typedef struct fl_stream fl_stream; // an ordered queue of device work (NULL: co
 typedef struct fl_event fl_event;   // a point on a stream
 
 enum { FL_COPY_H2D, FL_COPY_D2H, FL_COPY_D2D };
+// the most rows a call of update_rows takes
+enum { FL_UPDATE_ROWS = 48 };
 
 typedef struct fl_device fl_device;
 struct fl_device {
@@ -201,6 +203,14 @@ struct fl_device {
     // params_lowp, grads) and the rule's state are the device's
     void (*update)(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
                    const fl_update_args *a);
+    // update for n rows at once (rows[i]: elements [offset[i], offset[i] +
+    // count[i]), args[i]; the args alike but for their pointers and
+    // first_index), the same bits as a call each; NULL: the caller calls
+    // update row by row (cuda: AdamW and SGD rows in one launch per
+    // FL_UPDATE_ROWS, where a launch each left the GPU waiting on the
+    // host's launches after the step's norm)
+    void (*update_rows)(fl_optim_rule *r, int n, const fl_param_view *const *rows,
+                        const size_t *offset, const size_t *count, const fl_update_args *args);
 
     void *state; // the backend's own
 };

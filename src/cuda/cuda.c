@@ -378,6 +378,7 @@ static fl_device cuda = {
     .sumsq_rows = fl_cuda_sumsq_rows,
     .sum = fl_cuda_sum,
     .update = fl_cuda_update,
+    .update_rows = fl_cuda_update_rows,
 };
 
 // Every entry filled: a missing kernel is a build that lacks it, said at

@@ -151,6 +151,8 @@ void fl_cuda_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offsets
 double fl_cuda_sum(const float *x, size_t n);
 void fl_cuda_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
                     const fl_update_args *a);
+void fl_cuda_update_rows(fl_optim_rule *r, int n, const fl_param_view *const *rows,
+                         const size_t *offset, const size_t *count, const fl_update_args *args);
 
 #ifdef __cplusplus
 }

@@ -41,6 +41,70 @@ __global__ void adamw_kernel(float *p, fl_dtype gdt, const void *g, float *m, fl
     }
 }
 
+// Up to FL_UPDATE_ROWS rows of one AdamW or SGD launch, passed by value
+// (the kernel's parameters: no upload): row r's weights p, gradient g,
+// state s0 (m, or SGD's buffer or NULL) and s1 (v), 16-bit copy p16 (or
+// NULL), n[r] elements, its decay factor (AdamW's keep, SGD's wd), and its
+// blocks first[r] to first[r + 1] - 1.
+typedef struct {
+    float *p[FL_UPDATE_ROWS], *s0[FL_UPDATE_ROWS], *s1[FL_UPDATE_ROWS];
+    const void *g[FL_UPDATE_ROWS];
+    void *p16[FL_UPDATE_ROWS];
+    size_t n[FL_UPDATE_ROWS];
+    float decay[FL_UPDATE_ROWS];
+    unsigned first[FL_UPDATE_ROWS + 1];
+    int count;
+} update_table;
+
+// the block's row and its place among the row's blocks
+__device__ __forceinline__ int update_row(const update_table &t, size_t *b, size_t *blocks) {
+    int r = 0;
+    while (r + 1 < t.count && t.first[r + 1] <= blockIdx.x) r++;
+    *b = blockIdx.x - t.first[r], *blocks = t.first[r + 1] - t.first[r];
+    return r;
+}
+
+// adamw_kernel's arithmetic on each row of t
+__global__ void adamw_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale,
+                                  float b1, float b2, float eps, float bc1, float bc2, float lr) {
+    size_t b, blocks;
+    int r = update_row(t, &b, &blocks);
+    float *p = t.p[r], *m = t.s0[r], *v = t.s1[r], keep = t.decay[r];
+    const void *g = t.g[r];
+    void *p16 = t.p16[r];
+    for (size_t i = b * blockDim.x + threadIdx.x; i < t.n[r]; i += blocks * blockDim.x) {
+        float gi = fl_d_load(gdt, g, i) * gscale;
+        float mi = fmaf(b1, m[i], (1.0f - b1) * gi);
+        float vi = fmaf(b2, v[i], (1.0f - b2) * gi * gi);
+        m[i] = mi;
+        v[i] = vi;
+        float mhat = mi / bc1, vhat = vi / bc2;
+        float pi = fmaf(p[i], keep, -(lr * mhat / (sqrtf(vhat) + eps)));
+        p[i] = pi;
+        if (p16) fl_d_store(pdt, p16, i, pi);
+    }
+}
+
+// sgd_kernel's arithmetic on each row of t (s0: the momentum buffers)
+__global__ void sgd_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale, float lr,
+                                float mu, int first) {
+    size_t b, blocks;
+    int r = update_row(t, &b, &blocks);
+    float *p = t.p[r], *buf = t.s0[r], wd = t.decay[r];
+    const void *g = t.g[r];
+    void *p16 = t.p16[r];
+    for (size_t i = b * blockDim.x + threadIdx.x; i < t.n[r]; i += blocks * blockDim.x) {
+        float d = fl_d_load(gdt, g, i) * gscale + wd * p[i];
+        if (buf) {
+            d = first ? d : mu * buf[i] + d;
+            buf[i] = d;
+        }
+        float pi = p[i] - lr * d;
+        p[i] = pi;
+        if (p16) fl_d_store(pdt, p16, i, pi);
+    }
+}
+
 // buf NULL: no momentum; first: the step that starts the buffer
 __global__ void sgd_kernel(float *p, fl_dtype gdt, const void *g, float *buf, fl_dtype pdt,
                            void *p16, size_t n, float gscale, float lr, float wd, float mu,
@@ -365,4 +429,60 @@ extern "C" void fl_cuda_update(fl_optim_rule *r, const fl_param_view *row, size_
         a->params, a->grads_dtype, a->grads, o->buf ? o->buf + s : NULL, a->lowp_dtype, p16, count,
         a->grad_scale, o->lr, wd, o->momentum, o->t == 1);
     FL_CUDA_LAUNCHED("sgd_kernel");
+}
+
+// The rows' AdamW or SGD in launches of up to FL_UPDATE_ROWS rows (the
+// elements' arithmetic is the kernels' above: the same bits as a launch
+// each); LOMO and AdaLomo row by row.
+extern "C" void fl_cuda_update_rows(fl_optim_rule *r, int n, const fl_param_view *const *rows,
+                                    const size_t *offset, const size_t *count,
+                                    const fl_update_args *args) {
+    FL_ASSERT(n >= 0 && n <= FL_UPDATE_ROWS);
+    int adamw = r->ops->kind == FL_OPT_ADAMW;
+    if (!adamw && r->ops->kind != FL_OPT_SGD) {
+        for (int i = 0; i < n; i++) fl_cuda_update(r, rows[i], offset[i], count[i], &args[i]);
+        return;
+    }
+    FL_ASSERT(*fl_optim_step_count(r) >= 1); // inside a step
+    update_table t;
+    t.count = 0;
+    t.first[0] = 0;
+    for (int i = 0; i < n; i++) {
+        const fl_param_view *row = rows[i];
+        const fl_update_args *a = &args[i];
+        FL_ASSERT(offset[i] >= row->offset && offset[i] + count[i] <= row->offset + row->numel);
+        FL_ASSERT(offset[i] >= r->state_begin && offset[i] + count[i] <= r->state_end);
+        FL_ASSERT(a->grad_scale == args[0].grad_scale && a->grads_dtype == args[0].grads_dtype &&
+                  a->lowp_dtype == args[0].lowp_dtype);
+        if ((row->flags & FL_PARAM_FROZEN) || !count[i]) continue;
+        if (!a->params)
+            fl_die("cuda: an update without fp32 weights (no master copy) is not supported on a "
+                   "device");
+        size_t s = offset[i] - r->window_begin; // the state's element
+        int k = t.count++, decays = (row->flags & FL_PARAM_DECAY) != 0;
+        t.p[k] = a->params, t.g[k] = a->grads, t.p16[k] = a->params_lowp, t.n[k] = count[i];
+        if (adamw) {
+            const fl_adamw *o = (const fl_adamw *)r;
+            t.s0[k] = o->m + s, t.s1[k] = o->v + s, t.decay[k] = decays ? o->keep : 1.0f;
+        } else {
+            const fl_sgd *o = (const fl_sgd *)r;
+            t.s0[k] = o->buf ? o->buf + s : NULL, t.s1[k] = NULL;
+            t.decay[k] = decays ? o->weight_decay : 0.0f;
+        }
+        t.first[k + 1] = t.first[k] + fl_cuda_blocks(count[i], 256);
+    }
+    if (!t.count) return;
+    const fl_update_args *a = &args[0];
+    if (adamw) {
+        const fl_adamw *o = (const fl_adamw *)r;
+        adamw_rows_kernel<<<t.first[t.count], 256, 0, fl_cuda_stream()>>>(
+            t, a->grads_dtype, a->lowp_dtype, a->grad_scale, o->beta1, o->beta2, o->eps, o->bc1,
+            o->bc2, o->lr);
+        FL_CUDA_LAUNCHED("adamw_rows_kernel");
+        return;
+    }
+    const fl_sgd *o = (const fl_sgd *)r;
+    sgd_rows_kernel<<<t.first[t.count], 256, 0, fl_cuda_stream()>>>(
+        t, a->grads_dtype, a->lowp_dtype, a->grad_scale, o->lr, o->momentum, o->t == 1);
+    FL_CUDA_LAUNCHED("sgd_rows_kernel");
 }

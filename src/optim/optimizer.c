@@ -232,6 +232,11 @@ static void update_rows(fl_optimizer *o, int first_row, int n_rows, const void *
     if (!fused) grad_scale *= clip_coef; // folded, as the whole-step path does
     // the step's stochastic-rounding seed (t counts steps begun)
     uint64_t sr_seed = fl_sr_bits(o->cfg.seed, (uint64_t)*fl_optim_step_count(r));
+    // a device that takes rows in batches gets them so (update_rows)
+    const fl_param_view *batch_rows[FL_UPDATE_ROWS];
+    size_t batch_lo[FL_UPDATE_ROWS], batch_n[FL_UPDATE_ROWS];
+    fl_update_args batch_args[FL_UPDATE_ROWS];
+    int batched = 0, batching = o->dev->update_rows != NULL;
     for (int k = first_row; k < first_row + n_rows; k++) {
         const fl_param_view *v = &o->table->views[k];
         size_t lo = v->offset > span_lo ? v->offset : span_lo;
@@ -257,8 +262,18 @@ static void update_rows(fl_optimizer *o, int first_row, int n_rows, const void *
             .team = team,
             .tp = o->tp,
         };
-        o->dev->update(o->rule, v, lo, hi - lo, &a);
+        if (!batching) {
+            o->dev->update(o->rule, v, lo, hi - lo, &a);
+            continue;
+        }
+        batch_rows[batched] = v, batch_lo[batched] = lo, batch_n[batched] = hi - lo;
+        batch_args[batched++] = a;
+        if (batched == FL_UPDATE_ROWS) {
+            o->dev->update_rows(o->rule, batched, batch_rows, batch_lo, batch_n, batch_args);
+            batched = 0;
+        }
     }
+    if (batched) o->dev->update_rows(o->rule, batched, batch_rows, batch_lo, batch_n, batch_args);
 }
 
 // The rows' update: on the cpu, for a rule whose rows can share a team, all
