@@ -24,23 +24,6 @@ extern "C" {
 #include "../optim/update.h"
 }
 
-__global__ void adamw_kernel(float *p, fl_dtype gdt, const void *g, float *m, float *v,
-                             fl_dtype pdt, void *p16, size_t n, float gscale, float b1, float b2,
-                             float eps, float bc1, float bc2, float lr, float keep) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float gi = fl_d_load(gdt, g, i) * gscale;
-        float mi = fmaf(b1, m[i], (1.0f - b1) * gi);
-        float vi = fmaf(b2, v[i], (1.0f - b2) * gi * gi);
-        m[i] = mi;
-        v[i] = vi;
-        float mhat = mi / bc1, vhat = vi / bc2;
-        float pi = fmaf(p[i], keep, -(lr * mhat / (sqrtf(vhat) + eps)));
-        p[i] = pi;
-        if (p16) fl_d_store(pdt, p16, i, pi);
-    }
-}
-
 // Up to FL_UPDATE_ROWS rows of one AdamW or SGD launch, passed by value
 // (the kernel's parameters: no upload): row r's weights p, gradient g,
 // state s0 (m, or SGD's buffer or NULL) and s1 (v), 16-bit copy p16 (or
@@ -64,7 +47,7 @@ __device__ __forceinline__ int update_row(const update_table &t, size_t *b, size
     return r;
 }
 
-// adamw_kernel's arithmetic on each row of t
+// AdamW on each row of t (src/optim/adamw.c's arithmetic)
 __global__ void adamw_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale,
                                   float b1, float b2, float eps, float bc1, float bc2, float lr) {
     size_t b, blocks;
@@ -85,7 +68,8 @@ __global__ void adamw_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, fl
     }
 }
 
-// sgd_kernel's arithmetic on each row of t (s0: the momentum buffers)
+// SGD on each row of t (s0: the momentum buffers, or NULL; first: the step
+// that starts them)
 __global__ void sgd_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale, float lr,
                                 float mu, int first) {
     size_t b, blocks;
@@ -94,23 +78,6 @@ __global__ void sgd_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, floa
     const void *g = t.g[r];
     void *p16 = t.p16[r];
     for (size_t i = b * blockDim.x + threadIdx.x; i < t.n[r]; i += blocks * blockDim.x) {
-        float d = fl_d_load(gdt, g, i) * gscale + wd * p[i];
-        if (buf) {
-            d = first ? d : mu * buf[i] + d;
-            buf[i] = d;
-        }
-        float pi = p[i] - lr * d;
-        p[i] = pi;
-        if (p16) fl_d_store(pdt, p16, i, pi);
-    }
-}
-
-// buf NULL: no momentum; first: the step that starts the buffer
-__global__ void sgd_kernel(float *p, fl_dtype gdt, const void *g, float *buf, fl_dtype pdt,
-                           void *p16, size_t n, float gscale, float lr, float wd, float mu,
-                           int first) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
         float d = fl_d_load(gdt, g, i) * gscale + wd * p[i];
         if (buf) {
             d = first ? d : mu * buf[i] + d;
@@ -408,32 +375,13 @@ extern "C" void fl_cuda_update(fl_optim_rule *r, const fl_param_view *row, size_
         adalomo_update((const fl_adalomo *)r, row, offset, count, a);
         return;
     }
-    if (!a->params)
-        fl_die(
-            "cuda: an update without fp32 weights (no master copy) is not supported on a device");
-    void *p16 = a->params_lowp;
-    size_t s = offset - r->window_begin; // the state's element
-    unsigned blocks = fl_cuda_blocks(count, 256);
-    if (r->ops->kind == FL_OPT_ADAMW) {
-        const fl_adamw *o = (const fl_adamw *)r;
-        float keep = (row->flags & FL_PARAM_DECAY) ? o->keep : 1.0f;
-        adamw_kernel<<<blocks, 256, 0, fl_cuda_stream()>>>(
-            a->params, a->grads_dtype, a->grads, o->m + s, o->v + s, a->lowp_dtype, p16, count,
-            a->grad_scale, o->beta1, o->beta2, o->eps, o->bc1, o->bc2, o->lr, keep);
-        FL_CUDA_LAUNCHED("adamw_kernel");
-        return;
-    }
-    const fl_sgd *o = (const fl_sgd *)r;
-    float wd = (row->flags & FL_PARAM_DECAY) ? o->weight_decay : 0.0f;
-    sgd_kernel<<<blocks, 256, 0, fl_cuda_stream()>>>(
-        a->params, a->grads_dtype, a->grads, o->buf ? o->buf + s : NULL, a->lowp_dtype, p16, count,
-        a->grad_scale, o->lr, wd, o->momentum, o->t == 1);
-    FL_CUDA_LAUNCHED("sgd_kernel");
+    fl_cuda_update_rows(r, 1, &row, &offset, &count, a); // AdamW, SGD: a table of one row
 }
 
-// The rows' AdamW or SGD in launches of up to FL_UPDATE_ROWS rows (the
-// elements' arithmetic is the kernels' above: the same bits as a launch
-// each); LOMO and AdaLomo row by row.
+// The rows' AdamW or SGD in one launch (an element's arithmetic does not
+// depend on the rows beside it: the same bits however the rows are
+// batched; fl_cuda_update's AdamW and SGD are a batch of one); LOMO and
+// AdaLomo row by row.
 extern "C" void fl_cuda_update_rows(fl_optim_rule *r, int n, const fl_param_view *const *rows,
                                     const size_t *offset, const size_t *count,
                                     const fl_update_args *args) {
