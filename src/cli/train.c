@@ -274,9 +274,15 @@ int cmd_train(int argc, char **argv) {
         // Only the training step is profiled (not evaluation, logging or
         // checkpoints), and not the first one: warm-up (page faults, kernel setup).
         fl_profile_enable(cfg->profile && step > start);
+        // a profiled step on a device is timed from and to an idle device,
+        // so that its ops' device times fall inside its wall time (the last
+        // updates of a step otherwise run after its timer stops)
+        const fl_device *dev = fl_device_default();
+        if (fl_profile_on) dev->sync(dev);
         double t0 = fl_now();
         fl_comm_stats c0 = fl_comm_get_stats();
         fl_train_result r = fl_run_step(&run, step);
+        if (fl_profile_on) dev->sync(dev);
         double ms = (fl_now() - t0) * 1e3;
         run_log_comm(&log, &c0);
         if (fl_profile_on) fl_profile_step(ms / 1e3);
