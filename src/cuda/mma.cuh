@@ -1,8 +1,9 @@
 // mma.cuh: the tensor cores at the warp level in PTX (sm_80 and later), for
 // kernels that keep their tiles in registers as FlashAttention-2 does:
 // ldmatrix (four 8 x 8 matrices of 16-bit values from shared memory, as
-// stored or transposed) and mma.sync m16n8k16 (16-bit operands, fp32
-// sums), with the operand loads the attention kernels need.
+// stored or transposed), mma.sync m16n8k16 (16-bit operands, fp32 sums),
+// cvt of two floats to a 16-bit pair and cp.async's tile copies, with the
+// operand loads the attention kernels need.
 //
 // The PTX ISA fixes which elements a lane holds (lane l: g = l / 4,
 // t = l % 4; element (r, c) of a 16-bit pair: c even in the low half):
