@@ -171,6 +171,7 @@ for arch in "${archs[@]}"; do
 done
 
 # --mem-limit on the device: its budget, against the plan's device bytes
+# (and, on cuda, an unknown choice of attention kernels refused by name)
 flags=(--device "$dev" --model tiny --arch llama --tokenizer byte --data "$work/data" --batch "$batch"
     --seq-len 64 --steps 2 --precision bf16 --threads 2 --sample-tokens 0 --eval-iters 1)
 "$fitlm" plan "${flags[@]}" >"$work/plan.out" 2>&1 || true
@@ -182,6 +183,10 @@ held=${held:-0}
 if [ "$dev" = cuda ]; then
     [ "$held" -gt 0 ] && grep -q "context and cuBLASLt" "$work/plan.out" && ok=1 || ok=0
     check $ok "cuda measures the bytes its context holds ($held) and names them at start-up"
+    ! FITLM_CUDA_ATTENTION=flash "$fitlm" train "${flags[@]}" --out "" >"$work/kernels.out" 2>&1 &&
+        grep -q "FITLM_CUDA_ATTENTION=flash: the tensor-core attention kernels are mma or wmma" \
+            "$work/kernels.out" && ok=1 || ok=0
+    check $ok "an unknown FITLM_CUDA_ATTENTION is refused by name, not run as the default"
 fi
 if [ -n "$need" ] && [ "$need" -gt 0 ]; then
     cap=$((need + held))
