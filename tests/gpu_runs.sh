@@ -31,7 +31,9 @@
 # bitwise the pinned weight offload's run, its resume bit for bit, and the
 # device's peak of weights the plan's and under the model's; without
 # clipping the update during the backward pass bitwise the update after it;
-# each offloaded step reports the share of it the device waited on the cpu
+# each step after the first waits behind the device's queued work once
+# (metrics.jsonl's host_waits: the verdict's read); each offloaded step
+# reports the share of it the device waited on the cpu
 # (timed on the device), within [0, 100]. The plan's device bytes per tag
 # equal a run's measured peaks (the backend's scratch included), and
 # --mem-limit counts what the device holds itself (cuda: its context,
@@ -144,6 +146,15 @@ for arch in "${archs[@]}"; do
     cmp -s <(grep '^step' "$work/dev_fp32_$arch/log.txt") \
         <(grep '^step' "$work/dev_fp32b_$arch/log.txt") && ok=1 || ok=0
     check $ok "$arch: two $dev runs log the same values bit for bit"
+
+    # the step's one wait: its verdict's read (the first step's GEMMs choose
+    # their algorithms); the cpu counts none
+    if [ "$dev" != cpu ]; then
+        waits=$(grep -o '"host_waits":[0-9]*' "$work/dev_bf16_$arch/metrics.jsonl" | tail -n +2 |
+            cut -d: -f2 | sort -u | tr '\n' ' ')
+        [ "$waits" = "1 " ] && ok=1 || ok=0
+        check $ok "$arch bf16: each $dev step after the first waits on the device once (host_waits: ${waits:-none})"
+    fi
 
     # resume from step $half's checkpoint: the later steps as the straight run's
     resumed_equals "dev_fp32_$arch" "$arch: $resumed as the straight run"

@@ -17,6 +17,7 @@
 
 #include "fitlm/device.h"
 #include "fitlm/model.h"
+#include "fitlm/train.h"
 #include "testlib.h"
 
 static const fl_model_config tiny_gpt2 = {
@@ -318,10 +319,168 @@ static void test_qlora(void) {
         }
 }
 
+// ----------------------------------------------------------------------------
+// training steps: the verdict (loss, norm, skips, the spike guard, the
+// clip coefficient) formed on the device and read once per step
+
+enum { STEPS = 5 };
+
+typedef struct {
+    const char *name;
+    const fl_model_config *c;
+    fl_dtype dt;
+    fl_optimizer_config oc;
+    int micro, fused;
+} step_case;
+
+typedef struct {
+    fl_train_result r[STEPS];
+    void *weights;
+    size_t bytes;
+    long stalls[STEPS]; // the test device's, per step
+    long spikes, skips;
+} step_outcome;
+
+static void run_steps(const step_case *k, const fl_device *d, step_outcome *o) {
+    fl_device_use(d);
+    fl_model m;
+    fl_model_init(&m, k->c, k->dt, 7);
+    fl_model_alloc_acts(&m, B / k->micro, T, FL_RECOMPUTE_NONE, k->fused);
+    fl_optimizer opt;
+    fl_optimizer_init(&opt, &k->oc, &m.table, k->dt, m.params, m.grads);
+    fl_device_use(fl_device_cpu());
+    o->spikes = o->skips = 0;
+    for (int s = 0; s < STEPS; s++) {
+        int in[BT], tg[BT];
+        t_rule_batch(20 + (uint64_t)s % 3, BT, k->c->vocab_size, in, tg);
+        long before = d->host_stalls ? d->host_stalls(d) : 0;
+        o->r[s] = fl_train_step(&m, &opt, in, tg, k->micro, B / k->micro, T, 0.02f);
+        o->stalls[s] = (d->host_stalls ? d->host_stalls(d) : 0) - before;
+        o->spikes += o->r[s].spike.outlier;
+        o->skips += o->r[s].skipped;
+    }
+    const void *span[3];
+    size_t bytes[3];
+    fl_model_weight_spans(&m, span, bytes);
+    o->weights = download(&m, span[0], bytes[0]);
+    o->bytes = bytes[0];
+    fl_optimizer_free(&opt);
+    fl_model_free(&m);
+}
+
+static void test_steps(void) {
+    const fl_spike_config guard = {
+        .loss_z = 0.5f, .grad_z = 0.5f, .window = 4, .min_count = 2, .max_in_row = 100};
+    fl_spike_config loss_guard = guard;
+    loss_guard.loss_z = 0.05f, loss_guard.grad_z = 0.0f;
+    const step_case cases[] = {
+        {"gpt2 fp32 adamw clip, 2 micro-batches",
+         &tiny_gpt2,
+         FL_F32,
+         {.kind = FL_OPT_ADAMW,
+          .grad_accum = 2,
+          .beta1 = 0.9f,
+          .beta2 = 0.95f,
+          .eps = 1e-8f,
+          .weight_decay = 0.1f,
+          .max_grad_norm = 0.5f},
+         2,
+         0},
+        {"gpt2 bf16 adamw clip, spike guard",
+         &tiny_gpt2,
+         FL_BF16,
+         {.kind = FL_OPT_ADAMW,
+          .grad_accum = 1,
+          .beta1 = 0.9f,
+          .beta2 = 0.95f,
+          .eps = 1e-8f,
+          .max_grad_norm = 1.0f,
+          .spike = guard},
+         1,
+         0},
+        {"gpt2 fp16 sgd momentum, overflowing scale, 2 micro-batches",
+         &tiny_gpt2,
+         FL_F16,
+         {.kind = FL_OPT_SGD,
+          .grad_accum = 2,
+          .momentum = 0.9f,
+          .initial_scale_power = 18,
+          .loss_scale_window = 1000,
+          .hysteresis = 1,
+          .min_loss_scale = 1.0f},
+         2,
+         0},
+        {"llama bf16 lomo clip (two passes)",
+         &tiny_llama,
+         FL_BF16,
+         {.kind = FL_OPT_LOMO,
+          .grad_accum = 1,
+          .max_grad_norm = 1.0f,
+          .clip_value = 0.5f,
+          .stochastic_rounding = 1,
+          .seed = 3},
+         1,
+         1},
+        {"llama fp32 lomo, spike guard (one pass)",
+         &tiny_llama,
+         FL_F32,
+         {.kind = FL_OPT_LOMO, .grad_accum = 1, .weight_decay = 0.1f, .spike = loss_guard},
+         1,
+         1},
+        {"llama fp16 adalomo clip, overflowing scale",
+         &tiny_llama,
+         FL_F16,
+         {.kind = FL_OPT_ADALOMO,
+          .grad_accum = 1,
+          .max_grad_norm = 1.0f,
+          .eps = 1e-30f,
+          .eps2 = 1e-3f,
+          .clip_threshold = 1.0f,
+          .decay_rate = -0.8f,
+          .initial_scale_power = 18,
+          .loss_scale_window = 1000,
+          .hysteresis = 1,
+          .min_loss_scale = 1.0f},
+         1,
+         1},
+    };
+    const fl_device *test = fl_device_get("test");
+    long spikes = 0, skips = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const step_case *k = &cases[i];
+        step_outcome cpu, dev;
+        run_steps(k, fl_device_cpu(), &cpu);
+        run_steps(k, test, &dev);
+        int same = !memcmp(cpu.weights, dev.weights, cpu.bytes), one = 1;
+        for (int s = 0; s < STEPS; s++) {
+            const fl_train_result *a = &cpu.r[s], *b = &dev.r[s];
+            same &= !memcmp(&a->loss, &b->loss, sizeof a->loss) &&
+                    !memcmp(&a->grad_norm, &b->grad_norm, sizeof a->grad_norm) &&
+                    a->skipped == b->skipped && a->loss_scale == b->loss_scale &&
+                    a->spike.outlier == b->spike.outlier && a->spikes_skipped == b->spikes_skipped;
+            one &= dev.stalls[s] == 1;
+            if (getenv("FITLM_TEST_VERBOSE"))
+                printf("  %s step %d: loss %.7g norm %.7g skipped %d outlier %d scale %g, "
+                       "%ld wait(s)\n",
+                       k->name, s, b->loss, b->grad_norm, b->skipped, b->spike.outlier,
+                       b->loss_scale, dev.stalls[s]);
+        }
+        t_check(same, "%s: the steps' results and weights on the test device are the cpu's",
+                k->name);
+        t_check(one, "%s: each step waits on the device once (its verdict's read)", k->name);
+        spikes += cpu.spikes, skips += cpu.skips;
+        free(cpu.weights), free(dev.weights);
+    }
+    t_check(spikes > 0 && skips > 0,
+            "the cases meet spikes (%ld) and overflow skips (%ld), decided on the device", spikes,
+            skips);
+}
+
 int main(void) {
     test_device_memory(); // first: these fork
     test_split_refused();
     test_models();
     test_qlora();
+    test_steps();
     return t_report();
 }

@@ -786,10 +786,15 @@ static void check_rows(const char *what, fl_dtype dt, const void *host, const vo
            *want = malloc((size_t)n * sizeof(double));
     FL_ASSERT(got && want);
     cpu->sumsq_rows(dt, host, n, offsets, counts, want);
+    // the results are the device's (left there for the step's gate)
+    double *out = dev->alloc(dev, FL_MEM_OTHER, (n ? (size_t)n : 1) * sizeof(double));
     for (int twice = 0; twice < 2; twice++) {
         memset(got + twice * n, 0xFF, (size_t)n * sizeof(double)); // NaN: a range not written
-        dev->sumsq_rows(dt, x, n, offsets, counts, got + twice * n);
+        fl_dev_upload(dev, out, got + twice * n, (size_t)n * sizeof(double));
+        dev->sumsq_rows(dt, x, n, offsets, counts, out);
+        fl_dev_download(dev, got + twice * n, out, (size_t)n * sizeof(double));
     }
+    dev->free(dev, out);
     int bad = 0;
     double *own1 = malloc(2 * (size_t)n * sizeof(double)), *cpu1s = own1 + n;
     FL_ASSERT(own1);
@@ -847,6 +852,185 @@ static void sumsq_rows(fl_dtype dt) {
     dev->free(dev, s);
     dev->free(dev, x);
     free(host);
+}
+
+// ----------------------------------------------------------------------------
+// the step's scalars on the device: sum_to (sum's bits, left in device
+// memory), fill, and the gate, whose verdicts must be the cpu's: one device
+// thread runs the host's arithmetic (src/optim/gate.h), so every field is
+// the same bits (NaN as NaN) for each kind of verdict
+
+static int same_or_nan(double a, double b) {
+    return (isnan(a) && isnan(b)) || !memcmp(&a, &b, sizeof a);
+}
+
+static int gates_equal(const fl_step_gate *a, const fl_step_gate *b) {
+    return same_or_nan(a->loss_raw, b->loss_raw) && same_or_nan(a->loss_sum, b->loss_sum) &&
+           same_or_nan(a->sumsq, b->sumsq) && same_or_nan(a->loss, b->loss) &&
+           same_or_nan(a->grad_norm, b->grad_norm) && same_or_nan(a->grad_scale, b->grad_scale) &&
+           same_or_nan(a->unscale, b->unscale) && same_or_nan(a->clip_coef, b->clip_coef) &&
+           same_or_nan(a->loss_z, b->loss_z) && same_or_nan(a->grad_z, b->grad_z) &&
+           a->skip == b->skip && a->judged == b->judged;
+}
+
+static void step_scalars(void) {
+    const fl_device *cpu = fl_device_cpu_table();
+    size_t n = 100003;
+    float *h = malloc(n * sizeof(float));
+    FL_ASSERT(h);
+    t_fill(h, n, 77, 1.0f);
+    float *x = dev->alloc(dev, FL_MEM_OTHER, n * sizeof(float));
+    double *d = dev->alloc(dev, FL_MEM_OTHER, sizeof(double)), got;
+    fl_dev_upload(dev, x, h, n * sizeof(float));
+    double want = dev->sum(x, n);
+    dev->sum_to(d, x, n);
+    fl_dev_download(dev, &got, d, sizeof got);
+    t_check(!memcmp(&got, &want, sizeof got), "sum_to: sum's bits, left on the device (%.17g)",
+            got);
+    dev->fill(x, 0.375f, n);
+    fl_dev_download(dev, h, x, n * sizeof(float));
+    int filled = 1;
+    for (size_t i = 0; i < n; i++) filled &= h[i] == 0.375f;
+    t_check(filled, "fill: every value");
+    free(h);
+    dev->free(dev, x), dev->free(dev, d);
+
+    // the rows' sums and a parent gate beside the gate, on each side
+    enum { ROWS = 5 };
+    size_t bytes = 2 * sizeof(fl_step_gate) + ROWS * sizeof(double);
+    fl_step_gate host[2] = {{0}}, dg[2];
+    double rows[ROWS];
+    char *mem = dev->alloc(dev, FL_MEM_OTHER, bytes);
+    fl_step_gate *g = (fl_step_gate *)mem, *parent = g + 1;
+    double *drows = (double *)(void *)(mem + 2 * sizeof(fl_step_gate));
+    fl_spike_stat flat = {4.0, 0.04, 1}, wide = {1.0, 0.5, 1}, few = {0.0, 0.0, 0};
+    const struct {
+        const char *what;
+        double raw, row3; // the model's loss sum, and row 3's sum of squares
+        fl_gate_op op;
+    } cases[] = {
+        {"a micro-batch's loss", 123.456, 1.0, {.op = FL_GATE_LOSS, .n = 31, .first = 1}},
+        {"the next micro-batch's", 98.7, 1.0, {.op = FL_GATE_LOSS, .n = 29}},
+        {"an empty micro-batch's", 0.0, 1.0, {.op = FL_GATE_LOSS, .n = 0}},
+        {"a clipped verdict",
+         0.0,
+         2.5,
+         {.op = FL_GATE_VERDICT,
+          .nrows = ROWS,
+          .total = 60,
+          .scale = 1.0f,
+          .max_grad_norm = 1.0f,
+          .nonfinite_skips = 1}},
+        {"a loss-scaled verdict, no clipping, the guard judging",
+         0.0,
+         7e9,
+         {.op = FL_GATE_VERDICT,
+          .nrows = ROWS,
+          .total = 60,
+          .scale = 65536.0f,
+          .overflow_skips = 1,
+          .nonfinite_skips = 1,
+          .judge = 1,
+          .loss_z = 3.0f,
+          .grad_z = 3.0f,
+          .loss_stat = flat,
+          .norm_stat = wide}},
+        {"a spike (the loss)",
+         0.0,
+         1.0,
+         {.op = FL_GATE_VERDICT,
+          .nrows = ROWS,
+          .total = 60,
+          .scale = 1.0f,
+          .max_grad_norm = 1.0f,
+          .nonfinite_skips = 1,
+          .judge = 1,
+          .loss_z = 0.5f,
+          .loss_stat = {1.0, 0.01, 1},
+          .norm_stat = wide}},
+        {"an fp16 overflow",
+         0.0,
+         INFINITY,
+         {.op = FL_GATE_VERDICT,
+          .nrows = ROWS,
+          .total = 60,
+          .scale = 1024.0f,
+          .overflow_skips = 1,
+          .nonfinite_skips = 1,
+          .judge = 1,
+          .loss_z = 3.0f,
+          .loss_stat = flat}},
+        {"a NaN gradient in bf16",
+         0.0,
+         NAN,
+         {.op = FL_GATE_VERDICT, .nrows = ROWS, .total = 60, .scale = 1.0f, .nonfinite_skips = 1}},
+        {"a NaN gradient, a fused step's (updated with)",
+         0.0,
+         NAN,
+         {.op = FL_GATE_VERDICT,
+          .nrows = ROWS,
+          .total = 60,
+          .scale = 1.0f,
+          .max_grad_norm = 1.0f,
+          .judge = 1,
+          .grad_z = 1.0f,
+          .norm_stat = wide}},
+        {"the loss alone, too few values to judge",
+         0.0,
+         1.0,
+         {.op = FL_GATE_JUDGE_LOSS,
+          .total = 60,
+          .scale = 1.0f,
+          .judge = 1,
+          .loss_z = 1.0f,
+          .loss_stat = few}},
+        {"the norm after a one-pass update", 0.0, 3.0, {.op = FL_GATE_NORM, .nrows = ROWS}},
+        {"the host's total, the loss given",
+         0.0,
+         1.0,
+         {.op = FL_GATE_VERDICT,
+          .total = 60,
+          .loss_given = 1,
+          .loss = 2.5f,
+          .scale = 1.0f,
+          .max_grad_norm = 0.25f,
+          .nonfinite_skips = 1}},
+        {"a parent's skip",
+         0.0,
+         1.0,
+         {.op = FL_GATE_VERDICT, .nrows = ROWS, .total = 60, .scale = 1.0f, .nonfinite_skips = 1}},
+    };
+    int n_cases = (int)(sizeof cases / sizeof cases[0]);
+    memset(dg, 0, sizeof dg);
+    fl_dev_upload(dev, g, dg, sizeof dg);
+    host[1].skip = FL_SKIP_SPIKE; // the parent of the last case
+    fl_dev_upload(dev, parent, &host[1], sizeof host[1]);
+    for (int c = 0; c < n_cases; c++) {
+        for (int r = 0; r < ROWS; r++) rows[r] = r == 3 ? cases[c].row3 : 0.125 * (r + 1);
+        fl_dev_upload(dev, drows, rows, sizeof rows);
+        fl_gate_op hop = cases[c].op, dop = cases[c].op;
+        if (hop.nrows) hop.rows = rows, dop.rows = drows;
+        if (c == n_cases - 1) hop.parent = &host[1], dop.parent = parent;
+        if (hop.op == FL_GATE_LOSS) { // the model's sum, as its loss sink leaves it
+            host[0].loss_raw = cases[c].raw;
+            fl_dev_upload(dev, &g->loss_raw, &cases[c].raw, sizeof(double));
+        }
+        if (hop.op == FL_GATE_VERDICT && !hop.nrows) { // a host's sum over ranks
+            host[0].sumsq = 0.75;
+            fl_dev_upload(dev, &g->sumsq, &host[0].sumsq, sizeof(double));
+        }
+        cpu->gate(&host[0], &hop);
+        dev->gate(g, &dop);
+        fl_dev_download(dev, &dg[0], g, sizeof dg[0]);
+        t_check(gates_equal(&host[0], &dg[0]),
+                "gate, %s: the cpu's verdict (skip %d/%d, loss %.9g/%.9g, norm %.9g/%.9g, "
+                "scale %.9g/%.9g, z %g %g)",
+                cases[c].what, dg[0].skip, host[0].skip, dg[0].loss, host[0].loss, dg[0].grad_norm,
+                host[0].grad_norm, dg[0].grad_scale, host[0].grad_scale, dg[0].loss_z,
+                dg[0].grad_z);
+    }
+    t_check(host[0].skip == FL_SKIP_PARENT, "gate: the last case is skipped by its parent");
+    dev->free(dev, mem);
 }
 
 // ----------------------------------------------------------------------------
@@ -1164,6 +1348,7 @@ int main(int argc, char **argv) {
         fused(dt, 0);
         fused(dt, 1);
     }
+    step_scalars();
     scratch_and_timing();
     return t_report();
 }

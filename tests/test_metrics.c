@@ -85,27 +85,31 @@ static void test_reader_skips_a_torn_line_and_reads_null_as_nan(void) {
     fl_metrics_free(&m);
 }
 
-// ZeRO-Offload on a device's share of the step the device waited: written
-// only when timed (a run without it writes what it always has), read back.
+// On a device, the host's waits behind queued work and ZeRO-Offload's share
+// of the step the device waited: written only when counted or timed (a run
+// without them writes what it always has), read back.
 static void test_device_wait_round_trips(void) {
     fl_line_log log;
     const char *path = in_dir("wait.jsonl");
     fl_line_log_open(&log, path, "metrics log", -1, fl_metrics_line_step);
-    fl_metrics_step s = {.step = 1, .loss = 2.0f, .mfu = NAN, .device_wait = 0.375};
+    fl_metrics_step s = {
+        .step = 1, .loss = 2.0f, .mfu = NAN, .device_wait = 0.375, .host_waits = 1};
     fl_metrics_write_step(&log, &s, 0);
-    s.step = 2, s.device_wait = NAN;
+    s.step = 2, s.device_wait = NAN, s.host_waits = -1;
     fl_metrics_write_step(&log, &s, 0);
     fl_line_log_close(&log);
     char *text = slurp("wait.jsonl");
     const char *second = text ? strchr(text, '\n') : NULL;
-    t_check(text && strstr(text, ",\"device_wait\":0.375}") && second &&
-                !strstr(second, "device_wait"),
-            "device_wait is written when timed, not otherwise: %s", text ? text : "(none)");
+    t_check(text && strstr(text, ",\"host_waits\":1,\"device_wait\":0.375}") && second &&
+                !strstr(second, "device_wait") && !strstr(second, "host_waits"),
+            "host_waits and device_wait are written when counted, not otherwise: %s",
+            text ? text : "(none)");
     free(text);
     fl_metrics m;
     fl_metrics_read(path, &m);
-    t_check(m.n_steps == 2 && m.steps[0].device_wait == 0.375 && isnan(m.steps[1].device_wait),
-            "device_wait reads back (NAN when absent)");
+    t_check(m.n_steps == 2 && m.steps[0].device_wait == 0.375 && isnan(m.steps[1].device_wait) &&
+                m.steps[0].host_waits == 1 && m.steps[1].host_waits == -1,
+            "device_wait and host_waits read back (NAN and -1 when absent)");
     fl_metrics_free(&m);
 }
 

@@ -1126,7 +1126,7 @@ typedef struct {
 // rows updated from the last one by one with the global-norm coefficient.
 static fl_step_result rows_step(fl_optimizer *o, const fl_device *d, void *grads, float lr) {
     const fl_param_table *t = o->table;
-    fl_step_result r = {0.0f, 0, o->scaler.scale, {0, NAN, NAN}};
+    fl_step_result r = {0.0f, 0.0f, 0, o->scaler.scale, {0, NAN, NAN}};
     double sq = 0.0;
     for (int k = 0; k < t->count; k++)
         sq += d->sumsq(o->dtype, fl_at(o->dtype, grads, t->views[k].offset), t->views[k].numel);

@@ -84,6 +84,25 @@ static void test_losses_equal_cpu(void) {
         }
     t_check(strstr(output, "device: test") != NULL, "the start-up names the device: %.300s",
             output);
+    // each step waits on the device once, after its last update (its
+    // verdict's read), recorded per step; the cpu counts no waits
+    char path_w[256];
+    int waits[2] = {0, 0}, other = 0;
+    for (int d = 0; d < 2; d++) {
+        snprintf(path_w, sizeof path_w, "%s/%s/metrics.jsonl", dir, d ? "run_test" : "run_cpu");
+        size_t len;
+        char *text = (char *)t_read_file(path_w, &len);
+        for (const char *p = text; p && (p = strstr(p, "\"host_waits\":")); p++)
+            if (p[13] == '1' && (p[14] == ',' || p[14] == '}'))
+                waits[d]++;
+            else
+                other++;
+        free(text);
+    }
+    t_check(waits[1] == 3 && !waits[0] && !other && strstr(output, "queued work 1.00 times a step"),
+            "--device test: each of 3 steps waits on the device once (host_waits 1: %d; on the "
+            "cpu: %d; other values: %d)",
+            waits[1], waits[0], other);
     // the host's multiply-add peak is not the device's: no MFU unless given
     char path[256], line[512] = "";
     snprintf(path, sizeof path, "%s/run_test/metrics.jsonl", dir);

@@ -31,7 +31,9 @@
 // Ordering: work is issued on the device's compute stream in call order. A
 // copy to or from the host (copy_h2d, copy_d2h) returns when it is done;
 // copy_async does not (ordered on its stream; event_record and stream_wait
-// order streams against each other, event_sync waits on the host).
+// order streams against each other, event_sync waits on the host). A
+// training step waits once, when it reads its verdict after the last
+// update (fl_optimizer_settle): the host's other calls in it only issue work.
 #ifndef FITLM_DEVICE_H
 #define FITLM_DEVICE_H
 
@@ -95,6 +97,18 @@ struct fl_device {
     // (fl_mem_pinned_count); the cpu and test devices give ordinary memory
     void *(*host_alloc)(const fl_device *d, fl_mem_tag tag, size_t bytes);
     void (*host_free)(const fl_device *d, void *p); // NULL is fine
+    // the host's waits so far that came after it issued work and before it
+    // issued more: where the device may sit idle until the host issues
+    // again (a training step's budget is one, its verdict's read); NULL
+    // where every call is done when it returns (the cpu)
+    long (*host_stalls)(const fl_device *d);
+    // the host's copy (host_ids, n values) of ids just copied to device
+    // memory `ids`, valid until the step that copied them returns (NULL:
+    // none, and any kept for `ids` is forgotten): a backend may read it
+    // instead of the device's (cuda: the embedding backward's buckets, made
+    // on the host as llm.c makes them, without waiting for a copy back);
+    // NULL where nothing reads ids on the host (the cpu)
+    void (*ids_known)(const fl_device *d, const int *ids, const int *host_ids, size_t n);
 
     // ---- kernels (kernels.h)
     size_t (*matmul_workspace_bytes)(fl_dtype dt, int N, int C, int OC);
@@ -187,18 +201,24 @@ struct fl_device {
     // (bitwise the cpu's; cuda: a fixed order of its own, src/cuda/step.cu,
     // within a double's rounding of it); inf or NaN when a value is
     double (*sumsq)(fl_dtype dt, const void *x, size_t n);
-    // the gradient norm's rows at once: out[i] (host) = sumsq(dt, x +
-    // offsets[i], counts[i]) bitwise for each of the n ranges, 0.0 for an
-    // empty one; ranges may overlap and come in any order. cuda: one launch
-    // per range into one buffer of partial sums, one copy back and one wait
-    // for all of them (more only when their partial sums outgrow the
-    // reductions' scratch, src/cuda/step.cu), where n calls of sumsq wait n
-    // times
+    // the gradient norm's rows at once: out[i] (device memory) = sumsq(dt,
+    // x + offsets[i], counts[i]) bitwise for each of the n ranges, 0.0 for
+    // an empty one; ranges may overlap and come in any order. Issued like a
+    // kernel: the host does not wait (cuda: up to 64 ranges a launch into
+    // one buffer of partial sums, each range's added in order on the device)
     void (*sumsq_rows)(fl_dtype dt, const void *x, int n, const size_t *offsets,
                        const size_t *counts, double *out);
     // the sum of n fp32 values in double, in index order (the losses; cuda:
-    // its fixed order, as sumsq)
+    // its fixed order, as sumsq), returned to the host, or (sum_to) left in
+    // *out, device memory, without a wait
     double (*sum)(const float *x, size_t n);
+    void (*sum_to)(double *out, const float *x, size_t n);
+    // x[0..n) = v (the losses' weights of the backward)
+    void (*fill)(float *x, float v, size_t n);
+    // fl_gate_apply (src/optim/gate.h) on g, device memory, and op (by
+    // value; op->rows and op->parent device memory too): a one-thread
+    // kernel on a GPU, the host's own arithmetic
+    void (*gate)(fl_step_gate *g, const fl_gate_op *op);
     // fl_optim_update on device memory: every pointer of a (params,
     // params_lowp, grads) and the rule's state are the device's
     void (*update)(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,

@@ -57,6 +57,10 @@ typedef struct {
     // ZeRO-Offload on a device: the share of the step the device waited on
     // the host, 0 to 1 (written when finite; NAN: not timed)
     double device_wait;
+    // on a device: the host's waits in the step behind work it had queued,
+    // where the device may idle (device.h's host_stalls; written when >= 0,
+    // -1: not counted)
+    long host_waits;
 } fl_metrics_step;
 
 typedef struct {

@@ -206,7 +206,15 @@ struct fl_model {
     // state of the last forward
     int B, T;
     int n_targets; // positions with a loss (targets != -1)
-    float loss;    // mean loss of the last forward (-1 when no targets were given)
+    float loss;    // mean loss of the last forward (-1 when no targets were given;
+                   // NAN when a training forward left it in loss_sink)
+    // a training step's (step.c), NULL otherwise: where (device memory) a
+    // training forward leaves its sum of token losses instead of bringing
+    // the mean loss to the host (fl_optimizer_loss_sink), and whether the
+    // tokens go up without the host waiting for the copy (the step's
+    // caller keeps them until the step returns)
+    double *loss_sink;
+    int async_tokens;
     // a forward for training made the logits their own gradient, for
     // dlogits_dloss (else the backward does)
     int dlogits_ready;

@@ -70,6 +70,11 @@ typedef struct {
     // statistics over the TP group (every rank of it updates the same rows in
     // the same order)
     const fl_tp *tp;
+    // NULL, or the step's verdict in the device's memory (fl_step_gate):
+    // read where the update runs, it skips the update (gate->skip) or
+    // supplies grad_scale and clip_coef (fl_gate_factors), so the host need
+    // not wait for the norm before issuing the update
+    const struct fl_step_gate *gate;
 } fl_update_args;
 
 typedef struct fl_optim_ops fl_optim_ops; // a rule's functions (src/optim/update.h)
@@ -310,6 +315,72 @@ void fl_spike_push(fl_spike_series *s, int window, double v);
 // enter their windows and end the row. Every rank must pass the same
 // (all-reduced) values: they decide identically.
 fl_spike_verdict fl_spike_judge(fl_spike_guard *g, double loss, double grad_norm);
+// fl_spike_z in two halves, for a verdict formed elsewhere (a device's
+// gate): the series' statistics now, and (src/optim/gate.h) the z-score of a
+// value against them. fl_spike_record is fl_spike_judge's bookkeeping of a
+// verdict so formed.
+typedef struct {
+    double mean, sd; // the window's; sd floored at 1% of |mean|
+    int ok;          // enough values to judge
+} fl_spike_stat;
+fl_spike_stat fl_spike_stat_of(const fl_spike_series *s, int window, int min_count);
+void fl_spike_record(fl_spike_guard *g, const fl_spike_verdict *v, double loss, double grad_norm);
+
+// ----------------------------------------------------------------------------
+// the step's gate: the verdict on a step, formed in the optimizer's device
+// memory by the device (fl_device.gate, src/optim/gate.h's arithmetic on
+// every device) from the loss and the gradient's sums of squares, which
+// stay there: the batch's loss, the norm, an fp16 overflow or non-finite
+// gradient, the spike guard's test and the clip coefficient. The updates
+// read it (fl_update_args.gate), so a step is issued without the host
+// waiting; the host reads it once, after the step's last update, for its
+// own bookkeeping (the step count, the loss scale, the guard's window).
+
+enum { FL_SKIP_NONE, FL_SKIP_OVERFLOW, FL_SKIP_NONFINITE, FL_SKIP_SPIKE, FL_SKIP_PARENT };
+
+typedef struct fl_step_gate {
+    double loss_raw;      // the model's loss sink: a micro-batch's sum of token losses
+    double loss_sum;      // the sum over micro-batches of (double)loss * targets
+    double sumsq;         // the (loss-scaled) gradient's sum of squares
+    float loss;           // the batch's mean loss
+    float grad_norm;      // of the unscaled gradient before clipping (0 after an overflow)
+    float grad_scale;     // AdamW and SGD's factor on the gradient: unscale * clip_coef
+    float unscale;        // 1 / the loss scale
+    float clip_coef;      // the global-norm clip coefficient
+    float loss_z, grad_z; // the spike guard's (NAN where not judged)
+    int skip;             // FL_SKIP_*: nothing is updated unless FL_SKIP_NONE
+    int judged; // the spike guard judged (1 the loss alone, 2 with the norm): its books move
+} fl_step_gate;
+
+enum { FL_GATE_LOSS, FL_GATE_JUDGE_LOSS, FL_GATE_VERDICT, FL_GATE_NORM };
+
+// One operation on a gate, passed by value (a device runs it in one thread).
+typedef struct {
+    int op;
+    // FL_GATE_LOSS: loss_sum gains a micro-batch's mean loss times its n
+    // targets (the first replaces it)
+    long n;
+    int first;
+    // the rest: rows (device memory) are summed in order into sumsq (nrows
+    // 0: sumsq as set); the loss is loss_sum / total targets, or `loss` when
+    // loss_given
+    const double *rows;
+    int nrows;
+    long total;
+    int loss_given;
+    float loss;
+    float scale;         // the loss scale
+    float max_grad_norm; // 0: no clipping
+    int overflow_skips;  // a non-finite sum of squares skips as an fp16 overflow
+    int nonfinite_skips; // a non-finite norm skips
+    // the spike guard: 0 off, else the thresholds (0: that test off) and the
+    // series' statistics; FL_GATE_JUDGE_LOSS judges the loss alone
+    int judge;
+    float loss_z, grad_z;
+    fl_spike_stat loss_stat, norm_stat;
+    // NULL, or a gate (the same memory's) whose skip skips this step too
+    const fl_step_gate *parent;
+} fl_gate_op;
 
 // ----------------------------------------------------------------------------
 // the optimizer of a training step
@@ -478,9 +549,18 @@ typedef struct {
     double *overlap_sq;
     unsigned char *overlap_done;
     fl_spike_guard spike; // judges fl_optimizer_step_loss's and the fused steps' updates
+    // the step's verdict (FL_MEM_WORKSPACE, on dev), followed by a sum of
+    // squares per table row; gating: the updates now read it
+    fl_step_gate *gate;
+    double *gate_rows;
+    int gating;
+    // NULL, or another optimizer's gate (the same device's) whose skip skips
+    // this one's steps too (LoRA + LOMO: the adapters' by the base's)
+    const fl_step_gate *parent_gate;
 } fl_optimizer;
 
 typedef struct {
+    float loss;      // the batch's mean loss (as the step was given or summed it)
     float grad_norm; // of the unscaled gradient, before clipping
     int skipped;     // nothing was updated: an fp16 overflow (grad_norm 0), or a
                      // non-finite gradient in another precision (grad_norm inf/NaN)
@@ -549,16 +629,49 @@ void fl_optimizer_accum_range(fl_optimizer *o, size_t first, size_t end);
 // micro-batch, whose gradient is written into the sum (nothing cleared
 // before it: fl_optimizer_zero_grad leaves an offload's sum alone).
 void fl_optimizer_accum_rows(fl_optimizer *o, int first_row, int n_rows, int first_micro);
-// After the last micro-batch: overflow check, norm, clipping, then
-// begin_step, update_rows over the whole table, end_step. Dies with a clear
-// message when the fp16 loss scale is stuck at its minimum. A non-finite
-// gradient norm in any precision skips the step (skipped = 1), changing
-// no weight or state.
+// After the last micro-batch: the norm's rows into the gate, its verdict
+// (overflow check, norm, clipping), then begin_step, the update over the
+// whole table reading the verdict, and fl_optimizer_settle. Dies with a
+// clear message when the fp16 loss scale is stuck at its minimum. A
+// non-finite gradient norm in any precision skips the step (skipped = 1),
+// changing no weight or state.
 fl_step_result fl_optimizer_step(fl_optimizer *o, float lr);
 // The same, with the step's loss (over every rank) for the spike guard,
 // which judges the loss and the norm before anything is updated; an outlier
 // changes no weight or state (spike.outlier = 1, skipped = 0).
 fl_step_result fl_optimizer_step_loss(fl_optimizer *o, float lr, float loss);
+// The same with the loss where the model left it on the device: the
+// micro-batches' losses summed by fl_optimizer_add_loss into the gate, over
+// `total` target tokens (every rank's: under data parallelism the host sums
+// the gate's loss over the ranks first, so the device must be the host's).
+// Nothing on the way waits for the device but the read of the verdict after
+// the last update.
+fl_step_result fl_optimizer_step_gated(fl_optimizer *o, float lr, long total);
+// Where a model on model_dev sums its micro-batch's loss for the gate (its
+// loss sink): the gate's loss_raw when the gate is that device's memory,
+// else NULL (the model's loss comes to the host: ZeRO-Offload's optimizer
+// on the host).
+double *fl_optimizer_loss_sink(fl_optimizer *o, const struct fl_device *model_dev);
+// After a micro-batch's forward into the loss sink: the gate's loss sum
+// gains its mean loss times its n target tokens (the first replaces it).
+void fl_optimizer_add_loss(fl_optimizer *o, int first, long n);
+// The gate's bytes for a table of `rows` rows (step workspace: allocated
+// with the optimizer under FL_MEM_WORKSPACE, not a model state).
+size_t fl_optimizer_gate_bytes(int rows);
+// Runs op on o's gate (op->rows, if any, the gate's own rows).
+void fl_optimizer_gate_run(fl_optimizer *o, const fl_gate_op *op);
+// The op's spike-guard fields from o's guard (judge: FL_GATE_JUDGE_LOSS or
+// FL_GATE_VERDICT's tests, or 0 for none).
+void fl_optimizer_gate_spike(const fl_optimizer *o, int judge, fl_gate_op *op);
+// The gate as the host sees it: o->gate itself when the device's memory is
+// the host's (free to read at any time), else NULL.
+const fl_step_gate *fl_optimizer_gate_host(const fl_optimizer *o);
+// A gated step's end: reads the verdict back (the step's one wait on a
+// device) and keeps the host's books by it: a skipped step's count is taken
+// back (begun: begin_step was called) and the loss scaler, the spike guard's
+// window and counters move as fl_optimizer_step's would; the result is the
+// step's. Dies as fl_optimizer_step does when the fp16 loss scale is stuck.
+fl_step_result fl_optimizer_settle(fl_optimizer *o, int begun);
 
 // The pieces of fl_optimizer_step, for a driver that updates block by block
 // as gradients become ready (LOMO, ZeRO-2) and does its own overflow check

@@ -281,13 +281,16 @@ int cmd_train(int argc, char **argv) {
         if (fl_profile_on) dev->sync(dev);
         double t0 = fl_now();
         fl_comm_stats c0 = fl_comm_get_stats();
+        const fl_device *rd = run.dev; // the model's: its waits behind queued work
+        long w0 = rd->host_stalls ? rd->host_stalls(rd) : -1;
         fl_train_result r = fl_run_step(&run, step);
+        long waits = w0 >= 0 ? rd->host_stalls(rd) - w0 : -1;
         if (fl_profile_on) dev->sync(dev);
         double ms = (fl_now() - t0) * 1e3;
         run_log_comm(&log, &c0);
         if (fl_profile_on) fl_profile_step(ms / 1e3);
         fl_profile_enable(0);
-        run_log_step(&log, &run, step, fl_lr_at(&run.schedule, step), &r, ms);
+        run_log_step(&log, &run, step, fl_lr_at(&run.schedule, step), &r, ms, waits);
         run_check_finite(&log, cfg, step, &r);
         run_check_spike(&log, cfg, step, &r);
         if (cfg->mem_report_every && (step + 1) % cfg->mem_report_every == 0) {

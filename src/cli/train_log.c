@@ -135,7 +135,7 @@ static void print_device_waits(const run_log *log, const fl_run *run) {
 }
 
 void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_train_result *r,
-                  double ms) {
+                  double ms, long host_waits) {
     const fl_train_config *cfg = &run->cfg;
     double wait = device_wait(log, run);
     int start = run->start;
@@ -176,7 +176,9 @@ void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_
                          .tokens_per_s = tok_s,
                          .ms = ms,
                          .mfu = log->peak_flops > 0.0 ? flops / log->peak_flops : NAN,
-                         .device_wait = wait};
+                         .device_wait = wait,
+                         .host_waits = host_waits};
+    if (host_waits >= 0 && step > start) log->host_waits += host_waits, log->waits_steps++;
     int memory = step == start || (step + 1) % cfg->metrics_memory_every == 0 ||
                  (cfg->mem_report_every && (step + 1) % cfg->mem_report_every == 0);
     fl_metrics_write_step(&log->json, &m, memory);
@@ -291,4 +293,8 @@ void run_print_traffic(const run_log *log, const fl_run *run, const fl_offload_s
     if (run->offload && steps_run > 0)
         print_offload(run->offload, io0, steps_run, log->step_seconds);
     print_device_waits(log, run);
+    if (log->waits_steps)
+        printf("device: the host waited behind the %s device's queued work %.2f times a step "
+               "(over %ld steps after the first; a step's verdict is read once)\n",
+               run->dev->name, (double)log->host_waits / log->waits_steps, log->waits_steps);
 }

@@ -23,6 +23,9 @@ typedef struct {
     // ZeRO-Offload on a device: the offload's timed waits as last read, and
     // after the first timed step (its one-time set-up left out of the summary)
     fl_dev_offload_waits waits, waits_first;
+    // on a device: the host's waits behind queued work, over the steps
+    // after the first (whose GEMMs choose their algorithms)
+    long host_waits, waits_steps;
 } run_log;
 
 // Opens the run's records (rank 0 writes them; a resume keeps those up to
@@ -30,8 +33,9 @@ typedef struct {
 void run_log_open(run_log *log, const fl_run *run);
 void run_log_eval(run_log *log, int step, float val_loss);
 // The step's line (or progress bar), log.txt's line and metrics.jsonl's record.
+// host_waits: the step's waits behind queued work on a device (-1: not counted).
 void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_train_result *r,
-                  double ms);
+                  double ms, long host_waits);
 void run_log_close(run_log *log);
 // Adds the collectives' traffic since `before` (a step's) to log->comm.
 void run_log_comm(run_log *log, const fl_comm_stats *before);

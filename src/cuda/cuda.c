@@ -6,6 +6,7 @@
 #include "cuda.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -23,6 +24,7 @@ struct fl_stream {
 
 struct fl_event {
     cudaEvent_t e;
+    long issued; // the work issued when it was recorded
 };
 
 // a live allocation, for free's count under its tag
@@ -53,6 +55,31 @@ static struct {
 
 cudaStream_t fl_cuda_stream(void) {
     return g.compute;
+}
+
+// The host's waits behind queued work: issued counts the work issued,
+// waited the point the host last waited for. A wait for point p (the stream
+// now, or an event's record) stalls when it is the newest work (nothing
+// issued after it keeps the device busy) and the host has not waited for it
+// yet. (Host threads of an offload issue and wait too: a count, not a lock.)
+static _Atomic long issued, waited, stalls;
+
+void fl_cuda_issued(void) {
+    issued++;
+}
+
+static void waited_for(long p) {
+    if (p == issued && p > waited) stalls++;
+    if (p > waited) waited = p;
+}
+
+void fl_cuda_waited(void) {
+    waited_for(issued);
+}
+
+static long cuda_host_stalls(const fl_device *d) {
+    (void)d;
+    return stalls;
 }
 
 int fl_cuda_sm_count(void) {
@@ -97,6 +124,7 @@ static void cuda_scratch_return(const fl_device *d, void *p) {
     (void)d;
     for (int i = 0; i < g.n_lent; i++)
         if (g.lent[i].p == p) {
+            fl_cuda_waited();
             FL_CUDA_CHECK(cudaStreamSynchronize(g.compute));
             memmove(&g.lent[i], &g.lent[i + 1], (size_t)(g.n_lent - i - 1) * sizeof g.lent[0]);
             g.n_lent--;
@@ -108,6 +136,7 @@ void *fl_cuda_scratch(size_t bytes) {
     for (int i = g.n_lent - 1; i >= 0; i--)
         if (bytes <= g.lent[i].bytes) return g.lent[i].p;
     if (bytes <= g.scratch_bytes) return g.scratch;
+    fl_cuda_waited();
     FL_CUDA_CHECK(cudaStreamSynchronize(g.compute)); // the old one may still be read
     cuda_free(&cuda, g.scratch);
     g.scratch = cuda_alloc(&cuda, FL_MEM_WORKSPACE, bytes); // counted, as the lent ones are
@@ -150,6 +179,7 @@ static void *cuda_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes) {
     FL_CUDA_CHECK(err);
     // zero-filled, and done before any stream uses it
     FL_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.compute));
+    fl_cuda_waited();
     FL_CUDA_CHECK(cudaStreamSynchronize(g.compute));
     pthread_mutex_lock(&g.lock);
     g.blocks =
@@ -175,19 +205,23 @@ static void cuda_free(const fl_device *d, void *p) {
     g.blocks[at] = g.blocks[--g.n_blocks];
     pthread_mutex_unlock(&g.lock);
     // the work queued on it finishes first (cudaFree waits for the device)
+    fl_cuda_waited();
     FL_CUDA_CHECK(cudaFree(p));
     fl_mem_device_count(b.tag, -(long long)b.bytes);
 }
 
 static void cuda_zero(const fl_device *d, void *p, size_t bytes) {
     (void)d;
-    if (bytes) FL_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.compute));
+    if (!bytes) return;
+    fl_cuda_issued();
+    FL_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.compute));
 }
 
 // After the compute stream's work so far; returns when the data is there.
 static void cuda_copy_h2d(const fl_device *d, void *dst, const void *host_src, size_t bytes) {
     (void)d;
     if (!bytes) return;
+    fl_cuda_waited();
     FL_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, g.compute));
     FL_CUDA_CHECK(cudaStreamSynchronize(g.compute));
 }
@@ -195,6 +229,7 @@ static void cuda_copy_h2d(const fl_device *d, void *dst, const void *host_src, s
 static void cuda_copy_d2h(const fl_device *d, void *host_dst, const void *src, size_t bytes) {
     (void)d;
     if (!bytes) return;
+    fl_cuda_waited();
     FL_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, g.compute));
     FL_CUDA_CHECK(cudaStreamSynchronize(g.compute));
 }
@@ -202,7 +237,9 @@ static void cuda_copy_d2h(const fl_device *d, void *host_dst, const void *src, s
 // queued on the compute stream like a kernel: later work sees it
 static void cuda_copy_d2d(const fl_device *d, void *dst, const void *src, size_t bytes) {
     (void)d;
-    if (bytes) FL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, g.compute));
+    if (!bytes) return;
+    fl_cuda_issued();
+    FL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, g.compute));
 }
 
 static void cuda_copy_async(const fl_device *d, void *dst, const void *src, size_t bytes, int kind,
@@ -213,7 +250,9 @@ static void cuda_copy_async(const fl_device *d, void *dst, const void *src, size
                                                   : cudaMemcpyDeviceToDevice;
     if (kind != FL_COPY_H2D && kind != FL_COPY_D2H && kind != FL_COPY_D2D)
         fl_die("cuda: copy_async of unknown kind %d", kind);
-    if (bytes) FL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, k, s ? s->s : g.compute));
+    if (!bytes) return;
+    fl_cuda_issued();
+    FL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, k, s ? s->s : g.compute));
 }
 
 static fl_stream *cuda_stream_create(const fl_device *d) {
@@ -226,6 +265,7 @@ static fl_stream *cuda_stream_create(const fl_device *d) {
 static void cuda_stream_destroy(const fl_device *d, fl_stream *s) {
     (void)d;
     if (!s) return;
+    fl_cuda_waited();
     FL_CUDA_CHECK(cudaStreamSynchronize(s->s));
     FL_CUDA_CHECK(cudaStreamDestroy(s->s));
     fl_free(s);
@@ -236,6 +276,7 @@ static fl_event *cuda_event_record(const fl_device *d, fl_stream *s) {
     fl_event *e = fl_alloc(FL_MEM_OTHER, sizeof *e);
     FL_CUDA_CHECK(cudaEventCreateWithFlags(&e->e, cudaEventDisableTiming));
     FL_CUDA_CHECK(cudaEventRecord(e->e, s ? s->s : g.compute));
+    e->issued = issued;
     return e;
 }
 
@@ -249,12 +290,14 @@ static fl_event *cuda_event_record_timed(const fl_device *d, fl_stream *s) {
     fl_event *e = fl_alloc(FL_MEM_OTHER, sizeof *e);
     FL_CUDA_CHECK(cudaEventCreate(&e->e)); // with timing, unlike event_record's
     FL_CUDA_CHECK(cudaEventRecord(e->e, s ? s->s : g.compute));
+    e->issued = issued;
     return e;
 }
 
 static double cuda_event_elapsed_ms(const fl_device *d, fl_event *a, fl_event *b) {
     (void)d;
     float ms = 0.0f;
+    waited_for(b->issued);
     FL_CUDA_CHECK(cudaEventSynchronize(b->e));
     FL_CUDA_CHECK(cudaEventElapsedTime(&ms, a->e, b->e));
     return ms;
@@ -262,6 +305,7 @@ static double cuda_event_elapsed_ms(const fl_device *d, fl_event *a, fl_event *b
 
 static void cuda_event_sync(const fl_device *d, fl_event *e) {
     (void)d;
+    waited_for(e->issued);
     FL_CUDA_CHECK(cudaEventSynchronize(e->e));
 }
 
@@ -274,6 +318,7 @@ static void cuda_event_destroy(const fl_device *d, fl_event *e) {
 
 static void cuda_sync(const fl_device *d) {
     (void)d;
+    fl_cuda_waited();
     FL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -303,6 +348,7 @@ static void cuda_host_free(const fl_device *d, void *p) {
     (void)d;
     if (!p) return;
     host_header h = *(host_header *)((char *)p - 64);
+    fl_cuda_waited();
     FL_CUDA_CHECK(cudaFreeHost((char *)p - 64)); // waits for the copies that use it
     fl_mem_pinned_count(h.tag, -(long long)h.bytes);
 }
@@ -331,6 +377,8 @@ static fl_device cuda = {
     .reserved = cuda_reserved,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
+    .host_stalls = cuda_host_stalls,
+    .ids_known = fl_cuda_ids_known,
     .matmul_workspace_bytes = fl_cuda_matmul_workspace_bytes,
     .scratch_bytes = fl_cuda_scratch_bytes,
     .scratch_lend = cuda_scratch_lend,
@@ -377,6 +425,9 @@ static fl_device cuda = {
     .sumsq = fl_cuda_sumsq,
     .sumsq_rows = fl_cuda_sumsq_rows,
     .sum = fl_cuda_sum,
+    .sum_to = fl_cuda_sum_to,
+    .fill = fl_cuda_fill,
+    .gate = fl_cuda_gate,
     .update = fl_cuda_update,
     .update_rows = fl_cuda_update_rows,
 };

@@ -24,8 +24,15 @@ extern "C" {
 void fl_cuda_check(cudaError_t err, const char *call, const char *file, int line);
 #define FL_CUDA_CHECK(call) fl_cuda_check((call), #call, __FILE__, __LINE__)
 // After each kernel launch: a bad configuration shows here, not at the
-// next synchronisation.
-#define FL_CUDA_LAUNCHED(kernel) fl_cuda_check(cudaGetLastError(), kernel, __FILE__, __LINE__)
+// next synchronisation; and the launch is work issued (fl_cuda_issued).
+#define FL_CUDA_LAUNCHED(kernel)                                                                   \
+    (fl_cuda_issued(), fl_cuda_check(cudaGetLastError(), kernel, __FILE__, __LINE__))
+// The host's waits behind queued work (device.h's host_stalls): work was
+// issued (a launch, a GEMM, an asynchronous copy or memset), and a wait for
+// the stream or an event, or a copy to or from the host, comes before more
+// is: the GPU may idle until the host issues again.
+void fl_cuda_issued(void);
+void fl_cuda_waited(void);
 
 // The device's one compute stream: every kernel, GEMM and table copy of
 // the backend is queued on it, in call order.
@@ -66,6 +73,7 @@ void fl_cuda_encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *d
                               int B, int T, int C);
 void fl_cuda_embedding_shard_forward(fl_dtype dt, void *out, const int *inp, const void *wte,
                                      int first, int rows, int N, int C);
+void fl_cuda_ids_known(const fl_device *d, const int *ids, const int *host_ids, size_t n);
 void fl_cuda_embedding_shard_backward(fl_dtype dt, void *dwte, const void *dout, const int *inp,
                                       int first, int rows, int N, int C);
 void fl_cuda_position_forward(fl_dtype dt, void *out, const void *wpe, int B, int T, int C);
@@ -149,6 +157,9 @@ double fl_cuda_sumsq(fl_dtype dt, const void *x, size_t n);
 void fl_cuda_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offsets,
                         const size_t *counts, double *out);
 double fl_cuda_sum(const float *x, size_t n);
+void fl_cuda_sum_to(double *out, const float *x, size_t n);
+void fl_cuda_fill(float *x, float v, size_t n);
+void fl_cuda_gate(fl_step_gate *g, const fl_gate_op *op);
 void fl_cuda_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
                     const fl_update_args *a);
 void fl_cuda_update_rows(fl_optim_rule *r, int n, const fl_param_view *const *rows,

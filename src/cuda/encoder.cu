@@ -108,24 +108,47 @@ extern "C" void fl_cuda_position_backward(fl_dtype dt, void *dwpe, const void *d
     FL_CUDA_LAUNCHED("position_backward_kernel");
 }
 
-// The host's side of the buckets, kept between calls (FL_MEM_OTHER).
+// The host's side of the buckets, kept between calls (FL_MEM_OTHER), and
+// the host's copy of the ids last uploaded to known.dev (ids_known).
 static struct {
     int *ids, *count, *buf; // buf: pos (N), start (buckets + 1), tok (buckets)
     size_t ids_cap, count_cap, buf_cap;
 } host;
+static struct {
+    const int *dev, *host;
+    size_t n;
+} known;
+
+extern "C" void fl_cuda_ids_known(const fl_device *d, const int *ids, const int *host_ids,
+                                  size_t n) {
+    (void)d;
+    if (host_ids)
+        known.dev = ids, known.host = host_ids, known.n = n;
+    else if (known.dev == ids)
+        known.dev = known.host = NULL, known.n = 0;
+}
+
+// The ids on the host: the copy the host kept, or (tensor parallelism's
+// local targets, a call outside a step) copied back, a wait.
+static const int *ids_on_host(const int *inp, int N) {
+    if (inp == known.dev && (size_t)N <= known.n) return known.host;
+    host.ids = (int *)fl_reserve(FL_MEM_OTHER, host.ids, &host.ids_cap, 0, (size_t)N, sizeof(int));
+    fl_cuda_waited();
+    FL_CUDA_CHECK(cudaMemcpyAsync(host.ids, inp, (size_t)N * sizeof(int), cudaMemcpyDeviceToHost,
+                                  fl_cuda_stream()));
+    FL_CUDA_CHECK(cudaStreamSynchronize(fl_cuda_stream()));
+    return host.ids;
+}
 
 extern "C" void fl_cuda_embedding_shard_backward(fl_dtype dt, void *dwte, const void *dout,
                                                  const int *inp, int first, int rows, int N,
                                                  int C) {
     if (N <= 0 || C <= 0) return;
-    host.ids = (int *)fl_reserve(FL_MEM_OTHER, host.ids, &host.ids_cap, 0, (size_t)N, sizeof(int));
-    FL_CUDA_CHECK(cudaMemcpyAsync(host.ids, inp, (size_t)N * sizeof(int), cudaMemcpyDeviceToHost,
-                                  fl_cuda_stream()));
-    FL_CUDA_CHECK(cudaStreamSynchronize(fl_cuda_stream()));
+    const int *ids = ids_on_host(inp, N);
     // the rows this call touches: [0, span) of the shard
     int span = 0;
     for (int j = 0; j < N; j++) {
-        unsigned id = (unsigned)host.ids[j] - (unsigned)first;
+        unsigned id = (unsigned)ids[j] - (unsigned)first;
         if (id < (unsigned)rows && (int)id + 1 > span) span = (int)id + 1;
     }
     if (!span) return;
@@ -133,7 +156,7 @@ extern "C" void fl_cuda_embedding_shard_backward(fl_dtype dt, void *dwte, const 
                                    sizeof(int));
     memset(host.count, 0, ((size_t)span + 1) * sizeof(int));
     for (int j = 0; j < N; j++) {
-        unsigned id = (unsigned)host.ids[j] - (unsigned)first;
+        unsigned id = (unsigned)ids[j] - (unsigned)first;
         if (id < (unsigned)rows) host.count[id + 1]++;
     }
     int buckets = 0;
@@ -152,10 +175,11 @@ extern "C" void fl_cuda_embedding_shard_backward(fl_dtype dt, void *dwte, const 
         }
     start[buckets] = used;
     for (int j = 0; j < N; j++) { // stable: positions in order within a row
-        unsigned id = (unsigned)host.ids[j] - (unsigned)first;
+        unsigned id = (unsigned)ids[j] - (unsigned)first;
         if (id < (unsigned)rows) pos[host.count[id]++] = j;
     }
     int *d = (int *)fl_cuda_scratch(need * sizeof(int));
+    fl_cuda_issued();
     FL_CUDA_CHECK(
         cudaMemcpyAsync(d, host.buf, need * sizeof(int), cudaMemcpyHostToDevice, fl_cuda_stream()));
     dim3 grid((unsigned)buckets, (unsigned)((C + ENC_THREADS - 1) / ENC_THREADS));

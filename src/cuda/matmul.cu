@@ -184,6 +184,7 @@ static void gemm(fl_dtype dt, gemm_call g, const void *bias, void *workspace) {
     const float alpha = 1.0f;
     FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p->desc, &alpha, g.a, p->a, g.b, p->b, &g.beta, g.d,
                                  p->c, g.d, p->c, &p->algo, workspace, ws, fl_cuda_stream()));
+    fl_cuda_issued();
 }
 
 // chunk blockIdx.y of the rows of dout (N,OC): partial[chunk][o] = its column sums
@@ -267,6 +268,7 @@ extern "C" int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const v
                                          fl_cuda_stream()));
             if (r == rounds) {
                 FL_CUDA_CHECK(cudaEventRecord(e1, fl_cuda_stream()));
+                fl_cuda_waited(); // the first call of a shape only
                 FL_CUDA_CHECK(cudaEventSynchronize(e1));
                 float t = 0.0f;
                 FL_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));

@@ -23,6 +23,7 @@
 extern "C" {
 #include "../optim/update.h"
 }
+#include "../optim/gate.h"
 
 // Up to FL_UPDATE_ROWS rows of one AdamW or SGD launch, passed by value
 // (the kernel's parameters: no upload): row r's weights p, gradient g,
@@ -49,7 +50,10 @@ __device__ __forceinline__ int update_row(const update_table &t, size_t *b, size
 
 // AdamW on each row of t (src/optim/adamw.c's arithmetic)
 __global__ void adamw_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale,
-                                  float b1, float b2, float eps, float bc1, float bc2, float lr) {
+                                  const fl_step_gate *gate, float b1, float b2, float eps,
+                                  float bc1, float bc2, float lr) {
+    if (gate && gate->skip) return;
+    if (gate) gscale = gate->grad_scale;
     size_t b, blocks;
     int r = update_row(t, &b, &blocks);
     float *p = t.p[r], *m = t.s0[r], *v = t.s1[r], keep = t.decay[r];
@@ -70,8 +74,10 @@ __global__ void adamw_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, fl
 
 // SGD on each row of t (s0: the momentum buffers, or NULL; first: the step
 // that starts them)
-__global__ void sgd_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale, float lr,
-                                float mu, int first) {
+__global__ void sgd_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale,
+                                const fl_step_gate *gate, float lr, float mu, int first) {
+    if (gate && gate->skip) return;
+    if (gate) gscale = gate->grad_scale;
     size_t b, blocks;
     int r = update_row(t, &b, &blocks);
     float *p = t.p[r], *buf = t.s0[r], wd = t.decay[r];
@@ -129,14 +135,21 @@ struct fused_args {
     float gscale, clip, coef;
     int stochastic;
     uint64_t seed, first;
+    const fl_step_gate *gate; // NULL, or the step's verdict: its skip and factors rule
 };
 
 static fused_args fused_of(const fl_update_args *a, float clip) {
     fused_args f = {
-        a->params,     a->params_lowp, a->lowp_dtype, a->grads_dtype,
-        a->grads,      a->grad_scale,  clip,          a->clip_coef > 0.0f ? a->clip_coef : 1.0f,
-        a->stochastic, a->sr_seed,     a->first_index};
+        a->params,     a->params_lowp, a->lowp_dtype,  a->grads_dtype,
+        a->grads,      a->grad_scale,  clip,           a->clip_coef > 0.0f ? a->clip_coef : 1.0f,
+        a->stochastic, a->sr_seed,     a->first_index, a->gate};
     return f;
+}
+
+// the step's verdict said to skip (every kernel that writes state or
+// weights returns at once, the whole grid alike)
+__device__ __forceinline__ bool fused_skip(const fused_args &f) {
+    return f.gate && f.gate->skip;
 }
 
 __device__ __forceinline__ float fused_load(const fused_args &f, size_t i) {
@@ -159,13 +172,16 @@ __device__ __forceinline__ void fused_store(const fused_args &f, size_t i, float
 
 // the processed gradient: unscaled, clamped to +-clip (NaN stays NaN), times coef
 __device__ __forceinline__ float fused_grad(const fused_args &f, size_t i) {
-    float d = fl_d_load(f.gdt, f.g, i) * f.gscale;
+    float gscale = f.gscale, coef = f.coef;
+    if (f.gate) fl_gate_factors(f.gate, 1, &gscale, &coef);
+    float d = fl_d_load(f.gdt, f.g, i) * gscale;
     if (f.clip > 0.0f) d = d < -f.clip ? -f.clip : d > f.clip ? f.clip : d;
-    return d * f.coef;
+    return d * coef;
 }
 
 // LOMO (lomo.c): p = p * keep - lr * clamp(g * gscale) * coef
 __global__ void lomo_kernel(fused_args f, size_t n, float lr, float keep) {
+    if (fused_skip(f)) return;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         fused_store(f, i, fused_load(f, i) * keep - lr * fused_grad(f, i));
@@ -190,6 +206,7 @@ __device__ double adalomo_chunks[2][ADALOMO_MAX_CHUNKS];
 // (1 - b2) * the mean of g^2 + eps1 over the row's K values
 __global__ void adalomo_rows_kernel(fused_args f, float *out, size_t R, size_t K, double w,
                                     float eps1, float b2, float one_b2) {
+    if (fused_skip(f)) return;
     __shared__ double warps[ADA_THREADS / 32];
     for (size_t r = blockIdx.x; r < R; r += gridDim.x) {
         double s = 0.0;
@@ -207,6 +224,7 @@ __global__ void adalomo_rows_kernel(fused_args f, float *out, size_t R, size_t K
 // block's 8 warps then added in order
 __global__ void adalomo_columns_kernel(fused_args f, float *out, size_t K, size_t live, double w,
                                        float eps1, float b2, float one_b2) {
+    if (fused_skip(f)) return;
     __shared__ double part[ADA_THREADS / 32][32];
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     for (size_t c0 = (size_t)blockIdx.x * 32; c0 < K; c0 += (size_t)gridDim.x * 32) {
@@ -238,6 +256,7 @@ __global__ void adalomo_mean_kernel(const float *rs, size_t live, double Rw) {
 // A: a vector's elementwise v
 __global__ void adalomo_vec_kernel(fused_args f, float *v, size_t n, float eps1, float b2,
                                    float one_b2) {
+    if (fused_skip(f)) return;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         float g = fused_grad(f, i);
@@ -258,6 +277,7 @@ __device__ __forceinline__ float adalomo_u(const fused_args &f, size_t i, const 
 __global__ void adalomo_chunks_kernel(fused_args f, const float *rs, const float *cs,
                                       const float *v, size_t K, size_t n, size_t chunk,
                                       size_t nchunks) {
+    if (fused_skip(f)) return;
     __shared__ double warps[2][ADA_THREADS / 32];
     for (size_t ch = blockIdx.x; ch < nchunks; ch += gridDim.x) {
         size_t end = (ch + 1) * chunk < n ? (ch + 1) * chunk : n;
@@ -294,6 +314,7 @@ __global__ void adalomo_scale_kernel(size_t nchunks, double nw, float lr, float 
 // C: the weights
 __global__ void adalomo_weights_kernel(fused_args f, const float *rs, const float *cs,
                                        const float *v, size_t K, size_t n) {
+    if (fused_skip(f)) return;
     float lr = adalomo_scalars[1], keep = adalomo_scalars[2], denom = adalomo_scalars[3];
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -401,7 +422,7 @@ extern "C" void fl_cuda_update_rows(fl_optim_rule *r, int n, const fl_param_view
         FL_ASSERT(offset[i] >= row->offset && offset[i] + count[i] <= row->offset + row->numel);
         FL_ASSERT(offset[i] >= r->state_begin && offset[i] + count[i] <= r->state_end);
         FL_ASSERT(a->grad_scale == args[0].grad_scale && a->grads_dtype == args[0].grads_dtype &&
-                  a->lowp_dtype == args[0].lowp_dtype);
+                  a->lowp_dtype == args[0].lowp_dtype && a->gate == args[0].gate);
         if ((row->flags & FL_PARAM_FROZEN) || !count[i]) continue;
         if (!a->params)
             fl_die("cuda: an update without fp32 weights (no master copy) is not supported on a "
@@ -424,13 +445,13 @@ extern "C" void fl_cuda_update_rows(fl_optim_rule *r, int n, const fl_param_view
     if (adamw) {
         const fl_adamw *o = (const fl_adamw *)r;
         adamw_rows_kernel<<<t.first[t.count], 256, 0, fl_cuda_stream()>>>(
-            t, a->grads_dtype, a->lowp_dtype, a->grad_scale, o->beta1, o->beta2, o->eps, o->bc1,
-            o->bc2, o->lr);
+            t, a->grads_dtype, a->lowp_dtype, a->grad_scale, a->gate, o->beta1, o->beta2, o->eps,
+            o->bc1, o->bc2, o->lr);
         FL_CUDA_LAUNCHED("adamw_rows_kernel");
         return;
     }
     const fl_sgd *o = (const fl_sgd *)r;
     sgd_rows_kernel<<<t.first[t.count], 256, 0, fl_cuda_stream()>>>(
-        t, a->grads_dtype, a->lowp_dtype, a->grad_scale, o->lr, o->momentum, o->t == 1);
+        t, a->grads_dtype, a->lowp_dtype, a->grad_scale, a->gate, o->lr, o->momentum, o->t == 1);
     FL_CUDA_LAUNCHED("sgd_rows_kernel");
 }

@@ -4,6 +4,8 @@
 #include "fitlm/device.h"
 #include "fitlm/kernels.h"
 
+#include "../optim/gate.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -202,6 +204,18 @@ static double cpu_sum(const float *x, size_t n) {
     return s;
 }
 
+static void cpu_sum_to(double *out, const float *x, size_t n) {
+    *out = cpu_sum(x, n);
+}
+
+static void cpu_fill(float *x, float v, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = v;
+}
+
+static void cpu_gate(fl_step_gate *g, const fl_gate_op *op) {
+    fl_gate_apply(g, op);
+}
+
 static const fl_device cpu = {
     .name = "cpu",
     .host = 1,
@@ -272,6 +286,9 @@ static const fl_device cpu = {
     .sumsq = fl_grad_sumsq,
     .sumsq_rows = cpu_sumsq_rows,
     .sum = cpu_sum,
+    .sum_to = cpu_sum_to,
+    .fill = cpu_fill,
+    .gate = cpu_gate,
     .update = fl_optim_update,
 };
 

@@ -59,9 +59,12 @@ static void set_protection(int prot) {
 }
 
 // Opens the region to the host for one table call, and closes it after.
+static long queued, stalls; // see waited()
+
 static void open_(void) {
     pthread_mutex_lock(&lock);
     if (depth++ == 0) set_protection(PROT_READ | PROT_WRITE);
+    queued++; // work issued
     pthread_mutex_unlock(&lock);
 }
 
@@ -169,17 +172,63 @@ static void test_zero(const fl_device *d, void *p, size_t bytes) {
     close_();
 }
 
-static void test_copy(const fl_device *d, void *dst, const void *src, size_t bytes) {
+// The host's waits a GPU would sit idle through: a wait (a copy to or
+// from the host, a result returned, an event or device sync) that comes
+// after work was issued (a table call that opened the region) and before
+// the host issued more. done: the wait's own work is done too.
+static void waited(int done) {
+    pthread_mutex_lock(&lock);
+    if (!done && queued) stalls++;
+    queued = 0;
+    pthread_mutex_unlock(&lock);
+}
+
+static long test_host_stalls(const fl_device *d) {
     (void)d;
+    pthread_mutex_lock(&lock);
+    long n = stalls;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+static void move(void *dst, const void *src, size_t bytes) {
     open_();
     memmove(dst, src, bytes);
     close_();
 }
 
+// copy_h2d and copy_d2h return when done
+static void test_copy(const fl_device *d, void *dst, const void *src, size_t bytes) {
+    (void)d;
+    waited(0);
+    move(dst, src, bytes);
+    waited(1);
+}
+
+static void test_copy_d2d(const fl_device *d, void *dst, const void *src, size_t bytes) {
+    (void)d;
+    move(dst, src, bytes);
+}
+
 static void test_copy_async(const fl_device *d, void *dst, const void *src, size_t bytes, int kind,
                             fl_stream *s) {
-    (void)kind, (void)s;
-    test_copy(d, dst, src, bytes);
+    (void)d, (void)kind, (void)s;
+    move(dst, src, bytes);
+}
+
+static void test_event_sync(const fl_device *d, fl_event *e) {
+    waited(0);
+    cpu->event_sync(d, e);
+}
+
+static void test_sync(const fl_device *d) {
+    waited(0);
+    cpu->sync(d);
+}
+
+static double test_event_elapsed_ms(const fl_device *d, fl_event *a, fl_event *b) {
+    waited(0);
+    return cpu->event_elapsed_ms(d, a, b);
 }
 
 // The backend scratch of a GPU's kernels, emulated: the cpu's kernels need
@@ -484,9 +533,11 @@ static void t_accumulate(float *dst, fl_dtype dt, const void *src, size_t n) {
 }
 
 static double t_sumsq(fl_dtype dt, const void *x, size_t n) {
+    waited(0); // the result comes back
     open_();
     double r = cpu->sumsq(dt, x, n);
     close_();
+    waited(1);
     return r;
 }
 
@@ -498,10 +549,30 @@ static void t_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offset
 }
 
 static double t_sum(const float *x, size_t n) {
+    waited(0);
     open_();
     double r = cpu->sum(x, n);
     close_();
+    waited(1);
     return r;
+}
+
+static void t_sum_to(double *out, const float *x, size_t n) {
+    open_();
+    cpu->sum_to(out, x, n);
+    close_();
+}
+
+static void t_fill(float *x, float v, size_t n) {
+    open_();
+    cpu->fill(x, v, n);
+    close_();
+}
+
+static void t_gate(fl_step_gate *g, const fl_gate_op *op) {
+    open_();
+    cpu->gate(g, op);
+    close_();
 }
 
 static void t_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, size_t count,
@@ -528,8 +599,12 @@ const fl_device *fl_device_test_table(void) {
     t.zero = test_zero;
     t.copy_h2d = test_copy;
     t.copy_d2h = test_copy;
-    t.copy_d2d = test_copy;
+    t.copy_d2d = test_copy_d2d;
     t.copy_async = test_copy_async;
+    t.event_sync = test_event_sync;
+    t.sync = test_sync;
+    t.event_elapsed_ms = test_event_elapsed_ms;
+    t.host_stalls = test_host_stalls;
     t.scratch_bytes = test_scratch_bytes;
     t.scratch_lend = test_scratch_lend;
     t.scratch_return = test_scratch_return;
@@ -574,6 +649,9 @@ const fl_device *fl_device_test_table(void) {
     t.sumsq = t_sumsq;
     t.sumsq_rows = t_sumsq_rows;
     t.sum = t_sum;
+    t.sum_to = t_sum_to;
+    t.fill = t_fill;
+    t.gate = t_gate;
     t.update = t_update;
     return &t;
 }

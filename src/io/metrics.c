@@ -129,9 +129,12 @@ void fl_metrics_write_step(fl_line_log *log, const fl_metrics_step *s, int with_
     char spikes[48] = ""; // DeepSpeed's skipped_steps, for the spike guard's
     if (s->skipped_steps)
         snprintf(spikes, sizeof spikes, ",\"skipped_steps\":%ld", s->skipped_steps);
-    char wait[48] = ""; // ZeRO-Offload on a device only: the recorded logs stay as they are
+    char wait[96] = ""; // on a device only: the recorded logs stay as they are
+    size_t w = 0;
+    if (s->host_waits >= 0)
+        w += (size_t)snprintf(wait, sizeof wait, ",\"host_waits\":%ld", s->host_waits);
     if (isfinite(s->device_wait))
-        snprintf(wait, sizeof wait, ",\"device_wait\":%.9g", s->device_wait);
+        snprintf(wait + w, sizeof wait - w, ",\"device_wait\":%.9g", s->device_wait);
     fl_line_log_printf(
         log,
         "{\"step\":%d,\"tokens\":%.0f,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,"
@@ -243,6 +246,8 @@ void fl_metrics_read(const char *path, fl_metrics *m) {
             r->ms = field(o, "ms", &w);
             r->mfu = field(o, "mfu", &w);
             r->device_wait = field(o, "device_wait", &w);
+            double waits = field(o, "host_waits", &w);
+            r->host_waits = isfinite(waits) ? (long)waits : -1;
             const cJSON *mem = cJSON_GetObjectItemCaseSensitive(o, "memory");
             if (mem)
                 read_memory(

@@ -4,6 +4,7 @@
 // recomputing what the activation-checkpointing policy dropped.
 #include "fitlm/model.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -800,6 +801,17 @@ static void tokenwise_end(fl_model *m, int unit, const tokenwise *tw) {
     }
 }
 
+// In a step the host's tokens outlive it: the device may keep reading the
+// inputs' (ids_known: the embedding backward's); otherwise it forgets them.
+static void upload_tokens(fl_model *m, int *dst, const int *tokens, size_t n) {
+    const fl_device *d = m->dev;
+    if (m->async_tokens)
+        d->copy_async(d, dst, tokens, n * sizeof(int), FL_COPY_H2D, NULL);
+    else
+        fl_dev_upload(d, dst, tokens, n * sizeof(int));
+    if (d->ids_known && dst == m->inputs) d->ids_known(d, dst, m->async_tokens ? tokens : NULL, n);
+}
+
 // dloss: NULL, or the backward's, for the loss pass to write the logits'
 // gradient too
 static float forward(fl_model *m, const int *tokens, const int *targets, int B, int T,
@@ -834,8 +846,13 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     m->n_targets = 0;
     m->dlogits_ready = 0;
 
+    // the tokens go up first, before the device has work to wait behind
+    if (embed) upload_tokens(m, m->inputs, tokens, BT);
+    if (head && targets) {
+        upload_tokens(m, m->targets, targets, BT);
+        for (size_t i = 0; i < BT; i++) m->n_targets += targets[i] != -1; // counted on the host
+    }
     if (embed) { // else the chunk's input was received into fl_model_chunk_input
-        fl_dev_upload(m->dev, m->inputs, tokens, BT * sizeof(int));
         pre_unit(m, FL_UNIT_EMBED, FL_PASS_FWD);
         m->arch->embed_forward(m, m->resid, m->inputs, B, T);
     }
@@ -850,8 +867,6 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     fl_block head_b = head_at(m);
     m->arch->head_forward(&head_b, m->logits);
     if (!targets) return m->loss;
-    fl_dev_upload(m->dev, m->targets, targets, BT * sizeof(int));
-    for (size_t i = 0; i < BT; i++) m->n_targets += targets[i] != -1; // counted on the host
     return loss(m, dloss);
 }
 
@@ -865,14 +880,9 @@ float fl_model_forward_train(fl_model *m, const int *tokens, const int *targets,
     return forward(m, tokens, targets, B, T, &dloss);
 }
 
-// every target token's loss weighs dloss in the softmax's backward: filled
-// on the host, uploaded a staging buffer at a time
+// every target token's loss weighs dloss in the softmax's backward
 static void set_dlosses(fl_model *m, float dloss) {
-    float stage[1024];
-    size_t n = (size_t)m->B * m->T, step = sizeof stage / sizeof stage[0];
-    for (size_t i = 0; i < (n < step ? n : step); i++) stage[i] = dloss;
-    for (size_t i = 0; i < n; i += step)
-        fl_dev_upload(m->dev, m->dlosses + i, stage, (n - i < step ? n - i : step) * sizeof(float));
+    m->dev->fill(m->dlosses, dloss, (size_t)m->B * m->T);
 }
 
 // The mean loss of the logits against m->targets, kept for the backward;
@@ -899,7 +909,13 @@ static float loss(fl_model *m, const float *dloss) {
                                                BT, V, Vp));
     }
     // in index order: deterministic; a position without a target has loss 0,
-    // which adds nothing (m->n_targets was counted from the host's targets)
+    // which adds nothing (m->n_targets was counted from the host's targets).
+    // A training step's stays on the device (its gate takes the mean).
+    if (m->loss_sink && dloss) {
+        m->dev->sum_to(m->loss_sink, m->losses, BT);
+        m->loss = NAN;
+        return m->loss;
+    }
     double sum = m->dev->sum(m->losses, BT);
     m->loss = m->n_targets ? (float)(sum / m->n_targets) : 0.0f;
     return m->loss;

@@ -6,6 +6,8 @@
 
 #include <math.h>
 
+#include "gate.h"
+
 #define MAX_CHUNKS 4096
 
 // Sum of squares of one fp32 block in double, one copy per ISA
@@ -54,5 +56,5 @@ float fl_grad_norm(fl_dtype dt, const void *grads, size_t n) {
 }
 
 float fl_clip_coef(float norm, float max_norm) {
-    return max_norm > 0.0f && norm > max_norm ? max_norm / (norm + 1e-6f) : 1.0f;
+    return fl_gate_clip_coef(norm, max_norm);
 }

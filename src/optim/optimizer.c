@@ -16,6 +16,7 @@
 #include "fitlm/device.h"
 #include "fitlm/optim.h"
 
+#include "gate.h"
 #include "update.h"
 
 static int needs_accum_buffer(const fl_optimizer_config *cfg, fl_dtype dt) {
@@ -39,6 +40,13 @@ void fl_optimizer_memory(const fl_optimizer_config *cfg, fl_dtype dt, size_t num
         bytes[FL_MEM_OPTIM] = numel * sizeof(float);
     else if (cfg->kind == FL_OPT_ADALOMO) // an upper bound: see fl_optimizer_memory_table
         bytes[FL_MEM_OPTIM] = numel * sizeof(float);
+}
+
+// the gate's verdict, then its rows' sums (64-byte aligned)
+#define GATE_HEAD ((sizeof(fl_step_gate) + 63) / 64 * 64)
+
+size_t fl_optimizer_gate_bytes(int rows) {
+    return GATE_HEAD + (size_t)rows * sizeof(double);
 }
 
 void fl_optimizer_memory_table(const fl_optimizer_config *cfg, fl_dtype dt,
@@ -86,6 +94,8 @@ void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
     }
     if (needs_accum_buffer(cfg, dt))
         o->grad_accum = d->alloc(d, FL_MEM_GRADS, table->numel * sizeof(float));
+    o->gate = d->alloc(d, FL_MEM_WORKSPACE, fl_optimizer_gate_bytes(table->count));
+    o->gate_rows = (double *)(void *)((char *)o->gate + GATE_HEAD);
     if (cfg->kind == FL_OPT_ADAMW) {
         fl_adamw_setup(&o->adamw, begin, end, cfg->beta1, cfg->beta2, cfg->eps, cfg->weight_decay,
                        !cfg->paged);
@@ -121,6 +131,7 @@ void fl_optimizer_free(fl_optimizer *o) {
     if (o->dev) {
         o->dev->free(o->dev, o->master);
         o->dev->free(o->dev, o->grad_accum);
+        o->dev->free(o->dev, o->gate);
     }
     if (o->rule) fl_optim_free(o->rule);
     memset(o, 0, sizeof *o);
@@ -261,6 +272,7 @@ static void update_rows(fl_optimizer *o, int first_row, int n_rows, const void *
             .first_index = o->pp ? o->pp->row_offset[k] + (lo - v->offset) : lo,
             .team = team,
             .tp = o->tp,
+            .gate = o->gating ? o->gate : NULL,
         };
         if (!batching) {
             o->dev->update(o->rule, v, lo, hi - lo, &a);
@@ -362,53 +374,66 @@ void fl_optimizer_end_step(fl_optimizer *o) {
     o->micro = 0;
 }
 
+// Whether row v's elements inside [first, first + n) count in the norm, and
+// which ([*a, *b)): each element once over the model-parallel ranks (a
+// replicated row on TP rank 0 only, a pipeline's tied copy never).
+static int norm_range(const fl_optimizer *o, const fl_param_view *v, size_t first, size_t n,
+                      size_t *a, size_t *b) {
+    *a = v->offset > first ? v->offset : first;
+    *b = v->offset + v->numel < first + n ? v->offset + v->numel : first + n;
+    int counted =
+        !(v->flags & FL_PARAM_TIED_COPY) && (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
+    return *b > *a && counted;
+}
+
 // The squares of the gradient elements [first, first + n) of dtype dt, each
-// element counted once over the model-parallel ranks (a replicated row on
-// TP rank 0 only, a pipeline's tied copy never), summed row by row in table
-// order, then over the TP group; with `dp`, over the data-parallel ranks
-// too. Under pipeline parallelism each row's sum goes to its place in the
-// whole table, the places are summed over the stages (one holds each) and
-// added in that order: the same bits as one process's for the same gradient.
+// element counted once (norm_range), summed row by row in table order into
+// the gate's rows on the device: returns how many, for the verdict to add
+// (the host never sees them). Across ranks the host adds them instead (its
+// memory: a host device) and leaves the total in the gate's sumsq (returns
+// 0): over the TP group; with `dp`, over the data-parallel ranks too; under
+// pipeline parallelism each row's sum goes to its place in the whole table,
+// the places are summed over the stages (one holds each) and added in that
+// order: the same bits as one process's for the same gradient.
 enum { NORM_BATCH = 256 }; // rows per sumsq_rows call: a GPT-2's or a LLaMA-1B's all at once
 
-static double grad_sumsq(const fl_optimizer *o, fl_dtype dt, const void *grads, size_t first,
-                         size_t n, int dp) {
+static int grad_sumsq(fl_optimizer *o, fl_dtype dt, const void *grads, size_t first, size_t n,
+                      int dp) {
     const fl_param_table *t = o->table;
-    int rows = o->pp ? o->pp->whole_rows : 0;
-    double s = 0.0, *sq = rows ? fl_alloc(FL_MEM_WORKSPACE, (size_t)rows * sizeof(double)) : NULL;
-    if (sq) memset(sq, 0, (size_t)rows * sizeof(double));
-    // the rows' sums a batch at a time from the device (one round trip each)
+    int rows = 0;
     for (int r0 = 0; r0 < t->count; r0 += NORM_BATCH) {
-        size_t offsets[NORM_BATCH], counts[NORM_BATCH];
-        double x[NORM_BATCH];
-        int row[NORM_BATCH], k = 0;
-        for (int r = r0; r < t->count && r < r0 + NORM_BATCH; r++) {
-            const fl_param_view *v = &t->views[r];
-            size_t a = v->offset > first ? v->offset : first;
-            size_t b = v->offset + v->numel < first + n ? v->offset + v->numel : first + n;
-            int counted =
-                !(v->flags & FL_PARAM_TIED_COPY) && (!o->tp || v->tp_dim >= 0 || o->tp->rank == 0);
-            if (b <= a || !counted) continue;
-            offsets[k] = a - first, counts[k] = b - a, row[k++] = r;
+        size_t offsets[NORM_BATCH], counts[NORM_BATCH], a, b;
+        int k = 0;
+        for (int r = r0; r < t->count && r < r0 + NORM_BATCH; r++)
+            if (norm_range(o, &t->views[r], first, n, &a, &b))
+                offsets[k] = a - first, counts[k++] = b - a;
+        o->dev->sumsq_rows(dt, grads, k, offsets, counts, o->gate_rows + rows);
+        rows += k;
+    }
+    if (!o->tp && !o->pp && !dp) return rows;
+    FL_ASSERT(o->dev->host); // several ranks: a host device's memory
+    double s = 0.0;
+    if (o->pp) {
+        int whole = o->pp->whole_rows, i = 0;
+        double *sq = fl_alloc(FL_MEM_WORKSPACE, (size_t)whole * sizeof(double));
+        memset(sq, 0, (size_t)whole * sizeof(double));
+        for (int r = 0; r < t->count; r++) {
+            size_t a, b;
+            if (norm_range(o, &t->views[r], first, n, &a, &b))
+                sq[o->pp->row_global[r]] = o->gate_rows[i++];
         }
-        o->dev->sumsq_rows(dt, grads, k, offsets, counts, x);
-        for (int i = 0; i < k; i++)
-            if (sq)
-                sq[o->pp->row_global[row[i]]] = x[i];
-            else
-                s += x[i];
-    }
-    if (sq) {
-        if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, sq, rows);
-        o->pp->ops->sum(o->pp->ops->ctx, sq, rows);
-        if (dp) o->sync->sum(o->sync->ctx, sq, rows);
-        for (int r = 0; r < rows; r++) s += sq[r];
+        if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, sq, whole);
+        o->pp->ops->sum(o->pp->ops->ctx, sq, whole);
+        if (dp) o->sync->sum(o->sync->ctx, sq, whole);
+        for (int r = 0; r < whole; r++) s += sq[r];
         fl_free(sq);
-        return s;
+    } else {
+        for (int i = 0; i < rows; i++) s += o->gate_rows[i];
+        if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, &s, 1);
+        if (dp) o->sync->sum(o->sync->ctx, &s, 1);
     }
-    if (o->tp) o->tp->ops->sum(o->tp->ops->ctx, &s, 1);
-    if (dp) o->sync->sum(o->sync->ctx, &s, 1);
-    return s;
+    o->gate->sumsq = s;
+    return 0;
 }
 
 // AdamW or SGD offloaded from a device: groups of whole rows of about
@@ -485,16 +510,18 @@ static fl_step_result overlap_end(fl_optimizer *o, float loss, int judge) {
     o->overlap_done = NULL;
     fl_optimizer_end_step(o);
     o->offload->updated(o->offload->ctx);
-    fl_step_result r = {(float)sqrt(sumsq), 0, o->scaler.scale, {0, NAN, NAN}};
+    fl_step_result r = {loss, (float)sqrt(sumsq), 0, o->scaler.scale, {0, NAN, NAN}};
     if (judge && isfinite(r.grad_norm)) r.spike = fl_spike_judge(&o->spike, loss, r.grad_norm);
     FL_ASSERT(!r.spike.outlier); // the loss passed before the update, and the norm has no say
     return r;
 }
 
-// judge: the spike guard looks at the loss and the norm before the update.
-static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int judge) {
+// judge: the spike guard looks at the loss and the norm before the update;
+// the loss is *loss, or the gate's sum over total target tokens (NULL).
+static fl_step_result optimizer_step(fl_optimizer *o, float lr, int judge, const float *loss,
+                                     long total) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
-    if (o->overlap_sq) return overlap_end(o, loss, judge);
+    if (o->overlap_sq) return overlap_end(o, loss ? *loss : NAN, judge);
     const fl_optim_sync *sync = o->sync;
     // the gradient the update reads: the whole local one, or under data
     // parallelism the reduced one over this rank's range
@@ -507,57 +534,103 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, float loss, int 
         first = o->rule->state_begin;
         n = o->rule->state_end - first;
     }
-    fl_step_result r = {0.0f, 0, o->scaler.scale, {0, NAN, NAN}};
-    // finite floats' squares sum to a finite double, so an inf or NaN gradient
-    // (fp16 overflow) shows in the norm's pass: no pass of its own
-    int dp = sync && !sync->replicated;
-    double sumsq = grad_sumsq(o, grads_dtype, grads, first, n, dp);
-    double overflow = o->dtype == FL_F16 && !isfinite(sumsq);
-    if (overflow) {
-        // skip the step: no weight, master or optimizer-state byte changes
-        r.skipped = 1;
-        o->micro = 0;
-        if (fl_loss_scaler_update(&o->scaler, 1) != 0)
-            fl_die("fp16 gradients overflow with the loss scale already at its minimum (%g): "
-                   "training cannot continue. Lower the learning rate, raise "
-                   "fp16.min_loss_scale, or train in bf16 (--precision bf16)",
-                   o->scaler.min_scale);
-        return r;
+    // the verdict, on the device: an fp16 overflow, or an inf or NaN
+    // gradient in another precision (the caller sees the norm and decides
+    // whether training has diverged), or a spike, skips the step; no
+    // weight, master or optimizer-state byte changes then
+    fl_gate_op op = {.op = FL_GATE_VERDICT,
+                     .total = total,
+                     .loss_given = loss != NULL,
+                     .loss = loss ? *loss : 0.0f,
+                     .scale = o->scaler.scale,
+                     .max_grad_norm = o->cfg.max_grad_norm,
+                     .overflow_skips = o->dtype == FL_F16,
+                     .nonfinite_skips = 1,
+                     .parent = o->parent_gate};
+    op.nrows = grad_sumsq(o, grads_dtype, grads, first, n, sync && !sync->replicated);
+    op.rows = o->gate_rows;
+    fl_optimizer_gate_spike(o, judge ? FL_GATE_VERDICT : 0, &op);
+    fl_optimizer_gate_run(o, &op);
+    // the update reads its factors, or its skip, from the gate (where the
+    // host sees the verdict for free, a skipped step issues nothing)
+    const fl_step_gate *known = fl_optimizer_gate_host(o);
+    int begun = !(known && known->skip);
+    if (begun) {
+        fl_optimizer_begin_step(o, lr);
+        o->gating = 1;
+        if (o->offload)
+            update_offloaded(o, grads, first, grads_dtype, 1.0f);
+        else
+            fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, 1.0f, 1.0f);
+        o->gating = 0;
+        if (sync) sync->updated(sync->ctx);
+        if (o->offload) o->offload->updated(o->offload->ctx);
     }
-    float unscale = 1.0f / o->scaler.scale;
-    r.grad_norm = (float)sqrt(sumsq) * unscale;
-    if (!isfinite(r.grad_norm)) {
-        // an inf or NaN gradient outside fp16's scaling: skipped like an
-        // overflow, nothing changes; the caller sees the norm and decides
-        // whether training has diverged
-        r.skipped = 1;
-        o->micro = 0;
-        return r;
-    }
-    if (judge) r.spike = fl_spike_judge(&o->spike, loss, r.grad_norm);
-    if (r.spike.outlier) { // an fp16 overflow above never gets here: not in the window
-        o->micro = 0;
-        return r;
-    }
-    fl_optimizer_begin_step(o, lr);
-    float coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
-    if (fl_optim_kind_fused(o->cfg.kind)) // LOMO's order: clamp the unscaled g, then coef
-        fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, unscale, coef);
-    else if (o->offload)
-        update_offloaded(o, grads, first, grads_dtype, unscale * coef);
-    else
-        fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, unscale * coef,
-                                  1.0f);
-    fl_optimizer_end_step(o);
-    if (sync) sync->updated(sync->ctx);
-    if (o->offload) o->offload->updated(o->offload->ctx);
-    return r;
+    return fl_optimizer_settle(o, begun);
 }
 
 fl_step_result fl_optimizer_step(fl_optimizer *o, float lr) {
-    return optimizer_step(o, lr, NAN, 0);
+    return optimizer_step(o, lr, 0, NULL, 0);
 }
 
 fl_step_result fl_optimizer_step_loss(fl_optimizer *o, float lr, float loss) {
-    return optimizer_step(o, lr, loss, 1);
+    return optimizer_step(o, lr, 1, &loss, 0);
+}
+
+fl_step_result fl_optimizer_step_gated(fl_optimizer *o, float lr, long total) {
+    return optimizer_step(o, lr, 1, NULL, total);
+}
+
+double *fl_optimizer_loss_sink(fl_optimizer *o, const fl_device *model_dev) {
+    return o->dev == model_dev ? &o->gate->loss_raw : NULL;
+}
+
+void fl_optimizer_gate_run(fl_optimizer *o, const fl_gate_op *op) {
+    o->dev->gate(o->gate, op);
+}
+
+void fl_optimizer_add_loss(fl_optimizer *o, int first, long n) {
+    fl_gate_op op = {.op = FL_GATE_LOSS, .n = n, .first = first};
+    fl_optimizer_gate_run(o, &op);
+}
+
+void fl_optimizer_gate_spike(const fl_optimizer *o, int judge, fl_gate_op *op) {
+    const fl_spike_guard *g = &o->spike;
+    op->judge = judge && fl_spike_guard_on(g);
+    if (!op->judge) return;
+    op->loss_z = g->cfg.loss_z;
+    op->grad_z = g->cfg.grad_z;
+    op->loss_stat = fl_spike_stat_of(&g->loss, g->cfg.window, g->cfg.min_count);
+    op->norm_stat = fl_spike_stat_of(&g->norm, g->cfg.window, g->cfg.min_count);
+}
+
+const fl_step_gate *fl_optimizer_gate_host(const fl_optimizer *o) {
+    return o->dev->host ? o->gate : NULL;
+}
+
+fl_step_result fl_optimizer_settle(fl_optimizer *o, int begun) {
+    fl_step_gate g;
+    if (o->dev->host)
+        g = *o->gate;
+    else
+        o->dev->copy_d2h(o->dev, &g, o->gate, sizeof g); // the step's one wait
+    fl_step_result r = {
+        g.loss, g.grad_norm, g.skip != FL_SKIP_NONE, o->scaler.scale, {0, NAN, NAN}};
+    if (g.judged) { // the guard's books: a loss-alone judgement saw no norm
+        r.spike = (fl_spike_verdict){g.skip == FL_SKIP_SPIKE, g.loss_z, g.grad_z};
+        fl_spike_record(&o->spike, &r.spike, g.loss, g.judged == 2 ? g.grad_norm : NAN);
+    }
+    if (g.skip == FL_SKIP_NONE) {
+        fl_optimizer_end_step(o);
+        return r;
+    }
+    r.skipped = g.skip == FL_SKIP_OVERFLOW || g.skip == FL_SKIP_NONFINITE; // not a spike's
+    if (begun) (*fl_optim_step_count(o->rule))--; // the updates skipped themselves
+    o->micro = 0;
+    if (g.skip == FL_SKIP_OVERFLOW && fl_loss_scaler_update(&o->scaler, 1) != 0)
+        fl_die("fp16 gradients overflow with the loss scale already at its minimum (%g): "
+               "training cannot continue. Lower the learning rate, raise "
+               "fp16.min_loss_scale, or train in bf16 (--precision bf16)",
+               o->scaler.min_scale);
+    return r;
 }

@@ -6,6 +6,8 @@
 
 #include "fitlm/optim.h"
 
+#include "gate.h"
+
 void fl_spike_guard_init(fl_spike_guard *g, const fl_spike_config *cfg) {
     memset(g, 0, sizeof *g);
     g->cfg = *cfg;
@@ -16,8 +18,9 @@ int fl_spike_guard_on(const fl_spike_guard *g) {
     return (g->cfg.loss_z > 0.0f || g->cfg.grad_z > 0.0f) && g->cfg.window > 0;
 }
 
-double fl_spike_z(const fl_spike_series *s, int window, int min_count, double v) {
-    if (s->count < min_count || s->count == 0 || !isfinite(v)) return NAN;
+fl_spike_stat fl_spike_stat_of(const fl_spike_series *s, int window, int min_count) {
+    fl_spike_stat st = {0.0, 0.0, s->count >= min_count && s->count > 0};
+    if (!st.ok) return st;
     // two passes over at most FL_SPIKE_WINDOW_MAX values, oldest first: the
     // same sums on every rank and after a resume (no running sum to drift)
     double mean = 0.0, var = 0.0;
@@ -28,9 +31,14 @@ double fl_spike_z(const fl_spike_series *s, int window, int min_count, double v)
         var += d * d;
     }
     double sd = sqrt(var / s->count), floor = 0.01 * fabs(mean);
-    if (sd < floor) sd = floor;
-    if (sd == 0.0) return v > mean ? INFINITY : 0.0;
-    return (v - mean) / sd;
+    st.mean = mean;
+    st.sd = sd < floor ? floor : sd;
+    return st;
+}
+
+double fl_spike_z(const fl_spike_series *s, int window, int min_count, double v) {
+    fl_spike_stat st = fl_spike_stat_of(s, window, min_count);
+    return fl_gate_z(&st, v);
 }
 
 void fl_spike_push(fl_spike_series *s, int window, double v) {
@@ -38,6 +46,17 @@ void fl_spike_push(fl_spike_series *s, int window, double v) {
     s->v[s->next] = v;
     s->next = (s->next + 1) % window;
     if (s->count < window) s->count++;
+}
+
+void fl_spike_record(fl_spike_guard *g, const fl_spike_verdict *v, double loss, double grad_norm) {
+    if (v->outlier) {
+        g->in_row++;
+        g->skipped++;
+        return;
+    }
+    g->in_row = 0;
+    fl_spike_push(&g->loss, g->cfg.window, loss);
+    fl_spike_push(&g->norm, g->cfg.window, grad_norm);
 }
 
 fl_spike_verdict fl_spike_judge(fl_spike_guard *g, double loss, double grad_norm) {
@@ -48,13 +67,6 @@ fl_spike_verdict fl_spike_judge(fl_spike_guard *g, double loss, double grad_norm
     if (c->grad_z > 0.0f)
         r.grad_z = (float)fl_spike_z(&g->norm, c->window, c->min_count, grad_norm);
     r.outlier = r.loss_z > c->loss_z || r.grad_z > c->grad_z; // NAN compares false
-    if (r.outlier) {
-        g->in_row++;
-        g->skipped++;
-        return r;
-    }
-    g->in_row = 0;
-    fl_spike_push(&g->loss, c->window, loss);
-    fl_spike_push(&g->norm, c->window, grad_norm);
+    fl_spike_record(g, &r, loss, grad_norm);
     return r;
 }

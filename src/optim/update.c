@@ -3,6 +3,8 @@
 
 #include "fitlm/core.h"
 
+#include "gate.h"
+
 #include <omp.h>
 
 // Elements per work item of fl_update_range. Its fp32 copies (the gradients,
@@ -28,7 +30,16 @@ void fl_optim_update(fl_optim_rule *r, const fl_param_view *row, size_t offset, 
     FL_ASSERT(offset >= row->offset && offset + count <= row->offset + row->numel);
     FL_ASSERT(offset >= r->state_begin && offset + count <= r->state_end);
     if (row->flags & FL_PARAM_FROZEN) return;
-    r->ops->update(r, row, offset, count, a);
+    if (!a->gate) {
+        r->ops->update(r, row, offset, count, a);
+        return;
+    }
+    // a gated update (on the host's memory: the cpu and test devices)
+    if (a->gate->skip) return;
+    fl_update_args b = *a;
+    fl_gate_factors(a->gate, fl_optim_kind_fused(r->ops->kind), &b.grad_scale, &b.clip_coef);
+    b.gate = NULL;
+    r->ops->update(r, row, offset, count, &b);
 }
 
 void fl_optim_end_step(fl_optim_rule *r) {

@@ -306,8 +306,7 @@ static fl_zero_config zero_of(const fl_plan_request *r) {
 // ZeRO-3 frees *params_freed bytes of the model's weights after set-up).
 static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
                             size_t opt[FL_MEM_NTAGS], size_t dist[FL_MEM_NTAGS],
-                            size_t *params_freed, size_t *fused_rows, size_t *disk,
-                            size_t unpaged[FL_MEM_NTAGS]) {
+                            size_t *params_freed, size_t *disk, size_t unpaged[FL_MEM_NTAGS]) {
     fl_zero_config z = zero_of(r);
     fl_param_table t;
     rank_table(r, c, &t);
@@ -317,8 +316,7 @@ static void plan_dist_exact(const fl_plan_request *r, const fl_model_config *c,
     size_t begin, end;
     fl_dist_shard(&z, &t, d, dp_rank, &begin, &end);
     fl_optimizer_config o = r->optim;
-    o.sharded_grads = z.stage >= 2;                   // as `fitlm train` sets it
-    if (z.fused_units) *fused_rows = (size_t)t.count; // a fused step's row sums
+    o.sharded_grads = z.stage >= 2; // as `fitlm train` sets it
     fl_optimizer_memory_table(&o, r->dtype, &t, begin, end, opt);
     if (o.paged) { // NVMe offload: chunk buffers in RAM, the rest on disk
         size_t pb[FL_MEM_NTAGS];
@@ -440,8 +438,8 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     if (pp > 1) stage_of(r, pp_rank_of(r), st = &stage);
     size_t tp_scratch = 0; // the TP group's, the largest call's (comm)
     // the step's gradient norm under pipeline parallelism: a sum of squares
-    // per row of the whole model, in its order (a fused step's too, beside
-    // its own per row of the stage)
+    // per row of the whole model, in its order (beside the gate's per row of
+    // the stage, the optimizer's)
     size_t norm_rows = 0, whole_rows = 0;
     size_t init_bytes = 0; // the random start's drawing buffer (fl_params_init_each)
     int stage_rows = 0;    // the rank's rows (of its stage)
@@ -484,9 +482,10 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         b[FL_MEM_PARAMS] = numel * ds;
         b[FL_MEM_GRADS] = numel * ds;
     }
-    size_t fused_rows = 0; // a fused step's sums of squares, one per row
+    // each optimizer's step gate (the verdict and a sum of squares per row)
+    size_t gates = shaped ? fl_optimizer_gate_bytes(stage_rows) : 0;
     if (dist_exact) {
-        plan_dist_exact(r, &c, opt, dist_bytes, &out->freed[FL_MEM_PARAMS], &fused_rows, &out->disk,
+        plan_dist_exact(r, &c, opt, dist_bytes, &out->freed[FL_MEM_PARAMS], &out->disk,
                         out->unpaged);
         if (r->zero_stage == 3 && dp_of(r) > 1 && !r->whole_weights_first) {
             // the model is the shard from the start: the whole never exists;
@@ -502,11 +501,12 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_model_table(&t, &c);
         fl_lora_table(&lt, &t, &c, &r->lora, NULL);
         fl_optimizer_memory_table(&r->optim, dt, &lt, 0, lt.numel, opt);
+        gates = fl_optimizer_gate_bytes(lt.count);
         if (r->lora.train_base) {
+            gates += fl_optimizer_gate_bytes(t.count);
             size_t base[FL_MEM_NTAGS] = {0};
             fl_optimizer_memory_table(&r->base_optim, dt, &t, 0, t.numel, base);
             for (int k = 0; k < FL_MEM_NTAGS; k++) opt[k] += base[k];
-            if (unit_grads_of(r)) fused_rows = (size_t)t.count;
         }
         fl_params_free(&lt);
         fl_params_free(&t);
@@ -515,7 +515,6 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_param_table rows;
         rank_table(r, &c, &rows);
         fl_optimizer_memory_table(&r->optim, dt, &rows, 0, rows.numel, opt);
-        if (fl_optimizer_unit_grads(&r->optim)) fused_rows = (size_t)rows.count;
         fl_params_free(&rows);
     } else {
         fl_optimizer_memory(&r->optim, dt, numel, opt);
@@ -533,6 +532,8 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         }
     }
     for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += opt[k] + dist_bytes[k];
+    b[FL_MEM_WORKSPACE] += gates;
+    if (r->dev_offload) out->pinned[FL_MEM_WORKSPACE] += gates; // the host optimizer's
     if (r->dev_offload) { // the optimizer's bytes and the host copies of weights and gradients
         static const int tags[] = {FL_MEM_PARAMS, FL_MEM_GRADS, FL_MEM_MASTER, FL_MEM_OPTIM};
         for (int k = 0; k < 4; k++) out->pinned[tags[k]] = opt[tags[k]]; // not NVMe's buffers
@@ -589,11 +590,13 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     // sampled tokens and fl_model_generate's buffers: an fp32 row of logits
     // (V floats) and, inside it, the sampler's (logit, id) sort buffer (V x 8).
     b[FL_MEM_OTHER] += r->data_bytes + 2 * BT * (size_t)r->optim.grad_accum * sizeof(int);
+    if (r->dev && !r->dev->host) // the step's tokens in pinned memory (run.c)
+        out->pinned[FL_MEM_OTHER] += 2 * BT * (size_t)r->optim.grad_accum * sizeof(int);
     if (b[FL_MEM_OTHER] < r->data_peak) b[FL_MEM_OTHER] = r->data_peak;
     // transient workspace, one at a time: the step's row sums (a fused
     // step's over its rows), the sampler's, the random start's
     size_t sampler = shaped && r->sample_tokens > 0 ? generate_bytes(&c, r->T) : 0;
-    size_t sums = (fused_rows + norm_rows) * sizeof(double);
+    size_t sums = norm_rows * sizeof(double);
     out->host_workspace = sampler > sums ? sampler : sums; // host buffers on any device
     if (r->dev && !r->dev->host) {
         // the model's workspace is the device's: the host's holds the transients alone

@@ -241,6 +241,21 @@ static void pipeline_stage(fl_run *r) {
                    cfg->virtual_stages, cfg->grad_accum, r->layout.pp_rank, counts);
 }
 
+// A step's tokens (FL_MEM_OTHER): on a device in its pinned memory, which
+// the step's copies move without waiting (copy_async from pageable memory
+// may sync)
+static int *token_buffer(const fl_device *d, size_t n) {
+    if (!d || d->host) return fl_alloc(FL_MEM_OTHER, n * sizeof(int));
+    return d->host_alloc(d, FL_MEM_OTHER, n * sizeof(int));
+}
+
+static void token_buffer_free(const fl_device *d, int *p) {
+    if (!d || d->host)
+        fl_free(p);
+    else
+        d->host_free(d, p);
+}
+
 void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options *opt) {
     memset(r, 0, sizeof *r);
     r->cfg = *config;
@@ -409,8 +424,8 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     // a step's micro-batches, loaded before it: the step weights every target
     // token of the accumulated batch alike
     size_t tokens = (size_t)cfg->micro_batch * cfg->seq_len * cfg->grad_accum;
-    r->inputs = fl_alloc(FL_MEM_OTHER, tokens * sizeof(int));
-    r->targets = fl_alloc(FL_MEM_OTHER, tokens * sizeof(int));
+    r->inputs = token_buffer(r->dev, tokens);
+    r->targets = token_buffer(r->dev, tokens);
 }
 
 // Mean loss over cfg->eval_iters fixed batches of the whole step's batch
@@ -502,8 +517,8 @@ void fl_run_save(fl_run *r, int step) {
 }
 
 void fl_run_close(fl_run *r) {
-    fl_free(r->inputs);
-    fl_free(r->targets);
+    token_buffer_free(r->dev, r->inputs);
+    token_buffer_free(r->dev, r->targets);
     fl_free(r->config_json);
     fl_pipeline_free(r->pipe);
     fl_dist_free(r->strategy);

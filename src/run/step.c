@@ -36,6 +36,35 @@ long fl_batch_targets(const fl_optimizer *o, const int *targets, size_t n) {
     return (long)count;
 }
 
+// The step's tokens go up without a wait and its losses stay where the
+// optimizer's gate is, when that is the model's device (not ZeRO-Offload's
+// host optimizer): between its first kernel and the read of its verdict the
+// host only issues work (the caller keeps the tokens until the step returns).
+static double *begin_losses(fl_model *m, fl_optimizer *o) {
+    double *sink = fl_optimizer_loss_sink(o, m->dev);
+    m->loss_sink = sink;
+    m->async_tokens = sink != NULL;
+    return sink;
+}
+
+static void end_losses(fl_model *m) {
+    m->loss_sink = NULL;
+    m->async_tokens = 0;
+    m->lora.dropout_step = 0; // evaluation and sampling run without dropout
+}
+
+// The gate's loss summed over the data-parallel ranks (the host's memory).
+static void sum_gate_loss(fl_optimizer *o) {
+    if (!o->sync) return;
+    FL_ASSERT(fl_optimizer_gate_host(o));
+    o->sync->sum(o->sync->ctx, &o->gate->loss_sum, 1);
+}
+
+static fl_train_result train_result(const fl_optimizer *o, const fl_step_result *s, long total) {
+    return (fl_train_result){s->loss,       total,    s->grad_norm,    s->skipped,
+                             s->loss_scale, s->spike, o->spike.in_row, o->spike.skipped};
+}
+
 // The plain step: forward and backward over each micro-batch, then the
 // optimizer's step on the accumulated gradient.
 static fl_train_result plain_step(fl_model *m, fl_optimizer *o, const int *inputs,
@@ -45,38 +74,45 @@ static fl_train_result plain_step(fl_model *m, fl_optimizer *o, const int *input
     long total = fl_batch_targets(o, targets, (size_t)micro * BT);
     // d(scaled mean loss)/d(loss_i): the same weight for every target token
     float dloss = total ? fl_optimizer_scale(o) / (float)total : 0.0f;
-    double loss_sum = 0.0;
+    double loss_sum = 0.0;                                // on the host, without a loss sink
     uint64_t t = (uint64_t)*fl_optim_step_count(o->rule); // steps done: the dropout masks' key
+    double *sink = begin_losses(m, o);
     for (int k = 0; k < micro; k++) {
         size_t cleared = 0; // bytes, for the profile
         FL_PROFILE_IO(FL_OP_ZERO_GRAD, FL_STEP, 0.0, cleared, cleared = fl_optimizer_zero_grad(o));
         m->lora.dropout_step = t * (uint64_t)micro + (uint64_t)k + 1;
         fl_model_forward_train(m, inputs + k * BT, targets + k * BT, B, T, dloss);
-        loss_sum += (double)m->loss * m->n_targets;
+        if (sink)
+            fl_optimizer_add_loss(o, k == 0, m->n_targets);
+        else
+            loss_sum += (double)m->loss * m->n_targets;
         // ZeRO-Offload: the host updates each unit during the last backward
-        if (k == micro - 1 && fl_optimizer_can_overlap(o))
+        if (k == micro - 1 && fl_optimizer_can_overlap(o)) {
+            FL_ASSERT(!sink); // the host's optimizer: the losses came to the host
             fl_optimizer_begin_overlap(o, lr, total ? (float)(loss_sum / total) : 0.0f);
+        }
         fl_model_backward(m, dloss);
         FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_micro_done(o));
     }
-    m->lora.dropout_step = 0; // evaluation and sampling run without dropout
-    if (sync) sync->sum(sync->ctx, &loss_sum, 1);
+    end_losses(m);
     fl_step_result s;
-    float loss = total ? (float)(loss_sum / total) : 0.0f;
-    FL_PROFILE_IO(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_step_io(o),
-                  s = fl_optimizer_step_loss(o, lr, loss));
-    return (fl_train_result){loss,         total,   s.grad_norm,     s.skipped,
-                             s.loss_scale, s.spike, o->spike.in_row, o->spike.skipped};
+    if (sink) {
+        sum_gate_loss(o);
+        FL_PROFILE_IO(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_step_io(o),
+                      s = fl_optimizer_step_gated(o, lr, total));
+    } else {
+        if (sync) sync->sum(sync->ctx, &loss_sum, 1);
+        float loss = total ? (float)(loss_sum / total) : 0.0f;
+        FL_PROFILE_IO(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_step_io(o),
+                      s = fl_optimizer_step_loss(o, lr, loss));
+    }
+    return train_result(o, &s, total);
 }
 
 typedef struct {
     fl_optimizer *o;
     int update;           // 0: gather the norm; 1: update
     int two_pass;         // the norm was gathered by a first pass
-    double *row_sq;       // (rows) sums of squares of each row's gradient
-    int overflow;         // an inf or NaN was seen
-    float unscale;        // 1 / loss scale
-    float clip_coef;      // the global-norm clip coefficient (after clip_grad_value's clamp)
     fl_model_hooks outer; // a data-parallel strategy's (ZeRO-3 gathers weights before a unit)
 } fused_pass;
 
@@ -87,6 +123,9 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
 
 enum { UNIT_ROWS = 64 }; // rows per sumsq_rows call: a unit's all at once
 
+// A unit's gradient is complete: its rows' sums of squares go to the gate's
+// rows (on the device), and in the update pass the unit is updated by the
+// factors the gate holds (or skipped, by its verdict).
 static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     fused_pass *p = ctx;
     const fl_optim_sync *sync = p->o->sync;
@@ -109,16 +148,15 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
                 size_t b = v[r].offset + v[r].numel < hi ? v[r].offset + v[r].numel : hi;
                 offsets[k] = b > a ? a - lo : 0, counts[k] = b > a ? b - a : 0;
             }
-            p->o->dev->sumsq_rows(dt, g, k, offsets, counts, p->row_sq + r0);
-            for (int i = 0; i < k; i++)
-                if (!isfinite(p->row_sq[r0 + i])) p->overflow = 1;
+            p->o->dev->sumsq_rows(dt, g, k, offsets, counts, p->o->gate_rows + r0);
         }
     if (p->update)
         FL_PROFILE(FL_OP_OPTIMIZER, FL_BWD, 0.0,
-                   fl_optimizer_update_range(p->o, first, n, g, lo, dt, p->unscale, p->clip_coef));
+                   fl_optimizer_update_range(p->o, first, n, g, lo, dt, 1.0f, 1.0f));
 }
 
-// The mean loss over every rank's target tokens (total of them).
+// The mean loss over every rank's target tokens (total of them), on the
+// host: a pipeline's passes bring it there.
 static float batch_loss(const fl_optimizer *o, const fl_model *m, long total) {
     if (!o->sync) return m->loss;
     double sum = (double)m->loss * m->n_targets;
@@ -126,16 +164,24 @@ static float batch_loss(const fl_optimizer *o, const fl_model *m, long total) {
     return total ? (float)(sum / total) : 0.0f;
 }
 
-// The sum of the rows' sums of squares, and the overflow flag, over every
-// rank: under data parallelism over every rank's part; under tensor
-// parallelism over the TP group, a replicated row counted on TP rank 0
-// only; under pipeline parallelism over the stages, each row at its place in
-// the whole table. Added in (the whole) table order: the same for any unit
-// order, thread count or pipeline split.
-static double gather_norm(const fl_optimizer *o, fused_pass *p) {
+// The rows' sums of squares for the verdict (op): on one process the gate's
+// rows as they are, added in table order on the device. Over ranks the host
+// adds them (a host device's memory) with an overflow flag, and leaves the
+// total in the gate: under data parallelism over every rank's part; under
+// tensor parallelism over the TP group, a replicated row counted on TP rank
+// 0 only; under pipeline parallelism over the stages, each row at its place
+// in the whole table. Added in (the whole) table order: the same for any
+// unit order, thread count or pipeline split.
+static void gather_norm(fl_optimizer *o, fl_gate_op *op) {
     const fl_optim_sync *sync = o->sync;
     int rows = o->table->count;
-    double overflow = p->overflow, *sq = p->row_sq;
+    op->rows = o->gate_rows;
+    op->nrows = rows;
+    if (!o->tp && !o->pp && !sync) return;
+    FL_ASSERT(fl_optimizer_gate_host(o));
+    double overflow = 0.0, *sq = o->gate_rows;
+    for (int r = 0; r < rows; r++)
+        if (!isfinite(sq[r])) overflow = 1.0;
     if (o->tp) {
         for (int r = 0; r < rows; r++)
             if (o->table->views[r].tp_dim < 0 && o->tp->rank > 0) sq[r] = 0.0;
@@ -148,7 +194,7 @@ static double gather_norm(const fl_optimizer *o, fused_pass *p) {
         memset(sq, 0, (size_t)whole * sizeof(double));
         for (int r = 0; r < rows; r++)
             if (!(o->table->views[r].flags & FL_PARAM_TIED_COPY))
-                sq[o->pp->row_global[r]] = p->row_sq[r];
+                sq[o->pp->row_global[r]] = o->gate_rows[r];
         o->pp->ops->sum(o->pp->ops->ctx, sq, whole);
         o->pp->ops->sum(o->pp->ops->ctx, &overflow, 1);
         rows = whole;
@@ -157,11 +203,12 @@ static double gather_norm(const fl_optimizer *o, fused_pass *p) {
         if (!sync->replicated) sync->sum(sync->ctx, sq, rows);
         sync->max(sync->ctx, &overflow, 1);
     }
-    p->overflow = overflow != 0.0;
     double s = 0.0;
     for (int i = 0; i < rows; i++) s += sq[i];
-    if (sq != p->row_sq) fl_free(sq);
-    return s;
+    if (sq != o->gate_rows) fl_free(sq);
+    // an overflow anywhere skips every rank (a NaN sum stays one, for the report)
+    o->gate->sumsq = overflow != 0.0 && isfinite(s) ? INFINITY : s;
+    op->nrows = 0;
 }
 
 static void model_forward(void *ctx, const int *inputs, const int *targets, int B, int T,
@@ -179,16 +226,15 @@ static void model_backward(void *ctx, float dloss) {
 
 // A forward (the whole model, or, for the second pass, only the head: the
 // first backward overwrote nothing else) with the hook, which backward_half
-// (the backward) or the spike guard's skip (no backward) takes off again;
+// (the backward) or a skip known at once (no backward) takes off again;
 // the adapters' gradients, if any, start from zero.
-static float forward_half(fl_model *m, fused_pass *p, const fl_step_passes *passes,
-                          const int *inputs, const int *targets, int B, int T, float dloss,
-                          int head_only) {
+static void forward_half(fl_model *m, fused_pass *p, const fl_step_passes *passes,
+                         const int *inputs, const int *targets, int B, int T, float dloss,
+                         int head_only) {
     if (m->lora.grads) fl_model_zero_grad(m);
     p->outer = m->hooks;
     m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, p};
     passes->forward(passes->ctx, inputs, targets, B, T, dloss, head_only);
-    return m->loss;
 }
 
 static void backward_half(fl_model *m, fused_pass *p, const fl_step_passes *passes, float dloss) {
@@ -196,6 +242,12 @@ static void backward_half(fl_model *m, fused_pass *p, const fl_step_passes *pass
     m->hooks = p->outer;
 }
 
+// The verdict comes before the update: with clipping or fp16, from the
+// first pass's norm (an overflow found there leaves every weight
+// unchanged); otherwise the spike guard judges the loss alone before the
+// one backward, which updates. On a device the verdict stays there: the
+// update pass runs and its updates skip themselves when told to; where the
+// host sees the verdict for free (its own memory) a skipped step stops.
 static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *adapters,
                                   const fl_step_passes *passes, const int *inputs,
                                   const int *targets, int B, int T, float lr, float adapter_lr) {
@@ -205,63 +257,58 @@ static fl_train_result fused_step(fl_model *m, fl_optimizer *o, fl_optimizer *ad
     // dropout masks: one per step, the same in both passes
     m->lora.dropout_step = (uint64_t)*fl_optim_step_count(o->rule) + 1;
     size_t BT = (size_t)B * T;
-    const fl_optim_sync *sync = o->sync; // data parallelism: the batch is every rank's
     long total = fl_batch_targets(o, targets, BT);
-    float scale = fl_optimizer_scale(o), unscale = 1.0f / scale;
+    float scale = fl_optimizer_scale(o);
     float dloss = total ? scale / (float)total : 0.0f;
-    fl_train_result r = {
-        0.0f, total, 0.0f, 0, scale, {0, NAN, NAN}, o->spike.in_row, o->spike.skipped};
-    double *row_sq = fl_alloc(FL_MEM_WORKSPACE, (size_t)m->table.count * sizeof(double));
     int two_pass = o->cfg.max_grad_norm > 0.0f || m->dtype == FL_F16;
-    fused_pass p = {o, 0, two_pass, row_sq, 0, unscale, 1.0f, {0}};
+    fused_pass p = {o, 0, two_pass, {0}};
+    // a pipeline's passes bring the loss to the host; the model's own leave it in the gate
+    double *sink = passes == &own ? begin_losses(m, o) : NULL;
+    fl_gate_op op = {.op = two_pass ? FL_GATE_VERDICT : FL_GATE_JUDGE_LOSS,
+                     .total = total,
+                     .scale = scale,
+                     .max_grad_norm = o->cfg.max_grad_norm,
+                     .overflow_skips = 1};
+    fl_optimizer_gate_spike(o, 1, &op);
+    forward_half(m, &p, passes, inputs, targets, B, T, dloss, 0);
+    if (sink) {
+        fl_optimizer_add_loss(o, 1, m->n_targets);
+        sum_gate_loss(o);
+    } else {
+        op.loss_given = 1;
+        op.loss = batch_loss(o, m, total);
+    }
     if (two_pass) {
-        forward_half(m, &p, passes, inputs, targets, B, T, dloss, 0);
         backward_half(m, &p, passes, dloss);
-        r.loss = batch_loss(o, m, total);
-        double sq = gather_norm(o, &p);
-        if (p.overflow) {
-            r.skipped = 1;
-            if (fl_loss_scaler_update(&o->scaler, 1) != 0)
-                fl_die("fp16 gradients overflow with the loss scale already at its minimum (%g): "
-                       "training cannot continue. Lower the learning rate, raise "
-                       "fp16.min_loss_scale, or train in bf16 (--precision bf16)",
-                       o->scaler.min_scale);
-            fl_free(row_sq);
-            m->lora.dropout_step = 0;
-            return r;
+        gather_norm(o, &op);
+    }
+    fl_optimizer_gate_run(o, &op);
+    const fl_step_gate *known = fl_optimizer_gate_host(o);
+    int run = !(known && known->skip);
+    if (run) {
+        p.update = 1;
+        if (two_pass) forward_half(m, &p, passes, inputs, targets, B, T, dloss, 1);
+        fl_optimizer_begin_step(o, lr);
+        o->gating = 1;
+        backward_half(m, &p, passes, dloss);
+        o->gating = 0;
+        if (o->sync) o->sync->updated(o->sync->ctx); // ZeRO-1/2: every rank's new weights
+        if (!two_pass) {                             // the norm, to report
+            fl_gate_op norm = {.op = FL_GATE_NORM};
+            gather_norm(o, &norm);
+            fl_optimizer_gate_run(o, &norm);
         }
-        r.grad_norm = (float)sqrt(sq) * unscale;
-        p.clip_coef = fl_clip_coef(r.grad_norm, o->cfg.max_grad_norm);
-        // the spike guard, before the second pass updates anything
-        if (isfinite(r.grad_norm)) r.spike = fl_spike_judge(&o->spike, r.loss, r.grad_norm);
+        if (adapters) { // skipped with the base's step
+            adapters->parent_gate = o->gate;
+            fl_optimizer_micro_done(adapters);
+            FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_step(adapters, adapter_lr));
+        }
+    } else if (!two_pass) {
+        m->hooks = p.outer; // no backward
     }
-    if (!two_pass) { // the update comes with the backward: the guard judges the loss alone
-        float loss = forward_half(m, &p, passes, inputs, targets, B, T, dloss, 0);
-        r.loss = sync ? batch_loss(o, m, total) : loss;
-        r.spike = fl_spike_judge(&o->spike, r.loss, NAN);
-        if (r.spike.outlier) m->hooks = p.outer; // no backward
-    }
-    r.spikes_in_row = o->spike.in_row;
-    r.spikes_skipped = o->spike.skipped;
-    if (r.spike.outlier) { // nothing is updated
-        fl_free(row_sq);
-        m->lora.dropout_step = 0;
-        return r;
-    }
-    p.update = 1;
-    if (two_pass) forward_half(m, &p, passes, inputs, targets, B, T, dloss, 1);
-    fl_optimizer_begin_step(o, lr);
-    backward_half(m, &p, passes, dloss);
-    fl_optimizer_end_step(o);
-    if (sync) sync->updated(sync->ctx); // ZeRO-1/2: every rank's new weights
-    if (!two_pass) r.grad_norm = (float)sqrt(gather_norm(o, &p)) * unscale;
-    fl_free(row_sq);
-    if (adapters) {
-        fl_optimizer_micro_done(adapters);
-        FL_PROFILE(FL_OP_OPTIMIZER, FL_STEP, 0.0, fl_optimizer_step(adapters, adapter_lr));
-    }
-    m->lora.dropout_step = 0;
-    return r;
+    end_losses(m);
+    fl_step_result s = fl_optimizer_settle(o, run);
+    return train_result(o, &s, total);
 }
 
 fl_train_result fl_fused_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
