@@ -456,6 +456,19 @@ static void test_lora_qlora_equal_cpu(void) {
     // the two-pass clip and by AdaLomo, its 16-bit weights stochastically rounded
     lora_runs_equal("lora_lomo", "--model llama-tiny --precision bf16 --lora "
                                  "--lora-base-optimizer lomo --grad-clip 1");
+    // step 3 a spike by its norm: the base's verdict skips the adapters' step
+    // too (on the device without the host looking: the gate's parent)
+    lora_runs_equal("lora_lomo_spike", "--model llama-tiny --precision bf16 --lora "
+                                       "--lora-base-optimizer lomo --grad-clip 1 "
+                                       "--skip-update-gradz 0.001 --skip-update-lossz 0.001 "
+                                       "--skip-update-min-steps 2 --skip-update-window 4 --seed 1");
+    char path[256];
+    size_t len;
+    snprintf(path, sizeof path, "%s/lora_lomo_spike_test/metrics.jsonl", dir);
+    char *spiked = (char *)t_read_file(path, &len);
+    t_check(spiked && strstr(spiked, "\"skipped_steps\":1"),
+            "LoRA + LOMO on the test device: a step is a spike (skipped_steps in %s)", path);
+    free(spiked);
     lora_runs_equal("lora_adalomo", "--model tiny --precision bf16 --lora "
                                     "--lora-base-optimizer adalomo --grad-clip 0.5");
     // QLoRA on a Hugging Face base (one step of a LLaMA, exported)
