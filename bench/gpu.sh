@@ -186,6 +186,8 @@ fitlm_profile() {
             /^\| / { fl = ($4 + 0) * ($8 + 0) + ($5 + 0) * ($9 + 0); gb = $10 + 0
                      floor = fl / (pk / 1e9) + gb / (bw / 1e9) * 1e3
                      printf "%s %s |\n", $0, (floor > 0 ? sprintf("%8.2f", floor) : "") }' "$f"
+        # the host's waits behind the GPU's queued work (1 a step: the verdict's read)
+        grep -m1 'host waited behind' "$f" | sed 's/^/\n/'
     } >"$out/profile_$cfg.md"
 }
 
