@@ -989,12 +989,17 @@ static void step_scalars(void) {
          0.0,
          1.0,
          {.op = FL_GATE_VERDICT,
+          .nrows = -1,
           .total = 60,
           .loss_given = 1,
           .loss = 2.5f,
           .scale = 1.0f,
           .max_grad_norm = 0.25f,
           .nonfinite_skips = 1}},
+        {"no rows: a zero norm, not the last one",
+         0.0,
+         1.0,
+         {.op = FL_GATE_VERDICT, .total = 60, .scale = 1.0f, .nonfinite_skips = 1}},
         {"a parent's skip",
          0.0,
          1.0,
@@ -1009,13 +1014,13 @@ static void step_scalars(void) {
         for (int r = 0; r < ROWS; r++) rows[r] = r == 3 ? cases[c].row3 : 0.125 * (r + 1);
         fl_dev_upload(dev, drows, rows, sizeof rows);
         fl_gate_op hop = cases[c].op, dop = cases[c].op;
-        if (hop.nrows) hop.rows = rows, dop.rows = drows;
+        if (hop.nrows > 0) hop.rows = rows, dop.rows = drows;
         if (c == n_cases - 1) hop.parent = &host[1], dop.parent = parent;
         if (hop.op == FL_GATE_LOSS) { // the model's sum, as its loss sink leaves it
             host[0].loss_raw = cases[c].raw;
             fl_dev_upload(dev, &g->loss_raw, &cases[c].raw, sizeof(double));
         }
-        if (hop.op == FL_GATE_VERDICT && !hop.nrows) { // a host's sum over ranks
+        if (hop.op == FL_GATE_VERDICT && hop.nrows < 0) { // a host's sum over ranks
             host[0].sumsq = 0.75;
             fl_dev_upload(dev, &g->sumsq, &host[0].sumsq, sizeof(double));
         }
@@ -1030,6 +1035,8 @@ static void step_scalars(void) {
                 dg[0].grad_z);
     }
     t_check(host[0].skip == FL_SKIP_PARENT, "gate: the last case is skipped by its parent");
+    t_check(host[0].sumsq == 0.0 && dg[0].sumsq == 0.0, "gate: no rows sum to zero (%g, %g)",
+            host[0].sumsq, dg[0].sumsq);
     dev->free(dev, mem);
 }
 

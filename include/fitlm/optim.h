@@ -362,8 +362,8 @@ typedef struct {
     long n;
     int first;
     // the rest: rows (device memory) are summed in order into sumsq (nrows
-    // 0: sumsq as set); the loss is loss_sum / total targets, or `loss` when
-    // loss_given
+    // -1: sumsq as the host set it, a sum over ranks); the loss is loss_sum /
+    // total targets, or `loss` when loss_given
     const double *rows;
     int nrows;
     long total;

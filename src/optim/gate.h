@@ -46,7 +46,7 @@ FL_HD static inline void fl_gate_apply(fl_step_gate *g, const fl_gate_op *a) {
     }
     if (a->op == FL_GATE_NORM) { // after an update that needed no norm: the norm, to report
         if (g->skip) return;
-        g->sumsq = fl_gate_rows_sum(a, a->nrows ? 0.0 : g->sumsq);
+        if (a->nrows >= 0) g->sumsq = fl_gate_rows_sum(a, 0.0);
         g->grad_norm = (float)sqrt(g->sumsq) * g->unscale;
         return;
     }
@@ -64,7 +64,7 @@ FL_HD static inline void fl_gate_apply(fl_step_gate *g, const fl_gate_op *a) {
     }
     double norm = NAN; // the norm the guard judges: unknown before the gradient
     if (a->op == FL_GATE_VERDICT) {
-        g->sumsq = fl_gate_rows_sum(a, a->nrows ? 0.0 : g->sumsq);
+        if (a->nrows >= 0) g->sumsq = fl_gate_rows_sum(a, 0.0);
         // finite floats' squares sum to a finite double: an inf or NaN shows here
         if (a->overflow_skips && !isfinite(g->sumsq)) {
             g->skip = FL_SKIP_OVERFLOW;

@@ -391,7 +391,7 @@ static int norm_range(const fl_optimizer *o, const fl_param_view *v, size_t firs
 // the gate's rows on the device: returns how many, for the verdict to add
 // (the host never sees them). Across ranks the host adds them instead (its
 // memory: a host device) and leaves the total in the gate's sumsq (returns
-// 0): over the TP group; with `dp`, over the data-parallel ranks too; under
+// -1): over the TP group; with `dp`, over the data-parallel ranks too; under
 // pipeline parallelism each row's sum goes to its place in the whole table,
 // the places are summed over the stages (one holds each) and added in that
 // order: the same bits as one process's for the same gradient.
@@ -433,7 +433,7 @@ static int grad_sumsq(fl_optimizer *o, fl_dtype dt, const void *grads, size_t fi
         if (dp) o->sync->sum(o->sync->ctx, &s, 1);
     }
     o->gate->sumsq = s;
-    return 0;
+    return -1;
 }
 
 // AdamW or SGD offloaded from a device: groups of whole rows of about

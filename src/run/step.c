@@ -208,7 +208,7 @@ static void gather_norm(fl_optimizer *o, fl_gate_op *op) {
     if (sq != o->gate_rows) fl_free(sq);
     // an overflow anywhere skips every rank (a NaN sum stays one, for the report)
     o->gate->sumsq = overflow != 0.0 && isfinite(s) ? INFINITY : s;
-    op->nrows = 0;
+    op->nrows = -1;
 }
 
 static void model_forward(void *ctx, const int *inputs, const int *targets, int B, int T,
