@@ -36,14 +36,14 @@ long fl_batch_targets(const fl_optimizer *o, const int *targets, size_t n) {
     return (long)count;
 }
 
-// The step's tokens go up without a wait and its losses stay where the
-// optimizer's gate is, when that is the model's device (not ZeRO-Offload's
-// host optimizer): between its first kernel and the read of its verdict the
-// host only issues work (the caller keeps the tokens until the step returns).
+// The step's tokens go up without a wait (the caller keeps them until the
+// step returns) and its losses stay where the optimizer's gate is, when that
+// is the model's device (not ZeRO-Offload's host optimizer): between its
+// first kernel and the read of its verdict the host only issues work.
 static double *begin_losses(fl_model *m, fl_optimizer *o) {
     double *sink = fl_optimizer_loss_sink(o, m->dev);
     m->loss_sink = sink;
-    m->async_tokens = sink != NULL;
+    m->async_tokens = 1;
     return sink;
 }
 
