@@ -54,6 +54,8 @@ struct fl_dev_offload {
     // the overlapped step (fl_optimizer_begin_overlap) updated
     fl_event *pending;
     int pending_first, pending_n, pending_micro;
+    int pending_update;     // an overlapped step's unit (else a sum; a micro-batch's taken
+                            // late, in the next one, is a sum)
     void *params, *grads;   // the pinned host copies (the optimizer's params and grads)
     fl_optim_offload hooks; // the optimizer's calls back
     // the gradient ring: RING buffers of the largest unit, then the tied
@@ -187,7 +189,7 @@ static void take_pending(fl_dev_offload *f) {
     f->dev->event_destroy(f->dev, f->pending);
     f->pending = NULL;
     fl_optimizer *o = f->o;
-    if (o->overlap_sq) {
+    if (f->pending_update) {
         wait_up(f);
         fl_optimizer_update_unit(o, f->pending_first, f->pending_n);
         return;
@@ -222,15 +224,28 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     f->pending_first = first;
     f->pending_n = n;
     f->pending_micro = f->o->micro; // (fl_optimizer_micro_done counts it after)
+    f->pending_update = f->o->overlap_sq != NULL;
 }
 
 static void on_grads_down(void *ctx) {
     fl_dev_offload *f = ctx;
     const fl_device *d = f->dev;
+    // every unit reported its gradient: the device holds none besides
+    FL_ASSERT(f->down_bytes == f->m->table.numel * fl_dtype_size(f->m->dtype));
+    if (f->o->grad_accum && f->o->micro < f->o->cfg.grad_accum) {
+        // 16-bit gradients with a micro-batch to come: the device goes on
+        // with its forward pass while the last unit's download lands; the
+        // host sums it when the next backward reports its first unit (the
+        // embedding's, the largest, no longer idles the device between
+        // micro-batches), before anything overwrites it. The ring's buffers
+        // are reused after their downloads by their events, on the device.
+        f->down_bytes = 0;
+        f->next_slot = 0;
+        return;
+    }
     wait_begin(f); // until the next micro-batch's zero_grad, or the uploads
     take_pending(f);
     wait_up(f); // long done: the backward pass ran after it
-    size_t all = f->m->table.numel * fl_dtype_size(f->m->dtype);
     fl_event *e = d->event_record(d, f->down);
     d->event_sync(d, e);
     d->event_destroy(d, e);
@@ -238,8 +253,6 @@ static void on_grads_down(void *ctx) {
         if (f->slot_free[s]) d->event_destroy(d, f->slot_free[s]);
         f->slot_free[s] = NULL;
     }
-    // every unit reported its gradient: the device holds none besides
-    FL_ASSERT(f->down_bytes == all);
     f->down_bytes = 0;
     f->next_slot = 0;
     // fp32 sums on the device from the host's sum so far (uploaded at each
