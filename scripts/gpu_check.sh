@@ -330,6 +330,7 @@ date_s=$(date -u '+%Y-%m-%d %H:%M UTC')
 echo "== summary ($(elapsed) s): $gpu, driver $driver, nvcc $nvcc_v; $status; ctest -L gpu: $ctest_summary"
 for f in "$out"/profile_*.md; do
     [ -s "$f" ] && head -16 "$f" # the step's largest ops (the whole table in gpu_check.md)
+    [ -s "$f" ] && grep -m1 'host waited behind' "$f" # 1 a step: the verdict's read
 done
 [ -s "$out/attention.md" ] && tail -n +5 "$out/attention.md" # the attention kernels beside PyTorch's
 [ -s "$out/bench.tsv" ] && table "$out/bench.tsv"
