@@ -24,7 +24,7 @@ typedef struct {
     // after the first timed step (its one-time set-up left out of the summary)
     fl_dev_offload_waits waits, waits_first;
     // on a device: the host's waits behind queued work, over the steps
-    // after the first (whose GEMMs choose their algorithms)
+    // after the first (a one-time set-up's left out, as the offload's)
     long host_waits, waits_steps;
 } run_log;
 

@@ -268,7 +268,7 @@ extern "C" int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const v
                                          fl_cuda_stream()));
             if (r == rounds) {
                 FL_CUDA_CHECK(cudaEventRecord(e1, fl_cuda_stream()));
-                fl_cuda_waited(); // the first call of a shape only
+                fl_cuda_waited(); // the GEMM bench's timing, not a step's
                 FL_CUDA_CHECK(cudaEventSynchronize(e1));
                 float t = 0.0f;
                 FL_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
