@@ -15,7 +15,8 @@
 #
 # The first config runs once more with FITLM_CUDA_ATTENTION=wmma (row
 # fitlm-wmma: the WMMA attention kernels against the default mma.sync ones)
-# after PyTorch's runs, when time is left.
+# and once with FITLM_CUDA_GELU_FUSION=1 (row fitlm-gelu: the MLP's GELU in
+# its GEMM's epilogue) after PyTorch's runs, when time is left.
 #
 # Per run: tokens/s from the median step time of the timed steps
 # (BENCH_STEPS, default 10, after BENCH_WARMUP = 3 untimed ones); MFU
@@ -360,6 +361,15 @@ if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}
         fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
 else
     row "${names[0]}" fitlm-wmma "${batches[0]}" $T - - - - - "skipped: time"
+fi
+# and with GPT-2's MLP GELU in its GEMM's cuBLASLt epilogue (off by default:
+# llm.c finds it slower on Ampere and Ada; row fitlm-gelu decides per card)
+if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
+    # shellcheck disable=SC2086
+    FITLM_CUDA_GELU_FUSION=1 ENGINE=fitlm-gelu GEMM_TF=${GS[0]} \
+        fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
+else
+    row "${names[0]}" fitlm-gelu "${batches[0]}" $T - - - - - "skipped: time"
 fi
 # the attention kernels under Nsight Compute, when time is left
 if [ $(($(date +%s) - t0)) -lt "$budget" ]; then

@@ -403,6 +403,42 @@ static void call_matmul_bwd(tcase *t, const fl_device *x, void *p) {
                        m->dinp_add);
 }
 
+// the MLP's GEMM and GELU: fused where the device fuses them
+// (matmul_gelu_forward: cuda with FITLM_CUDA_GELU_FUSION=1, which main
+// sets), else the two calls
+static void call_matmul_gelu(tcase *t, const fl_device *x, void *p) {
+    mm_args *m = p;
+    targs *a = &m->a;
+    void *out = P(t, a->a[0]), *pre = P(t, a->a[4]), *ws = m->ws[t->side ? 1 : 0];
+    if (x->matmul_gelu_forward) {
+        x->matmul_gelu_forward(t->dt, out, pre, P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]), ws,
+                               a->N, a->C, a->OC);
+        return;
+    }
+    x->matmul_forward(t->dt, pre, P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]), ws, a->N, a->C,
+                      a->OC);
+    x->gelu_forward(t->dt, out, pre, (size_t)a->N * a->OC);
+}
+
+static void matmul_gelu(fl_dtype dt, int N, int C, int OC) {
+    mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
+    size_t wc = fl_device_cpu_table()->matmul_workspace_bytes(dt, N, C, OC);
+    size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
+    m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
+    m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
+    tcase t = tc_new(OC % 8 ? "matmul_gelu_forward (OC not a multiple of 8: the two kernels)"
+                            : "matmul_gelu_forward (the GELU epilogue)",
+                     dt);
+    m.a.a[0] = tc_out(&t, dt, (size_t)N * OC);
+    m.a.a[1] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+    m.a.a[2] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
+    m.a.a[3] = tc_in(&t, dt, (size_t)OC, 1.0f);
+    m.a.a[4] = tc_out(&t, dt, (size_t)N * OC);
+    tc_run(&t, call_matmul_gelu, &m, 1e-5);
+    fl_free(m.ws[0]);
+    dev->free(dev, m.ws[1]);
+}
+
 static void matmuls(fl_dtype dt) {
     int N = 154, C = 192, OC = 264;
     mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
@@ -428,6 +464,8 @@ static void matmuls(fl_dtype dt) {
     }
     fl_free(m.ws[0]);
     dev->free(dev, m.ws[1]);
+    matmul_gelu(dt, N, C, OC);
+    matmul_gelu(dt, 37, 40, 50);
 }
 
 // attention: each side with its own workspace; qkv and dqkv `off` values
@@ -1316,6 +1354,7 @@ static void scratch_and_timing(void) {
 
 int main(int argc, char **argv) {
     char why[512] = "";
+    setenv("FITLM_CUDA_GELU_FUSION", "1", 0); // the GELU epilogue checked too (matmul_gelu)
     if (argc > 1 && strcmp(argv[1], "test") == 0)
         dev = fl_device_test_table();
     else
@@ -1327,6 +1366,10 @@ int main(int argc, char **argv) {
     char line[256];
     dev->describe(dev, line, sizeof line);
     printf("test_gpu: %s against the cpu\n", line);
+    int fusing = !strcmp(dev->name, "cuda") && !strcmp(getenv("FITLM_CUDA_GELU_FUSION"), "1");
+    t_check(fusing == (dev->matmul_gelu_forward != NULL),
+            "%s: the GELU epilogue is %s (FITLM_CUDA_GELU_FUSION=%s)", dev->name,
+            dev->matmul_gelu_forward ? "on" : "off", getenv("FITLM_CUDA_GELU_FUSION"));
     const fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
     for (int k = 0; k < 3; k++) {
         fl_dtype dt = dts[k];

@@ -146,6 +146,14 @@ struct fl_device {
     void (*matmul_backward)(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                             const void *inp, const void *weight, void *workspace, int N, int C,
                             int OC, int dinp_add);
+    // out = gelu(inp x weight^T + bias) and pre = the product plus bias, in
+    // one pass (cuBLASLt's GELU_AUX_BIAS epilogue: its tanh GELU rounds
+    // apart from gelu_forward's); NULL where the device does not fuse them
+    // (the model then runs matmul_forward and gelu_forward): the cpu and
+    // test devices, and cuda unless FITLM_CUDA_GELU_FUSION=1
+    void (*matmul_gelu_forward)(fl_dtype dt, void *out, void *pre, const void *inp,
+                                const void *weight, const void *bias, void *workspace, int N, int C,
+                                int OC);
     void (*attention_forward)(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace,
                               int B, int T, int NH, int NKV, int HS);
     void (*attention_backward)(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,

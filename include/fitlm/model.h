@@ -428,6 +428,13 @@ int fl_model_gemm_shapes(const fl_model_config *c, fl_gemm_shape *out);
 size_t fl_linear_workspace_bytes(const fl_device *d, fl_dtype dt, const fl_linear *lin, int N);
 void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, const void *inp,
                        int N);
+// out = gelu(pre), pre = the linear's output (fl_linear_forward), in one
+// GEMM where the device fuses the GELU into it (dev->matmul_gelu_forward)
+// and the linear is a plain one: no adapters, no tensor parallelism, its
+// GELU not recomputed from pre (selective recomputation would recompute
+// it with gelu_forward's rounding); else the linear then gelu_forward.
+void fl_linear_forward_gelu(fl_model *m, int unit, const fl_linear *lin, void *out, void *pre,
+                            const void *inp, int N);
 // dinp (N,C) accumulates (NULL: not needed); the weight and bias gradients
 // accumulate. A column-parallel linear all-reduces dinp, which must hold
 // nothing else: the caller zeroes it.

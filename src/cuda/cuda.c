@@ -7,6 +7,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -437,8 +438,9 @@ static fl_device cuda = {
 static int table_complete(const fl_device *d, char *why, size_t why_size) {
     const void *const *f = (const void *const *)&d->describe;
     const void *const *end = (const void *const *)&d->state;
+    const void *const *optional = (const void *const *)&d->matmul_gelu_forward;
     for (int k = 0; f + k < end; k++)
-        if (!f[k]) {
+        if (!f[k] && f + k != optional) {
             snprintf(why, why_size,
                      "this build's CUDA backend lacks entry %d of its device table (the "
                      "function pointers of fl_device in include/fitlm/device.h, counted from "
@@ -461,6 +463,13 @@ const fl_device *fl_device_cuda_table(char *why, size_t why_size) {
         return NULL;
     }
     if (!table_complete(&cuda, why, why_size)) return NULL;
+    // the GELU epilogue on GPT-2's MLP GEMM: off until a GPU has measured
+    // it faster (llm.c keeps it off on Ampere and Ada)
+    const char *fusion = getenv("FITLM_CUDA_GELU_FUSION");
+    if (fusion && strcmp(fusion, "0") && strcmp(fusion, "1"))
+        fl_die("FITLM_CUDA_GELU_FUSION=%s: 0 (off, the default) or 1 (cuBLASLt's GELU epilogue)",
+               fusion);
+    cuda.matmul_gelu_forward = fusion && !strcmp(fusion, "1") ? fl_cuda_matmul_gelu_forward : NULL;
     FL_CUDA_CHECK(cudaSetDevice(0));
     FL_CUDA_CHECK(cudaFree(0)); // the context, now
     FL_CUDA_CHECK(cudaGetDeviceProperties(&g.prop, 0));

@@ -96,6 +96,9 @@ size_t fl_cuda_matmul_workspace_bytes(fl_dtype dt, int N, int C, int OC);
 int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const void *inp, const void *weight,
                             void *dinp, void *dweight, const void *dout, void *workspace, int N,
                             int C, int OC, int algos, int rounds, double *ms);
+void fl_cuda_matmul_gelu_forward(fl_dtype dt, void *out, void *pre, const void *inp,
+                                 const void *weight, const void *bias, void *workspace, int N,
+                                 int C, int OC);
 void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
                             const void *bias, void *workspace, int N, int C, int OC);
 void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,

@@ -32,7 +32,7 @@ static void blas_check(cublasStatus_t st, const char *call, const char *file, in
 #define FL_BLAS_CHECK(call) blas_check((call), #call, __FILE__, __LINE__)
 
 typedef struct {
-    int kind, bias, align;
+    int kind, bias, gelu, align; // gelu: GELU_AUX's epilogue (pre-activation to the aux pointer)
     fl_dtype dt;
     int m, n, k;
     size_t ws;
@@ -67,11 +67,11 @@ extern "C" void fl_cuda_matmul_init(void) {
 
 // Fills p's descriptors for D (m,n) = op(A) (m,k) x op(B) (k,n),
 // column-major; A transposed for the forward, B for the weight gradient.
-static void plan_init(plan *p, int kind, fl_dtype dt, int m, int n, int k, int bias, int align,
-                      size_t ws) {
+static void plan_init(plan *p, int kind, fl_dtype dt, int m, int n, int k, int bias, int gelu,
+                      int align, size_t ws) {
     fl_cuda_matmul_init();
     memset(p, 0, sizeof *p);
-    p->kind = kind, p->bias = bias, p->align = align, p->dt = dt;
+    p->kind = kind, p->bias = bias, p->gelu = gelu, p->align = align, p->dt = dt;
     p->m = m, p->n = n, p->k = k, p->ws = ws;
     cublasComputeType_t compute =
         dt == FL_F32 && mm.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
@@ -82,13 +82,22 @@ static void plan_init(plan *p, int kind, fl_dtype dt, int m, int n, int k, int b
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     FL_BLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    if (bias) {
-        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    if (bias || gelu) {
+        cublasLtEpilogue_t epi = !gelu  ? CUBLASLT_EPILOGUE_BIAS
+                                 : bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                        : CUBLASLT_EPILOGUE_GELU_AUX;
         FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                                      sizeof epi));
+    }
+    if (bias) {
         cudaDataType_t bt = data_type(dt);
         FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                      &bt, sizeof bt));
+    }
+    if (gelu) { // the pre-activation, D's type and shape
+        int64_t ld = m;
+        FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                                     &ld, sizeof ld));
     }
     cudaDataType_t t = data_type(dt);
     // stored shapes (rows, cols, leading dimension), column-major
@@ -127,17 +136,18 @@ static int heuristics(const plan *p, int want, cublasLtMatmulHeuristicResult_t *
 }
 
 // The cached plan of a GEMM: its descriptors and the heuristic's first algorithm.
-static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int align, size_t ws) {
+static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int gelu, int align,
+                      size_t ws) {
     for (size_t i = 0; i < mm.n_plans; i++) {
         plan *p = &mm.plans[i];
         if (p->kind == kind && p->dt == dt && p->m == m && p->n == n && p->k == k &&
-            p->bias == bias && p->align == align && p->ws == ws)
+            p->bias == bias && p->gelu == gelu && p->align == align && p->ws == ws)
             return p;
     }
     mm.plans = (plan *)fl_reserve(FL_MEM_OTHER, mm.plans, &mm.cap, mm.n_plans, mm.n_plans + 1,
                                   sizeof(plan));
     plan *p = &mm.plans[mm.n_plans];
-    plan_init(p, kind, dt, m, n, k, bias, align, ws);
+    plan_init(p, kind, dt, m, n, k, bias, gelu, align, ws);
     cublasLtMatmulHeuristicResult_t res;
     heuristics(p, 1, &res);
     p->algo = res.algo;
@@ -174,13 +184,18 @@ static gemm_call linear_gemm(int kind, void *out, const void *inp, const void *w
     return gemm_call{kind, C, OC, N, dweight, inp, dout, 1.0f};
 }
 
-// g on the compute stream, with the bias on its epilogue when given
-static void gemm(fl_dtype dt, gemm_call g, const void *bias, void *workspace) {
+// g on the compute stream, with the bias on its epilogue when given, and
+// with pre (a forward's) GELU: D = gelu(product + bias), pre = product + bias
+static void gemm(fl_dtype dt, gemm_call g, const void *bias, void *pre, void *workspace) {
     size_t ws = workspace_from(&workspace);
-    plan *p = get_plan(g.kind, dt, g.m, g.n, g.k, bias != NULL, alignment_of(g.a, g.b, g.d), ws);
+    plan *p = get_plan(g.kind, dt, g.m, g.n, g.k, bias != NULL, pre != NULL,
+                       alignment_of(g.a, g.b, g.d), ws);
     if (bias)
         FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                      &bias, sizeof bias));
+    if (pre)
+        FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(
+            p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &pre, sizeof pre));
     const float alpha = 1.0f;
     FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p->desc, &alpha, g.a, p->a, g.b, p->b, &g.beta, g.d,
                                  p->c, g.d, p->c, &p->algo, workspace, ws, fl_cuda_stream()));
@@ -217,8 +232,24 @@ extern "C" void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, 
     if (N <= 0 || OC <= 0) return;
     int epilogue = bias && (uintptr_t)bias % 16 == 0;
     gemm(dt, linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC, 0),
-         epilogue ? bias : NULL, workspace);
+         epilogue ? bias : NULL, NULL, workspace);
     if (bias && !epilogue) fl_cuda_bias_forward(dt, out, bias, N, OC);
+}
+
+// (device.h, set when FITLM_CUDA_GELU_FUSION=1) the GELU epilogue needs the
+// bias and the pre-activation 16-byte aligned and OC a multiple of 8 (the
+// aux's leading dimension): otherwise the two kernels, the same result
+extern "C" void fl_cuda_matmul_gelu_forward(fl_dtype dt, void *out, void *pre, const void *inp,
+                                            const void *weight, const void *bias, void *workspace,
+                                            int N, int C, int OC) {
+    if (N <= 0 || OC <= 0) return;
+    if ((bias && (uintptr_t)bias % 16) || (uintptr_t)pre % 16 || OC % 8) {
+        fl_cuda_matmul_forward(dt, pre, inp, weight, bias, workspace, N, C, OC);
+        fl_cuda_gelu_forward(dt, out, pre, (size_t)N * OC);
+        return;
+    }
+    gemm(dt, linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC, 0), bias, pre,
+         workspace);
 }
 
 extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
@@ -227,10 +258,10 @@ extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, 
     if (N <= 0 || OC <= 0 || C <= 0) return;
     if (dinp)
         gemm(dt, linear_gemm(MM_DINP, NULL, inp, weight, dinp, NULL, dout, N, C, OC, dinp_add),
-             NULL, workspace);
+             NULL, NULL, workspace);
     if (dweight)
         gemm(dt, linear_gemm(MM_DWEIGHT, NULL, inp, weight, NULL, dweight, dout, N, C, OC, 1), NULL,
-             workspace);
+             NULL, workspace);
     if (!dbias) return;
     int chunks = column_chunks(N);
     float *partial = (float *)fl_cuda_scratch((size_t)chunks * OC * sizeof(float));
@@ -254,7 +285,7 @@ extern "C" int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const v
     const float alpha = 1.0f;
     size_t ws = workspace_from(&workspace);
     plan p;
-    plan_init(&p, kind, dt, g.m, g.n, g.k, 0, alignment_of(g.a, g.b, g.d), ws);
+    plan_init(&p, kind, dt, g.m, g.n, g.k, 0, 0, alignment_of(g.a, g.b, g.d), ws);
     cublasLtMatmulHeuristicResult_t res[16];
     int found = heuristics(&p, algos < 16 ? algos : 16, res);
     cudaEvent_t e0, e1;

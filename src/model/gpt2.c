@@ -203,9 +203,12 @@ static void block_forward(const fl_block *b, int cheap_only) {
         FL_FWD_IO(FL_OP_LAYERNORM, norm_io,
                   m->dev->layernorm_forward(dt, a[A_LN2], a[A_LN2_MEAN], a[A_LN2_RSTD], a[A_RES2],
                                             W(LN2W), W(LN2B), BTs, C));
-    if (!cheap_only) fl_linear_forward(m, l, &lin[L_FC], a[A_FCH], a[A_LN2], BT);
     size_t BT4 = (size_t)BT * lin[L_FC].out;
-    FL_FWD_IO(FL_OP_GELU, fl_io(BT4, dt, 2), m->dev->gelu_forward(dt, a[A_GELU], a[A_FCH], BT4));
+    if (!cheap_only) // the GELU in the GEMM's epilogue where the device fuses it
+        fl_linear_forward_gelu(m, l, &lin[L_FC], a[A_GELU], a[A_FCH], a[A_LN2], BT);
+    else
+        FL_FWD_IO(FL_OP_GELU, fl_io(BT4, dt, 2),
+                  m->dev->gelu_forward(dt, a[A_GELU], a[A_FCH], BT4));
     if (!cheap_only) fl_residual_linear_forward(b, &lin[L_FCPROJ], b->out, a[A_GELU], a[A_RES2]);
 #undef W
 }

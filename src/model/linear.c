@@ -58,6 +58,23 @@ void fl_linear_forward(fl_model *m, int unit, const fl_linear *lin, void *out, c
     if (b) FL_PROFILE(lin->op, FL_FWD, 0.0, m->dev->bias_forward(m->dtype, out, b, rows, lin->out));
 }
 
+void fl_linear_forward_gelu(fl_model *m, int unit, const fl_linear *lin, void *out, void *pre,
+                            const void *inp, int N) {
+    const fl_device *d = m->dev;
+    size_t n = (size_t)N * lin->out;
+    if (!d->matmul_gelu_forward || m->lora.cfg.r || tp_kind(m, lin) != FL_LINEAR_WHOLE ||
+        m->recompute == FL_RECOMPUTE_SELECTIVE) {
+        fl_linear_forward(m, unit, lin, pre, inp, N);
+        FL_FWD_IO(FL_OP_GELU, fl_io(n, m->dtype, 2), d->gelu_forward(m->dtype, out, pre, n));
+        return;
+    }
+    const void *w = fl_quant_weights(m, unit, lin, FL_FWD);
+    const void *b = lin->b >= 0 ? fl_unit_w(m, unit, lin->b) : NULL;
+    FL_PROFILE(lin->op, FL_FWD, gemm_flops(N, lin->in, lin->out),
+               d->matmul_gelu_forward(m->dtype, out, pre, inp, w, b, m->matmul_workspace, N,
+                                      lin->in, lin->out));
+}
+
 void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
                         const void *inp, int N) {
     int row = m->unit_row[unit + 1] + lin->w;

@@ -1,6 +1,8 @@
 // cublaslt.cc: the CUDA emulator's cuBLASLt (cublasLt.h): column-major
 // D = alpha op(A) op(B) + beta C, plus the bias epilogue's vector (one value
-// per row of D, added to every column), the sums in fp32 in k order and each
+// per row of D, added to every column) and the GELU epilogue (GELU_AUX,
+// GELU_AUX_BIAS: the value stored to the aux matrix, then GELU's tanh form
+// in fp32 to D), the sums in fp32 in k order and each
 // result rounded once to D's type (to nearest even). As cuBLASLt: C is not
 // read when beta is 0; the algorithm carries the operand alignment it was
 // chosen for, and a call with less aligned pointers fails.
@@ -24,6 +26,8 @@ struct fl_emu_lt_desc {
     cublasLtEpilogue_t epilogue;
     const void *bias;
     int bias_type; // -1: D's
+    void *aux;     // GELU_AUX: the pre-activation, D's type, aux_ld apart
+    int64_t aux_ld;
 };
 
 struct fl_emu_lt_layout {
@@ -38,6 +42,10 @@ struct fl_emu_lt_pref {
 };
 
 namespace {
+
+bool gelu(cublasLtEpilogue_t e) {
+    return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+}
 
 size_t type_bytes(int t) {
     return t == CUDA_R_32F ? 4 : 2;
@@ -129,8 +137,12 @@ cublasStatus_t check(const fl_emu_lt_desc *d, const fl_emu_lt_layout *a, const f
         return CUBLAS_STATUS_NOT_SUPPORTED;
     if (d->compute == CUBLAS_COMPUTE_32F_FAST_TF32 && a->type != CUDA_R_32F)
         return CUBLAS_STATUS_NOT_SUPPORTED;
-    if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS)
+    if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS &&
+        d->epilogue != CUBLASLT_EPILOGUE_GELU_AUX && d->epilogue != CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
         return CUBLAS_STATUS_NOT_SUPPORTED;
+    // the aux's leading dimension: a multiple of 8, at least D's rows (cublasLt.h)
+    if (gelu(d->epilogue) && (d->aux_ld % 8 || d->aux_ld < (int64_t)dl->rows))
+        return CUBLAS_STATUS_INVALID_VALUE;
     if (d->bias_type >= 0 && (!known_type(d->bias_type) ||
                               (d->bias_type != (int)dl->type && d->bias_type != CUDA_R_32F)))
         return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -172,7 +184,13 @@ void matmul(fl_emu_lt_desc d, float alpha, const void *A, fl_emu_lt_layout a, co
             for (uint64_t j = jb * LANES; j < n && j < (jb + 1) * LANES; j++) {
                 float v = alpha * s[j % LANES];
                 if (beta != 0.0f) v += beta * load(c.type, C, i + j * (uint64_t)c.ld);
-                if (d.epilogue == CUBLASLT_EPILOGUE_BIAS) v += load(bias_type, d.bias, i);
+                if (d.epilogue == CUBLASLT_EPILOGUE_BIAS ||
+                    d.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
+                    v += load(bias_type, d.bias, i);
+                if (gelu(d.epilogue)) { // the input stored, GELU's tanh form applied
+                    store(dl.type, d.aux, i + j * (uint64_t)d.aux_ld, v);
+                    v = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
+                }
                 store(dl.type, D, i + j * (uint64_t)dl.ld, v);
             }
         }
@@ -221,8 +239,8 @@ cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
 
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute,
                                         cudaDataType_t scale) {
-    *d = new fl_emu_lt_desc{compute, scale, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT,
-                            NULL,    -1};
+    *d = new fl_emu_lt_desc{
+        compute, scale, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, -1, NULL, 0};
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -246,6 +264,14 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
         if (size != sizeof(void *)) return CUBLAS_STATUS_INVALID_VALUE;
         memcpy(&d->bias, buf, size);
+        return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER:
+        if (size != sizeof(void *)) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(&d->aux, buf, size);
+        return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD:
+        if (size != sizeof(int64_t)) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(&d->aux_ld, buf, size);
         return CUBLAS_STATUS_SUCCESS;
     case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE:
         if (size != sizeof(cudaDataType_t)) return CUBLAS_STATUS_INVALID_VALUE;
@@ -350,7 +376,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
             fl_emu::die("cublasLtMatmul: operand %c (%zu bytes) is not in device memory", "ABCD"[i],
                         extent(ls[i]));
     }
-    if (d->epilogue == CUBLASLT_EPILOGUE_BIAS &&
+    if (gelu(d->epilogue) &&
+        !fl_emu::is_device(d->aux, ((dl->cols - 1) * (uint64_t)d->aux_ld + dl->rows) *
+                                       type_bytes(dl->type)))
+        fl_emu::die("cublasLtMatmul: the GELU epilogue's aux matrix is not in device memory");
+    if ((d->epilogue == CUBLASLT_EPILOGUE_BIAS || d->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) &&
         !fl_emu::is_device(d->bias,
                            dl->rows * type_bytes(d->bias_type >= 0 ? d->bias_type : (int)dl->type)))
         fl_emu::die("cublasLtMatmul: the bias is not %llu values in device memory",
