@@ -15,8 +15,9 @@
 #
 # The first config runs once more with FITLM_CUDA_ATTENTION=wmma (row
 # fitlm-wmma: the WMMA attention kernels against the default mma.sync ones)
-# and once with FITLM_CUDA_GELU_FUSION=1 (row fitlm-gelu: the MLP's GELU in
-# its GEMM's epilogue) after PyTorch's runs, when time is left.
+# and with FITLM_CUDA_GELU_FUSION=1 and 2 (rows fitlm-gelu: the MLP's GELU
+# in its forward GEMM's epilogue; fitlm-gelu2: its backward too, in the
+# input gradient's GEMM) after PyTorch's runs, when time is left.
 #
 # Per run: tokens/s from the median step time of the timed steps
 # (BENCH_STEPS, default 10, after BENCH_WARMUP = 3 untimed ones); MFU
@@ -362,15 +363,20 @@ if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}
 else
     row "${names[0]}" fitlm-wmma "${batches[0]}" $T - - - - - "skipped: time"
 fi
-# and with GPT-2's MLP GELU in its GEMM's cuBLASLt epilogue (off by default:
-# llm.c finds it slower on Ampere and Ada; row fitlm-gelu decides per card)
-if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
-    # shellcheck disable=SC2086
-    FITLM_CUDA_GELU_FUSION=1 ENGINE=fitlm-gelu GEMM_TF=${GS[0]} \
-        fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
-else
-    row "${names[0]}" fitlm-gelu "${batches[0]}" $T - - - - - "skipped: time"
-fi
+# and with GPT-2's MLP GELU in its GEMMs' cuBLASLt epilogues, llm.c's
+# gelu_fusion 1 and 2 (off by default: llm.c finds them slower on Ampere
+# and Ada; rows fitlm-gelu and fitlm-gelu2 decide per card)
+for level in 1 2; do
+    eng=fitlm-gelu
+    [ $level = 2 ] && eng=fitlm-gelu2
+    if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
+        # shellcheck disable=SC2086
+        FITLM_CUDA_GELU_FUSION=$level ENGINE=$eng GEMM_TF=${GS[0]} \
+            fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
+    else
+        row "${names[0]}" $eng "${batches[0]}" $T - - - - - "skipped: time"
+    fi
+done
 # the attention kernels under Nsight Compute, when time is left
 if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
     # shellcheck disable=SC2086

@@ -6,6 +6,8 @@
 #   cpu run's;
 # - bf16: every step's loss within the gap bf16 shows against fp32 on the
 #   cpu (the largest relative difference over the 10 steps, at least 1e-4);
+# - GPT-2 with FITLM_CUDA_GELU_FUSION=2 (its MLP GELU in cuBLASLt's GELU
+#   and DGELU epilogues) within the same bounds;
 # - two GPU runs bitwise equal (every logged loss, lr and norm, printed to
 #   float precision, and their exported weights byte for byte);
 # - resume: 5 steps, a checkpoint, 5 more from it, equal to the 10 straight;
@@ -143,6 +145,18 @@ for arch in "${archs[@]}"; do
     le "$e" "$bound" && ok=1 || ok=0
     check $ok "$arch bf16: $dev losses within the cpu's bf16-fp32 gap $bound of the cpu's (max $e)"
 
+    # GPT-2's MLP GELU in its GEMMs' cuBLASLt epilogues, forward and backward
+    if [ "$arch" = gpt2 ] && [ "$dev" = cuda ]; then
+        for prec in fp32 bf16; do
+            FITLM_CUDA_GELU_FUSION=2 run "dev_${prec}_gelu" cuda gpt2 "$prec"
+            e=$(max_rel "dev_${prec}_gelu" "cpu_${prec}_gpt2")
+            b=1e-5
+            [ "$prec" = bf16 ] && b=$bound
+            le "$e" "$b" && ok=1 || ok=0
+            check $ok "gpt2 $prec with FITLM_CUDA_GELU_FUSION=2 (the GELU epilogues): losses within $b of the cpu's (max $e)"
+        done
+    fi
+
     cmp -s <(grep '^step' "$work/dev_fp32_$arch/log.txt") \
         <(grep '^step' "$work/dev_fp32b_$arch/log.txt") && ok=1 || ok=0
     check $ok "$arch: two $dev runs log the same values bit for bit"
@@ -198,6 +212,10 @@ if [ "$dev" = cuda ]; then
         grep -q "FITLM_CUDA_ATTENTION=flash: the tensor-core attention kernels are mma or wmma" \
             "$work/kernels.out" && ok=1 || ok=0
     check $ok "an unknown FITLM_CUDA_ATTENTION is refused by name, not run as the default"
+    ! FITLM_CUDA_GELU_FUSION=3 "$fitlm" train "${flags[@]}" --out "" >"$work/kernels.out" 2>&1 &&
+        grep -q "FITLM_CUDA_GELU_FUSION=3: 0 (off, the default), 1" "$work/kernels.out" && ok=1 ||
+        ok=0
+    check $ok "an unknown FITLM_CUDA_GELU_FUSION is refused by name, not run as the default"
 fi
 if [ -n "$need" ] && [ "$need" -gt 0 ]; then
     cap=$((need + held))

@@ -404,8 +404,8 @@ static void call_matmul_bwd(tcase *t, const fl_device *x, void *p) {
 }
 
 // the MLP's GEMM and GELU: fused where the device fuses them
-// (matmul_gelu_forward: cuda with FITLM_CUDA_GELU_FUSION=1, which main
-// sets), else the two calls
+// (matmul_gelu_forward: cuda with FITLM_CUDA_GELU_FUSION=1 or 2, which main
+// sets to 2), else the two calls
 static void call_matmul_gelu(tcase *t, const fl_device *x, void *p) {
     mm_args *m = p;
     targs *a = &m->a;
@@ -439,6 +439,46 @@ static void matmul_gelu(fl_dtype dt, int N, int C, int OC) {
     dev->free(dev, m.ws[1]);
 }
 
+// the MLP projection's backward and GELU's: fused where the device fuses
+// them (matmul_dgelu_backward: cuda with FITLM_CUDA_GELU_FUSION=2), else
+// matmul_backward into a scratch (a[7]), then gelu_backward
+static void call_matmul_dgelu(tcase *t, const fl_device *x, void *p) {
+    mm_args *m = p;
+    targs *a = &m->a;
+    void *dpre = P(t, a->a[0]), *pre = P(t, a->a[6]), *ws = m->ws[t->side ? 1 : 0];
+    if (x->matmul_dgelu_backward) {
+        x->matmul_dgelu_backward(t->dt, dpre, P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]),
+                                 P(t, a->a[4]), P(t, a->a[5]), pre, ws, a->N, a->C, a->OC);
+        return;
+    }
+    void *dh = P(t, a->a[7]);
+    x->matmul_backward(t->dt, dh, P(t, a->a[1]), P(t, a->a[2]), P(t, a->a[3]), P(t, a->a[4]),
+                       P(t, a->a[5]), ws, a->N, a->C, a->OC, 0);
+    x->gelu_backward(t->dt, dpre, pre, dh, (size_t)a->N * a->C);
+}
+
+static void matmul_dgelu(fl_dtype dt, int N, int C, int OC) {
+    mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
+    size_t wc = fl_device_cpu_table()->matmul_workspace_bytes(dt, N, C, OC);
+    size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
+    m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
+    m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
+    tcase t = tc_new(C % 8 ? "matmul_dgelu_backward (C not a multiple of 8: the two kernels)"
+                           : "matmul_dgelu_backward (the DGELU epilogue)",
+                     dt);
+    m.a.a[0] = tc_out(&t, dt, (size_t)N * C);
+    m.a.a[1] = tc_acc(&t, dt, (size_t)OC * C, 1.0f);
+    m.a.a[2] = tc_acc(&t, dt, (size_t)OC, 1.0f);
+    m.a.a[3] = tc_in(&t, dt, (size_t)N * OC, 1.0f);
+    m.a.a[4] = tc_in(&t, dt, (size_t)N * C, 1.0f);
+    m.a.a[5] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
+    m.a.a[6] = tc_in(&t, dt, (size_t)N * C, 3.0f); // GELU's bend and both tails
+    m.a.a[7] = tc_add(&t, dt, (size_t)N * C, fl_dtype_size(dt), NULL, 0); // not compared
+    tc_run(&t, call_matmul_dgelu, &m, 1e-5);
+    fl_free(m.ws[0]);
+    dev->free(dev, m.ws[1]);
+}
+
 static void matmuls(fl_dtype dt) {
     int N = 154, C = 192, OC = 264;
     mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
@@ -466,6 +506,8 @@ static void matmuls(fl_dtype dt) {
     dev->free(dev, m.ws[1]);
     matmul_gelu(dt, N, C, OC);
     matmul_gelu(dt, 37, 40, 50);
+    matmul_dgelu(dt, N, OC, C); // the projection from the MLP's width
+    matmul_dgelu(dt, 37, 50, 40);
 }
 
 // attention: each side with its own workspace; qkv and dqkv `off` values
@@ -1354,7 +1396,8 @@ static void scratch_and_timing(void) {
 
 int main(int argc, char **argv) {
     char why[512] = "";
-    setenv("FITLM_CUDA_GELU_FUSION", "1", 0); // the GELU epilogue checked too (matmul_gelu)
+    // the GELU epilogues checked too (matmul_gelu, matmul_dgelu)
+    setenv("FITLM_CUDA_GELU_FUSION", "2", 0);
     if (argc > 1 && strcmp(argv[1], "test") == 0)
         dev = fl_device_test_table();
     else
@@ -1366,10 +1409,13 @@ int main(int argc, char **argv) {
     char line[256];
     dev->describe(dev, line, sizeof line);
     printf("test_gpu: %s against the cpu\n", line);
-    int fusing = !strcmp(dev->name, "cuda") && !strcmp(getenv("FITLM_CUDA_GELU_FUSION"), "1");
-    t_check(fusing == (dev->matmul_gelu_forward != NULL),
-            "%s: the GELU epilogue is %s (FITLM_CUDA_GELU_FUSION=%s)", dev->name,
-            dev->matmul_gelu_forward ? "on" : "off", getenv("FITLM_CUDA_GELU_FUSION"));
+    const char *fusion = getenv("FITLM_CUDA_GELU_FUSION");
+    int level = strcmp(dev->name, "cuda") ? 0 : atoi(fusion);
+    t_check((level >= 1) == (dev->matmul_gelu_forward != NULL) &&
+                (level >= 2) == (dev->matmul_dgelu_backward != NULL),
+            "%s: the GELU epilogues are %s and %s (FITLM_CUDA_GELU_FUSION=%s)", dev->name,
+            dev->matmul_gelu_forward ? "on" : "off", dev->matmul_dgelu_backward ? "on" : "off",
+            fusion);
     const fl_dtype dts[] = {FL_F32, FL_BF16, FL_F16};
     for (int k = 0; k < 3; k++) {
         fl_dtype dt = dts[k];

@@ -22,11 +22,11 @@
 // first, backward accumulates, the same exceptions), with every pointer,
 // int * ids and float * statistics included, on the device, but for the
 // input gradients a backward pass writes first: gelu_backward's and
-// swiglu_backward's dinp, attention_backward's dqkv and matmul_backward's
-// dinp (unless dinp_add) are OVERWRITTEN. A GPU writes them without reading
-// them, so the backward pass needs no clearing pass over its activation
-// gradients before them (llm.c's kernels overwrite them too); the cpu
-// clears them and runs kernels.h's +=, the same bits.
+// swiglu_backward's dinp, attention_backward's dqkv, matmul_backward's dinp
+// (unless dinp_add) and matmul_dgelu_backward's dpre are OVERWRITTEN. A GPU
+// writes them without reading them, so the backward pass needs no clearing
+// pass over its activation gradients before them (llm.c's kernels overwrite
+// them too); the cpu clears them and runs kernels.h's +=, the same bits.
 //
 // Ordering: work is issued on the device's compute stream in call order. A
 // copy to or from the host (copy_h2d, copy_d2h) returns when it is done;
@@ -150,10 +150,19 @@ struct fl_device {
     // one pass (cuBLASLt's GELU_AUX_BIAS epilogue: its tanh GELU rounds
     // apart from gelu_forward's); NULL where the device does not fuse them
     // (the model then runs matmul_forward and gelu_forward): the cpu and
-    // test devices, and cuda unless FITLM_CUDA_GELU_FUSION=1
+    // test devices, and cuda unless FITLM_CUDA_GELU_FUSION is 1 or 2
     void (*matmul_gelu_forward)(fl_dtype dt, void *out, void *pre, const void *inp,
                                 const void *weight, const void *bias, void *workspace, int N, int C,
                                 int OC);
+    // matmul_backward (dinp_add 0) whose input gradient leaves through
+    // GELU's backward: dpre = (dout x weight) * gelu'(pre), where pre is
+    // the GELU's input (N,C), in one pass (cuBLASLt's DGELU epilogue); NULL
+    // where the device does not fuse them (the model then runs
+    // matmul_backward and gelu_backward): the cpu and test devices, and
+    // cuda unless FITLM_CUDA_GELU_FUSION=2
+    void (*matmul_dgelu_backward)(fl_dtype dt, void *dpre, void *dweight, void *dbias,
+                                  const void *dout, const void *inp, const void *weight,
+                                  const void *pre, void *workspace, int N, int C, int OC);
     void (*attention_forward)(fl_dtype dt, void *out, float *lse, const void *qkv, float *workspace,
                               int B, int T, int NH, int NKV, int HS);
     void (*attention_backward)(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,

@@ -440,6 +440,14 @@ void fl_linear_forward_gelu(fl_model *m, int unit, const fl_linear *lin, void *o
 // nothing else: the caller zeroes it.
 void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
                         const void *inp, int N);
+// The backward of a linear whose input is gelu(pre) (GPT-2's MLP
+// projection): dpre = gelu_backward(pre, the linear's dinp), in one GEMM
+// where the device fuses GELU's backward into it
+// (dev->matmul_dgelu_backward) and the linear is a plain one (no adapters,
+// no tensor parallelism); else fl_linear_backward into dh, then
+// gelu_backward. dpre and dh (N,C) as the kernels' input gradients.
+void fl_linear_backward_dgelu(fl_model *m, int unit, const fl_linear *lin, void *dpre, void *dh,
+                              const void *dout, const void *inp, const void *pre, int N);
 
 // ----------------------------------------------------------------------------
 // sampling

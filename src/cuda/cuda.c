@@ -438,9 +438,11 @@ static fl_device cuda = {
 static int table_complete(const fl_device *d, char *why, size_t why_size) {
     const void *const *f = (const void *const *)&d->describe;
     const void *const *end = (const void *const *)&d->state;
-    const void *const *optional = (const void *const *)&d->matmul_gelu_forward;
+    // the GELU epilogues, set by FITLM_CUDA_GELU_FUSION
+    const void *const *optional[] = {(const void *const *)&d->matmul_gelu_forward,
+                                     (const void *const *)&d->matmul_dgelu_backward};
     for (int k = 0; f + k < end; k++)
-        if (!f[k] && f + k != optional) {
+        if (!f[k] && f + k != optional[0] && f + k != optional[1]) {
             snprintf(why, why_size,
                      "this build's CUDA backend lacks entry %d of its device table (the "
                      "function pointers of fl_device in include/fitlm/device.h, counted from "
@@ -463,13 +465,20 @@ const fl_device *fl_device_cuda_table(char *why, size_t why_size) {
         return NULL;
     }
     if (!table_complete(&cuda, why, why_size)) return NULL;
-    // the GELU epilogue on GPT-2's MLP GEMM: off until a GPU has measured
-    // it faster (llm.c keeps it off on Ampere and Ada)
+    // GPT-2's MLP GELU in its GEMMs' epilogues, llm.c's gelu_fusion: 1 the
+    // forward's, 2 the backward's too; off until a GPU has measured it
+    // faster (llm.c keeps it off on Ampere and Ada, meant 2 for Hopper)
     const char *fusion = getenv("FITLM_CUDA_GELU_FUSION");
-    if (fusion && strcmp(fusion, "0") && strcmp(fusion, "1"))
-        fl_die("FITLM_CUDA_GELU_FUSION=%s: 0 (off, the default) or 1 (cuBLASLt's GELU epilogue)",
+    int level = !fusion || !strcmp(fusion, "0") ? 0
+                : !strcmp(fusion, "1")          ? 1
+                : !strcmp(fusion, "2")          ? 2
+                                                : -1;
+    if (level < 0)
+        fl_die("FITLM_CUDA_GELU_FUSION=%s: 0 (off, the default), 1 (cuBLASLt's GELU epilogue on "
+               "the forward GEMM) or 2 (and its DGELU epilogue on the backward's)",
                fusion);
-    cuda.matmul_gelu_forward = fusion && !strcmp(fusion, "1") ? fl_cuda_matmul_gelu_forward : NULL;
+    cuda.matmul_gelu_forward = level >= 1 ? fl_cuda_matmul_gelu_forward : NULL;
+    cuda.matmul_dgelu_backward = level >= 2 ? fl_cuda_matmul_dgelu_backward : NULL;
     FL_CUDA_CHECK(cudaSetDevice(0));
     FL_CUDA_CHECK(cudaFree(0)); // the context, now
     FL_CUDA_CHECK(cudaGetDeviceProperties(&g.prop, 0));

@@ -101,6 +101,9 @@ void fl_cuda_matmul_gelu_forward(fl_dtype dt, void *out, void *pre, const void *
                                  int C, int OC);
 void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
                             const void *bias, void *workspace, int N, int C, int OC);
+void fl_cuda_matmul_dgelu_backward(fl_dtype dt, void *dpre, void *dweight, void *dbias,
+                                   const void *dout, const void *inp, const void *weight,
+                                   const void *pre, void *workspace, int N, int C, int OC);
 void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                              const void *inp, const void *weight, void *workspace, int N, int C,
                              int OC, int dinp_add);

@@ -9,6 +9,9 @@
 // fp32 GEMMs in full fp32, TF32 only with FITLM_TF32=1), the gradients
 // accumulated by beta = 1 and rounded once. The bias rides on the forward's
 // epilogue; its gradient is a deterministic column sum (columns.cuh).
+// GPT-2's MLP GELU may ride on epilogues too (llm.c's gelu_fusion, device.h):
+// the forward's GELU_AUX(_BIAS), which keeps the GELU's input in the aux
+// matrix, and the input gradient's DGELU, which reads it back.
 // Descriptors and the algorithm are chosen once per (GEMM, dtype, shape,
 // epilogue, operand alignment, workspace) and cached: a fixed algorithm on
 // a fixed GPU gives the same bits every step.
@@ -32,7 +35,7 @@ static void blas_check(cublasStatus_t st, const char *call, const char *file, in
 #define FL_BLAS_CHECK(call) blas_check((call), #call, __FILE__, __LINE__)
 
 typedef struct {
-    int kind, bias, gelu, align; // gelu: GELU_AUX's epilogue (pre-activation to the aux pointer)
+    int kind, bias, gelu, align; // gelu: the GELU's input in the aux matrix (GELU_AUX or DGELU)
     fl_dtype dt;
     int m, n, k;
     size_t ws;
@@ -83,9 +86,10 @@ static void plan_init(plan *p, int kind, fl_dtype dt, int m, int n, int k, int b
     FL_BLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     if (bias || gelu) {
-        cublasLtEpilogue_t epi = !gelu  ? CUBLASLT_EPILOGUE_BIAS
-                                 : bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
-                                        : CUBLASLT_EPILOGUE_GELU_AUX;
+        cublasLtEpilogue_t epi = !gelu             ? CUBLASLT_EPILOGUE_BIAS
+                                 : kind == MM_DINP ? CUBLASLT_EPILOGUE_DGELU
+                                 : bias            ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                                   : CUBLASLT_EPILOGUE_GELU_AUX;
         FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                                      sizeof epi));
     }
@@ -94,7 +98,7 @@ static void plan_init(plan *p, int kind, fl_dtype dt, int m, int n, int k, int b
         FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                      &bt, sizeof bt));
     }
-    if (gelu) { // the pre-activation, D's type and shape
+    if (gelu) { // the GELU's input, D's type and shape
         int64_t ld = m;
         FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                                                      &ld, sizeof ld));
@@ -185,8 +189,9 @@ static gemm_call linear_gemm(int kind, void *out, const void *inp, const void *w
 }
 
 // g on the compute stream, with the bias on its epilogue when given, and
-// with pre (a forward's) GELU: D = gelu(product + bias), pre = product + bias
-static void gemm(fl_dtype dt, gemm_call g, const void *bias, void *pre, void *workspace) {
+// with pre GELU's: a forward's D = gelu(product + bias), pre = product +
+// bias; an input gradient's D = product * gelu'(pre)
+static void gemm(fl_dtype dt, gemm_call g, const void *bias, const void *pre, void *workspace) {
     size_t ws = workspace_from(&workspace);
     plan *p = get_plan(g.kind, dt, g.m, g.n, g.k, bias != NULL, pre != NULL,
                        alignment_of(g.a, g.b, g.d), ws);
@@ -252,13 +257,15 @@ extern "C" void fl_cuda_matmul_gelu_forward(fl_dtype dt, void *out, void *pre, c
          workspace);
 }
 
-extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
-                                        const void *dout, const void *inp, const void *weight,
-                                        void *workspace, int N, int C, int OC, int dinp_add) {
+// The backward's GEMMs, the input gradient through GELU's backward when pre
+// is given (with dinp_add 0)
+static void backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
+                     const void *inp, const void *weight, const void *pre, void *workspace, int N,
+                     int C, int OC, int dinp_add) {
     if (N <= 0 || OC <= 0 || C <= 0) return;
     if (dinp)
         gemm(dt, linear_gemm(MM_DINP, NULL, inp, weight, dinp, NULL, dout, N, C, OC, dinp_add),
-             NULL, NULL, workspace);
+             NULL, pre, workspace);
     if (dweight)
         gemm(dt, linear_gemm(MM_DWEIGHT, NULL, inp, weight, NULL, dweight, dout, N, C, OC, 1), NULL,
              NULL, workspace);
@@ -272,6 +279,25 @@ extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, 
     column_finish<<<(unsigned)((OC + 255) / 256), 256, 0, fl_cuda_stream()>>>(dt, dbias, partial,
                                                                               chunks, OC);
     FL_CUDA_LAUNCHED("column_finish");
+}
+
+extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,
+                                        const void *dout, const void *inp, const void *weight,
+                                        void *workspace, int N, int C, int OC, int dinp_add) {
+    backward(dt, dinp, dweight, dbias, dout, inp, weight, NULL, workspace, N, C, OC, dinp_add);
+}
+
+// (device.h, set when FITLM_CUDA_GELU_FUSION=2) the DGELU epilogue needs
+// dpre and pre 16-byte aligned and C a multiple of 8 (the aux's leading
+// dimension): otherwise the GEMM, then gelu_backward in place
+extern "C" void fl_cuda_matmul_dgelu_backward(fl_dtype dt, void *dpre, void *dweight, void *dbias,
+                                              const void *dout, const void *inp, const void *weight,
+                                              const void *pre, void *workspace, int N, int C,
+                                              int OC) {
+    int fused = (uintptr_t)pre % 16 == 0 && (uintptr_t)dpre % 16 == 0 && C % 8 == 0;
+    backward(dt, dpre, dweight, dbias, dout, inp, weight, fused ? pre : NULL, workspace, N, C, OC,
+             0);
+    if (!fused && N > 0 && C > 0) fl_cuda_gelu_backward(dt, dpre, pre, dpre, (size_t)N * C);
 }
 
 // (cuda.h) The buffers are the caller's; as a model's backward issues

@@ -221,13 +221,11 @@ static void block_backward(const fl_block *b, void *dres) {
     void **a = b->act, *dbuf = b->work[W_C], *d4a = b->work[W_4A], *d4b = b->work[W_4B];
     fl_linear lin[NLIN];
     linear_set(c, lin);
-    size_t BT4 = (size_t)BT * lin[L_FC].out; // 4C, or this rank's 4C/t
 #define W(k) fl_unit_w(m, l, k)
 #define G(k) fl_unit_g(m, l, k)
     // MLP: out = residual2 + fcproj(gelu(fc(ln2(residual2)))); d4a, d4b and
     // dbuf are written by the device (device.h), the residual's dres added to
-    fl_linear_backward(m, l, &lin[L_FCPROJ], d4a, dres, a[A_GELU], BT);
-    FL_BWD_IO(FL_OP_GELU, fl_io(BT4, dt, 3), m->dev->gelu_backward(dt, d4b, a[A_FCH], d4a, BT4));
+    fl_linear_backward_dgelu(m, l, &lin[L_FCPROJ], d4b, d4a, dres, a[A_GELU], a[A_FCH], BT);
     fl_linear_backward(m, l, &lin[L_FC], dbuf, d4b, a[A_LN2], BT);
     // a norm's backward reads dout, its input and dinp, and writes dinp
     double norm_io = fl_norm_io(BTs, C, dt, 4, 2);

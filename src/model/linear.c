@@ -75,8 +75,10 @@ void fl_linear_forward_gelu(fl_model *m, int unit, const fl_linear *lin, void *o
                                       lin->in, lin->out));
 }
 
-void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
-                        const void *inp, int N) {
+// The backward of lin; with pre (the GELU's input, lin's input its output)
+// the input gradient leaves through GELU's backward in the GEMM's epilogue
+static void linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
+                            const void *dout, const void *inp, const void *pre, int N) {
     int row = m->unit_row[unit + 1] + lin->w;
     unsigned flags = m->table.views[row].flags;
     int frozen = (flags & FL_PARAM_FROZEN) != 0;
@@ -100,9 +102,14 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
     }
     // a frozen weight's GEMM only passes the gradient on: half the work
     double flops = (dw ? 2.0 : 1.0) * gemm_flops(N, lin->in, lin->out);
-    FL_PROFILE(lin->op, FL_BWD, flops,
-               m->dev->matmul_backward(m->dtype, dinp_here, dw, db, dout, inp, w,
-                                       m->matmul_workspace, N, lin->in, lin->out, 0));
+    if (pre)
+        FL_PROFILE(lin->op, FL_BWD, flops,
+                   m->dev->matmul_dgelu_backward(m->dtype, dinp_here, dw, db, dout, inp, w, pre,
+                                                 m->matmul_workspace, N, lin->in, lin->out));
+    else
+        FL_PROFILE(lin->op, FL_BWD, flops,
+                   m->dev->matmul_backward(m->dtype, dinp_here, dw, db, dout, inp, w,
+                                           m->matmul_workspace, N, lin->in, lin->out, 0));
     if (m->lora.cfg.r) fl_lora_backward(m, unit, lin, dinp, dout, inp, N);
     // a column-parallel input's gradient is this rank's outputs' share
     if (!dinp || kind != FL_LINEAR_COLUMN) return;
@@ -110,4 +117,21 @@ void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp,
         fl_tp_reduce_scatter(m, dinp_here, dinp, local * lin->in, FL_BWD);
     else
         fl_tp_all_reduce(m, dinp, (size_t)N * lin->in, FL_BWD);
+}
+
+void fl_linear_backward(fl_model *m, int unit, const fl_linear *lin, void *dinp, const void *dout,
+                        const void *inp, int N) {
+    linear_backward(m, unit, lin, dinp, dout, inp, NULL, N);
+}
+
+void fl_linear_backward_dgelu(fl_model *m, int unit, const fl_linear *lin, void *dpre, void *dh,
+                              const void *dout, const void *inp, const void *pre, int N) {
+    const fl_device *d = m->dev;
+    if (!d->matmul_dgelu_backward || m->lora.cfg.r || tp_kind(m, lin) != FL_LINEAR_WHOLE) {
+        size_t n = (size_t)N * lin->in;
+        linear_backward(m, unit, lin, dh, dout, inp, NULL, N);
+        FL_BWD_IO(FL_OP_GELU, fl_io(n, m->dtype, 3), d->gelu_backward(m->dtype, dpre, pre, dh, n));
+        return;
+    }
+    linear_backward(m, unit, lin, dpre, dout, inp, pre, N);
 }

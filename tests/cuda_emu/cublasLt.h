@@ -32,6 +32,7 @@ typedef enum {
     CUBLASLT_EPILOGUE_BIAS = 4,
     CUBLASLT_EPILOGUE_GELU_AUX = 32 | 128,
     CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4,
+    CUBLASLT_EPILOGUE_DGELU = 64 | 128,
 } cublasLtEpilogue_t;
 
 typedef enum {

@@ -1,8 +1,9 @@
 // cublaslt.cc: the CUDA emulator's cuBLASLt (cublasLt.h): column-major
 // D = alpha op(A) op(B) + beta C, plus the bias epilogue's vector (one value
-// per row of D, added to every column) and the GELU epilogue (GELU_AUX,
+// per row of D, added to every column) and the GELU epilogues (GELU_AUX,
 // GELU_AUX_BIAS: the value stored to the aux matrix, then GELU's tanh form
-// in fp32 to D), the sums in fp32 in k order and each
+// in fp32 to D; DGELU: the value times the tanh form's derivative at the
+// aux matrix's value), the sums in fp32 in k order and each
 // result rounded once to D's type (to nearest even). As cuBLASLt: C is not
 // read when beta is 0; the algorithm carries the operand alignment it was
 // chosen for, and a call with less aligned pointers fails.
@@ -26,7 +27,7 @@ struct fl_emu_lt_desc {
     cublasLtEpilogue_t epilogue;
     const void *bias;
     int bias_type; // -1: D's
-    void *aux;     // GELU_AUX: the pre-activation, D's type, aux_ld apart
+    void *aux;     // the GELU's input, D's type, aux_ld apart
     int64_t aux_ld;
 };
 
@@ -43,8 +44,17 @@ struct fl_emu_lt_pref {
 
 namespace {
 
+// an epilogue that writes (GELU_AUX) or reads (DGELU) the aux matrix
 bool gelu(cublasLtEpilogue_t e) {
-    return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
+           e == CUBLASLT_EPILOGUE_DGELU;
+}
+
+// d/dx of GELU's tanh form, 0.5 x (1 + tanh(s (x + k x^3)))
+float dgelu(float x) {
+    const float s = 0.7978845608f, k = 0.044715f;
+    float t = tanhf(s * (x + k * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * s * (1.0f + 3.0f * k * x * x);
 }
 
 size_t type_bytes(int t) {
@@ -138,7 +148,7 @@ cublasStatus_t check(const fl_emu_lt_desc *d, const fl_emu_lt_layout *a, const f
     if (d->compute == CUBLAS_COMPUTE_32F_FAST_TF32 && a->type != CUDA_R_32F)
         return CUBLAS_STATUS_NOT_SUPPORTED;
     if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS &&
-        d->epilogue != CUBLASLT_EPILOGUE_GELU_AUX && d->epilogue != CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
+        !gelu(d->epilogue))
         return CUBLAS_STATUS_NOT_SUPPORTED;
     // the aux's leading dimension: a multiple of 8, at least D's rows (cublasLt.h)
     if (gelu(d->epilogue) && (d->aux_ld % 8 || d->aux_ld < (int64_t)dl->rows))
@@ -187,8 +197,11 @@ void matmul(fl_emu_lt_desc d, float alpha, const void *A, fl_emu_lt_layout a, co
                 if (d.epilogue == CUBLASLT_EPILOGUE_BIAS ||
                     d.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
                     v += load(bias_type, d.bias, i);
-                if (gelu(d.epilogue)) { // the input stored, GELU's tanh form applied
-                    store(dl.type, d.aux, i + j * (uint64_t)d.aux_ld, v);
+                size_t aux_at = i + j * (uint64_t)d.aux_ld;
+                if (d.epilogue == CUBLASLT_EPILOGUE_DGELU) { // the gradient through GELU
+                    v *= dgelu(load(dl.type, d.aux, aux_at));
+                } else if (gelu(d.epilogue)) { // the input stored, GELU's tanh form applied
+                    store(dl.type, d.aux, aux_at, v);
                     v = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
                 }
                 store(dl.type, D, i + j * (uint64_t)dl.ld, v);
