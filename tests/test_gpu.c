@@ -57,6 +57,23 @@ typedef struct {
 
 static const fl_device *dev; // the device under test
 
+// the device under test is the CUDA emulator (tests/cuda_emu)
+static int emulated(void) {
+    char line[256];
+    dev->describe(dev, line, sizeof line);
+    return strstr(line, "CUDA emulator") != NULL;
+}
+
+// a GELU epilogue case's name: what runs
+static const char *epilogue_case(const char *entry, int aligned) {
+    static char name[160];
+    snprintf(name, sizeof name, "%s (%s)", entry,
+             getenv("FITLM_CUDA_EMU_NO_GELU_EPILOGUE") ? "no cuBLASLt algorithm: the two kernels"
+             : aligned                                 ? "the epilogue"
+                       : "the aux's width not a multiple of 8: the two kernels");
+    return name;
+}
+
 static tcase tc_new(const char *name, fl_dtype dt) {
     tcase t = {.name = name, .dt = dt, .d = dev, .cpu = fl_device_cpu_table()};
     return t;
@@ -426,9 +443,7 @@ static void matmul_gelu(fl_dtype dt, int N, int C, int OC) {
     size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
     m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
     m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
-    tcase t = tc_new(OC % 8 ? "matmul_gelu_forward (OC not a multiple of 8: the two kernels)"
-                            : "matmul_gelu_forward (the GELU epilogue)",
-                     dt);
+    tcase t = tc_new(epilogue_case("matmul_gelu_forward", OC % 8 == 0), dt);
     m.a.a[0] = tc_out(&t, dt, (size_t)N * OC);
     m.a.a[1] = tc_in(&t, dt, (size_t)N * C, 1.0f);
     m.a.a[2] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
@@ -463,9 +478,7 @@ static void matmul_dgelu(fl_dtype dt, int N, int C, int OC) {
     size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
     m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
     m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
-    tcase t = tc_new(C % 8 ? "matmul_dgelu_backward (C not a multiple of 8: the two kernels)"
-                           : "matmul_dgelu_backward (the DGELU epilogue)",
-                     dt);
+    tcase t = tc_new(epilogue_case("matmul_dgelu_backward", C % 8 == 0), dt);
     m.a.a[0] = tc_out(&t, dt, (size_t)N * C);
     m.a.a[1] = tc_acc(&t, dt, (size_t)OC * C, 1.0f);
     m.a.a[2] = tc_acc(&t, dt, (size_t)OC, 1.0f);
@@ -508,6 +521,12 @@ static void matmuls(fl_dtype dt) {
     matmul_gelu(dt, 37, 40, 50);
     matmul_dgelu(dt, N, OC, C); // the projection from the MLP's width
     matmul_dgelu(dt, 37, 50, 40);
+    if (emulated()) { // cuBLASLt without the GELU epilogues' kernels: the two kernels
+        setenv("FITLM_CUDA_EMU_NO_GELU_EPILOGUE", "1", 1);
+        matmul_gelu(dt, 61, 48, 72); // shapes of their own: plans are cached by shape
+        matmul_dgelu(dt, 61, 72, 48);
+        unsetenv("FITLM_CUDA_EMU_NO_GELU_EPILOGUE");
+    }
 }
 
 // attention: each side with its own workspace; qkv and dqkv `off` values

@@ -36,6 +36,7 @@ static void blas_check(cublasStatus_t st, const char *call, const char *file, in
 
 typedef struct {
     int kind, bias, gelu, align; // gelu: the GELU's input in the aux matrix (GELU_AUX or DGELU)
+    int none;                    // a GELU epilogue cuBLASLt has no algorithm for here
     fl_dtype dt;
     int m, n, k;
     size_t ws;
@@ -66,6 +67,10 @@ extern "C" void fl_cuda_matmul_init(void) {
     FL_BLAS_CHECK(cublasLtCreate(&mm.handle));
     const char *tf32 = getenv("FITLM_TF32");
     mm.tf32 = tf32 && !strcmp(tf32, "1");
+}
+
+static const char *gemm_name(int kind) {
+    return kind == MM_FORWARD ? "forward" : kind == MM_DINP ? "input-gradient" : "weight-gradient";
 }
 
 // Fills p's descriptors for D (m,n) = op(A) (m,k) x op(B) (k,n),
@@ -113,8 +118,8 @@ static void plan_init(plan *p, int kind, fl_dtype dt, int m, int n, int k, int b
 }
 
 // cuBLASLt's first `want` algorithms for p (its heuristic's order) into
-// res; dies naming the GEMM when it has none.
-static int heuristics(const plan *p, int want, cublasLtMatmulHeuristicResult_t *res) {
+// res; dies naming the GEMM when it has none, unless may_lack.
+static int heuristics(const plan *p, int want, cublasLtMatmulHeuristicResult_t *res, int may_lack) {
     cublasLtMatmulPreference_t pref;
     FL_BLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     FL_BLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -126,20 +131,23 @@ static int heuristics(const plan *p, int want, cublasLtMatmulHeuristicResult_t *
     for (int i = 0; i < 4; i++)
         FL_BLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, aligns[i], &al, sizeof al));
     int found = 0;
-    FL_BLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(mm.handle, p->desc, p->a, p->b, p->c, p->c, pref,
-                                                 want, res, &found));
+    // (a configuration it has no kernel for may say NOT_SUPPORTED, found 0)
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(mm.handle, p->desc, p->a, p->b, p->c, p->c,
+                                                       pref, want, res, &found);
+    if (st != CUBLAS_STATUS_NOT_SUPPORTED || !may_lack)
+        blas_check(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
     FL_BLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-    if (found < 1)
+    if (found < 1 && !may_lack)
         fl_die("cuda: cuBLASLt has no algorithm for the %s GEMM m=%d n=%d k=%d in %s (operands "
                "%d-byte aligned, workspace %zu bytes)",
-               p->kind == MM_FORWARD ? "forward"
-               : p->kind == MM_DINP  ? "input-gradient"
-                                     : "weight-gradient",
-               p->m, p->n, p->k, fl_dtype_name(p->dt), p->align, p->ws);
+               gemm_name(p->kind), p->m, p->n, p->k, fl_dtype_name(p->dt), p->align, p->ws);
     return found;
 }
 
-// The cached plan of a GEMM: its descriptors and the heuristic's first algorithm.
+// The cached plan of a GEMM: its descriptors and the heuristic's first
+// algorithm. A GELU epilogue cuBLASLt lacks an algorithm for (a dtype or
+// shape its kernels do not cover) is said once, and the plan marked none:
+// the caller runs the GEMM and the GELU kernel apart.
 static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int gelu, int align,
                       size_t ws) {
     for (size_t i = 0; i < mm.n_plans; i++) {
@@ -153,8 +161,13 @@ static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int 
     plan *p = &mm.plans[mm.n_plans];
     plan_init(p, kind, dt, m, n, k, bias, gelu, align, ws);
     cublasLtMatmulHeuristicResult_t res;
-    heuristics(p, 1, &res);
-    p->algo = res.algo;
+    p->none = heuristics(p, 1, &res, gelu) < 1;
+    if (p->none)
+        fl_warn("cuda: cuBLASLt has no algorithm for the %s GEMM m=%d n=%d k=%d in %s with the "
+                "GELU epilogue (FITLM_CUDA_GELU_FUSION): the GEMM and the GELU kernel run apart",
+                gemm_name(kind), m, n, k, fl_dtype_name(dt));
+    else
+        p->algo = res.algo;
     mm.n_plans++;
     return p;
 }
@@ -190,11 +203,13 @@ static gemm_call linear_gemm(int kind, void *out, const void *inp, const void *w
 
 // g on the compute stream, with the bias on its epilogue when given, and
 // with pre GELU's: a forward's D = gelu(product + bias), pre = product +
-// bias; an input gradient's D = product * gelu'(pre)
-static void gemm(fl_dtype dt, gemm_call g, const void *bias, const void *pre, void *workspace) {
+// bias; an input gradient's D = product * gelu'(pre). 0 when cuBLASLt has
+// no algorithm for that GELU epilogue here (nothing issued).
+static int gemm(fl_dtype dt, gemm_call g, const void *bias, const void *pre, void *workspace) {
     size_t ws = workspace_from(&workspace);
     plan *p = get_plan(g.kind, dt, g.m, g.n, g.k, bias != NULL, pre != NULL,
                        alignment_of(g.a, g.b, g.d), ws);
+    if (p->none) return 0;
     if (bias)
         FL_BLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                      &bias, sizeof bias));
@@ -205,6 +220,7 @@ static void gemm(fl_dtype dt, gemm_call g, const void *bias, const void *pre, vo
     FL_BLAS_CHECK(cublasLtMatmul(mm.handle, p->desc, &alpha, g.a, p->a, g.b, p->b, &g.beta, g.d,
                                  p->c, g.d, p->c, &p->algo, workspace, ws, fl_cuda_stream()));
     fl_cuda_issued();
+    return 1;
 }
 
 // chunk blockIdx.y of the rows of dout (N,OC): partial[chunk][o] = its column sums
@@ -241,31 +257,39 @@ extern "C" void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, 
     if (bias && !epilogue) fl_cuda_bias_forward(dt, out, bias, N, OC);
 }
 
-// (device.h, set when FITLM_CUDA_GELU_FUSION=1) the GELU epilogue needs the
-// bias and the pre-activation 16-byte aligned and OC a multiple of 8 (the
-// aux's leading dimension): otherwise the two kernels, the same result
+// (device.h, set when FITLM_CUDA_GELU_FUSION=1 or 2) the GELU epilogue
+// needs the bias and the pre-activation 16-byte aligned and OC a multiple
+// of 8 (the aux's leading dimension), and cuBLASLt an algorithm for it:
+// otherwise the two kernels, the same result
 extern "C" void fl_cuda_matmul_gelu_forward(fl_dtype dt, void *out, void *pre, const void *inp,
                                             const void *weight, const void *bias, void *workspace,
                                             int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
-    if ((bias && (uintptr_t)bias % 16) || (uintptr_t)pre % 16 || OC % 8) {
-        fl_cuda_matmul_forward(dt, pre, inp, weight, bias, workspace, N, C, OC);
-        fl_cuda_gelu_forward(dt, out, pre, (size_t)N * OC);
+    int epilogue = (!bias || (uintptr_t)bias % 16 == 0) && (uintptr_t)pre % 16 == 0 && OC % 8 == 0;
+    if (epilogue &&
+        gemm(dt, linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC, 0), bias,
+             pre, workspace))
         return;
-    }
-    gemm(dt, linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC, 0), bias, pre,
-         workspace);
+    fl_cuda_matmul_forward(dt, pre, inp, weight, bias, workspace, N, C, OC);
+    fl_cuda_gelu_forward(dt, out, pre, (size_t)N * OC);
 }
 
-// The backward's GEMMs, the input gradient through GELU's backward when pre
-// is given (with dinp_add 0)
+// The backward's GEMMs; with pre (dinp_add 0) the input gradient leaves
+// through GELU's backward: in the GEMM's DGELU epilogue where dinp and pre
+// are 16-byte aligned, C is a multiple of 8 (the aux's leading dimension)
+// and cuBLASLt has an algorithm for it, else gelu_backward in place after
 static void backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const void *dout,
                      const void *inp, const void *weight, const void *pre, void *workspace, int N,
                      int C, int OC, int dinp_add) {
     if (N <= 0 || OC <= 0 || C <= 0) return;
-    if (dinp)
-        gemm(dt, linear_gemm(MM_DINP, NULL, inp, weight, dinp, NULL, dout, N, C, OC, dinp_add),
-             NULL, pre, workspace);
+    if (dinp) {
+        gemm_call g = linear_gemm(MM_DINP, NULL, inp, weight, dinp, NULL, dout, N, C, OC, dinp_add);
+        int epilogue = pre && (uintptr_t)pre % 16 == 0 && (uintptr_t)dinp % 16 == 0 && C % 8 == 0;
+        if (!epilogue || !gemm(dt, g, NULL, pre, workspace)) {
+            gemm(dt, g, NULL, NULL, workspace);
+            if (pre) fl_cuda_gelu_backward(dt, dinp, pre, dinp, (size_t)N * C);
+        }
+    }
     if (dweight)
         gemm(dt, linear_gemm(MM_DWEIGHT, NULL, inp, weight, NULL, dweight, dout, N, C, OC, 1), NULL,
              NULL, workspace);
@@ -287,17 +311,12 @@ extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, 
     backward(dt, dinp, dweight, dbias, dout, inp, weight, NULL, workspace, N, C, OC, dinp_add);
 }
 
-// (device.h, set when FITLM_CUDA_GELU_FUSION=2) the DGELU epilogue needs
-// dpre and pre 16-byte aligned and C a multiple of 8 (the aux's leading
-// dimension): otherwise the GEMM, then gelu_backward in place
+// (device.h, set when FITLM_CUDA_GELU_FUSION=2)
 extern "C" void fl_cuda_matmul_dgelu_backward(fl_dtype dt, void *dpre, void *dweight, void *dbias,
                                               const void *dout, const void *inp, const void *weight,
                                               const void *pre, void *workspace, int N, int C,
                                               int OC) {
-    int fused = (uintptr_t)pre % 16 == 0 && (uintptr_t)dpre % 16 == 0 && C % 8 == 0;
-    backward(dt, dpre, dweight, dbias, dout, inp, weight, fused ? pre : NULL, workspace, N, C, OC,
-             0);
-    if (!fused && N > 0 && C > 0) fl_cuda_gelu_backward(dt, dpre, pre, dpre, (size_t)N * C);
+    backward(dt, dpre, dweight, dbias, dout, inp, weight, pre, workspace, N, C, OC, 0);
 }
 
 // (cuda.h) The buffers are the caller's; as a model's backward issues
@@ -313,7 +332,7 @@ extern "C" int fl_cuda_matmul_algos_ms(fl_dtype dt, int kind, void *out, const v
     plan p;
     plan_init(&p, kind, dt, g.m, g.n, g.k, 0, 0, alignment_of(g.a, g.b, g.d), ws);
     cublasLtMatmulHeuristicResult_t res[16];
-    int found = heuristics(&p, algos < 16 ? algos : 16, res);
+    int found = heuristics(&p, algos < 16 ? algos : 16, res, 0);
     cudaEvent_t e0, e1;
     FL_CUDA_CHECK(cudaEventCreate(&e0));
     FL_CUDA_CHECK(cudaEventCreate(&e1));
