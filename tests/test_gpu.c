@@ -405,6 +405,21 @@ typedef struct {
     int dinp_add;
 } mm_args;
 
+// a GEMM case's shape and the cpu's and the device's workspaces
+static mm_args mm_new(fl_dtype dt, int N, int C, int OC) {
+    mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
+    size_t wc = fl_device_cpu_table()->matmul_workspace_bytes(dt, N, C, OC);
+    size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
+    m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
+    m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
+    return m;
+}
+
+static void mm_free(mm_args *m) {
+    fl_free(m->ws[0]);
+    dev->free(dev, m->ws[1]);
+}
+
 static void call_matmul(tcase *t, const fl_device *x, void *p) {
     mm_args *m = p;
     targs *a = &m->a;
@@ -438,11 +453,7 @@ static void call_matmul_gelu(tcase *t, const fl_device *x, void *p) {
 }
 
 static void matmul_gelu(fl_dtype dt, int N, int C, int OC) {
-    mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
-    size_t wc = fl_device_cpu_table()->matmul_workspace_bytes(dt, N, C, OC);
-    size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
-    m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
-    m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
+    mm_args m = mm_new(dt, N, C, OC);
     tcase t = tc_new(epilogue_case("matmul_gelu_forward", OC % 8 == 0), dt);
     m.a.a[0] = tc_out(&t, dt, (size_t)N * OC);
     m.a.a[1] = tc_in(&t, dt, (size_t)N * C, 1.0f);
@@ -450,8 +461,7 @@ static void matmul_gelu(fl_dtype dt, int N, int C, int OC) {
     m.a.a[3] = tc_in(&t, dt, (size_t)OC, 1.0f);
     m.a.a[4] = tc_out(&t, dt, (size_t)N * OC);
     tc_run(&t, call_matmul_gelu, &m, 1e-5);
-    fl_free(m.ws[0]);
-    dev->free(dev, m.ws[1]);
+    mm_free(&m);
 }
 
 // the MLP projection's backward and GELU's: fused where the device fuses
@@ -473,11 +483,7 @@ static void call_matmul_dgelu(tcase *t, const fl_device *x, void *p) {
 }
 
 static void matmul_dgelu(fl_dtype dt, int N, int C, int OC) {
-    mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
-    size_t wc = fl_device_cpu_table()->matmul_workspace_bytes(dt, N, C, OC);
-    size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
-    m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
-    m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
+    mm_args m = mm_new(dt, N, C, OC);
     tcase t = tc_new(epilogue_case("matmul_dgelu_backward", C % 8 == 0), dt);
     m.a.a[0] = tc_out(&t, dt, (size_t)N * C);
     m.a.a[1] = tc_acc(&t, dt, (size_t)OC * C, 1.0f);
@@ -488,17 +494,12 @@ static void matmul_dgelu(fl_dtype dt, int N, int C, int OC) {
     m.a.a[6] = tc_in(&t, dt, (size_t)N * C, 3.0f); // GELU's bend and both tails
     m.a.a[7] = tc_add(&t, dt, (size_t)N * C, fl_dtype_size(dt), NULL, 0); // not compared
     tc_run(&t, call_matmul_dgelu, &m, 1e-5);
-    fl_free(m.ws[0]);
-    dev->free(dev, m.ws[1]);
+    mm_free(&m);
 }
 
 static void matmuls(fl_dtype dt) {
     int N = 154, C = 192, OC = 264;
-    mm_args m = {.a = {.N = N, .C = C, .OC = OC}};
-    size_t wc = fl_device_cpu_table()->matmul_workspace_bytes(dt, N, C, OC);
-    size_t wd = dev->matmul_workspace_bytes(dt, N, C, OC);
-    m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc) : NULL;
-    m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd) : NULL;
+    mm_args m = mm_new(dt, N, C, OC);
     tcase t = tc_new("matmul_forward", dt);
     m.a.a[0] = tc_out(&t, dt, (size_t)N * OC);
     m.a.a[1] = tc_in(&t, dt, (size_t)N * C, 1.0f);
@@ -515,8 +516,7 @@ static void matmuls(fl_dtype dt) {
         m.a.a[5] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
         tc_run(&t, call_matmul_bwd, &m, 1e-5);
     }
-    fl_free(m.ws[0]);
-    dev->free(dev, m.ws[1]);
+    mm_free(&m);
     matmul_gelu(dt, N, C, OC);
     matmul_gelu(dt, 37, 40, 50);
     matmul_dgelu(dt, N, OC, C); // the projection from the MLP's width
