@@ -7,7 +7,8 @@
 # - bf16: every step's loss within the gap bf16 shows against fp32 on the
 #   cpu (the largest relative difference over the 10 steps, at least 1e-4);
 # - GPT-2 with FITLM_CUDA_GELU_FUSION=2 (its MLP GELU in cuBLASLt's GELU
-#   and DGELU epilogues) within the same bounds;
+#   and DGELU epilogues) within the same bounds; fp32 with the LM head and
+#   loss in chunks of 48 positions (--logits-chunk) within 1e-5 too;
 # - two GPU runs bitwise equal (every logged loss, lr and norm, printed to
 #   float precision, and their exported weights byte for byte);
 # - resume: 5 steps, a checkpoint, 5 more from it, equal to the 10 straight;
@@ -138,6 +139,12 @@ for arch in "${archs[@]}"; do
     e=$(max_rel "dev_fp32_$arch" "cpu_fp32_$arch")
     le "$e" 1e-5 && ok=1 || ok=0
     check $ok "$arch fp32: $dev losses within 1e-5 relative of the cpu's (max $e)"
+
+    # the LM head and loss 48 positions at a time (logits_chunk)
+    run "dev_fp32c_$arch" "$dev" "$arch" fp32 --logits-chunk 48
+    e=$(max_rel "dev_fp32c_$arch" "cpu_fp32_$arch")
+    le "$e" 1e-5 && ok=1 || ok=0
+    check $ok "$arch fp32 with --logits-chunk 48: $dev losses within 1e-5 relative of the cpu's (max $e)"
 
     gap=$(max_rel "cpu_bf16_$arch" "cpu_fp32_$arch")
     bound=$(awk -v g="$gap" 'BEGIN { print (g + 0 > 1e-4 ? g : 1e-4) }')

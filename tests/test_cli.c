@@ -190,6 +190,12 @@ static void test_bad_config_files(void) {
         write_text("ac.json", ac[i].json);
         fails_with("train --config ac.json", ac[i].says);
     }
+    // the LM head in chunks: not where the head keeps its whole logits
+    fails_with("plan --model tiny --tokenizer byte --tensor-parallel 2 --ranks 2 --logits-chunk 8",
+               "logits_chunk 8: not with tensor or pipeline parallelism");
+    fails_with(
+        "plan --model tiny --tokenizer byte --pipeline-parallel 2 --ranks 2 --logits-chunk 8",
+        "logits_chunk 8: not with tensor or pipeline parallelism");
     // the DeepSpeed keys at their defaults are accepted with a policy
     write_text("ac.json", "{\"activation_checkpointing\": {\"policy\": \"block\", "
                           "\"partition_activations\": false, \"cpu_checkpointing\": false, "
@@ -1036,7 +1042,8 @@ static void resume_is_bitwise(const char *name, const char *extra) {
 static void test_resume_is_bitwise(void) {
     resume_is_bitwise("", "");
     resume_is_bitwise("llama_",
-                      "--model llama-tiny --grad-accum 2 --activation-checkpointing block");
+                      "--model llama-tiny --grad-accum 2 --activation-checkpointing block "
+                      "--logits-chunk 5");
     // fused optimizers on 16-bit weights: stochastic rounding seeded per step
     write_text("fused.json", "{\"train_micro_batch_size_per_gpu\": 2, \"seq_len\": 16,"
                              " \"model\": {\"preset\": \"tiny\"}, \"data\": \"small\","

@@ -855,6 +855,8 @@ static void test_data_parallel_measured(void) {
         // buffer; AdaLomo's shards end at row boundaries
         {3, "fp32", "llama", "--optimizer lomo --param-persistence-threshold 1000", 1, 0, 2, 0},
         {1, "bf16", "gpt2", "--optimizer adalomo", 1, 0, 2, 0},
+        // the LM head and loss 24 positions at a time: a chunk's logits
+        {2, "bf16", "llama", "--logits-chunk 24 --sample-tokens 4", 2, 0, 2, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_dist_case(bin, &cases[i]);
     // tensor parallelism, every tag exact on every rank: t = 2 and 4, with

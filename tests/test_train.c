@@ -1,7 +1,8 @@
 // test_train.c: the training step as a whole: determinism, gradient
 // accumulation equals the big batch, the hooks, ignored targets, batches
-// smaller than the allocated activations, LOMO fused into the backward, and
-// the training forward that writes the logits' gradient.
+// smaller than the allocated activations, LOMO fused into the backward, the
+// training forward that writes the logits' gradient, and the LM head in
+// chunks of positions (logits_chunk).
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -168,45 +169,64 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int count) {
     memcpy(h->snapshot + a->offset, m->gp[first], n * sizeof(float));
 }
 
+// The hooks' order and completeness; with logits_chunk the head's
+// backward runs in its forward, chunk by chunk, and the hooks see the same
 static void test_hooks(void) {
     int tokens[B * T], targets[B * T];
     random_batch(tokens, targets, B * T, 9);
-    float *grads = NULL;
-    for (int use_scratch = 0; use_scratch < 2; use_scratch++) {
-        fl_model m;
-        fl_model_init(&m, &tiny, FL_F32, 5);
-        fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 0);
-        hook_log h = {.model = &m};
-        h.snapshot = calloc(m.table.numel, sizeof(float));
-        if (use_scratch) h.scratch = calloc(m.table.numel, sizeof(float));
-        m.hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, &h};
-        fl_model_zero_grad(&m);
-        fl_model_forward(&m, tokens, targets, B, T);
-        fl_model_backward(&m, 1.0f / m.n_targets);
-        int L = tiny.n_layer, in_order = h.npre[0] == L + 2 && h.npre[1] == L + 2 && h.n == L + 2;
-        for (int u = -1; u <= L; u++) {
-            in_order &= h.pre[FL_PASS_FWD][u + 1] == u && h.pre[FL_PASS_BWD][L - u] == u;
-            int first, count;
-            fl_model_unit_rows(&m, u, &first, &count);
-            in_order &= h.first[L - u] == first && h.count[L - u] == count;
+    float *whole = NULL; // the unchunked gradients
+    for (int chunk = 0; chunk <= 24; chunk += 24) {
+        fl_model_config cfg = tiny;
+        cfg.logits_chunk = chunk; // 24, 24 and 16 positions
+        float *grads = NULL;
+        for (int use_scratch = 0; use_scratch < 2; use_scratch++) {
+            fl_model m;
+            fl_model_init(&m, &cfg, FL_F32, 5);
+            fl_model_alloc_acts(&m, B, T, FL_RECOMPUTE_NONE, 0);
+            hook_log h = {.model = &m};
+            h.snapshot = calloc(m.table.numel, sizeof(float));
+            if (use_scratch) h.scratch = calloc(m.table.numel, sizeof(float));
+            m.hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, &h};
+            fl_model_zero_grad(&m);
+            fl_model_forward_train(&m, tokens, targets, B, T, 1.0f / (B * T));
+            fl_model_backward(&m, 1.0f / (B * T));
+            int L = tiny.n_layer,
+                in_order = h.npre[0] == L + 2 && h.npre[1] == L + 2 && h.n == L + 2;
+            for (int u = -1; u <= L; u++) {
+                in_order &= h.pre[FL_PASS_FWD][u + 1] == u && h.pre[FL_PASS_BWD][L - u] == u;
+                int first, count;
+                fl_model_unit_rows(&m, u, &first, &count);
+                in_order &= h.first[L - u] == first && h.count[L - u] == count;
+            }
+            t_check(in_order,
+                    "logits_chunk %d, %s: pre_unit runs embedding, blocks, head forward and back; "
+                    "grad_ready once per unit, head first",
+                    chunk, use_scratch ? "grads in scratch" : "grads in place");
+            if (!use_scratch) {
+                t_check(memcmp(h.snapshot, m.grads, m.table.numel * sizeof(float)) == 0,
+                        "logits_chunk %d: every gradient was complete when its unit's grad_ready "
+                        "fired",
+                        chunk);
+                grads = h.snapshot;
+            } else {
+                t_check(memcmp(h.snapshot, grads, m.table.numel * sizeof(float)) == 0,
+                        "logits_chunk %d: block gradients bound to scratch equal the in-place ones "
+                        "bitwise",
+                        chunk);
+                free(h.snapshot);
+                free(h.scratch);
+            }
+            if (chunk && !use_scratch) // the head's weight gradient summed chunk by chunk
+                t_close("logits_chunk 24: the gradients of the whole head's", grads, whole,
+                        m.table.numel, 1e-7, 1e-6);
+            fl_model_free(&m);
         }
-        t_check(in_order,
-                "%s: pre_unit runs embedding, blocks, head forward and back; grad_ready "
-                "once per unit, head first",
-                use_scratch ? "grads in scratch" : "grads in place");
-        if (!use_scratch) {
-            t_check(memcmp(h.snapshot, m.grads, m.table.numel * sizeof(float)) == 0,
-                    "every gradient was complete when its unit's grad_ready fired");
-            grads = h.snapshot;
-        } else {
-            t_check(memcmp(h.snapshot, grads, m.table.numel * sizeof(float)) == 0,
-                    "block gradients bound to scratch equal the in-place ones bitwise");
-            free(h.snapshot);
-            free(h.scratch);
-        }
-        fl_model_free(&m);
+        if (chunk)
+            free(grads);
+        else
+            whole = grads;
     }
-    free(grads);
+    free(whole);
 }
 
 static void test_ignored_targets_and_short_batches(void) {
@@ -459,28 +479,101 @@ static void test_forward_train(void) {
     int tokens[B * T], targets[B * T];
     random_batch(tokens, targets, B * T, 7);
     for (int i = 0; i < B * T; i += 5) targets[i] = -1;
-    for (int d = 0; d < 3; d++) {
-        fl_model m[2];
-        float loss[2][2];
-        for (int k = 0; k < 2; k++) {
-            fl_model_init(&m[k], &tiny, dts[d], 11);
-            fl_model_alloc_acts(&m[k], B, T, FL_RECOMPUTE_NONE, 0);
-            fl_model_zero_grad(&m[k]);
-            float dloss = 0.37f / (float)(B * T);
-            loss[k][0] = k ? fl_model_forward_train(&m[k], tokens, targets, B, T, dloss)
-                           : fl_model_forward(&m[k], tokens, targets, B, T);
-            fl_model_backward(&m[k], dloss);
-            loss[k][1] =
-                k ? fl_model_forward_head_train(&m[k], 2.0f * dloss) : fl_model_forward_head(&m[k]);
-            fl_model_backward(&m[k], 2.0f * dloss);
+    for (int chunk = 0; chunk <= 24; chunk += 24) // the head in chunks too
+        for (int d = 0; d < 3; d++) {
+            fl_model_config cfg = tiny;
+            cfg.logits_chunk = chunk;
+            fl_model m[2];
+            float loss[2][2];
+            for (int k = 0; k < 2; k++) {
+                fl_model_init(&m[k], &cfg, dts[d], 11);
+                fl_model_alloc_acts(&m[k], B, T, FL_RECOMPUTE_NONE, 0);
+                fl_model_zero_grad(&m[k]);
+                float dloss = 0.37f / (float)(B * T);
+                loss[k][0] = k ? fl_model_forward_train(&m[k], tokens, targets, B, T, dloss)
+                               : fl_model_forward(&m[k], tokens, targets, B, T);
+                fl_model_backward(&m[k], dloss);
+                loss[k][1] = k ? fl_model_forward_head_train(&m[k], 2.0f * dloss)
+                               : fl_model_forward_head(&m[k]);
+                fl_model_backward(&m[k], 2.0f * dloss);
+            }
+            size_t bytes = m[0].table.numel * fl_dtype_size(dts[d]);
+            t_check(!memcmp(loss[0], loss[1], sizeof loss[0]) &&
+                        !memcmp(m[0].grads, m[1].grads, bytes),
+                    "%s, logits_chunk %d: forward_train + backward = forward + backward, bitwise "
+                    "(losses %.6f %.6f)",
+                    fl_dtype_name(dts[d]), chunk, loss[1][0], loss[1][1]);
+            fl_model_free(&m[0]);
+            fl_model_free(&m[1]);
         }
-        size_t bytes = m[0].table.numel * fl_dtype_size(dts[d]);
-        t_check(!memcmp(loss[0], loss[1], sizeof loss[0]) && !memcmp(m[0].grads, m[1].grads, bytes),
-                "%s: forward_train + backward = forward + backward, bitwise (losses %.6f %.6f)",
-                fl_dtype_name(dts[d]), loss[1][0], loss[1][1]);
-        fl_model_free(&m[0]);
-        fl_model_free(&m[1]);
+}
+
+// logits_chunk: the LM head and the loss over 24 positions at a time (24,
+// 24, 16 of 64) give the whole batch's losses bitwise (each position's are
+// its own), GPT-2 (tied) and LLaMA (untied) in fp32 and bf16, evaluated and
+// trained; the gradients within the chunked sums' rounding (the head's
+// weights' summed chunk by chunk: fp32 1e-6, bf16 a few of its units); a
+// sampling forward's last logits bitwise; the logits' buffer a chunk's
+static void test_logits_chunk(void) {
+    int tokens[B * T], targets[B * T];
+    random_batch(tokens, targets, B * T, 17);
+    for (int i = 3; i < B * T; i += 7) targets[i] = -1;
+    fl_dtype dts[] = {FL_F32, FL_BF16};
+    for (int arch = 0; arch < 2; arch++)
+        for (int d = 0; d < 2; d++) {
+            fl_model_config cfg = tiny;
+            cfg.arch = arch ? FL_ARCH_LLAMA : FL_ARCH_GPT2;
+            const char *name = fl_arch_name(cfg.arch), *dt = fl_dtype_name(dts[d]);
+            fl_model m[2];
+            float eval[2], train[2], *g[2];
+            size_t n = 0;
+            for (int k = 0; k < 2; k++) {
+                cfg.logits_chunk = k ? 24 : 0;
+                fl_model_init(&m[k], &cfg, dts[d], 3);
+                fl_model_alloc_acts(&m[k], B, T, FL_RECOMPUTE_NONE, 0);
+                eval[k] = fl_model_forward(&m[k], tokens, targets, B, T);
+                fl_model_zero_grad(&m[k]);
+                float dloss = 1.0f / (float)m[k].n_targets;
+                train[k] = fl_model_forward_train(&m[k], tokens, targets, B, T, dloss);
+                fl_model_backward(&m[k], dloss);
+                n = m[k].table.numel;
+                g[k] = malloc(n * sizeof(float));
+                fl_convert(FL_F32, g[k], dts[d], m[k].grads, n);
+            }
+            t_check(eval[0] == eval[1] && train[0] == train[1],
+                    "%s %s: the chunked head's losses are the whole one's bitwise (%.7f %.7f)",
+                    name, dt, eval[1], train[1]);
+            double e = t_rel_diff(g[1], g[0], n), bound = d ? 1e-2 : 1e-6;
+            t_check(e <= bound, "%s %s: gradients within %g of the whole head's (relative L2 %.2g)",
+                    name, dt, bound, e);
+            free(g[0]), free(g[1]);
+            fl_model_free(&m[0]);
+            fl_model_free(&m[1]);
+        }
+    // sampling: a batch of 1 over 16 positions in chunks of 5: the last
+    // chunk's logits alone, the last position's bitwise the whole head's
+    float row[2][64];
+    size_t acts[2];
+    for (int k = 0; k < 2; k++) {
+        fl_model_config cfg = tiny;
+        cfg.logits_chunk = k ? 5 : 0;
+        fl_model m;
+        fl_model_init(&m, &cfg, FL_F32, 3);
+        fl_model_alloc_acts(&m, 1, T, FL_RECOMPUTE_NONE, 1);
+        fl_model_forward(&m, tokens, NULL, 1, T);
+        memcpy(row[k], fl_model_last_logits(&m, T, row[k], NULL), 50 * sizeof(float));
+        size_t bytes[FL_MEM_NTAGS];
+        fl_model_config_finish(&cfg);
+        fl_model_memory(NULL, &cfg, FL_F32, 1, T, 1, FL_RECOMPUTE_NONE, 1, NULL, NULL, NULL, bytes);
+        acts[k] = bytes[FL_MEM_ACTS];
+        fl_model_free(&m);
     }
+    size_t Vp = 128; // 50 padded
+    t_check(
+        !memcmp(row[0], row[1], 50 * sizeof(float)) &&
+            acts[0] - acts[1] == (size_t)(T - 5) * Vp * sizeof(float),
+        "sampling in chunks of 5: the last logits bitwise; %zu bytes of logits fewer (want %zu)",
+        acts[0] - acts[1], (size_t)(T - 5) * Vp * sizeof(float));
 }
 
 // The spike guard's detector (optim.h): z-scores against the window of
@@ -609,5 +702,6 @@ int main(void) {
     test_ignored_targets_and_short_batches();
     test_lomo();
     test_forward_train();
+    test_logits_chunk();
     return t_report();
 }

@@ -100,6 +100,7 @@ typedef struct {
     // activation checkpointing: the policy and DeepSpeed's activation_checkpointing keys
     char recompute_policy[FL_NAME_MAX]; // none | selective | block
     fl_recompute recompute;             // derived by fl_config_finish
+    int logits_chunk; // positions per chunk of the LM head and loss (0: all); model.logits_chunk
     int ac_partition, ac_cpu, ac_contiguous, ac_number, ac_sync, ac_profile;
     int micro_batch;       // train_micro_batch_size_per_gpu
     int grad_accum;        // gradient_accumulation_steps

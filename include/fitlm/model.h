@@ -216,9 +216,11 @@ struct fl_model {
     double *loss_sink;
     int async_tokens;
     // a forward for training made the logits their own gradient, for
-    // dlogits_dloss (else the backward does)
+    // dlogits_dloss (else the backward does); with config.logits_chunk, it
+    // took them through the head's backward too, chunk by chunk
     int dlogits_ready;
     float dlogits_dloss;
+    size_t logits_first; // the first position whose logits m->logits holds
 };
 
 // Where a model's weights come from: its shape, read once when the source is

@@ -23,6 +23,10 @@ typedef struct {
     // whole). Not a property of the model: no file stores it
     int tp_size;
     int sequence_parallel; // with tp_size > 1: norms and residual adds on 1/t of the tokens
+    // the LM head and the loss over this many positions at a time (0: the
+    // whole batch's), so that no more logits than theirs exist: a run
+    // setting, as tp_size (logits_chunk)
+    int logits_chunk;
 } fl_model_config;
 const char *fl_arch_name(fl_arch_kind arch);
 int fl_arch_parse(const char *name, fl_arch_kind *out); // 0 on success, -1 unknown

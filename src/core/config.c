@@ -61,6 +61,10 @@ static const option options[] = {
      "rotary embedding base (LLaMA; 0 = the preset's or 10000)"},
     {"model.tie_word_embeddings", "--tie-word-embeddings", OPT_BOOL, NUM(tie_embeddings), "false",
      0, 0, NULL, "LM head shares the token embedding (LLaMA; GPT-2 always does)"},
+    {"logits_chunk", "--logits-chunk", OPT_INT, NUM(logits_chunk), "0", 0, 1 << 24, NULL,
+     "the LM head and the loss over this many positions at a time, each chunk's gradient taken "
+     "at once, so that a large vocabulary's logits never exist whole (0 = the whole "
+     "micro-batch's; not with tensor or pipeline parallelism)"},
     {"activation_checkpointing.policy", "--activation-checkpointing", OPT_CHOICE,
      STR(recompute_policy), "none", 0, 0, "none|selective|block",
      "recompute in backward: selective = norms and GELU/SwiGLU; block = whole blocks from their "

@@ -869,6 +869,7 @@ void fl_train_ckpt_restore(fl_ckpt *ck, fl_model *model, fl_optimizer *optim, fl
     read_shape(meta, path, &shape);
     shape.tp_size = model->config.tp_size; // how this run splits it, not the model's
     shape.sequence_parallel = model->config.sequence_parallel;
+    shape.logits_chunk = model->config.logits_chunk;
     fl_model_config_finish(&shape);
     const fl_model_config *c = &model->config;
     if (memcmp(&shape, c, sizeof shape))

@@ -417,6 +417,11 @@ static int recomputed(const fl_slot *s, fl_recompute r) {
 
 // Elements of a slot for BT positions (a stream-side slot's 1/t of them
 // under sequence parallelism).
+// Positions whose logits exist at once: a chunk's (config.logits_chunk) or all
+static size_t logits_rows(const fl_model_config *c, size_t BT) {
+    return c->logits_chunk > 0 && (size_t)c->logits_chunk < BT ? (size_t)c->logits_chunk : BT;
+}
+
 static size_t slot_numel(const fl_model_config *c, const fl_slot *s, size_t BT) {
     return (s->seq ? (size_t)fl_seq_rows(c, (int)BT) : BT) * s->per_token;
 }
@@ -471,7 +476,7 @@ static int act_specs(fl_model *m, const fl_device *dev, const fl_model_config *c
     for (int i = 0; i < ns; i++)
         SPEC_PER(m->head_act[i], PER_HEAD, slot_numel(c, &slots[i], BT), slots[i].f32 ? F : D,
                  FL_MEM_ACTS);
-    SPEC_PER(m->logits, PER_HEAD, BT * (size_t)fl_vocab_cols(c), D, FL_MEM_ACTS);
+    SPEC_PER(m->logits, PER_HEAD, logits_rows(c, BT) * (size_t)fl_vocab_cols(c), D, FL_MEM_ACTS);
     SPEC_PER(m->losses, PER_HEAD, BT, F, FL_MEM_ACTS);
     SPEC_PER(m->xent_lse, PER_HEAD, BT, F, FL_MEM_ACTS);
     SPEC_PER(m->inputs, PER_EMBED, BT, I, FL_MEM_ACTS);
@@ -758,6 +763,66 @@ static fl_block head_at(fl_model *m) {
 }
 
 static float loss(fl_model *m, const float *dloss);
+static float sum_losses(fl_model *m, const float *dloss);
+static void set_dlosses(fl_model *m, float dloss);
+
+// The head over positions [r0, r0 + n) of the batch, as a batch of n: its
+// input and slots from position r0 on (no sequence parallelism: chunks are
+// refused with tensor parallelism).
+static fl_block head_rows_at(fl_model *m, size_t r0, int n, void **act) {
+    fl_slot slots[FL_MAX_SLOTS];
+    int ns = m->arch->head_slots(&m->config, slots);
+    size_t D = fl_dtype_size(m->dtype);
+    for (int i = 0; i < ns; i++)
+        act[i] =
+            (char *)m->head_act[i] + r0 * slots[i].per_token * (slots[i].f32 ? sizeof(float) : D);
+    const char *in = fl_model_chunk_output(m);
+    return (fl_block){m,   m->config.n_layer, n, 1, in + r0 * (size_t)m->config.n_embd * D, NULL,
+                      act, m->block_work};
+}
+
+// The LM head and the loss over chunks of config.logits_chunk positions,
+// one chunk's logits at a time (as Liger's fused linear cross-entropy):
+// with dloss each chunk's gradient is written in place and taken through
+// the head's backward at once, its input's gradient left in m->dres and the
+// head's weight gradients added chunk by chunk (bound by the head's
+// backward pre_unit here; the backward pass reports them, grad_ready, so
+// every strategy sees the units in their order); with targets alone, the
+// losses; without targets, the last chunk's logits (sampling reads the last
+// position's).
+static void head_chunks(fl_model *m, const int *targets, const float *dloss) {
+    const fl_model_config *c = &m->config;
+    int L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
+    size_t BT = (size_t)m->B * m->T, rows = logits_rows(c, BT), D = fl_dtype_size(m->dtype);
+    void *act[FL_MAX_SLOTS];
+    if (!targets) {
+        m->logits_first = BT - rows;
+        fl_block h = head_rows_at(m, m->logits_first, (int)rows, act);
+        m->arch->head_forward(&h, m->logits);
+        return;
+    }
+    if (dloss) {
+        set_dlosses(m, *dloss);
+        pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_BWD);
+    }
+    for (size_t r0 = 0; r0 < BT; r0 += rows) {
+        int n = (int)(BT - r0 < rows ? BT - r0 : rows);
+        fl_block h = head_rows_at(m, r0, n, act);
+        m->arch->head_forward(&h, m->logits);
+        if (!dloss) {
+            FL_FWD_IO(FL_OP_XENT, fl_io((size_t)n * Vp, m->dtype, 1),
+                      m->dev->softmax_xent_forward(m->dtype, m->losses + r0, m->xent_lse + r0,
+                                                   m->logits, m->targets + r0, n, V, Vp));
+            continue;
+        }
+        FL_FWD_IO(FL_OP_XENT, fl_io((size_t)n * Vp, m->dtype, 2),
+                  m->dev->softmax_xent_forward_backward(m->dtype, m->losses + r0, m->xent_lse + r0,
+                                                        m->logits, m->targets + r0, m->dlosses + r0,
+                                                        n, V, Vp));
+        m->arch->head_backward(&h, (char *)m->dres + r0 * (size_t)c->n_embd * D, m->logits);
+    }
+    if (dloss) m->dlogits_ready = 1, m->dlogits_dloss = *dloss;
+}
 
 // Sequence parallelism: a unit's norm weights (FL_PARAM_TOKENWISE) take
 // their gradient for this rank's positions in scratch while the unit runs
@@ -845,6 +910,7 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     m->loss = -1.0f;
     m->n_targets = 0;
     m->dlogits_ready = 0;
+    m->logits_first = 0;
 
     // the tokens go up first, before the device has work to wait behind
     if (embed) upload_tokens(m, m->inputs, tokens, BT);
@@ -864,6 +930,10 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     }
     if (!head) return m->loss; // the output goes to the next stage (fl_model_chunk_output)
     pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_FWD);
+    if (logits_rows(c, BT) < BT) {
+        head_chunks(m, targets, dloss);
+        return targets ? sum_losses(m, dloss) : m->loss;
+    }
     fl_block head_b = head_at(m);
     m->arch->head_forward(&head_b, m->logits);
     if (!targets) return m->loss;
@@ -908,9 +978,15 @@ static float loss(fl_model *m, const float *dloss) {
                   m->dev->softmax_xent_forward(m->dtype, m->losses, m->xent_lse, m->logits, targets,
                                                BT, V, Vp));
     }
-    // in index order: deterministic; a position without a target has loss 0,
-    // which adds nothing (m->n_targets was counted from the host's targets).
-    // A training step's stays on the device (its gate takes the mean).
+    return sum_losses(m, dloss);
+}
+
+// The batch's token losses summed in index order: deterministic; a
+// position without a target has loss 0, which adds nothing (m->n_targets
+// was counted from the host's targets). A training step's stays on the
+// device (its gate takes the mean).
+static float sum_losses(fl_model *m, const float *dloss) {
+    size_t BT = (size_t)m->B * m->T;
     if (m->loss_sink && dloss) {
         m->dev->sum_to(m->loss_sink, m->losses, BT);
         m->loss = NAN;
@@ -924,6 +1000,10 @@ static float loss(fl_model *m, const float *dloss) {
 static float forward_head(fl_model *m, const float *dloss) {
     if (m->loss < 0.0f) fl_die("internal: fl_model_forward_head needs a forward with targets");
     pre_unit(m, FL_UNIT_HEAD(m->config.n_layer), FL_PASS_FWD);
+    if (logits_rows(&m->config, (size_t)m->B * m->T) < (size_t)m->B * m->T) {
+        head_chunks(m, m->targets, dloss);
+        return sum_losses(m, dloss);
+    }
     fl_block head = head_at(m);
     m->arch->head_forward(&head, m->logits);
     return loss(m, dloss);
@@ -949,7 +1029,17 @@ static void head_backward(fl_model *m, float dloss) {
     const fl_model_config *c = &m->config;
     int L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
     size_t BT = (size_t)m->B * m->T;
-    void *dlogits = m->logits; // overwritten in place by its own gradient
+    void *dlogits = m->logits;     // overwritten in place by its own gradient
+    if (logits_rows(c, BT) < BT) { // in chunks: the forward took them through the head
+        if (!m->dlogits_ready)     // (not a training forward's: its chunks again)
+            head_chunks(m, m->targets, &dloss);
+        else if (memcmp(&dloss, &m->dlogits_dloss, sizeof dloss))
+            fl_die("internal: a backward with dloss %g after a training forward for %g", dloss,
+                   m->dlogits_dloss);
+        m->dlogits_ready = 0;
+        grad_ready(m, FL_UNIT_HEAD(L));
+        return;
+    }
     if (!m->dlogits_ready && m->tp.size > 1) {
         fl_vocab_xent_backward(m, dloss);
     } else if (!m->dlogits_ready) {

@@ -49,7 +49,10 @@ const float *fl_model_last_logits(fl_model *m, int T, float *row, float *mine) {
     const fl_model_config *c = &m->config;
     fl_dtype dt = m->dtype;
     if (m->tp.size == 1) {
-        const void *last = fl_at(dt, m->logits, (size_t)(T - 1) * c->padded_vocab_size);
+        // (under logits_chunk the last chunk's alone: from position logits_first)
+        FL_ASSERT((size_t)(T - 1) >= m->logits_first);
+        const void *last =
+            fl_at(dt, m->logits, ((size_t)(T - 1) - m->logits_first) * c->padded_vocab_size);
         if (m->dev->host) return fl_load_f32(dt, last, c->vocab_size, row); // row, or fp32's own
         fl_model_download_f32(m, row, last, (size_t)c->vocab_size);
         return row;

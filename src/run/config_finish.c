@@ -174,6 +174,12 @@ void fl_config_finish(fl_train_config *cfg, int tokenizer_vocab) {
         shape.vocab_size = m->vocab_size ? m->vocab_size : tokenizer_vocab;
     fl_model_config_finish(&shape);
     *m = shape;
+    m->logits_chunk = cfg->logits_chunk;
+    if (cfg->logits_chunk && (cfg->tensor_parallel > 1 || cfg->pipeline_parallel > 1))
+        fl_die("logits_chunk %d: not with tensor or pipeline parallelism (their LM heads keep "
+               "the whole logits: the vocabulary-parallel loss, the last stage's tied copy); "
+               "drop --logits-chunk",
+               cfg->logits_chunk);
     if (cfg->seq_len > m->max_seq_len)
         fl_die("seq_len %d exceeds model.max_seq_len %d", cfg->seq_len, m->max_seq_len);
     strcpy(cfg->model_arch, fl_arch_name(m->arch));

@@ -361,6 +361,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         fl_model_add_lora(model, &cfg->lora, cfg->seed);
         if (*cfg->adapter) fl_peft_load(cfg->adapter, model);
     }
+    model->config.logits_chunk = cfg->model.logits_chunk; // a run setting, not the source's
     fl_model_alloc_acts(model, cfg->micro_batch, cfg->seq_len, cfg->recompute,
                         r->dist       ? fl_dist_unit_grads(&cfg->zero)
                         : dev_offload ? FL_GRADS_HOOK // the offload's device ring
