@@ -189,11 +189,14 @@ int cmd_plan(int argc, char **argv) {
         snprintf(layout, sizeof layout, " (tensor parallel %d%s x %d data-parallel)",
                  cfg.tensor_parallel, cfg.sequence_parallel ? " with sequence parallelism" : "",
                  f.ranks / cfg.tensor_parallel);
-    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s%s, ZeRO stage %d%s%s%s | %d "
-           "threads\n",
+    char chunks[64] = "";
+    if (cfg.logits_chunk)
+        snprintf(chunks, sizeof chunks, " | logits in chunks of %d positions", cfg.logits_chunk);
+    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s%s, ZeRO stage %d%s%s%s%s | "
+           "%d threads\n",
            cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "", layout,
            cfg.zero.stage, cfg.recompute ? " | activation checkpointing " : "",
-           cfg.recompute ? cfg.recompute_policy : "", f.lomo ? " | LOMO" : "", cfg.threads);
+           cfg.recompute ? cfg.recompute_policy : "", chunks, f.lomo ? " | LOMO" : "", cfg.threads);
     printf("data: %zu bytes (data loaders, tokenizer and the config's text; tokens are "
            "memory-mapped)\n\n",
            data);

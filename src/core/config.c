@@ -1070,10 +1070,12 @@ void fl_config_print(const fl_train_config *cfg, FILE *out) {
     const fl_model_config *m = &cfg->model;
     fprintf(out,
             "model %s (%s): n_layer %d, n_head %d (kv %d), n_embd %d, mlp %d, vocab %d (padded "
-            "%d), max_seq_len %d, activation checkpointing %s\n",
+            "%d), max_seq_len %d, activation checkpointing %s",
             cfg->model_preset, fl_arch_name(m->arch), m->n_layer, m->n_head, m->n_kv_head,
             m->n_embd, m->intermediate_size, m->vocab_size, m->padded_vocab_size, m->max_seq_len,
             cfg->recompute_policy);
+    if (cfg->logits_chunk) fprintf(out, ", logits in chunks of %d positions", cfg->logits_chunk);
+    fputc('\n', out);
     fprintf(out,
             "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g (%s, warmup %d, floor %g) ",
             cfg->micro_batch, cfg->seq_len, cfg->grad_accum, cfg->steps, cfg->optimizer, cfg->lr,
