@@ -196,6 +196,12 @@ static void test_bad_config_files(void) {
     fails_with(
         "plan --model tiny --tokenizer byte --pipeline-parallel 2 --ranks 2 --logits-chunk 8",
         "logits_chunk 8: not with tensor or pipeline parallelism");
+    // and advised where the logits are what does not fit (a 128K vocabulary)
+    fitlm("plan --model llama-tiny --n-layer 4 --n-embd 256 --n-head 4 --n-kv-head 4 "
+          "--max-seq-len 256 --vocab-size 128256 --tokenizer byte --batch 4 --seq-len 256 "
+          "--precision bf16 --mem-limit 1200M");
+    t_check(strstr(output, "does NOT fit") && strstr(output, "  --logits-chunk 256: 1.09 GiB"),
+            "plan over its limit advises the LM head in chunks: %.900s", output);
     // the DeepSpeed keys at their defaults are accepted with a policy
     write_text("ac.json", "{\"activation_checkpointing\": {\"policy\": \"block\", "
                           "\"partition_activations\": false, \"cpu_checkpointing\": false, "

@@ -942,9 +942,21 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
         if ((total = fit_by_batch(r, &v, r->B, limit, device, &runnable)))
             put_fit(&s, "--activation-checkpointing block", r, &v, total, runnable, per);
     }
+    // the LM head and loss over chunks of positions: a chunk's logits
+    size_t BT = (size_t)r->B * (size_t)r->T;
+    if (shaped && !r->model.logits_chunk && tp_of(r) == 1 && pp_of(r) == 1 && BT >= 64) {
+        v = *r;
+        v.model.logits_chunk = BT > 4096 ? 1024 : (int)(BT / 4);
+        if ((total = fit_by_batch(r, &v, r->B, limit, device, &runnable))) {
+            char flags[48];
+            snprintf(flags, sizeof flags, "--logits-chunk %d", v.model.logits_chunk);
+            put_fit(&s, flags, r, &v, total, runnable, per);
+        }
+    }
     if (device) {
         if (!s.lines)
-            put(&s, "  (none of: a smaller micro-batch, bf16, activation checkpointing)\n");
+            put(&s, "  (none of: a smaller micro-batch, bf16, activation checkpointing, the LM "
+                    "head in chunks)\n");
         return;
     }
     // formula-only strategies
@@ -978,8 +990,8 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
         }
     }
     if (!s.lines)
-        put(&s, "  (none of: a smaller micro-batch, bf16, activation checkpointing, "
-                "LOMO, ZeRO-1/2/3 up to 4096 ranks)\n");
+        put(&s, "  (none of: a smaller micro-batch, bf16, activation checkpointing, the LM head "
+                "in chunks, LOMO, ZeRO-1/2/3 up to 4096 ranks)\n");
 }
 
 void fl_plan_alternatives(const fl_plan_request *r, size_t limit, char *buf, size_t size) {
