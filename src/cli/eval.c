@@ -21,7 +21,7 @@
 typedef struct {
     const char *checkpoint, *init_from, *adapter, *data, *text, *split, *precision, *device;
     const char *tokenizer, *tokenizer_path;
-    int seq_len, batch, threads, json;
+    int seq_len, batch, threads, json, logits_chunk;
 } eval_options;
 
 static void help(void) {
@@ -55,6 +55,9 @@ static void help(void) {
            "                       else the model's context)\n"
            "  --batch B            windows per forward pass; memory grows with B x T\n"
            "                       (default: 4)\n"
+           "  --logits-chunk N     the LM head and the loss over N positions at a time, so\n"
+           "                       that only N x vocabulary logits exist (default: 0, all\n"
+           "                       B x T positions'; the same loss either way)\n"
            "  --precision NAME     fp32, bf16 or fp16 (default: the checkpoint's, else fp32)\n"
            "  --tokenizer NAME     for --text, and checked against the data's: gpt2, byte or hf\n"
            "                       (default: the checkpoint's; hf for a Hugging Face\n"
@@ -101,6 +104,8 @@ static void parse_args(int argc, char **argv, eval_options *o, fl_quant_config *
             o->seq_len = cli_whole(flag, v, 1, 1 << 20);
         else if (!strcmp(flag, "--batch"))
             o->batch = cli_whole(flag, v, 1, 1 << 16);
+        else if (!strcmp(flag, "--logits-chunk"))
+            o->logits_chunk = cli_whole(flag, v, 0, 1 << 24);
         else if (!strcmp(flag, "--precision"))
             o->precision = v;
         else if (!strcmp(flag, "--tokenizer"))
@@ -376,7 +381,8 @@ int cmd_eval(int argc, char **argv) {
                model.config.max_seq_len, laid_out ? " (the data's layout)" : "");
     const char *data_tok = first->tokenizer;
     uint64_t windows = fl_eval_windows(data.shards, data.n_shards, T);
-    if (windows && (uint64_t)B > windows) B = (int)windows;  // no activations for empty rows
+    if (windows && (uint64_t)B > windows) B = (int)windows; // no activations for empty rows
+    model.config.logits_chunk = o.logits_chunk;
     fl_model_alloc_acts(&model, B, T, FL_RECOMPUTE_NONE, 1); // forward only: no gradients
 
     progress_state p = {fl_now(), 0.0, T};
