@@ -131,7 +131,10 @@ int cmd_sample(int argc, char **argv) {
         fl_die("the %s tokenizer's vocabulary (%d) is not the model's (%d): choose the tokenizer "
                "the model was trained with (--tokenizer)",
                fl_tokenizer_name(tok), fl_tokenizer_vocab_size(tok), model.config.vocab_size);
-    fl_model_alloc_acts(&model, 1, model.config.max_seq_len, FL_RECOMPUTE_NONE, 1); // no backward
+    // no backward; of the logits only the last position's, the one sampled from
+    // (the head over one position: logits_chunk 1)
+    model.config.logits_chunk = 1;
+    fl_model_alloc_acts(&model, 1, model.config.max_seq_len, FL_RECOMPUTE_NONE, 1);
 
     fl_tokens prompt = {0};
     // a sample starts like a fresh document: BOS if the tokenizer has one
