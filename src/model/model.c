@@ -606,7 +606,9 @@ void fl_model_alloc_acts(fl_model *m, int B, int T, fl_recompute recompute, int 
         fl_die("batch size and sequence length must be positive (B=%d, T=%d)", B, T);
     if (T > c->max_seq_len)
         fl_die("sequence length %d exceeds the model's max_seq_len %d", T, c->max_seq_len);
-    FL_ASSERT(m->max_B == 0); // allocated once, up front
+    FL_ASSERT(m->max_B == 0);                                  // allocated once, up front
+    if (c->logits_chunk && (m->tp.size > 1 || m->pp.size > 1)) // (the config refuses it first)
+        fl_die("logits_chunk: not with tensor or pipeline parallelism");
     alloc_grads(m, unit_grads);
     act_spec specs[MAX_SPECS];
     int n = act_specs(m, m->dev, c, &m->table, m->dtype, B, T, fl_threads(), recompute,
