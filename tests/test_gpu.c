@@ -68,8 +68,8 @@ static int emulated(void) {
 static const char *epilogue_case(const char *entry, int aligned) {
     static char name[160];
     snprintf(name, sizeof name, "%s (%s)", entry,
-             getenv("FITLM_CUDA_EMU_NO_GELU_EPILOGUE") ? "no cuBLASLt algorithm: the two kernels"
-             : aligned                                 ? "the epilogue"
+             getenv("FITLM_CUDA_EMU_NO_EPILOGUES") ? "no cuBLASLt algorithm: the two kernels"
+             : aligned                             ? "the epilogue"
                        : "the aux's width not a multiple of 8: the two kernels");
     return name;
 }
@@ -497,15 +497,25 @@ static void matmul_dgelu(fl_dtype dt, int N, int C, int OC) {
     mm_free(&m);
 }
 
-static void matmuls(fl_dtype dt) {
-    int N = 154, C = 192, OC = 264;
+static void matmul_fwd(fl_dtype dt, int N, int C, int OC) {
     mm_args m = mm_new(dt, N, C, OC);
-    tcase t = tc_new("matmul_forward", dt);
+    tcase t = tc_new(getenv("FITLM_CUDA_EMU_NO_EPILOGUES")
+                         ? "matmul_forward (no cuBLASLt algorithm for the bias epilogue)"
+                         : "matmul_forward",
+                     dt);
     m.a.a[0] = tc_out(&t, dt, (size_t)N * OC);
     m.a.a[1] = tc_in(&t, dt, (size_t)N * C, 1.0f);
     m.a.a[2] = tc_in(&t, dt, (size_t)OC * C, 0.2f);
     m.a.a[3] = tc_in(&t, dt, (size_t)OC, 1.0f);
     tc_run(&t, call_matmul, &m, 1e-5);
+    mm_free(&m);
+}
+
+static void matmuls(fl_dtype dt) {
+    int N = 154, C = 192, OC = 264;
+    matmul_fwd(dt, N, C, OC);
+    mm_args m = mm_new(dt, N, C, OC);
+    tcase t;
     for (m.dinp_add = 0; m.dinp_add < 2; m.dinp_add++) { // dinp poisoned: never read
         t = tc_new(m.dinp_add ? "matmul_backward (dinp added to)" : "matmul_backward", dt);
         m.a.a[0] = m.dinp_add ? tc_acc(&t, dt, (size_t)N * C, 1.0f) : tc_out(&t, dt, (size_t)N * C);
@@ -521,11 +531,12 @@ static void matmuls(fl_dtype dt) {
     matmul_gelu(dt, 37, 40, 50);
     matmul_dgelu(dt, N, OC, C); // the projection from the MLP's width
     matmul_dgelu(dt, 37, 50, 40);
-    if (emulated()) { // cuBLASLt without the GELU epilogues' kernels: the two kernels
-        setenv("FITLM_CUDA_EMU_NO_GELU_EPILOGUE", "1", 1);
-        matmul_gelu(dt, 61, 48, 72); // shapes of their own: plans are cached by shape
+    if (emulated()) { // cuBLASLt without the epilogues' kernels: the kernels apart
+        setenv("FITLM_CUDA_EMU_NO_EPILOGUES", "1", 1);
+        matmul_fwd(dt, 61, 48, 72); // shapes of their own: plans are cached by shape
+        matmul_gelu(dt, 61, 48, 72);
         matmul_dgelu(dt, 61, 72, 48);
-        unsetenv("FITLM_CUDA_EMU_NO_GELU_EPILOGUE");
+        unsetenv("FITLM_CUDA_EMU_NO_EPILOGUES");
     }
 }
 

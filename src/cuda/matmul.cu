@@ -36,7 +36,7 @@ static void blas_check(cublasStatus_t st, const char *call, const char *file, in
 
 typedef struct {
     int kind, bias, gelu, align; // gelu: the GELU's input in the aux matrix (GELU_AUX or DGELU)
-    int none;                    // a GELU epilogue cuBLASLt has no algorithm for here
+    int none;                    // an epilogue cuBLASLt has no algorithm for here
     fl_dtype dt;
     int m, n, k;
     size_t ws;
@@ -145,9 +145,9 @@ static int heuristics(const plan *p, int want, cublasLtMatmulHeuristicResult_t *
 }
 
 // The cached plan of a GEMM: its descriptors and the heuristic's first
-// algorithm. A GELU epilogue cuBLASLt lacks an algorithm for (a dtype or
-// shape its kernels do not cover) is said once, and the plan marked none:
-// the caller runs the GEMM and the GELU kernel apart.
+// algorithm. An epilogue (bias, GELU) cuBLASLt lacks an algorithm for (a
+// dtype or shape its kernels do not cover) is said once, and the plan
+// marked none: the caller runs the GEMM and the bias or GELU kernel apart.
 static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int gelu, int align,
                       size_t ws) {
     for (size_t i = 0; i < mm.n_plans; i++) {
@@ -161,11 +161,12 @@ static plan *get_plan(int kind, fl_dtype dt, int m, int n, int k, int bias, int 
     plan *p = &mm.plans[mm.n_plans];
     plan_init(p, kind, dt, m, n, k, bias, gelu, align, ws);
     cublasLtMatmulHeuristicResult_t res;
-    p->none = heuristics(p, 1, &res, gelu) < 1;
+    p->none = heuristics(p, 1, &res, gelu || bias) < 1;
     if (p->none)
         fl_warn("cuda: cuBLASLt has no algorithm for the %s GEMM m=%d n=%d k=%d in %s with the "
-                "GELU epilogue (FITLM_CUDA_GELU_FUSION): the GEMM and the GELU kernel run apart",
-                gemm_name(kind), m, n, k, fl_dtype_name(dt));
+                "%s epilogue: the GEMM and the %s kernel run apart",
+                gemm_name(kind), m, n, k, fl_dtype_name(dt), gelu ? "GELU" : "bias",
+                gelu ? "GELU" : "bias");
     else
         p->algo = res.algo;
     mm.n_plans++;
@@ -204,7 +205,7 @@ static gemm_call linear_gemm(int kind, void *out, const void *inp, const void *w
 // g on the compute stream, with the bias on its epilogue when given, and
 // with pre GELU's: a forward's D = gelu(product + bias), pre = product +
 // bias; an input gradient's D = product * gelu'(pre). 0 when cuBLASLt has
-// no algorithm for that GELU epilogue here (nothing issued).
+// no algorithm for that epilogue here (nothing issued).
 static int gemm(fl_dtype dt, gemm_call g, const void *bias, const void *pre, void *workspace) {
     size_t ws = workspace_from(&workspace);
     plan *p = get_plan(g.kind, dt, g.m, g.n, g.k, bias != NULL, pre != NULL,
@@ -246,15 +247,15 @@ extern "C" size_t fl_cuda_matmul_workspace_bytes(fl_dtype dt, int N, int C, int 
 }
 
 // The bias rides on the epilogue (rounded once with the product) when its
-// pointer is 16-byte aligned; otherwise it is added after, rounded again
-// under 16-bit storage.
+// pointer is 16-byte aligned and cuBLASLt has an algorithm for it;
+// otherwise it is added after, rounded again under 16-bit storage.
 extern "C" void fl_cuda_matmul_forward(fl_dtype dt, void *out, const void *inp, const void *weight,
                                        const void *bias, void *workspace, int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
-    int epilogue = bias && (uintptr_t)bias % 16 == 0;
-    gemm(dt, linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC, 0),
-         epilogue ? bias : NULL, NULL, workspace);
-    if (bias && !epilogue) fl_cuda_bias_forward(dt, out, bias, N, OC);
+    gemm_call g = linear_gemm(MM_FORWARD, out, inp, weight, NULL, NULL, NULL, N, C, OC, 0);
+    if (bias && (uintptr_t)bias % 16 == 0 && gemm(dt, g, bias, NULL, workspace)) return;
+    gemm(dt, g, NULL, NULL, workspace);
+    if (bias) fl_cuda_bias_forward(dt, out, bias, N, OC);
 }
 
 // (device.h, set when FITLM_CUDA_GELU_FUSION=1 or 2) the GELU epilogue

@@ -347,10 +347,11 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
     *found = 0;
     cublasStatus_t st = check(d, a, b, c, dl);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
-    // FITLM_CUDA_EMU_NO_GELU_EPILOGUE=1: a library without kernels for the
-    // GELU epilogues (the caller's fallback tested)
-    const char *no_gelu = getenv("FITLM_CUDA_EMU_NO_GELU_EPILOGUE");
-    if (gelu(d->epilogue) && no_gelu && !strcmp(no_gelu, "1")) return CUBLAS_STATUS_NOT_SUPPORTED;
+    // FITLM_CUDA_EMU_NO_EPILOGUES=1: a library without kernels for the bias
+    // and GELU epilogues (the caller's fallback tested)
+    const char *none = getenv("FITLM_CUDA_EMU_NO_EPILOGUES");
+    if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && none && !strcmp(none, "1"))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
     // an algorithm for operands aligned to at least the element size
     for (int i = 0; i < 4; i++) {
         const fl_emu_lt_layout *x = i == 0 ? a : i == 1 ? b : i == 2 ? c : dl;
