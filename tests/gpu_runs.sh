@@ -241,6 +241,14 @@ if [ -n "$need" ] && [ "$need" -gt 0 ]; then
         END { ok = 1; n = 0; for (t in plan) { n++; if ((t in got ? got[t] : 0) != plan[t]) ok = 0 } print ok && n }' \
         "$work/plan.out" "$work/measured.out")
     check "$same" "the plan's device bytes per tag are the run's measured peaks (the backend's scratch included)"
+    # and its pinned host bytes per tag (the tokens, cuda's staged buckets)
+    same=$(awk '/^of the host.s +pinned bytes/ { p = 1; next } p && NF == 2 && $1 != "total" { plan[$1] = $2 }
+        p && ($1 == "total" || NF != 2) { p = 0 }
+        /^of which pinned/ { m = 1; next } m && NF == 4 { got[$1] = $4 } m && NF != 4 { m = 0 }
+        END { ok = 1; n = 0; for (t in plan) { n++; if (got[t] != plan[t]) ok = 0 }
+              for (t in got) if (got[t] != 0 && !(t in plan)) ok = 0; print ok && n }' \
+        "$work/plan.out" "$work/measured.out")
+    check "$same" "the plan's pinned host bytes per tag are the run's measured peaks"
 else
     check 0 "fitlm plan --device $dev prints the device bytes' total"
 fi

@@ -121,6 +121,12 @@ struct fl_device {
     // under FL_MEM_WORKSPACE (so the plan counts it) and lends it to the
     // device for as long as it lives
     size_t (*scratch_bytes)(int N, int cols, int heads);
+    // pinned host memory the backend stages for a step's kernels on at most
+    // N rows, allocated by it at first use and kept, counted as pinned
+    // FL_MEM_WORKSPACE (cuda: the embedding backward's buckets, which an
+    // asynchronous copy takes up; the plan counts it where the embedding
+    // trains); NULL: none
+    size_t (*host_scratch_bytes)(int N);
     void (*scratch_lend)(const fl_device *d, void *p, size_t bytes);
     void (*scratch_return)(const fl_device *d, void *p); // NULL is fine
     void (*encoder_forward)(fl_dtype dt, void *out, const int *inp, const void *wte,

@@ -119,7 +119,8 @@ typedef struct {
     size_t device[FL_MEM_NTAGS];
     size_t device_total;
     // of bytes[workspace]: the host's transient buffers on any device (the
-    // step's row sums of squares, the sampler's logits row and sort)
+    // step's row sums of squares, the sampler's logits row and sort), the
+    // pinned ones (pinned[workspace]) apart
     size_t host_workspace;
     // per rank, of the host's bytes: what is pinned (ZeRO-Offload on a device)
     size_t pinned[FL_MEM_NTAGS];

@@ -78,6 +78,14 @@ void fl_cuda_waited(void) {
     waited_for(issued);
 }
 
+long fl_cuda_issue_point(void) {
+    return issued;
+}
+
+void fl_cuda_waited_for(long point) {
+    waited_for(point);
+}
+
 static long cuda_host_stalls(const fl_device *d) {
     (void)d;
     return stalls;
@@ -345,6 +353,16 @@ static void *cuda_host_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes) {
     return (char *)raw + 64;
 }
 
+static void cuda_host_free(const fl_device *d, void *p);
+
+void *fl_cuda_host_alloc(fl_mem_tag tag, size_t bytes) {
+    return cuda_host_alloc(&cuda, tag, bytes);
+}
+
+void fl_cuda_host_free(void *p) {
+    cuda_host_free(&cuda, p);
+}
+
 static void cuda_host_free(const fl_device *d, void *p) {
     (void)d;
     if (!p) return;
@@ -382,6 +400,7 @@ static fl_device cuda = {
     .ids_known = fl_cuda_ids_known,
     .matmul_workspace_bytes = fl_cuda_matmul_workspace_bytes,
     .scratch_bytes = fl_cuda_scratch_bytes,
+    .host_scratch_bytes = fl_cuda_host_scratch_bytes,
     .scratch_lend = cuda_scratch_lend,
     .scratch_return = cuda_scratch_return,
     .encoder_forward = fl_cuda_encoder_forward,

@@ -33,6 +33,16 @@ void fl_cuda_check(cudaError_t err, const char *call, const char *file, int line
 // is: the GPU may idle until the host issues again.
 void fl_cuda_issued(void);
 void fl_cuda_waited(void);
+// The work issued so far (a point an event recorded), and the host's wait
+// for such a point: a stall only when nothing was issued after it.
+long fl_cuda_issue_point(void);
+void fl_cuda_waited_for(long point);
+// Pinned host memory under tag (device.h's host_alloc), and its release
+// (after the copies that use it).
+void *fl_cuda_host_alloc(fl_mem_tag tag, size_t bytes);
+void fl_cuda_host_free(void *p);
+// device.h's host_scratch_bytes: the embedding backward's buckets (encoder.cu)
+size_t fl_cuda_host_scratch_bytes(int N);
 
 // The device's one compute stream: every kernel, GEMM and table copy of
 // the backend is queued on it, in call order.

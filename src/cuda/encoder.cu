@@ -108,12 +108,36 @@ extern "C" void fl_cuda_position_backward(fl_dtype dt, void *dwpe, const void *d
     FL_CUDA_LAUNCHED("position_backward_kernel");
 }
 
-// The host's side of the buckets, kept between calls (FL_MEM_OTHER), and
-// the host's copy of the ids last uploaded to known.dev (ids_known).
+// The host's side of the buckets, kept between calls (FL_MEM_OTHER; buf
+// pinned, FL_MEM_WORKSPACE: its copy up is asynchronous, where one from
+// pageable memory may wait for the stream), and the host's copy of the ids
+// last uploaded to known.dev (ids_known).
 static struct {
-    int *ids, *count, *buf; // buf: pos (N), start (buckets + 1), tok (buckets)
-    size_t ids_cap, count_cap, buf_cap;
+    int *ids, *count;
+    int *buf; // pos (N), start (buckets + 1), tok (buckets): at most 3 N + 1
+    size_t ids_cap, count_cap, buf_rows;
+    cudaEvent_t buf_read; // buf's last copy up (NULL: none yet), issued at point buf_point
+    long buf_point;
 } host;
+
+extern "C" size_t fl_cuda_host_scratch_bytes(int N) {
+    return (3 * (size_t)N + 1) * sizeof(int);
+}
+
+// The pinned buckets' buffer for calls on N rows, free to write: its last
+// copy up is done (long since: a step's work came after it)
+static int *bucket_buffer(int N) {
+    if (host.buf_read) {
+        fl_cuda_waited_for(host.buf_point);
+        FL_CUDA_CHECK(cudaEventSynchronize(host.buf_read));
+    }
+    if ((size_t)N > host.buf_rows) {
+        fl_cuda_host_free(host.buf);
+        host.buf = (int *)fl_cuda_host_alloc(FL_MEM_WORKSPACE, fl_cuda_host_scratch_bytes(N));
+        host.buf_rows = (size_t)N;
+    }
+    return host.buf;
+}
 static struct {
     const int *dev, *host;
     size_t n;
@@ -165,8 +189,7 @@ extern "C" void fl_cuda_embedding_shard_backward(fl_dtype dt, void *dwte, const 
     for (int r = 0; r < span; r++) host.count[r + 1] += host.count[r];
     int used = host.count[span];
     size_t need = (size_t)used + 2 * (size_t)buckets + 1;
-    host.buf = (int *)fl_reserve(FL_MEM_OTHER, host.buf, &host.buf_cap, 0, need, sizeof(int));
-    int *pos = host.buf, *start = pos + used, *tok = start + buckets + 1;
+    int *pos = bucket_buffer(N), *start = pos + used, *tok = start + buckets + 1;
     int k = 0;
     for (int r = 0; r < span; r++)
         if (host.count[r + 1] > host.count[r]) {
@@ -182,12 +205,14 @@ extern "C" void fl_cuda_embedding_shard_backward(fl_dtype dt, void *dwte, const 
     fl_cuda_issued();
     FL_CUDA_CHECK(
         cudaMemcpyAsync(d, host.buf, need * sizeof(int), cudaMemcpyHostToDevice, fl_cuda_stream()));
+    if (!host.buf_read)
+        FL_CUDA_CHECK(cudaEventCreateWithFlags(&host.buf_read, cudaEventDisableTiming));
+    FL_CUDA_CHECK(cudaEventRecord(host.buf_read, fl_cuda_stream()));
+    host.buf_point = fl_cuda_issue_point();
     dim3 grid((unsigned)buckets, (unsigned)((C + ENC_THREADS - 1) / ENC_THREADS));
     token_rows_kernel<<<grid, ENC_THREADS, 0, fl_cuda_stream()>>>(dt, dwte, dout, d, d + used,
                                                                   d + used + buckets + 1, C);
     FL_CUDA_LAUNCHED("token_rows_kernel");
-    // host.buf may change at the next call: a copy from pageable memory
-    // returns once its bytes are staged (CUDA's API synchronisation rules)
 }
 
 extern "C" void fl_cuda_encoder_backward(fl_dtype dt, void *dwte, void *dwpe, const void *dout,

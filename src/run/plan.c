@@ -599,9 +599,19 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     size_t sums = norm_rows * sizeof(double);
     out->host_workspace = sampler > sums ? sampler : sums; // host buffers on any device
     if (r->dev && !r->dev->host) {
-        // the model's workspace is the device's: the host's holds the transients alone
-        if (out->host_workspace < init_bytes) out->host_workspace = init_bytes;
-        b[FL_MEM_WORKSPACE] += out->host_workspace;
+        // the model's workspace is the device's: the host's holds the
+        // transients alone and, from the first backward pass on, the
+        // device's pinned staging (cuda: the embedding's buckets, where the
+        // embedding trains), which the random start's buffer never meets
+        size_t staged =
+            r->dev->host_scratch_bytes && shaped && r->B > 0 && (!r->lora.r || r->lora.train_base)
+                ? r->dev->host_scratch_bytes((int)BT)
+                : 0;
+        size_t peak = out->host_workspace + staged;
+        if (peak < init_bytes) peak = init_bytes;
+        b[FL_MEM_WORKSPACE] += peak;
+        out->pinned[FL_MEM_WORKSPACE] += staged;
+        out->host_workspace = peak - staged; // besides what is pinned
     } else {
         // the random start's buffer is freed before the model's workspace is made
         b[FL_MEM_WORKSPACE] += out->host_workspace;
