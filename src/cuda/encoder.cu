@@ -138,6 +138,7 @@ static int *bucket_buffer(int N) {
     }
     return host.buf;
 }
+
 static struct {
     const int *dev, *host;
     size_t n;
