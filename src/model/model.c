@@ -415,13 +415,13 @@ static int recomputed(const fl_slot *s, fl_recompute r) {
     return r == FL_RECOMPUTE_BLOCK || (r == FL_RECOMPUTE_SELECTIVE && s->cheap);
 }
 
-// Elements of a slot for BT positions (a stream-side slot's 1/t of them
-// under sequence parallelism).
 // Positions whose logits exist at once: a chunk's (config.logits_chunk) or all
 static size_t logits_rows(const fl_model_config *c, size_t BT) {
     return c->logits_chunk > 0 && (size_t)c->logits_chunk < BT ? (size_t)c->logits_chunk : BT;
 }
 
+// Elements of a slot for BT positions (a stream-side slot's 1/t of them
+// under sequence parallelism).
 static size_t slot_numel(const fl_model_config *c, const fl_slot *s, size_t BT) {
     return (s->seq ? (size_t)fl_seq_rows(c, (int)BT) : BT) * s->per_token;
 }
@@ -792,12 +792,12 @@ static fl_block head_rows_at(fl_model *m, size_t r0, int n, void **act) {
 // every strategy sees the units in their order); with targets alone, the
 // losses; without targets, the last chunk's logits (sampling reads the last
 // position's).
-static void head_chunks(fl_model *m, const int *targets, const float *dloss) {
+static void head_chunks(fl_model *m, int with_targets, const float *dloss) {
     const fl_model_config *c = &m->config;
     int L = c->n_layer, V = c->vocab_size, Vp = c->padded_vocab_size;
     size_t BT = (size_t)m->B * m->T, rows = logits_rows(c, BT), D = fl_dtype_size(m->dtype);
     void *act[FL_MAX_SLOTS];
-    if (!targets) {
+    if (!with_targets) {
         m->logits_first = BT - rows;
         fl_block h = head_rows_at(m, m->logits_first, (int)rows, act);
         m->arch->head_forward(&h, m->logits);
@@ -824,6 +824,19 @@ static void head_chunks(fl_model *m, const int *targets, const float *dloss) {
         m->arch->head_backward(&h, (char *)m->dres + r0 * (size_t)c->n_embd * D, m->logits);
     }
     if (dloss) m->dlogits_ready = 1, m->dlogits_dloss = *dloss;
+}
+
+// The head's forward after its pre_unit and, with targets, the mean loss
+// (or the training step's sum into its sink), in chunks under logits_chunk
+static float head_loss(fl_model *m, int with_targets, const float *dloss) {
+    size_t BT = (size_t)m->B * m->T;
+    if (logits_rows(&m->config, BT) < BT) {
+        head_chunks(m, with_targets, dloss);
+        return with_targets ? sum_losses(m, dloss) : m->loss;
+    }
+    fl_block head = head_at(m);
+    m->arch->head_forward(&head, m->logits);
+    return with_targets ? loss(m, dloss) : m->loss;
 }
 
 // Sequence parallelism: a unit's norm weights (FL_PARAM_TOKENWISE) take
@@ -932,14 +945,7 @@ static float forward(fl_model *m, const int *tokens, const int *targets, int B, 
     }
     if (!head) return m->loss; // the output goes to the next stage (fl_model_chunk_output)
     pre_unit(m, FL_UNIT_HEAD(L), FL_PASS_FWD);
-    if (logits_rows(c, BT) < BT) {
-        head_chunks(m, targets, dloss);
-        return targets ? sum_losses(m, dloss) : m->loss;
-    }
-    fl_block head_b = head_at(m);
-    m->arch->head_forward(&head_b, m->logits);
-    if (!targets) return m->loss;
-    return loss(m, dloss);
+    return head_loss(m, targets != NULL, dloss);
 }
 
 float fl_model_forward(fl_model *m, const int *tokens, const int *targets, int B, int T) {
@@ -1002,13 +1008,7 @@ static float sum_losses(fl_model *m, const float *dloss) {
 static float forward_head(fl_model *m, const float *dloss) {
     if (m->loss < 0.0f) fl_die("internal: fl_model_forward_head needs a forward with targets");
     pre_unit(m, FL_UNIT_HEAD(m->config.n_layer), FL_PASS_FWD);
-    if (logits_rows(&m->config, (size_t)m->B * m->T) < (size_t)m->B * m->T) {
-        head_chunks(m, m->targets, dloss);
-        return sum_losses(m, dloss);
-    }
-    fl_block head = head_at(m);
-    m->arch->head_forward(&head, m->logits);
-    return loss(m, dloss);
+    return head_loss(m, 1, dloss);
 }
 
 float fl_model_forward_head(fl_model *m) {
@@ -1034,7 +1034,7 @@ static void head_backward(fl_model *m, float dloss) {
     void *dlogits = m->logits;     // overwritten in place by its own gradient
     if (logits_rows(c, BT) < BT) { // in chunks: the forward took them through the head
         if (!m->dlogits_ready)     // (not a training forward's: its chunks again)
-            head_chunks(m, m->targets, &dloss);
+            head_chunks(m, 1, &dloss);
         else if (memcmp(&dloss, &m->dlogits_dloss, sizeof dloss))
             fl_die("internal: a backward with dloss %g after a training forward for %g", dloss,
                    m->dlogits_dloss);
