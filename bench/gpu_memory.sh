@@ -22,9 +22,11 @@
 #           timed steps. First the 1B scale, the target (under 2x
 #           the all-on-GPU step): TinyLlama-1.1B at 32 sequences of 1024 a
 #           step (B 4, accumulation 8) offloaded under the cap, with
-#           clipping (the update after the backward pass, as DeepSpeed's)
-#           and without (the update overlapping the last backward pass),
-#           and all on the GPU, uncapped.
+#           clipping (the update after the backward pass, as DeepSpeed's),
+#           with clipping and the delayed update (offload_optimizer.
+#           delayed_update: the update during the next step), without
+#           clipping (the update overlapping the last backward pass), and
+#           all on the GPU, uncapped.
 #  lora:    LoRA and QLoRA (NF4, double quantisation), rank 16 on every
 #           linear of the blocks, on the tinyllama-1.1b and llama-7b shapes,
 #           B 4, T 512, block checkpointing: fitlm beside Hugging Face
@@ -80,6 +82,8 @@ cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
     --threads $threads >>"$log" 2>&1 || echo "bench/gpu_memory.sh: tokenization failed (see $log)"
 data=(--data "$work/llama" --val-data none --tokenizer hf --tokenizer-path "$llama_tok")
 echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}' >"$work/offload.json"
+# the delayed update from the second step on (the timed steps are delayed)
+echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": true, "delayed_update_warmup": 1}}}' >"$work/delayed.json"
 
 # shape FLAGS...: the model flags a run gets (the smoke's tiny shape instead)
 shape() { if [ "$smoke" = 1 ]; then echo --model llama-tiny; else echo "$@"; fi; }
@@ -170,6 +174,10 @@ for sc in $showcases; do
         # shellcheck disable=SC2046
         in_time offload tinyllama-1.1b-acc8-offload fitlm 4 1024 &&
             fitlm_run offload tinyllama-1.1b-acc8-offload 4 1024 $(shape --model tinyllama-1.1b) "${acc[@]}" "${off[@]}"
+        # shellcheck disable=SC2046
+        in_time offload tinyllama-1.1b-acc8-offload-delayed fitlm 4 1024 &&
+            fitlm_run offload tinyllama-1.1b-acc8-offload-delayed 4 1024 $(shape --model tinyllama-1.1b) "${acc[@]}" \
+                --config "$work/delayed.json" --mem-limit 24GiB
         # shellcheck disable=SC2046
         in_time offload tinyllama-1.1b-acc8-offload-noclip fitlm 4 1024 &&
             fitlm_run offload tinyllama-1.1b-acc8-offload-noclip 4 1024 $(shape --model tinyllama-1.1b) "${acc[@]}" \

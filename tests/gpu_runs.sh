@@ -44,7 +44,10 @@
 # of two units' gradients, summed on the host) an offloaded run's first
 # step is bitwise the all-on-GPU run's, every step within 1e-5 relative,
 # weight offload bitwise the stage-1 offloaded run, and the device's peak
-# of gradients the plan's, under the whole gradient's.
+# of gradients the plan's, under the whole gradient's. The delayed update
+# (offload_optimizer.delayed_update) within 1e-5 relative of the test
+# device's run (fp32, accumulation 2), its first steps bitwise the
+# undelayed run's, its resume bit for bit.
 # GPU_RUNS_QUICK=1 (the emulated GPU's CTest gpu_runs_emu, where a step
 # takes 0.1 to 0.2 s) runs the whole runs on the LLaMA only (GPT-2's
 # kernels are test_gpu's), the fused steps as LOMO and AdaLomo, LoRA's
@@ -456,6 +459,30 @@ for prec in fp32 bf16; do
     [ -n "$peak" ] && [ "$peak" = "$planned" ] && [ "$peak" -lt "$whole" ] && ok=1 || ok=0
     check $ok "llama $prec offloaded on $dev: the device's peak of gradients $peak bytes = the plan's ${planned:-?} (the ring), under the whole gradient's ${whole:-?}"
 done
+
+# The delayed update (offload_optimizer.delayed_update after one update, the
+# ZeRO-Offload paper's DPU; not on the cpu, which refuses it): fp32 with
+# accumulation 2, every step's loss within 1e-5 relative of the same run on
+# the test device (whose values test_device_offload checks against a cpu
+# reference bitwise); the first two steps bitwise the undelayed offloaded
+# run's and the third not (the first delayed update shows there); its
+# resume bit for bit as its straight run
+if [ "$dev" != cpu ]; then
+    printf '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": true, "delayed_update_warmup": 1}}}\n' \
+        >"$work/delayed.json"
+    run dpu "$dev" llama fp32 --grad-accum 2 --save-every "$half" --config "$work/delayed.json"
+    run dpu_test test llama fp32 --grad-accum 2 --save-every "$half" --config "$work/delayed.json"
+    run dpu_off "$dev" llama fp32 --grad-accum 2 --config "$work/offload.json"
+    grep -q "the cpu updates during the next step (delayed_update)" "$work/dpu.out" && ok=1 || ok=0
+    check $ok "llama fp32 with the delayed update on $dev: the run says so"
+    e=$(max_rel dpu dpu_test)
+    le "$e" 1e-5 && ok=1 || ok=0
+    check $ok "llama fp32 with the delayed update on $dev: losses within 1e-5 relative of the test device's (max $e)"
+    [ "$(losses dpu | head -2)" = "$(losses dpu_off | head -2)" ] &&
+        [ "$(losses dpu | sed -n 3p)" != "$(losses dpu_off | sed -n 3p)" ] && ok=1 || ok=0
+    check $ok "llama fp32 with the delayed update on $dev: steps 1-2 bitwise the undelayed run's, step 3 not"
+    resumed_equals dpu "llama fp32 with the delayed update: $resumed" --config "$work/delayed.json"
+fi
 
 [ $failed = 0 ] && echo "gpu_runs: all passed" || echo "gpu_runs: some checks FAILED"
 exit $failed

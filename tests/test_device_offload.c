@@ -258,6 +258,7 @@ static void test_plan_equals_measured(void) {
         "--model tiny --precision fp16 --activation-checkpointing block --config off2.json",
         "--model tiny --precision fp32 --optimizer sgd --momentum 0.9 --config off1.json",
         "--model llama-tiny --precision bf16 --grad-accum 2 --config nvme.json",
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config dpu.json",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
         t_check(plan_equals_measured(cases[c]) > 0, "%s: the plan shows pinned bytes", cases[c]);
@@ -569,6 +570,169 @@ static void test_waits_measured(void) {
     }
 }
 
+// The delayed update's reference, on the cpu without offload: the plain
+// step, but computing with the weights one update old. Before the last
+// micro-batch's backward pass reports a unit, the engine's step is done
+// with the unit's old weights, so its rows of the latest ones go back into
+// the model (the update reads fp32 weights there); after an update that
+// the delayed run delays, the model computes again with those before it.
+typedef struct {
+    fl_optimizer *o;
+    const char *latest; // the weights after every update so far
+    size_t es;
+} stale_ref;
+
+static void stale_grad_ready(void *ctx, fl_model *m, int first, int n) {
+    stale_ref *s = ctx;
+    if (s->o->micro != s->o->cfg.grad_accum - 1) return;
+    const fl_param_view *a = &m->table.views[first], *b = &m->table.views[first + n - 1];
+    size_t lo = a->offset * s->es, hi = (b->offset + b->numel) * s->es;
+    memcpy((char *)m->params + lo, s->latest + lo, hi - lo);
+}
+
+// `flags` for `steps` steps under offload_optimizer `offload` with
+// delayed_update after `warmup` updates on the test device, against the
+// reference: each step's loss, norm and skip bitwise, and after
+// fl_run_flush the device's weights (and the master weights) those after
+// every update. The reference must differ from the undelayed run. Returns
+// the steps skipped (an fp16 overflow) while a delayed update ran in them.
+static int delayed_case(const char *flags, const char *offload, int warmup, int steps) {
+    char json[512], run_flags[512];
+    snprintf(json, sizeof json,
+             "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {%s, "
+             "\"delayed_update\": true, \"delayed_update_warmup\": %d}}}",
+             offload, warmup);
+    snprintf(run_flags, sizeof run_flags,
+             "%s --batch 2 --seq-len 32 --threads 2 --tokenizer byte --out= --peak-tflops 1 "
+             "--warmup 0 --lr 1e-2",
+             flags);
+    char dev_flags[600];
+    snprintf(dev_flags, sizeof dev_flags, "%s --device test", run_flags);
+    fl_run dpu, ref, plain;
+    t_run_open(&dpu, json, dev_flags, 0);
+    t_run_open(&ref, NULL, run_flags, 0);
+    t_run_open(&plain, NULL, run_flags, 0);
+    fl_model *m = &ref.model;
+    size_t es = fl_dtype_size(m->dtype), bytes = m->table.numel * es;
+    char *latest = malloc(bytes), *newest = malloc(bytes);
+    memcpy(latest, m->params, bytes);
+    stale_ref sr = {&ref.optim, latest, es};
+    int micro = ref.cfg.grad_accum, V = m->config.vocab_size;
+    size_t N = (size_t)micro * ref.cfg.micro_batch * ref.cfg.seq_len;
+    int *in = malloc(N * sizeof(int)), *tg = malloc(N * sizeof(int));
+    int same = 1, differs = 0, delayed_steps = 0, skipped_after = 0, pending = 0;
+    for (int step = 0; step < steps; step++) {
+        t_rule_batch(100 + (uint64_t)step, N, V, in, tg);
+        float lr = fl_lr_at(&ref.schedule, step);
+        int delays = *fl_optim_step_count(ref.optim.rule) >= warmup;
+        m->hooks = (fl_model_hooks){NULL, stale_grad_ready, &sr};
+        fl_train_result want = fl_run_step_batch(&ref, in, tg, lr);
+        m->hooks = (fl_model_hooks){0};
+        fl_train_result got = fl_run_step_batch(&dpu, in, tg, lr);
+        fl_train_result undelayed = fl_run_step_batch(&plain, in, tg, lr);
+        skipped_after += pending && want.skipped;
+        pending = !want.skipped && delays;
+        if (pending) { // the next step computes with the weights before it
+            memcpy(newest, m->params, bytes);
+            memcpy(m->params, latest, bytes);
+            memcpy(latest, newest, bytes);
+            delayed_steps++;
+        } else {
+            memcpy(latest, m->params, bytes);
+        }
+        same &=
+            got.loss == want.loss && got.grad_norm == want.grad_norm && got.skipped == want.skipped;
+        differs |= undelayed.loss != want.loss;
+        if (got.loss != want.loss || got.grad_norm != want.grad_norm)
+            printf("  step %d: loss %.9g norm %.9g skipped %d, the reference's %.9g %.9g %d\n",
+                   step + 1, got.loss, got.grad_norm, got.skipped, want.loss, want.grad_norm,
+                   want.skipped);
+    }
+    t_check(same,
+            "%s under %s, delayed after %d: each step's loss, norm and skip are the "
+            "reference's bitwise",
+            flags, offload, warmup);
+    t_check(delayed_steps > 0 && differs,
+            "%s: %d updates were delayed, and the losses differ from the undelayed run's", flags,
+            delayed_steps);
+    fl_run_flush(&dpu);
+    char *device = malloc(bytes);
+    fl_dev_download(dpu.dev, device, dpu.model.params, bytes);
+    t_check(!memcmp(device, latest, bytes),
+            "%s under %s: after the flush the device's weights are those after every update", flags,
+            offload);
+    if (ref.optim.master) {
+        fl_optimizer_map(&dpu.optim);
+        t_check(!memcmp(dpu.optim.master, ref.optim.master, m->table.numel * sizeof(float)),
+                "%s under %s: the master weights are the reference's", flags, offload);
+        fl_optimizer_unmap(&dpu.optim);
+    }
+    free(device);
+    free(in);
+    free(tg);
+    free(latest);
+    free(newest);
+    fl_run_close(&plain);
+    fl_run_close(&ref);
+    fl_run_close(&dpu);
+    return skipped_after;
+}
+
+// ZeRO-Offload's delayed update (offload_optimizer.delayed_update).
+static void test_delayed_update(void) {
+    delayed_case("--model llama-tiny --precision bf16 --grad-accum 2", "\"device\": \"cpu\"", 1, 5);
+    delayed_case("--model tiny --precision fp32", "\"device\": \"cpu\"", 0, 4);
+    delayed_case("--model llama-tiny --precision fp32 --grad-accum 2", "\"device\": \"cpu\"", 1, 6);
+    // the loss scale doubling after each clean step until an overflow skips one
+    int skipped = delayed_case("--model tiny --precision fp16 --grad-accum 2 "
+                               "--initial-scale-power 12 --loss-scale-window 1 --hysteresis 1",
+                               "\"device\": \"cpu\"", 2, 12);
+    t_check(skipped > 0, "fp16: %d steps skipped by an overflow while a delayed update ran in them",
+            skipped);
+    delayed_case("--model llama-tiny --precision bf16 --optimizer sgd --momentum 0.9 "
+                 "--activation-checkpointing block",
+                 "\"device\": \"cpu\"", 1, 4);
+    char nvme[300];
+    snprintf(nvme, sizeof nvme, "\"device\": \"nvme\", \"nvme_path\": \"%s\"", dir);
+    delayed_case("--model llama-tiny --precision bf16 --grad-accum 2", nvme, 1, 4);
+
+    // the run says so; a checkpoint holds the weights after every update
+    // (the pending one runs first), so a resume is the straight run with
+    // the same checkpoints bitwise
+    const char *flags = "--model llama-tiny --precision bf16 --grad-accum 2 --lr 1e-2 --warmup 0 "
+                        "--scheduler constant";
+    int rc = fitlm("train " RUN " %s --steps 6 --save-every 3 --out dwhole --device test "
+                   "--config dpu.json",
+                   flags);
+    t_check(rc == 0 && strstr(output, "the cpu updates during the next step (delayed_update)"),
+            "a delayed run says how it updates: %.600s", output);
+    rc = fitlm("train " RUN " %s --steps 3 --out dhalf --device test --config dpu.json", flags);
+    t_check(rc == 0, "the first half: %.400s", output);
+    rc = fitlm("train --data data --tokenizer byte --threads 2 --sample-tokens 0 --resume dhalf "
+               "--steps 6 --device test --config dpu.json");
+    t_check(rc == 0, "resumed: %.400s", output);
+    char want[1024], got[1024];
+    step_figures("dwhole", want, sizeof want);
+    step_figures("dhalf", got, sizeof got);
+    t_check(*want && !strcmp(want, got),
+            "the delayed update resumed is the straight run bitwise\n  want %s\n  got  %s", want,
+            got);
+    t_check(fitlm("export dwhole -o exdw") == 0 && fitlm("export dhalf -o exdh") == 0 &&
+                same_file("exdw/model.safetensors", "exdh/model.safetensors"),
+            "the delayed update resumed ends with the straight run's weights bitwise");
+
+    // refused: no device, no offload, weights fetched from the host copy, a
+    // warm-up without it
+    fails_with("it needs --device cuda (or test)",
+               "train " RUN " --model tiny --steps 1 --device cpu --config dpu.json");
+    fails_with("offload_optimizer.delayed_update applies to an offload",
+               "train " RUN " --model tiny --steps 1 --device test --config dpu_none.json");
+    fails_with("offload_optimizer.delayed_update with offload_param.device cpu is not supported",
+               "train " RUN " --model tiny --steps 1 --device test --config dpu_w3.json");
+    fails_with("delayed_update_warmup applies to the delayed update",
+               "train " RUN " --model tiny --steps 1 --device test --config dpu_warm.json");
+}
+
 int main(void) {
     if (!getenv("FITLM_BINARY")) {
         printf("device_offload: FITLM_BINARY not set (run under ctest)\n");
@@ -603,6 +767,18 @@ int main(void) {
         {"param3n.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
                          "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
                          "{\"device\": \"cpu\"}}}"},
+        // the delayed update after one update; and refused without an
+        // offload, under weight offload, its warm-up alone
+        {"dpu.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
+                     "{\"device\": \"cpu\", \"delayed_update\": true, "
+                     "\"delayed_update_warmup\": 1}}}"},
+        {"dpu_none.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
+                          "{\"delayed_update\": true}}}"},
+        {"dpu_w3.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                        "{\"device\": \"cpu\", \"delayed_update\": true}, \"offload_param\": "
+                        "{\"device\": \"cpu\"}}}"},
+        {"dpu_warm.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
+                          "{\"device\": \"cpu\", \"delayed_update_warmup\": 3}}}"},
         // weight offload: a ring of one unit (no prefetch), and the default
         // prefetch with reuse between the passes
         {"w3.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_prefetch_bucket_size\": 0, "
@@ -646,6 +822,7 @@ int main(void) {
     test_refusals();
     test_waits_reported();
     test_waits_measured();
+    test_delayed_update();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("  (could not remove %s)\n", dir);
     return t_report();

@@ -61,8 +61,9 @@ typedef struct {
     int opt_buffer_count, param_buffer_count;
     int opt_pin_memory, param_pin_memory;
     int opt_pipeline_read, opt_pipeline_write, opt_fast_init;
-    float opt_ratio;                           // share of the optimizer offloaded (1)
-    float param_buffer_size, param_max_in_cpu; // NVMe buffers
+    float opt_ratio;                            // share of the optimizer offloaded (1)
+    int opt_delayed_update, opt_delayed_warmup; // delayed_update, delayed_update_warmup
+    float param_buffer_size, param_max_in_cpu;  // NVMe buffers
     int cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory; // deprecated forms
     int gather_16bit_on_save,
         gather_fp16_on_save;             // stage3_gather_{16bit,fp16}_weights_on_model_save

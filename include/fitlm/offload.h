@@ -116,6 +116,11 @@ void fl_dev_offload_upload(fl_dev_offload *f);
 // NVMe weight offload: the weights now live in the optimizer's NVMe file
 // (fl_offload_optimizer with weights): the pinned copy is freed.
 void fl_dev_offload_drop_params(fl_dev_offload *f);
+// A delayed update still pending (offload_optimizer.delayed_update) run
+// whole now and its weights sent up: the optimizer's master and state and
+// the device's weights are those after every step (a checkpoint, an
+// evaluation, the end of training). Nothing when none is pending.
+void fl_dev_offload_flush(fl_dev_offload *f);
 // How long the device waited on the host (timed on the device's compute
 // stream, docs/offload.md): the steps' time, each from its first
 // zero_grad to the end of its uploads, and the waits in it (the device

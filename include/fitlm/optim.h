@@ -413,6 +413,10 @@ typedef struct {
                           // (optimizer_in_backward): no whole gradient buffer
     int paged; // the master weights and the rule's state live outside RAM (NVMe offload):
                // not allocated here; a pager (fl_optim_pager) is attached before the first step
+    // ZeRO-Offload's delayed update (offload_optimizer.delayed_update): after
+    // delayed_warmup updates, a step's update runs during the next step
+    // (fl_optimizer_delayed_rows), which computes with the weights before it
+    int delayed_update, delayed_warmup;
     fl_spike_config spike; // the spike guard (all zero: off)
 } fl_optimizer_config;
 
@@ -548,6 +552,12 @@ typedef struct {
     // the row is updated yet; NULL when the step updates after it
     double *overlap_sq;
     unsigned char *overlap_done;
+    // the delayed update (cfg.delayed_update): the last step's, begun (its
+    // rule's step, its factors in the gate) and run by the offload during
+    // this step (fl_optimizer_delayed_rows): delayed while it is pending,
+    // and whether each row is updated yet
+    int delayed;
+    unsigned char *delayed_done;
     fl_spike_guard spike; // judges fl_optimizer_step_loss's and the fused steps' updates
     // the step's verdict (FL_MEM_WORKSPACE, on dev), followed by a sum of
     // squares per table row; gating: the updates now read it
@@ -707,6 +717,20 @@ void fl_optimizer_begin_step(fl_optimizer *o, float lr);
 int fl_optimizer_can_overlap(const fl_optimizer *o);
 int fl_optimizer_begin_overlap(fl_optimizer *o, float lr, float loss);
 void fl_optimizer_update_unit(fl_optimizer *o, int first_row, int n_rows);
+
+// ZeRO-Offload's one-step delayed update (cfg.delayed_update; the
+// ZeRO-Offload paper's DPU): after cfg.delayed_warmup updates, a step that
+// updates ends with its update begun (the verdict, norm and clipping are
+// its own) but not run; the offload runs it during the next step
+// (delayed_rows: rows [first_row, first_row + n_rows) not yet updated, from
+// the gradient the step left in o->grads or the fp32 sum, before the next
+// step's overwrites them), and delayed_end ends it once every row is done.
+// The next step computes with the weights before it. fl_optimizer_delays:
+// whether this step's update will be delayed (asked before its last
+// backward pass, which then does not overlap it: can_overlap is 0).
+int fl_optimizer_delays(const fl_optimizer *o);
+void fl_optimizer_delayed_rows(fl_optimizer *o, int first_row, int n_rows);
+void fl_optimizer_delayed_end(fl_optimizer *o);
 void fl_optimizer_update_rows(fl_optimizer *o, int first_row, int n_rows, const void *grads,
                               fl_dtype grads_dtype, float grad_scale);
 void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, const void *grads,

@@ -99,6 +99,10 @@ fl_train_result fl_run_step(fl_run *r, int step);
 // learning rate lr: LoRA + LOMO, an optimizer fused into the backward pass,
 // or the plain step, whichever the run is.
 fl_train_result fl_run_step_batch(fl_run *r, const int *inputs, const int *targets, float lr);
+// The weights after every step taken: a delayed update still pending
+// (ZeRO-Offload's delayed_update) runs now. Evaluating and saving do it
+// first; the caller, before it uses the model otherwise (sampling).
+void fl_run_flush(fl_run *r);
 // The mean validation loss over cfg.eval_iters fixed batches (every rank's)
 // after `step`; dies naming the step and the batch when it is not finite.
 float fl_run_evaluate(fl_run *r, int step);

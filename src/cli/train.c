@@ -133,7 +133,12 @@ static void print_run(const fl_run *run) {
         run->dev->describe(run->dev, desc, sizeof desc);
         printf("device: %s\n", desc);
     }
-    if (run->dev_offload) // docs/offload.md: whether the update overlaps the backward pass
+    const fl_optimizer_config *oc = &run->optim.cfg;
+    if (run->dev_offload && oc->delayed_update) // docs/offload.md: the delayed update
+        printf("ZeRO-Offload: the cpu updates during the next step (delayed_update), which "
+               "computes with the weights one update older, after %d update%s run at once\n",
+               oc->delayed_warmup, oc->delayed_warmup == 1 ? "" : "s");
+    else if (run->dev_offload) // docs/offload.md: whether the update overlaps the backward pass
         printf("ZeRO-Offload: the cpu updates %s\n",
                fl_optimizer_can_overlap(&run->optim)
                    ? "each unit during the last backward pass"
@@ -325,6 +330,7 @@ int cmd_train(int argc, char **argv) {
         }
     }
     if (log.tty && !interrupted) printf("\n");
+    fl_run_flush(&run); // the last step's delayed update, for the sample and the report
     double seconds = fl_now() - train_start;
     if (cfg->profile && !interrupted) fl_profile_print(stdout);
     fl_profile_use_clock(NULL);

@@ -220,6 +220,13 @@ static const option options[] = {
      "NVMe offload: the files are written once at start either way (either value)"},
     {"zero_optimization.offload_optimizer.ratio", NULL, OPT_FLOAT, NUM(zero_extra.opt_ratio), "1",
      0, 1, NULL, "share of the optimizer state offloaded (below 1: stage 3 only)"},
+    {"zero_optimization.offload_optimizer.delayed_update", NULL, OPT_BOOL,
+     NUM(zero_extra.opt_delayed_update), "false", 0, 0, NULL,
+     "on a device: each update runs during the next step, which computes with the weights one "
+     "update older (ZeRO-Offload's delayed parameter update)"},
+    {"zero_optimization.offload_optimizer.delayed_update_warmup", NULL, OPT_INT,
+     NUM(zero_extra.opt_delayed_warmup), "40", 0, 1 << 30, NULL,
+     "delayed_update: the first updates, run at once"},
     {"zero_optimization.offload_param.device", NULL, OPT_CHOICE, STR(zero_extra.offload_param),
      "none", 0, 0, "none|cpu|nvme",
      "stage 3 weights: cpu = in RAM, where they are; nvme = in offload_optimizer's file"},

@@ -134,6 +134,7 @@ void fl_optimizer_free(fl_optimizer *o) {
         o->dev->free(o->dev, o->gate);
     }
     if (o->rule) fl_optim_free(o->rule);
+    fl_free(o->delayed_done);
     memset(o, 0, sizeof *o);
 }
 
@@ -369,7 +370,7 @@ void fl_optimizer_update_rows_clip(fl_optimizer *o, int first_row, int n_rows, c
 }
 
 void fl_optimizer_end_step(fl_optimizer *o) {
-    fl_optim_end_step(o->rule);
+    if (!o->delayed) fl_optim_end_step(o->rule); // a delayed update's ends when it has run
     fl_loss_scaler_update(&o->scaler, 0);
     o->micro = 0;
 }
@@ -452,10 +453,36 @@ static void update_offloaded(fl_optimizer *o, const void *grads, size_t first, f
     }
 }
 
+int fl_optimizer_delays(const fl_optimizer *o) {
+    return o->offload && o->cfg.delayed_update &&
+           *fl_optim_step_count(o->rule) >= o->cfg.delayed_warmup;
+}
+
+void fl_optimizer_delayed_rows(fl_optimizer *o, int first_row, int n_rows) {
+    FL_ASSERT(o->delayed && first_row >= 0 && first_row + n_rows <= o->table->count);
+    const void *grads = o->grad_accum ? (const void *)o->grad_accum : o->grads;
+    fl_dtype dt = o->grad_accum ? FL_F32 : o->dtype;
+    o->gating = 1; // the factors of the step's verdict, which the gate keeps until the next
+    for (int r = first_row, end; r < first_row + n_rows; r = end) { // runs of rows not done
+        for (end = r; end < first_row + n_rows && !o->delayed_done[end]; end++)
+            o->delayed_done[end] = 1;
+        if (end > r) fl_optimizer_update_range(o, r, end - r, grads, 0, dt, 1.0f, 1.0f);
+        if (end == r) end++;
+    }
+    o->gating = 0;
+}
+
+void fl_optimizer_delayed_end(fl_optimizer *o) {
+    FL_ASSERT(o->delayed);
+    for (int r = 0; r < o->table->count; r++) FL_ASSERT(o->delayed_done[r]);
+    o->delayed = 0;
+    fl_optim_end_step(o->rule);
+}
+
 int fl_optimizer_can_overlap(const fl_optimizer *o) {
-    return o->offload && o->cfg.max_grad_norm <= 0.0f && o->dtype != FL_F16 &&
-           !fl_optim_kind_fused(o->cfg.kind) && !o->sync && !o->tp && !o->pp &&
-           !(fl_spike_guard_on(&o->spike) && o->spike.cfg.grad_z > 0.0f);
+    return o->offload && !fl_optimizer_delays(o) && o->cfg.max_grad_norm <= 0.0f &&
+           o->dtype != FL_F16 && !fl_optim_kind_fused(o->cfg.kind) && !o->sync && !o->tp &&
+           !o->pp && !(fl_spike_guard_on(&o->spike) && o->spike.cfg.grad_z > 0.0f);
 }
 
 int fl_optimizer_begin_overlap(fl_optimizer *o, float lr, float loss) {
@@ -521,6 +548,7 @@ static fl_step_result overlap_end(fl_optimizer *o, float loss, int judge) {
 static fl_step_result optimizer_step(fl_optimizer *o, float lr, int judge, const float *loss,
                                      long total) {
     FL_ASSERT(o->micro == o->cfg.grad_accum);
+    FL_ASSERT(!o->delayed); // the offload ended the last step's during the backward (grads_down)
     if (o->overlap_sq) return overlap_end(o, loss ? *loss : NAN, judge);
     const fl_optim_sync *sync = o->sync;
     // the gradient the update reads: the whole local one, or under data
@@ -556,9 +584,16 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, int judge, const
     const fl_step_gate *known = fl_optimizer_gate_host(o);
     int begun = !(known && known->skip);
     if (begun) {
+        int delay = fl_optimizer_delays(o); // (before the step count moves)
         fl_optimizer_begin_step(o, lr);
         o->gating = 1;
-        if (o->offload)
+        if (delay) { // run by the offload during the next step
+            FL_ASSERT(known && !o->delayed);
+            size_t rows = (size_t)o->table->count;
+            if (!o->delayed_done) o->delayed_done = fl_alloc(FL_MEM_OTHER, rows);
+            memset(o->delayed_done, 0, rows);
+            o->delayed = 1;
+        } else if (o->offload)
             update_offloaded(o, grads, first, grads_dtype, 1.0f);
         else
             fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, 1.0f, 1.0f);

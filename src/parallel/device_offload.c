@@ -25,6 +25,18 @@
 // before it. The host runs the plain path's arithmetic on the same values:
 // bitwise the cpu's run.
 //
+// The delayed update (offload_optimizer.delayed_update, the ZeRO-Offload
+// paper's DPU; fl_optimizer_delays): a step's update is begun, not run, and
+// the device goes on with the next step at once, with the weights it has.
+// In that step's first micro-batch, as each unit reports its gradient, the
+// host first updates the unit's rows with the gradient the last step left
+// (before this one's download overwrites it), while the device runs the
+// backward pass of the units before it; in its last micro-batch the unit's
+// new weights go up once the device is done with the old ones. The
+// weights a step computes with are thus one update old, every other value
+// is the plain step's; fl_dev_offload_flush runs a pending update whole
+// (before a checkpoint, an evaluation or the end).
+//
 // The share of the step the device waits on the host (fl_dev_offload_waits_get)
 // is timed on the compute stream (event_record_timed): a step runs from its
 // first zero_grad to the event after the uploads the next forward pass
@@ -205,8 +217,21 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     const fl_param_view *a = &m->table.views[first], *b = &m->table.views[first + n - 1];
     size_t es = fl_dtype_size(m->dtype), lo = a->offset * es,
            bytes = (b->offset + b->numel) * es - lo;
+    fl_optimizer *o = f->o;
+    if (o->delayed && o->micro == 0) { // the last step's update of these rows, before the
+                                       // download below overwrites their gradient
+        wait_begin(f);
+        wait_up(f); // the host copy of the weights is free to change
+        fl_optimizer_delayed_rows(o, first, n);
+        wait_end(f);
+    }
     fl_event *e = d->event_record(d, NULL);
     d->stream_wait(d, f->down, e);
+    if (o->delayed && o->micro == o->cfg.grad_accum - 1) { // the step is done with the old weights
+        d->stream_wait(d, f->up, e);
+        d->copy_async(d, (char *)m->params + lo, (const char *)f->params + lo, bytes, FL_COPY_H2D,
+                      f->up);
+    }
     d->event_destroy(d, e);
     d->copy_async(d, (char *)f->grads + lo, m->gp[first], bytes, FL_COPY_D2H, f->down);
     f->down_bytes += bytes;
@@ -214,7 +239,7 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     int s = f->unit_slot[a->unit + 1];
     FL_ASSERT(!f->slot_free[s]);
     f->slot_free[s] = d->event_record(d, f->down);
-    if (!f->o->overlap_sq && !f->o->grad_accum) return;
+    if (!o->overlap_sq && !o->grad_accum) return;
     if (f->pending) { // one unit behind: its download ran beside this unit's backward
         wait_begin(f);
         take_pending(f);
@@ -223,8 +248,8 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     f->pending = d->event_record(d, f->down);
     f->pending_first = first;
     f->pending_n = n;
-    f->pending_micro = f->o->micro; // (fl_optimizer_micro_done counts it after)
-    f->pending_update = f->o->overlap_sq != NULL;
+    f->pending_micro = o->micro; // (fl_optimizer_micro_done counts it after)
+    f->pending_update = o->overlap_sq != NULL;
 }
 
 static void on_grads_down(void *ctx) {
@@ -245,6 +270,9 @@ static void on_grads_down(void *ctx) {
     }
     wait_begin(f); // until the next micro-batch's zero_grad, or the uploads
     take_pending(f);
+    // after the last micro-batch, the last step's delayed update: every
+    // unit's rows updated (in the first) and sent up (in this one)
+    if (f->o->delayed && f->o->micro == f->o->cfg.grad_accum) fl_optimizer_delayed_end(f->o);
     wait_up(f); // long done: the backward pass ran after it
     fl_event *e = d->event_record(d, f->down);
     d->event_sync(d, e);
@@ -281,9 +309,26 @@ static void on_rows_updated(void *ctx, size_t first, size_t end) {
 // microseconds later than they might)
 static void on_updated(void *ctx) {
     fl_dev_offload *f = ctx;
+    // (a delayed update's uploads, issued in the backward pass, were not
+    // waited for: the new event, later on the same stream, stands for them)
+    if (f->up_done) f->dev->event_destroy(f->dev, f->up_done);
     f->up_done = f->dev->event_record(f->dev, f->up);
     f->dev->stream_wait(f->dev, NULL, f->up_done);
     if (f->start) step_timed(f);
+}
+
+void fl_dev_offload_flush(fl_dev_offload *f) {
+    if (!f || !f->o->delayed) return;
+    const fl_device *d = f->dev;
+    wait_up(f);
+    fl_optimizer_delayed_rows(f->o, 0, f->m->table.count);
+    fl_optimizer_delayed_end(f->o);
+    fl_event *e = d->event_record(d, NULL); // after the kernels that read the old weights
+    d->stream_wait(d, f->up, e);
+    d->event_destroy(d, e);
+    d->copy_async(d, f->m->params, f->params, f->m->table.numel * fl_dtype_size(f->m->dtype),
+                  FL_COPY_H2D, f->up);
+    on_updated(f); // the next forward pass waits for it (no step is timed here)
 }
 
 void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w) {

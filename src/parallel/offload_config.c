@@ -99,6 +99,29 @@ static void check_nvme_optimizer(const fl_train_config *cfg) {
                x->opt_ratio);
 }
 
+// The delayed update (ZeRO-Offload's DPU, device_offload.c): the host
+// updates while the device runs the next step, so there must be a device,
+// and no weights the device fetches from the host copy it rewrites.
+static void check_delayed(const fl_train_config *cfg) {
+    const fl_zero_extra *x = &cfg->zero_extra;
+    if (given(cfg, ZERO "offload_optimizer.delayed_update_warmup") && !x->opt_delayed_update)
+        fl_die(ZERO "offload_optimizer.delayed_update_warmup applies to the delayed update; "
+                    "offload_optimizer.delayed_update is false");
+    if (!x->opt_delayed_update) return;
+    if (!strcmp(x->offload_optimizer, "none"))
+        fl_die(ZERO "offload_optimizer.delayed_update applies to an offload (device cpu or nvme); "
+                    "offload_optimizer.device is none");
+    if (!strcmp(cfg->device, "cpu"))
+        fl_die(ZERO "offload_optimizer.delayed_update overlaps the host's update with a device's "
+                    "next step: it needs --device cuda (or test); on the cpu the optimizer "
+                    "already runs where the model does");
+    if (strcmp(x->offload_param, "none"))
+        fl_die(ZERO "offload_optimizer.delayed_update with offload_param.device %s is not "
+                    "supported: the device fetches each unit's weights from the host copy the "
+                    "delayed update rewrites during the step",
+               x->offload_param);
+}
+
 // aio tunes NVMe offload's asynchronous I/O: honoured with it (offload.h),
 // an error without it.
 static void check_aio(const fl_train_config *cfg) {
@@ -149,5 +172,6 @@ void fl_offload_check_config(fl_train_config *cfg) {
         fl_die(ZERO "offload_optimizer.ratio %g: a partial offload needs ZeRO stage 3 (as "
                     "DeepSpeed); zero_optimization.stage is %d",
                x->opt_ratio, stage);
+    check_delayed(cfg);
     check_aio(cfg);
 }

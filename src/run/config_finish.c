@@ -255,6 +255,8 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
         .decay_rate = cfg->decay_rate,
         .paged = !strcmp(cfg->zero_extra.offload_optimizer, "nvme"),
         .in_backward = cfg->optimizer_in_backward,
+        .delayed_update = cfg->zero_extra.opt_delayed_update,
+        .delayed_warmup = cfg->zero_extra.opt_delayed_warmup,
         .spike = {cfg->skip_update_lossz, cfg->skip_update_gradz, cfg->skip_update_window,
                   cfg->skip_update_min_steps, cfg->skip_update_max_in_row},
     };

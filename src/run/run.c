@@ -433,9 +433,14 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
 // (micro-batch x ranks sequences) spread over the validation data: under
 // data parallelism rank r evaluates every N-th micro-batch of them, the same
 // windows one process with the global batch would, and the sums are added.
+void fl_run_flush(fl_run *r) {
+    fl_dev_offload_flush(r->dev_offload);
+}
+
 float fl_run_evaluate(fl_run *r, int step) {
     const fl_train_config *cfg = &r->cfg;
     FL_ASSERT(r->has_val);
+    fl_run_flush(r);
     // each batch's mean weighted by its targets, whose count varies with a
     // loss mask: the mean over every target evaluated
     double sums[2] = {0.0, 0.0}; // loss x targets, targets
@@ -502,6 +507,7 @@ static int weights_finite(const fl_run *r, int step) {
 void fl_run_save(fl_run *r, int step) {
     const fl_train_config *cfg = &r->cfg;
     FL_ASSERT(r->has_train && *cfg->out_dir);
+    fl_run_flush(r); // a checkpoint holds no update in flight
     fl_optimizer_map(&r->optim);
     if (!weights_finite(r, step))
         fl_die("the weights are not finite after step %d: not writing a checkpoint over the good "
