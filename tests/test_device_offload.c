@@ -678,8 +678,37 @@ static int delayed_case(const char *flags, const char *offload, int warmup, int 
     return skipped_after;
 }
 
+// The delayed update runs in slices over the next step: after the first of
+// its two micro-batches' forward pass some rows are updated, not all, the
+// last first (the backward pass's order).
+static void test_delayed_slices(void) {
+    fl_run run;
+    t_run_open(&run,
+               "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": "
+               "\"cpu\", \"delayed_update\": true, \"delayed_update_warmup\": 0}}}",
+               "--model llama-tiny --precision bf16 --grad-accum 2 --batch 2 --seq-len 32 "
+               "--threads 2 --device test --tokenizer byte --out=",
+               0);
+    enum { N = 2 * 64 };
+    int in[N], tg[N];
+    t_rule_batch(9, N, run.model.config.vocab_size, in, tg);
+    fl_run_step_batch(&run, in, tg, run.cfg.lr);
+    fl_optimizer *o = &run.optim;
+    t_check(o->delayed, "the first update is pending after its step");
+    fl_optimizer_zero_grad(o);
+    fl_model_forward_train(&run.model, in, tg, 2, 32, 1.0f / 128);
+    int rows = run.model.table.count, done = 0, top = 1;
+    for (int r = 0; r < rows; r++) done += o->delayed_done[r];
+    for (int r = rows - done; r < rows; r++) top &= o->delayed_done[r];
+    t_check(done > 0 && done < rows && top,
+            "after the next step's first forward pass %d of %d rows are updated, the last ones",
+            done, rows);
+    fl_run_close(&run);
+}
+
 // ZeRO-Offload's delayed update (offload_optimizer.delayed_update).
 static void test_delayed_update(void) {
+    test_delayed_slices();
     delayed_case("--model llama-tiny --precision bf16 --grad-accum 2", "\"device\": \"cpu\"", 1, 5);
     delayed_case("--model tiny --precision fp32", "\"device\": \"cpu\"", 0, 4);
     delayed_case("--model llama-tiny --precision fp32 --grad-accum 2", "\"device\": \"cpu\"", 1, 6);

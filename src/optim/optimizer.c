@@ -460,13 +460,13 @@ int fl_optimizer_delays(const fl_optimizer *o) {
 
 void fl_optimizer_delayed_rows(fl_optimizer *o, int first_row, int n_rows) {
     FL_ASSERT(o->delayed && first_row >= 0 && first_row + n_rows <= o->table->count);
-    const void *grads = o->grad_accum ? (const void *)o->grad_accum : o->grads;
-    fl_dtype dt = o->grad_accum ? FL_F32 : o->dtype;
     o->gating = 1; // the factors of the step's verdict, which the gate keeps until the next
     for (int r = first_row, end; r < first_row + n_rows; r = end) { // runs of rows not done
         for (end = r; end < first_row + n_rows && !o->delayed_done[end]; end++)
             o->delayed_done[end] = 1;
-        if (end > r) fl_optimizer_update_range(o, r, end - r, grads, 0, dt, 1.0f, 1.0f);
+        if (end > r)
+            fl_optimizer_update_range(o, r, end - r, o->delayed_grads, 0, o->delayed_dtype, 1.0f,
+                                      1.0f);
         if (end == r) end++;
     }
     o->gating = 0;
@@ -593,6 +593,8 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, int judge, const
             if (!o->delayed_done) o->delayed_done = fl_alloc(FL_MEM_OTHER, rows);
             memset(o->delayed_done, 0, rows);
             o->delayed = 1;
+            o->delayed_grads = grads;
+            o->delayed_dtype = grads_dtype;
         } else if (o->offload)
             update_offloaded(o, grads, first, grads_dtype, 1.0f);
         else

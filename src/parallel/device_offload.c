@@ -28,14 +28,18 @@
 // The delayed update (offload_optimizer.delayed_update, the ZeRO-Offload
 // paper's DPU; fl_optimizer_delays): a step's update is begun, not run, and
 // the device goes on with the next step at once, with the weights it has.
-// In that step's first micro-batch, as each unit reports its gradient, the
-// host first updates the unit's rows with the gradient the last step left
-// (before this one's download overwrites it), while the device runs the
-// backward pass of the units before it; in its last micro-batch the unit's
-// new weights go up once the device is done with the old ones. The
-// weights a step computes with are thus one update old, every other value
-// is the plain step's; fl_dev_offload_flush runs a pending update whole
-// (before a checkpoint, an evaluation or the end).
+// The step's gradient (its fp32 sum under 16-bit accumulation, else the
+// gradients) stays in its buffer, and the next step's go to a second one
+// (the two swap at each delayed step). The host runs the update in slices
+// during the next step, at each point the model reports (a unit about to
+// run, a unit's gradient ready), while the device runs the work queued
+// before it: rows from the last to the first, as many as keep its share
+// of the step even (the points counted in the step before). In the last
+// micro-batch, as each unit's gradient is ready, the device is done with
+// its old weights: its rows are updated now if they are not yet, and its
+// new weights go up. The weights a step computes with are thus one update
+// old, every other value is the plain step's; fl_dev_offload_flush runs a
+// pending update whole (before a checkpoint, an evaluation or the end).
 //
 // The share of the step the device waits on the host (fl_dev_offload_waits_get)
 // is timed on the compute stream (event_record_timed): a step runs from its
@@ -76,6 +80,12 @@ struct fl_dev_offload {
     fl_event *slot_free[RING + 1];
     int next_slot;
     int *unit_slot; // per unit + 1: the buffer its gradients are bound to
+    // the delayed update: the other gradient buffer (see above), the points
+    // the model reported in this step and the last, the next row to update
+    // (from the last down) and the elements updated so far
+    void *spare;
+    int points, points_last, next_row;
+    size_t sliced;
     // timing: the step's start, the open wait's start, and the step's waits
     // as pairs (idle, resumed), read once the step's uploads are done
     fl_event *start, *idle, **waits;
@@ -122,6 +132,10 @@ static void step_timed(fl_dev_offload *f) {
 // and the wait for the host's accumulation of the last one ends
 static void on_zero_grad(void *ctx) {
     fl_dev_offload *f = ctx;
+    if (f->o->micro == 0) { // a step begins: the points the model reports in it
+        f->points_last = f->points;
+        f->points = 0;
+    }
     if (!f->start) f->start = f->dev->event_record_timed(f->dev, NULL);
     wait_end(f); // a micro-batch's accumulation on the host is done
 }
@@ -171,25 +185,47 @@ static void bind_slot(fl_dev_offload *f, int unit, int s) {
     f->unit_slot[unit + 1] = s;
 }
 
-// before a unit's backward: its gradients into the next ring buffer (the
-// tied LM head's the embedding's too, which the embedding's backward
-// completes)
-static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
-    fl_dev_offload *f = ctx;
-    if (pass != FL_PASS_BWD) return;
-    int tied = f->slot[RING] != NULL;
-    if (tied && unit == FL_UNIT_HEAD(m->config.n_layer)) bind_slot(f, FL_UNIT_EMBED, RING);
-    if (tied && unit == FL_UNIT_EMBED) return; // bound at the head
-    bind_slot(f, unit, f->next_slot);
-    f->next_slot = (f->next_slot + 1) % RING;
-}
-
 // the host copy of the weights is free to change once its upload is done
 static void wait_up(fl_dev_offload *f) {
     if (!f->up_done) return;
     f->dev->event_sync(f->dev, f->up_done);
     f->dev->event_destroy(f->dev, f->up_done);
     f->up_done = NULL;
+}
+
+// A point the model reports: the delayed update's rows up to this point's
+// share of the step (the elements in proportion to the points so far of
+// those the last step had), from the last row down, while the device runs
+// the work queued before it.
+static void delayed_slice(fl_dev_offload *f) {
+    f->points++;
+    fl_optimizer *o = f->o;
+    if (!o->delayed || f->next_row < 0) return;
+    const fl_param_table *t = &f->m->table;
+    int expect = f->points_last > f->points ? f->points_last : f->points;
+    double share = (double)t->numel * f->points / expect;
+    if ((double)f->sliced >= share) return;
+    int top = f->next_row;
+    while (f->next_row >= 0 && (double)f->sliced < share)
+        f->sliced += t->views[f->next_row--].numel;
+    wait_begin(f);
+    wait_up(f); // the host copy of the weights is free to change
+    fl_optimizer_delayed_rows(o, f->next_row + 1, top - f->next_row);
+    wait_end(f);
+}
+
+// before a unit's backward: its gradients into the next ring buffer (the
+// tied LM head's the embedding's too, which the embedding's backward
+// completes)
+static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
+    fl_dev_offload *f = ctx;
+    delayed_slice(f);
+    if (pass != FL_PASS_BWD) return;
+    int tied = f->slot[RING] != NULL;
+    if (tied && unit == FL_UNIT_HEAD(m->config.n_layer)) bind_slot(f, FL_UNIT_EMBED, RING);
+    if (tied && unit == FL_UNIT_EMBED) return; // bound at the head
+    bind_slot(f, unit, f->next_slot);
+    f->next_slot = (f->next_slot + 1) % RING;
 }
 
 // the pending unit's gradient has landed: the cpu sums it, or updates it
@@ -218,16 +254,16 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     size_t es = fl_dtype_size(m->dtype), lo = a->offset * es,
            bytes = (b->offset + b->numel) * es - lo;
     fl_optimizer *o = f->o;
-    if (o->delayed && o->micro == 0) { // the last step's update of these rows, before the
-                                       // download below overwrites their gradient
+    delayed_slice(f);
+    int last = o->micro == o->cfg.grad_accum - 1;
+    if (o->delayed && last) { // the step is done with these rows' weights: the new ones
         wait_begin(f);
-        wait_up(f); // the host copy of the weights is free to change
         fl_optimizer_delayed_rows(o, first, n);
         wait_end(f);
     }
     fl_event *e = d->event_record(d, NULL);
     d->stream_wait(d, f->down, e);
-    if (o->delayed && o->micro == o->cfg.grad_accum - 1) { // the step is done with the old weights
+    if (o->delayed && last) {
         d->stream_wait(d, f->up, e);
         d->copy_async(d, (char *)m->params + lo, (const char *)f->params + lo, bytes, FL_COPY_H2D,
                       f->up);
@@ -271,7 +307,7 @@ static void on_grads_down(void *ctx) {
     wait_begin(f); // until the next micro-batch's zero_grad, or the uploads
     take_pending(f);
     // after the last micro-batch, the last step's delayed update: every
-    // unit's rows updated (in the first) and sent up (in this one)
+    // unit's rows updated and sent up
     if (f->o->delayed && f->o->micro == f->o->cfg.grad_accum) fl_optimizer_delayed_end(f->o);
     wait_up(f); // long done: the backward pass ran after it
     fl_event *e = d->event_record(d, f->down);
@@ -313,6 +349,20 @@ static void on_updated(void *ctx) {
     // waited for: the new event, later on the same stream, stands for them)
     if (f->up_done) f->dev->event_destroy(f->dev, f->up_done);
     f->up_done = f->dev->event_record(f->dev, f->up);
+    fl_optimizer *o = f->o;
+    if (o->delayed) { // begun: it reads this buffer, the next step writes the other
+        if (o->grad_accum) {
+            float *sum = o->grad_accum;
+            o->grad_accum = f->spare;
+            f->spare = sum;
+        } else {
+            void *g = o->grads;
+            o->grads = f->grads = f->spare;
+            f->spare = g;
+        }
+        f->next_row = f->m->table.count - 1;
+        f->sliced = 0;
+    }
     f->dev->stream_wait(f->dev, NULL, f->up_done);
     if (f->start) step_timed(f);
 }
@@ -355,6 +405,10 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     if (!host_params) fl_dev_download(d, params, m->params, bytes);
     fl_device_use(pin); // the optimizer's memory is pinned host memory
     fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
+    // the delayed update: a second buffer of what the update reads
+    if (cfg->delayed_update)
+        f->spare =
+            pin->alloc(pin, FL_MEM_GRADS, o->grad_accum ? m->table.numel * sizeof(float) : bytes);
     fl_device_use(d);
     size_t unit, embed, es = fl_dtype_size(m->dtype);
     ring_sizes(&m->table, m->config.tie_embeddings, &unit, &embed);
@@ -400,5 +454,6 @@ void fl_dev_offload_free(fl_dev_offload *f) {
     fl_free(f->unit_slot);
     if (f->params) pin->free(pin, f->params); // (NVMe weight offload: dropped)
     pin->free(pin, f->grads);
+    pin->free(pin, f->spare);
     fl_free(f);
 }

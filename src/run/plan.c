@@ -540,6 +540,13 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         out->pinned[FL_MEM_PARAMS] += numel * ds;
         out->pinned[FL_MEM_GRADS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
+        // the delayed update: a second buffer of what it reads (the fp32
+        // sum, where there is one, else the gradients)
+        if (r->optim.delayed_update) {
+            size_t spare = opt[FL_MEM_GRADS] ? opt[FL_MEM_GRADS] : numel * ds;
+            out->pinned[FL_MEM_GRADS] += spare;
+            b[FL_MEM_GRADS] += spare;
+        }
         // the device holds no whole gradient: a ring of two units' (and the
         // tied embedding's) buffers, each unit's going down to the pinned copy
         b[FL_MEM_GRADS] += numel * ds;
