@@ -24,7 +24,8 @@
 #           step (B 4, accumulation 8) offloaded under the cap, with
 #           clipping (the update after the backward pass, as DeepSpeed's),
 #           with clipping and the delayed update (offload_optimizer.
-#           delayed_update: the update during the next step), without
+#           delayed_update: the update during the next step; also at B 32
+#           without accumulation, whose sums the host makes), without
 #           clipping (the update overlapping the last backward pass), and
 #           all on the GPU, uncapped.
 #  lora:    LoRA and QLoRA (NF4, double quantisation), rank 16 on every
@@ -178,6 +179,13 @@ for sc in $showcases; do
         in_time offload tinyllama-1.1b-acc8-offload-delayed fitlm 4 1024 &&
             fitlm_run offload tinyllama-1.1b-acc8-offload-delayed 4 1024 $(shape --model tinyllama-1.1b) "${acc[@]}" \
                 --config "$work/delayed.json" --mem-limit 24GiB
+        # the same 32 sequences in one micro-batch: no sums on the host
+        # (12 bytes a parameter each micro-batch), the delayed update under
+        # the whole step
+        # shellcheck disable=SC2046
+        in_time offload tinyllama-1.1b-b32-offload-delayed fitlm 32 1024 &&
+            fitlm_run offload tinyllama-1.1b-b32-offload-delayed 32 1024 $(shape --model tinyllama-1.1b) \
+                --optimizer adamw --activation-checkpointing block --config "$work/delayed.json" --mem-limit 24GiB
         # shellcheck disable=SC2046
         in_time offload tinyllama-1.1b-acc8-offload-noclip fitlm 4 1024 &&
             fitlm_run offload tinyllama-1.1b-acc8-offload-noclip 4 1024 $(shape --model tinyllama-1.1b) "${acc[@]}" \

@@ -595,7 +595,8 @@ static void stale_grad_ready(void *ctx, fl_model *m, int first, int n) {
 // reference: each step's loss, norm and skip bitwise, and after
 // fl_run_flush the device's weights (and the master weights) those after
 // every update. The reference must differ from the undelayed run. Returns
-// the steps skipped (an fp16 overflow) while a delayed update ran in them.
+// the steps skipped (an fp16 overflow, a spike) while a delayed update ran
+// in them.
 static int delayed_case(const char *flags, const char *offload, int warmup, int steps) {
     char json[512], run_flags[512];
     snprintf(json, sizeof json,
@@ -630,8 +631,9 @@ static int delayed_case(const char *flags, const char *offload, int warmup, int 
         m->hooks = (fl_model_hooks){0};
         fl_train_result got = fl_run_step_batch(&dpu, in, tg, lr);
         fl_train_result undelayed = fl_run_step_batch(&plain, in, tg, lr);
-        skipped_after += pending && want.skipped;
-        pending = !want.skipped && delays;
+        int kept = !want.skipped && !want.spike.outlier; // an update was applied
+        skipped_after += pending && !kept;
+        pending = kept && delays;
         if (pending) { // the next step computes with the weights before it
             memcpy(newest, m->params, bytes);
             memcpy(m->params, latest, bytes);
@@ -718,6 +720,12 @@ static void test_delayed_update(void) {
                                "\"device\": \"cpu\"", 2, 12);
     t_check(skipped > 0, "fp16: %d steps skipped by an overflow while a delayed update ran in them",
             skipped);
+    // a spike guard tight enough to skip steps (its loss and norm tests)
+    skipped = delayed_case("--model tiny --precision fp32 --skip-update-lossz 0.2 "
+                           "--skip-update-gradz 0.5 --skip-update-max-in-row 50 "
+                           "--skip-update-min-steps 2",
+                           "\"device\": \"cpu\"", 1, 12);
+    t_check(skipped > 0, "spikes: %d steps skipped while a delayed update ran in them", skipped);
     delayed_case("--model llama-tiny --precision bf16 --optimizer sgd --momentum 0.9 "
                  "--activation-checkpointing block",
                  "\"device\": \"cpu\"", 1, 4);
