@@ -23,9 +23,10 @@
 #           the all-on-GPU step): TinyLlama-1.1B at 32 sequences of 1024 a
 #           step (B 4, accumulation 8) offloaded under the cap, with
 #           clipping (the update after the backward pass, as DeepSpeed's),
-#           with clipping and the delayed update (offload_optimizer.
-#           delayed_update: the update during the next step; also at B 32
-#           without accumulation, whose sums the host makes), without
+#           with clipping, the delayed update (offload_optimizer.
+#           delayed_update: the update during the next step) and the
+#           micro-batches' fp32 sum on the device (accumulate_on_device;
+#           also the delayed update at B 32 without accumulation), without
 #           clipping (the update overlapping the last backward pass), and
 #           all on the GPU, uncapped.
 #  lora:    LoRA and QLoRA (NF4, double quantisation), rank 16 on every
@@ -83,8 +84,10 @@ cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
     --threads $threads >>"$log" 2>&1 || echo "bench/gpu_memory.sh: tokenization failed (see $log)"
 data=(--data "$work/llama" --val-data none --tokenizer hf --tokenizer-path "$llama_tok")
 echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}' >"$work/offload.json"
-# the delayed update from the second step on (the timed steps are delayed)
+# the delayed update from the second step on (the timed steps are delayed);
+# and with the micro-batches' fp32 sum made on the device
 echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": true, "delayed_update_warmup": 1}}}' >"$work/delayed.json"
+echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": true, "delayed_update_warmup": 1, "accumulate_on_device": true}}}' >"$work/delayed_devsum.json"
 
 # shape FLAGS...: the model flags a run gets (the smoke's tiny shape instead)
 shape() { if [ "$smoke" = 1 ]; then echo --model llama-tiny; else echo "$@"; fi; }
@@ -176,9 +179,9 @@ for sc in $showcases; do
         in_time offload tinyllama-1.1b-acc8-offload fitlm 4 1024 &&
             fitlm_run offload tinyllama-1.1b-acc8-offload 4 1024 $(shape --model tinyllama-1.1b) "${acc[@]}" "${off[@]}"
         # shellcheck disable=SC2046
-        in_time offload tinyllama-1.1b-acc8-offload-delayed fitlm 4 1024 &&
-            fitlm_run offload tinyllama-1.1b-acc8-offload-delayed 4 1024 $(shape --model tinyllama-1.1b) "${acc[@]}" \
-                --config "$work/delayed.json" --mem-limit 24GiB
+        in_time offload tinyllama-1.1b-acc8-offload-delayed-devsum fitlm 4 1024 &&
+            fitlm_run offload tinyllama-1.1b-acc8-offload-delayed-devsum 4 1024 $(shape --model tinyllama-1.1b) \
+                "${acc[@]}" --config "$work/delayed_devsum.json" --mem-limit 24GiB
         # the same 32 sequences in one micro-batch: no sums on the host
         # (12 bytes a parameter each micro-batch), the delayed update under
         # the whole step

@@ -44,7 +44,8 @@
 # of two units' gradients, summed on the host) an offloaded run's first
 # step is bitwise the all-on-GPU run's, every step within 1e-5 relative,
 # weight offload bitwise the stage-1 offloaded run, and the device's peak
-# of gradients the plan's, under the whole gradient's. The delayed update
+# of gradients the plan's, under the whole gradient's; the 16-bit sum made
+# on the device (accumulate_on_device) bitwise the host's. The delayed update
 # (offload_optimizer.delayed_update) within 1e-5 relative of the test
 # device's run (fp32, accumulation 2), its first steps bitwise the
 # undelayed run's, its resume bit for bit.
@@ -459,6 +460,18 @@ for prec in fp32 bf16; do
     [ -n "$peak" ] && [ "$peak" = "$planned" ] && [ "$peak" -lt "$whole" ] && ok=1 || ok=0
     check $ok "llama $prec offloaded on $dev: the device's peak of gradients $peak bytes = the plan's ${planned:-?} (the ring), under the whole gradient's ${whole:-?}"
 done
+
+# The 16-bit gradients' fp32 sum on the device (accumulate_on_device): bf16
+# with accumulation 3, every step bitwise the offloaded run that sums on
+# the host (the same arithmetic, on the device)
+if [ "$dev" != cpu ]; then
+    printf '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "accumulate_on_device": true}}}\n' \
+        >"$work/accdev.json"
+    run offacc_dev "$dev" llama bf16 --grad-accum 3 --config "$work/accdev.json"
+    cmp -s <(grep '^step' "$work/offacc_dev/log.txt") <(grep '^step' "$work/offacc_bf16/log.txt") &&
+        ok=1 || ok=0
+    check $ok "llama bf16 offloaded with accumulation 3 on $dev, summed on the device: every step bitwise the host-summed run's"
+fi
 
 # The delayed update (offload_optimizer.delayed_update after one update, the
 # ZeRO-Offload paper's DPU; not on the cpu, which refuses it): fp32 with

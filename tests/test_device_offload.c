@@ -20,7 +20,12 @@
 // peak of weights is the plan's and under the model's. Pinned memory the
 // host lacks, offload_param keys fitlm does not honour and ZeRO-3 without
 // offload_param on a device are refused. The share of the step the device
-// waits on the host is reported per step and measured.
+// waits on the host is reported per step and measured. The 16-bit
+// gradients' sum made on the device (accumulate_on_device) gives the cpu's
+// figures and weights bitwise. The delayed update (delayed_update) gives a
+// cpu reference's (the plain step computing with the weights one update
+// old) bitwise, runs in slices over the next step, resumes bitwise, and is
+// refused where it cannot run.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,6 +132,12 @@ static void test_equals_plain(void) {
                "off2.json");
     check_case("--model llama-tiny --precision fp32 --optimizer sgd --momentum 0.9 --steps 3",
                "off2.json");
+    // the fp32 sum on the device (accumulate_on_device), the update after
+    // the backward pass and during it
+    check_case("--model llama-tiny --precision bf16 --grad-accum 3 --steps 3", "ad.json");
+    check_case("--model tiny --precision fp16 --optimizer sgd --grad-accum 2 --steps 3", "ad.json");
+    check_case("--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2 --steps 3",
+               "ad.json");
     // NVMe under it: the master and state paged from a file through host buffers
     check_case("--model llama-tiny --precision bf16 --grad-accum 2 --steps 3", "nvme.json");
     check_case("--model tiny --precision fp16 --optimizer sgd --momentum 0.9 --steps 3",
@@ -259,6 +270,7 @@ static void test_plan_equals_measured(void) {
         "--model tiny --precision fp32 --optimizer sgd --momentum 0.9 --config off1.json",
         "--model llama-tiny --precision bf16 --grad-accum 2 --config nvme.json",
         "--model llama-tiny --precision bf16 --grad-accum 2 --config dpu.json",
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config ad.json",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
         t_check(plan_equals_measured(cases[c]) > 0, "%s: the plan shows pinned bytes", cases[c]);
@@ -471,6 +483,16 @@ static void test_refusals(void) {
                "train " RUN " --model tiny --steps 1 --device test --config off3.json");
     fails_with("ZeRO stage 2 without offload_optimizer",
                "train " RUN " --model tiny --steps 1 --device test --zero-stage 2");
+    // the fp32 sum on the device: for 16-bit gradients under accumulation, on a device
+    fails_with("accumulate_on_device: fp32 gradients are summed on the device already",
+               "train " RUN " --model tiny --precision fp32 --grad-accum 2 --steps 1 --device test "
+               "--config ad.json");
+    fails_with("accumulate_on_device: there is no accumulation to sum",
+               "train " RUN " --model tiny --precision bf16 --steps 1 --device test "
+               "--config ad.json");
+    fails_with("accumulate_on_device: it needs --device cuda (or test)",
+               "train " RUN " --model tiny --precision bf16 --grad-accum 2 --steps 1 --device cpu "
+               "--config ad.json");
 }
 
 // The share of the step the device waits on the host (issue 46). A run
@@ -732,6 +754,8 @@ static void test_delayed_update(void) {
     char nvme[300];
     snprintf(nvme, sizeof nvme, "\"device\": \"nvme\", \"nvme_path\": \"%s\"", dir);
     delayed_case("--model llama-tiny --precision bf16 --grad-accum 2", nvme, 1, 4);
+    delayed_case("--model llama-tiny --precision bf16 --grad-accum 3",
+                 "\"device\": \"cpu\", \"accumulate_on_device\": true", 1, 4);
 
     // the run says so; a checkpoint holds the weights after every update
     // (the pending one runs first), so a resume is the straight run with
@@ -804,6 +828,9 @@ int main(void) {
         {"param3n.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
                          "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
                          "{\"device\": \"cpu\"}}}"},
+        // the fp32 gradient sum on the device
+        {"ad.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
+                    "{\"device\": \"cpu\", \"accumulate_on_device\": true}}}"},
         // the delayed update after one update; and refused without an
         // offload, under weight offload, its warm-up alone
         {"dpu.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "

@@ -63,6 +63,7 @@ typedef struct {
     int opt_pipeline_read, opt_pipeline_write, opt_fast_init;
     float opt_ratio;                            // share of the optimizer offloaded (1)
     int opt_delayed_update, opt_delayed_warmup; // delayed_update, delayed_update_warmup
+    int opt_accumulate_on_device;               // accumulate_on_device
     float param_buffer_size, param_max_in_cpu;  // NVMe buffers
     int cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory; // deprecated forms
     int gather_16bit_on_save,

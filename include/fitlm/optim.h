@@ -417,6 +417,9 @@ typedef struct {
     // delayed_warmup updates, a step's update runs during the next step
     // (fl_optimizer_delayed_rows), which computes with the weights before it
     int delayed_update, delayed_warmup;
+    // ZeRO-Offload (offload_optimizer.accumulate_on_device): the 16-bit
+    // gradients' fp32 sum over the micro-batches is made on the device
+    int accumulate_on_device;
     fl_spike_config spike; // the spike guard (all zero: off)
 } fl_optimizer_config;
 

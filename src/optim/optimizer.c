@@ -505,7 +505,7 @@ void fl_optimizer_update_unit(fl_optimizer *o, int first_row, int n_rows) {
     FL_ASSERT(o->overlap_sq && n_rows > 0);
     size_t lo, hi;
     rows_range(o, first_row, n_rows, &lo, &hi);
-    if (o->grad_accum) fl_optimizer_accum_range(o, lo, hi);
+    if (o->grad_accum && !o->cfg.accumulate_on_device) fl_optimizer_accum_range(o, lo, hi);
     const void *grads = o->grad_accum ? (const void *)o->grad_accum : o->grads;
     fl_dtype dt = o->grad_accum ? FL_F32 : o->dtype;
     for (int r0 = first_row; r0 < first_row + n_rows; r0 += NORM_BATCH) { // grad_sumsq's per row

@@ -13,9 +13,11 @@
 // is reused once its copy is done. Accumulation keeps the cpu's arithmetic:
 // 16-bit gradients are per micro-batch, summed on the host into the fp32
 // sum a unit at a time as each download lands, while the backward pass
-// goes on; fp32 ones sum in the gradients themselves, so a unit's sum so far
-// goes up into its buffer and the backward adds to it there, as the cpu's
-// adds in place (DeepSpeed's async_accumulate_grad_in_cpu_via_gpu). After
+// goes on (or, with accumulate_on_device, into an fp32 sum on the device,
+// which goes down once, after the last micro-batch); fp32 ones sum in the
+// gradients themselves, so a unit's sum so far goes up into its buffer and
+// the backward adds to it there, as the cpu's adds in place (DeepSpeed's
+// async_accumulate_grad_in_cpu_via_gpu). After
 // the last micro-batch the step reads the whole gradient on the host (the
 // global norm, clipping and fp16's overflow check need all of it first),
 // updates there, and the new weights go up. Without clipping, fp16 or the
@@ -85,6 +87,8 @@ struct fl_dev_offload {
     // (from the last down) and the elements updated so far
     void *spare;
     int points, points_last, next_row;
+    // accumulate_on_device: the fp32 gradient sum on the device (else NULL)
+    float *dsum;
     size_t sliced;
     // timing: the step's start, the open wait's start, and the step's waits
     // as pairs (idle, resumed), read once the step's uploads are done
@@ -228,7 +232,7 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
     f->next_slot = (f->next_slot + 1) % RING;
 }
 
-// the pending unit's gradient has landed: the cpu sums it, or updates it
+// the pending unit's gradient (or its fp32 sum) has landed: the cpu sums it, or updates it
 // (its new weights go up on the upload stream), while the device goes on
 // with the backward pass of the units before it
 static void take_pending(fl_dev_offload *f) {
@@ -261,6 +265,14 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
         fl_optimizer_delayed_rows(o, first, n);
         wait_end(f);
     }
+    size_t count = b->offset + b->numel - a->offset;
+    if (f->dsum) { // into the fp32 sum on the device, the cpu's arithmetic (0 + g, then + g)
+        float *sum = f->dsum + a->offset;
+        if (o->micro == 0)
+            d->convert(FL_F32, sum, m->dtype, m->gp[first], count);
+        else
+            d->accumulate(sum, m->dtype, m->gp[first], count);
+    }
     fl_event *e = d->event_record(d, NULL);
     d->stream_wait(d, f->down, e);
     if (o->delayed && last) {
@@ -269,13 +281,21 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
                       f->up);
     }
     d->event_destroy(d, e);
-    d->copy_async(d, (char *)f->grads + lo, m->gp[first], bytes, FL_COPY_D2H, f->down);
     f->down_bytes += bytes;
-    // its buffer is free for another unit once the copy is done
-    int s = f->unit_slot[a->unit + 1];
-    FL_ASSERT(!f->slot_free[s]);
-    f->slot_free[s] = d->event_record(d, f->down);
-    if (!o->overlap_sq && !o->grad_accum) return;
+    if (f->dsum) { // the sum goes down after the last micro-batch; the ring buffer is free
+                   // once the kernel above has read it (the compute stream's order)
+        if (!last) return;
+        d->copy_async(d, o->grad_accum + a->offset, f->dsum + a->offset, count * sizeof(float),
+                      FL_COPY_D2H, f->down);
+        if (!o->overlap_sq) return;
+    } else {
+        d->copy_async(d, (char *)f->grads + lo, m->gp[first], bytes, FL_COPY_D2H, f->down);
+        // its buffer is free for another unit once the copy is done
+        int s = f->unit_slot[a->unit + 1];
+        FL_ASSERT(!f->slot_free[s]);
+        f->slot_free[s] = d->event_record(d, f->down);
+        if (!o->overlap_sq && !o->grad_accum) return;
+    }
     if (f->pending) { // one unit behind: its download ran beside this unit's backward
         wait_begin(f);
         take_pending(f);
@@ -413,6 +433,10 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     size_t unit, embed, es = fl_dtype_size(m->dtype);
     ring_sizes(&m->table, m->config.tie_embeddings, &unit, &embed);
     for (int s = 0; s < RING; s++) f->slot[s] = d->alloc(d, FL_MEM_GRADS, unit * es);
+    if (cfg->accumulate_on_device) {
+        FL_ASSERT(o->grad_accum);
+        f->dsum = d->alloc(d, FL_MEM_GRADS, m->table.numel * sizeof(float));
+    }
     f->slot[RING] = embed ? d->alloc(d, FL_MEM_GRADS, embed * es) : NULL;
     f->unit_slot = fl_alloc(FL_MEM_OTHER, ((size_t)m->config.n_layer + 2) * sizeof(int));
     f->down = d->stream_create(d);
@@ -450,6 +474,7 @@ void fl_dev_offload_free(fl_dev_offload *f) {
         if (f->slot_free[s]) f->dev->event_destroy(f->dev, f->slot_free[s]);
         f->dev->free(f->dev, f->slot[s]);
     }
+    f->dev->free(f->dev, f->dsum);
     for (int u = FL_UNIT_EMBED; u <= f->m->config.n_layer; u++) fl_model_bind_grads(f->m, u, NULL);
     fl_free(f->unit_slot);
     if (f->params) pin->free(pin, f->params); // (NVMe weight offload: dropped)

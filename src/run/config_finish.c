@@ -257,6 +257,7 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
         .in_backward = cfg->optimizer_in_backward,
         .delayed_update = cfg->zero_extra.opt_delayed_update,
         .delayed_warmup = cfg->zero_extra.opt_delayed_warmup,
+        .accumulate_on_device = cfg->zero_extra.opt_accumulate_on_device,
         .spike = {cfg->skip_update_lossz, cfg->skip_update_gradz, cfg->skip_update_window,
                   cfg->skip_update_min_steps, cfg->skip_update_max_in_row},
     };

@@ -540,6 +540,8 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         out->pinned[FL_MEM_PARAMS] += numel * ds;
         out->pinned[FL_MEM_GRADS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
+        // accumulate_on_device: the fp32 sum on the device too
+        if (r->optim.accumulate_on_device) b[FL_MEM_GRADS] += numel * sizeof(float);
         // the delayed update: a second buffer of what it reads (the fp32
         // sum, where there is one, else the gradients)
         if (r->optim.delayed_update) {
