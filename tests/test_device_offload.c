@@ -138,6 +138,7 @@ static void test_equals_plain(void) {
     check_case("--model tiny --precision fp16 --optimizer sgd --grad-accum 2 --steps 3", "ad.json");
     check_case("--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2 --steps 3",
                "ad.json");
+    check_case("--model llama-tiny --precision bf16 --grad-accum 3 --steps 3", "w3ad.json");
     // NVMe under it: the master and state paged from a file through host buffers
     check_case("--model llama-tiny --precision bf16 --grad-accum 2 --steps 3", "nvme.json");
     check_case("--model tiny --precision fp16 --optimizer sgd --momentum 0.9 --steps 3",
@@ -831,6 +832,9 @@ int main(void) {
         // the fp32 gradient sum on the device
         {"ad.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
                     "{\"device\": \"cpu\", \"accumulate_on_device\": true}}}"},
+        {"w3ad.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                      "{\"device\": \"cpu\", \"accumulate_on_device\": true}, "
+                      "\"offload_param\": {\"device\": \"cpu\"}}}"},
         // the delayed update after one update; and refused without an
         // offload, under weight offload, its warm-up alone
         {"dpu.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
