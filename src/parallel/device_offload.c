@@ -87,9 +87,9 @@ struct fl_dev_offload {
     // (from the last down) and the elements updated so far
     void *spare;
     int points, points_last, next_row;
+    size_t sliced;
     // accumulate_on_device: the fp32 gradient sum on the device (else NULL)
     float *dsum;
-    size_t sliced;
     // timing: the step's start, the open wait's start, and the step's waits
     // as pairs (idle, resumed), read once the step's uploads are done
     fl_event *start, *idle, **waits;
@@ -232,9 +232,9 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
     f->next_slot = (f->next_slot + 1) % RING;
 }
 
-// the pending unit's gradient (or its fp32 sum) has landed: the cpu sums it, or updates it
-// (its new weights go up on the upload stream), while the device goes on
-// with the backward pass of the units before it
+// the pending unit's gradient (or its fp32 sum) has landed: the cpu sums
+// it, or updates it (its new weights go up on the upload stream), while
+// the device goes on with the backward pass of the units before it
 static void take_pending(fl_dev_offload *f) {
     if (!f->pending) return;
     f->dev->event_sync(f->dev, f->pending);
