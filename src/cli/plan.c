@@ -189,13 +189,21 @@ int cmd_plan(int argc, char **argv) {
         snprintf(layout, sizeof layout, " (tensor parallel %d%s x %d data-parallel)",
                  cfg.tensor_parallel, cfg.sequence_parallel ? " with sequence parallelism" : "",
                  f.ranks / cfg.tensor_parallel);
+    char offload[160] = ""; // what ZeRO offloads, and how the optimizer's step runs then
+    const fl_zero_extra *x = &cfg.zero_extra;
+    if (strcmp(x->offload_optimizer, "none"))
+        snprintf(offload, sizeof offload, ", optimizer offloaded to %s%s%s%s%s",
+                 x->offload_optimizer, strcmp(x->offload_param, "none") ? ", weights to " : "",
+                 strcmp(x->offload_param, "none") ? x->offload_param : "",
+                 x->opt_delayed_update ? ", delayed update" : "",
+                 x->opt_accumulate_on_device ? ", fp32 sum on the device" : "");
     char chunks[64] = "";
     if (cfg.logits_chunk)
         snprintf(chunks, sizeof chunks, " | logits in chunks of %d positions", cfg.logits_chunk);
-    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s%s, ZeRO stage %d%s%s%s%s | "
+    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s%s, ZeRO stage %d%s%s%s%s%s | "
            "%d threads\n",
            cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "", layout,
-           cfg.zero.stage, cfg.recompute ? " | activation checkpointing " : "",
+           cfg.zero.stage, offload, cfg.recompute ? " | activation checkpointing " : "",
            cfg.recompute ? cfg.recompute_policy : "", chunks, f.lomo ? " | LOMO" : "", cfg.threads);
     printf("data: %zu bytes (data loaders, tokenizer and the config's text; tokens are "
            "memory-mapped)\n\n",
