@@ -783,6 +783,17 @@ static void test_delayed_update(void) {
                 same_file("exdw/model.safetensors", "exdh/model.safetensors"),
             "the delayed update resumed ends with the straight run's weights bitwise");
 
+    // the plan says what the run offloads and how it updates
+    rc = fitlm("plan " RUN " --model llama-tiny --precision bf16 --grad-accum 2 --steps 1 "
+               "--device test --config dpu.json");
+    t_check(rc == 0 && strstr(output, "ZeRO stage 1, optimizer offloaded to cpu, delayed update |"),
+            "the plan names the delayed update: %.400s", output);
+    rc = fitlm("plan " RUN " --model llama-tiny --precision bf16 --grad-accum 2 --steps 1 "
+               "--device test --config w3ad.json");
+    t_check(rc == 0 && strstr(output, "ZeRO stage 3, optimizer offloaded to cpu, weights to cpu, "
+                                      "fp32 sum on the device |"),
+            "the plan names the weight offload and the device's sum: %.400s", output);
+
     // refused: no device, no offload, weights fetched from the host copy, a
     // warm-up without it
     fails_with("it needs --device cuda (or test)",
