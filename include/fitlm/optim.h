@@ -558,11 +558,9 @@ typedef struct {
     // the delayed update (cfg.delayed_update): the last step's, begun (its
     // rule's step, its factors in the gate) and run by the offload during
     // this step (fl_optimizer_delayed_rows): delayed while it is pending,
-    // whether each row is updated yet, and the gradient it reads (the
-    // buffer the last step left, which the offload then swaps out of
-    // grads or grad_accum for this step's)
+    // and the gradient it reads (the buffer the last step left, which the
+    // offload then swaps out of grads or grad_accum for this step's)
     int delayed;
-    unsigned char *delayed_done;
     const void *delayed_grads;
     fl_dtype delayed_dtype;
     fl_spike_guard spike; // judges fl_optimizer_step_loss's and the fused steps' updates
@@ -729,7 +727,7 @@ void fl_optimizer_update_unit(fl_optimizer *o, int first_row, int n_rows);
 // ZeRO-Offload paper's DPU): after cfg.delayed_warmup updates, a step that
 // updates ends with its update begun (the verdict, norm and clipping are
 // its own) but not run; the offload runs it during the next step
-// (delayed_rows: rows [first_row, first_row + n_rows) not yet updated, from
+// (delayed_rows: rows [first_row, first_row + n_rows), each row once, from
 // the gradient the step left in o->grads or the fp32 sum, o->delayed_grads,
 // which the offload keeps apart from the next step's), and delayed_end ends
 // it once every row is done.

@@ -224,13 +224,13 @@ static const option options[] = {
      NUM(zero_extra.opt_delayed_update), "false", 0, 0, NULL,
      "on a device: each update runs during the next step, which computes with the weights one "
      "update older (ZeRO-Offload's delayed parameter update)"},
+    {"zero_optimization.offload_optimizer.delayed_update_warmup", NULL, OPT_INT,
+     NUM(zero_extra.opt_delayed_warmup), "40", 0, 1 << 30, NULL,
+     "delayed_update: the first updates, run at once"},
     {"zero_optimization.offload_optimizer.accumulate_on_device", NULL, OPT_BOOL,
      NUM(zero_extra.opt_accumulate_on_device), "false", 0, 0, NULL,
      "on a device, 16-bit gradients under accumulation: their fp32 sum kept there (4 bytes a "
      "parameter) and sent down once a step, not summed on the host"},
-    {"zero_optimization.offload_optimizer.delayed_update_warmup", NULL, OPT_INT,
-     NUM(zero_extra.opt_delayed_warmup), "40", 0, 1 << 30, NULL,
-     "delayed_update: the first updates, run at once"},
     {"zero_optimization.offload_param.device", NULL, OPT_CHOICE, STR(zero_extra.offload_param),
      "none", 0, 0, "none|cpu|nvme",
      "stage 3 weights: cpu = in RAM, where they are; nvme = in offload_optimizer's file"},

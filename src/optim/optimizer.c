@@ -134,7 +134,6 @@ void fl_optimizer_free(fl_optimizer *o) {
         o->dev->free(o->dev, o->gate);
     }
     if (o->rule) fl_optim_free(o->rule);
-    fl_free(o->delayed_done);
     memset(o, 0, sizeof *o);
 }
 
@@ -461,20 +460,13 @@ int fl_optimizer_delays(const fl_optimizer *o) {
 void fl_optimizer_delayed_rows(fl_optimizer *o, int first_row, int n_rows) {
     FL_ASSERT(o->delayed && first_row >= 0 && first_row + n_rows <= o->table->count);
     o->gating = 1; // the factors of the step's verdict, which the gate keeps until the next
-    for (int r = first_row, end; r < first_row + n_rows; r = end) { // runs of rows not done
-        for (end = r; end < first_row + n_rows && !o->delayed_done[end]; end++)
-            o->delayed_done[end] = 1;
-        if (end > r)
-            fl_optimizer_update_range(o, r, end - r, o->delayed_grads, 0, o->delayed_dtype, 1.0f,
-                                      1.0f);
-        if (end == r) end++;
-    }
+    fl_optimizer_update_range(o, first_row, n_rows, o->delayed_grads, 0, o->delayed_dtype, 1.0f,
+                              1.0f);
     o->gating = 0;
 }
 
 void fl_optimizer_delayed_end(fl_optimizer *o) {
     FL_ASSERT(o->delayed);
-    for (int r = 0; r < o->table->count; r++) FL_ASSERT(o->delayed_done[r]);
     o->delayed = 0;
     fl_optim_end_step(o->rule);
 }
@@ -589,9 +581,6 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, int judge, const
         o->gating = 1;
         if (delay) { // run by the offload during the next step
             FL_ASSERT(known && !o->delayed);
-            size_t rows = (size_t)o->table->count;
-            if (!o->delayed_done) o->delayed_done = fl_alloc(FL_MEM_OTHER, rows);
-            memset(o->delayed_done, 0, rows);
             o->delayed = 1;
             o->delayed_grads = grads;
             o->delayed_dtype = grads_dtype;

@@ -83,11 +83,10 @@ struct fl_dev_offload {
     int next_slot;
     int *unit_slot; // per unit + 1: the buffer its gradients are bound to
     // the delayed update: the other gradient buffer (see above), the points
-    // the model reported in this step and the last, the next row to update
-    // (from the last down) and the elements updated so far
+    // the model reported in this step and the last, and the next row to
+    // update (from the last down: the rows above it are done)
     void *spare;
     int points, points_last, next_row;
-    size_t sliced;
     // accumulate_on_device: the fp32 gradient sum on the device (else NULL)
     float *dsum;
     // timing: the step's start, the open wait's start, and the step's waits
@@ -197,25 +196,31 @@ static void wait_up(fl_dev_offload *f) {
     f->up_done = NULL;
 }
 
-// A point the model reports: the delayed update's rows up to this point's
-// share of the step (the elements in proportion to the points so far of
-// those the last step had), from the last row down, while the device runs
-// the work queued before it.
+// The delayed update's rows from the next one down to `row`, while the
+// device runs the work queued before this point.
+static void delayed_down_to(fl_dev_offload *f, int row) {
+    if (f->next_row < row) return;
+    wait_begin(f);
+    wait_up(f); // the host copy of the weights is free to change
+    fl_optimizer_delayed_rows(f->o, row, f->next_row + 1 - row);
+    f->next_row = row - 1;
+    wait_end(f);
+}
+
+// A point the model reports: the delayed update's rows down to this
+// point's share of the step (its elements in proportion to the points so
+// far of those the last step had).
 static void delayed_slice(fl_dev_offload *f) {
     f->points++;
-    fl_optimizer *o = f->o;
-    if (!o->delayed || f->next_row < 0) return;
+    if (!f->o->delayed || f->next_row < 0) return;
     const fl_param_table *t = &f->m->table;
     int expect = f->points_last > f->points ? f->points_last : f->points;
     double share = (double)t->numel * f->points / expect;
-    if ((double)f->sliced >= share) return;
-    int top = f->next_row;
-    while (f->next_row >= 0 && (double)f->sliced < share)
-        f->sliced += t->views[f->next_row--].numel;
-    wait_begin(f);
-    wait_up(f); // the host copy of the weights is free to change
-    fl_optimizer_delayed_rows(o, f->next_row + 1, top - f->next_row);
-    wait_end(f);
+    // the rows from `row` on hold numel - views[row].offset elements: down to
+    // the first row that reaches the share
+    int row = f->next_row + 1;
+    while (row > 0 && (row == t->count || (double)(t->numel - t->views[row].offset) < share)) row--;
+    if (row <= f->next_row) delayed_down_to(f, row);
 }
 
 // before a unit's backward: its gradients into the next ring buffer (the
@@ -260,11 +265,9 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     fl_optimizer *o = f->o;
     delayed_slice(f);
     int last = o->micro == o->cfg.grad_accum - 1;
-    if (o->delayed && last) { // the step is done with these rows' weights: the new ones
-        wait_begin(f);
-        fl_optimizer_delayed_rows(o, first, n);
-        wait_end(f);
-    }
+    // the step is done with these rows' weights: the new ones (units report
+    // from the last row down)
+    if (o->delayed && last) delayed_down_to(f, first);
     size_t count = b->offset + b->numel - a->offset;
     if (f->dsum) { // into the fp32 sum on the device, the cpu's arithmetic (0 + g, then + g)
         float *sum = f->dsum + a->offset;
@@ -328,7 +331,10 @@ static void on_grads_down(void *ctx) {
     take_pending(f);
     // after the last micro-batch, the last step's delayed update: every
     // unit's rows updated and sent up
-    if (f->o->delayed && f->o->micro == f->o->cfg.grad_accum) fl_optimizer_delayed_end(f->o);
+    if (f->o->delayed && f->o->micro == f->o->cfg.grad_accum) {
+        FL_ASSERT(f->next_row < 0);
+        fl_optimizer_delayed_end(f->o);
+    }
     wait_up(f); // long done: the backward pass ran after it
     fl_event *e = d->event_record(d, f->down);
     d->event_sync(d, e);
@@ -381,7 +387,6 @@ static void on_updated(void *ctx) {
             f->spare = g;
         }
         f->next_row = f->m->table.count - 1;
-        f->sliced = 0;
     }
     f->dev->stream_wait(f->dev, NULL, f->up_done);
     if (f->start) step_timed(f);
@@ -391,7 +396,8 @@ void fl_dev_offload_flush(fl_dev_offload *f) {
     if (!f || !f->o->delayed) return;
     const fl_device *d = f->dev;
     wait_up(f);
-    fl_optimizer_delayed_rows(f->o, 0, f->m->table.count);
+    fl_optimizer_delayed_rows(f->o, 0, f->next_row + 1); // (a flush is no step: not timed)
+    f->next_row = -1;
     fl_optimizer_delayed_end(f->o);
     fl_event *e = d->event_record(d, NULL); // after the kernels that read the old weights
     d->stream_wait(d, f->up, e);
