@@ -5,6 +5,7 @@
 // FIFOs planted in an output directory are never written through; and an
 // error about a file that failed validation never echoes its bytes.
 #include <fcntl.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +13,7 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fitlm/io.h"
@@ -242,6 +244,27 @@ static void test_dir_transactions_touch_only_their_own(void) {
     fl_tmp_clean(dir);
     t_check(is_zombie(zombie) && !exists(z), "a zombie writer's marked leftover is removed");
     waitpid(zombie, NULL, 0);
+    // an empty leftover (a writer killed between its mkdir and its marker)
+    // whose pid a process took since, started after the directory was made,
+    // goes; an empty one of a process that started before it stays
+    pid_t later = fork();
+    if (later == 0) {
+        pause();
+        _exit(0);
+    }
+    char taken[128], own[128];
+    snprintf(taken, sizeof taken, "real.tmp.%ld", (long)later);
+    mkd(taken);
+    struct timespec ago[2] = {{time(NULL) - 60, 0}, {time(NULL) - 60, 0}};
+    t_check(utimensat(AT_FDCWD, at(taken), ago, 0) == 0, "date %s a minute back", taken);
+    snprintf(own, sizeof own, "real.tmp.%ld", (long)getppid());
+    mkd(own);
+    write_set("real", "v2\n");
+    t_check(!exists(taken) && exists(own),
+            "an empty leftover of a pid reused since goes, a running writer's own stays");
+    kill(later, SIGKILL);
+    waitpid(later, NULL, 0);
+    rmdir(at(own));
     // DIR missing beside a marked DIR.old.<dead>: a kill between the two
     // renames; the old set is restored, its marker removed
     t_check(rename(at("real"), at(b)) == 0, "move real aside");

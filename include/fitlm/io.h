@@ -109,8 +109,9 @@ int fl_tmp_is_mark(const char *name);
 // Whether dir is the leftover of writer pid: marked by it and it is gone
 // (see above; this process's pid counts as gone: it has none under way when
 // this is asked), or empty (but for an empty marker) and no process has pid
-// (a writer killed between its mkdir and its marker; an empty directory
-// loses nothing).
+// or the one that has it started after the directory was made (a writer
+// killed between its mkdir and its marker, its pid perhaps reused since;
+// an empty directory loses nothing).
 int fl_tmp_is_leftover(const char *dir, long pid);
 // The pid of dir's marker when its writer is gone, else 0.
 long fl_tmp_dead_writer(const char *dir);

@@ -100,6 +100,22 @@ static unsigned long long start_time(long pid) {
     return t;
 }
 
+// Whether process pid started more than 2 s after dir was last changed: it
+// cannot have made it (its pid is a dead writer's, reused; pid_max may be
+// as low as 32768, so pids wrap in a busy minute). Seconds since the epoch
+// from the boot time (/proc/stat's btime) and the start in clock ticks.
+static int started_after(long pid, const char *dir) {
+    struct stat st;
+    unsigned long long ticks = start_time(pid), btime = 0;
+    char line[256];
+    FILE *f = fopen("/proc/stat", "r");
+    while (f && fgets(line, sizeof line, f) && sscanf(line, "btime %llu", &btime) != 1) continue;
+    if (f) fclose(f);
+    long hz = sysconf(_SC_CLK_TCK);
+    if (!ticks || !btime || hz <= 0 || lstat(dir, &st) != 0) return 0;
+    return (double)btime + (double)ticks / (double)hz > (double)st.st_mtime + 2.0;
+}
+
 // A process that can still write: a zombie (killed, not yet reaped: its
 // parent, mpirun say, may have exited first and left it to init) cannot.
 static int running(long pid) {
@@ -184,7 +200,7 @@ int fl_tmp_is_leftover(const char *dir, long pid) {
     long marked;
     int gone = 0, r = inspect(dir, &marked, &gone);
     if (r == 1) return marked == pid && gone;
-    return r == 0 && (pid == (long)getpid() || !running(pid));
+    return r == 0 && (pid == (long)getpid() || !running(pid) || started_after(pid, dir));
 }
 
 int fl_tmp_is_mark(const char *name) {
