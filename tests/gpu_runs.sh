@@ -44,8 +44,10 @@
 # of two units' gradients, summed on the host) an offloaded run's first
 # step is bitwise the all-on-GPU run's, every step within 1e-5 relative,
 # weight offload bitwise the stage-1 offloaded run, and the device's peak
-# of gradients the plan's, under the whole gradient's; the 16-bit sum made
-# on the device (accumulate_on_device) bitwise the host's. The delayed update
+# of gradients the plan's, under the whole gradient's; ZeRO-2 on one
+# process bitwise the plain run, the offload's state pinned (pin_memory)
+# bitwise the unpinned; the 16-bit sum made on the device
+# (accumulate_on_device) bitwise the host's. The delayed update
 # (offload_optimizer.delayed_update) within 1e-5 relative of the test
 # device's run (fp32, accumulation 2), its first steps bitwise the
 # undelayed run's, its resume bit for bit.
@@ -460,6 +462,21 @@ for prec in fp32 bf16; do
     [ -n "$peak" ] && [ "$peak" = "$planned" ] && [ "$peak" -lt "$whole" ] && ok=1 || ok=0
     check $ok "llama $prec offloaded on $dev: the device's peak of gradients $peak bytes = the plan's ${planned:-?} (the ring), under the whole gradient's ${whole:-?}"
 done
+
+# ZeRO's stages on one process (a single-GPU DeepSpeed config): the plain
+# step, every step bitwise the plain run's; ZeRO-Offload with the state
+# pinned too (pin_memory) every step bitwise the unpinned run's
+printf '{"zero_optimization": {"stage": 2, "overlap_comm": true}}\n' >"$work/zero2.json"
+run zero2_bf16 "$dev" llama bf16 --grad-accum 3 --config "$work/zero2.json"
+cmp -s <(grep '^step' "$work/zero2_bf16/log.txt") <(grep '^step' "$work/dev_bf16_acc/log.txt") &&
+    ok=1 || ok=0
+check $ok "llama bf16 with ZeRO-2 on one process on $dev: every step bitwise the plain run's"
+printf '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}\n' \
+    >"$work/pinned.json"
+run offacc_pin "$dev" llama bf16 --grad-accum 3 --config "$work/pinned.json"
+cmp -s <(grep '^step' "$work/offacc_pin/log.txt") <(grep '^step' "$work/offacc_bf16/log.txt") &&
+    ok=1 || ok=0
+check $ok "llama bf16 offloaded on $dev with pin_memory: every step bitwise the unpinned state's run"
 
 # The 16-bit gradients' fp32 sum on the device (accumulate_on_device): bf16
 # with accumulation 3, every step bitwise the offloaded run that sums on

@@ -354,8 +354,9 @@ static void run_steps(const step_case *k, const fl_device *d, step_outcome *o) {
     fl_optimizer_init(&opt, &k->oc, &m.table, k->dt, m.params, m.grads);
     fl_device_use(fl_device_cpu());
     o->spikes = o->skips = 0;
+    // the step's tokens go up asynchronously: from pinned memory, as run.c's
+    int *in = d->host_alloc(d, FL_MEM_OTHER, 2 * BT * sizeof(int)), *tg = in + BT;
     for (int s = 0; s < STEPS; s++) {
-        int in[BT], tg[BT];
         t_rule_batch(20 + (uint64_t)s % 3, BT, k->c->vocab_size, in, tg);
         long before = d->host_stalls ? d->host_stalls(d) : 0;
         o->r[s] = fl_train_step(&m, &opt, in, tg, k->micro, B / k->micro, T, 0.02f);
@@ -363,6 +364,7 @@ static void run_steps(const step_case *k, const fl_device *d, step_outcome *o) {
         o->spikes += o->r[s].spike.outlier;
         o->skips += o->r[s].skipped;
     }
+    d->host_free(d, in);
     const void *span[3];
     size_t bytes[3];
     fl_model_weight_spans(&m, span, bytes);

@@ -132,6 +132,9 @@ static void test_equals_plain(void) {
                "off2.json");
     check_case("--model llama-tiny --precision fp32 --optimizer sgd --momentum 0.9 --steps 3",
                "off2.json");
+    // ZeRO-3 with the optimizer offloaded and not the weights: on one
+    // process its partition is the whole model, which stays on the device
+    check_case("--model llama-tiny --precision bf16 --grad-accum 2 --steps 3", "off3.json");
     // the fp32 sum on the device (accumulate_on_device), the update after
     // the backward pass and during it
     check_case("--model llama-tiny --precision bf16 --grad-accum 3 --steps 3", "ad.json");
@@ -238,8 +241,8 @@ static void table_bytes(const char *text, const char *header, int col, size_t *b
 // `fitlm plan --device test` of flags equals the run's measured host
 // (but other and workspace: data and tokenizer are measured at run time),
 // pinned and device bytes per tag; returns the planned pinned weights'
-// bytes, `output` holding the run's.
-static size_t plan_equals_measured(const char *flags) {
+// bytes (and every tag's in pins, unless NULL), `output` holding the run's.
+static size_t plan_equals_measured(const char *flags, size_t *pins) {
     size_t host[FL_MEM_NTAGS], pinned[FL_MEM_NTAGS], device[FL_MEM_NTAGS];
     size_t m_host[FL_MEM_NTAGS], m_pinned[FL_MEM_NTAGS], m_device[FL_MEM_NTAGS];
     int rc = fitlm("plan " RUN " %s --steps 2 --device test", flags);
@@ -261,6 +264,7 @@ static size_t plan_equals_measured(const char *flags) {
             t_check(host[t] == m_host[t], "%s: planned host bytes of %s %zu = measured %zu", flags,
                     fl_mem_tag_name(t), host[t], m_host[t]);
     }
+    if (pins) memcpy(pins, pinned, sizeof pinned);
     return pinned[FL_MEM_PARAMS];
 }
 
@@ -272,9 +276,31 @@ static void test_plan_equals_measured(void) {
         "--model llama-tiny --precision bf16 --grad-accum 2 --config nvme.json",
         "--model llama-tiny --precision bf16 --grad-accum 2 --config dpu.json",
         "--model llama-tiny --precision bf16 --grad-accum 2 --config ad.json",
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config pin.json",
     };
-    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
-        t_check(plan_equals_measured(cases[c]) > 0, "%s: the plan shows pinned bytes", cases[c]);
+    enum { N = sizeof cases / sizeof cases[0] };
+    size_t pins[N][FL_MEM_NTAGS], w = 0;
+    for (size_t c = 0; c < N; c++)
+        t_check((w = plan_equals_measured(cases[c], pins[c])) > 0,
+                "%s: the plan shows pinned bytes", cases[c]);
+    // what is pinned (w: the bf16 weights' bytes, 2 a parameter): what the
+    // copies move, the host copies of the weights and gradients; the state
+    // only with pin_memory; with the fp32 sum made on the device that sum
+    // (4 a parameter) and no copy of the 16-bit gradients
+    const size_t *off = pins[0], *dpu = pins[4], *ad = pins[5], *pin = pins[6];
+    t_check(off[FL_MEM_GRADS] == w && !off[FL_MEM_MASTER] && !off[FL_MEM_OPTIM],
+            "offload: the 16-bit gradients' copy pinned (%zu = %zu), not the state (%zu, %zu)",
+            off[FL_MEM_GRADS], w, off[FL_MEM_MASTER], off[FL_MEM_OPTIM]);
+    t_check(dpu[FL_MEM_GRADS] == w,
+            "delayed update: its second buffer, a host fp32 sum, "
+            "not pinned (%zu = %zu)",
+            dpu[FL_MEM_GRADS], w);
+    t_check(ad[FL_MEM_GRADS] == 2 * w && !ad[FL_MEM_MASTER],
+            "accumulate_on_device: pinned gradients %zu = the fp32 sum %zu", ad[FL_MEM_GRADS],
+            2 * w);
+    t_check(pin[FL_MEM_GRADS] == 3 * w && pin[FL_MEM_MASTER] == 2 * w && pin[FL_MEM_OPTIM] == 4 * w,
+            "pin_memory: the state pinned too (grads %zu = %zu, master %zu = %zu, optim %zu = %zu)",
+            pin[FL_MEM_GRADS], 3 * w, pin[FL_MEM_MASTER], 2 * w, pin[FL_MEM_OPTIM], 4 * w);
 }
 
 // Weight offload (ZeRO-3, offload_param cpu or nvme): the same run as the
@@ -378,7 +404,7 @@ static void test_weight_offload_plan(void) {
         int rc = fitlm("plan " RUN " %s --steps 2 --device test", cases[c]);
         const char *at = strstr(output, "NVMe offload: ");
         if (rc == 0 && at) sscanf(at, "NVMe offload: %zu bytes", &disk);
-        size_t whole = plan_equals_measured(cases[c]); // the 16-bit weights' bytes
+        size_t whole = plan_equals_measured(cases[c], NULL); // the 16-bit weights' bytes
         size_t device[FL_MEM_NTAGS];
         table_bytes(output, "device memory by tag", 2, device);
         // (the default prefetch's ring on these 2-block models is not a
@@ -448,7 +474,7 @@ static void test_grad_ring_plan(void) {
         "--model llama-tiny --precision fp32 --grad-accum 3 --config off2.json",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        size_t whole = plan_equals_measured(cases[c]); // the 16-bit (or fp32) weights' bytes
+        size_t whole = plan_equals_measured(cases[c], NULL); // the 16-bit (or fp32) weights' bytes
         size_t device[FL_MEM_NTAGS];
         table_bytes(output, "device memory by tag", 2, device);
         size_t ring = device[FL_MEM_GRADS];
@@ -462,12 +488,17 @@ static void test_grad_ring_plan(void) {
 
 static void test_refusals(void) {
     // the pinned bytes over the host's memory (on a device --mem-limit is the
-    // device's budget; the host has its available memory): llama-7b's master
-    // weights and state alone are over 100 GB, its device bytes fit the test
-    // device: refused before allocating
-    fails_with("pinned host memory",
+    // device's budget; the host has its available memory): with pin_memory
+    // llama-7b's master weights and state are pinned too, over 100 GB; its
+    // device bytes fit the test device: refused before allocating
+    fails_with("of pinned host memory (the host copies of the weights and gradients, the "
+               "master weights and optimizer state: offload_optimizer.pin_memory), more than",
                "train " RUN " --model llama-7b --precision bf16 --steps 1 --device test "
-               "--config off1.json");
+               "--config pin.json");
+    // a partial offload (DeepSpeed's ratio) is not offered on a device
+    fails_with("offload_optimizer.ratio 0.5: a partial offload (part of the optimizer state kept "
+               "on the device) is not supported on --device test",
+               "train " RUN " --model tiny --steps 1 --device test --config ratio.json");
     fails_with("offload_optimizer applies to ZeRO stages 1-3",
                "train " RUN " --model tiny --steps 1 --device test --config off0.json");
     // NVMe weight offload: no weights kept in host memory (max_in_cpu), at
@@ -480,10 +511,6 @@ static void test_refusals(void) {
                "train " RUN " --model tiny --steps 1 --device test --config paramno.json");
     fails_with("without offload_optimizer.device cpu",
                "train " RUN " --model tiny --steps 1 --device test --config param3n.json");
-    fails_with("ZeRO stage 3",
-               "train " RUN " --model tiny --steps 1 --device test --config off3.json");
-    fails_with("ZeRO stage 2 without offload_optimizer",
-               "train " RUN " --model tiny --steps 1 --device test --zero-stage 2");
     // the fp32 sum on the device: for 16-bit gradients under accumulation, on a device
     fails_with("accumulate_on_device: fp32 gradients are summed on the device already",
                "train " RUN " --model tiny --precision fp32 --grad-accum 2 --steps 1 --device test "
@@ -570,7 +597,7 @@ static void test_waits_measured(void) {
                              "--threads 2 --device test --tokenizer byte --out=",
                    0);
         enum { N = 64 };
-        int in[N], tg[N];
+        int *in = run.inputs, *tg = run.targets; // pinned: the step's tokens go up asynchronously
         t_rule_batch(5, N, run.model.config.vocab_size, in, tg);
         fl_dev_offload_waits w[3];
         fl_dev_offload_waits_get(run.dev_offload, &w[0]);
@@ -643,7 +670,7 @@ static int delayed_case(const char *flags, const char *offload, int warmup, int 
     stale_ref sr = {&ref.optim, latest, es};
     int micro = ref.cfg.grad_accum, V = m->config.vocab_size;
     size_t N = (size_t)micro * ref.cfg.micro_batch * ref.cfg.seq_len;
-    int *in = malloc(N * sizeof(int)), *tg = malloc(N * sizeof(int));
+    int *in = dpu.inputs, *tg = dpu.targets; // pinned (the device's tokens go up asynchronously)
     int same = 1, differs = 0, delayed_steps = 0, skipped_after = 0, pending = 0;
     for (int step = 0; step < steps; step++) {
         t_rule_batch(100 + (uint64_t)step, N, V, in, tg);
@@ -693,8 +720,6 @@ static int delayed_case(const char *flags, const char *offload, int warmup, int 
         fl_optimizer_unmap(&dpu.optim);
     }
     free(device);
-    free(in);
-    free(tg);
     free(latest);
     free(newest);
     fl_run_close(&plain);
@@ -715,7 +740,7 @@ static void test_delayed_slices(void) {
                "--threads 2 --device test --tokenizer byte --out=",
                0);
     enum { N = 2 * 64 };
-    int in[N], tg[N];
+    int *in = run.inputs, *tg = run.targets; // pinned
     t_rule_batch(9, N, run.model.config.vocab_size, in, tg);
     fl_run_step_batch(&run, in, tg, run.cfg.lr);
     fl_optimizer *o = &run.optim;
@@ -796,12 +821,14 @@ static void test_delayed_update(void) {
     // the plan says what the run offloads and how it updates
     rc = fitlm("plan " RUN " --model llama-tiny --precision bf16 --grad-accum 2 --steps 1 "
                "--device test --config dpu.json");
-    t_check(rc == 0 && strstr(output, "ZeRO stage 1, optimizer offloaded to cpu, delayed update |"),
+    t_check(rc == 0 && strstr(output, "ZeRO stage 1 (one process: nothing to partition), "
+                                      "optimizer offloaded to cpu, delayed update |"),
             "the plan names the delayed update: %.400s", output);
     rc = fitlm("plan " RUN " --model llama-tiny --precision bf16 --grad-accum 2 --steps 1 "
                "--device test --config w3ad.json");
-    t_check(rc == 0 && strstr(output, "ZeRO stage 3, optimizer offloaded to cpu, weights to cpu, "
-                                      "fp32 sum on the device |"),
+    t_check(rc == 0 && strstr(output, "ZeRO stage 3 (one process: nothing to partition), "
+                                      "optimizer offloaded to cpu, weights to cpu, fp32 sum on "
+                                      "the device |"),
             "the plan names the weight offload and the device's sum: %.400s", output);
 
     // refused: no device, no offload, weights fetched from the host copy, a
@@ -851,6 +878,11 @@ int main(void) {
                          "{\"device\": \"nvme\", \"nvme_path\": \".\"}, \"offload_param\": "
                          "{\"device\": \"cpu\"}}}"},
         // the fp32 gradient sum on the device
+        {"ratio.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                       "{\"device\": \"cpu\", \"ratio\": 0.5}, \"offload_param\": "
+                       "{\"device\": \"cpu\"}}}"},
+        {"pin.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
+                     "{\"device\": \"cpu\", \"pin_memory\": true}}}"},
         {"ad.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
                     "{\"device\": \"cpu\", \"accumulate_on_device\": true}}}"},
         {"w3ad.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "

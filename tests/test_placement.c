@@ -148,6 +148,34 @@ static void test_resume_bitwise(void) {
     resumed_bitwise("--model llama-tiny --precision bf16");
 }
 
+// ZeRO's stages on one process partition nothing: on a device the plain
+// path runs, the cpu's one-rank ZeRO run bitwise (losses, norms), said at
+// start; a device's ZeRO-2 checkpoint resumes on the cpu's ZeRO-2 and there
+// bitwise.
+static void test_zero_one_process(void) {
+    for (int stage = 1; stage <= 3; stage++) {
+        char want[1024] = "", got[1024] = "";
+        const char *devices[] = {"cpu", "test"};
+        for (int d = 0; d < 2; d++) {
+            int rc = fitlm("train " RUN " --model llama-tiny --precision bf16 --grad-accum 2 "
+                           "--steps 3 --sample-tokens 0 --zero-stage %d --out zero_%s --overwrite "
+                           "--device %s",
+                           stage, devices[d], devices[d]);
+            t_check(rc == 0, "ZeRO-%d on --device %s runs: %.600s", stage, devices[d], output);
+            step_figures(d ? "zero_test" : "zero_cpu", d ? got : want, sizeof want);
+        }
+        t_check(*want && !strcmp(want, got),
+                "ZeRO-%d on one process: --device test's losses and norms are the cpu's bitwise\n"
+                "  cpu  %s\n  test %s",
+                stage, want, got);
+        char said[96];
+        snprintf(said, sizeof said, "ZeRO-%d on one process: nothing to partition%s", stage,
+                 stage == 3 ? " (the whole model stays on the device)" : "");
+        t_check(strstr(output, said) != NULL, "the start-up says '%s': %.400s", said, output);
+    }
+    resumed_bitwise("--model llama-tiny --precision bf16 --grad-accum 2 --zero-stage 2");
+}
+
 // The figure after `key` in a JSON text ("" when missing).
 static void json_field(const char *text, const char *key, char *out, size_t size) {
     char k[64];
@@ -238,6 +266,8 @@ static void test_plan_equals_measured(void) {
         "--sample-tokens 0",
         "--model llama-tiny --precision bf16 --optimizer adamw --optimizer-in-backward "
         "--sample-tokens 0",
+        // ZeRO on one process: the plain path's bytes
+        "--model llama-tiny --precision bf16 --zero-stage 3 --grad-accum 2 --sample-tokens 0",
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         size_t planned[FL_MEM_NTAGS], measured[FL_MEM_NTAGS];
@@ -313,14 +343,6 @@ static void test_refusals(void) {
     fails_with("this build has no CUDA backend", "plan " RUN " --model tiny --device cuda");
     fails_with("this build has no CUDA backend", "eval --checkpoint ex --data data --device cuda");
     fails_with("must be one of cpu|cuda|test", "train " RUN " --model tiny --device tpu");
-    const struct {
-        const char *flags, *what;
-    } refused[] = {
-        {"--zero-stage 1", "ZeRO stage 1 without offload_optimizer"},
-    };
-    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
-        fails_with(refused[i].what, "train " RUN " --model tiny --steps 1 --device test %s",
-                   refused[i].flags);
     fails_with("2 ranks", "plan " RUN " --model tiny --device test --ranks 2");
     fails_with("offload_param.max_in_cpu 1e+06: fitlm keeps no weights in host memory",
                "train " RUN " --model tiny --steps 1 --device test --config offload.json");
@@ -588,6 +610,7 @@ int main(void) {
     }
     test_losses_equal_cpu();
     test_resume_bitwise();
+    test_zero_one_process();
     test_export_eval_sample();
     test_plan_equals_measured();
     test_fused_equal_cpu();

@@ -44,6 +44,9 @@ enum { FL_OFFLOAD_MAX_STAGING = 64 }; // offload_param.buffer_count's most (read
 void fl_offload_check_config(fl_train_config *cfg);
 // The offload settings of a training config's offload_optimizer and aio blocks.
 fl_offload_config fl_offload_config_of(const fl_train_config *cfg);
+// Whether a checked config offloads ZeRO-3's weights from a device other
+// than the cpu (offload_param device cpu or nvme: device_weights.c).
+int fl_dev_weights_offloaded(const fl_train_config *cfg);
 
 // Elements per chunk for a range of numel elements.
 size_t fl_offload_chunk(const fl_offload_config *cfg, size_t numel);

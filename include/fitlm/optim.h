@@ -418,8 +418,14 @@ typedef struct {
     // (fl_optimizer_delayed_rows), which computes with the weights before it
     int delayed_update, delayed_warmup;
     // ZeRO-Offload (offload_optimizer.accumulate_on_device): the 16-bit
-    // gradients' fp32 sum over the micro-batches is made on the device
+    // gradients' fp32 sum over the micro-batches is made on the device and
+    // downloaded into grad_accum, which the offload allocates (pinned) and
+    // sets, not fl_optimizer_init
     int accumulate_on_device;
+    // ZeRO-Offload from a device (offload_optimizer.pin_memory): the state
+    // (master weights, moments, fp32 sum) in pinned host memory too, not
+    // only what crosses to the device
+    int pin_memory;
     fl_spike_config spike; // the spike guard (all zero: off)
 } fl_optimizer_config;
 

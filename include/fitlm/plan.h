@@ -76,11 +76,15 @@ typedef struct {
     // --mem-limit on a device other than the cpu: the device's budget, the
     // cap on its bytes below its available memory (0: none)
     size_t device_cap;
-    // ZeRO-Offload on that device (offload_optimizer.device cpu, one
-    // process): the optimizer's bytes and pinned copies of the weights and
-    // gradients are the host's pinned memory (planned as stage 0, as it
-    // runs); the device's gradients are its ring (fl_dev_offload_grad_bytes)
+    // ZeRO-Offload on that device (offload_optimizer.device cpu or nvme,
+    // one process, planned as stage 0 as it runs): the optimizer's bytes are
+    // the host's (pinned with pin_memory), the copies of the weights and
+    // gradients its pinned memory; the device's gradients are its ring
+    // (fl_dev_offload_grad_bytes)
     int dev_offload;
+    // and ZeRO-3's weights offloaded from it (offload_param): the device
+    // holds the resident units and the ring (fl_dev_weights_bytes)
+    int dev_weights;
 } fl_plan_request;
 
 // One pipeline stage's figures (pipeline rank `stage`, its chunks' blocks).
@@ -118,10 +122,12 @@ typedef struct {
     // 0 on the cpu); the rest is host memory
     size_t device[FL_MEM_NTAGS];
     size_t device_total;
-    // of bytes[workspace]: the host's transient buffers on any device (the
-    // step's row sums of squares, the sampler's logits row and sort), the
-    // pinned ones (pinned[workspace]) apart
-    size_t host_workspace;
+    // of bytes[] of the tags a device holds: what lies in the host's
+    // pageable memory (the host's transient workspace on any device: the
+    // step's row sums of squares, the sampler's logits row and sort; the
+    // offloaded optimizer's state without offload_optimizer.pin_memory),
+    // the pinned bytes (pinned[]) apart
+    size_t hosted[FL_MEM_NTAGS];
     // per rank, of the host's bytes: what is pinned (ZeRO-Offload on a device)
     size_t pinned[FL_MEM_NTAGS];
     size_t pinned_total;

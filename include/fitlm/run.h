@@ -97,7 +97,8 @@ void fl_run_open(fl_run *r, const fl_train_config *cfg, const fl_run_options *op
 fl_train_result fl_run_step(fl_run *r, int step);
 // One step on the caller's batch ((grad_accum, B, T) inputs and targets) at
 // learning rate lr: LoRA + LOMO, an optimizer fused into the backward pass,
-// or the plain step, whichever the run is.
+// or the plain step, whichever the run is. On a device the batch must be in
+// pinned memory (fl_train_step): r->inputs and r->targets are.
 fl_train_result fl_run_step_batch(fl_run *r, const int *inputs, const int *targets, float lr);
 // The weights after every step taken: a delayed update still pending
 // (ZeRO-Offload's delayed_update) runs now. Evaluating and saving do it

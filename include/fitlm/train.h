@@ -30,7 +30,9 @@ long fl_batch_targets(const fl_optimizer *o, const int *targets, size_t n);
 // token's loss has weight 1 / (targets in the whole accumulated batch), so k
 // micro-batches give the gradient of one batch of k*B sequences even when
 // they hold different numbers of targets (DeepSpeed/HF's mean of per-micro-
-// batch means does not). micro must equal the optimizer's grad_accum.
+// batch means does not). micro must equal the optimizer's grad_accum. On a
+// device other than the cpu the tokens go up asynchronously: they must lie
+// in its pinned memory (host_alloc; a run's inputs and targets do).
 fl_train_result fl_train_step(fl_model *m, fl_optimizer *o, const int *inputs, const int *targets,
                               int micro, int B, int T, float lr);
 

@@ -197,14 +197,17 @@ int cmd_plan(int argc, char **argv) {
                  strcmp(x->offload_param, "none") ? x->offload_param : "",
                  x->opt_delayed_update ? ", delayed update" : "",
                  x->opt_accumulate_on_device ? ", fp32 sum on the device" : "");
+    // on a device one process: ZeRO's partition is the whole (the plain path)
+    const char *one = !r.dev->host && cfg.zero.stage ? " (one process: nothing to partition)" : "";
     char chunks[64] = "";
     if (cfg.logits_chunk)
         snprintf(chunks, sizeof chunks, " | logits in chunks of %d positions", cfg.logits_chunk);
-    printf(" | micro-batch %d x %d tokens, grad accum %d | %d rank%s%s, ZeRO stage %d%s%s%s%s%s | "
-           "%d threads\n",
-           cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "", layout,
-           cfg.zero.stage, offload, cfg.recompute ? " | activation checkpointing " : "",
-           cfg.recompute ? cfg.recompute_policy : "", chunks, f.lomo ? " | LOMO" : "", cfg.threads);
+    printf(
+        " | micro-batch %d x %d tokens, grad accum %d | %d rank%s%s, ZeRO stage %d%s%s%s%s%s%s | "
+        "%d threads\n",
+        cfg.micro_batch, cfg.seq_len, cfg.grad_accum, f.ranks, f.ranks > 1 ? "s" : "", layout,
+        cfg.zero.stage, one, offload, cfg.recompute ? " | activation checkpointing " : "",
+        cfg.recompute ? cfg.recompute_policy : "", chunks, f.lomo ? " | LOMO" : "", cfg.threads);
     printf("data: %zu bytes (data loaders, tokenizer and the config's text; tokens are "
            "memory-mapped)\n\n",
            data);

@@ -157,6 +157,10 @@ static void print_run(const fl_run *run) {
         printf(" + %zu in LoRA adapters (%.3f%%)%s", model->lora.table.numel,
                100.0 * model->lora.table.numel / model->table.numel,
                run->train_base ? ", base trained too" : ", base frozen");
+    if (!run->dev->host && cfg->zero.stage) // one process (device_check)
+        printf("; ZeRO-%d on one process: nothing to partition%s", cfg->zero.stage,
+               cfg->zero.stage == 3 && !run->dev_weights ? " (the whole model stays on the device)"
+                                                         : "");
     if (run->dist) // the data-parallel ranks (under model parallelism, each a TP x PP group)
         printf("; %d %srank%s, %s", world, run->tp.size * pp > 1 ? "data-parallel " : "",
                world > 1 ? "s" : "",

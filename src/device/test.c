@@ -210,9 +210,55 @@ static void test_copy_d2d(const fl_device *d, void *dst, const void *src, size_t
     move(dst, src, bytes);
 }
 
+// Pinned host memory, recorded: an asynchronous copy's host side must lie
+// in it, as a GPU's asynchronous copy needs (from pageable memory CUDA
+// copies through a bounce buffer and may hold the host until the stream
+// gets there: the overlap gone, silently), so CI catches one.
+#define MAX_PINNED 256
+static struct {
+    const char *p;
+    size_t bytes;
+} pinned[MAX_PINNED];
+static int n_pinned;
+
+static void *test_host_alloc(const fl_device *d, fl_mem_tag tag, size_t bytes) {
+    void *p = cpu->host_alloc(d, tag, bytes);
+    pthread_mutex_lock(&lock);
+    if (n_pinned == MAX_PINNED) fl_die("test device: more than %d pinned blocks", MAX_PINNED);
+    pinned[n_pinned].p = p;
+    pinned[n_pinned++].bytes = bytes;
+    pthread_mutex_unlock(&lock);
+    return p;
+}
+
+static void test_host_free(const fl_device *d, void *p) {
+    if (!p) return;
+    pthread_mutex_lock(&lock);
+    int i = 0;
+    while (i < n_pinned && pinned[i].p != p) i++;
+    if (i == n_pinned) fl_die("test device: host_free of memory host_alloc did not give");
+    pinned[i] = pinned[--n_pinned];
+    pthread_mutex_unlock(&lock);
+    cpu->host_free(d, p);
+}
+
+static int is_pinned(const void *p, size_t bytes) {
+    const char *c = p;
+    pthread_mutex_lock(&lock);
+    int i = 0;
+    while (i < n_pinned && !(c >= pinned[i].p && c + bytes <= pinned[i].p + pinned[i].bytes)) i++;
+    pthread_mutex_unlock(&lock);
+    return i < n_pinned;
+}
+
 static void test_copy_async(const fl_device *d, void *dst, const void *src, size_t bytes, int kind,
                             fl_stream *s) {
-    (void)d, (void)kind, (void)s;
+    (void)d, (void)s;
+    const void *host = kind == FL_COPY_H2D ? src : kind == FL_COPY_D2H ? dst : NULL;
+    if (host && bytes && !is_pinned(host, bytes))
+        fl_die("test device: an asynchronous copy %s pageable host memory (%zu bytes): a GPU "
+               "would copy it synchronously; it must be pinned (host_alloc)",
+               kind == FL_COPY_H2D ? "from" : "to", bytes);
     move(dst, src, bytes);
 }
 
@@ -601,6 +647,8 @@ const fl_device *fl_device_test_table(void) {
     t.copy_d2h = test_copy;
     t.copy_d2d = test_copy_d2d;
     t.copy_async = test_copy_async;
+    t.host_alloc = test_host_alloc;
+    t.host_free = test_host_free;
     t.event_sync = test_event_sync;
     t.sync = test_sync;
     t.event_elapsed_ms = test_event_elapsed_ms;

@@ -92,7 +92,7 @@ void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
         o->master = d->alloc(d, FL_MEM_MASTER, (end - begin) * sizeof(float));
         d->convert(FL_F32, o->master, dt, fl_at(dt, params, begin - params_first), end - begin);
     }
-    if (needs_accum_buffer(cfg, dt))
+    if (needs_accum_buffer(cfg, dt) && !cfg->accumulate_on_device)
         o->grad_accum = d->alloc(d, FL_MEM_GRADS, table->numel * sizeof(float));
     o->gate = d->alloc(d, FL_MEM_WORKSPACE, fl_optimizer_gate_bytes(table->count));
     o->gate_rows = (double *)(void *)((char *)o->gate + GATE_HEAD);
@@ -130,7 +130,7 @@ void fl_optimizer_free(fl_optimizer *o) {
     FL_ASSERT(!o->mapped);
     if (o->dev) {
         o->dev->free(o->dev, o->master);
-        o->dev->free(o->dev, o->grad_accum);
+        if (!o->cfg.accumulate_on_device) o->dev->free(o->dev, o->grad_accum); // (the offload's)
         o->dev->free(o->dev, o->gate);
     }
     if (o->rule) fl_optim_free(o->rule);
@@ -153,10 +153,10 @@ size_t fl_optimizer_zero_grad(fl_optimizer *o) {
     }
     // fp32 sums micro-batches in the model's own gradients; 16-bit gradients
     // are per micro-batch and summed into the fp32 buffer
-    if (o->grads && (o->micro == 0 || o->grad_accum)) {
-        if (o->offload) {
+    if (o->micro == 0 || o->grad_accum) {
+        if (o->offload) { // (no host copy of the gradients with the sum made on the device)
             o->offload->zero_grad(o->offload->ctx);
-        } else {
+        } else if (o->grads) {
             d->zero(d, o->grads, n * fl_dtype_size(o->dtype));
             bytes += n * fl_dtype_size(o->dtype);
         }

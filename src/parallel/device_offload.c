@@ -86,7 +86,11 @@ struct fl_dev_offload {
     // the model reported in this step and the last, and the next row to
     // update (from the last down: the rows above it are done)
     void *spare;
+    const fl_device *spare_dev; // its memory's (the host's, or pinned)
     int points, points_last, next_row;
+    // accumulate_on_device: the pinned fp32 sums this offload allocated
+    // (the optimizer's and the delayed update's second one; else NULL)
+    void *sums[2];
     // accumulate_on_device: the fp32 gradient sum on the device (else NULL)
     float *dsum;
     // timing: the step's start, the open wait's start, and the step's waits
@@ -423,19 +427,29 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     f->dev = d;
     size_t bytes = m->table.numel * fl_dtype_size(m->dtype);
     const fl_device *pin = fl_device_pinned(d);
-    // weight offload: the weights built in pinned memory are the host copy
+    // weight offload: the weights built in pinned memory are the host copy;
+    // with the fp32 sum made on the device only the sum comes down (into the
+    // optimizer's), so there is no host copy of the 16-bit gradients
     void *params = host_params ? host_params : pin->alloc(pin, FL_MEM_PARAMS, bytes),
-         *grads = pin->alloc(pin, FL_MEM_GRADS, bytes);
+         *grads = cfg->accumulate_on_device ? NULL : pin->alloc(pin, FL_MEM_GRADS, bytes);
     f->params = params;
     f->grads = grads;
     if (!host_params) fl_dev_download(d, params, m->params, bytes);
-    fl_device_use(pin); // the optimizer's memory is pinned host memory
+    // the optimizer's state never crosses to the device: host memory, pinned
+    // only when offload_optimizer.pin_memory asks
+    fl_device_use(cfg->pin_memory ? pin : NULL);
     fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
-    // the delayed update: a second buffer of what the update reads
+    fl_device_use(d);
+    size_t sum_bytes = m->table.numel * sizeof(float);
+    if (cfg->accumulate_on_device) // the device's sum is downloaded into it
+        o->grad_accum = f->sums[0] = pin->alloc(pin, FL_MEM_GRADS, sum_bytes);
+    // the delayed update: a second buffer of what the update reads, of the
+    // same memory (the two swap)
+    f->spare_dev = o->grad_accum && !cfg->accumulate_on_device ? o->dev : pin;
     if (cfg->delayed_update)
         f->spare =
-            pin->alloc(pin, FL_MEM_GRADS, o->grad_accum ? m->table.numel * sizeof(float) : bytes);
-    fl_device_use(d);
+            f->spare_dev->alloc(f->spare_dev, FL_MEM_GRADS, o->grad_accum ? sum_bytes : bytes);
+    if (cfg->accumulate_on_device) f->sums[1] = f->spare;
     size_t unit, embed, es = fl_dtype_size(m->dtype);
     ring_sizes(&m->table, m->config.tie_embeddings, &unit, &embed);
     for (int s = 0; s < RING; s++) f->slot[s] = d->alloc(d, FL_MEM_GRADS, unit * es);
@@ -484,7 +498,12 @@ void fl_dev_offload_free(fl_dev_offload *f) {
     for (int u = FL_UNIT_EMBED; u <= f->m->config.n_layer; u++) fl_model_bind_grads(f->m, u, NULL);
     fl_free(f->unit_slot);
     if (f->params) pin->free(pin, f->params); // (NVMe weight offload: dropped)
-    pin->free(pin, f->grads);
-    pin->free(pin, f->spare);
+    if (f->sums[0]) { // accumulate_on_device: both sums are this offload's, however swapped
+        pin->free(pin, f->sums[0]);
+        pin->free(pin, f->sums[1]);
+    } else { // the spare swaps with the optimizer's buffer, which it frees
+        f->spare_dev->free(f->spare_dev, f->spare);
+        pin->free(pin, f->grads);
+    }
     fl_free(f);
 }

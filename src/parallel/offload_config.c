@@ -191,7 +191,18 @@ void fl_offload_check_config(fl_train_config *cfg) {
         fl_die(ZERO "offload_optimizer.ratio %g: a partial offload needs ZeRO stage 3 (as "
                     "DeepSpeed); zero_optimization.stage is %d",
                x->opt_ratio, stage);
+    // on the cpu the whole state is where the model is either way
+    if (x->opt_ratio < 1.0f && strcmp(cfg->device, "cpu"))
+        fl_die(ZERO "offload_optimizer.ratio %g: a partial offload (part of the optimizer "
+                    "state kept on the device) is not supported on --device %s: the whole "
+                    "state is offloaded (use 1)",
+               x->opt_ratio, cfg->device);
     check_delayed(cfg);
     check_accumulate_on_device(cfg);
     check_aio(cfg);
+}
+
+int fl_dev_weights_offloaded(const fl_train_config *cfg) {
+    return strcmp(cfg->device, "cpu") && cfg->zero.stage == 3 &&
+           strcmp(cfg->zero_extra.offload_param, "none");
 }

@@ -79,15 +79,17 @@ static void demo_recipe(fl_train_config *cfg) {
 
 // A device other than the cpu runs one process training the whole model
 // or LoRA adapters on it (dense or NF4 base weights) with AdamW, SGD, LOMO
-// or AdaLomo, the update fused into the backward pass or not, and with
-// AdamW or SGD its optimizer in pinned host memory under ZeRO-1/2's
-// offload_optimizer.device cpu or nvme (ZeRO-Offload), and under ZeRO-3
-// its weights too (offload_param device cpu with offload_optimizer cpu, or
-// device nvme with offload_optimizer nvme: ZeRO-Infinity, the weights in
-// the optimizer's NVMe file; device_weights.c) (issues 43, 46); several
-// ranks, splitting the model and the combinations not yet checked are
-// refused before anything is allocated, as is a device this build or
-// machine lacks.
+// or AdaLomo, the update fused into the backward pass or not (issues 43,
+// 46). ZeRO's stages partition over the data-parallel ranks, so on one
+// process they partition nothing and the plain path runs (DeepSpeed's
+// single-GPU configs as they are); what they offload is honoured: with
+// AdamW or SGD the optimizer in host memory under offload_optimizer.device
+// cpu or nvme (ZeRO-Offload), and under ZeRO-3 the weights too
+// (offload_param device cpu with offload_optimizer cpu, or device nvme
+// with offload_optimizer nvme: ZeRO-Infinity, the weights in the
+// optimizer's NVMe file; device_weights.c). Several ranks, splitting the
+// model and the combinations not yet checked are refused before anything
+// is allocated, as is a device this build or machine lacks.
 static void device_check(const fl_train_config *cfg) {
     char why[256] = "";
     if (!fl_device_available(cfg->device, why, sizeof why)) fl_die("device: %s", why);
@@ -102,11 +104,6 @@ static void device_check(const fl_train_config *cfg) {
     else if (!strcmp(x->offload_param, "cpu") && strcmp(x->offload_optimizer, "cpu"))
         snprintf(what, sizeof what,
                  "weight offload (offload_param.device cpu) without offload_optimizer.device cpu");
-    else if (cfg->zero.stage == 3 && !strcmp(x->offload_param, "none"))
-        snprintf(what, sizeof what, "ZeRO stage 3 without offload_param (device cpu or nvme)");
-    else if (cfg->zero.stage > 0 && !strcmp(x->offload_optimizer, "none"))
-        snprintf(what, sizeof what, "ZeRO stage %d without offload_optimizer (device cpu or nvme)",
-                 cfg->zero.stage);
     else if (strcmp(x->offload_optimizer, "none") &&
              (cfg->lora_enabled || *cfg->adapter || cfg->quant.enabled))
         snprintf(what, sizeof what, "offload_optimizer under LoRA adapters");
@@ -116,11 +113,11 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "offload_optimizer with the update in the backward pass");
     if (*what)
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
-               "process training the whole model or LoRA adapters, ZeRO-1/2 only with "
-               "offload_optimizer (device cpu or nvme) for AdamW or SGD, ZeRO-3 only with "
-               "offload_param and offload_optimizer both on device cpu or both on nvme "
-               "(several ranks, offload under LoRA or with the update in the backward pass "
-               "are not supported there yet); use --device cpu",
+               "process training the whole model or LoRA adapters (ZeRO's stages partition "
+               "nothing there), with offload_optimizer (device cpu or nvme) for AdamW or SGD, "
+               "and at ZeRO-3 offload_param with offload_optimizer both on device cpu or both "
+               "on nvme (several ranks, offload under LoRA or with the update in the backward "
+               "pass are not supported there yet); use --device cpu",
                cfg->device, what);
 }
 
@@ -258,6 +255,7 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
         .delayed_update = cfg->zero_extra.opt_delayed_update,
         .delayed_warmup = cfg->zero_extra.opt_delayed_warmup,
         .accumulate_on_device = cfg->zero_extra.opt_accumulate_on_device,
+        .pin_memory = cfg->zero_extra.opt_pin_memory,
         .spike = {cfg->skip_update_lossz, cfg->skip_update_gradz, cfg->skip_update_window,
                   cfg->skip_update_min_steps, cfg->skip_update_max_in_row},
     };

@@ -129,7 +129,8 @@ void fl_plan_request_from_config(fl_plan_request *r, const fl_train_config *cfg,
     if (*cfg->mem_limit && !r->dev->host)
         r->device_cap = fl_parse_bytes(cfg->mem_limit, "mem_limit");
     r->dev_offload = !r->dev->host && strcmp(cfg->zero_extra.offload_optimizer, "none");
-    if (r->dev_offload) r->zero_stage = 0; // one process on a device: the plain path (run.c)
+    r->dev_weights = fl_dev_weights_offloaded(cfg);
+    if (!r->dev->host) r->zero_stage = 0; // one process on a device: the plain path (run.c)
 }
 
 // ----------------------------------------------------------------------------
@@ -533,20 +534,33 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     }
     for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += opt[k] + dist_bytes[k];
     b[FL_MEM_WORKSPACE] += gates;
-    if (r->dev_offload) out->pinned[FL_MEM_WORKSPACE] += gates; // the host optimizer's
-    if (r->dev_offload) { // the optimizer's bytes and the host copies of weights and gradients
+    if (r->dev_offload) { // the host copies of weights and gradients, pinned, and the
+                          // optimizer's bytes, pinned with pin_memory (device_offload.c)
+        int pin_state = r->optim.pin_memory;
+        size_t *state = pin_state ? out->pinned : out->hosted;
         static const int tags[] = {FL_MEM_PARAMS, FL_MEM_GRADS, FL_MEM_MASTER, FL_MEM_OPTIM};
-        for (int k = 0; k < 4; k++) out->pinned[tags[k]] = opt[tags[k]]; // not NVMe's buffers
+        for (int k = 0; k < 4; k++) state[tags[k]] = opt[tags[k]]; // (not NVMe's buffers)
+        state[FL_MEM_WORKSPACE] += gates;                          // the host optimizer's
+        // accumulate_on_device: the fp32 sum, a download target, is pinned
+        if (r->optim.accumulate_on_device && !pin_state) {
+            out->pinned[FL_MEM_GRADS] = opt[FL_MEM_GRADS];
+            out->hosted[FL_MEM_GRADS] = 0;
+        }
         out->pinned[FL_MEM_PARAMS] += numel * ds;
-        out->pinned[FL_MEM_GRADS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
-        // accumulate_on_device: the fp32 sum on the device too
-        if (r->optim.accumulate_on_device) b[FL_MEM_GRADS] += numel * sizeof(float);
+        // accumulate_on_device: the fp32 sum on the device instead of the
+        // host's copy of the 16-bit gradients (only the sum comes down)
+        if (r->optim.accumulate_on_device)
+            b[FL_MEM_GRADS] += numel * sizeof(float) - numel * ds;
+        else
+            out->pinned[FL_MEM_GRADS] += numel * ds;
         // the delayed update: a second buffer of what it reads (the fp32
         // sum, where there is one, else the gradients)
+        // (pinned but for a host sum of the host's memory)
         if (r->optim.delayed_update) {
             size_t spare = opt[FL_MEM_GRADS] ? opt[FL_MEM_GRADS] : numel * ds;
-            out->pinned[FL_MEM_GRADS] += spare;
+            int host_sum = opt[FL_MEM_GRADS] && !r->optim.accumulate_on_device;
+            (host_sum ? state : out->pinned)[FL_MEM_GRADS] += spare;
             b[FL_MEM_GRADS] += spare;
         }
         // the device holds no whole gradient: a ring of two units' (and the
@@ -564,7 +578,7 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         // the pinned copy (run.c; under NVMe freed once the file holds them)
         // and the device only ever holds the resident units and the ring;
         // under NVMe a unit goes up through the pinned staging buffers
-        if (r->zero.stage == 3 && shaped) {
+        if (r->dev_weights && shaped) {
             fl_param_table rows;
             rank_table(r, &c, &rows);
             size_t held = fl_dev_weights_bytes(&r->zero, &rows, c.n_layer, dt);
@@ -606,7 +620,7 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     // step's over its rows), the sampler's, the random start's
     size_t sampler = shaped && r->sample_tokens > 0 ? generate_bytes(&c, r->T) : 0;
     size_t sums = norm_rows * sizeof(double);
-    out->host_workspace = sampler > sums ? sampler : sums; // host buffers on any device
+    size_t transient = sampler > sums ? sampler : sums; // host buffers on any device
     if (r->dev && !r->dev->host) {
         // the model's workspace is the device's: the host's holds the
         // transients alone and, from the first backward pass on, the
@@ -616,14 +630,14 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
             r->dev->host_scratch_bytes && shaped && r->B > 0 && (!r->lora.r || r->lora.train_base)
                 ? r->dev->host_scratch_bytes((int)BT)
                 : 0;
-        size_t peak = out->host_workspace + staged;
+        size_t peak = transient + staged;
         if (peak < init_bytes) peak = init_bytes;
         b[FL_MEM_WORKSPACE] += peak;
         out->pinned[FL_MEM_WORKSPACE] += staged;
-        out->host_workspace = peak - staged; // besides what is pinned
+        out->hosted[FL_MEM_WORKSPACE] += peak - staged; // besides what is pinned
     } else {
         // the random start's buffer is freed before the model's workspace is made
-        b[FL_MEM_WORKSPACE] += out->host_workspace;
+        b[FL_MEM_WORKSPACE] += transient;
         if (b[FL_MEM_WORKSPACE] < init_bytes) b[FL_MEM_WORKSPACE] = init_bytes;
     }
     if (shaped && r->sample_tokens > 0) {
@@ -719,9 +733,7 @@ static int on_device(const fl_plan_request *r, int tag) {
 static void place(const fl_plan_request *r, fl_plan *p) {
     p->device_total = p->pinned_total = 0;
     for (int t = 0; t < FL_MEM_NTAGS; t++) {
-        p->device[t] = on_device(r, t) ? p->bytes[t] - p->pinned[t] -
-                                             (t == FL_MEM_WORKSPACE ? p->host_workspace : 0)
-                                       : 0;
+        p->device[t] = on_device(r, t) ? p->bytes[t] - p->pinned[t] - p->hosted[t] : 0;
         p->device_total += p->device[t];
         p->pinned_total += p->pinned[t];
     }
@@ -1098,11 +1110,14 @@ void fl_plan_check_fits(const fl_plan_request *r, const fl_plan *p, size_t limit
     if (limit && p->pinned_total > limit) { // locked pages: the host must hold them all
         char need[FL_SIZE_TEXT], lim[FL_SIZE_TEXT];
         fl_size_text_pair(p->pinned_total, limit, need, lim);
-        fl_die("ZeRO-Offload (zero_optimization.offload_optimizer.device cpu) needs %s of pinned "
-               "host memory (the master weights, optimizer state and host copies of the weights "
-               "and gradients), more than the %s the host has (--mem-limit; default: the "
-               "available memory): use fewer parameters, or offload_optimizer.device none",
-               need, lim);
+        int all = r->optim.pin_memory;
+        fl_die("ZeRO-Offload (zero_optimization.offload_optimizer) needs %s of pinned host "
+               "memory (the host copies of the weights and gradients%s), more than the %s the "
+               "host has available: use fewer parameters%s, "
+               "offload_optimizer.device nvme, or none",
+               need,
+               all ? ", the master weights and optimizer state: offload_optimizer.pin_memory" : "",
+               lim, all ? ", offload_optimizer.pin_memory false" : "");
     }
     check_fit(r, p, limit, 0);
     if (p->device_total) check_fit(r, p, fl_plan_device_limit(r), 1);

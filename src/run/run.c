@@ -292,11 +292,11 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         r->rank = r->layout.dp_rank;
         r->world = r->layout.dp;
     }
-    // ZeRO-Offload on one device: the optimizer in its pinned host memory,
-    // paged from an NVMe file under device nvme (one process: stage 1 and 2
-    // shard nothing, the plain path runs)
+    // On a device, one process (device_check): ZeRO's stages partition
+    // nothing, the plain path runs; ZeRO-Offload puts the optimizer in host
+    // memory, paged from an NVMe file under device nvme
     int dev_offload = !r->dev->host && strcmp(cfg->zero_extra.offload_optimizer, "none");
-    r->dist = !opt->alone && !dev_offload && (cfg->zero.stage > 0 || r->world > 1);
+    r->dist = !opt->alone && r->dev->host && (cfg->zero.stage > 0 || r->world > 1);
     r->resumed = ck != NULL;
     r->start = ck ? fl_ckpt_step(ck) : 0;
     if (ck && cfg->steps <= r->start)
@@ -343,10 +343,10 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     size_t own_begin = 0, own_end = rows.numel;
     if (r->dist) fl_dist_range(&cfg->zero, &rows, dp_group(r), &own_begin, &own_end);
     fl_params_free(&rows);
-    // weight offload on a device (ZeRO-3 with offload_param, which
-    // device_check requires there): the whole weights are built in pinned
-    // host memory, the offload's copy, and never held by the device
-    int dev_weights = dev_offload && cfg->zero.stage == 3;
+    // weight offload on a device (ZeRO-3 with offload_param): the whole
+    // weights are built in pinned host memory, the offload's copy, and never
+    // held by the device
+    int dev_weights = fl_dev_weights_offloaded(cfg);
     if (dev_weights) fl_device_use(fl_device_pinned(r->dev));
     init_model(r, pretrained, own_begin, own_end);
     fl_model *model = &r->model;
