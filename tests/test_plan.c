@@ -1118,6 +1118,38 @@ static void test_check_fits(void) {
     t_check(strstr(alt, "--precision bf16") != NULL, "bf16 is offered");
 }
 
+// A device's ZeRO-Offload run whose host memory does not fit: what would
+// fit names the optimizer's state on NVMe, at sub_group_size 1e8 where
+// DeepSpeed's 1e9 makes its chunk buffers too large, and no ranks or LOMO
+// (one process on a device).
+static void test_device_offload_alternatives(void) {
+    fl_plan_request r = small_request(FL_BF16, adamw_config(1), 4, 256);
+    fl_model_preset(&r.model, "tinyllama-1.1b");
+    r.recompute = FL_RECOMPUTE_BLOCK;
+    r.dev = fl_device_get("test");
+    r.dev_offload = 1;
+    r.offload = (fl_offload_config){.buffer_count = 4,
+                                    .chunk = 1e9,
+                                    .block_size = 1048576,
+                                    .queue_depth = 8,
+                                    .thread_count = 1};
+    fl_plan_request nvme = r;
+    nvme.optim.paged = 1;
+    nvme.offload.chunk = 1e8;
+    fl_plan all, paged;
+    fl_plan_compute(&r, &all);
+    fl_plan_compute(&nvme, &paged);
+    size_t host = all.total - all.device_total, limit = paged.total - paged.device_total;
+    t_check(limit < host, "the state on NVMe needs less host memory (%zu) than in it (%zu)", limit,
+            host);
+    char alt[2048];
+    fl_plan_alternatives(&r, limit, alt, sizeof alt);
+    printf("  a device's offload over %zu host bytes:\n%s", limit, alt);
+    t_check(strstr(alt, "offload_optimizer.device nvme, sub_group_size 1e8") &&
+                !strstr(alt, "--ranks") && !strstr(alt, "--lomo"),
+            "what would fit: the state on NVMe, no ranks nor LOMO");
+}
+
 // The command: a formula-only plan through the real binary.
 // `fitlm plan ARGS` (stdout and stderr into out): its exit status, -1 when it
 // did not exit.
@@ -1188,6 +1220,7 @@ int main(void) {
     test_tensor_parallel_raw_count();
     test_tensor_parallel_refusals();
     test_check_fits();
+    test_device_offload_alternatives();
     test_pipeline_request();
     test_pipeline_plan();
     test_cli();

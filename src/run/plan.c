@@ -936,8 +936,9 @@ static int stage3_live_ok(const fl_plan_request *r) {
     return !ring || resident + ring <= r->zero.max_live_parameters;
 }
 
-// What would fit under limit: the host's bytes, or (device) the device's,
-// for which only what a device runs is tried (no LOMO, no ZeRO).
+// What would fit under limit: the host's bytes, or (device) the device's.
+// For a device's run only what a device runs is tried (no LOMO, no ZeRO
+// over ranks), and for its host bytes under ZeRO-Offload the state on NVMe.
 static void alternatives(const fl_plan_request *r, size_t limit, int device, char *buf,
                          size_t size) {
     sink s = {buf, size, 0, 0};
@@ -984,10 +985,32 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
             put_fit(&s, flags, r, &v, total, runnable, per);
         }
     }
-    if (device) {
+    // a device's run on the host: ZeRO-Offload's state on NVMe instead
+    int on_device = r->dev && !r->dev->host;
+    // (its chunk buffers at the request's sub_group_size, else at 1e8
+    // elements: DeepSpeed's 1e9 makes 12 GB of them a buffer under AdamW)
+    int try_nvme = !device && on_device && r->dev_offload && !r->optim.paged;
+    if (try_nvme) {
+        v = *r;
+        v.optim.paged = 1;
+        const char *flags = "offload_optimizer.device nvme (the master weights and state on disk)";
+        total = fit_by_batch(r, &v, r->B, limit, device, &runnable);
+        if (!total && r->offload.chunk > 1e8) {
+            v = *r;
+            v.optim.paged = 1;
+            v.offload.chunk = 1e8;
+            flags = "offload_optimizer.device nvme, sub_group_size 1e8 (the master weights and "
+                    "state on disk)";
+            total = fit_by_batch(r, &v, r->B, limit, device, &runnable);
+        }
+        if (total) put_fit(&s, flags, r, &v, total, runnable, per);
+    }
+    if (device || on_device) { // (one process there: no ZeRO over ranks; LOMO with no offload)
         if (!s.lines)
-            put(&s, "  (none of: a smaller micro-batch, bf16, activation checkpointing, the LM "
-                    "head in chunks)\n");
+            put(&s,
+                "  (none of: a smaller micro-batch, bf16, activation checkpointing, the LM "
+                "head in chunks%s)\n",
+                try_nvme ? ", the optimizer's state on NVMe" : "");
         return;
     }
     // formula-only strategies
