@@ -2,7 +2,10 @@
 // GPU: the forward and the backward (D's pass and both kernels) of one
 // layer at a model's shape, timed between device events (the mean of
 // --rounds calls after one), under each version of the tensor-core kernels
-// (FITLM_CUDA_ATTENTION=mma, the default, and wmma). Rates count the
+// (FITLM_CUDA_ATTENTION=mma, the default, and wmma; under grouped-query
+// attention the mma backward also without its workspace, a kv head's
+// blocks running its group's query heads in turn, as kernels=mma-kvhead).
+// Rates count the
 // causal FLOPs FlashAttention's benchmarks count: 2 B NH T^2 HS forward
 // (two products over half the score matrix), 2.5 times that backward.
 // bench/gpu.sh runs it beside PyTorch's scaled_dot_product_attention on
@@ -42,15 +45,15 @@ typedef struct {
     fl_dtype dt;
     int B, T, NH, NKV, HS;
     void *qkv, *out, *dout, *dqkv;
-    float *lse;
+    float *lse, *ws; // ws: the backend's attention workspace, or NULL
 } att_bufs;
 
 static void forward(const att_bufs *a) {
-    a->d->attention_forward(a->dt, a->out, a->lse, a->qkv, NULL, a->B, a->T, a->NH, a->NKV, a->HS);
+    a->d->attention_forward(a->dt, a->out, a->lse, a->qkv, a->ws, a->B, a->T, a->NH, a->NKV, a->HS);
 }
 
 static void backward(const att_bufs *a) {
-    a->d->attention_backward(a->dt, a->dqkv, a->dout, a->qkv, a->out, a->lse, NULL, a->B, a->T,
+    a->d->attention_backward(a->dt, a->dqkv, a->dout, a->qkv, a->out, a->lse, a->ws, a->B, a->T,
                              a->NH, a->NKV, a->HS);
 }
 
@@ -104,7 +107,7 @@ int main(int argc, char **argv) {
     d->describe(d, line, sizeof line);
     size_t es = fl_dtype_size(dt), N = (size_t)B * T, W = (size_t)(NH + 2 * NKV) * HS,
            C = (size_t)NH * HS;
-    att_bufs a = {d, dt, B, T, NH, NKV, HS, NULL, NULL, NULL, NULL, NULL};
+    att_bufs a = {d, dt, B, T, NH, NKV, HS, NULL, NULL, NULL, NULL, NULL, NULL};
     a.qkv = d->alloc(d, FL_MEM_WORKSPACE, N * W * es);
     a.dqkv = d->alloc(d, FL_MEM_WORKSPACE, N * W * es);
     a.out = d->alloc(d, FL_MEM_WORKSPACE, N * C * es);
@@ -122,12 +125,23 @@ int main(int argc, char **argv) {
     printf("causal attention, B %d T %d NH %d NKV %d HS %d, %s, on %s: the mean of %d calls "
            "after one\n",
            B, T, NH, NKV, HS, fl_dtype_name(dt), line, rounds);
-    const char *kernels[2] = {"mma", "wmma"};
-    for (int k = 0; k < 2; k++) {
-        setenv("FITLM_CUDA_ATTENTION", kernels[k], 1);
+    // the versions: the mma kernels with the workspace the backend asks
+    // for, and (grouped-query attention) without it; the wmma kernels
+    const struct {
+        const char *name, *env;
+        int ws;
+    } versions[] = {{"mma", "mma", 1}, {"mma-kvhead", "mma", 0}, {"wmma", "wmma", 1}};
+    for (int k = 0; k < 3; k++) {
+        if (!versions[k].ws && NKV == NH) continue; // the same kernels as mma's
+        setenv("FITLM_CUDA_ATTENTION", versions[k].env, 1);
+        size_t wf =
+            versions[k].ws ? d->attention_workspace_floats(dt, B, T, NH, HS, NH / NKV, 1) : 0;
+        a.ws = wf ? d->alloc(d, FL_MEM_WORKSPACE, wf * sizeof(float)) : NULL;
         double f = time_ms(&a, forward, rounds), b = time_ms(&a, backward, rounds);
         printf("RESULT kernels=%s fwd_ms=%.4f bwd_ms=%.4f fwd_tflops=%.1f bwd_tflops=%.1f\n",
-               kernels[k], f, b, fwd_flops / f / 1e9, bwd_flops / b / 1e9);
+               versions[k].name, f, b, fwd_flops / f / 1e9, bwd_flops / b / 1e9);
+        d->free(d, a.ws);
+        a.ws = NULL;
     }
     unsetenv("FITLM_CUDA_ATTENTION");
     if (scratch) {

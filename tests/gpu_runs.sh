@@ -463,31 +463,25 @@ for prec in fp32 bf16; do
     check $ok "llama $prec offloaded on $dev: the device's peak of gradients $peak bytes = the plan's ${planned:-?} (the ring), under the whole gradient's ${whole:-?}"
 done
 
+# zero_equals NAME BASE ZERO MESSAGE: llama bf16 with accumulation 3 under
+# the zero_optimization block ZERO, every step bitwise run BASE's
+zero_equals() {
+    printf '{"zero_optimization": %s}\n' "$3" >"$work/$1.json"
+    run "$1" "$dev" llama bf16 --grad-accum 3 --config "$work/$1.json"
+    cmp -s <(grep '^step' "$work/$1/log.txt") <(grep '^step' "$work/$2/log.txt") && ok=1 || ok=0
+    check $ok "$4"
+}
 # ZeRO's stages on one process (a single-GPU DeepSpeed config): the plain
-# step, every step bitwise the plain run's; ZeRO-Offload with the state
-# pinned too (pin_memory) every step bitwise the unpinned run's
-printf '{"zero_optimization": {"stage": 2, "overlap_comm": true}}\n' >"$work/zero2.json"
-run zero2_bf16 "$dev" llama bf16 --grad-accum 3 --config "$work/zero2.json"
-cmp -s <(grep '^step' "$work/zero2_bf16/log.txt") <(grep '^step' "$work/dev_bf16_acc/log.txt") &&
-    ok=1 || ok=0
-check $ok "llama bf16 with ZeRO-2 on one process on $dev: every step bitwise the plain run's"
-printf '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}\n' \
-    >"$work/pinned.json"
-run offacc_pin "$dev" llama bf16 --grad-accum 3 --config "$work/pinned.json"
-cmp -s <(grep '^step' "$work/offacc_pin/log.txt") <(grep '^step' "$work/offacc_bf16/log.txt") &&
-    ok=1 || ok=0
-check $ok "llama bf16 offloaded on $dev with pin_memory: every step bitwise the unpinned state's run"
-
-# The 16-bit gradients' fp32 sum on the device (accumulate_on_device): bf16
-# with accumulation 3, every step bitwise the offloaded run that sums on
-# the host (the same arithmetic, on the device)
+# step; ZeRO-Offload with the state pinned too (pin_memory) the unpinned
+# run's; the 16-bit gradients' fp32 sum on the device (accumulate_on_device)
+# the offloaded run that sums on the host (the same arithmetic, on the device)
+zero_equals zero2_bf16 dev_bf16_acc '{"stage": 2, "overlap_comm": true}' \
+    "llama bf16 with ZeRO-2 on one process on $dev: every step bitwise the plain run's"
+zero_equals offacc_pin offacc_bf16 '{"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": true}}' \
+    "llama bf16 offloaded on $dev with pin_memory: every step bitwise the unpinned state's run"
 if [ "$dev" != cpu ]; then
-    printf '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "accumulate_on_device": true}}}\n' \
-        >"$work/accdev.json"
-    run offacc_dev "$dev" llama bf16 --grad-accum 3 --config "$work/accdev.json"
-    cmp -s <(grep '^step' "$work/offacc_dev/log.txt") <(grep '^step' "$work/offacc_bf16/log.txt") &&
-        ok=1 || ok=0
-    check $ok "llama bf16 offloaded with accumulation 3 on $dev, summed on the device: every step bitwise the host-summed run's"
+    zero_equals offacc_dev offacc_bf16 '{"stage": 1, "offload_optimizer": {"device": "cpu", "accumulate_on_device": true}}' \
+        "llama bf16 offloaded with accumulation 3 on $dev, summed on the device: every step bitwise the host-summed run's"
 fi
 
 # The delayed update (offload_optimizer.delayed_update after one update, the

@@ -567,12 +567,31 @@ static void call_attention_bwd(tcase *t, const fl_device *x, void *p) {
                           m->ws[t->side ? 1 : 0], a->B, a->T, a->NH, a->NKV, a->HS);
 }
 
+// The backward of m's shape against the cpu's on qkv and the cpu forward's
+// out and lse.
+static void attention_bwd_case(att_args *m, const char *name, fl_dtype dt, const char *qkv,
+                               const void *out, const float *lse) {
+    const targs *g = &m->a;
+    int W = (g->NH + 2 * g->NKV) * g->HS, C = g->NH * g->HS;
+    size_t N = (size_t)g->B * g->T, D = fl_dtype_size(dt), off = (size_t)m->off;
+    tcase t = tc_new(name, dt);
+    // dqkv is overwritten (device.h): a random start the device must not
+    // add to (the cpu clears it), and before an odd offset left alone
+    m->a.a[0] = tc_acc(&t, dt, N * W + off, 1.0f);
+    m->a.a[1] = tc_in(&t, dt, N * C, 1.0f);
+    m->a.a[2] = tc_add(&t, dt, N * W + off, D, qkv, 0);
+    m->a.a[3] = tc_add(&t, dt, N * C, D, out, 0);
+    m->a.a[4] = tc_add(&t, FL_F32, (size_t)g->B * g->NH * g->T, 4, lse, 0);
+    tc_run(&t, call_attention_bwd, m, 1e-5);
+}
+
 static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int off) {
     att_args m = {.a = {.B = B, .T = T, .NH = NH, .NKV = NKV, .HS = HS}, .off = off};
     int group = NH / NKV, W = (NH + 2 * NKV) * HS, C = NH * HS;
     size_t N = (size_t)B * T;
-    size_t wc = fl_device_cpu_table()->attention_workspace_floats(dt, T, HS, group, fl_threads());
-    size_t wd = dev->attention_workspace_floats(dt, T, HS, group, fl_threads());
+    size_t wc =
+        fl_device_cpu_table()->attention_workspace_floats(dt, B, T, NH, HS, group, fl_threads());
+    size_t wd = dev->attention_workspace_floats(dt, B, T, NH, HS, group, fl_threads());
     m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc * sizeof(float)) : NULL;
     m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd * sizeof(float)) : NULL;
     char name[128];
@@ -594,15 +613,18 @@ static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int
     attention_forward(dt, out, lse, qkv + off * D, m.ws[0], B, T, NH, NKV, HS);
     snprintf(name, sizeof name, "attention_backward B %d T %d NH %d NKV %d HS %d%s%s", B, T, NH,
              NKV, HS, off ? " (qkv and dqkv at an odd offset)" : "", kernels);
-    t = tc_new(name, dt);
-    // dqkv is overwritten (device.h): a random start the device must not
-    // add to (the cpu clears it), and before an odd offset left alone
-    m.a.a[0] = tc_acc(&t, dt, N * W + off, 1.0f);
-    m.a.a[1] = tc_in(&t, dt, N * C, 1.0f);
-    m.a.a[2] = tc_add(&t, dt, N * W + off, D, qkv, 0);
-    m.a.a[3] = tc_add(&t, dt, N * C, fl_dtype_size(dt), out, 0);
-    m.a.a[4] = tc_add(&t, FL_F32, (size_t)B * NH * T, 4, lse, 0);
-    tc_run(&t, call_attention_bwd, &m, 1e-5);
+    attention_bwd_case(&m, name, dt, qkv, out, lse);
+    // grouped-query heads without the workspace the device asks only for
+    // them (cuda's per-query-head partials): a block per kv head
+    if (m.ws[1] && !dev->attention_workspace_floats(dt, B, T, NH, HS, 1, fl_threads())) {
+        void *ws = m.ws[1];
+        m.ws[1] = NULL;
+        snprintf(name, sizeof name,
+                 "attention_backward B %d T %d NH %d NKV %d HS %d%s, no workspace", B, T, NH, NKV,
+                 HS, off ? " (qkv and dqkv at an odd offset)" : "");
+        attention_bwd_case(&m, name, dt, qkv, out, lse);
+        m.ws[1] = ws;
+    }
     free(qkv), free(out), free(lse);
     fl_free(m.ws[0]);
     dev->free(dev, m.ws[1]);

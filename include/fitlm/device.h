@@ -112,8 +112,12 @@ struct fl_device {
 
     // ---- kernels (kernels.h)
     size_t (*matmul_workspace_bytes)(fl_dtype dt, int N, int C, int OC);
-    // floats for `threads` host threads (the cpu's per-thread workspace)
-    size_t (*attention_workspace_floats)(fl_dtype dt, int T, int HS, int group, int threads);
+    // attention's workspace in floats for B x T positions of NH query heads
+    // of HS values, `group` to a kv head: the cpu's per-thread rows for
+    // `threads` host threads; cuda's fp32 dK and dV per query head under
+    // grouped-query attention (attention_mma.cu)
+    size_t (*attention_workspace_floats)(fl_dtype dt, int B, int T, int NH, int HS, int group,
+                                         int threads);
     // the backend's own device scratch (cuda: the reductions' partial sums,
     // the embedding backward's buckets, attention's per-row D) for kernels
     // on at most N rows whose column sums (norm and bias gradients) are at

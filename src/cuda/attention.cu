@@ -353,12 +353,15 @@ float *fl_cuda_attention_rows_d(fl_dtype dt, const void *out, const void *dout, 
     return D;
 }
 
-// The kernels rebuild D per tile and keep every sum in shared memory: no
-// workspace, whatever the shape.
-extern "C" size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int T, int HS, int group,
-                                                     int threads) {
-    (void)dt, (void)T, (void)HS, (void)group, (void)threads;
-    return 0;
+// The kernels keep every sum in shared memory or registers (D, once per
+// backward, in the backend's scratch): no workspace, but for the mma.sync
+// backward under grouped-query attention, whose dK and dV are summed over
+// a kv head's query heads from per-head fp32 partials (attention_mma.cu).
+extern "C" size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int B, int T, int NH, int HS,
+                                                     int group, int threads) {
+    (void)threads;
+    if (!fl_cuda_attention_tc(dt, HS) || use_wmma() || group < 2) return 0;
+    return fl_cuda_attention_mma_partials(B, T, NH, HS);
 }
 
 extern "C" void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv,
@@ -385,14 +388,13 @@ extern "C" void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *
                                            const void *qkv, const void *out, const float *lse,
                                            float *workspace, int B, int T, int NH, int NKV,
                                            int HS) {
-    (void)workspace;
     att_shape a = shape_of(T, NH, NKV, HS);
     if (B <= 0 || T <= 0) return;
     if (fl_cuda_attention_tc(dt, HS)) {
         if (use_wmma())
             fl_cuda_attention_tc_backward(dt, dqkv, dout, qkv, out, lse, B, a);
         else
-            fl_cuda_attention_mma_backward(dt, dqkv, dout, qkv, out, lse, B, a);
+            fl_cuda_attention_mma_backward(dt, dqkv, dout, qkv, out, lse, workspace, B, a);
         return;
     }
     int tile = a.tile, hp = HS + 1;

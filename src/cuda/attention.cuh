@@ -26,8 +26,15 @@ static inline int fl_cuda_attention_tc(fl_dtype dt, int HS) {
 // them staged in shared memory (attention_tc.cu; FITLM_CUDA_ATTENTION=wmma).
 void fl_cuda_attention_mma_forward(fl_dtype dt, void *out, float *lse, const void *qkv, int B,
                                    const att_shape &a);
+// (partials: fl_cuda_attention_mma_partials floats, or NULL: under
+// grouped-query attention dK and dV summed per query head there and then
+// over the group, in a grid of every query head; else a kv head's blocks
+// run its group's heads in turn)
 void fl_cuda_attention_mma_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
-                                    const void *out, const float *lse, int B, const att_shape &a);
+                                    const void *out, const float *lse, float *partials, int B,
+                                    const att_shape &a);
+// The floats of the per-query-head fp32 dK and dV of B x T positions.
+size_t fl_cuda_attention_mma_partials(int B, int T, int NH, int HS);
 void fl_cuda_attention_tc_forward(fl_dtype dt, void *out, float *lse, const void *qkv, int B,
                                   const att_shape &a);
 void fl_cuda_attention_tc_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,

@@ -10,7 +10,9 @@
 // multiply-add and one exp2 (FlashAttention-2's form); only the tiles on
 // the diagonal or past T are masked; the online softmax rescales the
 // output accumulators in place. Deterministic:
-// every sum in a fixed order, no atomics; no workspace.
+// every sum in a fixed order, no atomics; no workspace but the backward's
+// per-query-head dK and dV under grouped-query attention (the partials:
+// attention_dkdv_mma's SPLIT), which a second kernel adds in head order.
 //
 // A lane holds, of each 16 x 8 accumulator tile, rows g = lane / 4 and
 // g + 8 at columns 2t and 2t + 1 (t = lane % 4): a row's values are spread
@@ -259,14 +261,39 @@ __device__ __forceinline__ mma_bwd_tiles mma_bwd_tiles_of(unsigned char *smem, i
     return t;
 }
 
-template <class E, int HT>
+// Rows g and g + 8 of the warp's 16 x HS accumulators into rows i and
+// i + 8 of fp32 rows HS apart (rows at or past T left alone), two columns
+// a store.
+template <int HT>
+__device__ __forceinline__ void mma_store_f32(float *base, const float (*acc)[4], int i, int T,
+                                              int HS) {
+    int c2 = 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int n = 0; n < HT; n++)
+        if (n * 8 < HS)
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                if (i + 8 * r < T)
+                    *(float2 *)(base + (size_t)(i + 8 * r) * HS + n * 8 + c2) =
+                        make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+}
+
+// SPLIT 0: a block per kv head and key tile, its group's query heads in
+// turn, dK and dV written to dqkv. SPLIT 1 (grouped-query attention): a
+// block per query head and key tile, its head's dK and dV (dK unscaled)
+// written in fp32 to the partials (K's, then V's: (B, NH, T, HS) each),
+// which attention_group_sum adds over the group: a kv head's work spread
+// over `group` times the blocks, as FlashAttention-2 spreads it.
+template <class E, int HT, int SPLIT>
 __global__ void __launch_bounds__(TC_THREADS)
-    attention_dkdv_mma(fl_dtype dt, void *dqkv, const void *dout, const void *qkv, const float *Dg,
-                       const float *lse, att_shape a, int vec) {
+    attention_dkdv_mma(fl_dtype dt, void *dqkv, float *partials, const void *dout, const void *qkv,
+                       const float *Dg, const float *lse, att_shape a, int vec) {
     extern __shared__ __align__(128) unsigned char smem[];
     int HS = a.HS, ldh = HS + 8, warp = threadIdx.x / 32;
     mma_bwd_tiles sh = mma_bwd_tiles_of(smem, HS);
-    int j0 = blockIdx.y * TC_TILE, b = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
+    int heads = SPLIT ? a.NH : a.NKV, hx = blockIdx.x % heads;
+    int j0 = blockIdx.y * TC_TILE, b = blockIdx.x / heads, g = SPLIT ? hx / a.group : hx;
+    int h_first = SPLIT ? hx : g * a.group, h_end = SPLIT ? hx + 1 : (g + 1) * a.group;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS;
     mma_copy_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
@@ -278,8 +305,8 @@ __global__ void __launch_bounds__(TC_THREADS)
     float dK[HT][4], dV[HT][4];
     mma_zero(dK, HT);
     mma_zero(dV, HT);
-    for (int h = g * a.group; h < (g + 1) * a.group; h++) // the group's query heads, in order
-        for (int i0 = j0; i0 < a.T; i0 += TC_TILE) {      // rows at or below the diagonal
+    for (int h = h_first; h < h_end; h++)            // the group's query heads, in order
+        for (int i0 = j0; i0 < a.T; i0 += TC_TILE) { // rows at or below the diagonal
             __syncthreads();
             size_t orow0 = (size_t)b * a.T * a.C + (size_t)h * HS;
             mma_copy_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
@@ -309,8 +336,40 @@ __global__ void __launch_bounds__(TC_THREADS)
             }
         }
     int i = j + threadIdx.x % 32 / 4;
+    if (SPLIT) {
+        size_t at = ((size_t)b * a.NH + hx) * a.T * HS, plane = (size_t)gridDim.x * a.T * HS;
+        mma_store_f32<HT>(partials + at, dK, i, a.T, HS);
+        mma_store_f32<HT>(partials + plane + at, dV, i, a.T, HS);
+        return;
+    }
     mma_store<HT>(dt, (char *)dqkv + koff * 2, a.W, dK, a.scale, a.scale, i, a.T, HS);
     mma_store<HT>(dt, (char *)dqkv + voff * 2, a.W, dV, 1.0f, 1.0f, i, a.T, HS);
+}
+
+// dK and dV of every (b, key j, kv head g) from the split kernel's
+// partials: the group's query heads added in head order (a fixed order:
+// deterministic), dK times the scale, each rounded once into dqkv.
+__global__ void attention_group_sum(fl_dtype dt, void *dqkv, const float *partials, int B,
+                                    att_shape a) {
+    size_t per = (size_t)a.NKV * a.HS, n = (size_t)B * a.T * per,
+           plane = (size_t)B * a.NH * a.T * a.HS;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (size_t)gridDim.x * blockDim.x) {
+        size_t d = idx % a.HS, g = idx / a.HS % a.NKV, j = idx / per % a.T, b = idx / per / a.T;
+        float k = 0.0f, v = 0.0f;
+        for (int m = 0; m < a.group; m++) {
+            size_t at = ((b * a.NH + g * a.group + m) * a.T + j) * a.HS + d;
+            k += partials[at];
+            v += partials[plane + at];
+        }
+        size_t kat = (b * a.T + j) * a.W + a.C + g * a.HS + d;
+        fl_d_store(dt, dqkv, kat, k * a.scale);
+        fl_d_store(dt, dqkv, kat + per, v); // V's heads follow K's
+    }
+}
+
+size_t fl_cuda_attention_mma_partials(int B, int T, int NH, int HS) {
+    return 2 * (size_t)B * T * NH * HS;
 }
 
 template <class E, int HT>
@@ -378,16 +437,30 @@ static void mma_forward(fl_dtype dt, void *out, float *lse, const void *qkv, int
 
 template <class E, int HT>
 static void mma_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
-                         const void *out, const float *lse, int B, const att_shape &a) {
+                         const void *out, const float *lse, float *partials, int B,
+                         const att_shape &a) {
     size_t smem = mma_smem(a.HS, 4, 2);
-    fl_cuda_attention_allow_smem((const void *)attention_dkdv_mma<E, HT>, smem,
-                                 "attention_backward");
+    int split = partials && a.group > 1;
+    const void *dkdv = split ? (const void *)attention_dkdv_mma<E, HT, 1>
+                             : (const void *)attention_dkdv_mma<E, HT, 0>;
+    fl_cuda_attention_allow_smem(dkdv, smem, "attention_backward");
     fl_cuda_attention_allow_smem((const void *)attention_dq_mma<E, HT>, smem, "attention_backward");
     int tiles = (a.T + TC_TILE - 1) / TC_TILE, vec = tc_vec_ok(qkv, dout);
     float *D = fl_cuda_attention_rows_d(dt, out, dout, B, a);
-    attention_dkdv_mma<E, HT><<<dim3(B * a.NKV, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(
-        dt, dqkv, dout, qkv, D, lse, a, vec);
-    FL_CUDA_LAUNCHED("attention_backward (dk, dv; mma)");
+    if (split) {
+        attention_dkdv_mma<E, HT, 1><<<dim3(B * a.NH, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(
+            dt, dqkv, partials, dout, qkv, D, lse, a, vec);
+        FL_CUDA_LAUNCHED("attention_backward (dk, dv per query head; mma)");
+        size_t n = (size_t)B * a.T * a.NKV * a.HS;
+        attention_group_sum<<<fl_cuda_blocks(n, 256), 256, 0, fl_cuda_stream()>>>(dt, dqkv,
+                                                                                  partials, B, a);
+        FL_CUDA_LAUNCHED("attention_backward (dk, dv over the group)");
+    } else {
+        attention_dkdv_mma<E, HT, 0>
+            <<<dim3(B * a.NKV, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(dt, dqkv, NULL, dout,
+                                                                             qkv, D, lse, a, vec);
+        FL_CUDA_LAUNCHED("attention_backward (dk, dv; mma)");
+    }
     attention_dq_mma<E, HT><<<dim3(B * a.NH, tiles), TC_THREADS, smem, fl_cuda_stream()>>>(
         dt, dqkv, dout, qkv, D, lse, a, vec);
     FL_CUDA_LAUNCHED("attention_backward (dq; mma)");
@@ -409,13 +482,14 @@ void fl_cuda_attention_mma_forward(fl_dtype dt, void *out, float *lse, const voi
 }
 
 void fl_cuda_attention_mma_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
-                                    const void *out, const float *lse, int B, const att_shape &a) {
+                                    const void *out, const float *lse, float *partials, int B,
+                                    const att_shape &a) {
     if (dt == FL_BF16 && a.HS <= 64)
-        mma_backward<__nv_bfloat16, 8>(dt, dqkv, dout, qkv, out, lse, B, a);
+        mma_backward<__nv_bfloat16, 8>(dt, dqkv, dout, qkv, out, lse, partials, B, a);
     else if (dt == FL_BF16)
-        mma_backward<__nv_bfloat16, 16>(dt, dqkv, dout, qkv, out, lse, B, a);
+        mma_backward<__nv_bfloat16, 16>(dt, dqkv, dout, qkv, out, lse, partials, B, a);
     else if (a.HS <= 64)
-        mma_backward<__half, 8>(dt, dqkv, dout, qkv, out, lse, B, a);
+        mma_backward<__half, 8>(dt, dqkv, dout, qkv, out, lse, partials, B, a);
     else
-        mma_backward<__half, 16>(dt, dqkv, dout, qkv, out, lse, B, a);
+        mma_backward<__half, 16>(dt, dqkv, dout, qkv, out, lse, partials, B, a);
 }

@@ -137,7 +137,8 @@ void fl_cuda_residual_forward(fl_dtype dt, void *out, const void *a, const void 
 void fl_cuda_residual_backward(fl_dtype dt, void *da, void *db, const void *dout, size_t N);
 void fl_cuda_bias_forward(fl_dtype dt, void *out, const void *bias, int N, int OC);
 
-size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int T, int HS, int group, int threads);
+size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int B, int T, int NH, int HS, int group,
+                                          int threads);
 void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, const void *qkv,
                                float *workspace, int B, int T, int NH, int NKV, int HS);
 void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,

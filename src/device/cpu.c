@@ -173,7 +173,9 @@ static void cpu_sumsq_rows(fl_dtype dt, const void *x, int n, const size_t *offs
         out[i] = fl_grad_sumsq(dt, fl_at_const(dt, x, offsets[i]), counts[i]);
 }
 
-static size_t cpu_attention_workspace(fl_dtype dt, int T, int HS, int group, int threads) {
+static size_t cpu_attention_workspace(fl_dtype dt, int B, int T, int NH, int HS, int group,
+                                      int threads) {
+    (void)B, (void)NH;
     return attention_workspace_floats(dt, T, HS, group) * (size_t)threads;
 }
 

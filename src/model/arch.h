@@ -44,10 +44,10 @@ struct fl_arch {
     int (*work_slots)(const fl_model_config *c, fl_slot *out);
     // every GEMM shape of a step (the driver sizes the GEMM workspace for the largest)
     int (*linears)(const fl_model_config *c, fl_linear *out);
-    // attention's scratch on device d (for `threads` host threads), and
-    // tables computed once per allocation
-    size_t (*attention_floats)(const fl_model_config *c, const fl_device *d, fl_dtype dt, int T,
-                               int threads);
+    // attention's scratch on device d for B x T positions (and `threads`
+    // host threads), and tables computed once per allocation
+    size_t (*attention_floats)(const fl_model_config *c, const fl_device *d, fl_dtype dt, int B,
+                               int T, int threads);
     size_t (*rope_floats)(const fl_model_config *c, int T); // 0: none
     void (*embed_forward)(fl_model *m, void *out, const int *tokens, int B, int T);
     void (*embed_backward)(fl_model *m, const void *dout, const int *tokens, int B, int T);

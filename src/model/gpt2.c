@@ -155,9 +155,10 @@ static int linears(const fl_model_config *c, fl_linear *out) {
     return NLIN;
 }
 
-static size_t attention_floats(const fl_model_config *c, const fl_device *d, fl_dtype dt, int T,
-                               int threads) {
-    return d->attention_workspace_floats(dt, T, c->n_embd / c->n_head, 1, threads);
+static size_t attention_floats(const fl_model_config *c, const fl_device *d, fl_dtype dt, int B,
+                               int T, int threads) {
+    return d->attention_workspace_floats(dt, B, T, c->n_head / fl_tp_ways(c), c->n_embd / c->n_head,
+                                         1, threads);
 }
 
 static size_t rope_floats(const fl_model_config *c, int T) {

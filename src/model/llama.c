@@ -168,10 +168,10 @@ static int head_unit(const fl_model_config *c) {
     return c->tie_embeddings ? FL_UNIT_EMBED : FL_UNIT_HEAD(c->n_layer);
 }
 
-static size_t attention_floats(const fl_model_config *c, const fl_device *d, fl_dtype dt, int T,
-                               int threads) {
-    return d->attention_workspace_floats(dt, T, c->n_embd / c->n_head, c->n_head / c->n_kv_head,
-                                         threads);
+static size_t attention_floats(const fl_model_config *c, const fl_device *d, fl_dtype dt, int B,
+                               int T, int threads) {
+    return d->attention_workspace_floats(dt, B, T, c->n_head / fl_tp_ways(c), c->n_embd / c->n_head,
+                                         c->n_head / c->n_kv_head, threads);
 }
 
 static size_t rope_floats(const fl_model_config *c, int T) {

@@ -507,7 +507,7 @@ static int act_specs(fl_model *m, const fl_device *dev, const fl_model_config *c
         SPEC(m->tp_norm_grads, tokenwise_numel(c, rows), D, FL_MEM_WORKSPACE);
     }
     SPEC(m->dlosses, BT, F, FL_MEM_WORKSPACE);
-    SPEC(m->att_workspace, arch->attention_floats(c, dev, dt, T, threads), F, FL_MEM_WORKSPACE);
+    SPEC(m->att_workspace, arch->attention_floats(c, dev, dt, B, T, threads), F, FL_MEM_WORKSPACE);
     // the largest GEMM workspace of the step
     fl_linear lins[FL_MAX_SLOTS];
     int nl = arch->linears(c, lins);

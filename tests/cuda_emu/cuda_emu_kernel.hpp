@@ -30,6 +30,14 @@ struct uint3 {
     unsigned int x, y, z;
 };
 
+// CUDA's vector type of two floats, 8-byte aligned as vector_types.h's
+struct alignas(8) float2 {
+    float x, y;
+};
+static inline float2 make_float2(float x, float y) {
+    return float2{x, y};
+}
+
 struct dim3 {
     unsigned int x, y, z;
     constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1)
