@@ -103,20 +103,27 @@ __device__ __forceinline__ void mma_zero(float (*acc)[4], int tiles) {
 
 // Rows g and g + 8 of the warp's 16 x HS accumulators, times f, into rows
 // i and i + 8 of a head (ld values apart; rows at or past T left alone):
-// dqkv is overwritten (device.h), out written once.
+// dqkv is overwritten (device.h), out written once. A lane's two columns
+// of a row go in one 4-byte store where the head's rows are 4-byte aligned
+// (an odd offset into dqkv is not: two 2-byte stores).
 template <int HT>
 __device__ __forceinline__ void mma_store(fl_dtype dt, void *base, size_t ld, const float (*acc)[4],
                                           float f0, float f1, int i, int T, int HS) {
-    int t = threadIdx.x % 4;
+    int c2 = 2 * (threadIdx.x % 4), pair = (uintptr_t)base % 4 == 0 && ld % 2 == 0;
 #pragma unroll
     for (int n = 0; n < HT; n++)
         if (n * 8 < HS)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int r = i + 8 * (e / 2);
-                if (r < T)
-                    fl_d_store(dt, base, (size_t)r * ld + n * 8 + 2 * t + e % 2,
-                               (e < 2 ? f0 : f1) * acc[n][e]);
+            for (int r = 0; r < 2; r++) {
+                int row = i + 8 * r;
+                if (row >= T) continue;
+                float f = r ? f1 : f0, x0 = f * acc[n][2 * r], x1 = f * acc[n][2 * r + 1];
+                size_t at = (size_t)row * ld + n * 8 + c2;
+                if (pair)
+                    *(uint32_t *)((uint16_t *)base + at) =
+                        tc_bits(dt, x0) | (uint32_t)tc_bits(dt, x1) << 16;
+                else
+                    fl_d_store(dt, base, at, x0), fl_d_store(dt, base, at + 1, x1);
             }
 }
 
@@ -283,9 +290,11 @@ __device__ __forceinline__ void mma_store_f32(float *base, const float (*acc)[4]
 // block per query head and key tile, its head's dK and dV (dK unscaled)
 // written in fp32 to the partials (K's, then V's: (B, NH, T, HS) each),
 // which attention_group_sum adds over the group: a kv head's work spread
-// over `group` times the blocks, as FlashAttention-2 spreads it.
+// over `group` times the blocks, as FlashAttention-2 spreads it. Heads of
+// up to 64 values: at most 128 registers (4 blocks a multiprocessor), or
+// 168 split (3: under 4 ptxas spills), and no spill (nvcc 13, sm_90a).
 template <class E, int HT, int SPLIT>
-__global__ void __launch_bounds__(TC_THREADS)
+__global__ void __launch_bounds__(TC_THREADS, HT == 8 ? (SPLIT ? 3 : 4) : 1)
     attention_dkdv_mma(fl_dtype dt, void *dqkv, float *partials, const void *dout, const void *qkv,
                        const float *Dg, const float *lse, att_shape a, int vec) {
     extern __shared__ __align__(128) unsigned char smem[];
