@@ -486,6 +486,42 @@ static void test_grad_ring_plan(void) {
     }
 }
 
+// The figure after `key` up to `end` in text, into out ("" when missing).
+static void figure_after(const char *text, const char *key, char end, char *out, size_t size) {
+    const char *at = strstr(text, key);
+    size_t n = at ? strcspn(at + strlen(key), (char[]){end, '\n', 0}) : 0;
+    snprintf(out, size, "%.*s", (int)(n < size ? n : size - 1), at ? at + strlen(key) : "");
+}
+
+// A device's run that does not fit its budget: what would fit names
+// ZeRO-Offload and the weight offload, each with the device bytes `fitlm
+// plan` gives that run offloaded, and the host bytes it moves there.
+static void test_offload_advice(void) {
+    const char *flags = "--model tinyllama-1.1b --precision bf16 --batch 4 --seq-len 64 "
+                        "--activation-checkpointing block --device test";
+    fails_with("What would fit", "train " RUN " %s --mem-limit 4GiB --steps 1", flags);
+    static char advice[sizeof output];
+    memcpy(advice, output, sizeof output);
+    const struct {
+        const char *key, *config;
+    } ways[] = {{"(ZeRO-Offload; host ", "off1.json"}, {"(weight offload; host ", "w3d.json"}};
+    for (int k = 0; k < 2; k++) {
+        char host[32], device[32], planned[32];
+        figure_after(advice, ways[k].key, ')', host, sizeof host);
+        const char *after = strstr(advice, ways[k].key);
+        figure_after(after ? after : "", "): ", '\n', device, sizeof device);
+        // "device memory ... free on test (...): 3.31 GiB needed, fits"
+        int rc = fitlm("plan " RUN " %s --config %s", flags, ways[k].config);
+        const char *need = strstr(output, " needed, fits"), *from = need;
+        while (from && from > output && strncmp(from, ": ", 2)) from--;
+        snprintf(planned, sizeof planned, "%.*s", need && from ? (int)(need - from - 2) : 0,
+                 need && from ? from + 2 : "");
+        t_check(rc == 0 && *host && *device && !strcmp(device, planned),
+                "what would fit names %s%s): %s, the plan's %s with %s (%s)", ways[k].key, host,
+                device, planned, ways[k].config, advice);
+    }
+}
+
 static void test_refusals(void) {
     // the pinned bytes over the host's memory (on a device --mem-limit is the
     // device's budget; the host has its available memory): with pin_memory
@@ -859,6 +895,8 @@ int main(void) {
                       "{\"device\": \"cpu\"}}}"},
         {"off1.json", "{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": "
                       "{\"device\": \"cpu\"}}}"},
+        {"w3d.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
+                     "{\"device\": \"cpu\"}, \"offload_param\": {\"device\": \"cpu\"}}}"},
         {"off2.json", "{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": "
                       "{\"device\": \"cpu\"}}}"},
         {"off3.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": "
@@ -934,6 +972,7 @@ int main(void) {
     test_overlap();
     test_resume_bitwise();
     test_plan_equals_measured();
+    test_offload_advice();
     test_weight_offload();
     test_weight_offload_resume();
     test_weight_offload_nvme();

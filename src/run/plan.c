@@ -985,8 +985,29 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
             put_fit(&s, flags, r, &v, total, runnable, per);
         }
     }
-    // a device's run on the host: ZeRO-Offload's state on NVMe instead
+    // a device's run on the device: the optimizer in host memory
+    // (ZeRO-Offload), and the weights too (ZeRO-3's weight offload), where
+    // the run could take them (AdamW or SGD, not in the backward pass, no
+    // LoRA), with the host bytes they move there
     int on_device = r->dev && !r->dev->host;
+    int offloadable = (r->optim.kind == FL_OPT_ADAMW || r->optim.kind == FL_OPT_SGD) &&
+                      !fl_optim_in_backward(&r->optim) && !lora_of(r);
+    static const char *const offloads[2] = {
+        "zero_optimization.offload_optimizer.device cpu (ZeRO-Offload",
+        "zero_optimization.stage 3, offload_param and offload_optimizer device cpu (weight "
+        "offload"};
+    for (int k = 0; shaped && device && on_device && offloadable && k < 2; k++) {
+        if (k == 0 ? r->dev_offload : r->dev_weights) continue; // what the run does already
+        v = *r;
+        v.dev_offload = 1;
+        v.dev_weights = k == 1;
+        if (!(total = fit_by_batch(r, &v, r->B, limit, device, &runnable))) continue;
+        char flags[192], hb[FL_SIZE_TEXT];
+        snprintf(flags, sizeof flags, "%s; host %s)", offloads[k],
+                 fl_size_text(plan_total(&v, 0, NULL), hb));
+        put_fit(&s, flags, r, &v, total, runnable, per);
+    }
+    // a device's run on the host: ZeRO-Offload's state on NVMe instead
     // (its chunk buffers at the request's sub_group_size, else at 1e8
     // elements: DeepSpeed's 1e9 makes 12 GB of them a buffer under AdamW)
     int try_nvme = !device && on_device && r->dev_offload && !r->optim.paged;
@@ -1010,7 +1031,9 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
             put(&s,
                 "  (none of: a smaller micro-batch, bf16, activation checkpointing, the LM "
                 "head in chunks%s)\n",
-                try_nvme ? ", the optimizer's state on NVMe" : "");
+                try_nvme                             ? ", the optimizer's state on NVMe"
+                : device && on_device && offloadable ? ", the optimizer or weights offloaded"
+                                                     : "");
         return;
     }
     // formula-only strategies
