@@ -1007,6 +1007,16 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
                  fl_size_text(plan_total(&v, 0, NULL), hb));
         put_fit(&s, flags, r, &v, total, runnable, per);
     }
+    // and LOMO's update in the backward pass, which keeps no state and one
+    // unit's gradient (no accumulation: the micro-batch alone halves)
+    if (shaped && device && on_device && offloadable && !r->dev_offload) {
+        v = *r;
+        v.optim.kind = FL_OPT_LOMO;
+        v.optim.grad_accum = 1;
+        for (v.B = r->B; v.B >= 1; v.B /= 2)
+            if ((total = plan_total(&v, device, &runnable)) <= limit) break;
+        if (v.B >= 1) put_fit(&s, "--optimizer lomo", r, &v, total, runnable, per);
+    }
     // a device's run on the host: ZeRO-Offload's state on NVMe instead
     // (its chunk buffers at the request's sub_group_size, else at 1e8
     // elements: DeepSpeed's 1e9 makes 12 GB of them a buffer under AdamW)
@@ -1032,7 +1042,7 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
                 "  (none of: a smaller micro-batch, bf16, activation checkpointing, the LM "
                 "head in chunks%s)\n",
                 try_nvme                             ? ", the optimizer's state on NVMe"
-                : device && on_device && offloadable ? ", the optimizer or weights offloaded"
+                : device && on_device && offloadable ? ", the optimizer or weights offloaded, LOMO"
                                                      : "");
         return;
     }
