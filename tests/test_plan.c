@@ -1111,11 +1111,28 @@ static void test_check_fits(void) {
     t_check(1, "a plan that fits passes");
     t_dies("too big: names the largest tag", check_fits_dies, NULL, "Largest: acts");
     t_dies("too big: a micro-batch that fits", check_fits_dies, NULL, "--batch 8 --grad-accum 8");
-    t_dies("too big: formula-only alternatives", check_fits_dies, NULL, "(not runnable yet)");
+    t_dies("too big: LOMO, as the engine runs it", check_fits_dies, NULL, "--optimizer lomo");
     char alt[2048];
     fl_plan_alternatives(&big_batch, fits_at_8, alt, sizeof alt);
     printf("  alternatives under %zu bytes:\n%s", fits_at_8, alt);
     t_check(strstr(alt, "--precision bf16") != NULL, "bf16 is offered");
+    // LOMO offered as it runs (one process, AdamW's request), not as its
+    // formula, at the plan of that run
+    fl_plan_request lomo = big_batch;
+    lomo.optim.kind = FL_OPT_LOMO;
+    lomo.optim.grad_accum = 1;
+    fl_plan pl;
+    char h[FL_SIZE_TEXT], want[96];
+    for (; lomo.B > 1; lomo.B /= 2) {
+        fl_plan_compute(&lomo, &pl);
+        if (pl.total <= fits_at_8) break;
+    }
+    fl_plan_compute(&lomo, &pl);
+    snprintf(want, sizeof want, "  --optimizer lomo%s%.0d%s: %s\n",
+             lomo.B != big_batch.B ? " --batch " : "", lomo.B != big_batch.B ? lomo.B : 0,
+             big_batch.optim.grad_accum != 1 ? " --grad-accum 1" : "", fl_size_text(pl.total, h));
+    t_check(strstr(alt, want) && !strstr(alt, "--lomo:") && pl.runnable,
+            "LOMO at its runnable plan (%s), not its formula: %s", want, alt);
 }
 
 // A device's ZeRO-Offload run whose host memory does not fit: what would

@@ -1007,9 +1007,12 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
                  fl_size_text(plan_total(&v, 0, NULL), hb));
         put_fit(&s, flags, r, &v, total, runnable, per);
     }
-    // and LOMO's update in the backward pass, which keeps no state and one
-    // unit's gradient (no accumulation: the micro-batch alone halves)
-    if (shaped && device && on_device && offloadable && !r->dev_offload) {
+    // LOMO's update in the backward pass, which keeps no state and one
+    // unit's gradient (no accumulation: the micro-batch alone halves), on
+    // one process (cpu or device; elsewhere its formula, below)
+    int lomo_runs = shaped && offloadable && !r->dev_offload && !r->lomo && dp_of(r) == 1 &&
+                    tp_of(r) == 1 && pp_of(r) == 1;
+    if (lomo_runs && (device || !on_device)) {
         v = *r;
         v.optim.kind = FL_OPT_LOMO;
         v.optim.grad_accum = 1;
@@ -1047,7 +1050,7 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
         return;
     }
     // formula-only strategies
-    if (!r->lomo) {
+    if (!r->lomo && !lomo_runs) {
         v = *r;
         v.lomo = 1;
         if ((total = fit_by_batch(r, &v, r->B, limit, device, &runnable)))
