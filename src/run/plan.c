@@ -536,16 +536,13 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     b[FL_MEM_WORKSPACE] += gates;
     if (r->dev_offload) { // the host copies of weights and gradients, pinned, and the
                           // optimizer's bytes, pinned with pin_memory (device_offload.c)
-        int pin_state = r->optim.pin_memory;
-        size_t *state = pin_state ? out->pinned : out->hosted;
-        static const int tags[] = {FL_MEM_PARAMS, FL_MEM_GRADS, FL_MEM_MASTER, FL_MEM_OPTIM};
-        for (int k = 0; k < 4; k++) state[tags[k]] = opt[tags[k]]; // (not NVMe's buffers)
-        state[FL_MEM_WORKSPACE] += gates;                          // the host optimizer's
-        // accumulate_on_device: the fp32 sum, a download target, is pinned
-        if (r->optim.accumulate_on_device && !pin_state) {
-            out->pinned[FL_MEM_GRADS] = opt[FL_MEM_GRADS];
-            out->hosted[FL_MEM_GRADS] = 0;
-        }
+        size_t *state = r->optim.pin_memory ? out->pinned : out->hosted;
+        // the fp32 sum: pinned too where the device's sum is downloaded into it
+        size_t *sum = r->optim.accumulate_on_device ? out->pinned : state;
+        static const int tags[] = {FL_MEM_PARAMS, FL_MEM_MASTER, FL_MEM_OPTIM};
+        for (int k = 0; k < 3; k++) state[tags[k]] = opt[tags[k]]; // (not NVMe's buffers)
+        sum[FL_MEM_GRADS] = opt[FL_MEM_GRADS];
+        state[FL_MEM_WORKSPACE] += gates; // the host optimizer's
         out->pinned[FL_MEM_PARAMS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
         // accumulate_on_device: the fp32 sum on the device instead of the
@@ -554,13 +551,11 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
             b[FL_MEM_GRADS] += numel * sizeof(float) - numel * ds;
         else
             out->pinned[FL_MEM_GRADS] += numel * ds;
-        // the delayed update: a second buffer of what it reads (the fp32
-        // sum, where there is one, else the gradients)
-        // (pinned but for a host sum of the host's memory)
+        // the delayed update: a second buffer of what it reads, of its memory
+        // (the fp32 sum, where there is one, else the pinned gradients)
         if (r->optim.delayed_update) {
             size_t spare = opt[FL_MEM_GRADS] ? opt[FL_MEM_GRADS] : numel * ds;
-            int host_sum = opt[FL_MEM_GRADS] && !r->optim.accumulate_on_device;
-            (host_sum ? state : out->pinned)[FL_MEM_GRADS] += spare;
+            (opt[FL_MEM_GRADS] ? sum : out->pinned)[FL_MEM_GRADS] += spare;
             b[FL_MEM_GRADS] += spare;
         }
         // the device holds no whole gradient: a ring of two units' (and the
@@ -867,7 +862,7 @@ static size_t fit_by_batch(const fl_plan_request *base, fl_plan_request *v, int 
     const size_t seqs = (size_t)base->B * base->optim.grad_accum * dp_of(base);
     for (v->B = B;; v->B /= 2) {
         size_t per_step = (size_t)v->B * dp_of(v);
-        if (v->lomo)
+        if (v->lomo || v->optim.kind == FL_OPT_LOMO) // (it cannot accumulate)
             v->optim.grad_accum = 1;
         else if (per_step)
             v->optim.grad_accum = per_step >= seqs ? 1 : (int)ceil_div(seqs, per_step);
@@ -1015,10 +1010,8 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
     if (lomo_runs && (device || !on_device)) {
         v = *r;
         v.optim.kind = FL_OPT_LOMO;
-        v.optim.grad_accum = 1;
-        for (v.B = r->B; v.B >= 1; v.B /= 2)
-            if ((total = plan_total(&v, device, &runnable)) <= limit) break;
-        if (v.B >= 1) put_fit(&s, "--optimizer lomo", r, &v, total, runnable, per);
+        if ((total = fit_by_batch(r, &v, r->B, limit, device, &runnable)))
+            put_fit(&s, "--optimizer lomo", r, &v, total, runnable, per);
     }
     // a device's run on the host: ZeRO-Offload's state on NVMe instead
     // (its chunk buffers at the request's sub_group_size, else at 1e8
