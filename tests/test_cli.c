@@ -121,6 +121,27 @@ static void test_bad_flags(void) {
     fails_with("train --optimizer adalomo --clip-grad-value 1", "applies to lomo, not adalomo");
     fails_with("train --optimizer adamw --clip-threshold 2", "applies to adalomo, not adamw");
     fails_with("train --optimizer lomo --stochastic-rounding", "applies to bf16 and fp16 weights");
+    // DeepSpeed's schedules: their own parameters, never another's
+    fails_with("train --scheduler OneCycle",
+               "must be one of constant|cosine|linear|WarmupLR|WarmupDecayLR|WarmupCosineLR");
+    fails_with("train --scheduler warmuplr --min-lr-ratio 0.2",
+               "scheduler.params.min_lr_ratio applies to scheduler.type constant cosine linear, "
+               "not WarmupLR");
+    fails_with(
+        "train --cos-min-ratio 0.1",
+        "scheduler.params.cos_min_ratio applies to scheduler.type WarmupCosineLR, not cosine");
+    fails_with(
+        "train --scheduler WarmupLR --total-num-steps 10",
+        "total_num_steps applies to scheduler.type WarmupDecayLR WarmupCosineLR, not WarmupLR");
+    fails_with(
+        "train --scheduler WarmupCosineLR --warmup-max-lr 0.01",
+        "warmup_max_lr applies to scheduler.type WarmupLR WarmupDecayLR, not WarmupCosineLR");
+    fails_with("train --scheduler WarmupLR --warmup 0", "take a positive number of warmup steps");
+    fails_with("train --scheduler WarmupLR --lr 1e-4 --warmup-max-lr 1e-3",
+               "optimizer.params.lr 0.0001 and the scheduler WarmupLR's warmup_max_lr 0.001: "
+               "DeepSpeed would train at the scheduler's");
+    fails_with("train --scheduler WarmupDecayLR --lr 1e-4",
+               "warmup_max_lr 0.001 (its default): DeepSpeed would train at the scheduler's");
 }
 
 static void test_bad_config_files(void) {
@@ -132,8 +153,11 @@ static void test_bad_config_files(void) {
     fails_with("train --config both.json", "cannot both be true");
     write_text("contra.json", "{\"precision\": \"fp32\", \"fp16\": {\"enabled\": true}}");
     fails_with("train --config contra.json", "precision 'fp32' contradicts fp16.enabled");
-    write_text("fp16key.json", "{\"fp16\": {\"enabled\": false, \"loss_scale_window\": 10}}");
+    write_text("fp16key.json", "{\"fp16\": {\"loss_scale_window\": 10}}");
     fails_with("train --config fp16key.json", "fp16.loss_scale_window applies to fp16 training");
+    write_text("wallclock.json", "{\"wall_clock_breakdown\": false}");
+    fails_with("train --config wallclock.json --profile",
+               "profile true contradicts wall_clock_breakdown false");
     write_text("type.json", "{\"train_micro_batch_size_per_gpu\": \"eight\"}");
     fails_with("train --config type.json", "train_micro_batch_size_per_gpu must be a number");
     write_text("range.json", "{\"gradient_accumulation_steps\": 0}");
@@ -1032,6 +1056,88 @@ static void resume_matches(const char *name, const char *common, int at, int thr
     int lora = strstr(common, "--lora") != NULL;
     t_check(ckpt_tensors_equal(a, b) && (lora || fl_ckpts_equal(a, b)),
             "%s: the final weights and optimizer state are bit for bit the same", common);
+}
+
+// Each step's learning rate in DIR/log.txt into lr[] (at most n), and how
+// many there were.
+static int step_lrs(const char *dirname, double *lr, int n) {
+    char name[256];
+    static char log[16384];
+    snprintf(name, sizeof name, "%s/log.txt", dirname);
+    read_file(name, log, sizeof log);
+    int k = 0;
+    for (const char *p = strstr(log, " lr "); p && k < n; p = strstr(p + 1, " lr "))
+        lr[k++] = atof(p + 4);
+    return k;
+}
+
+// A DeepSpeed single-GPU config as such configs come (HF's ZeRO-2 offload
+// example, "auto" values given): an fp16 block switched off with its
+// settings, WarmupDecayLR, steps_per_print, wall_clock_breakdown. It runs,
+// at DeepSpeed's rates: 0 before its scheduler's first step and at its
+// iteration 0 (log 1), then warmup_max_lr, then down a line to 0 at
+// total_num_steps.
+static void test_deepspeed_zero2_offload_example(void) {
+    char args[1024];
+    snprintf(args, sizeof args,
+             "train --config %s --model tiny --tokenizer byte --data small --seq-len 16 "
+             "--steps 6 --out ds_z2 --sample-tokens 0 --eval-iters 1 --threads 1 --device test",
+             t_source_path("tests/fixtures/deepspeed_zero2_offload.json"));
+    int rc = fitlm(args);
+    t_check(rc == 0 && strstr(output, "ZeRO-2 on one process") &&
+                strstr(output, "(WarmupDecayLR from 0, warmup 2 log, total_num_steps 6)") &&
+                strstr(output, "step     6/6") && !strstr(output, "step     5/6"),
+            "the ZeRO-2 offload example config runs, printing its last step only (steps_per_print "
+            "2000) (status %d): %.600s",
+            rc, output);
+    const double want[] = {0, 0, 3e-4, 3e-4, 2.25e-4, 1.5e-4};
+    double lr[8];
+    int n = step_lrs("ds_z2", lr, 8), same = n == 6;
+    for (int i = 0; same && i < n; i++) same = fabs(lr[i] - want[i]) <= 1e-6 * want[i];
+    t_check(same, "WarmupDecayLR's rates, step by step (%d steps: %g %g %g %g %g %g)", n, lr[0],
+            lr[1], lr[2], lr[3], lr[4], lr[5]);
+}
+
+// DeepSpeed's scheduler steps after each update an fp16 overflow did not
+// skip: WarmupLR (linear, 0.001 to 0.01 over 4) after n updates applied is
+// rate[n], whatever the steps skipped before; a resume goes on with it.
+static void test_deepspeed_schedule_skips(void) {
+    write_text(
+        "dsched.json",
+        "{\"train_micro_batch_size_per_gpu\": 2, \"seq_len\": 16, \"model\": {\"preset\": "
+        "\"tiny\"}, \"data\": \"small\", \"tokenizer\": \"byte\", \"sample_tokens\": 0, "
+        "\"eval_iters\": 1, \"scheduler\": {\"type\": \"WarmupLR\", \"params\": "
+        "{\"warmup_min_lr\": 0.001, \"warmup_max_lr\": 0.01, \"warmup_num_steps\": 4, "
+        "\"warmup_type\": \"linear\"}}, \"fp16\": {\"enabled\": true, \"initial_scale_power\": "
+        "20, \"hysteresis\": 1}, \"steps_per_print\": 3}");
+    const char *run = "train --config dsched.json --steps 8 --threads 1";
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "%s --out dsched", run);
+    int rc = fitlm(cmd);
+    t_check(rc == 0 && strstr(output, "step     3/8") && strstr(output, "step     8/8") &&
+                !strstr(output, "step     4/8"),
+            "steps_per_print 3: the step lines of steps 3, 6 and the last (status %d): %.600s", rc,
+            output);
+    static char metrics[65536];
+    read_file("dsched/metrics.jsonl", metrics, sizeof metrics);
+    const double rate[] = {0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.01};
+    int steps = 0, applied = 0, skips = 0, ok = 1;
+    for (const char *p = strstr(metrics, "\"lr\":"); p; p = strstr(p + 1, "\"lr\":"), steps++) {
+        double lr = atof(p + 5), want = rate[applied < 5 ? applied : 5];
+        const char *skipped = strstr(p, "\"skipped\":");
+        int skip = skipped && atoi(skipped + 10);
+        if (fabs(lr - want) > 1e-6 * want) {
+            ok = 0;
+            printf("  step %d: lr %g after %d updates, want %g\n", steps + 1, lr, applied, want);
+        }
+        skips += skip;
+        applied += !skip;
+    }
+    t_check(ok && steps == 8 && skips > 0 && applied > 2,
+            "each step's rate is WarmupLR's at the updates applied before it (%d steps, %d "
+            "skipped by fp16 overflows)",
+            steps, skips);
+    resume_matches("dsched_", run, 6, 1);
 }
 
 // 3 steps, save, resume, 3 more = 6 uninterrupted steps; `extra` selects the
@@ -2748,6 +2854,8 @@ int main(void) {
     test_zero_optimization_keys();
     test_tensor_parallel_flags();
     test_deepspeed_zero3_example();
+    test_deepspeed_zero2_offload_example();
+    test_deepspeed_schedule_skips();
     test_same_seed_same_losses();
     test_resume_is_bitwise();
     test_export_and_pretrained();

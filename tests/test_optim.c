@@ -701,7 +701,7 @@ static void test_scale(void) {
 }
 
 static void test_schedules(void) {
-    fl_schedule s = {FL_SCHED_COSINE, 1.0f, 10, 110, 0.1f};
+    fl_schedule s = {FL_SCHED_COSINE, 1.0f, 10, 110, 0.1f, 0.0f, 0};
     t_check(fabsf(fl_lr_at(&s, 0) - 0.1f) < 1e-7f, "warmup step 0 = lr/warmup");
     t_check(fabsf(fl_lr_at(&s, 9) - 1.0f) < 1e-7f, "warmup ends at lr");
     t_check(fabsf(fl_lr_at(&s, 10) - 1.0f) < 1e-6f, "cosine starts at lr");
@@ -713,8 +713,58 @@ static void test_schedules(void) {
     t_check(fabsf(fl_lr_at(&s, 35) - 0.775f) < 1e-6f, "linear quarter way (%g)", fl_lr_at(&s, 35));
     s.kind = FL_SCHED_CONSTANT;
     t_check(fl_lr_at(&s, 100) == 1.0f, "constant after warmup");
-    fl_schedule nowarm = {FL_SCHED_CONSTANT, 0.5f, 0, 10, 0.0f};
+    fl_schedule nowarm = {FL_SCHED_CONSTANT, 0.5f, 0, 10, 0.0f, 0.0f, 0};
     t_check(fl_lr_at(&nowarm, 0) == 0.5f, "no warmup: lr from step 0");
+}
+
+// DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR at n updates
+// applied: the rates deepspeed/runtime/lr_schedules.py gives at iteration
+// n - 1 (-1 before its scheduler's first step), worked out in doubles from
+// its formulas.
+static void test_deepspeed_schedules(void) {
+    const struct {
+        fl_schedule s;
+        int n;
+        double want;
+        const char *what;
+    } at[] = {
+        // WarmupLR, log warmup over 10 from 0 to 1e-3
+        {{FL_SCHED_WARMUP_LR, 1e-3f, 10, 0, 0, 0.0f, 1}, 0, 0.0, "before the first step: from"},
+        {{FL_SCHED_WARMUP_LR, 1e-3f, 10, 0, 0, 0.0f, 1}, 1, 0.0, "iteration 0: log 1 = 0"},
+        {{FL_SCHED_WARMUP_LR, 1e-3f, 10, 0, 0, 0.0f, 1}, 2, 0.00030102999566398113, "log 2/log 10"},
+        {{FL_SCHED_WARMUP_LR, 1e-3f, 10, 0, 0, 0.0f, 1}, 5, 0.0006989700043360187, "log 5/log 10"},
+        {{FL_SCHED_WARMUP_LR, 1e-3f, 10, 0, 0, 0.0f, 1}, 10, 1e-3, "the end of warmup"},
+        {{FL_SCHED_WARMUP_LR, 1e-3f, 10, 0, 0, 0.0f, 1}, 50, 1e-3, "then lr"},
+        {{FL_SCHED_WARMUP_LR, 1e-3f, 1, 0, 0, 0.0f, 1}, 2, 1e-3, "warmup at least 2"},
+        // WarmupDecayLR, linear warmup over 10 from 1e-4 to 1e-3, total 110
+        {{FL_SCHED_WARMUP_DECAY_LR, 1e-3f, 10, 110, 0, 1e-4f, 0}, 0, 1e-4, "from"},
+        {{FL_SCHED_WARMUP_DECAY_LR, 1e-3f, 10, 110, 0, 1e-4f, 0}, 5, 0.00046, "4/10 of the way"},
+        {{FL_SCHED_WARMUP_DECAY_LR, 1e-3f, 10, 110, 0, 1e-4f, 0}, 11, 1e-3, "the decay's start"},
+        {{FL_SCHED_WARMUP_DECAY_LR, 1e-3f, 10, 110, 0, 1e-4f, 0}, 61, 0.00055, "halfway down"},
+        {{FL_SCHED_WARMUP_DECAY_LR, 1e-3f, 10, 110, 0, 1e-4f, 0}, 111, 1e-4, "back at from"},
+        {{FL_SCHED_WARMUP_DECAY_LR, 1e-3f, 10, 110, 0, 1e-4f, 0}, 500, 1e-4, "and stays there"},
+        // WarmupCosineLR, linear warmup over 10 from 0.1 lr, to 0.01 lr at 110
+        {{FL_SCHED_WARMUP_COSINE_LR, 1e-3f, 10, 110, 0.01f, 0.1f, 0}, 0, 0.0, "0 before"},
+        {{FL_SCHED_WARMUP_COSINE_LR, 1e-3f, 10, 110, 0.01f, 0.1f, 0}, 1, 1e-4, "from 0.1 lr"},
+        {{FL_SCHED_WARMUP_COSINE_LR, 1e-3f, 10, 110, 0.01f, 0.1f, 0}, 6, 0.00055, "halfway up"},
+        {{FL_SCHED_WARMUP_COSINE_LR, 1e-3f, 10, 110, 0.01f, 0.1f, 0},
+         11,
+         0.0009997557473810372,
+         "the cosine's first step, 1/100 in"},
+        {{FL_SCHED_WARMUP_COSINE_LR, 1e-3f, 10, 110, 0.01f, 0.1f, 0}, 60, 0.000505, "halfway"},
+        {{FL_SCHED_WARMUP_COSINE_LR, 1e-3f, 10, 110, 0.01f, 0.1f, 0}, 110, 1e-5, "the floor"},
+        {{FL_SCHED_WARMUP_COSINE_LR, 1e-3f, 10, 110, 0.01f, 0.1f, 0}, 1000, 1e-5, "stays"},
+        {{FL_SCHED_WARMUP_COSINE_LR, 1e-3f, 10, 110, 0.01f, 0.1f, 1},
+         4,
+         0.000641853992195166,
+         "log warmup"}};
+    for (size_t i = 0; i < sizeof at / sizeof at[0]; i++) {
+        float got = fl_lr_at(&at[i].s, at[i].n);
+        t_check(fl_schedule_by_updates(&at[i].s) &&
+                    fabs(got - at[i].want) <= 1e-6 * at[i].want + 1e-12,
+                "DeepSpeed's schedule %d after %d updates: %s (%.9g, want %.9g)", at[i].s.kind,
+                at[i].n, at[i].what, got, at[i].want);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -1540,6 +1590,7 @@ static int run_all(const char *path) {
     test_norm_round_trips();
 
     test_schedules();
+    test_deepspeed_schedules();
     return t_report();
 }
 

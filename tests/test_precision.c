@@ -41,7 +41,7 @@ static run_result train(const fl_model_config *shape, fl_dtype dt, const char *d
     cfg.loss_scale_window = 50;
     fl_optimizer o;
     fl_optimizer_init(&o, &cfg, &m.table, dt, m.params, m.grads);
-    fl_schedule sched = {FL_SCHED_COSINE, 3e-3f, 20, steps(), 0.1f};
+    fl_schedule sched = {FL_SCHED_COSINE, 3e-3f, 20, steps(), 0.1f, 0.0f, 0};
     fl_loader tr, va;
     fl_loader_open(&tr, data, "train", T, 7, 1, 0, 1);
     fl_loader_open(&va, data, "val", T, 0, 0, 0, 1);

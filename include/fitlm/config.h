@@ -153,9 +153,14 @@ typedef struct {
     char quant_type[FL_NAME_MAX];          // none | nf4 | fp4
     fl_quant_config quant;                 // enabled derived by fl_quant_check_config
     // schedule
-    char scheduler[FL_NAME_MAX]; // constant | cosine | linear
+    char scheduler[FL_NAME_MAX]; // constant | cosine | linear | WarmupLR | WarmupDecayLR |
+                                 // WarmupCosineLR (DeepSpeed's)
     int warmup_steps;
     float min_lr_ratio;
+    // DeepSpeed's schedules' parameters (fl_schedule_of)
+    float warmup_min_lr, warmup_max_lr, warmup_min_ratio, cos_min_ratio;
+    char warmup_type[FL_NAME_MAX]; // log | linear
+    int total_num_steps;           // 0: the run's steps
     // evaluation, output, run
     int eval_interval, eval_iters;
     char out_dir[FL_PATH_MAX];
@@ -173,9 +178,11 @@ typedef struct {
     int threads;
     char device[FL_NAME_MAX]; // cpu | cuda | test: where the model and optimizer live
     int mem_report, mem_report_every;
+    int steps_per_print;         // the console's plain step line every N steps (DeepSpeed's)
     int metrics_memory_every;    // memory per tag in metrics.jsonl every N steps
     float peak_tflops;           // MFU's denominator; 0 = measured at the start
     int profile;                 // per-op profile table after training
+    int wall_clock_breakdown;    // DeepSpeed's name for profile (config_compat.c)
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
     uint8_t given[192];          // by option-table index: set by the file or a flag, not defaulted
 } fl_train_config;

@@ -755,20 +755,40 @@ void fl_optimizer_update_range(fl_optimizer *o, int first_row, int n_rows, const
 void fl_optimizer_end_step(fl_optimizer *o);
 
 // ----------------------------------------------------------------------------
-// learning-rate schedules: linear warmup from 0 over warmup_steps, then
-// constant, cosine or linear decay to min_lr_ratio * lr at total_steps.
+// learning-rate schedules: fitlm's (linear warmup from 0 over warmup_steps,
+// then constant, cosine or linear decay to min_lr_ratio * lr at
+// total_steps), indexed by the step; DeepSpeed's WarmupLR, WarmupDecayLR
+// and WarmupCosineLR, indexed as its scheduler is, by the updates applied
+// before (it steps after each update an fp16 overflow did not skip).
 
-typedef enum { FL_SCHED_CONSTANT, FL_SCHED_COSINE, FL_SCHED_LINEAR } fl_sched_kind;
+typedef enum {
+    FL_SCHED_CONSTANT,
+    FL_SCHED_COSINE,
+    FL_SCHED_LINEAR,
+    FL_SCHED_WARMUP_LR,       // DeepSpeed's WarmupLR: warmup from `from` to lr, then lr
+    FL_SCHED_WARMUP_DECAY_LR, // WarmupLR, then a line down to `from` at total_steps
+    FL_SCHED_WARMUP_COSINE_LR // warmup from `from`, then a cosine to min_lr_ratio * lr
+} fl_sched_kind;
 
 typedef struct {
     fl_sched_kind kind;
-    float lr;
+    float lr; // the rate after warmup
     int warmup_steps;
     int total_steps;
-    float min_lr_ratio;
+    float min_lr_ratio; // the floor (WarmupCosineLR: cos_min_ratio)
+    // DeepSpeed's: the rate warmup starts from (and WarmupDecayLR ends at;
+    // WarmupCosineLR's as a fraction of lr), and warmup along
+    // log(i + 1) / log(warmup_steps) rather than a line
+    float from;
+    int log_warmup;
 } fl_schedule;
 
-// Learning rate for step (0-based).
-float fl_lr_at(const fl_schedule *s, int step);
+// The run's schedule from its config (fl_optim_check_config has checked it).
+fl_schedule fl_schedule_of(const fl_train_config *cfg);
+// Whether the schedule is DeepSpeed's, indexed by the updates applied.
+int fl_schedule_by_updates(const fl_schedule *s);
+// Learning rate for step n (0-based); for DeepSpeed's schedules, n is the
+// updates applied before this one.
+float fl_lr_at(const fl_schedule *s, int n);
 
 #endif

@@ -95,6 +95,10 @@ void fl_run_open(fl_run *r, const fl_train_config *cfg, const fl_run_options *op
 // One step (0-based `step`): loads its micro-batches, takes the schedule's
 // learning rate, and steps them.
 fl_train_result fl_run_step(fl_run *r, int step);
+// The learning rate of step `step` (0-based), before it runs: the
+// schedule's at the step, or for DeepSpeed's schedules at the updates
+// applied so far.
+float fl_run_lr(fl_run *r, int step);
 // One step on the caller's batch ((grad_accum, B, T) inputs and targets) at
 // learning rate lr: LoRA + LOMO, an optimizer fused into the backward pass,
 // or the plain step, whichever the run is. On a device the batch must be in

@@ -287,6 +287,7 @@ int cmd_train(int argc, char **argv) {
         // so that its ops' device times fall inside its wall time (the last
         // updates of a step otherwise run after its timer stops)
         const fl_device *dev = fl_device_default();
+        float lr = fl_run_lr(&run, step); // before the step, which counts its update
         if (fl_profile_on) dev->sync(dev);
         double t0 = fl_now();
         fl_comm_stats c0 = fl_comm_get_stats();
@@ -299,7 +300,7 @@ int cmd_train(int argc, char **argv) {
         run_log_comm(&log, &c0);
         if (fl_profile_on) fl_profile_step(ms / 1e3);
         fl_profile_enable(0);
-        run_log_step(&log, &run, step, fl_lr_at(&run.schedule, step), &r, ms, waits);
+        run_log_step(&log, &run, step, lr, &r, ms, waits);
         run_check_finite(&log, cfg, step, &r);
         run_check_spike(&log, cfg, step, &r);
         if (cfg->mem_report_every && (step + 1) % cfg->mem_report_every == 0) {

@@ -148,7 +148,9 @@ void run_log_step(run_log *log, const fl_run *run, int step, float lr, const fl_
     if (log->tty) { // rewritten in place
         progress_line(step + 1, cfg->steps, loss, tok_s, log->recent_ms, step - start + 1);
         if (cfg->dtype == FL_F16 && log->skipped) printf(" | skipped %d", log->skipped);
-    } else { // one plain line per step: what scripts and tests read
+    } else if ((step + 1) % cfg->steps_per_print == 0 || step + 1 == cfg->steps) {
+        // one plain line per step (or every steps_per_print, and the last):
+        // what scripts and tests read
         printf("step %5d/%d | loss %.4f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s", step + 1,
                cfg->steps, loss, lr, r->grad_norm, ms, tok_s);
         if (cfg->dtype == FL_F16)

@@ -415,11 +415,29 @@ static const option options[] = {
     {"quantization_config.blocksize", "--nf4-blocksize", OPT_INT, NUM(quant.blocksize), "64", 32,
      4096, NULL, "NF4 block size (a power of two)"},
     {"scheduler.type", "--scheduler", OPT_CHOICE, STR(scheduler), "cosine", 0, 0,
-     "constant|cosine|linear", "learning-rate decay after warmup"},
+     "constant|cosine|linear|WarmupLR|WarmupDecayLR|WarmupCosineLR",
+     "learning-rate decay after warmup; or DeepSpeed's schedules, by their parameters below "
+     "(docs/training.md)"},
     {"scheduler.params.warmup_num_steps", "--warmup", OPT_INT, NUM(warmup_steps), "100", 0, 1 << 30,
-     NULL, "linear warmup steps"},
+     NULL, "linear warmup steps (DeepSpeed's schedules: 1000 unless given)"},
     {"scheduler.params.min_lr_ratio", "--min-lr-ratio", OPT_FLOAT, NUM(min_lr_ratio), "0.1", 0, 1,
      NULL, "learning-rate floor at the last step, as a fraction of lr"},
+    {"scheduler.params.warmup_min_lr", "--warmup-min-lr", OPT_FLOAT, NUM(warmup_min_lr), "0", 0,
+     1e3, NULL, "WarmupLR, WarmupDecayLR: the rate warmup starts from (and the decay ends at)"},
+    {"scheduler.params.warmup_max_lr", "--warmup-max-lr", OPT_FLOAT, NUM(warmup_max_lr), "0.001", 0,
+     1e3, NULL,
+     "WarmupLR, WarmupDecayLR: the rate after warmup, the optimizer's lr (as DeepSpeed: "
+     "WarmupLR's default is lr, WarmupDecayLR's 0.001)"},
+    {"scheduler.params.warmup_type", "--warmup-type", OPT_CHOICE, STR(warmup_type), "log", 0, 0,
+     "log|linear", "DeepSpeed's schedules: warmup along log(n+1)/log(warmup) or n/warmup"},
+    {"scheduler.params.total_num_steps", "--total-num-steps", OPT_INT, NUM(total_num_steps), "0", 0,
+     1 << 30, NULL,
+     "WarmupDecayLR, WarmupCosineLR: DeepSpeed's iteration at which the decay ends (0 = the "
+     "run's steps)"},
+    {"scheduler.params.warmup_min_ratio", "--warmup-min-ratio", OPT_FLOAT, NUM(warmup_min_ratio),
+     "0", 0, 1, NULL, "WarmupCosineLR: the rate warmup starts from, as a fraction of lr"},
+    {"scheduler.params.cos_min_ratio", "--cos-min-ratio", OPT_FLOAT, NUM(cos_min_ratio), "0.0001",
+     0, 1, NULL, "WarmupCosineLR: the floor the cosine ends at, as a fraction of lr"},
     {"eval_interval", "--eval-every", OPT_INT, NUM(eval_interval), "100", 0, 1 << 30, NULL,
      "validation loss every N steps (0 = only at the end)"},
     {"eval_iters", "--eval-iters", OPT_INT, NUM(eval_iters), "16", 1, 1 << 20, NULL,
@@ -484,6 +502,11 @@ static const option options[] = {
      "print a per-op profile after training: forward, backward and total ms per step, share of "
      "the step and GEMM GFLOP/s for each kernel, the data loader and the optimizer (the first "
      "step is not counted)"},
+    {"wall_clock_breakdown", NULL, OPT_BOOL, NUM(wall_clock_breakdown), "false", 0, 0, NULL,
+     "DeepSpeed's timing breakdown: the same as profile"},
+    {"steps_per_print", "--steps-per-print", OPT_INT, NUM(steps_per_print), "1", 1, 1 << 30, NULL,
+     "print the step line every N steps (not on a terminal, where one line is rewritten in "
+     "place; the log and metrics.jsonl keep every step)"},
     {"mem_limit", "--mem-limit", OPT_STRING, STR(mem_limit), "", 0, 0, NULL,
      "refuse to start if the planned memory exceeds this (bytes, or with K/M/G/T; \"\" = the "
      "machine's available memory); with a --device other than the cpu, the device's budget, "
@@ -597,9 +620,11 @@ static void set_string(fl_train_config *cfg, const option *o, const char *value,
         fl_die("%s: %s is too long (%zu characters, at most %zu)", where, o->key, strlen(value),
                o->size - 1);
     if (o->type == OPT_CHOICE) {
-        if (choice_index(o, value) < 0)
-            fl_die("%s: %s must be one of %s, got '%s'", where, o->key, o->choices, value);
-        for (size_t i = 0; value[i]; i++) dst[i] = (char)tolower((unsigned char)value[i]);
+        int k = choice_index(o, value);
+        if (k < 0) fl_die("%s: %s must be one of %s, got '%s'", where, o->key, o->choices, value);
+        const char *p = o->choices; // the list's spelling, whatever the case given
+        while (k--) p = strchr(p, '|') + 1;
+        memcpy(dst, p, strlen(value));
         dst[strlen(value)] = 0;
         return;
     }
@@ -828,7 +853,8 @@ static cJSON *parent_of(cJSON *root, const char *key, const char **leaf) {
 static int run_only(const option *o) {
     static const char *keys[] = {"resume",           "profile",   "mem_report",
                                  "mem_report_every", "mem_limit", "metrics_memory_every",
-                                 "peak_tflops",      "device"};
+                                 "peak_tflops",      "device",    "wall_clock_breakdown",
+                                 "steps_per_print"};
     static const char *prefixes[] = {"zero_optimization.offload_optimizer.",
                                      "zero_optimization.offload_param.", "aio."};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
@@ -1013,7 +1039,9 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
 // the options no subsystem owns
 
 // precision (DeepSpeed's bf16/fp16 blocks are mapped onto it before, by
-// fl_deepspeed_check_config); fp16 options only with fp16
+// fl_deepspeed_check_config); fp16 options only with fp16, or in an fp16
+// block that says enabled false (which DeepSpeed reads no further: a
+// config's settings for an fp16 run, kept while it trains otherwise)
 static void finish_precision(fl_train_config *cfg) {
     cfg->dtype = !strcmp(cfg->precision, "bf16")   ? FL_BF16
                  : !strcmp(cfg->precision, "fp16") ? FL_F16
@@ -1021,8 +1049,9 @@ static void finish_precision(fl_train_config *cfg) {
     static const char *fp16_keys[] = {
         "fp16.loss_scale", "fp16.initial_scale_power",    "fp16.loss_scale_window",
         "fp16.hysteresis", "fp16.consecutive_hysteresis", "fp16.min_loss_scale"};
+    int fp16_off = fl_config_given(cfg, "fp16.enabled") && !cfg->fp16_enabled;
     for (size_t i = 0; i < sizeof fp16_keys / sizeof fp16_keys[0]; i++)
-        if (cfg->dtype != FL_F16 && fl_config_given(cfg, fp16_keys[i]))
+        if (cfg->dtype != FL_F16 && fl_config_given(cfg, fp16_keys[i]) && !fp16_off)
             fl_die("%s applies to fp16 training; precision is %s", fp16_keys[i], cfg->precision);
 }
 
@@ -1077,6 +1106,24 @@ void fl_config_print_help(FILE *out) {
     }
 }
 
+// The schedule, in its own parameters (DeepSpeed's total_num_steps: the
+// run's steps unless given).
+static void print_schedule(const fl_train_config *cfg, FILE *out) {
+    const char *s = cfg->scheduler;
+    int end = cfg->total_num_steps ? cfg->total_num_steps : cfg->steps;
+    if (!strcmp(s, "WarmupLR") || !strcmp(s, "WarmupDecayLR"))
+        fprintf(out, "(%s from %g, warmup %d %s", s, cfg->warmup_min_lr, cfg->warmup_steps,
+                cfg->warmup_type);
+    if (!strcmp(s, "WarmupLR")) fprintf(out, ") ");
+    if (!strcmp(s, "WarmupDecayLR")) fprintf(out, ", total_num_steps %d) ", end);
+    if (!strcmp(s, "WarmupCosineLR"))
+        fprintf(out, "(%s from %g lr, warmup %d %s, to %g lr, total_num_steps %d) ", s,
+                cfg->warmup_min_ratio, cfg->warmup_steps, cfg->warmup_type, cfg->cos_min_ratio,
+                end);
+    if (!strstr(s, "Warmup"))
+        fprintf(out, "(%s, warmup %d, floor %g) ", s, cfg->warmup_steps, cfg->min_lr_ratio);
+}
+
 void fl_config_print(const fl_train_config *cfg, FILE *out) {
     const fl_model_config *m = &cfg->model;
     fprintf(out,
@@ -1087,10 +1134,9 @@ void fl_config_print(const fl_train_config *cfg, FILE *out) {
             cfg->recompute_policy);
     if (cfg->logits_chunk) fprintf(out, ", logits in chunks of %d positions", cfg->logits_chunk);
     fputc('\n', out);
-    fprintf(out,
-            "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g (%s, warmup %d, floor %g) ",
-            cfg->micro_batch, cfg->seq_len, cfg->grad_accum, cfg->steps, cfg->optimizer, cfg->lr,
-            cfg->scheduler, cfg->warmup_steps, cfg->min_lr_ratio);
+    fprintf(out, "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g ", cfg->micro_batch,
+            cfg->seq_len, cfg->grad_accum, cfg->steps, cfg->optimizer, cfg->lr);
+    print_schedule(cfg, out);
     if (!strcmp(cfg->optimizer, "adamw")) fprintf(out, "betas %g,%g ", cfg->beta1, cfg->beta2);
     fprintf(out, "wd %g clip %g | %s | seed %llu, %d threads\n", cfg->weight_decay, cfg->grad_clip,
             cfg->precision, (unsigned long long)cfg->seed, cfg->threads);

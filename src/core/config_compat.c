@@ -1,7 +1,8 @@
 // config_compat.c: DeepSpeed's keys that name no concept of fitlm's, each
 // mapped onto fitlm's own or refused naming the key, the value and why;
-// none is ignored. Mapped: the bf16/fp16 blocks onto precision, the
-// deprecated cpu_offload forms onto the offload blocks' device. Refused:
+// none is ignored. Mapped: the bf16/fp16 blocks onto precision,
+// wall_clock_breakdown onto profile, the deprecated cpu_offload forms onto
+// the offload blocks' device. Refused:
 // activation checkpointing's partitioning, ZeRO's alternatives to what
 // fitlm does one way and its features fitlm lacks (ZeRO++, MiCS, ...), aio's
 // GPU and intra-op settings. Their entries stay in the option table
@@ -28,6 +29,16 @@ static void map_precision(fl_train_config *cfg) {
             fl_die("precision '%s' contradicts %s.enabled", cfg->precision, block);
         strcpy(cfg->precision, block);
     }
+}
+
+// wall_clock_breakdown: DeepSpeed's per-phase step times, fitlm's profile
+// (forward, backward and optimizer time per op, after training)
+static void map_wall_clock(fl_train_config *cfg) {
+    if (!given(cfg, "wall_clock_breakdown")) return;
+    if (given(cfg, "profile") && cfg->profile != cfg->wall_clock_breakdown)
+        fl_die("profile %s contradicts wall_clock_breakdown %s", cfg->profile ? "true" : "false",
+               cfg->wall_clock_breakdown ? "true" : "false");
+    cfg->profile = cfg->wall_clock_breakdown;
 }
 
 // DeepSpeed's activation_checkpointing keys beside the policy: each is
@@ -170,6 +181,7 @@ static void refuse_aio(const fl_train_config *cfg) {
 void fl_deepspeed_check_config(fl_train_config *cfg) {
     refuse_checkpointing(cfg);
     map_precision(cfg);
+    map_wall_clock(cfg);
     check_zero_choices(cfg);
     map_offload(cfg);
     refuse_aio(cfg);

@@ -21,7 +21,54 @@ static void check_in_backward(const fl_train_config *cfg) {
                "it)");
 }
 
+// Whether the space-separated `names` include `name`.
+static int names_include(const char *names, const char *name) {
+    size_t n = strlen(name);
+    for (const char *p = names; *p;) {
+        size_t w = strcspn(p, " ");
+        if (w == n && !strncmp(p, name, n)) return 1;
+        p += w + (p[w] == ' ');
+    }
+    return 0;
+}
+
+// The schedule's parameters: each only with the schedules that read it;
+// DeepSpeed's schedules' defaults (warmup 1000; WarmupLR's rate after
+// warmup the optimizer's lr, WarmupDecayLR's 0.001), and that rate as lr.
+// Where DeepSpeed would quietly train at another rate than the optimizer's
+// lr given (its scheduler sets the rate), the two are refused instead.
+static void check_scheduler(fl_train_config *cfg) {
+    const char *ds = "WarmupLR WarmupDecayLR WarmupCosineLR", *sched = cfg->scheduler;
+    const struct {
+        const char *key, *for_whom;
+    } only[] = {{"scheduler.params.min_lr_ratio", "constant cosine linear"},
+                {"scheduler.params.warmup_min_lr", "WarmupLR WarmupDecayLR"},
+                {"scheduler.params.warmup_max_lr", "WarmupLR WarmupDecayLR"},
+                {"scheduler.params.warmup_type", ds},
+                {"scheduler.params.total_num_steps", "WarmupDecayLR WarmupCosineLR"},
+                {"scheduler.params.warmup_min_ratio", "WarmupCosineLR"},
+                {"scheduler.params.cos_min_ratio", "WarmupCosineLR"}};
+    for (size_t i = 0; i < sizeof only / sizeof only[0]; i++)
+        if (fl_config_given(cfg, only[i].key) && !names_include(only[i].for_whom, sched))
+            fl_die("%s applies to scheduler.type %s, not %s", only[i].key, only[i].for_whom, sched);
+    if (!names_include(ds, sched)) return;
+    if (!fl_config_given(cfg, "scheduler.params.warmup_num_steps"))
+        cfg->warmup_steps = 1000;
+    else if (cfg->warmup_steps == 0)
+        fl_die("scheduler.params.warmup_num_steps 0: DeepSpeed's schedules take a positive "
+               "number of warmup steps");
+    if (!strcmp(sched, "WarmupCosineLR")) return; // rates as fractions of lr
+    int max_given = fl_config_given(cfg, "scheduler.params.warmup_max_lr");
+    if (!max_given && !strcmp(sched, "WarmupLR")) cfg->warmup_max_lr = cfg->lr;
+    if (fl_config_given(cfg, "optimizer.params.lr") && cfg->warmup_max_lr != cfg->lr)
+        fl_die("optimizer.params.lr %g and the scheduler %s's warmup_max_lr %g%s: DeepSpeed "
+               "would train at the scheduler's; give the one rate as warmup_max_lr",
+               cfg->lr, sched, cfg->warmup_max_lr, max_given ? "" : " (its default)");
+    cfg->lr = cfg->warmup_max_lr;
+}
+
 void fl_optim_check_config(fl_train_config *cfg) {
+    check_scheduler(cfg);
     if (cfg->skip_update_min_steps > cfg->skip_update_window)
         fl_die("skip_update_min_steps (%d) is larger than skip_update_window (%d): the guard "
                "would never judge a step",

@@ -418,10 +418,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
                                      cfg->micro_batch, cfg->seq_len);
     // (the data-parallel ranks hold the same; TP ranks their own slices)
     if (!opt->alone) run_agree_weights(r, dp_group(r));
-    r->schedule = (fl_schedule){!strcmp(cfg->scheduler, "cosine")   ? FL_SCHED_COSINE
-                                : !strcmp(cfg->scheduler, "linear") ? FL_SCHED_LINEAR
-                                                                    : FL_SCHED_CONSTANT,
-                                cfg->lr, cfg->warmup_steps, cfg->steps, cfg->min_lr_ratio};
+    r->schedule = fl_schedule_of(cfg);
     // a step's micro-batches, loaded before it: the step weights every target
     // token of the accumulated batch alike
     size_t tokens = (size_t)cfg->micro_batch * cfg->seq_len * cfg->grad_accum;

@@ -363,5 +363,10 @@ fl_train_result fl_run_step(fl_run *r, int step) {
         FL_PROFILE(FL_OP_LOADER, FL_STEP, 0.0,
                    fl_loader_next(&r->train, r->inputs + micro * micro_tokens,
                                   r->targets + micro * micro_tokens, c->micro_batch));
-    return fl_run_step_batch(r, r->inputs, r->targets, fl_lr_at(&r->schedule, step));
+    return fl_run_step_batch(r, r->inputs, r->targets, fl_run_lr(r, step));
+}
+
+float fl_run_lr(fl_run *r, int step) {
+    int n = fl_schedule_by_updates(&r->schedule) ? *fl_optim_step_count(r->optim.rule) : step;
+    return fl_lr_at(&r->schedule, n);
 }
