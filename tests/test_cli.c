@@ -94,7 +94,7 @@ static void test_bad_flags(void) {
     fails_with("train --batch 0", "out of range");
     fails_with("train --batch 2.5", "whole number");
     fails_with("train --steps", "needs a value");
-    fails_with("train --optimizer adam", "must be one of adamw|sgd");
+    fails_with("train --optimizer adan", "must be one of adamw|adam|sgd");
     fails_with("train --momentum 0.9", "momentum applies to sgd");
     fails_with("train --optimizer sgd --betas 0.9,0.9", "betas applies to adamw, not sgd");
     fails_with("train --n-embd 30 --n-head 4", "divisible");
@@ -931,6 +931,39 @@ static void losses_of(const char *text, char *out, size_t size) {
         n += (size_t)snprintf(out + n, size - n, "%.*s\n", len, p);
         if (n >= size) break;
     }
+}
+
+// DeepSpeed's optimizer.type Adam is AdamW (adam_w_mode true, its default;
+// torch_adam names an implementation of the same rule): the same losses,
+// bit for bit; Adam with L2 weight decay is refused.
+static void test_deepspeed_adam(void) {
+    const char *run = "train --config run.json --steps 3 --eval-every 0 --sample-tokens 0 "
+                      "--threads 1 --out ''";
+    static char adamw[8192], adam[8192];
+    int rc1 = fitlm(run);
+    losses_of(output, adamw, sizeof adamw);
+    write_text("adam.json", "{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.5, "
+                            "\"betas\": [0.8, 0.9], \"torch_adam\": true}}}");
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s --config adam.json", run);
+    int rc2 = fitlm(cmd);
+    losses_of(output, adam, sizeof adam);
+    t_check(rc1 == 0 && rc2 == 0 && strstr(output, "adamw lr 0.5") && strlen(adamw) > 40 &&
+                !strcmp(adamw, adam),
+            "optimizer.type Adam trains as AdamW, bit for bit:\n%s---\n%s", adamw, adam);
+    write_text("adaml2.json", "{\"optimizer\": {\"type\": \"Adam\", \"params\": "
+                              "{\"adam_w_mode\": false, \"weight_decay\": 0.01}}}");
+    fails_with("train --config adaml2.json",
+               "optimizer.type Adam with adam_w_mode false and weight_decay 0.01 adds the decay to "
+               "the gradient (L2 regularisation), which fitlm does not run");
+    write_text("adamwl2.json",
+               "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"adam_w_mode\": false}}}");
+    fails_with("train --config adamwl2.json",
+               "optimizer.params.adam_w_mode false contradicts optimizer.type AdamW");
+    write_text("sgdtorch.json",
+               "{\"optimizer\": {\"type\": \"sgd\", \"params\": {\"torch_adam\": true}}}");
+    fails_with("train --config sgdtorch.json",
+               "optimizer.params.torch_adam applies to optimizer.type Adam and AdamW, not sgd");
 }
 
 static void test_same_seed_same_losses(void) {
@@ -2857,6 +2890,7 @@ int main(void) {
     test_deepspeed_zero2_offload_example();
     test_deepspeed_schedule_skips();
     test_same_seed_same_losses();
+    test_deepspeed_adam();
     test_resume_is_bitwise();
     test_export_and_pretrained();
     test_checkpoint_holds_its_tokenizer();

@@ -134,7 +134,8 @@ typedef struct {
     float min_loss_scale;
     fl_dtype dtype; // derived by fl_config_finish
     // optimizer
-    char optimizer[FL_NAME_MAX]; // adamw | sgd | lomo | adalomo
+    char optimizer[FL_NAME_MAX]; // adamw | sgd | lomo | adalomo (adam: mapped onto adamw)
+    int adam_w_mode, torch_adam; // DeepSpeed's Adam's (config_compat.c)
     float lr, beta1, beta2, eps, weight_decay, momentum;
     float eps2, clip_threshold, decay_rate; // AdaLomo
     float clip_value;                       // LOMO's clip_grad_value

@@ -350,9 +350,15 @@ static const option options[] = {
      "AdamW/SGD: update each block from the backward pass (no whole gradient; LOMO and AdaLomo "
      "always do)"},
     {"optimizer.type", "--optimizer", OPT_CHOICE, STR(optimizer), "adamw", 0, 0,
-     "adamw|sgd|lomo|adalomo",
-     "optimizer (lomo, adalomo: fused into the backward pass, no whole-model gradient, no fp32 "
-     "master copy)"},
+     "adamw|adam|sgd|lomo|adalomo",
+     "optimizer (adam: DeepSpeed's Adam, AdamW unless adam_w_mode is false; lomo, adalomo: fused "
+     "into the backward pass, no whole-model gradient, no fp32 master copy)"},
+    {"optimizer.params.adam_w_mode", NULL, OPT_BOOL, NUM(adam_w_mode), "true", 0, 0, NULL,
+     "DeepSpeed's Adam: weight decay decoupled (AdamW); false (L2 regularisation) is refused "
+     "with weight decay"},
+    {"optimizer.params.torch_adam", NULL, OPT_BOOL, NUM(torch_adam), "false", 0, 0, NULL,
+     "DeepSpeed: torch's Adam or AdamW rather than its fused one, the same rule (fitlm's own "
+     "vectorised AdamW either way)"},
     {"optimizer.params.lr", "--lr", OPT_FLOAT, NUM(lr), "0.003", 0, 1e3, NULL,
      "peak learning rate"},
     {"optimizer.params.betas", "--betas", OPT_PAIR, NUM(beta1), "0.9,0.95", 0, 0.999999, NULL,

@@ -1,8 +1,8 @@
 // config_compat.c: DeepSpeed's keys that name no concept of fitlm's, each
 // mapped onto fitlm's own or refused naming the key, the value and why;
 // none is ignored. Mapped: the bf16/fp16 blocks onto precision,
-// wall_clock_breakdown onto profile, the deprecated cpu_offload forms onto
-// the offload blocks' device. Refused:
+// wall_clock_breakdown onto profile, optimizer.type Adam onto adamw, the
+// deprecated cpu_offload forms onto the offload blocks' device. Refused:
 // activation checkpointing's partitioning, ZeRO's alternatives to what
 // fitlm does one way and its features fitlm lacks (ZeRO++, MiCS, ...), aio's
 // GPU and intra-op settings. Their entries stay in the option table
@@ -39,6 +39,33 @@ static void map_wall_clock(fl_train_config *cfg) {
         fl_die("profile %s contradicts wall_clock_breakdown %s", cfg->profile ? "true" : "false",
                cfg->wall_clock_breakdown ? "true" : "false");
     cfg->profile = cfg->wall_clock_breakdown;
+}
+
+// optimizer.type Adam: DeepSpeed's Adam, which is AdamW (weight decay
+// decoupled from the moments) unless adam_w_mode is false, when it adds the
+// decay to the gradient (L2), which fitlm does not run; without weight
+// decay the two are one rule. Type AdamW is AdamW whatever adam_w_mode
+// says, so false there is a contradiction.
+static void map_adam(fl_train_config *cfg) {
+    int adam = !strcmp(cfg->optimizer, "adam"), adamw = !strcmp(cfg->optimizer, "adamw");
+    if (given(cfg, "optimizer.params.torch_adam") && !adam && !adamw)
+        fl_die("optimizer.params.torch_adam applies to optimizer.type Adam and AdamW, not %s",
+               cfg->optimizer);
+    if (given(cfg, "optimizer.params.adam_w_mode") && !adam && !adamw)
+        fl_die("optimizer.params.adam_w_mode applies to optimizer.type Adam, not %s",
+               cfg->optimizer);
+    if (given(cfg, "optimizer.params.adam_w_mode") && adamw && !cfg->adam_w_mode)
+        fl_die("optimizer.params.adam_w_mode false contradicts optimizer.type AdamW, which "
+               "decouples weight decay whatever adam_w_mode says (DeepSpeed's Adam with "
+               "adam_w_mode false adds it to the gradient)");
+    if (!adam) return;
+    if (!cfg->adam_w_mode && cfg->weight_decay != 0.0f)
+        fl_die("optimizer.type Adam with adam_w_mode false and weight_decay %g%s adds the decay "
+               "to the gradient (L2 regularisation), which fitlm does not run: use adam_w_mode "
+               "true (AdamW, DeepSpeed's default) or weight_decay 0",
+               cfg->weight_decay,
+               given(cfg, "optimizer.params.weight_decay") ? "" : " (fitlm's default)");
+    strcpy(cfg->optimizer, "adamw");
 }
 
 // DeepSpeed's activation_checkpointing keys beside the policy: each is
@@ -182,6 +209,7 @@ void fl_deepspeed_check_config(fl_train_config *cfg) {
     refuse_checkpointing(cfg);
     map_precision(cfg);
     map_wall_clock(cfg);
+    map_adam(cfg);
     check_zero_choices(cfg);
     map_offload(cfg);
     refuse_aio(cfg);
