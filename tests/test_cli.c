@@ -158,6 +158,14 @@ static void test_bad_config_files(void) {
     write_text("wallclock.json", "{\"wall_clock_breakdown\": false}");
     fails_with("train --config wallclock.json --profile",
                "profile true contradicts wall_clock_breakdown false");
+    // DeepSpeed's feature blocks fitlm does not run: accepted switched off only
+    write_text("tb.json", "{\"tensorboard\": {\"enabled\": true, \"output_path\": \"tb\"}}");
+    fails_with("train --config tb.json",
+               "tb.json: tensorboard enabled: DeepSpeed's TensorBoard monitor, which fitlm does "
+               "not run (fitlm writes OUT/metrics.jsonl and OUT/log.txt");
+    write_text("flops.json", "{\"flops_profiler\": {\"profile_step\": 2}}");
+    fails_with("train --config flops.json",
+               "flops_profiler without \"enabled\": false: DeepSpeed's FLOPs profiler");
     write_text("type.json", "{\"train_micro_batch_size_per_gpu\": \"eight\"}");
     fails_with("train --config type.json", "train_micro_batch_size_per_gpu must be a number");
     write_text("range.json", "{\"gradient_accumulation_steps\": 0}");
@@ -679,6 +687,12 @@ static void test_config_then_flags(void) {
     double mib = over ? atof(over + strlen("untracked overhead ")) : -1.0;
     printf("  peak RSS - tagged peak = %.2f MiB\n", mib);
     t_check(mib >= 0.0 && mib < 64.0, "untracked memory is small (%.2f MiB < 64)", mib);
+    write_text("breakdown.json", "{\"wall_clock_breakdown\": true, \"memory_breakdown\": true}");
+    rc = fitlm("train --config run.json --config breakdown.json --steps 2");
+    t_check(rc == 0 && strstr(output, "per-op profile: 1 step,") && strstr(output, "peak RSS"),
+            "DeepSpeed's wall_clock_breakdown and memory_breakdown: the profile and the memory "
+            "report (status %d): %.600s",
+            rc, output);
     rc = fitlm("train --config run.json --steps 3 --profile");
     const char *rows[] = {"per-op profile: 2 steps",
                           "| matmul lm head ",

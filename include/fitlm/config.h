@@ -179,11 +179,12 @@ typedef struct {
     int threads;
     char device[FL_NAME_MAX]; // cpu | cuda | test: where the model and optimizer live
     int mem_report, mem_report_every;
-    int steps_per_print;         // the console's plain step line every N steps (DeepSpeed's)
-    int metrics_memory_every;    // memory per tag in metrics.jsonl every N steps
-    float peak_tflops;           // MFU's denominator; 0 = measured at the start
-    int profile;                 // per-op profile table after training
-    int wall_clock_breakdown;    // DeepSpeed's name for profile (config_compat.c)
+    int steps_per_print;      // the console's plain step line every N steps (DeepSpeed's)
+    int metrics_memory_every; // memory per tag in metrics.jsonl every N steps
+    float peak_tflops;        // MFU's denominator; 0 = measured at the start
+    int profile;              // per-op profile table after training
+    int wall_clock_breakdown; // DeepSpeed's names for profile and mem_report (config_compat.c)
+    int memory_breakdown;
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
     uint8_t given[192];          // by option-table index: set by the file or a flag, not defaulted
 } fl_train_config;
@@ -223,6 +224,12 @@ void fl_config_check_common(fl_train_config *cfg);
 // deprecated cpu_offload forms onto the offload devices) before the sections
 // check theirs, or refused naming the key, the value and why.
 void fl_deepspeed_check_config(fl_train_config *cfg);
+// A top-level key of a config file `where` that is one of DeepSpeed's
+// feature blocks fitlm does not run (monitors, profilers, ...), given its
+// "enabled" (1, 0, or -1 where it has none): 1 if the block is switched off
+// and so read no further; a block switched on dies naming what fitlm does
+// instead; 0 for any other key.
+int fl_deepspeed_feature_off(const char *where, const char *key, int enabled);
 // Whether an option (by JSON key) was set by a file or a flag; set it.
 int fl_config_given(const fl_train_config *cfg, const char *key);
 void fl_config_set_given(fl_train_config *cfg, const char *key, int on);

@@ -510,6 +510,8 @@ static const option options[] = {
      "step is not counted)"},
     {"wall_clock_breakdown", NULL, OPT_BOOL, NUM(wall_clock_breakdown), "false", 0, 0, NULL,
      "DeepSpeed's timing breakdown: the same as profile"},
+    {"memory_breakdown", NULL, OPT_BOOL, NUM(memory_breakdown), "false", 0, 0, NULL,
+     "DeepSpeed's memory report: the same as mem_report"},
     {"steps_per_print", "--steps-per-print", OPT_INT, NUM(steps_per_print), "1", 1, 1 << 30, NULL,
      "print the step line every N steps (not on a terminal, where one line is rewritten in "
      "place; the log and metrics.jsonl keep every step)"},
@@ -754,6 +756,14 @@ static int is_auto(const option *o, const cJSON *item) {
            choice_index(o, item->valuestring) >= 0;
 }
 
+// A block's "enabled": 1 or 0, or -1 where it is no object or has no
+// boolean "enabled".
+static int switch_of(const cJSON *item) {
+    const cJSON *e =
+        cJSON_IsObject(item) ? cJSON_GetObjectItemCaseSensitive(item, "enabled") : NULL;
+    return cJSON_IsBool(e) ? cJSON_IsTrue(e) : -1;
+}
+
 static void load_object(fl_train_config *cfg, const cJSON *obj, const char *prefix,
                         const char *path, uint8_t *seen) {
     for (const cJSON *item = obj->child; item; item = item->next) {
@@ -772,6 +782,8 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
         } else if (is_prefix_of_a_key(key)) {
             if (!cJSON_IsObject(item)) fl_die("%s: %s must be an object", path, key);
             load_object(cfg, item, key, path, seen);
+        } else if (!*prefix && fl_deepspeed_feature_off(path, key, switch_of(item))) {
+            continue; // DeepSpeed reads a block switched off no further
         } else {
             fl_die("%s: unknown key '%s' (see 'fitlm train --help' for the keys this version "
                    "supports)",
@@ -857,10 +869,10 @@ static cJSON *parent_of(cJSON *root, const char *key, const char **leaf) {
 // never names a directory to write in. The device is where this invocation
 // computes: a checkpoint holds no device pointers and resumes on any.
 static int run_only(const option *o) {
-    static const char *keys[] = {"resume",           "profile",   "mem_report",
-                                 "mem_report_every", "mem_limit", "metrics_memory_every",
-                                 "peak_tflops",      "device",    "wall_clock_breakdown",
-                                 "steps_per_print"};
+    static const char *keys[] = {"resume",           "profile",        "mem_report",
+                                 "mem_report_every", "mem_limit",      "metrics_memory_every",
+                                 "peak_tflops",      "device",         "wall_clock_breakdown",
+                                 "memory_breakdown", "steps_per_print"};
     static const char *prefixes[] = {"zero_optimization.offload_optimizer.",
                                      "zero_optimization.offload_param.", "aio."};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)

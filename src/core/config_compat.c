@@ -1,7 +1,8 @@
 // config_compat.c: DeepSpeed's keys that name no concept of fitlm's, each
 // mapped onto fitlm's own or refused naming the key, the value and why;
 // none is ignored. Mapped: the bf16/fp16 blocks onto precision,
-// wall_clock_breakdown onto profile, optimizer.type Adam onto adamw, the
+// wall_clock_breakdown and memory_breakdown onto profile and mem_report,
+// optimizer.type Adam onto adamw, the
 // deprecated cpu_offload forms onto the offload blocks' device. Refused:
 // activation checkpointing's partitioning, ZeRO's alternatives to what
 // fitlm does one way and its features fitlm lacks (ZeRO++, MiCS, ...), aio's
@@ -31,14 +32,15 @@ static void map_precision(fl_train_config *cfg) {
     }
 }
 
-// wall_clock_breakdown: DeepSpeed's per-phase step times, fitlm's profile
-// (forward, backward and optimizer time per op, after training)
-static void map_wall_clock(fl_train_config *cfg) {
-    if (!given(cfg, "wall_clock_breakdown")) return;
-    if (given(cfg, "profile") && cfg->profile != cfg->wall_clock_breakdown)
-        fl_die("profile %s contradicts wall_clock_breakdown %s", cfg->profile ? "true" : "false",
-               cfg->wall_clock_breakdown ? "true" : "false");
-    cfg->profile = cfg->wall_clock_breakdown;
+// A DeepSpeed switch `ds_key` onto fitlm's `key` (*field), unless both
+// are given and disagree.
+static void map_switch(fl_train_config *cfg, const char *ds_key, int ds_value, const char *key,
+                       int *field) {
+    if (!given(cfg, ds_key)) return;
+    if (given(cfg, key) && *field != ds_value)
+        fl_die("%s %s contradicts %s %s", key, *field ? "true" : "false", ds_key,
+               ds_value ? "true" : "false");
+    *field = ds_value;
 }
 
 // optimizer.type Adam: DeepSpeed's Adam, which is AdamW (weight decay
@@ -205,10 +207,52 @@ static void refuse_aio(const fl_train_config *cfg) {
                "has no GPU (use false)");
 }
 
+// DeepSpeed's feature blocks with an "enabled" switch that fitlm does not
+// run: each switched off (enabled false) is read no further, as DeepSpeed
+// reads it; on, or without the switch, it is refused with what fitlm does.
+int fl_deepspeed_feature_off(const char *where, const char *key, int enabled) {
+    static const struct {
+        const char *block, *is, *instead;
+    } feature[] = {
+        {"amp", "Apex mixed-precision (amp) integration", "use the bf16 or fp16 block"},
+        {"flops_profiler", "FLOPs profiler",
+         "--profile times each op with its GEMM GFLOP/s, and OUT/metrics.jsonl holds the MFU"},
+        {"tensorboard", "TensorBoard monitor",
+         "fitlm writes OUT/metrics.jsonl and OUT/log.txt, and fitlm plot draws them"},
+        {"wandb", "Weights & Biases monitor",
+         "fitlm writes OUT/metrics.jsonl and OUT/log.txt, and fitlm plot draws them"},
+        {"csv_monitor", "CSV monitor",
+         "fitlm writes OUT/metrics.jsonl and OUT/log.txt, and fitlm plot draws them"},
+        {"comet", "Comet monitor",
+         "fitlm writes OUT/metrics.jsonl and OUT/log.txt, and fitlm plot draws them"},
+        {"comms_logger", "communication logger",
+         "fitlm prints its collectives' elements, bytes and wait per step after a run of "
+         "several ranks"},
+        {"autotuning", "autotuner", "fitlm plan gives a run's exact memory and what would fit"},
+        {"elasticity", "elastic training", "a run has a fixed number of ranks"},
+        {"eigenvalue", "eigenvalue computation", "it is not offered"},
+        {"progressive_layer_drop", "progressive layer drop", "it is not offered"},
+        {"curriculum_learning", "curriculum learning", "it is not offered"},
+        {"data_efficiency", "data efficiency library", "it is not offered"},
+        {"nebula", "Nebula checkpointing", "fitlm writes its own checkpoints (out_dir)"}};
+    for (size_t i = 0; i < sizeof feature / sizeof feature[0]; i++) {
+        if (strcmp(key, feature[i].block)) continue;
+        if (enabled == 0) return 1;
+        fl_die("%s: %s %s: DeepSpeed's %s, which fitlm does not run (%s); a block with "
+               "\"enabled\": false is accepted",
+               where, key, enabled == 1 ? "enabled" : "without \"enabled\": false", feature[i].is,
+               feature[i].instead);
+    }
+    return 0;
+}
+
 void fl_deepspeed_check_config(fl_train_config *cfg) {
     refuse_checkpointing(cfg);
     map_precision(cfg);
-    map_wall_clock(cfg);
+    // DeepSpeed's per-phase step times: fitlm's per-op profile after training
+    map_switch(cfg, "wall_clock_breakdown", cfg->wall_clock_breakdown, "profile", &cfg->profile);
+    // DeepSpeed's memory report: fitlm's memory per tag and peak RSS
+    map_switch(cfg, "memory_breakdown", cfg->memory_breakdown, "mem_report", &cfg->mem_report);
     map_adam(cfg);
     check_zero_choices(cfg);
     map_offload(cfg);
