@@ -46,8 +46,8 @@
 # weight offload bitwise the stage-1 offloaded run, and the device's peak
 # of gradients the plan's, under the whole gradient's; ZeRO-2 on one
 # process bitwise the plain run, the offload's state pinned (pin_memory)
-# bitwise the unpinned; the 16-bit sum made on the device
-# (accumulate_on_device) bitwise the host's. The delayed update
+# bitwise the unpinned; the sum made on the device (accumulate_on_device,
+# fp32 and bf16) bitwise the host's. The delayed update
 # (offload_optimizer.delayed_update) within 1e-5 relative of the test
 # device's run (fp32, accumulation 2), its first steps bitwise the
 # undelayed run's, its resume bit for bit.
@@ -463,25 +463,28 @@ for prec in fp32 bf16; do
     check $ok "llama $prec offloaded on $dev: the device's peak of gradients $peak bytes = the plan's ${planned:-?} (the ring), under the whole gradient's ${whole:-?}"
 done
 
-# zero_equals NAME BASE ZERO MESSAGE: llama bf16 with accumulation 3 under
-# the zero_optimization block ZERO, every step bitwise run BASE's
+# zero_equals NAME BASE PREC ZERO MESSAGE: llama PREC with accumulation 3
+# under the zero_optimization block ZERO, every step bitwise run BASE's
 zero_equals() {
-    printf '{"zero_optimization": %s}\n' "$3" >"$work/$1.json"
-    run "$1" "$dev" llama bf16 --grad-accum 3 --config "$work/$1.json"
+    printf '{"zero_optimization": %s}\n' "$4" >"$work/$1.json"
+    run "$1" "$dev" llama "$3" --grad-accum 3 --config "$work/$1.json"
     cmp -s <(grep '^step' "$work/$1/log.txt") <(grep '^step' "$work/$2/log.txt") && ok=1 || ok=0
-    check $ok "$4"
+    check $ok "$5"
 }
 # ZeRO's stages on one process (a single-GPU DeepSpeed config): the plain
 # step; ZeRO-Offload with the state pinned too (pin_memory) the unpinned
-# run's; the 16-bit gradients' fp32 sum on the device (accumulate_on_device)
-# the offloaded run that sums on the host (the same arithmetic, on the device)
-zero_equals zero2_bf16 dev_bf16_acc '{"stage": 2, "overlap_comm": true}' \
+# run's; the gradients' fp32 sum on the device (accumulate_on_device) the
+# offloaded run that sums on the host (the same arithmetic, on the device:
+# 16-bit gradients added into it, fp32 ones bound to it in place)
+zero_equals zero2_bf16 dev_bf16_acc bf16 '{"stage": 2, "overlap_comm": true}' \
     "llama bf16 with ZeRO-2 on one process on $dev: every step bitwise the plain run's"
-zero_equals offacc_pin offacc_bf16 '{"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": true}}' \
+zero_equals offacc_pin offacc_bf16 bf16 '{"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": true}}' \
     "llama bf16 offloaded on $dev with pin_memory: every step bitwise the unpinned state's run"
 if [ "$dev" != cpu ]; then
-    zero_equals offacc_dev offacc_bf16 '{"stage": 1, "offload_optimizer": {"device": "cpu", "accumulate_on_device": true}}' \
-        "llama bf16 offloaded with accumulation 3 on $dev, summed on the device: every step bitwise the host-summed run's"
+    for prec in fp32 bf16; do
+        zero_equals "offacc_dev_$prec" "offacc_$prec" "$prec" '{"stage": 1, "offload_optimizer": {"device": "cpu", "accumulate_on_device": true}}' \
+            "llama $prec offloaded with accumulation 3 on $dev, summed on the device: every step bitwise the host-summed run's"
+    done
 fi
 
 # The delayed update (offload_optimizer.delayed_update after one update, the

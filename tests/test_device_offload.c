@@ -20,9 +20,9 @@
 // peak of weights is the plan's and under the model's. Pinned memory the
 // host lacks, offload_param keys fitlm does not honour and ZeRO-3 without
 // offload_param on a device are refused. The share of the step the device
-// waits on the host is reported per step and measured. The 16-bit
-// gradients' sum made on the device (accumulate_on_device) gives the cpu's
-// figures and weights bitwise. The delayed update (delayed_update) gives a
+// waits on the host is reported per step and measured. The gradients' sum
+// made on the device (accumulate_on_device; fp32 gradients bound to it in
+// place) gives the cpu's figures and weights bitwise. The delayed update (delayed_update) gives a
 // cpu reference's (the plain step computing with the weights one update
 // old) bitwise, runs in slices over the next step, resumes bitwise, and is
 // refused where it cannot run.
@@ -142,6 +142,13 @@ static void test_equals_plain(void) {
     check_case("--model llama-tiny --precision bf16 --grad-clip 0 --grad-accum 2 --steps 3",
                "ad.json");
     check_case("--model llama-tiny --precision bf16 --grad-accum 3 --steps 3", "w3ad.json");
+    // fp32: the units' gradients are the device's sum, added to in place
+    // (the tied embedding's bound at the LM head)
+    check_case("--model tiny --precision fp32 --grad-accum 3 --steps 3", "ad.json");
+    check_case("--model llama-tiny --precision fp32 --optimizer sgd --momentum 0.9 --grad-clip 0 "
+               "--grad-accum 2 --steps 3",
+               "ad.json");
+    check_case("--model llama-tiny --precision fp32 --grad-accum 2 --steps 3", "w3ad.json");
     // NVMe under it: the master and state paged from a file through host buffers
     check_case("--model llama-tiny --precision bf16 --grad-accum 2 --steps 3", "nvme.json");
     check_case("--model tiny --precision fp16 --optimizer sgd --momentum 0.9 --steps 3",
@@ -276,7 +283,8 @@ static void test_plan_equals_measured(void) {
         "--model llama-tiny --precision bf16 --grad-accum 2 --config nvme.json",
         "--model llama-tiny --precision bf16 --grad-accum 2 --config dpu.json",
         "--model llama-tiny --precision bf16 --grad-accum 2 --config ad.json",
-        "--model llama-tiny --precision bf16 --grad-accum 2 --config pin.json",
+        "--model tiny --precision fp32 --grad-accum 2 --config ad.json",
+        "--model llama-tiny --precision bf16 --grad-accum 2 --config pin.json", // (w: the last's)
     };
     enum { N = sizeof cases / sizeof cases[0] };
     size_t pins[N][FL_MEM_NTAGS], w = 0;
@@ -287,7 +295,7 @@ static void test_plan_equals_measured(void) {
     // copies move, the host copies of the weights and gradients; the state
     // only with pin_memory; with the fp32 sum made on the device that sum
     // (4 a parameter) and no copy of the 16-bit gradients
-    const size_t *off = pins[0], *dpu = pins[4], *ad = pins[5], *pin = pins[6];
+    const size_t *off = pins[0], *dpu = pins[4], *ad = pins[5], *ad32 = pins[6], *pin = pins[7];
     t_check(off[FL_MEM_GRADS] == w && !off[FL_MEM_MASTER] && !off[FL_MEM_OPTIM],
             "offload: the 16-bit gradients' copy pinned (%zu = %zu), not the state (%zu, %zu)",
             off[FL_MEM_GRADS], w, off[FL_MEM_MASTER], off[FL_MEM_OPTIM]);
@@ -298,6 +306,11 @@ static void test_plan_equals_measured(void) {
     t_check(ad[FL_MEM_GRADS] == 2 * w && !ad[FL_MEM_MASTER],
             "accumulate_on_device: pinned gradients %zu = the fp32 sum %zu", ad[FL_MEM_GRADS],
             2 * w);
+    // fp32 gradients are the sum: they come down into their pinned copy
+    // (the fp32 weights' bytes, as the copy of the weights)
+    t_check(ad32[FL_MEM_GRADS] == ad32[FL_MEM_PARAMS] && ad32[FL_MEM_GRADS] > 0,
+            "accumulate_on_device, fp32: pinned gradients %zu = the fp32 weights' copy %zu",
+            ad32[FL_MEM_GRADS], ad32[FL_MEM_PARAMS]);
     t_check(pin[FL_MEM_GRADS] == 3 * w && pin[FL_MEM_MASTER] == 2 * w && pin[FL_MEM_OPTIM] == 4 * w,
             "pin_memory: the state pinned too (grads %zu = %zu, master %zu = %zu, optim %zu = %zu)",
             pin[FL_MEM_GRADS], 3 * w, pin[FL_MEM_MASTER], 2 * w, pin[FL_MEM_OPTIM], 4 * w);
@@ -549,10 +562,7 @@ static void test_refusals(void) {
                "train " RUN " --model tiny --steps 1 --device test --config paramno.json");
     fails_with("without offload_optimizer.device cpu",
                "train " RUN " --model tiny --steps 1 --device test --config param3n.json");
-    // the fp32 sum on the device: for 16-bit gradients under accumulation, on a device
-    fails_with("accumulate_on_device: fp32 gradients are summed on the device already",
-               "train " RUN " --model tiny --precision fp32 --grad-accum 2 --steps 1 --device test "
-               "--config ad.json");
+    // the fp32 sum on the device: under accumulation, on a device
     fails_with("accumulate_on_device: there is no accumulation to sum",
                "train " RUN " --model tiny --precision bf16 --steps 1 --device test "
                "--config ad.json");
@@ -829,6 +839,8 @@ static void test_delayed_update(void) {
     snprintf(nvme, sizeof nvme, "\"device\": \"nvme\", \"nvme_path\": \"%s\"", dir);
     delayed_case("--model llama-tiny --precision bf16 --grad-accum 2", nvme, 1, 4);
     delayed_case("--model llama-tiny --precision bf16 --grad-accum 3",
+                 "\"device\": \"cpu\", \"accumulate_on_device\": true", 1, 4);
+    delayed_case("--model tiny --precision fp32 --grad-accum 2",
                  "\"device\": \"cpu\", \"accumulate_on_device\": true", 1, 4);
 
     // the run says so; a checkpoint holds the weights after every update

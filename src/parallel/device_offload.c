@@ -17,7 +17,9 @@
 // which goes down once, after the last micro-batch); fp32 ones sum in the
 // gradients themselves, so a unit's sum so far goes up into its buffer and
 // the backward adds to it there, as the cpu's adds in place (DeepSpeed's
-// async_accumulate_grad_in_cpu_via_gpu). After
+// async_accumulate_grad_in_cpu_via_gpu), or with accumulate_on_device the
+// units' gradients are the device's sum, which the backward adds to in
+// place and which goes down once (no ring, no round trip). After
 // the last micro-batch the step reads the whole gradient on the host (the
 // global norm, clipping and fp16's overflow check need all of it first),
 // updates there, and the new weights go up. Without clipping, fp16 or the
@@ -80,6 +82,7 @@ struct fl_dev_offload {
     // embedding's (NULL untied); each one's last download (NULL: none in flight)
     void *slot[RING + 1];
     fl_event *slot_free[RING + 1];
+    int tied; // the LM head's gradient is the embedding's (bound at the head)
     int next_slot;
     int *unit_slot; // per unit + 1: the buffer its gradients are bound to
     // the delayed update: the other gradient buffer (see above), the points
@@ -91,8 +94,10 @@ struct fl_dev_offload {
     // accumulate_on_device: the pinned fp32 sums this offload allocated
     // (the optimizer's and the delayed update's second one; else NULL)
     void *sums[2];
-    // accumulate_on_device: the fp32 gradient sum on the device (else NULL)
+    // accumulate_on_device: the fp32 gradient sum on the device (else NULL);
+    // fp32 gradients are bound to it in place (no ring)
     float *dsum;
+    int in_place;
     // timing: the step's start, the open wait's start, and the step's waits
     // as pairs (idle, resumed), read once the step's uploads are done
     fl_event *start, *idle, **waits;
@@ -170,7 +175,9 @@ size_t fl_dev_offload_grad_bytes(const fl_param_table *t, int tie_embeddings, fl
 // The device's gradients of `unit` into buffer s, once its last download
 // is done: zeroed, or under fp32 accumulation (the cpu sums micro-batches
 // in the gradients) after the first micro-batch the host's sum so far,
-// which the backward adds to as the cpu's does in place.
+// which the backward adds to as the cpu's does in place. Under fp32
+// accumulate_on_device the unit's part of the device's sum instead, zeroed
+// in the first micro-batch and then added to in place.
 static void bind_slot(fl_dev_offload *f, int unit, int s) {
     const fl_device *d = f->dev;
     int first, count;
@@ -179,6 +186,11 @@ static void bind_slot(fl_dev_offload *f, int unit, int s) {
     const fl_param_view *a = &f->m->table.views[first], *b = &f->m->table.views[first + count - 1];
     size_t es = fl_dtype_size(f->m->dtype), lo = a->offset * es,
            bytes = (b->offset + b->numel) * es - lo;
+    if (f->in_place) {
+        if (f->o->micro == 0) d->zero(d, f->dsum + a->offset, bytes);
+        fl_model_bind_grads(f->m, unit, f->dsum + a->offset);
+        return;
+    }
     if (f->slot_free[s]) {
         d->stream_wait(d, NULL, f->slot_free[s]);
         d->event_destroy(d, f->slot_free[s]);
@@ -234,9 +246,8 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
     fl_dev_offload *f = ctx;
     delayed_slice(f);
     if (pass != FL_PASS_BWD) return;
-    int tied = f->slot[RING] != NULL;
-    if (tied && unit == FL_UNIT_HEAD(m->config.n_layer)) bind_slot(f, FL_UNIT_EMBED, RING);
-    if (tied && unit == FL_UNIT_EMBED) return; // bound at the head
+    if (f->tied && unit == FL_UNIT_HEAD(m->config.n_layer)) bind_slot(f, FL_UNIT_EMBED, RING);
+    if (f->tied && unit == FL_UNIT_EMBED) return; // bound at the head
     bind_slot(f, unit, f->next_slot);
     f->next_slot = (f->next_slot + 1) % RING;
 }
@@ -273,7 +284,8 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     // from the last row down)
     if (o->delayed && last) delayed_down_to(f, first);
     size_t count = b->offset + b->numel - a->offset;
-    if (f->dsum) { // into the fp32 sum on the device, the cpu's arithmetic (0 + g, then + g)
+    if (f->dsum && !f->in_place) { // into the fp32 sum on the device, the cpu's arithmetic
+                                   // (0 + g, then + g)
         float *sum = f->dsum + a->offset;
         if (o->micro == 0)
             d->convert(FL_F32, sum, m->dtype, m->gp[first], count);
@@ -289,11 +301,13 @@ static void on_grad_ready(void *ctx, fl_model *m, int first, int n) {
     }
     d->event_destroy(d, e);
     f->down_bytes += bytes;
-    if (f->dsum) { // the sum goes down after the last micro-batch; the ring buffer is free
-                   // once the kernel above has read it (the compute stream's order)
+    if (f->dsum) { // the sum goes down after the last micro-batch (fp32: into the gradients);
+                   // the ring buffer is free once the kernel above has read it (the compute
+                   // stream's order)
         if (!last) return;
-        d->copy_async(d, o->grad_accum + a->offset, f->dsum + a->offset, count * sizeof(float),
-                      FL_COPY_D2H, f->down);
+        float *into = f->in_place ? (float *)f->grads : o->grad_accum;
+        d->copy_async(d, into + a->offset, f->dsum + a->offset, count * sizeof(float), FL_COPY_D2H,
+                      f->down);
         if (!o->overlap_sq) return;
     } else {
         d->copy_async(d, (char *)f->grads + lo, m->gp[first], bytes, FL_COPY_D2H, f->down);
@@ -320,6 +334,10 @@ static void on_grads_down(void *ctx) {
     const fl_device *d = f->dev;
     // every unit reported its gradient: the device holds none besides
     FL_ASSERT(f->down_bytes == f->m->table.numel * fl_dtype_size(f->m->dtype));
+    if (f->in_place && f->o->micro < f->o->cfg.grad_accum) { // the sum stays on the device
+        f->down_bytes = 0;
+        return;
+    }
     if (f->o->grad_accum && f->o->micro < f->o->cfg.grad_accum) {
         // 16-bit gradients with a micro-batch to come: the device goes on
         // with its forward pass while the last unit's download lands; the
@@ -429,9 +447,12 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     const fl_device *pin = fl_device_pinned(d);
     // weight offload: the weights built in pinned memory are the host copy;
     // with the fp32 sum made on the device only the sum comes down (into the
-    // optimizer's), so there is no host copy of the 16-bit gradients
+    // optimizer's), so there is no host copy of 16-bit gradients (fp32 ones
+    // are the sum: it comes down into them)
+    int sum16 = cfg->accumulate_on_device && m->dtype != FL_F32;
+    f->in_place = cfg->accumulate_on_device && !sum16;
     void *params = host_params ? host_params : pin->alloc(pin, FL_MEM_PARAMS, bytes),
-         *grads = cfg->accumulate_on_device ? NULL : pin->alloc(pin, FL_MEM_GRADS, bytes);
+         *grads = sum16 ? NULL : pin->alloc(pin, FL_MEM_GRADS, bytes);
     f->params = params;
     f->grads = grads;
     if (!host_params) fl_dev_download(d, params, m->params, bytes);
@@ -441,23 +462,25 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
     fl_device_use(d);
     size_t sum_bytes = m->table.numel * sizeof(float);
-    if (cfg->accumulate_on_device) // the device's sum is downloaded into it
+    if (sum16) // the device's sum is downloaded into it
         o->grad_accum = f->sums[0] = pin->alloc(pin, FL_MEM_GRADS, sum_bytes);
     // the delayed update: a second buffer of what the update reads, of the
     // same memory (the two swap)
-    f->spare_dev = o->grad_accum && !cfg->accumulate_on_device ? o->dev : pin;
+    f->spare_dev = o->grad_accum && !sum16 ? o->dev : pin;
     if (cfg->delayed_update)
         f->spare =
             f->spare_dev->alloc(f->spare_dev, FL_MEM_GRADS, o->grad_accum ? sum_bytes : bytes);
-    if (cfg->accumulate_on_device) f->sums[1] = f->spare;
+    if (sum16) f->sums[1] = f->spare;
     size_t unit, embed, es = fl_dtype_size(m->dtype);
     ring_sizes(&m->table, m->config.tie_embeddings, &unit, &embed);
-    for (int s = 0; s < RING; s++) f->slot[s] = d->alloc(d, FL_MEM_GRADS, unit * es);
+    for (int s = 0; s < RING && !f->in_place; s++)
+        f->slot[s] = d->alloc(d, FL_MEM_GRADS, unit * es);
     if (cfg->accumulate_on_device) {
-        FL_ASSERT(o->grad_accum);
-        f->dsum = d->alloc(d, FL_MEM_GRADS, m->table.numel * sizeof(float));
+        FL_ASSERT(o->grad_accum || f->in_place);
+        f->dsum = d->alloc(d, FL_MEM_GRADS, sum_bytes);
     }
-    f->slot[RING] = embed ? d->alloc(d, FL_MEM_GRADS, embed * es) : NULL;
+    f->tied = embed != 0;
+    f->slot[RING] = embed && !f->in_place ? d->alloc(d, FL_MEM_GRADS, embed * es) : NULL;
     f->unit_slot = fl_alloc(FL_MEM_OTHER, ((size_t)m->config.n_layer + 2) * sizeof(int));
     f->down = d->stream_create(d);
     f->up = d->stream_create(d);

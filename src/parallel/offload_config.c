@@ -122,8 +122,8 @@ static void check_delayed(const fl_train_config *cfg) {
                x->offload_param);
 }
 
-// The fp32 gradient sum on the device (device_offload.c): for 16-bit
-// gradients under accumulation, with a device.
+// The fp32 gradient sum on the device (device_offload.c): under
+// accumulation, with a device.
 static void check_accumulate_on_device(const fl_train_config *cfg) {
     const fl_zero_extra *x = &cfg->zero_extra;
     if (!x->opt_accumulate_on_device) return;
@@ -133,9 +133,6 @@ static void check_accumulate_on_device(const fl_train_config *cfg) {
         : !strcmp(cfg->device, "cpu")
             ? "it needs --device cuda (or test); on the cpu the gradients are summed "
               "where the model is"
-        : !strcmp(cfg->precision, "fp32")
-            ? "fp32 gradients are summed on the device already (each unit's sum "
-              "goes up and the backward adds to it); it is for bf16 and fp16"
         : cfg->grad_accum < 2 ? "there is no accumulation to sum (gradient_accumulation_steps is 1)"
                               : NULL;
     if (why) fl_die(ZERO "offload_optimizer.accumulate_on_device: %s", why);

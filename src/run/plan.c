@@ -545,12 +545,14 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         state[FL_MEM_WORKSPACE] += gates; // the host optimizer's
         out->pinned[FL_MEM_PARAMS] += numel * ds;
         b[FL_MEM_PARAMS] += numel * ds;
-        // accumulate_on_device: the fp32 sum on the device instead of the
-        // host's copy of the 16-bit gradients (only the sum comes down)
-        if (r->optim.accumulate_on_device)
-            b[FL_MEM_GRADS] += numel * sizeof(float) - numel * ds;
-        else
-            out->pinned[FL_MEM_GRADS] += numel * ds;
+        // the host copy of the gradients, pinned, each unit's going down to
+        // it; accumulate_on_device: the fp32 sum on the device, which 16-bit
+        // gradients are added into (only the sum comes down, into the
+        // optimizer's: no host copy) and fp32 ones are bound to in place
+        int devsum = r->optim.accumulate_on_device, in_place = devsum && dt == FL_F32;
+        size_t host_grads = devsum && !in_place ? 0 : numel * ds;
+        out->pinned[FL_MEM_GRADS] += host_grads;
+        b[FL_MEM_GRADS] += host_grads + (devsum ? numel * sizeof(float) : 0);
         // the delayed update: a second buffer of what it reads, of its memory
         // (the fp32 sum, where there is one, else the pinned gradients)
         if (r->optim.delayed_update) {
@@ -558,17 +560,17 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
             (opt[FL_MEM_GRADS] ? sum : out->pinned)[FL_MEM_GRADS] += spare;
             b[FL_MEM_GRADS] += spare;
         }
-        // the device holds no whole gradient: a ring of two units' (and the
-        // tied embedding's) buffers, each unit's going down to the pinned copy
-        b[FL_MEM_GRADS] += numel * ds;
-        if (shaped) {
+        // the device holds no whole gradient (but that sum): a ring of two
+        // units' (and the tied embedding's) buffers, none for fp32 in place;
+        // a raw count's whole gradient stands for none on the device
+        if (shaped && !in_place) {
             fl_param_table rows;
             rank_table(r, &c, &rows);
             b[FL_MEM_GRADS] += fl_dev_offload_grad_bytes(&rows, c.tie_embeddings, dt);
             fl_params_free(&rows);
-        } else { // a raw count: two of its largest units instead of the whole gradient
-            b[FL_MEM_GRADS] = b[FL_MEM_GRADS] - numel * ds + 2 * unit * ds;
         }
+        if (!shaped)
+            b[FL_MEM_GRADS] = b[FL_MEM_GRADS] - numel * ds + (in_place ? 0 : 2 * unit * ds);
         // weight offload (device_weights.c): the whole weights are built in
         // the pinned copy (run.c; under NVMe freed once the file holds them)
         // and the device only ever holds the resident units and the ring;
