@@ -1145,6 +1145,33 @@ static void test_deepspeed_zero2_offload_example(void) {
             lr[1], lr[2], lr[3], lr[4], lr[5]);
 }
 
+// Hugging Face's ZeRO-3 example config, verbatim: its "auto" values are
+// fitlm's own settings (its flags here), as Hugging Face's Trainer fills
+// them from its arguments: WarmupLR's log warmup over --warmup 3 from 0 to
+// --lr; the fp16 block "auto" is off under bf16; a resume (on the cpu)
+// keeps "auto" and goes on bit for bit.
+static void test_hf_ds_config_zero3(void) {
+    char args[1024];
+    snprintf(args, sizeof args,
+             "train --config %s --model tiny --tokenizer byte --data small --seq-len 16 --batch 2 "
+             "--grad-accum 2 --steps 6 --lr 0.01 --warmup 3 --precision bf16 --sample-tokens 0 "
+             "--eval-iters 1 --threads 1 --device test",
+             t_source_path("tests/fixtures/hf_ds_config_zero3.json"));
+    resume_matches("hf3_", args, 3, 1);
+    t_check(strstr(output, "adamw lr 0.01 (WarmupLR from 0, warmup 3 log)") &&
+                strstr(output, "1 rank, ZeRO-3") && strstr(output, "step     6/6"),
+            "Hugging Face's ZeRO-3 example runs and resumes, its \"auto\" values fitlm's: %.600s",
+            output);
+    const double want[] = {0, 0, 0.0063092975357145747, 0.01, 0.01, 0.01};
+    double lr[8];
+    int n = step_lrs("hf3_whole", lr, 8), same = n == 6;
+    for (int i = 0; same && i < n; i++) same = fabs(lr[i] - want[i]) <= 1e-6 * want[i];
+    t_check(same, "WarmupLR's rates at the \"auto\" values (%d steps: %g %g %g %g %g %g)", n, lr[0],
+            lr[1], lr[2], lr[3], lr[4], lr[5]);
+    write_text("autotype.json", "{\"optimizer\": {\"type\": \"auto\"}}");
+    fails_with("train --config autotype.json", "optimizer.type must be one of");
+}
+
 // DeepSpeed's scheduler steps after each update an fp16 overflow did not
 // skip: WarmupLR (linear, 0.001 to 0.01 over 4) after n updates applied is
 // rate[n], whatever the steps skipped before; a resume goes on with it.
@@ -2903,6 +2930,7 @@ int main(void) {
     test_deepspeed_zero3_example();
     test_deepspeed_zero2_offload_example();
     test_deepspeed_schedule_skips();
+    test_hf_ds_config_zero3();
     test_same_seed_same_losses();
     test_deepspeed_adam();
     test_resume_is_bitwise();

@@ -186,7 +186,8 @@ typedef struct {
     int wall_clock_breakdown; // DeepSpeed's names for profile and mem_report (config_compat.c)
     int memory_breakdown;
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
-    uint8_t given[192];          // by option-table index: set by the file or a flag, not defaulted
+    uint8_t given[192]; // by option-table index: set by the file or a flag (1), "auto" (2), or
+                        // defaulted (0)
 } fl_train_config;
 
 // Fills the defaults (the values --help prints).
@@ -232,6 +233,9 @@ void fl_deepspeed_check_config(fl_train_config *cfg);
 int fl_deepspeed_feature_off(const char *where, const char *key, int enabled);
 // Whether an option (by JSON key) was set by a file or a flag; set it.
 int fl_config_given(const fl_train_config *cfg, const char *key);
+// Whether a config file set it to "auto" (left to fitlm's own setting, as
+// Hugging Face's Trainer fills it from its arguments; no flag given since).
+int fl_config_auto(const fl_train_config *cfg, const char *key);
 void fl_config_set_given(fl_train_config *cfg, const char *key, int on);
 void fl_config_print_help(FILE *out);
 void fl_config_print(const fl_train_config *cfg, FILE *out);

@@ -25,8 +25,7 @@ typedef struct {
     size_t size;         // buffer size of strings
     const char *def;     // default, as text
     double min, max;     // for numbers
-    const char *choices; // "a|b|c" for OPT_CHOICE; for OPT_INT, a word the JSON key also takes
-                         // ("auto": the setting left to its other names)
+    const char *choices; // "a|b|c" for OPT_CHOICE
     const char *help;
 } option;
 
@@ -126,7 +125,7 @@ static const option options[] = {
      "(t p) data-parallel replicas (1 = none)"},
     {"pipeline_model_parallel_size", NULL, OPT_INT, NUM(pipeline_parallel), "1", 1, 1 << 20, NULL,
      "Megatron's name of pipeline_parallel.size"},
-    {"pipeline.stages", NULL, OPT_INT, NUM(pipeline_parallel), "1", 1, 1 << 20, "auto",
+    {"pipeline.stages", NULL, OPT_INT, NUM(pipeline_parallel), "1", 1, 1 << 20, NULL,
      "DeepSpeed's name of pipeline_parallel.size (\"auto\", its default: pipeline_parallel.size "
      "or Megatron's name decides)"},
     {"pipeline_parallel.schedule", "--pipeline-schedule", OPT_CHOICE, STR(pipeline_schedule),
@@ -522,6 +521,7 @@ static const option options[] = {
 };
 
 #define N_OPTIONS (sizeof options / sizeof options[0])
+enum { GIVEN = 1, GIVEN_AUTO = 2 }; // fl_train_config.given: set to a value, or to "auto"
 _Static_assert(N_OPTIONS <= sizeof(((fl_train_config *)0)->given), "grow fl_train_config.given");
 
 static size_t option_index(const char *key) {
@@ -548,12 +548,16 @@ static void mark_given(fl_train_config *cfg, const option *o, uint8_t *seen, int
                    o->key, now, a->key, before);
         if (!seen[i]) cfg->given[i] = 0;
     }
-    cfg->given[o - options] = 1;
+    cfg->given[o - options] = GIVEN;
     seen[o - options] = 1;
 }
 
 int fl_config_given(const fl_train_config *cfg, const char *key) {
-    return cfg->given[option_index(key)];
+    return cfg->given[option_index(key)] == GIVEN;
+}
+
+int fl_config_auto(const fl_train_config *cfg, const char *key) {
+    return cfg->given[option_index(key)] == GIVEN_AUTO;
 }
 
 void fl_config_set_given(fl_train_config *cfg, const char *key, int on) {
@@ -749,11 +753,13 @@ static int is_prefix_of_a_key(const char *path) {
     return 0;
 }
 
-// A number DeepSpeed also takes as "auto" (the option's choices): a name
-// of a setting that leaves it to its other names, given or defaulted.
+// "auto" for a number or a switch (DeepSpeed's pipeline.stages; Hugging
+// Face's configs, whose Trainer fills it in from its own arguments): left
+// to fitlm's own setting, its flag or default, or for a setting of several
+// names the others (fl_config_auto; a checkpoint's config keeps "auto").
 static int is_auto(const option *o, const cJSON *item) {
-    return o->type == OPT_INT && o->choices && cJSON_IsString(item) &&
-           choice_index(o, item->valuestring) >= 0;
+    return o->type != OPT_STRING && o->type != OPT_CHOICE && cJSON_IsString(item) &&
+           !strcmp(item->valuestring, "auto");
 }
 
 // A block's "enabled": 1 or 0, or -1 where it is no object or has no
@@ -774,7 +780,10 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
         const option *o = NULL;
         for (size_t i = 0; i < N_OPTIONS; i++)
             if (!strcmp(options[i].key, key)) o = &options[i];
-        if (o && is_auto(o, item)) continue; // DeepSpeed's "auto": the other names decide
+        if (o && is_auto(o, item)) {
+            cfg->given[o - options] = GIVEN_AUTO;
+            continue;
+        }
         if (o) {
             int before = o->type == OPT_INT ? *(const int *)field(cfg, o) : 0;
             set_from_json(cfg, o, item, path);
@@ -897,6 +906,10 @@ char *fl_config_to_json(const fl_train_config *cfg) {
         if (!cfg->given[i] || run_only(o)) continue;
         const char *leaf;
         cJSON *parent = parent_of(root, o->key, &leaf);
+        if (cfg->given[i] == GIVEN_AUTO) {
+            cJSON_AddStringToObject(parent, leaf, "auto");
+            continue;
+        }
         const void *v = (const char *)cfg + o->offset;
         switch (o->type) {
         case OPT_INT:
@@ -1058,8 +1071,9 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
 
 // precision (DeepSpeed's bf16/fp16 blocks are mapped onto it before, by
 // fl_deepspeed_check_config); fp16 options only with fp16, or in an fp16
-// block that says enabled false (which DeepSpeed reads no further: a
-// config's settings for an fp16 run, kept while it trains otherwise)
+// block that says enabled false, or "auto" while the precision is another
+// (which DeepSpeed reads no further: a config's settings for an fp16 run,
+// kept while it trains otherwise)
 static void finish_precision(fl_train_config *cfg) {
     cfg->dtype = !strcmp(cfg->precision, "bf16")   ? FL_BF16
                  : !strcmp(cfg->precision, "fp16") ? FL_F16
@@ -1067,7 +1081,8 @@ static void finish_precision(fl_train_config *cfg) {
     static const char *fp16_keys[] = {
         "fp16.loss_scale", "fp16.initial_scale_power",    "fp16.loss_scale_window",
         "fp16.hysteresis", "fp16.consecutive_hysteresis", "fp16.min_loss_scale"};
-    int fp16_off = fl_config_given(cfg, "fp16.enabled") && !cfg->fp16_enabled;
+    int fp16_off = (fl_config_given(cfg, "fp16.enabled") && !cfg->fp16_enabled) ||
+                   fl_config_auto(cfg, "fp16.enabled"); // ("auto": the precision decides)
     for (size_t i = 0; i < sizeof fp16_keys / sizeof fp16_keys[0]; i++)
         if (cfg->dtype != FL_F16 && fl_config_given(cfg, fp16_keys[i]) && !fp16_off)
             fl_die("%s applies to fp16 training; precision is %s", fp16_keys[i], cfg->precision);

@@ -34,7 +34,8 @@ static int names_include(const char *names, const char *name) {
 
 // The schedule's parameters: each only with the schedules that read it;
 // DeepSpeed's schedules' defaults (warmup 1000; WarmupLR's rate after
-// warmup the optimizer's lr, WarmupDecayLR's 0.001), and that rate as lr.
+// warmup the optimizer's lr, WarmupDecayLR's 0.001; "auto": fitlm's warmup
+// and lr), and that rate as lr.
 // Where DeepSpeed would quietly train at another rate than the optimizer's
 // lr given (its scheduler sets the rate), the two are refused instead.
 static void check_scheduler(fl_train_config *cfg) {
@@ -52,14 +53,19 @@ static void check_scheduler(fl_train_config *cfg) {
         if (fl_config_given(cfg, only[i].key) && !names_include(only[i].for_whom, sched))
             fl_die("%s applies to scheduler.type %s, not %s", only[i].key, only[i].for_whom, sched);
     if (!names_include(ds, sched)) return;
-    if (!fl_config_given(cfg, "scheduler.params.warmup_num_steps"))
+    // "auto" (Hugging Face's Trainer fills it from its own arguments): fitlm's
+    // warmup, and the optimizer's lr after it
+    if (!fl_config_given(cfg, "scheduler.params.warmup_num_steps") &&
+        !fl_config_auto(cfg, "scheduler.params.warmup_num_steps"))
         cfg->warmup_steps = 1000;
     else if (cfg->warmup_steps == 0)
         fl_die("scheduler.params.warmup_num_steps 0: DeepSpeed's schedules take a positive "
                "number of warmup steps");
     if (!strcmp(sched, "WarmupCosineLR")) return; // rates as fractions of lr
     int max_given = fl_config_given(cfg, "scheduler.params.warmup_max_lr");
-    if (!max_given && !strcmp(sched, "WarmupLR")) cfg->warmup_max_lr = cfg->lr;
+    if ((!max_given && !strcmp(sched, "WarmupLR")) ||
+        fl_config_auto(cfg, "scheduler.params.warmup_max_lr"))
+        cfg->warmup_max_lr = cfg->lr;
     if (fl_config_given(cfg, "optimizer.params.lr") && cfg->warmup_max_lr != cfg->lr)
         fl_die("optimizer.params.lr %g and the scheduler %s's warmup_max_lr %g%s: DeepSpeed "
                "would train at the scheduler's; give the one rate as warmup_max_lr",
