@@ -234,14 +234,17 @@ static void test_bad_config_files(void) {
           "--precision bf16 --mem-limit 1200M");
     t_check(strstr(output, "does NOT fit") && strstr(output, "  --logits-chunk 256: 1.09 GiB"),
             "plan over its limit advises the LM head in chunks: %.900s", output);
-    // the DeepSpeed keys at their defaults are accepted with a policy
-    write_text("ac.json", "{\"activation_checkpointing\": {\"policy\": \"block\", "
-                          "\"partition_activations\": false, \"cpu_checkpointing\": false, "
-                          "\"contiguous_memory_optimization\": false, "
-                          "\"synchronize_checkpoint_boundary\": false, \"profile\": false}}");
+    // the DeepSpeed keys at their defaults are accepted with a policy (null:
+    // DeepSpeed's None, a key's or a block's default)
+    write_text("ac.json",
+               "{\"activation_checkpointing\": {\"policy\": \"block\", "
+               "\"partition_activations\": false, \"cpu_checkpointing\": false, "
+               "\"contiguous_memory_optimization\": false, \"number_checkpoints\": null, "
+               "\"synchronize_checkpoint_boundary\": false, \"profile\": false}, "
+               "\"zero_optimization\": {\"offload_param\": null}}");
     int rc = fitlm("plan --config ac.json --model tiny --tokenizer byte --batch 2 --seq-len 16");
     t_check(rc == 0 && strstr(output, "activation checkpointing block"),
-            "DeepSpeed's activation_checkpointing block with a policy: %.300s", output);
+            "DeepSpeed's activation_checkpointing block with a policy and nulls: %.300s", output);
 }
 
 static void test_bad_data(void) {
@@ -947,6 +950,13 @@ static void losses_of(const char *text, char *out, size_t size) {
     }
 }
 
+// Runs `args`, keeping its steps' losses (losses_of) in out; its status.
+static int run_losses(const char *args, char *out, size_t size) {
+    int rc = fitlm(args);
+    losses_of(output, out, size);
+    return rc;
+}
+
 // DeepSpeed's optimizer.type Adam is AdamW (adam_w_mode true, its default;
 // torch_adam names an implementation of the same rule): the same losses,
 // bit for bit; Adam with L2 weight decay is refused.
@@ -954,14 +964,11 @@ static void test_deepspeed_adam(void) {
     const char *run = "train --config run.json --steps 3 --eval-every 0 --sample-tokens 0 "
                       "--threads 1 --out ''";
     static char adamw[8192], adam[8192];
-    int rc1 = fitlm(run);
-    losses_of(output, adamw, sizeof adamw);
     write_text("adam.json", "{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.5, "
                             "\"betas\": [0.8, 0.9], \"torch_adam\": true}}}");
     char cmd[512];
     snprintf(cmd, sizeof cmd, "%s --config adam.json", run);
-    int rc2 = fitlm(cmd);
-    losses_of(output, adam, sizeof adam);
+    int rc1 = run_losses(run, adamw, sizeof adamw), rc2 = run_losses(cmd, adam, sizeof adam);
     t_check(rc1 == 0 && rc2 == 0 && strstr(output, "adamw lr 0.5") && strlen(adamw) > 40 &&
                 !strcmp(adamw, adam),
             "optimizer.type Adam trains as AdamW, bit for bit:\n%s---\n%s", adamw, adam);
@@ -984,10 +991,7 @@ static void test_same_seed_same_losses(void) {
     const char *run = "train --config run.json --steps 4 --eval-every 0 --sample-tokens 0 "
                       "--threads 2 --seed 7";
     static char first[8192], second[8192];
-    int rc1 = fitlm(run);
-    losses_of(output, first, sizeof first);
-    int rc2 = fitlm(run);
-    losses_of(output, second, sizeof second);
+    int rc1 = run_losses(run, first, sizeof first), rc2 = run_losses(run, second, sizeof second);
     t_check(rc1 == 0 && rc2 == 0 && strlen(first) > 40, "two seeded runs succeed: %s", first);
     t_check(strcmp(first, second) == 0, "same seed and threads, identical step logs:\n%s---\n%s",
             first, second);

@@ -784,6 +784,8 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
             cfg->given[o - options] = GIVEN_AUTO;
             continue;
         }
+        if (cJSON_IsNull(item) && (o || is_prefix_of_a_key(key)))
+            continue; // DeepSpeed's None (a key or a block): its default, fitlm's
         if (o) {
             int before = o->type == OPT_INT ? *(const int *)field(cfg, o) : 0;
             set_from_json(cfg, o, item, path);
