@@ -155,6 +155,31 @@ static void test_bad_config_files(void) {
     fails_with("train --config contra.json", "precision 'fp32' contradicts fp16.enabled");
     write_text("fp16key.json", "{\"fp16\": {\"loss_scale_window\": 10}}");
     fails_with("train --config fp16key.json", "fp16.loss_scale_window applies to fp16 training");
+    // DeepSpeed's engine settings: accepted at fitlm's way, refused otherwise
+    write_text("engine.json",
+               "{\"zero_force_ds_cpu_optimizer\": false, \"dump_state\": false, "
+               "\"prescale_gradients\": false, \"gradient_predivide_factor\": 1.0, "
+               "\"sparse_gradients\": false, \"data_types\": {\"grad_accum_dtype\": \"fp32\"}, "
+               "\"zero_optimization\": {\"stage\": 3, \"gather_16bit_weights_on_model_save\": "
+               "true}}");
+    int ok = fitlm("plan --config engine.json --model tiny --tokenizer byte --seq-len 16") == 0;
+    t_check(ok, "DeepSpeed's engine settings at fitlm's way: %.300s", output);
+    const struct {
+        const char *json, *says;
+    } engine[] = {
+        {"{\"dump_state\": true}", "dump_state true: DeepSpeed's engine state"},
+        {"{\"gradient_predivide_factor\": 2}",
+         "gradient_predivide_factor 2: fitlm divides no gradient before its reduction"},
+        {"{\"sparse_gradients\": true}", "sparse_gradients true: fitlm's embedding gradients"},
+        {"{\"data_types\": {\"grad_accum_dtype\": \"bf16\"}}",
+         "data_types.grad_accum_dtype bf16: fitlm sums the micro-batches' gradients in fp32"},
+        {"{\"zero_optimization\": {\"stage\": 3, \"gather_16bit_weights_on_model_save\": "
+         "false}}",
+         "gather_16bit_weights_on_model_save false: fitlm's checkpoints and fitlm export"}};
+    for (size_t i = 0; i < sizeof engine / sizeof engine[0]; i++) {
+        write_text("engine.json", engine[i].json);
+        fails_with("train --config engine.json", engine[i].says);
+    }
     write_text("wallclock.json", "{\"wall_clock_breakdown\": false}");
     fails_with("train --config wallclock.json --profile",
                "profile true contradicts wall_clock_breakdown false");

@@ -66,8 +66,9 @@ typedef struct {
     int opt_accumulate_on_device;               // accumulate_on_device
     float param_buffer_size, param_max_in_cpu;  // NVMe buffers
     int cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory; // deprecated forms
-    int gather_16bit_on_save,
-        gather_fp16_on_save;             // stage3_gather_{16bit,fp16}_weights_on_model_save
+    int gather_16bit_on_save, gather_fp16_on_save, gather_on_save;  // stage3_gather_{16bit,fp16}_
+                                                                    // weights_on_model_save, and
+                                                                    // its name without stage3_
     float module_granularity_threshold;  // stage3_module_granularity_threshold (0)
     int use_all_reduce_for_fetch_params; // stage3_use_all_reduce_for_fetch_params
     int ignore_unused_parameters;        // true
@@ -81,6 +82,11 @@ typedef struct {
     int memory_efficient_linear; // true
     int pipeline_loading_checkpoint, override_module_apply;
     int allow_untested_optimizer; // top level: zero_allow_untested_optimizer
+    int force_ds_cpu_optimizer;   // zero_force_ds_cpu_optimizer
+    // top level, DeepSpeed's engine: each at the value that is fitlm's way
+    int dump_state, prescale_gradients, sparse_gradients;
+    float gradient_predivide_factor;
+    char grad_accum_dtype[FL_NAME_MAX]; // data_types.grad_accum_dtype
     // top-level aio block (NVMe offload's asynchronous I/O)
     int aio_block_size, aio_queue_depth, aio_thread_count;
     int aio_single_submit, aio_overlap_events, aio_use_gds, aio_intra_op;
@@ -186,7 +192,7 @@ typedef struct {
     int wall_clock_breakdown; // DeepSpeed's names for profile and mem_report (config_compat.c)
     int memory_breakdown;
     char mem_limit[FL_NAME_MAX]; // bytes with an optional K/M/G/T suffix; "" = available memory
-    uint8_t given[192]; // by option-table index: set by the file or a flag (1), "auto" (2), or
+    uint8_t given[256]; // by option-table index: set by the file or a flag (1), "auto" (2), or
                         // defaulted (0)
 } fl_train_config;
 

@@ -9,6 +9,7 @@
 // GPU and intra-op settings. Their entries stay in the option table
 // (config.c), which reads them and prints them in --help; the sections
 // fitlm runs check their own keys (fl_<subsystem>_check_config).
+#include <stdio.h>
 #include <string.h>
 
 #include "fitlm/config.h"
@@ -149,17 +150,18 @@ static void check_zero_choices(const fl_train_config *cfg) {
     refuse(x->elastic_checkpoint, "elastic_checkpoint", "true",
            "loading a checkpoint saved by another number of ranks is not supported (DeepSpeed no "
            "longer supports it either)");
-    if (given(cfg, ZERO "stage3_gather_16bit_weights_on_model_save") &&
-        given(cfg, ZERO "stage3_gather_fp16_weights_on_model_save") &&
-        x->gather_16bit_on_save != x->gather_fp16_on_save)
-        fl_die(ZERO "stage3_gather_fp16_weights_on_model_save (the deprecated name) contradicts "
-                    "stage3_gather_16bit_weights_on_model_save");
-    const char *why_gather = "fitlm's checkpoints and fitlm export always hold the whole weights "
-                             "(gathered under stage 3); drop the key or set it true";
-    refuse(given(cfg, ZERO "stage3_gather_16bit_weights_on_model_save") && !x->gather_16bit_on_save,
-           "stage3_gather_16bit_weights_on_model_save", "false", why_gather);
-    refuse(given(cfg, ZERO "stage3_gather_fp16_weights_on_model_save") && !x->gather_fp16_on_save,
-           "stage3_gather_fp16_weights_on_model_save", "false", why_gather);
+    // three names of one switch, each true where given
+    const char *gather[] = {"stage3_gather_16bit_weights_on_model_save",
+                            "stage3_gather_fp16_weights_on_model_save",
+                            "gather_16bit_weights_on_model_save"};
+    const int gathers[] = {x->gather_16bit_on_save, x->gather_fp16_on_save, x->gather_on_save};
+    for (int i = 0; i < 3; i++) {
+        char key[96];
+        snprintf(key, sizeof key, ZERO "%s", gather[i]);
+        refuse(given(cfg, key) && !gathers[i], gather[i], "false",
+               "fitlm's checkpoints and fitlm export always hold the whole weights (gathered "
+               "under stage 3); drop the key or set it true");
+    }
     refuse(x->use_all_reduce_for_fetch_params, "stage3_use_all_reduce_for_fetch_params", "true",
            "fitlm fetches stage 3 weights by all-gather");
     refuse(x->legacy_stage1, "legacy_stage1", "true",
@@ -246,7 +248,27 @@ int fl_deepspeed_feature_off(const char *where, const char *key, int enabled) {
     return 0;
 }
 
+// DeepSpeed's engine settings at the value that is what fitlm does; any
+// other refused naming it.
+static void refuse_engine(const fl_train_config *cfg) {
+    const fl_zero_extra *x = &cfg->zero_extra;
+    if (x->dump_state)
+        fl_die("dump_state true: DeepSpeed's engine state; fitlm prints the run's settings at the "
+               "start and `fitlm train --help` every option");
+    if (x->prescale_gradients || x->gradient_predivide_factor != 1.0f)
+        fl_die("prescale_gradients true or gradient_predivide_factor %g: fitlm divides no "
+               "gradient before its reduction over ranks (each token's loss is weighted by the "
+               "target tokens of the step on all ranks before the backward pass, and the "
+               "reduction sums)",
+               x->gradient_predivide_factor);
+    if (x->sparse_gradients) fl_die("sparse_gradients true: fitlm's embedding gradients are dense");
+    if (strcmp(x->grad_accum_dtype, "fp32"))
+        fl_die("data_types.grad_accum_dtype %s: fitlm sums the micro-batches' gradients in fp32",
+               x->grad_accum_dtype);
+}
+
 void fl_deepspeed_check_config(fl_train_config *cfg) {
+    refuse_engine(cfg);
     refuse_checkpointing(cfg);
     map_precision(cfg);
     // DeepSpeed's per-phase step times: fitlm's per-op profile after training
