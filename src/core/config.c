@@ -322,6 +322,8 @@ static const option options[] = {
      "sparse embedding gradients (true is refused: fitlm's are dense)"},
     {"data_types.grad_accum_dtype", NULL, OPT_CHOICE, STR(zero_extra.grad_accum_dtype), "fp32", 0,
      0, "fp32|bf16|fp16", "the micro-batches' gradient sum: fp32 (16-bit sums are refused)"},
+    {"communication_data_type", NULL, OPT_CHOICE, STR(zero_extra.comm_dtype), "fp32", 0, 0,
+     "fp32|bf16|fp16", "the gradients' reduction over ranks: fp32 (16-bit ones are refused)"},
     {"aio.block_size", NULL, OPT_INT, NUM(zero_extra.aio_block_size), "1048576", 1, 1 << 30, NULL,
      "NVMe offload: bytes per I/O request"},
     {"aio.queue_depth", NULL, OPT_INT, NUM(zero_extra.aio_queue_depth), "8", 1, 4096, NULL,
