@@ -2,13 +2,15 @@
 // mapped onto fitlm's own or refused naming the key, the value and why;
 // none is ignored. Mapped: the bf16/fp16 blocks onto precision,
 // wall_clock_breakdown and memory_breakdown onto profile and mem_report,
-// optimizer.type Adam onto adamw, the
-// deprecated cpu_offload forms onto the offload blocks' device. Refused:
-// activation checkpointing's partitioning, ZeRO's alternatives to what
-// fitlm does one way and its features fitlm lacks (ZeRO++, MiCS, ...), aio's
-// GPU and intra-op settings. Their entries stay in the option table
-// (config.c), which reads them and prints them in --help; the sections
-// fitlm runs check their own keys (fl_<subsystem>_check_config).
+// optimizer.type Adam onto adamw, the deprecated cpu_offload forms onto the
+// offload blocks' device. Accepted switched off: the feature blocks fitlm
+// does not run (monitors, profilers, ...). Refused: the engine's settings
+// other than fitlm's way, activation checkpointing's partitioning, ZeRO's
+// alternatives to what fitlm does one way and its features fitlm lacks
+// (ZeRO++, MiCS, ...), aio's GPU and intra-op settings. Their entries stay
+// in the option table (config.c), which reads them and prints them in
+// --help; the sections fitlm runs check their own keys
+// (fl_<subsystem>_check_config).
 #include <stdio.h>
 #include <string.h>
 

@@ -35,9 +35,9 @@ static int names_include(const char *names, const char *name) {
 // The schedule's parameters: each only with the schedules that read it;
 // DeepSpeed's schedules' defaults (warmup 1000; WarmupLR's rate after
 // warmup the optimizer's lr, WarmupDecayLR's 0.001; "auto": fitlm's warmup
-// and lr), and that rate as lr.
-// Where DeepSpeed would quietly train at another rate than the optimizer's
-// lr given (its scheduler sets the rate), the two are refused instead.
+// and lr), and that rate as lr. Where DeepSpeed would quietly train at
+// another rate than the optimizer's lr given (its scheduler sets the
+// rate), the two are refused instead.
 static void check_scheduler(fl_train_config *cfg) {
     const char *ds = "WarmupLR WarmupDecayLR WarmupCosineLR", *sched = cfg->scheduler;
     const struct {
