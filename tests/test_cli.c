@@ -160,7 +160,8 @@ static void test_bad_config_files(void) {
                "{\"zero_force_ds_cpu_optimizer\": false, \"dump_state\": false, "
                "\"prescale_gradients\": false, \"gradient_predivide_factor\": 1.0, "
                "\"sparse_gradients\": false, \"data_types\": {\"grad_accum_dtype\": \"fp32\"}, "
-               "\"communication_data_type\": \"fp32\", "
+               "\"communication_data_type\": \"fp32\", \"fp16\": {\"auto_cast\": true}, "
+               "\"bf16\": {\"immediate_grad_update\": true}, "
                "\"zero_optimization\": {\"stage\": 3, \"gather_16bit_weights_on_model_save\": "
                "true}}");
     int ok = fitlm("plan --config engine.json --model tiny --tokenizer byte --seq-len 16") == 0;
@@ -174,6 +175,8 @@ static void test_bad_config_files(void) {
         {"{\"sparse_gradients\": true}", "sparse_gradients true: fitlm's embedding gradients"},
         {"{\"data_types\": {\"grad_accum_dtype\": \"bf16\"}}",
          "data_types.grad_accum_dtype bf16: fitlm sums the micro-batches' gradients in fp32"},
+        {"{\"bf16\": {\"immediate_grad_update\": false}}",
+         "bf16.immediate_grad_update false: fitlm adds each micro-batch's gradient"},
         {"{\"communication_data_type\": \"fp16\"}",
          "communication_data_type fp16: fitlm reduces gradients over ranks in fp32"},
         {"{\"zero_optimization\": {\"stage\": 3, \"gather_16bit_weights_on_model_save\": "

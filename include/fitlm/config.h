@@ -88,6 +88,7 @@ typedef struct {
     float gradient_predivide_factor;
     char grad_accum_dtype[FL_NAME_MAX]; // data_types.grad_accum_dtype
     char comm_dtype[FL_NAME_MAX];       // communication_data_type
+    int fp16_auto_cast, bf16_immediate_grad_update;
     // top-level aio block (NVMe offload's asynchronous I/O)
     int aio_block_size, aio_queue_depth, aio_thread_count;
     int aio_single_submit, aio_overlap_events, aio_use_gds, aio_intra_op;

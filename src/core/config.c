@@ -324,6 +324,12 @@ static const option options[] = {
      0, "fp32|bf16|fp16", "the micro-batches' gradient sum: fp32 (16-bit sums are refused)"},
     {"communication_data_type", NULL, OPT_CHOICE, STR(zero_extra.comm_dtype), "fp32", 0, 0,
      "fp32|bf16|fp16", "the gradients' reduction over ranks: fp32 (16-bit ones are refused)"},
+    {"fp16.auto_cast", NULL, OPT_BOOL, NUM(zero_extra.fp16_auto_cast), "false", 0, 0, NULL,
+     "DeepSpeed: the model's floating inputs cast to fp16 (a model's inputs here are token ids: "
+     "either value)"},
+    {"bf16.immediate_grad_update", NULL, OPT_BOOL, NUM(zero_extra.bf16_immediate_grad_update),
+     "true", 0, 0, NULL,
+     "each micro-batch's gradient added into the fp32 sum as it is made (false is refused)"},
     {"aio.block_size", NULL, OPT_INT, NUM(zero_extra.aio_block_size), "1048576", 1, 1 << 30, NULL,
      "NVMe offload: bytes per I/O request"},
     {"aio.queue_depth", NULL, OPT_INT, NUM(zero_extra.aio_queue_depth), "8", 1, 4096, NULL,

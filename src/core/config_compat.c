@@ -267,6 +267,9 @@ static void refuse_engine(const fl_train_config *cfg) {
     if (strcmp(x->grad_accum_dtype, "fp32"))
         fl_die("data_types.grad_accum_dtype %s: fitlm sums the micro-batches' gradients in fp32",
                x->grad_accum_dtype);
+    if (!x->bf16_immediate_grad_update)
+        fl_die("bf16.immediate_grad_update false: fitlm adds each micro-batch's gradient into the "
+               "fp32 sum as it is made");
     if (strcmp(x->comm_dtype, "fp32"))
         fl_die("communication_data_type %s: fitlm reduces gradients over ranks in fp32 (16-bit "
                "gradients are staged into fp32 buckets)",
