@@ -59,6 +59,22 @@ static void fails_with(const char *args, const char *what) {
     t_fitlm_fails(dir, args, what, output, sizeof output);
 }
 
+// A config file's text and what refusing it says.
+typedef struct {
+    const char *json, *says;
+} refused_config;
+
+// Each of n configs written to refused.json and refused by `train --config
+// refused.json FLAGS`, saying what it says.
+static void refuses_configs(const refused_config *c, size_t n, const char *flags) {
+    char args[256];
+    snprintf(args, sizeof args, "train --config refused.json %s", flags);
+    for (size_t i = 0; i < n; i++) {
+        write_text("refused.json", c[i].json);
+        fails_with(args, c[i].says);
+    }
+}
+
 static void test_help_lists_every_option_with_default(void) {
     t_check(fitlm("--help") == 0 && strstr(output, "train") && strstr(output, "sample"),
             "fitlm --help lists the commands");
@@ -166,9 +182,7 @@ static void test_bad_config_files(void) {
                "true}}");
     int ok = fitlm("plan --config engine.json --model tiny --tokenizer byte --seq-len 16") == 0;
     t_check(ok, "DeepSpeed's engine settings at fitlm's way: %.300s", output);
-    const struct {
-        const char *json, *says;
-    } engine[] = {
+    const refused_config engine[] = {
         {"{\"dump_state\": true}", "dump_state true: DeepSpeed's engine state"},
         {"{\"gradient_predivide_factor\": 2}",
          "gradient_predivide_factor 2: fitlm divides no gradient before its reduction"},
@@ -182,10 +196,7 @@ static void test_bad_config_files(void) {
         {"{\"zero_optimization\": {\"stage\": 3, \"gather_16bit_weights_on_model_save\": "
          "false}}",
          "gather_16bit_weights_on_model_save false: fitlm's checkpoints and fitlm export"}};
-    for (size_t i = 0; i < sizeof engine / sizeof engine[0]; i++) {
-        write_text("engine.json", engine[i].json);
-        fails_with("train --config engine.json", engine[i].says);
-    }
+    refuses_configs(engine, sizeof engine / sizeof engine[0], "");
     write_text("wallclock.json", "{\"wall_clock_breakdown\": false}");
     fails_with("train --config wallclock.json --profile",
                "profile true contradicts wall_clock_breakdown false");
@@ -232,9 +243,7 @@ static void test_bad_config_files(void) {
     t_check(mkfifo(p, 0644) == 0, "mkfifo %s", p);
     fails_with("train --config conffifo", "config file conffifo is not a regular file");
     // DeepSpeed's activation_checkpointing keys: honoured or refused, never ignored
-    const struct {
-        const char *json, *says;
-    } ac[] = {
+    const refused_config ac[] = {
         {"{\"activation_checkpointing\": {\"partition_activations\": true}}",
          "partition_activations partitions checkpoints across tensor-parallel ranks"},
         {"{\"activation_checkpointing\": {\"cpu_checkpointing\": true}}",
@@ -249,10 +258,7 @@ static void test_bad_config_files(void) {
         {"{\"activation_checkpointing\": {\"policy\": \"layers\"}}",
          "must be one of none|selective|block"},
     };
-    for (size_t i = 0; i < sizeof ac / sizeof ac[0]; i++) {
-        write_text("ac.json", ac[i].json);
-        fails_with("train --config ac.json", ac[i].says);
-    }
+    refuses_configs(ac, sizeof ac / sizeof ac[0], "");
     // the LM head in chunks: not where the head keeps its whole logits
     fails_with("plan --model tiny --tokenizer byte --tensor-parallel 2 --ranks 2 --logits-chunk 8",
                "logits_chunk 8: not with tensor or pipeline parallelism");
@@ -752,9 +758,7 @@ static void test_config_then_flags(void) {
 // DeepSpeed's zero_optimization keys: each honoured or refused naming the
 // key, the value and why; none ignored. One representative per class.
 static void test_zero_optimization_keys(void) {
-    const struct {
-        const char *json, *says;
-    } refused[] = {
+    const refused_config refused[] = {
         {"{\"zero_optimization\": {\"stage\": 2, \"contiguous_gradients\": false}}",
          "zero_optimization.contiguous_gradients false: fitlm always keeps a rank's gradient "
          "shard in one contiguous buffer"},
@@ -835,10 +839,7 @@ static void test_zero_optimization_keys(void) {
          "aio.queue_depth 32 tunes NVMe offload's I/O; zero_optimization.offload_optimizer.device "
          "is none, not nvme"},
     };
-    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
-        write_text("zero.json", refused[i].json);
-        fails_with("train --config zero.json --out ''", refused[i].says);
-    }
+    refuses_configs(refused, sizeof refused / sizeof refused[0], "--out ''");
     // what the data-parallel engine cannot run, named before anything loads
     fails_with("train --zero-stage 2 --lora", "lora.enabled (LoRA) with zero_optimization.stage 2");
     fails_with("train --zero-stage 3 --lora --quantize nf4",
