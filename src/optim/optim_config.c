@@ -32,6 +32,21 @@ static int names_include(const char *names, const char *name) {
     return 0;
 }
 
+// An option and the choices (space-separated) that read it.
+typedef struct {
+    const char *key, *for_whom;
+} read_by;
+
+// An option given that none of the chosen `a` and `b` reads is an error,
+// not a no-op: "KEY applies to [WHAT ]FOR_WHOM, not SHOWN".
+static void refuse_unread(const fl_train_config *cfg, const read_by *only, size_t n, const char *a,
+                          const char *b, const char *what, const char *shown) {
+    for (size_t i = 0; i < n; i++)
+        if (fl_config_given(cfg, only[i].key) && !names_include(only[i].for_whom, a) &&
+            !names_include(only[i].for_whom, b))
+            fl_die("%s applies to %s%s, not %s", only[i].key, what, only[i].for_whom, shown);
+}
+
 // The schedule's parameters: each only with the schedules that read it;
 // DeepSpeed's schedules' defaults (warmup 1000; WarmupLR's rate after
 // warmup the optimizer's lr, WarmupDecayLR's 0.001; "auto": fitlm's warmup
@@ -40,18 +55,14 @@ static int names_include(const char *names, const char *name) {
 // rate), the two are refused instead.
 static void check_scheduler(fl_train_config *cfg) {
     const char *ds = "WarmupLR WarmupDecayLR WarmupCosineLR", *sched = cfg->scheduler;
-    const struct {
-        const char *key, *for_whom;
-    } only[] = {{"scheduler.params.min_lr_ratio", "constant cosine linear"},
-                {"scheduler.params.warmup_min_lr", "WarmupLR WarmupDecayLR"},
-                {"scheduler.params.warmup_max_lr", "WarmupLR WarmupDecayLR"},
-                {"scheduler.params.warmup_type", ds},
-                {"scheduler.params.total_num_steps", "WarmupDecayLR WarmupCosineLR"},
-                {"scheduler.params.warmup_min_ratio", "WarmupCosineLR"},
-                {"scheduler.params.cos_min_ratio", "WarmupCosineLR"}};
-    for (size_t i = 0; i < sizeof only / sizeof only[0]; i++)
-        if (fl_config_given(cfg, only[i].key) && !names_include(only[i].for_whom, sched))
-            fl_die("%s applies to scheduler.type %s, not %s", only[i].key, only[i].for_whom, sched);
+    const read_by only[] = {{"scheduler.params.min_lr_ratio", "constant cosine linear"},
+                            {"scheduler.params.warmup_min_lr", "WarmupLR WarmupDecayLR"},
+                            {"scheduler.params.warmup_max_lr", "WarmupLR WarmupDecayLR"},
+                            {"scheduler.params.warmup_type", ds},
+                            {"scheduler.params.total_num_steps", "WarmupDecayLR WarmupCosineLR"},
+                            {"scheduler.params.warmup_min_ratio", "WarmupCosineLR"},
+                            {"scheduler.params.cos_min_ratio", "WarmupCosineLR"}};
+    refuse_unread(cfg, only, sizeof only / sizeof only[0], sched, sched, "scheduler.type ", sched);
     if (!names_include(ds, sched)) return;
     // "auto" (Hugging Face's Trainer fills it from its own arguments): fitlm's
     // warmup, and the optimizer's lr after it
@@ -86,24 +97,16 @@ void fl_optim_check_config(fl_train_config *cfg) {
         snprintf(opt, sizeof opt, "%s (base: %s)", cfg->optimizer, cfg->lora_base_optimizer);
     else
         snprintf(opt, sizeof opt, "%s", cfg->optimizer);
-    const struct {
-        const char *key, *for_whom;
-    } only[] = {{"optimizer.params.momentum", "sgd"},
-                {"optimizer.params.betas", "adamw"},
-                {"optimizer.params.eps", "adamw adalomo"},
-                {"optimizer.params.eps2", "adalomo"},
-                {"optimizer.params.clip_threshold", "adalomo"},
-                {"optimizer.params.decay_rate", "adalomo"},
-                {"optimizer.params.clip_grad_value", "lomo"},
-                {"optimizer.params.stochastic_rounding", "lomo adalomo"}};
-    for (size_t i = 0; i < sizeof only / sizeof only[0]; i++) {
-        char words[32], me[2][FL_NAME_MAX + 2];
-        snprintf(words, sizeof words, " %s ", only[i].for_whom);
-        snprintf(me[0], sizeof me[0], " %s ", cfg->optimizer);
-        snprintf(me[1], sizeof me[1], " %s ", cfg->lora_base_optimizer);
-        if (fl_config_given(cfg, only[i].key) && !strstr(words, me[0]) && !strstr(words, me[1]))
-            fl_die("%s applies to %s, not %s", only[i].key, only[i].for_whom, opt);
-    }
+    const read_by only[] = {{"optimizer.params.momentum", "sgd"},
+                            {"optimizer.params.betas", "adamw"},
+                            {"optimizer.params.eps", "adamw adalomo"},
+                            {"optimizer.params.eps2", "adalomo"},
+                            {"optimizer.params.clip_threshold", "adalomo"},
+                            {"optimizer.params.decay_rate", "adalomo"},
+                            {"optimizer.params.clip_grad_value", "lomo"},
+                            {"optimizer.params.stochastic_rounding", "lomo adalomo"}};
+    refuse_unread(cfg, only, sizeof only / sizeof only[0], cfg->optimizer, cfg->lora_base_optimizer,
+                  "", opt);
     if (!strcmp(cfg->optimizer, "adalomo") && !fl_config_given(cfg, "optimizer.params.eps"))
         cfg->eps = 1e-30f; // AdaLomo's own default
     // AdaLomo normalises each update itself (clip_threshold) and needs no
