@@ -4,6 +4,7 @@
 // for `fitlm plot`.
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -250,10 +251,20 @@ void rank_memory_report(void) {
     int world = fl_comm_size();
     for (int r = 0; r < world; r++) {
         if (r == fl_comm_rank()) {
+            // one write: mpirun forwards each rank's pipe on its own, so a
+            // report written line by line (stderr is unbuffered) can come
+            // out interleaved with the next rank's despite the barrier
+            char *text = NULL;
+            size_t n = 0;
+            FILE *m = open_memstream(&text, &n);
+            if (!m) fl_die("out of memory");
+            if (world > 1) fprintf(m, "memory of rank %d:\n", r);
+            fl_mem_report(m);
+            fclose(m);
             FILE *out = r == 0 ? stdout : stderr;
-            if (world > 1) fprintf(out, "memory of rank %d:\n", r);
-            fl_mem_report(out);
+            fwrite(text, 1, n, out);
             fflush(out);
+            free(text);
         }
         fl_comm_barrier(fl_comm_world());
     }
