@@ -27,7 +27,9 @@
 # step's loss bitwise the all-on-GPU run's (the same weights), every step's
 # within 1e-5 relative (the update is the cpu's AdamW, not the GPU's; on the
 # test device and the cpu, where they are the same, bitwise), and its
-# resume bit for bit as its straight run; under NVMe offload bitwise the
+# resume bit for bit as its straight run; LoRA and QLoRA likewise with
+# their adapters' optimizer in host memory (LoRA's dense base offloaded
+# too, ZeRO-3's offload_param cpu); under NVMe offload bitwise the
 # pinned-memory offload run; with weight offload (ZeRO-3, offload_param
 # cpu) bitwise the stage-1 offloaded run, and its resume bit for bit; with
 # weight offload to NVMe (offload_param and offload_optimizer device nvme)
@@ -361,6 +363,22 @@ for prec in fp32 bf16; do
     run "off_${prec}" "$dev" llama "$prec" --save-every "$half" --config "$work/offload.json"
     offloaded_equals "off_$prec" "dev_${prec}_off" "llama $prec offloaded"
     resumed_equals "off_$prec" "llama $prec offloaded: $resumed" --config "$work/offload.json"
+done
+# LoRA and QLoRA under ZeRO-Offload (PEFT's recipe for one GPU): the
+# adapters' optimizer in host memory, and a dense base's weights offloaded
+# too (ZeRO-3, offload_param cpu, a ring of one unit): as the all-on-device
+# LoRA run above, and resumed bit for bit
+printf '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}\n' \
+    >"$work/lora_off.json"
+printf '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}\n' \
+    >"$work/lora_w3.json"
+for kind in "${lora_kinds[@]}"; do
+    [ $kind = lora_lomo ] && continue # (the base's update is in the backward pass)
+    flags=() config=lora_w3.json
+    [ $kind = qlora ] && flags=(--quantize nf4 --double-quant) config=lora_off.json
+    lrun "off_bf16_$kind" "$dev" bf16 "${flags[@]}" --save-every "$half" --config "$work/$config"
+    offloaded_equals "off_bf16_$kind" "dev_bf16_$kind" "$kind bf16 under $config"
+    resumed_equals "off_bf16_$kind" "$kind bf16 under $config: $resumed" --config "$work/$config"
 done
 # NVMe under it: the same cpu update, paged from a file: bitwise the pinned run
 mkdir -p "$work/nvme"

@@ -841,9 +841,7 @@ static void test_zero_optimization_keys(void) {
     };
     refuses_configs(refused, sizeof refused / sizeof refused[0], "--out ''");
     // what the data-parallel engine cannot run, named before anything loads
-    fails_with("train --zero-stage 2 --lora", "lora.enabled (LoRA) with zero_optimization.stage 2");
-    fails_with("train --zero-stage 3 --lora --quantize nf4",
-               "quantization_config.bnb_4bit_quant_type nf4 with zero_optimization.stage 3");
+    // (LoRA and QLoRA over several ranks: test_failures; on one: test_lora_under_zero)
     // DeepSpeed-only keys have no flags
     fails_with("train --allgather-partitions", "unknown option '--allgather-partitions'");
 
@@ -2713,6 +2711,45 @@ static int same_bytes(const char *a, const char *b) {
     return same;
 }
 
+// LoRA and QLoRA on one rank under a ZeRO config (PEFT's recipe for one
+// GPU: ZeRO-3 with the optimizer and the weights offloaded to the cpu):
+// the stage partitions nothing and offload device cpu is RAM on the cpu,
+// so the run is the plain one bitwise (losses, norms, the adapters); NVMe
+// offload is refused, naming why.
+static void test_lora_under_zero(void) {
+    write_text("z3_offload.json",
+               "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": "
+               "\"cpu\"}, \"offload_param\": {\"device\": \"cpu\"}}}");
+    static const char *const runs[][2] = {
+        {"--model llama-tiny --lora --lora-dropout 0.1 --grad-accum 2", "--config z3_offload.json"},
+        {"--init-from lora_base_hf --lora --quantize nf4 --precision bf16", "--zero-stage 2"},
+    };
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+        char cmd[1024], plain[4096], zero[4096], a[64], b[64];
+        const char *common = "train --data small --tokenizer byte --batch 2 --seq-len 16 "
+                             "--steps 3 --eval-every 0 --sample-tokens 0 --threads 2";
+        snprintf(cmd, sizeof cmd, "%s %s --out lz_plain --overwrite", common, runs[i][0]);
+        int rc1 = run_losses(cmd, plain, sizeof plain);
+        snprintf(cmd, sizeof cmd, "%s %s %s --out lz_zero --overwrite", common, runs[i][0],
+                 runs[i][1]);
+        int rc2 = run_losses(cmd, zero, sizeof zero);
+        t_check(rc1 == 0 && rc2 == 0 && strstr(output, "on one process: nothing to partition"),
+                "%s %s runs on one rank, saying the stage partitions nothing (status %d %d): "
+                "%.600s",
+                runs[i][0], runs[i][1], rc1, rc2, output);
+        snprintf(a, sizeof a, "lz_plain/adapter/adapter_model.safetensors");
+        snprintf(b, sizeof b, "lz_zero/adapter/adapter_model.safetensors");
+        t_check(*plain && !strcmp(plain, zero) && same_bytes(a, b),
+                "%s with %s: the plain run's losses and adapters bitwise\n%s\nvs\n%s", runs[i][0],
+                runs[i][1], plain, zero);
+    }
+    write_text("nvme_lora.json",
+               "{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": "
+               "\"nvme\", \"nvme_path\": \".\"}}}");
+    fails_with("train --lora --config nvme_lora.json",
+               "offload_optimizer.device nvme with LoRA adapters is not supported");
+}
+
 // Whether any file in dir/sub or its siblings sub.tmp.*, sub.old.* holds
 // needle (what an export wrote, or left behind).
 static int export_holds(const char *sub, const char *needle) {
@@ -2975,6 +3012,7 @@ int main(void) {
     test_demo_recipe();
     make_lora_base();
     test_lora_resume_is_bitwise();
+    test_lora_under_zero();
     test_lora_adapter();
     test_lora_errors();
     test_inputs_are_regular_files();

@@ -25,7 +25,9 @@
 // place) gives the cpu's figures and weights bitwise. The delayed update (delayed_update) gives a
 // cpu reference's (the plain step computing with the weights one update
 // old) bitwise, runs in slices over the next step, resumes bitwise, and is
-// refused where it cannot run.
+// refused where it cannot run. LoRA and QLoRA offload their adapters'
+// optimizer (and LoRA a dense frozen base under offload_param): the cpu's
+// run bitwise, resumed bitwise, planned exactly, advised, or refused.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,27 +97,38 @@ static void write_config(const char *name, const char *text) {
     fclose(f);
 }
 
+// The final weights of run `out` (trained with `flags`) into `path`: its
+// export's, or under LoRA its adapters in PEFT's format.
+static void final_weights(const char *flags, const char *out, char *path, size_t size) {
+    if (strstr(flags, "--lora")) {
+        snprintf(path, size, "%s/adapter/adapter_model.safetensors", out);
+        return;
+    }
+    int rc = fitlm("export %s -o ex_%s", out, out);
+    t_check(rc == 0, "export of %s: %.400s", out, output);
+    snprintf(path, size, "ex_%s/model.safetensors", out);
+}
+
 // One configuration on the cpu and the test device without offload, and on
 // the test device with it: the same figures and final weights.
 static void check_case(const char *flags, const char *stage) {
     const char *runs[3][2] = {{"cpu", ""}, {"test", ""}, {"test", stage}};
-    char figures[3][1024];
+    char figures[3][1024], weights[3][128], out[8];
     for (int i = 0; i < 3; i++) {
         int rc = fitlm("train " RUN " %s --out r%d --device %s%s%s", flags, i, runs[i][0],
                        *runs[i][1] ? " --config " : "", runs[i][1]);
         t_check(rc == 0, "%s on --device %s %s runs: %.600s", flags, runs[i][0], runs[i][1],
                 output);
-        step_figures(i == 0 ? "r0" : i == 1 ? "r1" : "r2", figures[i], sizeof figures[i]);
-        rc = fitlm("export r%d -o ex%d", i, i);
-        t_check(rc == 0, "export of run %d: %.400s", i, output);
+        snprintf(out, sizeof out, "r%d", i);
+        step_figures(out, figures[i], sizeof figures[i]);
+        final_weights(flags, out, weights[i], sizeof weights[i]);
     }
     for (int i = 1; i < 3; i++) {
         t_check(*figures[0] && !strcmp(figures[0], figures[i]),
                 "%s: --device test%s%s's losses and norms are the cpu's bitwise\n  cpu  %s\n  "
                 "test %s",
                 flags, i == 2 ? " with " : "", i == 2 ? stage : "", figures[0], figures[i]);
-        t_check(same_file("ex0/model.safetensors",
-                          i == 1 ? "ex1/model.safetensors" : "ex2/model.safetensors"),
+        t_check(same_file(weights[0], weights[i]),
                 "%s: the final weights of --device test%s%s are the cpu's bitwise", flags,
                 i == 2 ? " with " : "", i == 2 ? stage : "");
     }
@@ -174,10 +187,9 @@ static void resumed_equals_cpu(const char *flags, const char *config, const char
     t_check(*want && !strcmp(want, got),
             "%s under %s resumed is the uninterrupted cpu run bitwise\n  want %s\n  got  %s", flags,
             config, want, got);
-    snprintf(a, sizeof a, "exw_%s/model.safetensors", half);
-    snprintf(b, sizeof b, "ex_%s/model.safetensors", half);
-    t_check(fitlm("export rwhole -o exw_%s", half) == 0 &&
-                fitlm("export %s -o ex_%s", half, half) == 0 && same_file(a, b),
+    final_weights(flags, "rwhole", a, sizeof a);
+    final_weights(flags, half, b, sizeof b);
+    t_check(same_file(a, b),
             "%s under %s: the resumed run's final weights are the uninterrupted run's bitwise",
             flags, config);
 }
@@ -506,9 +518,18 @@ static void figure_after(const char *text, const char *key, char end, char *out,
     snprintf(out, size, "%.*s", (int)(n < size ? n : size - 1), at ? at + strlen(key) : "");
 }
 
+// The device bytes a plan's output says it needs ("...: 3.31 GiB needed, fits").
+static void planned_need(char *out, size_t size) {
+    const char *need = strstr(output, " needed, fits"), *from = need;
+    while (from && from > output && strncmp(from, ": ", 2)) from--;
+    snprintf(out, size, "%.*s", need && from ? (int)(need - from - 2) : 0,
+             need && from ? from + 2 : "");
+}
+
 // A device's run that does not fit its budget: what would fit names
 // ZeRO-Offload and the weight offload (with the host bytes each moves
-// there) and LOMO, each with the device bytes `fitlm plan` gives that run.
+// there) and LOMO, each with the device bytes `fitlm plan` gives that run;
+// under LoRA the frozen base's weight offload.
 static void test_offload_advice(void) {
     const char *flags = "--model tinyllama-1.1b --precision bf16 --batch 4 --seq-len 64 "
                         "--activation-checkpointing block --device test";
@@ -527,14 +548,23 @@ static void test_offload_advice(void) {
         figure_after(after ? after : "", k < 2 ? "): " : ": ", '\n', device, sizeof device);
         // "device memory ... free on test (...): 3.31 GiB needed, fits"
         int rc = fitlm("plan " RUN " %s %s", flags, ways[k].flags);
-        const char *need = strstr(output, " needed, fits"), *from = need;
-        while (from && from > output && strncmp(from, ": ", 2)) from--;
-        snprintf(planned, sizeof planned, "%.*s", need && from ? (int)(need - from - 2) : 0,
-                 need && from ? from + 2 : "");
+        planned_need(planned, sizeof planned);
         t_check(rc == 0 && (k == 2 || *host) && *device && !strcmp(device, planned),
                 "what would fit names %s%s: %s, the plan's %s with %s (%s)", ways[k].key, host,
                 device, planned, ways[k].flags, advice);
     }
+    // under LoRA the frozen base's weight offload alone (the adapters' state is small)
+    fails_with("What would fit", "train " RUN " %s --lora --mem-limit 2GiB --steps 1", flags);
+    const char *key = "(LoRA's frozen base offloaded; host ";
+    char host[32] = "", device[32] = "", planned[32] = "";
+    figure_after(output, key, ')', host, sizeof host);
+    const char *after = strstr(output, key);
+    figure_after(after ? after : "", "): ", '\n', device, sizeof device);
+    int rc = fitlm("plan " RUN " %s --lora --config lw3d.json", flags);
+    planned_need(planned, sizeof planned);
+    t_check(rc == 0 && *host && *device && !strcmp(device, planned),
+            "under LoRA what would fit names %s%s: %s, the plan's %s with lw3d.json", key, host,
+            device, planned);
 }
 
 static void test_refusals(void) {
@@ -893,6 +923,84 @@ static void test_delayed_update(void) {
                "train " RUN " --model tiny --steps 1 --device test --config dpu_warm.json");
 }
 
+// LoRA and QLoRA under ZeRO-Offload (device_adapters.c; the PEFT recipe of
+// ZeRO-3 with CPU offload on one GPU): the adapters' optimizer in host
+// memory, their gradients down and the adapters up whole each step; under
+// ZeRO-3's offload_param the dense frozen base in pinned host memory, each
+// unit up ahead of use, with or without the optimizer's offload. The cpu's
+// figures and final weights bitwise (fp32, bf16 and fp16, accumulation,
+// dropout, recompute), resumed bitwise; the plan the measured bytes, with
+// the adapters' copies pinned (and the base's under weight offload) and
+// the device under the whole base; the combinations it does not run refused.
+static void test_lora_offload(void) {
+    const char *lora = "--lora --lora-target-modules all-linear --lora-dropout 0.1";
+    static const char *const cases[][2] = {
+        {"--model llama-tiny --precision bf16 --grad-accum 2 --grad-clip 0 --steps 3", "off2.json"},
+        {"--model tiny --precision fp32 --grad-accum 2 --grad-clip 0 --steps 3", "off1.json"},
+        {"--model tiny --precision fp16 --steps 3", "off2.json"},
+        {"--model llama-tiny --precision bf16 --quantize nf4 --grad-accum 2 --steps 3",
+         "off2.json"},
+        {"--model llama-tiny --precision bf16 --grad-accum 2 --activation-checkpointing block "
+         "--steps 3",
+         "w3.json"},
+        {"--model tiny --precision fp32 --grad-accum 2 --steps 3", "lw3.json"},
+        {"--model llama-tiny --precision bf16 --optimizer sgd --momentum 0.9 --steps 3",
+         "w3p.json"},
+    };
+    char flags[512];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(flags, sizeof flags, "%s %s", cases[i][0], lora);
+        check_case(flags, cases[i][1]);
+    }
+    snprintf(flags, sizeof flags, "--model tiny --precision bf16 %s", lora);
+    int rc = fitlm("train " RUN " %s --steps 1 --out lo --device test --config w3.json", flags);
+    t_check(rc == 0 && strstr(output, "the cpu updates the LoRA adapters after the backward") &&
+                strstr(output, "the frozen base in pinned host memory"),
+            "LoRA: the run says what it offloads: %.600s", output);
+    snprintf(flags, sizeof flags, "--model llama-tiny --precision bf16 --grad-accum 2 %s", lora);
+    resumed_equals_cpu(flags, "off1.json", "lhalf");
+    resumed_equals_cpu(flags, "w3.json", "lhalfw");
+    // the plan: the adapters' copies pinned (2 bytes each in bf16, the
+    // weights' and the gradients'), the state in host memory; under weight
+    // offload the base's copy pinned too and the device under the base
+    size_t ad[FL_MEM_NTAGS], w3[FL_MEM_NTAGS], device[FL_MEM_NTAGS];
+    snprintf(flags, sizeof flags, "--model llama-tiny --precision bf16 --grad-accum 2 %s", lora);
+    char with[600];
+    snprintf(with, sizeof with, "%s --config off2.json", flags);
+    plan_equals_measured(with, ad);
+    t_check(ad[FL_MEM_PARAMS] > 0 && ad[FL_MEM_GRADS] == ad[FL_MEM_PARAMS] && !ad[FL_MEM_MASTER] &&
+                !ad[FL_MEM_OPTIM],
+            "LoRA offload: the adapters' copies pinned (params %zu, grads %zu), not the state",
+            ad[FL_MEM_PARAMS], ad[FL_MEM_GRADS]);
+    snprintf(with, sizeof with, "%s --config w3.json", flags);
+    plan_equals_measured(with, w3);
+    table_bytes(output, "device memory by tag", 2, device);
+    size_t base = w3[FL_MEM_PARAMS] - ad[FL_MEM_PARAMS];
+    t_check(base > ad[FL_MEM_PARAMS] && device[FL_MEM_PARAMS] < base,
+            "LoRA weight offload: the base's copy pinned (%zu bytes), the device's peak of "
+            "weights under it (%zu)",
+            base, device[FL_MEM_PARAMS]);
+    snprintf(with, sizeof with, "--model tiny --precision fp32 --grad-accum 2 %s --config lw3.json",
+             lora);
+    plan_equals_measured(with, NULL);
+    snprintf(with, sizeof with, "--model tiny --precision bf16 %s --config pin.json", lora);
+    plan_equals_measured(with, NULL);
+    // refused, naming why
+    fails_with("offload_param under NF4 base weights",
+               "train " RUN " --model tiny --lora --quantize nf4 --precision bf16 --steps 1 "
+               "--device test --config w3.json");
+    fails_with("offload_optimizer under LoRA with lora.base_optimizer",
+               "train " RUN " --model tiny --lora --lora-base-optimizer lomo --precision bf16 "
+               "--steps 1 --device test --config off1.json");
+    fails_with("delayed_update with LoRA adapters is not supported",
+               "train " RUN " --model tiny --lora --steps 1 --device test --config dpu.json");
+    fails_with("accumulate_on_device: LoRA's adapters' gradients come down whole",
+               "train " RUN " --model tiny --lora --grad-accum 2 --steps 1 --device test "
+               "--config ad.json");
+    fails_with("offload_optimizer.device nvme with LoRA adapters is not supported",
+               "train " RUN " --model tiny --lora --steps 1 --device test --config nvme.json");
+}
+
 int main(void) {
     if (!getenv("FITLM_BINARY")) {
         printf("device_offload: FITLM_BINARY not set (run under ctest)\n");
@@ -958,6 +1066,13 @@ int main(void) {
                     "\"stage3_param_persistence_threshold\": 0, "
                     "\"offload_optimizer\": {\"device\": \"cpu\"}, \"offload_param\": "
                     "{\"device\": \"cpu\"}}}"},
+        // LoRA's base offloaded without the optimizer's offload: a ring of
+        // one unit, and DeepSpeed's defaults
+        {"lw3d.json", "{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": "
+                      "\"cpu\"}}}"},
+        {"lw3.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_prefetch_bucket_size\": "
+                     "0, \"stage3_param_persistence_threshold\": 0, \"offload_param\": "
+                     "{\"device\": \"cpu\"}}}"},
         {"w3p.json", "{\"zero_optimization\": {\"stage\": 3, \"stage3_max_reuse_distance\": "
                      "1000000, \"stage3_param_persistence_threshold\": 0, \"offload_optimizer\": "
                      "{\"device\": \"cpu\"}, "
@@ -997,6 +1112,7 @@ int main(void) {
     test_waits_reported();
     test_waits_measured();
     test_delayed_update();
+    test_lora_offload();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) printf("  (could not remove %s)\n", dir);
     return t_report();

@@ -520,6 +520,32 @@ static void test_error_on_one_rank(void) {
     rmdir(empty);
 }
 
+// What the data-parallel engine cannot run over several ranks is refused
+// at the start, status 1, naming it: LoRA and QLoRA adapters (one rank
+// trains them at any ZeRO stage, which partitions nothing there).
+static void test_refused_over_ranks(void) {
+    static const char *const cases[][2] = {
+        {"--lora --zero-stage 2", "lora.enabled (LoRA) with zero_optimization.stage 2"},
+        {"--lora --quantize nf4 --precision bf16",
+         "quantization_config.bnb_4bit_quant_type nf4 with 2 ranks (data parallelism)"},
+    };
+    const char *bin = getenv("FITLM_BINARY");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char args[4096];
+        snprintf(args, sizeof args, "-q -np 2 -wdir %s %s %s %s", t_source_path(""), bin, TRAIN,
+                 cases[i][0]);
+        job j;
+        job_start(&j, args, NULL);
+        while (!j.done && now() - j.started < JOB_DEADLINE) job_pump(&j, 0.02, NULL);
+        job_pump(&j, 1.0, NULL); // the rest of the output
+        t_check(j.done && job_rc(&j) == 1 && strstr(j.text[1], cases[i][1]),
+                "%s over 2 ranks: refused, status 1 (%d), naming it; got: %.600s", cases[i][0],
+                job_rc(&j), j.text[1]);
+        job_end(&j, NULL, 0);
+        job_free(&j);
+    }
+}
+
 // Ranks that differ: MPMD jobs (mpirun's "A : B") whose last rank runs
 // other settings, another config file at the same path or another ISA
 // path. Each stops at the start, status 1, within seconds, rank 0 naming
@@ -719,6 +745,7 @@ int main(void) {
         test_p2p_hang("receive", 4);
     }
     test_error_on_one_rank();
+    test_refused_over_ranks();
     test_ranks_differ();
     return t_report();
 }

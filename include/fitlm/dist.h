@@ -86,6 +86,11 @@ void fl_pp_config_split(const fl_train_config *cfg, const fl_model_config *model
 // The zero_optimization section: overlap_comm's default by stage, stage 3's
 // keys only at stage 3, and LoRA or NF4 refused with data parallelism.
 void fl_parallel_check_config(fl_train_config *cfg);
+// Whether a run on the cpu over `world` data-parallel ranks goes through
+// the data-parallel engine (fl_dist_attach): several ranks, or a ZeRO stage
+// on one rank training the whole model. LoRA adapters on one rank take the
+// plain path at any stage, which partitions nothing there.
+int fl_dist_engine(const fl_train_config *cfg, int world);
 
 // Fills what the strategy takes from the optimizer (cfg->fused_units,
 // cfg->whole_rows); fl_config_finish and the planner call it.

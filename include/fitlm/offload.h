@@ -139,6 +139,21 @@ void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is
 // table's largest unit, and the tied embedding's own.
 size_t fl_dev_offload_grad_bytes(const fl_param_table *t, int tie_embeddings, fl_dtype dt);
 
+// ZeRO-Offload of LoRA adapters on one device (device_adapters.c): m on a
+// device other than the cpu, with adapters (fl_model_add_lora) and their
+// gradients (fl_model_alloc_acts); o made over their table in host memory
+// (pinned with cfg->pin_memory) beside pinned copies of the adapters and
+// their gradients, which move whole: the gradients down after each
+// backward pass (fp32 ones after the last), the updated adapters up after
+// the step. cfg as fl_optimizer_init's, without delayed_update or
+// accumulate_on_device.
+typedef struct fl_dev_adapters fl_dev_adapters;
+fl_dev_adapters *fl_dev_adapters_init(struct fl_model *m, fl_optimizer *o,
+                                      const fl_optimizer_config *cfg);
+// The host copy of the adapters up to the model (after a restore wrote it).
+void fl_dev_adapters_upload(fl_dev_adapters *a);
+void fl_dev_adapters_free(fl_dev_adapters *a); // after fl_optimizer_free; NULL is fine
+
 // Weight offload on one device (ZeRO-3 with offload_param): m has no
 // weights on the device (m->params NULL: they were built in pinned host
 // memory); with device cpu they are read from host_params (the offload's

@@ -503,8 +503,11 @@ typedef struct {
     // order; the weights of elements [first, end) are final: they go up
     // while the next group is updated
     void (*rows_updated)(void *ctx, size_t first, size_t end);
-    void (*updated)(void *ctx); // after the step's last group
+    void (*updated)(void *ctx); // after the step's last group (NULL: nothing to do)
     size_t chunk;
+    // each unit's gradient comes down as the backward pass reports it, so
+    // the step may update units during the last one (fl_optimizer_can_overlap)
+    int per_unit;
 } fl_optim_offload;
 
 struct fl_optim_pp {

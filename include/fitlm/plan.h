@@ -80,10 +80,14 @@ typedef struct {
     // one process, planned as stage 0 as it runs): the optimizer's bytes are
     // the host's (pinned with pin_memory), the copies of the weights and
     // gradients its pinned memory; the device's gradients are its ring
-    // (fl_dev_offload_grad_bytes)
+    // (fl_dev_offload_grad_bytes). Under LoRA the adapters' optimizer
+    // (device_adapters.c): its bytes the host's, pinned copies of the
+    // adapters and their gradients, which the device keeps too
     int dev_offload;
     // and ZeRO-3's weights offloaded from it (offload_param): the device
-    // holds the resident units and the ring (fl_dev_weights_bytes)
+    // holds the resident units and the ring (fl_dev_weights_bytes); under
+    // LoRA the frozen base's, from a pinned copy of it (with or without
+    // dev_offload)
     int dev_weights;
 } fl_plan_request;
 

@@ -49,15 +49,17 @@ typedef struct {
     fl_train_config cfg;  // finished
     const fl_device *dev; // cfg.device's: the model's and the optimizer's (fl_device_use)
     fl_model model;
-    fl_optimizer optim;          // the model's, or under LoRA the adapters'
-    fl_optimizer base_optim;     // LoRA + LOMO: the base's fused optimizer (base points here)
-    fl_optimizer *base;          // NULL unless lora.train_base
-    float base_lr;               // the base's learning rate (lora.base_lr, else lr)
-    fl_dist *strategy;           // data parallelism / ZeRO, or NULL
-    fl_offload *offload;         // NVMe offload of the optimizer, or NULL
-    fl_dev_offload *dev_offload; // the optimizer in a device's pinned host memory, or NULL
-    fl_dev_weights *dev_weights; // weight offload: the device's ring of units, or NULL
-    fl_loader train, val;        // val only when has_val; neither under own_batches
+    fl_optimizer optim;            // the model's, or under LoRA the adapters'
+    fl_optimizer base_optim;       // LoRA + LOMO: the base's fused optimizer (base points here)
+    fl_optimizer *base;            // NULL unless lora.train_base
+    float base_lr;                 // the base's learning rate (lora.base_lr, else lr)
+    fl_dist *strategy;             // data parallelism / ZeRO, or NULL
+    fl_offload *offload;           // NVMe offload of the optimizer, or NULL
+    fl_dev_offload *dev_offload;   // the optimizer in a device's pinned host memory, or NULL
+    fl_dev_weights *dev_weights;   // weight offload: the device's ring of units, or NULL
+    fl_dev_adapters *dev_adapters; // LoRA's adapters' optimizer in pinned host memory, or NULL
+    void *base_host;      // LoRA under weight offload: the frozen base's pinned copy, or NULL
+    fl_loader train, val; // val only when has_val; neither under own_batches
     int has_train, has_val;
     double baseline;              // the unigram cross-entropy of val (nats/token)
     double bytes_per_token;       // of val's targets: for nats/byte

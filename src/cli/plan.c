@@ -197,8 +197,11 @@ int cmd_plan(int argc, char **argv) {
                  strcmp(x->offload_param, "none") ? x->offload_param : "",
                  x->opt_delayed_update ? ", delayed update" : "",
                  x->opt_accumulate_on_device ? ", fp32 sum on the device" : "");
-    // on a device one process: ZeRO's partition is the whole (the plain path)
-    const char *one = !r.dev->host && cfg.zero.stage ? " (one process: nothing to partition)" : "";
+    // on a device one process, LoRA one rank: ZeRO's partition is the whole
+    // (the plain path)
+    const char *one = cfg.zero.stage && (!r.dev->host || (cfg.lora_enabled && f.ranks == 1))
+                          ? " (one process: nothing to partition)"
+                          : "";
     char chunks[64] = "";
     if (cfg.logits_chunk)
         snprintf(chunks, sizeof chunks, " | logits in chunks of %d positions", cfg.logits_chunk);

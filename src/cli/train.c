@@ -144,6 +144,12 @@ static void print_run(const fl_run *run) {
                    ? "each unit during the last backward pass"
                    : "after the backward pass (clipping, fp16 or the spike guard's norm test "
                      "need the whole gradient first)");
+    else if (run->dev_adapters) // docs/offload.md: LoRA's adapters
+        printf("ZeRO-Offload: the cpu updates the LoRA adapters after the backward pass (their "
+               "gradients down, the adapters up, whole)\n");
+    if (run->dev_weights && run->lora)
+        printf("weight offload: the frozen base in pinned host memory, each unit up ahead of "
+               "use\n");
     size_t whole = fl_model_whole_table(model)->numel;
     printf("%zu parameters (%.2f M)", whole, whole / 1e6);
     int pp = model->pp.size; // rank 0 prints: the first stage's rows
@@ -157,10 +163,11 @@ static void print_run(const fl_run *run) {
         printf(" + %zu in LoRA adapters (%.3f%%)%s", model->lora.table.numel,
                100.0 * model->lora.table.numel / model->table.numel,
                run->train_base ? ", base trained too" : ", base frozen");
-    if (!run->dev->host && cfg->zero.stage) // one process (device_check)
+    if (!run->dist && cfg->zero.stage) // one process (device_check, fl_dist_engine)
         printf("; ZeRO-%d on one process: nothing to partition%s", cfg->zero.stage,
-               cfg->zero.stage == 3 && !run->dev_weights ? " (the whole model stays on the device)"
-                                                         : "");
+               cfg->zero.stage == 3 && !run->dev->host && !run->dev_weights
+                   ? " (the whole model stays on the device)"
+                   : "");
     if (run->dist) // the data-parallel ranks (under model parallelism, each a TP x PP group)
         printf("; %d %srank%s, %s", world, run->tp.size * pp > 1 ? "data-parallel " : "",
                world > 1 ? "s" : "",

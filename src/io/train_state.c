@@ -109,20 +109,23 @@ typedef struct {
 static int param_sets(const fl_model *m, const fl_optimizer *optim, const fl_optimizer *base,
                       param_set *out) {
     const fl_device *dev = m->dev; // its optimizers' too
+    // an optimizer in host memory while the model is on a device
+    // (ZeRO-Offload): its host copy of the weights (or of the adapters), in
+    // step with the model's
+    int host = optim && optim->dev && optim->dev != dev;
+    const fl_device *at = host ? optim->dev : dev;
     if (!m->lora.cfg.r) {
-        // an optimizer in host memory while the model is on a device
-        // (ZeRO-Offload): its host copy of the weights, in step with the model's
-        int host = optim && optim->dev && optim->dev != dev;
-        out[0] = (param_set){"model",
-                             "optim",
-                             &m->table,
-                             host ? optim->params : m->params,
-                             (fl_optimizer *)optim,
-                             host ? optim->dev : dev};
+        out[0] = (param_set){
+            "model", "optim", &m->table, host ? optim->params : m->params, (fl_optimizer *)optim,
+            at};
         return 1;
     }
-    out[0] =
-        (param_set){"lora", "optim", &m->lora.table, m->lora.params, (fl_optimizer *)optim, dev};
+    out[0] = (param_set){"lora",
+                         "optim",
+                         &m->lora.table,
+                         host ? optim->params : m->lora.params,
+                         (fl_optimizer *)optim,
+                         at};
     if (!base) return 1;
     out[1] = (param_set){"model", "base_optim", &m->table, m->params, (fl_optimizer *)base, dev};
     return 2;

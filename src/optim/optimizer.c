@@ -472,9 +472,10 @@ void fl_optimizer_delayed_end(fl_optimizer *o) {
 }
 
 int fl_optimizer_can_overlap(const fl_optimizer *o) {
-    return o->offload && !fl_optimizer_delays(o) && o->cfg.max_grad_norm <= 0.0f &&
-           o->dtype != FL_F16 && !fl_optim_kind_fused(o->cfg.kind) && !o->sync && !o->tp &&
-           !o->pp && !(fl_spike_guard_on(&o->spike) && o->spike.cfg.grad_z > 0.0f);
+    return o->offload && o->offload->per_unit && !fl_optimizer_delays(o) &&
+           o->cfg.max_grad_norm <= 0.0f && o->dtype != FL_F16 &&
+           !fl_optim_kind_fused(o->cfg.kind) && !o->sync && !o->tp && !o->pp &&
+           !(fl_spike_guard_on(&o->spike) && o->spike.cfg.grad_z > 0.0f);
 }
 
 int fl_optimizer_begin_overlap(fl_optimizer *o, float lr, float loss) {
@@ -528,7 +529,7 @@ static fl_step_result overlap_end(fl_optimizer *o, float loss, int judge) {
     o->overlap_sq = NULL;
     o->overlap_done = NULL;
     fl_optimizer_end_step(o);
-    o->offload->updated(o->offload->ctx);
+    if (o->offload->updated) o->offload->updated(o->offload->ctx);
     fl_step_result r = {loss, (float)sqrt(sumsq), 0, o->scaler.scale, {0, NAN, NAN}};
     if (judge && isfinite(r.grad_norm)) r.spike = fl_spike_judge(&o->spike, loss, r.grad_norm);
     FL_ASSERT(!r.spike.outlier); // the loss passed before the update, and the norm has no say
@@ -590,7 +591,7 @@ static fl_step_result optimizer_step(fl_optimizer *o, float lr, int judge, const
             fl_optimizer_update_range(o, 0, o->table->count, grads, first, grads_dtype, 1.0f, 1.0f);
         o->gating = 0;
         if (sync) sync->updated(sync->ctx);
-        if (o->offload) o->offload->updated(o->offload->ctx);
+        if (o->offload && o->offload->updated) o->offload->updated(o->offload->ctx);
     }
     return fl_optimizer_settle(o, begun);
 }

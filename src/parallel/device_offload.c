@@ -488,7 +488,7 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     // overlaps the update of the next
     size_t chunk = m->table.numel / 8 > (1u << 16) ? m->table.numel / 8 : (1u << 16);
     f->hooks =
-        (fl_optim_offload){f, on_zero_grad, on_grads_down, on_rows_updated, on_updated, chunk};
+        (fl_optim_offload){f, on_zero_grad, on_grads_down, on_rows_updated, on_updated, chunk, 1};
     o->offload = &f->hooks;
     m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, f};
     return f;

@@ -9,8 +9,9 @@
 // them, the all-gather being an H2D copy; a ring unit is dropped when its
 // buffer is needed (or at a change of pass without stage3_max_reuse_distance).
 // The host updates its copy after the backward pass; the next forward pass
-// uploads again. The arithmetic is the plain path's: bitwise its run.
-// Under offload_param.device nvme (ZeRO-Infinity) there is no host copy:
+// uploads again (a frozen base, LoRA's, stays valid: the residents go up
+// once, and with reuse the ring keeps what the backward pass left). The arithmetic is the plain
+// path's: bitwise its run. Under offload_param.device nvme (ZeRO-Infinity) there is no host copy:
 // the weights live in the optimizer's NVMe file (offload.c, which the step
 // updates chunk by chunk); a unit's fetch reads it there, piece by piece,
 // on the offload's reader thread into buffer_count pinned buffers of at
@@ -54,6 +55,7 @@ struct fl_dev_weights {
     fl_stream *up;
     int last_pass;
     int reuse;              // stage3_max_reuse_distance > 0
+    int frozen;             // every row frozen (LoRA's base): no update makes a copy stale
     fl_model_hooks chained; // device_offload.c's pre_unit (its gradient ring) and grad_ready
 };
 
@@ -208,7 +210,7 @@ static void drop_ring(fl_dev_weights *w) {
 static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
     fl_dev_weights *w = ctx;
     // a forward pass after a backward one may follow an update: every copy is stale
-    if (pass == FL_PASS_FWD && w->last_pass == FL_PASS_BWD) {
+    if (pass == FL_PASS_FWD && w->last_pass == FL_PASS_BWD && !w->frozen) {
         drop_ring(w);
         for (int u = 0; u < w->y.n_units; u++) w->valid[u] = 0;
     } else if (pass != w->last_pass && !w->reuse) {
@@ -245,7 +247,7 @@ static void on_pre_unit(void *ctx, fl_model *m, int unit, int pass) {
     }
     // the backward pass's last unit: the host may update its copy once the
     // uploads that read it are done
-    if (pass == FL_PASS_BWD && unit == FL_UNIT_EMBED) {
+    if (pass == FL_PASS_BWD && unit == FL_UNIT_EMBED && !w->frozen) {
         fl_event *e = w->dev->event_record(w->dev, w->up);
         w->dev->event_sync(w->dev, e);
         w->dev->event_destroy(w->dev, e);
@@ -306,6 +308,9 @@ fl_dev_weights *fl_dev_weights_attach(fl_model *m, void *host_params, fl_offload
     }
     w->up = d->stream_create(d);
     w->reuse = cfg->max_reuse_distance > 0;
+    w->frozen = 1;
+    for (int r = 0; r < m->table.count; r++)
+        w->frozen &= !!(m->table.views[r].flags & FL_PARAM_FROZEN);
     w->last_pass = FL_PASS_BWD; // the first forward pass uploads
     w->chained = m->hooks;
     m->hooks = (fl_model_hooks){on_pre_unit, on_grad_ready, w};

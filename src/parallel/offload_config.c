@@ -115,6 +115,9 @@ static void check_delayed(const fl_train_config *cfg) {
         fl_die(ZERO "offload_optimizer.delayed_update overlaps the host's update with a device's "
                     "next step: it needs --device cuda (or test); on the cpu the optimizer "
                     "already runs where the model does");
+    if (cfg->lora_enabled)
+        fl_die(ZERO "offload_optimizer.delayed_update with LoRA adapters is not supported: "
+                    "their update on the host is short beside the step, with nothing to hide");
     if (strcmp(x->offload_param, "none"))
         fl_die(ZERO "offload_optimizer.delayed_update with offload_param.device %s is not "
                     "supported: the device fetches each unit's weights from the host copy the "
@@ -134,6 +137,9 @@ static void check_accumulate_on_device(const fl_train_config *cfg) {
             ? "it needs --device cuda (or test); on the cpu the gradients are summed "
               "where the model is"
         : cfg->grad_accum < 2 ? "there is no accumulation to sum (gradient_accumulation_steps is 1)"
+        : cfg->lora_enabled   ? "LoRA's adapters' gradients come down whole after each "
+                                "micro-batch (a few per cent of the model's), 16-bit ones summed "
+                                "on the host, fp32 ones summed on the device already"
                               : NULL;
     if (why) fl_die(ZERO "offload_optimizer.accumulate_on_device: %s", why);
 }

@@ -292,24 +292,39 @@ static void check_stage3_keys(const fl_train_config *cfg) {
 }
 
 // What the data-parallel engine (src/parallel) cannot run yet, said before
-// anything loads, naming the keys (LOMO and AdaLomo it runs: fused_units).
+// anything loads, naming the keys (LOMO and AdaLomo it runs: fused_units):
+// LoRA and QLoRA (NF4 comes with LoRA) over several ranks. One rank does
+// not need it: a ZeRO stage there partitions nothing, and the plain path
+// runs (fl_dist_engine), the adapters' state where the model is (offload
+// device cpu: in RAM on the cpu, host memory beside a device).
 static void check_unsupported(const fl_train_config *cfg) {
     int world = fl_comm_size(), stage = cfg->zero.stage;
-    if (stage == 0 && world == 1) return;
+    if (!cfg->lora_enabled) return;
+    if (world == 1) {
+        const fl_zero_extra *x = &cfg->zero_extra;
+        if (!strcmp(x->offload_optimizer, "nvme") || !strcmp(x->offload_param, "nvme"))
+            fl_die("zero_optimization.%s.device nvme with LoRA adapters is not supported: a "
+                   "LoRA run's optimizer state is the adapters', a small part of the model's "
+                   "(use device cpu, or none)",
+                   !strcmp(x->offload_optimizer, "nvme") ? "offload_optimizer" : "offload_param");
+        return;
+    }
     char with[96];
     if (stage)
-        snprintf(with, sizeof with, "zero_optimization.stage %d%s", stage,
-                 world > 1 ? "" : " (one rank)");
+        snprintf(with, sizeof with, "zero_optimization.stage %d over %d ranks", stage, world);
     else
         snprintf(with, sizeof with, "%d ranks (data parallelism)", world);
     if (cfg->quant.enabled)
         fl_die("quantization_config.bnb_4bit_quant_type nf4 with %s is not supported yet: train "
-               "QLoRA on one rank without ZeRO",
+               "QLoRA on one rank (at any ZeRO stage)",
                with);
-    if (cfg->lora_enabled)
-        fl_die("lora.enabled (LoRA%s) with %s is not supported yet: train adapters on one rank "
-               "without ZeRO",
-               *cfg->adapter ? ", from --adapter" : "", with);
+    fl_die("lora.enabled (LoRA%s) with %s is not supported yet: train adapters on one rank (at "
+           "any ZeRO stage)",
+           *cfg->adapter ? ", from --adapter" : "", with);
+}
+
+int fl_dist_engine(const fl_train_config *cfg, int world) {
+    return world > 1 || (cfg->zero.stage > 0 && !cfg->lora_enabled);
 }
 
 void fl_parallel_check_config(fl_train_config *cfg) {

@@ -87,9 +87,13 @@ static void demo_recipe(fl_train_config *cfg) {
 // cpu or nvme (ZeRO-Offload), and under ZeRO-3 the weights too
 // (offload_param device cpu with offload_optimizer cpu, or device nvme
 // with offload_optimizer nvme: ZeRO-Infinity, the weights in the
-// optimizer's NVMe file; device_weights.c). Several ranks, splitting the
-// model and the combinations not yet checked are refused before anything
-// is allocated, as is a device this build or machine lacks.
+// optimizer's NVMe file; device_weights.c). Under LoRA (the PEFT recipe of
+// ZeRO-3 with CPU offload on one GPU) the adapters' optimizer goes to host
+// memory under offload_optimizer.device cpu (device_adapters.c), and a
+// dense frozen base under ZeRO-3's offload_param.device cpu, with or
+// without it. Several ranks, splitting the model and the combinations not
+// yet checked are refused before anything is allocated, as is a device
+// this build or machine lacks.
 static void device_check(const fl_train_config *cfg) {
     char why[256] = "";
     if (!fl_device_available(cfg->device, why, sizeof why)) fl_die("device: %s", why);
@@ -101,12 +105,15 @@ static void device_check(const fl_train_config *cfg) {
         snprintf(what, sizeof what, "%d ranks", ranks);
     else if (cfg->tensor_parallel > 1 || cfg->pipeline_parallel > 1)
         snprintf(what, sizeof what, "tensor or pipeline parallelism");
-    else if (!strcmp(x->offload_param, "cpu") && strcmp(x->offload_optimizer, "cpu"))
+    else if (!strcmp(x->offload_param, "cpu") && strcmp(x->offload_optimizer, "cpu") &&
+             !cfg->lora_enabled)
         snprintf(what, sizeof what,
                  "weight offload (offload_param.device cpu) without offload_optimizer.device cpu");
-    else if (strcmp(x->offload_optimizer, "none") &&
-             (cfg->lora_enabled || *cfg->adapter || cfg->quant.enabled))
-        snprintf(what, sizeof what, "offload_optimizer under LoRA adapters");
+    else if (fl_dev_weights_offloaded(cfg) && cfg->quant.enabled)
+        snprintf(what, sizeof what,
+                 "offload_param under NF4 base weights (they stay on the device, 4 bits each)");
+    else if (strcmp(x->offload_optimizer, "none") && cfg->lora.train_base)
+        snprintf(what, sizeof what, "offload_optimizer under LoRA with lora.base_optimizer");
     else if (strcmp(x->offload_optimizer, "none") &&
              (!strcmp(cfg->optimizer, "lomo") || !strcmp(cfg->optimizer, "adalomo") ||
               cfg->optimizer_in_backward))
@@ -114,10 +121,11 @@ static void device_check(const fl_train_config *cfg) {
     if (*what)
         fl_die("--device %s with %s is not supported yet: a device other than the cpu runs one "
                "process training the whole model or LoRA adapters (ZeRO's stages partition "
-               "nothing there), with offload_optimizer (device cpu or nvme) for AdamW or SGD, "
-               "and at ZeRO-3 offload_param with offload_optimizer both on device cpu or both "
-               "on nvme (several ranks, offload under LoRA or with the update in the backward "
-               "pass are not supported there yet); use --device cpu",
+               "nothing there), with offload_optimizer (device cpu or nvme; under LoRA cpu) "
+               "for AdamW or SGD, and at ZeRO-3 offload_param with offload_optimizer both on "
+               "device cpu or both on nvme (under LoRA offload_param cpu for a dense base); "
+               "several ranks, LoRA's base optimizer or the update in the backward pass with "
+               "offload are not supported there yet; use --device cpu",
                cfg->device, what);
 }
 

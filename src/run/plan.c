@@ -158,6 +158,17 @@ static const fl_lora_config *lora_of(const fl_plan_request *r) {
     return r->lora.r ? &r->lora : NULL;
 }
 
+// The adapters' parameters on the model's table.
+static size_t lora_numel(const fl_plan_request *r, const fl_model_config *c) {
+    fl_param_table t, lt;
+    fl_model_table(&t, c);
+    fl_lora_table(&lt, &t, c, &r->lora, NULL);
+    size_t n = lt.numel;
+    fl_params_free(&lt);
+    fl_params_free(&t);
+    return n;
+}
+
 // whether the model keeps one unit's gradients at a time (fused optimizers)
 static int unit_grads_of(const fl_plan_request *r) {
     if (lora_of(r)) return r->lora.train_base && fl_optimizer_unit_grads(&r->base_optim);
@@ -252,10 +263,11 @@ static void check_request(const fl_plan_request *r) {
                r->B, r->T, tp_of(r));
 }
 
-// Whether the run is data-parallel: several replicas, or a ZeRO stage (even
-// on one), as fl_run_open decides.
+// Whether the run is data-parallel: several replicas, or a ZeRO stage on
+// one training the whole model, as fl_run_open decides (fl_dist_engine:
+// LoRA on one rank takes the plain path).
 static int dist_of(const fl_plan_request *r) {
-    return dp_of(r) > 1 || r->zero_stage > 0;
+    return dp_of(r) > 1 || (r->zero_stage > 0 && !r->lora.r);
 }
 
 // The model's parameters on this rank: its slices under tensor parallelism
@@ -469,9 +481,9 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         fl_params_free(&whole);
         // B = 0 tells the model to leave out activations (and its inputs/targets)
         fl_model_memory(r->dev, &c, dt, r->T > 0 ? r->B : 0, r->T, threads, r->recompute,
-                        dist_exact       ? fl_dist_unit_grads(&zero)
-                        : r->dev_offload ? FL_GRADS_HOOK
-                                         : unit_grads_of(r),
+                        dist_exact                      ? fl_dist_unit_grads(&zero)
+                        : r->dev_offload && !lora_of(r) ? FL_GRADS_HOOK
+                                                        : unit_grads_of(r),
                         lora_of(r), &r->quant, st, b);
     } else {
         // a raw count split evenly over the TP ranks (what stays whole,
@@ -534,8 +546,18 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
     }
     for (int k = 0; k < FL_MEM_NTAGS; k++) b[k] += opt[k] + dist_bytes[k];
     b[FL_MEM_WORKSPACE] += gates;
-    if (r->dev_offload) { // the host copies of weights and gradients, pinned, and the
-                          // optimizer's bytes, pinned with pin_memory (device_offload.c)
+    if (r->dev_offload && lora_of(r)) { // the adapters' (device_adapters.c): as below, whole
+        size_t *state = r->optim.pin_memory ? out->pinned : out->hosted;
+        static const int tags[] = {FL_MEM_PARAMS, FL_MEM_MASTER, FL_MEM_OPTIM, FL_MEM_GRADS};
+        for (int k = 0; k < 4; k++) state[tags[k]] = opt[tags[k]];
+        state[FL_MEM_WORKSPACE] += gates;
+        size_t copy = shaped ? lora_numel(r, &c) * ds : 0;
+        out->pinned[FL_MEM_PARAMS] += copy;
+        out->pinned[FL_MEM_GRADS] += copy;
+        b[FL_MEM_PARAMS] += copy;
+        b[FL_MEM_GRADS] += copy;
+    } else if (r->dev_offload) { // the host copies of weights and gradients, pinned, and the
+                                 // optimizer's bytes, pinned with pin_memory (device_offload.c)
         size_t *state = r->optim.pin_memory ? out->pinned : out->hosted;
         // the fp32 sum: pinned too where the device's sum is downloaded into it
         size_t *sum = r->optim.accumulate_on_device ? out->pinned : state;
@@ -571,22 +593,27 @@ static void plan_rank(const fl_plan_request *r, fl_plan *out) {
         }
         if (!shaped)
             b[FL_MEM_GRADS] = b[FL_MEM_GRADS] - numel * ds + (in_place ? 0 : 2 * unit * ds);
-        // weight offload (device_weights.c): the whole weights are built in
-        // the pinned copy (run.c; under NVMe freed once the file holds them)
-        // and the device only ever holds the resident units and the ring;
-        // under NVMe a unit goes up through the pinned staging buffers
-        if (r->dev_weights && shaped) {
-            fl_param_table rows;
-            rank_table(r, &c, &rows);
-            size_t held = fl_dev_weights_bytes(&r->zero, &rows, c.n_layer, dt);
-            size_t staging =
-                r->zero.offload_params
-                    ? fl_dev_weights_staging_bytes(&r->offload, &r->zero, &rows, c.n_layer, dt)
-                    : 0;
-            fl_params_free(&rows);
-            b[FL_MEM_PARAMS] = b[FL_MEM_PARAMS] - numel * ds + held;
-            b[FL_MEM_OFFLOAD] += staging;
-            out->pinned[FL_MEM_OFFLOAD] += staging;
+    }
+    // weight offload (device_weights.c): the whole weights are built in
+    // the pinned copy (run.c: the optimizer's, counted above, under NVMe
+    // freed once the file holds them; under LoRA the frozen base's own) and
+    // the device only ever holds the resident units and the ring; under
+    // NVMe a unit goes up through the pinned staging buffers
+    if (r->dev_weights && shaped) {
+        fl_param_table rows;
+        rank_table(r, &c, &rows);
+        size_t held = fl_dev_weights_bytes(&r->zero, &rows, c.n_layer, dt);
+        size_t staging =
+            r->zero.offload_params
+                ? fl_dev_weights_staging_bytes(&r->offload, &r->zero, &rows, c.n_layer, dt)
+                : 0;
+        fl_params_free(&rows);
+        b[FL_MEM_PARAMS] = b[FL_MEM_PARAMS] - numel * ds + held;
+        b[FL_MEM_OFFLOAD] += staging;
+        out->pinned[FL_MEM_OFFLOAD] += staging;
+        if (lora_of(r)) {
+            out->pinned[FL_MEM_PARAMS] += numel * ds;
+            b[FL_MEM_PARAMS] += numel * ds;
         }
     }
     // tensor parallelism: the TP group's table and its scratch, which stays
@@ -984,31 +1011,34 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
     }
     // a device's run on the device: the optimizer in host memory
     // (ZeRO-Offload), and the weights too (ZeRO-3's weight offload), where
-    // the run could take them (AdamW or SGD, not in the backward pass, no
-    // LoRA), with the host bytes they move there
+    // the run could take them (AdamW or SGD, not in the backward pass; under
+    // LoRA the dense frozen base's weights alone, the adapters' state being
+    // small), with the host bytes they move there
     int on_device = r->dev && !r->dev->host;
     int offloadable = (r->optim.kind == FL_OPT_ADAMW || r->optim.kind == FL_OPT_SGD) &&
-                      !fl_optim_in_backward(&r->optim) && !lora_of(r);
-    static const char *const offloads[2] = {
+                      !fl_optim_in_backward(&r->optim) &&
+                      (!lora_of(r) || (!r->lora.train_base && !r->quant.enabled));
+    static const char *const offloads[3] = {
         "zero_optimization.offload_optimizer.device cpu (ZeRO-Offload",
         "zero_optimization.stage 3, offload_param and offload_optimizer device cpu (weight "
-        "offload"};
-    for (int k = 0; shaped && device && on_device && offloadable && k < 2; k++) {
+        "offload",
+        "zero_optimization.stage 3, offload_param device cpu (LoRA's frozen base offloaded"};
+    for (int k = lora_of(r) ? 1 : 0; shaped && device && on_device && offloadable && k < 2; k++) {
         if (k == 0 ? r->dev_offload : r->dev_weights) continue; // what the run does already
         v = *r;
-        v.dev_offload = 1;
+        v.dev_offload = lora_of(r) ? r->dev_offload : 1;
         v.dev_weights = k == 1;
         if (!(total = fit_by_batch(r, &v, r->B, limit, device, &runnable))) continue;
         char flags[192], hb[FL_SIZE_TEXT];
-        snprintf(flags, sizeof flags, "%s; host %s)", offloads[k],
+        snprintf(flags, sizeof flags, "%s; host %s)", offloads[lora_of(r) ? 2 : k],
                  fl_size_text(plan_total(&v, 0, NULL), hb));
         put_fit(&s, flags, r, &v, total, runnable, per);
     }
     // LOMO's update in the backward pass, which keeps no state and one
     // unit's gradient (no accumulation: the micro-batch alone halves), on
     // one process (cpu or device; elsewhere its formula, below)
-    int lomo_runs = shaped && offloadable && !r->dev_offload && !r->lomo && dp_of(r) == 1 &&
-                    tp_of(r) == 1 && pp_of(r) == 1;
+    int lomo_runs = shaped && offloadable && !lora_of(r) && !r->dev_offload && !r->lomo &&
+                    dp_of(r) == 1 && tp_of(r) == 1 && pp_of(r) == 1;
     if (lomo_runs && (device || !on_device)) {
         v = *r;
         v.optim.kind = FL_OPT_LOMO;
@@ -1018,7 +1048,7 @@ static void alternatives(const fl_plan_request *r, size_t limit, int device, cha
     // a device's run on the host: ZeRO-Offload's state on NVMe instead
     // (its chunk buffers at the request's sub_group_size, else at 1e8
     // elements: DeepSpeed's 1e9 makes 12 GB of them a buffer under AdamW)
-    int try_nvme = !device && on_device && r->dev_offload && !r->optim.paged;
+    int try_nvme = !device && on_device && r->dev_offload && !r->optim.paged && !lora_of(r);
     if (try_nvme) {
         v = *r;
         v.optim.paged = 1;

@@ -294,9 +294,12 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     }
     // On a device, one process (device_check): ZeRO's stages partition
     // nothing, the plain path runs; ZeRO-Offload puts the optimizer in host
-    // memory, paged from an NVMe file under device nvme
-    int dev_offload = !r->dev->host && strcmp(cfg->zero_extra.offload_optimizer, "none");
-    r->dist = !opt->alone && r->dev->host && (cfg->zero.stage > 0 || r->world > 1);
+    // memory, paged from an NVMe file under device nvme. LoRA on one rank
+    // takes the plain path on the cpu too (fl_dist_engine).
+    int offloads = !r->dev->host && strcmp(cfg->zero_extra.offload_optimizer, "none");
+    int dev_offload = offloads && !cfg->lora_enabled; // the model's optimizer, else the adapters'
+    int dev_adapters = offloads && cfg->lora_enabled;
+    r->dist = !opt->alone && r->dev->host && fl_dist_engine(cfg, r->world);
     r->resumed = ck != NULL;
     r->start = ck ? fl_ckpt_step(ck) : 0;
     if (ck && cfg->steps <= r->start)
@@ -356,6 +359,7 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
         model->dev = r->dev;
         host_params = model->params;
         model->params = NULL;
+        if (r->lora) r->base_host = host_params; // the frozen base's: no optimizer's copy
     }
     if (r->lora) {
         fl_model_add_lora(model, &cfg->lora, cfg->seed);
@@ -372,6 +376,8 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     ocfg.sharded_grads = r->dist && cfg->zero.stage >= 2; // ZeRO-2/3 sum their own shards
     if (dev_offload)
         r->dev_offload = fl_dev_offload_init(model, &r->optim, &ocfg, host_params);
+    else if (dev_adapters)
+        r->dev_adapters = fl_dev_adapters_init(model, &r->optim, &ocfg);
     else if (r->lora)
         fl_optimizer_init(&r->optim, &ocfg, &model->lora.table, cfg->dtype, model->lora.params,
                           model->lora.grads);
@@ -396,15 +402,18 @@ void fl_run_open(fl_run *r, const fl_train_config *config, const fl_run_options 
     if (ck) {
         restore(r, ck);
         if (r->dev_offload) fl_dev_offload_upload(r->dev_offload); // restored on the host
+        if (r->dev_adapters) fl_dev_adapters_upload(r->dev_adapters);
         fl_ckpt_close(ck);
         res->ck = NULL;
     }
     // weight offload: each unit goes up from the pinned copy (offload_param
     // cpu) or the NVMe file (nvme) ahead of use
     if (dev_weights)
-        r->dev_weights = cfg->zero.offload_params
-                             ? fl_dev_weights_attach(model, NULL, r->offload, &cfg->zero, &oc)
-                             : fl_dev_weights_attach(model, r->optim.params, NULL, &cfg->zero, &oc);
+        r->dev_weights =
+            cfg->zero.offload_params
+                ? fl_dev_weights_attach(model, NULL, r->offload, &cfg->zero, &oc)
+                : fl_dev_weights_attach(model, r->lora ? r->base_host : r->optim.params, NULL,
+                                        &cfg->zero, &oc);
     if (r->dist) {
         // under pipeline parallelism the data-parallel reduction runs once
         // after the pipeline's last backward, as DeepSpeed's ReduceGrads
@@ -530,6 +539,11 @@ void fl_run_close(fl_run *r) {
     fl_offload_free(r->offload);
     fl_optimizer_free(&r->optim);
     fl_dev_offload_free(r->dev_offload);
+    fl_dev_adapters_free(r->dev_adapters);
+    if (r->base_host) {
+        const fl_device *pin = fl_device_pinned(r->dev);
+        pin->free(pin, r->base_host);
+    }
     if (r->base) fl_optimizer_free(r->base);
     fl_model_free(&r->model);
     if (r->layout.tp) fl_layout_free(&r->layout);
