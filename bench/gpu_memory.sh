@@ -33,7 +33,10 @@
 #           linear of the blocks, on the tinyllama-1.1b and llama-7b shapes,
 #           B 4, T 512, block checkpointing: fitlm beside Hugging Face
 #           transformers + PEFT (bench/peft_baseline.py: random weights, no
-#           downloads; QLoRA needs bitsandbytes, else its row is skipped).
+#           downloads; QLoRA needs bitsandbytes, else its row is skipped);
+#           and llama-7b's LoRA under PEFT's one-GPU recipe, ZeRO-3 with the
+#           optimizer and the weights offloaded to the cpu (the frozen base
+#           in pinned host memory, each block up ahead of use).
 #
 # Peak device memory: fitlm's tagged device allocations (--mem-report's
 # "total device"), PyTorch's torch.cuda.max_memory_allocated. Tokens/s from
@@ -88,6 +91,7 @@ echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}
 # and with the micro-batches' fp32 sum made on the device
 echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": true, "delayed_update_warmup": 1}}}' >"$work/delayed.json"
 echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": true, "delayed_update_warmup": 1, "accumulate_on_device": true}}}' >"$work/delayed_devsum.json"
+echo '{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}' >"$work/z3_offload.json"
 
 # shape FLAGS...: the model flags a run gets (the smoke's tiny shape instead)
 shape() { if [ "$smoke" = 1 ]; then echo --model llama-tiny; else echo "$@"; fi; }
@@ -261,6 +265,12 @@ for sc in $showcases; do
                         --lr 1e-4 --ckpt block "${pq[@]}"
             done
         done
+        [ "$smoke" = 1 ] && device="test" # a device's offload, on any machine
+        # shellcheck disable=SC2046
+        in_time lora llama-7b-lora-z3-offload fitlm 4 512 &&
+            fitlm_run lora llama-7b-lora-z3-offload 4 512 $(shape --model llama-7b) "${lora[@]}" \
+                --config "$work/z3_offload.json" --mem-limit 24GiB
+        [ "$smoke" = 1 ] && device=cpu
         ;;
     *)
         echo "bench/gpu_memory.sh: unknown showcase '$sc' (lomo, offload, lora)" >&2
