@@ -164,7 +164,18 @@ static void test_bad_config_files(void) {
     write_text("unknown.json", "{\"optimizer\": {\"params\": {\"lr\": 0.1, \"foo\": 1}}}");
     fails_with("train --config unknown.json", "unknown.json: unknown key 'optimizer.params.foo'");
     write_text("zerokey.json", "{\"zero_optimization\": {\"stage\": 2, \"frobnicate\": 1}}");
-    fails_with("train --config zerokey.json", "unknown key 'zero_optimization.frobnicate'");
+    fails_with("train --config zerokey.json", "unknown key 'zero_optimization.frobnicate' (see");
+    // at the top level DeepSpeed passes over what it does not know (LLaMA-
+    // Factory's configs carry "comms_config"): the message says it may go;
+    // a "_comment" string is a comment (JSON has none)
+    write_text("topkey.json", "{\"_comment\": \"a note\", \"comms_config\": {\"verbose\": "
+                              "false}}");
+    fails_with(
+        "train --config topkey.json",
+        "unknown key 'comms_config'; DeepSpeed passes over a top-level key it does not know");
+    write_text("comment.json", "{\"_comment\": \"a note\", \"zero_optimization\": {\"stage\": 1, "
+                               "\"_comment\": \"not here\"}}");
+    fails_with("train --config comment.json", "unknown key 'zero_optimization._comment' (see");
     write_text("both.json", "{\"bf16\": {\"enabled\": true}, \"fp16\": {\"enabled\": true}}");
     fails_with("train --config both.json", "cannot both be true");
     write_text("contra.json", "{\"precision\": \"fp32\", \"fp16\": {\"enabled\": true}}");
@@ -172,14 +183,16 @@ static void test_bad_config_files(void) {
     write_text("fp16key.json", "{\"fp16\": {\"loss_scale_window\": 10}}");
     fails_with("train --config fp16key.json", "fp16.loss_scale_window applies to fp16 training");
     // DeepSpeed's engine settings: accepted at fitlm's way, refused otherwise
-    write_text("engine.json",
-               "{\"zero_force_ds_cpu_optimizer\": false, \"dump_state\": false, "
-               "\"prescale_gradients\": false, \"gradient_predivide_factor\": 1.0, "
-               "\"sparse_gradients\": false, \"data_types\": {\"grad_accum_dtype\": \"fp32\"}, "
-               "\"communication_data_type\": \"fp32\", \"fp16\": {\"auto_cast\": true}, "
-               "\"bf16\": {\"immediate_grad_update\": true}, "
-               "\"zero_optimization\": {\"stage\": 3, \"gather_16bit_weights_on_model_save\": "
-               "true}}");
+    write_text(
+        "engine.json",
+        "{\"zero_force_ds_cpu_optimizer\": false, \"dump_state\": false, "
+        "\"prescale_gradients\": false, \"gradient_predivide_factor\": 1.0, "
+        "\"sparse_gradients\": false, \"data_types\": {\"grad_accum_dtype\": \"fp32\"}, "
+        "\"communication_data_type\": \"fp32\", \"fp16\": {\"auto_cast\": true}, "
+        "\"bf16\": {\"immediate_grad_update\": true}, "
+        "\"compile\": {\"disable\": false, \"backend\": \"inductor\", \"deepcompile\": false}, "
+        "\"zero_optimization\": {\"stage\": 3, \"gather_16bit_weights_on_model_save\": "
+        "true}}");
     int ok = fitlm("plan --config engine.json --model tiny --tokenizer byte --seq-len 16") == 0;
     t_check(ok, "DeepSpeed's engine settings at fitlm's way: %.300s", output);
     const refused_config engine[] = {
@@ -193,6 +206,8 @@ static void test_bad_config_files(void) {
          "bf16.immediate_grad_update false: fitlm adds each micro-batch's gradient"},
         {"{\"communication_data_type\": \"fp16\"}",
          "communication_data_type fp16: fitlm reduces gradients over ranks in fp32"},
+        {"{\"compile\": {\"deepcompile\": true}}",
+         "compile.deepcompile true: DeepCompile schedules ZeRO-3's fetches"},
         {"{\"zero_optimization\": {\"stage\": 3, \"gather_16bit_weights_on_model_save\": "
          "false}}",
          "gather_16bit_weights_on_model_save false: fitlm's checkpoints and fitlm export"}};
@@ -755,6 +770,25 @@ static void test_config_then_flags(void) {
             "--profile on a device: the table, attention's time measured (%.600s)", output);
 }
 
+// Keeps only what must repeat: each step's loss, lr and norm (not the timing).
+static void losses_of(const char *text, char *out, size_t size) {
+    size_t n = 0;
+    for (const char *p = strstr(text, "| loss "); p; p = strstr(p + 1, "| loss ")) {
+        const char *end = strstr(p, " ms");
+        while (end && end > p && *end != '|') end--; // drop the timing field
+        int len = end ? (int)(end - p) : 0;
+        n += (size_t)snprintf(out + n, size - n, "%.*s\n", len, p);
+        if (n >= size) break;
+    }
+}
+
+// Runs `args`, keeping its steps' losses (losses_of) in out; its status.
+static int run_losses(const char *args, char *out, size_t size) {
+    int rc = fitlm(args);
+    losses_of(output, out, size);
+    return rc;
+}
+
 // DeepSpeed's zero_optimization keys: each honoured or refused naming the
 // key, the value and why; none ignored. One representative per class.
 static void test_zero_optimization_keys(void) {
@@ -798,10 +832,11 @@ static void test_zero_optimization_keys(void) {
         {"{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", "
          "\"buffer_size\": 1e8}}}",
          "zero_optimization.offload_param.buffer_size applies to NVMe offload (device nvme)"},
+        {"{\"zero_optimization\": {\"stage\": 2, \"max_live_parameters\": 0}}",
+         "zero_optimization.max_live_parameters applies to ZeRO stage 3; zero_optimization.stage "
+         "is 2"},
         {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"gpu\"}}}",
          "offload_optimizer.device must be one of none|cpu|nvme, got 'gpu'"},
-        {"{\"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"pin_memory\": true}}}",
-         "offload_optimizer.pin_memory applies to an offload (device cpu or nvme)"},
         {"{\"zero_optimization\": {\"stage\": 2, \"offload_optimizer\": {\"device\": \"cpu\", "
          "\"ratio\": 0.5}}}",
          "offload_optimizer.ratio 0.5: a partial offload needs ZeRO stage 3"},
@@ -875,6 +910,34 @@ static void test_zero_optimization_keys(void) {
         "\"aio\": {\"block_size\": 1048576, \"queue_depth\": 8, \"thread_count\": 1, "
         "\"single_submit\": false, \"overlap_events\": true, \"use_gds\": false}}");
     fails_with("train --config zero_ok.json --out '' --data none", "no train token shards at none");
+    // DeepSpeed's field names of the stage3_ keys (axolotl's ZeRO-3 configs,
+    // with max_live_parameters 0: nothing prefetched, as DeepSpeed), and
+    // pin_memory beside device none (Qwen's), taken as DeepSpeed takes them
+    write_text("zero_names.json",
+               "{\"zero_optimization\": {\"stage\": 3, \"max_live_parameters\": 0, "
+               "\"max_reuse_distance\": 0, \"prefetch_bucket_size\": 5e7, "
+               "\"param_persistence_threshold\": 0, \"model_persistence_threshold\": 1e12, "
+               "\"module_granularity_threshold\": 0, \"use_all_reduce_for_fetch_params\": false, "
+               "\"offload_optimizer\": {\"device\": \"none\", \"pin_memory\": true}, "
+               "\"offload_param\": {\"device\": \"none\", \"pin_memory\": true}}}");
+    char names[4096], stage3[4096], cmd[512];
+    const char *tiny = "train --model tiny --data small --tokenizer byte --seq-len 16 --batch 2 "
+                       "--steps 3 --eval-every 0 --sample-tokens 0 --threads 1 --out '' "
+                       "--zero-stage 3";
+    snprintf(cmd, sizeof cmd, "%s --config zero_names.json", tiny);
+    int rc_names = run_losses(cmd, names, sizeof names);
+    snprintf(cmd, sizeof cmd, "%s --param-persistence-threshold 0", tiny);
+    int rc_stage3 = run_losses(cmd, stage3, sizeof stage3);
+    t_check(rc_names == 0 && rc_stage3 == 0 && *names && !strcmp(names, stage3),
+            "DeepSpeed's field names and max_live_parameters 0: the stage-3 run without "
+            "prefetch, the same losses as with it (status %d %d)\n%s\nvs\n%s",
+            rc_names, rc_stage3, names, stage3);
+    write_text("zero_twice.json", "{\"zero_optimization\": {\"stage\": 3, "
+                                  "\"stage3_max_live_parameters\": 1e9, "
+                                  "\"max_live_parameters\": 0}}");
+    fails_with("train --config zero_twice.json",
+               "zero_optimization.max_live_parameters 0 contradicts "
+               "zero_optimization.stage3_max_live_parameters 1e+09 (two names of one setting");
     write_text("zero_old.json", "{\"zero_optimization\": {\"stage\": 2, \"cpu_offload\": true, "
                                 "\"cpu_offload_use_pin_memory\": true}}");
     fails_with("train --config zero_old.json --out '' --data none",
@@ -968,25 +1031,6 @@ static void test_deepspeed_zero3_example(void) {
             "DeepSpeed's ZeRO-3 example config runs on one rank (status %d): %.600s", rc, output);
 }
 
-// Keeps only what must repeat: each step's loss, lr and norm (not the timing).
-static void losses_of(const char *text, char *out, size_t size) {
-    size_t n = 0;
-    for (const char *p = strstr(text, "| loss "); p; p = strstr(p + 1, "| loss ")) {
-        const char *end = strstr(p, " ms");
-        while (end && end > p && *end != '|') end--; // drop the timing field
-        int len = end ? (int)(end - p) : 0;
-        n += (size_t)snprintf(out + n, size - n, "%.*s\n", len, p);
-        if (n >= size) break;
-    }
-}
-
-// Runs `args`, keeping its steps' losses (losses_of) in out; its status.
-static int run_losses(const char *args, char *out, size_t size) {
-    int rc = fitlm(args);
-    losses_of(output, out, size);
-    return rc;
-}
-
 // DeepSpeed's optimizer.type Adam is AdamW (adam_w_mode true, its default;
 // torch_adam names an implementation of the same rule): the same losses,
 // bit for bit; Adam with L2 weight decay is refused.
@@ -1015,6 +1059,24 @@ static void test_deepspeed_adam(void) {
                "{\"optimizer\": {\"type\": \"sgd\", \"params\": {\"torch_adam\": true}}}");
     fails_with("train --config sgdtorch.json",
                "optimizer.params.torch_adam applies to optimizer.type Adam and AdamW, not sgd");
+    // DeepSpeedExamples' BERT configs: Adam without bias correction, which
+    // changes the steps (the rule itself: test_optim)
+    static char plain[8192];
+    write_text("adamnobc.json", "{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.5, "
+                                "\"weight_decay\": 0.0, \"bias_correction\": false}}}");
+    write_text("adambc.json", "{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.5, "
+                              "\"weight_decay\": 0.0, \"bias_correction\": true}}}");
+    snprintf(cmd, sizeof cmd, "%s --config adambc.json", run);
+    rc1 = run_losses(cmd, plain, sizeof plain);
+    snprintf(cmd, sizeof cmd, "%s --config adamnobc.json", run);
+    rc2 = run_losses(cmd, adam, sizeof adam);
+    t_check(rc1 == 0 && rc2 == 0 && strstr(output, "without bias correction") &&
+                strlen(adam) > 40 && strcmp(plain, adam),
+            "bias_correction false: the run says so and its steps differ:\n%s---\n%s", plain, adam);
+    write_text("sgdbc.json",
+               "{\"optimizer\": {\"type\": \"sgd\", \"params\": {\"bias_correction\": true}}}");
+    fails_with("train --config sgdbc.json",
+               "optimizer.params.bias_correction applies to adamw, not sgd");
 }
 
 static void test_same_seed_same_losses(void) {
@@ -1204,6 +1266,26 @@ static void test_hf_ds_config_zero3(void) {
             lr[1], lr[2], lr[3], lr[4], lr[5]);
     write_text("autotype.json", "{\"optimizer\": {\"type\": \"auto\"}}");
     fails_with("train --config autotype.json", "optimizer.type must be one of");
+    // its ZeRO-3 buckets' "auto"s as the Trainer fills them from the hidden
+    // size: 10 n_embd = 640 elements persist, no block of llama-tiny, so
+    // under its weight offload the device holds a ring of blocks, not the
+    // whole weights that DeepSpeed's default threshold (1e5) keeps there
+    const char *plan = "plan --model llama-tiny --tokenizer byte --data small --seq-len 16 "
+                       "--batch 2 --precision bf16 --device test --config";
+    size_t host[2] = {0, 0}, device[2] = {0, 0};
+    write_text("hf3_numbers.json",
+               "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": "
+               "\"cpu\"}, \"offload_param\": {\"device\": \"cpu\"}}}");
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args, "%s %s", plan,
+                 k ? "hf3_numbers.json" : t_source_path("tests/fixtures/hf_ds_config_zero3.json"));
+        const char *row = fitlm(args) == 0 ? strstr(output, "\n  params ") : NULL;
+        if (row) sscanf(row, " params %zu %zu", &host[k], &device[k]);
+    }
+    t_check(host[0] && device[0] < host[0] && device[1] == host[1],
+            "ZeRO-3's \"auto\" buckets from the hidden size: the device holds %zu of the %zu "
+            "weight bytes (DeepSpeed's defaults: %zu of %zu)",
+            device[0], host[0], device[1], host[1]);
 }
 
 // DeepSpeed's scheduler steps after each update an fp16 overflow did not

@@ -89,6 +89,9 @@ typedef struct {
     char grad_accum_dtype[FL_NAME_MAX]; // data_types.grad_accum_dtype
     char comm_dtype[FL_NAME_MAX];       // communication_data_type
     int fp16_auto_cast, bf16_immediate_grad_update;
+    // the compile block (torch.compile of the module; DeepCompile)
+    int compile_disable, compile_deepcompile;
+    char compile_backend[FL_NAME_MAX];
     // top-level aio block (NVMe offload's asynchronous I/O)
     int aio_block_size, aio_queue_depth, aio_thread_count;
     int aio_single_submit, aio_overlap_events, aio_use_gds, aio_intra_op;
@@ -144,6 +147,7 @@ typedef struct {
     // optimizer
     char optimizer[FL_NAME_MAX]; // adamw | sgd | lomo | adalomo (adam: mapped onto adamw)
     int adam_w_mode, torch_adam; // DeepSpeed's Adam's (config_compat.c)
+    int bias_correction;         // AdamW's (DeepSpeed's Adam's bias_correction)
     float lr, beta1, beta2, eps, weight_decay, momentum;
     float eps2, clip_threshold, decay_rate; // AdaLomo
     float clip_value;                       // LOMO's clip_grad_value

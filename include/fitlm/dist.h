@@ -133,9 +133,10 @@ void fl_dist_memory(const fl_zero_config *cfg, const fl_param_table *t, int n_la
 // Stage 3's units for a table: unit ui's range [lo, hi) (ui = unit + 1),
 // whether it stays gathered for the step (resident: the embedding and the
 // units under the persistence thresholds), the ring buffers' size (the
-// largest other unit) and the prefetch depth, by the stage3_* keys. Dies
-// when stage3_max_live_parameters cannot hold a step. Also the ring of
-// weight offload on a device (device_weights.c).
+// largest other unit) and the prefetch depth, by the stage3_* keys
+// (stage3_max_live_parameters caps the prefetch, as DeepSpeed's: below the
+// residents and one block there is none). Also the ring of weight offload
+// on a device (device_weights.c).
 typedef struct {
     int n_units;
     size_t *lo, *hi;

@@ -137,6 +137,7 @@ typedef struct {
     size_t numel;             // of m and v: rule.state_end - rule.state_begin
     int t;                    // steps begun, for bias correction
     float lr, bc1, bc2, keep; // this step's, set by fl_optim_begin_step
+    int no_bias_correction;   // DeepSpeed's bias_correction false: bc1 = bc2 = 1
 } fl_adamw;
 
 // State over the whole buffer [0, numel), or over [begin, end).
@@ -393,8 +394,9 @@ typedef enum { FL_OPT_ADAMW, FL_OPT_SGD, FL_OPT_LOMO, FL_OPT_ADALOMO } fl_optim_
 typedef struct {
     fl_optim_kind kind;
     float beta1, beta2, eps, weight_decay, momentum; // eps: AdamW's, and AdaLomo's eps1 (1e-30)
-    float max_grad_norm;                             // 0 = no clipping
-    int grad_accum;                                  // micro-batches per step
+    int no_bias_correction; // AdamW without bias correction (DeepSpeed's Adam's option)
+    float max_grad_norm;    // 0 = no clipping
+    int grad_accum;         // micro-batches per step
     // fp16 loss scaling (ignored for fp32/bf16)
     float loss_scale; // 0 = dynamic
     int initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis;

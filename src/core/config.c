@@ -152,8 +152,9 @@ static const option options[] = {
      "ZeRO stage over the ranks mpirun starts: 0 data parallel (DDP), 1 + optimizer states "
      "sharded, 2 + gradients, 3 + parameters"},
     {"zero_optimization.reduce_bucket_size", "--reduce-bucket-size", OPT_FLOAT,
-     NUM(zero.reduce_bucket_size), "5e8", 1, 1e12, NULL,
-     "elements per gradient reduction (all-reduce or reduce-scatter)"},
+     NUM(zero.reduce_bucket_size), "5e8", 0, 1e12, NULL,
+     "elements per gradient reduction (all-reduce or reduce-scatter; 0, as DeepSpeed: each "
+     "tensor's alone)"},
     {"zero_optimization.allgather_bucket_size", "--allgather-bucket-size", OPT_FLOAT,
      NUM(zero.allgather_bucket_size), "5e8", 1, 1e12, NULL,
      "elements per all-gather of updated weights (stages 1 and 2)"},
@@ -182,6 +183,19 @@ static const option options[] = {
     {"zero_optimization.stage3_model_persistence_threshold", NULL, OPT_FLOAT,
      NUM(zero.model_persistence_threshold), "9.223372e18", 0, 1e19, NULL,
      "stage 3: at most this many elements in all persistent units together"},
+    // DeepSpeed's field names of the stage3_ keys (its config takes either)
+    {"zero_optimization.prefetch_bucket_size", NULL, OPT_FLOAT, NUM(zero.prefetch_bucket_size),
+     "5e7", 0, 1e12, NULL, "DeepSpeed's field name of stage3_prefetch_bucket_size"},
+    {"zero_optimization.max_live_parameters", NULL, OPT_FLOAT, NUM(zero.max_live_parameters), "1e9",
+     0, 1e15, NULL, "DeepSpeed's field name of stage3_max_live_parameters"},
+    {"zero_optimization.max_reuse_distance", NULL, OPT_FLOAT, NUM(zero.max_reuse_distance), "1e9",
+     0, 1e15, NULL, "DeepSpeed's field name of stage3_max_reuse_distance"},
+    {"zero_optimization.param_persistence_threshold", NULL, OPT_FLOAT,
+     NUM(zero.param_persistence_threshold), "1e5", 0, 1e15, NULL,
+     "DeepSpeed's field name of stage3_param_persistence_threshold"},
+    {"zero_optimization.model_persistence_threshold", NULL, OPT_FLOAT,
+     NUM(zero.model_persistence_threshold), "9.223372e18", 0, 1e19, NULL,
+     "DeepSpeed's field name of stage3_model_persistence_threshold"},
     {"zero_optimization.allgather_partitions", NULL, OPT_BOOL, NUM(zero_extra.allgather_partitions),
      "true", 0, 0, NULL,
      "stages 1/2: updated weights all-gathered (false, broadcasts, is refused)"},
@@ -269,9 +283,15 @@ static const option options[] = {
     {"zero_optimization.stage3_module_granularity_threshold", NULL, OPT_FLOAT,
      NUM(zero_extra.module_granularity_threshold), "0", 0, 1e15, NULL,
      "stage 3: fitlm gathers whole blocks already, any value"},
+    {"zero_optimization.module_granularity_threshold", NULL, OPT_FLOAT,
+     NUM(zero_extra.module_granularity_threshold), "0", 0, 1e15, NULL,
+     "DeepSpeed's field name of stage3_module_granularity_threshold"},
     {"zero_optimization.stage3_use_all_reduce_for_fetch_params", NULL, OPT_BOOL,
      NUM(zero_extra.use_all_reduce_for_fetch_params), "false", 0, 0, NULL,
      "stage 3: fetch weights by all-reduce (true is refused)"},
+    {"zero_optimization.use_all_reduce_for_fetch_params", NULL, OPT_BOOL,
+     NUM(zero_extra.use_all_reduce_for_fetch_params), "false", 0, 0, NULL,
+     "DeepSpeed's field name of stage3_use_all_reduce_for_fetch_params"},
     {"zero_optimization.ignore_unused_parameters", NULL, OPT_BOOL,
      NUM(zero_extra.ignore_unused_parameters), "true", 0, 0, NULL,
      "every parameter gets a gradient here: either value"},
@@ -330,6 +350,13 @@ static const option options[] = {
     {"bf16.immediate_grad_update", NULL, OPT_BOOL, NUM(zero_extra.bf16_immediate_grad_update),
      "true", 0, 0, NULL,
      "each micro-batch's gradient added into the fp32 sum as it is made (false is refused)"},
+    {"compile.disable", NULL, OPT_BOOL, NUM(zero_extra.compile_disable), "false", 0, 0, NULL,
+     "DeepSpeed: torch.compile of the module off; fitlm's kernels are compiled C and CUDA "
+     "already: either value"},
+    {"compile.backend", NULL, OPT_STRING, STR(zero_extra.compile_backend), "inductor", 0, 0, NULL,
+     "DeepSpeed: torch.compile's backend; nothing here is a PyTorch module: any name"},
+    {"compile.deepcompile", NULL, OPT_BOOL, NUM(zero_extra.compile_deepcompile), "false", 0, 0,
+     NULL, "DeepSpeed's DeepCompile, ZeRO-3's schedule from the compiled graph (true is refused)"},
     {"aio.block_size", NULL, OPT_INT, NUM(zero_extra.aio_block_size), "1048576", 1, 1 << 30, NULL,
      "NVMe offload: bytes per I/O request"},
     {"aio.queue_depth", NULL, OPT_INT, NUM(zero_extra.aio_queue_depth), "8", 1, 4096, NULL,
@@ -383,6 +410,9 @@ static const option options[] = {
      "vectorised AdamW either way)"},
     {"optimizer.params.lr", "--lr", OPT_FLOAT, NUM(lr), "0.003", 0, 1e3, NULL,
      "peak learning rate"},
+    {"optimizer.params.bias_correction", NULL, OPT_BOOL, NUM(bias_correction), "true", 0, 0, NULL,
+     "AdamW's bias correction of its moments (DeepSpeed's Adam's; false: BERT's Adam without "
+     "it)"},
     {"optimizer.params.betas", "--betas", OPT_PAIR, NUM(beta1), "0.9,0.95", 0, 0.999999, NULL,
      "AdamW betas (beta1,beta2)"},
     {"optimizer.params.eps", "--eps", OPT_FLOAT, NUM(eps), "1e-8", 0, 1, NULL,
@@ -553,21 +583,32 @@ static size_t option_index(const char *key) {
     FL_ASSERT(0);
 }
 
+// A number's or a switch's value (the names of one setting compared).
+static double number_of(const fl_train_config *cfg, const option *o) {
+    const void *v = (const char *)cfg + o->offset;
+    return o->type == OPT_FLOAT                        ? *(const float *)v
+           : o->type == OPT_INT || o->type == OPT_BOOL ? *(const int *)v
+                                                       : 0.0;
+}
+
 // Options that set the same field are names of one setting
-// (tensor_parallel.size, Megatron's and DeepSpeed's names for it, all
-// whole numbers). A source (a config file, a checkpoint's config, the
-// flags) giving two must give them the same value; a later source's name
-// replaces an earlier one's, as any value of it does. `seen`: what this
-// source has given so far; `before`: the field's value before o was set.
-static void mark_given(fl_train_config *cfg, const option *o, uint8_t *seen, int before,
+// (tensor_parallel.size, Megatron's and DeepSpeed's names for it;
+// DeepSpeed's stage3_max_live_parameters and its field name
+// max_live_parameters, ...: numbers and switches). A source (a config
+// file, a checkpoint's config, the flags) giving two must give them the
+// same value; a later source's name replaces an earlier one's, as any
+// value of it does. `seen`: what this source has given so far; `before`:
+// the field's value before o was set.
+static void mark_given(fl_train_config *cfg, const option *o, uint8_t *seen, double before,
                        const char *where) {
     for (size_t i = 0; i < N_OPTIONS; i++) {
         const option *a = &options[i];
         if (a == o || a->offset != o->offset || !cfg->given[i]) continue;
-        FL_ASSERT(o->type == OPT_INT && a->type == OPT_INT);
-        int now = *(const int *)((const char *)cfg + o->offset);
+        FL_ASSERT(a->type == o->type &&
+                  (o->type == OPT_INT || o->type == OPT_FLOAT || o->type == OPT_BOOL));
+        double now = number_of(cfg, o);
         if (seen[i] && now != before)
-            fl_die("%s: %s %d contradicts %s %d (two names of one setting: give one)", where,
+            fl_die("%s: %s %g contradicts %s %g (two names of one setting: give one)", where,
                    o->key, now, a->key, before);
         if (!seen[i]) cfg->given[i] = 0;
     }
@@ -810,7 +851,7 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
         if (cJSON_IsNull(item) && (o || is_prefix_of_a_key(key)))
             continue; // DeepSpeed's None (a key or a block): its default, fitlm's
         if (o) {
-            int before = o->type == OPT_INT ? *(const int *)field(cfg, o) : 0;
+            double before = number_of(cfg, o);
             set_from_json(cfg, o, item, path);
             mark_given(cfg, o, seen, before, path);
         } else if (is_prefix_of_a_key(key)) {
@@ -818,10 +859,15 @@ static void load_object(fl_train_config *cfg, const cJSON *obj, const char *pref
             load_object(cfg, item, key, path, seen);
         } else if (!*prefix && fl_deepspeed_feature_off(path, key, switch_of(item))) {
             continue; // DeepSpeed reads a block switched off no further
+        } else if (!*prefix && key[0] == '_' && cJSON_IsString(item)) {
+            continue; // a comment ("_comment": JSON has none), which DeepSpeed reads no further
         } else {
-            fl_die("%s: unknown key '%s' (see 'fitlm train --help' for the keys this version "
+            // DeepSpeed's top level passes over keys it does not know (its
+            // sections refuse them): a key there is safe to drop
+            fl_die("%s: unknown key '%s'%s (see 'fitlm train --help' for the keys this version "
                    "supports)",
-                   path, key);
+                   path, key,
+                   *prefix ? "" : "; DeepSpeed passes over a top-level key it does not know");
         }
     }
 }
@@ -1085,7 +1131,7 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
         }
         char where[64];
         snprintf(where, sizeof where, "option %s", o->flag);
-        int before = o->type == OPT_INT ? *(const int *)field(cfg, o) : 0;
+        double before = number_of(cfg, o);
         set_from_text(cfg, o, value, where);
         mark_given(cfg, o, seen, before, where);
     }
@@ -1195,7 +1241,9 @@ void fl_config_print(const fl_train_config *cfg, FILE *out) {
     fprintf(out, "batch %d x %d tokens, grad accum %d, %d steps | %s lr %g ", cfg->micro_batch,
             cfg->seq_len, cfg->grad_accum, cfg->steps, cfg->optimizer, cfg->lr);
     print_schedule(cfg, out);
-    if (!strcmp(cfg->optimizer, "adamw")) fprintf(out, "betas %g,%g ", cfg->beta1, cfg->beta2);
+    if (!strcmp(cfg->optimizer, "adamw"))
+        fprintf(out, "betas %g,%g%s ", cfg->beta1, cfg->beta2,
+                cfg->bias_correction ? "" : " without bias correction");
     fprintf(out, "wd %g clip %g | %s | seed %llu, %d threads\n", cfg->weight_decay, cfg->grad_clip,
             cfg->precision, (unsigned long long)cfg->seed, cfg->threads);
 }

@@ -270,6 +270,10 @@ static void refuse_engine(const fl_train_config *cfg) {
     if (!x->bf16_immediate_grad_update)
         fl_die("bf16.immediate_grad_update false: fitlm adds each micro-batch's gradient into the "
                "fp32 sum as it is made");
+    if (x->compile_deepcompile)
+        fl_die("compile.deepcompile true: DeepCompile schedules ZeRO-3's fetches and offloads "
+               "from a compiled PyTorch graph; fitlm's stage 3 fetches whole blocks by its "
+               "stage3_* keys (use false)");
     if (strcmp(x->comm_dtype, "fp32"))
         fl_die("communication_data_type %s: fitlm reduces gradients over ranks in fp32 (16-bit "
                "gradients are staged into fp32 buckets)",

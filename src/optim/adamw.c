@@ -52,8 +52,8 @@ static void adamw_begin_step(fl_optim_rule *r, float lr) {
     fl_adamw *o = (fl_adamw *)r;
     o->t++;
     o->lr = lr;
-    o->bc1 = 1.0f - powf(o->beta1, (float)o->t);
-    o->bc2 = 1.0f - powf(o->beta2, (float)o->t);
+    o->bc1 = o->no_bias_correction ? 1.0f : 1.0f - powf(o->beta1, (float)o->t);
+    o->bc2 = o->no_bias_correction ? 1.0f : 1.0f - powf(o->beta2, (float)o->t);
     o->keep = 1.0f - lr * o->weight_decay;
 }
 

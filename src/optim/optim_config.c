@@ -99,6 +99,7 @@ void fl_optim_check_config(fl_train_config *cfg) {
         snprintf(opt, sizeof opt, "%s", cfg->optimizer);
     const read_by only[] = {{"optimizer.params.momentum", "sgd"},
                             {"optimizer.params.betas", "adamw"},
+                            {"optimizer.params.bias_correction", "adamw"},
                             {"optimizer.params.eps", "adamw adalomo"},
                             {"optimizer.params.eps2", "adalomo"},
                             {"optimizer.params.clip_threshold", "adalomo"},

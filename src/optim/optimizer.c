@@ -99,6 +99,7 @@ void fl_optimizer_init_at(fl_optimizer *o, const fl_optimizer_config *cfg,
     if (cfg->kind == FL_OPT_ADAMW) {
         fl_adamw_setup(&o->adamw, begin, end, cfg->beta1, cfg->beta2, cfg->eps, cfg->weight_decay,
                        !cfg->paged);
+        o->adamw.no_bias_correction = cfg->no_bias_correction;
         o->rule = &o->adamw.rule;
     } else if (cfg->kind == FL_OPT_SGD) {
         fl_sgd_setup(&o->sgd, begin, end, cfg->momentum, cfg->weight_decay, !cfg->paged);

@@ -2,6 +2,7 @@
 // batch rule over the data-parallel replicas, the tensor-parallel layout
 // against the model, ZeRO's keys by stage, and what the engine cannot run
 // yet. The ranks are the communicator's (a plan's: cfg->ranks).
+#include <stdio.h>
 #include <string.h>
 
 #include "fitlm/comm.h"
@@ -278,17 +279,21 @@ void fl_pp_check(const fl_train_config *cfg, const fl_model_config *model) {
 // without fp16 is (saving gathered weights is the exception: DeepSpeed's
 // save_16bit_model reads it at stage 2 too).
 static void check_stage3_keys(const fl_train_config *cfg) {
-    static const char *const keys[] = {ZERO "stage3_prefetch_bucket_size",
-                                       ZERO "stage3_max_live_parameters",
-                                       ZERO "stage3_max_reuse_distance",
-                                       ZERO "stage3_param_persistence_threshold",
-                                       ZERO "stage3_model_persistence_threshold",
-                                       ZERO "stage3_module_granularity_threshold",
-                                       ZERO "stage3_use_all_reduce_for_fetch_params"};
-    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
-        if (cfg->zero.stage != 3 && fl_config_given(cfg, keys[i]))
-            fl_die("%s applies to ZeRO stage 3; zero_optimization.stage is %d", keys[i],
-                   cfg->zero.stage);
+    static const char *const fields[] = {"prefetch_bucket_size",
+                                         "max_live_parameters",
+                                         "max_reuse_distance",
+                                         "param_persistence_threshold",
+                                         "model_persistence_threshold",
+                                         "module_granularity_threshold",
+                                         "use_all_reduce_for_fetch_params"};
+    char key[96];
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0] && cfg->zero.stage != 3; i++)
+        for (int field_name = 0; field_name < 2; field_name++) { // or DeepSpeed's field name
+            snprintf(key, sizeof key, ZERO "%s%s", field_name ? "" : "stage3_", fields[i]);
+            if (fl_config_given(cfg, key))
+                fl_die("%s applies to ZeRO stage 3; zero_optimization.stage is %d", key,
+                       cfg->zero.stage);
+        }
 }
 
 // What the data-parallel engine (src/parallel) cannot run yet, said before
@@ -327,7 +332,33 @@ int fl_dist_engine(const fl_train_config *cfg, int world) {
     return world > 1 || (cfg->zero.stage > 0 && !cfg->lora_enabled);
 }
 
+// Whether a stage 3 key is "auto" under its name or DeepSpeed's field name
+// (the name without stage3_).
+static int stage3_auto(const fl_train_config *cfg, const char *field) {
+    char key[96];
+    snprintf(key, sizeof key, ZERO "stage3_%s", field);
+    int by_name = fl_config_auto(cfg, key);
+    snprintf(key, sizeof key, ZERO "%s", field);
+    return by_name || fl_config_auto(cfg, key);
+}
+
+// Hugging Face's Trainer fills these "auto"s from the model's hidden size
+// (transformers' trainer_config_finalize): the reduction bucket n_embd^2
+// elements, and at stage 3 the prefetch bucket 0.9 n_embd^2 and the
+// persistence threshold 10 n_embd.
+static void fill_auto_buckets(fl_train_config *cfg) {
+    double h = cfg->model.n_embd;
+    if (fl_config_auto(cfg, ZERO "reduce_bucket_size"))
+        cfg->zero.reduce_bucket_size = (float)(h * h);
+    if (cfg->zero.stage != 3) return;
+    if (stage3_auto(cfg, "prefetch_bucket_size"))
+        cfg->zero.prefetch_bucket_size = (float)(0.9 * h * h);
+    if (stage3_auto(cfg, "param_persistence_threshold"))
+        cfg->zero.param_persistence_threshold = (float)(10 * h);
+}
+
 void fl_parallel_check_config(fl_train_config *cfg) {
+    fill_auto_buckets(cfg);
     // DeepSpeed's default depends on the stage (zero/config.py); stage 0 is
     // not ZeRO there, and DDP overlaps its all-reduce with the backward pass
     if (!fl_config_given(cfg, ZERO "overlap_comm"))

@@ -568,13 +568,10 @@ void fl_stage3_layout_init(fl_stage3_layout *y, const fl_param_table *t, int L,
         else if (n > y->ring_size)
             y->ring_size = n;
     }
+    // stage3_max_live_parameters caps what is prefetched, as DeepSpeed's
+    // coordinator does: the running unit is gathered whatever it says, so
+    // below the residents and one block nothing is prefetched
     double live = c->max_live_parameters - (double)y->resident_total;
-    if (y->ring_size && live < (double)y->ring_size)
-        fl_die("zero_optimization.stage3_max_live_parameters %.0f is below what one step holds "
-               "at once: the embedding and units under the persistence threshold (%zu elements) "
-               "plus the largest block (%zu) = %zu elements",
-               c->max_live_parameters, y->resident_total, y->ring_size,
-               y->resident_total + y->ring_size);
     y->depth = 0;
     if (y->ring_size) { // whole units within the prefetch bucket and the live limit
         double by_bucket = c->prefetch_bucket_size / (double)y->ring_size;

@@ -240,6 +240,7 @@ fl_optimizer_config fl_config_optimizer(const fl_train_config *cfg) {
     fl_optimizer_config o = {
         .kind = kind,
         .beta1 = cfg->beta1,
+        .no_bias_correction = !cfg->bias_correction,
         .beta2 = cfg->beta2,
         .eps = cfg->eps,
         .weight_decay = cfg->weight_decay,
