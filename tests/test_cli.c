@@ -1073,6 +1073,29 @@ static void test_deepspeed_adam(void) {
     t_check(rc1 == 0 && rc2 == 0 && strstr(output, "without bias correction") &&
                 strlen(adam) > 40 && strcmp(plain, adam),
             "bias_correction false: the run says so and its steps differ:\n%s---\n%s", plain, adam);
+    // what a DeepSpeed optimizer block leaves out takes DeepSpeed's
+    // defaults (FusedAdam's betas 0.9,0.999, eps 1e-8, weight_decay 0;
+    // torch's SGD's weight_decay 0), a flag its own value, "auto" fitlm's
+    write_text("dsdefaults.json", "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": "
+                                  "0.01}}}");
+    const char *one_step =
+        "train --model tiny --data small --tokenizer byte --seq-len 16 --batch 2 "
+        "--steps 1 --eval-every 0 --sample-tokens 0 --out '' --threads 1";
+    snprintf(cmd, sizeof cmd, "%s --config dsdefaults.json", one_step);
+    t_check(fitlm(cmd) == 0 && strstr(output, "betas 0.9,0.999 wd 0 "),
+            "a DeepSpeed AdamW block's omitted params are DeepSpeed's: %.400s", output);
+    snprintf(cmd, sizeof cmd, "%s --config dsdefaults.json --weight-decay 0.05", one_step);
+    t_check(fitlm(cmd) == 0 && strstr(output, "betas 0.9,0.999 wd 0.05 "),
+            "a flag gives its own value: %.400s", output);
+    write_text("dssgd.json", "{\"optimizer\": {\"type\": \"sgd\", \"params\": {\"lr\": 0.01}}}");
+    snprintf(cmd, sizeof cmd, "%s --config dssgd.json", one_step);
+    t_check(fitlm(cmd) == 0 && strstr(output, "sgd lr 0.01") && strstr(output, "wd 0 "),
+            "a DeepSpeed SGD block without weight_decay: torch's 0: %.400s", output);
+    write_text("dsauto.json", "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"betas\": "
+                              "\"auto\", \"weight_decay\": \"auto\"}}}");
+    snprintf(cmd, sizeof cmd, "%s --config dsauto.json", one_step);
+    t_check(fitlm(cmd) == 0 && strstr(output, "betas 0.9,0.95 wd 0.1 "),
+            "\"auto\" params are fitlm's own: %.400s", output);
     write_text("sgdbc.json",
                "{\"optimizer\": {\"type\": \"sgd\", \"params\": {\"bias_correction\": true}}}");
     fails_with("train --config sgdbc.json",

@@ -147,7 +147,10 @@ typedef struct {
     // optimizer
     char optimizer[FL_NAME_MAX]; // adamw | sgd | lomo | adalomo (adam: mapped onto adamw)
     int adam_w_mode, torch_adam; // DeepSpeed's Adam's (config_compat.c)
-    int bias_correction;         // AdamW's (DeepSpeed's Adam's bias_correction)
+    // a config file's optimizer block named its type: the block is
+    // DeepSpeed's, whose params default as DeepSpeed's (config_compat.c)
+    int deepspeed_optimizer;
+    int bias_correction; // AdamW's (DeepSpeed's Adam's bias_correction)
     float lr, beta1, beta2, eps, weight_decay, momentum;
     float eps2, clip_threshold, decay_rate; // AdaLomo
     float clip_value;                       // LOMO's clip_grad_value
@@ -206,7 +209,12 @@ typedef struct {
 void fl_config_defaults(fl_train_config *cfg);
 // Reads a JSON config file over the current values. Unknown keys, wrong
 // types and out-of-range values are fatal errors naming the file and key.
+// An optimizer block naming its type sets cfg->deepspeed_optimizer (a
+// checkpoint's config, read as text, does not).
 void fl_config_load_json(fl_train_config *cfg, const char *path);
+// With cfg->deepspeed_optimizer, the block's params neither given nor
+// "auto" take DeepSpeed's defaults, marked given (config_compat.c).
+void fl_deepspeed_optimizer_defaults(fl_train_config *cfg);
 // Parses argv (after the subcommand) over the current values. "--config
 // FILE" is applied first wherever it appears, so flags always override it.
 void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv);

@@ -903,7 +903,8 @@ static void check_duplicates(const cJSON *item, const char *path, const char *wh
     }
 }
 
-void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, const char *where) {
+// Reads config text; returns whether it has an optimizer block naming its type.
+static int load_text(fl_train_config *cfg, const char *text, size_t n, const char *where) {
     const char *why;
     size_t at;
     cJSON *root = fl_json_parse(text, n, &why, &at);
@@ -913,7 +914,14 @@ void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, 
     check_duplicates(root, "", where);
     uint8_t seen[N_OPTIONS] = {0};
     load_object(cfg, root, "", where, seen);
+    const cJSON *opt = cJSON_GetObjectItemCaseSensitive(root, "optimizer");
+    int typed = cJSON_IsObject(opt) && cJSON_GetObjectItemCaseSensitive(opt, "type");
     cJSON_Delete(root);
+    return typed;
+}
+
+void fl_config_load_json_text(fl_train_config *cfg, const char *text, size_t n, const char *where) {
+    load_text(cfg, text, n, where);
 }
 
 void fl_config_load_json(fl_train_config *cfg, const char *path) {
@@ -921,7 +929,7 @@ void fl_config_load_json(fl_train_config *cfg, const char *path) {
     char *text = (char *)fl_file_read_all(path, 1 << 24, &n, "config file");
     char where[FL_PATH_MAX + 16];
     snprintf(where, sizeof where, "config file %s", path);
-    fl_config_load_json_text(cfg, text, n, where);
+    if (load_text(cfg, text, n, where)) cfg->deepspeed_optimizer = 1;
     fl_free(text);
 }
 
@@ -1135,6 +1143,9 @@ void fl_config_parse_args(fl_train_config *cfg, int argc, char **argv) {
         set_from_text(cfg, o, value, where);
         mark_given(cfg, o, seen, before, where);
     }
+    // what the flags left of a config file's optimizer block: DeepSpeed's
+    // defaults, given (the run's config, which checkpoints keep, has them)
+    fl_deepspeed_optimizer_defaults(cfg);
 }
 
 // ----------------------------------------------------------------------------

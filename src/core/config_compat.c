@@ -46,6 +46,34 @@ static void map_switch(fl_train_config *cfg, const char *ds_key, int ds_value, c
     *field = ds_value;
 }
 
+// A config file's optimizer block is DeepSpeed's: what it leaves out takes
+// DeepSpeed's defaults, not fitlm's (its FusedAdam's and DeepSpeedCPUAdam's
+// betas 0.9,0.999, eps 1e-8 and weight_decay 0; torch.optim.SGD's
+// weight_decay 0), unless a flag gives it ("auto": fitlm's own setting, as
+// the Trainer fills it). Marked given, so that a checkpoint's config holds
+// them and a resume reads them back. lr keeps fitlm's default: DeepSpeed's
+// schedulers set the rate themselves.
+void fl_deepspeed_optimizer_defaults(fl_train_config *cfg) {
+    if (!cfg->deepspeed_optimizer) return;
+    int adamw = !strcmp(cfg->optimizer, "adamw") || !strcmp(cfg->optimizer, "adam"),
+        sgd = !strcmp(cfg->optimizer, "sgd");
+    const char *betas = "optimizer.params.betas", *eps = "optimizer.params.eps",
+               *wd = "optimizer.params.weight_decay";
+    if (adamw && !given(cfg, betas) && !fl_config_auto(cfg, betas)) {
+        cfg->beta1 = 0.9f;
+        cfg->beta2 = 0.999f;
+        fl_config_set_given(cfg, betas, 1);
+    }
+    if (adamw && !given(cfg, eps) && !fl_config_auto(cfg, eps)) {
+        cfg->eps = 1e-8f;
+        fl_config_set_given(cfg, eps, 1);
+    }
+    if ((adamw || sgd) && !given(cfg, wd) && !fl_config_auto(cfg, wd)) {
+        cfg->weight_decay = 0.0f;
+        fl_config_set_given(cfg, wd, 1);
+    }
+}
+
 // optimizer.type Adam: DeepSpeed's Adam, which is AdamW (weight decay
 // decoupled from the moments) unless adam_w_mode is false, when it adds the
 // decay to the gradient (L2), which fitlm does not run; without weight
