@@ -66,9 +66,7 @@ typedef struct {
     int opt_accumulate_on_device;               // accumulate_on_device
     float param_buffer_size, param_max_in_cpu;  // NVMe buffers
     int cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory; // deprecated forms
-    int gather_16bit_on_save, gather_fp16_on_save, gather_on_save;  // stage3_gather_{16bit,fp16}_
-                                                                    // weights_on_model_save, and
-                                                                    // its name without stage3_
+    int gather_16bit_on_save; // stage3_gather_16bit_weights_on_model_save (and its other names)
     float module_granularity_threshold;  // stage3_module_granularity_threshold (0)
     int use_all_reduce_for_fetch_params; // stage3_use_all_reduce_for_fetch_params
     int ignore_unused_parameters;        // true

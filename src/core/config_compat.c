@@ -180,18 +180,6 @@ static void check_zero_choices(const fl_train_config *cfg) {
     refuse(x->elastic_checkpoint, "elastic_checkpoint", "true",
            "loading a checkpoint saved by another number of ranks is not supported (DeepSpeed no "
            "longer supports it either)");
-    // three names of one switch, each true where given
-    const char *gather[] = {"stage3_gather_16bit_weights_on_model_save",
-                            "stage3_gather_fp16_weights_on_model_save",
-                            "gather_16bit_weights_on_model_save"};
-    const int gathers[] = {x->gather_16bit_on_save, x->gather_fp16_on_save, x->gather_on_save};
-    for (int i = 0; i < 3; i++) {
-        char key[96];
-        snprintf(key, sizeof key, ZERO "%s", gather[i]);
-        refuse(given(cfg, key) && !gathers[i], gather[i], "false",
-               "fitlm's checkpoints and fitlm export always hold the whole weights (gathered "
-               "under stage 3); drop the key or set it true");
-    }
     refuse(x->use_all_reduce_for_fetch_params, "stage3_use_all_reduce_for_fetch_params", "true",
            "fitlm fetches stage 3 weights by all-gather");
     refuse(x->legacy_stage1, "legacy_stage1", "true",
