@@ -157,7 +157,8 @@ void fl_dev_adapters_free(fl_dev_adapters *a); // after fl_optimizer_free; NULL 
 // Weight offload on one device (ZeRO-3 with offload_param): m has no
 // weights on the device (m->params NULL: they were built in pinned host
 // memory); with device cpu they are read from host_params (the offload's
-// pinned copy, o->params), with device nvme from the optimizer's NVMe file
+// pinned copy, o->params; under LoRA the frozen base's pinned copy, which
+// no update makes stale), with device nvme from the optimizer's NVMe file
 // `store` (paged weights) through oc's staging buffers
 // (offload_param.buffer_count of at most buffer_size elements). Each unit
 // goes up ahead of use into stage 3's ring (fl_stage3_layout by cfg's

@@ -1,6 +1,7 @@
 // device_weights.c: weight offload on one device (ZeRO-3 with
 // offload_param.device cpu under ZeRO-Offload). The whole 16-bit weights
-// live in the optimizer's pinned host copy (device_offload.c); the device
+// live in a pinned host copy (the optimizer's, device_offload.c; under LoRA
+// the frozen base's own, run.c); the device
 // holds the resident units (the embedding and the units under the stage-3
 // persistence thresholds) and a ring of buffers for the others, laid out as
 // zero.c's stage 3 (fl_stage3_layout). In the model's pre_unit hook a unit's
@@ -10,8 +11,9 @@
 // buffer is needed (or at a change of pass without stage3_max_reuse_distance).
 // The host updates its copy after the backward pass; the next forward pass
 // uploads again (a frozen base, LoRA's, stays valid: the residents go up
-// once, and with reuse the ring keeps what the backward pass left). The arithmetic is the plain
-// path's: bitwise its run. Under offload_param.device nvme (ZeRO-Infinity) there is no host copy:
+// once, and with reuse the ring keeps what the backward pass left). The
+// arithmetic is the plain path's: bitwise its run. Under
+// offload_param.device nvme (ZeRO-Infinity) there is no host copy:
 // the weights live in the optimizer's NVMe file (offload.c, which the step
 // updates chunk by chunk); a unit's fetch reads it there, piece by piece,
 // on the offload's reader thread into buffer_count pinned buffers of at
