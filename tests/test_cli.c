@@ -2549,6 +2549,21 @@ static void test_divergence_stops_without_a_bad_checkpoint(void) {
     }
     t_check(same, "a skipped step applies no update: steps %d and %d have the same weights", k2 - 3,
             k2 - 1);
+    // DeepSpeed's bf16.check_grad_overflow true: every such step skipped, no limit
+    write_text("bf16over.json", "{\"bf16\": {\"enabled\": true, \"check_grad_overflow\": true}}");
+    rc = fitlmf("%s %s --steps 12 --config bf16over.json --out ''", small_run(), sgd);
+    skips = 0;
+    for (const char *p = strstr(output, " skipped: loss "); p; p = strstr(p + 1, " skipped: loss "))
+        skips++;
+    t_check(skips > 2 && strstr(output, "of --skip-nonfinite 1073741824)") &&
+                !strstr(output, "budget is spent"),
+            "bf16.check_grad_overflow true skips every non-finite step (%d skips): %.300s", skips,
+            strstr(output, "fitlm: error") ? strstr(output, "fitlm: error") : output);
+    write_text("bf16over32.json", "{\"bf16\": {\"check_grad_overflow\": true}}");
+    rc = fitlmf("%s --precision fp32 --config bf16over32.json --out ''", small_run());
+    t_check(rc == 1 && strstr(output, "bf16.check_grad_overflow applies to bf16 training; "
+                                      "precision is fp32"),
+            "bf16.check_grad_overflow true under fp32 is refused: %.300s", output);
     // LOMO without clipping updates in the backward: already applied, so it stops
     rc = fitlmf("%s --optimizer lomo --lr 1000 --grad-clip 0 --warmup 0 --steps 60 --out '' "
                 "--skip-nonfinite 5",

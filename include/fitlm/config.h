@@ -86,7 +86,7 @@ typedef struct {
     float gradient_predivide_factor;
     char grad_accum_dtype[FL_NAME_MAX]; // data_types.grad_accum_dtype
     char comm_dtype[FL_NAME_MAX];       // communication_data_type
-    int fp16_auto_cast, bf16_immediate_grad_update;
+    int fp16_auto_cast, bf16_immediate_grad_update, bf16_check_grad_overflow;
     // the compile block (torch.compile of the module; DeepCompile)
     int compile_disable, compile_deepcompile;
     char compile_backend[FL_NAME_MAX];

@@ -351,6 +351,11 @@ static const option options[] = {
     {"bf16.immediate_grad_update", NULL, OPT_BOOL, NUM(zero_extra.bf16_immediate_grad_update),
      "true", 0, 0, NULL,
      "each micro-batch's gradient added into the fp32 sum as it is made (false is refused)"},
+    {"bf16.check_grad_overflow", NULL, OPT_BOOL, NUM(zero_extra.bf16_check_grad_overflow), "false",
+     0, 0, NULL,
+     "DeepSpeed's bf16 overflow check: true skips a step whose gradient is not finite and goes "
+     "on (skip_nonfinite without a limit); false, where DeepSpeed applies it, fitlm stops as "
+     "diverged"},
     {"compile.disable", NULL, OPT_BOOL, NUM(zero_extra.compile_disable), "false", 0, 0, NULL,
      "DeepSpeed: torch.compile of the module off; fitlm's kernels are compiled C and CUDA "
      "already: either value"},

@@ -74,6 +74,21 @@ void fl_deepspeed_optimizer_defaults(fl_train_config *cfg) {
     }
 }
 
+// bf16.check_grad_overflow true (DeepSpeed's BF16 optimizer): a step whose
+// gradient is not finite is skipped and training goes on, which is fitlm's
+// skip_nonfinite without a limit, unless the flag gives one. False lets
+// DeepSpeed apply such a step (its weights become NaN); fitlm skips it and
+// stops as diverged, writing no checkpoint of it.
+static void map_bf16_overflow(fl_train_config *cfg) {
+    if (!cfg->zero_extra.bf16_check_grad_overflow) return;
+    if (strcmp(cfg->precision, "bf16")) {
+        if (given(cfg, "bf16.enabled") && !cfg->bf16_enabled) return; // read no further
+        fl_die("bf16.check_grad_overflow applies to bf16 training; precision is %s",
+               cfg->precision);
+    }
+    if (!given(cfg, "skip_nonfinite")) cfg->skip_nonfinite = 1 << 30;
+}
+
 // optimizer.type Adam: DeepSpeed's Adam, which is AdamW (weight decay
 // decoupled from the moments) unless adam_w_mode is false, when it adds the
 // decay to the gradient (L2), which fitlm does not run; without weight
@@ -300,6 +315,7 @@ void fl_deepspeed_check_config(fl_train_config *cfg) {
     refuse_engine(cfg);
     refuse_checkpointing(cfg);
     map_precision(cfg);
+    map_bf16_overflow(cfg); // reads the precision
     // DeepSpeed's per-phase step times: fitlm's per-op profile after training
     map_switch(cfg, "wall_clock_breakdown", cfg->wall_clock_breakdown, "profile", &cfg->profile);
     // DeepSpeed's memory report: fitlm's memory per tag and peak RSS
