@@ -2511,6 +2511,13 @@ static void test_log_write_error_stops_the_run(void) {
             rc, output);
 }
 
+// Count of `what` in text.
+static int occurrences(const char *text, const char *what) {
+    int n = 0;
+    for (const char *p = strstr(text, what); p; p = strstr(p + 1, what)) n++;
+    return n;
+}
+
 static void test_divergence_stops_without_a_bad_checkpoint(void) {
     // SGD at lr 1000 without clipping: a non-finite loss within a few steps
     const char *sgd = "--optimizer sgd --grad-clip 0 --lr 1000 --weight-decay 0 --warmup 0 "
@@ -2526,9 +2533,7 @@ static void test_divergence_stops_without_a_bad_checkpoint(void) {
             k, rc, strstr(output, "fitlm: error") ? strstr(output, "fitlm: error") : output);
     // --skip-nonfinite 2: two steps skipped without an update, then it stops
     rc = fitlmf("%s %s --skip-nonfinite 2 --out div2", small_run(), sgd);
-    int skips = 0;
-    for (const char *p = strstr(output, " skipped: loss "); p; p = strstr(p + 1, " skipped: loss "))
-        skips++;
+    int skips = occurrences(output, " skipped: loss ");
     int k2 = number_after(output, "training diverged at step ");
     t_check(rc == 1 && skips == 2 && k2 > 3 && strstr(output, "budget is spent"),
             "--skip-nonfinite 2 skips two steps, then stops (status %d, %d skips): %.300s", rc,
@@ -2552,9 +2557,7 @@ static void test_divergence_stops_without_a_bad_checkpoint(void) {
     // DeepSpeed's bf16.check_grad_overflow true: every such step skipped, no limit
     write_text("bf16over.json", "{\"bf16\": {\"enabled\": true, \"check_grad_overflow\": true}}");
     rc = fitlmf("%s %s --steps 12 --config bf16over.json --out ''", small_run(), sgd);
-    skips = 0;
-    for (const char *p = strstr(output, " skipped: loss "); p; p = strstr(p + 1, " skipped: loss "))
-        skips++;
+    skips = occurrences(output, " skipped: loss ");
     t_check(skips > 2 && strstr(output, "of --skip-nonfinite 1073741824)") &&
                 !strstr(output, "budget is spent"),
             "bf16.check_grad_overflow true skips every non-finite step (%d skips): %.300s", skips,
@@ -2687,13 +2690,6 @@ static void test_nonfinite_results_are_errors(void) {
     t_check(fitlm("eval --checkpoint fine --text nf.txt --json") == 0 &&
                 strstr(output, "\"perplexity\":") && !strstr(output, "null,\"nats\""),
             "a finite model evaluates: %.200s", output);
-}
-
-// Count of `what` in text.
-static int occurrences(const char *text, const char *what) {
-    int n = 0;
-    for (const char *p = strstr(text, what); p; p = strstr(p + 1, what)) n++;
-    return n;
 }
 
 // OUT/log.txt, malloc'd (NULL: none).

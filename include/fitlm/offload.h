@@ -139,6 +139,13 @@ void fl_dev_offload_free(fl_dev_offload *f); // after fl_optimizer_free; NULL is
 // table's largest unit, and the tied embedding's own.
 size_t fl_dev_offload_grad_bytes(const fl_param_table *t, int tie_embeddings, fl_dtype dt);
 
+// An offload's optimizer of device d's model (fl_optimizer_init's
+// arguments): its state in host memory, pinned with cfg->pin_memory; its
+// params and grads the offload's pinned copies.
+void fl_dev_offload_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg,
+                                   const fl_param_table *t, fl_dtype dt, void *params, void *grads,
+                                   const struct fl_device *d);
+
 // ZeRO-Offload of LoRA adapters on one device (device_adapters.c): m on a
 // device other than the cpu, with adapters (fl_model_add_lora) and their
 // gradients (fl_model_alloc_acts); o made over their table in host memory

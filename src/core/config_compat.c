@@ -53,25 +53,24 @@ static void map_switch(fl_train_config *cfg, const char *ds_key, int ds_value, c
 // the Trainer fills it). Marked given, so that a checkpoint's config holds
 // them and a resume reads them back. lr keeps fitlm's default: DeepSpeed's
 // schedulers set the rate themselves.
+// Whether key is neither given nor "auto"; if so it is marked given, for
+// the value the caller sets.
+static int fill(fl_train_config *cfg, const char *key) {
+    if (given(cfg, key) || fl_config_auto(cfg, key)) return 0;
+    fl_config_set_given(cfg, key, 1);
+    return 1;
+}
+
 void fl_deepspeed_optimizer_defaults(fl_train_config *cfg) {
     if (!cfg->deepspeed_optimizer) return;
     int adamw = !strcmp(cfg->optimizer, "adamw") || !strcmp(cfg->optimizer, "adam"),
         sgd = !strcmp(cfg->optimizer, "sgd");
-    const char *betas = "optimizer.params.betas", *eps = "optimizer.params.eps",
-               *wd = "optimizer.params.weight_decay";
-    if (adamw && !given(cfg, betas) && !fl_config_auto(cfg, betas)) {
+    if (adamw && fill(cfg, "optimizer.params.betas")) {
         cfg->beta1 = 0.9f;
         cfg->beta2 = 0.999f;
-        fl_config_set_given(cfg, betas, 1);
     }
-    if (adamw && !given(cfg, eps) && !fl_config_auto(cfg, eps)) {
-        cfg->eps = 1e-8f;
-        fl_config_set_given(cfg, eps, 1);
-    }
-    if ((adamw || sgd) && !given(cfg, wd) && !fl_config_auto(cfg, wd)) {
-        cfg->weight_decay = 0.0f;
-        fl_config_set_given(cfg, wd, 1);
-    }
+    if (adamw && fill(cfg, "optimizer.params.eps")) cfg->eps = 1e-8f;
+    if ((adamw || sgd) && fill(cfg, "optimizer.params.weight_decay")) cfg->weight_decay = 0.0f;
 }
 
 // bf16.check_grad_overflow true (DeepSpeed's BF16 optimizer): a step whose

@@ -67,10 +67,7 @@ fl_dev_adapters *fl_dev_adapters_init(fl_model *m, fl_optimizer *o,
     a->params = pin->alloc(pin, FL_MEM_PARAMS, bytes);
     a->grads = pin->alloc(pin, FL_MEM_GRADS, bytes);
     fl_dev_download(d, a->params, m->lora.params, bytes);
-    // the state in host memory, pinned only when offload_optimizer.pin_memory asks
-    fl_device_use(cfg->pin_memory ? pin : NULL);
-    fl_optimizer_init(o, cfg, &m->lora.table, m->dtype, a->params, a->grads);
-    fl_device_use(d);
+    fl_dev_offload_optimizer_init(o, cfg, &m->lora.table, m->dtype, a->params, a->grads, d);
     // one group, the whole table, going up at once; no unit's gradient
     // comes down alone (per_unit 0: the step never overlaps the backward)
     a->hooks = (fl_optim_offload){.ctx = a,

@@ -433,6 +433,16 @@ void fl_dev_offload_waits_get(const fl_dev_offload *f, fl_dev_offload_waits *w) 
     *w = f->timed;
 }
 
+void fl_dev_offload_optimizer_init(fl_optimizer *o, const fl_optimizer_config *cfg,
+                                   const fl_param_table *t, fl_dtype dt, void *params, void *grads,
+                                   const fl_device *d) {
+    // the optimizer's state never crosses to the device: host memory, pinned
+    // only when offload_optimizer.pin_memory asks
+    fl_device_use(cfg->pin_memory ? fl_device_pinned(d) : NULL);
+    fl_optimizer_init(o, cfg, t, dt, params, grads);
+    fl_device_use(d);
+}
+
 fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optimizer_config *cfg,
                                     void *host_params) {
     const fl_device *d = m->dev;
@@ -456,11 +466,7 @@ fl_dev_offload *fl_dev_offload_init(fl_model *m, fl_optimizer *o, const fl_optim
     f->params = params;
     f->grads = grads;
     if (!host_params) fl_dev_download(d, params, m->params, bytes);
-    // the optimizer's state never crosses to the device: host memory, pinned
-    // only when offload_optimizer.pin_memory asks
-    fl_device_use(cfg->pin_memory ? pin : NULL);
-    fl_optimizer_init(o, cfg, &m->table, m->dtype, params, grads);
-    fl_device_use(d);
+    fl_dev_offload_optimizer_init(o, cfg, &m->table, m->dtype, params, grads, d);
     size_t sum_bytes = m->table.numel * sizeof(float);
     if (sum16) // the device's sum is downloaded into it
         o->grad_accum = f->sums[0] = pin->alloc(pin, FL_MEM_GRADS, sum_bytes);
