@@ -137,10 +137,99 @@ __device__ __forceinline__ void fl_d_add_ilp(fl_dtype dt, void *out, const void 
     fl_d_store_ilp(dt, out, i, w, n, x);
 }
 
+// Row kernels (the norms, the classifier) and the elementwise kernels take
+// FL_D_VEC consecutive elements at a time: one 16-byte load or store (two
+// for fp32) moves them where they start 16-byte aligned and lie below n,
+// else they go one by one. Either way the same values, so a kernel's
+// arithmetic, and its bits, do not depend on where its buffers start (a
+// weight offloaded into a ring lands elsewhere than in the flat buffer).
+#define FL_D_VEC 8
+
+// whether elements i .. i + FL_D_VEC - 1 of p go in one vector access
+__device__ __forceinline__ int fl_d_vec_ok(fl_dtype dt, const void *p, size_t i, size_t n) {
+    return i + FL_D_VEC <= n && ((uintptr_t)fl_d_at(dt, p, i) & 15u) == 0;
+}
+
+// x[k] = element i + k of p as fp32, k < FL_D_VEC (0 at and past n)
+__device__ __forceinline__ void fl_d_load_vec(fl_dtype dt, const void *p, size_t i, size_t n,
+                                              float *x) {
+    if (!fl_d_vec_ok(dt, p, i, n)) {
+#pragma unroll
+        for (int k = 0; k < FL_D_VEC; k++) x[k] = i + k < n ? fl_d_load(dt, p, i + k) : 0.0f;
+        return;
+    }
+    if (dt == FL_F32) {
+        const float4 *q = (const float4 *)fl_d_at(dt, p, i);
+        float4 a = q[0], b = q[1];
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
+        x[7] = b.w;
+        return;
+    }
+    uint4 v = *(const uint4 *)fl_d_at(dt, p, i);
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) { // little-endian: element 2k in the low half
+        uint16_t lo = (uint16_t)(w[k] & 0xffffu), hi = (uint16_t)(w[k] >> 16);
+        x[2 * k] = dt == FL_BF16 ? fl_d_bf16_to_f32(lo) : fl_d_f16_to_f32(lo);
+        x[2 * k + 1] = dt == FL_BF16 ? fl_d_bf16_to_f32(hi) : fl_d_f16_to_f32(hi);
+    }
+}
+
+// x[k] rounded into element i + k of p, k < FL_D_VEC, for those below n
+__device__ __forceinline__ void fl_d_store_vec(fl_dtype dt, void *p, size_t i, size_t n,
+                                               const float *x) {
+    if (!fl_d_vec_ok(dt, p, i, n)) {
+#pragma unroll
+        for (int k = 0; k < FL_D_VEC; k++)
+            if (i + k < n) fl_d_store(dt, p, i + k, x[k]);
+        return;
+    }
+    if (dt == FL_F32) {
+        float4 *q = (float4 *)fl_d_at(dt, p, i);
+        q[0] = make_float4(x[0], x[1], x[2], x[3]);
+        q[1] = make_float4(x[4], x[5], x[6], x[7]);
+        return;
+    }
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        uint32_t lo = dt == FL_BF16 ? fl_d_f32_to_bf16(x[2 * k]) : fl_d_f32_to_f16(x[2 * k]);
+        uint32_t hi =
+            dt == FL_BF16 ? fl_d_f32_to_bf16(x[2 * k + 1]) : fl_d_f32_to_f16(x[2 * k + 1]);
+        w[k] = lo | hi << 16;
+    }
+    *(uint4 *)fl_d_at(dt, p, i) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// A vector streaming kernel's pass: this thread's FL_D_VEC consecutive
+// elements from fl_d_first_vec(), the next pass fl_d_width_vec() on.
+__device__ __forceinline__ size_t fl_d_first_vec(void) {
+    return fl_d_first() * FL_D_VEC;
+}
+__device__ __forceinline__ size_t fl_d_width_vec(void) {
+    return fl_d_width() * FL_D_VEC;
+}
+
+// elements i .. i + FL_D_VEC - 1 of out = those of a + y[k] (below n)
+__device__ __forceinline__ void fl_d_add_vec(fl_dtype dt, void *out, const void *a, const float *y,
+                                             size_t i, size_t n) {
+    float x[FL_D_VEC];
+    fl_d_load_vec(dt, a, i, n, x);
+#pragma unroll
+    for (int k = 0; k < FL_D_VEC; k++) x[k] += y[k];
+    fl_d_store_vec(dt, out, i, n, x);
+}
+
 // Blocks of `threads` for a streaming kernel over n elements: FL_D_ILP a
 // thread in its first pass where n allows.
 static inline unsigned fl_cuda_blocks_ilp(size_t n, int threads) {
     return fl_cuda_blocks((n + FL_D_ILP - 1) / FL_D_ILP, threads);
+}
+
+// Blocks of `threads` for a vector streaming kernel over n elements:
+// FL_D_VEC a thread in its first pass where n allows.
+static inline unsigned fl_cuda_blocks_vec(size_t n, int threads) {
+    return fl_cuda_blocks((n + FL_D_VEC - 1) / FL_D_VEC, threads);
 }
 
 #endif

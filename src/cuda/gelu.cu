@@ -18,50 +18,48 @@ __device__ __forceinline__ void gelu_sigmoid(float x, float *s, float *s1s) {
 }
 
 __global__ void gelu_forward_kernel(fl_dtype dt, void *out, const void *inp, size_t n) {
-    size_t w = fl_d_width();
-    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP], y[FL_D_ILP];
-        fl_d_load_ilp(dt, inp, i, w, n, x);
+    for (size_t i = fl_d_first_vec(); i < n; i += fl_d_width_vec()) {
+        float x[FL_D_VEC], y[FL_D_VEC];
+        fl_d_load_vec(dt, inp, i, n, x);
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
+        for (int k = 0; k < FL_D_VEC; k++) {
             float s, s1s;
             gelu_sigmoid(x[k], &s, &s1s);
             y[k] = x[k] * s;
         }
-        fl_d_store_ilp(dt, out, i, w, n, y);
+        fl_d_store_vec(dt, out, i, n, y);
     }
 }
 
 // d/dx = s + x s (1 - s) 2 du/dx; dinp is overwritten (device.h)
 __global__ void gelu_backward_kernel(fl_dtype dt, void *dinp, const void *inp, const void *dout,
                                      size_t n) {
-    size_t w = fl_d_width();
-    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP], dy[FL_D_ILP], dx[FL_D_ILP];
-        fl_d_load_ilp(dt, inp, i, w, n, x);
-        fl_d_load_ilp(dt, dout, i, w, n, dy);
+    for (size_t i = fl_d_first_vec(); i < n; i += fl_d_width_vec()) {
+        float x[FL_D_VEC], dy[FL_D_VEC], dx[FL_D_VEC];
+        fl_d_load_vec(dt, inp, i, n, x);
+        fl_d_load_vec(dt, dout, i, n, dy);
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
+        for (int k = 0; k < FL_D_VEC; k++) {
             float s, s1s;
             gelu_sigmoid(x[k], &s, &s1s);
             float du2 = fmaf(x[k] * x[k], 6.0f * GELU_CUBIC * GELU_SCALING_FACTOR,
                              2.0f * GELU_SCALING_FACTOR);
             dx[k] = fmaf(x[k] * s1s, du2, s) * dy[k];
         }
-        fl_d_store_ilp(dt, dinp, i, w, n, dx);
+        fl_d_store_vec(dt, dinp, i, n, dx);
     }
 }
 
 extern "C" void fl_cuda_gelu_forward(fl_dtype dt, void *out, const void *inp, size_t N) {
     if (!N) return;
-    gelu_forward_kernel<<<fl_cuda_blocks_ilp(N, 256), 256, 0, fl_cuda_stream()>>>(dt, out, inp, N);
+    gelu_forward_kernel<<<fl_cuda_blocks_vec(N, 256), 256, 0, fl_cuda_stream()>>>(dt, out, inp, N);
     FL_CUDA_LAUNCHED("gelu_forward_kernel");
 }
 
 extern "C" void fl_cuda_gelu_backward(fl_dtype dt, void *dinp, const void *inp, const void *dout,
                                       size_t N) {
     if (!N) return;
-    gelu_backward_kernel<<<fl_cuda_blocks_ilp(N, 256), 256, 0, fl_cuda_stream()>>>(dt, dinp, inp,
+    gelu_backward_kernel<<<fl_cuda_blocks_vec(N, 256), 256, 0, fl_cuda_stream()>>>(dt, dinp, inp,
                                                                                    dout, N);
     FL_CUDA_LAUNCHED("gelu_backward_kernel");
 }

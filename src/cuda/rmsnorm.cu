@@ -14,22 +14,22 @@ __global__ void rmsnorm_forward_kernel(fl_dtype dt, void *out, float *rstd, void
     void *xr = fl_d_at(dt, inp, base);
     const void *sr = skip ? fl_d_at(dt, skip, base) : NULL;
     float ss = 0.0f;
-    for (int c = lane; c < C; c += FL_D_ILP * 32) {
-        float x[FL_D_ILP];
+    for (int c = lane * FL_D_VEC; c < C; c += NORM_STRIDE) {
+        float x[FL_D_VEC];
         norm_input(dt, xr, sr, c, C, x);
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++)
-            if (c + 32 * k < C) ss += x[k] * x[k];
+        for (int k = 0; k < FL_D_VEC; k++)
+            if (c + k < C) ss += x[k] * x[k];
     }
     float r = norm_rstd(__shfl_sync(0xffffffffu, fl_d_warp_sum(ss), 0) / C + eps);
     if (lane == 0) rstd[row] = r;
-    for (int c = lane; c < C; c += FL_D_ILP * 32) {
-        float x[FL_D_ILP], w[FL_D_ILP];
-        fl_d_load_ilp(dt, xr, c, 32, C, x);
-        fl_d_load_ilp(dt, weight, c, 32, C, w);
+    for (int c = lane * FL_D_VEC; c < C; c += NORM_STRIDE) {
+        float x[FL_D_VEC], w[FL_D_VEC];
+        fl_d_load_vec(dt, xr, c, C, x);
+        fl_d_load_vec(dt, weight, c, C, w);
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) x[k] = x[k] * r * w[k];
-        fl_d_store_ilp(dt, fl_d_at(dt, out, base), c, 32, C, x);
+        for (int k = 0; k < FL_D_VEC; k++) x[k] = x[k] * r * w[k];
+        fl_d_store_vec(dt, fl_d_at(dt, out, base), c, C, x);
     }
 }
 
@@ -39,33 +39,27 @@ __global__ void rmsnorm_dinp_kernel(fl_dtype dt, void *dinp, const void *dout, c
     int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
     size_t base = (size_t)row * C;
+    const void *xr = fl_d_at(dt, inp, base), *dyr = fl_d_at(dt, dout, base);
     float r = rstd[row], dnm = 0.0f;
-    for (int c = lane; c < C; c += 32)
-        dnm += fl_d_load(dt, weight, c) * fl_d_load(dt, dout, base + c) *
-               (fl_d_load(dt, inp, base + c) * r);
+#pragma unroll 4 // loads only: several chunks' in flight
+    for (int c = lane * FL_D_VEC; c < C; c += NORM_STRIDE) {
+        float x[FL_D_VEC], w[FL_D_VEC], dy[FL_D_VEC];
+        fl_d_load_vec(dt, xr, c, C, x);
+        fl_d_load_vec(dt, weight, c, C, w);
+        fl_d_load_vec(dt, dyr, c, C, dy);
+#pragma unroll
+        for (int k = 0; k < FL_D_VEC; k++)
+            if (c + k < C) dnm += w[k] * dy[k] * (x[k] * r);
+    }
     dnm = __shfl_sync(0xffffffffu, fl_d_warp_sum(dnm), 0) / C;
     norm_dinp_pass(dt, dinp, dout, inp, weight, base, lane, C, 0.0f, r, 0.0f, dnm);
 }
 
-// chunk blockIdx.y of the rows: partial[chunk][c] = sum of x rstd dy
+// the weight gradient's partials (norm.cuh; no mean: x rstd dy)
 __global__ void rmsnorm_columns_kernel(fl_dtype dt, float *partial, const void *dout,
                                        const void *inp, const float *rstd, int N, int C) {
-    __shared__ float sw[COL_WARPS][COL_THREADS];
-    int tx = threadIdx.x % COL_THREADS, ty = threadIdx.x / COL_THREADS;
-    int c = blockIdx.x * COL_THREADS + tx, chunk = blockIdx.y, chunks = gridDim.y;
-    int per = (N + chunks - 1) / chunks, r0 = chunk * per, r1 = min(N, r0 + per);
-    float dw = 0.0f;
-    if (c < C)
-        for (int n = r0 + ty; n < r1; n += COL_WARPS) {
-            size_t at = (size_t)n * C + c;
-            dw += fl_d_load(dt, inp, at) * rstd[n] * fl_d_load(dt, dout, at);
-        }
-    sw[ty][tx] = dw;
-    __syncthreads();
-    if (ty != 0 || c >= C) return;
-    dw = 0.0f;
-    for (int w = 0; w < COL_WARPS; w++) dw += sw[w][tx];
-    partial[(size_t)chunk * C + c] = dw;
+    __shared__ float sw[COL_WARPS][COL_THREADS * FL_D_VEC], sb[COL_WARPS][COL_THREADS * FL_D_VEC];
+    norm_columns(dt, partial, 1, 0, dout, inp, NULL, rstd, N, C, sw, sb);
 }
 
 extern "C" void fl_cuda_rmsnorm_forward(fl_dtype dt, void *out, float *rstd, const void *inp,
@@ -96,9 +90,8 @@ extern "C" void fl_cuda_rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight,
     if (!dweight) return; // frozen
     int chunks = column_chunks(N);
     float *partial = (float *)fl_cuda_scratch((size_t)chunks * C * sizeof(float));
-    dim3 grid((unsigned)((C + COL_THREADS - 1) / COL_THREADS), (unsigned)chunks);
-    rmsnorm_columns_kernel<<<grid, COL_THREADS * COL_WARPS, 0, fl_cuda_stream()>>>(
-        dt, partial, dout, inp, rstd, N, C);
+    rmsnorm_columns_kernel<<<norm_columns_grid(C, chunks), COL_THREADS * COL_WARPS, 0,
+                             fl_cuda_stream()>>>(dt, partial, dout, inp, rstd, N, C);
     FL_CUDA_LAUNCHED("rmsnorm_columns_kernel");
     column_finish<<<(unsigned)((C + 255) / 256), 256, 0, fl_cuda_stream()>>>(dt, dweight, partial,
                                                                              chunks, C);

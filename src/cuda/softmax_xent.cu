@@ -28,12 +28,13 @@ __device__ void row_max_sum(fl_dtype dt, const void *row, int V, float *m_out, f
     __shared__ float wm[XENT_THREADS / 32], ws[XENT_THREADS / 32];
     float m = -INFINITY, s = 0.0f;
     int bd = blockDim.x;
-    for (int j = threadIdx.x; j < V; j += FL_D_ILP * bd) {
-        float x[FL_D_ILP]; // a thread's columns in order, FL_D_ILP loads in flight
-        fl_d_load_ilp(dt, row, j, bd, V, x);
+    // a thread's FL_D_VEC columns at a time, in order (common.cuh)
+    for (int j = threadIdx.x * FL_D_VEC; j < V; j += FL_D_VEC * bd) {
+        float x[FL_D_VEC];
+        fl_d_load_vec(dt, row, j, V, x);
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
-            if (j + k * bd >= V) break;
+        for (int k = 0; k < FL_D_VEC; k++) {
+            if (j + k >= V) break;
             if (x[k] > m) {
                 s = s * expf(m - x[k]) + 1.0f;
                 m = x[k];
@@ -57,17 +58,17 @@ __device__ void row_max_sum(fl_dtype dt, const void *row, int V, float *m_out, f
 }
 
 // dlogits row = dloss * (softmax - onehot) for j < V, 0 for the padding
-// (and for the whole row when it has no loss, outside a shard); FL_D_ILP
+// (and for the whole row when it has no loss, outside a shard); FL_D_VEC
 // columns a thread at a time, read before any is written (common.cuh)
 __device__ void backward_row(fl_dtype dt, void *drow, const void *row, float lse, int target,
                              float dloss, int V, int Vp, int shard) {
     int live = target >= 0 || shard, bd = blockDim.x;
-    for (int j = threadIdx.x; j < Vp; j += FL_D_ILP * bd) {
-        float x[FL_D_ILP];
-        fl_d_load_ilp(dt, row, j, bd, live ? V : 0, x);
+    for (int j = threadIdx.x * FL_D_VEC; j < Vp; j += FL_D_VEC * bd) {
+        float x[FL_D_VEC];
+        fl_d_load_vec(dt, row, j, live ? V : 0, x);
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
-            int c = j + k * bd;
+        for (int k = 0; k < FL_D_VEC; k++) {
+            int c = j + k;
             float g = 0.0f;
             if (live && c < V) {
                 float p = expf(x[k] - lse);
@@ -75,7 +76,7 @@ __device__ void backward_row(fl_dtype dt, void *drow, const void *row, float lse
             }
             x[k] = g;
         }
-        fl_d_store_ilp(dt, drow, j, bd, Vp, x);
+        fl_d_store_vec(dt, drow, j, Vp, x);
     }
 }
 

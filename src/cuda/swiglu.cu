@@ -1,7 +1,7 @@
 // swiglu.cu: LLaMA's MLP gate, as the vector paths of src/kernels/swiglu.c:
 // each row of inp (N,2IC) is [gate | up], out (N,IC) = silu(gate) * up;
 // sigmoid(x) and 1 - sigmoid(x) both from e = exp(-|x|), the same operations
-// and FMAs in the same order. A streaming kernel (common.cuh's FL_D_ILP).
+// and FMAs in the same order. Streaming kernels (common.cuh's vector accesses).
 #include "common.cuh"
 
 // s = sigmoid(x), s1 = 1 - sigmoid(x)
@@ -17,23 +17,36 @@ __device__ __forceinline__ size_t swiglu_gate(size_t i, int IC) {
     return i / (size_t)IC * 2 * IC + i % (size_t)IC;
 }
 
+// the gates and ups of elements i .. i + FL_D_VEC - 1 of out (0 past n):
+// vector loads where the FL_D_VEC lie in one row, else one by one
+__device__ __forceinline__ void swiglu_load(fl_dtype dt, const void *inp, size_t i, size_t n,
+                                            int IC, float *x, float *up) {
+    size_t g = swiglu_gate(i, IC);
+    if (i % (size_t)IC + FL_D_VEC <= (size_t)IC && i + FL_D_VEC <= n) {
+        fl_d_load_vec(dt, inp, g, g + FL_D_VEC, x);
+        fl_d_load_vec(dt, inp, g + IC, g + IC + FL_D_VEC, up);
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < FL_D_VEC; k++) {
+        int live = i + k < n;
+        g = swiglu_gate(i + k, IC);
+        x[k] = live ? fl_d_load(dt, inp, g) : 0.0f;
+        up[k] = live ? fl_d_load(dt, inp, g + IC) : 0.0f;
+    }
+}
+
 __global__ void swiglu_forward_kernel(fl_dtype dt, void *out, const void *inp, size_t n, int IC) {
-    size_t w = fl_d_width();
-    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP], up[FL_D_ILP], y[FL_D_ILP];
+    for (size_t i = fl_d_first_vec(); i < n; i += fl_d_width_vec()) {
+        float x[FL_D_VEC], up[FL_D_VEC], y[FL_D_VEC];
+        swiglu_load(dt, inp, i, n, IC, x, up);
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
-            size_t g = swiglu_gate(i + k * w, IC);
-            x[k] = i + k * w < n ? fl_d_load(dt, inp, g) : 0.0f;
-            up[k] = i + k * w < n ? fl_d_load(dt, inp, g + IC) : 0.0f;
-        }
-#pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
+        for (int k = 0; k < FL_D_VEC; k++) {
             float s, s1;
             swiglu_sigmoid(x[k], &s, &s1);
             y[k] = (x[k] * s) * up[k];
         }
-        fl_d_store_ilp(dt, out, i, w, n, y);
+        fl_d_store_vec(dt, out, i, n, y);
     }
 }
 
@@ -41,26 +54,28 @@ __global__ void swiglu_forward_kernel(fl_dtype dt, void *out, const void *inp, s
 // (device.h)
 __global__ void swiglu_backward_kernel(fl_dtype dt, void *dinp, const void *inp, const void *dout,
                                        size_t n, int IC) {
-    size_t w = fl_d_width();
-    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP], up[FL_D_ILP], dy[FL_D_ILP];
-        fl_d_load_ilp(dt, dout, i, w, n, dy);
+    for (size_t i = fl_d_first_vec(); i < n; i += fl_d_width_vec()) {
+        float x[FL_D_VEC], up[FL_D_VEC], dy[FL_D_VEC], dg[FL_D_VEC], du[FL_D_VEC];
+        fl_d_load_vec(dt, dout, i, n, dy);
+        swiglu_load(dt, inp, i, n, IC, x, up);
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
-            int live = i + k * w < n;
-            size_t g = swiglu_gate(i + k * w, IC);
-            x[k] = live ? fl_d_load(dt, inp, g) : 0.0f;
-            up[k] = live ? fl_d_load(dt, inp, g + IC) : 0.0f;
-        }
-#pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
+        for (int k = 0; k < FL_D_VEC; k++) {
             float s, s1;
             swiglu_sigmoid(x[k], &s, &s1);
             float ds = s * fmaf(x[k], s1, 1.0f);
-            if (i + k * w >= n) continue;
-            size_t g = swiglu_gate(i + k * w, IC);
-            fl_d_store(dt, dinp, g, dy[k] * up[k] * ds);
-            fl_d_store(dt, dinp, g + IC, dy[k] * (x[k] * s));
+            dg[k] = dy[k] * up[k] * ds;
+            du[k] = dy[k] * (x[k] * s);
+        }
+        size_t g = swiglu_gate(i, IC);
+        if (i % (size_t)IC + FL_D_VEC <= (size_t)IC && i + FL_D_VEC <= n) {
+            fl_d_store_vec(dt, dinp, g, g + FL_D_VEC, dg);
+            fl_d_store_vec(dt, dinp, g + IC, g + IC + FL_D_VEC, du);
+            continue;
+        }
+        for (int k = 0; k < FL_D_VEC && i + k < n; k++) {
+            g = swiglu_gate(i + k, IC);
+            fl_d_store(dt, dinp, g, dg[k]);
+            fl_d_store(dt, dinp, g + IC, du[k]);
         }
     }
 }
@@ -68,7 +83,7 @@ __global__ void swiglu_backward_kernel(fl_dtype dt, void *dinp, const void *inp,
 extern "C" void fl_cuda_swiglu_forward(fl_dtype dt, void *out, const void *inp, int N, int IC) {
     size_t n = (size_t)N * IC;
     if (!n) return;
-    swiglu_forward_kernel<<<fl_cuda_blocks_ilp(n, 256), 256, 0, fl_cuda_stream()>>>(dt, out, inp, n,
+    swiglu_forward_kernel<<<fl_cuda_blocks_vec(n, 256), 256, 0, fl_cuda_stream()>>>(dt, out, inp, n,
                                                                                     IC);
     FL_CUDA_LAUNCHED("swiglu_forward_kernel");
 }
@@ -77,7 +92,7 @@ extern "C" void fl_cuda_swiglu_backward(fl_dtype dt, void *dinp, const void *inp
                                         int N, int IC) {
     size_t n = (size_t)N * IC;
     if (!n) return;
-    swiglu_backward_kernel<<<fl_cuda_blocks_ilp(n, 256), 256, 0, fl_cuda_stream()>>>(dt, dinp, inp,
+    swiglu_backward_kernel<<<fl_cuda_blocks_vec(n, 256), 256, 0, fl_cuda_stream()>>>(dt, dinp, inp,
                                                                                      dout, n, IC);
     FL_CUDA_LAUNCHED("swiglu_backward_kernel");
 }

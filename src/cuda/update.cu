@@ -48,7 +48,9 @@ __device__ __forceinline__ int update_row(const update_table &t, size_t *b, size
     return r;
 }
 
-// AdamW on each row of t (src/optim/adamw.c's arithmetic)
+// AdamW on each row of t (src/optim/adamw.c's arithmetic), FL_D_VEC
+// elements a thread at a time (common.cuh's vector accesses: an element's
+// bits do not depend on them)
 __global__ void adamw_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale,
                                   const fl_step_gate *gate, float b1, float b2, float eps,
                                   float bc1, float bc2, float lr) {
@@ -59,21 +61,31 @@ __global__ void adamw_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, fl
     float *p = t.p[r], *m = t.s0[r], *v = t.s1[r], keep = t.decay[r];
     const void *g = t.g[r];
     void *p16 = t.p16[r];
-    for (size_t i = b * blockDim.x + threadIdx.x; i < t.n[r]; i += blocks * blockDim.x) {
-        float gi = fl_d_load(gdt, g, i) * gscale;
-        float mi = fmaf(b1, m[i], (1.0f - b1) * gi);
-        float vi = fmaf(b2, v[i], (1.0f - b2) * gi * gi);
-        m[i] = mi;
-        v[i] = vi;
-        float mhat = mi / bc1, vhat = vi / bc2;
-        float pi = fmaf(p[i], keep, -(lr * mhat / (sqrtf(vhat) + eps)));
-        p[i] = pi;
-        if (p16) fl_d_store(pdt, p16, i, pi);
+    size_t n = t.n[r];
+    for (size_t i = (b * blockDim.x + threadIdx.x) * FL_D_VEC; i < n;
+         i += blocks * blockDim.x * FL_D_VEC) {
+        float gi[FL_D_VEC], mi[FL_D_VEC], vi[FL_D_VEC], pi[FL_D_VEC];
+        fl_d_load_vec(gdt, g, i, n, gi);
+        fl_d_load_vec(FL_F32, m, i, n, mi);
+        fl_d_load_vec(FL_F32, v, i, n, vi);
+        fl_d_load_vec(FL_F32, p, i, n, pi);
+#pragma unroll
+        for (int k = 0; k < FL_D_VEC; k++) {
+            float gk = gi[k] * gscale;
+            mi[k] = fmaf(b1, mi[k], (1.0f - b1) * gk);
+            vi[k] = fmaf(b2, vi[k], (1.0f - b2) * gk * gk);
+            float mhat = mi[k] / bc1, vhat = vi[k] / bc2;
+            pi[k] = fmaf(pi[k], keep, -(lr * mhat / (sqrtf(vhat) + eps)));
+        }
+        fl_d_store_vec(FL_F32, m, i, n, mi);
+        fl_d_store_vec(FL_F32, v, i, n, vi);
+        fl_d_store_vec(FL_F32, p, i, n, pi);
+        if (p16) fl_d_store_vec(pdt, p16, i, n, pi);
     }
 }
 
 // SGD on each row of t (s0: the momentum buffers, or NULL; first: the step
-// that starts them)
+// that starts them), FL_D_VEC elements a thread at a time
 __global__ void sgd_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, float gscale,
                                 const fl_step_gate *gate, float lr, float mu, int first) {
     if (gate && gate->skip) return;
@@ -83,15 +95,25 @@ __global__ void sgd_rows_kernel(update_table t, fl_dtype gdt, fl_dtype pdt, floa
     float *p = t.p[r], *buf = t.s0[r], wd = t.decay[r];
     const void *g = t.g[r];
     void *p16 = t.p16[r];
-    for (size_t i = b * blockDim.x + threadIdx.x; i < t.n[r]; i += blocks * blockDim.x) {
-        float d = fl_d_load(gdt, g, i) * gscale + wd * p[i];
-        if (buf) {
-            d = first ? d : mu * buf[i] + d;
-            buf[i] = d;
+    size_t n = t.n[r];
+    for (size_t i = (b * blockDim.x + threadIdx.x) * FL_D_VEC; i < n;
+         i += blocks * blockDim.x * FL_D_VEC) {
+        float gi[FL_D_VEC], pi[FL_D_VEC], bi[FL_D_VEC];
+        fl_d_load_vec(gdt, g, i, n, gi);
+        fl_d_load_vec(FL_F32, p, i, n, pi);
+        if (buf) fl_d_load_vec(FL_F32, buf, i, n, bi);
+#pragma unroll
+        for (int k = 0; k < FL_D_VEC; k++) {
+            float d = gi[k] * gscale + wd * pi[k];
+            if (buf) {
+                d = first ? d : mu * bi[k] + d;
+                bi[k] = d;
+            }
+            pi[k] = pi[k] - lr * d;
         }
-        float pi = p[i] - lr * d;
-        p[i] = pi;
-        if (p16) fl_d_store(pdt, p16, i, pi);
+        if (buf) fl_d_store_vec(FL_F32, buf, i, n, bi);
+        fl_d_store_vec(FL_F32, p, i, n, pi);
+        if (p16) fl_d_store_vec(pdt, p16, i, n, pi);
     }
 }
 
@@ -438,7 +460,7 @@ extern "C" void fl_cuda_update_rows(fl_optim_rule *r, int n, const fl_param_view
             t.s0[k] = o->buf ? o->buf + s : NULL, t.s1[k] = NULL;
             t.decay[k] = decays ? o->weight_decay : 0.0f;
         }
-        t.first[k + 1] = t.first[k] + fl_cuda_blocks(count[i], 256);
+        t.first[k + 1] = t.first[k] + fl_cuda_blocks_vec(count[i], 256);
     }
     if (!t.count) return;
     const fl_update_args *a = &args[0];

@@ -38,6 +38,20 @@ static inline float2 make_float2(float x, float y) {
     return float2{x, y};
 }
 
+// CUDA's 16-byte vector types (vector_types.h), 16-byte aligned
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static inline float4 make_float4(float x, float y, float z, float w) {
+    return float4{x, y, z, w};
+}
+struct alignas(16) uint4 {
+    unsigned int x, y, z, w;
+};
+static inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
+    return uint4{x, y, z, w};
+}
+
 struct dim3 {
     unsigned int x, y, z;
     constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1)
