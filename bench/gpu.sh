@@ -19,6 +19,14 @@
 # in its forward GEMM's epilogue; fitlm-gelu2: its backward too, in the
 # input gradient's GEMM) after PyTorch's runs, when time is left.
 #
+# The runs go in the order of what the comparisons need most, so that a
+# short lease measures those first: fitlm's four configs; torch.compile's
+# GPT-2 (B 16, 32); PyTorch eager's LLaMA shapes; the first config's
+# profile and the attention kernels alone; PyTorch eager's GPT-2;
+# torch.compile's LLaMA shapes; fitlm-wmma, fitlm-gelu, fitlm-gelu2; Nsight
+# Compute. bench.tsv keeps one order whatever ran (fitlm's rows, eager's,
+# torch.compile's, fitlm-wmma's and the GELU fusions').
+#
 # Per run: tokens/s from the median step time of the timed steps
 # (BENCH_STEPS, default 10, after BENCH_WARMUP = 3 untimed ones); MFU
 # against the H100/H200 SXM bf16 dense peak, 989 TFLOP/s, with llm.c's
@@ -30,8 +38,16 @@
 # device memory (fitlm: its tagged device allocations, --mem-report's
 # "total device"; PyTorch: torch.cuda.max_memory_allocated).
 #
-# The whole takes BENCH_BUDGET seconds at most (then the runs left are
-# skipped), plus the run in progress (fitlm's at most 150 s, PyTorch's 240).
+# The whole ends by BENCH_DEADLINE (epoch seconds: scripts/gpu_check.sh's
+# call's end), else BENCH_SECONDS (default 430) from its start: a run starts
+# only while enough is left (fitlm's and PyTorch eager's 20 s,
+# torch.compile's 60), its row "skipped: time" otherwise, and runs under a
+# timeout of its own cap (fitlm's 150 s, eager's 150, torch.compile's 240)
+# or the seconds left before the deadline, less 10 (bench_timeout in
+# bench/lib.sh), whichever is less. A run the deadline cuts is
+# "skipped: time (cut after N s)", not failed; one that reaches its own cap
+# has failed. Each run's output reaches bench.log as it prints, then its
+# seconds and start: "-- N s (started at S s; exit RC)".
 #
 # BENCH_SMOKE=1 (CTest gpu_bench_smoke, with fitlm_emu: the emulated GPU,
 # docs/testing.md): the tiny GPT-2 and LLaMA shapes with the same
@@ -40,18 +56,20 @@
 #
 # Writes OUTDIR/bench.log (every run's output), OUTDIR/bench.tsv (one row
 # per run: config engine B T tok_s ms_median mfu mfu_gemm peak_mib
-# status),
+# status; "ok (mfu_gemm skipped: time)" where the deadline left no time for
+# the config's bench_gpu_gemm),
 # OUTDIR/profile_CONFIG.md (the first config's step op by op, timed on the
 # GPU, each op's floor beside it: FLOPs at the peak, bytes at the bandwidth)
 # OUTDIR/attention.md (the attention kernels alone beside PyTorch's:
 # attention_rates below) and, when time is left, OUTDIR/ncu_attention.txt
 # (ncu_attention below),
-# and prints them; exits 1 when a fitlm run failed.
+# and prints them; exits 1 when a fitlm run failed (one skipped for time
+# has not).
 set -uo pipefail
 fitlm=${1:?usage: bench/gpu.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu.sh FITLM OUTDIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
-source "$src/bench/lib.sh" # table, why
+source "$src/bench/lib.sh" # table, why, bench_deadline, bench_run
 smoke=${BENCH_SMOKE:-0}
 warmup=${BENCH_WARMUP:-3}
 steps=${BENCH_STEPS:-10}
@@ -67,6 +85,10 @@ case "$card" in
     *) bw=3.35e12 ;;
 esac
 bw=${BENCH_BANDWIDTH:-$bw}
+bench_deadline 430
+# the minimum seconds left for a run to start: fitlm's (its GEMM bench
+# after it), PyTorch eager's, torch.compile's (its compilation)
+min_run=20 min_compile=60
 mkdir -p "$out"
 log=$out/bench.log
 : >"$log"
@@ -75,6 +97,7 @@ printf 'config\tengine\tB\tT\ttok_s\tms_median\tmfu\tmfu_gemm\tpeak_mib\tstatus\
 work=$(mktemp -d /tmp/fitlm_bench_gpu.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 # PyTorch's lines reach bench.log as they print
 
 gpt2_tok=$src/.gpu-prefix/data/gpt2
 [ -s "$gpt2_tok/encoder.json" ] || gpt2_tok=$src/data/gpt2
@@ -88,11 +111,14 @@ cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
     echo "bench/gpu.sh: LLaMA tokenization failed (see $log)"
 
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
+# cut_status: the status of a run the deadline cut (bench_run's BENCH_CUT)
+cut_status() { echo "skipped: time (cut after $BENCH_CUT s)"; }
 
 # gemm_rate CONFIG B T FITLM-FLAGS...: bench_gpu_gemm on the config's GEMM
 # shapes (its --model and --arch, the vocabulary V fitlm reported) into
 # OUTDIR/gemm_CONFIG_bB.md; sets GEMM_TF, the best cuBLASLt rate over them
-# in TFLOP/s (empty when it failed)
+# in TFLOP/s (empty when it failed), and GEMM_TIME=1 where the deadline
+# left it no time or cut it
 gemm_bench=${BENCH_GEMM:-$(dirname "$fitlm")/bench_gpu_gemm}
 gemm_rate() {
     local cfg=$1 B=$2 T=$3 model="" arch=()
@@ -104,29 +130,31 @@ gemm_rate() {
         esac
         shift
     done
-    GEMM_TF=""
+    GEMM_TF="" GEMM_TIME=""
     local f=$out/gemm_${cfg}_b$B.md
+    if ! bench_may_start 10; then
+        GEMM_TIME=1
+        return
+    fi
     echo "== bench_gpu_gemm $cfg B $B T $T" >>"$log"
     local rounds=10
     [ "$smoke" = 1 ] && rounds=1
-    if timeout 120 "$gemm_bench" --model "$model" "${arch[@]}" --vocab "$V" --B "$B" --T "$T" \
-        --precision bf16 --rounds $rounds >"$f" 2>&1; then
+    if bench_run "$log" "$f" 120 "$gemm_bench" --model "$model" "${arch[@]}" --vocab "$V" --B "$B" --T "$T" \
+        --precision bf16 --rounds $rounds; then
         GEMM_TF=$(sed -n 's/^RESULT.* gemm_best_tflops=\([^ ]*\).*/\1/p' "$f")
     fi
-    cat "$f" >>"$log"
+    [ -z "$BENCH_CUT" ] || GEMM_TIME=1
 }
 
 # train OUT DATA B T STEPS FLAGS...: `fitlm train --device cuda`, bf16
-# AdamW, into OUT (and the log); its exit status
+# AdamW, into OUT (and the log, as it prints: bench_run); its exit status,
+# BENCH_CUT set where the deadline cut it
 train() {
     local f=$1 data=$2 B=$3 T=$4 n=$5
     shift 5
-    timeout 150 "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
+    bench_run "$log" "$f" 150 "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
         --precision bf16 --optimizer adamw --steps "$n" --warmup 2 --eval-every 0 --eval-iters 1 \
-        --val-data none --sample-tokens 0 --out "" >"$f" 2>&1
-    local rc=$?
-    cat "$f" >>"$log"
-    return $rc
+        --val-data none --sample-tokens 0 --out ""
 }
 
 # fitlm_run CONFIG B T DATA FLAGS...: one fitlm run; sets V, N, L, C for torch.
@@ -135,9 +163,13 @@ fitlm_run() {
     local cfg=$1 B=$2 T=$3 data=$4 engine=${ENGINE:-fitlm}
     shift 4
     local f=$work/$cfg.$engine.out
-    echo "== fitlm $cfg B $B T $T" >>"$log"
+    echo "== $engine $cfg B $B T $T" >>"$log"
     train "$f" "$data" "$B" "$T" $((warmup + steps)) "$@" --mem-report
     local rc=$?
+    if [ -n "$BENCH_CUT" ]; then
+        row "$cfg" "$engine" "$B" "$T" - - - - - "$(cut_status)"
+        return
+    fi
     V=$(sed -n 's/.*vocab \([0-9]*\).*/\1/p' "$f" | head -1)
     N=$(sed -n 's/^\([0-9]*\) parameters.*/\1/p' "$f" | head -1)
     L=$(sed -n 's/.*n_layer \([0-9]*\).*/\1/p' "$f" | head -1)
@@ -146,7 +178,10 @@ fitlm_run() {
         row "$cfg" "$engine" "$B" "$T" - - - - - "failed rc $rc$(why "$(grep -m1 -i error "$f")")"
         return
     fi
+    GEMM_TIME=""
     [ -n "$GEMM_TF" ] || gemm_rate "$cfg" "$B" "$T" "$@"
+    local status=ok
+    [ -z "$GEMM_TIME" ] || status="ok (mfu_gemm skipped: time)"
     local ms
     ms=$(awk -v w="$warmup" '$1 == "step" && $2 ~ /\// {
             split($2, s, "/"); if (s[1] + 0 > w) for (i = 1; i < NF; i++) if ($(i + 1) == "ms") print $i }' "$f" |
@@ -158,9 +193,9 @@ fitlm_run() {
         return
     fi
     awk -v cfg="$cfg" -v B="$B" -v T="$T" -v ms="$ms" -v N="$N" -v L="$L" -v C="$C" -v pk=$peak \
-        -v mem="${mem:--}" -v gtf="$GEMM_TF" -v eng="$engine" 'BEGIN { tok = B * T / (ms / 1000); fl = 6 * N + 6 * L * C * T;
+        -v mem="${mem:--}" -v gtf="$GEMM_TF" -v eng="$engine" -v st="$status" 'BEGIN { tok = B * T / (ms / 1000); fl = 6 * N + 6 * L * C * T;
             mg = gtf > 0 ? sprintf("%.4f", tok * fl / (gtf * 1e12)) : "-"
-            printf "%s\t%s\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\t%s\tok\n", cfg, eng, B, T, tok, ms, tok * fl / pk, mg, mem }' >>"$tsv"
+            printf "%s\t%s\t%d\t%d\t%.0f\t%.2f\t%.4f\t%s\t%s\t%s\n", cfg, eng, B, T, tok, ms, tok * fl / pk, mg, mem, st }' >>"$tsv"
 }
 
 # fitlm_profile CONFIG B T DATA FLAGS...: `fitlm train --profile` (each op
@@ -175,6 +210,10 @@ fitlm_profile() {
     echo "== fitlm $cfg B $B T $T --profile" >>"$log"
     train "$f" "$data" "$B" "$T" 4 "$@" --profile
     local rc=$?
+    if [ -n "$BENCH_CUT" ]; then
+        echo "bench/gpu.sh: the profiled run of $cfg: skipped: time (cut after $BENCH_CUT s)"
+        return 0
+    fi
     if [ $rc != 0 ] || ! grep -q '^per-op profile' "$f"; then
         echo "bench/gpu.sh: the profiled run of $cfg failed (rc $rc; see $log)"
         return 1
@@ -198,7 +237,8 @@ fitlm_profile() {
 # versions) beside PyTorch's scaled_dot_product_attention (its
 # FlashAttention where it has it) at each config's attention shape, one
 # layer at B and T = 1024, and a 128-value head (the llama-7b's) at B 4,
-# into OUTDIR/attention.md: forward and backward ms and causal TFLOP/s
+# into OUTDIR/attention.md: forward and backward ms and causal TFLOP/s; a
+# shape starts while 20 s are left
 att_bench=${BENCH_ATTENTION:-$(dirname "$fitlm")/bench_gpu_attention}
 attention_rates() {
     local f=$out/attention.md shapes
@@ -220,12 +260,19 @@ attention_rates() {
     local sh name B T NH NKV HS r
     for sh in "${shapes[@]}"; do
         read -r name B T NH NKV HS <<<"$sh"
+        if ! bench_may_start $min_run; then
+            echo "| $name | $B | $T | $NH | $NKV | $HS | skipped: time | | | | |" >>"$f"
+            continue
+        fi
         echo "== attention $name B $B T $T NH $NH NKV $NKV HS $HS" >>"$log"
-        r=$(timeout 60 "$att_bench" --B "$B" --T "$T" --NH "$NH" --NKV "$NKV" --HS "$HS" \
-            --rounds $rounds 2>>"$log" | tee -a "$log" | grep '^RESULT')
-        if [ "$smoke" != 1 ]; then
-            r+=$'\n'$(timeout 90 "$py" "$src/bench/torch_attention.py" --B "$B" --T "$T" --NH "$NH" \
-                --NKV "$NKV" --HS "$HS" --rounds $rounds 2>>"$log" | tee -a "$log" | grep '^RESULT')
+        bench_run "$log" "$work/att.out" 60 "$att_bench" --B "$B" --T "$T" --NH "$NH" --NKV "$NKV" --HS "$HS" \
+            --rounds $rounds
+        r=$(grep '^RESULT' "$work/att.out")
+        if [ "$smoke" != 1 ] && bench_may_start 10; then
+            echo "== torch attention $name B $B T $T NH $NH NKV $NKV HS $HS" >>"$log"
+            bench_run "$log" "$work/att.out" 90 "$py" "$src/bench/torch_attention.py" --B "$B" --T "$T" --NH "$NH" \
+                --NKV "$NKV" --HS "$HS" --rounds $rounds
+            r+=$'\n'$(grep '^RESULT' "$work/att.out")
         fi
         echo "$r" | awk -v s="| $name | $B | $T | $NH | $NKV | $HS" '/^RESULT/ {
             for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
@@ -252,27 +299,31 @@ ncu_attention() {
         return 0
     fi
     echo "== ncu attention $cfg B $B T $T" >>"$log"
-    timeout 120 "$ncu" --clock-control none --kernel-name 'regex:^attention_(forward|dkdv|dq)' \
+    bench_run "$log" "$f" 120 "$ncu" --clock-control none --kernel-name 'regex:^attention_(forward|dkdv|dq)' \
         --launch-skip 11 --launch-count 3 --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         "$fitlm" train --device cuda "$@" --data "$data" --batch "$B" --seq-len "$T" \
         --precision bf16 --optimizer adamw --steps 1 --eval-every 0 --eval-iters 1 --val-data none \
-        --sample-tokens 0 --out "" >"$f" 2>&1
-    echo "ncu: exit $? ($cfg, B $B, T $T)" >>"$f"
+        --sample-tokens 0 --out ""
+    echo "ncu: exit $? ($cfg, B $B, T $T${BENCH_CUT:+; cut by the deadline after $BENCH_CUT s})" >>"$f"
 }
 
 # torch_run CONFIG B T COMPILE FLAGS...: bench/torch_gpt2.py on the GPU
+# (eager at most 150 s, torch.compile 240)
 torch_run() {
     local cfg=$1 B=$2 T=$3 comp=$4
     shift 4
-    local eng=pytorch-eager f=$work/$cfg.torch.out
-    [ "$comp" = 1 ] && eng=pytorch-compile
+    local eng=pytorch-eager f=$work/$cfg.torch.out cap=150
+    [ "$comp" = 1 ] && eng=pytorch-compile cap=240
     echo "== $eng $cfg B $B T $T" >>"$log"
-    timeout 150 "$py" "$src/bench/torch_gpt2.py" --device cuda --data random --precision bf16 \
+    bench_run "$log" "$f" $cap "$py" "$src/bench/torch_gpt2.py" --device cuda --data random --precision bf16 \
         --B "$B" --T "$T" --maxT "$T" --steps "$steps" --warmup "$warmup" \
-        $([ "$comp" = 1 ] && echo --compile) "$@" >"$f" 2>&1
+        $([ "$comp" = 1 ] && echo --compile) "$@"
     local rc=$?
-    cat "$f" >>"$log"
+    if [ -n "$BENCH_CUT" ]; then
+        row "$cfg" "$eng" "$B" "$T" - - - - - "$(cut_status)"
+        return
+    fi
     local r
     r=$(grep '^RESULT' "$f" | tail -1)
     if [ $rc != 0 ] || [ -z "$r" ]; then
@@ -309,14 +360,17 @@ if [ "$smoke" = 1 ]; then
     T=64
 fi
 
-# fitlm's runs first, then PyTorch eager's, then torch.compile's (its
-# compilation is the slowest part): when BENCH_BUDGET seconds (default 280)
-# have passed, the runs left are recorded as skipped
-budget=${BENCH_BUDGET:-280}
-t0=$(date +%s)
+# the rows' order in bench.tsv, whatever order the runs took: fitlm's,
+# PyTorch eager's, torch.compile's, the first config's variants
+for e in fitlm pytorch-eager pytorch-compile; do
+    for k in "${!names[@]}"; do printf '%s\t%s\t%s\n' "${names[$k]}" $e "${batches[$k]}"; done
+done >"$work/order"
+for e in fitlm-wmma fitlm-gelu fitlm-gelu2; do printf '%s\t%s\t%s\n' "${names[0]}" $e "${batches[0]}"; done >>"$work/order"
+
+# fitlm's runs first
 declare -A VS NS LS CS GS
 for k in "${!names[@]}"; do
-    if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
+    if ! bench_may_start $min_run; then
         row "${names[$k]}" fitlm "${batches[$k]}" $T - - - - - "skipped: time"
         continue
     fi
@@ -325,38 +379,51 @@ for k in "${!names[@]}"; do
     fitlm_run "${names[$k]}" "${batches[$k]}" $T "${datas[$k]}" ${fflags[$k]}
     VS[$k]=${V:-50257} NS[$k]=${N:-0} LS[$k]=${L:-0} CS[$k]=${C:-0} GS[$k]=$GEMM_TF
 done
-# the first config's step op by op, when time is left
-if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
-    # shellcheck disable=SC2086
-    fitlm_profile "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]} || profile_failed=1
-fi
-# the attention kernels alone beside PyTorch's, when time is left
-if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
-    attention_rates
-fi
-for comp in 0 1; do
+
+# torch_configs COMPILE KIND: PyTorch's runs of the GPT-2 configs (KIND
+# gpt2) or of the LLaMA shapes (llama), eager or torch.compile (COMPILE 1),
+# each while time is left (60 s for torch.compile, 20 for eager)
+torch_configs() {
+    local comp=$1 kind=$2 k eng=pytorch-eager min=$min_run
+    [ "$comp" = 1 ] && eng=pytorch-compile min=$min_compile
     for k in "${!names[@]}"; do
-        eng=pytorch-eager
-        [ $comp = 1 ] && eng=pytorch-compile
+        case ${names[$k]} in gpt2-*) [ "$kind" = gpt2 ] || continue ;; *) [ "$kind" = llama ] || continue ;; esac
         if [ "$smoke" = 1 ]; then
             row "${names[$k]}" $eng "${batches[$k]}" $T - - - - - "skipped: smoke"
             continue
         fi
-        if [ $(($(date +%s) - t0)) -ge "$budget" ]; then
+        if ! bench_may_start "$min"; then
             row "${names[$k]}" $eng "${batches[$k]}" $T - - - - - "skipped: time"
             continue
         fi
         V=${VS[$k]:-50257} N=${NS[$k]:-0} L=${LS[$k]:-0} C=${CS[$k]:-0} GEMM_TF=${GS[$k]:-}
-        # shellcheck disable=SC2086
-        torch_run "${names[$k]}" "${batches[$k]}" $T $comp ${tflags[$k]} --V "$V"
+        # shellcheck disable=SC2086 # the flags are words
+        torch_run "${names[$k]}" "${batches[$k]}" $T "$comp" ${tflags[$k]} --V "$V"
     done
-done
+}
+# what the comparisons need most: GPT-2 beside torch.compile, the LLaMA
+# shapes beside PyTorch eager
+torch_configs 1 gpt2
+torch_configs 0 llama
+# the first config's step op by op, when time is left
+if bench_may_start $min_run; then
+    # shellcheck disable=SC2086
+    fitlm_profile "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]} || profile_failed=1
+fi
+# the attention kernels alone beside PyTorch's, when time is left
+if bench_may_start $min_run; then
+    attention_rates
+fi
+# then the other pairs: GPT-2 beside PyTorch eager, the LLaMA shapes
+# beside torch.compile
+torch_configs 0 gpt2
+torch_configs 1 llama
 
 # the first config again with the WMMA version of the tensor-core attention
 # (attention_tc.cu; the default is attention_mma.cu's mma.sync), when time
 # is left, after PyTorch's runs: which of the two is faster on this card
 # (row fitlm-wmma)
-if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
+if bench_may_start $min_run && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
     # shellcheck disable=SC2086
     FITLM_CUDA_ATTENTION=wmma ENGINE=fitlm-wmma GEMM_TF=${GS[0]} \
         fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
@@ -369,7 +436,7 @@ fi
 for level in 1 2; do
     eng=fitlm-gelu
     [ $level = 2 ] && eng=fitlm-gelu2
-    if [ $(($(date +%s) - t0)) -lt "$budget" ] && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
+    if bench_may_start $min_run && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
         # shellcheck disable=SC2086
         FITLM_CUDA_GELU_FUSION=$level ENGINE=$eng GEMM_TF=${GS[0]} \
             fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
@@ -378,14 +445,23 @@ for level in 1 2; do
     fi
 done
 # the attention kernels under Nsight Compute, when time is left
-if [ $(($(date +%s) - t0)) -lt "$budget" ]; then
+if bench_may_start 30; then
     # shellcheck disable=SC2086
     ncu_attention "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
 fi
+# bench.tsv's rows in their order (a row the order does not list, last)
+awk -F'\t' 'NR == FNR { rank[$1 FS $2 FS $3] = NR; next }
+    FNR == 1 { print "0\t" $0; next }
+    { r = ($1 FS $2 FS $3) in rank ? rank[$1 FS $2 FS $3] : 1000; print r "\t" $0 }' "$work/order" "$tsv" |
+    sort -s -t$'\t' -k1,1n | cut -f2- >"$work/tsv" && cat "$work/tsv" >"$tsv"
+echo "== done at $(($(date +%s) - BENCH_T0)) s ($(bench_left) s before the deadline)" >>"$log"
 # the profile first: the table of runs is what a caller's tail shows
 [ -s "$out/profile_${names[0]}.md" ] && cat "$out/profile_${names[0]}.md"
 [ -s "$out/attention.md" ] && cat "$out/attention.md"
 echo "bf16 AdamW, tokens/s (median of $steps steps after $warmup), MFU of 989 TFLOP/s and of the best cuBLASLt rate on the config's GEMM shapes (mfu_gemm), peak device MiB"
 table "$tsv"
 [ -z "${profile_failed:-}" ] || exit 1
-awk -F'\t' 'NR > 1 && $2 == "fitlm" && ($10 != "ok" && $10 != "skipped: time" || $10 == "ok" && $8 == "-") { bad = 1 } END { exit bad }' "$tsv"
+# a fitlm row failed: neither ok nor skipped for time, or ok without its
+# mfu_gemm (bench_gpu_gemm failed)
+awk -F'\t' 'NR > 1 && $2 == "fitlm" && ($10 !~ /^ok/ && $10 !~ /^skipped: time/ || $10 == "ok" && $8 == "-") { bad = 1 }
+    END { exit bad }' "$tsv"

@@ -3,9 +3,15 @@
 # each held to a 24 GB card's budget with --mem-limit 24GiB (the device's
 # budget under --device cuda: docs/devices.md). Called by
 # `scripts/gpu_check.sh OUTDIR --memory [SHOWCASES]`; BENCH_SHOWCASES picks
-# (default "lomo offload lora"), and each showcase starts no new run after
-# BENCH_BUDGET seconds (default 300; a run takes at most 150), so each stays
-# under 8 minutes.
+# (default "lomo offload lora"). The whole (every showcase named) ends by
+# BENCH_DEADLINE (epoch seconds: scripts/gpu_check.sh's call's end), else
+# BENCH_SECONDS (default 450 a showcase named) from its start: a run starts
+# while 20 s are left (else its row is "skipped: time") and runs under a
+# timeout of 150 s or the seconds left before the deadline, less 10
+# (bench_timeout in bench/lib.sh), whichever is less; a run the deadline
+# cuts is "skipped: time (cut after N s)", not failed, with what it
+# measured before. Each run's output reaches memory.log as it prints, then
+# its seconds and start: "-- N s (started at S s; exit RC)".
 #
 #  lomo:    full-parameter fine-tuning of the llama-7b shape with LOMO (lr
 #           BENCH_LOMO_LR, default 1e-2), bf16,
@@ -23,12 +29,13 @@
 #           the all-on-GPU step): TinyLlama-1.1B at 32 sequences of 1024 a
 #           step (B 4, accumulation 8) offloaded under the cap, with
 #           clipping (the update after the backward pass, as DeepSpeed's),
-#           with clipping, the delayed update (offload_optimizer.
-#           delayed_update: the update during the next step) and the
-#           micro-batches' fp32 sum on the device (accumulate_on_device;
-#           also the delayed update at B 32 without accumulation), without
-#           clipping (the update overlapping the last backward pass), and
-#           all on the GPU, uncapped.
+#           with the micro-batches' fp32 sum on the device
+#           (offload_optimizer.accumulate_on_device) alone, with it and
+#           the delayed update (offload_optimizer.delayed_update: the
+#           update during the next step; also the delayed update at B 32
+#           without accumulation), without clipping (the update
+#           overlapping the last backward pass), and all on the GPU,
+#           uncapped. The larger shape's pair at --lr 3e-4.
 #  lora:    LoRA and QLoRA (NF4, double quantisation), rank 16 on every
 #           linear of the blocks, on the tinyllama-1.1b and llama-7b shapes,
 #           B 4, T 512, block checkpointing: fitlm beside Hugging Face
@@ -36,7 +43,8 @@
 #           downloads; QLoRA needs bitsandbytes, else its row is skipped);
 #           and llama-7b's LoRA under PEFT's one-GPU recipe, ZeRO-3 with the
 #           optimizer and the weights offloaded to the cpu (the frozen base
-#           in pinned host memory, each block up ahead of use).
+#           in pinned host memory, each block up ahead of use), run right
+#           after llama-7b's LoRA on the GPU, its comparison.
 #
 # Peak device memory: fitlm's tagged device allocations (--mem-report's
 # "total device"), PyTorch's torch.cuda.max_memory_allocated. Tokens/s from
@@ -58,12 +66,14 @@ set -uo pipefail
 fitlm=${1:?usage: bench/gpu_memory.sh FITLM OUTDIR}
 out=${2:?usage: bench/gpu_memory.sh FITLM OUTDIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
-source "$src/bench/lib.sh" # table, why
+source "$src/bench/lib.sh" # table, why, bench_deadline, bench_run
 smoke=${BENCH_SMOKE:-0}
 warmup=${BENCH_WARMUP:-3}
 steps=${BENCH_STEPS:-5}
-budget=${BENCH_BUDGET:-300}
 showcases=${BENCH_SHOWCASES:-lomo offload lora}
+# shellcheck disable=SC2086 # the showcases are words
+set -- $showcases
+bench_deadline $((450 * $#))
 device=cuda
 run_timeout=150 threads=16
 if [ "$smoke" = 1 ]; then
@@ -77,6 +87,7 @@ printf 'showcase\tconfig\tengine\tB\tT\ttok_s\tpeak_mib\tloss_first\tloss_last\t
 work=$(mktemp -d /tmp/fitlm_bench_memory.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 # PyTorch's lines reach memory.log as they print
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
 
 # the docs as LLaMA-2 tokens, as bench/gpu.sh makes them
@@ -87,6 +98,8 @@ cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
     --threads $threads >>"$log" 2>&1 || echo "bench/gpu_memory.sh: tokenization failed (see $log)"
 data=(--data "$work/llama" --val-data none --tokenizer hf --tokenizer-path "$llama_tok")
 echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}' >"$work/offload.json"
+# the micro-batches' fp32 sum made on the device
+echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "accumulate_on_device": true}}}' >"$work/devsum.json"
 # the delayed update from the second step on (the timed steps are delayed);
 # and with the micro-batches' fp32 sum made on the device
 echo '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": true, "delayed_update_warmup": 1}}}' >"$work/delayed.json"
@@ -108,11 +121,10 @@ fitlm_run() {
     local f=$work/$sc.$cfg.out
     [ "$smoke" = 1 ] && T=32
     echo "== fitlm $sc $cfg B $B T $T: $*" >>"$log"
-    timeout $run_timeout "$fitlm" train --device $device "${data[@]}" --batch "$B" --seq-len "$T" \
+    bench_run "$log" "$f" $run_timeout "$fitlm" train --device $device "${data[@]}" --batch "$B" --seq-len "$T" \
         --precision bf16 --steps $((warmup + steps)) --warmup 0 --scheduler constant --eval-every 0 \
-        --eval-iters 1 --sample-tokens 0 --out "" --mem-report --threads $threads "$@" >"$f" 2>&1
+        --eval-iters 1 --sample-tokens 0 --out "" --mem-report --threads $threads "$@"
     local rc=$?
-    cat "$f" >>"$log"
     local ms loss0 loss1 mem wait
     ms=$(awk -v w="$warmup" '$1 == "step" && $2 ~ /\// {
             split($2, s, "/"); if (s[1] + 0 > w) for (i = 1; i < NF; i++) if ($(i + 1) == "ms") print $i }' "$f" |
@@ -128,7 +140,11 @@ fitlm_run() {
             split($2, s, "/"); if (s[1] + 0 > w) print substr($0, RSTART + 18, RLENGTH - 19) }' "$f" |
         sort -g | awk '{ a[NR] = $1 } END { if (NR) printf "%.1f%%\n", (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) }')
     local status=ok
-    [ $rc = 0 ] || status="failed rc $rc$(why "$(grep -m1 'error' "$f")")"
+    if [ -n "$BENCH_CUT" ]; then
+        status="skipped: time (cut after $BENCH_CUT s)"
+    elif [ $rc != 0 ]; then
+        status="failed rc $rc$(why "$(grep -m1 'error' "$f")")"
+    fi
     local tok=-
     [ -n "$ms" ] && tok=$(awk -v B="$B" -v T="$T" -v n="$accum" -v ms="$ms" 'BEGIN { printf "%.0f", B * T * n / (ms / 1000) }')
     row "$sc" "$cfg" fitlm "$B" "$T" "$tok" "${mem:--}" "${loss0:--}" "${loss1:--}" "${wait:--}" "$status"
@@ -140,13 +156,14 @@ peft_run() {
     shift 4
     local f=$work/$sc.$cfg.peft.out
     echo "== peft $sc $cfg B $B T $T: $*" >>"$log"
-    timeout $run_timeout "$py" "$src/bench/peft_baseline.py" --device $device --B "$B" --T "$T" \
-        --steps "$steps" --warmup "$warmup" "$@" >"$f" 2>&1
+    bench_run "$log" "$f" $run_timeout "$py" "$src/bench/peft_baseline.py" --device $device --B "$B" --T "$T" \
+        --steps "$steps" --warmup "$warmup" "$@"
     local rc=$?
-    cat "$f" >>"$log"
     local r
     r=$(grep '^RESULT' "$f" | tail -1)
-    if grep -q '^SKIP' "$f"; then
+    if [ -n "$BENCH_CUT" ]; then
+        row "$sc" "$cfg" peft "$B" "$T" - - - - - "skipped: time (cut after $BENCH_CUT s)"
+    elif grep -q '^SKIP' "$f"; then
         row "$sc" "$cfg" peft "$B" "$T" - - - - - "skipped: $(sed -n 's/^SKIP //p' "$f" | head -1)"
     elif [ $rc != 0 ] || [ -z "$r" ]; then
         row "$sc" "$cfg" peft "$B" "$T" - - - - - "failed rc $rc$(why "$(tail -1 "$f")")"
@@ -157,16 +174,16 @@ peft_run() {
     fi
 }
 
-t0=$(date +%s)
-# in_time SHOWCASE CONFIG ENGINE B T: whether a run may start; else a row
+# in_time SHOWCASE CONFIG ENGINE B T: whether a run may start (20 s left
+# before the deadline); else a row
 in_time() {
-    [ $(($(date +%s) - t0)) -lt "$budget" ] && return 0
+    bench_may_start 20 && return 0
     row "$1" "$2" "$3" "$4" "$5" - - - - - "skipped: time"
     return 1
 }
 
 for sc in $showcases; do
-    t0=$(date +%s)
+    echo "== showcase $sc at $(($(date +%s) - BENCH_T0)) s ($(bench_left) s before the deadline)" >>"$log"
     case $sc in
     lomo)
         # shellcheck disable=SC2046 # the shape's flags are words
@@ -182,6 +199,11 @@ for sc in $showcases; do
         # shellcheck disable=SC2046
         in_time offload tinyllama-1.1b-acc8-offload fitlm 4 1024 &&
             fitlm_run offload tinyllama-1.1b-acc8-offload 4 1024 $(shape --model tinyllama-1.1b) "${acc[@]}" "${off[@]}"
+        # the micro-batches' sum on the device alone (no delayed update)
+        # shellcheck disable=SC2046
+        in_time offload tinyllama-1.1b-acc8-offload-devsum fitlm 4 1024 &&
+            fitlm_run offload tinyllama-1.1b-acc8-offload-devsum 4 1024 $(shape --model tinyllama-1.1b) \
+                "${acc[@]}" --config "$work/devsum.json" --mem-limit 24GiB
         # shellcheck disable=SC2046
         in_time offload tinyllama-1.1b-acc8-offload-delayed-devsum fitlm 4 1024 &&
             fitlm_run offload tinyllama-1.1b-acc8-offload-delayed-devsum 4 1024 $(shape --model tinyllama-1.1b) \
@@ -227,13 +249,15 @@ for sc in $showcases; do
             row offload none fitlm 4 1024 - - - - - "no shape's plan fits$plan_err (see $log)"
         else
             name=${names[$pick]}
+            # lr 3e-4 (the default 3e-3 made llama-7b's loss climb, 11.2
+            # to 25.8 and back to 13.2), both the same
             # shellcheck disable=SC2046,SC2086
             in_time offload "$name-offload" fitlm 4 1024 &&
-                fitlm_run offload "$name-offload" 4 1024 $(shape ${shapes[$pick]}) --optimizer adamw \
+                fitlm_run offload "$name-offload" 4 1024 $(shape ${shapes[$pick]}) --optimizer adamw --lr 3e-4 \
                     --activation-checkpointing block --config "$work/offload.json" --mem-limit 24GiB
             # shellcheck disable=SC2046,SC2086
             in_time offload "$name-all-on-gpu" fitlm 4 1024 &&
-                fitlm_run offload "$name-all-on-gpu" 4 1024 $(shape ${shapes[$pick]}) --optimizer adamw \
+                fitlm_run offload "$name-all-on-gpu" 4 1024 $(shape ${shapes[$pick]}) --optimizer adamw --lr 3e-4 \
                     --activation-checkpointing block
         fi
         [ "$smoke" = 1 ] && device=cpu
@@ -257,6 +281,16 @@ for sc in $showcases; do
                 in_time lora "$name-$q" fitlm 4 512 &&
                     fitlm_run lora "$name-$q" 4 512 $(shape --model $name) "${lora[@]}" "${qf[@]}" \
                         --mem-limit 24GiB
+                # llama-7b's LoRA under ZeRO-3 offload right after its LoRA
+                # on the GPU, its comparison (before PEFT's and QLoRA's)
+                if [ $name-$q = llama-7b-lora ]; then
+                    [ "$smoke" = 1 ] && device="test" # a device's offload, on any machine
+                    # shellcheck disable=SC2046
+                    in_time lora llama-7b-lora-z3-offload fitlm 4 512 &&
+                        fitlm_run lora llama-7b-lora-z3-offload 4 512 $(shape --model llama-7b) "${lora[@]}" \
+                            --config "$work/z3_offload.json" --mem-limit 24GiB
+                    [ "$smoke" = 1 ] && device=cpu
+                fi
                 T=512
                 [ "$smoke" = 1 ] && T=32
                 # shellcheck disable=SC2086
@@ -265,12 +299,6 @@ for sc in $showcases; do
                         --lr 1e-4 --ckpt block "${pq[@]}"
             done
         done
-        [ "$smoke" = 1 ] && device="test" # a device's offload, on any machine
-        # shellcheck disable=SC2046
-        in_time lora llama-7b-lora-z3-offload fitlm 4 512 &&
-            fitlm_run lora llama-7b-lora-z3-offload 4 512 $(shape --model llama-7b) "${lora[@]}" \
-                --config "$work/z3_offload.json" --mem-limit 24GiB
-        [ "$smoke" = 1 ] && device=cpu
         ;;
     *)
         echo "bench/gpu_memory.sh: unknown showcase '$sc' (lomo, offload, lora)" >&2
@@ -279,6 +307,7 @@ for sc in $showcases; do
     esac
 done
 
+echo "== done at $(($(date +%s) - BENCH_T0)) s ($(bench_left) s before the deadline)" >>"$log"
 echo "memory techniques, --mem-limit 24GiB: tokens/s (median of $steps steps after $warmup), peak MiB (device; the host's on --device cpu)"
 table "$tsv"
 # a run that failed (not one skipped) fails the script

@@ -1,6 +1,8 @@
 # bench/lib.sh: what the benchmark scripts share (sourced, not run): building
-# fitlm, the CPU they ran on, reading fitlm's reports, printing a table.
-#   BUILD, LOG, NO_BUILD=1 as the scripts document them.
+# fitlm, the CPU they ran on, reading fitlm's reports, printing a table, the
+# GPU scripts' deadline and timed runs.
+#   BUILD, LOG, NO_BUILD=1, BENCH_DEADLINE, BENCH_SECONDS as the scripts
+#   document them.
 
 # Builds the fitlm target in $BUILD (Release) unless NO_BUILD=1; sets FITLM.
 bench_build() {
@@ -128,6 +130,63 @@ bench_mpi_setup() {
     bench_mpi_env
     bench_build
     bench_rank_script
+}
+
+# The deadline of bench/gpu.sh and bench/gpu_memory.sh: BENCH_DEADLINE, the
+# epoch second by which the script must be done (scripts/gpu_check.sh
+# passes its call's end, less a few seconds), else BENCH_SECONDS from now
+# (default DEFAULT, the script's own). Sets BENCH_T0 (now: the log's start
+# offsets count from it) and BENCH_END.
+bench_deadline() { # DEFAULT
+    BENCH_T0=$(date +%s)
+    local s=${BENCH_SECONDS:-$1}
+    case $s in '' | *[!0-9]*) echo "BENCH_SECONDS=$s: a whole number of seconds" >&2 && exit 2 ;; esac
+    BENCH_END=${BENCH_DEADLINE:-$((BENCH_T0 + s))}
+    case $BENCH_END in '' | *[!0-9]*) echo "BENCH_DEADLINE=$BENCH_END: epoch seconds" >&2 && exit 2 ;; esac
+}
+
+# bench_left: the seconds left before the deadline (negative past it)
+bench_left() { echo $((BENCH_END - $(date +%s))); }
+
+# bench_may_start MIN: whether a run that needs MIN seconds may still start
+bench_may_start() { [ "$(bench_left)" -ge "$1" ]; }
+
+# bench_timeout CAP: a run's timeout: its own CAP or, where the deadline is
+# nearer, the seconds left before it less BENCH_MARGIN (default 10: the
+# kill's grace, 5 s, and what the script does after its last run); at
+# least 1
+bench_timeout() {
+    local t=$(($(bench_left) - ${BENCH_MARGIN:-10}))
+    ((t < $1)) || t=$1
+    ((t >= 1)) || t=1
+    echo "$t"
+}
+
+# bench_run LOG OUT CAP CMD...: CMD under a timeout of bench_timeout CAP
+# (SIGKILL 5 s after the SIGTERM), its stdout and stderr streamed into OUT
+# and onto LOG as it prints (a run killed midway, by the deadline or by a
+# caller's guard, still shows how far it got), then a line
+# "-- N s (started at S s; exit RC)" on LOG (S counted from BENCH_T0).
+# BENCH_CUT: the seconds it ran where the deadline cut it (timed out, 124,
+# or killed after the grace, 137, under a timeout shorter than CAP), else
+# empty: a run that reaches its own CAP is no cut. Returns CMD's exit status
+# (timeout's).
+bench_run() {
+    local log=$1 f=$2 cap=$3 to start rc s note=""
+    shift 3
+    to=$(bench_timeout "$cap")
+    start=$(date +%s)
+    timeout -k 5 "$to" "$@" 2>&1 | tee "$f" >>"$log"
+    rc=${PIPESTATUS[0]}
+    s=$(($(date +%s) - start))
+    BENCH_CUT=""
+    if { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && [ "$to" -lt "$cap" ] && [ "$s" -ge "$to" ]; then
+        # shellcheck disable=SC2034 # the scripts read it
+        BENCH_CUT=$s
+        note=": cut by the deadline (timeout $to s, not its $cap)"
+    fi
+    echo "-- $s s (started at $((start - BENCH_T0)) s; exit $rc$note)" >>"$log"
+    return "$rc"
 }
 
 # why LINE: ": LINE" for a failed run's status in a table (its reader sees

@@ -4,8 +4,11 @@
 # device lease), in under 8 minutes (with --memory, steps 4 and 5 are
 # instead bench/gpu_memory.sh's showcases named, default all: lomo, offload,
 # lora; one per call keeps a call under 8 minutes). GPU_CHECK_SECONDS (450
-# by default) is the call's time: where a lease has less left, the
-# benchmark's or the showcases' runs start only while it lasts:
+# by default) is the call's time: the benchmark and the showcases get its
+# end, less 10 s, as their deadline (BENCH_DEADLINE: a run starts only
+# while enough is left, one the deadline cuts is "skipped: time (cut after
+# N s)", not failed), and a `timeout` 5 s after it only guards against a
+# script that overruns it:
 #  1. facts: the GPU, driver, nvcc, cmake, the OS, and which of fitlm's C
 #     libraries (cJSON, utf8proc, liburing, OpenBLAS-openmp, oneDNN, Open
 #     MPI, cairo) the machine has;
@@ -30,7 +33,8 @@
 # Logs are tee'd into OUTDIR (check.log, build.log, ctest.log, bench.log,
 # bench.tsv). Without a GPU, nvcc or cmake it says which and exits 1 after
 # the facts (it never waits for one). Exits 0 when everything passed: the
-# build, the tests, and every fitlm run of the benchmark. The commit is
+# build, the tests, and every fitlm run of the benchmark (one skipped for
+# time has not failed). The commit is
 # git's, or where the copy is no git checkout, .gpu-prefix/commit's (the
 # one gpu_prefix.sh ran at), said as such.
 set -uo pipefail
@@ -66,6 +70,15 @@ case $seconds in '' | *[!0-9]*)
     finish 2
     ;;
 esac
+# the benchmark's and the showcases' deadline (epoch seconds, their
+# BENCH_DEADLINE): the call's end less 10 s, for the results and check.log's
+# last lines
+deadline=$((t0 + seconds - 10))
+# guard: the outer timeout of bench/gpu.sh or gpu_memory.sh, 5 s after the
+# deadline (at least 15 s: where the deadline has passed, the script only
+# records its runs as skipped), a guard only: the scripts end by the
+# deadline themselves
+guard() { local g=$((deadline + 5 - $(date +%s))); echo $((g > 15 ? g : 15)); }
 status=ok
 note() { echo "gpu_check: $*"; }
 
@@ -225,12 +238,9 @@ fi
 # ---- 4. the GPU tests
 ctest_summary="not run"
 if [ $build_ok = 1 ] && [ -n "$memory" ]; then
-    # the memory showcases instead of steps 4 and 5, in what is left of the
-    # call's seconds
-    left=$((seconds - $(elapsed)))
-    [ $left -ge 60 ] || left=60
-    echo "== bench/gpu_memory.sh $memory ($(elapsed) s; ${left} s left)"
-    BENCH_SHOWCASES="$memory" BENCH_BUDGET=$((left > 200 ? left - 160 : 40)) timeout $left \
+    # the memory showcases instead of steps 4 and 5, by the deadline
+    echo "== bench/gpu_memory.sh $memory ($(elapsed) s; $((deadline - $(date +%s))) s to the deadline)"
+    BENCH_SHOWCASES="$memory" BENCH_DEADLINE=$deadline timeout "$(guard)" \
         bash bench/gpu_memory.sh build-gpu/fitlm "$out" | tail -16
     rc=${PIPESTATUS[0]} # the script's, not tail's: a failed run fails the check
     [ $rc = 0 ] || status="failed: bench/gpu_memory.sh (exit $rc$([ $rc = 124 ] && echo ': timed out'))"
@@ -266,12 +276,10 @@ fi
 
 # ---- 5. the benchmark
 if [ $build_ok = 1 ]; then
-    # what is left of the call's seconds: new runs start until 160 s before
-    # its end (a run takes at most 150), so the script ends inside them
-    left=$((seconds - $(elapsed)))
-    [ $left -ge 60 ] || left=60
-    echo "== bench/gpu.sh ($(elapsed) s; ${left} s left)"
-    BENCH_BUDGET=$((left > 200 ? left - 160 : 40)) timeout $left bash bench/gpu.sh build-gpu/fitlm "$out" |
+    # by the deadline: each run's timeout is its own cap or what is left
+    # before it (bench_timeout in bench/lib.sh)
+    echo "== bench/gpu.sh ($(elapsed) s; $((deadline - $(date +%s))) s to the deadline)"
+    BENCH_DEADLINE=$deadline timeout "$(guard)" bash bench/gpu.sh build-gpu/fitlm "$out" |
         tail -16
     rc=${PIPESTATUS[0]} # a failed fitlm run fails the check (not after a failure above)
     [ $rc = 0 ] || [ "$status" != ok ] ||
