@@ -36,6 +36,16 @@ __device__ __forceinline__ void norm_input(fl_dtype dt, void *row, const void *s
     fl_d_load_vec(dt, row, c, C, x);
 }
 
+// Columns c .. c + FL_D_VEC - 1 of a row's input x, of the weight w and of
+// the row's output gradient dy (0 past C): what each backward pass reads.
+__device__ __forceinline__ void norm_grad_inputs(fl_dtype dt, const void *xr, const void *weight,
+                                                 const void *dyr, int c, int C, float *x, float *w,
+                                                 float *dy) {
+    fl_d_load_vec(dt, xr, c, C, x);
+    fl_d_load_vec(dt, weight, c, C, w);
+    fl_d_load_vec(dt, dyr, c, C, dy);
+}
+
 // A norm's dinp pass over the row at `base`, the lane's columns:
 // dinp += (w dy - dm - norm dnm) rstd, norm = (x - mean) rstd. RMSNorm
 // passes mean and dm 0: x - 0 and a - 0 are x and a exactly, so its own
@@ -48,9 +58,7 @@ __device__ __forceinline__ void norm_dinp_pass(fl_dtype dt, void *dinp, const vo
     void *dxr = fl_d_at(dt, dinp, base);
     for (int c = lane * FL_D_VEC; c < C; c += NORM_STRIDE) {
         float x[FL_D_VEC], w[FL_D_VEC], dy[FL_D_VEC], dx[FL_D_VEC];
-        fl_d_load_vec(dt, xr, c, C, x);
-        fl_d_load_vec(dt, weight, c, C, w);
-        fl_d_load_vec(dt, dyr, c, C, dy);
+        norm_grad_inputs(dt, xr, weight, dyr, c, C, x, w, dy);
         fl_d_load_vec(dt, dxr, c, C, dx);
 #pragma unroll
         for (int k = 0; k < FL_D_VEC; k++) {

@@ -44,9 +44,7 @@ __global__ void rmsnorm_dinp_kernel(fl_dtype dt, void *dinp, const void *dout, c
 #pragma unroll 4 // loads only: several chunks' in flight
     for (int c = lane * FL_D_VEC; c < C; c += NORM_STRIDE) {
         float x[FL_D_VEC], w[FL_D_VEC], dy[FL_D_VEC];
-        fl_d_load_vec(dt, xr, c, C, x);
-        fl_d_load_vec(dt, weight, c, C, w);
-        fl_d_load_vec(dt, dyr, c, C, dy);
+        norm_grad_inputs(dt, xr, weight, dyr, c, C, x, w, dy);
 #pragma unroll
         for (int k = 0; k < FL_D_VEC; k++)
             if (c + k < C) dnm += w[k] * dy[k] * (x[k] * r);
