@@ -423,12 +423,23 @@ torch_configs 1 llama
 # (attention_tc.cu; the default is attention_mma.cu's mma.sync), when time
 # is left, after PyTorch's runs: which of the two is faster on this card
 # (row fitlm-wmma)
-if bench_may_start $min_run && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
+# variant_skip: why a variant of the first config does not run ("" where
+# it may): no time left, or the first config's own run gave no row to set
+# it beside
+variant_skip() {
+    if ! bench_may_start $min_run; then
+        echo "skipped: time"
+    elif [ -z "${NS[0]:-}" ] || [ "${NS[0]}" = 0 ]; then
+        echo "skipped: ${names[0]}'s fitlm run failed"
+    fi
+}
+why_not=$(variant_skip)
+if [ -z "$why_not" ]; then
     # shellcheck disable=SC2086
     FITLM_CUDA_ATTENTION=wmma ENGINE=fitlm-wmma GEMM_TF=${GS[0]} \
         fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
 else
-    row "${names[0]}" fitlm-wmma "${batches[0]}" $T - - - - - "skipped: time"
+    row "${names[0]}" fitlm-wmma "${batches[0]}" $T - - - - - "$why_not"
 fi
 # and with GPT-2's MLP GELU in its GEMMs' cuBLASLt epilogues, llm.c's
 # gelu_fusion 1 and 2 (off by default: llm.c finds them slower on Ampere
@@ -436,12 +447,13 @@ fi
 for level in 1 2; do
     eng=fitlm-gelu
     [ $level = 2 ] && eng=fitlm-gelu2
-    if bench_may_start $min_run && [ -n "${NS[0]:-}" ] && [ "${NS[0]}" != 0 ]; then
+    why_not=$(variant_skip)
+    if [ -z "$why_not" ]; then
         # shellcheck disable=SC2086
         FITLM_CUDA_GELU_FUSION=$level ENGINE=$eng GEMM_TF=${GS[0]} \
             fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
     else
-        row "${names[0]}" $eng "${batches[0]}" $T - - - - - "skipped: time"
+        row "${names[0]}" $eng "${batches[0]}" $T - - - - - "$why_not"
     fi
 done
 # the attention kernels under Nsight Compute, when time is left
