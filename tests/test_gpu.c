@@ -657,13 +657,17 @@ static void call_rope(tcase *t, const fl_device *x, void *p) {
     x->rope_backward(t->dt, P(t, a->a[2]), P(t, a->a[1]), a->B, a->T, a->NH, a->NKV, a->HS);
 }
 
-static void rope(fl_dtype dt) {
-    int B = 2, T = 77, NH = 9, NKV = 3, HS = 64, W = (NH + 2 * NKV) * HS;
+// HS 64 (cuda: a head's pairs 8 at a time, common.cuh) and 20 (10 pairs:
+// a chunk of 8 and one of 2, not 16-byte aligned)
+static void rope(fl_dtype dt, int HS) {
+    int B = 2, T = 77, NH = 9, NKV = 3, W = (NH + 2 * NKV) * HS;
     float *cs = malloc((size_t)T * HS * sizeof(float));
     FL_ASSERT(cs);
     rope_table(cs, T, HS, 10000.0f);
     targs a = {.B = B, .T = T, .NH = NH, .NKV = NKV, .HS = HS};
-    tcase t = tc_new("rope_forward + rope_backward", dt);
+    char name[64];
+    snprintf(name, sizeof name, "rope_forward + rope_backward HS %d", HS);
+    tcase t = tc_new(name, dt);
     a.a[0] = tc_acc(&t, dt, (size_t)B * T * W, 1.0f);
     a.a[1] = tc_add(&t, FL_F32, (size_t)T * HS, 4, cs, 0);
     a.a[2] = tc_acc(&t, dt, (size_t)B * T * W, 1.0f);
@@ -1495,7 +1499,8 @@ int main(int argc, char **argv) {
             attentions(dt);
             unsetenv("FITLM_CUDA_ATTENTION");
         }
-        rope(dt);
+        rope(dt, 64);
+        rope(dt, 20);
         elementwise(dt, 520);
         elementwise(dt, 517);
         xent(dt);
