@@ -111,8 +111,6 @@ cat "$src"/docs/*.md "$src"/bench/*.md "$src"/README.md >"$work/text.txt"
     echo "bench/gpu.sh: LLaMA tokenization failed (see $log)"
 
 row() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$tsv"; }
-# cut_status: the status of a run the deadline cut (bench_run's BENCH_CUT)
-cut_status() { echo "skipped: time (cut after $BENCH_CUT s)"; }
 
 # gemm_rate CONFIG B T FITLM-FLAGS...: bench_gpu_gemm on the config's GEMM
 # shapes (its --model and --arch, the vocabulary V fitlm reported) into
@@ -211,7 +209,7 @@ fitlm_profile() {
     train "$f" "$data" "$B" "$T" 4 "$@" --profile
     local rc=$?
     if [ -n "$BENCH_CUT" ]; then
-        echo "bench/gpu.sh: the profiled run of $cfg: skipped: time (cut after $BENCH_CUT s)"
+        echo "bench/gpu.sh: the profiled run of $cfg: $(cut_status)"
         return 0
     fi
     if [ $rc != 0 ] || ! grep -q '^per-op profile' "$f"; then

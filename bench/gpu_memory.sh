@@ -145,7 +145,7 @@ fitlm_run() {
         sort -g | awk '{ a[NR] = $1 } END { if (NR) printf "%.1f%%\n", (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) }')
     local status=ok
     if [ -n "$BENCH_CUT" ]; then
-        status="skipped: time (cut after $BENCH_CUT s)"
+        status=$(cut_status)
     elif [ $rc != 0 ]; then
         status="failed rc $rc$(why "$(grep -m1 'error' "$f")")"
     fi
@@ -166,7 +166,7 @@ peft_run() {
     local r
     r=$(grep '^RESULT' "$f" | tail -1)
     if [ -n "$BENCH_CUT" ]; then
-        row "$sc" "$cfg" peft "$B" "$T" - - - - - "skipped: time (cut after $BENCH_CUT s)"
+        row "$sc" "$cfg" peft "$B" "$T" - - - - - "$(cut_status)"
     elif grep -q '^SKIP' "$f"; then
         row "$sc" "$cfg" peft "$B" "$T" - - - - - "skipped: $(sed -n 's/^SKIP //p' "$f" | head -1)"
     elif [ $rc != 0 ] || [ -z "$r" ]; then

@@ -189,6 +189,10 @@ bench_run() {
     return "$rc"
 }
 
+# cut_status: a table's status for the run the deadline cut (bench_run's
+# BENCH_CUT)
+cut_status() { echo "skipped: time (cut after $BENCH_CUT s)"; }
+
 # why LINE: ": LINE" for a failed run's status in a table (its reader sees
 # why without the log): cut to 120 characters, no tabs or | (the TSV's and
 # markdown's separators); nothing for an empty LINE

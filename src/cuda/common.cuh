@@ -94,17 +94,7 @@ static inline unsigned fl_cuda_blocks(size_t n, int threads) {
     return (unsigned)(b ? b : 1);
 }
 
-// Streaming kernels (a grid-stride loop over n elements, a few operations
-// each) take FL_D_ILP elements a thread per pass, the grid's width apart
-// (each of a warp's loads coalesced), and load them all before using any.
-// One element at a time, a thread has one load in flight, as the stores
-// between its loads may alias them: with bf16 that is about 4 KiB in
-// flight an SM, where an H100's memory needs several times that to stay
-// busy (latency x bandwidth). Each element's arithmetic is unchanged.
-#define FL_D_ILP 4
-
-// This thread's first element, and the grid's width: a pass takes elements
-// i, i + w, ..., i + (FL_D_ILP - 1) w, the next pass starts FL_D_ILP w on.
+// A grid-stride loop's thread: its index and the grid's width.
 __device__ __forceinline__ size_t fl_d_first(void) {
     return blockIdx.x * (size_t)blockDim.x + threadIdx.x;
 }
@@ -112,35 +102,14 @@ __device__ __forceinline__ size_t fl_d_width(void) {
     return (size_t)gridDim.x * blockDim.x;
 }
 
-// x[k] = element i + k w of p (dtype dt) as fp32, 0 past n
-__device__ __forceinline__ void fl_d_load_ilp(fl_dtype dt, const void *p, size_t i, size_t w,
-                                              size_t n, float *x) {
-#pragma unroll
-    for (int k = 0; k < FL_D_ILP; k++) x[k] = i + k * w < n ? fl_d_load(dt, p, i + k * w) : 0.0f;
-}
-
-// x[k] rounded into element i + k w of p, for those below n
-__device__ __forceinline__ void fl_d_store_ilp(fl_dtype dt, void *p, size_t i, size_t w, size_t n,
-                                               const float *x) {
-#pragma unroll
-    for (int k = 0; k < FL_D_ILP; k++)
-        if (i + k * w < n) fl_d_store(dt, p, i + k * w, x[k]);
-}
-
-// elements i + k w of out = those of a + y[k] (FL_D_ILP of them, below n)
-__device__ __forceinline__ void fl_d_add_ilp(fl_dtype dt, void *out, const void *a, const float *y,
-                                             size_t i, size_t w, size_t n) {
-    float x[FL_D_ILP];
-    fl_d_load_ilp(dt, a, i, w, n, x);
-#pragma unroll
-    for (int k = 0; k < FL_D_ILP; k++) x[k] += y[k];
-    fl_d_store_ilp(dt, out, i, w, n, x);
-}
-
-// Row kernels (the norms, the classifier) and the elementwise kernels take
-// FL_D_VEC consecutive elements at a time: one 16-byte load or store (two
-// for fp32) moves them where they start 16-byte aligned and lie below n,
-// else they go one by one. Either way the same values, so a kernel's
+// Row kernels (the norms, the classifier) and the streaming kernels (a
+// grid-stride loop over n elements, a few operations each) take FL_D_VEC
+// consecutive elements at a time: one 16-byte load or store (two for fp32)
+// moves them where they start 16-byte aligned and lie below n, else they
+// go one by one. One 2-byte element at a time, a thread had one small load
+// in flight (the stores between its loads may alias them): a few KiB in
+// flight an SM, where an H100's memory needs several times that to stay
+// busy (latency x bandwidth). Either way the same values, so a kernel's
 // arithmetic, and its bits, do not depend on where its buffers start (a
 // weight offloaded into a ring lands elsewhere than in the flat buffer).
 #define FL_D_VEC 8
@@ -218,12 +187,6 @@ __device__ __forceinline__ void fl_d_add_vec(fl_dtype dt, void *out, const void 
 #pragma unroll
     for (int k = 0; k < FL_D_VEC; k++) x[k] += y[k];
     fl_d_store_vec(dt, out, i, n, x);
-}
-
-// Blocks of `threads` for a streaming kernel over n elements: FL_D_ILP a
-// thread in its first pass where n allows.
-static inline unsigned fl_cuda_blocks_ilp(size_t n, int threads) {
-    return fl_cuda_blocks((n + FL_D_ILP - 1) / FL_D_ILP, threads);
 }
 
 // Blocks of `threads` for a vector streaming kernel over n elements:

@@ -13,28 +13,29 @@ extern "C" {
 __constant__ float nf4_table[16];
 __constant__ float dq8_table[256];
 
-// A thread takes code bytes (two elements each) FL_D_ILP at a time, read
-// before any element is written (common.cuh). The codebook is read from
-// shared memory: a warp's codes differ, and __constant__ memory serves
-// differing addresses one at a time.
+// A thread takes FL_D_VEC / 2 code bytes (FL_D_VEC elements) at a time,
+// read before any element is written, and stores the elements through
+// common.cuh's vector accesses. The codebook is read from shared memory: a
+// warp's codes differ, and __constant__ memory serves differing addresses
+// one at a time.
 __global__ void nf4_dequantize_kernel(fl_dtype dt, void *out, const uint8_t *codes,
                                       const float *absmax, size_t n, int block) {
     __shared__ float table[16];
     if (threadIdx.x < 16) table[threadIdx.x] = nf4_table[threadIdx.x];
     __syncthreads();
-    size_t bytes = (n + 1) / 2, w = fl_d_width();
-    for (size_t b = fl_d_first(); b < bytes; b += FL_D_ILP * w) {
-        uint8_t q[FL_D_ILP];
+    size_t bytes = (n + 1) / 2;
+    for (size_t i = fl_d_first_vec(); i < n; i += fl_d_width_vec()) {
+        uint8_t q[FL_D_VEC / 2];
+        float y[FL_D_VEC];
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) q[k] = b + k * w < bytes ? codes[b + k * w] : 0;
+        for (int k = 0; k < FL_D_VEC / 2; k++) q[k] = i / 2 + k < bytes ? codes[i / 2 + k] : 0;
 #pragma unroll
-        for (int k = 0; k < FL_D_ILP; k++) {
-            size_t i = 2 * (b + k * w); // the high nibble's element, then the low's
-            if (i >= n) break;
-            fl_d_store(dt, out, i, __fmul_rn(table[q[k] >> 4], absmax[i / block]));
-            if (i + 1 < n)
-                fl_d_store(dt, out, i + 1, __fmul_rn(table[q[k] & 15], absmax[(i + 1) / block]));
+        for (int k = 0; k < FL_D_VEC; k++) { // the high nibble's element, then the low's
+            size_t e = i + k;
+            int code = k % 2 ? q[k / 2] & 15 : q[k / 2] >> 4;
+            y[k] = e < n ? __fmul_rn(table[code], absmax[e / block]) : 0.0f;
         }
+        fl_d_store_vec(dt, out, i, n, y);
     }
 }
 
@@ -47,7 +48,7 @@ extern "C" void fl_cuda_nf4_dequantize(fl_dtype dt, void *out, const uint8_t *co
         loaded = 1;
     }
     if (!n) return;
-    nf4_dequantize_kernel<<<fl_cuda_blocks_ilp((n + 1) / 2, 256), 256, 0, fl_cuda_stream()>>>(
+    nf4_dequantize_kernel<<<fl_cuda_blocks_vec(n, 256), 256, 0, fl_cuda_stream()>>>(
         dt, out, codes, absmax, n, block);
     FL_CUDA_LAUNCHED("nf4_dequantize");
 }

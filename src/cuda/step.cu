@@ -30,23 +30,21 @@ static unsigned reduce_blocks(size_t n) {
     return (unsigned)(b > REDUCE_BLOCKS ? REDUCE_BLOCKS : b);
 }
 
-// streaming kernels (common.cuh's FL_D_ILP)
+// streaming kernels (common.cuh's vector accesses)
 __global__ void convert_kernel(fl_dtype dst_dt, void *dst, fl_dtype src_dt, const void *src,
                                size_t n) {
-    size_t w = fl_d_width();
-    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float x[FL_D_ILP];
-        fl_d_load_ilp(src_dt, src, i, w, n, x);
-        fl_d_store_ilp(dst_dt, dst, i, w, n, x);
+    for (size_t i = fl_d_first_vec(); i < n; i += fl_d_width_vec()) {
+        float x[FL_D_VEC];
+        fl_d_load_vec(src_dt, src, i, n, x);
+        fl_d_store_vec(dst_dt, dst, i, n, x);
     }
 }
 
 __global__ void accumulate_kernel(float *dst, fl_dtype dt, const void *src, size_t n) {
-    size_t w = fl_d_width();
-    for (size_t i = fl_d_first(); i < n; i += FL_D_ILP * w) {
-        float y[FL_D_ILP];
-        fl_d_load_ilp(dt, src, i, w, n, y);
-        fl_d_add_ilp(FL_F32, dst, dst, y, i, w, n);
+    for (size_t i = fl_d_first_vec(); i < n; i += fl_d_width_vec()) {
+        float y[FL_D_VEC];
+        fl_d_load_vec(dt, src, i, n, y);
+        fl_d_add_vec(FL_F32, dst, dst, y, i, n);
     }
 }
 
@@ -169,14 +167,14 @@ extern "C" void fl_cuda_convert(fl_dtype dst_dt, void *dst, fl_dtype src_dt, con
                                       fl_cuda_stream()));
         return;
     }
-    convert_kernel<<<fl_cuda_blocks_ilp(n, 256), 256, 0, fl_cuda_stream()>>>(dst_dt, dst, src_dt,
+    convert_kernel<<<fl_cuda_blocks_vec(n, 256), 256, 0, fl_cuda_stream()>>>(dst_dt, dst, src_dt,
                                                                              src, n);
     FL_CUDA_LAUNCHED("convert_kernel");
 }
 
 extern "C" void fl_cuda_accumulate(float *dst, fl_dtype dt, const void *src, size_t n) {
     if (!n) return;
-    accumulate_kernel<<<fl_cuda_blocks_ilp(n, 256), 256, 0, fl_cuda_stream()>>>(dst, dt, src, n);
+    accumulate_kernel<<<fl_cuda_blocks_vec(n, 256), 256, 0, fl_cuda_stream()>>>(dst, dt, src, n);
     FL_CUDA_LAUNCHED("accumulate_kernel");
 }
 

@@ -17,12 +17,18 @@ __device__ __forceinline__ size_t swiglu_gate(size_t i, int IC) {
     return i / (size_t)IC * 2 * IC + i % (size_t)IC;
 }
 
+// whether elements i .. i + FL_D_VEC - 1 of out lie in one row (below n):
+// then their gates, and their ups, are FL_D_VEC consecutive elements of inp
+__device__ __forceinline__ bool swiglu_in_row(size_t i, size_t n, int IC) {
+    return i % (size_t)IC + FL_D_VEC <= (size_t)IC && i + FL_D_VEC <= n;
+}
+
 // the gates and ups of elements i .. i + FL_D_VEC - 1 of out (0 past n):
-// vector loads where the FL_D_VEC lie in one row, else one by one
+// vector loads where they lie in one row, else one by one
 __device__ __forceinline__ void swiglu_load(fl_dtype dt, const void *inp, size_t i, size_t n,
                                             int IC, float *x, float *up) {
     size_t g = swiglu_gate(i, IC);
-    if (i % (size_t)IC + FL_D_VEC <= (size_t)IC && i + FL_D_VEC <= n) {
+    if (swiglu_in_row(i, n, IC)) {
         fl_d_load_vec(dt, inp, g, g + FL_D_VEC, x);
         fl_d_load_vec(dt, inp, g + IC, g + IC + FL_D_VEC, up);
         return;
@@ -33,6 +39,22 @@ __device__ __forceinline__ void swiglu_load(fl_dtype dt, const void *inp, size_t
         g = swiglu_gate(i + k, IC);
         x[k] = live ? fl_d_load(dt, inp, g) : 0.0f;
         up[k] = live ? fl_d_load(dt, inp, g + IC) : 0.0f;
+    }
+}
+
+// swiglu_load's twin: dg and du into the gates' and ups' places in dinp
+__device__ __forceinline__ void swiglu_store(fl_dtype dt, void *dinp, size_t i, size_t n, int IC,
+                                             const float *dg, const float *du) {
+    size_t g = swiglu_gate(i, IC);
+    if (swiglu_in_row(i, n, IC)) {
+        fl_d_store_vec(dt, dinp, g, g + FL_D_VEC, dg);
+        fl_d_store_vec(dt, dinp, g + IC, g + IC + FL_D_VEC, du);
+        return;
+    }
+    for (int k = 0; k < FL_D_VEC && i + k < n; k++) {
+        g = swiglu_gate(i + k, IC);
+        fl_d_store(dt, dinp, g, dg[k]);
+        fl_d_store(dt, dinp, g + IC, du[k]);
     }
 }
 
@@ -66,17 +88,7 @@ __global__ void swiglu_backward_kernel(fl_dtype dt, void *dinp, const void *inp,
             dg[k] = dy[k] * up[k] * ds;
             du[k] = dy[k] * (x[k] * s);
         }
-        size_t g = swiglu_gate(i, IC);
-        if (i % (size_t)IC + FL_D_VEC <= (size_t)IC && i + FL_D_VEC <= n) {
-            fl_d_store_vec(dt, dinp, g, g + FL_D_VEC, dg);
-            fl_d_store_vec(dt, dinp, g + IC, g + IC + FL_D_VEC, du);
-            continue;
-        }
-        for (int k = 0; k < FL_D_VEC && i + k < n; k++) {
-            g = swiglu_gate(i + k, IC);
-            fl_d_store(dt, dinp, g, dg[k]);
-            fl_d_store(dt, dinp, g + IC, du[k]);
-        }
+        swiglu_store(dt, dinp, i, n, IC, dg, du);
     }
 }
 
