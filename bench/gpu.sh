@@ -13,19 +13,21 @@
 # tokenizer.json, vocabulary 32000) for the LLaMA shapes; PyTorch draws random tokens of the
 # vocabulary fitlm's model line reports (--data random).
 #
-# The first config runs once more with FITLM_CUDA_ATTENTION=wmma (row
-# fitlm-wmma: the WMMA attention kernels against the default mma.sync ones)
-# and with FITLM_CUDA_GELU_FUSION=1 and 2 (rows fitlm-gelu: the MLP's GELU
-# in its forward GEMM's epilogue; fitlm-gelu2: its backward too, in the
-# input gradient's GEMM) after PyTorch's runs, when time is left.
+# The first config runs once more with FITLM_CUDA_ATTENTION=mma16 and wmma
+# (rows fitlm-mma16, fitlm-wmma: the other versions of the tensor-core
+# attention, src/cuda/attention.cuh) and with FITLM_CUDA_GELU_FUSION=0, 1
+# and 2 (rows fitlm-gelu0: the MLP's GELU in its own kernels; fitlm-gelu1:
+# in its forward GEMM's epilogue; fitlm-gelu2: its backward's too, in the
+# input gradient's GEMM; the card's default is one of them) after
+# PyTorch's runs, when time is left.
 #
 # The runs go in the order of what the comparisons need most, so that a
 # short lease measures those first: fitlm's four configs; torch.compile's
-# GPT-2 (B 16, 32); PyTorch eager's LLaMA shapes; the first config's
-# profile and the attention kernels alone; PyTorch eager's GPT-2;
-# torch.compile's LLaMA shapes; fitlm-wmma, fitlm-gelu, fitlm-gelu2; Nsight
-# Compute. bench.tsv keeps one order whatever ran (fitlm's rows, eager's,
-# torch.compile's, fitlm-wmma's and the GELU fusions').
+# GPT-2 (B 16, 32); the first config's profile and the attention kernels
+# alone; PyTorch eager's LLaMA shapes; PyTorch eager's GPT-2;
+# torch.compile's LLaMA shapes; fitlm-mma16, fitlm-wmma, fitlm-gelu0, 1 and
+# 2; Nsight Compute. bench.tsv keeps one order whatever ran (fitlm's rows,
+# eager's, torch.compile's, the attention versions' and the GELU levels').
 #
 # Per run: tokens/s from the median step time of the timed steps
 # (BENCH_STEPS, default 10, after BENCH_WARMUP = 3 untimed ones); MFU
@@ -363,7 +365,7 @@ fi
 for e in fitlm pytorch-eager pytorch-compile; do
     for k in "${!names[@]}"; do printf '%s\t%s\t%s\n' "${names[$k]}" $e "${batches[$k]}"; done
 done >"$work/order"
-for e in fitlm-wmma fitlm-gelu fitlm-gelu2; do printf '%s\t%s\t%s\n' "${names[0]}" $e "${batches[0]}"; done >>"$work/order"
+for e in fitlm-mma16 fitlm-wmma fitlm-gelu0 fitlm-gelu1 fitlm-gelu2; do printf '%s\t%s\t%s\n' "${names[0]}" $e "${batches[0]}"; done >>"$work/order"
 
 # fitlm's runs first
 declare -A VS NS LS CS GS
@@ -399,10 +401,9 @@ torch_configs() {
         torch_run "${names[$k]}" "${batches[$k]}" $T "$comp" ${tflags[$k]} --V "$V"
     done
 }
-# what the comparisons need most: GPT-2 beside torch.compile, the LLaMA
-# shapes beside PyTorch eager
+# what the comparisons need most: GPT-2 beside torch.compile, then where
+# its step's time goes, then the LLaMA shapes beside PyTorch eager
 torch_configs 1 gpt2
-torch_configs 0 llama
 # the first config's step op by op, when time is left
 if bench_may_start $min_run; then
     # shellcheck disable=SC2086
@@ -412,15 +413,12 @@ fi
 if bench_may_start $min_run; then
     attention_rates
 fi
+torch_configs 0 llama
 # then the other pairs: GPT-2 beside PyTorch eager, the LLaMA shapes
 # beside torch.compile
 torch_configs 0 gpt2
 torch_configs 1 llama
 
-# the first config again with the WMMA version of the tensor-core attention
-# (attention_tc.cu; the default is attention_mma.cu's mma.sync), when time
-# is left, after PyTorch's runs: which of the two is faster on this card
-# (row fitlm-wmma)
 # variant_skip: why a variant of the first config does not run ("" where
 # it may): no time left, or the first config's own run gave no row to set
 # it beside
@@ -431,29 +429,28 @@ variant_skip() {
         echo "skipped: ${names[0]}'s fitlm run failed"
     fi
 }
-why_not=$(variant_skip)
-if [ -z "$why_not" ]; then
-    # shellcheck disable=SC2086
-    FITLM_CUDA_ATTENTION=wmma ENGINE=fitlm-wmma GEMM_TF=${GS[0]} \
-        fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
-else
-    row "${names[0]}" fitlm-wmma "${batches[0]}" $T - - - - - "$why_not"
-fi
-# and with GPT-2's MLP GELU in its GEMMs' cuBLASLt epilogues, llm.c's
-# gelu_fusion 1 and 2 (off by default: llm.c finds them slower on Ampere
-# and Ada; rows fitlm-gelu and fitlm-gelu2 decide per card)
-for level in 1 2; do
-    eng=fitlm-gelu
-    [ $level = 2 ] && eng=fitlm-gelu2
+# variant ENGINE VAR VALUE: the first config again with the environment's
+# VAR=VALUE, when time is left, after PyTorch's runs (row ENGINE)
+variant() {
+    local why_not
     why_not=$(variant_skip)
     if [ -z "$why_not" ]; then
-        # shellcheck disable=SC2086
-        FITLM_CUDA_GELU_FUSION=$level ENGINE=$eng GEMM_TF=${GS[0]} \
-            fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
+        # shellcheck disable=SC2086 # the flags are words
+        (
+            export "$2=$3"
+            ENGINE=$1 GEMM_TF=${GS[0]} fitlm_run "${names[0]}" "${batches[0]}" $T "${datas[0]}" ${fflags[0]}
+        )
     else
-        row "${names[0]}" $eng "${batches[0]}" $T - - - - - "$why_not"
+        row "${names[0]}" "$1" "${batches[0]}" $T - - - - - "$why_not"
     fi
-done
+}
+# the other versions of the tensor-core attention (src/cuda/attention.cuh:
+# which is fastest on this card), and GPT-2's MLP GELU in its own kernels
+# or in its GEMMs' cuBLASLt epilogues, llm.c's gelu_fusion 0, 1 and 2 (the
+# card's default one of them: 2 on Hopper, 0 before)
+variant fitlm-mma16 FITLM_CUDA_ATTENTION mma16
+variant fitlm-wmma FITLM_CUDA_ATTENTION wmma
+for level in 0 1 2; do variant fitlm-gelu$level FITLM_CUDA_GELU_FUSION $level; done
 # the attention kernels under Nsight Compute, when time is left
 if bench_may_start 30; then
     # shellcheck disable=SC2086

@@ -6,11 +6,13 @@
 #   cpu run's;
 # - bf16: every step's loss within the gap bf16 shows against fp32 on the
 #   cpu (the largest relative difference over the 10 steps, at least 1e-4);
-# - GPT-2 with FITLM_CUDA_GELU_FUSION=2 (its MLP GELU in cuBLASLt's GELU
-#   and DGELU epilogues) within the same bounds; fp32 with the LM head and
+# - GPT-2 with FITLM_CUDA_GELU_FUSION=0 and 2 (its MLP GELU in its own
+#   kernels; in cuBLASLt's GELU and DGELU epilogues, the default on Hopper)
+#   within the same bounds; fp32 with the LM head and
 #   loss in chunks of 48 positions (--logits-chunk) within 1e-5 too;
 # - two GPU runs bitwise equal (every logged loss, lr and norm, printed to
-#   float precision, and their exported weights byte for byte);
+#   float precision, and their exported weights byte for byte), and bf16
+#   with the attention's mma16 kernels bitwise the default's;
 # - resume: 5 steps, a checkpoint, 5 more from it, equal to the 10 straight;
 # - an export of the GPU-trained model evaluates on the cpu to the loss the
 #   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5);
@@ -160,15 +162,27 @@ for arch in "${archs[@]}"; do
     le "$e" "$bound" && ok=1 || ok=0
     check $ok "$arch bf16: $dev losses within the cpu's bf16-fp32 gap $bound of the cpu's (max $e)"
 
-    # GPT-2's MLP GELU in its GEMMs' cuBLASLt epilogues, forward and backward
+    # the tensor-core attention at 16 rows a warp (FITLM_CUDA_ATTENTION=mma16):
+    # the same sums in the same order as the default's 32, bit for bit
+    if [ "$dev" = cuda ]; then
+        FITLM_CUDA_ATTENTION=mma16 run "dev_bf16_${arch}_mma16" cuda "$arch" bf16
+        cmp -s <(grep '^step' "$work/dev_bf16_$arch/log.txt") \
+            <(grep '^step' "$work/dev_bf16_${arch}_mma16/log.txt") && ok=1 || ok=0
+        check $ok "$arch bf16: the attention's mma16 kernels log the same values as the default's, bit for bit"
+    fi
+
+    # GPT-2's MLP GELU in its own kernels and in its GEMMs' cuBLASLt
+    # epilogues, forward and backward (one of them the card's default)
     if [ "$arch" = gpt2 ] && [ "$dev" = cuda ]; then
-        for prec in fp32 bf16; do
-            FITLM_CUDA_GELU_FUSION=2 run "dev_${prec}_gelu" cuda gpt2 "$prec"
-            e=$(max_rel "dev_${prec}_gelu" "cpu_${prec}_gpt2")
-            b=1e-5
-            [ "$prec" = bf16 ] && b=$bound
-            le "$e" "$b" && ok=1 || ok=0
-            check $ok "gpt2 $prec with FITLM_CUDA_GELU_FUSION=2 (the GELU epilogues): losses within $b of the cpu's (max $e)"
+        for level in 0 2; do
+            for prec in fp32 bf16; do
+                FITLM_CUDA_GELU_FUSION=$level run "dev_${prec}_gelu$level" cuda gpt2 "$prec"
+                e=$(max_rel "dev_${prec}_gelu$level" "cpu_${prec}_gpt2")
+                b=1e-5
+                [ "$prec" = bf16 ] && b=$bound
+                le "$e" "$b" && ok=1 || ok=0
+                check $ok "gpt2 $prec with FITLM_CUDA_GELU_FUSION=$level: losses within $b of the cpu's (max $e)"
+            done
         done
     fi
 
@@ -224,11 +238,11 @@ if [ "$dev" = cuda ]; then
     [ "$held" -gt 0 ] && grep -q "context and cuBLASLt" "$work/plan.out" && ok=1 || ok=0
     check $ok "cuda measures the bytes its context holds ($held) and names them at start-up"
     ! FITLM_CUDA_ATTENTION=flash "$fitlm" train "${flags[@]}" --out "" >"$work/kernels.out" 2>&1 &&
-        grep -q "FITLM_CUDA_ATTENTION=flash: the tensor-core attention kernels are mma or wmma" \
+        grep -q "FITLM_CUDA_ATTENTION=flash: the tensor-core attention kernels are mma, mma16 or wmma" \
             "$work/kernels.out" && ok=1 || ok=0
     check $ok "an unknown FITLM_CUDA_ATTENTION is refused by name, not run as the default"
     ! FITLM_CUDA_GELU_FUSION=3 "$fitlm" train "${flags[@]}" --out "" >"$work/kernels.out" 2>&1 &&
-        grep -q "FITLM_CUDA_GELU_FUSION=3: 0 (off, the default), 1" "$work/kernels.out" && ok=1 ||
+        grep -q "FITLM_CUDA_GELU_FUSION=3: 0 (off), 1" "$work/kernels.out" && ok=1 ||
         ok=0
     check $ok "an unknown FITLM_CUDA_GELU_FUSION is refused by name, not run as the default"
 fi

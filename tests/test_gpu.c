@@ -1,7 +1,8 @@
 // test_gpu: every kernel entry of the cuda device's table against the cpu
 // table (the oracle) on the same fixed-seed random inputs, at awkward sizes
-// (V = 50257 padded to 50304, T = 77, 9 query heads over 3 kv heads, heads
-// of 64 and 128 values, odd element counts), in fp32, bf16 and fp16.
+// (V = 50257 padded to 50304, T = 77 and 200, 9 query heads over 3 kv
+// heads, heads of 64 and 128 values, odd element counts), in fp32, bf16
+// and fp16.
 // Before each launch every output is poisoned (all bytes 0xFF: NaN in each
 // dtype) and accumulated or in-place buffers reset to their start; NaN
 // never passes. fp32 outputs must be within 1e-5 relative L2 error of the
@@ -11,8 +12,8 @@
 // accumulate bitwise, LOMO's update too; the step's sums (sumsq, sum,
 // sumsq_rows) within 1e-10
 // (device.h: a fixed order of the device's own). On cuda the bf16
-// attention cases run again with FITLM_CUDA_ATTENTION=wmma (both versions of
-// the tensor-core kernels). Each entry runs twice on the device: the
+// attention cases run again with FITLM_CUDA_ATTENTION=mma16 and wmma (every
+// version of the tensor-core kernels). Each entry runs twice on the device: the
 // two results must be bitwise equal (no atomics, fixed orders).
 //
 // The backend's own scratch, as large as it asks for, serves its kernels;
@@ -602,8 +603,9 @@ static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int
     size_t wd = dev->attention_workspace_floats(dt, B, T, NH, HS, group, fl_threads());
     m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc * sizeof(float)) : NULL;
     m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd * sizeof(float)) : NULL;
-    char name[128];
-    const char *kernels = getenv("FITLM_CUDA_ATTENTION") ? " (wmma)" : "";
+    char name[128], kernels[32] = "";
+    const char *version = getenv("FITLM_CUDA_ATTENTION");
+    if (version) snprintf(kernels, sizeof kernels, " (%s)", version);
     snprintf(name, sizeof name, "attention_forward B %d T %d NH %d NKV %d HS %d%s%s", B, T, NH, NKV,
              HS, off ? " (qkv at an odd offset)" : "", kernels);
     tcase t = tc_new(name, dt);
@@ -628,8 +630,8 @@ static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int
         void *ws = m.ws[1];
         m.ws[1] = NULL;
         snprintf(name, sizeof name,
-                 "attention_backward B %d T %d NH %d NKV %d HS %d%s, no workspace", B, T, NH, NKV,
-                 HS, off ? " (qkv and dqkv at an odd offset)" : "");
+                 "attention_backward B %d T %d NH %d NKV %d HS %d%s%s, no workspace", B, T, NH, NKV,
+                 HS, off ? " (qkv and dqkv at an odd offset)" : "", kernels);
         attention_bwd_case(&m, name, dt, qkv, out, lse);
         m.ws[1] = ws;
     }
@@ -644,6 +646,7 @@ static void attention(fl_dtype dt, int B, int T, int NH, int NKV, int HS) {
 
 static void attentions(fl_dtype dt) {
     attention(dt, 2, 77, 9, 3, 64);
+    attention(dt, 1, 200, 3, 1, 64); // two 128-row tiles, the second mostly past T
     attention(dt, 1, 77, 4, 4, 128);
     attention(dt, 1, 130, 2, 1, 64);
     attention(dt, 1, 7, 2, 1, 16);        // one row tile, mostly past T
@@ -1493,10 +1496,13 @@ int main(int argc, char **argv) {
         matmuls(dt);
         attentions(dt);
         if (dt == FL_BF16 && !strcmp(dev->name, "cuda")) {
-            // the WMMA version of the tensor-core kernels too (attention.cu;
-            // fp16's is the same code on the other type)
-            setenv("FITLM_CUDA_ATTENTION", "wmma", 1);
-            attentions(dt);
+            // the other versions of the tensor-core kernels too (attention.cuh;
+            // fp16's are the same code on the other type)
+            const char *versions[] = {"mma16", "wmma"};
+            for (int v = 0; v < 2; v++) {
+                setenv("FITLM_CUDA_ATTENTION", versions[v], 1);
+                attentions(dt);
+            }
             unsetenv("FITLM_CUDA_ATTENTION");
         }
         rope(dt, 64);

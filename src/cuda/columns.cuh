@@ -9,7 +9,8 @@
 // Columns of an (N,C) matrix are summed in two passes: row chunk r of
 // `chunks` (fixed by N alone) sums its rows into partial[r][c] in a
 // fixed order (threads by row stride, then the block's 8 warps in order);
-// the second pass adds the chunks in order to the gradient and rounds once.
+// the second adds the chunks in a fixed order (each warp of a block every
+// 8th chunk, then the warps in order) to the gradient and rounds once.
 // Deterministic and independent of the GPU.
 #define COL_THREADS 32
 #define COL_WARPS   8
@@ -18,14 +19,8 @@ static inline int column_chunks(int N) {
     return fl_cuda_column_chunks(N); // cuda.h's: the scratch is sized by it
 }
 
-// dst[c] (dtype dt) = round(dst[c] + sum over r of partial[r][c])
-static __global__ void column_finish(fl_dtype dt, void *dst, const float *partial, int chunks,
-                                     int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float s = 0.0f;
-    for (int r = 0; r < chunks; r++) s += partial[(size_t)r * C + c];
-    fl_d_store(dt, dst, c, fl_d_load(dt, dst, c) + s);
-}
+// dst[c] (dtype dt) = round(dst[c] + sum over r of partial[r][c]) on the
+// compute stream (matmul.cu)
+void fl_cuda_column_finish(fl_dtype dt, void *dst, const float *partial, int chunks, int C);
 
 #endif

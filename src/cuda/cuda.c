@@ -484,23 +484,27 @@ const fl_device *fl_device_cuda_table(char *why, size_t why_size) {
         return NULL;
     }
     if (!table_complete(&cuda, why, why_size)) return NULL;
-    // GPT-2's MLP GELU in its GEMMs' epilogues, llm.c's gelu_fusion: 1 the
-    // forward's, 2 the backward's too; off until a GPU has measured it
-    // faster (llm.c keeps it off on Ampere and Ada, meant 2 for Hopper)
-    const char *fusion = getenv("FITLM_CUDA_GELU_FUSION");
-    int level = !fusion || !strcmp(fusion, "0") ? 0
-                : !strcmp(fusion, "1")          ? 1
-                : !strcmp(fusion, "2")          ? 2
-                                                : -1;
-    if (level < 0)
-        fl_die("FITLM_CUDA_GELU_FUSION=%s: 0 (off, the default), 1 (cuBLASLt's GELU epilogue on "
-               "the forward GEMM) or 2 (and its DGELU epilogue on the backward's)",
-               fusion);
-    cuda.matmul_gelu_forward = level >= 1 ? fl_cuda_matmul_gelu_forward : NULL;
-    cuda.matmul_dgelu_backward = level >= 2 ? fl_cuda_matmul_dgelu_backward : NULL;
     FL_CUDA_CHECK(cudaSetDevice(0));
     FL_CUDA_CHECK(cudaFree(0)); // the context, now
     FL_CUDA_CHECK(cudaGetDeviceProperties(&g.prop, 0));
+    // GPT-2's MLP GELU in its GEMMs' epilogues, llm.c's gelu_fusion: 1 the
+    // forward's, 2 the backward's too; by default 2 on Hopper and later
+    // (llm.c's choice; an H200 measured GPT-2 124M's step 3% faster with
+    // it, bench/results_gpu_h200.md), 0 before (llm.c finds it slower on
+    // Ampere and Ada)
+    const char *fusion = getenv("FITLM_CUDA_GELU_FUSION");
+    int level = !fusion || !*fusion    ? (g.prop.major >= 9 ? 2 : 0)
+                : !strcmp(fusion, "0") ? 0
+                : !strcmp(fusion, "1") ? 1
+                : !strcmp(fusion, "2") ? 2
+                                       : -1;
+    if (level < 0)
+        fl_die("FITLM_CUDA_GELU_FUSION=%s: 0 (off), 1 (cuBLASLt's GELU epilogue on the forward "
+               "GEMM) or 2 (and its DGELU epilogue on the backward's); by default 2 on compute "
+               "capability 9.0 and later, else 0",
+               fusion);
+    cuda.matmul_gelu_forward = level >= 1 ? fl_cuda_matmul_gelu_forward : NULL;
+    cuda.matmul_dgelu_backward = level >= 2 ? fl_cuda_matmul_dgelu_backward : NULL;
     FL_CUDA_CHECK(cudaStreamCreate(&g.compute)); // blocking: the legacy stream waits for it
     fl_cuda_matmul_init();
     // What the card holds before fitlm allocates: the context and cuBLASLt's

@@ -67,10 +67,13 @@ size_t fl_cuda_scratch_bytes(int N, int cols, int heads);
 // together) in the scratch per copy back: 64 rows of 1024 blocks, a GPT-2
 // 124M's ~150 rows (~40K blocks) in one
 #define FL_CUDA_REDUCE_PARTIALS (64 * FL_CUDA_REDUCE_BLOCKS)
-// Row chunks of a column sum over N rows (columns.cuh): >= 256 rows a chunk, at most 64 chunks.
+// Row chunks of a column sum over N rows (columns.cuh): >= 128 rows a
+// chunk, at most 128 chunks (a norm's C = 768 columns over 16K rows: 384
+// blocks of partial sums, where 64 chunks of 256 rows left most of an
+// H200's 132 multiprocessors a block of 8 warps, waiting on its loads).
 static inline int fl_cuda_column_chunks(int N) {
-    int chunks = (N + 255) / 256;
-    return chunks > 64 ? 64 : chunks < 1 ? 1 : chunks;
+    int chunks = (N + 127) / 128;
+    return chunks > 128 ? 128 : chunks < 1 ? 1 : chunks;
 }
 // cuBLASLt's handle (matmul.cu), made at start-up so that the context's
 // bytes measured then include it.

@@ -120,14 +120,6 @@ extern "C" void fl_cuda_layernorm_backward(fl_dtype dt, void *dinp, void *dweigh
                                fl_cuda_stream()>>>(dt, partial, dweight != NULL, dbias != NULL,
                                                    dout, inp, mean, rstd, N, C);
     FL_CUDA_LAUNCHED("layernorm_columns_kernel");
-    unsigned blocks = (unsigned)((C + 255) / 256);
-    if (dweight) {
-        column_finish<<<blocks, 256, 0, fl_cuda_stream()>>>(dt, dweight, partial, chunks, C);
-        FL_CUDA_LAUNCHED("column_finish");
-    }
-    if (dbias) {
-        column_finish<<<blocks, 256, 0, fl_cuda_stream()>>>(dt, dbias, partial + (size_t)chunks * C,
-                                                            chunks, C);
-        FL_CUDA_LAUNCHED("column_finish");
-    }
+    if (dweight) fl_cuda_column_finish(dt, dweight, partial, chunks, C);
+    if (dbias) fl_cuda_column_finish(dt, dbias, partial + (size_t)chunks * C, chunks, C);
 }

@@ -275,6 +275,33 @@ extern "C" void fl_cuda_matmul_gelu_forward(fl_dtype dt, void *out, void *pre, c
     fl_cuda_gelu_forward(dt, out, pre, (size_t)N * OC);
 }
 
+// columns.cuh's fl_cuda_column_finish: a block's COL_WARPS warps each
+// add every COL_WARPS-th chunk of COL_THREADS columns (chunk w,
+// w + COL_WARPS, ...: their loads in flight together, where one thread a
+// column waits out each in turn), then their sums are added in warp order.
+__global__ void column_finish_kernel(fl_dtype dt, void *dst, const float *partial, int chunks,
+                                     int C) {
+    __shared__ float part[COL_WARPS][COL_THREADS];
+    int tx = threadIdx.x % COL_THREADS, ty = threadIdx.x / COL_THREADS;
+    int c = blockIdx.x * COL_THREADS + tx;
+    float s = 0.0f;
+    if (c < C)
+#pragma unroll 4
+        for (int r = ty; r < chunks; r += COL_WARPS) s += partial[(size_t)r * C + c];
+    part[ty][tx] = s;
+    __syncthreads();
+    if (ty != 0 || c >= C) return;
+    float t = 0.0f;
+    for (int w = 0; w < COL_WARPS; w++) t += part[w][tx];
+    fl_d_store(dt, dst, c, fl_d_load(dt, dst, c) + t);
+}
+
+void fl_cuda_column_finish(fl_dtype dt, void *dst, const float *partial, int chunks, int C) {
+    column_finish_kernel<<<(unsigned)((C + COL_THREADS - 1) / COL_THREADS), COL_THREADS * COL_WARPS,
+                           0, fl_cuda_stream()>>>(dt, dst, partial, chunks, C);
+    FL_CUDA_LAUNCHED("column_finish");
+}
+
 // The backward's GEMMs; with pre (dinp_add 0) the input gradient leaves
 // through GELU's backward: in the GEMM's DGELU epilogue where dinp and pre
 // are 16-byte aligned, C is a multiple of 8 (the aux's leading dimension)
@@ -301,9 +328,7 @@ static void backward(fl_dtype dt, void *dinp, void *dweight, void *dbias, const 
     bias_columns_kernel<<<grid, COL_THREADS * COL_WARPS, 0, fl_cuda_stream()>>>(dt, partial, dout,
                                                                                 N, OC);
     FL_CUDA_LAUNCHED("bias_columns_kernel");
-    column_finish<<<(unsigned)((OC + 255) / 256), 256, 0, fl_cuda_stream()>>>(dt, dbias, partial,
-                                                                              chunks, OC);
-    FL_CUDA_LAUNCHED("column_finish");
+    fl_cuda_column_finish(dt, dbias, partial, chunks, OC);
 }
 
 extern "C" void fl_cuda_matmul_backward(fl_dtype dt, void *dinp, void *dweight, void *dbias,

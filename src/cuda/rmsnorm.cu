@@ -91,7 +91,5 @@ extern "C" void fl_cuda_rmsnorm_backward(fl_dtype dt, void *dinp, void *dweight,
     rmsnorm_columns_kernel<<<norm_columns_grid(C, chunks), COL_THREADS * COL_WARPS, 0,
                              fl_cuda_stream()>>>(dt, partial, dout, inp, rstd, N, C);
     FL_CUDA_LAUNCHED("rmsnorm_columns_kernel");
-    column_finish<<<(unsigned)((C + 255) / 256), 256, 0, fl_cuda_stream()>>>(dt, dweight, partial,
-                                                                             chunks, C);
-    FL_CUDA_LAUNCHED("column_finish");
+    fl_cuda_column_finish(dt, dweight, partial, chunks, C);
 }
