@@ -2,10 +2,9 @@
 // GPU: the forward and the backward (D's pass and both kernels) of one
 // layer at a model's shape, timed between device events (the mean of
 // --rounds calls after one), under each version of the tensor-core kernels
-// (FITLM_CUDA_ATTENTION=mma, the default, mma16 and wmma: attention.cuh;
-// under grouped-query attention the mma backward also without its
-// workspace, a kv head's blocks running its group's query heads in turn,
-// as kernels=mma-kvhead).
+// (FITLM_CUDA_ATTENTION=mma, the default, and wmma; under grouped-query
+// attention the mma backward also without its workspace, a kv head's
+// blocks running its group's query heads in turn, as kernels=mma-kvhead).
 // Rates count the
 // causal FLOPs FlashAttention's benchmarks count: 2 B NH T^2 HS forward
 // (two products over half the score matrix), 2.5 times that backward.
@@ -127,14 +126,12 @@ int main(int argc, char **argv) {
            "after one\n",
            B, T, NH, NKV, HS, fl_dtype_name(dt), line, rounds);
     // the versions: the mma kernels with the workspace the backend asks
-    // for, and (grouped-query attention) without it; mma16's; the wmma
-    // kernels
+    // for, and (grouped-query attention) without it; the wmma kernels
     const struct {
         const char *name, *env;
         int ws;
-    } versions[] = {
-        {"mma", "mma", 1}, {"mma-kvhead", "mma", 0}, {"mma16", "mma16", 1}, {"wmma", "wmma", 1}};
-    for (int k = 0; k < 4; k++) {
+    } versions[] = {{"mma", "mma", 1}, {"mma-kvhead", "mma", 0}, {"wmma", "wmma", 1}};
+    for (int k = 0; k < 3; k++) {
         if (!versions[k].ws && NKV == NH) continue; // the same kernels as mma's
         setenv("FITLM_CUDA_ATTENTION", versions[k].env, 1);
         size_t wf =

@@ -13,9 +13,9 @@
 # tokenizer.json, vocabulary 32000) for the LLaMA shapes; PyTorch draws random tokens of the
 # vocabulary fitlm's model line reports (--data random).
 #
-# The first config runs once more with FITLM_CUDA_ATTENTION=mma16 and wmma
-# (rows fitlm-mma16, fitlm-wmma: the other versions of the tensor-core
-# attention, src/cuda/attention.cuh) and with FITLM_CUDA_GELU_FUSION=0, 1
+# The first config runs once more with FITLM_CUDA_ATTENTION=wmma (row
+# fitlm-wmma: the WMMA attention kernels against the default mma.sync ones)
+# and with FITLM_CUDA_GELU_FUSION=0, 1
 # and 2 (rows fitlm-gelu0: the MLP's GELU in its own kernels; fitlm-gelu1:
 # in its forward GEMM's epilogue; fitlm-gelu2: its backward's too, in the
 # input gradient's GEMM; the card's default is one of them) after
@@ -25,9 +25,9 @@
 # short lease measures those first: fitlm's four configs; torch.compile's
 # GPT-2 (B 16, 32); the first config's profile and the attention kernels
 # alone; PyTorch eager's LLaMA shapes; PyTorch eager's GPT-2;
-# torch.compile's LLaMA shapes; fitlm-mma16, fitlm-wmma, fitlm-gelu0, 1 and
-# 2; Nsight Compute. bench.tsv keeps one order whatever ran (fitlm's rows,
-# eager's, torch.compile's, the attention versions' and the GELU levels').
+# torch.compile's LLaMA shapes; fitlm-wmma, fitlm-gelu0, 1 and 2; Nsight
+# Compute. bench.tsv keeps one order whatever ran (fitlm's rows, eager's,
+# torch.compile's, fitlm-wmma's and the GELU levels').
 #
 # Per run: tokens/s from the median step time of the timed steps
 # (BENCH_STEPS, default 10, after BENCH_WARMUP = 3 untimed ones); MFU
@@ -365,7 +365,7 @@ fi
 for e in fitlm pytorch-eager pytorch-compile; do
     for k in "${!names[@]}"; do printf '%s\t%s\t%s\n' "${names[$k]}" $e "${batches[$k]}"; done
 done >"$work/order"
-for e in fitlm-mma16 fitlm-wmma fitlm-gelu0 fitlm-gelu1 fitlm-gelu2; do printf '%s\t%s\t%s\n' "${names[0]}" $e "${batches[0]}"; done >>"$work/order"
+for e in fitlm-wmma fitlm-gelu0 fitlm-gelu1 fitlm-gelu2; do printf '%s\t%s\t%s\n' "${names[0]}" $e "${batches[0]}"; done >>"$work/order"
 
 # fitlm's runs first
 declare -A VS NS LS CS GS
@@ -444,11 +444,11 @@ variant() {
         row "${names[0]}" "$1" "${batches[0]}" $T - - - - - "$why_not"
     fi
 }
-# the other versions of the tensor-core attention (src/cuda/attention.cuh:
-# which is fastest on this card), and GPT-2's MLP GELU in its own kernels
-# or in its GEMMs' cuBLASLt epilogues, llm.c's gelu_fusion 0, 1 and 2 (the
-# card's default one of them: 2 on Hopper, 0 before)
-variant fitlm-mma16 FITLM_CUDA_ATTENTION mma16
+# the WMMA version of the tensor-core attention (attention_tc.cu; the
+# default is attention_mma.cu's mma.sync: which is faster on this card),
+# and GPT-2's MLP GELU in its own kernels or in its GEMMs' cuBLASLt
+# epilogues, llm.c's gelu_fusion 0, 1 and 2 (the card's default one of
+# them: 2 on Hopper, 0 before)
 variant fitlm-wmma FITLM_CUDA_ATTENTION wmma
 for level in 0 1 2; do variant fitlm-gelu$level FITLM_CUDA_GELU_FUSION $level; done
 # the attention kernels under Nsight Compute, when time is left

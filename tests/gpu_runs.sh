@@ -11,8 +11,7 @@
 #   within the same bounds; fp32 with the LM head and
 #   loss in chunks of 48 positions (--logits-chunk) within 1e-5 too;
 # - two GPU runs bitwise equal (every logged loss, lr and norm, printed to
-#   float precision, and their exported weights byte for byte), and bf16
-#   with the attention's mma16 kernels bitwise the default's;
+#   float precision, and their exported weights byte for byte);
 # - resume: 5 steps, a checkpoint, 5 more from it, equal to the 10 straight;
 # - an export of the GPU-trained model evaluates on the cpu to the loss the
 #   checkpoint evaluates to on the cpu (bitwise) and on the GPU (1e-5);
@@ -162,15 +161,6 @@ for arch in "${archs[@]}"; do
     le "$e" "$bound" && ok=1 || ok=0
     check $ok "$arch bf16: $dev losses within the cpu's bf16-fp32 gap $bound of the cpu's (max $e)"
 
-    # the tensor-core attention at 16 rows a warp (FITLM_CUDA_ATTENTION=mma16):
-    # the same sums in the same order as the default's 32, bit for bit
-    if [ "$dev" = cuda ]; then
-        FITLM_CUDA_ATTENTION=mma16 run "dev_bf16_${arch}_mma16" cuda "$arch" bf16
-        cmp -s <(grep '^step' "$work/dev_bf16_$arch/log.txt") \
-            <(grep '^step' "$work/dev_bf16_${arch}_mma16/log.txt") && ok=1 || ok=0
-        check $ok "$arch bf16: the attention's mma16 kernels log the same values as the default's, bit for bit"
-    fi
-
     # GPT-2's MLP GELU in its own kernels and in its GEMMs' cuBLASLt
     # epilogues, forward and backward (one of them the card's default)
     if [ "$arch" = gpt2 ] && [ "$dev" = cuda ]; then
@@ -238,7 +228,7 @@ if [ "$dev" = cuda ]; then
     [ "$held" -gt 0 ] && grep -q "context and cuBLASLt" "$work/plan.out" && ok=1 || ok=0
     check $ok "cuda measures the bytes its context holds ($held) and names them at start-up"
     ! FITLM_CUDA_ATTENTION=flash "$fitlm" train "${flags[@]}" --out "" >"$work/kernels.out" 2>&1 &&
-        grep -q "FITLM_CUDA_ATTENTION=flash: the tensor-core attention kernels are mma, mma16 or wmma" \
+        grep -q "FITLM_CUDA_ATTENTION=flash: the tensor-core attention kernels are mma or wmma" \
             "$work/kernels.out" && ok=1 || ok=0
     check $ok "an unknown FITLM_CUDA_ATTENTION is refused by name, not run as the default"
     ! FITLM_CUDA_GELU_FUSION=3 "$fitlm" train "${flags[@]}" --out "" >"$work/kernels.out" 2>&1 &&

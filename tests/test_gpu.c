@@ -12,8 +12,8 @@
 // accumulate bitwise, LOMO's update too; the step's sums (sumsq, sum,
 // sumsq_rows) within 1e-10
 // (device.h: a fixed order of the device's own). On cuda the bf16
-// attention cases run again with FITLM_CUDA_ATTENTION=mma16 and wmma (every
-// version of the tensor-core kernels). Each entry runs twice on the device: the
+// attention cases run again with FITLM_CUDA_ATTENTION=wmma (both versions of
+// the tensor-core kernels). Each entry runs twice on the device: the
 // two results must be bitwise equal (no atomics, fixed orders).
 //
 // The backend's own scratch, as large as it asks for, serves its kernels;
@@ -646,7 +646,7 @@ static void attention(fl_dtype dt, int B, int T, int NH, int NKV, int HS) {
 
 static void attentions(fl_dtype dt) {
     attention(dt, 2, 77, 9, 3, 64);
-    attention(dt, 1, 200, 3, 1, 64); // two 128-row tiles, the second mostly past T
+    attention(dt, 1, 200, 3, 1, 64); // four 64-row tiles, the last mostly past T
     attention(dt, 1, 77, 4, 4, 128);
     attention(dt, 1, 130, 2, 1, 64);
     attention(dt, 1, 7, 2, 1, 16);        // one row tile, mostly past T
@@ -1496,13 +1496,10 @@ int main(int argc, char **argv) {
         matmuls(dt);
         attentions(dt);
         if (dt == FL_BF16 && !strcmp(dev->name, "cuda")) {
-            // the other versions of the tensor-core kernels too (attention.cuh;
-            // fp16's are the same code on the other type)
-            const char *versions[] = {"mma16", "wmma"};
-            for (int v = 0; v < 2; v++) {
-                setenv("FITLM_CUDA_ATTENTION", versions[v], 1);
-                attentions(dt);
-            }
+            // the WMMA version of the tensor-core kernels too (attention.cu;
+            // fp16's is the same code on the other type)
+            setenv("FITLM_CUDA_ATTENTION", "wmma", 1);
+            attentions(dt);
             unsetenv("FITLM_CUDA_ATTENTION");
         }
         rope(dt, 64);

@@ -316,12 +316,14 @@ void fl_cuda_attention_allow_smem(const void *kernel, size_t bytes, const char *
         fl_die("cuda: %s: %zu bytes of shared memory: %s", what, bytes, cudaGetErrorString(e));
 }
 
-att_kernels fl_cuda_attention_kernels(void) {
+// Which tensor-core kernels take 16-bit heads: FITLM_CUDA_ATTENTION=mma
+// (the default: attention_mma.cu) or wmma (attention_tc.cu), read at each
+// call so that a test can run both.
+static int use_wmma(void) {
     const char *v = getenv("FITLM_CUDA_ATTENTION");
-    if (!v || !*v || !strcmp(v, "mma")) return ATT_MMA;
-    if (!strcmp(v, "mma16")) return ATT_MMA16;
-    if (!strcmp(v, "wmma")) return ATT_WMMA;
-    fl_die("FITLM_CUDA_ATTENTION=%s: the tensor-core attention kernels are mma, mma16 or wmma", v);
+    if (!v || !*v || !strcmp(v, "mma")) return 0;
+    if (!strcmp(v, "wmma")) return 1;
+    fl_die("FITLM_CUDA_ATTENTION=%s: the tensor-core attention kernels are mma or wmma", v);
 }
 
 // A warp a row (D's rows in lse's order).
@@ -358,8 +360,7 @@ float *fl_cuda_attention_rows_d(fl_dtype dt, const void *out, const void *dout, 
 extern "C" size_t fl_cuda_attention_workspace_floats(fl_dtype dt, int B, int T, int NH, int HS,
                                                      int group, int threads) {
     (void)threads;
-    if (!fl_cuda_attention_tc(dt, HS) || fl_cuda_attention_kernels() == ATT_WMMA || group < 2)
-        return 0;
+    if (!fl_cuda_attention_tc(dt, HS) || use_wmma() || group < 2) return 0;
     return fl_cuda_attention_mma_partials(B, T, NH, HS);
 }
 
@@ -369,11 +370,10 @@ extern "C" void fl_cuda_attention_forward(fl_dtype dt, void *out, float *lse, co
     att_shape a = shape_of(T, NH, NKV, HS);
     if (B <= 0 || T <= 0) return;
     if (fl_cuda_attention_tc(dt, HS)) {
-        att_kernels k = fl_cuda_attention_kernels();
-        if (k == ATT_WMMA)
+        if (use_wmma())
             fl_cuda_attention_tc_forward(dt, out, lse, qkv, B, a);
         else
-            fl_cuda_attention_mma_forward(dt, out, lse, qkv, B, a, k == ATT_MMA);
+            fl_cuda_attention_mma_forward(dt, out, lse, qkv, B, a);
         return;
     }
     int tile = a.tile, hp = HS + 1;
@@ -391,12 +391,10 @@ extern "C" void fl_cuda_attention_backward(fl_dtype dt, void *dqkv, const void *
     att_shape a = shape_of(T, NH, NKV, HS);
     if (B <= 0 || T <= 0) return;
     if (fl_cuda_attention_tc(dt, HS)) {
-        att_kernels k = fl_cuda_attention_kernels();
-        if (k == ATT_WMMA)
+        if (use_wmma())
             fl_cuda_attention_tc_backward(dt, dqkv, dout, qkv, out, lse, B, a);
         else
-            fl_cuda_attention_mma_backward(dt, dqkv, dout, qkv, out, lse, workspace, B, a,
-                                           k == ATT_MMA);
+            fl_cuda_attention_mma_backward(dt, dqkv, dout, qkv, out, lse, workspace, B, a);
         return;
     }
     int tile = a.tile, hp = HS + 1;

@@ -20,29 +20,19 @@ static inline int fl_cuda_attention_tc(fl_dtype dt, int HS) {
     return dt != FL_F32 && HS % 16 == 0 && HS <= 128;
 }
 
-// Which kernels take 16-bit heads (FITLM_CUDA_ATTENTION, read at each call
-// so that a test or a benchmark can run each): mma (the default) and mma16,
-// the tensor cores through PTX's mma.sync with the tiles' products in
-// registers (attention_mma.cu; mma: a warp's 32 rows of a 128-row tile
-// where heads hold at most 64 values, FlashAttention-2's shape, each K and
-// V operand loaded once for two products; mma16: 16 rows of a 64-row
-// tile), or wmma, through the WMMA API with the products staged in shared
-// memory (attention_tc.cu). Anything else is refused by name.
-typedef enum { ATT_MMA, ATT_MMA16, ATT_WMMA } att_kernels;
-att_kernels fl_cuda_attention_kernels(void);
-
 // The tensor-core forward and backward, with kernels.h's contract, on the
-// compute stream (wide: FITLM_CUDA_ATTENTION=mma's 32 rows a warp where
-// HS <= 64).
+// compute stream: through PTX's mma.sync with the tiles' products in
+// registers (attention_mma.cu, the default), or through the WMMA API with
+// them staged in shared memory (attention_tc.cu; FITLM_CUDA_ATTENTION=wmma).
 void fl_cuda_attention_mma_forward(fl_dtype dt, void *out, float *lse, const void *qkv, int B,
-                                   const att_shape &a, int wide);
+                                   const att_shape &a);
 // (partials: fl_cuda_attention_mma_partials floats, or NULL: under
 // grouped-query attention dK and dV summed per query head there and then
 // over the group, in a grid of every query head; else a kv head's blocks
 // run its group's heads in turn)
 void fl_cuda_attention_mma_backward(fl_dtype dt, void *dqkv, const void *dout, const void *qkv,
                                     const void *out, const float *lse, float *partials, int B,
-                                    const att_shape &a, int wide);
+                                    const att_shape &a);
 // The floats of the per-query-head fp32 dK and dV of B x T positions.
 size_t fl_cuda_attention_mma_partials(int B, int T, int NH, int HS);
 void fl_cuda_attention_tc_forward(fl_dtype dt, void *out, float *lse, const void *qkv, int B,
@@ -70,14 +60,14 @@ __device__ __forceinline__ uint16_t tc_bits(fl_dtype dt, float x) {
     return dt == FL_BF16 ? fl_d_f32_to_bf16(x) : fl_d_f32_to_f16(x);
 }
 
-// rows [r0, r0 + rows) of a head (ld values apart) into s (rows, HS + 8)
-// as they are; rows past T zero. vec: the head's rows start 16-byte aligned.
+// rows [r0, r0 + 64) of a head (ld values apart) into s (64, HS + 8) as
+// they are; rows past T zero. vec: the head's rows start 16-byte aligned.
 __device__ __forceinline__ void tc_load_rows(uint16_t *s, const uint16_t *base, size_t ld, int r0,
-                                             int rows, int T, int HS, int vec) {
+                                             int T, int HS, int vec) {
     int ldh = HS + 8;
     if (vec) {
         int per = HS / 8;
-        for (int idx = threadIdx.x; idx < rows * per; idx += blockDim.x) {
+        for (int idx = threadIdx.x; idx < TC_TILE * per; idx += blockDim.x) {
             int r = idx / per, c = idx % per * 8;
             tc_vec v = {{0, 0, 0, 0}};
             if (r0 + r < T) v = *(const tc_vec *)(base + (size_t)(r0 + r) * ld + c);
@@ -85,18 +75,16 @@ __device__ __forceinline__ void tc_load_rows(uint16_t *s, const uint16_t *base, 
         }
         return;
     }
-    for (int idx = threadIdx.x; idx < rows * HS; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < TC_TILE * HS; idx += blockDim.x) {
         int r = idx / HS, d = idx % HS;
         s[r * ldh + d] = r0 + r < T ? base[(size_t)(r0 + r) * ld + d] : (uint16_t)0;
     }
 }
 
-// The lse (times lmul) and D of a query tile's rows [i0, i0 + rows) (rows
-// past T: 0).
+// A query tile's lse (times lmul) and D (rows past T: 0).
 __device__ __forceinline__ void tc_row_stats(float *L, float *D, const float *lse, const float *Dg,
-                                             int b, int h, int i0, int rows, const att_shape &a,
-                                             float lmul) {
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+                                             int b, int h, int i0, const att_shape &a, float lmul) {
+    for (int r = threadIdx.x; r < TC_TILE; r += blockDim.x) {
         int i = i0 + r;
         size_t at = ((size_t)b * a.NH + h) * a.T + i;
         L[r] = i < a.T ? lse[at] * lmul : 0.0f;

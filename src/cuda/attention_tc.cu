@@ -137,7 +137,7 @@ __global__ void attention_forward_tc(fl_dtype dt, void *out, float *lse, const v
     int i0 = (gridDim.y - 1 - blockIdx.y) * TC_TILE;
     int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     const uint16_t *row0 = (const uint16_t *)qkv + (size_t)b * a.T * a.W;
-    tc_load_rows(Q, row0 + (size_t)h * HS, a.W, i0, TC_TILE, a.T, HS, vec);
+    tc_load_rows(Q, row0 + (size_t)h * HS, a.W, i0, a.T, HS, vec);
     // the lane's row of the warp's strip; it takes every other column, its
     // twin (the next lane) the others: the two read different banks
     int r = lane / 2, odd = lane % 2, i = i0 + warp * 16 + r;
@@ -147,9 +147,8 @@ __global__ void attention_forward_tc(fl_dtype dt, void *out, float *lse, const v
     int keys = min(a.T, i0 + TC_TILE); // the block's last row sees keys 0..keys-1
     for (int j0 = 0; j0 < keys; j0 += TC_TILE) {
         __syncthreads(); // every warp is done with the last K and V
-        tc_load_rows(K, row0 + (size_t)a.C + (size_t)g * HS, a.W, j0, TC_TILE, a.T, HS, vec);
-        tc_load_rows(V, row0 + (size_t)a.C + (size_t)(a.NKV + g) * HS, a.W, j0, TC_TILE, a.T, HS,
-                     vec);
+        tc_load_rows(K, row0 + (size_t)a.C + (size_t)g * HS, a.W, j0, a.T, HS, vec);
+        tc_load_rows(V, row0 + (size_t)a.C + (size_t)(a.NKV + g) * HS, a.W, j0, a.T, HS, vec);
         __syncthreads();
         tc_strip_dots<E>(S, lds, Q + warp * 16 * ldh, K, ldh, HS);
         __syncwarp();
@@ -232,8 +231,8 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
     int j0 = blockIdx.y * TC_TILE, b = blockIdx.x / a.NKV, g = blockIdx.x % a.NKV;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS;
-    tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, TC_TILE, a.T, HS, vec);
-    tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, TC_TILE, a.T, HS, vec);
+    tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
+    tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
     // the lane's key (a row of the warp's strips) and every other query
     int r = lane / 2, odd = lane % 2, j = j0 + warp * 16 + r;
     tc_acc dK[TC_FRAGS], dV[TC_FRAGS];
@@ -243,10 +242,10 @@ __global__ void attention_dkdv_tc(fl_dtype dt, void *dqkv, const void *dout, con
         for (int i0 = j0; i0 < a.T; i0 += TC_TILE) {      // rows at or below the diagonal
             __syncthreads();
             size_t orow0 = (size_t)b * a.T * a.C + (size_t)h * HS;
-            tc_load_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, TC_TILE, a.T,
-                         HS, vec);
-            tc_load_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, TC_TILE, a.T, HS, vec);
-            tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, TC_TILE, a, 1.0f);
+            tc_load_rows(sh.Q, (const uint16_t *)qkv + row0 + (size_t)h * HS, a.W, i0, a.T, HS,
+                         vec);
+            tc_load_rows(sh.dO, (const uint16_t *)dout + orow0, a.C, i0, a.T, HS, vec);
+            tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a, 1.0f);
             __syncthreads();
             tc_strip_dots<E>(sh.S, lds, sh.K + warp * 16 * ldh, sh.Q, ldh, HS);
             tc_strip_dots<E>(sh.dP, lds, sh.V + warp * 16 * ldh, sh.dO, ldh, HS);
@@ -280,10 +279,10 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     int b = blockIdx.x / a.NH, h = blockIdx.x % a.NH, g = h / a.group;
     size_t row0 = (size_t)b * a.T * a.W, koff = row0 + (size_t)a.C + (size_t)g * HS;
     size_t voff = koff + (size_t)a.NKV * HS, qoff = row0 + (size_t)h * HS;
-    tc_load_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, TC_TILE, a.T, HS, vec);
+    tc_load_rows(sh.Q, (const uint16_t *)qkv + qoff, a.W, i0, a.T, HS, vec);
     tc_load_rows(sh.dO, (const uint16_t *)dout + (size_t)b * a.T * a.C + (size_t)h * HS, a.C, i0,
-                 TC_TILE, a.T, HS, vec);
-    tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, TC_TILE, a, 1.0f);
+                 a.T, HS, vec);
+    tc_row_stats(sh.L, sh.D, lse, Dg, b, h, i0, a, 1.0f);
     // the lane's query (a row of the warp's strips) and every other key
     int r = lane / 2, odd = lane % 2, q = warp * 16 + r, i = i0 + q;
     tc_acc dQ[TC_FRAGS];
@@ -291,8 +290,8 @@ __global__ void attention_dq_tc(fl_dtype dt, void *dqkv, const void *dout, const
     int keys = min(a.T, i0 + TC_TILE);
     for (int j0 = 0; j0 < keys; j0 += TC_TILE) {
         __syncthreads();
-        tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, TC_TILE, a.T, HS, vec);
-        tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, TC_TILE, a.T, HS, vec);
+        tc_load_rows(sh.K, (const uint16_t *)qkv + koff, a.W, j0, a.T, HS, vec);
+        tc_load_rows(sh.V, (const uint16_t *)qkv + voff, a.W, j0, a.T, HS, vec);
         __syncthreads();
         tc_strip_dots<E>(sh.S, lds, sh.Q + warp * 16 * ldh, sh.K, ldh, HS);
         tc_strip_dots<E>(sh.dP, lds, sh.dO + warp * 16 * ldh, sh.V, ldh, HS);
