@@ -15,11 +15,10 @@
 #
 # The first config runs once more with FITLM_CUDA_ATTENTION=wmma (row
 # fitlm-wmma: the WMMA attention kernels against the default mma.sync ones)
-# and with FITLM_CUDA_GELU_FUSION=0, 1
-# and 2 (rows fitlm-gelu0: the MLP's GELU in its own kernels; fitlm-gelu1:
-# in its forward GEMM's epilogue; fitlm-gelu2: its backward's too, in the
-# input gradient's GEMM; the card's default is one of them) after
-# PyTorch's runs, when time is left.
+# and with FITLM_CUDA_GELU_FUSION=0, 1 and 2 (rows fitlm-gelu0: the MLP's
+# GELU in its own kernels; fitlm-gelu1: in its forward GEMM's epilogue;
+# fitlm-gelu2: its backward's too, in the input gradient's GEMM; the
+# card's default is one of them) after PyTorch's runs, when time is left.
 #
 # The runs go in the order of what the comparisons need most, so that a
 # short lease measures those first: fitlm's four configs; torch.compile's

@@ -603,9 +603,8 @@ static void attention_at(fl_dtype dt, int B, int T, int NH, int NKV, int HS, int
     size_t wd = dev->attention_workspace_floats(dt, B, T, NH, HS, group, fl_threads());
     m.ws[0] = wc ? fl_alloc(FL_MEM_WORKSPACE, wc * sizeof(float)) : NULL;
     m.ws[1] = wd ? dev->alloc(dev, FL_MEM_WORKSPACE, wd * sizeof(float)) : NULL;
-    char name[128], kernels[32] = "";
-    const char *version = getenv("FITLM_CUDA_ATTENTION");
-    if (version) snprintf(kernels, sizeof kernels, " (%s)", version);
+    char name[128];
+    const char *kernels = getenv("FITLM_CUDA_ATTENTION") ? " (wmma)" : "";
     snprintf(name, sizeof name, "attention_forward B %d T %d NH %d NKV %d HS %d%s%s", B, T, NH, NKV,
              HS, off ? " (qkv at an odd offset)" : "", kernels);
     tcase t = tc_new(name, dt);
